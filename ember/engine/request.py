@@ -1,0 +1,79 @@
+"""Request: one sequence's state as the scheduler and runner see it (plain Python, no torch)."""
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    """token_ids = prompt + output. num_computed_tokens of them have K/V in the cache.
+
+    A step schedules n = num_tokens - num_computed_tokens tokens (fewer when the budget is
+    short: a prefill chunk); only a step that reaches num_tokens produces a new token.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: Any,
+                 prompt: str | None = None, arrival_time: float | None = None):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first schedule; -1 = not scheduled yet
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of this request's full blocks
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None
+        # Filled by the engine: detokenizer, logprobs, parent for n > 1.
+        self.logprobs: list | None = None
+        self.detokenizer: Any = None
+        self.parent_id: str | None = None
+        self.index = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.is_finished else None
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+                f"blocks={len(self.block_ids)}, {self.status.value})")

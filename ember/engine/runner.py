@@ -1,0 +1,107 @@
+"""ModelRunner: turns a SchedulerOutput into one varlen forward, then samples.
+
+Inputs are flattened over all scheduled requests: input_ids, positions and slot_mapping per
+token; query_start_loc, seq_lens and block_tables per request. Logits are computed only at
+the last token of requests whose step reaches their end (a mid-prompt chunk samples nothing).
+"""
+from __future__ import annotations
+
+import torch
+
+from ember.engine.request import Request
+from ember.engine.scheduler import SchedulerOutput
+from ember.kernels.metadata import AttentionMetadata
+from ember.layers.sampler import SampledToken, Sampler, SamplingRow, make_generator
+from ember.model_config import ModelConfig
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, model_config: ModelConfig, num_blocks: int, block_size: int,
+                 kv_dtype: torch.dtype, device: torch.device):
+        self.model = model
+        self.model_config = model_config
+        self.block_size = block_size
+        self.device = device
+        self.kv_caches = [
+            torch.zeros(2, num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim,
+                        dtype=kv_dtype, device=device)
+            for _ in range(model_config.num_layers)
+        ]
+        self.sampler = Sampler()
+        self.generators: dict[str, torch.Generator] = {}
+
+    @staticmethod
+    def kv_cache_bytes_per_block(model_config: ModelConfig, block_size: int, kv_dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=kv_dtype).element_size()
+        return model_config.kv_bytes_per_token_per_dtype_byte * block_size * elem
+
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        seq_lens: list[int] = []
+        query_lens: list[int] = []
+        logit_rows: list[int] = []  # flat index of the token whose logits are sampled, per sampling request
+        for req, n in out.scheduled:
+            start = req.num_computed_tokens
+            end = start + n
+            input_ids.extend(req.token_ids[start:end])
+            positions.extend(range(start, end))
+            blocks = req.block_ids
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            query_start.append(query_start[-1] + n)
+            seq_lens.append(end)
+            query_lens.append(n)
+            if end == req.num_tokens:
+                logit_rows.append(query_start[-1] - 1)
+        max_blocks = max(len(req.block_ids) for req, _ in out.scheduled)
+        tables = [req.block_ids + [0] * (max_blocks - len(req.block_ids)) for req, _ in out.scheduled]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            block_size=bs,
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+        return ids, pos, meta, logit_rows
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, banned_token_ids: dict[str, list[int]] | None = None
+                ) -> dict[str, SampledToken]:
+        """Run one step. Returns the sampled token of every request whose step reached its end."""
+        ids, pos, meta, logit_rows = self.prepare(out)
+        hidden = self.model(ids, pos, self.kv_caches, meta)
+        if not logit_rows:
+            return {}
+        logits = self.model.compute_logits(hidden[logit_rows])
+        sampling_reqs = [req for req, n in out.scheduled if req.num_computed_tokens + n == req.num_tokens]
+        rows = [self._row(req, banned_token_ids) for req in sampling_reqs]
+        sampled = self.sampler(logits, rows)
+        return {req.request_id: tok for req, tok in zip(sampling_reqs, sampled)}
+
+    def _row(self, req: Request, banned: dict[str, list[int]] | None) -> SamplingRow:
+        params = req.sampling_params
+        gen = None
+        if params.seed is not None and not params.greedy:
+            gen = self.generators.get(req.request_id)
+            if gen is None:
+                gen = self.generators[req.request_id] = make_generator(params.seed)
+        return SamplingRow(
+            params=params,
+            prompt_token_ids=req.prompt_token_ids,
+            output_token_ids=req.output_token_ids,
+            generator=gen,
+            banned_token_ids=banned.get(req.request_id) if banned else None,
+        )
+
+    def release(self, request_id: str) -> None:
+        self.generators.pop(request_id, None)

@@ -1,0 +1,44 @@
+"""Engine flags for every subcommand, generated from EngineConfig so CLI and LLM(**knobs) never drift."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+
+from ember.config import EngineConfig
+
+
+def _base_type(tp):
+    if isinstance(tp, str):
+        tp = eval(tp, vars(typing) | {"dict": dict, "list": list})  # annotations are strings (PEP 563)
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        tp = args[0]
+    return typing.get_origin(tp) or tp
+
+
+def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool = True) -> None:
+    group = parser.add_argument_group("engine")
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        help_ = f.metadata.get("help", "")
+        if f.name == "model" and positional_model:
+            parser.add_argument("model_pos", nargs="?", metavar="MODEL", default=None, help=help_)
+        tp = _base_type(f.type)
+        kw: dict = {"dest": f.name, "default": argparse.SUPPRESS, "help": f"{help_} (default: {f.default})"}
+        if tp is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+        elif tp is dict:
+            group.add_argument(flag, type=str, metavar="JSON", **kw)
+        else:
+            if "choices" in f.metadata:
+                kw["choices"] = f.metadata["choices"]
+            group.add_argument(flag, type=tp, **kw)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    knobs = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
+    if getattr(args, "model_pos", None) is not None:
+        knobs["model"] = args.model_pos
+    return EngineConfig(**knobs)

@@ -1,0 +1,34 @@
+"""AttentionMetadata: the one step shape every attention backend sees.
+
+A step is a flat list of T query tokens from B sequences. Sequence b owns query tokens
+query_start_loc[b]:query_start_loc[b+1] (q_len new tokens) and has seq_lens[b] tokens in the
+cache after this step's K/V are written (ctx_len = seq_len - q_len already cached). Decodes
+(q_len 1), prefill chunks (q_len many) and speculative verifies (q_len 1 + k) all look alike.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot (block_id * block_size + offset) per new token; -1 = skip
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    block_size: int
+    # Host copies, so the CPU reference never syncs to read shapes.
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return self.max_query_len == 1

@@ -1,0 +1,90 @@
+"""TorchAttentionBackend: the CPU reference (and ground truth) over the varlen step shape.
+
+Sequence b has q_len new query tokens at positions ctx_len..seq_len-1 and all seq_len keys
+in the paged cache (this step's K/V are already written). Three paths:
+  - decodes (q_len 1): all of them at once -- gather every sequence's blocks into one padded
+    [B, L] batch, mask keys >= seq_len, one SDPA call. Runs in float32: on CPU one query over
+    2K keys is ~8x slower in bf16.
+  - fresh prefill (ctx_len 0): the step's own k/v with is_causal; no gather.
+  - chunk over a cached prefix (ctx_len > 0, q_len > 1: chunked prefill, spec verify):
+    gather this sequence's keys, causal mask offset by ctx_len, float32.
+GQA: decode folds the G query heads of a kv head into G "queries" ([B, Hkv, G, D]), so no
+K/V repeat; the other paths use SDPA's enable_gqa.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ember.kernels.metadata import AttentionMetadata
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] (this step's, already in kv_cache) -> [T, Hq, D]."""
+        B = meta.num_seqs
+        if meta.is_pure_decode and q.shape[0] == B:
+            return decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len,
+                                    meta.block_size, scale)
+        out = torch.zeros_like(q)  # rows past the last sequence (padding) stay zero
+        starts, s = [], 0
+        for n in meta.query_lens_cpu:
+            starts.append(s)
+            s += n
+        decodes = [b for b in range(B) if meta.query_lens_cpu[b] == 1]
+        if decodes:
+            tok = torch.tensor([starts[b] for b in decodes], device=q.device)
+            idx = torch.tensor(decodes, device=q.device)
+            out[tok] = decode_attention(q[tok], kv_cache, meta.block_tables[idx], meta.seq_lens[idx],
+                                        max(meta.seq_lens_cpu[b] for b in decodes), meta.block_size, scale)
+        for b in range(B):
+            n, seq_len = meta.query_lens_cpu[b], meta.seq_lens_cpu[b]
+            if n <= 1:
+                continue
+            rows = slice(starts[b], starts[b] + n)
+            if seq_len == n:
+                out[rows] = prefill_attention(q[rows], k[rows], v[rows], scale)
+            else:
+                out[rows] = chunk_attention(q[rows], kv_cache, meta.block_tables[b], seq_len, meta.block_size, scale)
+        return out
+
+
+def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                     max_seq_len: int, block_size: int, scale: float) -> torch.Tensor:
+    """One query per sequence: q [B, Hq, D] -> [B, Hq, D]; one batched SDPA, float32."""
+    B, Hq, D = q.shape
+    Hkv = kv_cache.shape[-2]
+    nb = (max_seq_len + block_size - 1) // block_size
+    bt = block_tables[:, :nb]
+    # [B, nb, bs, Hkv, D] -> [B, Hkv, L, D]
+    k = kv_cache[0][bt].flatten(1, 2).transpose(1, 2).float()
+    v = kv_cache[1][bt].flatten(1, 2).transpose(1, 2).float()
+    mask = torch.arange(nb * block_size, device=q.device)[None, :] < seq_lens[:, None]
+    qf = q.float().view(B, Hkv, Hq // Hkv, D)
+    o = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask[:, None, None, :], scale=scale)
+    return o.reshape(B, Hq, D).to(q.dtype)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """A whole prompt with nothing cached before it: causal SDPA on the fresh k/v."""
+    o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                       is_causal=True, scale=scale, enable_gqa=True)
+    return o.transpose(0, 1)
+
+
+def chunk_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
+                    block_size: int, scale: float) -> torch.Tensor:
+    """q_len queries at positions seq_len-q_len..seq_len-1 over all seq_len cached keys."""
+    n = q.shape[0]
+    nb = (seq_len + block_size - 1) // block_size
+    bt = block_table[:nb]
+    k = kv_cache[0][bt].flatten(0, 1)[:seq_len].transpose(0, 1).float()  # [Hkv, S, D]
+    v = kv_cache[1][bt].flatten(0, 1)[:seq_len].transpose(0, 1).float()
+    ctx = seq_len - n
+    pos_q = torch.arange(ctx, seq_len, device=q.device)
+    mask = torch.arange(seq_len, device=q.device)[None, :] <= pos_q[:, None]
+    o = F.scaled_dot_product_attention(q.transpose(0, 1).float(), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.transpose(0, 1).to(q.dtype)

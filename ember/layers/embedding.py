@@ -1,0 +1,35 @@
+"""Token embedding and LM head. A tied head shares the embedding's Parameter (one copy in memory)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class VocabEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
+class LMHead(nn.Module):
+    """hidden [N, H] -> logits [N, V] in float32 (sampling and logprobs want fp32)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", tied_to: VocabEmbedding | None = None):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.tied = tied_to is not None
+        if self.tied:
+            self.weight = tied_to.weight
+        else:
+            self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        # GEMM in the model dtype (as HF does), upcast after.
+        return F.linear(hidden, self.weight).float()

@@ -1,0 +1,99 @@
+"""Qwen3-MoE sparse MLP: a softmax top-k router over E SwiGLU experts, no shared expert.
+
+Experts are stored stacked (w13 [E, 2I, H] = gate;up, w2 [E, H, I]) so a later fused kernel
+can take them as is. Compute groups token slots by expert: one sort, then one GEMM pair per
+expert that has tokens, and one index_add back -- no loop over tokens.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ember.errors import ModelLoadError
+from ember.layers.activation import silu_and_mul
+from ember.layers.linear import ReplicatedLinear, copy_checked
+
+
+class Experts(nn.Module):
+    """E stacked SwiGLU experts. Loads per-expert HF names ("{e}.gate_proj.weight", ...) or the
+    transformers-5 fused ones ("gate_up_proj" [E, 2I, H], "down_proj" [E, H, I])."""
+
+    _PER_EXPERT = re.compile(r"^(\d+)\.(gate|up|down)_proj\.weight$")
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        super().__init__()
+        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        E, H, I = num_experts, hidden_size, intermediate_size
+        self.w13 = nn.Parameter(torch.empty(E, 2 * I, H, dtype=dtype, device=device), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(E, H, I, dtype=dtype, device=device), requires_grad=False)
+
+    def expected_shards(self, param_name: str) -> set:
+        E = range(self.num_experts)
+        return {(e, s) for e in E for s in ("gate", "up")} if param_name == "w13" else set(E)
+
+    def load_weight(self, name: str, tensor: torch.Tensor, shard_id=None):
+        I = self.intermediate_size
+        m = self._PER_EXPERT.match(name)
+        if m:
+            e, kind = int(m.group(1)), m.group(2)
+            if e >= self.num_experts:
+                raise ModelLoadError(f"checkpoint has expert {e} but config.json says num_experts={self.num_experts}")
+            if kind == "down":
+                copy_checked(self.w2[e], tensor, f"experts.{e}.down_proj")
+                return "w2", e
+            rows = slice(0, I) if kind == "gate" else slice(I, 2 * I)
+            copy_checked(self.w13[e, rows], tensor, f"experts.{e}.{kind}_proj")
+            return "w13", (e, kind)
+        if name in ("gate_up_proj", "down_proj"):
+            param = self.w13 if name == "gate_up_proj" else self.w2
+            copy_checked(param, tensor, f"experts.{name}")
+            pname = "w13" if name == "gate_up_proj" else "w2"
+            return pname, self.expected_shards(pname)  # a set: every shard at once
+        raise ModelLoadError(f"unexpected expert weight name {name!r}")
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        T, k = topk_ids.shape
+        if T == 0:
+            return torch.zeros_like(x)
+        flat = topk_ids.flatten()
+        order = flat.argsort(stable=True)  # token slots grouped by expert
+        token_of = order // k
+        weight_of = topk_weights.flatten()[order]
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # one host sync per layer
+        outs, start = [], 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            idx = token_of[start:start + n]
+            h = silu_and_mul(F.linear(x[idx], self.w13[e]))
+            outs.append(F.linear(h, self.w2[e]))
+            start += n
+        y = torch.cat(outs) * weight_of[:, None]
+        return torch.zeros_like(x).index_add_(0, token_of, y)
+
+
+class SparseMoeBlock(nn.Module):
+    """router ("gate") + experts; forward(x [T, H]) -> [T, H]."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+                 norm_topk_prob: bool, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False, dtype=dtype, device=device)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size, dtype, device)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(topk_weights [T, k] in x's dtype, topk_ids [T, k])."""
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        return self.experts(x, ids, weights)

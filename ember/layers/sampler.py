@@ -1,0 +1,296 @@
+"""The batched sampler: one call per forward turns [B, V] logits into one token per row.
+
+Order (vLLM's): logprobs from the raw logits; penalties; min_tokens bans; greedy rows take
+the argmax; the others are divided by temperature, then min_p, top_k, top_p, then sampled
+with an exponential race (argmax of probs / q, q ~ Exp(1)), which equals sampling from probs
+and lets each seeded row draw only from its own generator.
+Every stage runs only for the rows that need it, vectorised over those rows, and is skipped
+entirely when no row does: this runs every decode step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ember.outputs import Logprob, PositionLogprobs
+from ember.sampling import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplingRow:
+    """One row of the logits batch and what the sampler needs to know about its request."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # generated so far (before this step)
+    generator: torch.Generator | None = None  # the request's own, when params.seed is set
+    # The model's eos ids. Masked, with params.stop_token_ids, while the row has produced
+    # fewer than params.min_tokens tokens; the engine leaves eos out when ignore_eos is set.
+    banned_token_ids: list[int] | None = None
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprobs: PositionLogprobs | None = None  # None unless params.logprobs is not None
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A request's private generator; keep it for the request's life so steps continue it."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)  # any Python int maps into torch's seed range
+    return g
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
+
+        # One pass of Python over the rows decides which stages have work to do.
+        penalised, banned, randoms, want_lp = [], [], [], []
+        for i, row in enumerate(rows):
+            p = row.params
+            if (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+                    or p.frequency_penalty != 0.0):
+                penalised.append(i)
+            if p.min_tokens and len(row.output_token_ids) < p.min_tokens and (
+                    row.banned_token_ids or p.stop_token_ids):
+                banned.append(i)
+            if not p.greedy:
+                randoms.append(i)
+            if p.logprobs is not None:
+                want_lp.append(i)
+
+        if not (penalised or banned or randoms or want_lp):  # the common all-greedy decode
+            return [SampledToken(t) for t in logits.argmax(dim=-1).tolist()]
+
+        # Work in float32 on a private copy only when some stage writes in place.
+        work = logits.to(torch.float32, copy=bool(penalised or banned))
+        if penalised:
+            _apply_penalties(work, rows, penalised)
+        if banned:
+            _ban_tokens(work, rows, banned)
+
+        tokens = self._choose(work, rows, randoms)
+        lps = _gather_logprobs(logits, rows, want_lp, tokens) if want_lp else {}
+        return [SampledToken(t, lps.get(i)) for i, t in enumerate(tokens)]
+
+    @staticmethod
+    def _choose(work: torch.Tensor, rows: list[SamplingRow], randoms: list[int]) -> list[int]:
+        B = work.shape[0]
+        if not randoms:
+            return work.argmax(dim=-1).tolist()
+        if len(randoms) == B:
+            return _sample(work, [rows[i] for i in randoms]).tolist()
+        tokens = work.argmax(dim=-1)  # greedy rows; random rows are overwritten below
+        idx = torch.tensor(randoms, device=work.device)
+        tokens[idx] = _sample(work[idx], [rows[i] for i in randoms])
+        return tokens.tolist()
+
+
+def _row_tensor(values: list, like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=like.device).unsqueeze(1)
+
+
+def _counts(id_lists: list[list[int]], V: int, device: torch.device) -> torch.Tensor:
+    """[R, V] occurrence counts; one bincount over ids shifted by row * V.
+
+    Ids must be < V (the engine rejects out-of-vocabulary prompt ids), or they would count
+    for the next row."""
+    flat: list[int] = []
+    for r, ids in enumerate(id_lists):
+        off = r * V
+        flat.extend(t + off for t in ids)
+    flat_t = torch.tensor(flat, dtype=torch.long, device=device)
+    return torch.bincount(flat_t, minlength=len(id_lists) * V).view(len(id_lists), V)
+
+
+def _apply_penalties(work: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -> None:
+    """Repetition over prompt+output; frequency and presence over output only (vLLM)."""
+    V = work.shape[1]
+    sel = [rows[i] for i in idx]
+    whole = len(idx) == work.shape[0]
+    idx_t = None if whole else torch.tensor(idx, device=work.device)
+    x = work if whole else work[idx_t]
+
+    out_counts = _counts([r.output_token_ids for r in sel], V, work.device)
+    if any(r.params.repetition_penalty != 1.0 for r in sel):
+        rep = _row_tensor([r.params.repetition_penalty for r in sel], work)
+        seen = out_counts > 0
+        seen |= _counts([r.prompt_token_ids for r in sel], V, work.device) > 0
+        # Dividing a positive logit and multiplying a negative one both lower it (rep > 1).
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    if any(r.params.frequency_penalty != 0.0 or r.params.presence_penalty != 0.0 for r in sel):
+        freq = _row_tensor([r.params.frequency_penalty for r in sel], work)
+        pres = _row_tensor([r.params.presence_penalty for r in sel], work)
+        x = x - freq * out_counts - pres * (out_counts > 0)
+
+    if whole:
+        work.copy_(x)
+    else:
+        work[idx_t] = x
+
+
+def _ban_tokens(work: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -> None:
+    V = work.shape[1]
+    r_ids, t_ids = [], []
+    for i in idx:
+        row = rows[i]
+        for t in set(row.params.stop_token_ids).union(row.banned_token_ids or ()):
+            if 0 <= t < V:  # ids past a (padded) vocab cannot be sampled anyway
+                r_ids.append(i)
+                t_ids.append(t)
+    if r_ids:
+        work[torch.tensor(r_ids, device=work.device),
+             torch.tensor(t_ids, device=work.device)] = _NEG_INF
+
+
+def _sample(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Temperature and filters, then an exponential race. x is not modified."""
+    x = apply_filters(x, [r.params for r in rows])
+    probs = torch.softmax(x, dim=-1)
+    q = _exponential_noise(probs, rows)
+    return (probs / q).argmax(dim=-1)
+
+
+def apply_filters(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, min_p, top_k, top_p on [R, V] logits; dropped tokens become -inf.
+
+    Returns a new tensor (x is left alone)."""
+    V = x.shape[1]
+    x = x / _row_tensor([p.temperature for p in params], x)  # a new tensor: in place from here
+
+    if any(p.min_p > 0.0 for p in params):
+        # prob < min_p * max_prob  <=>  logit < max_logit + log(min_p); no softmax needed.
+        min_p = _row_tensor([p.min_p for p in params], x)
+        x.masked_fill_(x < x.amax(dim=-1, keepdim=True) + min_p.log(), _NEG_INF)
+
+    ks = [p.top_k if 0 < p.top_k < V else 0 for p in params]
+    top_ps = [p.top_p for p in params]
+    if any(tp < 1.0 for tp in top_ps):
+        return _top_k_top_p(x, ks, top_ps)
+    if any(ks):
+        _top_k_only(x, ks)
+    return x
+
+
+# top_p rows without top_k look for their nucleus among this many top logits first; a full
+# sort of the vocabulary (tens of ms on CPU for a batch) runs only if they hold too little mass.
+TOP_P_CANDIDATES = 1024
+
+
+def _top_k_top_p(x: torch.Tensor, ks: list[int], top_ps: list[float]) -> torch.Tensor:
+    V = x.shape[1]
+    dev = x.device
+    p_on = [tp < 1.0 for tp in top_ps]
+    needs_tail = any(p and not k for p, k in zip(p_on, ks))  # nucleus may reach past top-k
+    m = min(V, max(max(ks), TOP_P_CANDIDATES if needs_tail else 1))
+    if m == V:
+        return _top_k_top_p_sorted(x, ks, top_ps)
+    vals, ids = x.topk(m, dim=-1)
+
+    k_on = torch.tensor([k > 0 for k in ks], device=dev).unsqueeze(1)
+    if any(ks):
+        k_t = torch.tensor([k or m for k in ks], device=dev).unsqueeze(1)
+        vals.masked_fill_(torch.arange(m, device=dev) >= k_t, _NEG_INF)
+    # top_p mass is measured over what top_k kept, or over the whole row when top_k is off.
+    lse = vals.logsumexp(dim=-1, keepdim=True)
+    if needs_tail:
+        lse = torch.where(k_on, lse, x.logsumexp(dim=-1, keepdim=True))
+    probs = (vals - lse).exp()
+    cum = probs.cumsum(dim=-1)
+    p_t = _row_tensor([tp if tp < 1.0 else 2.0 for tp in top_ps], x)
+    if needs_tail:
+        p_rows = torch.tensor(p_on, device=dev).unsqueeze(1)
+        short = p_rows & ~k_on & (cum[:, -1:] < p_t)
+        if bool(short.any()):
+            return _top_k_top_p_sorted(x, ks, top_ps)
+    vals.masked_fill_(cum - probs >= p_t, _NEG_INF)  # see _top_k_top_p_sorted for the rule
+
+    filtered = torch.full_like(x, _NEG_INF).scatter_(-1, ids, vals)
+    untouched = [not p and not k for p, k in zip(p_on, ks)]
+    if any(untouched):
+        keep = torch.tensor(untouched, device=dev).unsqueeze(1)
+        filtered = torch.where(keep, x, filtered)
+    return filtered
+
+
+def _top_k_top_p_sorted(x: torch.Tensor, ks: list[int], top_ps: list[float]) -> torch.Tensor:
+    V = x.shape[1]
+    sorted_x, order = x.sort(dim=-1, descending=True)
+    if any(ks):
+        k = torch.tensor([k or V for k in ks], device=x.device).unsqueeze(1)
+        sorted_x.masked_fill_(torch.arange(V, device=x.device) >= k, _NEG_INF)
+    # Keep a token while the mass strictly before it is < top_p: the smallest set reaching
+    # top_p, and always the top token. top_p == 1 rows get an unreachable bar so float
+    # rounding in the cumsum cannot drop their tail.
+    p = _row_tensor([tp if tp < 1.0 else 2.0 for tp in top_ps], x)
+    sorted_probs = torch.softmax(sorted_x, dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    sorted_x.masked_fill_(mass_before >= p, _NEG_INF)
+    return x.scatter_(-1, order, sorted_x)
+
+
+def _top_k_only(x: torch.Tensor, ks: list[int]) -> None:
+    """Top-k without a full sort: mask below each row's k-th largest value (ties all kept)."""
+    kmax = max(ks)
+    top = x.topk(kmax, dim=-1).values
+    kth_pos = torch.tensor([max(k, 1) - 1 for k in ks], device=x.device).unsqueeze(1)
+    kth = top.gather(1, kth_pos)
+    off = torch.tensor([k == 0 for k in ks], device=x.device).unsqueeze(1)
+    kth.masked_fill_(off, _NEG_INF)
+    x.masked_fill_(x < kth, _NEG_INF)
+
+
+def _exponential_noise(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Exp(1) noise, as -log(U): on CPU torch's exponential_ is ~6x slower than uniform_.
+
+    A seeded row draws its V values from its own generator only, so its tokens do not
+    depend on the rest of the batch."""
+    u = torch.empty_like(probs)
+    seeded = [i for i, r in enumerate(rows) if r.generator is not None]
+    if not seeded:
+        u.uniform_()
+    else:
+        V = probs.shape[1]
+        for i in seeded:
+            u[i] = torch.empty(V, device=probs.device).uniform_(generator=rows[i].generator)
+        others = [i for i, r in enumerate(rows) if r.generator is None]
+        if others:
+            u[torch.tensor(others, device=probs.device)] = torch.empty(
+                len(others), V, device=probs.device).uniform_()
+    q = u.log_().neg_()
+    # A zero draw would turn prob 0 into 0/0 = nan, which argmax prefers; keep it positive.
+    return q.clamp_min_(torch.finfo(q.dtype).tiny)
+
+
+def _gather_logprobs(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int],
+                     tokens: list[int]) -> dict[int, PositionLogprobs]:
+    """Sampled token plus top-N from log_softmax of the raw logits; rank = 1 + #strictly greater."""
+    device = logits.device
+    idx_t = torch.tensor(idx, device=device)
+    lp = torch.log_softmax(logits[idx_t].float(), dim=-1)
+    chosen = torch.tensor([tokens[i] for i in idx], device=device).unsqueeze(1)
+    chosen_lp = lp.gather(1, chosen)
+    chosen_rank = (lp > chosen_lp).sum(dim=-1) + 1
+
+    n_max = max(rows[i].params.logprobs for i in idx)
+    top_lp = top_id = top_rank = None
+    if n_max > 0:
+        top_v, top_i = lp.topk(n_max, dim=-1)
+        # Anything strictly greater than a top-N value is itself in the top-N.
+        top_rank = (top_v.unsqueeze(1) > top_v.unsqueeze(2)).sum(dim=-1) + 1
+        top_lp, top_id, top_rank = top_v.tolist(), top_i.tolist(), top_rank.tolist()
+
+    chosen_lp, chosen_rank = chosen_lp.squeeze(1).tolist(), chosen_rank.tolist()
+    out: dict[int, PositionLogprobs] = {}
+    for j, i in enumerate(idx):
+        d: PositionLogprobs = {tokens[i]: Logprob(chosen_lp[j], chosen_rank[j])}
+        for k in range(rows[i].params.logprobs):
+            d.setdefault(top_id[j][k], Logprob(top_lp[j][k], top_rank[j][k]))
+        out[i] = d
+    return out

@@ -1,0 +1,507 @@
+"""A single-file GGUF checkpoint seen as a Hugging Face model: config dict, tokenizer, weights.
+
+Layout and metadata keys: shared/research/formats.md section 3. The file is memory-mapped by
+the `gguf` package's reader; tensors are dequantized to float32 one at a time as they are
+iterated, so peak memory stays near one tensor above the mmap.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+import re
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from ember.errors import ModelLoadError, UnsupportedModelError
+from ember.loader.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+# gguf architecture -> (HF architectures entry, HF model_type)
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+}
+
+# Per-block tensor names: gguf suffix -> HF suffix under model.layers.N.
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# Tensors that are not parameters of the HF model; the config carries what they encode.
+_SKIPPED = {"rope_freqs.weight"}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_EXPERTS_RE = re.compile(r"ffn_(gate|up|down)_exps")
+
+# tokenizer.ggml.token_type values
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+class GGUFCheckpoint:
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        start = time.perf_counter()
+        self._reader = _open_reader(self.path)
+        self._tensors = {t.name: t for t in self._reader.tensors}
+        self._tokenizer: Tokenizer | None = None
+        self.architecture: str = self._meta("general.architecture", "")
+        if self.architecture not in ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"{self.path} is a GGUF of architecture {self.architecture!r}, which ember does not "
+                f"implement. Supported GGUF architectures: {', '.join(sorted(ARCHITECTURES))}."
+            )
+        self.config: dict[str, Any] = self._build_config()
+        self.tensor_bytes: int = sum(int(t.n_bytes) for t in self._reader.tensors)
+        self.num_parameters: int = sum(
+            int(t.n_elements) for t in self._reader.tensors if t.name not in _SKIPPED
+        )
+        log.debug("opened %s (%s, %d tensors) in %.2fs", self.path, self.architecture,
+                  len(self._tensors), time.perf_counter() - start)
+
+    # ---- metadata -------------------------------------------------------------------------
+
+    def _meta(self, key: str, default: Any = None) -> Any:
+        field = self._reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def _arch(self, key: str, default: Any = None) -> Any:
+        return self._meta(f"{self.architecture}.{key}", default)
+
+    @property
+    def metadata_keys(self) -> list[str]:
+        return [k for k in self._reader.fields if not k.startswith("GGUF.")]
+
+    def _build_config(self) -> dict[str, Any]:
+        arch_name, model_type = ARCHITECTURES[self.architecture]
+        required = {
+            "hidden_size": "embedding_length",
+            "num_hidden_layers": "block_count",
+            "num_attention_heads": "attention.head_count",
+        }
+        missing = [f"{self.architecture}.{k}" for k in required.values() if self._arch(k) is None]
+        if missing:
+            raise ModelLoadError(f"{self.path} lacks metadata {missing}; re-convert it with a current llama.cpp.")
+        hidden = int(self._arch("embedding_length"))
+        heads = int(self._arch("attention.head_count"))
+        kv_heads = self._arch("attention.head_count_kv", heads)
+        if isinstance(kv_heads, list):  # some converters write one count per layer
+            kv_heads = max(kv_heads)
+        vocab = self._arch("vocab_size")
+        if vocab is None:
+            vocab = len(self._reader.fields["tokenizer.ggml.tokens"].data)
+        cfg: dict[str, Any] = {
+            "architectures": [arch_name],
+            "model_type": model_type,
+            "hidden_size": hidden,
+            "num_hidden_layers": int(self._arch("block_count")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(kv_heads),
+            "head_dim": int(self._arch("attention.key_length", hidden // heads)),
+            "rms_norm_eps": _f32(self._arch("attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": _f32(self._arch("rope.freq_base", 10000.0)),
+            "max_position_embeddings": int(self._arch("context_length", 2048)),
+            "vocab_size": int(vocab),
+            "hidden_act": "silu",
+            "tie_word_embeddings": "output.weight" not in self._tensors,
+            "attention_bias": self.architecture == "qwen2",
+            "bos_token_id": self._meta("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": self._meta("tokenizer.ggml.eos_token_id"),
+            "pad_token_id": self._meta("tokenizer.ggml.padding_token_id"),
+        }
+        if (ffn := self._arch("feed_forward_length")) is not None:
+            cfg["intermediate_size"] = int(ffn)
+        if self.architecture == "qwen3moe":
+            cfg.update(
+                num_experts=int(self._arch("expert_count")),
+                num_experts_per_tok=int(self._arch("expert_used_count")),
+                moe_intermediate_size=int(self._arch("expert_feed_forward_length")),
+                # llama.cpp always renormalizes the top-k weights for qwen3moe
+                norm_topk_prob=True,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+            )
+        if (rope_scaling := self._rope_scaling(cfg)) is not None:
+            cfg["rope_scaling"] = rope_scaling
+        return cfg
+
+    def _rope_scaling(self, cfg: dict[str, Any]) -> dict[str, Any] | None:
+        kind = self._arch("rope.scaling.type")
+        factor = self._arch("rope.scaling.factor")
+        if kind is None and self._arch("rope.scale_linear") is not None:  # older files
+            kind, factor = "linear", self._arch("rope.scale_linear")
+        if kind in ("linear", "yarn") and factor is not None:
+            out: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
+            if (orig := self._arch("rope.scaling.original_context_length")) is not None:
+                out["original_max_position_embeddings"] = int(orig)
+            if kind == "yarn":
+                for key in ("beta_fast", "beta_slow"):
+                    if (v := self._arch(f"rope.scaling.yarn_{key}")) is not None:
+                        out[key] = float(v)
+            return out
+        if kind not in (None, "none"):
+            raise UnsupportedModelError(
+                f"{self.path} uses RoPE scaling {kind!r}; ember supports linear, yarn and llama3."
+            )
+        # Llama 3.1+ files carry llama3 scaling only as the rope_freqs tensor of divisors
+        freqs = self._tensors.get("rope_freqs.weight")
+        if freqs is None:
+            return None
+        dim = int(self._arch("rope.dimension_count", cfg["head_dim"]))
+        return _llama3_scaling_from_divisors(
+            np.asarray(dequantize(freqs.data, freqs.tensor_type), dtype=np.float64).reshape(-1),
+            cfg["rope_theta"], dim, self.path,
+        )
+
+    # ---- tokenizer ------------------------------------------------------------------------
+
+    def tokenizer(self) -> Tokenizer:
+        """The file's tokenizer, built once per checkpoint."""
+        if self._tokenizer is None:
+            self._tokenizer = self._build_tokenizer()
+        return self._tokenizer
+
+    def _build_tokenizer(self) -> Tokenizer:
+        tokens: list[str] = self._meta("tokenizer.ggml.tokens")
+        if tokens is None:
+            raise ModelLoadError(f"{self.path} has no tokenizer.ggml.tokens; it carries no tokenizer.")
+        kind = self._meta("tokenizer.ggml.model", "gpt2")
+        types = self._meta("tokenizer.ggml.token_type") or [1] * len(tokens)
+        if kind == "gpt2":
+            merges = self._meta("tokenizer.ggml.merges") or []
+            hf_tok, in_vocab = _byte_level_bpe(tokens, merges, self._meta("tokenizer.ggml.pre", "default"))
+            add_bos_default = False
+        elif kind == "llama":
+            scores = self._meta("tokenizer.ggml.scores")
+            if scores is None:
+                raise UnsupportedModelError(f"{self.path}: a SentencePiece vocabulary without scores.")
+            hf_tok, in_vocab = _sentencepiece_bpe(
+                tokens, scores, self._meta("tokenizer.ggml.add_space_prefix", True)
+            )
+            # llama.cpp adds BOS to SentencePiece vocabularies unless told otherwise
+            add_bos_default = True
+        else:
+            raise UnsupportedModelError(
+                f"{self.path} has a {kind!r} tokenizer; ember reads 'gpt2' (byte-level BPE) and "
+                "'llama' (SentencePiece BPE) GGUF tokenizers."
+            )
+
+        def token_of(key: str) -> str | None:
+            i = self._meta(f"tokenizer.ggml.{key}")
+            return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+        strings = {
+            "bos_token": token_of("bos_token_id"),
+            "eos_token": token_of("eos_token_id"),
+            "unk_token": token_of("unknown_token_id"),
+            "pad_token": token_of("padding_token_id"),
+        }
+        # Control tokens (<|im_start|>) match whole and are special; user-defined ones (<think>)
+        # match whole but stay ordinary text. Only spellings the vocabulary holds can be added
+        # without growing it (a byte-level file can mislabel a token in a foreign spelling).
+        hf_tok.add_special_tokens([
+            AddedToken(t, normalized=False, special=True)
+            for t, ty in zip(tokens, types) if ty == _CONTROL and in_vocab(t)
+        ])
+        hf_tok.add_tokens([
+            AddedToken(t, normalized=False, special=False)
+            for t, ty in zip(tokens, types) if ty == _USER_DEFINED and in_vocab(t)
+        ])
+        hf_tok.add_special_tokens([
+            AddedToken(s, normalized=False, special=True) for s in strings.values() if s is not None and in_vocab(s)
+        ])
+
+        # EOS first, then llama.cpp's other end-of-generation ids (Llama 3's <|eom_id|>, ...)
+        eos_ids = [self._meta(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+        return Tokenizer(
+            hf_tok,
+            bos_token_id=self._meta("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=[i for i in eos_ids if i is not None],
+            chat_template=self._meta("tokenizer.chat_template"),
+            add_bos_token=bool(self._meta("tokenizer.ggml.add_bos_token", add_bos_default)),
+            add_eos_token=bool(self._meta("tokenizer.ggml.add_eos_token", False)),
+            **strings,
+        )
+
+    # ---- weights --------------------------------------------------------------------------
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, float32 tensor in [out, in] layout) for every parameter, in file order.
+
+        Names are all resolved before the first tensor is dequantized, so an unknown tensor
+        fails fast rather than halfway through a load."""
+        plan = [(t, self._hf_name(t.name)) for t in self._reader.tensors]
+        unknown = [t.name for t, name in plan if name is False]
+        if unknown:
+            raise UnsupportedModelError(
+                f"{self.path} has tensors ember does not know for {self.architecture}: {unknown[:5]}"
+                f"{' ...' if len(unknown) > 5 else ''}. The file may be a newer variant of the architecture."
+            )
+        for t, name in plan:
+            if name is None:
+                continue
+            weight = _to_torch(t)
+            m = _BLOCK_RE.fullmatch(t.name)
+            if m and _EXPERTS_RE.fullmatch(m[2]):
+                # Stacked [E, out, in]: one HF tensor per expert
+                for e in range(weight.shape[0]):
+                    yield name.format(e=e), weight[e]
+                continue
+            if self.architecture == "llama" and m and m[2] in ("attn_q", "attn_k"):
+                heads = self.config["num_attention_heads" if m[2] == "attn_q" else "num_key_value_heads"]
+                weight = _unpermute_rows(weight, heads)
+            yield name, weight
+
+    def _hf_name(self, gguf_name: str) -> str | None | bool:
+        """HF name (with {e} for experts), None for tensors to skip, False for unknown ones."""
+        if gguf_name in _SKIPPED:
+            return None
+        if gguf_name in _GLOBAL_NAMES:
+            return _GLOBAL_NAMES[gguf_name]
+        m = _BLOCK_RE.fullmatch(gguf_name)
+        if m is None:
+            return False
+        layer, part, kind = m.groups()
+        if (e := _EXPERTS_RE.fullmatch(part)) is not None:
+            return f"model.layers.{layer}.mlp.experts.{{e}}.{e[1]}_proj.{kind}"
+        if part not in _BLOCK_NAMES:
+            return False
+        return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+
+    @property
+    def tensor_names(self) -> list[str]:
+        return list(self._tensors)
+
+    def __repr__(self) -> str:
+        return (f"GGUFCheckpoint({self.path!r}, arch={self.architecture}, "
+                f"params={self.num_parameters / 1e6:.1f}M, {self.tensor_bytes / 2**20:.1f} MiB)")
+
+
+# ---- file opening and integrity ---------------------------------------------------------
+
+
+class _Truncated(Exception):
+    def __init__(self, tensor: str, needed: int, size: int):
+        super().__init__(tensor, needed, size)
+        self.tensor, self.needed, self.size = tensor, needed, size
+
+
+class _CheckedReader(GGUFReader):
+    """GGUFReader that checks every tensor's byte range against the file size before making
+    views; the stock reader would fail inside numpy's reshape with no hint of truncation."""
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        size = len(self.data)
+        for field in fields:
+            _, name, _, dims, raw_type, offset = field.parts
+            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_type[0]))]
+            n_bytes = int(np.prod(dims.astype(np.uint64))) * type_size // block
+            end = int(start_offs) + int(offset[0]) + n_bytes
+            if end > size:
+                raise _Truncated(bytes(name).decode("utf-8", "replace"), end, size)
+        super()._build_tensors(start_offs, fields)
+
+
+def _open_reader(path: str) -> GGUFReader:
+    if not os.path.exists(path):
+        raise ModelLoadError(f"{path} does not exist; check the model path.")
+    if os.path.isdir(path):
+        raise ModelLoadError(f"{path} is a directory; pass the .gguf file inside it.")
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        what = "is empty" if size == 0 else f"starts with {magic!r}, not b'GGUF'"
+        raise ModelLoadError(f"{path} is not a GGUF file: it {what}. Pass a .gguf file or a Hugging Face model folder.")
+    try:
+        reader = _CheckedReader(path)
+    except _Truncated as e:
+        raise ModelLoadError(
+            f"{path} is truncated: tensor {e.tensor} needs bytes up to {e.needed:,} but the file has "
+            f"{e.size:,}; re-download or re-convert it."
+        ) from None
+    except Exception as e:  # a short or corrupt header fails in many ways inside numpy
+        raise ModelLoadError(
+            f"{path} is truncated or corrupt: its GGUF header cannot be parsed ({type(e).__name__}: {e}); "
+            "re-download or re-convert it."
+        ) from e
+    return reader
+
+
+def _f32(value: float) -> float:
+    """A float32 metadata value as the decimal it was written from (1e-05, not 9.99999974e-06)."""
+    return float(str(np.float32(value)))
+
+
+def _to_torch(t) -> torch.Tensor:
+    try:
+        arr = dequantize(t.data, t.tensor_type)
+    except NotImplementedError:
+        raise UnsupportedModelError(
+            f"tensor {t.name} is stored as {t.tensor_type.name}, which the gguf package cannot dequantize."
+        ) from None
+    arr = np.asarray(arr, dtype=np.float32)
+    if not arr.flags.writeable:  # F32 tensors come back as views of the read-only mmap
+        arr = arr.copy()
+    return torch.from_numpy(arr)
+
+
+def _unpermute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (formats.md 3.3): GGUF row (h, 2i+j) holds HF row
+    (h, j*hd/2+i). Works for weights [rows, in] and biases [rows]."""
+    rest = w.shape[1:]
+    return w.reshape(heads, -1, 2, *rest).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def _llama3_scaling_from_divisors(div: np.ndarray, theta: float, dim: int, path: str) -> dict[str, Any] | None:
+    """Recover HF llama3 rope_scaling from llama.cpp's rope_freqs divisors.
+
+    Divisors are 1 (short wavelengths), `factor` (long ones) and, in between,
+    1/((1-s)/factor + s) with s = (L/wavelen - low)/(high - low). s is linear in 1/wavelen with
+    slope a = L/(high-low) and intercept b = -low/(high-low); every (L, low, high) with the same
+    a, b gives the same frequencies, so low = 1 (what Llama 3.x uses) pins them down.
+    """
+    factor = float(div.max())
+    if factor <= 1.0 + 1e-6:
+        return None
+    wavelen = 2 * math.pi * theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    mid = (div > 1.0 + 1e-4) & (div < factor * (1 - 1e-4))
+    if mid.sum() < 2:
+        raise UnsupportedModelError(
+            f"{path} has a rope_freqs tensor whose llama3 RoPE scaling cannot be recovered "
+            "(fewer than two blended frequencies)."
+        )
+    s = (1 / div[mid] - 1 / factor) / (1 - 1 / factor)
+    a, b = np.polyfit(1 / wavelen[mid], s, 1)
+    high = 1 - 1 / b
+    orig = -a / b
+    scaling = {
+        "rope_type": "llama3",
+        "factor": round(factor, 4),
+        "low_freq_factor": 1.0,
+        "high_freq_factor": round(float(high), 4),
+        "original_max_position_embeddings": int(round(orig)),
+    }
+    if not np.allclose(_llama3_divisors(scaling, wavelen), div, rtol=1e-3):
+        raise UnsupportedModelError(f"{path} has a rope_freqs tensor that is not llama3 RoPE scaling.")
+    return scaling
+
+
+def _llama3_divisors(s: dict[str, Any], wavelen: np.ndarray) -> np.ndarray:
+    """The divisors llama.cpp's converter writes for HF llama3 parameters `s`."""
+    f, lo, hi, orig = s["factor"], s["low_freq_factor"], s["high_freq_factor"], s["original_max_position_embeddings"]
+    smooth = (orig / wavelen - lo) / (hi - lo)
+    blended = 1 / ((1 - smooth) / f + smooth)
+    return np.where(wavelen < orig / hi, 1.0, np.where(wavelen > orig / lo, f, blended))
+
+
+# ---- tokenizer builders --------------------------------------------------------------------
+
+
+@functools.cache
+def _byte_alphabet() -> tuple[dict[int, str], frozenset[str]]:
+    """GPT-2's byte -> printable character table: printable Latin-1 bytes stand for
+    themselves, the other 68 bytes take code points from 256 up, in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table, frozenset(table.values())
+
+
+# Pre-tokenizer split patterns by tokenizer.ggml.pre. Other values (default, gpt2, smollm, ...)
+# get GPT-2's own pattern, as transformers does when it loads a GGUF.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLITS = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx", "falcon3"), _LLAMA3_SPLIT),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
+}
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str):
+    table, alphabet = _byte_alphabet()
+
+    def spelled(tok: str) -> str:
+        # Tokens outside the byte alphabet (rare, mostly added tokens) are stored as raw text
+        return tok if set(tok) <= alphabet else "".join(table[b] for b in tok.encode("utf-8"))
+
+    vocab = {spelled(t): i for i, t in enumerate(tokens)}
+    tok = HFTokenizer(models.BPE(
+        vocab=vocab,
+        merges=[tuple(m.split(" ", 1)) for m in merges],
+        dropout=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False,
+    ))
+    if pre in _SPLITS:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok, lambda t: set(t) <= alphabet and t in vocab
+
+
+def _sentencepiece_bpe(tokens: list[str], scores: list[float], add_space_prefix: bool):
+    """SentencePiece BPE (Llama 2 style): '▁' for spaces, <0xNN> byte fallback, and merges
+    recovered from the scores (a piece's score ranks the merge that makes it)."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    candidates = []
+    for piece, score in zip(tokens, scores):
+        splits = [(piece[:k], piece[k:]) for k in range(1, len(piece))]
+        splits = [p for p in splits if p[0] in vocab and p[1] in vocab]
+        splits.sort(key=lambda p: (vocab[p[0]], vocab[p[1]]))
+        candidates += [(score, len(l), len(r), l, r) for l, r in splits]
+    # Stable sort, best score first; ties prefer longer pieces
+    candidates.sort(key=lambda c: c[:3], reverse=True)
+    tok = HFTokenizer(models.BPE(
+        vocab=vocab, merges=[(c[3], c[4]) for c in candidates],
+        fuse_unk=True, byte_fallback=True, dropout=None,
+        unk_token=tokens[0] if tokens and tokens[0] == "<unk>" else None,
+    ))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="▁", prepend_scheme="first" if add_space_prefix else "never", split=False
+    )
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    tok.decoder = decoders.Sequence(steps)
+    return tok, lambda t: t in vocab
