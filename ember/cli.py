@@ -29,8 +29,9 @@ def _sampling_params(args):
                           seed=args.sampling_seed, stop=args.stop)
 
 
-def _stream(engine, request_id: str, prompt, params, out=sys.stdout) -> str:
+def _stream(engine, request_id: str, prompt, params, out=None) -> str:
     """Add one request, print its text as it is generated, return the whole text."""
+    out = out or sys.stdout
     engine.add_request(request_id, prompt, params)
     req = engine.groups[request_id].children[0]
     try:

@@ -18,7 +18,7 @@ KV_CACHE_DTYPES = ("auto",)
 DEVICES = ("auto", "cpu", "cuda")
 # Default CPU KV budget: this fraction of available RAM, capped (the pool is allocated up front).
 CPU_KV_FRACTION = 0.2
-CPU_KV_CAP_GIB = 4.0
+CPU_KV_CAP_GIB = 2.0
 
 
 @dataclass

@@ -72,7 +72,7 @@ class GGUFCheckpoint:
         self._reader = _open_reader(self.path)
         self._tensors = {t.name: t for t in self._reader.tensors}
         self._tokenizer: Tokenizer | None = None
-        self.architecture: str = self._meta("general.architecture", "")
+        self.architecture: str = self.metadata("general.architecture", "")
         if self.architecture not in ARCHITECTURES:
             raise UnsupportedModelError(
                 f"{self.path} is a GGUF of architecture {self.architecture!r}, which ember does not "
@@ -88,12 +88,21 @@ class GGUFCheckpoint:
 
     # ---- metadata -------------------------------------------------------------------------
 
-    def _meta(self, key: str, default: Any = None) -> Any:
+    def metadata(self, key: str, default: Any = None) -> Any:
+        """A metadata value by its GGUF key (arrays come back as lists)."""
         field = self._reader.fields.get(key)
         return default if field is None else field.contents()
 
     def _arch(self, key: str, default: Any = None) -> Any:
-        return self._meta(f"{self.architecture}.{key}", default)
+        return self.metadata(f"{self.architecture}.{key}", default)
+
+    def _arch_required(self, key: str) -> Any:
+        value = self._arch(key)
+        if value is None:
+            raise ModelLoadError(
+                f"{self.path} lacks metadata {self.architecture}.{key}; re-convert it with a current llama.cpp."
+            )
+        return value
 
     @property
     def metadata_keys(self) -> list[str]:
@@ -101,27 +110,23 @@ class GGUFCheckpoint:
 
     def _build_config(self) -> dict[str, Any]:
         arch_name, model_type = ARCHITECTURES[self.architecture]
-        required = {
-            "hidden_size": "embedding_length",
-            "num_hidden_layers": "block_count",
-            "num_attention_heads": "attention.head_count",
-        }
-        missing = [f"{self.architecture}.{k}" for k in required.values() if self._arch(k) is None]
-        if missing:
-            raise ModelLoadError(f"{self.path} lacks metadata {missing}; re-convert it with a current llama.cpp.")
-        hidden = int(self._arch("embedding_length"))
-        heads = int(self._arch("attention.head_count"))
+        hidden = int(self._arch_required("embedding_length"))
+        heads = int(self._arch_required("attention.head_count"))
         kv_heads = self._arch("attention.head_count_kv", heads)
         if isinstance(kv_heads, list):  # some converters write one count per layer
             kv_heads = max(kv_heads)
         vocab = self._arch("vocab_size")
-        if vocab is None:
+        if vocab is None and "tokenizer.ggml.tokens" in self._reader.fields:
             vocab = len(self._reader.fields["tokenizer.ggml.tokens"].data)
+        if vocab is None and "token_embd.weight" in self._tensors:  # ne is [hidden, vocab]
+            vocab = int(self._tensors["token_embd.weight"].shape[1])
+        if vocab is None:
+            raise ModelLoadError(f"{self.path} states no vocabulary size and has no token list or embedding.")
         cfg: dict[str, Any] = {
             "architectures": [arch_name],
             "model_type": model_type,
             "hidden_size": hidden,
-            "num_hidden_layers": int(self._arch("block_count")),
+            "num_hidden_layers": int(self._arch_required("block_count")),
             "num_attention_heads": heads,
             "num_key_value_heads": int(kv_heads),
             "head_dim": int(self._arch("attention.key_length", hidden // heads)),
@@ -132,17 +137,17 @@ class GGUFCheckpoint:
             "hidden_act": "silu",
             "tie_word_embeddings": "output.weight" not in self._tensors,
             "attention_bias": self.architecture == "qwen2",
-            "bos_token_id": self._meta("tokenizer.ggml.bos_token_id"),
-            "eos_token_id": self._meta("tokenizer.ggml.eos_token_id"),
-            "pad_token_id": self._meta("tokenizer.ggml.padding_token_id"),
+            "bos_token_id": self.metadata("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": self.metadata("tokenizer.ggml.eos_token_id"),
+            "pad_token_id": self.metadata("tokenizer.ggml.padding_token_id"),
         }
         if (ffn := self._arch("feed_forward_length")) is not None:
             cfg["intermediate_size"] = int(ffn)
         if self.architecture == "qwen3moe":
             cfg.update(
-                num_experts=int(self._arch("expert_count")),
-                num_experts_per_tok=int(self._arch("expert_used_count")),
-                moe_intermediate_size=int(self._arch("expert_feed_forward_length")),
+                num_experts=int(self._arch_required("expert_count")),
+                num_experts_per_tok=int(self._arch_required("expert_used_count")),
+                moe_intermediate_size=int(self._arch_required("expert_feed_forward_length")),
                 # llama.cpp always renormalizes the top-k weights for qwen3moe
                 norm_topk_prob=True,
                 decoder_sparse_step=1,
@@ -189,21 +194,22 @@ class GGUFCheckpoint:
         return self._tokenizer
 
     def _build_tokenizer(self) -> Tokenizer:
-        tokens: list[str] = self._meta("tokenizer.ggml.tokens")
+        tokens: list[str] = self.metadata("tokenizer.ggml.tokens")
         if tokens is None:
             raise ModelLoadError(f"{self.path} has no tokenizer.ggml.tokens; it carries no tokenizer.")
-        kind = self._meta("tokenizer.ggml.model", "gpt2")
-        types = self._meta("tokenizer.ggml.token_type") or [1] * len(tokens)
+        kind = self.metadata("tokenizer.ggml.model", "gpt2")
+        types = self.metadata("tokenizer.ggml.token_type") or [1] * len(tokens)
         if kind == "gpt2":
-            merges = self._meta("tokenizer.ggml.merges") or []
-            hf_tok, in_vocab = _byte_level_bpe(tokens, merges, self._meta("tokenizer.ggml.pre", "default"))
+            merges = self.metadata("tokenizer.ggml.merges") or []
+            hf_tok, in_vocab = _byte_level_bpe(tokens, merges, self.metadata("tokenizer.ggml.pre", "default"))
             add_bos_default = False
         elif kind == "llama":
-            scores = self._meta("tokenizer.ggml.scores")
+            scores = self.metadata("tokenizer.ggml.scores")
             if scores is None:
                 raise UnsupportedModelError(f"{self.path}: a SentencePiece vocabulary without scores.")
             hf_tok, in_vocab = _sentencepiece_bpe(
-                tokens, scores, self._meta("tokenizer.ggml.add_space_prefix", True)
+                tokens, scores, self.metadata("tokenizer.ggml.add_space_prefix", True),
+                self.metadata("tokenizer.ggml.unknown_token_id"),
             )
             # llama.cpp adds BOS to SentencePiece vocabularies unless told otherwise
             add_bos_default = True
@@ -214,7 +220,7 @@ class GGUFCheckpoint:
             )
 
         def token_of(key: str) -> str | None:
-            i = self._meta(f"tokenizer.ggml.{key}")
+            i = self.metadata(f"tokenizer.ggml.{key}")
             return tokens[i] if i is not None and 0 <= i < len(tokens) else None
 
         strings = {
@@ -239,16 +245,25 @@ class GGUFCheckpoint:
         ])
 
         # EOS first, then llama.cpp's other end-of-generation ids (Llama 3's <|eom_id|>, ...)
-        eos_ids = [self._meta(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+        eos_ids = [self.metadata(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
         return Tokenizer(
             hf_tok,
-            bos_token_id=self._meta("tokenizer.ggml.bos_token_id"),
+            bos_token_id=self.metadata("tokenizer.ggml.bos_token_id"),
             eos_token_ids=[i for i in eos_ids if i is not None],
-            chat_template=self._meta("tokenizer.chat_template"),
-            add_bos_token=bool(self._meta("tokenizer.ggml.add_bos_token", add_bos_default)),
-            add_eos_token=bool(self._meta("tokenizer.ggml.add_eos_token", False)),
+            chat_template=self._chat_templates(),
+            add_bos_token=bool(self.metadata("tokenizer.ggml.add_bos_token", add_bos_default)),
+            add_eos_token=bool(self.metadata("tokenizer.ggml.add_eos_token", False)),
             **strings,
         )
+
+    def _chat_templates(self) -> str | dict[str, str] | None:
+        """The default template, plus any named ones (tokenizer.chat_template.tool_use, ...)."""
+        default = self.metadata("tokenizer.chat_template")
+        prefix = "tokenizer.chat_template."
+        named = {k[len(prefix):]: self.metadata(k) for k in self._reader.fields if k.startswith(prefix)}
+        if not named:
+            return default
+        return ({"default": default} if default else {}) | named
 
     # ---- weights --------------------------------------------------------------------------
 
@@ -320,6 +335,8 @@ class _CheckedReader(GGUFReader):
     def _build_tensors(self, start_offs: int, fields: list) -> None:
         size = len(self.data)
         for field in fields:
+            if len(field.parts) != 6:  # a gguf release with another layout: _open_reader re-checks
+                break
             _, name, _, dims, raw_type, offset = field.parts
             block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_type[0]))]
             n_bytes = int(np.prod(dims.astype(np.uint64))) * type_size // block
@@ -352,6 +369,12 @@ def _open_reader(path: str) -> GGUFReader:
             f"{path} is truncated or corrupt: its GGUF header cannot be parsed ({type(e).__name__}: {e}); "
             "re-download or re-convert it."
         ) from e
+    for t in reader.tensors:  # the same check through the public fields, whatever the reader did
+        if t.data_offset + t.n_bytes > size:
+            raise ModelLoadError(
+                f"{path} is truncated: tensor {t.name} needs bytes up to {t.data_offset + t.n_bytes:,} "
+                f"but the file has {size:,}; re-download or re-convert it."
+            )
     return reader
 
 
@@ -455,6 +478,9 @@ _SPLITS = {
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
 }
 
+# Values whose split pattern is GPT-2's own (or close enough that transformers uses it too).
+_GPT2_SPLIT_PRES = {"default", "gpt2", "gpt-2", "smollm"}
+
 
 def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str):
     table, alphabet = _byte_alphabet()
@@ -475,12 +501,15 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str):
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])
     else:
+        if pre not in _GPT2_SPLIT_PRES:
+            log.warning("GGUF tokenizer pre-tokenizer %r is not one ember knows; splitting text with "
+                        "GPT-2's pattern, which may tokenize differently from llama.cpp", pre)
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     return tok, lambda t: set(t) <= alphabet and t in vocab
 
 
-def _sentencepiece_bpe(tokens: list[str], scores: list[float], add_space_prefix: bool):
+def _sentencepiece_bpe(tokens: list[str], scores: list[float], add_space_prefix: bool, unk_id: int | None):
     """SentencePiece BPE (Llama 2 style): '▁' for spaces, <0xNN> byte fallback, and merges
     recovered from the scores (a piece's score ranks the merge that makes it)."""
     vocab = {t: i for i, t in enumerate(tokens)}
@@ -495,7 +524,7 @@ def _sentencepiece_bpe(tokens: list[str], scores: list[float], add_space_prefix:
     tok = HFTokenizer(models.BPE(
         vocab=vocab, merges=[(c[3], c[4]) for c in candidates],
         fuse_unk=True, byte_fallback=True, dropout=None,
-        unk_token=tokens[0] if tokens and tokens[0] == "<unk>" else None,
+        unk_token=tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None,
     ))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(
         replacement="▁", prepend_scheme="first" if add_space_prefix else "never", split=False

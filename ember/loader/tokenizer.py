@@ -114,18 +114,16 @@ class Tokenizer:
         )
 
     def _set_post_processor(self, add_bos: bool, add_eos: bool) -> None:
-        bos = self.special_tokens.get("bos_token") if add_bos else None
-        eos = self.special_tokens.get("eos_token") if add_eos else None
-        single, specials = ["$A:0"], []
-        if bos is not None and self.bos_token_id is not None:
-            single.insert(0, f"{bos}:0")
-            specials.append((bos, self.bos_token_id))
-        if eos is not None and self.eos_token_ids:
-            single.append(f"{eos}:0")
-            specials.append((eos, self.eos_token_ids[0]))
-        pair = single + [s.replace("$A", "$B").replace(":0", ":1") for s in single]
+        bos = self.special_tokens.get("bos_token") if add_bos and self.bos_token_id is not None else None
+        eos = self.special_tokens.get("eos_token") if add_eos and self.eos_token_ids else None
+
+        def seq(name: str, type_id: int) -> list[str]:
+            # Lists, not one string: a token with a space would break the string form
+            return ([f"{bos}:{type_id}"] if bos else []) + [f"${name}:{type_id}"] + ([f"{eos}:{type_id}"] if eos else [])
+
+        specials = ([(bos, self.bos_token_id)] if bos else []) + ([(eos, self.eos_token_ids[0])] if eos else [])
         self._tok.post_processor = processors.TemplateProcessing(
-            single=" ".join(single), pair=" ".join(pair), special_tokens=specials
+            single=seq("A", 0), pair=seq("A", 0) + seq("B", 1), special_tokens=specials
         )
 
     # ---- ids <-> text ---------------------------------------------------------------------
@@ -333,7 +331,7 @@ class _SafeNamespace(jinja2.utils.Namespace):
             raise jinja2.exceptions.SecurityError(f"chat templates cannot set namespace attribute {name!r}")
 
 
-@functools.lru_cache(maxsize=16)
+@functools.cache
 def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]

@@ -24,7 +24,8 @@ VOCAB = 1000
 HF_CONFIGS = {
     # GQA 3:1, untied, llama3 rope scaling.
     "llama": dict(
-        cls="LlamaForCausalLM", vocab_size=VOCAB, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
+        cls="LlamaForCausalLM", init_std=(0.2, 0.2),
+        vocab_size=VOCAB, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
         num_attention_heads=6, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
         tie_word_embeddings=False, rms_norm_eps=1e-5,
         rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -32,13 +33,15 @@ HF_CONFIGS = {
     ),
     # q/k/v bias, tied embeddings.
     "qwen2": dict(
-        cls="Qwen2ForCausalLM", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        cls="Qwen2ForCausalLM", init_std=(0.2, 0.2),
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     ),
     # head_dim 32 != 64 / 4, yarn.
     "qwen3": dict(
-        cls="Qwen3ForCausalLM", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        cls="Qwen3ForCausalLM", init_std=(0.2, 0.2),
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
         tie_word_embeddings=True,
         rope_parameters={"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
@@ -46,7 +49,8 @@ HF_CONFIGS = {
     ),
     # 8 experts top-2, renormalised; layer 1 is dense.
     "qwen3_moe": dict(
-        cls="Qwen3MoeForCausalLM", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        cls="Qwen3MoeForCausalLM", init_std=(0.5, 0.08),
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
         tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
@@ -57,11 +61,15 @@ ARCHS = list(HF_CONFIGS)
 
 
 def build_hf_model(arch: str, seed: int = 0):
-    """A random fp32 HF model; every parameter is randomised (biases and norm weights too)."""
+    """A random fp32 HF model; every parameter is randomised (biases and norm weights too).
+
+    init_std (embedding/head, other weights) is picked per model so greedy text does not
+    collapse to one repeated token and top-1/top-2 logit gaps stay far above fp32 noise."""
     import transformers
 
     spec = dict(HF_CONFIGS[arch])
     cls = getattr(transformers, spec.pop("cls"))
+    embed_std, weight_std = spec.pop("init_std")
     config = cls.config_class(**spec)
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
@@ -71,9 +79,9 @@ def build_hf_model(arch: str, seed: int = 0):
             if "norm" in name:
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             elif "embed" in name or "lm_head" in name:
-                p.normal_(0.0, 0.5)
+                p.normal_(0.0, embed_std)
             else:
-                p.normal_(0.0, 0.08)
+                p.normal_(0.0, weight_std)
     return model
 
 

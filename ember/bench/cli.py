@@ -1,0 +1,173 @@
+"""`ember bench latency | throughput`: measure ember and its peer side by side, write the results.
+
+Every engine flag works here too (the same generated set as `ember serve`), so a tuned
+configuration can be benchmarked exactly as it will be served.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import shlex
+
+from ember.engine_args import add_engine_args, engine_config_from_args
+
+logger = logging.getLogger("ember.bench")
+
+DEFAULT_OUTPUT = "benchmarks/cpu.md"
+
+
+def _positive_int(s: str) -> int:
+    v = int(s)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (got {v})")
+    return v
+
+
+def _int_list(s: str) -> list[int]:
+    try:
+        vals = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want comma-separated integers like 128,512,2048 (got {s!r})") from None
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"want one or more lengths >= 1 (got {s!r})")
+    return vals
+
+
+def _common_args(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p)
+    g = p.add_argument_group("benchmark")
+    g.add_argument("--runs", type=_positive_int, default=3, help="measured runs after one warmup; medians are reported")
+    g.add_argument("--peer", choices=("hf", "none"), default="hf",
+                   help="hf = Hugging Face transformers on the same weights (bf16), measured in the same run")
+    g.add_argument("--output", default=DEFAULT_OUTPUT,
+                   help="markdown results file; this benchmark's section is rewritten and a JSON file "
+                        "<stem>-<kind>.json is written next to it")
+
+
+def add_bench_parser(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="benchmark ember against transformers and write a results file")
+    sub = p.add_subparsers(dest="bench_command", required=True, metavar="{latency,throughput}")
+
+    lat = sub.add_parser("latency", help="batch-1 decode tok/s and time to first token")
+    _common_args(lat)
+    lat.add_argument("--decode-tokens", type=int, default=128, help="tokens generated for the decode figure (>= 2)")
+    lat.add_argument("--prompt-lens", type=_int_list, default=[128, 512, 2048], metavar="N,N,...",
+                     help="prompt lengths for TTFT")
+    lat.set_defaults(func=cmd_latency)
+
+    thr = sub.add_parser("throughput", help="offline batched generation tok/s")
+    _common_args(thr)
+    thr.add_argument("--num-prompts", type=_positive_int, default=32)
+    thr.add_argument("--input-len", type=_positive_int, default=128)
+    thr.add_argument("--output-len", type=_positive_int, default=128)
+    thr.set_defaults(func=cmd_throughput)
+
+
+# -- the command line as run --------------------------------------------------------------------
+
+def _command(args, bench_flags: list[str]) -> str:
+    """The full command that reproduces this run: every benchmark flag with its value, plus the
+    engine flags that were given (engine flags default to SUPPRESS, so present = given)."""
+    from ember.config import EngineConfig
+
+    words = ["ember", "bench", args.bench_command]
+    if getattr(args, "model_pos", None):
+        words.append(args.model_pos)
+    for name in EngineConfig.field_names():
+        if not hasattr(args, name):
+            continue
+        v, flag = getattr(args, name), "--" + name.replace("_", "-")
+        if isinstance(v, bool):
+            words.append(flag if v else "--no-" + name.replace("_", "-"))
+        else:
+            words += [flag, v if isinstance(v, str) else str(v)]
+    for name in bench_flags:
+        v = getattr(args, name)
+        words += ["--" + name.replace("_", "-"), ",".join(map(str, v)) if isinstance(v, list) else str(v)]
+    return shlex.join(words)
+
+
+# -- building the two sides ---------------------------------------------------------------------
+
+def _build(args, batch: int | None = None):
+    """(LLM, peer or None, the ember description for the report). `batch` sets max_num_seqs
+    when the user left it unset (capped by the step budget, as the engine requires)."""
+    from ember.llm import LLM
+
+    config = engine_config_from_args(args)
+    if batch is not None and config.max_num_seqs is None:
+        config = dataclasses.replace(config, max_num_seqs=min(batch, config.max_num_batched_tokens))
+    llm = LLM(**dataclasses.asdict(config))
+    engine = llm.engine
+    # the peer loads after ember so it runs on the thread count ember chose (torch's is per-process)
+    peer = None
+    if args.peer == "hf":
+        from ember.bench.hf_peer import HFPeer
+
+        peer = HFPeer(str(engine.loaded.path))
+    import torch
+
+    ember_desc = {
+        "model": f"{_basename(engine.loaded.path)} ({engine.loaded.weight_bytes / 1e6:.0f} MB weights)",
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "device": str(engine.device),
+        "max_num_seqs": engine.max_num_seqs,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "prefix_caching": config.enable_prefix_caching,
+        "enforce_eager": config.enforce_eager,
+        "threads": torch.get_num_threads(),
+    }
+    return llm, peer, ember_desc
+
+
+def _basename(path) -> str:
+    return str(path).rstrip("/").rsplit("/", 1)[-1]
+
+
+def _finish(result, output: str) -> None:
+    from ember.bench import report
+
+    md, js = report.write(result, output)
+    print(report.render_section(result))
+    logger.info("bench: wrote %s and %s", md, js)
+
+
+def cmd_latency(args) -> None:
+    from ember.bench import hf_peer, latency
+    from ember.bench.report import Result
+    from ember.errors import ConfigError
+
+    if args.decode_tokens < 2:
+        raise ConfigError(f"--decode-tokens must be >= 2 to time decode after the first token (got {args.decode_tokens})")
+    llm, peer, ember_desc = _build(args)
+    metrics = latency.run(llm, peer, decode_tokens=args.decode_tokens, prompt_lens=args.prompt_lens, runs=args.runs)
+    notes = [latency.DECODE_METHOD, latency.TTFT_METHOD,
+             f"decode uses a {latency.DECODE_PROMPT_LEN}-token prompt; all prompts are seeded random ordinary tokens, "
+             "new each run"]
+    if peer:
+        notes += [hf_peer.DECODE_METHOD, hf_peer.TTFT_METHOD]
+    result = Result("latency", "Latency (batch 1)", _command(args, ["runs", "peer", "output", "decode_tokens", "prompt_lens"]),
+                    args.runs, metrics, latency.bars(args.decode_tokens, args.prompt_lens), ember_desc,
+                    peer.description if peer else None, notes)
+    _finish(result, args.output)
+
+
+def cmd_throughput(args) -> None:
+    from ember.bench import hf_peer, throughput
+    from ember.bench.report import Result
+
+    # the peer runs all prompts as one batch; give ember the same batch unless told otherwise
+    llm, peer, ember_desc = _build(args, batch=args.num_prompts)
+    metrics = throughput.run(llm, peer, num_prompts=args.num_prompts, input_len=args.input_len,
+                             output_len=args.output_len, runs=args.runs)
+    notes = ["ember: one LLM.generate() over all prompts (ignore_eos), tok/s over the whole call",
+             f"{args.num_prompts} seeded random prompts of ordinary tokens, new each run, "
+             f"{args.input_len} in / {args.output_len} out each"]
+    if peer:
+        notes.append(hf_peer.BATCH_METHOD)
+    result = Result("throughput", "Throughput (offline batch)",
+                    _command(args, ["runs", "peer", "output", "num_prompts", "input_len", "output_len"]), args.runs,
+                    metrics, throughput.bars(args.num_prompts, args.input_len, args.output_len), ember_desc,
+                    peer.description if peer else None, notes)
+    _finish(result, args.output)

@@ -1,0 +1,85 @@
+"""`ember bench` end to end on the default model, tiny sizes, no peer: files and sections, not speed."""
+import json
+
+import pytest
+
+from ember.bench import report
+from ember.cli import main
+from ember.errors import DefaultModelMissingError
+
+
+@pytest.fixture
+def one_model_load(monkeypatch):
+    """Load the default model once for all three commands: loading dominates this test's time.
+    Engines are keyed by their knobs, so each command still gets exactly the engine it asked for."""
+    import ember.llm
+    from ember.default_model import default_model_path
+
+    try:
+        default_model_path()
+    except DefaultModelMissingError as e:
+        pytest.skip(str(e))
+    real, cache = ember.llm.LLM, {}
+
+    def cached(**knobs):
+        key = repr(sorted(knobs.items()))
+        if key not in cache:
+            cache[key] = real(**knobs)
+        return cache[key]
+
+    monkeypatch.setattr(ember.llm, "LLM", cached)
+    return cache
+
+
+LATENCY = ["bench", "latency", "--peer", "none", "--runs", "1", "--prompt-lens", "16", "--max-num-seqs", "2"]
+
+
+def test_latency_and_throughput_share_one_markdown_file(tmp_path, one_model_load):
+    md = tmp_path / "x.md"
+    assert main(["bench", "throughput", "--peer", "none", "--runs", "1", "--num-prompts", "2", "--input-len", "8",
+                 "--output-len", "4", "--output", str(md)]) == 0
+    assert main(LATENCY + ["--decode-tokens", "4", "--output", str(md)]) == 0
+
+    text = md.read_text()
+    assert text.count("<!-- ember-bench:throughput:begin -->") == 1
+    assert text.count("<!-- ember-bench:latency:begin -->") == 1
+    assert "ember bench throughput" in text and "--num-prompts 2" in text
+    assert "ember bench latency" in text and "--prompt-lens 16" in text
+    assert "| output throughput (tok/s) |" in text
+    assert "| TTFT, 16-token prompt (ms) |" in text
+    assert "n/a (no peer)" in text  # bars are listed but cannot be judged without a peer
+
+    thr = json.loads((tmp_path / "x-throughput.json").read_text())
+    lat = json.loads((tmp_path / "x-latency.json").read_text())
+    assert thr["peer"] is None and thr["runs"] == 1
+    assert thr["ember"]["max_num_seqs"] == 2  # the batch is sized to the workload
+    out = next(m for m in thr["metrics"] if m["name"] == "output throughput")
+    assert len(out["ember"]) == 1 and out["ember"][0] > 0 and out["peer"] is None
+    names = [m["name"] for m in lat["metrics"]]
+    assert names == ["batch-1 decode, 4 tokens", "TTFT, 16-token prompt"]
+    assert all(m["ember_median"] > 0 for m in lat["metrics"])
+    assert lat["machine"]["torch_threads"] >= 1 and lat["machine"]["cpu"]
+
+    # a rerun rewrites only its own section
+    before_throughput = text.split("<!-- ember-bench:latency:begin -->")[0]
+    assert main(LATENCY + ["--decode-tokens", "3", "--output", str(md)]) == 0
+    assert len(one_model_load) == 1  # throughput sized its batch to 2, latency asked for 2: one engine
+    again = md.read_text()
+    assert again.startswith(before_throughput)
+    assert "batch-1 decode, 3 tokens" in again and "batch-1 decode, 4 tokens" not in again
+
+
+def test_update_markdown_replaces_only_its_section():
+    text = report.update_markdown(report.HEADER, "a", "A1\n")
+    text = report.update_markdown(text, "b", "B1\n")
+    text = report.update_markdown(text, "a", "A2\n")
+    assert "A1" not in text and "A2" in text and "B1" in text
+    assert text.index("A2") < text.index("B1")  # replaced in place, not moved
+
+
+def test_speedup_is_median_of_paired_runs():
+    m = report.Metric("t", "ms", higher_is_better=False, ember=[10.0, 20.0, 30.0], peer=[20.0, 20.0, 90.0])
+    assert m.speedups == [2.0, 1.0, 3.0] and m.speedup == 2.0
+    bar = report.Bar("no worse", "t", 1.0)
+    assert bar.judge([m]) == (2.0, "PASS")
+    assert report.Bar("x", "t", 2.5).judge([m]) == (2.0, "FAIL")
