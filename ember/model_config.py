@@ -105,7 +105,7 @@ class ModelConfig:
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
                 qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
-                num_experts=int(cfg.get("num_experts", 0) or 0) if arch == "Qwen3MoeForCausalLM" else 0,
+                num_experts=int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) if arch == "Qwen3MoeForCausalLM" else 0,
                 num_experts_per_tok=int(cfg.get("num_experts_per_tok", 0) or 0),
                 moe_intermediate_size=int(cfg.get("moe_intermediate_size", 0) or 0),
                 norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),

@@ -43,6 +43,9 @@ def _common_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--output", default=DEFAULT_OUTPUT,
                    help="markdown results file; this benchmark's section is rewritten and a JSON file "
                         "<stem>-<kind>.json is written next to it")
+    g.add_argument("--quiet-wait", type=float, default=30.0, metavar="SECONDS",
+                   help="before each measured ember/peer pair, wait up to this long for other processes to leave "
+                        "the CPU idle (0 = don't wait); what they used during each measurement is reported either way")
 
 
 def add_bench_parser(subparsers) -> None:
@@ -135,39 +138,42 @@ def _finish(result, output: str) -> None:
 
 def cmd_latency(args) -> None:
     from ember.bench import hf_peer, latency
-    from ember.bench.report import Result
+    from ember.bench.report import Result, load_average
     from ember.errors import ConfigError
 
     if args.decode_tokens < 2:
         raise ConfigError(f"--decode-tokens must be >= 2 to time decode after the first token (got {args.decode_tokens})")
     llm, peer, ember_desc = _build(args)
-    metrics = latency.run(llm, peer, decode_tokens=args.decode_tokens, prompt_lens=args.prompt_lens, runs=args.runs)
+    load = load_average()
+    metrics = latency.run(llm, peer, decode_tokens=args.decode_tokens, prompt_lens=args.prompt_lens, runs=args.runs,
+                          quiet_wait_s=args.quiet_wait)
     notes = [latency.DECODE_METHOD, latency.TTFT_METHOD,
              f"decode uses a {latency.DECODE_PROMPT_LEN}-token prompt; all prompts are seeded random ordinary tokens, "
              "new each run"]
     if peer:
         notes += [hf_peer.DECODE_METHOD, hf_peer.TTFT_METHOD]
-    result = Result("latency", "Latency (batch 1)", _command(args, ["runs", "peer", "output", "decode_tokens", "prompt_lens"]),
+    result = Result("latency", "Latency (batch 1)", _command(args, ["runs", "peer", "output", "quiet_wait", "decode_tokens", "prompt_lens"]),
                     args.runs, metrics, latency.bars(args.decode_tokens, args.prompt_lens), ember_desc,
-                    peer.description if peer else None, notes)
+                    peer.description if peer else None, notes, load)
     _finish(result, args.output)
 
 
 def cmd_throughput(args) -> None:
     from ember.bench import hf_peer, throughput
-    from ember.bench.report import Result
+    from ember.bench.report import Result, load_average
 
     # the peer runs all prompts as one batch; give ember the same batch unless told otherwise
     llm, peer, ember_desc = _build(args, batch=args.num_prompts)
+    load = load_average()
     metrics = throughput.run(llm, peer, num_prompts=args.num_prompts, input_len=args.input_len,
-                             output_len=args.output_len, runs=args.runs)
+                             output_len=args.output_len, runs=args.runs, quiet_wait_s=args.quiet_wait)
     notes = ["ember: one LLM.generate() over all prompts (ignore_eos), tok/s over the whole call",
              f"{args.num_prompts} seeded random prompts of ordinary tokens, new each run, "
              f"{args.input_len} in / {args.output_len} out each"]
     if peer:
         notes.append(hf_peer.BATCH_METHOD)
     result = Result("throughput", "Throughput (offline batch)",
-                    _command(args, ["runs", "peer", "output", "num_prompts", "input_len", "output_len"]), args.runs,
+                    _command(args, ["runs", "peer", "output", "quiet_wait", "num_prompts", "input_len", "output_len"]), args.runs,
                     metrics, throughput.bars(args.num_prompts, args.input_len, args.output_len), ember_desc,
-                    peer.description if peer else None, notes)
+                    peer.description if peer else None, notes, load)
     _finish(result, args.output)

@@ -6,8 +6,8 @@ run the same numbers; a model folder loads as it is.
 
 How each figure is taken (the method strings below go into the results file):
 - decode: `generate(max_new_tokens=N, min_new_tokens=N, do_sample=False)` with a streamer that
-  timestamps every new token; tok/s = (N - 1) / (last token time - first token time), the same
-  window ember is timed over, so prefill (TTFT) is excluded on both sides.
+  timestamps every new token; the same per-token times ember's step loop gives, so both sides'
+  decode figures come from the same formulas (see latency.py) and exclude prefill (TTFT).
 - TTFT: one forward over the prompt that builds the KV cache (`use_cache=True`), logits for the
   last position only (`logits_to_keep=1`), then argmax: the least a transformers user pays for
   the first token, with no generate() bookkeeping.
@@ -26,8 +26,8 @@ from ember.errors import ConfigError
 
 logger = logging.getLogger("ember.bench")
 
-DECODE_METHOD = ("transformers decode: generate(min_new_tokens=max_new_tokens=N, greedy) with a timestamping "
-                 "streamer, tok/s over first..last token (TTFT excluded)")
+DECODE_METHOD = ("transformers decode: generate(min_new_tokens=max_new_tokens=N, greedy) with a streamer that "
+                 "timestamps each token")
 TTFT_METHOD = "transformers TTFT: one forward over the prompt (use_cache=True, logits_to_keep=1) + argmax"
 BATCH_METHOD = "transformers batched: one generate() over all prompts as a left-padded batch, min_new_tokens=max_new_tokens"
 
@@ -97,13 +97,13 @@ class HFPeer:
                                    min_new_tokens=n, do_sample=False, pad_token_id=self.pad_id, streamer=streamer,
                                    temperature=None, top_p=None, top_k=None)
 
-    def decode(self, prompt: list[int], n: int) -> float:
-        """Batch-1 greedy decode speed in tok/s, prefill excluded."""
+    def decode(self, prompt: list[int], n: int) -> list[float]:
+        """Batch-1 greedy decode of n tokens; the perf_counter time each token arrived."""
         ids = torch.tensor([prompt])
         clock = _TokenClock()
         out = self._generate(ids, torch.ones_like(ids), n, streamer=clock)
         assert out.shape[1] - ids.shape[1] == n == len(clock.times), "transformers stopped early"
-        return (n - 1) / (clock.times[-1] - clock.times[0])
+        return clock.times
 
     @torch.inference_mode()
     def ttft(self, prompt: list[int]) -> float:

@@ -2,23 +2,30 @@
 
 Both are taken through the engine's step loop (add_request / step), the same path the server's
 streaming uses, so TTFT includes scheduling and sampling, not just the forward.
+
+Decode is reported two ways from the same per-token timestamps (first token excluded, so
+prefill is not in it):
+- mean: (N - 1) / (last token time - first token time);
+- steady: 1 / median gap between consecutive tokens. A burst of someone else's work on the
+  shared machine stretches a few gaps; the median ignores them, the mean does not. On a quiet
+  machine the two agree, so the bar is judged on the steady figure.
 """
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 
 from tqdm import tqdm
 
 from ember.bench.report import Bar, Metric
-from ember.bench.throughput import WARMUP_SEED, prompt_maker
+from ember.bench.throughput import WARMUP_SEED, measure_pair, prompt_maker
 from ember.sampling import SamplingParams
 
 logger = logging.getLogger("ember.bench")
 
 DECODE_PROMPT_LEN = 32  # "a short prompt": decode speed should not depend on a long context
-DECODE_METHOD = ("ember decode: engine.step() loop, tok/s = (N - 1) / (last token time - first token time), "
-                 "TTFT excluded")
+DECODE_METHOD = "ember decode: engine.step() loop, each token timestamped when its step returns"
 TTFT_METHOD = "ember TTFT: engine.add_request() to the step that returns the first token (max_tokens=1)"
 
 
@@ -36,9 +43,8 @@ def _run_one(engine, request_id: str, prompt: list[int], max_tokens: int) -> lis
     return times
 
 
-def ember_decode(engine, request_id: str, prompt: list[int], n: int) -> float:
-    times = _run_one(engine, request_id, prompt, n)
-    return (n - 1) / (times[-1] - times[0])
+def ember_decode(engine, request_id: str, prompt: list[int], n: int) -> list[float]:
+    return _run_one(engine, request_id, prompt, n)
 
 
 def ember_ttft(engine, request_id: str, prompt: list[int]) -> float:
@@ -47,8 +53,14 @@ def ember_ttft(engine, request_id: str, prompt: list[int]) -> float:
     return times[0] - t0
 
 
-def decode_metric_name(n: int) -> str:
-    return f"batch-1 decode, {n} tokens"
+def decode_rates(times: list[float]) -> tuple[float, float]:
+    """(mean tok/s, steady tok/s) over tokens 2..N; see the module docstring."""
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    return len(gaps) / (times[-1] - times[0]), 1.0 / statistics.median(gaps)
+
+
+def decode_metric_name(n: int, steady: bool) -> str:
+    return f"batch-1 decode, {n} tokens, {'steady (median gap)' if steady else 'mean'}"
 
 
 def ttft_metric_name(length: int) -> str:
@@ -56,40 +68,44 @@ def ttft_metric_name(length: int) -> str:
 
 
 def bars(decode_tokens: int, prompt_lens: list[int]) -> list[Bar]:
-    out = [Bar("batch-1 decode >= 2x transformers bf16", decode_metric_name(decode_tokens), 2.0)]
+    out = [Bar("batch-1 decode >= 2x transformers bf16", decode_metric_name(decode_tokens, steady=True), 2.0)]
     if 2048 in prompt_lens:
         # TTFT is lower-is-better; its speedup is peer time / ember time, so "no worse" is >= 1
         out.append(Bar("TTFT at 2048 tokens no worse than transformers bf16", ttft_metric_name(2048), 1.0))
     return out
 
 
-def run(llm, peer, *, decode_tokens: int, prompt_lens: list[int], runs: int) -> list[Metric]:
+def run(llm, peer, *, decode_tokens: int, prompt_lens: list[int], runs: int, quiet_wait_s: float = 0.0) -> list[Metric]:
     """One warmup round, then `runs` rounds; each round measures ember and the peer on the same
     freshly seeded prompts (a new prompt per round, so the prefix cache cannot help)."""
     engine = llm.engine
     make = prompt_maker(llm)
-    with_peer = peer is not None
-    decode = Metric(decode_metric_name(decode_tokens), "tok/s", True, peer=[] if with_peer else None)
-    ttfts = {n: Metric(ttft_metric_name(n), "ms", False, peer=[] if with_peer else None) for n in prompt_lens}
+    mean = Metric(decode_metric_name(decode_tokens, False), "tok/s", True, peer=[] if peer else None)
+    steady = Metric(decode_metric_name(decode_tokens, True), "tok/s", True, peer=[] if peer else None)
+    ttfts = {n: Metric(ttft_metric_name(n), "ms", False, peer=[] if peer else None) for n in prompt_lens}
+
+    def decode(times: list[float]) -> dict:
+        m, s = decode_rates(times)
+        return {mean.name: m, steady.name: s}
+
     for r in tqdm(range(-1, runs), desc="bench latency", unit="run", dynamic_ncols=True):
         seed = WARMUP_SEED if r < 0 else r
         label = "warmup" if r < 0 else f"run {r + 1}/{runs}"
-        tasks = [(decode, make.make(1, DECODE_PROMPT_LEN, seed)[0],
-                  lambda p, i: ember_decode(engine, f"bench-decode-{i}", p, decode_tokens),
-                  lambda p: peer.decode(p, decode_tokens))]
+        p = make.make(1, DECODE_PROMPT_LEN, seed)[0]
+        # (ember, peer) measurement pairs; prompts bound as defaults so each lambda keeps its own
+        tasks = [(lambda p=p: decode(ember_decode(engine, f"bench-decode-{r}", p, decode_tokens)),
+                  lambda p=p: decode(peer.decode(p, decode_tokens)))]
         for n, metric in ttfts.items():
-            tasks.append((metric, make.make(1, n, seed * 7919 + n)[0],
-                          lambda p, i: 1000 * ember_ttft(engine, f"bench-ttft-{i}", p),
-                          lambda p: 1000 * peer.ttft(p)))
-        for metric, prompt, ember_fn, peer_fn in tasks:
-            sides = [("ember", lambda: ember_fn(prompt, f"{r}-{len(prompt)}"))]
-            if with_peer:
-                sides.append(("peer", lambda: peer_fn(prompt)))
-                if r % 2:  # alternate who goes first, so drift on the shared machine favours neither
-                    sides.reverse()
-            for side, measure in sides:
-                value = measure()
-                logger.info("bench latency %s %s: %s = %.1f %s", side, label, metric.name, value, metric.unit)
-                if r >= 0:
-                    (metric.ember if side == "ember" else metric.peer).append(value)
-    return [decode, *ttfts.values()]
+            p = make.make(1, n, seed * 7919 + n)[0]
+            tasks.append((lambda p=p, m=metric: {m.name: 1000 * ember_ttft(engine, f"bench-ttft-{r}-{len(p)}", p)},
+                          lambda p=p, m=metric: {m.name: 1000 * peer.ttft(p)}))
+        by_name = {m.name: m for m in (mean, steady, *ttfts.values())}
+        for ember_fn, peer_fn in tasks:
+            for side, values, others in measure_pair(r, ember_fn, peer_fn if peer else None, quiet_wait_s):
+                for name, value in values.items():
+                    m = by_name[name]
+                    logger.info("bench latency %s %s: %s = %.1f %s (others used %s cores)", side, label, name, value,
+                                m.unit, others)
+                    if r >= 0:
+                        m.add(side, value, others)
+    return [mean, steady, *ttfts.values()]

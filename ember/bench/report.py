@@ -14,6 +14,7 @@ import platform
 import re
 import statistics
 import subprocess
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -27,6 +28,13 @@ class Metric:
     higher_is_better: bool
     ember: list[float] = field(default_factory=list)
     peer: list[float] | None = None
+    # cores other processes kept busy during each measurement (see OthersLoad), same order as the values
+    ember_others: list[float | None] = field(default_factory=list)
+    peer_others: list[float | None] = field(default_factory=list)
+
+    def add(self, side: str, value: float, others: float | None) -> None:
+        (self.ember if side == "ember" else self.peer).append(value)
+        (self.ember_others if side == "ember" else self.peer_others).append(others)
 
     @property
     def ember_median(self) -> float:
@@ -82,7 +90,60 @@ class Result:
     ember: dict  # what ember ran: model, dtype, effective knobs
     peer: dict | None  # what the peer ran, None with --peer none
     notes: list[str] = field(default_factory=list)  # how each figure is measured
+    load_at_start: float | None = None  # 1-minute load average when the benchmark began
     machine: dict = field(default_factory=lambda: machine_info())
+
+
+# -- how busy the shared machine is -------------------------------------------------------------
+
+def _busy_ticks() -> int | None:
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return sum(v) - v[3] - v[4]  # everything but idle and iowait
+
+
+def _own_ticks() -> int | None:
+    try:
+        with open("/proc/self/stat") as f:
+            rest = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return int(rest[11]) + int(rest[12])  # utime + stime, all our threads
+
+
+class OthersLoad:
+    """Cores that other processes kept busy while the `with` block ran (Linux /proc; None elsewhere).
+
+    Wall times on a shared 2-core machine swing by 10x when someone else's job runs, so every
+    measurement records this next to its value, and the report shows it."""
+
+    cores: float | None = None
+
+    def __enter__(self) -> "OthersLoad":
+        self._t, self._busy, self._own = time.perf_counter(), _busy_ticks(), _own_ticks()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        busy, own = _busy_ticks(), _own_ticks()
+        if None in (busy, own, self._busy, self._own):
+            return
+        seconds = max(time.perf_counter() - self._t, 1e-6)
+        others = (busy - self._busy) - (own - self._own)
+        self.cores = round(max(0.0, others / os.sysconf("SC_CLK_TCK") / seconds), 2)
+
+
+def wait_for_quiet(max_wait_s: float, threshold_cores: float = 0.25, sample_s: float = 1.0) -> float | None:
+    """Wait (up to max_wait_s) until other processes use under `threshold_cores`; returns the last
+    sample. A best effort: on a machine that never goes quiet it just costs max_wait_s."""
+    deadline = time.perf_counter() + max_wait_s
+    while True:
+        with OthersLoad() as load:
+            time.sleep(sample_s)
+        if load.cores is None or load.cores < threshold_cores or time.perf_counter() >= deadline:
+            return load.cores
 
 
 # -- the machine --------------------------------------------------------------------------------
@@ -143,7 +204,16 @@ def machine_info() -> dict:
         "ember": _version("ember") or "source",
         "ember_commit": _git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "load_at_end": load_average(),
     }
+
+
+def load_average() -> float | None:
+    """1-minute load average: above the core count means other processes shared the cores."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
 
 
 def _machine_line(m: dict) -> str:
@@ -162,6 +232,11 @@ def _fmt(v: float | None) -> str:
     return f"{v:.0f}" if abs(v) >= 1000 else f"{v:.3g}" if abs(v) < 10 else f"{v:.1f}"
 
 
+def _load(values: list[float | None]) -> str:
+    known = [v for v in values if v is not None]
+    return f"{statistics.median(known):.2f}" if known else "-"
+
+
 def _describe(d: dict) -> str:
     return ", ".join(f"{k} {v}" for k, v in d.items())
 
@@ -171,15 +246,20 @@ def render_section(r: Result) -> str:
     lines = [f"## {r.title}", "",
              f"- command: `{r.command}`",
              f"- machine: {_machine_line(r.machine)}",
+             f"- 1-minute load average: {r.load_at_start if r.load_at_start is not None else '-'} at start, "
+             f"{r.machine.get('load_at_end', '-')} at end ({r.machine['usable_cores']} cores; more means the cores "
+             "were shared with other work and wall times are noisy)",
              f"- ember: {_describe(r.ember)}",
              f"- peer: {_describe(r.peer) if r.peer else 'none (--peer none)'}",
              f"- median of {r.runs} run(s) after 1 warmup; ember and peer alternate within each run, "
              f"and the speedup is the median of the per-run ratios (> 1 = ember better)"]
     lines += [f"- {n}" for n in r.notes]
-    lines += ["", f"| metric | ember | {peer_name} | ember speedup |", "|---|---:|---:|---:|"]
+    lines += ["", f"| metric | ember | {peer_name} | ember speedup | others' CPU use, cores (ember / {peer_name}) |",
+              "|---|---:|---:|---:|---:|"]
     for m in r.metrics:
         s = f"{m.speedup:.2f}x" if m.speedup is not None else "-"
-        lines.append(f"| {m.name} ({m.unit}) | {_fmt(m.ember_median)} | {_fmt(m.peer_median)} | {s} |")
+        others = f"{_load(m.ember_others)} / {_load(m.peer_others)}"
+        lines.append(f"| {m.name} ({m.unit}) | {_fmt(m.ember_median)} | {_fmt(m.peer_median)} | {s} | {others} |")
     if r.bars:
         lines += ["", "| bar | measured | result |", "|---|---:|---|"]
         for b in r.bars:
@@ -199,7 +279,7 @@ def to_json(r: Result) -> dict:
         got, verdict = b.judge(r.metrics)
         bars.append({**asdict(b), "speedup": got, "result": verdict})
     return {"kind": r.kind, "title": r.title, "command": r.command, "runs": r.runs, "machine": r.machine,
-            "ember": r.ember, "peer": r.peer, "notes": r.notes, "metrics": metrics, "bars": bars}
+            "ember": r.ember, "peer": r.peer, "notes": r.notes, "load_at_start": r.load_at_start, "metrics": metrics, "bars": bars}
 
 
 # -- files --------------------------------------------------------------------------------------

@@ -1,16 +1,18 @@
 """Offline batched throughput: N random prompts of input_len tokens, output_len tokens each.
 
-Also home of the benchmark workload itself (seeded random prompts), which latency.py shares.
+Also home of what latency.py shares: the workload (seeded random prompts) and the paired
+measuring protocol (wait for a quiet machine, then ember and the peer back to back).
 """
 from __future__ import annotations
 
 import logging
 import random
 import time
+from typing import Callable
 
 from tqdm import tqdm
 
-from ember.bench.report import Bar, Metric
+from ember.bench.report import Bar, Metric, OthersLoad, wait_for_quiet
 from ember.sampling import SamplingParams
 
 logger = logging.getLogger("ember.bench")
@@ -37,6 +39,25 @@ def prompt_maker(llm) -> PromptMaker:
     return PromptMaker(vocab, set(tok.all_special_ids))
 
 
+def measure_pair(run: int, ember_fn: Callable[[], dict], peer_fn: Callable[[], dict] | None, quiet_wait_s: float,
+                 ) -> list[tuple[str, dict, float | None]]:
+    """Run ember and the peer back to back on the same input; [(side, values, others' cores)].
+
+    Waits for the machine to go quiet first (measured runs only, run >= 0) and alternates who
+    goes first by run, so drift on the shared machine favours neither side."""
+    if run >= 0 and quiet_wait_s > 0:
+        wait_for_quiet(quiet_wait_s)
+    sides = [("ember", ember_fn)] + ([("peer", peer_fn)] if peer_fn else [])
+    if run % 2:
+        sides.reverse()
+    out = []
+    for side, fn in sides:
+        with OthersLoad() as load:
+            values = fn()
+        out.append((side, values, load.cores))
+    return out
+
+
 def ember_batch(llm, prompts: list[list[int]], output_len: int) -> tuple[float, int]:
     """One LLM.generate over all prompts; returns (seconds, generated tokens)."""
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -48,35 +69,35 @@ def ember_batch(llm, prompts: list[list[int]], output_len: int) -> tuple[float, 
     return seconds, generated
 
 
+OUTPUT_METRIC = "output throughput"
+TOTAL_METRIC = "total throughput (in + out)"
+
+
 def bars(num_prompts: int, input_len: int, output_len: int) -> list[Bar]:
     return [Bar(f"batched throughput ({num_prompts} prompts, {input_len} in / {output_len} out) >= 1.5x "
                 "transformers batched generate", OUTPUT_METRIC, 1.5)]
 
 
-OUTPUT_METRIC = "output throughput"
-TOTAL_METRIC = "total throughput (in + out)"
-
-
-def run(llm, peer, *, num_prompts: int, input_len: int, output_len: int, runs: int) -> list[Metric]:
+def run(llm, peer, *, num_prompts: int, input_len: int, output_len: int, runs: int, quiet_wait_s: float = 0.0
+        ) -> list[Metric]:
     """Warm up once, then `runs` rounds of ember and peer on the same fresh prompts; tok/s per round."""
     make = prompt_maker(llm)
-    out_m = Metric(OUTPUT_METRIC, "tok/s", True, peer=[] if peer else None)
-    tot_m = Metric(TOTAL_METRIC, "tok/s", True, peer=[] if peer else None)
+    metrics = {name: Metric(name, "tok/s", True, peer=[] if peer else None) for name in (OUTPUT_METRIC, TOTAL_METRIC)}
+
+    def rates(measure) -> dict:
+        seconds, generated = measure()
+        return {OUTPUT_METRIC: generated / seconds, TOTAL_METRIC: (generated + num_prompts * input_len) / seconds,
+                "seconds": seconds}
+
     for r in tqdm(range(-1, runs), desc="bench throughput", unit="run", dynamic_ncols=True):
         prompts = make.make(num_prompts, input_len, WARMUP_SEED if r < 0 else r)
-        sides = [("ember", lambda: ember_batch(llm, prompts, output_len))]
-        if peer:
-            sides.append(("peer", lambda: peer.batch(prompts, output_len)))
-            if r % 2:  # alternate who goes first, so drift on the shared machine favours neither
-                sides.reverse()
-        for side, measure in sides:
-            seconds, generated = measure()
-            total = generated + num_prompts * input_len
-            logger.info("bench throughput %s %s: %d prompts in %.2fs, %.1f out tok/s, %.1f total tok/s", side,
-                        "warmup" if r < 0 else f"run {r + 1}/{runs}", num_prompts, seconds, generated / seconds,
-                        total / seconds)
-            if r < 0:
-                continue
-            (out_m.ember if side == "ember" else out_m.peer).append(generated / seconds)
-            (tot_m.ember if side == "ember" else tot_m.peer).append(total / seconds)
-    return [out_m, tot_m]
+        pair = measure_pair(r, lambda: rates(lambda: ember_batch(llm, prompts, output_len)),
+                            (lambda: rates(lambda: peer.batch(prompts, output_len))) if peer else None, quiet_wait_s)
+        for side, values, others in pair:
+            logger.info("bench throughput %s %s: %d prompts in %.2fs, %.1f out tok/s, %.1f total tok/s "
+                        "(others used %s cores)", side, "warmup" if r < 0 else f"run {r + 1}/{runs}", num_prompts,
+                        values["seconds"], values[OUTPUT_METRIC], values[TOTAL_METRIC], others)
+            if r >= 0:
+                for name, m in metrics.items():
+                    m.add(side, values[name], others)
+    return list(metrics.values())

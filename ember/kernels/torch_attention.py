@@ -58,10 +58,10 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     B, Hq, D = q.shape
     Hkv = kv_cache.shape[-2]
     nb = (max_seq_len + block_size - 1) // block_size
-    bt = block_tables[:, :nb]
-    # [B, nb, bs, Hkv, D] -> [B, Hkv, L, D]
-    k = kv_cache[0][bt].flatten(1, 2).transpose(1, 2).float()
-    v = kv_cache[1][bt].flatten(1, 2).transpose(1, 2).float()
+    bt = block_tables[:, :nb].flatten()
+    # index_select, not kv[bt]: advanced indexing is ~7x slower on CPU. [B*nb, bs, Hkv, D] -> [B, Hkv, L, D]
+    k = kv_cache[0].index_select(0, bt).view(B, nb * block_size, Hkv, D).transpose(1, 2).float()
+    v = kv_cache[1].index_select(0, bt).view(B, nb * block_size, Hkv, D).transpose(1, 2).float()
     mask = torch.arange(nb * block_size, device=q.device)[None, :] < seq_lens[:, None]
     qf = q.float().view(B, Hkv, Hq // Hkv, D)
     o = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask[:, None, None, :], scale=scale)
@@ -81,8 +81,8 @@ def chunk_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     n = q.shape[0]
     nb = (seq_len + block_size - 1) // block_size
     bt = block_table[:nb]
-    k = kv_cache[0][bt].flatten(0, 1)[:seq_len].transpose(0, 1).float()  # [Hkv, S, D]
-    v = kv_cache[1][bt].flatten(0, 1)[:seq_len].transpose(0, 1).float()
+    k = kv_cache[0].index_select(0, bt).flatten(0, 1)[:seq_len].transpose(0, 1).float()  # [Hkv, S, D]
+    v = kv_cache[1].index_select(0, bt).flatten(0, 1)[:seq_len].transpose(0, 1).float()
     ctx = seq_len - n
     pos_q = torch.arange(ctx, seq_len, device=q.device)
     mask = torch.arange(seq_len, device=q.device)[None, :] <= pos_q[:, None]

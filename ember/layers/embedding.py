@@ -6,12 +6,16 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def _param(vocab_size, hidden_size, dtype, device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype, device=device), requires_grad=False)
+
+
 class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu"):
         super().__init__()
         self.vocab_size = vocab_size
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype, device=device), requires_grad=False)
+        self.weight = _param(vocab_size, hidden_size, dtype, device)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.weight)
@@ -28,7 +32,7 @@ class LMHead(nn.Module):
         if self.tied:
             self.weight = tied_to.weight
         else:
-            self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype, device=device), requires_grad=False)
+            self.weight = _param(vocab_size, hidden_size, dtype, device)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # GEMM in the model dtype (as HF does), upcast after.

@@ -55,16 +55,21 @@ class DenseMethod(QuantMethod):
         layer.weight = new_param((sum(out_features_per_shard), in_features), dtype, device, output_dim=0, input_dim=1)
 
     def load_weight(self, layer, param_name, tensor, shard_id):
-        copy_checked(layer.shard_view(getattr(layer, param_name), shard_id), tensor, f"{param_name}[{shard_id}]")
+        copy_checked(layer.shard_view(getattr(layer, param_name), shard_id), tensor, _what(param_name, shard_id))
 
     def apply(self, layer, x, bias=None):
         return F.linear(x, layer.weight, bias)
 
 
+def _what(param_name: str, shard_id) -> str:
+    return param_name if shard_id is None else f"{param_name} shard {shard_id!r}"
+
+
 def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    """dst.copy_(src) (casting), or a ModelLoadError if the shapes differ."""
     if dst.shape != src.shape:
         raise ModelLoadError(
-            f"weight {what} has shape {tuple(src.shape)} but the model expects {tuple(dst.shape)}; "
+            f"{what} has shape {tuple(src.shape)} but the model expects {tuple(dst.shape)}; "
             "the checkpoint does not match its config.json"
         )
     dst.copy_(src)
@@ -106,7 +111,9 @@ class LinearBase(nn.Module):
         self.quant_method = quant_method or DenseMethod()
         self.quant_method.create_weights(self, in_local, local, dtype, device)
         # Row-parallel bias is added once, after the all-reduce, so it is never split.
-        self.bias = new_param((self.out_features,), dtype, device, output_dim=0 if tp_mode != "row" else None) if bias else None
+        self.bias = None
+        if bias:
+            self.bias = new_param((self.out_features,), dtype, device, output_dim=None if tp_mode == "row" else 0)
 
     def shard_view(self, param: torch.Tensor, shard_id) -> torch.Tensor:
         """The part of `param` that holds `shard_id`, in the param's own units (packed dims scale)."""
@@ -144,7 +151,7 @@ class LinearBase(nn.Module):
             raise ModelLoadError(f"{type(self).__name__} has no parameter {param_name!r}")
         tensor = self._tp_narrow(param, tensor, shard_id)
         if param_name == "bias":
-            copy_checked(self.shard_view(param, shard_id), tensor, f"bias[{shard_id}]")
+            copy_checked(self.shard_view(param, shard_id), tensor, _what("bias", shard_id))
         else:
             self.quant_method.load_weight(self, param_name, tensor, shard_id)
         return param_name, shard_id
@@ -185,14 +192,14 @@ class QKVLinear(LinearBase):
         # With more ranks than kv heads, each kv head is replicated on tp_size / num_kv_heads ranks.
         kv_parts = min(tp_size, num_kv_heads)
         kv_rank = tp_rank // (tp_size // kv_parts)
-        self.num_heads = num_heads // tp_size
-        self.num_kv_heads = num_kv_heads // kv_parts
-        self.head_dim = head_dim
         super().__init__(
             hidden_size, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], bias,
             dtype, device, quant_method, shard_ids=["q", "k", "v"], tp_mode="column",
             shard_partitions=[(tp_rank, tp_size), (kv_rank, kv_parts), (kv_rank, kv_parts)],
         )
+        self.num_heads = num_heads // tp_size  # per rank
+        self.num_kv_heads = num_kv_heads // kv_parts
+        self.head_dim = head_dim
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[T, (Hq + 2 Hkv) D] -> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D] (views)."""

@@ -75,6 +75,7 @@ def iter_safetensors(folder: str, progress: bool = True) -> Iterator[tuple[str, 
                     try:
                         tensor = h.get_tensor(name)
                     except (SafetensorError, OSError, ValueError) as e:
-                        raise ModelLoadError(f"{path}: cannot read tensor {name!r} ({e}); download the file again") from None
+                        raise ModelLoadError(
+                            f"{path}: cannot read tensor {name!r} ({e}); download the file again") from None
                     yield name, tensor
                     bar.update(1)

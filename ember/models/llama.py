@@ -40,7 +40,8 @@ class LlamaAttention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(D, cfg.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(D, cfg.rms_norm_eps, dtype, device)
-        self.attn = Attention(self.qkv_proj.num_heads, D, self.qkv_proj.num_kv_heads, D ** -0.5, attn_backend, layer_idx)
+        self.attn = Attention(self.qkv_proj.num_heads, D, self.qkv_proj.num_kv_heads, D ** -0.5, attn_backend,
+                              layer_idx)
 
     def forward(self, x, cos_sin, kv_cache, meta):
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
@@ -55,7 +56,8 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, dtype, device, bias: bool = False):
         super().__init__()
-        self.gate_up_proj = MergedColumnLinear(hidden_size, [intermediate_size] * 2, bias=bias, dtype=dtype, device=device)
+        self.gate_up_proj = MergedColumnLinear(hidden_size, [intermediate_size] * 2, bias=bias, dtype=dtype,
+                                               device=device)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, dtype=dtype, device=device)
         self.act = SiluAndMul()
 
@@ -125,7 +127,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, device, tied_to=tied)
 
     def make_mlp(self, cfg: ModelConfig, layer_idx: int, dtype, device) -> nn.Module:
-        return LlamaMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device, bias=bool(cfg.raw.get("mlp_bias", False)))
+        bias = bool(cfg.raw.get("mlp_bias", False))  # some Llama variants
+        return LlamaMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device, bias=bias)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -181,10 +184,13 @@ class LlamaForCausalLM(nn.Module):
                 continue
             mod_path, local, shard = route
             module = modules[mod_path]
-            if hasattr(module, "load_weight"):
-                local, shard = module.load_weight(local, tensor, shard)
-            else:
-                copy_checked(getattr(module, local), tensor, name)
+            try:
+                if hasattr(module, "load_weight"):
+                    local, shard = module.load_weight(local, tensor, shard)
+                else:
+                    copy_checked(getattr(module, local), tensor, "it")
+            except ModelLoadError as e:
+                raise ModelLoadError(f"checkpoint tensor {name}: {e}") from None
             got[f"{mod_path}.{local}" if mod_path else local] |= shard if isinstance(shard, set) else {shard}
         if ignored:
             log.info("ignored %d checkpoint tensors the model does not use (e.g. %s)", len(ignored), ignored[0])

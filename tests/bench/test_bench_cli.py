@@ -31,12 +31,12 @@ def one_model_load(monkeypatch):
     return cache
 
 
-LATENCY = ["bench", "latency", "--peer", "none", "--runs", "1", "--prompt-lens", "16", "--max-num-seqs", "2"]
+LATENCY = ["bench", "latency", "--peer", "none", "--runs", "1", "--quiet-wait", "0", "--prompt-lens", "16", "--max-num-seqs", "2"]
 
 
 def test_latency_and_throughput_share_one_markdown_file(tmp_path, one_model_load):
     md = tmp_path / "x.md"
-    assert main(["bench", "throughput", "--peer", "none", "--runs", "1", "--num-prompts", "2", "--input-len", "8",
+    assert main(["bench", "throughput", "--peer", "none", "--runs", "1", "--quiet-wait", "0", "--num-prompts", "2", "--input-len", "8",
                  "--output-len", "4", "--output", str(md)]) == 0
     assert main(LATENCY + ["--decode-tokens", "4", "--output", str(md)]) == 0
 
@@ -56,7 +56,8 @@ def test_latency_and_throughput_share_one_markdown_file(tmp_path, one_model_load
     out = next(m for m in thr["metrics"] if m["name"] == "output throughput")
     assert len(out["ember"]) == 1 and out["ember"][0] > 0 and out["peer"] is None
     names = [m["name"] for m in lat["metrics"]]
-    assert names == ["batch-1 decode, 4 tokens", "TTFT, 16-token prompt"]
+    assert names == ["batch-1 decode, 4 tokens, mean", "batch-1 decode, 4 tokens, steady (median gap)",
+                     "TTFT, 16-token prompt"]
     assert all(m["ember_median"] > 0 for m in lat["metrics"])
     assert lat["machine"]["torch_threads"] >= 1 and lat["machine"]["cpu"]
 
@@ -67,6 +68,7 @@ def test_latency_and_throughput_share_one_markdown_file(tmp_path, one_model_load
     again = md.read_text()
     assert again.startswith(before_throughput)
     assert "batch-1 decode, 3 tokens" in again and "batch-1 decode, 4 tokens" not in again
+    assert len(out["ember_others"]) == 1  # what other processes used is recorded per measurement
 
 
 def test_update_markdown_replaces_only_its_section():
@@ -83,3 +85,11 @@ def test_speedup_is_median_of_paired_runs():
     bar = report.Bar("no worse", "t", 1.0)
     assert bar.judge([m]) == (2.0, "PASS")
     assert report.Bar("x", "t", 2.5).judge([m]) == (2.0, "FAIL")
+
+
+def test_decode_rates_steady_ignores_a_stall():
+    from ember.bench.latency import decode_rates
+
+    times = [0.0, 0.1, 0.2, 0.3, 1.3]  # four gaps, one stretched by someone else's job
+    mean, steady = decode_rates(times)
+    assert mean == pytest.approx(4 / 1.3) and steady == pytest.approx(10.0)

@@ -27,6 +27,7 @@ def make_llm(path, **kw):
     kw.setdefault("dtype", "float32")
     kw.setdefault("block_size", 4)
     kw.setdefault("max_model_len", 128)
+    kw.setdefault("num_threads", 1)  # tiny models: threading costs more than it gives
     kw.setdefault("kv_cache_memory", kv_gib(path, 512, kw["block_size"]))  # small pool: fast to allocate
     return LLM(path, **kw)
 

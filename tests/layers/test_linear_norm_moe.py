@@ -11,6 +11,9 @@ from ember.layers.embedding import LMHead, VocabEmbedding
 from ember.layers.linear import MergedColumnLinear, QKVLinear, RowParallelLinear
 from ember.layers.moe import SparseMoeBlock
 from ember.layers.norm import RMSNorm
+from tests.models.tiny_models import one_thread
+
+pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 
 
 def test_qkv_linear_fuses_q_k_v_with_bias():

@@ -11,6 +11,9 @@ from ember.kernels import get_attention_backend
 from ember.kernels.metadata import AttentionMetadata
 from ember.kernels.torch_attention import TorchAttentionBackend
 from ember.layers.attention import Attention
+from tests.models.tiny_models import one_thread
+
+pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 
 HQ, HKV, D, BS, NUM_BLOCKS = 6, 2, 16, 4, 64
 

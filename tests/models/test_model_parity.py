@@ -10,8 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models.tiny_models import (ARCHS, PagedDriver, Seq, build_hf_model, hf_greedy, load_ember_model, random_prompt,
-                         save_hf_model)
+from tests.models.tiny_models import (ARCHS, PagedDriver, Seq, build_hf_model, hf_greedy, load_ember_model,
+                                      one_thread, random_prompt, save_hf_model)
+
+pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 
 PROMPTS = {7: 701, 11: 1100, 5: 500, 9: 901, 14: 1400}  # length -> seed
 NEW_TOKENS = 32
@@ -25,6 +27,7 @@ class Pair:
     """One HF model, its saved folder, the ember model loaded from it, cached HF generations."""
 
     def __init__(self, arch: str, folder: str):
+        self.arch, self.folder = arch, folder
         self.hf = build_hf_model(arch)
         save_hf_model(self.hf, folder)
         self.ember = load_ember_model(folder)
@@ -98,3 +101,18 @@ def test_staggered_chunked_batch_matches_hf(pair):
     PagedDriver(pair.ember, block_size=4, seed=1).generate(seqs, chunk=3)
     for s in seqs:
         assert s.generated == pair.hf_tokens(len(s.prompt)), f"prompt length {len(s.prompt)}"
+
+
+def test_bf16_model_is_as_close_to_fp32_as_hf_bf16(pair):
+    """bf16 weights and activations through prefill, a chunk and decodes: the error vs HF fp32 stays
+    within HF's own bf16 error (plus slack), so no path silently loses precision."""
+    ids = random_prompt(33, 5)
+    ref = pair.hf_logits(ids)
+    hf_bf16 = build_hf_model(pair.arch).to(torch.bfloat16)
+    with torch.inference_mode():
+        hf_err = (hf_bf16(torch.tensor([ids])).logits[0].float() - ref).abs().max().item()
+    model = load_ember_model(pair.folder, dtype=torch.bfloat16)
+    drv, s = PagedDriver(model, block_size=16), Seq(ids, 0)
+    ours = torch.cat([drv.step([(s, n)])[0] for n in (20, 3) + (1,) * 10])
+    err = (ours - ref).abs().max().item()
+    assert err <= max(1.5 * hf_err, 0.02 * ref.abs().max().item()), f"ours {err:.3g} vs HF bf16 {hf_err:.3g}"

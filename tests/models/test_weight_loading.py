@@ -12,7 +12,10 @@ from ember.errors import ModelLoadError, UnsupportedModelError
 from ember.loader.weights import iter_safetensors
 from ember.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from ember.models.registry import get_model_class
-from tests.models.tiny_models import PagedDriver, Seq, build_hf_model, load_ember_model, random_prompt, save_hf_model
+from tests.models.tiny_models import (PagedDriver, Seq, build_hf_model, load_ember_model, one_thread, random_prompt,
+                                      save_hf_model)
+
+pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 
 
 @pytest.fixture(scope="module")

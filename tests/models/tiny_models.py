@@ -11,6 +11,7 @@ import os
 import random
 from dataclasses import dataclass, field
 
+import pytest
 import torch
 
 from ember.kernels.metadata import AttentionMetadata
@@ -58,6 +59,17 @@ HF_CONFIGS = {
     ),
 }
 ARCHS = list(HF_CONFIGS)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and with busy cores OpenMP's spin-waits
+    make small SDPA calls ~100x slower (measured: this suite 114 s with 2 threads under load,
+    4 s with 1). Import it into a test module and mark the module with usefixtures."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def build_hf_model(arch: str, seed: int = 0):
