@@ -37,6 +37,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = field(default=True, metadata={"help": "split long prompts over several steps"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV blocks of shared prompt prefixes"})
     enforce_eager: bool = field(default=False, metadata={"help": "never use CUDA graphs or torch.compile"})
+    int8_decode: bool | None = field(default=None, metadata={"help": "CPU: keep an int8 weight-only copy of each linear for decode-sized batches (bf16 GEMV is slow on CPU); default: on for .gguf models in bfloat16/float16"})
     attention_backend: str = field(default="torch", metadata={"help": "attention kernels", "choices": ("torch",)})
     quantization: str | None = field(default=None, metadata={"help": "weight quantization method (none yet; a GGUF file is dequantized)"})
     tensor_parallel_size: int = field(default=1, metadata={"help": "number of devices to shard the model over"})

@@ -66,6 +66,7 @@ class LLMEngine:
         self.loaded = loaded
         self.model_config = mc = loaded.model_config
         self.tokenizer = loaded.tokenizer
+        self.int8_decode_bytes = self._maybe_int8_decode(loaded)
         self.max_model_len = self._resolve_max_model_len()
         self.max_num_seqs = config.max_num_seqs or (64 if self.device.type == "cuda" else 16)
         if self.max_num_seqs > config.max_num_batched_tokens:
@@ -99,11 +100,26 @@ class LLMEngine:
             eos.extend(mc.eos_token_id)
         self.eos_token_ids = list(dict.fromkeys(eos))
         logger.info(
-            "ember: %s, %.1fM parameters, %.1f MB weights, %s on %s, KV cache %d blocks x %d = %d tokens (%.1f MB), "
+            "ember: %s, %.1fM parameters, %.1f MB weights%s, %s on %s, KV cache %d blocks x %d = %d tokens (%.1f MB), "
             "max_model_len %d, loaded from %s in %.1fs",
-            mc.architecture, loaded.num_parameters / 1e6, loaded.weight_bytes / 1e6, str(self.dtype).removeprefix("torch."),
+            mc.architecture, loaded.num_parameters / 1e6, loaded.weight_bytes / 1e6,
+            f" (+{self.int8_decode_bytes / 1e6:.1f} MB int8 decode copy)" if self.int8_decode_bytes else "", str(self.dtype).removeprefix("torch."),
             self.device, num_blocks, config.block_size, num_blocks * config.block_size, num_blocks * block_bytes / 1e6,
             self.max_model_len, loaded.path, loaded.load_seconds)
+
+    def _maybe_int8_decode(self, loaded) -> int:
+        on = self.config.int8_decode
+        if on is None:
+            on = loaded.format == "gguf" and self.device.type == "cpu" and self.dtype != torch.float32
+        if not on:
+            return 0
+        if self.device.type != "cpu":
+            raise ConfigError("--int8-decode is a CPU path; drop it on CUDA")
+        if self.dtype == torch.float32:
+            raise ConfigError("--int8-decode needs --dtype bfloat16 or float16 (torch's int8 kernel takes those activations)")
+        from ember.quant.int8_decode import enable_int8_decode
+
+        return enable_int8_decode(loaded.model)
 
     # -- sizing -----------------------------------------------------------------------------
     def _resolve_max_model_len(self) -> int:

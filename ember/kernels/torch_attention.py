@@ -69,10 +69,13 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """A whole prompt with nothing cached before it: causal SDPA on the fresh k/v."""
-    o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+    """A whole prompt with nothing cached before it: causal SDPA on the fresh k/v.
+
+    4-D inputs on purpose: on CPU, 3-D SDPA misses the flash kernel (~7x slower at 2K tokens).
+    """
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                        is_causal=True, scale=scale, enable_gqa=True)
-    return o.transpose(0, 1)
+    return o[0].transpose(0, 1)
 
 
 def chunk_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
@@ -86,5 +89,6 @@ def chunk_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     ctx = seq_len - n
     pos_q = torch.arange(ctx, seq_len, device=q.device)
     mask = torch.arange(seq_len, device=q.device)[None, :] <= pos_q[:, None]
-    o = F.scaled_dot_product_attention(q.transpose(0, 1).float(), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    return o.transpose(0, 1).to(q.dtype)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1).float()[None], k[None], v[None], attn_mask=mask,
+                                       scale=scale, enable_gqa=True)  # 4-D: see prefill_attention
+    return o[0].transpose(0, 1).to(q.dtype)
