@@ -1,4 +1,4 @@
-# Fresh machine: `make run` (set up + chat with the embedded default model), `make test`.
+# Fresh machine: `make run` (set up + serve the embedded default model on http://127.0.0.1:8000/v1), `make test`.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 run: setup
-	$(BIN)/ember chat
+	$(BIN)/ember serve
 
 test: setup
 	$(BIN)/pytest -q

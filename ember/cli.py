@@ -1,4 +1,4 @@
-"""`ember generate | chat | bench` (serve comes with the server)."""
+"""`ember serve | generate | chat | bench`."""
 from __future__ import annotations
 
 import argparse
@@ -86,10 +86,22 @@ def cmd_chat(args) -> None:
         turn += 1
 
 
+def cmd_serve(args) -> None:
+    from ember.server.launcher import run_server
+
+    run_server(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ember", description="a compact, fast LLM inference engine")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = parser.add_subparsers(dest="command", required=True)
+
+    from ember.server.launcher import add_server_args
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default http://127.0.0.1:8000/v1)")
+    add_server_args(p)
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="generate a completion for one prompt")
     p.add_argument("prompt")

@@ -22,7 +22,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
     group = parser.add_argument_group("engine")
     for f in dataclasses.fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
-        help_ = f.metadata.get("help", "")
+        help_ = f.metadata.get("help", "").replace("%", "%%")  # argparse formats help with %
         if f.name == "model" and positional_model:
             parser.add_argument("model_pos", nargs="?", metavar="MODEL", default=None, help=help_)
         tp = _base_type(f.type)

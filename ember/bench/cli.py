@@ -43,6 +43,8 @@ def _common_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--output", default=DEFAULT_OUTPUT,
                    help="markdown results file; this benchmark's section is rewritten and a JSON file "
                         "<stem>-<kind>.json is written next to it")
+    g.add_argument("--prompt-seed", type=int, default=0,
+                   help="seed of the random prompts (both sides get the same ones; change it for another sample)")
     g.add_argument("--quiet-wait", type=float, default=30.0, metavar="SECONDS",
                    help="before each measured ember/peer pair, wait up to this long for other processes to leave "
                         "the CPU idle (0 = don't wait); what they used during each measurement is reported either way")
@@ -128,6 +130,13 @@ def _basename(path) -> str:
     return str(path).rstrip("/").rsplit("/", 1)[-1]
 
 
+def _protocol_note(args) -> str:
+    from ember.bench.throughput import CONTENDED_CORES, RETRIES
+
+    return (f"before each measured pair: wait up to {args.quiet_wait:g}s for other processes to leave the CPU idle; "
+            f"a pair during which they used > {CONTENDED_CORES} cores is redone (up to {RETRIES} times)")
+
+
 def _finish(result, output: str) -> None:
     from ember.bench import report
 
@@ -146,13 +155,13 @@ def cmd_latency(args) -> None:
     llm, peer, ember_desc = _build(args)
     load = load_average()
     metrics = latency.run(llm, peer, decode_tokens=args.decode_tokens, prompt_lens=args.prompt_lens, runs=args.runs,
-                          quiet_wait_s=args.quiet_wait)
-    notes = [latency.DECODE_METHOD, latency.TTFT_METHOD,
+                          quiet_wait_s=args.quiet_wait, prompt_seed_base=args.prompt_seed)
+    notes = [_protocol_note(args), latency.DECODE_METHOD, latency.RATES_METHOD, latency.TTFT_METHOD,
              f"decode uses a {latency.DECODE_PROMPT_LEN}-token prompt; all prompts are seeded random ordinary tokens, "
              "new each run"]
     if peer:
         notes += [hf_peer.DECODE_METHOD, hf_peer.TTFT_METHOD]
-    result = Result("latency", "Latency (batch 1)", _command(args, ["runs", "peer", "output", "quiet_wait", "decode_tokens", "prompt_lens"]),
+    result = Result("latency", "Latency (batch 1)", _command(args, ["runs", "peer", "output", "prompt_seed", "quiet_wait", "decode_tokens", "prompt_lens"]),
                     args.runs, metrics, latency.bars(args.decode_tokens, args.prompt_lens), ember_desc,
                     peer.description if peer else None, notes, load)
     _finish(result, args.output)
@@ -166,14 +175,15 @@ def cmd_throughput(args) -> None:
     llm, peer, ember_desc = _build(args, batch=args.num_prompts)
     load = load_average()
     metrics = throughput.run(llm, peer, num_prompts=args.num_prompts, input_len=args.input_len,
-                             output_len=args.output_len, runs=args.runs, quiet_wait_s=args.quiet_wait)
-    notes = ["ember: one LLM.generate() over all prompts (ignore_eos), tok/s over the whole call",
+                             output_len=args.output_len, runs=args.runs, quiet_wait_s=args.quiet_wait,
+                             prompt_seed_base=args.prompt_seed)
+    notes = [_protocol_note(args), "ember: one LLM.generate() over all prompts (ignore_eos), tok/s over the whole call",
              f"{args.num_prompts} seeded random prompts of ordinary tokens, new each run, "
              f"{args.input_len} in / {args.output_len} out each"]
     if peer:
         notes.append(hf_peer.BATCH_METHOD)
     result = Result("throughput", "Throughput (offline batch)",
-                    _command(args, ["runs", "peer", "output", "quiet_wait", "num_prompts", "input_len", "output_len"]), args.runs,
+                    _command(args, ["runs", "peer", "output", "prompt_seed", "quiet_wait", "num_prompts", "input_len", "output_len"]), args.runs,
                     metrics, throughput.bars(args.num_prompts, args.input_len, args.output_len), ember_desc,
                     peer.description if peer else None, notes, load)
     _finish(result, args.output)

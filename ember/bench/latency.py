@@ -19,13 +19,15 @@ import time
 from tqdm import tqdm
 
 from ember.bench.report import Bar, Metric
-from ember.bench.throughput import WARMUP_SEED, measure_pair, prompt_maker
+from ember.bench.throughput import measure_pair, prompt_maker, prompt_seed
 from ember.sampling import SamplingParams
 
 logger = logging.getLogger("ember.bench")
 
 DECODE_PROMPT_LEN = 32  # "a short prompt": decode speed should not depend on a long context
 DECODE_METHOD = "ember decode: engine.step() loop, each token timestamped when its step returns"
+RATES_METHOD = ("decode, both sides: mean = (N - 1) / (last token time - first token time); steady = 1 / median gap "
+                "between tokens, robust to a burst of other work (bars use steady; on a quiet machine they agree)")
 TTFT_METHOD = "ember TTFT: engine.add_request() to the step that returns the first token (max_tokens=1)"
 
 
@@ -38,6 +40,7 @@ def _run_one(engine, request_id: str, prompt: list[int], max_tokens: int) -> lis
         for out in engine.step():
             if out.request_id == request_id:
                 now = time.perf_counter()
+                assert not out.num_cached_tokens, "the prefix cache served a benchmark prompt; prompts must be fresh"
                 times += [now] * (len(out.outputs[0].token_ids) - len(times))
     assert len(times) == max_tokens, f"ember produced {len(times)} tokens, wanted {max_tokens}"
     return times
@@ -75,11 +78,12 @@ def bars(decode_tokens: int, prompt_lens: list[int]) -> list[Bar]:
     return out
 
 
-def run(llm, peer, *, decode_tokens: int, prompt_lens: list[int], runs: int, quiet_wait_s: float = 0.0) -> list[Metric]:
+def run(llm, peer, *, decode_tokens: int, prompt_lens: list[int], runs: int, quiet_wait_s: float = 0.0,
+        prompt_seed_base: int = 0) -> list[Metric]:
     """One warmup round, then `runs` rounds; each round measures ember and the peer on the same
     freshly seeded prompts (a new prompt per round, so the prefix cache cannot help)."""
     engine = llm.engine
-    make = prompt_maker(llm)
+    make = prompt_maker(llm, prompt_seed_base)
     mean = Metric(decode_metric_name(decode_tokens, False), "tok/s", True, peer=[] if peer else None)
     steady = Metric(decode_metric_name(decode_tokens, True), "tok/s", True, peer=[] if peer else None)
     ttfts = {n: Metric(ttft_metric_name(n), "ms", False, peer=[] if peer else None) for n in prompt_lens}
@@ -88,20 +92,24 @@ def run(llm, peer, *, decode_tokens: int, prompt_lens: list[int], runs: int, qui
         m, s = decode_rates(times)
         return {mean.name: m, steady.name: s}
 
+    by_name = {m.name: m for m in (mean, steady, *ttfts.values())}
     for r in tqdm(range(-1, runs), desc="bench latency", unit="run", dynamic_ncols=True):
-        seed = WARMUP_SEED if r < 0 else r
         label = "warmup" if r < 0 else f"run {r + 1}/{runs}"
-        p = make.make(1, DECODE_PROMPT_LEN, seed)[0]
-        # (ember, peer) measurement pairs; prompts bound as defaults so each lambda keeps its own
-        tasks = [(lambda p=p: decode(ember_decode(engine, f"bench-decode-{r}", p, decode_tokens)),
-                  lambda p=p: decode(peer.decode(p, decode_tokens)))]
-        for n, metric in ttfts.items():
-            p = make.make(1, n, seed * 7919 + n)[0]
-            tasks.append((lambda p=p, m=metric: {m.name: 1000 * ember_ttft(engine, f"bench-ttft-{r}-{len(p)}", p)},
-                          lambda p=p, m=metric: {m.name: 1000 * peer.ttft(p)}))
-        by_name = {m.name: m for m in (mean, steady, *ttfts.values())}
-        for ember_fn, peer_fn in tasks:
-            for side, values, others in measure_pair(r, ember_fn, peer_fn if peer else None, quiet_wait_s):
+
+        def decode_pair(attempt: int):
+            p = make.make(1, DECODE_PROMPT_LEN, prompt_seed(r, attempt))[0]
+            return (lambda: decode(ember_decode(engine, f"bench-decode-{r}-{attempt}", p, decode_tokens)),
+                    (lambda: decode(peer.decode(p, decode_tokens))) if peer else None)
+
+        def ttft_pair(n: int, m: Metric):
+            def make_pair(attempt: int):
+                p = make.make(1, n, prompt_seed(r, attempt, salt=n))[0]
+                return (lambda: {m.name: 1000 * ember_ttft(engine, f"bench-ttft-{r}-{n}-{attempt}", p)},
+                        (lambda: {m.name: 1000 * peer.ttft(p)}) if peer else None)
+            return make_pair
+
+        for make_pair in [decode_pair, *(ttft_pair(n, m) for n, m in ttfts.items())]:
+            for side, values, others in measure_pair(r, make_pair, quiet_wait_s):
                 for name, value in values.items():
                     m = by_name[name]
                     logger.info("bench latency %s %s: %s = %.1f %s (others used %s cores)", side, label, name, value,

@@ -1,0 +1,206 @@
+"""The FastAPI app: routes, API-key check, OpenAI-shaped errors, request counting, SSE.
+
+`build_app(async_engine, config)` returns an app whose lifespan starts the engine thread
+(warmup first; /health answers 503 until it is done). Every error a client can see has
+OpenAI's shape `{"error": {"message", "type", "param", "code"}}`:
+400 bad parameters (pydantic's 422 and malformed JSON included), 401 bad or missing API key
+on /v1/*, 404 unknown model or route, 503 overload, 500 for a bug -- with a generic message;
+the traceback goes to the log only.
+"""
+from __future__ import annotations
+
+import contextlib
+import hmac
+import importlib.metadata
+import json
+import logging
+import time
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ember.engine.async_engine import AsyncLLMEngine
+from ember.errors import EmberError
+from ember.server.chat import ChatHandler
+from ember.server.completions import CompletionHandler
+from ember.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from ember.server.protocol import ChatCompletionRequest, CompletionRequest, error_body, model_card
+from ember.server.serving import AuthenticationError, ClientDisconnected, ParamError, ServerConfig, Serving
+
+logger = logging.getLogger("ember.server")
+
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/version", "/metrics")
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable_error"}
+
+
+def ember_version() -> str:
+    try:
+        return importlib.metadata.version("ember")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _error(status: int, message: str, param: str | None = None, type_: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_ or _TYPES.get(status, "server_error"), status, param),
+                        status_code=status)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    parts, param = [], None
+    for err in errors:
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if err.get("type") == "json_invalid":
+            ctx = err.get("ctx") or {}
+            return f"the request body is not valid JSON: {ctx.get('error', err.get('msg'))}", None
+        where = ".".join(loc)
+        if param is None and loc:
+            param = loc[0]
+        value = err.get("input")
+        got = ""
+        if err.get("type") != "missing" and not isinstance(value, (dict, list)):
+            got = f" (got {json.dumps(value) if isinstance(value, (str, int, float, bool, type(None))) else type(value).__name__})"
+        parts.append(f"{where or 'body'}: {err.get('msg')}{got}")
+        if len(parts) == 3:
+            break
+    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+    return "invalid request: " + "; ".join(parts) + more, param
+
+
+class _CountRequests:
+    """Pure ASGI middleware (no buffering of streams): counts responses by endpoint and status, and
+    answers a handler bug with a generic 500 itself. Starlette's own 500 path re-raises to the
+    server, which then drops the keep-alive connection; here the connection stays usable."""
+
+    def __init__(self, app, metrics: ServerMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        endpoint = path if path in ENDPOINTS else "other"
+        started = False
+
+        async def counting_send(message):
+            nonlocal started
+            if message["type"] == "http.response.start" and not started:
+                started = True
+                self.metrics.count_http(endpoint, message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception as exc:  # noqa: BLE001 -- a bug in a handler: log it, answer 500, keep serving
+            logger.error("unhandled error in %s %s", scope.get("method"), path, exc_info=exc)
+            if started:
+                raise  # mid-stream: the stream generators report errors in-band; nothing more to send
+            response = _error(500, "internal server error; the server log has the details", type_="server_error")
+            await response(scope, receive, counting_send)
+
+
+def build_app(engine: AsyncLLMEngine, config: ServerConfig, metrics: ServerMetrics | None = None) -> FastAPI:
+    metrics = metrics or ServerMetrics(config.served_model_names[0])
+    if engine.stats_listener is None:
+        engine.stats_listener = metrics
+    serving = Serving(engine, config)
+    chat = ChatHandler(serving)
+    completions = CompletionHandler(serving)
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.shutdown()
+
+    app = FastAPI(title="ember", version=ember_version(), lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.engine = engine
+    app.state.serving = serving
+    app.state.metrics = metrics
+
+    # -- errors --------------------------------------------------------------------------------
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return _error(400, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            return _error(404, f"{request.method} {request.url.path} is not an endpoint of this server", None)
+        return _error(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(EmberError)
+    async def _ember(request: Request, exc: EmberError):
+        status = getattr(exc, "http_status", 400)
+        return _error(status, str(exc), getattr(exc, "param", None))
+
+    # -- auth ----------------------------------------------------------------------------------
+    def check_key(request: Request) -> None:
+        key = config.api_key
+        if not key:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise AuthenticationError("a valid API key is required: send the header `Authorization: Bearer <key>`")
+
+    v1 = [Depends(check_key)]
+
+    # -- routes --------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        if engine.is_ready:
+            return Response(status_code=200)
+        return _error(503, "ember is warming up; retry when /health answers 200")
+
+    @app.get("/version")
+    async def version():
+        return {"version": ember_version()}
+
+    @app.get("/metrics")
+    async def get_metrics():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=v1)
+    async def models():
+        return {"object": "list", "data": [model_card(n, config.model_root, serving.max_model_len, created)
+                                           for n in config.served_model_names]}
+
+    @app.get("/v1/models/{name:path}", dependencies=v1)
+    async def model(name: str):
+        serving.check_model(name)
+        return model_card(name, config.model_root, serving.max_model_len, created)
+
+    async def answer(result):
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return StreamingResponse(result, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/v1/chat/completions", dependencies=v1)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        try:
+            return await answer(await chat.create(body, request.receive))
+        except ClientDisconnected:
+            return Response(status_code=499)
+
+    @app.post("/v1/completions", dependencies=v1)
+    async def create_completion(body: CompletionRequest, request: Request):
+        try:
+            return await answer(await completions.create(body, request.receive))
+        except ClientDisconnected:
+            return Response(status_code=499)
+
+    app.add_middleware(_CountRequests, metrics=metrics)
+    return app
+
+
+__all__ = ["build_app", "ServerConfig", "ParamError"]

@@ -1,0 +1,209 @@
+"""POST /v1/chat/completions: messages through the chat template, then one engine request with n
+sequences; answered whole or as SSE chunks, with tool calls parsed from Qwen/Hermes output."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any, AsyncIterator
+
+from ember.server.logprobs import chat_logprobs
+from ember.server.protocol import ChatCompletionRequest, now, request_id, usage
+from ember.server.serving import ParamError, Serving, merged, unless_disconnected
+from ember.server.tool_parser import HermesToolParser
+
+logger = logging.getLogger("ember.server")
+
+
+def _message_dict(m) -> dict[str, Any]:
+    d = m.model_dump(exclude_none=True)
+    content = m.content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.type != "text" or part.text is None:
+                raise ParamError(f"content part type {part.type!r} is not supported: ember serves text models; "
+                                 "send text parts only", "messages")
+            texts.append(part.text)
+        d["content"] = "\n".join(texts)
+    elif content is None:
+        d["content"] = ""  # assistant turns with only tool calls; templates concatenate content
+    if m.tool_calls:
+        calls = []
+        for call in m.tool_calls:
+            call = dict(call)
+            fn = dict(call.get("function") or {})
+            args = fn.get("arguments")
+            if isinstance(args, str):  # OpenAI sends JSON text; templates want the object
+                try:
+                    fn["arguments"] = json.loads(args)
+                except json.JSONDecodeError:
+                    pass
+            call["function"] = fn
+            calls.append(call)
+        d["tool_calls"] = calls
+    return d
+
+
+class ChatHandler:
+    def __init__(self, serving: Serving):
+        self.s = serving
+
+    def _prompt(self, req: ChatCompletionRequest) -> tuple[list[int], bool]:
+        """(prompt token ids, whether tool calls are parsed from the output)."""
+        if req.tool_choice is not None and req.tool_choice not in ("auto", "none"):
+            raise ParamError("tool_choice 'required' or a named function needs guided decoding, which ember does "
+                             "not have; use 'auto' (the model decides) or 'none'", "tool_choice")
+        use_tools = bool(req.tools) and req.tool_choice != "none"
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if use_tools else None
+        messages = [_message_dict(m) for m in req.messages]
+        ids = self.s.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=req.add_generation_prompt, tokenize=True, tools=tools,
+            chat_template=self.s.config.chat_template, **(req.chat_template_kwargs or {}))
+        return ids, use_tools
+
+    async def create(self, req: ChatCompletionRequest, receive):
+        model = self.s.check_model(req.model)
+        self.s.check_unsupported(req)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ParamError("top_logprobs needs logprobs to be true", "top_logprobs")
+        ids, use_tools = self._prompt(req)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        top_n = (req.top_logprobs or 0) if req.logprobs else None
+        params = self.s.sampling_params(req, len(ids), max_tokens, top_n)
+        rid = request_id("chatcmpl")
+        arrival = time.monotonic()
+        streams = await self.s.submit(rid, [(None, ids)], params)
+        ctx = _Ctx(rid, model, now(), req, len(ids), use_tools, top_n, arrival)
+        if req.stream:
+            return self._stream(streams, ctx)
+        return await unless_disconnected(self._whole(streams, ctx), receive)
+
+    # -- whole answer -------------------------------------------------------------------------
+    async def _whole(self, streams, ctx: _Ctx) -> dict:
+        n = ctx.req.n
+        texts = [[] for _ in range(n)]
+        tokens = [[] for _ in range(n)]
+        lps: list[list] = [[] for _ in range(n)]
+        finish: list[str | None] = [None] * n
+        stop_reason: list[Any] = [None] * n
+        cached = 0
+        try:
+            async for _, delta in merged(streams):
+                cached = delta.num_cached_tokens
+                for sd in delta.seqs:
+                    texts[sd.index].append(sd.text)
+                    tokens[sd.index].extend(sd.token_ids)
+                    if sd.logprobs is not None:
+                        lps[sd.index].extend(sd.logprobs)
+                    if sd.finish_reason is not None:
+                        finish[sd.index], stop_reason[sd.index] = sd.finish_reason, sd.stop_reason
+        finally:
+            for s in streams:
+                s.abort()
+        choices = []
+        for i in range(n):
+            text = "".join(texts[i])
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            reason = finish[i]
+            if ctx.use_tools:
+                parser = HermesToolParser()
+                parser.feed(text)
+                parser.finish()
+                if parser.calls:
+                    message["content"] = parser.content if parser.content.strip() else None
+                    message["tool_calls"] = [{"id": c.id, "type": "function",
+                                              "function": {"name": c.name, "arguments": c.arguments}}
+                                             for c in parser.calls]
+                    if reason == "stop":
+                        reason = "tool_calls"
+            choice = {"index": i, "message": message, "logprobs": None, "finish_reason": reason,
+                      "stop_reason": stop_reason[i]}
+            if ctx.top_n is not None:
+                choice["logprobs"] = {"content": chat_logprobs(tokens[i], lps[i], ctx.top_n, self.s.token_text)}
+            choices.append(choice)
+        completion = sum(len(t) for t in tokens)
+        self._log(ctx, completion, finish)
+        return {"id": ctx.rid, "object": "chat.completion", "created": ctx.created, "model": ctx.model,
+                "choices": choices, "usage": usage(ctx.prompt_len, completion, cached), "system_fingerprint": None}
+
+    # -- streaming ----------------------------------------------------------------------------
+    async def _stream(self, streams, ctx: _Ctx) -> AsyncIterator[str]:
+        req = ctx.req
+        n = req.n
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        head = {"id": ctx.rid, "object": "chat.completion.chunk", "created": ctx.created, "model": ctx.model}
+        bare = json.dumps(head, separators=(",", ":"))[:-1] + ',"choices":'
+        prefix = bare[:-len('"choices":')] + '"usage":null,"choices":' if include_usage else bare
+
+        def chunk(choices: list) -> str:
+            return "data: " + prefix + json.dumps(choices, separators=(",", ":")) + "}\n\n"
+
+        def usage_chunk(u: dict) -> str:
+            return "data: " + bare + '[],"usage":' + json.dumps(u, separators=(",", ":")) + "}\n\n"
+
+        parsers = [HermesToolParser() for _ in range(n)] if ctx.use_tools else None
+        completion = 0
+        finish: list[str | None] = [None] * n
+        cached = 0
+        try:
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None} for i in range(n)])
+            async for _, delta in merged(streams):
+                cached = delta.num_cached_tokens
+                out = []
+                for sd in delta.seqs:
+                    completion += len(sd.token_ids)
+                    d: dict[str, Any] = {}
+                    reason = sd.finish_reason
+                    if parsers is not None:
+                        p = parsers[sd.index]
+                        parsed = p.feed(sd.text)
+                        if reason is not None:
+                            tail = p.finish()
+                            parsed.content += tail.content
+                            parsed.tool_calls += tail.tool_calls
+                            if p.calls and reason == "stop":
+                                reason = "tool_calls"
+                        if parsed.content:
+                            d["content"] = parsed.content
+                        if parsed.tool_calls:
+                            d["tool_calls"] = parsed.tool_calls
+                    elif sd.text:
+                        d["content"] = sd.text
+                    lp = None
+                    if ctx.top_n is not None and sd.token_ids:
+                        lp = {"content": chat_logprobs(sd.token_ids, sd.logprobs, ctx.top_n, self.s.token_text)}
+                    if not d and lp is None and reason is None:
+                        continue
+                    choice = {"index": sd.index, "delta": d, "logprobs": lp, "finish_reason": reason}
+                    if reason is not None:
+                        finish[sd.index] = reason
+                        choice["stop_reason"] = sd.stop_reason
+                    out.append(choice)
+                if out:
+                    yield chunk(out)
+            if include_usage:
+                yield usage_chunk(usage(ctx.prompt_len, completion, cached))
+            self._log(ctx, completion, finish)
+        except Exception:  # noqa: BLE001 -- headers are sent: report in-band, never a traceback
+            logger.exception("chat stream %s failed", ctx.rid)
+            yield "data: " + json.dumps({"error": {"message": "internal error while streaming; see the server log",
+                                                   "type": "server_error", "param": None, "code": 500}}) + "\n\n"
+        finally:
+            for s in streams:
+                s.abort()
+        yield "data: [DONE]\n\n"
+
+    def _log(self, ctx: _Ctx, completion: int, finish) -> None:
+        if self.s.config.log_requests:
+            logger.info("%s: %d prompt + %d completion tokens in %.2fs, finish %s", ctx.rid, ctx.prompt_len,
+                        completion, time.monotonic() - ctx.arrival, ",".join(str(f) for f in finish))
+
+
+class _Ctx:
+    __slots__ = ("rid", "model", "created", "req", "prompt_len", "use_tools", "top_n", "arrival")
+
+    def __init__(self, rid, model, created, req, prompt_len, use_tools, top_n, arrival):
+        self.rid, self.model, self.created, self.req = rid, model, created, req
+        self.prompt_len, self.use_tools, self.top_n, self.arrival = prompt_len, use_tools, top_n, arrival

@@ -1,0 +1,166 @@
+"""POST /v1/completions: a prompt as a string, a list of strings, token ids or lists of token ids;
+each prompt is one engine request with n sequences (choice index = prompt index * n + i)."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any, AsyncIterator
+
+from ember.server.logprobs import CompletionLogprobs
+from ember.server.protocol import CompletionRequest, now, request_id, usage
+from ember.server.serving import ParamError, Serving, merged, unless_disconnected
+
+logger = logging.getLogger("ember.server")
+
+
+class CompletionHandler:
+    def __init__(self, serving: Serving):
+        self.s = serving
+
+    def _prompts(self, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+        p = req.prompt
+        if isinstance(p, str):
+            items: list = [p]
+        elif p and all(isinstance(t, int) for t in p):
+            items = [p]
+        else:
+            items = list(p)
+        if not items:
+            raise ParamError("prompt is empty; give a string, a list of strings or token ids", "prompt")
+        out = []
+        for item in items:
+            if isinstance(item, str):
+                ids = self.s.tokenizer.encode(item)
+                if not ids:
+                    raise ParamError("a prompt encodes to no tokens; give a non-empty prompt", "prompt")
+                out.append((item, ids))
+            else:
+                ids = list(item)
+                self.s.check_token_ids(ids, "prompt")
+                out.append((None, ids))
+        return out
+
+    async def create(self, req: CompletionRequest, receive):
+        model = self.s.check_model(req.model)
+        self.s.check_unsupported(req)
+        if req.suffix is not None:
+            raise ParamError("suffix (fill-in-the-middle) is not supported by ember; leave it unset", "suffix")
+        if req.echo and req.logprobs is not None:
+            raise ParamError("echo with logprobs needs prompt logprobs, which ember does not compute; drop one of them",
+                             "echo")
+        prompts = self._prompts(req)
+        params = [self.s.sampling_params(req, len(ids), req.max_tokens, req.logprobs) for _, ids in prompts]
+        # every prompt gets the same knobs; max_tokens None means "the rest of the context" per prompt
+        rid = request_id("cmpl")
+        arrival = time.monotonic()
+        streams = []
+        try:
+            for i, ((text, ids), p) in enumerate(zip(prompts, params)):
+                streams += await self.s.submit(rid if len(prompts) == 1 else f"{rid}-{i}", [(text, ids)], p)
+        except BaseException:
+            for s in streams:
+                s.abort()
+            raise
+        ctx = dict(rid=rid, model=model, created=now(), req=req, prompts=prompts, arrival=arrival)
+        if req.stream:
+            return self._stream(streams, ctx)
+        return await unless_disconnected(self._whole(streams, ctx), receive)
+
+    def _echo(self, text: str | None, ids: list[int]) -> str:
+        return text if text is not None else self.s.tokenizer.decode(ids, skip_special_tokens=False)
+
+    async def _whole(self, streams, ctx) -> dict:
+        req, prompts, n = ctx["req"], ctx["prompts"], ctx["req"].n
+        total = len(prompts) * n
+        texts = [[] for _ in range(total)]
+        tokens = [[] for _ in range(total)]
+        lps: list[list] = [[] for _ in range(total)]
+        finish: list[str | None] = [None] * total
+        stop_reason: list[Any] = [None] * total
+        cached = [0] * len(prompts)
+        try:
+            async for pi, delta in merged(streams):
+                cached[pi] = delta.num_cached_tokens
+                for sd in delta.seqs:
+                    k = pi * n + sd.index
+                    texts[k].append(sd.text)
+                    tokens[k].extend(sd.token_ids)
+                    if sd.logprobs is not None:
+                        lps[k].extend(sd.logprobs)
+                    if sd.finish_reason is not None:
+                        finish[k], stop_reason[k] = sd.finish_reason, sd.stop_reason
+        finally:
+            for s in streams:
+                s.abort()
+        choices = []
+        for k in range(total):
+            text = "".join(texts[k])
+            prefix = self._echo(*prompts[k // n]) if req.echo else ""
+            lp = None
+            if req.logprobs is not None:
+                lp = CompletionLogprobs(req.logprobs, self.s.token_text, len(prefix)).build(tokens[k], lps[k])
+            choices.append({"index": k, "text": prefix + text, "logprobs": lp, "finish_reason": finish[k],
+                            "stop_reason": stop_reason[k]})
+        prompt_tokens = sum(len(ids) for _, ids in prompts)
+        completion = sum(len(t) for t in tokens)
+        self._log(ctx, prompt_tokens, completion)
+        return {"id": ctx["rid"], "object": "text_completion", "created": ctx["created"], "model": ctx["model"],
+                "choices": choices, "usage": usage(prompt_tokens, completion, sum(cached)), "system_fingerprint": None}
+
+    async def _stream(self, streams, ctx) -> AsyncIterator[str]:
+        req, prompts, n = ctx["req"], ctx["prompts"], ctx["req"].n
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        head = {"id": ctx["rid"], "object": "text_completion", "created": ctx["created"], "model": ctx["model"]}
+        bare = json.dumps(head, separators=(",", ":"))[:-1] + ',"choices":'
+        prefix = bare[:-len('"choices":')] + '"usage":null,"choices":' if include_usage else bare
+
+        def chunk(choices: list) -> str:
+            return "data: " + prefix + json.dumps(choices, separators=(",", ":")) + "}\n\n"
+
+        def usage_chunk(u: dict) -> str:
+            return "data: " + bare + '[],"usage":' + json.dumps(u, separators=(",", ":")) + "}\n\n"
+
+        total = len(prompts) * n
+        lp_state = [CompletionLogprobs(req.logprobs, self.s.token_text) if req.logprobs is not None else None
+                    for _ in range(total)]
+        completion = 0
+        cached = [0] * len(prompts)
+        try:
+            if req.echo:
+                yield chunk([{"index": k, "text": self._echo(*prompts[k // n]), "logprobs": None, "finish_reason": None}
+                             for k in range(total)])
+            async for pi, delta in merged(streams):
+                cached[pi] = delta.num_cached_tokens
+                out = []
+                for sd in delta.seqs:
+                    k = pi * n + sd.index
+                    completion += len(sd.token_ids)
+                    lp = None
+                    if lp_state[k] is not None and sd.token_ids:
+                        lp = lp_state[k].build(sd.token_ids, sd.logprobs)
+                    if not sd.text and lp is None and sd.finish_reason is None:
+                        continue
+                    choice = {"index": k, "text": sd.text, "logprobs": lp, "finish_reason": sd.finish_reason}
+                    if sd.finish_reason is not None:
+                        choice["stop_reason"] = sd.stop_reason
+                    out.append(choice)
+                if out:
+                    yield chunk(out)
+            if include_usage:
+                prompt_tokens = sum(len(ids) for _, ids in prompts)
+                yield usage_chunk(usage(prompt_tokens, completion, sum(cached)))
+            self._log(ctx, sum(len(ids) for _, ids in prompts), completion)
+        except Exception:  # noqa: BLE001 -- headers are sent: report in-band, never a traceback
+            logger.exception("completion stream %s failed", ctx["rid"])
+            yield "data: " + json.dumps({"error": {"message": "internal error while streaming; see the server log",
+                                                   "type": "server_error", "param": None, "code": 500}}) + "\n\n"
+        finally:
+            for s in streams:
+                s.abort()
+        yield "data: [DONE]\n\n"
+
+    def _log(self, ctx, prompt_tokens: int, completion: int) -> None:
+        if self.s.config.log_requests:
+            logger.info("%s: %d prompt + %d completion tokens in %.2fs", ctx["rid"], prompt_tokens, completion,
+                        time.monotonic() - ctx["arrival"])

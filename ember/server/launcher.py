@@ -1,0 +1,117 @@
+"""`ember serve` and `python -m ember.entrypoints.openai.api_server`: flags, engine, uvicorn.
+
+Every engine flag (generated from EngineConfig) is a serve flag; the server's own flags keep
+vLLM's names (--host, --port, --api-key, --served-model-name, --chat-template,
+--disable-log-requests, --enable-auto-tool-choice, --tool-call-parser), so a vLLM launch
+line works. The model is loaded before the port opens, so a bad model or flag fails the
+command with its message instead of leaving a half-started server.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+
+from ember.engine.async_engine import DEFAULT_MAX_WAITING_REQUESTS
+from ember.engine_args import add_engine_args, engine_config_from_args
+from ember.errors import ConfigError
+
+logger = logging.getLogger("ember.server")
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+
+
+def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool = True) -> None:
+    add_engine_args(parser, positional_model=positional_model)
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST}; "
+                   "0.0.0.0 exposes the server to the network)")
+    g.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    g.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on /v1/* (default: $EMBER_API_KEY, else no key)")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model name(s) clients use; the first is reported (default: the model argument)")
+    g.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
+                   help="requests allowed to wait for a slot; more are answered 503 "
+                        f"(default {DEFAULT_MAX_WAITING_REQUESTS})")
+    g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="run a short request and a full-budget step before /health reports ready (default on)")
+    g.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template, or a file holding one, instead of the model's")
+    g.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
+    g.add_argument("--uvicorn-log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's own log level (info shows one access line per request)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM compatibility: ember parses tool calls whenever a request has tools")
+    g.add_argument("--tool-call-parser", default="hermes", choices=["hermes"],
+                   help="tool-call format: hermes = Qwen/Hermes <tool_call>{json}</tool_call> (the only one)")
+
+
+def _model_name(args, engine) -> list[str]:
+    if args.served_model_name:
+        return list(args.served_model_name)
+    given = getattr(args, "model_pos", None) or getattr(args, "model", None)
+    if given:
+        return [given]
+    base = os.path.basename(str(engine.loaded.path).rstrip("/"))
+    return [base.split(".")[0] if base.endswith(".gguf") else base]
+
+
+def _chat_template(value: str | None) -> str | None:
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in value:
+        raise ConfigError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    return value
+
+
+def build_server(args):
+    """(uvicorn.Server, app) for parsed args; loads the model."""
+    import uvicorn
+
+    from ember.engine.async_engine import AsyncLLMEngine
+    from ember.engine.engine import LLMEngine
+    from ember.server.api import build_app
+    from ember.server.metrics import ServerMetrics
+    from ember.server.serving import ServerConfig
+
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port must be in 0..65535 (got {args.port})")
+    if args.max_waiting_requests < 1:
+        raise ConfigError(f"--max-waiting-requests must be >= 1 (got {args.max_waiting_requests})")
+    template = _chat_template(args.chat_template)
+    engine = LLMEngine(engine_config_from_args(args))
+    names = _model_name(args, engine)
+    config = ServerConfig(served_model_names=names, model_root=str(engine.loaded.path),
+                          api_key=args.api_key or os.environ.get("EMBER_API_KEY") or None,
+                          chat_template=template, log_requests=not args.disable_log_requests)
+    metrics = ServerMetrics(names[0])
+    async_engine = AsyncLLMEngine(engine, max_waiting_requests=args.max_waiting_requests, warmup=args.warmup,
+                                  stats=metrics)
+    app = build_app(async_engine, config, metrics)
+    uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                        timeout_graceful_shutdown=5, access_log=args.uvicorn_log_level in ("info", "debug", "trace"))
+    return uvicorn.Server(uv), app
+
+
+def run_server(args) -> None:
+    t0 = time.monotonic()
+    server, app = build_server(args)
+    auth = "API key required" if app.state.serving.config.api_key else "no API key"
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not app.state.serving.config.api_key:
+        logger.warning("listening on %s without --api-key: anyone who can reach this port can use the model",
+                       args.host)
+    logger.info("ember serve: %s at http://%s:%d/v1 (%s), engine built in %.1fs%s",
+                ", ".join(app.state.serving.config.served_model_names), args.host, args.port, auth,
+                time.monotonic() - t0, "; warming up" if args.warmup else "")
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn shut down gracefully, then re-raised Ctrl-C
+        pass
+    logger.info("ember serve: stopped")

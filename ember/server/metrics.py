@@ -1,0 +1,94 @@
+"""Prometheus metrics of one server (its own CollectorRegistry, so a process can hold several apps).
+
+Names follow vLLM's with an `ember:` prefix, so dashboards port by renaming. The engine thread
+feeds the gauges and token counters after every step (prometheus-client is thread-safe); the
+HTTP layer counts requests by endpoint and status code.
+"""
+from __future__ import annotations
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 -- re-exported for the route
+
+# `*_created` timestamp series double the output and no dashboard reads them (vLLM drops them too).
+prometheus_client.disable_created_metrics()
+
+from ember.engine.async_engine import RequestTiming
+
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 300.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, {"model_name": model_name}
+        self._labels = labels
+
+        def counter(name, doc, extra=()):
+            return Counter(name, doc, [*labels, *extra], registry=r)
+
+        def gauge(name, doc):
+            return Gauge(name, doc, list(labels), registry=r).labels(**labels)
+
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, list(labels), buckets=buckets, registry=r).labels(**labels)
+
+        self.http_requests = counter("ember:http_requests", "HTTP requests by endpoint and status code",
+                                     ("endpoint", "status"))
+        self.request_success = counter("ember:request_success", "finished requests by finish reason",
+                                       ("finished_reason",))
+        self.prompt_tokens = counter("ember:prompt_tokens", "prompt tokens of finished (and aborted) requests").labels(**labels)
+        self.generation_tokens = counter("ember:generation_tokens", "generated tokens").labels(**labels)
+        self.prefix_cache_queries = counter("ember:prefix_cache_queries", "prompt tokens looked up in the prefix cache").labels(**labels)
+        self.prefix_cache_hits = counter("ember:prefix_cache_hits", "prompt tokens found in the prefix cache").labels(**labels)
+        self.preemptions = counter("ember:num_preemptions", "requests preempted for lack of KV blocks").labels(**labels)
+        self.running = gauge("ember:num_requests_running", "sequences in the running batch")
+        self.waiting = gauge("ember:num_requests_waiting", "sequences waiting for a slot")
+        self.kv_usage = gauge("ember:kv_cache_usage_perc", "fraction of KV cache blocks in use (0-1)")
+        self.prefix_hit_rate = gauge("ember:prefix_cache_hit_rate", "prefix cache hits / queries since start (0-1)")
+        self.ttft = histogram("ember:time_to_first_token_seconds", "time from arrival to the first generated token",
+                              TTFT_BUCKETS)
+        self.tpot = histogram("ember:time_per_output_token_seconds", "mean time between output tokens, per request",
+                              TPOT_BUCKETS)
+        self.e2e = histogram("ember:e2e_request_latency_seconds", "time from arrival to the last token", E2E_BUCKETS)
+        self._last: dict | None = None
+        self._queries = self._hits = 0
+
+    # -- StatsListener (called on the engine thread) --------------------------------------------
+    def on_step(self, stats: dict, num_new_tokens: int, step_seconds: float) -> None:
+        last = self._last
+        self._last = stats
+        if last is None:  # the first report (after warmup) is the baseline
+            last = stats
+        dq = max(0, stats["prefix_cache_queries"] - last["prefix_cache_queries"])
+        dh = max(0, stats["prefix_cache_hits"] - last["prefix_cache_hits"])
+        self._queries += dq
+        self._hits += dh
+        self.prefix_cache_queries.inc(dq)
+        self.prefix_cache_hits.inc(dh)
+        self.preemptions.inc(max(0, stats["num_preemptions"] - last["num_preemptions"]))
+        self.generation_tokens.inc(num_new_tokens)
+        self.running.set(stats["running"])
+        self.waiting.set(stats["waiting"])
+        total = stats["kv_blocks_total"]
+        self.kv_usage.set(1.0 - stats["kv_blocks_free"] / total if total else 0.0)
+        self.prefix_hit_rate.set(self._hits / self._queries if self._queries else 0.0)
+
+    def on_request_finished(self, t: RequestTiming) -> None:
+        self.request_success.labels(**self._labels, finished_reason=t.finish_reason or "unknown").inc()
+        self.prompt_tokens.inc(t.num_prompt_tokens)
+        if t.first_token is not None:
+            self.ttft.observe(t.first_token - t.arrival)
+            if t.max_seq_tokens > 1 and t.finished is not None and t.finish_reason != "abort":
+                self.tpot.observe((t.finished - t.first_token) / (t.max_seq_tokens - 1))
+        if t.finished is not None and t.finish_reason != "abort":
+            self.e2e.observe(t.finished - t.arrival)
+
+    # -- HTTP --------------------------------------------------------------------------------------
+    def count_http(self, endpoint: str, status: int) -> None:
+        self.http_requests.labels(**self._labels, endpoint=endpoint, status=str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,206 @@
+"""What the chat and completions endpoints share: server settings, errors with an HTTP status,
+request -> SamplingParams (with vLLM's context-length check), submitting prompts to the async
+engine, and noticing a client that went away."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from ember.engine.async_engine import AsyncLLMEngine, RequestDelta, RequestStream
+from ember.errors import EmberError, InvalidRequestError
+from ember.sampling import SamplingParams
+from ember.server.logprobs import TokenText
+from ember.server.protocol import ChatCompletionRequest, CompletionRequest
+
+logger = logging.getLogger("ember.server")
+
+
+class ModelNotFoundError(EmberError):
+    http_status = 404
+
+
+class AuthenticationError(EmberError):
+    http_status = 401
+
+
+class ParamError(InvalidRequestError):
+    """A 400 that names the offending request field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class ServerConfig:
+    served_model_names: list[str]
+    model_root: str = ""
+    api_key: str | None = None
+    chat_template: str | None = None  # a template string (the flag also takes a file; read by the launcher)
+    log_requests: bool = True
+
+
+_SAMPLING_PARAM = re.compile(r"^SamplingParams\.(\w+)=")
+
+
+def sampling_error(e: InvalidRequestError) -> ParamError:
+    """SamplingParams says `SamplingParams.top_p=2 is invalid: ...`; a client wants `top_p`."""
+    msg = str(e)
+    m = _SAMPLING_PARAM.match(msg)
+    if m is None:
+        return ParamError(msg)
+    return ParamError(msg.removeprefix("SamplingParams."), m.group(1))
+
+
+class Serving:
+    """State shared by the endpoints of one app."""
+
+    def __init__(self, engine: AsyncLLMEngine, config: ServerConfig):
+        self.engine = engine
+        self.config = config
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.token_text = TokenText(self.tokenizer)
+
+    @property
+    def model_name(self) -> str:
+        return self.config.served_model_names[0]
+
+    def check_model(self, name: str | None) -> str:
+        if name is None or name in self.config.served_model_names:
+            return self.model_name if name is None else name
+        raise ModelNotFoundError(f"The model `{name}` does not exist; this server serves "
+                                 f"{', '.join(repr(n) for n in self.config.served_model_names)} (see /v1/models)")
+
+    def check_unsupported(self, req: ChatCompletionRequest | CompletionRequest) -> None:
+        if req.logit_bias:
+            raise ParamError("logit_bias is not supported by ember; leave it unset", "logit_bias")
+        if req.best_of is not None and req.best_of != req.n:
+            raise ParamError(f"best_of={req.best_of} is not supported (only best_of == n); leave it unset", "best_of")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise ParamError(f"response_format type {req.response_format.get('type')!r} needs guided decoding, "
+                             "which ember does not have; use {\"type\": \"text\"} or leave it unset", "response_format")
+        if req.stream_options is not None and not req.stream:
+            raise ParamError("stream_options can only be given when stream is true", "stream_options")
+        ignored = req.ignored_fields()
+        if ignored:
+            logger.warning("request fields ignored (not known to ember): %s", ", ".join(ignored))
+
+    def sampling_params(self, req, prompt_len: int, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Validated SamplingParams; refuses a prompt (plus max_tokens) that does not fit max_model_len."""
+        m = self.max_model_len
+        if prompt_len >= m:
+            raise ParamError(f"This model's maximum context length is {m} tokens, but the prompt has {prompt_len} "
+                             f"tokens (prompt plus at least one generated token must fit); shorten the prompt",
+                             "messages" if isinstance(req, ChatCompletionRequest) else "prompt")
+        if max_tokens is not None and prompt_len + max_tokens > m:
+            raise ParamError(
+                f"This model's maximum context length is {m} tokens. However, you requested {prompt_len + max_tokens} "
+                f"tokens ({prompt_len} in the prompt, {max_tokens} in the completion). Please reduce the length of the "
+                f"prompt or max_tokens.", "max_tokens")
+        kw: dict[str, Any] = dict(
+            n=req.n, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, seed=req.seed,
+            stop=req.stop, max_tokens=max_tokens if max_tokens is not None else m - prompt_len,
+            min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, stop_token_ids=req.stop_token_ids,
+            include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
+            logprobs=logprobs)
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+            v = getattr(req, name)
+            if v is not None:
+                kw[name] = v
+        try:
+            return SamplingParams(**kw)
+        except InvalidRequestError as e:
+            raise sampling_error(e) from None
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.engine.engine.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ParamError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param)
+        if not ids:
+            raise ParamError("the prompt is empty; give at least one token", param)
+
+    async def submit(self, request_id: str, prompts: list[tuple[str | None, list[int]]],
+                     params: SamplingParams) -> list[RequestStream]:
+        """Add every prompt as an engine request (ids request_id-i); all or none."""
+        streams: list[RequestStream] = []
+        try:
+            for i, (text, ids) in enumerate(prompts):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                prompt = {"prompt_token_ids": ids} if text is None else {"prompt_token_ids": ids, "prompt": text}
+                streams.append(await self.engine.add_request(rid, prompt, params))
+        except BaseException:
+            for s in streams:
+                s.abort()
+            raise
+        return streams
+
+
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestDelta]]:
+    """(prompt index, delta) from several streams, as they come."""
+    if len(streams) == 1:
+        async for d in streams[0]:
+            yield 0, d
+        return
+    q: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, s: RequestStream) -> None:
+        try:
+            async for d in s:
+                q.put_nowait((i, d))
+        except BaseException as e:  # noqa: BLE001 -- re-raised by the consumer
+            q.put_nowait((i, e))
+        finally:
+            q.put_nowait((i, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(tasks)
+        while left:
+            i, item = await q.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def wait_for_disconnect(receive) -> None:
+    """Returns when the client has gone (after the body was read, receive() only answers that)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+async def unless_disconnected(coro, receive):
+    """Run coro; if the client goes away first, cancel it (its finally blocks abort the engine work)."""
+    task = asyncio.ensure_future(coro)
+    watch = asyncio.ensure_future(wait_for_disconnect(receive))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        try:
+            await task
+        except BaseException:  # noqa: BLE001 -- it is being cancelled on purpose
+            pass
+        raise ClientDisconnected()
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
