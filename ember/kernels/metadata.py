@@ -24,6 +24,8 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int
+    # True when no slot is -1 (no padding rows): K/V writes skip the masking (a sync per layer).
+    all_slots_valid: bool = False
 
     @property
     def num_seqs(self) -> int:

@@ -13,10 +13,15 @@ from torch import nn
 from ember.kernels.metadata import AttentionMetadata
 
 
-def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   all_valid: bool = False) -> None:
     """k, v [T, Hkv, D] -> kv_cache at slot_mapping (casts to the cache dtype)."""
     key_cache = kv_cache[0].view(-1, *kv_cache.shape[-2:])
     value_cache = kv_cache[1].view(-1, *kv_cache.shape[-2:])
+    if all_valid:
+        key_cache.index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+        value_cache.index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+        return
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
     key_cache[slots] = k[valid].to(kv_cache.dtype)
@@ -32,5 +37,5 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] (after norm and RoPE) -> [T, Hq, D]."""
-        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping, meta.all_slots_valid)
         return self.backend.forward(q, k, v, kv_cache, meta, self.scale)
