@@ -55,7 +55,11 @@ def load_model(model: str | None, tokenizer_path: str | None, dtype: torch.dtype
         ckpt = GGUFCheckpoint(path)
         model_config = ModelConfig.from_dict(ckpt.config)
         tokenizer = ckpt.tokenizer()
-        weights = ckpt.iter_weights()
+        from tqdm import tqdm
+
+        # disable=None: a bar on a terminal, silence in logs and CI (as iter_safetensors does).
+        weights = tqdm(ckpt.iter_weights(), total=None if model_config.num_experts else len(ckpt.tensor_names),
+                       desc="Loading weights", unit="tensor", disable=None)
         fmt = "gguf"
     else:
         from ember.loader.weights import iter_safetensors
