@@ -81,9 +81,13 @@ def _yarn(rope: RopeConfig, dim: int, max_position_embeddings: int) -> tuple[tor
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D]; cos/sin [T, rot/2] float32. Rotates the first `rot` dims, passes the rest."""
+    """x [T, H, D]; cos/sin [T, rot/2]. Rotates the first `rot` dims, passes the rest.
+
+    Computes in cos/sin's dtype: the model passes them in its own dtype, as HF does (so bf16
+    matches HF's bf16 and costs no float32 round trip).
+    """
     rot = cos.shape[-1] * 2
-    xr = x[..., :rot].float()
+    xr = x[..., :rot].to(cos.dtype)
     x1, x2 = xr.chunk(2, dim=-1)
     c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
     # Same products as HF's q*cos + rotate_half(q)*sin with cos = cat(c, c).

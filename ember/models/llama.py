@@ -96,7 +96,8 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, meta):
         h = self.embed_tokens(input_ids)
-        cos_sin = self.rotary.get_cos_sin(positions)  # once per step, shared by every layer
+        cos, sin = self.rotary.get_cos_sin(positions)  # once per step, shared by every layer
+        cos_sin = (cos.to(h.dtype), sin.to(h.dtype))
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             h, residual = layer(h, residual, cos_sin, kv_cache, meta)
