@@ -29,6 +29,11 @@ class TorchAttentionBackend:
         if meta.is_pure_decode and q.shape[0] == B:
             return decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len,
                                     meta.block_size, scale)
+        if B == 1 and q.shape[0] == meta.query_lens_cpu[0]:
+            # One sequence (a lone prefill or chunk): no output buffer to scatter into.
+            if meta.seq_lens_cpu[0] == q.shape[0]:
+                return prefill_attention(q, k, v, scale)
+            return chunk_attention(q, kv_cache, meta.block_tables[0], meta.seq_lens_cpu[0], meta.block_size, scale)
         out = torch.zeros_like(q)  # rows past the last sequence (padding) stay zero
         starts, s = [], 0
         for n in meta.query_lens_cpu:
