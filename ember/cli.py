@@ -122,11 +122,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
+    return run_command(args.func, args)
+
+
+def run_command(func, args) -> int:
+    """Log setup and the one place a user error becomes a message and exit code 2 (no traceback)."""
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
-        args.func(args)
+        func(args)
     except EmberError as e:
         print(f"ember: error: {e}", file=sys.stderr)
         return 2

@@ -5,10 +5,7 @@ The same server and flags as `ember serve` (the model may also be given position
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
-
-from ember.errors import EmberError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,16 +19,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ember.cli import run_command
     from ember.server.launcher import run_server
 
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    try:
-        run_server(args)
-    except EmberError as e:
-        print(f"ember: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_command(run_server, build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":
