@@ -9,7 +9,7 @@ from typing import Any, AsyncIterator
 
 from ember.server.logprobs import chat_logprobs
 from ember.server.protocol import ChatCompletionRequest, now, request_id, usage
-from ember.server.serving import ParamError, Serving, merged, unless_disconnected
+from ember.server.serving import ParamError, Serving, merged, unless_disconnected, sse_writers
 from ember.server.tool_parser import HermesToolParser
 
 logger = logging.getLogger("ember.server")
@@ -133,14 +133,7 @@ class ChatHandler:
         n = req.n
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         head = {"id": ctx.rid, "object": "chat.completion.chunk", "created": ctx.created, "model": ctx.model}
-        bare = json.dumps(head, separators=(",", ":"))[:-1] + ',"choices":'
-        prefix = bare[:-len('"choices":')] + '"usage":null,"choices":' if include_usage else bare
-
-        def chunk(choices: list) -> str:
-            return "data: " + prefix + json.dumps(choices, separators=(",", ":")) + "}\n\n"
-
-        def usage_chunk(u: dict) -> str:
-            return "data: " + bare + '[],"usage":' + json.dumps(u, separators=(",", ":")) + "}\n\n"
+        chunk, usage_chunk = sse_writers(head, include_usage)
 
         parsers = [HermesToolParser() for _ in range(n)] if ctx.use_tools else None
         completion = 0

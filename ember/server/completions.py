@@ -9,7 +9,7 @@ from typing import Any, AsyncIterator
 
 from ember.server.logprobs import CompletionLogprobs
 from ember.server.protocol import CompletionRequest, now, request_id, usage
-from ember.server.serving import ParamError, Serving, merged, unless_disconnected
+from ember.server.serving import ParamError, Serving, merged, unless_disconnected, sse_writers
 
 logger = logging.getLogger("ember.server")
 
@@ -112,14 +112,7 @@ class CompletionHandler:
         req, prompts, n = ctx["req"], ctx["prompts"], ctx["req"].n
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         head = {"id": ctx["rid"], "object": "text_completion", "created": ctx["created"], "model": ctx["model"]}
-        bare = json.dumps(head, separators=(",", ":"))[:-1] + ',"choices":'
-        prefix = bare[:-len('"choices":')] + '"usage":null,"choices":' if include_usage else bare
-
-        def chunk(choices: list) -> str:
-            return "data: " + prefix + json.dumps(choices, separators=(",", ":")) + "}\n\n"
-
-        def usage_chunk(u: dict) -> str:
-            return "data: " + bare + '[],"usage":' + json.dumps(u, separators=(",", ":")) + "}\n\n"
+        chunk, usage_chunk = sse_writers(head, include_usage)
 
         total = len(prompts) * n
         lp_state = [CompletionLogprobs(req.logprobs, self.s.token_text) if req.logprobs is not None else None

@@ -4,6 +4,7 @@ engine, and noticing a client that went away."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 from dataclasses import dataclass
@@ -180,6 +181,23 @@ async def wait_for_disconnect(receive) -> None:
         message = await receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def sse_writers(head: dict, include_usage: bool):
+    """(chunk(choices) -> SSE line, usage_chunk(usage) -> SSE line) for one streamed response.
+
+    The fixed head (id, object, created, model) is serialised once per response, not per chunk.
+    """
+    bare = json.dumps(head, separators=(",", ":"))[:-1] + ',"choices":'
+    prefix = bare[:-len('"choices":')] + '"usage":null,"choices":' if include_usage else bare
+
+    def chunk(choices: list) -> str:
+        return "data: " + prefix + json.dumps(choices, separators=(",", ":")) + "}\n\n"
+
+    def usage_chunk(u: dict) -> str:
+        return "data: " + bare + '[],"usage":' + json.dumps(u, separators=(",", ":")) + "}\n\n"
+
+    return chunk, usage_chunk
 
 
 class ClientDisconnected(Exception):
