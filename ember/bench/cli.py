@@ -52,7 +52,7 @@ def _common_args(p: argparse.ArgumentParser) -> None:
 
 def add_bench_parser(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmark ember against transformers and write a results file")
-    sub = p.add_subparsers(dest="bench_command", required=True, metavar="{latency,throughput}")
+    sub = p.add_subparsers(dest="bench_command", required=True, metavar="{latency,throughput,serve}")
 
     lat = sub.add_parser("latency", help="batch-1 decode tok/s and time to first token")
     _common_args(lat)
@@ -67,6 +67,10 @@ def add_bench_parser(subparsers) -> None:
     thr.add_argument("--input-len", type=_positive_int, default=128)
     thr.add_argument("--output-len", type=_positive_int, default=128)
     thr.set_defaults(func=cmd_throughput)
+
+    from ember.bench.serve import add_serve_parser
+
+    add_serve_parser(sub)
 
 
 # -- the command line as run --------------------------------------------------------------------
@@ -131,7 +135,8 @@ def _basename(path) -> str:
 
 
 def _protocol_note(args) -> str:
-    from ember.bench.throughput import CONTENDED_CORES, RETRIES
+    from ember.bench.report import CONTENDED_CORES
+    from ember.bench.throughput import RETRIES
 
     return (f"before each measured pair: wait up to {args.quiet_wait:g}s for other processes to leave the CPU idle; "
             f"a pair during which they used > {CONTENDED_CORES} cores is redone (up to {RETRIES} times)")

@@ -19,9 +19,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 
+# A measurement during which other processes kept more than this many cores busy is "contended".
+CONTENDED_CORES = 0.5
+
+
 @dataclass
 class Metric:
-    """One measured quantity: a value per run for ember and (when there is one) for the peer."""
+    """One measured quantity: a value per run for ember and (when there is one) for the peer.
+
+    Summaries (medians, speedup) use only the runs where neither side was contended, as long as
+    there is one; a 2-core machine shared with other jobs otherwise reports their load, not ours.
+    """
 
     name: str
     unit: str
@@ -37,12 +45,25 @@ class Metric:
         (self.ember_others if side == "ember" else self.peer_others).append(others)
 
     @property
+    def kept_runs(self) -> list[int]:
+        """Indices of the runs the summaries use: the uncontended ones, or all when none is."""
+        def quiet(others: list[float | None], i: int) -> bool:
+            return i >= len(others) or others[i] is None or others[i] <= CONTENDED_CORES
+
+        runs = range(len(self.ember))
+        clean = [i for i in runs if quiet(self.ember_others, i) and (self.peer is None or quiet(self.peer_others, i))]
+        return clean or list(runs)
+
+    def _kept(self, values: list) -> list:
+        return [values[i] for i in self.kept_runs if i < len(values)]
+
+    @property
     def ember_median(self) -> float:
-        return statistics.median(self.ember)
+        return statistics.median(self._kept(self.ember))
 
     @property
     def peer_median(self) -> float | None:
-        return statistics.median(self.peer) if self.peer else None
+        return statistics.median(self._kept(self.peer)) if self.peer else None
 
     @property
     def speedups(self) -> list[float] | None:
@@ -59,7 +80,7 @@ class Metric:
     @property
     def speedup(self) -> float | None:
         s = self.speedups
-        return statistics.median(s) if s else None
+        return statistics.median(self._kept(s)) if s else None
 
 
 @dataclass
@@ -252,14 +273,16 @@ def render_section(r: Result) -> str:
              f"- ember: {_describe(r.ember)}",
              f"- peer: {_describe(r.peer) if r.peer else 'none (--peer none)'}",
              f"- median of {r.runs} run(s) after 1 warmup; ember and peer alternate within each run, "
-             f"and the speedup is the median of the per-run ratios (> 1 = ember better)"]
+             f"and the speedup is the median of the per-run ratios (> 1 = ember better); \"runs used\" leaves out runs "
+             f"during which other processes kept > {CONTENDED_CORES} cores busy (all runs are kept if every one was)"]
     lines += [f"- {n}" for n in r.notes]
-    lines += ["", f"| metric | ember | {peer_name} | ember speedup | others' CPU use, cores (ember / {peer_name}) |",
-              "|---|---:|---:|---:|---:|"]
+    lines += ["", f"| metric | ember | {peer_name} | ember speedup | runs used | others' CPU use, cores (ember / {peer_name}) |",
+              "|---|---:|---:|---:|---:|---:|"]
     for m in r.metrics:
         s = f"{m.speedup:.2f}x" if m.speedup is not None else "-"
-        others = f"{_load(m.ember_others)} / {_load(m.peer_others)}"
-        lines.append(f"| {m.name} ({m.unit}) | {_fmt(m.ember_median)} | {_fmt(m.peer_median)} | {s} | {others} |")
+        others = f"{_load(m._kept(m.ember_others))} / {_load(m._kept(m.peer_others))}"
+        used = f"{len(m.kept_runs)}/{len(m.ember)}"
+        lines.append(f"| {m.name} ({m.unit}) | {_fmt(m.ember_median)} | {_fmt(m.peer_median)} | {s} | {used} | {others} |")
     if r.bars:
         lines += ["", "| bar | measured | result |", "|---|---:|---|"]
         for b in r.bars:
@@ -272,7 +295,8 @@ def to_json(r: Result) -> dict:
     metrics = []
     for m in r.metrics:
         d = asdict(m)
-        d.update(ember_median=m.ember_median, peer_median=m.peer_median, speedups=m.speedups, speedup=m.speedup)
+        d.update(kept_runs=m.kept_runs, ember_median=m.ember_median, peer_median=m.peer_median, speedups=m.speedups,
+                 speedup=m.speedup)
         metrics.append(d)
     bars = []
     for b in r.bars:

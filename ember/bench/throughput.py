@@ -12,7 +12,7 @@ from typing import Callable
 
 from tqdm import tqdm
 
-from ember.bench.report import Bar, Metric, OthersLoad, wait_for_quiet
+from ember.bench.report import CONTENDED_CORES, Bar, Metric, OthersLoad, wait_for_quiet
 from ember.sampling import SamplingParams
 
 logger = logging.getLogger("ember.bench")
@@ -40,8 +40,7 @@ def prompt_maker(llm, base_seed: int = 0) -> PromptMaker:
     return PromptMaker(vocab, set(tok.all_special_ids), base_seed)
 
 
-CONTENDED_CORES = 0.5  # a side measured while others used more than this is redone
-RETRIES = 2
+RETRIES = 2  # a pair measured while others kept > CONTENDED_CORES busy is redone up to this often
 
 
 def measure_pair(run: int, make_pair: Callable[[int], tuple[Callable[[], dict], Callable[[], dict] | None]],

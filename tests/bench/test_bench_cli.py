@@ -88,9 +88,28 @@ def test_speedup_is_median_of_paired_runs():
     assert report.Bar("x", "t", 2.5).judge([m]) == (2.0, "FAIL")
 
 
+def test_contended_runs_are_left_out_unless_all_are():
+    m = report.Metric("d", "tok/s", True, ember=[50.0, 5.0, 45.0], peer=[40.0, 10.0, 45.0],
+                      ember_others=[0.0, 1.3, 0.1], peer_others=[0.0, 0.2, 0.1])
+    assert m.kept_runs == [0, 2] and m.ember_median == 47.5 and m.speedup == pytest.approx((1.25 + 1.0) / 2)
+    m.ember_others = [1.0, 1.3, 0.9]
+    assert m.kept_runs == [0, 1, 2] and m.speedup == 1.0
+
+
 def test_decode_rates_steady_ignores_a_stall():
     from ember.bench.latency import decode_rates
 
     times = [0.0, 0.1, 0.2, 0.3, 1.3]  # four gaps, one stretched by someone else's job
     mean, steady = decode_rates(times)
     assert mean == pytest.approx(4 / 1.3) and steady == pytest.approx(10.0)
+
+
+def test_missing_transformers_says_how_to_fix(monkeypatch):
+    import sys
+
+    from ember.bench.hf_peer import HFPeer
+    from ember.errors import ConfigError
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` fail
+    with pytest.raises(ConfigError, match=r"pip install transformers accelerate.*--peer none"):
+        HFPeer("model.gguf")
