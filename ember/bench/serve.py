@@ -1,0 +1,775 @@
+"""`ember bench serve`: load an OpenAI-compatible server with streaming requests and write the results.
+
+Two ways to point it at a server:
+
+- `--url URL`: any OpenAI-compatible server (ember, vLLM, llama.cpp's server): only the HTTP API
+  is used, so two engines are measured the same way.
+- `--launch [MODEL] [engine flags]`: start `ember serve` on a free local port, run the sweep, and
+  in the same run measure the offline engine (`LLM.generate` in this process, same flags, same
+  number of prompts and lengths) so the server's overhead is a ratio measured side by side. The
+  server is stopped at the end.
+
+Prompts: token ids drawn from the tokenizer's ordinary tokens, sent to /v1/completions, when a
+tokenizer is known (`--launch`, or `--tokenizer PATH` with `--url`); otherwise text of random
+English words sized to the target length by fitting the server's own usage.prompt_tokens (chat
+prompts include the chat template). Every level gets fresh prompts, so no prefix cache helps.
+
+The client (this process) and the server share the machine: the report gives the CPU cores each
+used during every level, so the load generator's own cost is visible.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import math
+import os
+import random
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ember.bench import load
+from ember.bench import report
+from ember.bench.report import CONTENDED_CORES
+from ember.bench.throughput import RETRIES
+from ember.errors import ConfigError
+
+logger = logging.getLogger("ember.bench")
+
+DEFAULT_OUTPUT = "benchmarks/serve.md"
+DEFAULT_LAUNCH_LEVELS = [1, 8, 32]
+LEVEL_SEED = 1_000  # each (run, level) draws prompts of its own
+WARMUP_SEED = 90_000
+CALIBRATION_SEED = 77_777
+THROUGHPUT_RATIO_BAR = 0.8
+TTFT_BAR_CONCURRENCY = 8
+TTFT_BAR_MS = 1000.0
+
+HEADER = ("# ember serving benchmarks\n\n"
+          "Written by `ember bench serve`; each section (one per server label) is rewritten only by its own run. "
+          "Raw numbers are in the JSON files next to this one.\n")
+
+METHOD_NOTES = [
+    "TTFT: request sent -> first SSE chunk carrying generated text (the empty role chunk of chat does not count)",
+    "ITL: gaps between consecutive chunks carrying text, pooled over requests; TPOT: (e2e - TTFT) / (output tokens - 1) "
+    "per request; e2e: request sent -> `data: [DONE]`",
+    "tokens are counted from each stream's final `usage` (stream_options.include_usage); rates are tokens over the "
+    "level's wall time, first request sent -> last answer",
+    "percentiles by linear interpolation; with --runs > 1 every figure is the median over runs",
+]
+
+
+# -- CPU use of this process, the server and everyone else ---------------------------------------
+
+def _pid_ticks(pid: int | None) -> int | None:
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            rest = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return int(rest[11]) + int(rest[12])
+
+
+class CpuUse:
+    """Cores used by this process (the client, or the offline engine), the server process and all
+    other processes while the block ran (Linux /proc; None elsewhere)."""
+
+    own: float | None = None
+    server: float | None = None
+    others: float | None = None
+
+    def __init__(self, server_pid: int | None = None):
+        self.server_pid = server_pid
+
+    def __enter__(self) -> "CpuUse":
+        self._t = time.perf_counter()
+        self._busy, self._own, self._srv = report._busy_ticks(), report._own_ticks(), _pid_ticks(self.server_pid)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        busy, own, srv = report._busy_ticks(), report._own_ticks(), _pid_ticks(self.server_pid)
+        if None in (busy, own, self._busy, self._own):
+            return
+        hz, seconds = os.sysconf("SC_CLK_TCK"), max(time.perf_counter() - self._t, 1e-6)
+        d_own = own - self._own
+        d_srv = (srv - self._srv) if srv is not None and self._srv is not None else 0
+        self.own = round(d_own / hz / seconds, 2)
+        self.server = round(d_srv / hz / seconds, 2) if self.server_pid else None
+        self.others = round(max(0.0, (busy - self._busy - d_own - d_srv) / hz / seconds), 2)
+
+    def to_dict(self) -> dict:
+        return {"client": self.own, "server": self.server, "others": self.others}
+
+
+# -- the launched server ----------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_flags(args) -> list[str]:
+    """The engine flags that were given (they default to SUPPRESS, so present = given), as words."""
+    from ember.config import EngineConfig
+
+    words = [args.model_pos] if getattr(args, "model_pos", None) else []
+    for name in EngineConfig.field_names():
+        if not hasattr(args, name):
+            continue
+        v, flag = getattr(args, name), "--" + name.replace("_", "-")
+        if isinstance(v, bool):
+            words.append(flag if v else "--no-" + name.replace("_", "-"))
+        else:
+            words += [flag, v if isinstance(v, str) else str(v)]
+    return words
+
+
+class LaunchedServer:
+    """`ember serve` in a subprocess on 127.0.0.1:port; its log goes to a temporary file."""
+
+    def __init__(self, flags: list[str], port: int, api_key: str | None, extra: list[str]):
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.argv = [sys.executable, "-m", "ember.cli", "serve", *flags, "--host", "127.0.0.1", "--port", str(port),
+                     "--disable-log-requests", *extra] + (["--api-key", api_key] if api_key else [])
+        self.command = shlex.join(["ember", "serve", *self.argv[4:]]).replace(api_key or "\0", "***")
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="ember-bench-serve-", suffix=".log", delete=False)
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        logger.info("bench serve: starting %s (log: %s)", self.command, self.log.name)
+        self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(Path(self.log.name).read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout: float) -> float:
+        """Seconds until /health answered 200; raises with the server's log when it died or timed out."""
+        import httpx
+
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise ConfigError(f"`{self.command}` exited with status {self.proc.returncode} before it was ready; "
+                                  f"its log ends:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return time.monotonic() - t0
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+        raise ConfigError(f"`{self.command}` was not ready after {timeout:g}s (--server-timeout); its log ends:\n"
+                          f"{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+
+
+# -- the offline side -------------------------------------------------------------------------------
+
+def offline_batch(llm, specs: list[load.RequestSpec]) -> tuple[float, int, int]:
+    """One LLM.generate over the specs (token ids, ignore_eos); (seconds, prompt tokens, output tokens)."""
+    from ember.sampling import SamplingParams
+
+    params = [SamplingParams(temperature=0.0, max_tokens=s.output_len, ignore_eos=True) for s in specs]
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": s.prompt} for s in specs], params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    assert not any(o.num_cached_tokens for o in outs), "the prefix cache served a benchmark prompt; prompts must be fresh"
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    want = sum(s.output_len for s in specs)
+    assert generated == want, f"offline generated {generated} tokens, wanted {want}"
+    return seconds, sum(len(s.prompt) for s in specs), generated
+
+
+def load_tokenizer(path: str | None):
+    """(tokenizer, model vocab size) of a model folder or .gguf file, without loading weights."""
+    from ember.loader.model_loader import resolve_model_path
+    from ember.loader.tokenizer import Tokenizer
+
+    p = resolve_model_path(path)
+    if os.path.isfile(p):
+        from ember.loader.gguf import GGUFCheckpoint
+
+        ckpt = GGUFCheckpoint(p)
+        from ember.model_config import ModelConfig
+
+        return ckpt.tokenizer(), ModelConfig.from_dict(ckpt.config).vocab_size
+    from ember.model_config import ModelConfig
+
+    tok = Tokenizer.from_folder(p)
+    return tok, ModelConfig.from_folder(p).vocab_size
+
+
+def ordinary_tokens(tokenizer, vocab_size: int) -> list[int]:
+    special = set(tokenizer.all_special_ids)
+    return [t for t in range(min(tokenizer.vocab_size, vocab_size)) if t not in special]
+
+
+# -- the workload ---------------------------------------------------------------------------------
+
+class Workload:
+    """Prompts for every (run, level): token ids from a tokenizer's ordinary tokens, or calibrated text."""
+
+    def __init__(self, args, target: load.Target, pool: list[int] | None, use_ids: bool):
+        self.args, self.target, self.pool, self.use_ids = args, target, pool, use_ids
+        self.calibration: load.TextCalibration | None = None
+
+    @property
+    def kind(self) -> str:
+        return "ids" if self.use_ids else "text"
+
+    def calibrate(self) -> None:
+        if not self.use_ids:
+            self.calibration = asyncio.run(load.calibrate_text(self.target, self.args.input_len, CALIBRATION_SEED))
+            logger.info("bench serve: text prompts: %.2f prompt tokens per word + %.1f fixed", self.calibration.per_word,
+                        self.calibration.base)
+
+    def specs(self, seed: int, n: int | None = None, output_len: int | None = None, ids: bool = False,
+              salt: int = 0) -> list[load.RequestSpec]:
+        """Requests of lengths drawn with `seed`; each `salt` draws other prompts of those same lengths (a redone
+        measurement and the offline side get prompts of their own). ids=True: token ids even when the server
+        gets text (the offline engine takes ids)."""
+        a = self.args
+        n = n or a.num_prompts
+        rng = random.Random(a.prompt_seed * 1_000_003 + seed)
+        ins = load.lengths(n, a.input_len, a.random_range_ratio, rng)
+        outs = [output_len] * n if output_len else load.lengths(n, a.output_len, a.random_range_ratio, rng)
+        s = a.prompt_seed * 1_000_003 + seed + 1 + 7919 * salt
+        if ids or self.use_ids:
+            return load.token_id_specs(self.pool, ins, outs, s)
+        return load.text_specs(self.calibration.words_for, ins, outs, s)
+
+    def describe(self, tokenizer_name: str | None) -> str:
+        a = self.args
+        lens = (f"{a.input_len} in / {a.output_len} out" if a.random_range_ratio <= 0 else
+                f"in ~U[{a.input_len * (1 - a.random_range_ratio):.0f}, {a.input_len * (1 + a.random_range_ratio):.0f}], "
+                f"out ~U[{a.output_len * (1 - a.random_range_ratio):.0f}, {a.output_len * (1 + a.random_range_ratio):.0f}]")
+        eos = ("`ignore_eos: true` and `min_tokens` = max_tokens, so every request generates exactly max_tokens"
+               if a.ignore_eos else "no ignore_eos: requests may stop early at EOS")
+        if self.kind == "ids":
+            what = (f"seeded random prompts of token ids drawn from the ordinary (non-special) tokens of {tokenizer_name}, "
+                    f"sent as `prompt` to {self.target.path}")
+        else:
+            c = self.calibration
+            what = (f"text prompts of random English words (from pydoc_data.topics) sent to {self.target.path}, "
+                    f"sized with this server's usage.prompt_tokens ({c.per_word:.2f} tokens per word + {c.base:.1f} "
+                    "fixed, fitted on probe prompts); the measured prompt tokens are in the table")
+        return f"{a.num_prompts} requests per level, {lens}, greedy, new prompts every level; {what}; {eos}"
+
+
+# -- one measurement ----------------------------------------------------------------------------------
+
+def _progress(total: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", dynamic_ncols=True, leave=False)
+
+
+def measure_level(target: load.Target, specs: list[load.RequestSpec], concurrency: int | None, rate: float,
+                  seed: int, server_pid: int | None, desc: str) -> tuple[load.LevelStats, dict]:
+    bar = _progress(len(specs), desc)
+    with CpuUse(server_pid) as cpu:
+        results, seconds = load.run(target, specs, max_concurrency=concurrency, request_rate=rate, seed=seed,
+                                    progress=lambda r: bar.update(1))
+    bar.close()
+    stats = load.summarize(specs, results, seconds, max_concurrency=concurrency, request_rate=rate)
+    logger.info("bench serve %s: %d ok, %d failed in %.1fs; %.1f out tok/s; TTFT p50 %s ms; TPOT p50 %s ms "
+                "(CPU cores: client %s, server %s, others %s)", desc, stats.completed, stats.failed, seconds,
+                stats.output_throughput, _fmt(stats.ttft_ms["p50"]), _fmt(stats.tpot_ms["p50"]), cpu.own, cpu.server,
+                cpu.others)
+    for e in stats.errors:
+        logger.warning("bench serve %s: failed request: %s", desc, e)
+    return stats, cpu.to_dict()
+
+
+def measure_offline(llm, specs: list[load.RequestSpec], server_pid: int | None, desc: str) -> dict:
+    with CpuUse(server_pid) as cpu:
+        seconds, prompt, out = offline_batch(llm, specs)
+    d = {"seconds": seconds, "prompt_tokens": prompt, "output_tokens": out, "output_throughput": out / seconds,
+         "total_throughput": (prompt + out) / seconds, "request_throughput": len(specs) / seconds,
+         "cpu": {"client": cpu.own, "server": cpu.server, "others": cpu.others}}
+    logger.info("bench serve %s: %d prompts in %.1fs, %.1f out tok/s (CPU cores: this process %s, idle server %s, "
+                "others %s)", desc, len(specs), seconds, d["output_throughput"], cpu.own, cpu.server, cpu.others)
+    return d
+
+
+# -- rendering -------------------------------------------------------------------------------------------
+
+def _fmt(v) -> str:
+    return report._fmt(v)
+
+
+def _int(v) -> str:
+    return "-" if v is None else f"{v:.0f}" if v == int(v) else f"{v:.1f}"
+
+
+def _med(values: list) -> float | None:
+    vals = [v for v in values if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def _level_name(c: int | None, rate: float) -> str:
+    parts = [f"{c}" if c else "unlimited"]
+    if math.isfinite(rate):
+        parts.append(f"@ {rate:g} req/s")
+    return " ".join(parts)
+
+
+def median_level(runs: list[dict]) -> dict:
+    """The median over runs of every figure of one level (each run: {"stats": LevelStats dict, "cpu": {...}})."""
+    s = [r["stats"] for r in runs]
+    out = {k: _med([x[k] for x in s]) for k in ("completed", "failed", "seconds", "prompt_tokens", "output_tokens",
+                                                  "request_throughput", "output_throughput", "total_throughput")}
+    for dist in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_s"):
+        out[dist] = {q: _med([x[dist][q] for x in s]) for q in s[0][dist]}
+    out["cpu"] = {k: _med([r["cpu"][k] for r in runs]) for k in ("client", "server", "others")}
+    out["expected_output_tokens"] = s[0]["expected_output_tokens"]
+    out["usage_reported"] = all(x["usage_reported"] for x in s)
+    out["errors"] = sorted({e for x in s for e in x["errors"]})[:5]
+    return out
+
+
+def _dist_cell(d: dict) -> str:
+    return " / ".join(_fmt(d[f"p{q}"]) for q in load.PERCENTILES)
+
+
+def _cpu_cell(c: dict) -> str:
+    return " / ".join("-" if c.get(k) is None else f"{c[k]:.2f}" for k in ("server", "client", "others"))
+
+
+def judge_bars(result: dict) -> list[dict]:
+    bars = []
+    levels = result["levels"]
+    off = result.get("offline")
+    if off and levels:
+        top = max(levels, key=lambda lv: lv["max_concurrency"] or 0)
+        c = top["max_concurrency"]
+        ratios = [r["stats"]["output_throughput"] / o["output_throughput"] for r, o in zip(top["runs"], off["runs"])]
+        got = _med(ratios)
+        bars.append({"text": f"server output tok/s at concurrency {c} >= {THROUGHPUT_RATIO_BAR:.0%} of offline "
+                             f"LLM.generate (same prompts count and lengths, same engine flags; median of per-run ratios)",
+                     "measured": got, "shown": f"{got:.0%} ({_fmt(top['median']['output_throughput'])} / "
+                                               f"{_fmt(off['median']['output_throughput'])} tok/s)",
+                     "result": "PASS" if got >= THROUGHPUT_RATIO_BAR else "FAIL"})
+    at8 = next((lv for lv in levels if lv["max_concurrency"] == TTFT_BAR_CONCURRENCY), None)
+    if at8 is not None:
+        got = at8["median"]["ttft_ms"]["p50"]
+        ok = got is not None and got < TTFT_BAR_MS and at8["median"]["failed"] == 0
+        bars.append({"text": f"TTFT p50 at concurrency {TTFT_BAR_CONCURRENCY} < {TTFT_BAR_MS / 1000:g} s "
+                             f"({result['input_len']}-token prompts)",
+                     "measured": got, "shown": f"{_fmt(got)} ms", "result": "PASS" if ok else "FAIL"})
+    return bars
+
+
+def render_section(result: dict) -> str:
+    m = result["machine"]
+    lines = [f"## {result['title']}", "",
+             f"- command: `{result['command']}`",
+             f"- machine: {report._machine_line(m)}",
+             f"- 1-minute load average: {result['load_at_start'] if result['load_at_start'] is not None else '-'} at "
+             f"start, {m.get('load_at_end', '-')} at end ({m['usable_cores']} cores; more means the cores were shared "
+             "with other work and wall times are noisy)",
+             f"- server: {result['server']['url']}, model `{result['server']['model']}`"
+             + (f" (max_model_len {result['server']['max_model_len']})" if result['server'].get('max_model_len') else "")
+             + (f"; launched as `{result['server']['command']}`, ready {result['server']['ready_s']:.1f}s after start"
+                if result['server'].get('command') else "")]
+    if result.get("engine"):
+        lines.append(f"- ember engine (server and offline alike): {report._describe(result['engine'])}")
+    lines.append(f"- workload: {result['workload']}")
+    lines.append(f"- client: this process, asyncio + httpx, streaming; {result['runs']} run(s) after a warmup of "
+                 f"{result['warmup_prompts']} short requests; before each measurement wait up to "
+                 f"{result['quiet_wait']:g}s for other processes to leave the CPU idle"
+                 + (f"; a measurement during which they used > {CONTENDED_CORES} cores is redone with fresh prompts "
+                    f"(up to {RETRIES} times)" if result["server"].get("pid_known") else
+                    "; the server's pid is unknown (--server-pid), so its CPU use counts under others"))
+    if result.get("offline"):
+        lines.append(f"- peer: offline `LLM.generate` in the client process over {result['num_prompts']} fresh prompts "
+                     "of the same lengths (token ids, ignore_eos), same engine flags, measured right before or after "
+                     "the top concurrency level in every run (alternating), while the server idles")
+    lines += [f"- {n}" for n in result["notes"]]
+    lines += ["",
+              "| concurrency | ok / failed | prompt / output tokens | req/s | output tok/s | total tok/s | "
+              "TTFT p50 / p90 / p99 (ms) | TPOT p50 / p90 / p99 (ms) | ITL p50 / p90 / p99 (ms) | "
+              "e2e p50 / p90 / p99 (s) | CPU cores: server / client / others |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for lv in result["levels"]:
+        md = lv["median"]
+        lines.append(
+            f"| {_level_name(lv['max_concurrency'], lv['request_rate'] or math.inf)} | {_int(md['completed'])} / "
+            f"{_int(md['failed'])} | {_int(md['prompt_tokens'])} / {_int(md['output_tokens'])} | "
+            f"{_fmt(md['request_throughput'])} | {_fmt(md['output_throughput'])} | {_fmt(md['total_throughput'])} | "
+            f"{_dist_cell(md['ttft_ms'])} | {_dist_cell(md['tpot_ms'])} | {_dist_cell(md['itl_ms'])} | "
+            f"{_dist_cell(md['e2e_s'])} | {_cpu_cell(md['cpu'])} |")
+    off = result.get("offline")
+    if off:
+        md = off["median"]
+        cpu = dict(md["cpu"])
+        lines.append(f"| offline LLM.generate (max_num_seqs {result['engine'].get('max_num_seqs', '-')}) | "
+                     f"{result['num_prompts']} / 0 | {_int(md['prompt_tokens'])} / {_int(md['output_tokens'])} | "
+                     f"{_fmt(md['request_throughput'])} | {_fmt(md['output_throughput'])} | "
+                     f"{_fmt(md['total_throughput'])} | - | - | - | {_fmt(md['seconds'])} (whole batch) | "
+                     f"{_cpu_cell(cpu)} (client = the offline engine) |")
+    errors = sorted({e for lv in result["levels"] for e in lv["median"]["errors"]})
+    if errors:
+        lines += ["", "Failed requests (first few distinct errors):", ""] + [f"- `{e}`" for e in errors]
+    if result["bars"]:
+        lines += ["", "| bar | measured | result |", "|---|---:|---|"]
+        for b in result["bars"]:
+            lines.append(f"| {b['text']} | {b['shown']} | **{b['result']}** |")
+    return "\n".join(lines) + "\n"
+
+
+def write(result: dict, md_path: str) -> tuple[Path, Path]:
+    md = Path(md_path)
+    md.parent.mkdir(parents=True, exist_ok=True)
+    old = md.read_text() if md.exists() else HEADER
+    md.write_text(report.update_markdown(old, f"serve:{result['label']}", render_section(result)))
+    js = report.json_path(md, result["label"])
+    js.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    return md, js
+
+
+# -- the command ------------------------------------------------------------------------------------------
+
+BENCH_FLAGS = ["url", "launch", "server_args", "server_pid", "served_model_name", "endpoint", "prompt_format",
+               "num_prompts", "max_concurrency", "concurrency_list", "request_rate", "input_len", "output_len", "random_range_ratio", "ignore_eos",
+               "extra_body", "runs", "warmup_prompts", "offline", "prompt_seed", "quiet_wait", "label", "output"]
+
+
+def command_line(args) -> str:
+    words = ["ember", "bench", "serve"]
+    if args.launch:
+        words += engine_flags(args)
+    else:
+        for name in ("model", "tokenizer"):
+            if getattr(args, name, None):
+                words += ["--" + name, getattr(args, name)]
+    for name in BENCH_FLAGS:
+        v = getattr(args, name, None)
+        flag = "--" + name.replace("_", "-")
+        if v is None or (name == "request_rate" and math.isinf(v)):
+            continue
+        if isinstance(v, bool):
+            if name == "launch":
+                if v:
+                    words.append(flag)
+            else:
+                words.append(flag if v else "--no-" + name.replace("_", "-"))
+        elif isinstance(v, list):
+            words += [flag, ",".join(map(str, v))]
+        elif name == "server_args":
+            words.append(f"{flag}={v}")
+        else:
+            words += [flag, str(v)]
+    if args.api_key:
+        words += ["--api-key", "***"]
+    return shlex.join(words)
+
+
+def _check_args(args) -> None:
+    from ember.config import EngineConfig
+
+    if bool(args.url) == bool(args.launch):
+        raise ConfigError("give exactly one of --url URL (a running server) and --launch (start `ember serve` here)")
+    if args.launch and args.server_pid is not None:
+        raise ConfigError("--server-pid is for --url; with --launch the server's pid is known")
+    if not args.launch:
+        given = [n for n in EngineConfig.field_names() if hasattr(args, n) and n not in ("model", "tokenizer")]
+        if given or getattr(args, "model_pos", None):
+            flags = ", ".join("--" + n.replace("_", "-") for n in given) or "MODEL"
+            raise ConfigError(f"engine flags ({flags}) only apply with --launch; with --url the server was started "
+                              "with its own flags")
+    if args.max_concurrency is not None and args.concurrency_list is not None:
+        raise ConfigError("give --max-concurrency N (one level) or --concurrency-list N,N,... (a sweep), not both")
+    if not (args.request_rate > 0):
+        raise ConfigError(f"--request-rate must be > 0 requests/s (got {args.request_rate}); inf = all at once")
+    if not 0 <= args.random_range_ratio < 1:
+        raise ConfigError(f"--random-range-ratio must be in [0, 1) (got {args.random_range_ratio})")
+    if args.prompt_format == "ids" and args.endpoint == "chat":
+        raise ConfigError("--prompt-format ids needs --endpoint completions: chat messages are text")
+
+
+def _levels(args) -> list[int | None]:
+    if args.concurrency_list:
+        return list(args.concurrency_list)
+    if args.max_concurrency is not None:
+        return [args.max_concurrency]
+    return list(DEFAULT_LAUNCH_LEVELS) if args.launch else [None]
+
+
+def cmd_serve(args) -> None:
+    _check_args(args)
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger("httpx").getEffectiveLevel()))
+    levels = _levels(args)
+    load_at_start = report.load_average()
+    server: LaunchedServer | None = None
+    llm = None
+    engine_desc: dict = {}
+    tokenizer_name = None
+    pool = None
+    try:
+        if args.launch:
+            from ember.engine_args import engine_config_from_args
+
+            config = engine_config_from_args(args)  # validates the flags before anything starts
+            top = max(c or 0 for c in levels)
+            if config.max_num_seqs is None and top:
+                # like `ember bench throughput`: size the batch to the workload when the user left it unset
+                args.max_num_seqs = min(top, config.max_num_batched_tokens)
+                config = engine_config_from_args(args)
+            extra = shlex.split(args.server_args or "")
+            if args.served_model_name:
+                extra += ["--served-model-name", args.served_model_name]
+            server = LaunchedServer(engine_flags(args), free_port(), args.api_key, extra)
+            server.start()
+            tokenizer_name = os.path.basename(str(config.tokenizer or config.model or "the default model").rstrip("/"))
+            if args.offline:
+                from ember.llm import LLM
+
+                llm = LLM(**dataclasses.asdict(config))
+                tok, vocab = llm.get_tokenizer(), llm.engine.model_config.vocab_size
+                engine_desc = _engine_desc(llm)
+                tokenizer_name = engine_desc["model"].split(" (")[0]
+            else:
+                tok, vocab = load_tokenizer(config.tokenizer or config.model)
+            pool = ordinary_tokens(tok, vocab)
+            ready_s = server.wait_ready(args.server_timeout)
+            logger.info("bench serve: server ready after %.1fs", ready_s)
+            url = server.url
+        else:
+            url = args.url
+            ready_s = None
+            if args.prompt_format != "text" and args.endpoint == "completions" and getattr(args, "tokenizer", None):
+                tok, vocab = load_tokenizer(args.tokenizer)
+                pool = ordinary_tokens(tok, vocab)
+                tokenizer_name = os.path.basename(args.tokenizer.rstrip("/"))
+            elif args.prompt_format == "ids":
+                raise ConfigError("--prompt-format ids with --url needs --tokenizer PATH (the served model's folder or "
+                                  ".gguf file) to draw ordinary token ids from")
+        use_ids = pool is not None and args.prompt_format != "text" and args.endpoint == "completions"
+
+        target = load.Target(url, None, args.endpoint, args.api_key, args.ignore_eos, _extra_body(args.extra_body))
+        card = asyncio.run(load.served_model(target))
+        target.model = args.served_model_name or (getattr(args, "model", None) if not args.launch else None) or card["id"]
+        work = Workload(args, target, pool, use_ids)
+        work.calibrate()
+
+        result = _sweep(args, levels, target, work, server, llm)
+        result.update(
+            label=args.label or ("ember" if args.launch else _slug(target.model)),
+            command=command_line(args), load_at_start=load_at_start, machine=report.machine_info(),
+            server={"url": url, "model": target.model, "max_model_len": card.get("max_model_len"),
+                    "command": server.command if server else None, "ready_s": ready_s,
+                    "pid_known": bool(server or args.server_pid)},
+            engine=engine_desc, workload=work.describe(tokenizer_name), notes=list(METHOD_NOTES),
+            prompt_format=work.kind, endpoint=args.endpoint)
+        if not engine_desc and args.launch:
+            result["engine"] = {"max_num_seqs": getattr(args, "max_num_seqs", None)}
+        result["title"] = (f"Serving: {result['label']} ({target.model}), {args.num_prompts} requests per level, "
+                           f"{args.input_len} in / {args.output_len} out")
+        result["bars"] = judge_bars(result)
+        md, js = write(result, args.output)
+        print(render_section(result))
+        logger.info("bench serve: wrote %s and %s", md, js)
+    finally:
+        if server is not None:
+            server.stop()
+            logger.info("bench serve: server stopped (its log: %s)", server.log.name)
+
+
+def _extra_body(text: str | None) -> dict:
+    if not text:
+        return {}
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--extra-body is not valid JSON ({e}); give an object like '{{\"top_k\": 1}}'") from None
+    if not isinstance(body, dict):
+        raise ConfigError(f"--extra-body must be a JSON object (got {type(body).__name__})")
+    return body
+
+
+def _slug(name: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in os.path.basename(name.rstrip("/")))[:60] or "server"
+
+
+def _engine_desc(llm) -> dict:
+    import torch
+
+    e = llm.engine
+    return {"model": f"{os.path.basename(str(e.loaded.path).rstrip('/'))} ({e.loaded.weight_bytes / 1e6:.0f} MB weights)",
+            "dtype": str(e.dtype).removeprefix("torch."), "device": str(e.device), "max_num_seqs": e.max_num_seqs,
+            "max_num_batched_tokens": e.config.max_num_batched_tokens,
+            "prefix_caching": e.config.enable_prefix_caching, "enforce_eager": e.config.enforce_eager,
+            "threads": torch.get_num_threads()}
+
+
+def _sweep(args, levels: list[int | None], target: load.Target, work: Workload, server: LaunchedServer | None,
+           llm) -> dict:
+    pid = server.pid if server else args.server_pid
+    rate = args.request_rate
+    top = max(levels, key=lambda c: c or 0)
+    # warmup: the top level's batch shape with short outputs, through the server and offline alike
+    n_warm = args.warmup_prompts if args.warmup_prompts is not None else min(args.num_prompts, top or args.num_prompts)
+    if n_warm:
+        specs = work.specs(WARMUP_SEED, n=n_warm, output_len=min(16, args.output_len))
+        measure_level(target, specs, top, math.inf, 0, pid, "warmup")
+        if llm is not None:
+            offline_batch(llm, work.specs(WARMUP_SEED, n=n_warm, output_len=min(16, args.output_len), ids=True, salt=1))
+    per_level: dict[int, list[dict]] = {i: [] for i in range(len(levels))}
+    offline_runs: list[dict] = []
+
+    def contended(cpu: dict, attempt: int, what: str) -> bool:
+        """Redo a measurement during which other processes took over CONTENDED_CORES (fresh prompts)."""
+        others = cpu.get("others")
+        if pid is None or others is None or others <= CONTENDED_CORES or attempt == RETRIES:
+            return False  # without the server's pid, "others" includes the server itself: nothing to judge
+        logger.info("bench serve: other processes used %.2f cores during %s; measuring it again", others, what)
+        return True
+
+    for r in range(args.runs):
+        for i, c in enumerate(levels):
+            desc = f"run {r + 1}/{args.runs} concurrency {_level_name(c, rate)}"
+            seed = LEVEL_SEED * (r + 1) + 10 * i  # the level's lengths; every attempt and side draws its own prompts
+
+            def server_side():
+                for attempt in range(RETRIES + 1):
+                    if args.quiet_wait > 0:
+                        report.wait_for_quiet(args.quiet_wait)
+                    stats, cpu = measure_level(target, work.specs(seed, salt=2 * attempt), c, rate, seed + attempt,
+                                               pid, desc)
+                    if not contended(cpu, attempt, desc):
+                        break
+                per_level[i].append({"stats": stats.to_dict(), "cpu": cpu, "attempts": attempt + 1})
+
+            def offline_side():
+                for attempt in range(RETRIES + 1):
+                    if args.quiet_wait > 0:
+                        report.wait_for_quiet(args.quiet_wait)
+                    d = measure_offline(llm, work.specs(seed, ids=True, salt=2 * attempt + 1), pid, f"run {r + 1}/{args.runs} offline")
+                    if not contended(d["cpu"], attempt, f"run {r + 1}/{args.runs} offline"):
+                        break
+                d["attempts"] = attempt + 1
+                offline_runs.append(d)
+
+            sides = [server_side] + ([offline_side] if llm is not None and c == top else [])
+            if r % 2:
+                sides.reverse()
+            for side in sides:
+                side()
+    result = {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
+              "random_range_ratio": args.random_range_ratio, "runs": args.runs, "warmup_prompts": n_warm,
+              "quiet_wait": args.quiet_wait,
+              "levels": [{"max_concurrency": c, "request_rate": None if math.isinf(rate) else rate,
+                          "runs": per_level[i], "median": median_level(per_level[i])} for i, c in enumerate(levels)]}
+    if offline_runs:
+        med = {k: _med([o[k] for o in offline_runs]) for k in ("seconds", "prompt_tokens", "output_tokens",
+                                                               "output_throughput", "total_throughput",
+                                                               "request_throughput")}
+        med["cpu"] = {k: _med([o["cpu"][k] for o in offline_runs]) for k in ("client", "server", "others")}
+        result["offline"] = {"runs": offline_runs, "median": med}
+    return result
+
+
+# -- the parser ---------------------------------------------------------------------------------------------
+
+def _positive_int(s: str) -> int:
+    v = int(s)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (got {v})")
+    return v
+
+
+def _int_list(s: str) -> list[int]:
+    try:
+        vals = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want comma-separated integers like 1,8,32 (got {s!r})") from None
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"want one or more concurrencies >= 1 (got {s!r})")
+    return vals
+
+
+def add_serve_parser(sub) -> None:
+    from ember.engine_args import add_engine_args
+
+    p = sub.add_parser("serve", help="streaming load against an OpenAI-compatible server (--url) or a launched "
+                                     "`ember serve` (--launch): TTFT, TPOT, ITL, tok/s",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(p)  # for --launch; --model / --tokenizer also name the served model / its tokenizer with --url
+    g = p.add_argument_group("server")
+    g.add_argument("--url", default=None, help="base URL of a running OpenAI-compatible server (http://host:port)")
+    g.add_argument("--launch", action="store_true",
+                   help="start `ember serve` (with the engine flags given here) on a free local port, run, stop it")
+    g.add_argument("--served-model-name", default=None,
+                   help="model name sent in requests (default: --model with --url, else the first of /v1/models)")
+    g.add_argument("--server-pid", type=int, default=None,
+                   help="with --url to a server on this machine: its process id, so its CPU use is reported apart "
+                        "from other processes' (and a measurement they disturbed is redone)")
+    g.add_argument("--api-key", default=os.environ.get("EMBER_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+                   help="Bearer key (default: $EMBER_API_KEY or $OPENAI_API_KEY); with --launch the server requires it")
+    g.add_argument("--server-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="with --launch: how long to wait for /health to answer 200")
+    g.add_argument("--server-args", default=None, metavar="'FLAGS'",
+                   help="with --launch: extra `ember serve` flags that are not engine flags; write it with =, "
+                        "e.g. --server-args='--no-warmup'")
+    g.add_argument("--offline", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --launch: also measure offline LLM.generate in this process, same prompts count and "
+                        "lengths (the peer of the throughput bar)")
+    w = p.add_argument_group("workload")
+    w.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    w.add_argument("--prompt-format", choices=("auto", "ids", "text"), default="auto",
+                   help="ids = random ordinary token ids (needs a tokenizer: --launch, or --tokenizer with --url); "
+                        "text = random words sized with the server's usage counts; auto = ids when possible")
+    w.add_argument("--num-prompts", type=_positive_int, default=64, help="requests per level")
+    w.add_argument("--max-concurrency", type=_positive_int, default=None,
+                   help="at most N requests in flight (one level; default: unlimited, or 1,8,32 with --launch)")
+    w.add_argument("--concurrency-list", type=_int_list, default=None, metavar="N,N,...",
+                   help="a sweep: one level per concurrency (default with --launch: 1,8,32)")
+    w.add_argument("--request-rate", type=float, default=math.inf,
+                   help="Poisson arrivals at R requests/s (default inf: all at once, limited by the concurrency)")
+    w.add_argument("--input-len", type=_positive_int, default=128, help="prompt tokens")
+    w.add_argument("--output-len", type=_positive_int, default=128, help="max_tokens of every request")
+    w.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="draw lengths uniformly from [len*(1-r), len*(1+r)] (vLLM's random dataset); 0 = fixed")
+    w.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="send ignore_eos and min_tokens (ember/vLLM/llama.cpp) so every request runs to max_tokens")
+    w.add_argument("--extra-body", default=None, metavar="JSON", help="extra fields merged into every request body")
+    w.add_argument("--prompt-seed", type=int, default=0, help="seed of the random prompts")
+    r = p.add_argument_group("measurement")
+    r.add_argument("--runs", type=_positive_int, default=1, help="sweeps; every figure is the median over them")
+    r.add_argument("--warmup-prompts", type=int, default=None,
+                   help="short warmup requests at the top concurrency before measuring (default: that concurrency)")
+    r.add_argument("--quiet-wait", type=float, default=30.0, metavar="SECONDS",
+                   help="before each measurement wait up to this long for other processes to leave the CPU idle")
+    r.add_argument("--label", default=None,
+                   help="names this server's section and JSON file (default: ember with --launch, else the model)")
+    r.add_argument("--output", default=DEFAULT_OUTPUT,
+                   help="markdown results file; this label's section is rewritten and <stem>-<label>.json written")
+    p.set_defaults(func=cmd_serve)
