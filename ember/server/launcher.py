@@ -9,6 +9,7 @@ command with its message instead of leaving a half-started server.
 from __future__ import annotations
 
 import argparse
+from concurrent.futures import ThreadPoolExecutor
 import logging
 import os
 import time
@@ -86,14 +87,16 @@ def build_server(args):
     if args.max_waiting_requests < 1:
         raise ConfigError(f"--max-waiting-requests must be >= 1 (got {args.max_waiting_requests})")
     template = _chat_template(args.chat_template)
-    engine = LLMEngine(engine_config_from_args(args))
+    # Build the engine on the thread that will step it (see AsyncLLMEngine's executor).
+    engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ember-engine")
+    engine = engine_thread.submit(LLMEngine, engine_config_from_args(args)).result()
     names = _model_name(args, engine)
     config = ServerConfig(served_model_names=names, model_root=str(engine.loaded.path),
                           api_key=args.api_key or os.environ.get("EMBER_API_KEY") or None,
                           chat_template=template, log_requests=not args.disable_log_requests)
     metrics = ServerMetrics(names[0])
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=args.max_waiting_requests, warmup=args.warmup,
-                                  stats=metrics)
+                                  stats=metrics, executor=engine_thread)
     app = build_app(async_engine, config, metrics)
     uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                         timeout_graceful_shutdown=5, access_log=args.uvicorn_log_level in ("info", "debug", "trace"))
