@@ -26,3 +26,4 @@ test: setup
 bench: setup
 	$(BIN)/ember bench latency
 	$(BIN)/ember bench throughput
+	$(BIN)/ember bench serve --launch --max-num-seqs 32
