@@ -30,7 +30,7 @@ def _int_list(s: str) -> list[int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"want comma-separated integers like 128,512,2048 (got {s!r})") from None
     if not vals or min(vals) < 1:
-        raise argparse.ArgumentTypeError(f"want one or more lengths >= 1 (got {s!r})")
+        raise argparse.ArgumentTypeError(f"want one or more integers >= 1 (got {s!r})")
     return vals
 
 

@@ -699,24 +699,8 @@ def _sweep(args, levels: list[int | None], target: load.Target, work: Workload, 
 
 # -- the parser ---------------------------------------------------------------------------------------------
 
-def _positive_int(s: str) -> int:
-    v = int(s)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 (got {v})")
-    return v
-
-
-def _int_list(s: str) -> list[int]:
-    try:
-        vals = [int(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"want comma-separated integers like 1,8,32 (got {s!r})") from None
-    if not vals or min(vals) < 1:
-        raise argparse.ArgumentTypeError(f"want one or more concurrencies >= 1 (got {s!r})")
-    return vals
-
-
 def add_serve_parser(sub) -> None:
+    from ember.bench.cli import _int_list, _positive_int
     from ember.engine_args import add_engine_args
 
     p = sub.add_parser("serve", help="streaming load against an OpenAI-compatible server (--url) or a launched "
