@@ -42,3 +42,18 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     if getattr(args, "model_pos", None) is not None:
         knobs["model"] = args.model_pos
     return EngineConfig(**knobs)
+
+
+def engine_args_to_words(args: argparse.Namespace) -> list[str]:
+    """The engine flags that were given, back as command-line words (they default to SUPPRESS,
+    so present = given): for recording a reproducible command or launching a server."""
+    words = [args.model_pos] if getattr(args, "model_pos", None) else []
+    for f in dataclasses.fields(EngineConfig):
+        if not hasattr(args, f.name):
+            continue
+        v, flag = getattr(args, f.name), "--" + f.name.replace("_", "-")
+        if isinstance(v, bool):
+            words.append(flag if v else "--no-" + f.name.replace("_", "-"))
+        else:
+            words += [flag, v if isinstance(v, str) else str(v)]
+    return words

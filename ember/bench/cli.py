@@ -10,7 +10,7 @@ import dataclasses
 import logging
 import shlex
 
-from ember.engine_args import add_engine_args, engine_config_from_args
+from ember.engine_args import add_engine_args, engine_args_to_words, engine_config_from_args
 
 logger = logging.getLogger("ember.bench")
 
@@ -78,19 +78,7 @@ def add_bench_parser(subparsers) -> None:
 def _command(args, bench_flags: list[str]) -> str:
     """The full command that reproduces this run: every benchmark flag with its value, plus the
     engine flags that were given (engine flags default to SUPPRESS, so present = given)."""
-    from ember.config import EngineConfig
-
-    words = ["ember", "bench", args.bench_command]
-    if getattr(args, "model_pos", None):
-        words.append(args.model_pos)
-    for name in EngineConfig.field_names():
-        if not hasattr(args, name):
-            continue
-        v, flag = getattr(args, name), "--" + name.replace("_", "-")
-        if isinstance(v, bool):
-            words.append(flag if v else "--no-" + name.replace("_", "-"))
-        else:
-            words += [flag, v if isinstance(v, str) else str(v)]
+    words = ["ember", "bench", args.bench_command] + engine_args_to_words(args)
     for name in bench_flags:
         v = getattr(args, name)
         words += ["--" + name.replace("_", "-"), ",".join(map(str, v)) if isinstance(v, list) else str(v)]

@@ -39,6 +39,7 @@ from pathlib import Path
 from ember.bench import load
 from ember.bench import report
 from ember.bench.report import CONTENDED_CORES
+from ember.engine_args import engine_args_to_words
 from ember.bench.throughput import RETRIES
 from ember.errors import ConfigError
 
@@ -117,22 +118,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def engine_flags(args) -> list[str]:
-    """The engine flags that were given (they default to SUPPRESS, so present = given), as words."""
-    from ember.config import EngineConfig
-
-    words = [args.model_pos] if getattr(args, "model_pos", None) else []
-    for name in EngineConfig.field_names():
-        if not hasattr(args, name):
-            continue
-        v, flag = getattr(args, name), "--" + name.replace("_", "-")
-        if isinstance(v, bool):
-            words.append(flag if v else "--no-" + name.replace("_", "-"))
-        else:
-            words += [flag, v if isinstance(v, str) else str(v)]
-    return words
 
 
 class LaunchedServer:
@@ -465,7 +450,7 @@ BENCH_FLAGS = ["url", "launch", "server_args", "server_pid", "served_model_name"
 def command_line(args) -> str:
     words = ["ember", "bench", "serve"]
     if args.launch:
-        words += engine_flags(args)
+        words += engine_args_to_words(args)
     else:
         for name in ("model", "tokenizer"):
             if getattr(args, name, None):
@@ -546,7 +531,7 @@ def cmd_serve(args) -> None:
             extra = shlex.split(args.server_args or "")
             if args.served_model_name:
                 extra += ["--served-model-name", args.served_model_name]
-            server = LaunchedServer(engine_flags(args), free_port(), args.api_key, extra)
+            server = LaunchedServer(engine_args_to_words(args), free_port(), args.api_key, extra)
             server.start()
             tokenizer_name = os.path.basename(str(config.tokenizer or config.model or "the default model").rstrip("/"))
             if args.offline:
