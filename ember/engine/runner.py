@@ -35,7 +35,7 @@ class ModelRunner:
         elem = torch.empty((), dtype=kv_dtype).element_size()
         return model_config.kv_bytes_per_token_per_dtype_byte * block_size * elem
 
-    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[Request]]:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -44,6 +44,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         query_lens: list[int] = []
         logit_rows: list[int] = []  # flat index of the token whose logits are sampled, per sampling request
+        sampling_reqs: list[Request] = []  # requests whose step reaches their end (a mid-prompt chunk samples nothing)
         for req, n in out.scheduled:
             start = req.num_computed_tokens
             end = start + n
@@ -56,6 +57,7 @@ class ModelRunner:
             query_lens.append(n)
             if end == req.num_tokens:
                 logit_rows.append(query_start[-1] - 1)
+                sampling_reqs.append(req)
         max_blocks = max(len(req.block_ids) for req, _ in out.scheduled)
         tables = [req.block_ids + [0] * (max_blocks - len(req.block_ids)) for req, _ in out.scheduled]
         dev = self.device
@@ -73,18 +75,17 @@ class ModelRunner:
         )
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         pos = torch.tensor(positions, dtype=torch.int64, device=dev)
-        return ids, pos, meta, logit_rows
+        return ids, pos, meta, logit_rows, sampling_reqs
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, banned_token_ids: dict[str, list[int]] | None = None
                 ) -> dict[str, SampledToken]:
         """Run one step. Returns the sampled token of every request whose step reached its end."""
-        ids, pos, meta, logit_rows = self.prepare(out)
+        ids, pos, meta, logit_rows, sampling_reqs = self.prepare(out)
         hidden = self.model(ids, pos, self.kv_caches, meta)
         if not logit_rows:
             return {}
         logits = self.model.compute_logits(hidden[logit_rows])
-        sampling_reqs = [req for req, n in out.scheduled if req.num_computed_tokens + n == req.num_tokens]
         rows = [self._row(req, banned_token_ids) for req in sampling_reqs]
         sampled = self.sampler(logits, rows)
         return {req.request_id: tok for req, tok in zip(sampling_reqs, sampled)}
