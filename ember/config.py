@@ -12,9 +12,10 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ember.errors import ConfigError
+from ember.quant import QUANTIZATION_CHOICES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto",)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 DEVICES = ("auto", "cpu", "cuda")
 # Default CPU KV budget: this fraction of available RAM, capped (the pool is allocated up front).
 CPU_KV_FRACTION = 0.2
@@ -39,7 +40,7 @@ class EngineConfig:
     enforce_eager: bool = field(default=False, metadata={"help": "never use CUDA graphs or torch.compile"})
     int8_decode: bool | None = field(default=None, metadata={"help": "CPU: keep an int8 weight-only copy of each linear for decode-sized batches (bf16 GEMV is slow on CPU); default: on for .gguf models in bfloat16/float16"})
     attention_backend: str = field(default="torch", metadata={"help": "attention kernels", "choices": ("torch",)})
-    quantization: str | None = field(default=None, metadata={"help": "weight quantization method (none yet; a GGUF file is dequantized)"})
+    quantization: str = field(default="auto", metadata={"help": "weight format: auto = what the checkpoint holds (awq for an AWQ folder, gguf = packed blocks for a .gguf file, else none); none on a .gguf dequantizes it to --dtype", "choices": QUANTIZATION_CHOICES})
     tensor_parallel_size: int = field(default=1, metadata={"help": "number of devices to shard the model over"})
     speculative_config: dict[str, Any] | None = field(default=None, metadata={"help": "speculative decoding config (JSON)"})
     seed: int = field(default=0, metadata={"help": "global seed for unseeded sampling"})
@@ -82,8 +83,10 @@ class EngineConfig:
         need(0 < self.gpu_memory_utilization <= 1, f"--gpu-memory-utilization must be in (0, 1] (got {self.gpu_memory_utilization})")
         need(self.tensor_parallel_size == 1,
              f"--tensor-parallel-size {self.tensor_parallel_size} is not supported yet; use 1")
-        need(self.quantization in (None, "gguf"),
-             f"--quantization {self.quantization!r} is not supported yet; leave it unset")
+        if self.quantization is None:
+            self.quantization = "auto"
+        need(self.quantization in QUANTIZATION_CHOICES,
+             f"--quantization {self.quantization!r} is not one of {', '.join(QUANTIZATION_CHOICES)}")
         need(self.speculative_config is None, "speculative decoding is not supported yet; drop --speculative-config")
         if self.num_threads is not None:
             need(self.num_threads >= 1, f"--num-threads must be >= 1 (got {self.num_threads})")

@@ -62,7 +62,8 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
         torch.manual_seed(config.seed)
 
-        loaded = load_model(config.model, config.tokenizer, self.dtype, self.device, config.attention_backend)
+        loaded = load_model(config.model, config.tokenizer, self.dtype, self.device, config.attention_backend,
+                            config.quantization)
         self.loaded = loaded
         self.model_config = mc = loaded.model_config
         self.tokenizer = loaded.tokenizer
@@ -109,10 +110,14 @@ class LLMEngine:
 
     def _maybe_int8_decode(self, loaded) -> int:
         on = self.config.int8_decode
-        if on is None:
-            on = loaded.format == "gguf" and self.device.type == "cpu" and self.dtype != torch.float32
+        if on is None:  # a dequantized GGUF: the int8 copy buys back the decode speed of packed weights
+            on = (loaded.format == "gguf" and loaded.quantization == "none" and self.device.type == "cpu"
+                  and self.dtype != torch.float32)
         if not on:
             return 0
+        if loaded.quantization != "none":
+            raise ConfigError(f"--int8-decode adds an int8 copy of dense weights; these are already {loaded.quantization} "
+                              "packed. Drop --int8-decode, or pass --quantization none")
         if self.device.type != "cpu":
             raise ConfigError("--int8-decode is a CPU path; drop it on CUDA")
         if self.dtype == torch.float32:

@@ -12,9 +12,10 @@ def _param(vocab_size, hidden_size, dtype, device) -> nn.Parameter:
 
 class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", quant_method=None):
         super().__init__()
         self.vocab_size = vocab_size
+        self.quant_method = quant_method  # packed weights (GGUF) replace `weight`; see ember.quant
         self.weight = _param(vocab_size, hidden_size, dtype, device)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -25,8 +26,9 @@ class LMHead(nn.Module):
     """hidden [N, H] -> logits [N, V] in float32 (sampling and logprobs want fp32)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", tied_to: VocabEmbedding | None = None):
+                 device: torch.device | str = "cpu", tied_to: VocabEmbedding | None = None, quant_method=None):
         super().__init__()
+        self.quant_method = quant_method
         self.vocab_size = vocab_size
         self.tied = tied_to is not None
         if self.tied:

@@ -80,11 +80,18 @@ class SparseMoeBlock(nn.Module):
     """router ("gate") + experts; forward(x [T, H]) -> [T, H]."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 norm_topk_prob: bool, dtype: torch.dtype, device: torch.device | str = "cpu"):
+                 norm_topk_prob: bool, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 quant_config=None, prefix: str = "mlp"):
         super().__init__()
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
-        self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False, dtype=dtype, device=device)
-        self.experts = Experts(num_experts, hidden_size, intermediate_size, dtype, device)
+        gate_method = quant_config.linear_method(f"{prefix}.gate") if quant_config is not None else None
+        self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False, dtype=dtype, device=device,
+                                     quant_method=gate_method)
+        experts_method = quant_config.experts_method(f"{prefix}.experts") if quant_config is not None else None
+        if experts_method is not None:
+            self.experts = experts_method.create_experts(num_experts, hidden_size, intermediate_size, dtype, device)
+        else:
+            self.experts = Experts(num_experts, hidden_size, intermediate_size, dtype, device)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk_weights [T, k] in x's dtype, topk_ids [T, k])."""

@@ -267,7 +267,7 @@ class GGUFCheckpoint:
 
     # ---- weights --------------------------------------------------------------------------
 
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_weights(self, packed: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, float32 tensor in [out, in] layout) for every parameter, in file order.
 
         Names are all resolved before the first tensor is dequantized, so an unknown tensor

@@ -22,6 +22,7 @@ class LoadedModel:
     tokenizer: object
     path: str
     format: str  # "gguf" | "safetensors"
+    quantization: str  # "none" | "awq" | "gguf": how the weights are held in memory
     num_parameters: int
     weight_bytes: int  # bytes of the weights as held in memory
     load_seconds: float
@@ -42,10 +43,11 @@ def resolve_model_path(model: str | None) -> str:
 
 
 def load_model(model: str | None, tokenizer_path: str | None, dtype: torch.dtype, device: torch.device,
-               attention_backend: str) -> LoadedModel:
+               attention_backend: str, quantization: str | None = "auto") -> LoadedModel:
     from ember.kernels import get_attention_backend
     from ember.loader.tokenizer import Tokenizer
     from ember.models.registry import get_model_class
+    from ember.quant import process_weights_after_loading, resolve_quant_config
 
     t0 = time.perf_counter()
     path = resolve_model_path(model)
@@ -54,17 +56,20 @@ def load_model(model: str | None, tokenizer_path: str | None, dtype: torch.dtype
 
         ckpt = GGUFCheckpoint(path)
         model_config = ModelConfig.from_dict(ckpt.config)
+        quant_config = resolve_quant_config(quantization, path, model_config.raw)
         tokenizer = ckpt.tokenizer()
         from tqdm import tqdm
 
         # disable=None: a bar on a terminal, silence in logs and CI (as iter_safetensors does).
-        weights = tqdm(ckpt.iter_weights(), total=None if model_config.num_experts else len(ckpt.tensor_names),
+        # packed: quantized tensors arrive as GGUFTensor blocks for the gguf QuantMethods.
+        weights = tqdm(ckpt.iter_weights(packed=quant_config is not None), total=None if model_config.num_experts else len(ckpt.tensor_names),
                        desc="Loading weights", unit="tensor", disable=None)
         fmt = "gguf"
     else:
         from ember.loader.weights import iter_safetensors
 
         model_config = ModelConfig.from_folder(path)
+        quant_config = resolve_quant_config(quantization, path, model_config.raw)
         tokenizer = None
         weights = iter_safetensors(path)
         fmt = "safetensors"
@@ -76,10 +81,33 @@ def load_model(model: str | None, tokenizer_path: str | None, dtype: torch.dtype
     model_cls = get_model_class(model_config.architecture)
     with torch.device(device):
         net = model_cls(model_config, dtype=dtype, device=device,
-                        attn_backend=get_attention_backend(attention_backend))
+                        attn_backend=get_attention_backend(attention_backend), quant_config=quant_config)
     net.load_weights(weights)
+    process_weights_after_loading(net)
     net.eval()
-    params = {p.data_ptr(): p for p in net.parameters()}.values()  # tied weights counted once
-    num_params = sum(p.numel() for p in params)
-    weight_bytes = sum(p.numel() * p.element_size() for p in params)
-    return LoadedModel(net, model_config, tokenizer, path, fmt, num_params, weight_bytes, time.perf_counter() - t0)
+    if quant_config is None:
+        num_params = count_parameters(net)
+    else:  # packed weights hide the logical count: count a dense twin built on the meta device
+        num_params = count_parameters(model_cls(model_config, dtype=dtype, device="meta"))
+    return LoadedModel(net, model_config, tokenizer, path, fmt, quant_config.name if quant_config else "none",
+                       num_params, resident_weight_bytes(net), time.perf_counter() - t0)
+
+
+def count_parameters(net: torch.nn.Module) -> int:
+    params = {id(p): p for p in net.parameters()}.values()  # tied weights counted once
+    return sum(p.numel() for p in params)
+
+
+def resident_weight_bytes(net: torch.nn.Module) -> int:
+    """Bytes the weights occupy in memory: parameters and persistent-or-not buffers (packed int4,
+    scales), each storage counted once. The rotary cos/sin table is not a weight."""
+    seen, total = set(), 0
+    for name, t in list(net.named_parameters()) + list(net.named_buffers()):
+        if name.endswith(("cos_sin_cache", "inv_freq")) or t.numel() == 0:
+            continue
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.numel() * t.element_size()
+    return total

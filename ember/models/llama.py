@@ -27,15 +27,26 @@ from ember.model_config import ModelConfig
 log = logging.getLogger(__name__)
 
 
+def linear_method(quant_config, prefix: str):
+    return quant_config.linear_method(prefix) if quant_config is not None else None
+
+
+def embedding_method(quant_config, prefix: str):
+    return quant_config.embedding_method(prefix) if quant_config is not None else None
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype, device, attn_backend):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype, device, attn_backend, quant_config=None):
         super().__init__()
         D = cfg.head_dim
+        prefix = f"model.layers.{layer_idx}.self_attn"
         self.qkv_proj = QKVLinear(cfg.hidden_size, D, cfg.num_heads, cfg.num_kv_heads, bias=cfg.attention_bias,
-                                  dtype=dtype, device=device)
+                                  dtype=dtype, device=device,
+                                  quant_method=linear_method(quant_config, f"{prefix}.qkv_proj"))
         # HF: Llama/Qwen3 give o_proj the attention bias too; Qwen2 never does.
         o_bias = cfg.attention_bias and cfg.architecture != "Qwen2ForCausalLM"
-        self.o_proj = RowParallelLinear(cfg.num_heads * D, cfg.hidden_size, bias=o_bias, dtype=dtype, device=device)
+        self.o_proj = RowParallelLinear(cfg.num_heads * D, cfg.hidden_size, bias=o_bias, dtype=dtype, device=device,
+                                        quant_method=linear_method(quant_config, f"{prefix}.o_proj"))
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(D, cfg.rms_norm_eps, dtype, device)
@@ -54,11 +65,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype, device, bias: bool = False):
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype, device, bias: bool = False,
+                 quant_config=None, prefix: str = ""):
         super().__init__()
         self.gate_up_proj = MergedColumnLinear(hidden_size, [intermediate_size] * 2, bias=bias, dtype=dtype,
-                                               device=device)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, dtype=dtype, device=device)
+                                               device=device,
+                                               quant_method=linear_method(quant_config, f"{prefix}.gate_up_proj"))
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, dtype=dtype, device=device,
+                                           quant_method=linear_method(quant_config, f"{prefix}.down_proj"))
         self.act = SiluAndMul()
 
     def forward(self, x):
@@ -66,10 +80,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype, device, attn_backend, mlp: nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype, device, attn_backend, mlp: nn.Module,
+                 quant_config=None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = LlamaAttention(cfg, layer_idx, dtype, device, attn_backend)
+        self.self_attn = LlamaAttention(cfg, layer_idx, dtype, device, attn_backend, quant_config)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = mlp
 
@@ -85,11 +100,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype, device, attn_backend, make_mlp):
+    def __init__(self, cfg: ModelConfig, dtype, device, attn_backend, make_mlp, quant_config=None):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device,
+                                           quant_method=embedding_method(quant_config, "model.embed_tokens"))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, dtype, device, attn_backend, make_mlp(i)) for i in range(cfg.num_layers)
+            LlamaDecoderLayer(cfg, i, dtype, device, attn_backend, make_mlp(i), quant_config)
+            for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings, device)
@@ -116,20 +133,24 @@ class LlamaForCausalLM(nn.Module):
     )
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str = "cpu", attn_backend=None):
+                 device: torch.device | str = "cpu", attn_backend=None, quant_config=None):
         super().__init__()
         if attn_backend is None:
             from ember.kernels.torch_attention import TorchAttentionBackend
 
             attn_backend = TorchAttentionBackend()
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
-        self.model = LlamaModel(cfg, dtype, device, attn_backend, lambda i: self.make_mlp(cfg, i, dtype, device))
+        self.quant_config = quant_config
+        self.model = LlamaModel(cfg, dtype, device, attn_backend, lambda i: self.make_mlp(cfg, i, dtype, device),
+                                quant_config)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, device, tied_to=tied)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, device, tied_to=tied,
+                              quant_method=None if tied else embedding_method(quant_config, "lm_head"))
 
     def make_mlp(self, cfg: ModelConfig, layer_idx: int, dtype, device) -> nn.Module:
         bias = bool(cfg.raw.get("mlp_bias", False))  # some Llama variants
-        return LlamaMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device, bias=bias)
+        return LlamaMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device, bias=bias,
+                        quant_config=self.quant_config, prefix=f"model.layers.{layer_idx}.mlp")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:

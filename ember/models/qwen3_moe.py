@@ -22,5 +22,6 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
     def make_mlp(self, cfg: ModelConfig, layer_idx: int, dtype, device) -> nn.Module:
         if cfg.is_moe_layer(layer_idx):
             return SparseMoeBlock(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
-                                  cfg.num_experts_per_tok, cfg.norm_topk_prob, dtype, device)
-        return LlamaMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
+                                  cfg.num_experts_per_tok, cfg.norm_topk_prob, dtype, device,
+                                  quant_config=self.quant_config, prefix=f"model.layers.{layer_idx}.mlp")
+        return super().make_mlp(cfg, layer_idx, dtype, device)

@@ -1,0 +1,99 @@
+"""Weight quantization: which QuantMethod each Linear gets, decided once from the checkpoint.
+
+`resolve_quant_config(requested, path, raw_config)` reads what the checkpoint holds (an AWQ
+`quantization_config`, a GGUF file, plain weights) and checks it against `--quantization`.
+A mismatch is refused with what the checkpoint actually holds: "forgot --quantization awq,
+then out of memory" cannot happen, because `auto` (the default) always follows the checkpoint
+and an explicit value that contradicts it is an error.
+
+A QuantConfig hands each layer its method by the layer's HF-style prefix
+("model.layers.3.self_attn.qkv_proj"); None means dense.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from ember.errors import ConfigError, UnsupportedModelError
+
+QUANTIZATION_CHOICES = ("auto", "none", "awq", "gguf")
+
+
+class QuantConfig:
+    """Per-checkpoint quantization settings; a factory of per-layer QuantMethods."""
+
+    name = "none"
+
+    def linear_method(self, prefix: str):
+        """QuantMethod for the Linear at `prefix` (fused names: qkv_proj, gate_up_proj), or None for dense."""
+        return None
+
+    def experts_method(self, prefix: str):
+        """Method for the stacked MoE experts at `prefix` ("model.layers.N.mlp.experts"), or None for dense."""
+        return None
+
+    def embedding_method(self, prefix: str):
+        """Method for the token embedding / untied LM head at `prefix`, or None for dense."""
+        return None
+
+
+def checkpoint_quantization(path: str, raw_config: dict | None) -> tuple[str, dict | None]:
+    """(method the checkpoint holds: "awq" | "gguf" | "none" | other quant_method, its settings dict)."""
+    if os.path.isfile(path):
+        return "gguf", None
+    qc = (raw_config or {}).get("quantization_config")
+    if qc is None:
+        legacy = os.path.join(path, "quant_config.json")  # older AutoAWQ exports
+        if os.path.exists(legacy):
+            with open(legacy) as f:
+                qc = json.load(f)
+            qc.setdefault("quant_method", "awq")
+    if not qc:
+        return "none", None
+    return str(qc.get("quant_method", "unknown")).lower(), qc
+
+
+def resolve_quant_config(requested: str | None, path: str, raw_config: dict | None) -> QuantConfig | None:
+    """The QuantConfig to build the model with (None = dense), or a ConfigError on a mismatch."""
+    requested = (requested or "auto").lower()
+    if requested not in QUANTIZATION_CHOICES:
+        raise ConfigError(f"--quantization {requested!r} is not one of {', '.join(QUANTIZATION_CHOICES)}")
+    held, settings = checkpoint_quantization(path, raw_config)
+    if held not in ("none", "awq", "gguf"):
+        raise UnsupportedModelError(
+            f"{path} holds {held!r}-quantized weights (quantization_config.quant_method); ember loads awq "
+            "checkpoints and .gguf files. Use an AWQ export of the model, or quantize the full-precision "
+            "weights with `ember quantize MODEL --method awq`")
+    if requested == "auto":
+        requested = held
+    what = {"none": "unquantized weights", "awq": "AWQ int4 weights (quantization_config.quant_method 'awq')",
+            "gguf": "a GGUF file"}[held]
+    if requested == "none":
+        if held == "awq":
+            raise ConfigError(f"{path} holds {what}; they cannot run as dense weights. Pass --quantization awq "
+                              "(or leave it at auto)")
+        # A GGUF file with --quantization none is dequantized to the run dtype at load (more memory, fast GEMMs).
+        return None
+    if requested == "awq":
+        if held != "awq":
+            raise ConfigError(f"--quantization awq, but {path} holds {what}. Leave --quantization at auto, or "
+                              "make an AWQ checkpoint first with `ember quantize MODEL --method awq --out DIR`")
+        from ember.quant.awq import AWQConfig
+
+        return AWQConfig.from_settings(settings)
+    # requested == "gguf"
+    if held != "gguf":
+        raise ConfigError(f"--quantization gguf applies to .gguf files, but {path} holds {what}. Leave "
+                          "--quantization at auto")
+    from ember.quant.gguf_quant import GGUFConfig
+
+    return GGUFConfig()
+
+
+def process_weights_after_loading(model) -> None:
+    """Let every quantized layer repack its loaded weights (e.g. into the CPU int4 kernel's layout)."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        hook = getattr(method, "process_weights_after_loading", None)
+        if hook is not None:
+            hook(module)

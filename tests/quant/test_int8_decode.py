@@ -42,12 +42,12 @@ def test_model_logits_close_and_same_argmax(tiny_model_dir):
     assert (a - b).abs().max() < 0.02 * b.abs().max()
 
 
-def test_default_model_uses_it_in_bf16_and_refuses_fp32():
+def test_dequantized_default_model_uses_it_in_bf16_and_refuses_fp32():
     from ember import LLM, SamplingParams
 
-    llm = LLM(kv_cache_memory=0.05, max_model_len=512, dtype="bfloat16")
+    llm = LLM(kv_cache_memory=0.05, max_model_len=512, dtype="bfloat16", quantization="none")
     assert llm.engine.int8_decode_bytes > 100e6
     out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert "Paris" in out[0].outputs[0].text
     with pytest.raises(ConfigError, match="int8-decode"):
-        LLM(kv_cache_memory=0.05, max_model_len=512, dtype="float32", int8_decode=True)
+        LLM(kv_cache_memory=0.05, max_model_len=512, dtype="float32", int8_decode=True, quantization="none")
