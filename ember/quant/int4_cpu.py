@@ -1,0 +1,105 @@
+"""Group-wise int4 weights in the layout of torch's CPU int4 kernel, shared by AWQ and GGUF.
+
+`aten._weight_int4pack_mm_for_cpu(x, packed, G, scales_zeros)` computes x @ W^T with
+    W[n, k] = (q[n, k] - 8) * s[k // G, n] + z[k // G, n]
+from `packed` = uint8 [N, K/2] and `scales_zeros` = [K/G, N, 2] (s, z) in x's dtype (bf16,
+fp16 or fp32 -- the kernel refuses a mismatch). Packed layout, found by probing the
+converter: rows go in blocks of 64; inside block b the bytes [b*64*K/2, (b+1)*64*K/2) are
+[K, 32], and byte (k, j) holds row 64b + j in its low nibble and row 64b + 32 + j in its high
+nibble.
+
+Every format here is affine per group, w = q * scale + offset (Q4_0: offset -8d; Q4_1: m;
+Q4_K: -dmin*m_j; AWQ: -z*s), so it maps onto the kernel exactly: s = scale,
+z = offset + 8 * scale. The integer codes are copied, never requantized.
+
+The kernel reads each weight once per row of x, so it wins only for decode-sized batches;
+above KERNEL_MAX_ROWS rows the weight is dequantized (into a transient buffer) and the
+dense GEMM takes over, as vLLM does for AWQ at >= 256 tokens.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Measured on 2 Zen4 cores, 3072x576 bf16: the kernel costs ~10 us per row, dequantize +
+# GEMM ~1.5 ms + 4 us per row; they cross near 250 rows.
+KERNEL_MAX_ROWS = 192
+SUPPORTED_GROUP_SIZES = (32, 64, 128, 256)
+
+
+def pack_int4_codes(q: torch.Tensor) -> torch.Tensor:
+    """q [N, K] integers in 0..15 -> the kernel's packed uint8 [N, K/2]."""
+    N, K = q.shape
+    if N % 64 == 0:
+        # Direct construction of the documented layout (the converter needs an int32 copy).
+        b = q.to(torch.uint8).view(N // 64, 2, 32, K).permute(0, 3, 1, 2)  # [nb, K, 2, 32]
+        return (b[:, :, 0] | (b[:, :, 1] << 4)).reshape(N, K // 2).contiguous()
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2)
+
+
+def unpack_int4_codes(packed: torch.Tensor, N: int, K: int) -> torch.Tensor:
+    """Inverse of pack_int4_codes for N % 64 == 0: uint8 [N, K/2] -> q uint8 [N, K]."""
+    b = packed.view(N // 64, K, 32)
+    q = torch.stack((b & 15, b >> 4), dim=1)  # [nb, 2, K, 32]
+    return q.permute(0, 1, 3, 2).reshape(N, K)
+
+
+class Int4Weight:
+    """One [N, K] weight as int4 codes + per-group (s, z); `linear(x)` = x @ W^T."""
+
+    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int, N: int, K: int):
+        self.packed, self.scales_zeros, self.group_size, self.N, self.K = packed, scales_zeros, group_size, N, K
+
+    @classmethod
+    def from_affine(cls, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size: int,
+                    dtype: torch.dtype) -> "Int4Weight":
+        """W[n, k] = q[n, k] * scale[n, k // G] + offset[n, k // G]; q in 0..15, scale/offset [N, K/G]."""
+        N, K = q.shape
+        if group_size not in SUPPORTED_GROUP_SIZES or K % group_size or N % 64:
+            raise ValueError(f"int4 kernel needs group size in {SUPPORTED_GROUP_SIZES} dividing K={K} and N % 64 == 0 "
+                             f"(got G={group_size}, N={N})")
+        s = scale.float()
+        z = offset.float() + 8.0 * s
+        sz = torch.stack((s.t(), z.t()), dim=-1).to(dtype).contiguous()  # [K/G, N, 2]
+        return cls(pack_int4_codes(q), sz, group_size, N, K)
+
+    @staticmethod
+    def supports(N: int, K: int, group_size: int) -> bool:
+        return group_size in SUPPORTED_GROUP_SIZES and K % group_size == 0 and N % 64 == 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + self.scales_zeros.numel() * self.scales_zeros.element_size()
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.packed, self.scales_zeros
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """W [N, K] in `dtype` (default: the scales' dtype)."""
+        N, K, G = self.N, self.K, self.group_size
+        dtype = dtype or self.scales_zeros.dtype
+        sz = self.scales_zeros.to(dtype)
+        s = sz[..., 0].reshape(K // G, N // 64, 2, 32).permute(1, 0, 2, 3).unsqueeze(2)  # [nb, K/G, 1, 2, 32]
+        z = (sz[..., 1] - 8 * sz[..., 0]).reshape(K // G, N // 64, 2, 32).permute(1, 0, 2, 3).unsqueeze(2)
+        b = self.packed.view(N // 64, K // G, G, 32)
+        out = torch.empty(N // 64, K // G, G, 2, 32, dtype=dtype, device=self.packed.device)
+        out[..., 0, :] = b & 15
+        out[..., 1, :] = b >> 4
+        out.mul_(s).add_(z)  # (q - 8) * s + z == q * s + (z - 8 s)
+        # [nb, K/G, G, 2, 32] -> [nb, 2, 32, K] = [N, K]
+        return out.view(N // 64, K, 2, 32).permute(0, 2, 3, 1).reshape(N, K)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.K)
+        if x2.device.type == "cpu" and x2.shape[0] <= KERNEL_MAX_ROWS:
+            if x2.dtype != self.scales_zeros.dtype:
+                x2 = x2.to(self.scales_zeros.dtype)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self.packed, self.group_size,
+                                                           self.scales_zeros)
+            y = y.to(x.dtype)
+            if bias is not None:
+                y = y + bias
+        else:
+            y = F.linear(x2, self.dequantize(x2.dtype), bias)
+        return y.view(*lead, self.N)
