@@ -1,0 +1,220 @@
+"""`ember bench quant`: what each weight / KV format costs and buys on the default model.
+
+One run builds, one after another, an engine for each format and measures:
+- resident weight bytes (parameters + buffers, each storage once; plus any int8 decode copy),
+  against the GGUF file's own tensor bytes;
+- batch-1 greedy decode tok/s (steady = 1 / median gap between tokens; median of --runs runs);
+- perplexity on held-out pydoc text (`pydoc_split("eval")`, disjoint from the calibration
+  half `ember quantize --calib pydoc` uses), windows of --window tokens in prefill chunks of
+  --chunk, through the engine's own forward (so FP8 KV is read back from the cache).
+
+The AWQ and round-to-nearest folders are made by `ember quantize` from the dequantized
+(bf16-run) weights of the same GGUF, first, unless they already exist under --work-dir.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import logging
+import os
+import statistics
+import time
+from pathlib import Path
+
+logger = logging.getLogger("ember.bench")
+
+DEFAULT_OUTPUT = "benchmarks/quant.md"
+DECODE_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+@dataclasses.dataclass
+class Variant:
+    label: str
+    engine_kwargs: dict
+    model: str | None = None  # None = the default GGUF
+    ppl: bool = True
+
+
+@dataclasses.dataclass
+class Row:
+    label: str
+    weight_bytes: int
+    decode_tok_s: list[float]
+    perplexity: float | None
+    scored_tokens: int
+
+
+def variants(awq_dir: str, rtn_dir: str, dtype: str) -> list[Variant]:
+    dense = {"quantization": "none", "int8_decode": False}
+    return [
+        Variant(f"{dtype} dense (GGUF dequantized)", dense),
+        Variant(f"{dtype} dense + int8 decode copy", {"quantization": "none", "int8_decode": True}, ppl=False),
+        Variant("GGUF Q4_1 packed, as shipped", {"quantization": "gguf"}),
+        Variant("AWQ int4 (ember quantize --method awq)", {"quantization": "awq"}, model=awq_dir),
+        Variant("RTN int4 (ember quantize --method rtn)", {"quantization": "awq"}, model=rtn_dir),
+        Variant(f"{dtype} dense + FP8 e4m3 KV cache", dense | {"kv_cache_dtype": "fp8"}),
+    ]
+
+
+def ensure_quantized(source: str, out: str, method: str, group_size: int, num_samples: int, seq_len: int) -> float:
+    """Run `ember quantize` into `out` unless it is already there; returns the seconds it took (0 if cached)."""
+    if os.path.exists(os.path.join(out, "config.json")):
+        logger.info("bench quant: reusing %s", out)
+        return 0.0
+    from ember.cli import main
+
+    t0 = time.perf_counter()
+    rc = main(["quantize", source, "--method", method, "--bits", "4", "--group-size", str(group_size), "--zero-point",
+               "--calib", "pydoc", "--num-samples", str(num_samples), "--seq-len", str(seq_len), "--out", out])
+    if rc != 0:
+        raise RuntimeError(f"ember quantize --method {method} failed (exit {rc})")
+    return time.perf_counter() - t0
+
+
+def measure(v: Variant, eval_ids: list[int] | None, args) -> Row:
+    from ember.bench.latency import decode_rates, ember_decode
+    from ember.eval.perplexity import perplexity
+    from ember.llm import LLM
+
+    kwargs = dict(model=v.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
+                  max_model_len=max(args.window, 1024), enable_prefix_caching=False) | v.engine_kwargs
+    llm = LLM(**kwargs)
+    engine = llm.engine
+    weight_bytes = engine.loaded.weight_bytes + getattr(engine, "int8_decode_bytes", 0)
+    prompt = engine.tokenizer.encode(DECODE_PROMPT)
+    ember_decode(engine, "warmup", prompt, 8)
+    rates = []
+    for r in range(args.runs):
+        _, steady = decode_rates(ember_decode(engine, f"decode-{r}", prompt, args.decode_tokens))
+        rates.append(steady)
+    ppl, scored = None, 0
+    if v.ppl and eval_ids is not None:
+        res = perplexity(engine, eval_ids, window=args.window, chunk=args.chunk)
+        ppl, scored = res.perplexity, res.scored_tokens
+    logger.info("bench quant: %s: %.1f MB, decode %s tok/s, ppl %s", v.label, weight_bytes / 1e6,
+                [round(x, 1) for x in rates], ppl)
+    del llm, engine
+    gc.collect()
+    return Row(v.label, weight_bytes, rates, ppl, scored)
+
+
+def render(rows: list[Row], meta: dict) -> str:
+    from ember.bench.report import _machine_line
+
+    base = rows[0]
+    lines = [
+        "# Quantization: memory, decode speed, perplexity (default model)", "",
+        f"Machine: {_machine_line(meta['machine'])}", "",
+        f"Command: `{meta['command']}`", "",
+        f"GGUF file tensor bytes: {meta['gguf_tensor_bytes'] / 1e6:.1f} MB "
+        f"({meta['gguf_path']}).", "",
+        "| format | resident weights (MB) | × GGUF tensor bytes | batch-1 decode tok/s (median, min–max) "
+        "| × dense | perplexity | Δ vs dense |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    base_rate = statistics.median(base.decode_tok_s)
+    for r in rows:
+        rate = statistics.median(r.decode_tok_s)
+        ppl = "-" if r.perplexity is None else f"{r.perplexity:.3f}"
+        delta = "-" if r.perplexity is None or base.perplexity is None else \
+            f"{100 * (r.perplexity / base.perplexity - 1):+.2f}%"
+        lines.append(f"| {r.label} | {r.weight_bytes / 1e6:.1f} | {r.weight_bytes / meta['gguf_tensor_bytes']:.2f} "
+                     f"| {rate:.1f} ({min(r.decode_tok_s):.1f}–{max(r.decode_tok_s):.1f}) | {rate / base_rate:.2f} "
+                     f"| {ppl} | {delta} |")
+    lines += ["", "Bars (issue 4):", ""]
+    lines += [f"- {name}: {'PASS' if ok else 'FAIL'} ({detail})" for name, ok, detail in bars(rows, meta)]
+    lines += ["", "Notes:", ""] + [f"- {n}" for n in meta["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def bars(rows: list[Row], meta: dict) -> list[tuple[str, bool, str]]:
+    dense, packed = rows[0], rows[2]
+    awq, rtn, fp8 = rows[3], rows[4], rows[5]
+    out = []
+    ratio = packed.weight_bytes / meta["gguf_tensor_bytes"]
+    out.append(("packed GGUF resident weights <= 1.15x the GGUF tensor bytes", ratio <= 1.15, f"{ratio:.3f}x"))
+    sp = statistics.median(packed.decode_tok_s) / statistics.median(dense.decode_tok_s)
+    out.append(("packed int4 batch-1 decode faster than bf16 dense", sp > 1.0, f"{sp:.2f}x"))
+    if awq.perplexity and dense.perplexity:
+        d = awq.perplexity / dense.perplexity - 1
+        out.append(("AWQ perplexity within 8% of dense", d <= 0.08, f"{100 * d:+.2f}%"))
+    if awq.perplexity and rtn.perplexity:
+        out.append(("AWQ perplexity strictly better than round-to-nearest", awq.perplexity < rtn.perplexity,
+                    f"{awq.perplexity:.3f} vs {rtn.perplexity:.3f}"))
+    if fp8.perplexity and dense.perplexity:
+        d = fp8.perplexity / dense.perplexity - 1
+        out.append(("FP8 KV perplexity within 2% of bf16 KV", abs(d) <= 0.02, f"{100 * d:+.2f}%"))
+    return out
+
+
+def cmd_quant(args) -> None:
+    import shlex
+
+    import torch
+
+    from ember.bench.report import machine_info
+    from ember.default_model import default_model_path
+    from ember.loader.gguf import GGUFCheckpoint
+    from ember.quant.calibration import pydoc_split
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    source = default_model_path()
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    awq_dir, rtn_dir = str(work / f"awq-g{args.group_size}"), str(work / f"rtn-g{args.group_size}")
+    q_secs = {m: ensure_quantized(source, d, m, args.group_size, args.calib_samples, args.calib_seq_len)
+              for m, d in (("awq", awq_dir), ("rtn", rtn_dir))}
+    ckpt = GGUFCheckpoint(source)
+    tok = ckpt.tokenizer()
+    eval_text = "\n\n".join(pydoc_split("eval"))
+    eval_ids = tok.encode(eval_text)[: args.eval_tokens]
+    rows = [measure(v, eval_ids, args) for v in variants(awq_dir, rtn_dir, args.dtype)]
+    command = shlex.join(["ember", "bench", "quant"] + [f"--{k.replace('_', '-')}={v}" for k, v in sorted(vars(args).items())
+                                                        if k in QUANT_FLAGS])
+    meta = {
+        "machine": machine_info(), "command": command, "gguf_path": source, "gguf_tensor_bytes": ckpt.tensor_bytes,
+        "notes": [
+            f"perplexity: {len(eval_ids)} tokens of held-out pydoc text (`pydoc_split('eval')`), windows of "
+            f"{args.window} tokens prefilled in chunks of {args.chunk} (later chunks read earlier K/V from the cache)",
+            f"decode: greedy, {args.decode_tokens} tokens after a {len(tok.encode(DECODE_PROMPT))}-token prompt, "
+            f"steady rate (1 / median gap), {args.runs} runs; dtype {args.dtype}",
+            f"AWQ / RTN: `ember quantize --group-size {args.group_size} --calib pydoc --num-samples "
+            f"{args.calib_samples} --seq-len {args.calib_seq_len}` from the GGUF dequantized to fp32 "
+            f"(took {q_secs['awq']:.0f} s / {q_secs['rtn']:.0f} s here; 0 = reused). Group size "
+            f"{args.group_size}: the model's hidden size 576 is not a multiple of 128, so g128 cannot quantize "
+            "q/k/v/gate/up (AutoAWQ and vLLM refuse it too)",
+            "resident weights: parameters and buffers as held in memory (packed int4 codes + scales; the tied "
+            "embedding / LM head once)",
+        ],
+    }
+    text = render(rows, meta)
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": [dataclasses.asdict(r) for r in rows]},
+                                                   indent=1))
+    print(text)
+
+
+QUANT_FLAGS = ("dtype", "runs", "decode_tokens", "eval_tokens", "window", "chunk", "group_size", "calib_samples",
+               "calib_seq_len", "work_dir", "output", "kv_cache_memory")
+
+
+def add_quant_parser(sub) -> None:
+    p = sub.add_parser("quant", help="memory, decode speed and perplexity of each weight / KV format")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--eval-tokens", type=int, default=16384, help="held-out pydoc tokens scored for perplexity")
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--chunk", type=int, default=256)
+    p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--calib-samples", type=int, default=64)
+    p.add_argument("--calib-seq-len", type=int, default=512)
+    p.add_argument("--work-dir", default=".cache/bench-quant", help="where the quantized folders are written / reused")
+    p.add_argument("--kv-cache-memory", type=float, default=0.25)
+    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--output", default=DEFAULT_OUTPUT)
+    p.set_defaults(func=cmd_quant)
