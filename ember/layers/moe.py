@@ -55,25 +55,35 @@ class Experts(nn.Module):
             return pname, self.expected_shards(pname)  # a set: every shard at once
         raise ModelLoadError(f"unexpected expert weight name {name!r}")
 
+    def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e's SwiGLU on its tokens x [n, H] -> [n, H]."""
+        return F.linear(silu_and_mul(F.linear(x, self.w13[e])), self.w2[e])
+
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        T, k = topk_ids.shape
-        if T == 0:
-            return torch.zeros_like(x)
-        flat = topk_ids.flatten()
-        order = flat.argsort(stable=True)  # token slots grouped by expert
-        token_of = order // k
-        weight_of = topk_weights.flatten()[order]
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # one host sync per layer
-        outs, start = [], 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            idx = token_of[start:start + n]
-            h = silu_and_mul(F.linear(x[idx], self.w13[e]))
-            outs.append(F.linear(h, self.w2[e]))
-            start += n
-        y = torch.cat(outs) * weight_of[:, None]
-        return torch.zeros_like(x).index_add_(0, token_of, y)
+        return grouped_experts(x, topk_ids, topk_weights, self.num_experts, self.expert_forward)
+
+
+def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
+                    expert_forward) -> torch.Tensor:
+    """sum_k topk_weights[t, k] * expert_forward(topk_ids[t, k], x[t]) over token slots grouped by expert.
+
+    Shared by every experts storage (dense, AWQ int4): they differ only in expert_forward(e, x_e)."""
+    T, k = topk_ids.shape
+    if T == 0:
+        return torch.zeros_like(x)
+    flat = topk_ids.flatten()
+    order = flat.argsort(stable=True)  # token slots grouped by expert
+    token_of = order // k
+    weight_of = topk_weights.flatten()[order]
+    counts = torch.bincount(flat, minlength=num_experts).tolist()  # one host sync per layer
+    outs, start = [], 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        outs.append(expert_forward(e, x[token_of[start:start + n]]))
+        start += n
+    y = torch.cat(outs) * weight_of[:, None]
+    return torch.zeros_like(x).index_add_(0, token_of, y)
 
 
 class SparseMoeBlock(nn.Module):
