@@ -118,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     from ember.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+    from ember.plan_cli import add_plan_parser; add_plan_parser(sub)  # noqa: E702
     return parser
 
 

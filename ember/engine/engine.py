@@ -9,13 +9,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ember import planner
 from ember.config import CPU_KV_CAP_GIB, CPU_KV_FRACTION, EngineConfig, available_ram_bytes, cpu_has_avx512_bf16
 from ember.engine.detokenizer import IncrementalDetokenizer
 from ember.engine.kv_cache import KVCacheManager
 from ember.engine.request import Request, RequestStatus
 from ember.engine.runner import ModelRunner
 from ember.engine.scheduler import Scheduler
-from ember.errors import ConfigError, InvalidRequestError, KVCacheTooSmallError, PromptTooLongError
+from ember.errors import ConfigError, InvalidRequestError, PromptTooLongError
+from ember.layers.attention import resolve_kv_cache_dtype
 from ember.loader.model_loader import load_model
 from ember.outputs import CompletionOutput, RequestOutput
 from ember.sampling import SamplingParams
@@ -76,18 +78,12 @@ class LLMEngine:
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             logger.info("chunked prefill is off: prompts longer than %d tokens will be refused", config.max_num_batched_tokens)
 
-        kv_dtype = self.dtype
-        block_bytes = ModelRunner.kv_cache_bytes_per_block(mc, config.block_size, kv_dtype)
-        kv_budget = self._kv_budget_bytes(loaded.model, block_bytes)
-        num_blocks = int(kv_budget // block_bytes)
-        if num_blocks * config.block_size < self.max_model_len:
-            fits = num_blocks * config.block_size
-            need_gib = self.max_model_len / config.block_size * block_bytes / GiB
-            knob = "--kv-cache-memory" if self.device.type == "cpu" else "--gpu-memory-utilization"
-            raise KVCacheTooSmallError(
-                f"the KV cache ({kv_budget / GiB:.3f} GiB, {num_blocks} blocks of {config.block_size} tokens) cannot hold "
-                f"one sequence of --max-model-len {self.max_model_len}; the largest max-model-len that fits is {fits}: "
-                f"pass --max-model-len {fits} or raise {knob} (one full sequence needs {need_gib:.3f} GiB)")
+        self.kv_dtype = kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
+        block_bytes = planner.kv_bytes_per_token(mc, kv_dtype.itemsize) * config.block_size
+        pool = planner.kv_pool(self._kv_budget_bytes(loaded.model, block_bytes), block_bytes, config.block_size)
+        planner.check_fits(pool, self.max_model_len,
+                           "--kv-cache-memory" if self.device.type == "cpu" else "--gpu-memory-utilization")
+        num_blocks = pool.num_blocks
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, self.max_num_seqs, self.max_model_len,
                                    config.enable_chunked_prefill)
@@ -101,11 +97,11 @@ class LLMEngine:
             eos.extend(mc.eos_token_id)
         self.eos_token_ids = list(dict.fromkeys(eos))
         logger.info(
-            "ember: %s, %.1fM parameters, %.1f MB weights%s, %s on %s, KV cache %d blocks x %d = %d tokens (%.1f MB), "
+            "ember: %s, %.1fM parameters, %.1f MB weights%s, %s on %s, KV cache %s, %d blocks x %d = %d tokens (%.1f MB), "
             "max_model_len %d, loaded from %s in %.1fs",
             mc.architecture, loaded.num_parameters / 1e6, loaded.weight_bytes / 1e6,
             f" (+{self.int8_decode_bytes / 1e6:.1f} MB int8 decode copy)" if self.int8_decode_bytes else "", str(self.dtype).removeprefix("torch."),
-            self.device, num_blocks, config.block_size, num_blocks * config.block_size, num_blocks * block_bytes / 1e6,
+            self.device, str(kv_dtype).removeprefix("torch."), num_blocks, config.block_size, num_blocks * config.block_size, num_blocks * block_bytes / 1e6,
             self.max_model_len, loaded.path, loaded.load_seconds)
 
     def _maybe_int8_decode(self, loaded) -> int:

@@ -3,6 +3,8 @@
 Inputs are flattened over all scheduled requests: input_ids, positions and slot_mapping per
 token; query_start_loc, seq_lens and block_tables per request. Logits are computed only at
 the last token of requests whose step reaches their end (a mid-prompt chunk samples nothing).
+The per-layer KV caches are allocated here, zeroed, in kv_dtype (the model's dtype, or fp8:
+the Attention layers quantize into them); ember.planner sizes them.
 """
 from __future__ import annotations
 
@@ -29,11 +31,6 @@ class ModelRunner:
         ]
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
-
-    @staticmethod
-    def kv_cache_bytes_per_block(model_config: ModelConfig, block_size: int, kv_dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=kv_dtype).element_size()
-        return model_config.kv_bytes_per_token_per_dtype_byte * block_size * elem
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[Request]]:
         bs = self.block_size

@@ -10,6 +10,10 @@ in the paged cache (this step's K/V are already written). Three paths:
     gather this sequence's keys, causal mask offset by ctx_len, float32.
 GQA: decode folds the G query heads of a kv head into G "queries" ([B, Hkv, G, D]), so no
 K/V repeat; the other paths use SDPA's enable_gqa.
+FP8 cache (k_scale / v_scale given): k/v and the cache hold fp8 values with K ~= K8 * k_scale.
+Every path reads those fp8 values (the fresh prefill too: the step's k/v arrive already
+quantized) and folds the scales: q * k_scale against K8 gives q . K, and out * v_scale
+undoes V's scale (softmax weights sum to 1). The casts fp8 -> bf16/fp16/fp32 are exact.
 """
 from __future__ import annotations
 
@@ -23,8 +27,17 @@ class TorchAttentionBackend:
     name = "torch"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] (this step's, already in kv_cache) -> [T, Hq, D]."""
+                meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] (this step's, already in kv_cache) -> [T, Hq, D].
+
+        k_scale / v_scale: fp32 scalars of an fp8 cache (k, v and kv_cache then hold fp8)."""
+        if k_scale is None:
+            return self._forward(q, k, v, kv_cache, meta, scale)
+        out = self._forward((q.float() * k_scale).to(q.dtype), k, v, kv_cache, meta, scale)
+        return (out.float() * v_scale).to(q.dtype)
+
+    def _forward(self, q, k, v, kv_cache, meta, scale):
         B = meta.num_seqs
         if meta.is_pure_decode and q.shape[0] == B:
             return decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len,
@@ -78,6 +91,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
     4-D inputs on purpose: on CPU, 3-D SDPA misses the flash kernel (~7x slower at 2K tokens).
     """
+    k, v = k.to(q.dtype), v.to(q.dtype)  # fp8 k/v (an fp8 cache) widen exactly
     o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                        is_causal=True, scale=scale, enable_gqa=True)
     return o[0].transpose(0, 1)

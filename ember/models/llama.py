@@ -8,6 +8,7 @@ into the fused qkv_proj and gate/up into gate_up_proj.
 from __future__ import annotations
 
 import logging
+import re
 from collections import defaultdict
 from typing import Iterable
 
@@ -25,6 +26,9 @@ from ember.layers.rotary import RotaryEmbedding, apply_rotary
 from ember.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
+# FP8 KV scales (formats.md §6) -> the layer's Attention: llm-compressor "self_attn.k_scale",
+# ModelOpt "self_attn.k_proj.k_scale", the deprecated "self_attn.kv_scale" (both k and v).
+KV_SCALE_NAME = re.compile(r"(.*\.self_attn)\.(?:[kv]_proj\.|attn\.)?(k_scale|v_scale|kv_scale)")
 
 
 def linear_method(quant_config, prefix: str):
@@ -170,6 +174,8 @@ class LlamaForCausalLM(nn.Module):
 
     def route_weight(self, name: str, params: dict, modules: dict):
         """checkpoint name -> (module path, local name, shard id), or None if the model has no such weight."""
+        if (m := KV_SCALE_NAME.fullmatch(name)) and f"{m[1]}.attn" in modules:
+            return f"{m[1]}.attn", m[2], None
         for fused, part, shard in self.stacked_params:
             if part in name:
                 cand = name.replace(part, fused)

@@ -1,0 +1,314 @@
+"""Memory planner: what a model needs per device, and the longest context and concurrency that fit.
+
+`ember plan` prints it; the engine sizes its KV pool and words its "does not fit" error with it.
+Everything is per device, with N = --tensor-parallel-size, H hidden, D head_dim, I intermediate,
+V vocab, G the AWQ group size, b the activation dtype's bytes:
+
+  weights      dense: elements x b. awq int4: each linear weight costs 0.5 B + 2.5 B per group of
+               G (fp16 scale 2 B + packed 4-bit zero 0.5 B), so 0.5 + 2.5/G B; embeddings, lm_head,
+               norms, biases and MoE routers stay dense. gguf: the file's own tensor bytes.
+               Sharding: q/k/v, gate/up, experts split their outputs /N, o/down their inputs /N,
+               embedding and lm_head split the vocab /N, norms and routers are replicated, and k/v
+               projections are replicated when kv heads < N (each device keeps one kv head).
+  KV per token 2 x layers x kv heads per device x D x kv bytes (kv bytes = b, or 1 for fp8), with
+               kv heads per device = max(1, Hkv / N) and layers + MTP layers
+               (num_nextn_predict_layers / mtp_num_hidden_layers) when speculative tokens > 0.
+  activations  max_num_batched_tokens x (2H + (2 Hq + 2 Hkv) D / N + 3 I' / N) x b    (residual and
+               hidden, qkv, attention output, gate_up and its product; I' = max(I, moe_I x top-k))
+               + 2 x max_num_seqs x V x 4    (fp32 logits and the sampler's probabilities)
+  CUDA reserve on CUDA only: 0.5 GiB (CUDA context, cuBLAS workspace) + the decode-graph pool, taken
+               as one step of max_num_seqs tokens' activations. An estimate, not a measurement.
+  KV budget    memory x (GPU memory utilization on CUDA) - weights - activations - CUDA reserve;
+               the pool holds floor(budget / block bytes) blocks; the largest max_model_len is
+               min(model context, pool tokens); concurrency = pool tokens / max_model_len.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+
+from ember.errors import ConfigError, KVCacheTooSmallError, ModelLoadError, UnsupportedModelError
+from ember.model_config import ModelConfig
+
+GiB = 1 << 30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+CUDA_CONTEXT_RESERVE = GiB // 2
+AWQ_DEFAULT_GROUP = 128
+
+
+# ---- KV cache ------------------------------------------------------------------------------
+
+def kv_elem_bytes(kv_cache_dtype: str, dtype_bytes: int) -> int:
+    return dtype_bytes if kv_cache_dtype == "auto" else 1
+
+
+def mtp_layers(mc: ModelConfig) -> int:
+    return int(mc.raw.get("num_nextn_predict_layers") or mc.raw.get("mtp_num_hidden_layers") or 0)
+
+
+def kv_heads_per_device(mc: ModelConfig, tp: int = 1) -> int:
+    return max(1, -(-mc.num_kv_heads // tp))
+
+
+def kv_bytes_per_token(mc: ModelConfig, elem_bytes: int, tp: int = 1, num_speculative_tokens: int = 0) -> int:
+    layers = mc.num_layers + (mtp_layers(mc) if num_speculative_tokens > 0 else 0)
+    return 2 * layers * kv_heads_per_device(mc, tp) * mc.head_dim * elem_bytes
+
+
+@dataclass
+class KVPool:
+    budget_bytes: float
+    block_size: int
+    block_bytes: int
+    num_blocks: int
+
+    @property
+    def tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+def kv_pool(budget_bytes: float, block_bytes: int, block_size: int) -> KVPool:
+    return KVPool(budget_bytes, block_size, block_bytes, max(0, int(budget_bytes // block_bytes)))
+
+
+def check_fits(pool: KVPool, max_model_len: int, knob: str) -> None:
+    """KVCacheTooSmallError naming the largest max-model-len that fits, unless one sequence fits."""
+    if pool.tokens >= max_model_len:
+        return
+    need_gib = max_model_len / pool.block_size * pool.block_bytes / GiB
+    raise KVCacheTooSmallError(
+        f"the KV cache ({pool.budget_bytes / GiB:.3f} GiB, {pool.num_blocks} blocks of {pool.block_size} tokens) "
+        f"cannot hold one sequence of --max-model-len {max_model_len}; the largest max-model-len that fits is "
+        f"{pool.tokens}: pass --max-model-len {pool.tokens} or raise {knob} (one full sequence needs {need_gib:.3f} "
+        "GiB; `ember plan` shows the arithmetic)")
+
+
+# ---- weights -------------------------------------------------------------------------------
+
+def weight_inventory(mc: ModelConfig, tp: int = 1, extra_layers: int = 0) -> tuple[list[tuple[int, int]], int]:
+    """Per device: ([(out, in)] of every linear, elements held dense: embeddings, norms, biases, routers)."""
+    H, D, c = mc.hidden_size, mc.head_dim, lambda n: -(-n // tp)
+    hq, hkv, vocab = c(mc.num_heads), kv_heads_per_device(mc, tp), c(mc.vocab_size)
+    mlp_bias = bool(mc.raw.get("mlp_bias", False))
+    linears, dense = [], 0
+    for layer in range(mc.num_layers + extra_layers):
+        linears += [((hq + 2 * hkv) * D, H), (H, hq * D)]
+        dense += 2 * H + (2 * D if mc.qk_norm else 0)
+        if mc.attention_bias:
+            dense += (hq + 2 * hkv) * D + (H if mc.architecture != "Qwen2ForCausalLM" else 0)
+        if mc.is_moe_layer(min(layer, mc.num_layers - 1)):
+            i = c(mc.moe_intermediate_size)
+            linears += [(2 * i, H), (H, i)] * mc.num_experts
+            dense += mc.num_experts * H
+        else:
+            i = c(mc.intermediate_size)
+            linears += [(2 * i, H), (H, i)]
+            dense += (2 * i + H) if mlp_bias else 0
+        if layer >= mc.num_layers:  # an MTP layer: enorm, hnorm, eh_proj [H, 2H] (replicated)
+            linears.append((H, 2 * H))
+            dense += 2 * H
+    dense += vocab * H * (1 if mc.tie_word_embeddings else 2) + H
+    return linears, dense
+
+
+def num_parameters(mc: ModelConfig, extra_layers: int = 0) -> int:
+    linears, dense = weight_inventory(mc, 1, extra_layers)
+    return sum(o * i for o, i in linears) + dense
+
+
+def weight_bytes(mc: ModelConfig, quantization: str, dtype_bytes: int, tp: int = 1, extra_layers: int = 0,
+                 group_size: int = AWQ_DEFAULT_GROUP, gguf_bytes: int | None = None) -> int:
+    linears, dense = weight_inventory(mc, tp, extra_layers)
+    linear_elems = sum(o * i for o, i in linears)
+    if quantization == "awq":
+        return math.ceil(linear_elems * (0.5 + 2.5 / group_size)) + dense * dtype_bytes
+    if quantization == "gguf":  # the file's bytes, shared out as the dense elements are
+        return math.ceil(gguf_bytes * (linear_elems + dense) / num_parameters(mc, extra_layers))
+    return (linear_elems + dense) * dtype_bytes
+
+
+# ---- activations ---------------------------------------------------------------------------
+
+def activation_bytes_per_token(mc: ModelConfig, dtype_bytes: int, tp: int = 1) -> int:
+    c = lambda n: -(-n // tp)  # noqa: E731
+    inter = max(mc.intermediate_size, mc.moe_intermediate_size * mc.num_experts_per_tok)
+    width = 2 * mc.hidden_size + (2 * c(mc.num_heads) + 2 * kv_heads_per_device(mc, tp)) * mc.head_dim + 3 * c(inter)
+    return width * dtype_bytes
+
+
+def activation_bytes(mc: ModelConfig, dtype_bytes: int, tp: int, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+    return (max_num_batched_tokens * activation_bytes_per_token(mc, dtype_bytes, tp)
+            + 2 * max_num_seqs * mc.vocab_size * 4)
+
+
+def cuda_reserve_bytes(mc: ModelConfig, dtype_bytes: int, tp: int, max_num_seqs: int) -> int:
+    return CUDA_CONTEXT_RESERVE + max_num_seqs * activation_bytes_per_token(mc, dtype_bytes, tp)
+
+
+# ---- a model on disk -> a plan --------------------------------------------------------------
+
+@dataclass
+class Source:
+    path: str
+    kind: str  # "gguf" | "folder" | "config"
+    mc: ModelConfig
+    gguf_bytes: int | None = None
+
+
+def load_source(model: str | None) -> Source:
+    """A .gguf, an HF folder (config.json alone is enough), a config.json path, or None (the default model)."""
+    if model is None:
+        from ember.default_model import default_model_path
+
+        model = default_model_path()
+    path = os.path.expanduser(model)
+    if os.path.isdir(path):
+        return Source(path, "folder", ModelConfig.from_folder(path))
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"{model!r} not found: give a config.json, a Hugging Face model folder or a .gguf file")
+    if path.endswith(".json"):
+        try:
+            with open(path) as f:
+                return Source(path, "config", ModelConfig.from_dict(json.load(f)))
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
+    from ember.loader.gguf import GGUFCheckpoint
+
+    ckpt = GGUFCheckpoint(path)
+    return Source(path, "gguf", ModelConfig.from_dict(ckpt.config), ckpt.tensor_bytes)
+
+
+def resolve_quantization(src: Source, requested: str) -> tuple[str, int]:
+    """(none | awq | gguf, AWQ group size). auto follows the checkpoint; awq / none may be asked
+    of any config (a what-if); gguf needs a .gguf file."""
+    qc = src.mc.raw.get("quantization_config") or {}
+    if src.kind == "folder":
+        from ember.quant import checkpoint_quantization
+
+        held, qc = checkpoint_quantization(src.path, src.mc.raw)
+        qc = qc or {}
+    else:
+        held = "gguf" if src.kind == "gguf" else str(qc.get("quant_method", "none")).lower()
+    group = int(qc.get("group_size") or qc.get("q_group_size") or AWQ_DEFAULT_GROUP)
+    q = held if requested in ("auto", None) else requested
+    if q not in ("none", "awq", "gguf"):
+        raise UnsupportedModelError(f"{src.path} holds {q!r}-quantized weights; ember plans none, awq and gguf. "
+                                    "Pass --quantization none or awq to plan those instead")
+    if q == "gguf" and src.kind != "gguf":
+        raise ConfigError("--quantization gguf plans from a .gguf file's own tensor bytes; give the .gguf file")
+    if q == "awq" and src.kind == "gguf":
+        raise ConfigError(f"{src.path} is a GGUF file; plan it with --quantization gguf (or none for dense)")
+    return q, group
+
+
+@dataclass
+class Plan:
+    model: str
+    architecture: str
+    device: str
+    dtype: str
+    kv_cache_dtype: str
+    quantization: str
+    tensor_parallel_size: int
+    num_parameters: int
+    weight_bytes: int
+    kv_layers: int
+    kv_heads_per_device: int
+    head_dim: int
+    kv_elem_bytes: int
+    kv_bytes_per_token: int
+    activation_bytes: int
+    cuda_reserve_bytes: int
+    memory_bytes: int
+    usable_bytes: int
+    kv_budget_bytes: int
+    block_size: int
+    pool_tokens: int
+    context_len: int
+    max_model_len: int
+    largest_max_model_len: int
+    concurrency: float
+    fits: bool
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def resolve_dtype_name(dtype: str, device: str) -> str:
+    if dtype != "auto":
+        return dtype
+    from ember.config import cpu_has_avx512_bf16
+
+    return "bfloat16" if device == "cuda" or cpu_has_avx512_bf16() else "float32"
+
+
+def default_memory_gib(device: str) -> float:
+    if device == "cuda":
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_properties(0).total_memory / GiB
+        raise ConfigError("no CUDA device here to size from: pass --memory GiB (the GPU's memory)")
+    from ember.config import available_ram_bytes
+
+    return available_ram_bytes() / GiB
+
+
+def plan(model: str | None = None, *, memory_gib: float | None = None, max_model_len: int | None = None,
+         kv_cache_dtype: str = "auto", quantization: str = "auto", tensor_parallel_size: int = 1,
+         num_speculative_tokens: int = 0, dtype: str = "auto", device: str = "cuda", block_size: int = 16,
+         max_num_seqs: int | None = None, max_num_batched_tokens: int = 2048,
+         gpu_memory_utilization: float = 0.9) -> Plan:
+    if tensor_parallel_size < 1:
+        raise ConfigError(f"--tensor-parallel-size must be >= 1 (got {tensor_parallel_size})")
+    src = load_source(model)
+    mc, tp = src.mc, tensor_parallel_size
+    quant, group = resolve_quantization(src, quantization)
+    dtype = resolve_dtype_name(dtype, device)
+    b = DTYPE_BYTES[dtype]
+    extra = mtp_layers(mc) if num_speculative_tokens > 0 else 0
+    max_num_seqs = max_num_seqs or (64 if device == "cuda" else 16)
+    elem = kv_elem_bytes(kv_cache_dtype, b)
+    per_token = kv_bytes_per_token(mc, elem, tp, num_speculative_tokens)
+    weights = weight_bytes(mc, quant, b, tp, extra, group, src.gguf_bytes)
+    act = activation_bytes(mc, b, tp, max_num_batched_tokens, max_num_seqs)
+    cuda = cuda_reserve_bytes(mc, b, tp, max_num_seqs) if device == "cuda" else 0
+    memory = int((memory_gib if memory_gib is not None else default_memory_gib(device)) * GiB)
+    usable = int(memory * (gpu_memory_utilization if device == "cuda" else 1.0))
+    budget = max(0, usable - weights - act - cuda)
+    pool = kv_pool(budget, per_token * block_size, block_size)
+    context = mc.max_position_embeddings
+    if max_model_len is not None and max_model_len > context:
+        raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's context length {context}")
+    want = max_model_len or context
+    return Plan(src.path, mc.architecture, device, dtype, kv_cache_dtype, quant, tp, num_parameters(mc, extra),
+                weights, mc.num_layers + extra, kv_heads_per_device(mc, tp), mc.head_dim, elem, per_token, act, cuda,
+                memory, usable, budget, block_size, pool.tokens, context, want, min(context, pool.tokens),
+                pool.tokens / want, pool.tokens >= want)
+
+
+def format_plan(p: Plan) -> str:
+    def size(n: float) -> str:
+        return f"{n / 1e9:,.2f} GB ({n / GiB:,.2f} GiB)"
+
+    tp = f", per device of {p.tensor_parallel_size}" if p.tensor_parallel_size > 1 else ""
+    rows = [
+        ("model", f"{p.architecture}  {p.model}"),
+        ("parameters", f"{p.num_parameters:,} ({p.num_parameters / 1e9:.2f} B)"),
+        ("weights", f"{size(p.weight_bytes)}  [{p.quantization}, {p.dtype}{tp}]"),
+        ("KV bytes per token", f"{p.kv_bytes_per_token:,} B = 2 x {p.kv_layers} layers x {p.kv_heads_per_device} kv heads"
+                               f" x {p.head_dim} head_dim x {p.kv_elem_bytes} B  [{p.kv_cache_dtype}]"),
+        ("KV per sequence", f"{size(p.kv_bytes_per_token * p.max_model_len)} for {p.max_model_len:,} tokens"),
+        ("activation reserve", size(p.activation_bytes)),
+        ("CUDA reserve", size(p.cuda_reserve_bytes) if p.device == "cuda" else "- (cpu)"),
+        ("memory", f"{size(p.memory_bytes)}" + (f", usable {size(p.usable_bytes)}" if p.usable_bytes != p.memory_bytes else "")),
+        ("KV cache budget", size(p.kv_budget_bytes)),
+        ("KV pool", f"{p.pool_tokens:,} tokens (blocks of {p.block_size})"),
+        ("max_model_len", f"{p.max_model_len:,} (model context {p.context_len:,})  {'fits' if p.fits else 'DOES NOT FIT'}"),
+        ("largest max_model_len", f"{p.largest_max_model_len:,}"),
+        ("concurrency", f"{p.concurrency:.2f} sequences of {p.max_model_len:,} tokens"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

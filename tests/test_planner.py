@@ -1,0 +1,135 @@
+"""ember.planner and `ember plan`: figures computed by hand from the configs."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from ember import planner
+from ember.cli import main
+from ember.errors import ConfigError, KVCacheTooSmallError
+from ember.loader.model_loader import count_parameters
+from ember.model_config import ModelConfig
+from ember.models.registry import get_model_class
+
+GiB = 2**30
+# The seed example's figures (327,680 B per token in fp16, 50K tokens ~ 16.4e9 B) are those of
+# 80 layers x 8 KV heads x 128: a Llama-3-70B shape. (40 such layers give half: 163,840.)
+SEED = {"architectures": ["LlamaForCausalLM"], "hidden_size": 8192, "intermediate_size": 28672,
+        "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
+        "vocab_size": 128256, "max_position_embeddings": 131072, "tie_word_embeddings": False}
+H, I, V, L, D = 8192, 28672, 128256, 80, 128
+
+
+@pytest.fixture
+def seed_config(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(SEED))
+    return str(path)
+
+
+def test_seed_example_kv_bytes(seed_config):
+    mc = ModelConfig.from_dict(SEED)
+    assert planner.kv_bytes_per_token(mc, 2) == 2 * 80 * 8 * 128 * 2 == 327_680
+    assert planner.kv_bytes_per_token(mc, 2) * 50_000 == 16_384_000_000  # 50K tokens ~ 16.4e9 B
+    assert planner.kv_bytes_per_token(ModelConfig.from_dict(SEED | {"num_hidden_layers": 40}), 2) == 163_840
+    p = planner.plan(seed_config, dtype="float16", memory_gib=200, max_model_len=50_000)
+    assert p.kv_bytes_per_token == 327_680
+    p8 = planner.plan(seed_config, dtype="float16", memory_gib=200, max_model_len=50_000, kv_cache_dtype="fp8")
+    assert p8.kv_bytes_per_token == 163_840
+    assert p8.kv_budget_bytes == p.kv_budget_bytes
+    assert 0 <= p8.pool_tokens - 2 * p.pool_tokens <= 16  # twice the tokens (whole blocks of 16)
+
+
+def test_seed_example_weights_and_budget(seed_config):
+    layer_linear = (64 + 2 * 8) * D * H + H * 64 * D + 3 * H * I
+    linear, dense = L * layer_linear, L * 2 * H + 2 * V * H + H
+    p = planner.plan(seed_config, dtype="float16", memory_gib=200, max_model_len=50_000, device="cuda")
+    assert p.num_parameters == linear + dense == 70_553_706_496  # Llama-3-70B's count
+    assert p.weight_bytes == 2 * (linear + dense)
+    per_token_act = (2 * H + (2 * 64 + 2 * 8) * D + 3 * I) * 2
+    assert p.activation_bytes == 2048 * per_token_act + 2 * 64 * V * 4
+    assert p.cuda_reserve_bytes == GiB // 2 + 64 * per_token_act
+    usable = int(200 * GiB * 0.9)
+    assert p.kv_budget_bytes == usable - p.weight_bytes - p.activation_bytes - p.cuda_reserve_bytes
+    block = 327_680 * 16
+    assert p.pool_tokens == p.kv_budget_bytes // block * 16
+    assert p.fits and p.largest_max_model_len == min(131072, p.pool_tokens) and p.concurrency == pytest.approx(p.pool_tokens / 50_000)
+    awq = planner.plan(seed_config, dtype="float16", memory_gib=200, quantization="awq")
+    assert awq.weight_bytes == math.ceil(linear * (0.5 + 2.5 / 128)) + 2 * dense
+
+
+def test_tensor_parallel_per_device(seed_config):
+    p = planner.plan(seed_config, dtype="float16", memory_gib=80, tensor_parallel_size=2)
+    assert p.kv_bytes_per_token == 2 * 80 * 4 * 128 * 2 == 163_840  # 4 of the 8 kv heads per device
+    layer_linear = (32 + 2 * 4) * D * H + H * 32 * D + 3 * H * (I // 2)
+    assert p.weight_bytes == 2 * (L * layer_linear + L * 2 * H + 2 * (V // 2) * H + H)  # norms replicated
+    # More devices than kv heads: each device keeps one kv head (replicated k/v).
+    p16 = planner.plan(seed_config, dtype="float16", memory_gib=80, tensor_parallel_size=16)
+    assert p16.kv_bytes_per_token == 2 * 80 * 1 * 128 * 2 and p16.kv_heads_per_device == 1
+
+
+def test_mtp_layers_count_with_speculative_tokens(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(SEED | {"num_nextn_predict_layers": 1}))
+    assert planner.plan(str(path), dtype="float16", memory_gib=200).kv_bytes_per_token == 327_680
+    spec = planner.plan(str(path), dtype="float16", memory_gib=200, num_speculative_tokens=2)
+    assert spec.kv_bytes_per_token == 2 * 81 * 8 * 128 * 2 and spec.kv_layers == 81
+
+
+def test_default_model_by_hand():
+    """SmolLM2-135M (Q4_1 GGUF): 30 layers, 3 kv heads of 64, hidden 576, intermediate 1536, vocab 49152."""
+    p = planner.plan(None, dtype="bfloat16", device="cpu", memory_gib=4)
+    assert p.kv_bytes_per_token == 2 * 30 * 3 * 64 * 2 == 23_040
+    assert (p.quantization, p.num_parameters, p.weight_bytes) == ("gguf", 134_515_008, 96_576_768)  # the file's
+    assert p.activation_bytes == 2048 * (2 * 576 + (18 + 6) * 64 + 3 * 1536) * 2 + 2 * 16 * 49152 * 4
+    assert p.cuda_reserve_bytes == 0 and p.usable_bytes == 4 * GiB
+    assert p.kv_budget_bytes == 4 * GiB - 96_576_768 - p.activation_bytes
+    assert p.pool_tokens == p.kv_budget_bytes // (23_040 * 16) * 16
+    assert p.max_model_len == p.largest_max_model_len == 8192  # capped by the model's context
+    assert planner.plan(None, dtype="bfloat16", device="cpu", memory_gib=4, kv_cache_dtype="fp8").kv_bytes_per_token == 11_520
+    dense = planner.plan(None, dtype="bfloat16", device="cpu", memory_gib=4, quantization="none")
+    assert dense.weight_bytes == 134_515_008 * 2
+
+
+def test_config_only_folder_and_path(seed_config, tmp_path):
+    folder = tmp_path / "only-config"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(SEED | {"quantization_config": {"quant_method": "awq", "group_size": 64}}))
+    p = planner.plan(str(folder), dtype="float16", memory_gib=48, max_model_len=4096)
+    assert p.quantization == "awq" and p.kv_bytes_per_token == 327_680
+    assert p.weight_bytes == planner.weight_bytes(ModelConfig.from_dict(SEED), "awq", 2, group_size=64)
+    with pytest.raises(ConfigError, match="exceeds the model's context"):
+        planner.plan(seed_config, memory_gib=24, max_model_len=200_000)
+    with pytest.raises(ConfigError, match=".gguf"):
+        planner.plan(seed_config, memory_gib=24, quantization="gguf")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe"])
+def test_parameter_count_matches_the_built_model(tiny_model_dir, arch):
+    mc = ModelConfig.from_folder(tiny_model_dir(arch))
+    built = get_model_class(mc.architecture)(mc, dtype=torch.float32, device="meta")
+    assert planner.num_parameters(mc) == count_parameters(built)
+
+
+def test_too_small_names_the_largest_max_model_len():
+    pool = planner.kv_pool(10 * 16 * 23_040, 16 * 23_040, 16)
+    assert pool.num_blocks == 10 and pool.tokens == 160
+    planner.check_fits(pool, 160, "--kv-cache-memory")
+    with pytest.raises(KVCacheTooSmallError, match="largest max-model-len that fits is 160"):
+        planner.check_fits(pool, 161, "--kv-cache-memory")
+
+
+def test_cli_table_and_json(seed_config, capsys):
+    assert main(["plan", seed_config, "--dtype", "float16", "--memory", "200", "--max-model-len", "50000"]) == 0
+    out = capsys.readouterr().out
+    assert "327,680 B = 2 x 80 layers x 8 kv heads x 128 head_dim x 2 B" in out
+    assert "16.38 GB" in out and "50,000 tokens" in out and "fits" in out
+    assert main(["plan", seed_config, "--dtype", "float16", "--memory", "200", "--kv-cache-dtype", "fp8", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["kv_bytes_per_token"] == 163_840 and data["kv_cache_dtype"] == "fp8"
+    assert main(["plan", seed_config, "--dtype", "float16", "--memory", "160", "--max-model-len", "131072"]) == 0
+    assert "DOES NOT FIT" in capsys.readouterr().out
+    assert main(["plan", seed_config, "--max-model-len", "999999", "--memory", "8"]) == 2  # a user error, no traceback
