@@ -12,7 +12,7 @@ import torch
 
 from ember.engine.request import Request
 from ember.engine.scheduler import SchedulerOutput
-from ember.kernels.metadata import AttentionMetadata
+from ember.kernels.metadata import AttentionMetadata, RowSelection
 from ember.layers.sampler import SampledToken, Sampler, SamplingRow, make_generator
 from ember.model_config import ModelConfig
 
@@ -31,6 +31,7 @@ class ModelRunner:
         ]
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
+        self.select: RowSelection | None = None  # set by prepare() for the step it prepares
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[Request]]:
         bs = self.block_size
@@ -42,6 +43,7 @@ class ModelRunner:
         query_lens: list[int] = []
         logit_rows: list[int] = []  # flat index of the token whose logits are sampled, per sampling request
         sampling_reqs: list[Request] = []  # requests whose step reaches their end (a mid-prompt chunk samples nothing)
+        logit_seqs: list[int] = []  # the sequence (batch index) of each logit row
         for req, n in out.scheduled:
             start = req.num_computed_tokens
             end = start + n
@@ -54,6 +56,7 @@ class ModelRunner:
             query_lens.append(n)
             if end == req.num_tokens:
                 logit_rows.append(query_start[-1] - 1)
+                logit_seqs.append(len(seq_lens) - 1)
                 sampling_reqs.append(req)
         max_blocks = max(len(req.block_ids) for req, _ in out.scheduled)
         tables = [req.block_ids + [0] * (max_blocks - len(req.block_ids)) for req, _ in out.scheduled]
@@ -72,17 +75,35 @@ class ModelRunner:
         )
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+        self.select = self._selection(meta, tables, logit_rows, logit_seqs) if len(logit_rows) < len(input_ids) else None
         return ids, pos, meta, logit_rows, sampling_reqs
+
+    def _selection(self, meta: AttentionMetadata, tables: list[list[int]], rows: list[int],
+                   seqs: list[int]) -> RowSelection:
+        """The last layer's work restricted to the logit rows (each the last token of its sequence)."""
+        dev = self.device
+        if not rows:
+            return RowSelection(torch.empty(0, dtype=torch.int64, device=dev), None)
+        seq_lens = [meta.seq_lens_cpu[b] for b in seqs]
+        row_t = torch.tensor(rows, dtype=torch.int64, device=dev)
+        sub = AttentionMetadata(
+            slot_mapping=meta.slot_mapping[row_t],
+            query_start_loc=torch.arange(len(rows) + 1, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor([tables[b] for b in seqs], dtype=torch.int32, device=dev),
+            block_size=meta.block_size, query_lens_cpu=[1] * len(rows), seq_lens_cpu=seq_lens,
+            max_query_len=1, max_seq_len=max(seq_lens), all_slots_valid=True)
+        return RowSelection(row_t, sub)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, banned_token_ids: dict[str, list[int]] | None = None
                 ) -> dict[str, SampledToken]:
         """Run one step. Returns the sampled token of every request whose step reached its end."""
         ids, pos, meta, logit_rows, sampling_reqs = self.prepare(out)
-        hidden = self.model(ids, pos, self.kv_caches, meta)
+        hidden = self.model(ids, pos, self.kv_caches, meta, self.select)
         if not logit_rows:
             return {}
-        logits = self.model.compute_logits(hidden[logit_rows])
+        logits = self.model.compute_logits(hidden if self.select is not None else hidden[logit_rows])
         rows = [self._row(req, banned_token_ids) for req in sampling_reqs]
         sampled = self.sampler(logits, rows)
         return {req.request_id: tok for req, tok in zip(sampling_reqs, sampled)}

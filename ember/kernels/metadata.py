@@ -34,3 +34,17 @@ class AttentionMetadata:
     @property
     def is_pure_decode(self) -> bool:
         return self.max_query_len == 1
+
+
+@dataclass
+class RowSelection:
+    """The rows whose hidden state is needed after the last layer (those that get logits),
+    each the last new token of its sequence. The last layer still writes every row's K/V
+    but runs attention, o_proj and the MLP only for these: a prefill of n tokens that samples
+    once does 1 row of that work instead of n, and a mid-prompt chunk does none.
+
+    meta: decode-shaped metadata for the selected rows (q_len 1 each, their sequences'
+    seq_lens and block tables)."""
+
+    rows: torch.Tensor  # [R] int64 flat indices into the step's tokens
+    meta: AttentionMetadata | None  # None when R == 0

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ember.errors import ConfigError, ModelLoadError
-from ember.kernels.metadata import AttentionMetadata
+from ember.kernels.metadata import AttentionMetadata, RowSelection
 
 log = logging.getLogger(__name__)
 
@@ -115,14 +115,20 @@ class Attention(nn.Module):
         self.kv_scales_frozen = True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] (after norm and RoPE) -> [T, Hq, D]."""
-        if not is_fp8(kv_cache.dtype):
-            write_kv_cache(k, v, kv_cache, meta.slot_mapping, meta.all_slots_valid)
-            return self.backend.forward(q, k, v, kv_cache, meta, self.scale)
-        if not self.kv_scales_frozen:
-            self.calibrate_kv_scales(k, v, meta)
-        k8 = quantize_kv(k, self.k_scale, kv_cache.dtype)
-        v8 = quantize_kv(v, self.v_scale, kv_cache.dtype)
-        write_kv_cache(k8, v8, kv_cache, meta.slot_mapping, meta.all_slots_valid)
-        return self.backend.forward(q, k8, v8, kv_cache, meta, self.scale, self.k_scale, self.v_scale)
+                meta: AttentionMetadata, select: RowSelection | None = None) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] (after norm and RoPE) -> [T, Hq, D], or [R, Hq, D] for
+        the selected rows only (every row's K/V is still written)."""
+        fp8 = is_fp8(kv_cache.dtype)
+        if fp8:
+            if not self.kv_scales_frozen:
+                self.calibrate_kv_scales(k, v, meta)
+            k = quantize_kv(k, self.k_scale, kv_cache.dtype)
+            v = quantize_kv(v, self.v_scale, kv_cache.dtype)
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping, meta.all_slots_valid)
+        if select is not None:
+            if select.meta is None:
+                return q[:0]
+            q, k, v, meta = q[select.rows], k[select.rows], v[select.rows], select.meta
+        if fp8:
+            return self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.k_scale, self.v_scale)
+        return self.backend.forward(q, k, v, kv_cache, meta, self.scale)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ember.errors import ModelLoadError
-from ember.kernels.metadata import AttentionMetadata
+from ember.kernels.metadata import AttentionMetadata, RowSelection
 from ember.layers.activation import SiluAndMul
 from ember.layers.attention import Attention
 from ember.layers.embedding import LMHead, VocabEmbedding
@@ -58,13 +58,13 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.qkv_proj.num_heads, D, self.qkv_proj.num_kv_heads, D ** -0.5, attn_backend,
                               layer_idx)
 
-    def forward(self, x, cos_sin, kv_cache, meta):
+    def forward(self, x, cos_sin, kv_cache, meta, select: RowSelection | None = None):
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos_sin
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        o = self.attn(q, k, v, kv_cache, meta)
+        o = self.attn(q, k, v, kv_cache, meta, select)
         return self.o_proj(o.flatten(1))
 
 
@@ -92,13 +92,18 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = mlp
 
-    def forward(self, h, residual, cos_sin, kv_cache, meta):
+    def forward(self, h, residual, cos_sin, kv_cache, meta, select: RowSelection | None = None):
+        """select: keep only these rows after attention (see RowSelection); all rows' K/V are written."""
         # The residual stream rides along and is added inside the next norm (one pass fewer).
         if residual is None:
             residual, h = h, self.input_layernorm(h)
         else:
             h, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(h, cos_sin, kv_cache, meta)
+        h = self.self_attn(h, cos_sin, kv_cache, meta, select)
+        if select is not None:
+            residual = residual[select.rows]
+            if select.meta is None:  # nothing to sample: only the K/V write was needed
+                return h, residual
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -115,13 +120,16 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings, device)
 
-    def forward(self, input_ids, positions, kv_caches, meta):
+    def forward(self, input_ids, positions, kv_caches, meta, select: RowSelection | None = None):
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary.get_cos_sin(positions)  # once per step, shared by every layer
         cos_sin = (cos.to(h.dtype), sin.to(h.dtype))
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            h, residual = layer(h, residual, cos_sin, kv_cache, meta)
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            h, residual = layer(h, residual, cos_sin, kv_cache, meta, select if i == last else None)
+        if select is not None and select.meta is None:
+            return h
         h, _ = self.norm(h, residual)
         return h
 
@@ -157,9 +165,9 @@ class LlamaForCausalLM(nn.Module):
                         quant_config=self.quant_config, prefix=f"model.layers.{layer_idx}.mlp")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions [T] -> final-normed hidden [T, H]."""
-        return self.model(input_ids, positions, kv_caches, meta)
+                meta: AttentionMetadata, select: RowSelection | None = None) -> torch.Tensor:
+        """input_ids, positions [T] -> final-normed hidden [T, H], or [R, H] for select.rows."""
+        return self.model(input_ids, positions, kv_caches, meta, select)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] -> [N, V] float32."""
