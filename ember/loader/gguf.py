@@ -2,7 +2,8 @@
 
 Layout and metadata keys: shared/research/formats.md section 3. The file is memory-mapped by
 the `gguf` package's reader; tensors are dequantized to float32 one at a time as they are
-iterated, so peak memory stays near one tensor above the mmap.
+iterated, so peak memory stays near one tensor above the mmap. With `packed=True` quantized
+weights come instead as GGUFTensor raw blocks (views of the map) for the gguf QuantMethods.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from ember.errors import ModelLoadError, UnsupportedModelError
 from ember.loader.tokenizer import Tokenizer
+from ember.quant.gguf_blocks import FLOAT_TYPES, GGUFTensor
 
 log = logging.getLogger(__name__)
 
@@ -267,11 +269,13 @@ class GGUFCheckpoint:
 
     # ---- weights --------------------------------------------------------------------------
 
-    def iter_weights(self, packed: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, float32 tensor in [out, in] layout) for every parameter, in file order.
+    def iter_weights(self, packed: bool = False) -> Iterator[tuple[str, torch.Tensor | GGUFTensor]]:
+        """(HF name, tensor in [out, in] layout) for every parameter, in file order.
 
-        Names are all resolved before the first tensor is dequantized, so an unknown tensor
-        fails fast rather than halfway through a load."""
+        Tensors are float32, except with `packed`: then quantized weights (2-D and per-expert
+        slices) are GGUFTensor raw blocks, which the gguf QuantMethods keep or repack.
+        1-D tensors (norms, biases) are always float32. Names are all resolved before the
+        first tensor is read, so an unknown tensor fails fast rather than halfway through a load."""
         plan = [(t, self._hf_name(t.name)) for t in self._reader.tensors]
         unknown = [t.name for t, name in plan if name is False]
         if unknown:
@@ -282,16 +286,21 @@ class GGUFCheckpoint:
         for t, name in plan:
             if name is None:
                 continue
-            weight = _to_torch(t)
+            weight = _as_blocks(t) if packed and _is_quantized_matrix(t) else _to_torch(t)
             m = _BLOCK_RE.fullmatch(t.name)
             if m and _EXPERTS_RE.fullmatch(m[2]):
                 # Stacked [E, out, in]: one HF tensor per expert
-                for e in range(weight.shape[0]):
-                    yield name.format(e=e), weight[e]
+                experts = int(t.shape[2])
+                rows = weight.shape[0] // experts if isinstance(weight, GGUFTensor) else None
+                for e in range(experts):
+                    yield name.format(e=e), weight[e] if rows is None else weight.narrow(0, e * rows, rows)
                 continue
             if self.architecture == "llama" and m and m[2] in ("attn_q", "attn_k"):
                 heads = self.config["num_attention_heads" if m[2] == "attn_q" else "num_key_value_heads"]
-                weight = _unpermute_rows(weight, heads)
+                if isinstance(weight, GGUFTensor):  # rows are whole blocks: permuting raw rows is exact
+                    weight = weight.permute_rows(_unpermute_rows(torch.arange(weight.shape[0]), heads).numpy())
+                else:
+                    weight = _unpermute_rows(weight, heads)
             yield name, weight
 
     def _hf_name(self, gguf_name: str) -> str | None | bool:
@@ -394,6 +403,18 @@ def _to_torch(t) -> torch.Tensor:
     if not arr.flags.writeable:  # F32 tensors come back as views of the read-only mmap
         arr = arr.copy()
     return torch.from_numpy(arr)
+
+
+def _is_quantized_matrix(t) -> bool:
+    return t.tensor_type not in FLOAT_TYPES and len(t.shape) >= 2
+
+
+def _as_blocks(t) -> GGUFTensor:
+    """The tensor's raw blocks, uint8 [all rows, bytes per row], as a view of the map; 3-D
+    experts stack their rows ([E * out, in])."""
+    cols = int(t.shape[0])  # ne[0] is the row length
+    data = t.data.reshape(-1, t.data.shape[-1])
+    return GGUFTensor(t.tensor_type, data, (data.shape[0], cols))
 
 
 def _unpermute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:

@@ -1,8 +1,362 @@
-"""GGUF weights kept packed (placeholder: dequantized until the packed methods land)."""
+"""GGUF weights kept packed in memory (`--quantization gguf`, the default for a .gguf file).
+
+Each Linear shard (q/k/v, gate/up) arrives from the loader as a GGUFTensor of raw blocks and is
+stored by its type, with no dense copy:
+
+- Q4_0, Q4_1, Q4_K: affine 4-bit codes with per-32 (scale, offset) -> torch's CPU int4 kernel
+  (Int4Weight), codes copied exactly. Adjacent shards of this kind are packed into ONE
+  Int4Weight, so a Q4 qkv_proj is one kernel call.
+- Q8_0: the int8 codes split exactly into two nibbles, q8 + 128 = 16 hi + lo, laid side by side
+  along the input dim in one Int4Weight [N, 2K]: x @ W^T = [x, x] @ [16d*hi | d*lo + off]^T.
+  One kernel call, 1 byte + scales per weight.
+- Q6_K and every other type: dequantized once at load to the run dtype (dense). Dequantizing
+  per call instead (RawPart.linear) measured ~60x slower than a dense bf16 GEMV for Q6_K, and
+  Q4_K_M files -- the most common -- hold Q6_K in output.weight and in half the attn_v /
+  ffn_down; so those tensors trade memory (2 B/weight in bf16) for speed. An embedding that is
+  only looked up (untied) keeps such types raw: a lookup dequantizes just its rows.
+- F32 / F16 / BF16: dense in the run dtype.
+
+A fused layer with mixed types holds one part per run of same-kind shards and concatenates their
+outputs. The int4 kernel wants its scales in the activation dtype: in float32 runs the repack is
+exact (the kernel's zero z = offset + 8 scale may round by an ulp); in bfloat16 runs the fp16
+block scales round to bf16, an error of the same order as holding the weights in bf16. Speed:
+torch vectorizes the int4 kernel for bf16 only (measured 1536x576, one row: bf16 25 us, fp32
+1.3 ms against 52 us for a dense fp32 GEMV), so float32 runs are exact but slow; bf16 is the
+packed path's speed mode (and with fp32 scales, fp32 runs hold ~1.25x the file's bytes).
+
+The token embedding and the LM head use the same parts: a lookup gathers and unpacks only the
+rows it needs, the head is a `linear`. A tied LM head shares the embedding's method and data.
+MoE experts (GGUFExperts) keep each expert packed the same way: gate;up as one fused pair of
+shards, down as one, run through moe.grouped_experts.
+"""
 from __future__ import annotations
 
+import re
+
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as T
+from torch import nn
+
+from ember.errors import ModelLoadError
+from ember.layers.activation import silu_and_mul
+from ember.layers.linear import QuantMethod, new_param
+from ember.layers.moe import grouped_experts
 from ember.quant import QuantConfig
+from ember.quant.gguf_blocks import AFFINE_4BIT, GROUP, GGUFTensor, affine_codes, dequantize
+from ember.quant.int4_cpu import KERNEL_MAX_ROWS, Int4Weight
+
+# Raw-block parts dequantize at most this many weights at a time (64 MiB of float32).
+RAW_CHUNK_ELEMS = 1 << 24
+# A low-precision LM head recomputes its top candidates in float32 for up to this many rows.
+REFINE_TOP_K, REFINE_MAX_ROWS = 8, KERNEL_MAX_ROWS
+
+
+# ---- packed weights: one [N, K] matrix each, with linear / rows / dequantize -------------------
+
+
+class PackedPart:
+    N: int
+    K: int
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> x @ W^T [..., N] in x's dtype."""
+        raise NotImplementedError
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """W[ids] as float32 [len(ids), K] (the embedding lookup)."""
+        raise NotImplementedError
+
+    def dequantize(self) -> torch.Tensor:
+        """W as float32 [N, K]."""
+        return self.rows(torch.arange(self.N, device=self.buffers()[0].device))
+
+    def buffers(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+
+class DensePart(PackedPart):
+    def __init__(self, w: torch.Tensor):
+        self.w, (self.N, self.K) = w, w.shape
+
+    def linear(self, x):
+        return F.linear(x, self.w)
+
+    def rows(self, ids):
+        return self.w[ids].float()
+
+    def buffers(self):
+        return [self.w]
+
+
+class Int4Part(PackedPart):
+    """W = code * scale + offset per group of 32, in an Int4Weight. Rows are padded to the
+    kernel's multiple of 64 (padding rows are zero and cut from the output).
+    `split8` marks 8-bit codes stored as [hi | lo] nibbles along K (see the module docstring)."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, dtype: torch.dtype,
+                 split8: bool = False):
+        self.N, self.K = codes.shape
+        self.split8 = split8
+        if split8:  # s*c + o = 16s*hi + (s*lo + o)
+            codes = torch.cat((codes >> 4, codes & 15), dim=1)
+            scale, offset = torch.cat((16 * scale, scale), dim=1), torch.cat((torch.zeros_like(offset), offset), dim=1)
+        pad = -self.N % 64
+        if pad:
+            codes, scale, offset = (F.pad(t, (0, 0, 0, pad)) for t in (codes, scale, offset))
+        self.w = Int4Weight.from_affine(codes, scale, offset, GROUP, dtype)
+
+    @staticmethod
+    def supports(K: int) -> bool:
+        return Int4Weight.supports(64, K, GROUP)
+
+    def linear(self, x):
+        if self.split8:
+            if x.device.type == "cpu" and x.numel() // self.K <= KERNEL_MAX_ROWS:
+                y = self.w.linear(torch.cat((x, x), dim=-1))
+            else:  # many rows: one dense GEMM over the summed halves
+                y = F.linear(x, self._summed().to(x.dtype))
+        else:
+            y = self.w.linear(x)
+        return y if y.shape[-1] == self.N else y[..., :self.N]
+
+    def _summed(self) -> torch.Tensor:
+        w = self.w.dequantize(torch.float32)[:self.N]
+        return w.view(self.N, 2, self.K).sum(1) if self.split8 else w
+
+    def dequantize(self):
+        return self._summed()
+
+    def rows(self, ids):
+        # Kernel layout (int4_cpu): rows in blocks of 64; block b holds bytes [K, 32], row 64b + j
+        # in the low nibble of column j (j < 32) or the high nibble of column j - 32.
+        w, G = self.w, GROUP
+        blk, j = ids // 64, ids % 64
+        byte = w.packed.view(w.N // 64, w.K, 32)[blk, :, j % 32]  # [n, K]
+        codes = (byte >> (4 * (j // 32)).to(torch.uint8)[:, None]) & 15
+        sz = w.scales_zeros[:, ids].float().transpose(0, 1)  # [n, K/G, 2]
+        vals = (codes.view(len(ids), w.K // G, G).float() - 8) * sz[..., :1] + sz[..., 1:]
+        vals = vals.view(len(ids), w.K)
+        return vals.view(len(ids), 2, self.K).sum(1) if self.split8 else vals
+
+    def buffers(self):
+        return [self.w.packed, self.w.scales_zeros]
+
+
+class RawPart(PackedPart):
+    """The raw blocks. Cheap for row lookups; `linear` dequantizes everything per call, a chunk
+    of rows at a time (Q6_K: ~60x a dense bf16 GEMV), so only lookups use it by default."""
+
+    def __init__(self, raw: torch.Tensor, qtype: T, K: int):
+        self.raw, self.qtype, self.N, self.K = raw, qtype, raw.shape[0], K
+
+    def linear(self, x):
+        step = max(64, RAW_CHUNK_ELEMS // self.K)
+        outs = [F.linear(x, dequantize(self.raw[i:i + step], self.qtype, self.K).to(x.dtype))
+                for i in range(0, self.N, step)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+    def rows(self, ids):
+        return dequantize(self.raw[ids], self.qtype, self.K)
+
+    def buffers(self):
+        return [self.raw]
+
+
+def _kind(t, raw_ok: bool) -> str:
+    if not isinstance(t, GGUFTensor):
+        return "dense"
+    if t.qtype in AFFINE_4BIT and Int4Part.supports(t.shape[1]):
+        return "int4"
+    if t.qtype == T.Q8_0 and Int4Part.supports(2 * t.shape[1]):
+        return "int8"
+    return f"raw {t.qtype.name}" if raw_ok else "dense"
+
+
+def pack_shards(shards: list, dtype: torch.dtype, device, raw_ok: bool = False) -> list[PackedPart]:
+    """Shards (GGUFTensor or float tensors, [n_i, K] each, in output order) -> parts covering
+    the same rows in order, one part per run of shards of the same kind. Types with no int4
+    form become dense, or RawPart with `raw_ok` (for lookups only: its linear is slow)."""
+    runs: list[list] = []
+    for t in shards:
+        if runs and _kind(runs[-1][0], raw_ok) == _kind(t, raw_ok):
+            runs[-1].append(t)
+        else:
+            runs.append([t])
+    parts: list[PackedPart] = []
+    for run in runs:
+        kind = _kind(run[0], raw_ok)
+        if kind == "dense":
+            ws = [t.dequantize() if isinstance(t, GGUFTensor) else t for t in run]
+            parts.append(DensePart(torch.cat(ws).to(device=device, dtype=dtype)))
+        elif kind in ("int4", "int8"):
+            c, s, o = (torch.cat(x).to(device) for x in zip(*(affine_codes(t.raw(), t.qtype) for t in run)))
+            parts.append(Int4Part(c, s, o, dtype, split8=kind == "int8"))
+        else:
+            parts.append(RawPart(torch.cat([t.raw() for t in run]).to(device), run[0].qtype, run[0].shape[1]))
+    return parts
+
+
+def register_parts(module: nn.Module, parts: list[PackedPart], name: str = "") -> None:
+    """Make the parts' tensors buffers of `module` (so they are counted with the weights)."""
+    for i, part in enumerate(parts):
+        for j, t in enumerate(part.buffers()):
+            module.register_buffer(f"gguf_{name}_{i}_{j}" if name else f"gguf_{i}_{j}", t, persistent=False)
+
+
+def apply_parts(parts: list[PackedPart], x: torch.Tensor) -> torch.Tensor:
+    """x @ W^T for the rows the parts cover, in order."""
+    return parts[0].linear(x) if len(parts) == 1 else torch.cat([p.linear(x) for p in parts], dim=-1)
+
+
+def _check_shape(t, want: tuple[int, int], what: str) -> None:
+    if tuple(t.shape) != want:
+        raise ModelLoadError(f"{what} has shape {tuple(t.shape)} but the model expects {want}; "
+                             "the checkpoint does not match its config")
+
+
+# ---- Linear ---------------------------------------------------------------------------------
+
+
+class GGUFLinearMethod(QuantMethod):
+    """Shards are held as loaded until process_weights_after_loading packs the layer's parts.
+
+    `weight` stays an empty placeholder Parameter: the model's loader finds layers by that name
+    and checks shard completeness against it; the data lives in the parts' buffers."""
+
+    def create_weights(self, layer, in_features, out_features_per_shard, dtype, device):
+        layer.weight = new_param((0,), dtype, device, output_dim=0, input_dim=1)
+        layer.gguf_dtype, layer.gguf_device = dtype, torch.device(device)
+        layer.gguf_pending, layer.gguf_parts = {}, []
+
+    def load_weight(self, layer, param_name, tensor, shard_id):
+        what = param_name if shard_id is None else f"{param_name} shard {shard_id!r}"
+        _check_shape(tensor, (layer.shard_sizes[shard_id], layer.in_features), what)
+        layer.gguf_pending[shard_id] = tensor  # a view of the file's map until packed
+
+    def process_weights_after_loading(self, layer):
+        if not layer.gguf_pending:
+            return
+        shards = [layer.gguf_pending.pop(s) for s in layer.shard_ids]
+        layer.gguf_parts = pack_shards(shards, layer.gguf_dtype, layer.gguf_device)
+        register_parts(layer, layer.gguf_parts)
+
+    def apply(self, layer, x, bias=None):
+        if layer.gguf_pending:  # a model built without the loader's post-load hook
+            self.process_weights_after_loading(layer)
+        y = apply_parts(layer.gguf_parts, x)
+        return y if bias is None else y + bias
+
+
+# ---- embedding / LM head ----------------------------------------------------------------------
+
+
+class GGUFEmbeddingMethod:
+    """Token embedding or untied LM head [V, H] as one packed part. The method holds the part,
+    so a tied LM head that shares this method object reads the embedding's data (the head sets
+    `serves_head`; an embedding that is only looked up may keep types with no int4 form raw)."""
+
+    def __init__(self, serves_head: bool = False):
+        self.part: PackedPart | None = None
+        self.serves_head = serves_head
+
+    def create_weights(self, module: nn.Module, vocab_size: int, hidden_size: int, dtype, device) -> None:
+        module.weight = new_param((0,), dtype, device)
+        self.shape, self.dtype, self.device = (vocab_size, hidden_size), dtype, torch.device(device)
+
+    def load_weight(self, module: nn.Module, tensor) -> None:
+        _check_shape(tensor, self.shape, "the embedding")
+        (self.part,) = pack_shards([tensor], self.dtype, self.device, raw_ok=not self.serves_head)
+        register_parts(module, [self.part])
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        return self.part.rows(flat).to(self.dtype).view(*ids.shape, self.shape[1])
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, H] -> float32 logits [n, V]."""
+        y = self.part.linear(hidden).float()
+        n = hidden.shape[0]
+        if hidden.dtype != torch.float32 and 0 < n <= REFINE_MAX_ROWS:
+            # bf16 logits keep ~3 digits (an ulp is 0.125 at 25), so near-ties at the top would be
+            # settled by rounding: recompute the leading candidates in float32 from their rows.
+            idx = y.topk(min(REFINE_TOP_K, y.shape[1]), dim=1).indices  # [n, k]
+            w = self.part.rows(idx.reshape(-1)).view(n, idx.shape[1], -1)
+            y.scatter_(1, idx, torch.bmm(w, hidden.float().unsqueeze(-1)).squeeze(-1))
+        return y
+
+
+# ---- MoE experts ------------------------------------------------------------------------------
+
+
+class GGUFExperts(nn.Module):
+    """E SwiGLU experts, each expert's gate;up and down packed like a GGUF Linear's shards (the
+    loader hands out per-expert slices of the stacked 3-D tensors). Computes like moe.Experts."""
+
+    _NAME = re.compile(r"^(\d+)\.(gate|up|down)_proj\.weight$")
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype, device="cpu"):
+        super().__init__()
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.dtype, self.device = dtype, torch.device(device)
+        # Empty placeholders: the model's loader checks shard completeness against w13 / w2.
+        self.w13, self.w2 = new_param((0,), dtype, device), new_param((0,), dtype, device)
+        self.pending: dict = {}
+        self.parts13: list[list[PackedPart]] = []
+        self.parts2: list[list[PackedPart]] = []
+
+    def expected_shards(self, param_name: str) -> set:
+        E = range(self.num_experts)
+        return {(e, s) for e in E for s in ("gate", "up")} if param_name == "w13" else set(E)
+
+    def load_weight(self, name: str, tensor, shard_id=None):
+        m = self._NAME.match(name)
+        if m is None:
+            raise ModelLoadError(f"unexpected expert weight name {name!r}")
+        e, kind = int(m[1]), m[2]
+        if e >= self.num_experts:
+            raise ModelLoadError(f"checkpoint has expert {e} but the config says num_experts={self.num_experts}")
+        H, I = self.hidden_size, self.intermediate_size
+        _check_shape(tensor, (H, I) if kind == "down" else (I, H), f"experts.{e}.{kind}_proj")
+        self.pending[(e, kind)] = tensor
+        return ("w2", e) if kind == "down" else ("w13", (e, kind))
+
+    def pack(self) -> None:
+        for e in range(self.num_experts):
+            gate_up = [self.pending.pop((e, "gate")), self.pending.pop((e, "up"))]
+            self.parts13.append(pack_shards(gate_up, self.dtype, self.device))
+            self.parts2.append(pack_shards([self.pending.pop((e, "down"))], self.dtype, self.device))
+            register_parts(self, self.parts13[-1], f"w13_{e}")
+            register_parts(self, self.parts2[-1], f"w2_{e}")
+
+    def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        return apply_parts(self.parts2[e], silu_and_mul(apply_parts(self.parts13[e], x)))
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        if self.pending:  # a model built without the loader's post-load hook
+            self.pack()
+        return grouped_experts(x, topk_ids, topk_weights, self.num_experts, self.expert_forward)
+
+
+class GGUFExpertsMethod:
+    def create_experts(self, num_experts, hidden_size, intermediate_size, dtype, device):
+        experts = GGUFExperts(num_experts, hidden_size, intermediate_size, dtype, device)
+        experts.quant_method = self  # so ember.quant.process_weights_after_loading calls the hook below
+        return experts
+
+    def process_weights_after_loading(self, experts: GGUFExperts) -> None:
+        if experts.pending:
+            experts.pack()
 
 
 class GGUFConfig(QuantConfig):
     name = "gguf"
+
+    def linear_method(self, prefix: str):
+        return GGUFLinearMethod()
+
+    def experts_method(self, prefix: str):
+        return GGUFExpertsMethod()
+
+    def embedding_method(self, prefix: str):
+        return GGUFEmbeddingMethod(serves_head=prefix.endswith("lm_head"))

@@ -1,0 +1,372 @@
+"""GGUF weights kept packed: block unpacking against gguf-py, the exact int4 repack, mixed-type
+fused layers, the packed embedding / tied head, tiny GGUF models and the default model against
+their dequantized twins."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+from ember.layers.embedding import LMHead, VocabEmbedding
+from ember.layers.linear import MergedColumnLinear, QKVLinear
+from ember.quant import process_weights_after_loading
+from ember.quant.gguf_blocks import GGUFTensor, affine_codes, dequantize
+from ember.quant.gguf_quant import GGUFConfig, GGUFEmbeddingMethod, GGUFLinearMethod, Int4Part, RawPart
+from ember.quant.int4_cpu import KERNEL_MAX_ROWS, unpack_int4_codes
+from tests.models.tiny_models import PagedDriver, Seq, one_thread  # noqa: F401 (fixture)
+
+# Under load, two OpenMP threads spin-wait each other into ~100x slower small ops.
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+QUANTIZED = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q6_K]
+
+
+def _f16_bytes(values: np.ndarray) -> np.ndarray:
+    return values.astype(np.float16).view(np.uint8).reshape(-1, 2)
+
+
+def random_blocks(qtype: T, rows: int, cols: int, seed: int = 0, std: float = 0.05) -> np.ndarray:
+    """uint8 [rows, bytes_per_row] of valid blocks: gguf-py quantizes the legacy types; K-quants
+    (which gguf-py cannot quantize) get random bytes with sane fp16 scale fields."""
+    rng = np.random.default_rng(seed)
+    if qtype in (T.F16, T.F32):
+        return (rng.standard_normal((rows, cols)) * std).astype(np.float16 if qtype == T.F16 else np.float32)
+    if qtype not in (T.Q4_K, T.Q6_K):
+        return gguf_quantize((rng.standard_normal((rows, cols)) * std).astype(np.float32), qtype)
+    n = rows * cols // 256
+    b = rng.integers(0, 256, (n, gguf.GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
+    if qtype == T.Q4_K:  # d, dmin first; |w| <= 63 * d * 15
+        b[:, 0:2] = _f16_bytes(rng.uniform(0.2, 1, n) * std / 60)
+        b[:, 2:4] = _f16_bytes(rng.uniform(0.2, 1, n) * std / 8)
+    else:  # Q6_K: d last; |w| <= 128 * 32 * d
+        b[:, 208:210] = _f16_bytes(rng.uniform(0.2, 1, n) * std / 500)
+    return b.reshape(rows, -1)
+
+
+def gguf_tensor(qtype: T, rows: int, cols: int, seed: int = 0):
+    """(what the loader yields for it, float32 reference from gguf-py)."""
+    data = random_blocks(qtype, rows, cols, seed)
+    ref = torch.from_numpy(np.asarray(gguf_dequantize(data, qtype), dtype=np.float32).copy())
+    if qtype in (T.F16, T.F32):
+        return ref.clone(), ref
+    return GGUFTensor(qtype, data, (rows, cols)), ref
+
+
+# ---- blocks -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED)
+def test_dequantize_matches_gguf_py_bit_for_bit(qtype):
+    t, ref = gguf_tensor(qtype, 6, 512)
+    assert torch.equal(dequantize(t.raw(), qtype, 512), ref)
+    assert torch.equal(t.dequantize(), ref)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q4_K])
+def test_int4_repack_keeps_codes_and_values(qtype):
+    t, ref = gguf_tensor(qtype, 128, 512, seed=1)
+    codes, scale, offset = affine_codes(t.raw(), qtype)
+    assert codes.max() <= 15
+    part = Int4Part(codes, scale, offset, torch.float32)
+    assert torch.equal(unpack_int4_codes(part.w.packed, 128, 512), codes)  # the very same integers
+    # The kernel computes (q - 8) * s + z with z = offset + 8 s rounded once to float32: within
+    # an ulp of the group's z (Q4_0's z is exactly 0, so bit for bit).
+    got = part.rows(torch.arange(128))
+    z = (offset + 8 * scale).abs().repeat_interleave(32, dim=1)
+    tol = torch.finfo(torch.float32).eps * (z + ref.abs())
+    assert ((got - ref).abs() <= tol).all()
+    if qtype == T.Q4_0:
+        assert torch.equal(got, ref)
+    torch.testing.assert_close(part.dequantize(), got, rtol=0, atol=float(tol.max()))
+
+
+def test_q8_0_splits_exactly_into_two_nibbles():
+    t, ref = gguf_tensor(T.Q8_0, 96, 256, seed=2)  # 96 rows: padded to 128 inside
+    codes, scale, offset = affine_codes(t.raw(), T.Q8_0)
+    part = Int4Part(codes, scale, offset, torch.float32, split8=True)
+    assert torch.equal(part.rows(torch.arange(96)), ref)
+    assert torch.equal(part.dequantize(), ref)
+    x = torch.randn(3, 256)
+    torch.testing.assert_close(part.linear(x), F.linear(x, ref), rtol=1e-5, atol=1e-5)
+
+
+# ---- Linear -------------------------------------------------------------------------------------
+
+
+def _loaded(layer, shards):
+    for sid, t in shards.items():
+        layer.load_weight("weight", t, sid)
+    process_weights_after_loading(layer)
+    return layer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qkv_with_mixed_shard_types_equals_dequantized_linear(dtype):
+    # Q4_K_M-like: q and k int4 (one kernel part), v Q6_K (dense: no int4 form), plus a bias
+    layer = QKVLinear(256, 64, 4, 2, bias=True, dtype=dtype, quant_method=GGUFLinearMethod())
+    tq, rq = gguf_tensor(T.Q4_K, 256, 256, 1)
+    tk, rk = gguf_tensor(T.Q4_0, 128, 256, 2)
+    tv, rv = gguf_tensor(T.Q6_K, 128, 256, 3)
+    _loaded(layer, {"q": tq, "k": tk, "v": tv})
+    layer.bias.data.normal_()
+    assert [type(p).__name__ for p in layer.gguf_parts] == ["Int4Part", "DensePart"]
+    assert layer.weight.numel() == 0 and not layer.gguf_pending  # no dense copy, raw views dropped
+    w = torch.cat([rq, rk, rv])
+    for rows in (1, 5, KERNEL_MAX_ROWS + 8):  # kernel and dequantize-then-GEMM paths
+        x = torch.randn(rows, 256).to(dtype)
+        ref = F.linear(x.float(), w, layer.bias.float())
+        got = layer(x).float()
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        else:  # bf16 activations, bf16-rounded block scales, bf16 output
+            assert (got - ref).abs().max() < 0.02 * ref.abs().max()
+
+
+def test_gate_up_with_q8_0_and_f16_shards():
+    layer = MergedColumnLinear(256, [192, 192], quant_method=GGUFLinearMethod())
+    tg, rg = gguf_tensor(T.Q8_0, 192, 256, 4)
+    tu, ru = gguf_tensor(T.F16, 192, 256, 5)
+    _loaded(layer, {"up": tu, "gate": tg})  # any load order
+    assert [type(p).__name__ for p in layer.gguf_parts] == ["Int4Part", "DensePart"]
+    x = torch.randn(2, 256)
+    torch.testing.assert_close(layer(x), F.linear(x, torch.cat([rg, ru])), rtol=1e-5, atol=1e-5)
+
+
+def test_raw_part_linear_and_rows():
+    t, ref = gguf_tensor(T.Q6_K, 64, 256, 7)
+    part = RawPart(t.raw(), T.Q6_K, 256)
+    x = torch.randn(3, 256)
+    torch.testing.assert_close(part.linear(x), F.linear(x, ref), rtol=1e-5, atol=1e-5)
+    assert torch.equal(part.rows(torch.tensor([5, 0, 63])), ref[[5, 0, 63]])
+
+
+def test_wrong_shard_shape_is_reported():
+    from ember.errors import ModelLoadError
+
+    layer = QKVLinear(256, 64, 4, 2, quant_method=GGUFLinearMethod())
+    with pytest.raises(ModelLoadError, match="shape"):
+        layer.load_weight("weight", gguf_tensor(T.Q4_0, 64, 256)[0], "k")
+
+
+# ---- embedding and LM head ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_1, T.Q6_K, T.F16])
+def test_embedding_and_tied_head_read_the_packed_data(qtype):
+    vocab, hidden = 160, 256  # 160 rows: the int4 layout pads them to 192
+    emb = VocabEmbedding(vocab, hidden, quant_method=GGUFEmbeddingMethod())
+    head = LMHead(vocab, hidden, tied_to=emb)
+    t, ref = gguf_tensor(qtype, vocab, hidden, 6)
+    emb.load_weight("weight", t)
+    assert emb.weight.numel() == 0 and head.quant_method is emb.quant_method
+    ids = torch.tensor([[0, 159, 7], [64, 65, 96]])
+    rows = emb(ids)
+    assert rows.shape == (2, 3, hidden)
+    assert torch.equal(rows, ref[ids])  # exact in float32, whatever the storage
+    assert type(emb.quant_method.part).__name__ == ("DensePart" if qtype in (T.Q6_K, T.F16) else "Int4Part")
+    h = torch.randn(4, hidden)
+    logits = head(h)
+    assert logits.dtype == torch.float32 and logits.shape == (4, vocab)
+    torch.testing.assert_close(logits, F.linear(h, ref), rtol=1e-5, atol=1e-5)
+
+
+def test_untied_embedding_keeps_other_types_raw_for_lookups():
+    emb = VocabEmbedding(160, 256, dtype=torch.bfloat16, quant_method=GGUFConfig().embedding_method("model.embed_tokens"))
+    t, ref = gguf_tensor(T.Q6_K, 160, 256, 8)
+    emb.load_weight("weight", t)
+    assert type(emb.quant_method.part).__name__ == "RawPart"
+    ids = torch.tensor([3, 150])
+    assert torch.equal(emb(ids), ref[ids].bfloat16())
+    assert GGUFConfig().embedding_method("lm_head").serves_head
+
+
+# ---- whole models -------------------------------------------------------------------------------
+
+
+def write_gguf(path, arch: str, meta: dict, tensors: dict) -> str:
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in meta.items():
+        (w.add_float32 if isinstance(value, float) else w.add_uint32)(key, value)
+    for name, (qtype, array) in tensors.items():
+        w.add_tensor(name, array, raw_dtype=qtype if array.dtype == np.uint8 else None)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+def tiny_mixed_gguf(path, arch="llama", tied=True, layers=2, experts=0):
+    """A small model whose weights use every type the packed path distinguishes."""
+    H, heads, kv, hd, ffn, vocab = 256, 4, 2, 64, 512, 160
+    meta = {f"{arch}.block_count": layers, f"{arch}.context_length": 256, f"{arch}.embedding_length": H,
+            f"{arch}.feed_forward_length": ffn, f"{arch}.attention.head_count": heads,
+            f"{arch}.attention.head_count_kv": kv, f"{arch}.rope.freq_base": 10000.0,
+            f"{arch}.attention.layer_norm_rms_epsilon": 1e-5, f"{arch}.vocab_size": vocab}
+    if experts:
+        meta |= {f"{arch}.expert_count": experts, f"{arch}.expert_used_count": 2,
+                 f"{arch}.expert_feed_forward_length": ffn}
+    rng = np.random.default_rng(0)
+    seed = iter(range(1000))
+
+    def q(qtype, rows, cols, std=0.05):
+        return qtype, random_blocks(qtype, rows, cols, next(seed), std)
+
+    def norm(n):
+        return T.F32, (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    tensors = {"token_embd.weight": q(T.Q8_0, vocab, H, 1.0), "output_norm.weight": norm(H)}
+    if not tied:
+        tensors["output.weight"] = q(T.Q6_K, vocab, H)
+    for b in range(layers):
+        p = f"blk.{b}."
+        tensors |= {p + "attn_norm.weight": norm(H), p + "attn_q.weight": q(T.Q4_K, heads * hd, H),
+                    p + "attn_k.weight": q(T.Q4_0, kv * hd, H), p + "attn_v.weight": q(T.Q6_K, kv * hd, H),
+                    p + "attn_output.weight": q(T.Q4_1 if b == 0 else T.BF16, H, heads * hd),
+                    p + "ffn_norm.weight": norm(H)}
+        if arch == "qwen2":
+            tensors |= {p + f"attn_{x}.bias": (T.F32, rng.standard_normal(n).astype(np.float32) * 0.1)
+                        for x, n in (("q", heads * hd), ("k", kv * hd), ("v", kv * hd))}
+        if arch == "qwen3moe":
+            tensors |= {p + "attn_q_norm.weight": norm(hd), p + "attn_k_norm.weight": norm(hd)}
+        if experts:
+            tensors |= {p + "ffn_gate_inp.weight": (T.F32, rng.standard_normal((experts, H)).astype(np.float32)),
+                        p + "ffn_gate_exps.weight": (T.Q8_0, random_blocks(T.Q8_0, experts * ffn, H).reshape(experts, ffn, -1)),
+                        p + "ffn_up_exps.weight": (T.Q4_K, random_blocks(T.Q4_K, experts * ffn, H).reshape(experts, ffn, -1)),
+                        p + "ffn_down_exps.weight": (T.Q6_K, random_blocks(T.Q6_K, experts * H, ffn).reshape(experts, H, -1))}
+        else:
+            tensors |= {p + "ffn_gate.weight": q(T.Q8_0, ffn, H), p + "ffn_up.weight": (T.F16, random_blocks(T.F16, ffn, H)),
+                        p + "ffn_down.weight": q(T.Q6_K, H, ffn)}
+    return write_gguf(path, arch, meta, tensors)
+
+
+def build(path, packed: bool, dtype=torch.float32):
+    from ember.loader.gguf import GGUFCheckpoint
+    from ember.model_config import ModelConfig
+    from ember.models.registry import get_model_class
+
+    ckpt = GGUFCheckpoint(path)
+    cfg = ModelConfig.from_dict(ckpt.config)
+    model = get_model_class(cfg.architecture)(cfg, dtype=dtype, device="cpu",
+                                              quant_config=GGUFConfig() if packed else None)
+    model.load_weights(ckpt.iter_weights(packed=packed))
+    process_weights_after_loading(model)
+    return model.eval()
+
+
+@pytest.mark.parametrize("arch,tied,experts", [("llama", True, 0), ("qwen2", False, 0), ("qwen3moe", True, 4)])
+def test_tiny_mixed_model_packed_equals_dequantized(tmp_path, arch, tied, experts):
+    path = tiny_mixed_gguf(tmp_path / f"{arch}.gguf", arch, tied, experts=experts)
+    packed, dense = build(path, True), build(path, False)
+    assert type(packed.model.layers[0].self_attn.qkv_proj.gguf_parts[0]).__name__ == "Int4Part"
+    if experts:  # gate Q8_0 + up Q4_K: two int4 parts; down Q6_K: dense
+        parts = packed.model.layers[0].mlp.experts
+        assert [type(p).__name__ for p in parts.parts13[3] + parts.parts2[3]] == ["Int4Part", "Int4Part", "DensePart"]
+        assert parts.w13.numel() == 0 and not parts.pending
+    outs = []
+    for model in (packed, dense):
+        seqs = [Seq(prompt=[3, 17, 99, 150, 42, 8, 0, 77], max_new=6), Seq(prompt=[5, 6], max_new=6)]
+        driver = PagedDriver(model)
+        first = driver.step([(s, len(s.prompt)) for s in seqs])
+        for s, logits in zip(seqs, first):
+            s.tokens.append(int(logits[-1].argmax()))
+        driver.generate(seqs)
+        outs.append((first, [s.generated for s in seqs]))
+    for a, b in zip(outs[0][0], outs[1][0]):  # logits ~100: fp32 summation-order noise only
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5 * float(b.abs().max()))
+    assert outs[0][1] == outs[1][1]
+
+
+@pytest.mark.parametrize("arch,experts", [("llama", 0), ("qwen3moe", 4)])
+def test_packed_iteration_equals_the_dequantized_one(tmp_path, arch, experts):
+    from ember.loader.gguf import GGUFCheckpoint
+
+    ck = GGUFCheckpoint(tiny_mixed_gguf(tmp_path / "m.gguf", arch, experts=experts))
+    in_file = {t.tensor_type.name for t in ck._reader.tensors}
+    assert {"Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0", "BF16", "F32"} <= in_file and ("F16" in in_file) == (not experts)
+    packed, dense = dict(ck.iter_weights(packed=True)), dict(ck.iter_weights())
+    assert packed.keys() == dense.keys()
+    kinds = set()
+    for name, w in packed.items():  # quantized matrices as blocks, float types as float32 tensors
+        kinds.add(w.qtype.name if isinstance(w, GGUFTensor) else str(w.dtype))
+        assert torch.equal(w.dequantize() if isinstance(w, GGUFTensor) else w, dense[name]), name
+    assert kinds == {"Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0", "torch.float32"}
+    assert packed["model.norm.weight"].dtype == torch.float32  # 1-D and float tensors stay tensors
+
+
+def test_packed_llama_qk_rows_are_unpermuted_like_the_dequantized_ones(tmp_path):
+    from ember.loader.gguf import GGUFCheckpoint, _unpermute_rows
+
+    ck = GGUFCheckpoint(tiny_mixed_gguf(tmp_path / "l.gguf", layers=1))
+    packed, dense = dict(ck.iter_weights(packed=True)), dict(ck.iter_weights())
+    for part, heads in (("q", 4), ("k", 2)):
+        t = ck._reader.tensors[[x.name for x in ck._reader.tensors].index(f"blk.0.attn_{part}.weight")]
+        in_file = torch.from_numpy(np.asarray(gguf_dequantize(t.data, t.tensor_type)).copy())
+        got = packed[f"model.layers.0.self_attn.{part}_proj.weight"].dequantize()
+        assert torch.equal(got, _unpermute_rows(in_file, heads)) and not torch.equal(got, in_file)
+        assert torch.equal(got, dense[f"model.layers.0.self_attn.{part}_proj.weight"])
+
+
+# ---- the default model ---------------------------------------------------------------------------
+
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+
+
+@pytest.fixture(scope="module")
+def default_model():
+    from ember.default_model import default_model_path
+    from ember.loader.gguf import GGUFCheckpoint
+
+    return GGUFCheckpoint(default_model_path())
+
+
+def _last_logits(model, tok, prompts):
+    seqs = [Seq(prompt=tok.encode(p), max_new=1) for p in prompts]
+    work = [(s, len(s.prompt)) for s in seqs]
+    return torch.stack([lg[-1] for lg in PagedDriver(model, num_blocks=64, block_size=16).step(work)])
+
+
+@pytest.fixture(scope="module")
+def reference_logits(default_model, one_thread):
+    """Last-token logits of the dequantized fp32 model (quantization none)."""
+    return _last_logits(build(default_model.path, False), default_model.tokenizer(), PROMPTS)
+
+
+def test_default_model_packed_fp32_logits_match_dequantized(default_model, reference_logits):
+    from ember.loader.model_loader import resident_weight_bytes
+
+    packed = build(default_model.path, True)
+    got = _last_logits(packed, default_model.tokenizer(), PROMPTS)
+    # Exact weights; only the summation order differs (the logits are ~20 in size).
+    torch.testing.assert_close(got, reference_logits, rtol=0, atol=1e-3)
+    assert torch.equal(got.argmax(-1), reference_logits.argmax(-1))
+    # fp32 runs hold the int4 scales in fp32: more than the file, still a third of dense fp32
+    assert resident_weight_bytes(packed) < 1.35 * default_model.tensor_bytes
+
+
+def test_default_model_packed_bf16_is_as_close_to_fp32_as_dense_bf16(default_model, reference_logits):
+    errors = {}
+    for packed in (True, False):
+        got = _last_logits(build(default_model.path, packed, torch.bfloat16), default_model.tokenizer(), PROMPTS)
+        assert torch.equal(got.argmax(-1), reference_logits.argmax(-1))
+        errors[packed] = (got - reference_logits).abs().max().item()
+    # bf16 activations dominate: the bf16-rounded block scales add little on top
+    assert errors[True] < 1.5 * errors[False] + 0.05, errors
+
+
+def test_default_model_served_packed_by_default_within_the_memory_budget(default_model):
+    from ember import LLM, SamplingParams
+
+    llm = LLM(kv_cache_memory=0.05, max_model_len=512, dtype="bfloat16", num_threads=1)
+    loaded = llm.engine.loaded
+    assert loaded.quantization == "gguf" and llm.engine.int8_decode_bytes == 0
+    assert loaded.weight_bytes <= 1.15 * default_model.tensor_bytes
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+    assert "Paris" in outs[0].outputs[0].text
+    assert all(len(o.outputs[0].token_ids) == 32 for o in outs)
