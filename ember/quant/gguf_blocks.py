@@ -110,7 +110,7 @@ def affine_codes(raw: torch.Tensor, qtype: T) -> tuple[torch.Tensor, torch.Tenso
         d = _f16(b[:, 0:2])
         at = 2 if qtype == T.Q5_0 else 4
         qh = b[:, at:at + 4].contiguous().view(torch.int32)  # bit i = high bit of element i
-        high = (qh >> torch.arange(32, dtype=torch.int32)) & 1
+        high = (qh >> torch.arange(32, dtype=torch.int32, device=qh.device)) & 1
         codes = (_nibbles(b[:, at + 4:], 16) | (high.to(torch.uint8) << 4))
         scale, offset = d, (-16 * d if qtype == T.Q5_0 else _f16(b[:, 2:4]))
     elif qtype == T.Q4_K:
@@ -137,7 +137,8 @@ def _q6_k(raw: torch.Tensor) -> torch.Tensor:
     ql, qh = b[:, :128], b[:, 128:192]
     scale = _f16(b[:, 208:210]) * b[:, 192:208].contiguous().view(torch.int8).float()  # [n, 16]
     low = _nibbles(ql, 64).reshape(n, 8, 32)
-    high = (qh.reshape(n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)) & 3
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)
+    high = (qh.reshape(n, 2, 1, 32) >> shifts) & 3
     q = (low | (high.reshape(n, 8, 32) << 4)).to(torch.int8) - 32
     return (scale.reshape(n, 16, 1) * q.reshape(n, 16, 16).float()).reshape(n, 256)
 
@@ -151,5 +152,5 @@ def dequantize(raw: torch.Tensor, qtype: T, cols: int) -> torch.Tensor:
     elif qtype == T.Q6_K:
         w = _q6_k(raw)
     else:  # every other type gguf-py knows
-        w = torch.from_numpy(np.asarray(np_dequantize(raw.numpy(), qtype), dtype=np.float32))
+        w = torch.from_numpy(np.asarray(np_dequantize(raw.cpu().numpy(), qtype), dtype=np.float32)).to(raw.device)
     return w.reshape(rows, cols)
