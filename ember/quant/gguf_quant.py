@@ -6,9 +6,9 @@ stored by its type, with no dense copy:
 - Q4_0, Q4_1, Q4_K: affine 4-bit codes with per-32 (scale, offset) -> torch's CPU int4 kernel
   (Int4Weight), codes copied exactly. Adjacent shards of this kind are packed into ONE
   Int4Weight, so a Q4 qkv_proj is one kernel call.
-- Q8_0: the int8 codes split exactly into two nibbles, q8 + 128 = 16 hi + lo, laid side by side
-  along the input dim in one Int4Weight [N, 2K]: x @ W^T = [x, x] @ [16d*hi | d*lo + off]^T.
-  One kernel call, 1 byte + scales per weight.
+- Q8_0 (and Q5_0 / Q5_1): the 8-bit codes split exactly into two nibbles, q8 + 128 = 16 hi + lo,
+  laid side by side along the input dim in one Int4Weight [N, 2K]:
+  x @ W^T = [x, x] @ [16d*hi | d*lo + off]^T. One kernel call, 1 byte + scales per weight.
 - Q6_K and every other type: dequantized once at load to the run dtype (dense). Dequantizing
   per call instead (RawPart.linear) measured ~60x slower than a dense bf16 GEMV for Q6_K, and
   Q4_K_M files -- the most common -- hold Q6_K in output.weight and in half the attn_v /
@@ -43,7 +43,7 @@ from ember.layers.activation import silu_and_mul
 from ember.layers.linear import QuantMethod, new_param
 from ember.layers.moe import grouped_experts
 from ember.quant import QuantConfig
-from ember.quant.gguf_blocks import AFFINE_4BIT, GROUP, GGUFTensor, affine_codes, dequantize
+from ember.quant.gguf_blocks import AFFINE_4BIT, AFFINE_8BIT, GROUP, GGUFTensor, affine_codes, dequantize
 from ember.quant.int4_cpu import KERNEL_MAX_ROWS, Int4Weight
 
 # Raw-block parts dequantize at most this many weights at a time (64 MiB of float32).
@@ -168,7 +168,7 @@ def _kind(t, raw_ok: bool) -> str:
         return "dense"
     if t.qtype in AFFINE_4BIT and Int4Part.supports(t.shape[1]):
         return "int4"
-    if t.qtype == T.Q8_0 and Int4Part.supports(2 * t.shape[1]):
+    if t.qtype in AFFINE_8BIT and Int4Part.supports(2 * t.shape[1]):
         return "int8"
     return f"raw {t.qtype.name}" if raw_ok else "dense"
 

@@ -85,9 +85,10 @@ def test_int4_repack_keeps_codes_and_values(qtype):
     torch.testing.assert_close(part.dequantize(), got, rtol=0, atol=float(tol.max()))
 
 
-def test_q8_0_splits_exactly_into_two_nibbles():
-    t, ref = gguf_tensor(T.Q8_0, 96, 256, seed=2)  # 96 rows: padded to 128 inside
-    codes, scale, offset = affine_codes(t.raw(), T.Q8_0)
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q5_0, T.Q5_1])
+def test_8bit_codes_split_exactly_into_two_nibbles(qtype):
+    t, ref = gguf_tensor(qtype, 96, 256, seed=2)  # 96 rows: padded to 128 inside
+    codes, scale, offset = affine_codes(t.raw(), qtype)
     part = Int4Part(codes, scale, offset, torch.float32, split8=True)
     assert torch.equal(part.rows(torch.arange(96)), ref)
     assert torch.equal(part.dequantize(), ref)
@@ -127,11 +128,21 @@ def test_qkv_with_mixed_shard_types_equals_dequantized_linear(dtype):
             assert (got - ref).abs().max() < 0.02 * ref.abs().max()
 
 
+def test_gate_up_with_q8_0_and_q5_1_shards():
+    layer = MergedColumnLinear(256, [192, 192], quant_method=GGUFLinearMethod())
+    tg, rg = gguf_tensor(T.Q8_0, 192, 256, 4)
+    tu, ru = gguf_tensor(T.Q5_1, 192, 256, 5)
+    _loaded(layer, {"up": tu, "gate": tg})  # any load order
+    assert [type(p).__name__ for p in layer.gguf_parts] == ["Int4Part"]  # both 8-bit splits: one call
+    x = torch.randn(2, 256)
+    torch.testing.assert_close(layer(x), F.linear(x, torch.cat([rg, ru])), rtol=1e-5, atol=1e-5)
+
+
 def test_gate_up_with_q8_0_and_f16_shards():
     layer = MergedColumnLinear(256, [192, 192], quant_method=GGUFLinearMethod())
     tg, rg = gguf_tensor(T.Q8_0, 192, 256, 4)
     tu, ru = gguf_tensor(T.F16, 192, 256, 5)
-    _loaded(layer, {"up": tu, "gate": tg})  # any load order
+    _loaded(layer, {"up": tu, "gate": tg})
     assert [type(p).__name__ for p in layer.gguf_parts] == ["Int4Part", "DensePart"]
     x = torch.randn(2, 256)
     torch.testing.assert_close(layer(x), F.linear(x, torch.cat([rg, ru])), rtol=1e-5, atol=1e-5)
