@@ -211,7 +211,7 @@ def add_quant_parser(sub) -> None:
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--group-size", type=int, default=64)
-    p.add_argument("--calib-samples", type=int, default=64)
+    p.add_argument("--calib-samples", type=int, default=16)
     p.add_argument("--calib-seq-len", type=int, default=512)
     p.add_argument("--work-dir", default=".cache/bench-quant", help="where the quantized folders are written / reused")
     p.add_argument("--kv-cache-memory", type=float, default=0.25)
