@@ -30,31 +30,38 @@ DECODE_PROMPT = "Write a short story about a lighthouse keeper who finds a messa
 
 @dataclasses.dataclass
 class Variant:
+    kind: str  # dense | int8 | gguf | awq | rtn | fp8
     label: str
     engine_kwargs: dict
     model: str | None = None  # None = the default GGUF
     ppl: bool = True
+    group_size: int | None = None
 
 
 @dataclasses.dataclass
 class Row:
+    kind: str
     label: str
+    group_size: int | None
     weight_bytes: int
     decode_tok_s: list[float]
     perplexity: float | None
     scored_tokens: int
 
 
-def variants(awq_dir: str, rtn_dir: str, dtype: str) -> list[Variant]:
+def variants(quantized: dict[int, dict[str, str]], dtype: str) -> list[Variant]:
+    """quantized: group size -> {"awq": folder, "rtn": folder}."""
     dense = {"quantization": "none", "int8_decode": False}
-    return [
-        Variant(f"{dtype} dense (GGUF dequantized)", dense),
-        Variant(f"{dtype} dense + int8 decode copy", {"quantization": "none", "int8_decode": True}, ppl=False),
-        Variant("GGUF Q4_1 packed, as shipped", {"quantization": "gguf"}),
-        Variant("AWQ int4 (ember quantize --method awq)", {"quantization": "awq"}, model=awq_dir),
-        Variant("RTN int4 (ember quantize --method rtn)", {"quantization": "awq"}, model=rtn_dir),
-        Variant(f"{dtype} dense + FP8 e4m3 KV cache", dense | {"kv_cache_dtype": "fp8"}),
+    out = [
+        Variant("dense", f"{dtype} dense (GGUF dequantized)", dense),
+        Variant("int8", f"{dtype} dense + int8 decode copy", {"quantization": "none", "int8_decode": True}, ppl=False),
+        Variant("gguf", "GGUF Q4_1 packed, as shipped", {"quantization": "gguf"}),
     ]
+    for g, dirs in quantized.items():
+        out += [Variant("awq", f"AWQ int4 g{g} (ember quantize --method awq)", {"quantization": "awq"}, dirs["awq"], group_size=g),
+                Variant("rtn", f"RTN int4 g{g} (ember quantize --method rtn)", {"quantization": "awq"}, dirs["rtn"], group_size=g)]
+    out.append(Variant("fp8", f"{dtype} dense + FP8 e4m3 KV cache", dense | {"kv_cache_dtype": "fp8"}))
+    return out
 
 
 def ensure_quantized(source: str, out: str, method: str, group_size: int, num_samples: int, seq_len: int) -> float:
@@ -96,7 +103,7 @@ def measure(v: Variant, eval_ids: list[int] | None, args) -> Row:
                 [round(x, 1) for x in rates], ppl)
     del llm, engine
     gc.collect()
-    return Row(v.label, weight_bytes, rates, ppl, scored)
+    return Row(v.kind, v.label, v.group_size, weight_bytes, rates, ppl, scored)
 
 
 def render(rows: list[Row], meta: dict) -> str:
@@ -129,19 +136,19 @@ def render(rows: list[Row], meta: dict) -> str:
 
 
 def bars(rows: list[Row], meta: dict) -> list[tuple[str, bool, str]]:
-    dense, packed = rows[0], rows[2]
-    awq, rtn, fp8 = rows[3], rows[4], rows[5]
+    one = {r.kind: r for r in rows if r.kind in ("dense", "gguf", "fp8")}
+    dense, packed, fp8 = one["dense"], one["gguf"], one["fp8"]
     out = []
     ratio = packed.weight_bytes / meta["gguf_tensor_bytes"]
     out.append(("packed GGUF resident weights <= 1.15x the GGUF tensor bytes", ratio <= 1.15, f"{ratio:.3f}x"))
     sp = statistics.median(packed.decode_tok_s) / statistics.median(dense.decode_tok_s)
     out.append(("packed int4 batch-1 decode faster than bf16 dense", sp > 1.0, f"{sp:.2f}x"))
-    if awq.perplexity and dense.perplexity:
+    for awq in (r for r in rows if r.kind == "awq"):
+        rtn = next(r for r in rows if r.kind == "rtn" and r.group_size == awq.group_size)
         d = awq.perplexity / dense.perplexity - 1
-        out.append(("AWQ perplexity within 8% of dense", d <= 0.08, f"{100 * d:+.2f}%"))
-    if awq.perplexity and rtn.perplexity:
-        out.append(("AWQ perplexity strictly better than round-to-nearest", awq.perplexity < rtn.perplexity,
-                    f"{awq.perplexity:.3f} vs {rtn.perplexity:.3f}"))
+        out.append((f"AWQ g{awq.group_size} perplexity within 8% of dense", d <= 0.08, f"{100 * d:+.2f}%"))
+        out.append((f"AWQ g{awq.group_size} perplexity strictly better than round-to-nearest g{awq.group_size}",
+                    awq.perplexity < rtn.perplexity, f"{awq.perplexity:.3f} vs {rtn.perplexity:.3f}"))
     if fp8.perplexity and dense.perplexity:
         d = fp8.perplexity / dense.perplexity - 1
         out.append(("FP8 KV perplexity within 2% of bf16 KV", abs(d) <= 0.02, f"{100 * d:+.2f}%"))
@@ -163,16 +170,17 @@ def cmd_quant(args) -> None:
     source = default_model_path()
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    awq_dir, rtn_dir = str(work / f"awq-g{args.group_size}"), str(work / f"rtn-g{args.group_size}")
-    q_secs = {m: ensure_quantized(source, d, m, args.group_size, args.calib_samples, args.calib_seq_len)
-              for m, d in (("awq", awq_dir), ("rtn", rtn_dir))}
+    quantized = {g: {m: str(work / f"{m}-g{g}") for m in ("awq", "rtn")} for g in args.group_sizes}
+    q_secs = {(g, m): ensure_quantized(source, d, m, g, args.calib_samples, args.calib_seq_len)
+              for g, dirs in quantized.items() for m, d in dirs.items()}
     ckpt = GGUFCheckpoint(source)
     tok = ckpt.tokenizer()
     eval_text = "\n\n".join(pydoc_split("eval"))
     eval_ids = tok.encode(eval_text)[: args.eval_tokens]
-    rows = [measure(v, eval_ids, args) for v in variants(awq_dir, rtn_dir, args.dtype)]
-    command = shlex.join(["ember", "bench", "quant"] + [f"--{k.replace('_', '-')}={v}" for k, v in sorted(vars(args).items())
-                                                        if k in QUANT_FLAGS])
+    rows = [measure(v, eval_ids, args) for v in variants(quantized, args.dtype)]
+    command = shlex.join(["ember", "bench", "quant"] + [
+        f"--{k.replace('_', '-')}={','.join(map(str, v)) if isinstance(v, list) else v}"
+        for k, v in sorted(vars(args).items()) if k in QUANT_FLAGS])
     meta = {
         "machine": machine_info(), "command": command, "gguf_path": source, "gguf_tensor_bytes": ckpt.tensor_bytes,
         "notes": [
@@ -180,11 +188,11 @@ def cmd_quant(args) -> None:
             f"{args.window} tokens prefilled in chunks of {args.chunk} (later chunks read earlier K/V from the cache)",
             f"decode: greedy, {args.decode_tokens} tokens after a {len(tok.encode(DECODE_PROMPT))}-token prompt, "
             f"steady rate (1 / median gap), {args.runs} runs; dtype {args.dtype}",
-            f"AWQ / RTN: `ember quantize --group-size {args.group_size} --calib pydoc --num-samples "
-            f"{args.calib_samples} --seq-len {args.calib_seq_len}` from the GGUF dequantized to fp32 "
-            f"(took {q_secs['awq']:.0f} s / {q_secs['rtn']:.0f} s here; 0 = reused). Group size "
-            f"{args.group_size}: the model's hidden size 576 is not a multiple of 128, so g128 cannot quantize "
-            "q/k/v/gate/up (AutoAWQ and vLLM refuse it too)",
+            f"AWQ / RTN: `ember quantize --group-size G --calib pydoc --num-samples {args.calib_samples} "
+            f"--seq-len {args.calib_seq_len}` from the GGUF dequantized to fp32 (seconds taken here, 0 = reused: "
+            + ", ".join(f"{m} g{g} {t:.0f}" for (g, m), t in q_secs.items()) + "). No g128: the model's hidden "
+            "size 576 is not a multiple of 128, so g128 cannot quantize q/k/v/gate/up (AutoAWQ and vLLM refuse "
+            "it too); g32 is the group size the GGUF's own Q4_1 blocks use",
             "resident weights: parameters and buffers as held in memory (packed int4 codes + scales; the tied "
             "embedding / LM head once)",
         ],
@@ -198,7 +206,7 @@ def cmd_quant(args) -> None:
     print(text)
 
 
-QUANT_FLAGS = ("dtype", "runs", "decode_tokens", "eval_tokens", "window", "chunk", "group_size", "calib_samples",
+QUANT_FLAGS = ("dtype", "runs", "decode_tokens", "eval_tokens", "window", "chunk", "group_sizes", "calib_samples",
                "calib_seq_len", "work_dir", "output", "kv_cache_memory")
 
 
@@ -210,7 +218,8 @@ def add_quant_parser(sub) -> None:
     p.add_argument("--eval-tokens", type=int, default=16384, help="held-out pydoc tokens scored for perplexity")
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--chunk", type=int, default=256)
-    p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--group-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[64, 32],
+                   help="AWQ / RTN group sizes to quantize and compare (comma-separated)")
     p.add_argument("--calib-samples", type=int, default=16)
     p.add_argument("--calib-seq-len", type=int, default=512)
     p.add_argument("--work-dir", default=".cache/bench-quant", help="where the quantized folders are written / reused")
