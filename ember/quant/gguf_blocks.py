@@ -12,8 +12,9 @@ per-group (scale, offset) that kernels can use as they are:
     Q8_0  codes 0..255, scale d,      offset -128d       (the int8 shifted by +128)
 
 `dequantize` computes code * scale + offset in float32 in the same order as gguf-py, so it
-matches `gguf.quants.dequantize` bit for bit; Q6_K (groups of 16, int8 scales) has its own
-path; any other type goes through gguf-py (numpy) as a slow but complete fallback.
+matches `gguf.quants.dequantize` bit for bit. Q6_K (sub-blocks of 16, int8 scales, not affine
+per 32) unpacks to 6-bit codes plus per-16 scales (`q6_k_codes`, w = scale * (q6 - 32)); any
+other type goes through gguf-py (numpy) as a slow but complete fallback.
 """
 from __future__ import annotations
 
@@ -131,7 +132,10 @@ def _k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc.float(), mn.float()
 
 
-def _q6_k(raw: torch.Tensor) -> torch.Tensor:
+def q6_k_codes(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K -> (q6 uint8 [rows, K] in 0..63, scale float32 [rows, K/16] = d * S, exact), so that
+    w = scale * (q6 - 32) per sub-block of 16."""
+    rows = raw.shape[0]
     b = _blocks(raw, T.Q6_K)
     n = b.shape[0]
     ql, qh = b[:, :128], b[:, 128:192]
@@ -139,8 +143,14 @@ def _q6_k(raw: torch.Tensor) -> torch.Tensor:
     low = _nibbles(ql, 64).reshape(n, 8, 32)
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)
     high = (qh.reshape(n, 2, 1, 32) >> shifts) & 3
-    q = (low | (high.reshape(n, 8, 32) << 4)).to(torch.int8) - 32
-    return (scale.reshape(n, 16, 1) * q.reshape(n, 16, 16).float()).reshape(n, 256)
+    q = low | (high.reshape(n, 8, 32) << 4)
+    return q.reshape(rows, -1), scale.reshape(rows, -1)
+
+
+def _q6_k(raw: torch.Tensor) -> torch.Tensor:
+    q, scale = q6_k_codes(raw)
+    n = q.numel() // 16
+    return scale.reshape(n, 1) * (q.reshape(n, 16).to(torch.int8) - 32).float()
 
 
 def dequantize(raw: torch.Tensor, qtype: T, cols: int) -> torch.Tensor:

@@ -9,11 +9,25 @@ stored by its type, with no dense copy:
 - Q8_0 (and Q5_0 / Q5_1): the 8-bit codes split exactly into two nibbles, q8 + 128 = 16 hi + lo,
   laid side by side along the input dim in one Int4Weight [N, 2K]:
   x @ W^T = [x, x] @ [16d*hi | d*lo + off]^T. One kernel call, 1 byte + scales per weight.
-- Q6_K and every other type: dequantized once at load to the run dtype (dense). Dequantizing
-  per call instead (RawPart.linear) measured ~60x slower than a dense bf16 GEMV for Q6_K, and
-  Q4_K_M files -- the most common -- hold Q6_K in output.weight and in half the attn_v /
-  ffn_down; so those tensors trade memory (2 B/weight in bf16) for speed. An embedding that is
-  only looked up (untied) keeps such types raw: a lookup dequantizes just its rows.
+- Q6_K (Q4_K_M files hold it in output.weight and half the attn_v / ffn_down): 16 sub-blocks
+  of 16 with scale c = d * S (int8 S, either sign), w = c (q6 - 32), q6 in 0..63. Split
+  q6 = 16 hi + lo (hi 0..3, lo 0..15) and give each sub-block one kernel group of 32 in an
+  Int4Weight [N, 2K]: its 16 codes hi + 6, then its 16 codes lo, both with s = 16 c and
+  z = 8 s / 17, fed x' = [x_0:16, x_0:16 / 16, x_16:32, x_16:32 / 16, ...] (exact: a power of 2).
+  Per input k the kernel's (q - 8) s + z gives
+      ((hi + 6 - 8) s + z) + ((lo - 8) s + z) / 16 = c (16 hi + lo - 40) + 17 z / 16 = c (q6 - 32).
+  (Any shift works with z = s (104 - 16 shift) / 17; 6 keeps z small, so bf16 rounding of s and
+  z moves a weight by <= ~0.19 c, like a dense bf16 weight's <= 0.125 c; with the plain codes,
+  z = 104 s / 17, that was ~0.8 c.) Codes and s are exact; in float32 only z rounds (~1e-5 c).
+  One kernel call per part, 1 byte of codes + (s, z) per 16 weights: 1.25 B/weight in bf16
+  (1.5 in fp32; the file has 0.82). Speed, one row, one thread, bf16, 576x1536: ~58 us against
+  ~61 us for a dense bf16 GEMV (dequantizing per call, RawPart.linear: ~1.3 ms). The 2K-wide
+  call costs ~24 us per row, so above Q6K_KERNEL_MAX_ROWS rows the bf16 weight is rebuilt per
+  call (~0.9 ms) for a dense GEMM. Rows for lookups / the head's refinement come from the
+  codes and s alone, bit-exact in float32. An embedding that is only looked up (untied) keeps
+  Q6_K raw (smaller; a lookup dequantizes just its rows).
+- Q2_K, Q3_K, Q5_K, IQ* and the other types: dequantized once at load to the run dtype (dense),
+  or kept raw in a lookup-only embedding.
 - F32 / F16 / BF16: dense in the run dtype.
 
 A fused layer with mixed types holds one part per run of same-kind shards and concatenates their
@@ -43,11 +57,17 @@ from ember.layers.activation import silu_and_mul
 from ember.layers.linear import QuantMethod, new_param
 from ember.layers.moe import grouped_experts
 from ember.quant import QuantConfig
-from ember.quant.gguf_blocks import AFFINE_4BIT, AFFINE_8BIT, GROUP, GGUFTensor, affine_codes, dequantize
-from ember.quant.int4_cpu import KERNEL_MAX_ROWS, Int4Weight
+from ember.quant.gguf_blocks import AFFINE_4BIT, AFFINE_8BIT, GROUP, GGUFTensor, affine_codes, dequantize, q6_k_codes
+from ember.quant.int4_cpu import KERNEL_MAX_ROWS, Int4Weight, pack_int4_codes
 
 # Raw-block parts dequantize at most this many weights at a time (64 MiB of float32).
 RAW_CHUNK_ELEMS = 1 << 24
+# Q6_K's high 2-bit codes are stored as hi + 6 (6..9), near the kernel's zero point 8: this keeps
+# the bf16-rounded zero small (module docstring). Q6KPart._weight relies on 16 (hi + 6) + lo = q6 + 96.
+Q6K_HI_SHIFT = 6
+# Q6_K's kernel call is 2K wide (~24 us per row at 576x1536 bf16, one thread) while rebuilding the
+# bf16 weight costs ~0.9 ms: above this many rows the rebuild + dense GEMM is faster.
+Q6K_KERNEL_MAX_ROWS = 40
 # A low-precision LM head recomputes its top candidates in float32 for up to this many rows.
 REFINE_TOP_K, REFINE_MAX_ROWS = 8, KERNEL_MAX_ROWS
 
@@ -128,12 +148,8 @@ class Int4Part(PackedPart):
         return self._summed()
 
     def rows(self, ids):
-        # Kernel layout (int4_cpu): rows in blocks of 64; block b holds bytes [K, 32], row 64b + j
-        # in the low nibble of column j (j < 32) or the high nibble of column j - 32.
         w, G = self.w, GROUP
-        blk, j = ids // 64, ids % 64
-        byte = w.packed.view(w.N // 64, w.K, 32)[blk, :, j % 32]  # [n, K]
-        codes = (byte >> (4 * (j // 32)).to(torch.uint8)[:, None]) & 15
+        codes = _row_codes(w, ids)
         sz = w.scales_zeros[:, ids].float().transpose(0, 1)  # [n, K/G, 2]
         vals = (codes.view(len(ids), w.K // G, G).float() - 8) * sz[..., :1] + sz[..., 1:]
         vals = vals.view(len(ids), w.K)
@@ -143,9 +159,81 @@ class Int4Part(PackedPart):
         return [self.w.packed, self.w.scales_zeros]
 
 
+def _row_codes(w: Int4Weight, ids: torch.Tensor) -> torch.Tensor:
+    """The int4 codes of rows `ids` of an Int4Weight, uint8 [len(ids), w.K]."""
+    # Kernel layout (int4_cpu): rows in blocks of 64; block b holds bytes [K, 32], row 64b + j
+    # in the low nibble of column j (j < 32) or the high nibble of column j - 32.
+    blk, j = ids // 64, ids % 64
+    byte = w.packed.view(w.N // 64, w.K, 32)[blk, :, j % 32]  # [n, K]
+    return (byte >> (4 * (j // 32)).to(torch.uint8)[:, None]) & 15
+
+
+class Q6KPart(PackedPart):
+    """Q6_K as one Int4Weight [N, 2K] (module docstring): each kernel group of 32 holds a
+    sub-block's 16 high codes hi + Q6K_HI_SHIFT, then its 16 low codes lo (q6 = 16 hi + lo),
+    with s = 16 c and z = 8 s / 17 for the sub-block's scale c = d * S; the kernel reads
+    x' = [x_0:16, x_0:16 / 16, x_16:32, x_16:32 / 16, ...]. Rows padded to a multiple of 64."""
+
+    def __init__(self, q6: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+        self.N, self.K = N, K = q6.shape
+        q = q6.view(N, K // 16, 1, 16)
+        codes = torch.cat(((q >> 4) + Q6K_HI_SHIFT, q & 15), dim=2).reshape(N, 2 * K)
+        s = 16 * scale.float()  # [N, K/16]: exact in float32 (fp16 d times int8 S, times 16)
+        z = s * ((104 - 16 * Q6K_HI_SHIFT) / 17)  # 8 s / 17
+        pad = -N % 64
+        if pad:
+            codes, s, z = (F.pad(t, (0, 0, 0, pad)) for t in (codes, s, z))
+        sz = torch.stack((s.t(), z.t()), dim=-1).to(dtype).contiguous()  # [2K/32, N, 2]
+        self.w = Int4Weight(pack_int4_codes(codes), sz, GROUP, N + pad, 2 * K)
+        self._spread: dict[torch.dtype, torch.Tensor] = {}  # [K/16, 2, 16] of 1 and 1/16, per dtype
+
+    @staticmethod
+    def supports(K: int) -> bool:
+        return Int4Weight.supports(64, 2 * K, GROUP)
+
+    def linear(self, x):
+        if x.device.type == "cpu" and x.numel() // self.K <= Q6K_KERNEL_MAX_ROWS:
+            m = self._spread.get(x.dtype)
+            if m is None:
+                m = self._spread[x.dtype] = torch.tensor([1.0, 1 / 16], dtype=x.dtype).view(1, 2, 1).expand(
+                    self.K // 16, 2, 16).contiguous()
+            # x' = [x_0:16, x_0:16 / 16, ...] in one op (dividing by 16 is exact)
+            y = self.w.linear((x.reshape(*x.shape[:-1], self.K // 16, 1, 16) * m).reshape(*x.shape[:-1], 2 * self.K))
+        else:  # many rows: one dense GEMM over the weight rebuilt in x's dtype
+            y = F.linear(x, self._weight(x.dtype))
+        return y if y.shape[-1] == self.N else y[..., :self.N]
+
+    def _weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """W = c * (q6 - 32) [N, K] in dtype, from the codes and s = 16 c (z is not read), so
+        float32 rebuilds gguf-py's values bit for bit. Works in the kernel's byte layout (rows in
+        blocks of 64, int4_cpu): byte [b, g, h, i, j] holds sub-block g's code i of half h (hi,
+        lo) for row 64b + j in its low nibble and for row 64b + 32 + j in its high one."""
+        w, G16 = self.w, self.K // 16
+        b = w.packed.view(w.N // 64, G16, 2, 16, 32)
+        hi, lo = b[:, :, 0], b[:, :, 1]
+        v = torch.stack(((hi << 4) | (lo & 15), (hi & 0xF0) | (lo >> 4)), dim=1)  # 16 hi' + lo = q6 + 96
+        v ^= 0x80  # as int8: q6 + 96 - 128 = q6 - 32
+        s = w.scales_zeros[..., 0].to(dtype).div(16).view(G16, w.N // 64, 2, 1, 32).permute(1, 2, 0, 3, 4)
+        y = v.view(torch.int8).to(dtype) * s  # [N/64, 2, K/16, 16, 32]; the scale varies along the outer dims
+        return y.permute(0, 1, 4, 2, 3).reshape(w.N, self.K)[:self.N]
+
+    def dequantize(self):
+        return self._weight(torch.float32)
+
+    def rows(self, ids):
+        n = len(ids)
+        c = _row_codes(self.w, ids).view(n, self.K // 16, 2, 16)
+        q6 = (c[:, :, 0] - Q6K_HI_SHIFT) * 16 + c[:, :, 1]  # uint8 0..63, [n, K/16, 16]
+        scale = self.w.scales_zeros[:, ids, 0].t().float().div(16).unsqueeze(-1)  # c, [n, K/16, 1]
+        return ((q6.float() - 32) * scale).view(n, self.K)
+
+    def buffers(self):
+        return [self.w.packed, self.w.scales_zeros]
+
+
 class RawPart(PackedPart):
     """The raw blocks. Cheap for row lookups; `linear` dequantizes everything per call, a chunk
-    of rows at a time (Q6_K: ~60x a dense bf16 GEMV), so only lookups use it by default."""
+    of rows at a time (Q6_K: ~20-60x a dense bf16 GEMV), so only lookups use it by default."""
 
     def __init__(self, raw: torch.Tensor, qtype: T, K: int):
         self.raw, self.qtype, self.N, self.K = raw, qtype, raw.shape[0], K
@@ -170,13 +258,16 @@ def _kind(t, raw_ok: bool) -> str:
         return "int4"
     if t.qtype in AFFINE_8BIT and Int4Part.supports(2 * t.shape[1]):
         return "int8"
+    if t.qtype == T.Q6_K and Q6KPart.supports(t.shape[1]) and not raw_ok:
+        return "q6k"  # a lookup-only embedding keeps Q6_K raw: 0.82 B/weight against 1.25
     return f"raw {t.qtype.name}" if raw_ok else "dense"
 
 
 def pack_shards(shards: list, dtype: torch.dtype, device, raw_ok: bool = False) -> list[PackedPart]:
     """Shards (GGUFTensor or float tensors, [n_i, K] each, in output order) -> parts covering
     the same rows in order, one part per run of shards of the same kind. Types with no int4
-    form become dense, or RawPart with `raw_ok` (for lookups only: its linear is slow)."""
+    form become dense, or RawPart with `raw_ok` (for lookups only: its linear is slow; Q6_K
+    too, as its raw blocks are smaller than its Q6KPart)."""
     runs: list[list] = []
     for t in shards:
         if runs and _kind(runs[-1][0], raw_ok) == _kind(t, raw_ok):
@@ -192,6 +283,9 @@ def pack_shards(shards: list, dtype: torch.dtype, device, raw_ok: bool = False) 
         elif kind in ("int4", "int8"):
             c, s, o = (torch.cat(x).to(device) for x in zip(*(affine_codes(t.raw(), t.qtype) for t in run)))
             parts.append(Int4Part(c, s, o, dtype, split8=kind == "int8"))
+        elif kind == "q6k":
+            q, s = (torch.cat(x).to(device) for x in zip(*(q6_k_codes(t.raw()) for t in run)))
+            parts.append(Q6KPart(q, s, dtype))
         else:
             parts.append(RawPart(torch.cat([t.raw() for t in run]).to(device), run[0].qtype, run[0].shape[1]))
     return parts

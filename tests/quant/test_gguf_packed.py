@@ -15,8 +15,9 @@ from gguf.quants import quantize as gguf_quantize
 from ember.layers.embedding import LMHead, VocabEmbedding
 from ember.layers.linear import MergedColumnLinear, QKVLinear
 from ember.quant import process_weights_after_loading
-from ember.quant.gguf_blocks import GGUFTensor, affine_codes, dequantize
-from ember.quant.gguf_quant import GGUFConfig, GGUFEmbeddingMethod, GGUFLinearMethod, Int4Part, RawPart
+from ember.quant.gguf_blocks import GGUFTensor, affine_codes, dequantize, q6_k_codes
+from ember.quant.gguf_quant import (Q6K_KERNEL_MAX_ROWS, GGUFConfig, GGUFEmbeddingMethod, GGUFLinearMethod, Int4Part,
+                                    Q6KPart, RawPart)
 from ember.quant.int4_cpu import KERNEL_MAX_ROWS, unpack_int4_codes
 from tests.models.tiny_models import PagedDriver, Seq, one_thread  # noqa: F401 (fixture)
 
@@ -96,6 +97,58 @@ def test_8bit_codes_split_exactly_into_two_nibbles(qtype):
     torch.testing.assert_close(part.linear(x), F.linear(x, ref), rtol=1e-5, atol=1e-5)
 
 
+def _q6k_part(rows, cols, seed, dtype):
+    t, ref = gguf_tensor(T.Q6_K, rows, cols, seed)
+    q, scale = q6_k_codes(t.raw())
+    assert q.max() <= 63 and (scale < 0).any() and (scale > 0).any()  # int8 sub-block scales of both signs
+    return Q6KPart(q, scale, dtype), ref
+
+
+def test_q6_k_packed_round_trip():
+    part, ref = _q6k_part(96, 512, 3, torch.float32)  # 96 rows: padded to 128 inside
+    ids = torch.tensor([95, 0, 64, 31, 32, 63])
+    # Codes and scales are kept exactly: float32 rebuilds gguf-py's values bit for bit
+    assert torch.equal(part.dequantize(), ref)
+    assert torch.equal(part.rows(ids), ref[ids])
+    # bf16 runs round the sub-block scales (and only them) to bf16
+    part16, _ = _q6k_part(96, 512, 3, torch.bfloat16)
+    scale16 = q6_k_codes(gguf_tensor(T.Q6_K, 96, 512, 3)[0].raw())[1].bfloat16().float().repeat_interleave(16, 1)
+    q6 = (ref / scale16.where(scale16 != 0, 1) + 32).round()  # the codes back
+    assert torch.equal(part16.dequantize(), scale16 * (q6 - 32))
+    assert torch.equal(part16.rows(ids), part16.dequantize()[ids])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q6_k_packed_linear_equals_dequantized_linear(dtype):
+    part, ref = _q6k_part(96, 512, 4, dtype)
+    c = q6_k_codes(gguf_tensor(T.Q6_K, 96, 512, 4)[0].raw())[1].abs().repeat_interleave(16, 1)
+    gen = torch.Generator().manual_seed(0)
+    for rows in (1, 5, Q6K_KERNEL_MAX_ROWS, Q6K_KERNEL_MAX_ROWS + 8, KERNEL_MAX_ROWS + 8):  # kernel, rebuild + GEMM
+        x = torch.randn(rows, 512, generator=gen)
+        exact = F.linear(x.to(dtype).float(), ref)
+        got = part.linear(x.to(dtype))
+        assert got.dtype == dtype and got.shape == (rows, 96)
+        if dtype == torch.float32:  # exact weights up to the float32 zero point 8 s / 17
+            torch.testing.assert_close(got, exact, rtol=1e-5, atol=1e-5)
+        else:  # about as close as a dense bf16 weight (over 30 seeds: max <= 2.1x, mean <= 1.4x)
+            dense = F.linear(x.bfloat16(), ref.bfloat16()).float()
+            err, dense_err = (got.float() - exact).abs(), (dense - exact).abs()
+            assert err.max() < 3 * dense_err.max() and err.mean() < 1.6 * dense_err.mean(), (err, dense_err)
+    # The kernel's effective weights (hi half + lo half / 16), bf16 scales: within 0.2 c of the
+    # true value (a dense bf16 weight: 0.125 c); the naive zero point -32 c / 17 would be ~0.8 c.
+    if dtype == torch.bfloat16:
+        w = part.w.dequantize(torch.float32)[:96].view(96, 32, 2, 16)
+        eff = (w[:, :, 0] + w[:, :, 1] / 16).reshape(96, 512)
+        assert ((eff - ref).abs() <= 0.2 * c).all()
+
+
+def test_q6_k_part_resident_bytes():
+    part, _ = _q6k_part(128, 1024, 5, torch.bfloat16)
+    nbytes = sum(t.numel() * t.element_size() for t in part.buffers())
+    assert nbytes == 1.25 * 128 * 1024  # 1 byte of codes + 4 bytes of (s, z) per 16 weights
+    assert part.w.packed.shape == (128, 1024)  # [N, 2K] nibbles
+
+
 # ---- Linear -------------------------------------------------------------------------------------
 
 
@@ -108,14 +161,14 @@ def _loaded(layer, shards):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_qkv_with_mixed_shard_types_equals_dequantized_linear(dtype):
-    # Q4_K_M-like: q and k int4 (one kernel part), v Q6_K (dense: no int4 form), plus a bias
+    # Q4_K_M-like: q and k int4 (one kernel part), v Q6_K (its own 2K-wide int4 part), plus a bias
     layer = QKVLinear(256, 64, 4, 2, bias=True, dtype=dtype, quant_method=GGUFLinearMethod())
     tq, rq = gguf_tensor(T.Q4_K, 256, 256, 1)
     tk, rk = gguf_tensor(T.Q4_0, 128, 256, 2)
     tv, rv = gguf_tensor(T.Q6_K, 128, 256, 3)
     _loaded(layer, {"q": tq, "k": tk, "v": tv})
     layer.bias.data.normal_()
-    assert [type(p).__name__ for p in layer.gguf_parts] == ["Int4Part", "DensePart"]
+    assert [type(p).__name__ for p in layer.gguf_parts] == ["Int4Part", "Q6KPart"]
     assert layer.weight.numel() == 0 and not layer.gguf_pending  # no dense copy, raw views dropped
     w = torch.cat([rq, rk, rv])
     for rows in (1, 5, KERNEL_MAX_ROWS + 8):  # kernel and dequantize-then-GEMM paths
@@ -179,7 +232,7 @@ def test_embedding_and_tied_head_read_the_packed_data(qtype):
     rows = emb(ids)
     assert rows.shape == (2, 3, hidden)
     assert torch.equal(rows, ref[ids])  # exact in float32, whatever the storage
-    assert type(emb.quant_method.part).__name__ == ("DensePart" if qtype in (T.Q6_K, T.F16) else "Int4Part")
+    assert type(emb.quant_method.part).__name__ == {T.Q6_K: "Q6KPart", T.F16: "DensePart"}.get(qtype, "Int4Part")
     h = torch.randn(4, hidden)
     logits = head(h)
     assert logits.dtype == torch.float32 and logits.shape == (4, vocab)
@@ -194,6 +247,24 @@ def test_untied_embedding_keeps_other_types_raw_for_lookups():
     ids = torch.tensor([3, 150])
     assert torch.equal(emb(ids), ref[ids].bfloat16())
     assert GGUFConfig().embedding_method("lm_head").serves_head
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_untied_q6_k_head_is_packed_and_refines_its_top_rows(dtype):
+    head = LMHead(160, 256, dtype=dtype, quant_method=GGUFConfig().embedding_method("lm_head"))
+    t, ref = gguf_tensor(T.Q6_K, 160, 256, 9)
+    head.load_weight("weight", t)
+    part = head.quant_method.part
+    assert type(part).__name__ == "Q6KPart" and head.weight.numel() == 0
+    h = torch.randn(3, 256, generator=torch.Generator().manual_seed(0)).to(dtype)
+    exact = F.linear(h.float(), ref)
+    logits = head(h)
+    if dtype == torch.float32:
+        torch.testing.assert_close(logits, exact, rtol=1e-5, atol=1e-5)
+    else:  # the top candidates come from rows(): float32 products of the bf16-scaled weights
+        top = exact.topk(3, dim=1).indices
+        torch.testing.assert_close(logits.gather(1, top), exact.gather(1, top), rtol=0, atol=0.02)
+        assert torch.equal(logits.argmax(1), exact.argmax(1))
 
 
 # ---- whole models -------------------------------------------------------------------------------
@@ -275,9 +346,9 @@ def test_tiny_mixed_model_packed_equals_dequantized(tmp_path, arch, tied, expert
     path = tiny_mixed_gguf(tmp_path / f"{arch}.gguf", arch, tied, experts=experts)
     packed, dense = build(path, True), build(path, False)
     assert type(packed.model.layers[0].self_attn.qkv_proj.gguf_parts[0]).__name__ == "Int4Part"
-    if experts:  # gate Q8_0 + up Q4_K: two int4 parts; down Q6_K: dense
+    if experts:  # gate Q8_0 + up Q4_K: two int4 parts; down Q6_K: a Q6_K part
         parts = packed.model.layers[0].mlp.experts
-        assert [type(p).__name__ for p in parts.parts13[3] + parts.parts2[3]] == ["Int4Part", "Int4Part", "DensePart"]
+        assert [type(p).__name__ for p in parts.parts13[3] + parts.parts2[3]] == ["Int4Part", "Int4Part", "Q6KPart"]
         assert parts.w13.numel() == 0 and not parts.pending
     outs = []
     for model in (packed, dense):
