@@ -75,16 +75,18 @@ class ModelRunner:
         )
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         pos = torch.tensor(positions, dtype=torch.int64, device=dev)
-        self.select = self._selection(meta, tables, logit_rows, logit_seqs) if len(logit_rows) < len(input_ids) else None
+        self.select = self._selection(meta, tables, positions, logit_rows, logit_seqs) if len(logit_rows) < len(input_ids) else None
         return ids, pos, meta, logit_rows, sampling_reqs
 
-    def _selection(self, meta: AttentionMetadata, tables: list[list[int]], rows: list[int],
+    def _selection(self, meta: AttentionMetadata, tables: list[list[int]], positions: list[int], rows: list[int],
                    seqs: list[int]) -> RowSelection:
-        """The last layer's work restricted to the logit rows (each the last token of its sequence)."""
+        """The last layer's work restricted to the logit rows, each as a one-token query over its prefix."""
         dev = self.device
         if not rows:
             return RowSelection(torch.empty(0, dtype=torch.int64, device=dev), None)
-        seq_lens = [meta.seq_lens_cpu[b] for b in seqs]
+        # Each row attends to the keys up to its own position (a verify step's draft rows sit
+        # inside their sequence; a last token's position + 1 is its sequence's length).
+        seq_lens = [positions[r] + 1 for r in rows]
         row_t = torch.tensor(rows, dtype=torch.int64, device=dev)
         sub = AttentionMetadata(
             slot_mapping=meta.slot_mapping[row_t],

@@ -38,13 +38,13 @@ class AttentionMetadata:
 
 @dataclass
 class RowSelection:
-    """The rows whose hidden state is needed after the last layer (those that get logits),
-    each the last new token of its sequence. The last layer still writes every row's K/V
+    """The rows whose hidden state is needed after the last layer (those that get logits:
+    the last new token of a sequence, or every row of a speculative verify). The last layer still writes every row's K/V
     but runs attention, o_proj and the MLP only for these: a prefill of n tokens that samples
     once does 1 row of that work instead of n, and a mid-prompt chunk does none.
 
-    meta: decode-shaped metadata for the selected rows (q_len 1 each, their sequences'
-    seq_lens and block tables)."""
+    meta: decode-shaped metadata for the selected rows: q_len 1 each, seq_len = the row's
+    position + 1, its sequence's block table."""
 
     rows: torch.Tensor  # [R] int64 flat indices into the step's tokens
     meta: AttentionMetadata | None  # None when R == 0
