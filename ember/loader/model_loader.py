@@ -56,6 +56,12 @@ def load_model(model: str | None, tokenizer_path: str | None, dtype: torch.dtype
 
         ckpt = GGUFCheckpoint(path)
         model_config = ModelConfig.from_dict(ckpt.config)
+        if (quantization or "auto") == "auto" and device.type == "cpu" and dtype == torch.float32:
+            # torch vectorizes its CPU int4 kernel for bf16 only (fp32 is ~50x slower than a dense
+            # fp32 GEMV), so a float32 run is faster dequantized; --quantization gguf still forces packing.
+            logger.info("GGUF in float32 on CPU: dequantizing (torch's int4 kernel is fast in bfloat16 only); "
+                        "pass --dtype bfloat16 to keep the weights packed")
+            quantization = "none"
         quant_config = resolve_quant_config(quantization, path, model_config.raw)
         tokenizer = ckpt.tokenizer()
         from tqdm import tqdm

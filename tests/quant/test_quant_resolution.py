@@ -92,3 +92,17 @@ def test_legacy_quant_config_json_is_found_and_checked(tmp_path):
 def test_unknown_choice_lists_the_choices(tmp_path):
     with pytest.raises(ConfigError, match="auto, none, awq, gguf"):
         resolve_quant_config("int4", str(tmp_path), {})
+
+
+def test_gguf_auto_dequantizes_for_float32_on_cpu_and_gguf_forces_packing():
+    """torch's CPU int4 kernel is fast in bf16 only: auto keeps a float32 run dense, gguf still packs."""
+    import torch
+
+    from ember.default_model import default_model_path
+    from ember.loader.model_loader import load_model
+
+    path = default_model_path()
+    cpu = torch.device("cpu")
+    assert load_model(path, None, torch.float32, cpu, "torch", "auto").quantization == "none"
+    assert load_model(path, None, torch.float32, cpu, "torch", "gguf").quantization == "gguf"
+    assert load_model(path, None, torch.bfloat16, cpu, "torch", "auto").quantization == "gguf"
