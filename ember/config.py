@@ -42,7 +42,12 @@ class EngineConfig:
     attention_backend: str = field(default="torch", metadata={"help": "attention kernels", "choices": ("torch",)})
     quantization: str = field(default="auto", metadata={"help": "weight format: auto = what the checkpoint holds (awq for an AWQ folder, gguf = packed blocks for a .gguf file, else none); none on a .gguf dequantizes it to --dtype", "choices": QUANTIZATION_CHOICES})
     tensor_parallel_size: int = field(default=1, metadata={"help": "number of devices to shard the model over"})
-    speculative_config: dict[str, Any] | None = field(default=None, metadata={"help": "speculative decoding config (JSON)"})
+    speculative_config: dict[str, Any] | None = field(default=None, metadata={"help": 'speculative decoding config (JSON), as vLLM: {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 5}; methods ngram | mtp | draft'})
+    speculative_model: str | None = field(default=None, metadata={"help": "draft for speculative decoding: 'ngram' (prompt lookup) or a model folder"})
+    num_speculative_tokens: int | None = field(default=None, metadata={"help": "draft tokens per step (1..8; the most, when adaptive)"})
+    enable_mtp: bool = field(default=False, metadata={"help": "speculate with the model's own MTP layers"})
+    speculative_draft_tensor_parallel_size: int | None = field(default=None, metadata={"help": "tensor parallel size of the draft model (1 or --tensor-parallel-size)"})
+    adaptive_spec: bool = field(default=True, metadata={"help": "per request, draft fewer tokens when few are accepted and more when most are (--no-adaptive-spec pins k)"})
     seed: int = field(default=0, metadata={"help": "global seed for unseeded sampling"})
     num_threads: int | None = field(default=None, metadata={"help": "CPU threads for torch (default: all cores)"})
 
@@ -87,7 +92,9 @@ class EngineConfig:
             self.quantization = "auto"
         need(self.quantization in QUANTIZATION_CHOICES,
              f"--quantization {self.quantization!r} is not one of {', '.join(QUANTIZATION_CHOICES)}")
-        need(self.speculative_config is None, "speculative decoding is not supported yet; drop --speculative-config")
+        from ember.spec.config import resolve_speculative_config
+
+        self.speculative = resolve_speculative_config(self)  # None = no speculation
         if self.num_threads is not None:
             need(self.num_threads >= 1, f"--num-threads must be >= 1 (got {self.num_threads})")
 

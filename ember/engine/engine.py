@@ -90,6 +90,11 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, mc, num_blocks, config.block_size, kv_dtype, self.device)
         self.groups: dict[str, _Group] = {}
         self._ids = itertools.count()
+        self.spec = None
+        if config.speculative is not None:
+            from ember.spec.speculator import Speculator
+
+            self.spec = Speculator(config.speculative, self)
         eos = list(self.tokenizer.eos_token_ids)
         if isinstance(mc.eos_token_id, int):
             eos.append(mc.eos_token_id)
@@ -231,21 +236,40 @@ class LLMEngine:
         if out.is_empty:
             return []
         banned = self._banned_tokens(out)
+        t0 = time.perf_counter()
         sampled = self.runner.execute(out, banned)
-        self.scheduler.update_after_step(out)
+        rejected = self._verified(out, sampled, time.perf_counter() - t0) if out.drafts else None
+        self.scheduler.update_after_step(out, rejected)
         touched: dict[str, _Group] = {}
         for req, _ in out.scheduled:
             group = self.groups.get(req.parent_id)
-            tok = sampled.get(req.request_id)
-            if group is None or tok is None:
+            toks = sampled.get(req.request_id)
+            if group is None or not toks:
                 continue
             touched[group.request_id] = group
-            self._append(req, tok)
+            for tok in toks:  # token by token: a stop among accepted drafts discards the rest
+                self._append(req, tok)
+                if req.is_finished:
+                    break
         outputs = [self._output(g) for g in touched.values()]
         for g in touched.values():
             if g.finished:
                 del self.groups[g.request_id]
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         return outputs
+
+    def _verified(self, out, sampled, seconds: float) -> dict[str, int]:
+        """Record what the verify accepted; returns the rejected draft count per request."""
+        self.spec.stats.verify_seconds += seconds
+        rejected = {}
+        for req, _ in out.scheduled:
+            draft = out.drafts.get(req.request_id)
+            if draft is not None:
+                accepted = len(sampled[req.request_id]) - 1
+                rejected[req.request_id] = len(draft) - accepted
+                self.spec.observe(req, len(draft), accepted)
+        return rejected
 
     def _banned_tokens(self, out) -> dict[str, list[int]] | None:
         banned = None
@@ -295,7 +319,7 @@ class LLMEngine:
         return self.kv.num_free_blocks
 
     def stats(self) -> dict:
-        return {
+        stats = {
             "kv_blocks_total": self.kv.num_blocks,
             "kv_blocks_free": self.kv.num_free_blocks,
             "prefix_cache_queries": self.kv.stats.queries,
@@ -304,3 +328,6 @@ class LLMEngine:
             "waiting": len(self.scheduler.waiting),
             "running": len(self.scheduler.running),
         }
+        if self.spec is not None:
+            stats.update(self.spec.stats.as_dict())
+        return stats

@@ -74,11 +74,16 @@ class KVCacheManager:
         return hits
 
     def cache_full_blocks(self, request: Request) -> None:
-        """Name every block of the request whose tokens are all computed."""
+        """Name every block of the request whose tokens are all computed.
+
+        Only positions below num_computed_tokens hold K/V of the request's real tokens: a
+        rejected draft's K/V sits past it (and is overwritten later), so it is never named. An
+        accepted draft counts as computed before it is appended to token_ids: its block is
+        named on the next call."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        num_full = request.num_computed_tokens // bs
+        num_full = min(request.num_computed_tokens, request.num_tokens) // bs
         for i in range(len(request.block_hashes), num_full):
             parent = request.block_hashes[-1] if request.block_hashes else None
             h = hash_block(parent, tuple(request.token_ids[i * bs:(i + 1) * bs]))

@@ -41,6 +41,10 @@ class Request:
         self.block_hashes: list[int] = []  # chained hashes of this request's full blocks
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
+        # Speculative decoding: draft tokens proposed for the next step (an ember.spec.proposer.Draft,
+        # consumed when scheduled) and the adaptive-k state (ember.spec.adaptive.SpecState).
+        self.draft: Any = None
+        self.spec_state: Any = None
         # Filled by the engine: detokenizer, logprobs, parent for n > 1.
         self.logprobs: list | None = None
         self.detokenizer: Any = None

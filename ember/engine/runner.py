@@ -2,7 +2,8 @@
 
 Inputs are flattened over all scheduled requests: input_ids, positions and slot_mapping per
 token; query_start_loc, seq_lens and block_tables per request. Logits are computed only at
-the last token of requests whose step reaches their end (a mid-prompt chunk samples nothing).
+the last token of requests whose step reaches their end (a mid-prompt chunk samples nothing),
+and at every draft token a request verifies: its 1 + d rows go to the rejection sampler.
 The per-layer KV caches are allocated here, zeroed, in kv_dtype (the model's dtype, or fp8:
 the Attention layers quantize into them); ember.planner sizes them.
 """
@@ -15,6 +16,7 @@ from ember.engine.scheduler import SchedulerOutput
 from ember.kernels.metadata import AttentionMetadata, RowSelection
 from ember.layers.sampler import SampledToken, Sampler, SamplingRow, make_generator
 from ember.model_config import ModelConfig
+from ember.spec.rejection import RejectionSampler, VerifyRequest
 
 
 class ModelRunner:
@@ -30,6 +32,7 @@ class ModelRunner:
             for _ in range(model_config.num_layers)
         ]
         self.sampler = Sampler()
+        self.rejection = RejectionSampler()
         self.generators: dict[str, torch.Generator] = {}
         self.select: RowSelection | None = None  # set by prepare() for the step it prepares
 
@@ -41,22 +44,26 @@ class ModelRunner:
         query_start = [0]
         seq_lens: list[int] = []
         query_lens: list[int] = []
-        logit_rows: list[int] = []  # flat index of the token whose logits are sampled, per sampling request
+        logit_rows: list[int] = []  # flat indices of the tokens whose logits are sampled (1 + d per sampling request)
         sampling_reqs: list[Request] = []  # requests whose step reaches their end (a mid-prompt chunk samples nothing)
         logit_seqs: list[int] = []  # the sequence (batch index) of each logit row
         for req, n in out.scheduled:
             start = req.num_computed_tokens
             end = start + n
-            input_ids.extend(req.token_ids[start:end])
+            draft = out.drafts.get(req.request_id)
+            d = len(draft) if draft is not None else 0
+            input_ids.extend(req.token_ids[start:end - d])
+            if d:
+                input_ids.extend(draft.token_ids)  # positions num_tokens.. : K/V written, kept only if accepted
             positions.extend(range(start, end))
             blocks = req.block_ids
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
             query_start.append(query_start[-1] + n)
             seq_lens.append(end)
             query_lens.append(n)
-            if end == req.num_tokens:
-                logit_rows.append(query_start[-1] - 1)
-                logit_seqs.append(len(seq_lens) - 1)
+            if end - d == req.num_tokens:
+                logit_rows.extend(range(query_start[-1] - 1 - d, query_start[-1]))
+                logit_seqs.extend([len(seq_lens) - 1] * (1 + d))
                 sampling_reqs.append(req)
         max_blocks = max(len(req.block_ids) for req, _ in out.scheduled)
         tables = [req.block_ids + [0] * (max_blocks - len(req.block_ids)) for req, _ in out.scheduled]
@@ -99,18 +106,45 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, banned_token_ids: dict[str, list[int]] | None = None
-                ) -> dict[str, SampledToken]:
-        """Run one step. Returns the sampled token of every request whose step reached its end."""
+                ) -> dict[str, list[SampledToken]]:
+        """Run one step. Returns, for every request whose step reached its end, the tokens it
+        emits: one sampled token, or its accepted drafts then one more (len - 1 = accepted)."""
         ids, pos, meta, logit_rows, sampling_reqs = self.prepare(out)
         hidden = self.model(ids, pos, self.kv_caches, meta, self.select)
         if not logit_rows:
             return {}
         logits = self.model.compute_logits(hidden if self.select is not None else hidden[logit_rows])
-        rows = [self._row(req, banned_token_ids) for req in sampling_reqs]
-        sampled = self.sampler(logits, rows)
-        return {req.request_id: tok for req, tok in zip(sampling_reqs, sampled)}
+        if not out.drafts:
+            rows = [self._row(req, banned_token_ids) for req in sampling_reqs]
+            return {req.request_id: [tok] for req, tok in zip(sampling_reqs, self.sampler(logits, rows))}
 
-    def _row(self, req: Request, banned: dict[str, list[int]] | None) -> SamplingRow:
+        plain: list[tuple[Request, int]] = []  # (request, its logit row)
+        verify: list[tuple[Request, list[int]]] = []  # (request, its 1 + d logit rows)
+        r = 0
+        for req in sampling_reqs:
+            draft = out.drafts.get(req.request_id)
+            if draft is None:
+                plain.append((req, r))
+                r += 1
+            else:
+                verify.append((req, list(range(r, r + 1 + len(draft)))))
+                r += 1 + len(draft)
+        result: dict[str, list[SampledToken]] = {}
+        if plain:
+            rows = [self._row(req, banned_token_ids) for req, _ in plain]
+            sampled = self.sampler(logits[torch.tensor([i for _, i in plain], device=logits.device)], rows)
+            result.update((req.request_id, [tok]) for (req, _), tok in zip(plain, sampled))
+        items = []
+        for req, _ in verify:
+            draft = out.drafts[req.request_id]
+            items.append(VerifyRequest([self._row(req, banned_token_ids, draft.token_ids[:j])
+                                        for j in range(1 + len(draft))], draft))
+        v_rows = torch.tensor([i for _, rs in verify for i in rs], device=logits.device)
+        result.update((req.request_id, toks) for (req, _), toks in zip(verify, self.rejection(logits[v_rows], items)))
+        return result
+
+    def _row(self, req: Request, banned: dict[str, list[int]] | None, drafts: list[int] = ()) -> SamplingRow:
+        """drafts: the draft tokens before this verify row, part of its history (penalties, min_tokens)."""
         params = req.sampling_params
         gen = None
         if params.seed is not None and not params.greedy:
@@ -120,7 +154,7 @@ class ModelRunner:
         return SamplingRow(
             params=params,
             prompt_token_ids=req.prompt_token_ids,
-            output_token_ids=req.output_token_ids,
+            output_token_ids=req.output_token_ids + list(drafts) if drafts else req.output_token_ids,
             generator=gen,
             banned_token_ids=banned.get(req.request_id) if banned else None,
         )

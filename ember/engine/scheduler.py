@@ -7,6 +7,13 @@ prefill for the rest of its prompt), then waiting ones in arrival order; whateve
 fit the remaining budget becomes a chunk, finished in later steps. When the block pool runs
 dry, the newest running request is preempted: its blocks are freed and it is recomputed
 later (the prefix cache usually gives most of them back).
+
+Speculative decoding: a decoding request with d pending draft tokens (req.draft) asks for
+1 + d tokens (its last sampled token and the drafts) and 1 + d KV slots. Drafts are the
+first thing to give: they only get budget left after one token for every running request
+behind them, and a request whose lookahead slots do not fit drops its drafts before anyone
+is preempted. After the step the runner reports how many drafts were rejected; their
+tokens are not counted as computed (their K/V is overwritten later).
 """
 from __future__ import annotations
 
@@ -16,6 +23,7 @@ from dataclasses import dataclass, field
 
 from ember.engine.kv_cache import KVCacheManager
 from ember.engine.request import Request, RequestStatus
+from ember.spec.proposer import Draft
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +33,12 @@ class SchedulerOutput:
     # (request, number of its tokens to run this step), in batch order.
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # request id -> the draft tokens it verifies this step (the last d of its n scheduled tokens).
+    drafts: dict[str, Draft] = field(default_factory=dict)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(len(d) for d in self.drafts.values())
 
     @property
     def num_tokens(self) -> int:
@@ -65,10 +79,16 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(req, n, out):
+            d = self._num_drafts(req, n, budget, behind=len(self.running) - i - 1)
+            if d and not self.kv.allocate_slots(req, n + d):
+                d = 0  # no room for the lookahead slots: drop the drafts, preempt nobody for them
+            if not d and not self._allocate_or_preempt(req, n, out):
                 break  # req itself was preempted; everything after it already was
-            out.scheduled.append((req, n))
-            budget -= n
+            if d:
+                out.drafts[req.request_id] = req.draft.truncated(d)
+            req.draft = None  # consumed (or dropped): the next step proposes afresh
+            out.scheduled.append((req, n + d))
+            budget -= n + d
             i += 1
 
         # Admit waiting requests only when nothing had to be preempted this step.
@@ -93,13 +113,23 @@ class Scheduler:
 
         self.step_count += 1
         if logger.isEnabledFor(logging.DEBUG) and out.scheduled:
-            chunks = [n for r, n in out.scheduled if r.num_computed_tokens + n < r.num_tokens or n > 1]
-            decodes = sum(1 for _, n in out.scheduled if n == 1)
-            logger.debug("step %d: %d tokens scheduled, prefill chunks %s, %d decodes, %d waiting, KV %.1f%% used (%d/%d blocks free)%s",
-                         self.step_count, out.num_tokens, chunks, decodes, len(self.waiting), 100 * self.kv.usage,
+            chunks = [n for r, n in out.scheduled if r.request_id not in out.drafts
+                      and (r.num_computed_tokens + n < r.num_tokens or n > 1)]
+            decodes = sum(1 for r, n in out.scheduled if n == 1 or r.request_id in out.drafts)
+            logger.debug("step %d: %d tokens scheduled, prefill chunks %s, %d decodes (+%d draft tokens), %d waiting, "
+                         "KV %.1f%% used (%d/%d blocks free)%s",
+                         self.step_count, out.num_tokens, chunks, decodes, out.num_draft_tokens, len(self.waiting), 100 * self.kv.usage,
                          self.kv.num_free_blocks, self.kv.num_blocks,
                          f", preempted {[r.request_id for r in out.preempted]}" if out.preempted else "")
         return out
+
+    @staticmethod
+    def _num_drafts(req: Request, n: int, budget: int, behind: int) -> int:
+        """How many of req's drafts ride on its decode: what the budget leaves after this
+        token and one for each of the `behind` running requests after it."""
+        if req.draft is None or n != 1:  # drafts follow a decode only (n == 1: the last sampled token)
+            return 0
+        return max(0, min(len(req.draft), budget - 1 - behind))
 
     def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         while not self.kv.allocate_slots(req, n):
@@ -112,6 +142,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
+        req.draft = None
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
@@ -119,10 +150,11 @@ class Scheduler:
         self.waiting.appendleft(req)
         logger.debug("preempted %s (recompute %d tokens later)", req.request_id, req.num_tokens)
 
-    def update_after_step(self, out: SchedulerOutput) -> None:
-        """Advance computed counts and name newly full blocks for the prefix cache."""
+    def update_after_step(self, out: SchedulerOutput, num_rejected: dict[str, int] | None = None) -> None:
+        """Advance computed counts (less each request's rejected drafts) and name newly full
+        blocks for the prefix cache."""
         for req, n in out.scheduled:
-            req.num_computed_tokens += n
+            req.num_computed_tokens += n - (num_rejected.get(req.request_id, 0) if num_rejected else 0)
             self.kv.cache_full_blocks(req)
 
     def finish_request(self, req: Request, status: RequestStatus) -> None:
@@ -134,6 +166,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = status
+        req.draft = None
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
 

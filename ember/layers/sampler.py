@@ -50,33 +50,13 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
 
-        # One pass of Python over the rows decides which stages have work to do.
-        penalised, banned, randoms, want_lp = [], [], [], []
-        for i, row in enumerate(rows):
-            p = row.params
-            if (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
-                    or p.frequency_penalty != 0.0):
-                penalised.append(i)
-            if p.min_tokens and len(row.output_token_ids) < p.min_tokens and (
-                    row.banned_token_ids or p.stop_token_ids):
-                banned.append(i)
-            if not p.greedy:
-                randoms.append(i)
-            if p.logprobs is not None:
-                want_lp.append(i)
-
+        penalised, banned, randoms, want_lp = _plan(rows)
         if not (penalised or banned or randoms or want_lp):  # the common all-greedy decode
             return [SampledToken(t) for t in logits.argmax(dim=-1).tolist()]
 
-        # Work in float32 on a private copy only when some stage writes in place.
-        work = logits.to(torch.float32, copy=bool(penalised or banned))
-        if penalised:
-            _apply_penalties(work, rows, penalised)
-        if banned:
-            _ban_tokens(work, rows, banned)
-
+        work = _process(logits, rows, penalised, banned)
         tokens = self._choose(work, rows, randoms)
-        lps = _gather_logprobs(logits, rows, want_lp, tokens) if want_lp else {}
+        lps = gather_logprobs(logits, rows, want_lp, tokens) if want_lp else {}
         return [SampledToken(t, lps.get(i)) for i, t in enumerate(tokens)]
 
     @staticmethod
@@ -90,6 +70,46 @@ class Sampler:
         idx = torch.tensor(randoms, device=work.device)
         tokens[idx] = _sample(work[idx], [rows[i] for i in randoms])
         return tokens.tolist()
+
+
+def _plan(rows: list[SamplingRow]) -> tuple[list[int], list[int], list[int], list[int]]:
+    """One pass of Python over the rows decides which stages have work to do."""
+    penalised, banned, randoms, want_lp = [], [], [], []
+    for i, row in enumerate(rows):
+        p = row.params
+        if (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+                or p.frequency_penalty != 0.0):
+            penalised.append(i)
+        if p.min_tokens and len(row.output_token_ids) < p.min_tokens and (
+                row.banned_token_ids or p.stop_token_ids):
+            banned.append(i)
+        if not p.greedy:
+            randoms.append(i)
+        if p.logprobs is not None:
+            want_lp.append(i)
+    return penalised, banned, randoms, want_lp
+
+
+def _process(logits: torch.Tensor, rows: list[SamplingRow], penalised: list[int], banned: list[int]) -> torch.Tensor:
+    # Work in float32 on a private copy only when some stage writes in place.
+    work = logits.to(torch.float32, copy=bool(penalised or banned))
+    if penalised:
+        _apply_penalties(work, rows, penalised)
+    if banned:
+        _ban_tokens(work, rows, banned)
+    return work
+
+
+def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Penalties and min_tokens bans (each row's history is its own), in float32: what greedy
+    rows take the argmax of and what temperature and the filters start from. Leaves logits alone."""
+    penalised, banned, _, _ = _plan(rows)
+    return _process(logits, rows, penalised, banned)
+
+
+def target_probs(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution a random row samples from: softmax of the tempered, filtered logits."""
+    return torch.softmax(apply_filters(x, params), dim=-1)
 
 
 def _row_tensor(values: list, like: torch.Tensor) -> torch.Tensor:
@@ -151,9 +171,8 @@ def _ban_tokens(work: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -> 
 
 def _sample(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Temperature and filters, then an exponential race. x is not modified."""
-    x = apply_filters(x, [r.params for r in rows])
-    probs = torch.softmax(x, dim=-1)
-    q = _exponential_noise(probs, rows)
+    probs = target_probs(x, [r.params for r in rows])
+    q = exponential_noise(probs, rows)
     return (probs / q).argmax(dim=-1)
 
 
@@ -246,7 +265,7 @@ def _top_k_only(x: torch.Tensor, ks: list[int]) -> None:
     x.masked_fill_(x < kth, _NEG_INF)
 
 
-def _exponential_noise(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def exponential_noise(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Exp(1) noise, as -log(U): on CPU torch's exponential_ is ~6x slower than uniform_.
 
     A seeded row draws its V values from its own generator only, so its tokens do not
@@ -268,7 +287,7 @@ def _exponential_noise(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
     return q.clamp_min_(torch.finfo(q.dtype).tiny)
 
 
-def _gather_logprobs(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int],
+def gather_logprobs(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int],
                      tokens: list[int]) -> dict[int, PositionLogprobs]:
     """Sampled token plus top-N from log_softmax of the raw logits; rank = 1 + #strictly greater."""
     device = logits.device

@@ -1,0 +1,151 @@
+"""SpeculativeConfig: every spelling of "speculate" (vLLM's JSON, its flags, --enable-mtp) as one value.
+
+Spellings accepted, as vLLM and the seeds write them:
+  --speculative-config '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'
+  --speculative-model ngram --num-speculative-tokens 3
+  --speculative-model DIR --num-speculative-tokens 3      (a draft model, or MTP layers with --enable-mtp)
+  --enable-mtp [--num-speculative-tokens k]                (the model's own MTP layers)
+A flag given next to the JSON must agree with it; a contradiction is refused, never resolved
+silently. Whether a method can run (a proposer is registered for it) is checked here too, so
+a bad command line fails before the model loads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ember.errors import ConfigError
+
+METHODS = ("ngram", "mtp", "draft")
+MAX_SPEC_TOKENS = 8
+# vLLM's defaults when neither bound is given (its own comment: "arbitrarily chosen").
+DEFAULT_LOOKUP = 5
+JSON_KEYS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max",
+             "draft_tensor_parallel_size")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str  # one of METHODS
+    num_speculative_tokens: int | None  # k_max; None only for mtp (= its number of layers, resolved at load)
+    model: str | None = None  # draft model / MTP folder; None = the target's own checkpoint (mtp)
+    prompt_lookup_min: int | None = None  # ngram only
+    prompt_lookup_max: int | None = None
+    draft_tensor_parallel_size: int = 1
+    adaptive: bool = True  # per-request k from recent acceptance (ember.spec.adaptive)
+
+
+def _method_alias(name: Any) -> str:
+    if not isinstance(name, str):
+        raise ConfigError(f"speculative method {name!r} must be a string: one of {', '.join(METHODS)}")
+    m = name.strip().lower()
+    if m == "[ngram]":
+        return "ngram"
+    if m == "draft_model":
+        return "draft"
+    if m.endswith("_mtp"):  # vLLM's older per-family names: deepseek_mtp, qwen3_next_mtp, mimo_mtp, ...
+        return "mtp"
+    if m not in METHODS:
+        raise ConfigError(f"speculative method {name!r} is not one of {', '.join(METHODS)}")
+    return m
+
+
+def _merge(merged: dict[str, Any], key: str, value: Any, flag: str) -> None:
+    """Take a flag's value into the JSON's, refusing a disagreement."""
+    if value is None:
+        return
+    have = merged.get(key)
+    if have is not None and have != value:
+        raise ConfigError(f"--speculative-config says {key}={have!r} but {flag} says {value!r}; "
+                          "give one of them, or make them agree")
+    merged[key] = value
+
+
+def resolve_speculative_config(cfg) -> SpeculativeConfig | None:
+    """The EngineConfig's speculative knobs as one SpeculativeConfig, or None when speculation is off."""
+    raw = cfg.speculative_config
+    if raw is not None and not isinstance(raw, dict):
+        raise ConfigError(f"--speculative-config must be a JSON object, not {type(raw).__name__}")
+    merged = dict(raw or {})
+    unknown = sorted(set(merged) - set(JSON_KEYS))
+    if unknown:
+        raise ConfigError(f"--speculative-config keys {unknown} are not known; ember reads {', '.join(JSON_KEYS)}")
+    if merged.get("method") is not None:
+        merged["method"] = _method_alias(merged["method"])
+
+    model = cfg.speculative_model
+    if model is not None and model.strip().lower() in ("ngram", "[ngram]"):
+        if cfg.enable_mtp:
+            raise ConfigError("--enable-mtp and --speculative-model ngram ask for two drafters; drop one of them")
+        _merge(merged, "method", "ngram", "--speculative-model ngram")
+    else:
+        _merge(merged, "model", model, "--speculative-model")
+    if cfg.enable_mtp:
+        _merge(merged, "method", "mtp", "--enable-mtp")
+    _merge(merged, "num_speculative_tokens", cfg.num_speculative_tokens, "--num-speculative-tokens")
+    _merge(merged, "draft_tensor_parallel_size", cfg.speculative_draft_tensor_parallel_size,
+           "--speculative-draft-tensor-parallel-size")
+
+    if merged.get("model") in ("ngram", "[ngram]"):  # vLLM's JSON spelling {"model": "[ngram]"}
+        if merged.get("method") not in (None, "ngram"):
+            raise ConfigError(f"speculative model 'ngram' contradicts method {merged['method']!r}; drop one")
+        merged["method"], merged["model"] = "ngram", None
+    method = merged.get("method")
+    if method is None:
+        if merged.get("model") is not None:
+            method = "draft"  # vLLM's rule: a model without a method is a draft model
+        elif merged:
+            given = ", ".join(f"{k}={v!r}" for k, v in merged.items())
+            raise ConfigError(f"speculative decoding settings ({given}) were given without a drafter; add "
+                              "--speculative-model ngram|DIR, --enable-mtp, or a \"method\" in --speculative-config")
+        else:
+            return None
+    return _validate(method, merged, cfg)
+
+
+def _validate(method: str, m: dict[str, Any], cfg) -> SpeculativeConfig:
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise ConfigError(msg)
+
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    k = m.get("num_speculative_tokens")
+    if k is None:
+        need(method == "mtp", f"speculative method {method!r} needs the number of draft tokens; add "
+                              f"--num-speculative-tokens k (1..{MAX_SPEC_TOKENS})")
+    else:
+        need(is_int(k) and 1 <= k <= MAX_SPEC_TOKENS,
+             f"--num-speculative-tokens must be an integer in 1..{MAX_SPEC_TOKENS} (got {k!r})")
+
+    lo, hi = m.get("prompt_lookup_min"), m.get("prompt_lookup_max")
+    if method == "ngram":
+        need(m.get("model") is None, f"the ngram method has no model; drop --speculative-model {m.get('model')!r} "
+                                     "or choose method 'draft'")
+        if lo is None and hi is None:
+            lo = hi = DEFAULT_LOOKUP
+        lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+        need(is_int(lo) and lo >= 1, f"prompt_lookup_min must be an integer >= 1 (got {lo!r})")
+        need(is_int(hi) and hi >= 1, f"prompt_lookup_max must be an integer >= 1 (got {hi!r})")
+        need(lo <= hi, f"prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
+    else:
+        need(lo is None and hi is None, f"prompt_lookup_min/max are for the ngram method, not {method!r}; drop them")
+    if method == "draft":
+        need(m.get("model") is not None, "the draft method needs a draft model; add --speculative-model DIR "
+                                         "(a small model with the same tokenizer)")
+
+    tp = cfg.tensor_parallel_size
+    dtp = m.get("draft_tensor_parallel_size")
+    dtp = 1 if dtp is None else dtp
+    need(is_int(dtp) and dtp in (1, tp),
+         f"--speculative-draft-tensor-parallel-size must be 1 or the --tensor-parallel-size ({tp}) (got {dtp!r})")
+
+    from ember.spec.proposer import available_methods  # the registry decides what can run
+
+    need(method in available_methods(),
+         f"speculative method {method!r} is not available yet; available: {', '.join(available_methods())} "
+         "(e.g. --speculative-model ngram --num-speculative-tokens 3)")
+    return SpeculativeConfig(method=method, num_speculative_tokens=k, model=m.get("model"),
+                             prompt_lookup_min=lo, prompt_lookup_max=hi, draft_tensor_parallel_size=dtp,
+                             adaptive=cfg.adaptive_spec)

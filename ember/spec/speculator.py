@@ -1,0 +1,57 @@
+"""The engine's side of speculation: whom to draft for and how many, what was accepted, stats.
+
+After each step the engine asks for drafts for every running request that will decode next
+(its last sampled token is its only uncomputed one) and has none pending. Each gets at most
+min(adaptive k, tokens it may still emit - 1, room before max_model_len - 1): a draft that
+cannot be emitted is pure waste.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Iterable
+
+from ember.spec.adaptive import AdaptiveK
+from ember.spec.config import SpeculativeConfig
+from ember.spec.metrics import SpecStats
+from ember.spec.proposer import build_proposer
+
+logger = logging.getLogger("ember")
+
+
+class Speculator:
+    def __init__(self, spec: SpeculativeConfig, engine: Any):
+        self.config = spec
+        self.proposer = build_proposer(spec, engine)
+        # A proposer may fix k itself when the config leaves it open (MTP: its number of layers).
+        self.k_max = spec.num_speculative_tokens or self.proposer.num_speculative_tokens
+        self.adaptive = AdaptiveK(self.k_max, enabled=spec.adaptive)
+        self.stats = SpecStats(self.k_max)
+        self.max_model_len = engine.max_model_len
+        logger.info("speculative decoding: %s, k = %d%s", spec.method, self.k_max,
+                    " (adaptive per request)" if spec.adaptive else " (fixed)")
+
+    def propose(self, requests: Iterable[Any]) -> None:
+        todo, ks = [], []
+        for req in requests:
+            if req.draft is not None or req.num_computed_tokens != req.num_tokens - 1:
+                continue
+            p = req.sampling_params
+            max_tokens = p.max_tokens if p.max_tokens is not None else self.max_model_len
+            k = min(self.adaptive.k_for(req), max_tokens - req.num_output_tokens - 1,
+                    self.max_model_len - req.num_tokens - 1)
+            if k >= 1:
+                todo.append(req)
+                ks.append(k)
+        if not todo:
+            return
+        t0 = time.perf_counter()
+        drafts = self.proposer.propose(todo, ks)
+        self.stats.draft_seconds += time.perf_counter() - t0
+        for req, draft, k in zip(todo, drafts, ks):
+            if draft is not None and len(draft):
+                req.draft = draft.truncated(k)
+
+    def observe(self, req: Any, num_drafts: int, num_accepted: int) -> None:
+        self.stats.record(num_drafts, num_accepted)
+        self.adaptive.observe(req, num_drafts, num_accepted)
