@@ -1,0 +1,348 @@
+"""Find and load MTP weights straight from safetensors (transformers drops them on load).
+
+The weights live either in the main checkpoint folder or in a separate folder
+(`--speculative-model DIR`, with its own config.json). Three published layouts, detected from the
+tensor names (formats.md §4):
+
+- "deepseek" (DeepSeek-V3/R1, GLM-4.5): any `model.layers.{N}.{enorm,hnorm,eh_proj,shared_head}.*`.
+  Layer j is `model.layers.{num_hidden_layers + j}.*`, num_hidden_layers being the model's (a
+  separate folder that numbers its layers from lower: j = N - smallest N). Per layer: enorm, hnorm, eh_proj, shared_head.norm, an
+  optional shared_head.head (then used instead of the main LM head), an optional embed_tokens
+  copy (ignored: the embedding is shared) and a normal block under the same prefix.
+  Layer count: config `num_nextn_predict_layers`.
+- "mimo" (MiMo-7B): any `model.mtp_layers.{j}.*`: token_layernorm, hidden_layernorm, input_proj,
+  final_layernorm plus a block under the same prefix; hidden state first in the concat.
+  Layer count: `num_nextn_predict_layers`.
+- "qwen3_next" (Qwen3-Next, Qwen3.5): any `mtp.*`: mtp.fc, mtp.pre_fc_norm_embedding,
+  mtp.pre_fc_norm_hidden, mtp.norm (shared by every block) and blocks `mtp.layers.{j}.*`; every
+  norm zero-centred. Layer count: `mtp_num_hidden_layers` (else `num_nextn_predict_layers`).
+
+Block names go through the main model's own routing (LlamaForCausalLM.route_weight: q/k/v into
+qkv_proj, gate/up into gate_up_proj, MoE experts into the stacked experts, FP8 KV scales into the
+attention), so the block loads exactly like a main layer.
+
+A separate folder must say, in its config.json `architectures`, either the main model's own
+architecture (a full checkpoint of this model that carries its MTP layers) or ember's MTP class
+for it, `<Stem>MTP` with Stem the architecture without "ForCausalLM" (Qwen3MTP, Qwen3MoeMTP,
+Qwen2MTP, LlamaMTP; what `ember train-mtp` writes). Other MTP classes (DeepSeekMTPModel,
+MiMoMTPModel, Glm4MoeMTPModel, Qwen3NextMTP, ...) belong to model families whose blocks ember
+does not run, so they are refused. Missing config keys (heads, intermediate size, rope ...) are
+taken from the main model's config, so a small MTP config need only state what differs; its
+vocab_size and hidden_size, when given, must equal the model's.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+from tqdm import tqdm
+
+from ember.errors import ModelLoadError
+from ember.layers.linear import copy_checked
+from ember.loader import weights as weights_io
+from ember.model_config import ModelConfig
+from ember.models.mtp import MTPModule
+
+log = logging.getLogger(__name__)
+
+LAYOUT_NAMES = {"deepseek": "DeepSeek-V3/GLM", "mimo": "MiMo", "qwen3_next": "Qwen3-Next/Qwen3.5"}
+
+# checkpoint sub-name (after the layer prefix) -> MTPLayer module
+SPECIAL = {
+    "deepseek": {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj",
+                 "shared_head.norm": "final_norm", "shared_head.head": "head"},
+    "mimo": {"token_layernorm": "enorm", "hidden_layernorm": "hnorm", "input_proj": "eh_proj",
+             "final_layernorm": "final_norm"},
+    "qwen3_next": {"pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm", "fc": "eh_proj",
+                   "norm": "final_norm"},
+}
+COUNT_KEYS = {"deepseek": ("num_nextn_predict_layers",), "mimo": ("num_nextn_predict_layers",),
+              "qwen3_next": ("mtp_num_hidden_layers", "num_nextn_predict_layers")}
+LOOKED_FOR = (
+    "model.layers.{N}.enorm / hnorm / eh_proj / shared_head.norm with N >= num_hidden_layers (DeepSeek-V3/GLM)",
+    "model.mtp_layers.{j}.token_layernorm / hidden_layernorm / input_proj / final_layernorm (MiMo)",
+    "mtp.fc / mtp.pre_fc_norm_embedding / mtp.pre_fc_norm_hidden / mtp.norm / mtp.layers.{j}.* (Qwen3-Next/Qwen3.5)",
+)
+_DEEPSEEK = re.compile(r"^model\.layers\.(\d+)\.(?:enorm|hnorm|eh_proj|shared_head)\.")
+_MIMO = re.compile(r"^model\.mtp_layers\.(\d+)\.")
+_QWEN3_NEXT_BLOCK = re.compile(r"^mtp\.layers\.(\d+)\.")
+# ember param (fused) -> checkpoint part, for naming what a checkpoint lacks
+_UNFUSE = {"qkv_proj": {"q": "q_proj", "k": "k_proj", "v": "v_proj"},
+           "gate_up_proj": {"gate": "gate_proj", "up": "up_proj"}}
+
+
+def accepted_architectures(main_architecture: str) -> list[str]:
+    """What a separate MTP folder's config.json `architectures` may say for this model."""
+    stem = main_architecture.removesuffix("ForCausalLM")
+    return [f"{stem}MTP", main_architecture]
+
+
+@dataclass
+class MTPCheckpoint:
+    """Where the MTP layers of a model are and how they are named."""
+
+    folder: str
+    layout: str  # "deepseek" | "mimo" | "qwen3_next"
+    num_layers: int
+    prefixes: list[str]  # checkpoint prefix of each layer's block (and, but for qwen3_next, of its norms/proj)
+    tensors: dict[str, str]  # every checkpoint tensor name of the MTP layers -> its file
+    own_heads: list[bool]
+    block_cfg: ModelConfig
+    separate: bool
+    ignored: list[str] = field(default_factory=list)
+
+    def module_name(self, name: str) -> str | None:
+        """checkpoint name -> MTPModule parameter name (before fusing), or None if unused."""
+        special = SPECIAL[self.layout]
+        if self.layout == "qwen3_next":
+            m = _QWEN3_NEXT_BLOCK.match(name)
+            if m:
+                j = int(m[1])
+                return f"layers.{j}.block.{name[m.end():]}" if j < self.num_layers else None
+            rest = name.removeprefix("mtp.")
+            for ck, mod in special.items():
+                if rest.startswith(ck + "."):
+                    return f"layers.0.{mod}.{rest[len(ck) + 1:]}"
+            return None  # e.g. mtp.embed_tokens (dedicated embeddings are refused earlier)
+        for j, prefix in enumerate(self.prefixes):
+            if name.startswith(prefix):
+                rest = name[len(prefix):]
+                for ck, mod in special.items():
+                    if rest.startswith(ck + "."):
+                        return f"layers.{j}.{mod}.{rest[len(ck) + 1:]}"
+                if rest.startswith("embed_tokens."):
+                    return None  # DeepSeek keeps a copy of the shared embedding in each MTP layer
+                return f"layers.{j}.block.{rest}"
+        return None
+
+    def checkpoint_name(self, param: str, shard=None) -> str:
+        """MTPModule parameter (and fused shard) -> the checkpoint tensor that should fill it."""
+        _, j, rest = param.split(".", 2)
+        if rest.startswith("block."):
+            ck = self.prefixes[int(j)] + rest.removeprefix("block.")
+        else:
+            mod, _, local = rest.partition(".")
+            ck_mod = {v: k for k, v in SPECIAL[self.layout].items()}[mod]
+            ck = ("mtp." if self.layout == "qwen3_next" else self.prefixes[int(j)]) + f"{ck_mod}.{local}"
+        for fused, parts in _UNFUSE.items():
+            if f".{fused}." in ck and shard in parts:
+                return ck.replace(f".{fused}.", f".{parts[shard]}.")
+        if ".mlp.experts." in ck:  # stacked experts: w13 shard (e, "gate"|"up"), w2 shard e
+            head = ck.rsplit(".experts.", 1)[0] + ".experts"
+            if isinstance(shard, tuple):
+                return f"{head}.{shard[0]}.{shard[1]}_proj.weight"
+            if shard is not None:
+                return f"{head}.{shard}.down_proj.weight"
+        return ck if shard is None else f"{ck} (shard {shard!r})"
+
+
+def _same_path(a: str, b: str) -> bool:
+    return os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
+
+
+def _read_separate_config(folder: str, main_cfg: ModelConfig) -> dict:
+    if not os.path.isdir(folder):
+        raise ModelLoadError(f"--speculative-model {folder!r} is not a folder; give the folder that holds the MTP "
+                             "weights (*.safetensors) and their config.json")
+    path = os.path.join(folder, "config.json")
+    accepted = accepted_architectures(main_cfg.architecture)
+    if not os.path.exists(path):
+        raise ModelLoadError(f"{folder} has no config.json; an MTP folder needs one with architectures "
+                             f"[{accepted[0]!r}], vocab_size and hidden_size of the model it drafts for")
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
+    archs = raw.get("architectures") or []
+    if not any(a in accepted for a in archs):
+        raise ModelLoadError(
+            f"{path} says architectures {archs}, which is not an MTP model for this {main_cfg.architecture} model; "
+            f"ember accepts {' or '.join(accepted)} there. If these are MTP weights trained for this model, set "
+            f'"architectures": ["{accepted[0]}"]; a plain draft model goes with speculative method "draft", not "mtp"')
+    for key, want in (("vocab_size", main_cfg.vocab_size), ("hidden_size", main_cfg.hidden_size)):
+        got = raw.get(key)
+        if got is not None and int(got) != want:
+            raise ModelLoadError(
+                f"the MTP weights in {folder} have {key} {got} but the model has {want}; MTP layers must be made for "
+                "this model (same tokenizer and width): use its own MTP weights, or train some with "
+                "`ember train-mtp MODEL --out DIR`")
+    return raw
+
+
+def _tensor_files(folder: str) -> dict[str, str]:
+    """checkpoint tensor name -> file, from the safetensors headers (no tensor is read)."""
+    out = {}
+    for path in weights_io.safetensors_files(folder):
+        with weights_io._open(path) as h:
+            for name in h.keys():
+                out[name] = path
+    return out
+
+
+def _no_weights(where: str, hint: str) -> ModelLoadError:
+    return ModelLoadError(
+        f"MTP speculative decoding was asked for, but {where} holds no MTP weights; looked for "
+        + "; ".join(LOOKED_FOR) + f". {hint}")
+
+
+def _layer_count(raw: dict, layout: str) -> int | None:
+    for key in COUNT_KEYS[layout]:
+        if raw.get(key):
+            return int(raw[key])
+    return None
+
+
+def find_mtp_weights(main_cfg: ModelConfig, model_path: str, speculative_model: str | None = None) -> MTPCheckpoint:
+    """Locate the MTP layers (main folder, or speculative_model when it is another folder) and
+    check them against the model; raises ModelLoadError saying what to change."""
+    separate = speculative_model is not None and not _same_path(speculative_model, model_path)
+    folder = speculative_model if separate else model_path
+    hint = ("Give a folder with MTP weights made for this model with --speculative-model DIR (for example one "
+            "written by `ember train-mtp MODEL --out DIR`), or turn MTP off")
+    if separate:
+        raw = _read_separate_config(folder, main_cfg)
+        merged = {**main_cfg.raw, **raw, "architectures": [main_cfg.architecture]}
+        block_cfg = ModelConfig.from_dict(merged)
+    else:
+        if os.path.isfile(model_path) and not model_path.endswith(".safetensors"):
+            raise _no_weights(f"{model_path} (a GGUF file; ember reads MTP layers from safetensors only)", hint)
+        raw, block_cfg = main_cfg.raw, main_cfg
+    names = _tensor_files(folder)
+
+    deepseek = sorted({int(m[1]) for n in names if (m := _DEEPSEEK.match(n))})
+    mimo = sorted({int(m[1]) for n in names if (m := _MIMO.match(n))})
+    qnext = any(n.startswith("mtp.") for n in names)
+    if not separate:  # in the main checkpoint, MTP layers come after the decoder's
+        deepseek = [n for n in deepseek if n >= main_cfg.num_layers]
+    found = [k for k, hit in (("deepseek", deepseek), ("mimo", mimo), ("qwen3_next", qnext)) if hit]
+    if not found:
+        if separate:
+            hint = ("If this folder is a small draft model rather than MTP layers, use speculative method \"draft\"; "
+                    "otherwise give a folder with MTP weights made for this model")
+        raise _no_weights(folder, hint)
+    if len(found) > 1:
+        layouts = ", ".join(LAYOUT_NAMES[k] for k in found)
+        raise ModelLoadError(f"{folder} holds MTP tensors in more than one layout ({layouts}); "
+                             "keep one set of MTP weights per folder")
+    layout = found[0]
+
+    if layout == "deepseek":
+        base = main_cfg.num_layers if all(n >= main_cfg.num_layers for n in deepseek) else deepseek[0]
+        if base != main_cfg.num_layers:
+            log.info("MTP layers in %s are numbered from %d (the model has %d layers)", folder, base,
+                     main_cfg.num_layers)
+        present = {n - base: f"model.layers.{n}." for n in deepseek}
+        prefix_of = lambda j: f"model.layers.{base + j}."  # noqa: E731
+    elif layout == "mimo":
+        present = {j: f"model.mtp_layers.{j}." for j in mimo}
+        prefix_of = lambda j: f"model.mtp_layers.{j}."  # noqa: E731
+    else:
+        if raw.get("mtp_use_dedicated_embeddings"):
+            raise ModelLoadError(f"{folder}: config mtp_use_dedicated_embeddings=true (an MTP embedding of its own) is "
+                                 "not supported; ember's MTP layers share the model's embedding")
+        present = {int(m[1]): f"mtp.layers.{m[1]}." for n in names if (m := _QWEN3_NEXT_BLOCK.match(n))}
+        prefix_of = lambda j: f"mtp.layers.{j}."  # noqa: E731
+
+    count = _layer_count(raw, layout)
+    n = count if count is not None else (max(present) + 1 if present else 1)
+    lacking = [j for j in range(n) if j not in present]
+    if lacking:
+        said = (f"config says {COUNT_KEYS[layout][0]}={count}" if count is not None
+                else f"{len(present)} MTP layer(s) found")
+        raise ModelLoadError(
+            f"{folder}: {said}, but MTP layer(s) {lacking} are missing (no tensors named "
+            f"{', '.join(prefix_of(j) + '*' for j in lacking)}, {LAYOUT_NAMES[layout]} layout); give the complete "
+            f"MTP weights, or set {COUNT_KEYS[layout][0]} to the number of layers present")
+    if max(present) >= n:
+        log.info("using %d of the %d MTP layers in %s (%s=%s)", n, len(present), folder, COUNT_KEYS[layout][0], count)
+    prefixes = [present[j] for j in range(n)]
+    if layout == "qwen3_next":
+        mine = [k for k in names if k.startswith("mtp.") and not (
+            (m := _QWEN3_NEXT_BLOCK.match(k)) and int(m[1]) >= n)]
+    else:
+        mine = [k for k in names if any(k.startswith(p) for p in prefixes)]
+    own_heads = [layout == "deepseek" and f"{p}shared_head.head.weight" in names for p in prefixes]
+    log.info("MTP: %d layer(s) in %s layout from %s%s", n, LAYOUT_NAMES[layout], folder,
+             " (separate folder)" if separate else "")
+    return MTPCheckpoint(folder, layout, n, prefixes, {k: names[k] for k in mine}, own_heads, block_cfg, separate)
+
+
+def iter_mtp_tensors(ckpt: MTPCheckpoint, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, CPU tensor) for the MTP tensors only: each file opened once, nothing else read."""
+    by_file: dict[str, list[str]] = defaultdict(list)
+    for name, path in ckpt.tensors.items():
+        by_file[path].append(name)
+    with tqdm(total=len(ckpt.tensors), desc="Loading MTP weights", unit="tensor",
+              disable=None if progress else True) as bar:
+        for path, names in by_file.items():
+            with weights_io._open(path) as h:
+                for name in names:
+                    yield name, h.get_tensor(name)
+                    bar.update(1)
+
+
+@torch.no_grad()
+def load_mtp_weights(mtp: MTPModule, ckpt: MTPCheckpoint, progress: bool = True) -> None:
+    """Fill mtp from the checkpoint; ModelLoadError names (in checkpoint terms) every missing piece."""
+    params = dict(mtp.named_parameters())
+    modules = dict(mtp.named_modules())
+    got: dict[str, set] = defaultdict(set)
+    ignored = []
+    cfg = ckpt.block_cfg
+    for name, tensor in iter_mtp_tensors(ckpt, progress):
+        local_name = ckpt.module_name(name)
+        route = mtp.route_weight(local_name, params, modules) if local_name is not None else None
+        if route is None:
+            ignored.append(name)
+            continue
+        if (ckpt.layout == "qwen3_next" and name.endswith("self_attn.q_proj.weight")
+                and tensor.shape[0] == 2 * cfg.num_heads * cfg.head_dim):
+            raise ModelLoadError(
+                f"{name} in {ckpt.folder} has {tensor.shape[0]} rows, twice num_heads * head_dim: a Qwen3-Next gated "
+                "attention block, which ember's MTP layer (a Qwen3-style block) does not run; use MTP weights whose "
+                "block matches this model's decoder layers")
+        mod_path, local, shard = route
+        module = modules[mod_path]
+        try:
+            if hasattr(module, "load_weight"):
+                local, shard = module.load_weight(local, tensor, shard)
+            else:
+                copy_checked(getattr(module, local), tensor, "it")
+        except ModelLoadError as e:
+            raise ModelLoadError(f"MTP tensor {name} in {ckpt.folder}: {e}") from None
+        got[f"{mod_path}.{local}"] |= shard if isinstance(shard, set) else {shard}
+    ckpt.ignored = ignored
+    if ignored:
+        log.info("MTP: ignored %d tensors ember does not use (e.g. %s)", len(ignored), ignored[0])
+    missing = []
+    for pname in params:
+        mod_path, _, local = pname.rpartition(".")
+        module = modules[mod_path]
+        want = module.expected_shards(local) if hasattr(module, "expected_shards") else {None}
+        for shard in sorted(want - got.get(pname, set()), key=str):
+            missing.append(ckpt.checkpoint_name(pname, shard))
+    if missing:
+        shown = ", ".join(missing[:12]) + (f", ... ({len(missing)} in all)" if len(missing) > 12 else "")
+        unused = f" (present but not used: {', '.join(ignored[:6])})" if ignored else ""
+        raise ModelLoadError(
+            f"the MTP layer(s) in {ckpt.folder} ({LAYOUT_NAMES[ckpt.layout]} layout) lack {shown}{unused}. An MTP "
+            "layer needs its two input norms, its projection, its final norm and a whole decoder block shaped like "
+            "the model's layers; give the complete MTP weights")
+
+
+def load_mtp(main, model_path: str, speculative_model: str | None = None, *, attn_backend=None,
+             progress: bool = True) -> MTPModule:
+    """The MTP module for a loaded ember model (main: LlamaForCausalLM or a subclass), from
+    model_path's checkpoint or from speculative_model when that is another folder."""
+    ckpt = find_mtp_weights(main.cfg, model_path, speculative_model)
+    mtp = MTPModule(main, ckpt.num_layers, ckpt.layout, block_cfg=ckpt.block_cfg, own_heads=ckpt.own_heads,
+                    attn_backend=attn_backend)
+    load_mtp_weights(mtp, ckpt, progress)
+    return mtp.eval()
