@@ -55,6 +55,41 @@ class ServerMetrics:
         self.e2e = histogram("ember:e2e_request_latency_seconds", "time from arrival to the last token", E2E_BUCKETS)
         self._last: dict | None = None
         self._queries = self._hits = 0
+        self._spec: dict | None = None  # created at the first stats that carry spec counters
+
+    def _spec_metrics(self) -> dict:
+        if self._spec is None:
+            r, labels = self.registry, self._labels
+
+            def counter(name, doc, extra=()):
+                c = Counter(name, doc, [*labels, *extra], registry=r)
+                return c if extra else c.labels(**labels)
+
+            self._spec = {
+                "spec_num_drafts": counter("ember:spec_decode_num_drafts", "verify steps that carried draft tokens (per request)"),
+                "spec_num_draft_tokens": counter("ember:spec_decode_num_draft_tokens", "draft tokens verified"),
+                "spec_num_accepted_tokens": counter("ember:spec_decode_num_accepted_tokens", "draft tokens accepted"),
+                "spec_num_accepted_tokens_per_pos": counter("ember:spec_decode_num_accepted_tokens_per_pos",
+                                                            "draft tokens accepted, by draft position (0 = first)", ("position",)),
+                "spec_num_draft_tokens_per_pos": counter("ember:spec_decode_num_draft_tokens_per_pos",
+                                                         "draft tokens verified, by draft position (0 = first)", ("position",)),
+                "spec_draft_seconds": counter("ember:spec_decode_draft_seconds", "time spent proposing drafts"),
+                "spec_verify_seconds": counter("ember:spec_decode_verify_seconds", "time of steps that verified drafts"),
+                "mean": Gauge("ember:spec_decode_mean_accepted_length", "tokens emitted per verify step since start",
+                              list(labels), registry=r).labels(**labels),
+            }
+        return self._spec
+
+    def _on_spec(self, stats: dict, last: dict) -> None:
+        m = self._spec_metrics()
+        for key in ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_draft_seconds",
+                    "spec_verify_seconds"):
+            m[key].inc(max(0, stats[key] - last.get(key, 0)))
+        for key in ("spec_num_accepted_tokens_per_pos", "spec_num_draft_tokens_per_pos"):
+            before = last.get(key) or [0] * len(stats[key])
+            for pos, (now, was) in enumerate(zip(stats[key], before)):
+                m[key].labels(**self._labels, position=str(pos)).inc(max(0, now - was))  # every position shows, 0 too
+        m["mean"].set(stats["spec_mean_accepted_length"])
 
     # -- StatsListener (called on the engine thread) --------------------------------------------
     def on_step(self, stats: dict, num_new_tokens: int, step_seconds: float) -> None:
@@ -75,6 +110,8 @@ class ServerMetrics:
         total = stats["kv_blocks_total"]
         self.kv_usage.set(1.0 - stats["kv_blocks_free"] / total if total else 0.0)
         self.prefix_hit_rate.set(self._hits / self._queries if self._queries else 0.0)
+        if "spec_num_drafts" in stats:
+            self._on_spec(stats, last)
 
     def on_request_finished(self, t: RequestTiming) -> None:
         self.request_success.labels(**self._labels, finished_reason=t.finish_reason or "unknown").inc()

@@ -123,11 +123,11 @@ def _validate(method: str, m: dict[str, Any], cfg) -> SpeculativeConfig:
     if method == "ngram":
         need(m.get("model") is None, f"the ngram method has no model; drop --speculative-model {m.get('model')!r} "
                                      "or choose method 'draft'")
+        for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            need(v is None or (is_int(v) and v >= 1), f"{name} must be an integer >= 1 (got {v!r})")
         if lo is None and hi is None:
             lo = hi = DEFAULT_LOOKUP
-        lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
-        need(is_int(lo) and lo >= 1, f"prompt_lookup_min must be an integer >= 1 (got {lo!r})")
-        need(is_int(hi) and hi >= 1, f"prompt_lookup_max must be an integer >= 1 (got {hi!r})")
+        lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)  # one bound given: both are it
         need(lo <= hi, f"prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
     else:
         need(lo is None and hi is None, f"prompt_lookup_min/max are for the ngram method, not {method!r}; drop them")

@@ -1,0 +1,34 @@
+"""Engines on tiny models for the speculative decoding tests."""
+from __future__ import annotations
+
+from ember import LLM, SamplingParams
+from ember.model_config import ModelConfig
+from tests.models.tiny_models import random_prompt
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+def ngram(k: int, **kw) -> dict:
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3, **kw}
+
+
+def kv_gib(path: str, blocks: int, block_size: int = 4) -> float:
+    return blocks * block_size * ModelConfig.from_folder(path).kv_bytes_per_token_per_dtype_byte * 4 / 2**30
+
+
+def make_llm(path, **kw) -> LLM:
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("block_size", 4)
+    kw.setdefault("max_model_len", 128)
+    kw.setdefault("num_threads", 1)
+    kw.setdefault("kv_cache_memory", kv_gib(path, 512))
+    return LLM(path, **kw)
+
+
+def run(llm, prompts, params=GREEDY):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+# Repetition, so prompt lookup finds something to propose.
+REPEATED = [random_prompt(n, s) * 3 for s, n in enumerate([4, 7, 2, 10, 5, 3])]
