@@ -57,8 +57,17 @@ def ember_ttft(engine, request_id: str, prompt: list[int]) -> float:
 
 
 def decode_rates(times: list[float]) -> tuple[float, float]:
-    """(mean tok/s, steady tok/s) over tokens 2..N; see the module docstring."""
-    gaps = [b - a for a, b in zip(times, times[1:])]
+    """(mean tok/s, steady tok/s) over tokens 2..N; see the module docstring.
+
+    A step that brings m tokens at once (speculative decoding) gives each of them 1/m of its gap."""
+    gaps: list[float] = []
+    i = 1
+    while i < len(times):
+        m = 1
+        while i + m < len(times) and times[i + m] == times[i]:
+            m += 1
+        gaps += [(times[i] - times[i - 1]) / m] * m
+        i += m
     return len(gaps) / (times[-1] - times[0]), 1.0 / statistics.median(gaps)
 
 

@@ -104,6 +104,14 @@ def test_decode_rates_steady_ignores_a_stall():
     assert mean == pytest.approx(4 / 1.3) and steady == pytest.approx(10.0)
 
 
+def test_decode_rates_share_a_steps_gap_among_its_tokens():
+    from ember.bench.latency import decode_rates
+
+    times = [0.0, 0.1, 0.1, 0.2, 0.3, 0.3, 0.3, 0.4]  # speculative steps bring 2 and 3 tokens at once
+    mean, steady = decode_rates(times)
+    assert mean == pytest.approx(7 / 0.4) and steady == pytest.approx(20.0)  # gaps .05 .05 .1 .033 .033 .033 .1
+
+
 def test_missing_transformers_says_how_to_fix(monkeypatch):
     import sys
 
