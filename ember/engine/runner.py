@@ -134,13 +134,15 @@ class ModelRunner:
             rows = [self._row(req, banned_token_ids) for req, _ in plain]
             sampled = self.sampler(logits[torch.tensor([i for _, i in plain], device=logits.device)], rows)
             result.update((req.request_id, [tok]) for (req, _), tok in zip(plain, sampled))
-        items = []
-        for req, _ in verify:
-            draft = out.drafts[req.request_id]
-            items.append(VerifyRequest([self._row(req, banned_token_ids, draft.token_ids[:j])
-                                        for j in range(1 + len(draft))], draft))
-        v_rows = torch.tensor([i for _, rs in verify for i in rs], device=logits.device)
-        result.update((req.request_id, toks) for (req, _), toks in zip(verify, self.rejection(logits[v_rows], items)))
+        if verify:
+            items = []
+            for req, _ in verify:
+                draft = out.drafts[req.request_id]
+                items.append(VerifyRequest([self._row(req, banned_token_ids, draft.token_ids[:j])
+                                            for j in range(1 + len(draft))], draft))
+            v_rows = torch.tensor([i for _, rs in verify for i in rs], device=logits.device)
+            emitted = self.rejection(logits[v_rows], items)
+            result.update((req.request_id, toks) for (req, _), toks in zip(verify, emitted))
         return result
 
     def _row(self, req: Request, banned: dict[str, list[int]] | None, drafts: list[int] = ()) -> SamplingRow:

@@ -40,6 +40,9 @@ class Draft:
 class Proposer(Protocol):
     # Only read when the config leaves num_speculative_tokens open (MTP: its number of layers).
     num_speculative_tokens: int
+    # Optional: the cost of drafting one token relative to a plain decode step (adaptive k
+    # weighs it with the verify cost); absent = free, as for n-gram.
+    draft_token_cost: float
 
     def propose(self, requests: Sequence[Request], max_tokens: Sequence[int]) -> list[Draft | None]:
         """Per request, at most max_tokens[i] (>= 1) draft tokens following its token_ids

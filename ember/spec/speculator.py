@@ -11,7 +11,7 @@ import logging
 import time
 from typing import Any, Iterable
 
-from ember.spec.adaptive import AdaptiveK
+from ember.spec.adaptive import TOKEN_COST, AdaptiveK
 from ember.spec.config import SpeculativeConfig
 from ember.spec.metrics import SpecStats
 from ember.spec.proposer import build_proposer
@@ -25,7 +25,9 @@ class Speculator:
         self.proposer = build_proposer(spec, engine)
         # A proposer may fix k itself when the config leaves it open (MTP: its number of layers).
         self.k_max = spec.num_speculative_tokens or self.proposer.num_speculative_tokens
-        self.adaptive = AdaptiveK(self.k_max, enabled=spec.adaptive)
+        # A drafter that runs a forward per draft token (MTP, a draft model) makes each one dearer.
+        cost = TOKEN_COST + getattr(self.proposer, "draft_token_cost", 0.0)
+        self.adaptive = AdaptiveK(self.k_max, enabled=spec.adaptive, cost=cost)
         self.stats = SpecStats(self.k_max)
         self.max_model_len = engine.max_model_len
         logger.info("speculative decoding: %s, k = %d%s", spec.method, self.k_max,
