@@ -1,6 +1,8 @@
-"""Where the embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF) lives on disk."""
+"""Where the embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF) lives on disk, and its
+MTP draft head (ember/assets/smollm2-mtp, trained by `ember train-mtp`)."""
 
 import importlib.metadata
+import os
 
 from ember.errors import DefaultModelMissingError
 
@@ -29,3 +31,16 @@ def default_model_path() -> str:
             f"Reinstall it with `{INSTALL_COMMAND} --force-reinstall`, or pass a model path."
         )
     return str(path)
+
+
+# The MTP head trained for the default model (`ember train-mtp`; see its README.md). When it is
+# there, a run of the default model speculates with it unless told not to (--no-enable-mtp).
+DEFAULT_MTP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "smollm2-mtp")
+DEFAULT_MTP_TOKENS = 3  # k_max for it; adaptive k picks fewer per request when acceptance is low
+
+
+def default_mtp_path() -> str | None:
+    """The default model's MTP folder, or None when it is not installed."""
+    if os.path.isfile(os.path.join(DEFAULT_MTP_DIR, "model.safetensors")):
+        return DEFAULT_MTP_DIR
+    return None

@@ -21,6 +21,8 @@ def add_plan_parser(sub) -> None:
                    help="auto = what the checkpoint holds; awq / none plan a what-if for any config")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="per-device figures for N devices")
     p.add_argument("--num-speculative-tokens", type=int, default=0, help="> 0 counts the config's MTP layers")
+    p.add_argument("--speculative-model", default=None, metavar="DIR",
+                   help="with --num-speculative-tokens: count this separate MTP folder's layers instead")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="auto = bfloat16 on CUDA (CPU: as the engine picks)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cuda adds the CUDA reserve (default)")
     p.add_argument("--block-size", type=int, default=16)
@@ -38,5 +40,6 @@ def cmd_plan(args: argparse.Namespace) -> None:
                   kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
                   tensor_parallel_size=args.tensor_parallel_size, num_speculative_tokens=args.num_speculative_tokens,
                   dtype=args.dtype, device=args.device, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization)
+                  max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
+                  speculative_model=args.speculative_model)
     print(json.dumps(result.to_dict(), indent=2) if args.json else format_plan(result))

@@ -12,7 +12,9 @@ V vocab, G the AWQ group size, b the activation dtype's bytes:
                projections are replicated when kv heads < N (each device keeps one kv head).
   KV per token 2 x layers x kv heads per device x D x kv bytes (kv bytes = b, or 1 for fp8), with
                kv heads per device = max(1, Hkv / N) and layers + MTP layers
-               (num_nextn_predict_layers / mtp_num_hidden_layers) when speculative tokens > 0.
+               (num_nextn_predict_layers / mtp_num_hidden_layers, of the config or of a separate
+               MTP folder) when speculative tokens > 0. The engine sizes its pool the same way
+               with the MTP layers its proposer loaded (each one more KV layer, same blocks).
   activations  max_num_batched_tokens x (2H + (2 Hq + 2 Hkv) D / N + 3 I' / N) x b    (residual and
                hidden, qkv, attention output, gate_up and its product; I' = max(I, moe_I x top-k))
                + 2 x max_num_seqs x V x 4    (fp32 logits and the sampler's probabilities)
@@ -48,12 +50,26 @@ def mtp_layers(mc: ModelConfig) -> int:
     return int(mc.raw.get("num_nextn_predict_layers") or mc.raw.get("mtp_num_hidden_layers") or 0)
 
 
+def folder_mtp_layers(folder: str) -> int:
+    """MTP layers in a separate MTP folder (--speculative-model DIR): its config's count, else 1."""
+    try:
+        with open(os.path.join(os.path.expanduser(folder), "config.json")) as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read the MTP folder's config.json in {folder!r}: {e}") from None
+    return int(raw.get("num_nextn_predict_layers") or raw.get("mtp_num_hidden_layers") or 1)
+
+
 def kv_heads_per_device(mc: ModelConfig, tp: int = 1) -> int:
     return max(1, -(-mc.num_kv_heads // tp))
 
 
-def kv_bytes_per_token(mc: ModelConfig, elem_bytes: int, tp: int = 1, num_speculative_tokens: int = 0) -> int:
-    layers = mc.num_layers + (mtp_layers(mc) if num_speculative_tokens > 0 else 0)
+def kv_bytes_per_token(mc: ModelConfig, elem_bytes: int, tp: int = 1, num_speculative_tokens: int = 0,
+                       num_mtp_layers: int | None = None) -> int:
+    """num_mtp_layers: MTP layers speculation adds (None: the config's, when num_speculative_tokens > 0)."""
+    if num_mtp_layers is None:
+        num_mtp_layers = mtp_layers(mc) if num_speculative_tokens > 0 else 0
+    layers = mc.num_layers + num_mtp_layers
     return 2 * layers * kv_heads_per_device(mc, tp) * mc.head_dim * elem_bytes
 
 
@@ -260,7 +276,9 @@ def plan(model: str | None = None, *, memory_gib: float | None = None, max_model
          kv_cache_dtype: str = "auto", quantization: str = "auto", tensor_parallel_size: int = 1,
          num_speculative_tokens: int = 0, dtype: str = "auto", device: str = "cuda", block_size: int = 16,
          max_num_seqs: int | None = None, max_num_batched_tokens: int = 2048,
-         gpu_memory_utilization: float = 0.9) -> Plan:
+         gpu_memory_utilization: float = 0.9, speculative_model: str | None = None) -> Plan:
+    """speculative_model: a separate MTP folder whose layers speculation adds (with num_speculative_tokens > 0)
+    instead of the config's own."""
     if tensor_parallel_size < 1:
         raise ConfigError(f"--tensor-parallel-size must be >= 1 (got {tensor_parallel_size})")
     src = load_source(model)
@@ -268,10 +286,12 @@ def plan(model: str | None = None, *, memory_gib: float | None = None, max_model
     quant, group = resolve_quantization(src, quantization)
     dtype = resolve_dtype_name(dtype, device)
     b = DTYPE_BYTES[dtype]
-    extra = mtp_layers(mc) if num_speculative_tokens > 0 else 0
+    extra = 0
+    if num_speculative_tokens > 0:
+        extra = folder_mtp_layers(speculative_model) if speculative_model else mtp_layers(mc)
     max_num_seqs = max_num_seqs or (64 if device == "cuda" else 16)
     elem = kv_elem_bytes(kv_cache_dtype, b)
-    per_token = kv_bytes_per_token(mc, elem, tp, num_speculative_tokens)
+    per_token = kv_bytes_per_token(mc, elem, tp, num_speculative_tokens, extra)
     weights = weight_bytes(mc, quant, b, tp, extra, group, src.gguf_bytes)
     act = activation_bytes(mc, b, tp, max_num_batched_tokens, max_num_seqs)
     cuda = cuda_reserve_bytes(mc, b, tp, max_num_seqs) if device == "cuda" else 0

@@ -79,7 +79,16 @@ class LLMEngine:
             logger.info("chunked prefill is off: prompts longer than %d tokens will be refused", config.max_num_batched_tokens)
 
         self.kv_dtype = kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
-        block_bytes = planner.kv_bytes_per_token(mc, kv_dtype.itemsize) * config.block_size
+        # The speculator comes first: a drafter with KV layers of its own (MTP) needs its share of the pool.
+        self.spec = None
+        if config.speculative is not None:
+            from ember.spec.speculator import Speculator
+
+            self.spec = Speculator(config.speculative, self)
+        per_token = planner.kv_bytes_per_token(mc, kv_dtype.itemsize)
+        if self.spec is not None:
+            per_token += self.spec.kv_bytes_per_token(kv_dtype.itemsize)
+        block_bytes = per_token * config.block_size
         pool = planner.kv_pool(self._kv_budget_bytes(loaded.model, block_bytes), block_bytes, config.block_size)
         planner.check_fits(pool, self.max_model_len,
                            "--kv-cache-memory" if self.device.type == "cpu" else "--gpu-memory-utilization")
@@ -88,13 +97,10 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, self.max_num_seqs, self.max_model_len,
                                    config.enable_chunked_prefill)
         self.runner = ModelRunner(loaded.model, mc, num_blocks, config.block_size, kv_dtype, self.device)
+        if self.spec is not None:
+            self.spec.attach(self.runner)
         self.groups: dict[str, _Group] = {}
         self._ids = itertools.count()
-        self.spec = None
-        if config.speculative is not None:
-            from ember.spec.speculator import Speculator
-
-            self.spec = Speculator(config.speculative, self)
         eos = list(self.tokenizer.eos_token_ids)
         if isinstance(mc.eos_token_id, int):
             eos.append(mc.eos_token_id)
@@ -256,7 +262,7 @@ class LLMEngine:
             if g.finished:
                 del self.groups[g.request_id]
         if self.spec is not None:
-            self.spec.propose(self.scheduler.running)
+            self.spec.propose(self.scheduler.running, out)
         return outputs
 
     def _verified(self, out, sampled, seconds: float) -> dict[str, int]:

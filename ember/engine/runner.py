@@ -6,8 +6,15 @@ the last token of requests whose step reaches their end (a mid-prompt chunk samp
 and at every draft token a request verifies: its 1 + d rows go to the rejection sampler.
 The per-layer KV caches are allocated here, zeroed, in kv_dtype (the model's dtype, or fp8:
 the Attention layers quantize into them); ember.planner sizes them.
+
+A drafter that reads the target's hidden states (MTP) sets keep_hidden: the last layer then
+runs for every row (no RowSelection: a prefill chunk's rows all feed the MTP layer) and the
+step's final-normed hidden states, positions and slots stay in last_step until the next
+step. Its own KV layers come from allocate_kv: same block ids, same slot_mapping.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -19,6 +26,42 @@ from ember.model_config import ModelConfig
 from ember.spec.rejection import RejectionSampler, VerifyRequest
 
 
+@dataclass
+class StepRows:
+    """What the last executed step computed, for a drafter that reads the target's hidden states.
+
+    Request i of the step (entries[i] = (request, its first flat row, its first position, its
+    row count)) wrote rows row0 .. row0 + n - 1 at positions start .. start + n - 1, into
+    slot_mapping[row0 + j] through block table tables[i] (as the block ids stood at the step:
+    a request finished since has released them, but nothing reuses a block before the next
+    schedule)."""
+
+    hidden: torch.Tensor  # [T, H] final-normed hidden state of every row
+    entries: list[tuple[Request, int, int, int]]
+    slot_mapping: torch.Tensor  # [T] int64
+    tables: list[list[int]]  # per entry, padded with 0 to one width
+
+
+def select_rows(meta: AttentionMetadata, tables: list[list[int]], positions: list[int], rows: list[int],
+                seqs: list[int], device: torch.device) -> RowSelection:
+    """rows (flat indices into the step) as decode-shaped queries: each attends to the keys up to
+    its own position, through its sequence's (seqs[i]) block table."""
+    if not rows:
+        return RowSelection(torch.empty(0, dtype=torch.int64, device=device), None)
+    # Each row attends to the keys up to its own position (a verify step's draft rows sit
+    # inside their sequence; a last token's position + 1 is its sequence's length).
+    seq_lens = [positions[r] + 1 for r in rows]
+    row_t = torch.tensor(rows, dtype=torch.int64, device=device)
+    sub = AttentionMetadata(
+        slot_mapping=meta.slot_mapping[row_t],
+        query_start_loc=torch.arange(len(rows) + 1, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor([tables[b] for b in seqs], dtype=torch.int32, device=device),
+        block_size=meta.block_size, query_lens_cpu=[1] * len(rows), seq_lens_cpu=seq_lens,
+        max_query_len=1, max_seq_len=max(seq_lens), all_slots_valid=True)
+    return RowSelection(row_t, sub)
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, num_blocks: int, block_size: int,
                  kv_dtype: torch.dtype, device: torch.device):
@@ -26,15 +69,30 @@ class ModelRunner:
         self.model_config = model_config
         self.block_size = block_size
         self.device = device
+        self.num_blocks = num_blocks
+        self.kv_dtype = kv_dtype
         self.kv_caches = [
             torch.zeros(2, num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim,
                         dtype=kv_dtype, device=device)
             for _ in range(model_config.num_layers)
         ]
+        self.extra_kv_caches: list[torch.Tensor] = []  # a drafter's own layers (MTP), same block ids
         self.sampler = Sampler()
         self.rejection = RejectionSampler()
         self.generators: dict[str, torch.Generator] = {}
         self.select: RowSelection | None = None  # set by prepare() for the step it prepares
+        self.keep_hidden = False  # a drafter reads every row's hidden state (see StepRows)
+        self.last_step: StepRows | None = None
+        self._step_layout: tuple[list, list[list[int]]] | None = None  # prepare() -> execute(), for last_step
+
+    def allocate_kv(self, num_heads: int, head_dim: int, extra_blocks: int = 0) -> torch.Tensor:
+        """One more zeroed KV layer in the pool's layout: block b is the main layers' block b (a
+        drafter's layer shares the block tables); extra_blocks more at the end are the caller's
+        own scratch, never handed out by the block manager."""
+        cache = torch.zeros(2, self.num_blocks + extra_blocks, self.block_size, num_heads, head_dim,
+                            dtype=self.kv_dtype, device=self.device)
+        self.extra_kv_caches.append(cache)
+        return cache
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[Request]]:
         bs = self.block_size
@@ -47,11 +105,13 @@ class ModelRunner:
         logit_rows: list[int] = []  # flat indices of the tokens whose logits are sampled (1 + d per sampling request)
         sampling_reqs: list[Request] = []  # requests whose step reaches their end (a mid-prompt chunk samples nothing)
         logit_seqs: list[int] = []  # the sequence (batch index) of each logit row
+        entries: list[tuple[Request, int, int, int]] = []  # (request, first row, first position, rows)
         for req, n in out.scheduled:
             start = req.num_computed_tokens
             end = start + n
             draft = out.drafts.get(req.request_id)
             d = len(draft) if draft is not None else 0
+            entries.append((req, query_start[-1], start, n))
             input_ids.extend(req.token_ids[start:end - d])
             if d:
                 input_ids.extend(draft.token_ids)  # positions num_tokens.. : K/V written, kept only if accepted
@@ -82,27 +142,12 @@ class ModelRunner:
         )
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         pos = torch.tensor(positions, dtype=torch.int64, device=dev)
-        self.select = self._selection(meta, tables, positions, logit_rows, logit_seqs) if len(logit_rows) < len(input_ids) else None
+        # The last layer's work restricted to the logit rows, each as a one-token query over its
+        # prefix; not when a drafter needs every row's hidden state.
+        restrict = len(logit_rows) < len(input_ids) and not self.keep_hidden
+        self.select = select_rows(meta, tables, positions, logit_rows, logit_seqs, dev) if restrict else None
+        self._step_layout = (entries, tables)
         return ids, pos, meta, logit_rows, sampling_reqs
-
-    def _selection(self, meta: AttentionMetadata, tables: list[list[int]], positions: list[int], rows: list[int],
-                   seqs: list[int]) -> RowSelection:
-        """The last layer's work restricted to the logit rows, each as a one-token query over its prefix."""
-        dev = self.device
-        if not rows:
-            return RowSelection(torch.empty(0, dtype=torch.int64, device=dev), None)
-        # Each row attends to the keys up to its own position (a verify step's draft rows sit
-        # inside their sequence; a last token's position + 1 is its sequence's length).
-        seq_lens = [positions[r] + 1 for r in rows]
-        row_t = torch.tensor(rows, dtype=torch.int64, device=dev)
-        sub = AttentionMetadata(
-            slot_mapping=meta.slot_mapping[row_t],
-            query_start_loc=torch.arange(len(rows) + 1, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor([tables[b] for b in seqs], dtype=torch.int32, device=dev),
-            block_size=meta.block_size, query_lens_cpu=[1] * len(rows), seq_lens_cpu=seq_lens,
-            max_query_len=1, max_seq_len=max(seq_lens), all_slots_valid=True)
-        return RowSelection(row_t, sub)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, banned_token_ids: dict[str, list[int]] | None = None
@@ -111,6 +156,8 @@ class ModelRunner:
         emits: one sampled token, or its accepted drafts then one more (len - 1 = accepted)."""
         ids, pos, meta, logit_rows, sampling_reqs = self.prepare(out)
         hidden = self.model(ids, pos, self.kv_caches, meta, self.select)
+        entries, tables = self._step_layout
+        self.last_step = StepRows(hidden, entries, meta.slot_mapping, tables) if self.keep_hidden else None
         if not logit_rows:
             return {}
         logits = self.model.compute_logits(hidden if self.select is not None else hidden[logit_rows])

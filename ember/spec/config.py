@@ -3,14 +3,23 @@
 Spellings accepted, as vLLM and the seeds write them:
   --speculative-config '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'
   --speculative-model ngram --num-speculative-tokens 3
-  --speculative-model DIR --num-speculative-tokens 3      (a draft model, or MTP layers with --enable-mtp)
+  --speculative-model DIR --num-speculative-tokens 3      (a draft model, or MTP layers: see below)
   --enable-mtp [--num-speculative-tokens k]                (the model's own MTP layers)
+The default model (no model given) has no MTP layers of its own but a trained MTP head,
+ember/assets/smollm2-mtp: when that is installed, the default model speculates with it
+(k = DEFAULT_MTP_TOKENS, adaptive) unless --no-enable-mtp or another drafter is given.
 A flag given next to the JSON must agree with it; a contradiction is refused, never resolved
-silently. Whether a method can run (a proposer is registered for it) is checked here too, so
-a bad command line fails before the model loads.
+silently. A model given without a method is a draft model (vLLM's rule) unless it is MTP
+weights: a folder whose config.json `architectures` names an MTP class (`<Stem>MTP`, as
+`ember train-mtp` writes, or another family's `...MTP...`), or the target model itself (a model
+drafting for itself can only mean its own MTP layers); those get method "mtp". Whether a method
+can run (a proposer is registered for it) is checked here too, so a bad command line fails
+before the model loads.
 """
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +59,38 @@ def _method_alias(name: Any) -> str:
     return m
 
 
+def _default_mtp(cfg) -> str | None:
+    """The default model's MTP head folder when it applies: no model given (the default model),
+    the head installed, MTP not turned off (--no-enable-mtp) and no other drafter asked for."""
+    if cfg.model is not None or cfg.enable_mtp is False:
+        return None
+    other = cfg.speculative_model is not None or (cfg.speculative_config or {}).get("method") not in (None, "mtp") \
+        or (cfg.speculative_config or {}).get("model") is not None
+    if other and not cfg.enable_mtp:
+        return None
+    from ember.default_model import default_mtp_path
+
+    return default_mtp_path()
+
+
+def is_mtp_folder(path: str, target: str | None = None) -> bool:
+    """True when `path` holds MTP weights rather than a draft model: its config.json says an MTP
+    architecture (`Qwen3MTP`, `LlamaMTP`, `DeepSeekMTPModel`, ...), or it is the target model's own
+    folder. Only a local config.json is read (nothing is loaded)."""
+    if not isinstance(path, str):
+        return False
+    folder = os.path.expanduser(path)
+    if target is not None and os.path.exists(folder) and os.path.realpath(folder) == os.path.realpath(
+            os.path.expanduser(target)):
+        return True
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            archs = json.load(f).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return False
+    return any(isinstance(a, str) and "MTP" in a for a in archs)
+
+
 def _merge(merged: dict[str, Any], key: str, value: Any, flag: str) -> None:
     """Take a flag's value into the JSON's, refusing a disagreement."""
     if value is None:
@@ -66,6 +107,7 @@ def resolve_speculative_config(cfg) -> SpeculativeConfig | None:
     raw = cfg.speculative_config
     if raw is not None and not isinstance(raw, dict):
         raise ConfigError(f"--speculative-config must be a JSON object, not {type(raw).__name__}")
+    mtp_default = _default_mtp(cfg)
     merged = dict(raw or {})
     unknown = sorted(set(merged) - set(JSON_KEYS))
     if unknown:
@@ -82,6 +124,13 @@ def resolve_speculative_config(cfg) -> SpeculativeConfig | None:
         _merge(merged, "model", model, "--speculative-model")
     if cfg.enable_mtp:
         _merge(merged, "method", "mtp", "--enable-mtp")
+    if mtp_default is not None and merged.get("model") is None and merged.get("method") in (None, "mtp"):
+        # The default model has no MTP layers of its own; its trained head is a separate folder.
+        merged["method"], merged["model"] = "mtp", mtp_default
+        if merged.get("num_speculative_tokens") is None and cfg.num_speculative_tokens is None:
+            from ember.default_model import DEFAULT_MTP_TOKENS
+
+            merged["num_speculative_tokens"] = DEFAULT_MTP_TOKENS
     _merge(merged, "num_speculative_tokens", cfg.num_speculative_tokens, "--num-speculative-tokens")
     _merge(merged, "draft_tensor_parallel_size", cfg.speculative_draft_tensor_parallel_size,
            "--speculative-draft-tensor-parallel-size")
@@ -93,7 +142,8 @@ def resolve_speculative_config(cfg) -> SpeculativeConfig | None:
     method = merged.get("method")
     if method is None:
         if merged.get("model") is not None:
-            method = "draft"  # vLLM's rule: a model without a method is a draft model
+            # vLLM's rule: a model without a method is a draft model; MTP weights are not one.
+            method = "mtp" if is_mtp_folder(merged["model"], cfg.model) else "draft"
         elif merged:
             given = ", ".join(f"{k}={v!r}" for k, v in merged.items())
             raise ConfigError(f"speculative decoding settings ({given}) were given without a drafter; add "

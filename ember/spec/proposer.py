@@ -53,6 +53,7 @@ class Proposer(Protocol):
 # method -> "module:Class"; imported on first use so the config check stays light.
 PROPOSERS: dict[str, str] = {
     "ngram": "ember.spec.ngram:NgramProposer",
+    "mtp": "ember.spec.mtp_proposer:MTPProposer",
 }
 
 

@@ -4,6 +4,11 @@ After each step the engine asks for drafts for every running request that will d
 (its last sampled token is its only uncomputed one) and has none pending. Each gets at most
 min(adaptive k, tokens it may still emit - 1, room before max_model_len - 1): a draft that
 cannot be emitted is pure waste.
+
+A proposer with state of its own in the KV pool (MTP) may also have kv_bytes_per_token(elem)
+(the engine adds it to the pool's per-token bytes before sizing), attach(runner) (called once
+the runner exists, to allocate its layers there) and after_step(out) (called after every step,
+before proposing: the MTP fills its cache from the step's hidden states). All are optional.
 """
 from __future__ import annotations
 
@@ -33,7 +38,23 @@ class Speculator:
         logger.info("speculative decoding: %s, k = %d%s", spec.method, self.k_max,
                     " (adaptive per request)" if spec.adaptive else " (fixed)")
 
-    def propose(self, requests: Iterable[Any]) -> None:
+    def kv_bytes_per_token(self, elem_bytes: int) -> int:
+        """The proposer's own KV bytes per token (its layers in the runner's pool); 0 for none."""
+        fn = getattr(self.proposer, "kv_bytes_per_token", None)
+        return fn(elem_bytes) if fn is not None else 0
+
+    def attach(self, runner: Any) -> None:
+        fn = getattr(self.proposer, "attach", None)
+        if fn is not None:
+            fn(runner)
+
+    def propose(self, requests: Iterable[Any], out: Any = None) -> None:
+        """out: the step just run (its SchedulerOutput), for a proposer's after_step."""
+        after = getattr(self.proposer, "after_step", None)
+        if out is not None and after is not None:
+            t0 = time.perf_counter()
+            after(out)
+            self.stats.draft_seconds += time.perf_counter() - t0
         todo, ks = [], []
         for req in requests:
             if req.draft is not None or req.num_computed_tokens != req.num_tokens - 1:

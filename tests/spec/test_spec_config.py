@@ -11,7 +11,7 @@ from ember.spec.config import SpeculativeConfig
 
 
 def spec(**kw) -> SpeculativeConfig | None:
-    return EngineConfig(**kw).speculative
+    return EngineConfig(**{"model": "m", **kw}).speculative  # a model given: the default model's MTP head stays out
 
 
 def test_off_by_default():
@@ -49,8 +49,11 @@ def test_cli_flags():
         ["m", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, '
                                       '"prompt_lookup_max": 3}']))
     assert cfg.speculative == SpeculativeConfig("ngram", 2, None, 1, 3, 1, True)
-    with pytest.raises(ConfigError, match="'mtp' is not available yet; available: ngram"):
-        engine_config_from_args(parser.parse_args(["m", "--enable-mtp"]))
+    cfg = engine_config_from_args(parser.parse_args(["m", "--enable-mtp"]))
+    assert cfg.speculative == SpeculativeConfig("mtp", None, None, None, None, 1, True)  # k = its layers, at load
+    cfg = engine_config_from_args(parser.parse_args(["m", "--speculative-model", "dir", "--enable-mtp",
+                                                     "--num-speculative-tokens", "2"]))
+    assert cfg.speculative == SpeculativeConfig("mtp", 2, "dir", None, None, 1, True)
 
 
 ERRORS = [
@@ -88,13 +91,11 @@ ERRORS = [
      "the draft method needs a draft model; add --speculative-model DIR"),
     (dict(speculative_model="ngram", num_speculative_tokens=2, speculative_draft_tensor_parallel_size=2),
      r"must be 1 or the --tensor-parallel-size \(1\) \(got 2\)"),
-    (dict(enable_mtp=True), "'mtp' is not available yet; available: ngram"),
-    (dict(speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 1}), "'mtp' is not available yet"),
-    (dict(speculative_model="/some/draft", num_speculative_tokens=2), "'draft' is not available yet; available: ngram"),
+    (dict(speculative_model="/some/draft", num_speculative_tokens=2), "'draft' is not available yet; available: ngram, mtp"),
 ]
 
 
 @pytest.mark.parametrize("knobs,message", ERRORS, ids=[m[:40] for _, m in ERRORS])
 def test_refused_with_a_message(knobs, message):
     with pytest.raises(ConfigError, match=message):
-        EngineConfig(**knobs)
+        EngineConfig(**{"model": "m", **knobs})

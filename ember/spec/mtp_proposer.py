@@ -1,0 +1,242 @@
+"""MTP proposer: the model's own multi-token-prediction layer(s) draft k tokens (formats.md §4).
+
+Weights come through ember.spec.mtp_weights.load_mtp: the model's own checkpoint (`--enable-mtp`)
+or a separate MTP folder (`--speculative-model DIR`, e.g. one written by `ember train-mtp`).
+
+KV. Each MTP layer has its own paged cache in the runner's pool (ModelRunner.allocate_kv): the
+same block ids, tables and slot_mapping as the main layers, so the engine sizes the pool with
+one more layer per MTP layer (kv_bytes_per_token below; ember.planner counts it the same way).
+Position i of that cache holds the MTP's K/V for the row (t_{i+1}, position i, h_i).
+
+After every step (after_step) the MTP runs over the rows the target just computed, the fill:
+  row i gets input_ids = t_{i+1}, position i, hidden h_i (the target's final-normed hidden state;
+  the runner keeps every row's, see ModelRunner.keep_hidden). So
+  - a prefill chunk that ends mid-prompt fills all its rows, its last one with the next prompt token;
+  - a step that reaches the request's end fills up to the just-sampled token;
+  - a verify fills only the kept positions: the accepted drafts and the token emitted after them
+    (a rejected draft's row is never filled; its slot is rewritten when the position is reached).
+  Requests that finished in the step are filled too (their freed blocks are not reused before the
+  next schedule), so a block the prefix cache names holds the MTP's K/V as well.
+The fill's last row of a request that decodes next gives g_c (c = num_tokens - 2, the position
+of its last computed token): draft 1 = argmax of compute_logits(g_c, step 0).
+
+propose() then drafts recursively: step j (1 .. k-1) takes token = draft j, position c + j,
+hidden = the g of step j - 1 and runs MTP layer j % num_layers; draft j + 1 = argmax of its logits
+(a layer with a reduced draft vocabulary proposes draft_vocab[argmax]). Drafts are greedy, i.e.
+deterministic: the rejection sampler treats q as one-hot, so greedy requests keep their exact
+output and sampled requests their exact distribution.
+
+The chain's K/V (positions c + 1 ..) never touch the request's blocks: the MTP caches carry
+scratch blocks past the pool's (never handed out by the block manager). The chain's table is
+the request's blocks up to position c, then its scratch blocks, the first one a copy of the
+request's partly filled block. Real blocks only ever hold verified fills, so the drafts after a
+chunked prefill equal those after an unchunked one, and nothing is allocated for drafting.
+
+Known approximations (they change drafts, never output):
+- With n > 1 MTP layers, layer j >= 1 is only run by the chain: its cache holds nothing but the
+  current chain (vLLM has the same limitation; published checkpoints and `ember train-mtp` use n = 1).
+- Prefix cache: position i's MTP K/V depends on t_{i+1}; a request that reuses another's full
+  blocks reuses its MTP K/V, and the last position of the last shared block was written with the
+  other request's next token.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Sequence
+
+import torch
+
+from ember.engine.request import Request, RequestStatus
+from ember.engine.runner import select_rows
+from ember.kernels.metadata import AttentionMetadata
+from ember.layers.attention import is_fp8
+from ember.spec.proposer import Draft
+
+logger = logging.getLogger("ember")
+
+
+class MTPProposer:
+    def __init__(self, spec: Any, engine: Any):
+        from ember.spec.mtp_weights import load_mtp
+
+        loaded = engine.loaded
+        t0 = time.perf_counter()
+        self.mtp = load_mtp(loaded.model, loaded.path, spec.model)
+        self.device = self.mtp.device
+        self.num_layers = self.mtp.num_layers
+        self.num_speculative_tokens = self.num_layers  # vLLM's default when k is not given
+        self.k_max = spec.num_speculative_tokens or self.num_layers
+        self.max_num_seqs = engine.max_num_seqs
+        self.block_size = engine.config.block_size
+        self.draft_token_cost = self._draft_token_cost(loaded)
+        self.caches: list[torch.Tensor] = []
+        self.runner = None
+        # request id -> (c, g_c [1, H]): the fill's last row of a request that decodes next
+        self.starts: dict[str, tuple[int, torch.Tensor]] = {}
+        logger.info("MTP: %d layer(s) (%s layout) from %s in %.1fs, draft cost %.2f of a decode step",
+                    self.num_layers, self.mtp.layout, spec.model or loaded.path, time.perf_counter() - t0,
+                    self.draft_token_cost)
+
+    # -- sizing and setup ---------------------------------------------------------------------
+    def _draft_token_cost(self, loaded) -> float:
+        """One draft step's weight bytes over the target's (CPU decode is bandwidth bound): an MTP
+        layer plus the head it scores with (a reduced draft vocabulary makes that small)."""
+        layer = self.mtp.layers[0]
+        own = sum(p.numel() * p.element_size() for p in layer.parameters())
+        if layer.head is None:  # the main LM head
+            head = self.mtp._lm_head
+            own += sum(p.numel() * p.element_size() for p in head.parameters())
+            own += sum(b.numel() * b.element_size() for b in head.buffers())
+        return float(min(1.0, max(0.01, own / max(1, loaded.weight_bytes))))
+
+    def kv_shape(self) -> tuple[int, int]:
+        """(kv heads, head_dim) of each MTP layer's cache."""
+        _, _, _, heads, dim = self.mtp.kv_cache_shape(1, 1)
+        return heads, dim
+
+    def kv_bytes_per_token(self, elem_bytes: int) -> int:
+        """KV bytes per token of the MTP layers: 2 x n x Hkv x D x elem (ember.planner's formula)."""
+        heads, dim = self.kv_shape()
+        return 2 * self.num_layers * heads * dim * elem_bytes
+
+    def scratch_blocks_per_request(self) -> int:
+        """Blocks spanned by a chain: positions c + 1 .. c + k - 1 from any offset in a block."""
+        if self.k_max < 2:
+            return 0
+        return (self.block_size - 1 + self.k_max - 1 - 1) // self.block_size + 1
+
+    def attach(self, runner) -> None:
+        """Allocate the MTP layers' caches in the runner's pool and ask it for every row's hidden."""
+        self.runner = runner
+        heads, dim = self.kv_shape()
+        self.scratch_base = runner.num_blocks
+        self.scratch_per_req = self.scratch_blocks_per_request()
+        extra = self.max_num_seqs * self.scratch_per_req
+        self.caches = [runner.allocate_kv(heads, dim, extra) for _ in range(self.num_layers)]
+        runner.keep_hidden = True
+
+    # -- the fill -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def after_step(self, out: Any) -> None:
+        """Run the MTP over the rows the last step kept (see the module docstring); remember g_c of
+        every request that decodes next."""
+        step = self.runner.last_step if self.runner is not None else None
+        self.starts.clear()
+        if step is None:
+            return
+        rows, ids, positions = [], [], []
+        qlens, seq_lens, tables = [], [], []
+        sel_rows, sel_seqs, sel_reqs = [], [], []
+        for b, (req, row0, start, n) in enumerate(step.entries):
+            m = min(n, req.num_tokens - 1 - start)  # rows whose next token is known (and kept)
+            if m <= 0:
+                continue
+            r0 = len(rows)
+            rows.extend(range(row0, row0 + m))
+            ids.extend(req.token_ids[start + 1:start + 1 + m])
+            positions.extend(range(start, start + m))
+            qlens.append(m)
+            seq_lens.append(start + m)
+            tables.append(step.tables[b])
+            if req.status == RequestStatus.RUNNING and start + m == req.num_tokens - 1:
+                sel_rows.append(r0 + m - 1)
+                sel_seqs.append(len(qlens) - 1)
+                sel_reqs.append(req)
+        self.runner.last_step = None  # the hidden states are not needed past this point
+        if not rows:
+            return
+        dev = self.device
+        row_t = torch.tensor(rows, dtype=torch.int64, device=dev)
+        qsl = [0]
+        for q in qlens:
+            qsl.append(qsl[-1] + q)
+        meta = AttentionMetadata(
+            slot_mapping=step.slot_mapping[row_t],
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            block_size=self.block_size, query_lens_cpu=qlens, seq_lens_cpu=seq_lens,
+            max_query_len=max(qlens), max_seq_len=max(seq_lens), all_slots_valid=True)
+        select = select_rows(meta, tables, positions, sel_rows, sel_seqs, dev)
+        g = self.mtp(torch.tensor(ids, dtype=torch.int64, device=dev),
+                     torch.tensor(positions, dtype=torch.int64, device=dev),
+                     step.hidden[row_t], self.caches, meta, step=0, select=select)
+        for i, req in enumerate(sel_reqs):
+            self.starts[req.request_id] = (req.num_tokens - 2, g[i:i + 1])
+
+    # -- drafting -----------------------------------------------------------------------------
+    def _greedy(self, g: torch.Tensor, step: int) -> torch.Tensor:
+        """Argmax draft ids [N] of layer (step % n)'s head, through its draft vocabulary if any."""
+        propose = getattr(self.mtp, "propose_greedy", None)
+        if propose is not None:
+            return propose(g, step)
+        return self.mtp.compute_logits(g, step).argmax(dim=-1)
+
+    @torch.inference_mode()
+    def propose(self, requests: Sequence[Request], max_tokens: Sequence[int]) -> list[Draft | None]:
+        out: list[Draft | None] = [None] * len(requests)
+        live = []  # (index into requests, request, k, c)
+        gs = []
+        for i, (req, k) in enumerate(zip(requests, max_tokens)):
+            start = self.starts.get(req.request_id)
+            if start is None or start[0] != req.num_tokens - 2:
+                continue  # not filled by the last step (e.g. left out of it by the budget): no guess
+            live.append((i, req, min(k, self.k_max), start[0]))
+            gs.append(start[1])
+        self.starts.clear()  # single use: the next step's fill brings new ones
+        if not live:
+            return out
+        g = torch.cat(gs)
+        toks = self._greedy(g, 0)
+        drafts = [[t] for t in toks.tolist()]
+        k_most = max(k for _, _, k, _ in live)
+        if k_most > 1:
+            self._chain(live, g, toks, drafts, k_most)
+        for (i, _, k, _), d in zip(live, drafts):
+            out[i] = Draft(d[:k])
+        return out
+
+    def _chain(self, live, g: torch.Tensor, toks: torch.Tensor, drafts: list[list[int]], k_most: int) -> None:
+        """Draft steps 1 .. k-1, one row per request, into scratch blocks (module docstring)."""
+        bs, dev = self.block_size, self.device
+        chain_tables = []
+        used_layers = {self.mtp.layer_for_step(j) for j in range(1, k_most)}
+        copies_src, copies_dst = [], []
+        for slot, (_, req, k, c) in enumerate(live):
+            b0 = (c + 1) // bs  # block of the first chain position
+            scratch = [self.scratch_base + slot * self.scratch_per_req + t for t in range(self.scratch_per_req)]
+            chain_tables.append(req.block_ids[:b0] + scratch)
+            if (c + 1) % bs and k > 1:  # b0 also holds real positions <= c: the chain reads a copy
+                copies_src.append(req.block_ids[b0])
+                copies_dst.append(scratch[0])
+        if copies_src:
+            src = torch.tensor(copies_src, dtype=torch.int64, device=dev)
+            dst = torch.tensor(copies_dst, dtype=torch.int64, device=dev)
+            for j in used_layers:
+                cache = self.caches[j].view(torch.uint8) if is_fp8(self.caches[j].dtype) else self.caches[j]
+                cache.index_copy_(1, dst, cache.index_select(1, src))
+        width = max(len(t) for t in chain_tables)
+        chain_tables = [t + [0] * (width - len(t)) for t in chain_tables]
+        idx = list(range(len(live)))
+        for j in range(1, k_most):
+            keep = [i for i in idx if live[i][2] > j]
+            if len(keep) < len(idx):
+                sel = torch.tensor([idx.index(i) for i in keep], dtype=torch.int64, device=dev)
+                g, toks = g[sel], toks[sel]
+                idx = keep
+            pos = [live[i][3] + j for i in idx]
+            tables = [chain_tables[i] for i in idx]
+            slots = [tables[r][p // bs] * bs + p % bs for r, p in enumerate(pos)]
+            lens = [p + 1 for p in pos]
+            meta = AttentionMetadata(
+                slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+                query_start_loc=torch.arange(len(idx) + 1, dtype=torch.int32, device=dev),
+                seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+                block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+                block_size=bs, query_lens_cpu=[1] * len(idx), seq_lens_cpu=lens,
+                max_query_len=1, max_seq_len=max(lens), all_slots_valid=True)
+            g = self.mtp(toks, torch.tensor(pos, dtype=torch.int64, device=dev), g, self.caches, meta, step=j)
+            toks = self._greedy(g, j)
+            for i, t in zip(idx, toks.tolist()):
+                drafts[i].append(t)

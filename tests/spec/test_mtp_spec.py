@@ -1,0 +1,451 @@
+"""MTP speculative decoding end to end on tiny random Qwen3 / Qwen3-MoE models that carry a random
+MTP layer (tests/spec/mtp_fixtures.py) in each published layout: greedy output identical to no
+speculation under batching + chunked prefill + preemption, drafts proposed (and accepted, with an
+MTP layer rigged to predict well), the MTP cache really filled on prefill chunks, seeds, no leaked
+blocks after aborts, the pool and the planner counting the MTP layer, and the refusals."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ember import SamplingParams
+from ember.errors import ModelLoadError
+from ember.spec.mtp_proposer import MTPProposer
+from tests.models.tiny_models import random_prompt
+from tests.spec.mtp_fixtures import (COUNT_KEY, LAYOUTS, checkpoint_tensors, hf_config, make_ref_layers,
+                                     write_main_with_mtp, write_mtp_folder)
+from tests.spec.spec_helpers import kv_gib, make_llm, run
+
+PROMPTS = [random_prompt(n, 70 + s) for s, n in enumerate([9, 23, 4, 17, 12, 30])]
+GREEDY = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+
+
+def mtp_refs(main_dir: str, arch: str, layout: str, seed: int = 1, num_layers: int = 1):
+    hf_cfg = hf_config(main_dir)
+    return hf_cfg, make_ref_layers(hf_cfg, layout, num_layers, seed=seed, arch=arch)
+
+
+def write_bigram_model_with_mtp(main_dir: str, dest: str, layout: str) -> str:
+    """A tiny Qwen3 turned into a bigram model (every o_proj and layer 1's MLP zeroed, embedding rows
+    of RMS 1: the next token depends on the last one only) with an MTP layer that computes exactly
+    that model (eh_proj keeps the embedding half, the block is layer 0's with o_proj zeroed, the
+    final norm is model.norm): its greedy drafts are the target's greedy tokens."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(main_dir, dest)
+    w = load_file(os.path.join(dest, "model.safetensors"))
+    with open(os.path.join(dest, "config.json")) as f:
+        cfg = json.load(f)
+    L, H = cfg["num_hidden_layers"], cfg["hidden_size"]
+    assert cfg["tie_word_embeddings"]
+    e = w["model.embed_tokens.weight"]
+    w["model.embed_tokens.weight"] = e / e.pow(2).mean(-1, keepdim=True).sqrt()
+    for i in range(L):
+        w[f"model.layers.{i}.self_attn.o_proj.weight"].zero_()
+        if i > 0:
+            w[f"model.layers.{i}.mlp.down_proj.weight"].zero_()
+    zc = layout == "qwen3_next"  # zero-centred norms store w - 1
+    norm = (lambda t: t - 1.0) if zc else (lambda t: t)
+    ones = torch.ones(H)
+    block = {k.removeprefix("model.layers.0."): v.clone() for k, v in w.items() if k.startswith("model.layers.0.")}
+    block["input_layernorm.weight"] = ones.clone()
+    for k in ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight",
+              "self_attn.k_norm.weight"):
+        block[k] = norm(block[k])
+    eye, zero = torch.eye(H), torch.zeros(H, H)
+    proj = torch.cat([zero, eye] if layout == "mimo" else [eye, zero], dim=1)
+    special = {"deepseek": ("enorm", "hnorm", "eh_proj", "shared_head.norm"),
+               "mimo": ("token_layernorm", "hidden_layernorm", "input_proj", "final_layernorm"),
+               "qwen3_next": ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc", "norm")}[layout]
+    prefix = {"deepseek": f"model.layers.{L}.", "mimo": "model.mtp_layers.0.", "qwen3_next": "mtp."}[layout]
+    bprefix = "mtp.layers.0." if zc else prefix
+    mtp = {prefix + special[0] + ".weight": norm(ones.clone()), prefix + special[1] + ".weight": norm(ones.clone()),
+           prefix + special[2] + ".weight": proj, prefix + special[3] + ".weight": norm(w["model.norm.weight"].clone())}
+    mtp.update({bprefix + k: v for k, v in block.items()})
+    save_file({k: v.contiguous() for k, v in {**w, **mtp}.items()}, os.path.join(dest, "model.safetensors"),
+              metadata={"format": "pt"})
+    cfg[COUNT_KEY[layout]] = 1
+    with open(os.path.join(dest, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return dest
+
+
+def tensors_for(hf_cfg, refs, layout):
+    return checkpoint_tensors(refs, layout, hf_cfg.num_hidden_layers, getattr(hf_cfg, "moe_intermediate_size", 0))
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tiny_model_dir, tmp_path_factory):
+    """mtp_model(arch, layout) -> a copy of the tiny model whose checkpoint carries one random MTP layer;
+    bigram=True: the bigram Qwen3 with its exact MTP layer (write_bigram_model_with_mtp)."""
+    cache = {}
+
+    def get(arch: str, layout: str, bigram: bool = False, num_layers: int = 1) -> str:
+        key = (arch, layout, bigram, num_layers)
+        if key not in cache:
+            main_dir = tiny_model_dir(arch)
+            dest = str(tmp_path_factory.mktemp("mtp") / f"{arch}-{layout}-{num_layers}{'-bigram' if bigram else ''}")
+            if bigram:
+                cache[key] = write_bigram_model_with_mtp(main_dir, dest, layout)
+            else:
+                hf_cfg, refs = mtp_refs(main_dir, arch, layout, num_layers=num_layers)
+                cache[key] = write_main_with_mtp(main_dir, dest, tensors_for(hf_cfg, refs, layout),
+                                                 {COUNT_KEY[layout]: num_layers})
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model_dir):
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            cache[arch] = run(make_llm(tiny_model_dir(arch), enable_prefix_caching=False), PROMPTS, GREEDY)
+        return cache[arch]
+
+    return get
+
+
+def hard_knobs(path) -> dict:
+    """Batching, chunked prefill (budget 7 < most prompts) and preemption (an 18-block pool before the MTP layer takes its share), at once."""
+    return dict(max_num_batched_tokens=7, max_num_seqs=6, kv_cache_memory=kv_gib(path, 18), max_model_len=48,
+                enable_prefix_caching=False)
+
+
+def check_clean(llm, name=""):
+    stats = llm.engine.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"], name
+    return stats
+
+
+# ---- greedy output ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_greedy_output_equals_no_speculation(mtp_model, references, arch, layout):
+    path = mtp_model(arch, layout)
+    for k in (1, 2, 3):
+        llm = make_llm(path, enable_mtp=True, num_speculative_tokens=k, adaptive_spec=False, **hard_knobs(path))
+        assert isinstance(llm.engine.spec.proposer, MTPProposer)
+        assert run(llm, PROMPTS, GREEDY) == references(arch), (layout, k)
+        stats = check_clean(llm, (layout, k))
+        assert stats["num_preemptions"] > 0, (layout, k)
+        assert stats["spec_num_drafts"] > 0 and stats["spec_num_draft_tokens"] >= stats["spec_num_drafts"]
+        if k > 1:  # the recursive steps ran: drafts at position k were verified
+            assert stats["spec_num_draft_tokens_per_pos"][k - 1] > 0, (layout, k, stats)
+
+
+def test_two_mtp_layers_take_turns(mtp_model, references):
+    """k = 3 over 2 layers: steps 0, 1, 2 run layers 0, 1, 0; both layers' caches are in the pool."""
+    path = mtp_model("qwen3_moe", "deepseek", num_layers=2)
+    knobs = dict(hard_knobs(path), kv_cache_memory=kv_gib(path, 22))  # 2 of the 5 layers are MTP's
+    llm = make_llm(path, enable_mtp=True, adaptive_spec=False, num_speculative_tokens=3, **knobs)
+    assert llm.engine.spec.proposer.num_layers == 2 and len(llm.engine.runner.extra_kv_caches) == 2
+    assert run(llm, PROMPTS, GREEDY) == references("qwen3_moe")
+    stats = check_clean(llm)
+    assert stats["spec_num_draft_tokens_per_pos"][2] > 0 and stats["num_preemptions"] > 0
+    assert make_llm(path, enable_mtp=True).engine.spec.k_max == 2  # no k given: the number of layers
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_an_mtp_that_predicts_well_gets_whole_drafts_accepted(mtp_model, layout):
+    path = mtp_model("qwen3", layout, bigram=True)
+    ref = run(make_llm(path, enable_prefix_caching=False), PROMPTS, GREEDY)
+    # (adaptive k would stay at 1 here: a tiny model's MTP layer + LM head cost as much as the model)
+    llm = make_llm(path, enable_mtp=True, num_speculative_tokens=3, adaptive_spec=False, **hard_knobs(path))
+    assert llm.engine.spec.proposer.draft_token_cost > 0.5
+    assert run(llm, PROMPTS, GREEDY) == ref
+    stats = check_clean(llm)
+    assert stats["spec_acceptance_per_pos"] == [1.0, 1.0, 1.0], stats
+    assert stats["spec_mean_accepted_length"] > 3.0, stats  # 4 tokens a step, but for the last ones
+    # Sampled: drafts are accepted with the target's probability of them.
+    params = SamplingParams(temperature=0.8, max_tokens=14, seed=7, ignore_eos=True)
+    llm = make_llm(path, enable_mtp=True, num_speculative_tokens=3, adaptive_spec=False)
+    run(llm, PROMPTS, params)
+    stats = check_clean(llm)
+    assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], stats
+
+
+def test_reduced_draft_vocabulary_drafts_its_token_ids(mtp_model, tmp_path):
+    """A head over a subset of the vocabulary (`shared_head.draft_vocab`): the draft is
+    draft_vocab[argmax], so with every greedy token inside the subset the drafts stay exact."""
+    from safetensors.torch import load_file, save_file
+
+    from ember.models.mtp import MTPModule
+
+    if not hasattr(MTPModule, "propose_greedy"):
+        pytest.skip("reduced draft vocabularies are not in ember.models.mtp yet")
+    src = mtp_model("qwen3", "deepseek", bigram=True)
+    ref = run(make_llm(src, enable_prefix_caching=False), PROMPTS, GREEDY)
+    import shutil
+
+    dest = str(tmp_path / "dv")
+    shutil.copytree(src, dest)
+    w = load_file(os.path.join(dest, "model.safetensors"))
+    L = json.load(open(os.path.join(dest, "config.json")))["num_hidden_layers"]
+    used = sorted({t for out in ref for t in out})
+    extra = [t for t in range(0, 1000, 7) if t not in used]
+    w[f"model.layers.{L}.shared_head.draft_vocab"] = torch.tensor(extra[:40] + used + extra[40:80], dtype=torch.int64)
+    save_file(w, os.path.join(dest, "model.safetensors"), metadata={"format": "pt"})
+    llm = make_llm(dest, enable_mtp=True, num_speculative_tokens=3, adaptive_spec=False)
+    assert llm.engine.spec.proposer.mtp.layers[0].draft_vocab.numel() == len(used) + 80
+    assert run(llm, PROMPTS, GREEDY) == ref
+    stats = check_clean(llm)
+    assert stats["spec_acceptance_per_pos"] == [1.0, 1.0, 1.0], stats
+
+
+# ---- the MTP cache is filled on every prefill chunk -----------------------------------------------
+
+def drafts_after_prefill(llm, prompt):
+    """Step until the request holds its first draft; (draft ids, the MTP cache rows of the prompt)."""
+    eng = llm.engine
+    eng.add_request("x", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    req = eng.groups["x"].children[0]
+    steps = 0
+    while req.draft is None:
+        eng.step()
+        steps += 1
+    bs = eng.config.block_size
+    slots = torch.tensor([req.block_ids[p // bs] * bs + p % bs for p in range(len(prompt))])
+    cache = eng.spec.proposer.caches[0]
+    kv = cache.flatten(1, 2)[:, slots].clone()  # [2, P, Hkv, D]: positions 0 .. P-1
+    draft = list(req.draft.token_ids)
+    eng.abort_request("x")
+    return draft, kv, steps
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mtp_cache_written_on_prefill_chunks(mtp_model, layout):
+    path = mtp_model("qwen3", layout)
+    prompt = random_prompt(29, 5)
+    knobs = dict(enable_mtp=True, num_speculative_tokens=3, adaptive_spec=False, enable_prefix_caching=False)
+    whole, kv_whole, s1 = drafts_after_prefill(make_llm(path, max_num_seqs=4, **knobs), prompt)
+    chunked, kv_chunked, s2 = drafts_after_prefill(make_llm(path, max_num_batched_tokens=6, max_num_seqs=4, **knobs), prompt)
+    assert (s1, s2) == (1, 5)
+    assert len(whole) == 3 and whole == chunked
+    assert (kv_whole.flatten(2).abs().amax(-1) > 0).all()  # every prompt position written ...
+    torch.testing.assert_close(kv_chunked, kv_whole, rtol=1e-5, atol=1e-5)  # ... the same, chunk by chunk
+
+
+@pytest.mark.parametrize("layout", ["deepseek", "qwen3_next"])
+def test_drafts_equal_a_full_recompute(tiny_model_dir, mtp_model, layout):
+    """Input shift, hidden alignment and recursion: the engine's first draft after a (chunked)
+    prefill equals the reference MTP layer run over the whole sequence -- rows (t_{i+1}, i, h_i)
+    with the sampled token last, then the drafts appended with the recycled g, full recompute."""
+    from safetensors.torch import load_file
+
+    from tests.models.tiny_models import load_ember_model
+    from tests.spec.mtp_fixtures import MiniPager, ref_logits, ref_mtp
+
+    path = mtp_model("qwen3", layout)
+    prompt = random_prompt(21, 8)
+    llm = make_llm(path, enable_mtp=True, num_speculative_tokens=3, adaptive_spec=False, max_num_batched_tokens=8,
+                   max_num_seqs=4)
+    eng = llm.engine
+    eng.add_request("x", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    req = eng.groups["x"].children[0]
+    while req.draft is None:
+        eng.step()
+    drafts, sampled = list(req.draft.token_ids), req.token_ids[-1]
+
+    hf_cfg, refs = mtp_refs(tiny_model_dir("qwen3"), "qwen3", layout)  # the same random layer (same seed)
+    main = load_ember_model(path)
+    pager = MiniPager()
+    caches = [pager.cache(main.cfg, seed=10 + i) for i in range(main.cfg.num_layers)]
+    P = len(prompt)
+    with torch.inference_mode():
+        h = main(torch.tensor(prompt), torch.arange(P), caches, pager.meta([(0, 0, P)]))
+    embed = load_file(os.path.join(path, "model.safetensors"))["model.embed_tokens.weight"]  # tied: the LM head
+    ids, pos, hid = torch.tensor(prompt[1:] + [sampled]), torch.arange(P), h
+    want = []
+    for step in range(3):
+        g = ref_mtp(refs[0], hf_cfg, embed, ids, pos, hid, layout)
+        want.append(int(ref_logits(refs[0], g[-1:], embed).argmax()))
+        ids = torch.cat([ids, torch.tensor(want[-1:])])
+        pos = torch.cat([pos, torch.tensor([P + step])])
+        hid = torch.cat([hid, g[-1:]])
+    assert drafts == want
+
+
+# ---- sampling, seeds, aborts --------------------------------------------------------------------------
+
+def test_sampled_runs_reproducible_with_a_seed(mtp_model):
+    path = mtp_model("qwen3_moe", "deepseek")
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=12, seed=1234, ignore_eos=True)
+    outs = [run(make_llm(path, enable_mtp=True, num_speculative_tokens=2, max_num_batched_tokens=7, max_num_seqs=6),
+                PROMPTS, params) for _ in range(2)]
+    assert outs[0] == outs[1]
+    other = run(make_llm(path, enable_mtp=True, num_speculative_tokens=2),
+                PROMPTS, SamplingParams(temperature=0.9, top_p=0.95, max_tokens=12, seed=99, ignore_eos=True))
+    assert other != outs[0]
+
+
+def test_no_leaked_blocks_with_aborts(mtp_model):
+    path = mtp_model("qwen3", "mimo")
+    llm = make_llm(path, enable_mtp=True, num_speculative_tokens=3, max_num_batched_tokens=9, max_num_seqs=4,
+                   kv_cache_memory=kv_gib(path, 30), max_model_len=64)
+    eng = llm.engine
+    params = SamplingParams(temperature=0.7, max_tokens=20, seed=3, ignore_eos=True)
+    for i, p in enumerate(PROMPTS * 2):
+        eng.add_request(str(i), {"prompt_token_ids": p}, params)
+    for step in range(40):
+        eng.step()
+        if step % 3 == 1:
+            live = list(eng.groups)
+            if live:
+                eng.abort_request(live[step % len(live)])
+    while eng.has_unfinished_requests():
+        eng.step()
+    stats = check_clean(llm)
+    assert stats["spec_num_drafts"] > 0
+
+
+def test_prefix_cache_hits_keep_greedy_output(mtp_model, tiny_model_dir):
+    """Requests that reuse cached blocks (and the MTP K/V in them) start their fill mid-prompt."""
+    base = random_prompt(18, 40)
+    prompts = [base, base + random_prompt(5, 41), base[:12] + random_prompt(9, 42), base]
+    ref = run(make_llm(tiny_model_dir("qwen3"), enable_prefix_caching=False), prompts, GREEDY)
+    llm = make_llm(mtp_model("qwen3", "deepseek"), enable_mtp=True, num_speculative_tokens=2, max_num_seqs=1)
+    assert run(llm, prompts, GREEDY) == ref
+    stats = check_clean(llm)
+    assert stats["prefix_cache_hits"] > 0 and stats["spec_num_drafts"] > 0
+
+
+# ---- a separate MTP folder ------------------------------------------------------------------------------
+
+def test_separate_mtp_folder_is_recognised_without_a_method(tiny_model_dir, references, tmp_path):
+    main_dir = tiny_model_dir("qwen3")
+    hf_cfg, refs = mtp_refs(main_dir, "qwen3", "deepseek")
+    folder = write_mtp_folder(str(tmp_path / "qwen3-mtp"), tensors_for(hf_cfg, refs, "deepseek"),
+                              {"architectures": ["Qwen3MTP"], "num_nextn_predict_layers": 1,
+                               "vocab_size": hf_cfg.vocab_size, "hidden_size": hf_cfg.hidden_size})
+    llm = make_llm(main_dir, speculative_model=folder, num_speculative_tokens=2, **hard_knobs(main_dir))
+    assert llm.engine.config.speculative.method == "mtp"
+    assert run(llm, PROMPTS, GREEDY) == references("qwen3")
+    assert check_clean(llm)["spec_num_drafts"] > 0
+
+
+# ---- sizing ---------------------------------------------------------------------------------------------
+
+def test_pool_and_planner_count_the_mtp_layer(mtp_model):
+    from ember import planner
+
+    path = mtp_model("qwen3", "qwen3_next")
+    plain = make_llm(path, kv_cache_memory=kv_gib(path, 96))
+    mtp = make_llm(path, kv_cache_memory=kv_gib(path, 96), enable_mtp=True)
+    layers = plain.engine.model_config.num_layers
+    assert plain.engine.kv.num_blocks == 96
+    assert mtp.engine.kv.num_blocks == 96 * layers // (layers + 1)  # one more layer per token
+    assert len(mtp.engine.runner.extra_kv_caches) == 1
+    assert mtp.engine.spec.k_max == 1  # no k given: the number of MTP layers, as vLLM
+    p0 = planner.plan(path, memory_gib=4, device="cpu", dtype="float32")
+    p1 = planner.plan(path, memory_gib=4, device="cpu", dtype="float32", num_speculative_tokens=2)
+    assert (p0.kv_layers, p1.kv_layers) == (layers, layers + 1)
+    assert p1.kv_bytes_per_token * layers == p0.kv_bytes_per_token * (layers + 1)
+    # The engine's pool per token is the planner's: one more layer of the same shape.
+    eng = mtp.engine
+    assert eng.spec.kv_bytes_per_token(4) == p1.kv_bytes_per_token - p0.kv_bytes_per_token
+
+
+def test_planner_counts_a_separate_mtp_folder(tiny_model_dir, tmp_path):
+    from ember import planner
+    from ember.cli import main as cli_main
+
+    main_dir = tiny_model_dir("qwen3")
+    folder = tmp_path / "two"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["Qwen3MTP"], "num_nextn_predict_layers": 2}))
+    kw = dict(memory_gib=4, device="cpu", dtype="float32")
+    base = planner.plan(main_dir, **kw)
+    p = planner.plan(main_dir, num_speculative_tokens=3, speculative_model=str(folder), **kw)
+    assert p.kv_layers == base.kv_layers + 2
+    assert planner.plan(main_dir, speculative_model=str(folder), **kw).kv_layers == base.kv_layers  # k = 0: none
+    assert cli_main(["plan", main_dir, "--device", "cpu", "--memory", "4", "--num-speculative-tokens", "2",
+                     "--speculative-model", str(folder), "--json"]) == 0
+
+
+# ---- refusals ----------------------------------------------------------------------------------------------
+
+def test_mtp_without_mtp_weights_is_refused(tiny_model_dir):
+    path = tiny_model_dir("qwen3")
+    with pytest.raises(ModelLoadError, match="holds no MTP weights; looked for model.layers.{N}.enorm"):
+        make_llm(path, enable_mtp=True)
+
+
+@pytest.mark.parametrize("config,message", [
+    ({"architectures": ["Qwen3MTP"], "vocab_size": 999}, "have vocab_size 999 but the model has 1000"),
+    ({"architectures": ["Qwen3MTP"], "hidden_size": 32}, "have hidden_size 32 but the model has 64"),
+    ({"architectures": ["DeepseekV3MTP"]}, "is not an MTP model for this Qwen3ForCausalLM model"),
+])
+def test_mismatched_mtp_folder_is_refused_through_the_engine(tiny_model_dir, tmp_path, config, message):
+    main_dir = tiny_model_dir("qwen3")
+    hf_cfg, refs = mtp_refs(main_dir, "qwen3", "deepseek")
+    folder = write_mtp_folder(str(tmp_path / "bad"), tensors_for(hf_cfg, refs, "deepseek"), config)
+    with pytest.raises(ModelLoadError, match=message):
+        make_llm(main_dir, speculative_model=folder, num_speculative_tokens=2)  # taken as MTP: "...MTP" class
+
+
+def test_cli_refuses_mtp_without_mtp_weights(tiny_model_dir):
+    path = tiny_model_dir("qwen3")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "-m", "ember.cli", "generate", "hi", "--model", path, "--enable-mtp",
+                          "--dtype", "float32", "--kv-cache-memory", "0.01", "--max-tokens", "2"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode != 0
+    assert "holds no MTP weights" in res.stderr and "--speculative-model DIR" in res.stderr, res.stderr[-2000:]
+
+
+# ---- the default model's MTP head ----------------------------------------------------------------------------
+
+def test_default_model_speculates_with_its_mtp_head_unless_told_not_to(tmp_path, monkeypatch):
+    import argparse
+
+    import ember.default_model as dm
+    from ember.config import EngineConfig
+    from ember.engine_args import add_engine_args, engine_config_from_args
+
+    monkeypatch.setattr(dm, "DEFAULT_MTP_DIR", str(tmp_path / "missing"))
+    assert EngineConfig().speculative is None  # no head installed: no speculation
+    head = tmp_path / "smollm2-mtp"
+    head.mkdir()
+    (head / "model.safetensors").write_bytes(b"")
+    monkeypatch.setattr(dm, "DEFAULT_MTP_DIR", str(head))
+    s = EngineConfig().speculative
+    assert (s.method, s.model, s.num_speculative_tokens, s.adaptive) == ("mtp", str(head), dm.DEFAULT_MTP_TOKENS, True)
+    assert EngineConfig(num_speculative_tokens=2).speculative.num_speculative_tokens == 2
+    assert EngineConfig(enable_mtp=True).speculative.model == str(head)
+    assert EngineConfig(enable_mtp=False).speculative is None
+    assert EngineConfig(model="some/model").speculative is None  # another model: its own business
+    assert EngineConfig(speculative_model="ngram", num_speculative_tokens=2).speculative.method == "ngram"
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config_from_args(parser.parse_args(["--no-enable-mtp"])).speculative is None
+    assert engine_config_from_args(parser.parse_args([])).speculative.method == "mtp"
+
+
+def test_default_model_greedy_output_identical_with_its_mtp_head():
+    from ember import LLM
+    from ember.default_model import default_mtp_path
+
+    if default_mtp_path() is None:
+        pytest.skip("the default model's MTP head (ember/assets/smollm2-mtp) is not installed")
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    knobs = dict(max_model_len=256, kv_cache_memory=0.05)
+    with_mtp = LLM(**knobs)
+    assert with_mtp.engine.config.speculative.method == "mtp"
+    outs = [o.outputs[0].token_ids for o in with_mtp.generate(prompts, params, use_tqdm=False)]
+    stats = check_clean(with_mtp)
+    assert stats["spec_num_drafts"] > 0 and stats["spec_num_accepted_tokens"] > 0
+    plain = LLM(enable_mtp=False, **knobs)
+    assert plain.engine.spec is None
+    assert [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)] == outs
