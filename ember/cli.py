@@ -118,8 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
     from ember.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
-    from ember.quant.quantize_cli import add_quantize_parser; add_quantize_parser(sub)  # noqa: E702
-    from ember.plan_cli import add_plan_parser; add_plan_parser(sub)  # noqa: E702
+    from ember.plan_cli import add_plan_parser
+    from ember.quant.quantize_cli import add_quantize_parser
+    from ember.spec.train_mtp_cli import add_train_mtp_parser
+
+    add_quantize_parser(sub)
+    add_plan_parser(sub)
+    add_train_mtp_parser(sub)
     return parser
 
 

@@ -27,6 +27,19 @@ make_mlp(cfg, num_hidden_layers + j) picks dense SwiGLU or a sparse MoE block, s
 model gets a MoE MTP block unless the index is in mlp_only_layers. MTP layers are always dense
 (unquantized), whatever the main model's quantization.
 
+Reduced draft vocabulary (FR-Spec / EAGLE-3 style, what `ember train-mtp` writes): a layer may
+carry `draft_vocab`, an int64 index of V_draft token ids, with its own head of V_draft rows
+(checkpoint: `shared_head.head.weight` [V_draft, H] + `shared_head.draft_vocab` [V_draft]). The
+draft then only proposes tokens inside it, at V_draft / V of the head's cost; speculation stays
+lossless because the target verifies. compute_draft_logits gives the [N, V_draft] logits and the
+index (propose draft_vocab[argmax]); compute_logits scatters them into [N, V] with -inf elsewhere
+(probability 0), so code written for a full head works unchanged.
+
+Training (ember.spec.train_mtp) runs forward_dense: the same weights over whole padded sequences
+[B, T] with causal SDPA instead of the paged cache, differentiable, and able to recurse (draft
+step s attends to step 0's keys up to its start and to its own chain's earlier steps, exactly
+what the paged cache holds when the engine drafts).
+
 KV cache: each MTP layer has its own [2, num_blocks, block_size, Hkv, D] cache, in the same layout
 and read through the same AttentionMetadata (block tables, slot_mapping) as the main layers: the
 engine gives the pool one more layer per MTP layer and shares the sequences' block tables.
@@ -36,13 +49,14 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ember.kernels.metadata import AttentionMetadata, RowSelection
 from ember.layers.embedding import LMHead
 from ember.layers.linear import ReplicatedLinear
 from ember.layers.norm import RMSNorm
-from ember.layers.rotary import RotaryEmbedding
+from ember.layers.rotary import RotaryEmbedding, apply_rotary
 from ember.model_config import ModelConfig
 from ember.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
@@ -80,7 +94,7 @@ class MTPLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, dtype, device, attn_backend, mlp: nn.Module,
                  hidden_first: bool = False, zero_centered: bool = False, own_head: bool = False,
-                 shared: "MTPLayer | None" = None):
+                 shared: "MTPLayer | None" = None, draft_vocab_size: int | None = None):
         super().__init__()
         H, eps = cfg.hidden_size, cfg.rms_norm_eps
         norm = ZeroCenteredRMSNorm if zero_centered else RMSNorm
@@ -95,7 +109,13 @@ class MTPLayer(nn.Module):
         self.block = LlamaDecoderLayer(cfg, layer_idx, dtype, device, attn_backend, mlp)
         if zero_centered:
             _zero_center_block_norms(self.block, cfg, dtype, device)
-        self.head = LMHead(cfg.vocab_size, H, dtype, device) if own_head else None
+        if draft_vocab_size is not None and not 0 < draft_vocab_size <= cfg.vocab_size:
+            raise ValueError(f"draft_vocab_size {draft_vocab_size} must be in 1..{cfg.vocab_size}")
+        rows = draft_vocab_size or cfg.vocab_size
+        self.head = LMHead(rows, H, dtype, device) if own_head or draft_vocab_size else None
+        # token id of each head row (reduced draft vocabulary), else None: the head covers every id
+        self.register_buffer("draft_vocab", None if draft_vocab_size is None else
+                             torch.arange(draft_vocab_size, dtype=torch.int64, device=device))
         self.hidden_first = hidden_first
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos_sin, kv_cache: torch.Tensor,
@@ -107,6 +127,60 @@ class MTPLayer(nn.Module):
             return out  # [0, H]: only the K/V write was needed
         g, _ = self.final_norm(out, residual)
         return g
+
+    def forward_dense(self, embeds: torch.Tensor, hidden: torch.Tensor, cos_sin, prior_kv=None):
+        """Whole padded sequences, no cache: embeds / hidden [B, T, H], cos_sin each [B, T, rot/2].
+
+        prior_kv None: causal attention over the T rows (draft step 0). Else (K0, V0, chain):
+        row t (a recursive draft step for the chain that started at row t) attends to K0[:, :, :t+1]
+        (step 0's keys up to its start), then to the chain's earlier steps' keys chain[j][0][:, :, t]
+        and to its own key. Keys are [B, Hkv, T, D] after norm and RoPE.
+        Returns (g [B, T, H], (k, v) [B, Hkv, T, D] of these rows)."""
+        B, T, H = embeds.shape
+        dtype = self.eh_proj.weight.dtype  # the layer's own (e.g. float32 master weights while training)
+        embeds, cos_sin = embeds.to(dtype), (cos_sin[0].to(dtype), cos_sin[1].to(dtype))
+        e, h = self.enorm(embeds), self.hnorm(hidden.to(dtype))
+        x = self.eh_proj(torch.cat((h, e) if self.hidden_first else (e, h), dim=-1)).reshape(B * T, H)
+        blk = self.block
+        residual, a = x, blk.input_layernorm(x)
+        attn = blk.self_attn
+        q, k, v = attn.qkv_proj.split(attn.qkv_proj(a))
+        if attn.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        cos, sin = (c.reshape(B * T, -1) for c in cos_sin)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # [B*T, heads, D] -> [B, heads, T, D]
+        q, k, v = (t.view(B, T, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
+        scale = attn.attn.scale
+        if prior_kv is None:
+            o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), is_causal=True, scale=scale,
+                                               enable_gqa=True)
+        else:
+            o = _chain_attention(q, k, v, prior_kv, scale)
+        o = attn.o_proj(o.transpose(1, 2).reshape(B * T, -1))
+        hmid, residual = blk.post_attention_layernorm(o, residual)
+        out = blk.mlp(hmid)
+        g, _ = self.final_norm(out, residual)
+        return g.view(B, T, H), (k, v)
+
+
+def _chain_attention(q, k, v, prior_kv, scale: float) -> torch.Tensor:
+    """q [B, Hq, T, D]; k, v [B, Hkv, T, D]; prior_kv (K0, V0, [(Kj, Vj), ...]) as in forward_dense.
+    Scores: causal over K0 (key j <= row t), then one per chain key at the same row; one softmax."""
+    K0, V0, chain = prior_kv
+    B, Hq, T, D = q.shape
+    Hkv = K0.shape[1]
+    qg = q.reshape(B, Hkv, Hq // Hkv, T, D).float()
+    s0 = torch.einsum("bhgtd,bhsd->bhgts", qg, K0.float()) * scale  # [B, Hkv, G, T, T]
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    s0 = s0.masked_fill(~causal, float("-inf"))
+    keys = [kj for kj, _ in chain] + [k]
+    vals = [vj for _, vj in chain] + [v]
+    diag = torch.stack([torch.einsum("bhgtd,bhtd->bhgt", qg, kj.float()) * scale for kj in keys], dim=-1)
+    w = torch.softmax(torch.cat((s0, diag), dim=-1), dim=-1)
+    o = torch.einsum("bhgts,bhsd->bhgtd", w[..., :T], V0.float())
+    o = o + torch.einsum("bhgtj,jbhtd->bhgtd", w[..., T:], torch.stack([vj.float() for vj in vals]))
+    return o.reshape(B, Hq, T, D).to(q.dtype)
 
 
 def dense_mlp_factory(main: LlamaForCausalLM, cfg: ModelConfig, dtype, device) -> Callable[[int], nn.Module]:
@@ -132,7 +206,8 @@ class MTPModule(nn.Module):
 
     def __init__(self, main: LlamaForCausalLM, num_layers: int, layout: str = "deepseek",
                  block_cfg: ModelConfig | None = None, own_heads: list[bool] | None = None,
-                 attn_backend=None, make_mlp: Callable[[int], nn.Module] | None = None):
+                 attn_backend=None, make_mlp: Callable[[int], nn.Module] | None = None,
+                 draft_vocab_sizes: list[int | None] | None = None):
         super().__init__()
         if layout not in LAYOUTS:
             raise ValueError(f"unknown MTP layout {layout!r}; one of {LAYOUTS}")
@@ -145,6 +220,7 @@ class MTPModule(nn.Module):
         if make_mlp is None:
             make_mlp = dense_mlp_factory(main, cfg, dtype, device)
         own_heads = list(own_heads or [False] * num_layers)
+        draft_vocab_sizes = list(draft_vocab_sizes or [None] * num_layers)
         self.cfg, self.layout, self.dtype, self.device = cfg, layout, dtype, device
         # Plain attributes, not submodules: they belong to (and are loaded with) the main model.
         rotary = main.model.rotary
@@ -161,7 +237,8 @@ class MTPModule(nn.Module):
             layers.append(MTPLayer(
                 cfg, base + j, dtype, device, attn_backend, make_mlp(base + j),
                 hidden_first=layout == "mimo", zero_centered=layout == "qwen3_next", own_head=own_heads[j],
-                shared=layers[0] if layout == "qwen3_next" and j > 0 else None))
+                shared=layers[0] if layout == "qwen3_next" and j > 0 else None,
+                draft_vocab_size=draft_vocab_sizes[j]))
         self.layers = nn.ModuleList(layers)
 
     @property
@@ -198,7 +275,48 @@ class MTPModule(nn.Module):
         cos_sin = (cos.to(embeds.dtype), sin.to(embeds.dtype))
         return self.layers[j](embeds, hidden, cos_sin, kv_caches[j], meta, select)
 
+    def forward_dense(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, step: int = 0,
+                      prior_kv=None):
+        """The same math as forward over whole sequences without the paged cache (training, evaluation).
+
+        input_ids, positions [B, T]; hidden [B, T, H]. Row t of sequence b carries t_{i+1} at position
+        i with hidden h_i, as in forward. Step 0 (prior_kv None): causal attention over the rows (pad
+        sequences at the end: earlier rows never see padding). A recursive step s > 0 recomputes every
+        row as the s-th draft of the chain that started at that row: positions are +s, hidden the g of
+        step s - 1 for the same row, and prior_kv = (K0, V0, [(K1, V1), ..., (K_{s-1}, V_{s-1})]) the
+        keys/values returned by steps 0..s-1 (see MTPLayer.forward_dense). Differentiable.
+        Returns (g [B, T, H], (k, v)) -- pass the (k, v) on to the next step's prior_kv."""
+        j = self.layer_for_step(step)
+        embeds = self._embed(input_ids.reshape(-1)).view(*input_ids.shape, -1)
+        if self.zero_embed_at_pos0:
+            embeds = embeds.masked_fill((positions == 0).unsqueeze(-1), 0)
+        cos, sin = self._rotary.get_cos_sin(positions.reshape(-1))
+        cos_sin = (cos.to(embeds.dtype).view(*positions.shape, -1), sin.to(embeds.dtype).view(*positions.shape, -1))
+        return self.layers[j].forward_dense(embeds, hidden, cos_sin, prior_kv)
+
+    def draft_vocab(self, step: int = 0) -> torch.Tensor | None:
+        """Token ids of layer (step % num_layers)'s head rows (a reduced draft vocabulary), or None."""
+        return self.layers[self.layer_for_step(step)].draft_vocab
+
+    def compute_draft_logits(self, g: torch.Tensor, step: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[N, H] -> (logits [N, V_draft] float32, draft_vocab [V_draft] or None). With a reduced
+        draft vocabulary, column c is token draft_vocab[c]: the greedy draft is
+        draft_vocab[logits.argmax(-1)]. Without one, (the full [N, V] logits, None)."""
+        layer = self.layers[self.layer_for_step(step)]
+        head = layer.head if layer.head is not None else self._lm_head
+        return head(g), layer.draft_vocab
+
     def compute_logits(self, g: torch.Tensor, step: int = 0) -> torch.Tensor:
-        """[N, H] -> [N, V] float32, through layer (step % num_layers)'s own head or the main LM head."""
-        head = self.layers[self.layer_for_step(step)].head
-        return (head if head is not None else self._lm_head)(g)
+        """[N, H] -> [N, V] float32, through layer (step % num_layers)'s own head or the main LM head.
+        A reduced draft vocabulary's logits are scattered into the full vocabulary, -inf elsewhere."""
+        logits, ids = self.compute_draft_logits(g, step)
+        if ids is None:
+            return logits
+        full = logits.new_full((logits.shape[0], self._lm_head.vocab_size), float("-inf"))
+        return full.index_copy_(1, ids, logits)
+
+    def propose_greedy(self, g: torch.Tensor, step: int = 0) -> torch.Tensor:
+        """[N, H] -> the argmax draft token ids [N] (int64), read through the draft vocabulary."""
+        logits, ids = self.compute_draft_logits(g, step)
+        top = logits.argmax(dim=-1)
+        return top if ids is None else ids[top]

@@ -10,6 +10,10 @@ tensor names (formats.md §4):
   optional shared_head.head (then used instead of the main LM head), an optional embed_tokens
   copy (ignored: the embedding is shared) and a normal block under the same prefix.
   Layer count: config `num_nextn_predict_layers`.
+  A reduced draft vocabulary (FR-Spec / EAGLE-3 style; `ember train-mtp` writes one) is the tensor
+  `shared_head.draft_vocab` (int64 [V_draft]: the token id of each head row, distinct, < vocab_size)
+  with `shared_head.head.weight` [V_draft, H]; without that head, the main LM head's rows at those
+  ids are used. The draft then proposes only tokens in draft_vocab (MTPModule.compute_draft_logits).
 - "mimo" (MiMo-7B): any `model.mtp_layers.{j}.*`: token_layernorm, hidden_layernorm, input_proj,
   final_layernorm plus a block under the same prefix; hidden state first in the concat.
   Layer count: `num_nextn_predict_layers`.
@@ -69,6 +73,7 @@ LOOKED_FOR = (
     "model.mtp_layers.{j}.token_layernorm / hidden_layernorm / input_proj / final_layernorm (MiMo)",
     "mtp.fc / mtp.pre_fc_norm_embedding / mtp.pre_fc_norm_hidden / mtp.norm / mtp.layers.{j}.* (Qwen3-Next/Qwen3.5)",
 )
+DRAFT_VOCAB = "shared_head.draft_vocab"  # reduced draft vocabulary (DeepSeek layout): int64 [V_draft]
 _DEEPSEEK = re.compile(r"^model\.layers\.(\d+)\.(?:enorm|hnorm|eh_proj|shared_head)\.")
 _MIMO = re.compile(r"^model\.mtp_layers\.(\d+)\.")
 _QWEN3_NEXT_BLOCK = re.compile(r"^mtp\.layers\.(\d+)\.")
@@ -95,6 +100,7 @@ class MTPCheckpoint:
     own_heads: list[bool]
     block_cfg: ModelConfig
     separate: bool
+    draft_vocab_sizes: list[int | None] = field(default_factory=list)  # per layer (DeepSeek layout only)
     ignored: list[str] = field(default_factory=list)
 
     def module_name(self, name: str) -> str | None:
@@ -118,6 +124,8 @@ class MTPCheckpoint:
                         return f"layers.{j}.{mod}.{rest[len(ck) + 1:]}"
                 if rest.startswith("embed_tokens."):
                     return None  # DeepSeek keeps a copy of the shared embedding in each MTP layer
+                if rest == DRAFT_VOCAB and self.layout == "deepseek":
+                    return f"layers.{j}.draft_vocab"
                 return f"layers.{j}.block.{rest}"
         return None
 
@@ -269,9 +277,33 @@ def find_mtp_weights(main_cfg: ModelConfig, model_path: str, speculative_model: 
     else:
         mine = [k for k in names if any(k.startswith(p) for p in prefixes)]
     own_heads = [layout == "deepseek" and f"{p}shared_head.head.weight" in names for p in prefixes]
+    draft_vocab_sizes = [_draft_vocab_size(folder, names, p, main_cfg.vocab_size) if layout == "deepseek" else None
+                         for p in prefixes]
     log.info("MTP: %d layer(s) in %s layout from %s%s", n, LAYOUT_NAMES[layout], folder,
              " (separate folder)" if separate else "")
-    return MTPCheckpoint(folder, layout, n, prefixes, {k: names[k] for k in mine}, own_heads, block_cfg, separate)
+    return MTPCheckpoint(folder, layout, n, prefixes, {k: names[k] for k in mine}, own_heads, block_cfg, separate,
+                         draft_vocab_sizes)
+
+
+def _draft_vocab_size(folder: str, names: dict[str, str], prefix: str, vocab_size: int) -> int | None:
+    """Rows of the layer's reduced draft vocabulary (from the safetensors header), or None."""
+    name = prefix + DRAFT_VOCAB
+    if name not in names:
+        return None
+    with weights_io._open(names[name]) as h:
+        shape = h.get_slice(name).get_shape()
+        head = prefix + "shared_head.head.weight"
+        head_shape = h.get_slice(head).get_shape() if names.get(head) == names[name] else None
+    if head_shape is None and head in names:
+        with weights_io._open(names[head]) as h:
+            head_shape = h.get_slice(head).get_shape()
+    if len(shape) != 1 or not 0 < shape[0] <= vocab_size:
+        raise ModelLoadError(f"{name} in {folder} has shape {list(shape)}; a draft vocabulary is one list of 1.."
+                             f"{vocab_size} token ids (int64)")
+    if head_shape is not None and head_shape[0] != shape[0]:
+        raise ModelLoadError(f"{name} in {folder} lists {shape[0]} token ids but {head} has {head_shape[0]} rows; "
+                             "the reduced head needs one row per draft-vocabulary token")
+    return int(shape[0])
 
 
 def iter_mtp_tensors(ckpt: MTPCheckpoint, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
@@ -298,6 +330,10 @@ def load_mtp_weights(mtp: MTPModule, ckpt: MTPCheckpoint, progress: bool = True)
     cfg = ckpt.block_cfg
     for name, tensor in iter_mtp_tensors(ckpt, progress):
         local_name = ckpt.module_name(name)
+        if local_name is not None and local_name.endswith(".draft_vocab"):
+            _load_draft_vocab(modules[local_name.rpartition(".")[0]], name, tensor, ckpt.folder,
+                              mtp._lm_head.vocab_size)
+            continue
         route = mtp.route_weight(local_name, params, modules) if local_name is not None else None
         if route is None:
             ignored.append(name)
@@ -321,6 +357,10 @@ def load_mtp_weights(mtp: MTPModule, ckpt: MTPCheckpoint, progress: bool = True)
     ckpt.ignored = ignored
     if ignored:
         log.info("MTP: ignored %d tensors ember does not use (e.g. %s)", len(ignored), ignored[0])
+    for j, layer in enumerate(mtp.layers):  # a draft vocabulary without its own head: the main head's rows
+        if layer.draft_vocab is not None and f"layers.{j}.head.weight" not in got:
+            layer.head.weight.copy_(main_head_rows(mtp, layer.draft_vocab))
+            got[f"layers.{j}.head.weight"] = {None}
     missing = []
     for pname in params:
         mod_path, _, local = pname.rpartition(".")
@@ -337,12 +377,72 @@ def load_mtp_weights(mtp: MTPModule, ckpt: MTPCheckpoint, progress: bool = True)
             "the model's layers; give the complete MTP weights")
 
 
+def _load_draft_vocab(layer, name: str, tensor: torch.Tensor, folder: str, vocab_size: int) -> None:
+    if tensor.is_floating_point() or tensor.is_complex() or tensor.dim() != 1:
+        raise ModelLoadError(f"{name} in {folder} is {tensor.dtype} with shape {list(tensor.shape)}; a draft "
+                             "vocabulary is a 1-D integer tensor of token ids")
+    ids = tensor.to(torch.int64)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ModelLoadError(f"{name} in {folder} holds token ids outside 0..{vocab_size - 1}; it was not made "
+                             "for this model's vocabulary")
+    if ids.unique().numel() != ids.numel():
+        raise ModelLoadError(f"{name} in {folder} repeats token ids; each draft-vocabulary token must appear once")
+    layer.draft_vocab = ids.to(layer.draft_vocab.device)
+
+
+@torch.no_grad()
+def main_head_rows(mtp: MTPModule, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the main model's LM head as a dense [len(ids), H] tensor (a packed tied head is
+    read through its embedding lookup, which dequantizes just those rows)."""
+    head = mtp._lm_head
+    if head.quant_method is None:
+        return head.weight.index_select(0, ids.to(head.weight.device))
+    if head.tied:
+        return mtp._embed(ids)
+    eye = torch.eye(mtp.cfg.hidden_size, dtype=mtp.dtype, device=mtp.device)
+    return head(eye)[:, ids].T.to(mtp.dtype)  # the head applied to unit vectors: its rows, transposed
+
+
+def export_deepseek_tensors(mtp: MTPModule, num_hidden_layers: int) -> dict[str, torch.Tensor]:
+    """An MTPModule's weights under DeepSeek-V3 checkpoint names (`model.layers.{num_hidden_layers + j}.*`,
+    q/k/v and gate/up unfused), what load_mtp reads back; CPU tensors in the module's dtype.
+    Dense blocks only (a MoE block's experts are not exported)."""
+    if mtp.layout != "deepseek":
+        raise ValueError(f"export_deepseek_tensors takes a DeepSeek-layout MTP module, not {mtp.layout!r}")
+    out: dict[str, torch.Tensor] = {}
+    mods = dict(mtp.named_modules())
+    for pname, p in mtp.named_parameters():
+        _, j, rest = pname.split(".", 2)
+        prefix = f"model.layers.{num_hidden_layers + int(j)}."
+        mod_path, _, local = pname.rpartition(".")
+        module = mods[mod_path]
+        if rest.startswith("block."):
+            base = prefix + rest.removeprefix("block.")
+            if ".experts." in base:
+                raise ValueError(f"cannot export {pname}: only dense MTP blocks are exported")
+            if hasattr(module, "shard_ids") and len(module.shard_ids) > 1:
+                for sid in module.shard_ids:
+                    part = _UNFUSE["qkv_proj" if ".qkv_proj." in base else "gate_up_proj"][sid]
+                    name = base.replace(".qkv_proj.", f".{part}.").replace(".gate_up_proj.", f".{part}.")
+                    out[name] = module.shard_view(p, sid).detach().cpu().clone()
+                continue
+            out[base] = p.detach().cpu().clone()
+        else:
+            mod, _, tail = rest.partition(".")
+            ck = {v: k for k, v in SPECIAL["deepseek"].items()}[mod]
+            out[f"{prefix}{ck}.{tail}"] = p.detach().cpu().clone()
+    for j, layer in enumerate(mtp.layers):
+        if layer.draft_vocab is not None:
+            out[f"model.layers.{num_hidden_layers + j}.{DRAFT_VOCAB}"] = layer.draft_vocab.detach().cpu().clone()
+    return out
+
+
 def load_mtp(main, model_path: str, speculative_model: str | None = None, *, attn_backend=None,
              progress: bool = True) -> MTPModule:
     """The MTP module for a loaded ember model (main: LlamaForCausalLM or a subclass), from
     model_path's checkpoint or from speculative_model when that is another folder."""
     ckpt = find_mtp_weights(main.cfg, model_path, speculative_model)
     mtp = MTPModule(main, ckpt.num_layers, ckpt.layout, block_cfg=ckpt.block_cfg, own_heads=ckpt.own_heads,
-                    attn_backend=attn_backend)
+                    attn_backend=attn_backend, draft_vocab_sizes=ckpt.draft_vocab_sizes or None)
     load_mtp_weights(mtp, ckpt, progress)
     return mtp.eval()
