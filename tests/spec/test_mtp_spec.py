@@ -419,6 +419,8 @@ def test_default_model_speculates_with_its_mtp_head_unless_told_not_to(tmp_path,
     head.mkdir()
     (head / "model.safetensors").write_bytes(b"")
     monkeypatch.setattr(dm, "DEFAULT_MTP_DIR", str(head))
+    assert EngineConfig().speculative is None  # off by default until benchmarks/spec.md shows a speedup
+    monkeypatch.setattr("ember.spec.config.DEFAULT_MODEL_MTP_BY_DEFAULT", True)
     s = EngineConfig().speculative
     assert (s.method, s.model, s.num_speculative_tokens, s.adaptive) == ("mtp", str(head), dm.DEFAULT_MTP_TOKENS, True)
     assert EngineConfig(num_speculative_tokens=2).speculative.num_speculative_tokens == 2
@@ -443,7 +445,7 @@ def test_default_model_greedy_output_identical_with_its_mtp_head():
     # fp32 (dequantized, as tests/test_default_model.py): in bf16 a verify's rows and a plain decode
     # are different matmul shapes, and a near-tie (margin ~1e-2, as in the second prompt) can flip.
     knobs = dict(max_model_len=256, kv_cache_memory=0.05, dtype="float32", quantization="none")
-    with_mtp = LLM(**knobs)
+    with_mtp = LLM(enable_mtp=True, **knobs)
     assert with_mtp.engine.config.speculative.method == "mtp"
     outs = [o.outputs[0].token_ids for o in with_mtp.generate(prompts, params, use_tqdm=False)]
     stats = check_clean(with_mtp)
