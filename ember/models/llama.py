@@ -39,6 +39,18 @@ def embedding_method(quant_config, prefix: str):
     return quant_config.embedding_method(prefix) if quant_config is not None else None
 
 
+def load_routed(modules: dict, route: tuple, tensor: torch.Tensor) -> tuple[str, set]:
+    """Copy one checkpoint tensor to its routed (module path, local name, shard id); returns the
+    loaded parameter's name and the shard ids it now holds (for the completeness check)."""
+    mod_path, local, shard = route
+    module = modules[mod_path]
+    if hasattr(module, "load_weight"):
+        local, shard = module.load_weight(local, tensor, shard)
+    else:
+        copy_checked(getattr(module, local), tensor, "it")
+    return (f"{mod_path}.{local}" if mod_path else local), (shard if isinstance(shard, set) else {shard})
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, dtype, device, attn_backend, quant_config=None):
         super().__init__()
@@ -218,16 +230,11 @@ class LlamaForCausalLM(nn.Module):
             if route is None:
                 ignored.append(name)
                 continue
-            mod_path, local, shard = route
-            module = modules[mod_path]
             try:
-                if hasattr(module, "load_weight"):
-                    local, shard = module.load_weight(local, tensor, shard)
-                else:
-                    copy_checked(getattr(module, local), tensor, "it")
+                key, shards = load_routed(modules, route, tensor)
             except ModelLoadError as e:
                 raise ModelLoadError(f"checkpoint tensor {name}: {e}") from None
-            got[f"{mod_path}.{local}" if mod_path else local] |= shard if isinstance(shard, set) else {shard}
+            got[key] |= shards
         if ignored:
             log.info("ignored %d checkpoint tensors the model does not use (e.g. %s)", len(ignored), ignored[0])
         missing = []

@@ -48,7 +48,7 @@ import torch
 from tqdm import tqdm
 
 from ember.errors import ModelLoadError
-from ember.layers.linear import copy_checked
+from ember.models.llama import load_routed
 from ember.loader import weights as weights_io
 from ember.model_config import ModelConfig
 from ember.models.mtp import MTPModule
@@ -344,16 +344,11 @@ def load_mtp_weights(mtp: MTPModule, ckpt: MTPCheckpoint, progress: bool = True)
                 f"{name} in {ckpt.folder} has {tensor.shape[0]} rows, twice num_heads * head_dim: a Qwen3-Next gated "
                 "attention block, which ember's MTP layer (a Qwen3-style block) does not run; use MTP weights whose "
                 "block matches this model's decoder layers")
-        mod_path, local, shard = route
-        module = modules[mod_path]
         try:
-            if hasattr(module, "load_weight"):
-                local, shard = module.load_weight(local, tensor, shard)
-            else:
-                copy_checked(getattr(module, local), tensor, "it")
+            key, shards = load_routed(modules, route, tensor)
         except ModelLoadError as e:
             raise ModelLoadError(f"MTP tensor {name} in {ckpt.folder}: {e}") from None
-        got[f"{mod_path}.{local}"] |= shard if isinstance(shard, set) else {shard}
+        got[key] |= shards
     ckpt.ignored = ignored
     if ignored:
         log.info("MTP: ignored %d tensors ember does not use (e.g. %s)", len(ignored), ignored[0])
