@@ -66,19 +66,19 @@ class TrainConfig:
     model: str | None = None
     out: str = "mtp"
     checkpoint_dir: str | None = None  # default: OUT/checkpoint
-    num_prompts: int = 1024
+    num_prompts: int = 1280
     max_new_tokens: int = 256
     eval_prompts: int = 48
-    epochs: int = 2
-    lr: float = 1e-3
+    epochs: int = 8
+    lr: float = 3e-3
     weight_decay: float = 0.0
     warmup: float = 0.03  # fraction of the steps
-    draft_vocab_size: int = 8192  # 0 = full vocabulary head
-    depth: int = 3  # draft steps trained (1 = step 0 only)
+    draft_vocab_size: int = 6144  # 0 = full vocabulary head
+    depth: int = 1  # draft steps trained (1 = step 0 only)
     depth_weights: tuple[float, ...] = (1.0, 0.5, 0.3, 0.2)
     kl_weight: float = 1.0
     ce_weight: float = 0.3
-    batch_tokens: int = 4096
+    batch_tokens: int = 2048
     seed: int = 0
     train_dtype: str = "bfloat16"  # autocast compute dtype on top of float32 master weights ("float32" = none)
     threads: int | None = None
@@ -497,7 +497,8 @@ weights with {cfg.train_dtype} autocast, seed {cfg.seed}.
 
 ## Time on this machine
 
-- generation: {_fmt_time(data_info.get('generation_seconds', 0))}
+- generation: {_fmt_time(data_info.get('generation_seconds', 0))} ({data_info.get('generation_threads', '?')} torch thread(s),
+  {data_info.get('gen_batch', '?')} sequences at a time)
 - teacher forward (hidden states): {_fmt_time(data_info.get('teacher_seconds', 0))}
 - training: {_fmt_time(train_seconds)}
 
@@ -548,6 +549,7 @@ def _load_or_make_data(cfg: TrainConfig, model_path: str):
     loaded = llm.engine.loaded
     data = make_data(llm, loaded.model, llm.tokenizer, cfg.num_prompts, cfg.max_new_tokens, cfg.seed,
                      cfg.eval_prompts, progress=cfg.progress)
+    data.info.update(generation_threads=torch.get_num_threads(), gen_batch=cfg.gen_batch)
     main, tokenizer = loaded.model, llm.tokenizer
     del llm, loaded
     gc.collect()  # the engine's KV pool

@@ -50,15 +50,15 @@ def add_train_mtp_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="folder to write (config.json, model.safetensors, README.md)")
     p.add_argument("--checkpoint-dir", default=None, help="generated data and training state (default: OUT/checkpoint)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint's saved step")
-    p.add_argument("--num-prompts", type=int, default=1024, help="training prompts (each generated once)")
+    p.add_argument("--num-prompts", type=int, default=1280, help="training prompts (each generated once)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt")
     p.add_argument("--eval-prompts", type=int, default=48, help="held-out prompts for the acceptance report")
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate (cosine decay to 10%%)")
-    p.add_argument("--draft-vocab-size", type=int, default=8192,
+    p.add_argument("--epochs", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate (cosine decay to 10%%)")
+    p.add_argument("--draft-vocab-size", type=int, default=6144,
                    help="tokens the draft may propose (most frequent first); 0 = the whole vocabulary")
-    p.add_argument("--depth", type=int, default=3, help="draft steps trained (later ones recurse on the layer's output)")
-    p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per optimizer step")
+    p.add_argument("--depth", type=int, default=1, help="draft steps trained (later ones recurse on the layer's output)")
+    p.add_argument("--batch-tokens", type=int, default=2048, help="padded tokens per optimizer step")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--train-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="compute dtype (autocast; weights and optimizer stay float32)")

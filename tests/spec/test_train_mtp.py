@@ -300,3 +300,36 @@ def test_cli_writes_a_loadable_folder_with_a_readme_and_resumes(tiny_model_dir, 
     assert load_mtp(main, folder, out, progress=False).layers[0].draft_vocab.numel() == 200
 
 
+# ---- the committed folder for the default model ----------------------------------------------------------------
+
+def test_committed_default_model_mtp_loads_and_drafts(tmp_path):
+    from ember.default_model import default_model_path
+    from ember.loader.model_loader import load_model
+    from ember.spec.mtp_data import prefill_meta
+
+    assert os.path.exists(os.path.join(ASSET, "model.safetensors")), "ember/assets/smollm2-mtp is missing"
+    with open(os.path.join(ASSET, "config.json")) as f:
+        cfg = json.load(f)
+    assert cfg["architectures"] == ["LlamaMTP"] and cfg["num_nextn_predict_layers"] == 1
+    assert os.path.getsize(os.path.join(ASSET, "model.safetensors")) < 25e6
+    path = default_model_path()
+    loaded = load_model(path, None, torch.float32, torch.device("cpu"), "torch", "none")
+    main, tok = loaded.model, loaded.tokenizer
+    mtp = load_mtp(main, path, ASSET, progress=False)
+    dv = mtp.layers[0].draft_vocab
+    assert dv is not None and dv.numel() == cfg["draft_vocab_size"] and mtp.layers[0].head.weight.shape[0] == dv.numel()
+    # a trained draft: on held-out text, the MTP's draft at position i often is the model's token at i + 2
+    from ember.quant.calibration import pydoc_split
+
+    ids = torch.tensor(tok.encode(pydoc_split("eval")[3][:1200]))[:160]
+    L = len(ids)
+    attn = main.model.layers[0].self_attn.attn
+    caches = [torch.zeros(2, 1, L, attn.num_kv_heads, attn.head_dim) for _ in range(main.cfg.num_layers)]
+    with torch.no_grad():
+        h = main(ids, torch.arange(L), caches, prefill_meta([L]))
+        greedy = main.compute_logits(h).argmax(-1)
+        g, _ = mtp.forward_dense(ids[None, 1:], torch.arange(L - 1)[None], h[None, :-1])
+        drafts = mtp.propose_greedy(g[0])
+    agree = (drafts[:-1] == greedy[1:-1]).float().mean().item()
+    assert set(drafts.tolist()) <= set(dv.tolist())
+    assert agree > 0.3, f"draft agrees with the model's next-next token on {agree:.2f} of the positions"
