@@ -1,0 +1,64 @@
+"""llama.cpp as a benchmark peer, through llama-cpp-python (the `bench` extra).
+
+The peer a CPU user would otherwise pick (ollama and LM Studio run it). Same GGUF file, same
+thread count, flash attention on; prompts are handed over as token ids so both engines see the
+same tokens. llama-cpp-python compiles llama.cpp on install (several minutes on 2 cores).
+"""
+from __future__ import annotations
+
+import time
+
+from ember.errors import ConfigError
+
+INSTALL_HINT = ("pip install 'llama-cpp-python==0.3.36'  (or: pip install -e '.[bench]'; it compiles llama.cpp, "
+                "several minutes on 2 cores)")
+
+
+def _import_llama_cpp():
+    try:
+        import llama_cpp
+    except ImportError:
+        raise ConfigError(f"the llama.cpp peer needs llama-cpp-python: {INSTALL_HINT}") from None
+    return llama_cpp
+
+
+def llama_cpp_version() -> str | None:
+    try:
+        return _import_llama_cpp().__version__
+    except ConfigError:
+        return None
+
+
+class LlamaCppPeer:
+    name = "llama.cpp"
+
+    def __init__(self, gguf_path: str, threads: int, n_ctx: int = 4096):
+        if not str(gguf_path).endswith(".gguf"):
+            raise ConfigError(f"the llama.cpp peer reads .gguf files only; {gguf_path} is not one")
+        llama_cpp = _import_llama_cpp()
+        self.threads = threads
+        self.llm = llama_cpp.Llama(model_path=str(gguf_path), n_threads=threads, n_threads_batch=threads,
+                                   n_ctx=n_ctx, n_batch=512, flash_attn=True, seed=0, verbose=False)
+
+    def _tokens(self, prompt: list[int], n: int, temperature: float, seed: int):
+        """Yield n generated tokens (EOS ignored, as ember's ignore_eos); greedy at temperature 0.
+        Plain temperature sampling otherwise: top-k/top-p/min-p off, as ember's defaults."""
+        self.llm.set_seed(seed)
+        gen = self.llm.generate(prompt, temp=temperature, top_k=0 if temperature > 0 else 1, top_p=1.0, min_p=0.0,
+                                repeat_penalty=1.0, reset=True)
+        for i, tok in enumerate(gen):
+            yield tok
+            if i + 1 >= n:
+                break
+
+    def decode(self, prompt: list[int], n: int, temperature: float = 0.0, seed: int = 0) -> list[float]:
+        """perf_counter time at which each of n generated tokens arrived (the first one ends the prefill)."""
+        times = []
+        for _ in self._tokens(prompt, n, temperature, seed):
+            times.append(time.perf_counter())
+        return times
+
+    def ttft(self, prompt: list[int]) -> float:
+        t0 = time.perf_counter()
+        self.decode(prompt, 1)
+        return time.perf_counter() - t0

@@ -1,0 +1,314 @@
+"""`ember bench spec`: speculative decoding on held-out prompts -- acceptance and batch-1 decode speed.
+
+Configurations, each its own engine on the same weights, measured in one run, alternating:
+  - no speculation (the baseline every ratio is taken against);
+  - the drafter (the command's speculative flags; by default the model's MTP head) pinned at
+    k = 1, 2, 3 (--no-adaptive-spec), and adaptive with k up to max(ks);
+  - llama.cpp (llama-cpp-python) on the same GGUF file and thread count, when installed.
+Each at every temperature asked for (default 0 and 0.8, sampled with a per-request seed).
+
+Prompts: chat requests built from the held-out half of CPython's help topics
+(pydoc_split("eval"), the text `ember train-mtp` never trains on), new ones every run. Ember
+stops at EOS (speculation on text the model would not write says little); llama.cpp generates
+max_tokens tokens (its speed does not depend on the text).
+
+Decode tok/s per configuration and run = generated tokens after the first / time from the first
+token to the last, summed over the run's prompts (prefill excluded). Acceptance per draft
+position, mean accepted length and draft vs verify time come from the engine's SpecStats
+(as /metrics exports them), taken over the measured runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ember.bench.report import OthersLoad, _machine_line, load_average, machine_info, update_markdown, wait_for_quiet
+from ember.sampling import SamplingParams
+
+logger = logging.getLogger("ember.bench")
+
+PROMPT_SEED = 4242  # held-out prompt sets: seed + run index (the MTP training uses seeds 0..2)
+KIND = "spec"
+
+
+@dataclass
+class Side:
+    """One configuration under test and what was measured for it, per temperature."""
+
+    name: str
+    k: int | None  # draft tokens (None: no speculation / peer)
+    adaptive: bool = False
+    llm: object = None  # ember LLM, or the LlamaCppPeer
+    rates: dict[float, list[float]] = field(default_factory=dict)  # temperature -> tok/s per run
+    others: dict[float, list[float | None]] = field(default_factory=dict)
+    tokens: dict[float, int] = field(default_factory=dict)  # generated tokens over the measured runs
+    stats: dict[float, dict] = field(default_factory=dict)  # temperature -> SpecStats counters (delta)
+
+    @property
+    def is_peer(self) -> bool:
+        return not hasattr(self.llm, "engine")
+
+
+def _spec_counters(llm) -> dict:
+    spec = llm.engine.spec
+    return spec.stats.as_dict() if spec is not None else {}
+
+
+def _delta(after: dict, before: dict) -> dict:
+    out = {}
+    for key, a in after.items():
+        b = before.get(key)
+        if isinstance(a, list):
+            out[key] = [x - y for x, y in zip(a, b)]
+        elif isinstance(a, (int, float)) and key not in ("spec_mean_accepted_length",):
+            out[key] = a - b
+    return out
+
+
+def _accumulate(into: dict, d: dict) -> None:
+    for key, v in d.items():
+        if isinstance(v, list):
+            into[key] = [x + y for x, y in zip(into.get(key, [0] * len(v)), v)]
+        else:
+            into[key] = into.get(key, 0) + v
+
+
+def ember_decode(llm, prompt: list[int], max_tokens: int, temperature: float, seed: int, request_id: str) -> list[float]:
+    """Token arrival times of one request through the engine's step loop (batch 1)."""
+    engine = llm.engine
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
+    engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+    times: list[float] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == request_id:
+                now = time.perf_counter()
+                times += [now] * (len(out.outputs[0].token_ids) - len(times))
+    return times
+
+
+def build_sides(config, ks: list[int], peer: str, threads: int) -> tuple[list[Side], dict]:
+    """Engines for no-spec, each k pinned and adaptive; the llama.cpp peer when asked and installed."""
+    from ember.llm import LLM
+
+    spec_keys = dict(speculative_config=config.speculative_config, speculative_model=config.speculative_model,
+                     enable_mtp=config.enable_mtp)
+    if all(v in (None, False) for v in spec_keys.values()):
+        spec_keys["enable_mtp"] = True  # the model's MTP layers (the default model: its trained head)
+
+    def knobs(k: int | None, adaptive: bool) -> dict:
+        base = dataclasses.asdict(config)
+        if k is None:
+            base.update(speculative_config=None, speculative_model=None, enable_mtp=False, num_speculative_tokens=None)
+            return base
+        base.update(spec_keys, adaptive_spec=adaptive, num_speculative_tokens=k)
+        if isinstance(base["speculative_config"], dict):
+            base["speculative_config"] = {**base["speculative_config"], "num_speculative_tokens": k}
+            base["num_speculative_tokens"] = None
+        return base
+
+    sides = [Side("no speculation", None)]
+    sides += [Side(f"k={k}", k) for k in ks]
+    sides.append(Side(f"adaptive, k<={max(ks)}", max(ks), adaptive=True))
+    for s in sides:
+        s.llm = LLM(**knobs(s.k, s.adaptive))
+    eng = sides[1].llm.engine
+    desc = {"model": str(eng.loaded.path), "dtype": str(eng.dtype).removeprefix("torch."),
+            "drafter": f"{eng.spec.config.method} ({eng.spec.config.model or 'the model itself'})"}
+    if peer == "llamacpp":
+        from ember.bench.llamacpp_peer import LlamaCppPeer, llama_cpp_version
+
+        p = Side("llama.cpp", None)
+        p.llm = LlamaCppPeer(str(eng.loaded.path), threads)
+        sides.append(p)
+        desc["peer"] = f"llama-cpp-python {llama_cpp_version()}, {threads} threads, flash attention"
+    return sides, desc
+
+
+def held_out_prompts(tokenizer, n: int, run: int) -> list[list[int]]:
+    from ember.quant.calibration import pydoc_split
+    from ember.spec.mtp_data import build_prompts
+
+    texts = pydoc_split("eval")
+    return [p.ids for p in build_prompts(tokenizer, texts, n, PROMPT_SEED + run, temperature=0.0)
+            if p.kind == "chat"][:n] or [p.ids for p in build_prompts(tokenizer, texts, n, PROMPT_SEED + run)]
+
+
+def run(sides: list[Side], tokenizer, *, temperatures: list[float], num_prompts: int, max_tokens: int, runs: int,
+        quiet_wait_s: float) -> None:
+    for r in tqdm(range(-1, runs), desc="bench spec", unit="run", dynamic_ncols=True):
+        prompts = held_out_prompts(tokenizer, num_prompts, r + 1)
+        order = sides if r % 2 == 0 else list(reversed(sides))  # alternate, so drift favours no one
+        for temp in temperatures:
+            for s in order:
+                if r >= 0 and quiet_wait_s > 0:
+                    wait_for_quiet(quiet_wait_s)
+                before = None if s.is_peer or s.k is None else _spec_counters(s.llm)
+                gen, secs = 0, 0.0
+                with OthersLoad() as load:
+                    for i, p in enumerate(prompts):
+                        seed = 1000 * r + i
+                        if s.is_peer:
+                            t = s.llm.decode(p, max_tokens, temperature=temp, seed=seed)
+                        else:
+                            t = ember_decode(s.llm, p, max_tokens, temp, seed, f"spec-{s.name}-{temp}-{r}-{i}")
+                        if len(t) >= 2:
+                            gen, secs = gen + len(t) - 1, secs + (t[-1] - t[0])
+                if r < 0:
+                    continue
+                rate = gen / secs if secs else 0.0
+                s.rates.setdefault(temp, []).append(rate)
+                s.others.setdefault(temp, []).append(load.cores)
+                s.tokens[temp] = s.tokens.get(temp, 0) + gen
+                if before is not None:
+                    _accumulate(s.stats.setdefault(temp, {}), _delta(_spec_counters(s.llm), before))
+                logger.info("bench spec %s temp %g run %d: %.1f tok/s (%d tokens; others used %s cores)",
+                            s.name, temp, r + 1, rate, gen, load.cores)
+
+
+# -- results ------------------------------------------------------------------------------------
+
+def _acceptance(st: dict) -> tuple[list[float], float | None, float | None]:
+    """(acceptance per position, mean accepted length, share of step time spent drafting)."""
+    if not st or not st.get("spec_num_drafts"):
+        return [], None, None
+    acc = [a / d if d else 0.0 for a, d in zip(st["spec_num_accepted_tokens_per_pos"], st["spec_num_draft_tokens_per_pos"])]
+    mal = 1.0 + st["spec_num_accepted_tokens"] / st["spec_num_drafts"]
+    total = st["spec_draft_seconds"] + st["spec_verify_seconds"]
+    return acc, mal, (st["spec_draft_seconds"] / total if total else None)
+
+
+def summarize(sides: list[Side], temperatures: list[float]) -> dict:
+    base = sides[0]
+    peer = next((s for s in sides if s.is_peer), None)
+    rows = []
+    for temp in temperatures:
+        b = statistics.median(base.rates[temp])
+        pr = statistics.median(peer.rates[temp]) if peer else None
+        for s in sides:
+            rates = s.rates[temp]
+            med = statistics.median(rates)
+            acc, mal, draft_share = _acceptance(s.stats.get(temp, {}))
+            others = [o for o in s.others[temp] if o is not None]
+            rows.append({"config": s.name, "temperature": temp, "tok_s_median": med, "tok_s_min": min(rates),
+                         "tok_s_max": max(rates), "runs": rates, "vs_no_spec": med / b if b else None,
+                         "vs_llama_cpp": (med / pr if pr else None), "tokens": s.tokens[temp],
+                         "acceptance_per_pos": acc, "mean_accepted_length": mal, "draft_time_share": draft_share,
+                         "others_cores_median": statistics.median(others) if others else None, "k": s.k,
+                         "adaptive": s.adaptive, "spec_counters": s.stats.get(temp)})
+    return {"rows": rows, "bars": bars(rows, temperatures)}
+
+
+def bars(rows: list[dict], temperatures: list[float]) -> list[dict]:
+    """The issue's bars: position-1 acceptance >= 0.6 at temperature 0; the best MTP configuration
+    >= 1.6x no speculation at temperature 0 and >= 1.25x at 0.8."""
+    out = []
+    spec = [r for r in rows if r["k"] is not None]
+    if 0.0 in temperatures:
+        pinned = [r for r in spec if r["temperature"] == 0.0 and r["acceptance_per_pos"] and not r["adaptive"]]
+        if pinned:
+            # position 1 is drafted on every verify step whatever k is: pool the pinned configurations
+            acc1 = statistics.median(r["acceptance_per_pos"][0] for r in pinned)
+            out.append({"bar": "position-1 acceptance >= 0.6 at temperature 0", "value": acc1, "need": 0.6,
+                        "result": "pass" if acc1 >= 0.6 else "fail"})
+    for temp, need in ((0.0, 1.6), (0.8, 1.25)):
+        cand = [r for r in spec if r["temperature"] == temp and r["vs_no_spec"]]
+        if cand:
+            best = max(cand, key=lambda r: r["vs_no_spec"])
+            out.append({"bar": f"decode >= {need}x no speculation at temperature {temp:g} (best: {best['config']})",
+                        "value": best["vs_no_spec"], "need": need,
+                        "result": "pass" if best["vs_no_spec"] >= need else "fail"})
+    return out
+
+
+def _f(v, fmt="{:.2f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def render(summary: dict, *, command: str, desc: dict, machine: dict, runs: int, notes: list[str]) -> str:
+    lines = ["## Speculative decoding (batch 1, held-out prompts)", "", f"`{command}`", "",
+             f"- machine: {_machine_line(machine)}", f"- model: {desc['model']} ({desc['dtype']}); drafter: {desc['drafter']}"]
+    if "peer" in desc:
+        lines.append(f"- peer: {desc['peer']}")
+    lines += [f"- {runs} measured runs after one warmup; medians, min-max in brackets", *[f"- {n}" for n in notes], "",
+              "| temp | config | decode tok/s | vs no spec | vs llama.cpp | acceptance per position | mean accepted length "
+              "| draft time share | others' cores |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in summary["rows"]:
+        acc = ", ".join(f"{a:.2f}" for a in r["acceptance_per_pos"]) or "-"
+        lines.append(f"| {r['temperature']:g} | {r['config']} | {r['tok_s_median']:.1f} [{r['tok_s_min']:.1f}-"
+                     f"{r['tok_s_max']:.1f}] | {_f(r['vs_no_spec'])}x | {_f(r['vs_llama_cpp'])}x | {acc} | "
+                     f"{_f(r['mean_accepted_length'])} | {_f(r['draft_time_share'], '{:.0%}')} | "
+                     f"{_f(r['others_cores_median'])} |")
+    lines += ["", "| bar | measured | result |", "|---|---|---|"]
+    lines += [f"| {b['bar']} | {b['value']:.2f} | {b['result']} |" for b in summary["bars"]]
+    return "\n".join(lines) + "\n"
+
+
+def write(section: str, data: dict, md_path: str) -> tuple[Path, Path]:
+    md = Path(md_path)
+    md.parent.mkdir(parents=True, exist_ok=True)
+    old = md.read_text() if md.exists() else ("# ember speculative decoding benchmarks\n\nWritten by "
+                                               "`ember bench spec`; raw runs in the JSON file next to this one.\n")
+    md.write_text(update_markdown(old, KIND, section))
+    js = md.with_suffix(".json")
+    js.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    return md, js
+
+
+def cmd_spec(args) -> None:
+    import torch
+
+    from ember.engine_args import engine_config_from_args
+    from ember.errors import ConfigError
+
+    if args.max_tokens < 2:
+        raise ConfigError(f"--max-tokens must be >= 2 (got {args.max_tokens})")
+    config = engine_config_from_args(args)
+    if config.kv_cache_memory is None:  # several engines live at once; each needs only a few prompts' KV
+        config = dataclasses.replace(config, kv_cache_memory=0.25)
+    sides, desc = build_sides(config, args.ks, args.peer, torch.get_num_threads())
+    load = load_average()
+    run(sides, sides[0].llm.tokenizer, temperatures=args.temperatures, num_prompts=args.num_prompts,
+        max_tokens=args.max_tokens, runs=args.runs, quiet_wait_s=args.quiet_wait)
+    summary = summarize(sides, args.temperatures)
+    notes = ["decode tok/s = tokens after the first / time from the first token to the last, summed over the run's "
+             f"{args.num_prompts} prompts (prefill excluded); ember stops at EOS or {args.max_tokens} tokens, "
+             f"llama.cpp always generates {args.max_tokens}",
+             "acceptance per position = drafts accepted at position i / drafts verified at position i (SpecStats, "
+             "as /metrics); mean accepted length = tokens per verify step",
+             "temperature > 0: plain temperature sampling (no top-k/top-p), a seed per request",
+             f"prompts: chat requests from pydoc_split('eval') (never trained on), seed {PROMPT_SEED}+run; "
+             f"load average at start {load}"]
+    from ember.bench.cli import _command
+
+    command = _command(args, ["runs", "peer", "output", "quiet_wait", "ks", "temperatures", "num_prompts", "max_tokens"])
+    machine = machine_info()
+    section = render(summary, command=command, desc=desc, machine=machine, runs=args.runs, notes=notes)
+    md, js = write(section, {"command": command, "machine": machine, "engines": desc, "notes": notes, **summary},
+                   args.output)
+    print(section)
+    logger.info("bench: wrote %s and %s", md, js)
+
+
+def add_spec_parser(sub) -> None:
+    from ember.bench.cli import _common_args, _int_list, _positive_int
+
+    p = sub.add_parser("spec", help="speculative decoding: acceptance and batch-1 decode vs no speculation and llama.cpp")
+    _common_args(p)
+    p.set_defaults(peer="llamacpp", output="benchmarks/spec.md", runs=3)
+    for a in p._actions:  # the peer here is llama.cpp, not transformers
+        if a.dest == "peer":
+            a.choices, a.help = ("llamacpp", "none"), "llamacpp = llama.cpp (llama-cpp-python) on the same GGUF"
+    p.add_argument("--ks", type=_int_list, default=[1, 2, 3], metavar="K,K,...", help="draft lengths to pin")
+    p.add_argument("--temperatures", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 0.8],
+                   metavar="T,T,...")
+    p.add_argument("--num-prompts", type=_positive_int, default=4, help="held-out prompts per run")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens per request at most")
+    p.set_defaults(func=cmd_spec)
