@@ -196,3 +196,40 @@ def test_killed_idle_worker_is_reported_at_the_next_step(tiny_model_dir):
     with pytest.raises(DistributedError, match=r"rank 1 \(pid \d+\) exited with code -9"):
         generate(llm)
     assert time.monotonic() - t0 < 30
+
+
+def test_vocab_not_divisible_by_tp_pads_the_last_shard(tiny_model_dir, tmp_path):
+    """V = 999 over 2 ranks: rows 0..499 and 500..998 + one zero row; the padded logit is dropped."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    dest = str(tmp_path / "v999")
+    shutil.copytree(tiny_model_dir("qwen3"), dest)
+    w = load_file(os.path.join(dest, "model.safetensors"))
+    w["model.embed_tokens.weight"] = w["model.embed_tokens.weight"][:999].contiguous()
+    save_file(w, os.path.join(dest, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(dest, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["vocab_size"] = 999
+    with open(os.path.join(dest, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    prompts = [[t % 999 for t in p] for p in PROMPTS]
+    run = lambda llm: llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)  # noqa: E731
+    ref = [o.outputs[0] for o in run(make_llm(dest, **HARD))]
+    llm = tp_llm(dest, **HARD)
+    try:
+        assert llm.engine.loaded.model.model.embed_tokens.weight.shape[0] == 500
+        assert_same([o.outputs[0] for o in run(llm)], ref)
+    finally:
+        llm.engine.shutdown()
+
+
+def test_packed_gguf_is_refused_and_auto_dequantizes(tmp_path):
+    f = tmp_path / "model.gguf"
+    f.write_bytes(b"GGUF")
+    with pytest.raises(ConfigError, match="--quantization gguf .* dequantized"):
+        tp_config.tp_quantization("gguf", str(f))
+    assert tp_config.tp_quantization("auto", str(f)) == "none"
+    assert tp_config.tp_quantization("auto", str(tmp_path)) == "auto"  # a folder: as stored (dense / AWQ)
