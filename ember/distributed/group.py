@@ -191,7 +191,7 @@ def start_tensor_parallel(config, device: torch.device) -> TensorParallelGroup:
 
     quantization = tp_quantization(config.quantization, config.model)
     mc, awq_group = model_config_for(config.model)
-    check_tensor_parallel(mc, config.tensor_parallel_size, device.type, awq_group)
+    check_tensor_parallel(mc, config.tensor_parallel_size, device.type, awq_group, multi_node=under_torchrun())
     if _current is not None:  # one TP engine per process: the previous one's group is torn down
         logger.warning("a previous tensor-parallel engine in this process was not shut down; stopping it")
         _current.shutdown()

@@ -56,13 +56,15 @@ def shape_problems(mc, tp: int, awq_group_size: int | None = None) -> list[str]:
     return bad
 
 
-def check_tensor_parallel(mc, tp: int, device_type: str, awq_group_size: int | None = None) -> None:
-    """Raise ConfigError unless mc runs with tp ranks on this device type; the message lists what works."""
+def check_tensor_parallel(mc, tp: int, device_type: str, awq_group_size: int | None = None,
+                          multi_node: bool = False) -> None:
+    """Raise ConfigError unless mc runs with tp ranks on this device type; the message lists what works.
+    multi_node (torchrun): the ranks are spread over hosts, so this host's devices do not bound tp."""
     if tp < 1:
         raise ConfigError(f"--tensor-parallel-size must be >= 1 (got {tp})")
     if tp == 1:
         return
-    limit = device_limit(device_type)
+    limit = max(tp, 64) if multi_node else device_limit(device_type)
     bad = shape_problems(mc, tp, awq_group_size)
     if not bad and tp <= limit:
         return
