@@ -76,7 +76,11 @@ def run_worker(rank: int, world_size: int, host: str, port: int, config, device_
 
     from ember.distributed import parallel_state
 
+    import signal
+
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp{rank} %(levelname)s %(message)s")
+    # Ctrl-C reaches the whole process group; rank 0 decides when workers stop (it sends "stop").
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_with_parent(parent_pid)
     code = 0
     try:
