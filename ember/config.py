@@ -86,8 +86,9 @@ class EngineConfig:
             need(self.kv_cache_memory > 0, f"--kv-cache-memory must be > 0 GiB (got {self.kv_cache_memory})")
             need(self.device != "cuda", "--kv-cache-memory sizes the CPU KV cache; on CUDA use --gpu-memory-utilization")
         need(0 < self.gpu_memory_utilization <= 1, f"--gpu-memory-utilization must be in (0, 1] (got {self.gpu_memory_utilization})")
-        need(self.tensor_parallel_size == 1,
-             f"--tensor-parallel-size {self.tensor_parallel_size} is not supported yet; use 1")
+        # >= 1 here; whether the model's heads split that way is checked at start (ember.distributed.tp_config).
+        need(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+             f"--tensor-parallel-size must be an integer >= 1 (got {self.tensor_parallel_size!r})")
         if self.quantization is None:
             self.quantization = "auto"
         need(self.quantization in QUANTIZATION_CHOICES,

@@ -33,3 +33,9 @@ class PromptTooLongError(InvalidRequestError):
 
 class KVCacheTooSmallError(ConfigError):
     """The KV cache budget cannot hold even one sequence of max_model_len tokens."""
+
+
+class DistributedError(EmberError):
+    """A tensor-parallel worker died, or a collective failed or timed out: the engine cannot go on."""
+
+    http_status = 503

@@ -5,6 +5,7 @@ import itertools
 import logging
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -60,12 +61,19 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        tp = config.tensor_parallel_size
         if self.device.type == "cpu":
-            torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+            torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) // tp))
         torch.manual_seed(config.seed)
+        # Tensor parallelism: workers start (and load their shards) alongside rank 0's own load.
+        self.tp = None
+        if tp > 1:
+            from ember.distributed.group import start_tensor_parallel
 
-        loaded = load_model(config.model, config.tokenizer, self.dtype, self.device, config.attention_backend,
-                            config.quantization)
+            self.tp = start_tensor_parallel(config, self.device)
+        with self._sharding():
+            loaded = load_model(config.model, config.tokenizer, self.dtype, self.device, config.attention_backend,
+                                self.tp.quantization if self.tp else config.quantization)
         self.loaded = loaded
         self.model_config = mc = loaded.model_config
         self.tokenizer = loaded.tokenizer
@@ -84,8 +92,9 @@ class LLMEngine:
         if config.speculative is not None:
             from ember.spec.speculator import Speculator
 
-            self.spec = Speculator(config.speculative, self)
-        per_token = planner.kv_bytes_per_token(mc, kv_dtype.itemsize)
+            with self._sharding():
+                self.spec = Speculator(config.speculative, self)
+        per_token = planner.kv_bytes_per_token(mc, kv_dtype.itemsize, tp)  # this device's kv heads
         if self.spec is not None:
             per_token += self.spec.kv_bytes_per_token(kv_dtype.itemsize)
         block_bytes = per_token * config.block_size
@@ -96,9 +105,17 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, self.max_num_seqs, self.max_model_len,
                                    config.enable_chunked_prefill)
-        self.runner = ModelRunner(loaded.model, mc, num_blocks, config.block_size, kv_dtype, self.device)
+        model = loaded.model
+        if self.tp is not None:
+            from ember.distributed.mirror import MirroredModel
+
+            model = MirroredModel(model)
+        self.runner = ModelRunner(model, mc, num_blocks, config.block_size, kv_dtype, self.device,
+                                  num_kv_heads=planner.kv_heads_per_device(mc, tp))
         if self.spec is not None:
             self.spec.attach(self.runner)
+        if self.tp is not None:
+            self._start_workers_stepping()
         self.groups: dict[str, _Group] = {}
         self._ids = itertools.count()
         eos = list(self.tokenizer.eos_token_ids)
@@ -114,6 +131,32 @@ class LLMEngine:
             f" (+{self.int8_decode_bytes / 1e6:.1f} MB int8 decode copy)" if self.int8_decode_bytes else "", str(self.dtype).removeprefix("torch."),
             self.device, str(kv_dtype).removeprefix("torch."), num_blocks, config.block_size, num_blocks * config.block_size, num_blocks * block_bytes / 1e6,
             self.max_model_len, loaded.path, loaded.load_seconds)
+
+    def _sharding(self):
+        """Inside: layers are built as this rank's shard (a no-op without TP)."""
+        if self.tp is None:
+            return nullcontext()
+        from ember.distributed.parallel_state import sharding
+
+        return sharding(0, self.tp.world_size)
+
+    def _start_workers_stepping(self) -> None:
+        proposer = getattr(self.spec, "proposer", None)
+        if getattr(proposer, "mtp", None) is not None:  # its MTP forwards are replayed on the workers too
+            from ember.distributed.mirror import MirroredMTP
+
+            proposer.mtp = MirroredMTP(proposer.mtp)
+        self.tp.setup_workers(self.runner, bool(self.int8_decode_bytes))
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do without TP). Also runs at exit."""
+        if self.tp is not None:
+            self.tp.shutdown()
+
+    @property
+    def tp_comm_seconds(self) -> float:
+        """Seconds rank 0 spent in all_reduce / all_gather during the last step (0 without TP)."""
+        return self.tp.last_step_comm_seconds if self.tp is not None else 0.0
 
     def _maybe_int8_decode(self, loaded) -> int:
         on = self.config.int8_decode
@@ -152,24 +195,18 @@ class LLMEngine:
 
     def _profile_cuda_kv_budget(self, model: torch.nn.Module) -> float:
         """Run one forward at the full token budget (no KV) and give the KV cache what is left."""
-        from ember.kernels.metadata import AttentionMetadata
-
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         n = min(self.config.max_num_batched_tokens, self.max_model_len)
-        mc = self.model_config
         dev = self.device
-        caches = [torch.empty(2, 1, n, mc.num_kv_heads, mc.head_dim, dtype=self.dtype, device=dev) for _ in range(mc.num_layers)]
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(n, device=dev), query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev), block_tables=torch.zeros(1, 1, dtype=torch.int32, device=dev),
-            block_size=n, query_lens_cpu=[n], seq_lens_cpu=[n], max_query_len=n, max_seq_len=n)
-        with torch.inference_mode():
-            hidden = model(torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), caches, meta)
-            model.compute_logits(hidden[-self.max_num_seqs:])
+        kv_heads = planner.kv_heads_per_device(self.model_config, self.config.tensor_parallel_size)
+        if self.tp is not None:  # the workers run the same profile step (its collectives need them)
+            from ember.distributed.comm import send_call
+
+            send_call("profile", n, self.max_num_seqs, kv_heads, self.dtype)
+        profile_forward(model, n, self.max_num_seqs, kv_heads, self.dtype, dev)
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev)
-        del caches, hidden
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(dev)
         used_by_others = total - free - torch.cuda.memory_allocated(dev)
@@ -238,6 +275,12 @@ class LLMEngine:
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.tp is None:
+            return self._step()
+        with self.tp.step():  # a dead worker or a failed collective raises DistributedError here
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
@@ -336,4 +379,23 @@ class LLMEngine:
         }
         if self.spec is not None:
             stats.update(self.spec.stats.as_dict())
+        if self.tp is not None:
+            stats.update(tp_comm_seconds_last_step=self.tp.last_step_comm_seconds,
+                         tp_broadcast_seconds_last_step=self.tp.last_step_broadcast_seconds,
+                         tp_comm_seconds_total=self.tp.total_comm_seconds)
         return stats
+
+
+def profile_forward(model, n: int, num_seqs: int, kv_heads: int, dtype: torch.dtype, dev: torch.device) -> None:
+    """One forward of n tokens (no KV kept) and the logits of num_seqs rows: the activation peak."""
+    from ember.kernels.metadata import AttentionMetadata
+
+    mc = model.cfg
+    caches = [torch.empty(2, 1, n, kv_heads, mc.head_dim, dtype=dtype, device=dev) for _ in range(mc.num_layers)]
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n, device=dev), query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor([n], dtype=torch.int32, device=dev), block_tables=torch.zeros(1, 1, dtype=torch.int32, device=dev),
+        block_size=n, query_lens_cpu=[n], seq_lens_cpu=[n], max_query_len=n, max_seq_len=n)
+    with torch.inference_mode():
+        hidden = model(torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), caches, meta)
+        model.compute_logits(hidden[-num_seqs:])

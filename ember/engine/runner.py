@@ -64,7 +64,8 @@ def select_rows(meta: AttentionMetadata, tables: list[list[int]], positions: lis
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, num_blocks: int, block_size: int,
-                 kv_dtype: torch.dtype, device: torch.device):
+                 kv_dtype: torch.dtype, device: torch.device, num_kv_heads: int | None = None):
+        """num_kv_heads: this rank's kv heads under tensor parallelism (default: the model's)."""
         self.model = model
         self.model_config = model_config
         self.block_size = block_size
@@ -72,7 +73,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.kv_dtype = kv_dtype
         self.kv_caches = [
-            torch.zeros(2, num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim,
+            torch.zeros(2, num_blocks, block_size, num_kv_heads or model_config.num_kv_heads, model_config.head_dim,
                         dtype=kv_dtype, device=device)
             for _ in range(model_config.num_layers)
         ]

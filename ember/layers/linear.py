@@ -20,8 +20,10 @@ from ember.errors import ModelLoadError
 
 
 def get_tp_rank_size() -> tuple[int, int]:
-    """(tp_rank, tp_size) of this process. The TP issue wires this to ember.distributed."""
-    return 0, 1
+    """(tp_rank, tp_size) the layers built now are sharded for (see ember.distributed.parallel_state)."""
+    from ember.distributed.parallel_state import get_tp_rank_size as current
+
+    return current()
 
 
 def new_param(shape, dtype, device, output_dim: int | None = None, input_dim: int | None = None) -> nn.Parameter:
@@ -218,5 +220,7 @@ class RowParallelLinear(LinearBase):
         # The bias joins on rank 0 only, so the all-reduce sums it exactly once.
         y = self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 else None)
         if self.tp_size > 1:
-            raise NotImplementedError("tensor parallelism needs all_reduce(y) from ember.distributed here")
+            from ember.distributed.comm import all_reduce
+
+            y = all_reduce(y)
         return y

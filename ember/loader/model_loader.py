@@ -91,10 +91,13 @@ def load_model(model: str | None, tokenizer_path: str | None, dtype: torch.dtype
     net.load_weights(weights)
     process_weights_after_loading(net)
     net.eval()
-    if quant_config is None:
+    from ember.distributed.parallel_state import get_tp_rank_size, sharding
+
+    if quant_config is None and get_tp_rank_size()[1] == 1:
         num_params = count_parameters(net)
-    else:  # packed weights hide the logical count: count a dense twin built on the meta device
-        num_params = count_parameters(model_cls(model_config, dtype=dtype, device="meta"))
+    else:  # packed or TP-sharded weights hide the logical count: count a whole dense twin on the meta device
+        with sharding(0, 1):
+            num_params = count_parameters(model_cls(model_config, dtype=dtype, device="meta"))
     return LoadedModel(net, model_config, tokenizer, path, fmt, quant_config.name if quant_config else "none",
                        num_params, resident_weight_bytes(net), time.perf_counter() - t0)
 

@@ -294,6 +294,16 @@ class MTPModule(nn.Module):
         cos_sin = (cos.to(embeds.dtype).view(*positions.shape, -1), sin.to(embeds.dtype).view(*positions.shape, -1))
         return self.layers[j].forward_dense(embeds, hidden, cos_sin, prior_kv)
 
+    @staticmethod
+    def copy_cache_blocks(caches: list[torch.Tensor], layers, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy blocks src -> dst in the caches of these MTP layers (a drafting chain's scratch copy
+        of a partly filled block). A method here so tensor parallelism can replay it on every rank."""
+        from ember.layers.attention import is_fp8
+
+        for j in layers:
+            cache = caches[j].view(torch.uint8) if is_fp8(caches[j].dtype) else caches[j]
+            cache.index_copy_(1, dst, cache.index_select(1, src))
+
     def draft_vocab(self, step: int = 0) -> torch.Tensor | None:
         """Token ids of layer (step % num_layers)'s head rows (a reduced draft vocabulary), or None."""
         return self.layers[self.layer_for_step(step)].draft_vocab

@@ -180,8 +180,8 @@ class AWQExpertsMethod:
     def __init__(self, group_size: int):
         self.group_size = group_size
 
-    def create_experts(self, num_experts, hidden_size, intermediate_size, dtype, device):
-        experts = AWQExperts(num_experts, hidden_size, intermediate_size, self.group_size, dtype, device)
+    def create_experts(self, num_experts, hidden_size, intermediate_size, dtype, device, tp=(0, 1)):
+        experts = AWQExperts(num_experts, hidden_size, intermediate_size, self.group_size, dtype, device, tp=tp)
         experts.quant_method = self  # so ember.quant.process_weights_after_loading calls the hook below
         return experts
 
@@ -194,8 +194,11 @@ class AWQExperts(nn.Module):
     loaded from per-expert checkpoint names ("{e}.gate_proj.qweight", ...). Computes like
     `Experts`: token slots grouped by expert, one int4 GEMM pair per expert that has tokens."""
 
-    def __init__(self, num_experts, hidden_size, intermediate_size, group_size, dtype, device="cpu"):
+    def __init__(self, num_experts, hidden_size, intermediate_size, group_size, dtype, device="cpu", tp=(0, 1)):
+        """intermediate_size: this rank's slice; tp (rank, size): checkpoint tensors are narrowed to it
+        (gate/up along their packed output columns, down along its input rows and groups)."""
         super().__init__()
+        self.tp = tp
         E, H, I = num_experts, hidden_size, intermediate_size
         self.num_experts, self.hidden_size, self.intermediate_size, self.dtype = E, H, I, dtype
         self.g13, self.g2 = _group(group_size, H), _group(group_size, I)
@@ -221,6 +224,10 @@ class AWQExperts(nn.Module):
         if e >= self.num_experts:
             raise ModelLoadError(f"checkpoint has expert {e} but config.json says num_experts={self.num_experts}")
         what = f"experts.{name}"
+        r, n = self.tp
+        if n > 1:  # AWQ is [in, out]: down splits its input (dim 0), gate/up their output (dim 1)
+            part = tensor.shape[0 if kind == "down" else 1] // n
+            tensor = tensor.narrow(0 if kind == "down" else 1, r * part, part)
         if kind == "down":
             _load_awq(getattr(self, f"w2_{pname}")[e], pname, tensor, what)
             return f"w2_{pname}", e

@@ -50,7 +50,6 @@ import torch
 from ember.engine.request import Request, RequestStatus
 from ember.engine.runner import select_rows
 from ember.kernels.metadata import AttentionMetadata
-from ember.layers.attention import is_fp8
 from ember.spec.proposer import Draft
 
 logger = logging.getLogger("ember")
@@ -213,9 +212,7 @@ class MTPProposer:
         if copies_src:
             src = torch.tensor(copies_src, dtype=torch.int64, device=dev)
             dst = torch.tensor(copies_dst, dtype=torch.int64, device=dev)
-            for j in used_layers:
-                cache = self.caches[j].view(torch.uint8) if is_fp8(self.caches[j].dtype) else self.caches[j]
-                cache.index_copy_(1, dst, cache.index_select(1, src))
+            self.mtp.copy_cache_blocks(self.caches, sorted(used_layers), src, dst)
         width = max(len(t) for t in chain_tables)
         chain_tables = [t + [0] * (width - len(t)) for t in chain_tables]
         idx = list(range(len(live)))

@@ -1,0 +1,105 @@
+"""A tensor-parallel worker (rank >= 1): join the group, load this rank's shard, replay rank 0's calls.
+
+Started by rank 0 (ember.distributed.group, one spawned process per rank) or, across nodes, by
+torchrun (every rank runs the same `ember ...` command; ranks >= 1 end up here). A worker never
+outlives rank 0: it exits on rank 0's "stop", when rank 0's connections close (a blocked
+broadcast raises), or when its parent process changes (rank 0 killed outright).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+
+import torch
+
+logger = logging.getLogger("ember")
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    def watch():
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(1)
+            time.sleep(1.0)
+
+    threading.Thread(target=watch, name="ember-tp-parent-watch", daemon=True).start()
+
+
+def worker_device(device_type: str, local_rank: int) -> torch.device:
+    if device_type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def serve(rank: int, world_size: int, store, config, device_type: str, local_rank: int) -> None:
+    """Join, load, replay until "stop"."""
+    from ember.distributed import parallel_state
+    from ember.distributed.comm import recv_call
+    from ember.distributed.mirror import Replayer
+    from ember.distributed.tp_config import tp_quantization
+    from ember.engine.engine import resolve_dtype
+    from ember.loader.model_loader import load_model
+
+    device = worker_device(device_type, local_rank)
+    if device.type == "cpu":
+        torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) // world_size))
+    torch.manual_seed(config.seed)
+    parallel_state.init(rank, world_size, store, "nccl" if device.type == "cuda" else "gloo")
+    dtype = resolve_dtype(config.dtype, device)
+    with parallel_state.sharding(rank, world_size):
+        loaded = load_model(config.model, config.tokenizer, dtype, device, config.attention_backend,
+                            tp_quantization(config.quantization, config.model))
+        mtp = None
+        spec = config.speculative
+        if spec is not None and spec.method == "mtp":
+            from ember.spec.mtp_weights import load_mtp
+
+            mtp = load_mtp(loaded.model, loaded.path, spec.model, progress=False)
+    replayer = Replayer(loaded.model, mtp, device)
+    logger.info("tensor-parallel rank %d/%d ready on %s (%.1f MB weights)", rank, world_size, device,
+                loaded.weight_bytes / 1e6)
+    while True:
+        op, args = recv_call(device)
+        if op == "stop":
+            break
+        replayer.run(op, args)
+
+
+def run_worker(rank: int, world_size: int, host: str, port: int, config, device_type: str, parent_pid: int) -> None:
+    """Main of a worker process started by rank 0 (see __main__ below)."""
+    import torch.distributed as dist
+
+    from ember.distributed import parallel_state
+
+    import signal
+
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp{rank} %(levelname)s %(message)s")
+    # Ctrl-C reaches the whole process group; rank 0 decides when workers stop (it sends "stop").
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _exit_with_parent(parent_pid)
+    code = 0
+    try:
+        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=parallel_state.data_timeout())
+        store.set(f"ember_tp_joined_{rank}", "1")
+        serve(rank, world_size, store, config, device_type, rank)
+    except BaseException:  # noqa: BLE001 -- report, then exit non-zero: rank 0 sees the exit code
+        logger.exception("tensor-parallel rank %d failed", rank)
+        code = 1
+    finally:
+        parallel_state.destroy()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":  # python -m ember.distributed.worker RANK WORLD HOST PORT DEVICE PARENT_PID < config
+    import pickle
+
+    _rank, _world, _host, _port, _device, _parent = sys.argv[1:7]
+    _config = pickle.loads(sys.stdin.buffer.read())
+    run_worker(int(_rank), int(_world), _host, int(_port), _config, _device, int(_parent))
