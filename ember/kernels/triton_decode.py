@@ -130,13 +130,18 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_num_splits(num_seqs: int, num_kv_heads: int, num_tiles: int, device: torch.device) -> int:
-    """Enough (sequence, kv head, split) programs to fill the GPU about twice; never more
-    splits than key tiles. The interpreter runs programs one by one: one split per tile pair."""
-    if device.type != "cuda":
-        return max(1, min(2, num_tiles))
-    want = triton.cdiv(2 * _num_sms(device), num_seqs * num_kv_heads)
-    return max(1, min(want, num_tiles, MAX_SPLITS))
+def plan_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int, device: torch.device,
+                num_splits: int | None = None) -> tuple[int, int]:
+    """(num_splits, tiles_per_split) for the longest sequence's key tiles. By default enough
+    (sequence, kv head, split) programs to fill the GPU about twice, never more splits than
+    tiles; the interpreter (CPU) runs programs one by one, so at most 2 there."""
+    num_tiles = triton.cdiv(max_seq_len, block_n)
+    if num_splits is None:
+        want = triton.cdiv(2 * _num_sms(device), num_seqs * num_kv_heads) if device.type == "cuda" else 2
+        num_splits = min(want, MAX_SPLITS)
+    num_splits = max(1, min(num_splits, num_tiles))
+    tiles_per_split = triton.cdiv(num_tiles, num_splits)
+    return triton.cdiv(num_tiles, tiles_per_split), tiles_per_split  # no split that every sequence leaves empty
 
 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -160,11 +165,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     if B == 0 or num_tokens == 0:
         return out
     block_n = block_n or (16 if INTERPRETING else BLOCK_N)
-    num_tiles = triton.cdiv(max_seq_len, block_n)
-    if num_splits is None:
-        num_splits = choose_num_splits(B, Hkv, num_tiles, q.device)
-    tiles_per_split = triton.cdiv(num_tiles, num_splits)
-    num_splits = triton.cdiv(num_tiles, tiles_per_split)  # no split that every sequence leaves empty
+    num_splits, tiles_per_split = plan_splits(B, Hkv, max_seq_len, block_n, q.device, num_splits)
     d_pad = max(16, next_pow2(D))
     block_m = max(16, next_pow2(max_query_len * G))
     dot_fp32, precision = dot_precision(q.dtype, INTERPRETING)

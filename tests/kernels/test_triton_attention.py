@@ -250,6 +250,23 @@ def test_greedy_tokens_match_torch_backend(tiny_model_dir, kv_cache_dtype):
     for backend in ("torch", "triton"):
         llm = make_llm(path, attention_backend=backend, block_size=16, max_num_batched_tokens=32,
                        kv_cache_dtype=kv_cache_dtype, device=DEVICE)
+        assert llm.engine.loaded.model.model.layers[0].self_attn.attn.backend.name == backend
         tokens[backend] = greedy(llm, prompts, params)
     assert tokens["triton"] == tokens["torch"]
     assert all(len(t) == 8 for t in tokens["torch"])
+
+
+@pytest.mark.parametrize("kv_dtype, q_len", [(torch.float32, 1), (E4M3, 4)])
+def test_bench_baseline_agrees_with_the_kernel(kv_dtype, q_len):
+    """triton_bench's gathered-SDPA baseline and its case builder (the timing itself needs CUDA)."""
+    from ember.kernels import triton_bench
+
+    q, cache, meta, k_scale, v_scale = triton_bench.decode_case(3, 45, 8, 2, D, 16, torch.float32, kv_dtype, q_len,
+                                                                DEVICE)
+    out = paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, q_len, 45,
+                                 q.shape[0], 0.25, torch.empty_like(q), k_scale, v_scale)
+    torch.testing.assert_close(out, triton_bench.gathered_sdpa(q, cache, meta, 0.25, k_scale, v_scale),
+                               rtol=1e-5, atol=1e-5)
+    if DEVICE == "cpu":
+        with pytest.raises(ConfigError, match="CUDA"):
+            triton_bench.bench_decode_attention()
