@@ -78,17 +78,17 @@ def dot_precision(dtype: torch.dtype, interpreting: bool) -> tuple[bool, str | N
 def round_to_format(x, ROUND_MBITS: tl.constexpr, ROUND_MIN_NORMAL: tl.constexpr):
     """fp32 x rounded to nearest-even at ROUND_MBITS mantissa bits (the carry may bump the
     exponent); below ROUND_MIN_NORMAL (a subnormal range with a fixed step) to that step.
-    ROUND_MBITS 0: x unchanged (every GPU launch)."""
-    if ROUND_MBITS == 0:
-        return x
-    SHIFT: tl.constexpr = 23 - ROUND_MBITS
-    bits = x.to(tl.int32, bitcast=True)
-    bits = (bits + ((1 << (SHIFT - 1)) - 1) + ((bits >> SHIFT) & 1)) & (-(1 << SHIFT))
-    y = bits.to(tl.float32, bitcast=True)
-    if ROUND_MIN_NORMAL != 0.0:
-        step = ROUND_MIN_NORMAL / (1 << ROUND_MBITS)
-        # adding 1.5 * 2**23 rounds a float32 of magnitude < 2**22 to an integer, ties to even
-        # (on |x|, then the sign again: a tiny negative value must round to -0.0, as in torch)
-        sub = ((tl.abs(x) / step + 12582912.0) - 12582912.0) * step
-        y = tl.where(tl.abs(x) < ROUND_MIN_NORMAL, tl.where(x < 0, -sub, sub), y)
+    ROUND_MBITS 0: x unchanged (every GPU launch; the branch is not even compiled)."""
+    y = x
+    if ROUND_MBITS != 0:
+        SHIFT: tl.constexpr = 23 - ROUND_MBITS
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + ((1 << (SHIFT - 1)) - 1) + ((bits >> SHIFT) & 1)) & (-(1 << SHIFT))
+        y = bits.to(tl.float32, bitcast=True)
+        if ROUND_MIN_NORMAL != 0.0:
+            step = ROUND_MIN_NORMAL / (1 << ROUND_MBITS)
+            # adding 1.5 * 2**23 rounds a float32 of magnitude < 2**22 to an integer, ties to even
+            # (on |x|, then the sign again: a tiny negative value must round to -0.0, as in torch)
+            sub = ((tl.abs(x) / step + 12582912.0) - 12582912.0) * step
+            y = tl.where(tl.abs(x) < ROUND_MIN_NORMAL, tl.where(x < 0, -sub, sub), y)
     return y
