@@ -116,5 +116,4 @@ def bench_decode_attention(contexts=(512, 2048, 8192, 32768), batch_size: int = 
                          num_splits=plan_splits(batch_size, num_kv_heads, context, BLOCK_N, q.device)[0],
                          triton_ms=triton_ms, torch_ms=torch_ms, speedup=torch_ms / triton_ms,
                          triton_gbps=kv_bytes / triton_ms / 1e6, max_abs_diff=diff))
-        del q, cache, meta, out
     return rows
