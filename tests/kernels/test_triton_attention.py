@@ -99,11 +99,12 @@ class Step:
 def assert_close_to_reference(out, ref, dtype):
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert torch.isfinite(out).all()
-    # fp32: summation order only. bf16 outputs: one rounding of a value below ~3 (and the
-    # reference's own bf16 rounding of q * k_scale for an fp8 cache).
-    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    # Relative to max|ref|. fp32: summation order only (measured <= 8e-7). bf16: the reference's
+    # own roundings -- its fresh-prefill path runs SDPA in bf16, and for an fp8 cache it rounds
+    # q * k_scale and out * v_scale to bf16 (measured <= 6.7e-3; bf16 decodes agree exactly).
+    tol = 1e-5 if dtype == torch.float32 else 1.5e-2
     err = (out.float() - ref.float()).abs().max().item()
-    assert err <= tol * max(1.0, ref.float().abs().max().item()), err
+    assert err <= tol * ref.float().abs().max().item(), err
 
 
 def decode(step, **kw):
