@@ -185,7 +185,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
         *stride_p, out.stride(0), out.stride(1),
         G=G, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D, D_PAD=d_pad, FP8=fp8,
-        DIRECT=direct, DOT_FP32=dot_fp32, PRECISION=precision, **rounding)
+        DIRECT=direct, DOT_FP32=dot_fp32, PRECISION=precision, **rounding,
+        num_warps=4 if block_m * d_pad <= 16 * 128 else 8)  # larger (verify) row tiles spill at 4 warps on sm_90
     if not direct:
         merge_splits_kernel[(num_tokens, Hq)](
             part_out, part_lse, out, scales[1], num_splits, stride_p[0], stride_p[1], out.stride(0), out.stride(1),

@@ -113,5 +113,5 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
         out.stride(0), out.stride(1),
         G=Hq // Hkv, BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_N=block_n, HEAD_DIM=D,
         D_PAD=max(16, next_pow2(D)), FP8=fp8, DOT_FP32=dot_fp32, PRECISION=precision,
-        **cast_constexprs(out.dtype, INTERPRETING))
+        **cast_constexprs(out.dtype, INTERPRETING), num_warps=8 if D > 64 else 4)  # D 128 at 4 warps spills (sm_90)
     return out
