@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ember.errors import ConfigError
+from ember.kernels import ATTENTION_BACKENDS
 from ember.quant import QUANTIZATION_CHOICES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -39,7 +40,7 @@ class EngineConfig:
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV blocks of shared prompt prefixes"})
     enforce_eager: bool = field(default=False, metadata={"help": "never use CUDA graphs or torch.compile"})
     int8_decode: bool | None = field(default=None, metadata={"help": "CPU: keep an int8 weight-only copy of each linear for decode-sized batches (bf16 GEMV is slow on CPU); default: on for .gguf models in bfloat16/float16"})
-    attention_backend: str = field(default="torch", metadata={"help": "attention kernels", "choices": ("torch",)})
+    attention_backend: str = field(default="auto", metadata={"help": "attention kernels: auto = triton on CUDA, torch on CPU (triton on CPU only under TRITON_INTERPRET=1)", "choices": ATTENTION_BACKENDS})
     quantization: str = field(default="auto", metadata={"help": "weight format: auto = what the checkpoint holds (awq for an AWQ folder, gguf = packed blocks for a .gguf file, else none); none on a .gguf dequantizes it to --dtype", "choices": QUANTIZATION_CHOICES})
     tensor_parallel_size: int = field(default=1, metadata={"help": "number of devices to shard the model over"})
     speculative_config: dict[str, Any] | None = field(default=None, metadata={"help": 'speculative decoding config (JSON), as vLLM: {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 5}; methods ngram | mtp | draft'})
@@ -66,6 +67,12 @@ class EngineConfig:
 
         need(self.dtype in DTYPES, f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         need(self.device in DEVICES, f"--device {self.device!r} is not one of {', '.join(DEVICES)}")
+        need(self.attention_backend in ATTENTION_BACKENDS,
+             f"--attention-backend {self.attention_backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
+        if self.attention_backend == "triton" and self.device == "cpu":
+            from ember.kernels import resolve_attention_backend
+
+            resolve_attention_backend("triton", "cpu")  # refuses unless TRITON_INTERPRET=1, saying what to change
         need(self.kv_cache_dtype in KV_CACHE_DTYPES, f"--kv-cache-dtype {self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
         need(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
              f"--block-size must be a power of two (got {self.block_size}); 16 is the default")

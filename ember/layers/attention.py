@@ -12,6 +12,8 @@ output. The scales come from the checkpoint (load_weight) or, failing that, from
 step that writes the layer (vLLM's calculate_kv_scales: max|K| / 200, max|V| / 100), then
 stay frozen. This step's k/v reach the backend as the fp8 values written, so a fresh prefill
 sees the same quantization error as a chunk or a decode reading the cache.
+A backend with a store_kv of its own (triton) writes, and quantizes, this step's K/V itself and
+reads them back from the cache.
 """
 from __future__ import annotations
 
@@ -119,12 +121,16 @@ class Attention(nn.Module):
         """q [T, Hq, D], k/v [T, Hkv, D] (after norm and RoPE) -> [T, Hq, D], or [R, Hq, D] for
         the selected rows only (every row's K/V is still written)."""
         fp8 = is_fp8(kv_cache.dtype)
-        if fp8:
-            if not self.kv_scales_frozen:
-                self.calibrate_kv_scales(k, v, meta)
-            k = quantize_kv(k, self.k_scale, kv_cache.dtype)
-            v = quantize_kv(v, self.v_scale, kv_cache.dtype)
-        write_kv_cache(k, v, kv_cache, meta.slot_mapping, meta.all_slots_valid)
+        if fp8 and not self.kv_scales_frozen:
+            self.calibrate_kv_scales(k, v, meta)
+        store_kv = getattr(self.backend, "store_kv", None)
+        if store_kv is not None:  # a backend with its own store kernel (triton) quantizes while writing
+            store_kv(k, v, kv_cache, meta.slot_mapping, *((self.k_scale, self.v_scale) if fp8 else ()))
+        else:
+            if fp8:
+                k = quantize_kv(k, self.k_scale, kv_cache.dtype)
+                v = quantize_kv(v, self.v_scale, kv_cache.dtype)
+            write_kv_cache(k, v, kv_cache, meta.slot_mapping, meta.all_slots_valid)
         if select is not None:
             if select.meta is None:
                 return q[:0]

@@ -87,7 +87,7 @@ def load_model(model: str | None, tokenizer_path: str | None, dtype: torch.dtype
     model_cls = get_model_class(model_config.architecture)
     with torch.device(device):
         net = model_cls(model_config, dtype=dtype, device=device,
-                        attn_backend=get_attention_backend(attention_backend), quant_config=quant_config)
+                        attn_backend=get_attention_backend(attention_backend, device), quant_config=quant_config)
     net.load_weights(weights)
     process_weights_after_loading(net)
     net.eval()

@@ -1,0 +1,94 @@
+"""What the Triton attention kernels share: interpreter detection, dot precision, and a fix
+for two casts the interpreter gets wrong.
+
+These modules import triton at the top and define their kernels at module level (helpers such
+as round_to_format are called from kernels, and the interpreter resolves a kernel's callees in
+its module's globals, not in closures). @triton.jit reads TRITON_INTERPRET when a function is
+decorated, and the kernels use tl.max / tl.sum, which triton decorates when it is imported: so
+the variable must be set before triton is first imported (the tests set it in
+tests/kernels/conftest.py) and cannot change afterwards; check_launch says so when it did.
+Only TritonAttentionBackend's users import these modules, never ember on a plain CPU run.
+
+Interpreter gaps (triton 3.9), and how the kernels stay honest about them:
+  - tl.dot on bfloat16 multiplies the raw uint16 bits: under the interpreter every dot runs on
+    fp32-cast inputs (DOT_FP32); on a GPU fp16/bf16 inputs go to tl.dot as they are.
+  - fp32 -> bf16 truncates instead of rounding, and fp32 -> fp8 rounds without carrying into
+    the exponent (31.7 -> 16 instead of 32 in e4m3). So under the interpreter a value is first
+    rounded to nearest-even in fp32 (round_to_format); the cast then only drops zero bits and
+    gives exactly what torch (and the GPU) gives. On a GPU the cast is used directly.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ember.errors import ConfigError
+
+# (mantissa bits, smallest normal) of the formats whose interpreter cast needs pre-rounding.
+# smallest normal 0.0: the format's subnormals are fp32's (bf16), no separate rounding step.
+_ROUNDED_FORMATS = {
+    torch.bfloat16: (7, 0.0),
+    torch.float8_e4m3fn: (3, 2.0 ** -6),
+    torch.float8_e5m2: (2, 2.0 ** -14),
+}
+
+
+def interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+INTERPRETING = interpret()  # how this process's kernels were built (see the module docstring)
+
+
+def check_launch(*tensors: torch.Tensor) -> None:
+    """The kernels run on CUDA tensors, or on CPU tensors under the interpreter."""
+    if interpret() != INTERPRETING:
+        raise ConfigError("TRITON_INTERPRET changed after ember's Triton kernels were built; set it before "
+                          "the first import of triton (and of ember.kernels.triton_*)")
+    on_cpu = any(t.device.type == "cpu" for t in tensors)
+    if on_cpu and not INTERPRETING:
+        raise ConfigError("the Triton attention kernels run on CUDA tensors; on CPU use --attention-backend torch "
+                          "(or set TRITON_INTERPRET=1 before starting, to run them in Triton's interpreter)")
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def cast_constexprs(dtype: torch.dtype, interpreting: bool) -> dict:
+    """ROUND_MBITS / ROUND_MIN_NORMAL for round_to_format: 0 = cast directly."""
+    if not interpreting or dtype not in _ROUNDED_FORMATS:
+        return dict(ROUND_MBITS=0, ROUND_MIN_NORMAL=0.0)
+    mbits, min_normal = _ROUNDED_FORMATS[dtype]
+    return dict(ROUND_MBITS=mbits, ROUND_MIN_NORMAL=min_normal)
+
+
+def dot_precision(dtype: torch.dtype, interpreting: bool) -> tuple[bool, str | None]:
+    """(DOT_FP32, input_precision): fp32 dots in fp32 ("ieee", as the fp32 reference), half
+    types as they are on a GPU; everything in fp32 under the interpreter (see above)."""
+    if interpreting or dtype == torch.float32:
+        return True, "ieee"
+    return False, None
+
+
+@triton.jit
+def round_to_format(x, ROUND_MBITS: tl.constexpr, ROUND_MIN_NORMAL: tl.constexpr):
+    """fp32 x rounded to nearest-even at ROUND_MBITS mantissa bits (the carry may bump the
+    exponent); below ROUND_MIN_NORMAL (a subnormal range with a fixed step) to that step.
+    ROUND_MBITS 0: x unchanged (every GPU launch; the branch is not even compiled)."""
+    y = x
+    if ROUND_MBITS != 0:
+        SHIFT: tl.constexpr = 23 - ROUND_MBITS
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + ((1 << (SHIFT - 1)) - 1) + ((bits >> SHIFT) & 1)) & (-(1 << SHIFT))
+        y = bits.to(tl.float32, bitcast=True)
+        if ROUND_MIN_NORMAL != 0.0:
+            step = ROUND_MIN_NORMAL / (1 << ROUND_MBITS)
+            # adding 1.5 * 2**23 rounds a float32 of magnitude < 2**22 to an integer, ties to even
+            # (on |x|, then the sign again: a tiny negative value must round to -0.0, as in torch)
+            sub = ((tl.abs(x) / step + 12582912.0) - 12582912.0) * step
+            y = tl.where(tl.abs(x) < ROUND_MIN_NORMAL, tl.where(x < 0, -sub, sub), y)
+    return y
