@@ -46,6 +46,10 @@ class MirroredMTP:
         send_call("mtp_logits", g, step)
         return self._mtp.compute_logits(g, step)
 
+    def compute_draft_logits(self, g, step=0):
+        send_call("mtp_draft_logits", g, step)
+        return self._mtp.compute_draft_logits(g, step)
+
     def propose_greedy(self, g, step=0):
         send_call("mtp_greedy", g, step)
         return self._mtp.propose_greedy(g, step)
@@ -96,6 +100,9 @@ class Replayer:
 
     def op_mtp_logits(self, g, step):
         self.mtp.compute_logits(g, step)
+
+    def op_mtp_draft_logits(self, g, step):
+        self.mtp.compute_draft_logits(g, step)
 
     def op_mtp_greedy(self, g, step):
         self.mtp.propose_greedy(g, step)

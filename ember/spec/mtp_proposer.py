@@ -22,9 +22,10 @@ of its last computed token): draft 1 = argmax of compute_logits(g_c, step 0).
 
 propose() then drafts recursively: step j (1 .. k-1) takes token = draft j, position c + j,
 hidden = the g of step j - 1 and runs MTP layer j % num_layers; draft j + 1 = argmax of its logits
-(a layer with a reduced draft vocabulary proposes draft_vocab[argmax]). Drafts are greedy, i.e.
-deterministic: the rejection sampler treats q as one-hot, so greedy requests keep their exact
-output and sampled requests their exact distribution.
+(a layer with a reduced draft vocabulary proposes draft_vocab[argmax]) for a greedy request, which
+keeps its exact output. A sampled request's draft is drawn from q = softmax(logits / T) and handed
+over with q, so the rejection sampler accepts with min(1, p / q) and the output keeps its exact
+distribution.
 
 The chain's K/V (positions c + 1 ..) never touch the request's blocks: the MTP caches carry
 scratch blocks past the pool's (never handed out by the block manager). The chain's table is
@@ -63,6 +64,7 @@ class MTPProposer:
         t0 = time.perf_counter()
         self.mtp = load_mtp(loaded.model, loaded.path, spec.model)
         self.device = self.mtp.device
+        self.packed_bytes_saved = self._pack_draft_weights()
         self.num_layers = self.mtp.num_layers
         self.num_speculative_tokens = self.num_layers  # vLLM's default when k is not given
         self.k_max = spec.num_speculative_tokens or self.num_layers
@@ -78,11 +80,26 @@ class MTPProposer:
                     self.draft_token_cost)
 
     # -- sizing and setup ---------------------------------------------------------------------
+    def _pack_draft_weights(self) -> int:
+        """CPU, bf16: the MTP layers' Linears and own head to group-32 int4 (ember.quant.rtn_int4).
+        A draft step reads its weights for one row, so bytes are its cost; drafts may change a little,
+        the output cannot (the target verifies). Not under tensor parallelism (the workers replay
+        the MTP on their own dense shards)."""
+        from ember.layers.linear import get_tp_rank_size
+        from ember.quant.rtn_int4 import pack_module_int4
+
+        if self.device.type != "cpu" or self.mtp.dtype != torch.bfloat16 or get_tp_rank_size()[1] > 1:
+            return 0
+        saved = pack_module_int4(self.mtp.layers)
+        if saved:
+            logger.info("MTP: draft weights packed to int4 on CPU (%.1f MB saved)", saved / 1e6)
+        return saved
+
     def _draft_token_cost(self, loaded) -> float:
         """One draft step's weight bytes over the target's (CPU decode is bandwidth bound): an MTP
         layer plus the head it scores with (a reduced draft vocabulary makes that small)."""
         layer = self.mtp.layers[0]
-        own = sum(p.numel() * p.element_size() for p in layer.parameters())
+        own = sum(t.numel() * t.element_size() for t in (*layer.parameters(), *layer.buffers()))
         if layer.head is None:  # the main LM head
             head = self.mtp._lm_head
             own += sum(p.numel() * p.element_size() for p in head.parameters())
@@ -165,12 +182,31 @@ class MTPProposer:
             self.starts[req.request_id] = (req.num_tokens - 2, g[i:i + 1])
 
     # -- drafting -----------------------------------------------------------------------------
-    def _greedy(self, g: torch.Tensor, step: int) -> torch.Tensor:
-        """Argmax draft ids [N] of layer (step % n)'s head, through its draft vocabulary if any."""
-        propose = getattr(self.mtp, "propose_greedy", None)
-        if propose is not None:
-            return propose(g, step)
-        return self.mtp.compute_logits(g, step).argmax(dim=-1)
+    def _pick(self, g: torch.Tensor, step: int, reqs: list[Request]) -> tuple[torch.Tensor, list]:
+        """Draft ids [N] from layer (step % n)'s head, and per row its draft distribution q [V] or None.
+
+        Greedy requests: the argmax (q one-hot, None). Sampled requests: a token drawn from
+        q = softmax(draft logits / T) (the request's own seeded generator when it has one), handed
+        to the rejection sampler with q, which accepts with min(1, p / q): for a head distilled
+        towards the target, sum(min(p, q)) beats p(argmax q), the acceptance of a greedy draft."""
+        sampled = [r for r, req in enumerate(reqs) if not req.sampling_params.greedy]
+        if not sampled:
+            propose = getattr(self.mtp, "propose_greedy", None)
+            if propose is not None:
+                return propose(g, step), [None] * len(reqs)
+        logits, ids = self.mtp.compute_draft_logits(g, step)  # [N, V_draft] (or [N, V], ids None)
+        cols = logits.argmax(dim=-1)
+        qs: list = [None] * len(reqs)
+        if sampled:
+            vocab = self.mtp._lm_head.vocab_size
+            gens = self.runner.generators if self.runner is not None else {}
+            for r in sampled:
+                req = reqs[r]
+                q = torch.softmax(logits[r].float() / req.sampling_params.temperature, dim=-1)
+                gen = gens.get(req.request_id)
+                cols[r] = torch.multinomial(q, 1, generator=gen)[0]
+                qs[r] = q if ids is None else q.new_zeros(vocab).index_copy_(0, ids, q)
+        return (cols if ids is None else ids[cols]), qs
 
     @torch.inference_mode()
     def propose(self, requests: Sequence[Request], max_tokens: Sequence[int]) -> list[Draft | None]:
@@ -187,16 +223,18 @@ class MTPProposer:
         if not live:
             return out
         g = torch.cat(gs)
-        toks = self._greedy(g, 0)
+        toks, qs = self._pick(g, 0, [req for _, req, _, _ in live])
         drafts = [[t] for t in toks.tolist()]
+        probs = [[q] for q in qs]
         k_most = max(k for _, _, k, _ in live)
         if k_most > 1:
-            self._chain(live, g, toks, drafts, k_most)
-        for (i, _, k, _), d in zip(live, drafts):
-            out[i] = Draft(d[:k])
+            self._chain(live, g, toks, drafts, probs, k_most)
+        for (i, _, k, _), d, q in zip(live, drafts, probs):
+            out[i] = Draft(d[:k], None if q[0] is None else torch.stack(q[:k]))
         return out
 
-    def _chain(self, live, g: torch.Tensor, toks: torch.Tensor, drafts: list[list[int]], k_most: int) -> None:
+    def _chain(self, live, g: torch.Tensor, toks: torch.Tensor, drafts: list[list[int]], probs: list[list],
+               k_most: int) -> None:
         """Draft steps 1 .. k-1, one row per request, into scratch blocks (module docstring)."""
         bs, dev = self.block_size, self.device
         chain_tables = []
@@ -234,6 +272,7 @@ class MTPProposer:
                 block_size=bs, query_lens_cpu=[1] * len(idx), seq_lens_cpu=lens,
                 max_query_len=1, max_seq_len=max(lens), all_slots_valid=True)
             g = self.mtp(toks, torch.tensor(pos, dtype=torch.int64, device=dev), g, self.caches, meta, step=j)
-            toks = self._greedy(g, j)
-            for i, t in zip(idx, toks.tolist()):
+            toks, qs = self._pick(g, j, [live[i][1] for i in idx])
+            for i, t, q in zip(idx, toks.tolist(), qs):
                 drafts[i].append(t)
+                probs[i].append(q)

@@ -167,12 +167,14 @@ def test_an_mtp_that_predicts_well_gets_whole_drafts_accepted(mtp_model, layout)
     stats = check_clean(llm)
     assert stats["spec_acceptance_per_pos"] == [1.0, 1.0, 1.0], stats
     assert stats["spec_mean_accepted_length"] > 3.0, stats  # 4 tokens a step, but for the last ones
-    # Sampled: drafts are accepted with the target's probability of them.
+    # Sampled: a draft is drawn from the MTP's own q = softmax(logits / T) and accepted with
+    # min(1, p / q). This MTP's logits are the target's, so q == p and (up to rounding) every draft is
+    # accepted; greedy drafts would be accepted only with p(argmax), well below 1 at T = 0.8.
     params = SamplingParams(temperature=0.8, max_tokens=14, seed=7, ignore_eos=True)
     llm = make_llm(path, enable_mtp=True, num_speculative_tokens=3, adaptive_spec=False)
     run(llm, PROMPTS, params)
     stats = check_clean(llm)
-    assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], stats
+    assert stats["spec_num_accepted_tokens"] >= 0.95 * stats["spec_num_draft_tokens"] > 0, stats
 
 
 def test_reduced_draft_vocabulary_drafts_its_token_ids(mtp_model, tmp_path):
@@ -453,3 +455,42 @@ def test_default_model_greedy_output_identical_with_its_mtp_head():
     plain = LLM(enable_mtp=False, **knobs)
     assert plain.engine.spec is None
     assert [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)] == outs
+
+
+def test_sampled_mtp_drafts_keep_the_distribution(mtp_model):
+    """Sampled requests draft from the (random, so q != p) MTP's own distribution q and hand q to the
+    rejection sampler: the joint law of the first 3 tokens (2 and 3 from verify steps) is unchanged."""
+    from tests.models.tiny_models import random_prompt
+    from tests.spec.test_spec_engine import two_sample_pvalue
+
+    path = mtp_model("qwen3", "deepseek")
+    prompt = random_prompt(6, 3)
+    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
+
+    def sample(llm):
+        torch.manual_seed(0)
+        return [tuple(t) for t in run(llm, [prompt] * 1200, params)]
+
+    base = sample(make_llm(path, max_num_seqs=32))
+    llm = make_llm(path, max_num_seqs=32, enable_mtp=True, num_speculative_tokens=2, adaptive_spec=False)
+    spec = sample(llm)
+    stats = check_clean(llm)
+    assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], stats
+    assert two_sample_pvalue(base, spec) > 1e-3
+
+
+def test_bf16_cpu_packs_the_mtp_layer_to_int4_and_still_drafts(mtp_model):
+    """On CPU in bf16 the draft layer's Linears and own head run as int4 (ember.quant.rtn_int4); the
+    exact bigram MTP still gets most drafts accepted (RTN moves its logits a little)."""
+    from ember.quant.rtn_int4 import RTNInt4Method
+
+    path = mtp_model("qwen3", "deepseek", bigram=True)
+    llm = make_llm(path, dtype="bfloat16", enable_mtp=True, num_speculative_tokens=2, adaptive_spec=False)
+    proposer = llm.engine.spec.proposer
+    assert proposer.packed_bytes_saved > 0
+    assert isinstance(proposer.mtp.layers[0].block.mlp.down_proj.quant_method, RTNInt4Method)
+    run(llm, PROMPTS, GREEDY)
+    stats = check_clean(llm)
+    assert stats["spec_num_accepted_tokens"] > 0.5 * stats["spec_num_draft_tokens"], stats
+    fp32 = make_llm(path, enable_mtp=True, num_speculative_tokens=2)
+    assert fp32.engine.spec.proposer.packed_bytes_saved == 0
