@@ -6,6 +6,12 @@ from random weights of real shapes):
 
     python scripts/gpu_check.py --out benchmarks/gpu.md
 
+(through the device tool, whose files come back from $OUT only:
+ `PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py --out $OUT/gpu.md 2>&1 | tee $OUT/log`, timeout_s 600,
+ then copy gpu.md / gpu.json into benchmarks/). It needs torch (CUDA), triton, safetensors,
+tokenizers, jinja2, tqdm and numpy: the lent machine's image has them; ember comes from this
+checkout (the script puts the repo root first on sys.path).
+
 It prints each row as it is measured and rewrites --out (markdown: date, GPU name, the table)
 and the JSON next to it (benchmarks/gpu.json) after every section, so a run that is cut short
 still leaves what it measured. Without a GPU:
@@ -72,6 +78,7 @@ import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
+import weakref  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -142,8 +149,10 @@ class Report:
         for r in self.rows:
             cells = [r["section"], r["case"], r["status"], r["result"], r["notes"]]
             lines.append("| " + " | ".join(str(c).replace("|", "/").replace("\n", " ") for c in cells) + " |")
-        lines += ["", "| section | elapsed s | cap s |", "|---|---|---|"]
-        lines += [f"| {s['section']} | {s['elapsed_s']:.1f} | {s['cap_s']:.0f} |" for s in self.sections]
+        lines += ["", "| section | elapsed s | cap s | GPU GiB allocated after |", "|---|---|---|---|"]
+        lines += [f"| {s['section']} | {s['elapsed_s']:.1f} | {s['cap_s']:.0f} | "
+                  f"{'-' if s['gpu_gib_allocated_after'] is None else format(s['gpu_gib_allocated_after'], '.2f')} |"
+                  for s in self.sections]
         return "\n".join(lines) + "\n"
 
     def write(self) -> None:
@@ -198,7 +207,9 @@ class Section:
                 self.add(c, "error" if error else "skipped", notes=why)
         if error is not None and not self.planned:
             self.add("section", "error", notes=_err(error))
-        self.report.sections.append(dict(section=self.name, elapsed_s=time.monotonic() - self.t0, cap_s=self.cap_s))
+        mem = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else None
+        self.report.sections.append(dict(section=self.name, elapsed_s=time.monotonic() - self.t0, cap_s=self.cap_s,
+                                         gpu_gib_allocated_after=mem))
         print(f"-- section {self.name}: {time.monotonic() - self.t0:.1f} s", flush=True)
 
 
@@ -245,7 +256,6 @@ def copy_bandwidth(device: torch.device) -> float:
     src = torch.empty(n, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src)
     ms = time_ms(lambda: dst.copy_(src), iters=20 if device.type == "cuda" else 5, warmup=3, device=device)
-    del src, dst
     return 2 * n / (ms / 1000)
 
 
@@ -268,8 +278,10 @@ def section_env(sec: Section, ctx: dict) -> None:
     sec.report.machine = m
     gpu = f"{m['gpu']} ({m['gpu_memory_gib']} GiB, sm_{m['capability'].replace('.', '')}, {m['sms']} SMs), CUDA {m['cuda']}" \
         if dev.type == "cuda" else "no GPU (cpu-smoke)"
-    sec.add("machine", "ok", gpu, f"torch {torch.__version__}, triton {m['triton']}, ember {m.get('ember_commit')}, "
-                                  f"{m['cpu']} x{m['usable_cores']}")
+    import ember
+
+    sec.add("machine", "ok", gpu, f"torch {torch.__version__}, triton {m['triton']}, ember {m.get('ember_commit')} "
+                                  f"from {os.path.dirname(ember.__file__)}, {m['cpu']} x{m['usable_cores']}")
     bw = copy_bandwidth(dev)
     ctx["copy_bps"] = bw
     sec.add("d2d copy bandwidth", "ok", f"{bw / 1e9:.0f} GB/s", "(read + write) bytes / s, 1 GiB copy"
@@ -658,6 +670,20 @@ def executor_name(llm) -> str:
     return type(ex).__name__ if ex is not None else "none (runner has no executor)"
 
 
+def graph_replays(llm) -> int | None:
+    """Steps the CUDA-graph executor ran from a graph so far (None: no such counter)."""
+    return getattr(getattr(llm.engine.runner, "executor", None), "replays", None)
+
+
+def check_freed(sec: Section, engine_ref, what: str) -> None:
+    """A row (FAIL) when a deleted engine is still alive: its KV pool would stay allocated and
+    the next engine's memory budget would be wrong."""
+    free_memory()
+    if engine_ref() is not None:
+        sec.add(f"{what} engine freed", "FAIL", "the engine is still referenced after del + gc",
+                "its GPU memory (weights + KV pool) is not released")
+
+
 def step_bytes(model: torch.nn.Module, s: dict, batch: int) -> float:
     """Weight bytes one decode step reads: every parameter (and CPU int4/int8 copy) except the
     embedding, which is a row lookup (a tied embedding is read whole as the head). MoE experts:
@@ -723,10 +749,11 @@ def section_model(sec: Section, ctx: dict, key: str) -> None:
                 continue
             if sec.skip_if_over(*cases):
                 continue
-            llm = None
+            llm = engine_ref = None
             try:
                 t = time.monotonic()
                 llm = make_llm(path, ctx, enforce_eager=mode == "eager", max_model_len=1024, max_num_seqs=8)
+                engine_ref = weakref.ref(llm.engine)
                 load_s = time.monotonic() - t
                 ex = executor_name(llm)
                 for b, case in zip((1, 8), cases):
@@ -734,14 +761,17 @@ def section_model(sec: Section, ctx: dict, key: str) -> None:
                         continue
                     try:
                         decode_rate(llm, b, 4, s["vocab"], seed=100 + b)  # warmup: compile / capture this batch
+                        r0 = graph_replays(llm)
                         steady, mean, steps = decode_rate(llm, b, new_tokens, s["vocab"], seed=b)
+                        r1 = graph_replays(llm)
+                        replays = "" if r0 is None else f"; graph replays {r1 - r0} of {steps + 1} steps"
                         wb = step_bytes(llm.engine.loaded.model, s, b) * steady / b  # bytes / step * steps / s
                         share = wb / ctx["copy_bps"] if ctx.get("copy_bps") else float("nan")
                         sec.add(case, "ok", f"{steady:.1f} tok/s (mean {mean:.1f})",
                                 f"weights {wb / 1e9:.3g} GB/s = {100 * share:.3g}% of d2d copy; {steps} steps; "
-                                f"executor {ex}; engine built in {load_s:.1f} s{toy}",
+                                f"executor {ex}{replays}; engine built in {load_s:.1f} s{toy}",
                                 tok_s=steady, mean_tok_s=mean, steps=steps, weight_bps=wb, copy_share=share,
-                                executor=ex, engine_s=load_s)
+                                executor=ex, graph_replays=None if r0 is None else r1 - r0, engine_s=load_s)
                     except Exception as e:
                         sec.add(case, "error", notes=f"{_err(e)}; executor {ex}")
                         traceback.print_exc()
@@ -754,6 +784,8 @@ def section_model(sec: Section, ctx: dict, key: str) -> None:
                 if llm is not None:
                     llm.engine.shutdown()
                 del llm
+                if engine_ref is not None:
+                    check_freed(sec, engine_ref, f"{label} {mode}")
                 free_memory()
     finally:
         shutil.rmtree(path, ignore_errors=True)
@@ -777,12 +809,13 @@ def section_ttft(sec: Section, ctx: dict) -> None:
         for case, chunked in zip(TTFT_CASES, (True, False)):
             if sec.skip_if_over(case):
                 continue
-            llm = None
+            llm = engine_ref = None
             try:
                 knobs = dict(enable_chunked_prefill=True, max_num_batched_tokens=chunk) if chunked else \
                     dict(enable_chunked_prefill=False, max_num_batched_tokens=max_len)
                 llm = make_llm(path, ctx, max_model_len=max_len, max_num_seqs=4, **knobs)
                 engine = llm.engine
+                engine_ref = weakref.ref(engine)
                 g = torch.Generator().manual_seed(7)
                 params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
                 times = []
@@ -806,7 +839,12 @@ def section_ttft(sec: Section, ctx: dict) -> None:
                 sec.add(case, "error", notes=_err(e))
                 traceback.print_exc()
             finally:
+                if llm is not None:
+                    llm.engine.shutdown()
                 del llm
+                engine = None  # noqa: F841 (drop the last reference before the check)
+                if engine_ref is not None:
+                    check_freed(sec, engine_ref, case)
                 free_memory()
     finally:
         shutil.rmtree(path, ignore_errors=True)
