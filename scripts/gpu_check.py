@@ -220,10 +220,14 @@ def _err(e: BaseException | None) -> str:
 
 
 def free_memory() -> None:
+    """gc + empty_cache; never raises (after a sticky CUDA error the rows say so, the run goes on)."""
     gc.collect()
     if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        try:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        except Exception as e:  # noqa: BLE001
+            print(f"free_memory: {_err(e)}", file=sys.stderr, flush=True)
 
 
 # -- timing helpers ------------------------------------------------------------------------------
@@ -615,7 +619,7 @@ def estimate_bytes(s: dict) -> int:
     attn = H * D * (2 * s["heads"] + 2 * s["kv_heads"])
     mlp = s["experts"] * 3 * H * s["moe_inter"] if "experts" in s else 3 * H * s["inter"]
     linear = L * (attn + mlp)
-    per = 0.5 + 4.5 / s["awq_group"] if "awq_group" in s else 2  # int4 + zeros/scales per weight
+    per = 0.5 + 2.5 / s["awq_group"] if "awq_group" in s else 2  # int4 + (int4 zero + fp16 scale) / G
     return int(linear * per + V * H * 2 * (1 if s["tie"] else 2))
 
 

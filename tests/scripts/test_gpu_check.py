@@ -80,3 +80,39 @@ def test_over_budget_sections_are_skipped_with_a_row(tmp_path):
         status, _, notes = rows[key]
         assert status == "skipped" and "over budget" in notes, (key, notes)
     assert not any(s == "qwen3-0.6b" for s, _ in rows)  # --only
+
+
+@pytest.mark.parametrize("key", ["qwen3-0.6b", "qwen3-8b", "qwen3-8b-awq", "qwen3-30b-a3b"])
+def test_real_shapes_load_on_meta(key, tmp_path):
+    """The GPU run's real-shape folders (config.json + every tensor's name and shape) load into
+    ember's model: built on the meta device, so 16 GB of weights cost nothing here."""
+    import torch
+
+    from ember.kernels.torch_attention import TorchAttentionBackend
+    from ember.model_config import ModelConfig
+    from ember.models.registry import get_model_class
+    from ember.quant import resolve_quant_config
+
+    gc = load_script()
+    assert not gc.SMOKE
+    spec = gc.model_spec(key)
+    (tmp_path / "config.json").write_text(json.dumps(gc.hf_config(spec)))
+    cfg = ModelConfig.from_folder(str(tmp_path))
+    quant = resolve_quant_config("auto", str(tmp_path), cfg.raw)
+    assert (quant is not None) == ("awq_group" in spec)
+    meta = torch.device("meta")
+    with meta:
+        model = get_model_class(cfg.architecture)(cfg, dtype=torch.bfloat16, device=meta,
+                                                  attn_backend=TorchAttentionBackend(), quant_config=quant)
+    nbytes = 0
+    names = []
+    for name, t in gc.model_tensors(spec, meta):
+        nbytes += t.numel() * t.element_size()
+        names.append(name)
+    model.load_weights(gc.model_tensors(spec, meta))  # raises on a missing or wrongly shaped tensor
+    params, modules = dict(model.named_parameters()), dict(model.named_modules())
+    assert all(model.route_weight(n, params, modules) is not None for n in names)  # none ignored
+    assert len(names) == len(set(names))
+    assert abs(nbytes - gc.estimate_bytes(spec)) < 0.01 * nbytes
+    want_gb = {"qwen3-0.6b": 1.2, "qwen3-8b": 16.4, "qwen3-8b-awq": 6.1, "qwen3-30b-a3b": 11.2}[key]
+    assert abs(nbytes / 1e9 - want_gb) < 0.05 * want_gb, nbytes / 1e9
