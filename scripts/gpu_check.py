@@ -72,6 +72,7 @@ import datetime  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
+import math  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
@@ -149,6 +150,12 @@ class Report:
         for r in self.rows:
             cells = [r["section"], r["case"], r["status"], r["result"], r["notes"]]
             lines.append("| " + " | ".join(str(c).replace("|", "/").replace("\n", " ") for c in cells) + " |")
+        lines += ["", "Notes: weights are random (N(0, 0.02); AWQ: random int4 codes), so tok/s and TTFT are "
+                  "the engine's speed at these shapes, not any model's output quality. Qwen3-30B-A3B runs 8 of "
+                  "its 48 layers at the real layer shape (decode time per layer is what transfers). Decode "
+                  "tok/s = batch / median step time; weights GB/s = weight bytes one decode step reads (not "
+                  "the embedding lookup; MoE: active experts, uniform routing assumed) per second, and its "
+                  "share of the measured d2d copy rate (read + write bytes / s)."]
         lines += ["", "| section | elapsed s | cap s | GPU GiB allocated after |", "|---|---|---|---|"]
         lines += [f"| {s['section']} | {s['elapsed_s']:.1f} | {s['cap_s']:.0f} | "
                   f"{'-' if s['gpu_gib_allocated_after'] is None else format(s['gpu_gib_allocated_after'], '.2f')} |"
@@ -490,11 +497,14 @@ def section_attention(sec: Section, ctx: dict) -> None:
 
                 r = bench_decode_attention(contexts=(context,), batch_size=8, num_heads=32, num_kv_heads=8,
                                            head_dim=128, kv_dtype=kv_dtype, iters=20, warmup=3)[0]
-                ok = r["max_abs_diff"] <= 0.05  # outputs are O(1); bf16 rounding is ~1e-2 at worst
+                # Random q, k, v ~ N(0, 1): scores ~ N(0, 1), so |out| has rms sqrt(e / context)
+                # (0.026 at 4K, 0.0046 at 128K); a wrong kernel is off by about that, rounding by ~1%.
+                tol = 0.1 * math.sqrt(math.e / context)
+                ok = r["max_abs_diff"] <= tol
                 sec.add(case, "ok" if ok else "FAIL",
                         f"triton {r['triton_ms']:.3f} ms vs SDPA {r['torch_ms']:.3f} ms = {r['speedup']:.2f}x",
-                        f"{r['triton_gbps']:.0f} GB/s KV; max_abs_diff {r['max_abs_diff']:.3g}; splits {r['num_splits']}; "
-                        f"batch 8, heads 32/8, D 128", **r)
+                        f"{r['triton_gbps']:.0f} GB/s KV; max_abs_diff {r['max_abs_diff']:.3g} (tol {tol:.2g}); "
+                        f"splits {r['num_splits']}; batch 8, heads 32/8, D 128", tol=tol, **r)
             else:  # the same case builder, kernel and baseline at a toy size; no timing without CUDA events
                 from ember.kernels.triton_bench import decode_case, gathered_sdpa
                 from ember.kernels.triton_decode import paged_decode_attention
@@ -629,9 +639,6 @@ def build_model(s: dict, device: torch.device) -> tuple[str, int]:
     from safetensors.torch import save_file
 
     path = scratch_dir(estimate_bytes(s))
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(hf_config(s), f, indent=1)
-    write_tokenizer(path, s["vocab"])
     shard: dict[str, torch.Tensor] = {}
     size = total = 0
     n = 0
@@ -644,14 +651,21 @@ def build_model(s: dict, device: torch.device) -> tuple[str, int]:
             n += 1
             shard, size = {}, 0
 
-    for name, t in model_tensors(s, device):
-        t = t.contiguous().cpu()
-        shard[name] = t
-        size += t.nbytes
-        total += t.nbytes
-        if size >= (2 << 30):
-            flush()
-    flush()
+    try:
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(hf_config(s), f, indent=1)
+        write_tokenizer(path, s["vocab"])
+        for name, t in model_tensors(s, device):
+            t = t.contiguous().cpu()
+            shard[name] = t
+            size += t.nbytes
+            total += t.nbytes
+            if size >= (2 << 30):
+                flush()
+        flush()
+    except BaseException:
+        shutil.rmtree(path, ignore_errors=True)  # a half-written folder (disk full?) must not fill /dev/shm
+        raise
     return path, total
 
 
