@@ -948,6 +948,7 @@ def main(argv=None) -> int:
         sec.finish(error)
         report.write()
     timer.cancel()
+    print("\n" + report.markdown(), flush=True)  # the whole table once more, last: it ends the log
     print(f"-- total {time.monotonic() - report.t0:.1f} s; wrote {args.out} and {json_path(args.out)}", flush=True)
     return 0
 
