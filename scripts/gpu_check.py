@@ -1,0 +1,957 @@
+#!/usr/bin/env python
+"""ember GPU check: one script, run once on a lent GPU, that prints one markdown table.
+
+How to run (on a lent CUDA machine: no internet, nothing is downloaded; models are built here
+from random weights of real shapes):
+
+    python scripts/gpu_check.py --out benchmarks/gpu.md
+
+(through the device tool, whose files come back from $OUT only:
+ `PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py --out $OUT/gpu.md 2>&1 | tee $OUT/log`, timeout_s 600,
+ then copy gpu.md / gpu.json into benchmarks/). It needs torch (CUDA), triton, safetensors,
+tokenizers, jinja2, tqdm and numpy: the lent machine's image has them; ember comes from this
+checkout (the script puts the repo root first on sys.path).
+
+It prints each row as it is measured and rewrites --out (markdown: date, GPU name, the table)
+and the JSON next to it (benchmarks/gpu.json) after every section, so a run that is cut short
+still leaves what it measured. Without a GPU:
+
+    python scripts/gpu_check.py --cpu-smoke --out /tmp/gpu.md
+
+runs the same flow at toy sizes on the CPU (Triton kernels under TRITON_INTERPRET=1, CUDA-only
+rows say "skipped: needs CUDA"); tests/scripts/test_gpu_check.py runs that in CI.
+
+Sections and rows (in run order; names are the same in both modes, toy sizes say so in notes):
+  env       machine: GPU, CUDA, torch, triton, ember commit.
+            d2d copy: device-to-device copy of 1 GiB, (read + write) bytes / s; the roofline the
+            decode rows are compared against.
+  kernels   every Triton kernel against the torch reference ON THE GPU, with max errors
+            (relative to max|ref|, tolerances as in tests/kernels): split-KV decode (bf16 and fp8
+            e4m3 KV; q_len 1 and a 4-token verify), varlen prefill (a mixed step: fresh prompt,
+            decode, chunks over a cached prefix; bf16 and fp8), KV store (bit-exact with the
+            torch write, bf16 and fp8), AWQ GEMM (M = 1 / 8 / 64) and AWQ dequantize (bit-exact).
+  attention ember.kernels.triton_bench.bench_decode_attention: Triton split-KV decode vs torch
+            SDPA over the gathered (padded) KV, batch 8, 32/8 heads, D 128, at 4K / 32K / 128K
+            context (+ an fp8 KV row at 32K); ms each, speedup, KV GB/s, max_abs_diff.
+  models    Qwen3-0.6B and Qwen3-8B shapes (dense bf16), Qwen3-8B shape as int4 AWQ (GEMM layout,
+            group 128), and Qwen3-30B-A3B's layer shape with 8 of its 48 layers (the full model is
+            61 GB of random safetensors: minutes to write and load; per-layer cost is what it
+            measures). Random weights written as an HF folder (safetensors + a word-level
+            tokenizer of the real vocab size) in /dev/shm (or the temp dir), deleted afterwards.
+            Rows per model: build (GB written, seconds); decode tok/s at batch 1 and 8, eager
+            (enforce_eager=True) and CUDA graphs (enforce_eager=False, the engine's default on
+            CUDA; the executor the engine reports is in the notes; an error is recorded in the row);
+            each decode row also gives the weight bytes the step reads per second and that as a
+            share of the d2d copy bandwidth (MoE: active experts only, uniform routing assumed).
+            decode tok/s = batch / median step time over 128 new tokens after a 32-token prompt.
+  ttft      Qwen3-0.6B shape: time to first token of a fresh 32K-token prompt with chunked
+            prefill at 2,048 tokens per step vs off (one 32K step); best of 2 after a warmup.
+
+Time budget: the whole run must finish within 8 minutes on an H200 (--budget-s 480). Each
+section has a cap (SECTION_CAPS); a step that would start past its section's cap or the total
+budget is skipped with a row that says so, and every section runs in its own try/except, so a
+failure loses only its own rows. A watchdog writes the files and exits if the run hangs past the
+budget + 90 s. GPU memory is freed between models (del + gc + torch.cuda.empty_cache()).
+--only env,kernels,... reruns some sections.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+SMOKE = "--cpu-smoke" in sys.argv
+if SMOKE:  # before anything imports triton: @triton.jit reads it at decoration time
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)  # this checkout's ember, not an installed one
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import math  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+import weakref  # noqa: E402
+
+import torch  # noqa: E402
+
+E4M3 = torch.float8_e4m3fn
+NEEDS_CUDA = "skipped: needs CUDA"
+SECTION_CAPS = {"env": 20, "kernels": 60, "attention": 60, "qwen3-0.6b": 70, "ttft": 45, "qwen3-8b": 90,
+                "qwen3-8b-awq": 75, "qwen3-30b-a3b": 75}  # seconds; sum 495 > 480, the total budget rules
+SECTIONS = list(SECTION_CAPS)
+PROMPT_LEN = 32
+
+# Real shapes (the models' config.json), and toy ones for --cpu-smoke.
+QWEN3 = dict(arch="Qwen3ForCausalLM", vocab=151936, rope_theta=1e6, max_pos=40960)
+MODELS = {
+    "qwen3-0.6b": dict(QWEN3, label="Qwen3-0.6B", hidden=1024, inter=3072, layers=28, heads=16, kv_heads=8,
+                       head_dim=128, tie=True),
+    "qwen3-8b": dict(QWEN3, label="Qwen3-8B", hidden=4096, inter=12288, layers=36, heads=32, kv_heads=8,
+                     head_dim=128, tie=False),
+    "qwen3-8b-awq": dict(QWEN3, label="Qwen3-8B AWQ", hidden=4096, inter=12288, layers=36, heads=32, kv_heads=8,
+                         head_dim=128, tie=False, awq_group=128),
+    # Qwen3-30B-A3B: 48 layers; 8 of them here (see the module docstring).
+    "qwen3-30b-a3b": dict(QWEN3, arch="Qwen3MoeForCausalLM", label="Qwen3-30B-A3B (8/48 layers)", hidden=2048,
+                          inter=6144, layers=8, heads=32, kv_heads=4, head_dim=128, tie=False, experts=128, top_k=8,
+                          moe_inter=768),
+}
+TOY = dict(vocab=512, hidden=64, inter=128, layers=2, heads=4, kv_heads=2, head_dim=16, max_pos=40960)
+TOY_OVERRIDES = {"qwen3-8b-awq": dict(hidden=128, inter=256, head_dim=32, awq_group=32),
+                 "qwen3-30b-a3b": dict(experts=8, top_k=2, moe_inter=32)}
+
+log = logging.getLogger("gpu_check")
+
+
+# -- report ------------------------------------------------------------------------------------
+
+class Report:
+    """Rows in run order; rewrites the markdown and JSON files after every section."""
+
+    def __init__(self, out: str, device_name: str, args):
+        self.out, self.device_name, self.args = out, device_name, args
+        self.rows: list[dict] = []
+        self.sections: list[dict] = []
+        self.machine: dict = {}
+        self.t0 = time.monotonic()
+        self.lock = threading.Lock()
+        self.date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+    def add(self, section: str, case: str, status: str, result: str = "", notes: str = "", **data) -> dict:
+        row = dict(section=section, case=case, status=status, result=result, notes=notes, data=data)
+        with self.lock:
+            self.rows.append(row)
+        print(f"| {section} | {case} | {status} | {result} | {notes} |", flush=True)
+        return row
+
+    def markdown(self) -> str:
+        mode = "cpu-smoke (toy sizes, Triton interpreter; not a measurement)" if SMOKE else "GPU"
+        lines = [
+            "# ember GPU check", "",
+            f"- date: {self.date}",
+            f"- device: {self.device_name}",
+            f"- mode: {mode}",
+            f"- command: `python scripts/gpu_check.py {' '.join(sys.argv[1:])}`",
+            f"- ember commit: {self.machine.get('ember_commit') or '-'}; torch {torch.__version__}; "
+            f"triton {self.machine.get('triton') or '-'}",
+            f"- total time: {time.monotonic() - self.t0:.0f} s (budget {self.args.budget_s:.0f} s)",
+            "",
+            "| section | case | status | result | notes |",
+            "|---|---|---|---|---|",
+        ]
+        for r in self.rows:
+            cells = [r["section"], r["case"], r["status"], r["result"], r["notes"]]
+            lines.append("| " + " | ".join(str(c).replace("|", "/").replace("\n", " ") for c in cells) + " |")
+        lines += ["", "Notes: weights are random (N(0, 0.02); AWQ: random int4 codes), so tok/s and TTFT are "
+                  "the engine's speed at these shapes, not any model's output quality. Qwen3-30B-A3B runs 8 of "
+                  "its 48 layers at the real layer shape (decode time per layer is what transfers). Decode "
+                  "tok/s = batch / median step time; weights GB/s = weight bytes one decode step reads (not "
+                  "the embedding lookup; MoE: active experts, uniform routing assumed) per second, and its "
+                  "share of the measured d2d copy rate (read + write bytes / s)."]
+        lines += ["", "| section | elapsed s | cap s | GPU GiB allocated after |", "|---|---|---|---|"]
+        lines += [f"| {s['section']} | {s['elapsed_s']:.1f} | {s['cap_s']:.0f} | "
+                  f"{'-' if s['gpu_gib_allocated_after'] is None else format(s['gpu_gib_allocated_after'], '.2f')} |"
+                  for s in self.sections]
+        return "\n".join(lines) + "\n"
+
+    def write(self) -> None:
+        with self.lock:
+            os.makedirs(os.path.dirname(os.path.abspath(self.out)), exist_ok=True)
+            with open(self.out, "w") as f:
+                f.write(self.markdown())
+            blob = dict(date=self.date, device=self.device_name, smoke=SMOKE, argv=sys.argv[1:],
+                        total_s=time.monotonic() - self.t0, machine=self.machine, sections=self.sections,
+                        rows=self.rows)
+            with open(json_path(self.out), "w") as f:
+                json.dump(blob, f, indent=1, default=str)
+                f.write("\n")
+
+
+def json_path(md: str) -> str:
+    root, _ = os.path.splitext(md)
+    return root + ".json"
+
+
+class Section:
+    """One section's rows and clock. `planned` names every row it should produce: whatever a
+    failure or the budget left out still gets a row, so the table always has all of them."""
+
+    def __init__(self, report: Report, name: str, cap_s: float, deadline: float, planned: list[str]):
+        self.report, self.name, self.planned = report, name, planned
+        self.t0 = time.monotonic()
+        self.deadline = min(self.t0 + cap_s, deadline)
+        self.cap_s = cap_s
+        self.done: set[str] = set()
+
+    def add(self, case: str, status: str, result: str = "", notes: str = "", **data) -> None:
+        self.done.add(case)
+        self.report.add(self.name, case, status, result, notes, **data)
+
+    def over(self) -> bool:
+        return time.monotonic() > self.deadline
+
+    def skip_if_over(self, *cases: str) -> bool:
+        """True (and rows for `cases`) when the section is past its cap or the total budget."""
+        if not self.over():
+            return False
+        for c in cases:
+            self.add(c, "skipped", notes=f"skipped: over budget ({time.monotonic() - self.t0:.0f} s into the "
+                                         f"section, cap {self.cap_s:.0f} s)")
+        return True
+
+    def finish(self, error: BaseException | None) -> None:
+        for c in self.planned:
+            if c not in self.done:
+                why = f"not run: section failed earlier ({_err(error)})" if error else "not run"
+                self.add(c, "error" if error else "skipped", notes=why)
+        if error is not None and not self.planned:
+            self.add("section", "error", notes=_err(error))
+        mem = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else None
+        self.report.sections.append(dict(section=self.name, elapsed_s=time.monotonic() - self.t0, cap_s=self.cap_s,
+                                         gpu_gib_allocated_after=mem))
+        print(f"-- section {self.name}: {time.monotonic() - self.t0:.1f} s", flush=True)
+
+
+def _err(e: BaseException | None) -> str:
+    if e is None:
+        return ""
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+
+
+def free_memory() -> None:
+    """gc + empty_cache; never raises (after a sticky CUDA error the rows say so, the run goes on)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        try:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        except Exception as e:  # noqa: BLE001
+            print(f"free_memory: {_err(e)}", file=sys.stderr, flush=True)
+
+
+# -- timing helpers ------------------------------------------------------------------------------
+
+def time_ms(fn, iters: int, warmup: int, device: torch.device) -> float:
+    """Median ms of fn(): CUDA events on a GPU, perf_counter on the CPU."""
+    for _ in range(warmup):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(1000 * (time.perf_counter() - t))
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """(read + write) bytes / s of a device-to-device copy of 1 GiB (64 MiB on the CPU)."""
+    n = (1 << 30) if device.type == "cuda" else (64 << 20)
+    src = torch.empty(n, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), iters=20 if device.type == "cuda" else 5, warmup=3, device=device)
+    return 2 * n / (ms / 1000)
+
+
+# -- env ---------------------------------------------------------------------------------------
+
+def section_env(sec: Section, ctx: dict) -> None:
+    from ember.bench.report import machine_info
+
+    m = machine_info()
+    try:
+        import triton
+        m["triton"] = triton.__version__
+    except ImportError:
+        m["triton"] = None
+    dev = ctx["device"]
+    if dev.type == "cuda":
+        p = torch.cuda.get_device_properties(dev)
+        m.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1), capability=f"{p.major}.{p.minor}",
+                 sms=p.multi_processor_count, cuda=torch.version.cuda)
+    sec.report.machine = m
+    gpu = f"{m['gpu']} ({m['gpu_memory_gib']} GiB, sm_{m['capability'].replace('.', '')}, {m['sms']} SMs), CUDA {m['cuda']}" \
+        if dev.type == "cuda" else "no GPU (cpu-smoke)"
+    import ember
+
+    sec.add("machine", "ok", gpu, f"torch {torch.__version__}, triton {m['triton']}, ember {m.get('ember_commit')} "
+                                  f"from {os.path.dirname(ember.__file__)}, {m['cpu']} x{m['usable_cores']}")
+    bw = copy_bandwidth(dev)
+    ctx["copy_bps"] = bw
+    sec.add("d2d copy bandwidth", "ok", f"{bw / 1e9:.0f} GB/s", "(read + write) bytes / s, 1 GiB copy"
+            if dev.type == "cuda" else "(read + write) bytes / s, 64 MiB memcpy on the CPU", copy_bps=bw)
+
+
+# -- kernel correctness ----------------------------------------------------------------------
+
+def paged_case(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, kv_dtype, device, seed=0):
+    """A varlen step over a paged cache with shuffled block tables; the step's own k/v are read
+    back from the cache (what the reference backend is given)."""
+    from ember.kernels.metadata import AttentionMetadata
+    from ember.layers.attention import quantize_kv
+
+    g = torch.Generator().manual_seed(seed)
+    blocks = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks) + 3
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, i = [], 0
+    for n in blocks:
+        tables.append(perm[i:i + n])
+        i += n
+    width = max(blocks) + 1  # wider than needed, padded with block 0
+    raw = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=g) * 3
+    fp8 = kv_dtype == E4M3
+    k_scale = v_scale = None
+    if fp8:  # as calibration sets them: max|x| / 200 (K), / 100 (V) for x ~ 3 * randn
+        k_scale, v_scale = torch.tensor(12.0 / 200), torch.tensor(12.0 / 100)
+        cache = torch.stack([quantize_kv(raw[0], k_scale, kv_dtype), quantize_kv(raw[1], v_scale, kv_dtype)])
+    else:
+        cache = raw.to(kv_dtype)
+    slots = []
+    for n, s, bt in zip(q_lens, seq_lens, tables):
+        slots += [bt[p // block_size] * block_size + p % block_size for p in range(s - n, s)]
+    T = sum(q_lens)
+    q = torch.randn(T, num_heads, head_dim, generator=g).to(dtype)
+    slot_t = torch.tensor(slots, dtype=torch.int64)
+    k = cache[0].flatten(0, 1)[slot_t]
+    v = cache[1].flatten(0, 1)[slot_t]
+    qsl = [0]
+    for n in q_lens:
+        qsl.append(qsl[-1] + n)
+    meta = AttentionMetadata(
+        slot_mapping=slot_t.to(device), query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
+        block_size=block_size, query_lens_cpu=list(q_lens), seq_lens_cpu=list(seq_lens),
+        max_query_len=max(q_lens), max_seq_len=max(seq_lens))
+    mv = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return mv(q), mv(k), mv(v), mv(cache), meta, mv(k_scale), mv(v_scale)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    err = (out.float() - ref.float()).abs().max().item()
+    return err, err / max(ref.float().abs().max().item(), 1e-30)
+
+
+def check_row(sec: Section, case: str, out, ref, tol: float, notes: str) -> None:
+    finite = bool(torch.isfinite(out.float()).all())
+    err, rel = rel_err(out, ref)
+    ok = finite and rel <= tol
+    sec.add(case, "ok" if ok else "FAIL", f"max abs err {err:.3g}, rel {rel:.2e} (tol {tol:g})",
+            notes + ("" if finite else "; NON-FINITE output"), max_abs_err=err, rel_err=rel, tol=tol)
+
+
+KERNEL_CASES = ["decode split-KV bf16 q_len 1", "decode split-KV fp8-e4m3 q_len 1", "decode split-KV bf16 q_len 4",
+                "decode split-KV fp8-e4m3 q_len 4", "varlen prefill bf16", "varlen prefill fp8-e4m3",
+                "KV store bf16", "KV store fp8-e4m3", "AWQ GEMM M=1", "AWQ GEMM M=8", "AWQ GEMM M=64",
+                "AWQ dequantize"]
+
+
+def section_kernels(sec: Section, ctx: dict) -> None:
+    from ember.kernels.torch_attention import TorchAttentionBackend
+    from ember.kernels.triton_decode import paged_decode_attention
+    from ember.kernels.triton_kv_store import store_kv
+    from ember.kernels.triton_prefill import paged_prefill_attention
+
+    dev = ctx["device"]
+    ref_backend = TorchAttentionBackend()
+    if SMOKE:
+        heads, kv_heads, D = 6, 2, 16
+        decode_lens, prefill = [37, 5, 70], ([20, 1, 13, 33], [20, 40, 50, 50])
+    else:
+        heads, kv_heads, D = 32, 8, 128
+        decode_lens, prefill = [1000, 4097, 37, 8192], ([700, 1, 300, 2048], [700, 2000, 1300, 4096])
+    shape = f"heads {heads}/{kv_heads}, D {D}, block 16"
+
+    def attention_case(case, kernel, q_lens, seq_lens, kv_dtype, seed):
+        if sec.skip_if_over(case):
+            return
+        try:
+            q, k, v, cache, meta, ks, vs = paged_case(q_lens, seq_lens, heads, kv_heads, D, 16, torch.bfloat16,
+                                                      kv_dtype, dev, seed)
+            scale = D ** -0.5
+            ref = ref_backend.forward(q, k, v, cache, meta, scale, *((ks, vs) if ks is not None else ()))
+            out = torch.zeros_like(q)
+            if kernel == "decode":
+                paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                       meta.max_query_len, meta.max_seq_len, q.shape[0], scale, out, ks, vs)
+            else:
+                paged_prefill_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                        meta.max_query_len, scale, out, ks, vs)
+            # bf16: the reference's own roundings (tests/kernels/test_triton_attention.py)
+            check_row(sec, case, out, ref, 1.5e-2, f"q_lens {q_lens}, seq_lens {seq_lens}, {shape}")
+        except Exception as e:
+            sec.add(case, "error", notes=_err(e))
+            traceback.print_exc()
+
+    for kv_name, kv_dtype in (("bf16", torch.bfloat16), ("fp8-e4m3", E4M3)):
+        attention_case(f"decode split-KV {kv_name} q_len 1", "decode", [1] * len(decode_lens), decode_lens, kv_dtype, 1)
+    for kv_name, kv_dtype in (("bf16", torch.bfloat16), ("fp8-e4m3", E4M3)):
+        attention_case(f"decode split-KV {kv_name} q_len 4", "decode", [4] * len(decode_lens), decode_lens, kv_dtype, 2)
+    for kv_name, kv_dtype in (("bf16", torch.bfloat16), ("fp8-e4m3", E4M3)):
+        attention_case(f"varlen prefill {kv_name}", "prefill", *prefill, kv_dtype, 3)
+
+    # KV store: bit-exact with the layer's torch path (quantize_kv + write_kv_cache), -1 slots untouched.
+    from ember.layers.attention import quantize_kv, write_kv_cache
+
+    T, num_blocks = (21, 24) if SMOKE else (4096, 512)
+    for kv_name, kv_dtype in (("bf16", torch.bfloat16), ("fp8-e4m3", E4M3)):
+        case = f"KV store {kv_name}"
+        if sec.skip_if_over(case):
+            continue
+        try:
+            g = torch.Generator().manual_seed(0)
+            k = (torch.randn(T, kv_heads, D, generator=g) * torch.logspace(-4, 1, D)).to(torch.bfloat16)
+            v = (torch.randn(T, kv_heads, D, generator=g) * 40).to(torch.bfloat16)  # fp8: some clamp
+            ks, vs = torch.tensor(0.01, device=dev), torch.tensor(0.05, device=dev)
+            slots = torch.randperm(num_blocks * 16, generator=g)[:T]
+            slots[::7] = -1
+            cache = torch.randn(2, num_blocks, 16, kv_heads, D, generator=g).to(kv_dtype).to(dev)
+            k, v, slots = k.to(dev), v.to(dev), slots.to(dev)
+            expected = cache.clone()
+            fp8 = kv_dtype == E4M3
+            if fp8:
+                write_kv_cache(quantize_kv(k, ks, kv_dtype), quantize_kv(v, vs, kv_dtype), expected, slots)
+                store_kv(k, v, cache, slots, ks, vs)
+            else:
+                write_kv_cache(k, v, expected, slots)
+                store_kv(k, v, cache, slots)
+            diff = int((cache.view(torch.uint8) != expected.view(torch.uint8)).sum())
+            sec.add(case, "ok" if diff == 0 else "FAIL", f"{diff} of {cache.numel()} bytes differ",
+                    f"{T} tokens (every 7th slot -1), {kv_heads} kv heads, D {D}; bf16 k/v in", differing_bytes=diff)
+        except Exception as e:
+            sec.add(case, "error", notes=_err(e))
+            traceback.print_exc()
+
+    # AWQ: the GEMM against x @ (exactly dequantized W in x's dtype), fp32 sums.
+    from ember.kernels import triton_awq
+    from ember.quant.awq_packing import dequantize_awq
+
+    K, N, G = (128, 72, 32) if SMOKE else (4096, 12288, 128)
+    g = torch.Generator().manual_seed(0)
+    qweight = torch.randint(-2**31, 2**31, (K, N // 8), generator=g, dtype=torch.int64).to(torch.int32).to(dev)
+    qzeros = torch.randint(-2**31, 2**31, (K // G, N // 8), generator=g, dtype=torch.int64).to(torch.int32).to(dev)
+    scales = (torch.rand(K // G, N, generator=g) * 0.01 + 0.001).half().to(dev)
+    # The interpreter cannot run bf16 tl.dot (tests/kernels/test_triton_awq.py): fp32 there.
+    gemm_dtypes = {1: torch.bfloat16, 8: torch.bfloat16, 64: torch.float16}
+    for M, dtype in gemm_dtypes.items():
+        case = f"AWQ GEMM M={M}"
+        if sec.skip_if_over(case):
+            continue
+        if SMOKE and dtype == torch.bfloat16:
+            dtype = torch.float32
+        try:
+            x = torch.randn(M, K, generator=g).to(dtype).to(dev)
+            wd = dequantize_awq(qweight, qzeros, scales.float(), G)
+            ref = x.float() @ wd.to(dtype).float()
+            y = triton_awq.awq_gemm(x, qweight, qzeros, scales, G)
+            tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+            check_row(sec, case, y, ref, tol, f"K {K}, N {N}, group {G}, {str(dtype).removeprefix('torch.')}")
+        except Exception as e:
+            sec.add(case, "error", notes=_err(e))
+            traceback.print_exc()
+    case = "AWQ dequantize"
+    if not sec.skip_if_over(case):
+        try:
+            same = torch.equal(triton_awq.awq_dequantize(qweight, qzeros, scales, G),
+                               dequantize_awq(qweight, qzeros, scales, G))
+            sec.add(case, "ok" if same else "FAIL", "bit-exact" if same else "differs from the torch reference",
+                    f"fp16, K {K}, N {N}, group {G}")
+        except Exception as e:
+            sec.add(case, "error", notes=_err(e))
+            traceback.print_exc()
+
+
+# -- decode attention bench ----------------------------------------------------------------
+
+ATTN_CASES = [("ctx 4K", 4096, torch.bfloat16), ("ctx 32K", 32768, torch.bfloat16), ("ctx 128K", 131072, torch.bfloat16),
+              ("ctx 32K fp8-e4m3 KV", 32768, E4M3)]
+
+
+def section_attention(sec: Section, ctx: dict) -> None:
+    dev = ctx["device"]
+    for i, (case, context, kv_dtype) in enumerate(ATTN_CASES):
+        case = f"split-KV vs SDPA {case}"
+        if sec.skip_if_over(case):
+            continue
+        try:
+            if dev.type == "cuda":
+                from ember.kernels.triton_bench import bench_decode_attention
+
+                r = bench_decode_attention(contexts=(context,), batch_size=8, num_heads=32, num_kv_heads=8,
+                                           head_dim=128, kv_dtype=kv_dtype, iters=20, warmup=3)[0]
+                # Random q, k, v ~ N(0, 1): scores ~ N(0, 1), so |out| has rms sqrt(e / context)
+                # (0.026 at 4K, 0.0046 at 128K); a wrong kernel is off by about that, rounding by ~1%.
+                tol = 0.1 * math.sqrt(math.e / context)
+                ok = r["max_abs_diff"] <= tol
+                sec.add(case, "ok" if ok else "FAIL",
+                        f"triton {r['triton_ms']:.3f} ms vs SDPA {r['torch_ms']:.3f} ms = {r['speedup']:.2f}x",
+                        f"{r['triton_gbps']:.0f} GB/s KV; max_abs_diff {r['max_abs_diff']:.3g} (tol {tol:.2g}); "
+                        f"splits {r['num_splits']}; batch 8, heads 32/8, D 128", tol=tol, **r)
+            else:  # the same case builder, kernel and baseline at a toy size; no timing without CUDA events
+                from ember.kernels.triton_bench import decode_case, gathered_sdpa
+                from ember.kernels.triton_decode import paged_decode_attention
+
+                toy = 64 << i
+                q, cache, meta, ks, vs = decode_case(2, toy, 4, 2, 16, 16, torch.bfloat16, kv_dtype, 1, dev)
+                out = paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 1, toy,
+                                             q.shape[0], 0.25, torch.empty_like(q), ks, vs)
+                diff = (out.float() - gathered_sdpa(q, cache, meta, 0.25, ks, vs).float()).abs().max().item()
+                sec.add(case, "skipped", f"max_abs_diff {diff:.3g}",
+                        f"{NEEDS_CUDA} (timing); toy context {toy}, batch 2, heads 4/2, D 16", max_abs_diff=diff)
+        except Exception as e:
+            sec.add(case, "error", notes=_err(e))
+            traceback.print_exc()
+        finally:
+            free_memory()
+
+
+# -- random-weight model folders -------------------------------------------------------------
+
+def model_spec(key: str) -> dict:
+    spec = dict(MODELS[key])
+    if SMOKE:
+        spec.update(TOY)
+        spec.update(TOY_OVERRIDES.get(key, {}))
+    return spec
+
+
+def hf_config(s: dict) -> dict:
+    cfg = dict(architectures=[s["arch"]], model_type="qwen3_moe" if "experts" in s else "qwen3",
+               vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["inter"],
+               num_hidden_layers=s["layers"], num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
+               head_dim=s["head_dim"], max_position_embeddings=s["max_pos"], rms_norm_eps=1e-6,
+               rope_theta=s["rope_theta"], tie_word_embeddings=s["tie"], attention_bias=False,
+               torch_dtype="bfloat16", bos_token_id=None, eos_token_id=2)
+    if "experts" in s:
+        cfg.update(num_experts=s["experts"], num_experts_per_tok=s["top_k"], moe_intermediate_size=s["moe_inter"],
+                   norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    if "awq_group" in s:
+        cfg["torch_dtype"] = "float16"
+        cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": s["awq_group"],
+                                      "zero_point": True, "version": "gemm", "modules_to_not_convert": None}
+    return cfg
+
+
+def write_tokenizer(path: str, vocab_size: int) -> None:
+    """A word-level tokenizer with one token per model id ("t123"), so every sampled id decodes;
+    built in memory, no training and no download."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {t: i for i, t in enumerate(specials)}
+    vocab.update({f"t{i}": i for i in range(len(specials), vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<|im_end|>", "bos_token": None}, f)
+
+
+def model_tensors(s: dict, device: torch.device):
+    """(HF name, tensor) of a random model: N(0, 0.02) weights, unit norms; AWQ linears as
+    random packed int4 (any int32 is a valid word) with scales giving weights of ~0.02."""
+    H, D, V = s["hidden"], s["head_dim"], s["vocab"]
+    dt = torch.float16 if "awq_group" in s else torch.bfloat16
+
+    def rand(*shape):
+        return (torch.randn(*shape, device=device, dtype=torch.float32) * 0.02).to(dt)
+
+    def ones(n):
+        return torch.ones(n, device=device, dtype=dt)
+
+    def linear(prefix, out_f, in_f):
+        if "awq_group" not in s:
+            yield f"{prefix}.weight", rand(out_f, in_f)
+            return
+        G = s["awq_group"]
+        words = lambda *shape: torch.randint(-2**31, 2**31, shape, device=device, dtype=torch.int64).to(torch.int32)  # noqa: E731
+        yield f"{prefix}.qweight", words(in_f, out_f // 8)
+        yield f"{prefix}.qzeros", words(in_f // G, out_f // 8)
+        # |q - z| ~ 5 on average: scales ~0.004 give weights of ~0.02
+        yield f"{prefix}.scales", (torch.rand(in_f // G, out_f, device=device) * 0.004 + 0.002).half()
+
+    yield "model.embed_tokens.weight", rand(V, H)
+    if not s["tie"]:
+        yield "lm_head.weight", rand(V, H)
+    yield "model.norm.weight", ones(H)
+    for i in range(s["layers"]):
+        p = f"model.layers.{i}"
+        yield f"{p}.input_layernorm.weight", ones(H)
+        yield f"{p}.post_attention_layernorm.weight", ones(H)
+        yield f"{p}.self_attn.q_norm.weight", ones(D)
+        yield f"{p}.self_attn.k_norm.weight", ones(D)
+        yield from linear(f"{p}.self_attn.q_proj", s["heads"] * D, H)
+        yield from linear(f"{p}.self_attn.k_proj", s["kv_heads"] * D, H)
+        yield from linear(f"{p}.self_attn.v_proj", s["kv_heads"] * D, H)
+        yield from linear(f"{p}.self_attn.o_proj", H, s["heads"] * D)
+        if "experts" in s:
+            E, I = s["experts"], s["moe_inter"]
+            yield f"{p}.mlp.gate.weight", rand(E, H)
+            yield f"{p}.mlp.experts.gate_up_proj", rand(E, 2 * I, H)  # transformers-5 fused names
+            yield f"{p}.mlp.experts.down_proj", rand(E, H, I)
+        else:
+            yield from linear(f"{p}.mlp.gate_proj", s["inter"], H)
+            yield from linear(f"{p}.mlp.up_proj", s["inter"], H)
+            yield from linear(f"{p}.mlp.down_proj", H, s["inter"])
+
+
+def scratch_dir(need_bytes: int) -> str:
+    """/dev/shm when it has room (no disk writes), else the temp dir."""
+    for base in ("/dev/shm", tempfile.gettempdir()):
+        try:
+            if os.path.isdir(base) and shutil.disk_usage(base).free > need_bytes * 1.2 + (2 << 30):
+                return tempfile.mkdtemp(prefix="ember-gpu-check-", dir=base)
+        except OSError:
+            continue
+    return tempfile.mkdtemp(prefix="ember-gpu-check-")
+
+
+def estimate_bytes(s: dict) -> int:
+    H, D, V, L = s["hidden"], s["head_dim"], s["vocab"], s["layers"]
+    attn = H * D * (2 * s["heads"] + 2 * s["kv_heads"])
+    mlp = s["experts"] * 3 * H * s["moe_inter"] if "experts" in s else 3 * H * s["inter"]
+    linear = L * (attn + mlp)
+    per = 0.5 + 2.5 / s["awq_group"] if "awq_group" in s else 2  # int4 + (int4 zero + fp16 scale) / G
+    return int(linear * per + V * H * 2 * (1 if s["tie"] else 2))
+
+
+def build_model(s: dict, device: torch.device) -> tuple[str, int]:
+    """Write the random HF folder; returns (path, bytes). Tensors are generated on `device`
+    (fast on a GPU) and saved in ~2 GB shards."""
+    from safetensors.torch import save_file
+
+    path = scratch_dir(estimate_bytes(s))
+    shard: dict[str, torch.Tensor] = {}
+    size = total = 0
+    n = 0
+    torch.manual_seed(0)
+
+    def flush():
+        nonlocal shard, size, n
+        if shard:
+            save_file(shard, os.path.join(path, f"model-{n:05d}.safetensors"), metadata={"format": "pt"})
+            n += 1
+            shard, size = {}, 0
+
+    try:
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(hf_config(s), f, indent=1)
+        write_tokenizer(path, s["vocab"])
+        for name, t in model_tensors(s, device):
+            t = t.contiguous().cpu()
+            shard[name] = t
+            size += t.nbytes
+            total += t.nbytes
+            if size >= (2 << 30):
+                flush()
+        flush()
+    except BaseException:
+        shutil.rmtree(path, ignore_errors=True)  # a half-written folder (disk full?) must not fill /dev/shm
+        raise
+    return path, total
+
+
+# -- engine measurements -------------------------------------------------------------------
+
+def make_llm(path: str, ctx: dict, **knobs):
+    from ember import LLM
+
+    kw = dict(dtype="bfloat16", device=ctx["device"].type, seed=0)
+    if SMOKE:
+        kw.update(kv_cache_memory=0.05, num_threads=1)
+    else:
+        kw.update(gpu_memory_utilization=0.5)  # leaves room should a freed engine linger
+    kw.update(knobs)
+    return LLM(path, **kw)
+
+
+def executor_name(llm) -> str:
+    ex = getattr(llm.engine.runner, "executor", None)
+    return type(ex).__name__ if ex is not None else "none (runner has no executor)"
+
+
+def graph_replays(llm) -> int | None:
+    """Steps the CUDA-graph executor ran from a graph so far (None: no such counter)."""
+    return getattr(getattr(llm.engine.runner, "executor", None), "replays", None)
+
+
+def check_freed(sec: Section, engine_ref, what: str) -> None:
+    """A row (FAIL) when a deleted engine is still alive: its KV pool would stay allocated and
+    the next engine's memory budget would be wrong."""
+    free_memory()
+    if engine_ref() is not None:
+        sec.add(f"{what} engine freed", "FAIL", "the engine is still referenced after del + gc",
+                "its GPU memory (weights + KV pool) is not released")
+
+
+def step_bytes(model: torch.nn.Module, s: dict, batch: int) -> float:
+    """Weight bytes one decode step reads: every parameter (and CPU int4/int8 copy) except the
+    embedding, which is a row lookup (a tied embedding is read whole as the head). MoE experts:
+    only the active ones, with uniform routing: E * (1 - (1 - k/E)^batch) of E."""
+    total = 0.0
+    frac = 1.0
+    if "experts" in s:
+        E, k = s["experts"], s["top_k"]
+        frac = 1 - (1 - k / E) ** batch
+    for name, t in list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if "int" in n]:
+        if "embed_tokens" in name and not s["tie"]:
+            continue
+        total += t.numel() * t.element_size() * (frac if ".experts." in name else 1.0)
+    return total
+
+
+def decode_rate(llm, batch: int, new_tokens: int, vocab: int, seed: int) -> tuple[float, float, int]:
+    """(steady tok/s = batch / median step time, mean tok/s, steps) over the decode steps after
+    the step that prefilled every prompt and sampled its first token."""
+    from ember.sampling import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(batch):
+        engine.add_request(None, {"prompt_token_ids": torch.randint(3, vocab, (PROMPT_LEN,), generator=g).tolist()},
+                           params)
+    stamps = []
+    while engine.has_unfinished_requests():
+        engine.step()  # returns after sampling: the tokens are on the host, the step is done
+        stamps.append(time.perf_counter())
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    if not gaps:
+        raise RuntimeError("no decode steps")
+    return batch / statistics.median(gaps), batch * len(gaps) / (stamps[-1] - stamps[0]), len(gaps)
+
+
+def model_cases(key: str) -> list[str]:
+    label = MODELS[key]["label"]
+    return [f"{label} build"] + [f"{label} decode {mode} b{b}" for mode in ("eager", "cuda-graph") for b in (1, 8)]
+
+
+def section_model(sec: Section, ctx: dict, key: str) -> None:
+    s = model_spec(key)
+    label = MODELS[key]["label"]
+    dev = ctx["device"]
+    toy = "; cpu-smoke: toy shape" if SMOKE else ""
+    if sec.skip_if_over(*model_cases(key)):
+        return
+    t = time.monotonic()
+    path, nbytes = build_model(s, dev)
+    try:
+        free_memory()
+        sec.add(f"{label} build", "ok", f"{nbytes / 1e9:.2f} GB in {time.monotonic() - t:.1f} s",
+                f"{s['layers']} layers, hidden {s['hidden']}, vocab {s['vocab']}, in {os.path.dirname(path)}{toy}",
+                bytes=nbytes, seconds=time.monotonic() - t)
+        new_tokens = 8 if SMOKE else 128
+        for mode in ("eager", "cuda-graph"):
+            cases = [f"{label} decode {mode} b{b}" for b in (1, 8)]
+            if mode == "cuda-graph" and dev.type != "cuda":
+                for c in cases:
+                    sec.add(c, "skipped", notes=NEEDS_CUDA)
+                continue
+            if sec.skip_if_over(*cases):
+                continue
+            llm = engine_ref = None
+            try:
+                t = time.monotonic()
+                llm = make_llm(path, ctx, enforce_eager=mode == "eager", max_model_len=1024, max_num_seqs=8)
+                engine_ref = weakref.ref(llm.engine)
+                load_s = time.monotonic() - t
+                ex = executor_name(llm)
+                for b, case in zip((1, 8), cases):
+                    if sec.skip_if_over(case):
+                        continue
+                    try:
+                        decode_rate(llm, b, 4, s["vocab"], seed=100 + b)  # warmup: compile / capture this batch
+                        r0 = graph_replays(llm)
+                        steady, mean, steps = decode_rate(llm, b, new_tokens, s["vocab"], seed=b)
+                        r1 = graph_replays(llm)
+                        replays = "" if r0 is None else f"; {r1 - r0} of the {steps} decode steps ran from a graph"
+                        if mode == "cuda-graph" and not (r0 is not None and r1 > r0):
+                            replays += "; NOTE: no step ran from a CUDA graph"
+                        wb = step_bytes(llm.engine.loaded.model, s, b) * steady / b  # bytes / step * steps / s
+                        share = wb / ctx["copy_bps"] if ctx.get("copy_bps") else None
+                        of_copy = f"{100 * share:.3g}% of d2d copy" if share else "d2d copy not measured (env not run)"
+                        sec.add(case, "ok", f"{steady:.1f} tok/s (mean {mean:.1f})",
+                                f"weights {wb / 1e9:.3g} GB/s = {of_copy}; {steps} steps; "
+                                f"executor {ex}{replays}; engine built in {load_s:.1f} s{toy}",
+                                tok_s=steady, mean_tok_s=mean, steps=steps, weight_bps=wb, copy_share=share,
+                                executor=ex, graph_replays=None if r0 is None else r1 - r0, engine_s=load_s)
+                    except Exception as e:
+                        sec.add(case, "error", notes=f"{_err(e)}; executor {ex}")
+                        traceback.print_exc()
+            except Exception as e:  # the engine did not build (e.g. graph capture raised): say why
+                for c in cases:
+                    if c not in sec.done:
+                        sec.add(c, "error", notes=f"engine: {_err(e)}")
+                traceback.print_exc()
+            finally:
+                if llm is not None:
+                    llm.engine.shutdown()
+                del llm
+                if engine_ref is not None:
+                    check_freed(sec, engine_ref, f"{label} {mode}")
+                free_memory()
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+TTFT_CASES = ["Qwen3-0.6B TTFT 32K, chunked prefill 2048", "Qwen3-0.6B TTFT 32K, chunked prefill off"]
+
+
+def section_ttft(sec: Section, ctx: dict) -> None:
+    from ember.sampling import SamplingParams
+
+    s = model_spec("qwen3-0.6b")
+    dev = ctx["device"]
+    prompt_len, chunk = (256, 64) if SMOKE else (32768, 2048)
+    if sec.skip_if_over(*TTFT_CASES):
+        return
+    path, _ = build_model(s, dev)
+    try:
+        free_memory()
+        max_len = prompt_len + 64
+        for case, chunked in zip(TTFT_CASES, (True, False)):
+            if sec.skip_if_over(case):
+                continue
+            llm = engine_ref = None
+            try:
+                knobs = dict(enable_chunked_prefill=True, max_num_batched_tokens=chunk) if chunked else \
+                    dict(enable_chunked_prefill=False, max_num_batched_tokens=max_len)
+                # eager: prefill never runs from a graph, and capture would only cost budget
+                llm = make_llm(path, ctx, max_model_len=max_len, max_num_seqs=4, enforce_eager=True, **knobs)
+                engine = llm.engine
+                engine_ref = weakref.ref(engine)
+                g = torch.Generator().manual_seed(7)
+                params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+                times = []
+                for r in range(3):  # run 0: warmup (kernel compiles) at the same length
+                    prompt = torch.randint(3, s["vocab"], (prompt_len,), generator=g).tolist()
+                    t = time.perf_counter()
+                    engine.add_request(None, {"prompt_token_ids": prompt}, params)
+                    while engine.has_unfinished_requests():
+                        engine.step()
+                    if r:
+                        times.append(time.perf_counter() - t)
+                    if sec.over():
+                        break
+                if not times:
+                    raise RuntimeError("over budget before a timed run")
+                sec.add(case, "ok", f"{1000 * min(times):.0f} ms",
+                        f"best of {len(times)} ({', '.join(f'{1000 * x:.0f}' for x in times)} ms); "
+                        f"{prompt_len}-token prompt, " + (f"{chunk} tokens per step" if chunked else "one step") +
+                        "; enforce_eager" + ("; cpu-smoke: toy shape and prompt" if SMOKE else ""),
+                        ttft_s=min(times), runs_s=times)
+            except Exception as e:
+                sec.add(case, "error", notes=_err(e))
+                traceback.print_exc()
+            finally:
+                if llm is not None:
+                    llm.engine.shutdown()
+                del llm
+                engine = None  # noqa: F841 (drop the last reference before the check)
+                if engine_ref is not None:
+                    check_freed(sec, engine_ref, case)
+                free_memory()
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+# -- main ------------------------------------------------------------------------------------
+
+def planned(name: str) -> list[str]:
+    if name == "env":
+        return ["machine", "d2d copy bandwidth"]
+    if name == "kernels":
+        return list(KERNEL_CASES)
+    if name == "attention":
+        return [f"split-KV vs SDPA {c}" for c, _, _ in ATTN_CASES]
+    if name == "ttft":
+        return list(TTFT_CASES)
+    return model_cases(name)
+
+
+def all_cases() -> list[tuple[str, str]]:
+    """(section, case) of every row a full run writes; the smoke test checks them."""
+    return [(name, c) for name in SECTIONS for c in planned(name)]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "gpu.md"))
+    ap.add_argument("--cpu-smoke", action="store_true", help="toy sizes on the CPU, Triton under TRITON_INTERPRET=1")
+    ap.add_argument("--budget-s", type=float, default=480.0, help="total time budget (seconds)")
+    ap.add_argument("--only", default=None, help=f"comma-separated sections of: {', '.join(SECTIONS)}")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    if args.cpu_smoke:
+        torch.set_num_threads(1)
+        device = torch.device("cpu")
+    elif not torch.cuda.is_available():
+        print("gpu_check: no CUDA device; run with --cpu-smoke to check the script on a CPU", file=sys.stderr)
+        return 2
+    else:
+        device = torch.device("cuda")
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (cpu-smoke)"
+    report = Report(args.out, device_name, args)
+    sections = SECTIONS if not args.only else [s.strip() for s in args.only.split(",")]
+    unknown = [s for s in sections if s not in SECTIONS]
+    if unknown:
+        ap.error(f"unknown section(s) {unknown}; choose from {SECTIONS}")
+    deadline = report.t0 + args.budget_s
+
+    def watchdog():  # a hung kernel or engine: keep what was measured, then stop
+        report.add("run", "watchdog", "error", notes=f"still running {args.budget_s + 90:.0f} s after start: exited")
+        report.write()
+        os._exit(3)
+
+    timer = threading.Timer(args.budget_s + 90, watchdog)
+    timer.daemon = True
+    timer.start()
+    ctx: dict = {"device": device}
+    print("| section | case | status | result | notes |\n|---|---|---|---|---|", flush=True)
+    for name in sections:
+        sec = Section(report, name, SECTION_CAPS[name], deadline, planned(name))
+        error = None
+        try:
+            if name == "env":
+                section_env(sec, ctx)
+            elif name == "kernels":
+                section_kernels(sec, ctx)
+            elif name == "attention":
+                section_attention(sec, ctx)
+            elif name == "ttft":
+                section_ttft(sec, ctx)
+            else:
+                section_model(sec, ctx, name)
+        except Exception as e:
+            error = e
+            traceback.print_exc()
+        finally:
+            free_memory()
+        sec.finish(error)
+        report.write()
+    timer.cancel()
+    print("\n" + report.markdown(), flush=True)  # the whole table once more, last: it ends the log
+    print(f"-- total {time.monotonic() - report.t0:.1f} s; wrote {args.out} and {json_path(args.out)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
