@@ -132,6 +132,24 @@ def test_json_spelling_and_the_pool_counts_the_draft_layers(tiny_model_dir, draf
                                    dmc.num_kv_heads, dmc.head_dim)
 
 
+def test_planner_counts_the_draft_model(tiny_model_dir, drafts, capsys):
+    from ember import planner
+    from ember.cli import main as cli_main
+
+    target, draft = tiny_model_dir("qwen3"), drafts["llama"]
+    kw = dict(memory_gib=4, device="cpu", dtype="float32")
+    base = planner.plan(target, **kw)
+    p = planner.plan(target, num_speculative_tokens=2, speculative_model=draft, **kw)
+    d_tok = ModelConfig.from_folder(draft).kv_bytes_per_token_per_dtype_byte * 4
+    assert p.draft_kv_bytes_per_token == d_tok and p.kv_bytes_per_token == base.kv_bytes_per_token + d_tok
+    assert p.kv_layers == base.kv_layers and p.weight_bytes > base.weight_bytes
+    llm = make_llm(target, speculative_model=draft, num_speculative_tokens=2)
+    assert llm.engine.spec.kv_bytes_per_token(4) == p.draft_kv_bytes_per_token  # the engine's pool, the same way
+    assert cli_main(["plan", target, "--device", "cpu", "--memory", "4", "--dtype", "float32",
+                     "--num-speculative-tokens", "2", "--speculative-model", draft]) == 0
+    assert f"+ {d_tok:,} B draft model" in capsys.readouterr().out
+
+
 # ---- chunked prefill and prefix caching -------------------------------------------------------------
 
 def drafts_after_prefill(llm, prompt):
