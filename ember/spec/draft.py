@@ -93,14 +93,18 @@ class DraftModelProposer:
         path = os.path.expanduser(spec.model)
         # A folder without tokenizer files borrows the target's (only vocab_size can be checked then).
         own_tok = os.path.isfile(path) or os.path.isfile(os.path.join(path, "tokenizer.json"))
+        borrowed = None if own_tok else engine.config.tokenizer or (target.path if os.path.isdir(target.path) else None)
+        if not own_tok and borrowed is None:
+            raise ConfigError(f"the draft model folder {spec.model!r} has no tokenizer.json and the target is a GGUF "
+                              "file; copy the target's tokenizer files into the draft folder, or pass --tokenizer DIR")
         tmc = target.model_config
         if os.path.isdir(path):  # refuse a vocabulary mismatch before loading any weights
             from ember.model_config import ModelConfig
 
             self._check_vocab(spec.model, ModelConfig.from_folder(path).vocab_size, tmc.vocab_size)
         t0 = time.perf_counter()
-        self.loaded = loaded = load_model(spec.model, None if own_tok else engine.config.tokenizer or target.path,
-                                          engine.dtype, engine.device, engine.config.attention_backend, "auto")
+        self.loaded = loaded = load_model(spec.model, borrowed, engine.dtype, engine.device,
+                                          engine.config.attention_backend, "auto")
         mc = loaded.model_config
         self._check_vocab(spec.model, mc.vocab_size, tmc.vocab_size)
         if own_tok:

@@ -316,6 +316,18 @@ def test_another_tokenizer_is_refused(tiny_model_dir, drafts, tmp_path):
         make_llm(target, speculative_model=bad, num_speculative_tokens=2)
 
 
+def test_a_draft_folder_without_tokenizer_files_is_checked_by_vocab_size(tiny_model_dir, drafts, reference,
+                                                                          tmp_path, caplog):
+    target = tiny_model_dir("qwen3")
+    bare = shutil.copytree(drafts["self"], str(tmp_path / "bare"))
+    os.remove(os.path.join(bare, "tokenizer.json"))
+    with caplog.at_level("WARNING", logger="ember"):
+        llm = make_llm(target, speculative_model=bare, num_speculative_tokens=2, adaptive_spec=False)
+    assert "has no tokenizer.json: only its vocab_size was checked" in caplog.text
+    assert run(llm, PROMPTS, GREEDY) == reference
+    assert acceptance(check_clean(llm)) == 1.0
+
+
 def test_a_shorter_draft_context_is_refused(tiny_model_dir, drafts, tmp_path):
     target = tiny_model_dir("qwen3")
     short = shutil.copytree(drafts["trunc"], str(tmp_path / "short"))
