@@ -247,6 +247,7 @@ class Plan:
     largest_max_model_len: int
     concurrency: float
     fits: bool
+    draft_kv_bytes_per_token: int = 0  # a draft model's layers, included in kv_bytes_per_token
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -278,7 +279,8 @@ def plan(model: str | None = None, *, memory_gib: float | None = None, max_model
          max_num_seqs: int | None = None, max_num_batched_tokens: int = 2048,
          gpu_memory_utilization: float = 0.9, speculative_model: str | None = None) -> Plan:
     """speculative_model: a separate MTP folder whose layers speculation adds (with num_speculative_tokens > 0)
-    instead of the config's own."""
+    instead of the config's own, or a draft model (any folder or .gguf that is not MTP weights, as
+    ember.spec.config decides): its KV layers join the pool (same blocks) and its weights the total."""
     if tensor_parallel_size < 1:
         raise ConfigError(f"--tensor-parallel-size must be >= 1 (got {tensor_parallel_size})")
     src = load_source(model)
@@ -287,12 +289,24 @@ def plan(model: str | None = None, *, memory_gib: float | None = None, max_model
     dtype = resolve_dtype_name(dtype, device)
     b = DTYPE_BYTES[dtype]
     extra = 0
+    draft = None
     if num_speculative_tokens > 0:
-        extra = folder_mtp_layers(speculative_model) if speculative_model else mtp_layers(mc)
+        from ember.spec.config import is_mtp_folder
+
+        if speculative_model and not is_mtp_folder(speculative_model, src.path):
+            draft = load_source(speculative_model)
+        else:
+            extra = folder_mtp_layers(speculative_model) if speculative_model else mtp_layers(mc)
     max_num_seqs = max_num_seqs or (64 if device == "cuda" else 16)
     elem = kv_elem_bytes(kv_cache_dtype, b)
     per_token = kv_bytes_per_token(mc, elem, tp, num_speculative_tokens, extra)
     weights = weight_bytes(mc, quant, b, tp, extra, group, src.gguf_bytes)
+    draft_kv = 0
+    if draft is not None:  # unsharded, as ember.spec.draft loads it
+        draft_kv = kv_bytes_per_token(draft.mc, elem)
+        dquant, dgroup = resolve_quantization(draft, "auto")
+        per_token += draft_kv
+        weights += weight_bytes(draft.mc, dquant, b, 1, 0, dgroup, draft.gguf_bytes)
     act = activation_bytes(mc, b, tp, max_num_batched_tokens, max_num_seqs)
     cuda = cuda_reserve_bytes(mc, b, tp, max_num_seqs) if device == "cuda" else 0
     memory = int((memory_gib if memory_gib is not None else default_memory_gib(device)) * GiB)
@@ -306,7 +320,7 @@ def plan(model: str | None = None, *, memory_gib: float | None = None, max_model
     return Plan(src.path, mc.architecture, device, dtype, kv_cache_dtype, quant, tp, num_parameters(mc, extra),
                 weights, mc.num_layers + extra, kv_heads_per_device(mc, tp), mc.head_dim, elem, per_token, act, cuda,
                 memory, usable, budget, block_size, pool.tokens, context, want, min(context, pool.tokens),
-                pool.tokens / want, pool.tokens >= want)
+                pool.tokens / want, pool.tokens >= want, draft_kv)
 
 
 def format_plan(p: Plan) -> str:
@@ -319,7 +333,9 @@ def format_plan(p: Plan) -> str:
         ("parameters", f"{p.num_parameters:,} ({p.num_parameters / 1e9:.2f} B)"),
         ("weights", f"{size(p.weight_bytes)}  [{p.quantization}, {p.dtype}{tp}]"),
         ("KV bytes per token", f"{p.kv_bytes_per_token:,} B = 2 x {p.kv_layers} layers x {p.kv_heads_per_device} kv heads"
-                               f" x {p.head_dim} head_dim x {p.kv_elem_bytes} B  [{p.kv_cache_dtype}]"),
+                               f" x {p.head_dim} head_dim x {p.kv_elem_bytes} B"
+                               + (f" + {p.draft_kv_bytes_per_token:,} B draft model" if p.draft_kv_bytes_per_token else "")
+                               + f"  [{p.kv_cache_dtype}]"),
         ("KV per sequence", f"{size(p.kv_bytes_per_token * p.max_model_len)} for {p.max_model_len:,} tokens"),
         ("activation reserve", size(p.activation_bytes)),
         ("CUDA reserve", size(p.cuda_reserve_bytes) if p.device == "cuda" else "- (cpu)"),

@@ -10,7 +10,9 @@ the Attention layers quantize into them); ember.planner sizes them.
 A drafter that reads the target's hidden states (MTP) sets keep_hidden: the last layer then
 runs for every row (no RowSelection: a prefill chunk's rows all feed the MTP layer) and the
 step's final-normed hidden states, positions and slots stay in last_step until the next
-step. Its own KV layers come from allocate_kv: same block ids, same slot_mapping.
+step (keep_rows: the same without the hidden states, for a draft model that only needs to
+know which rows the step computed). Its own KV layers come from allocate_kv: same block ids,
+same slot_mapping.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ class StepRows:
     a request finished since has released them, but nothing reuses a block before the next
     schedule)."""
 
-    hidden: torch.Tensor  # [T, H] final-normed hidden state of every row
+    hidden: torch.Tensor | None  # [T, H] final-normed hidden state of every row (None: keep_rows only)
     entries: list[tuple[Request, int, int, int]]
     slot_mapping: torch.Tensor  # [T] int64
     tables: list[list[int]]  # per entry, padded with 0 to one width
@@ -83,6 +85,7 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.select: RowSelection | None = None  # set by prepare() for the step it prepares
         self.keep_hidden = False  # a drafter reads every row's hidden state (see StepRows)
+        self.keep_rows = False  # a drafter reads the step's layout only (a draft model): last_step without hidden
         self.last_step: StepRows | None = None
         self._step_layout: tuple[list, list[list[int]]] | None = None  # prepare() -> execute(), for last_step
 
@@ -158,7 +161,8 @@ class ModelRunner:
         ids, pos, meta, logit_rows, sampling_reqs = self.prepare(out)
         hidden = self.model(ids, pos, self.kv_caches, meta, self.select)
         entries, tables = self._step_layout
-        self.last_step = StepRows(hidden, entries, meta.slot_mapping, tables) if self.keep_hidden else None
+        keep = self.keep_hidden or self.keep_rows
+        self.last_step = StepRows(hidden if self.keep_hidden else None, entries, meta.slot_mapping, tables) if keep else None
         if not logit_rows:
             return {}
         logits = self.model.compute_logits(hidden if self.select is not None else hidden[logit_rows])

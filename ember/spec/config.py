@@ -191,6 +191,9 @@ def _validate(method: str, m: dict[str, Any], cfg) -> SpeculativeConfig:
     if method == "draft":
         need(m.get("model") is not None, "the draft method needs a draft model; add --speculative-model DIR "
                                          "(a small model with the same tokenizer)")
+        need(os.path.exists(os.path.expanduser(str(m["model"]))),
+             f"draft model {m['model']!r} not found; give --speculative-model a local Hugging Face folder or "
+             ".gguf file of a small model with the target's tokenizer (ember never downloads weights)")
 
     tp = cfg.tensor_parallel_size
     dtp = m.get("draft_tensor_parallel_size")

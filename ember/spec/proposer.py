@@ -54,6 +54,7 @@ class Proposer(Protocol):
 PROPOSERS: dict[str, str] = {
     "ngram": "ember.spec.ngram:NgramProposer",
     "mtp": "ember.spec.mtp_proposer:MTPProposer",
+    "draft": "ember.spec.draft:DraftModelProposer",
 }
 
 

@@ -5,10 +5,11 @@ After each step the engine asks for drafts for every running request that will d
 min(adaptive k, tokens it may still emit - 1, room before max_model_len - 1): a draft that
 cannot be emitted is pure waste.
 
-A proposer with state of its own in the KV pool (MTP) may also have kv_bytes_per_token(elem)
-(the engine adds it to the pool's per-token bytes before sizing), attach(runner) (called once
-the runner exists, to allocate its layers there) and after_step(out) (called after every step,
-before proposing: the MTP fills its cache from the step's hidden states). All are optional.
+A proposer with state of its own in the KV pool (MTP, a draft model) may also have
+kv_bytes_per_token(elem) (the engine adds it to the pool's per-token bytes before sizing),
+attach(runner) (called once the runner exists, to allocate its layers there) and after_step(out)
+(called after every step, before proposing: the MTP fills its cache from the step's hidden
+states, a draft model runs the step's verified tokens). All are optional.
 """
 from __future__ import annotations
 

@@ -91,7 +91,7 @@ ERRORS = [
      "the draft method needs a draft model; add --speculative-model DIR"),
     (dict(speculative_model="ngram", num_speculative_tokens=2, speculative_draft_tensor_parallel_size=2),
      r"must be 1 or the --tensor-parallel-size \(1\) \(got 2\)"),
-    (dict(speculative_model="/some/draft", num_speculative_tokens=2), "'draft' is not available yet; available: ngram, mtp"),
+    (dict(speculative_model="/some/draft", num_speculative_tokens=2), "draft model '/some/draft' not found; give "),
 ]
 
 
