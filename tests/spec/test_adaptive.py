@@ -17,7 +17,7 @@ def test_k_follows_a_request_acceptance():
     for _ in range(8):
         ak.observe(good, ak.k_for(good), ak.k_for(good))  # everything accepted
         ak.observe(bad, ak.k_for(bad), 0)  # the first draft rejected every time
-    assert ak.k_for(good) == 6 and ak.k_for(bad) == 1
+    assert ak.k_for(good) == 6 and ak.k_for(bad) == 0  # nothing accepted: drafting costs more than it brings
     for _ in range(8):  # the text turned into prose: good's acceptance falls, k follows
         ak.observe(good, ak.k_for(good), 1)
     assert ak.k_for(good) <= 2
@@ -35,3 +35,20 @@ def test_pinned_k_never_moves():
     for _ in range(5):
         ak.observe(req, 4, 0)
     assert ak.k_for(req) == 4
+
+
+def test_drafting_stops_when_it_does_not_pay_and_probes_its_way_back():
+    from ember.spec.adaptive import PROBE_EVERY
+
+    assert best_k(0.1, 4, cost=0.25, allow_off=True) == 0 and best_k(0.1, 4, cost=0.25) == 1
+    assert best_k(0.4, 4, cost=0.25, allow_off=True) == 1
+    ak = AdaptiveK(k_max=4)
+    req = Request("r", [1], None)
+    for _ in range(6):
+        ak.observe(req, 1, 0)
+    assert ak.state(req).k == 0
+    ks = [ak.k_for(req) for _ in range(3 * PROBE_EVERY)]
+    assert ks.count(1) == 3 and set(ks) == {0, 1}  # one probe every PROBE_EVERY steps
+    for _ in range(6):  # the probes start getting accepted: drafting comes back
+        ak.observe(req, 1, 1)
+    assert ak.k_for(req) >= 1
