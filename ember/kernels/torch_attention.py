@@ -7,7 +7,8 @@ in the paged cache (this step's K/V are already written). Three paths:
     2K keys is ~8x slower in bf16.
   - fresh prefill (ctx_len 0): the step's own k/v with is_causal; no gather.
   - chunk over a cached prefix (ctx_len > 0, q_len > 1: chunked prefill, spec verify):
-    gather this sequence's keys, causal mask offset by ctx_len, float32.
+    gather this sequence's keys, causal mask offset by ctx_len, float32. Up to
+    VERIFY_MAX_QUERIES queries (a verify) fold their G query heads per kv head as decode does.
 GQA: decode folds the G query heads of a kv head into G "queries" ([B, Hkv, G, D]), so no
 K/V repeat; the other paths use SDPA's enable_gqa.
 FP8 cache (k_scale / v_scale given): k/v and the cache hold fp8 values with K ~= K8 * k_scale.
@@ -46,6 +47,8 @@ class TorchAttentionBackend:
             # One sequence (a lone prefill or chunk): no output buffer to scatter into.
             if meta.seq_lens_cpu[0] == q.shape[0]:
                 return prefill_attention(q, k, v, scale)
+            if q.shape[0] <= VERIFY_MAX_QUERIES:
+                return verify_attention(q, kv_cache, meta.block_tables[0], meta.seq_lens_cpu[0], meta.block_size, scale)
             return chunk_attention(q, kv_cache, meta.block_tables[0], meta.seq_lens_cpu[0], meta.block_size, scale)
         out = torch.zeros_like(q)  # rows past the last sequence (padding) stay zero
         starts, s = [], 0
@@ -65,6 +68,8 @@ class TorchAttentionBackend:
             rows = slice(starts[b], starts[b] + n)
             if seq_len == n:
                 out[rows] = prefill_attention(q[rows], k[rows], v[rows], scale)
+            elif n <= VERIFY_MAX_QUERIES:
+                out[rows] = verify_attention(q[rows], kv_cache, meta.block_tables[b], seq_len, meta.block_size, scale)
             else:
                 out[rows] = chunk_attention(q[rows], kv_cache, meta.block_tables[b], seq_len, meta.block_size, scale)
         return out
@@ -95,6 +100,28 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                        is_causal=True, scale=scale, enable_gqa=True)
     return o[0].transpose(0, 1)
+
+
+VERIFY_MAX_QUERIES = 16  # up to here a chunk over a cached prefix (a speculative verify) folds its queries
+
+
+def verify_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
+                     block_size: int, scale: float) -> torch.Tensor:
+    """chunk_attention for a few queries (a verify of 1 + k tokens): the n x G query heads of each kv
+    head are folded into one [Hkv, n*G, D] batch, as decode_attention folds G, so SDPA never repeats
+    K/V for GQA; query j sees keys < seq_len - n + j + 1. q [n, Hq, D] -> [n, Hq, D], float32."""
+    n, Hq, D = q.shape
+    Hkv = kv_cache.shape[-2]
+    G = Hq // Hkv
+    nb = (seq_len + block_size - 1) // block_size
+    bt = block_table[:nb]
+    k = kv_cache[0].index_select(0, bt).view(1, nb * block_size, Hkv, D).transpose(1, 2).float()
+    v = kv_cache[1].index_select(0, bt).view(1, nb * block_size, Hkv, D).transpose(1, 2).float()
+    qf = q.float().view(n, Hkv, G, D).permute(1, 0, 2, 3).reshape(1, Hkv, n * G, D)
+    visible = torch.arange(seq_len - n + 1, seq_len + 1, device=q.device).repeat_interleave(G)  # [n*G]
+    mask = torch.arange(nb * block_size, device=q.device)[None, :] < visible[:, None]
+    o = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask[None, None], scale=scale)
+    return o.view(Hkv, n, G, D).permute(1, 0, 2, 3).reshape(n, Hq, D).to(q.dtype)
 
 
 def chunk_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,

@@ -64,6 +64,9 @@ CASES = {
     "fresh-prefills": ([5, 12, 1], [5, 12, 1]),
     "chunks": ([3, 4], [10, 4 + 4]),
     "mixed": ([1, 6, 3, 1, 7], [20, 6, 11, 2, 7]),
+    "verify-alone": ([4], [23]),  # one sequence, a few queries over a cached prefix: folded GQA path
+    "long-chunk-alone": ([18], [25]),  # more than VERIFY_MAX_QUERIES: the plain chunk path
+    "verifies-and-long-chunk": ([3, 18, 2], [9, 30, 17]),
 }
 
 
