@@ -31,9 +31,9 @@ RATES_METHOD = ("decode, both sides: mean = (N - 1) / (last token time - first t
 TTFT_METHOD = "ember TTFT: engine.add_request() to the step that returns the first token (max_tokens=1)"
 
 
-def _run_one(engine, request_id: str, prompt: list[int], max_tokens: int) -> list[float]:
-    """Drive one greedy request to the end; the perf_counter time each of its tokens arrived."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+def token_times(engine, request_id: str, prompt: list[int], params: SamplingParams) -> list[float]:
+    """Drive one request to the end through engine.step(); the perf_counter time each of its tokens
+    arrived (a step that brings several, a speculative verify, stamps them all with its time)."""
     engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
     times: list[float] = []
     while engine.has_unfinished_requests():
@@ -42,6 +42,13 @@ def _run_one(engine, request_id: str, prompt: list[int], max_tokens: int) -> lis
                 now = time.perf_counter()
                 assert not out.num_cached_tokens, "the prefix cache served a benchmark prompt; prompts must be fresh"
                 times += [now] * (len(out.outputs[0].token_ids) - len(times))
+    return times
+
+
+def _run_one(engine, request_id: str, prompt: list[int], max_tokens: int) -> list[float]:
+    """One greedy request of exactly max_tokens tokens (EOS ignored): its token arrival times."""
+    times = token_times(engine, request_id, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                                    ignore_eos=True))
     assert len(times) == max_tokens, f"ember produced {len(times)} tokens, wanted {max_tokens}"
     return times
 

@@ -23,12 +23,12 @@ import dataclasses
 import json
 import logging
 import statistics
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
+from ember.bench.latency import token_times
 from ember.bench.report import OthersLoad, _machine_line, load_average, machine_info, update_markdown, wait_for_quiet
 from ember.sampling import SamplingParams
 
@@ -45,15 +45,12 @@ class Side:
     name: str
     k: int | None  # draft tokens (None: no speculation / peer)
     adaptive: bool = False
+    is_peer: bool = False  # llama.cpp, not ember
     llm: object = None  # ember LLM, or the LlamaCppPeer
     rates: dict[float, list[float]] = field(default_factory=dict)  # temperature -> tok/s per run
     others: dict[float, list[float | None]] = field(default_factory=dict)
     tokens: dict[float, int] = field(default_factory=dict)  # generated tokens over the measured runs
     stats: dict[float, dict] = field(default_factory=dict)  # temperature -> SpecStats counters (delta)
-
-    @property
-    def is_peer(self) -> bool:
-        return not hasattr(self.llm, "engine")
 
 
 def _spec_counters(llm) -> dict:
@@ -78,20 +75,6 @@ def _accumulate(into: dict, d: dict) -> None:
             into[key] = [x + y for x, y in zip(into.get(key, [0] * len(v)), v)]
         else:
             into[key] = into.get(key, 0) + v
-
-
-def ember_decode(llm, prompt: list[int], max_tokens: int, temperature: float, seed: int, request_id: str) -> list[float]:
-    """Token arrival times of one request through the engine's step loop (batch 1)."""
-    engine = llm.engine
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
-    engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
-    times: list[float] = []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.request_id == request_id:
-                now = time.perf_counter()
-                times += [now] * (len(out.outputs[0].token_ids) - len(times))
-    return times
 
 
 def build_sides(config, ks: list[int], peer: str, threads: int) -> tuple[list[Side], dict]:
@@ -125,7 +108,7 @@ def build_sides(config, ks: list[int], peer: str, threads: int) -> tuple[list[Si
     if peer == "llamacpp":
         from ember.bench.llamacpp_peer import LlamaCppPeer, llama_cpp_version
 
-        p = Side("llama.cpp", None)
+        p = Side("llama.cpp", None, is_peer=True)
         p.llm = LlamaCppPeer(str(eng.loaded.path), threads)
         sides.append(p)
         desc["peer"] = f"llama-cpp-python {llama_cpp_version()}, {threads} threads, flash attention"
@@ -158,7 +141,8 @@ def run(sides: list[Side], tokenizer, *, temperatures: list[float], num_prompts:
                         if s.is_peer:
                             t = s.llm.decode(p, max_tokens, temperature=temp, seed=seed)
                         else:
-                            t = ember_decode(s.llm, p, max_tokens, temp, seed, f"spec-{s.name}-{temp}-{r}-{i}")
+                            t = token_times(s.llm.engine, f"spec-{s.name}-{temp}-{r}-{i}", p,
+                                            SamplingParams(temperature=temp, max_tokens=max_tokens, seed=seed))
                         if len(t) >= 2:
                             gen, secs = gen + len(t) - 1, secs + (t[-1] - t[0])
                 if r < 0:
@@ -273,6 +257,8 @@ def cmd_spec(args) -> None:
     config = engine_config_from_args(args)
     if config.kv_cache_memory is None:  # several engines live at once; each needs only a few prompts' KV
         config = dataclasses.replace(config, kv_cache_memory=0.25)
+    # chat prompts share the template's system prefix: no cache hits, every side prefills the same tokens
+    config = dataclasses.replace(config, enable_prefix_caching=False)
     sides, desc = build_sides(config, args.ks, args.peer, torch.get_num_threads())
     load = load_average()
     run(sides, sides[0].llm.tokenizer, temperatures=args.temperatures, num_prompts=args.num_prompts,

@@ -32,3 +32,23 @@ def run(llm, prompts, params=GREEDY):
 
 # Repetition, so prompt lookup finds something to propose.
 REPEATED = [random_prompt(n, s) * 3 for s, n in enumerate([4, 7, 2, 10, 5, 3])]
+
+
+def drafts_after_prefill(llm, prompt):
+    """Step until the request holds its first draft; (draft ids, the drafter's cache rows of the prompt
+    stacked over its layers [L, 2, P, Hkv, D], steps taken). The request is aborted after."""
+    import torch
+
+    eng = llm.engine
+    eng.add_request("x", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    req = eng.groups["x"].children[0]
+    steps = 0
+    while req.draft is None:
+        eng.step()
+        steps += 1
+    bs = eng.config.block_size
+    slots = torch.tensor([req.block_ids[p // bs] * bs + p % bs for p in range(len(prompt))])
+    kv = torch.stack([c.flatten(1, 2)[:, slots] for c in eng.spec.proposer.caches])
+    draft = list(req.draft.token_ids)
+    eng.abort_request("x")
+    return draft, kv, steps

@@ -20,7 +20,7 @@ from ember.errors import ConfigError
 from ember.model_config import ModelConfig
 from ember.spec.draft import DraftModelProposer
 from tests.models.tiny_models import random_prompt
-from tests.spec.spec_helpers import kv_gib, make_llm, run
+from tests.spec.spec_helpers import drafts_after_prefill, kv_gib, make_llm, run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 from tests.models.tiny_models import one_thread  # noqa: E402,F401
@@ -151,23 +151,6 @@ def test_planner_counts_the_draft_model(tiny_model_dir, drafts, capsys):
 
 
 # ---- chunked prefill and prefix caching -------------------------------------------------------------
-
-def drafts_after_prefill(llm, prompt):
-    """Step until the request holds its first draft; (draft ids, the draft cache rows of the prompt, steps)."""
-    eng = llm.engine
-    eng.add_request("x", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    req = eng.groups["x"].children[0]
-    steps = 0
-    while req.draft is None:
-        eng.step()
-        steps += 1
-    bs = eng.config.block_size
-    slots = torch.tensor([req.block_ids[p // bs] * bs + p % bs for p in range(len(prompt))])
-    kv = torch.stack([c.flatten(1, 2)[:, slots] for c in eng.spec.proposer.caches])
-    draft = list(req.draft.token_ids)
-    eng.abort_request("x")
-    return draft, kv, steps
-
 
 def test_draft_cache_written_on_prefill_chunks(tiny_model_dir, drafts):
     target, draft = tiny_model_dir("qwen3"), drafts["trunc"]

@@ -19,7 +19,7 @@ from ember.spec.mtp_proposer import MTPProposer
 from tests.models.tiny_models import random_prompt
 from tests.spec.mtp_fixtures import (COUNT_KEY, LAYOUTS, checkpoint_tensors, hf_config, make_ref_layers,
                                      write_main_with_mtp, write_mtp_folder)
-from tests.spec.spec_helpers import kv_gib, make_llm, run
+from tests.spec.spec_helpers import drafts_after_prefill, kv_gib, make_llm, run
 
 PROMPTS = [random_prompt(n, 70 + s) for s, n in enumerate([9, 23, 4, 17, 12, 30])]
 GREEDY = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
@@ -207,24 +207,6 @@ def test_reduced_draft_vocabulary_drafts_its_token_ids(mtp_model, tmp_path):
 
 # ---- the MTP cache is filled on every prefill chunk -----------------------------------------------
 
-def drafts_after_prefill(llm, prompt):
-    """Step until the request holds its first draft; (draft ids, the MTP cache rows of the prompt)."""
-    eng = llm.engine
-    eng.add_request("x", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    req = eng.groups["x"].children[0]
-    steps = 0
-    while req.draft is None:
-        eng.step()
-        steps += 1
-    bs = eng.config.block_size
-    slots = torch.tensor([req.block_ids[p // bs] * bs + p % bs for p in range(len(prompt))])
-    cache = eng.spec.proposer.caches[0]
-    kv = cache.flatten(1, 2)[:, slots].clone()  # [2, P, Hkv, D]: positions 0 .. P-1
-    draft = list(req.draft.token_ids)
-    eng.abort_request("x")
-    return draft, kv, steps
-
-
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_mtp_cache_written_on_prefill_chunks(mtp_model, layout):
     path = mtp_model("qwen3", layout)
@@ -234,7 +216,7 @@ def test_mtp_cache_written_on_prefill_chunks(mtp_model, layout):
     chunked, kv_chunked, s2 = drafts_after_prefill(make_llm(path, max_num_batched_tokens=6, max_num_seqs=4, **knobs), prompt)
     assert (s1, s2) == (1, 5)
     assert len(whole) == 3 and whole == chunked
-    assert (kv_whole.flatten(2).abs().amax(-1) > 0).all()  # every prompt position written ...
+    assert (kv_whole.flatten(3).abs().amax(-1) > 0).all()  # every prompt position written ...
     torch.testing.assert_close(kv_chunked, kv_whole, rtol=1e-5, atol=1e-5)  # ... the same, chunk by chunk
 
 
