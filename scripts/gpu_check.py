@@ -240,25 +240,9 @@ def free_memory() -> None:
 # -- timing helpers ------------------------------------------------------------------------------
 
 def time_ms(fn, iters: int, warmup: int, device: torch.device) -> float:
-    """Median ms of fn(): CUDA events on a GPU, perf_counter on the CPU."""
-    for _ in range(warmup):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(1000 * (time.perf_counter() - t))
-    return statistics.median(times)
+    from ember.kernels.triton_bench import time_ms as median_ms
+
+    return median_ms(fn, iters, warmup, device)
 
 
 def copy_bandwidth(device: torch.device) -> float:

@@ -63,20 +63,30 @@ def gathered_sdpa(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
     return o.transpose(1, 2).reshape(B * q_len, Hq, D)
 
 
-def _time_ms(fn, iters: int, warmup: int) -> float:
-    """Median milliseconds of fn() over iters CUDA-event-timed calls."""
+def time_ms(fn, iters: int, warmup: int, device: torch.device | None = None) -> float:
+    """Median milliseconds of fn(): CUDA events on a GPU (the default), perf_counter on the CPU."""
+    import statistics
+    import time
+
+    cuda = device is None or device.type == "cuda"
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     times = []
     for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(1000 * (time.perf_counter() - t))
+    return statistics.median(times)
 
 
 def bench_decode_attention(contexts=(512, 2048, 8192, 32768), batch_size: int = 8, num_heads: int = 32,
@@ -108,7 +118,7 @@ def bench_decode_attention(contexts=(512, 2048, 8192, 32768), batch_size: int = 
             return gathered_sdpa(q, cache, meta, scale, k_scale, v_scale)
 
         diff = (triton_step().float() - torch_step().float()).abs().max().item()
-        triton_ms, torch_ms = _time_ms(triton_step, iters, warmup), _time_ms(torch_step, iters, warmup)
+        triton_ms, torch_ms = time_ms(triton_step, iters, warmup), time_ms(torch_step, iters, warmup)
         kv_bytes = 2 * batch_size * context * num_kv_heads * head_dim * cache.element_size()
         rows.append(dict(context=context, batch_size=batch_size, q_len=q_len, heads=f"{num_heads}/{num_kv_heads}",
                          head_dim=head_dim, dtype=str(dtype).removeprefix("torch."),

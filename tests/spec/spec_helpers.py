@@ -52,3 +52,19 @@ def drafts_after_prefill(llm, prompt):
     draft = list(req.draft.token_ids)
     eng.abort_request("x")
     return draft, kv, steps
+
+
+def run_with_aborts(llm, params_for, prompts) -> None:
+    """Requests for every prompt (params_for(i) each), an abort every third step for 40 steps, then
+    run the rest to the end: the churn the no-leak tests put a drafter through."""
+    eng = llm.engine
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), {"prompt_token_ids": p}, params_for(i))
+    for step in range(40):
+        eng.step()
+        if step % 3 == 1:
+            live = list(eng.groups)
+            if live:
+                eng.abort_request(live[step % len(live)])
+    while eng.has_unfinished_requests():
+        eng.step()

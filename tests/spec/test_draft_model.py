@@ -20,7 +20,7 @@ from ember.errors import ConfigError
 from ember.model_config import ModelConfig
 from ember.spec.draft import DraftModelProposer
 from tests.models.tiny_models import random_prompt
-from tests.spec.spec_helpers import drafts_after_prefill, kv_gib, make_llm, run
+from tests.spec.spec_helpers import drafts_after_prefill, run_with_aborts, kv_gib, make_llm, run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 from tests.models.tiny_models import one_thread  # noqa: E402,F401
@@ -239,18 +239,8 @@ def test_no_leaked_blocks_with_aborts(tiny_model_dir, drafts):
     target, draft = tiny_model_dir("qwen3"), drafts["llama"]
     llm = make_llm(target, speculative_model=draft, num_speculative_tokens=3, max_num_batched_tokens=9,
                    max_num_seqs=4, kv_cache_memory=pool_gib(target, draft, 30), max_model_len=64)
-    eng = llm.engine
     sampled = SamplingParams(temperature=0.7, max_tokens=20, seed=3, ignore_eos=True)
-    for i, p in enumerate(PROMPTS * 2):
-        eng.add_request(str(i), {"prompt_token_ids": p}, sampled if i % 2 else GREEDY)
-    for step in range(40):
-        eng.step()
-        if step % 3 == 1:
-            live = list(eng.groups)
-            if live:
-                eng.abort_request(live[step % len(live)])
-    while eng.has_unfinished_requests():
-        eng.step()
+    run_with_aborts(llm, lambda i: sampled if i % 2 else GREEDY, PROMPTS * 2)
     stats = check_clean(llm)
     assert stats["spec_num_drafts"] > 0
 

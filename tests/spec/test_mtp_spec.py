@@ -19,7 +19,7 @@ from ember.spec.mtp_proposer import MTPProposer
 from tests.models.tiny_models import random_prompt
 from tests.spec.mtp_fixtures import (COUNT_KEY, LAYOUTS, checkpoint_tensors, hf_config, make_ref_layers,
                                      write_main_with_mtp, write_mtp_folder)
-from tests.spec.spec_helpers import drafts_after_prefill, kv_gib, make_llm, run
+from tests.spec.spec_helpers import drafts_after_prefill, run_with_aborts, kv_gib, make_llm, run
 
 PROMPTS = [random_prompt(n, 70 + s) for s, n in enumerate([9, 23, 4, 17, 12, 30])]
 GREEDY = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
@@ -277,18 +277,8 @@ def test_no_leaked_blocks_with_aborts(mtp_model):
     path = mtp_model("qwen3", "mimo")
     llm = make_llm(path, enable_mtp=True, num_speculative_tokens=3, max_num_batched_tokens=9, max_num_seqs=4,
                    kv_cache_memory=kv_gib(path, 30), max_model_len=64)
-    eng = llm.engine
     params = SamplingParams(temperature=0.7, max_tokens=20, seed=3, ignore_eos=True)
-    for i, p in enumerate(PROMPTS * 2):
-        eng.add_request(str(i), {"prompt_token_ids": p}, params)
-    for step in range(40):
-        eng.step()
-        if step % 3 == 1:
-            live = list(eng.groups)
-            if live:
-                eng.abort_request(live[step % len(live)])
-    while eng.has_unfinished_requests():
-        eng.step()
+    run_with_aborts(llm, lambda i: params, PROMPTS * 2)
     stats = check_clean(llm)
     assert stats["spec_num_drafts"] > 0
 
