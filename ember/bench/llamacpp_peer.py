@@ -3,12 +3,18 @@
 The peer a CPU user would otherwise pick (ollama and LM Studio run it). Same GGUF file, same
 thread count, flash attention on; prompts are handed over as token ids so both engines see the
 same tokens. llama-cpp-python compiles llama.cpp on install (several minutes on 2 cores).
+
+llama-cpp-python's high-level API generates one sequence at a time (no batched generate), so
+its "offline throughput" is the prompts run one after another: what a user of that API gets.
 """
 from __future__ import annotations
 
 import time
 
 from ember.errors import ConfigError
+
+BATCH_METHOD = ("llama.cpp offline throughput: the prompts one after another through Llama.generate() "
+                "(llama-cpp-python has no batched generate)")
 
 INSTALL_HINT = ("pip install 'llama-cpp-python==0.3.36'  (or: pip install -e '.[bench]'; it compiles llama.cpp, "
                 "several minutes on 2 cores)")
@@ -33,6 +39,10 @@ class LlamaCppPeer:
     name = "llama.cpp"
 
     def __init__(self, gguf_path: str, threads: int, n_ctx: int = 4096):
+        from ember.bench.report import _version
+
+        self.description = {"name": self.name, "version": _version("llama-cpp-python"), "model": str(gguf_path).rsplit("/", 1)[-1],
+                            "threads": threads, "flash_attn": True, "n_ctx": n_ctx}
         if not str(gguf_path).endswith(".gguf"):
             raise ConfigError(f"the llama.cpp peer reads .gguf files only; {gguf_path} is not one")
         llama_cpp = _import_llama_cpp()
@@ -62,3 +72,9 @@ class LlamaCppPeer:
         t0 = time.perf_counter()
         self.decode(prompt, 1)
         return time.perf_counter() - t0
+
+    def batch(self, prompts: list[list[int]], output_len: int) -> tuple[float, int]:
+        """All prompts, one after another (see BATCH_METHOD); returns (seconds, generated tokens)."""
+        t0 = time.perf_counter()
+        generated = sum(len(self.decode(p, output_len)) for p in prompts)
+        return time.perf_counter() - t0, generated
