@@ -244,6 +244,11 @@ def cell(s: dict | None, suffix: str = "") -> str:
     return f"{fmt(s['median'])}{suffix} [{fmt(s['min'])}-{fmt(s['max'])}]"
 
 
+def ratio_cell(r: dict | None) -> str:
+    """'1.23x [1.10-1.31]' of paired ratios, or '-'."""
+    return f"{r['median']:.2f}x [{r['min']:.2f}-{r['max']:.2f}]" if r else "-"
+
+
 def _others(figure: dict, side: str) -> str:
     known = [o for o in figure["values"].get(side, {}).get("others", []) if o is not None]
     return f"{statistics.median(known):.2f}" if known else "-"
@@ -264,7 +269,7 @@ def render(data: dict) -> str:
                 continue
             label = f"{f['name']}{' with MTP' if side == MTP else ''} ({f['unit']})"
             row = [label, cell(f["values"][side])] + [cell(f["values"].get(p)) for p in peers]
-            row += [cell(paired_ratios(f, side, p), "x") for p in peers] + [_others(f, side)]
+            row += [ratio_cell(paired_ratios(f, side, p)) for p in peers] + [_others(f, side)]
             lines.append("| " + " | ".join(row) + " |")
     rss = data["peak_rss_mib"]
     for side in (EMBER, MTP):
@@ -398,9 +403,10 @@ def cmd_compare(args) -> None:
          "not attributable" if shared else
          "peak RSS: each side ran in a worker process of its own (python -m ember.bench.worker); its resource.getrusage "
          "high-water mark, which includes the Python interpreter and imported libraries, and ember's preallocated KV pool"),
-        membw.METHOD.format(mib=args.bandwidth_mib) + "; achieved = weight bytes as loaded (engine.loaded.weight_bytes) "
-        "x decode tok/s",
     ]
+    if args.bandwidth_mib:
+        data["notes"].append(membw.METHOD.format(mib=args.bandwidth_mib) + "; achieved = weight bytes as loaded "
+                             "(engine.loaded.weight_bytes) x ember's decode tok/s")
     section = render(data)
     md, js = write(data, section, args.output, KIND)
     print(section)

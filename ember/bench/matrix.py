@@ -10,6 +10,7 @@ alternating in order each round like the sides of `ember bench compare`.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
 
@@ -132,10 +133,9 @@ def add_matrix_parser(sub) -> None:
     p = sub.add_parser("matrix", help="each engine lever from everything off to everything on: TTFT, decode, "
                                       "throughput, peak memory")
     _common_args(p)
-    p._actions = [a for a in p._actions if a.dest != "peer"]  # ember alone
-    for g in p._action_groups:
-        g._group_actions = [a for a in g._group_actions if a.dest != "peer"]
-    p._option_string_actions.pop("--peer", None)
+    for a in p._actions:  # ember alone: --peer only accepts none here, and is not listed
+        if a.dest == "peer":
+            a.choices, a.default, a.help = ("none",), "none", argparse.SUPPRESS
     p.add_argument("--prompt-len", type=_positive_int, default=2000,
                    help="TTFT prompt length: the longest this machine handles in reasonable time")
     p.add_argument("--configs", type=_names, default=None, metavar="NAME,NAME,...",

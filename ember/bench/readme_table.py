@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ember.bench.compare import EMBER, MTP, cell, fmt, paired_ratios
+from ember.bench.compare import EMBER, MTP, cell, fmt, paired_ratios, ratio_cell
 from ember.bench.report import update_markdown
 
 KIND = "readme-compare"
@@ -33,7 +33,7 @@ def table(data: dict) -> str:
                 continue
             row = [f"{f['name']}{' with MTP' if side == MTP else ''} ({f['unit']})", cell(f["values"][side])]
             row += [cell(f["values"].get(p)) for p in peers]
-            row += [cell(paired_ratios(f, side, p), "x") for p in peers]
+            row += [ratio_cell(paired_ratios(f, side, p)) for p in peers]
             row.append(verdicts.get((f["key"], side), ""))
             lines.append("| " + " | ".join(row) + " |")
     rss = data["peak_rss_mib"]
