@@ -37,6 +37,9 @@ EMBER, MTP = "ember", "ember+MTP"
 PEERS = {"llamacpp": "ember.bench.llamacpp_peer:LlamaCppPeer", "hf": "ember.bench.hf_peer:HFPeer"}
 PEER_NAMES = {"llamacpp": "llama.cpp", "hf": "transformers"}
 DEFAULT_PEERS = ["llamacpp", "hf"]
+# ember's KV pool when --kv-cache-memory is not given: 64 sequences of 640 tokens of the default
+# model (23 KB a token in bf16) fit; larger workloads or models want the flag
+KV_GIB = 1.0
 
 
 # -- sides ----------------------------------------------------------------------------------------
@@ -50,15 +53,21 @@ def start_side(factory: str, kwargs: dict, threads: int, in_process: bool):
 
 def ember_knobs(args, num_prompts: int) -> tuple[dict, int]:
     """The command's engine knobs as a dict, with max_num_seqs sized to the throughput batch when
-    unset (the peers run all prompts at once) and the thread count pinned; and that thread count."""
+    unset (the peers run all prompts at once), KV_GIB of KV cache when unset, and the thread count
+    pinned; and that thread count."""
     import torch
 
     from ember.engine_args import engine_config_from_args
 
     config = engine_config_from_args(args)
     threads = config.num_threads or torch.get_num_threads()
+    torch.set_num_threads(threads)  # the driver's bandwidth probe runs on the sides' thread count
     knobs = dataclasses.asdict(config)
     knobs["num_threads"] = threads
+    if knobs["kv_cache_memory"] is None:
+        # the pool is allocated (and touched) up front, so it is in peak RSS: size it to the workload,
+        # not to the machine's RAM, or the memory figure says more about the default than the engine
+        knobs["kv_cache_memory"] = KV_GIB
     if knobs["max_num_seqs"] is None:
         knobs["max_num_seqs"] = min(num_prompts, config.max_num_batched_tokens)
     return knobs, threads
@@ -154,6 +163,7 @@ def measure(sides: dict, tasks: list[Task], *, runs: int, quiet_wait_s: float, b
         for f in t.figures:
             results[f.key] = {n: {"runs": [], "others": []} for n in sides if n not in t.skip}
     bandwidth: list[float] = []
+    workers = tuple(s.pid for s in sides.values() if s.pid is not None)
     for r in tqdm(range(-1, runs), desc=desc, unit="round", dynamic_ncols=True):
         if r >= 0 and bandwidth_mib:
             bandwidth.append(membw.read_gbps(bandwidth_mib))
@@ -165,7 +175,7 @@ def measure(sides: dict, tasks: list[Task], *, runs: int, quiet_wait_s: float, b
             for n in names:
                 if r >= 0 and quiet_wait_s > 0:
                     wait_for_quiet(quiet_wait_s)
-                with OthersLoad() as load:
+                with OthersLoad(pids=workers) as load:
                     values = t.measure(sides[n], inputs)
                 logger.info("%s %s %s: %s (others used %s cores)", desc, n, "warmup" if r < 0 else f"round {r + 1}",
                             ", ".join(f"{k} {v:.1f}" for k, v in values.items()), load.cores)
@@ -396,7 +406,8 @@ def cmd_compare(args) -> None:
         "burst of other work stretches a few gaps but not the median",
         "TTFT: ember add_request() to its first token through the step loop; llama.cpp generate() to its first token; "
         "transformers: " + HF_TTFT.split(": ", 1)[1],
-        f"throughput: ember one LLM.generate() over all prompts (max_num_seqs {knobs['max_num_seqs']}); " + LLAMA_BATCH
+        f"throughput: ember one LLM.generate() over all prompts (max_num_seqs {knobs['max_num_seqs']}, KV cache "
+        f"{knobs['kv_cache_memory']:g} GiB); " + LLAMA_BATCH
         + "; " + HF_BATCH,
         f"{MTP}: the ember side with enable_mtp=True (adaptive draft length); measured on decode only",
         ("peak RSS: all sides ran in this one process (--in-process), so it is the process's high-water mark, "

@@ -74,6 +74,7 @@ class LocalSide:
     """A side built in this process (--in-process): cheap to start, but its memory is not its own."""
 
     shared_process = True
+    pid = None  # its CPU time is this process's own
 
     def __init__(self, factory: str, kwargs: dict):
         self.side = build(factory, kwargs)

@@ -24,6 +24,7 @@ class RemoteSide:
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         self.proc = subprocess.Popen([sys.executable, "-m", "ember.bench.worker"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env)
+        self.pid = self.proc.pid
         info = self._call("build", factory, kwargs, threads)
         self.description, self.weight_bytes, self.prompt_vocab = info
 

@@ -11,7 +11,9 @@ import pytest
 from ember.bench import compare, matrix, readme_table
 from ember.cli import main
 from ember.errors import ConfigError
-from tests.bench.test_bench_cli import one_model_load  # noqa: F401  (fixture: the default model, loaded once per knobs)
+from tests.bench import test_bench_cli
+
+one_model_load = test_bench_cli.one_model_load  # fixture: the default model, loaded once per set of knobs
 
 TINY = ["--runs", "1", "--quiet-wait", "0", "--decode-tokens", "4", "--num-prompts", "2", "--input-len-range", "4,8",
         "--output-len", "3", "--kv-cache-memory", "0.05", "--max-model-len", "128", "--in-process"]
@@ -23,7 +25,7 @@ def fake_peers(monkeypatch):
     monkeypatch.setitem(compare.PEERS, "hf", "tests.bench.fake_peers:FakeHF")
 
 
-def test_compare_writes_rows_and_judges_the_bars(tmp_path, one_model_load, fake_peers):  # noqa: F811
+def test_compare_writes_rows_and_judges_the_bars(tmp_path, one_model_load, fake_peers):
     md = tmp_path / "cpu.md"
     assert main(["bench", "compare", *TINY, "--prompt-lens", "8,16", "--bandwidth-mib", "8", "--output", str(md)]) == 0
     text = md.read_text()
@@ -60,7 +62,7 @@ def test_compare_writes_rows_and_judges_the_bars(tmp_path, one_model_load, fake_
     assert "| batch-1 decode, 4 tokens with MTP (tok/s) |" in readme.read_text()
 
 
-def test_without_peers_the_bars_say_not_measured(tmp_path, one_model_load):  # noqa: F811
+def test_without_peers_the_bars_say_not_measured(tmp_path, one_model_load):
     md = tmp_path / "cpu.md"
     assert main(["bench", "compare", *TINY, "--peer", "none", "--no-mtp", "--prompt-lens", "8", "--bandwidth-mib", "0",
                  "--output", str(md)]) == 0
@@ -70,7 +72,7 @@ def test_without_peers_the_bars_say_not_measured(tmp_path, one_model_load):  # n
     assert "--peer none " in data["command"] and data["command"].endswith(" --in-process --no-mtp")
 
 
-def test_matrix_rows(tmp_path, one_model_load):  # noqa: F811
+def test_matrix_rows(tmp_path, one_model_load):
     md = tmp_path / "cpu.md"
     rows = "everything off,+ packed GGUF weights"
     assert main(["bench", "matrix", *TINY, "--prompt-len", "16", "--configs", rows, "--output", str(md)]) == 0
