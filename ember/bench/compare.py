@@ -364,6 +364,9 @@ def cmd_compare(args) -> None:
     peers = [p for p in args.peer if p != "none"]
     check_peers_installed(peers)
     knobs, threads = ember_knobs(args, args.num_prompts)
+    # the plain ember side never speculates (its bar is "without speculation"); the MTP side adds the model's head
+    mtp_knobs = {**knobs, "speculative_config": None, "speculative_model": None, "enable_mtp": True}
+    knobs.update(speculative_config=None, speculative_model=None, enable_mtp=False, num_speculative_tokens=None)
     path = model_path(knobs)
     longest = max(args.prompt_lens)
     peer_kwargs = {"llamacpp": {"gguf_path": path, "threads": threads, "n_ctx": max(4096, longest + hi + args.output_len)},
@@ -372,7 +375,7 @@ def cmd_compare(args) -> None:
     try:
         sides[EMBER] = start_side(EMBER_FACTORY, knobs, threads, args.in_process)
         if args.mtp:
-            sides[MTP] = start_side(EMBER_FACTORY, {**knobs, "enable_mtp": True}, threads, args.in_process)
+            sides[MTP] = start_side(EMBER_FACTORY, mtp_knobs, threads, args.in_process)
         for p in peers:
             sides[PEER_NAMES[p]] = start_side(PEERS[p], peer_kwargs[p], threads, args.in_process)
         maker = prompt_maker_of(sides[EMBER], args.prompt_seed)
@@ -409,7 +412,8 @@ def cmd_compare(args) -> None:
         f"throughput: ember one LLM.generate() over all prompts (max_num_seqs {knobs['max_num_seqs']}, KV cache "
         f"{knobs['kv_cache_memory']:g} GiB); " + LLAMA_BATCH
         + "; " + HF_BATCH,
-        f"{MTP}: the ember side with enable_mtp=True (adaptive draft length); measured on decode only",
+        f"{MTP}: the ember side with enable_mtp=True ({'adaptive draft length' if knobs['adaptive_spec'] else 'draft length pinned'}"
+        f", at most {mtp_knobs['num_speculative_tokens'] or 'the default number of'} tokens); measured on decode only",
         ("peak RSS: all sides ran in this one process (--in-process), so it is the process's high-water mark, "
          "not attributable" if shared else
          "peak RSS: each side ran in a worker process of its own (python -m ember.bench.worker); its resource.getrusage "

@@ -33,13 +33,15 @@ def has_executor_flag() -> bool:
 
 def configs(base: dict) -> list[tuple[str, dict]]:
     """(row name, engine knobs), each row the one before plus one lever."""
-    off = dict(OFF, executor="eager") if has_executor_flag() else dict(OFF)
+    # compilation_config is only valid with the compiled executor: off until its row
+    off = dict(OFF, executor="eager", compilation_config=None) if has_executor_flag() else dict(OFF)
     levers = [("+ int8 weight-only decode copy", {"int8_decode": True}),
               ("+ packed GGUF weights", {"quantization": "auto", "int8_decode": None}),
               ("+ chunked prefill", {"enable_chunked_prefill": True}),
               ("+ MTP speculation", {"enable_mtp": True})]
     if has_executor_flag():
-        levers.append(("+ compiled executor", {"executor": "compiled", "enforce_eager": False}))
+        levers.append(("+ compiled executor", {"executor": "compiled", "enforce_eager": False,
+                                               "compilation_config": base.get("compilation_config")}))
     rows, knobs = [("everything off", {**base, **off})], {**base, **off}
     for name, change in levers:
         knobs = {**knobs, **change}

@@ -92,12 +92,14 @@ def test_matrix_adds_the_compiled_row_only_when_the_flag_exists(monkeypatch):
     names = [n for n, _ in matrix.configs({})]
     assert names[0] == "everything off" and "+ MTP speculation" in names and "+ compiled executor" not in names
     monkeypatch.setattr(matrix, "has_executor_flag", lambda: True)
-    rows = matrix.configs({})
+    rows = matrix.configs({"compilation_config": {"compile_sizes": [1]}})
     assert rows[0][1]["executor"] == "eager" and rows[0][1]["quantization"] == "none"
+    assert rows[0][1]["compilation_config"] is None  # valid only with the compiled executor
     last_name, last = rows[-1]
     assert last_name == "+ compiled executor"
     assert last["executor"] == "compiled" and last["enable_mtp"] and last["enable_chunked_prefill"]
     assert last["quantization"] == "auto"  # everything on: packed weights
+    assert last["compilation_config"] == {"compile_sizes": [1]}
 
 
 def test_a_side_in_its_own_process():
@@ -108,7 +110,7 @@ def test_a_side_in_its_own_process():
         assert side.description == {"name": "fake llama.cpp", "threads": 1}
         assert len(side.decode([1, 2, 3], 5)) == 5 and side.ttft([1]) == 5.0
         assert side.batch([[1], [2]], 3)[1] == 6
-        assert side.peak_rss_bytes() > 1 << 20 and not side.shared_process
+        assert side.peak_rss_bytes() > 1 << 20 and not side.shared_process and side.pid == side.proc.pid
     finally:
         side.close()
     assert side.proc.returncode == 0
