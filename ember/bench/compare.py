@@ -354,7 +354,7 @@ def cmd_compare(args) -> None:
     from ember.bench.cli import _command
     from ember.bench.hf_peer import BATCH_METHOD as HF_BATCH, TTFT_METHOD as HF_TTFT
     from ember.bench.latency import DECODE_PROMPT_LEN
-    from ember.bench.llamacpp_peer import BATCH_METHOD as LLAMA_BATCH
+    from ember.bench.llamacpp_peer import BATCH_METHODS as LLAMA_BATCH
     from ember.bench.sides import EMBER as EMBER_FACTORY
     from ember.errors import ConfigError
 
@@ -369,7 +369,8 @@ def cmd_compare(args) -> None:
     knobs.update(speculative_config=None, speculative_model=None, enable_mtp=False, num_speculative_tokens=None)
     path = model_path(knobs)
     longest = max(args.prompt_lens)
-    peer_kwargs = {"llamacpp": {"gguf_path": path, "threads": threads, "n_ctx": max(4096, longest + hi + args.output_len)},
+    peer_kwargs = {"llamacpp": {"gguf_path": path, "threads": threads, "n_ctx": max(4096, longest + hi + args.output_len),
+                                "batch_mode": args.llamacpp_batch},
                    "hf": {"model_path": path}}
     sides = {}
     try:
@@ -389,7 +390,7 @@ def cmd_compare(args) -> None:
         shared = any(s.shared_process for s in sides.values())
         figures = summarize_figures([f for t in tasks for f in t.figures], results)
         command = _command(args, ["runs", "peer", "output", "prompt_seed", "quiet_wait", "decode_tokens", "prompt_lens",
-                                  "num_prompts", "input_len_range", "output_len", "bandwidth_mib"])
+                                  "num_prompts", "input_len_range", "output_len", "bandwidth_mib", "llamacpp_batch"])
         command += switches(args, mtp="--no-mtp")
         data = {"kind": KIND, "command": command,
                 "machine": machine_info(), "load_at_start": load, "threads": threads, "runs": args.runs,
@@ -410,8 +411,7 @@ def cmd_compare(args) -> None:
         "TTFT: ember add_request() to its first token through the step loop; llama.cpp generate() to its first token; "
         "transformers: " + HF_TTFT.split(": ", 1)[1],
         f"throughput: ember one LLM.generate() over all prompts (max_num_seqs {knobs['max_num_seqs']}, KV cache "
-        f"{knobs['kv_cache_memory']:g} GiB); " + LLAMA_BATCH
-        + "; " + HF_BATCH,
+        f"{knobs['kv_cache_memory']:g} GiB); " + LLAMA_BATCH[args.llamacpp_batch] + "; " + HF_BATCH,
         f"{MTP}: the ember side with enable_mtp=True ({'adaptive draft length' if knobs['adaptive_spec'] else 'draft length pinned'}"
         f", at most {mtp_knobs['num_speculative_tokens'] or 'the default number of'} tokens); measured on decode only",
         ("peak RSS: all sides ran in this one process (--in-process), so it is the process's high-water mark, "
@@ -480,6 +480,9 @@ def add_compare_parser(sub) -> None:
     p.add_argument("--prompt-lens", type=_int_list, default=[512, 2000], metavar="N,N,...",
                    help="prompt lengths for TTFT; the bar is judged at the longest")
     p.add_argument("--no-mtp", dest="mtp", action="store_false", help="leave out the ember+MTP side")
+    p.add_argument("--llamacpp-batch", choices=("parallel", "sequential"), default="parallel",
+                   help="llama.cpp's offline throughput: parallel = all prompts as sequences of one llama_decode batch "
+                        "(llama.cpp's batch API; llama-cpp-python's generate() has none), sequential = one after another")
     p.add_argument("--bandwidth-mib", type=int, default=512, help="size of the memory-bandwidth probe (0 = skip it)")
     workload_args(p, prompt_help="for quick checks")
     p.set_defaults(func=cmd_compare)

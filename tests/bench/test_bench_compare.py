@@ -36,10 +36,12 @@ def test_compare_writes_rows_and_judges_the_bars(tmp_path, one_model_load, fake_
                 "| offline throughput, 2 prompts x 4-8 in / 3 out (out tok/s) |", "Memory: read bandwidth"):
         assert row in text, row
     assert "--input-len-range 4,8" in text and "--in-process" in text and "--peer llamacpp,hf" in text
+    assert "--llamacpp-batch parallel" in text and "all prompts as parallel sequences through llama_decode" in text
 
     data = json.loads((tmp_path / "cpu-compare.json").read_text())
     assert list(data["sides"]) == ["ember", "ember+MTP", "llama.cpp", "transformers"]
     assert data["sides"]["ember+MTP"]["speculation"] == "mtp" and data["sides"]["ember"]["speculation"] == "none"
+    assert data["sides"]["llama.cpp"]["batch_mode"] == "parallel"  # the fake echoes what the peer was built with
     decode = next(f for f in data["figures"] if f["key"] == "decode")
     assert set(decode["values"]) == {"ember", "ember+MTP", "llama.cpp", "transformers"}
     assert decode["values"]["llama.cpp"]["median"] == pytest.approx(10.0)
