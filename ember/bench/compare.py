@@ -28,6 +28,7 @@ from tqdm import tqdm
 from ember.bench import membw
 from ember.bench.report import (OthersLoad, _machine_line, json_path, load_average, machine_info, update_markdown,
                                 wait_for_quiet)
+from ember.bench.report import _fmt as fmt
 
 logger = logging.getLogger("ember.bench")
 
@@ -240,12 +241,6 @@ def bars(ttft_len: int) -> list[RatioBar]:
 
 
 # -- rendering ------------------------------------------------------------------------------------
-
-def fmt(v: float | None) -> str:
-    if v is None:
-        return "-"
-    return f"{v:.0f}" if abs(v) >= 1000 else f"{v:.3g}" if abs(v) < 10 else f"{v:.1f}"
-
 
 def cell(s: dict | None, suffix: str = "") -> str:
     """'median [min-max]' of a spread, or '-'."""
