@@ -3,12 +3,24 @@
 The peer a CPU user would otherwise pick (ollama and LM Studio run it). Same GGUF file, same
 thread count, flash attention on; prompts are handed over as token ids so both engines see the
 same tokens. llama-cpp-python compiles llama.cpp on install (several minutes on 2 cores).
+
+Offline throughput: llama-cpp-python's high-level API generates one sequence at a time, so
+batch() drives llama.cpp's own batch API underneath it (llama_batch with one sequence id per
+prompt, a unified KV cache of n_seq_max = the number of prompts, as llama-server's parallel slots
+do): all prompts prefilled in n_batch-token batches, then one decode per step over every sequence,
+greedy. batch_mode="sequential" instead runs the prompts one after another through generate().
 """
 from __future__ import annotations
 
 import time
 
 from ember.errors import ConfigError
+
+BATCH_METHODS = {
+    "parallel": ("llama.cpp offline throughput: all prompts as parallel sequences through llama_decode (llama-cpp-python "
+                 "has no batched generate; its low-level batch API, unified KV, n_seq_max = prompts, greedy argmax)"),
+    "sequential": "llama.cpp offline throughput: the prompts one after another through Llama.generate()",
+}
 
 INSTALL_HINT = ("pip install 'llama-cpp-python==0.3.36'  (or: pip install -e '.[bench]'; it compiles llama.cpp, "
                 "several minutes on 2 cores)")
@@ -32,7 +44,14 @@ def llama_cpp_version() -> str | None:
 class LlamaCppPeer:
     name = "llama.cpp"
 
-    def __init__(self, gguf_path: str, threads: int, n_ctx: int = 4096):
+    def __init__(self, gguf_path: str, threads: int, n_ctx: int = 4096, batch_mode: str = "parallel"):
+        from ember.bench.report import _version
+
+        if batch_mode not in BATCH_METHODS:
+            raise ConfigError(f"batch_mode must be one of {', '.join(BATCH_METHODS)} (got {batch_mode!r})")
+        self.batch_mode = batch_mode
+        self.description = {"name": self.name, "version": _version("llama-cpp-python"), "model": str(gguf_path).rsplit("/", 1)[-1],
+                            "threads": threads, "flash_attn": True, "n_ctx": n_ctx, "batch": batch_mode}
         if not str(gguf_path).endswith(".gguf"):
             raise ConfigError(f"the llama.cpp peer reads .gguf files only; {gguf_path} is not one")
         llama_cpp = _import_llama_cpp()
@@ -62,3 +81,14 @@ class LlamaCppPeer:
         t0 = time.perf_counter()
         self.decode(prompt, 1)
         return time.perf_counter() - t0
+
+    def batch(self, prompts: list[list[int]], output_len: int) -> tuple[float, int]:
+        """All prompts, output_len greedy tokens each (see BATCH_METHODS); (seconds, generated tokens)."""
+        if self.batch_mode == "sequential":
+            t0 = time.perf_counter()
+            generated = sum(len(self.decode(p, output_len)) for p in prompts)
+            return time.perf_counter() - t0, generated
+        from ember.bench.llamacpp_batch import parallel_generate
+
+        seconds, outs = parallel_generate(self.llm, prompts, output_len)
+        return seconds, sum(len(o) for o in outs)

@@ -1,0 +1,483 @@
+"""`ember bench compare`: ember against llama.cpp and transformers, one run, same GGUF, same threads.
+
+Sides (each in a worker process of its own, so its peak RSS is its own; see worker.py):
+  - ember (the command's engine flags; by default packed GGUF weights, no speculation);
+  - ember+MTP: the same with enable_mtp=True (the default model's trained MTP head), decode only;
+  - llama.cpp through llama-cpp-python (the `bench` extra), same file and thread count;
+  - transformers in bfloat16 on the same file (dequantized by transformers on load).
+Figures: batch-1 greedy decode (256 tokens, EOS ignored), TTFT at 512 and 2,000 prompt tokens,
+offline throughput (64 prompts of 128-512 tokens, 128 out each, EOS ignored), peak RSS, and a
+memory-bandwidth probe against which ember's decode (weight bytes x tok/s) is put. One warmup
+round, then --runs rounds; in each round every side measures every figure on the same freshly
+seeded prompts, the order of sides reversed every other round so drift favours no one. Ratios
+are ember / peer per round (medians, min-max shown), and the issue's bars are judged on them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import random
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from tqdm import tqdm
+
+from ember.bench import membw
+from ember.bench.report import (OthersLoad, _machine_line, json_path, load_average, machine_info, update_markdown,
+                                wait_for_quiet)
+from ember.bench.report import _fmt as fmt
+
+logger = logging.getLogger("ember.bench")
+
+KIND = "compare"
+EMBER, MTP = "ember", "ember+MTP"
+# how each peer is built (sides.build); a test swaps in a fake by path
+PEERS = {"llamacpp": "ember.bench.llamacpp_peer:LlamaCppPeer", "hf": "ember.bench.hf_peer:HFPeer"}
+PEER_NAMES = {"llamacpp": "llama.cpp", "hf": "transformers"}
+DEFAULT_PEERS = ["llamacpp", "hf"]
+# ember's KV pool when --kv-cache-memory is not given: 64 sequences of 640 tokens of the default
+# model (23 KB a token in bf16) fit; larger workloads or models want the flag
+KV_GIB = 1.0
+
+
+# -- sides ----------------------------------------------------------------------------------------
+
+def start_side(factory: str, kwargs: dict, threads: int, in_process: bool):
+    from ember.bench.sides import LocalSide
+    from ember.bench.worker import RemoteSide
+
+    return LocalSide(factory, kwargs) if in_process else RemoteSide(factory, kwargs, threads)
+
+
+def ember_knobs(args, num_prompts: int) -> tuple[dict, int]:
+    """The command's engine knobs as a dict, with max_num_seqs sized to the throughput batch when
+    unset (the peers run all prompts at once), KV_GIB of KV cache when unset, and the thread count
+    pinned; and that thread count."""
+    import torch
+
+    from ember.engine_args import engine_config_from_args
+
+    config = engine_config_from_args(args)
+    threads = config.num_threads or torch.get_num_threads()
+    torch.set_num_threads(threads)  # the driver's bandwidth probe runs on the sides' thread count
+    knobs = dataclasses.asdict(config)
+    knobs["num_threads"] = threads
+    if knobs["kv_cache_memory"] is None:
+        # the pool is allocated (and touched) up front, so it is in peak RSS: size it to the workload,
+        # not to the machine's RAM, or the memory figure says more about the default than the engine
+        knobs["kv_cache_memory"] = KV_GIB
+    if knobs["max_num_seqs"] is None:
+        knobs["max_num_seqs"] = min(num_prompts, config.max_num_batched_tokens)
+    return knobs, threads
+
+
+def prompt_maker_of(side, base_seed: int):
+    from ember.bench.throughput import PromptMaker
+
+    vocab, special = side.prompt_vocab
+    return PromptMaker(vocab, set(special), base_seed)
+
+
+# -- the workload ---------------------------------------------------------------------------------
+
+@dataclass
+class Figure:
+    """One reported quantity."""
+
+    key: str
+    name: str
+    unit: str
+    higher_is_better: bool
+
+
+@dataclass
+class Task:
+    """One measurement per side per round: inputs(round) are shared by all sides; measure(side,
+    inputs) returns {figure key: value}. Sides named in `skip` do not take it."""
+
+    figures: list[Figure]
+    inputs: Callable[[int], object]
+    measure: Callable[[object, object], dict]
+    skip: frozenset = frozenset()
+
+
+def _seed(run: int, salt: int) -> int:
+    from ember.bench.throughput import prompt_seed
+
+    return prompt_seed(run, 0, salt)
+
+
+def decode_task(maker, n: int, skip=frozenset()) -> Task:
+    from ember.bench.latency import DECODE_PROMPT_LEN, decode_rates
+
+    figs = [Figure("decode", f"batch-1 decode, {n} tokens", "tok/s", True),
+            Figure("decode_steady", f"batch-1 decode, {n} tokens, steady (median gap)", "tok/s", True)]
+
+    def measure(side, prompt):
+        times = side.decode(prompt, n)
+        assert len(times) == n, f"{len(times)} tokens, wanted {n}"
+        mean, steady = decode_rates(times)
+        return {"decode": mean, "decode_steady": steady}
+
+    return Task(figs, lambda r: maker.make(1, DECODE_PROMPT_LEN, _seed(r, 1))[0], measure, skip)
+
+
+def ttft_key(length: int) -> str:
+    return f"ttft_{length}"
+
+
+def ttft_task(maker, length: int, skip=frozenset()) -> Task:
+    fig = Figure(ttft_key(length), f"TTFT, {length}-token prompt", "ms", False)
+    return Task([fig], lambda r: maker.make(1, length, _seed(r, length))[0],
+                lambda side, prompt: {fig.key: 1000 * side.ttft(prompt)}, skip)
+
+
+def throughput_prompts(maker, n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    """n prompts of lengths drawn uniformly from lo..hi (seeded), each its own random tokens."""
+    rng = random.Random(seed)
+    return [maker.make(1, rng.randint(lo, hi), seed * 1000 + i)[0] for i in range(n)]
+
+
+def throughput_task(maker, n: int, lo: int, hi: int, output_len: int, skip=frozenset()) -> Task:
+    fig = Figure("throughput", f"offline throughput, {n} prompts x {lo}-{hi} in / {output_len} out", "out tok/s", True)
+
+    def measure(side, prompts):
+        seconds, generated = side.batch(prompts, output_len)
+        assert generated == n * output_len, f"{generated} tokens, wanted {n * output_len}"
+        return {fig.key: generated / seconds}
+
+    return Task([fig], lambda r: throughput_prompts(maker, n, lo, hi, _seed(r, 3)), measure, skip)
+
+
+# -- measuring ------------------------------------------------------------------------------------
+
+def measure(sides: dict, tasks: list[Task], *, runs: int, quiet_wait_s: float, bandwidth_mib: int = 0,
+            desc: str = "bench") -> tuple[dict, list[float]]:
+    """({figure key: {side: {"runs": [...], "others": [...]}}}, bandwidth GB/s per round).
+
+    Round -1 is the warmup (compiles, caches, page faults), not recorded."""
+    results: dict = {}
+    for t in tasks:
+        for f in t.figures:
+            results[f.key] = {n: {"runs": [], "others": []} for n in sides if n not in t.skip}
+    bandwidth: list[float] = []
+    workers = tuple(s.pid for s in sides.values() if s.pid is not None)
+    for r in tqdm(range(-1, runs), desc=desc, unit="round", dynamic_ncols=True):
+        if r >= 0 and bandwidth_mib:
+            bandwidth.append(membw.read_gbps(bandwidth_mib))
+        for t in tasks:
+            inputs = t.inputs(r)
+            names = [n for n in sides if n not in t.skip]
+            if r % 2:
+                names.reverse()
+            for n in names:
+                if r >= 0 and quiet_wait_s > 0:
+                    wait_for_quiet(quiet_wait_s)
+                with OthersLoad(pids=workers) as load:
+                    values = t.measure(sides[n], inputs)
+                logger.info("%s %s %s: %s (others used %s cores)", desc, n, "warmup" if r < 0 else f"round {r + 1}",
+                            ", ".join(f"{k} {v:.1f}" for k, v in values.items()), load.cores)
+                if r >= 0:
+                    for k, v in values.items():
+                        results[k][n]["runs"].append(v)
+                        results[k][n]["others"].append(load.cores)
+    return results, bandwidth
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else {}
+
+
+def summarize_figures(figures: list[Figure], results: dict) -> list[dict]:
+    out = []
+    for f in figures:
+        values = {n: {**s, **spread(s["runs"])} for n, s in results[f.key].items()}
+        out.append({**dataclasses.asdict(f), "values": values})
+    return out
+
+
+def paired_ratios(figure: dict, side: str, peer: str) -> dict | None:
+    """ember side / peer, round by round (the same round's inputs and machine state), summarized."""
+    v = figure["values"]
+    if side not in v or peer not in v or not v[side]["runs"] or not v[peer]["runs"]:
+        return None
+    runs = [e / p for e, p in zip(v[side]["runs"], v[peer]["runs"])]
+    return {"runs": runs, **spread(runs)}
+
+
+# -- bars -----------------------------------------------------------------------------------------
+
+@dataclass
+class RatioBar:
+    """ember side / peer on a figure must be >= (or <=) `threshold`."""
+
+    text: str
+    figure: str
+    side: str
+    peer: str
+    op: str  # ">=" | "<="
+    threshold: float
+
+    def judge(self, figures: list[dict]) -> dict:
+        fig = next((f for f in figures if f["key"] == self.figure), None)
+        r = paired_ratios(fig, self.side, self.peer) if fig else None
+        if r is None:
+            return {**dataclasses.asdict(self), "ratio": None, "result": f"n/a ({self.side} or {self.peer} not measured)"}
+        ok = r["median"] >= self.threshold if self.op == ">=" else r["median"] <= self.threshold
+        return {**dataclasses.asdict(self), "ratio": r["median"], "ratio_min": r["min"], "ratio_max": r["max"],
+                "result": "PASS" if ok else "FAIL"}
+
+
+def bars(ttft_len: int) -> list[RatioBar]:
+    """The issue's bars."""
+    return [RatioBar("batch-1 decode >= 1.0x llama.cpp, no speculation", "decode", EMBER, "llama.cpp", ">=", 1.0),
+            RatioBar("batch-1 decode >= 1.5x llama.cpp with MTP", "decode", MTP, "llama.cpp", ">=", 1.5),
+            RatioBar(f"TTFT at {ttft_len} tokens <= 0.33x llama.cpp's", ttft_key(ttft_len), EMBER, "llama.cpp", "<=", 0.33),
+            RatioBar("offline throughput >= 3x transformers' batched generate", "throughput", EMBER, "transformers",
+                     ">=", 3.0)]
+
+
+# -- rendering ------------------------------------------------------------------------------------
+
+def cell(s: dict | None, suffix: str = "") -> str:
+    """'median [min-max]' of a spread, or '-'."""
+    if not s or "median" not in s:
+        return "-"
+    return f"{fmt(s['median'])}{suffix} [{fmt(s['min'])}-{fmt(s['max'])}]"
+
+
+def ratio_cell(r: dict | None) -> str:
+    """'1.23x [1.10-1.31]' of paired ratios, or '-'."""
+    return f"{r['median']:.2f}x [{r['min']:.2f}-{r['max']:.2f}]" if r else "-"
+
+
+def _others(figure: dict, side: str) -> str:
+    known = [o for o in figure["values"].get(side, {}).get("others", []) if o is not None]
+    return f"{statistics.median(known):.2f}" if known else "-"
+
+
+def render(data: dict) -> str:
+    peers = [n for n in data["sides"] if n not in (EMBER, MTP)]
+    lines = ["## ember vs llama.cpp vs transformers (same GGUF file, same threads)", "",
+             f"- command: `{data['command']}`", f"- machine: {_machine_line(data['machine'])}",
+             f"- 1-minute load average: {data['load_at_start']} at start, {data['machine'].get('load_at_end')} at end"]
+    lines += [f"- {name}: " + ", ".join(f"{k} {v}" for k, v in d.items()) for name, d in data["sides"].items()]
+    lines += [f"- {n}" for n in data["notes"]]
+    head = ["metric", EMBER] + peers + [f"{EMBER} / {p}" for p in peers] + ["others' cores (ember)"]
+    lines += ["", "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for f in data["figures"]:
+        for side in (EMBER, MTP):
+            if side not in f["values"]:
+                continue
+            label = f"{f['name']}{' with MTP' if side == MTP else ''} ({f['unit']})"
+            row = [label, cell(f["values"][side])] + [cell(f["values"].get(p)) for p in peers]
+            row += [ratio_cell(paired_ratios(f, side, p)) for p in peers] + [_others(f, side)]
+            lines.append("| " + " | ".join(row) + " |")
+    rss = data["peak_rss_mib"]
+    for side in (EMBER, MTP):
+        if side in rss:
+            row = [f"peak RSS{' with MTP' if side == MTP else ''} (MiB)", fmt(rss[side])] + [fmt(rss.get(p)) for p in peers]
+            row += [f"{rss[side] / rss[p]:.2f}x" if rss.get(p) else "-" for p in peers] + ["-"]
+            lines.append("| " + " | ".join(row) + " |")
+    bw = data.get("bandwidth")
+    if bw:
+        lines += ["", f"Memory: read bandwidth {cell(bw['gbps'])} GB/s; ember's decode step reads "
+                      f"{bw['weight_bytes'] / 1e6:.1f} MB of weights per token, so it achieves "
+                      f"{cell(bw['achieved_gbps'])} GB/s = {cell(bw['percent'], '%')} of the bandwidth measured in "
+                      "the same rounds (round by round)."]
+    lines += ["", "| bar | ember / peer | result |", "|---|---:|---|"]
+    for b in data["bars"]:
+        got = f"{b['ratio']:.2f}x [{b['ratio_min']:.2f}-{b['ratio_max']:.2f}]" if b["ratio"] is not None else "-"
+        lines.append(f"| {b['text']} | {got} | **{b['result']}** |")
+    return "\n".join(lines) + "\n"
+
+
+def write(data: dict, section: str, md_path: str, kind: str) -> tuple[Path, Path]:
+    from ember.bench.report import HEADER
+
+    md = Path(md_path)
+    md.parent.mkdir(parents=True, exist_ok=True)
+    md.write_text(update_markdown(md.read_text() if md.exists() else HEADER, kind, section))
+    js = json_path(md, kind)
+    js.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    return md, js
+
+
+def bandwidth_summary(bandwidth: list[float], decode: dict, weight_bytes: int | None) -> dict | None:
+    """Ember's achieved decode bytes/s against the bandwidth probe, round by round."""
+    runs = decode.get("values", {}).get(EMBER, {}).get("runs", [])
+    if not bandwidth or not weight_bytes or not runs:
+        return None
+    achieved = [weight_bytes * t / 1e9 for t in runs]
+    return {"weight_bytes": weight_bytes, "gbps": {"runs": bandwidth, **spread(bandwidth)},
+            "achieved_gbps": {"runs": achieved, **spread(achieved)},
+            "percent": spread([100 * a / b for a, b in zip(achieved, bandwidth)])}
+
+
+# -- the command ----------------------------------------------------------------------------------
+
+def _peer_list(s: str) -> list[str]:
+    import argparse
+
+    if s == "none":
+        return ["none"]  # kept as a word, so the command line in the report reads back as typed
+    names = [x.strip() for x in s.split(",") if x.strip()]
+    bad = [n for n in names if n not in PEERS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown peer {', '.join(bad)}: want a comma list of {', '.join(PEERS)}, or none")
+    return names
+
+
+def check_peers_installed(peers: list[str]) -> None:
+    """Fail before anything loads when llama-cpp-python is missing (the install hint says how)."""
+    if "llamacpp" in peers and PEERS["llamacpp"].startswith("ember.bench.llamacpp_peer:"):
+        from ember.bench.llamacpp_peer import _import_llama_cpp
+
+        _import_llama_cpp()
+
+
+def model_path(knobs: dict) -> str:
+    from ember.default_model import default_model_path
+
+    return knobs["model"] or default_model_path()
+
+
+def cmd_compare(args) -> None:
+    from ember.bench.cli import _command
+    from ember.bench.hf_peer import BATCH_METHOD as HF_BATCH, TTFT_METHOD as HF_TTFT
+    from ember.bench.latency import DECODE_PROMPT_LEN
+    from ember.bench.llamacpp_peer import BATCH_METHODS as LLAMA_BATCH
+    from ember.bench.sides import EMBER as EMBER_FACTORY
+    from ember.errors import ConfigError
+
+    lo, hi = args.input_len_range
+    if args.decode_tokens < 2:
+        raise ConfigError(f"--decode-tokens must be >= 2 (got {args.decode_tokens})")
+    peers = [p for p in args.peer if p != "none"]
+    check_peers_installed(peers)
+    knobs, threads = ember_knobs(args, args.num_prompts)
+    # the plain ember side never speculates (its bar is "without speculation"); the MTP side adds the model's head
+    mtp_knobs = {**knobs, "speculative_config": None, "speculative_model": None, "enable_mtp": True}
+    knobs.update(speculative_config=None, speculative_model=None, enable_mtp=False, num_speculative_tokens=None)
+    path = model_path(knobs)
+    longest = max(args.prompt_lens)
+    peer_kwargs = {"llamacpp": {"gguf_path": path, "threads": threads, "n_ctx": max(4096, longest + hi + args.output_len),
+                                "batch_mode": args.llamacpp_batch},
+                   "hf": {"model_path": path}}
+    sides = {}
+    try:
+        sides[EMBER] = start_side(EMBER_FACTORY, knobs, threads, args.in_process)
+        if args.mtp:
+            sides[MTP] = start_side(EMBER_FACTORY, mtp_knobs, threads, args.in_process)
+        for p in peers:
+            sides[PEER_NAMES[p]] = start_side(PEERS[p], peer_kwargs[p], threads, args.in_process)
+        maker = prompt_maker_of(sides[EMBER], args.prompt_seed)
+        only_ember = frozenset({MTP})
+        tasks = [decode_task(maker, args.decode_tokens), *(ttft_task(maker, n, only_ember) for n in args.prompt_lens),
+                 throughput_task(maker, args.num_prompts, lo, hi, args.output_len, only_ember)]
+        load = load_average()
+        results, bandwidth = measure(sides, tasks, runs=args.runs, quiet_wait_s=args.quiet_wait,
+                                     bandwidth_mib=args.bandwidth_mib, desc="bench compare")
+        rss = {n: s.peak_rss_bytes() / (1 << 20) for n, s in sides.items()}
+        shared = any(s.shared_process for s in sides.values())
+        figures = summarize_figures([f for t in tasks for f in t.figures], results)
+        command = _command(args, ["runs", "peer", "output", "prompt_seed", "quiet_wait", "decode_tokens", "prompt_lens",
+                                  "num_prompts", "input_len_range", "output_len", "bandwidth_mib", "llamacpp_batch"])
+        command += switches(args, mtp="--no-mtp")
+        data = {"kind": KIND, "command": command,
+                "machine": machine_info(), "load_at_start": load, "threads": threads, "runs": args.runs,
+                "sides": {n: s.description for n, s in sides.items()}, "figures": figures,
+                "peak_rss_mib": rss, "rss_shared_process": shared,
+                "bandwidth": bandwidth_summary(bandwidth, figures[0], sides[EMBER].weight_bytes),
+                "bars": [b.judge(figures) for b in bars(longest)]}
+    finally:
+        for s in sides.values():
+            s.close()
+    data["notes"] = [
+        f"{args.runs} measured rounds after 1 warmup round; cells are median [min-max]; ember / peer ratios are taken "
+        "round by round, then summarized; every side sees the same seeded random prompts (ordinary tokens), new each round",
+        f"decode: greedy, {args.decode_tokens} tokens after a {DECODE_PROMPT_LEN}-token prompt, EOS ignored; "
+        "mean = (N - 1) / (last token time - first token time), which the bars use (with MTP a step brings several "
+        "tokens at once, and the mean is what a user gets); steady = 1 / median gap between tokens, shown because a "
+        "burst of other work stretches a few gaps but not the median",
+        "TTFT: ember add_request() to its first token through the step loop; llama.cpp generate() to its first token; "
+        "transformers: " + HF_TTFT.split(": ", 1)[1],
+        f"throughput: ember one LLM.generate() over all prompts (max_num_seqs {knobs['max_num_seqs']}, KV cache "
+        f"{knobs['kv_cache_memory']:g} GiB); " + LLAMA_BATCH[args.llamacpp_batch] + "; " + HF_BATCH,
+        f"{MTP}: the ember side with enable_mtp=True ({'adaptive draft length' if knobs['adaptive_spec'] else 'draft length pinned'}"
+        f", at most {mtp_knobs['num_speculative_tokens'] or 'the default number of'} tokens); measured on decode only",
+        ("peak RSS: all sides ran in this one process (--in-process), so it is the process's high-water mark, "
+         "not attributable" if shared else
+         "peak RSS: each side ran in a worker process of its own (python -m ember.bench.worker); its resource.getrusage "
+         "high-water mark, which includes the Python interpreter and imported libraries, and ember's preallocated KV pool"),
+    ]
+    if args.bandwidth_mib:
+        data["notes"].append(membw.METHOD.format(mib=args.bandwidth_mib) + "; achieved = weight bytes as loaded "
+                             "(engine.loaded.weight_bytes) x ember's decode tok/s")
+    section = render(data)
+    md, js = write(data, section, args.output, KIND)
+    print(section)
+    logger.info("bench compare: wrote %s and %s", md, js)
+
+
+def switches(args, **off_flags: str) -> str:
+    """The on/off flags of a command line as typed: --in-process when set, plus each `name` whose
+    value is False written as its off flag."""
+    words = [" --in-process"] if args.in_process else []
+    words += [f" {flag}" for name, flag in off_flags.items() if not getattr(args, name)]
+    return "".join(words)
+
+
+def _range(s: str) -> list[int]:
+    import argparse
+
+    try:
+        lo, hi = (int(x) for x in s.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want LO,HI like 128,512 (got {s!r})") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"want 1 <= LO <= HI (got {s!r})")
+    return [lo, hi]
+
+
+def workload_args(p, *, prompt_help: str) -> None:
+    """Flags compare and matrix share."""
+    from ember.bench.cli import _positive_int
+
+    p.add_argument("--decode-tokens", type=int, default=256, help="greedy tokens for the batch-1 decode figure (>= 2)")
+    p.add_argument("--num-prompts", type=_positive_int, default=64, help="prompts of the offline throughput figure")
+    p.add_argument("--input-len-range", type=_range, default=[128, 512], metavar="LO,HI",
+                   help="throughput prompt lengths, drawn uniformly (seeded)")
+    p.add_argument("--output-len", type=_positive_int, default=128, help="tokens generated per throughput prompt")
+    p.add_argument("--in-process", action="store_true",
+                   help="build every side in this process instead of one worker process each: starts faster, but "
+                        "peak RSS is then the whole process's, not each side's (" + prompt_help + ")")
+
+
+def add_compare_parser(sub) -> None:
+    from ember.bench.cli import _common_args, _int_list
+
+    p = sub.add_parser("compare", help="ember vs llama.cpp vs transformers on the same GGUF: decode, TTFT, throughput, "
+                                       "memory; judges the CPU bars",
+                       description="Needs llama-cpp-python for the llama.cpp side: pip install -e '.[bench]' -- "
+                                   "installing it compiles llama.cpp, several minutes on 2 cores. --peer hf needs "
+                                   "transformers and accelerate.")
+    _common_args(p)
+    for a in p._actions:  # here --peer takes a list
+        if a.dest == "peer":
+            a.choices, a.type, a.default = None, _peer_list, list(DEFAULT_PEERS)
+            a.metavar, a.help = "PEER,PEER|none", ("llamacpp = llama.cpp through llama-cpp-python (pip install -e "
+                                                   "'.[bench]'; compiles llama.cpp on install, several minutes), "
+                                                   "hf = transformers bf16; none = ember only")
+    p.add_argument("--prompt-lens", type=_int_list, default=[512, 2000], metavar="N,N,...",
+                   help="prompt lengths for TTFT; the bar is judged at the longest")
+    p.add_argument("--no-mtp", dest="mtp", action="store_false", help="leave out the ember+MTP side")
+    p.add_argument("--llamacpp-batch", choices=("parallel", "sequential"), default="parallel",
+                   help="llama.cpp's offline throughput: parallel = all prompts as sequences of one llama_decode batch "
+                        "(llama.cpp's batch API; llama-cpp-python's generate() has none), sequential = one after another")
+    p.add_argument("--bandwidth-mib", type=int, default=512, help="size of the memory-bandwidth probe (0 = skip it)")
+    workload_args(p, prompt_help="for quick checks")
+    p.set_defaults(func=cmd_compare)

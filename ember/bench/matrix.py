@@ -1,0 +1,146 @@
+"""`ember bench matrix`: what each engine lever buys on CPU, from everything off to everything on.
+
+Rows, cumulative, each an engine of its own (a worker process each, so peak RSS is its own):
+everything off (eager, no chunked prefill, no speculation, dense weights: --quantization none,
+no int8 decode copy) -> + int8 weight-only decode copy -> + packed GGUF weights (--quantization
+auto, replacing both) -> + chunked prefill -> + MTP speculation -> + the compiled executor (only
+when this build's EngineConfig has an `executor` field). Columns: TTFT at the longest prompt,
+batch-1 decode tok/s, offline throughput, peak RSS; median [min-max] over rounds, the rows
+alternating in order each round like the sides of `ember bench compare`.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+
+from ember.bench.compare import (cell, decode_task, ember_knobs, fmt, measure, prompt_maker_of, start_side,
+                                 summarize_figures, switches, throughput_task, ttft_task, workload_args, write)
+from ember.bench.report import _machine_line, load_average, machine_info
+
+logger = logging.getLogger("ember.bench")
+
+KIND = "matrix"
+OFF = {"enforce_eager": True, "enable_chunked_prefill": False, "enable_mtp": False, "speculative_config": None,
+       "speculative_model": None, "num_speculative_tokens": None, "quantization": "none", "int8_decode": False}
+
+
+def has_executor_flag() -> bool:
+    from ember.config import EngineConfig
+
+    return "executor" in {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+def configs(base: dict) -> list[tuple[str, dict]]:
+    """(row name, engine knobs), each row the one before plus one lever."""
+    # compilation_config is only valid with the compiled executor: off until its row
+    off = dict(OFF, executor="eager", compilation_config=None) if has_executor_flag() else dict(OFF)
+    levers = [("+ int8 weight-only decode copy", {"int8_decode": True}),
+              ("+ packed GGUF weights", {"quantization": "auto", "int8_decode": None}),
+              ("+ chunked prefill", {"enable_chunked_prefill": True}),
+              ("+ MTP speculation", {"enable_mtp": True})]
+    if has_executor_flag():
+        levers.append(("+ compiled executor", {"executor": "compiled", "enforce_eager": False,
+                                               "compilation_config": base.get("compilation_config")}))
+    rows, knobs = [("everything off", {**base, **off})], {**base, **off}
+    for name, change in levers:
+        knobs = {**knobs, **change}
+        rows.append((name, knobs))
+    return rows
+
+
+LEVERS = ("quantization", "int8_decode", "enable_chunked_prefill", "enable_mtp", "enforce_eager", "executor")
+
+
+def lever_values(knobs: dict) -> str:
+    return ", ".join(f"{k}={knobs[k]}" for k in LEVERS if k in knobs)
+
+
+def render(data: dict) -> str:
+    figs = data["figures"]
+    lines = ["## Engine levers (ember alone, cumulative)", "", f"- command: `{data['command']}`",
+             f"- machine: {_machine_line(data['machine'])}",
+             f"- 1-minute load average: {data['load_at_start']} at start, {data['machine'].get('load_at_end')} at end"]
+    lines += [f"- {n}" for n in data["notes"]]
+    head = ["config"] + [f"{f['name']} ({f['unit']})" for f in figs] + ["peak RSS (MiB)"]
+    lines += ["", "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for row in data["rows"]:
+        name = row["name"]
+        lines.append("| " + " | ".join([f"{name} ({row['knobs']})"] + [cell(f["values"].get(name)) for f in figs]
+                                       + [fmt(data["peak_rss_mib"].get(name))]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def cmd_matrix(args) -> None:
+    from ember.bench.cli import _command
+    from ember.bench.sides import EMBER
+    from ember.errors import ConfigError
+
+    if args.decode_tokens < 2:
+        raise ConfigError(f"--decode-tokens must be >= 2 (got {args.decode_tokens})")
+    base, threads = ember_knobs(args, args.num_prompts)
+    rows = configs(base)
+    if args.configs:
+        names = [n for n, _ in rows]
+        bad = [c for c in args.configs if c not in names]
+        if bad:
+            raise ConfigError(f"--configs: no row named {bad}; rows are: {names}")
+        rows = [(n, k) for n, k in rows if n in args.configs]
+    lo, hi = args.input_len_range
+    sides = {}
+    try:
+        for name, knobs in rows:
+            sides[name] = start_side(EMBER, knobs, threads, args.in_process)
+        maker = prompt_maker_of(next(iter(sides.values())), args.prompt_seed)
+        tasks = [ttft_task(maker, args.prompt_len), decode_task(maker, args.decode_tokens),
+                 throughput_task(maker, args.num_prompts, lo, hi, args.output_len)]
+        load = load_average()
+        results, _ = measure(sides, tasks, runs=args.runs, quiet_wait_s=args.quiet_wait, desc="bench matrix")
+        rss = {n: s.peak_rss_bytes() / (1 << 20) for n, s in sides.items()}
+        shared = any(s.shared_process for s in sides.values())
+        descriptions = {n: s.description for n, s in sides.items()}
+    finally:
+        for s in sides.values():
+            s.close()
+    figures = [f for f in summarize_figures([f for t in tasks for f in t.figures], results) if f["key"] != "decode_steady"]
+    command = _command(args, ["runs", "output", "prompt_seed", "quiet_wait", "prompt_len", "decode_tokens",
+                              "num_prompts", "input_len_range", "output_len"])
+    command += switches(args) + (f" --configs {','.join(args.configs)}" if args.configs else "")
+    data = {"kind": KIND, "command": command, "machine": machine_info(), "load_at_start": load, "threads": threads,
+            "runs": args.runs, "figures": figures, "peak_rss_mib": rss, "rss_shared_process": shared,
+            "rows": [{"name": n, "knobs": lever_values(kn), "engine": descriptions[n]} for n, kn in rows],
+            "executor_flag": has_executor_flag(),
+            "notes": [f"{args.runs} measured rounds after 1 warmup round (which also pays any compilation); cells are "
+                      "median [min-max]; every row sees the same seeded random prompts, new each round",
+                      f"decode: greedy, {args.decode_tokens} tokens, EOS ignored, mean rate; TTFT: add_request() to the "
+                      "first token; throughput: one LLM.generate() over all prompts, EOS ignored",
+                      "rows are cumulative: each is the row above plus one lever"
+                      + ("" if has_executor_flag() else "; no compiled-executor row: this build has no --executor flag"),
+                      "peak RSS: the whole process's high-water mark (--in-process), not attributable" if shared else
+                      "peak RSS: each row's own worker process (getrusage high-water mark, incl. the interpreter, "
+                      "libraries and the preallocated KV pool)"]}
+    section = render(data)
+    md, js = write(data, section, args.output, KIND)
+    print(section)
+    logger.info("bench matrix: wrote %s and %s", md, js)
+
+
+def _names(s: str) -> list[str]:
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def add_matrix_parser(sub) -> None:
+    from ember.bench.cli import _common_args, _positive_int
+
+    p = sub.add_parser("matrix", help="each engine lever from everything off to everything on: TTFT, decode, "
+                                      "throughput, peak memory")
+    _common_args(p)
+    for a in p._actions:  # ember alone: --peer only accepts none here, and is not listed
+        if a.dest == "peer":
+            a.choices, a.default, a.help = ("none",), "none", argparse.SUPPRESS
+    p.add_argument("--prompt-len", type=_positive_int, default=2000,
+                   help="TTFT prompt length: the longest this machine handles in reasonable time")
+    p.add_argument("--configs", type=_names, default=None, metavar="NAME,NAME,...",
+                   help="only these rows (by name, e.g. 'everything off,+ packed GGUF weights')")
+    workload_args(p, prompt_help="for quick checks")
+    p.set_defaults(func=cmd_matrix)

@@ -1,0 +1,172 @@
+"""`ember bench compare | matrix | readme-table` on the default model, tiny sizes, fake peers: files, rows, bars.
+
+The peers are fakes (tests/bench/fake_peers.py) swapped in through compare.PEERS: CI has no
+llama-cpp-python, and what is tested here is the plumbing, not anyone's speed.
+"""
+import json
+import sys
+
+import pytest
+
+from ember.bench import compare, matrix, readme_table
+from ember.cli import main
+from ember.errors import ConfigError
+from tests.bench import test_bench_cli
+
+one_model_load = test_bench_cli.one_model_load  # fixture: the default model, loaded once per set of knobs
+
+TINY = ["--runs", "1", "--quiet-wait", "0", "--decode-tokens", "4", "--num-prompts", "2", "--input-len-range", "4,8",
+        "--output-len", "3", "--kv-cache-memory", "0.05", "--max-model-len", "128", "--in-process"]
+
+
+@pytest.fixture
+def fake_peers(monkeypatch):
+    monkeypatch.setitem(compare.PEERS, "llamacpp", "tests.bench.fake_peers:FakeLlamaCpp")
+    monkeypatch.setitem(compare.PEERS, "hf", "tests.bench.fake_peers:FakeHF")
+
+
+def test_compare_writes_rows_and_judges_the_bars(tmp_path, one_model_load, fake_peers):
+    md = tmp_path / "cpu.md"
+    assert main(["bench", "compare", *TINY, "--prompt-lens", "8,16", "--bandwidth-mib", "8", "--output", str(md)]) == 0
+    text = md.read_text()
+    assert text.count("<!-- ember-bench:compare:begin -->") == 1
+    assert "| metric | ember | llama.cpp | transformers | ember / llama.cpp | ember / transformers |" in text
+    for row in ("| batch-1 decode, 4 tokens (tok/s) |", "| batch-1 decode, 4 tokens with MTP (tok/s) |",
+                "| TTFT, 8-token prompt (ms) |", "| TTFT, 16-token prompt (ms) |", "| peak RSS (MiB) |",
+                "| offline throughput, 2 prompts x 4-8 in / 3 out (out tok/s) |", "Memory: read bandwidth"):
+        assert row in text, row
+    assert "--input-len-range 4,8" in text and "--in-process" in text and "--peer llamacpp,hf" in text
+    assert "--llamacpp-batch parallel" in text and "all prompts as parallel sequences through llama_decode" in text
+
+    data = json.loads((tmp_path / "cpu-compare.json").read_text())
+    assert list(data["sides"]) == ["ember", "ember+MTP", "llama.cpp", "transformers"]
+    assert data["sides"]["ember+MTP"]["speculation"] == "mtp" and data["sides"]["ember"]["speculation"] == "none"
+    assert data["sides"]["llama.cpp"]["batch_mode"] == "parallel"  # the fake echoes what the peer was built with
+    decode = next(f for f in data["figures"] if f["key"] == "decode")
+    assert set(decode["values"]) == {"ember", "ember+MTP", "llama.cpp", "transformers"}
+    assert decode["values"]["llama.cpp"]["median"] == pytest.approx(10.0)
+    ttft = next(f for f in data["figures"] if f["key"] == "ttft_16")
+    assert "ember+MTP" not in ttft["values"]  # MTP is measured on decode only
+    assert ttft["values"]["llama.cpp"]["runs"] == [5000.0]
+    verdicts = {b["figure"] + "/" + b["side"]: b["result"] for b in data["bars"]}
+    # ember decodes far faster than 10 tok/s and prefills 16 tokens in far less than 5 s; nothing beats 1e6 tok/s
+    assert verdicts == {"decode/ember": "PASS", "decode/ember+MTP": "PASS", "ttft_16/ember": "PASS",
+                        "throughput/ember": "FAIL"}
+    assert "**PASS**" in text and "**FAIL**" in text
+    assert data["rss_shared_process"] is True and data["peak_rss_mib"]["ember"] > 0
+    bw = data["bandwidth"]
+    assert bw["weight_bytes"] > 0 and bw["gbps"]["median"] > 0 and 0 < bw["percent"]["median"]
+
+    # the README table comes from this JSON
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n\n## Benchmarks\n\nold words\n")
+    assert main(["bench", "readme-table", "--json", str(tmp_path / "cpu-compare.json"), "--readme", str(readme)]) == 0
+    assert "| batch-1 decode, 4 tokens with MTP (tok/s) |" in readme.read_text()
+
+
+def test_without_peers_the_bars_say_not_measured(tmp_path, one_model_load):
+    md = tmp_path / "cpu.md"
+    assert main(["bench", "compare", *TINY, "--peer", "none", "--no-mtp", "--prompt-lens", "8", "--bandwidth-mib", "0",
+                 "--output", str(md)]) == 0
+    data = json.loads((tmp_path / "cpu-compare.json").read_text())
+    assert list(data["sides"]) == ["ember"] and data["bandwidth"] is None
+    assert all(b["result"].startswith("n/a") for b in data["bars"])
+    assert "--peer none " in data["command"] and data["command"].endswith(" --in-process --no-mtp")
+
+
+def test_matrix_rows(tmp_path, one_model_load):
+    md = tmp_path / "cpu.md"
+    rows = "everything off,+ packed GGUF weights"
+    assert main(["bench", "matrix", *TINY, "--prompt-len", "16", "--configs", rows, "--output", str(md)]) == 0
+    text = md.read_text()
+    assert text.count("<!-- ember-bench:matrix:begin -->") == 1
+    assert "| everything off (quantization=none, int8_decode=False, enable_chunked_prefill=False" in text
+    assert "| + packed GGUF weights (quantization=auto" in text
+    data = json.loads((tmp_path / "cpu-matrix.json").read_text())
+    assert [r["name"] for r in data["rows"]] == rows.split(",")
+    assert [f["key"] for f in data["figures"]] == ["ttft_16", "decode", "throughput"]
+    assert all(f["values"][r]["median"] > 0 for f in data["figures"] for r in rows.split(","))
+    assert set(data["peak_rss_mib"]) == set(rows.split(","))
+
+
+def test_matrix_adds_the_compiled_row_only_when_the_flag_exists(monkeypatch):
+    monkeypatch.setattr(matrix, "has_executor_flag", lambda: False)
+    names = [n for n, _ in matrix.configs({})]
+    assert names[0] == "everything off" and "+ MTP speculation" in names and "+ compiled executor" not in names
+    monkeypatch.setattr(matrix, "has_executor_flag", lambda: True)
+    rows = matrix.configs({"compilation_config": {"compile_sizes": [1]}})
+    assert rows[0][1]["executor"] == "eager" and rows[0][1]["quantization"] == "none"
+    assert rows[0][1]["compilation_config"] is None  # valid only with the compiled executor
+    last_name, last = rows[-1]
+    assert last_name == "+ compiled executor"
+    assert last["executor"] == "compiled" and last["enable_mtp"] and last["enable_chunked_prefill"]
+    assert last["quantization"] == "auto"  # everything on: packed weights
+    assert last["compilation_config"] == {"compile_sizes": [1]}
+
+
+def test_a_side_in_its_own_process():
+    from ember.bench.worker import RemoteSide
+
+    side = RemoteSide("tests.bench.fake_peers:FakeLlamaCpp", {"threads": 1}, threads=1)
+    try:
+        assert side.description == {"name": "fake llama.cpp", "threads": 1}
+        assert len(side.decode([1, 2, 3], 5)) == 5 and side.ttft([1]) == 5.0
+        assert side.batch([[1], [2]], 3)[1] == 6
+        assert side.peak_rss_bytes() > 1 << 20 and not side.shared_process and side.pid == side.proc.pid
+    finally:
+        side.close()
+    assert side.proc.returncode == 0
+    with pytest.raises(ConfigError, match="cannot start"):  # a user error in the worker arrives as one here
+        RemoteSide("tests.bench.fake_peers:broken_peer", {}, threads=1)
+
+
+def test_missing_llama_cpp_python_says_how_to_install(monkeypatch, capsys):
+    from ember.bench.llamacpp_peer import LlamaCppPeer
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # makes `import llama_cpp` fail
+    with pytest.raises(ConfigError, match=r"llama-cpp-python.*pip install.*compiles llama.cpp"):
+        LlamaCppPeer("model.gguf", threads=1)
+    # the command says so before it loads anything
+    assert main(["bench", "compare", "--peer", "llamacpp", "--runs", "1"]) == 2
+    assert "pip install 'llama-cpp-python" in capsys.readouterr().err
+
+
+SYNTHETIC = {
+    "command": "ember bench compare", "threads": 2, "runs": 3,
+    "machine": {"cpu": "AMD EPYC", "date": "2026-11-30 04:00 UTC"},
+    "sides": {"ember": {}, "ember+MTP": {}, "llama.cpp": {}, "transformers": {}},
+    "figures": [
+        {"key": "decode", "name": "batch-1 decode, 256 tokens", "unit": "tok/s", "higher_is_better": True,
+         "values": {s: {"runs": r, "median": r[1], "min": min(r), "max": max(r)} for s, r in
+                    {"ember": [90, 100, 110], "ember+MTP": [140, 150, 160], "llama.cpp": [100, 100, 100],
+                     "transformers": [40, 50, 60]}.items()}},
+    ],
+    "peak_rss_mib": {"ember": 600.0, "llama.cpp": 300.0, "transformers": 1200.0},
+    "bandwidth": {"weight_bytes": 100e6, "gbps": {"median": 40.0}, "achieved_gbps": {"median": 10.0},
+                  "percent": {"median": 25.0}},
+    "bars": [{"figure": "decode", "side": "ember", "peer": "llama.cpp", "op": ">=", "threshold": 1.0, "result": "PASS"},
+             {"figure": "decode", "side": "ember+MTP", "peer": "llama.cpp", "op": ">=", "threshold": 1.5,
+              "result": "PASS"}],
+}
+
+
+def test_readme_table_rewrites_only_its_fenced_block():
+    readme = ("# ember\n\n## Benchmarks\n\n<!-- ember-bench:readme-compare:begin -->\nold table\n"
+              "<!-- ember-bench:readme-compare:end -->\n\n## After\n")
+    out = readme_table.rewrite(readme, SYNTHETIC)
+    assert "old table" not in out and out.startswith("# ember\n\n## Benchmarks\n\n") and out.endswith("\n## After\n")
+    assert "| benchmark | ember | llama.cpp | transformers | ember / llama.cpp | ember / transformers | bar |" in out
+    assert ("| batch-1 decode, 256 tokens (tok/s) | 100.0 [90.0-110.0] | 100.0 [100.0-100.0] | 50.0 [40.0-60.0] | "
+            "1.00x [0.90-1.10] | 2.00x [1.83-2.25] | PASS (bar: >= 1x llama.cpp) |") in out
+    assert "| batch-1 decode, 256 tokens with MTP (tok/s) | 150.0 [140.0-160.0] | 100.0 [100.0-100.0] |" in out
+    assert "| 1.50x [1.40-1.60] | 3.00x [2.67-3.50] | PASS (bar: >= 1.5x llama.cpp) |" in out
+    assert "| peak RSS (MiB) | 600.0 | 300.0 | 1200 | 2.00x | 0.50x |  |" in out
+    assert "25% of the 40.0 GB/s" in out
+    assert readme_table.rewrite(out, SYNTHETIC) == out  # idempotent
+
+
+def test_readme_has_the_generated_table_fence():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert text.count("<!-- ember-bench:readme-compare:begin -->") == 1
