@@ -12,8 +12,8 @@ from ember.errors import ConfigError
 
 class FakePeer:
     name = "fake"
-    tok_s = 10.0  # decode speed it reports
-    ttft_s = 5.0
+    tok_s = 1.0  # decode speed it reports (slow enough that ember beats it on a loaded machine too)
+    ttft_s = 60.0
     batch_tok_s = 1e6  # offline throughput it reports
 
     def __init__(self, **kwargs):

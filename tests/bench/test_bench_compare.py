@@ -44,12 +44,12 @@ def test_compare_writes_rows_and_judges_the_bars(tmp_path, one_model_load, fake_
     assert data["sides"]["llama.cpp"]["batch_mode"] == "parallel"  # the fake echoes what the peer was built with
     decode = next(f for f in data["figures"] if f["key"] == "decode")
     assert set(decode["values"]) == {"ember", "ember+MTP", "llama.cpp", "transformers"}
-    assert decode["values"]["llama.cpp"]["median"] == pytest.approx(10.0)
+    assert decode["values"]["llama.cpp"]["median"] == pytest.approx(1.0)
     ttft = next(f for f in data["figures"] if f["key"] == "ttft_16")
     assert "ember+MTP" not in ttft["values"]  # MTP is measured on decode only
-    assert ttft["values"]["llama.cpp"]["runs"] == [5000.0]
+    assert ttft["values"]["llama.cpp"]["runs"] == [60000.0]
     verdicts = {b["figure"] + "/" + b["side"]: b["result"] for b in data["bars"]}
-    # ember decodes far faster than 10 tok/s and prefills 16 tokens in far less than 5 s; nothing beats 1e6 tok/s
+    # ember decodes far faster than 1 tok/s and prefills 16 tokens in far less than 60 s; nothing beats 1e6 tok/s
     assert verdicts == {"decode/ember": "PASS", "decode/ember+MTP": "PASS", "ttft_16/ember": "PASS",
                         "throughput/ember": "FAIL"}
     assert "**PASS**" in text and "**FAIL**" in text
@@ -110,7 +110,7 @@ def test_a_side_in_its_own_process():
     side = RemoteSide("tests.bench.fake_peers:FakeLlamaCpp", {"threads": 1}, threads=1)
     try:
         assert side.description == {"name": "fake llama.cpp", "threads": 1}
-        assert len(side.decode([1, 2, 3], 5)) == 5 and side.ttft([1]) == 5.0
+        assert len(side.decode([1, 2, 3], 5)) == 5 and side.ttft([1]) == 60.0
         assert side.batch([[1], [2]], 3)[1] == 6
         assert side.peak_rss_bytes() > 1 << 20 and not side.shared_process and side.pid == side.proc.pid
     finally:
