@@ -52,7 +52,7 @@ def _common_args(p: argparse.ArgumentParser) -> None:
 
 def add_bench_parser(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmark ember against transformers and write a results file")
-    sub = p.add_subparsers(dest="bench_command", required=True, metavar="{latency,throughput,serve,quant,spec,compare,matrix,readme-table}")
+    sub = p.add_subparsers(dest="bench_command", required=True, metavar="{latency,throughput,serve,quant,spec,tp,compare,matrix,readme-table}")
 
     lat = sub.add_parser("latency", help="batch-1 decode tok/s and time to first token")
     _common_args(lat)
@@ -74,10 +74,12 @@ def add_bench_parser(subparsers) -> None:
     from ember.bench.readme_table import add_readme_table_parser
     from ember.bench.serve import add_serve_parser
     from ember.bench.spec import add_spec_parser
+    from ember.bench.tp import add_tp_parser
 
     add_serve_parser(sub)
     add_quant_parser(sub)
     add_spec_parser(sub)
+    add_tp_parser(sub)
     add_compare_parser(sub)
     add_matrix_parser(sub)
     add_readme_table_parser(sub)

@@ -93,10 +93,12 @@ def test_real_shapes_load_on_meta(key, tmp_path):
     from ember.models.registry import get_model_class
     from ember.quant import resolve_quant_config
 
+    from ember.bench import random_model as rm
+
     gc = load_script()
     assert not gc.SMOKE
     spec = gc.model_spec(key)
-    (tmp_path / "config.json").write_text(json.dumps(gc.hf_config(spec)))
+    (tmp_path / "config.json").write_text(json.dumps(rm.hf_config(spec)))
     cfg = ModelConfig.from_folder(str(tmp_path))
     quant = resolve_quant_config("auto", str(tmp_path), cfg.raw)
     assert (quant is not None) == ("awq_group" in spec)
@@ -106,13 +108,13 @@ def test_real_shapes_load_on_meta(key, tmp_path):
                                                   attn_backend=TorchAttentionBackend(), quant_config=quant)
     nbytes = 0
     names = []
-    for name, t in gc.model_tensors(spec, meta):
+    for name, t in rm.model_tensors(spec, meta):
         nbytes += t.numel() * t.element_size()
         names.append(name)
-    model.load_weights(gc.model_tensors(spec, meta))  # raises on a missing or wrongly shaped tensor
+    model.load_weights(rm.model_tensors(spec, meta))  # raises on a missing or wrongly shaped tensor
     params, modules = dict(model.named_parameters()), dict(model.named_modules())
     assert all(model.route_weight(n, params, modules) is not None for n in names)  # none ignored
     assert len(names) == len(set(names))
-    assert abs(nbytes - gc.estimate_bytes(spec)) < 0.01 * nbytes
+    assert abs(nbytes - rm.estimate_bytes(spec)) < 0.01 * nbytes
     want_gb = {"qwen3-0.6b": 1.2, "qwen3-8b": 16.4, "qwen3-8b-awq": 6.1, "qwen3-30b-a3b": 11.2}[key]
     assert abs(nbytes / 1e9 - want_gb) < 0.05 * want_gb, nbytes / 1e9
