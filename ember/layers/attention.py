@@ -60,13 +60,23 @@ def quantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tor
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                   all_valid: bool = False) -> None:
-    """k, v [T, Hkv, D] -> kv_cache at slot_mapping (casts to the cache dtype)."""
+                   all_valid: bool = False, fixed_shape: bool = False) -> None:
+    """k, v [T, Hkv, D] -> kv_cache at slot_mapping (casts to the cache dtype).
+
+    fixed_shape: no data-dependent shapes (torch.compile, CUDA-graph capture): a padding row
+    (slot -1) rewrites row 0's value at row 0's slot instead of being dropped. Duplicate writes of
+    the same value, so the result does not depend on their order. Row 0 is always real."""
     k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
     if is_fp8(kv_cache.dtype):  # index_copy_ has no fp8 kernel on CPU: move the bytes
         kv_cache, k, v = kv_cache.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
     key_cache = kv_cache[0].view(-1, *kv_cache.shape[-2:])
     value_cache = kv_cache[1].view(-1, *kv_cache.shape[-2:])
+    if fixed_shape:
+        valid = slot_mapping >= 0
+        slot_mapping = torch.where(valid, slot_mapping, slot_mapping[:1])
+        k = torch.where(valid[:, None, None], k, k[:1])
+        v = torch.where(valid[:, None, None], v, v[:1])
+        all_valid = True
     if all_valid:
         key_cache.index_copy_(0, slot_mapping, k)
         value_cache.index_copy_(0, slot_mapping, v)
@@ -120,11 +130,11 @@ class Attention(nn.Module):
         the selected rows only (every row's K/V is still written)."""
         fp8 = is_fp8(kv_cache.dtype)
         if fp8:
-            if not self.kv_scales_frozen:
+            if not self.kv_scales_frozen and not meta.fixed_shape:  # a capture's dummy step must not calibrate
                 self.calibrate_kv_scales(k, v, meta)
             k = quantize_kv(k, self.k_scale, kv_cache.dtype)
             v = quantize_kv(v, self.v_scale, kv_cache.dtype)
-        write_kv_cache(k, v, kv_cache, meta.slot_mapping, meta.all_slots_valid)
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping, meta.all_slots_valid, meta.fixed_shape)
         if select is not None:
             if select.meta is None:
                 return q[:0]
