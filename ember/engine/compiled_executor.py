@@ -40,7 +40,8 @@ class CompiledExecutor:
         # One graph per size, plus slack for a re-specialisation; dynamo's default limit is 8.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(self.sizes) + 4)
         self._compiled = torch.compile(self._forward, options=options, dynamic=False, fullgraph=True)
-        self.compiles = 0  # graphs built (tests check that decode steps reuse them)
+        self.compiles = 0  # graphs built at startup
+        self.compiled_steps = 0  # steps that ran compiled (the rest ran eagerly)
         self.warmup()
 
     def _forward(self, input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables, kv_caches):
@@ -73,4 +74,5 @@ class CompiledExecutor:
         if select is not None or meta.max_query_len != 1 or batch is None:
             return self.model(input_ids, positions, self.kv_caches, meta, select)
         x = pad_decode(input_ids, positions, meta, batch, table_width(meta.max_seq_len, self.block_size))
+        self.compiled_steps += 1
         return self._call(x)[:input_ids.shape[0]]

@@ -50,6 +50,7 @@ class CUDAGraphExecutor:
                 m.ensure_capacity(max_model_len)
         self.static: dict[int, DecodeInputs] = {}
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.replays = 0  # steps that ran from a graph (the rest ran eagerly)
         try:
             self.capture(query_lens)
         except torch.OutOfMemoryError:
@@ -92,6 +93,7 @@ class CUDAGraphExecutor:
         pad_decode(input_ids, positions, meta, batch, meta.block_tables.shape[1]).copy_into(self.static[q])
         graph, out = self.graphs[(q, batch)]
         graph.replay()
+        self.replays += 1
         return out[:input_ids.shape[0]].clone()  # the next replay overwrites out
 
 
