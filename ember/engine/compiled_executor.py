@@ -38,7 +38,7 @@ class CompiledExecutor:
         # torch.compile takes a mode or options, not both: the mode's options plus freezing.
         options = dict(torch._inductor.list_mode_options(mode)) | {"freezing": freezing}
         # One graph per size, plus slack for a re-specialisation; dynamo's default limit is 8.
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(self.sizes) + 4)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(self.sizes) + 4)
         self._compiled = torch.compile(self._forward, options=options, dynamic=False, fullgraph=True)
         self.compiles = 0  # graphs built at startup
         self.compiled_steps = 0  # steps that ran compiled (the rest ran eagerly)

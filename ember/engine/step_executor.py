@@ -11,7 +11,8 @@
 An executor only ever changes how the forward is run, never what it computes: the padding
 and fixed-shape metadata live in ember.engine.decode_batch, the runner's sampling is untouched.
 
-Flags (vLLM's where it has one): --enforce-eager (= --executor eager), --executor,
+auto: cuda-graph on CUDA with a GPU attention backend, else eager (compiling costs minutes
+cold, so CPU users opt in). Flags (vLLM's where it has one): --enforce-eager (= --executor eager), --executor,
 --cuda-graph-max-batch-size, --compilation-config. vLLM's -O0 is eager; its default CUDA mode
 (inductor + piecewise CUDA graphs) is closest to cuda-graph; it has no CPU compile of whole steps.
 """
@@ -76,7 +77,10 @@ def resolve_executor(config, device: torch.device, kv_dtype: torch.dtype | None 
     if config.enforce_eager or name == "eager":
         return "eager"
     if name == "auto":
-        return "cuda-graph" if device.type == "cuda" else "eager"
+        # Not with the torch reference backend: captured, its decode reads the fixed max_model_len
+        # bound of keys for every sequence, each step (slower than eager for short sequences).
+        graphs = device.type == "cuda" and config.attention_backend != "torch"
+        return "cuda-graph" if graphs else "eager"
     if name == "cuda-graph" and device.type != "cuda":
         raise ConfigError(f"--executor cuda-graph needs a CUDA device, and this engine runs on {device.type}; "
                           "on CPU use --executor compiled (torch.compile) or eager")

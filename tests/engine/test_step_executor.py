@@ -121,7 +121,11 @@ def test_padded_fixed_shape_step_leaves_real_rows_alone(tiny_model_dir):
 def test_executor_resolution_and_refusals():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_executor(EngineConfig(), cpu) == "eager"
-    assert resolve_executor(EngineConfig(), cuda) == "cuda-graph"
+    assert resolve_executor(EngineConfig(), cuda) == "eager"  # the torch reference backend: no graphs by default
+    triton = EngineConfig()
+    triton.attention_backend = "triton"  # not a choice on this branch yet
+    assert resolve_executor(triton, cuda) == "cuda-graph"
+    assert resolve_executor(EngineConfig(executor="cuda-graph"), cuda) == "cuda-graph"
     assert resolve_executor(EngineConfig(enforce_eager=True), cuda) == "eager"
     assert resolve_executor(EngineConfig(executor="compiled"), cpu) == "compiled"
     with pytest.raises(ConfigError, match="--executor cuda-graph needs a CUDA device.*--executor compiled"):
