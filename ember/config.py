@@ -18,6 +18,7 @@ from ember.quant import QUANTIZATION_CHOICES
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 DEVICES = ("auto", "cpu", "cuda")
+EXECUTORS = ("auto", "eager", "compiled", "cuda-graph")
 # Default CPU KV budget: this fraction of available RAM, capped (the pool is allocated up front).
 CPU_KV_FRACTION = 0.2
 CPU_KV_CAP_GIB = 2.0
@@ -38,7 +39,10 @@ class EngineConfig:
     max_num_seqs: int | None = field(default=None, metadata={"help": "most sequences in one step (default 16 on CPU, 64 on CUDA)"})
     enable_chunked_prefill: bool = field(default=True, metadata={"help": "split long prompts over several steps"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV blocks of shared prompt prefixes"})
-    enforce_eager: bool = field(default=False, metadata={"help": "never use CUDA graphs or torch.compile"})
+    enforce_eager: bool = field(default=False, metadata={"help": "never use CUDA graphs or torch.compile (= --executor eager; vLLM's flag)"})
+    executor: str = field(default="auto", metadata={"help": "how a step's forward runs: eager; compiled = torch.compile (inductor) of pure-decode steps on CPU, batch sizes padded to --compilation-config compile_sizes, each size compiled at startup (about 1-1.5 min cold on the default model, seconds from the inductor cache, which is torch's default cache dir: /tmp/torchinductor_$USER or $TORCHINDUCTOR_CACHE_DIR, kept across runs); cuda-graph = CUDA graphs of decode-shaped steps up to --cuda-graph-max-batch-size. auto = cuda-graph on CUDA with a GPU attention backend (not the torch reference, whose captured decode reads max_model_len keys per sequence), else eager. vLLM: --enforce-eager / -O0 = eager; its default CUDA mode (compile + CUDA graphs) is closest to cuda-graph", "choices": EXECUTORS})
+    cuda_graph_max_batch_size: int = field(default=16, metadata={"help": "largest decode batch captured as a CUDA graph (sizes 1, 2, 4, 8, 16, 24, ... up to it; a batch is padded to the next one, larger batches run eagerly). Graph memory comes out of --gpu-memory-utilization"})
+    compilation_config: dict[str, Any] | None = field(default=None, metadata={"help": 'options of --executor compiled (JSON), after vLLM\'s --compilation-config: {"compile_sizes": [1, 2, 4], "mode": "max-autotune-no-cudagraphs", "freezing": true}; compile_sizes are decode batch sizes (a batch is padded to the next one, larger batches run eagerly), mode an inductor mode of torch.compile'})
     int8_decode: bool | None = field(default=None, metadata={"help": "CPU: keep an int8 weight-only copy of each linear for decode-sized batches (bf16 GEMV is slow on CPU); default: on for .gguf models in bfloat16/float16"})
     attention_backend: str = field(default="auto", metadata={"help": "attention kernels: auto = triton on CUDA, torch on CPU (triton on CPU only under TRITON_INTERPRET=1)", "choices": ATTENTION_BACKENDS})
     quantization: str = field(default="auto", metadata={"help": "weight format: auto = what the checkpoint holds (awq for an AWQ folder, gguf = packed blocks for a .gguf file, else none); none on a .gguf dequantizes it to --dtype", "choices": QUANTIZATION_CHOICES})
@@ -53,11 +57,12 @@ class EngineConfig:
     num_threads: int | None = field(default=None, metadata={"help": "CPU threads for torch (default: all cores)"})
 
     def __post_init__(self) -> None:
-        if isinstance(self.speculative_config, str):
-            try:
-                self.speculative_config = json.loads(self.speculative_config)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"--speculative-config is not valid JSON: {e}") from None
+        for name in ("speculative_config", "compilation_config"):
+            if isinstance(getattr(self, name), str):
+                try:
+                    setattr(self, name, json.loads(getattr(self, name)))
+                except json.JSONDecodeError as e:
+                    raise ConfigError(f"--{name.replace('_', '-')} is not valid JSON: {e}") from None
         self.validate()
 
     def validate(self) -> None:
@@ -103,6 +108,9 @@ class EngineConfig:
         from ember.spec.config import resolve_speculative_config
 
         self.speculative = resolve_speculative_config(self)  # None = no speculation
+        from ember.engine.step_executor import validate_executor_config
+
+        validate_executor_config(self)
         if self.num_threads is not None:
             need(self.num_threads >= 1, f"--num-threads must be >= 1 (got {self.num_threads})")
 

@@ -125,6 +125,7 @@ def _build(args, batch: int | None = None):
         "max_num_batched_tokens": config.max_num_batched_tokens,
         "prefix_caching": config.enable_prefix_caching,
         "enforce_eager": config.enforce_eager,
+        "executor": engine.executor_name,
         "threads": torch.get_num_threads(),
     }
     return llm, peer, ember_desc

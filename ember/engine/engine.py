@@ -17,6 +17,7 @@ from ember.engine.kv_cache import KVCacheManager
 from ember.engine.request import Request, RequestStatus
 from ember.engine.runner import ModelRunner
 from ember.engine.scheduler import Scheduler
+from ember.engine.step_executor import attention_backend_of, build_executor, resolve_executor
 from ember.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from ember.layers.attention import resolve_kv_cache_dtype
 from ember.loader.model_loader import load_model
@@ -87,6 +88,9 @@ class LLMEngine:
             logger.info("chunked prefill is off: prompts longer than %d tokens will be refused", config.max_num_batched_tokens)
 
         self.kv_dtype = kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
+        backend = attention_backend_of(loaded.model)
+        self.executor_name = resolve_executor(config, self.device, kv_dtype, getattr(backend, "name", None))
+        self.cuda_graph_max_batch = min(config.cuda_graph_max_batch_size, self.max_num_seqs)
         # The speculator comes first: a drafter with KV layers of its own (MTP) needs its share of the pool.
         self.spec = None
         if config.speculative is not None:
@@ -116,6 +120,8 @@ class LLMEngine:
             self.spec.attach(self.runner)
         if self.tp is not None:
             self._start_workers_stepping()
+        # After every KV layer exists: compiled graphs and captured graphs address the caches.
+        self.runner.executor = build_executor(self.executor_name, self, self.runner)
         self.groups: dict[str, _Group] = {}
         self._ids = itertools.count()
         eos = list(self.tokenizer.eos_token_ids)
@@ -126,11 +132,11 @@ class LLMEngine:
         self.eos_token_ids = list(dict.fromkeys(eos))
         logger.info(
             "ember: %s, %.1fM parameters, %.1f MB weights%s, %s on %s, KV cache %s, %d blocks x %d = %d tokens (%.1f MB), "
-            "max_model_len %d, loaded from %s in %.1fs",
+            "max_model_len %d, %s executor, loaded from %s in %.1fs",
             mc.architecture, loaded.num_parameters / 1e6, loaded.weight_bytes / 1e6,
             f" (+{self.int8_decode_bytes / 1e6:.1f} MB int8 decode copy)" if self.int8_decode_bytes else "", str(self.dtype).removeprefix("torch."),
             self.device, str(kv_dtype).removeprefix("torch."), num_blocks, config.block_size, num_blocks * config.block_size, num_blocks * block_bytes / 1e6,
-            self.max_model_len, loaded.path, loaded.load_seconds)
+            self.max_model_len, self.executor_name, loaded.path, loaded.load_seconds)
 
     def _sharding(self):
         """Inside: layers are built as this rank's shard (a no-op without TP)."""
@@ -210,7 +216,20 @@ class LLMEngine:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(dev)
         used_by_others = total - free - torch.cuda.memory_allocated(dev)
-        return max(0.0, total * self.config.gpu_memory_utilization - used_by_others - peak)
+        graphs = 0
+        if self.executor_name == "cuda-graph":  # the graphs' pool is memory the KV cache cannot have
+            from ember.engine.cuda_graph_executor import graph_pool_estimate
+
+            graphs = graph_pool_estimate(model, mc, self.cuda_graph_max_batch, max(self.graph_query_lens()),
+                                         self.max_model_len, self.config.block_size, self.dtype, dev)
+            self.cuda_graph_reserved_bytes = graphs
+        return max(0.0, total * self.config.gpu_memory_utilization - used_by_others - peak - graphs)
+
+    def graph_query_lens(self) -> list[int]:
+        """Query lengths the CUDA graphs are captured for (ember.engine.step_executor.graph_query_lens)."""
+        from ember.engine.step_executor import attention_backend_of, graph_query_lens
+
+        return graph_query_lens(self.spec.k_max if self.spec is not None else 0, attention_backend_of(self.loaded.model))
 
     # -- requests ----------------------------------------------------------------------------
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:

@@ -22,6 +22,7 @@ import torch
 
 from ember.engine.request import Request
 from ember.engine.scheduler import SchedulerOutput
+from ember.engine.step_executor import EagerExecutor, StepExecutor
 from ember.kernels.metadata import AttentionMetadata, RowSelection
 from ember.layers.sampler import SampledToken, Sampler, SamplingRow, make_generator
 from ember.model_config import ModelConfig
@@ -88,6 +89,8 @@ class ModelRunner:
         self.keep_rows = False  # a drafter reads the step's layout only (a draft model): last_step without hidden
         self.last_step: StepRows | None = None
         self._step_layout: tuple[list, list[list[int]]] | None = None  # prepare() -> execute(), for last_step
+        # How the forward runs (eager, compiled, CUDA graph); the engine may swap in another.
+        self.executor: StepExecutor = EagerExecutor(model, self.kv_caches)
 
     def allocate_kv(self, num_heads: int, head_dim: int, extra_blocks: int = 0) -> torch.Tensor:
         """One more zeroed KV layer in the pool's layout: block b is the main layers' block b (a
@@ -159,7 +162,7 @@ class ModelRunner:
         """Run one step. Returns, for every request whose step reached its end, the tokens it
         emits: one sampled token, or its accepted drafts then one more (len - 1 = accepted)."""
         ids, pos, meta, logit_rows, sampling_reqs = self.prepare(out)
-        hidden = self.model(ids, pos, self.kv_caches, meta, self.select)
+        hidden = self.executor.run(ids, pos, meta, self.select)
         entries, tables = self._step_layout
         keep = self.keep_hidden or self.keep_rows
         self.last_step = StepRows(hidden if self.keep_hidden else None, entries, meta.slot_mapping, tables) if keep else None

@@ -26,6 +26,9 @@ from ember.kernels.metadata import AttentionMetadata
 
 class TorchAttentionBackend:
     name = "torch"
+    # Longest uniform q_len it runs from fixed-shape metadata (AttentionMetadata.fixed_shape):
+    # decodes read only device tensors and the max_seq_len bound; longer queries loop over host lists.
+    fixed_shape_max_query_len = 1
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,

@@ -1,0 +1,78 @@
+"""CompiledExecutor (CPU): torch.compile (inductor) of the pure-decode forward at a few batch sizes.
+
+Why whole decode steps: on 2 CPU cores a third of an eager decode step is framework overhead;
+inductor with freezing (weights folded in as constants) and mode max-autotune-no-cudagraphs
+removes most of it (DESIGN.md: 115-125 -> 138-162 tok/s at the default model's shape).
+
+Shapes: each compile size is one static graph (every compiled shape costs ~1-1.5 min cold on
+the default model, seconds from inductor's on-disk cache, which torch keeps in its default
+cache dir across runs), so a decode batch of B sequences is padded to the next size
+(ember.engine.decode_batch). The block-table width is the one dynamic dimension: a sequence's
+length grows every step. Every size is compiled at startup, so no request waits for one.
+Not compiled (eager): prefill chunks, mixed steps, speculative verifies (q_len 1 + k), steps
+with a RowSelection, batches above the largest size, and MTP draft steps.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from ember.engine.decode_batch import DecodeInputs, bucket_for, fixed_meta, pad_decode, table_width, warmup_inputs
+from ember.layers.rotary import RotaryEmbedding
+
+logger = logging.getLogger("ember")
+
+
+class CompiledExecutor:
+    name = "compiled"
+
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int, max_model_len: int,
+                 sizes: list[int], mode: str = "max-autotune-no-cudagraphs", freezing: bool = True):
+        self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
+        self.sizes = sorted(sizes)
+        for m in model.modules():  # a grown cos/sin cache would be a new tensor: a recompile
+            if isinstance(m, RotaryEmbedding):
+                m.ensure_capacity(max_model_len)
+        # torch.compile takes a mode or options, not both: the mode's options plus freezing.
+        options = dict(torch._inductor.list_mode_options(mode)) | {"freezing": freezing}
+        # One graph per size, plus slack for a re-specialisation; dynamo's default limit is 8.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(self.sizes) + 4)
+        self._compiled = torch.compile(self._forward, options=options, dynamic=False, fullgraph=True)
+        self.compiles = 0  # graphs built at startup
+        self.compiled_steps = 0  # steps that ran compiled (the rest ran eagerly)
+        self.warmup()
+
+    def _forward(self, input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables, kv_caches):
+        x = DecodeInputs(input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables)
+        return self.model(input_ids, positions, kv_caches, fixed_meta(x, 1, self.block_size))
+
+    def _call(self, x: DecodeInputs) -> torch.Tensor:
+        # The table width grows with the longest sequence; everything else is static per size.
+        torch._dynamo.maybe_mark_dynamic(x.block_tables, 1)
+        return self._compiled(x.input_ids, x.positions, x.slot_mapping, x.query_start_loc, x.seq_lens,
+                              x.block_tables, self.kv_caches)
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Compile every size now (a dummy step writing block 0, zeroed again after)."""
+        dev = self.kv_caches[0].device
+        total = time.perf_counter()
+        for b in self.sizes:
+            t0 = time.perf_counter()
+            self._call(warmup_inputs(b, 1, table_width(1, self.block_size), dev))
+            self.compiles += 1
+            logger.info("compiled executor: decode batch %d compiled in %.1fs", b, time.perf_counter() - t0)
+        for cache in self.kv_caches:
+            cache[:, 0].zero_()
+        logger.info("compiled executor: sizes %s ready in %.1fs (inductor cache: torch's default dir)",
+                    self.sizes, time.perf_counter() - total)
+
+    def run(self, input_ids, positions, meta, select=None):
+        batch = bucket_for(meta.num_seqs, self.sizes)
+        if select is not None or meta.max_query_len != 1 or batch is None:
+            return self.model(input_ids, positions, self.kv_caches, meta, select)
+        x = pad_decode(input_ids, positions, meta, batch, table_width(meta.max_seq_len, self.block_size))
+        self.compiled_steps += 1
+        return self._call(x)[:input_ids.shape[0]]

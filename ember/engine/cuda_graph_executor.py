@@ -1,0 +1,117 @@
+"""CUDAGraphExecutor: decode-shaped steps replayed from captured CUDA graphs.
+
+A decode step of a small model on a GPU is mostly kernel-launch overhead; a graph launches the
+whole forward at once. Captured at startup, per query length q (1, and 1 + k when speculating
+with k drafts and the attention backend runs that from fixed-shape metadata) and per batch
+size in decode_batch.default_sizes(--cuda-graph-max-batch-size): 1, 2, 4, 8, 16, ...
+
+- Static inputs: one set of buffers per q at the largest size (input_ids, positions,
+  slot_mapping, query_start_loc, seq_lens, block_tables max_model_len / block_size wide); a
+  graph of batch b reads their leading b rows. A step is padded to the next size
+  (decode_batch.pad_decode) and copied in; padding rows have slot -1 and seq_len q.
+- Metadata: decode_batch.fixed_meta. The backend sees device tensors plus the python ints
+  max_query_len = q and max_seq_len = the table's bound; the torch reference does that for
+  q = 1, the Triton backend for any q.
+- One memory pool shared by all graphs, captured largest first so the smaller ones reuse it.
+  Its size is estimated before the KV cache is sized (graph_pool_estimate) and counted inside
+  --gpu-memory-utilization; capture time and the memory it took are logged.
+- Runs eagerly: prefill chunks, mixed steps, steps whose requests have different draft
+  counts, batches above the largest size, steps with a RowSelection. MTP draft steps are not
+  captured yet (they run eagerly; their decode-shaped metadata would fit the same buffers).
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from ember.engine.decode_batch import (DecodeInputs, bucket_for, default_sizes, fixed_meta, leading, pad_decode,
+                                       table_width, uniform_query_len, warmup_inputs)
+from ember.errors import ConfigError
+from ember.layers.rotary import RotaryEmbedding
+
+logger = logging.getLogger("ember")
+OOM_HINT = "lower --cuda-graph-max-batch-size, --gpu-memory-utilization or --max-num-seqs, or pass --enforce-eager"
+
+
+class CUDAGraphExecutor:
+    name = "cuda-graph"
+
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int, max_model_len: int,
+                 max_batch: int, query_lens: list[int], device: torch.device):
+        if device.type != "cuda":
+            raise ConfigError(f"--executor cuda-graph needs a CUDA device, not {device.type}; use --executor eager")
+        self.model, self.kv_caches, self.block_size, self.device = model, kv_caches, block_size, device
+        self.sizes = default_sizes(max_batch)
+        self.width = table_width(max_model_len, block_size)
+        for m in model.modules():  # the cos/sin cache must not grow (a new tensor) after capture
+            if isinstance(m, RotaryEmbedding):
+                m.ensure_capacity(max_model_len)
+        self.static: dict[int, DecodeInputs] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.replays = 0  # steps that ran from a graph (the rest ran eagerly)
+        try:
+            self.capture(query_lens)
+        except torch.OutOfMemoryError:
+            raise ConfigError(f"out of GPU memory while capturing CUDA graphs (batch sizes {self.sizes}, query lengths "
+                              f"{query_lens}); {OOM_HINT}") from None
+
+    @torch.inference_mode()
+    def capture(self, query_lens: list[int]) -> None:
+        dev = self.device
+        torch.cuda.synchronize(dev)
+        free0, t0 = torch.cuda.mem_get_info(dev)[0], time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(dev)
+        for q in query_lens:
+            static = self.static[q] = warmup_inputs(self.sizes[-1], q, self.width, dev)
+            for b in reversed(self.sizes):  # largest first: the smaller graphs fit in its pool memory
+                x = leading(static, b, q)
+                meta = fixed_meta(x, q, self.block_size)
+                side.wait_stream(torch.cuda.current_stream(dev))
+                with torch.cuda.stream(side):  # one eager run first: lazy inits and autotuning stay out of the graph
+                    self.model(x.input_ids, x.positions, self.kv_caches, meta)
+                torch.cuda.current_stream(dev).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self.model(x.input_ids, x.positions, self.kv_caches, meta)
+                self.graphs[(q, b)] = (graph, out)
+            static.slot_mapping.fill_(-1)
+        for cache in self.kv_caches:  # the dummy steps wrote block 0
+            cache[:, 0].zero_()
+        torch.cuda.synchronize(dev)
+        self.graph_bytes = free0 - torch.cuda.mem_get_info(dev)[0]
+        logger.info("cuda graphs: %d captured (batch sizes %s, query lengths %s) in %.1fs, %.1f MB",
+                    len(self.graphs), self.sizes, query_lens, time.perf_counter() - t0, self.graph_bytes / 1e6)
+
+    def run(self, input_ids, positions, meta, select=None):
+        q = uniform_query_len(meta)
+        batch = bucket_for(meta.num_seqs, self.sizes)
+        if select is not None or q not in self.static or batch is None or meta.block_tables.shape[1] > self.width:
+            return self.model(input_ids, positions, self.kv_caches, meta, select)
+        pad_decode(input_ids, positions, meta, batch, meta.block_tables.shape[1]).copy_into(self.static[q])
+        graph, out = self.graphs[(q, batch)]
+        graph.replay()
+        self.replays += 1
+        return out[:input_ids.shape[0]].clone()  # the next replay overwrites out
+
+
+def graph_pool_estimate(model: torch.nn.Module, mc, max_batch: int, q_len: int, max_model_len: int, block_size: int,
+                        dtype: torch.dtype, device: torch.device) -> int:
+    """Bytes the graphs' shared pool will take: the largest graph's forward run once eagerly (its
+    activations; smaller graphs reuse that memory), plus 10%."""
+    width = table_width(max_model_len, block_size)
+    caches = [torch.zeros(2, 1, block_size, mc.num_kv_heads, mc.head_dim, dtype=dtype, device=device)
+              for _ in range(mc.num_layers)]  # one block: every table entry is block 0
+    x = warmup_inputs(max_batch, q_len, width, device)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    with torch.inference_mode():
+        model(x.input_ids, x.positions, caches, fixed_meta(x, q_len, block_size))
+    torch.cuda.synchronize(device)
+    used = torch.cuda.max_memory_allocated(device) - base
+    del caches, x
+    torch.cuda.empty_cache()
+    return int(used * 1.1)
