@@ -121,10 +121,13 @@ def test_padded_fixed_shape_step_leaves_real_rows_alone(tiny_model_dir):
 def test_executor_resolution_and_refusals():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_executor(EngineConfig(), cpu) == "eager"
-    assert resolve_executor(EngineConfig(), cuda) == "eager"  # the torch reference backend: no graphs by default
-    triton = EngineConfig()
-    triton.attention_backend = "triton"  # not a choice on this branch yet
-    assert resolve_executor(triton, cuda) == "cuda-graph"
+    # CUDA: graphs by default with a GPU attention backend, never over the torch reference
+    assert resolve_executor(EngineConfig(), cuda, backend_name="torch") == "eager"
+    assert resolve_executor(EngineConfig(), cuda, backend_name="triton") == "cuda-graph"
+    assert resolve_executor(EngineConfig(attention_backend="torch"), cuda) == "eager"
+    assert resolve_executor(EngineConfig(tensor_parallel_size=2), cuda, backend_name="triton") == "eager"
+    with pytest.raises(ConfigError, match="does not run under --tensor-parallel-size 2"):
+        resolve_executor(EngineConfig(executor="compiled", tensor_parallel_size=2), cpu)
     assert resolve_executor(EngineConfig(executor="cuda-graph"), cuda) == "cuda-graph"
     assert resolve_executor(EngineConfig(enforce_eager=True), cuda) == "eager"
     assert resolve_executor(EngineConfig(executor="compiled"), cpu) == "compiled"
