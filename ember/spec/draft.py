@@ -103,8 +103,13 @@ class DraftModelProposer:
 
             self._check_vocab(spec.model, ModelConfig.from_folder(path).vocab_size, tmc.vocab_size)
         t0 = time.perf_counter()
-        self.loaded = loaded = load_model(spec.model, borrowed, engine.dtype, engine.device,
-                                          engine.config.attention_backend, "auto")
+        from ember.distributed.parallel_state import sharding
+
+        # Under tensor parallelism the draft runs whole on rank 0 (draft tensor-parallel size 1, as
+        # vLLM's default): built outside the engine's sharding, its layers never call a collective.
+        with sharding(0, 1):
+            self.loaded = loaded = load_model(spec.model, borrowed, engine.dtype, engine.device,
+                                              engine.config.attention_backend, "auto")
         mc = loaded.model_config
         self._check_vocab(spec.model, mc.vocab_size, tmc.vocab_size)
         if own_tok:

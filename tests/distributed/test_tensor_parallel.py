@@ -110,6 +110,23 @@ def test_mtp_speculation_under_tp(tiny_model_dir, tmp_path):
         llm.engine.shutdown()
 
 
+def test_draft_model_runs_whole_on_rank0_under_tp(tiny_model_dir):
+    """A draft model (here the target itself) is not sharded: it runs on rank 0 only, with no
+    collectives, while the target runs over both ranks; every draft accepted, output unchanged."""
+    path = tiny_model_dir("qwen3")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ref = [o.token_ids for o in generate(make_llm(path, **HARD), params)]
+    llm = tp_llm(path, speculative_config={"method": "draft", "model": path, "num_speculative_tokens": 2},
+                 adaptive_spec=False, **HARD)
+    try:
+        assert [o.token_ids for o in generate(llm, params)] == ref
+        stats = llm.engine.stats()
+        assert stats["spec_num_drafts"] > 0 and stats["spec_acceptance_per_pos"] == [1.0, 1.0], stats
+        assert llm.engine.spec.proposer.loaded.model.model.layers[0].mlp.down_proj.tp_size == 1
+    finally:
+        llm.engine.shutdown()
+
+
 def test_random_mtp_layer_on_moe_keeps_greedy_output(tiny_model_dir, tmp_path):
     from tests.spec.mtp_fixtures import COUNT_KEY, checkpoint_tensors, hf_config, make_ref_layers, write_main_with_mtp
 
