@@ -12,8 +12,11 @@ keeping the output as the next layer's input, as AutoAWQ does), then, group by g
 
 searches the per-input-channel scale s over a 20-point alpha grid (AutoAWQ's duo scaling),
 folds it in exactly (previous op / s, Linear columns * s), then searches a clipping range for
-every quantized weight except q and k. The model stays dense float32; round-to-nearest
-packing of the result (`pack_linear`) is the AWQ checkpoint. Nothing is quantized in place.
+every quantized weight except q and k (AutoAWQ's symmetric search, or by default an asymmetric
+one that also snaps the integer zero point; see clip_weight). With gptq=True every quantized weight
+(q and k too) is then moved onto its own int4 grid by GPTQ's error-compensating rounding
+(gptq_round), beyond AutoAWQ. The model stays dense float32; round-to-nearest packing of the
+result (`pack_linear`) is the AWQ checkpoint. Nothing is quantized in place.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ from ember.kernels.metadata import AttentionMetadata
 from ember.layers.activation import silu_and_mul
 from ember.layers.moe import SparseMoeBlock
 from ember.model_config import ModelConfig
-from ember.quant.awq_packing import pseudo_quantize
+from ember.quant.awq_packing import pseudo_quantize, quantize_groups
 
 log = logging.getLogger(__name__)
 
@@ -178,28 +181,151 @@ def apply_scale(g: ScaleGroup, s: torch.Tensor) -> None:
 
 # ---- clipping search -------------------------------------------------------------------------
 
-def clip_weight(w: torch.Tensor, x: torch.Tensor, group_size: int, rows_per_batch: int = 512) -> None:
-    """AutoAWQ's clipping search: per (row, group) keep the max |w| (shrunk by up to 50%) whose
-    quantized partial dot products with x best match the original ones; clamp w in place."""
+CLIP_MODES = ("asym", "sym")
+ASYM_PASSES = 2  # coordinate-descent rounds (hi, then lo) after the symmetric search
+
+
+def _group_gram(x: torch.Tensor, ng: int, group_size: int) -> torch.Tensor:
+    """Per input group the token-averaged Gram matrix X_g^T X_g / t: [ng, G, G]. The clipping
+    objective mean_t (x_t,g . (Q(w)_g - w_g))^2 is exactly d^T H_g d with d = Q(w)_g - w_g."""
+    xg = x.reshape(-1, ng, group_size).transpose(0, 1)  # [ng, t, G]
+    return torch.bmm(xg.transpose(1, 2), xg) / xg.shape[1]
+
+
+def _clip_err(wg: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, gram: torch.Tensor,
+              group_size: int) -> torch.Tensor:
+    """Output error [rows, ng] of quantizing each (row, group) of wg [rows, ng, G] clamped to [lo, hi]."""
+    rows, ng, _ = wg.shape
+    clamped = torch.maximum(torch.minimum(wg, hi), lo).reshape(rows, -1)
+    q = pseudo_quantize(clamped, group_size).view(rows, ng, group_size)
+    d = (q - wg).transpose(0, 1)  # [ng, rows, G]
+    return (torch.bmm(d, gram) * d).sum(-1).t()
+
+
+def _take(better: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    return torch.where(better[..., None], new, old)
+
+
+def clip_weight(w: torch.Tensor, x: torch.Tensor, group_size: int, mode: str = "asym",
+                rows_per_batch: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipping search; clamps w in place per (row, group) and returns (error before, after)
+    of the objective, each [out, in/G].
+
+    sym: AutoAWQ's search: keep the max |w| (shrunk by up to 50%, 10 steps) whose quantized
+    partial dot products with x (512 sampled tokens) best match the original ones, clamping both
+    ends by the same amount.
+    asym (beyond AutoAWQ): start from the sym result, then coordinate descent on the group's upper
+    and lower clip separately (each end moved inward by 0..45% of the group's range in 5% steps,
+    ASYM_PASSES rounds), then try the two clips nearest to the result whose -min/scale is an
+    exact integer, so the integer zero point does not shift the grid. Only strict improvements
+    are taken, so per (row, group) asym's error is never above sym's."""
+    if mode not in CLIP_MODES:
+        raise ValueError(f"clip mode {mode!r} is not one of {CLIP_MODES}")
     x = x[::max(1, x.shape[0] // CLIP_TOKENS)]
     out_f, in_f = w.shape
     ng = in_f // group_size
-    xg = x.reshape(-1, ng, group_size).transpose(0, 1)  # [ng, t, G]
+    gram = _group_gram(x, ng, group_size)
+    n_shrink = int(CLIP_MAX_SHRINK * CLIP_GRID)
+    errs0, errs = [], []
     for r0 in range(0, out_f, rows_per_batch):
         wg = w[r0:r0 + rows_per_batch].view(-1, ng, group_size)  # a view: the clamp below writes w
-        rows = wg.shape[0]
-        org_max = wg.abs().amax(dim=-1, keepdim=True)  # [rows, ng, 1]
-        ref = torch.bmm(xg, wg.permute(1, 2, 0))  # [ng, t, rows]
-        best_err = torch.full((rows, ng), math.inf)
-        best_max = org_max.clone()
-        for i in range(int(CLIP_MAX_SHRINK * CLIP_GRID)):
-            max_val = org_max * (1 - i / CLIP_GRID)
-            q = pseudo_quantize(torch.clamp(wg, -max_val, max_val).reshape(rows, in_f), group_size)
-            err = (torch.bmm(xg, q.view(rows, ng, group_size).permute(1, 2, 0)) - ref).pow(2).mean(dim=1).t()
+        wmax, wmin = wg.amax(dim=-1, keepdim=True), wg.amin(dim=-1, keepdim=True)
+        org_max = torch.maximum(wmax, -wmin)
+        best_lo, best_hi = wmin, wmax
+        best_err = _clip_err(wg, wmin, wmax, gram, group_size)
+        errs0.append(best_err)
+        for i in range(1, n_shrink):
+            m = org_max * (1 - i / CLIP_GRID)
+            lo, hi = torch.maximum(-m, wmin), torch.minimum(m, wmax)
+            err = _clip_err(wg, lo, hi, gram, group_size)
             better = err < best_err
             best_err = torch.where(better, err, best_err)
-            best_max[better] = max_val[better]
-        wg.copy_(torch.clamp(wg, -best_max, best_max))
+            best_lo, best_hi = _take(better, lo, best_lo), _take(better, hi, best_hi)
+        if mode == "asym":
+            span = wmax - wmin
+            for _ in range(ASYM_PASSES):
+                for end in ("hi", "lo"):
+                    base_lo, base_hi = best_lo, best_hi
+                    for j in range(n_shrink):
+                        lo, hi = ((base_lo, wmax - span * (j / CLIP_GRID)) if end == "hi"
+                                  else (wmin + span * (j / CLIP_GRID), base_hi))
+                        if (lo >= hi).all():
+                            continue
+                        hi = torch.maximum(hi, lo)
+                        err = _clip_err(wg, lo, hi, gram, group_size)
+                        better = err < best_err
+                        best_err = torch.where(better, err, best_err)
+                        best_lo, best_hi = _take(better, lo, best_lo), _take(better, hi, best_hi)
+            # Zero-point snap: the grid is (q - z) * s with z integer; shrink [lo, hi] to the nearest
+            # ranges [-z s', (15 - z) s'] inside it, for z = floor and ceil of -lo / s.
+            lo0, hi0 = best_lo, best_hi
+            s = ((hi0 - lo0) / 15).clamp(min=1e-8)
+            f = (-lo0 / s).clamp(0, 15)
+            for z in (f.floor(), f.ceil()):
+                s_lo = torch.where(z > 0, -lo0 / z.clamp(min=1), torch.full_like(s, math.inf))
+                s_hi = torch.where(z < 15, hi0 / (15 - z).clamp(min=1), torch.full_like(s, math.inf))
+                s2 = torch.minimum(s_lo, s_hi)
+                ok = (lo0 < 0) & (hi0 > 0) & torch.isfinite(s2) & (s2 > 0)
+                lo, hi = torch.where(ok, -z * s2, lo0), torch.where(ok, (15 - z) * s2, hi0)
+                lo, hi = torch.maximum(lo, lo0), torch.minimum(hi, hi0)  # guard rounding: stay inside
+                err = _clip_err(wg, lo, hi, gram, group_size)
+                better = (err < best_err) & ok.squeeze(-1)
+                best_err = torch.where(better, err, best_err)
+                best_lo, best_hi = _take(better, lo, best_lo), _take(better, hi, best_hi)
+        wg.copy_(torch.maximum(torch.minimum(wg, best_hi), best_lo))
+        errs.append(best_err)
+    return torch.cat(errs0), torch.cat(errs)
+
+
+# ---- error-compensating rounding (GPTQ) ------------------------------------------------------
+
+GPTQ_DAMP, GPTQ_BLOCK = 0.01, 128
+
+
+def gptq_round(w: torch.Tensor, target: torch.Tensor, x: torch.Tensor, group_size: int) -> None:
+    """Replace w [out, in] in place by a point of its own AWQ grid chosen by GPTQ (beyond AutoAWQ).
+
+    The grid of every (row, group) is the one round-to-nearest packing of w uses (scale and integer
+    zero from the group's min / max, so from the clipping search). The codes are chosen column by
+    column, each column's rounding error spread over the columns not yet rounded through the inverse
+    of H = X^T X / t (+1% damping), which minimises ||x (target - Q)^T||^2 better than rounding each
+    weight to nearest. The element holding a group's min keeps code 0 and the one holding its max
+    code 15, so packing the result (which re-derives scale and zero from min / max) gives the same
+    grid and these codes exactly: the checkpoint format is unchanged."""
+    out_f, in_f = w.shape
+    ng = in_f // group_size
+    _, scales, zeros = quantize_groups(w, group_size)  # [out, ng]
+    wg = w.view(out_f, ng, group_size)
+    has_range = (wg.amax(-1) > wg.amin(-1))  # [out, ng]
+    arg_lo, arg_hi = wg.argmin(-1), wg.argmax(-1)
+    zeros = zeros.float()
+    H = x.t().double() @ x.double() / x.shape[0]
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1
+    H += GPTQ_DAMP * torch.diag(H).mean() * torch.eye(in_f, dtype=H.dtype)
+    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).float()
+    W = target.clone().float()
+    W[:, dead] = 0
+    Q = torch.empty_like(W)
+    for b0 in range(0, in_f, GPTQ_BLOCK):
+        b1 = min(b0 + GPTQ_BLOCK, in_f)
+        W1, Err1 = W[:, b0:b1].clone(), torch.zeros(out_f, b1 - b0)
+        Hinv1 = Hinv[b0:b1, b0:b1]
+        for k in range(b1 - b0):
+            i = b0 + k
+            g, j = divmod(i, group_size)
+            s, z = scales[:, g], zeros[:, g]
+            col = W1[:, k]
+            q = (torch.round(col / s) + z).clamp(0, 15)
+            q = torch.where(has_range[:, g] & (arg_lo[:, g] == j), torch.zeros_like(q), q)
+            q = torch.where(has_range[:, g] & (arg_hi[:, g] == j), torch.full_like(q, 15.0), q)
+            deq = (q - z) * s
+            Q[:, i] = deq
+            err = (col - deq) / Hinv1[k, k]
+            W1[:, k:] -= err[:, None] * Hinv1[k, k:][None, :]
+            Err1[:, k] = err
+        W[:, b1:] -= Err1 @ Hinv[b0:b1, b1:]
+    w.copy_(Q.to(w.dtype))
 
 
 # ---- the walk over layers --------------------------------------------------------------------
@@ -260,10 +386,13 @@ def _scale_groups(layer, feats: dict, calib: Calib) -> Iterator[ScaleGroup]:
                          lambda t, w2=w2: F.linear(t, w2))
 
 
-def _clip_targets(layer, feats: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(weight view, its recorded input) for every quantized weight except q and k."""
+def _clip_targets(layer, feats: dict, qk: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(weight view, its recorded input) for every quantized weight except (unless qk) q and k."""
     attn, mlp = layer.self_attn, layer.mlp
-    targets = [(attn.qkv_proj.weight[_rows(attn.qkv_proj, "v")], feats["qkv"]), (attn.o_proj.weight, feats["o"])]
+    qkv = attn.qkv_proj
+    targets = [(qkv.weight[_rows(qkv, "v")], feats["qkv"]), (attn.o_proj.weight, feats["o"])]
+    if qk:
+        targets += [(qkv.weight[_rows(qkv, "q")], feats["qkv"]), (qkv.weight[_rows(qkv, "k")], feats["qkv"])]
     if not isinstance(mlp, SparseMoeBlock):
         return targets + [(mlp.gate_up_proj.weight, feats["mlp"]), (mlp.down_proj.weight, feats["down"])]
     for e in range(mlp.experts.num_experts):
@@ -274,10 +403,16 @@ def _clip_targets(layer, feats: dict) -> list[tuple[torch.Tensor, torch.Tensor]]
 
 
 @torch.no_grad()
-def awq_search(model, input_ids: torch.Tensor, group_size: int, progress: bool | None = None) -> None:
+def awq_search(model, input_ids: torch.Tensor, group_size: int, progress: bool | None = None,
+               clip: str = "asym", clip_qk: bool = False, gptq: bool = False) -> None:
     """Fold AWQ scales into `model` (float32, dense) and clip its weights, in place.
 
-    input_ids: int64 [num_samples, seq_len] calibration blocks, each run as its own sequence."""
+    input_ids: int64 [num_samples, seq_len] calibration blocks, each run as its own sequence.
+    clip: the clipping search, "asym" (separate lower / upper clip, zero-point snap) or "sym"
+    (AutoAWQ's); see clip_weight. clip_qk: clip q and k too (AutoAWQ does not). gptq: after
+    clipping, round every quantized weight with gptq_round against its unclipped values."""
+    if clip not in CLIP_MODES:
+        raise ConfigError(f"--clip {clip!r} is not one of {', '.join(CLIP_MODES)}")
     from tqdm import tqdm
 
     calib = Calib(model, input_ids.shape[1])
@@ -291,6 +426,13 @@ def awq_search(model, input_ids: torch.Tensor, group_size: int, progress: bool |
             best = min(range(len(losses)), key=losses.__getitem__)
             log.debug("layer %d %s: alpha %.2f, loss %.3g (alpha 0: %.3g)", i, group.name, best / N_GRID,
                       losses[best], losses[0])
-        for w, inp in _clip_targets(layer, feats):
-            clip_weight(w, inp, group_size)
+        originals = [w.clone() for w, _ in _clip_targets(layer, feats, qk=True)] if gptq else []
+        for w, inp in _clip_targets(layer, feats, clip_qk):
+            errs = clip_weight(w, inp, group_size, clip)
+            if errs is not None:
+                log.debug("layer %d clip %s: error %.4g -> %.4g", i, tuple(w.shape), errs[0].sum().item(),
+                          errs[1].sum().item())
+        if gptq:
+            for (w, inp), target in zip(_clip_targets(layer, feats, qk=True), originals):
+                gptq_round(w, target, inp, group_size)
         x = x_next

@@ -4,10 +4,15 @@
 The source (an HF folder or a .gguf file, dequantized) is loaded dense in float32 on the CPU.
 `awq` runs the activation-aware scale and clipping search (ember.quant.awq_quantizer) on
 calibration text first; `rtn` packs the weights by plain round-to-nearest, the baseline.
+Two defaults of `awq` go beyond AutoAWQ and keep its checkpoint format (integer zero points,
+same packing): `--clip asym` searches each group's lower and upper clip separately and snaps
+the integer zero point (`--clip sym` is AutoAWQ's symmetric search), and `--gptq` chooses the
+codes on each group's grid by GPTQ's error-compensating rounding (`--no-gptq`: round to nearest).
 
 The search costs about 20 forwards of each Linear group per layer over all calibration tokens,
 so its time grows with --num-samples x --seq-len: SmolLM2-135M (30 layers) with 16 x 512 tokens
-took 17 min on 2 busy CPU cores (AutoAWQ's 128 x 512 would be ~8x that); rtn takes seconds.
+took 17 min on 2 busy CPU cores, 11 min on 1 busy core with --clip asym --gptq (AutoAWQ's 128 x 512
+would be ~8x that); rtn takes seconds.
 """
 from __future__ import annotations
 
@@ -23,6 +28,9 @@ from ember.errors import ConfigError
 log = logging.getLogger(__name__)
 
 METHODS = ("awq", "rtn")
+# Default model, g32, 16 x 512 pydoc calib, held-out pydoc perplexity (dense bf16 14.925):
+# --clip sym --no-gptq (AutoAWQ) 16.210, asym --no-gptq 16.196, sym --gptq 15.850, asym --gptq 15.815.
+GPTQ_DEFAULT = True
 
 
 def _source_config(path: str):
@@ -43,15 +51,17 @@ def _source_config(path: str):
 
 def quantize(model: str | None, out: str, method: str = "awq", bits: int = 4, group_size: int = 128,
              zero_point: bool = True, calib: str = "pydoc", num_samples: int = 128, seq_len: int = 512,
-             progress: bool | None = None) -> str:
+             progress: bool | None = None, clip: str = "asym", gptq: bool = GPTQ_DEFAULT) -> str:
     """Quantize `model` (None = the embedded default) into the folder `out`; returns `out`."""
     from ember.loader.model_loader import load_model, resolve_model_path
     from ember.quant.awq_export import write_awq_folder
-    from ember.quant.awq_quantizer import awq_search, check_quant_settings
+    from ember.quant.awq_quantizer import CLIP_MODES, awq_search, check_quant_settings
     from ember.quant.calibration import calibration_blocks, calibration_texts
 
     if method not in METHODS:
         raise ConfigError(f"--method {method!r} is not one of {', '.join(METHODS)}")
+    if clip not in CLIP_MODES:
+        raise ConfigError(f"--clip {clip!r} is not one of {', '.join(CLIP_MODES)}")
     path = resolve_model_path(model)
     check_quant_settings(_source_config(path), bits, group_size, zero_point)
     if os.path.abspath(out) == os.path.abspath(path):
@@ -65,9 +75,9 @@ def quantize(model: str | None, out: str, method: str = "awq", bits: int = 4, gr
     loaded = load_model(path, None, torch.float32, torch.device("cpu"), "torch", "none")
     if method == "awq":
         ids = calibration_blocks(loaded.tokenizer, texts, num_samples, seq_len)
-        log.info("AWQ: %d calibration blocks of %d tokens from %s, group size %d", ids.shape[0], ids.shape[1],
-                 calib, group_size)
-        awq_search(loaded.model, ids, group_size, progress=progress)
+        log.info("AWQ: %d calibration blocks of %d tokens from %s, group size %d, %s clipping, %s rounding",
+                 ids.shape[0], ids.shape[1], calib, group_size, clip, "GPTQ" if gptq else "nearest")
+        awq_search(loaded.model, ids, group_size, progress=progress, clip=clip, gptq=gptq)
     write_awq_folder(loaded, out, group_size)
     log.info("wrote %s (%s, int4, group %d) in %.1f s", out, method, group_size, time.perf_counter() - t0)
     return out
@@ -75,7 +85,8 @@ def quantize(model: str | None, out: str, method: str = "awq", bits: int = 4, gr
 
 def cmd_quantize(args) -> None:
     quantize(args.model, args.out, method=args.method, bits=args.bits, group_size=args.group_size,
-             zero_point=args.zero_point, calib=args.calib, num_samples=args.num_samples, seq_len=args.seq_len)
+             zero_point=args.zero_point, calib=args.calib, num_samples=args.num_samples, seq_len=args.seq_len,
+             clip=args.clip, gptq=args.gptq)
     print(args.out)
 
 
@@ -92,5 +103,11 @@ def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--calib", default="pydoc", help="'pydoc' (the calibration half of pydoc_data.topics) or a UTF-8 text file")
     p.add_argument("--num-samples", type=int, default=128, help="calibration blocks")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration block")
+    p.add_argument("--clip", choices=("asym", "sym"), default="asym",
+                   help="AWQ clipping search: asym (default) searches each group's lower and upper clip separately "
+                        "and snaps the integer zero point; sym is AutoAWQ's (one |w| bound for both ends)")
+    p.add_argument("--gptq", action=argparse.BooleanOptionalAction, default=GPTQ_DEFAULT,
+                   help="AWQ: choose the int4 codes on each group's grid by GPTQ's error-compensating rounding "
+                        "(calibration inputs' X^T X) instead of round-to-nearest; same checkpoint format")
     p.set_defaults(func=cmd_quantize)
     return p

@@ -19,7 +19,7 @@ from ember.model_config import ModelConfig
 from ember.models.registry import get_model_class
 from ember.quant import awq_quantizer
 from ember.quant.awq_export import write_tokenizer
-from ember.quant.awq_packing import dequantize_awq, pack_linear, pseudo_quantize
+from ember.quant.awq_packing import dequantize_awq, pack_linear, pseudo_quantize, quantize_groups
 from ember.quant.awq_quantizer import Calib, ScaleGroup, apply_scale, awq_search, search_scale
 from ember.quant.calibration import calibration_blocks, pydoc_split
 from ember.quant.quantize_cli import quantize
@@ -57,6 +57,119 @@ def test_search_beats_round_to_nearest_on_outlier_channels():
     torch.testing.assert_close(F.linear(group.x, w), ref, rtol=1e-5, atol=1e-4)
     awq = (F.linear(group.x, pseudo_quantize(w, G)) - ref).pow(2).mean().item()
     assert awq == pytest.approx(min(losses), rel=1e-4) and awq < rtn
+
+
+# ---- the clipping search ---------------------------------------------------------------------------------
+
+def autoawq_clip(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """AutoAWQ's clipping search as ember had it before --clip (bmm over 512 sampled tokens): the clamped W."""
+    x = x[::max(1, x.shape[0] // 512)]
+    out_f, in_f = w.shape
+    ng = in_f // G
+    xg = x.reshape(-1, ng, G).transpose(0, 1)
+    wg = w.view(out_f, ng, G)
+    org_max = wg.abs().amax(dim=-1, keepdim=True)
+    ref = torch.bmm(xg, wg.permute(1, 2, 0))
+    best_err, best_max = torch.full((out_f, ng), float("inf")), org_max.clone()
+    for i in range(10):
+        m = org_max * (1 - i / 20)
+        q = pseudo_quantize(torch.clamp(wg, -m, m).reshape(out_f, in_f), G)
+        err = (torch.bmm(xg, q.view(out_f, ng, G).permute(1, 2, 0)) - ref).pow(2).mean(dim=1).t()
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_max[better] = m[better]
+    return torch.clamp(wg, -best_max, best_max).reshape(out_f, in_f)
+
+
+def clip_case(seed: int):
+    """Random W [256, 256] (some heavy rows / columns, some one-signed groups) and x with outlier channels."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1024, 256, generator=g)
+    x[:, [5, 70, 130, 200]] *= 25.0
+    w = torch.randn(256, 256, generator=g) * 0.05
+    w[:, ::29] *= 5.0
+    w[::17] = w[::17].abs()  # all-positive rows
+    w[3::19, :G] = -w[3::19, :G].abs() - 0.01  # all-negative groups
+    return w, x
+
+
+def group_output_error(wq: torch.Tensor, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """mean over the 512 sampled tokens of (x_g . (wq_g - w_g))^2 per (row, group): what clip_weight minimises."""
+    x = x[::max(1, x.shape[0] // 512)]
+    ng = w.shape[1] // G
+    d = (wq - w).view(w.shape[0], ng, G)
+    return torch.einsum("tng,rng->trn", x.view(-1, ng, G), d).pow(2).mean(0)
+
+
+def test_sym_clip_is_autoawq_search():
+    w, x = clip_case(0)
+    got = w.clone()
+    before, after = awq_quantizer.clip_weight(got, x, G, "sym")
+    ref = autoawq_clip(w.clone(), x)
+    assert (got == ref).float().mean() > 0.999  # one objective, evaluated as d^T (X^T X / t) d: ties may differ
+    torch.testing.assert_close(after, group_output_error(pseudo_quantize(got, G), w, x), rtol=1e-3, atol=1e-7)
+    torch.testing.assert_close(before, group_output_error(pseudo_quantize(w, G), w, x), rtol=1e-3, atol=1e-7)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_asym_clip_never_does_worse_than_sym(seed):
+    """Per (row, group) the asymmetric search's output error is at most the symmetric one's (it starts
+    from the symmetric optimum and only takes strict improvements), and in total clearly lower; the
+    error it reports is the one of the weights it leaves, as the export packs them."""
+    w, x = clip_case(seed)
+    w_sym, w_asym = w.clone(), w.clone()
+    _, err_sym = awq_quantizer.clip_weight(w_sym, x, G, "sym")
+    rtn, err_asym = awq_quantizer.clip_weight(w_asym, x, G, "asym")
+    e_sym = group_output_error(pseudo_quantize(w_sym, G), w, x)
+    e_asym = group_output_error(pseudo_quantize(w_asym, G), w, x)
+    torch.testing.assert_close(err_asym, e_asym, rtol=1e-3, atol=1e-7)
+    assert (err_asym <= err_sym).all()
+    assert (e_asym <= e_sym * (1 + 1e-4) + 1e-9).all()
+    assert e_asym.sum() < 0.95 * e_sym.sum() < 0.95 * rtn.sum(), (e_asym.sum(), e_sym.sum(), rtn.sum())
+    # Clipping only clamps: every weight stays in its group's original [min, max], and the whole-layer
+    # output error falls too.
+    wg, ag = w.view(256, -1, G), w_asym.view(256, -1, G)
+    assert (ag >= wg.amin(-1, keepdim=True)).all() and (ag <= wg.amax(-1, keepdim=True)).all()
+    out_err = [(F.linear(x, pseudo_quantize(v, G)) - F.linear(x, w)).pow(2).mean() for v in (w_asym, w_sym, w)]
+    assert out_err[0] < out_err[1] < out_err[2], out_err
+
+
+def test_gptq_rounding_stays_on_the_grid_and_lowers_the_output_error():
+    """gptq_round picks codes on the grid round-to-nearest packing would use (same scales, integer
+    zeros), keeps each group's min / max codes so packing re-derives that grid and the codes exactly,
+    and lowers the layer's output error against the unclipped weights."""
+    for seed in range(2):
+        w, x = clip_case(seed)
+        clipped = w.clone()
+        awq_quantizer.clip_weight(clipped, x, G, "asym")
+        got = clipped.clone()
+        awq_quantizer.gptq_round(got, w, x, G)
+        _, s0, z0 = quantize_groups(clipped, G)
+        _, s1, z1 = quantize_groups(got, G)
+        assert torch.equal(z1, z0) and torch.allclose(s1, s0, rtol=1e-5)
+        torch.testing.assert_close(pseudo_quantize(got, G), got, rtol=0, atol=1e-6)
+        packed = pack_linear(got, G)
+        deq = dequantize_awq(packed["qweight"], packed["qzeros"], packed["scales"].float(), G).t()
+        torch.testing.assert_close(deq, got, rtol=1e-3, atol=1e-5)  # fp16 scales
+        err = [(F.linear(x, v) - F.linear(x, w)).pow(2).mean() for v in (got, pseudo_quantize(clipped, G))]
+        assert err[0] < 0.95 * err[1], err
+
+
+def test_clip_mode_reaches_the_search(tiny_model_dir, tmp_path, monkeypatch):
+    seen = []
+    real = awq_quantizer.clip_weight
+    monkeypatch.setattr(awq_quantizer, "clip_weight", lambda w, x, g, mode: (seen.append(mode), real(w, x, g, mode))[1])
+    out = tmp_path / "sym"
+    assert main(["quantize", tiny_model_dir("qwen3"), "--out", str(out), "--group-size", str(G), "--num-samples", "2",
+                 "--seq-len", "32", "--clip", "sym"]) == 0
+    assert seen and set(seen) == {"sym"}
+    gptq = []
+    monkeypatch.setattr(awq_quantizer, "gptq_round", lambda *a: gptq.append(a[0].shape))
+    assert main(["quantize", tiny_model_dir("qwen3"), "--out", str(tmp_path / "g"), "--group-size", str(G),
+                 "--num-samples", "2", "--seq-len", "32", "--gptq"]) == 0
+    assert len(gptq) == 2 * 6  # per layer: v, o, gate_up, down, q, k
+    with pytest.raises(ConfigError, match="--clip"):
+        quantize(tiny_model_dir("qwen3"), str(tmp_path / "bad"), group_size=G, clip="both")
 
 
 def random_model(arch: str, **overrides):
