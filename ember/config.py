@@ -50,7 +50,7 @@ class EngineConfig:
     speculative_config: dict[str, Any] | None = field(default=None, metadata={"help": 'speculative decoding config (JSON), as vLLM: {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 5}; methods ngram | mtp | draft'})
     speculative_model: str | None = field(default=None, metadata={"help": "draft for speculative decoding: 'ngram' (prompt lookup) or a model folder"})
     num_speculative_tokens: int | None = field(default=None, metadata={"help": "draft tokens per step (1..8; the most, when adaptive)"})
-    enable_mtp: bool | None = field(default=None, metadata={"help": "speculate with MTP layers: the model's own, or --speculative-model DIR's; with no model given, the default model's head (ember/assets/smollm2-mtp, once trained); off by default until its speedup is measured"})
+    enable_mtp: bool | None = field(default=None, metadata={"help": "speculate with MTP layers: the model's own, or --speculative-model DIR's; with no model given, the default model's trained head (ember/assets/smollm2-mtp), on by default for it (k = 1, adaptive; --no-enable-mtp turns it off)"})
     speculative_draft_tensor_parallel_size: int | None = field(default=None, metadata={"help": "tensor parallel size of the draft model (1 or --tensor-parallel-size)"})
     adaptive_spec: bool = field(default=True, metadata={"help": "per request, draft fewer tokens when few are accepted and more when most are (--no-adaptive-spec pins k)"})
     seed: int = field(default=0, metadata={"help": "global seed for unseeded sampling"})

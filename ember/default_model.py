@@ -36,7 +36,9 @@ def default_model_path() -> str:
 # The MTP head trained for the default model (`ember train-mtp`; see its README.md). When it is
 # there, a run of the default model speculates with it unless told not to (--no-enable-mtp).
 DEFAULT_MTP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "smollm2-mtp")
-DEFAULT_MTP_TOKENS = 3  # k_max for it; adaptive k picks fewer per request when acceptance is low
+# k_max for it: benchmarks/spec.md measured k = 1 fastest (1.22x / 1.20x at temperature 0 / 0.8; k = 2, 3
+# and adaptive up to 3 were 1.02-1.21x); adaptive k still stops drafting for a request it does not pay.
+DEFAULT_MTP_TOKENS = 1
 
 
 def default_mtp_path() -> str | None:

@@ -393,8 +393,10 @@ def test_default_model_speculates_with_its_mtp_head_unless_told_not_to(tmp_path,
     head.mkdir()
     (head / "model.safetensors").write_bytes(b"")
     monkeypatch.setattr(dm, "DEFAULT_MTP_DIR", str(head))
-    assert EngineConfig().speculative is None  # off by default until benchmarks/spec.md shows a speedup
-    monkeypatch.setattr("ember.spec.config.DEFAULT_MODEL_MTP_BY_DEFAULT", True)
+    monkeypatch.setattr("ember.spec.config.DEFAULT_MODEL_MTP_BY_DEFAULT", False)
+    assert EngineConfig().speculative is None  # the switch off: only when asked
+    assert EngineConfig(enable_mtp=True).speculative.model == str(head)
+    monkeypatch.setattr("ember.spec.config.DEFAULT_MODEL_MTP_BY_DEFAULT", True)  # as shipped
     s = EngineConfig().speculative
     assert (s.method, s.model, s.num_speculative_tokens, s.adaptive) == ("mtp", str(head), dm.DEFAULT_MTP_TOKENS, True)
     assert EngineConfig(num_speculative_tokens=2).speculative.num_speculative_tokens == 2
