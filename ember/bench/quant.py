@@ -84,8 +84,9 @@ def measure(v: Variant, eval_ids: list[int] | None, args) -> Row:
     from ember.eval.perplexity import perplexity
     from ember.llm import LLM
 
+    # enable_mtp=False: the weight formats are compared, not speculation (the default model's head is on by default)
     kwargs = dict(model=v.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
-                  max_model_len=max(args.window, 1024), enable_prefix_caching=False) | v.engine_kwargs
+                  max_model_len=max(args.window, 1024), enable_prefix_caching=False, enable_mtp=False) | v.engine_kwargs
     llm = LLM(**kwargs)
     engine = llm.engine
     weight_bytes = engine.loaded.weight_bytes + getattr(engine, "int8_decode_bytes", 0)

@@ -64,6 +64,14 @@ class Int8DecodeLMHead(nn.Module):
     def weight(self) -> torch.Tensor:
         return self.head.weight
 
+    @property
+    def vocab_size(self) -> int:  # read by whoever scores against the head (an MTP layer's loader)
+        return self.head.vocab_size
+
+    @property
+    def tied(self) -> bool:
+        return self.head.tied
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return int8_or_dense(hidden, self.head.weight, self.weight_int8, self.weight_int8_scale, None).float()
 

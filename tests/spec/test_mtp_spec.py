@@ -468,3 +468,17 @@ def test_bf16_cpu_packs_the_mtp_layer_to_int4_and_still_drafts(mtp_model):
     assert stats["spec_num_accepted_tokens"] > 0.5 * stats["spec_num_draft_tokens"], stats
     fp32 = make_llm(path, enable_mtp=True, num_speculative_tokens=2)
     assert fp32.engine.spec.proposer.packed_bytes_saved == 0
+
+
+def test_default_model_dense_with_int8_decode_copy_loads_its_mtp_head():
+    """--quantization none on the default model wraps the LM head for int8 decode before the MTP
+    head loads; the head's loader reads vocab_size through the wrapper."""
+    from ember import LLM
+    from ember.default_model import default_mtp_path
+
+    if default_mtp_path() is None:
+        pytest.skip("the default model's MTP head (ember/assets/smollm2-mtp) is not installed")
+    llm = LLM(quantization="none", kv_cache_memory=0.05, max_model_len=256)
+    assert llm.engine.int8_decode_bytes > 0 and llm.engine.config.speculative.method == "mtp"
+    run(llm, [[1, 2, 3, 4, 5]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert check_clean(llm)["spec_num_drafts"] > 0
