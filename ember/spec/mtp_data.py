@@ -226,6 +226,19 @@ def prefill_meta(lengths: list[int], device=None) -> AttentionMetadata:
 
 
 @torch.no_grad()
+def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Indices grouped by length, shortest first, so that (count x longest) <= batch_tokens per group."""
+    batches, cur = [], []
+    for k in sorted(range(len(lengths)), key=lambda k: lengths[k]):  # stable: equal lengths keep index order
+        if cur and (len(cur) + 1) * lengths[k] > batch_tokens:
+            batches.append(cur)
+            cur = []
+        cur.append(k)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
 def teacher_hidden(main, seqs: list[Sequence], batch_tokens: int = 4096, progress: bool = True,
                    desc: str = "teacher forward") -> None:
     """Fill seq.hidden with the frozen model's final-normed hidden states [T, H] (one prefill each,
@@ -233,15 +246,7 @@ def teacher_hidden(main, seqs: list[Sequence], batch_tokens: int = 4096, progres
     from tqdm import tqdm
 
     cfg = main.cfg
-    order = sorted(range(len(seqs)), key=lambda k: len(seqs[k]))
-    batches, cur = [], []
-    for k in order:
-        if cur and (len(cur) + 1) * len(seqs[k]) > batch_tokens:
-            batches.append(cur)
-            cur = []
-        cur.append(k)
-    if cur:
-        batches.append(cur)
+    batches = length_batches([len(s) for s in seqs], batch_tokens)
     attn = main.model.layers[0].self_attn.attn
     with tqdm(total=sum(len(s) for s in seqs), desc=desc, unit="tok", disable=not progress, dynamic_ncols=True) as bar:
         for batch in batches:

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from ember.errors import ConfigError
 from ember.models.mtp import MTPModule
-from ember.spec.mtp_data import MTPData, Sequence, coverage, draft_vocabulary, make_data
+from ember.spec.mtp_data import MTPData, Sequence, coverage, draft_vocabulary, length_batches, make_data
 from ember.spec.mtp_weights import export_deepseek_tensors, load_mtp, main_head_rows
 
 log = logging.getLogger(__name__)
@@ -153,15 +153,7 @@ def build_mtp(main, draft_vocab: torch.Tensor | None) -> MTPModule:
 
 def make_batches(seqs: list[Sequence], batch_tokens: int, seed: int) -> list[list[int]]:
     """Sequences grouped by length so that (count x longest) <= batch_tokens; batch order shuffled by seed."""
-    order = sorted(range(len(seqs)), key=lambda k: (len(seqs[k]), k))
-    batches, cur = [], []
-    for k in order:
-        if cur and (len(cur) + 1) * len(seqs[k]) > batch_tokens:
-            batches.append(cur)
-            cur = []
-        cur.append(k)
-    if cur:
-        batches.append(cur)
+    batches = length_batches([len(s) for s in seqs], batch_tokens)
     random.Random(seed).shuffle(batches)
     return batches
 
