@@ -15,7 +15,7 @@ from tests.models.tiny_models import one_thread
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 
-HQ, HKV, D, BS, NUM_BLOCKS = 6, 2, 16, 4, 64
+HQ, HKV, D, BS, NUM_BLOCKS = 6, 2, 16, 4, 400
 
 
 def make_step(q_lens, seq_lens, dtype, seed=0):
@@ -67,6 +67,10 @@ CASES = {
     "verify-alone": ([4], [23]),  # one sequence, a few queries over a cached prefix: folded GQA path
     "long-chunk-alone": ([18], [25]),  # more than VERIFY_MAX_QUERIES: the plain chunk path
     "verifies-and-long-chunk": ([3, 18, 2], [9, 30, 17]),
+    # >= 128 queries: bf16 takes the blocked-GEMM path (cpu_causal_attention), blocks end mid-way
+    "long-prefill-alone": ([300], [300]),
+    "long-chunk-over-prefix": ([200], [333]),
+    "long-mixed": ([1, 150, 140, 2], [40, 150, 401, 30]),
 }
 
 
@@ -99,3 +103,17 @@ def test_get_attention_backend():
     assert isinstance(get_attention_backend("torch"), TorchAttentionBackend)
     with pytest.raises(ConfigError, match="torch"):
         get_attention_backend("flashinfer")
+
+
+def test_long_bf16_queries_take_the_gemm_path(monkeypatch):
+    """The GEMM path really runs (and matches) for a fresh prefill and a chunk over a prefix; fp32 never takes it."""
+    import ember.kernels.torch_attention as ta
+    calls = []
+    real = ta.causal_attention_gemm
+    monkeypatch.setattr(ta, "causal_attention_gemm", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for dtype, expected in ((torch.bfloat16, [150, 140]), (torch.float32, [])):
+        calls.clear()
+        q, k, v, cache, meta, tables = make_step([1, 150, 140, 2], [40, 150, 401, 30], dtype)
+        out = Attention(HQ, D, HKV, D ** -0.5, TorchAttentionBackend())(q, k, v, cache, meta)
+        assert calls == expected
+        assert (out.double() - reference(q, cache, meta, tables, D ** -0.5)).abs().max() < 2e-2
