@@ -21,6 +21,7 @@ DEVICES = ("auto", "cpu", "cuda")
 EXECUTORS = ("auto", "eager", "compiled", "cuda-graph")
 # Default CPU KV budget: this fraction of available RAM, capped (the pool is allocated up front).
 CPU_KV_FRACTION = 0.2
+CPU_DENSE_COPY_FRACTION = 0.1  # --int4-dense-copy auto: on when the copy takes at most this share of free RAM
 CPU_KV_CAP_GIB = 2.0
 
 
@@ -44,6 +45,7 @@ class EngineConfig:
     cuda_graph_max_batch_size: int = field(default=16, metadata={"help": "largest decode batch captured as a CUDA graph (sizes 1, 2, 4, 8, 16, 24, ... up to it; a batch is padded to the next one, larger batches run eagerly). Graph memory comes out of --gpu-memory-utilization"})
     compilation_config: dict[str, Any] | None = field(default=None, metadata={"help": 'options of --executor compiled (JSON), after vLLM\'s --compilation-config: {"compile_sizes": [1, 2, 4], "mode": "max-autotune-no-cudagraphs", "freezing": true}; compile_sizes are decode batch sizes (a batch is padded to the next one, larger batches run eagerly), mode an inductor mode of torch.compile'})
     int8_decode: bool | None = field(default=None, metadata={"help": "CPU: keep an int8 weight-only copy of each linear for decode-sized batches (bf16 GEMV is slow on CPU); default: on for .gguf models in bfloat16/float16"})
+    int4_dense_copy: bool | None = field(default=None, metadata={"help": f"CPU: keep a dense copy of packed int4 weights (GGUF, AWQ) for steps of 9 or more rows (prefill, batched decode), where the int4 kernel loses to a dense GEMM; few-row steps (batch-1 decode, verify) stay on the packed weights. Costs the dense weight's memory again; default: on in bfloat16/float16 when the copy takes at most {CPU_DENSE_COPY_FRACTION:.0%} of available RAM"})
     attention_backend: str = field(default="auto", metadata={"help": "attention kernels: auto = triton on CUDA, torch on CPU (triton on CPU only under TRITON_INTERPRET=1)", "choices": ATTENTION_BACKENDS})
     quantization: str = field(default="auto", metadata={"help": "weight format: auto = what the checkpoint holds (awq for an AWQ folder, gguf = packed blocks for a .gguf file, else none); none on a .gguf dequantizes it to --dtype", "choices": QUANTIZATION_CHOICES})
     tensor_parallel_size: int = field(default=1, metadata={"help": "number of devices to shard the model over"})

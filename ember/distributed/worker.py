@@ -42,12 +42,14 @@ def serve(rank: int, world_size: int, store, config, device_type: str, local_ran
     from ember.distributed.comm import recv_call
     from ember.distributed.mirror import Replayer
     from ember.distributed.tp_config import tp_quantization
+    from ember.engine.cpu_malloc import keep_freed_memory_in_heap
     from ember.engine.engine import resolve_dtype
     from ember.loader.model_loader import load_model
 
     device = worker_device(device_type, local_rank)
     if device.type == "cpu":
         torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) // world_size))
+        keep_freed_memory_in_heap()
     torch.manual_seed(config.seed)
     parallel_state.init(rank, world_size, store, "nccl" if device.type == "cuda" else "gloo")
     dtype = resolve_dtype(config.dtype, device)

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ember import planner
-from ember.config import CPU_KV_CAP_GIB, CPU_KV_FRACTION, EngineConfig, available_ram_bytes, cpu_has_avx512_bf16
+from ember.config import CPU_DENSE_COPY_FRACTION, CPU_KV_CAP_GIB, CPU_KV_FRACTION, EngineConfig, available_ram_bytes, cpu_has_avx512_bf16
+from ember.engine.cpu_malloc import keep_freed_memory_in_heap
 from ember.engine.detokenizer import IncrementalDetokenizer
 from ember.engine.kv_cache import KVCacheManager
 from ember.engine.request import Request, RequestStatus
@@ -65,6 +66,7 @@ class LLMEngine:
         tp = config.tensor_parallel_size
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) // tp))
+            keep_freed_memory_in_heap()
         torch.manual_seed(config.seed)
         # Tensor parallelism: workers start (and load their shards) alongside rank 0's own load.
         self.tp = None
@@ -79,6 +81,7 @@ class LLMEngine:
         self.model_config = mc = loaded.model_config
         self.tokenizer = loaded.tokenizer
         self.int8_decode_bytes = self._maybe_int8_decode(loaded)
+        self.dense_copy_bytes = self._maybe_dense_copy(loaded)
         self.max_model_len = self._resolve_max_model_len()
         self.max_num_seqs = config.max_num_seqs or (64 if self.device.type == "cuda" else 16)
         if self.max_num_seqs > config.max_num_batched_tokens:
@@ -134,7 +137,7 @@ class LLMEngine:
             "ember: %s, %.1fM parameters, %.1f MB weights%s, %s on %s, KV cache %s, %d blocks x %d = %d tokens (%.1f MB), "
             "max_model_len %d, %s executor, loaded from %s in %.1fs",
             mc.architecture, loaded.num_parameters / 1e6, loaded.weight_bytes / 1e6,
-            f" (+{self.int8_decode_bytes / 1e6:.1f} MB int8 decode copy)" if self.int8_decode_bytes else "", str(self.dtype).removeprefix("torch."),
+            self._copies_note(), str(self.dtype).removeprefix("torch."),
             self.device, str(kv_dtype).removeprefix("torch."), num_blocks, config.block_size, num_blocks * config.block_size, num_blocks * block_bytes / 1e6,
             self.max_model_len, self.executor_name, loaded.path, loaded.load_seconds)
 
@@ -181,6 +184,34 @@ class LLMEngine:
         from ember.quant.int8_decode import enable_int8_decode
 
         return enable_int8_decode(loaded.model)
+
+    def _maybe_dense_copy(self, loaded) -> int:
+        from ember.quant.dense_copy import dense_copy_bytes, enable_dense_copy
+
+        on = self.config.int4_dense_copy
+        if on is False:
+            return 0
+        need = dense_copy_bytes(loaded.model, self.dtype)
+        if on is None:
+            on = (self.device.type == "cpu" and self.dtype != torch.float32 and self.tp is None and need > 0
+                  and need <= CPU_DENSE_COPY_FRACTION * available_ram_bytes())
+            if not on:
+                return 0
+        if self.device.type != "cpu":
+            raise ConfigError("--int4-dense-copy is a CPU path (CUDA runs AWQ through its own kernels); drop it")
+        if need == 0:
+            raise ConfigError(f"--int4-dense-copy needs packed int4 weights (a .gguf file or an AWQ folder); this model "
+                              f"is {loaded.quantization}. Drop the flag")
+        if self.tp is not None:
+            raise ConfigError("--int4-dense-copy is not supported with --tensor-parallel-size > 1; drop one of them")
+        return enable_dense_copy(loaded.model, self.dtype)
+
+    def _copies_note(self) -> str:
+        if self.int8_decode_bytes:
+            return f" (+{self.int8_decode_bytes / 1e6:.1f} MB int8 decode copy)"
+        if self.dense_copy_bytes:
+            return f" (+{self.dense_copy_bytes / 1e6:.1f} MB dense copy for batches)"
+        return ""
 
     # -- sizing -----------------------------------------------------------------------------
     def _resolve_max_model_len(self) -> int:

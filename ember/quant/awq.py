@@ -173,6 +173,13 @@ class AWQLinearMethod(QuantMethod):
             y = y + bias
         return y.view(*x.shape[:-1], N)
 
+    def dense_weight(self, layer) -> torch.Tensor:
+        """W [N, K] in float32 (for a dense copy: ember.quant.dense_copy)."""
+        K, N, G = layer.in_features, layer.out_features, layer.awq_group_size
+        if hasattr(layer, "int4_packed"):
+            return Int4Weight(layer.int4_packed, layer.int4_scales_zeros, G, N, K).dequantize(torch.float32)
+        return dequantize_awq(layer.qweight, layer.qzeros, layer.scales.float(), G).t()
+
 
 class AWQExpertsMethod:
     """Builds the AWQ experts module for a SparseMoeBlock."""

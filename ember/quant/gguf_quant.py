@@ -341,6 +341,14 @@ class GGUFLinearMethod(QuantMethod):
         y = apply_parts(layer.gguf_parts, x)
         return y if bias is None else y + bias
 
+    def dense_weight(self, layer) -> torch.Tensor | None:
+        """W [N, K] in float32 for a dense copy (ember.quant.dense_copy); None if it is dense already."""
+        if layer.gguf_pending:
+            self.process_weights_after_loading(layer)
+        if all(isinstance(p, DensePart) for p in layer.gguf_parts):
+            return None
+        return torch.cat([p.dequantize() for p in layer.gguf_parts])
+
 
 # ---- embedding / LM head ----------------------------------------------------------------------
 
@@ -369,7 +377,10 @@ class GGUFEmbeddingMethod:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, H] -> float32 logits [n, V]."""
-        y = self.part.linear(hidden).float()
+        return self.refine(self.part.linear(hidden).float(), hidden)
+
+    def refine(self, y: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """Low-precision logits y [n, V] with their leading candidates recomputed in float32."""
         n = hidden.shape[0]
         if hidden.dtype != torch.float32 and 0 < n <= REFINE_MAX_ROWS:
             # bf16 logits keep ~3 digits (an ulp is 0.125 at 25), so near-ties at the top would be
@@ -378,6 +389,10 @@ class GGUFEmbeddingMethod:
             w = self.part.rows(idx.reshape(-1)).view(n, idx.shape[1], -1)
             y.scatter_(1, idx, torch.bmm(w, hidden.float().unsqueeze(-1)).squeeze(-1))
         return y
+
+    def dense_weight(self) -> torch.Tensor | None:
+        """W [V, H] in float32 for a dense copy of the LM head; None if it is dense already."""
+        return None if isinstance(self.part, DensePart) else self.part.dequantize()
 
 
 # ---- MoE experts ------------------------------------------------------------------------------

@@ -1,0 +1,98 @@
+"""Dense copy of packed int4 weights (ember.quant.dense_copy): few rows stay on the packed
+kernel, many rows run a dense GEMM over an exact dequantization, with the same results."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as T
+from torch import nn
+
+from ember.errors import ConfigError
+from ember.layers.linear import QKVLinear
+from ember.quant.dense_copy import DENSE_MIN_ROWS, DenseCopyHeadMethod, DenseCopyMethod, enable_dense_copy
+from ember.quant.gguf_quant import GGUFLinearMethod
+from tests.models.tiny_models import PagedDriver, Seq, one_thread  # noqa: F401 (fixture)
+from tests.quant.test_awq import assert_same_model, load, write_awq_pair
+from tests.quant.test_gguf_packed import _loaded, build, gguf_tensor, tiny_mixed_gguf
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_packed_linear_splits_by_rows():
+    layer = QKVLinear(256, 64, 4, 2, bias=True, dtype=torch.bfloat16, quant_method=GGUFLinearMethod())
+    tq, rq = gguf_tensor(T.Q4_K, 256, 256, 1)
+    tk, rk = gguf_tensor(T.Q4_0, 128, 256, 2)
+    tv, rv = gguf_tensor(T.Q6_K, 128, 256, 3)
+    _loaded(layer, {"q": tq, "k": tk, "v": tv})
+    layer.bias.data.normal_()
+    x = torch.randn(3 * DENSE_MIN_ROWS, 256, dtype=torch.bfloat16)
+    packed_few, packed_many = layer(x[:DENSE_MIN_ROWS - 1]), layer(x)
+    holder = nn.Module()
+    holder.layer = layer
+    w = torch.cat([rq, rk, rv])  # the GGUF values in float32
+    assert enable_dense_copy(holder, torch.bfloat16) == w.numel() * 2
+    assert isinstance(layer.quant_method, DenseCopyMethod)
+    # The values the kernel computes with: GGUF codes times its bf16-rounded block scales.
+    assert (layer.weight_dense.float() - w).abs().max() < 0.01 * w.abs().max()
+    assert torch.equal(layer(x[:DENSE_MIN_ROWS - 1]), packed_few)  # few rows: still the packed kernel
+    many = layer(x)
+    assert torch.equal(many, F.linear(x, layer.weight_dense, layer.bias))  # many rows: the dense copy
+    assert (many.float() - packed_many.float()).abs().max() < 0.02 * packed_many.float().abs().max()
+
+
+def test_already_dense_layers_get_no_copy():
+    from ember.layers.linear import MergedColumnLinear
+
+    layer = MergedColumnLinear(256, [192, 192], quant_method=GGUFLinearMethod())
+    _loaded(layer, {"gate": gguf_tensor(T.F16, 192, 256, 4)[0], "up": gguf_tensor(T.BF16, 192, 256, 5)[0]})
+    holder = nn.Module()
+    holder.layer = layer
+    assert enable_dense_copy(holder, torch.bfloat16) == 0
+    assert isinstance(layer.quant_method, GGUFLinearMethod)
+
+
+def test_tiny_gguf_model_with_copy_matches_without(tmp_path):
+    """A whole packed model (untied Q6_K head): logits of a 12-token prefill and greedy tokens of a
+    batch agree with the packed-only model; the embedding keeps its packed lookups."""
+    path = tiny_mixed_gguf(tmp_path / "m.gguf", "qwen2", tied=False)
+    plain, copied = build(path, True, torch.bfloat16), build(path, True, torch.bfloat16)
+    extra = enable_dense_copy(copied, torch.bfloat16)
+    assert isinstance(copied.lm_head.quant_method, DenseCopyHeadMethod)
+    assert extra > copied.lm_head.vocab_size * 256 * 2
+    ids = torch.tensor([3, 17, 99, 150, 42, 8, 0, 77, 5, 6, 7, 8])
+    assert torch.equal(copied.model.embed_tokens(ids), plain.model.embed_tokens(ids))
+    h = torch.randn(DENSE_MIN_ROWS + 3, 256, dtype=torch.bfloat16)
+    a, b = copied.compute_logits(h), plain.compute_logits(h)
+    assert torch.equal(a.argmax(-1), b.argmax(-1)) and (a - b).abs().max() < 0.02 * b.abs().max()
+    outs = []
+    for model in (plain, copied):
+        seqs = [Seq(prompt=ids.tolist(), max_new=6), Seq(prompt=[5, 6], max_new=6)]
+        PagedDriver(model).generate(seqs)
+        outs.append([s.generated for s in seqs])
+    assert outs[0] == outs[1]
+
+
+def test_awq_model_with_copy_matches_dequantized(tiny_model_dir, tmp_path):
+    awq_dir, dense_dir = write_awq_pair(tiny_model_dir("qwen3"), str(tmp_path), 32)
+    got, ref = load(awq_dir), load(dense_dir)
+    assert enable_dense_copy(got.model, torch.float32) > 0
+    assert isinstance(got.model.model.layers[0].self_attn.qkv_proj.quant_method, DenseCopyMethod)
+    assert_same_model(got.model, ref.model, prompt_len=DENSE_MIN_ROWS + 2)  # the prefill runs on the copy
+
+
+def test_default_model_copy_is_on_in_bf16_and_flags_are_checked():
+    from ember import LLM, SamplingParams
+
+    llm = LLM(kv_cache_memory=0.05, max_model_len=512, dtype="bfloat16", enable_mtp=False)
+    assert llm.engine.dense_copy_bytes > 200e6  # ~269 MB of bf16 beside 102 MB packed
+    prompts = ["The capital of France is", "List three colors: red, green, and the third one"]
+    sp = SamplingParams(temperature=0, max_tokens=8)
+    with_copy = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert "Paris" in llm.tokenizer.decode(with_copy[0])
+    off = LLM(kv_cache_memory=0.05, max_model_len=512, dtype="bfloat16", enable_mtp=False, int4_dense_copy=False)
+    assert off.engine.dense_copy_bytes == 0
+    assert [o.outputs[0].token_ids for o in off.generate(prompts, sp, use_tqdm=False)] == with_copy
+    assert LLM(kv_cache_memory=0.05, max_model_len=512, dtype="float32", enable_mtp=False).engine.dense_copy_bytes == 0
+    with pytest.raises(ConfigError, match="int4-dense-copy needs packed"):
+        LLM(kv_cache_memory=0.05, max_model_len=512, quantization="none", int4_dense_copy=True)
