@@ -251,7 +251,7 @@ class LLMEngine:
         if self.executor_name == "cuda-graph":  # the graphs' pool is memory the KV cache cannot have
             from ember.engine.cuda_graph_executor import graph_pool_estimate
 
-            graphs = graph_pool_estimate(model, mc, self.cuda_graph_max_batch, max(self.graph_query_lens()),
+            graphs = graph_pool_estimate(model, self.model_config, self.cuda_graph_max_batch, max(self.graph_query_lens()),
                                          self.max_model_len, self.config.block_size, self.dtype, dev)
             self.cuda_graph_reserved_bytes = graphs
         return max(0.0, total * self.config.gpu_memory_utilization - used_by_others - peak - graphs)

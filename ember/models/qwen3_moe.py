@@ -7,7 +7,7 @@ from torch import nn
 from ember.errors import ModelLoadError
 from ember.layers.moe import SparseMoeBlock
 from ember.model_config import ModelConfig
-from ember.models.llama import LlamaForCausalLM, LlamaMLP
+from ember.models.llama import LlamaForCausalLM
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
