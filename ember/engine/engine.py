@@ -20,6 +20,7 @@ from ember.engine.runner import ModelRunner
 from ember.engine.scheduler import Scheduler
 from ember.engine.step_executor import attention_backend_of, build_executor, resolve_executor
 from ember.errors import ConfigError, InvalidRequestError, PromptTooLongError
+from ember.kernels.cpu_paged_attention import paged_attention_op
 from ember.layers.attention import resolve_kv_cache_dtype
 from ember.loader.model_loader import load_model
 from ember.outputs import CompletionOutput, RequestOutput
@@ -67,6 +68,7 @@ class LLMEngine:
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) // tp))
             keep_freed_memory_in_heap()
+            paged_attention_op()  # built (once per machine, ~20 s) or loaded now, not in the first request
         torch.manual_seed(config.seed)
         # Tensor parallelism: workers start (and load their shards) alongside rank 0's own load.
         self.tp = None
