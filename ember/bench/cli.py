@@ -118,7 +118,7 @@ def _build(args, batch: int | None = None):
     import torch
 
     ember_desc = {
-        "model": f"{_basename(engine.loaded.path)} ({engine.loaded.weight_bytes / 1e6:.0f} MB weights)",
+        "model": f"{_basename(engine.loaded.path)} ({engine.loaded.weight_bytes / 1e6:.0f} MB weights{engine.copies_note()})",
         "dtype": str(engine.dtype).removeprefix("torch."),
         "device": str(engine.device),
         "max_num_seqs": engine.max_num_seqs,

@@ -139,7 +139,7 @@ class LLMEngine:
             "ember: %s, %.1fM parameters, %.1f MB weights%s, %s on %s, KV cache %s, %d blocks x %d = %d tokens (%.1f MB), "
             "max_model_len %d, %s executor, loaded from %s in %.1fs",
             mc.architecture, loaded.num_parameters / 1e6, loaded.weight_bytes / 1e6,
-            self._copies_note(), str(self.dtype).removeprefix("torch."),
+            self.copies_note(), str(self.dtype).removeprefix("torch."),
             self.device, str(kv_dtype).removeprefix("torch."), num_blocks, config.block_size, num_blocks * config.block_size, num_blocks * block_bytes / 1e6,
             self.max_model_len, self.executor_name, loaded.path, loaded.load_seconds)
 
@@ -208,7 +208,7 @@ class LLMEngine:
             raise ConfigError("--int4-dense-copy is not supported with --tensor-parallel-size > 1; drop one of them")
         return enable_dense_copy(loaded.model, self.dtype)
 
-    def _copies_note(self) -> str:
+    def copies_note(self) -> str:
         if self.int8_decode_bytes:
             return f" (+{self.int8_decode_bytes / 1e6:.1f} MB int8 decode copy)"
         if self.dense_copy_bytes:
