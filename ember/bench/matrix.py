@@ -2,8 +2,9 @@
 
 Rows, cumulative, each an engine of its own (a worker process each, so peak RSS is its own):
 everything off (eager, no chunked prefill, no speculation, dense weights: --quantization none,
-no int8 decode copy) -> + int8 weight-only decode copy -> + packed GGUF weights (--quantization
-auto, replacing both) -> + chunked prefill -> + MTP speculation -> + the compiled executor (only
+no int8 decode copy, no fused C++ decode attention) -> + int8 weight-only decode copy -> + packed
+GGUF weights (--quantization auto, replacing both) -> + their dense copy for many-row steps ->
++ the fused C++ decode attention -> + chunked prefill -> + MTP speculation -> + the compiled executor (only
 when this build's EngineConfig has an `executor` field). Columns: TTFT at the longest prompt,
 batch-1 decode tok/s, offline throughput, peak RSS; median [min-max] over rounds, the rows
 alternating in order each round like the sides of `ember bench compare`.
@@ -22,7 +23,8 @@ logger = logging.getLogger("ember.bench")
 
 KIND = "matrix"
 OFF = {"enforce_eager": True, "enable_chunked_prefill": False, "enable_mtp": False, "speculative_config": None,
-       "speculative_model": None, "num_speculative_tokens": None, "quantization": "none", "int8_decode": False}
+       "speculative_model": None, "num_speculative_tokens": None, "quantization": "none", "int8_decode": False,
+       "int4_dense_copy": False, "cpu_paged_attention": False}
 
 
 def has_executor_flag() -> bool:
@@ -37,6 +39,8 @@ def configs(base: dict) -> list[tuple[str, dict]]:
     off = dict(OFF, executor="eager", compilation_config=None) if has_executor_flag() else dict(OFF)
     levers = [("+ int8 weight-only decode copy", {"int8_decode": True}),
               ("+ packed GGUF weights", {"quantization": "auto", "int8_decode": None}),
+              ("+ dense copy of packed weights for batches", {"int4_dense_copy": None}),
+              ("+ fused C++ decode attention", {"cpu_paged_attention": True}),
               ("+ chunked prefill", {"enable_chunked_prefill": True}),
               ("+ MTP speculation", {"enable_mtp": True})]
     if has_executor_flag():
@@ -49,7 +53,8 @@ def configs(base: dict) -> list[tuple[str, dict]]:
     return rows
 
 
-LEVERS = ("quantization", "int8_decode", "enable_chunked_prefill", "enable_mtp", "enforce_eager", "executor")
+LEVERS = ("quantization", "int8_decode", "int4_dense_copy", "cpu_paged_attention", "enable_chunked_prefill", "enable_mtp",
+          "enforce_eager", "executor")
 
 
 def lever_values(knobs: dict) -> str:

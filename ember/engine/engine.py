@@ -68,7 +68,8 @@ class LLMEngine:
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) // tp))
             keep_freed_memory_in_heap()
-            paged_attention_op()  # built (once per machine, ~20 s) or loaded now, not in the first request
+            if config.cpu_paged_attention:
+                paged_attention_op()  # built (once per machine, ~20 s) or loaded now, not in the first request
         torch.manual_seed(config.seed)
         # Tensor parallelism: workers start (and load their shards) alongside rank 0's own load.
         self.tp = None
@@ -94,6 +95,8 @@ class LLMEngine:
 
         self.kv_dtype = kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         backend = attention_backend_of(loaded.model)
+        if hasattr(backend, "fused_decode"):
+            backend.fused_decode = config.cpu_paged_attention
         self.executor_name = resolve_executor(config, self.device, kv_dtype, getattr(backend, "name", None))
         self.cuda_graph_max_batch = min(config.cuda_graph_max_batch_size, self.max_num_seqs)
         # The speculator comes first: a drafter with KV layers of its own (MTP) needs its share of the pool.

@@ -37,6 +37,8 @@ class TorchAttentionBackend:
     # Longest uniform q_len it runs from fixed-shape metadata (AttentionMetadata.fixed_shape):
     # decodes read only device tensors and the max_seq_len bound; longer queries loop over host lists.
     fixed_shape_max_query_len = 1
+    # The fused C++ kernel for decodes and verifies on CPU where it built (--no-cpu-paged-attention: off).
+    fused_decode = True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
@@ -51,7 +53,7 @@ class TorchAttentionBackend:
 
     def _forward(self, q, k, v, kv_cache, meta, scale):
         B = meta.num_seqs
-        fused = not torch.compiler.is_compiling() and fused_supports(q, kv_cache)
+        fused = self.fused_decode and not torch.compiler.is_compiling() and fused_supports(q, kv_cache)
         if meta.is_pure_decode and q.shape[0] == B:
             if fused:
                 return paged_attention(q, kv_cache, meta.block_tables, torch.arange(B, dtype=torch.int32),

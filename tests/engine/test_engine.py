@@ -57,6 +57,20 @@ def test_engine_matches_hf_greedy_32_tokens(tiny_model_dir):
         assert ours == hf_greedy(hf, prompt, 32), arch
 
 
+def test_cpu_paged_attention_knob_switches_the_kernel_and_keeps_greedy_tokens(qwen3, prompts, monkeypatch):
+    """--no-cpu-paged-attention runs decodes through the torch path; greedy output is the same."""
+    import ember.kernels.torch_attention as ta
+
+    calls = []
+    real = ta.paged_attention
+    monkeypatch.setattr(ta, "paged_attention", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    on, off = make_llm(qwen3, max_num_seqs=8), make_llm(qwen3, max_num_seqs=8, cpu_paged_attention=False)
+    with_kernel = greedy(on, prompts)
+    assert calls, "the fused kernel did not run"
+    calls.clear()
+    assert greedy(off, prompts) == with_kernel and not calls
+
+
 def test_batched_equals_alone(qwen3, prompts):
     llm = make_llm(qwen3, enable_prefix_caching=False, max_num_seqs=8)
     batched = greedy(llm, prompts)
