@@ -22,6 +22,10 @@ MAX_SPLIT_KV_QUERY_LEN = 1 + 8  # a verify of the most draft tokens ember propos
 
 class TritonAttentionBackend:
     name = "triton"
+    # Steps of up to this uniform q_len run from fixed-shape metadata (decode_batch.fixed_meta): the
+    # split-KV kernel reads lengths from device tensors and sizes its grid from the bounds, so CUDA
+    # graphs capture speculative verify steps (1 + k queries per sequence) as well as decodes.
+    fixed_shape_max_query_len = MAX_SPLIT_KV_QUERY_LEN
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:

@@ -30,7 +30,7 @@ MAX_SPEC_TOKENS = 8
 # vLLM's defaults when neither bound is given (its own comment: "arbitrarily chosen").
 DEFAULT_LOOKUP = 5
 JSON_KEYS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max",
-             "draft_tensor_parallel_size")
+             "draft_tensor_parallel_size", "disable_by_batch_size")
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     draft_tensor_parallel_size: int = 1
     adaptive: bool = True  # per-request k from recent acceptance (ember.spec.adaptive)
+    # vLLM's knob: no drafts in a step with at least this many running requests (a big batch is
+    # compute-bound, so verifying drafts costs more than it saves). None: always draft.
+    disable_by_batch_size: int | None = None
 
 
 def _method_alias(name: Any) -> str:
@@ -134,10 +137,11 @@ def resolve_speculative_config(cfg) -> SpeculativeConfig | None:
     if mtp_default is not None and merged.get("model") is None and merged.get("method") in (None, "mtp"):
         # The default model has no MTP layers of its own; its trained head is a separate folder.
         merged["method"], merged["model"] = "mtp", mtp_default
-        if merged.get("num_speculative_tokens") is None and cfg.num_speculative_tokens is None:
-            from ember.default_model import DEFAULT_MTP_TOKENS
+        from ember.default_model import DEFAULT_MTP_DISABLE_BY_BATCH_SIZE, DEFAULT_MTP_TOKENS
 
+        if merged.get("num_speculative_tokens") is None and cfg.num_speculative_tokens is None:
             merged["num_speculative_tokens"] = DEFAULT_MTP_TOKENS
+        merged.setdefault("disable_by_batch_size", DEFAULT_MTP_DISABLE_BY_BATCH_SIZE)
     _merge(merged, "num_speculative_tokens", cfg.num_speculative_tokens, "--num-speculative-tokens")
     _merge(merged, "draft_tensor_parallel_size", cfg.speculative_draft_tensor_parallel_size,
            "--speculative-draft-tensor-parallel-size")
@@ -201,6 +205,10 @@ def _validate(method: str, m: dict[str, Any], cfg) -> SpeculativeConfig:
     need(is_int(dtp) and dtp in (1, tp),
          f"--speculative-draft-tensor-parallel-size must be 1 or the --tensor-parallel-size ({tp}) (got {dtp!r})")
 
+    off_at = m.get("disable_by_batch_size")
+    need(off_at is None or (is_int(off_at) and off_at >= 2),
+         f"disable_by_batch_size must be an integer >= 2 (got {off_at!r}); leave it out to always draft")
+
     from ember.spec.proposer import available_methods  # the registry decides what can run
 
     need(method in available_methods(),
@@ -208,4 +216,4 @@ def _validate(method: str, m: dict[str, Any], cfg) -> SpeculativeConfig:
          "(e.g. --speculative-model ngram --num-speculative-tokens 3)")
     return SpeculativeConfig(method=method, num_speculative_tokens=k, model=m.get("model"),
                              prompt_lookup_min=lo, prompt_lookup_max=hi, draft_tensor_parallel_size=dtp,
-                             adaptive=cfg.adaptive_spec)
+                             adaptive=cfg.adaptive_spec, disable_by_batch_size=off_at)

@@ -18,6 +18,7 @@ class SpecStats:
     drafted_per_pos: list[int] = field(default_factory=list)  # [k_max]: drafts verified at position i
     draft_seconds: float = 0.0  # proposer time
     verify_seconds: float = 0.0  # steps that verified drafts (forward + sampling)
+    batch_disabled_steps: int = 0  # steps that drafted nothing: disable_by_batch_size running requests or more
 
     def __post_init__(self) -> None:
         self.accepted_per_pos = self.accepted_per_pos or [0] * self.k_max

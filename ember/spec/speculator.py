@@ -3,7 +3,8 @@
 After each step the engine asks for drafts for every running request that will decode next
 (its last sampled token is its only uncomputed one) and has none pending. Each gets at most
 min(adaptive k, tokens it may still emit - 1, room before max_model_len - 1): a draft that
-cannot be emitted is pure waste.
+cannot be emitted is pure waste. With disable_by_batch_size, a step with that many running
+requests drafts for none of them (the proposer's after_step still runs: its cache stays filled).
 
 A proposer with state of its own in the KV pool (MTP, a draft model) may also have
 kv_bytes_per_token(elem) (the engine adds it to the pool's per-token bytes before sizing),
@@ -56,6 +57,11 @@ class Speculator:
             t0 = time.perf_counter()
             after(out)
             self.stats.draft_seconds += time.perf_counter() - t0
+        requests = list(requests)
+        off_at = self.config.disable_by_batch_size
+        if off_at is not None and len(requests) >= off_at:
+            self.stats.batch_disabled_steps += 1
+            return
         todo, ks = [], []
         for req in requests:
             if req.draft is not None or req.num_computed_tokens != req.num_tokens - 1:

@@ -271,3 +271,23 @@ def test_bench_baseline_agrees_with_the_kernel(kv_dtype, q_len):
     if DEVICE == "cpu":
         with pytest.raises(ConfigError, match="CUDA"):
             triton_bench.bench_decode_attention()
+
+
+def test_verify_steps_run_from_fixed_shape_metadata():
+    """CUDA-graph capture of verify steps (q_len 1 + k): the backend must compute from device tensors
+    and shape-only bounds, as decode_batch.fixed_meta gives them (host lists hold bounds, not the
+    real lengths). Same output as with the exact metadata; graph_query_lens then captures 1 + k."""
+    import dataclasses
+
+    from ember.engine.step_executor import graph_query_lens
+
+    q_len, bs = 3, 16
+    step = Step([q_len] * 3, DECODE_SEQ_LENS, bs, 3, torch.float32, seed=5).to(DEVICE)
+    bound = step.meta.block_tables.shape[1] * bs
+    fixed = dataclasses.replace(step.meta, seq_lens_cpu=[bound] * 3, max_seq_len=bound, all_slots_valid=False,
+                                fixed_shape=True)
+    backend = TritonAttentionBackend()
+    out = backend.forward(step.q, step.k, step.v, step.cache, fixed, step.scale)
+    assert_close_to_reference(out, step.reference(), torch.float32)
+    assert backend.fixed_shape_max_query_len >= 1 + 8
+    assert graph_query_lens(2, backend) == [1, 3] and graph_query_lens(2, TorchAttentionBackend()) == [1]

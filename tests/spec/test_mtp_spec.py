@@ -399,6 +399,7 @@ def test_default_model_speculates_with_its_mtp_head_unless_told_not_to(tmp_path,
     monkeypatch.setattr("ember.spec.config.DEFAULT_MODEL_MTP_BY_DEFAULT", True)  # as shipped
     s = EngineConfig().speculative
     assert (s.method, s.model, s.num_speculative_tokens, s.adaptive) == ("mtp", str(head), dm.DEFAULT_MTP_TOKENS, True)
+    assert s.disable_by_batch_size == dm.DEFAULT_MTP_DISABLE_BY_BATCH_SIZE
     assert EngineConfig(num_speculative_tokens=2).speculative.num_speculative_tokens == 2
     assert EngineConfig(enable_mtp=True).speculative.model == str(head)
     assert EngineConfig(enable_mtp=False).speculative is None
@@ -423,7 +424,8 @@ def test_default_model_greedy_output_identical_with_its_mtp_head():
     knobs = dict(max_model_len=256, kv_cache_memory=0.05, dtype="float32", quantization="none")
     with_mtp = LLM(enable_mtp=True, **knobs)
     assert with_mtp.engine.config.speculative.method == "mtp"
-    outs = [o.outputs[0].token_ids for o in with_mtp.generate(prompts, params, use_tqdm=False)]
+    # One request at a time: with two running, the default drafts nothing (disable_by_batch_size 2).
+    outs = [with_mtp.generate(p, params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     stats = check_clean(with_mtp)
     assert stats["spec_num_drafts"] > 0 and stats["spec_num_accepted_tokens"] > 0
     plain = LLM(enable_mtp=False, **knobs)

@@ -92,6 +92,8 @@ ERRORS = [
     (dict(speculative_model="ngram", num_speculative_tokens=2, speculative_draft_tensor_parallel_size=2),
      r"must be 1 or the --tensor-parallel-size \(1\) \(got 2\)"),
     (dict(speculative_model="/some/draft", num_speculative_tokens=2), "draft model '/some/draft' not found; give "),
+    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 1}),
+     r"disable_by_batch_size must be an integer >= 2 \(got 1\)"),
 ]
 
 

@@ -47,6 +47,19 @@ def test_ngram_greedy_output_equals_no_speculation(tiny_model_dir, references, a
             assert stats["num_preemptions"] > 0
 
 
+def test_disable_by_batch_size_stops_drafting_in_big_batches(tiny_model_dir, references):
+    """vLLM's disable_by_batch_size: steps with that many running requests draft nothing (the
+    greedy output is the same either way); with fewer running requests it drafts."""
+    path = tiny_model_dir("qwen3")
+    llm = make_llm(path, max_num_seqs=8, speculative_config=ngram(2, disable_by_batch_size=3))
+    assert run(llm, REPEATED) == references("qwen3")
+    spec = llm.engine.spec
+    assert spec.stats.batch_disabled_steps > 0 and spec.stats.num_draft_tokens == 0  # 6 at once: off
+    few = make_llm(path, speculative_config=ngram(2, disable_by_batch_size=3))
+    assert run(few, REPEATED[:2]) == references("qwen3")[:2]
+    assert few.engine.spec.stats.batch_disabled_steps == 0 and few.engine.spec.stats.num_accepted_tokens > 0
+
+
 class Oracle:
     """Proposes the true greedy continuation, wrong at every `wrong_every`-th position: long
     accepted runs, rejections at every draft position, bonus tokens."""
