@@ -29,14 +29,15 @@ class CompiledExecutor:
     name = "compiled"
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int, max_model_len: int,
-                 sizes: list[int], mode: str = "max-autotune-no-cudagraphs", freezing: bool = True):
+                 sizes: list[int], mode: str = "max-autotune-no-cudagraphs", freezing: bool = True,
+                 cpp_wrapper: bool = False):
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.sizes = sorted(sizes)
         for m in model.modules():  # a grown cos/sin cache would be a new tensor: a recompile
             if isinstance(m, RotaryEmbedding):
                 m.ensure_capacity(max_model_len)
         # torch.compile takes a mode or options, not both: the mode's options plus freezing.
-        options = dict(torch._inductor.list_mode_options(mode)) | {"freezing": freezing}
+        options = dict(torch._inductor.list_mode_options(mode)) | {"freezing": freezing, "cpp_wrapper": cpp_wrapper}
         # One graph per size, plus slack for a re-specialisation; dynamo's default limit is 8.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(self.sizes) + 4)
         self._compiled = torch.compile(self._forward, options=options, dynamic=False, fullgraph=True)

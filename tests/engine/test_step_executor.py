@@ -196,6 +196,21 @@ def test_compiled_equals_eager_batches_1_to_5(tiny_model_dir):
     assert compiled.engine.num_free_blocks == compiled.engine.kv.num_blocks
 
 
+def test_compiled_with_cpp_wrapper_equals_eager(tiny_model_dir):
+    """compilation_config cpp_wrapper: inductor's generated C++ calls the kernels; same greedy tokens."""
+    path = tiny_model_dir("llama")
+    cc = {"compile_sizes": [1], "mode": "default", "cpp_wrapper": True}
+    compiled = make_llm(path, executor="compiled", compilation_config=cc, max_num_seqs=2)
+    ex = compiled.engine.runner.executor
+    assert ex.compiles == 1
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompt = [random_prompt(7, 3)]
+    assert outputs(compiled, prompt, params)[0].token_ids == outputs(make_llm(path), prompt, params)[0].token_ids
+    assert ex.compiled_steps >= 11
+    with pytest.raises(ConfigError, match="cpp_wrapper must be true or false"):
+        EngineConfig(executor="compiled", compilation_config={"cpp_wrapper": "yes"})
+
+
 def test_compiled_with_mtp_speculation_keeps_greedy_output(mtp_model):  # noqa: F811
     """Verify steps run eagerly; the last token (no room for a draft) compiled: with the bigram
     model every draft is accepted, so 8 tokens = prefill 1, two verifies of 3, one decode."""
