@@ -95,8 +95,6 @@ class LLMEngine:
 
         self.kv_dtype = kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         backend = attention_backend_of(loaded.model)
-        if hasattr(backend, "fused_decode"):
-            backend.fused_decode = config.cpu_paged_attention
         self.executor_name = resolve_executor(config, self.device, kv_dtype, getattr(backend, "name", None))
         self.cuda_graph_max_batch = min(config.cuda_graph_max_batch_size, self.max_num_seqs)
         # The speculator comes first: a drafter with KV layers of its own (MTP) needs its share of the pool.
@@ -106,6 +104,13 @@ class LLMEngine:
 
             with self._sharding():
                 self.spec = Speculator(config.speculative, self)
+        # --no-cpu-paged-attention reaches every model the engine runs: the target (and its MTP
+        # layers, which share its backend) and a draft model, which has a backend of its own.
+        draft = getattr(getattr(self.spec, "proposer", None), "model", None)
+        for m in (loaded.model, draft):
+            b = attention_backend_of(m) if m is not None else None
+            if hasattr(b, "fused_decode"):
+                b.fused_decode = config.cpu_paged_attention
         per_token = planner.kv_bytes_per_token(mc, kv_dtype.itemsize, tp)  # this device's kv heads
         if self.spec is not None:
             per_token += self.spec.kv_bytes_per_token(kv_dtype.itemsize)

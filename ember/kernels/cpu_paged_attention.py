@@ -7,9 +7,9 @@ default model's 9/3 heads: ~6 ms per layer, 190 of a 245 ms decode step, moving 
 layer for 16 MB of K/V. This kernel reads each K/V row once, straight from its block, in the
 cache's dtype (bf16, fp16, fp32, fp8), and keeps a running max and sum per query head.
 
-Built on first use with torch.utils.cpp_extension (g++ and ninja; ~40 s once, then cached in
-torch's extension dir, keyed by the CPU's flags since it is compiled with -march=native).
-Where it cannot be built, a warning says why and the torch path runs. EMBER_CPU_KERNELS=0
+Built with torch.utils.cpp_extension (g++ and ninja) when a CPU engine starts: ~20 s once, then
+cached in torch's extension dir, keyed by the CPU's flags since it is compiled with -march=native.
+Where it cannot be built, a warning says why and the torch path runs; --no-cpu-paged-attention
 turns it off.
 """
 from __future__ import annotations
@@ -57,8 +57,6 @@ def paged_attention_op():
     if _tried:
         return _op
     _tried = True
-    if os.environ.get("EMBER_CPU_KERNELS", "1") == "0":
-        return None
     try:
         from torch.utils.cpp_extension import load
 
@@ -89,6 +87,6 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     """q [T, Hq, D]; query i attends to keys 0..kv_lens[i]-1 of sequence seq_idx[i] (its row of
     block_tables). Returns [T, Hq, D] in q's dtype. Call only when paged_attention_op() is not None."""
     qf = (q.float() * scale).contiguous()
-    out = _op(qf, kv_cache.contiguous(), block_tables.to(torch.int32).contiguous(), seq_idx.to(torch.int32),
-              kv_lens.to(torch.int32))
+    # supports() checked kv_cache is contiguous; the metadata's tables are int32 already (no copies)
+    out = _op(qf, kv_cache, block_tables.to(torch.int32).contiguous(), seq_idx.to(torch.int32), kv_lens.to(torch.int32))
     return out.to(q.dtype)

@@ -150,6 +150,16 @@ def test_planner_counts_the_draft_model(tiny_model_dir, drafts, capsys):
     assert f"+ {d_tok:,} B draft model" in capsys.readouterr().out
 
 
+def test_cpu_paged_attention_knob_reaches_the_draft_model(tiny_model_dir, drafts):
+    from ember.engine.step_executor import attention_backend_of
+
+    target, draft = tiny_model_dir("qwen3"), drafts["trunc"]
+    for on in (True, False):
+        llm = make_llm(target, speculative_model=draft, num_speculative_tokens=2, cpu_paged_attention=on)
+        backends = [attention_backend_of(llm.engine.loaded.model), attention_backend_of(llm.engine.spec.proposer.model)]
+        assert backends[0] is not backends[1] and [b.fused_decode for b in backends] == [on, on]
+
+
 # ---- chunked prefill and prefix caching -------------------------------------------------------------
 
 def test_draft_cache_written_on_prefill_chunks(tiny_model_dir, drafts):
