@@ -11,11 +11,21 @@ cache dir across runs), so a decode batch of B sequences is padded to the next s
 length grows every step. Every size is compiled at startup, so no request waits for one.
 Not compiled (eager): prefill chunks, mixed steps, speculative verifies (q_len 1 + k), steps
 with a RowSelection, batches above the largest size, and MTP draft steps.
+
+Guards: dynamo checks ~7,000 guards (every module attribute and parameter the forward touched)
+before each call, 1.3 ms of an 8 ms batch-1 step on the default model; the whole dispatch cost
+~2 ms a step. The executor already fixes every shape but the table width, so after warmup it
+calls dynamo's transformed bytecode of `_forward` (captured with a bytecode hook, one per size)
+directly, with no guard evaluation: vLLM's custom dispatcher does the same. Measured, default
+model, compile_sizes [1], 256 greedy tokens: 118-123 -> 159-169 tok/s. Each size's direct call
+is checked bit for bit against the guarded one at warmup; a size that compiled to more than one
+graph, or fails the check, keeps the guarded call.
 """
 from __future__ import annotations
 
 import logging
 import time
+import types
 
 import torch
 
@@ -43,11 +53,17 @@ class CompiledExecutor:
         self._compiled = torch.compile(self._forward, options=options, dynamic=False, fullgraph=True)
         self.compiles = 0  # graphs built at startup
         self.compiled_steps = 0  # steps that ran compiled (the rest ran eagerly)
+        self._direct: dict[int, types.FunctionType] = {}  # size -> _forward's compiled bytecode, no guards
         self.warmup()
 
     def _forward(self, input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables, kv_caches):
         x = DecodeInputs(input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables)
         return self.model(input_ids, positions, kv_caches, fixed_meta(x, 1, self.block_size))
+
+    @property
+    def direct_sizes(self) -> list[int]:
+        """Sizes called straight through their compiled bytecode (no guard evaluation)."""
+        return sorted(self._direct)
 
     def _call(self, x: DecodeInputs) -> torch.Tensor:
         # The table width grows with the longest sequence; everything else is static per size.
@@ -55,16 +71,36 @@ class CompiledExecutor:
         return self._compiled(x.input_ids, x.positions, x.slot_mapping, x.query_start_loc, x.seq_lens,
                               x.block_tables, self.kv_caches)
 
+    def _call_direct(self, fn: types.FunctionType, x: DecodeInputs) -> torch.Tensor:
+        return fn(self, x.input_ids, x.positions, x.slot_mapping, x.query_start_loc, x.seq_lens, x.block_tables,
+                  self.kv_caches)
+
     @torch.inference_mode()
     def warmup(self) -> None:
         """Compile every size now (a dummy step writing block 0, zeroed again after)."""
         dev = self.kv_caches[0].device
         total = time.perf_counter()
-        for b in self.sizes:
-            t0 = time.perf_counter()
-            self._call(warmup_inputs(b, 1, table_width(1, self.block_size), dev))
-            self.compiles += 1
-            logger.info("compiled executor: decode batch %d compiled in %.1fs", b, time.perf_counter() - t0)
+        source = CompiledExecutor._forward
+        codes: list[types.CodeType] = []  # dynamo's rewritten bytecode of _forward, one per graph
+        hook = torch._dynamo.convert_frame.register_bytecode_hook(
+            lambda old, new: codes.append(new) if old is source.__code__ else None)
+        try:
+            for b in self.sizes:
+                t0 = time.perf_counter()
+                seen = len(codes)
+                x = warmup_inputs(b, 1, table_width(1, self.block_size), dev)
+                guarded = self._call(x)
+                self.compiles += 1
+                logger.info("compiled executor: decode batch %d compiled in %.1fs", b, time.perf_counter() - t0)
+                if len(codes) == seen + 1:
+                    fn = types.FunctionType(codes[-1], source.__globals__, source.__name__, source.__defaults__,
+                                            source.__closure__)
+                    if torch.equal(self._call_direct(fn, x), guarded):  # same step again: same slot, same values
+                        self._direct[b] = fn
+                if b not in self._direct:
+                    logger.warning("compiled executor: batch %d keeps dynamo's guarded call (~2 ms a step slower)", b)
+        finally:
+            hook.remove()
         for cache in self.kv_caches:
             cache[:, 0].zero_()
         logger.info("compiled executor: sizes %s ready in %.1fs (inductor cache: torch's default dir)",
@@ -76,4 +112,6 @@ class CompiledExecutor:
             return self.model(input_ids, positions, self.kv_caches, meta, select)
         x = pad_decode(input_ids, positions, meta, batch, table_width(meta.max_seq_len, self.block_size))
         self.compiled_steps += 1
-        return self._call(x)[:input_ids.shape[0]]
+        fn = self._direct.get(batch)
+        out = self._call(x) if fn is None else self._call_direct(fn, x)
+        return out[:input_ids.shape[0]]

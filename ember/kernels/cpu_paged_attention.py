@@ -14,65 +14,19 @@ turns it off.
 """
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
-import time
-
 import torch
 
-logger = logging.getLogger("ember")
+from ember.kernels.cpp_build import build
 
 HEAD_SIZES = (16, 32, 64, 80, 96, 128, 256)  # compiled specializations (the switch in the .cpp)
 MAX_GROUP = 16  # query heads per kv head (kMaxG)
 CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
-_SOURCE = os.path.join(os.path.dirname(__file__), "cpu_paged_attention.cpp")
-_op = None
-_tried = False
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
-def _put_ninja_on_path() -> None:
-    """torch runs `ninja` from PATH; the pip package's binary sits in the venv, which a plain
-    `.venv/bin/python` does not put on PATH."""
-    try:
-        import ninja
-    except ImportError:
-        return
-    bin_dir = getattr(ninja, "BIN_DIR", None)
-    if bin_dir and bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
 
 def paged_attention_op():
     """The compiled op, or None where it cannot be built (logged once)."""
-    global _op, _tried
-    if _tried:
-        return _op
-    _tried = True
-    try:
-        from torch.utils.cpp_extension import load
-
-        _put_ninja_on_path()
-        tag = hashlib.sha1(_cpu_flags().encode()).hexdigest()[:8]
-        t0 = time.perf_counter()
-        module = load(name=f"ember_cpu_paged_attention_{tag}", sources=[_SOURCE],
-                      extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
-        _op = module.paged_attention
-        if time.perf_counter() - t0 > 2:
-            logger.info("ember: built the C++ CPU attention kernel in %.0f s (cached for later runs)",
-                        time.perf_counter() - t0)
-    except Exception as e:  # no compiler, no ninja, a build error: the torch path still works
-        logger.warning("ember: the C++ CPU attention kernel could not be built (%s: %s); using the slower torch "
-                       "path. Install g++ and ninja (pip install ninja) to get it", type(e).__name__, str(e)[:300])
-    return _op
+    module = build("cpu_paged_attention.cpp", "CPU attention kernel")
+    return None if module is None else module.paged_attention
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -88,5 +42,5 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     block_tables). Returns [T, Hq, D] in q's dtype. Call only when paged_attention_op() is not None."""
     qf = (q.float() * scale).contiguous()
     # supports() checked kv_cache is contiguous; the metadata's tables are int32 already (no copies)
-    out = _op(qf, kv_cache, block_tables.to(torch.int32).contiguous(), seq_idx.to(torch.int32), kv_lens.to(torch.int32))
+    out = paged_attention_op()(qf, kv_cache, block_tables.to(torch.int32).contiguous(), seq_idx.to(torch.int32), kv_lens.to(torch.int32))
     return out.to(q.dtype)

@@ -55,6 +55,7 @@ from torch import nn
 from ember.errors import ModelLoadError
 from ember.layers.activation import silu_and_mul
 from ember.layers.linear import QuantMethod, new_param
+from ember.kernels import cpu_tiled_gemv as tiled_gemv
 from ember.layers.moe import grouped_experts
 from ember.quant import QuantConfig
 from ember.quant.gguf_blocks import AFFINE_4BIT, AFFINE_8BIT, GROUP, GGUFTensor, affine_codes, dequantize, q6_k_codes
@@ -82,6 +83,10 @@ class PackedPart:
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> x @ W^T [..., N] in x's dtype."""
         raise NotImplementedError
+
+    def linear_float(self, x: torch.Tensor) -> torch.Tensor:
+        """The same in float32 (the LM head's logits)."""
+        return self.linear(x).float()
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """W[ids] as float32 [len(ids), K] (the embedding lookup)."""
@@ -157,6 +162,51 @@ class Int4Part(PackedPart):
 
     def buffers(self):
         return [self.w.packed, self.w.scales_zeros]
+
+
+class TiledPart(PackedPart):
+    """W = code * scale + offset per group of 32, in the row tiles of the CPU GEMV kernel
+    (ember.kernels.cpu_tiled_gemv): 4-bit codes (Q4_0, Q4_1, Q4_K) or whole 8-bit ones (Q8_0,
+    Q5_0, Q5_1). Used in place of Int4Part for bf16 on CPUs with AVX-512 BF16; measured on 2
+    Zen4 cores, the default model's 30 layers at one row: 2.25 ms against Int4Weight's 3.54,
+    its Q8_0 LM head 0.46 against 0.98 ms. Above KERNEL_MAX_ROWS rows, a dense GEMM over W."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int):
+        self.N, self.K = codes.shape
+        self.bits = bits
+        self.tiles, self.scale, self.offset = tiled_gemv.pack(codes, scale, offset, bits)
+
+    @staticmethod
+    def usable(dtype: torch.dtype, device) -> bool:
+        return (dtype == torch.bfloat16 and torch.device(device).type == "cpu" and tiled_gemv.enabled
+                and tiled_gemv.available())
+
+    def _gemv(self, x: torch.Tensor, float_out: bool) -> torch.Tensor:
+        x2 = x.reshape(-1, self.K)
+        if x2.dtype == torch.bfloat16 and x2.shape[0] <= KERNEL_MAX_ROWS:
+            y = tiled_gemv.gemv(x2.contiguous(), self.tiles, self.scale, self.offset, self.bits, float_out)
+        else:
+            y = F.linear(x2, self._weight(x2.dtype))
+        y = y if y.shape[-1] == self.N else y[:, :self.N]
+        return y.reshape(*x.shape[:-1], self.N)
+
+    def linear(self, x):
+        return self._gemv(x, float_out=False)
+
+    def linear_float(self, x):
+        return self._gemv(x, float_out=True)
+
+    def _weight(self, dtype: torch.dtype) -> torch.Tensor:
+        return tiled_gemv.dequantize(self.tiles, self.scale, self.offset, self.bits, dtype, self.N)
+
+    def dequantize(self):
+        return self._weight(torch.float32)
+
+    def rows(self, ids):
+        return tiled_gemv.unpack_rows(self.tiles, self.scale, self.offset, self.bits, ids)
+
+    def buffers(self):
+        return [self.tiles, self.scale, self.offset]
 
 
 def _row_codes(w: Int4Weight, ids: torch.Tensor) -> torch.Tensor:
@@ -282,7 +332,10 @@ def pack_shards(shards: list, dtype: torch.dtype, device, raw_ok: bool = False) 
             parts.append(DensePart(torch.cat(ws).to(device=device, dtype=dtype)))
         elif kind in ("int4", "int8"):
             c, s, o = (torch.cat(x).to(device) for x in zip(*(affine_codes(t.raw(), t.qtype) for t in run)))
-            parts.append(Int4Part(c, s, o, dtype, split8=kind == "int8"))
+            if TiledPart.usable(dtype, device):
+                parts.append(TiledPart(c, s, o, bits=4 if kind == "int4" else 8))
+            else:
+                parts.append(Int4Part(c, s, o, dtype, split8=kind == "int8"))
         elif kind == "q6k":
             q, s = (torch.cat(x).to(device) for x in zip(*(q6_k_codes(t.raw()) for t in run)))
             parts.append(Q6KPart(q, s, dtype))
@@ -377,7 +430,7 @@ class GGUFEmbeddingMethod:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, H] -> float32 logits [n, V]."""
-        return self.refine(self.part.linear(hidden).float(), hidden)
+        return self.refine(self.part.linear_float(hidden), hidden)
 
     def refine(self, y: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """Low-precision logits y [n, V] with their leading candidates recomputed in float32."""

@@ -180,6 +180,7 @@ def test_compiled_equals_eager_batches_1_to_5(tiny_model_dir):
     compiled = make_llm(path, executor="compiled", compilation_config=COMPILE, **kw)
     ex = compiled.engine.runner.executor
     assert ex.name == "compiled" and ex.sizes == [1, 4] and ex.compiles == 2
+    assert ex.direct_sizes == [1, 4]  # both run through their bytecode, without dynamo's guards
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=3)
     prompts = [random_prompt(n, 40 + s) for s, n in enumerate([5, 17, 3, 9, 12])]

@@ -17,7 +17,7 @@ from ember.layers.linear import MergedColumnLinear, QKVLinear
 from ember.quant import process_weights_after_loading
 from ember.quant.gguf_blocks import GGUFTensor, affine_codes, dequantize, q6_k_codes
 from ember.quant.gguf_quant import (Q6K_KERNEL_MAX_ROWS, GGUFConfig, GGUFEmbeddingMethod, GGUFLinearMethod, Int4Part,
-                                    Q6KPart, RawPart)
+                                    Q6KPart, RawPart, TiledPart)
 from ember.quant.int4_cpu import KERNEL_MAX_ROWS, unpack_int4_codes
 from tests.models.tiny_models import PagedDriver, Seq, one_thread  # noqa: F401 (fixture)
 
@@ -168,7 +168,8 @@ def test_qkv_with_mixed_shard_types_equals_dequantized_linear(dtype):
     tv, rv = gguf_tensor(T.Q6_K, 128, 256, 3)
     _loaded(layer, {"q": tq, "k": tk, "v": tv})
     layer.bias.data.normal_()
-    assert [type(p).__name__ for p in layer.gguf_parts] == ["Int4Part", "Q6KPart"]
+    int4 = "TiledPart" if TiledPart.usable(dtype, "cpu") else "Int4Part"  # bf16 on AVX-512 BF16: the tiled GEMV
+    assert [type(p).__name__ for p in layer.gguf_parts] == [int4, "Q6KPart"]
     assert layer.weight.numel() == 0 and not layer.gguf_pending  # no dense copy, raw views dropped
     w = torch.cat([rq, rk, rv])
     for rows in (1, 5, KERNEL_MAX_ROWS + 8):  # kernel and dequantize-then-GEMM paths

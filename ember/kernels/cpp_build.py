@@ -1,0 +1,70 @@
+"""Building ember's C++ CPU kernels with torch.utils.cpp_extension (g++ and ninja).
+
+Each kernel is built once per machine, the first time an engine needs it (~20 s each), then
+loaded from torch's extension dir. The build name carries a hash of the CPU's flags and of the
+source, since the code is compiled with -march=native and a changed source must not load an
+old build. Where a build fails (no compiler, no ninja), the caller gets None, a warning says
+why, and the torch path runs instead.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+
+logger = logging.getLogger("ember")
+
+_built: dict[str, object] = {}  # source path -> module (or True for an op library), None if it failed
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def has_cpu_flags(*flags: str) -> bool:
+    words = set(_cpu_flags().split())
+    return all(f in words for f in flags)
+
+
+def _put_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; the pip package's binary sits in the venv, which a plain
+    `.venv/bin/python` does not put on PATH."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    bin_dir = getattr(ninja, "BIN_DIR", None)
+    if bin_dir and bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+
+
+def build(source: str, what: str, python_module: bool = True):
+    """Compile and load `source` (a .cpp beside this file): its pybind module, or True once its
+    TORCH_LIBRARY ops are registered (python_module=False). None where it cannot be built."""
+    if source in _built:
+        return _built[source]
+    path = os.path.join(os.path.dirname(__file__), source)
+    result = None
+    try:
+        from torch.utils.cpp_extension import load
+
+        _put_ninja_on_path()
+        with open(path, "rb") as f:
+            tag = hashlib.sha1(_cpu_flags().encode() + f.read()).hexdigest()[:8]
+        t0 = time.perf_counter()
+        name = f"ember_{os.path.splitext(source)[0]}_{tag}"
+        module = load(name=name, sources=[path], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                      extra_ldflags=["-fopenmp"], is_python_module=python_module, verbose=False)
+        result = module if python_module else True
+        if time.perf_counter() - t0 > 2:
+            logger.info("ember: built the C++ %s in %.0f s (cached for later runs)", what, time.perf_counter() - t0)
+    except Exception as e:  # no compiler, no ninja, a build error: the torch path still works
+        logger.warning("ember: the C++ %s could not be built (%s: %s); using the slower torch path. "
+                       "Install g++ and ninja (pip install ninja) to get it", what, type(e).__name__, str(e)[:300])
+    _built[source] = result
+    return result

@@ -1,0 +1,119 @@
+"""Few-row x @ W^T on CPU over 4- and 8-bit affine weights, in row tiles (cpu_tiled_gemv.cpp).
+
+Why: batch-1 decode is nothing but GEMVs over the packed weights. torch's CPU int4 kernel
+(aten._weight_int4pack_mm_for_cpu) moves the default model's 30 layers of Q4_1 weights at
+~22 GB/s on 2 Zen4 cores, ~3.5 ms of a 6 ms token. This kernel keeps 16 output rows in the
+16 float32 lanes of an AVX-512 register: a bf16 dot instruction (vdpbf16ps) multiplies 16 rows'
+codes at two inputs by a broadcast pair of x, with no dequantized weight and no horizontal
+sums; a group's scale and offset are applied once per 16 x 32 tile. Numerics: the codes and
+x (bf16) are exact in the products, sums are float32 -- the torch kernel instead rounds its
+(scale, zero) to bf16.
+
+Layout (`pack`): codes uint8 [N/16, K/32, 256] (4-bit: two codes a byte) or [N/16, K/32, 512]
+(8-bit), scale and offset [N/16, K/32, 16] in float16 where that holds them exactly (GGUF's
+Q4_0, Q4_1, Q8_0 block scales are float16), else float32. N is padded to a multiple of 16.
+
+Needs AVX-512 BF16 (avx512_bf16 in /proc/cpuinfo) and a compiler; `available()` says whether
+this machine has both. Built like the attention kernel (ember.kernels.cpp_build).
+"""
+from __future__ import annotations
+
+import torch
+
+from ember.kernels.cpp_build import build, has_cpu_flags
+
+ROWS, GROUP = 16, 32
+TILE_BYTES = {4: 256, 8: 512}
+# --cpu-tiled-gemv: GGUF weights loaded while this is True take the tiled layout where available();
+# the engine (and each tensor-parallel worker) sets it from its config before loading.
+enabled = True
+
+
+def set_enabled(on: bool) -> None:
+    global enabled
+    enabled = on
+
+
+def available() -> bool:
+    """True when the op can run here (builds it on first call: ~20 s once per machine)."""
+    if not has_cpu_flags("avx512f", "avx512bw", "avx512_bf16"):
+        return False
+    if build("cpu_tiled_gemv.cpp", "CPU GEMV kernel", python_module=False) is None:
+        return False
+    _register_fake()
+    return True
+
+
+_fake_registered = False
+
+
+def _register_fake() -> None:
+    """Shapes for torch.compile's tracing: the op is an opaque call in a compiled graph."""
+    global _fake_registered
+    if _fake_registered:
+        return
+    _fake_registered = True
+
+    @torch.library.register_fake("ember_cpu::tiled_gemv")
+    def _(x, codes, scale, offset, bits, float_out):
+        return x.new_empty((x.shape[0], codes.shape[0] * ROWS), dtype=torch.float32 if float_out else x.dtype)
+
+
+def pack(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int):
+    """W[n, k] = codes[n, k] * scale[n, k // 32] + offset[n, k // 32] -> (tiles, scale, offset)
+    in the kernel's layout. codes: integers below 2**bits, [N, K] with K % 32 == 0."""
+    N, K = codes.shape
+    if K % GROUP or bits not in TILE_BYTES:
+        raise ValueError(f"tiled GEMV needs K % {GROUP} == 0 and 4 or 8 bits (got K={K}, bits={bits})")
+    pad = -N % ROWS
+    if pad:
+        codes, scale, offset = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (codes, scale, offset))
+    T, G = (N + pad) // ROWS, K // GROUP
+    c = codes.to(torch.uint8).view(T, ROWS, G, GROUP).permute(0, 2, 1, 3)  # [T, G, i, k]
+    if bits == 4:  # k = 16 h + 2 p + e -> byte 32 p + 2 i + e, nibble h
+        c = c.reshape(T, G, ROWS, 2, 8, 2).permute(0, 1, 3, 4, 2, 5)  # [T, G, h, p, i, e]
+        tiles = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(T, G, TILE_BYTES[4])
+    else:  # k = 2 p + e -> byte 32 p + 2 i + e
+        tiles = c.reshape(T, G, ROWS, 16, 2).permute(0, 1, 3, 2, 4).reshape(T, G, TILE_BYTES[8])
+    s, o = scale.float(), offset.float()
+    dtype = torch.float16 if torch.equal(s.half().float(), s) and torch.equal(o.half().float(), o) else torch.float32
+    s, o = (t.to(dtype).view(T, ROWS, G).transpose(1, 2).contiguous() for t in (s, o))
+    return tiles.contiguous(), s, o
+
+
+def unpack_rows(tiles: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
+                ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of W as float32 [len(ids), K], exactly codes * scale + offset."""
+    t, i = ids // ROWS, ids % ROWS
+    T, G, _ = tiles.shape
+    b = tiles[t]  # [n, G, tile bytes]
+    n = len(ids)
+    if bits == 4:
+        b = b.view(n, G, 8, ROWS, 2)[torch.arange(n, device=ids.device), :, :, i]  # [n, G, p, e]
+        c = torch.stack((b & 15, b >> 4), dim=2)  # [n, G, h, p, e]
+    else:
+        c = b.view(n, G, 16, ROWS, 2)[torch.arange(n, device=ids.device), :, :, i]  # [n, G, p, e]
+    c = c.reshape(n, G, GROUP).float()
+    s = scale[t, :, i].float().unsqueeze(-1)  # [n, G, 1]
+    o = offset[t, :, i].float().unsqueeze(-1)
+    return (c * s + o).view(n, G * GROUP)
+
+
+def dequantize(tiles: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int, dtype: torch.dtype,
+               N: int | None = None) -> torch.Tensor:
+    """W [N, K] in `dtype` (the first N rows; default all, padding included)."""
+    T, G, _ = tiles.shape
+    if bits == 4:
+        b = tiles.view(T, G, 8, ROWS, 2)
+        c = torch.stack((b & 15, b >> 4), dim=2).permute(0, 4, 1, 2, 3, 5)  # [T, i, G, h, p, e]
+    else:
+        c = tiles.view(T, G, 16, ROWS, 2).permute(0, 3, 1, 2, 4)  # [T, i, G, p, e]
+    w = c.reshape(T * ROWS, G, GROUP).to(dtype)
+    w = w * scale.transpose(1, 2).reshape(T * ROWS, G, 1).to(dtype) + offset.transpose(1, 2).reshape(T * ROWS, G, 1).to(dtype)
+    return w.view(T * ROWS, G * GROUP)[:N]
+
+
+def gemv(x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
+         float_out: bool = False) -> torch.Tensor:
+    """x [M, K] bf16 -> x @ W^T [M, N padded to 16] (bf16, or float32 with float_out)."""
+    return torch.ops.ember_cpu.tiled_gemv(x, tiles, scale, offset, bits, float_out)

@@ -1,0 +1,128 @@
+"""The tiled CPU GEMV (ember/kernels/cpu_tiled_gemv.*): exact repacking, the kernel against a
+float64 reference over every row-chunk shape, the GGUF TiledPart around it, and tracing it under
+torch.compile."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as T
+
+from ember.kernels import cpu_tiled_gemv as tg
+from ember.kernels.cpp_build import has_cpu_flags
+from ember.quant.gguf_blocks import affine_codes
+from ember.quant.gguf_quant import GGUFLinearMethod, Int4Part, TiledPart, pack_shards
+from ember.quant.int4_cpu import KERNEL_MAX_ROWS
+from tests.quant.test_gguf_packed import gguf_tensor
+
+# This project's machines (and CI's) are Zen4 with AVX-512 BF16; elsewhere the engine falls back
+# to Int4Part, which test_gguf_packed covers.
+pytestmark = pytest.mark.skipif(not has_cpu_flags("avx512f", "avx512bw", "avx512_bf16"),
+                                reason="the tiled GEMV needs AVX-512 BF16")
+
+
+def affine(N, K, bits, seed, fp16_scales=True):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 2 ** bits, (N, K), generator=g)
+    scale = torch.rand(N, K // 32, generator=g) * 0.02 + 0.001
+    offset = (torch.rand(N, K // 32, generator=g) - 0.5) * 0.2
+    if fp16_scales:
+        scale, offset = scale.half().float(), offset.half().float()
+    w = (codes.float().view(N, K // 32, 32) * scale[..., None] + offset[..., None]).view(N, K)
+    return codes, scale, offset, w
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_pack_keeps_codes_and_scales_exactly(bits):
+    codes, scale, offset, w = affine(40, 96, bits, 0)  # 40 rows: padded to 48
+    tiles, s, o = tg.pack(codes, scale, offset, bits)
+    assert tiles.shape == (3, 3, tg.TILE_BYTES[bits]) and s.shape == o.shape == (3, 3, 16)
+    assert s.dtype == torch.float16  # fp16-exact scales stay 2 bytes
+    ids = torch.tensor([39, 0, 17, 16, 15])
+    assert torch.equal(tg.unpack_rows(tiles, s, o, bits, ids), w[ids])
+    assert torch.equal(tg.dequantize(tiles, s, o, bits, torch.float32, 40), w)
+    assert not tg.dequantize(tiles, s, o, bits, torch.float32)[40:].any()  # padding rows are zero
+    # scales that float16 would round are kept in float32
+    codes, scale, offset, w = affine(16, 64, bits, 1, fp16_scales=False)
+    tiles, s, o = tg.pack(codes, scale, offset, bits)
+    assert s.dtype == torch.float32 and torch.equal(tg.dequantize(tiles, s, o, bits, torch.float32), w)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("fp16_scales", [True, False])
+def test_gemv_matches_float64_reference(bits, fp16_scales):
+    """Every x-row chunking (1-4 rows a pass, remainders), both output dtypes: the products of
+    exact codes and bf16 x are summed in float32, so the error is float32 summation noise."""
+    assert tg.available()
+    codes, scale, offset, w = affine(200, 576, bits, 2, fp16_scales)
+    packed = tg.pack(codes, scale, offset, bits)
+    g = torch.Generator().manual_seed(3)
+    for M in (1, 2, 3, 4, 5, 7, 8, 9):
+        x = torch.randn(M, 576, generator=g).bfloat16()
+        ref = x.double() @ w.double().t()
+        y = tg.gemv(x, *packed, bits, float_out=True)
+        assert y.shape == (M, 208) and y.dtype == torch.float32
+        assert not y[:, 200:].any()  # padding rows
+        tol = 1e-5 * (x.double().abs() @ w.double().abs().t())  # relative to the sum of |terms|
+        assert ((y[:, :200].double() - ref).abs() <= tol).all(), M
+        yb = tg.gemv(x, *packed, bits)
+        assert yb.dtype == torch.bfloat16 and torch.equal(yb, y.bfloat16())
+
+
+def test_gemv_refuses_bad_inputs_with_a_message():
+    packed = tg.pack(*affine(16, 64, 4, 4)[:3], 4)
+    with pytest.raises(RuntimeError, match="contiguous bf16"):
+        tg.gemv(torch.randn(1, 64), *packed, 4)
+    with pytest.raises(RuntimeError, match="codes"):
+        tg.gemv(torch.randn(1, 96).bfloat16(), *packed, 4)
+    with pytest.raises(RuntimeError, match="bits"):
+        tg.gemv(torch.randn(1, 64).bfloat16(), *packed, 5)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q4_K, T.Q8_0, T.Q5_1])
+def test_gguf_bf16_parts_are_tiled_and_match_the_file(qtype):
+    t, ref = gguf_tensor(qtype, 96, 512, seed=5)
+    (part,) = pack_shards([t], torch.bfloat16, "cpu")
+    assert isinstance(part, TiledPart) and part.bits == (4 if qtype in (T.Q4_0, T.Q4_1, T.Q4_K) else 8)
+    assert torch.equal(part.dequantize(), ref) and torch.equal(part.rows(torch.tensor([95, 3])), ref[[95, 3]])
+    g = torch.Generator().manual_seed(6)
+    for rows in (1, 6, KERNEL_MAX_ROWS + 1):  # kernel, kernel, dense GEMM over the dequantized weight
+        x = torch.randn(rows, 512, generator=g).bfloat16()
+        exact = x.float() @ ref.t()
+        got = part.linear(x)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
+        assert (got.float() - exact).abs().max() <= 0.01 * exact.abs().max()
+        if rows <= KERNEL_MAX_ROWS:  # float32 out: float32 summation noise only
+            torch.testing.assert_close(part.linear_float(x), exact, rtol=1e-4, atol=1e-4)
+    # The tiled part is at least as close to the file's weights as torch's int4 kernel path
+    c, s, o = affine_codes(t.raw(), qtype)
+    old = Int4Part(c, s, o, torch.bfloat16, split8=part.bits == 8)
+    x = torch.randn(4, 512, generator=g).bfloat16()
+    exact = x.float() @ ref.t()
+    assert (part.linear_float(x) - exact).abs().max() <= (old.linear(x).float() - exact).abs().max()
+
+
+def test_knob_off_and_float32_keep_torchs_int4_kernel():
+    t, _ = gguf_tensor(T.Q4_1, 64, 256, seed=7)
+    assert isinstance(pack_shards([t], torch.float32, "cpu")[0], Int4Part)  # fp32 runs: exact path
+    tg.set_enabled(False)
+    try:
+        assert isinstance(pack_shards([t], torch.bfloat16, "cpu")[0], Int4Part)
+    finally:
+        tg.set_enabled(True)
+
+
+def test_traced_by_torch_compile():
+    """The op has a fake kernel, so a compiled decode graph calls it with no graph break."""
+    from ember.layers.linear import RowParallelLinear
+
+    t, ref = gguf_tensor(T.Q4_1, 64, 256, seed=8)
+    layer = RowParallelLinear(256, 64, dtype=torch.bfloat16, quant_method=GGUFLinearMethod())
+    layer.load_weight("weight", t, None)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert isinstance(layer.gguf_parts[0], TiledPart)
+    x = torch.randn(2, 256).bfloat16()
+    compiled = torch.compile(layer, fullgraph=True, backend="inductor")
+    assert torch.equal(compiled(x), layer(x))
+    exact = F.linear(x.float(), ref)
+    assert (layer(x).float() - exact).abs().max() <= 0.01 * exact.abs().max()
