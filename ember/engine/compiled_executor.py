@@ -9,8 +9,11 @@ the default model, seconds from inductor's on-disk cache, which torch keeps in i
 cache dir across runs), so a decode batch of B sequences is padded to the next size
 (ember.engine.decode_batch). The block-table width is the one dynamic dimension: a sequence's
 length grows every step. Every size is compiled at startup, so no request waits for one.
-Not compiled (eager): prefill chunks, mixed steps, speculative verifies (q_len 1 + k), steps
-with a RowSelection, batches above the largest size, and MTP draft steps.
+Speculative verifies (every sequence 1 + k queries) are compiled too, at every size, where the
+attention backend runs them from fixed-shape metadata (the torch backend with its fused C++
+kernel: query_lens [1, 1 + k]). Not compiled (eager): prefill chunks, mixed steps, verifies of
+another length (an adaptive draft cut short), steps with a RowSelection, batches above the
+largest size, and MTP draft steps.
 
 Guards: dynamo checks ~7,000 guards (every module attribute and parameter the forward touched)
 before each call, 1.3 ms of an 8 ms batch-1 step on the default model; the whole dispatch cost
@@ -29,7 +32,8 @@ import types
 
 import torch
 
-from ember.engine.decode_batch import DecodeInputs, bucket_for, fixed_meta, pad_decode, table_width, warmup_inputs
+from ember.engine.decode_batch import (DecodeInputs, bucket_for, fixed_meta, pad_decode, table_width, uniform_query_len,
+                                       warmup_inputs)
 from ember.layers.rotary import RotaryEmbedding
 
 logger = logging.getLogger("ember")
@@ -40,29 +44,32 @@ class CompiledExecutor:
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int, max_model_len: int,
                  sizes: list[int], mode: str = "max-autotune-no-cudagraphs", freezing: bool = True,
-                 cpp_wrapper: bool = False):
+                 cpp_wrapper: bool = False, query_lens: list[int] = (1,)):
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.sizes = sorted(sizes)
+        self.query_lens = sorted(query_lens)  # 1 (decode), and 1 + k (speculative verify)
+        self.shapes = [(b, n) for n in self.query_lens for b in self.sizes]
         for m in model.modules():  # a grown cos/sin cache would be a new tensor: a recompile
             if isinstance(m, RotaryEmbedding):
                 m.ensure_capacity(max_model_len)
         # torch.compile takes a mode or options, not both: the mode's options plus freezing.
         options = dict(torch._inductor.list_mode_options(mode)) | {"freezing": freezing, "cpp_wrapper": cpp_wrapper}
-        # One graph per size, plus slack for a re-specialisation; dynamo's default limit is 8.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(self.sizes) + 4)
+        # One graph per shape, plus slack for a re-specialisation; dynamo's default limit is 8.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(self.shapes) + 4)
         self._compiled = torch.compile(self._forward, options=options, dynamic=False, fullgraph=True)
         self.compiles = 0  # graphs built at startup
         self.compiled_steps = 0  # steps that ran compiled (the rest ran eagerly)
-        self._direct: dict[int, types.FunctionType] = {}  # size -> _forward's compiled bytecode, no guards
+        self._direct: dict[tuple[int, int], types.FunctionType] = {}  # (size, q_len) -> compiled bytecode, no guards
         self.warmup()
 
     def _forward(self, input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables, kv_caches):
         x = DecodeInputs(input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables)
-        return self.model(input_ids, positions, kv_caches, fixed_meta(x, 1, self.block_size))
+        q_len = input_ids.shape[0] // block_tables.shape[0]  # static per graph
+        return self.model(input_ids, positions, kv_caches, fixed_meta(x, q_len, self.block_size))
 
     @property
-    def direct_sizes(self) -> list[int]:
-        """Sizes called straight through their compiled bytecode (no guard evaluation)."""
+    def direct_shapes(self) -> list[tuple[int, int]]:
+        """(size, q_len) called straight through their compiled bytecode (no guard evaluation)."""
         return sorted(self._direct)
 
     def _call(self, x: DecodeInputs) -> torch.Tensor:
@@ -85,33 +92,35 @@ class CompiledExecutor:
         hook = torch._dynamo.convert_frame.register_bytecode_hook(
             lambda old, new: codes.append(new) if old is source.__code__ else None)
         try:
-            for b in self.sizes:
+            for b, n in self.shapes:
                 t0 = time.perf_counter()
                 seen = len(codes)
-                x = warmup_inputs(b, 1, table_width(1, self.block_size), dev)
+                x = warmup_inputs(b, n, table_width(n, self.block_size), dev)
                 guarded = self._call(x)
                 self.compiles += 1
-                logger.info("compiled executor: decode batch %d compiled in %.1fs", b, time.perf_counter() - t0)
+                logger.info("compiled executor: batch %d x %d queries compiled in %.1fs", b, n, time.perf_counter() - t0)
                 if len(codes) == seen + 1:
                     fn = types.FunctionType(codes[-1], source.__globals__, source.__name__, source.__defaults__,
                                             source.__closure__)
                     if torch.equal(self._call_direct(fn, x), guarded):  # same step again: same slot, same values
-                        self._direct[b] = fn
-                if b not in self._direct:
-                    logger.warning("compiled executor: batch %d keeps dynamo's guarded call (~2 ms a step slower)", b)
+                        self._direct[(b, n)] = fn
+                if (b, n) not in self._direct:
+                    logger.warning("compiled executor: batch %d x %d keeps dynamo's guarded call (~2 ms a step slower)",
+                                   b, n)
         finally:
             hook.remove()
         for cache in self.kv_caches:
             cache[:, 0].zero_()
-        logger.info("compiled executor: sizes %s ready in %.1fs (inductor cache: torch's default dir)",
-                    self.sizes, time.perf_counter() - total)
+        logger.info("compiled executor: sizes %s x query lengths %s ready in %.1fs (inductor cache: torch's default dir)",
+                    self.sizes, self.query_lens, time.perf_counter() - total)
 
     def run(self, input_ids, positions, meta, select=None):
         batch = bucket_for(meta.num_seqs, self.sizes)
-        if select is not None or meta.max_query_len != 1 or batch is None:
+        n = uniform_query_len(meta)
+        if select is not None or n not in self.query_lens or batch is None:
             return self.model(input_ids, positions, self.kv_caches, meta, select)
         x = pad_decode(input_ids, positions, meta, batch, table_width(meta.max_seq_len, self.block_size))
         self.compiled_steps += 1
-        fn = self._direct.get(batch)
+        fn = self._direct.get((batch, n))
         out = self._call(x) if fn is None else self._call_direct(fn, x)
         return out[:input_ids.shape[0]]

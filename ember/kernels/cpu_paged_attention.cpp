@@ -130,8 +130,8 @@ void run(const torch::Tensor& qf, const torch::Tensor& kv_cache, const torch::Te
 // q [T, Hq, D] float32 (scale folded in); kv_cache [2, NB, bs, Hkv, D] contiguous; block_tables
 // [B, W] int32; seq_idx [T] int32 (query i reads block_tables[seq_idx[i]]); kv_lens [T] int32
 // (query i sees keys 0 .. kv_lens[i]-1). Returns [T, Hq, D] float32.
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
-                              torch::Tensor seq_idx, torch::Tensor kv_lens) {
+torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
+                              const torch::Tensor& seq_idx, const torch::Tensor& kv_lens) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous float32");
   TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5, "kv_cache must be contiguous [2, NB, bs, Hkv, D]");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(), "block_tables: contiguous int32");
@@ -150,6 +150,9 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Te
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "paged attention for few queries per sequence (CPU)");
+// An op of the dispatcher (not a pybind function), so a compiled decode graph can call it too.
+TORCH_LIBRARY_FRAGMENT(ember_cpu, m) {
+  m.def("paged_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_idx, Tensor kv_lens) -> Tensor");
 }
+
+TORCH_LIBRARY_IMPL(ember_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -8,9 +8,9 @@ layer for 16 MB of K/V. This kernel reads each K/V row once, straight from its b
 cache's dtype (bf16, fp16, fp32, fp8), and keeps a running max and sum per query head.
 
 Built with torch.utils.cpp_extension (g++ and ninja) when a CPU engine starts: ~20 s once, then
-cached in torch's extension dir, keyed by the CPU's flags since it is compiled with -march=native.
-Where it cannot be built, a warning says why and the torch path runs; --no-cpu-paged-attention
-turns it off.
+cached in torch's extension dir (ember.kernels.cpp_build). Where it cannot be built, a warning
+says why and the torch path runs; --no-cpu-paged-attention turns it off. It is a dispatcher op
+(torch.ops.ember_cpu.paged_attention) with a fake kernel, so compiled decode graphs call it too.
 """
 from __future__ import annotations
 
@@ -23,17 +23,25 @@ MAX_GROUP = 16  # query heads per kv head (kMaxG)
 CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+_ready: bool | None = None  # None until the first paged_attention_op() call
+
+
 def paged_attention_op():
-    """The compiled op, or None where it cannot be built (logged once)."""
-    module = build("cpu_paged_attention.cpp", "CPU attention kernel")
-    return None if module is None else module.paged_attention
+    """The op, or None where it cannot be built (logged once)."""
+    global _ready
+    if _ready is None:
+        _ready = build("cpu_paged_attention.cpp", "CPU attention kernel", python_module=False) is not None
+        if _ready:
+            torch.library.register_fake("ember_cpu::paged_attention")(
+                lambda q, kv_cache, block_tables, seq_idx, kv_lens: torch.empty_like(q))
+    return torch.ops.ember_cpu.paged_attention if _ready else None
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Shapes and dtypes the compiled kernel takes (else the caller uses the torch path)."""
     D, Hq, Hkv = q.shape[-1], q.shape[-2], kv_cache.shape[-2]
     return (q.device.type == "cpu" and D in HEAD_SIZES and Hq % Hkv == 0 and Hq // Hkv <= MAX_GROUP
-            and kv_cache.dtype in CACHE_DTYPES and kv_cache.is_contiguous() and paged_attention_op() is not None)
+            and kv_cache.dtype in CACHE_DTYPES and kv_cache.is_contiguous() and (_ready if _ready is not None else paged_attention_op() is not None))
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_idx: torch.Tensor,
@@ -42,5 +50,6 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     block_tables). Returns [T, Hq, D] in q's dtype. Call only when paged_attention_op() is not None."""
     qf = (q.float() * scale).contiguous()
     # supports() checked kv_cache is contiguous; the metadata's tables are int32 already (no copies)
-    out = paged_attention_op()(qf, kv_cache, block_tables.to(torch.int32).contiguous(), seq_idx.to(torch.int32), kv_lens.to(torch.int32))
+    out = torch.ops.ember_cpu.paged_attention(qf, kv_cache, block_tables.to(torch.int32).contiguous(),
+                                              seq_idx.to(torch.int32), kv_lens.to(torch.int32))
     return out.to(q.dtype)

@@ -165,7 +165,7 @@ at::Tensor tiled_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Te
 
 }  // namespace
 
-TORCH_LIBRARY(ember_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(ember_cpu, m) {
   m.def("tiled_gemv(Tensor x, Tensor codes, Tensor scale, Tensor offset, int bits, bool float_out) -> Tensor");
 }
 

@@ -39,6 +39,9 @@ class TorchAttentionBackend:
     fixed_shape_max_query_len = 1
     # The fused C++ kernel for decodes and verifies on CPU where it built (--no-cpu-paged-attention: off).
     fused_decode = True
+    # With it, uniform steps of up to this q_len also run from fixed-shape metadata alone (the CPU
+    # compiled executor's speculative verify graphs); see the fixed_shape branch of _forward.
+    fused_fixed_shape_max_query_len = 16  # VERIFY_MAX_QUERIES
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
@@ -53,7 +56,14 @@ class TorchAttentionBackend:
 
     def _forward(self, q, k, v, kv_cache, meta, scale):
         B = meta.num_seqs
-        fused = self.fused_decode and not torch.compiler.is_compiling() and fused_supports(q, kv_cache)
+        fused = self.fused_decode and fused_supports(q, kv_cache)
+        if meta.fixed_shape and fused and meta.max_query_len > 1:
+            # Uniform verify of n queries per sequence: the host lists hold bounds, so the kernel's
+            # per-query key counts come from the device seq_lens (query j sees seq_len - n + 1 + j).
+            n = meta.max_query_len
+            seq_idx = torch.arange(B, dtype=torch.int32).repeat_interleave(n)
+            kv_lens = (meta.seq_lens[:B, None] - (n - 1) + torch.arange(n, dtype=torch.int32)).reshape(-1)
+            return paged_attention(q, kv_cache, meta.block_tables, seq_idx, kv_lens, scale)
         if meta.is_pure_decode and q.shape[0] == B:
             if fused:
                 return paged_attention(q, kv_cache, meta.block_tables, torch.arange(B, dtype=torch.int32),

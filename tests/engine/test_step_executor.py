@@ -180,7 +180,7 @@ def test_compiled_equals_eager_batches_1_to_5(tiny_model_dir):
     compiled = make_llm(path, executor="compiled", compilation_config=COMPILE, **kw)
     ex = compiled.engine.runner.executor
     assert ex.name == "compiled" and ex.sizes == [1, 4] and ex.compiles == 2
-    assert ex.direct_sizes == [1, 4]  # both run through their bytecode, without dynamo's guards
+    assert ex.direct_shapes == [(1, 1), (4, 1)]  # both run through their bytecode, without dynamo's guards
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=3)
     prompts = [random_prompt(n, 40 + s) for s, n in enumerate([5, 17, 3, 9, 12])]
@@ -213,8 +213,8 @@ def test_compiled_with_cpp_wrapper_equals_eager(tiny_model_dir):
 
 
 def test_compiled_with_mtp_speculation_keeps_greedy_output(mtp_model):  # noqa: F811
-    """Verify steps run eagerly; the last token (no room for a draft) compiled: with the bigram
-    model every draft is accepted, so 8 tokens = prefill 1, two verifies of 3, one decode."""
+    """Verify steps (3 queries each) and plain decodes both compiled: with the bigram model every
+    draft is accepted, so 8 tokens = prefill 1, two verifies of 3, one decode (no room for a draft)."""
     path = mtp_model("qwen3", "deepseek", bigram=True)
     prompts = [random_prompt(n, 60 + s) for s, n in enumerate([7, 4, 11])]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -223,4 +223,6 @@ def test_compiled_with_mtp_speculation_keeps_greedy_output(mtp_model):  # noqa: 
     llm = make_llm(path, executor="compiled", compilation_config={**COMPILE, "compile_sizes": [4]}, **kw)
     assert [o.token_ids for o in outputs(llm, prompts, params)] == ref
     assert llm.engine.stats()["spec_num_accepted_tokens"] > 0
-    assert llm.engine.runner.executor.compiled_steps > 0
+    ex = llm.engine.runner.executor
+    assert ex.query_lens == [1, 3] and ex.direct_shapes == [(4, 1), (4, 3)]
+    assert ex.compiled_steps == 3  # both verifies and the last decode
