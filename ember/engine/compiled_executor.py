@@ -44,7 +44,7 @@ class CompiledExecutor:
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int, max_model_len: int,
                  sizes: list[int], mode: str = "max-autotune-no-cudagraphs", freezing: bool = True,
-                 cpp_wrapper: bool = False, query_lens: list[int] = (1,)):
+                 cpp_wrapper: bool = True, query_lens: list[int] = (1,)):
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.sizes = sorted(sizes)
         self.query_lens = sorted(query_lens)  # 1 (decode), and 1 + k (speculative verify)

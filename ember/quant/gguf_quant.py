@@ -88,6 +88,11 @@ class PackedPart:
         """The same in float32 (the LM head's logits)."""
         return self.linear(x).float()
 
+    def exact_float(self, x: torch.Tensor) -> bool:
+        """Whether linear_float(x) sums exact weight x input products in float32, so there is
+        nothing for the LM head's refinement to recompute."""
+        return x.dtype == torch.float32
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """W[ids] as float32 [len(ids), K] (the embedding lookup)."""
         raise NotImplementedError
@@ -195,6 +200,10 @@ class TiledPart(PackedPart):
 
     def linear_float(self, x):
         return self._gemv(x, float_out=True)
+
+    def exact_float(self, x):
+        # the kernel multiplies exact codes by x's own bf16 values and sums in float32
+        return x.dtype in (torch.float32, torch.bfloat16) and x.numel() // self.K <= KERNEL_MAX_ROWS
 
     def _weight(self, dtype: torch.dtype) -> torch.Tensor:
         return tiled_gemv.dequantize(self.tiles, self.scale, self.offset, self.bits, dtype, self.N)
@@ -430,7 +439,8 @@ class GGUFEmbeddingMethod:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, H] -> float32 logits [n, V]."""
-        return self.refine(self.part.linear_float(hidden), hidden)
+        y = self.part.linear_float(hidden)
+        return y if self.part.exact_float(hidden) else self.refine(y, hidden)
 
     def refine(self, y: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """Low-precision logits y [n, V] with their leading candidates recomputed in float32."""

@@ -20,7 +20,8 @@ from tests.models.tiny_models import load_ember_model, one_thread, random_prompt
 from tests.spec.test_mtp_spec import mtp_model  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-COMPILE = {"compile_sizes": [1, 4], "mode": "default", "freezing": True}  # default mode: fastest to compile
+# default mode, no C++ wrapper: fastest to compile (test_compiled_with_cpp_wrapper_equals_eager covers the wrapper)
+COMPILE = {"compile_sizes": [1, 4], "mode": "default", "freezing": True, "cpp_wrapper": False}
 
 
 def decode_meta(seq_lens: list[int], tables: list[list[int]], slots: list[int], block_size: int = 4,
@@ -200,10 +201,10 @@ def test_compiled_equals_eager_batches_1_to_5(tiny_model_dir):
 def test_compiled_with_cpp_wrapper_equals_eager(tiny_model_dir):
     """compilation_config cpp_wrapper: inductor's generated C++ calls the kernels; same greedy tokens."""
     path = tiny_model_dir("llama")
-    cc = {"compile_sizes": [1], "mode": "default", "cpp_wrapper": True}
+    cc = {"compile_sizes": [1], "mode": "default"}  # cpp_wrapper: on by default
     compiled = make_llm(path, executor="compiled", compilation_config=cc, max_num_seqs=2)
     ex = compiled.engine.runner.executor
-    assert ex.compiles == 1
+    assert ex.compiles == 1 and ex.direct_shapes == [(1, 1)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompt = [random_prompt(7, 3)]
     assert outputs(compiled, prompt, params)[0].token_ids == outputs(make_llm(path), prompt, params)[0].token_ids
@@ -226,3 +227,41 @@ def test_compiled_with_mtp_speculation_keeps_greedy_output(mtp_model):  # noqa: 
     ex = llm.engine.runner.executor
     assert ex.query_lens == [1, 3] and ex.direct_shapes == [(4, 1), (4, 3)]
     assert ex.compiled_steps == 3  # both verifies and the last decode
+
+
+def test_compiled_query_lens_follow_the_fused_kernel():
+    """Verify graphs only where the attention runs them from fixed-shape metadata alone."""
+    from ember.engine.step_executor import compiled_query_lens
+    from ember.kernels.torch_attention import TorchAttentionBackend
+
+    backend = TorchAttentionBackend()
+    assert compiled_query_lens(0, backend) == [1]  # no speculation
+    assert compiled_query_lens(2, backend) == [1, 3]
+    assert compiled_query_lens(16, backend) == [1]  # 17 queries: past the kernel's fixed-shape bound
+    backend.fused_decode = False  # --no-cpu-paged-attention: the torch path needs host lists
+    assert compiled_query_lens(2, backend) == [1]
+    assert compiled_query_lens(2, None) == [1]
+
+
+def test_fixed_shape_verify_attention_equals_the_host_list_path():
+    """3 queries per sequence from fixed-shape metadata (the bounds in the host lists, real lengths
+    only in seq_lens) give what the reference path computes from the real host lists."""
+    from ember.kernels.cpu_paged_attention import paged_attention_op
+
+    assert paged_attention_op() is not None
+    g = torch.Generator().manual_seed(2)
+    bs, n, Hq, Hkv, D = 4, 3, 4, 2, 32
+    cache = torch.randn(2, 10, bs, Hkv, D, generator=g)
+    lens, tables = [7, 12], [[3, 1, 0, 0], [2, 5, 9, 4]]
+    q = torch.randn(2 * n, Hq, D, generator=g)
+    common = dict(slot_mapping=torch.zeros(2 * n, dtype=torch.int64),
+                  query_start_loc=torch.tensor([0, n, 2 * n], dtype=torch.int32),
+                  seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=torch.tensor(tables, dtype=torch.int32),
+                  block_size=bs, query_lens_cpu=[n, n], max_query_len=n, all_slots_valid=True)
+    real = AttentionMetadata(seq_lens_cpu=lens, max_seq_len=max(lens), **common)
+    fixed = AttentionMetadata(seq_lens_cpu=[16, 16], max_seq_len=16, fixed_shape=True, **common)
+    reference = TorchAttentionBackend()
+    reference.fused_decode = False
+    want = reference.forward(q, None, None, cache, real, 0.125)
+    got = TorchAttentionBackend().forward(q, None, None, cache, fixed, 0.125)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
