@@ -112,8 +112,10 @@ def test_knob_off_and_float32_keep_torchs_int4_kernel():
         tg.set_enabled(True)
 
 
-def test_traced_by_torch_compile():
-    """The op has a fake kernel, so a compiled decode graph calls it with no graph break."""
+@pytest.mark.parametrize("cpp_wrapper", [False, True])
+def test_traced_by_torch_compile(cpp_wrapper):
+    """The op has a fake kernel, so a compiled decode graph calls it with no graph break, from
+    inductor's Python wrapper or its C++ one (the compiled executor's default)."""
     from ember.layers.linear import RowParallelLinear
 
     t, ref = gguf_tensor(T.Q4_1, 64, 256, seed=8)
@@ -122,7 +124,7 @@ def test_traced_by_torch_compile():
     layer.quant_method.process_weights_after_loading(layer)
     assert isinstance(layer.gguf_parts[0], TiledPart)
     x = torch.randn(2, 256).bfloat16()
-    compiled = torch.compile(layer, fullgraph=True, backend="inductor")
+    compiled = torch.compile(layer, fullgraph=True, options={"cpp_wrapper": cpp_wrapper})
     assert torch.equal(compiled(x), layer(x))
     exact = F.linear(x.float(), ref)
     assert (layer(x).float() - exact).abs().max() <= 0.01 * exact.abs().max()
