@@ -31,6 +31,8 @@ from ember.kernels.cpu_paged_attention import paged_attention
 from ember.kernels.cpu_paged_attention import supports as fused_supports
 from ember.kernels.metadata import AttentionMetadata
 
+VERIFY_MAX_QUERIES = 16  # up to here a chunk over a cached prefix (a speculative verify) folds its queries
+
 
 class TorchAttentionBackend:
     name = "torch"
@@ -41,7 +43,7 @@ class TorchAttentionBackend:
     fused_decode = True
     # With it, uniform steps of up to this q_len also run from fixed-shape metadata alone (the CPU
     # compiled executor's speculative verify graphs); see the fixed_shape branch of _forward.
-    fused_fixed_shape_max_query_len = 16  # VERIFY_MAX_QUERIES
+    fused_fixed_shape_max_query_len = VERIFY_MAX_QUERIES
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
@@ -152,7 +154,6 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     return o[0].transpose(0, 1)
 
 
-VERIFY_MAX_QUERIES = 16  # up to here a chunk over a cached prefix (a speculative verify) folds its queries
 
 
 def verify_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
