@@ -84,7 +84,7 @@ class CompiledExecutor:
 
     @torch.inference_mode()
     def warmup(self) -> None:
-        """Compile every size now (a dummy step writing block 0, zeroed again after)."""
+        """Compile every (size, q_len) now (a dummy step writing block 0, zeroed again after)."""
         dev = self.kv_caches[0].device
         total = time.perf_counter()
         source = CompiledExecutor._forward

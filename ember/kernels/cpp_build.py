@@ -8,16 +8,21 @@ why, and the torch path runs instead.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
 import time
+from typing import Callable
+
+import torch
 
 logger = logging.getLogger("ember")
 
 _built: dict[str, object] = {}  # source path -> module (or True for an op library), None if it failed
 
 
+@functools.cache
 def _cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -43,9 +48,10 @@ def _put_ninja_on_path() -> None:
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
 
-def build(source: str, what: str, python_module: bool = True):
+def build(source: str, what: str, python_module: bool = True, fakes: dict[str, Callable] | None = None):
     """Compile and load `source` (a .cpp beside this file): its pybind module, or True once its
-    TORCH_LIBRARY ops are registered (python_module=False). None where it cannot be built."""
+    TORCH_LIBRARY ops are registered (python_module=False), with `fakes` (op name -> fake kernel,
+    the shapes torch.compile traces with) registered for them. None where it cannot be built."""
     if source in _built:
         return _built[source]
     path = os.path.join(os.path.dirname(__file__), source)
@@ -61,6 +67,8 @@ def build(source: str, what: str, python_module: bool = True):
         module = load(name=name, sources=[path], extra_cflags=["-O3", "-march=native", "-fopenmp"],
                       extra_ldflags=["-fopenmp"], is_python_module=python_module, verbose=False)
         result = module if python_module else True
+        for op, fake in (fakes or {}).items():
+            torch.library.register_fake(op)(fake)
         if time.perf_counter() - t0 > 2:
             logger.info("ember: built the C++ %s in %.0f s (cached for later runs)", what, time.perf_counter() - t0)
     except Exception as e:  # no compiler, no ninja, a build error: the torch path still works

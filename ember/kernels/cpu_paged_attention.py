@@ -23,25 +23,19 @@ MAX_GROUP = 16  # query heads per kv head (kMaxG)
 CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-_ready: bool | None = None  # None until the first paged_attention_op() call
-
-
 def paged_attention_op():
-    """The op, or None where it cannot be built (logged once)."""
-    global _ready
-    if _ready is None:
-        _ready = build("cpu_paged_attention.cpp", "CPU attention kernel", python_module=False) is not None
-        if _ready:
-            torch.library.register_fake("ember_cpu::paged_attention")(
-                lambda q, kv_cache, block_tables, seq_idx, kv_lens: torch.empty_like(q))
-    return torch.ops.ember_cpu.paged_attention if _ready else None
+    """The op, or None where it cannot be built (built on the first call, logged once)."""
+    built = build("cpu_paged_attention.cpp", "CPU attention kernel", python_module=False,
+                  fakes={"ember_cpu::paged_attention": lambda q, kv_cache, block_tables, seq_idx, kv_lens:
+                         torch.empty_like(q)})
+    return torch.ops.ember_cpu.paged_attention if built else None
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Shapes and dtypes the compiled kernel takes (else the caller uses the torch path)."""
     D, Hq, Hkv = q.shape[-1], q.shape[-2], kv_cache.shape[-2]
     return (q.device.type == "cpu" and D in HEAD_SIZES and Hq % Hkv == 0 and Hq // Hkv <= MAX_GROUP
-            and kv_cache.dtype in CACHE_DTYPES and kv_cache.is_contiguous() and (_ready if _ready is not None else paged_attention_op() is not None))
+            and kv_cache.dtype in CACHE_DTYPES and kv_cache.is_contiguous() and paged_attention_op() is not None)
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_idx: torch.Tensor,

@@ -75,33 +75,31 @@ inline void tile_dot(const uint8_t* __restrict c, const at::BFloat16* const* xs,
   for (int m = 0; m < M; ++m) acc[m] = _mm512_add_ps(a0[m], a1[m]);
 }
 
-// Rows [t0, t1) of tiles for x rows [m0, m0 + M).
+// Row tile t (16 outputs) over all of K, for x rows [m0, m0 + M).
 template <int BITS, typename S, int M>
-void tiles(const uint8_t* __restrict codes, const S* __restrict scale, const S* __restrict offset,
-           const at::BFloat16* __restrict x, const float* __restrict xsum, void* y, bool float_out,
-           int64_t K, int64_t N, int64_t m0, int64_t t0, int64_t t1) {
+void tile_row(const uint8_t* __restrict codes, const S* __restrict scale, const S* __restrict offset,
+              const at::BFloat16* __restrict x, const float* __restrict xsum, void* y, bool float_out,
+              int64_t K, int64_t N, int64_t m0, int64_t t) {
   constexpr int kTileBytes = BITS == 4 ? 256 : 512;
   const int64_t G = K / kGroup;
   const __m512 shift = _mm512_set1_ps(BITS == 4 ? 128.f : 0.f);
-  for (int64_t t = t0; t < t1; ++t) {
-    __m512 out[kMaxM];
-    for (int m = 0; m < M; ++m) out[m] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t tg = t * G + g;
-      const at::BFloat16* xs[kMaxM];
-      for (int m = 0; m < M; ++m) xs[m] = x + (m0 + m) * K + g * kGroup;
-      __m512 acc[kMaxM];
-      tile_dot<BITS, M>(codes + tg * kTileBytes, xs, acc);
-      const __m512 s = load16(scale + tg * kRows);
-      const __m512 o = _mm512_fnmadd_ps(shift, s, load16(offset + tg * kRows));  // offset - 128 s for 4-bit
-      for (int m = 0; m < M; ++m)
-        out[m] = _mm512_fmadd_ps(o, _mm512_set1_ps(xsum[(m0 + m) * G + g]), _mm512_fmadd_ps(s, acc[m], out[m]));
-    }
-    for (int m = 0; m < M; ++m) {
-      const int64_t at = (m0 + m) * N + t * kRows;
-      if (float_out) _mm512_storeu_ps(static_cast<float*>(y) + at, out[m]);
-      else _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<at::BFloat16*>(y) + at), (__m256i)_mm512_cvtneps_pbh(out[m]));
-    }
+  __m512 out[kMaxM];
+  for (int m = 0; m < M; ++m) out[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t tg = t * G + g;
+    const at::BFloat16* xs[kMaxM];
+    for (int m = 0; m < M; ++m) xs[m] = x + (m0 + m) * K + g * kGroup;
+    __m512 acc[kMaxM];
+    tile_dot<BITS, M>(codes + tg * kTileBytes, xs, acc);
+    const __m512 s = load16(scale + tg * kRows);
+    const __m512 o = _mm512_fnmadd_ps(shift, s, load16(offset + tg * kRows));  // offset - 128 s for 4-bit
+    for (int m = 0; m < M; ++m)
+      out[m] = _mm512_fmadd_ps(o, _mm512_set1_ps(xsum[(m0 + m) * G + g]), _mm512_fmadd_ps(s, acc[m], out[m]));
+  }
+  for (int m = 0; m < M; ++m) {
+    const int64_t at = (m0 + m) * N + t * kRows;
+    if (float_out) _mm512_storeu_ps(static_cast<float*>(y) + at, out[m]);
+    else _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<at::BFloat16*>(y) + at), (__m256i)_mm512_cvtneps_pbh(out[m]));
   }
 }
 
@@ -121,10 +119,10 @@ void run(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, 
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t m0 = 0; m0 < Mtot; m0 += kMaxM) {
         switch (std::min<int64_t>(kMaxM, Mtot - m0)) {
-          case 1: tiles<BITS, S, 1>(c, s, o, xp, xsp, yp, float_out, K, N, m0, t, t + 1); break;
-          case 2: tiles<BITS, S, 2>(c, s, o, xp, xsp, yp, float_out, K, N, m0, t, t + 1); break;
-          case 3: tiles<BITS, S, 3>(c, s, o, xp, xsp, yp, float_out, K, N, m0, t, t + 1); break;
-          default: tiles<BITS, S, 4>(c, s, o, xp, xsp, yp, float_out, K, N, m0, t, t + 1); break;
+          case 1: tile_row<BITS, S, 1>(c, s, o, xp, xsp, yp, float_out, K, N, m0, t); break;
+          case 2: tile_row<BITS, S, 2>(c, s, o, xp, xsp, yp, float_out, K, N, m0, t); break;
+          case 3: tile_row<BITS, S, 3>(c, s, o, xp, xsp, yp, float_out, K, N, m0, t); break;
+          default: tile_row<BITS, S, 4>(c, s, o, xp, xsp, yp, float_out, K, N, m0, t); break;
         }
       }
     }

@@ -36,27 +36,14 @@ def set_enabled(on: bool) -> None:
 
 def available() -> bool:
     """True when the op can run here (builds it on first call: ~20 s once per machine)."""
-    if not has_cpu_flags("avx512f", "avx512bw", "avx512_bf16"):
-        return False
-    if build("cpu_tiled_gemv.cpp", "CPU GEMV kernel", python_module=False) is None:
-        return False
-    _register_fake()
-    return True
+    return (has_cpu_flags("avx512f", "avx512bw", "avx512_bf16")
+            and build("cpu_tiled_gemv.cpp", "CPU GEMV kernel", python_module=False,
+                      fakes={"ember_cpu::tiled_gemv": _fake_gemv}) is not None)
 
 
-_fake_registered = False
-
-
-def _register_fake() -> None:
+def _fake_gemv(x, codes, scale, offset, bits, float_out):
     """Shapes for torch.compile's tracing: the op is an opaque call in a compiled graph."""
-    global _fake_registered
-    if _fake_registered:
-        return
-    _fake_registered = True
-
-    @torch.library.register_fake("ember_cpu::tiled_gemv")
-    def _(x, codes, scale, offset, bits, float_out):
-        return x.new_empty((x.shape[0], codes.shape[0] * ROWS), dtype=torch.float32 if float_out else x.dtype)
+    return x.new_empty((x.shape[0], codes.shape[0] * ROWS), dtype=torch.float32 if float_out else x.dtype)
 
 
 def pack(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int):

@@ -154,8 +154,6 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     return o[0].transpose(0, 1)
 
 
-
-
 def verify_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
                      block_size: int, scale: float) -> torch.Tensor:
     """chunk_attention for a few queries (a verify of 1 + k tokens): the n x G query heads of each kv

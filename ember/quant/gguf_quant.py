@@ -53,9 +53,9 @@ from gguf import GGMLQuantizationType as T
 from torch import nn
 
 from ember.errors import ModelLoadError
+from ember.kernels import cpu_tiled_gemv as tiled_gemv
 from ember.layers.activation import silu_and_mul
 from ember.layers.linear import QuantMethod, new_param
-from ember.kernels import cpu_tiled_gemv as tiled_gemv
 from ember.layers.moe import grouped_experts
 from ember.quant import QuantConfig
 from ember.quant.gguf_blocks import AFFINE_4BIT, AFFINE_8BIT, GROUP, GGUFTensor, affine_codes, dequantize, q6_k_codes
