@@ -44,8 +44,12 @@ class CompiledExecutor:
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int, max_model_len: int,
                  sizes: list[int], mode: str = "max-autotune-no-cudagraphs", freezing: bool = True,
-                 cpp_wrapper: bool = True, query_lens: list[int] = (1,)):
+                 cpp_wrapper: bool = True, query_lens: list[int] = (1,),
+                 row_inputs: tuple[tuple[tuple[int, ...], torch.dtype], ...] = (), what: str = "compiled executor"):
+        """row_inputs: (per-row shape, dtype) of tensors the model takes after (input_ids, positions,
+        kv_caches, meta, select), one row per query (the MTP fill's hidden states)."""
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
+        self.row_inputs, self.what = tuple(row_inputs), what
         self.sizes = sorted(sizes)
         self.query_lens = sorted(query_lens)  # 1 (decode), and 1 + k (speculative verify)
         self.shapes = [(b, n) for n in self.query_lens for b in self.sizes]
@@ -60,27 +64,31 @@ class CompiledExecutor:
         self.compiles = 0  # graphs built at startup
         self.compiled_steps = 0  # steps that ran compiled (the rest ran eagerly)
         self._direct: dict[tuple[int, int], types.FunctionType] = {}  # (size, q_len) -> compiled bytecode, no guards
+        self.call_seconds: dict[tuple[int, int], float] = {}  # (size, q_len) -> median seconds of a call, at warmup
         self.warmup()
 
-    def _forward(self, input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables, kv_caches):
+    def _forward(self, input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables, kv_caches, *rows):
         x = DecodeInputs(input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables)
         q_len = input_ids.shape[0] // block_tables.shape[0]  # static per graph
-        return self.model(input_ids, positions, kv_caches, fixed_meta(x, q_len, self.block_size))
+        return self.model(input_ids, positions, kv_caches, fixed_meta(x, q_len, self.block_size), None, *rows)
 
     @property
     def direct_shapes(self) -> list[tuple[int, int]]:
         """(size, q_len) called straight through their compiled bytecode (no guard evaluation)."""
         return sorted(self._direct)
 
-    def _call(self, x: DecodeInputs) -> torch.Tensor:
+    def _call(self, x: DecodeInputs, rows: tuple = ()) -> torch.Tensor:
         # The table width grows with the longest sequence; everything else is static per size.
         torch._dynamo.maybe_mark_dynamic(x.block_tables, 1)
         return self._compiled(x.input_ids, x.positions, x.slot_mapping, x.query_start_loc, x.seq_lens,
-                              x.block_tables, self.kv_caches)
+                              x.block_tables, self.kv_caches, *rows)
 
-    def _call_direct(self, fn: types.FunctionType, x: DecodeInputs) -> torch.Tensor:
+    def _call_direct(self, fn: types.FunctionType, x: DecodeInputs, rows: tuple = ()) -> torch.Tensor:
         return fn(self, x.input_ids, x.positions, x.slot_mapping, x.query_start_loc, x.seq_lens, x.block_tables,
-                  self.kv_caches)
+                  self.kv_caches, *rows)
+
+    def _dummy_rows(self, n: int, dev) -> tuple:
+        return tuple(torch.zeros(n, *shape, dtype=dtype, device=dev) for shape, dtype in self.row_inputs)
 
     @torch.inference_mode()
     def warmup(self) -> None:
@@ -96,31 +104,66 @@ class CompiledExecutor:
                 t0 = time.perf_counter()
                 seen = len(codes)
                 x = warmup_inputs(b, n, table_width(n, self.block_size), dev)
-                guarded = self._call(x)
+                rows = self._dummy_rows(b * n, dev)
+                guarded = self._call(x, rows)
                 self.compiles += 1
-                logger.info("compiled executor: batch %d x %d queries compiled in %.1fs", b, n, time.perf_counter() - t0)
+                logger.info("%s: batch %d x %d queries compiled in %.1fs", self.what, b, n, time.perf_counter() - t0)
                 if len(codes) == seen + 1:
                     fn = types.FunctionType(codes[-1], source.__globals__, source.__name__, source.__defaults__,
                                             source.__closure__)
-                    if torch.equal(self._call_direct(fn, x), guarded):  # same step again: same slot, same values
+                    if torch.equal(self._call_direct(fn, x, rows), guarded):  # same step again: same slot, same values
                         self._direct[(b, n)] = fn
                 if (b, n) not in self._direct:
-                    logger.warning("compiled executor: batch %d x %d keeps dynamo's guarded call (~2 ms a step slower)",
-                                   b, n)
+                    logger.warning("%s: batch %d x %d keeps dynamo's guarded call (~2 ms a step slower)",
+                                   self.what, b, n)
+            self._time_calls(dev)
         finally:
             hook.remove()
         for cache in self.kv_caches:
             cache[:, 0].zero_()
-        logger.info("compiled executor: sizes %s x query lengths %s ready in %.1fs (inductor cache: torch's default dir)",
-                    self.sizes, self.query_lens, time.perf_counter() - total)
+        logger.info("%s: sizes %s x query lengths %s ready in %.1fs (inductor cache: torch's default dir)",
+                    self.what, self.sizes, self.query_lens, time.perf_counter() - total)
 
-    def run(self, input_ids, positions, meta, select=None):
-        batch = bucket_for(meta.num_seqs, self.sizes)
-        n = uniform_query_len(meta)
-        if select is not None or n not in self.query_lens or batch is None:
-            return self.model(input_ids, positions, self.kv_caches, meta, select)
+    def _time_calls(self, dev, rounds: int = 5) -> None:
+        """Median seconds of one call per shape, the shapes interleaved round by round so that a burst
+        of other work on the machine hits them alike. Speculation prices a verify row from these."""
+        inputs = {s: (warmup_inputs(s[0], s[1], table_width(s[1], self.block_size), dev),
+                      self._dummy_rows(s[0] * s[1], dev)) for s in self.shapes}
+        times: dict[tuple[int, int], list[float]] = {s: [] for s in self.shapes}
+        for _ in range(rounds):
+            for s, (x, rows) in inputs.items():
+                fn = self._direct.get(s)
+                t0 = time.perf_counter()
+                self._call(x, rows) if fn is None else self._call_direct(fn, x, rows)
+                times[s].append(time.perf_counter() - t0)
+        self.call_seconds = {s: sorted(t)[len(t) // 2] for s, t in times.items()}
+
+    def extra_query_cost(self, size: int | None = None) -> float | None:
+        """What one more query per sequence adds to a compiled step at `size` (default: the smallest),
+        as a share of a 1-query step (graph time only, so a little above its share of a whole engine
+        step); None when no longer query length is compiled."""
+        size = self.sizes[0] if size is None else size
+        base = self.call_seconds.get((size, 1))
+        longer = [n for n in self.query_lens if n > 1 and (size, n) in self.call_seconds]
+        if not base or not longer:
+            return None
+        n = max(longer)
+        return max(0.0, (self.call_seconds[(size, n)] - base) / (n - 1) / base)
+
+    def covers(self, meta) -> bool:
+        """Whether a step of this metadata (and no RowSelection) runs compiled."""
+        return uniform_query_len(meta) in self.query_lens and bucket_for(meta.num_seqs, self.sizes) is not None
+
+    def run(self, input_ids, positions, meta, select=None, *rows):
+        """rows: the model's per-row inputs (row_inputs), [T, ...] each."""
+        if select is not None or not self.covers(meta):
+            return self.model(input_ids, positions, self.kv_caches, meta, select, *rows)
+        batch, n = bucket_for(meta.num_seqs, self.sizes), uniform_query_len(meta)
         x = pad_decode(input_ids, positions, meta, batch, table_width(meta.max_seq_len, self.block_size))
+        T = x.input_ids.shape[0]
+        if rows and T > input_ids.shape[0]:  # padded sequences: zero rows (their slots are -1, their outputs dropped)
+            rows = tuple(torch.nn.functional.pad(r, (0, 0) * (r.dim() - 1) + (0, T - r.shape[0])) for r in rows)
         self.compiled_steps += 1
         fn = self._direct.get((batch, n))
-        out = self._call(x) if fn is None else self._call_direct(fn, x)
+        out = self._call(x, rows) if fn is None else self._call_direct(fn, x, rows)
         return out[:input_ids.shape[0]]

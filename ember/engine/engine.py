@@ -137,6 +137,8 @@ class LLMEngine:
             self._start_workers_stepping()
         # After every KV layer exists: compiled graphs and captured graphs address the caches.
         self.runner.executor = build_executor(self.executor_name, self, self.runner)
+        if self.spec is not None:
+            self.spec.prepare(self)
         self.groups: dict[str, _Group] = {}
         self._ids = itertools.count()
         eos = list(self.tokenizer.eos_token_ids)

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# One extra verify row on CPU, relative to a 1-token step: DESIGN.md measures a 4-token verify
+# One extra verify row on CPU, relative to a 1-token step, eager (the compiled executor times its own
+# graphs at warmup, Speculator.calibrate): DESIGN.md measures a 4-token verify
 # at 1.6-1.9x a decode, i.e. ~0.25 per extra token. A drafter with a forward adds its own share.
 TOKEN_COST = 0.25
 DECAY = 0.8  # weight of the past per observed step: ~5 steps of memory
@@ -54,6 +55,11 @@ class AdaptiveK:
     def __init__(self, k_max: int, enabled: bool = True, cost: float = TOKEN_COST, decay: float = DECAY):
         self.k_max, self.enabled, self.cost, self.decay = k_max, enabled, cost, decay
         self.k0 = best_k(PRIOR_ALPHA, k_max, cost) if enabled else k_max
+
+    def set_cost(self, cost: float) -> None:
+        self.cost = cost
+        if self.enabled:
+            self.k0 = best_k(PRIOR_ALPHA, self.k_max, cost)
 
     def state(self, req) -> SpecState:
         if req.spec_state is None:

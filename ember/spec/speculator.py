@@ -33,8 +33,8 @@ class Speculator:
         # A proposer may fix k itself when the config leaves it open (MTP: its number of layers).
         self.k_max = spec.num_speculative_tokens or self.proposer.num_speculative_tokens
         # A drafter that runs a forward per draft token (MTP, a draft model) makes each one dearer.
-        cost = TOKEN_COST + getattr(self.proposer, "draft_token_cost", 0.0)
-        self.adaptive = AdaptiveK(self.k_max, enabled=spec.adaptive, cost=cost)
+        self.draft_token_cost = getattr(self.proposer, "draft_token_cost", 0.0)
+        self.adaptive = AdaptiveK(self.k_max, enabled=spec.adaptive, cost=TOKEN_COST + self.draft_token_cost)
         self.stats = SpecStats(self.k_max)
         self.max_model_len = engine.max_model_len
         logger.info("speculative decoding: %s, k = %d%s", spec.method, self.k_max,
@@ -49,6 +49,23 @@ class Speculator:
         fn = getattr(self.proposer, "attach", None)
         if fn is not None:
             fn(runner)
+
+    def prepare(self, engine: Any) -> None:
+        """Once the runner's executor exists (engine.runner.executor): the proposer may compile its own
+        steps alike (prepare(engine), optional), and a verified token is priced from the executor's
+        own timings when it has them (the compiled CPU executor times its graphs at warmup: there a
+        verify row costs a few percent of a step, not TOKEN_COST's 25% measured eagerly), so adaptive
+        k does not stop drafting on text that pays."""
+        hook = getattr(self.proposer, "prepare", None)
+        if hook is not None:
+            hook(engine)
+        fn = getattr(engine.runner.executor, "extra_query_cost", None)
+        verify = fn() if fn is not None else None
+        if verify is None:
+            return
+        self.adaptive.set_cost(verify + self.draft_token_cost)
+        logger.info("speculative decoding: a drafted token costs %.3f of a decode step (verify row %.3f, measured "
+                    "at warmup; draft %.3f)", self.adaptive.cost, verify, self.draft_token_cost)
 
     def propose(self, requests: Iterable[Any], out: Any = None) -> None:
         """out: the step just run (its SchedulerOutput), for a proposer's after_step."""

@@ -220,13 +220,20 @@ def test_compiled_with_mtp_speculation_keeps_greedy_output(mtp_model):  # noqa: 
     prompts = [random_prompt(n, 60 + s) for s, n in enumerate([7, 4, 11])]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     kw = dict(max_num_seqs=4, enable_mtp=True, num_speculative_tokens=2, adaptive_spec=False)
-    ref = [o.token_ids for o in outputs(make_llm(path, **kw), prompts, params)]
+    eager = make_llm(path, **kw)
+    ref = [o.token_ids for o in outputs(eager, prompts, params)]
     llm = make_llm(path, executor="compiled", compilation_config={**COMPILE, "compile_sizes": [4]}, **kw)
     assert [o.token_ids for o in outputs(llm, prompts, params)] == ref
-    assert llm.engine.stats()["spec_num_accepted_tokens"] > 0
+    accepted = llm.engine.stats()["spec_num_accepted_tokens"]
+    assert accepted > 0 and accepted == eager.engine.stats()["spec_num_accepted_tokens"]
     ex = llm.engine.runner.executor
     assert ex.query_lens == [1, 3] and ex.direct_shapes == [(4, 1), (4, 3)]
     assert ex.compiled_steps == 3  # both verifies and the last decode
+    # the MTP fill compiled at the same shapes: 3 sequences padded to 4, rows of 1 or 3 queries each
+    fill = llm.engine.spec.proposer.fill_executor
+    assert fill.what == "MTP fill" and fill.direct_shapes == [(4, 1), (4, 3)]
+    assert fill.compiled_steps == 3  # after both verifies and the last decode (the prefill's fill is eager)
+    assert ex.extra_query_cost() is not None and llm.engine.spec.adaptive.cost < 1.0
 
 
 def test_compiled_query_lens_follow_the_fused_kernel():
