@@ -41,6 +41,8 @@ DEFAULT_PEERS = ["llamacpp", "hf"]
 # ember's KV pool when --kv-cache-memory is not given: 64 sequences of 640 tokens of the default
 # model (23 KB a token in bf16) fit; larger workloads or models want the flag
 KV_GIB = 1.0
+# held-out chat prompts for decode: rounds -1.. take seeds from here on (ember bench spec's runs use 0..)
+DECODE_PROMPT_RUN = 100
 
 
 # -- sides ----------------------------------------------------------------------------------------
@@ -110,7 +112,18 @@ def _seed(run: int, salt: int) -> int:
     return prompt_seed(run, 0, salt)
 
 
-def decode_task(maker, n: int, skip=frozenset()) -> Task:
+def chat_prompts(model: str):
+    """round -> a held-out chat request (ember.bench.spec.held_out_prompts: text `ember train-mtp` never
+    trains on, through the model's chat template), new each round; the driver's own tokenizer."""
+    from ember.bench.serve import load_tokenizer
+    from ember.bench.spec import held_out_prompts
+
+    tok, _ = load_tokenizer(model)
+    return lambda r: held_out_prompts(tok, 4, DECODE_PROMPT_RUN + r)[0]
+
+
+def decode_task(maker, n: int, skip=frozenset(), prompt: Callable[[int], list[int]] | None = None) -> Task:
+    """prompt: round -> the prompt every side decodes after (default: DECODE_PROMPT_LEN random tokens)."""
     from ember.bench.latency import DECODE_PROMPT_LEN, decode_rates
 
     figs = [Figure("decode", f"batch-1 decode, {n} tokens", "tok/s", True),
@@ -122,7 +135,7 @@ def decode_task(maker, n: int, skip=frozenset()) -> Task:
         mean, steady = decode_rates(times)
         return {"decode": mean, "decode_steady": steady}
 
-    return Task(figs, lambda r: maker.make(1, DECODE_PROMPT_LEN, _seed(r, 1))[0], measure, skip)
+    return Task(figs, prompt or (lambda r: maker.make(1, DECODE_PROMPT_LEN, _seed(r, 1))[0]), measure, skip)
 
 
 def ttft_key(length: int) -> str:
@@ -376,7 +389,8 @@ def cmd_compare(args) -> None:
             sides[PEER_NAMES[p]] = start_side(PEERS[p], peer_kwargs[p], threads, args.in_process)
         maker = prompt_maker_of(sides[EMBER], args.prompt_seed)
         only_ember = frozenset({MTP})
-        tasks = [decode_task(maker, args.decode_tokens), *(ttft_task(maker, n, only_ember) for n in args.prompt_lens),
+        decode_prompt = chat_prompts(path) if args.decode_prompt == "chat" else None
+        tasks = [decode_task(maker, args.decode_tokens, prompt=decode_prompt), *(ttft_task(maker, n, only_ember) for n in args.prompt_lens),
                  throughput_task(maker, args.num_prompts, lo, hi, args.output_len, only_ember)]
         load = load_average()
         results, bandwidth = measure(sides, tasks, runs=args.runs, quiet_wait_s=args.quiet_wait,
@@ -385,7 +399,8 @@ def cmd_compare(args) -> None:
         shared = any(s.shared_process for s in sides.values())
         figures = summarize_figures([f for t in tasks for f in t.figures], results)
         command = _command(args, ["runs", "peer", "output", "prompt_seed", "quiet_wait", "decode_tokens", "prompt_lens",
-                                  "num_prompts", "input_len_range", "output_len", "bandwidth_mib", "llamacpp_batch"])
+                                  "num_prompts", "input_len_range", "output_len", "bandwidth_mib", "llamacpp_batch",
+                                  "decode_prompt"])
         command += switches(args, mtp="--no-mtp")
         data = {"kind": KIND, "command": command,
                 "machine": machine_info(), "load_at_start": load, "threads": threads, "runs": args.runs,
@@ -398,8 +413,12 @@ def cmd_compare(args) -> None:
             s.close()
     data["notes"] = [
         f"{args.runs} measured rounds after 1 warmup round; cells are median [min-max]; ember / peer ratios are taken "
-        "round by round, then summarized; every side sees the same seeded random prompts (ordinary tokens), new each round",
-        f"decode: greedy, {args.decode_tokens} tokens after a {DECODE_PROMPT_LEN}-token prompt, EOS ignored; "
+        "round by round, then summarized; every side sees the same prompts, new each round: seeded random ordinary "
+        "tokens for TTFT and throughput" + (", a held-out chat request for decode" if decode_prompt else ""),
+        "decode: greedy, " + (f"{args.decode_tokens} tokens answering a chat request built from text the MTP head "
+                              "never trained on (ember.bench.spec.held_out_prompts, pydoc_split('eval') through the "
+                              "chat template), EOS ignored; " if decode_prompt else
+                              f"{args.decode_tokens} tokens after a {DECODE_PROMPT_LEN}-token random prompt, EOS ignored; ") +
         "mean = (N - 1) / (last token time - first token time), which the bars use (with MTP a step brings several "
         "tokens at once, and the mean is what a user gets); steady = 1 / median gap between tokens, shown because a "
         "burst of other work stretches a few gaps but not the median",
@@ -475,6 +494,9 @@ def add_compare_parser(sub) -> None:
     p.add_argument("--prompt-lens", type=_int_list, default=[512, 2000], metavar="N,N,...",
                    help="prompt lengths for TTFT; the bar is judged at the longest")
     p.add_argument("--no-mtp", dest="mtp", action="store_false", help="leave out the ember+MTP side")
+    p.add_argument("--decode-prompt", choices=("chat", "random"), default="chat",
+                   help="what the batch-1 decode figure answers: chat = a held-out chat request (what speculation is "
+                        "for: its speed depends on the text), random = 32 random tokens (the text says nothing)")
     p.add_argument("--llamacpp-batch", choices=("parallel", "sequential"), default="parallel",
                    help="llama.cpp's offline throughput: parallel = all prompts as sequences of one llama_decode batch "
                         "(llama.cpp's batch API; llama-cpp-python's generate() has none), sequential = one after another")

@@ -16,7 +16,7 @@ from tests.bench import test_bench_cli
 one_model_load = test_bench_cli.one_model_load  # fixture: the default model, loaded once per set of knobs
 
 TINY = ["--runs", "1", "--quiet-wait", "0", "--decode-tokens", "4", "--num-prompts", "2", "--input-len-range", "4,8",
-        "--output-len", "3", "--kv-cache-memory", "0.05", "--max-model-len", "128", "--in-process"]
+        "--output-len", "3", "--kv-cache-memory", "0.05", "--max-model-len", "512", "--in-process"]
 
 
 @pytest.fixture
@@ -37,6 +37,7 @@ def test_compare_writes_rows_and_judges_the_bars(tmp_path, one_model_load, fake_
         assert row in text, row
     assert "--input-len-range 4,8" in text and "--in-process" in text and "--peer llamacpp,hf" in text
     assert "--llamacpp-batch parallel" in text and "all prompts as parallel sequences through llama_decode" in text
+    assert "--decode-prompt chat" in text and "a held-out chat request for decode" in text
 
     data = json.loads((tmp_path / "cpu-compare.json").read_text())
     assert list(data["sides"]) == ["ember", "ember+MTP", "llama.cpp", "transformers"]
@@ -67,11 +68,25 @@ def test_compare_writes_rows_and_judges_the_bars(tmp_path, one_model_load, fake_
 def test_without_peers_the_bars_say_not_measured(tmp_path, one_model_load):
     md = tmp_path / "cpu.md"
     assert main(["bench", "compare", *TINY, "--peer", "none", "--no-mtp", "--prompt-lens", "8", "--bandwidth-mib", "0",
-                 "--output", str(md)]) == 0
+                 "--decode-prompt", "random", "--output", str(md)]) == 0
+    assert "4 tokens after a 32-token random prompt" in md.read_text()
     data = json.loads((tmp_path / "cpu-compare.json").read_text())
     assert list(data["sides"]) == ["ember"] and data["bandwidth"] is None
     assert all(b["result"].startswith("n/a") for b in data["bars"])
     assert "--peer none " in data["command"] and data["command"].endswith(" --in-process --no-mtp")
+
+
+def test_decode_prompts_are_held_out_chat_requests():
+    """One per round, the same for every side and every rerun, through the model's chat template."""
+    from ember.bench.serve import load_tokenizer
+    from ember.default_model import default_model_path
+
+    prompt = compare.chat_prompts(default_model_path())
+    first, again, second = prompt(0), prompt(0), prompt(1)
+    assert first == again and first != second
+    tok, _ = load_tokenizer(default_model_path())
+    text = tok.decode(first, skip_special_tokens=False)
+    assert text.count("<|im_start|>user") == 1 and text.endswith("<|im_start|>assistant\n")
 
 
 def test_matrix_rows(tmp_path, one_model_load):
