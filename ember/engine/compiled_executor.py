@@ -12,8 +12,10 @@ length grows every step. Every size is compiled at startup, so no request waits 
 Speculative verifies (every sequence 1 + k queries) are compiled too, at every size, where the
 attention backend runs them from fixed-shape metadata (the torch backend with its fused C++
 kernel: query_lens [1, 1 + k]). Not compiled (eager): prefill chunks, mixed steps, verifies of
-another length (an adaptive draft cut short), steps with a RowSelection, batches above the
-largest size, and MTP draft steps.
+another length (a pinned k cut short near max_tokens; with adaptive k every 1 + k is compiled),
+steps with a RowSelection and batches above the largest size. The MTP's fill and its layer-0
+draft steps run in a CompiledExecutor of their own (row_inputs: the hidden states; see
+MTPProposer.prepare).
 
 Guards: dynamo checks ~7,000 guards (every module attribute and parameter the forward touched)
 before each call, 1.3 ms of an 8 ms batch-1 step on the default model; the whole dispatch cost
@@ -147,7 +149,7 @@ class CompiledExecutor:
         longer = [n for n in self.query_lens if n > 1 and (size, n) in self.call_seconds]
         if not base or not longer:
             return None
-        n = max(longer)
+        n = max(longer)  # the longest: the per-query slope, least swayed by timer noise
         return max(0.0, (self.call_seconds[(size, n)] - base) / (n - 1) / base)
 
     def covers(self, meta) -> bool:

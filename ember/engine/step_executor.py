@@ -126,9 +126,10 @@ def build_executor(name: str, engine, runner) -> StepExecutor:
 
         cc = compile_options(engine.config, engine.max_num_seqs)
         k_max = engine.spec.k_max if engine.spec is not None else 0
+        adaptive = engine.spec is not None and engine.spec.config.adaptive
         return CompiledExecutor(runner.model, runner.kv_caches, runner.block_size, engine.max_model_len,
                                 cc["compile_sizes"], cc["mode"], cc["freezing"], cc["cpp_wrapper"],
-                                compiled_query_lens(k_max, attention_backend_of(runner.model)))
+                                compiled_query_lens(k_max, attention_backend_of(runner.model), adaptive))
     from ember.engine.cuda_graph_executor import CUDAGraphExecutor
 
     return CUDAGraphExecutor(runner.model, runner.kv_caches, runner.block_size, engine.max_model_len,
@@ -143,14 +144,15 @@ def graph_query_lens(k_max: int, backend) -> list[int]:
     return [1]
 
 
-def compiled_query_lens(k_max: int, backend) -> list[int]:
+def compiled_query_lens(k_max: int, backend, adaptive: bool = False) -> list[int]:
     """Query lengths the CPU compiled executor builds graphs for: 1, and 1 + k when speculating
-    with k drafts and the backend's fused CPU kernel runs that from fixed-shape metadata."""
+    with k drafts and the backend's fused CPU kernel runs that from fixed-shape metadata; with
+    adaptive k, every 1 + k for k in 1..k_max (a request's k moves with its acceptance)."""
     from ember.kernels.cpu_paged_attention import paged_attention_op
 
     fused = getattr(backend, "fused_decode", False) and paged_attention_op() is not None
     if k_max >= 1 and fused and getattr(backend, "fused_fixed_shape_max_query_len", 1) >= 1 + k_max:
-        return [1, 1 + k_max]
+        return list(range(1, k_max + 2)) if adaptive else [1, 1 + k_max]
     return [1]
 
 

@@ -6,7 +6,9 @@ trials, so positions after it are not counted as failures: the geometric MLE). W
 acceptance alpha, k drafts yield E[N] = (1 - alpha^(k+1)) / (1 - alpha) tokens for a step
 costing 1 + k * c, where c is the cost of one more verified (and drafted) token relative to
 a plain decode step. k is the argmax of E[N] / (1 + k c) over 1..k_max: e.g. with c = 0.25,
-alpha 0.9 -> 6, 0.8 -> 3, 0.6 -> 2, 0.3..0.5 -> 1. High temperature and prose lower it; code
+alpha 0.9 -> 6, 0.8 -> 3, 0.6 -> 2, 0.3..0.5 -> 1. c is TOKEN_COST (eager) or what the compiled
+executor measured at warmup (Speculator.prepare: ~0.1 at batch 1 on the default model), plus the
+drafter's own share. High temperature and prose lower it; code
 and repetition raise it. When no k >= 1 beats a plain decode step (E[N] / (1 + k c) < 1, i.e.
 alpha < c), the request stops drafting (k = 0) and probes with one draft every PROBE_EVERY
 steps, so it comes back when its text turns predictable again. `--no-adaptive-spec` pins

@@ -293,7 +293,12 @@ class MTPProposer:
                 block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
                 block_size=bs, query_lens_cpu=[1] * len(idx), seq_lens_cpu=lens,
                 max_query_len=1, max_seq_len=max(lens), all_slots_valid=True)
-            g = self.mtp(toks, torch.tensor(pos, dtype=torch.int64, device=dev), g, self.caches, meta, step=j)
+            pos_t = torch.tensor(pos, dtype=torch.int64, device=dev)
+            if self.fill_executor is not None and self.mtp.layer_for_step(j) == 0 and self.fill_executor.covers(meta):
+                # one row per sequence through layer 0: the fill's 1-query graph, on the chain's tables
+                g = self.fill_executor.run(toks, pos_t, meta, None, g)
+            else:
+                g = self.mtp(toks, pos_t, g, self.caches, meta, step=j)
             toks, qs = self._pick(g, j, [live[i][1] for i in idx])
             for i, t, q in zip(idx, toks.tolist(), qs):
                 drafts[i].append(t)

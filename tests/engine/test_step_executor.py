@@ -232,8 +232,26 @@ def test_compiled_with_mtp_speculation_keeps_greedy_output(mtp_model):  # noqa: 
     # the MTP fill compiled at the same shapes: 3 sequences padded to 4, rows of 1 or 3 queries each
     fill = llm.engine.spec.proposer.fill_executor
     assert fill.what == "MTP fill" and fill.direct_shapes == [(4, 1), (4, 3)]
-    assert fill.compiled_steps == 3  # after both verifies and the last decode (the prefill's fill is eager)
+    # fills after both verifies and the last decode (the prefill's is eager), and the chain's second draft
+    # (layer 0 again, one row per sequence) after the prefill and after the first verify
+    assert fill.compiled_steps == 5
     assert ex.extra_query_cost() is not None and llm.engine.spec.adaptive.cost < 1.0
+
+
+def test_compiled_adaptive_mtp_has_a_graph_for_every_draft_length(mtp_model):  # noqa: F811
+    """Adaptive k moves between 1 and k_max: every verify length is compiled (main model and fill), and
+    the greedy output is the eager engine's."""
+    path = mtp_model("qwen3", "deepseek")
+    prompt = [random_prompt(9, 71)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    kw = dict(max_num_seqs=1, enable_mtp=True, num_speculative_tokens=2, adaptive_spec=True)
+    ref = outputs(make_llm(path, **kw), prompt, params)[0].token_ids
+    llm = make_llm(path, executor="compiled", compilation_config={**COMPILE, "compile_sizes": [1]}, **kw)
+    assert outputs(llm, prompt, params)[0].token_ids == ref
+    ex, fill = llm.engine.runner.executor, llm.engine.spec.proposer.fill_executor
+    assert ex.query_lens == [1, 2, 3] and ex.direct_shapes == [(1, 1), (1, 2), (1, 3)]
+    assert fill.direct_shapes == [(1, 1), (1, 2), (1, 3)] and fill.compiled_steps > 0
+    assert sorted(ex.call_seconds) == [(1, 1), (1, 2), (1, 3)]
 
 
 def test_compiled_query_lens_follow_the_fused_kernel():
@@ -244,6 +262,7 @@ def test_compiled_query_lens_follow_the_fused_kernel():
     backend = TorchAttentionBackend()
     assert compiled_query_lens(0, backend) == [1]  # no speculation
     assert compiled_query_lens(2, backend) == [1, 3]
+    assert compiled_query_lens(2, backend, adaptive=True) == [1, 2, 3]  # adaptive k may pick any of 1..2
     assert compiled_query_lens(16, backend) == [1]  # 17 queries: past the kernel's fixed-shape bound
     backend.fused_decode = False  # --no-cpu-paged-attention: the torch path needs host lists
     assert compiled_query_lens(2, backend) == [1]
