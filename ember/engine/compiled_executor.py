@@ -41,6 +41,16 @@ from ember.layers.rotary import RotaryEmbedding
 logger = logging.getLogger("ember")
 
 
+def _cache_entries() -> int:
+    """dynamo's cache entries (graphs) for CompiledExecutor._forward so far in this process."""
+    try:
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        return len(_debug_get_cache_entry_list(CompiledExecutor._forward.__code__))
+    except Exception:  # noqa: BLE001 - a private API; without it the limit is only per executor
+        return 0
+
+
 class CompiledExecutor:
     name = "compiled"
 
@@ -61,7 +71,9 @@ class CompiledExecutor:
         # torch.compile takes a mode or options, not both: the mode's options plus freezing.
         options = dict(torch._inductor.list_mode_options(mode)) | {"freezing": freezing, "cpp_wrapper": cpp_wrapper}
         # One graph per shape, plus slack for a re-specialisation; dynamo's default limit is 8.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(self.shapes) + 4)
+        # Every executor in this process (other engines, the MTP fill) adds entries to the same code object.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                                   _cache_entries() + 2 * len(self.shapes) + 4)
         self._compiled = torch.compile(self._forward, options=options, dynamic=False, fullgraph=True)
         self.compiles = 0  # graphs built at startup
         self.compiled_steps = 0  # steps that ran compiled (the rest ran eagerly)
@@ -80,8 +92,12 @@ class CompiledExecutor:
         return sorted(self._direct)
 
     def _call(self, x: DecodeInputs, rows: tuple = ()) -> torch.Tensor:
-        # The table width grows with the longest sequence; everything else is static per size.
+        # The table width grows with the longest sequence; everything else is static per size. The
+        # pool's block count is symbolic too: engines with another --kv-cache-memory (or an MTP layer
+        # in the pool) reuse the same graphs from inductor's cache instead of compiling their own.
         torch._dynamo.maybe_mark_dynamic(x.block_tables, 1)
+        for cache in self.kv_caches:
+            torch._dynamo.maybe_mark_dynamic(cache, 1)
         return self._compiled(x.input_ids, x.positions, x.slot_mapping, x.query_start_loc, x.seq_lens,
                               x.block_tables, self.kv_caches, *rows)
 
@@ -110,8 +126,11 @@ class CompiledExecutor:
                 guarded = self._call(x, rows)
                 self.compiles += 1
                 logger.info("%s: batch %d x %d queries compiled in %.1fs", self.what, b, n, time.perf_counter() - t0)
-                if len(codes) == seen + 1:
-                    fn = types.FunctionType(codes[-1], source.__globals__, source.__name__, source.__defaults__,
+                # a new graph's bytecode, or that of the cached graph dynamo chose (an earlier engine's
+                # in this process, e.g. another --kv-cache-memory: weights are graph inputs, so it fits)
+                code = codes[-1] if len(codes) == seen + 1 else self._reused_code(x, rows) if len(codes) == seen else None
+                if code is not None:
+                    fn = types.FunctionType(code, source.__globals__, source.__name__, source.__defaults__,
                                             source.__closure__)
                     if torch.equal(self._call_direct(fn, x, rows), guarded):  # same step again: same slot, same values
                         self._direct[(b, n)] = fn
@@ -125,6 +144,20 @@ class CompiledExecutor:
             cache[:, 0].zero_()
         logger.info("%s: sizes %s x query lengths %s ready in %.1fs (inductor cache: torch's default dir)",
                     self.what, self.sizes, self.query_lens, time.perf_counter() - total)
+
+    def _reused_code(self, x: DecodeInputs, rows: tuple) -> types.CodeType | None:
+        """The rewritten bytecode of the cache entry of `_forward` whose guards pass for these arguments
+        (dynamo's private cache-entry list: None if that API moves)."""
+        try:
+            from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+            code = CompiledExecutor._forward.__code__
+            values = (self, x.input_ids, x.positions, x.slot_mapping, x.query_start_loc, x.seq_lens, x.block_tables,
+                      self.kv_caches, rows)
+            frame = dict(zip(code.co_varnames[:len(values)], values))
+            return next((e.code for e in _debug_get_cache_entry_list(code) if e.guard_manager.check(frame)), None)
+        except Exception:  # noqa: BLE001 - the guarded call still works
+            return None
 
     def _time_calls(self, dev, rounds: int = 5) -> None:
         """Median seconds of one call per shape, the shapes interleaved round by round so that a burst
