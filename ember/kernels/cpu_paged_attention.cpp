@@ -5,6 +5,9 @@
 // in memory. See cpu_paged_attention.py for why and how it is built.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include <cmath>
 #include <cstring>
@@ -29,10 +32,158 @@ inline float to_float<c10::BFloat16>(c10::BFloat16 x) {
   return f;
 }
 
-template <typename T, int D>
+#if defined(__AVX512F__)
+// exp(x) of 16 lanes, x <= 0 (a score minus its running max): x = n ln2 + r (Cody-Waite),
+// Cephes' degree-6 polynomial for exp(r) on |r| <= ln2 / 2, times 2^n built in the exponent bits.
+// Within 2 ulp of std::exp; 0 below -87 (float32 underflow). A scalar std::exp per key and query
+// head was most of a tile's time (GCC does not vectorize it).
+inline __m512 exp_nonpositive(__m512 x) {
+  const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ);
+  return _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(e));
+}
+#endif
+
+// s[0..n) <- exp(s - its max folded into the running max m); returns (new max, sum of the new s).
+inline void softmax_tile(float* __restrict s, int64_t n, float m_old, float* m_new, float* sum_out) {
+#if defined(__AVX512F__)
+  __m512 vmax = _mm512_set1_ps(m_old);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+    vmax = _mm512_mask_max_ps(vmax, k, vmax, _mm512_maskz_loadu_ps(k, s + j));
+  }
+  const float mx = _mm512_reduce_max_ps(vmax);
+  const __m512 vmx = _mm512_set1_ps(mx);
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+    const __m512 p = _mm512_maskz_mov_ps(k, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), vmx)));
+    _mm512_mask_storeu_ps(s + j, k, p);
+    vsum = _mm512_add_ps(vsum, p);
+  }
+  *m_new = mx;
+  *sum_out = _mm512_reduce_add_ps(vsum);
+#else
+  float mx = m_old;
+  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
+  float sum = 0.f;
+  for (int64_t j = 0; j < n; ++j) {
+    s[j] = std::exp(s[j] - mx);
+    sum += s[j];
+  }
+  *m_new = mx;
+  *sum_out = sum;
+#endif
+}
+
+#if defined(__AVX512F__)
+// 16 cache elements -> float32 lanes (the types the vector path takes; fp8 stays on the scalar one).
+template <typename T>
+struct Vec16 : std::false_type {};
+template <>
+struct Vec16<c10::BFloat16> : std::true_type {
+  static __m512 load(const c10::BFloat16* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+};
+template <>
+struct Vec16<c10::Half> : std::true_type {
+  static __m512 load(const c10::Half* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+};
+template <>
+struct Vec16<float> : std::true_type {
+  static __m512 load(const float* p) { return _mm512_loadu_ps(p); }
+};
+
+// attend() with the group size and head size fixed and every row in registers: a key row is
+// converted once into D/16 vectors, each query head's dot product is a chain of FMAs with one
+// horizontal sum, and the accumulators stay in registers across the whole context (the default
+// model, G = 3, D = 64: 12 query + 12 accumulator + 4 row registers of 32).
+template <typename T, int D, int kG>
+void attend_vec(const float* __restrict qs, const T* __restrict kc, const T* __restrict vc,
+                const int32_t* __restrict table, int64_t kv_len, int64_t bs, int64_t row_stride,
+                float* __restrict out) {
+  constexpr int V = D / 16;
+  __m512 q[kG][V], acc[kG][V];
+  float m[kG], l[kG];
+  alignas(64) float s[kG][kTile];
+  alignas(64) int64_t slot[kTile];
+  for (int g = 0; g < kG; ++g) {
+    m[g] = -std::numeric_limits<float>::infinity();
+    l[g] = 0.f;
+    for (int v = 0; v < V; ++v) {
+      q[g][v] = _mm512_loadu_ps(qs + g * D + 16 * v);
+      acc[g][v] = _mm512_setzero_ps();
+    }
+  }
+  int64_t blk = 0, off = 0;
+  for (int64_t t0 = 0; t0 < kv_len; t0 += kTile) {
+    const int64_t n = std::min<int64_t>(kTile, kv_len - t0);
+    for (int64_t j = 0; j < n; ++j) {
+      slot[j] = ((int64_t)table[blk] * bs + off) * row_stride;
+      if (++off == bs) {
+        off = 0;
+        ++blk;
+      }
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      __m512 k[V];
+      for (int v = 0; v < V; ++v) k[v] = Vec16<T>::load(kc + slot[j] + 16 * v);
+      for (int g = 0; g < kG; ++g) {
+        __m512 t = _mm512_mul_ps(q[g][0], k[0]);
+        for (int v = 1; v < V; ++v) t = _mm512_fmadd_ps(q[g][v], k[v], t);
+        s[g][j] = _mm512_reduce_add_ps(t);
+      }
+    }
+    for (int g = 0; g < kG; ++g) {
+      float mx, sum;
+      softmax_tile(s[g], n, m[g], &mx, &sum);
+      const float rescale = std::exp(m[g] - mx);  // exp(-inf) = 0 on the first tile
+      l[g] = l[g] * rescale + sum;
+      m[g] = mx;
+      if (rescale != 1.f) {
+        const __m512 r = _mm512_set1_ps(rescale);
+        for (int v = 0; v < V; ++v) acc[g][v] = _mm512_mul_ps(acc[g][v], r);
+      }
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      __m512 row[V];
+      for (int v = 0; v < V; ++v) row[v] = Vec16<T>::load(vc + slot[j] + 16 * v);
+      for (int g = 0; g < kG; ++g) {
+        const __m512 p = _mm512_set1_ps(s[g][j]);
+        for (int v = 0; v < V; ++v) acc[g][v] = _mm512_fmadd_ps(p, row[v], acc[g][v]);
+      }
+    }
+  }
+  for (int g = 0; g < kG; ++g) {
+    const __m512 inv = _mm512_set1_ps(l[g] > 0.f ? 1.f / l[g] : 0.f);
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(out + g * D + 16 * v, _mm512_mul_ps(acc[g][v], inv));
+  }
+}
+#endif
+
+template <typename T, int D, int kG>
 void attend(const float* __restrict qs, const T* __restrict kc, const T* __restrict vc,
-            const int32_t* __restrict table, int64_t kv_len, int64_t bs, int64_t row_stride, int64_t G,
+            const int32_t* __restrict table, int64_t kv_len, int64_t bs, int64_t row_stride, int64_t G_run,
             float* __restrict out) {
+  // kG > 0: the group size as a constant, so the per-head loops unroll and their dot products
+  // overlap (the common GQA ratios); 0: G_run at run time.
+  const int64_t G = kG > 0 ? kG : G_run;
   // qs: G query heads [G, D], already scaled; kc/vc point at this kv head in block 0, slot 0;
   // row_stride = elements between consecutive slots (Hkv * D); out: [G, D] float32.
   alignas(64) float acc[kMaxG][D];
@@ -44,11 +195,21 @@ void attend(const float* __restrict qs, const T* __restrict kc, const T* __restr
     l[g] = 0.f;
     for (int d = 0; d < D; ++d) acc[g][d] = 0.f;
   }
+  // Each key's element offset in the cache, walked block by block: an integer division per key
+  // (t / bs, t % bs with bs known only at run time) cost more than the key's dot products.
+  alignas(64) int64_t slot[kTile];
+  int64_t blk = 0, off = 0;
   for (int64_t t0 = 0; t0 < kv_len; t0 += kTile) {
     const int64_t n = std::min<int64_t>(kTile, kv_len - t0);
     for (int64_t j = 0; j < n; ++j) {
-      const int64_t t = t0 + j;
-      const T* __restrict kp = kc + ((int64_t)table[t / bs] * bs + t % bs) * row_stride;
+      slot[j] = ((int64_t)table[blk] * bs + off) * row_stride;
+      if (++off == bs) {
+        off = 0;
+        ++blk;
+      }
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const T* __restrict kp = kc + slot[j];
       for (int d = 0; d < D; ++d) row[d] = to_float(kp[d]);
       for (int64_t g = 0; g < G; ++g) {
         const float* __restrict qg = qs + g * D;
@@ -59,23 +220,16 @@ void attend(const float* __restrict qs, const T* __restrict kc, const T* __restr
       }
     }
     for (int64_t g = 0; g < G; ++g) {
-      float mx = m[g];
-      for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[g][j]);
+      float mx, sum;
+      softmax_tile(s[g], n, m[g], &mx, &sum);
       const float rescale = std::exp(m[g] - mx);  // exp(-inf) = 0 on the first tile
-      float sum = 0.f;
-      for (int64_t j = 0; j < n; ++j) {
-        const float p = std::exp(s[g][j] - mx);
-        s[g][j] = p;
-        sum += p;
-      }
       l[g] = l[g] * rescale + sum;
       m[g] = mx;
       if (rescale != 1.f)
         for (int d = 0; d < D; ++d) acc[g][d] *= rescale;
     }
     for (int64_t j = 0; j < n; ++j) {
-      const int64_t t = t0 + j;
-      const T* __restrict vp = vc + ((int64_t)table[t / bs] * bs + t % bs) * row_stride;
+      const T* __restrict vp = vc + slot[j];
       for (int d = 0; d < D; ++d) row[d] = to_float(vp[d]);
       for (int64_t g = 0; g < G; ++g) {
         const float p = s[g][j];
@@ -103,15 +257,34 @@ void run(const torch::Tensor& qf, const torch::Tensor& kv_cache, const torch::Te
   const int32_t* sidx = seq_idx.data_ptr<int32_t>();
   const int32_t* lens = kv_lens.data_ptr<int32_t>();
   float* o = out.data_ptr<float>();
-  auto body = [&](auto d_const) {
+  auto tasks = [&](auto d_const, auto g_const) {
     constexpr int Dc = decltype(d_const)::value;
+    constexpr int Gc = decltype(g_const)::value;
     at::parallel_for(0, Tq * Hkv, 1, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
         const int64_t i = task / Hkv, h = task % Hkv;
-        attend<T, Dc>(q + (i * Hq + h * G) * D, kbase + h * D, vbase + h * D, tables + (int64_t)sidx[i] * W,
-                      lens[i], bs, Hkv * D, G, o + (i * Hq + h * G) * D);
+        const float* qi = q + (i * Hq + h * G) * D;
+        const int32_t* table = tables + (int64_t)sidx[i] * W;
+        float* oi = o + (i * Hq + h * G) * D;
+#if defined(__AVX512F__)
+        if constexpr (Gc > 0 && Dc % 16 == 0 && Vec16<T>::value) {
+          attend_vec<T, Dc, Gc>(qi, kbase + h * D, vbase + h * D, table, lens[i], bs, Hkv * D, oi);
+          continue;
+        }
+#endif
+        attend<T, Dc, Gc>(qi, kbase + h * D, vbase + h * D, table, lens[i], bs, Hkv * D, G, oi);
       }
     });
+  };
+  auto body = [&](auto d_const) {
+    switch (G) {
+      case 1: tasks(d_const, std::integral_constant<int, 1>{}); break;
+      case 2: tasks(d_const, std::integral_constant<int, 2>{}); break;
+      case 3: tasks(d_const, std::integral_constant<int, 3>{}); break;
+      case 4: tasks(d_const, std::integral_constant<int, 4>{}); break;
+      case 8: tasks(d_const, std::integral_constant<int, 8>{}); break;
+      default: tasks(d_const, std::integral_constant<int, 0>{}); break;
+    }
   };
   switch (D) {  // keep in step with HEAD_SIZES in cpu_paged_attention.py
     case 16: body(std::integral_constant<int, 16>{}); break;
