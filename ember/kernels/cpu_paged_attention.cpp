@@ -13,12 +13,14 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 namespace {
 
 constexpr int kTile = 32;  // keys scored per online-softmax update
 constexpr int kMaxG = 16;  // query heads per kv head
 constexpr int kMaxD = 256;
+constexpr int64_t kMinSplit = 64;  // keys per part, at least, when a context is split over threads
 
 // Element -> float. bf16 is the top half of a float32: a shift, which the compiler vectorizes
 // (c10::BFloat16's own conversion goes through a memcpy it does not).
@@ -114,10 +116,14 @@ struct Vec16<float> : std::true_type {
 // converted once into D/16 vectors, each query head's dot product is a chain of FMAs with one
 // horizontal sum, and the accumulators stay in registers across the whole context (the default
 // model, G = 3, D = 64: 12 query + 12 accumulator + 4 row registers of 32).
+//
+// Keys k_begin .. k_end - 1 only. m_out == nullptr: out = the normalized attention. Else a split
+// of the context (see run): out = the unnormalized accumulators, m_out / l_out = running max and sum
+// per head, merged by merge_splits.
 template <typename T, int D, int kG>
 void attend_vec(const float* __restrict qs, const T* __restrict kc, const T* __restrict vc,
-                const int32_t* __restrict table, int64_t kv_len, int64_t bs, int64_t row_stride,
-                float* __restrict out) {
+                const int32_t* __restrict table, int64_t k_begin, int64_t k_end, int64_t bs, int64_t row_stride,
+                float* __restrict out, float* __restrict m_out = nullptr, float* __restrict l_out = nullptr) {
   constexpr int V = D / 16;
   __m512 q[kG][V], acc[kG][V];
   float m[kG], l[kG];
@@ -131,9 +137,9 @@ void attend_vec(const float* __restrict qs, const T* __restrict kc, const T* __r
       acc[g][v] = _mm512_setzero_ps();
     }
   }
-  int64_t blk = 0, off = 0;
-  for (int64_t t0 = 0; t0 < kv_len; t0 += kTile) {
-    const int64_t n = std::min<int64_t>(kTile, kv_len - t0);
+  int64_t blk = k_begin / bs, off = k_begin % bs;
+  for (int64_t t0 = k_begin; t0 < k_end; t0 += kTile) {
+    const int64_t n = std::min<int64_t>(kTile, k_end - t0);
     for (int64_t j = 0; j < n; ++j) {
       slot[j] = ((int64_t)table[blk] * bs + off) * row_stride;
       if (++off == bs) {
@@ -171,11 +177,35 @@ void attend_vec(const float* __restrict qs, const T* __restrict kc, const T* __r
     }
   }
   for (int g = 0; g < kG; ++g) {
-    const __m512 inv = _mm512_set1_ps(l[g] > 0.f ? 1.f / l[g] : 0.f);
+    if (m_out != nullptr) {
+      m_out[g] = m[g];
+      l_out[g] = l[g];
+    }
+    const __m512 inv = _mm512_set1_ps(m_out != nullptr ? 1.f : l[g] > 0.f ? 1.f / l[g] : 0.f);
     for (int v = 0; v < V; ++v) _mm512_storeu_ps(out + g * D + 16 * v, _mm512_mul_ps(acc[g][v], inv));
   }
 }
 #endif
+
+// S partial results of one (query, kv head) task -> out [G, D]: rescale each split to the common max.
+inline void merge_splits(const float* acc, const float* m, const float* l, int64_t S, int64_t G, int64_t D,
+                         float* out) {
+  for (int64_t g = 0; g < G; ++g) {
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < S; ++p) mx = std::max(mx, m[p * G + g]);
+    float total = 0.f;
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] = 0.f;
+    for (int64_t p = 0; p < S; ++p) {
+      if (l[p * G + g] == 0.f) continue;  // an empty split
+      const float w = std::exp(m[p * G + g] - mx);
+      total += w * l[p * G + g];
+      const float* a = acc + (p * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) out[g * D + d] += w * a[d];
+    }
+    const float inv = total > 0.f ? 1.f / total : 0.f;
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] *= inv;
+  }
+}
 
 template <typename T, int D, int kG>
 void attend(const float* __restrict qs, const T* __restrict kc, const T* __restrict vc,
@@ -260,6 +290,36 @@ void run(const torch::Tensor& qf, const torch::Tensor& kv_cache, const torch::Te
   auto tasks = [&](auto d_const, auto g_const) {
     constexpr int Dc = decltype(d_const)::value;
     constexpr int Gc = decltype(g_const)::value;
+#if defined(__AVX512F__)
+    if constexpr (Gc > 0 && Dc % 16 == 0 && Vec16<T>::value) {
+      // Fewer (query, kv head) tasks than twice the threads (batch-1 decode: the default model's 3 kv
+      // heads on 2 threads left one idle half the time): split each context into S parts of at least
+      // kMinSplit keys, run the parts as tasks, merge their online-softmax states.
+      const int64_t threads = at::get_num_threads(), n_tasks = Tq * Hkv;
+      int64_t longest = 0;
+      for (int64_t i = 0; i < Tq; ++i) longest = std::max<int64_t>(longest, lens[i]);
+      const int64_t S = std::min<int64_t>((2 * threads + n_tasks - 1) / n_tasks, longest / kMinSplit);
+      if (S > 1) {
+        std::vector<float> acc((size_t)n_tasks * S * G * D), ms((size_t)n_tasks * S * G), ls((size_t)n_tasks * S * G);
+        at::parallel_for(0, n_tasks * S, 1, [&](int64_t begin, int64_t end) {
+          for (int64_t job = begin; job < end; ++job) {
+            const int64_t task = job / S, p = job % S, i = task / Hkv, h = task % Hkv;
+            const int64_t chunk = (lens[i] + S - 1) / S;
+            const int64_t k0 = std::min<int64_t>(lens[i], p * chunk), k1 = std::min<int64_t>(lens[i], k0 + chunk);
+            attend_vec<T, Dc, Gc>(q + (i * Hq + h * G) * D, kbase + h * D, vbase + h * D,
+                                  tables + (int64_t)sidx[i] * W, k0, k1, bs, Hkv * D, acc.data() + job * G * D,
+                                  ms.data() + job * G, ls.data() + job * G);
+          }
+        });
+        for (int64_t task = 0; task < n_tasks; ++task) {
+          const int64_t i = task / Hkv, h = task % Hkv;
+          merge_splits(acc.data() + task * S * G * D, ms.data() + task * S * G, ls.data() + task * S * G, S, G, D,
+                       o + (i * Hq + h * G) * D);
+        }
+        return;
+      }
+    }
+#endif
     at::parallel_for(0, Tq * Hkv, 1, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
         const int64_t i = task / Hkv, h = task % Hkv;
@@ -268,7 +328,7 @@ void run(const torch::Tensor& qf, const torch::Tensor& kv_cache, const torch::Te
         float* oi = o + (i * Hq + h * G) * D;
 #if defined(__AVX512F__)
         if constexpr (Gc > 0 && Dc % 16 == 0 && Vec16<T>::value) {
-          attend_vec<T, Dc, Gc>(qi, kbase + h * D, vbase + h * D, table, lens[i], bs, Hkv * D, oi);
+          attend_vec<T, Dc, Gc>(qi, kbase + h * D, vbase + h * D, table, 0, lens[i], bs, Hkv * D, oi);
           continue;
         }
 #endif

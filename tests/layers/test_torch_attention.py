@@ -157,3 +157,29 @@ def test_cpp_kernel_matches_reference_across_shapes(hq, hkv, d, cache_dtype, pea
         p = (torch.einsum("hd,khd->hk", q[i].double(), keys) * d ** -0.5).softmax(-1)
         ref = torch.einsum("hk,khd->hd", p, vals)
         assert (out[i].double() - ref).abs().max() < 1e-4, i
+
+
+@pytest.mark.parametrize("kv_len", [100, 300, 1000])
+def test_cpp_kernel_splits_a_long_context_over_threads(kv_len):
+    """One sequence, one kv head, 2 threads: contexts of >= 128 keys run as parts on both threads and
+    their softmax states are merged (300 keys: 4 parts, the last one short); 100 keys stay whole."""
+    from ember.kernels.cpu_paged_attention import paged_attention, paged_attention_op
+
+    assert paged_attention_op() is not None
+    g = torch.Generator().manual_seed(kv_len)
+    hq, hkv, d, bs = 3, 1, 64, 16
+    nblocks = kv_len // bs + 2
+    cache = torch.randn(2, nblocks, bs, hkv, d, generator=g).to(torch.bfloat16)
+    tables = torch.randperm(nblocks, generator=g).view(1, nblocks).to(torch.int32)
+    q = torch.randn(1, hq, d, generator=g) * 4
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = paged_attention(q, cache, tables, torch.zeros(1, dtype=torch.int32),
+                              torch.tensor([kv_len], dtype=torch.int32), d ** -0.5)
+    finally:
+        torch.set_num_threads(before)
+    keys = cache[0][tables[0].long()].flatten(0, 1)[:kv_len].double().repeat_interleave(hq // hkv, 1)
+    vals = cache[1][tables[0].long()].flatten(0, 1)[:kv_len].double().repeat_interleave(hq // hkv, 1)
+    p = (torch.einsum("hd,khd->hk", q[0].double(), keys) * d ** -0.5).softmax(-1)
+    assert (out[0].double() - torch.einsum("hk,khd->hd", p, vals)).abs().max() < 1e-4
