@@ -34,6 +34,24 @@ inline float to_float<c10::BFloat16>(c10::BFloat16 x) {
   return f;
 }
 
+// A sequence's keys from `start` on, a tile at a time: each key's element offset in the cache (K
+// and V alike), one table lookup per block and no division by the run-time block size per key.
+struct SlotWalk {
+  const int32_t* table;
+  int64_t bs, row_stride, blk, off;
+  SlotWalk(const int32_t* t, int64_t block_size, int64_t stride, int64_t start)
+      : table(t), bs(block_size), row_stride(stride), blk(start / block_size), off(start % block_size) {}
+  void next(int64_t n, int64_t* __restrict slot) {
+    for (int64_t j = 0; j < n; ++j) {
+      slot[j] = ((int64_t)table[blk] * bs + off) * row_stride;
+      if (++off == bs) {
+        off = 0;
+        ++blk;
+      }
+    }
+  }
+};
+
 #if defined(__AVX512F__)
 // exp(x) of 16 lanes, x <= 0 (a score minus its running max): x = n ln2 + r (Cody-Waite),
 // Cephes' degree-6 polynomial for exp(r) on |r| <= ln2 / 2, times 2^n built in the exponent bits.
@@ -58,8 +76,11 @@ inline __m512 exp_nonpositive(__m512 x) {
 }
 #endif
 
-// s[0..n) <- exp(s - its max folded into the running max m); returns (new max, sum of the new s).
-inline void softmax_tile(float* __restrict s, int64_t n, float m_old, float* m_new, float* sum_out) {
+// One tile of a head's online softmax: s[0..n) <- exp(s - m') with m' the running max *m folded with
+// the tile's; *l <- *l * exp(*m - m') + sum of the new s; *m <- m'. Returns exp(*m - m'), the factor
+// the head's accumulators must be scaled by (0 on the first tile: exp(-inf)).
+inline float softmax_tile(float* __restrict s, int64_t n, float* m, float* l) {
+  const float m_old = *m;
 #if defined(__AVX512F__)
   __m512 vmax = _mm512_set1_ps(m_old);
   for (int64_t j = 0; j < n; j += 16) {
@@ -75,8 +96,7 @@ inline void softmax_tile(float* __restrict s, int64_t n, float m_old, float* m_n
     _mm512_mask_storeu_ps(s + j, k, p);
     vsum = _mm512_add_ps(vsum, p);
   }
-  *m_new = mx;
-  *sum_out = _mm512_reduce_add_ps(vsum);
+  const float sum = _mm512_reduce_add_ps(vsum);
 #else
   float mx = m_old;
   for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
@@ -85,9 +105,11 @@ inline void softmax_tile(float* __restrict s, int64_t n, float m_old, float* m_n
     s[j] = std::exp(s[j] - mx);
     sum += s[j];
   }
-  *m_new = mx;
-  *sum_out = sum;
 #endif
+  const float rescale = std::exp(m_old - mx);
+  *l = *l * rescale + sum;
+  *m = mx;
+  return rescale;
 }
 
 #if defined(__AVX512F__)
@@ -137,16 +159,10 @@ void attend_vec(const float* __restrict qs, const T* __restrict kc, const T* __r
       acc[g][v] = _mm512_setzero_ps();
     }
   }
-  int64_t blk = k_begin / bs, off = k_begin % bs;
+  SlotWalk walk(table, bs, row_stride, k_begin);
   for (int64_t t0 = k_begin; t0 < k_end; t0 += kTile) {
     const int64_t n = std::min<int64_t>(kTile, k_end - t0);
-    for (int64_t j = 0; j < n; ++j) {
-      slot[j] = ((int64_t)table[blk] * bs + off) * row_stride;
-      if (++off == bs) {
-        off = 0;
-        ++blk;
-      }
-    }
+    walk.next(n, slot);
     for (int64_t j = 0; j < n; ++j) {
       __m512 k[V];
       for (int v = 0; v < V; ++v) k[v] = Vec16<T>::load(kc + slot[j] + 16 * v);
@@ -157,11 +173,7 @@ void attend_vec(const float* __restrict qs, const T* __restrict kc, const T* __r
       }
     }
     for (int g = 0; g < kG; ++g) {
-      float mx, sum;
-      softmax_tile(s[g], n, m[g], &mx, &sum);
-      const float rescale = std::exp(m[g] - mx);  // exp(-inf) = 0 on the first tile
-      l[g] = l[g] * rescale + sum;
-      m[g] = mx;
+      const float rescale = softmax_tile(s[g], n, &m[g], &l[g]);
       if (rescale != 1.f) {
         const __m512 r = _mm512_set1_ps(rescale);
         for (int v = 0; v < V; ++v) acc[g][v] = _mm512_mul_ps(acc[g][v], r);
@@ -225,19 +237,11 @@ void attend(const float* __restrict qs, const T* __restrict kc, const T* __restr
     l[g] = 0.f;
     for (int d = 0; d < D; ++d) acc[g][d] = 0.f;
   }
-  // Each key's element offset in the cache, walked block by block: an integer division per key
-  // (t / bs, t % bs with bs known only at run time) cost more than the key's dot products.
   alignas(64) int64_t slot[kTile];
-  int64_t blk = 0, off = 0;
+  SlotWalk walk(table, bs, row_stride, 0);
   for (int64_t t0 = 0; t0 < kv_len; t0 += kTile) {
     const int64_t n = std::min<int64_t>(kTile, kv_len - t0);
-    for (int64_t j = 0; j < n; ++j) {
-      slot[j] = ((int64_t)table[blk] * bs + off) * row_stride;
-      if (++off == bs) {
-        off = 0;
-        ++blk;
-      }
-    }
+    walk.next(n, slot);
     for (int64_t j = 0; j < n; ++j) {
       const T* __restrict kp = kc + slot[j];
       for (int d = 0; d < D; ++d) row[d] = to_float(kp[d]);
@@ -250,11 +254,7 @@ void attend(const float* __restrict qs, const T* __restrict kc, const T* __restr
       }
     }
     for (int64_t g = 0; g < G; ++g) {
-      float mx, sum;
-      softmax_tile(s[g], n, m[g], &mx, &sum);
-      const float rescale = std::exp(m[g] - mx);  // exp(-inf) = 0 on the first tile
-      l[g] = l[g] * rescale + sum;
-      m[g] = mx;
+      const float rescale = softmax_tile(s[g], n, &m[g], &l[g]);
       if (rescale != 1.f)
         for (int d = 0; d < D; ++d) acc[g][d] *= rescale;
     }
