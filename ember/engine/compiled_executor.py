@@ -41,14 +41,15 @@ from ember.layers.rotary import RotaryEmbedding
 logger = logging.getLogger("ember")
 
 
-def _cache_entries() -> int:
-    """dynamo's cache entries (graphs) for CompiledExecutor._forward so far in this process."""
+def _cache_entries() -> list:
+    """dynamo's cache entries (one per graph, with .code and .guard_manager) for CompiledExecutor._forward
+    so far in this process; [] if that private API moves (the guarded call still works)."""
     try:
         from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
-        return len(_debug_get_cache_entry_list(CompiledExecutor._forward.__code__))
-    except Exception:  # noqa: BLE001 - a private API; without it the limit is only per executor
-        return 0
+        return list(_debug_get_cache_entry_list(CompiledExecutor._forward.__code__))
+    except Exception:  # noqa: BLE001
+        return []
 
 
 class CompiledExecutor:
@@ -73,7 +74,7 @@ class CompiledExecutor:
         # One graph per shape, plus slack for a re-specialisation; dynamo's default limit is 8.
         # Every executor in this process (other engines, the MTP fill) adds entries to the same code object.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
-                                                   _cache_entries() + 2 * len(self.shapes) + 4)
+                                                   len(_cache_entries()) + 2 * len(self.shapes) + 4)
         self._compiled = torch.compile(self._forward, options=options, dynamic=False, fullgraph=True)
         self.compiles = 0  # graphs built at startup
         self.compiled_steps = 0  # steps that ran compiled (the rest ran eagerly)
@@ -147,15 +148,12 @@ class CompiledExecutor:
 
     def _reused_code(self, x: DecodeInputs, rows: tuple) -> types.CodeType | None:
         """The rewritten bytecode of the cache entry of `_forward` whose guards pass for these arguments
-        (dynamo's private cache-entry list: None if that API moves)."""
+        (None if there is none, or dynamo's private API moved)."""
+        values = (self, x.input_ids, x.positions, x.slot_mapping, x.query_start_loc, x.seq_lens, x.block_tables,
+                  self.kv_caches, rows)
+        frame = dict(zip(CompiledExecutor._forward.__code__.co_varnames[:len(values)], values))
         try:
-            from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
-
-            code = CompiledExecutor._forward.__code__
-            values = (self, x.input_ids, x.positions, x.slot_mapping, x.query_start_loc, x.seq_lens, x.block_tables,
-                      self.kv_caches, rows)
-            frame = dict(zip(code.co_varnames[:len(values)], values))
-            return next((e.code for e in _debug_get_cache_entry_list(code) if e.guard_manager.check(frame)), None)
+            return next((e.code for e in _cache_entries() if e.guard_manager.check(frame)), None)
         except Exception:  # noqa: BLE001 - the guarded call still works
             return None
 
@@ -185,15 +183,22 @@ class CompiledExecutor:
         n = max(longer)  # the longest: the per-query slope, least swayed by timer noise
         return max(0.0, (self.call_seconds[(size, n)] - base) / (n - 1) / base)
 
+    def _shape(self, meta) -> tuple[int, int] | None:
+        """(padded size, q_len) of the graph that runs a step of this metadata, or None (eager)."""
+        n = uniform_query_len(meta)
+        batch = bucket_for(meta.num_seqs, self.sizes) if n in self.query_lens else None
+        return None if batch is None else (batch, n)
+
     def covers(self, meta) -> bool:
         """Whether a step of this metadata (and no RowSelection) runs compiled."""
-        return uniform_query_len(meta) in self.query_lens and bucket_for(meta.num_seqs, self.sizes) is not None
+        return self._shape(meta) is not None
 
     def run(self, input_ids, positions, meta, select=None, *rows):
         """rows: the model's per-row inputs (row_inputs), [T, ...] each."""
-        if select is not None or not self.covers(meta):
+        shape = None if select is not None else self._shape(meta)
+        if shape is None:
             return self.model(input_ids, positions, self.kv_caches, meta, select, *rows)
-        batch, n = bucket_for(meta.num_seqs, self.sizes), uniform_query_len(meta)
+        batch, n = shape
         x = pad_decode(input_ids, positions, meta, batch, table_width(meta.max_seq_len, self.block_size))
         T = x.input_ids.shape[0]
         if rows and T > input_ids.shape[0]:  # padded sequences: zero rows (their slots are -1, their outputs dropped)

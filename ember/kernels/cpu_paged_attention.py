@@ -23,11 +23,14 @@ MAX_GROUP = 16  # query heads per kv head (kMaxG)
 CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+# the shapes torch.compile traces the op with
+FAKES = {"ember_cpu::paged_attention": lambda q, kv_cache, block_tables, seq_idx, kv_lens: torch.empty_like(q)}
+
+
 def paged_attention_op():
-    """The op, or None where it cannot be built (built on the first call, logged once)."""
-    built = build("cpu_paged_attention.cpp", "CPU attention kernel", python_module=False,
-                  fakes={"ember_cpu::paged_attention": lambda q, kv_cache, block_tables, seq_idx, kv_lens:
-                         torch.empty_like(q)})
+    """The op, or None where it cannot be built (built on the first call, logged once). Cheap after
+    that: supports() asks it on every attention call."""
+    built = build("cpu_paged_attention.cpp", "CPU attention kernel", python_module=False, fakes=FAKES)
     return torch.ops.ember_cpu.paged_attention if built else None
 
 

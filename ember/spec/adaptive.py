@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # One extra verify row on CPU, relative to a 1-token step, eager (the compiled executor times its own
-# graphs at warmup, Speculator.calibrate): DESIGN.md measures a 4-token verify
+# graphs at warmup, Speculator.prepare): DESIGN.md measures a 4-token verify
 # at 1.6-1.9x a decode, i.e. ~0.25 per extra token. A drafter with a forward adds its own share.
 TOKEN_COST = 0.25
 DECAY = 0.8  # weight of the past per observed step: ~5 steps of memory
