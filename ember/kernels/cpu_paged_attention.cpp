@@ -159,10 +159,22 @@ void attend_vec(const float* __restrict qs, const T* __restrict kc, const T* __r
       acc[g][v] = _mm512_setzero_ps();
     }
   }
+  alignas(64) int64_t next_slot[kTile];
   SlotWalk walk(table, bs, row_stride, k_begin);
+  int64_t n = std::min<int64_t>(kTile, k_end - k_begin);
+  if (n > 0) walk.next(n, slot);
   for (int64_t t0 = k_begin; t0 < k_end; t0 += kTile) {
-    const int64_t n = std::min<int64_t>(kTile, k_end - t0);
-    walk.next(n, slot);
+    // The next tile's K/V rows are requested now, so their memory loads overlap this tile's math:
+    // blocks are scattered over the pool, which the hardware prefetcher cannot follow.
+    const int64_t n_next = std::min<int64_t>(kTile, k_end - t0 - kTile);
+    if (n_next > 0) {
+      walk.next(n_next, next_slot);
+      for (int64_t j = 0; j < n_next; ++j)
+        for (int64_t b = 0; b < (int64_t)(D * sizeof(T)); b += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(kc + next_slot[j]) + b, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(vc + next_slot[j]) + b, _MM_HINT_T0);
+        }
+    }
     for (int64_t j = 0; j < n; ++j) {
       __m512 k[V];
       for (int v = 0; v < V; ++v) k[v] = Vec16<T>::load(kc + slot[j] + 16 * v);
@@ -187,6 +199,8 @@ void attend_vec(const float* __restrict qs, const T* __restrict kc, const T* __r
         for (int v = 0; v < V; ++v) acc[g][v] = _mm512_fmadd_ps(p, row[v], acc[g][v]);
       }
     }
+    std::memcpy(slot, next_slot, sizeof(slot));
+    n = n_next;
   }
   for (int g = 0; g < kG; ++g) {
     if (m_out != nullptr) {
