@@ -82,18 +82,23 @@ class MTPProposer:
 
     # -- sizing and setup ---------------------------------------------------------------------
     def _pack_draft_weights(self) -> int:
-        """CPU, bf16: the MTP layers' Linears and own head to group-32 int4 (ember.quant.rtn_int4).
+        """CPU, bf16: the MTP layers' Linears and own head to group-32 8-bit codes (ember.quant.rtn_tiled),
+        or int4 (ember.quant.rtn_int4) where the tiled kernel does not run.
         A draft step reads its weights for one row, so bytes are its cost; drafts may change a little,
         the output cannot (the target verifies). Not under tensor parallelism (the workers replay
         the MTP on their own dense shards)."""
         from ember.layers.linear import get_tp_rank_size
         from ember.quant.rtn_int4 import pack_module_int4
+        from ember.quant.rtn_tiled import pack_module_tiled
 
         if self.device.type != "cpu" or self.mtp.dtype != torch.bfloat16 or get_tp_rank_size()[1] > 1:
             return 0
-        saved = pack_module_int4(self.mtp.layers)
+        # 8-bit tiles where the tiled kernel runs: drafts closer to the bf16 layer's (rtn_tiled.py)
+        saved, kind = pack_module_tiled(self.mtp.layers), "8-bit tiles"
+        if not saved:
+            saved, kind = pack_module_int4(self.mtp.layers), "int4"
         if saved:
-            logger.info("MTP: draft weights packed to int4 on CPU (%.1f MB saved)", saved / 1e6)
+            logger.info("MTP: draft weights packed to %s on CPU (%.1f MB saved)", kind, saved / 1e6)
         return saved
 
     def _draft_token_cost(self, loaded) -> float:

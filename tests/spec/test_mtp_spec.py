@@ -455,16 +455,24 @@ def test_sampled_mtp_drafts_keep_the_distribution(mtp_model):
     assert two_sample_pvalue(base, spec) > 1e-3
 
 
-def test_bf16_cpu_packs_the_mtp_layer_to_int4_and_still_drafts(mtp_model):
-    """On CPU in bf16 the draft layer's Linears and own head run as int4 (ember.quant.rtn_int4); the
-    exact bigram MTP still gets most drafts accepted (RTN moves its logits a little)."""
+@pytest.mark.parametrize("tiled", [True, False])
+def test_bf16_cpu_packs_the_mtp_layer_and_still_drafts(mtp_model, monkeypatch, tiled):
+    """On CPU in bf16 the draft layer's Linears and own head run as 8-bit tiles (ember.quant.rtn_tiled)
+    where the tiled kernel runs, else as int4 (ember.quant.rtn_int4); the exact bigram MTP still gets
+    most drafts accepted (RTN moves its logits a little)."""
+    from ember.quant import rtn_tiled
     from ember.quant.rtn_int4 import RTNInt4Method
 
+    if tiled and not rtn_tiled.usable():
+        pytest.skip("the tiled GEMV needs AVX-512 BF16 and a compiler")
+    if not tiled:
+        monkeypatch.setattr(rtn_tiled, "usable", lambda: False)
     path = mtp_model("qwen3", "deepseek", bigram=True)
     llm = make_llm(path, dtype="bfloat16", enable_mtp=True, num_speculative_tokens=2, adaptive_spec=False)
     proposer = llm.engine.spec.proposer
     assert proposer.packed_bytes_saved > 0
-    assert isinstance(proposer.mtp.layers[0].block.mlp.down_proj.quant_method, RTNInt4Method)
+    method = proposer.mtp.layers[0].block.mlp.down_proj.quant_method
+    assert isinstance(method, rtn_tiled.RTNTiledMethod if tiled else RTNInt4Method)
     run(llm, PROMPTS, GREEDY)
     stats = check_clean(llm)
     assert stats["spec_num_accepted_tokens"] > 0.5 * stats["spec_num_draft_tokens"], stats

@@ -1,0 +1,65 @@
+"""Round-to-nearest 8-bit tiles for dense Linears / an own LM head (the MTP draft layer on CPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ember.kernels.cpp_build import has_cpu_flags
+from ember.layers.linear import DenseMethod
+from ember.quant.int4_cpu import KERNEL_MAX_ROWS
+from ember.quant.rtn_tiled import RTNTiledHead, RTNTiledMethod, pack_module_tiled, rtn_affine8
+from tests.quant.test_rtn_int4 import Tiny
+
+# This project's machines (and CI's) are Zen4 with AVX-512 BF16; elsewhere the drafter packs to
+# int4 instead (test_rtn_int4).
+pytestmark = pytest.mark.skipif(not has_cpu_flags("avx512f", "avx512bw", "avx512_bf16"),
+                                reason="the tiled GEMV needs AVX-512 BF16")
+
+
+def test_rtn8_codes_reconstruct_within_half_a_step():
+    torch.manual_seed(0)
+    w = torch.randn(128, 96) * 0.05
+    q, scale, offset = rtn_affine8(w)
+    assert q.dtype == torch.uint8 and q.max() == 255 and q.min() == 0
+    back = (q.float().view(128, 3, 32) * scale[..., None] + offset[..., None]).view(128, 96)
+    assert ((back - w).abs().view(128, 3, 32) <= scale[..., None] / 2 + 1e-7).all()
+
+
+def _dequantized(w: torch.Tensor) -> torch.Tensor:
+    q, scale, offset = rtn_affine8(w)
+    N, K = w.shape
+    return (q.float().view(N, K // 32, 32) * scale[..., None] + offset[..., None]).view(N, K)
+
+
+@pytest.mark.parametrize("rows", [1, 3, KERNEL_MAX_ROWS + 5])  # the kernel, and the dense rebuild above it
+def test_pack_module_runs_the_dequantized_math(rows):
+    torch.manual_seed(1)
+    m = Tiny(torch.bfloat16)
+    w_proj, w_head = m.proj.weight.data.clone(), m.head.weight.data.clone()
+    x = torch.randn(rows, 64, dtype=torch.bfloat16)
+    dense_h = m.proj(x)
+    saved = pack_module_tiled(m)
+    assert saved > 0 and not hasattr(m.proj, "weight") and isinstance(m.proj.quant_method, RTNTiledMethod)
+    assert not hasattr(m.odd, "weight")  # 40 rows: the tiles pad to 48, unlike the int4 kernel's 64
+    assert isinstance(m.head.quant_method, RTNTiledHead)
+    h = m.proj(x)
+    assert h.dtype == torch.bfloat16 and h.shape == (rows, 128)
+    ref = x.float() @ _dequantized(w_proj.float()).t() + m.proj.bias.float()
+    assert torch.allclose(h.float(), ref, atol=2e-2, rtol=1e-2)
+    # 8 bits: much closer to the dense layer than int4's 0.1 of the range (test_rtn_int4)
+    assert (h.float() - dense_h.float()).abs().max() < 0.02 * dense_h.float().abs().max()
+    logits = m.head(h)
+    assert logits.dtype == torch.float32 and logits.shape == (rows, 192)
+    ref_logits = h.float() @ _dequantized(w_head.float()).t()
+    assert torch.allclose(logits, ref_logits, atol=2e-2, rtol=1e-2)
+    assert m.odd(x).shape == (rows, 40)
+
+
+def test_float32_modules_and_a_disabled_kernel_are_left_alone(monkeypatch):
+    m = Tiny(torch.float32)
+    assert pack_module_tiled(m) == 0 and isinstance(m.proj.quant_method, DenseMethod) and m.head.quant_method is None
+    from ember.kernels import cpu_tiled_gemv
+
+    monkeypatch.setattr(cpu_tiled_gemv, "enabled", False)  # --no-cpu-tiled-gemv
+    m = Tiny(torch.bfloat16)
+    assert pack_module_tiled(m) == 0 and isinstance(m.proj.quant_method, DenseMethod)
