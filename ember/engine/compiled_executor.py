@@ -183,6 +183,16 @@ class CompiledExecutor:
         n = max(longer)  # the longest: the per-query slope, least swayed by timer noise
         return max(0.0, (self.call_seconds[(size, n)] - base) / (n - 1) / base)
 
+    def verify_costs(self, size: int | None = None) -> dict[int, float]:
+        """k -> what a step of 1 + k queries per sequence at `size` (default: the smallest) adds over a
+        1-query step, as a share of it, for every compiled query length (empty when none is longer)."""
+        size = self.sizes[0] if size is None else size
+        base = self.call_seconds.get((size, 1))
+        if not base:
+            return {}
+        return {n - 1: max(0.0, (self.call_seconds[(size, n)] - base) / base)
+                for n in self.query_lens if n > 1 and (size, n) in self.call_seconds}
+
     def _shape(self, meta) -> tuple[int, int] | None:
         """(padded size, q_len) of the graph that runs a step of this metadata, or None (eager)."""
         n = uniform_query_len(meta)

@@ -1,18 +1,25 @@
 """Adaptive k: each request drafts as many tokens as its recent acceptance pays for.
 
-The rule. A request keeps a decayed count of draft positions tested (trials) and accepted;
-alpha = accepted / trials estimates its per-token acceptance (a rejection ends a step's
-trials, so positions after it are not counted as failures: the geometric MLE). With i.i.d.
-acceptance alpha, k drafts yield E[N] = (1 - alpha^(k+1)) / (1 - alpha) tokens for a step
-costing 1 + k * c, where c is the cost of one more verified (and drafted) token relative to
-a plain decode step. k is the argmax of E[N] / (1 + k c) over 1..k_max: e.g. with c = 0.25,
-alpha 0.9 -> 6, 0.8 -> 3, 0.6 -> 2, 0.3..0.5 -> 1. c is TOKEN_COST (eager) or what the compiled
-executor measured at warmup (Speculator.prepare: ~0.1 at batch 1 on the default model), plus the
-drafter's own share. High temperature and prose lower it; code
-and repetition raise it. When no k >= 1 beats a plain decode step (E[N] / (1 + k c) < 1, i.e.
-alpha < c), the request stops drafting (k = 0) and probes with one draft every PROBE_EVERY
-steps, so it comes back when its text turns predictable again. `--no-adaptive-spec` pins
-k = k_max.
+The rule. k drafts yield E[N] = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_k tokens, a_i being the
+chance that draft i is accepted once drafts 1..i-1 were, for a step costing 1 + cost(k): the
+verify's k extra rows plus k drafts, relative to a plain decode step. k is the argmax of
+E[N] / (1 + cost(k)) over 1..k_max.
+
+- a_1 is the request's own: a decayed count of its position-1 drafts accepted (DECAY: ~5 steps
+  of memory). High temperature and prose lower it; code and repetition raise it.
+- Deeper positions are a_i = a_1 * depth_i, where depth_i is the drafter's, learned over all
+  requests: its conditional acceptance at position i over its acceptance at position 1. Drafts
+  are not i.i.d.: the default model's MTP head, re-entered with its own output, is accepted at
+  0.61 / 0.40 / 0.31 (conditional) at positions 1 / 2 / 3. Treating them as i.i.d. at a_1
+  chose k = 2 where k = 1 was faster (ember bench spec, 14:57 UTC: adaptive k <= 3 1.08x no
+  speculation at temperature 0 against k = 1's 1.22x, 0.81x against 1.03x at 0.8).
+- cost(k) = the verify's measured cost of 1 + k rows where the executor timed them at warmup
+  (Speculator.prepare; the compiled CPU executor), else k * TOKEN_COST; plus k * the drafter's
+  own cost per draft.
+
+When no k >= 1 beats a plain decode step (E[N] / (1 + cost(k)) < 1), the request stops drafting
+(k = 0) and probes with one draft every PROBE_EVERY steps, so it comes back when its text turns
+predictable again. `--no-adaptive-spec` pins k = k_max.
 """
 from __future__ import annotations
 
@@ -22,18 +29,34 @@ from dataclasses import dataclass
 # graphs at warmup, Speculator.prepare): DESIGN.md measures a 4-token verify
 # at 1.6-1.9x a decode, i.e. ~0.25 per extra token. A drafter with a forward adds its own share.
 TOKEN_COST = 0.25
-DECAY = 0.8  # weight of the past per observed step: ~5 steps of memory
+DECAY = 0.8  # weight of a request's past per observed step: ~5 steps of memory
 PRIOR_ALPHA, PRIOR_TRIALS = 0.8, 2.0  # a new request starts hopeful, and one step cannot floor it
+# The drafter's depth profile: decayed per trial at a position (~200 trials of memory), starting from
+# i.i.d. (depth 1) with the weight of PRIOR_DEPTH_TRIALS trials, so deep drafts get tried and learned.
+DEPTH_DECAY, PRIOR_DEPTH_TRIALS = 0.995, 4.0
+MAX_DEPTH_FACTOR = 1.5  # deeper drafts can be likelier than the first (a predictable stretch), within reason
 PROBE_EVERY = 8  # steps without drafts between two one-draft probes of a request that stopped drafting
 
 
-def best_k(alpha: float, k_max: int, cost: float = TOKEN_COST, allow_off: bool = False) -> int:
-    """argmax over k in 1..k_max of expected tokens per unit of step cost; with allow_off, 0 when
-    none of them beats a plain decode step (1 token per unit)."""
+def expected_tokens(alpha: float, k: int, depth: list[float] | None = None) -> float:
+    """1 + a_1 + a_1 a_2 + ... + a_1 ... a_k with a_1 = alpha, a_i = min(1, alpha * depth[i - 1])
+    (depth[0] = 1; None: i.i.d., every a_i = alpha)."""
+    total, p = 1.0, 1.0
+    for i in range(k):
+        p *= min(1.0, alpha * (depth[i] if depth is not None and i < len(depth) else 1.0))
+        total += p
+    return total
+
+
+def best_k(alpha: float, k_max: int, cost=TOKEN_COST, allow_off: bool = False,
+           depth: list[float] | None = None) -> int:
+    """argmax over k in 1..k_max of expected tokens per unit of step cost; cost: per drafted token
+    (a float) or cost(k) (a callable); with allow_off, 0 when none of them beats a plain decode
+    step (1 token per unit)."""
+    step_cost = cost if callable(cost) else (lambda k: k * cost)
     best, best_rate = 1, -1.0
     for k in range(1, k_max + 1):
-        tokens = k + 1 if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-        rate = tokens / (1.0 + k * cost)
+        rate = expected_tokens(alpha, k, depth) / (1.0 + step_cost(k))
         if rate > best_rate + 1e-12:
             best, best_rate = k, rate
     return 0 if allow_off and best_rate < 1.0 else best
@@ -41,7 +64,7 @@ def best_k(alpha: float, k_max: int, cost: float = TOKEN_COST, allow_off: bool =
 
 @dataclass
 class SpecState:
-    """One request's acceptance history and current k (lives on Request.spec_state)."""
+    """One request's position-1 acceptance history and current k (lives on Request.spec_state)."""
 
     k: int  # 0: drafting is off for now (probes with 1 every PROBE_EVERY steps)
     accepted: float = PRIOR_ALPHA * PRIOR_TRIALS
@@ -55,13 +78,36 @@ class SpecState:
 
 class AdaptiveK:
     def __init__(self, k_max: int, enabled: bool = True, cost: float = TOKEN_COST, decay: float = DECAY):
-        self.k_max, self.enabled, self.cost, self.decay = k_max, enabled, cost, decay
-        self.k0 = best_k(PRIOR_ALPHA, k_max, cost) if enabled else k_max
+        self.k_max, self.enabled, self.decay = k_max, enabled, decay
+        self.cost = cost  # per drafted token, where no measured verify cost applies
+        self.verify_costs: dict[int, float] = {}  # k -> measured cost of a verify of 1 + k rows
+        self.draft_cost = 0.0  # the drafter's own cost per draft, on top of verify_costs
+        # the drafter's conditional acceptance per position, over all requests: decayed counts
+        self.pos_accepted = [PRIOR_ALPHA * PRIOR_DEPTH_TRIALS] * k_max
+        self.pos_trials = [PRIOR_DEPTH_TRIALS] * k_max
+        self.k0 = self._best(PRIOR_ALPHA) if enabled else k_max
 
-    def set_cost(self, cost: float) -> None:
-        self.cost = cost
+    def set_cost(self, cost: float, verify_costs: dict[int, float] | None = None, draft_cost: float = 0.0) -> None:
+        """cost: per drafted token (verify row + draft), for k without a measured verify;
+        verify_costs: k -> measured cost of a verify of 1 + k rows, plus draft_cost per draft."""
+        self.cost, self.verify_costs, self.draft_cost = cost, dict(verify_costs or {}), draft_cost
         if self.enabled:
-            self.k0 = best_k(PRIOR_ALPHA, self.k_max, cost)
+            self.k0 = self._best(PRIOR_ALPHA)
+
+    def step_cost(self, k: int) -> float:
+        """What k drafts add to a decode step, as a share of it."""
+        if k in self.verify_costs:
+            return self.verify_costs[k] + k * self.draft_cost
+        return k * self.cost
+
+    def depth(self) -> list[float]:
+        """The drafter's conditional acceptance at each position over its acceptance at position 1."""
+        rates = [a / t for a, t in zip(self.pos_accepted, self.pos_trials)]
+        first = max(rates[0], 1e-6)
+        return [1.0] + [min(MAX_DEPTH_FACTOR, r / first) for r in rates[1:]]
+
+    def _best(self, alpha: float, allow_off: bool = False) -> int:
+        return best_k(alpha, self.k_max, self.step_cost, allow_off, self.depth())
 
     def state(self, req) -> SpecState:
         if req.spec_state is None:
@@ -83,8 +129,11 @@ class AdaptiveK:
         """A verify of num_drafts drafts accepted the first num_accepted of them."""
         if num_drafts <= 0 or not self.enabled:
             return
+        # position i was tried when drafts before it were accepted: 1 .. num_accepted + 1
+        for i in range(min(num_drafts, num_accepted + 1, self.k_max)):
+            self.pos_accepted[i] = DEPTH_DECAY * self.pos_accepted[i] + (1.0 if i < num_accepted else 0.0)
+            self.pos_trials[i] = DEPTH_DECAY * self.pos_trials[i] + 1.0
         s = self.state(req)
-        trials = num_accepted + (1 if num_accepted < num_drafts else 0)
-        s.accepted = self.decay * s.accepted + num_accepted
-        s.trials = self.decay * s.trials + trials
-        s.k = best_k(s.alpha, self.k_max, self.cost, allow_off=True)
+        s.accepted = self.decay * s.accepted + (1.0 if num_accepted > 0 else 0.0)
+        s.trials = self.decay * s.trials + 1.0
+        s.k = self._best(s.alpha, allow_off=True)

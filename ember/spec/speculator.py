@@ -59,13 +59,16 @@ class Speculator:
         hook = getattr(self.proposer, "prepare", None)
         if hook is not None:
             hook(engine)
-        fn = getattr(engine.runner.executor, "extra_query_cost", None)
+        executor = engine.runner.executor
+        fn = getattr(executor, "extra_query_cost", None)
         verify = fn() if fn is not None else None
         if verify is None:
             return
-        self.adaptive.set_cost(verify + self.draft_token_cost)
-        logger.info("speculative decoding: a drafted token costs %.3f of a decode step (verify row %.3f, measured "
-                    "at warmup; draft %.3f)", self.adaptive.cost, verify, self.draft_token_cost)
+        costs = executor.verify_costs()
+        self.adaptive.set_cost(verify + self.draft_token_cost, costs, self.draft_token_cost)
+        logger.info("speculative decoding: verifying k drafts costs %s of a decode step (measured at warmup), "
+                    "plus %.3f a draft", ", ".join(f"k={k}: {c:.3f}" for k, c in sorted(costs.items())),
+                    self.draft_token_cost)
 
     def propose(self, requests: Iterable[Any], out: Any = None) -> None:
         """out: the step just run (its SchedulerOutput), for a proposer's after_step."""

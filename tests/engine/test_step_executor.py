@@ -252,6 +252,10 @@ def test_compiled_adaptive_mtp_has_a_graph_for_every_draft_length(mtp_model):  #
     assert ex.query_lens == [1, 2, 3] and ex.direct_shapes == [(1, 1), (1, 2), (1, 3)]
     assert fill.direct_shapes == [(1, 1), (1, 2), (1, 3)] and fill.compiled_steps > 0
     assert sorted(ex.call_seconds) == [(1, 1), (1, 2), (1, 3)]
+    # adaptive k prices each draft length from these timings
+    adaptive = llm.engine.spec.adaptive
+    assert sorted(adaptive.verify_costs) == [1, 2] and adaptive.verify_costs == ex.verify_costs()
+    assert adaptive.step_cost(2) == ex.verify_costs()[2] + 2 * adaptive.draft_cost
 
 
 def test_compiled_query_lens_follow_the_fused_kernel():

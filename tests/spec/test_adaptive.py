@@ -1,6 +1,7 @@
-"""Adaptive k: the k that maximises expected tokens per unit of step cost, from a decayed acceptance estimate."""
+"""Adaptive k: the k that maximises expected tokens per unit of step cost, from a request's decayed
+position-1 acceptance, the drafter's depth profile and the measured cost of each verify length."""
 from ember.engine.request import Request
-from ember.spec.adaptive import AdaptiveK, best_k
+from ember.spec.adaptive import AdaptiveK, best_k, expected_tokens
 
 
 def test_best_k_grows_with_acceptance_and_cheapness():
@@ -20,13 +21,51 @@ def test_k_follows_a_request_acceptance():
     assert ak.k_for(good) == 6 and ak.k_for(bad) == 0  # nothing accepted: drafting costs more than it brings
     for _ in range(8):  # the text turned into prose: good's acceptance falls, k follows
         ak.observe(good, ak.k_for(good), 1)
+        ak.observe(good, ak.k_for(good), 0)
     assert ak.k_for(good) <= 2
-    # A rejection ends a step's trials: 2 of 4 accepted is 2 successes in 3 trials, not 2 in 4.
+    # The request counts its position-1 outcome; the drafter's profile counts positions 1..3 (a
+    # rejection ends a step's trials: position 4 was never tried).
     r = Request("r", [1], None)
     s = ak.state(r)
     acc, tri = s.accepted, s.trials
+    pa, pt = list(ak.pos_accepted), list(ak.pos_trials)
     ak.observe(r, 4, 2)
-    assert (s.accepted, s.trials) == (0.8 * acc + 2, 0.8 * tri + 3)
+    assert (s.accepted, s.trials) == (0.8 * acc + 1, 0.8 * tri + 1)
+    d = 0.995
+    assert ak.pos_trials[:4] == [d * pt[0] + 1, d * pt[1] + 1, d * pt[2] + 1, pt[3]]
+    assert ak.pos_accepted[:4] == [d * pa[0] + 1, d * pa[1] + 1, d * pa[2], pa[3]]
+
+
+def test_a_drafter_whose_deep_drafts_fail_keeps_k_low():
+    """Drafts are not i.i.d.: the default model's MTP head is accepted at 0.61 at position 1 but 0.40
+    (given the first) at position 2. With its profile learned, a request at a_1 = 0.6 drafts 1, where
+    the i.i.d. rule would draft 2."""
+    assert best_k(0.6, 3, cost=0.25) == 2
+    assert best_k(0.6, 3, cost=0.25, depth=[1.0, 0.4 / 0.61, 0.31 / 0.61]) == 1
+    assert expected_tokens(0.5, 2, [1.0, 0.5]) == 1 + 0.5 + 0.5 * 0.25
+    ak = AdaptiveK(k_max=3)
+    ak.set_cost(0.25)
+    for i in range(300):  # position 1 accepted 3 times in 5, position 2 (given 1) 2 times in 5
+        req = Request(f"r{i}", [1], None)
+        n = 0 if i % 5 < 2 else (2 if i % 5 == 4 else 1)
+        ak.observe(req, 2, n)
+    assert abs(ak.depth()[1] - (1 / 3) / 0.6) < 0.05
+    req = Request("x", [1], None)
+    for _ in range(10):  # this request's own first drafts: accepted 60% of the time
+        ak.observe(req, ak.k_for(req), 1)
+        ak.observe(req, ak.k_for(req), 1)
+        ak.observe(req, ak.k_for(req), 0)
+    assert ak.k_for(req) == 1
+
+
+def test_measured_verify_costs_price_each_draft_length():
+    """A verify of 3 rows that costs far more than twice a 2-row verify (measured at warmup) keeps k at 1."""
+    ak = AdaptiveK(k_max=2)
+    ak.set_cost(0.1, verify_costs={1: 0.1, 2: 0.2}, draft_cost=0.05)
+    assert abs(ak.step_cost(1) - 0.15) < 1e-9 and abs(ak.step_cost(2) - 0.3) < 1e-9 and ak.k0 == 2
+    ak.set_cost(0.1, verify_costs={1: 0.1, 2: 0.9}, draft_cost=0.05)
+    assert ak.k0 == 1
+    assert AdaptiveK(k_max=3).step_cost(3) == 3 * 0.25  # nothing measured: TOKEN_COST per draft
 
 
 def test_pinned_k_never_moves():
