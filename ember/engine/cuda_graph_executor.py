@@ -16,8 +16,14 @@ size in decode_batch.default_sizes(--cuda-graph-max-batch-size): 1, 2, 4, 8, 16,
   Its size is estimated before the KV cache is sized (graph_pool_estimate) and counted inside
   --gpu-memory-utilization; capture time and the memory it took are logged.
 - Runs eagerly: prefill chunks, mixed steps, steps whose requests have different draft
-  counts, batches above the largest size, steps with a RowSelection. MTP draft steps are not
-  captured yet (they run eagerly; their decode-shaped metadata would fit the same buffers).
+  counts, batches above the largest size, steps with a RowSelection.
+- Per-row inputs (`row_inputs`, e.g. the MTP fill's hidden states): one static buffer each per
+  q, written like the step's ids and zeroed on padding rows. The MTP proposer captures its fill
+  this way, at the main executor's sizes and query lengths, into the main graphs' pool
+  (mtp_proposer.MTPProposer.prepare), as the compiled CPU executor compiles it.
+
+The CUDA calls sit in a few small methods (_synchronize, _free_bytes, _new_pool, _capture_graph)
+so that tests can run the buffer, padding and replay logic on CPU with stand-in graphs.
 """
 from __future__ import annotations
 
@@ -37,19 +43,25 @@ OOM_HINT = "lower --cuda-graph-max-batch-size, --gpu-memory-utilization or --max
 
 class CUDAGraphExecutor:
     name = "cuda-graph"
+    device_type = "cuda"  # tests run the logic on CPU with stand-in graphs (see the module docstring)
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int, max_model_len: int,
-                 max_batch: int, query_lens: list[int], device: torch.device):
-        if device.type != "cuda":
+                 max_batch: int, query_lens: list[int], device: torch.device, row_inputs: tuple = (),
+                 what: str = "cuda graphs", pool=None):
+        """row_inputs: ((shape, dtype), ...) of the model's per-row inputs after its 5 usual arguments;
+        pool: a graph memory pool to share (default: a new one)."""
+        if device.type != self.device_type:
             raise ConfigError(f"--executor cuda-graph needs a CUDA device, not {device.type}; use --executor eager")
         self.model, self.kv_caches, self.block_size, self.device = model, kv_caches, block_size, device
+        self.row_inputs, self.what, self.pool = tuple(row_inputs), what, pool
         self.sizes = default_sizes(max_batch)
         self.width = table_width(max_model_len, block_size)
         for m in model.modules():  # the cos/sin cache must not grow (a new tensor) after capture
             if isinstance(m, RotaryEmbedding):
                 m.ensure_capacity(max_model_len)
         self.static: dict[int, DecodeInputs] = {}
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.rows: dict[int, tuple[torch.Tensor, ...]] = {}  # q -> per-row input buffers (largest batch)
+        self.graphs: dict[tuple[int, int], tuple[object, torch.Tensor]] = {}
         self.replays = 0  # steps that ran from a graph (the rest ran eagerly)
         try:
             self.capture(query_lens)
@@ -57,44 +69,78 @@ class CUDAGraphExecutor:
             raise ConfigError(f"out of GPU memory while capturing CUDA graphs (batch sizes {self.sizes}, query lengths "
                               f"{query_lens}); {OOM_HINT}") from None
 
+    @property
+    def query_lens(self) -> list[int]:
+        return sorted(self.static)
+
     @torch.inference_mode()
     def capture(self, query_lens: list[int]) -> None:
         dev = self.device
-        torch.cuda.synchronize(dev)
-        free0, t0 = torch.cuda.mem_get_info(dev)[0], time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream(dev)
+        self._synchronize()
+        free0, t0 = self._free_bytes(), time.perf_counter()
+        if self.pool is None:
+            self.pool = self._new_pool()
         for q in query_lens:
             static = self.static[q] = warmup_inputs(self.sizes[-1], q, self.width, dev)
+            rows = self.rows[q] = tuple(torch.zeros(self.sizes[-1] * q, *shape, dtype=dtype, device=dev)
+                                        for shape, dtype in self.row_inputs)
             for b in reversed(self.sizes):  # largest first: the smaller graphs fit in its pool memory
                 x = leading(static, b, q)
                 meta = fixed_meta(x, q, self.block_size)
-                side.wait_stream(torch.cuda.current_stream(dev))
-                with torch.cuda.stream(side):  # one eager run first: lazy inits and autotuning stay out of the graph
-                    self.model(x.input_ids, x.positions, self.kv_caches, meta)
-                torch.cuda.current_stream(dev).wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    out = self.model(x.input_ids, x.positions, self.kv_caches, meta)
-                self.graphs[(q, b)] = (graph, out)
+                r = tuple(t[:b * q] for t in rows)
+                self.graphs[(q, b)] = self._capture_graph(
+                    lambda x=x, meta=meta, r=r: self.model(x.input_ids, x.positions, self.kv_caches, meta, None, *r))
             static.slot_mapping.fill_(-1)
         for cache in self.kv_caches:  # the dummy steps wrote block 0
             cache[:, 0].zero_()
-        torch.cuda.synchronize(dev)
-        self.graph_bytes = free0 - torch.cuda.mem_get_info(dev)[0]
-        logger.info("cuda graphs: %d captured (batch sizes %s, query lengths %s) in %.1fs, %.1f MB",
+        self._synchronize()
+        self.graph_bytes = free0 - self._free_bytes()
+        logger.info("%s: %d captured (batch sizes %s, query lengths %s) in %.1fs, %.1f MB", self.what,
                     len(self.graphs), self.sizes, query_lens, time.perf_counter() - t0, self.graph_bytes / 1e6)
 
-    def run(self, input_ids, positions, meta, select=None):
-        q = uniform_query_len(meta)
-        batch = bucket_for(meta.num_seqs, self.sizes)
-        if select is not None or q not in self.static or batch is None or meta.block_tables.shape[1] > self.width:
-            return self.model(input_ids, positions, self.kv_caches, meta, select)
+    # -- the CUDA calls (stand-ins in tests) ------------------------------------------------------
+    def _synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def _free_bytes(self) -> int:
+        return torch.cuda.mem_get_info(self.device)[0]
+
+    def _new_pool(self):
+        return torch.cuda.graph_pool_handle()
+
+    def _capture_graph(self, forward):
+        """(graph, its output tensor) of forward() captured into self.pool."""
+        dev = self.device
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # one eager run first: lazy inits and autotuning stay out of the graph
+            forward()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = forward()
+        return graph, out
+
+    # -- steps ----------------------------------------------------------------------------------
+    def covers(self, meta) -> bool:
+        """Whether a step of this metadata (and no RowSelection) replays a graph."""
+        return (uniform_query_len(meta) in self.static and bucket_for(meta.num_seqs, self.sizes) is not None
+                and meta.block_tables.shape[1] <= self.width)
+
+    def run(self, input_ids, positions, meta, select=None, *rows):
+        """rows: the model's per-row inputs (row_inputs), [T, ...] each."""
+        if select is not None or not self.covers(meta):
+            return self.model(input_ids, positions, self.kv_caches, meta, select, *rows)
+        q, batch = uniform_query_len(meta), bucket_for(meta.num_seqs, self.sizes)
         pad_decode(input_ids, positions, meta, batch, meta.block_tables.shape[1]).copy_into(self.static[q])
+        T = input_ids.shape[0]
+        for buf, r in zip(self.rows[q], rows):  # padding rows read zeros (their slots are -1, outputs dropped)
+            buf[:T].copy_(r, non_blocking=True)
+            buf[T:batch * q].zero_()
         graph, out = self.graphs[(q, batch)]
         graph.replay()
         self.replays += 1
-        return out[:input_ids.shape[0]].clone()  # the next replay overwrites out
+        return out[:T].clone()  # the next replay overwrites out
 
 
 def graph_pool_estimate(model: torch.nn.Module, mc, max_batch: int, q_len: int, max_model_len: int, block_size: int,

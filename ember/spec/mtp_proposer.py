@@ -73,7 +73,7 @@ class MTPProposer:
         self.draft_token_cost = self._draft_token_cost(loaded)
         self.caches: list[torch.Tensor] = []
         self.runner = None
-        self.fill_executor = None  # a CompiledExecutor of the fill's decode shapes (prepare)
+        self.fill_executor = None  # a CompiledExecutor / CUDAGraphExecutor of the fill's decode shapes (prepare)
         # request id -> (c, g_c [1, H]): the fill's last row of a request that decodes next
         self.starts: dict[str, tuple[int, torch.Tensor]] = {}
         logger.info("MTP: %d layer(s) (%s layout) from %s in %.1fs, draft cost %.2f of a decode step",
@@ -141,15 +141,24 @@ class MTPProposer:
     def prepare(self, engine) -> None:
         """With the compiled CPU executor, compile the fill too, at the main executor's sizes and query
         lengths: at batch 1 the fill runs 1 or 1 + k rows after every step, and eagerly it cost
-        ~0.8 ms of a ~6 ms MTP step on the default model, half of it module and op dispatch."""
+        ~0.8 ms of a ~6 ms MTP step on the default model, half of it module and op dispatch. With
+        CUDA graphs, capture it the same way (a layer's worth of kernel launches per draft step)."""
         main = engine.runner.executor
-        if getattr(main, "name", None) != "compiled" or engine.tp is not None:
+        kind = getattr(main, "name", None)
+        if kind not in ("compiled", "cuda-graph") or engine.tp is not None:
+            return
+        hidden = ((self.mtp.cfg.hidden_size,), self.mtp.dtype)
+        if kind == "cuda-graph":  # captured at the main graphs' sizes and query lengths, into their pool
+            from ember.engine.cuda_graph_executor import CUDAGraphExecutor
+
+            self.fill_executor = CUDAGraphExecutor(
+                _FillStep(self.mtp), self.caches, self.block_size, engine.max_model_len, main.sizes[-1],
+                main.query_lens, main.device, row_inputs=(hidden,), what="MTP fill cuda graphs", pool=main.pool)
             return
         from ember.engine.compiled_executor import CompiledExecutor
         from ember.engine.step_executor import compile_options
 
         cc = compile_options(engine.config, engine.max_num_seqs)
-        hidden = ((self.mtp.cfg.hidden_size,), self.mtp.dtype)
         self.fill_executor = CompiledExecutor(
             _FillStep(self.mtp), self.caches, self.block_size, engine.max_model_len, cc["compile_sizes"], cc["mode"],
             cc["freezing"], cc["cpp_wrapper"], main.query_lens, row_inputs=(hidden,), what="MTP fill")
