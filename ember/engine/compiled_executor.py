@@ -171,18 +171,6 @@ class CompiledExecutor:
                 times[s].append(time.perf_counter() - t0)
         self.call_seconds = {s: sorted(t)[len(t) // 2] for s, t in times.items()}
 
-    def extra_query_cost(self, size: int | None = None) -> float | None:
-        """What one more query per sequence adds to a compiled step at `size` (default: the smallest),
-        as a share of a 1-query step (graph time only, so a little above its share of a whole engine
-        step); None when no longer query length is compiled."""
-        size = self.sizes[0] if size is None else size
-        base = self.call_seconds.get((size, 1))
-        longer = [n for n in self.query_lens if n > 1 and (size, n) in self.call_seconds]
-        if not base or not longer:
-            return None
-        n = max(longer)  # the longest: the per-query slope, least swayed by timer noise
-        return max(0.0, (self.call_seconds[(size, n)] - base) / (n - 1) / base)
-
     def verify_costs(self, size: int | None = None) -> dict[int, float]:
         """k -> what a step of 1 + k queries per sequence at `size` (default: the smallest) adds over a
         1-query step, as a share of it, for every compiled query length (empty when none is longer)."""
@@ -192,6 +180,16 @@ class CompiledExecutor:
             return {}
         return {n - 1: max(0.0, (self.call_seconds[(size, n)] - base) / base)
                 for n in self.query_lens if n > 1 and (size, n) in self.call_seconds}
+
+    def extra_query_cost(self, size: int | None = None) -> float | None:
+        """What one more query per sequence adds to a compiled step at `size` (default: the smallest),
+        as a share of a 1-query step (graph time only, so a little above its share of a whole engine
+        step); None when no longer query length is compiled."""
+        costs = self.verify_costs(size)
+        if not costs:
+            return None
+        k = max(costs)  # the longest: the per-query slope, least swayed by timer noise
+        return costs[k] / k
 
     def _shape(self, meta) -> tuple[int, int] | None:
         """(padded size, q_len) of the graph that runs a step of this metadata, or None (eager)."""

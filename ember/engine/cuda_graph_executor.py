@@ -122,16 +122,22 @@ class CUDAGraphExecutor:
         return graph, out
 
     # -- steps ----------------------------------------------------------------------------------
+    def _shape(self, meta) -> tuple[int, int] | None:
+        """(q_len, padded batch) of the graph that replays a step of this metadata, or None (eager)."""
+        q = uniform_query_len(meta)
+        batch = bucket_for(meta.num_seqs, self.sizes) if q in self.static else None
+        return None if batch is None or meta.block_tables.shape[1] > self.width else (q, batch)
+
     def covers(self, meta) -> bool:
         """Whether a step of this metadata (and no RowSelection) replays a graph."""
-        return (uniform_query_len(meta) in self.static and bucket_for(meta.num_seqs, self.sizes) is not None
-                and meta.block_tables.shape[1] <= self.width)
+        return self._shape(meta) is not None
 
     def run(self, input_ids, positions, meta, select=None, *rows):
         """rows: the model's per-row inputs (row_inputs), [T, ...] each."""
-        if select is not None or not self.covers(meta):
+        shape = None if select is not None else self._shape(meta)
+        if shape is None:
             return self.model(input_ids, positions, self.kv_caches, meta, select, *rows)
-        q, batch = uniform_query_len(meta), bucket_for(meta.num_seqs, self.sizes)
+        q, batch = shape
         pad_decode(input_ids, positions, meta, batch, meta.block_tables.shape[1]).copy_into(self.static[q])
         T = input_ids.shape[0]
         for buf, r in zip(self.rows[q], rows):  # padding rows read zeros (their slots are -1, outputs dropped)

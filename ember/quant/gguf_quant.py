@@ -192,6 +192,7 @@ class TiledPart(PackedPart):
             y = tiled_gemv.gemv(x2.contiguous(), self.tiles, self.scale, self.offset, self.bits, float_out)
         else:
             y = F.linear(x2, self._weight(x2.dtype))
+            y = y.float() if float_out else y  # linear_float's contract: float32 logits either way
         y = y if y.shape[-1] == self.N else y[:, :self.N]
         return y.reshape(*x.shape[:-1], self.N)
 

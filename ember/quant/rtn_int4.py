@@ -20,13 +20,14 @@ from ember.quant.int4_cpu import Int4Weight
 GROUP_SIZE = 32  # the kernel's smallest group: the closest fit to the dense weights
 
 
-def rtn_affine(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[N, K] -> (q [N, K] int 0..15, scale [N, K/G], offset [N, K/G]), all computed in float32."""
+def rtn_affine(w: torch.Tensor, group_size: int, bits: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, K] -> (q [N, K] uint8 0..2^bits - 1, scale [N, K/G], offset [N, K/G]), all computed in float32."""
     N, K = w.shape
+    top = 2 ** bits - 1
     g = w.float().view(N, K // group_size, group_size)
     lo, hi = g.amin(-1), g.amax(-1)
-    scale = ((hi - lo) / 15).clamp_min(1e-8)
-    q = ((g - lo[..., None]) / scale[..., None]).round_().clamp_(0, 15).to(torch.uint8)
+    scale = ((hi - lo) / top).clamp_min(1e-8)
+    q = ((g - lo[..., None]) / scale[..., None]).round_().clamp_(0, top).to(torch.uint8)
     return q.view(N, K), scale, lo
 
 

@@ -7,7 +7,8 @@ import torch
 from ember.kernels.cpp_build import has_cpu_flags
 from ember.layers.linear import DenseMethod
 from ember.quant.int4_cpu import KERNEL_MAX_ROWS
-from ember.quant.rtn_tiled import RTNTiledHead, RTNTiledMethod, pack_module_tiled, rtn_affine8
+from ember.quant.rtn_int4 import rtn_affine
+from ember.quant.rtn_tiled import RTNTiledHead, RTNTiledMethod, pack_module_tiled
 from tests.quant.test_rtn_int4 import Tiny
 
 # This project's machines (and CI's) are Zen4 with AVX-512 BF16; elsewhere the drafter packs to
@@ -19,14 +20,14 @@ pytestmark = pytest.mark.skipif(not has_cpu_flags("avx512f", "avx512bw", "avx512
 def test_rtn8_codes_reconstruct_within_half_a_step():
     torch.manual_seed(0)
     w = torch.randn(128, 96) * 0.05
-    q, scale, offset = rtn_affine8(w)
+    q, scale, offset = rtn_affine(w, 32, bits=8)
     assert q.dtype == torch.uint8 and q.max() == 255 and q.min() == 0
     back = (q.float().view(128, 3, 32) * scale[..., None] + offset[..., None]).view(128, 96)
     assert ((back - w).abs().view(128, 3, 32) <= scale[..., None] / 2 + 1e-7).all()
 
 
 def _dequantized(w: torch.Tensor) -> torch.Tensor:
-    q, scale, offset = rtn_affine8(w)
+    q, scale, offset = rtn_affine(w, 32, bits=8)
     N, K = w.shape
     return (q.float().view(N, K // 32, 32) * scale[..., None] + offset[..., None]).view(N, K)
 
