@@ -34,7 +34,7 @@ import types
 
 import torch
 
-from ember.engine.decode_batch import (DecodeInputs, bucket_for, fixed_meta, pad_decode, table_width, uniform_query_len,
+from ember.engine.decode_batch import (DecodeInputs, fixed_meta, graph_shape, pad_decode, table_width,
                                        warmup_inputs)
 from ember.layers.rotary import RotaryEmbedding
 
@@ -191,19 +191,13 @@ class CompiledExecutor:
         k = max(costs)  # the longest: the per-query slope, least swayed by timer noise
         return costs[k] / k
 
-    def _shape(self, meta) -> tuple[int, int] | None:
-        """(padded size, q_len) of the graph that runs a step of this metadata, or None (eager)."""
-        n = uniform_query_len(meta)
-        batch = bucket_for(meta.num_seqs, self.sizes) if n in self.query_lens else None
-        return None if batch is None else (batch, n)
-
     def covers(self, meta) -> bool:
         """Whether a step of this metadata (and no RowSelection) runs compiled."""
-        return self._shape(meta) is not None
+        return graph_shape(meta, self.sizes, self.query_lens) is not None
 
     def run(self, input_ids, positions, meta, select=None, *rows):
         """rows: the model's per-row inputs (row_inputs), [T, ...] each."""
-        shape = None if select is not None else self._shape(meta)
+        shape = None if select is not None else graph_shape(meta, self.sizes, self.query_lens)
         if shape is None:
             return self.model(input_ids, positions, self.kv_caches, meta, select, *rows)
         batch, n = shape

@@ -32,8 +32,8 @@ import time
 
 import torch
 
-from ember.engine.decode_batch import (DecodeInputs, bucket_for, default_sizes, fixed_meta, leading, pad_decode,
-                                       table_width, uniform_query_len, warmup_inputs)
+from ember.engine.decode_batch import (DecodeInputs, default_sizes, fixed_meta, graph_shape, leading, pad_decode,
+                                       table_width, warmup_inputs)
 from ember.errors import ConfigError
 from ember.layers.rotary import RotaryEmbedding
 
@@ -123,10 +123,10 @@ class CUDAGraphExecutor:
 
     # -- steps ----------------------------------------------------------------------------------
     def _shape(self, meta) -> tuple[int, int] | None:
-        """(q_len, padded batch) of the graph that replays a step of this metadata, or None (eager)."""
-        q = uniform_query_len(meta)
-        batch = bucket_for(meta.num_seqs, self.sizes) if q in self.static else None
-        return None if batch is None or meta.block_tables.shape[1] > self.width else (q, batch)
+        """(padded batch, q_len) of the graph that replays a step of this metadata, or None (eager:
+        also when its block tables are wider than the static ones)."""
+        shape = graph_shape(meta, self.sizes, self.static)
+        return None if shape is None or meta.block_tables.shape[1] > self.width else shape
 
     def covers(self, meta) -> bool:
         """Whether a step of this metadata (and no RowSelection) replays a graph."""
@@ -137,7 +137,7 @@ class CUDAGraphExecutor:
         shape = None if select is not None else self._shape(meta)
         if shape is None:
             return self.model(input_ids, positions, self.kv_caches, meta, select, *rows)
-        q, batch = shape
+        batch, q = shape
         pad_decode(input_ids, positions, meta, batch, meta.block_tables.shape[1]).copy_into(self.static[q])
         T = input_ids.shape[0]
         for buf, r in zip(self.rows[q], rows):  # padding rows read zeros (their slots are -1, outputs dropped)

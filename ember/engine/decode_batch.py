@@ -77,6 +77,14 @@ class DecodeInputs:
                 dst[:src.shape[0]].copy_(src, non_blocking=True)
 
 
+def graph_shape(meta: AttentionMetadata, sizes: list[int], query_lens) -> tuple[int, int] | None:
+    """(padded batch, q_len) of the graph (compiled or captured) that runs a uniform step of this
+    metadata, or None when its q_len has no graph or its batch is above every size (eager)."""
+    q = uniform_query_len(meta)
+    batch = bucket_for(meta.num_seqs, sizes) if q in query_lens else None
+    return None if batch is None else (batch, q)
+
+
 def pad_decode(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, batch: int,
                width: int) -> DecodeInputs:
     """A uniform-decode step (B sequences of q_len rows) padded to `batch` sequences and block
