@@ -31,8 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels.triton_utils import (INTERPRETING, cast_constexprs, check_launch, dot_precision, next_pow2,
-                                        round_to_format)
+from ember.kernels.triton_utils import (INTERPRETING, attend_key_tile, cast_constexprs, check_launch, dot_precision,
+                                        next_pow2, round_to_format)
 
 LOG2E = 1.4426950408889634
 BLOCK_N = 64  # keys per tile on a GPU
@@ -73,22 +73,8 @@ def decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, k_scale_pt
     acc = tl.full((BLOCK_M, D_PAD), 0.0, tl.float32)
     kv_base = kv_ptr + kvh * stride_kvh + d[None, :]
     for start in range(lo, hi, BLOCK_N):
-        keys = start + tl.arange(0, BLOCK_N)
-        key_ok = keys < hi
-        block = tl.load(bt_ptr + b * stride_bt + keys // BLOCK_SIZE, mask=key_ok, other=0)
-        slot = block.to(tl.int64) * BLOCK_SIZE + keys % BLOCK_SIZE
-        kv_mask = key_ok[:, None] & d_ok[None, :]
-        k = tl.load(kv_base + slot[:, None] * stride_slot, mask=kv_mask, other=0.0).to(q.dtype)
-        v = tl.load(kv_base + stride_kv + slot[:, None] * stride_slot, mask=kv_mask, other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], base 2
-        s = tl.where(key_ok[None, :] & (keys[None, :] < visible_end[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet: no NaN
-        p = tl.exp2(s - m_ref[:, None])
-        alpha = tl.exp2(m_i - m_ref)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = attend_key_tile(q, acc, m_i, l_i, start, hi, visible_end, kv_base, bt_ptr + b * stride_bt,
+                                        d_ok, qk_scale, stride_kv, stride_slot, BLOCK_SIZE, BLOCK_N, PRECISION)
 
     has_keys = l_i > 0.0
     o = acc / tl.where(has_keys, l_i, 1.0)[:, None]

@@ -1,5 +1,5 @@
-"""What the Triton attention kernels share: interpreter detection, dot precision, and a fix
-for two casts the interpreter gets wrong.
+"""What the Triton attention kernels share: interpreter detection, dot precision, a fix for two
+casts the interpreter gets wrong, and the online-softmax step over one paged key tile.
 
 These modules import triton at the top and define their kernels at module level (helpers such
 as round_to_format are called from kernels, and the interpreter resolves a kernel's callees in
@@ -92,3 +92,32 @@ def round_to_format(x, ROUND_MBITS: tl.constexpr, ROUND_MIN_NORMAL: tl.constexpr
             sub = ((tl.abs(x) / step + 12582912.0) - 12582912.0) * step
             y = tl.where(tl.abs(x) < ROUND_MIN_NORMAL, tl.where(x < 0, -sub, sub), y)
     return y
+
+
+@triton.jit
+def attend_key_tile(q, acc, m_i, l_i, start, hi, visible_end, kv_base, bt_row_ptr, d_ok, qk_scale, stride_kv,
+                    stride_slot, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """One flash-attention step: the BLOCK_N keys from position start (those < hi) of one
+    sequence, gathered slot by slot from its block table row (key position p lives in slot
+    bt_row[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE, so a tile may span cache blocks),
+    scored against the query tile q [M, D_PAD] (scores base 2), masked per row to keys <
+    visible_end, and folded into the running max m_i, sum l_i and accumulator acc.
+    Returns (acc, m_i, l_i). K/V widen to q's dtype (fp8 exactly; the scales are folded by the
+    callers). The decode and the prefill kernel differ only in which query rows and keys they
+    walk, so both run their key loops through this."""
+    keys = start + tl.arange(0, BLOCK_N)
+    key_ok = keys < hi
+    block = tl.load(bt_row_ptr + keys // BLOCK_SIZE, mask=key_ok, other=0)
+    slot = block.to(tl.int64) * BLOCK_SIZE + keys % BLOCK_SIZE
+    kv_mask = key_ok[:, None] & d_ok[None, :]
+    k = tl.load(kv_base + slot[:, None] * stride_slot, mask=kv_mask, other=0.0).to(q.dtype)
+    v = tl.load(kv_base + stride_kv + slot[:, None] * stride_slot, mask=kv_mask, other=0.0).to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    s = tl.where(key_ok[None, :] & (keys[None, :] < visible_end[:, None]), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet: no NaN
+    p = tl.exp2(s - m_ref[:, None])
+    alpha = tl.exp2(m_i - m_ref)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i
