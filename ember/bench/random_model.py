@@ -1,7 +1,9 @@
 """Random-weight model folders of real shapes, written offline (no download, no tokenizer training).
 
 A shape is a dict: arch, vocab, hidden, inter, layers, heads, kv_heads, head_dim, max_pos,
-rope_theta, tie; MoE adds experts, top_k, moe_inter; AWQ adds awq_group. Used by
+rope_theta, tie; MoE adds experts, top_k, moe_inter; AWQ adds awq_group; mtp_layers = n adds n
+random MTP layers in the DeepSeek-V3 layout (model.layers.{L+j}.enorm/hnorm/eh_proj/shared_head.norm
++ a decoder block, config num_nextn_predict_layers), which `enable_mtp` loads. Used by
 scripts/gpu_check.py (real shapes on a lent GPU) and `ember bench tp` (a model whose heads split).
 """
 from __future__ import annotations
@@ -26,6 +28,8 @@ def hf_config(s: dict) -> dict:
     if "experts" in s:
         cfg.update(num_experts=s["experts"], num_experts_per_tok=s["top_k"], moe_intermediate_size=s["moe_inter"],
                    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    if s.get("mtp_layers"):
+        cfg["num_nextn_predict_layers"] = s["mtp_layers"]
     if "awq_group" in s:
         cfg["torch_dtype"] = "float16"
         cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": s["awq_group"],
@@ -71,12 +75,8 @@ def model_tensors(s: dict, device: torch.device):
         # |q - z| ~ 5 on average: scales ~0.004 give weights of ~0.02
         yield f"{prefix}.scales", (torch.rand(in_f // G, out_f, device=device) * 0.004 + 0.002).half()
 
-    yield "model.embed_tokens.weight", rand(V, H)
-    if not s["tie"]:
-        yield "lm_head.weight", rand(V, H)
-    yield "model.norm.weight", ones(H)
-    for i in range(s["layers"]):
-        p = f"model.layers.{i}"
+    def decoder_layer(p):
+        """One decoder block's tensors under prefix p (model.layers.N)."""
         yield f"{p}.input_layernorm.weight", ones(H)
         yield f"{p}.post_attention_layernorm.weight", ones(H)
         yield f"{p}.self_attn.q_norm.weight", ones(D)
@@ -95,6 +95,19 @@ def model_tensors(s: dict, device: torch.device):
             yield from linear(f"{p}.mlp.up_proj", s["inter"], H)
             yield from linear(f"{p}.mlp.down_proj", H, s["inter"])
 
+    yield "model.embed_tokens.weight", rand(V, H)
+    if not s["tie"]:
+        yield "lm_head.weight", rand(V, H)
+    yield "model.norm.weight", ones(H)
+    for i in range(s["layers"]):
+        yield from decoder_layer(f"model.layers.{i}")
+    for j in range(s.get("mtp_layers", 0)):  # DeepSeek-V3 layout: after the decoder, sharing embedding and head
+        p = f"model.layers.{s['layers'] + j}"
+        for norm in ("enorm", "hnorm", "shared_head.norm"):
+            yield f"{p}.{norm}.weight", ones(H)
+        yield f"{p}.eh_proj.weight", rand(H, 2 * H)
+        yield from decoder_layer(p)
+
 
 def scratch_dir(need_bytes: int) -> str:
     """/dev/shm when it has room (no disk writes), else the temp dir."""
@@ -111,7 +124,7 @@ def estimate_bytes(s: dict) -> int:
     H, D, V, L = s["hidden"], s["head_dim"], s["vocab"], s["layers"]
     attn = H * D * (2 * s["heads"] + 2 * s["kv_heads"])
     mlp = s["experts"] * 3 * H * s["moe_inter"] if "experts" in s else 3 * H * s["inter"]
-    linear = L * (attn + mlp)
+    linear = (L + s.get("mtp_layers", 0)) * (attn + mlp)
     per = 0.5 + 2.5 / s["awq_group"] if "awq_group" in s else 2  # int4 + (int4 zero + fp16 scale) / G
     return int(linear * per + V * H * 2 * (1 if s["tie"] else 2))
 

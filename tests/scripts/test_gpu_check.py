@@ -50,7 +50,7 @@ def test_cpu_smoke_writes_every_row(tmp_path):
     assert md.startswith("# ember GPU check") and "- device: cpu (cpu-smoke)" in md
     rows = table(md)
     expected = load_script().all_cases()
-    assert len(expected) == 40  # 2 env, 12 kernels, 4 attention, 2 ttft, 4 models x 5
+    assert len(expected) == 42  # 2 env, 12 kernels, 4 attention, 2 ttft, 4 models x 5, 2 MTP rows
     missing = [c for c in expected if c not in rows]
     assert not missing, missing
     for key, (status, result, notes) in rows.items():
@@ -64,6 +64,10 @@ def test_cpu_smoke_writes_every_row(tmp_path):
     assert "max_abs_diff" in rows[("attention", "split-KV vs SDPA ctx 128K")][1]
     assert "tok/s" in rows[("qwen3-30b-a3b", "Qwen3-30B-A3B (8/48 layers) decode eager b8")][1]
     assert rows[("qwen3-8b", "Qwen3-8B decode cuda-graph b1")][0] == "skipped"
+    # the random MTP layer loaded and verified drafts (k = 1 pinned: one draft per step)
+    status, result, notes = rows[("qwen3-0.6b", "Qwen3-0.6B decode eager+mtp b1")]
+    assert "tok/s" in result and "MTP k=1 pinned" in notes and " 0 verify steps" not in notes, notes
+    assert rows[("qwen3-0.6b", "Qwen3-0.6B decode cuda-graph+mtp b1")][0] == "skipped"
     data = json.loads((tmp_path / "gpu.json").read_text())
     assert data["smoke"] and len(data["rows"]) == len(rows)
     assert [s["section"] for s in data["sections"]] == load_script().SECTIONS
@@ -113,7 +117,11 @@ def test_real_shapes_load_on_meta(key, tmp_path):
         names.append(name)
     model.load_weights(rm.model_tensors(spec, meta))  # raises on a missing or wrongly shaped tensor
     params, modules = dict(model.named_parameters()), dict(model.named_modules())
-    assert all(model.route_weight(n, params, modules) is not None for n in names)  # none ignored
+    # every tensor loads into the model but the MTP layer's (after the decoder; enable_mtp loads those)
+    mtp_prefixes = tuple(f"model.layers.{cfg.num_layers + j}." for j in range(spec.get("mtp_layers", 0)))
+    main = [n for n in names if not n.startswith(mtp_prefixes)]
+    assert len(names) - len(main) == (15 if mtp_prefixes else 0)  # 3 norms + eh_proj + an 11-tensor block
+    assert all(model.route_weight(n, params, modules) is not None for n in main)  # none ignored
     assert len(names) == len(set(names))
     assert abs(nbytes - rm.estimate_bytes(spec)) < 0.01 * nbytes
     want_gb = {"qwen3-0.6b": 1.2, "qwen3-8b": 16.4, "qwen3-8b-awq": 6.1, "qwen3-30b-a3b": 11.2}[key]
