@@ -24,7 +24,7 @@ logger = logging.getLogger("ember.bench")
 KIND = "matrix"
 OFF = {"enforce_eager": True, "enable_chunked_prefill": False, "enable_mtp": False, "speculative_config": None,
        "speculative_model": None, "num_speculative_tokens": None, "quantization": "none", "int8_decode": False,
-       "int4_dense_copy": False, "cpu_tiled_gemv": False, "cpu_paged_attention": False}
+       "int4_dense_copy": False, "cpu_tiled_gemv": False, "cpu_paged_attention": False, "cpu_fused_elementwise": False}
 
 
 def has_executor_flag() -> bool:
@@ -42,6 +42,7 @@ def configs(base: dict) -> list[tuple[str, dict]]:
               ("+ dense copy of packed weights for batches", {"int4_dense_copy": None}),
               ("+ tiled AVX-512 GEMV for packed weights", {"cpu_tiled_gemv": True}),
               ("+ fused C++ decode attention", {"cpu_paged_attention": True}),
+              ("+ fused C++ RMSNorm and SiLU*up", {"cpu_fused_elementwise": True}),
               ("+ chunked prefill", {"enable_chunked_prefill": True}),
               ("+ MTP speculation", {"enable_mtp": True})]
     if has_executor_flag():
@@ -55,7 +56,7 @@ def configs(base: dict) -> list[tuple[str, dict]]:
 
 
 LEVERS = ("quantization", "int8_decode", "int4_dense_copy", "cpu_tiled_gemv", "cpu_paged_attention",
-          "enable_chunked_prefill", "enable_mtp", "enforce_eager", "executor")
+          "cpu_fused_elementwise", "enable_chunked_prefill", "enable_mtp", "enforce_eager", "executor")
 
 
 def lever_values(knobs: dict) -> str:

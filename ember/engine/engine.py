@@ -20,6 +20,7 @@ from ember.engine.runner import ModelRunner
 from ember.engine.scheduler import Scheduler
 from ember.engine.step_executor import attention_backend_of, build_executor, resolve_executor
 from ember.errors import ConfigError, InvalidRequestError, PromptTooLongError
+from ember.kernels import cpu_fused_elementwise as fused_elementwise
 from ember.kernels import cpu_tiled_gemv as tiled_gemv
 from ember.kernels.cpu_paged_attention import paged_attention_op
 from ember.layers.attention import resolve_kv_cache_dtype
@@ -72,6 +73,9 @@ class LLMEngine:
             if config.cpu_paged_attention:
                 paged_attention_op()  # built (once per machine, ~20 s) or loaded now, not in the first request
         tiled_gemv.set_enabled(config.cpu_tiled_gemv)  # read as GGUF weights are packed at load
+        fused_elementwise.set_enabled(config.cpu_fused_elementwise)
+        if self.device.type == "cpu" and config.cpu_fused_elementwise and self.dtype == torch.bfloat16:
+            fused_elementwise.available()  # built (once per machine) or loaded now, not in the first request
         torch.manual_seed(config.seed)
         # Tensor parallelism: workers start (and load their shards) alongside rank 0's own load.
         self.tp = None

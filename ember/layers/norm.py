@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ember.kernels import cpu_fused_elementwise as fused
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32,
@@ -20,6 +22,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x) when residual is None; else (norm(x + residual), x + residual)."""
+        if fused.applies(x) and self.weight.dtype == torch.bfloat16 and (residual is None or residual.dtype == x.dtype):
+            return fused.rms_norm(x, residual, self.weight, self.eps)  # one pass, the same roundings
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -1,0 +1,99 @@
+"""The fused bf16 RMSNorm (+ residual) and SiLU*up CPU kernels (ember/kernels/cpu_fused_elementwise.*)
+against the eager torch ops they replace: the same roundings op for op, so outputs equal on random
+rows (row lengths with a vector tail, strided rows, large magnitudes where exp overflows) but for
+rare 1-ulp bf16 differences (the norm's float32 sum order, the exp polynomial), and the layers
+pick them only where they apply."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ember.kernels import cpu_fused_elementwise as fused
+from ember.kernels.cpp_build import has_cpu_flags
+from ember.layers import activation
+from ember.layers.norm import RMSNorm
+
+# This project's machines (and CI's) are Zen4 with AVX-512; elsewhere the torch ops run.
+pytestmark = pytest.mark.skipif(not has_cpu_flags("avx512f", "avx512bw"), reason="the fused kernels need AVX-512")
+
+
+@pytest.fixture
+def torch_ops():
+    """Runs a callable with the fused path off (the eager reference), then restores it."""
+    def run(fn, *args):
+        fused.set_enabled(False)
+        try:
+            return fn(*args)
+        finally:
+            fused.set_enabled(True)
+    return run
+
+
+def assert_bf16_equal_but_rare_ulps(got: torch.Tensor, want: torch.Tensor, max_share: float = 0.01):
+    assert got.shape == want.shape and got.dtype == want.dtype == torch.bfloat16
+    g, w = got.float(), want.float()
+    ulp = torch.exp2(torch.floor(torch.log2(w.abs().clamp_min(2.0 ** -126))) - 7)  # bf16 keeps 8 significant bits
+    assert bool(((g - w).abs() <= ulp).all()), "a difference of more than one bf16 ulp"
+    assert (got != want).float().mean().item() <= max_share
+
+
+def rows(T, H, seed, scale=1.0, stride_pad=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(T, H + stride_pad, generator=g) * scale).to(torch.bfloat16)
+    return x[:, :H]  # stride_pad > 0: rows with a gap between them, as a slice of a wider tensor
+
+
+@pytest.mark.parametrize("T,H", [(1, 576), (7, 64), (300, 100), (33, 1)])
+@pytest.mark.parametrize("stride_pad", [0, 24])
+def test_rms_norm_with_and_without_residual_equals_torch_bitwise(torch_ops, T, H, stride_pad):
+    assert fused.available()
+    norm = RMSNorm(H, 1e-5, torch.bfloat16)
+    norm.weight.data = rows(1, H, 9, 2.0)[0].contiguous()
+    x, r = rows(T, H, 1, 3.0, stride_pad), rows(T, H, 2).contiguous()
+    assert fused.applies(x)
+    want_out, want_sum = torch_ops(norm, x, r)
+    got_out, got_sum = norm(x, r)
+    assert torch.equal(got_sum, want_sum)  # the residual add rounds once either way: exact
+    assert_bf16_equal_but_rare_ulps(got_out, want_out)
+    assert_bf16_equal_but_rare_ulps(norm(x), torch_ops(norm, x))
+
+
+@pytest.mark.parametrize("T,I", [(1, 1536), (5, 20), (64, 48)])
+@pytest.mark.parametrize("scale", [1.0, 30.0])
+def test_silu_and_mul_equals_torch_bitwise(torch_ops, T, I, scale):
+    x = rows(T, 2 * I, 3, scale)
+    x[0, :4] = torch.tensor([0.0, -0.0, 120.0, -120.0])  # exp far past its clamp on both sides
+    want = torch_ops(activation.silu_and_mul, x)
+    got = activation.silu_and_mul(x)
+    assert got.shape == (T, I)
+    assert_bf16_equal_but_rare_ulps(got, want)
+    assert torch.equal(got[0, :4], want[0, :4])  # silu(0) = 0, silu(120) = 120 * up, silu(-120) = -0
+
+
+def test_applies_only_to_bf16_rows_on_cpu_outside_compile():
+    x = rows(4, 64, 0)
+    assert fused.applies(x)
+    assert not fused.applies(x.float())  # float32 keeps the reference ops
+    assert not fused.applies(x.view(4, 4, 16))  # per-head norms (Qwen3's q/k norm) stay torch
+    assert not fused.applies(x.t())  # column-major rows
+    fused.set_enabled(False)
+    try:
+        assert not fused.applies(x)
+    finally:
+        fused.set_enabled(True)
+
+
+def test_compiled_norm_traces_the_torch_ops():
+    """Inside torch.compile the layers use the torch ops (inductor fuses them itself); outputs agree."""
+    norm = RMSNorm(64, 1e-5, torch.bfloat16)
+    x, r = rows(8, 64, 4), rows(8, 64, 5).contiguous()
+    calls = []
+    real = fused.rms_norm
+    try:
+        fused.rms_norm = lambda *a: calls.append(1) or real(*a)
+        out, total = torch.compile(norm, backend="eager")(x, r)
+    finally:
+        fused.rms_norm = real
+    assert not calls
+    want_out, want_sum = norm(x, r)
+    assert torch.equal(out, want_out) and torch.equal(total, want_sum)
