@@ -60,8 +60,12 @@ def build(source: str, what: str, python_module: bool = True, fakes: dict[str, C
         from torch.utils.cpp_extension import load
 
         _put_ninja_on_path()
-        with open(path, "rb") as f:
-            tag = hashlib.sha1(_cpu_flags().encode() + f.read()).hexdigest()[:8]
+        digest = hashlib.sha1(_cpu_flags().encode())
+        # the source and the headers beside it (a changed header must not load an old build)
+        for name in [source] + sorted(n for n in os.listdir(os.path.dirname(path)) if n.endswith(".h")):
+            with open(os.path.join(os.path.dirname(path), name), "rb") as f:
+                digest.update(f.read())
+        tag = digest.hexdigest()[:8]
         t0 = time.perf_counter()
         name = f"ember_{os.path.splitext(source)[0]}_{tag}"
         module = load(name=name, sources=[path], extra_cflags=["-O3", "-march=native", "-fopenmp"],

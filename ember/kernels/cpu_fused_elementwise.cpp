@@ -12,6 +12,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "cpu_simd.h"
+
 namespace {
 
 inline __m512 load_bf16(const c10::BFloat16* p) {
@@ -38,25 +40,12 @@ inline __m512 round_bf16(__m512 x) {
 inline void store_bf16(c10::BFloat16* p, __m512 x) { _mm256_storeu_si256((__m256i*)p, to_bf16(x)); }
 inline void store_bf16_masked(c10::BFloat16* p, __m512 x, __mmask16 k) { _mm256_mask_storeu_epi16(p, k, to_bf16(x)); }
 
-// exp(x) for any float x: Cody-Waite reduction, Cephes' degree-6 polynomial, 2^n in the exponent
-// bits; within 2 ulp of std::exp; +inf past float32's range, as std::exp (silu(-120) is -0.0 in
-// torch); below -87 the result (0 here, a subnormal there) only ever meets 1 + exp.
+// exp(x) for any float x, within 2 ulp of std::exp: +inf past float32's range, as std::exp (so
+// silu(-120) is -0.0, as in torch); below -87 exp(-87) (it only ever meets 1 + exp).
 inline __m512 exp_ps(__m512 x) {
   const __mmask16 overflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.72283935546875f), _CMP_GT_OQ);
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mask_mov_ps(_mm512_mul_ps(p, _mm512_castsi512_ps(e)), overflow, _mm512_set1_ps(INFINITY));
+  const __m512 y = ember_simd::exp_in_range(_mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f)));
+  return _mm512_mask_mov_ps(y, overflow, _mm512_set1_ps(INFINITY));
 }
 
 inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }

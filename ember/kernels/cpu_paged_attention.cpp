@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#include "cpu_simd.h"
 #endif
 
 #include <cmath>
@@ -53,26 +54,11 @@ struct SlotWalk {
 };
 
 #if defined(__AVX512F__)
-// exp(x) of 16 lanes, x <= 0 (a score minus its running max): x = n ln2 + r (Cody-Waite),
-// Cephes' degree-6 polynomial for exp(r) on |r| <= ln2 / 2, times 2^n built in the exponent bits.
-// Within 2 ulp of std::exp; 0 below -87 (float32 underflow). A scalar std::exp per key and query
-// head was most of a tile's time (GCC does not vectorize it).
+// exp(x) of 16 lanes, x <= 0 (a score minus its running max); 0 below -87 (float32 underflow). A
+// scalar std::exp per key and query head was most of a tile's time (GCC does not vectorize it).
 inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ);
-  return _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(e));
+  return _mm512_maskz_mov_ps(live, ember_simd::exp_in_range(_mm512_max_ps(x, _mm512_set1_ps(-87.f))));
 }
 #endif
 

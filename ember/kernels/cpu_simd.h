@@ -1,0 +1,27 @@
+// AVX-512 helpers shared by ember's C++ CPU kernels (included by the .cpp files beside it;
+// cpp_build hashes this file into every kernel's build name, so a change here rebuilds them).
+#pragma once
+#include <immintrin.h>
+
+namespace ember_simd {
+
+// exp(x) of 16 lanes for x in [-87, 88]: x = n ln2 + r (Cody-Waite), Cephes' degree-6 polynomial
+// for exp(r) on |r| <= ln2 / 2, times 2^n built in the exponent bits. Within 2 ulp of std::exp
+// (GCC does not vectorize std::exp). Callers clamp x and handle the ends of float32's range.
+inline __m512 exp_in_range(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+}  // namespace ember_simd
