@@ -48,8 +48,9 @@ def applies(x: torch.Tensor) -> bool:
 
 
 def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    """norm(x) when residual is None; else (norm(x + residual), x + residual). Call where applies(x)."""
-    out, total = torch.ops.ember_cpu.rms_norm_bf16(x, residual, weight.to(torch.bfloat16).contiguous(), eps)
+    """norm(x) when residual is None; else (norm(x + residual), x + residual). Call where applies(x),
+    with a bf16 weight (the op checks it)."""
+    out, total = torch.ops.ember_cpu.rms_norm_bf16(x, residual, weight, eps)
     return out if residual is None else (out, total)
 
 
