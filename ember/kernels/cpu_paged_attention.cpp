@@ -18,7 +18,7 @@
 
 namespace {
 
-constexpr int kTile = 32;  // keys scored per online-softmax update
+constexpr int kTile = 16;  // keys scored per online-softmax update
 constexpr int kMaxG = 16;  // query heads per kv head
 constexpr int kMaxD = 256;
 constexpr int64_t kMinSplit = 64;  // keys per part, at least, when a context is split over threads
@@ -120,81 +120,148 @@ struct Vec16<float> : std::true_type {
   static __m512 load(const float* p) { return _mm512_loadu_ps(p); }
 };
 
-// attend() with the group size and head size fixed and every row in registers: a key row is
-// converted once into D/16 vectors, each query head's dot product is a chain of FMAs with one
-// horizontal sum, and the accumulators stay in registers across the whole context (the default
-// model, G = 3, D = 64: 12 query + 12 accumulator + 4 row registers of 32).
-//
-// Keys k_begin .. k_end - 1 only. m_out == nullptr: out = the normalized attention. Else a split
-// of the context (see run): out = the unnormalized accumulators, m_out / l_out = running max and sum
-// per head, merged by merge_splits.
-template <typename T, int D, int kG>
-void attend_vec(const float* __restrict qs, const T* __restrict kc, const T* __restrict vc,
-                const int32_t* __restrict table, int64_t k_begin, int64_t k_end, int64_t bs, int64_t row_stride,
-                float* __restrict out, float* __restrict m_out = nullptr, float* __restrict l_out = nullptr) {
-  constexpr int V = D / 16;
-  __m512 q[kG][V], acc[kG][V];
-  float m[kG], l[kG];
-  alignas(64) float s[kG][kTile];
-  alignas(64) int64_t slot[kTile];
-  for (int g = 0; g < kG; ++g) {
-    m[g] = -std::numeric_limits<float>::infinity();
-    l[g] = 0.f;
-    for (int v = 0; v < V; ++v) {
-      q[g][v] = _mm512_loadu_ps(qs + g * D + 16 * v);
-      acc[g][v] = _mm512_setzero_ps();
+// Rows of D cache elements as D/16 float32 vectors. bf16 with D % 32 == 0 loads 32 elements per
+// 512-bit read and splits them by one op each: even elements (shifted up) and odd ones (masked),
+// so lane i of vector 2r + p holds element 32r + 2i + p. Queries are laid out in that same order
+// (dot products do not care) and outputs are put back in order at the end (lane_of).
+template <typename T, int D>
+struct RowLoad {
+  static constexpr bool kPaired = false;
+  static constexpr int lane_of(int e) { return e; }
+  static void load(const T* p, __m512* out) {
+    for (int v = 0; v < D / 16; ++v) out[v] = Vec16<T>::load(p + 16 * v);
+  }
+};
+template <int D>
+struct RowLoad<c10::BFloat16, D> {
+  static constexpr bool kPaired = D % 32 == 0;
+  static constexpr int lane_of(int e) {
+    return kPaired ? (2 * (e / 32) + (e % 2)) * 16 + (e % 32) / 2 : e;
+  }
+  static void load(const c10::BFloat16* p, __m512* out) {
+    if constexpr (kPaired) {
+      const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000u);
+      for (int r = 0; r < D / 32; ++r) {
+        const __m512i x = _mm512_loadu_si512(reinterpret_cast<const void*>(p + 32 * r));
+        out[2 * r] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+        out[2 * r + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, hi));
+      }
+    } else {
+      for (int v = 0; v < D / 16; ++v) out[v] = Vec16<c10::BFloat16>::load(p + 16 * v);
     }
   }
-  alignas(64) int64_t next_slot[kTile];
+};
+
+template <typename T, int D>
+inline void prefetch_row(const T* p) {
+  for (int b = 0; b < D * (int)sizeof(T); b += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + b, _MM_HINT_T0);
+}
+
+// One query against keys k_begin .. k_end - 1 of its sequence, every kv head in one task: a tile's
+// K/V slots hold all heads side by side (Hkv * D elements), so walking heads inside a tile reads
+// the cache front to back while the next tile's rows are prefetched. (A task per kv head, which read
+// 128 of every 384 bytes of a slot for the default model, ran at a third of the memory bandwidth.)
+// Each head's group of kG query heads keeps its query and accumulator rows in registers while it
+// scores a tile; between tiles they live in acc (the output rows, [Hkv * kG, D] in lane order).
+//
+// m_out == nullptr: acc ends as the normalized attention. Else a split of the context (see run):
+// acc = the unnormalized accumulators, m_out / l_out = running max and sum per query head, merged
+// by merge_splits. Either way acc is still in lane order (RowLoad::lane_of).
+template <typename T, int D, int kG>
+void attend_vec(const float* __restrict qs, const T* __restrict kc, const T* __restrict vc,
+                const int32_t* __restrict table, int64_t k_begin, int64_t k_end, int64_t bs, int64_t Hkv,
+                float* __restrict acc, float* __restrict m_out = nullptr, float* __restrict l_out = nullptr) {
+  constexpr int V = D / 16;
+  using Row = RowLoad<T, D>;
+  const int64_t Hq = Hkv * kG, row_stride = Hkv * D;
+  std::vector<float> ml(2 * Hq);  // running max and sum per query head
+  float* m = ml.data();
+  float* l = m + Hq;
+  for (int64_t g = 0; g < Hq; ++g) {
+    m[g] = -std::numeric_limits<float>::infinity();
+    l[g] = 0.f;
+    for (int d = 0; d < D; ++d) acc[g * D + d] = 0.f;
+  }
+  alignas(64) float s[kG][kTile];
+  alignas(64) int64_t slot[kTile], next_slot[kTile];
   SlotWalk walk(table, bs, row_stride, k_begin);
   int64_t n = std::min<int64_t>(kTile, k_end - k_begin);
   if (n > 0) walk.next(n, slot);
   for (int64_t t0 = k_begin; t0 < k_end; t0 += kTile) {
-    // The next tile's K/V rows are requested now, so their memory loads overlap this tile's math:
-    // blocks are scattered over the pool, which the hardware prefetcher cannot follow.
+    // The next tile's K/V rows are requested while this tile is scored, a head's rows in the loop
+    // over that head's keys, so their memory loads overlap the math: blocks are scattered over the
+    // pool, which the hardware prefetcher cannot follow, and one burst of every row stalled on the
+    // core's few outstanding misses.
     const int64_t n_next = std::min<int64_t>(kTile, k_end - t0 - kTile);
-    if (n_next > 0) {
-      walk.next(n_next, next_slot);
-      for (int64_t j = 0; j < n_next; ++j)
-        for (int64_t b = 0; b < (int64_t)(D * sizeof(T)); b += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(kc + next_slot[j]) + b, _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(vc + next_slot[j]) + b, _MM_HINT_T0);
+    if (n_next > 0) walk.next(n_next, next_slot);
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const T* __restrict kh = kc + h * D;
+      const T* __restrict vh = vc + h * D;
+      float* __restrict ah = acc + h * kG * D;
+      __m512 q[kG][V], a[kG][V];
+      for (int g = 0; g < kG; ++g)
+        for (int v = 0; v < V; ++v) {
+          q[g][v] = _mm512_loadu_ps(qs + (h * kG + g) * D + 16 * v);
+          a[g][v] = _mm512_loadu_ps(ah + g * D + 16 * v);
         }
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      __m512 k[V];
-      for (int v = 0; v < V; ++v) k[v] = Vec16<T>::load(kc + slot[j] + 16 * v);
+      for (int64_t j = 0; j < n; ++j) {
+        if (j < n_next) prefetch_row<T, D>(kh + next_slot[j]);
+        __m512 k[V];
+        Row::load(kh + slot[j], k);
+        for (int g = 0; g < kG; ++g) {
+          __m512 t = _mm512_mul_ps(q[g][0], k[0]);
+          for (int v = 1; v < V; ++v) t = _mm512_fmadd_ps(q[g][v], k[v], t);
+          s[g][j] = _mm512_reduce_add_ps(t);
+        }
+      }
       for (int g = 0; g < kG; ++g) {
-        __m512 t = _mm512_mul_ps(q[g][0], k[0]);
-        for (int v = 1; v < V; ++v) t = _mm512_fmadd_ps(q[g][v], k[v], t);
-        s[g][j] = _mm512_reduce_add_ps(t);
+        const float rescale = softmax_tile(s[g], n, &m[h * kG + g], &l[h * kG + g]);
+        if (rescale != 1.f) {
+          const __m512 r = _mm512_set1_ps(rescale);
+          for (int v = 0; v < V; ++v) a[g][v] = _mm512_mul_ps(a[g][v], r);
+        }
       }
-    }
-    for (int g = 0; g < kG; ++g) {
-      const float rescale = softmax_tile(s[g], n, &m[g], &l[g]);
-      if (rescale != 1.f) {
-        const __m512 r = _mm512_set1_ps(rescale);
-        for (int v = 0; v < V; ++v) acc[g][v] = _mm512_mul_ps(acc[g][v], r);
+      for (int64_t j = 0; j < n; ++j) {
+        if (j < n_next) prefetch_row<T, D>(vh + next_slot[j]);
+        __m512 row[V];
+        Row::load(vh + slot[j], row);
+        for (int g = 0; g < kG; ++g) {
+          const __m512 p = _mm512_set1_ps(s[g][j]);
+          for (int v = 0; v < V; ++v) a[g][v] = _mm512_fmadd_ps(p, row[v], a[g][v]);
+        }
       }
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      __m512 row[V];
-      for (int v = 0; v < V; ++v) row[v] = Vec16<T>::load(vc + slot[j] + 16 * v);
-      for (int g = 0; g < kG; ++g) {
-        const __m512 p = _mm512_set1_ps(s[g][j]);
-        for (int v = 0; v < V; ++v) acc[g][v] = _mm512_fmadd_ps(p, row[v], acc[g][v]);
-      }
+      for (int g = 0; g < kG; ++g)
+        for (int v = 0; v < V; ++v) _mm512_storeu_ps(ah + g * D + 16 * v, a[g][v]);
     }
     std::memcpy(slot, next_slot, sizeof(slot));
     n = n_next;
   }
-  for (int g = 0; g < kG; ++g) {
+  for (int64_t g = 0; g < Hq; ++g) {
     if (m_out != nullptr) {
       m_out[g] = m[g];
       l_out[g] = l[g];
+      continue;
     }
-    const __m512 inv = _mm512_set1_ps(m_out != nullptr ? 1.f : l[g] > 0.f ? 1.f / l[g] : 0.f);
-    for (int v = 0; v < V; ++v) _mm512_storeu_ps(out + g * D + 16 * v, _mm512_mul_ps(acc[g][v], inv));
+    const __m512 inv = _mm512_set1_ps(l[g] > 0.f ? 1.f / l[g] : 0.f);
+    for (int v = 0; v < V; ++v)
+      _mm512_storeu_ps(acc + g * D + 16 * v, _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + 16 * v), inv));
+  }
+}
+
+// rows [n, D] between element order and RowLoad's lane order, in place
+template <typename T, int D>
+void to_lane_order(float* rows, int64_t n, bool forward) {
+  using Row = RowLoad<T, D>;
+  if constexpr (Row::kPaired) {
+    alignas(64) float tmp[D];
+    for (int64_t i = 0; i < n; ++i) {
+      float* r = rows + i * D;
+      for (int e = 0; e < D; ++e) {
+        if (forward) tmp[Row::lane_of(e)] = r[e];
+        else tmp[e] = r[Row::lane_of(e)];
+      }
+      std::memcpy(r, tmp, sizeof(tmp));
+    }
   }
 }
 #endif
@@ -292,29 +359,39 @@ void run(const torch::Tensor& qf, const torch::Tensor& kv_cache, const torch::Te
     constexpr int Gc = decltype(g_const)::value;
 #if defined(__AVX512F__)
     if constexpr (Gc > 0 && Dc % 16 == 0 && Vec16<T>::value) {
-      // Fewer (query, kv head) tasks than twice the threads (batch-1 decode: the default model's 3 kv
-      // heads on 2 threads left one idle half the time): split each context into S parts of at least
-      // kMinSplit keys, run the parts as tasks, merge their online-softmax states.
-      const int64_t threads = at::get_num_threads(), n_tasks = Tq * Hkv;
-      int64_t longest = 0;
-      for (int64_t i = 0; i < Tq; ++i) longest = std::max<int64_t>(longest, lens[i]);
-      const int64_t S = std::min<int64_t>((2 * threads + n_tasks - 1) / n_tasks, longest / kMinSplit);
-      if (S > 1) {
-        std::vector<float> acc((size_t)n_tasks * S * G * D), ms((size_t)n_tasks * S * G), ls((size_t)n_tasks * S * G);
-        at::parallel_for(0, n_tasks * S, 1, [&](int64_t begin, int64_t end) {
+      {
+        std::vector<float> ql(q, q + Tq * Hq * D);
+        to_lane_order<T, Dc>(ql.data(), Tq * Hq, true);
+        // Fewer queries than twice the threads (batch-1 decode): split each context into S parts of at
+        // least kMinSplit keys, run the parts as tasks, merge their online-softmax states.
+        const int64_t threads = at::get_num_threads();
+        int64_t longest = 0;
+        for (int64_t i = 0; i < Tq; ++i) longest = std::max<int64_t>(longest, lens[i]);
+        const int64_t S = std::max<int64_t>(1, std::min<int64_t>((2 * threads + Tq - 1) / Tq, longest / kMinSplit));
+        if (S == 1) {
+          at::parallel_for(0, Tq, 1, [&](int64_t begin, int64_t end) {
+            for (int64_t i = begin; i < end; ++i) {
+              attend_vec<T, Dc, Gc>(ql.data() + i * Hq * D, kbase, vbase, tables + (int64_t)sidx[i] * W, 0, lens[i],
+                                    bs, Hkv, o + i * Hq * D);
+              to_lane_order<T, Dc>(o + i * Hq * D, Hq, false);
+            }
+          });
+          return;
+        }
+        std::vector<float> acc((size_t)Tq * S * Hq * D), ms((size_t)Tq * S * Hq), ls((size_t)Tq * S * Hq);
+        at::parallel_for(0, Tq * S, 1, [&](int64_t begin, int64_t end) {
           for (int64_t job = begin; job < end; ++job) {
-            const int64_t task = job / S, p = job % S, i = task / Hkv, h = task % Hkv;
+            const int64_t i = job / S, p = job % S;
             const int64_t chunk = (lens[i] + S - 1) / S;
             const int64_t k0 = std::min<int64_t>(lens[i], p * chunk), k1 = std::min<int64_t>(lens[i], k0 + chunk);
-            attend_vec<T, Dc, Gc>(q + (i * Hq + h * G) * D, kbase + h * D, vbase + h * D,
-                                  tables + (int64_t)sidx[i] * W, k0, k1, bs, Hkv * D, acc.data() + job * G * D,
-                                  ms.data() + job * G, ls.data() + job * G);
+            attend_vec<T, Dc, Gc>(ql.data() + i * Hq * D, kbase, vbase, tables + (int64_t)sidx[i] * W, k0, k1, bs,
+                                  Hkv, acc.data() + job * Hq * D, ms.data() + job * Hq, ls.data() + job * Hq);
           }
         });
-        for (int64_t task = 0; task < n_tasks; ++task) {
-          const int64_t i = task / Hkv, h = task % Hkv;
-          merge_splits(acc.data() + task * S * G * D, ms.data() + task * S * G, ls.data() + task * S * G, S, G, D,
-                       o + (i * Hq + h * G) * D);
+        for (int64_t i = 0; i < Tq; ++i) {
+          merge_splits(acc.data() + i * S * Hq * D, ms.data() + i * S * Hq, ls.data() + i * S * Hq, S, Hq, D,
+                       o + i * Hq * D);
+          to_lane_order<T, Dc>(o + i * Hq * D, Hq, false);
         }
         return;
       }
@@ -326,12 +403,6 @@ void run(const torch::Tensor& qf, const torch::Tensor& kv_cache, const torch::Te
         const float* qi = q + (i * Hq + h * G) * D;
         const int32_t* table = tables + (int64_t)sidx[i] * W;
         float* oi = o + (i * Hq + h * G) * D;
-#if defined(__AVX512F__)
-        if constexpr (Gc > 0 && Dc % 16 == 0 && Vec16<T>::value) {
-          attend_vec<T, Dc, Gc>(qi, kbase + h * D, vbase + h * D, table, 0, lens[i], bs, Hkv * D, oi);
-          continue;
-        }
-#endif
         attend<T, Dc, Gc>(qi, kbase + h * D, vbase + h * D, table, lens[i], bs, Hkv * D, G, oi);
       }
     });

@@ -132,11 +132,13 @@ def test_long_bf16_queries_take_the_gemm_path(monkeypatch):
         assert (out.double() - reference(q, cache, meta, tables, D ** -0.5)).abs().max() < 2e-2
 
 
-@pytest.mark.parametrize("hq,hkv,d", [(8, 1, 64), (4, 4, 128), (16, 2, 32), (12, 4, 80), (12, 2, 64)])
+@pytest.mark.parametrize("hq,hkv,d", [(8, 1, 64), (4, 4, 128), (16, 2, 32), (12, 4, 80), (12, 2, 64), (9, 3, 64),
+                                     (64, 8, 128)])
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn])
 @pytest.mark.parametrize("peaky", [False, True])
 def test_cpp_kernel_matches_reference_across_shapes(hq, hkv, d, cache_dtype, peaky):
     """The fused kernel alone: GQA 8/1/8/3/6 (6 has no fixed-group path) and head sizes 32..128,
+    every kv head of a query in one task (1..8 of them),
     contexts ending mid-block, a query that sees one key, queries of one sequence seeing different
     prefixes (a verify); bf16/fp16/fp32 take the AVX-512 path, fp8 the scalar one. peaky: scores
     spread over hundreds, so most of exp(score - max) underflow (the vector exp's clamp)."""
@@ -160,14 +162,16 @@ def test_cpp_kernel_matches_reference_across_shapes(hq, hkv, d, cache_dtype, pea
 
 
 @pytest.mark.parametrize("kv_len", [100, 300, 1000])
-def test_cpp_kernel_splits_a_long_context_over_threads(kv_len):
-    """One sequence, one kv head, 2 threads: contexts of >= 128 keys run as parts on both threads and
-    their softmax states are merged (300 keys: 4 parts, the last one short); 100 keys stay whole."""
+@pytest.mark.parametrize("hkv", [1, 3])
+def test_cpp_kernel_splits_a_long_context_over_threads(kv_len, hkv):
+    """One sequence, one or three kv heads, 2 threads: contexts of >= 128 keys run as parts on both
+    threads and their softmax states are merged (300 keys: 4 parts, the last one short); 100 keys
+    stay whole."""
     from ember.kernels.cpu_paged_attention import paged_attention, paged_attention_op
 
     assert paged_attention_op() is not None
     g = torch.Generator().manual_seed(kv_len)
-    hq, hkv, d, bs = 3, 1, 64, 16
+    hq, d, bs = 3 * hkv, 64, 16
     nblocks = kv_len // bs + 2
     cache = torch.randn(2, nblocks, bs, hkv, d, generator=g).to(torch.bfloat16)
     tables = torch.randperm(nblocks, generator=g).view(1, nblocks).to(torch.int32)
