@@ -24,7 +24,8 @@ logger = logging.getLogger("ember.bench")
 KIND = "matrix"
 OFF = {"enforce_eager": True, "enable_chunked_prefill": False, "enable_mtp": False, "speculative_config": None,
        "speculative_model": None, "num_speculative_tokens": None, "quantization": "none", "int8_decode": False,
-       "int4_dense_copy": False, "cpu_tiled_gemv": False, "cpu_paged_attention": False, "cpu_fused_elementwise": False}
+       "int4_dense_copy": False, "cpu_tiled_gemv": False, "cpu_paged_attention": False, "cpu_fused_elementwise": False,
+       "cpu_flash_attention": False}
 
 
 def has_executor_flag() -> bool:
@@ -43,6 +44,7 @@ def configs(base: dict) -> list[tuple[str, dict]]:
               ("+ tiled AVX-512 GEMV for packed weights", {"cpu_tiled_gemv": True}),
               ("+ fused C++ decode attention", {"cpu_paged_attention": True}),
               ("+ fused C++ RMSNorm and SiLU*up", {"cpu_fused_elementwise": True}),
+              ("+ flash C++ prefill attention", {"cpu_flash_attention": True}),
               ("+ chunked prefill", {"enable_chunked_prefill": True}),
               ("+ MTP speculation", {"enable_mtp": True})]
     if has_executor_flag():
@@ -56,7 +58,7 @@ def configs(base: dict) -> list[tuple[str, dict]]:
 
 
 LEVERS = ("quantization", "int8_decode", "int4_dense_copy", "cpu_tiled_gemv", "cpu_paged_attention",
-          "cpu_fused_elementwise", "enable_chunked_prefill", "enable_mtp", "enforce_eager", "executor")
+          "cpu_fused_elementwise", "cpu_flash_attention", "enable_chunked_prefill", "enable_mtp", "enforce_eager", "executor")
 
 
 def lever_values(knobs: dict) -> str:

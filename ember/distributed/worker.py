@@ -44,6 +44,7 @@ def serve(rank: int, world_size: int, store, config, device_type: str, local_ran
     from ember.distributed.tp_config import tp_quantization
     from ember.engine.cpu_malloc import keep_freed_memory_in_heap
     from ember.engine.engine import resolve_dtype
+    from ember.kernels import cpu_causal_attention as causal_attention
     from ember.kernels import cpu_fused_elementwise as fused_elementwise
     from ember.kernels import cpu_tiled_gemv as tiled_gemv
     from ember.loader.model_loader import load_model
@@ -57,6 +58,7 @@ def serve(rank: int, world_size: int, store, config, device_type: str, local_ran
     dtype = resolve_dtype(config.dtype, device)
     tiled_gemv.set_enabled(config.cpu_tiled_gemv)
     fused_elementwise.set_enabled(config.cpu_fused_elementwise)
+    causal_attention.set_enabled(config.cpu_flash_attention)
     with parallel_state.sharding(rank, world_size):
         loaded = load_model(config.model, config.tokenizer, dtype, device, config.attention_backend,
                             tp_quantization(config.quantization, config.model))

@@ -20,6 +20,7 @@ from ember.engine.runner import ModelRunner
 from ember.engine.scheduler import Scheduler
 from ember.engine.step_executor import attention_backend_of, build_executor, resolve_executor
 from ember.errors import ConfigError, InvalidRequestError, PromptTooLongError
+from ember.kernels import cpu_causal_attention as causal_attention
 from ember.kernels import cpu_fused_elementwise as fused_elementwise
 from ember.kernels import cpu_tiled_gemv as tiled_gemv
 from ember.kernels.cpu_paged_attention import paged_attention_op
@@ -74,8 +75,13 @@ class LLMEngine:
                 paged_attention_op()  # built (once per machine, ~20 s) or loaded now, not in the first request
         tiled_gemv.set_enabled(config.cpu_tiled_gemv)  # read as GGUF weights are packed at load
         fused_elementwise.set_enabled(config.cpu_fused_elementwise)
-        if self.device.type == "cpu" and config.cpu_fused_elementwise and self.dtype == torch.bfloat16:
-            fused_elementwise.available()  # built (once per machine) or loaded now, not in the first request
+        causal_attention.set_enabled(config.cpu_flash_attention)
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            # built (once per machine) or loaded now, not in the first request
+            if config.cpu_fused_elementwise:
+                fused_elementwise.available()
+            if config.cpu_flash_attention:
+                causal_attention.flash_available()
         torch.manual_seed(config.seed)
         # Tensor parallelism: workers start (and load their shards) alongside rank 0's own load.
         self.tp = None

@@ -6,8 +6,9 @@ in the paged cache (this step's K/V are already written). Three paths:
     [B, L] batch, mask keys >= seq_len, one SDPA call. Runs in float32: on CPU one query over
     2K keys is ~8x slower in bf16.
   - fresh prefill (ctx_len 0): the step's own k/v with is_causal; no gather.
-  - long bf16 queries on CPU (prefill, chunks) go to blocked GEMMs instead of SDPA, ~2.7x
-    faster there (cpu_causal_attention.py).
+  - bf16 queries on CPU (prefill, chunks) go to a flash-style C++ kernel with bf16 dot
+    products where it builds (AVX512-BF16), else from 128 queries on to blocked GEMMs; both
+    faster than SDPA there (cpu_causal_attention.py).
   - chunk over a cached prefix (ctx_len > 0, q_len > 1: chunked prefill, spec verify):
     gather this sequence's keys, causal mask offset by ctx_len, float32. Up to
     VERIFY_MAX_QUERIES queries (a verify) fold their G query heads per kv head as decode does.
@@ -26,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ember.kernels.cpu_causal_attention import causal_attention_gemm, use_gemm_attention
+from ember.kernels.cpu_causal_attention import causal_attention
 from ember.kernels.cpu_paged_attention import paged_attention
 from ember.kernels.cpu_paged_attention import supports as fused_supports
 from ember.kernels.metadata import AttentionMetadata
@@ -146,8 +147,9 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
     4-D inputs on purpose: on CPU, 3-D SDPA misses the flash kernel (~7x slower at 2K tokens).
     """
-    if use_gemm_attention(q):
-        return causal_attention_gemm(q, k, v, scale)
+    out = causal_attention(q, k, v, scale)
+    if out is not None:
+        return out
     k, v = k.to(q.dtype), v.to(q.dtype)  # fp8 k/v (an fp8 cache) widen exactly
     o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                        is_causal=True, scale=scale, enable_gqa=True)
@@ -179,10 +181,12 @@ def chunk_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     n = q.shape[0]
     nb = (seq_len + block_size - 1) // block_size
     bt = block_table[:nb]
-    if use_gemm_attention(q):
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
         k = kv_cache[0].index_select(0, bt).flatten(0, 1)[:seq_len]
         v = kv_cache[1].index_select(0, bt).flatten(0, 1)[:seq_len]
-        return causal_attention_gemm(q, k, v, scale)
+        out = causal_attention(q, k, v, scale)
+        if out is not None:
+            return out
     k = kv_cache[0].index_select(0, bt).flatten(0, 1)[:seq_len].transpose(0, 1).float()  # [Hkv, S, D]
     v = kv_cache[1].index_select(0, bt).flatten(0, 1)[:seq_len].transpose(0, 1).float()
     ctx = seq_len - n

@@ -96,7 +96,7 @@ def test_matrix_rows(tmp_path, one_model_load):
     text = md.read_text()
     assert text.count("<!-- ember-bench:matrix:begin -->") == 1
     assert ("| everything off (quantization=none, int8_decode=False, int4_dense_copy=False, cpu_tiled_gemv=False, "
-            "cpu_paged_attention=False, cpu_fused_elementwise=False, "
+            "cpu_paged_attention=False, cpu_fused_elementwise=False, cpu_flash_attention=False, "
             "enable_chunked_prefill=False") in text
     assert "| + packed GGUF weights (quantization=auto" in text
     data = json.loads((tmp_path / "cpu-matrix.json").read_text())

@@ -67,7 +67,8 @@ CASES = {
     "verify-alone": ([4], [23]),  # one sequence, a few queries over a cached prefix: folded GQA path
     "long-chunk-alone": ([18], [25]),  # more than VERIFY_MAX_QUERIES: the plain chunk path
     "verifies-and-long-chunk": ([3, 18, 2], [9, 30, 17]),
-    # >= 128 queries: bf16 takes the blocked-GEMM path (cpu_causal_attention), blocks end mid-way
+    # >= 128 queries: bf16 takes the C++ flash kernel, or without it the blocked-GEMM path
+    # (cpu_causal_attention), blocks and tiles ending mid-way
     "long-prefill-alone": ([300], [300]),
     "long-chunk-over-prefix": ([200], [333]),
     "long-mixed": ([1, 150, 140, 2], [40, 150, 401, 30]),
@@ -76,14 +77,18 @@ CASES = {
 
 @pytest.fixture(params=["cpp-kernel", "torch-only"])
 def cpu_kernel(request, monkeypatch):
-    """Run each case with the fused C++ kernel (it must build here: g++ and ninja are in CI) and without."""
+    """Run each case with the C++ kernels (decode and prefill; they must build here: g++ and ninja are
+    in CI, and this machine has AVX512-BF16) and without them."""
+    import ember.kernels.cpu_causal_attention as causal
     import ember.kernels.torch_attention as ta
     from ember.kernels.cpu_paged_attention import paged_attention_op
 
     if request.param == "cpp-kernel":
         assert paged_attention_op() is not None, "the C++ CPU attention kernel did not build"
+        assert causal.flash_available(), "the C++ CPU prefill attention kernel did not build"
     else:
         monkeypatch.setattr(ta, "fused_supports", lambda q, kv_cache: False)
+        monkeypatch.setattr(causal, "enabled", False)
     return request.param
 
 
@@ -118,12 +123,16 @@ def test_get_attention_backend():
         get_attention_backend("flashinfer")
 
 
-def test_long_bf16_queries_take_the_gemm_path(monkeypatch):
-    """The GEMM path really runs (and matches) for a fresh prefill and a chunk over a prefix; fp32 never takes it."""
-    import ember.kernels.torch_attention as ta
+@pytest.mark.parametrize("flash", [True, False])
+def test_bf16_prefills_take_the_flash_or_gemm_path(monkeypatch, flash):
+    """The C++ flash kernel (or, turned off, the GEMM path) really runs and matches for a fresh
+    prefill and a chunk over a prefix; fp32 never takes either."""
+    import ember.kernels.cpu_causal_attention as causal
     calls = []
-    real = ta.causal_attention_gemm
-    monkeypatch.setattr(ta, "causal_attention_gemm", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    monkeypatch.setattr(causal, "enabled", flash)
+    name = "flash_attention" if flash else "causal_attention_gemm"
+    real = getattr(causal, name)
+    monkeypatch.setattr(causal, name, lambda *a: calls.append(a[0].shape[0]) or real(*a))
     for dtype, expected in ((torch.bfloat16, [150, 140]), (torch.float32, [])):
         calls.clear()
         q, k, v, cache, meta, tables = make_step([1, 150, 140, 2], [40, 150, 401, 30], dtype)
@@ -187,3 +196,44 @@ def test_cpp_kernel_splits_a_long_context_over_threads(kv_len, hkv):
     vals = cache[1][tables[0].long()].flatten(0, 1)[:kv_len].double().repeat_interleave(hq // hkv, 1)
     p = (torch.einsum("hd,khd->hk", q[0].double(), keys) * d ** -0.5).softmax(-1)
     assert (out[0].double() - torch.einsum("hk,khd->hd", p, vals)).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("n,S,hq,hkv,d", [(300, 300, 9, 3, 64), (37, 100, 9, 3, 64), (1, 1, 2, 1, 32), (1, 45, 4, 4, 16),
+                                          (65, 65, 16, 2, 128), (50, 83, 28, 4, 128), (33, 33, 8, 8, 256),
+                                          (40, 70, 12, 2, 96), (20, 20, 15, 3, 80), (19, 19, 7, 1, 64)])
+@pytest.mark.parametrize("peaky", [False, True])
+def test_flash_prefill_kernel_matches_reference(n, S, hq, hkv, d, peaky):
+    """The C++ prefill kernel alone against float64 attention: groups of 1-8 query heads (taken 1-4
+    at a time), head sizes 16-256, a prompt alone and a chunk over a prefix (n < S), lengths ending
+    mid-tile, q a strided view of a fused qkv row. peaky: scores in the hundreds (exp underflow)."""
+    from ember.kernels import cpu_causal_attention as causal
+
+    assert causal.flash_available()
+    g = torch.Generator().manual_seed(n * d + hq)
+    qkv = (torch.randn(n, hq + 2 * hkv, d, generator=g) * (30.0 if peaky else 2.0)).to(torch.bfloat16)
+    q = qkv[:, :hq]
+    assert causal.use_flash_attention(q) and q.stride(0) == (hq + 2 * hkv) * d
+    k = torch.randn(S, hkv, d, generator=g).to(torch.bfloat16)
+    v = torch.randn(S, hkv, d, generator=g).to(torch.bfloat16)
+    out = causal.flash_attention(q, k, v, d ** -0.5)
+    G = hq // hkv
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k.double().repeat_interleave(G, 1)) * d ** -0.5
+    seen = torch.arange(S)[None, :] <= torch.arange(S - n, S)[:, None]
+    ref = torch.einsum("hqk,khd->qhd", scores.masked_fill(~seen, float("-inf")).softmax(-1),
+                       v.double().repeat_interleave(G, 1))
+    # bf16 output (half an ulp: 2^-9 relative) plus bf16-rounded probabilities in P V
+    assert out.dtype == torch.bfloat16 and out.shape == (n, hq, d)
+    assert ((out.double() - ref).abs() <= 8e-3 * ref.abs() + 4e-3).all()
+
+
+def test_flash_prefill_kernel_widens_fp8_keys_and_values():
+    from ember.kernels import cpu_causal_attention as causal
+
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(40, 6, 64, generator=g).to(torch.bfloat16)
+    k = torch.randn(50, 2, 64, generator=g).to(torch.float8_e4m3fn)
+    v = torch.randn(50, 2, 64, generator=g).to(torch.float8_e4m3fn)
+    out = causal.causal_attention(q, k, v, 0.125)
+    assert torch.equal(out, causal.flash_attention(q, k.to(torch.bfloat16), v.to(torch.bfloat16), 0.125))
+    ref = causal.causal_attention_gemm(q, k, v, 0.125)
+    assert (out.float() - ref.float()).abs().max() < 3e-2
