@@ -1,5 +1,5 @@
 // The decoder's elementwise ops on bf16 rows in one pass each (CPU, AVX-512): RMSNorm with the
-// residual add folded in, and SiLU(gate) * up. Eager torch runs each as 4-6 kernels over the whole
+// residual add folded in, SiLU(gate) * up, and the rotary embedding of q / k. Eager torch runs each as 4-6 kernels over the whole
 // step, every one a trip through memory (a 2048-token prefill chunk's rows are 2.4 MB per norm
 // and 12.6 MB per gate_up output: past L2). Here a row is read once, finished in registers and
 // written once. Rounding is torch's, op for op, so outputs match the eager ops bit for bit but
@@ -11,6 +11,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "cpu_simd.h"
 
@@ -128,12 +129,49 @@ torch::Tensor silu_and_mul_bf16(const torch::Tensor& x) {
   return out;
 }
 
+// x [T, H, D] bf16 (each row's heads contiguous), cos / sin [T, R/2] bf16 -> [T, H, D] bf16: the first
+// R dims rotated (NEOX halves), the rest copied. The roundings of apply_rotary's bf16 ops:
+// out1 = bf16(bf16(x1 * c) - bf16(x2 * s)), out2 = bf16(bf16(x2 * c) + bf16(x1 * s)).
+torch::Tensor rotary_bf16(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16,
+              "bf16 tensors only");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "x [T, H, D], each row's heads contiguous");
+  TORCH_CHECK(cos.dim() == 2 && cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() &&
+                  cos.size(0) == x.size(0) && 2 * cos.size(1) <= x.size(2),
+              "cos / sin [T, R/2] contiguous, R <= D");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = cos.size(1), xs = x.stride(0);
+  auto out = torch::empty({T, H, D}, x.options());
+  const auto* xp = x.data_ptr<c10::BFloat16>();
+  const auto* cp = cos.data_ptr<c10::BFloat16>();
+  const auto* sp = sin.data_ptr<c10::BFloat16>();
+  auto* op = out.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t)
+      for (int64_t h = 0; h < H; ++h) {
+        const c10::BFloat16* x1 = xp + t * xs + h * D;
+        const c10::BFloat16* x2 = x1 + half;
+        c10::BFloat16* o = op + (t * H + h) * D;
+        for (int64_t j = 0; j < half; j += 16) {
+          const __mmask16 k = tail_mask(half - j);
+          const __m512 a = load_bf16_masked(x1 + j, k), b = load_bf16_masked(x2 + j, k);
+          const __m512 c = load_bf16_masked(cp + t * half + j, k), s = load_bf16_masked(sp + t * half + j, k);
+          store_bf16_masked(o + j, _mm512_sub_ps(round_bf16(_mm512_mul_ps(a, c)), round_bf16(_mm512_mul_ps(b, s))), k);
+          store_bf16_masked(o + half + j, _mm512_add_ps(round_bf16(_mm512_mul_ps(b, c)), round_bf16(_mm512_mul_ps(a, s))), k);
+        }
+        if (2 * half < D) std::memcpy(o + 2 * half, x1 + 2 * half, (D - 2 * half) * sizeof(c10::BFloat16));
+      }
+  });
+  return out;
+}
+
 TORCH_LIBRARY_FRAGMENT(ember_cpu, m) {
   m.def("rms_norm_bf16(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul_bf16(Tensor x) -> Tensor");
+  m.def("rotary_bf16(Tensor x, Tensor cos, Tensor sin) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ember_cpu, CPU, m) {
   m.impl("rms_norm_bf16", &rms_norm_bf16);
   m.impl("silu_and_mul_bf16", &silu_and_mul_bf16);
+  m.impl("rotary_bf16", &rotary_bf16);
 }

@@ -1,12 +1,15 @@
-"""RMSNorm (+ residual add) and SiLU(gate) * up on bf16 CPU rows, one pass each (cpu_fused_elementwise.cpp).
+"""RMSNorm (+ residual add), SiLU(gate) * up and the rotary embedding on bf16 CPU rows, one pass
+each (cpu_fused_elementwise.cpp).
 
 Why: eager torch runs RMSNorm with its residual add as six kernels (add, float, rms_norm's
 pow / mean / mul, cast, weight mul) and silu_and_mul as two over strided halves, each a trip
 through memory; in a 2048-token prefill chunk the rows are past L2. Measured on 2 Zen4 cores,
 a throughput-bench prefill step of the default model (30 layers): see benchmarks/cpu.md, Levers.
-Numerics are the eager ops' roundings op for op (bf16 after the add, after the norm, after the
-weight; bf16 after SiLU, after the product), so outputs match them but for rare 1-ulp bf16
-differences (float32 sum order, a 2-ulp exp).
+The rotary embedding ran as 7 torch ops per tensor (4 products, a sub, an add, a cat), ~14 per
+layer and step. Numerics are the eager ops' roundings op for op (bf16 after the add, after the
+norm, after the weight; bf16 after SiLU, after the product; bf16 after each rotary product and
+sum), so outputs match them but for rare 1-ulp bf16 differences (float32 sum order, a 2-ulp
+exp); the rotary embedding matches bit for bit.
 
 They run where x is bf16 on CPU with AVX-512 and the kernel built (~20 s once per machine, like
 the attention kernel), and not inside torch.compile: inductor fuses these ops itself there.
@@ -31,7 +34,8 @@ def _fake_norm(x, residual, weight, eps):
 
 
 FAKES = {"ember_cpu::rms_norm_bf16": _fake_norm,
-         "ember_cpu::silu_and_mul_bf16": lambda x: x.new_empty((x.shape[0], x.shape[1] // 2))}
+         "ember_cpu::silu_and_mul_bf16": lambda x: x.new_empty((x.shape[0], x.shape[1] // 2)),
+         "ember_cpu::rotary_bf16": lambda x, cos, sin: x.new_empty(x.shape)}
 
 
 def available() -> bool:
@@ -52,6 +56,19 @@ def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     with a bf16 weight (the op checks it)."""
     out, total = torch.ops.ember_cpu.rms_norm_bf16(x, residual, weight, eps)
     return out if residual is None else (out, total)
+
+
+def applies_rotary(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    """x [T, H, D] bf16 with each row's heads contiguous (q or k, a view of the qkv output) and bf16
+    cos, outside torch.compile, kernel built."""
+    return (enabled and x.dtype == torch.bfloat16 and cos.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and x.dim() == 3 and x.stride(-1) == 1 and x.stride(1) == x.shape[-1] and cos.dim() == 2
+            and not torch.compiler.is_compiling() and available())
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rotary's bf16 roundings in one pass; call where applies_rotary(x, cos)."""
+    return torch.ops.ember_cpu.rotary_bf16(x, cos.contiguous(), sin.contiguous())
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

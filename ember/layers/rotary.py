@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ember.errors import UnsupportedModelError
+from ember.kernels import cpu_fused_elementwise as fused
 from ember.model_config import RopeConfig
 
 
@@ -86,6 +87,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     Computes in cos/sin's dtype: the model passes them in its own dtype, as HF does (so bf16
     matches HF's bf16 and costs no float32 round trip).
     """
+    if fused.applies_rotary(x, cos):
+        return fused.rotary(x, cos, sin)
     rot = cos.shape[-1] * 2
     xr = x[..., :rot].to(cos.dtype)
     x1, x2 = xr.chunk(2, dim=-1)

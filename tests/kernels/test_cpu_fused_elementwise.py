@@ -97,3 +97,22 @@ def test_compiled_norm_traces_the_torch_ops():
     assert not calls
     want_out, want_sum = norm(x, r)
     assert torch.equal(out, want_out) and torch.equal(total, want_sum)
+
+
+@pytest.mark.parametrize("T,H,D,rot", [(1, 9, 64, 64), (300, 3, 64, 64), (5, 2, 128, 64), (17, 4, 16, 16), (3, 1, 80, 40)])
+def test_rotary_equals_torch_bitwise(torch_ops, T, H, D, rot):
+    """q / k as strided views of a fused qkv row, partial rotary (rot < D: the rest passed through),
+    half widths with a vector tail (8, 20): bit-equal to apply_rotary's bf16 ops."""
+    from ember.layers.rotary import apply_rotary
+
+    assert fused.available()
+    g = torch.Generator().manual_seed(T * D + rot)
+    qkv = (torch.randn(T, H + 2, D, generator=g) * 3).to(torch.bfloat16)
+    x = qkv[:, :H]
+    angles = torch.rand(T, rot // 2, generator=g) * 100
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+    assert fused.applies_rotary(x, cos) and not fused.applies_rotary(x.float(), cos.float())
+    got = apply_rotary(x, cos, sin)
+    want = torch_ops(apply_rotary, x, cos, sin)
+    assert got.shape == want.shape == (T, H, D) and got.dtype == torch.bfloat16
+    assert torch.equal(got, want)
