@@ -73,13 +73,13 @@ def unpack_rows(tiles: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, 
     """Rows `ids` of W as float32 [len(ids), K], exactly codes * scale + offset."""
     t, i = ids // ROWS, ids % ROWS
     T, G, _ = tiles.shape
-    b = tiles[t]  # [n, G, tile bytes]
     n = len(ids)
+    # tile t, row i: only that row's bytes are gathered (indexing whole tiles first copied 16 rows per id)
     if bits == 4:
-        b = b.view(n, G, 8, ROWS, 2)[torch.arange(n, device=ids.device), :, :, i]  # [n, G, p, e]
+        b = tiles.view(T, G, 8, ROWS, 2)[t, :, :, i]  # [n, G, p, e]
         c = torch.stack((b & 15, b >> 4), dim=2)  # [n, G, h, p, e]
     else:
-        c = b.view(n, G, 16, ROWS, 2)[torch.arange(n, device=ids.device), :, :, i]  # [n, G, p, e]
+        c = tiles.view(T, G, 16, ROWS, 2)[t, :, :, i]  # [n, G, p, e]
     c = c.reshape(n, G, GROUP).float()
     s = scale[t, :, i].float().unsqueeze(-1)  # [n, G, 1]
     o = offset[t, :, i].float().unsqueeze(-1)
