@@ -152,6 +152,26 @@ struct RowLoad<c10::BFloat16, D> {
   }
 };
 
+// x[j] = 16 partial sums of key j's score -> lane j = key j's score: pairs of vectors halve their
+// width per level (lanes of a and b side by side, then each pair of neighbours added).
+inline __m512 sum_lanes_of_16(const float (*x)[16]) {
+  __m512 v[16];
+  for (int j = 0; j < 16; ++j) v[j] = _mm512_load_ps(x[j]);
+  alignas(64) static const int32_t lo[4][16] = {{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+                                               {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
+                                               {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},
+                                               {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}};
+  static const int width[4] = {8, 4, 2, 1};
+  for (int level = 0, n = 16; level < 4; ++level, n /= 2) {
+    const __m512i il = _mm512_load_si512(lo[level]);
+    const __m512i ih = _mm512_add_epi32(il, _mm512_set1_epi32(width[level]));
+    for (int i = 0; i < n / 2; ++i)
+      v[i] = _mm512_add_ps(_mm512_permutex2var_ps(v[2 * i], il, v[2 * i + 1]),
+                           _mm512_permutex2var_ps(v[2 * i], ih, v[2 * i + 1]));
+  }
+  return v[0];
+}
+
 template <typename T, int D>
 inline void prefetch_row(const T* p) {
   for (int b = 0; b < D * (int)sizeof(T); b += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + b, _MM_HINT_T0);
@@ -167,10 +187,17 @@ inline void prefetch_row(const T* p) {
 // m_out == nullptr: acc ends as the normalized attention. Else a split of the context (see run):
 // acc = the unnormalized accumulators, m_out / l_out = running max and sum per query head, merged
 // by merge_splits. Either way acc is still in lane order (RowLoad::lane_of).
-template <typename T, int D, int kG>
-void attend_vec(const float* __restrict qs, const T* __restrict kc, const T* __restrict vc,
-                const int32_t* __restrict table, int64_t k_begin, int64_t k_end, int64_t bs, int64_t Hkv,
-                float* __restrict acc, float* __restrict m_out = nullptr, float* __restrict l_out = nullptr) {
+//
+// kDot (bf16 cache and bf16 queries, D % 32 == 0): scores from vdpbf16ps on the raw K rows and the
+// unscaled bf16 query rows qb (exact products, float32 sums), the 16 keys' partial-sum vectors of a
+// tile folded into one score vector by a transpose-and-add tree (15 two-source permutes and adds
+// instead of 16 horizontal sums), then times scale. Else float32 query rows qs, already scaled and
+// in lane order.
+template <typename T, int D, int kG, bool kDot>
+void attend_vec(const float* __restrict qs, const uint16_t* __restrict qb, float scale, const T* __restrict kc,
+                const T* __restrict vc, const int32_t* __restrict table, int64_t k_begin, int64_t k_end, int64_t bs,
+                int64_t Hkv, float* __restrict acc, float* __restrict m_out = nullptr, float* __restrict l_out = nullptr) {
+  static_assert(!kDot || (std::is_same<T, c10::BFloat16>::value && D % 32 == 0 && kTile == 16), "dot path: bf16 rows");
   constexpr int V = D / 16;
   using Row = RowLoad<T, D>;
   const int64_t Hq = Hkv * kG, row_stride = Hkv * D;
@@ -198,20 +225,43 @@ void attend_vec(const float* __restrict qs, const T* __restrict kc, const T* __r
       const T* __restrict kh = kc + h * D;
       const T* __restrict vh = vc + h * D;
       float* __restrict ah = acc + h * kG * D;
-      __m512 q[kG][V], a[kG][V];
+      __m512 a[kG][V];
       for (int g = 0; g < kG; ++g)
-        for (int v = 0; v < V; ++v) {
-          q[g][v] = _mm512_loadu_ps(qs + (h * kG + g) * D + 16 * v);
-          a[g][v] = _mm512_loadu_ps(ah + g * D + 16 * v);
+        for (int v = 0; v < V; ++v) a[g][v] = _mm512_loadu_ps(ah + g * D + 16 * v);
+      if constexpr (kDot) {
+        constexpr int W = D / 32;  // 512-bit words of bf16 per row
+        __m512i q[kG][W];
+        for (int g = 0; g < kG; ++g)
+          for (int w = 0; w < W; ++w) q[g][w] = _mm512_loadu_si512(qb + (h * kG + g) * D + 32 * w);
+        alignas(64) float part[kG][kTile][16];  // per key, 16 partial sums of its score
+        for (int64_t j = 0; j < n; ++j) {
+          if (j < n_next) prefetch_row<T, D>(kh + next_slot[j]);
+          __m512i k[W];
+          for (int w = 0; w < W; ++w) k[w] = _mm512_loadu_si512(reinterpret_cast<const void*>(kh + slot[j] + 32 * w));
+          for (int g = 0; g < kG; ++g) {
+            __m512 t = _mm512_setzero_ps();
+            for (int w = 0; w < W; ++w) t = _mm512_dpbf16_ps(t, (__m512bh)q[g][w], (__m512bh)k[w]);
+            _mm512_store_ps(part[g][j], t);
+          }
         }
-      for (int64_t j = 0; j < n; ++j) {
-        if (j < n_next) prefetch_row<T, D>(kh + next_slot[j]);
-        __m512 k[V];
-        Row::load(kh + slot[j], k);
+        const __m512 vscale = _mm512_set1_ps(scale);
         for (int g = 0; g < kG; ++g) {
-          __m512 t = _mm512_mul_ps(q[g][0], k[0]);
-          for (int v = 1; v < V; ++v) t = _mm512_fmadd_ps(q[g][v], k[v], t);
-          s[g][j] = _mm512_reduce_add_ps(t);
+          for (int64_t j = n; j < kTile; ++j) _mm512_store_ps(part[g][j], _mm512_setzero_ps());
+          _mm512_store_ps(s[g], _mm512_mul_ps(sum_lanes_of_16(part[g]), vscale));
+        }
+      } else {
+        __m512 q[kG][V];
+        for (int g = 0; g < kG; ++g)
+          for (int v = 0; v < V; ++v) q[g][v] = _mm512_loadu_ps(qs + (h * kG + g) * D + 16 * v);
+        for (int64_t j = 0; j < n; ++j) {
+          if (j < n_next) prefetch_row<T, D>(kh + next_slot[j]);
+          __m512 k[V];
+          Row::load(kh + slot[j], k);
+          for (int g = 0; g < kG; ++g) {
+            __m512 t = _mm512_mul_ps(q[g][0], k[0]);
+            for (int v = 1; v < V; ++v) t = _mm512_fmadd_ps(q[g][v], k[v], t);
+            s[g][j] = _mm512_reduce_add_ps(t);
+          }
         }
       }
       for (int g = 0; g < kG; ++g) {
@@ -342,61 +392,79 @@ void attend(const float* __restrict qs, const T* __restrict kc, const T* __restr
 }
 
 template <typename T>
-void run(const torch::Tensor& qf, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
+void run(const torch::Tensor& q_in, double scale, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
          const torch::Tensor& seq_idx, const torch::Tensor& kv_lens, torch::Tensor& out) {
-  const int64_t Tq = qf.size(0), Hq = qf.size(1), D = qf.size(2);
+  const int64_t Tq = q_in.size(0), Hq = q_in.size(1), D = q_in.size(2);
   const int64_t NB = kv_cache.size(1), bs = kv_cache.size(2), Hkv = kv_cache.size(3);
   const int64_t G = Hq / Hkv, W = block_tables.size(1);
   const T* kbase = kv_cache.data_ptr<T>();
   const T* vbase = kbase + NB * bs * Hkv * D;
-  const float* q = qf.data_ptr<float>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* sidx = seq_idx.data_ptr<int32_t>();
   const int32_t* lens = kv_lens.data_ptr<int32_t>();
   float* o = out.data_ptr<float>();
+  // bf16 queries over a bf16 cache score with bf16 dot products (attend_vec's kDot); every other
+  // path takes float32 queries with the scale folded in (q.float() * scale, as torch computes it)
+  const bool q_bf16 = q_in.scalar_type() == at::kBFloat16;
+  const bool fixed_group = G == 1 || G == 2 || G == 3 || G == 4 || G == 8;  // the switch in body below
+  const torch::Tensor qf = q_bf16 && std::is_same<T, c10::BFloat16>::value && D % 32 == 0 && fixed_group
+                               ? torch::Tensor()
+                               : q_in.to(at::kFloat).mul(scale).contiguous();
+  const float* q = qf.defined() ? qf.data_ptr<float>() : nullptr;
+  const uint16_t* qb = qf.defined() ? nullptr : reinterpret_cast<const uint16_t*>(q_in.data_ptr<at::BFloat16>());
   auto tasks = [&](auto d_const, auto g_const) {
     constexpr int Dc = decltype(d_const)::value;
     constexpr int Gc = decltype(g_const)::value;
 #if defined(__AVX512F__)
     if constexpr (Gc > 0 && Dc % 16 == 0 && Vec16<T>::value) {
-      {
-        std::vector<float> ql(q, q + Tq * Hq * D);
+      constexpr bool kDot = std::is_same<T, c10::BFloat16>::value && Dc % 32 == 0;
+      std::vector<float> ql;
+      if (q != nullptr) {
+        ql.assign(q, q + Tq * Hq * D);
         to_lane_order<T, Dc>(ql.data(), Tq * Hq, true);
-        // Fewer queries than twice the threads (batch-1 decode): split each context into S parts of at
-        // least kMinSplit keys, run the parts as tasks, merge their online-softmax states.
-        const int64_t threads = at::get_num_threads();
-        int64_t longest = 0;
-        for (int64_t i = 0; i < Tq; ++i) longest = std::max<int64_t>(longest, lens[i]);
-        const int64_t S = std::max<int64_t>(1, std::min<int64_t>((2 * threads + Tq - 1) / Tq, longest / kMinSplit));
-        if (S == 1) {
-          at::parallel_for(0, Tq, 1, [&](int64_t begin, int64_t end) {
-            for (int64_t i = begin; i < end; ++i) {
-              attend_vec<T, Dc, Gc>(ql.data() + i * Hq * D, kbase, vbase, tables + (int64_t)sidx[i] * W, 0, lens[i],
-                                    bs, Hkv, o + i * Hq * D);
-              to_lane_order<T, Dc>(o + i * Hq * D, Hq, false);
-            }
-          });
-          return;
-        }
-        std::vector<float> acc((size_t)Tq * S * Hq * D), ms((size_t)Tq * S * Hq), ls((size_t)Tq * S * Hq);
-        at::parallel_for(0, Tq * S, 1, [&](int64_t begin, int64_t end) {
-          for (int64_t job = begin; job < end; ++job) {
-            const int64_t i = job / S, p = job % S;
-            const int64_t chunk = (lens[i] + S - 1) / S;
-            const int64_t k0 = std::min<int64_t>(lens[i], p * chunk), k1 = std::min<int64_t>(lens[i], k0 + chunk);
-            attend_vec<T, Dc, Gc>(ql.data() + i * Hq * D, kbase, vbase, tables + (int64_t)sidx[i] * W, k0, k1, bs,
-                                  Hkv, acc.data() + job * Hq * D, ms.data() + job * Hq, ls.data() + job * Hq);
+      }
+      auto one = [&](int64_t i, int64_t k0, int64_t k1, float* acc, float* m_out, float* l_out) {
+        const int32_t* table = tables + (int64_t)sidx[i] * W;
+        if (kDot && qb != nullptr)
+          attend_vec<T, Dc, Gc, kDot>(nullptr, qb + i * Hq * D, (float)scale, kbase, vbase, table, k0, k1, bs, Hkv,
+                                      acc, m_out, l_out);
+        else
+          attend_vec<T, Dc, Gc, false>(ql.data() + i * Hq * D, nullptr, 1.f, kbase, vbase, table, k0, k1, bs, Hkv,
+                                       acc, m_out, l_out);
+      };
+      // Fewer queries than twice the threads (batch-1 decode): split each context into S parts of at
+      // least kMinSplit keys, run the parts as tasks, merge their online-softmax states.
+      const int64_t threads = at::get_num_threads();
+      int64_t longest = 0;
+      for (int64_t i = 0; i < Tq; ++i) longest = std::max<int64_t>(longest, lens[i]);
+      const int64_t S = std::max<int64_t>(1, std::min<int64_t>((2 * threads + Tq - 1) / Tq, longest / kMinSplit));
+      if (S == 1) {
+        at::parallel_for(0, Tq, 1, [&](int64_t begin, int64_t end) {
+          for (int64_t i = begin; i < end; ++i) {
+            one(i, 0, lens[i], o + i * Hq * D, nullptr, nullptr);
+            to_lane_order<T, Dc>(o + i * Hq * D, Hq, false);
           }
         });
-        for (int64_t i = 0; i < Tq; ++i) {
-          merge_splits(acc.data() + i * S * Hq * D, ms.data() + i * S * Hq, ls.data() + i * S * Hq, S, Hq, D,
-                       o + i * Hq * D);
-          to_lane_order<T, Dc>(o + i * Hq * D, Hq, false);
-        }
         return;
       }
+      std::vector<float> acc((size_t)Tq * S * Hq * D), ms((size_t)Tq * S * Hq), ls((size_t)Tq * S * Hq);
+      at::parallel_for(0, Tq * S, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t job = begin; job < end; ++job) {
+          const int64_t i = job / S, p = job % S;
+          const int64_t chunk = (lens[i] + S - 1) / S;
+          const int64_t k0 = std::min<int64_t>(lens[i], p * chunk), k1 = std::min<int64_t>(lens[i], k0 + chunk);
+          one(i, k0, k1, acc.data() + job * Hq * D, ms.data() + job * Hq, ls.data() + job * Hq);
+        }
+      });
+      for (int64_t i = 0; i < Tq; ++i) {
+        merge_splits(acc.data() + i * S * Hq * D, ms.data() + i * S * Hq, ls.data() + i * S * Hq, S, Hq, D,
+                     o + i * Hq * D);
+        to_lane_order<T, Dc>(o + i * Hq * D, Hq, false);
+      }
+      return;
     }
 #endif
+    TORCH_CHECK(q != nullptr, "internal: float32 queries expected");
     at::parallel_for(0, Tq * Hkv, 1, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
         const int64_t i = task / Hkv, h = task % Hkv;
@@ -431,24 +499,25 @@ void run(const torch::Tensor& qf, const torch::Tensor& kv_cache, const torch::Te
 
 }  // namespace
 
-// q [T, Hq, D] float32 (scale folded in); kv_cache [2, NB, bs, Hkv, D] contiguous; block_tables
+// q [T, Hq, D] float32 or bf16 (unscaled); kv_cache [2, NB, bs, Hkv, D] contiguous; block_tables
 // [B, W] int32; seq_idx [T] int32 (query i reads block_tables[seq_idx[i]]); kv_lens [T] int32
-// (query i sees keys 0 .. kv_lens[i]-1). Returns [T, Hq, D] float32.
+// (query i sees keys 0 .. kv_lens[i]-1); scale multiplies the scores. Returns [T, Hq, D] float32.
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
-                              const torch::Tensor& seq_idx, const torch::Tensor& kv_lens) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous float32");
+                              const torch::Tensor& seq_idx, const torch::Tensor& kv_lens, double scale) {
+  TORCH_CHECK((q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) && q.is_contiguous(),
+              "q must be contiguous float32 or bf16");
   TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5, "kv_cache must be contiguous [2, NB, bs, Hkv, D]");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(), "block_tables: contiguous int32");
   TORCH_CHECK(seq_idx.scalar_type() == at::kInt && kv_lens.scalar_type() == at::kInt, "seq_idx / kv_lens: int32");
   TORCH_CHECK(q.size(1) % kv_cache.size(3) == 0 && q.size(2) == kv_cache.size(4), "head shapes do not match");
   TORCH_CHECK(q.size(1) / kv_cache.size(3) <= kMaxG, "more than ", kMaxG, " query heads per kv head");
-  auto out = torch::empty_like(q);
+  auto out = torch::empty(q.sizes(), q.options().dtype(at::kFloat));
   switch (kv_cache.scalar_type()) {
-    case at::kBFloat16: run<c10::BFloat16>(q, kv_cache, block_tables, seq_idx, kv_lens, out); break;
-    case at::kHalf: run<c10::Half>(q, kv_cache, block_tables, seq_idx, kv_lens, out); break;
-    case at::kFloat: run<float>(q, kv_cache, block_tables, seq_idx, kv_lens, out); break;
-    case at::kFloat8_e4m3fn: run<c10::Float8_e4m3fn>(q, kv_cache, block_tables, seq_idx, kv_lens, out); break;
-    case at::kFloat8_e5m2: run<c10::Float8_e5m2>(q, kv_cache, block_tables, seq_idx, kv_lens, out); break;
+    case at::kBFloat16: run<c10::BFloat16>(q, scale, kv_cache, block_tables, seq_idx, kv_lens, out); break;
+    case at::kHalf: run<c10::Half>(q, scale, kv_cache, block_tables, seq_idx, kv_lens, out); break;
+    case at::kFloat: run<float>(q, scale, kv_cache, block_tables, seq_idx, kv_lens, out); break;
+    case at::kFloat8_e4m3fn: run<c10::Float8_e4m3fn>(q, scale, kv_cache, block_tables, seq_idx, kv_lens, out); break;
+    case at::kFloat8_e5m2: run<c10::Float8_e5m2>(q, scale, kv_cache, block_tables, seq_idx, kv_lens, out); break;
     default: TORCH_CHECK(false, "unsupported kv cache dtype ", kv_cache.scalar_type());
   }
   return out;
@@ -456,7 +525,9 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& kv_ca
 
 // An op of the dispatcher (not a pybind function), so a compiled decode graph can call it too.
 TORCH_LIBRARY_FRAGMENT(ember_cpu, m) {
-  m.def("paged_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_idx, Tensor kv_lens) -> Tensor");
+  m.def(
+      "paged_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_idx, Tensor kv_lens, float scale) -> "
+      "Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ember_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -24,7 +24,8 @@ CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3f
 
 
 # the shapes torch.compile traces the op with
-FAKES = {"ember_cpu::paged_attention": lambda q, kv_cache, block_tables, seq_idx, kv_lens: torch.empty_like(q)}
+FAKES = {"ember_cpu::paged_attention": lambda q, kv_cache, block_tables, seq_idx, kv_lens, scale:
+         torch.empty_like(q, dtype=torch.float32)}
 
 
 def paged_attention_op():
@@ -45,8 +46,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
                     kv_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q [T, Hq, D]; query i attends to keys 0..kv_lens[i]-1 of sequence seq_idx[i] (its row of
     block_tables). Returns [T, Hq, D] in q's dtype. Call only when paged_attention_op() is not None."""
-    qf = (q.float() * scale).contiguous()
+    # bf16 q over a bf16 cache goes as it is (the kernel's bf16 dot products), else as float32
+    qk = q if q.dtype == torch.bfloat16 and kv_cache.dtype == torch.bfloat16 else q.float()
     # supports() checked kv_cache is contiguous; the metadata's tables are int32 already (no copies)
-    out = torch.ops.ember_cpu.paged_attention(qf, kv_cache, block_tables.to(torch.int32).contiguous(),
-                                              seq_idx.to(torch.int32), kv_lens.to(torch.int32))
+    out = torch.ops.ember_cpu.paged_attention(qk.contiguous(), kv_cache, block_tables.to(torch.int32).contiguous(),
+                                              seq_idx.to(torch.int32), kv_lens.to(torch.int32), scale)
     return out.to(q.dtype)

@@ -143,14 +143,18 @@ def test_bf16_prefills_take_the_flash_or_gemm_path(monkeypatch, flash):
 
 @pytest.mark.parametrize("hq,hkv,d", [(8, 1, 64), (4, 4, 128), (16, 2, 32), (12, 4, 80), (12, 2, 64), (9, 3, 64),
                                      (64, 8, 128)])
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn])
+@pytest.mark.parametrize("cache_dtype,q_dtype", [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                 (torch.float16, torch.float32), (torch.float32, torch.float32),
+                                                 (torch.float8_e4m3fn, torch.float32)])
 @pytest.mark.parametrize("peaky", [False, True])
-def test_cpp_kernel_matches_reference_across_shapes(hq, hkv, d, cache_dtype, peaky):
+def test_cpp_kernel_matches_reference_across_shapes(hq, hkv, d, cache_dtype, q_dtype, peaky):
     """The fused kernel alone: GQA 8/1/8/3/6 (6 has no fixed-group path) and head sizes 32..128,
     every kv head of a query in one task (1..8 of them),
     contexts ending mid-block, a query that sees one key, queries of one sequence seeing different
-    prefixes (a verify); bf16/fp16/fp32 take the AVX-512 path, fp8 the scalar one. peaky: scores
-    spread over hundreds, so most of exp(score - max) underflow (the vector exp's clamp)."""
+    prefixes (a verify); bf16/fp16/fp32 take the AVX-512 path, fp8 the scalar one; bf16 queries over
+    a bf16 cache score with bf16 dot products (head sizes 32/64/128 and fixed groups; the others
+    convert them). peaky: scores spread over hundreds, so most of exp(score - max) underflow (the
+    vector exp's clamp)."""
     from ember.kernels.cpu_paged_attention import paged_attention, paged_attention_op
 
     assert paged_attention_op() is not None
@@ -160,8 +164,11 @@ def test_cpp_kernel_matches_reference_across_shapes(hq, hkv, d, cache_dtype, pea
     tables = torch.randperm(nblocks, generator=g)[:30].view(3, 10).to(torch.int32)
     seq_idx = torch.tensor([0, 1, 1, 1, 2], dtype=torch.int32)
     kv_lens = torch.tensor([1, 77, 78, 79, 160], dtype=torch.int32)
-    q = torch.randn(5, hq, d, generator=g) * (40.0 if peaky else 1.0)
-    out = paged_attention(q, cache, tables, seq_idx, kv_lens, d ** -0.5)
+    q = (torch.randn(5, hq, d, generator=g) * (40.0 if peaky else 1.0)).to(q_dtype)
+    # the op itself: float32 out whatever q's dtype (the wrapper casts back to q's)
+    out = torch.ops.ember_cpu.paged_attention(q, cache, tables, seq_idx, kv_lens, d ** -0.5)
+    assert out.dtype == torch.float32
+    assert torch.equal(paged_attention(q, cache, tables, seq_idx, kv_lens, d ** -0.5), out.to(q_dtype))
     for i in range(5):
         keys = cache[0][tables[seq_idx[i]].long()].flatten(0, 1)[:kv_lens[i]].double().repeat_interleave(hq // hkv, 1)
         vals = cache[1][tables[seq_idx[i]].long()].flatten(0, 1)[:kv_lens[i]].double().repeat_interleave(hq // hkv, 1)
@@ -172,11 +179,12 @@ def test_cpp_kernel_matches_reference_across_shapes(hq, hkv, d, cache_dtype, pea
 
 @pytest.mark.parametrize("kv_len", [100, 300, 1000])
 @pytest.mark.parametrize("hkv", [1, 3])
-def test_cpp_kernel_splits_a_long_context_over_threads(kv_len, hkv):
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+def test_cpp_kernel_splits_a_long_context_over_threads(kv_len, hkv, q_dtype):
     """One sequence, one or three kv heads, 2 threads: contexts of >= 128 keys run as parts on both
     threads and their softmax states are merged (300 keys: 4 parts, the last one short); 100 keys
-    stay whole."""
-    from ember.kernels.cpu_paged_attention import paged_attention, paged_attention_op
+    stay whole. float32 and bf16 queries (the bf16 dot-product path)."""
+    from ember.kernels.cpu_paged_attention import paged_attention_op
 
     assert paged_attention_op() is not None
     g = torch.Generator().manual_seed(kv_len)
@@ -184,12 +192,12 @@ def test_cpp_kernel_splits_a_long_context_over_threads(kv_len, hkv):
     nblocks = kv_len // bs + 2
     cache = torch.randn(2, nblocks, bs, hkv, d, generator=g).to(torch.bfloat16)
     tables = torch.randperm(nblocks, generator=g).view(1, nblocks).to(torch.int32)
-    q = torch.randn(1, hq, d, generator=g) * 4
+    q = (torch.randn(1, hq, d, generator=g) * 4).to(q_dtype)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        out = paged_attention(q, cache, tables, torch.zeros(1, dtype=torch.int32),
-                              torch.tensor([kv_len], dtype=torch.int32), d ** -0.5)
+        out = torch.ops.ember_cpu.paged_attention(q, cache, tables, torch.zeros(1, dtype=torch.int32),
+                                                  torch.tensor([kv_len], dtype=torch.int32), d ** -0.5)
     finally:
         torch.set_num_threads(before)
     keys = cache[0][tables[0].long()].flatten(0, 1)[:kv_len].double().repeat_interleave(hq // hkv, 1)
