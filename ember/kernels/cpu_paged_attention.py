@@ -5,7 +5,10 @@ blocks into a padded [B, L] batch, widens it to float32 and calls SDPA, whose CP
 one tiny GEMM per (sequence, kv head). On 2 Zen4 cores, 64 sequences of 128-640 tokens, the
 default model's 9/3 heads: ~6 ms per layer, 190 of a 245 ms decode step, moving ~100 MB per
 layer for 16 MB of K/V. This kernel reads each K/V row once, straight from its block, in the
-cache's dtype (bf16, fp16, fp32, fp8), and keeps a running max and sum per query head.
+cache's dtype (bf16, fp16, fp32, fp8), and keeps a running max and sum per query head. A task is
+one query over all its kv heads (a slot's heads are side by side, so the cache is read front to
+back), prefetching the next tile's rows as it goes; bf16 queries over a bf16 cache score with
+bf16 dot-product instructions (exact products, float32 sums), other dtypes in float32.
 
 Built with torch.utils.cpp_extension (g++ and ninja) when a CPU engine starts: ~20 s once, then
 cached in torch's extension dir (ember.kernels.cpp_build). Where it cannot be built, a warning
