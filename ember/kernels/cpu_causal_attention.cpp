@@ -26,11 +26,6 @@ namespace {
 constexpr int kKeys = 32;     // keys per tile: two 16-lane score vectors per row
 constexpr int kQueries = 16;  // queries per task: they share each K/V tile while it is in L1
 
-inline __m512 exp_nonpositive(__m512 x) {  // exp(x) for x <= 0, 0 below float32's range
-  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ);
-  return _mm512_maskz_mov_ps(live, ember_simd::exp_in_range(_mm512_max_ps(x, _mm512_set1_ps(-87.f))));
-}
-
 inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
 
 // K of one kv head -> [tiles of 16 keys][D/2 words][16 keys], V -> [key pairs][D words]; keys past
@@ -86,7 +81,8 @@ inline void tile_step(const uint32_t* __restrict qw, int64_t q_stride_w, const u
     const __m512 x1 = _mm512_mask_mul_ps(ninf, m1, s[r][1], vscale);
     const float mx = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(x0, x1)));
     const __m512 vmx = _mm512_set1_ps(mx);
-    const __m512 p0 = exp_nonpositive(_mm512_sub_ps(x0, vmx)), p1 = exp_nonpositive(_mm512_sub_ps(x1, vmx));
+    const __m512 p0 = ember_simd::exp_nonpositive(_mm512_sub_ps(x0, vmx));
+    const __m512 p1 = ember_simd::exp_nonpositive(_mm512_sub_ps(x1, vmx));
     alpha[r] = std::exp(m[r] - mx);  // 0 on the first tile (m = -inf)
     m[r] = mx;
     l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));

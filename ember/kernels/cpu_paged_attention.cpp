@@ -20,7 +20,6 @@ namespace {
 
 constexpr int kTile = 16;  // keys scored per online-softmax update
 constexpr int kMaxG = 16;  // query heads per kv head
-constexpr int kMaxD = 256;
 constexpr int64_t kMinSplit = 64;  // keys per part, at least, when a context is split over threads
 
 // Element -> float. bf16 is the top half of a float32: a shift, which the compiler vectorizes
@@ -53,14 +52,6 @@ struct SlotWalk {
   }
 };
 
-#if defined(__AVX512F__)
-// exp(x) of 16 lanes, x <= 0 (a score minus its running max); 0 below -87 (float32 underflow). A
-// scalar std::exp per key and query head was most of a tile's time (GCC does not vectorize it).
-inline __m512 exp_nonpositive(__m512 x) {
-  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ);
-  return _mm512_maskz_mov_ps(live, ember_simd::exp_in_range(_mm512_max_ps(x, _mm512_set1_ps(-87.f))));
-}
-#endif
 
 // One tile of a head's online softmax: s[0..n) <- exp(s - m') with m' the running max *m folded with
 // the tile's; *l <- *l * exp(*m - m') + sum of the new s; *m <- m'. Returns exp(*m - m'), the factor
@@ -78,7 +69,7 @@ inline float softmax_tile(float* __restrict s, int64_t n, float* m, float* l) {
   __m512 vsum = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; j += 16) {
     const __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
-    const __m512 p = _mm512_maskz_mov_ps(k, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), vmx)));
+    const __m512 p = _mm512_maskz_mov_ps(k, ember_simd::exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), vmx)));
     _mm512_mask_storeu_ps(s + j, k, p);
     vsum = _mm512_add_ps(vsum, p);
   }

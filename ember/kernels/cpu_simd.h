@@ -24,4 +24,11 @@ inline __m512 exp_in_range(__m512 x) {
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
+// exp(x) of 16 lanes for x <= 0 (a score minus its running max), 0 below -87 (float32 underflow):
+// the softmax exp of the attention kernels.
+inline __m512 exp_nonpositive(__m512 x) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ);
+  return _mm512_maskz_mov_ps(live, exp_in_range(_mm512_max_ps(x, _mm512_set1_ps(-87.f))));
+}
+
 }  // namespace ember_simd
