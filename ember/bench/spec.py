@@ -257,6 +257,8 @@ def cmd_spec(args) -> None:
     config = engine_config_from_args(args)
     if config.kv_cache_memory is None:  # several engines live at once; each needs only a few prompts' KV
         config = dataclasses.replace(config, kv_cache_memory=0.25)
+        if config.max_model_len is None:  # a float32 run (CPUs without AVX512-BF16) fits 5.8k tokens there
+            config = dataclasses.replace(config, max_model_len=4096)
     # chat prompts share the template's system prefix: no cache hits, every side prefills the same tokens
     config = dataclasses.replace(config, enable_prefix_caching=False)
     sides, desc = build_sides(config, args.ks, args.peer, torch.get_num_threads())

@@ -217,8 +217,11 @@ class LLMEngine:
             return 0
         need = dense_copy_bytes(loaded.model, self.dtype)
         if on is None:
-            on = (self.device.type == "cpu" and self.dtype != torch.float32 and self.tp is None and need > 0
-                  and need <= CPU_DENSE_COPY_FRACTION * available_ram_bytes())
+            # float32 packed weights exist where the tiled GEMV's AVX2 build runs them (else the loader
+            # dequantizes them); AWQ in float32 runs torch's slow fp32 int4 kernel, a copy or not
+            packed_fp32 = tiled_gemv.x_dtype() == torch.float32 and tiled_gemv.enabled
+            on = (self.device.type == "cpu" and (self.dtype != torch.float32 or packed_fp32) and self.tp is None
+                  and need > 0 and need <= CPU_DENSE_COPY_FRACTION * available_ram_bytes())
             if not on:
                 return 0
         if self.device.type != "cpu":

@@ -329,13 +329,15 @@ inline void merge_splits(const float* acc, const float* m, const float* l, int64
 
 template <typename T, int D, int kG>
 void attend(const float* __restrict qs, const T* __restrict kc, const T* __restrict vc,
-            const int32_t* __restrict table, int64_t kv_len, int64_t bs, int64_t row_stride, int64_t G_run,
-            float* __restrict out) {
+            const int32_t* __restrict table, int64_t k_begin, int64_t k_end, int64_t bs, int64_t row_stride,
+            int64_t G_run, float* __restrict out, float* __restrict m_out = nullptr, float* __restrict l_out = nullptr) {
   // kG > 0: the group size as a constant, so the per-head loops unroll and their dot products
   // overlap (the common GQA ratios); 0: G_run at run time.
   const int64_t G = kG > 0 ? kG : G_run;
   // qs: G query heads [G, D], already scaled; kc/vc point at this kv head in block 0, slot 0;
-  // row_stride = elements between consecutive slots (Hkv * D); out: [G, D] float32.
+  // row_stride = elements between consecutive slots (Hkv * D); out: [G, D] float32. Keys k_begin ..
+  // k_end - 1; m_out != nullptr: a split of the context, out unnormalized and (m, l) per head out
+  // for merge_splits, as attend_vec.
   alignas(64) float acc[kMaxG][D];
   alignas(64) float s[kMaxG][kTile];
   alignas(64) float row[D];
@@ -346,9 +348,9 @@ void attend(const float* __restrict qs, const T* __restrict kc, const T* __restr
     for (int d = 0; d < D; ++d) acc[g][d] = 0.f;
   }
   alignas(64) int64_t slot[kTile];
-  SlotWalk walk(table, bs, row_stride, 0);
-  for (int64_t t0 = 0; t0 < kv_len; t0 += kTile) {
-    const int64_t n = std::min<int64_t>(kTile, kv_len - t0);
+  SlotWalk walk(table, bs, row_stride, k_begin);
+  for (int64_t t0 = k_begin; t0 < k_end; t0 += kTile) {
+    const int64_t n = std::min<int64_t>(kTile, k_end - t0);
     walk.next(n, slot);
     for (int64_t j = 0; j < n; ++j) {
       const T* __restrict kp = kc + slot[j];
@@ -377,8 +379,46 @@ void attend(const float* __restrict qs, const T* __restrict kc, const T* __restr
     }
   }
   for (int64_t g = 0; g < G; ++g) {
-    const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+    const float inv = m_out != nullptr ? 1.f : l[g] > 0.f ? 1.f / l[g] : 0.f;
     for (int d = 0; d < D; ++d) out[g * D + d] = acc[g][d] * inv;
+    if (m_out != nullptr) {
+      m_out[g] = m[g];
+      l_out[g] = l[g];
+    }
+  }
+}
+
+// Tasks of one query each, or, with fewer queries than twice the threads (batch-1 decode), each
+// context split into S parts of at least kMinSplit keys: `one(i, k0, k1, acc, m, l)` runs query i
+// over keys k0 .. k1 - 1 (m == nullptr: acc normalized, else a part), parts are merged after.
+// Query i's [Hq, D] rows go to o + i * Hq * D; done(i) runs once they are final.
+template <typename One, typename Done>
+void split_tasks(int64_t Tq, int64_t Hq, int64_t D, const int32_t* lens, float* o, One&& one, Done&& done) {
+  const int64_t threads = at::get_num_threads();
+  int64_t longest = 0;
+  for (int64_t i = 0; i < Tq; ++i) longest = std::max<int64_t>(longest, lens[i]);
+  const int64_t S = std::max<int64_t>(1, std::min<int64_t>((2 * threads + Tq - 1) / Tq, longest / kMinSplit));
+  if (S == 1) {
+    at::parallel_for(0, Tq, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        one(i, 0, lens[i], o + i * Hq * D, nullptr, nullptr);
+        done(i);
+      }
+    });
+    return;
+  }
+  std::vector<float> acc((size_t)Tq * S * Hq * D), ms((size_t)Tq * S * Hq), ls((size_t)Tq * S * Hq);
+  at::parallel_for(0, Tq * S, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t i = job / S, p = job % S;
+      const int64_t chunk = (lens[i] + S - 1) / S;
+      const int64_t k0 = std::min<int64_t>(lens[i], p * chunk), k1 = std::min<int64_t>(lens[i], k0 + chunk);
+      one(i, k0, k1, acc.data() + job * Hq * D, ms.data() + job * Hq, ls.data() + job * Hq);
+    }
+  });
+  for (int64_t i = 0; i < Tq; ++i) {
+    merge_splits(acc.data() + i * S * Hq * D, ms.data() + i * S * Hq, ls.data() + i * S * Hq, S, Hq, D, o + i * Hq * D);
+    done(i);
   }
 }
 
@@ -398,7 +438,12 @@ void run(const torch::Tensor& q_in, double scale, const torch::Tensor& kv_cache,
   // path takes float32 queries with the scale folded in (q.float() * scale, as torch computes it)
   const bool q_bf16 = q_in.scalar_type() == at::kBFloat16;
   const bool fixed_group = G == 1 || G == 2 || G == 3 || G == 4 || G == 8;  // the switch in body below
-  const torch::Tensor qf = q_bf16 && std::is_same<T, c10::BFloat16>::value && D % 32 == 0 && fixed_group
+#if defined(__AVX512F__)
+  constexpr bool kDotBuild = true;
+#else
+  constexpr bool kDotBuild = false;  // the scalar path takes float32 queries
+#endif
+  const torch::Tensor qf = kDotBuild && q_bf16 && std::is_same<T, c10::BFloat16>::value && D % 32 == 0 && fixed_group
                                ? torch::Tensor()
                                : q_in.to(at::kFloat).mul(scale).contiguous();
   const float* q = qf.defined() ? qf.data_ptr<float>() : nullptr;
@@ -423,48 +468,18 @@ void run(const torch::Tensor& q_in, double scale, const torch::Tensor& kv_cache,
           attend_vec<T, Dc, Gc, false>(ql.data() + i * Hq * D, nullptr, 1.f, kbase, vbase, table, k0, k1, bs, Hkv,
                                        acc, m_out, l_out);
       };
-      // Fewer queries than twice the threads (batch-1 decode): split each context into S parts of at
-      // least kMinSplit keys, run the parts as tasks, merge their online-softmax states.
-      const int64_t threads = at::get_num_threads();
-      int64_t longest = 0;
-      for (int64_t i = 0; i < Tq; ++i) longest = std::max<int64_t>(longest, lens[i]);
-      const int64_t S = std::max<int64_t>(1, std::min<int64_t>((2 * threads + Tq - 1) / Tq, longest / kMinSplit));
-      if (S == 1) {
-        at::parallel_for(0, Tq, 1, [&](int64_t begin, int64_t end) {
-          for (int64_t i = begin; i < end; ++i) {
-            one(i, 0, lens[i], o + i * Hq * D, nullptr, nullptr);
-            to_lane_order<T, Dc>(o + i * Hq * D, Hq, false);
-          }
-        });
-        return;
-      }
-      std::vector<float> acc((size_t)Tq * S * Hq * D), ms((size_t)Tq * S * Hq), ls((size_t)Tq * S * Hq);
-      at::parallel_for(0, Tq * S, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t job = begin; job < end; ++job) {
-          const int64_t i = job / S, p = job % S;
-          const int64_t chunk = (lens[i] + S - 1) / S;
-          const int64_t k0 = std::min<int64_t>(lens[i], p * chunk), k1 = std::min<int64_t>(lens[i], k0 + chunk);
-          one(i, k0, k1, acc.data() + job * Hq * D, ms.data() + job * Hq, ls.data() + job * Hq);
-        }
-      });
-      for (int64_t i = 0; i < Tq; ++i) {
-        merge_splits(acc.data() + i * S * Hq * D, ms.data() + i * S * Hq, ls.data() + i * S * Hq, S, Hq, D,
-                     o + i * Hq * D);
-        to_lane_order<T, Dc>(o + i * Hq * D, Hq, false);
-      }
+      split_tasks(Tq, Hq, D, lens, o, one, [&](int64_t i) { to_lane_order<T, Dc>(o + i * Hq * D, Hq, false); });
       return;
     }
 #endif
     TORCH_CHECK(q != nullptr, "internal: float32 queries expected");
-    at::parallel_for(0, Tq * Hkv, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t i = task / Hkv, h = task % Hkv;
-        const float* qi = q + (i * Hq + h * G) * D;
-        const int32_t* table = tables + (int64_t)sidx[i] * W;
-        float* oi = o + (i * Hq + h * G) * D;
-        attend<T, Dc, Gc>(qi, kbase + h * D, vbase + h * D, table, lens[i], bs, Hkv * D, G, oi);
-      }
-    });
+    // a task is one query (or part of its context) over every kv head, as the vector path's
+    split_tasks(Tq, Hq, D, lens, o, [&](int64_t i, int64_t k0, int64_t k1, float* acc, float* m_out, float* l_out) {
+      const int32_t* table = tables + (int64_t)sidx[i] * W;
+      for (int64_t h = 0; h < Hkv; ++h)
+        attend<T, Dc, Gc>(q + (i * Hq + h * G) * D, kbase + h * D, vbase + h * D, table, k0, k1, bs, Hkv * D, G,
+                          acc + h * G * D, m_out ? m_out + h * G : nullptr, l_out ? l_out + h * G : nullptr);
+    }, [](int64_t) {});
   };
   auto body = [&](auto d_const) {
     switch (G) {

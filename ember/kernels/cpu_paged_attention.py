@@ -8,7 +8,11 @@ layer for 16 MB of K/V. This kernel reads each K/V row once, straight from its b
 cache's dtype (bf16, fp16, fp32, fp8), and keeps a running max and sum per query head. A task is
 one query over all its kv heads (a slot's heads are side by side, so the cache is read front to
 back), prefetching the next tile's rows as it goes; bf16 queries over a bf16 cache score with
-bf16 dot-product instructions (exact products, float32 sums), other dtypes in float32.
+bf16 dot-product instructions (exact products, float32 sums), other dtypes in float32. That is
+the AVX-512 build; on CPUs without AVX-512 (Zen3) the same tasks run portable C++ loops that
+the compiler vectorizes, one kv head at a time. Either build splits each context over the
+threads when there are fewer queries than twice the threads (batch-1 decode): a batch-1 step
+on Zen3 had 3 tasks (one per kv head) for 2 threads before.
 
 Built with torch.utils.cpp_extension (g++ and ninja) when a CPU engine starts: ~20 s once, then
 cached in torch's extension dir (ember.kernels.cpp_build). Where it cannot be built, a warning

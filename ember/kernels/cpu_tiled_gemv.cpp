@@ -1,30 +1,48 @@
-// x @ W^T for a few rows of bf16 x against 4- or 8-bit affine weights, AVX-512 BF16 (Zen4,
-// Sapphire Rapids). W[n, k] = c[n, k] * scale[n, g] + offset[n, g], g = k / 32, codes c
-// unsigned (4-bit 0..15, 8-bit 0..255). See cpu_tiled_gemv.py for the layout's why.
+// x @ W^T for a few rows of x against 4- or 8-bit affine weights. W[n, k] = c[n, k] * scale[n, g]
+// + offset[n, g], g = k / 32, codes c unsigned (4-bit 0..15, 8-bit 0..255). Two builds of one
+// tile layout (cpu_tiled_gemv.py says why it is shaped so):
+// - AVX-512 BF16 (Zen4, Sapphire Rapids): bf16 x, vdpbf16ps;
+// - AVX2 + FMA + F16C (Zen2/3, Haswell on): float32 x (the engine's dtype where bf16 has no
+//   instructions), codes widened to float32 and multiplied by a broadcast x with FMA: exact
+//   products, float32 sums, as a float32 GEMV over the dequantized weight.
 //
-// A tile is 16 output rows x 32 inputs. Every code is an integer below 256, exact in bf16, so
-// one vdpbf16ps multiplies a 16-row column pair of codes by a broadcast pair of x and sums into
-// one float32 lane per row: each lane is one output row, so no horizontal sums, and the group's
-// scale and offset apply once per tile: y += scale * sum(c x) + offset * sum(x).
+// A tile is 16 output rows x 32 inputs. One vector lane per output row (16 lanes, or 2 x 8), so no
+// horizontal sums, and the group's scale and offset apply once per tile: y += scale * sum(c x) +
+// offset * sum(x).
 //
 // Tile bytes, row i (0..15), byte index b:
 //   4-bit (256 B): b = 32 p + 2 i + e holds c[i][2p + e] (low nibble) and c[i][2p + 16 + e]
-//                  (high nibble), p = 0..7; widened to 16 bits, (w & 15) | 0x4300 is the bf16
-//                  of 128 + c, so the tile sums (128 + c) x and the offset term absorbs -128.
-//   8-bit (512 B): b = 32 p + 2 i + e holds c[i][2p + e], p = 0..15; widened through float32.
-// In both, 16-bit word 2i + e of a widened 32-byte run is row i's code for input 2p + e, which
-// is the pair layout vdpbf16ps multiplies against (x[2p], x[2p + 1]).
+//                  (high nibble), p = 0..7.
+//   8-bit (512 B): b = 32 p + 2 i + e holds c[i][2p + e], p = 0..15.
+// AVX-512: widened to 16 bits, word 2i + e of a 32-byte run is row i's code for input 2p + e,
+// the pair layout vdpbf16ps multiplies against (x[2p], x[2p + 1]); a 4-bit code c becomes the
+// bf16 of 128 + c by (w & 15) | 0x4300, so the tile sums (128 + c) x and the offset absorbs -128.
+// AVX2: one byte shuffle per 32-byte run puts each 128-bit half in (e, i) order, so every 8 bytes
+// are 8 rows' codes for one input.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 namespace {
 
 constexpr int kRows = 16;   // output rows per tile: one float32 lane each
 constexpr int kGroup = 32;  // inputs per tile: one scale and offset per row
 constexpr int kMaxM = 4;    // x rows per pass over a tile (accumulators: 2 per row)
+
+#if defined(__AVX512BF16__)
+using XT = at::BFloat16;
+
+struct XIn {
+  const at::BFloat16* x;
+};
+
+inline XIn prepare_x(const at::Tensor& x) { return {x.data_ptr<at::BFloat16>()}; }
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
@@ -34,13 +52,6 @@ inline __m512bh pair(const at::BFloat16* x) {
   int32_t v;
   std::memcpy(&v, x, 4);
   return (__m512bh)_mm512_set1_epi32(v);
-}
-
-inline float bf16_to_float(at::BFloat16 v) {
-  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
 }
 
 // One tile for M rows of x (pointers at the tile's first input); adds into out[M].
@@ -78,10 +89,11 @@ inline void tile_dot(const uint8_t* __restrict c, const at::BFloat16* const* xs,
 // Row tile t (16 outputs) over all of K, for x rows [m0, m0 + M).
 template <int BITS, typename S, int M>
 void tile_row(const uint8_t* __restrict codes, const S* __restrict scale, const S* __restrict offset,
-              const at::BFloat16* __restrict x, const float* __restrict xsum, void* y, bool float_out,
+              const XIn& xin, const float* __restrict xsum, void* y, bool float_out,
               int64_t K, int64_t N, int64_t m0, int64_t t) {
   constexpr int kTileBytes = BITS == 4 ? 256 : 512;
   const int64_t G = K / kGroup;
+  const at::BFloat16* __restrict x = xin.x;
   const __m512 shift = _mm512_set1_ps(BITS == 4 ? 128.f : 0.f);
   __m512 out[kMaxM];
   for (int m = 0; m < M; ++m) out[m] = _mm512_setzero_ps();
@@ -103,15 +115,109 @@ void tile_row(const uint8_t* __restrict codes, const S* __restrict scale, const 
   }
 }
 
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+using XT = float;
+
+struct XIn {
+  const float* x;
+};
+
+inline XIn prepare_x(const at::Tensor& x) { return {x.data_ptr<float>()}; }
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// 8 code bytes (the low 8 of v) -> 8 float32 lanes
+inline __m256 codes8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+
+// The 32 codes of one 32-byte run (bytes 2i + e, rows 0-7 in the low 128-bit half, 8-15 in the
+// high one), after the (e, i) shuffle, times inputs x[k0] (e = 0) and x[k0 + 1] (e = 1) for M rows
+// of x. Accumulators a[m][e & E][h]: M = 1 keeps the two inputs in separate chains (4 FMA chains).
+template <int M, int E>
+inline void run_dot(__m256i r, const float* const* xs, int k0, __m256 (&a)[kMaxM][2][2]) {
+  const __m128i h0 = _mm256_castsi256_si128(r), h1 = _mm256_extracti128_si256(r, 1);
+  const __m256 c[2][2] = {{codes8(h0), codes8(h1)}, {codes8(_mm_srli_si128(h0, 8)), codes8(_mm_srli_si128(h1, 8))}};
+  for (int m = 0; m < M; ++m)
+    for (int e = 0; e < 2; ++e) {
+      const __m256 xv = _mm256_broadcast_ss(xs[m] + k0 + e);
+      for (int h = 0; h < 2; ++h) a[m][e & E][h] = _mm256_fmadd_ps(c[e][h], xv, a[m][e & E][h]);
+    }
+}
+
+// One tile for M rows of x (pointers at the tile's first input): sum(c x) per row, as two halves
+// of 8 rows each, into acc[m][h].
+template <int BITS, int M>
+inline void tile_dot(const uint8_t* __restrict c, const float* const* xs, __m256 (&acc)[kMaxM][2]) {
+  constexpr int E = M == 1 ? 1 : 0;
+  __m256 a[kMaxM][2][2];
+  for (int m = 0; m < M; ++m)
+    for (int e = 0; e < 2; ++e) a[m][e][0] = a[m][e][1] = _mm256_setzero_ps();
+  // per 128-bit half: bytes (i, e) -> (e, i), so 8 consecutive bytes are one input's 8 rows
+  const __m256i order = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                         0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  if constexpr (BITS == 4) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+#pragma GCC unroll 8
+    for (int p = 0; p < 8; ++p) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * p));
+      run_dot<M, E>(_mm256_shuffle_epi8(_mm256_and_si256(w, low4), order), xs, 2 * p, a);
+      run_dot<M, E>(_mm256_shuffle_epi8(_mm256_and_si256(_mm256_srli_epi16(w, 4), low4), order), xs, 2 * p + 16, a);
+    }
+  } else {
+#pragma GCC unroll 4
+    for (int p = 0; p < 16; ++p) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * p));
+      run_dot<M, E>(_mm256_shuffle_epi8(w, order), xs, 2 * p, a);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int h = 0; h < 2; ++h) acc[m][h] = E ? _mm256_add_ps(a[m][0][h], a[m][1][h]) : a[m][0][h];
+}
+
+// Row tile t (16 outputs) over all of K, for x rows [m0, m0 + M).
+template <int BITS, typename S, int M>
+void tile_row(const uint8_t* __restrict codes, const S* __restrict scale, const S* __restrict offset,
+              const XIn& xin, const float* __restrict xsum, void* y, bool float_out,
+              int64_t K, int64_t N, int64_t m0, int64_t t) {
+  constexpr int kTileBytes = BITS == 4 ? 256 : 512;
+  const int64_t G = K / kGroup;
+  __m256 out[kMaxM][2];
+  for (int m = 0; m < M; ++m) out[m][0] = out[m][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t tg = t * G + g;
+    const float* xs[kMaxM];
+    for (int m = 0; m < M; ++m) xs[m] = xin.x + (m0 + m) * K + g * kGroup;
+    __m256 acc[kMaxM][2];
+    tile_dot<BITS, M>(codes + tg * kTileBytes, xs, acc);
+    for (int h = 0; h < 2; ++h) {
+      const __m256 s = load8(scale + tg * kRows + 8 * h), o = load8(offset + tg * kRows + 8 * h);
+      for (int m = 0; m < M; ++m)
+        out[m][h] = _mm256_fmadd_ps(o, _mm256_set1_ps(xsum[(m0 + m) * G + g]), _mm256_fmadd_ps(s, acc[m][h], out[m][h]));
+    }
+  }
+  for (int m = 0; m < M; ++m)  // float32 out either way: x is float32
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(static_cast<float*>(y) + (m0 + m) * N + t * kRows + 8 * h, out[m][h]);
+}
+#else
+#error "cpu_tiled_gemv.cpp needs AVX-512 BF16, or AVX2 with FMA and F16C (cpu_tiled_gemv.available() checks first)"
+#endif
+
+inline float to_float(float v) { return v; }
+inline float to_float(at::BFloat16 v) {
+  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
 template <int BITS, typename S>
 void run(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
-         const at::Tensor& xsum, const at::Tensor& y, bool float_out) {
+         const float* xsp, const at::Tensor& y, bool float_out) {
   const int64_t Mtot = x.size(0), K = x.size(1), T = codes.size(0), N = T * kRows;
   const auto* c = codes.data_ptr<uint8_t>();
   const S* s = scale.data_ptr<S>();
   const S* o = offset.data_ptr<S>();
-  const auto* xp = x.data_ptr<at::BFloat16>();
-  const float* xsp = xsum.data_ptr<float>();
+  const XIn xp = prepare_x(x);
   void* yp = y.data_ptr();
   // Split the tiles across threads; every thread runs all x rows over its tiles, a few rows at
   // a time, so a tile's codes are widened once per chunk of kMaxM rows while still in L1.
@@ -131,7 +237,9 @@ void run(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, 
 
 at::Tensor tiled_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
                       int64_t bits, bool float_out) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
+  constexpr auto kX = std::is_same<XT, float>::value ? at::kFloat : at::kBFloat16;  // this build's x
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == kX && x.is_contiguous(),
+              "x: contiguous ", std::is_same<XT, float>::value ? "float32" : "bf16", " [M, K] (this build's dtype)");
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   const int64_t M = x.size(0), K = x.size(1), G = K / kGroup;
   TORCH_CHECK(K % kGroup == 0 && codes.dim() == 3 && codes.size(1) == G && codes.size(2) == (bits == 4 ? 256 : 512)
@@ -139,24 +247,25 @@ at::Tensor tiled_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Te
   TORCH_CHECK(scale.sizes() == offset.sizes() && scale.scalar_type() == offset.scalar_type() && scale.dim() == 3
               && scale.size(0) == codes.size(0) && scale.size(1) == G && scale.size(2) == kRows
               && scale.is_contiguous() && offset.is_contiguous(), "scale/offset: [N/16, K/32, 16], same dtype");
-  // sum(x) per group, in float32 from the same bf16 values the tiles multiply
-  at::Tensor xsum = at::empty({M, G}, x.options().dtype(at::kFloat));
-  const auto* xp = x.data_ptr<at::BFloat16>();
-  float* xs = xsum.data_ptr<float>();
+  // sum(x) per group, in float32 from the same values the tiles multiply
+  thread_local std::vector<float> xsum;  // the calling thread's, as prepare_x's buffers
+  xsum.resize(M * G);
+  const auto* xp = x.data_ptr<XT>();
+  float* xs = xsum.data();
   for (int64_t i = 0; i < M * G; ++i) {
     float acc = 0.f;
-    for (int j = 0; j < kGroup; ++j) acc += bf16_to_float(xp[i * kGroup + j]);
+    for (int j = 0; j < kGroup; ++j) acc += to_float(xp[i * kGroup + j]);
     xs[i] = acc;
   }
-  at::Tensor y = at::empty({M, codes.size(0) * kRows}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
+  at::Tensor y = at::empty({M, codes.size(0) * kRows}, x.options().dtype(float_out ? at::kFloat : kX));
   const bool half = scale.scalar_type() == at::kHalf;
   TORCH_CHECK(half || scale.scalar_type() == at::kFloat, "scale/offset must be float16 or float32");
   if (bits == 4) {
-    if (half) run<4, at::Half>(x, codes, scale, offset, xsum, y, float_out);
-    else run<4, float>(x, codes, scale, offset, xsum, y, float_out);
+    if (half) run<4, at::Half>(x, codes, scale, offset, xs, y, float_out);
+    else run<4, float>(x, codes, scale, offset, xs, y, float_out);
   } else {
-    if (half) run<8, at::Half>(x, codes, scale, offset, xsum, y, float_out);
-    else run<8, float>(x, codes, scale, offset, xsum, y, float_out);
+    if (half) run<8, at::Half>(x, codes, scale, offset, xs, y, float_out);
+    else run<8, float>(x, codes, scale, offset, xs, y, float_out);
   }
   return y;
 }

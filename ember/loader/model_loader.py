@@ -48,6 +48,7 @@ def load_model(model: str | None, tokenizer_path: str | None, dtype: torch.dtype
     from ember.loader.tokenizer import Tokenizer
     from ember.models.registry import get_model_class
     from ember.quant import process_weights_after_loading, resolve_quant_config
+    from ember.quant.gguf_quant import TiledPart
 
     t0 = time.perf_counter()
     path = resolve_model_path(model)
@@ -56,11 +57,13 @@ def load_model(model: str | None, tokenizer_path: str | None, dtype: torch.dtype
 
         ckpt = GGUFCheckpoint(path)
         model_config = ModelConfig.from_dict(ckpt.config)
-        if (quantization or "auto") == "auto" and device.type == "cpu" and dtype == torch.float32:
+        if ((quantization or "auto") == "auto" and device.type == "cpu" and dtype == torch.float32
+                and not TiledPart.usable(dtype, device)):
             # torch vectorizes its CPU int4 kernel for bf16 only (fp32 is ~50x slower than a dense
-            # fp32 GEMV), so a float32 run is faster dequantized; --quantization gguf still forces packing.
-            logger.info("GGUF in float32 on CPU: dequantizing (torch's int4 kernel is fast in bfloat16 only); "
-                        "pass --dtype bfloat16 to keep the weights packed")
+            # fp32 GEMV), so a float32 run without the tiled GEMV's AVX2 build is faster dequantized;
+            # --quantization gguf still forces packing.
+            logger.info("GGUF in float32 on CPU: dequantizing (torch's int4 kernel is fast in bfloat16 only, and "
+                        "the tiled GEMV is off or not built here); pass --dtype bfloat16 to keep the weights packed")
             quantization = "none"
         quant_config = resolve_quant_config(quantization, path, model_config.raw)
         tokenizer = ckpt.tokenizer()

@@ -53,7 +53,8 @@ class DenseCopyHeadMethod:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if _rows(hidden) >= DENSE_MIN_ROWS:
-            return self.inner.refine(F.linear(hidden, self.dense).float(), hidden)
+            y = F.linear(hidden, self.dense).float()
+            return y if hidden.dtype == torch.float32 else self.inner.refine(y, hidden)  # float32: exact already
         return self.inner.logits(hidden)
 
 

@@ -59,7 +59,7 @@ from ember.layers.linear import QuantMethod, new_param
 from ember.layers.moe import grouped_experts
 from ember.quant import QuantConfig
 from ember.quant.gguf_blocks import AFFINE_4BIT, AFFINE_8BIT, GROUP, GGUFTensor, affine_codes, dequantize, q6_k_codes
-from ember.quant.int4_cpu import KERNEL_MAX_ROWS, Int4Weight, pack_int4_codes
+from ember.quant.int4_cpu import KERNEL_MAX_ROWS, Int4Weight, block_n, pack_int4_codes, row_codes
 
 # Raw-block parts dequantize at most this many weights at a time (64 MiB of float32).
 RAW_CHUNK_ELEMS = 1 << 24
@@ -179,16 +179,17 @@ class TiledPart(PackedPart):
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int):
         self.N, self.K = codes.shape
         self.bits = bits
+        self.x_dtype = tiled_gemv.x_dtype()  # read here: a compiled step cannot trace the CPU-flags lookup
         self.tiles, self.scale, self.offset = tiled_gemv.pack(codes, scale, offset, bits)
 
     @staticmethod
     def usable(dtype: torch.dtype, device) -> bool:
-        return (dtype == torch.bfloat16 and torch.device(device).type == "cpu" and tiled_gemv.enabled
+        return (torch.device(device).type == "cpu" and tiled_gemv.enabled and dtype == tiled_gemv.x_dtype()
                 and tiled_gemv.available())
 
     def _gemv(self, x: torch.Tensor, float_out: bool) -> torch.Tensor:
         x2 = x.reshape(-1, self.K)
-        if x2.dtype == torch.bfloat16 and x2.shape[0] <= KERNEL_MAX_ROWS:
+        if x2.dtype == self.x_dtype and x2.shape[0] <= KERNEL_MAX_ROWS:
             y = tiled_gemv.gemv(x2.contiguous(), self.tiles, self.scale, self.offset, self.bits, float_out)
         else:
             y = F.linear(x2, self._weight(x2.dtype))
@@ -203,8 +204,9 @@ class TiledPart(PackedPart):
         return self._gemv(x, float_out=True)
 
     def exact_float(self, x):
-        # the kernel multiplies exact codes by x's own bf16 values and sums in float32
-        return x.dtype in (torch.float32, torch.bfloat16) and x.numel() // self.K <= KERNEL_MAX_ROWS
+        # the kernel multiplies exact codes by x's own values (bf16, or float32 in the AVX2 build)
+        # and sums in float32; float32 x past the kernel runs a float32 GEMM over the exact weight
+        return x.dtype == torch.float32 or (x.dtype == self.x_dtype and x.numel() // self.K <= KERNEL_MAX_ROWS)
 
     def _weight(self, dtype: torch.dtype) -> torch.Tensor:
         return tiled_gemv.dequantize(self.tiles, self.scale, self.offset, self.bits, dtype, self.N)
@@ -221,11 +223,7 @@ class TiledPart(PackedPart):
 
 def _row_codes(w: Int4Weight, ids: torch.Tensor) -> torch.Tensor:
     """The int4 codes of rows `ids` of an Int4Weight, uint8 [len(ids), w.K]."""
-    # Kernel layout (int4_cpu): rows in blocks of 64; block b holds bytes [K, 32], row 64b + j
-    # in the low nibble of column j (j < 32) or the high nibble of column j - 32.
-    blk, j = ids // 64, ids % 64
-    byte = w.packed.view(w.N // 64, w.K, 32)[blk, :, j % 32]  # [n, K]
-    return (byte >> (4 * (j // 32)).to(torch.uint8)[:, None]) & 15
+    return row_codes(w.packed, w.N, w.K, ids)
 
 
 class Q6KPart(PackedPart):
@@ -266,15 +264,15 @@ class Q6KPart(PackedPart):
     def _weight(self, dtype: torch.dtype) -> torch.Tensor:
         """W = c * (q6 - 32) [N, K] in dtype, from the codes and s = 16 c (z is not read), so
         float32 rebuilds gguf-py's values bit for bit. Works in the kernel's byte layout (rows in
-        blocks of 64, int4_cpu): byte [b, g, h, i, j] holds sub-block g's code i of half h (hi,
-        lo) for row 64b + j in its low nibble and for row 64b + 32 + j in its high one."""
-        w, G16 = self.w, self.K // 16
-        b = w.packed.view(w.N // 64, G16, 2, 16, 32)
+        blocks of B = 64 or 32, int4_cpu): byte [b, g, h, i, j] holds sub-block g's code i of half
+        h (hi, lo) for row Bb + j in its low nibble and for row Bb + B/2 + j in its high one."""
+        w, G16, B = self.w, self.K // 16, block_n()
+        b = w.packed.view(w.N // B, G16, 2, 16, B // 2)
         hi, lo = b[:, :, 0], b[:, :, 1]
         v = torch.stack(((hi << 4) | (lo & 15), (hi & 0xF0) | (lo >> 4)), dim=1)  # 16 hi' + lo = q6 + 96
         v ^= 0x80  # as int8: q6 + 96 - 128 = q6 - 32
-        s = w.scales_zeros[..., 0].to(dtype).div(16).view(G16, w.N // 64, 2, 1, 32).permute(1, 2, 0, 3, 4)
-        y = v.view(torch.int8).to(dtype) * s  # [N/64, 2, K/16, 16, 32]; the scale varies along the outer dims
+        s = w.scales_zeros[..., 0].to(dtype).div(16).view(G16, w.N // B, 2, 1, B // 2).permute(1, 2, 0, 3, 4)
+        y = v.view(torch.int8).to(dtype) * s  # [N/B, 2, K/16, 16, B/2]; the scale varies along the outer dims
         return y.permute(0, 1, 4, 2, 3).reshape(w.N, self.K)[:self.N]
 
     def dequantize(self):
@@ -446,7 +444,7 @@ class GGUFEmbeddingMethod:
     def refine(self, y: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """Low-precision logits y [n, V] with their leading candidates recomputed in float32."""
         n = hidden.shape[0]
-        if hidden.dtype != torch.float32 and 0 < n <= REFINE_MAX_ROWS:
+        if 0 < n <= REFINE_MAX_ROWS:
             # bf16 logits keep ~3 digits (an ulp is 0.125 at 25), so near-ties at the top would be
             # settled by rounding: recompute the leading candidates in float32 from their rows.
             idx = y.topk(min(REFINE_TOP_K, y.shape[1]), dim=1).indices  # [n, k]

@@ -4,9 +4,11 @@
     W[n, k] = (q[n, k] - 8) * s[k // G, n] + z[k // G, n]
 from `packed` = uint8 [N, K/2] and `scales_zeros` = [K/G, N, 2] (s, z) in x's dtype (bf16,
 fp16 or fp32 -- the kernel refuses a mismatch). Packed layout, found by probing the
-converter: rows go in blocks of 64; inside block b the bytes [b*64*K/2, (b+1)*64*K/2) are
-[K, 32], and byte (k, j) holds row 64b + j in its low nibble and row 64b + 32 + j in its high
-nibble.
+converter: rows go in blocks of B = BLOCK_N; inside block b the bytes [b*B*K/2, (b+1)*B*K/2)
+are [K, B/2], and byte (k, j) holds row Bb + j in its low nibble and row Bb + B/2 + j in its
+high nibble. B depends on the CPU ATen's kernels run on: 64 with AVX-512, 32 with AVX2 (a
+layout built for one and run on the other computes with scrambled rows), so block_n() asks
+the converter once.
 
 Every format here is affine per group, w = q * scale + offset (Q4_0: offset -8d; Q4_1: m;
 Q4_K: -dmin*m_j; AWQ: -z*s), so it maps onto the kernel exactly: s = scale,
@@ -18,6 +20,8 @@ dense GEMM takes over, as vLLM does for AWQ at >= 256 tokens.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -27,21 +31,44 @@ KERNEL_MAX_ROWS = 192
 SUPPORTED_GROUP_SIZES = (32, 64, 128, 256)
 
 
-def pack_int4_codes(q: torch.Tensor) -> torch.Tensor:
-    """q [N, K] integers in 0..15 -> the kernel's packed uint8 [N, K/2]."""
+def _direct_pack(q: torch.Tensor, block: int) -> torch.Tensor:
     N, K = q.shape
-    if N % 64 == 0:
-        # Direct construction of the documented layout (the converter needs an int32 copy).
-        b = q.to(torch.uint8).view(N // 64, 2, 32, K).permute(0, 3, 1, 2)  # [nb, K, 2, 32]
-        return (b[:, :, 0] | (b[:, :, 1] << 4)).reshape(N, K // 2).contiguous()
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2)
+    b = q.to(torch.uint8).view(N // block, 2, block // 2, K).permute(0, 3, 1, 2)  # [nb, K, 2, B/2]
+    return (b[:, :, 0] | (b[:, :, 1] << 4)).reshape(N, K // 2).contiguous()
+
+
+@functools.cache
+def block_n() -> int:
+    """Rows per block of torch's packed layout on this CPU (64 or 32), probed against its converter."""
+    q = torch.randint(0, 16, (128, 64), generator=torch.Generator().manual_seed(0))
+    ref = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
+    for block in (64, 32):
+        if torch.equal(_direct_pack(q, block), ref):
+            return block
+    raise RuntimeError("torch's CPU int4 pack layout is neither of the known ones (64- or 32-row blocks); "
+                       "this torch build is not supported by ember's int4 path")
+
+
+def pack_int4_codes(q: torch.Tensor) -> torch.Tensor:
+    """q [N, K] integers in 0..15, N % 64 == 0 -> the kernel's packed uint8 [N, K/2]."""
+    # direct construction of the probed layout (the converter needs an int32 copy)
+    return _direct_pack(q, block_n())
 
 
 def unpack_int4_codes(packed: torch.Tensor, N: int, K: int) -> torch.Tensor:
-    """Inverse of pack_int4_codes for N % 64 == 0: uint8 [N, K/2] -> q uint8 [N, K]."""
-    b = packed.view(N // 64, K, 32)
-    q = torch.stack((b & 15, b >> 4), dim=1)  # [nb, 2, K, 32]
+    """Inverse of pack_int4_codes: uint8 [N, K/2] -> q uint8 [N, K]."""
+    B = block_n()
+    b = packed.view(N // B, K, B // 2)
+    q = torch.stack((b & 15, b >> 4), dim=1)  # [nb, 2, K, B/2]
     return q.permute(0, 1, 3, 2).reshape(N, K)
+
+
+def row_codes(packed: torch.Tensor, N: int, K: int, ids: torch.Tensor) -> torch.Tensor:
+    """The codes of rows `ids` alone, uint8 [len(ids), K] (only their bytes are read)."""
+    B = block_n()
+    blk, j = ids // B, ids % B
+    byte = packed.view(N // B, K, B // 2)[blk, :, j % (B // 2)]  # [n, K]
+    return (byte >> (4 * (j // (B // 2))).to(torch.uint8)[:, None]) & 15
 
 
 class Int4Weight:
@@ -81,10 +108,11 @@ class Int4Weight:
         sz = self.scales_zeros.to(dtype)
         s = sz[..., 0].t().reshape(N, K // G, 1)
         z = (sz[..., 1] - 8 * sz[..., 0]).t().reshape(N, K // G, 1)
-        # Write rows in place: block b's bytes are [K, 32], so read them transposed; the nibble
+        # Write rows in place: block b's bytes are [K, B/2], so read them transposed; the nibble
         # extraction does the transpose, with no separate permute copy (0.6 vs 1.0 ms at 1536 x 576).
-        b = self.packed.view(N // 64, K, 32).transpose(1, 2)  # [nb, 32, K]
-        out = torch.empty(N // 64, 2, 32, K, dtype=dtype, device=self.packed.device)
+        B = block_n()
+        b = self.packed.view(N // B, K, B // 2).transpose(1, 2)  # [nb, B/2, K]
+        out = torch.empty(N // B, 2, B // 2, K, dtype=dtype, device=self.packed.device)
         out[:, 0].copy_(b & 15)
         out[:, 1].copy_(b >> 4)
         out = out.view(N, K // G, G)

@@ -1,7 +1,9 @@
 """Round-to-nearest 8-bit codes for a module's dense Linears (and its own LM head), run by the
 tiled CPU GEMV kernel (ember.kernels.cpu_tiled_gemv) through the GGUF loader's TiledPart.
 
-Used for draft weights (an MTP layer) on CPUs with AVX-512 BF16, in place of rtn_int4. A draft
+Used for draft weights (an MTP layer) on CPUs where the kernel runs: bf16 layers on AVX-512 BF16
+(in place of rtn_int4), float32 layers on AVX2 (where a dense float32 draft head alone reads 113 MB
+a step on the default model, its 8-bit tiles 32). A draft
 step reads its weights for one row, so bytes are its cost, but so is how close its drafts stay
 to the bf16 layer's: on the default model, the engine's position-1 acceptance was 0.608 with
 bf16 draft weights and 0.582 with group-32 int4 (24 held-out generations). 8-bit codes keep the
@@ -24,10 +26,12 @@ from ember.quant.rtn_int4 import rtn_affine
 BITS = 8
 
 
-def usable() -> bool:
-    """Whether the kernel runs here: AVX-512 BF16, a compiler (built on the first call), and not
-    turned off (--no-cpu-tiled-gemv)."""
-    return TiledPart.usable(torch.bfloat16, "cpu")
+def usable(dtype: torch.dtype | None = None) -> bool:
+    """Whether the kernel runs here for `dtype` layers (default: the dtype this machine's build
+    takes, bf16 on AVX-512 BF16 or float32 on AVX2), with a compiler (built on the first call),
+    and not turned off (--no-cpu-tiled-gemv)."""
+    dtype = dtype or tiled_gemv.x_dtype()
+    return dtype is not None and TiledPart.usable(dtype, "cpu")
 
 
 def _pack(module: nn.Module, w: torch.Tensor) -> int:
@@ -59,8 +63,9 @@ class RTNTiledHead:
 
 
 def pack_module_tiled(module: nn.Module) -> int:
-    """Repack every dense bf16 Linear (and untied LMHead) under `module` whose input size is a
-    multiple of 32, on CPU. Returns the bytes saved; 0 where the kernel is not usable()."""
+    """Repack every dense Linear (and untied LMHead) under `module` in the kernel's dtype (bf16 or
+    float32: tiled_gemv.x_dtype()) whose input size is a multiple of 32, on CPU. Returns the bytes
+    saved; 0 where the kernel is not usable()."""
     from ember.layers.embedding import LMHead
 
     if not usable():
@@ -80,5 +85,5 @@ def pack_module_tiled(module: nn.Module) -> int:
 
 
 def _packable(w: torch.Tensor) -> bool:
-    return (w.device.type == "cpu" and w.dtype == torch.bfloat16 and w.dim() == 2
+    return (w.device.type == "cpu" and w.dtype == tiled_gemv.x_dtype() and w.dim() == 2
             and w.shape[1] % tiled_gemv.GROUP == 0)

@@ -82,8 +82,9 @@ class MTPProposer:
 
     # -- sizing and setup ---------------------------------------------------------------------
     def _pack_draft_weights(self) -> int:
-        """CPU, bf16: the MTP layers' Linears and own head to group-32 8-bit codes (ember.quant.rtn_tiled),
-        or int4 (ember.quant.rtn_int4) where the tiled kernel does not run.
+        """CPU: the MTP layers' Linears and own head to group-32 8-bit codes (ember.quant.rtn_tiled)
+        where the tiled kernel runs in the layers' dtype (bf16, or float32 on AVX2), else in bf16
+        to int4 (ember.quant.rtn_int4).
         A draft step reads its weights for one row, so bytes are its cost; drafts may change a little,
         the output cannot (the target verifies). Not under tensor parallelism (the workers replay
         the MTP on their own dense shards)."""
@@ -91,11 +92,11 @@ class MTPProposer:
         from ember.quant.rtn_int4 import pack_module_int4
         from ember.quant.rtn_tiled import pack_module_tiled
 
-        if self.device.type != "cpu" or self.mtp.dtype != torch.bfloat16 or get_tp_rank_size()[1] > 1:
+        if self.device.type != "cpu" or get_tp_rank_size()[1] > 1:
             return 0
-        # 8-bit tiles where the tiled kernel runs: drafts closer to the bf16 layer's (rtn_tiled.py)
+        # 8-bit tiles where the tiled kernel runs: drafts closer to the dense layer's (rtn_tiled.py)
         saved, kind = pack_module_tiled(self.mtp.layers), "8-bit tiles"
-        if not saved:
+        if not saved and self.mtp.dtype == torch.bfloat16:
             saved, kind = pack_module_int4(self.mtp.layers), "int4"
         if saved:
             logger.info("MTP: draft weights packed to %s on CPU (%.1f MB saved)", kind, saved / 1e6)

@@ -8,6 +8,7 @@ import torch
 
 from ember.errors import ConfigError
 from ember.kernels import get_attention_backend
+from ember.kernels.cpp_build import has_cpu_flags
 from ember.kernels.metadata import AttentionMetadata
 from ember.kernels.torch_attention import TorchAttentionBackend
 from ember.layers.attention import Attention
@@ -78,14 +79,16 @@ CASES = {
 @pytest.fixture(params=["cpp-kernel", "torch-only"])
 def cpu_kernel(request, monkeypatch):
     """Run each case with the C++ kernels (decode and prefill; they must build here: g++ and ninja are
-    in CI, and this machine has AVX512-BF16) and without them."""
+    in CI; the prefill kernel needs AVX512-BF16, which this project's Zen4 machines have and its Zen3
+    ones do not) and without them."""
     import ember.kernels.cpu_causal_attention as causal
     import ember.kernels.torch_attention as ta
     from ember.kernels.cpu_paged_attention import paged_attention_op
 
     if request.param == "cpp-kernel":
         assert paged_attention_op() is not None, "the C++ CPU attention kernel did not build"
-        assert causal.flash_available(), "the C++ CPU prefill attention kernel did not build"
+        if has_cpu_flags("avx512f", "avx512_bf16"):
+            assert causal.flash_available(), "the C++ CPU prefill attention kernel did not build"
     else:
         monkeypatch.setattr(ta, "fused_supports", lambda q, kv_cache: False)
         monkeypatch.setattr(causal, "enabled", False)
@@ -125,12 +128,12 @@ def test_get_attention_backend():
 
 @pytest.mark.parametrize("flash", [True, False])
 def test_bf16_prefills_take_the_flash_or_gemm_path(monkeypatch, flash):
-    """The C++ flash kernel (or, turned off, the GEMM path) really runs and matches for a fresh
-    prefill and a chunk over a prefix; fp32 never takes either."""
+    """The C++ flash kernel (or, turned off or not built for this CPU, the GEMM path) really runs and
+    matches for a fresh prefill and a chunk over a prefix; fp32 never takes either."""
     import ember.kernels.cpu_causal_attention as causal
     calls = []
     monkeypatch.setattr(causal, "enabled", flash)
-    name = "flash_attention" if flash else "causal_attention_gemm"
+    name = "flash_attention" if flash and causal.flash_available() else "causal_attention_gemm"
     real = getattr(causal, name)
     monkeypatch.setattr(causal, name, lambda *a: calls.append(a[0].shape[0]) or real(*a))
     for dtype, expected in ((torch.bfloat16, [150, 140]), (torch.float32, [])):
@@ -206,6 +209,12 @@ def test_cpp_kernel_splits_a_long_context_over_threads(kv_len, hkv, q_dtype):
     assert (out[0].double() - torch.einsum("hk,khd->hd", p, vals)).abs().max() < 1e-4
 
 
+# the prefill kernel is AVX512-BF16 code: this project's Zen4 machines run it, its Zen3 ones cannot
+needs_avx512_bf16 = pytest.mark.skipif(not has_cpu_flags("avx512f", "avx512_bf16"),
+                                       reason="the C++ prefill attention kernel needs AVX512-BF16")
+
+
+@needs_avx512_bf16
 @pytest.mark.parametrize("n,S,hq,hkv,d", [(300, 300, 9, 3, 64), (37, 100, 9, 3, 64), (1, 1, 2, 1, 32), (1, 45, 4, 4, 16),
                                           (65, 65, 16, 2, 128), (50, 83, 28, 4, 128), (33, 33, 8, 8, 256),
                                           (40, 70, 12, 2, 96), (20, 20, 15, 3, 80), (19, 19, 7, 1, 64)])
@@ -234,6 +243,7 @@ def test_flash_prefill_kernel_matches_reference(n, S, hq, hkv, d, peaky):
     assert ((out.double() - ref).abs() <= 8e-3 * ref.abs() + 4e-3).all()
 
 
+@needs_avx512_bf16
 def test_flash_prefill_kernel_widens_fp8_keys_and_values():
     from ember.kernels import cpu_causal_attention as causal
 

@@ -27,6 +27,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 QUANTIZED = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q6_K]
 
 
+def fp32_affine_part() -> str:
+    """The part float32 4/8-bit affine weights get here: the tiled GEMV where its AVX2 build takes
+    float32, else torch's int4 kernel."""
+    return "TiledPart" if TiledPart.usable(torch.float32, "cpu") else "Int4Part"
+
+
 def _f16_bytes(values: np.ndarray) -> np.ndarray:
     return values.astype(np.float16).view(np.uint8).reshape(-1, 2)
 
@@ -187,7 +193,7 @@ def test_gate_up_with_q8_0_and_q5_1_shards():
     tg, rg = gguf_tensor(T.Q8_0, 192, 256, 4)
     tu, ru = gguf_tensor(T.Q5_1, 192, 256, 5)
     _loaded(layer, {"up": tu, "gate": tg})  # any load order
-    assert [type(p).__name__ for p in layer.gguf_parts] == ["Int4Part"]  # both 8-bit splits: one call
+    assert [type(p).__name__ for p in layer.gguf_parts] == [fp32_affine_part()]  # both 8-bit: one call
     x = torch.randn(2, 256)
     torch.testing.assert_close(layer(x), F.linear(x, torch.cat([rg, ru])), rtol=1e-5, atol=1e-5)
 
@@ -197,7 +203,7 @@ def test_gate_up_with_q8_0_and_f16_shards():
     tg, rg = gguf_tensor(T.Q8_0, 192, 256, 4)
     tu, ru = gguf_tensor(T.F16, 192, 256, 5)
     _loaded(layer, {"up": tu, "gate": tg})
-    assert [type(p).__name__ for p in layer.gguf_parts] == ["Int4Part", "DensePart"]
+    assert [type(p).__name__ for p in layer.gguf_parts] == [fp32_affine_part(), "DensePart"]
     x = torch.randn(2, 256)
     torch.testing.assert_close(layer(x), F.linear(x, torch.cat([rg, ru])), rtol=1e-5, atol=1e-5)
 
@@ -233,7 +239,7 @@ def test_embedding_and_tied_head_read_the_packed_data(qtype):
     rows = emb(ids)
     assert rows.shape == (2, 3, hidden)
     assert torch.equal(rows, ref[ids])  # exact in float32, whatever the storage
-    assert type(emb.quant_method.part).__name__ == {T.Q6_K: "Q6KPart", T.F16: "DensePart"}.get(qtype, "Int4Part")
+    assert type(emb.quant_method.part).__name__ == {T.Q6_K: "Q6KPart", T.F16: "DensePart"}.get(qtype, fp32_affine_part())
     h = torch.randn(4, hidden)
     logits = head(h)
     assert logits.dtype == torch.float32 and logits.shape == (4, vocab)
@@ -346,10 +352,11 @@ def build(path, packed: bool, dtype=torch.float32):
 def test_tiny_mixed_model_packed_equals_dequantized(tmp_path, arch, tied, experts):
     path = tiny_mixed_gguf(tmp_path / f"{arch}.gguf", arch, tied, experts=experts)
     packed, dense = build(path, True), build(path, False)
-    assert type(packed.model.layers[0].self_attn.qkv_proj.gguf_parts[0]).__name__ == "Int4Part"
-    if experts:  # gate Q8_0 + up Q4_K: two int4 parts; down Q6_K: a Q6_K part
+    affine = fp32_affine_part()
+    assert type(packed.model.layers[0].self_attn.qkv_proj.gguf_parts[0]).__name__ == affine
+    if experts:  # gate Q8_0 + up Q4_K: two affine parts; down Q6_K: a Q6_K part
         parts = packed.model.layers[0].mlp.experts
-        assert [type(p).__name__ for p in parts.parts13[3] + parts.parts2[3]] == ["Int4Part", "Int4Part", "Q6KPart"]
+        assert [type(p).__name__ for p in parts.parts13[3] + parts.parts2[3]] == [affine, affine, "Q6KPart"]
         assert parts.w13.numel() == 0 and not parts.pending
     outs = []
     for model in (packed, dense):

@@ -4,17 +4,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ember.kernels.cpp_build import has_cpu_flags
+from ember.kernels import cpu_tiled_gemv
 from ember.layers.linear import DenseMethod
 from ember.quant.int4_cpu import KERNEL_MAX_ROWS
 from ember.quant.rtn_int4 import rtn_affine
 from ember.quant.rtn_tiled import RTNTiledHead, RTNTiledMethod, pack_module_tiled
 from tests.quant.test_rtn_int4 import Tiny
 
-# This project's machines (and CI's) are Zen4 with AVX-512 BF16; elsewhere the drafter packs to
-# int4 instead (test_rtn_int4).
-pytestmark = pytest.mark.skipif(not has_cpu_flags("avx512f", "avx512bw", "avx512_bf16"),
-                                reason="the tiled GEMV needs AVX-512 BF16")
+# This project's machines (and CI's) have been Zen4 (the kernel takes bf16) and Zen3 (AVX2: float32);
+# a CPU with neither packs the drafter to int4 instead (test_rtn_int4).
+pytestmark = pytest.mark.skipif(cpu_tiled_gemv.x_dtype() is None, reason="the tiled GEMV needs AVX-512 BF16 or AVX2")
+X = cpu_tiled_gemv.x_dtype()  # the layer dtype this machine's build packs
+OTHER = torch.float32 if X == torch.bfloat16 else torch.bfloat16
 
 
 def test_rtn8_codes_reconstruct_within_half_a_step():
@@ -35,16 +36,16 @@ def _dequantized(w: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [1, 3, KERNEL_MAX_ROWS + 5])  # the kernel, and the dense rebuild above it
 def test_pack_module_runs_the_dequantized_math(rows):
     torch.manual_seed(1)
-    m = Tiny(torch.bfloat16)
+    m = Tiny(X)
     w_proj, w_head = m.proj.weight.data.clone(), m.head.weight.data.clone()
-    x = torch.randn(rows, 64, dtype=torch.bfloat16)
+    x = torch.randn(rows, 64, dtype=X)
     dense_h = m.proj(x)
     saved = pack_module_tiled(m)
     assert saved > 0 and not hasattr(m.proj, "weight") and isinstance(m.proj.quant_method, RTNTiledMethod)
     assert not hasattr(m.odd, "weight")  # 40 rows: the tiles pad to 48, unlike the int4 kernel's 64
     assert isinstance(m.head.quant_method, RTNTiledHead)
     h = m.proj(x)
-    assert h.dtype == torch.bfloat16 and h.shape == (rows, 128)
+    assert h.dtype == X and h.shape == (rows, 128)
     ref = x.float() @ _dequantized(w_proj.float()).t() + m.proj.bias.float()
     assert torch.allclose(h.float(), ref, atol=2e-2, rtol=1e-2)
     # 8 bits: much closer to the dense layer than int4's 0.1 of the range (test_rtn_int4)
@@ -56,11 +57,9 @@ def test_pack_module_runs_the_dequantized_math(rows):
     assert m.odd(x).shape == (rows, 40)
 
 
-def test_float32_modules_and_a_disabled_kernel_are_left_alone(monkeypatch):
-    m = Tiny(torch.float32)
+def test_other_dtype_modules_and_a_disabled_kernel_are_left_alone(monkeypatch):
+    m = Tiny(OTHER)
     assert pack_module_tiled(m) == 0 and isinstance(m.proj.quant_method, DenseMethod) and m.head.quant_method is None
-    from ember.kernels import cpu_tiled_gemv
-
     monkeypatch.setattr(cpu_tiled_gemv, "enabled", False)  # --no-cpu-tiled-gemv
-    m = Tiny(torch.bfloat16)
+    m = Tiny(X)
     assert pack_module_tiled(m) == 0 and isinstance(m.proj.quant_method, DenseMethod)

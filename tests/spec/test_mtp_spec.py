@@ -221,14 +221,18 @@ def test_mtp_cache_written_on_prefill_chunks(mtp_model, layout):
 
 
 @pytest.mark.parametrize("layout", ["deepseek", "qwen3_next"])
-def test_drafts_equal_a_full_recompute(tiny_model_dir, mtp_model, layout):
+def test_drafts_equal_a_full_recompute(tiny_model_dir, mtp_model, layout, monkeypatch):
     """Input shift, hidden alignment and recursion: the engine's first draft after a (chunked)
     prefill equals the reference MTP layer run over the whole sequence -- rows (t_{i+1}, i, h_i)
-    with the sampled token last, then the drafts appended with the recycled g, full recompute."""
+    with the sampled token last, then the drafts appended with the recycled g, full recompute.
+    The draft layer stays dense here (on AVX2 its float32 weights would be packed to 8-bit tiles)."""
     from safetensors.torch import load_file
 
+    from ember.quant import rtn_tiled
     from tests.models.tiny_models import load_ember_model
     from tests.spec.mtp_fixtures import MiniPager, ref_logits, ref_mtp
+
+    monkeypatch.setattr(rtn_tiled, "usable", lambda dtype=None: False)
 
     path = mtp_model("qwen3", layout)
     prompt = random_prompt(21, 8)
@@ -456,19 +460,22 @@ def test_sampled_mtp_drafts_keep_the_distribution(mtp_model):
 
 
 @pytest.mark.parametrize("tiled", [True, False])
-def test_bf16_cpu_packs_the_mtp_layer_and_still_drafts(mtp_model, monkeypatch, tiled):
-    """On CPU in bf16 the draft layer's Linears and own head run as 8-bit tiles (ember.quant.rtn_tiled)
-    where the tiled kernel runs, else as int4 (ember.quant.rtn_int4); the exact bigram MTP still gets
-    most drafts accepted (RTN moves its logits a little)."""
+def test_cpu_packs_the_mtp_layer_and_still_drafts(mtp_model, monkeypatch, tiled):
+    """On CPU the draft layer's Linears and own head run as 8-bit tiles (ember.quant.rtn_tiled) in the
+    tiled kernel's dtype (bf16 on AVX-512 BF16, float32 on AVX2), else in bf16 as int4
+    (ember.quant.rtn_int4); the exact bigram MTP still gets most drafts accepted (RTN moves its
+    logits a little)."""
+    from ember.kernels import cpu_tiled_gemv
     from ember.quant import rtn_tiled
     from ember.quant.rtn_int4 import RTNInt4Method
 
     if tiled and not rtn_tiled.usable():
-        pytest.skip("the tiled GEMV needs AVX-512 BF16 and a compiler")
+        pytest.skip("the tiled GEMV needs AVX-512 BF16 or AVX2, and a compiler")
     if not tiled:
-        monkeypatch.setattr(rtn_tiled, "usable", lambda: False)
+        monkeypatch.setattr(rtn_tiled, "usable", lambda dtype=None: False)
+    dtype = str(cpu_tiled_gemv.x_dtype()).removeprefix("torch.") if tiled else "bfloat16"
     path = mtp_model("qwen3", "deepseek", bigram=True)
-    llm = make_llm(path, dtype="bfloat16", enable_mtp=True, num_speculative_tokens=2, adaptive_spec=False)
+    llm = make_llm(path, dtype=dtype, enable_mtp=True, num_speculative_tokens=2, adaptive_spec=False)
     proposer = llm.engine.spec.proposer
     assert proposer.packed_bytes_saved > 0
     method = proposer.mtp.layers[0].block.mlp.down_proj.quant_method
@@ -476,8 +483,9 @@ def test_bf16_cpu_packs_the_mtp_layer_and_still_drafts(mtp_model, monkeypatch, t
     run(llm, PROMPTS, GREEDY)
     stats = check_clean(llm)
     assert stats["spec_num_accepted_tokens"] > 0.5 * stats["spec_num_draft_tokens"], stats
-    fp32 = make_llm(path, enable_mtp=True, num_speculative_tokens=2)
-    assert fp32.engine.spec.proposer.packed_bytes_saved == 0
+    if cpu_tiled_gemv.x_dtype() != torch.float32:  # float32 layers stay dense where the kernel takes bf16
+        fp32 = make_llm(path, dtype="float32", enable_mtp=True, num_speculative_tokens=2)
+        assert fp32.engine.spec.proposer.packed_bytes_saved == 0
 
 
 def test_default_model_dense_with_int8_decode_copy_loads_its_mtp_head():
@@ -488,7 +496,8 @@ def test_default_model_dense_with_int8_decode_copy_loads_its_mtp_head():
 
     if default_mtp_path() is None:
         pytest.skip("the default model's MTP head (ember/assets/smollm2-mtp) is not installed")
-    llm = LLM(quantization="none", kv_cache_memory=0.05, max_model_len=256)
+    # bf16: the int8 copy is a bf16-activation path (auto is float32 on CPUs without AVX512-BF16)
+    llm = LLM(quantization="none", kv_cache_memory=0.05, max_model_len=256, dtype="bfloat16")
     assert llm.engine.int8_decode_bytes > 0 and llm.engine.config.speculative.method == "mtp"
     run(llm, [[1, 2, 3, 4, 5]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert check_clean(llm)["spec_num_drafts"] > 0
