@@ -24,7 +24,6 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -36,13 +35,7 @@ constexpr int kGroup = 32;  // inputs per tile: one scale and offset per row
 constexpr int kMaxM = 4;    // x rows per pass over a tile (accumulators: 2 per row)
 
 #if defined(__AVX512BF16__)
-using XT = at::BFloat16;
-
-struct XIn {
-  const at::BFloat16* x;
-};
-
-inline XIn prepare_x(const at::Tensor& x) { return {x.data_ptr<at::BFloat16>()}; }
+using XT = at::BFloat16;  // this build's x
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
@@ -89,11 +82,10 @@ inline void tile_dot(const uint8_t* __restrict c, const at::BFloat16* const* xs,
 // Row tile t (16 outputs) over all of K, for x rows [m0, m0 + M).
 template <int BITS, typename S, int M>
 void tile_row(const uint8_t* __restrict codes, const S* __restrict scale, const S* __restrict offset,
-              const XIn& xin, const float* __restrict xsum, void* y, bool float_out,
+              const XT* __restrict x, const float* __restrict xsum, void* y, bool float_out,
               int64_t K, int64_t N, int64_t m0, int64_t t) {
   constexpr int kTileBytes = BITS == 4 ? 256 : 512;
   const int64_t G = K / kGroup;
-  const at::BFloat16* __restrict x = xin.x;
   const __m512 shift = _mm512_set1_ps(BITS == 4 ? 128.f : 0.f);
   __m512 out[kMaxM];
   for (int m = 0; m < M; ++m) out[m] = _mm512_setzero_ps();
@@ -116,13 +108,7 @@ void tile_row(const uint8_t* __restrict codes, const S* __restrict scale, const 
 }
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-using XT = float;
-
-struct XIn {
-  const float* x;
-};
-
-inline XIn prepare_x(const at::Tensor& x) { return {x.data_ptr<float>()}; }
+using XT = float;  // this build's x
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
@@ -177,7 +163,7 @@ inline void tile_dot(const uint8_t* __restrict c, const float* const* xs, __m256
 // Row tile t (16 outputs) over all of K, for x rows [m0, m0 + M).
 template <int BITS, typename S, int M>
 void tile_row(const uint8_t* __restrict codes, const S* __restrict scale, const S* __restrict offset,
-              const XIn& xin, const float* __restrict xsum, void* y, bool float_out,
+              const XT* __restrict x, const float* __restrict xsum, void* y, bool float_out,
               int64_t K, int64_t N, int64_t m0, int64_t t) {
   constexpr int kTileBytes = BITS == 4 ? 256 : 512;
   const int64_t G = K / kGroup;
@@ -186,7 +172,7 @@ void tile_row(const uint8_t* __restrict codes, const S* __restrict scale, const 
   for (int64_t g = 0; g < G; ++g) {
     const int64_t tg = t * G + g;
     const float* xs[kMaxM];
-    for (int m = 0; m < M; ++m) xs[m] = xin.x + (m0 + m) * K + g * kGroup;
+    for (int m = 0; m < M; ++m) xs[m] = x + (m0 + m) * K + g * kGroup;
     __m256 acc[kMaxM][2];
     tile_dot<BITS, M>(codes + tg * kTileBytes, xs, acc);
     for (int h = 0; h < 2; ++h) {
@@ -217,7 +203,7 @@ void run(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, 
   const auto* c = codes.data_ptr<uint8_t>();
   const S* s = scale.data_ptr<S>();
   const S* o = offset.data_ptr<S>();
-  const XIn xp = prepare_x(x);
+  const auto* xp = x.data_ptr<XT>();
   void* yp = y.data_ptr();
   // Split the tiles across threads; every thread runs all x rows over its tiles, a few rows at
   // a time, so a tile's codes are widened once per chunk of kMaxM rows while still in L1.
@@ -248,7 +234,8 @@ at::Tensor tiled_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Te
               && scale.size(0) == codes.size(0) && scale.size(1) == G && scale.size(2) == kRows
               && scale.is_contiguous() && offset.is_contiguous(), "scale/offset: [N/16, K/32, 16], same dtype");
   // sum(x) per group, in float32 from the same values the tiles multiply
-  thread_local std::vector<float> xsum;  // the calling thread's, as prepare_x's buffers
+  // (the calling thread's buffer, read by the parallel region below: no allocation per call)
+  thread_local std::vector<float> xsum;
   xsum.resize(M * G);
   const auto* xp = x.data_ptr<XT>();
   float* xs = xsum.data();
