@@ -4,7 +4,7 @@
     W[n, k] = (q[n, k] - 8) * s[k // G, n] + z[k // G, n]
 from `packed` = uint8 [N, K/2] and `scales_zeros` = [K/G, N, 2] (s, z) in x's dtype (bf16,
 fp16 or fp32 -- the kernel refuses a mismatch). Packed layout, found by probing the
-converter: rows go in blocks of B = BLOCK_N; inside block b the bytes [b*B*K/2, (b+1)*B*K/2)
+converter: rows go in blocks of B = block_n(); inside block b the bytes [b*B*K/2, (b+1)*B*K/2)
 are [K, B/2], and byte (k, j) holds row Bb + j in its low nibble and row Bb + B/2 + j in its
 high nibble. B depends on the CPU ATen's kernels run on: 64 with AVX-512, 32 with AVX2 (a
 layout built for one and run on the other computes with scrambled rows), so block_n() asks
