@@ -9,8 +9,11 @@ cache's dtype (bf16, fp16, fp32, fp8), and keeps a running max and sum per query
 one query over all its kv heads (a slot's heads are side by side, so the cache is read front to
 back), prefetching the next tile's rows as it goes; bf16 queries over a bf16 cache score with
 bf16 dot-product instructions (exact products, float32 sums), other dtypes in float32. That is
-the AVX-512 build; on CPUs without AVX-512 (Zen3) the same tasks run portable C++ loops that
-the compiler vectorizes, one kv head at a time. Either build splits each context over the
+the AVX-512 build. On CPUs with AVX2 and FMA but no AVX-512 (Zen3) the same tasks run one kv
+head at a time with 8-lane FMA loops over rows read in place and a vector exp (200 keys, the
+default model's heads, 2 Zen3 threads: 33 -> 14 us a layer against the portable loops, which
+copied every row and reduced each dot product in one dependent chain); fp8 caches and CPUs
+without AVX2 take the portable loops. Either build splits each context over the
 threads when there are fewer queries than twice the threads (batch-1 decode): a batch-1 step
 on Zen3 had 3 tasks (one per kv head) for 2 threads before.
 

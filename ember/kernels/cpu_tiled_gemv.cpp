@@ -3,7 +3,7 @@
 // tile layout (cpu_tiled_gemv.py says why it is shaped so):
 // - AVX-512 BF16 (Zen4, Sapphire Rapids): bf16 x, vdpbf16ps;
 // - AVX2 + FMA + F16C (Zen2/3, Haswell on): float32 x (the engine's dtype where bf16 has no
-//   instructions), codes widened to float32 and multiplied by a broadcast x with FMA: exact
+//   instructions), codes spread to float32 and multiplied by a broadcast x with FMA: exact
 //   products, float32 sums, as a float32 GEMV over the dequantized weight.
 //
 // A tile is 16 output rows x 32 inputs. One vector lane per output row (16 lanes, or 2 x 8), so no
@@ -17,8 +17,8 @@
 // AVX-512: widened to 16 bits, word 2i + e of a 32-byte run is row i's code for input 2p + e,
 // the pair layout vdpbf16ps multiplies against (x[2p], x[2p + 1]); a 4-bit code c becomes the
 // bf16 of 128 + c by (w & 15) | 0x4300, so the tile sums (128 + c) x and the offset absorbs -128.
-// AVX2: one byte shuffle per 32-byte run puts each 128-bit half in (e, i) order, so every 8 bytes
-// are 8 rows' codes for one input.
+// AVX2: in-lane byte shuffles spread each 128-bit half of a run (8 rows x 2 inputs) into dwords,
+// 4 rows of one input at a time, which become float32 codes (vcvtdq2ps).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -113,51 +113,75 @@ using XT = float;  // this build's x
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
-// 8 code bytes (the low 8 of v) -> 8 float32 lanes
-inline __m256 codes8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+// Byte shuffles that spread a 32-byte run's codes into float32-ready dwords. Each 128-bit half of a
+// run holds 8 rows x 2 inputs (byte 2i + e); kSpread[e][q] puts rows 4q..4q+3 of input e into the
+// low bytes of the half's 4 dwords (the rest zero). In-lane shuffles: Zen3 runs two a cycle, where
+// the lane-crossing byte-to-dword widening (vpmovzxbd) of the first AVX2 build ran at 1.8x the cost.
+struct SpreadMasks {
+  alignas(32) int8_t b[2][2][32];
+};
+constexpr SpreadMasks make_spread() {
+  SpreadMasks m{};
+  for (int e = 0; e < 2; ++e)
+    for (int q = 0; q < 2; ++q)
+      for (int half = 0; half < 2; ++half)
+        for (int r = 0; r < 4; ++r)
+          for (int j = 0; j < 4; ++j)
+            m.b[e][q][16 * half + 4 * r + j] = j == 0 ? static_cast<int8_t>(2 * (4 * q + r) + e) : int8_t(-128);
+  return m;
+}
+constexpr SpreadMasks kSpread = make_spread();
 
-// The 32 codes of one 32-byte run (bytes 2i + e, rows 0-7 in the low 128-bit half, 8-15 in the
-// high one), after the (e, i) shuffle, times inputs x[k0] (e = 0) and x[k0 + 1] (e = 1) for M rows
-// of x. Accumulators a[m][e & E][h]: M = 1 keeps the two inputs in separate chains (4 FMA chains).
-template <int M, int E>
-inline void run_dot(__m256i r, const float* const* xs, int k0, __m256 (&a)[kMaxM][2][2]) {
-  const __m128i h0 = _mm256_castsi256_si128(r), h1 = _mm256_extracti128_si256(r, 1);
-  const __m256 c[2][2] = {{codes8(h0), codes8(h1)}, {codes8(_mm_srli_si128(h0, 8)), codes8(_mm_srli_si128(h1, 8))}};
-  for (int m = 0; m < M; ++m)
-    for (int e = 0; e < 2; ++e) {
-      const __m256 xv = _mm256_broadcast_ss(xs[m] + k0 + e);
-      for (int h = 0; h < 2; ++h) a[m][e & E][h] = _mm256_fmadd_ps(c[e][h], xv, a[m][e & E][h]);
+// Independent FMA chains per x row: Zen3's FMA has 4 cycles latency and 2 a cycle, so one row of x
+// needs 8 chains (4 slots x 2 row quads) to keep both units busy; more rows share them.
+template <int M>
+constexpr int kSlots = M == 1 ? 4 : M == 2 ? 2 : 1;
+
+// The 32 codes of one run (bytes, already one code each) times inputs x[k0] (e = 0) and x[k0 + 1]
+// (e = 1) for M rows of x, into chains a[m][slot][q]; q = 0 holds rows 0-3 | 8-11, q = 1 rows
+// 4-7 | 12-15 (the two 128-bit halves).
+template <int M>
+inline void run_dot(__m256i r, const float* const* xs, int k0, int slot, __m256 (&a)[kMaxM][4][2]) {
+  for (int e = 0; e < 2; ++e)
+    for (int q = 0; q < 2; ++q) {
+      const __m256i mask = _mm256_load_si256(reinterpret_cast<const __m256i*>(kSpread.b[e][q]));
+      const __m256 c = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(r, mask));
+      for (int m = 0; m < M; ++m) {
+        __m256& acc = a[m][(2 * slot + e) % kSlots<M>][q];
+        acc = _mm256_fmadd_ps(c, _mm256_broadcast_ss(xs[m] + k0 + e), acc);
+      }
     }
 }
 
-// One tile for M rows of x (pointers at the tile's first input): sum(c x) per row, as two halves
-// of 8 rows each, into acc[m][h].
+// One tile for M rows of x (pointers at the tile's first input): sum(c x) per row, as rows 0-7
+// and 8-15, into acc[m][h].
 template <int BITS, int M>
 inline void tile_dot(const uint8_t* __restrict c, const float* const* xs, __m256 (&acc)[kMaxM][2]) {
-  constexpr int E = M == 1 ? 1 : 0;
-  __m256 a[kMaxM][2][2];
+  __m256 a[kMaxM][4][2];
   for (int m = 0; m < M; ++m)
-    for (int e = 0; e < 2; ++e) a[m][e][0] = a[m][e][1] = _mm256_setzero_ps();
-  // per 128-bit half: bytes (i, e) -> (e, i), so 8 consecutive bytes are one input's 8 rows
-  const __m256i order = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
-                                         0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    for (int s = 0; s < kSlots<M>; ++s) a[m][s][0] = a[m][s][1] = _mm256_setzero_ps();
   if constexpr (BITS == 4) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
 #pragma GCC unroll 8
     for (int p = 0; p < 8; ++p) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * p));
-      run_dot<M, E>(_mm256_shuffle_epi8(_mm256_and_si256(w, low4), order), xs, 2 * p, a);
-      run_dot<M, E>(_mm256_shuffle_epi8(_mm256_and_si256(_mm256_srli_epi16(w, 4), low4), order), xs, 2 * p + 16, a);
+      run_dot<M>(_mm256_and_si256(w, low4), xs, 2 * p, 0, a);
+      run_dot<M>(_mm256_and_si256(_mm256_srli_epi16(w, 4), low4), xs, 2 * p + 16, 1, a);
     }
   } else {
 #pragma GCC unroll 4
-    for (int p = 0; p < 16; ++p) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * p));
-      run_dot<M, E>(_mm256_shuffle_epi8(w, order), xs, 2 * p, a);
-    }
+    for (int p = 0; p < 16; ++p)
+      run_dot<M>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * p)), xs, 2 * p, p & 1, a);
   }
-  for (int m = 0; m < M; ++m)
-    for (int h = 0; h < 2; ++h) acc[m][h] = E ? _mm256_add_ps(a[m][0][h], a[m][1][h]) : a[m][0][h];
+  for (int m = 0; m < M; ++m) {
+    __m256 q[2];
+    for (int i = 0; i < 2; ++i) {
+      q[i] = a[m][0][i];
+      for (int s = 1; s < kSlots<M>; ++s) q[i] = _mm256_add_ps(q[i], a[m][s][i]);
+    }
+    acc[m][0] = _mm256_permute2f128_ps(q[0], q[1], 0x20);  // rows 0-3 | 4-7
+    acc[m][1] = _mm256_permute2f128_ps(q[0], q[1], 0x31);  // rows 8-11 | 12-15
+  }
 }
 
 // Row tile t (16 outputs) over all of K, for x rows [m0, m0 + M).

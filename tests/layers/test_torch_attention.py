@@ -154,7 +154,8 @@ def test_cpp_kernel_matches_reference_across_shapes(hq, hkv, d, cache_dtype, q_d
     """The fused kernel alone: GQA 8/1/8/3/6 (6 has no fixed-group path) and head sizes 32..128,
     every kv head of a query in one task (1..8 of them),
     contexts ending mid-block, a query that sees one key, queries of one sequence seeing different
-    prefixes (a verify); bf16/fp16/fp32 take the AVX-512 path, fp8 the scalar one; bf16 queries over
+    prefixes (a verify); bf16/fp16/fp32 take the AVX-512 path (AVX2 on CPUs without AVX-512), fp8
+    the scalar one; bf16 queries over
     a bf16 cache score with bf16 dot products (head sizes 32/64/128 and fixed groups; the others
     convert them). peaky: scores spread over hundreds, so most of exp(score - max) underflow (the
     vector exp's clamp)."""
