@@ -333,8 +333,8 @@ void to_lane_order(float* rows, int64_t n, bool forward) {
 #endif
 
 #if defined(EMBER_ATTEND_AVX2)
-// The AVX2 build's attend (Zen2/3, Haswell on: no AVX-512). 8 cache elements -> float32 lanes;
-// fp8 stays on the portable attend below.
+// attend()'s vector steps in the AVX2 build (Zen2/3, Haswell on: no AVX-512). 8 cache elements ->
+// float32 lanes; fp8 stays on the portable loops.
 template <typename T>
 struct Vec8 : std::false_type {};
 template <>
@@ -359,72 +359,38 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// attend() (same arguments, tiles and online softmax) with the rows read in place: a key's score
-// per head is two FMA chains over the row, summed across lanes once; P V keeps a head's output
-// columns in registers, 64 at a time, while it walks the tile's keys. The portable attend copied
-// every row to a float buffer and reduced each dot product in one dependent chain: 33 us per layer
-// at 200 keys (default model, 2 Zen3 threads), ~1 ms of a decode token.
-template <typename T, int D, int kG>
-void attend_avx2(const float* __restrict qs, const T* __restrict kc, const T* __restrict vc,
-                 const int32_t* __restrict table, int64_t k_begin, int64_t k_end, int64_t bs, int64_t row_stride,
-                 int64_t G_run, float* __restrict out, float* __restrict m_out = nullptr,
-                 float* __restrict l_out = nullptr) {
-  static_assert(D % 8 == 0, "rows of whole vectors");
-  const int64_t G = kG > 0 ? kG : G_run;
-  alignas(32) float acc[kMaxG][D];
-  alignas(32) float s[kMaxG][kTile];
-  float m[kMaxG], l[kMaxG];
-  for (int64_t g = 0; g < G; ++g) {
-    m[g] = -std::numeric_limits<float>::infinity();
-    l[g] = 0.f;
-    for (int d = 0; d < D; ++d) acc[g][d] = 0.f;
-  }
-  alignas(64) int64_t slot[kTile];
-  SlotWalk walk(table, bs, row_stride, k_begin);
-  for (int64_t t0 = k_begin; t0 < k_end; t0 += kTile) {
-    const int64_t n = std::min<int64_t>(kTile, k_end - t0);
-    walk.next(n, slot);
-    for (int64_t j = 0; j < n; ++j) {
-      const T* __restrict kp = kc + slot[j];
-      for (int64_t g = 0; g < G; ++g) {
-        const float* __restrict qg = qs + g * D;
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+// attend()'s vector steps in the AVX2 build, rows read in place: a key's score for one head is
+// two FMA chains over the row, summed across lanes once; P V keeps a head's output columns in
+// registers, 64 at a time, while it walks the tile's keys. (The portable steps copied every row to
+// a float buffer and reduced each dot product in one dependent chain: 33 us a layer at 200 keys,
+// default model, 2 Zen3 threads, ~1 ms of a decode token.)
+template <typename T, int D>
+inline float dot_row(const float* __restrict q, const T* __restrict k) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
 #pragma GCC unroll 32
-        for (int d = 0; d < D; d += 16) {
-          a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), Vec8<T>::load(kp + d), a0);
-          if (d + 8 < D) a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d + 8), Vec8<T>::load(kp + d + 8), a1);
-        }
-        s[g][j] = hsum8(_mm256_add_ps(a0, a1));
-      }
-    }
-    for (int64_t g = 0; g < G; ++g) {
-      const float rescale = softmax_tile(s[g], n, &m[g], &l[g]);
-      if (rescale != 1.f)
-        for (int d = 0; d < D; ++d) acc[g][d] *= rescale;
-    }
-    for (int64_t g = 0; g < G; ++g) {
-#pragma GCC unroll 4
-      for (int d0 = 0; d0 < D; d0 += 64) {
-        constexpr int kMaxV = 8;
-        const int nv = std::min(kMaxV, (D - d0) / 8);
-        __m256 a[kMaxV];
-        for (int v = 0; v < nv; ++v) a[v] = _mm256_load_ps(&acc[g][d0 + 8 * v]);
-        for (int64_t j = 0; j < n; ++j) {
-          const __m256 p = _mm256_set1_ps(s[g][j]);
-          const T* __restrict vp = vc + slot[j] + d0;
-          for (int v = 0; v < nv; ++v) a[v] = _mm256_fmadd_ps(p, Vec8<T>::load(vp + 8 * v), a[v]);
-        }
-        for (int v = 0; v < nv; ++v) _mm256_store_ps(&acc[g][d0 + 8 * v], a[v]);
-      }
-    }
+  for (int d = 0; d < D; d += 16) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), Vec8<T>::load(k + d), a0);
+    if (d + 8 < D) a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), Vec8<T>::load(k + d + 8), a1);
   }
-  for (int64_t g = 0; g < G; ++g) {
-    const float inv = m_out != nullptr ? 1.f : l[g] > 0.f ? 1.f / l[g] : 0.f;
-    for (int d = 0; d < D; ++d) out[g * D + d] = acc[g][d] * inv;
-    if (m_out != nullptr) {
-      m_out[g] = m[g];
-      l_out[g] = l[g];
+  return hsum8(_mm256_add_ps(a0, a1));
+}
+
+// acc[0..D) += sum over the tile's n keys of p[j] * V row j
+template <typename T, int D>
+inline void accumulate_rows(const T* __restrict vc, const int64_t* __restrict slot, int64_t n,
+                            const float* __restrict p, float* __restrict acc) {
+#pragma GCC unroll 4
+  for (int d0 = 0; d0 < D; d0 += 64) {
+    constexpr int kMaxV = 8;
+    const int nv = std::min(kMaxV, (D - d0) / 8);
+    __m256 a[kMaxV];
+    for (int v = 0; v < nv; ++v) a[v] = _mm256_loadu_ps(acc + d0 + 8 * v);
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 pj = _mm256_set1_ps(p[j]);
+      const T* __restrict vp = vc + slot[j] + d0;
+      for (int v = 0; v < nv; ++v) a[v] = _mm256_fmadd_ps(pj, Vec8<T>::load(vp + 8 * v), a[v]);
     }
+    for (int v = 0; v < nv; ++v) _mm256_storeu_ps(acc + d0 + 8 * v, a[v]);
   }
 }
 #endif
@@ -456,6 +422,9 @@ void attend(const float* __restrict qs, const T* __restrict kc, const T* __restr
   // kG > 0: the group size as a constant, so the per-head loops unroll and their dot products
   // overlap (the common GQA ratios); 0: G_run at run time.
   const int64_t G = kG > 0 ? kG : G_run;
+#if defined(EMBER_ATTEND_AVX2)
+  constexpr bool kVec = Vec8<T>::value && D % 8 == 0;  // the vector steps above (fp8: these loops)
+#endif
   // qs: G query heads [G, D], already scaled; kc/vc point at this kv head in block 0, slot 0;
   // row_stride = elements between consecutive slots (Hkv * D); out: [G, D] float32. Keys k_begin ..
   // k_end - 1; m_out != nullptr: a split of the context, out unnormalized and (m, l) per head out
@@ -476,6 +445,12 @@ void attend(const float* __restrict qs, const T* __restrict kc, const T* __restr
     walk.next(n, slot);
     for (int64_t j = 0; j < n; ++j) {
       const T* __restrict kp = kc + slot[j];
+#if defined(EMBER_ATTEND_AVX2)
+      if constexpr (kVec) {
+        for (int64_t g = 0; g < G; ++g) s[g][j] = dot_row<T, D>(qs + g * D, kp);
+        continue;
+      }
+#endif
       for (int d = 0; d < D; ++d) row[d] = to_float(kp[d]);
       for (int64_t g = 0; g < G; ++g) {
         const float* __restrict qg = qs + g * D;
@@ -490,6 +465,12 @@ void attend(const float* __restrict qs, const T* __restrict kc, const T* __restr
       if (rescale != 1.f)
         for (int d = 0; d < D; ++d) acc[g][d] *= rescale;
     }
+#if defined(EMBER_ATTEND_AVX2)
+    if constexpr (kVec) {
+      for (int64_t g = 0; g < G; ++g) accumulate_rows<T, D>(vc, slot, n, s[g], acc[g]);
+      continue;
+    }
+#endif
     for (int64_t j = 0; j < n; ++j) {
       const T* __restrict vp = vc + slot[j];
       for (int d = 0; d < D; ++d) row[d] = to_float(vp[d]);
@@ -613,13 +594,6 @@ void run(const torch::Tensor& q_in, double scale, const torch::Tensor& kv_cache,
       for (int64_t h = 0; h < Hkv; ++h) {
         float* const mo = m_out ? m_out + h * G : nullptr;
         float* const lo = l_out ? l_out + h * G : nullptr;
-#if defined(EMBER_ATTEND_AVX2)
-        if constexpr (Vec8<T>::value && Dc % 8 == 0) {
-          attend_avx2<T, Dc, Gc>(q + (i * Hq + h * G) * D, kbase + h * D, vbase + h * D, table, k0, k1, bs, Hkv * D,
-                                 G, acc + h * G * D, mo, lo);
-          continue;
-        }
-#endif
         attend<T, Dc, Gc>(q + (i * Hq + h * G) * D, kbase + h * D, vbase + h * D, table, k0, k1, bs, Hkv * D, G,
                           acc + h * G * D, mo, lo);
       }
