@@ -211,6 +211,7 @@ class LLMEngine:
 
     def _maybe_dense_copy(self, loaded) -> int:
         from ember.quant.dense_copy import dense_copy_bytes, enable_dense_copy
+        from ember.quant.gguf_quant import TiledPart
 
         on = self.config.int4_dense_copy
         if on is False:
@@ -219,7 +220,7 @@ class LLMEngine:
         if on is None:
             # float32 packed weights exist where the tiled GEMV's AVX2 build runs them (else the loader
             # dequantizes them); AWQ in float32 runs torch's slow fp32 int4 kernel, a copy or not
-            packed_fp32 = tiled_gemv.x_dtype() == torch.float32 and tiled_gemv.enabled
+            packed_fp32 = TiledPart.usable(torch.float32, self.device)
             on = (self.device.type == "cpu" and (self.dtype != torch.float32 or packed_fp32) and self.tp is None
                   and need > 0 and need <= CPU_DENSE_COPY_FRACTION * available_ram_bytes())
             if not on:

@@ -84,18 +84,16 @@ inline float softmax_tile(float* __restrict s, int64_t n, float* m, float* l) {
   const __m256 vmx = _mm256_set1_ps(mx);
   float sum = 0.f;
   int64_t j = 0;
-  if (n >= 8) {
-    __m256 vsum = _mm256_setzero_ps();
-    for (; j + 8 <= n; j += 8) {
-      const __m256 p = ember_simd::exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmx));
-      _mm256_storeu_ps(s + j, p);
-      vsum = _mm256_add_ps(vsum, p);
-    }
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, vsum);
-    for (float v : lanes) sum += v;
+  __m256 vsum = _mm256_setzero_ps();
+  for (; j + 8 <= n; j += 8) {
+    const __m256 p = ember_simd::exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmx));
+    _mm256_storeu_ps(s + j, p);
+    vsum = _mm256_add_ps(vsum, p);
   }
-  for (; j < n; ++j) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vsum);
+  for (float v : lanes) sum += v;
+  for (; j < n; ++j) {  // the tail of a short tile
     s[j] = std::exp(s[j] - mx);
     sum += s[j];
   }

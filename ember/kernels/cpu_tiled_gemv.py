@@ -14,9 +14,9 @@ Layout (`pack`): codes uint8 [N/16, K/32, 256] (4-bit: two codes a byte) or [N/1
 Q4_0, Q4_1, Q8_0 block scales are float16), else float32. N is padded to a multiple of 16.
 
 On CPUs with AVX2, FMA and F16C but no AVX-512 BF16 (Zen2/Zen3, Haswell on), where the engine
-runs in float32, the same tiles serve a float32 build: 16 rows' codes widened to float32 lanes
-and multiplied by a broadcast x with FMA (one byte shuffle per 32 bytes of codes puts 8 rows of
-one input side by side): exact products, float32 sums. (Holding x as int16 steps of its row's
+runs in float32, the same tiles serve a float32 build: in-lane byte shuffles spread 4 rows' codes
+of one input into dwords, converted to float32 and multiplied by a broadcast x with FMA (the
+lane-crossing byte-to-dword widening of its first version cost 1.8x): exact products, float32 sums. (Holding x as int16 steps of its row's
 largest value and summing codes times those exactly in int32 with vpmaddwd ran ~2x as fast in a
 micro-benchmark but only ~7% faster a decode token, and moved the default model's logits by up
 to 0.07 and a greedy token: not worth leaving float32's numerics for.)

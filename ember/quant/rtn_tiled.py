@@ -26,11 +26,10 @@ from ember.quant.rtn_int4 import rtn_affine
 BITS = 8
 
 
-def usable(dtype: torch.dtype | None = None) -> bool:
-    """Whether the kernel runs here for `dtype` layers (default: the dtype this machine's build
-    takes, bf16 on AVX-512 BF16 or float32 on AVX2), with a compiler (built on the first call),
-    and not turned off (--no-cpu-tiled-gemv)."""
-    dtype = dtype or tiled_gemv.x_dtype()
+def usable() -> bool:
+    """Whether the kernel runs here (for layers in its dtype: bf16 on AVX-512 BF16, float32 on
+    AVX2), with a compiler (built on the first call), and not turned off (--no-cpu-tiled-gemv)."""
+    dtype = tiled_gemv.x_dtype()
     return dtype is not None and TiledPart.usable(dtype, "cpu")
 
 
