@@ -3,8 +3,8 @@
 // tile layout (cpu_tiled_gemv.py says why it is shaped so):
 // - AVX-512 BF16 (Zen4, Sapphire Rapids): bf16 x, vdpbf16ps;
 // - AVX2 + FMA + F16C (Zen2/3, Haswell on): float32 x (the engine's dtype where bf16 has no
-//   instructions), codes spread to float32 and multiplied by a broadcast x with FMA: exact
-//   products, float32 sums, as a float32 GEMV over the dequantized weight.
+//   instructions), held as int16 steps of each 32-input group's largest |x| (2^-16 of it, finer than
+//   bf16), times the codes with vpmaddwd: exact int32 sums per group, scaled in float32.
 //
 // A tile is 16 output rows x 32 inputs. One vector lane per output row (16 lanes, or 2 x 8), so no
 // horizontal sums, and the group's scale and offset apply once per tile: y += scale * sum(c x) +
@@ -17,14 +17,15 @@
 // AVX-512: widened to 16 bits, word 2i + e of a 32-byte run is row i's code for input 2p + e,
 // the pair layout vdpbf16ps multiplies against (x[2p], x[2p + 1]); a 4-bit code c becomes the
 // bf16 of 128 + c by (w & 15) | 0x4300, so the tile sums (128 + c) x and the offset absorbs -128.
-// AVX2: in-lane byte shuffles spread each 128-bit half of a run (8 rows x 2 inputs) into dwords,
-// 4 rows of one input at a time, which become float32 codes (vcvtdq2ps).
+// AVX2: each 128-bit half of a run (8 rows x 2 inputs) widened to words in-lane: dword i is row i's
+// code pair for inputs (2p, 2p + 1), the pair layout vpmaddwd multiplies against int16 (x[2p], x[2p + 1]).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -36,6 +37,25 @@ constexpr int kMaxM = 4;    // x rows per pass over a tile (accumulators: 2 per 
 
 #if defined(__AVX512BF16__)
 using XT = at::BFloat16;  // this build's x
+
+// x as it is (bf16: exact in the products) and its sum per group of 32, in float32.
+struct XIn {
+  const at::BFloat16* x;  // [M, K]
+  const float* sum;       // [M, G]
+};
+
+inline XIn prepare_x(const at::Tensor& x) {
+  const int64_t n = x.numel() / kGroup;  // groups, all rows
+  thread_local std::vector<float> sums;  // the calling thread's: read by the parallel region after
+  sums.resize(n);
+  const auto* xp = x.data_ptr<at::BFloat16>();
+  for (int64_t i = 0; i < n; ++i) {
+    float acc = 0.f;
+    for (int j = 0; j < kGroup; ++j) acc += static_cast<float>(xp[i * kGroup + j]);
+    sums[i] = acc;
+  }
+  return {xp, sums.data()};
+}
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
@@ -82,8 +102,7 @@ inline void tile_dot(const uint8_t* __restrict c, const at::BFloat16* const* xs,
 // Row tile t (16 outputs) over all of K, for x rows [m0, m0 + M).
 template <int BITS, typename S, int M>
 void tile_row(const uint8_t* __restrict codes, const S* __restrict scale, const S* __restrict offset,
-              const XT* __restrict x, const float* __restrict xsum, void* y, bool float_out,
-              int64_t K, int64_t N, int64_t m0, int64_t t) {
+              const XIn& xin, void* y, bool float_out, int64_t K, int64_t N, int64_t m0, int64_t t) {
   constexpr int kTileBytes = BITS == 4 ? 256 : 512;
   const int64_t G = K / kGroup;
   const __m512 shift = _mm512_set1_ps(BITS == 4 ? 128.f : 0.f);
@@ -92,13 +111,13 @@ void tile_row(const uint8_t* __restrict codes, const S* __restrict scale, const 
   for (int64_t g = 0; g < G; ++g) {
     const int64_t tg = t * G + g;
     const at::BFloat16* xs[kMaxM];
-    for (int m = 0; m < M; ++m) xs[m] = x + (m0 + m) * K + g * kGroup;
+    for (int m = 0; m < M; ++m) xs[m] = xin.x + (m0 + m) * K + g * kGroup;
     __m512 acc[kMaxM];
     tile_dot<BITS, M>(codes + tg * kTileBytes, xs, acc);
     const __m512 s = load16(scale + tg * kRows);
     const __m512 o = _mm512_fnmadd_ps(shift, s, load16(offset + tg * kRows));  // offset - 128 s for 4-bit
     for (int m = 0; m < M; ++m)
-      out[m] = _mm512_fmadd_ps(o, _mm512_set1_ps(xsum[(m0 + m) * G + g]), _mm512_fmadd_ps(s, acc[m], out[m]));
+      out[m] = _mm512_fmadd_ps(o, _mm512_set1_ps(xin.sum[(m0 + m) * G + g]), _mm512_fmadd_ps(s, acc[m], out[m]));
   }
   for (int m = 0; m < M; ++m) {
     const int64_t at = (m0 + m) * N + t * kRows;
@@ -110,99 +129,128 @@ void tile_row(const uint8_t* __restrict codes, const S* __restrict scale, const 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 using XT = float;  // this build's x
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 
-// Byte shuffles that spread a 32-byte run's codes into float32-ready dwords. Each 128-bit half of a
-// run holds 8 rows x 2 inputs (byte 2i + e); kSpread[e][q] puts rows 4q..4q+3 of input e into the
-// low bytes of the half's 4 dwords (the rest zero). In-lane shuffles: Zen3 runs two a cycle, where
-// the lane-crossing byte-to-dword widening (vpmovzxbd) of the first AVX2 build ran at 1.8x the cost.
-struct SpreadMasks {
-  alignas(32) int8_t b[2][2][32];
+// x as int16 steps of each group's largest |x| (32 inputs, the tile's group): q = round(x / step),
+// step = max|x| / 32767, so each x moves by at most step / 2 (2^-16 of the group's largest, ~128x
+// finer than the bf16 x of the AVX-512 build) and code * q products are summed exactly in int32.
+// sum[i] is the group's sum of q * step (the x the codes multiply). A NaN or inf x makes its
+// group's step NaN / inf, so the outputs it reaches are NaN, as with float32 x.
+struct XIn {
+  const int16_t* q;   // [M, K]
+  const float* step;  // [M, G]
+  const float* sum;   // [M, G]
 };
-constexpr SpreadMasks make_spread() {
-  SpreadMasks m{};
-  for (int e = 0; e < 2; ++e)
-    for (int q = 0; q < 2; ++q)
-      for (int half = 0; half < 2; ++half)
-        for (int r = 0; r < 4; ++r)
-          for (int j = 0; j < 4; ++j)
-            m.b[e][q][16 * half + 4 * r + j] = j == 0 ? static_cast<int8_t>(2 * (4 * q + r) + e) : int8_t(-128);
-  return m;
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return std::max(_mm_cvtss_f32(m), _mm_cvtss_f32(_mm_movehdup_ps(m)));
 }
-constexpr SpreadMasks kSpread = make_spread();
 
-// Independent FMA chains per x row: Zen3's FMA has 4 cycles latency and 2 a cycle, so one row of x
-// needs 8 chains (4 slots x 2 row quads) to keep both units busy; more rows share them.
-template <int M>
-constexpr int kSlots = M == 1 ? 4 : M == 2 ? 2 : 1;
+inline int32_t hsum8(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
 
-// The 32 codes of one run (bytes, already one code each) times inputs x[k0] (e = 0) and x[k0 + 1]
-// (e = 1) for M rows of x, into chains a[m][slot][q]; q = 0 holds rows 0-3 | 8-11, q = 1 rows
-// 4-7 | 12-15 (the two 128-bit halves).
-template <int M>
-inline void run_dot(__m256i r, const float* const* xs, int k0, int slot, __m256 (&a)[kMaxM][4][2]) {
-  for (int e = 0; e < 2; ++e)
-    for (int q = 0; q < 2; ++q) {
-      const __m256i mask = _mm256_load_si256(reinterpret_cast<const __m256i*>(kSpread.b[e][q]));
-      const __m256 c = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(r, mask));
-      for (int m = 0; m < M; ++m) {
-        __m256& acc = a[m][(2 * slot + e) % kSlots<M>][q];
-        acc = _mm256_fmadd_ps(c, _mm256_broadcast_ss(xs[m] + k0 + e), acc);
-      }
+inline XIn prepare_x(const at::Tensor& x) {
+  const int64_t n = x.numel() / kGroup;  // groups, all rows
+  // the calling thread's buffers, read by the parallel region after: no allocation per call
+  thread_local std::vector<int16_t> qbuf;
+  thread_local std::vector<float> fbuf;
+  qbuf.resize(n * kGroup);
+  fbuf.resize(2 * n);
+  const float* xp = x.data_ptr<float>();
+  int16_t* q = qbuf.data();
+  float* step = fbuf.data();
+  float* sum = step + n;
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  for (int64_t i = 0; i < n; ++i) {
+    __m256 v[4], mx = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      v[j] = _mm256_loadu_ps(xp + i * kGroup + 8 * j);
+      mx = _mm256_max_ps(mx, _mm256_and_ps(v[j], abs_mask));
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[j], v[j], _CMP_UNORD_Q));
     }
+    const float amax = hmax8(mx);
+    const bool finite = amax <= std::numeric_limits<float>::max();
+    const __m256 inv = _mm256_set1_ps(amax > 0.f && finite ? 32767.f / amax : 0.f);
+    __m256i qi[4], isum = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      qi[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));  // |x| / amax * 32767 rounds to <= 32767
+      isum = _mm256_add_epi32(isum, qi[j]);
+    }
+    // packs interleaves 128-bit lanes (0-3, 8-11 | 4-7, 12-15); the qword permute restores the order
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i * kGroup),
+                        _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[0], qi[1]), 0xD8));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i * kGroup + 16),
+                        _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[2], qi[3]), 0xD8));
+    step[i] = _mm256_movemask_ps(nan) ? std::numeric_limits<float>::quiet_NaN() : amax / 32767.f;
+    sum[i] = step[i] * static_cast<float>(hsum8(isum));
+  }
+  return {q, step, sum};
 }
 
-// One tile for M rows of x (pointers at the tile's first input): sum(c x) per row, as rows 0-7
-// and 8-15, into acc[m][h].
+// One tile for M rows of x (int16 pointers at the tile's first input): sum(c q) per row in int32,
+// acc[m][0] = rows 0-3 | 8-11, acc[m][1] = rows 4-7 | 12-15. A 32-byte run holds 8 rows x 2
+// inputs per 128-bit half (byte 2i + e); widened to words in-lane, dword i is row i's pair for
+// inputs (k0, k0 + 1), which vpmaddwd multiplies by the broadcast int16 pair of x and sums:
+// per 32 codes and row of x, 2 unpacks (shared by the rows), 2 multiply-adds and 2 adds.
 template <int BITS, int M>
-inline void tile_dot(const uint8_t* __restrict c, const float* const* xs, __m256 (&acc)[kMaxM][2]) {
-  __m256 a[kMaxM][4][2];
-  for (int m = 0; m < M; ++m)
-    for (int s = 0; s < kSlots<M>; ++s) a[m][s][0] = a[m][s][1] = _mm256_setzero_ps();
+inline void tile_dot(const uint8_t* __restrict c, const int16_t* const* xs, __m256i (&acc)[kMaxM][2]) {
+  const __m256i zero = _mm256_setzero_si256();
+  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = zero;
+  const auto run = [&](__m256i r, int k0) {
+    const __m256i lo = _mm256_unpacklo_epi8(r, zero), hi = _mm256_unpackhi_epi8(r, zero);
+    for (int m = 0; m < M; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, xs[m] + k0, 4);
+      const __m256i xp = _mm256_set1_epi32(pair);
+      acc[m][0] = _mm256_add_epi32(acc[m][0], _mm256_madd_epi16(lo, xp));
+      acc[m][1] = _mm256_add_epi32(acc[m][1], _mm256_madd_epi16(hi, xp));
+    }
+  };
   if constexpr (BITS == 4) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
-#pragma GCC unroll 8
+#pragma GCC unroll 2
     for (int p = 0; p < 8; ++p) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * p));
-      run_dot<M>(_mm256_and_si256(w, low4), xs, 2 * p, 0, a);
-      run_dot<M>(_mm256_and_si256(_mm256_srli_epi16(w, 4), low4), xs, 2 * p + 16, 1, a);
+      run(_mm256_and_si256(w, low4), 2 * p);
+      run(_mm256_and_si256(_mm256_srli_epi16(w, 4), low4), 2 * p + 16);
     }
   } else {
 #pragma GCC unroll 4
-    for (int p = 0; p < 16; ++p)
-      run_dot<M>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * p)), xs, 2 * p, p & 1, a);
-  }
-  for (int m = 0; m < M; ++m) {
-    __m256 q[2];
-    for (int i = 0; i < 2; ++i) {
-      q[i] = a[m][0][i];
-      for (int s = 1; s < kSlots<M>; ++s) q[i] = _mm256_add_ps(q[i], a[m][s][i]);
-    }
-    acc[m][0] = _mm256_permute2f128_ps(q[0], q[1], 0x20);  // rows 0-3 | 4-7
-    acc[m][1] = _mm256_permute2f128_ps(q[0], q[1], 0x31);  // rows 8-11 | 12-15
+    for (int p = 0; p < 16; ++p) run(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * p)), 2 * p);
   }
 }
 
-// Row tile t (16 outputs) over all of K, for x rows [m0, m0 + M).
+// Row tile t (16 outputs) over all of K, for x rows [m0, m0 + M): per group, scale * step * sum(c q)
+// + offset * sum(x).
 template <int BITS, typename S, int M>
 void tile_row(const uint8_t* __restrict codes, const S* __restrict scale, const S* __restrict offset,
-              const XT* __restrict x, const float* __restrict xsum, void* y, bool float_out,
-              int64_t K, int64_t N, int64_t m0, int64_t t) {
+              const XIn& xin, void* y, bool float_out, int64_t K, int64_t N, int64_t m0, int64_t t) {
   constexpr int kTileBytes = BITS == 4 ? 256 : 512;
   const int64_t G = K / kGroup;
   __m256 out[kMaxM][2];
   for (int m = 0; m < M; ++m) out[m][0] = out[m][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     const int64_t tg = t * G + g;
-    const float* xs[kMaxM];
-    for (int m = 0; m < M; ++m) xs[m] = x + (m0 + m) * K + g * kGroup;
-    __m256 acc[kMaxM][2];
+    const int16_t* xs[kMaxM];
+    for (int m = 0; m < M; ++m) xs[m] = xin.q + (m0 + m) * K + g * kGroup;
+    __m256i acc[kMaxM][2];
     tile_dot<BITS, M>(codes + tg * kTileBytes, xs, acc);
     for (int h = 0; h < 2; ++h) {
       const __m256 s = load8(scale + tg * kRows + 8 * h), o = load8(offset + tg * kRows + 8 * h);
-      for (int m = 0; m < M; ++m)
-        out[m][h] = _mm256_fmadd_ps(o, _mm256_set1_ps(xsum[(m0 + m) * G + g]), _mm256_fmadd_ps(s, acc[m][h], out[m][h]));
+      for (int m = 0; m < M; ++m) {
+        const int64_t i = (m0 + m) * G + g;
+        // rows 8h .. 8h + 7: the low (h = 0) or high (h = 1) 128-bit halves of the two accumulators
+        const __m256i rows = _mm256_permute2x128_si256(acc[m][0], acc[m][1], h ? 0x31 : 0x20);
+        const __m256 dot = _mm256_cvtepi32_ps(rows);
+        out[m][h] = _mm256_fmadd_ps(o, _mm256_set1_ps(xin.sum[i]),
+                                    _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(xin.step[i])), dot, out[m][h]));
+      }
     }
   }
   for (int m = 0; m < M; ++m)  // float32 out either way: x is float32
@@ -212,22 +260,13 @@ void tile_row(const uint8_t* __restrict codes, const S* __restrict scale, const 
 #error "cpu_tiled_gemv.cpp needs AVX-512 BF16, or AVX2 with FMA and F16C (cpu_tiled_gemv.available() checks first)"
 #endif
 
-inline float to_float(float v) { return v; }
-inline float to_float(at::BFloat16 v) {
-  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
 template <int BITS, typename S>
 void run(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
-         const float* xsp, const at::Tensor& y, bool float_out) {
+         const XIn& xin, const at::Tensor& y, bool float_out) {
   const int64_t Mtot = x.size(0), K = x.size(1), T = codes.size(0), N = T * kRows;
   const auto* c = codes.data_ptr<uint8_t>();
   const S* s = scale.data_ptr<S>();
   const S* o = offset.data_ptr<S>();
-  const auto* xp = x.data_ptr<XT>();
   void* yp = y.data_ptr();
   // Split the tiles across threads; every thread runs all x rows over its tiles, a few rows at
   // a time, so a tile's codes are widened once per chunk of kMaxM rows while still in L1.
@@ -235,10 +274,10 @@ void run(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, 
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t m0 = 0; m0 < Mtot; m0 += kMaxM) {
         switch (std::min<int64_t>(kMaxM, Mtot - m0)) {
-          case 1: tile_row<BITS, S, 1>(c, s, o, xp, xsp, yp, float_out, K, N, m0, t); break;
-          case 2: tile_row<BITS, S, 2>(c, s, o, xp, xsp, yp, float_out, K, N, m0, t); break;
-          case 3: tile_row<BITS, S, 3>(c, s, o, xp, xsp, yp, float_out, K, N, m0, t); break;
-          default: tile_row<BITS, S, 4>(c, s, o, xp, xsp, yp, float_out, K, N, m0, t); break;
+          case 1: tile_row<BITS, S, 1>(c, s, o, xin, yp, float_out, K, N, m0, t); break;
+          case 2: tile_row<BITS, S, 2>(c, s, o, xin, yp, float_out, K, N, m0, t); break;
+          case 3: tile_row<BITS, S, 3>(c, s, o, xin, yp, float_out, K, N, m0, t); break;
+          default: tile_row<BITS, S, 4>(c, s, o, xin, yp, float_out, K, N, m0, t); break;
         }
       }
     }
@@ -257,26 +296,16 @@ at::Tensor tiled_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Te
   TORCH_CHECK(scale.sizes() == offset.sizes() && scale.scalar_type() == offset.scalar_type() && scale.dim() == 3
               && scale.size(0) == codes.size(0) && scale.size(1) == G && scale.size(2) == kRows
               && scale.is_contiguous() && offset.is_contiguous(), "scale/offset: [N/16, K/32, 16], same dtype");
-  // sum(x) per group, in float32 from the same values the tiles multiply
-  // (the calling thread's buffer, read by the parallel region below: no allocation per call)
-  thread_local std::vector<float> xsum;
-  xsum.resize(M * G);
-  const auto* xp = x.data_ptr<XT>();
-  float* xs = xsum.data();
-  for (int64_t i = 0; i < M * G; ++i) {
-    float acc = 0.f;
-    for (int j = 0; j < kGroup; ++j) acc += to_float(xp[i * kGroup + j]);
-    xs[i] = acc;
-  }
+  const XIn xin = prepare_x(x);  // this build's x and its sums per group
   at::Tensor y = at::empty({M, codes.size(0) * kRows}, x.options().dtype(float_out ? at::kFloat : kX));
   const bool half = scale.scalar_type() == at::kHalf;
   TORCH_CHECK(half || scale.scalar_type() == at::kFloat, "scale/offset must be float16 or float32");
   if (bits == 4) {
-    if (half) run<4, at::Half>(x, codes, scale, offset, xs, y, float_out);
-    else run<4, float>(x, codes, scale, offset, xs, y, float_out);
+    if (half) run<4, at::Half>(x, codes, scale, offset, xin, y, float_out);
+    else run<4, float>(x, codes, scale, offset, xin, y, float_out);
   } else {
-    if (half) run<8, at::Half>(x, codes, scale, offset, xs, y, float_out);
-    else run<8, float>(x, codes, scale, offset, xs, y, float_out);
+    if (half) run<8, at::Half>(x, codes, scale, offset, xin, y, float_out);
+    else run<8, float>(x, codes, scale, offset, xin, y, float_out);
   }
   return y;
 }

@@ -53,8 +53,9 @@ def test_pack_keeps_codes_and_scales_exactly(bits):
 def test_gemv_matches_float64_reference(bits, fp16_scales):
     """Every x-row chunking (1-4 rows a pass, remainders), both output dtypes. bf16 build: the
     products of exact codes and bf16 x are summed in float32, so the error is float32 summation
-    noise. float32 build: x is rounded to int16 steps of its row's largest value, so each code
-    term may also move by half a step times |code * scale|, and no more."""
+    noise. float32 build: each group of 32 inputs of x is rounded to int16 steps of the group's
+    largest |x|, so the kernel computes W x' with |x' - x| <= half a step per input, exactly up to
+    float32 rounding: the error stays within sum_k |W[n, k]| * half_step(k) plus that noise."""
     assert tg.available()
     codes, scale, offset, w = affine(200, 576, bits, 2, fp16_scales)
     packed = tg.pack(codes, scale, offset, bits)
@@ -66,13 +67,25 @@ def test_gemv_matches_float64_reference(bits, fp16_scales):
         assert y.shape == (M, 208) and y.dtype == torch.float32
         assert not y[:, 200:].any()  # padding rows
         tol = 1e-5 * (x.double().abs() @ w.double().abs().t())  # relative to the sum of |terms|
-        if X == torch.float32:
-            half_step = x.double().abs().amax(dim=1, keepdim=True) / 32767 / 2
-            code_terms = (codes.double().view(200, -1, 32) * scale.double()[..., None]).abs().sum(dim=(1, 2))
-            tol = tol + half_step * code_terms
+        tol = tol + tg.rounding_bound(x, w)  # zero in the bf16 build
         assert ((y[:, :200].double() - ref).abs() <= tol).all(), M
         yb = tg.gemv(x, *packed, bits)
         assert yb.dtype == X and torch.equal(yb, y.to(X))
+
+
+def test_gemv_zero_and_non_finite_x():
+    """A group of x that is all zero contributes nothing (no division by its zero step); a NaN or
+    an inf in x reaches every output as NaN / inf, as in a float GEMV, never a silent finite value."""
+    codes, scale, offset, w = affine(32, 96, 4, 8)
+    packed = tg.pack(codes, scale, offset, 4)
+    x = torch.randn(3, 96)
+    x[0, :32] = 0  # one zero group
+    x[1, 40] = float("nan")
+    x[2, 70] = float("inf")
+    y = tg.gemv(x.to(X), *packed, 4, float_out=True)
+    ref = x[0].double() @ w.double().t()
+    assert torch.allclose(y[0].double(), ref, rtol=1e-3, atol=1e-4)
+    assert y[1].isnan().all() and not y[2].isfinite().any()
 
 
 def test_gemv_refuses_bad_inputs_with_a_message():

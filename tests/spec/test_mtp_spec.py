@@ -15,6 +15,7 @@ import torch
 
 from ember import SamplingParams
 from ember.errors import ModelLoadError
+from ember.kernels import cpu_tiled_gemv
 from ember.spec.mtp_proposer import MTPProposer
 from tests.models.tiny_models import random_prompt
 from tests.spec.mtp_fixtures import (COUNT_KEY, LAYOUTS, checkpoint_tensors, hf_config, make_ref_layers,
@@ -217,7 +218,10 @@ def test_mtp_cache_written_on_prefill_chunks(mtp_model, layout):
     assert (s1, s2) == (1, 5)
     assert len(whole) == 3 and whole == chunked
     assert (kv_whole.flatten(3).abs().amax(-1) > 0).all()  # every prompt position written ...
-    torch.testing.assert_close(kv_chunked, kv_whole, rtol=1e-5, atol=1e-5)  # ... the same, chunk by chunk
+    # ... the same, chunk by chunk (up to float32 summation order; where the tiled GEMV's AVX2 build
+    # rounds x to int16 steps, a 6-row chunk's and the 29-row prompt's x round differently)
+    tol = 1e-3 if cpu_tiled_gemv.rounds_x() else 1e-5
+    torch.testing.assert_close(kv_chunked, kv_whole, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("layout", ["deepseek", "qwen3_next"])
@@ -465,7 +469,6 @@ def test_cpu_packs_the_mtp_layer_and_still_drafts(mtp_model, monkeypatch, tiled)
     tiled kernel's dtype (bf16 on AVX-512 BF16, float32 on AVX2), else in bf16 as int4
     (ember.quant.rtn_int4); the exact bigram MTP still gets most drafts accepted (RTN moves its
     logits a little)."""
-    from ember.kernels import cpu_tiled_gemv
     from ember.quant import rtn_tiled
     from ember.quant.rtn_int4 import RTNInt4Method
 
