@@ -4,7 +4,8 @@ Sides (each in a worker process of its own, so its peak RSS is its own; see work
   - ember (the command's engine flags; by default packed GGUF weights, no speculation);
   - ember+MTP: the same with enable_mtp=True (the default model's trained MTP head), decode only;
   - llama.cpp through llama-cpp-python (the `bench` extra), same file and thread count;
-  - transformers in bfloat16 on the same file (dequantized by transformers on load).
+  - transformers on the same file (dequantized by transformers on load), in bfloat16 where the CPU
+    has bf16 instructions (AVX512-BF16), else float32, the dtype ember itself picks there.
 Figures: batch-1 greedy decode (256 tokens, EOS ignored), TTFT at 512 and 2,000 prompt tokens,
 offline throughput (64 prompts of 128-512 tokens, 128 out each, EOS ignored), peak RSS, and a
 memory-bandwidth probe against which ember's decode (weight bytes x tok/s) is put. One warmup
@@ -29,6 +30,7 @@ from ember.bench import membw
 from ember.bench.report import (OthersLoad, _machine_line, json_path, load_average, machine_info, update_markdown,
                                 wait_for_quiet)
 from ember.bench.report import _fmt as fmt
+from ember.planner import resolve_dtype_name
 
 logger = logging.getLogger("ember.bench")
 
@@ -379,7 +381,9 @@ def cmd_compare(args) -> None:
     longest = max(args.prompt_lens)
     peer_kwargs = {"llamacpp": {"gguf_path": path, "threads": threads, "n_ctx": max(4096, longest + hi + args.output_len),
                                 "batch_mode": args.llamacpp_batch},
-                   "hf": {"model_path": path}}
+                   # transformers in the dtype ember picks here: bf16 where the CPU has bf16 instructions,
+                   # else float32 (emulated bf16 runs several times slower: no user would pick it)
+                   "hf": {"model_path": path, "dtype": resolve_dtype_name("auto", "cpu")}}
     sides = {}
     try:
         sides[EMBER] = start_side(EMBER_FACTORY, knobs, threads, args.in_process)

@@ -10,6 +10,7 @@ import pytest
 
 from ember.bench import compare, matrix, readme_table
 from ember.cli import main
+from ember.config import cpu_has_avx512_bf16
 from ember.errors import ConfigError
 from tests.bench import test_bench_cli
 
@@ -43,6 +44,8 @@ def test_compare_writes_rows_and_judges_the_bars(tmp_path, one_model_load, fake_
     assert list(data["sides"]) == ["ember", "ember+MTP", "llama.cpp", "transformers"]
     assert data["sides"]["ember+MTP"]["speculation"] == "mtp" and data["sides"]["ember"]["speculation"] == "none"
     assert data["sides"]["llama.cpp"]["batch_mode"] == "parallel"  # the fake echoes what the peer was built with
+    # transformers runs in the dtype ember picks on this CPU (bf16 only where it has bf16 instructions)
+    assert data["sides"]["transformers"]["dtype"] == ("bfloat16" if cpu_has_avx512_bf16() else "float32")
     decode = next(f for f in data["figures"] if f["key"] == "decode")
     assert set(decode["values"]) == {"ember", "ember+MTP", "llama.cpp", "transformers"}
     assert decode["values"]["llama.cpp"]["median"] == pytest.approx(1.0)
