@@ -41,6 +41,35 @@ def test_packed_linear_splits_by_rows():
     assert (many.float() - packed_many.float()).abs().max() < 0.02 * packed_many.float().abs().max()
 
 
+def test_float32_tiled_layers_keep_the_kernel_up_to_its_rows():
+    """Where the tiled GEMV's AVX2 build takes float32 (int16 x, near the float32 GEMM's peak), a
+    layer of tiled parts keeps the kernel for every step it takes (KERNEL_MAX_ROWS rows); elsewhere,
+    and for a layer with another part, the copy takes over from DENSE_MIN_ROWS."""
+    from ember.kernels import cpu_tiled_gemv
+    from ember.layers.linear import MergedColumnLinear
+    from ember.quant.dense_copy import dense_min_rows
+    from ember.quant.gguf_quant import TiledPart
+    from ember.quant.int4_cpu import KERNEL_MAX_ROWS
+
+    layer = MergedColumnLinear(256, [192, 192], quant_method=GGUFLinearMethod())
+    _loaded(layer, {"gate": gguf_tensor(T.Q4_0, 192, 256, 4)[0], "up": gguf_tensor(T.Q4_1, 192, 256, 5)[0]})
+    mixed = QKVLinear(256, 64, 4, 2, quant_method=GGUFLinearMethod())
+    _loaded(mixed, {"q": gguf_tensor(T.Q4_0, 256, 256, 1)[0], "k": gguf_tensor(T.Q4_0, 128, 256, 2)[0],
+                    "v": gguf_tensor(T.Q6_K, 128, 256, 3)[0]})
+    holder = nn.Module()
+    holder.layer, holder.mixed = layer, mixed
+    tiled = all(isinstance(p, TiledPart) for p in layer.gguf_parts) and cpu_tiled_gemv.rounds_x()
+    x = torch.randn(KERNEL_MAX_ROWS + 1, 256)
+    packed = [layer(x[:n]) for n in (DENSE_MIN_ROWS, KERNEL_MAX_ROWS)]
+    enable_dense_copy(holder, torch.float32)
+    assert layer.quant_method.min_rows == dense_min_rows(layer) == (KERNEL_MAX_ROWS + 1 if tiled else DENSE_MIN_ROWS)
+    assert mixed.quant_method.min_rows == DENSE_MIN_ROWS  # the Q6_K shard has no such kernel
+    for n, before in zip((DENSE_MIN_ROWS, KERNEL_MAX_ROWS), packed):
+        want = before if n < layer.quant_method.min_rows else F.linear(x[:n], layer.weight_dense)
+        assert torch.equal(layer(x[:n]), want), n
+    assert torch.equal(layer(x), F.linear(x, layer.weight_dense))  # past the kernel's rows: the copy
+
+
 def test_already_dense_layers_get_no_copy():
     from ember.layers.linear import MergedColumnLinear
 
