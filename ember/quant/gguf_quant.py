@@ -173,9 +173,10 @@ class Int4Part(PackedPart):
 class TiledPart(PackedPart):
     """W = code * scale + offset per group of 32, in the row tiles of the CPU GEMV kernel
     (ember.kernels.cpu_tiled_gemv): 4-bit codes (Q4_0, Q4_1, Q4_K) or whole 8-bit ones (Q8_0,
-    Q5_0, Q5_1). Used in place of Int4Part for bf16 on CPUs with AVX-512 BF16; measured on 2
+    Q5_0, Q5_1). Used in place of Int4Part for bf16 on CPUs with AVX-512 BF16 (measured on 2
     Zen4 cores, the default model's 30 layers at one row: 2.25 ms against Int4Weight's 3.54,
-    its Q8_0 LM head 0.46 against 0.98 ms. Above KERNEL_MAX_ROWS rows, a dense GEMM over W."""
+    its Q8_0 LM head 0.46 against 0.98 ms) and for float32 on CPUs with AVX2 (the kernel's int16-x
+    build). Above KERNEL_MAX_ROWS rows, a dense GEMM over W."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int):
         self.N, self.K = codes.shape
