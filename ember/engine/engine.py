@@ -210,7 +210,7 @@ class LLMEngine:
         return enable_int8_decode(loaded.model)
 
     def _maybe_dense_copy(self, loaded) -> int:
-        from ember.quant.dense_copy import dense_copy_bytes, enable_dense_copy
+        from ember.quant.dense_copy import dense_copy_bytes, enable_dense_copy, packed_layers
         from ember.quant.gguf_quant import TiledPart
 
         on = self.config.int4_dense_copy
@@ -219,7 +219,8 @@ class LLMEngine:
         need = dense_copy_bytes(loaded.model, self.dtype)
         if on is None:
             # float32 packed weights exist where the tiled GEMV's AVX2 build runs them (else the loader
-            # dequantizes them); AWQ in float32 runs torch's slow fp32 int4 kernel, a copy or not
+            # dequantizes them), and only layers with another part (a Q6_K shard) count in `need`; AWQ in
+            # float32 runs torch's slow fp32 int4 kernel, a copy or not
             packed_fp32 = TiledPart.usable(torch.float32, self.device)
             on = (self.device.type == "cpu" and (self.dtype != torch.float32 or packed_fp32) and self.tp is None
                   and need > 0 and need <= CPU_DENSE_COPY_FRACTION * available_ram_bytes())
@@ -228,6 +229,9 @@ class LLMEngine:
         if self.device.type != "cpu":
             raise ConfigError("--int4-dense-copy is a CPU path (CUDA runs AWQ through its own kernels); drop it")
         if need == 0:
+            if packed_layers(loaded.model, helped=False):
+                raise ConfigError("--int4-dense-copy: every packed layer here runs the tiled GEMV's AVX2 build, which "
+                                  "beats a float32 dense GEMM at any batch size; a copy would only cost memory. Drop the flag")
             raise ConfigError(f"--int4-dense-copy needs packed int4 weights (a .gguf file or an AWQ folder); this model "
                               f"is {loaded.quantization}. Drop the flag")
         if self.tp is not None:

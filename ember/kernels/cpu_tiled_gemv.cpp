@@ -256,6 +256,112 @@ void tile_row(const uint8_t* __restrict codes, const S* __restrict scale, const 
   for (int m = 0; m < M; ++m)  // float32 out either way: x is float32
     for (int h = 0; h < 2; ++h) _mm256_storeu_ps(static_cast<float*>(y) + (m0 + m) * N + t * kRows + 8 * h, out[m][h]);
 }
+
+// Many rows of x (prefill, batched decode): the GEMV above widens each tile's codes again for every
+// kMaxM rows and keeps 16 accumulators and 8 outputs live, so it spills and runs ~1 vpmaddwd a
+// cycle. Here a block of tiles is widened to int16 once into a buffer (1 KiB a tile group: pair q,
+// half h holds rows 8h..8h+7 as dword i = row's codes at inputs 2q, 2q + 1), then each block of
+// kGemmM rows of x runs over it with 8 int32 accumulators, 2 weight and 1 x register: per pair, 2
+// loads, kGemmM broadcasts, 2 kGemmM multiply-adds. Sums and the per-group float32 epilogue are the
+// GEMV's, in the same order, so both paths give the same bits.
+constexpr int kGemmMinRows = 16;  // from here on the widened path (measured: see cpu_tiled_gemv.py)
+constexpr int kGemmM = 3;         // x rows per pass
+constexpr int kGemmTiles = 1;     // tiles widened together: each block of x rows is reused across them
+constexpr int kGemmChunk = 256;   // x rows per work item
+
+template <int BITS>
+inline void widen_tile(const uint8_t* __restrict c, __m256i* __restrict w) {
+  if constexpr (BITS == 4) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    for (int p = 0; p < 8; ++p) {
+      const __m256i r = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * p));
+      const __m256i lo = _mm256_and_si256(r, low4), hi = _mm256_and_si256(_mm256_srli_epi16(r, 4), low4);
+      w[2 * p] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(lo));  // inputs 2p, 2p + 1: pair p
+      w[2 * p + 1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(lo, 1));
+      w[2 * p + 16] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(hi));  // inputs 2p + 16, 2p + 17: pair p + 8
+      w[2 * p + 17] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(hi, 1));
+    }
+  } else {
+    for (int p = 0; p < 32; ++p) w[p] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * p)));
+  }
+}
+
+template <int M>
+inline void gemm_group(const __m256i* __restrict w, const int16_t* const* xs, __m256i (&acc)[kGemmM][2]) {
+  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+  for (int q = 0; q < 16; ++q) {
+    const __m256i w0 = _mm256_load_si256(w + 2 * q), w1 = _mm256_load_si256(w + 2 * q + 1);
+    for (int m = 0; m < M; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, xs[m] + 2 * q, 4);
+      const __m256i xp = _mm256_set1_epi32(pair);
+      acc[m][0] = _mm256_add_epi32(acc[m][0], _mm256_madd_epi16(w0, xp));
+      acc[m][1] = _mm256_add_epi32(acc[m][1], _mm256_madd_epi16(w1, xp));
+    }
+  }
+}
+
+// x rows [m0, m0 + M) against the widened tiles [t0, t0 + nt) in wbuf.
+template <typename S, int M>
+void gemm_rows(const __m256i* wbuf, int64_t t0, int64_t nt, const S* __restrict scale, const S* __restrict offset,
+               const XIn& xin, float* y, int64_t K, int64_t N, int64_t m0) {
+  const int64_t G = K / kGroup;
+  for (int64_t j = 0; j < nt; ++j) {
+    const int64_t t = t0 + j;
+    __m256 out[kGemmM][2];
+    for (int m = 0; m < M; ++m) out[m][0] = out[m][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const int16_t* xs[kGemmM];
+      for (int m = 0; m < M; ++m) xs[m] = xin.q + (m0 + m) * K + g * kGroup;
+      __m256i acc[kGemmM][2];
+      gemm_group<M>(wbuf + (j * G + g) * 32, xs, acc);
+      const int64_t tg = t * G + g;
+      for (int h = 0; h < 2; ++h) {
+        const __m256 s = load8(scale + tg * kRows + 8 * h), o = load8(offset + tg * kRows + 8 * h);
+        for (int m = 0; m < M; ++m) {
+          const int64_t i = (m0 + m) * G + g;
+          out[m][h] = _mm256_fmadd_ps(o, _mm256_set1_ps(xin.sum[i]),
+                                      _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(xin.step[i])),
+                                                      _mm256_cvtepi32_ps(acc[m][h]), out[m][h]));
+        }
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + (m0 + m) * N + t * kRows + 8 * h, out[m][h]);
+  }
+}
+
+template <int BITS, typename S>
+void run_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
+              const XIn& xin, const at::Tensor& y) {
+  constexpr int kTileBytes = BITS == 4 ? 256 : 512;
+  const int64_t Mtot = x.size(0), K = x.size(1), G = K / kGroup, T = codes.size(0), N = T * kRows;
+  const int64_t blocks = (T + kGemmTiles - 1) / kGemmTiles, chunks = (Mtot + kGemmChunk - 1) / kGemmChunk;
+  const auto* c = codes.data_ptr<uint8_t>();
+  const S* s = scale.data_ptr<S>();
+  const S* o = offset.data_ptr<S>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, blocks * chunks, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<__m256i> wbuf(kGemmTiles * G * 32);  // 1 KiB a tile group
+    int64_t widened = -1;                             // the block wbuf holds
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / chunks, t0 = b * kGemmTiles, nt = std::min<int64_t>(kGemmTiles, T - t0);
+      if (b != widened) {
+        for (int64_t j = 0; j < nt * G; ++j) widen_tile<BITS>(c + (t0 * G + j) * kTileBytes, wbuf.data() + j * 32);
+        widened = b;
+      }
+      const int64_t r0 = (i % chunks) * kGemmChunk, r1 = std::min(Mtot, r0 + kGemmChunk);
+      for (int64_t m0 = r0; m0 < r1; m0 += kGemmM) {
+        switch (std::min<int64_t>(kGemmM, r1 - m0)) {
+          case 1: gemm_rows<S, 1>(wbuf.data(), t0, nt, s, o, xin, yp, K, N, m0); break;
+          case 2: gemm_rows<S, 2>(wbuf.data(), t0, nt, s, o, xin, yp, K, N, m0); break;
+          default: gemm_rows<S, kGemmM>(wbuf.data(), t0, nt, s, o, xin, yp, K, N, m0); break;
+        }
+      }
+    }
+  });
+}
 #else
 #error "cpu_tiled_gemv.cpp needs AVX-512 BF16, or AVX2 with FMA and F16C (cpu_tiled_gemv.available() checks first)"
 #endif
@@ -263,6 +369,9 @@ void tile_row(const uint8_t* __restrict codes, const S* __restrict scale, const 
 template <int BITS, typename S>
 void run(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
          const XIn& xin, const at::Tensor& y, bool float_out) {
+#if !defined(__AVX512BF16__)
+  if (x.size(0) >= kGemmMinRows) return run_gemm<BITS, S>(x, codes, scale, offset, xin, y);
+#endif
   const int64_t Mtot = x.size(0), K = x.size(1), T = codes.size(0), N = T * kRows;
   const auto* c = codes.data_ptr<uint8_t>();
   const S* s = scale.data_ptr<S>();

@@ -13,12 +13,12 @@ the copy, steps of DENSE_MIN_ROWS rows or more run dense GEMMs over it. The pric
 memory: the default model's 102 MB of packed weights gain 269 MB of bf16.
 
 Where every part of a layer is the tiled GEMV's AVX2 build (float32 x held as int16 steps,
-code sums with vpmaddwd), the kernel runs near the float32 GEMM's peak at any row count, so it
-keeps every step up to its KERNEL_MAX_ROWS rows (dense_min_rows). Measured on 2 Zen3 cores,
-float32, 3072x576 4-bit, tiled GEMV vs MKL's dense GEMM (ms):
-    rows         16     64    192    512
-    tiled     0.299  1.179  3.486  9.641
-    dense     0.692  2.081  5.084  11.66
+code sums with vpmaddwd), the kernel beats the float32 GEMM at every row count (its many-row
+path widens the codes once and reuses them), so such a layer gets no copy at all. Measured on
+2 Zen3 cores, float32, 3072x576 4-bit, tiled kernel vs MKL's dense GEMM (ms):
+    rows         16     64    512   2048
+    tiled     0.288  1.016  8.022   33.4
+    dense     0.612  1.607  10.98   39.7
 
 This is the mirror image of int8_decode (a dense model plus an int8 copy for decode).
 """
@@ -28,11 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember.kernels import cpu_tiled_gemv
 from ember.layers.embedding import LMHead
 from ember.layers.linear import LinearBase, QuantMethod
-from ember.quant.gguf_quant import TiledPart
-from ember.quant.int4_cpu import KERNEL_MAX_ROWS
 
 DENSE_MIN_ROWS = 9  # crossover measured between 8 and 16 rows (table above)
 
@@ -41,22 +38,20 @@ def _rows(x: torch.Tensor) -> int:
     return x.numel() // x.shape[-1]
 
 
-def dense_min_rows(module: nn.Module) -> int:
-    """Rows from which a step of this layer (or LM head) runs its dense copy (module docstring)."""
+def _copy_helps(module: nn.Module) -> bool:
+    """False where every part of the layer (or LM head) runs its kernel at any row count."""
     parts = [getattr(module.quant_method, "part", None)] if isinstance(module, LMHead) else getattr(module, "gguf_parts", [])
-    if parts and all(isinstance(p, TiledPart) for p in parts) and cpu_tiled_gemv.rounds_x():
-        return KERNEL_MAX_ROWS + 1
-    return DENSE_MIN_ROWS
+    return not (parts and all(getattr(p, "kernel_at_any_rows", False) for p in parts))
 
 
 class DenseCopyMethod(QuantMethod):
     """Wraps a packed linear method: few rows go to it, many to F.linear over layer.weight_dense."""
 
-    def __init__(self, inner: QuantMethod, min_rows: int = DENSE_MIN_ROWS):
-        self.inner, self.min_rows = inner, min_rows
+    def __init__(self, inner: QuantMethod):
+        self.inner = inner
 
     def apply(self, layer, x, bias=None):
-        if _rows(x) >= self.min_rows:
+        if _rows(x) >= DENSE_MIN_ROWS:
             return F.linear(x, layer.weight_dense, bias)
         return self.inner.apply(layer, x, bias)
 
@@ -64,26 +59,27 @@ class DenseCopyMethod(QuantMethod):
 class DenseCopyHeadMethod:
     """The same for a packed LM head; the tied embedding keeps the packed method for lookups."""
 
-    def __init__(self, inner, dense: torch.Tensor, min_rows: int = DENSE_MIN_ROWS):
-        self.inner, self.dense, self.min_rows = inner, dense, min_rows
+    def __init__(self, inner, dense: torch.Tensor):
+        self.inner, self.dense = inner, dense
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.inner.embed(ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if _rows(hidden) >= self.min_rows:
+        if _rows(hidden) >= DENSE_MIN_ROWS:
             y = F.linear(hidden, self.dense).float()
             return y if hidden.dtype == torch.float32 else self.inner.refine(y, hidden)  # float32: exact already
         return self.inner.logits(hidden)
 
 
-def packed_layers(model: nn.Module) -> list[nn.Module]:
-    """The Linears and the LM head whose method can make a dense copy (packed GGUF, AWQ)."""
+def packed_layers(model: nn.Module, helped: bool = True) -> list[nn.Module]:
+    """The Linears and the LM head whose method can make a dense copy (packed GGUF, AWQ) that
+    would serve some steps (helped=False: those that run their kernel at any row count instead)."""
     found = [m for m in model.modules() if isinstance(m, LinearBase) and hasattr(m.quant_method, "dense_weight")]
     head = getattr(model, "lm_head", None)
     if isinstance(head, LMHead) and hasattr(head.quant_method, "dense_weight"):
         found.append(head)
-    return found
+    return [m for m in found if _copy_helps(m) == helped]
 
 
 def dense_copy_bytes(model: nn.Module, dtype: torch.dtype) -> int:
@@ -103,8 +99,6 @@ def enable_dense_copy(model: nn.Module, dtype: torch.dtype) -> int:
             continue
         w = w.to(dtype).contiguous()
         module.register_buffer("weight_dense", w, persistent=False)
-        min_rows = dense_min_rows(module)
-        module.quant_method = (DenseCopyHeadMethod(method, w, min_rows) if isinstance(module, LMHead)
-                               else DenseCopyMethod(method, min_rows))
+        module.quant_method = DenseCopyHeadMethod(method, w) if isinstance(module, LMHead) else DenseCopyMethod(method)
         extra += w.nbytes
     return extra

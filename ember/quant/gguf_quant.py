@@ -176,12 +176,15 @@ class TiledPart(PackedPart):
     Q5_0, Q5_1). Used in place of Int4Part for bf16 on CPUs with AVX-512 BF16 (measured on 2
     Zen4 cores, the default model's 30 layers at one row: 2.25 ms against Int4Weight's 3.54,
     its Q8_0 LM head 0.46 against 0.98 ms) and for float32 on CPUs with AVX2 (the kernel's int16-x
-    build). Above KERNEL_MAX_ROWS rows, a dense GEMM over W."""
+    build). Above KERNEL_MAX_ROWS rows, a dense GEMM over W -- except in the AVX2 build, whose
+    many-row path beats the float32 GEMM at every row count."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int):
         self.N, self.K = codes.shape
         self.bits = bits
         self.x_dtype = tiled_gemv.x_dtype()  # read here: a compiled step cannot trace the CPU-flags lookup
+        # the AVX2 build has a many-row path (widened tiles, ~1.2x MKL's float32 GEMM): every row count
+        self.max_rows = None if tiled_gemv.rounds_x() else KERNEL_MAX_ROWS
         self.tiles, self.scale, self.offset = tiled_gemv.pack(codes, scale, offset, bits)
 
     @staticmethod
@@ -191,13 +194,21 @@ class TiledPart(PackedPart):
 
     def _gemv(self, x: torch.Tensor, float_out: bool) -> torch.Tensor:
         x2 = x.reshape(-1, self.K)
-        if x2.dtype == self.x_dtype and x2.shape[0] <= KERNEL_MAX_ROWS:
+        if self._on_kernel(x2):
             y = tiled_gemv.gemv(x2.contiguous(), self.tiles, self.scale, self.offset, self.bits, float_out)
         else:
             y = F.linear(x2, self._weight(x2.dtype))
             y = y.float() if float_out else y  # linear_float's contract: float32 logits either way
         y = y if y.shape[-1] == self.N else y[:, :self.N]
         return y.reshape(*x.shape[:-1], self.N)
+
+    def _on_kernel(self, x: torch.Tensor) -> bool:
+        return x.dtype == self.x_dtype and (self.max_rows is None or x.numel() // self.K <= self.max_rows)
+
+    @property
+    def kernel_at_any_rows(self) -> bool:
+        """True where every step runs the kernel (AVX2 build): a dense copy would only cost memory."""
+        return self.max_rows is None
 
     def linear(self, x):
         return self._gemv(x, float_out=False)
@@ -211,7 +222,7 @@ class TiledPart(PackedPart):
         # int16 steps (2^-16 of a group's largest |x|) as it does in every layer before the head, so
         # refining the head's top candidates (~0.24 ms a token on Zen3) could not make its argmax
         # that of an exact float32 model.
-        return x.dtype == torch.float32 or (x.dtype == self.x_dtype and x.numel() // self.K <= KERNEL_MAX_ROWS)
+        return x.dtype == torch.float32 or self._on_kernel(x)
 
     def _weight(self, dtype: torch.dtype) -> torch.Tensor:
         return tiled_gemv.dequantize(self.tiles, self.scale, self.offset, self.bits, dtype, self.N)

@@ -60,7 +60,7 @@ def test_gemv_matches_float64_reference(bits, fp16_scales):
     codes, scale, offset, w = affine(200, 576, bits, 2, fp16_scales)
     packed = tg.pack(codes, scale, offset, bits)
     g = torch.Generator().manual_seed(3)
-    for M in (1, 2, 3, 4, 5, 7, 8, 9):
+    for M in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 35):  # from 16 rows the AVX2 build's many-row path
         x = torch.randn(M, 576, generator=g).to(X)
         ref = x.double() @ w.double().t()
         y = tg.gemv(x, *packed, bits, float_out=True)
@@ -71,6 +71,19 @@ def test_gemv_matches_float64_reference(bits, fp16_scales):
         assert ((y[:, :200].double() - ref).abs() <= tol).all(), M
         yb = tg.gemv(x, *packed, bits)
         assert yb.dtype == X and torch.equal(yb, y.to(X))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_many_row_path_gives_the_gemv_bits(bits):
+    """The AVX2 build's many-row path (codes widened once per tile, 3 rows of x a pass) sums the
+    same int32 products and runs the same float32 epilogue as the few-row GEMV: the same bits, row
+    by row, for every remainder of its row blocks and work chunks (256 rows)."""
+    codes, scale, offset, _ = affine(72, 160, bits, 9)
+    packed = tg.pack(codes, scale, offset, bits)
+    x = torch.randn(260, 160, generator=torch.Generator().manual_seed(10)).to(X)
+    one_by_one = torch.cat([tg.gemv(x[i:i + 1].contiguous(), *packed, bits, float_out=True) for i in range(260)])
+    for M in (16, 17, 18, 260):
+        assert torch.equal(tg.gemv(x[:M].contiguous(), *packed, bits, float_out=True), one_by_one[:M]), M
 
 
 def test_gemv_zero_and_non_finite_x():
@@ -86,6 +99,8 @@ def test_gemv_zero_and_non_finite_x():
     ref = x[0].double() @ w.double().t()
     assert torch.allclose(y[0].double(), ref, rtol=1e-3, atol=1e-4)
     assert y[1].isnan().all() and not y[2].isfinite().any()
+    many = tg.gemv(x.repeat(6, 1).to(X), *packed, 4, float_out=True)  # 18 rows: the many-row path too
+    torch.testing.assert_close(many, y.repeat(6, 1), rtol=0, atol=0, equal_nan=True)
 
 
 def test_gemv_refuses_bad_inputs_with_a_message():
@@ -107,13 +122,14 @@ def test_gguf_parts_are_tiled_and_match_the_file(qtype):
     assert isinstance(part, TiledPart) and part.bits == (4 if qtype in (T.Q4_0, T.Q4_1, T.Q4_K) else 8)
     assert torch.equal(part.dequantize(), ref) and torch.equal(part.rows(torch.tensor([95, 3])), ref[[95, 3]])
     g = torch.Generator().manual_seed(6)
-    for rows in (1, 6, KERNEL_MAX_ROWS + 1):  # kernel, kernel, dense GEMM over the dequantized weight
+    for rows in (1, 6, KERNEL_MAX_ROWS + 1):  # kernel, kernel, then (bf16 build) a dense GEMM over W
         x = torch.randn(rows, 512, generator=g).to(X)
         exact = x.float() @ ref.t()
         got = part.linear(x)
         assert got.dtype == X and got.shape == (rows, 96)
         assert (got.float() - exact).abs().max() <= 0.01 * exact.abs().max()
-        if rows <= KERNEL_MAX_ROWS:  # float32 out: float32 summation noise (+ int16-rounded x in float32 builds)
+        assert part.kernel_at_any_rows == (X == torch.float32)  # the AVX2 build's many-row path
+        if part.kernel_at_any_rows or rows <= KERNEL_MAX_ROWS:  # float32 out: float32 summation noise (+ int16-rounded x in float32 builds)
             tol = 1e-4 if X == torch.bfloat16 else 1e-3
             torch.testing.assert_close(part.linear_float(x), exact, rtol=tol, atol=tol)
     # bf16: the tiled part is at least as close to the file's weights as torch's int4 kernel path

@@ -41,15 +41,13 @@ def test_packed_linear_splits_by_rows():
     assert (many.float() - packed_many.float()).abs().max() < 0.02 * packed_many.float().abs().max()
 
 
-def test_float32_tiled_layers_keep_the_kernel_up_to_its_rows():
-    """Where the tiled GEMV's AVX2 build takes float32 (int16 x, near the float32 GEMM's peak), a
-    layer of tiled parts keeps the kernel for every step it takes (KERNEL_MAX_ROWS rows); elsewhere,
+def test_float32_tiled_layers_get_no_copy():
+    """Where the tiled GEMV's AVX2 build takes float32 (int16 x, ahead of the float32 GEMM at every
+    row count), a layer of tiled parts gets no copy and runs the kernel for every step; elsewhere,
     and for a layer with another part, the copy takes over from DENSE_MIN_ROWS."""
     from ember.kernels import cpu_tiled_gemv
     from ember.layers.linear import MergedColumnLinear
-    from ember.quant.dense_copy import dense_min_rows
     from ember.quant.gguf_quant import TiledPart
-    from ember.quant.int4_cpu import KERNEL_MAX_ROWS
 
     layer = MergedColumnLinear(256, [192, 192], quant_method=GGUFLinearMethod())
     _loaded(layer, {"gate": gguf_tensor(T.Q4_0, 192, 256, 4)[0], "up": gguf_tensor(T.Q4_1, 192, 256, 5)[0]})
@@ -59,15 +57,20 @@ def test_float32_tiled_layers_keep_the_kernel_up_to_its_rows():
     holder = nn.Module()
     holder.layer, holder.mixed = layer, mixed
     tiled = all(isinstance(p, TiledPart) for p in layer.gguf_parts) and cpu_tiled_gemv.rounds_x()
-    x = torch.randn(KERNEL_MAX_ROWS + 1, 256)
-    packed = [layer(x[:n]) for n in (DENSE_MIN_ROWS, KERNEL_MAX_ROWS)]
-    enable_dense_copy(holder, torch.float32)
-    assert layer.quant_method.min_rows == dense_min_rows(layer) == (KERNEL_MAX_ROWS + 1 if tiled else DENSE_MIN_ROWS)
-    assert mixed.quant_method.min_rows == DENSE_MIN_ROWS  # the Q6_K shard has no such kernel
-    for n, before in zip((DENSE_MIN_ROWS, KERNEL_MAX_ROWS), packed):
-        want = before if n < layer.quant_method.min_rows else F.linear(x[:n], layer.weight_dense)
-        assert torch.equal(layer(x[:n]), want), n
-    assert torch.equal(layer(x), F.linear(x, layer.weight_dense))  # past the kernel's rows: the copy
+    x = torch.randn(300, 256)
+    kernel = [layer(x[:n]) for n in (DENSE_MIN_ROWS, 300)]
+    added = enable_dense_copy(holder, torch.float32)
+    assert isinstance(mixed.quant_method, DenseCopyMethod)  # the Q6_K shard has no such kernel
+    copy_of_layer = 0 if tiled else 384 * 256 * 4
+    assert added == 512 * 256 * 4 + copy_of_layer  # q, k, v: 512 rows
+    assert isinstance(layer.quant_method, DenseCopyMethod) != tiled
+    for n, before in zip((DENSE_MIN_ROWS, 300), kernel):
+        assert torch.equal(layer(x[:n]), before if tiled else F.linear(x[:n], layer.weight_dense)), n
+    if tiled:  # the kernel's many-row path, against the exact weights within its rounding of x
+        w = torch.cat([p.dequantize() for p in layer.gguf_parts])
+        exact = x.double() @ w.double().t()
+        err = (kernel[1].double() - exact).abs()
+        assert (err <= cpu_tiled_gemv.rounding_bound(x, w) + 1e-5 * exact.abs() + 1e-6).all()
 
 
 def test_already_dense_layers_get_no_copy():
@@ -127,8 +130,16 @@ def test_default_model_copy_is_on_in_bf16_and_flags_are_checked():
     assert without[0] == with_copy[0] and len(without[1]) == 8
     from ember.kernels import cpu_tiled_gemv
 
-    # float32: packed (with a copy) only where the tiled GEMV takes float32 (AVX2 build), else dense
+    from ember.quant.gguf_quant import TiledPart
+
+    # float32: packed only where the tiled GEMV takes float32 (AVX2 build), and then on the kernel at
+    # every row count, so no copy either way; asking for one there says why not
     fp32 = LLM(kv_cache_memory=0.05, max_model_len=512, dtype="float32", enable_mtp=False)
-    assert (fp32.engine.dense_copy_bytes > 0) == (cpu_tiled_gemv.x_dtype() == torch.float32)
+    assert fp32.engine.dense_copy_bytes == 0
+    parts = fp32.engine.runner.model.model.layers[0].mlp.gate_up_proj.gguf_parts
+    assert all(isinstance(p, TiledPart) for p in parts) == (cpu_tiled_gemv.x_dtype() == torch.float32)
+    if cpu_tiled_gemv.x_dtype() == torch.float32:
+        with pytest.raises(ConfigError, match="beats a float32 dense GEMM"):
+            LLM(kv_cache_memory=0.05, max_model_len=512, dtype="float32", enable_mtp=False, int4_dense_copy=True)
     with pytest.raises(ConfigError, match="int4-dense-copy needs packed"):
         LLM(kv_cache_memory=0.05, max_model_len=512, quantization="none", int4_dense_copy=True)
