@@ -40,9 +40,10 @@ EMBER, MTP = "ember", "ember+MTP"
 PEERS = {"llamacpp": "ember.bench.llamacpp_peer:LlamaCppPeer", "hf": "ember.bench.hf_peer:HFPeer"}
 PEER_NAMES = {"llamacpp": "llama.cpp", "hf": "transformers"}
 DEFAULT_PEERS = ["llamacpp", "hf"]
-# ember's KV pool when --kv-cache-memory is not given: 64 sequences of 640 tokens of the default
-# model (23 KB a token in bf16) fit; larger workloads or models want the flag
-KV_GIB = 1.0
+# ember's KV pool when --kv-cache-memory is not given, per byte of a KV element: 64 sequences of 640
+# tokens of the default model (23 KB a token in bf16, 46 KB in float32) fit; larger workloads or
+# models want the flag
+KV_GIB_PER_BYTE = 0.5
 # held-out chat prompts for decode: rounds -1.. take seeds from here on (ember bench spec's runs use 0..)
 DECODE_PROMPT_RUN = 100
 
@@ -58,7 +59,7 @@ def start_side(factory: str, kwargs: dict, threads: int, in_process: bool):
 
 def ember_knobs(args, num_prompts: int) -> tuple[dict, int]:
     """The command's engine knobs as a dict, with max_num_seqs sized to the throughput batch when
-    unset (the peers run all prompts at once), KV_GIB of KV cache when unset, and the thread count
+    unset (the peers run all prompts at once), KV cache for that batch when unset, and the thread count
     pinned; and that thread count."""
     import torch
 
@@ -72,7 +73,9 @@ def ember_knobs(args, num_prompts: int) -> tuple[dict, int]:
     if knobs["kv_cache_memory"] is None:
         # the pool is allocated (and touched) up front, so it is in peak RSS: size it to the workload,
         # not to the machine's RAM, or the memory figure says more about the default than the engine
-        knobs["kv_cache_memory"] = KV_GIB
+        # (a 1 GiB pool in float32 held 36 of the 64 sequences: half the batch the peers run)
+        element = 1 if config.kv_cache_dtype.startswith("fp8") else 4 if resolve_dtype_name(config.dtype, "cpu") == "float32" else 2
+        knobs["kv_cache_memory"] = KV_GIB_PER_BYTE * element
     if knobs["max_num_seqs"] is None:
         knobs["max_num_seqs"] = min(num_prompts, config.max_num_batched_tokens)
     return knobs, threads

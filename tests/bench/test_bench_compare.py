@@ -190,3 +190,21 @@ def test_readme_has_the_generated_table_fence():
 
     text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     assert text.count("<!-- ember-bench:readme-compare:begin -->") == 1
+
+
+def test_kv_pool_fits_the_throughput_batch_in_the_engines_dtype():
+    """Without --kv-cache-memory, ember's pool holds the 64 x 640-token batch the peers run: 1 GiB per
+    2 bytes of a KV element (a fixed 1 GiB held 36 of the 64 sequences in float32)."""
+    from ember.cli import build_parser
+
+    def pool(*flags):
+        args = build_parser().parse_args(["bench", "compare", *flags])
+        return compare.ember_knobs(args, 64)[0]
+
+    auto = pool()
+    assert auto["max_num_seqs"] == 64
+    assert auto["kv_cache_memory"] == (1.0 if cpu_has_avx512_bf16() else 2.0)
+    assert pool("--dtype", "float32")["kv_cache_memory"] == 2.0
+    assert pool("--dtype", "bfloat16")["kv_cache_memory"] == 1.0
+    assert pool("--dtype", "bfloat16", "--kv-cache-dtype", "fp8")["kv_cache_memory"] == 0.5
+    assert pool("--kv-cache-memory", "0.3")["kv_cache_memory"] == 0.3
