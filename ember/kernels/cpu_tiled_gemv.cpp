@@ -261,12 +261,13 @@ void tile_row(const uint8_t* __restrict codes, const S* __restrict scale, const 
 // kMaxM rows and keeps 16 accumulators and 8 outputs live, so it spills and runs ~1 vpmaddwd a
 // cycle. Here a block of tiles is widened to int16 once into a buffer (1 KiB a tile group: pair q,
 // half h holds rows 8h..8h+7 as dword i = row's codes at inputs 2q, 2q + 1), then each block of
-// kGemmM rows of x runs over it with 8 int32 accumulators, 2 weight and 1 x register: per pair, 2
-// loads, kGemmM broadcasts, 2 kGemmM multiply-adds. Sums and the per-group float32 epilogue are the
-// GEMV's, in the same order, so both paths give the same bits.
+// kGemmM rows of x runs over it with 2 kGemmM int32 accumulators, 2 weight and 1 x register: per
+// pair, 2 loads, kGemmM broadcasts, 2 kGemmM multiply-adds (vpmaddwd issues 2 a cycle on Zen3; 4
+// rows a pass spilled an accumulator). Sums and the per-group float32 epilogue are the GEMV's, in
+// the same order, so both paths give the same bits.
 constexpr int kGemmMinRows = 16;  // from here on the widened path (measured: see cpu_tiled_gemv.py)
 constexpr int kGemmM = 3;         // x rows per pass
-constexpr int kGemmTiles = 1;     // tiles widened together: each block of x rows is reused across them
+constexpr int kGemmTiles = 1;     // tiles widened together (2 and 4, sharing each block of x rows, measured no faster)
 constexpr int kGemmChunk = 256;   // x rows per work item
 
 template <int BITS>
