@@ -30,7 +30,7 @@ from ember.bench import membw
 from ember.bench.report import (OthersLoad, _machine_line, json_path, load_average, machine_info, update_markdown,
                                 wait_for_quiet)
 from ember.bench.report import _fmt as fmt
-from ember.planner import resolve_dtype_name
+from ember.planner import DTYPE_BYTES, kv_elem_bytes, resolve_dtype_name
 
 logger = logging.getLogger("ember.bench")
 
@@ -74,7 +74,7 @@ def ember_knobs(args, num_prompts: int) -> tuple[dict, int]:
         # the pool is allocated (and touched) up front, so it is in peak RSS: size it to the workload,
         # not to the machine's RAM, or the memory figure says more about the default than the engine
         # (a 1 GiB pool in float32 held 36 of the 64 sequences: half the batch the peers run)
-        element = 1 if config.kv_cache_dtype.startswith("fp8") else 4 if resolve_dtype_name(config.dtype, "cpu") == "float32" else 2
+        element = kv_elem_bytes(config.kv_cache_dtype, DTYPE_BYTES[resolve_dtype_name(config.dtype, "cpu")])
         knobs["kv_cache_memory"] = KV_GIB_PER_BYTE * element
     if knobs["max_num_seqs"] is None:
         knobs["max_num_seqs"] = min(num_prompts, config.max_num_batched_tokens)

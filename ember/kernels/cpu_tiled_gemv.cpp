@@ -259,15 +259,15 @@ void tile_row(const uint8_t* __restrict codes, const S* __restrict scale, const 
 
 // Many rows of x (prefill, batched decode): the GEMV above widens each tile's codes again for every
 // kMaxM rows and keeps 16 accumulators and 8 outputs live, so it spills and runs ~1 vpmaddwd a
-// cycle. Here a block of tiles is widened to int16 once into a buffer (1 KiB a tile group: pair q,
-// half h holds rows 8h..8h+7 as dword i = row's codes at inputs 2q, 2q + 1), then each block of
-// kGemmM rows of x runs over it with 2 kGemmM int32 accumulators, 2 weight and 1 x register: per
-// pair, 2 loads, kGemmM broadcasts, 2 kGemmM multiply-adds (vpmaddwd issues 2 a cycle on Zen3; 4
-// rows a pass spilled an accumulator). Sums and the per-group float32 epilogue are the GEMV's, in
-// the same order, so both paths give the same bits.
+// cycle. Here a tile is widened to int16 once into a buffer (1 KiB a group: pair q, half h holds
+// rows 8h..8h+7 as dword i = row's codes at inputs 2q, 2q + 1), then each block of kGemmM rows of x
+// runs over it with 2 kGemmM int32 accumulators, 2 weight and 1 x register: per pair, 2 loads,
+// kGemmM broadcasts, 2 kGemmM multiply-adds (vpmaddwd issues 2 a cycle on Zen3; 4 rows a pass
+// spilled an accumulator; widening 2 or 4 tiles together to share each block of x rows was no
+// faster). Sums and the per-group float32 epilogue are the GEMV's, in the same order, so both paths
+// give the same bits.
 constexpr int kGemmMinRows = 16;  // from here on the widened path (measured: see cpu_tiled_gemv.py)
 constexpr int kGemmM = 3;         // x rows per pass
-constexpr int kGemmTiles = 1;     // tiles widened together (2 and 4, sharing each block of x rows, measured no faster)
 constexpr int kGemmChunk = 256;   // x rows per work item
 
 template <int BITS>
@@ -303,34 +303,31 @@ inline void gemm_group(const __m256i* __restrict w, const int16_t* const* xs, __
   }
 }
 
-// x rows [m0, m0 + M) against the widened tiles [t0, t0 + nt) in wbuf.
+// x rows [m0, m0 + M) against tile t, widened in wbuf.
 template <typename S, int M>
-void gemm_rows(const __m256i* wbuf, int64_t t0, int64_t nt, const S* __restrict scale, const S* __restrict offset,
+void gemm_rows(const __m256i* wbuf, int64_t t, const S* __restrict scale, const S* __restrict offset,
                const XIn& xin, float* y, int64_t K, int64_t N, int64_t m0) {
   const int64_t G = K / kGroup;
-  for (int64_t j = 0; j < nt; ++j) {
-    const int64_t t = t0 + j;
-    __m256 out[kGemmM][2];
-    for (int m = 0; m < M; ++m) out[m][0] = out[m][1] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < G; ++g) {
-      const int16_t* xs[kGemmM];
-      for (int m = 0; m < M; ++m) xs[m] = xin.q + (m0 + m) * K + g * kGroup;
-      __m256i acc[kGemmM][2];
-      gemm_group<M>(wbuf + (j * G + g) * 32, xs, acc);
-      const int64_t tg = t * G + g;
-      for (int h = 0; h < 2; ++h) {
-        const __m256 s = load8(scale + tg * kRows + 8 * h), o = load8(offset + tg * kRows + 8 * h);
-        for (int m = 0; m < M; ++m) {
-          const int64_t i = (m0 + m) * G + g;
-          out[m][h] = _mm256_fmadd_ps(o, _mm256_set1_ps(xin.sum[i]),
-                                      _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(xin.step[i])),
-                                                      _mm256_cvtepi32_ps(acc[m][h]), out[m][h]));
-        }
+  __m256 out[kGemmM][2];
+  for (int m = 0; m < M; ++m) out[m][0] = out[m][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const int16_t* xs[kGemmM];
+    for (int m = 0; m < M; ++m) xs[m] = xin.q + (m0 + m) * K + g * kGroup;
+    __m256i acc[kGemmM][2];
+    gemm_group<M>(wbuf + g * 32, xs, acc);
+    const int64_t tg = t * G + g;
+    for (int h = 0; h < 2; ++h) {
+      const __m256 s = load8(scale + tg * kRows + 8 * h), o = load8(offset + tg * kRows + 8 * h);
+      for (int m = 0; m < M; ++m) {
+        const int64_t i = (m0 + m) * G + g;
+        out[m][h] = _mm256_fmadd_ps(o, _mm256_set1_ps(xin.sum[i]),
+                                    _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(xin.step[i])),
+                                                    _mm256_cvtepi32_ps(acc[m][h]), out[m][h]));
       }
     }
-    for (int m = 0; m < M; ++m)
-      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + (m0 + m) * N + t * kRows + 8 * h, out[m][h]);
   }
+  for (int m = 0; m < M; ++m)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + (m0 + m) * N + t * kRows + 8 * h, out[m][h]);
 }
 
 template <int BITS, typename S>
@@ -338,26 +335,26 @@ void run_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc
               const XIn& xin, const at::Tensor& y) {
   constexpr int kTileBytes = BITS == 4 ? 256 : 512;
   const int64_t Mtot = x.size(0), K = x.size(1), G = K / kGroup, T = codes.size(0), N = T * kRows;
-  const int64_t blocks = (T + kGemmTiles - 1) / kGemmTiles, chunks = (Mtot + kGemmChunk - 1) / kGemmChunk;
+  const int64_t chunks = (Mtot + kGemmChunk - 1) / kGemmChunk;
   const auto* c = codes.data_ptr<uint8_t>();
   const S* s = scale.data_ptr<S>();
   const S* o = offset.data_ptr<S>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, blocks * chunks, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<__m256i> wbuf(kGemmTiles * G * 32);  // 1 KiB a tile group
-    int64_t widened = -1;                             // the block wbuf holds
+  at::parallel_for(0, T * chunks, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<__m256i> wbuf(G * 32);  // 1 KiB a group
+    int64_t widened = -1;               // the tile wbuf holds
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / chunks, t0 = b * kGemmTiles, nt = std::min<int64_t>(kGemmTiles, T - t0);
-      if (b != widened) {
-        for (int64_t j = 0; j < nt * G; ++j) widen_tile<BITS>(c + (t0 * G + j) * kTileBytes, wbuf.data() + j * 32);
-        widened = b;
+      const int64_t t = i / chunks;  // a thread's items run a tile's row chunks in turn: one widening
+      if (t != widened) {
+        for (int64_t g = 0; g < G; ++g) widen_tile<BITS>(c + (t * G + g) * kTileBytes, wbuf.data() + g * 32);
+        widened = t;
       }
       const int64_t r0 = (i % chunks) * kGemmChunk, r1 = std::min(Mtot, r0 + kGemmChunk);
       for (int64_t m0 = r0; m0 < r1; m0 += kGemmM) {
         switch (std::min<int64_t>(kGemmM, r1 - m0)) {
-          case 1: gemm_rows<S, 1>(wbuf.data(), t0, nt, s, o, xin, yp, K, N, m0); break;
-          case 2: gemm_rows<S, 2>(wbuf.data(), t0, nt, s, o, xin, yp, K, N, m0); break;
-          default: gemm_rows<S, kGemmM>(wbuf.data(), t0, nt, s, o, xin, yp, K, N, m0); break;
+          case 1: gemm_rows<S, 1>(wbuf.data(), t, s, o, xin, yp, K, N, m0); break;
+          case 2: gemm_rows<S, 2>(wbuf.data(), t, s, o, xin, yp, K, N, m0); break;
+          default: gemm_rows<S, kGemmM>(wbuf.data(), t, s, o, xin, yp, K, N, m0); break;
         }
       }
     }

@@ -24,7 +24,7 @@ float32 and FMA'd with a broadcast x, compute-bound at ~4 MACs a cycle): a hot 3
 greedy output on 12 held-out chat prompts x 200 tokens identical, top-5 logprobs within 0.0032
 (median 0.0002). (Its first form, one step per row of x, moved logits by up to 0.07.)
 From 16 rows of x (prefill, batched decode) that build widens each tile's codes to int16 once and
-runs 3 rows of x a pass against them with 12 registers of int32 sums (the few-row loop re-widens
+runs 3 rows of x a pass against them with 6 registers of int32 sums (the few-row loop re-widens
 per 4 rows and spills). Same products, same epilogue: the same bits as the few-row path. Measured
 on 2 Zen3 cores against MKL's float32 GEMM over the dequantized weight (ms): 3072x576 at 16 / 64 /
 512 / 2048 rows 0.29 / 1.02 / 8.0 / 33.4 against 0.61 / 1.61 / 11.0 / 39.7 (~215-228 GFLOP/s; vpmaddwd

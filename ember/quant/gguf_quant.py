@@ -217,8 +217,8 @@ class TiledPart(PackedPart):
         return self._gemv(x, float_out=True)
 
     def precise_logits(self, x):
-        # The bf16 build multiplies exact codes by x's own values and sums in float32; float32 x past
-        # the kernel runs a float32 GEMM over the exact weight. The AVX2 build rounds float32 x to
+        # The bf16 build multiplies exact codes by x's own values and sums in float32; float32 x it
+        # does not take runs a float32 GEMM over the exact weight. The AVX2 build rounds float32 x to
         # int16 steps (2^-16 of a group's largest |x|) as it does in every layer before the head, so
         # refining the head's top candidates (~0.24 ms a token on Zen3) could not make its argmax
         # that of an exact float32 model.
