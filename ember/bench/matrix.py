@@ -4,6 +4,7 @@ Rows, cumulative, each an engine of its own (a worker process each, so peak RSS 
 everything off (eager, no chunked prefill, no speculation, dense weights: --quantization none,
 no int8 decode copy, no fused C++ decode attention) -> + int8 weight-only decode copy -> + packed
 GGUF weights (--quantization auto, replacing both) -> + their dense copy for many-row steps ->
++ the tiled GEMV -> + its int8-activation path for many-row steps (which makes the copy moot) ->
 + the fused C++ decode attention -> + chunked prefill -> + MTP speculation -> + the compiled executor (only
 when this build's EngineConfig has an `executor` field). Columns: TTFT at the longest prompt,
 batch-1 decode tok/s, offline throughput, peak RSS; median [min-max] over rounds, the rows
@@ -25,7 +26,7 @@ KIND = "matrix"
 OFF = {"enforce_eager": True, "enable_chunked_prefill": False, "enable_mtp": False, "speculative_config": None,
        "speculative_model": None, "num_speculative_tokens": None, "quantization": "none", "int8_decode": False,
        "int4_dense_copy": False, "cpu_tiled_gemv": False, "cpu_paged_attention": False, "cpu_fused_elementwise": False,
-       "cpu_flash_attention": False}
+       "cpu_flash_attention": False, "cpu_int8_activations": False}
 
 
 def has_executor_flag() -> bool:
@@ -42,6 +43,7 @@ def configs(base: dict) -> list[tuple[str, dict]]:
               ("+ packed GGUF weights", {"quantization": "auto", "int8_decode": None}),
               ("+ dense copy of packed weights for batches", {"int4_dense_copy": None}),
               ("+ tiled AVX-512 GEMV for packed weights", {"cpu_tiled_gemv": True}),
+              ("+ int8 activations for many-row steps (no dense copy)", {"cpu_int8_activations": True}),
               ("+ fused C++ decode attention", {"cpu_paged_attention": True}),
               ("+ fused C++ RMSNorm and SiLU*up", {"cpu_fused_elementwise": True}),
               ("+ flash C++ prefill attention", {"cpu_flash_attention": True}),
@@ -57,7 +59,7 @@ def configs(base: dict) -> list[tuple[str, dict]]:
     return rows
 
 
-LEVERS = ("quantization", "int8_decode", "int4_dense_copy", "cpu_tiled_gemv", "cpu_paged_attention",
+LEVERS = ("quantization", "int8_decode", "int4_dense_copy", "cpu_tiled_gemv", "cpu_int8_activations", "cpu_paged_attention",
           "cpu_fused_elementwise", "cpu_flash_attention", "enable_chunked_prefill", "enable_mtp", "enforce_eager", "executor")
 
 

@@ -56,7 +56,7 @@ def serve(rank: int, world_size: int, store, config, device_type: str, local_ran
     torch.manual_seed(config.seed)
     parallel_state.init(rank, world_size, store, "nccl" if device.type == "cuda" else "gloo")
     dtype = resolve_dtype(config.dtype, device)
-    tiled_gemv.set_enabled(config.cpu_tiled_gemv)
+    tiled_gemv.set_enabled(config.cpu_tiled_gemv, config.cpu_int8_activations)
     fused_elementwise.set_enabled(config.cpu_fused_elementwise)
     causal_attention.set_enabled(config.cpu_flash_attention)
     with parallel_state.sharding(rank, world_size):

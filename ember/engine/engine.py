@@ -73,7 +73,7 @@ class LLMEngine:
             keep_freed_memory_in_heap()
             if config.cpu_paged_attention:
                 paged_attention_op()  # built (once per machine, ~20 s) or loaded now, not in the first request
-        tiled_gemv.set_enabled(config.cpu_tiled_gemv)  # read as GGUF weights are packed at load
+        tiled_gemv.set_enabled(config.cpu_tiled_gemv, config.cpu_int8_activations)  # read as GGUF weights are packed at load
         fused_elementwise.set_enabled(config.cpu_fused_elementwise)
         causal_attention.set_enabled(config.cpu_flash_attention)
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
@@ -230,8 +230,10 @@ class LLMEngine:
             raise ConfigError("--int4-dense-copy is a CPU path (CUDA runs AWQ through its own kernels); drop it")
         if need == 0:
             if packed_layers(loaded.model, helped=False):
-                raise ConfigError("--int4-dense-copy: every packed layer here runs the tiled GEMV's AVX2 build, which "
-                                  "beats a float32 dense GEMM at any batch size; a copy would only cost memory. Drop the flag")
+                raise ConfigError("--int4-dense-copy: every packed layer here runs its kernel at any batch size (the tiled "
+                                  "GEMV's AVX2 build beats a float32 dense GEMM; its int8-activation path, "
+                                  "--cpu-int8-activations, beats a bf16 one), so a copy would only cost memory. Drop the "
+                                  "flag, or add --no-cpu-int8-activations for bf16 activations over a dense copy")
             raise ConfigError(f"--int4-dense-copy needs packed int4 weights (a .gguf file or an AWQ folder); this model "
                               f"is {loaded.quantization}. Drop the flag")
         if self.tp is not None:

@@ -126,6 +126,153 @@ void tile_row(const uint8_t* __restrict codes, const S* __restrict scale, const 
   }
 }
 
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define EMBER_TILED_Q8 1
+// Many rows of x (prefill, batched decode) with int8 x: each group of 32 inputs of a row of x is
+// quantized to int8 steps of the group's largest |x| (d = max|x| / 127, q = round(x / d): llama.cpp's
+// Q8 activation blocks), and codes times q are summed exactly in int32 by vpdpbusd (unsigned codes x
+// signed q, 64 products an instruction: twice vdpbf16ps's 32). Per group, y += scale * d * sum(c q)
+// + offset * d * sum(q), in float32. The codes are rearranged per tile by one byte permute (vpermb)
+// so that a 32-bit lane holds one row's 4 consecutive codes, the quad vpdpbusd multiplies.
+struct Q8In {
+  const int8_t* q;  // [M, K]
+  const float* d;   // [M, G] step
+  const float* s;   // [M, G] d * sum(q): the group's sum of the x the codes multiply
+};
+
+inline __m512 bf16_to_ps(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+
+inline Q8In prepare_q8(const at::Tensor& x) {
+  const int64_t n = x.numel() / kGroup;  // groups, all rows
+  thread_local std::vector<int8_t> qbuf;  // the calling thread's: read by the parallel region after
+  thread_local std::vector<float> fbuf;
+  qbuf.resize(n * kGroup);
+  fbuf.resize(2 * n);
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  int8_t* q = qbuf.data();
+  float* d = fbuf.data();
+  float* s = d + n;
+  at::parallel_for(0, n, 512, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const __m512i raw = _mm512_loadu_si512(xp + i * kGroup);
+      const __m512 lo = bf16_to_ps(_mm512_castsi512_si256(raw)), hi = bf16_to_ps(_mm512_extracti64x4_epi64(raw, 1));
+      const __mmask16 nan = _mm512_cmp_ps_mask(lo, lo, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(hi, hi, _CMP_UNORD_Q);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+      const bool finite = amax <= std::numeric_limits<float>::max();
+      const __m512 inv = _mm512_set1_ps(amax > 0.f && finite ? 127.f / amax : 0.f);
+      const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * kGroup), _mm512_cvtsepi32_epi8(qlo));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * kGroup + 16), _mm512_cvtsepi32_epi8(qhi));
+      // a NaN or inf x: a NaN or inf step, so every output it reaches is NaN, as in a float GEMM
+      d[i] = nan ? std::numeric_limits<float>::quiet_NaN() : amax / 127.f;
+      s[i] = d[i] * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
+    }
+  });
+  return {q, d, s};
+}
+
+constexpr int kQ8M = 8;        // x rows per pass: 8 int32 sums + 8 float outputs live
+constexpr int kQ8Chunk = 256;  // x rows per work item (256 x K int8 stays in L2 while tiles pass)
+
+// Tile t's G groups as quads: w[8 g + u], lane i = row i's codes for inputs 4u .. 4u + 3 of group g.
+// A 64-byte run of the tile holds pairs p = 2j, 2j + 1 of all 16 rows (byte 32 (p - 2j) + 2 i + e);
+// lane i gathers bytes 2i, 2i + 1, 32 + 2i, 33 + 2i: inputs 4j .. 4j + 3 (4-bit: the low nibbles,
+// the high ones are inputs 16 + 4j ..; 8-bit: the codes of inputs 4j .., j = 0..7).
+template <int BITS>
+inline void quad_tile(const uint8_t* __restrict c, __m512i* __restrict w, int64_t G) {
+  alignas(64) static const uint8_t kIdx[64] = {
+      0, 1, 32, 33, 2, 3, 34, 35, 4, 5, 36, 37, 6, 7, 38, 39, 8, 9, 40, 41, 10, 11, 42, 43,
+      12, 13, 44, 45, 14, 15, 46, 47, 16, 17, 48, 49, 18, 19, 50, 51, 20, 21, 52, 53, 22, 23, 54, 55,
+      24, 25, 56, 57, 26, 27, 58, 59, 28, 29, 60, 61, 30, 31, 62, 63};
+  const __m512i idx = _mm512_load_si512(kIdx);
+  constexpr int kTileBytes = BITS == 4 ? 256 : 512;
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* cg = c + g * kTileBytes;
+    __m512i* wg = w + 8 * g;
+    if constexpr (BITS == 4) {
+      const __m512i low4 = _mm512_set1_epi8(0x0F);
+      for (int j = 0; j < 4; ++j) {
+        const __m512i r = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(cg + 64 * j));
+        wg[j] = _mm512_and_si512(r, low4);
+        wg[4 + j] = _mm512_and_si512(_mm512_srli_epi16(r, 4), low4);
+      }
+    } else {
+      for (int j = 0; j < 8; ++j) wg[j] = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(cg + 64 * j));
+    }
+  }
+}
+
+// x rows [m0, m0 + M) against tile t (its quads in w).
+template <typename S, int M>
+void q8_rows(const __m512i* __restrict w, int64_t t, const S* __restrict scale, const S* __restrict offset,
+             const Q8In& xin, void* y, bool float_out, int64_t K, int64_t N, int64_t m0) {
+  const int64_t G = K / kGroup;
+  __m512 out[M];
+  for (int m = 0; m < M; ++m) out[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_si512();
+    const int8_t* xq = xin.q + m0 * K + g * kGroup;
+#pragma GCC unroll 8
+    for (int u = 0; u < 8; ++u) {
+      const __m512i wu = _mm512_load_si512(w + 8 * g + u);
+      for (int m = 0; m < M; ++m) {
+        int32_t quad;
+        std::memcpy(&quad, xq + m * K + 4 * u, 4);
+        acc[m] = _mm512_dpbusd_epi32(acc[m], wu, _mm512_set1_epi32(quad));
+      }
+    }
+    const int64_t tg = t * G + g;
+    const __m512 sc = load16(scale + tg * kRows), of = load16(offset + tg * kRows);
+    for (int m = 0; m < M; ++m) {
+      const int64_t i = (m0 + m) * G + g;
+      out[m] = _mm512_fmadd_ps(of, _mm512_set1_ps(xin.s[i]),
+                               _mm512_fmadd_ps(_mm512_mul_ps(sc, _mm512_set1_ps(xin.d[i])), _mm512_cvtepi32_ps(acc[m]), out[m]));
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    const int64_t at = (m0 + m) * N + t * kRows;
+    if (float_out) _mm512_storeu_ps(static_cast<float*>(y) + at, out[m]);
+    else _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<at::BFloat16*>(y) + at), (__m256i)_mm512_cvtneps_pbh(out[m]));
+  }
+}
+
+template <int BITS, typename S>
+void run_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
+            const at::Tensor& y, bool float_out) {
+  constexpr int kTileBytes = BITS == 4 ? 256 : 512;
+  const Q8In xin = prepare_q8(x);
+  const int64_t Mtot = x.size(0), K = x.size(1), G = K / kGroup, T = codes.size(0), N = T * kRows;
+  const int64_t chunks = (Mtot + kQ8Chunk - 1) / kQ8Chunk;
+  const auto* c = codes.data_ptr<uint8_t>();
+  const S* s = scale.data_ptr<S>();
+  const S* o = offset.data_ptr<S>();
+  void* yp = y.data_ptr();
+  // items chunk-major: a thread takes whole row chunks where there are several (its x rows stay in
+  // L2 while the tiles pass), else a share of the tiles of the one chunk
+  at::parallel_for(0, chunks * T, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<__m512i> w(G * 8);  // one tile as quads: 512 B a group
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i % T, r0 = (i / T) * kQ8Chunk, r1 = std::min(Mtot, r0 + kQ8Chunk);
+      quad_tile<BITS>(c + t * G * kTileBytes, w.data(), G);
+      int64_t m0 = r0;
+      for (; m0 + kQ8M <= r1; m0 += kQ8M) q8_rows<S, kQ8M>(w.data(), t, s, o, xin, yp, float_out, K, N, m0);
+      switch (r1 - m0) {
+        case 0: break;
+        case 1: q8_rows<S, 1>(w.data(), t, s, o, xin, yp, float_out, K, N, m0); break;
+        case 2: q8_rows<S, 2>(w.data(), t, s, o, xin, yp, float_out, K, N, m0); break;
+        case 3: q8_rows<S, 3>(w.data(), t, s, o, xin, yp, float_out, K, N, m0); break;
+        case 4: q8_rows<S, 4>(w.data(), t, s, o, xin, yp, float_out, K, N, m0); break;
+        case 5: q8_rows<S, 5>(w.data(), t, s, o, xin, yp, float_out, K, N, m0); break;
+        case 6: q8_rows<S, 6>(w.data(), t, s, o, xin, yp, float_out, K, N, m0); break;
+        default: q8_rows<S, 7>(w.data(), t, s, o, xin, yp, float_out, K, N, m0); break;
+      }
+    }
+  });
+}
+#endif  // VNNI + VBMI
+
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 using XT = float;  // this build's x
 
@@ -391,22 +538,29 @@ void run(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, 
   });
 }
 
-at::Tensor tiled_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
-                      int64_t bits, bool float_out) {
-  constexpr auto kX = std::is_same<XT, float>::value ? at::kFloat : at::kBFloat16;  // this build's x
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == kX && x.is_contiguous(),
-              "x: contiguous ", std::is_same<XT, float>::value ? "float32" : "bf16", " [M, K] (this build's dtype)");
+// The argument checks both ops share.
+void check_args(const at::Tensor& x, at::ScalarType x_type, const char* x_name, const at::Tensor& codes,
+                const at::Tensor& scale, const at::Tensor& offset, int64_t bits) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == x_type && x.is_contiguous(), "x: contiguous ", x_name,
+              " [M, K] (this build's dtype)");
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
-  const int64_t M = x.size(0), K = x.size(1), G = K / kGroup;
+  const int64_t K = x.size(1), G = K / kGroup;
   TORCH_CHECK(K % kGroup == 0 && codes.dim() == 3 && codes.size(1) == G && codes.size(2) == (bits == 4 ? 256 : 512)
               && codes.scalar_type() == at::kByte && codes.is_contiguous(), "codes: uint8 [N/16, K/32, tile bytes]");
   TORCH_CHECK(scale.sizes() == offset.sizes() && scale.scalar_type() == offset.scalar_type() && scale.dim() == 3
               && scale.size(0) == codes.size(0) && scale.size(1) == G && scale.size(2) == kRows
               && scale.is_contiguous() && offset.is_contiguous(), "scale/offset: [N/16, K/32, 16], same dtype");
+  TORCH_CHECK(scale.scalar_type() == at::kHalf || scale.scalar_type() == at::kFloat,
+              "scale/offset must be float16 or float32");
+}
+
+at::Tensor tiled_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
+                      int64_t bits, bool float_out) {
+  constexpr auto kX = std::is_same<XT, float>::value ? at::kFloat : at::kBFloat16;  // this build's x
+  check_args(x, kX, std::is_same<XT, float>::value ? "float32" : "bf16", codes, scale, offset, bits);
   const XIn xin = prepare_x(x);  // this build's x and its sums per group
-  at::Tensor y = at::empty({M, codes.size(0) * kRows}, x.options().dtype(float_out ? at::kFloat : kX));
+  at::Tensor y = at::empty({x.size(0), codes.size(0) * kRows}, x.options().dtype(float_out ? at::kFloat : kX));
   const bool half = scale.scalar_type() == at::kHalf;
-  TORCH_CHECK(half || scale.scalar_type() == at::kFloat, "scale/offset must be float16 or float32");
   if (bits == 4) {
     if (half) run<4, at::Half>(x, codes, scale, offset, xin, y, float_out);
     else run<4, float>(x, codes, scale, offset, xin, y, float_out);
@@ -417,10 +571,34 @@ at::Tensor tiled_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Te
   return y;
 }
 
+// x @ W^T with x quantized to int8 per group of 32 (run_q8); bf16 x, AVX-512 VNNI + VBMI builds only.
+at::Tensor tiled_gemm_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                         const at::Tensor& offset, int64_t bits, bool float_out) {
+#if defined(EMBER_TILED_Q8)
+  check_args(x, at::kBFloat16, "bf16", codes, scale, offset, bits);
+  at::Tensor y = at::empty({x.size(0), codes.size(0) * kRows}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
+  const bool half = scale.scalar_type() == at::kHalf;
+  if (bits == 4) {
+    if (half) run_q8<4, at::Half>(x, codes, scale, offset, y, float_out);
+    else run_q8<4, float>(x, codes, scale, offset, y, float_out);
+  } else {
+    if (half) run_q8<8, at::Half>(x, codes, scale, offset, y, float_out);
+    else run_q8<8, float>(x, codes, scale, offset, y, float_out);
+  }
+  return y;
+#else
+  TORCH_CHECK(false, "tiled_gemm_q8 needs a CPU with AVX-512 BF16, VNNI and VBMI (cpu_tiled_gemv.has_q8() says)");
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ember_cpu, m) {
   m.def("tiled_gemv(Tensor x, Tensor codes, Tensor scale, Tensor offset, int bits, bool float_out) -> Tensor");
+  m.def("tiled_gemm_q8(Tensor x, Tensor codes, Tensor scale, Tensor offset, int bits, bool float_out) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(ember_cpu, CPU, m) { m.impl("tiled_gemv", &tiled_gemv); }
+TORCH_LIBRARY_IMPL(ember_cpu, CPU, m) {
+  m.impl("tiled_gemv", &tiled_gemv);
+  m.impl("tiled_gemm_q8", &tiled_gemm_q8);
+}

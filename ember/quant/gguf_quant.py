@@ -176,15 +176,19 @@ class TiledPart(PackedPart):
     Q5_0, Q5_1). Used in place of Int4Part for bf16 on CPUs with AVX-512 BF16 (measured on 2
     Zen4 cores, the default model's 30 layers at one row: 2.25 ms against Int4Weight's 3.54,
     its Q8_0 LM head 0.46 against 0.98 ms) and for float32 on CPUs with AVX2 (the kernel's int16-x
-    build). Above KERNEL_MAX_ROWS rows, a dense GEMM over W -- except in the AVX2 build, whose
-    many-row path beats the float32 GEMM at every row count."""
+    build). From Q8_MIN_ROWS rows on a CPU with AVX-512 VNNI (has_q8, --cpu-int8-activations), the
+    kernel's int8-x path (x rounded to int8 steps per group of 32, as llama.cpp's Q8 activations),
+    which beats oneDNN's bf16 GEMM over a dense copy at every row count. Otherwise, above
+    KERNEL_MAX_ROWS rows, a dense GEMM over W -- except in the AVX2 build, whose many-row path beats
+    the float32 GEMM at every row count."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int):
         self.N, self.K = codes.shape
         self.bits = bits
         self.x_dtype = tiled_gemv.x_dtype()  # read here: a compiled step cannot trace the CPU-flags lookup
-        # the AVX2 build has a many-row path (widened tiles, ~1.2x MKL's float32 GEMM): every row count
-        self.max_rows = None if tiled_gemv.rounds_x() else KERNEL_MAX_ROWS
+        # many-row paths: the int8-x one (has_q8) and the AVX2 build's widened tiles: every row count
+        self.q8 = tiled_gemv.q8_enabled and tiled_gemv.has_q8()
+        self.max_rows = None if tiled_gemv.rounds_x() or self.q8 else KERNEL_MAX_ROWS
         self.tiles, self.scale, self.offset = tiled_gemv.pack(codes, scale, offset, bits)
 
     @staticmethod
@@ -194,7 +198,9 @@ class TiledPart(PackedPart):
 
     def _gemv(self, x: torch.Tensor, float_out: bool) -> torch.Tensor:
         x2 = x.reshape(-1, self.K)
-        if self._on_kernel(x2):
+        if self._on_q8(x2):
+            y = tiled_gemv.gemm_q8(x2.contiguous(), self.tiles, self.scale, self.offset, self.bits, float_out)
+        elif self._on_kernel(x2):
             y = tiled_gemv.gemv(x2.contiguous(), self.tiles, self.scale, self.offset, self.bits, float_out)
         else:
             y = F.linear(x2, self._weight(x2.dtype))
@@ -204,6 +210,9 @@ class TiledPart(PackedPart):
 
     def _on_kernel(self, x: torch.Tensor) -> bool:
         return x.dtype == self.x_dtype and (self.max_rows is None or x.numel() // self.K <= self.max_rows)
+
+    def _on_q8(self, x: torch.Tensor) -> bool:
+        return self.q8 and x.dtype == torch.bfloat16 and x.numel() // self.K >= tiled_gemv.Q8_MIN_ROWS
 
     @property
     def kernel_at_any_rows(self) -> bool:
@@ -221,8 +230,9 @@ class TiledPart(PackedPart):
         # does not take runs a float32 GEMM over the exact weight. The AVX2 build rounds float32 x to
         # int16 steps (2^-16 of a group's largest |x|) as it does in every layer before the head, so
         # refining the head's top candidates (~0.24 ms a token on Zen3) could not make its argmax
-        # that of an exact float32 model.
-        return x.dtype == torch.float32 or self._on_kernel(x)
+        # that of an exact float32 model. The int8-x path rounds x for the head alone (the steps that
+        # take it reached the head through bf16 hidden states), so its top candidates are recomputed.
+        return x.dtype == torch.float32 or (self._on_kernel(x) and not self._on_q8(x))
 
     def _weight(self, dtype: torch.dtype) -> torch.Tensor:
         return tiled_gemv.dequantize(self.tiles, self.scale, self.offset, self.bits, dtype, self.N)

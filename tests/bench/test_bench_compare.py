@@ -99,7 +99,7 @@ def test_matrix_rows(tmp_path, one_model_load):
     text = md.read_text()
     assert text.count("<!-- ember-bench:matrix:begin -->") == 1
     assert ("| everything off (quantization=none, int8_decode=False, int4_dense_copy=False, cpu_tiled_gemv=False, "
-            "cpu_paged_attention=False, cpu_fused_elementwise=False, cpu_flash_attention=False, "
+            "cpu_int8_activations=False, cpu_paged_attention=False, cpu_fused_elementwise=False, cpu_flash_attention=False, "
             "enable_chunked_prefill=False") in text
     assert "| + packed GGUF weights (quantization=auto" in text
     data = json.loads((tmp_path / "cpu-matrix.json").read_text())
@@ -120,7 +120,7 @@ def test_matrix_adds_the_compiled_row_only_when_the_flag_exists(monkeypatch):
     last_name, last = rows[-1]
     assert last_name == "+ compiled executor"
     assert last["executor"] == "compiled" and last["enable_mtp"] and last["enable_chunked_prefill"]
-    assert last["quantization"] == "auto"  # everything on: packed weights
+    assert last["quantization"] == "auto" and last["cpu_int8_activations"]  # everything on: packed weights
     assert last["compilation_config"] == {"compile_sizes": [1]}
 
 

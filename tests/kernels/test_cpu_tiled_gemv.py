@@ -104,6 +104,66 @@ def test_gemv_zero_and_non_finite_x():
     torch.testing.assert_close(many, y.repeat(6, 1), rtol=0, atol=0, equal_nan=True)
 
 
+needs_q8 = pytest.mark.skipif(not tg.has_q8(), reason="the int8-x path needs AVX-512 BF16, VNNI and VBMI")
+
+
+@needs_q8
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("fp16_scales", [True, False])
+def test_gemm_q8_matches_its_int8_reference(bits, fp16_scales):
+    """gemm_q8 multiplies exact codes by x rounded to int8 steps per group of 32 (q8_reference), sums
+    in int32 per group and in float32 across groups: float32 summation noise away from q8_reference(x)
+    @ W^T, for every row block (8 a pass) and remainder, both output dtypes. And the rounding is real:
+    the result is nearer q8_reference's product than x's own (so a path that skipped it would fail)."""
+    codes, scale, offset, w = affine(200, 576, bits, 11, fp16_scales)
+    packed = tg.pack(codes, scale, offset, bits)
+    g = torch.Generator().manual_seed(12)
+    for M in (1, 5, 7, 8, 9, 16, 17, 300):  # 300: a second 256-row work chunk
+        x = torch.randn(M, 576, generator=g).to(torch.bfloat16)
+        xq = tg.q8_reference(x)
+        half_step = x.double().view(M, 18, 32).abs().amax(2, keepdim=True) / 254
+        assert ((xq - x.double()).view(M, 18, 32).abs() <= half_step * (1 + 1e-6)).all()
+        ref = xq @ w.double().t()
+        y = tg.gemm_q8(x, *packed, bits, float_out=True)
+        assert y.shape == (M, 208) and y.dtype == torch.float32 and not y[:, 200:].any()
+        tol = 1e-5 * (xq.abs() @ w.double().abs().t())
+        assert ((y[:, :200].double() - ref).abs() <= tol).all(), M
+        exact = x.double() @ w.double().t()
+        assert (y[:, :200].double() - ref).abs().sum() < (y[:, :200].double() - exact).abs().sum()
+        yb = tg.gemm_q8(x, *packed, bits)
+        assert yb.dtype == torch.bfloat16 and torch.equal(yb, y.to(torch.bfloat16))
+
+
+@needs_q8
+def test_gemm_q8_zero_and_non_finite_x():
+    """An all-zero group contributes nothing (step 0); a NaN or inf reaches every output of its row
+    as NaN / inf, never a silent finite value; other rows are untouched."""
+    codes, scale, offset, w = affine(32, 96, 4, 13)
+    packed = tg.pack(codes, scale, offset, 4)
+    x = torch.randn(6, 96).to(torch.bfloat16)
+    x[0, :32] = 0
+    x[1, 40] = float("nan")
+    x[2, 70] = float("inf")
+    y = tg.gemm_q8(x, *packed, 4, float_out=True)
+    ok = [0, 3, 4, 5]
+    torch.testing.assert_close(y[ok].double(), tg.q8_reference(x[ok]) @ w.double().t(), rtol=1e-5, atol=1e-5)
+    assert y[1].isnan().all() and not y[2].isfinite().any()
+
+
+@needs_q8
+def test_gemm_q8_off_keeps_bf16_x():
+    """--no-cpu-int8-activations: parts packed while it is off never take the int8-x path."""
+    t, ref = gguf_tensor(T.Q4_1, 64, 256, seed=14)
+    tg.set_enabled(True, int8_activations=False)
+    try:
+        (part,) = pack_shards([t], X, "cpu")
+    finally:
+        tg.set_enabled(True)
+    x = torch.randn(16, 256).to(X)
+    assert not part.kernel_at_any_rows and part.precise_logits(x)
+    torch.testing.assert_close(part.linear_float(x), x.float() @ ref.t(), rtol=1e-4, atol=1e-4)
+
+
 def test_gemv_refuses_bad_inputs_with_a_message():
     packed = tg.pack(*affine(16, 64, 4, 4)[:3], 4)
     with pytest.raises(RuntimeError, match="this build's dtype"):
@@ -123,14 +183,20 @@ def test_gguf_parts_are_tiled_and_match_the_file(qtype):
     assert isinstance(part, TiledPart) and part.bits == (4 if qtype in (T.Q4_0, T.Q4_1, T.Q4_K) else 8)
     assert torch.equal(part.dequantize(), ref) and torch.equal(part.rows(torch.tensor([95, 3])), ref[[95, 3]])
     g = torch.Generator().manual_seed(6)
-    for rows in (1, 6, KERNEL_MAX_ROWS + 1):  # kernel, kernel, then (bf16 build) a dense GEMM over W
+    # many-row paths: the AVX2 build's widened tiles, the bf16 build's int8-x path (VNNI)
+    assert part.kernel_at_any_rows == (X == torch.float32 or tg.has_q8())
+    for rows in (1, 4, 6, KERNEL_MAX_ROWS + 1):  # GEMV, GEMV, int8 x (or GEMV), int8 x (or a dense GEMM over W)
         x = torch.randn(rows, 512, generator=g).to(X)
         exact = x.float() @ ref.t()
         got = part.linear(x)
         assert got.dtype == X and got.shape == (rows, 96)
         assert (got.float() - exact).abs().max() <= 0.01 * exact.abs().max()
-        assert part.kernel_at_any_rows == (X == torch.float32)  # the AVX2 build's many-row path
-        if part.kernel_at_any_rows or rows <= KERNEL_MAX_ROWS:  # float32 out: float32 summation noise (+ int16-rounded x in float32 builds)
+        q8 = tg.has_q8() and rows >= tg.Q8_MIN_ROWS
+        if q8:  # the x it multiplies is x rounded to int8 per group of 32, exactly as q8_reference
+            torch.testing.assert_close(part.linear_float(x).double(), tg.q8_reference(x) @ ref.double().t(),
+                                       rtol=1e-4, atol=1e-4)
+            assert not part.precise_logits(x)  # so an LM head on it refines its top candidates
+        elif part.kernel_at_any_rows or rows <= KERNEL_MAX_ROWS:  # float32 out: float32 summation noise (+ int16-rounded x in float32 builds)
             tol = 1e-4 if X == torch.bfloat16 else 1e-3
             torch.testing.assert_close(part.linear_float(x), exact, rtol=tol, atol=tol)
     # bf16: the tiled part is at least as close to the file's weights as torch's int4 kernel path
