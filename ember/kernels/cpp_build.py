@@ -31,9 +31,14 @@ def _cpu_flags() -> str:
         return ""
 
 
+@functools.cache
+def _cpu_flag_set() -> frozenset[str]:
+    return frozenset(_cpu_flags().split())
+
+
 def has_cpu_flags(*flags: str) -> bool:
-    words = set(_cpu_flags().split())
-    return all(f in words for f in flags)
+    # asked on hot paths (every fused-elementwise call): the set is built once
+    return all(f in _cpu_flag_set() for f in flags)
 
 
 def _put_ninja_on_path() -> None:
