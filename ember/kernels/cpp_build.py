@@ -3,15 +3,21 @@
 Each kernel is built once per machine, the first time an engine needs it (~20 s each), then
 loaded from torch's extension dir. The build name carries a hash of the CPU's flags and of the
 source, since the code is compiled with -march=native and a changed source must not load an
-old build. Where a build fails (no compiler, no ninja), the caller gets None, a warning says
+old build. Builds in several processes at once (a test suite's server subprocesses) are serialised
+by an flock on the build dir, which the kernel releases when its holder dies: torch's own lock
+file outlives a process killed mid-build, and every later build would wait on it forever.
+Where a build fails (no compiler, no ninja), the caller gets None, a warning says
 why, and the torch path runs instead.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
+import sys
 import time
 from typing import Callable
 
@@ -53,6 +59,46 @@ def _put_ninja_on_path() -> None:
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
 
+def build_name(source: str) -> str:
+    """The extension's name: the source's, tagged with a hash of the CPU's flags, the source and
+    the headers beside it (a changed header must not load an old build)."""
+    here = os.path.dirname(__file__)
+    digest = hashlib.sha1(_cpu_flags().encode())
+    for name in [source] + sorted(n for n in os.listdir(here) if n.endswith(".h")):
+        with open(os.path.join(here, name), "rb") as f:
+            digest.update(f.read())
+    return f"ember_{os.path.splitext(source)[0]}_{digest.hexdigest()[:8]}"
+
+
+def _build_directory(name: str) -> str:
+    """Where torch's load() would build `name` by itself (so an earlier build is found)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        py = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = os.path.join(get_default_build_root(), f"{py}_cpu")
+    path = os.path.join(root, name)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+@contextlib.contextmanager
+def _exclusive_build(build_dir: str):
+    """Hold an flock on build_dir; under it, a torch `lock` file left there is stale (its builder
+    held this flock too, and died) and is removed, so torch's wait on it cannot hang."""
+    with open(os.path.join(build_dir, "ember.flock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        stale = os.path.join(build_dir, "lock")
+        if os.path.exists(stale):
+            logger.warning("ember: removing a stale build lock %s (a build was killed midway)", stale)
+            os.remove(stale)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def build(source: str, what: str, python_module: bool = True, fakes: dict[str, Callable] | None = None):
     """Compile and load `source` (a .cpp beside this file): its pybind module, or True once its
     TORCH_LIBRARY ops are registered (python_module=False), with `fakes` (op name -> fake kernel,
@@ -65,16 +111,13 @@ def build(source: str, what: str, python_module: bool = True, fakes: dict[str, C
         from torch.utils.cpp_extension import load
 
         _put_ninja_on_path()
-        digest = hashlib.sha1(_cpu_flags().encode())
-        # the source and the headers beside it (a changed header must not load an old build)
-        for name in [source] + sorted(n for n in os.listdir(os.path.dirname(path)) if n.endswith(".h")):
-            with open(os.path.join(os.path.dirname(path), name), "rb") as f:
-                digest.update(f.read())
-        tag = digest.hexdigest()[:8]
         t0 = time.perf_counter()
-        name = f"ember_{os.path.splitext(source)[0]}_{tag}"
-        module = load(name=name, sources=[path], extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                      extra_ldflags=["-fopenmp"], is_python_module=python_module, verbose=False)
+        name = build_name(source)
+        build_dir = _build_directory(name)
+        with _exclusive_build(build_dir):
+            module = load(name=name, sources=[path], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                          extra_ldflags=["-fopenmp"], is_python_module=python_module, verbose=False,
+                          build_directory=build_dir)
         result = module if python_module else True
         for op, fake in (fakes or {}).items():
             torch.library.register_fake(op)(fake)
