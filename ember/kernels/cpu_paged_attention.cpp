@@ -138,17 +138,30 @@ struct Vec16<float> : std::true_type {
 // 512-bit read and splits them by one op each: even elements (shifted up) and odd ones (masked),
 // so lane i of vector 2r + p holds element 32r + 2i + p. Queries are laid out in that same order
 // (dot products do not care) and outputs are put back in order at the end (lane_of).
+// load_part(p, r, out): part r of the row, kPart vectors (vectors r * kPart .. of load()).
 template <typename T, int D>
 struct RowLoad {
   static constexpr bool kPaired = false;
+  static constexpr int kPart = 1;
   static constexpr int lane_of(int e) { return e; }
   static void load(const T* p, __m512* out) {
     for (int v = 0; v < D / 16; ++v) out[v] = Vec16<T>::load(p + 16 * v);
   }
+  static void load_part(const T* p, int r, __m512* out) { out[0] = Vec16<T>::load(p + 16 * r); }
 };
 template <int D>
 struct RowLoad<c10::BFloat16, D> {
   static constexpr bool kPaired = D % 32 == 0;
+  static constexpr int kPart = kPaired ? 2 : 1;
+  static void load_part(const c10::BFloat16* p, int r, __m512* out) {
+    if constexpr (kPaired) {
+      const __m512i x = _mm512_loadu_si512(reinterpret_cast<const void*>(p + 32 * r));
+      out[0] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+      out[1] = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xFFFF0000u)));
+    } else {
+      out[0] = Vec16<c10::BFloat16>::load(p + 16 * r);
+    }
+  }
   static constexpr int lane_of(int e) {
     return kPaired ? (2 * (e / 32) + (e % 2)) * 16 + (e % 32) / 2 : e;
   }
@@ -235,13 +248,15 @@ void attend_vec(const float* __restrict qs, const uint16_t* __restrict qb, float
     // core's few outstanding misses.
     const int64_t n_next = std::min<int64_t>(kTile, k_end - t0 - kTile);
     if (n_next > 0) walk.next(n_next, next_slot);
+    // past the next tile's keys, "prefetch" this tile's own rows (in cache already): the key loops
+    // below then prefetch unconditionally, and with no branch in them GCC keeps a head's
+    // accumulators in registers (with `if (j < n_next)` it stored all 12 to the stack every key and
+    // kept one in memory, a store-to-load chain per key)
+    for (int64_t j = std::max<int64_t>(n_next, 0); j < n; ++j) next_slot[j] = slot[j];
     for (int64_t h = 0; h < Hkv; ++h) {
       const T* __restrict kh = kc + h * D;
       const T* __restrict vh = vc + h * D;
       float* __restrict ah = acc + h * kG * D;
-      __m512 a[kG][V];
-      for (int g = 0; g < kG; ++g)
-        for (int v = 0; v < V; ++v) a[g][v] = _mm512_loadu_ps(ah + g * D + 16 * v);
       if constexpr (kDot) {
         constexpr int W = D / 32;  // 512-bit words of bf16 per row
         __m512i q[kG][W];
@@ -249,7 +264,7 @@ void attend_vec(const float* __restrict qs, const uint16_t* __restrict qb, float
           for (int w = 0; w < W; ++w) q[g][w] = _mm512_loadu_si512(qb + (h * kG + g) * D + 32 * w);
         alignas(64) float part[kG][kTile][16];  // per key, 16 partial sums of its score
         for (int64_t j = 0; j < n; ++j) {
-          if (j < n_next) prefetch_row<T, D>(kh + next_slot[j]);
+          prefetch_row<T, D>(kh + next_slot[j]);
           __m512i k[W];
           for (int w = 0; w < W; ++w) k[w] = _mm512_loadu_si512(reinterpret_cast<const void*>(kh + slot[j] + 32 * w));
           for (int g = 0; g < kG; ++g) {
@@ -268,7 +283,7 @@ void attend_vec(const float* __restrict qs, const uint16_t* __restrict qb, float
         for (int g = 0; g < kG; ++g)
           for (int v = 0; v < V; ++v) q[g][v] = _mm512_loadu_ps(qs + (h * kG + g) * D + 16 * v);
         for (int64_t j = 0; j < n; ++j) {
-          if (j < n_next) prefetch_row<T, D>(kh + next_slot[j]);
+          prefetch_row<T, D>(kh + next_slot[j]);
           __m512 k[V];
           Row::load(kh + slot[j], k);
           for (int g = 0; g < kG; ++g) {
@@ -278,24 +293,35 @@ void attend_vec(const float* __restrict qs, const uint16_t* __restrict qb, float
           }
         }
       }
-      for (int g = 0; g < kG; ++g) {
-        const float rescale = softmax_tile(s[g], n, &m[h * kG + g], &l[h * kG + g]);
-        if (rescale != 1.f) {
-          const __m512 r = _mm512_set1_ps(rescale);
-          for (int v = 0; v < V; ++v) a[g][v] = _mm512_mul_ps(a[g][v], r);
+      float rescale[kG];
+      for (int g = 0; g < kG; ++g) rescale[g] = softmax_tile(s[g], n, &m[h * kG + g], &l[h * kG + g]);
+      // P V one part of the rows at a time (Row::kPart vectors: one 512-bit read), the kG x kPart
+      // accumulators in registers over the tile's keys, the first part prefetching the next tile's
+      // V rows. (All D / 16 vectors at once, GCC kept a shadow copy of each accumulator and stored
+      // all of them to the stack every key, one living in memory: a store-to-load chain per key.)
+      // Each accumulator sees the same rescale and FMAs in the same order as before: same bits.
+      constexpr int P = Row::kPart;
+      auto pv_part = [&](int r, auto prefetch) {
+        __m512 a[kG][P];
+        for (int g = 0; g < kG; ++g)
+          for (int i = 0; i < P; ++i) {
+            a[g][i] = _mm512_loadu_ps(ah + g * D + 16 * (r * P + i));
+            if (rescale[g] != 1.f) a[g][i] = _mm512_mul_ps(a[g][i], _mm512_set1_ps(rescale[g]));
+          }
+        for (int64_t j = 0; j < n; ++j) {
+          if constexpr (decltype(prefetch)::value) prefetch_row<T, D>(vh + next_slot[j]);
+          __m512 row[P];
+          Row::load_part(vh + slot[j], r, row);
+          for (int g = 0; g < kG; ++g) {
+            const __m512 p = _mm512_set1_ps(s[g][j]);
+            for (int i = 0; i < P; ++i) a[g][i] = _mm512_fmadd_ps(p, row[i], a[g][i]);
+          }
         }
-      }
-      for (int64_t j = 0; j < n; ++j) {
-        if (j < n_next) prefetch_row<T, D>(vh + next_slot[j]);
-        __m512 row[V];
-        Row::load(vh + slot[j], row);
-        for (int g = 0; g < kG; ++g) {
-          const __m512 p = _mm512_set1_ps(s[g][j]);
-          for (int v = 0; v < V; ++v) a[g][v] = _mm512_fmadd_ps(p, row[v], a[g][v]);
-        }
-      }
-      for (int g = 0; g < kG; ++g)
-        for (int v = 0; v < V; ++v) _mm512_storeu_ps(ah + g * D + 16 * v, a[g][v]);
+        for (int g = 0; g < kG; ++g)
+          for (int i = 0; i < P; ++i) _mm512_storeu_ps(ah + g * D + 16 * (r * P + i), a[g][i]);
+      };
+      pv_part(0, std::true_type{});
+      for (int r = 1; r < V / P; ++r) pv_part(r, std::false_type{});
     }
     std::memcpy(slot, next_slot, sizeof(slot));
     n = n_next;
