@@ -72,7 +72,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) // tp))
             keep_freed_memory_in_heap()
             if config.cpu_paged_attention:
-                paged_attention_op()  # built (once per machine, ~20 s) or loaded now, not in the first request
+                paged_attention_op()  # built (once per machine, ~45 s) or loaded now, not in the first request
         tiled_gemv.set_enabled(config.cpu_tiled_gemv, config.cpu_int8_activations)  # read as GGUF weights are packed at load
         fused_elementwise.set_enabled(config.cpu_fused_elementwise)
         causal_attention.set_enabled(config.cpu_flash_attention)

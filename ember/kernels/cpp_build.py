@@ -1,13 +1,15 @@
 """Building ember's C++ CPU kernels with torch.utils.cpp_extension (g++ and ninja).
 
-Each kernel is built once per machine, the first time an engine needs it (~20 s each), then
-loaded from torch's extension dir. The build name carries a hash of the CPU's flags and of the
-source, since the code is compiled with -march=native and a changed source must not load an
-old build. Builds in several processes at once (a test suite's server subprocesses) are serialised
-by an flock on the build dir, which the kernel releases when its holder dies: torch's own lock
-file outlives a process killed mid-build, and every later build would wait on it forever.
-Where a build fails (no compiler, no ninja), the caller gets None, a warning says
-why, and the torch path runs instead.
+Each kernel is built once per machine, the first time an engine needs it, then loaded from
+torch's extension dir: on 2 Zen4 cores ~8-12 s each, the paged attention kernel's two units ~45 s.
+The kernels include ATen's core headers, not torch/extension.h (pybind11 and the whole C++ API:
+~20 s of parsing per unit; all four cold builds took 241 s with it, 72 s without). The build
+name carries a hash of the CPU's flags and of the sources, since the code is compiled with
+-march=native and a changed source must not load an old build. Builds in several processes at
+once (a test suite's server subprocesses) are serialised by an flock on the build dir, which the
+kernel releases when its holder dies: torch's own lock file outlives a process killed mid-build,
+and every later build would wait on it forever. Where a build fails (no compiler, no ninja), the
+caller gets None, a warning says why, and the torch path runs instead.
 """
 from __future__ import annotations
 
@@ -59,12 +61,12 @@ def _put_ninja_on_path() -> None:
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
 
-def build_name(source: str) -> str:
-    """The extension's name: the source's, tagged with a hash of the CPU's flags, the source and
-    the headers beside it (a changed header must not load an old build)."""
+def build_name(source: str, more_sources: tuple[str, ...] = ()) -> str:
+    """The extension's name: the source's, tagged with a hash of the CPU's flags, the sources and
+    the headers beside them (a changed header must not load an old build)."""
     here = os.path.dirname(__file__)
     digest = hashlib.sha1(_cpu_flags().encode())
-    for name in [source] + sorted(n for n in os.listdir(here) if n.endswith(".h")):
+    for name in [source, *more_sources] + sorted(n for n in os.listdir(here) if n.endswith(".h")):
         with open(os.path.join(here, name), "rb") as f:
             digest.update(f.read())
     return f"ember_{os.path.splitext(source)[0]}_{digest.hexdigest()[:8]}"
@@ -99,23 +101,25 @@ def _exclusive_build(build_dir: str):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def build(source: str, what: str, python_module: bool = True, fakes: dict[str, Callable] | None = None):
-    """Compile and load `source` (a .cpp beside this file): its pybind module, or True once its
-    TORCH_LIBRARY ops are registered (python_module=False), with `fakes` (op name -> fake kernel,
-    the shapes torch.compile traces with) registered for them. None where it cannot be built."""
+def build(source: str, what: str, python_module: bool = True, fakes: dict[str, Callable] | None = None,
+          more_sources: tuple[str, ...] = ()):
+    """Compile and load `source` (a .cpp beside this file, linked with `more_sources`, which ninja
+    compiles at the same time): its pybind module, or True once its TORCH_LIBRARY ops are
+    registered (python_module=False), with `fakes` (op name -> fake kernel, the shapes
+    torch.compile traces with) registered for them. None where it cannot be built."""
     if source in _built:
         return _built[source]
-    path = os.path.join(os.path.dirname(__file__), source)
+    here = os.path.dirname(__file__)
     result = None
     try:
         from torch.utils.cpp_extension import load
 
         _put_ninja_on_path()
         t0 = time.perf_counter()
-        name = build_name(source)
+        name = build_name(source, more_sources)
         build_dir = _build_directory(name)
         with _exclusive_build(build_dir):
-            module = load(name=name, sources=[path], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            module = load(name=name, sources=[os.path.join(here, s) for s in (source, *more_sources)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
                           extra_ldflags=["-fopenmp"], is_python_module=python_module, verbose=False,
                           build_directory=build_dir)
         result = module if python_module else True

@@ -7,7 +7,9 @@
 // what one vdpbf16ps needs: K as 32-bit words (K[key][2p], K[key][2p+1]) for 16 keys side by
 // side, V as words (V[2j][d], V[2j+1][d]) for 16 d side by side. Query rows are broadcast a word
 // (2 bf16) at a time; probabilities are rounded to bf16 pairs (keys 2j, 2j+1) the same way.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -108,7 +110,7 @@ inline void tile_step(const uint32_t* __restrict qw, int64_t q_stride_w, const u
 }
 
 template <int D, int R>
-void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale, torch::Tensor& out) {
+void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, at::Tensor& out) {
   const int64_t n = q.size(0), Hq = q.size(1), S = k.size(0), Hkv = k.size(1), G = Hq / Hkv, ctx = S - n;
   const int64_t S_pad = (S + kKeys - 1) / kKeys * kKeys;
   const auto* qb = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
@@ -166,8 +168,8 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
 }
 
 template <int D>
-void dispatch_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale,
-                   torch::Tensor& out) {
+void dispatch_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                   at::Tensor& out) {
   // R query heads of a group at a time, R | G: their accumulators (R * D / 16 vectors) and scores
   // (2 R) stay in registers through a tile. At most 16 accumulator vectors.
   const int64_t G = q.size(1) / k.size(1);
@@ -188,7 +190,7 @@ void dispatch_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::
 // q [n, Hq, D] bf16 at positions S-n .. S-1 over k / v [S, Hkv, D] bf16 (positions 0 .. S-1): query
 // i sees keys <= S - n + i. Rows may be strided (the fused qkv projection's views); each row's heads
 // contiguous. Returns [n, Hq, D] bf16, the softmax scale applied to the float32 scores.
-torch::Tensor causal_attention_bf16(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+at::Tensor causal_attention_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                     double scale) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
               "q, k, v must be bf16");
@@ -196,7 +198,7 @@ torch::Tensor causal_attention_bf16(const torch::Tensor& q, const torch::Tensor&
   const int64_t D = q.size(2);
   TORCH_CHECK(k.size(2) == D && q.size(1) % k.size(1) == 0 && k.size(0) >= q.size(0), "head shapes do not match");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D, "q: rows of [Hq, D]");
-  auto out = torch::empty({q.size(0), q.size(1), D}, q.options());
+  auto out = at::empty({q.size(0), q.size(1), D}, q.options());
   if (q.size(0) == 0) return out;
   switch (D) {  // keep in step with HEAD_SIZES in cpu_causal_attention.py
     case 16: dispatch_rows<16>(q, k, v, scale, out); break;

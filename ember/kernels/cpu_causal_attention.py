@@ -44,7 +44,7 @@ def set_enabled(on: bool) -> None:
 
 
 def flash_available() -> bool:
-    """The C++ kernel can run here (builds it on the first call, ~20 s once per machine)."""
+    """The C++ kernel can run here (builds it on the first call, ~12 s once per machine)."""
     return (has_cpu_flags("avx512f", "avx512_bf16")
             and build("cpu_causal_attention.cpp", "CPU prefill attention kernel", python_module=False,
                       fakes=FAKES) is not None)

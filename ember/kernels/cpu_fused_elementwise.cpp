@@ -5,7 +5,9 @@
 // written once. Rounding is torch's, op for op, so outputs match the eager ops bit for bit but
 // for the float32 sum order inside the norm and the exp polynomial (rare 1-ulp bf16 differences).
 // See cpu_fused_elementwise.py for when they run.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -79,19 +81,19 @@ void norm_row(const c10::BFloat16* x, const c10::BFloat16* r, const c10::BFloat1
 
 // x [T, H] bf16 (rows contiguous), residual [T, H] bf16 or undefined, weight [H] bf16 ->
 // (norm [T, H], x + residual [T, H]; the second is empty without a residual).
-std::tuple<torch::Tensor, torch::Tensor> rms_norm_bf16(const torch::Tensor& x, const c10::optional<torch::Tensor>& residual,
-                                                       const torch::Tensor& weight, double eps) {
+std::tuple<at::Tensor, at::Tensor> rms_norm_bf16(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                                       const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "bf16 tensors only");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.is_contiguous() && weight.size(0) == x.size(1), "x [T, H] rows contiguous, weight [H]");
   const bool has_res = residual.has_value() && residual->defined();
-  torch::Tensor r;
+  at::Tensor r;
   if (has_res) {
     r = residual->contiguous();
     TORCH_CHECK(r.scalar_type() == at::kBFloat16 && r.sizes() == x.sizes(), "residual must match x");
   }
   const int64_t T = x.size(0), H = x.size(1), xs = x.stride(0);
-  auto out = torch::empty({T, H}, x.options());
-  auto sum = has_res ? torch::empty({T, H}, x.options()) : torch::empty({0}, x.options());
+  auto out = at::empty({T, H}, x.options());
+  auto sum = has_res ? at::empty({T, H}, x.options()) : at::empty({0}, x.options());
   const auto* xp = x.data_ptr<c10::BFloat16>();
   const auto* rp = has_res ? r.data_ptr<c10::BFloat16>() : nullptr;
   const auto* wp = weight.data_ptr<c10::BFloat16>();
@@ -106,11 +108,11 @@ std::tuple<torch::Tensor, torch::Tensor> rms_norm_bf16(const torch::Tensor& x, c
 
 // x [T, 2I] bf16 (gate | up, rows contiguous) -> bf16(bf16(silu(gate)) * up) [T, I]: the roundings of
 // F.silu(gate) * up in bf16.
-torch::Tensor silu_and_mul_bf16(const torch::Tensor& x) {
+at::Tensor silu_and_mul_bf16(const at::Tensor& x) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0,
               "x [T, 2I] bf16, rows contiguous");
   const int64_t T = x.size(0), I = x.size(1) / 2, xs = x.stride(0);
-  auto out = torch::empty({T, I}, x.options());
+  auto out = at::empty({T, I}, x.options());
   const auto* xp = x.data_ptr<c10::BFloat16>();
   auto* op = out.data_ptr<c10::BFloat16>();
   at::parallel_for(0, T, 4, [&](int64_t b, int64_t e) {
@@ -132,7 +134,7 @@ torch::Tensor silu_and_mul_bf16(const torch::Tensor& x) {
 // x [T, H, D] bf16 (each row's heads contiguous), cos / sin [T, R/2] bf16 -> [T, H, D] bf16: the first
 // R dims rotated (NEOX halves), the rest copied. The roundings of apply_rotary's bf16 ops:
 // out1 = bf16(bf16(x1 * c) - bf16(x2 * s)), out2 = bf16(bf16(x2 * c) + bf16(x1 * s)).
-torch::Tensor rotary_bf16(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+at::Tensor rotary_bf16(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16,
               "bf16 tensors only");
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "x [T, H, D], each row's heads contiguous");
@@ -140,7 +142,7 @@ torch::Tensor rotary_bf16(const torch::Tensor& x, const torch::Tensor& cos, cons
                   cos.size(0) == x.size(0) && 2 * cos.size(1) <= x.size(2),
               "cos / sin [T, R/2] contiguous, R <= D");
   const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = cos.size(1), xs = x.stride(0);
-  auto out = torch::empty({T, H, D}, x.options());
+  auto out = at::empty({T, H, D}, x.options());
   const auto* xp = x.data_ptr<c10::BFloat16>();
   const auto* cp = cos.data_ptr<c10::BFloat16>();
   const auto* sp = sin.data_ptr<c10::BFloat16>();

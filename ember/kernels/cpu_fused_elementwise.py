@@ -11,7 +11,7 @@ norm, after the weight; bf16 after SiLU, after the product; bf16 after each rota
 sum), so outputs match them but for rare 1-ulp bf16 differences (float32 sum order, a 2-ulp
 exp); the rotary embedding matches bit for bit.
 
-They run where x is bf16 on CPU with AVX-512 and the kernel built (~20 s once per machine, like
+They run where x is bf16 on CPU with AVX-512 and the kernel built (~8 s once per machine, like
 the attention kernel), and not inside torch.compile: inductor fuses these ops itself there.
 set_enabled(False) (the engine's --no-cpu-fused-elementwise) keeps the torch ops.
 """

@@ -19,7 +19,9 @@
 // bf16 of 128 + c by (w & 15) | 0x4300, so the tile sums (128 + c) x and the offset absorbs -128.
 // AVX2: each 128-bit half of a run (8 rows x 2 inputs) widened to words in-lane: dword i is row i's
 // code pair for inputs (2p, 2p + 1), the pair layout vpmaddwd multiplies against int16 (x[2p], x[2p + 1]).
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 

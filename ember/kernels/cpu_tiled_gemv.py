@@ -103,7 +103,7 @@ def has_q8() -> bool:
 
 
 def available() -> bool:
-    """True when the op can run here (builds it on first call: ~20 s once per machine)."""
+    """True when the op can run here (builds it on first call: ~10 s once per machine)."""
     return (x_dtype() is not None
             and build("cpu_tiled_gemv.cpp", "CPU GEMV kernel", python_module=False,
                       fakes={"ember_cpu::tiled_gemv": _fake_gemv, "ember_cpu::tiled_gemm_q8": _fake_gemv}) is not None)
