@@ -19,7 +19,6 @@ import functools
 import hashlib
 import logging
 import os
-import sys
 import time
 from typing import Callable
 
@@ -73,32 +72,23 @@ def build_name(source: str, more_sources: tuple[str, ...] = ()) -> str:
 
 
 def _build_directory(name: str) -> str:
-    """Where torch's load() would build `name` by itself (so an earlier build is found)."""
-    from torch.utils.cpp_extension import get_default_build_root
+    """Where torch's load() builds `name` by itself (so an earlier build is found): its own rule."""
+    from torch.utils.cpp_extension import _get_build_directory
 
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if root is None:
-        py = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
-        root = os.path.join(get_default_build_root(), f"{py}_cpu")
-    path = os.path.join(root, name)
-    os.makedirs(path, exist_ok=True)
-    return path
+    return _get_build_directory(name, verbose=False)
 
 
 @contextlib.contextmanager
 def _exclusive_build(build_dir: str):
     """Hold an flock on build_dir; under it, a torch `lock` file left there is stale (its builder
     held this flock too, and died) and is removed, so torch's wait on it cannot hang."""
-    with open(os.path.join(build_dir, "ember.flock"), "w") as f:
+    with open(os.path.join(build_dir, "ember.flock"), "w") as f:  # closing it releases the flock
         fcntl.flock(f, fcntl.LOCK_EX)
         stale = os.path.join(build_dir, "lock")
         if os.path.exists(stale):
             logger.warning("ember: removing a stale build lock %s (a build was killed midway)", stale)
             os.remove(stale)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+        yield
 
 
 def build(source: str, what: str, python_module: bool = True, fakes: dict[str, Callable] | None = None,
@@ -119,9 +109,9 @@ def build(source: str, what: str, python_module: bool = True, fakes: dict[str, C
         name = build_name(source, more_sources)
         build_dir = _build_directory(name)
         with _exclusive_build(build_dir):
-            module = load(name=name, sources=[os.path.join(here, s) for s in (source, *more_sources)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                          extra_ldflags=["-fopenmp"], is_python_module=python_module, verbose=False,
-                          build_directory=build_dir)
+            module = load(name=name, sources=[os.path.join(here, s) for s in (source, *more_sources)],
+                          extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                          is_python_module=python_module, verbose=False, build_directory=build_dir)
         result = module if python_module else True
         for op, fake in (fakes or {}).items():
             torch.library.register_fake(op)(fake)

@@ -191,7 +191,7 @@ void dispatch_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
 // i sees keys <= S - n + i. Rows may be strided (the fused qkv projection's views); each row's heads
 // contiguous. Returns [n, Hq, D] bf16, the softmax scale applied to the float32 scores.
 at::Tensor causal_attention_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                    double scale) {
+                                 double scale) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
               "q, k, v must be bf16");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes(), "q [n, Hq, D], k / v [S, Hkv, D]");

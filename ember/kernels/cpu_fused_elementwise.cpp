@@ -82,7 +82,7 @@ void norm_row(const c10::BFloat16* x, const c10::BFloat16* r, const c10::BFloat1
 // x [T, H] bf16 (rows contiguous), residual [T, H] bf16 or undefined, weight [H] bf16 ->
 // (norm [T, H], x + residual [T, H]; the second is empty without a residual).
 std::tuple<at::Tensor, at::Tensor> rms_norm_bf16(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
-                                                       const at::Tensor& weight, double eps) {
+                                                 const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "bf16 tensors only");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.is_contiguous() && weight.size(0) == x.size(1), "x [T, H] rows contiguous, weight [H]");
   const bool has_res = residual.has_value() && residual->defined();

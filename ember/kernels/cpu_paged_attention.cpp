@@ -9,7 +9,7 @@
 // [B, W] int32; seq_idx [T] int32 (query i reads block_tables[seq_idx[i]]); kv_lens [T] int32
 // (query i sees keys 0 .. kv_lens[i]-1); scale multiplies the scores. Returns [T, Hq, D] float32.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
-                              const at::Tensor& seq_idx, const at::Tensor& kv_lens, double scale) {
+                           const at::Tensor& seq_idx, const at::Tensor& kv_lens, double scale) {
   TORCH_CHECK((q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) && q.is_contiguous(),
               "q must be contiguous float32 or bf16");
   TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5, "kv_cache must be contiguous [2, NB, bs, Hkv, D]");
