@@ -22,6 +22,7 @@ from ember.engine.step_executor import attention_backend_of, build_executor, res
 from ember.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from ember.kernels import cpu_causal_attention as causal_attention
 from ember.kernels import cpu_fused_elementwise as fused_elementwise
+from ember.kernels import cpu_row_top
 from ember.kernels import cpu_tiled_gemv as tiled_gemv
 from ember.kernels.cpu_paged_attention import paged_attention_op
 from ember.layers.attention import resolve_kv_cache_dtype
@@ -73,6 +74,7 @@ class LLMEngine:
             keep_freed_memory_in_heap()
             if config.cpu_paged_attention:
                 paged_attention_op()  # built (once per machine, ~45 s) or loaded now, not in the first request
+            cpu_row_top.available()  # the sampler's argmax, likewise (~5 s once)
         tiled_gemv.set_enabled(config.cpu_tiled_gemv, config.cpu_int8_activations)  # read as GGUF weights are packed at load
         fused_elementwise.set_enabled(config.cpu_fused_elementwise)
         causal_attention.set_enabled(config.cpu_flash_attention)

@@ -17,6 +17,8 @@
 #define EMBER_ATTEND_AVX2 1
 #endif
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -202,9 +204,12 @@ inline __m512 sum_lanes_of_16(const float (*x)[16]) {
   return v[0];
 }
 
+// Into L2 (T1), not L1: a T0 prefetch that misses holds one of L1's few miss buffers until DRAM
+// answers, so a tile's 192 lines queued behind them and stalled the loads; L2 has more. Decode
+// attention, 64 sequences x 384 keys, default model, 2 Zen4 threads: 1.55-1.79 -> 0.92-1.32 ms a layer.
 template <typename T, int D>
 inline void prefetch_row(const T* p) {
-  for (int b = 0; b < D * (int)sizeof(T); b += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + b, _MM_HINT_T0);
+  for (int b = 0; b < D * (int)sizeof(T); b += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + b, _MM_HINT_T1);
 }
 
 // One query against keys k_begin .. k_end - 1 of its sequence, every kv head in one task: a tile's
@@ -530,8 +535,16 @@ void split_tasks(int64_t Tq, int64_t Hq, int64_t D, const int32_t* lens, float* 
   int64_t S = std::max<int64_t>(1, std::min<int64_t>((2 * threads + Tq - 1) / Tq, longest / kMinSplit));
   if (Tq == 1 && S > threads) S -= S % threads;  // whole rounds: 3 parts on 2 threads take 2 parts' time
   if (S == 1) {
-    at::parallel_for(0, Tq, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
+    // Longest context first, each thread taking the next query when it is free: a thread's
+    // contiguous share of the batch (parallel_for's split) could hold several times the keys of
+    // another's (prompts of 128-640 tokens, 64 sequences: ~7% of a layer's time waiting).
+    std::vector<int32_t> order(Tq);
+    for (int64_t i = 0; i < Tq; ++i) order[i] = (int32_t)i;
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return lens[a] > lens[b]; });
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, std::min<int64_t>(threads, Tq), 1, [&](int64_t, int64_t) {
+      for (int64_t k; (k = next.fetch_add(1)) < Tq;) {
+        const int64_t i = order[k];
         one(i, 0, lens[i], o + i * Hq * D, nullptr, nullptr);
         done(i);
       }

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ember.kernels import cpu_row_top
 from ember.outputs import Logprob, PositionLogprobs
 from ember.sampling import SamplingParams
 
@@ -52,7 +53,7 @@ class Sampler:
 
         penalised, banned, randoms, want_lp = _plan(rows)
         if not (penalised or banned or randoms or want_lp):  # the common all-greedy decode
-            return [SampledToken(t) for t in logits.argmax(dim=-1).tolist()]
+            return [SampledToken(t) for t in cpu_row_top.argmax(logits).tolist()]
 
         work = _process(logits, rows, penalised, banned)
         tokens = self._choose(work, rows, randoms)
@@ -63,10 +64,10 @@ class Sampler:
     def _choose(work: torch.Tensor, rows: list[SamplingRow], randoms: list[int]) -> list[int]:
         B = work.shape[0]
         if not randoms:
-            return work.argmax(dim=-1).tolist()
+            return cpu_row_top.argmax(work).tolist()
         if len(randoms) == B:
             return _sample(work, [rows[i] for i in randoms]).tolist()
-        tokens = work.argmax(dim=-1)  # greedy rows; random rows are overwritten below
+        tokens = cpu_row_top.argmax(work)  # greedy rows; random rows are overwritten below
         idx = torch.tensor(randoms, device=work.device)
         tokens[idx] = _sample(work[idx], [rows[i] for i in randoms])
         return tokens.tolist()
@@ -173,7 +174,7 @@ def _sample(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Temperature and filters, then an exponential race. x is not modified."""
     probs = target_probs(x, [r.params for r in rows])
     q = exponential_noise(probs, rows)
-    return (probs / q).argmax(dim=-1)
+    return cpu_row_top.argmax(probs / q)
 
 
 def apply_filters(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

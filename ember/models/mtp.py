@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember.kernels import cpu_row_top
 from ember.kernels.metadata import AttentionMetadata, RowSelection
 from ember.layers.embedding import LMHead
 from ember.layers.linear import ReplicatedLinear
@@ -328,5 +329,5 @@ class MTPModule(nn.Module):
     def propose_greedy(self, g: torch.Tensor, step: int = 0) -> torch.Tensor:
         """[N, H] -> the argmax draft token ids [N] (int64), read through the draft vocabulary."""
         logits, ids = self.compute_draft_logits(g, step)
-        top = logits.argmax(dim=-1)
+        top = cpu_row_top.argmax(logits)
         return top if ids is None else ids[top]

@@ -53,6 +53,7 @@ from gguf import GGMLQuantizationType as T
 from torch import nn
 
 from ember.errors import ModelLoadError
+from ember.kernels import cpu_row_top
 from ember.kernels import cpu_tiled_gemv as tiled_gemv
 from ember.layers.activation import silu_and_mul
 from ember.layers.linear import QuantMethod, new_param
@@ -473,7 +474,7 @@ class GGUFEmbeddingMethod:
         if 0 < n <= REFINE_MAX_ROWS:
             # bf16 logits keep ~3 digits (an ulp is 0.125 at 25), so near-ties at the top would be
             # settled by rounding: recompute the leading candidates in float32 from their rows.
-            idx = y.topk(min(REFINE_TOP_K, y.shape[1]), dim=1).indices  # [n, k]
+            idx = cpu_row_top.topk_indices(y, min(REFINE_TOP_K, y.shape[1]))  # [n, k]
             w = self.part.rows(idx.reshape(-1)).view(n, idx.shape[1], -1)
             y.scatter_(1, idx, torch.bmm(w, hidden.float().unsqueeze(-1)).squeeze(-1))
         return y

@@ -55,6 +55,7 @@ import torch
 from ember.engine.request import Request, RequestStatus
 from ember.engine.runner import select_rows
 from ember.errors import ConfigError
+from ember.kernels import cpu_row_top
 from ember.kernels.metadata import AttentionMetadata
 from ember.layers.attention import is_fp8
 from ember.layers.sampler import make_generator, target_probs
@@ -248,7 +249,7 @@ class DraftModelProposer:
 
     def _pick(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[torch.Tensor | None]]:
         """One draft token per row: the argmax for a greedy request, else a draw from q (returned)."""
-        toks = logits.argmax(dim=-1).tolist()
+        toks = cpu_row_top.argmax(logits).tolist()
         probs: list[torch.Tensor | None] = [None] * len(reqs)
         rnd = [i for i, r in enumerate(reqs) if not r.sampling_params.greedy]
         if not rnd:

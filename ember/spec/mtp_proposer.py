@@ -50,6 +50,7 @@ import torch
 
 from ember.engine.request import Request, RequestStatus
 from ember.engine.runner import select_rows
+from ember.kernels import cpu_row_top
 from ember.kernels.metadata import AttentionMetadata
 from ember.spec.proposer import Draft
 
@@ -232,7 +233,7 @@ class MTPProposer:
             if propose is not None:
                 return propose(g, step), [None] * len(reqs)
         logits, ids = self.mtp.compute_draft_logits(g, step)  # [N, V_draft] (or [N, V], ids None)
-        cols = logits.argmax(dim=-1)
+        cols = cpu_row_top.argmax(logits)
         qs: list = [None] * len(reqs)
         if sampled:
             vocab = self.mtp._lm_head.vocab_size

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ember.kernels import cpu_row_top
 from ember.layers.sampler import (SampledToken, SamplingRow, exponential_noise, gather_logprobs, process_logits,
                                   target_probs)
 from ember.spec.proposer import Draft
@@ -52,7 +53,7 @@ class RejectionSampler:
         emitted: list[list[int]] = [[] for _ in reqs]
         greedy = [i for i, v in enumerate(reqs) if v.rows[0].params.greedy]
         if greedy:
-            target = work.argmax(dim=-1).tolist()
+            target = cpu_row_top.argmax(work).tolist()
             for i in greedy:
                 x, t = reqs[i].draft.token_ids, target[starts[i]:starts[i] + len(reqs[i].rows)]
                 a = _num_accepted([xj == tj for xj, tj in zip(x, t)])
@@ -133,7 +134,7 @@ def _verify_random(work: torch.Tensor, reqs: list[VerifyRequest], idx: list[int]
             dist[n] = probs[final_rows[n]]
     # Exponential race (unnormalised is fine: argmax of dist / E is a sample of dist / sum).
     gen_rows = [reqs[i].rows[0] for i in idx]
-    tokens = (dist / exponential_noise(dist, gen_rows)).argmax(dim=-1).tolist()
+    tokens = cpu_row_top.argmax(dist / exponential_noise(dist, gen_rows)).tolist()
     return [reqs[i].draft.token_ids[:accepted[n]] + [tokens[n]] for n, i in enumerate(idx)]
 
 

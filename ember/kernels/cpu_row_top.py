@@ -1,0 +1,45 @@
+"""Argmax and small top-k over float32 logit rows on CPU (cpu_row_top.cpp).
+
+Why: every decode step picks the greedy tokens (argmax) of its [B, V] logits, and a quantized LM
+head first finds each row's leading candidates (top-8) to recompute them in float32
+(GGUFEmbeddingMethod.refine). torch's CPU argmax and topk take an element at a time: 2.6 and 2.7 ms
+for the throughput bench's [64, 49152] on 2 Zen4 threads, ~4% of a decode step, against ~0.3 ms
+for a vector pass over rows that are still in cache (benchmarks/cpu.md, Levers).
+
+argmax() is torch.argmax(x, -1) exactly (first index of the max; a NaN counts as the max).
+topk_indices() returns the k largest's indices, largest first, equal values in index order;
+unlike torch.topk it never picks a NaN. Both fall back to torch where the kernel does not apply
+(not AVX-512, not float32 2-D contiguous CPU rows, inside torch.compile, or not built).
+"""
+from __future__ import annotations
+
+import torch
+
+from ember.kernels.cpp_build import build, has_cpu_flags
+
+FAKES = {"ember_cpu::argmax_rows": lambda x: x.new_empty((x.shape[0],), dtype=torch.int64),
+         "ember_cpu::topk_rows": lambda x, k: (x.new_empty((x.shape[0], k)),
+                                               x.new_empty((x.shape[0], k), dtype=torch.int64))}
+
+
+def available() -> bool:
+    """The ops can run here (builds them on the first call, ~5 s once per machine)."""
+    return (has_cpu_flags("avx512f")
+            and build("cpu_row_top.cpp", "CPU row argmax/top-k kernels", python_module=False, fakes=FAKES) is not None)
+
+
+def _applies(x: torch.Tensor) -> bool:
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] > 0
+            and x.is_contiguous() and not torch.compiler.is_compiling() and available())
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) of [n, V] rows, int64 [n]."""
+    return torch.ops.ember_cpu.argmax_rows(x) if _applies(x) else x.argmax(dim=-1)
+
+
+def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices [n, k] of each row's k largest values (k <= V), largest first."""
+    if _applies(x):
+        return torch.ops.ember_cpu.topk_rows(x, k)[1]
+    return x.topk(k, dim=-1).indices

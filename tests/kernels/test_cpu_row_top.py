@@ -1,0 +1,77 @@
+"""The CPU row argmax / top-k kernels (ember/kernels/cpu_row_top.*) against torch.argmax and
+torch.topk: the same indices on random logits, on rows whose length leaves a vector tail, with
+ties (first index wins), -inf, NaN (argmax: the first NaN, as torch), and the fallback where the
+kernel does not apply."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ember.kernels import cpu_row_top
+from ember.kernels.cpp_build import has_cpu_flags
+
+# This project's machines (and CI's) are Zen4 with AVX-512; elsewhere the torch ops run.
+pytestmark = pytest.mark.skipif(not has_cpu_flags("avx512f"), reason="the row kernels need AVX-512")
+
+
+def kernel_ran(x: torch.Tensor) -> bool:
+    return cpu_row_top._applies(x)
+
+
+@pytest.mark.parametrize("n,V", [(1, 1), (3, 15), (5, 16), (4, 17), (64, 49152), (7, 151_937), (2, 1000)])
+def test_argmax_matches_torch(n, V):
+    x = torch.randn(n, V, generator=torch.Generator().manual_seed(V))
+    assert kernel_ran(x)
+    assert torch.equal(cpu_row_top.argmax(x), x.argmax(dim=-1))
+
+
+def test_argmax_ties_nan_and_inf():
+    x = torch.randn(6, 100, generator=torch.Generator().manual_seed(0))
+    x[0, [7, 40, 99]] = 50.0  # a tie: the first index
+    x[1] = float("-inf")  # all -inf: index 0
+    x[2, 13] = float("nan")  # torch ranks NaN first
+    x[2, 60] = float("nan")
+    x[3, 99] = float("inf")  # in the vector tail
+    x[4, 98] = float("nan")  # NaN only in the tail
+    x[5, :] = 3.0
+    got, want = cpu_row_top.argmax(x), x.argmax(dim=-1)
+    assert torch.equal(got, want), (got, want)
+    assert got.tolist()[:4] == [7, 0, 13, 99]
+
+
+@pytest.mark.parametrize("n,V,k", [(1, 8, 8), (3, 17, 5), (64, 49152, 8), (4, 151_937, 16), (2, 33, 1)])
+def test_topk_matches_torch(n, V, k):
+    x = torch.randn(n, V, generator=torch.Generator().manual_seed(k + V))
+    vals, idx = torch.ops.ember_cpu.topk_rows(x, k)
+    want = x.topk(k, dim=-1)
+    assert torch.equal(idx, want.indices) and torch.equal(vals, want.values)
+    assert torch.equal(cpu_row_top.topk_indices(x, k), want.indices)
+
+
+def test_topk_ascending_rows_and_ties():
+    # every element beats the list: the insertion path on each one
+    x = torch.arange(300, dtype=torch.float32).repeat(2, 1)
+    x[1] = x[1].flip(0)
+    assert torch.equal(cpu_row_top.topk_indices(x, 4), torch.tensor([[299, 298, 297, 296], [0, 1, 2, 3]]))
+    t = torch.zeros(1, 40)
+    t[0, [3, 30]] = 2.0
+    assert cpu_row_top.topk_indices(t, 3).tolist() == [[3, 30, 0]]  # equal values in index order
+    r = torch.full((1, 20), float("nan"))
+    r[0, 5], r[0, 17] = 1.0, 2.0
+    vals, idx = torch.ops.ember_cpu.topk_rows(r, 3)  # NaNs are never picked; the rest pads with -inf
+    assert idx.tolist() == [[17, 5, 0]] and vals[0, 2] == float("-inf")
+
+
+def test_falls_back_to_torch_where_the_kernel_does_not_apply():
+    x = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
+    for y in (x.to(torch.bfloat16), x.t(), x[0]):
+        assert not kernel_ran(y)
+        assert torch.equal(cpu_row_top.argmax(y), y.argmax(dim=-1))
+    assert torch.equal(cpu_row_top.topk_indices(x.t(), 3), x.t().topk(3, dim=-1).indices)
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(RuntimeError, match="k must be in"):
+        torch.ops.ember_cpu.topk_rows(torch.randn(2, 5), 6)
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        torch.ops.ember_cpu.argmax_rows(torch.randn(2, 5, dtype=torch.float64))
