@@ -205,8 +205,8 @@ inline __m512 sum_lanes_of_16(const float (*x)[16]) {
 }
 
 // Into L2 (T1), not L1: a T0 prefetch that misses holds one of L1's few miss buffers until DRAM
-// answers, so a tile's 192 lines queued behind them and stalled the loads; L2 has more. Decode
-// attention, 64 sequences x 384 keys, default model, 2 Zen4 threads: 1.55-1.79 -> 0.92-1.32 ms a layer.
+// answers, so a tile's 192 lines queued behind them and stalled the loads; L2 has more.
+// benchmarks/micro_paged_attention.py, 2 Zen4 threads: 1.55-1.87 -> 0.96-1.08 ms a layer.
 template <typename T, int D>
 inline void prefetch_row(const T* p) {
   for (int b = 0; b < D * (int)sizeof(T); b += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + b, _MM_HINT_T1);
@@ -536,8 +536,8 @@ void split_tasks(int64_t Tq, int64_t Hq, int64_t D, const int32_t* lens, float* 
   if (Tq == 1 && S > threads) S -= S % threads;  // whole rounds: 3 parts on 2 threads take 2 parts' time
   if (S == 1) {
     // Longest context first, each thread taking the next query when it is free: a thread's
-    // contiguous share of the batch (parallel_for's split) could hold several times the keys of
-    // another's (prompts of 128-640 tokens, 64 sequences: ~7% of a layer's time waiting).
+    // contiguous half of the batch (parallel_for's split) can hold more keys than the other's
+    // (the compare's 64 prompts of 128-512 tokens, seed 1000: 11,464 vs 9,365 keys).
     std::vector<int32_t> order(Tq);
     for (int64_t i = 0; i < Tq; ++i) order[i] = (int32_t)i;
     std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return lens[a] > lens[b]; });

@@ -68,8 +68,6 @@ void topk_row(const float* __restrict x, int64_t V, int64_t k, float* __restrict
   int64_t j = 0;
   for (; j < V && filled < k; ++j)
     if (!std::isnan(x[j])) insert(x[j], j);
-  for (; j < V && j % 16 != 0; ++j)
-    if (x[j] > vals[k - 1]) insert(x[j], j);
   if (filled < k) {  // fewer than k non-NaN values: the rest are -inf at index 0, as padding
     for (int64_t p = filled; p < k; ++p) {
       vals[p] = neg_inf;

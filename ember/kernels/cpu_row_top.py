@@ -2,9 +2,10 @@
 
 Why: every decode step picks the greedy tokens (argmax) of its [B, V] logits, and a quantized LM
 head first finds each row's leading candidates (top-8) to recompute them in float32
-(GGUFEmbeddingMethod.refine). torch's CPU argmax and topk take an element at a time: 2.6 and 2.7 ms
-for the throughput bench's [64, 49152] on 2 Zen4 threads, ~4% of a decode step, against ~0.3 ms
-for a vector pass over rows that are still in cache (benchmarks/cpu.md, Levers).
+(GGUFEmbeddingMethod.refine). torch's CPU argmax and topk take an element at a time: for the throughput bench's
+[64, 49152] on 2 Zen4 threads argmax 2.70 -> 0.22 ms and top-8 3.06 -> 0.17 ms here, ~4% of a
+64-row decode step (benchmarks/cpu.md, Levers). Never inside torch.compile (no fake kernels):
+the compiled graphs keep torch's ops.
 
 argmax() is torch.argmax(x, -1) exactly (first index of the max; a NaN counts as the max).
 topk_indices() returns the k largest's indices, largest first, equal values in index order;
@@ -17,15 +18,10 @@ import torch
 
 from ember.kernels.cpp_build import build, has_cpu_flags
 
-FAKES = {"ember_cpu::argmax_rows": lambda x: x.new_empty((x.shape[0],), dtype=torch.int64),
-         "ember_cpu::topk_rows": lambda x, k: (x.new_empty((x.shape[0], k)),
-                                               x.new_empty((x.shape[0], k), dtype=torch.int64))}
-
-
 def available() -> bool:
     """The ops can run here (builds them on the first call, ~5 s once per machine)."""
     return (has_cpu_flags("avx512f")
-            and build("cpu_row_top.cpp", "CPU row argmax/top-k kernels", python_module=False, fakes=FAKES) is not None)
+            and build("cpu_row_top.cpp", "CPU row argmax/top-k kernels", python_module=False) is not None)
 
 
 def _applies(x: torch.Tensor) -> bool:
