@@ -1,4 +1,7 @@
-"""Engine flags for every subcommand, generated from EngineConfig so CLI and LLM(**knobs) never drift."""
+"""Engine flags for every subcommand, generated from EngineConfig so CLI and LLM(**knobs) never drift.
+
+Each flag lands in the `--help` group of the sub-config it feeds (EngineConfig's field metadata).
+"""
 from __future__ import annotations
 
 import argparse
@@ -7,6 +10,9 @@ import types
 import typing
 
 from ember.config import EngineConfig
+
+GROUP_TITLES = {"load": "model loading", "cache": "KV cache", "scheduler": "scheduler", "executor": "executor",
+                "kernels": "kernels", "parallel": "parallelism", "speculative": "speculative decoding"}
 
 
 def _base_type(tp):
@@ -18,13 +24,19 @@ def _base_type(tp):
     return typing.get_origin(tp) or tp
 
 
+def _flags():
+    """EngineConfig's flag fields (not the sub-configs built from them)."""
+    return [f for f in dataclasses.fields(EngineConfig) if f.init]
+
+
 def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool = True) -> None:
-    group = parser.add_argument_group("engine")
-    for f in dataclasses.fields(EngineConfig):
+    groups = {key: parser.add_argument_group(f"engine: {title}") for key, title in GROUP_TITLES.items()}
+    for f in _flags():
         flag = "--" + f.name.replace("_", "-")
         help_ = f.metadata.get("help", "").replace("%", "%%")  # argparse formats help with %
         if f.name == "model" and positional_model:
             parser.add_argument("model_pos", nargs="?", metavar="MODEL", default=None, help=help_)
+        group = groups[f.metadata["group"]]
         tp = _base_type(f.type)
         kw: dict = {"dest": f.name, "default": argparse.SUPPRESS, "help": f"{help_} (default: {f.default})"}
         if tp is bool:
@@ -38,7 +50,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    knobs = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
+    knobs = {f.name: getattr(args, f.name) for f in _flags() if hasattr(args, f.name)}
     if getattr(args, "model_pos", None) is not None:
         knobs["model"] = args.model_pos
     return EngineConfig(**knobs)
@@ -48,7 +60,7 @@ def engine_args_to_words(args: argparse.Namespace) -> list[str]:
     """The engine flags that were given, back as command-line words (they default to SUPPRESS,
     so present = given): for recording a reproducible command or launching a server."""
     words = [args.model_pos] if getattr(args, "model_pos", None) else []
-    for f in dataclasses.fields(EngineConfig):
+    for f in _flags():
         if not hasattr(args, f.name):
             continue
         v, flag = getattr(args, f.name), "--" + f.name.replace("_", "-")

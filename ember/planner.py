@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 
 from ember.errors import ConfigError, KVCacheTooSmallError, ModelLoadError, UnsupportedModelError
 from ember.model_config import ModelConfig
+from ember.platform import available_ram_bytes, resolve_dtype_name
 
 GiB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -253,14 +254,6 @@ class Plan:
         return asdict(self)
 
 
-def resolve_dtype_name(dtype: str, device: str) -> str:
-    if dtype != "auto":
-        return dtype
-    from ember.config import cpu_has_avx512_bf16
-
-    return "bfloat16" if device == "cuda" or cpu_has_avx512_bf16() else "float32"
-
-
 def default_memory_gib(device: str) -> float:
     if device == "cuda":
         import torch
@@ -268,8 +261,6 @@ def default_memory_gib(device: str) -> float:
         if torch.cuda.is_available():
             return torch.cuda.get_device_properties(0).total_memory / GiB
         raise ConfigError("no CUDA device here to size from: pass --memory GiB (the GPU's memory)")
-    from ember.config import available_ram_bytes
-
     return available_ram_bytes() / GiB
 
 
@@ -280,7 +271,7 @@ def plan(model: str | None = None, *, memory_gib: float | None = None, max_model
          gpu_memory_utilization: float = 0.9, speculative_model: str | None = None) -> Plan:
     """speculative_model: a separate MTP folder whose layers speculation adds (with num_speculative_tokens > 0)
     instead of the config's own, or a draft model (any folder or .gguf that is not MTP weights, as
-    ember.spec.config decides): its KV layers join the pool (same blocks) and its weights the total."""
+    ember.config.speculative decides): its KV layers join the pool (same blocks) and its weights the total."""
     if tensor_parallel_size < 1:
         raise ConfigError(f"--tensor-parallel-size must be >= 1 (got {tensor_parallel_size})")
     src = load_source(model)
@@ -291,7 +282,7 @@ def plan(model: str | None = None, *, memory_gib: float | None = None, max_model
     extra = 0
     draft = None
     if num_speculative_tokens > 0:
-        from ember.spec.config import is_mtp_folder
+        from ember.config.speculative import is_mtp_folder
 
         if speculative_model and not is_mtp_folder(speculative_model, src.path):
             draft = load_source(speculative_model)

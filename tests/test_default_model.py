@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ember import LLM, SamplingParams
-from ember.cli import main as cli_main
+from ember.entrypoints.cli import main as cli_main
 from ember.default_model import default_model_path
 
 PROMPTS = [
@@ -90,7 +90,7 @@ def test_cli_chat_is_multi_turn_and_reuses_the_prefix(monkeypatch, capsys):
 @torch.inference_mode()
 def _all_logits(engine, ids: list[int]) -> torch.Tensor:
     """float32 logits at every position of one prompt, prefilled in one step through the engine's pool."""
-    from ember.engine.request import Request
+    from ember.request import Request
     from ember.engine.scheduler import SchedulerOutput
 
     req = Request("logits", ids, sampling_params=None)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ember import planner
-from ember.cli import main
+from ember.entrypoints.cli import main
 from ember.errors import ConfigError, KVCacheTooSmallError
 from ember.loader.model_loader import count_parameters
 from ember.model_config import ModelConfig

@@ -107,7 +107,7 @@ def _build(args, batch: int | None = None):
     config = engine_config_from_args(args)
     if batch is not None and config.max_num_seqs is None:
         config = dataclasses.replace(config, max_num_seqs=min(batch, config.max_num_batched_tokens))
-    llm = LLM(**dataclasses.asdict(config))
+    llm = LLM(**config.flags())
     engine = llm.engine
     # the peer loads after ember so it runs on the thread count ember chose (torch's is per-process)
     peer = None

@@ -18,8 +18,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import random
 import statistics
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -30,12 +32,15 @@ from ember.bench import membw
 from ember.bench.report import (OthersLoad, _machine_line, json_path, load_average, machine_info, update_markdown,
                                 wait_for_quiet)
 from ember.bench.report import _fmt as fmt
-from ember.planner import DTYPE_BYTES, kv_elem_bytes, resolve_dtype_name
+from ember.planner import DTYPE_BYTES, kv_elem_bytes
+from ember.platform import resolve_dtype_name
 
 logger = logging.getLogger("ember.bench")
 
 KIND = "compare"
-EMBER, MTP = "ember", "ember+MTP"
+EMBER, MTP, BASELINE = "ember", "ember+MTP", "ember baseline"
+# --baseline: this checkout and another one must agree within this share on decode and throughput
+BASELINE_TOLERANCE = 0.05
 # how each peer is built (sides.build); a test swaps in a fake by path
 PEERS = {"llamacpp": "ember.bench.llamacpp_peer:LlamaCppPeer", "hf": "ember.bench.hf_peer:HFPeer"}
 PEER_NAMES = {"llamacpp": "llama.cpp", "hf": "transformers"}
@@ -50,11 +55,11 @@ DECODE_PROMPT_RUN = 100
 
 # -- sides ----------------------------------------------------------------------------------------
 
-def start_side(factory: str, kwargs: dict, threads: int, in_process: bool):
+def start_side(factory: str, kwargs: dict, threads: int, in_process: bool, pythonpath: str | None = None):
     from ember.bench.sides import LocalSide
     from ember.bench.worker import RemoteSide
 
-    return LocalSide(factory, kwargs) if in_process else RemoteSide(factory, kwargs, threads)
+    return LocalSide(factory, kwargs) if in_process else RemoteSide(factory, kwargs, threads, pythonpath)
 
 
 def ember_knobs(args, num_prompts: int) -> tuple[dict, int]:
@@ -68,7 +73,7 @@ def ember_knobs(args, num_prompts: int) -> tuple[dict, int]:
     config = engine_config_from_args(args)
     threads = config.num_threads or torch.get_num_threads()
     torch.set_num_threads(threads)  # the driver's bandwidth probe runs on the sides' thread count
-    knobs = dataclasses.asdict(config)
+    knobs = config.flags()
     knobs["num_threads"] = threads
     if knobs["kv_cache_memory"] is None:
         # the pool is allocated (and touched) up front, so it is in peak RSS: size it to the workload,
@@ -236,7 +241,7 @@ class RatioBar:
     figure: str
     side: str
     peer: str
-    op: str  # ">=" | "<="
+    op: str  # ">=" | "<=" | "within" (|ratio - 1| <= threshold)
     threshold: float
 
     def judge(self, figures: list[dict]) -> dict:
@@ -244,14 +249,20 @@ class RatioBar:
         r = paired_ratios(fig, self.side, self.peer) if fig else None
         if r is None:
             return {**dataclasses.asdict(self), "ratio": None, "result": f"n/a ({self.side} or {self.peer} not measured)"}
-        ok = r["median"] >= self.threshold if self.op == ">=" else r["median"] <= self.threshold
+        ok = {">=": r["median"] >= self.threshold, "<=": r["median"] <= self.threshold,
+              "within": abs(r["median"] - 1) <= self.threshold}[self.op]
         return {**dataclasses.asdict(self), "ratio": r["median"], "ratio_min": r["min"], "ratio_max": r["max"],
                 "result": "PASS" if ok else "FAIL"}
 
 
-def bars(ttft_len: int) -> list[RatioBar]:
-    """The issue's bars."""
-    return [RatioBar("batch-1 decode >= 1.0x llama.cpp, no speculation", "decode", EMBER, "llama.cpp", ">=", 1.0),
+def bars(ttft_len: int, baseline: bool = False) -> list[RatioBar]:
+    """The issue's bars (with a baseline checkout: behaviour unchanged, within BASELINE_TOLERANCE)."""
+    tol = BASELINE_TOLERANCE
+    same = [RatioBar(f"batch-1 decode within {tol:.0%} of the baseline checkout", "decode", EMBER, BASELINE,
+                     "within", tol),
+            RatioBar(f"offline throughput within {tol:.0%} of the baseline checkout", "throughput", EMBER, BASELINE,
+                     "within", tol)] if baseline else []
+    return same + [RatioBar("batch-1 decode >= 1.0x llama.cpp, no speculation", "decode", EMBER, "llama.cpp", ">=", 1.0),
             RatioBar("batch-1 decode >= 1.5x llama.cpp with MTP", "decode", MTP, "llama.cpp", ">=", 1.5),
             RatioBar(f"TTFT at {ttft_len} tokens <= 0.33x llama.cpp's", ttft_key(ttft_len), EMBER, "llama.cpp", "<=", 0.33),
             RatioBar("offline throughput >= 3x transformers' batched generate", "throughput", EMBER, "transformers",
@@ -365,15 +376,15 @@ def model_path(knobs: dict) -> str:
 
 def cmd_compare(args) -> None:
     from ember.bench.cli import _command
-    from ember.bench.hf_peer import BATCH_METHOD as HF_BATCH, TTFT_METHOD as HF_TTFT
-    from ember.bench.latency import DECODE_PROMPT_LEN
-    from ember.bench.llamacpp_peer import BATCH_METHODS as LLAMA_BATCH
     from ember.bench.sides import EMBER as EMBER_FACTORY
     from ember.errors import ConfigError
 
     lo, hi = args.input_len_range
     if args.decode_tokens < 2:
         raise ConfigError(f"--decode-tokens must be >= 2 (got {args.decode_tokens})")
+    if args.baseline is not None and (args.in_process or not os.path.isdir(os.path.join(args.baseline, "ember"))):
+        raise ConfigError(f"--baseline {args.baseline!r} must be a checkout of ember (a folder holding ember/), "
+                          "measured in a worker process of its own (drop --in-process)")
     peers = [p for p in args.peer if p != "none"]
     check_peers_installed(peers)
     knobs, threads = ember_knobs(args, args.num_prompts)
@@ -390,6 +401,9 @@ def cmd_compare(args) -> None:
     sides = {}
     try:
         sides[EMBER] = start_side(EMBER_FACTORY, knobs, threads, args.in_process)
+        if args.baseline is not None:  # the same flags through the other checkout's ember
+            sides[BASELINE] = start_side(EMBER_FACTORY, knobs, threads, False, os.path.abspath(args.baseline))
+            sides[BASELINE].description = {**sides[BASELINE].description, "checkout": checkout_of(args.baseline)}
         if args.mtp:
             sides[MTP] = start_side(EMBER_FACTORY, mtp_knobs, threads, args.in_process)
         for p in peers:
@@ -407,24 +421,47 @@ def cmd_compare(args) -> None:
         figures = summarize_figures([f for t in tasks for f in t.figures], results)
         command = _command(args, ["runs", "peer", "output", "prompt_seed", "quiet_wait", "decode_tokens", "prompt_lens",
                                   "num_prompts", "input_len_range", "output_len", "bandwidth_mib", "llamacpp_batch",
-                                  "decode_prompt"])
+                                  "decode_prompt", "baseline"])
         command += switches(args, mtp="--no-mtp")
         data = {"kind": KIND, "command": command,
                 "machine": machine_info(), "load_at_start": load, "threads": threads, "runs": args.runs,
                 "sides": {n: s.description for n, s in sides.items()}, "figures": figures,
                 "peak_rss_mib": rss, "rss_shared_process": shared,
                 "bandwidth": bandwidth_summary(bandwidth, figures[0], sides[EMBER].weight_bytes),
-                "bars": [b.judge(figures) for b in bars(longest)]}
+                "bars": [b.judge(figures) for b in bars(longest, args.baseline is not None)]}
     finally:
         for s in sides.values():
             s.close()
-    data["notes"] = [
+    data["notes"] = notes(args, knobs, mtp_knobs, decode_prompt is not None, shared)
+    section = render(data)
+    md, js = write(data, section, args.output, KIND)
+    print(section)
+    logger.info("bench compare: wrote %s and %s", md, js)
+
+
+def checkout_of(folder: str) -> str:
+    """The baseline checkout as `git describe` says it (commit and dirty state), else the folder."""
+    try:
+        out = subprocess.run(["git", "-C", folder, "describe", "--always", "--dirty"], capture_output=True, text=True,
+                             timeout=10)
+        return f"{out.stdout.strip()} ({folder})" if out.returncode == 0 else folder
+    except OSError:
+        return folder
+
+
+def notes(args, knobs: dict, mtp_knobs: dict, chat_decode: bool, shared: bool) -> list[str]:
+    """How each figure was measured, for the report."""
+    from ember.bench.hf_peer import BATCH_METHOD as HF_BATCH, TTFT_METHOD as HF_TTFT
+    from ember.bench.latency import DECODE_PROMPT_LEN
+    from ember.bench.llamacpp_peer import BATCH_METHODS as LLAMA_BATCH
+
+    out = [
         f"{args.runs} measured rounds after 1 warmup round; cells are median [min-max]; ember / peer ratios are taken "
         "round by round, then summarized; every side sees the same prompts, new each round: seeded random ordinary "
-        "tokens for TTFT and throughput" + (", a held-out chat request for decode" if decode_prompt else ""),
+        "tokens for TTFT and throughput" + (", a held-out chat request for decode" if chat_decode else ""),
         "decode: greedy, " + (f"{args.decode_tokens} tokens answering a chat request built from text the MTP head "
                               "never trained on (ember.bench.spec.held_out_prompts, pydoc_split('eval') through the "
-                              "chat template), EOS ignored; " if decode_prompt else
+                              "chat template), EOS ignored; " if chat_decode else
                               f"{args.decode_tokens} tokens after a {DECODE_PROMPT_LEN}-token random prompt, EOS ignored; ") +
         "mean = (N - 1) / (last token time - first token time), which the bars use (with MTP a step brings several "
         "tokens at once, and the mean is what a user gets); steady = 1 / median gap between tokens, shown because a "
@@ -440,13 +477,13 @@ def cmd_compare(args) -> None:
          "peak RSS: each side ran in a worker process of its own (python -m ember.bench.worker); its resource.getrusage "
          "high-water mark, which includes the Python interpreter and imported libraries, and ember's preallocated KV pool"),
     ]
+    if args.baseline is not None:
+        out.append(f"{BASELINE}: the same flags through the ember of the checkout {args.baseline} (its worker imports "
+                   "ember from there), measured in the same rounds, alternating with the others")
     if args.bandwidth_mib:
-        data["notes"].append(membw.METHOD.format(mib=args.bandwidth_mib) + "; achieved = weight bytes as loaded "
-                             "(engine.loaded.weight_bytes) x ember's decode tok/s")
-    section = render(data)
-    md, js = write(data, section, args.output, KIND)
-    print(section)
-    logger.info("bench compare: wrote %s and %s", md, js)
+        out.append(membw.METHOD.format(mib=args.bandwidth_mib) + "; achieved = weight bytes as loaded "
+                   "(engine.loaded.weight_bytes) x ember's decode tok/s")
+    return out
 
 
 def switches(args, **off_flags: str) -> str:
@@ -508,5 +545,9 @@ def add_compare_parser(sub) -> None:
                    help="llama.cpp's offline throughput: parallel = all prompts as sequences of one llama_decode batch "
                         "(llama.cpp's batch API; llama-cpp-python's generate() has none), sequential = one after another")
     p.add_argument("--bandwidth-mib", type=int, default=512, help="size of the memory-bandwidth probe (0 = skip it)")
+    p.add_argument("--baseline", default=None, metavar="DIR",
+                   help="also measure the ember of another checkout (e.g. a git worktree of an earlier commit) with "
+                        "the same flags, alternating in the same rounds; judges decode and throughput within "
+                        f"{BASELINE_TOLERANCE:.0%} of it")
     workload_args(p, prompt_help="for quick checks")
     p.set_defaults(func=cmd_compare)

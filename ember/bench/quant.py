@@ -69,13 +69,11 @@ def ensure_quantized(source: str, out: str, method: str, group_size: int, num_sa
     if os.path.exists(os.path.join(out, "config.json")):
         logger.info("bench quant: reusing %s", out)
         return 0.0
-    from ember.cli import main
+    from ember.train.quantize import quantize
 
     t0 = time.perf_counter()
-    rc = main(["quantize", source, "--method", method, "--bits", "4", "--group-size", str(group_size), "--zero-point",
-               "--calib", "pydoc", "--num-samples", str(num_samples), "--seq-len", str(seq_len), "--out", out])
-    if rc != 0:
-        raise RuntimeError(f"ember quantize --method {method} failed (exit {rc})")
+    quantize(source, out, method=method, bits=4, group_size=group_size, zero_point=True, calib="pydoc",
+             num_samples=num_samples, seq_len=seq_len)
     return time.perf_counter() - t0
 
 

@@ -126,7 +126,7 @@ class LaunchedServer:
     def __init__(self, flags: list[str], port: int, api_key: str | None, extra: list[str]):
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
-        self.argv = [sys.executable, "-m", "ember.cli", "serve", *flags, "--host", "127.0.0.1", "--port", str(port),
+        self.argv = [sys.executable, "-m", "ember.entrypoints.cli", "serve", *flags, "--host", "127.0.0.1", "--port", str(port),
                      "--disable-log-requests", *extra] + (["--api-key", api_key] if api_key else [])
         self.command = shlex.join(["ember", "serve", *self.argv[4:]]).replace(api_key or "\0", "***")
         self.log = tempfile.NamedTemporaryFile("w+", prefix="ember-bench-serve-", suffix=".log", delete=False)
@@ -537,7 +537,7 @@ def cmd_serve(args) -> None:
             if args.offline:
                 from ember.llm import LLM
 
-                llm = LLM(**dataclasses.asdict(config))
+                llm = LLM(**config.flags())
                 tok, vocab = llm.get_tokenizer(), llm.engine.model_config.vocab_size
                 engine_desc = _engine_desc(llm)
                 tokenizer_name = engine_desc["model"].split(" (")[0]

@@ -87,7 +87,7 @@ def build_sides(config, ks: list[int], peer: str, threads: int) -> tuple[list[Si
         spec_keys["enable_mtp"] = True  # the model's MTP layers (the default model: its trained head)
 
     def knobs(k: int | None, adaptive: bool) -> dict:
-        base = dataclasses.asdict(config)
+        base = config.flags()
         if k is None:
             base.update(speculative_config=None, speculative_model=None, enable_mtp=False, num_speculative_tokens=None)
             return base
@@ -117,7 +117,7 @@ def build_sides(config, ks: list[int], peer: str, threads: int) -> tuple[list[Si
 
 def held_out_prompts(tokenizer, n: int, run: int) -> list[list[int]]:
     from ember.quant.calibration import pydoc_split
-    from ember.spec.mtp_data import build_prompts
+    from ember.train.mtp_data import build_prompts
 
     texts = pydoc_split("eval")
     return [p.ids for p in build_prompts(tokenizer, texts, n, PROMPT_SEED + run, temperature=0.0)

@@ -19,9 +19,13 @@ from ember.errors import ConfigError, EmberError
 class RemoteSide:
     shared_process = False
 
-    def __init__(self, factory: str, kwargs: dict, threads: int):
+    def __init__(self, factory: str, kwargs: dict, threads: int, pythonpath: str | None = None):
+        """pythonpath: a source tree the worker imports ember from instead of this one (another
+        checkout, measured as a baseline)."""
         # the thread count is fixed before torch or llama.cpp starts its pools
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        if pythonpath is not None:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen([sys.executable, "-m", "ember.bench.worker"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env)
         self.pid = self.proc.pid

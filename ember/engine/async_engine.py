@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ember.engine.request import Request
+from ember.request import Request
 from ember.errors import ConfigError, EmberError
 from ember.outputs import PositionLogprobs
 from ember.sampling import SamplingParams
@@ -408,9 +408,9 @@ class AsyncLLMEngine:
         ids = _warmup_token_ids(engine, 64)
         self._run_to_end("ember-warmup-short", ids[:16],
                          SamplingParams(temperature=0.8, top_p=0.9, max_tokens=4, ignore_eos=True, logprobs=1))
-        n = max(1, min(engine.config.max_num_batched_tokens, engine.max_model_len - 1))
-        if not engine.config.enable_chunked_prefill:
-            n = min(n, engine.config.max_num_batched_tokens)
+        n = max(1, min(engine.config.scheduler_config.max_num_batched_tokens, engine.max_model_len - 1))
+        if not engine.config.scheduler_config.enable_chunked_prefill:
+            n = min(n, engine.config.scheduler_config.max_num_batched_tokens)
         self._run_to_end("ember-warmup-full", _warmup_token_ids(engine, n, offset=7),
                          SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
         seconds = time.monotonic() - t0

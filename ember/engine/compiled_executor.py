@@ -63,6 +63,7 @@ class CompiledExecutor:
         kv_caches, meta, select), one row per query (the MTP fill's hidden states)."""
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.row_inputs, self.what = tuple(row_inputs), what
+        self.max_model_len, self.mode, self.freezing, self.cpp_wrapper = max_model_len, mode, freezing, cpp_wrapper
         self.sizes = sorted(sizes)
         self.query_lens = sorted(query_lens)  # 1 (decode), and 1 + k (speculative verify)
         self.shapes = [(b, n) for n in self.query_lens for b in self.sizes]
@@ -195,6 +196,11 @@ class CompiledExecutor:
             return None
         k = max(costs)  # the longest: the per-query slope, least swayed by timer noise
         return costs[k] / k
+
+    def sibling(self, model, kv_caches, row_inputs=(), what: str = "compiled executor") -> "CompiledExecutor":
+        """The same sizes, query lengths and inductor options for another module (the MTP fill)."""
+        return type(self)(model, kv_caches, self.block_size, self.max_model_len, self.sizes, self.mode,
+                          self.freezing, self.cpp_wrapper, self.query_lens, row_inputs=row_inputs, what=what)
 
     def covers(self, meta) -> bool:
         """Whether a step of this metadata (and no RowSelection) runs compiled."""

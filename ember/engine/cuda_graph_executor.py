@@ -53,6 +53,7 @@ class CUDAGraphExecutor:
         if device.type != self.device_type:
             raise ConfigError(f"--executor cuda-graph needs a CUDA device, not {device.type}; use --executor eager")
         self.model, self.kv_caches, self.block_size, self.device = model, kv_caches, block_size, device
+        self.max_model_len = max_model_len
         self.row_inputs, self.what, self.pool = tuple(row_inputs), what, pool
         self.sizes = default_sizes(max_batch)
         self.width = table_width(max_model_len, block_size)
@@ -127,6 +128,12 @@ class CUDAGraphExecutor:
         also when its block tables are wider than the static ones)."""
         shape = graph_shape(meta, self.sizes, self.static)
         return None if shape is None or meta.block_tables.shape[1] > self.width else shape
+
+    def sibling(self, model, kv_caches, row_inputs=(), what: str = "cuda graphs") -> "CUDAGraphExecutor":
+        """The same sizes and query lengths for another module (the MTP fill), captured into this
+        executor's memory pool."""
+        return type(self)(model, kv_caches, self.block_size, self.max_model_len, self.sizes[-1], self.query_lens,
+                          self.device, row_inputs=row_inputs, what=f"{what} cuda graphs", pool=self.pool)
 
     def covers(self, meta) -> bool:
         """Whether a step of this metadata (and no RowSelection) replays a graph."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from ember.engine.request import Request
+from ember.request import Request
 
 
 @dataclass

@@ -7,68 +7,33 @@ and at every draft token a request verifies: its 1 + d rows go to the rejection 
 The per-layer KV caches are allocated here, zeroed, in kv_dtype (the model's dtype, or fp8:
 the Attention layers quantize into them); ember.planner sizes them.
 
-A drafter that reads the target's hidden states (MTP) sets keep_hidden: the last layer then
-runs for every row (no RowSelection: a prefill chunk's rows all feed the MTP layer) and the
-step's final-normed hidden states, positions and slots stay in last_step until the next
-step (keep_rows: the same without the hidden states, for a draft model that only needs to
-know which rows the step computed). Its own KV layers come from allocate_kv: same block ids,
-same slot_mapping.
+A drafter that reads the target's hidden states (MTP: reads_step "hidden") gets keep_hidden:
+the last layer then runs for every row (no RowSelection: a prefill chunk's rows all feed the MTP
+layer) and the step's final-normed hidden states, positions and slots are kept (StepRows) until
+the engine takes them for the drafter (take_last_step); keep_rows keeps the same without the
+hidden states, for a draft model that only needs to know which rows the step computed. Its own
+KV layers come from allocate_kv: same block ids, same slot_mapping.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from ember.engine.request import Request
+from ember.request import Request
 from ember.engine.scheduler import SchedulerOutput
 from ember.engine.step_executor import EagerExecutor, StepExecutor
-from ember.kernels.metadata import AttentionMetadata, RowSelection
+from ember.kernels.metadata import AttentionMetadata, RowSelection, select_rows
 from ember.layers.sampler import SampledToken, Sampler, SamplingRow, make_generator
 from ember.model_config import ModelConfig
+from ember.spec.proposer import StepRows
 from ember.spec.rejection import RejectionSampler, VerifyRequest
-
-
-@dataclass
-class StepRows:
-    """What the last executed step computed, for a drafter that reads the target's hidden states.
-
-    Request i of the step (entries[i] = (request, its first flat row, its first position, its
-    row count)) wrote rows row0 .. row0 + n - 1 at positions start .. start + n - 1, into
-    slot_mapping[row0 + j] through block table tables[i] (as the block ids stood at the step:
-    a request finished since has released them, but nothing reuses a block before the next
-    schedule)."""
-
-    hidden: torch.Tensor | None  # [T, H] final-normed hidden state of every row (None: keep_rows only)
-    entries: list[tuple[Request, int, int, int]]
-    slot_mapping: torch.Tensor  # [T] int64
-    tables: list[list[int]]  # per entry, padded with 0 to one width
-
-
-def select_rows(meta: AttentionMetadata, tables: list[list[int]], positions: list[int], rows: list[int],
-                seqs: list[int], device: torch.device) -> RowSelection:
-    """rows (flat indices into the step) as decode-shaped queries: each attends to the keys up to
-    its own position, through its sequence's (seqs[i]) block table."""
-    if not rows:
-        return RowSelection(torch.empty(0, dtype=torch.int64, device=device), None)
-    # Each row attends to the keys up to its own position (a verify step's draft rows sit
-    # inside their sequence; a last token's position + 1 is its sequence's length).
-    seq_lens = [positions[r] + 1 for r in rows]
-    row_t = torch.tensor(rows, dtype=torch.int64, device=device)
-    sub = AttentionMetadata(
-        slot_mapping=meta.slot_mapping[row_t],
-        query_start_loc=torch.arange(len(rows) + 1, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=torch.tensor([tables[b] for b in seqs], dtype=torch.int32, device=device),
-        block_size=meta.block_size, query_lens_cpu=[1] * len(rows), seq_lens_cpu=seq_lens,
-        max_query_len=1, max_seq_len=max(seq_lens), all_slots_valid=True)
-    return RowSelection(row_t, sub)
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, num_blocks: int, block_size: int,
-                 kv_dtype: torch.dtype, device: torch.device, num_kv_heads: int | None = None):
-        """num_kv_heads: this rank's kv heads under tensor parallelism (default: the model's)."""
+                 kv_dtype: torch.dtype, device: torch.device, num_kv_heads: int | None = None,
+                 generators: dict[str, torch.Generator] | None = None):
+        """num_kv_heads: this rank's kv heads under tensor parallelism (default: the model's);
+        generators: the per-request seeded generators (shared with a drafter that samples)."""
         self.model = model
         self.model_config = model_config
         self.block_size = block_size
@@ -83,7 +48,7 @@ class ModelRunner:
         self.extra_kv_caches: list[torch.Tensor] = []  # a drafter's own layers (MTP), same block ids
         self.sampler = Sampler()
         self.rejection = RejectionSampler()
-        self.generators: dict[str, torch.Generator] = {}
+        self.generators: dict[str, torch.Generator] = {} if generators is None else generators
         self.select: RowSelection | None = None  # set by prepare() for the step it prepares
         self.keep_hidden = False  # a drafter reads every row's hidden state (see StepRows)
         self.keep_rows = False  # a drafter reads the step's layout only (a draft model): last_step without hidden
@@ -215,6 +180,11 @@ class ModelRunner:
             generator=gen,
             banned_token_ids=banned.get(req.request_id) if banned else None,
         )
+
+    def take_last_step(self) -> StepRows | None:
+        """What the last step kept for the drafter (once: the hidden states are not kept past it)."""
+        step, self.last_step = self.last_step, None
+        return step
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)

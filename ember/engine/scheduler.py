@@ -22,8 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ember.engine.kv_cache import KVCacheManager
-from ember.engine.request import Request, RequestStatus
-from ember.spec.proposer import Draft
+from ember.request import Draft, Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 

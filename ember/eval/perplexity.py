@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ember.engine.request import Request
+from ember.request import Request
 from ember.engine.scheduler import SchedulerOutput
 from ember.errors import ConfigError
 

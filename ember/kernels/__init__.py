@@ -1,44 +1,33 @@
-"""Attention backends: `torch` (CPU reference, ground truth) and `triton` (GPU kernels; on CPU only
-under TRITON_INTERPRET=1, which is how the tests check them), with the same forward signature.
-`auto` picks triton on CUDA (when triton is installed) and torch elsewhere."""
-from __future__ import annotations
+"""Kernels: the attention backends, the C++ CPU kernels and the Triton GPU kernels.
 
-import importlib.util
-import os
+Which ones a model runs is decided once, when it is built, from objects passed in: the attention
+backend (get_attention_backend) and CpuKernels (cpu_kernels.py). See attention_backend.py for the
+backend contract.
+"""
+from __future__ import annotations
 
 import torch
 
-from ember.errors import ConfigError
+from ember.config.attention import resolve_attention_backend
+from ember.config.groups import ATTENTION_BACKENDS
+from ember.kernels.cpu_kernels import CpuKernels
 
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
-
-
-def resolve_attention_backend(name: str, device: torch.device | str | None = None) -> str:
-    """auto -> triton on CUDA with triton installed, else torch; checks that triton can run there."""
-    if name not in ATTENTION_BACKENDS:
-        raise ConfigError(f"unknown attention backend {name!r}; choose one of: {', '.join(ATTENTION_BACKENDS)}")
-    device_type = torch.device(device).type if device is not None else "cpu"
-    has_triton = importlib.util.find_spec("triton") is not None
-    if name == "auto":
-        return "triton" if device_type == "cuda" and has_triton else "torch"
-    if name == "triton":
-        if not has_triton:
-            raise ConfigError("--attention-backend triton needs the triton package (pip install triton); "
-                              "or use --attention-backend torch")
-        if device_type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
-            raise ConfigError(f"--attention-backend triton runs on CUDA, not on {device_type}: use --attention-backend "
-                              "torch (or auto), or set TRITON_INTERPRET=1 to run the kernels in Triton's "
-                              "interpreter (slow; for tests)")
-    return name
+__all__ = ["ATTENTION_BACKENDS", "CpuKernels", "get_attention_backend", "resolve_attention_backend"]
 
 
-def get_attention_backend(name: str, device: torch.device | str | None = None):
-    """The backend object for --attention-backend `name` on `device` (None: CPU)."""
+def get_attention_backend(name: str, device: torch.device | str | None = None, kernels: CpuKernels | None = None):
+    """The backend object for --attention-backend `name` on `device` (None: CPU); `kernels` says
+    which C++ kernels the cpu backend may use (default: all that are built)."""
     name = resolve_attention_backend(name, device)
     if name == "triton":
         from ember.kernels.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
+    if name == "cpu":
+        from ember.kernels.cpu_attention import CpuAttentionBackend
+
+        kernels = kernels or CpuKernels()
+        return CpuAttentionBackend(fused_decode=kernels.paged_attention, flash=kernels.flash_attention)
     from ember.kernels.torch_attention import TorchAttentionBackend
 
     return TorchAttentionBackend()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import functools
 import hashlib
 import logging
 import os
@@ -24,28 +23,11 @@ from typing import Callable
 
 import torch
 
+from ember.platform import cpu_flags_line, has_cpu_flags  # noqa: F401 -- has_cpu_flags: the kernels' import
+
 logger = logging.getLogger("ember")
 
 _built: dict[str, object] = {}  # source path -> module (or True for an op library), None if it failed
-
-
-@functools.cache
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
-@functools.cache
-def _cpu_flag_set() -> frozenset[str]:
-    return frozenset(_cpu_flags().split())
-
-
-def has_cpu_flags(*flags: str) -> bool:
-    # asked on hot paths (every fused-elementwise call): the set is built once
-    return all(f in _cpu_flag_set() for f in flags)
 
 
 def _put_ninja_on_path() -> None:
@@ -64,7 +46,7 @@ def build_name(source: str, more_sources: tuple[str, ...] = ()) -> str:
     """The extension's name: the source's, tagged with a hash of the CPU's flags, the sources and
     the headers beside them (a changed header must not load an old build)."""
     here = os.path.dirname(__file__)
-    digest = hashlib.sha1(_cpu_flags().encode())
+    digest = hashlib.sha1(cpu_flags_line().encode())
     for name in [source, *more_sources] + sorted(n for n in os.listdir(here) if n.endswith(".h")):
         with open(os.path.join(here, name), "rb") as f:
             digest.update(f.read())

@@ -34,15 +34,6 @@ MIN_QUERIES = 128  # below this SDPA is as fast and the per-block calls dominate
 HEAD_SIZES = (16, 32, 64, 80, 96, 128, 256)  # the C++ kernel's compiled head sizes (its switch)
 FAKES = {"ember_cpu::causal_attention_bf16": lambda q, k, v, scale: q.new_empty(q.shape)}
 
-enabled = True
-
-
-def set_enabled(on: bool) -> None:
-    """--no-cpu-flash-attention: the GEMM / SDPA paths only."""
-    global enabled
-    enabled = on
-
-
 def flash_available() -> bool:
     """The C++ kernel can run here (builds it on the first call, ~12 s once per machine)."""
     return (has_cpu_flags("avx512f", "avx512_bf16")
@@ -52,14 +43,16 @@ def flash_available() -> bool:
 
 def use_flash_attention(q: torch.Tensor) -> bool:
     """bf16 queries on CPU with a compiled head size, rows of [Hq, D] (strided rows are fine)."""
-    return (enabled and q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.dim() == 3
+    return (q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.dim() == 3
             and q.shape[-1] in HEAD_SIZES and q.stride(-1) == 1 and q.stride(1) == q.shape[-1] and flash_available())
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
-    """q [n, Hq, D] at positions S-n..S-1 over k/v [S, Hkv, D]: the C++ kernel where it applies,
-    else the GEMM path where it pays off, else None (the caller's SDPA)."""
-    if use_flash_attention(q):
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     flash: bool = True) -> torch.Tensor | None:
+    """q [n, Hq, D] at positions S-n..S-1 over k/v [S, Hkv, D]: the C++ kernel where it applies (and
+    `flash`, the backend's --cpu-flash-attention), else the GEMM path where it pays off, else None
+    (the caller's SDPA)."""
+    if flash and use_flash_attention(q):
         return flash_attention(q, k, v, scale)
     if use_gemm_attention(q):
         return causal_attention_gemm(q, k, v, scale)

@@ -13,21 +13,15 @@ exp); the rotary embedding matches bit for bit.
 
 They run where x is bf16 on CPU with AVX-512 and the kernel built (~8 s once per machine, like
 the attention kernel), and not inside torch.compile: inductor fuses these ops itself there.
-set_enabled(False) (the engine's --no-cpu-fused-elementwise) keeps the torch ops.
+Whether a model uses them at all is its CpuKernels' (the engine's --cpu-fused-elementwise): the
+layers that can (RMSNorm, SiluAndMul, the rotary embedding) keep that choice from when they were
+built and ask applies() per call only whether these tensors fit.
 """
 from __future__ import annotations
 
 import torch
 
 from ember.kernels.cpp_build import build, has_cpu_flags
-
-enabled = True
-
-
-def set_enabled(on: bool) -> None:
-    global enabled
-    enabled = on
-
 
 def _fake_norm(x, residual, weight, eps):
     return torch.empty_like(x), (torch.empty_like(x) if residual is not None else x.new_empty((0,)))
@@ -47,7 +41,7 @@ def available() -> bool:
 
 def applies(x: torch.Tensor) -> bool:
     """x [T, H] is a case for the fused ops: bf16 rows on CPU, outside torch.compile, kernel built."""
-    return (enabled and x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2 and x.stride(-1) == 1
+    return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2 and x.stride(-1) == 1
             and not torch.compiler.is_compiling() and available())
 
 
@@ -61,7 +55,7 @@ def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
 def applies_rotary(x: torch.Tensor, cos: torch.Tensor) -> bool:
     """x [T, H, D] bf16 with each row's heads contiguous (q or k, a view of the qkv output) and bf16
     cos, outside torch.compile, kernel built."""
-    return (enabled and x.dtype == torch.bfloat16 and cos.dtype == torch.bfloat16 and x.device.type == "cpu"
+    return (x.dtype == torch.bfloat16 and cos.dtype == torch.bfloat16 and x.device.type == "cpu"
             and x.dim() == 3 and x.stride(-1) == 1 and x.stride(1) == x.shape[-1] and cos.dim() == 2
             and not torch.compiler.is_compiling() and available())
 

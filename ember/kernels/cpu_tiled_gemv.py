@@ -31,7 +31,7 @@ on 2 Zen3 cores against MKL's float32 GEMM over the dequantized weight (ms): 307
 issues 2 a cycle here, the adds beside it take the rest); 576x1536 0.15 / 0.54 / 4.2 / 17.2 against
 0.32 / 0.80 / 4.9 / 19.0. So the AVX2 build serves every row count and needs no dense copy.
 Many rows in the bf16 build (gemm_q8; CPUs with AVX-512 VNNI and VBMI: Zen4, Sapphire Rapids): from
-Q8_MIN_ROWS rows of x (prefill, batched decode), each group of 32 inputs of a row is rounded to int8
+TILED_Q8_MIN_ROWS (ember.quant.gemm_dispatch) rows of x (prefill, batched decode), each group of 32 inputs of a row is rounded to int8
 steps of the group's largest |x| (step = max|x| / 127: llama.cpp's Q8 activation blocks, which its
 and vLLM's GGUF kernels multiply Q4/Q8 weights by), and vpdpbusd sums unsigned codes times those
 int8 steps exactly in int32, 64 products an instruction (vdpbf16ps: 32); scale * step and offset *
@@ -44,6 +44,8 @@ LM head at 64 rows 17.7 / 9.5. Numerics: the default model's perplexity on held-
 14.919 -> 14.964 (+0.3%), where a per-row (not per-group) int8 x gave +2.3%.
 `x_dtype()` says which x this machine's build takes (None: neither),
 `available()` whether it also built, `has_q8()` whether the int8-x path is there. Built like the attention kernel (ember.kernels.cpp_build).
+Which path a step takes by its row count (TILED_Q8_MIN_ROWS and the GEMV's max rows) is
+ember.quant.gemm_dispatch's; whether a model uses the kernel at all is its CpuKernels'.
 """
 from __future__ import annotations
 
@@ -53,21 +55,6 @@ from ember.kernels.cpp_build import build, has_cpu_flags
 
 ROWS, GROUP = 16, 32
 TILE_BYTES = {4: 256, 8: 512}
-# --cpu-tiled-gemv: GGUF weights loaded while this is True take the tiled layout where available();
-# the engine (and each tensor-parallel worker) sets it from its config before loading.
-enabled = True
-# --cpu-int8-activations: tiled weights loaded while this is True run steps of Q8_MIN_ROWS rows or
-# more through gemm_q8 where has_q8() (set like `enabled`)
-q8_enabled = True
-# from this many rows of x gemm_q8 beats the bf16 GEMV (measured on 2 Zen4 cores, ms, GEMV / gemm_q8:
-# 3072x576 at 4 rows 0.046 / 0.049, 5 rows 0.122 / 0.074, 8 rows 0.171 / 0.110); below it, the exact
-# bf16 x of the GEMV (batch-1 decode, a speculative verify)
-Q8_MIN_ROWS = 5
-
-
-def set_enabled(on: bool, int8_activations: bool = True) -> None:
-    global enabled, q8_enabled
-    enabled, q8_enabled = on, int8_activations
 
 
 def x_dtype() -> torch.dtype | None:

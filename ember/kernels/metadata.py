@@ -51,3 +51,23 @@ class RowSelection:
 
     rows: torch.Tensor  # [R] int64 flat indices into the step's tokens
     meta: AttentionMetadata | None  # None when R == 0
+
+
+def select_rows(meta: AttentionMetadata, tables: list[list[int]], positions: list[int], rows: list[int],
+                seqs: list[int], device: torch.device) -> RowSelection:
+    """rows (flat indices into the step) as decode-shaped queries: each attends to the keys up to
+    its own position, through its sequence's (seqs[i]) block table."""
+    if not rows:
+        return RowSelection(torch.empty(0, dtype=torch.int64, device=device), None)
+    # Each row attends to the keys up to its own position (a verify step's draft rows sit
+    # inside their sequence; a last token's position + 1 is its sequence's length).
+    seq_lens = [positions[r] + 1 for r in rows]
+    row_t = torch.tensor(rows, dtype=torch.int64, device=device)
+    sub = AttentionMetadata(
+        slot_mapping=meta.slot_mapping[row_t],
+        query_start_loc=torch.arange(len(rows) + 1, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor([tables[b] for b in seqs], dtype=torch.int32, device=device),
+        block_size=meta.block_size, query_lens_cpu=[1] * len(rows), seq_lens_cpu=seq_lens,
+        max_query_len=1, max_seq_len=max(seq_lens), all_slots_valid=True)
+    return RowSelection(row_t, sub)

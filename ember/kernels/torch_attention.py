@@ -1,35 +1,30 @@
-"""TorchAttentionBackend: the CPU reference (and ground truth) over the varlen step shape.
+"""TorchAttentionBackend: the reference (and ground truth) over the varlen step shape, torch ops only.
 
 Sequence b has q_len new query tokens at positions ctx_len..seq_len-1 and all seq_len keys
-in the paged cache (this step's K/V are already written). Three paths:
+in the paged cache (this step's K/V are already written). The paths:
   - decodes (q_len 1): all of them at once -- gather every sequence's blocks into one padded
     [B, L] batch, mask keys >= seq_len, one SDPA call. Runs in float32: on CPU one query over
     2K keys is ~8x slower in bf16.
   - fresh prefill (ctx_len 0): the step's own k/v with is_causal; no gather.
-  - bf16 queries on CPU (prefill, chunks) go to a flash-style C++ kernel with bf16 dot
-    products where it builds (AVX512-BF16), else from 128 queries on to blocked GEMMs; both
-    faster than SDPA there (cpu_causal_attention.py).
-  - chunk over a cached prefix (ctx_len > 0, q_len > 1: chunked prefill, spec verify):
-    gather this sequence's keys, causal mask offset by ctx_len, float32. Up to
-    VERIFY_MAX_QUERIES queries (a verify) fold their G query heads per kv head as decode does.
-On CPU, decodes and every sequence with at most VERIFY_MAX_QUERIES queries go to the fused C++
-kernel instead (cpu_paged_attention.py: no gather, ~5x the decode path at 64 sequences) when it
-could be built; the paths above remain the fallback and the reference.
+  - a few queries over a cached prefix (a speculative verify, up to VERIFY_MAX_QUERIES): the n x G
+    query heads of each kv head folded into one batch, as decode folds G.
+  - a chunk over a cached prefix (chunked prefill): gather this sequence's keys, causal mask
+    offset by ctx_len, float32.
 GQA: decode folds the G query heads of a kv head into G "queries" ([B, Hkv, G, D]), so no
 K/V repeat; the other paths use SDPA's enable_gqa.
 FP8 cache (k_scale / v_scale given): k/v and the cache hold fp8 values with K ~= K8 * k_scale.
 Every path reads those fp8 values (the fresh prefill too: the step's k/v arrive already
 quantized) and folds the scales: q * k_scale against K8 gives q . K, and out * v_scale
 undoes V's scale (softmax weights sum to 1). The casts fp8 -> bf16/fp16/fp32 are exact.
+
+The C++ CPU kernels are a backend of their own built on these paths (cpu_attention.py); each
+path here is a method so that it can take over where its kernel applies and fall back to this.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from ember.kernels.cpu_causal_attention import causal_attention
-from ember.kernels.cpu_paged_attention import paged_attention
-from ember.kernels.cpu_paged_attention import supports as fused_supports
 from ember.kernels.metadata import AttentionMetadata
 
 VERIFY_MAX_QUERIES = 16  # up to here a chunk over a cached prefix (a speculative verify) folds its queries
@@ -37,14 +32,10 @@ VERIFY_MAX_QUERIES = 16  # up to here a chunk over a cached prefix (a speculativ
 
 class TorchAttentionBackend:
     name = "torch"
+    stores_kv = False  # the Attention layer writes this step's K/V (write_kv_cache)
     # Longest uniform q_len it runs from fixed-shape metadata (AttentionMetadata.fixed_shape):
     # decodes read only device tensors and the max_seq_len bound; longer queries loop over host lists.
     fixed_shape_max_query_len = 1
-    # The fused C++ kernel for decodes and verifies on CPU where it built (--no-cpu-paged-attention: off).
-    fused_decode = True
-    # With it, uniform steps of up to this q_len also run from fixed-shape metadata alone (the CPU
-    # compiled executor's speculative verify graphs); see the fixed_shape branch of _forward.
-    fused_fixed_shape_max_query_len = VERIFY_MAX_QUERIES
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
@@ -59,71 +50,58 @@ class TorchAttentionBackend:
 
     def _forward(self, q, k, v, kv_cache, meta, scale):
         B = meta.num_seqs
-        fused = self.fused_decode and fused_supports(q, kv_cache)
-        if meta.fixed_shape and fused and meta.max_query_len > 1:
-            # Uniform verify of n queries per sequence: the host lists hold bounds, so the kernel's
-            # per-query key counts come from the device seq_lens (query j sees seq_len - n + 1 + j).
-            n = meta.max_query_len
-            seq_idx = torch.arange(B, dtype=torch.int32).repeat_interleave(n)
-            kv_lens = (meta.seq_lens[:B, None] - (n - 1) + torch.arange(n, dtype=torch.int32)).reshape(-1)
-            return paged_attention(q, kv_cache, meta.block_tables, seq_idx, kv_lens, scale)
         if meta.is_pure_decode and q.shape[0] == B:
-            if fused:
-                return paged_attention(q, kv_cache, meta.block_tables, torch.arange(B, dtype=torch.int32),
-                                       meta.seq_lens[:B], scale)
-            return decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len,
-                                    meta.block_size, scale)
+            return self.decodes(q, kv_cache, meta, scale)
         if B == 1 and q.shape[0] == meta.query_lens_cpu[0]:
-            # One sequence (a lone prefill or chunk): no output buffer to scatter into.
-            if meta.seq_lens_cpu[0] == q.shape[0]:
-                return prefill_attention(q, k, v, scale)
-            if q.shape[0] <= VERIFY_MAX_QUERIES:
-                if fused:
-                    return self._fused_few(q, kv_cache, meta, [0], scale)
-                return verify_attention(q, kv_cache, meta.block_tables[0], meta.seq_lens_cpu[0], meta.block_size, scale)
-            return chunk_attention(q, kv_cache, meta.block_tables[0], meta.seq_lens_cpu[0], meta.block_size, scale)
+            return self.sequence(q, k, v, kv_cache, meta, 0, scale)  # one sequence: no buffer to scatter into
         out = torch.zeros_like(q)  # rows past the last sequence (padding) stay zero
         starts, s = [], 0
         for n in meta.query_lens_cpu:
             starts.append(s)
             s += n
-        if fused:  # every sequence with few queries (decodes, verifies, short prompts) in one call
-            few = [b for b in range(B) if 1 <= meta.query_lens_cpu[b] <= VERIFY_MAX_QUERIES]
-            if few:
-                rows = torch.tensor([starts[b] + j for b in few for j in range(meta.query_lens_cpu[b])])
-                out[rows] = self._fused_few(q[rows], kv_cache, meta, few, scale)
-        else:
-            few = [b for b in range(B) if meta.query_lens_cpu[b] == 1]
-            if few:
-                tok = torch.tensor([starts[b] for b in few], device=q.device)
-                idx = torch.tensor(few, device=q.device)
-                out[tok] = decode_attention(q[tok], kv_cache, meta.block_tables[idx], meta.seq_lens[idx],
-                                            max(meta.seq_lens_cpu[b] for b in few), meta.block_size, scale)
-        done = set(few)
+        done = self.batched(q, kv_cache, meta, starts, out, scale)
         for b in range(B):
-            n, seq_len = meta.query_lens_cpu[b], meta.seq_lens_cpu[b]
+            n = meta.query_lens_cpu[b]
             if b in done or n == 0:
                 continue
             rows = slice(starts[b], starts[b] + n)
-            if seq_len == n:
-                out[rows] = prefill_attention(q[rows], k[rows], v[rows], scale)
-            elif n <= VERIFY_MAX_QUERIES:
-                out[rows] = verify_attention(q[rows], kv_cache, meta.block_tables[b], seq_len, meta.block_size, scale)
-            else:
-                out[rows] = chunk_attention(q[rows], kv_cache, meta.block_tables[b], seq_len, meta.block_size, scale)
+            kb, vb = (None, None) if k is None else (k[rows], v[rows])  # only a fresh prefill reads them
+            out[rows] = self.sequence(q[rows], kb, vb, kv_cache, meta, b, scale)
         return out
 
-    @staticmethod
-    def _fused_few(q, kv_cache, meta, seqs: list[int], scale: float) -> torch.Tensor:
-        """The C++ kernel over sequences `seqs`, each with q_len queries at its end; query j of a
-        sequence with n queries and seq_len keys sees seq_len - n + 1 + j of them."""
-        seq_idx, kv_lens = [], []
-        for b in seqs:
-            n, seq_len = meta.query_lens_cpu[b], meta.seq_lens_cpu[b]
-            seq_idx += [b] * n
-            kv_lens += range(seq_len - n + 1, seq_len + 1)
-        return paged_attention(q, kv_cache, meta.block_tables, torch.tensor(seq_idx, dtype=torch.int32),
-                               torch.tensor(kv_lens, dtype=torch.int32), scale)
+    # -- the paths (a backend with kernels overrides the ones they serve) ------------------------
+    def decodes(self, q, kv_cache, meta, scale) -> torch.Tensor:
+        """A pure-decode step: one query per sequence."""
+        return decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, meta.block_size,
+                                scale)
+
+    def batched(self, q, kv_cache, meta, starts: list[int], out: torch.Tensor, scale) -> set[int]:
+        """The sequences of a mixed step that run together (here its decodes) into `out`; returns them."""
+        few = [b for b in range(meta.num_seqs) if meta.query_lens_cpu[b] == 1]
+        if few:
+            tok = torch.tensor([starts[b] for b in few], device=q.device)
+            idx = torch.tensor(few, device=q.device)
+            out[tok] = decode_attention(q[tok], kv_cache, meta.block_tables[idx], meta.seq_lens[idx],
+                                        max(meta.seq_lens_cpu[b] for b in few), meta.block_size, scale)
+        return set(few)
+
+    def sequence(self, q, k, v, kv_cache, meta, b: int, scale) -> torch.Tensor:
+        """Sequence b's q_len queries on their own."""
+        n, seq_len = q.shape[0], meta.seq_lens_cpu[b]
+        if seq_len == n:
+            return self.prefill(q, k, v, scale)
+        if n <= VERIFY_MAX_QUERIES:
+            return self.verify(q, kv_cache, meta, b, scale)
+        return self.chunk(q, kv_cache, meta.block_tables[b], seq_len, meta.block_size, scale)
+
+    def prefill(self, q, k, v, scale) -> torch.Tensor:
+        return prefill_attention(q, k, v, scale)
+
+    def verify(self, q, kv_cache, meta, b: int, scale) -> torch.Tensor:
+        return verify_attention(q, kv_cache, meta.block_tables[b], meta.seq_lens_cpu[b], meta.block_size, scale)
+
+    def chunk(self, q, kv_cache, block_table, seq_len: int, block_size: int, scale) -> torch.Tensor:
+        return chunk_attention(q, kv_cache, block_table, seq_len, block_size, scale)
 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -147,9 +125,6 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
     4-D inputs on purpose: on CPU, 3-D SDPA misses the flash kernel (~7x slower at 2K tokens).
     """
-    out = causal_attention(q, k, v, scale)
-    if out is not None:
-        return out
     k, v = k.to(q.dtype), v.to(q.dtype)  # fp8 k/v (an fp8 cache) widen exactly
     o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                        is_causal=True, scale=scale, enable_gqa=True)
@@ -175,20 +150,19 @@ def verify_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     return o.view(Hkv, n, G, D).permute(1, 0, 2, 3).reshape(n, Hq, D).to(q.dtype)
 
 
+def gather_keys(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, block_size: int):
+    """(k, v) [seq_len, Hkv, D] of one sequence, gathered from its blocks in the cache's dtype."""
+    bt = block_table[:(seq_len + block_size - 1) // block_size]
+    return (kv_cache[0].index_select(0, bt).flatten(0, 1)[:seq_len],
+            kv_cache[1].index_select(0, bt).flatten(0, 1)[:seq_len])
+
+
 def chunk_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
                     block_size: int, scale: float) -> torch.Tensor:
     """q_len queries at positions seq_len-q_len..seq_len-1 over all seq_len cached keys."""
     n = q.shape[0]
-    nb = (seq_len + block_size - 1) // block_size
-    bt = block_table[:nb]
-    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
-        k = kv_cache[0].index_select(0, bt).flatten(0, 1)[:seq_len]
-        v = kv_cache[1].index_select(0, bt).flatten(0, 1)[:seq_len]
-        out = causal_attention(q, k, v, scale)
-        if out is not None:
-            return out
-    k = kv_cache[0].index_select(0, bt).flatten(0, 1)[:seq_len].transpose(0, 1).float()  # [Hkv, S, D]
-    v = kv_cache[1].index_select(0, bt).flatten(0, 1)[:seq_len].transpose(0, 1).float()
+    k, v = gather_keys(kv_cache, block_table, seq_len, block_size)
+    k, v = k.transpose(0, 1).float(), v.transpose(0, 1).float()  # [Hkv, S, D]
     ctx = seq_len - n
     pos_q = torch.arange(ctx, seq_len, device=q.device)
     mask = torch.arange(seq_len, device=q.device)[None, :] <= pos_q[:, None]

@@ -6,7 +6,7 @@ which the splits spread over the GPU. Any step with a longer query (a prefill ch
 mixed with decodes) goes to the varlen prefill kernel, which tiles the queries instead.
 Both read every key from the paged cache, so this step's k/v arguments are not used: the
 backend's own store_kv (the Triton KV store kernel, which also quantizes for an fp8 cache)
-has already written them. The attention layer calls store_kv when a backend has one.
+has already written them (stores_kv: the Attention layer calls store_kv instead of writing).
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ MAX_SPLIT_KV_QUERY_LEN = 1 + 8  # a verify of the most draft tokens ember propos
 
 class TritonAttentionBackend:
     name = "triton"
+    stores_kv = True
     # Steps of up to this uniform q_len run from fixed-shape metadata (decode_batch.fixed_meta): the
     # split-KV kernel reads lengths from device tensors and sizes its grid from the bounds, so CUDA
     # graphs capture speculative verify steps (1 + k queries per sequence) as well as decodes.

@@ -12,8 +12,8 @@ output. The scales come from the checkpoint (load_weight) or, failing that, from
 step that writes the layer (vLLM's calculate_kv_scales: max|K| / 200, max|V| / 100), then
 stay frozen. This step's k/v reach the backend as the fp8 values written, so a fresh prefill
 sees the same quantization error as a chunk or a decode reading the cache.
-A backend with a store_kv of its own (triton) writes, and quantizes, this step's K/V itself and
-reads them back from the cache.
+A backend that stores K/V itself (stores_kv: triton) writes, and quantizes, this step's K/V and
+reads them back from the cache; for the others this layer writes them first (write_kv_cache).
 """
 from __future__ import annotations
 
@@ -147,9 +147,8 @@ class Attention(nn.Module):
         fp8 = is_fp8(kv_cache.dtype)
         if fp8 and not self.kv_scales_frozen and not meta.fixed_shape:  # a capture's dummy step must not calibrate
             self.calibrate_kv_scales(k, v, meta)
-        store_kv = getattr(self.backend, "store_kv", None)
-        if store_kv is not None:  # a backend with its own store kernel (triton) quantizes while writing; -1 skips
-            store_kv(k, v, kv_cache, meta.slot_mapping, *((self.k_scale, self.v_scale) if fp8 else ()))
+        if self.backend.stores_kv:  # its own store kernel (triton) quantizes while writing; -1 skips
+            self.backend.store_kv(k, v, kv_cache, meta.slot_mapping, *((self.k_scale, self.v_scale) if fp8 else ()))
         else:
             if fp8:
                 k = quantize_kv(k, self.k_scale, kv_cache.dtype)

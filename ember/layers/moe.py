@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.errors import ModelLoadError
+from ember.kernels.cpu_kernels import CpuKernels
 from ember.layers.activation import silu_and_mul
 from ember.layers.linear import ReplicatedLinear, copy_checked, get_tp_rank_size
 
@@ -38,9 +39,11 @@ class Experts(nn.Module):
     _PER_EXPERT = re.compile(r"^(\d+)\.(gate|up|down)_proj\.weight$")
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu", tp: tuple[int, int] = (0, 1)):
+                 dtype: torch.dtype, device: torch.device | str = "cpu", tp: tuple[int, int] = (0, 1),
+                 kernels: CpuKernels | None = None):
         """intermediate_size: this rank's slice (the full size / tp); tp: (rank, size) to narrow checkpoints by."""
         super().__init__()
+        self.fused_act = (kernels or CpuKernels()).fused_elementwise
         self.num_experts, self.intermediate_size = num_experts, intermediate_size
         self.tp = tp
         E, H, I = num_experts, hidden_size, intermediate_size
@@ -79,7 +82,7 @@ class Experts(nn.Module):
 
     def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e's SwiGLU on its tokens x [n, H] -> [n, H]."""
-        return F.linear(silu_and_mul(F.linear(x, self.w13[e])), self.w2[e])
+        return F.linear(silu_and_mul(F.linear(x, self.w13[e]), self.fused_act), self.w2[e])
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         return grouped_experts(x, topk_ids, topk_weights, self.num_experts, self.expert_forward)
@@ -113,7 +116,7 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  norm_topk_prob: bool, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 quant_config=None, prefix: str = "mlp"):
+                 quant_config=None, prefix: str = "mlp", kernels: CpuKernels | None = None):
         super().__init__()
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         gate_method = quant_config.linear_method(f"{prefix}.gate") if quant_config is not None else None
@@ -125,9 +128,10 @@ class SparseMoeBlock(nn.Module):
         local = intermediate_size // tp[1]
         if experts_method is not None:
             kw = {"tp": tp} if tp[1] > 1 else {}  # GGUF experts (refused under TP) take no tp
-            self.experts = experts_method.create_experts(num_experts, hidden_size, local, dtype, device, **kw)
+            self.experts = experts_method.create_experts(num_experts, hidden_size, local, dtype, device,
+                                                         kernels=kernels, **kw)
         else:
-            self.experts = Experts(num_experts, hidden_size, local, dtype, device, tp=tp)
+            self.experts = Experts(num_experts, hidden_size, local, dtype, device, tp=tp, kernels=kernels)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk_weights [T, k] in x's dtype, topk_ids [T, k])."""

@@ -5,14 +5,17 @@ import torch
 from torch import nn
 
 from ember.kernels import cpu_fused_elementwise as fused
+from ember.kernels.cpu_kernels import CpuKernels
 
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", kernels: CpuKernels | None = None):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
+        # the one-pass C++ kernel for bf16 rows on CPU (chosen at build; applies() checks the tensors)
+        self.fused = (kernels or CpuKernels()).fused_elementwise
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # One fused kernel in float32 (the same math as HF's x * rsqrt(mean(x^2) + eps)).
@@ -22,7 +25,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x) when residual is None; else (norm(x + residual), x + residual)."""
-        if fused.applies(x) and self.weight.dtype == torch.bfloat16 and (residual is None or residual.dtype == x.dtype):
+        if (self.fused and fused.applies(x) and self.weight.dtype == torch.bfloat16
+                and (residual is None or residual.dtype == x.dtype)):
             return fused.rms_norm(x, residual, self.weight, self.eps)  # one pass, the same roundings
         if residual is None:
             return self._norm(x)

@@ -81,13 +81,14 @@ def _yarn(rope: RopeConfig, dim: int, max_position_embeddings: int) -> tuple[tor
     return interpolation * (1 - keep) + extrapolation * keep, float(attention_factor)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, use_kernel: bool = True) -> torch.Tensor:
     """x [T, H, D]; cos/sin [T, rot/2]. Rotates the first `rot` dims, passes the rest.
 
     Computes in cos/sin's dtype: the model passes them in its own dtype, as HF does (so bf16
-    matches HF's bf16 and costs no float32 round trip).
+    matches HF's bf16 and costs no float32 round trip). use_kernel: the caller's
+    CpuKernels.fused_elementwise (the C++ pass where x fits it).
     """
-    if fused.applies_rotary(x, cos):
+    if use_kernel and fused.applies_rotary(x, cos):
         return fused.rotary(x, cos, sin)
     rot = cos.shape[-1] * 2
     xr = x[..., :rot].to(cos.dtype)

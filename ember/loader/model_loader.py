@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ember.errors import ModelLoadError
+from ember.kernels.cpu_kernels import CpuKernels
 from ember.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,10 @@ def resolve_model_path(model: str | None) -> str:
 
 
 def load_model(model: str | None, tokenizer_path: str | None, dtype: torch.dtype, device: torch.device,
-               attention_backend: str, quantization: str | None = "auto") -> LoadedModel:
+               attention_backend: str = "auto", quantization: str | None = "auto",
+               kernels: CpuKernels | None = None) -> LoadedModel:
+    """kernels: the CPU kernels the model's layers may use (default: every one that applies here);
+    the attention backend named is built with them."""
     from ember.kernels import get_attention_backend
     from ember.loader.tokenizer import Tokenizer
     from ember.models.registry import get_model_class
@@ -58,14 +62,14 @@ def load_model(model: str | None, tokenizer_path: str | None, dtype: torch.dtype
         ckpt = GGUFCheckpoint(path)
         model_config = ModelConfig.from_dict(ckpt.config)
         if ((quantization or "auto") == "auto" and device.type == "cpu" and dtype == torch.float32
-                and not TiledPart.usable(dtype, device)):
+                and not TiledPart.usable(dtype, device, kernels)):
             # torch vectorizes its CPU int4 kernel for bf16 only (fp32 is ~50x slower than a dense
             # fp32 GEMV), so a float32 run without the tiled GEMV's AVX2 build is faster dequantized;
             # --quantization gguf still forces packing.
             logger.info("GGUF in float32 on CPU: dequantizing (torch's int4 kernel is fast in bfloat16 only, and "
                         "the tiled GEMV is off or not built here); pass --dtype bfloat16 to keep the weights packed")
             quantization = "none"
-        quant_config = resolve_quant_config(quantization, path, model_config.raw)
+        quant_config = resolve_quant_config(quantization, path, model_config.raw, kernels)
         tokenizer = ckpt.tokenizer()
         from tqdm import tqdm
 
@@ -78,7 +82,7 @@ def load_model(model: str | None, tokenizer_path: str | None, dtype: torch.dtype
         from ember.loader.weights import iter_safetensors
 
         model_config = ModelConfig.from_folder(path)
-        quant_config = resolve_quant_config(quantization, path, model_config.raw)
+        quant_config = resolve_quant_config(quantization, path, model_config.raw, kernels)
         tokenizer = None
         weights = iter_safetensors(path)
         fmt = "safetensors"
@@ -89,8 +93,8 @@ def load_model(model: str | None, tokenizer_path: str | None, dtype: torch.dtype
 
     model_cls = get_model_class(model_config.architecture)
     with torch.device(device):
-        net = model_cls(model_config, dtype=dtype, device=device,
-                        attn_backend=get_attention_backend(attention_backend, device), quant_config=quant_config)
+        net = model_cls(model_config, dtype=dtype, device=device, quant_config=quant_config, kernels=kernels,
+                        attn_backend=get_attention_backend(attention_backend, device, kernels))
     net.load_weights(weights)
     process_weights_after_loading(net)
     net.eval()

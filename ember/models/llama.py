@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ember.errors import ModelLoadError
+from ember.kernels.cpu_kernels import CpuKernels
 from ember.kernels.metadata import AttentionMetadata, RowSelection
 from ember.layers.activation import SiluAndMul
 from ember.layers.attention import Attention
@@ -52,8 +53,11 @@ def load_routed(modules: dict, route: tuple, tensor: torch.Tensor) -> tuple[str,
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype, device, attn_backend, quant_config=None):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype, device, attn_backend, quant_config=None,
+                 kernels: CpuKernels | None = None):
         super().__init__()
+        kernels = kernels or CpuKernels()
+        self.fused_rotary = kernels.fused_elementwise
         D = cfg.head_dim
         prefix = f"model.layers.{layer_idx}.self_attn"
         self.qkv_proj = QKVLinear(cfg.hidden_size, D, cfg.num_heads, cfg.num_kv_heads, bias=cfg.attention_bias,
@@ -65,8 +69,8 @@ class LlamaAttention(nn.Module):
                                         quant_method=linear_method(quant_config, f"{prefix}.o_proj"))
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(D, cfg.rms_norm_eps, dtype, device)
-            self.k_norm = RMSNorm(D, cfg.rms_norm_eps, dtype, device)
+            self.q_norm = RMSNorm(D, cfg.rms_norm_eps, dtype, device, kernels)
+            self.k_norm = RMSNorm(D, cfg.rms_norm_eps, dtype, device, kernels)
         self.attn = Attention(self.qkv_proj.num_heads, D, self.qkv_proj.num_kv_heads, D ** -0.5, attn_backend,
                               layer_idx)
 
@@ -75,21 +79,21 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos_sin
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary(q, cos, sin, self.fused_rotary), apply_rotary(k, cos, sin, self.fused_rotary)
         o = self.attn(q, k, v, kv_cache, meta, select)
         return self.o_proj(o.flatten(1))
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, dtype, device, bias: bool = False,
-                 quant_config=None, prefix: str = ""):
+                 quant_config=None, prefix: str = "", kernels: CpuKernels | None = None):
         super().__init__()
         self.gate_up_proj = MergedColumnLinear(hidden_size, [intermediate_size] * 2, bias=bias, dtype=dtype,
                                                device=device,
                                                quant_method=linear_method(quant_config, f"{prefix}.gate_up_proj"))
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, dtype=dtype, device=device,
                                            quant_method=linear_method(quant_config, f"{prefix}.down_proj"))
-        self.act = SiluAndMul()
+        self.act = SiluAndMul(kernels)
 
     def forward(self, x):
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -97,11 +101,11 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, dtype, device, attn_backend, mlp: nn.Module,
-                 quant_config=None):
+                 quant_config=None, kernels: CpuKernels | None = None):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = LlamaAttention(cfg, layer_idx, dtype, device, attn_backend, quant_config)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, kernels)
+        self.self_attn = LlamaAttention(cfg, layer_idx, dtype, device, attn_backend, quant_config, kernels)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, kernels)
         self.mlp = mlp
 
     def forward(self, h, residual, cos_sin, kv_cache, meta, select: RowSelection | None = None):
@@ -121,15 +125,16 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype, device, attn_backend, make_mlp, quant_config=None):
+    def __init__(self, cfg: ModelConfig, dtype, device, attn_backend, make_mlp, quant_config=None,
+                 kernels: CpuKernels | None = None):
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device,
                                            quant_method=embedding_method(quant_config, "model.embed_tokens"))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, dtype, device, attn_backend, make_mlp(i), quant_config)
+            LlamaDecoderLayer(cfg, i, dtype, device, attn_backend, make_mlp(i), quant_config, kernels)
             for i in range(cfg.num_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, kernels)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings, device)
 
     def forward(self, input_ids, positions, kv_caches, meta, select: RowSelection | None = None):
@@ -157,7 +162,10 @@ class LlamaForCausalLM(nn.Module):
     )
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str = "cpu", attn_backend=None, quant_config=None):
+                 device: torch.device | str = "cpu", attn_backend=None, quant_config=None,
+                 kernels: CpuKernels | None = None):
+        """attn_backend: default the torch reference; kernels: the CPU kernels its layers may use
+        (default: every one that applies; CpuKernels.none() for the torch ops only)."""
         super().__init__()
         if attn_backend is None:
             from ember.kernels.torch_attention import TorchAttentionBackend
@@ -165,8 +173,10 @@ class LlamaForCausalLM(nn.Module):
             attn_backend = TorchAttentionBackend()
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         self.quant_config = quant_config
+        self.attn_backend = attn_backend
+        self.kernels = kernels = kernels or CpuKernels()
         self.model = LlamaModel(cfg, dtype, device, attn_backend, lambda i: self.make_mlp(cfg, i, dtype, device),
-                                quant_config)
+                                quant_config, kernels)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, device, tied_to=tied,
                               quant_method=None if tied else embedding_method(quant_config, "lm_head"))
@@ -174,7 +184,7 @@ class LlamaForCausalLM(nn.Module):
     def make_mlp(self, cfg: ModelConfig, layer_idx: int, dtype, device) -> nn.Module:
         bias = bool(cfg.raw.get("mlp_bias", False))  # some Llama variants
         return LlamaMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device, bias=bias,
-                        quant_config=self.quant_config, prefix=f"model.layers.{layer_idx}.mlp")
+                        quant_config=self.quant_config, prefix=f"model.layers.{layer_idx}.mlp", kernels=self.kernels)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, select: RowSelection | None = None) -> torch.Tensor:

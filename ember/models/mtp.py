@@ -35,7 +35,7 @@ lossless because the target verifies. compute_draft_logits gives the [N, V_draft
 index (propose draft_vocab[argmax]); compute_logits scatters them into [N, V] with -inf elsewhere
 (probability 0), so code written for a full head works unchanged.
 
-Training (ember.spec.train_mtp) runs forward_dense: the same weights over whole padded sequences
+Training (ember.train.mtp) runs forward_dense: the same weights over whole padded sequences
 [B, T] with causal SDPA instead of the paged cache, differentiable, and able to recurse (draft
 step s attends to step 0's keys up to its start and to its own chain's earlier steps, exactly
 what the paged cache holds when the engine drafts).
@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.kernels import cpu_row_top
+from ember.kernels.cpu_kernels import CpuKernels
 from ember.kernels.metadata import AttentionMetadata, RowSelection
 from ember.layers.embedding import LMHead
 from ember.layers.linear import ReplicatedLinear
@@ -71,6 +72,7 @@ class ZeroCenteredRMSNorm(RMSNorm):
                  device: torch.device | str = "cpu"):
         super().__init__(hidden_size, eps, dtype, device)
         self.weight.data.zero_()
+        self.fused = False  # the C++ RMSNorm computes w * rms(x), not (1 + w) * rms(x)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
@@ -95,19 +97,25 @@ class MTPLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, dtype, device, attn_backend, mlp: nn.Module,
                  hidden_first: bool = False, zero_centered: bool = False, own_head: bool = False,
-                 shared: "MTPLayer | None" = None, draft_vocab_size: int | None = None):
+                 shared: "MTPLayer | None" = None, draft_vocab_size: int | None = None,
+                 kernels: CpuKernels | None = None):
         super().__init__()
         H, eps = cfg.hidden_size, cfg.rms_norm_eps
-        norm = ZeroCenteredRMSNorm if zero_centered else RMSNorm
+        if zero_centered:
+            def norm(n):
+                return ZeroCenteredRMSNorm(n, eps, dtype, device)
+        else:
+            def norm(n):
+                return RMSNorm(n, eps, dtype, device, kernels)
         if shared is None:
-            self.enorm = norm(H, eps, dtype, device)
-            self.hnorm = norm(H, eps, dtype, device)
+            self.enorm = norm(H)
+            self.hnorm = norm(H)
             self.eh_proj = ReplicatedLinear(2 * H, H, bias=False, dtype=dtype, device=device)
-            self.final_norm = norm(H, eps, dtype, device)
+            self.final_norm = norm(H)
         else:
             self.enorm, self.hnorm, self.eh_proj, self.final_norm = (
                 shared.enorm, shared.hnorm, shared.eh_proj, shared.final_norm)
-        self.block = LlamaDecoderLayer(cfg, layer_idx, dtype, device, attn_backend, mlp)
+        self.block = LlamaDecoderLayer(cfg, layer_idx, dtype, device, attn_backend, mlp, kernels=kernels)
         if zero_centered:
             _zero_center_block_norms(self.block, cfg, dtype, device)
         if draft_vocab_size is not None and not 0 < draft_vocab_size <= cfg.vocab_size:
@@ -149,7 +157,7 @@ class MTPLayer(nn.Module):
         if attn.qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
         cos, sin = (c.reshape(B * T, -1) for c in cos_sin)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary(q, cos, sin, attn.fused_rotary), apply_rotary(k, cos, sin, attn.fused_rotary)
         # [B*T, heads, D] -> [B, heads, T, D]
         q, k, v = (t.view(B, T, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
         scale = attn.attn.scale
@@ -239,7 +247,7 @@ class MTPModule(nn.Module):
                 cfg, base + j, dtype, device, attn_backend, make_mlp(base + j),
                 hidden_first=layout == "mimo", zero_centered=layout == "qwen3_next", own_head=own_heads[j],
                 shared=layers[0] if layout == "qwen3_next" and j > 0 else None,
-                draft_vocab_size=draft_vocab_sizes[j]))
+                draft_vocab_size=draft_vocab_sizes[j], kernels=main.kernels))
         self.layers = nn.ModuleList(layers)
 
     @property

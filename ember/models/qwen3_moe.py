@@ -23,5 +23,6 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         if cfg.is_moe_layer(layer_idx):
             return SparseMoeBlock(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
                                   cfg.num_experts_per_tok, cfg.norm_topk_prob, dtype, device,
-                                  quant_config=self.quant_config, prefix=f"model.layers.{layer_idx}.mlp")
+                                  quant_config=self.quant_config, prefix=f"model.layers.{layer_idx}.mlp",
+                                  kernels=self.kernels)
         return super().make_mlp(cfg, layer_idx, dtype, device)

@@ -14,15 +14,19 @@ from __future__ import annotations
 import json
 import os
 
+from ember.config.groups import QUANTIZATION_CHOICES
 from ember.errors import ConfigError, UnsupportedModelError
-
-QUANTIZATION_CHOICES = ("auto", "none", "awq", "gguf")
+from ember.kernels.cpu_kernels import CpuKernels
 
 
 class QuantConfig:
-    """Per-checkpoint quantization settings; a factory of per-layer QuantMethods."""
+    """Per-checkpoint quantization settings; a factory of per-layer QuantMethods.
+
+    kernels: the model's CpuKernels, handed to the methods it makes (packed GGUF weights take the
+    tiled GEMV's layout only where they allow it); set by resolve_quant_config."""
 
     name = "none"
+    kernels: CpuKernels = CpuKernels()
 
     def linear_method(self, prefix: str):
         """QuantMethod for the Linear at `prefix` (fused names: qkv_proj, gate_up_proj), or None for dense."""
@@ -53,8 +57,16 @@ def checkpoint_quantization(path: str, raw_config: dict | None) -> tuple[str, di
     return str(qc.get("quant_method", "unknown")).lower(), qc
 
 
-def resolve_quant_config(requested: str | None, path: str, raw_config: dict | None) -> QuantConfig | None:
+def resolve_quant_config(requested: str | None, path: str, raw_config: dict | None,
+                         kernels: CpuKernels | None = None) -> QuantConfig | None:
     """The QuantConfig to build the model with (None = dense), or a ConfigError on a mismatch."""
+    config = _resolve(requested, path, raw_config)
+    if config is not None and kernels is not None:
+        config.kernels = kernels
+    return config
+
+
+def _resolve(requested: str | None, path: str, raw_config: dict | None) -> QuantConfig | None:
     requested = (requested or "auto").lower()
     if requested not in QUANTIZATION_CHOICES:
         raise ConfigError(f"--quantization {requested!r} is not one of {', '.join(QUANTIZATION_CHOICES)}")

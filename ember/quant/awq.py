@@ -18,15 +18,15 @@ import torch
 from torch import nn
 
 from ember.errors import ModelLoadError, UnsupportedModelError
+from ember.kernels.cpu_kernels import CpuKernels
 from ember.layers.activation import silu_and_mul
 from ember.layers.linear import QuantMethod, copy_checked, new_param
 from ember.layers.moe import grouped_experts
-from ember.quant import QuantConfig
+from ember.quant import QuantConfig, gemm_dispatch
 from ember.quant.awq_packing import dequantize_awq, unpack_awq
 from ember.quant.int4_cpu import Int4Weight
 
 PACK = 8  # 4-bit values per int32
-DEQUANT_MIN_ROWS = 256  # vLLM: from 256 tokens on, dequantize then matmul; below, the fused GEMM
 # Our fused layers and the HF modules they hold, for matching modules_to_not_convert.
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 REQUANTIZE = "or quantize the full-precision model with `ember quantize MODEL --method awq --out DIR`"
@@ -133,7 +133,7 @@ def awq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
         from ember.kernels import triton_awq
 
         if triton_awq.available():
-            if x.shape[0] < DEQUANT_MIN_ROWS and triton_awq.block_k_for(G) is not None:
+            if gemm_dispatch.awq_fused(x) and triton_awq.block_k_for(G) is not None:
                 return triton_awq.awq_gemm(x, qweight, qzeros, scales, G)
             return x @ triton_awq.awq_dequantize(qweight, qzeros, scales, G, dtype=x.dtype)
     # (q - z) * s in fp32 is exact (a small integer times an fp16); one rounding to x's dtype.
@@ -174,7 +174,7 @@ class AWQLinearMethod(QuantMethod):
         return y.view(*x.shape[:-1], N)
 
     def dense_weight(self, layer) -> torch.Tensor:
-        """W [N, K] in float32 (for a dense copy: ember.quant.dense_copy)."""
+        """W [N, K] in float32 (for a dense copy: ember.quant.weight_copies)."""
         K, N, G = layer.in_features, layer.out_features, layer.awq_group_size
         if hasattr(layer, "int4_packed"):
             return Int4Weight(layer.int4_packed, layer.int4_scales_zeros, G, N, K).dequantize(torch.float32)
@@ -187,8 +187,9 @@ class AWQExpertsMethod:
     def __init__(self, group_size: int):
         self.group_size = group_size
 
-    def create_experts(self, num_experts, hidden_size, intermediate_size, dtype, device, tp=(0, 1)):
-        experts = AWQExperts(num_experts, hidden_size, intermediate_size, self.group_size, dtype, device, tp=tp)
+    def create_experts(self, num_experts, hidden_size, intermediate_size, dtype, device, tp=(0, 1), kernels=None):
+        experts = AWQExperts(num_experts, hidden_size, intermediate_size, self.group_size, dtype, device, tp=tp,
+                             kernels=kernels)
         experts.quant_method = self  # so ember.quant.process_weights_after_loading calls the hook below
         return experts
 
@@ -201,11 +202,13 @@ class AWQExperts(nn.Module):
     loaded from per-expert checkpoint names ("{e}.gate_proj.qweight", ...). Computes like
     `Experts`: token slots grouped by expert, one int4 GEMM pair per expert that has tokens."""
 
-    def __init__(self, num_experts, hidden_size, intermediate_size, group_size, dtype, device="cpu", tp=(0, 1)):
+    def __init__(self, num_experts, hidden_size, intermediate_size, group_size, dtype, device="cpu", tp=(0, 1),
+                 kernels: CpuKernels | None = None):
         """intermediate_size: this rank's slice; tp (rank, size): checkpoint tensors are narrowed to it
         (gate/up along their packed output columns, down along its input rows and groups)."""
         super().__init__()
         self.tp = tp
+        self.fused_act = (kernels or CpuKernels()).fused_elementwise
         E, H, I = num_experts, hidden_size, intermediate_size
         self.num_experts, self.hidden_size, self.intermediate_size, self.dtype = E, H, I, dtype
         self.g13, self.g2 = _group(group_size, H), _group(group_size, I)
@@ -268,7 +271,7 @@ class AWQExperts(nn.Module):
 
     def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
         H, I = self.hidden_size, self.intermediate_size
-        h = silu_and_mul(self._linear("w13", e, x, H, 2 * I, self.g13))
+        h = silu_and_mul(self._linear("w13", e, x, H, 2 * I, self.g13), self.fused_act)
         return self._linear("w2", e, h, I, H, self.g2)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:

@@ -55,23 +55,23 @@ from torch import nn
 from ember.errors import ModelLoadError
 from ember.kernels import cpu_row_top
 from ember.kernels import cpu_tiled_gemv as tiled_gemv
+from ember.kernels.cpu_kernels import CpuKernels
 from ember.layers.activation import silu_and_mul
 from ember.layers.linear import QuantMethod, new_param
 from ember.layers.moe import grouped_experts
 from ember.quant import QuantConfig
 from ember.quant.gguf_blocks import AFFINE_4BIT, AFFINE_8BIT, GROUP, GGUFTensor, affine_codes, dequantize, q6_k_codes
-from ember.quant.int4_cpu import KERNEL_MAX_ROWS, Int4Weight, block_n, pack_int4_codes, row_codes
+from ember.quant import gemm_dispatch
+from ember.quant.int4_cpu import Int4Weight, block_n, pack_int4_codes, row_codes
 
 # Raw-block parts dequantize at most this many weights at a time (64 MiB of float32).
 RAW_CHUNK_ELEMS = 1 << 24
 # Q6_K's high 2-bit codes are stored as hi + 6 (6..9), near the kernel's zero point 8: this keeps
 # the bf16-rounded zero small (module docstring). Q6KPart._weight relies on 16 (hi + 6) + lo = q6 + 96.
 Q6K_HI_SHIFT = 6
-# Q6_K's kernel call is 2K wide (~24 us per row at 576x1536 bf16, one thread) while rebuilding the
-# bf16 weight costs ~0.9 ms: above this many rows the rebuild + dense GEMM is faster.
-Q6K_KERNEL_MAX_ROWS = 40
-# A low-precision LM head recomputes its top candidates in float32 for up to this many rows.
-REFINE_TOP_K, REFINE_MAX_ROWS = 8, KERNEL_MAX_ROWS
+# A low-precision LM head recomputes this many top candidates in float32 (for up to
+# gemm_dispatch.REFINE_MAX_ROWS rows).
+REFINE_TOP_K = 8
 
 
 # ---- packed weights: one [N, K] matrix each, with linear / rows / dequantize -------------------
@@ -144,7 +144,7 @@ class Int4Part(PackedPart):
 
     def linear(self, x):
         if self.split8:
-            if x.device.type == "cpu" and x.numel() // self.K <= KERNEL_MAX_ROWS:
+            if gemm_dispatch.int4_kernel(x):
                 y = self.w.linear(torch.cat((x, x), dim=-1))
             else:  # many rows: one dense GEMM over the summed halves
                 y = F.linear(x, self._summed().to(x.dtype))
@@ -177,43 +177,46 @@ class TiledPart(PackedPart):
     Q5_0, Q5_1). Used in place of Int4Part for bf16 on CPUs with AVX-512 BF16 (measured on 2
     Zen4 cores, the default model's 30 layers at one row: 2.25 ms against Int4Weight's 3.54,
     its Q8_0 LM head 0.46 against 0.98 ms) and for float32 on CPUs with AVX2 (the kernel's int16-x
-    build). From Q8_MIN_ROWS rows on a CPU with AVX-512 VNNI (has_q8, --cpu-int8-activations), the
+    build). From TILED_Q8_MIN_ROWS rows on a CPU with AVX-512 VNNI (has_q8, --cpu-int8-activations), the
     kernel's int8-x path (x rounded to int8 steps per group of 32, as llama.cpp's Q8 activations),
     which beats oneDNN's bf16 GEMM over a dense copy at every row count. Otherwise, above
-    KERNEL_MAX_ROWS rows, a dense GEMM over W -- except in the AVX2 build, whose many-row path beats
-    the float32 GEMM at every row count."""
+    INT4_KERNEL_MAX_ROWS rows, a dense GEMM over W -- except in the AVX2 build, whose many-row path
+    beats the float32 GEMM at every row count (ember.quant.gemm_dispatch.tiled_path chooses).
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int):
+    int8_activations: the model's CpuKernels.int8_activations (--cpu-int8-activations)."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
+                 int8_activations: bool = True):
         self.N, self.K = codes.shape
         self.bits = bits
         self.x_dtype = tiled_gemv.x_dtype()  # read here: a compiled step cannot trace the CPU-flags lookup
         # many-row paths: the int8-x one (has_q8) and the AVX2 build's widened tiles: every row count
-        self.q8 = tiled_gemv.q8_enabled and tiled_gemv.has_q8()
-        self.max_rows = None if tiled_gemv.rounds_x() or self.q8 else KERNEL_MAX_ROWS
+        self.q8 = int8_activations and tiled_gemv.has_q8()
+        self.max_rows = None if tiled_gemv.rounds_x() or self.q8 else gemm_dispatch.INT4_KERNEL_MAX_ROWS
         self.tiles, self.scale, self.offset = tiled_gemv.pack(codes, scale, offset, bits)
 
     @staticmethod
-    def usable(dtype: torch.dtype, device) -> bool:
-        return (torch.device(device).type == "cpu" and tiled_gemv.enabled and dtype == tiled_gemv.x_dtype()
-                and tiled_gemv.available())
+    def usable(dtype: torch.dtype, device, kernels: CpuKernels | None = None) -> bool:
+        """Whether weights in `dtype` on `device` take this layout: the model's kernels allow it
+        (--cpu-tiled-gemv), this machine's build takes that dtype, and it builds."""
+        return (torch.device(device).type == "cpu" and (kernels or CpuKernels()).tiled_gemv
+                and dtype == tiled_gemv.x_dtype() and tiled_gemv.available())
+
+    def _path(self, x: torch.Tensor) -> str:
+        return gemm_dispatch.tiled_path(x, self.x_dtype, self.q8, self.max_rows)
 
     def _gemv(self, x: torch.Tensor, float_out: bool) -> torch.Tensor:
         x2 = x.reshape(-1, self.K)
-        if self._on_q8(x2):
+        path = self._path(x2)
+        if path == "q8":
             y = tiled_gemv.gemm_q8(x2.contiguous(), self.tiles, self.scale, self.offset, self.bits, float_out)
-        elif self._on_kernel(x2):
+        elif path == "gemv":
             y = tiled_gemv.gemv(x2.contiguous(), self.tiles, self.scale, self.offset, self.bits, float_out)
         else:
             y = F.linear(x2, self._weight(x2.dtype))
             y = y.float() if float_out else y  # linear_float's contract: float32 logits either way
         y = y if y.shape[-1] == self.N else y[:, :self.N]
         return y.reshape(*x.shape[:-1], self.N)
-
-    def _on_kernel(self, x: torch.Tensor) -> bool:
-        return x.dtype == self.x_dtype and (self.max_rows is None or x.numel() // self.K <= self.max_rows)
-
-    def _on_q8(self, x: torch.Tensor) -> bool:
-        return self.q8 and x.dtype == torch.bfloat16 and x.numel() // self.K >= tiled_gemv.Q8_MIN_ROWS
 
     @property
     def kernel_at_any_rows(self) -> bool:
@@ -233,7 +236,7 @@ class TiledPart(PackedPart):
         # refining the head's top candidates (~0.24 ms a token on Zen3) could not make its argmax
         # that of an exact float32 model. The int8-x path rounds x for the head alone (the steps that
         # take it reached the head through bf16 hidden states), so its top candidates are recomputed.
-        return x.dtype == torch.float32 or (self._on_kernel(x) and not self._on_q8(x))
+        return x.dtype == torch.float32 or self._path(x) == "gemv"
 
     def _weight(self, dtype: torch.dtype) -> torch.Tensor:
         return tiled_gemv.dequantize(self.tiles, self.scale, self.offset, self.bits, dtype, self.N)
@@ -277,7 +280,7 @@ class Q6KPart(PackedPart):
         return Int4Weight.supports(64, 2 * K, GROUP)
 
     def linear(self, x):
-        if x.device.type == "cpu" and x.numel() // self.K <= Q6K_KERNEL_MAX_ROWS:
+        if gemm_dispatch.q6k_kernel(x):
             m = self._spread.get(x.dtype)
             if m is None:
                 m = self._spread[x.dtype] = torch.tensor([1.0, 1 / 16], dtype=x.dtype).view(1, 2, 1).expand(
@@ -348,11 +351,14 @@ def _kind(t, raw_ok: bool) -> str:
     return f"raw {t.qtype.name}" if raw_ok else "dense"
 
 
-def pack_shards(shards: list, dtype: torch.dtype, device, raw_ok: bool = False) -> list[PackedPart]:
+def pack_shards(shards: list, dtype: torch.dtype, device, raw_ok: bool = False,
+                kernels: CpuKernels | None = None) -> list[PackedPart]:
     """Shards (GGUFTensor or float tensors, [n_i, K] each, in output order) -> parts covering
     the same rows in order, one part per run of shards of the same kind. Types with no int4
     form become dense, or RawPart with `raw_ok` (for lookups only: its linear is slow; Q6_K
-    too, as its raw blocks are smaller than its Q6KPart)."""
+    too, as its raw blocks are smaller than its Q6KPart). kernels: the model's CpuKernels
+    (whether 4/8-bit codes take the tiled GEMV's layout, and its int8-x path)."""
+    kernels = kernels or CpuKernels()
     runs: list[list] = []
     for t in shards:
         if runs and _kind(runs[-1][0], raw_ok) == _kind(t, raw_ok):
@@ -367,8 +373,9 @@ def pack_shards(shards: list, dtype: torch.dtype, device, raw_ok: bool = False) 
             parts.append(DensePart(torch.cat(ws).to(device=device, dtype=dtype)))
         elif kind in ("int4", "int8"):
             c, s, o = (torch.cat(x).to(device) for x in zip(*(affine_codes(t.raw(), t.qtype) for t in run)))
-            if TiledPart.usable(dtype, device):
-                parts.append(TiledPart(c, s, o, bits=4 if kind == "int4" else 8))
+            if TiledPart.usable(dtype, device, kernels):
+                parts.append(TiledPart(c, s, o, bits=4 if kind == "int4" else 8,
+                                       int8_activations=kernels.int8_activations))
             else:
                 parts.append(Int4Part(c, s, o, dtype, split8=kind == "int8"))
         elif kind == "q6k":
@@ -406,6 +413,9 @@ class GGUFLinearMethod(QuantMethod):
     `weight` stays an empty placeholder Parameter: the model's loader finds layers by that name
     and checks shard completeness against it; the data lives in the parts' buffers."""
 
+    def __init__(self, kernels: CpuKernels | None = None):
+        self.kernels = kernels or CpuKernels()
+
     def create_weights(self, layer, in_features, out_features_per_shard, dtype, device):
         layer.weight = new_param((0,), dtype, device, output_dim=0, input_dim=1)
         layer.gguf_dtype, layer.gguf_device = dtype, torch.device(device)
@@ -420,7 +430,7 @@ class GGUFLinearMethod(QuantMethod):
         if not layer.gguf_pending:
             return
         shards = [layer.gguf_pending.pop(s) for s in layer.shard_ids]
-        layer.gguf_parts = pack_shards(shards, layer.gguf_dtype, layer.gguf_device)
+        layer.gguf_parts = pack_shards(shards, layer.gguf_dtype, layer.gguf_device, kernels=self.kernels)
         register_parts(layer, layer.gguf_parts)
 
     def apply(self, layer, x, bias=None):
@@ -430,7 +440,7 @@ class GGUFLinearMethod(QuantMethod):
         return y if bias is None else y + bias
 
     def dense_weight(self, layer) -> torch.Tensor | None:
-        """W [N, K] in float32 for a dense copy (ember.quant.dense_copy); None if it is dense already."""
+        """W [N, K] in float32 for a dense copy (ember.quant.weight_copies); None if it is dense already."""
         if layer.gguf_pending:
             self.process_weights_after_loading(layer)
         if all(isinstance(p, DensePart) for p in layer.gguf_parts):
@@ -446,9 +456,10 @@ class GGUFEmbeddingMethod:
     so a tied LM head that shares this method object reads the embedding's data (the head sets
     `serves_head`; an embedding that is only looked up may keep types with no int4 form raw)."""
 
-    def __init__(self, serves_head: bool = False):
+    def __init__(self, serves_head: bool = False, kernels: CpuKernels | None = None):
         self.part: PackedPart | None = None
         self.serves_head = serves_head
+        self.kernels = kernels or CpuKernels()
 
     def create_weights(self, module: nn.Module, vocab_size: int, hidden_size: int, dtype, device) -> None:
         module.weight = new_param((0,), dtype, device)
@@ -456,7 +467,8 @@ class GGUFEmbeddingMethod:
 
     def load_weight(self, module: nn.Module, tensor) -> None:
         _check_shape(tensor, self.shape, "the embedding")
-        (self.part,) = pack_shards([tensor], self.dtype, self.device, raw_ok=not self.serves_head)
+        (self.part,) = pack_shards([tensor], self.dtype, self.device, raw_ok=not self.serves_head,
+                                   kernels=self.kernels)
         register_parts(module, [self.part])
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -471,7 +483,7 @@ class GGUFEmbeddingMethod:
     def refine(self, y: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """Low-precision logits y [n, V] with their leading candidates recomputed in float32."""
         n = hidden.shape[0]
-        if 0 < n <= REFINE_MAX_ROWS:
+        if gemm_dispatch.refine_logits(n):
             # bf16 logits keep ~3 digits (an ulp is 0.125 at 25), so near-ties at the top would be
             # settled by rounding: recompute the leading candidates in float32 from their rows.
             idx = cpu_row_top.topk_indices(y, min(REFINE_TOP_K, y.shape[1]))  # [n, k]
@@ -493,10 +505,12 @@ class GGUFExperts(nn.Module):
 
     _NAME = re.compile(r"^(\d+)\.(gate|up|down)_proj\.weight$")
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype, device="cpu"):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype, device="cpu",
+                 kernels: CpuKernels | None = None):
         super().__init__()
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.dtype, self.device = dtype, torch.device(device)
+        self.kernels = kernels or CpuKernels()
         # Empty placeholders: the model's loader checks shard completeness against w13 / w2.
         self.w13, self.w2 = new_param((0,), dtype, device), new_param((0,), dtype, device)
         self.pending: dict = {}
@@ -522,13 +536,15 @@ class GGUFExperts(nn.Module):
     def pack(self) -> None:
         for e in range(self.num_experts):
             gate_up = [self.pending.pop((e, "gate")), self.pending.pop((e, "up"))]
-            self.parts13.append(pack_shards(gate_up, self.dtype, self.device))
-            self.parts2.append(pack_shards([self.pending.pop((e, "down"))], self.dtype, self.device))
+            self.parts13.append(pack_shards(gate_up, self.dtype, self.device, kernels=self.kernels))
+            self.parts2.append(pack_shards([self.pending.pop((e, "down"))], self.dtype, self.device,
+                                           kernels=self.kernels))
             register_parts(self, self.parts13[-1], f"w13_{e}")
             register_parts(self, self.parts2[-1], f"w2_{e}")
 
     def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        return apply_parts(self.parts2[e], silu_and_mul(apply_parts(self.parts13[e], x)))
+        return apply_parts(self.parts2[e], silu_and_mul(apply_parts(self.parts13[e], x),
+                                                        self.kernels.fused_elementwise))
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         if self.pending:  # a model built without the loader's post-load hook
@@ -537,8 +553,8 @@ class GGUFExperts(nn.Module):
 
 
 class GGUFExpertsMethod:
-    def create_experts(self, num_experts, hidden_size, intermediate_size, dtype, device):
-        experts = GGUFExperts(num_experts, hidden_size, intermediate_size, dtype, device)
+    def create_experts(self, num_experts, hidden_size, intermediate_size, dtype, device, kernels=None):
+        experts = GGUFExperts(num_experts, hidden_size, intermediate_size, dtype, device, kernels)
         experts.quant_method = self  # so ember.quant.process_weights_after_loading calls the hook below
         return experts
 
@@ -551,10 +567,10 @@ class GGUFConfig(QuantConfig):
     name = "gguf"
 
     def linear_method(self, prefix: str):
-        return GGUFLinearMethod()
+        return GGUFLinearMethod(self.kernels)
 
     def experts_method(self, prefix: str):
         return GGUFExpertsMethod()
 
     def embedding_method(self, prefix: str):
-        return GGUFEmbeddingMethod(serves_head=prefix.endswith("lm_head"))
+        return GGUFEmbeddingMethod(serves_head=prefix.endswith("lm_head"), kernels=self.kernels)

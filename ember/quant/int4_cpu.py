@@ -15,7 +15,7 @@ Q4_K: -dmin*m_j; AWQ: -z*s), so it maps onto the kernel exactly: s = scale,
 z = offset + 8 * scale. The integer codes are copied, never requantized.
 
 The kernel reads each weight once per row of x, so it wins only for decode-sized batches;
-above KERNEL_MAX_ROWS rows the weight is dequantized (into a transient buffer) and the
+above gemm_dispatch.INT4_KERNEL_MAX_ROWS rows the weight is dequantized (into a transient buffer) and the
 dense GEMM takes over, as vLLM does for AWQ at >= 256 tokens.
 """
 from __future__ import annotations
@@ -25,9 +25,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-# Measured on 2 Zen4 cores, 3072x576 bf16: the kernel costs ~10 us per row, dequantize +
-# GEMM ~1.5 ms + 4 us per row; they cross near 250 rows.
-KERNEL_MAX_ROWS = 192
+from ember.quant import gemm_dispatch
+
 SUPPORTED_GROUP_SIZES = (32, 64, 128, 256)
 
 
@@ -122,7 +121,7 @@ class Int4Weight:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.K)
-        if x2.device.type == "cpu" and x2.shape[0] <= KERNEL_MAX_ROWS:
+        if gemm_dispatch.int4_kernel(x2):
             if x2.dtype != self.scales_zeros.dtype:
                 x2 = x2.to(self.scales_zeros.dtype)
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self.packed, self.group_size,

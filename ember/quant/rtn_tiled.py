@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ember.kernels import cpu_tiled_gemv as tiled_gemv
+from ember.kernels.cpu_kernels import CpuKernels
 from ember.layers.linear import DenseMethod, LinearBase, QuantMethod
 from ember.quant.gguf_quant import TiledPart
 from ember.quant.rtn_int4 import rtn_affine
@@ -26,17 +27,18 @@ from ember.quant.rtn_int4 import rtn_affine
 BITS = 8
 
 
-def usable() -> bool:
+def usable(kernels: CpuKernels | None = None) -> bool:
     """Whether the kernel runs here (for layers in its dtype: bf16 on AVX-512 BF16, float32 on
-    AVX2), with a compiler (built on the first call), and not turned off (--no-cpu-tiled-gemv)."""
+    AVX2), with a compiler (built on the first call), and the model's kernels allow it
+    (--cpu-tiled-gemv)."""
     dtype = tiled_gemv.x_dtype()
-    return dtype is not None and TiledPart.usable(dtype, "cpu")
+    return dtype is not None and TiledPart.usable(dtype, "cpu", kernels)
 
 
-def _pack(module: nn.Module, w: torch.Tensor) -> int:
+def _pack(module: nn.Module, w: torch.Tensor, kernels: CpuKernels) -> int:
     """module.tiled_part for w [N, K]; its tensors also registered as the module's buffers (they count
     in its bytes). Returns those bytes."""
-    part = TiledPart(*rtn_affine(w, tiled_gemv.GROUP, BITS), BITS)
+    part = TiledPart(*rtn_affine(w, tiled_gemv.GROUP, BITS), BITS, int8_activations=kernels.int8_activations)
     module.tiled_part = part
     for name, t in zip(("tiled_codes", "tiled_scale", "tiled_offset"), part.buffers()):
         module.register_buffer(name, t)
@@ -61,13 +63,13 @@ class RTNTiledHead:
         return self.part.linear_float(hidden)
 
 
-def pack_module_tiled(module: nn.Module) -> int:
+def pack_module_tiled(module: nn.Module, kernels: CpuKernels | None = None) -> int:
     """Repack every dense Linear (and untied LMHead) under `module` in the kernel's dtype (bf16 or
     float32: tiled_gemv.x_dtype()) whose input size is a multiple of 32, on CPU. Returns the bytes
-    saved; 0 where the kernel is not usable()."""
+    saved; 0 where the kernel is not usable(kernels)."""
     from ember.layers.embedding import LMHead
 
-    if not usable():
+    if not usable(kernels):
         return 0
     saved = 0
     for sub in module.modules():
@@ -78,7 +80,7 @@ def pack_module_tiled(module: nn.Module) -> int:
             continue
         w = sub.weight
         del sub.weight
-        saved += w.numel() * w.element_size() - _pack(sub, w.data)
+        saved += w.numel() * w.element_size() - _pack(sub, w.data, kernels or CpuKernels())
         sub.quant_method = RTNTiledMethod() if dense_linear else RTNTiledHead(sub.tiled_part)
     return saved
 

@@ -108,9 +108,6 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, metrics: ServerMetri
     if engine.stats_listener is None:
         engine.stats_listener = metrics
     serving = Serving(engine, config)
-    chat = ChatHandler(serving)
-    completions = CompletionHandler(serving)
-    created = int(time.time())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -124,8 +121,16 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, metrics: ServerMetri
     app.state.engine = engine
     app.state.serving = serving
     app.state.metrics = metrics
+    _add_error_handlers(app)
+    _add_service_routes(app, engine, metrics)
+    _add_v1_routes(app, serving, config, [Depends(_api_key_check(config))])
+    app.add_middleware(_CountRequests, metrics=metrics)
+    return app
 
-    # -- errors --------------------------------------------------------------------------------
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's shape, with the right status (the server keeps serving)."""
+
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
         message, param = _validation_message(exc)
@@ -142,7 +147,10 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, metrics: ServerMetri
         status = getattr(exc, "http_status", 400)
         return _error(status, str(exc), getattr(exc, "param", None))
 
-    # -- auth ----------------------------------------------------------------------------------
+
+def _api_key_check(config: ServerConfig):
+    """A dependency of the /v1 routes: `Authorization: Bearer <--api-key>` when a key is set."""
+
     def check_key(request: Request) -> None:
         key = config.api_key
         if not key:
@@ -152,9 +160,12 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, metrics: ServerMetri
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
             raise AuthenticationError("a valid API key is required: send the header `Authorization: Bearer <key>`")
 
-    v1 = [Depends(check_key)]
+    return check_key
 
-    # -- routes --------------------------------------------------------------------------------
+
+def _add_service_routes(app: FastAPI, engine: AsyncLLMEngine, metrics: ServerMetrics) -> None:
+    """/health, /version, /metrics: no API key."""
+
     @app.get("/health")
     async def health():
         if engine.is_ready:
@@ -168,6 +179,13 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, metrics: ServerMetri
     @app.get("/metrics")
     async def get_metrics():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _add_v1_routes(app: FastAPI, serving: Serving, config: ServerConfig, v1: list) -> None:
+    """The OpenAI API: models, chat completions, completions."""
+    chat = ChatHandler(serving)
+    completions = CompletionHandler(serving)
+    created = int(time.time())
 
     @app.get("/v1/models", dependencies=v1)
     async def models():
@@ -198,9 +216,6 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, metrics: ServerMetri
             return await answer(await completions.create(body, request.receive))
         except ClientDisconnected:
             return Response(status_code=499)
-
-    app.add_middleware(_CountRequests, metrics=metrics)
-    return app
 
 
 __all__ = ["build_app", "ServerConfig", "ParamError"]

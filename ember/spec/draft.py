@@ -6,7 +6,7 @@ The draft is loaded by ember's own loader (any supported architecture, HF folder
 target's dtype and device) and runs ember's own model code. Refused with a ConfigError: a draft
 whose vocab_size or tokenizer (token -> id map, special tokens) differs from the target's, a
 folder of MTP weights given as method "draft", a context shorter than max_model_len (a missing
-folder is refused in ember.spec.config).
+folder is refused in ember.config.speculative).
 
 KV. One cache per draft layer in the runner's pool (ModelRunner.allocate_kv with the draft's kv
 heads and head_dim): the same block ids and tables as the target, so a request's blocks hold both
@@ -52,14 +52,15 @@ from typing import Any, Sequence
 
 import torch
 
-from ember.engine.request import Request, RequestStatus
-from ember.engine.runner import select_rows
+from ember.request import Request, RequestStatus
+from ember.kernels.metadata import select_rows
 from ember.errors import ConfigError
 from ember.kernels import cpu_row_top
 from ember.kernels.metadata import AttentionMetadata
 from ember.layers.attention import is_fp8
 from ember.layers.sampler import make_generator, target_probs
-from ember.spec.proposer import Draft
+from ember.request import Draft
+from ember.spec.proposer import KVSlots, Proposer, ProposerContext, StepRows
 
 logger = logging.getLogger("ember")
 
@@ -82,19 +83,21 @@ def tokenizer_difference(target: Any, draft: Any) -> str | None:
     return None
 
 
-class DraftModelProposer:
-    def __init__(self, spec: Any, engine: Any):
+class DraftModelProposer(Proposer):
+    reads_step = "rows"  # the fill reruns the rows the target computed, from their tokens
+
+    def __init__(self, spec: Any, ctx: ProposerContext):
         from ember.loader.model_loader import load_model
-        from ember.spec.config import is_mtp_folder
+        from ember.config.speculative import is_mtp_folder
 
         if is_mtp_folder(spec.model):
             raise ConfigError(f"{spec.model!r} holds MTP weights, not a draft model; use method 'mtp' "
                               "(or give --speculative-model without a method)")
-        target = engine.loaded
+        target = ctx.target
         path = os.path.expanduser(spec.model)
         # A folder without tokenizer files borrows the target's (only vocab_size can be checked then).
         own_tok = os.path.isfile(path) or os.path.isfile(os.path.join(path, "tokenizer.json"))
-        borrowed = None if own_tok else engine.config.tokenizer or (target.path if os.path.isdir(target.path) else None)
+        borrowed = None if own_tok else ctx.tokenizer or (target.path if os.path.isdir(target.path) else None)
         if not own_tok and borrowed is None:
             raise ConfigError(f"the draft model folder {spec.model!r} has no tokenizer.json and the target is a GGUF "
                               "file; copy the target's tokenizer files into the draft folder, or pass --tokenizer DIR")
@@ -109,8 +112,8 @@ class DraftModelProposer:
         # Under tensor parallelism the draft runs whole on rank 0 (draft tensor-parallel size 1, as
         # vLLM's default): built outside the engine's sharding, its layers never call a collective.
         with sharding(0, 1):
-            self.loaded = loaded = load_model(spec.model, borrowed, engine.dtype, engine.device,
-                                              engine.config.attention_backend, "auto")
+            self.loaded = loaded = load_model(spec.model, borrowed, ctx.dtype, ctx.device, ctx.attention_backend,
+                                              "auto", ctx.kernels)
         mc = loaded.model_config
         self._check_vocab(spec.model, mc.vocab_size, tmc.vocab_size)
         if own_tok:
@@ -120,21 +123,21 @@ class DraftModelProposer:
                                   "give a draft model that uses the target's tokenizer")
         else:
             logger.warning("draft model %s has no tokenizer.json: only its vocab_size was checked", spec.model)
-        if mc.max_position_embeddings < engine.max_model_len:
+        if mc.max_position_embeddings < ctx.max_model_len:
             raise ConfigError(f"the draft model {spec.model!r} has a context of {mc.max_position_embeddings} tokens, "
-                              f"less than max_model_len {engine.max_model_len}; pass --max-model-len "
+                              f"less than max_model_len {ctx.max_model_len}; pass --max-model-len "
                               f"{mc.max_position_embeddings} or a draft with a longer context")
         self.model = loaded.model
         self.model_config = mc
-        self.device = engine.device
+        self.device = ctx.device
         self.num_speculative_tokens = spec.num_speculative_tokens or 1
         self.k_max = self.num_speculative_tokens
-        self.max_num_seqs = engine.max_num_seqs
-        self.block_size = engine.config.block_size
+        self.max_num_seqs = ctx.max_num_seqs
+        self.block_size = ctx.block_size
+        self.generators = ctx.generators  # the sampler's per-request seeded generators
         # CPU decode is bandwidth bound: a draft token costs its weight bytes over the target's.
         self.draft_token_cost = float(min(1.0, max(0.01, loaded.weight_bytes / max(1, target.weight_bytes))))
         self.caches: list[torch.Tensor] = []
-        self.runner = None
         # request id -> (N = num_tokens at the fill, scratch slot, scratch holds position N - 1, logits [1, V])
         self.starts: dict[str, tuple[int, int, bool, torch.Tensor]] = {}
         logger.info("draft model: %s, %d layers, %.1f MB, loaded from %s in %.1fs, draft cost %.2f of a decode step",
@@ -157,15 +160,13 @@ class DraftModelProposer:
         """Position N - 1 (one block) and the chain's N .. N + k - 2 from any offset in a block."""
         return 2 + (self.block_size - 1 + self.k_max) // self.block_size
 
-    def attach(self, runner) -> None:
-        """The draft layers' caches in the runner's pool (+ scratch), and the step layout kept for the fill."""
-        self.runner = runner
-        self.scratch_base = runner.num_blocks
+    def attach(self, slots: KVSlots) -> None:
+        """The draft layers' caches in the pool (+ scratch blocks for position N - 1 and the chains)."""
+        self.scratch_base = slots.num_blocks
         self.scratch_per_req = self.scratch_blocks_per_request()
         mc = self.model_config
         extra = self.max_num_seqs * self.scratch_per_req
-        self.caches = [runner.allocate_kv(mc.num_kv_heads, mc.head_dim, extra) for _ in range(mc.num_layers)]
-        runner.keep_rows = True
+        self.caches = [slots.allocate(mc.num_kv_heads, mc.head_dim, extra) for _ in range(mc.num_layers)]
 
     def _scratch(self, slot: int) -> list[int]:
         first = self.scratch_base + slot * self.scratch_per_req
@@ -187,14 +188,12 @@ class DraftModelProposer:
 
     # -- the fill -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def after_step(self, out: Any) -> None:
+    def after_step(self, step: StepRows | None) -> None:
         """Run the draft over the step's verified rows (+ the last token of requests that decode
         next: their draft-1 logits); see the module docstring."""
-        step = self.runner.last_step if self.runner is not None else None
         self.starts.clear()
         if step is None:
             return
-        self.runner.last_step = None
         bs = self.block_size
         ids, positions, slots, qlens, seq_lens, tables = [], [], [], [], [], []
         sel_rows, sel_seqs, sel = [], [], []  # logit rows; (request, slot, scratch used) per logit row
@@ -242,7 +241,7 @@ class DraftModelProposer:
         params = req.sampling_params
         if params.seed is None:
             return None
-        gens = self.runner.generators
+        gens = self.generators
         if req.request_id not in gens:
             gens[req.request_id] = make_generator(params.seed)
         return gens[req.request_id]

@@ -48,32 +48,36 @@ from typing import Any, Sequence
 
 import torch
 
-from ember.engine.request import Request, RequestStatus
-from ember.engine.runner import select_rows
+from ember.request import Request, RequestStatus
+from ember.kernels.metadata import select_rows
 from ember.kernels import cpu_row_top
 from ember.kernels.metadata import AttentionMetadata
-from ember.spec.proposer import Draft
+from ember.request import Draft
+from ember.spec.proposer import ExecutorFactory, KVSlots, Proposer, ProposerContext, StepRows
 
 logger = logging.getLogger("ember")
 
 
-class MTPProposer:
-    def __init__(self, spec: Any, engine: Any):
+class MTPProposer(Proposer):
+    reads_step = "hidden"  # the fill runs over every row the target computed, from its hidden state
+
+    def __init__(self, spec: Any, ctx: ProposerContext):
         from ember.spec.mtp_weights import load_mtp
 
-        loaded = engine.loaded
+        loaded = ctx.target
         t0 = time.perf_counter()
         self.mtp = load_mtp(loaded.model, loaded.path, spec.model)
         self.device = self.mtp.device
-        self.packed_bytes_saved = self._pack_draft_weights()
+        self.packed_bytes_saved = self._pack_draft_weights(ctx)
         self.num_layers = self.mtp.num_layers
         self.num_speculative_tokens = self.num_layers  # vLLM's default when k is not given
         self.k_max = spec.num_speculative_tokens or self.num_layers
-        self.max_num_seqs = engine.max_num_seqs
-        self.block_size = engine.config.block_size
+        self.max_num_seqs = ctx.max_num_seqs
+        self.block_size = ctx.block_size
         self.draft_token_cost = self._draft_token_cost(loaded)
+        self.mtp = ctx.mirror(self.mtp)  # under TP its forwards are replayed on the workers' shards
+        self.generators = ctx.generators  # the sampler's per-request seeded generators
         self.caches: list[torch.Tensor] = []
-        self.runner = None
         self.fill_executor = None  # a CompiledExecutor / CUDAGraphExecutor of the fill's decode shapes (prepare)
         # request id -> (c, g_c [1, H]): the fill's last row of a request that decodes next
         self.starts: dict[str, tuple[int, torch.Tensor]] = {}
@@ -82,21 +86,20 @@ class MTPProposer:
                     self.draft_token_cost)
 
     # -- sizing and setup ---------------------------------------------------------------------
-    def _pack_draft_weights(self) -> int:
+    def _pack_draft_weights(self, ctx: ProposerContext) -> int:
         """CPU: the MTP layers' Linears and own head to group-32 8-bit codes (ember.quant.rtn_tiled)
         where the tiled kernel runs in the layers' dtype (bf16, or float32 on AVX2), else in bf16
         to int4 (ember.quant.rtn_int4).
         A draft step reads its weights for one row, so bytes are its cost; drafts may change a little,
         the output cannot (the target verifies). Not under tensor parallelism (the workers replay
         the MTP on their own dense shards)."""
-        from ember.layers.linear import get_tp_rank_size
         from ember.quant.rtn_int4 import pack_module_int4
         from ember.quant.rtn_tiled import pack_module_tiled
 
-        if self.device.type != "cpu" or get_tp_rank_size()[1] > 1:
+        if self.device.type != "cpu" or ctx.tensor_parallel:
             return 0
         # 8-bit tiles where the tiled kernel runs: drafts closer to the dense layer's (rtn_tiled.py)
-        saved, kind = pack_module_tiled(self.mtp.layers), "8-bit tiles"
+        saved, kind = pack_module_tiled(self.mtp.layers, ctx.kernels), "8-bit tiles"
         if not saved and self.mtp.dtype == torch.bfloat16:
             saved, kind = pack_module_int4(self.mtp.layers), "int4"
         if saved:
@@ -130,47 +133,27 @@ class MTPProposer:
             return 0
         return (self.block_size - 1 + self.k_max - 1 - 1) // self.block_size + 1
 
-    def attach(self, runner) -> None:
-        """Allocate the MTP layers' caches in the runner's pool and ask it for every row's hidden."""
-        self.runner = runner
+    def attach(self, slots: KVSlots) -> None:
+        """Allocate the MTP layers' caches in the pool (+ scratch blocks for the chains)."""
         heads, dim = self.kv_shape()
-        self.scratch_base = runner.num_blocks
+        self.scratch_base = slots.num_blocks
         self.scratch_per_req = self.scratch_blocks_per_request()
         extra = self.max_num_seqs * self.scratch_per_req
-        self.caches = [runner.allocate_kv(heads, dim, extra) for _ in range(self.num_layers)]
-        runner.keep_hidden = True
+        self.caches = [slots.allocate(heads, dim, extra) for _ in range(self.num_layers)]
 
-    def prepare(self, engine) -> None:
+    def prepare(self, make_executor: ExecutorFactory) -> None:
         """With the compiled CPU executor, compile the fill too, at the main executor's sizes and query
         lengths: at batch 1 the fill runs 1 or 1 + k rows after every step, and eagerly it cost
         ~0.8 ms of a ~6 ms MTP step on the default model, half of it module and op dispatch. With
         CUDA graphs, capture it the same way (a layer's worth of kernel launches per draft step)."""
-        main = engine.runner.executor
-        kind = getattr(main, "name", None)
-        if kind not in ("compiled", "cuda-graph") or engine.tp is not None:
-            return
         hidden = ((self.mtp.cfg.hidden_size,), self.mtp.dtype)
-        if kind == "cuda-graph":  # captured at the main graphs' sizes and query lengths, into their pool
-            from ember.engine.cuda_graph_executor import CUDAGraphExecutor
-
-            self.fill_executor = CUDAGraphExecutor(
-                _FillStep(self.mtp), self.caches, self.block_size, engine.max_model_len, main.sizes[-1],
-                main.query_lens, main.device, row_inputs=(hidden,), what="MTP fill cuda graphs", pool=main.pool)
-            return
-        from ember.engine.compiled_executor import CompiledExecutor
-        from ember.engine.step_executor import compile_options
-
-        cc = compile_options(engine.config, engine.max_num_seqs)
-        self.fill_executor = CompiledExecutor(
-            _FillStep(self.mtp), self.caches, self.block_size, engine.max_model_len, cc["compile_sizes"], cc["mode"],
-            cc["freezing"], cc["cpp_wrapper"], main.query_lens, row_inputs=(hidden,), what="MTP fill")
+        self.fill_executor = make_executor(_FillStep(self.mtp), self.caches, (hidden,), "MTP fill")
 
     # -- the fill -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def after_step(self, out: Any) -> None:
+    def after_step(self, step: StepRows | None) -> None:
         """Run the MTP over the rows the last step kept (see the module docstring); remember g_c of
         every request that decodes next."""
-        step = self.runner.last_step if self.runner is not None else None
         self.starts.clear()
         if step is None:
             return
@@ -192,7 +175,6 @@ class MTPProposer:
                 sel_rows.append(r0 + m - 1)
                 sel_seqs.append(len(qlens) - 1)
                 sel_reqs.append(req)
-        self.runner.last_step = None  # the hidden states are not needed past this point
         if not rows:
             return
         dev = self.device
@@ -237,7 +219,7 @@ class MTPProposer:
         qs: list = [None] * len(reqs)
         if sampled:
             vocab = self.mtp._lm_head.vocab_size
-            gens = self.runner.generators if self.runner is not None else {}
+            gens = self.generators
             for r in sampled:
                 req = reqs[r]
                 q = torch.softmax(logits[r].float() / req.sampling_params.temperature, dim=-1)

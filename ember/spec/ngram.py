@@ -12,7 +12,8 @@ from typing import Any, Sequence
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from ember.spec.proposer import Draft
+from ember.request import Draft
+from ember.spec.proposer import Proposer
 
 
 def ngram_lookup(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
@@ -28,8 +29,8 @@ def ngram_lookup(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int
     return []
 
 
-class NgramProposer:
-    def __init__(self, spec: Any, engine: Any = None):
+class NgramProposer(Proposer):
+    def __init__(self, spec: Any, ctx: Any = None):
         self.n_min = spec.prompt_lookup_min
         self.n_max = spec.prompt_lookup_max
 

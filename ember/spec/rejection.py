@@ -26,7 +26,7 @@ import torch
 from ember.kernels import cpu_row_top
 from ember.layers.sampler import (SampledToken, SamplingRow, exponential_noise, gather_logprobs, process_logits,
                                   target_probs)
-from ember.spec.proposer import Draft
+from ember.request import Draft
 
 
 @dataclass

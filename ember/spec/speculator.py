@@ -1,16 +1,12 @@
 """The engine's side of speculation: whom to draft for and how many, what was accepted, stats.
 
-After each step the engine asks for drafts for every running request that will decode next
-(its last sampled token is its only uncomputed one) and has none pending. Each gets at most
-min(adaptive k, tokens it may still emit - 1, room before max_model_len - 1): a draft that
-cannot be emitted is pure waste. With disable_by_batch_size, a step with that many running
-requests drafts for none of them (the proposer's after_step still runs: its cache stays filled).
-
-A proposer with state of its own in the KV pool (MTP, a draft model) may also have
-kv_bytes_per_token(elem) (the engine adds it to the pool's per-token bytes before sizing),
-attach(runner) (called once the runner exists, to allocate its layers there) and after_step(out)
-(called after every step, before proposing: the MTP fills its cache from the step's hidden
-states, a draft model runs the step's verified tokens). All are optional.
+After each step the engine hands over what the runner kept of it (after_step) and asks for drafts
+for every running request that will decode next (its last sampled token is its only uncomputed
+one) and has none pending. Each gets at most min(adaptive k, tokens it may still emit - 1, room
+before max_model_len - 1): a draft that cannot be emitted is pure waste. With
+disable_by_batch_size, a step with that many running requests drafts for none of them (the
+proposer's after_step still runs: its cache stays filled). After a verify step, `verified` counts
+what the rejection sampler accepted (the scheduler un-computes the rest) and feeds adaptive k.
 """
 from __future__ import annotations
 
@@ -18,50 +14,46 @@ import logging
 import time
 from typing import Any, Iterable
 
+from ember.config.speculative import SpeculativeConfig
 from ember.spec.adaptive import TOKEN_COST, AdaptiveK
-from ember.spec.config import SpeculativeConfig
 from ember.spec.metrics import SpecStats
-from ember.spec.proposer import build_proposer
+from ember.spec.proposer import ExecutorFactory, KVSlots, ProposerContext, StepRows, build_proposer
 
 logger = logging.getLogger("ember")
 
 
 class Speculator:
-    def __init__(self, spec: SpeculativeConfig, engine: Any):
+    def __init__(self, spec: SpeculativeConfig, ctx: ProposerContext):
         self.config = spec
-        self.proposer = build_proposer(spec, engine)
+        self.proposer = build_proposer(spec, ctx)
         # A proposer may fix k itself when the config leaves it open (MTP: its number of layers).
         self.k_max = spec.num_speculative_tokens or self.proposer.num_speculative_tokens
         # A drafter that runs a forward per draft token (MTP, a draft model) makes each one dearer.
-        self.draft_token_cost = getattr(self.proposer, "draft_token_cost", 0.0)
+        self.draft_token_cost = self.proposer.draft_token_cost
         self.adaptive = AdaptiveK(self.k_max, enabled=spec.adaptive, cost=TOKEN_COST + self.draft_token_cost)
         self.stats = SpecStats(self.k_max)
-        self.max_model_len = engine.max_model_len
+        self.max_model_len = ctx.max_model_len
         logger.info("speculative decoding: %s, k = %d%s", spec.method, self.k_max,
                     " (adaptive per request)" if spec.adaptive else " (fixed)")
 
+    @property
+    def reads_step(self) -> str | None:
+        return self.proposer.reads_step
+
     def kv_bytes_per_token(self, elem_bytes: int) -> int:
         """The proposer's own KV bytes per token (its layers in the runner's pool); 0 for none."""
-        fn = getattr(self.proposer, "kv_bytes_per_token", None)
-        return fn(elem_bytes) if fn is not None else 0
+        return self.proposer.kv_bytes_per_token(elem_bytes)
 
-    def attach(self, runner: Any) -> None:
-        fn = getattr(self.proposer, "attach", None)
-        if fn is not None:
-            fn(runner)
+    def attach(self, slots: KVSlots) -> None:
+        self.proposer.attach(slots)
 
-    def prepare(self, engine: Any) -> None:
-        """Once the runner's executor exists (engine.runner.executor): the proposer may compile its own
-        steps alike (prepare(engine), optional), and a verified token is priced from the executor's
-        own timings when it has them (the compiled CPU executor times its graphs at warmup: there a
-        verify row costs a few percent of a step, not TOKEN_COST's 25% measured eagerly), so adaptive
-        k does not stop drafting on text that pays."""
-        hook = getattr(self.proposer, "prepare", None)
-        if hook is not None:
-            hook(engine)
-        executor = engine.runner.executor
-        fn = getattr(executor, "extra_query_cost", None)
-        verify = fn() if fn is not None else None
+    def prepare(self, executor: Any, make_executor: ExecutorFactory) -> None:
+        """Once the engine's executor exists: the proposer may compile its own steps alike, and a
+        verified token is priced from the executor's own timings when it has them (the compiled CPU
+        executor times its graphs at warmup: there a verify row costs a few percent of a step, not
+        TOKEN_COST's 25% measured eagerly), so adaptive k does not stop drafting on text that pays."""
+        self.proposer.prepare(make_executor)
+        verify = executor.extra_query_cost() if executor.name == "compiled" else None
         if verify is None:
             return
         costs = executor.verify_costs()
@@ -70,13 +62,24 @@ class Speculator:
                     "plus %.3f a draft", ", ".join(f"k={k}: {c:.3f}" for k, c in sorted(costs.items())),
                     self.draft_token_cost)
 
-    def propose(self, requests: Iterable[Any], out: Any = None) -> None:
-        """out: the step just run (its SchedulerOutput), for a proposer's after_step."""
-        after = getattr(self.proposer, "after_step", None)
-        if out is not None and after is not None:
-            t0 = time.perf_counter()
-            after(out)
-            self.stats.draft_seconds += time.perf_counter() - t0
+    def verified(self, out: Any, sampled: dict, seconds: float) -> dict[str, int]:
+        """After a step with drafts (out: its SchedulerOutput, sampled: what each request emitted):
+        record what was accepted; returns the rejected draft count per request."""
+        self.stats.verify_seconds += seconds
+        rejected = {}
+        for req, _ in out.scheduled:
+            draft = out.drafts.get(req.request_id)
+            if draft is not None:
+                accepted = len(sampled[req.request_id]) - 1
+                rejected[req.request_id] = len(draft) - accepted
+                self.observe(req, len(draft), accepted)
+        return rejected
+
+    def propose(self, requests: Iterable[Any], step: StepRows | None = None) -> None:
+        """step: what the runner kept of the step just run, for the proposer's after_step."""
+        t0 = time.perf_counter()
+        self.proposer.after_step(step)
+        self.stats.draft_seconds += time.perf_counter() - t0
         requests = list(requests)
         off_at = self.config.disable_by_batch_size
         if off_at is not None and len(requests) >= off_at:

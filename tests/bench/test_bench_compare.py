@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from ember.bench import compare, matrix, readme_table
-from ember.cli import main
+from ember.entrypoints.cli import main
 from ember.config import cpu_has_avx512_bf16
 from ember.errors import ConfigError
 from tests.bench import test_bench_cli
@@ -195,7 +195,7 @@ def test_readme_has_the_generated_table_fence():
 def test_kv_pool_fits_the_throughput_batch_in_the_engines_dtype():
     """Without --kv-cache-memory, ember's pool holds the 64 x 640-token batch the peers run: 1 GiB per
     2 bytes of a KV element (a fixed 1 GiB held 36 of the 64 sequences in float32)."""
-    from ember.cli import build_parser
+    from ember.entrypoints.cli import build_parser
 
     def pool(*flags):
         args = build_parser().parse_args(["bench", "compare", *flags])
@@ -208,3 +208,31 @@ def test_kv_pool_fits_the_throughput_batch_in_the_engines_dtype():
     assert pool("--dtype", "bfloat16")["kv_cache_memory"] == 1.0
     assert pool("--dtype", "bfloat16", "--kv-cache-dtype", "fp8")["kv_cache_memory"] == 0.5
     assert pool("--kv-cache-memory", "0.3")["kv_cache_memory"] == 0.3
+
+
+def test_baseline_checkout_is_measured_in_its_own_worker(tmp_path):
+    """--baseline DIR: another checkout's ember (here this one's own source tree) as a side of its own,
+    its worker importing ember from DIR, judged within 5% on decode and throughput."""
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    md = tmp_path / "cpu.md"
+    worker = [a for a in TINY if a != "--in-process"]
+    assert main(["bench", "compare", *worker, "--peer", "none", "--no-mtp", "--baseline", root, "--prompt-lens", "8",
+                 "--bandwidth-mib", "0", "--decode-prompt", "random", "--output", str(md)]) == 0
+    data = json.loads((tmp_path / "cpu-compare.json").read_text())
+    assert list(data["sides"]) == ["ember", "ember baseline"] and root in data["sides"]["ember baseline"]["checkout"]
+    assert f"--baseline {root}" in data["command"]
+    bars = {b["figure"]: b for b in data["bars"] if b["peer"] == "ember baseline"}
+    assert set(bars) == {"decode", "throughput"} and bars["decode"]["op"] == "within"
+    assert bars["decode"]["ratio"] > 0 and bars["throughput"]["result"] in ("PASS", "FAIL")
+    assert "| metric | ember | ember baseline | ember / ember baseline |" in md.read_text()
+    # a folder that is no checkout is refused before anything loads (exit code 2: a user error)
+    assert main(["bench", "compare", *TINY, "--peer", "none", "--baseline", str(tmp_path)]) == 2
+
+
+def test_within_bar():
+    fig = {"key": "decode", "values": {"ember": {"runs": [1.0, 1.0, 1.0]}, "b": {"runs": [1.02, 0.98, 1.0]}}}
+    assert compare.RatioBar("t", "decode", "ember", "b", "within", 0.05).judge([fig])["result"] == "PASS"
+    fig["values"]["b"]["runs"] = [1.2, 1.2, 1.2]
+    assert compare.RatioBar("t", "decode", "ember", "b", "within", 0.05).judge([fig])["result"] == "FAIL"

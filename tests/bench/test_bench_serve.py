@@ -7,7 +7,7 @@ import random
 import pytest
 
 from ember.bench import load
-from ember.cli import main
+from ember.entrypoints.cli import main
 from tests.server.live import start_server
 
 TINY_SERVER = ["--dtype", "float32", "--num-threads", "1", "--kv-cache-memory", "0.01", "--max-model-len", "256"]

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from ember.bench import spec as bench_spec
-from ember.cli import main
+from ember.entrypoints.cli import main
 from ember.errors import DefaultModelMissingError
 
 

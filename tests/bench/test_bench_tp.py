@@ -1,7 +1,7 @@
 """`ember bench tp` on a tiny random Qwen3 over 2 gloo ranks: the table, the JSON, the comm share."""
 import json
 
-from ember.cli import main
+from ember.entrypoints.cli import main
 
 
 def test_bench_tp_measures_tp1_and_tp2(tmp_path):

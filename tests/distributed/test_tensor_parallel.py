@@ -16,7 +16,8 @@ import time
 import pytest
 
 from ember import SamplingParams
-from ember.distributed import parallel_state, tp_config
+from ember.distributed import parallel_state
+from ember.engine import tp_config
 from ember.errors import ConfigError, DistributedError
 from tests.models.tiny_models import random_prompt
 from tests.spec.spec_helpers import make_llm

@@ -90,9 +90,8 @@ def test_mtp_fill_captured_with_its_hidden_states_as_row_inputs(mtp_model, monke
     llm = make_llm(path, **kw)
     drafts = record_drafts(llm, monkeypatch)
     main = graphs_for(llm, [1, 3])
-    monkeypatch.setattr(cuda_graph_executor, "CUDAGraphExecutor", CPUGraphExecutor)
     proposer = llm.engine.spec.proposer
-    proposer.prepare(llm.engine)
+    proposer.prepare(main.sibling)  # the engine hands its executor's factory (ember.engine.startup)
     fill = proposer.fill_executor
     assert isinstance(fill, CPUGraphExecutor) and fill.what == "MTP fill cuda graphs" and fill.pool is main.pool
     assert sorted(fill.graphs) == sorted(main.graphs)

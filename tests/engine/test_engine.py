@@ -59,7 +59,7 @@ def test_engine_matches_hf_greedy_32_tokens(tiny_model_dir):
 
 def test_cpu_paged_attention_knob_switches_the_kernel_and_keeps_greedy_tokens(qwen3, prompts, monkeypatch):
     """--no-cpu-paged-attention runs decodes through the torch path; greedy output is the same."""
-    import ember.kernels.torch_attention as ta
+    import ember.kernels.cpu_attention as ta
 
     calls = []
     real = ta.paged_attention

@@ -1,6 +1,6 @@
 """Block pool and prefix cache, plain Python (no torch, no model)."""
 from ember.engine.kv_cache import KVCacheManager
-from ember.engine.request import Request
+from ember.request import Request
 
 
 def req(rid, tokens):

@@ -2,7 +2,7 @@
 import logging
 
 from ember.engine.kv_cache import KVCacheManager
-from ember.engine.request import Request, RequestStatus
+from ember.request import Request, RequestStatus
 from ember.engine.scheduler import Scheduler
 
 

@@ -261,15 +261,16 @@ def test_compiled_adaptive_mtp_has_a_graph_for_every_draft_length(mtp_model):  #
 def test_compiled_query_lens_follow_the_fused_kernel():
     """Verify graphs only where the attention runs them from fixed-shape metadata alone."""
     from ember.engine.step_executor import compiled_query_lens
-    from ember.kernels.torch_attention import TorchAttentionBackend
+    from ember.kernels.cpu_attention import CpuAttentionBackend
 
-    backend = TorchAttentionBackend()
+    backend = CpuAttentionBackend()
     assert compiled_query_lens(0, backend) == [1]  # no speculation
     assert compiled_query_lens(2, backend) == [1, 3]
     assert compiled_query_lens(2, backend, adaptive=True) == [1, 2, 3]  # adaptive k may pick any of 1..2
     assert compiled_query_lens(16, backend) == [1]  # 17 queries: past the kernel's fixed-shape bound
-    backend.fused_decode = False  # --no-cpu-paged-attention: the torch path needs host lists
-    assert compiled_query_lens(2, backend) == [1]
+    off = CpuAttentionBackend(fused_decode=False)  # --no-cpu-paged-attention: the torch path needs host lists
+    assert compiled_query_lens(2, off) == [1]
+    assert compiled_query_lens(2, TorchAttentionBackend()) == [1]  # the reference, likewise
     assert compiled_query_lens(2, None) == [1]
 
 
@@ -290,8 +291,8 @@ def test_fixed_shape_verify_attention_equals_the_host_list_path():
                   block_size=bs, query_lens_cpu=[n, n], max_query_len=n, all_slots_valid=True)
     real = AttentionMetadata(seq_lens_cpu=lens, max_seq_len=max(lens), **common)
     fixed = AttentionMetadata(seq_lens_cpu=[16, 16], max_seq_len=16, fixed_shape=True, **common)
-    reference = TorchAttentionBackend()
-    reference.fused_decode = False
-    want = reference.forward(q, None, None, cache, real, 0.125)
-    got = TorchAttentionBackend().forward(q, None, None, cache, fixed, 0.125)
+    from ember.kernels.cpu_attention import CpuAttentionBackend
+
+    want = TorchAttentionBackend().forward(q, None, None, cache, real, 0.125)
+    got = CpuAttentionBackend().forward(q, None, None, cache, fixed, 0.125)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

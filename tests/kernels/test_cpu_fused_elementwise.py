@@ -10,23 +10,12 @@ import torch
 
 from ember.kernels import cpu_fused_elementwise as fused
 from ember.kernels.cpp_build import has_cpu_flags
+from ember.kernels.cpu_kernels import CpuKernels
 from ember.layers import activation
 from ember.layers.norm import RMSNorm
 
 # This project's machines (and CI's) are Zen4 with AVX-512; elsewhere the torch ops run.
 pytestmark = pytest.mark.skipif(not has_cpu_flags("avx512f", "avx512bw"), reason="the fused kernels need AVX-512")
-
-
-@pytest.fixture
-def torch_ops():
-    """Runs a callable with the fused path off (the eager reference), then restores it."""
-    def run(fn, *args):
-        fused.set_enabled(False)
-        try:
-            return fn(*args)
-        finally:
-            fused.set_enabled(True)
-    return run
 
 
 def assert_bf16_equal_but_rare_ulps(got: torch.Tensor, want: torch.Tensor, max_share: float = 0.01):
@@ -45,42 +34,46 @@ def rows(T, H, seed, scale=1.0, stride_pad=0):
 
 @pytest.mark.parametrize("T,H", [(1, 576), (7, 64), (300, 100), (33, 1)])
 @pytest.mark.parametrize("stride_pad", [0, 24])
-def test_rms_norm_with_and_without_residual_equals_torch_bitwise(torch_ops, T, H, stride_pad):
+def test_rms_norm_with_and_without_residual_equals_torch_bitwise(T, H, stride_pad):
     assert fused.available()
-    norm = RMSNorm(H, 1e-5, torch.bfloat16)
-    norm.weight.data = rows(1, H, 9, 2.0)[0].contiguous()
+    norm, ref = RMSNorm(H, 1e-5, torch.bfloat16), RMSNorm(H, 1e-5, torch.bfloat16, kernels=CpuKernels.none())
+    norm.weight.data = ref.weight.data = rows(1, H, 9, 2.0)[0].contiguous()
     x, r = rows(T, H, 1, 3.0, stride_pad), rows(T, H, 2).contiguous()
     assert fused.applies(x)
-    want_out, want_sum = torch_ops(norm, x, r)
+    want_out, want_sum = ref(x, r)
     got_out, got_sum = norm(x, r)
     assert torch.equal(got_sum, want_sum)  # the residual add rounds once either way: exact
     assert_bf16_equal_but_rare_ulps(got_out, want_out)
-    assert_bf16_equal_but_rare_ulps(norm(x), torch_ops(norm, x))
+    assert_bf16_equal_but_rare_ulps(norm(x), ref(x))
 
 
 @pytest.mark.parametrize("T,I", [(1, 1536), (5, 20), (64, 48)])
 @pytest.mark.parametrize("scale", [1.0, 30.0])
-def test_silu_and_mul_equals_torch_bitwise(torch_ops, T, I, scale):
+def test_silu_and_mul_equals_torch_bitwise(T, I, scale):
     x = rows(T, 2 * I, 3, scale)
     x[0, :4] = torch.tensor([0.0, -0.0, 120.0, -120.0])  # exp far past its clamp on both sides
-    want = torch_ops(activation.silu_and_mul, x)
+    want = activation.silu_and_mul(x, use_kernel=False)
     got = activation.silu_and_mul(x)
     assert got.shape == (T, I)
     assert_bf16_equal_but_rare_ulps(got, want)
     assert torch.equal(got[0, :4], want[0, :4])  # silu(0) = 0, silu(120) = 120 * up, silu(-120) = -0
 
 
-def test_applies_only_to_bf16_rows_on_cpu_outside_compile():
+def test_applies_only_to_bf16_rows_on_cpu_outside_compile(monkeypatch):
     x = rows(4, 64, 0)
     assert fused.applies(x)
     assert not fused.applies(x.float())  # float32 keeps the reference ops
     assert not fused.applies(x.view(4, 4, 16))  # per-head norms (Qwen3's q/k norm) stay torch
     assert not fused.applies(x.t())  # column-major rows
-    fused.set_enabled(False)
-    try:
-        assert not fused.applies(x)
-    finally:
-        fused.set_enabled(True)
+    # a layer built without the kernel (--no-cpu-fused-elementwise) never calls it
+    calls = []
+    monkeypatch.setattr(fused, "rms_norm", lambda *a: calls.append(1))
+    monkeypatch.setattr(fused, "silu_and_mul", lambda *a: calls.append(1))
+    RMSNorm(64, 1e-5, torch.bfloat16, kernels=CpuKernels.none())(x)
+    activation.SiluAndMul(CpuKernels.none())(x)
+    assert not calls
+    RMSNorm(64, 1e-5, torch.bfloat16)(x)
+    assert calls == [1]
 
 
 def test_compiled_norm_traces_the_torch_ops():
@@ -100,7 +93,7 @@ def test_compiled_norm_traces_the_torch_ops():
 
 
 @pytest.mark.parametrize("T,H,D,rot", [(1, 9, 64, 64), (300, 3, 64, 64), (5, 2, 128, 64), (17, 4, 16, 16), (3, 1, 80, 40)])
-def test_rotary_equals_torch_bitwise(torch_ops, T, H, D, rot):
+def test_rotary_equals_torch_bitwise(T, H, D, rot):
     """q / k as strided views of a fused qkv row, partial rotary (rot < D: the rest passed through),
     half widths with a vector tail (8, 20): bit-equal to apply_rotary's bf16 ops."""
     from ember.layers.rotary import apply_rotary
@@ -113,6 +106,6 @@ def test_rotary_equals_torch_bitwise(torch_ops, T, H, D, rot):
     cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
     assert fused.applies_rotary(x, cos) and not fused.applies_rotary(x.float(), cos.float())
     got = apply_rotary(x, cos, sin)
-    want = torch_ops(apply_rotary, x, cos, sin)
+    want = apply_rotary(x, cos, sin, use_kernel=False)
     assert got.shape == want.shape == (T, H, D) and got.dtype == torch.bfloat16
     assert torch.equal(got, want)

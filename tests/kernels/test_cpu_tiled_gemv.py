@@ -8,10 +8,12 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
+from ember.kernels.cpu_kernels import CpuKernels
 from ember.kernels import cpu_tiled_gemv as tg
 from ember.quant.gguf_blocks import affine_codes
 from ember.quant.gguf_quant import GGUFLinearMethod, Int4Part, TiledPart, pack_shards
-from ember.quant.int4_cpu import KERNEL_MAX_ROWS
+from ember.quant.gemm_dispatch import INT4_KERNEL_MAX_ROWS as KERNEL_MAX_ROWS
+from ember.quant.gemm_dispatch import TILED_Q8_MIN_ROWS
 from tests.quant.test_gguf_packed import gguf_tensor
 
 # This project's machines (and CI's) have been Zen4 (AVX-512 BF16: the bf16 build) and Zen3 (AVX2:
@@ -154,11 +156,7 @@ def test_gemm_q8_zero_and_non_finite_x():
 def test_gemm_q8_off_keeps_bf16_x():
     """--no-cpu-int8-activations: parts packed while it is off never take the int8-x path."""
     t, ref = gguf_tensor(T.Q4_1, 64, 256, seed=14)
-    tg.set_enabled(True, int8_activations=False)
-    try:
-        (part,) = pack_shards([t], X, "cpu")
-    finally:
-        tg.set_enabled(True)
+    (part,) = pack_shards([t], X, "cpu", kernels=CpuKernels(int8_activations=False))
     x = torch.randn(16, 256).to(X)
     assert not part.kernel_at_any_rows and part.precise_logits(x)
     torch.testing.assert_close(part.linear_float(x), x.float() @ ref.t(), rtol=1e-4, atol=1e-4)
@@ -191,7 +189,7 @@ def test_gguf_parts_are_tiled_and_match_the_file(qtype):
         got = part.linear(x)
         assert got.dtype == X and got.shape == (rows, 96)
         assert (got.float() - exact).abs().max() <= 0.01 * exact.abs().max()
-        q8 = tg.has_q8() and rows >= tg.Q8_MIN_ROWS
+        q8 = tg.has_q8() and rows >= TILED_Q8_MIN_ROWS
         if q8:  # the x it multiplies is x rounded to int8 per group of 32, exactly as q8_reference
             torch.testing.assert_close(part.linear_float(x).double(), tg.q8_reference(x) @ ref.double().t(),
                                        rtol=1e-4, atol=1e-4)
@@ -212,11 +210,7 @@ def test_gguf_parts_are_tiled_and_match_the_file(qtype):
 def test_knob_off_and_the_other_dtype_keep_torchs_int4_kernel():
     t, _ = gguf_tensor(T.Q4_1, 64, 256, seed=7)
     assert isinstance(pack_shards([t], OTHER, "cpu")[0], Int4Part)  # not this build's dtype
-    tg.set_enabled(False)
-    try:
-        assert isinstance(pack_shards([t], X, "cpu")[0], Int4Part)
-    finally:
-        tg.set_enabled(True)
+    assert isinstance(pack_shards([t], X, "cpu", kernels=CpuKernels(tiled_gemv=False))[0], Int4Part)
 
 
 @pytest.mark.parametrize("cpp_wrapper", [False, True])

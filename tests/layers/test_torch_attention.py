@@ -76,31 +76,33 @@ CASES = {
 }
 
 
-@pytest.fixture(params=["cpp-kernel", "torch-only"])
-def cpu_kernel(request, monkeypatch):
-    """Run each case with the C++ kernels (decode and prefill; they must build here: g++ and ninja are
-    in CI; the prefill kernel needs AVX512-BF16, which this project's Zen4 machines have and its Zen3
-    ones do not) and without them."""
+@pytest.fixture(params=["cpp-kernel", "cpu-kernels-off", "torch-reference"])
+def backend(request):
+    """Each case through the cpu backend with the C++ kernels (decode and prefill; they must build
+    here: g++ and ninja are in CI; the prefill kernel needs AVX512-BF16, which this project's Zen4
+    machines have and its Zen3 ones do not), through it with them off (--no-cpu-paged-attention
+    --no-cpu-flash-attention: the GEMM path for long bf16 prefills, else the reference's), and
+    through the torch reference itself."""
     import ember.kernels.cpu_causal_attention as causal
-    import ember.kernels.torch_attention as ta
+    from ember.kernels.cpu_attention import CpuAttentionBackend
     from ember.kernels.cpu_paged_attention import paged_attention_op
 
     if request.param == "cpp-kernel":
         assert paged_attention_op() is not None, "the C++ CPU attention kernel did not build"
         if has_cpu_flags("avx512f", "avx512_bf16"):
             assert causal.flash_available(), "the C++ CPU prefill attention kernel did not build"
-    else:
-        monkeypatch.setattr(ta, "fused_supports", lambda q, kv_cache: False)
-        monkeypatch.setattr(causal, "enabled", False)
-    return request.param
+        return CpuAttentionBackend()
+    if request.param == "cpu-kernels-off":
+        return CpuAttentionBackend(fused_decode=False, flash=False)
+    return TorchAttentionBackend()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", list(CASES))
-def test_backend_matches_reference(case, dtype, cpu_kernel):
+def test_backend_matches_reference(case, dtype, backend):
     q_lens, seq_lens = CASES[case]
     q, k, v, cache, meta, tables = make_step(q_lens, seq_lens, dtype)
-    attn = Attention(HQ, D, HKV, D ** -0.5, TorchAttentionBackend())
+    attn = Attention(HQ, D, HKV, D ** -0.5, backend)
     out = attn(q, k, v, cache, meta)
     assert out.shape == q.shape and out.dtype == dtype
     # The new k/v landed in their slots.
@@ -121,7 +123,13 @@ def test_negative_slots_are_not_written():
 
 
 def test_get_attention_backend():
-    assert isinstance(get_attention_backend("torch"), TorchAttentionBackend)
+    from ember.kernels.cpu_attention import CpuAttentionBackend
+    from ember.kernels.cpu_kernels import CpuKernels
+
+    assert type(get_attention_backend("torch")) is TorchAttentionBackend
+    cpu = get_attention_backend("auto", "cpu", CpuKernels(paged_attention=False))
+    assert isinstance(cpu, CpuAttentionBackend) and not cpu.fused_decode and cpu.flash
+    assert cpu.fixed_shape_max_query_len == 1 and CpuAttentionBackend().fixed_shape_max_query_len == 16
     with pytest.raises(ConfigError, match="torch"):
         get_attention_backend("flashinfer")
 
@@ -131,15 +139,18 @@ def test_bf16_prefills_take_the_flash_or_gemm_path(monkeypatch, flash):
     """The C++ flash kernel (or, turned off or not built for this CPU, the GEMM path) really runs and
     matches for a fresh prefill and a chunk over a prefix; fp32 never takes either."""
     import ember.kernels.cpu_causal_attention as causal
+    from ember.kernels.cpu_attention import CpuAttentionBackend
+
     calls = []
-    monkeypatch.setattr(causal, "enabled", flash)
     name = "flash_attention" if flash and causal.flash_available() else "causal_attention_gemm"
     real = getattr(causal, name)
     monkeypatch.setattr(causal, name, lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    for dtype, expected in ((torch.bfloat16, [150, 140]), (torch.float32, [])):
+    for backend, dtype, expected in ((CpuAttentionBackend(flash=flash), torch.bfloat16, [150, 140]),
+                                     (CpuAttentionBackend(flash=flash), torch.float32, []),
+                                     (TorchAttentionBackend(), torch.bfloat16, [])):  # the reference: SDPA only
         calls.clear()
         q, k, v, cache, meta, tables = make_step([1, 150, 140, 2], [40, 150, 401, 30], dtype)
-        out = Attention(HQ, D, HKV, D ** -0.5, TorchAttentionBackend())(q, k, v, cache, meta)
+        out = Attention(HQ, D, HKV, D ** -0.5, backend)(q, k, v, cache, meta)
         assert calls == expected
         assert (out.double() - reference(q, cache, meta, tables, D ** -0.5)).abs().max() < 2e-2
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from ember.cli import main
+from ember.entrypoints.cli import main
 from ember.errors import ConfigError
 from ember.loader.model_loader import load_model
 from ember.loader.tokenizer import Tokenizer
@@ -22,7 +22,7 @@ from ember.quant.awq_export import write_tokenizer
 from ember.quant.awq_packing import dequantize_awq, pack_linear, pseudo_quantize, quantize_groups
 from ember.quant.awq_quantizer import Calib, ScaleGroup, apply_scale, awq_search, search_scale
 from ember.quant.calibration import calibration_blocks, pydoc_split
-from ember.quant.quantize_cli import quantize
+from ember.train.quantize import quantize
 from tests.models.tiny_models import PagedDriver, Seq, one_thread, random_prompt
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)

@@ -1,4 +1,4 @@
-"""Dense copy of packed int4 weights (ember.quant.dense_copy): few rows stay on the packed
+"""Dense copy of packed int4 weights (ember.quant.weight_copies): few rows stay on the packed
 kernel, many rows run a dense GEMM over an exact dequantization, with the same results."""
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from torch import nn
 
 from ember.errors import ConfigError
 from ember.layers.linear import QKVLinear
-from ember.quant.dense_copy import DENSE_MIN_ROWS, DenseCopyHeadMethod, DenseCopyMethod, enable_dense_copy
+from ember.quant.gemm_dispatch import DENSE_COPY_MIN_ROWS as DENSE_MIN_ROWS
+from ember.quant.gemm_dispatch import DenseCopyHeadMethod, DenseCopyMethod
+from ember.quant.weight_copies import enable_dense_copy
 from ember.quant.gguf_quant import GGUFLinearMethod
 from tests.models.tiny_models import PagedDriver, Seq, one_thread  # noqa: F401 (fixture)
 from tests.quant.test_awq import assert_same_model, load, write_awq_pair

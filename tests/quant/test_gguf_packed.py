@@ -17,9 +17,11 @@ from ember.layers.embedding import LMHead, VocabEmbedding
 from ember.layers.linear import MergedColumnLinear, QKVLinear
 from ember.quant import process_weights_after_loading
 from ember.quant.gguf_blocks import GGUFTensor, affine_codes, dequantize, q6_k_codes
-from ember.quant.gguf_quant import (Q6K_KERNEL_MAX_ROWS, GGUFConfig, GGUFEmbeddingMethod, GGUFLinearMethod, Int4Part,
+from ember.quant.gemm_dispatch import Q6K_KERNEL_MAX_ROWS
+from ember.quant.gguf_quant import (GGUFConfig, GGUFEmbeddingMethod, GGUFLinearMethod, Int4Part,
                                     Q6KPart, RawPart, TiledPart)
-from ember.quant.int4_cpu import KERNEL_MAX_ROWS, unpack_int4_codes
+from ember.quant.gemm_dispatch import INT4_KERNEL_MAX_ROWS as KERNEL_MAX_ROWS
+from ember.quant.int4_cpu import unpack_int4_codes
 from tests.models.tiny_models import PagedDriver, Seq, one_thread  # noqa: F401 (fixture)
 
 # Under load, two OpenMP threads spin-wait each other into ~100x slower small ops.

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from ember.quant.int4_cpu import KERNEL_MAX_ROWS, Int4Weight, pack_int4_codes, unpack_int4_codes
+from ember.quant.gemm_dispatch import INT4_KERNEL_MAX_ROWS as KERNEL_MAX_ROWS
+from ember.quant.int4_cpu import Int4Weight, pack_int4_codes, unpack_int4_codes
 
 
 def _random(N=192, K=256, G=32, seed=0):

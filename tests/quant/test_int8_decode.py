@@ -4,8 +4,8 @@ import torch
 
 from ember.errors import ConfigError
 from ember.layers.linear import ReplicatedLinear
-from ember.quant import int8_decode
-from ember.quant.int8_decode import Int8DecodeMethod, enable_int8_decode, quantize_rows_int8
+from ember.quant.gemm_dispatch import Int8DecodeMethod, quantize_rows_int8
+from ember.quant.weight_copies import enable_int8_decode
 from tests.models.tiny_models import load_ember_model
 
 

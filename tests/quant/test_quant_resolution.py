@@ -94,13 +94,14 @@ def test_unknown_choice_lists_the_choices(tmp_path):
         resolve_quant_config("int4", str(tmp_path), {})
 
 
-def test_gguf_auto_dequantizes_for_float32_on_cpu_and_gguf_forces_packing(monkeypatch):
+def test_gguf_auto_dequantizes_for_float32_on_cpu_and_gguf_forces_packing():
     """torch's CPU int4 kernel is fast in bf16 only: auto keeps a float32 run dense unless the tiled
     GEMV runs float32 here (its AVX2 build), gguf still packs."""
     import torch
 
     from ember.default_model import default_model_path
     from ember.kernels import cpu_tiled_gemv
+    from ember.kernels.cpu_kernels import CpuKernels
     from ember.loader.model_loader import load_model
     from ember.quant.gguf_quant import TiledPart
 
@@ -109,8 +110,7 @@ def test_gguf_auto_dequantizes_for_float32_on_cpu_and_gguf_forces_packing(monkey
     fp32_packed = TiledPart.usable(torch.float32, cpu)
     assert fp32_packed == (cpu_tiled_gemv.x_dtype() == torch.float32)
     assert load_model(path, None, torch.float32, cpu, "torch", "auto").quantization == ("gguf" if fp32_packed else "none")
-    monkeypatch.setattr(cpu_tiled_gemv, "enabled", False)  # --no-cpu-tiled-gemv: dense float32 everywhere
-    assert load_model(path, None, torch.float32, cpu, "torch", "auto").quantization == "none"
-    monkeypatch.setattr(cpu_tiled_gemv, "enabled", True)
+    off = CpuKernels(tiled_gemv=False)  # --no-cpu-tiled-gemv: dense float32 everywhere
+    assert load_model(path, None, torch.float32, cpu, "torch", "auto", off).quantization == "none"
     assert load_model(path, None, torch.float32, cpu, "torch", "gguf").quantization == "gguf"
     assert load_model(path, None, torch.bfloat16, cpu, "torch", "auto").quantization == "gguf"

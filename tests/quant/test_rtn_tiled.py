@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from ember.kernels import cpu_tiled_gemv
+from ember.kernels.cpu_kernels import CpuKernels
 from ember.layers.linear import DenseMethod
-from ember.quant.int4_cpu import KERNEL_MAX_ROWS
+from ember.quant.gemm_dispatch import INT4_KERNEL_MAX_ROWS as KERNEL_MAX_ROWS
 from ember.quant.rtn_int4 import rtn_affine
 from ember.quant.rtn_tiled import RTNTiledHead, RTNTiledMethod, pack_module_tiled
 from tests.quant.test_rtn_int4 import Tiny
@@ -57,9 +58,9 @@ def test_pack_module_runs_the_dequantized_math(rows):
     assert m.odd(x).shape == (rows, 40)
 
 
-def test_other_dtype_modules_and_a_disabled_kernel_are_left_alone(monkeypatch):
+def test_other_dtype_modules_and_a_disabled_kernel_are_left_alone():
     m = Tiny(OTHER)
     assert pack_module_tiled(m) == 0 and isinstance(m.proj.quant_method, DenseMethod) and m.head.quant_method is None
-    monkeypatch.setattr(cpu_tiled_gemv, "enabled", False)  # --no-cpu-tiled-gemv
     m = Tiny(X)
-    assert pack_module_tiled(m) == 0 and isinstance(m.proj.quant_method, DenseMethod)
+    assert pack_module_tiled(m, CpuKernels(tiled_gemv=False)) == 0  # --no-cpu-tiled-gemv
+    assert isinstance(m.proj.quant_method, DenseMethod)

@@ -24,7 +24,7 @@ def free_port() -> int:
 
 
 def test_serve_flags_defaults_and_engine_flags():
-    from ember.cli import build_parser
+    from ember.entrypoints.cli import build_parser
 
     args = build_parser().parse_args(["serve", "some/model", "--max-num-seqs", "4", "--no-enable-prefix-caching"])
     assert (args.host, args.port, args.api_key, args.warmup) == ("127.0.0.1", 8000, None, True)
@@ -35,8 +35,8 @@ def test_serve_flags_defaults_and_engine_flags():
 
 
 def test_bad_server_flags_fail_before_loading():
-    from ember.cli import build_parser
-    from ember.server.launcher import build_server
+    from ember.entrypoints.cli import build_parser
+    from ember.entrypoints.serve import build_server
 
     for argv in (["serve", "--port", "70000"], ["serve", "--max-waiting-requests", "0"],
                  ["serve", "--chat-template", "no-such-file"]):

@@ -134,7 +134,7 @@ def test_json_spelling_and_the_pool_counts_the_draft_layers(tiny_model_dir, draf
 
 def test_planner_counts_the_draft_model(tiny_model_dir, drafts, capsys):
     from ember import planner
-    from ember.cli import main as cli_main
+    from ember.entrypoints.cli import main as cli_main
 
     target, draft = tiny_model_dir("qwen3"), drafts["llama"]
     kw = dict(memory_gib=4, device="cpu", dtype="float32")
@@ -151,12 +151,12 @@ def test_planner_counts_the_draft_model(tiny_model_dir, drafts, capsys):
 
 
 def test_cpu_paged_attention_knob_reaches_the_draft_model(tiny_model_dir, drafts):
-    from ember.engine.step_executor import attention_backend_of
-
     target, draft = tiny_model_dir("qwen3"), drafts["trunc"]
     for on in (True, False):
         llm = make_llm(target, speculative_model=draft, num_speculative_tokens=2, cpu_paged_attention=on)
-        backends = [attention_backend_of(llm.engine.loaded.model), attention_backend_of(llm.engine.spec.proposer.model)]
+        backends = [llm.engine.loaded.model.attn_backend, llm.engine.spec.proposer.model.attn_backend]
+        assert all(b is m.self_attn.attn.backend for b, m in zip(backends, (llm.engine.loaded.model.model.layers[0],
+                                                                           llm.engine.spec.proposer.model.model.layers[0])))
         assert backends[0] is not backends[1] and [b.fused_decode for b in backends] == [on, on]
 
 

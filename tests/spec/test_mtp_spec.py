@@ -340,7 +340,7 @@ def test_pool_and_planner_count_the_mtp_layer(mtp_model):
 
 def test_planner_counts_a_separate_mtp_folder(tiny_model_dir, tmp_path):
     from ember import planner
-    from ember.cli import main as cli_main
+    from ember.entrypoints.cli import main as cli_main
 
     main_dir = tiny_model_dir("qwen3")
     folder = tmp_path / "two"
@@ -379,7 +379,7 @@ def test_mismatched_mtp_folder_is_refused_through_the_engine(tiny_model_dir, tmp
 def test_cli_refuses_mtp_without_mtp_weights(tiny_model_dir):
     path = tiny_model_dir("qwen3")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    res = subprocess.run([sys.executable, "-m", "ember.cli", "generate", "hi", "--model", path, "--enable-mtp",
+    res = subprocess.run([sys.executable, "-m", "ember.entrypoints.cli", "generate", "hi", "--model", path, "--enable-mtp",
                           "--dtype", "float32", "--kv-cache-memory", "0.01", "--max-tokens", "2"],
                          capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode != 0
@@ -401,10 +401,10 @@ def test_default_model_speculates_with_its_mtp_head_unless_told_not_to(tmp_path,
     head.mkdir()
     (head / "model.safetensors").write_bytes(b"")
     monkeypatch.setattr(dm, "DEFAULT_MTP_DIR", str(head))
-    monkeypatch.setattr("ember.spec.config.DEFAULT_MODEL_MTP_BY_DEFAULT", False)
+    monkeypatch.setattr("ember.config.speculative.DEFAULT_MODEL_MTP_BY_DEFAULT", False)
     assert EngineConfig().speculative is None  # the switch off: only when asked
     assert EngineConfig(enable_mtp=True).speculative.model == str(head)
-    monkeypatch.setattr("ember.spec.config.DEFAULT_MODEL_MTP_BY_DEFAULT", True)  # as shipped
+    monkeypatch.setattr("ember.config.speculative.DEFAULT_MODEL_MTP_BY_DEFAULT", True)  # as shipped
     s = EngineConfig().speculative
     assert (s.method, s.model, s.num_speculative_tokens, s.adaptive) == ("mtp", str(head), dm.DEFAULT_MTP_TOKENS, True)
     assert s.disable_by_batch_size == dm.DEFAULT_MTP_DISABLE_BY_BATCH_SIZE

@@ -1,8 +1,8 @@
 """Prompt lookup: the longest suffix n-gram seen before, its most recent occurrence, up to k tokens."""
 import numpy as np
 
-from ember.engine.request import Request
-from ember.spec.config import SpeculativeConfig
+from ember.request import Request
+from ember.config.speculative import SpeculativeConfig
 from ember.spec.ngram import NgramProposer, ngram_lookup
 
 

@@ -7,7 +7,7 @@ import pytest
 from ember.config import EngineConfig
 from ember.engine_args import add_engine_args, engine_config_from_args
 from ember.errors import ConfigError
-from ember.spec.config import SpeculativeConfig
+from ember.config.speculative import SpeculativeConfig
 
 
 def spec(**kw) -> SpeculativeConfig | None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ember import SamplingParams
-from ember.spec.proposer import Draft
+from ember.spec.proposer import Draft, Proposer
 from tests.models.tiny_models import VOCAB, random_prompt
 from tests.spec.spec_helpers import GREEDY, REPEATED, kv_gib, make_llm, ngram, run
 
@@ -60,7 +60,7 @@ def test_disable_by_batch_size_stops_drafting_in_big_batches(tiny_model_dir, ref
     assert few.engine.spec.stats.batch_disabled_steps == 0 and few.engine.spec.stats.num_accepted_tokens > 0
 
 
-class Oracle:
+class Oracle(Proposer):
     """Proposes the true greedy continuation, wrong at every `wrong_every`-th position: long
     accepted runs, rejections at every draft position, bonus tokens."""
 
@@ -167,7 +167,7 @@ def test_seeded_sampling_is_reproducible_with_speculation(qwen3):
     assert run(llm, [REPEATED[1]], params.replace(seed=4321))[0] != alone
 
 
-class RandomDrafts:
+class RandomDrafts(Proposer):
     """Random guesses among a few tokens, with (q uniform over them) or without draft probs."""
 
     num_speculative_tokens = 2

@@ -1,7 +1,7 @@
 """Scheduling drafts (plain Python): 1 + d tokens under the one budget, drafts give way first,
 rejected tokens are not computed and never reach the prefix cache."""
 from ember.engine.kv_cache import KVCacheManager, hash_block
-from ember.engine.request import Request
+from ember.request import Request
 from ember.engine.scheduler import Scheduler
 from ember.spec.proposer import Draft
 

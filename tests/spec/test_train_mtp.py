@@ -16,9 +16,9 @@ import ember
 
 from ember.errors import ConfigError, ModelLoadError
 from ember.models.mtp import MTPModule
-from ember.spec.mtp_data import build_prompts, disjoint_snippets, draft_vocabulary, make_data, snippets
+from ember.train.mtp_data import build_prompts, disjoint_snippets, draft_vocabulary, make_data, snippets
 from ember.spec.mtp_weights import export_deepseek_tensors, find_mtp_weights, load_mtp
-from ember.spec.train_mtp import (MTPTrainer, TrainConfig, build_mtp, chain_forward, pad_batch, write_mtp_folder)
+from ember.train.mtp import (MTPTrainer, TrainConfig, build_mtp, chain_forward, pad_batch, write_mtp_folder)
 from tests.models.tiny_models import load_ember_model, one_thread  # noqa: F401
 from tests.spec.mtp_fixtures import MiniPager
 
@@ -102,7 +102,7 @@ def test_data_keeps_generations_and_teacher_hidden_states(tiny_data):
 
 
 def test_draft_vocabulary_ranks_generated_tokens_first():
-    from ember.spec.mtp_data import Sequence
+    from ember.train.mtp_data import Sequence
 
     seqs = [Sequence(torch.tensor([9, 9, 8, 5, 5, 5, 7]), 3, 0.0, "raw")]  # generated: 5 5 5 7; prompt 9 9 8
     ids, stats = draft_vocabulary(seqs, 12, 4)
@@ -279,7 +279,7 @@ def test_draft_vocab_without_own_head_uses_model_head_rows_and_bad_ones_are_refu
 # ---- the command --------------------------------------------------------------------------------------------
 
 def test_cli_writes_a_loadable_folder_with_a_readme_and_resumes(tiny_model_dir, tmp_path):
-    from ember.cli import main as cli_main
+    from ember.entrypoints.cli import main as cli_main
 
     folder = tiny_model_dir("llama")
     out, ck = str(tmp_path / "out"), str(tmp_path / "ck")
@@ -305,7 +305,7 @@ def test_cli_writes_a_loadable_folder_with_a_readme_and_resumes(tiny_model_dir, 
 def test_committed_default_model_mtp_loads_and_drafts(tmp_path):
     from ember.default_model import default_model_path
     from ember.loader.model_loader import load_model
-    from ember.spec.mtp_data import prefill_meta
+    from ember.train.mtp_data import prefill_meta
 
     assert os.path.exists(os.path.join(ASSET, "model.safetensors")), "ember/assets/smollm2-mtp is missing"
     with open(os.path.join(ASSET, "config.json")) as f:

@@ -9,7 +9,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ember.server.launcher import add_server_args
+    from ember.entrypoints.serve import add_server_args
 
     parser = argparse.ArgumentParser(prog="python -m ember.entrypoints.openai.api_server",
                                      description="ember's OpenAI-compatible server (same flags as `ember serve`)")
@@ -19,8 +19,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ember.cli import run_command
-    from ember.server.launcher import run_server
+    from ember.entrypoints.cli import run_command
+    from ember.entrypoints.serve import run_server
 
     return run_command(run_server, build_parser().parse_args(argv))
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ember.config import DTYPES, KV_CACHE_DTYPES
-from ember.quant import QUANTIZATION_CHOICES
+from ember.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATION_CHOICES
 
 
 def add_plan_parser(sub) -> None:

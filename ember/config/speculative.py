@@ -15,6 +15,9 @@ weights: a folder whose config.json `architectures` names an MTP class (`<Stem>M
 drafting for itself can only mean its own MTP layers); those get method "mtp". Whether a method
 can run (a proposer is registered for it) is checked here too, so a bad command line fails
 before the model loads.
+
+The engine's proposers are registered by method in ember.spec.proposer.PROPOSERS, whose keys are
+METHODS (tests/spec/test_spec_config.py holds them equal).
 """
 from __future__ import annotations
 
@@ -209,11 +212,6 @@ def _validate(method: str, m: dict[str, Any], cfg) -> SpeculativeConfig:
     need(off_at is None or (is_int(off_at) and off_at >= 2),
          f"disable_by_batch_size must be an integer >= 2 (got {off_at!r}); leave it out to always draft")
 
-    from ember.spec.proposer import available_methods  # the registry decides what can run
-
-    need(method in available_methods(),
-         f"speculative method {method!r} is not available yet; available: {', '.join(available_methods())} "
-         "(e.g. --speculative-model ngram --num-speculative-tokens 3)")
     return SpeculativeConfig(method=method, num_speculative_tokens=k, model=m.get("model"),
                              prompt_lookup_min=lo, prompt_lookup_max=hi, draft_tensor_parallel_size=dtp,
                              adaptive=cfg.adaptive_spec, disable_by_batch_size=off_at)

@@ -1,6 +1,6 @@
 """`ember train-mtp [MODEL] --out DIR`: distil an MTP layer for a model that has none.
 
-Data (ember.spec.mtp_data): the model's own generations on offline prompts (pydoc_data help
+Data (ember.train.mtp_data): the model's own generations on offline prompts (pydoc_data help
 topics, chat requests and raw continuations; greedy and temperature 0.7 / 0.8), and the frozen
 model's final-normed hidden states h_i over prompt + generation.
 
@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from ember.errors import ConfigError
 from ember.models.mtp import MTPModule
-from ember.spec.mtp_data import MTPData, Sequence, coverage, draft_vocabulary, length_batches, make_data
+from ember.train.mtp_data import MTPData, Sequence, coverage, draft_vocabulary, length_batches, make_data
 from ember.spec.mtp_weights import export_deepseek_tensors, load_mtp, main_head_rows
 
 log = logging.getLogger(__name__)
@@ -520,7 +520,7 @@ def _load_or_make_data(cfg: TrainConfig, model_path: str):
     """(data, main model, tokenizer): data.pt from the checkpoint dir when it was made with the same
     settings, else generated now (and saved there)."""
     from ember import LLM
-    from ember.engine.engine import resolve_dtype
+    from ember.engine.device_setup import resolve_dtype
     from ember.loader.model_loader import load_model
 
     path = os.path.join(cfg.ckpt_dir, "data.pt")
@@ -530,7 +530,7 @@ def _load_or_make_data(cfg: TrainConfig, model_path: str):
         if st.get("fingerprint") == fp:
             log.info("reusing the generated data in %s", path)
             dtype = resolve_dtype(cfg.engine_knobs.get("dtype", "auto"), torch.device("cpu"))
-            loaded = load_model(model_path, None, dtype, torch.device("cpu"), "torch",
+            loaded = load_model(model_path, None, dtype, torch.device("cpu"), "auto",
                                 cfg.engine_knobs.get("quantization", "auto"))
             return MTPData.from_state(st["data"]), loaded.model, loaded.tokenizer
         log.info("%s was made with other settings (%s); generating again", path, st.get("fingerprint"))

@@ -87,7 +87,7 @@ def cmd_chat(args) -> None:
 
 
 def cmd_serve(args) -> None:
-    from ember.server.launcher import run_server
+    from ember.entrypoints.serve import run_server
 
     run_server(args)
 
@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from ember.server.launcher import add_server_args
+    from ember.entrypoints.serve import add_server_args
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default http://127.0.0.1:8000/v1)")
     add_server_args(p)
@@ -118,9 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     from ember.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
-    from ember.plan_cli import add_plan_parser
-    from ember.quant.quantize_cli import add_quantize_parser
-    from ember.spec.train_mtp_cli import add_train_mtp_parser
+    from ember.entrypoints.plan import add_plan_parser
+    from ember.entrypoints.quantize import add_quantize_parser
+    from ember.entrypoints.train_mtp import add_train_mtp_parser
 
     add_quantize_parser(sub)
     add_plan_parser(sub)

@@ -2,7 +2,7 @@
 
 Start (start_tensor_parallel): check the model splits (tp_config), open a c10d TCPStore on a
 port the OS picks (port 0: two ember instances on one host never collide), start ranks
-1..N-1 as `python -m ember.distributed.worker` subprocesses (not multiprocessing's spawn, which
+1..N-1 as `python -m ember.engine.tp_worker` subprocesses (not multiprocessing's spawn, which
 re-runs the user's main script: a script without a __main__ guard would start engines
 recursively), wait for each to check in -- polling, so a worker that
 dies while starting is reported instead of waited for -- then join the process group (gloo on
@@ -11,7 +11,7 @@ CPU, NCCL on CUDA for the data; see parallel_state).
 Across nodes, run the same command under torchrun, e.g. two nodes with 4 GPUs each:
 
     torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
-        -m ember.cli serve MODEL --tensor-parallel-size 8
+        -m ember.entrypoints.cli serve MODEL --tensor-parallel-size 8
 
 With torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) ember spawns nothing: it joins
 through env:// and every rank >= 1 becomes a worker (it never returns from the engine's
@@ -54,7 +54,7 @@ def under_torchrun() -> bool:
 
 class TensorParallelGroup:
     def __init__(self, config, device: torch.device, quantization: str):
-        self.world_size = config.tensor_parallel_size
+        self.world_size = config.parallel_config.tensor_parallel_size
         self.quantization = quantization
         self.procs = []
         self.closed = False
@@ -68,7 +68,7 @@ class TensorParallelGroup:
                 raise DistributedError(f"torchrun started {world} processes but --tensor-parallel-size is "
                                        f"{self.world_size}; make them equal")
             if rank != 0:  # this process is a worker: serve rank 0, then leave
-                from ember.distributed.worker import serve
+                from ember.engine.tp_worker import serve
 
                 local = int(os.environ.get("LOCAL_RANK", rank))
                 try:
@@ -98,7 +98,7 @@ class TensorParallelGroup:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         blob = pickle.dumps(config)
         for rank in range(1, self.world_size):
-            cmd = [sys.executable, "-m", "ember.distributed.worker", str(rank), str(self.world_size), "127.0.0.1",
+            cmd = [sys.executable, "-m", "ember.engine.tp_worker", str(rank), str(self.world_size), "127.0.0.1",
                    str(store.port), device.type, str(os.getpid())]
             p = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env)
             p.stdin.write(blob)  # the EngineConfig: how to load this rank's shard
@@ -157,10 +157,10 @@ class TensorParallelGroup:
             self.total_comm_seconds += comm.stats.seconds
 
     # -- setup and stop -----------------------------------------------------------------------
-    def setup_workers(self, runner, int8_decode: bool) -> None:
+    def setup_workers(self, runner) -> None:
         """Give the workers rank 0's cache layout (shapes are per rank already: its kv heads)."""
         comm.send_call("setup", [tuple(c.shape) for c in runner.kv_caches],
-                       [tuple(c.shape) for c in runner.extra_kv_caches], runner.kv_dtype, int8_decode)
+                       [tuple(c.shape) for c in runner.extra_kv_caches], runner.kv_dtype)
 
     def shutdown(self, graceful: bool = True, timeout: float = 10.0) -> None:
         global _current
@@ -187,11 +187,12 @@ class TensorParallelGroup:
 def start_tensor_parallel(config, device: torch.device) -> TensorParallelGroup:
     """Validate, then start the group for an engine with config.tensor_parallel_size > 1."""
     global _current
-    from ember.distributed.tp_config import check_tensor_parallel, model_config_for, tp_quantization
+    from ember.engine.tp_config import check_tensor_parallel, model_config_for, tp_quantization
 
-    quantization = tp_quantization(config.quantization, config.model)
-    mc, awq_group = model_config_for(config.model)
-    check_tensor_parallel(mc, config.tensor_parallel_size, device.type, awq_group, multi_node=under_torchrun())
+    quantization = tp_quantization(config.load_config.quantization, config.load_config.model)
+    mc, awq_group = model_config_for(config.load_config.model)
+    check_tensor_parallel(mc, config.parallel_config.tensor_parallel_size, device.type, awq_group,
+                          multi_node=under_torchrun())
     if _current is not None:  # one TP engine per process: the previous one's group is torn down
         logger.warning("a previous tensor-parallel engine in this process was not shut down; stopping it")
         _current.shutdown()

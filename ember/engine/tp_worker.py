@@ -1,6 +1,6 @@
 """A tensor-parallel worker (rank >= 1): join the group, load this rank's shard, replay rank 0's calls.
 
-Started by rank 0 (ember.distributed.group, one spawned process per rank) or, across nodes, by
+Started by rank 0 (ember.engine.tp_group, one spawned process per rank) or, across nodes, by
 torchrun (every rank runs the same `ember ...` command; ranks >= 1 end up here). A worker never
 outlives rank 0: it exits on rank 0's "stop", when rank 0's connections close (a blocked
 broadcast raises), or when its parent process changes (rank 0 killed outright).
@@ -28,51 +28,32 @@ def _exit_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="ember-tp-parent-watch", daemon=True).start()
 
 
-def worker_device(device_type: str, local_rank: int) -> torch.device:
-    if device_type == "cuda":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        return device
-    return torch.device("cpu")
-
-
 def serve(rank: int, world_size: int, store, config, device_type: str, local_rank: int) -> None:
-    """Join, load, replay until "stop"."""
+    """Join, start up as rank 0 does (ember.engine.device_setup, model_setup), replay until "stop"."""
     from ember.distributed import parallel_state
     from ember.distributed.comm import recv_call
-    from ember.distributed.mirror import Replayer
-    from ember.distributed.tp_config import tp_quantization
-    from ember.engine.cpu_malloc import keep_freed_memory_in_heap
-    from ember.engine.engine import resolve_dtype
-    from ember.kernels import cpu_causal_attention as causal_attention
-    from ember.kernels import cpu_fused_elementwise as fused_elementwise
-    from ember.kernels import cpu_tiled_gemv as tiled_gemv
-    from ember.loader.model_loader import load_model
+    from ember.engine.device_setup import init_device
+    from ember.engine.model_setup import load_weights
+    from ember.engine.tp_config import tp_quantization
+    from ember.engine.tp_mirror import Replayer
 
-    device = worker_device(device_type, local_rank)
-    if device.type == "cpu":
-        torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) // world_size))
-        keep_freed_memory_in_heap()
-    torch.manual_seed(config.seed)
-    parallel_state.init(rank, world_size, store, "nccl" if device.type == "cuda" else "gloo")
-    dtype = resolve_dtype(config.dtype, device)
-    tiled_gemv.set_enabled(config.cpu_tiled_gemv, config.cpu_int8_activations)
-    fused_elementwise.set_enabled(config.cpu_fused_elementwise)
-    causal_attention.set_enabled(config.cpu_flash_attention)
+    # rank 0's device type (its --device auto already resolved); on CUDA, this rank's GPU
+    setup = init_device(config, world_size, local_rank, device_type)
+    parallel_state.init(rank, world_size, store, "nccl" if setup.device.type == "cuda" else "gloo")
     with parallel_state.sharding(rank, world_size):
-        loaded = load_model(config.model, config.tokenizer, dtype, device, config.attention_backend,
-                            tp_quantization(config.quantization, config.model))
+        load = config.load_config
+        loaded, _ = load_weights(config, setup, tp_quantization(load.quantization, load.model), tensor_parallel=True)
         mtp = None
         spec = config.speculative
         if spec is not None and spec.method == "mtp":
             from ember.spec.mtp_weights import load_mtp
 
             mtp = load_mtp(loaded.model, loaded.path, spec.model, progress=False)
-    replayer = Replayer(loaded.model, mtp, device)
-    logger.info("tensor-parallel rank %d/%d ready on %s (%.1f MB weights)", rank, world_size, device,
+    replayer = Replayer(loaded.model, mtp, setup.device)
+    logger.info("tensor-parallel rank %d/%d ready on %s (%.1f MB weights)", rank, world_size, setup.device,
                 loaded.weight_bytes / 1e6)
     while True:
-        op, args = recv_call(device)
+        op, args = recv_call(setup.device)
         if op == "stop":
             break
         replayer.run(op, args)
@@ -105,7 +86,7 @@ def run_worker(rank: int, world_size: int, host: str, port: int, config, device_
     os._exit(code)
 
 
-if __name__ == "__main__":  # python -m ember.distributed.worker RANK WORLD HOST PORT DEVICE PARENT_PID < config
+if __name__ == "__main__":  # python -m ember.engine.tp_worker RANK WORLD HOST PORT DEVICE PARENT_PID < config
     import pickle
 
     _rank, _world, _host, _port, _device, _parent = sys.argv[1:7]

@@ -1,8 +1,14 @@
-"""Request: one sequence's state as the scheduler and runner see it (plain Python, no torch)."""
+"""Request: one sequence's state as the scheduler, the runner and a proposer see it (plain Python,
+no torch), and Draft: the tokens a proposer guessed for it.
+
+A leaf module: the engine schedules Requests, speculation reads them, neither imports the other
+for it.
+"""
 from __future__ import annotations
 
 import enum
 import time
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -17,6 +23,24 @@ class RequestStatus(enum.Enum):
     @property
     def is_finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass
+class Draft:
+    """A request's pending draft tokens: positions num_tokens, num_tokens + 1, ..."""
+
+    token_ids: list[int]
+    # [len(token_ids), V] draft distributions q (torch), or None for deterministic drafts
+    # (n-gram, argmax MTP): q is then one-hot and the rejection sampler accepts with p(x).
+    probs: Any = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def truncated(self, d: int) -> "Draft":
+        if d >= len(self.token_ids):
+            return self
+        return Draft(self.token_ids[:d], None if self.probs is None else self.probs[:d])
 
 
 class Request:
@@ -41,7 +65,7 @@ class Request:
         self.block_hashes: list[int] = []  # chained hashes of this request's full blocks
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
-        # Speculative decoding: draft tokens proposed for the next step (an ember.spec.proposer.Draft,
+        # Speculative decoding: draft tokens proposed for the next step (a Draft,
         # consumed when scheduled) and the adaptive-k state (ember.spec.adaptive.SpecState).
         self.draft: Any = None
         self.spec_state: Any = None

@@ -1,5 +1,5 @@
-"""`ember quantize MODEL --method awq|rtn --bits 4 --group-size G --zero-point --calib pydoc|FILE
---num-samples N --seq-len L --out DIR`: an AutoAWQ-compatible int4 folder from full-precision weights.
+"""An AutoAWQ-compatible int4 folder from full-precision weights (`ember quantize`, whose flags are in
+ember.entrypoints.quantize).
 
 The source (an HF folder or a .gguf file, dequantized) is loaded dense in float32 on the CPU.
 `awq` runs the activation-aware scale and clipping search (ember.quant.awq_quantizer) on
@@ -16,7 +16,6 @@ would be ~8x that); rtn takes seconds.
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import time
@@ -81,33 +80,3 @@ def quantize(model: str | None, out: str, method: str = "awq", bits: int = 4, gr
     write_awq_folder(loaded, out, group_size)
     log.info("wrote %s (%s, int4, group %d) in %.1f s", out, method, group_size, time.perf_counter() - t0)
     return out
-
-
-def cmd_quantize(args) -> None:
-    quantize(args.model, args.out, method=args.method, bits=args.bits, group_size=args.group_size,
-             zero_point=args.zero_point, calib=args.calib, num_samples=args.num_samples, seq_len=args.seq_len,
-             clip=args.clip, gptq=args.gptq)
-    print(args.out)
-
-
-def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("quantize", help="quantize a model to an AutoAWQ int4 folder (AWQ search or round-to-nearest)",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", nargs="?", default=None, help="HF model folder or .gguf file (default: the embedded model)")
-    p.add_argument("--out", required=True, help="folder to write (must be new or empty)")
-    p.add_argument("--method", choices=METHODS, default="awq", help="awq: activation-aware search; rtn: round-to-nearest")
-    p.add_argument("--bits", type=int, default=4, help="weight bits (only 4)")
-    p.add_argument("--group-size", type=int, default=128, help="input channels per scale/zero (must divide every in_features)")
-    p.add_argument("--zero-point", action=argparse.BooleanOptionalAction, default=True,
-                   help="asymmetric quantization with zero points (required)")
-    p.add_argument("--calib", default="pydoc", help="'pydoc' (the calibration half of pydoc_data.topics) or a UTF-8 text file")
-    p.add_argument("--num-samples", type=int, default=128, help="calibration blocks")
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration block")
-    p.add_argument("--clip", choices=("asym", "sym"), default="asym",
-                   help="AWQ clipping search: asym (default) searches each group's lower and upper clip separately "
-                        "and snaps the integer zero point; sym is AutoAWQ's (one |w| bound for both ends)")
-    p.add_argument("--gptq", action=argparse.BooleanOptionalAction, default=GPTQ_DEFAULT,
-                   help="AWQ: choose the int4 codes on each group's grid by GPTQ's error-compensating rounding "
-                        "(calibration inputs' X^T X) instead of round-to-nearest; same checkpoint format")
-    p.set_defaults(func=cmd_quantize)
-    return p

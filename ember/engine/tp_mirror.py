@@ -74,18 +74,14 @@ class Replayer:
     def run(self, op: str, args: tuple) -> None:
         getattr(self, "op_" + op)(*args)
 
-    def op_setup(self, main_shapes, extra_shapes, kv_dtype, int8_decode: bool) -> None:
+    def op_setup(self, main_shapes, extra_shapes, kv_dtype) -> None:
         """Allocate this rank's KV caches in rank 0's layout (same blocks, this rank's kv heads)."""
         alloc = lambda s: torch.zeros(s, dtype=kv_dtype, device=self.device)  # noqa: E731
         self.kv_caches = [alloc(s) for s in main_shapes]
         self.mtp_caches = [alloc(s) for s in extra_shapes]
-        if int8_decode:  # the same kernels as rank 0, so the shards agree on numerics
-            from ember.quant.int8_decode import enable_int8_decode
-
-            enable_int8_decode(self.model)
 
     def op_profile(self, n: int, num_seqs: int, kv_heads: int, dtype) -> None:
-        from ember.engine.engine import profile_forward
+        from ember.engine.kv_setup import profile_forward
 
         profile_forward(self.model, n, num_seqs, kv_heads, dtype, self.device)
 

@@ -14,7 +14,7 @@ import shlex
 
 
 def cmd_train_mtp(args) -> None:
-    from ember.spec.train_mtp import TrainConfig, train_mtp
+    from ember.train.mtp import TrainConfig, train_mtp
 
     cfg = TrainConfig(
         model=args.model, out=args.out, checkpoint_dir=args.checkpoint_dir, num_prompts=args.num_prompts,

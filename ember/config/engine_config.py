@@ -1,0 +1,175 @@
+"""EngineConfig: every engine flag flat, as the user gives it, and the sub-configs built from it.
+
+Field names are vLLM's flag names in snake_case, so `LLM(max_num_batched_tokens=...)` and
+`ember serve --max-num-batched-tokens ...` are the same knob; the CLI is generated from the
+fields (ember.engine_args), grouped in `--help` by the sub-config each one feeds. Construction
+validates every flag and groups them (vLLM's EngineArgs -> VllmConfig in one step):
+
+    load_config       model, tokenizer, dtype, device, quantization, seed
+    cache_config      block_size, kv_cache_dtype, kv_cache_memory, gpu_memory_utilization,
+                      enable_prefix_caching
+    scheduler_config  max_model_len, max_num_batched_tokens, max_num_seqs, enable_chunked_prefill
+    executor_config   executor (enforce_eager folded in), cuda_graph_max_batch_size, compilation_config
+    kernel_config     attention_backend, num_threads, the --cpu-* switches, int8_decode, int4_dense_copy
+    parallel_config   tensor_parallel_size
+    speculative       SpeculativeConfig, or None: six spellings of "speculate" folded into one
+
+The engine reads the sub-configs only. What each default was measured to buy is in docs/tuning.md.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from ember.config.groups import (ATTENTION_BACKENDS, CPU_KV_CAP_GIB, CPU_KV_FRACTION, DEVICES, EXECUTORS,
+                                 KV_CACHE_DTYPES, QUANTIZATION_CHOICES, CacheConfig, ExecutorConfig, KernelConfig,
+                                 LoadConfig, ParallelConfig, SchedulerConfig, need)
+from ember.config.speculative import SpeculativeConfig, resolve_speculative_config
+from ember.errors import ConfigError
+from ember.platform import DTYPES
+
+
+def flag(default: Any, group: str, help: str, **more: Any):
+    return field(default=default, metadata={"help": help, "group": group, **more})
+
+
+def _derived():
+    return field(default=None, init=False, repr=False, compare=False)
+
+
+@dataclass
+class EngineConfig:
+    # -- load
+    model: str | None = flag(None, "load", "HF model folder or .gguf file; default: the embedded SmolLM2-135M-Instruct")
+    tokenizer: str | None = flag(None, "load", "tokenizer folder (default: the model's own)")
+    dtype: str = flag("auto", "load", "activation and weight dtype; auto = bfloat16 on CUDA or a CPU with "
+                                      "AVX512-BF16, else float32", choices=DTYPES)
+    device: str = flag("auto", "load", "auto = cuda when available, else cpu", choices=DEVICES)
+    quantization: str = flag("auto", "load", "weight format: auto = what the checkpoint holds (awq for an AWQ folder, "
+                                             "gguf = packed blocks for a .gguf file, else none); none on a .gguf "
+                                             "dequantizes it to --dtype", choices=QUANTIZATION_CHOICES)
+    seed: int = flag(0, "load", "global seed for unseeded sampling")
+    # -- cache
+    block_size: int = flag(16, "cache", "tokens per KV cache block")
+    kv_cache_dtype: str = flag("auto", "cache", "KV cache element type (auto = --dtype)", choices=KV_CACHE_DTYPES)
+    kv_cache_memory: float | None = flag(None, "cache", f"GiB for the KV cache on CPU (default: {CPU_KV_FRACTION:.0%} of "
+                                                        f"available RAM, at most {CPU_KV_CAP_GIB:g} GiB)")
+    gpu_memory_utilization: float = flag(0.9, "cache", "fraction of GPU memory ember may use (CUDA)")
+    enable_prefix_caching: bool = flag(True, "cache", "reuse KV blocks of shared prompt prefixes")
+    # -- scheduler
+    max_model_len: int | None = flag(None, "scheduler", "longest sequence (prompt + output); default: the model's "
+                                                        "context length")
+    max_num_batched_tokens: int = flag(2048, "scheduler", "token budget of one step (decodes + prefill chunks)")
+    max_num_seqs: int | None = flag(None, "scheduler", "most sequences in one step (default 16 on CPU, 64 on CUDA)")
+    enable_chunked_prefill: bool = flag(True, "scheduler", "split long prompts over several steps")
+    # -- executor
+    enforce_eager: bool = flag(False, "executor", "never use CUDA graphs or torch.compile (= --executor eager)")
+    executor: str = flag("auto", "executor", "how a step's forward runs: eager; compiled = torch.compile of decode "
+                                             "steps on CPU, at --compilation-config compile_sizes, compiled at start "
+                                             "and cached by inductor; cuda-graph = captured CUDA graphs of decode "
+                                             "steps. auto = cuda-graph on CUDA with a GPU attention backend, else "
+                                             "eager", choices=EXECUTORS)
+    cuda_graph_max_batch_size: int = flag(16, "executor", "largest decode batch captured as a CUDA graph (a batch is "
+                                                          "padded to the next captured size; larger ones run eagerly)")
+    compilation_config: dict[str, Any] | None = flag(None, "executor", 'options of --executor compiled (JSON), after '
+                                                     'vLLM\'s: {"compile_sizes": [1, 2, 4], "mode": '
+                                                     '"max-autotune-no-cudagraphs", "freezing": true, "cpp_wrapper": '
+                                                     'true}; compile_sizes are decode batch sizes')
+    # -- kernels
+    attention_backend: str = flag("auto", "kernels", "attention kernels: torch = the reference, cpu = the reference "
+                                                     "with ember's C++ kernels, triton = GPU kernels; auto = triton on "
+                                                     "CUDA, cpu on CPU", choices=ATTENTION_BACKENDS)
+    num_threads: int | None = flag(None, "kernels", "CPU threads for torch (default: all cores)")
+    cpu_paged_attention: bool = flag(True, "kernels", "CPU: fused C++ paged attention for decode and verify steps; "
+                                                      "off = the torch reference (gather + SDPA)")
+    cpu_flash_attention: bool = flag(True, "kernels", "CPU, bf16: prefill attention in a flash-style C++ kernel "
+                                                      "(AVX512-BF16); off = blocked GEMMs, else SDPA")
+    cpu_tiled_gemv: bool = flag(True, "kernels", "CPU: GGUF 4- and 8-bit weights in row tiles for a C++ GEMV kernel; "
+                                                 "off = torch's int4 kernel")
+    cpu_int8_activations: bool = flag(True, "kernels", "CPU, bf16, AVX-512 VNNI: steps of many rows multiply packed "
+                                                       "GGUF weights by activations rounded to int8 per group of 32 "
+                                                       "(as llama.cpp); off = bf16 activations everywhere")
+    cpu_fused_elementwise: bool = flag(True, "kernels", "CPU, bf16: RMSNorm (+ residual), SiLU*up and RoPE in one pass "
+                                                        "each; off = the torch ops")
+    int8_decode: bool | None = flag(None, "kernels", "CPU: an int8 weight-only copy of dense linears for decode-sized "
+                                                     "steps; default: on for a dequantized .gguf in bfloat16/float16")
+    int4_dense_copy: bool | None = flag(None, "kernels", "CPU: a dense copy of packed int4 weights (GGUF, AWQ) for "
+                                                         "steps of many rows; default: on where a layer needs it and it "
+                                                         "fits a tenth of free RAM")
+    # -- parallel
+    tensor_parallel_size: int = flag(1, "parallel", "number of devices to shard the model over")
+    # -- speculative
+    speculative_config: dict[str, Any] | None = flag(None, "speculative", 'speculative decoding (JSON), as vLLM: '
+                                                     '{"method": "ngram", "num_speculative_tokens": 3, '
+                                                     '"prompt_lookup_min": 2, "prompt_lookup_max": 5}; methods ngram | '
+                                                     'mtp | draft; "disable_by_batch_size": N drafts nothing in steps '
+                                                     'of N or more running requests')
+    speculative_model: str | None = flag(None, "speculative", "draft for speculative decoding: 'ngram' (prompt lookup) "
+                                                              "or a model folder")
+    num_speculative_tokens: int | None = flag(None, "speculative", "draft tokens per step (1..8; the most, when adaptive)")
+    enable_mtp: bool | None = flag(None, "speculative", "speculate with MTP layers: the model's own, or "
+                                                        "--speculative-model DIR's; on by default for the default "
+                                                        "model's trained head (--no-enable-mtp turns it off)")
+    speculative_draft_tensor_parallel_size: int | None = flag(None, "speculative", "tensor parallel size of the draft "
+                                                                                   "model (1 or --tensor-parallel-size)")
+    adaptive_spec: bool = flag(True, "speculative", "per request, draft fewer tokens when few are accepted and more "
+                                                    "when most are (--no-adaptive-spec pins k)")
+
+    # -- the sub-configs, built from the flags above (read these, not the flags)
+    load_config: LoadConfig = _derived()
+    cache_config: CacheConfig = _derived()
+    scheduler_config: SchedulerConfig = _derived()
+    executor_config: ExecutorConfig = _derived()
+    kernel_config: KernelConfig = _derived()
+    parallel_config: ParallelConfig = _derived()
+    speculative: SpeculativeConfig | None = _derived()
+
+    def __post_init__(self) -> None:
+        for name in ("speculative_config", "compilation_config"):
+            if isinstance(getattr(self, name), str):
+                try:
+                    setattr(self, name, json.loads(getattr(self, name)))
+                except json.JSONDecodeError as e:
+                    raise ConfigError(f"--{name.replace('_', '-')} is not valid JSON: {e}") from None
+        if self.quantization is None:
+            self.quantization = "auto"
+        self.validate()
+
+    def validate(self) -> None:
+        """Build the sub-configs from the flags (each checks its own), then the rules across them."""
+        self.load_config = LoadConfig(self.model, self.tokenizer, self.dtype, self.device, self.quantization, self.seed)
+        self.kernel_config = KernelConfig(
+            self.attention_backend, self.num_threads, self.cpu_paged_attention, self.cpu_flash_attention,
+            self.cpu_tiled_gemv, self.cpu_int8_activations, self.cpu_fused_elementwise, self.int8_decode,
+            self.int4_dense_copy)
+        if self.attention_backend == "triton" and self.device == "cpu":
+            from ember.config.attention import resolve_attention_backend
+
+            resolve_attention_backend("triton", "cpu")  # refuses unless TRITON_INTERPRET=1, saying what to change
+        self.cache_config = CacheConfig(self.block_size, self.kv_cache_dtype, self.kv_cache_memory,
+                                        self.gpu_memory_utilization, self.enable_prefix_caching)
+        need(self.kv_cache_memory is None or self.device != "cuda",
+             "--kv-cache-memory sizes the CPU KV cache; on CUDA use --gpu-memory-utilization")
+        self.scheduler_config = SchedulerConfig(self.max_model_len, self.max_num_batched_tokens, self.max_num_seqs,
+                                                self.enable_chunked_prefill)
+        self.parallel_config = ParallelConfig(self.tensor_parallel_size)
+        self.speculative = resolve_speculative_config(self)  # None = no speculation
+        if not isinstance(self.compilation_config, (dict, type(None))):
+            raise ConfigError('--compilation-config must be a JSON object, e.g. {"compile_sizes": [1, 4]}')
+        need(not (self.enforce_eager and self.executor not in ("auto", "eager")),
+             f"--enforce-eager contradicts --executor {self.executor}; drop one of them")
+        self.executor_config = ExecutorConfig("eager" if self.enforce_eager else self.executor,
+                                              self.cuda_graph_max_batch_size, dict(self.compilation_config or {}))
+        if self.compilation_config is not None and not self.compilation_config:
+            need(self.executor_config.executor == "compiled",
+                 "--compilation-config configures --executor compiled; add --executor compiled or drop it")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        """The flags (not the sub-configs built from them)."""
+        return [f.name for f in fields(cls) if f.init]
+
+    def flags(self) -> dict[str, Any]:
+        """The flags as keyword arguments: EngineConfig(**config.flags()) rebuilds this config."""
+        return {name: getattr(self, name) for name in self.field_names()}

@@ -1,0 +1,166 @@
+"""The engine's sub-configs: one frozen dataclass per concern, built from the flat flags.
+
+EngineConfig (engine_config.py) holds the flags as the user gave them; `build_groups` turns
+them into these, validated, and the engine reads only these (vLLM's VllmConfig shape). Each
+group's defaults and limits live next to it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ember.errors import ConfigError
+from ember.platform import DTYPES
+
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+DEVICES = ("auto", "cpu", "cuda")
+EXECUTORS = ("auto", "eager", "compiled", "cuda-graph")
+# torch = the reference (SDPA over gathered blocks), cpu = the reference plus ember's C++ kernels,
+# triton = the GPU kernels (on CPU only under TRITON_INTERPRET=1, which is how the tests run them)
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+QUANTIZATION_CHOICES = ("auto", "none", "awq", "gguf")
+# Default CPU KV budget: this fraction of available RAM, capped (the pool is allocated up front).
+CPU_KV_FRACTION = 0.2
+CPU_KV_CAP_GIB = 2.0
+CPU_DENSE_COPY_FRACTION = 0.1  # --int4-dense-copy auto: on when the copy takes at most this share of free RAM
+# --executor compiled's options (--compilation-config overrides them); docs/tuning.md has the figures
+COMPILE_DEFAULTS = {"compile_sizes": [1, 2, 4], "mode": "max-autotune-no-cudagraphs", "freezing": True,
+                    "cpp_wrapper": True}
+
+
+def need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def one_of(value: Any, choices: tuple, flag: str) -> None:
+    need(value in choices, f"{flag} {value!r} is not one of {', '.join(choices)}")
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """What to load and in which form."""
+
+    model: str | None  # None: the embedded default model
+    tokenizer: str | None
+    dtype: str  # as given; `auto` is resolved on the device (ember.platform.resolve_dtype_name)
+    device: str
+    quantization: str
+    seed: int
+
+    def __post_init__(self) -> None:
+        one_of(self.dtype, DTYPES, "--dtype")
+        one_of(self.device, DEVICES, "--device")
+        one_of(self.quantization, QUANTIZATION_CHOICES, "--quantization")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV pool."""
+
+    block_size: int
+    kv_cache_dtype: str
+    kv_cache_memory: float | None  # GiB on CPU; None: CPU_KV_FRACTION of free RAM, at most CPU_KV_CAP_GIB
+    gpu_memory_utilization: float
+    enable_prefix_caching: bool
+
+    def __post_init__(self) -> None:
+        one_of(self.kv_cache_dtype, KV_CACHE_DTYPES, "--kv-cache-dtype")
+        need(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
+             f"--block-size must be a power of two (got {self.block_size}); 16 is the default")
+        if self.kv_cache_memory is not None:
+            need(self.kv_cache_memory > 0, f"--kv-cache-memory must be > 0 GiB (got {self.kv_cache_memory})")
+        need(0 < self.gpu_memory_utilization <= 1,
+             f"--gpu-memory-utilization must be in (0, 1] (got {self.gpu_memory_utilization})")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The step's token budget and who shares it."""
+
+    max_model_len: int | None  # None: the model's context length
+    max_num_batched_tokens: int
+    max_num_seqs: int | None  # None: 16 on CPU, 64 on CUDA
+    enable_chunked_prefill: bool
+
+    def __post_init__(self) -> None:
+        need(self.max_num_batched_tokens >= 1, f"--max-num-batched-tokens must be >= 1 (got {self.max_num_batched_tokens})")
+        if self.max_num_seqs is not None:
+            need(self.max_num_seqs >= 1, f"--max-num-seqs must be >= 1 (got {self.max_num_seqs})")
+            need(self.max_num_seqs <= self.max_num_batched_tokens,
+                 f"--max-num-seqs {self.max_num_seqs} exceeds --max-num-batched-tokens {self.max_num_batched_tokens}: "
+                 "every running sequence needs at least one token of the step budget; raise the budget or lower "
+                 "--max-num-seqs")
+        if self.max_model_len is not None:
+            need(self.max_model_len >= 2, f"--max-model-len must be >= 2 (got {self.max_model_len})")
+            if not self.enable_chunked_prefill:
+                need(self.max_num_batched_tokens >= self.max_model_len,
+                     f"with chunked prefill off, --max-num-batched-tokens ({self.max_num_batched_tokens}) must be >= "
+                     f"--max-model-len ({self.max_model_len}) so any prompt fits one step; raise the budget, lower "
+                     "--max-model-len, or drop --no-enable-chunked-prefill")
+
+    def default_max_num_seqs(self, device_type: str) -> int:
+        return self.max_num_seqs or (64 if device_type == "cuda" else 16)
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    """How a step's forward runs: eager, compiled (CPU torch.compile) or cuda-graph."""
+
+    executor: str  # --enforce-eager folded in as "eager"
+    cuda_graph_max_batch_size: int
+    compilation: dict[str, Any] = field(default_factory=dict)  # --compilation-config as given
+
+    def __post_init__(self) -> None:
+        one_of(self.executor, EXECUTORS, "--executor")
+        need(self.cuda_graph_max_batch_size >= 1,
+             f"--cuda-graph-max-batch-size must be >= 1 (got {self.cuda_graph_max_batch_size})")
+        cc = self.compilation
+        if not cc:
+            return
+        unknown = set(cc) - set(COMPILE_DEFAULTS)
+        need(not unknown, f"--compilation-config has unknown keys {sorted(unknown)}; known: {', '.join(COMPILE_DEFAULTS)}")
+        sizes = cc.get("compile_sizes", COMPILE_DEFAULTS["compile_sizes"])
+        need(isinstance(sizes, list) and sizes and all(isinstance(s, int) and s >= 1 for s in sizes),
+             f"--compilation-config compile_sizes must be a non-empty list of batch sizes >= 1 (got {sizes!r})")
+        for flag in ("freezing", "cpp_wrapper"):
+            need(flag not in cc or isinstance(cc[flag], bool),
+                 f"--compilation-config {flag} must be true or false (got {cc.get(flag)!r})")
+        need(self.executor == "compiled",
+             "--compilation-config configures --executor compiled; add --executor compiled or drop it")
+
+    def compile_options(self, max_num_seqs: int) -> dict[str, Any]:
+        """--compilation-config with defaults; sizes above max_num_seqs are dropped (never used)."""
+        cc = dict(COMPILE_DEFAULTS) | dict(self.compilation)
+        return cc | {"compile_sizes": sorted({min(s, max_num_seqs) for s in cc["compile_sizes"]})}
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Which kernels run: the attention backend, CPU threads, and the CPU fast paths (each on by
+    default where the machine can run it; off = the torch ops, for measuring what each one buys)."""
+
+    attention_backend: str
+    num_threads: int | None
+    paged_attention: bool  # fused C++ paged attention for decodes and verifies
+    flash_attention: bool  # flash-style C++ causal attention for bf16 prefill
+    tiled_gemv: bool  # GGUF 4/8-bit weights in the tiled GEMV's layout
+    int8_activations: bool  # its int8-x path for many-row steps (AVX-512 VNNI)
+    fused_elementwise: bool  # RMSNorm, SiLU*up and RoPE in one pass each (bf16)
+    int8_decode: bool | None  # an int8 copy of dense weights for decode (None: auto)
+    int4_dense_copy: bool | None  # a dense copy of packed weights for many-row steps (None: auto)
+
+    def __post_init__(self) -> None:
+        one_of(self.attention_backend, ATTENTION_BACKENDS, "--attention-backend")
+        if self.num_threads is not None:
+            need(self.num_threads >= 1, f"--num-threads must be >= 1 (got {self.num_threads})")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int
+
+    def __post_init__(self) -> None:
+        # >= 1 here; whether the model's heads split that way is checked at start (ember.engine.tp_config)
+        need(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+             f"--tensor-parallel-size must be an integer >= 1 (got {self.tensor_parallel_size!r})")

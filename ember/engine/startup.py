@@ -1,0 +1,225 @@
+"""Rank 0's engine start-up: everything LLMEngine drives, built once, in this order.
+
+  1. device_setup.init_device       device, dtype, threads, allocator, seed, the CPU kernels
+  2. tp_group.start_tensor_parallel (--tensor-parallel-size > 1) the workers, which run steps 1
+                                    and 3 themselves (tp_worker.serve) with the same config
+  3. model_setup.load_weights       the model (rank 0's shard) and its second weight copies
+  4. limits                         max_model_len, max_num_seqs, the KV dtype, the executor kind
+  5. the Speculator                 first: a drafter with KV layers of its own needs its share of
+                                    the pool, and it reads only a ProposerContext, not the engine
+  6. kv_setup.kv_pool               the blocks that fit the budget (refused when not one sequence does)
+  7. the block manager, the scheduler, the runner (mirrored to the workers under TP), the
+     drafter's KV layers, the workers' caches
+  8. the executor                   compiled or captured graphs, after every KV layer exists; then
+                                    the drafter's own graphs alike
+"""
+from __future__ import annotations
+
+import logging
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from ember import planner
+from ember.engine.device_setup import DeviceSetup, init_device
+from ember.engine.kv_cache import KVCacheManager
+from ember.engine.kv_setup import cuda_kv_budget, kv_pool
+from ember.engine.model_setup import WeightCopies, load_weights
+from ember.engine.runner import ModelRunner
+from ember.engine.scheduler import Scheduler
+from ember.engine.step_executor import build_executor, compiled_query_lens, graph_query_lens, resolve_executor
+from ember.errors import ConfigError
+from ember.layers.attention import resolve_kv_cache_dtype
+from ember.loader.model_loader import LoadedModel
+from ember.spec.proposer import KVSlots, ProposerContext
+from ember.spec.speculator import Speculator
+
+logger = logging.getLogger("ember")
+
+
+@dataclass
+class Limits:
+    max_model_len: int
+    max_num_seqs: int
+    kv_dtype: torch.dtype
+    executor: str  # eager | compiled | cuda-graph
+
+
+@dataclass
+class EngineCore:
+    """What start-up built: LLMEngine keeps requests and the step loop over it."""
+
+    config: object  # the EngineConfig
+    setup: DeviceSetup
+    tp: object | None  # the TensorParallelGroup (None without TP)
+    loaded: LoadedModel
+    copies: WeightCopies
+    limits: Limits
+    spec: Speculator | None
+    kv: KVCacheManager
+    scheduler: Scheduler
+    runner: ModelRunner
+    eos_token_ids: list[int]
+
+
+def start_engine(config) -> EngineCore:
+    """Build an engine's parts from its validated EngineConfig (see the module docstring)."""
+    tp_size = config.parallel_config.tensor_parallel_size
+    setup = init_device(config, world_size=tp_size)
+    tp = None
+    if tp_size > 1:  # the workers start (and load their shards) alongside rank 0's own load
+        from ember.engine.tp_group import start_tensor_parallel
+
+        tp = start_tensor_parallel(config, setup.device)
+    with _sharding(tp):
+        quantization = tp.quantization if tp is not None else config.load_config.quantization
+        loaded, copies = load_weights(config, setup, quantization, tensor_parallel=tp is not None)
+    limits = resolve_limits(config, setup, loaded)
+    generators: dict[str, torch.Generator] = {}  # per-request seeded ones: the sampler's and a drafter's
+    spec = None
+    if config.speculative is not None:
+        with _sharding(tp):
+            spec = Speculator(config.speculative, _proposer_context(config, setup, tp, loaded, limits, generators))
+    pool = _size_pool(config, setup, tp, loaded, limits, spec)
+    cache = config.cache_config
+    kv = KVCacheManager(pool.num_blocks, cache.block_size, cache.enable_prefix_caching)
+    sched = config.scheduler_config
+    scheduler = Scheduler(kv, sched.max_num_batched_tokens, limits.max_num_seqs, limits.max_model_len,
+                          sched.enable_chunked_prefill)
+    runner = _build_runner(config, setup, tp, loaded, limits, pool.num_blocks, generators, spec)
+    _build_executors(config, tp, loaded, limits, runner, spec)
+    core = EngineCore(config, setup, tp, loaded, copies, limits, spec, kv, scheduler, runner,
+                      _eos_token_ids(loaded))
+    _log_start(core, pool)
+    return core
+
+
+def _sharding(tp):
+    """Inside: layers are built as rank 0's shard (a no-op without TP)."""
+    if tp is None:
+        return nullcontext()
+    from ember.distributed.parallel_state import sharding
+
+    return sharding(0, tp.world_size)
+
+
+def resolve_limits(config, setup: DeviceSetup, loaded: LoadedModel) -> Limits:
+    sched, model_max = config.scheduler_config, loaded.model_config.max_position_embeddings
+    max_model_len = sched.max_model_len or model_max
+    if max_model_len > model_max:
+        raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's context length "
+                          f"{model_max}; pass --max-model-len {model_max} or less")
+    max_num_seqs = sched.default_max_num_seqs(setup.device.type)
+    if max_num_seqs > sched.max_num_batched_tokens:
+        raise ConfigError(f"max_num_seqs {max_num_seqs} exceeds --max-num-batched-tokens "
+                          f"{sched.max_num_batched_tokens}; raise the budget or lower --max-num-seqs")
+    if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < max_model_len:
+        logger.info("chunked prefill is off: prompts longer than %d tokens will be refused", sched.max_num_batched_tokens)
+    kv_dtype = resolve_kv_cache_dtype(config.cache_config.kv_cache_dtype, setup.dtype, setup.device)
+    executor = resolve_executor(config, setup.device, kv_dtype, loaded.model.attn_backend.name)
+    return Limits(max_model_len, max_num_seqs, kv_dtype, executor)
+
+
+def _proposer_context(config, setup: DeviceSetup, tp, loaded: LoadedModel, limits: Limits,
+                      generators: dict) -> ProposerContext:
+    mirror = lambda module: module  # noqa: E731
+    if tp is not None:  # an MTP layer's forwards are replayed on the workers' shards
+        from ember.engine.tp_mirror import MirroredMTP
+
+        mirror = MirroredMTP
+    return ProposerContext(loaded, setup.device, setup.dtype, setup.kernels, setup.attention_backend,
+                           config.load_config.tokenizer, config.cache_config.block_size, limits.max_model_len,
+                           limits.max_num_seqs, generators, tensor_parallel=tp is not None, mirror=mirror)
+
+
+def _size_pool(config, setup: DeviceSetup, tp, loaded: LoadedModel, limits: Limits, spec) -> planner.KVPool:
+    mc, tp_size = loaded.model_config, config.parallel_config.tensor_parallel_size
+    elem = limits.kv_dtype.itemsize
+    per_token = planner.kv_bytes_per_token(mc, elem, tp_size)  # this device's kv heads
+    if spec is not None:
+        per_token += spec.kv_bytes_per_token(elem)
+    block_bytes = per_token * config.cache_config.block_size
+
+    def cuda_budget() -> float:
+        sched = config.scheduler_config
+        on_workers = None
+        if tp is not None:  # the workers run the same profile step (its collectives need them)
+            from ember.distributed.comm import send_call as on_workers
+        return cuda_kv_budget(loaded.model, min(sched.max_num_batched_tokens, limits.max_model_len),
+                              limits.max_num_seqs, planner.kv_heads_per_device(mc, tp_size), setup.dtype, setup.device,
+                              config.cache_config.gpu_memory_utilization,
+                              lambda: _graph_pool_bytes(config, setup, loaded, limits, spec), on_workers)
+
+    return kv_pool(config, setup.device, block_bytes, limits.max_model_len, cuda_budget)
+
+
+def _graph_pool_bytes(config, setup: DeviceSetup, loaded: LoadedModel, limits: Limits, spec) -> int:
+    """The CUDA graphs' memory pool, which the KV cache cannot have (0 without CUDA graphs)."""
+    if limits.executor != "cuda-graph":
+        return 0
+    from ember.engine.cuda_graph_executor import graph_pool_estimate
+
+    q_len = max(graph_query_lens(spec.k_max if spec is not None else 0, loaded.model.attn_backend))
+    return graph_pool_estimate(loaded.model, loaded.model_config, _graph_max_batch(config, limits), q_len,
+                               limits.max_model_len, config.cache_config.block_size, setup.dtype, setup.device)
+
+
+def _graph_max_batch(config, limits: Limits) -> int:
+    return min(config.executor_config.cuda_graph_max_batch_size, limits.max_num_seqs)
+
+
+def _build_runner(config, setup: DeviceSetup, tp, loaded: LoadedModel, limits: Limits, num_blocks: int,
+                  generators: dict, spec) -> ModelRunner:
+    """The runner over the pool; the drafter's layers in it; under TP the workers' caches alike."""
+    model = loaded.model
+    if tp is not None:  # every forward is replayed on the workers' shards
+        from ember.engine.tp_mirror import MirroredModel
+
+        model = MirroredModel(model)
+    tp_size = config.parallel_config.tensor_parallel_size
+    runner = ModelRunner(model, loaded.model_config, num_blocks, config.cache_config.block_size, limits.kv_dtype,
+                         setup.device, num_kv_heads=planner.kv_heads_per_device(loaded.model_config, tp_size),
+                         generators=generators)
+    if spec is not None:
+        spec.attach(KVSlots(num_blocks, runner.allocate_kv))
+        runner.keep_hidden = spec.reads_step == "hidden"
+        runner.keep_rows = spec.reads_step == "rows"
+    if tp is not None:
+        tp.setup_workers(runner)
+    return runner
+
+
+def _build_executors(config, tp, loaded: LoadedModel, limits: Limits, runner: ModelRunner, spec) -> None:
+    """After every KV layer exists (compiled graphs and captured graphs address the caches)."""
+    k_max = spec.k_max if spec is not None else 0
+    backend = loaded.model.attn_backend
+    if limits.executor == "compiled":
+        query_lens = compiled_query_lens(k_max, backend, spec is not None and spec.config.adaptive)
+    else:
+        query_lens = graph_query_lens(k_max, backend)
+    runner.executor = build_executor(
+        limits.executor, runner, max_model_len=limits.max_model_len,
+        compile_options=config.executor_config.compile_options(limits.max_num_seqs),
+        cuda_graph_max_batch=_graph_max_batch(config, limits), query_lens=query_lens)
+    if spec is not None:  # the workers replay a drafter's forwards eagerly: no graphs of its own under TP
+        spec.prepare(runner.executor, runner.executor.sibling if tp is None else lambda *args: None)
+
+
+def _eos_token_ids(loaded: LoadedModel) -> list[int]:
+    eos = list(loaded.tokenizer.eos_token_ids)
+    mc_eos = loaded.model_config.eos_token_id
+    eos += [mc_eos] if isinstance(mc_eos, int) else list(mc_eos) if isinstance(mc_eos, list) else []
+    return list(dict.fromkeys(eos))
+
+
+def _log_start(core: EngineCore, pool: planner.KVPool) -> None:
+    loaded, limits, setup = core.loaded, core.limits, core.setup
+    mc, bs = loaded.model_config, pool.block_size
+    logger.info(
+        "ember: %s, %.1fM parameters, %.1f MB weights%s, %s on %s, KV cache %s, %d blocks x %d = %d tokens (%.1f MB), "
+        "max_model_len %d, %s executor, loaded from %s in %.1fs",
+        mc.architecture, loaded.num_parameters / 1e6, loaded.weight_bytes / 1e6, core.copies.note(),
+        str(setup.dtype).removeprefix("torch."), setup.device, str(limits.kv_dtype).removeprefix("torch."),
+        pool.num_blocks, bs, pool.num_blocks * bs, pool.num_blocks * pool.block_bytes / 1e6, limits.max_model_len,
+        limits.executor, loaded.path, loaded.load_seconds)

@@ -1,0 +1,55 @@
+"""CpuKernels: which of ember's C++ CPU kernels a model runs, chosen once, when it is built.
+
+vLLM's CustomOp idea without the class hierarchy: a layer that has a fast CPU path (RMSNorm,
+SiLU*up, the rotary embedding, the attention backend, a packed GGUF linear) is handed this
+object when it is constructed and keeps the one boolean it needs; its forward then takes the
+C++ kernel where the tensors fit it (bf16 rows on CPU, outside torch.compile) and the torch ops
+otherwise. Nothing reads a module-level switch, so two engines with different --cpu-* flags can
+live in one process, and building a layer cannot depend on what ran before.
+
+`select` (the engine, and each tensor-parallel worker, at start) turns the --cpu-* flags into
+one of these for the device and dtype, building (or loading) each kernel asked for right then, so
+no request waits for a compiler and a kernel that cannot be built here is simply off.
+`CpuKernels()` allows every kernel (each still checks it can run: the default for a layer built
+outside the engine, as in the tests); `CpuKernels.none()` is the pure torch reference.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CpuKernels:
+    paged_attention: bool = True  # fused paged attention for decodes and verifies (cpu_paged_attention)
+    flash_attention: bool = True  # flash-style causal attention for bf16 prefill (cpu_causal_attention)
+    fused_elementwise: bool = True  # RMSNorm, SiLU*up, RoPE in one pass each, bf16 (cpu_fused_elementwise)
+    tiled_gemv: bool = True  # GGUF 4/8-bit weights in the tiled GEMV's layout (cpu_tiled_gemv)
+    int8_activations: bool = True  # the tiled GEMV's int8-x path for many-row steps (AVX-512 VNNI)
+
+    @classmethod
+    def none(cls) -> "CpuKernels":
+        """The torch ops everywhere: the reference."""
+        return cls(False, False, False, False, False)
+
+    @classmethod
+    def select(cls, config, device_type: str, dtype: torch.dtype) -> "CpuKernels":
+        """From a KernelConfig (its --cpu-* switches) for a model running on device_type in dtype: what
+        was asked for and can run here. Builds or loads the kernels that dtype uses now, once per
+        machine (then cached), not in the first request."""
+        if device_type != "cpu":
+            return cls.none()
+        from ember.kernels import cpu_causal_attention, cpu_fused_elementwise, cpu_row_top, cpu_tiled_gemv
+        from ember.kernels.cpu_paged_attention import paged_attention_op
+
+        bf16 = dtype == torch.bfloat16
+        cpu_row_top.available()  # the sampler's argmax, whatever the flags (~5 s once)
+        return cls(
+            paged_attention=config.paged_attention and paged_attention_op() is not None,
+            # built only for the dtype that uses it; packed GGUF weights build the GEMV as they load
+            flash_attention=config.flash_attention and (not bf16 or cpu_causal_attention.flash_available()),
+            fused_elementwise=config.fused_elementwise and (not bf16 or cpu_fused_elementwise.available()),
+            tiled_gemv=config.tiled_gemv and cpu_tiled_gemv.x_dtype() is not None,
+            int8_activations=config.int8_activations,
+        )
