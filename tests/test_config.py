@@ -1,0 +1,52 @@
+"""EngineConfig's flat flags and the sub-configs built from them; CpuKernels chosen from the flags."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ember.config import EngineConfig, KernelConfig
+from ember.errors import ConfigError
+from ember.kernels.cpu_kernels import CpuKernels
+
+
+def test_flags_round_trip_and_feed_their_sub_configs():
+    config = EngineConfig(model="m", max_num_seqs=4, block_size=32, enforce_eager=True, cpu_paged_attention=False,
+                          tensor_parallel_size=2, kv_cache_memory=0.5, seed=7)
+    assert EngineConfig(**config.flags()) == config
+    assert set(config.flags()) == set(EngineConfig.field_names()) and "load_config" not in config.flags()
+    assert config.load_config.model == "m" and config.load_config.seed == 7
+    assert config.cache_config.block_size == 32 and config.cache_config.kv_cache_memory == 0.5
+    assert config.scheduler_config.max_num_seqs == 4 and config.scheduler_config.default_max_num_seqs("cuda") == 4
+    assert config.executor_config.executor == "eager"  # --enforce-eager folded in
+    assert config.kernel_config.paged_attention is False and config.kernel_config.flash_attention is True
+    assert config.parallel_config.tensor_parallel_size == 2
+    assert EngineConfig(model="m").scheduler_config.default_max_num_seqs("cpu") == 16
+
+
+def test_sub_configs_check_their_own_flags():
+    with pytest.raises(ConfigError, match="--block-size must be a power of two"):
+        EngineConfig(block_size=24)
+    with pytest.raises(ConfigError, match="--attention-backend 'flash'"):
+        EngineConfig(attention_backend="flash")
+    with pytest.raises(ConfigError, match="--kv-cache-memory sizes the CPU KV cache"):
+        EngineConfig(device="cuda", kv_cache_memory=1.0)
+    with pytest.raises(ConfigError, match="add --executor compiled"):
+        EngineConfig(compilation_config={})
+
+
+def test_config_is_a_light_import():
+    """ember.config (and so `import ember`) pulls in neither torch nor the engine."""
+    code = "import sys, ember.config; print(sorted(m for m in ('torch', 'ember.engine', 'ember.kernels') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_cpu_kernels_follow_the_flags():
+    off = KernelConfig("auto", None, False, False, False, False, False, None, None)
+    assert CpuKernels.select(off, "cpu", torch.float32) == CpuKernels.none()
+    assert CpuKernels.select(EngineConfig().kernel_config, "cuda", torch.bfloat16) == CpuKernels.none()
+    on = CpuKernels.select(EngineConfig().kernel_config, "cpu", torch.float32)
+    assert on.int8_activations and on.fused_elementwise  # float32: nothing to build for the bf16-only ones
