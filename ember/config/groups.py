@@ -18,6 +18,10 @@ EXECUTORS = ("auto", "eager", "compiled", "cuda-graph")
 # torch = the reference (SDPA over gathered blocks), cpu = the reference plus ember's C++ kernels,
 # triton = the GPU kernels (on CPU only under TRITON_INTERPRET=1, which is how the tests run them)
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+# other engines' backend names -> ember's: "gpu" = its GPU kernels (triton) on CUDA, the cpu backend on CPU.
+# flash2: the split-KV decode kernel's name in the seeds; flashinfer / fa3: SGLang's and vLLM's GPU backends
+ATTENTION_BACKEND_ALIASES = {"flash2": "gpu", "flashinfer": "gpu", "fa3": "gpu", "flash_attn": "gpu",
+                             "torch_native": "torch"}
 QUANTIZATION_CHOICES = ("auto", "none", "awq", "gguf")
 # Default CPU KV budget: this fraction of available RAM, capped (the pool is allocated up front).
 CPU_KV_FRACTION = 0.2
@@ -151,7 +155,7 @@ class KernelConfig:
     int4_dense_copy: bool | None  # a dense copy of packed weights for many-row steps (None: auto)
 
     def __post_init__(self) -> None:
-        one_of(self.attention_backend, ATTENTION_BACKENDS, "--attention-backend")
+        one_of(self.attention_backend, ATTENTION_BACKENDS + tuple(ATTENTION_BACKEND_ALIASES), "--attention-backend")
         if self.num_threads is not None:
             need(self.num_threads >= 1, f"--num-threads must be >= 1 (got {self.num_threads})")
 

@@ -1,33 +1,182 @@
-"""Building ember's C++ CPU kernels with torch.utils.cpp_extension (g++ and ninja).
+"""Building and loading ember's C++ CPU kernels (TORCH_LIBRARY op libraries, g++ -O3 -march=native).
 
-Each kernel is built once per machine, the first time an engine needs it, then loaded from
-torch's extension dir: on 2 Zen4 cores ~8-12 s each, the paged attention kernel's two units ~45 s.
-The kernels include ATen's core headers, not torch/extension.h (pybind11 and the whole C++ API:
-~20 s of parsing per unit; all four cold builds took 241 s with it, 72 s without). The build
-name carries a hash of the CPU's flags and of the sources, since the code is compiled with
--march=native and a changed source must not load an old build. Builds in several processes at
-once (a test suite's server subprocesses) are serialised by an flock on the build dir, which the
-kernel releases when its holder dies: torch's own lock file outlives a process killed mid-build,
-and every later build would wait on it forever. Where a build fails (no compiler, no ninja), the
-caller gets None, a warning says why, and the torch path runs instead.
+Built at install: setup.py's build step runs `python -m ember.kernels.cpp_build --all`, which
+compiles every kernel this CPU can run (KERNELS) into ember/kernels/_prebuilt/ (`make run` and
+`make test` install with --no-build-isolation, so torch is there to build against). Each library
+is named by a hash of its sources, the headers beside them, the CPU's flags and torch's version
+(-march=native code must not run on another CPU, an edited source must not load an old build);
+at run time a kernel whose library is there is loaded with torch.ops.load_library: no compiler,
+no ninja, a few milliseconds.
+
+A kernel whose library is missing (another CPU, an edited source, an install whose build
+environment had no torch) is built once, with one log line saying so, in a child process
+(`python -m ember.kernels.cpp_build SOURCE`) that:
+- holds an flock on the kernel's lock file for the whole build: a second process asking for the
+  same kernel waits for that build and loads its result instead of compiling again;
+- dies with its owner: it has the kernel send it SIGTERM when its parent dies (PR_SET_PDEATHSIG,
+  so even a SIGKILLed ember), and on SIGTERM (or its parent's Ctrl-C) stops its process group,
+  ninja included, which stops its compilers; the flock goes with it;
+- publishes the library by an atomic rename, so a half-written file is never loaded.
+Where a build fails (no compiler, no ninja) the caller gets None, a warning says why, and the
+torch path runs instead. Measured cold on 2 Zen4 cores: ~8-12 s a kernel, the paged attention
+kernel's two units ~45 s (ATen's core headers only: torch/extension.h made it 241 s for four).
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
+import ctypes
 import fcntl
 import hashlib
 import logging
 import os
+import shutil
+import signal
+import subprocess
+import sys
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from ember.platform import cpu_flags_line, has_cpu_flags  # noqa: F401 -- has_cpu_flags: the kernels' import
+from ember.platform import cpu_flags_line, has_cpu_flags  # noqa: F401 -- has_cpu_flags: the kernels' and tests' import
 
 logger = logging.getLogger("ember")
+HERE = os.path.dirname(os.path.abspath(__file__))
+CFLAGS, LDFLAGS = ["-O3", "-march=native", "-fopenmp"], ["-fopenmp"]
 
-_built: dict[str, object] = {}  # source path -> module (or True for an op library), None if it failed
+
+@dataclass(frozen=True)
+class Kernel:
+    what: str
+    more_sources: tuple[str, ...] = ()
+    # CPU flag sets of which one must be present for the code to compile and run (none: any x86)
+    cpu_flags: tuple[tuple[str, ...], ...] = ()
+
+    def runs_here(self) -> bool:
+        return not self.cpu_flags or any(has_cpu_flags(*flags) for flags in self.cpu_flags)
+
+
+KERNELS = {
+    "cpu_paged_attention.cpp": Kernel("CPU attention kernel", ("cpu_paged_attention_fp32_fp8.cpp",)),
+    "cpu_tiled_gemv.cpp": Kernel("CPU GEMV kernel", (), (("avx512f", "avx512bw", "avx512_bf16"),
+                                                         ("avx2", "fma", "f16c"))),
+    "cpu_causal_attention.cpp": Kernel("CPU prefill attention kernel", (), (("avx512f", "avx512_bf16"),)),
+    "cpu_fused_elementwise.cpp": Kernel("CPU fused elementwise kernels", (), (("avx512f", "avx512bw"),)),
+    "cpu_row_top.cpp": Kernel("CPU row argmax/top-k kernels", (), (("avx512f",),)),
+}
+
+_loaded: dict[str, bool | None] = {}  # source -> loaded (None: could not be built)
+
+
+def kernel_dirs() -> list[str]:
+    """Where libraries are looked for, in order (and built into: the first writable one):
+    $EMBER_KERNEL_DIR alone when set; else the package's _prebuilt/ (install), then ~/.cache/ember."""
+    if os.environ.get("EMBER_KERNEL_DIR"):
+        return [os.environ["EMBER_KERNEL_DIR"]]
+    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ember", "kernels")
+    return [os.path.join(HERE, "_prebuilt"), cache]
+
+
+def build_name(source: str, more_sources: tuple[str, ...] = (), source_dir: str = HERE) -> str:
+    """The library's name: the source's, tagged with a hash of the CPU's flags, torch's version, the
+    sources and the headers beside them (a changed header must not load an old build)."""
+    digest = hashlib.sha1((cpu_flags_line() + torch.__version__).encode())
+    for name in [source, *more_sources] + sorted(n for n in os.listdir(source_dir) if n.endswith(".h")):
+        with open(os.path.join(source_dir, name), "rb") as f:
+            digest.update(f.read())
+    return f"ember_{os.path.splitext(source)[0]}_{digest.hexdigest()[:8]}"
+
+
+def library_path(name: str) -> str | None:
+    """The built library `name` in one of kernel_dirs(), or None."""
+    return next((p for d in kernel_dirs() if os.path.isfile(p := os.path.join(d, name + ".so"))), None)
+
+
+def build(source: str, fakes: dict[str, Callable] | None = None, source_dir: str = HERE) -> bool | None:
+    """Load kernel `source` (a KERNELS key; its ops registered, with `fakes`: op name -> the fake
+    kernel torch.compile traces with), building it once first where no library for this CPU and
+    source exists. True, or None where this CPU cannot run it or it cannot be built."""
+    if source in _loaded:
+        return _loaded[source]
+    kernel = KERNELS.get(source, Kernel(source))
+    result = None
+    if kernel.runs_here():
+        try:
+            name = build_name(source, kernel.more_sources, source_dir)
+            path = library_path(name)
+            if path is None:
+                logger.info("ember: the C++ %s was not built for this CPU and source (%s); building it once now",
+                            kernel.what, name)
+                t0 = time.perf_counter()
+                path = _build_in_child(source, source_dir)
+                logger.info("ember: built the C++ %s in %.0f s (%s)", kernel.what, time.perf_counter() - t0, path)
+            torch.ops.load_library(path)
+            for op, fake in (fakes or {}).items():
+                torch.library.register_fake(op)(fake)
+            result = True
+        except Exception as e:  # no compiler, no ninja, a build error: the torch path still works
+            logger.warning("ember: the C++ %s could not be built (%s: %s); using the slower torch path. Install g++ "
+                           "and ninja (pip install ninja) to get it", kernel.what, type(e).__name__, str(e)[:300])
+    _loaded[source] = result
+    return result
+
+
+def _build_in_child(source: str, source_dir: str) -> str:
+    """Build in `python -m ember.kernels.cpp_build` (its own process group, stopped with this
+    process: see the module docstring); returns the library's path."""
+    cmd = [sys.executable, "-m", "ember.kernels.cpp_build", source, "--source-dir", source_dir,
+           "--parent", str(os.getpid())]
+    proc = subprocess.Popen(cmd, process_group=0, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate()
+    except BaseException:  # Ctrl-C or an exception here: the build goes with us
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait()
+        raise
+    if proc.returncode != 0 or not out.strip():
+        raise RuntimeError((err or out).strip()[-1500:] or f"the kernel build exited with {proc.returncode}")
+    return out.strip().splitlines()[-1]
+
+
+def compile_kernel(source: str, source_dir: str = HERE, out_dir: str | None = None) -> str:
+    """Compile `source` into out_dir (default: the first writable of kernel_dirs()) unless it is
+    there already; returns the library's path. Serialised across processes by an flock."""
+    from torch.utils.cpp_extension import load
+
+    kernel = KERNELS.get(source, Kernel(source))
+    name = build_name(source, kernel.more_sources, source_dir)
+    out_dir = out_dir or _writable_dir()
+    target = os.path.join(out_dir, name + ".so")
+    build_dir = os.path.join(out_dir, "build", name)
+    os.makedirs(build_dir, exist_ok=True)
+    with open(os.path.join(out_dir, name + ".lock"), "w") as lock:  # closing it (or dying) releases it
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.isfile(target):  # another process built it while this one waited
+            return target
+        stale = os.path.join(build_dir, "lock")
+        if os.path.exists(stale):  # torch's own lock, left by a builder killed midway (it held the flock too)
+            os.remove(stale)
+        _put_ninja_on_path()
+        load(name=name, sources=[os.path.join(source_dir, s) for s in (source, *kernel.more_sources)],
+             extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, is_python_module=False, verbose=False,
+             build_directory=build_dir)
+        tmp = f"{target}.{os.getpid()}.tmp"
+        shutil.copyfile(os.path.join(build_dir, name + ".so"), tmp)
+        os.replace(tmp, target)  # atomic: a reader sees no library or the whole one
+        shutil.rmtree(build_dir, ignore_errors=True)  # objects of a name that is never built again
+    return target
+
+
+def _writable_dir() -> str:
+    for d in kernel_dirs():
+        with contextlib.suppress(OSError):
+            os.makedirs(d, exist_ok=True)
+            if os.access(d, os.W_OK):
+                return d
+    raise OSError(f"none of {kernel_dirs()} is writable; set EMBER_KERNEL_DIR to a folder ember may write")
 
 
 def _put_ninja_on_path() -> None:
@@ -42,65 +191,50 @@ def _put_ninja_on_path() -> None:
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
 
-def build_name(source: str, more_sources: tuple[str, ...] = ()) -> str:
-    """The extension's name: the source's, tagged with a hash of the CPU's flags, the sources and
-    the headers beside them (a changed header must not load an old build)."""
-    here = os.path.dirname(__file__)
-    digest = hashlib.sha1(cpu_flags_line().encode())
-    for name in [source, *more_sources] + sorted(n for n in os.listdir(here) if n.endswith(".h")):
-        with open(os.path.join(here, name), "rb") as f:
-            digest.update(f.read())
-    return f"ember_{os.path.splitext(source)[0]}_{digest.hexdigest()[:8]}"
+def _die_with(parent: int) -> None:
+    """This builder stops, with its process group (ninja, which stops its compilers), when its
+    parent dies or SIGTERM / SIGINT arrives."""
+    def stop(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        os.killpg(0, signal.SIGTERM)  # ninja forwards it to its compilers and exits
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG (Linux)
+    if os.getppid() != parent:  # the parent died before the line above took effect
+        stop(signal.SIGTERM, None)
 
 
-def _build_directory(name: str) -> str:
-    """Where torch's load() builds `name` by itself (so an earlier build is found): its own rule."""
-    from torch.utils.cpp_extension import _get_build_directory
-
-    return _get_build_directory(name, verbose=False)
-
-
-@contextlib.contextmanager
-def _exclusive_build(build_dir: str):
-    """Hold an flock on build_dir; under it, a torch `lock` file left there is stale (its builder
-    held this flock too, and died) and is removed, so torch's wait on it cannot hang."""
-    with open(os.path.join(build_dir, "ember.flock"), "w") as f:  # closing it releases the flock
-        fcntl.flock(f, fcntl.LOCK_EX)
-        stale = os.path.join(build_dir, "lock")
-        if os.path.exists(stale):
-            logger.warning("ember: removing a stale build lock %s (a build was killed midway)", stale)
-            os.remove(stale)
-        yield
-
-
-def build(source: str, what: str, python_module: bool = True, fakes: dict[str, Callable] | None = None,
-          more_sources: tuple[str, ...] = ()):
-    """Compile and load `source` (a .cpp beside this file, linked with `more_sources`, which ninja
-    compiles at the same time): its pybind module, or True once its TORCH_LIBRARY ops are
-    registered (python_module=False), with `fakes` (op name -> fake kernel, the shapes
-    torch.compile traces with) registered for them. None where it cannot be built."""
-    if source in _built:
-        return _built[source]
-    here = os.path.dirname(__file__)
-    result = None
-    try:
-        from torch.utils.cpp_extension import load
-
-        _put_ninja_on_path()
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ember.kernels.cpp_build", description=__doc__.split("\n\n")[0])
+    p.add_argument("source", nargs="?", help="one kernel (a KERNELS key); prints its library's path")
+    p.add_argument("--all", action="store_true", help="every kernel this CPU can run (the install step)")
+    p.add_argument("--out", default=None, help="folder for the libraries (default: the first writable kernel dir)")
+    p.add_argument("--source-dir", default=HERE)
+    p.add_argument("--parent", type=int, default=None, help="stop when this process dies (set by build())")
+    args = p.parse_args(argv)
+    if args.parent is not None:
+        _die_with(args.parent)
+    if not args.all:
+        print(compile_kernel(args.source, args.source_dir, args.out))
+        return 0
+    failed = 0
+    for source, kernel in KERNELS.items():
+        if not kernel.runs_here():
+            print(f"ember: {kernel.what}: not for this CPU, skipped", file=sys.stderr)
+            continue
         t0 = time.perf_counter()
-        name = build_name(source, more_sources)
-        build_dir = _build_directory(name)
-        with _exclusive_build(build_dir):
-            module = load(name=name, sources=[os.path.join(here, s) for s in (source, *more_sources)],
-                          extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                          is_python_module=python_module, verbose=False, build_directory=build_dir)
-        result = module if python_module else True
-        for op, fake in (fakes or {}).items():
-            torch.library.register_fake(op)(fake)
-        if time.perf_counter() - t0 > 2:
-            logger.info("ember: built the C++ %s in %.0f s (cached for later runs)", what, time.perf_counter() - t0)
-    except Exception as e:  # no compiler, no ninja, a build error: the torch path still works
-        logger.warning("ember: the C++ %s could not be built (%s: %s); using the slower torch path. "
-                       "Install g++ and ninja (pip install ninja) to get it", what, type(e).__name__, str(e)[:300])
-    _built[source] = result
-    return result
+        try:
+            path = compile_kernel(source, args.source_dir, args.out)
+            print(f"ember: {kernel.what}: {path} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+        except Exception as e:  # noqa: BLE001 -- one kernel's failure must not stop the others
+            failed += 1
+            print(f"ember: {kernel.what} did not build ({type(e).__name__}: {str(e)[-500:]}); it will be built "
+                  "on first use or its torch path runs", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

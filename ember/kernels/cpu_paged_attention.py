@@ -17,9 +17,9 @@ without AVX2 take the portable loops. Either build splits each context over the
 threads when there are fewer queries than twice the threads (batch-1 decode): a batch-1 step
 on Zen3 had 3 tasks (one per kv head) for 2 threads before.
 
-Built with torch.utils.cpp_extension (g++ and ninja) when a CPU engine starts: ~45 s once on 2
-cores (two translation units side by side: bf16/fp16 and float32/fp8 caches), then cached in
-torch's extension dir (ember.kernels.cpp_build). Where it cannot be built, a warning
+Built with torch.utils.cpp_extension (g++ and ninja) when ember is installed (ember.kernels.cpp_build;
+~45 s on 2 cores: two translation units side by side, bf16/fp16 and float32/fp8 caches), and
+loaded when a CPU engine starts. Where it cannot be built, a warning
 says why and the torch path runs; --no-cpu-paged-attention turns it off. It is a dispatcher op
 (torch.ops.ember_cpu.paged_attention) with a fake kernel, so compiled decode graphs call it too.
 """
@@ -31,7 +31,7 @@ from ember.kernels.cpp_build import build
 
 HEAD_SIZES = (16, 32, 64, 80, 96, 128, 256)  # compiled specializations (the switch in the .cpp)
 MAX_GROUP = 16  # query heads per kv head (kMaxG)
-SOURCE, MORE_SOURCES = "cpu_paged_attention.cpp", ("cpu_paged_attention_fp32_fp8.cpp",)  # float32 / fp8 caches
+SOURCE = "cpu_paged_attention.cpp"  # with cpu_paged_attention_fp32_fp8.cpp (float32 / fp8 caches): cpp_build.KERNELS
 CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -41,9 +41,9 @@ FAKES = {"ember_cpu::paged_attention": lambda q, kv_cache, block_tables, seq_idx
 
 
 def paged_attention_op():
-    """The op, or None where it cannot be built (built on the first call, logged once). Cheap after
-    that: supports() asks it on every attention call."""
-    built = build(SOURCE, "CPU attention kernel", python_module=False, fakes=FAKES, more_sources=MORE_SOURCES)
+    """The op, or None where it cannot be built (loaded on the first call, logged once if it has to
+    be built). Cheap after that: supports() asks it on every attention call."""
+    built = build(SOURCE, fakes=FAKES)
     return torch.ops.ember_cpu.paged_attention if built else None
 
 

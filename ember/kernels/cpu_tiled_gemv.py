@@ -90,10 +90,10 @@ def has_q8() -> bool:
 
 
 def available() -> bool:
-    """True when the op can run here (builds it on first call: ~10 s once per machine)."""
+    """True when the op can run here (loaded; built once first where it was not built at install)."""
     return (x_dtype() is not None
-            and build("cpu_tiled_gemv.cpp", "CPU GEMV kernel", python_module=False,
-                      fakes={"ember_cpu::tiled_gemv": _fake_gemv, "ember_cpu::tiled_gemm_q8": _fake_gemv}) is not None)
+            and build("cpu_tiled_gemv.cpp", fakes={"ember_cpu::tiled_gemv": _fake_gemv,
+                                                   "ember_cpu::tiled_gemm_q8": _fake_gemv}) is not None)
 
 
 def _fake_gemv(x, codes, scale, offset, bits, float_out):

@@ -1,0 +1,139 @@
+"""Other engines' spellings of ember's engine flags, accepted on every command line with a note.
+
+People copy launch lines from SGLang (`python -m sglang.launch_server --model-path ... --context-length
+...`), older vLLM and the guides our users follow (`--mtp-num`, `--multi-token-prediction`,
+`--decode-kernel flash2`). Each alias below sets ember's own flag (vLLM's name) and leaves a one-line
+note naming it; a value ember cannot honour (EAGLE drafting, tree drafts) is refused with what to use
+instead. Value spellings of ember's own flags (`--speculative-model mtp`, `--attention-backend
+flash2`, `--quantization awq_marlin`) are mapped where the config reads them (ember.config).
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable
+
+# alias -> (ember's flag as its EngineConfig field, whose name it is)
+RENAMED = {
+    "--model-path": ("model", "SGLang"),
+    "--tokenizer-path": ("tokenizer", "SGLang"),
+    "--context-length": ("max_model_len", "SGLang"),
+    "--tp": ("tensor_parallel_size", "SGLang"),
+    "--tp-size": ("tensor_parallel_size", "SGLang"),
+    "--mem-fraction-static": ("gpu_memory_utilization", "SGLang"),
+    "--max-running-requests": ("max_num_seqs", "SGLang"),
+    "--chunked-prefill-size": ("max_num_batched_tokens", "SGLang"),
+    "--random-seed": ("seed", "SGLang"),
+    "--speculative-draft-model-path": ("speculative_model", "SGLang"),
+    "--speculative-num-steps": ("num_speculative_tokens", "SGLang"),
+    "--decode-kernel": ("attention_backend", "an older guide"),
+}
+# alias without a value -> (field, the value it sets, whose name it is)
+SWITCHES = {
+    "--multi-token-prediction": ("enable_mtp", True, "an older guide"),
+    "--disable-radix-cache": ("enable_prefix_caching", False, "SGLang"),
+    "--disable-cuda-graph": ("enforce_eager", True, "SGLang"),
+}
+
+
+# harmless flags of other engines that ember has no use for -> why (accepted with that note)
+IGNORED = {
+    "--trust-remote-code": "ember runs its own model code for the architectures it supports; a model's remote "
+                           "code is never executed, so the flag changes nothing",
+}
+
+
+def _speculative_algorithm(value: str) -> dict[str, Any]:
+    v = value.strip().upper()
+    if v in ("NEXTN", "MTP"):
+        return {"enable_mtp": True}
+    if v == "NGRAM":
+        return {"speculative_model": "ngram"}
+    if v == "STANDALONE":  # a draft model, named by --speculative-draft-model-path
+        return {}
+    raise argparse.ArgumentTypeError(
+        f"--speculative-algorithm {value}: ember has no EAGLE-style drafter; use NEXTN (the model's MTP layers, "
+        "= --enable-mtp), NGRAM (= --speculative-model ngram), or a draft model with --speculative-model DIR")
+
+
+def _eagle_topk(value: str) -> dict[str, Any]:
+    if int(value) != 1:
+        raise argparse.ArgumentTypeError(f"--speculative-eagle-topk {value}: ember drafts one chain, not a tree; "
+                                         "use 1 (or leave it out)")
+    return {}
+
+
+def _num_draft_tokens(value: str) -> dict[str, Any]:
+    # SGLang verifies num_draft_tokens = num_steps + 1 tokens a step (the last sampled one and the drafts)
+    n = int(value)
+    if n < 2:
+        raise argparse.ArgumentTypeError(f"--speculative-num-draft-tokens must be >= 2 (got {value})")
+    return {"num_speculative_tokens": n - 1}
+
+
+def _mtp_num(value: str) -> dict[str, Any]:
+    return {"enable_mtp": True, "num_speculative_tokens": int(value)}
+
+
+# alias -> (its value -> the fields it sets, what it means in ember's words)
+MAPPED: dict[str, tuple[Callable[[str], dict[str, Any]], str]] = {
+    "--speculative-algorithm": (_speculative_algorithm, "SGLang's; NEXTN / MTP = --enable-mtp"),
+    "--speculative-eagle-topk": (_eagle_topk, "SGLang's; ember drafts a chain (topk 1)"),
+    "--speculative-num-draft-tokens": (_num_draft_tokens, "SGLang's; N = --num-speculative-tokens N-1"),
+    "--mtp-num": (_mtp_num, "an older guide's; = --enable-mtp --num-speculative-tokens N"),
+}
+
+
+class _Alias(argparse.Action):
+    """Sets ember's own fields from an alias, refusing a contradiction with a flag already given,
+    and records a note (ns._alias_notes) that ember.engine_args logs."""
+
+    def __init__(self, option_strings, dest, fields: Callable[[str | None], dict[str, Any]], note: str, **kw):
+        self.fields, self.note = fields, note
+        super().__init__(option_strings, dest, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        try:
+            fields = self.fields(values)
+        except (argparse.ArgumentTypeError, ValueError) as e:
+            parser.error(str(e))
+        for name, value in fields.items():
+            if hasattr(namespace, name) and getattr(namespace, name) != value:
+                parser.error(f"{option_string} {values if values is not None else ''} sets --{name.replace('_', '-')} "
+                             f"to {value!r}, but it was given as {getattr(namespace, name)!r}; give one of them")
+            setattr(namespace, name, value)
+            # ember's own flag may still come later on the line: check_aliases compares at the end
+            namespace._alias_set = {**getattr(namespace, "_alias_set", {}), name: (option_string, value)}
+        notes = list(getattr(namespace, "_alias_notes", []))
+        notes.append(f"{option_string} is {self.note}")
+        namespace._alias_notes = notes
+
+
+def add_aliases(group, field_types: dict[str, Callable]) -> None:
+    """Add every alias to an argparse group; field_types: EngineConfig field -> its argparse type."""
+    for alias, (field, whose) in RENAMED.items():
+        group.add_argument(alias, action=_Alias, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                           fields=lambda v, f=field: {f: field_types[f](v)},
+                           note=f"{whose}'s name for --{field.replace('_', '-')}", help=argparse.SUPPRESS)
+    for alias, (field, value, whose) in SWITCHES.items():
+        group.add_argument(alias, action=_Alias, nargs=0, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                           fields=lambda v, f=field, x=value: {f: x},
+                           note=f"{whose}'s name for --{'' if value else 'no-'}{field.replace('_', '-')}",
+                           help=argparse.SUPPRESS)
+    for alias, why in IGNORED.items():
+        group.add_argument(alias, action=_Alias, nargs=0, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                           fields=lambda v: {}, note=f"accepted and ignored: {why}", help=argparse.SUPPRESS)
+    for alias, (fn, note) in MAPPED.items():
+        group.add_argument(alias, action=_Alias, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, fields=fn,
+                           note=note, help=argparse.SUPPRESS)
+
+
+def check_aliases(args: argparse.Namespace) -> list[str]:
+    """After parsing: ConfigError where ember's own flag, given after an alias, says otherwise;
+    else the notes to log."""
+    from ember.errors import ConfigError
+
+    for name, (option, value) in getattr(args, "_alias_set", {}).items():
+        if getattr(args, name) != value:
+            raise ConfigError(f"{option} sets --{name.replace('_', '-')} to {value!r}, but --{name.replace('_', '-')} "
+                              f"says {getattr(args, name)!r}; give one of them")
+    return list(getattr(args, "_alias_notes", []))
