@@ -131,7 +131,8 @@ def test_get_attention_backend():
     assert isinstance(cpu, CpuAttentionBackend) and not cpu.fused_decode and cpu.flash
     assert cpu.fixed_shape_max_query_len == 1 and CpuAttentionBackend().fixed_shape_max_query_len == 16
     with pytest.raises(ConfigError, match="torch"):
-        get_attention_backend("flashinfer")
+        get_attention_backend("no-such-backend")
+    assert isinstance(get_attention_backend("flashinfer"), CpuAttentionBackend)  # another engine's name: cpu here
 
 
 @pytest.mark.parametrize("flash", [True, False])
