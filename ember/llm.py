@@ -19,6 +19,11 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **knobs))
         self.tokenizer = self.engine.tokenizer
 
+    def wait_for_compile(self, timeout: float | None = None) -> bool:
+        """On CPU the default executor compiles decode graphs in the background while generate runs
+        eagerly; this blocks until they are ready (False if `timeout` seconds passed first)."""
+        return self.engine.wait_for_compile(timeout)
+
     def get_tokenizer(self):
         return self.tokenizer
 

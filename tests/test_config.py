@@ -33,8 +33,8 @@ def test_sub_configs_check_their_own_flags():
         EngineConfig(attention_backend="flash")
     with pytest.raises(ConfigError, match="--kv-cache-memory sizes the CPU KV cache"):
         EngineConfig(device="cuda", kv_cache_memory=1.0)
-    with pytest.raises(ConfigError, match="add --executor compiled"):
-        EngineConfig(compilation_config={})
+    with pytest.raises(ConfigError, match="contradicts --executor eager"):
+        EngineConfig(executor="eager", compilation_config={})
 
 
 def test_config_is_a_light_import():
@@ -50,3 +50,20 @@ def test_cpu_kernels_follow_the_flags():
     assert CpuKernels.select(EngineConfig().kernel_config, "cuda", torch.bfloat16) == CpuKernels.none()
     on = CpuKernels.select(EngineConfig().kernel_config, "cpu", torch.float32)
     assert on.int8_activations and on.fused_elementwise  # float32: nothing to build for the bf16-only ones
+
+
+def test_every_command_help_renders():
+    """argparse %-formats help strings: a stray % (e.g. a formatted percentage) crashes --help."""
+    import argparse
+
+    from ember.entrypoints.cli import build_parser
+
+    def parsers(p):
+        yield p
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for sub in a.choices.values():
+                    yield from parsers(sub)
+
+    seen = [p.format_help() for p in parsers(build_parser())]
+    assert len(seen) > 10

@@ -52,7 +52,7 @@ def _common_args(p: argparse.ArgumentParser) -> None:
 
 def add_bench_parser(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmark ember against transformers and write a results file")
-    sub = p.add_subparsers(dest="bench_command", required=True, metavar="{latency,throughput,serve,quant,spec,tp,compare,matrix,readme-table}")
+    sub = p.add_subparsers(dest="bench_command", required=True, metavar="{latency,throughput,serve,quant,spec,tp,compare,matrix,readme-table,startup}")
 
     lat = sub.add_parser("latency", help="batch-1 decode tok/s and time to first token")
     _common_args(lat)
@@ -74,6 +74,7 @@ def add_bench_parser(subparsers) -> None:
     from ember.bench.readme_table import add_readme_table_parser
     from ember.bench.serve import add_serve_parser
     from ember.bench.spec import add_spec_parser
+    from ember.bench.startup import add_startup_parser
     from ember.bench.tp import add_tp_parser
 
     add_serve_parser(sub)
@@ -83,6 +84,7 @@ def add_bench_parser(subparsers) -> None:
     add_compare_parser(sub)
     add_matrix_parser(sub)
     add_readme_table_parser(sub)
+    add_startup_parser(sub)
 
 
 # -- the command line as run --------------------------------------------------------------------
@@ -108,6 +110,7 @@ def _build(args, batch: int | None = None):
     if batch is not None and config.max_num_seqs is None:
         config = dataclasses.replace(config, max_num_seqs=min(batch, config.max_num_batched_tokens))
     llm = LLM(**config.flags())
+    llm.wait_for_compile()  # benchmarks measure the steady state: a background compile finishes first
     engine = llm.engine
     # the peer loads after ember so it runs on the thread count ember chose (torch's is per-process)
     peer = None

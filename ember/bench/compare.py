@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import random
+import shlex
 import statistics
 import subprocess
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ from ember.platform import resolve_dtype_name
 logger = logging.getLogger("ember.bench")
 
 KIND = "compare"
-EMBER, MTP, BASELINE = "ember", "ember+MTP", "ember baseline"
+EMBER, MTP, BASELINE, VERSUS = "ember", "ember+MTP", "ember baseline", "ember --versus"
 # --baseline: this checkout and another one must agree within this share on decode and throughput
 BASELINE_TOLERANCE = 0.05
 # how each peer is built (sides.build); a test swaps in a fake by path
@@ -255,9 +256,12 @@ class RatioBar:
                 "result": "PASS" if ok else "FAIL"}
 
 
-def bars(ttft_len: int, baseline: bool = False) -> list[RatioBar]:
-    """The issue's bars (with a baseline checkout: behaviour unchanged, within BASELINE_TOLERANCE)."""
+def bars(ttft_len: int, baseline: bool = False, versus: bool = False) -> list[RatioBar]:
+    """The issue's bars (with a baseline checkout: behaviour unchanged, within BASELINE_TOLERANCE; with
+    --versus flags: the command's flags at least as fast at batch-1 decode, within it)."""
     tol = BASELINE_TOLERANCE
+    if versus:
+        return [RatioBar(f"batch-1 decode >= {1 - tol:.2f}x the --versus flags'", "decode", EMBER, VERSUS, ">=", 1 - tol)]
     same = [RatioBar(f"batch-1 decode within {tol:.0%} of the baseline checkout", "decode", EMBER, BASELINE,
                      "within", tol),
             RatioBar(f"offline throughput within {tol:.0%} of the baseline checkout", "throughput", EMBER, BASELINE,
@@ -368,6 +372,24 @@ def check_peers_installed(peers: list[str]) -> None:
         _import_llama_cpp()
 
 
+def versus_knobs(args, knobs: dict) -> dict:
+    """The command's engine knobs with --versus's engine flags on top (no speculation either)."""
+    import argparse
+
+    from ember.engine_args import add_engine_args
+
+    parser = argparse.ArgumentParser(prog="ember bench compare --versus")
+    add_engine_args(parser, positional_model=False)
+    given = vars(parser.parse_args(shlex.split(args.versus)))  # engine flags default to SUPPRESS: only these
+    ns = argparse.Namespace(**{**vars(args), **given})
+    out, _ = ember_knobs(ns, args.num_prompts)
+    out.update(speculative_config=None, speculative_model=None, enable_mtp=False, num_speculative_tokens=None)
+    for key in ("kv_cache_memory", "max_num_seqs"):  # sized alike unless --versus sets them
+        if key not in given:
+            out[key] = knobs[key]
+    return out
+
+
 def model_path(knobs: dict) -> str:
     from ember.default_model import default_model_path
 
@@ -404,6 +426,9 @@ def cmd_compare(args) -> None:
         if args.baseline is not None:  # the same flags through the other checkout's ember
             sides[BASELINE] = start_side(EMBER_FACTORY, knobs, threads, False, os.path.abspath(args.baseline))
             sides[BASELINE].description = {**sides[BASELINE].description, "checkout": checkout_of(args.baseline)}
+        if args.versus is not None:  # the same checkout with other flags
+            sides[VERSUS] = start_side(EMBER_FACTORY, versus_knobs(args, knobs), threads, args.in_process)
+            sides[VERSUS].description = {**sides[VERSUS].description, "flags": args.versus}
         if args.mtp:
             sides[MTP] = start_side(EMBER_FACTORY, mtp_knobs, threads, args.in_process)
         for p in peers:
@@ -422,13 +447,15 @@ def cmd_compare(args) -> None:
         command = _command(args, ["runs", "peer", "output", "prompt_seed", "quiet_wait", "decode_tokens", "prompt_lens",
                                   "num_prompts", "input_len_range", "output_len", "bandwidth_mib", "llamacpp_batch",
                                   "decode_prompt", "baseline"])
+        if args.versus is not None:
+            command += " --versus " + shlex.quote(args.versus)
         command += switches(args, mtp="--no-mtp")
         data = {"kind": KIND, "command": command,
                 "machine": machine_info(), "load_at_start": load, "threads": threads, "runs": args.runs,
                 "sides": {n: s.description for n, s in sides.items()}, "figures": figures,
                 "peak_rss_mib": rss, "rss_shared_process": shared,
                 "bandwidth": bandwidth_summary(bandwidth, figures[0], sides[EMBER].weight_bytes),
-                "bars": [b.judge(figures) for b in bars(longest, args.baseline is not None)]}
+                "bars": [b.judge(figures) for b in bars(longest, args.baseline is not None, args.versus is not None)]}
     finally:
         for s in sides.values():
             s.close()
@@ -477,6 +504,9 @@ def notes(args, knobs: dict, mtp_knobs: dict, chat_decode: bool, shared: bool) -
          "peak RSS: each side ran in a worker process of its own (python -m ember.bench.worker); its resource.getrusage "
          "high-water mark, which includes the Python interpreter and imported libraries, and ember's preallocated KV pool"),
     ]
+    if args.versus is not None:
+        out.append(f"{VERSUS}: this checkout with `{args.versus}` on top of the command's flags, measured in the same "
+                   "rounds, alternating with the others (each ember side's background compile, if any, finished first)")
     if args.baseline is not None:
         out.append(f"{BASELINE}: the same flags through the ember of the checkout {args.baseline} (its worker imports "
                    "ember from there), measured in the same rounds, alternating with the others")
@@ -545,9 +575,13 @@ def add_compare_parser(sub) -> None:
                    help="llama.cpp's offline throughput: parallel = all prompts as sequences of one llama_decode batch "
                         "(llama.cpp's batch API; llama-cpp-python's generate() has none), sequential = one after another")
     p.add_argument("--bandwidth-mib", type=int, default=512, help="size of the memory-bandwidth probe (0 = skip it)")
+    p.add_argument("--versus", default=None, metavar="FLAGS",
+                   help="also measure this checkout with these engine flags on top of the command's (e.g. "
+                        "'--executor compiled --compilation-config {\"compile_sizes\":[1]}'), alternating in the same "
+                        "rounds; judges the command's batch-1 decode at least theirs (within the baseline tolerance)")
     p.add_argument("--baseline", default=None, metavar="DIR",
                    help="also measure the ember of another checkout (e.g. a git worktree of an earlier commit) with "
                         "the same flags, alternating in the same rounds; judges decode and throughput within "
-                        f"{BASELINE_TOLERANCE:.0%} of it")
+                        f"{BASELINE_TOLERANCE:.0%}% of it")  # %% for argparse
     workload_args(p, prompt_help="for quick checks")
     p.set_defaults(func=cmd_compare)

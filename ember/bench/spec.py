@@ -102,6 +102,7 @@ def build_sides(config, ks: list[int], peer: str, threads: int) -> tuple[list[Si
     sides.append(Side(f"adaptive, k<={max(ks)}", max(ks), adaptive=True))
     for s in sides:
         s.llm = LLM(**knobs(s.k, s.adaptive))
+        s.llm.wait_for_compile()  # benchmarks measure the steady state: a background compile finishes first
     eng = sides[1].llm.engine
     desc = {"model": str(eng.loaded.path), "dtype": str(eng.dtype).removeprefix("torch."),
             "drafter": f"{eng.spec.config.method} ({eng.spec.config.model or 'the model itself'})"}

@@ -76,8 +76,9 @@ class EngineConfig:
     executor: str = flag("auto", "executor", "how a step's forward runs: eager; compiled = torch.compile of decode "
                                              "steps on CPU, at --compilation-config compile_sizes, compiled at start "
                                              "and cached by inductor; cuda-graph = captured CUDA graphs of decode "
-                                             "steps. auto = cuda-graph on CUDA with a GPU attention backend, else "
-                                             "eager", choices=EXECUTORS)
+                                             "steps. auto = on CPU compiled in the background (served eagerly until each "
+                                             "graph is ready), on CUDA cuda-graph; eager with the torch backend, an "
+                                             "fp8 KV cache or TP", choices=EXECUTORS)
     cuda_graph_max_batch_size: int = flag(16, "executor", "largest decode batch captured as a CUDA graph (a batch is "
                                                           "padded to the next captured size; larger ones run eagerly)")
     compilation_config: dict[str, Any] | None = flag(None, "executor", 'options of --executor compiled (JSON), after '
@@ -188,8 +189,9 @@ class EngineConfig:
         self.executor_config = ExecutorConfig("eager" if self.enforce_eager else self.executor,
                                               self.cuda_graph_max_batch_size, dict(self.compilation_config or {}))
         if self.compilation_config is not None and not self.compilation_config:
-            need(self.executor_config.executor == "compiled",
-                 "--compilation-config configures --executor compiled; add --executor compiled or drop it")
+            need(self.executor_config.executor in ("compiled", "auto"),
+                 "--compilation-config configures --executor compiled (and auto, which compiles on CPU in the "
+                 f"background); it contradicts --executor {self.executor_config.executor}: drop one of them")
 
     @classmethod
     def field_names(cls) -> list[str]:

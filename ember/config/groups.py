@@ -130,8 +130,9 @@ class ExecutorConfig:
         for flag in ("freezing", "cpp_wrapper"):
             need(flag not in cc or isinstance(cc[flag], bool),
                  f"--compilation-config {flag} must be true or false (got {cc.get(flag)!r})")
-        need(self.executor == "compiled",
-             "--compilation-config configures --executor compiled; add --executor compiled or drop it")
+        need(self.executor in ("compiled", "auto"),
+             "--compilation-config configures --executor compiled (and auto, which compiles on CPU in the "
+             f"background); it contradicts --executor {self.executor}: drop one of them")
 
     def compile_options(self, max_num_seqs: int) -> dict[str, Any]:
         """--compilation-config with defaults; sizes above max_num_seqs are dropped (never used)."""

@@ -273,6 +273,7 @@ class AsyncLLMEngine:
                 self.warmup_seconds = self.warmup()
             except Exception:
                 logger.exception("warmup failed; serving anyway")
+        self.engine.start_compile()  # a background compile deferred until the warmup is done
         self._ready.set()
         self._baseline = self.engine.stats()
         if self.stats_listener is not None:

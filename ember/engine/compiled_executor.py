@@ -25,6 +25,12 @@ directly, with no guard evaluation: vLLM's custom dispatcher does the same. Meas
 model, compile_sizes [1], 256 greedy tokens: 118-123 -> 159-169 tok/s. Each size's direct call
 is checked bit for bit against the guarded one at warmup; a size that compiled to more than one
 graph, or fails the check, keeps the guarded call.
+
+Foreground or background: built with a BackgroundCompiler (`--executor auto` on CPU), the
+executor runs every step eagerly until the compile thread publishes a shape in `ready`
+(ember.engine.background_compile); without one (`--executor compiled`) every shape is compiled
+in __init__. A background shape is published only with its direct call (never dynamo's guarded
+call, which could recompile on the step thread) and only when the guards pass for the real pool.
 """
 from __future__ import annotations
 
@@ -58,9 +64,11 @@ class CompiledExecutor:
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int, max_model_len: int,
                  sizes: list[int], mode: str = "max-autotune-no-cudagraphs", freezing: bool = True,
                  cpp_wrapper: bool = True, query_lens: list[int] = (1,),
-                 row_inputs: tuple[tuple[tuple[int, ...], torch.dtype], ...] = (), what: str = "compiled executor"):
+                 row_inputs: tuple[tuple[tuple[int, ...], torch.dtype], ...] = (), what: str = "compiled executor",
+                 compiler=None):
         """row_inputs: (per-row shape, dtype) of tensors the model takes after (input_ids, positions,
-        kv_caches, meta, select), one row per query (the MTP fill's hidden states)."""
+        kv_caches, meta, select), one row per query (the MTP fill's hidden states). compiler: a
+        BackgroundCompiler to compile on (None: compile now)."""
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.row_inputs, self.what = tuple(row_inputs), what
         self.max_model_len, self.mode, self.freezing, self.cpp_wrapper = max_model_len, mode, freezing, cpp_wrapper
@@ -85,8 +93,22 @@ class CompiledExecutor:
         self.compiles = 0  # graphs built at startup
         self.compiled_steps = 0  # steps that ran compiled (the rest ran eagerly)
         self._direct: dict[tuple[int, int], types.FunctionType] = {}  # (size, q_len) -> compiled bytecode, no guards
+        # (size, q_len) -> how a step of that shape runs compiled: its direct bytecode, or None for dynamo's
+        # guarded call. A shape not in it runs eagerly. Filled by warmup (in the background: shape by shape).
+        self.ready: dict[tuple[int, int], types.FunctionType | None] = {}
         self.call_seconds: dict[tuple[int, int], float] = {}  # (size, q_len) -> median seconds of a call, at warmup
-        self.warmup()
+        self.compiler = compiler
+        self.settled_sizes: set[int] = set()  # sizes whose shapes are compiled (or left eager) and timed
+        if compiler is None:
+            self.warmup()
+        else:
+            compiler.submit(self)
+
+    @property
+    def timed(self) -> bool:
+        """Whether the smallest size's shapes are settled and timed (what verify_costs reads), or will
+        never be (a background compile that ended without them)."""
+        return self.sizes[0] in self.settled_sizes or (self.compiler is not None and self.compiler.done)
 
     def _forward(self, input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables, kv_caches, *rows):
         x = DecodeInputs(input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables)
@@ -98,82 +120,110 @@ class CompiledExecutor:
         """(size, q_len) called straight through their compiled bytecode (no guard evaluation)."""
         return sorted(self._direct)
 
-    def _call(self, x: DecodeInputs, rows: tuple = ()) -> torch.Tensor:
+    def _call(self, x: DecodeInputs, rows: tuple = (), caches: list[torch.Tensor] | None = None) -> torch.Tensor:
         # The table width grows with the longest sequence; everything else is static per size. The
         # pool's block count is symbolic too: engines with another --kv-cache-memory (or an MTP layer
         # in the pool) reuse the same graphs from inductor's cache instead of compiling their own.
+        caches = self.kv_caches if caches is None else caches
         torch._dynamo.maybe_mark_dynamic(x.block_tables, 1)
-        for cache in self.kv_caches:
+        for cache in caches:
             torch._dynamo.maybe_mark_dynamic(cache, 1)
         return self._compiled(x.input_ids, x.positions, x.slot_mapping, x.query_start_loc, x.seq_lens,
-                              x.block_tables, self.kv_caches, *rows)
+                              x.block_tables, caches, *rows)
 
-    def _call_direct(self, fn: types.FunctionType, x: DecodeInputs, rows: tuple = ()) -> torch.Tensor:
+    def _call_direct(self, fn: types.FunctionType, x: DecodeInputs, rows: tuple = (),
+                     caches: list[torch.Tensor] | None = None) -> torch.Tensor:
         return fn(self, x.input_ids, x.positions, x.slot_mapping, x.query_start_loc, x.seq_lens, x.block_tables,
-                  self.kv_caches, *rows)
+                  self.kv_caches if caches is None else caches, *rows)
+
+    def _scratch_caches(self) -> list[torch.Tensor]:
+        """Caches of the pool's shape but a few blocks (the block count is dynamic in every graph): what a
+        background compile writes instead of the pool the engine is serving from."""
+        blocks = max(4, max(table_width(n, self.block_size) for n in self.query_lens) + 1)
+        with torch.inference_mode(False):  # normal tensors, as the pool's are: dynamo guards on the difference
+            return [torch.zeros((c.shape[0], blocks, *c.shape[2:]), dtype=c.dtype, device=c.device) for c in self.kv_caches]
 
     def _dummy_rows(self, n: int, dev) -> tuple:
         return tuple(torch.zeros(n, *shape, dtype=dtype, device=dev) for shape, dtype in self.row_inputs)
 
     @torch.inference_mode()
-    def warmup(self) -> None:
-        """Compile every (size, q_len) now (a dummy step writing block 0, zeroed again after)."""
+    def warmup(self, background: bool = False, sizes: list[int] | None = None) -> None:
+        """Compile every (size, q_len) of `sizes` (default: all): in the foreground with a dummy step
+        writing block 0 of the pool (zeroed again after), in the background with scratch caches,
+        publishing each shape as it is checked (BackgroundCompiler runs one size at a time, smallest
+        first across executors: batch 1 runs compiled soonest)."""
+        sizes = set(self.sizes if sizes is None else sizes)
         dev = self.kv_caches[0].device
+        caches = self._scratch_caches() if background else self.kv_caches
         total = time.perf_counter()
         source = CompiledExecutor._forward
         codes: list[types.CodeType] = []  # dynamo's rewritten bytecode of _forward, one per graph
         hook = torch._dynamo.convert_frame.register_bytecode_hook(
             lambda old, new: codes.append(new) if old is source.__code__ else None)
         try:
-            for b, n in self.shapes:
+            for b, n in sorted(s for s in self.shapes if s[0] in sizes):
                 t0 = time.perf_counter()
                 seen = len(codes)
                 x = warmup_inputs(b, n, table_width(n, self.block_size), dev)
                 rows = self._dummy_rows(b * n, dev)
-                guarded = self._call(x, rows)
+                guarded = self._call(x, rows, caches)
                 self.compiles += 1
                 logger.info("%s: batch %d x %d queries compiled in %.1fs", self.what, b, n, time.perf_counter() - t0)
                 # a new graph's bytecode, or that of the cached graph dynamo chose (an earlier engine's
                 # in this process, e.g. another --kv-cache-memory: weights are graph inputs, so it fits)
-                code = codes[-1] if len(codes) == seen + 1 else self._reused_code(x, rows) if len(codes) == seen else None
+                code = (codes[-1] if len(codes) == seen + 1 else self._reused_code(x, rows, caches) if len(codes) == seen
+                        else None)
                 if code is not None:
                     fn = types.FunctionType(code, source.__globals__, source.__name__, source.__defaults__,
                                             source.__closure__)
-                    if torch.equal(self._call_direct(fn, x, rows), guarded):  # same step again: same slot, same values
+                    # same step again: same slot, same values
+                    if torch.equal(self._call_direct(fn, x, rows, caches), guarded):
                         self._direct[(b, n)] = fn
-                if (b, n) not in self._direct:
-                    logger.warning("%s: batch %d x %d keeps dynamo's guarded call (~2 ms a step slower)",
-                                   self.what, b, n)
-            self._time_calls(dev)
+                if not background:
+                    self.ready[(b, n)] = self._direct.get((b, n))
+                    if (b, n) not in self._direct:
+                        logger.warning("%s: batch %d x %d keeps dynamo's guarded call (~2 ms a step slower)",
+                                       self.what, b, n)
+                elif (b, n) in self._direct and self._reused_code(x, rows) is code:  # the real pool passes its guards
+                    self.ready[(b, n)] = self._direct[(b, n)]
+                else:
+                    logger.warning("%s: batch %d x %d compiled but cannot run on the pool without dynamo's guards; "
+                                   "its steps stay eager", self.what, b, n)
+            self.settled_sizes |= sizes
+            self._time_calls(dev, caches)
         finally:
             hook.remove()
-        for cache in self.kv_caches:
-            cache[:, 0].zero_()
-        logger.info("%s: sizes %s x query lengths %s ready in %.1fs (inductor cache: torch's default dir)",
-                    self.what, self.sizes, self.query_lens, time.perf_counter() - total)
+        if not background:
+            for cache in self.kv_caches:
+                cache[:, 0].zero_()
+        logger.info("%s: sizes %s x query lengths %s %s in %.1fs (inductor cache: torch's default dir)",
+                    self.what, sorted(sizes), self.query_lens,
+                    "compiled in the background; decode steps of those shapes now run compiled" if background else "ready",
+                    time.perf_counter() - total)
 
-    def _reused_code(self, x: DecodeInputs, rows: tuple) -> types.CodeType | None:
+    def _reused_code(self, x: DecodeInputs, rows: tuple, caches: list[torch.Tensor] | None = None
+                     ) -> types.CodeType | None:
         """The rewritten bytecode of the cache entry of `_forward` whose guards pass for these arguments
-        (None if there is none, or dynamo's private API moved)."""
+        (default caches: the pool's; None if there is none, or dynamo's private API moved)."""
         values = (self, x.input_ids, x.positions, x.slot_mapping, x.query_start_loc, x.seq_lens, x.block_tables,
-                  self.kv_caches, rows)
+                  self.kv_caches if caches is None else caches, rows)
         frame = dict(zip(CompiledExecutor._forward.__code__.co_varnames[:len(values)], values))
         try:
             return next((e.code for e in _cache_entries() if e.guard_manager.check(frame)), None)
         except Exception:  # noqa: BLE001 - the guarded call still works
             return None
 
-    def _time_calls(self, dev, rounds: int = 5) -> None:
+    def _time_calls(self, dev, caches: list[torch.Tensor], rounds: int = 5) -> None:
         """Median seconds of one call per shape, the shapes interleaved round by round so that a burst
         of other work on the machine hits them alike. Speculation prices a verify row from these."""
         inputs = {s: (warmup_inputs(s[0], s[1], table_width(s[1], self.block_size), dev),
-                      self._dummy_rows(s[0] * s[1], dev)) for s in self.shapes}
-        times: dict[tuple[int, int], list[float]] = {s: [] for s in self.shapes}
+                      self._dummy_rows(s[0] * s[1], dev)) for s in self.shapes if s[0] in self.settled_sizes}
+        times: dict[tuple[int, int], list[float]] = {s: [] for s in inputs}
         for _ in range(rounds):
             for s, (x, rows) in inputs.items():
                 fn = self._direct.get(s)
                 t0 = time.perf_counter()
-                self._call(x, rows) if fn is None else self._call_direct(fn, x, rows)
+                self._call(x, rows, caches) if fn is None else self._call_direct(fn, x, rows, caches)
                 times[s].append(time.perf_counter() - t0)
         self.call_seconds = {s: sorted(t)[len(t) // 2] for s, t in times.items()}
 
@@ -200,16 +250,17 @@ class CompiledExecutor:
     def sibling(self, model, kv_caches, row_inputs=(), what: str = "compiled executor") -> "CompiledExecutor":
         """The same sizes, query lengths and inductor options for another module (the MTP fill)."""
         return type(self)(model, kv_caches, self.block_size, self.max_model_len, self.sizes, self.mode,
-                          self.freezing, self.cpp_wrapper, self.query_lens, row_inputs=row_inputs, what=what)
+                          self.freezing, self.cpp_wrapper, self.query_lens, row_inputs=row_inputs, what=what,
+                          compiler=self.compiler)
 
     def covers(self, meta) -> bool:
         """Whether a step of this metadata (and no RowSelection) runs compiled."""
-        return graph_shape(meta, self.sizes, self.query_lens) is not None
+        return graph_shape(meta, self.sizes, self.query_lens) in self.ready
 
     def run(self, input_ids, positions, meta, select=None, *rows):
         """rows: the model's per-row inputs (row_inputs), [T, ...] each."""
         shape = None if select is not None else graph_shape(meta, self.sizes, self.query_lens)
-        if shape is None:
+        if shape not in self.ready:  # not a compiled shape, or not compiled yet (background)
             return self.model(input_ids, positions, self.kv_caches, meta, select, *rows)
         batch, n = shape
         x = pad_decode(input_ids, positions, meta, batch, table_width(meta.max_seq_len, self.block_size))
@@ -217,6 +268,6 @@ class CompiledExecutor:
         if rows and T > input_ids.shape[0]:  # padded sequences: zero rows (their slots are -1, their outputs dropped)
             rows = tuple(torch.nn.functional.pad(r, (0, 0) * (r.dim() - 1) + (0, T - r.shape[0])) for r in rows)
         self.compiled_steps += 1
-        fn = self._direct.get((batch, n))
+        fn = self.ready[shape]
         out = self._call(x, rows) if fn is None else self._call_direct(fn, x, rows)
         return out[:input_ids.shape[0]]

@@ -38,24 +38,47 @@ class _Group:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, defer_compile: bool = False):
+        """defer_compile: a background compile (--executor auto on CPU) starts at start_compile(), not
+        now (the server warms up first, so that its first steps do not share the cores with it)."""
         self.config = config
-        core = self.core = start_engine(config)
+        core = self.core = start_engine(config, defer_compile)
         self.device, self.dtype, self.tp = core.setup.device, core.setup.dtype, core.tp
         self.loaded, self.model_config, self.tokenizer = core.loaded, core.loaded.model_config, core.loaded.tokenizer
         self.int8_decode_bytes, self.dense_copy_bytes = core.copies.int8_decode_bytes, core.copies.dense_copy_bytes
         limits = core.limits
         self.max_model_len, self.max_num_seqs, self.kv_dtype = limits.max_model_len, limits.max_num_seqs, limits.kv_dtype
         self.executor_name = limits.executor
+        self.compiler = core.compiler  # the BackgroundCompiler of --executor auto on CPU (None: none)
         self.kv, self.scheduler, self.runner, self.spec = core.kv, core.scheduler, core.runner, core.spec
         self.eos_token_ids = core.eos_token_ids
         self.groups: dict[str, _Group] = {}
         self._ids = itertools.count()
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (nothing to do without TP). Also runs at exit."""
+        """Stop the tensor-parallel workers and a background compile (nothing to do without either).
+        Also runs at exit."""
+        if self.compiler is not None:
+            self.compiler.close()
         if self.tp is not None:
             self.tp.shutdown()
+
+    def start_compile(self) -> None:
+        """Start a deferred background compile (nothing to do without one)."""
+        if self.compiler is not None:
+            self.compiler.resume()
+
+    def wait_for_compile(self, timeout: float | None = None) -> bool:
+        """Block until a background compile (--executor auto on CPU) has finished, so that what runs
+        next is the compiled path (benchmarks); True at once when nothing compiles in the background."""
+        return self.compiler is None or self.compiler.wait(timeout)
+
+    @property
+    def executor_state(self) -> str:
+        """What runs decode steps now: eager, compiled, cuda-graph, or 'compiling (eager meanwhile)'."""
+        if self.compiler is not None and not self.compiler.done:
+            return "compiling (eager meanwhile)"
+        return self.executor_name
 
     @property
     def tp_comm_seconds(self) -> float:

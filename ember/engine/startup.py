@@ -11,7 +11,8 @@
   7. the block manager, the scheduler, the runner (mirrored to the workers under TP), the
      drafter's KV layers, the workers' caches
   8. the executor                   compiled or captured graphs, after every KV layer exists; then
-                                    the drafter's own graphs alike
+                                    the drafter's own graphs alike (--executor auto on CPU: compiled
+                                    on a BackgroundCompiler while the engine serves eagerly)
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ class Limits:
     max_num_seqs: int
     kv_dtype: torch.dtype
     executor: str  # eager | compiled | cuda-graph
+    background: bool = False  # compiled while serving (--executor auto on CPU), not before
 
 
 @dataclass
@@ -57,14 +59,16 @@ class EngineCore:
     copies: WeightCopies
     limits: Limits
     spec: Speculator | None
+    compiler: object | None  # the BackgroundCompiler (None: nothing compiles in the background)
     kv: KVCacheManager
     scheduler: Scheduler
     runner: ModelRunner
     eos_token_ids: list[int]
 
 
-def start_engine(config) -> EngineCore:
-    """Build an engine's parts from its validated EngineConfig (see the module docstring)."""
+def start_engine(config, defer_compile: bool = False) -> EngineCore:
+    """Build an engine's parts from its validated EngineConfig (see the module docstring).
+    defer_compile: a background compile waits for compiler.resume() (a server warms up first)."""
     tp_size = config.parallel_config.tensor_parallel_size
     setup = init_device(config, world_size=tp_size)
     tp = None
@@ -88,8 +92,8 @@ def start_engine(config) -> EngineCore:
     scheduler = Scheduler(kv, sched.max_num_batched_tokens, limits.max_num_seqs, limits.max_model_len,
                           sched.enable_chunked_prefill)
     runner = _build_runner(config, setup, tp, loaded, limits, pool.num_blocks, generators, spec)
-    _build_executors(config, tp, loaded, limits, runner, spec)
-    core = EngineCore(config, setup, tp, loaded, copies, limits, spec, kv, scheduler, runner,
+    compiler = _build_executors(config, tp, loaded, limits, runner, spec, defer_compile)
+    core = EngineCore(config, setup, tp, loaded, copies, limits, spec, compiler, kv, scheduler, runner,
                       _eos_token_ids(loaded))
     _log_start(core, pool)
     return core
@@ -118,7 +122,8 @@ def resolve_limits(config, setup: DeviceSetup, loaded: LoadedModel) -> Limits:
         logger.info("chunked prefill is off: prompts longer than %d tokens will be refused", sched.max_num_batched_tokens)
     kv_dtype = resolve_kv_cache_dtype(config.cache_config.kv_cache_dtype, setup.dtype, setup.device)
     executor = resolve_executor(config, setup.device, kv_dtype, loaded.model.attn_backend.name)
-    return Limits(max_model_len, max_num_seqs, kv_dtype, executor)
+    background = executor == "compiled" and config.executor_config.executor == "auto"
+    return Limits(max_model_len, max_num_seqs, kv_dtype, executor, background)
 
 
 def _proposer_context(config, setup: DeviceSetup, tp, loaded: LoadedModel, limits: Limits,
@@ -190,20 +195,28 @@ def _build_runner(config, setup: DeviceSetup, tp, loaded: LoadedModel, limits: L
     return runner
 
 
-def _build_executors(config, tp, loaded: LoadedModel, limits: Limits, runner: ModelRunner, spec) -> None:
-    """After every KV layer exists (compiled graphs and captured graphs address the caches)."""
+def _build_executors(config, tp, loaded: LoadedModel, limits: Limits, runner: ModelRunner, spec,
+                     defer_compile: bool = False):
+    """After every KV layer exists (compiled graphs and captured graphs address the caches). Returns
+    the BackgroundCompiler the executors compile on (None when they compiled here, or need none)."""
     k_max = spec.k_max if spec is not None else 0
     backend = loaded.model.attn_backend
     if limits.executor == "compiled":
         query_lens = compiled_query_lens(k_max, backend, spec is not None and spec.config.adaptive)
     else:
         query_lens = graph_query_lens(k_max, backend)
+    compiler = None
+    if limits.background:
+        from ember.engine.background_compile import BackgroundCompiler
+
+        compiler = BackgroundCompiler(paused=defer_compile)
     runner.executor = build_executor(
         limits.executor, runner, max_model_len=limits.max_model_len,
         compile_options=config.executor_config.compile_options(limits.max_num_seqs),
-        cuda_graph_max_batch=_graph_max_batch(config, limits), query_lens=query_lens)
+        cuda_graph_max_batch=_graph_max_batch(config, limits), query_lens=query_lens, compiler=compiler)
     if spec is not None:  # the workers replay a drafter's forwards eagerly: no graphs of its own under TP
         spec.prepare(runner.executor, runner.executor.sibling if tp is None else lambda *args: None)
+    return compiler
 
 
 def _eos_token_ids(loaded: LoadedModel) -> list[int]:
@@ -218,8 +231,17 @@ def _log_start(core: EngineCore, pool: planner.KVPool) -> None:
     mc, bs = loaded.model_config, pool.block_size
     logger.info(
         "ember: %s, %.1fM parameters, %.1f MB weights%s, %s on %s, KV cache %s, %d blocks x %d = %d tokens (%.1f MB), "
-        "max_model_len %d, %s executor, loaded from %s in %.1fs",
+        "max_model_len %d, %s executor%s, loaded from %s in %.1fs",
         mc.architecture, loaded.num_parameters / 1e6, loaded.weight_bytes / 1e6, core.copies.note(),
         str(setup.dtype).removeprefix("torch."), setup.device, str(limits.kv_dtype).removeprefix("torch."),
         pool.num_blocks, bs, pool.num_blocks * bs, pool.num_blocks * pool.block_bytes / 1e6, limits.max_model_len,
-        limits.executor, loaded.path, loaded.load_seconds)
+        limits.executor, _executor_note(core), loaded.path, loaded.load_seconds)
+
+
+def _executor_note(core: EngineCore) -> str:
+    if core.compiler is None:
+        return ""
+    sizes = core.runner.executor.sizes
+    return (f" (serving eagerly now; decode steps at batch sizes {sizes} switch to compiled graphs as the "
+            "background compile finishes them: minutes on a cold inductor cache, seconds on a warm one; "
+            "--executor compiled compiles before serving, --executor eager never)")

@@ -11,14 +11,18 @@
 An executor only ever changes how the forward is run, never what it computes: the padding
 and fixed-shape metadata live in ember.engine.decode_batch, the runner's sampling is untouched.
 
-auto: cuda-graph on CUDA with a GPU attention backend, else eager (compiling costs minutes
-cold, so CPU users opt in). Flags (vLLM's where it has one; ember.config.ExecutorConfig):
+auto: cuda-graph on CUDA with a GPU attention backend; on CPU with ember's C++ kernels (the cpu
+attention backend) compiled, built in the background while the engine serves eagerly
+(ember.engine.background_compile: a cold compile costs minutes, and the engine answers at once);
+else eager. EMBER_AUTO_COMPILE=0 makes auto eager on CPU (for scripts that start many short-lived
+engines, such as the test suite). Flags (vLLM's where it has one; ember.config.ExecutorConfig):
 --enforce-eager (= --executor eager), --executor, --cuda-graph-max-batch-size, --compilation-config.
 vLLM's -O0 is eager; its default CUDA mode (inductor + piecewise CUDA graphs) is closest to
 cuda-graph; it has no CPU compile of whole steps.
 """
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
 import torch
@@ -68,11 +72,15 @@ def resolve_executor(config, device: torch.device, kv_dtype: torch.dtype | None 
     tp = config.parallel_config.tensor_parallel_size
     if name == "auto":
         # Not with the torch reference backend: captured, its decode reads the fixed max_model_len
-        # bound of keys for every sequence, each step (slower than eager for short sequences).
-        # Not under tensor parallelism: the workers replay each forward eagerly.
+        # bound of keys for every sequence, each step (slower than eager for short sequences); on CPU
+        # it is the reference, kept as it is. Not under tensor parallelism: the workers replay each
+        # forward eagerly. Not with an fp8 cache on CPU (its scales calibrate on the first step).
         backend = backend_name or config.kernel_config.attention_backend
-        graphs = device.type == "cuda" and backend != "torch" and tp == 1
-        return "cuda-graph" if graphs else "eager"
+        if device.type == "cuda":
+            return "cuda-graph" if backend != "torch" and tp == 1 else "eager"
+        compiled = (device.type == "cpu" and backend == "cpu" and tp == 1 and (kv_dtype is None or kv_dtype.itemsize > 1)
+                    and os.environ.get("EMBER_AUTO_COMPILE", "1") != "0")
+        return "compiled" if compiled else "eager"
     if tp > 1:
         raise ConfigError(f"--executor {name} does not run under --tensor-parallel-size {tp} yet (the workers replay "
                           "every forward eagerly); use --executor eager (or auto)")
@@ -95,8 +103,9 @@ def compile_options(config, max_num_seqs: int) -> dict:
 
 
 def build_executor(name: str, runner, *, max_model_len: int, compile_options: dict, cuda_graph_max_batch: int,
-                   query_lens: list[int]) -> StepExecutor:
-    """The runner's executor; compiled and cuda-graph compile or capture here, at startup.
+                   query_lens: list[int], compiler=None) -> StepExecutor:
+    """The runner's executor; compiled and cuda-graph compile or capture here, at startup, except
+    compiled with a BackgroundCompiler (`compiler`), which compiles while the engine serves.
     query_lens: the uniform query lengths to build graphs for (graph_query_lens / compiled_query_lens)."""
     if name == "eager":
         return EagerExecutor(runner.model, runner.kv_caches)
@@ -105,7 +114,8 @@ def build_executor(name: str, runner, *, max_model_len: int, compile_options: di
 
         cc = compile_options
         return CompiledExecutor(runner.model, runner.kv_caches, runner.block_size, max_model_len,
-                                cc["compile_sizes"], cc["mode"], cc["freezing"], cc["cpp_wrapper"], query_lens)
+                                cc["compile_sizes"], cc["mode"], cc["freezing"], cc["cpp_wrapper"], query_lens,
+                                compiler=compiler)
     from ember.engine.cuda_graph_executor import CUDAGraphExecutor
 
     return CUDAGraphExecutor(runner.model, runner.kv_caches, runner.block_size, max_model_len,

@@ -89,12 +89,13 @@ def build_server(args):
     template = _chat_template(args.chat_template)
     # Build the engine on the thread that will step it (see AsyncLLMEngine's executor).
     engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ember-engine")
-    engine = engine_thread.submit(LLMEngine, engine_config_from_args(args)).result()
+    engine = engine_thread.submit(LLMEngine, engine_config_from_args(args), defer_compile=True).result()
     names = _model_name(args, engine)
     config = ServerConfig(served_model_names=names, model_root=str(engine.loaded.path),
                           api_key=args.api_key or os.environ.get("EMBER_API_KEY") or None,
                           chat_template=template, log_requests=not args.disable_log_requests)
     metrics = ServerMetrics(names[0])
+    metrics.watch_compile(engine.compiler)
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=args.max_waiting_requests, warmup=args.warmup,
                                   stats=metrics, executor=engine_thread)
     app = build_app(async_engine, config, metrics)
@@ -110,9 +111,10 @@ def run_server(args) -> None:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not app.state.serving.config.api_key:
         logger.warning("listening on %s without --api-key: anyone who can reach this port can use the model",
                        args.host)
-    logger.info("ember serve: %s at http://%s:%d/v1 (%s), engine built in %.1fs%s",
+    compiling = app.state.engine.engine.executor_state
+    logger.info("ember serve: %s at http://%s:%d/v1 (%s), engine built in %.1fs%s; decode steps: %s",
                 ", ".join(app.state.serving.config.served_model_names), args.host, args.port, auth,
-                time.monotonic() - t0, "; warming up" if args.warmup else "")
+                time.monotonic() - t0, "; warming up" if args.warmup else "", compiling)
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn shut down gracefully, then re-raised Ctrl-C

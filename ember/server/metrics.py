@@ -53,6 +53,10 @@ class ServerMetrics:
         self.tpot = histogram("ember:time_per_output_token_seconds", "mean time between output tokens, per request",
                               TPOT_BUCKETS)
         self.e2e = histogram("ember:e2e_request_latency_seconds", "time from arrival to the last token", E2E_BUCKETS)
+        # read at scrape time (an idle server steps no more, yet its compile finishes)
+        self.compiling = gauge("ember:executor_compiling", "1 while decode graphs compile in the background "
+                               "(--executor auto on CPU: steps run eagerly meanwhile), else 0")
+        self.compiling.set_function(lambda: 0.0)
         self._last: dict | None = None
         self._queries = self._hits = 0
         self._spec: dict | None = None  # created at the first stats that carry spec counters
@@ -90,6 +94,11 @@ class ServerMetrics:
             for pos, (now, was) in enumerate(zip(stats[key], before)):
                 m[key].labels(**self._labels, position=str(pos)).inc(max(0, now - was))  # every position shows, 0 too
         m["mean"].set(stats["spec_mean_accepted_length"])
+
+    def watch_compile(self, compiler) -> None:
+        """Report a BackgroundCompiler's state (None: nothing compiles in the background)."""
+        if compiler is not None:
+            self.compiling.set_function(lambda: 0.0 if compiler.done else 1.0)
 
     # -- StatsListener (called on the engine thread) --------------------------------------------
     def on_step(self, stats: dict, num_new_tokens: int, step_seconds: float) -> None:

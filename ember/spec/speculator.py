@@ -33,6 +33,7 @@ class Speculator:
         self.adaptive = AdaptiveK(self.k_max, enabled=spec.adaptive, cost=TOKEN_COST + self.draft_token_cost)
         self.stats = SpecStats(self.k_max)
         self.max_model_len = ctx.max_model_len
+        self._unpriced = None  # a compiled executor whose graph timings are not read yet
         logger.info("speculative decoding: %s, k = %d%s", spec.method, self.k_max,
                     " (adaptive per request)" if spec.adaptive else " (fixed)")
 
@@ -53,7 +54,17 @@ class Speculator:
         executor times its graphs at warmup: there a verify row costs a few percent of a step, not
         TOKEN_COST's 25% measured eagerly), so adaptive k does not stop drafting on text that pays."""
         self.proposer.prepare(make_executor)
-        verify = executor.extra_query_cost() if executor.name == "compiled" else None
+        self._unpriced = executor if executor.name == "compiled" else None
+        self._price_verifies()
+
+    def _price_verifies(self) -> None:
+        """Once the compiled executor has timed its graphs (at start, or when a background compile
+        finishes: checked before each proposal until then), price a verified token from them."""
+        executor = self._unpriced
+        if executor is None or not executor.timed:
+            return
+        self._unpriced = None
+        verify = executor.extra_query_cost()
         if verify is None:
             return
         costs = executor.verify_costs()
@@ -77,6 +88,8 @@ class Speculator:
 
     def propose(self, requests: Iterable[Any], step: StepRows | None = None) -> None:
         """step: what the runner kept of the step just run, for the proposer's after_step."""
+        if self._unpriced is not None:
+            self._price_verifies()
         t0 = time.perf_counter()
         self.proposer.after_step(step)
         self.stats.draft_seconds += time.perf_counter() - t0

@@ -231,6 +231,21 @@ def test_baseline_checkout_is_measured_in_its_own_worker(tmp_path):
     assert main(["bench", "compare", *TINY, "--peer", "none", "--baseline", str(tmp_path)]) == 2
 
 
+def test_versus_measures_other_flags_of_this_checkout(tmp_path):
+    """--versus FLAGS: the same checkout with other engine flags as a side of its own, in the same rounds;
+    the command's batch-1 decode is judged at least theirs (within 5%)."""
+    md = tmp_path / "cpu.md"
+    assert main(["bench", "compare", *TINY, "--peer", "none", "--no-mtp", "--versus", "--executor eager --max-num-seqs 1",
+                 "--prompt-lens", "8", "--bandwidth-mib", "0", "--decode-prompt", "random", "--output", str(md)]) == 0
+    data = json.loads((tmp_path / "cpu-compare.json").read_text())
+    assert list(data["sides"]) == ["ember", "ember --versus"]
+    assert data["sides"]["ember --versus"]["flags"] == "--executor eager --max-num-seqs 1"
+    assert data["sides"]["ember --versus"]["max_num_seqs"] == 1 != data["sides"]["ember"]["max_num_seqs"]
+    assert "--versus '--executor eager --max-num-seqs 1'" in data["command"]
+    [bar] = data["bars"]
+    assert bar["peer"] == "ember --versus" and bar["op"] == ">=" and bar["ratio"] > 0
+
+
 def test_within_bar():
     fig = {"key": "decode", "values": {"ember": {"runs": [1.0, 1.0, 1.0]}, "b": {"runs": [1.02, 0.98, 1.0]}}}
     assert compare.RatioBar("t", "decode", "ember", "b", "within", 0.05).judge([fig])["result"] == "PASS"

@@ -142,8 +142,9 @@ def test_executor_resolution_and_refusals():
         EngineConfig(enforce_eager=True, executor="compiled")
     with pytest.raises(ConfigError, match="unknown keys"):
         EngineConfig(executor="compiled", compilation_config={"level": 3})
-    with pytest.raises(ConfigError, match="add --executor compiled"):
-        EngineConfig(compilation_config={"compile_sizes": [1]})
+    with pytest.raises(ConfigError, match="contradicts --executor eager"):
+        EngineConfig(executor="eager", compilation_config={"compile_sizes": [1]})
+    assert EngineConfig(compilation_config={"compile_sizes": [1]}).executor_config.compilation  # auto compiles on CPU
     with pytest.raises(ConfigError, match="compile_sizes"):
         EngineConfig(executor="compiled", compilation_config='{"compile_sizes": [0]}')
     with pytest.raises(ConfigError, match="cuda-graph-max-batch-size"):

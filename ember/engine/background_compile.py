@@ -1,0 +1,147 @@
+"""BackgroundCompiler: compiled CPU graphs built on a thread while the engine serves eagerly.
+
+`--executor auto` on CPU is the compiled executor, built this way: the engine answers at once
+(eager steps), one daemon thread compiles each CompiledExecutor's shapes in turn (the model's
+decode steps, then the MTP fill's), and a shape starts running compiled at the first step after
+its graph is ready and checked. A cold compile costs ~1-2 min per shape on 2 cores (seconds from
+inductor's on-disk cache on a second start); `--executor compiled` compiles in the foreground
+instead, before the engine takes a request.
+
+The thread never touches the engine's KV pool: it compiles against scratch caches of the pool's
+shape (the pool's block count is a dynamic dimension of every graph) and publishes a shape only
+when dynamo's guards pass for the real pool. It runs at a lower CPU priority (nice 10, inherited
+by inductor's compile workers and compilers) so that serving keeps the cores it needs; the GIL
+still slows eager steps while it traces. When the engine's process ends (exit, Ctrl-C, SIGTERM),
+compilers it started are ended with it (close); for a SIGKILLed one, a compile guard process
+(ember.engine.compile_guard, alive only while a compile runs) ends them.
+"""
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+
+logger = logging.getLogger("ember")
+
+NICE = 10  # the compile thread's priority below serving's (Linux: per thread, inherited by its children)
+
+
+class BackgroundCompiler:
+    def __init__(self, paused: bool = False):
+        """paused: jobs wait for resume() (a server warms up first, then compiles)."""
+        self._jobs: queue.PriorityQueue = queue.PriorityQueue()  # (batch size, order, executor)
+        self._order = itertools.count()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._guard: subprocess.Popen | None = None
+        self.started = time.perf_counter()
+        self.seconds: float | None = None  # wall time until every submitted job finished
+        self.failures: list[str] = []
+        self._go = threading.Event()
+        if not paused:
+            self._go.set()
+        atexit.register(self.close)
+
+    def submit(self, executor) -> None:
+        """Queue executor.warmup(background=True, sizes=[b]) for each of its batch sizes b. Jobs run one
+        at a time, smallest size first across executors (the model's batch-1 graphs, then the MTP
+        fill's, then batch 2, ...), in submission order within a size."""
+        with self._lock:
+            if self._closed:
+                return
+            self._pending += len(executor.sizes)
+            self._idle.clear()
+            self.seconds = None
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="ember-compile", daemon=True)
+                self._thread.start()
+        for size in executor.sizes:
+            self._jobs.put((size, next(self._order), executor))
+
+    def resume(self) -> None:
+        """Let a paused compiler start (idempotent)."""
+        self.started = time.perf_counter()
+        self._go.set()
+
+    @property
+    def done(self) -> bool:
+        return self._idle.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every submitted executor has compiled (or failed, falling back to eager);
+        False if `timeout` seconds passed first."""
+        return self._idle.wait(timeout)
+
+    def _run(self) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+        except (AttributeError, OSError):  # not Linux, or not permitted: same priority as serving
+            pass
+        while True:
+            self._go.wait()
+            size, _, executor = self._jobs.get()
+            if self._guard is None and not self._closed:
+                self._guard = _start_guard()
+            try:
+                if not self._closed:
+                    executor.warmup(background=True, sizes=[size])
+            except Exception as e:  # noqa: BLE001 - a failed compile leaves those steps eager, never the engine down
+                self.failures.append(f"{executor.what} batch {size}: {type(e).__name__}: {e}")
+                logger.warning("%s: background compile of batch %d failed (%s: %s); its steps keep running eagerly",
+                               executor.what, size, type(e).__name__, e)
+            finally:
+                with self._lock:
+                    self._pending -= 1
+                    if self._pending == 0:
+                        self.seconds = time.perf_counter() - self.started
+                        self._stop_guard()
+                        self._idle.set()
+
+    def _stop_guard(self) -> None:
+        if self._guard is not None:
+            self._guard.terminate()
+            self._guard.wait()
+            self._guard = None
+
+    def close(self) -> None:
+        """No new compile starts; if one is running, the compile workers and compilers this process
+        started are ended (their work is lost; inductor's cache keeps what finished)."""
+        with self._lock:
+            self._closed = True
+            busy = self._pending > 0
+        if busy:
+            _end_children()
+        with self._lock:
+            self._stop_guard()
+
+
+def _end_children() -> None:
+    """End the compile processes this process started (inductor's compile workers, what they run, and
+    compilers run from the compile thread); other children (a user's) are left alone."""
+    import psutil
+
+    from ember.engine.compile_guard import compile_descendants, end
+
+    end(compile_descendants(psutil.Process()))
+
+
+def _start_guard() -> subprocess.Popen | None:
+    """The compile guard (ember.engine.compile_guard) for this process: if it is SIGKILLed mid-compile,
+    the guard ends its compilers. In a session of its own, so that a Ctrl-C meant for the engine
+    leaves the guard to clean up."""
+    try:
+        return subprocess.Popen([sys.executable, "-m", "ember.engine.compile_guard", str(os.getpid())],
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    except OSError as e:
+        logger.warning("background compile: no compile guard (%s); a SIGKILLed engine may leave a compiler running", e)
+        return None
