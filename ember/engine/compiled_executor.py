@@ -78,18 +78,7 @@ class CompiledExecutor:
         for m in model.modules():  # a grown cos/sin cache would be a new tensor: a recompile
             if isinstance(m, RotaryEmbedding):
                 m.ensure_capacity(max_model_len)
-        # torch.compile takes a mode or options, not both: the mode's options plus freezing.
-        # Without inductor's size/stride asserts: with the C++ wrapper each assert builds a
-        # std::stringstream, ~1.5 us per custom-op call measured (5 such calls a layer); the ops'
-        # shapes are their fake kernels', which the tests check.
-        options = dict(torch._inductor.list_mode_options(mode)) | {
-            "freezing": freezing, "cpp_wrapper": cpp_wrapper,
-            "size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
-        # One graph per shape, plus slack for a re-specialisation; dynamo's default limit is 8.
-        # Every executor in this process (other engines, the MTP fill) adds entries to the same code object.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
-                                                   len(_cache_entries()) + 2 * len(self.shapes) + 4)
-        self._compiled = torch.compile(self._forward, options=options, dynamic=False, fullgraph=True)
+        self._compiled = None  # torch.compile's wrapper of _forward, made by the first warmup (_make_compiled)
         self.compiles = 0  # graphs built at startup
         self.compiled_steps = 0  # steps that ran compiled (the rest ran eagerly)
         self._direct: dict[tuple[int, int], types.FunctionType] = {}  # (size, q_len) -> compiled bytecode, no guards
@@ -146,6 +135,27 @@ class CompiledExecutor:
     def _dummy_rows(self, n: int, dev) -> tuple:
         return tuple(torch.zeros(n, *shape, dtype=dtype, device=dev) for shape, dtype in self.row_inputs)
 
+    def _make_compiled(self) -> None:
+        """torch.compile of _forward, at the first warmup: importing dynamo and inductor costs ~3 s,
+        which a background compile keeps off the engine's start."""
+        if self._compiled is not None:
+            return
+        # torch.compile takes a mode or options, not both: the mode's options plus freezing.
+        # Without inductor's size/stride asserts: with the C++ wrapper each assert builds a
+        # std::stringstream, ~1.5 us per custom-op call measured (5 such calls a layer); the ops'
+        # shapes are their fake kernels', which the tests check.
+        import torch._dynamo
+        import torch._inductor
+
+        options = dict(torch._inductor.list_mode_options(self.mode)) | {
+            "freezing": self.freezing, "cpp_wrapper": self.cpp_wrapper,
+            "size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
+        # One graph per shape, plus slack for a re-specialisation; dynamo's default limit is 8.
+        # Every executor in this process (other engines, the MTP fill) adds entries to the same code object.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                                   len(_cache_entries()) + 2 * len(self.shapes) + 4)
+        self._compiled = torch.compile(self._forward, options=options, dynamic=False, fullgraph=True)
+
     @torch.inference_mode()
     def warmup(self, background: bool = False, sizes: list[int] | None = None) -> None:
         """Compile every (size, q_len) of `sizes` (default: all): in the foreground with a dummy step
@@ -153,6 +163,7 @@ class CompiledExecutor:
         publishing each shape as it is checked (BackgroundCompiler runs one size at a time, smallest
         first across executors: batch 1 runs compiled soonest)."""
         sizes = set(self.sizes if sizes is None else sizes)
+        self._make_compiled()
         dev = self.kv_caches[0].device
         caches = self._scratch_caches() if background else self.kv_caches
         total = time.perf_counter()

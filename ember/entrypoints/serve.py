@@ -38,7 +38,7 @@ def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool =
                    help="requests allowed to wait for a slot; more are answered 503 "
                         f"(default {DEFAULT_MAX_WAITING_REQUESTS})")
     g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
-                   help="run a short request and a full-budget step before /health reports ready (default on)")
+                   help="run a short request and a long step (the full budget; 512 tokens on CPU) before /health reports ready (default on)")
     g.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, or a file holding one, instead of the model's")
     g.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")

@@ -117,6 +117,41 @@ def test_llama_qk_rows_are_unpermuted(ckpt):
 # ---- broken files ---------------------------------------------------------------------------
 
 
+def test_fast_string_and_scalar_arrays_read_what_the_stock_reader_reads(model_file, tmp_path):
+    """ember's reader takes a faster path for arrays (tokens, merges, token types); every field and tensor
+    is what gguf's own GGUFReader makes of the same file: the default model, and a file gguf's writer
+    made with arrays of every scalar kind, strings (empty and multi-byte ones too) and a nested array."""
+    import gguf
+    from gguf import GGUFReader
+
+    from ember.loader.gguf import _CheckedReader
+
+    path = str(tmp_path / "arrays.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_array("test.strings", ["", "a", "héllo wörld", "x" * 300])
+    w.add_array("test.ints", [1, -2, 3])
+    w.add_array("test.floats", [0.5, -1.25])
+    w.add_array("test.bools", [True, False])
+    w.add_array("test.nested", [[1, 2], [3]])
+    w.add_array("test.empty", [])
+    w.add_tensor("t", np.arange(6, dtype=np.float32).reshape(2, 3))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    for p in (model_file, path):
+        stock, ours = GGUFReader(p), _CheckedReader(p)
+        assert list(stock.fields) == list(ours.fields)
+        for key, a in stock.fields.items():
+            b = ours.fields[key]
+            assert (a.offset, a.data, a.types, len(a.parts)) == (b.offset, b.data, b.types, len(b.parts)), key
+            assert all(x.tobytes() == y.tobytes() and x.dtype.newbyteorder("<") == y.dtype.newbyteorder("<")
+                       for x, y in zip(a.parts, b.parts)), key
+            assert a.contents() == b.contents(), key
+        assert [(t.name, t.tensor_type, t.data.tobytes()) for t in stock.tensors] == \
+               [(t.name, t.tensor_type, t.data.tobytes()) for t in ours.tensors]
+
+
 def test_truncated_file(model_file, tmp_path):
     half = tmp_path / "half.gguf"
     with open(model_file, "rb") as src:
