@@ -243,6 +243,8 @@ def add_startup_parser(sub) -> None:
     g.add_argument("--llama-server", default=None, metavar="PATH", help="llama.cpp's llama-server binary (default: on PATH)")
     g.add_argument("--wait-compile", action=argparse.BooleanOptionalAction, default=True,
                    help="after the first token, wait for ember's background compile and report when it finished")
-    g.add_argument("--timeout", type=float, default=900.0, help="seconds a start may take (a cold compile included)")
+    g.add_argument("--timeout", type=float, default=3600.0,
+                   help="seconds a start may take, its background compile included (a cold one took over 15 min "
+                        "on 2 Zen3 cores)")
     g.add_argument("--output", default="benchmarks/startup.md", help="markdown file; the JSON goes beside it")
     p.set_defaults(func=cmd_startup)
