@@ -103,7 +103,7 @@ class Start:
         os.unlink(self.log.name)
 
 
-def ember_start(args, flags: list[str], cache_dir: str, port: int) -> Start:
+def ember_start(flags: list[str], cache_dir: str, port: int) -> Start:
     import sys
 
     argv = [sys.executable, "-m", "ember.entrypoints.cli", "serve", *flags, "--host", "127.0.0.1", "--port", str(port),
@@ -162,7 +162,7 @@ def cmd_startup(args) -> None:
                 port = free_port()
                 if side == "ember":
                     # each start waits for its compile to finish (--wait-compile): the warm ones then find its graphs
-                    start = ember_start(args, flags, cache_dir, port)
+                    start = ember_start(flags, cache_dir, port)
                     result = measure(start, args.timeout, wait_compile=args.wait_compile)
                 else:
                     result = measure(llama_server_start(binary, model, threads, port), args.timeout, False)

@@ -25,7 +25,6 @@ import queue
 import subprocess
 import sys
 import threading
-import time
 
 logger = logging.getLogger("ember")
 
@@ -44,8 +43,6 @@ class BackgroundCompiler:
         self._closed = False
         self._thread: threading.Thread | None = None
         self._guard: subprocess.Popen | None = None
-        self.started = time.perf_counter()
-        self.seconds: float | None = None  # wall time until every submitted job finished
         self.failures: list[str] = []
         self._go = threading.Event()
         if not paused:
@@ -61,7 +58,6 @@ class BackgroundCompiler:
                 return
             self._pending += len(executor.sizes)
             self._idle.clear()
-            self.seconds = None
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="ember-compile", daemon=True)
                 self._thread.start()
@@ -70,7 +66,6 @@ class BackgroundCompiler:
 
     def resume(self) -> None:
         """Let a paused compiler start (idempotent)."""
-        self.started = time.perf_counter()
         self._go.set()
 
     @property
@@ -103,7 +98,6 @@ class BackgroundCompiler:
                 with self._lock:
                     self._pending -= 1
                     if self._pending == 0:
-                        self.seconds = time.perf_counter() - self.started
                         self._stop_guard()
                         self._idle.set()
 

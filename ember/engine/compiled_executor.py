@@ -203,7 +203,7 @@ class CompiledExecutor:
                     logger.warning("%s: batch %d x %d compiled but cannot run on the pool without dynamo's guards; "
                                    "its steps stay eager", self.what, b, n)
             self.settled_sizes |= sizes
-            self._time_calls(dev, caches)
+            self._time_calls(dev, caches, sizes)
         finally:
             hook.remove()
         if not background:
@@ -226,11 +226,11 @@ class CompiledExecutor:
         except Exception:  # noqa: BLE001 - the guarded call still works
             return None
 
-    def _time_calls(self, dev, caches: list[torch.Tensor], rounds: int = 5) -> None:
-        """Median seconds of one call per shape, the shapes interleaved round by round so that a burst
+    def _time_calls(self, dev, caches: list[torch.Tensor], sizes: set[int], rounds: int = 5) -> None:
+        """Median seconds of one call per shape of `sizes` (merged into call_seconds), the shapes interleaved round by round so that a burst
         of other work on the machine hits them alike. Speculation prices a verify row from these."""
         inputs = {s: (warmup_inputs(s[0], s[1], table_width(s[1], self.block_size), dev),
-                      self._dummy_rows(s[0] * s[1], dev)) for s in self.shapes if s[0] in self.settled_sizes}
+                      self._dummy_rows(s[0] * s[1], dev)) for s in self.shapes if s[0] in sizes}
         times: dict[tuple[int, int], list[float]] = {s: [] for s in inputs}
         for _ in range(rounds):
             for s, (x, rows) in inputs.items():
@@ -238,7 +238,7 @@ class CompiledExecutor:
                 t0 = time.perf_counter()
                 self._call(x, rows, caches) if fn is None else self._call_direct(fn, x, rows, caches)
                 times[s].append(time.perf_counter() - t0)
-        self.call_seconds = {s: sorted(t)[len(t) // 2] for s, t in times.items()}
+        self.call_seconds |= {s: sorted(t)[len(t) // 2] for s, t in times.items()}
 
     def verify_costs(self, size: int | None = None) -> dict[int, float]:
         """k -> what a step of 1 + k queries per sequence at `size` (default: the smallest) adds over a
