@@ -127,12 +127,17 @@ class CompiledExecutor:
 
     def _scratch_caches(self) -> list[torch.Tensor]:
         """Caches of the pool's very shape, for a background compile to write instead of the pool the
-        engine serves from. Left uninitialised: only the blocks a warmup step touches get pages, so
-        they cost no memory to speak of. The same block count as the pool, not a few blocks: inductor
+        engine serves from. Uninitialised but for block 0, the one a warmup step touches: only its
+        pages are ever written, so they cost no memory to speak of. The same block count as the pool, not a few blocks: inductor
         sizes its loops from the hint of every dynamic dimension, and graphs compiled on a 4-block
         hint ran batch-1 decode 0.87x [0.81-0.89] as fast (benchmarks/default-executor.md at 3147fd6)."""
         with torch.inference_mode(False):  # normal tensors, as the pool's are: dynamo guards on the difference
-            return [torch.empty_like(c) for c in self.kv_caches]
+            caches = [torch.empty_like(c) for c in self.kv_caches]
+            for cache in caches:
+                # block 0 is what a warmup step reads: a q_len > 1 step attends to slots only row 0 wrote,
+                # and leftover NaNs there would fail the check that the direct call equals the guarded one
+                cache[:, 0].zero_()
+            return caches
 
     def _dummy_rows(self, n: int, dev) -> tuple:
         return tuple(torch.zeros(n, *shape, dtype=dtype, device=dev) for shape, dtype in self.row_inputs)

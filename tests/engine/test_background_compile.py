@@ -16,6 +16,7 @@ import torch
 from ember import SamplingParams
 from ember.config import EngineConfig
 from ember.engine.compile_guard import COMPILERS, is_compile_process
+from ember.engine.compiled_executor import CompiledExecutor
 from ember.engine.step_executor import resolve_executor
 from tests.engine.test_engine import make_llm
 from tests.engine.test_step_executor import outputs
@@ -69,7 +70,17 @@ def test_serves_eagerly_while_compiling_then_compiled_with_the_same_tokens(tiny_
 
 
 @pytest.mark.usefixtures("auto_compiles")
-def test_mtp_fill_compiles_after_the_model_and_adaptive_k_is_priced_then(mtp_model):  # noqa: F811
+def test_mtp_fill_compiles_after_the_model_and_adaptive_k_is_priced_then(mtp_model, monkeypatch):  # noqa: F811
+    # scratch caches full of NaN, as reused heap memory can be (a fresh page is zeros): a verify step's
+    # warmup reads slots its one writing row never wrote, and must not see them
+    made = CompiledExecutor._scratch_caches
+
+    def nan_garbage(self):
+        with monkeypatch.context() as m:
+            m.setattr(torch, "empty_like", lambda t: torch.full_like(t, float("nan")))
+            return made(self)
+
+    monkeypatch.setattr(CompiledExecutor, "_scratch_caches", nan_garbage)
     path = mtp_model("qwen3", "deepseek")
     kw = dict(max_num_seqs=1, enable_mtp=True, num_speculative_tokens=2, adaptive_spec=True)
     prompt = [random_prompt(9, 71)]
