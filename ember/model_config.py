@@ -17,7 +17,17 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
+    "Qwen3NextForCausalLM",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
 )
+# Hybrid models: Gated DeltaNet (linear attention, recurrent state) layers between full-attention ones.
+HYBRID_ARCHITECTURES = SUPPORTED_ARCHITECTURES[4:]
+# The vision-language checkpoints, served as their text model (config under "text_config").
+VL_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
+FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 
 
 @dataclass
@@ -60,12 +70,53 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
+    # Hybrid (Qwen3-Next / Qwen3.5): per layer "full_attention" or "linear_attention" (Gated
+    # DeltaNet); the linear layers' head counts and dims; the MoE's shared expert.
+    layer_types: list[str] = field(default_factory=list)
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    shared_expert_intermediate_size: int = 0
     torch_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
+    @property
+    def is_hybrid(self) -> bool:
+        return self.architecture in HYBRID_ARCHITECTURES
+
+    @property
+    def attention_layers(self) -> list[int]:
+        """The layers with a paged KV cache (every layer but a hybrid's linear-attention ones)."""
+        return [i for i in range(self.num_layers) if self.layer_type(i) == FULL_ATTENTION]
+
+    @property
+    def num_kv_layers(self) -> int:
+        return len(self.attention_layers)
+
+    def layer_type(self, layer_idx: int) -> str:
+        return self.layer_types[layer_idx] if self.layer_types else FULL_ATTENTION
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of a Gated DeltaNet layer's causal conv: q, k and v."""
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + \
+            self.linear_num_value_heads * self.linear_value_head_dim
+
+    def state_bytes_per_seq(self, conv_elem_bytes: int, tp: int = 1) -> int:
+        """One sequence's recurrent state over every linear-attention layer, on one device: the conv
+        window (K - 1 inputs, model dtype) and the fp32 SSM state [value heads, dk, dv]."""
+        n = self.num_layers - self.num_kv_layers
+        conv = self.linear_conv_dim // tp * (self.linear_conv_kernel_dim - 1) * conv_elem_bytes
+        ssm = self.linear_num_value_heads // tp * self.linear_key_head_dim * self.linear_value_head_dim * 4
+        return n * (conv + ssm)
+
     def is_moe_layer(self, layer_idx: int) -> bool:
+        if self.architecture in ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"):
+            return True  # every Qwen3.5-MoE layer is sparse
         return (
             self.num_experts > 0
             and layer_idx not in self.mlp_only_layers
@@ -74,8 +125,8 @@ class ModelConfig:
 
     @property
     def kv_bytes_per_token_per_dtype_byte(self) -> int:
-        """K and V elements one token stores over all layers (multiply by the element size)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+        """K and V elements one token stores over all attention layers (multiply by the element size)."""
+        return 2 * self.num_kv_layers * self.num_kv_heads * self.head_dim
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -86,6 +137,8 @@ class ModelConfig:
                 f"unsupported architecture {archs or cfg.get('model_type')!r}; ember supports "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        if arch in VL_ARCHITECTURES:
+            cfg = text_config(cfg)
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
@@ -104,13 +157,14 @@ class ModelConfig:
                 rope=_parse_rope(cfg),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-                qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
-                num_experts=int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) if arch == "Qwen3MoeForCausalLM" else 0,
+                qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") or arch in HYBRID_ARCHITECTURES,
+                num_experts=int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) if _is_moe_arch(arch) else 0,
                 num_experts_per_tok=int(cfg.get("num_experts_per_tok", 0) or 0),
                 moe_intermediate_size=int(cfg.get("moe_intermediate_size", 0) or 0),
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", "Qwen3_5Moe" in arch)),
                 decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1) or 1),
                 mlp_only_layers=list(cfg.get("mlp_only_layers") or []),
+                **_hybrid_fields(arch, cfg),
                 torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_id=cfg.get("eos_token_id"),
@@ -132,6 +186,65 @@ class ModelConfig:
         return cls.from_dict(cfg)
 
 
+def _is_moe_arch(arch: str) -> bool:
+    return arch in ("Qwen3MoeForCausalLM", "Qwen3NextForCausalLM") or "Qwen3_5Moe" in arch
+
+
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A vision-language checkpoint's text model config, as a plain CausalLM config dict (the
+    top-level tie_word_embeddings and architectures win: they describe the checkpoint)."""
+    text = dict(cfg.get("text_config") or {})
+    if not text:
+        raise ModelLoadError(f"{cfg['architectures'][0]} config has no text_config")
+    text["architectures"] = cfg["architectures"]
+    for key in ("tie_word_embeddings", "torch_dtype", "dtype"):
+        if key in cfg and key not in text:
+            text[key] = cfg[key]
+    if "tie_word_embeddings" in cfg:
+        text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+    return text
+
+
+def _hybrid_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-Next / Qwen3.5 keys; refuses the variants ember does not implement, by name."""
+    if arch not in HYBRID_ARCHITECTURES:
+        return {}
+    n = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types")
+    if types is None:
+        interval = int(cfg.get("full_attention_interval", 4))
+        types = [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(n)]
+    types = list(types)
+    bad = sorted(set(types) - {FULL_ATTENTION, LINEAR_ATTENTION})
+    if len(types) != n or bad:
+        raise ModelLoadError(f"{arch}: layer_types must list {n} entries of {FULL_ATTENTION!r} / {LINEAR_ATTENTION!r} "
+                             f"(got {len(types)}{', unknown ' + str(bad) if bad else ''})")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelLoadError(f"{arch}: hidden_act {act!r} is not supported (ember implements silu)")
+    if cfg.get("attn_output_gate", True) is False:
+        raise ModelLoadError(f"{arch}: attn_output_gate=false is not supported (ember implements the gated attention)")
+    ssm_dtype = cfg.get("mamba_ssm_dtype", "float32")
+    if ssm_dtype not in ("float32", None):
+        raise ModelLoadError(f"{arch}: mamba_ssm_dtype {ssm_dtype!r} is not supported; ember keeps the "
+                             "recurrent state in float32")
+    f = dict(
+        layer_types=types,
+        linear_num_key_heads=int(cfg.get("linear_num_key_heads", 16)),
+        linear_num_value_heads=int(cfg.get("linear_num_value_heads", 32)),
+        linear_key_head_dim=int(cfg.get("linear_key_head_dim", 128)),
+        linear_value_head_dim=int(cfg.get("linear_value_head_dim", 128)),
+        linear_conv_kernel_dim=int(cfg.get("linear_conv_kernel_dim", 4)),
+        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 0) or 0),
+    )
+    if f["linear_num_value_heads"] % f["linear_num_key_heads"]:
+        raise ModelLoadError(f"{arch}: linear_num_value_heads {f['linear_num_value_heads']} must be a multiple of "
+                             f"linear_num_key_heads {f['linear_num_key_heads']}")
+    if f["linear_conv_kernel_dim"] < 2:
+        raise ModelLoadError(f"{arch}: linear_conv_kernel_dim must be at least 2")
+    return f
+
+
 def _parse_rope(cfg: dict[str, Any]) -> RopeConfig:
     # transformers <= 4: rope_theta + rope_scaling; transformers >= 5: rope_parameters.
     params = dict(cfg.get("rope_parameters") or {})
@@ -140,7 +253,10 @@ def _parse_rope(cfg: dict[str, Any]) -> RopeConfig:
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     rope = RopeConfig(theta=float(theta), type=rope_type)
-    rope.partial_rotary_factor = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    # Qwen3-Next / Qwen3.5 rotate a quarter of head_dim when the config does not say (transformers' default)
+    hybrid = any(a in HYBRID_ARCHITECTURES for a in cfg.get("architectures") or [])
+    rope.partial_rotary_factor = float(params.get("partial_rotary_factor",
+                                                  cfg.get("partial_rotary_factor", 0.25 if hybrid else 1.0)))
     if rope_type == "default":
         return rope
     if rope_type not in ("linear", "llama3", "yarn"):

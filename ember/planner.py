@@ -70,7 +70,7 @@ def kv_bytes_per_token(mc: ModelConfig, elem_bytes: int, tp: int = 1, num_specul
     """num_mtp_layers: MTP layers speculation adds (None: the config's, when num_speculative_tokens > 0)."""
     if num_mtp_layers is None:
         num_mtp_layers = mtp_layers(mc) if num_speculative_tokens > 0 else 0
-    layers = mc.num_layers + num_mtp_layers
+    layers = mc.num_kv_layers + num_mtp_layers
     return 2 * layers * kv_heads_per_device(mc, tp) * mc.head_dim * elem_bytes
 
 
@@ -88,6 +88,16 @@ class KVPool:
 
 def kv_pool(budget_bytes: float, block_bytes: int, block_size: int) -> KVPool:
     return KVPool(budget_bytes, block_size, block_bytes, max(0, int(budget_bytes // block_bytes)))
+
+
+def check_states_fit(budget_bytes: float, state_bytes: int, knob: str) -> None:
+    """A hybrid model's recurrent-state slots (sequences + snapshots) must leave room for KV blocks."""
+    if state_bytes < budget_bytes:
+        return
+    raise KVCacheTooSmallError(
+        f"the recurrent-state slots of this hybrid model need {state_bytes / GiB:.3f} GiB and the KV cache budget is "
+        f"{budget_bytes / GiB:.3f} GiB: raise {knob}, or lower --max-num-seqs (one slot a sequence) or "
+        "--max-state-snapshots (prefix-cache snapshots); `ember plan` shows the arithmetic")
 
 
 def check_fits(pool: KVPool, max_model_len: int, knob: str) -> None:

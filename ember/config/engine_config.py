@@ -65,6 +65,9 @@ class EngineConfig:
                                                         f"available RAM, at most {CPU_KV_CAP_GIB:g} GiB)")
     gpu_memory_utilization: float = flag(0.9, "cache", "fraction of GPU memory ember may use (CUDA)")
     enable_prefix_caching: bool = flag(True, "cache", "reuse KV blocks of shared prompt prefixes")
+    max_state_snapshots: int | None = flag(None, "cache", "hybrid models (Qwen3-Next, Qwen3.5): recurrent-state "
+                                                          "snapshots kept for prefix caching, from the KV budget "
+                                                          "(default: 2 x max_num_seqs; 0 = prefix hits off)")
     # -- scheduler
     max_model_len: int | None = flag(None, "scheduler", "longest sequence (prompt + output); default: the model's "
                                                         "context length")
@@ -175,7 +178,8 @@ class EngineConfig:
 
             resolve_attention_backend("triton", "cpu")  # refuses unless TRITON_INTERPRET=1, saying what to change
         self.cache_config = CacheConfig(self.block_size, self.kv_cache_dtype, self.kv_cache_memory,
-                                        self.gpu_memory_utilization, self.enable_prefix_caching)
+                                        self.gpu_memory_utilization, self.enable_prefix_caching,
+                                        self.max_state_snapshots)
         need(self.kv_cache_memory is None or self.device != "cuda",
              "--kv-cache-memory sizes the CPU KV cache; on CUDA use --gpu-memory-utilization")
         self.scheduler_config = SchedulerConfig(self.max_model_len, self.max_num_batched_tokens, self.max_num_seqs,

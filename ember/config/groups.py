@@ -67,9 +67,17 @@ class CacheConfig:
     kv_cache_memory: float | None  # GiB on CPU; None: CPU_KV_FRACTION of free RAM, at most CPU_KV_CAP_GIB
     gpu_memory_utilization: float
     enable_prefix_caching: bool
+    max_state_snapshots: int | None = None  # hybrid models; None: 2 x max_num_seqs
+
+    def state_snapshots(self, max_num_seqs: int) -> int:
+        if not self.enable_prefix_caching:
+            return 0
+        return 2 * max_num_seqs if self.max_state_snapshots is None else self.max_state_snapshots
 
     def __post_init__(self) -> None:
         one_of(self.kv_cache_dtype, KV_CACHE_DTYPES, "--kv-cache-dtype")
+        if self.max_state_snapshots is not None:
+            need(self.max_state_snapshots >= 0, f"--max-state-snapshots must be >= 0 (got {self.max_state_snapshots})")
         need(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
              f"--block-size must be a power of two (got {self.block_size}); 16 is the default")
         if self.kv_cache_memory is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from ember.engine.state_slots import StateSlots
 from ember.request import Request
 
 
@@ -29,7 +30,10 @@ def hash_block(parent_hash: int | None, tokens: tuple[int, ...]) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 states: StateSlots | None = None):
+        """states: a hybrid model's recurrent-state slots, handed out and cached with the blocks."""
+        self.states = states
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -69,6 +73,8 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if self.states is not None:  # skip only tokens whose recurrent state can be restored
+            hits = hits[:self.states.usable_hit([self.block_hash[b] for b in hits])]
         self.stats.queries += request.num_tokens
         self.stats.hits += len(hits) * bs
         return hits
@@ -92,6 +98,8 @@ class KVCacheManager:
             if self.block_hash[block] is None and h not in self.hash_to_block:
                 self.block_hash[block] = h
                 self.hash_to_block[h] = block
+        if self.states is not None:
+            self.states.settle(request, request.block_hashes)
 
     # -- allocation -----------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
@@ -106,6 +114,8 @@ class KVCacheManager:
         revived = sum(1 for b in cached_blocks if self.ref_counts[b] == 0)
         if need_new + revived > self.num_free_blocks:
             return False
+        if self.states is not None and not self.states.acquire(request):
+            return False
         for b in cached_blocks:
             if self.ref_counts[b] == 0:
                 del self.free_queue[b]
@@ -117,6 +127,11 @@ class KVCacheManager:
             self._forget_hash(b)
             self.ref_counts[b] = 1
             request.block_ids.append(b)
+        if self.states is not None:
+            if cached_blocks:
+                self.states.restore(request, self.block_hash[cached_blocks[-1]])
+            start = total - num_new_tokens
+            self.states.plan(request, start, num_new_tokens)
         return True
 
     def free(self, request: Request) -> None:
@@ -127,6 +142,8 @@ class KVCacheManager:
                 self.free_queue[b] = None
         request.block_ids = []
         request.block_hashes = []
+        if self.states is not None:
+            self.states.release(request)
 
     def _forget_hash(self, block: int) -> None:
         h = self.block_hash[block]
@@ -139,3 +156,5 @@ class KVCacheManager:
         for b in range(self.num_blocks):
             if self.ref_counts[b] == 0:
                 self._forget_hash(b)
+        if self.states is not None:
+            self.states.reset()

@@ -20,17 +20,20 @@ GiB = 1 << 30
 
 
 def kv_pool(config, device: torch.device, block_bytes: int, max_model_len: int,
-            cuda_budget: Callable[[], float]) -> planner.KVPool:
+            cuda_budget: Callable[[], float], state_bytes: int = 0) -> planner.KVPool:
     """The pool for blocks of block_bytes, refused (KVCacheTooSmallError, naming the flag) when not
-    one sequence of max_model_len fits. cuda_budget: measures the budget on CUDA."""
+    one sequence of max_model_len fits. cuda_budget: measures the budget on CUDA; state_bytes: a
+    hybrid model's recurrent-state slots, taken from the budget first."""
     cache = config.cache_config
     if device.type == "cpu":
         budget = (cache.kv_cache_memory * GiB if cache.kv_cache_memory is not None
                   else min(CPU_KV_FRACTION * available_ram_bytes(), CPU_KV_CAP_GIB * GiB))
     else:
         budget = cuda_budget()
-    pool = planner.kv_pool(budget, block_bytes, cache.block_size)
-    planner.check_fits(pool, max_model_len, "--kv-cache-memory" if device.type == "cpu" else "--gpu-memory-utilization")
+    knob = "--kv-cache-memory" if device.type == "cpu" else "--gpu-memory-utilization"
+    planner.check_states_fit(budget, state_bytes, knob)
+    pool = planner.kv_pool(budget - state_bytes, block_bytes, cache.block_size)
+    planner.check_fits(pool, max_model_len, knob)
     return pool
 
 

@@ -21,7 +21,7 @@ import torch
 from ember.request import Request
 from ember.engine.scheduler import SchedulerOutput
 from ember.engine.step_executor import EagerExecutor, StepExecutor
-from ember.kernels.metadata import AttentionMetadata, RowSelection, select_rows
+from ember.kernels.metadata import AttentionMetadata, RecurrentMetadata, RowSelection, select_rows
 from ember.layers.sampler import SampledToken, Sampler, SamplingRow, make_generator
 from ember.model_config import ModelConfig
 from ember.spec.proposer import StepRows
@@ -31,19 +31,25 @@ from ember.spec.rejection import RejectionSampler, VerifyRequest
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, num_blocks: int, block_size: int,
                  kv_dtype: torch.dtype, device: torch.device, num_kv_heads: int | None = None,
-                 generators: dict[str, torch.Generator] | None = None):
+                 generators: dict[str, torch.Generator] | None = None, state_slots: int = 0):
         """num_kv_heads: this rank's kv heads under tensor parallelism (default: the model's);
-        generators: the per-request seeded generators (shared with a drafter that samples)."""
+        generators: the per-request seeded generators (shared with a drafter that samples);
+        state_slots: a hybrid model's recurrent-state slots (live + snapshots; ember.engine.state_slots)."""
         self.model = model
         self.model_config = model_config
         self.block_size = block_size
         self.device = device
         self.num_blocks = num_blocks
         self.kv_dtype = kv_dtype
+        # One cache per layer: paged KV for an attention layer, a RecurrentState for a hybrid's
+        # linear-attention layer.
+        states = model.make_recurrent_states(state_slots, device) if model_config.is_hybrid else [None] * model_config.num_layers
+        self.recurrent_states = [st for st in states if st is not None]
         self.kv_caches = [
+            st if st is not None else
             torch.zeros(2, num_blocks, block_size, num_kv_heads or model_config.num_kv_heads, model_config.head_dim,
                         dtype=kv_dtype, device=device)
-            for _ in range(model_config.num_layers)
+            for st in states
         ]
         self.extra_kv_caches: list[torch.Tensor] = []  # a drafter's own layers (MTP), same block ids
         self.sampler = Sampler()
@@ -78,6 +84,7 @@ class ModelRunner:
         sampling_reqs: list[Request] = []  # requests whose step reaches their end (a mid-prompt chunk samples nothing)
         logit_seqs: list[int] = []  # the sequence (batch index) of each logit row
         entries: list[tuple[Request, int, int, int]] = []  # (request, first row, first position, rows)
+        rec = RecurrentMetadata([], [], [], []) if self.recurrent_states else None
         for req, n in out.scheduled:
             start = req.num_computed_tokens
             end = start + n
@@ -93,6 +100,11 @@ class ModelRunner:
             query_start.append(query_start[-1] + n)
             seq_lens.append(end)
             query_lens.append(n)
+            if rec is not None:
+                rec.slots.append(req.state_slot)
+                rec.has_state.append(start > 0)
+                rec.num_drafts.append(d)
+                rec.snapshots.append([(p - start, slot) for p, slot in req.state_plan])
             if end - d == req.num_tokens:
                 logit_rows.extend(range(query_start[-1] - 1 - d, query_start[-1]))
                 logit_seqs.extend([len(seq_lens) - 1] * (1 + d))
@@ -111,6 +123,7 @@ class ModelRunner:
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
             all_slots_valid=True,
+            recurrent=rec,
         )
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         pos = torch.tensor(positions, dtype=torch.int64, device=dev)
@@ -127,6 +140,9 @@ class ModelRunner:
         """Run one step. Returns, for every request whose step reached its end, the tokens it
         emits: one sampled token, or its accepted drafts then one more (len - 1 = accepted)."""
         ids, pos, meta, logit_rows, sampling_reqs = self.prepare(out)
+        for src, dst in out.state_copies:  # prefix-cache restores, before the forward reads the slots
+            for st in self.recurrent_states:
+                st.copy(src, dst)
         hidden = self.executor.run(ids, pos, meta, self.select)
         entries, tables = self._step_layout
         keep = self.keep_hidden or self.keep_rows
@@ -163,6 +179,10 @@ class ModelRunner:
             v_rows = torch.tensor([i for _, rs in verify for i in rs], device=logits.device)
             emitted = self.rejection(logits[v_rows], items)
             result.update((req.request_id, toks) for (req, _), toks in zip(verify, emitted))
+            if self.recurrent_states:  # each verify's state moves to its last accepted token
+                accepted = {req.state_slot: len(toks) - 1 for (req, _), toks in zip(verify, emitted)}
+                for st in self.recurrent_states:
+                    st.commit(accepted)
         return result
 
     def _row(self, req: Request, banned: dict[str, list[int]] | None, drafts: list[int] = ()) -> SamplingRow:

@@ -34,6 +34,9 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     # request id -> the draft tokens it verifies this step (the last d of its n scheduled tokens).
     drafts: dict[str, Draft] = field(default_factory=dict)
+    # Hybrid models: recurrent-state copies (src slot, dst slot) to make before the forward, in order
+    # (prefix-cache restores; ember.engine.state_slots).
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_draft_tokens(self) -> int:
@@ -110,6 +113,8 @@ class Scheduler:
             out.scheduled.append((req, n))
             budget -= n
 
+        if self.kv.states is not None:
+            out.state_copies = self.kv.states.take_copies()
         self.step_count += 1
         if logger.isEnabledFor(logging.DEBUG) and out.scheduled:
             chunks = [n for r, n in out.scheduled if r.request_id not in out.drafts

@@ -25,6 +25,7 @@ import torch
 from ember import planner
 from ember.engine.device_setup import DeviceSetup, init_device
 from ember.engine.kv_cache import KVCacheManager
+from ember.engine.state_slots import StateSlots
 from ember.engine.kv_setup import cuda_kv_budget, kv_pool
 from ember.engine.model_setup import WeightCopies, load_weights
 from ember.engine.runner import ModelRunner
@@ -85,13 +86,15 @@ def start_engine(config, defer_compile: bool = False) -> EngineCore:
     if config.speculative is not None:
         with _sharding(tp):
             spec = Speculator(config.speculative, _proposer_context(config, setup, tp, loaded, limits, generators))
-    pool = _size_pool(config, setup, tp, loaded, limits, spec)
     cache = config.cache_config
-    kv = KVCacheManager(pool.num_blocks, cache.block_size, cache.enable_prefix_caching)
+    states = _state_slots(config, setup, loaded, limits)
+    pool = _size_pool(config, setup, tp, loaded, limits, spec, states)
+    kv = KVCacheManager(pool.num_blocks, cache.block_size, cache.enable_prefix_caching, states)
     sched = config.scheduler_config
     scheduler = Scheduler(kv, sched.max_num_batched_tokens, limits.max_num_seqs, limits.max_model_len,
                           sched.enable_chunked_prefill)
-    runner = _build_runner(config, setup, tp, loaded, limits, pool.num_blocks, generators, spec)
+    runner = _build_runner(config, setup, tp, loaded, limits, pool.num_blocks, generators, spec,
+                           0 if states is None else states.num_live + states.num_snapshots)
     compiler = _build_executors(config, tp, loaded, limits, runner, spec, defer_compile)
     core = EngineCore(config, setup, tp, loaded, copies, limits, spec, compiler, kv, scheduler, runner,
                       _eos_token_ids(loaded))
@@ -121,7 +124,8 @@ def resolve_limits(config, setup: DeviceSetup, loaded: LoadedModel) -> Limits:
     if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < max_model_len:
         logger.info("chunked prefill is off: prompts longer than %d tokens will be refused", sched.max_num_batched_tokens)
     kv_dtype = resolve_kv_cache_dtype(config.cache_config.kv_cache_dtype, setup.dtype, setup.device)
-    executor = resolve_executor(config, setup.device, kv_dtype, loaded.model.attn_backend.name)
+    executor = resolve_executor(config, setup.device, kv_dtype, loaded.model.attn_backend.name,
+                                loaded.model_config.is_hybrid)
     background = executor == "compiled" and config.executor_config.executor == "auto"
     return Limits(max_model_len, max_num_seqs, kv_dtype, executor, background)
 
@@ -138,7 +142,16 @@ def _proposer_context(config, setup: DeviceSetup, tp, loaded: LoadedModel, limit
                            limits.max_num_seqs, generators, tensor_parallel=tp is not None, mirror=mirror)
 
 
-def _size_pool(config, setup: DeviceSetup, tp, loaded: LoadedModel, limits: Limits, spec) -> planner.KVPool:
+def _state_slots(config, setup: DeviceSetup, loaded: LoadedModel, limits: Limits) -> StateSlots | None:
+    """A hybrid model's recurrent-state slots: one per sequence that may run, plus the snapshots."""
+    if not loaded.model_config.is_hybrid:
+        return None
+    cache = config.cache_config
+    return StateSlots(limits.max_num_seqs, cache.state_snapshots(limits.max_num_seqs), cache.block_size)
+
+
+def _size_pool(config, setup: DeviceSetup, tp, loaded: LoadedModel, limits: Limits, spec,
+               states: StateSlots | None = None) -> planner.KVPool:
     mc, tp_size = loaded.model_config, config.parallel_config.tensor_parallel_size
     elem = limits.kv_dtype.itemsize
     per_token = planner.kv_bytes_per_token(mc, elem, tp_size)  # this device's kv heads
@@ -156,7 +169,14 @@ def _size_pool(config, setup: DeviceSetup, tp, loaded: LoadedModel, limits: Limi
                               config.cache_config.gpu_memory_utilization,
                               lambda: _graph_pool_bytes(config, setup, loaded, limits, spec), on_workers)
 
-    return kv_pool(config, setup.device, block_bytes, limits.max_model_len, cuda_budget)
+    state_bytes = 0
+    if states is not None:  # the recurrent states come out of the same budget, first
+        per_seq = mc.state_bytes_per_seq(setup.dtype.itemsize, tp_size)
+        state_bytes = per_seq * (states.num_live + states.num_snapshots)
+        logger.info("recurrent state: %.2f MB a sequence, %d slots (%d sequences + %d prefix-cache snapshots) = %.1f MB",
+                    per_seq / 1e6, states.num_live + states.num_snapshots, states.num_live, states.num_snapshots,
+                    state_bytes / 1e6)
+    return kv_pool(config, setup.device, block_bytes, limits.max_model_len, cuda_budget, state_bytes)
 
 
 def _graph_pool_bytes(config, setup: DeviceSetup, loaded: LoadedModel, limits: Limits, spec) -> int:
@@ -175,7 +195,7 @@ def _graph_max_batch(config, limits: Limits) -> int:
 
 
 def _build_runner(config, setup: DeviceSetup, tp, loaded: LoadedModel, limits: Limits, num_blocks: int,
-                  generators: dict, spec) -> ModelRunner:
+                  generators: dict, spec, state_slots: int = 0) -> ModelRunner:
     """The runner over the pool; the drafter's layers in it; under TP the workers' caches alike."""
     model = loaded.model
     if tp is not None:  # every forward is replayed on the workers' shards
@@ -185,7 +205,7 @@ def _build_runner(config, setup: DeviceSetup, tp, loaded: LoadedModel, limits: L
     tp_size = config.parallel_config.tensor_parallel_size
     runner = ModelRunner(model, loaded.model_config, num_blocks, config.cache_config.block_size, limits.kv_dtype,
                          setup.device, num_kv_heads=planner.kv_heads_per_device(loaded.model_config, tp_size),
-                         generators=generators)
+                         generators=generators, state_slots=state_slots)
     if spec is not None:
         spec.attach(KVSlots(num_blocks, runner.allocate_kv))
         runner.keep_hidden = spec.reads_step == "hidden"

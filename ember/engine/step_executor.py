@@ -62,12 +62,18 @@ class EagerExecutor:
 
 
 def resolve_executor(config, device: torch.device, kv_dtype: torch.dtype | None = None,
-                     backend_name: str | None = None) -> str:
+                     backend_name: str | None = None, hybrid: bool = False) -> str:
     """The executor name for this device (an EngineConfig's executor_config), or a ConfigError for a
     combination that cannot work. backend_name: the attention backend the model was built with
-    (default: the config's)."""
+    (default: the config's); hybrid: a model with recurrent-state layers (eager only, for now: its
+    graphs come with its fast kernels)."""
     name = config.executor_config.executor
     if name == "eager":
+        return "eager"
+    if hybrid:
+        if name != "auto":
+            raise ConfigError(f"--executor {name} does not run hybrid models (Qwen3-Next, Qwen3.5) yet: their "
+                              "linear-attention layers run eagerly; use --executor eager (or auto)")
         return "eager"
     tp = config.parallel_config.tensor_parallel_size
     if name == "auto":

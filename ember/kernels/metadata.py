@@ -29,6 +29,8 @@ class AttentionMetadata:
     # Built by a StepExecutor for torch.compile / CUDA-graph capture (ember.engine.decode_batch):
     # the host lists and max_seq_len are bounds, not this step's values; padding rows have slot -1.
     fixed_shape: bool = False
+    # Hybrid models: each sequence's recurrent-state slot (see RecurrentMetadata); None otherwise.
+    recurrent: "RecurrentMetadata | None" = None
 
     @property
     def num_seqs(self) -> int:
@@ -37,6 +39,21 @@ class AttentionMetadata:
     @property
     def is_pure_decode(self) -> bool:
         return self.max_query_len == 1
+
+
+@dataclass
+class RecurrentMetadata:
+    """What a linear-attention (Gated DeltaNet) layer needs per sequence of the step, beside the
+    attention layers' metadata: its slot in the state pool, whether it continues a state (tokens
+    before this step) or starts from zero, and how many draft tokens it verifies (the layer then
+    keeps the state after every token, and the runner commits the last accepted one); snapshots:
+    (t, snapshot slot) pairs, "copy the state after t tokens of this step to that slot" (prefix
+    caching; a verify's are written at commit, only for accepted tokens)."""
+
+    slots: list[int]
+    has_state: list[bool]
+    num_drafts: list[int]
+    snapshots: list[list[tuple[int, int]]]
 
 
 @dataclass

@@ -32,3 +32,40 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """Qwen3-Next / Qwen3.5's norm: the checkpoint stores w - 1, and the multiply by (1 + w) runs
+    in float32 before the cast back (HF's order; unlike RMSNorm above, which casts first)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device), requires_grad=False)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x) when residual is None; else (norm(x + residual), x + residual)."""
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+
+class GatedRMSNorm(nn.Module):
+    """The Gated DeltaNet output norm, per value head: w * rms(o) (cast to o's dtype first) * silu(z),
+    the gate in float32. Its weight is stored as is (not zero-centred)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        h = torch.rms_norm(o.float(), (o.shape[-1],), eps=self.eps).to(o.dtype)
+        return (self.weight * h * torch.nn.functional.silu(z.float())).to(o.dtype)

@@ -10,6 +10,12 @@ _MODELS = {
     "Qwen2ForCausalLM": ("ember.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("ember.models.llama", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("ember.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "Qwen3NextForCausalLM": ("ember.models.qwen3_next", "Qwen3NextForCausalLM"),
+    "Qwen3_5ForCausalLM": ("ember.models.qwen3_next", "Qwen3_5ForCausalLM"),
+    "Qwen3_5MoeForCausalLM": ("ember.models.qwen3_next", "Qwen3_5MoeForCausalLM"),
+    # vision-language checkpoints, served as their text model (the vision tower is skipped)
+    "Qwen3_5ForConditionalGeneration": ("ember.models.qwen3_next", "Qwen3_5ForCausalLM"),
+    "Qwen3_5MoeForConditionalGeneration": ("ember.models.qwen3_next", "Qwen3_5MoeForCausalLM"),
 }
 
 

@@ -1,0 +1,191 @@
+"""Gated DeltaNet: the linear-attention layer of Qwen3-Next and Qwen3.5, over the engine's varlen
+step with its state in a RecurrentState slot per sequence.
+
+Projections are held in one canonical layout whichever checkpoint layout they came from:
+in_proj_qkvz = [q | k | v | z] (value heads in grouped order: head j reads key head j // r) and
+in_proj_ba = [b | a]. Qwen3.5 stores these as four tensors (in_proj_qkv, in_proj_z, in_proj_b,
+in_proj_a); Qwen3-Next as two, interleaved per key-head group ([q_g, k_g, v_g, z_g] and [b_g, a_g]):
+load_weight undoes the interleave. b and a stay separate from qkvz so that a quantized checkpoint
+can keep them dense (hybrid.md, pitfall 5).
+
+A step's sequences take one of three paths: decodes (one token) together, one recurrent step
+for all of them; prefill chunks one at a time through the chunked form; verifies (a decode with
+drafts) token by token, keeping every token's state for the runner to commit.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ember.errors import ModelLoadError
+from ember.kernels.metadata import AttentionMetadata
+from ember.layers import gated_delta_rule as gdr
+from ember.layers.linear import MergedColumnLinear, RowParallelLinear, copy_checked, get_tp_rank_size
+from ember.layers.norm import GatedRMSNorm
+from ember.layers.recurrent_state import RecurrentState
+from ember.model_config import ModelConfig
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype, device, quant_config=None, prefix: str = ""):
+        super().__init__()
+        # Tensor parallelism splits by key-head group: a rank holds nk / tp key heads, the value
+        # heads that read them, and their state.
+        self.tp_rank, self.tp_size = get_tp_rank_size()
+        nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        if nk % self.tp_size:
+            raise ModelLoadError(f"linear_num_key_heads {nk} is not divisible by --tensor-parallel-size {self.tp_size}")
+        self.nk, self.nv = nk // self.tp_size, nv // self.tp_size  # this rank's
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.kernel = cfg.linear_conv_kernel_dim
+        key_dim, value_dim = nk * self.dk, nv * self.dv  # full sizes: the Linears narrow them
+        method = (lambda name: quant_config.linear_method(f"{prefix}.{name}")) if quant_config else (lambda name: None)
+        self.in_proj_qkvz = MergedColumnLinear(cfg.hidden_size, [key_dim, key_dim, value_dim, value_dim],
+                                               dtype=dtype, device=device, quant_method=method("in_proj_qkvz"),
+                                               shard_ids=("q", "k", "v", "z"))
+        self.in_proj_ba = MergedColumnLinear(cfg.hidden_size, [nv, nv], dtype=dtype, device=device,
+                                             quant_method=method("in_proj_ba"), shard_ids=("b", "a"))
+        self.conv_dim = 2 * self.nk * self.dk + self.nv * self.dv
+        self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, self.kernel, dtype=dtype, device=device),
+                                        requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(self.nv, dtype=dtype, device=device), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(self.nv, dtype=dtype, device=device), requires_grad=False)
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps, dtype, device)
+        self.out_proj = RowParallelLinear(value_dim, cfg.hidden_size, dtype=dtype, device=device,
+                                          quant_method=method("out_proj"))
+
+    def make_state(self, num_slots: int, device) -> RecurrentState:
+        return RecurrentState(num_slots, self.conv_dim, self.kernel, self.nv, self.dk, self.dv,
+                              self.conv_weight.dtype, device)
+
+    # ---- forward -------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor, state: RecurrentState, meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v, z = self.in_proj_qkvz(x).split([self.in_proj_qkvz.shard_sizes[s] for s in "qkvz"], dim=-1)
+        b, a = self.in_proj_ba(x).chunk(2, dim=-1)
+        mixed = torch.cat([q, k, v], dim=-1)  # the conv's channels
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        out = torch.empty(T, self.nv, self.dv, dtype=x.dtype, device=x.device)
+        rec = meta.recurrent
+        decodes, s = [], 0
+        for n, slot, has, d, snaps in zip(meta.query_lens_cpu, rec.slots, rec.has_state, rec.num_drafts, rec.snapshots):
+            if n == 1 and d == 0:
+                decodes.append((s, slot, has, snaps))
+            elif n:
+                rows = slice(s, s + n)
+                out[rows] = self._sequence(mixed[rows], g[rows], beta[rows], state, slot, has, d > 0, snaps)
+            s += n
+        if decodes:
+            self._decode(mixed, g, beta, state, decodes, out)
+        o = self.norm(out, z.view(T, self.nv, self.dv))
+        return self.out_proj(o.flatten(1))
+
+    def _split(self, mixed: torch.Tensor):
+        """conv output [L, C] -> q, k [L, nv, dk] (prepared, float32), v [L, nv, dv]."""
+        key_dim = self.nk * self.dk
+        q, k, v = mixed.split([key_dim, key_dim, self.nv * self.dv], dim=-1)
+        L = mixed.shape[0]
+        q, k = gdr.prepare_qk(q.reshape(L, self.nk, self.dk), k.reshape(L, self.nk, self.dk), self.nv)
+        return q, k, v.reshape(L, self.nv, self.dv)
+
+    def _sequence(self, mixed, g, beta, state: RecurrentState, slot: int, has: bool, verify: bool,
+                  snapshots: list[tuple[int, int]]) -> torch.Tensor:
+        """A prefill chunk (or a verify) of one sequence -> its core output [L, nv, dv]. snapshots:
+        (t, slot) -> the state after t tokens is copied there (a verify's at commit)."""
+        K = self.kernel
+        conv0 = state.conv[slot] if has else torch.zeros_like(state.conv[slot])
+        ssm0 = state.ssm[slot] if has else torch.zeros_like(state.ssm[slot])
+        conv_out, window = gdr.causal_conv(mixed, conv0, self.conv_weight)
+        q, k, v = self._split(conv_out)
+        if verify:
+            o, states = gdr.recurrent(q, k, v, g, beta, ssm0, keep_states=True)
+            state.keep_verify(slot, states, window, snapshots)
+            return o.to(mixed.dtype)
+        outs, ssm, t0 = [], ssm0, 0
+        for t, snap in [*snapshots, (q.shape[0], slot)]:  # the chunked form, cut at each snapshot
+            if t > t0:
+                o, ssm = gdr.chunked(q[t0:t], k[t0:t], v[t0:t], g[t0:t], beta[t0:t], ssm)
+                outs.append(o)
+            state.write(snap, ssm, window[:, t:t + K - 1])
+            t0 = t
+        return torch.cat(outs).to(mixed.dtype)
+
+    def _decode(self, mixed, g, beta, state: RecurrentState, decodes: list[tuple], out) -> None:
+        """One token for each of several sequences, batched: (row, slot, has a state, snapshots)."""
+        rows = torch.tensor([r for r, _, _, _ in decodes], device=mixed.device)
+        slots = torch.tensor([s for _, s, _, _ in decodes], device=mixed.device)
+        conv0, ssm0 = state.conv[slots], state.ssm[slots]
+        if not all(h for _, _, h, _ in decodes):  # a one-token prompt starts from zero
+            keep = torch.tensor([h for _, _, h, _ in decodes], device=mixed.device)
+            conv0 = torch.where(keep[:, None, None], conv0, 0)
+            ssm0 = torch.where(keep[:, None, None, None], ssm0, 0)
+        conv_out, conv1 = gdr.causal_conv_step(mixed[rows], conv0, self.conv_weight)
+        q, k, v = self._split(conv_out)
+        o, ssm1 = gdr.recurrent(q[None], k[None], v[None], g[rows][None], beta[rows][None], ssm0)
+        state.conv[slots] = conv1
+        state.ssm[slots] = ssm1
+        for i, (_, slot, _, snaps) in enumerate(decodes):
+            for _, snap in snaps:  # after its one token: the new state
+                state.copy(slot, snap)
+        out[rows] = o[0].to(out.dtype)
+
+    # ---- weights -------------------------------------------------------------------------
+
+    def expected_shards(self, param_name: str) -> set:
+        return {None}
+
+    def load_weight(self, name: str, tensor: torch.Tensor, shard_id=None):
+        """A checkpoint tensor named relative to the layer ("in_proj_qkvz.weight", "A_log", ...) ->
+        (our parameter name relative to the layer, the shards it filled)."""
+        key_dim, value_dim, r = self.nk * self.dk * self.tp_size, self.nv * self.dv * self.tp_size, self.nv // self.nk
+        if name == "in_proj_qkv.weight":  # Qwen3.5: [q | k | v]
+            for sid, part in zip("qkv", tensor.split([key_dim, key_dim, value_dim])):
+                self.in_proj_qkvz.load_weight("weight", part, sid)
+            return "in_proj_qkvz.weight", {"q", "k", "v"}
+        if name in ("in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight"):
+            sid = name[8]
+            layer = self.in_proj_qkvz if sid == "z" else self.in_proj_ba
+            layer.load_weight("weight", tensor, sid)
+            return f"{'in_proj_qkvz' if sid == 'z' else 'in_proj_ba'}.weight", {sid}
+        if name == "in_proj_qkvz.weight":  # Qwen3-Next: per key-head group [q_g | k_g | v_g | z_g]
+            groups = self._groups(tensor, [self.dk, self.dk, r * self.dv, r * self.dv], name)
+            for sid, part in zip("qkvz", groups):
+                self.in_proj_qkvz.load_weight("weight", part, sid)
+            return "in_proj_qkvz.weight", {"q", "k", "v", "z"}
+        if name == "in_proj_ba.weight":  # Qwen3-Next: per key-head group [b_g | a_g]
+            for sid, part in zip("ba", self._groups(tensor, [r, r], name)):
+                self.in_proj_ba.load_weight("weight", part, sid)
+            return "in_proj_ba.weight", {"b", "a"}
+        if name == "conv1d.weight":  # [C, 1, K], channels [q | k | v]: this rank's part of each
+            w = tensor.reshape(tensor.shape[0], -1)
+            if self.tp_size > 1 and w.shape[0] == 2 * key_dim + value_dim:
+                w = torch.cat([self._rank_part(p) for p in w.split([key_dim, key_dim, value_dim])])
+            copy_checked(self.conv_weight, w, "linear_attn.conv1d.weight")
+            return "conv_weight", None
+        if name in ("A_log", "dt_bias"):  # per value head
+            copy_checked(self.get_parameter(name), self._rank_part(tensor), f"linear_attn.{name}")
+            return name, None
+        if name == "norm.weight":  # over dv, shared by every head
+            copy_checked(self.norm.weight, tensor, f"linear_attn.{name}")
+            return name, None
+        if name == "out_proj.weight":
+            self.out_proj.load_weight("weight", tensor)
+            return "out_proj.weight", None
+        raise ModelLoadError(f"unexpected Gated DeltaNet weight linear_attn.{name}")
+
+    def _rank_part(self, tensor: torch.Tensor) -> torch.Tensor:
+        n = tensor.shape[0] // self.tp_size
+        return tensor.narrow(0, self.tp_rank * n, n)
+
+    def _groups(self, tensor: torch.Tensor, sizes: list[int], name: str) -> list[torch.Tensor]:
+        """Rows interleaved per key-head group -> one tensor per part, groups in order."""
+        per_group = sum(sizes)
+        nk = self.nk * self.tp_size
+        if tensor.shape[0] != nk * per_group:
+            raise ModelLoadError(f"linear_attn.{name} has {tensor.shape[0]} rows; the config needs "
+                                 f"{nk} key-head groups of {per_group}")
+        parts = tensor.reshape(nk, per_group, -1).split(sizes, dim=1)
+        return [p.reshape(-1, tensor.shape[-1]) for p in parts]

@@ -1,0 +1,65 @@
+"""Tiny random hybrid Qwen models (Qwen3-Next, Qwen3.5 dense / MoE, the Qwen3.5 VL layout), built
+offline by transformers, with the odd shapes a real checkpoint may have: key heads != value heads,
+dk != dv, head dims that are not powers of two, MoE top-k > 1, a full-attention layer that is not
+the last, and a last layer that is linear."""
+from __future__ import annotations
+
+import torch
+
+VOCAB = 320
+
+_COMMON = dict(vocab_size=VOCAB, hidden_size=48, num_attention_heads=3, num_key_value_heads=1, head_dim=20,
+               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=12, linear_value_head_dim=10,
+               linear_conv_kernel_dim=4, max_position_embeddings=512, rms_norm_eps=1e-6)
+
+HYBRID_CONFIGS = {
+    # MoE 6 experts top-2 + shared expert; layer 2 dense (mlp_only_layers); full attention every 3rd.
+    "qwen3_next": dict(cls="Qwen3NextForCausalLM", cfg="Qwen3NextConfig", **_COMMON, num_hidden_layers=5,
+                       layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention",
+                                    "linear_attention"],
+                       intermediate_size=72, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+                       num_experts=6, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[2],
+                       tie_word_embeddings=False,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.4}),
+    # dense, tied embeddings, full_attention_interval 2 (layers 1 and 3), partial rotary outside rope_parameters.
+    "qwen3_5": dict(cls="Qwen3_5ForCausalLM", cfg="Qwen3_5TextConfig", **_COMMON, num_hidden_layers=4,
+                    full_attention_interval=2, intermediate_size=80, tie_word_embeddings=True,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                     "mrope_section": [2, 1, 2], "mrope_interleaved": True}),
+    # MoE every layer, 5 experts top-3, default interval 4.
+    "qwen3_5_moe": dict(cls="Qwen3_5MoeForCausalLM", cfg="Qwen3_5MoeTextConfig", **_COMMON, num_hidden_layers=4,
+                        moe_intermediate_size=24, shared_expert_intermediate_size=32, num_experts=5,
+                        num_experts_per_tok=3, tie_word_embeddings=False,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                         "mrope_section": [1, 1, 0], "mrope_interleaved": True}),
+}
+
+
+def build_hybrid(arch: str, seed: int = 0):
+    """A random fp32 HF model whose every parameter is randomised: norms around their identity
+    (zero-centred ones around 0), A_log and dt_bias spread so the decays differ per head."""
+    import transformers
+
+    spec = dict(HYBRID_CONFIGS[arch])
+    cls, cfg_cls = getattr(transformers, spec.pop("cls")), getattr(transformers, spec.pop("cfg"))
+    config = cfg_cls(**spec)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = cls(config).eval().float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif "norm" in name:
+                p.copy_(0.2 * torch.randn_like(p))
+            elif name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(-2.0, 1.5))
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn_like(p))
+            elif "embed" in name or "lm_head" in name:
+                p.normal_(0.0, 0.5)
+            elif "mlp.gate" in name and "proj" not in name:
+                p.normal_(0.0, 0.5)  # routers: decisive routing, far from ties
+            else:
+                p.normal_(0.0, 0.15)
+    return model
