@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -59,6 +60,12 @@ def test_serves_eagerly_while_compiling_then_compiled_with_the_same_tokens(tiny_
     assert [o.token_ids for o in outputs(llm, prompts, params)] == ref
     assert llm.wait_for_compile(timeout=600) and engine.executor_state == "compiled" and not engine.compiler.failures
     assert sorted(ex.ready) == [(1, 1), (2, 1)] and all(fn is not None for fn in ex.ready.values())  # direct calls
+    # the compile thread ended with its last job, and its OpenMP team with it: a team left alive made
+    # libgomp's workers sleep between parallel regions, and compiled decode ran at 0.45x
+    compile_threads = [t for t in threading.enumerate() if t.name == "ember-compile"]
+    for t in compile_threads:
+        t.join(timeout=10)
+    assert not any(t.is_alive() for t in compile_threads) and engine.compiler._thread is None
     before = ex.compiled_steps
     for n in (1, 2):
         assert [o.token_ids for o in outputs(llm, prompts[:n], params)] == ref[:n]
