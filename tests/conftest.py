@@ -34,6 +34,21 @@ def write_tiny_tokenizer(path: str, vocab_size: int) -> None:
 
 
 @pytest.fixture(scope="session")
+def tiny_hybrid_dir(tmp_path_factory):
+    """tiny_hybrid_dir(arch) -> a tiny hybrid Qwen folder (tests/models/tiny_hybrids.py), built once per session."""
+    from tests.models.tiny_hybrids import build_hybrid, save_hybrid
+
+    cache: dict[str, str] = {}
+
+    def make(arch: str) -> str:
+        if arch not in cache:
+            cache[arch] = save_hybrid(build_hybrid(arch), str(tmp_path_factory.mktemp(f"tiny-{arch}")))
+        return cache[arch]
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """tiny_model_dir(arch) -> folder with config.json, model.safetensors, tokenizer files (fp32)."""
     from tests.models.tiny_models import VOCAB, build_hf_model, save_hf_model

@@ -35,14 +35,28 @@ HYBRID_CONFIGS = {
 }
 
 
+HYBRID_ARCHS = [*HYBRID_CONFIGS, "qwen3_5_vl"]
+# The published Qwen3.5 checkpoints: the text model of "qwen3_5" under model.language_model.*, and a
+# (one-block) vision tower that ember skips.
+_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=48, patch_size=4,
+               num_position_embeddings=16)
+
+
 def build_hybrid(arch: str, seed: int = 0):
     """A random fp32 HF model whose every parameter is randomised: norms around their identity
     (zero-centred ones around 0), A_log and dt_bias spread so the decays differ per head."""
     import transformers
 
-    spec = dict(HYBRID_CONFIGS[arch])
+    spec = dict(HYBRID_CONFIGS["qwen3_5" if arch == "qwen3_5_vl" else arch])
     cls, cfg_cls = getattr(transformers, spec.pop("cls")), getattr(transformers, spec.pop("cfg"))
-    config = cfg_cls(**spec)
+    if arch == "qwen3_5_vl":
+        tie = spec.pop("tie_word_embeddings")
+        cls = transformers.Qwen3_5ForConditionalGeneration
+        config = transformers.Qwen3_5Config(text_config=spec, vision_config=_VISION, tie_word_embeddings=tie,
+                                            image_token_id=VOCAB - 20, video_token_id=VOCAB - 19,
+                                            vision_start_token_id=VOCAB - 18, vision_end_token_id=VOCAB - 17)
+    else:
+        config = cfg_cls(**spec)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = cls(config).eval().float()
@@ -63,3 +77,12 @@ def build_hybrid(arch: str, seed: int = 0):
             else:
                 p.normal_(0.0, 0.15)
     return model
+
+
+def save_hybrid(model, path: str) -> str:
+    """The HF folder, with a tiny tokenizer (ember's loader wants one)."""
+    from tests.conftest import write_tiny_tokenizer
+
+    model.save_pretrained(path)
+    write_tiny_tokenizer(path, VOCAB)
+    return path

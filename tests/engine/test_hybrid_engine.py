@@ -1,0 +1,188 @@
+"""Hybrid models (recurrent state beside the paged KV) through the engine: every way a request can be
+cut up -- chunked (a 7-token budget), batched, a prefix-cache hit restoring a state snapshot (hit
+lengths asserted, multi-turn chat reusing the last turn), preempted, aborted and resubmitted,
+speculated (n-gram k = 1..4, drafts of different lengths in one step, drafts that are always wrong)
+-- gives the tokens of the plain run, and every state slot comes back."""
+from __future__ import annotations
+
+import pytest
+
+from ember import LLM, SamplingParams
+from ember.errors import KVCacheTooSmallError
+from ember.model_config import ModelConfig
+from ember.spec.proposer import Draft, Proposer
+from tests.models.tiny_hybrids import VOCAB
+from tests.models.tiny_models import one_thread, random_prompt  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+BS = 4
+
+
+def prompt(n: int, seed: int, repeat: int = 1) -> list[int]:
+    return [t % VOCAB for t in random_prompt(n, seed)] * repeat
+
+
+PROMPTS = [prompt(n, 70 + n) for n in (5, 23, 1, 45, 9, 31)]
+REPEATING = [prompt(n, 90 + n, 3) for n in (3, 7, 4, 10)]  # something for prompt lookup to find
+
+
+def make_llm(path, **kw):
+    kw = dict(dtype="float32", block_size=BS, max_model_len=160, num_threads=1, kv_cache_memory=0.004,
+              max_num_seqs=4) | kw
+    return LLM(path, **kw)
+
+
+def run(llm, prompts, params=GREEDY):
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                         use_tqdm=False)]
+
+
+def assert_all_returned(llm):
+    eng = llm.engine
+    states = eng.kv.states
+    assert states.num_free == states.num_live
+    assert len(states.free_snap) + len(states.named) == states.num_snapshots  # no snapshot slot leaked
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(tiny_hybrid_dir):
+    return tiny_hybrid_dir("qwen3_next")
+
+
+@pytest.fixture(scope="module")
+def plain(qwen3_next):
+    """The reference: one request at a time, no prefix cache, no chunking."""
+    llm = make_llm(qwen3_next, enable_prefix_caching=False, max_num_seqs=1)
+    return {tuple(p): run(llm, [p])[0] for p in PROMPTS + REPEATING}
+
+
+@pytest.mark.parametrize("knobs", [
+    dict(max_num_batched_tokens=7),  # every prompt in chunks of <= 7, mixed with decodes
+    dict(),  # batched
+    dict(max_num_seqs=2, max_num_batched_tokens=11, enable_prefix_caching=False),
+], ids=["chunked", "batched", "chunked-no-prefix-cache"])
+def test_chunked_and_batched_equal_the_plain_run(qwen3_next, plain, knobs):
+    llm = make_llm(qwen3_next, **knobs)
+    assert run(llm, PROMPTS) == [plain[tuple(p)] for p in PROMPTS]
+    assert_all_returned(llm)
+
+
+def test_prefix_hits_restore_the_state_and_say_how_many_tokens(qwen3_next, plain):
+    llm = make_llm(qwen3_next)
+    a = PROMPTS[3]  # 45 tokens: the last block boundary before its end is 44
+    first = llm.generate([{"prompt_token_ids": a}], GREEDY, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0
+    again = llm.generate([{"prompt_token_ids": a}], GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 44 and again.outputs[0].token_ids == plain[tuple(a)]
+    longer = a + prompt(12, 5)
+    out = llm.generate([{"prompt_token_ids": longer}], GREEDY, use_tqdm=False)[0]
+    ref = make_llm(qwen3_next, enable_prefix_caching=False, max_num_seqs=1)
+    assert out.num_cached_tokens == 44 and out.outputs[0].token_ids == run(ref, [longer])[0]
+    # the next chat turn: the previous prompt and answer, then new tokens. The answer's 20 tokens
+    # were computed up to position 45 + 19 = 64, a block boundary: that is where the turn resumes.
+    turn2 = a + plain[tuple(a)] + prompt(6, 8)
+    out = llm.generate([{"prompt_token_ids": turn2}], GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 64 and out.outputs[0].token_ids == run(ref, [turn2])[0]
+    assert_all_returned(llm)
+
+
+def test_without_snapshots_a_hit_never_skips_tokens(qwen3_next, plain):
+    llm = make_llm(qwen3_next, max_state_snapshots=0)
+    a = PROMPTS[3]
+    run(llm, [a])
+    out = llm.generate([{"prompt_token_ids": a}], GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == plain[tuple(a)]
+
+
+def test_preempted_requests_restart_and_give_the_same_tokens(qwen3_next, plain):
+    mc = ModelConfig.from_folder(qwen3_next)
+    states = mc.state_bytes_per_seq(4) * (4 + 8)
+    kv = 30 * BS * mc.kv_bytes_per_token_per_dtype_byte * 4  # 30 blocks: not enough for four at once
+    llm = make_llm(qwen3_next, kv_cache_memory=(states + kv) / 2**30, max_model_len=80)
+    assert run(llm, PROMPTS) == [plain[tuple(p)] for p in PROMPTS]
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert_all_returned(llm)
+
+
+def test_aborted_then_resubmitted(qwen3_next, plain):
+    llm = make_llm(qwen3_next, max_num_batched_tokens=9)
+    eng = llm.engine
+    for i, p in enumerate(PROMPTS[:4]):
+        eng.add_request(f"r{i}", {"prompt_token_ids": p}, GREEDY)
+    for _ in range(6):
+        eng.step()
+    assert eng.kv.states.num_free < eng.kv.states.num_live
+    for i in range(4):
+        eng.abort_request(f"r{i}")
+    assert_all_returned(llm)
+    assert run(llm, PROMPTS[:4]) == [plain[tuple(p)] for p in PROMPTS[:4]]
+    assert_all_returned(llm)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_ngram_speculation_equals_the_plain_run(qwen3_next, plain, k):
+    llm = make_llm(qwen3_next, speculative_config={"method": "ngram", "num_speculative_tokens": k,
+                                                   "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+                   max_num_batched_tokens=13)
+    assert run(llm, REPEATING) == [plain[tuple(p)] for p in REPEATING]
+    stats = llm.engine.stats()
+    assert stats["spec_num_draft_tokens"] > 0 and stats["spec_num_accepted_tokens"] > 0
+    assert_all_returned(llm)
+
+
+class Scripted(Proposer):
+    """Drafts from the known greedy continuation, `wrong` at chosen positions, a different length
+    for each request (1..4): accepted runs, rejections at every position, bonus tokens."""
+
+    num_speculative_tokens = 4
+
+    def __init__(self, truth, always_wrong=False):
+        self.truth, self.always_wrong = truth, always_wrong
+
+    def propose(self, requests, ks):
+        drafts = []
+        for req, k in zip(requests, ks):
+            n = req.num_tokens
+            k = min(k, 1 + hash((req.request_id, n)) % 4)
+            guess = self.truth.get(tuple(req.prompt_token_ids), [])[n:n + k]
+            guess = [(t + 1) % VOCAB if self.always_wrong or (n + j) % 3 == 0 else t for j, t in enumerate(guess)]
+            drafts.append(Draft(guess) if guess else None)
+        return drafts
+
+
+@pytest.mark.parametrize("always_wrong", [False, True])
+def test_verify_rolls_the_state_back_to_the_accepted_token(qwen3_next, plain, always_wrong):
+    llm = make_llm(qwen3_next, speculative_config={"method": "ngram", "num_speculative_tokens": 4},
+                   adaptive_spec=False)
+    truth = {tuple(p): p + plain[tuple(p)] for p in PROMPTS}
+    llm.engine.spec.proposer = Scripted(truth, always_wrong)
+    assert run(llm, PROMPTS) == [plain[tuple(p)] for p in PROMPTS]
+    stats = llm.engine.stats()
+    assert stats["spec_num_draft_tokens"] > 0
+    assert (stats["spec_num_accepted_tokens"] == 0) == always_wrong
+    assert_all_returned(llm)
+
+
+def test_verified_tokens_are_snapshotted_only_once_accepted(qwen3_next, plain):
+    """Speculation with prefix caching: the next turn resumes from a snapshot a verify step wrote,
+    and its tokens equal the plain run's (a snapshot of a rejected draft would change them)."""
+    llm = make_llm(qwen3_next, speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+                   adaptive_spec=False, max_num_batched_tokens=7)
+    truth = {tuple(p): p + plain[tuple(p)] for p in PROMPTS}
+    llm.engine.spec.proposer = Scripted(truth)
+    a = PROMPTS[1]
+    assert run(llm, [a]) == [plain[tuple(a)]]
+    turn2 = a + plain[tuple(a)] + prompt(5, 3)
+    ref = run(make_llm(qwen3_next, enable_prefix_caching=False, max_num_seqs=1), [turn2])[0]
+    out = llm.generate([{"prompt_token_ids": turn2}], GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == ref and out.num_cached_tokens > 20
+    assert_all_returned(llm)
+
+
+def test_a_state_budget_too_small_names_the_flags(qwen3_next):
+    mc = ModelConfig.from_folder(qwen3_next)
+    too_small = mc.state_bytes_per_seq(4) * 4 / 2**30  # not even the live slots and snapshots
+    with pytest.raises(KVCacheTooSmallError, match="--max-num-seqs.*--max-state-snapshots"):
+        make_llm(qwen3_next, kv_cache_memory=too_small)
