@@ -121,8 +121,21 @@ def weight_inventory(mc: ModelConfig, tp: int = 1, extra_layers: int = 0) -> tup
     mlp_bias = bool(mc.raw.get("mlp_bias", False))
     linears, dense = [], 0
     for layer in range(mc.num_layers + extra_layers):
-        linears += [((hq + 2 * hkv) * D, H), (H, hq * D)]
-        dense += 2 * H + (2 * D if mc.qk_norm else 0)
+        if layer < mc.num_layers and mc.layer_type(layer) == "linear_attention":  # Gated DeltaNet
+            kd, vd, nv = c(mc.linear_num_key_heads) * mc.linear_key_head_dim, \
+                c(mc.linear_num_value_heads) * mc.linear_value_head_dim, c(mc.linear_num_value_heads)
+            linears += [((2 * kd + 2 * vd), H), (2 * nv, H), (H, vd)]
+            dense += 2 * H + (2 * kd + vd) * mc.linear_conv_kernel_dim + 2 * nv + mc.linear_value_head_dim
+        elif mc.is_hybrid:  # gated attention: q_proj is twice as tall
+            linears += [((2 * hq + 2 * hkv) * D, H), (H, hq * D)]
+            dense += 2 * H + 2 * D
+        else:
+            linears += [((hq + 2 * hkv) * D, H), (H, hq * D)]
+            dense += 2 * H + (2 * D if mc.qk_norm else 0)
+        if mc.shared_expert_intermediate_size and mc.is_moe_layer(min(layer, mc.num_layers - 1)):
+            i = c(mc.shared_expert_intermediate_size)
+            linears += [(2 * i, H), (H, i)]
+            dense += H
         if mc.attention_bias:
             dense += (hq + 2 * hkv) * D + (H if mc.architecture != "Qwen2ForCausalLM" else 0)
         if mc.is_moe_layer(min(layer, mc.num_layers - 1)):
@@ -259,6 +272,9 @@ class Plan:
     concurrency: float
     fits: bool
     draft_kv_bytes_per_token: int = 0  # a draft model's layers, included in kv_bytes_per_token
+    # hybrid models: one sequence's recurrent state, and the slots the engine keeps (max_num_seqs + snapshots)
+    state_bytes_per_seq: int = 0
+    state_slots: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -313,15 +329,17 @@ def plan(model: str | None = None, *, memory_gib: float | None = None, max_model
     memory = int((memory_gib if memory_gib is not None else default_memory_gib(device)) * GiB)
     usable = int(memory * (gpu_memory_utilization if device == "cuda" else 1.0))
     budget = max(0, usable - weights - act - cuda)
-    pool = kv_pool(budget, per_token * block_size, block_size)
+    state_seq = mc.state_bytes_per_seq(b, tp) if mc.is_hybrid else 0
+    slots = 3 * max_num_seqs if mc.is_hybrid else 0  # the engine's default: max_num_seqs + 2 x max_num_seqs snapshots
+    pool = kv_pool(max(0, budget - state_seq * slots), per_token * block_size, block_size)
     context = mc.max_position_embeddings
     if max_model_len is not None and max_model_len > context:
         raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's context length {context}")
     want = max_model_len or context
     return Plan(src.path, mc.architecture, device, dtype, kv_cache_dtype, quant, tp, num_parameters(mc, extra),
-                weights, mc.num_layers + extra, kv_heads_per_device(mc, tp), mc.head_dim, elem, per_token, act, cuda,
+                weights, mc.num_kv_layers + extra, kv_heads_per_device(mc, tp), mc.head_dim, elem, per_token, act, cuda,
                 memory, usable, budget, block_size, pool.tokens, context, want, min(context, pool.tokens),
-                pool.tokens / want, pool.tokens >= want, draft_kv)
+                pool.tokens / want, pool.tokens >= want and state_seq * slots < budget, draft_kv, state_seq, slots)
 
 
 def format_plan(p: Plan) -> str:
@@ -342,10 +360,15 @@ def format_plan(p: Plan) -> str:
         ("CUDA reserve", size(p.cuda_reserve_bytes) if p.device == "cuda" else "- (cpu)"),
         ("memory", f"{size(p.memory_bytes)}" + (f", usable {size(p.usable_bytes)}" if p.usable_bytes != p.memory_bytes else "")),
         ("KV cache budget", size(p.kv_budget_bytes)),
+        *([("recurrent state", f"{size(p.state_bytes_per_seq)} a sequence (fp32 SSM + conv window); {p.state_slots} "
+                               f"slots = max_num_seqs + 2 x max_num_seqs prefix-cache snapshots = "
+                               f"{size(p.state_bytes_per_seq * p.state_slots)} of the budget")]
+          if p.state_bytes_per_seq else []),
         ("KV pool", f"{p.pool_tokens:,} tokens (blocks of {p.block_size})"),
         ("max_model_len", f"{p.max_model_len:,} (model context {p.context_len:,})  {'fits' if p.fits else 'DOES NOT FIT'}"),
         ("largest max_model_len", f"{p.largest_max_model_len:,}"),
-        ("concurrency", f"{p.concurrency:.2f} sequences of {p.max_model_len:,} tokens"),
+        ("concurrency", f"{p.concurrency:.2f} sequences of {p.max_model_len:,} tokens"
+                        + (" (each also holds a state slot)" if p.state_bytes_per_seq else "")),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

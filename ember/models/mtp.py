@@ -115,9 +115,14 @@ class MTPLayer(nn.Module):
         else:
             self.enorm, self.hnorm, self.eh_proj, self.final_norm = (
                 shared.enorm, shared.hnorm, shared.eh_proj, shared.final_norm)
-        self.block = LlamaDecoderLayer(cfg, layer_idx, dtype, device, attn_backend, mlp, kernels=kernels)
-        if zero_centered:
-            _zero_center_block_norms(self.block, cfg, dtype, device)
+        if cfg.is_hybrid:  # Qwen3-Next / Qwen3.5's own MTP: the model's gated full-attention layer (MoE and all)
+            from ember.models.qwen3_next import HybridDecoderLayer
+
+            self.block = HybridDecoderLayer(cfg, layer_idx, dtype, device, attn_backend, None, kernels, attention=True)
+        else:
+            self.block = LlamaDecoderLayer(cfg, layer_idx, dtype, device, attn_backend, mlp, kernels=kernels)
+            if zero_centered:
+                _zero_center_block_norms(self.block, cfg, dtype, device)
         if draft_vocab_size is not None and not 0 < draft_vocab_size <= cfg.vocab_size:
             raise ValueError(f"draft_vocab_size {draft_vocab_size} must be in 1..{cfg.vocab_size}")
         rows = draft_vocab_size or cfg.vocab_size
@@ -225,8 +230,8 @@ class MTPModule(nn.Module):
         cfg = block_cfg or main.cfg
         dtype, device = main.dtype, main.device
         if attn_backend is None:
-            attn_backend = main.model.layers[0].self_attn.attn.backend
-        if make_mlp is None:
+            attn_backend = main.attn_backend
+        if make_mlp is None and not cfg.is_hybrid:  # a hybrid's block builds its own MLP
             make_mlp = dense_mlp_factory(main, cfg, dtype, device)
         own_heads = list(own_heads or [False] * num_layers)
         draft_vocab_sizes = list(draft_vocab_sizes or [None] * num_layers)
@@ -244,7 +249,7 @@ class MTPModule(nn.Module):
         layers: list[MTPLayer] = []
         for j in range(num_layers):
             layers.append(MTPLayer(
-                cfg, base + j, dtype, device, attn_backend, make_mlp(base + j),
+                cfg, base + j, dtype, device, attn_backend, None if cfg.is_hybrid else make_mlp(base + j),
                 hidden_first=layout == "mimo", zero_centered=layout == "qwen3_next", own_head=own_heads[j],
                 shared=layers[0] if layout == "qwen3_next" and j > 0 else None,
                 draft_vocab_size=draft_vocab_sizes[j], kernels=main.kernels))

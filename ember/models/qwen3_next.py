@@ -86,9 +86,11 @@ class SharedExpertMoeBlock(SparseMoeBlock):
 
 
 class HybridDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype, device, attn_backend, quant_config, kernels):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype, device, attn_backend, quant_config, kernels,
+                 attention: bool = False):
+        """attention: a full-attention layer whatever layer_types says (the MTP block, past the last layer)."""
         super().__init__()
-        self.is_linear = cfg.layer_type(layer_idx) == LINEAR_ATTENTION
+        self.is_linear = not attention and cfg.layer_type(layer_idx) == LINEAR_ATTENTION
         prefix = f"model.layers.{layer_idx}"
         if self.is_linear:
             self.linear_attn = GatedDeltaNet(cfg, dtype, device, quant_config, f"{prefix}.linear_attn")

@@ -338,7 +338,7 @@ def load_mtp_weights(mtp: MTPModule, ckpt: MTPCheckpoint, progress: bool = True)
         if route is None:
             ignored.append(name)
             continue
-        if (ckpt.layout == "qwen3_next" and name.endswith("self_attn.q_proj.weight")
+        if (ckpt.layout == "qwen3_next" and not cfg.is_hybrid and name.endswith("self_attn.q_proj.weight")
                 and tensor.shape[0] == 2 * cfg.num_heads * cfg.head_dim):
             raise ModelLoadError(
                 f"{name} in {ckpt.folder} has {tensor.shape[0]} rows, twice num_heads * head_dim: a Qwen3-Next gated "

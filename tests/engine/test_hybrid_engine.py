@@ -186,3 +186,36 @@ def test_a_state_budget_too_small_names_the_flags(qwen3_next):
     too_small = mc.state_bytes_per_seq(4) * 4 / 2**30  # not even the live slots and snapshots
     with pytest.raises(KVCacheTooSmallError, match="--max-num-seqs.*--max-state-snapshots"):
         make_llm(qwen3_next, kv_cache_memory=too_small)
+
+
+@pytest.fixture(scope="module")
+def qwen3_next_mtp(tmp_path_factory):
+    from tests.models.tiny_hybrids import add_mtp, build_hybrid, save_hybrid
+
+    hf = build_hybrid("qwen3_next")
+    return add_mtp(hf, save_hybrid(hf, str(tmp_path_factory.mktemp("qwen3-next-mtp"))))
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_native_mtp_speculation_equals_the_plain_run(qwen3_next_mtp, plain, k):
+    """The model's own mtp.* layer (gated attention + MoE with a shared expert) drafts; the target's
+    greedy tokens do not change (the same weights as `plain`: transformers ignores mtp.*)."""
+    llm = make_llm(qwen3_next_mtp, speculative_config={"method": "mtp", "num_speculative_tokens": k},
+                   adaptive_spec=False)
+    assert run(llm, PROMPTS) == [plain[tuple(p)] for p in PROMPTS]
+    assert llm.engine.stats()["spec_num_draft_tokens"] > 0
+    assert_all_returned(llm)
+
+
+def test_mtp_with_prefix_caching_and_chunked_prefill_together(qwen3_next_mtp, plain):
+    llm = make_llm(qwen3_next_mtp, speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+                   adaptive_spec=False, max_num_batched_tokens=9)
+    a = PROMPTS[3]
+    assert run(llm, [a, PROMPTS[1]]) == [plain[tuple(a)], plain[tuple(PROMPTS[1])]]
+    out = llm.generate([{"prompt_token_ids": a}], GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 44 and out.outputs[0].token_ids == plain[tuple(a)]
+    turn2 = a + plain[tuple(a)] + prompt(6, 8)
+    ref = run(make_llm(llm_path := qwen3_next_mtp, enable_prefix_caching=False, max_num_seqs=1), [turn2])[0]
+    out = llm.generate([{"prompt_token_ids": turn2}], GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == ref and out.num_cached_tokens >= 44, llm_path
+    assert_all_returned(llm)

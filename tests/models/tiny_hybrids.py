@@ -86,3 +86,38 @@ def save_hybrid(model, path: str) -> str:
     model.save_pretrained(path)
     write_tiny_tokenizer(path, VOCAB)
     return path
+
+
+def add_mtp(hf_model, path: str, seed: int = 3) -> str:
+    """Give the folder Qwen3-Next's native MTP layer (`mtp.*`, config mtp_num_hidden_layers: 1), random:
+    mtp.fc, its two input norms, mtp.norm, and one full-attention decoder layer shaped like the model's
+    own (gated attention; MoE with a shared expert where the model's layers are sparse). transformers
+    skips these tensors; ember's MTP proposer drafts with them."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    cfg = hf_model.config.get_text_config()
+    attn_layer = cfg.layer_types.index("full_attention")
+    g = torch.Generator().manual_seed(seed)
+    text = hf_model.model.language_model if hasattr(hf_model.model, "language_model") else hf_model.model
+    H = cfg.hidden_size
+    mtp = {"mtp.fc.weight": torch.randn(H, 2 * H, generator=g) * 0.1}
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        mtp[f"mtp.{norm}.weight"] = 0.2 * torch.randn(H, generator=g)
+    n_layers = cfg.num_hidden_layers
+    sparse = [i for i in range(n_layers) if type(text.layers[i].mlp).__name__.endswith("SparseMoeBlock")]
+    for name, p in text.layers[attn_layer].state_dict().items():
+        if not name.startswith("mlp."):
+            mtp[f"mtp.layers.0.{name}"] = p + 0.05 * torch.randn(p.shape, generator=g)
+    mlp_src = text.layers[sparse[0] if sparse else attn_layer].mlp
+    for name, p in mlp_src.state_dict().items():
+        mtp[f"mtp.layers.0.mlp.{name}"] = p + 0.05 * torch.randn(p.shape, generator=g)
+    tensors = load_file(f"{path}/model.safetensors")
+    save_file(tensors | {k: v.contiguous() for k, v in mtp.items()}, f"{path}/model.safetensors", metadata={"format": "pt"})
+    with open(f"{path}/config.json") as f:
+        config = json.load(f)
+    (config.get("text_config") or config)["mtp_num_hidden_layers"] = 1
+    with open(f"{path}/config.json", "w") as f:
+        json.dump(config, f)
+    return path
