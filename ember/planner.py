@@ -369,6 +369,9 @@ def format_plan(p: Plan) -> str:
         ("largest max_model_len", f"{p.largest_max_model_len:,}"),
         ("concurrency", f"{p.concurrency:.2f} sequences of {p.max_model_len:,} tokens"
                         + (" (each also holds a state slot)" if p.state_bytes_per_seq else "")),
+        *([("sequences that fit", f"{int(p.kv_budget_bytes // (p.kv_bytes_per_token * p.max_model_len + p.state_bytes_per_seq))}"
+                                  f" of {p.max_model_len:,} tokens, each with its KV and its recurrent state "
+                                  "(snapshots aside)")] if p.state_bytes_per_seq else []),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

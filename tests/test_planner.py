@@ -133,3 +133,29 @@ def test_cli_table_and_json(seed_config, capsys):
     assert main(["plan", seed_config, "--dtype", "float16", "--memory", "160", "--max-model-len", "131072"]) == 0
     assert "DOES NOT FIT" in capsys.readouterr().out
     assert main(["plan", seed_config, "--max-model-len", "999999", "--memory", "8"]) == 2  # a user error, no traceback
+
+
+QWEN3_NEXT_80B = {"architectures": ["Qwen3NextForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
+                  "intermediate_size": 5120, "num_hidden_layers": 48, "num_attention_heads": 16,
+                  "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+                  "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+                  "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+                  "shared_expert_intermediate_size": 512, "norm_topk_prob": True, "max_position_embeddings": 262144,
+                  "rope_theta": 1e7, "torch_dtype": "bfloat16"}
+
+
+def test_hybrid_plan_counts_attention_kv_and_the_recurrent_state(tmp_path, capsys):
+    """Qwen3-Next-80B-A3B's published shape: 12 of 48 layers keep KV; a sequence's state (36 linear
+    layers x 32 heads x 128 x 128 fp32 + the bf16 conv window) is ~74 MiB (hybrid.md); 79.7 B parameters."""
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_NEXT_80B))
+    p = planner.plan(str(tmp_path), memory_gib=256, max_model_len=32768, dtype="bfloat16", device="cpu")
+    assert p.kv_layers == 12 and p.kv_bytes_per_token == 2 * 12 * 2 * 256 * 2
+    assert p.state_bytes_per_seq == 36 * (32 * 128 * 128 * 4 + 8192 * 3 * 2)
+    assert round(p.state_bytes_per_seq / 2**20) == 74
+    assert abs(p.num_parameters / 1e9 - 79.67) < 0.01
+    assert p.state_slots == 3 * 16 and p.fits
+    main(["plan", str(tmp_path), "--memory", "256", "--max-model-len", "32768", "--dtype", "bfloat16", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert "recurrent state" in out and "sequences that fit" in out
+    tiny = planner.plan(str(tmp_path), memory_gib=150.5, max_model_len=32768, dtype="bfloat16", device="cpu")
+    assert not tiny.fits  # the weights leave less than the states need
