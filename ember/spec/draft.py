@@ -123,6 +123,10 @@ class DraftModelProposer(Proposer):
                                   "give a draft model that uses the target's tokenizer")
         else:
             logger.warning("draft model %s has no tokenizer.json: only its vocab_size was checked", spec.model)
+        if mc.is_hybrid:
+            raise ConfigError(f"the draft model {spec.model!r} is a hybrid ({mc.architecture}): a draft keeps paged KV "
+                              "only, not recurrent state; use a dense draft of the same vocabulary (e.g. a small "
+                              "Qwen3), or --speculative-config '{\"method\": \"mtp\"}' for the model's own MTP layer")
         if mc.max_position_embeddings < ctx.max_model_len:
             raise ConfigError(f"the draft model {spec.model!r} has a context of {mc.max_position_embeddings} tokens, "
                               f"less than max_model_len {ctx.max_model_len}; pass --max-model-len "

@@ -6,6 +6,7 @@ speculated (n-gram k = 1..4, drafts of different lengths in one step, drafts tha
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ember import LLM, SamplingParams
 from ember.errors import KVCacheTooSmallError
@@ -219,3 +220,44 @@ def test_mtp_with_prefix_caching_and_chunked_prefill_together(qwen3_next_mtp, pl
     out = llm.generate([{"prompt_token_ids": turn2}], GREEDY, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == ref and out.num_cached_tokens >= 44, llm_path
     assert_all_returned(llm)
+
+
+def test_fp8_kv_quantizes_the_attention_layers_only(qwen3_next, plain):
+    llm = make_llm(qwen3_next, kv_cache_dtype="fp8")
+    runner = llm.engine.runner
+    kinds = {type(c).__name__ if not hasattr(c, "dtype") else str(c.dtype) for c in runner.kv_caches}
+    assert kinds == {"RecurrentState", "torch.float8_e4m3fn"}
+    assert all(st.ssm.dtype == torch.float32 and st.conv.dtype == torch.float32 for st in runner.recurrent_states)
+    out = run(llm, PROMPTS)
+    same = sum(a == b for o, p in zip(out, PROMPTS) for a, b in zip(o, plain[tuple(p)]))
+    assert same >= 0.8 * sum(len(o) for o in out)  # fp8 keys and values: close to the plain run, not equal
+    assert_all_returned(llm)
+
+
+@pytest.fixture(scope="module")
+def dense_draft(tmp_path_factory):
+    """A tiny dense Qwen3 with the hybrids' vocabulary: a draft model for a hybrid target."""
+    import transformers
+
+    from tests.models.tiny_hybrids import save_hybrid
+
+    cfg = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                   max_position_embeddings=512)
+    torch.manual_seed(11)
+    return save_hybrid(transformers.Qwen3ForCausalLM(cfg).eval(), str(tmp_path_factory.mktemp("draft")))
+
+
+def test_a_draft_model_speculates_for_a_hybrid_target(qwen3_next, dense_draft, plain):
+    llm = make_llm(qwen3_next, speculative_config={"method": "draft", "model": dense_draft,
+                                                   "num_speculative_tokens": 3}, max_num_batched_tokens=13)
+    assert run(llm, PROMPTS) == [plain[tuple(p)] for p in PROMPTS]
+    assert llm.engine.stats()["spec_num_draft_tokens"] > 0
+    assert_all_returned(llm)
+
+
+def test_a_hybrid_draft_model_is_refused_by_name(qwen3_next):
+    from ember.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="hybrid.*dense draft"):
+        make_llm(qwen3_next, speculative_config={"method": "draft", "model": qwen3_next, "num_speculative_tokens": 2})
