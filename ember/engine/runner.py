@@ -43,6 +43,7 @@ class ModelRunner:
         self.kv_dtype = kv_dtype
         # One cache per layer: paged KV for an attention layer, a RecurrentState for a hybrid's
         # linear-attention layer.
+        self.state_slots = state_slots if model_config.is_hybrid else 0
         states = model.make_recurrent_states(state_slots, device) if model_config.is_hybrid else [None] * model_config.num_layers
         self.recurrent_states = [st for st in states if st is not None]
         self.kv_caches = [
@@ -140,9 +141,8 @@ class ModelRunner:
         """Run one step. Returns, for every request whose step reached its end, the tokens it
         emits: one sampled token, or its accepted drafts then one more (len - 1 = accepted)."""
         ids, pos, meta, logit_rows, sampling_reqs = self.prepare(out)
-        for src, dst in out.state_copies:  # prefix-cache restores, before the forward reads the slots
-            for st in self.recurrent_states:
-                st.copy(src, dst)
+        if out.state_copies:  # prefix-cache restores, before the forward reads the slots
+            self.model.copy_states(self.recurrent_states, out.state_copies)
         hidden = self.executor.run(ids, pos, meta, self.select)
         entries, tables = self._step_layout
         keep = self.keep_hidden or self.keep_rows
@@ -180,9 +180,8 @@ class ModelRunner:
             emitted = self.rejection(logits[v_rows], items)
             result.update((req.request_id, toks) for (req, _), toks in zip(verify, emitted))
             if self.recurrent_states:  # each verify's state moves to its last accepted token
-                accepted = {req.state_slot: len(toks) - 1 for (req, _), toks in zip(verify, emitted)}
-                for st in self.recurrent_states:
-                    st.commit(accepted)
+                self.model.commit_states(self.recurrent_states,
+                                         {req.state_slot: len(toks) - 1 for (req, _), toks in zip(verify, emitted)})
         return result
 
     def _row(self, req: Request, banned: dict[str, list[int]] | None, drafts: list[int] = ()) -> SamplingRow:

@@ -159,8 +159,8 @@ class TensorParallelGroup:
     # -- setup and stop -----------------------------------------------------------------------
     def setup_workers(self, runner) -> None:
         """Give the workers rank 0's cache layout (shapes are per rank already: its kv heads)."""
-        comm.send_call("setup", [tuple(c.shape) for c in runner.kv_caches],
-                       [tuple(c.shape) for c in runner.extra_kv_caches], runner.kv_dtype)
+        comm.send_call("setup", [tuple(c.shape) if isinstance(c, torch.Tensor) else None for c in runner.kv_caches],
+                       [tuple(c.shape) for c in runner.extra_kv_caches], runner.kv_dtype, runner.state_slots)
 
     def shutdown(self, graceful: bool = True, timeout: float = 10.0) -> None:
         global _current

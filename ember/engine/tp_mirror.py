@@ -28,6 +28,14 @@ class MirroredModel:
         send_call("logits", hidden)
         return self._model.compute_logits(hidden)
 
+    def copy_states(self, states, copies):
+        send_call("copy_states", copies)
+        return self._model.copy_states(states, copies)
+
+    def commit_states(self, states, accepted):
+        send_call("commit_states", accepted)
+        return self._model.commit_states(states, accepted)
+
     def __getattr__(self, name):
         return getattr(self._model, name)
 
@@ -74,11 +82,20 @@ class Replayer:
     def run(self, op: str, args: tuple) -> None:
         getattr(self, "op_" + op)(*args)
 
-    def op_setup(self, main_shapes, extra_shapes, kv_dtype) -> None:
-        """Allocate this rank's KV caches in rank 0's layout (same blocks, this rank's kv heads)."""
+    def op_setup(self, main_shapes, extra_shapes, kv_dtype, state_slots: int = 0) -> None:
+        """Allocate this rank's KV caches in rank 0's layout (same blocks, this rank's kv heads); a
+        hybrid's linear-attention layers (shape None) get this rank's recurrent states."""
         alloc = lambda s: torch.zeros(s, dtype=kv_dtype, device=self.device)  # noqa: E731
-        self.kv_caches = [alloc(s) for s in main_shapes]
+        states = self.model.make_recurrent_states(state_slots, self.device) if state_slots else [None] * len(main_shapes)
+        self.states = [st for st in states if st is not None]
+        self.kv_caches = [st if s is None else alloc(s) for s, st in zip(main_shapes, states)]
         self.mtp_caches = [alloc(s) for s in extra_shapes]
+
+    def op_copy_states(self, copies) -> None:
+        self.model.copy_states(self.states, copies)
+
+    def op_commit_states(self, accepted) -> None:
+        self.model.commit_states(self.states, accepted)
 
     def op_profile(self, n: int, num_seqs: int, kv_heads: int, dtype) -> None:
         from ember.engine.kv_setup import profile_forward

@@ -176,6 +176,19 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
         return [layer.linear_attn.make_state(num_slots, device) if layer.is_linear else None
                 for layer in self.model.layers]
 
+    @staticmethod
+    def copy_states(states: list, copies: list[tuple[int, int]]) -> None:
+        """Slot to slot (prefix-cache snapshot restores), in order, in every linear-attention layer."""
+        for src, dst in copies:
+            for st in states:
+                st.copy(src, dst)
+
+    @staticmethod
+    def commit_states(states: list, accepted: dict[int, int]) -> None:
+        """After a verify: slot -> drafts accepted (RecurrentState.commit), in every linear-attention layer."""
+        for st in states:
+            st.commit(accepted)
+
     def skip_weight(self, name: str) -> bool:
         return name.startswith(("mtp.", "model.visual.")) or super().skip_weight(name)
 

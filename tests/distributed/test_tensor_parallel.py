@@ -251,3 +251,25 @@ def test_packed_gguf_is_refused_and_auto_dequantizes(tmp_path):
         tp_config.tp_quantization("gguf", str(f))
     assert tp_config.tp_quantization("auto", str(f)) == "none"
     assert tp_config.tp_quantization("auto", str(tmp_path)) == "auto"  # a folder: as stored (dense / AWQ)
+
+
+def test_hybrid_gated_deltanet_shards_by_key_head_group(tmp_path):
+    """Qwen3-Next with two key-head groups (each rank one, with its two value heads and their state),
+    gated attention over 4 heads, MoE with a shared expert: TP=2 gives TP=1's tokens, chunked and
+    batched, and with prefix-cache hits that restore each rank's state snapshot."""
+    from tests.models.tiny_hybrids import VOCAB, build_hybrid, save_hybrid
+
+    path = save_hybrid(build_hybrid("qwen3_next", num_attention_heads=4, num_key_value_heads=2, head_dim=12),
+                       str(tmp_path / "qwen3-next"))
+    prompts = [[t % VOCAB for t in p] for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+
+    def gen(llm, ps=prompts):
+        return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)]
+
+    ref = gen(make_llm(path, **HARD))
+    tp = tp_llm(path, max_num_batched_tokens=7, max_num_seqs=6)
+    assert_same(gen(tp), ref)
+    again = tp.generate([{"prompt_token_ids": prompts[1]}], params, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 20 and again.outputs[0].token_ids == ref[1].token_ids  # 23 tokens: boundary 20
+    tp.engine.shutdown()

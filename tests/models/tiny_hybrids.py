@@ -42,12 +42,13 @@ _VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_h
                num_position_embeddings=16)
 
 
-def build_hybrid(arch: str, seed: int = 0):
+def build_hybrid(arch: str, seed: int = 0, **overrides):
     """A random fp32 HF model whose every parameter is randomised: norms around their identity
-    (zero-centred ones around 0), A_log and dt_bias spread so the decays differ per head."""
+    (zero-centred ones around 0), A_log and dt_bias spread so the decays differ per head.
+    overrides: config keys to change (e.g. head counts that split over two ranks)."""
     import transformers
 
-    spec = dict(HYBRID_CONFIGS["qwen3_5" if arch == "qwen3_5_vl" else arch])
+    spec = dict(HYBRID_CONFIGS["qwen3_5" if arch == "qwen3_5_vl" else arch]) | overrides
     cls, cfg_cls = getattr(transformers, spec.pop("cls")), getattr(transformers, spec.pop("cfg"))
     if arch == "qwen3_5_vl":
         tie = spec.pop("tie_word_embeddings")
