@@ -40,12 +40,21 @@ class GatedDeltaNet(nn.Module):
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.kernel = cfg.linear_conv_kernel_dim
         key_dim, value_dim = nk * self.dk, nv * self.dv  # full sizes: the Linears narrow them
-        method = (lambda name: quant_config.linear_method(f"{prefix}.{name}")) if quant_config else (lambda name: None)
+        def method(ours: str, *checkpoint_names: str):
+            # dense unless every checkpoint tensor this layer fuses is quantized: an AWQ checkpoint keeps
+            # in_proj_b / in_proj_a (the decay and beta gates) unquantized (hybrid.md, pitfall 5)
+            if quant_config is None:
+                return None
+            methods = [quant_config.linear_method(f"{prefix}.{n}") for n in (ours, *checkpoint_names)]
+            return None if any(m is None for m in methods) else methods[0]
+
         self.in_proj_qkvz = MergedColumnLinear(cfg.hidden_size, [key_dim, key_dim, value_dim, value_dim],
-                                               dtype=dtype, device=device, quant_method=method("in_proj_qkvz"),
+                                               dtype=dtype, device=device,
+                                               quant_method=method("in_proj_qkvz", "in_proj_qkv", "in_proj_z"),
                                                shard_ids=("q", "k", "v", "z"))
         self.in_proj_ba = MergedColumnLinear(cfg.hidden_size, [nv, nv], dtype=dtype, device=device,
-                                             quant_method=method("in_proj_ba"), shard_ids=("b", "a"))
+                                             quant_method=method("in_proj_ba", "in_proj_b", "in_proj_a"),
+                                             shard_ids=("b", "a"))
         self.conv_dim = 2 * self.nk * self.dk + self.nv * self.dv
         self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, self.kernel, dtype=dtype, device=device),
                                         requires_grad=False)
@@ -137,28 +146,26 @@ class GatedDeltaNet(nn.Module):
     def expected_shards(self, param_name: str) -> set:
         return {None}
 
+    # checkpoint projection -> (our fused layer, the shards it holds in order)
+    _PROJECTIONS = {"in_proj_qkv": ("in_proj_qkvz", "qkv"), "in_proj_z": ("in_proj_qkvz", "z"),
+                    "in_proj_b": ("in_proj_ba", "b"), "in_proj_a": ("in_proj_ba", "a"),
+                    "in_proj_qkvz": ("in_proj_qkvz", "qkvz"), "in_proj_ba": ("in_proj_ba", "ba")}
+
     def load_weight(self, name: str, tensor: torch.Tensor, shard_id=None):
-        """A checkpoint tensor named relative to the layer ("in_proj_qkvz.weight", "A_log", ...) ->
-        (our parameter name relative to the layer, the shards it filled)."""
-        key_dim, value_dim, r = self.nk * self.dk * self.tp_size, self.nv * self.dv * self.tp_size, self.nv // self.nk
-        if name == "in_proj_qkv.weight":  # Qwen3.5: [q | k | v]
-            for sid, part in zip("qkv", tensor.split([key_dim, key_dim, value_dim])):
-                self.in_proj_qkvz.load_weight("weight", part, sid)
-            return "in_proj_qkvz.weight", {"q", "k", "v"}
-        if name in ("in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight"):
-            sid = name[8]
-            layer = self.in_proj_qkvz if sid == "z" else self.in_proj_ba
-            layer.load_weight("weight", tensor, sid)
-            return f"{'in_proj_qkvz' if sid == 'z' else 'in_proj_ba'}.weight", {sid}
-        if name == "in_proj_qkvz.weight":  # Qwen3-Next: per key-head group [q_g | k_g | v_g | z_g]
-            groups = self._groups(tensor, [self.dk, self.dk, r * self.dv, r * self.dv], name)
-            for sid, part in zip("qkvz", groups):
-                self.in_proj_qkvz.load_weight("weight", part, sid)
-            return "in_proj_qkvz.weight", {"q", "k", "v", "z"}
-        if name == "in_proj_ba.weight":  # Qwen3-Next: per key-head group [b_g | a_g]
-            for sid, part in zip("ba", self._groups(tensor, [r, r], name)):
-                self.in_proj_ba.load_weight("weight", part, sid)
-            return "in_proj_ba.weight", {"b", "a"}
+        """A checkpoint tensor named relative to the layer ("in_proj_qkvz.weight", "A_log", an AWQ
+        "in_proj_qkv.qweight", ...) -> (our parameter name relative to the layer, the shards it filled)."""
+        key_dim, value_dim = self.nk * self.dk * self.tp_size, self.nv * self.dv * self.tp_size
+        proj, _, suffix = name.partition(".")
+        if proj in self._PROJECTIONS and suffix:
+            ours, sids = self._PROJECTIONS[proj]
+            layer = getattr(self, ours)
+            param = getattr(layer, suffix, None)
+            if param is None or getattr(param, "output_dim", None) is None:
+                raise ModelLoadError(f"linear_attn.{name}: {ours} has no {suffix!r} (is the checkpoint quantized the "
+                                     "way its config says?)")
+            for sid, part in zip(sids, self._split_rows(proj, tensor, param.output_dim, key_dim, value_dim)):
+                layer.load_weight(suffix, part, sid)
+            return f"{ours}.{suffix}", set(sids)
         if name == "conv1d.weight":  # [C, 1, K], channels [q | k | v]: this rank's part of each
             w = tensor.reshape(tensor.shape[0], -1)
             if self.tp_size > 1 and w.shape[0] == 2 * key_dim + value_dim:
@@ -171,21 +178,34 @@ class GatedDeltaNet(nn.Module):
         if name == "norm.weight":  # over dv, shared by every head
             copy_checked(self.norm.weight, tensor, f"linear_attn.{name}")
             return name, None
-        if name == "out_proj.weight":
-            self.out_proj.load_weight("weight", tensor)
-            return "out_proj.weight", None
+        if name.startswith("out_proj."):
+            self.out_proj.load_weight(suffix, tensor)
+            return name, None
         raise ModelLoadError(f"unexpected Gated DeltaNet weight linear_attn.{name}")
+
+    def _split_rows(self, proj: str, tensor: torch.Tensor, dim: int, key_dim: int, value_dim: int) -> list[torch.Tensor]:
+        """A checkpoint projection's output dim (dim: rows of a weight, packed columns of AWQ's
+        qweight) -> its parts in our shard order. Sizes are in output features, scaled to the
+        tensor's units (8 int4 values per AWQ word)."""
+        nk, r = self.nk * self.tp_size, self.nv // self.nk
+        full = {"in_proj_qkv": 2 * key_dim + value_dim, "in_proj_z": value_dim, "in_proj_b": nk * r,
+                "in_proj_a": nk * r, "in_proj_qkvz": 2 * key_dim + 2 * value_dim, "in_proj_ba": 2 * nk * r}[proj]
+        if tensor.shape[dim] * 8 == full or tensor.shape[dim] == full:
+            unit = tensor.shape[dim] / full
+        else:
+            raise ModelLoadError(f"linear_attn.{proj} has {tensor.shape[dim]} outputs along dim {dim}; the config "
+                                 f"needs {full}")
+        if proj == "in_proj_qkv":
+            return list(tensor.split([int(n * unit) for n in (key_dim, key_dim, value_dim)], dim=dim))
+        if proj in ("in_proj_z", "in_proj_b", "in_proj_a"):
+            return [tensor]
+        # Qwen3-Next: interleaved per key-head group, [q_g | k_g | v_g | z_g] and [b_g | a_g]
+        sizes = [self.dk, self.dk, r * self.dv, r * self.dv] if proj == "in_proj_qkvz" else [r, r]
+        sizes = [int(n * unit) for n in sizes]
+        t = tensor.movedim(dim, 0)
+        parts = t.reshape(nk, sum(sizes), *t.shape[1:]).split(sizes, dim=1)
+        return [p.reshape(-1, *t.shape[1:]).movedim(0, dim) for p in parts]
 
     def _rank_part(self, tensor: torch.Tensor) -> torch.Tensor:
         n = tensor.shape[0] // self.tp_size
         return tensor.narrow(0, self.tp_rank * n, n)
-
-    def _groups(self, tensor: torch.Tensor, sizes: list[int], name: str) -> list[torch.Tensor]:
-        """Rows interleaved per key-head group -> one tensor per part, groups in order."""
-        per_group = sum(sizes)
-        nk = self.nk * self.tp_size
-        if tensor.shape[0] != nk * per_group:
-            raise ModelLoadError(f"linear_attn.{name} has {tensor.shape[0]} rows; the config needs "
-                                 f"{nk} key-head groups of {per_group}")
-        parts = tensor.reshape(nk, per_group, -1).split(sizes, dim=1)
-        return [p.reshape(-1, tensor.shape[-1]) for p in parts]

@@ -222,3 +222,12 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
 
 class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
     """Qwen3.5 MoE: every layer sparse, top-k always renormalised."""
+
+
+class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
+    """The published Qwen3.5 (vision-language) checkpoint served as its text model: text weights
+    under model.language_model.*, the vision tower skipped, config under text_config."""
+
+
+class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM):
+    """The published Qwen3.5-MoE (vision-language) checkpoint served as its text model."""

@@ -14,8 +14,8 @@ _MODELS = {
     "Qwen3_5ForCausalLM": ("ember.models.qwen3_next", "Qwen3_5ForCausalLM"),
     "Qwen3_5MoeForCausalLM": ("ember.models.qwen3_next", "Qwen3_5MoeForCausalLM"),
     # vision-language checkpoints, served as their text model (the vision tower is skipped)
-    "Qwen3_5ForConditionalGeneration": ("ember.models.qwen3_next", "Qwen3_5ForCausalLM"),
-    "Qwen3_5MoeForConditionalGeneration": ("ember.models.qwen3_next", "Qwen3_5MoeForCausalLM"),
+    "Qwen3_5ForConditionalGeneration": ("ember.models.qwen3_next", "Qwen3_5ForConditionalGeneration"),
+    "Qwen3_5MoeForConditionalGeneration": ("ember.models.qwen3_next", "Qwen3_5MoeForConditionalGeneration"),
 }
 
 
