@@ -86,7 +86,14 @@ class KVPool:
         return self.num_blocks * self.block_size
 
 
+# A model with no attention layer (a hybrid of linear layers only) stores no KV: its blocks cost
+# nothing and only do the bookkeeping (positions, prefix hashes). This many of them: 64 Mi tokens.
+FREE_BLOCK_TOKENS = 1 << 26
+
+
 def kv_pool(budget_bytes: float, block_bytes: int, block_size: int) -> KVPool:
+    if block_bytes == 0:
+        return KVPool(budget_bytes, block_size, 0, FREE_BLOCK_TOKENS // block_size)
     return KVPool(budget_bytes, block_size, block_bytes, max(0, int(budget_bytes // block_bytes)))
 
 

@@ -80,6 +80,9 @@ class StateSlots:
         for p in range((start // bs + 1) * bs, end + 1, bs):
             in_prompt = p <= last_prompt_boundary
             if in_prompt and (p % self.interval == 0 or p == last_prompt_boundary) or not in_prompt and p == end - (end % bs):
+                if not in_prompt and req.rolling_snapshot is not None:  # replaced, not kept beside the new one
+                    self._drop(req.rolling_snapshot)
+                    req.rolling_snapshot = None
                 slot = self._take_snapshot_slot()
                 if slot is None:
                     return

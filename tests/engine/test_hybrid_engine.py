@@ -261,3 +261,18 @@ def test_a_hybrid_draft_model_is_refused_by_name(qwen3_next):
 
     with pytest.raises(ConfigError, match="hybrid.*dense draft"):
         make_llm(qwen3_next, speculative_config={"method": "draft", "model": qwen3_next, "num_speculative_tokens": 2})
+
+
+def test_a_model_of_linear_layers_only_needs_no_kv(tmp_path):
+    """No attention layer: KV blocks cost nothing (bookkeeping only); chunked with prefix hits equals
+    the plain run (transformers itself cannot run such a model: its mask needs an attention layer)."""
+    from tests.models.tiny_hybrids import build_hybrid, save_hybrid
+
+    path = save_hybrid(build_hybrid("qwen3_5", layer_types=["linear_attention"] * 3, num_hidden_layers=3,
+                                    full_attention_interval=None), str(tmp_path / "linear-only"))
+    ref = run(make_llm(path, enable_prefix_caching=False, max_num_seqs=1), PROMPTS)
+    llm = make_llm(path, max_num_batched_tokens=7, max_state_snapshots=24)  # room for every prompt's snapshot
+    assert llm.engine.runner.kv_caches and not [c for c in llm.engine.runner.kv_caches if isinstance(c, torch.Tensor)]
+    assert run(llm, PROMPTS) == ref and run(llm, PROMPTS) == ref
+    assert llm.engine.kv.stats.hits > 0
+    assert_all_returned(llm)
