@@ -276,3 +276,47 @@ def test_a_model_of_linear_layers_only_needs_no_kv(tmp_path):
     assert run(llm, PROMPTS) == ref and run(llm, PROMPTS) == ref
     assert llm.engine.kv.stats.hits > 0
     assert_all_returned(llm)
+
+
+class RandomDrafts(Proposer):
+    """Random guesses among a few tokens, with (q uniform over them) or without draft probabilities."""
+
+    num_speculative_tokens = 2
+
+    def __init__(self, candidates, with_probs):
+        self.cands, self.with_probs = sorted(candidates), with_probs
+        self.gen = torch.Generator().manual_seed(0)
+
+    def propose(self, requests, ks):
+        q = torch.zeros(VOCAB)
+        q[self.cands] = 1.0 / len(self.cands)
+        out = []
+        for k in ks:
+            toks = [self.cands[i] for i in torch.randint(len(self.cands), (k,), generator=self.gen).tolist()]
+            out.append(Draft(toks, q.expand(k, VOCAB).clone() if self.with_probs else None))
+        return out
+
+
+def test_sampling_keeps_the_target_distribution_under_speculation(qwen3_next):
+    """The joint law of the first 3 sampled tokens (2 and 3 from verify steps that roll the state
+    back on rejection) is the same with random drafts as without speculation (chi-square)."""
+    from tests.spec.test_spec_engine import two_sample_pvalue
+
+    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
+    N = 800
+
+    def sample(llm):
+        torch.manual_seed(0)
+        return [tuple(t) for t in run(llm, [PROMPTS[0]] * N, params)]
+
+    base = sample(make_llm(qwen3_next, max_num_seqs=32, kv_cache_memory=0.02))
+    cands = {t for s in base for t in s}
+    for with_probs in (False, True):
+        llm = make_llm(qwen3_next, max_num_seqs=32, kv_cache_memory=0.02,
+                       speculative_config={"method": "ngram", "num_speculative_tokens": 2}, adaptive_spec=False)
+        llm.engine.spec.proposer = RandomDrafts(cands, with_probs)
+        spec = sample(llm)
+        stats = llm.engine.stats()
+        assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
+        assert two_sample_pvalue(base, spec) > 1e-3, with_probs
+        assert_all_returned(llm)
