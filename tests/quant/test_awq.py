@@ -31,13 +31,15 @@ pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 QUANTIZED = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")  # what AutoAWQ quantizes (experts too)
 
 
-def write_awq_pair(src: str, root: str, group_size: int, skip=(), legacy: bool = False) -> tuple[str, str]:
-    """(AWQ folder, dense folder holding its exact dequantized weights) made from the HF folder src."""
+def write_awq_pair(src: str, root: str, group_size: int, skip=(), legacy: bool = False,
+                   quantized: re.Pattern = QUANTIZED) -> tuple[str, str]:
+    """(AWQ folder, dense folder holding its exact dequantized weights) made from the HF folder src;
+    quantized: the checkpoint tensors AutoAWQ would pack (default: attention and MLP projections)."""
     awq_dir, dense_dir = os.path.join(root, "awq"), os.path.join(root, "dense")
     awq, dense = {}, {}
     for name, w in load_file(os.path.join(src, "model.safetensors")).items():
         module = name[: -len(".weight")]
-        if QUANTIZED.search(name) and not any(names_module(e, module) for e in skip):
+        if quantized.search(name) and not any(names_module(e, module) for e in skip):
             G = w.shape[1] if group_size == -1 else group_size
             t = pack_linear(w, G)
             awq.update({f"{module}.{k}": v for k, v in t.items()})

@@ -4,21 +4,17 @@ expert) load packed and run like their dequantized twins, while what must stay d
 (in_proj_b / in_proj_a or in_proj_ba, the conv, A_log, dt_bias, the router, the shared-expert gate)."""
 from __future__ import annotations
 
-import json
-import os
 import re
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from ember import LLM, SamplingParams
 from ember.layers.linear import DenseMethod
 from ember.quant.awq import AWQLinearMethod
-from ember.quant.awq_packing import dequantize_awq, pack_linear
 from tests.models.tiny_hybrids import VOCAB, build_hybrid, save_hybrid
 from tests.models.tiny_models import one_thread, random_prompt  # noqa: F401
+from tests.quant.test_awq import write_awq_pair
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 QUANTIZED = re.compile(r"\.((q|k|v|o|gate|up|down)_proj|in_proj_qkvz?|in_proj_z|out_proj)\.weight$")
@@ -27,38 +23,10 @@ SHAPE = dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16)  # A
 G = 8
 
 
-def write_pair(src: str, root: str) -> tuple[str, str]:
-    """(AWQ folder, dense folder with its exact dequantized weights) from the HF folder src."""
-    awq, dense = {}, {}
-    for name, w in load_file(os.path.join(src, "model.safetensors")).items():
-        module = name[: -len(".weight")]
-        if QUANTIZED.search(name) and w.dim() == 2 and "mtp." not in name:
-            t = pack_linear(w, G)
-            awq.update({f"{module}.{k}": v for k, v in t.items()})
-            dense[name] = dequantize_awq(t["qweight"], t["qzeros"], t["scales"].float(), G).t().contiguous()
-        else:
-            awq[name] = dense[name] = w
-    with open(os.path.join(src, "config.json")) as f:
-        config = json.load(f)
-    folders = []
-    for kind, tensors in (("awq", awq), ("dense", dense)):
-        folder = os.path.join(root, kind)
-        shutil.copytree(src, folder)
-        save_file(tensors, os.path.join(folder, "model.safetensors"))
-        cfg = dict(config)
-        if kind == "awq":
-            cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": G, "zero_point": True,
-                                          "version": "gemm", "modules_to_not_convert": SKIP}
-        with open(os.path.join(folder, "config.json"), "w") as f:
-            json.dump(cfg, f)
-        folders.append(folder)
-    return folders[0], folders[1]
-
-
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe", "qwen3_5"])
 def test_awq_hybrid_equals_its_dequantized_twin(arch, tmp_path):
     src = save_hybrid(build_hybrid(arch, **SHAPE), str(tmp_path / "hf"))
-    awq_dir, dense_dir = write_pair(src, str(tmp_path))
+    awq_dir, dense_dir = write_awq_pair(src, str(tmp_path), G, skip=SKIP, quantized=QUANTIZED)
     kw = dict(dtype="float32", block_size=4, max_model_len=96, num_threads=1, kv_cache_memory=0.004, max_num_seqs=3,
               max_num_batched_tokens=11)
     awq, dense = LLM(awq_dir, **kw), LLM(dense_dir, **kw)
