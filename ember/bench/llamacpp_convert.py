@@ -1,0 +1,71 @@
+"""llama.cpp's own HF -> GGUF converter, as vendored by the llama-cpp-python sdist (the version the
+llama.cpp peer runs), for benchmarks and tests that need GGUF files written the way users get them.
+
+The sdist is fetched once with `pip download` (PyPI, like any package install; no model weights)
+into a cache folder, under a file lock so that concurrent processes fetch it once, and only the
+converter, its `conversion` package and `gguf-py` are unpacked. The converter runs as a subprocess
+with gguf-py first on its path (the vendored gguf knows the newest architectures), so ember's own
+environment is untouched.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+import tarfile
+
+VERSION = "0.3.36"
+_VENDOR = f"llama_cpp_python-{VERSION}/vendor/llama.cpp/"
+_WANTED = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+
+
+def cache_dir() -> str:
+    return os.environ.get("EMBER_LLAMACPP_CONVERTER_CACHE",
+                          os.path.join(os.path.expanduser("~"), ".cache", "ember", f"llama.cpp-converter-{VERSION}"))
+
+
+def converter_dir() -> str:
+    """The folder holding convert_hf_to_gguf.py (fetched on first use)."""
+    root = cache_dir()
+    done = os.path.join(root, "llama.cpp", "convert_hf_to_gguf.py")
+    if os.path.exists(done):
+        return os.path.dirname(done)
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be fetching: wait for it
+        if not os.path.exists(done):
+            _fetch(root)
+    return os.path.dirname(done)
+
+
+def _fetch(root: str) -> None:
+    sdist = os.path.join(root, f"llama_cpp_python-{VERSION}.tar.gz")
+    if not os.path.exists(sdist):
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                        f"llama-cpp-python=={VERSION}", "-d", root], check=True)
+    target = os.path.join(root, "llama.cpp")
+    staging = target + ".partial"
+    with tarfile.open(sdist) as tar:
+        members = [m for m in tar.getmembers()
+                   if m.name.startswith(_VENDOR) and m.name[len(_VENDOR):].startswith(_WANTED)]
+        for m in members:
+            m.name = m.name[len(_VENDOR):]
+        tar.extractall(staging, members=members, filter="data")
+    os.replace(staging, target)  # whole or not at all: a killed fetch leaves no half converter
+    os.remove(sdist)
+
+
+def convert(hf_dir: str, out_path: str, outtype: str = "f32", extra_args: tuple[str, ...] = (),
+            timeout: float = 1800) -> str:
+    """Run llama.cpp's converter on an HF folder; returns out_path. outtype: f32, f16, bf16, q8_0, ...;
+    extra_args: more converter flags (e.g. --no-mtp for a Qwen3-Next / Qwen3.5 folder without mtp.*)."""
+    conv = converter_dir()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(conv, "gguf-py"), conv]),
+               NO_LOCAL_GGUF="")
+    proc = subprocess.run([sys.executable, os.path.join(conv, "convert_hf_to_gguf.py"), hf_dir, "--outfile", out_path,
+                           "--outtype", outtype, *extra_args], env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama.cpp's convert_hf_to_gguf.py failed on {hf_dir} (exit {proc.returncode}):\n"
+                           f"{proc.stderr[-4000:]}")
+    return out_path
