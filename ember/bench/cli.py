@@ -52,7 +52,7 @@ def _common_args(p: argparse.ArgumentParser) -> None:
 
 def add_bench_parser(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmark ember against transformers and write a results file")
-    sub = p.add_subparsers(dest="bench_command", required=True, metavar="{latency,throughput,serve,quant,spec,tp,compare,matrix,readme-table,startup}")
+    sub = p.add_subparsers(dest="bench_command", required=True, metavar="{latency,throughput,serve,quant,spec,tp,compare,hybrid,matrix,readme-table,startup}")
 
     lat = sub.add_parser("latency", help="batch-1 decode tok/s and time to first token")
     _common_args(lat)
@@ -69,6 +69,7 @@ def add_bench_parser(subparsers) -> None:
     thr.set_defaults(func=cmd_throughput)
 
     from ember.bench.compare import add_compare_parser
+    from ember.bench.hybrid import add_hybrid_parser
     from ember.bench.matrix import add_matrix_parser
     from ember.bench.quant import add_quant_parser
     from ember.bench.readme_table import add_readme_table_parser
@@ -82,6 +83,7 @@ def add_bench_parser(subparsers) -> None:
     add_spec_parser(sub)
     add_tp_parser(sub)
     add_compare_parser(sub)
+    add_hybrid_parser(sub)
     add_matrix_parser(sub)
     add_readme_table_parser(sub)
     add_startup_parser(sub)

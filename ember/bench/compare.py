@@ -415,11 +415,13 @@ def cmd_compare(args) -> None:
     knobs.update(speculative_config=None, speculative_model=None, enable_mtp=False, num_speculative_tokens=None)
     path = model_path(knobs)
     longest = max(args.prompt_lens)
-    peer_kwargs = {"llamacpp": {"gguf_path": path, "threads": threads, "n_ctx": max(4096, longest + hi + args.output_len),
+    # a peer may read another file of the same weights (ember bench hybrid: the GGUF for llama.cpp, the HF folder
+    # for transformers)
+    peer_kwargs = {"llamacpp": {"gguf_path": getattr(args, "llamacpp_model", None) or path, "threads": threads, "n_ctx": max(4096, longest + hi + args.output_len),
                                 "batch_mode": args.llamacpp_batch},
                    # transformers in the dtype ember picks here: bf16 where the CPU has bf16 instructions,
                    # else float32 (emulated bf16 runs several times slower: no user would pick it)
-                   "hf": {"model_path": path, "dtype": resolve_dtype_name("auto", "cpu")}}
+                   "hf": {"model_path": getattr(args, "hf_model", None) or path, "dtype": resolve_dtype_name("auto", "cpu")}}
     sides = {}
     try:
         sides[EMBER] = start_side(EMBER_FACTORY, knobs, threads, args.in_process)
@@ -455,13 +457,14 @@ def cmd_compare(args) -> None:
                 "sides": {n: s.description for n, s in sides.items()}, "figures": figures,
                 "peak_rss_mib": rss, "rss_shared_process": shared,
                 "bandwidth": bandwidth_summary(bandwidth, figures[0], sides[EMBER].weight_bytes),
-                "bars": [b.judge(figures) for b in bars(longest, args.baseline is not None, args.versus is not None)]}
+                "bars": [b.judge(figures) for b in bars(longest, args.baseline is not None, args.versus is not None)]
+                if getattr(args, "judge", True) else []}
     finally:
         for s in sides.values():
             s.close()
     data["notes"] = notes(args, knobs, mtp_knobs, decode_prompt is not None, shared)
     section = render(data)
-    md, js = write(data, section, args.output, KIND)
+    md, js = write(data, section, args.output, getattr(args, "kind", KIND))
     print(section)
     logger.info("bench compare: wrote %s and %s", md, js)
 
@@ -550,11 +553,11 @@ def workload_args(p, *, prompt_help: str) -> None:
                         "peak RSS is then the whole process's, not each side's (" + prompt_help + ")")
 
 
-def add_compare_parser(sub) -> None:
+def add_compare_parser(sub, name: str = "compare", help: str | None = None):
     from ember.bench.cli import _common_args, _int_list
 
-    p = sub.add_parser("compare", help="ember vs llama.cpp vs transformers on the same GGUF: decode, TTFT, throughput, "
-                                       "memory; judges the CPU bars",
+    p = sub.add_parser(name, help=help or ("ember vs llama.cpp vs transformers on the same GGUF: decode, TTFT, "
+                                           "throughput, memory; judges the CPU bars"),
                        description="Needs llama-cpp-python for the llama.cpp side: pip install -e '.[bench]' -- "
                                    "installing it compiles llama.cpp, several minutes on 2 cores. --peer hf needs "
                                    "transformers and accelerate.")
@@ -585,3 +588,4 @@ def add_compare_parser(sub) -> None:
                         f"{BASELINE_TOLERANCE:.0%}% of it")  # %% for argparse
     workload_args(p, prompt_help="for quick checks")
     p.set_defaults(func=cmd_compare)
+    return p

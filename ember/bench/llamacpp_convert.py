@@ -10,14 +10,19 @@ environment is untouched.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
 
 VERSION = "0.3.36"
 _VENDOR = f"llama_cpp_python-{VERSION}/vendor/llama.cpp/"
-_WANTED = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+# the converter, and Qwen's tokenizer as llama.cpp's tokenizer tests keep it (a vocab-only GGUF): the
+# converter accepts only tokenizers whose pre-tokenizer it knows, so random models borrow this one
+QWEN_VOCAB = "models/ggml-vocab-qwen2.gguf"
+_WANTED = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", QWEN_VOCAB)
 
 
 def cache_dir() -> str:
@@ -28,15 +33,15 @@ def cache_dir() -> str:
 def converter_dir() -> str:
     """The folder holding convert_hf_to_gguf.py (fetched on first use)."""
     root = cache_dir()
-    done = os.path.join(root, "llama.cpp", "convert_hf_to_gguf.py")
+    done = os.path.join(root, "llama.cpp", QWEN_VOCAB)  # the last of what is unpacked
     if os.path.exists(done):
-        return os.path.dirname(done)
+        return os.path.join(root, "llama.cpp")
     os.makedirs(root, exist_ok=True)
     with open(os.path.join(root, ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be fetching: wait for it
         if not os.path.exists(done):
             _fetch(root)
-    return os.path.dirname(done)
+    return os.path.join(root, "llama.cpp")
 
 
 def _fetch(root: str) -> None:
@@ -46,6 +51,8 @@ def _fetch(root: str) -> None:
                         f"llama-cpp-python=={VERSION}", "-d", root], check=True)
     target = os.path.join(root, "llama.cpp")
     staging = target + ".partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.rmtree(target, ignore_errors=True)  # an older, smaller unpack
     with tarfile.open(sdist) as tar:
         members = [m for m in tar.getmembers()
                    if m.name.startswith(_VENDOR) and m.name[len(_VENDOR):].startswith(_WANTED)]
@@ -54,6 +61,19 @@ def _fetch(root: str) -> None:
         tar.extractall(staging, members=members, filter="data")
     os.replace(staging, target)  # whole or not at all: a killed fetch leaves no half converter
     os.remove(sdist)
+
+
+def write_qwen_tokenizer(folder: str) -> int:
+    """Qwen's byte-level BPE tokenizer (151,936 ids, as ember reads it from llama.cpp's vocab file) into an
+    HF folder: tokenizer.json and tokenizer_config.json. Returns its vocabulary size."""
+    from ember.loader.gguf import GGUFCheckpoint
+
+    tok = GGUFCheckpoint(os.path.join(converter_dir(), QWEN_VOCAB)).tokenizer()
+    tok.hf_tokenizer.save(os.path.join(folder, "tokenizer.json"))
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": tok.special_tokens.get("eos_token"), "bos_token": None,
+                   "chat_template": tok.chat_template}, f)
+    return tok.vocab_size
 
 
 def convert(hf_dir: str, out_path: str, outtype: str = "f32", extra_args: tuple[str, ...] = (),
