@@ -294,7 +294,7 @@ def _others(figure: dict, side: str) -> str:
 
 def render(data: dict) -> str:
     peers = [n for n in data["sides"] if n not in (EMBER, MTP)]
-    lines = ["## ember vs llama.cpp vs transformers (same GGUF file, same threads)", "",
+    lines = [f"## {data.get('title', 'ember vs llama.cpp vs transformers (same GGUF file, same threads)')}", "",
              f"- command: `{data['command']}`", f"- machine: {_machine_line(data['machine'])}",
              f"- 1-minute load average: {data['load_at_start']} at start, {data['machine'].get('load_at_end')} at end"]
     lines += [f"- {name}: " + ", ".join(f"{k} {v}" for k, v in d.items()) for name, d in data["sides"].items()]
@@ -321,6 +321,8 @@ def render(data: dict) -> str:
                       f"{bw['weight_bytes'] / 1e6:.1f} MB of weights per token, so it achieves "
                       f"{cell(bw['achieved_gbps'])} GB/s = {cell(bw['percent'], '%')} of the bandwidth measured in "
                       "the same rounds (round by round)."]
+    if not data["bars"]:  # ember bench hybrid: figures only
+        return "\n".join(lines) + "\n"
     lines += ["", "| bar | ember / peer | result |", "|---|---:|---|"]
     for b in data["bars"]:
         got = f"{b['ratio']:.2f}x [{b['ratio_min']:.2f}-{b['ratio_max']:.2f}]" if b["ratio"] is not None else "-"
@@ -452,7 +454,7 @@ def cmd_compare(args) -> None:
         if args.versus is not None:
             command += " --versus " + shlex.quote(args.versus)
         command += switches(args, mtp="--no-mtp")
-        data = {"kind": KIND, "command": command,
+        data = {"kind": KIND, "command": command, **({"title": args.title} if getattr(args, "title", None) else {}),
                 "machine": machine_info(), "load_at_start": load, "threads": threads, "runs": args.runs,
                 "sides": {n: s.description for n, s in sides.items()}, "figures": figures,
                 "peak_rss_mib": rss, "rss_shared_process": shared,

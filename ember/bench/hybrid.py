@@ -79,6 +79,8 @@ def cmd_hybrid(args) -> None:
     logger.info("bench hybrid: %s (HF, ember and transformers), %s (llama.cpp)", folder, gguf)
     args.model, args.llamacpp_model, args.hf_model = folder, gguf, folder
     args.mtp, args.versus, args.baseline, args.judge, args.kind = False, None, None, False, "hybrid"
+    args.title = ("hybrid: a random Qwen3.5-0.8B-shaped model, ember and transformers on its HF folder, llama.cpp on "
+                  "its GGUF (llama.cpp's converter, bf16: the same values), same threads")
     cmd_compare(args)
 
 
@@ -90,4 +92,4 @@ def add_hybrid_parser(sub) -> None:
         "the same weights (built once into a cache folder; the GGUF by llama.cpp's converter)"))
     p.add_argument("--model-dir", default=None, help="where the random HF folder is (built there if missing)")
     p.set_defaults(func=cmd_hybrid, output="benchmarks/hybrid.md", decode_prompt="random", prompt_lens=[2000],
-                   num_prompts=16, decode_tokens=64, output_len=32, mtp=False)
+                   num_prompts=16, decode_tokens=64, output_len=32, mtp=False, max_model_len=4096)
