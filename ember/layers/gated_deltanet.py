@@ -14,6 +14,7 @@ drafts) token by token, keeping every token's state for the runner to commit.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -195,17 +196,27 @@ class GatedDeltaNet(nn.Module):
         else:
             raise ModelLoadError(f"linear_attn.{proj} has {tensor.shape[dim]} outputs along dim {dim}; the config "
                                  f"needs {full}")
-        if proj == "in_proj_qkv":
-            return list(tensor.split([int(n * unit) for n in (key_dim, key_dim, value_dim)], dim=dim))
         if proj in ("in_proj_z", "in_proj_b", "in_proj_a"):
             return [tensor]
-        # Qwen3-Next: interleaved per key-head group, [q_g | k_g | v_g | z_g] and [b_g | a_g]
-        sizes = [self.dk, self.dk, r * self.dv, r * self.dv] if proj == "in_proj_qkvz" else [r, r]
-        sizes = [int(n * unit) for n in sizes]
-        t = tensor.movedim(dim, 0)
-        parts = t.reshape(nk, sum(sizes), *t.shape[1:]).split(sizes, dim=1)
-        return [p.reshape(-1, *t.shape[1:]).movedim(0, dim) for p in parts]
+        if proj == "in_proj_qkv":
+            sizes, groups = [int(n * unit) for n in (key_dim, key_dim, value_dim)], 1
+        else:  # Qwen3-Next: interleaved per key-head group, [q_g | k_g | v_g | z_g] and [b_g | a_g]
+            sizes = [self.dk, self.dk, r * self.dv, r * self.dv] if proj == "in_proj_qkvz" else [r, r]
+            sizes, groups = [int(n * unit) for n in sizes], nk
+        per_group, starts = sum(sizes), np.cumsum([0, *sizes])
+        parts = []
+        for p in range(len(sizes)):  # part p: its slice of every group, groups in order
+            idx = (np.arange(groups)[:, None] * per_group + starts[p] + np.arange(sizes[p])[None, :]).reshape(-1)
+            parts.append(_take(tensor, idx, dim))
+        return parts
 
     def _rank_part(self, tensor: torch.Tensor) -> torch.Tensor:
         n = tensor.shape[0] // self.tp_size
         return tensor.narrow(0, self.tp_rank * n, n)
+
+
+def _take(tensor, idx: np.ndarray, dim: int):
+    """These indices along dim: of a torch tensor, or the rows of a packed GGUF matrix (GGUFTensor)."""
+    if isinstance(tensor, torch.Tensor):
+        return tensor.index_select(dim, torch.from_numpy(idx)).contiguous()
+    return tensor.take_rows(idx)

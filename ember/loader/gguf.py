@@ -27,6 +27,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from ember.errors import ModelLoadError, UnsupportedModelError
+from ember.loader import gguf_hybrid
 from ember.loader.tokenizer import Tokenizer
 from ember.quant.gguf_blocks import FLOAT_TYPES, GGUFTensor
 
@@ -38,6 +39,7 @@ ARCHITECTURES = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    **gguf_hybrid.ARCHITECTURES,  # Qwen3-Next / Qwen3.5: ember.loader.gguf_hybrid
 }
 
 # Per-block tensor names: gguf suffix -> HF suffix under model.layers.N.
@@ -63,6 +65,7 @@ _GLOBAL_NAMES = {
 # Tensors that are not parameters of the HF model; the config carries what they encode.
 _SKIPPED = {"rope_freqs.weight"}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_HYBRID_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+?)(?:\.(weight|bias))?")  # ssm_a has no suffix
 _EXPERTS_RE = re.compile(r"ffn_(gate|up|down)_exps")
 
 # tokenizer.ggml.token_type values
@@ -83,6 +86,7 @@ class GGUFCheckpoint:
                 f"implement. Supported GGUF architectures: {', '.join(sorted(ARCHITECTURES))}."
             )
         self.config: dict[str, Any] = self._build_config()
+        self._untangler = gguf_hybrid.Untangler(self) if self.architecture in gguf_hybrid.ARCHITECTURES else None
         self.tensor_bytes: int = sum(int(t.n_bytes) for t in self._reader.tensors)
         self.num_parameters: int = sum(
             int(t.n_elements) for t in self._reader.tensors if t.name not in _SKIPPED
@@ -159,6 +163,8 @@ class GGUFCheckpoint:
             )
         if (rope_scaling := self._rope_scaling(cfg)) is not None:
             cfg["rope_scaling"] = rope_scaling
+        if self.architecture in gguf_hybrid.ARCHITECTURES:
+            cfg = gguf_hybrid.hybrid_config(self, cfg)
         return cfg
 
     def _rope_scaling(self, cfg: dict[str, Any]) -> dict[str, Any] | None:
@@ -289,6 +295,9 @@ class GGUFCheckpoint:
             if name is None:
                 continue
             weight = _as_blocks(t) if packed and _is_quantized_matrix(t) else _to_torch(t)
+            if self._untangler is not None:
+                part = _HYBRID_BLOCK_RE.fullmatch(t.name)
+                weight = self._untangler.fix(part[2] if part else t.name.split(".")[0], weight)
             m = _BLOCK_RE.fullmatch(t.name)
             if m and _EXPERTS_RE.fullmatch(m[2]):
                 # Stacked [E, out, in]: one HF tensor per expert
@@ -311,6 +320,9 @@ class GGUFCheckpoint:
             return None
         if gguf_name in _GLOBAL_NAMES:
             return _GLOBAL_NAMES[gguf_name]
+        if self._untangler is not None and (h := _HYBRID_BLOCK_RE.fullmatch(gguf_name)) is not None \
+                and _EXPERTS_RE.fullmatch(h[2]) is None:
+            return self._untangler.hf_name(int(h[1]), h[2], h[3])
         m = _BLOCK_RE.fullmatch(gguf_name)
         if m is None:
             return False

@@ -67,6 +67,10 @@ class GGUFTensor:
     def permute_rows(self, order: np.ndarray) -> "GGUFTensor":
         return GGUFTensor(self.qtype, self.data[order], self.shape)
 
+    def take_rows(self, rows: np.ndarray) -> "GGUFTensor":
+        """These rows, in this order (a subset: the parts of a fused projection)."""
+        return GGUFTensor(self.qtype, self.data[rows], (len(rows), self.shape[1]))
+
     def raw(self) -> torch.Tensor:
         """uint8 [rows, bytes_per_row], an owned copy (the map is read-only)."""
         return torch.from_numpy(np.array(self.data, dtype=np.uint8, copy=True))

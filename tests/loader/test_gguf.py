@@ -333,7 +333,7 @@ def test_qwen3_names(tmp_path):
 
 def test_unsupported_architecture_and_tensor(tmp_path):
     meta, tensors = tiny_model("gpt2", layers=1)
-    with pytest.raises(UnsupportedModelError, match="llama, qwen2, qwen3, qwen3moe"):
+    with pytest.raises(UnsupportedModelError, match="llama, qwen2, qwen3, qwen35, qwen35moe, qwen3moe, qwen3next"):
         GGUFCheckpoint(write_gguf(tmp_path / "g.gguf", "gpt2", meta, tensors))
     meta, tensors = tiny_model("llama", layers=1)
     tensors["blk.0.mystery.weight"] = np.zeros(4, np.float32)

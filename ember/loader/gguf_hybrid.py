@@ -1,0 +1,157 @@
+"""GGUF files of the hybrid Qwen models (`qwen3next`, `qwen35`, `qwen35moe`) as llama.cpp's converter
+writes them, turned back into the HF config and checkpoint names / layouts ember's model loads.
+
+What the converter does (llama.cpp conversion/qwen.py, 0.3.36) and how it is undone here:
+- every zero-centred norm is stored as 1 + w (attn_norm, post_attention_norm, output_norm,
+  attn_q_norm, attn_k_norm): subtract 1; the Gated DeltaNet output norm (ssm_norm) is stored as is;
+- A_log becomes ssm_a = -exp(A_log): A_log = log(-ssm_a); dt_bias becomes ssm_dt.bias;
+- conv1d [C, 1, K] is squeezed to [C, K] (ember's layer takes either);
+- Qwen3-Next's in_proj_qkvz (interleaved per key-head group) is split into attn_qkv = [q | k | v]
+  and attn_gate = z, both in HF's grouped value-head order; in_proj_ba stays interleaved (ssm_ba):
+  they load as Qwen3.5's in_proj_qkv / in_proj_z and Qwen3-Next's in_proj_ba;
+- Qwen3.5 (qwen35, qwen35moe) moves value heads from grouped order (head j reads key head j // r)
+  to tiled order (key head j % nk) across attn_qkv's v rows, attn_gate, ssm_alpha / ssm_beta
+  (in_proj_a / in_proj_b), ssm_a, ssm_dt, ssm_conv1d's v channels and ssm_out's columns, when the
+  key and value head counts differ: each is permuted back. Rows of a packed quantized matrix move
+  as whole rows (each row is quantized on its own); ssm_out's columns cannot, so a quantized
+  ssm_out is dequantized (one [hidden, value_dim] matrix a layer);
+- experts are stacked (ffn_{gate,up,down}_exps), the shared expert is ffn_*_shexp with its gate
+  ffn_gate_inp_shexp; MTP layers (nextn, past num_hidden_layers) are not loaded from GGUF.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from ember.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+ARCHITECTURES = {
+    "qwen3next": ("Qwen3NextForCausalLM", "qwen3_next"),
+    "qwen35": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
+    "qwen35moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
+}
+
+BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_ba": "linear_attn.in_proj_ba",
+    "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+# 1-D tensors that are not "<name>.weight" / ".bias" in the file
+BARE_NAMES = {"ssm_a": "linear_attn.A_log", "ssm_dt": "linear_attn.dt_bias"}
+ZERO_CENTRED = ("attn_norm", "post_attention_norm", "attn_q_norm", "attn_k_norm")
+
+
+def hybrid_config(ckpt, cfg: dict) -> dict:
+    """Add the hybrid keys to the base config dict built from the file's common metadata."""
+    a = ckpt._arch
+    nextn = int(a("nextn_predict_layers", 0) or 0)
+    layers = int(ckpt._arch_required("block_count")) - nextn
+    recurrent = a("attention.recurrent_layers")
+    if recurrent is not None:
+        types = ["linear_attention" if r else "full_attention" for r in list(recurrent)[:layers]]
+    else:
+        interval = int(a("full_attention_interval", 4))
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+    nk, nv = int(ckpt._arch_required("ssm.group_count")), int(ckpt._arch_required("ssm.time_step_rank"))
+    head_dim = cfg["head_dim"]
+    rot = int(a("rope.dimension_count", head_dim // 4))
+    cfg.update(
+        num_hidden_layers=layers, layer_types=types,
+        linear_num_key_heads=nk, linear_num_value_heads=nv,
+        linear_key_head_dim=int(ckpt._arch_required("ssm.state_size")),
+        linear_value_head_dim=int(ckpt._arch_required("ssm.inner_size")) // nv,
+        linear_conv_kernel_dim=int(ckpt._arch_required("ssm.conv_kernel")),
+        rope_parameters={"rope_type": "default", "rope_theta": cfg["rope_theta"], "partial_rotary_factor": rot / head_dim},
+        attention_bias=False,
+    )
+    if ckpt.architecture in ("qwen3next", "qwen35moe"):
+        cfg.update(num_experts=int(ckpt._arch_required("expert_count")),
+                   num_experts_per_tok=int(ckpt._arch_required("expert_used_count")),
+                   moe_intermediate_size=int(ckpt._arch_required("expert_feed_forward_length")),
+                   shared_expert_intermediate_size=int(a("expert_shared_feed_forward_length", 0) or 0),
+                   norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    if nextn:
+        log.info("%s: %d MTP layer(s) in the file are not loaded (ember reads MTP weights from HF folders)",
+                 ckpt.path, nextn)
+    return cfg
+
+
+class Untangler:
+    """Per tensor: its HF name and the inverse of what the converter did to it."""
+
+    def __init__(self, ckpt):
+        cfg = ckpt.config
+        self.num_layers = cfg["num_hidden_layers"]
+        self.nk, self.nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+        self.dk, self.dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+        self.tiled = ckpt.architecture in ("qwen35", "qwen35moe") and self.nk != self.nv
+
+    def hf_name(self, layer: int, part: str, kind: str | None) -> str | None | bool:
+        if layer >= self.num_layers:
+            return None  # an MTP layer
+        if part in BARE_NAMES and kind is None or part == "ssm_dt" and kind == "bias":
+            return f"model.layers.{layer}.{BARE_NAMES[part]}"
+        if part in BLOCK_NAMES and kind is not None:
+            return f"model.layers.{layer}.{BLOCK_NAMES[part]}.{kind}"
+        return False
+
+    def grouped_order(self, head_dim: int) -> np.ndarray:
+        """Row index (in the file's tiled order) of each row in HF's grouped order."""
+        r = self.nv // self.nk
+        g, i = np.divmod(np.arange(self.nv), r)  # grouped head j = g * r + i
+        tiled = i * self.nk + g
+        return (tiled[:, None] * head_dim + np.arange(head_dim)[None, :]).reshape(-1)
+
+    def fix(self, part: str, weight):
+        """The file's tensor -> HF's (weight: float32 torch tensor, or GGUFTensor rows for matrices)."""
+        if part in ZERO_CENTRED or part == "output_norm":
+            return weight - 1.0
+        if part == "ssm_a":
+            if (weight >= 0).any():
+                raise ModelLoadError("ssm_a must be negative (-exp(A_log)); the file is not a converted Qwen hybrid")
+            weight = torch.log(-weight)
+        if not self.tiled:
+            return weight
+        if part in ("ssm_a", "ssm_dt", "ssm_alpha", "ssm_beta"):
+            return _rows(weight, self.grouped_order(1))
+        if part == "attn_gate":
+            return _rows(weight, self.grouped_order(self.dv))
+        if part in ("attn_qkv", "ssm_conv1d"):
+            qk = 2 * self.nk * self.dk
+            return _rows(weight, np.concatenate([np.arange(qk), qk + self.grouped_order(self.dv)]))
+        if part == "ssm_out":
+            if not isinstance(weight, torch.Tensor):
+                weight = weight.dequantize()  # columns of packed blocks cannot move
+            return weight[:, torch.from_numpy(self.grouped_order(self.dv))].contiguous()
+        return weight
+
+
+def _rows(weight, order: np.ndarray):
+    if isinstance(weight, torch.Tensor):
+        return weight[torch.from_numpy(order)].contiguous()
+    return weight.permute_rows(order)

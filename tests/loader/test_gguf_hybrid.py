@@ -1,0 +1,107 @@
+"""GGUF files of hybrid Qwen models written by llama.cpp's own converter (convert_hf_to_gguf.py from
+the llama-cpp-python sdist, ember.bench.llamacpp_convert) from tiny random HF folders: ember gives
+transformers' greedy tokens on the folder (chunked, batched), keeps q8_0 matrices packed, matches
+llama.cpp's own logits on the file, and names what a broken file lacks."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from ember import LLM, SamplingParams
+from ember.bench.llamacpp_convert import convert, write_qwen_tokenizer
+from ember.errors import ModelLoadError
+from tests.models.tiny_hybrids import build_hybrid
+from tests.models.tiny_models import hf_greedy, one_thread  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+VOCAB = 151936  # Qwen's tokenizer (the converter takes only tokenizers it knows)
+# llama.cpp's converter has no dense layers for Qwen3-Next (mlp_only_layers): every layer sparse here
+OVERRIDES = {"qwen3_next": {"mlp_only_layers": []}, "qwen3_5": {}, "qwen3_5_moe": {}}
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+def prompts():
+    return [[(t * 37) % 150000 for t in range(1, n)] for n in (5, 20, 33)]
+
+
+def hf_folder(root, arch, **extra):
+    model = build_hybrid(arch, vocab_size=VOCAB, **OVERRIDES[arch], **extra)
+    path = os.path.join(root, arch)
+    model.save_pretrained(path)
+    write_qwen_tokenizer(path)
+    return model, path
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("gguf-hybrid"))
+    out = {}
+    for arch in OVERRIDES:
+        model, path = hf_folder(root, arch)
+        out[arch] = (model, convert(path, path + ".f32.gguf", "f32", ("--no-mtp",)))
+    return out
+
+
+def llm(path, **kw):
+    return LLM(path, **({"dtype": "float32", "kv_cache_memory": 0.02, "max_model_len": 128, "num_threads": 1,
+                         "max_num_batched_tokens": 7, "max_num_seqs": 4} | kw))
+
+
+@pytest.mark.parametrize("arch", list(OVERRIDES))
+def test_converted_file_gives_transformers_greedy_tokens(converted, arch):
+    hf, gguf = converted[arch]
+    outs = llm(gguf).generate([{"prompt_token_ids": p} for p in prompts()], GREEDY, use_tqdm=False)
+    for p, o in zip(prompts(), outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, 16), (arch, len(p))
+
+
+def test_q8_0_matrices_stay_packed_and_agree_with_their_dequantized_values(tmp_path):
+    """hidden 64: q8_0's 32-wide blocks fit, so the projections are stored quantized. Packed (bf16 run)
+    against the same file dequantized to float32: the same top-5 first tokens, logprobs within bf16
+    noise (a row in the wrong place -- a value-head reorder, a q/k/v split -- would scramble them)."""
+    _, path = hf_folder(str(tmp_path), "qwen3_5", hidden_size=64)
+    q8 = convert(path, path + ".q8.gguf", "q8_0", ("--no-mtp",))
+    packed, dense = llm(q8, dtype="bfloat16"), llm(q8, dtype="float32")  # float32 GGUF runs dequantize
+    layer = next(layer for layer in packed.engine.runner.model.model.layers if layer.is_linear)
+    assert type(layer.linear_attn.in_proj_qkvz.quant_method).__name__ == "GGUFLinearMethod"
+    assert type(dense.engine.runner.model.model.layers[0].linear_attn.in_proj_qkvz.quant_method).__name__ == "DenseMethod"
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    for a, b in zip(*(m.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
+                      for m in (packed, dense))):
+        la, lb = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
+        assert la.keys() == lb.keys()
+        assert max(abs(la[t].logprob - lb[t].logprob) for t in lb) < 1.0
+
+
+def test_logits_match_llama_cpp_on_the_file(tmp_path):
+    llama_cpp = pytest.importorskip("llama_cpp")  # the bench extra (compiles llama.cpp): pip install -e '.[bench]'
+    # llama.cpp's qwen35 takes value heads as wide as key heads (dk == dv)
+    hf, path = hf_folder(str(tmp_path), "qwen3_5", linear_key_head_dim=16, linear_value_head_dim=16)
+    gguf = convert(path, path + ".f32.gguf", "f32", ("--no-mtp",))
+    ids = prompts()[2]
+    peer = llama_cpp.Llama(gguf, logits_all=True, n_threads=1, n_ctx=128, verbose=False)
+    peer.eval(ids)
+    theirs = torch.tensor(peer.scores[len(ids) - 1])
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0, -1]
+    ours = llm(gguf).generate([{"prompt_token_ids": ids}], SamplingParams(
+        temperature=0, max_tokens=1, logprobs=20), use_tqdm=False)[0].outputs[0]
+    top = sorted(ours.logprobs[0], key=lambda t: -ours.logprobs[0][t].logprob)
+    assert top[0] == int(theirs.argmax()) == int(ref.argmax())
+    assert (theirs - ref).abs().max() / ref.abs().max() < 1e-2  # llama.cpp's own fp32 path vs transformers
+
+
+def test_a_file_missing_a_tensor_is_named(tmp_path):
+    _, path = hf_folder(str(tmp_path), "qwen3_5")
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    del tensors["model.layers.0.linear_attn.in_proj_b.weight"]
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    gguf = convert(path, path + ".gguf", "f32", ("--no-mtp",))
+    with pytest.raises(ModelLoadError, match=r"layers\.0\.linear_attn\.in_proj_ba\.weight \(shards \['b'\]\)"):
+        llm(gguf)
+    shutil.rmtree(path)
