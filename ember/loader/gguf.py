@@ -86,7 +86,7 @@ class GGUFCheckpoint:
                 f"implement. Supported GGUF architectures: {', '.join(sorted(ARCHITECTURES))}."
             )
         self.config: dict[str, Any] = self._build_config()
-        self._untangler = gguf_hybrid.Untangler(self) if self.architecture in gguf_hybrid.ARCHITECTURES else None
+        self._untangler = gguf_hybrid.Untangler(self, _BLOCK_NAMES) if self.architecture in gguf_hybrid.ARCHITECTURES else None
         self.tensor_bytes: int = sum(int(t.n_bytes) for t in self._reader.tensors)
         self.num_parameters: int = sum(
             int(t.n_elements) for t in self._reader.tensors if t.name not in _SKIPPED

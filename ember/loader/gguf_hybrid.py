@@ -35,15 +35,9 @@ ARCHITECTURES = {
     "qwen35moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
 }
 
+# Beyond the names every GGUF architecture shares (ember.loader.gguf's block table)
 BLOCK_NAMES = {
-    "attn_norm": "input_layernorm",
     "post_attention_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
     "attn_qkv": "linear_attn.in_proj_qkv",
     "attn_gate": "linear_attn.in_proj_z",
     "ssm_ba": "linear_attn.in_proj_ba",
@@ -52,10 +46,6 @@ BLOCK_NAMES = {
     "ssm_conv1d": "linear_attn.conv1d",
     "ssm_norm": "linear_attn.norm",
     "ssm_out": "linear_attn.out_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "ffn_gate_inp": "mlp.gate",
     "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
@@ -104,7 +94,9 @@ def hybrid_config(ckpt, cfg: dict) -> dict:
 class Untangler:
     """Per tensor: its HF name and the inverse of what the converter did to it."""
 
-    def __init__(self, ckpt):
+    def __init__(self, ckpt, common_names: dict[str, str]):
+        """common_names: the block names every architecture shares (attn_q, ffn_gate, ...)."""
+        self.names = {**common_names, **BLOCK_NAMES}
         cfg = ckpt.config
         self.num_layers = cfg["num_hidden_layers"]
         self.nk, self.nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
@@ -116,8 +108,8 @@ class Untangler:
             return None  # an MTP layer
         if part in BARE_NAMES and kind is None or part == "ssm_dt" and kind == "bias":
             return f"model.layers.{layer}.{BARE_NAMES[part]}"
-        if part in BLOCK_NAMES and kind is not None:
-            return f"model.layers.{layer}.{BLOCK_NAMES[part]}.{kind}"
+        if part in self.names and kind is not None:
+            return f"model.layers.{layer}.{self.names[part]}.{kind}"
         return False
 
     def grouped_order(self, head_dim: int) -> np.ndarray:
