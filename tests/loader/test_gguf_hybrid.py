@@ -91,7 +91,10 @@ def test_logits_match_llama_cpp_on_the_file(tmp_path):
         temperature=0, max_tokens=1, logprobs=20), use_tqdm=False)[0].outputs[0]
     top = sorted(ours.logprobs[0], key=lambda t: -ours.logprobs[0][t].logprob)
     assert top[0] == int(theirs.argmax()) == int(ref.argmax())
-    assert (theirs - ref).abs().max() / ref.abs().max() < 1e-2  # llama.cpp's own fp32 path vs transformers
+    theirs_lp = torch.log_softmax(theirs.double(), -1)
+    # ember's log-probabilities of its top 20 are llama.cpp's own, to llama.cpp's fp32 accumulation noise
+    assert max(abs(ours.logprobs[0][t].logprob - float(theirs_lp[t])) for t in top) < 1e-2
+    assert (theirs - ref).abs().max() / ref.abs().max() < 1e-2  # and llama.cpp's agree with transformers
 
 
 def test_a_file_missing_a_tensor_is_named(tmp_path):
