@@ -2,6 +2,7 @@
 from ember.config import EngineConfig
 from ember.outputs import CompletionOutput, RequestOutput
 from ember.sampling import SamplingParams
+from ember.structured_params import StructuredOutputsParams
 
 
 def __getattr__(name):
@@ -13,4 +14,4 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "EngineConfig", "RequestOutput", "CompletionOutput"]

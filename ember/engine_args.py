@@ -17,7 +17,8 @@ from ember.flag_aliases import add_aliases, check_aliases
 logger = logging.getLogger("ember")
 
 GROUP_TITLES = {"load": "model loading", "cache": "KV cache", "scheduler": "scheduler", "executor": "executor",
-                "kernels": "kernels", "parallel": "parallelism", "speculative": "speculative decoding"}
+                "kernels": "kernels", "parallel": "parallelism", "speculative": "speculative decoding",
+                "structured": "structured outputs and reasoning"}
 
 
 def _base_type(tp):

@@ -75,6 +75,8 @@ class Request:
         # consumed when scheduled) and the adaptive-k state (ember.spec.adaptive.SpecState).
         self.draft: Any = None
         self.spec_state: Any = None
+        # Structured outputs: the request's grammar and matcher (ember.structured.manager.GrammarState).
+        self.grammar: Any = None
         # Filled by the engine: detokenizer, logprobs, parent for n > 1.
         self.logprobs: list | None = None
         self.detokenizer: Any = None

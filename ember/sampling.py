@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 
 from ember.errors import InvalidRequestError
+from ember.structured_params import StructuredOutputsParams
 
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows to inf/nan.
 GREEDY_EPS = 1e-5
@@ -49,6 +50,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # top-N; 0 = only the sampled token's logprob
     skip_special_tokens: bool = True
+    # The shape the answer must have (JSON schema, regex, choice, grammar); None = free text.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self._normalise()
@@ -71,6 +74,8 @@ class SamplingParams:
             self.top_k = 0
         if _is_int(self.temperature):
             self.temperature = float(self.temperature)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
 
     # -- validation ------------------------------------------------------------------
 
@@ -101,6 +106,8 @@ class SamplingParams:
                        f"must be <= max_tokens ({self.max_tokens}); lower min_tokens "
                        "or raise max_tokens")
         self._check_stop()
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise _bad("structured_outputs", self.structured_outputs, "a StructuredOutputsParams, a dict of its fields, or None")
         if not isinstance(self.stop_token_ids, list) or not all(
                 _is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise _bad("stop_token_ids", self.stop_token_ids,

@@ -13,6 +13,7 @@ validates every flag and groups them (vLLM's EngineArgs -> VllmConfig in one ste
     kernel_config     attention_backend, num_threads, the --cpu-* switches, int8_decode, int4_dense_copy
     parallel_config   tensor_parallel_size
     speculative       SpeculativeConfig, or None: six spellings of "speculate" folded into one
+    structured        reasoning_parser, structured_outputs_config (read as they are)
 
 The engine reads the sub-configs only. What each default was measured to buy is in docs/tuning.md.
 """
@@ -129,6 +130,14 @@ class EngineConfig:
                                                                                    "model (1 or --tensor-parallel-size)")
     adaptive_spec: bool = flag(True, "speculative", "per request, draft fewer tokens when few are accepted and more "
                                                     "when most are (--no-adaptive-spec pins k)")
+    # -- structured outputs
+    reasoning_parser: str | None = flag(None, "structured", "split <think>...</think> from the answer "
+                                                            "(reasoning_content) and start a structured-output "
+                                                            "constraint where the answer begins: qwen3 | deepseek_r1",
+                                        choices=("qwen3", "deepseek_r1"))
+    structured_outputs_config: dict[str, Any] | None = flag(None, "structured", 'vLLM\'s structured-output options '
+                                                            '(JSON): {"backend": "xgrammar"} (the one ember has; '
+                                                            '"auto" means it too)')
 
     # -- the sub-configs, built from the flags above (read these, not the flags)
     load_config: LoadConfig = _derived()
@@ -140,7 +149,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = _derived()
 
     def __post_init__(self) -> None:
-        for name in ("speculative_config", "compilation_config"):
+        for name in ("speculative_config", "compilation_config", "structured_outputs_config"):
             if isinstance(getattr(self, name), str):
                 try:
                     setattr(self, name, json.loads(getattr(self, name)))
@@ -186,6 +195,7 @@ class EngineConfig:
                                                 self.enable_chunked_prefill)
         self.parallel_config = ParallelConfig(self.tensor_parallel_size)
         self.speculative = resolve_speculative_config(self)  # None = no speculation
+        self._check_structured()
         if not isinstance(self.compilation_config, (dict, type(None))):
             raise ConfigError('--compilation-config must be a JSON object, e.g. {"compile_sizes": [1, 4]}')
         need(not (self.enforce_eager and self.executor not in ("auto", "eager")),
@@ -196,6 +206,26 @@ class EngineConfig:
             need(self.executor_config.executor in ("compiled", "auto"),
                  "--compilation-config configures --executor compiled (and auto, which compiles on CPU in the "
                  f"background); it contradicts --executor {self.executor_config.executor}: drop one of them")
+
+    def _check_structured(self) -> None:
+        from ember.reasoning import check_parser
+
+        check_parser(self.reasoning_parser)
+        so = self.structured_outputs_config
+        need(isinstance(so, (dict, type(None))), '--structured-outputs-config must be a JSON object, e.g. '
+             '{"backend": "xgrammar"}')
+        unknown = sorted(set(so or {}) - {"backend", "reasoning_parser"})
+        need(not unknown, f"--structured-outputs-config has {unknown}, which ember does not take; it takes backend "
+             "and reasoning_parser")
+        backend = (so or {}).get("backend", "auto")
+        need(backend in ("auto", "xgrammar"), f"--structured-outputs-config backend {backend!r}: ember's grammars "
+             'are compiled by xgrammar; use "xgrammar" or "auto"')
+        nested = (so or {}).get("reasoning_parser")
+        if nested is not None:
+            need(self.reasoning_parser in (None, nested), f"--reasoning-parser {self.reasoning_parser} and "
+                 f"--structured-outputs-config reasoning_parser {nested} disagree; give one")
+            check_parser(nested)
+            self.reasoning_parser = nested
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -19,6 +19,7 @@ from ember.errors import InvalidRequestError, PromptTooLongError
 from ember.outputs import CompletionOutput, RequestOutput
 from ember.request import Request, RequestStatus
 from ember.sampling import SamplingParams
+from ember.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger("ember")
 
@@ -52,6 +53,8 @@ class LLMEngine:
         self.compiler = core.compiler  # the BackgroundCompiler of --executor auto on CPU (None: none)
         self.kv, self.scheduler, self.runner, self.spec = core.kv, core.scheduler, core.runner, core.spec
         self.eos_token_ids = core.eos_token_ids
+        self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+                                                  config.reasoning_parser)
         self.groups: dict[str, _Group] = {}
         self._ids = itertools.count()
 
@@ -60,11 +63,14 @@ class LLMEngine:
         Also runs at exit."""
         if self.compiler is not None:
             self.compiler.close()
+        self.structured.shutdown()
         if self.tp is not None:
             self.tp.shutdown()
 
     def start_compile(self) -> None:
-        """Start a deferred background compile (nothing to do without one)."""
+        """Start a deferred background compile (nothing to do without one), and load the grammar
+        library so that the first structured request does not wait for it."""
+        self.structured.preload()
         if self.compiler is not None:
             self.compiler.resume()
 
@@ -134,6 +140,8 @@ class LLMEngine:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, child_params)
             req.logprobs = [] if child_params.logprobs is not None else None
             group.children.append(req)
+        self.structured.add_request(group.children, ids)  # a grammar that cannot be built raises here
+        for req in group.children:
             self.scheduler.add_request(req)
         self.groups[request_id] = group
         return request_id
@@ -163,7 +171,9 @@ class LLMEngine:
             return []
         banned = self._banned_tokens(out)
         t0 = time.perf_counter()
-        sampled = self.runner.execute(out, banned)
+        masks = self.structured.step_masks(out)
+        sampled = self.runner.execute(out, banned, masks)
+        self.structured.step_done(masks)
         rejected = self.spec.verified(out, sampled, time.perf_counter() - t0) if out.drafts else None
         self.scheduler.update_after_step(out, rejected)
         touched: dict[str, _Group] = {}
@@ -209,6 +219,8 @@ class LLMEngine:
         stop_str = req.detokenizer.update([tok.token_id])
         if status is None and stop_str is not None:
             status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
+        if req.grammar is not None and status is None:
+            status = self._grammar_step(req, tok.token_id)
         if status is None:
             max_tokens = p.max_tokens if p.max_tokens is not None else self.max_model_len
             if req.num_output_tokens >= max_tokens or req.num_tokens >= self.max_model_len:
@@ -216,6 +228,15 @@ class LLMEngine:
         if status is not None:
             self.scheduler.finish_request(req, status)
             self.runner.release(req.request_id)
+
+    def _grammar_step(self, req: Request, token_id: int) -> RequestStatus | None:
+        accepted, complete = self.structured.accept(req, token_id)
+        if complete:  # the grammar took its stop token (EOS under ignore_eos): nothing more may follow
+            return RequestStatus.FINISHED_STOPPED
+        if not accepted:  # sampled before the constraint could apply (see ember.structured.manager)
+            logger.warning("request %s: token %d does not fit its grammar; stopping it", req.request_id, token_id)
+            return RequestStatus.FINISHED_STOPPED
+        return None
 
     def _output(self, group: _Group) -> RequestOutput:
         completions = [

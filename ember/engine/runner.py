@@ -136,10 +136,12 @@ class ModelRunner:
         return ids, pos, meta, logit_rows, sampling_reqs
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, banned_token_ids: dict[str, list[int]] | None = None
-                ) -> dict[str, list[SampledToken]]:
+    def execute(self, out: SchedulerOutput, banned_token_ids: dict[str, list[int]] | None = None,
+                masks=None) -> dict[str, list[SampledToken]]:
         """Run one step. Returns, for every request whose step reached its end, the tokens it
-        emits: one sampled token, or its accepted drafts then one more (len - 1 = accepted)."""
+        emits: one sampled token, or its accepted drafts then one more (len - 1 = accepted).
+        masks: the step's grammar bitmasks (ember.structured.masks.StepMasks), applied to the
+        logits before anything samples."""
         ids, pos, meta, logit_rows, sampling_reqs = self.prepare(out)
         if out.state_copies:  # prefix-cache restores, before the forward reads the slots
             self.model.copy_states(self.recurrent_states, out.state_copies)
@@ -150,6 +152,8 @@ class ModelRunner:
         if not logit_rows:
             return {}
         logits = self.model.compute_logits(hidden if self.select is not None else hidden[logit_rows])
+        if masks is not None:
+            masks.apply(logits, self._logit_layout(out, sampling_reqs))
         if not out.drafts:
             rows = [self._row(req, banned_token_ids) for req in sampling_reqs]
             return {req.request_id: [tok] for req, tok in zip(sampling_reqs, self.sampler(logits, rows))}
@@ -183,6 +187,16 @@ class ModelRunner:
                 self.model.commit_states(self.recurrent_states,
                                          {req.state_slot: len(toks) - 1 for (req, _), toks in zip(verify, emitted)})
         return result
+
+    @staticmethod
+    def _logit_layout(out: SchedulerOutput, sampling_reqs: list[Request]) -> list[tuple[str, int]]:
+        """(request id, its first logit row): one row per sampling request, 1 + d for a verify."""
+        layout, r = [], 0
+        for req in sampling_reqs:
+            layout.append((req.request_id, r))
+            draft = out.drafts.get(req.request_id)
+            r += 1 + (len(draft) if draft is not None else 0)
+        return layout
 
     def _row(self, req: Request, banned: dict[str, list[int]] | None, drafts: list[int] = ()) -> SamplingRow:
         """drafts: the draft tokens before this verify row, part of its history (penalties, min_tokens)."""

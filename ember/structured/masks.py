@@ -1,0 +1,40 @@
+"""StepMasks: one step's grammar bitmasks, applied to the logits before anything samples.
+
+The runner lays its logit rows out per request (one row, or 1 + d consecutive verify rows);
+`apply` sets every token the grammar forbids to -inf in those rows, in place, so the sampler's
+temperature, top-k/p, penalties and seeds act on what the grammar allows, greedy takes the
+allowed argmax, the rejection sampler's target gives a forbidden draft probability 0, and
+logprobs are those of the distribution sampled from.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import xgrammar as xgr
+
+
+class StepMasks:
+    def __init__(self, rows: dict[str, torch.Tensor], vocab_size: int, fill_seconds: float):
+        self.rows = rows  # request id -> int32 bitmask [1 + d, ceil(V / 32)]
+        self.vocab_size = vocab_size
+        self.seconds = fill_seconds  # filling, then applying
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.rows
+
+    def apply(self, logits: torch.Tensor, layout: list[tuple[str, int]]) -> None:
+        """layout: (request id, its first logit row) for the rows of `logits`, in order."""
+        t0 = time.perf_counter()
+        picked, indices = [], []
+        for rid, first in layout:
+            bits = self.rows.get(rid)
+            if bits is not None:
+                picked.append(bits)
+                indices.extend(range(first, first + bits.shape[0]))
+        if picked:
+            bitmask = torch.full((logits.shape[0], picked[0].shape[1]), -1, dtype=torch.int32)
+            bitmask[indices] = torch.cat(picked)
+            xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                            vocab_size=min(self.vocab_size, logits.shape[1]), indices=indices)
+        self.seconds += time.perf_counter() - t0
