@@ -107,6 +107,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, metrics: ServerMetri
     metrics = metrics or ServerMetrics(config.served_model_names[0])
     if engine.stats_listener is None:
         engine.stats_listener = metrics
+    engine.engine.structured.listener = metrics
     serving = Serving(engine, config)
 
     @contextlib.asynccontextmanager

@@ -1,5 +1,9 @@
 """POST /v1/chat/completions: messages through the chat template, then one engine request with n
-sequences; answered whole or as SSE chunks, with tool calls parsed from Qwen/Hermes output."""
+sequences; answered whole or as SSE chunks, with tool calls parsed from Qwen/Hermes output and,
+under --reasoning-parser, the model's <think> reasoning split into reasoning_content.
+
+tool_choice "required" or a named function holds the answer to tool calls with a grammar
+(ember.structured.tool_calls); "auto" lets the model choose and parses what it wrote."""
 from __future__ import annotations
 
 import json
@@ -7,10 +11,16 @@ import logging
 import time
 from typing import Any, AsyncIterator
 
+from ember.errors import InvalidRequestError
+from ember.reasoning import ReasoningSplitter
 from ember.server.logprobs import chat_logprobs
 from ember.server.protocol import ChatCompletionRequest, now, request_id, usage
 from ember.server.serving import ParamError, Serving, merged, unless_disconnected, sse_writers
+from ember.server.structured import structured_params
 from ember.server.tool_parser import HermesToolParser
+
+# Prompt tokens read back to see whether the template opened a reasoning block (ember.reasoning).
+PROMPT_TAIL_TOKENS = 64
 
 logger = logging.getLogger("ember.server")
 
@@ -49,32 +59,47 @@ class ChatHandler:
     def __init__(self, serving: Serving):
         self.s = serving
 
-    def _prompt(self, req: ChatCompletionRequest) -> tuple[list[int], bool]:
-        """(prompt token ids, whether tool calls are parsed from the output)."""
-        if req.tool_choice is not None and req.tool_choice not in ("auto", "none"):
-            raise ParamError("tool_choice 'required' or a named function needs guided decoding, which ember does "
-                             "not have; use 'auto' (the model decides) or 'none'", "tool_choice")
+    def _tool_constraint(self, req: ChatCompletionRequest, tools: list[dict] | None) -> dict | None:
+        """tool_choice "required" / named: the structural tag that holds the answer to tool calls."""
+        choice = req.tool_choice
+        if choice is None or choice in ("auto", "none"):
+            return None
+        if not tools:
+            raise ParamError(f"tool_choice {choice!r} needs tools; give tools or leave tool_choice unset",
+                             "tool_choice")
+        from ember.structured.tool_calls import tool_call_structural_tag
+
+        try:
+            return {"structural_tag": tool_call_structural_tag(tools, choice, req.parallel_tool_calls is not False)}
+        except InvalidRequestError as e:
+            raise ParamError(str(e), "tool_choice") from None
+
+    def _prompt(self, req: ChatCompletionRequest) -> tuple[list[int], bool, dict | None]:
+        """(prompt token ids, whether tool calls are parsed from the output, the tool-call constraint)."""
         use_tools = bool(req.tools) and req.tool_choice != "none"
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if use_tools else None
+        constraint = self._tool_constraint(req, tools)
         messages = [_message_dict(m) for m in req.messages]
         ids = self.s.tokenizer.apply_chat_template(
             messages, add_generation_prompt=req.add_generation_prompt, tokenize=True, tools=tools,
             chat_template=self.s.config.chat_template, **(req.chat_template_kwargs or {}))
-        return ids, use_tools
+        return ids, use_tools, constraint
 
     async def create(self, req: ChatCompletionRequest, receive):
         model = self.s.check_model(req.model)
         self.s.check_unsupported(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise ParamError("top_logprobs needs logprobs to be true", "top_logprobs")
-        ids, use_tools = self._prompt(req)
+        ids, use_tools, tool_constraint = self._prompt(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top_n = (req.top_logprobs or 0) if req.logprobs else None
-        params = self.s.sampling_params(req, len(ids), max_tokens, top_n)
+        params = self.s.sampling_params(req, len(ids), max_tokens, top_n, structured_params(req, tool_constraint))
         rid = request_id("chatcmpl")
         arrival = time.monotonic()
         streams = await self.s.submit(rid, [(None, ids)], params)
-        ctx = _Ctx(rid, model, now(), req, len(ids), use_tools, top_n, arrival)
+        parser = self.s.reasoning_parser
+        tail = self.s.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False) if parser else ""
+        ctx = _Ctx(rid, model, now(), req, len(ids), use_tools, top_n, arrival, tail)
         if req.stream:
             return self._stream(streams, ctx)
         return await unless_disconnected(self._whole(streams, ctx), receive)
@@ -105,6 +130,14 @@ class ChatHandler:
         for i in range(n):
             text = "".join(texts[i])
             message: dict[str, Any] = {"role": "assistant", "content": text}
+            splitter = self._splitter(ctx)
+            if splitter is not None:
+                splitter.feed(text)
+                splitter.finish()
+                text = splitter.content
+                message["content"] = text or None
+                if ctx.req.include_reasoning:
+                    message["reasoning_content"] = splitter.reasoning or None
             reason = finish[i]
             if ctx.use_tools:
                 parser = HermesToolParser()
@@ -136,6 +169,7 @@ class ChatHandler:
         chunk, usage_chunk = sse_writers(head, include_usage)
 
         parsers = [HermesToolParser() for _ in range(n)] if ctx.use_tools else None
+        splitters = [self._splitter(ctx) for _ in range(n)]
         completion = 0
         finish: list[str | None] = [None] * n
         cached = 0
@@ -149,9 +183,18 @@ class ChatHandler:
                     completion += len(sd.token_ids)
                     d: dict[str, Any] = {}
                     reason = sd.finish_reason
+                    text = sd.text
+                    splitter = splitters[sd.index]
+                    if splitter is not None:
+                        thought, text = splitter.feed(text)
+                        if reason is not None:
+                            more_thought, more_text = splitter.finish()
+                            thought, text = thought + more_thought, text + more_text
+                        if thought and req.include_reasoning:
+                            d["reasoning_content"] = thought
                     if parsers is not None:
                         p = parsers[sd.index]
-                        parsed = p.feed(sd.text)
+                        parsed = p.feed(text)
                         if reason is not None:
                             tail = p.finish()
                             parsed.content += tail.content
@@ -162,8 +205,8 @@ class ChatHandler:
                             d["content"] = parsed.content
                         if parsed.tool_calls:
                             d["tool_calls"] = parsed.tool_calls
-                    elif sd.text:
-                        d["content"] = sd.text
+                    elif text:
+                        d["content"] = text
                     lp = None
                     if ctx.top_n is not None and sd.token_ids:
                         lp = {"content": chat_logprobs(sd.token_ids, sd.logprobs, ctx.top_n, self.s.token_text)}
@@ -188,6 +231,10 @@ class ChatHandler:
                 s.abort()
         yield "data: [DONE]\n\n"
 
+    def _splitter(self, ctx: _Ctx) -> ReasoningSplitter | None:
+        parser = self.s.reasoning_parser
+        return ReasoningSplitter(parser, ctx.prompt_tail) if parser else None
+
     def _log(self, ctx: _Ctx, completion: int, finish) -> None:
         if self.s.config.log_requests:
             logger.info("%s: %d prompt + %d completion tokens in %.2fs, finish %s", ctx.rid, ctx.prompt_len,
@@ -195,8 +242,9 @@ class ChatHandler:
 
 
 class _Ctx:
-    __slots__ = ("rid", "model", "created", "req", "prompt_len", "use_tools", "top_n", "arrival")
+    __slots__ = ("rid", "model", "created", "req", "prompt_len", "use_tools", "top_n", "arrival", "prompt_tail")
 
-    def __init__(self, rid, model, created, req, prompt_len, use_tools, top_n, arrival):
+    def __init__(self, rid, model, created, req, prompt_len, use_tools, top_n, arrival, prompt_tail=""):
         self.rid, self.model, self.created, self.req = rid, model, created, req
         self.prompt_len, self.use_tools, self.top_n, self.arrival = prompt_len, use_tools, top_n, arrival
+        self.prompt_tail = prompt_tail  # the prompt's last tokens as text: did the template open <think>?

@@ -10,6 +10,7 @@ from typing import Any, AsyncIterator
 from ember.server.logprobs import CompletionLogprobs
 from ember.server.protocol import CompletionRequest, now, request_id, usage
 from ember.server.serving import ParamError, Serving, merged, unless_disconnected, sse_writers
+from ember.server.structured import structured_params
 
 logger = logging.getLogger("ember.server")
 
@@ -50,7 +51,8 @@ class CompletionHandler:
             raise ParamError("echo with logprobs needs prompt logprobs, which ember does not compute; drop one of them",
                              "echo")
         prompts = self._prompts(req)
-        params = [self.s.sampling_params(req, len(ids), req.max_tokens, req.logprobs) for _, ids in prompts]
+        structured = structured_params(req)
+        params = [self.s.sampling_params(req, len(ids), req.max_tokens, req.logprobs, structured) for _, ids in prompts]
         # every prompt gets the same knobs; max_tokens None means "the rest of the context" per prompt
         rid = request_id("cmpl")
         arrival = time.monotonic()

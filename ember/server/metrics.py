@@ -17,6 +17,8 @@ from ember.engine.async_engine import RequestTiming
 
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 TPOT_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+GRAMMAR_COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+MASK_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 300.0)
 
 
@@ -53,6 +55,12 @@ class ServerMetrics:
         self.tpot = histogram("ember:time_per_output_token_seconds", "mean time between output tokens, per request",
                               TPOT_BUCKETS)
         self.e2e = histogram("ember:e2e_request_latency_seconds", "time from arrival to the last token", E2E_BUCKETS)
+        self.grammar_compile = histogram("ember:structured_output_compile_seconds",
+                                         "time to compile one distinct structured-output grammar (cache misses)",
+                                         GRAMMAR_COMPILE_BUCKETS)
+        self.grammar_mask = histogram("ember:structured_output_mask_seconds",
+                                      "per step with constrained requests: filling and applying their grammar masks",
+                                      MASK_BUCKETS)
         # read at scrape time (an idle server steps no more, yet its compile finishes)
         self.compiling = gauge("ember:executor_compiling", "1 while decode graphs compile in the background "
                                "(--executor auto on CPU: steps run eagerly meanwhile), else 0")
@@ -99,6 +107,13 @@ class ServerMetrics:
         """Report a BackgroundCompiler's state (None: nothing compiles in the background)."""
         if compiler is not None:
             self.compiling.set_function(lambda: 0.0 if compiler.done else 1.0)
+
+    # -- the structured-output manager's listener (engine and grammar threads) ---------------------
+    def observe_compile(self, seconds: float) -> None:
+        self.grammar_compile.observe(seconds)
+
+    def observe_mask(self, seconds: float) -> None:
+        self.grammar_mask.observe(seconds)
 
     # -- StatsListener (called on the engine thread) --------------------------------------------
     def on_step(self, stats: dict, num_new_tokens: int, step_seconds: float) -> None:

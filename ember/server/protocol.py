@@ -3,7 +3,8 @@
 Requests are validated by pydantic (types, simple ranges); the sampling knobs are validated
 once more by SamplingParams. Fields vLLM accepts beyond OpenAI's (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output,
-skip_special_tokens, chat_template_kwargs, add_generation_prompt) are accepted the same way.
+skip_special_tokens, chat_template_kwargs, add_generation_prompt, structured_outputs and the legacy
+guided_* fields) are accepted the same way.
 Unknown fields are ignored with a log line, as vLLM does.
 
 Responses are built as plain dicts: a streaming chunk is built once per token per request,
@@ -51,6 +52,15 @@ class _Request(BaseModel):
     skip_special_tokens: bool = True
     best_of: int | None = None
     response_format: dict[str, Any] | None = None
+    # structured outputs: vLLM's object and its legacy guided_* fields (ember.server.structured)
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structural_tag: str | None = None
 
     def ignored_fields(self) -> list[str]:
         return sorted(self.model_extra or ())
@@ -96,6 +106,7 @@ class ChatCompletionRequest(_Request):
     # vLLM extras for chat
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    include_reasoning: bool = True  # vLLM's: false drops reasoning_content from the answer
 
 
 class CompletionRequest(_Request):

@@ -13,6 +13,7 @@ from typing import Any, AsyncIterator
 from ember.engine.async_engine import AsyncLLMEngine, RequestDelta, RequestStream
 from ember.errors import EmberError, InvalidRequestError
 from ember.sampling import SamplingParams
+from ember.structured_params import StructuredOutputsParams
 from ember.server.logprobs import TokenText
 from ember.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -67,6 +68,10 @@ class Serving:
         self.token_text = TokenText(self.tokenizer)
 
     @property
+    def reasoning_parser(self) -> str | None:
+        return self.engine.engine.config.reasoning_parser
+
+    @property
     def model_name(self) -> str:
         return self.config.served_model_names[0]
 
@@ -81,16 +86,14 @@ class Serving:
             raise ParamError("logit_bias is not supported by ember; leave it unset", "logit_bias")
         if req.best_of is not None and req.best_of != req.n:
             raise ParamError(f"best_of={req.best_of} is not supported (only best_of == n); leave it unset", "best_of")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise ParamError(f"response_format type {req.response_format.get('type')!r} needs guided decoding, "
-                             "which ember does not have; use {\"type\": \"text\"} or leave it unset", "response_format")
         if req.stream_options is not None and not req.stream:
             raise ParamError("stream_options can only be given when stream is true", "stream_options")
         ignored = req.ignored_fields()
         if ignored:
             logger.warning("request fields ignored (not known to ember): %s", ", ".join(ignored))
 
-    def sampling_params(self, req, prompt_len: int, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, req, prompt_len: int, max_tokens: int | None, logprobs: int | None,
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
         """Validated SamplingParams; refuses a prompt (plus max_tokens) that does not fit max_model_len."""
         m = self.max_model_len
         if prompt_len >= m:
@@ -107,7 +110,7 @@ class Serving:
             stop=req.stop, max_tokens=max_tokens if max_tokens is not None else m - prompt_len,
             min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, stop_token_ids=req.stop_token_ids,
             include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
-            logprobs=logprobs)
+            logprobs=logprobs, structured_outputs=structured)
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             v = getattr(req, name)
             if v is not None:

@@ -126,7 +126,7 @@ class StructuredOutputManager:
         return compiled
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
     # -- the step -------------------------------------------------------------------------------
     def step_masks(self, out):

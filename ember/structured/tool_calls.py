@@ -3,18 +3,22 @@ to Qwen/Hermes tool calls: `<tool_call>\\n{"name": "f", "arguments": {...}}\\n</
 arguments held to that tool's `parameters` schema (what ember.server.tool_parser reads back).
 
 The call format is xgrammar's own Qwen 3 template (`get_builtin_structural_tag("qwen_3")`). For
-"required" its template lets free text run before the first call; ember wants the answer to be
-calls only (a small model must not talk until max_tokens), so the same call tags are put in a
-`tags_with_separator` with at least one call.
+"required" its template lets free text run before the first call and any number of calls after;
+ember wants the answer to be calls only, and to end (a small model must not talk, or call again
+and again, until max_tokens), so the same call tags are put in a sequence: one call, then up to
+MAX_PARALLEL_TOOL_CALLS - 1 more after a newline (none when parallel_tool_calls is false), the
+way whitespace runs are bounded.
 """
 from __future__ import annotations
 
 import xgrammar as xgr
-from xgrammar.structural_tag import StructuralTag, TagsWithSeparatorFormat
+from xgrammar.structural_tag import ConstStringFormat, OrFormat, RepeatFormat, SequenceFormat, StructuralTag
 
 from ember.errors import InvalidRequestError
 
 MODEL_FORMAT = "qwen_3"
+# Most calls in one answer under tool_choice "required" with parallel_tool_calls.
+MAX_PARALLEL_TOOL_CALLS = 4
 
 
 def tool_call_structural_tag(tools: list[dict], tool_choice: str | dict, parallel_tool_calls: bool = True,
@@ -35,6 +39,9 @@ def tool_call_structural_tag(tools: list[dict], tool_choice: str | dict, paralle
         raise ValueError(f"no structural tag for tool_choice {tool_choice!r}")
     auto = xgr.get_builtin_structural_tag(MODEL_FORMAT, tools=tools, tool_choice="auto", reasoning=False,
                                           max_whitespace_cnt=max_whitespace)
-    calls = TagsWithSeparatorFormat(tags=auto.format.tags, separator="\n", at_least_one=True,
-                                    stop_after_first=not parallel_tool_calls)
-    return StructuralTag(format=calls).model_dump_json()
+    call = OrFormat(elements=list(auto.format.tags))
+    if not parallel_tool_calls:
+        return StructuralTag(format=call).model_dump_json()
+    more = RepeatFormat(min=0, max=MAX_PARALLEL_TOOL_CALLS - 1,
+                        content=SequenceFormat(elements=[ConstStringFormat(value="\n"), call]))
+    return StructuralTag(format=SequenceFormat(elements=[call, more])).model_dump_json()
