@@ -4,7 +4,7 @@ Exactly one constraint: `json` (a JSON schema, as a dict or its text), `json_obj
 object), `regex`, `choice` (one of these strings), `grammar` (EBNF, as xgrammar reads it; GBNF
 and Lark-style rules are close enough for most grammars) or `structural_tag` (xgrammar's JSON
 format; the server builds one for `tool_choice`). The options shape JSON only:
-`disable_any_whitespace` allows no whitespace between JSON tokens, `max_whitespace` bounds each
+`disable_any_whitespace` allows only the fixed separators `, ` and `: `, `max_whitespace` bounds each
 run of it (ember's bound by default, so a small model cannot loop on spaces until max_tokens),
 `disable_additional_properties` forbids keys the schema does not name, `whitespace_pattern` is
 vLLM's knob and is refused: xgrammar bounds whitespace by count, not by pattern.
