@@ -3,8 +3,8 @@
 OpenAI's `response_format` (json_object, json_schema), vLLM's `structured_outputs` object, its
 legacy `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`, and the tool-call
 constraint of `tool_choice` "required" or a named function all land here; giving two of them is
-a 400 that names both, never a silent pick. Whether the constraint compiles is checked when the
-engine takes the request (a 400 naming the problem).
+a 400 that names both, never a silent pick. A constraint the grammar library cannot build is a 400
+naming the field the client used and the library's reason.
 """
 from __future__ import annotations
 
@@ -73,7 +73,11 @@ def structured_params(req, tool_constraint: dict[str, Any] | None = None) -> Str
     name, fields = given[0]
     if req.guided_whitespace_pattern is not None:
         fields["whitespace_pattern"] = req.guided_whitespace_pattern
+    from ember.structured.grammar import build_grammar
+
     try:
-        return StructuredOutputsParams.from_dict(fields)
+        params = StructuredOutputsParams.from_dict(fields)
+        build_grammar(params)  # here, so that the 400 names the field the client used (the engine builds it again)
     except InvalidRequestError as e:
         raise ParamError(str(e), name) from None
+    return params

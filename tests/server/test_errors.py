@@ -43,10 +43,14 @@ def check_error(e: openai.APIStatusError, status: int, param: str | None = None,
     (dict(extra_body={"n": [1]}), "n", ()),
     (dict(stop=[""]), "stop", ()),
     (dict(extra_body={"top_k": -3}), "top_k", ()),
-    (dict(tool_choice="required", tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice", ()),
+    (dict(tool_choice={"type": "function", "function": {"name": "g"}}, tools=[{"type": "function", "function": {"name": "f"}}]),
+     "tool_choice", ("'g'", "'f'")),
     (dict(stream_options={"include_usage": True}), "stream_options", ()),
     (dict(logit_bias={"5": 10}), "logit_bias", ()),
-    (dict(response_format={"type": "json_object"}), "response_format", ()),
+    (dict(response_format={"type": "xml"}), "response_format", ("xml",)),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}),
+     "response_format", ("nope",)),
+    (dict(extra_body={"guided_regex": "(a"}), "guided_regex", ()),
 ])
 def test_chat_bad_params_are_400(client, kw, param, words):
     with pytest.raises(openai.BadRequestError) as e:
