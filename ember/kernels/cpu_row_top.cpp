@@ -1,5 +1,5 @@
 // Argmax and small top-k of float32 rows (CPU, AVX-512): the LM head's logits [n, V], each row read
-// from cache in one or two vector passes. torch's CPU argmax and topk walk a row one element at a
+// from cache in one or two vector passes; and a grammar's token bitmask applied to chosen rows. torch's CPU argmax and topk walk a row one element at a
 // time (~1.2 GB/s: 2.6 ms each for a [64, 49152] batch on 2 Zen4 threads). See cpu_row_top.py.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -123,14 +123,47 @@ std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& x, int64_t k) {
   return {vals, idx};
 }
 
+// Row rows[i] of x gets -inf wherever bit j of bitmask row i is 0 (token j not allowed; xgrammar's
+// layout: 32 tokens per int32 word, low bit first). One masked store per 16 logits, whatever the
+// word: a fully allowed word stores nothing, a forbidden one 32 -infs. xgrammar's own CPU loop writes
+// element by element (~200 us per 49k-token row here); this runs at memory speed.
+void mask_rows(at::Tensor& x, const at::Tensor& bitmask, const at::Tensor& rows) {
+  check_rows(x);
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == at::kInt && bitmask.is_contiguous() &&
+                  bitmask.device().is_cpu(), "mask_rows: bitmask must be contiguous int32 CPU [n, words]");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.size(0) == bitmask.size(0),
+              "mask_rows: rows must be int64 [n], one per bitmask row");
+  const int64_t V = x.size(1), W = bitmask.size(1), n = rows.size(0);
+  TORCH_CHECK(W * 32 >= V, "mask_rows: a bitmask of ", W, " words does not cover ", V, " tokens");
+  float* xp = x.data_ptr<float>();
+  const uint32_t* bp = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(rp[i] >= 0 && rp[i] < x.size(0), "mask_rows: row ", rp[i], " is outside the logits");
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      float* row = xp + rp[i] * V;
+      const uint32_t* bits = bp + i * W;
+      for (int64_t j = 0; j < V; j += 16) {
+        const uint32_t word = bits[j / 32] >> (j % 32);
+        const __mmask16 forbidden = (__mmask16)~word & tail_mask(V - j);
+        if (forbidden) _mm512_mask_storeu_ps(row + j, forbidden, neg_inf);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ember_cpu, m) {
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("topk_rows(Tensor x, int k) -> (Tensor, Tensor)");
+  m.def("mask_rows(Tensor(a!) x, Tensor bitmask, Tensor rows) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(ember_cpu, CPU, m) {
   m.impl("argmax_rows", &argmax_rows);
   m.impl("topk_rows", &topk_rows);
+  m.impl("mask_rows", &mask_rows);
 }

@@ -11,7 +11,8 @@ from __future__ import annotations
 import time
 
 import torch
-import xgrammar as xgr
+
+from ember.kernels import cpu_row_top
 
 
 class StepMasks:
@@ -33,8 +34,5 @@ class StepMasks:
                 picked.append(bits)
                 indices.extend(range(first, first + bits.shape[0]))
         if picked:
-            bitmask = torch.full((logits.shape[0], picked[0].shape[1]), -1, dtype=torch.int32)
-            bitmask[indices] = torch.cat(picked)
-            xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
-                                            vocab_size=min(self.vocab_size, logits.shape[1]), indices=indices)
+            cpu_row_top.mask_rows(logits, torch.cat(picked), indices)
         self.seconds += time.perf_counter() - t0

@@ -121,3 +121,20 @@ def test_missing_transformers_says_how_to_fix(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` fail
     with pytest.raises(ConfigError, match=r"pip install transformers accelerate.*--peer none"):
         HFPeer("model.gguf")
+
+
+def test_bench_structured_writes_both_bars(tmp_path):
+    """`ember bench structured` on the default model, one short run: constrained and free decode at batch 1
+    and 32 in one file, with the two bars judged (the figures themselves are benchmarks/structured.md's)."""
+    import json as _json
+
+    from ember.entrypoints.cli import main
+
+    out = tmp_path / "structured.md"
+    main(["bench", "structured", "--runs", "1", "--output-len", "8", "--quiet-wait", "0", "--output", str(out),
+          "--kv-cache-memory", "0.3", "--max-model-len", "512"])
+    data = _json.loads((tmp_path / "structured-structured.json").read_text())
+    assert [m["name"] for m in data["metrics"]] == ["batch-1 decode", "batch-32 decode"]
+    assert all(m["ember"][0] > 0 and m["peer"][0] > 0 for m in data["metrics"])
+    assert [b["min_speedup"] for b in data["bars"]] == [0.9, 0.85]
+    assert "constrained batch-32 decode" in out.read_text()

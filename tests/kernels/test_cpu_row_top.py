@@ -75,3 +75,33 @@ def test_bad_input_is_refused():
         torch.ops.ember_cpu.topk_rows(torch.randn(2, 5), 6)
     with pytest.raises(RuntimeError, match="contiguous float32"):
         torch.ops.ember_cpu.argmax_rows(torch.randn(2, 5, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("n_rows,V", [(1, 49152), (5, 17), (3, 151_937), (32, 49157)])
+def test_mask_rows_matches_xgrammar(n_rows, V):
+    """The bitmask kernel against xgrammar's own apply_token_bitmask_inplace: the chosen rows only,
+    words all allowed (-1), all forbidden (0) and mixed, a vocabulary that leaves a tail."""
+    import xgrammar as xgr
+
+    g = torch.Generator().manual_seed(V)
+    words = (V + 31) // 32
+    bits = torch.randint(-2**31, 2**31 - 1, (n_rows, words), dtype=torch.int32, generator=g)
+    bits[:, words // 3:words // 2] = 0
+    bits[:, words // 2:] = -1
+    logits = torch.randn(n_rows + 4, V, generator=g)
+    rows = torch.randperm(n_rows + 4, generator=g)[:n_rows].tolist()  # some rows stay unmasked
+    expected = logits.clone()
+    full = torch.full((n_rows + 4, words), -1, dtype=torch.int32)
+    full[rows] = bits
+    xgr.apply_token_bitmask_inplace(expected, full, indices=rows)
+    assert kernel_ran(logits)
+    cpu_row_top.mask_rows(logits, bits, rows)
+    assert torch.equal(logits, expected)
+
+
+def test_mask_rows_falls_back_for_other_dtypes():
+    x = torch.zeros(2, 40, dtype=torch.bfloat16)
+    bits = torch.full((1, 2), -1, dtype=torch.int32)
+    bits[0, 0] = 0b101
+    cpu_row_top.mask_rows(x, bits, [1])
+    assert torch.isinf(x[1]).sum() == 30 and not torch.isinf(x[1, [0, 2]]).any() and not torch.isinf(x[0]).any()
