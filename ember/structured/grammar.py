@@ -11,6 +11,7 @@ import json
 import xgrammar as xgr
 
 from ember.errors import InvalidRequestError
+from ember.structured.schema_check import UnenforcedKeywordError, prepare_schema
 from ember.structured_params import StructuredOutputsParams
 
 
@@ -46,6 +47,7 @@ def build_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
                 return xgr.Grammar.from_json_schema({}, strict_mode=True, **_whitespace(params))
             if schema is False:
                 raise GrammarError("structured_outputs.json is false: a schema that allows nothing", "json")
+            schema = prepare_schema(schema)  # refuses keywords xgrammar would not enforce
             return xgr.Grammar.from_json_schema(json.dumps(schema), strict_mode=True, **_whitespace(params))
         if kind == "json_object":
             return xgr.Grammar.from_json_schema({"type": "object"}, strict_mode=False, **_whitespace(params))
@@ -58,6 +60,8 @@ def build_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
         return xgr.Grammar.from_structural_tag(params.structural_tag)
     except GrammarError:
         raise
+    except UnenforcedKeywordError as e:
+        raise GrammarError(str(e), kind) from None
     except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's parse and conversion errors
         raise GrammarError(f"structured_outputs.{kind} cannot be compiled: {_library_message(e)}", kind) from None
 

@@ -192,3 +192,43 @@ def test_reasoning_delays_the_constraint_until_the_answer(tokenizer):
         assert mgr.accept(a, 0) == (True, False)
     assert a.grammar.active  # the answer starts with the next token
     assert mgr.step_masks(_Out([(a, 1)], {})) is not None
+
+
+# -- keywords the library would not enforce ----------------------------------------------------------
+@pytest.mark.parametrize("schema, keyword, accepted_invalid", [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems", "[1, 1]"),
+    ({"type": "object", "properties": {"k": {"type": "string"}, "v": {"type": "integer"}}, "required": ["k", "v"],
+      "if": {"properties": {"k": {"const": "a"}}}, "then": {"properties": {"v": {"minimum": 100}}}}, "if",
+     '{"k": "a", "v": 1}'),
+    ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 7}}, "contains", "[1]"),
+    ({"type": "object", "properties": {"x": {"not": {"type": "string"}}}, "required": ["x"]}, "not", '{"x": "s"}'),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "dependentRequired": {"a": ["b"]}}, "dependentRequired", '{"a": 1}'),
+    ({"type": "number", "multipleOf": 0.5}, "multipleOf", "0.3"),
+    ({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
+                {"type": "integer"}]}, "allOf", '{"a": 1}'),
+])
+def test_keywords_the_library_ignores_are_refused(compiler, schema, keyword, accepted_invalid):
+    # what the library does with them: compiles, then lets an answer through that breaks the keyword
+    import jsonschema
+
+    assert accepts(compiler, xgr.Grammar.from_json_schema(schema), accepted_invalid)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(json.loads(accepted_invalid), schema)
+    with pytest.raises(GrammarError, match=f"`{keyword}`"):
+        build_grammar(StructuredOutputsParams(json=schema))
+
+
+def test_plain_all_of_shapes_are_merged_and_enforced(compiler):
+    one = {"type": "object", "properties": {"p": {"allOf": [{"$ref": "#/$defs/pt"}], "description": "a point"}},
+           "required": ["p"], "$defs": {"pt": {"type": "object", "properties": {"x": {"type": "integer"}},
+                                               "required": ["x"]}}}
+    g = build_grammar(StructuredOutputsParams(json=one))
+    assert accepts(compiler, g, '{"p": {"x": 1}}') and not accepts(compiler, g, '{"p": {"y": 1}}')
+    union = {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                       {"type": "object", "properties": {"b": {"type": "boolean"}}, "required": ["b"]}]}
+    g = build_grammar(StructuredOutputsParams(json=union))
+    assert accepts(compiler, g, '{"a": 1, "b": true}') and not accepts(compiler, g, '{"a": 1}')
+    # a property called like a keyword is a name, not a keyword
+    named = {"type": "object", "properties": {"not": {"type": "integer"}, "if": {"type": "string"}}, "required": ["not"]}
+    assert accepts(compiler, build_grammar(StructuredOutputsParams(json=named)), '{"not": 3}')
