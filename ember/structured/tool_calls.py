@@ -15,16 +15,35 @@ import xgrammar as xgr
 from xgrammar.structural_tag import ConstStringFormat, OrFormat, RepeatFormat, SequenceFormat, StructuralTag
 
 from ember.errors import InvalidRequestError
+from ember.structured.schema_check import UnenforcedKeywordError, prepare_schema
+from ember.structured_params import DEFAULT_MAX_WHITESPACE
 
 MODEL_FORMAT = "qwen_3"
 # Most calls in one answer under tool_choice "required" with parallel_tool_calls.
 MAX_PARALLEL_TOOL_CALLS = 4
 
 
+def _arguments_schema(tool: dict) -> dict:
+    """A tool's `parameters` as the schema its arguments object must meet: none means `{}` (OpenAI's
+    function without parameters), a schema without a type is an object's; keywords xgrammar would not
+    enforce are refused here too."""
+    params = tool["function"].get("parameters")
+    if not params:
+        return {"type": "object", "properties": {}}
+    params = dict(params)
+    params.setdefault("type", "object")
+    try:
+        return prepare_schema(params)
+    except UnenforcedKeywordError as e:
+        name = tool["function"]["name"]
+        raise InvalidRequestError(str(e).replace("structured_outputs.json", f"the parameters of tool {name!r}")) from None
+
+
 def tool_call_structural_tag(tools: list[dict], tool_choice: str | dict, parallel_tool_calls: bool = True,
-                             max_whitespace: int | None = None) -> str:
+                             max_whitespace: int | None = DEFAULT_MAX_WHITESPACE) -> str:
     """The structural tag's JSON text; tools in OpenAI's shape ({"type": "function", "function": ...})."""
     names = [t["function"]["name"] for t in tools]
+    tools = [{**t, "function": {**t["function"], "parameters": _arguments_schema(t)}} for t in tools]
     if isinstance(tool_choice, dict):
         name = (tool_choice.get("function") or {}).get("name")
         if tool_choice.get("type") != "function" or not isinstance(name, str):

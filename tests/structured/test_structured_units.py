@@ -232,3 +232,14 @@ def test_plain_all_of_shapes_are_merged_and_enforced(compiler):
     # a property called like a keyword is a name, not a keyword
     named = {"type": "object", "properties": {"not": {"type": "integer"}, "if": {"type": "string"}}, "required": ["not"]}
     assert accepts(compiler, build_grammar(StructuredOutputsParams(json=named)), '{"not": 3}')
+
+
+def test_a_tool_without_parameters_takes_an_empty_object(compiler):
+    tools = [{"type": "function", "function": {"name": "now"}}]
+    g = xgr.Grammar.from_structural_tag(tool_call_structural_tag(tools, "required"))
+    assert accepts(compiler, g, '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>')
+    assert not accepts(compiler, g, '<tool_call>\n{"name": "now", "arguments": "soon"}\n</tool_call>')
+    unique = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"xs": {"type": "array", "uniqueItems": True}}}}}]
+    with pytest.raises(InvalidRequestError, match="parameters of tool 'f'.*uniqueItems"):
+        tool_call_structural_tag(unique, "required")
