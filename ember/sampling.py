@@ -50,6 +50,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # top-N; 0 = only the sampled token's logprob
     skip_special_tokens: bool = True
+    # token id -> value added to its logit before sampling (OpenAI's logit_bias: -100 bans, +100 forces)
+    logit_bias: dict[int, float] | None = None
     # The shape the answer must have (JSON schema, regex, choice, grammar); None = free text.
     structured_outputs: StructuredOutputsParams | None = None
 
@@ -74,6 +76,13 @@ class SamplingParams:
             self.top_k = 0
         if _is_int(self.temperature):
             self.temperature = float(self.temperature)
+        if isinstance(self.logit_bias, dict) and all(isinstance(k, str) for k in self.logit_bias):
+            try:  # JSON object keys are strings
+                self.logit_bias = {int(k): v for k, v in self.logit_bias.items()}
+            except ValueError:
+                raise _bad("logit_bias", self.logit_bias, "token ids (integers) mapped to numbers") from None
+        if self.logit_bias == {}:
+            self.logit_bias = None
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
 
@@ -106,6 +115,10 @@ class SamplingParams:
                        f"must be <= max_tokens ({self.max_tokens}); lower min_tokens "
                        "or raise max_tokens")
         self._check_stop()
+        if self.logit_bias is not None and not (
+                isinstance(self.logit_bias, dict)
+                and all(_is_int(k) and k >= 0 and _is_number(v) and -100 <= v <= 100 for k, v in self.logit_bias.items())):
+            raise _bad("logit_bias", self.logit_bias, "a map of token ids (>= 0) to numbers in [-100, 100]")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise _bad("structured_outputs", self.structured_outputs, "a StructuredOutputsParams, a dict of its fields, or None")
         if not isinstance(self.stop_token_ids, list) or not all(
@@ -150,7 +163,8 @@ class SamplingParams:
 
     def replace(self, **changes) -> SamplingParams:
         """A validated copy with some fields changed (lists copied, never shared)."""
-        kw = {"stop": list(self.stop), "stop_token_ids": list(self.stop_token_ids)}
+        kw = {"stop": list(self.stop), "stop_token_ids": list(self.stop_token_ids),
+              "logit_bias": dict(self.logit_bias) if self.logit_bias else None}
         kw.update(changes)
         return dataclasses.replace(self, **kw)
 

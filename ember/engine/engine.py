@@ -121,6 +121,9 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        bias = [t for t in (params.logit_bias or {}) if t >= vocab]
+        if bias:
+            raise InvalidRequestError(f"logit_bias token ids {bias[:5]} are outside the vocabulary [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(
                 f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} (prompt plus at least one "

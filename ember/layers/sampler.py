@@ -1,6 +1,6 @@
 """The batched sampler: one call per forward turns [B, V] logits into one token per row.
 
-Order (vLLM's): logprobs from the raw logits; penalties; min_tokens bans; greedy rows take
+Order (vLLM's): logprobs from the raw logits; penalties; logit_bias; min_tokens bans; greedy rows take
 the argmax; the others are divided by temperature, then min_p, top_k, top_p, then sampled
 with an exponential race (argmax of probs / q, q ~ Exp(1)), which equals sampling from probs
 and lets each seeded row draw only from its own generator.
@@ -74,12 +74,13 @@ class Sampler:
 
 
 def _plan(rows: list[SamplingRow]) -> tuple[list[int], list[int], list[int], list[int]]:
-    """One pass of Python over the rows decides which stages have work to do."""
+    """One pass of Python over the rows decides which stages have work to do (a biased row counts as
+    penalised: both edit its logits before anything picks)."""
     penalised, banned, randoms, want_lp = [], [], [], []
     for i, row in enumerate(rows):
         p = row.params
         if (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
-                or p.frequency_penalty != 0.0):
+                or p.frequency_penalty != 0.0 or p.logit_bias):
             penalised.append(i)
         if p.min_tokens and len(row.output_token_ids) < p.min_tokens and (
                 row.banned_token_ids or p.stop_token_ids):
@@ -96,6 +97,7 @@ def _process(logits: torch.Tensor, rows: list[SamplingRow], penalised: list[int]
     work = logits.to(torch.float32, copy=bool(penalised or banned))
     if penalised:
         _apply_penalties(work, rows, penalised)
+        _apply_logit_bias(work, rows, penalised)
     if banned:
         _ban_tokens(work, rows, banned)
     return work
@@ -132,6 +134,10 @@ def _counts(id_lists: list[list[int]], V: int, device: torch.device) -> torch.Te
 
 def _apply_penalties(work: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -> None:
     """Repetition over prompt+output; frequency and presence over output only (vLLM)."""
+    idx = [i for i in idx if (rows[i].params.repetition_penalty != 1.0 or rows[i].params.presence_penalty != 0.0
+                              or rows[i].params.frequency_penalty != 0.0)]
+    if not idx:
+        return
     V = work.shape[1]
     sel = [rows[i] for i in idx]
     whole = len(idx) == work.shape[0]
@@ -154,6 +160,21 @@ def _apply_penalties(work: torch.Tensor, rows: list[SamplingRow], idx: list[int]
         work.copy_(x)
     else:
         work[idx_t] = x
+
+
+def _apply_logit_bias(work: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -> None:
+    V = work.shape[1]
+    r_ids, t_ids, vals = [], [], []
+    for i in idx:
+        for t, b in (rows[i].params.logit_bias or {}).items():
+            if 0 <= t < V:  # the engine refuses ids outside the vocabulary
+                r_ids.append(i)
+                t_ids.append(t)
+                vals.append(b)
+    if r_ids:
+        dev = work.device
+        work.index_put_((torch.tensor(r_ids, device=dev), torch.tensor(t_ids, device=dev)),
+                        torch.tensor(vals, dtype=work.dtype, device=dev), accumulate=True)
 
 
 def _ban_tokens(work: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -> None:

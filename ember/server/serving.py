@@ -82,8 +82,6 @@ class Serving:
                                  f"{', '.join(repr(n) for n in self.config.served_model_names)} (see /v1/models)")
 
     def check_unsupported(self, req: ChatCompletionRequest | CompletionRequest) -> None:
-        if req.logit_bias:
-            raise ParamError("logit_bias is not supported by ember; leave it unset", "logit_bias")
         if req.best_of is not None and req.best_of != req.n:
             raise ParamError(f"best_of={req.best_of} is not supported (only best_of == n); leave it unset", "best_of")
         if req.stream_options is not None and not req.stream:
@@ -110,7 +108,7 @@ class Serving:
             stop=req.stop, max_tokens=max_tokens if max_tokens is not None else m - prompt_len,
             min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, stop_token_ids=req.stop_token_ids,
             include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
-            logprobs=logprobs, structured_outputs=structured)
+            logprobs=logprobs, structured_outputs=structured, logit_bias=self._logit_bias(req))
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             v = getattr(req, name)
             if v is not None:
@@ -119,6 +117,22 @@ class Serving:
             return SamplingParams(**kw)
         except InvalidRequestError as e:
             raise sampling_error(e) from None
+
+    def _logit_bias(self, req) -> dict[int, float] | None:
+        if not req.logit_bias:
+            return None
+        vocab = self.engine.engine.model_config.vocab_size
+        bias = {}
+        for key, value in req.logit_bias.items():
+            try:
+                tid = int(key)
+            except ValueError:
+                raise ParamError(f"logit_bias key {key!r} is not a token id", "logit_bias") from None
+            if not 0 <= tid < vocab:
+                raise ParamError(f"logit_bias token id {tid} is out of vocabulary: the vocabulary has {vocab} tokens "
+                                 f"(ids 0 to {vocab - 1})", "logit_bias")
+            bias[tid] = value
+        return bias
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         vocab = self.engine.engine.model_config.vocab_size

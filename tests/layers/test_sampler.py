@@ -348,3 +348,19 @@ def test_filters_match_reference(scale):
         assert kept == _reference_keep(logits[i], p), kinds[i]
         kept_t = sorted(kept)
         assert torch.allclose(out[i, kept_t], logits[i, kept_t] / p.temperature)
+
+
+def test_logit_bias_adds_to_the_logits_of_its_row_only():
+    from ember.errors import InvalidRequestError
+    from ember.layers.sampler import process_logits
+
+    logits = torch.zeros(2, 10)
+    logits[:, 3] = 5.0
+    biased = SamplingParams(temperature=0, logit_bias={7: 10.0, 3: -100.0})
+    rows = [SamplingRow(biased, [1], []), SamplingRow(SamplingParams(temperature=0), [1], [])]
+    assert [t.token_id for t in Sampler()(logits, rows)] == [7, 3]
+    work = process_logits(logits, rows)
+    assert work[0, 7] == 10.0 and work[0, 3] == -95.0 and torch.equal(work[1], logits[1])
+    assert SamplingParams(logit_bias={"5": 1}).logit_bias == {5: 1}
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(logit_bias={5: 101})
