@@ -47,6 +47,8 @@ def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool =
                    help="uvicorn's own log level (info shows one access line per request)")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM compatibility: ember parses tool calls whenever a request has tools")
+    g.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="serve GET /tokenizer_info (the tokenizer's configuration and chat template), as vLLM")
     g.add_argument("--tool-call-parser", default="hermes", choices=["hermes"],
                    help="tool-call format: hermes = Qwen/Hermes <tool_call>{json}</tool_call> (the only one)")
 
@@ -93,7 +95,8 @@ def build_server(args):
     names = _model_name(args, engine)
     config = ServerConfig(served_model_names=names, model_root=str(engine.loaded.path),
                           api_key=args.api_key or os.environ.get("EMBER_API_KEY") or None,
-                          chat_template=template, log_requests=not args.disable_log_requests)
+                          chat_template=template, log_requests=not args.disable_log_requests,
+                          enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
     metrics = ServerMetrics(names[0])
     metrics.watch_compile(engine.compiler)
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=args.max_waiting_requests, warmup=args.warmup,

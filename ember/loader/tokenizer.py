@@ -175,11 +175,17 @@ class Tokenizer:
         tools: list[dict] | None = None,
         documents: list[dict] | None = None,
         chat_template: str | None = None,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str | list[int]:
         """Render `messages` with the model's chat template (or `chat_template`: a template
         string or the name of one of the model's named templates). Extra kwargs reach the
-        template as variables (e.g. `enable_thinking=False` for Qwen3)."""
+        template as variables (e.g. `enable_thinking=False` for Qwen3). continue_final_message:
+        the prompt ends inside the last message (an assistant reply to continue), as transformers
+        cuts it: right after that message's text, its end-of-turn left out."""
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true: the "
+                                      "first continues the last message, the second opens a new one")
         template = self._pick_template(chat_template)
         variables = {**self.special_tokens, **kwargs}
         try:
@@ -193,6 +199,8 @@ class Tokenizer:
         except jinja2.TemplateError as e:
             # Includes raise_exception() from the template: its message says what is wrong
             raise InvalidRequestError(f"The chat template rejected these messages: {e}") from e
+        if continue_final_message:
+            text = _cut_after_final_message(text, messages)
         if not tokenize:
             return text
         # The template writes BOS itself where the model wants one
@@ -233,6 +241,19 @@ class TextStream:
 
 
 # ---- helpers ------------------------------------------------------------------------------
+
+
+def _cut_after_final_message(text: str, messages: list[dict[str, Any]]) -> str:
+    final = messages[-1].get("content") if messages else None
+    if isinstance(final, list):  # text parts
+        final = "".join(p.get("text", "") for p in final if isinstance(p, dict))
+    if not isinstance(final, str) or not final.strip() or final.strip() not in text:
+        raise InvalidRequestError("continue_final_message needs a last message with text content that the chat "
+                                  "template writes out")
+    at = text.rindex(final.strip())
+    if text[at:at + len(final.lstrip())] == final.lstrip():
+        return text[:at + len(final.lstrip())]
+    return text[:at + len(final.strip())]
 
 
 def _read_json(path: str) -> dict:

@@ -26,12 +26,15 @@ from ember.errors import EmberError
 from ember.server.chat import ChatHandler
 from ember.server.completions import CompletionHandler
 from ember.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from ember.server.protocol import ChatCompletionRequest, CompletionRequest, error_body, model_card
+from ember.server import tokenize
+from ember.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                   error_body, model_card)
 from ember.server.serving import AuthenticationError, ClientDisconnected, ParamError, ServerConfig, Serving
 
 logger = logging.getLogger("ember.server")
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/version", "/metrics")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/version", "/metrics", "/tokenize",
+             "/detokenize", "/tokenizer_info")
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable_error"}
 
@@ -125,6 +128,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, metrics: ServerMetri
     _add_error_handlers(app)
     _add_service_routes(app, engine, metrics)
     _add_v1_routes(app, serving, config, [Depends(_api_key_check(config))])
+    _add_tokenizer_routes(app, serving, config)
     app.add_middleware(_CountRequests, metrics=metrics)
     return app
 
@@ -180,6 +184,23 @@ def _add_service_routes(app: FastAPI, engine: AsyncLLMEngine, metrics: ServerMet
     @app.get("/metrics")
     async def get_metrics():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _add_tokenizer_routes(app: FastAPI, serving: Serving, config: ServerConfig) -> None:
+    """vLLM's /tokenize, /detokenize and (with --enable-tokenizer-info-endpoint) /tokenizer_info."""
+
+    @app.post("/tokenize")
+    async def tokenize_route(body: TokenizeRequest):
+        return tokenize.tokenize(serving, body)
+
+    @app.post("/detokenize")
+    async def detokenize_route(body: DetokenizeRequest):
+        return tokenize.detokenize(serving, body)
+
+    if config.enable_tokenizer_info_endpoint:
+        @app.get("/tokenizer_info")
+        async def tokenizer_info_route():
+            return tokenize.tokenizer_info(serving)
 
 
 def _add_v1_routes(app: FastAPI, serving: Serving, config: ServerConfig, v1: list) -> None:

@@ -82,7 +82,8 @@ class ChatHandler:
         messages = [_message_dict(m) for m in req.messages]
         ids = self.s.tokenizer.apply_chat_template(
             messages, add_generation_prompt=req.add_generation_prompt, tokenize=True, tools=tools,
-            chat_template=self.s.config.chat_template, **(req.chat_template_kwargs or {}))
+            chat_template=self.s.config.chat_template, continue_final_message=req.continue_final_message,
+            **(req.chat_template_kwargs or {}))
         return ids, use_tools, constraint
 
     async def create(self, req: ChatCompletionRequest, receive):
@@ -99,7 +100,7 @@ class ChatHandler:
         streams = await self.s.submit(rid, [(None, ids)], params)
         parser = self.s.reasoning_parser
         tail = self.s.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False) if parser else ""
-        ctx = _Ctx(rid, model, now(), req, len(ids), use_tools, top_n, arrival, tail)
+        ctx = _Ctx(rid, model, now(), req, len(ids), use_tools, top_n, arrival, tail, _echo_text(req))
         if req.stream:
             return self._stream(streams, ctx)
         return await unless_disconnected(self._whole(streams, ctx), receive)
@@ -150,6 +151,8 @@ class ChatHandler:
                                              for c in parser.calls]
                     if reason == "stop":
                         reason = "tool_calls"
+            if ctx.echo:
+                message["content"] = ctx.echo + (message["content"] or "")
             choice = {"index": i, "message": message, "logprobs": None, "finish_reason": reason,
                       "stop_reason": stop_reason[i]}
             if ctx.top_n is not None:
@@ -174,7 +177,7 @@ class ChatHandler:
         finish: list[str | None] = [None] * n
         cached = 0
         try:
-            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ctx.echo}, "logprobs": None,
                           "finish_reason": None} for i in range(n)])
             async for _, delta in merged(streams):
                 cached = delta.num_cached_tokens
@@ -241,10 +244,22 @@ class ChatHandler:
                         completion, time.monotonic() - ctx.arrival, ",".join(str(f) for f in finish))
 
 
-class _Ctx:
-    __slots__ = ("rid", "model", "created", "req", "prompt_len", "use_tools", "top_n", "arrival", "prompt_tail")
+def _echo_text(req: ChatCompletionRequest) -> str:
+    """vLLM's chat echo: the last message's text leads the answer when it has the answer's role."""
+    last = req.messages[-1]
+    if not req.echo or last.role != "assistant":
+        return ""
+    if isinstance(last.content, list):
+        return "".join(p.text or "" for p in last.content)
+    return last.content or ""
 
-    def __init__(self, rid, model, created, req, prompt_len, use_tools, top_n, arrival, prompt_tail=""):
+
+class _Ctx:
+    __slots__ = ("rid", "model", "created", "req", "prompt_len", "use_tools", "top_n", "arrival", "prompt_tail",
+                 "echo")
+
+    def __init__(self, rid, model, created, req, prompt_len, use_tools, top_n, arrival, prompt_tail="", echo=""):
         self.rid, self.model, self.created, self.req = rid, model, created, req
         self.prompt_len, self.use_tools, self.top_n, self.arrival = prompt_len, use_tools, top_n, arrival
         self.prompt_tail = prompt_tail  # the prompt's last tokens as text: did the template open <think>?
+        self.echo = echo  # text the answer starts with (echo of the last assistant message)

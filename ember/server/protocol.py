@@ -107,6 +107,8 @@ class ChatCompletionRequest(_Request):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     include_reasoning: bool = True  # vLLM's: false drops reasoning_content from the answer
+    continue_final_message: bool = False  # the prompt ends inside the last (assistant) message
+    echo: bool = False  # vLLM's: the answer starts with the last message's text when it has the answer's role
 
 
 class CompletionRequest(_Request):
@@ -115,6 +117,28 @@ class CompletionRequest(_Request):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     max_tokens: int | None = Field(16, ge=1)
     suffix: str | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered by the template first."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (vLLM's)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[Tool] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
 
 
 # -- answers ------------------------------------------------------------------------------------

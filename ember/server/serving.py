@@ -43,6 +43,7 @@ class ServerConfig:
     api_key: str | None = None
     chat_template: str | None = None  # a template string (the flag also takes a file; read by the launcher)
     log_requests: bool = True
+    enable_tokenizer_info_endpoint: bool = False  # vLLM's flag: GET /tokenizer_info
 
 
 _SAMPLING_PARAM = re.compile(r"^SamplingParams\.(\w+)=")
