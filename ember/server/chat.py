@@ -177,8 +177,9 @@ class ChatHandler:
         finish: list[str | None] = [None] * n
         cached = 0
         try:
-            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ctx.echo}, "logprobs": None,
-                          "finish_reason": None} for i in range(n)])
+            for i in range(n):  # one choice per chunk, as OpenAI streams n > 1 (clients read choices[0])
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ctx.echo}, "logprobs": None,
+                              "finish_reason": None}])
             async for _, delta in merged(streams):
                 cached = delta.num_cached_tokens
                 out = []
@@ -220,8 +221,8 @@ class ChatHandler:
                         finish[sd.index] = reason
                         choice["stop_reason"] = sd.stop_reason
                     out.append(choice)
-                if out:
-                    yield chunk(out)
+                for choice in out:
+                    yield chunk([choice])
             if include_usage:
                 yield usage_chunk(usage(ctx.prompt_len, completion, cached))
             self._log(ctx, completion, finish)

@@ -122,9 +122,10 @@ class CompletionHandler:
         completion = 0
         cached = [0] * len(prompts)
         try:
-            if req.echo:
-                yield chunk([{"index": k, "text": self._echo(*prompts[k // n]), "logprobs": None, "finish_reason": None}
-                             for k in range(total)])
+            if req.echo:  # one choice per chunk, as OpenAI streams n > 1 (clients read choices[0])
+                for k in range(total):
+                    yield chunk([{"index": k, "text": self._echo(*prompts[k // n]), "logprobs": None,
+                                  "finish_reason": None}])
             async for pi, delta in merged(streams):
                 cached[pi] = delta.num_cached_tokens
                 out = []
@@ -140,8 +141,8 @@ class CompletionHandler:
                     if sd.finish_reason is not None:
                         choice["stop_reason"] = sd.stop_reason
                     out.append(choice)
-                if out:
-                    yield chunk(out)
+                for choice in out:
+                    yield chunk([choice])
             if include_usage:
                 prompt_tokens = sum(len(ids) for _, ids in prompts)
                 yield usage_chunk(usage(prompt_tokens, completion, sum(cached)))

@@ -203,3 +203,20 @@ def test_health_is_503_until_warmup_is_done(tiny_qwen3, monkeypatch):
     finally:
         gate.set()
         live.stop()
+
+
+def test_n_sequences_stream_one_choice_per_chunk(client):
+    """OpenAI sends each choice in its own chunk; a client that reads choices[0] (vLLM's own test does)
+    must see every sequence's text."""
+    whole = client.completions.create(model=MODEL_NAME, prompt="hello", n=3, max_tokens=8, temperature=1.0, seed=9)
+    stream = client.completions.create(model=MODEL_NAME, prompt="hello", n=3, max_tokens=8, temperature=1.0, seed=9,
+                                       stream=True)
+    texts = ["", "", ""]
+    for chunk in stream:
+        if chunk.choices:
+            assert len(chunk.choices) == 1
+            texts[chunk.choices[0].index] += chunk.choices[0].text
+    assert texts == [c.text for c in sorted(whole.choices, key=lambda c: c.index)]
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], n=2,
+                                          max_tokens=5, stream=True)
+    assert all(len(c.choices) == 1 for c in chat if c.choices)
