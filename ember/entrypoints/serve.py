@@ -47,6 +47,10 @@ def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool =
                    help="uvicorn's own log level (info shows one access line per request)")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM compatibility: ember parses tool calls whenever a request has tools")
+    g.add_argument("--enable-force-include-usage", action="store_true",
+                   help="every streamed answer reports usage on every chunk and at the end, as vLLM's flag")
+    g.add_argument("--enable-request-id-headers", action="store_true",
+                   help="answer every request with an X-Request-Id header (the client's, or a new one)")
     g.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                    help="serve GET /tokenizer_info (the tokenizer's configuration and chat template), as vLLM")
     g.add_argument("--tool-call-parser", default="hermes", choices=["hermes"],
@@ -96,7 +100,9 @@ def build_server(args):
     config = ServerConfig(served_model_names=names, model_root=str(engine.loaded.path),
                           api_key=args.api_key or os.environ.get("EMBER_API_KEY") or None,
                           chat_template=template, log_requests=not args.disable_log_requests,
-                          enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
+                          enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+                          enable_force_include_usage=args.enable_force_include_usage,
+                          enable_request_id_headers=args.enable_request_id_headers)
     metrics = ServerMetrics(names[0])
     metrics.watch_compile(engine.compiler)
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=args.max_waiting_requests, warmup=args.warmup,

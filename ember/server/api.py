@@ -15,6 +15,7 @@ import importlib.metadata
 import json
 import logging
 import time
+import uuid
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -78,9 +79,10 @@ class _CountRequests:
     answers a handler bug with a generic 500 itself. Starlette's own 500 path re-raises to the
     server, which then drops the keep-alive connection; here the connection stays usable."""
 
-    def __init__(self, app, metrics: ServerMetrics):
+    def __init__(self, app, metrics: ServerMetrics, request_id_headers: bool = False):
         self.app = app
         self.metrics = metrics
+        self.request_id_headers = request_id_headers  # --enable-request-id-headers: echo or make X-Request-Id
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -88,12 +90,18 @@ class _CountRequests:
         path = scope.get("path", "")
         endpoint = path if path in ENDPOINTS else "other"
         started = False
+        request_id = None
+        if self.request_id_headers:
+            given = dict(scope.get("headers") or ()).get(b"x-request-id")
+            request_id = given or uuid.uuid4().hex.encode()
 
         async def counting_send(message):
             nonlocal started
             if message["type"] == "http.response.start" and not started:
                 started = True
                 self.metrics.count_http(endpoint, message["status"])
+                if request_id is not None:
+                    message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", request_id)]}
             await send(message)
 
         try:
@@ -129,7 +137,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, metrics: ServerMetri
     _add_service_routes(app, engine, metrics)
     _add_v1_routes(app, serving, config, [Depends(_api_key_check(config))])
     _add_tokenizer_routes(app, serving, config)
-    app.add_middleware(_CountRequests, metrics=metrics)
+    app.add_middleware(_CountRequests, metrics=metrics, request_id_headers=config.enable_request_id_headers)
     return app
 
 

@@ -167,7 +167,7 @@ class ChatHandler:
     async def _stream(self, streams, ctx: _Ctx) -> AsyncIterator[str]:
         req = ctx.req
         n = req.n
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        include_usage, continuous = self.s.usage_options(req)
         head = {"id": ctx.rid, "object": "chat.completion.chunk", "created": ctx.created, "model": ctx.model}
         chunk, usage_chunk = sse_writers(head, include_usage)
 
@@ -176,10 +176,14 @@ class ChatHandler:
         completion = 0
         finish: list[str | None] = [None] * n
         cached = 0
+
+        def so_far() -> dict | None:
+            return usage(ctx.prompt_len, completion, cached) if continuous else None
+
         try:
             for i in range(n):  # one choice per chunk, as OpenAI streams n > 1 (clients read choices[0])
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ctx.echo}, "logprobs": None,
-                              "finish_reason": None}])
+                              "finish_reason": None}], so_far())
             async for _, delta in merged(streams):
                 cached = delta.num_cached_tokens
                 out = []
@@ -222,7 +226,7 @@ class ChatHandler:
                         choice["stop_reason"] = sd.stop_reason
                     out.append(choice)
                 for choice in out:
-                    yield chunk([choice])
+                    yield chunk([choice], so_far())
             if include_usage:
                 yield usage_chunk(usage(ctx.prompt_len, completion, cached))
             self._log(ctx, completion, finish)

@@ -112,7 +112,7 @@ class CompletionHandler:
 
     async def _stream(self, streams, ctx) -> AsyncIterator[str]:
         req, prompts, n = ctx["req"], ctx["prompts"], ctx["req"].n
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        include_usage, continuous = self.s.usage_options(req)
         head = {"id": ctx["rid"], "object": "text_completion", "created": ctx["created"], "model": ctx["model"]}
         chunk, usage_chunk = sse_writers(head, include_usage)
 
@@ -121,11 +121,16 @@ class CompletionHandler:
                     for _ in range(total)]
         completion = 0
         cached = [0] * len(prompts)
+        prompt_tokens = sum(len(ids) for _, ids in prompts)
+
+        def so_far() -> dict | None:
+            return usage(prompt_tokens, completion, sum(cached)) if continuous else None
+
         try:
             if req.echo:  # one choice per chunk, as OpenAI streams n > 1 (clients read choices[0])
                 for k in range(total):
                     yield chunk([{"index": k, "text": self._echo(*prompts[k // n]), "logprobs": None,
-                                  "finish_reason": None}])
+                                  "finish_reason": None}], so_far())
             async for pi, delta in merged(streams):
                 cached[pi] = delta.num_cached_tokens
                 out = []
@@ -142,11 +147,10 @@ class CompletionHandler:
                         choice["stop_reason"] = sd.stop_reason
                     out.append(choice)
                 for choice in out:
-                    yield chunk([choice])
+                    yield chunk([choice], so_far())
             if include_usage:
-                prompt_tokens = sum(len(ids) for _, ids in prompts)
                 yield usage_chunk(usage(prompt_tokens, completion, sum(cached)))
-            self._log(ctx, sum(len(ids) for _, ids in prompts), completion)
+            self._log(ctx, prompt_tokens, completion)
         except Exception:  # noqa: BLE001 -- headers are sent: report in-band, never a traceback
             logger.exception("completion stream %s failed", ctx["rid"])
             yield "data: " + json.dumps({"error": {"message": "internal error while streaming; see the server log",

@@ -43,6 +43,8 @@ class ServerConfig:
     api_key: str | None = None
     chat_template: str | None = None  # a template string (the flag also takes a file; read by the launcher)
     log_requests: bool = True
+    enable_request_id_headers: bool = False  # vLLM's flag: X-Request-Id on every response
+    enable_force_include_usage: bool = False  # vLLM's flag: every stream reports usage, on every chunk
     enable_tokenizer_info_endpoint: bool = False  # vLLM's flag: GET /tokenizer_info
 
 
@@ -81,6 +83,14 @@ class Serving:
             return self.model_name if name is None else name
         raise ModelNotFoundError(f"The model `{name}` does not exist; this server serves "
                                  f"{', '.join(repr(n) for n in self.config.served_model_names)} (see /v1/models)")
+
+    def usage_options(self, req) -> tuple[bool, bool]:
+        """(a final usage chunk, usage on every chunk) for a streamed answer."""
+        if self.config.enable_force_include_usage:
+            return True, True
+        opts = req.stream_options
+        include = bool(opts and opts.include_usage)
+        return include, include and bool(opts.continuous_usage_stats)
 
     def check_unsupported(self, req: ChatCompletionRequest | CompletionRequest) -> None:
         if req.best_of is not None and req.best_of != req.n:
@@ -209,7 +219,13 @@ def sse_writers(head: dict, include_usage: bool):
     bare = json.dumps(head, separators=(",", ":"))[:-1] + ',"choices":'
     prefix = bare[:-len('"choices":')] + '"usage":null,"choices":' if include_usage else bare
 
-    def chunk(choices: list) -> str:
+    with_usage = bare[:-len('"choices":')]
+
+    def chunk(choices: list, usage_now: dict | None = None) -> str:
+        """usage_now: the usage so far, on every chunk (stream_options.continuous_usage_stats)."""
+        if usage_now is not None:
+            return ("data: " + with_usage + '"usage":' + json.dumps(usage_now, separators=(",", ":")) + ',"choices":'
+                    + json.dumps(choices, separators=(",", ":")) + "}\n\n")
         return "data: " + prefix + json.dumps(choices, separators=(",", ":")) + "}\n\n"
 
     def usage_chunk(u: dict) -> str:

@@ -1,0 +1,54 @@
+"""stream_options.continuous_usage_stats, --enable-force-include-usage and --enable-request-id-headers."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.server.live import MODEL_NAME, start_server
+
+MSGS = [{"role": "user", "content": "hello"}]
+
+
+def _check_running_usage(chunks, expected_tokens: int) -> None:
+    last = 0
+    for chunk in chunks:
+        u = chunk.usage
+        assert u is not None and u.total_tokens == u.prompt_tokens + u.completion_tokens
+        assert last == 0 or u.completion_tokens > last or (not chunk.choices and u.completion_tokens == last)
+        last = u.completion_tokens
+    assert last == expected_tokens
+
+
+def test_continuous_usage_stats_on_both_endpoints(client):
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=MSGS, max_tokens=10, stream=True,
+                                          extra_body={"min_tokens": 10},
+                                          stream_options={"include_usage": True, "continuous_usage_stats": True})
+    _check_running_usage(list(chat), 10)
+    comp = client.completions.create(model=MODEL_NAME, prompt="hello", max_tokens=7, stream=True,
+                                     extra_body={"min_tokens": 7},
+                                     stream_options={"include_usage": True, "continuous_usage_stats": True})
+    _check_running_usage(list(comp), 7)
+    plain = list(client.chat.completions.create(model=MODEL_NAME, messages=MSGS, max_tokens=3, stream=True,
+                                                stream_options={"include_usage": True}))
+    assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage.completion_tokens <= 3
+
+
+@pytest.fixture(scope="module")
+def flagged(tiny_qwen3):
+    server = start_server(tiny_qwen3, server_knobs={"enable_force_include_usage": True,
+                                                    "enable_request_id_headers": True})
+    yield server
+    server.stop()
+
+
+def test_force_include_usage(flagged):
+    stream = flagged.client().chat.completions.create(model=MODEL_NAME, messages=MSGS, max_tokens=6, stream=True,
+                                                      extra_body={"min_tokens": 6})
+    _check_running_usage(list(stream), 6)
+
+
+def test_request_id_headers(flagged, server):
+    made = httpx.get(flagged.url + "/health").headers.get("x-request-id", "")
+    assert len(made) == 32
+    assert httpx.get(flagged.url + "/health", headers={"X-Request-Id": "Custom"}).headers["x-request-id"] == "Custom"
+    assert "x-request-id" not in httpx.get(server.url + "/health").headers  # off by default
