@@ -101,6 +101,7 @@ class ChatHandler:
         parser = self.s.reasoning_parser
         tail = self.s.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False) if parser else ""
         ctx = _Ctx(rid, model, now(), req, len(ids), use_tools, top_n, arrival, tail, _echo_text(req))
+        ctx.prompt_ids = ids
         if req.stream:
             return self._stream(streams, ctx)
         return await unless_disconnected(self._whole(streams, ctx), receive)
@@ -154,14 +155,16 @@ class ChatHandler:
             if ctx.echo:
                 message["content"] = ctx.echo + (message["content"] or "")
             choice = {"index": i, "message": message, "logprobs": None, "finish_reason": reason,
-                      "stop_reason": stop_reason[i]}
+                      "stop_reason": stop_reason[i], "token_ids": tokens[i] if ctx.req.return_token_ids else None}
             if ctx.top_n is not None:
-                choice["logprobs"] = {"content": chat_logprobs(tokens[i], lps[i], ctx.top_n, self.s.token_text)}
+                names = self.s.token_text_for(ctx.req)
+                choice["logprobs"] = {"content": chat_logprobs(tokens[i], lps[i], ctx.top_n, names)}
             choices.append(choice)
         completion = sum(len(t) for t in tokens)
         self._log(ctx, completion, finish)
         return {"id": ctx.rid, "object": "chat.completion", "created": ctx.created, "model": ctx.model,
-                "choices": choices, "usage": usage(ctx.prompt_len, completion, cached), "system_fingerprint": None}
+                "choices": choices, "usage": usage(ctx.prompt_len, completion, cached), "system_fingerprint": None,
+                "prompt_token_ids": ctx.prompt_ids if ctx.req.return_token_ids else None}
 
     # -- streaming ----------------------------------------------------------------------------
     async def _stream(self, streams, ctx: _Ctx) -> AsyncIterator[str]:
@@ -182,8 +185,9 @@ class ChatHandler:
 
         try:
             for i in range(n):  # one choice per chunk, as OpenAI streams n > 1 (clients read choices[0])
+                first = {"prompt_token_ids": ctx.prompt_ids} if req.return_token_ids and i == 0 else None
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ctx.echo}, "logprobs": None,
-                              "finish_reason": None}], so_far())
+                              "finish_reason": None}], so_far(), first)
             async for _, delta in merged(streams):
                 cached = delta.num_cached_tokens
                 out = []
@@ -217,10 +221,13 @@ class ChatHandler:
                         d["content"] = text
                     lp = None
                     if ctx.top_n is not None and sd.token_ids:
-                        lp = {"content": chat_logprobs(sd.token_ids, sd.logprobs, ctx.top_n, self.s.token_text)}
+                        names = self.s.token_text_for(req)
+                        lp = {"content": chat_logprobs(sd.token_ids, sd.logprobs, ctx.top_n, names)}
                     if not d and lp is None and reason is None:
                         continue
                     choice = {"index": sd.index, "delta": d, "logprobs": lp, "finish_reason": reason}
+                    if req.return_token_ids:
+                        choice["token_ids"] = sd.token_ids
                     if reason is not None:
                         finish[sd.index] = reason
                         choice["stop_reason"] = sd.stop_reason
@@ -261,10 +268,11 @@ def _echo_text(req: ChatCompletionRequest) -> str:
 
 class _Ctx:
     __slots__ = ("rid", "model", "created", "req", "prompt_len", "use_tools", "top_n", "arrival", "prompt_tail",
-                 "echo")
+                 "echo", "prompt_ids")
 
     def __init__(self, rid, model, created, req, prompt_len, use_tools, top_n, arrival, prompt_tail="", echo=""):
         self.rid, self.model, self.created, self.req = rid, model, created, req
         self.prompt_len, self.use_tools, self.top_n, self.arrival = prompt_len, use_tools, top_n, arrival
         self.prompt_tail = prompt_tail  # the prompt's last tokens as text: did the template open <think>?
         self.echo = echo  # text the answer starts with (echo of the last assistant message)
+        self.prompt_ids: list[int] = []

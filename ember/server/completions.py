@@ -101,9 +101,11 @@ class CompletionHandler:
             prefix = self._echo(*prompts[k // n]) if req.echo else ""
             lp = None
             if req.logprobs is not None:
-                lp = CompletionLogprobs(req.logprobs, self.s.token_text, len(prefix)).build(tokens[k], lps[k])
+                lp = CompletionLogprobs(req.logprobs, self.s.token_text_for(req), len(prefix)).build(tokens[k], lps[k])
             choices.append({"index": k, "text": prefix + text, "logprobs": lp, "finish_reason": finish[k],
-                            "stop_reason": stop_reason[k]})
+                            "stop_reason": stop_reason[k],
+                            "prompt_token_ids": prompts[k // n][1] if req.return_token_ids else None,
+                            "token_ids": tokens[k] if req.return_token_ids else None})
         prompt_tokens = sum(len(ids) for _, ids in prompts)
         completion = sum(len(t) for t in tokens)
         self._log(ctx, prompt_tokens, completion)
@@ -117,11 +119,12 @@ class CompletionHandler:
         chunk, usage_chunk = sse_writers(head, include_usage)
 
         total = len(prompts) * n
-        lp_state = [CompletionLogprobs(req.logprobs, self.s.token_text) if req.logprobs is not None else None
+        lp_state = [CompletionLogprobs(req.logprobs, self.s.token_text_for(req)) if req.logprobs is not None else None
                     for _ in range(total)]
         completion = 0
         cached = [0] * len(prompts)
         prompt_tokens = sum(len(ids) for _, ids in prompts)
+        ids_sent: set[int] = set()  # choices whose prompt_token_ids went out (return_token_ids: the first chunk)
 
         def so_far() -> dict | None:
             return usage(prompt_tokens, completion, sum(cached)) if continuous else None
@@ -143,6 +146,11 @@ class CompletionHandler:
                     if not sd.text and lp is None and sd.finish_reason is None:
                         continue
                     choice = {"index": k, "text": sd.text, "logprobs": lp, "finish_reason": sd.finish_reason}
+                    if req.return_token_ids:
+                        choice["token_ids"] = sd.token_ids
+                        if k not in ids_sent:
+                            choice["prompt_token_ids"] = prompts[k // n][1]
+                            ids_sent.add(k)
                     if sd.finish_reason is not None:
                         choice["stop_reason"] = sd.stop_reason
                     out.append(choice)

@@ -35,15 +35,21 @@ _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 class TokenText:
-    """Token id -> (text shown, UTF-8 bytes), cached."""
+    """Token id -> (text shown, UTF-8 bytes), cached. as_ids: the text shown is `token_id:N` (vLLM's
+    return_tokens_as_token_ids, for clients that must not lose a token to decoding); the bytes stay real."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, as_ids: bool = False):
         self._tok = tokenizer
+        self._as_ids = as_ids
         self._cache: dict[int, tuple[str, list[int]]] = {}
 
     def __call__(self, token_id: int, decoded: str | None = None) -> tuple[str, list[int]]:
         hit = self._cache.get(token_id)
         if hit is not None:
+            return hit
+        if self._as_ids:
+            hit = (f"token_id:{token_id}", TokenText(self._tok)(token_id, decoded)[1])
+            self._cache[token_id] = hit
             return hit
         text = decoded if decoded is not None else self._tok.decode([token_id], skip_special_tokens=False)
         raw = text.encode("utf-8")

@@ -61,6 +61,9 @@ class _Request(BaseModel):
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
     structural_tag: str | None = None
+    # vLLM's token-id echoes
+    return_token_ids: bool | None = None  # prompt_token_ids and each choice's token_ids in the answer
+    return_tokens_as_token_ids: bool | None = None  # logprobs name tokens `token_id:N`
 
     def ignored_fields(self) -> list[str]:
         return sorted(self.model_extra or ())

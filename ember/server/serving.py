@@ -69,6 +69,7 @@ class Serving:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.token_text = TokenText(self.tokenizer)
+        self.token_ids_text = TokenText(self.tokenizer, as_ids=True)
 
     @property
     def reasoning_parser(self) -> str | None:
@@ -83,6 +84,10 @@ class Serving:
             return self.model_name if name is None else name
         raise ModelNotFoundError(f"The model `{name}` does not exist; this server serves "
                                  f"{', '.join(repr(n) for n in self.config.served_model_names)} (see /v1/models)")
+
+    def token_text_for(self, req) -> TokenText:
+        """How logprobs name tokens: their text, or `token_id:N` (vLLM's return_tokens_as_token_ids)."""
+        return self.token_ids_text if req.return_tokens_as_token_ids else self.token_text
 
     def usage_options(self, req) -> tuple[bool, bool]:
         """(a final usage chunk, usage on every chunk) for a streamed answer."""
@@ -221,8 +226,14 @@ def sse_writers(head: dict, include_usage: bool):
 
     with_usage = bare[:-len('"choices":')]
 
-    def chunk(choices: list, usage_now: dict | None = None) -> str:
-        """usage_now: the usage so far, on every chunk (stream_options.continuous_usage_stats)."""
+    def chunk(choices: list, usage_now: dict | None = None, extra: dict | None = None) -> str:
+        """usage_now: the usage so far, on every chunk (stream_options.continuous_usage_stats);
+        extra: top-level fields of this chunk only (the first chunk's prompt_token_ids)."""
+        if extra:
+            body = {**head, **extra, "choices": choices}
+            if include_usage:
+                body["usage"] = usage_now
+            return "data: " + json.dumps(body, separators=(",", ":")) + "\n\n"
         if usage_now is not None:
             return ("data: " + with_usage + '"usage":' + json.dumps(usage_now, separators=(",", ":")) + ',"choices":'
                     + json.dumps(choices, separators=(",", ":")) + "}\n\n")
