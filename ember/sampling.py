@@ -14,7 +14,7 @@ from ember.structured_params import StructuredOutputsParams
 
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows to inf/nan.
 GREEDY_EPS = 1e-5
-# The most top-N logprobs a request may ask for (vLLM's default max_logprobs).
+# The most top-N logprobs a request may ask for by default (vLLM's --max-logprobs default).
 MAX_LOGPROBS = 20
 
 
@@ -48,7 +48,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None  # normalised to list[int]
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    logprobs: int | None = None  # top-N; 0 = only the sampled token's logprob
+    logprobs: int | None = None  # top-N; 0 = only the sampled token's logprob; -1 = all (capped by --max-logprobs)
     skip_special_tokens: bool = True
     # token id -> value added to its logit before sampling (OpenAI's logit_bias: -100 bans, +100 forces)
     logit_bias: dict[int, float] | None = None
@@ -126,9 +126,9 @@ class SamplingParams:
             raise _bad("stop_token_ids", self.stop_token_ids,
                        "a list of non-negative token ids, or None")
         if self.logprobs is not None:
-            self._check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS,
-                            allowed=f"an integer in [0, {MAX_LOGPROBS}] or None "
-                                    "(0 = only the sampled token)")
+            self._check_int("logprobs", self.logprobs, lo=-1,
+                            allowed="an integer >= -1 or None (0 = only the sampled token, -1 = the whole "
+                                    f"vocabulary; the engine allows up to --max-logprobs, {MAX_LOGPROBS} by default)")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "true or false")

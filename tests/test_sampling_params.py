@@ -44,7 +44,7 @@ def test_greedy(t, greedy):
     ("min_tokens", -1),
     ("stop", ""), ("stop", ["ok", ""]), ("stop", [1, 2]), ("stop", 5),
     ("stop_token_ids", [-1]), ("stop_token_ids", ["2"]),
-    ("logprobs", -1), ("logprobs", 21),
+    ("logprobs", -2), ("logprobs", 1.5),
     ("ignore_eos", "yes"), ("skip_special_tokens", None),
 ])
 def test_bad_field_names_field_and_value(field, value):
@@ -77,3 +77,16 @@ def test_replace_validates_and_copies():
     assert p.clone() == p and p.clone() is not p
     with pytest.raises(InvalidRequestError, match="top_p"):
         p.replace(top_p=2.0)
+
+
+def test_logprobs_minus_one_is_the_vocabulary_and_the_engine_caps_it(tiny_model_dir):
+    from ember import LLM
+
+    assert SamplingParams(logprobs=-1).logprobs == -1 and SamplingParams(logprobs=100).logprobs == 100
+    kw = dict(dtype="float32", kv_cache_memory=0.01, max_model_len=64, num_threads=1)
+    llm = LLM(tiny_model_dir("qwen3"), **kw)
+    with pytest.raises(InvalidRequestError, match="--max-logprobs 20"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1, logprobs=-1), use_tqdm=False)
+    wide = LLM(tiny_model_dir("qwen3"), max_logprobs=-1, **kw)
+    out = wide.generate([[1, 2, 3]], SamplingParams(max_tokens=1, logprobs=-1), use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs[0]) == wide.engine.model_config.vocab_size

@@ -130,6 +130,8 @@ class EngineConfig:
                                                                                    "model (1 or --tensor-parallel-size)")
     adaptive_spec: bool = flag(True, "speculative", "per request, draft fewer tokens when few are accepted and more "
                                                     "when most are (--no-adaptive-spec pins k)")
+    max_logprobs: int = flag(20, "scheduler", "most top logprobs a request may ask for (per token; -1 = no cap, so a "
+                                              "request's -1, the whole vocabulary, is allowed)")
     # -- structured outputs
     reasoning_parser: str | None = flag(None, "structured", "split <think>...</think> from the answer "
                                                             "(reasoning_content) and start a structured-output "
@@ -196,6 +198,8 @@ class EngineConfig:
         self.parallel_config = ParallelConfig(self.tensor_parallel_size)
         self.speculative = resolve_speculative_config(self)  # None = no speculation
         self._check_structured()
+        need(isinstance(self.max_logprobs, int) and self.max_logprobs >= -1,
+             f"--max-logprobs must be an integer >= -1 (-1 = no cap), not {self.max_logprobs!r}")
         if not isinstance(self.compilation_config, (dict, type(None))):
             raise ConfigError('--compilation-config must be a JSON object, e.g. {"compile_sizes": [1, 4]}')
         need(not (self.enforce_eager and self.executor not in ("auto", "eager")),

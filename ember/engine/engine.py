@@ -121,6 +121,7 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        params = self._resolve_logprobs(params, vocab)
         bias = [t for t in (params.logit_bias or {}) if t >= vocab]
         if bias:
             raise InvalidRequestError(f"logit_bias token ids {bias[:5]} are outside the vocabulary [0, {vocab})")
@@ -148,6 +149,18 @@ class LLMEngine:
             self.scheduler.add_request(req)
         self.groups[request_id] = group
         return request_id
+
+    def _resolve_logprobs(self, params: SamplingParams, vocab: int) -> SamplingParams:
+        """logprobs -1 means the whole vocabulary; more than --max-logprobs is refused."""
+        n = params.logprobs
+        if n is None:
+            return params
+        n = vocab if n == -1 else n
+        cap = self.config.max_logprobs
+        if cap != -1 and n > cap:
+            raise InvalidRequestError(f"{n} logprobs were asked for (-1 = the whole vocabulary of {vocab}), more than "
+                                      f"--max-logprobs {cap}; ask for fewer or raise --max-logprobs")
+        return params if n == params.logprobs else params.replace(logprobs=n)
 
     def abort_request(self, request_id: str) -> bool:
         group = self.groups.pop(request_id, None)

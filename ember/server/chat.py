@@ -93,7 +93,7 @@ class ChatHandler:
             raise ParamError("top_logprobs needs logprobs to be true", "top_logprobs")
         ids, use_tools, tool_constraint = self._prompt(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        top_n = (req.top_logprobs or 0) if req.logprobs else None
+        top_n = self.s.top_n(req.top_logprobs or 0) if req.logprobs else None
         params = self.s.sampling_params(req, len(ids), max_tokens, top_n, structured_params(req, tool_constraint))
         rid = request_id("chatcmpl")
         arrival = time.monotonic()

@@ -52,6 +52,8 @@ class CompletionHandler:
                              "echo")
         prompts = self._prompts(req)
         structured = structured_params(req)
+        if req.logprobs is not None:
+            req.logprobs = self.s.top_n(req.logprobs)
         params = [self.s.sampling_params(req, len(ids), req.max_tokens, req.logprobs, structured) for _, ids in prompts]
         # every prompt gets the same knobs; max_tokens None means "the rest of the context" per prompt
         rid = request_id("cmpl")

@@ -18,7 +18,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-MAX_LOGPROBS = 20  # as SamplingParams.MAX_LOGPROBS
 
 
 class StreamOptions(BaseModel):
@@ -100,7 +99,7 @@ class Tool(BaseModel):
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(..., min_length=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=-1)  # -1 = the whole vocabulary; capped by --max-logprobs
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[Tool] | None = None
@@ -117,7 +116,7 @@ class ChatCompletionRequest(_Request):
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=-1)  # capped by --max-logprobs
     max_tokens: int | None = Field(16, ge=1)
     suffix: str | None = None
 

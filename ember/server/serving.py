@@ -129,10 +129,24 @@ class Serving:
             v = getattr(req, name)
             if v is not None:
                 kw[name] = v
+        if logprobs is not None:
+            self._check_logprobs(logprobs, "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs")
         try:
             return SamplingParams(**kw)
         except InvalidRequestError as e:
             raise sampling_error(e) from None
+
+    def top_n(self, n: int) -> int:
+        """A request's top-logprobs count, -1 (the whole vocabulary) resolved."""
+        return self.engine.engine.model_config.vocab_size if n == -1 else n
+
+    def _check_logprobs(self, n: int, param: str) -> None:
+        vocab = self.engine.engine.model_config.vocab_size
+        cap = self.engine.engine.config.max_logprobs
+        asked = vocab if n == -1 else n
+        if cap != -1 and asked > cap:
+            raise ParamError(f"{param}={n} asks for {asked} logprobs per token, more than this server's --max-logprobs "
+                             f"{cap}; ask for at most {cap}", param)
 
     def _logit_bias(self, req) -> dict[int, float] | None:
         if not req.logit_bias:

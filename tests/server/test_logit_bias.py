@@ -34,3 +34,23 @@ def test_an_id_outside_the_vocabulary_names_it_and_the_size(client, server):
     ok = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                         logit_bias={str(vocab - 1): 1.0})
     assert ok.choices[0].message.content is not None
+
+
+def test_top_logprobs_minus_one_is_the_whole_vocabulary_under_max_logprobs(client, server, tiny_qwen3):
+    from tests.server.live import start_server
+
+    with pytest.raises(openai.BadRequestError) as e:  # the default cap, 20
+        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                       logprobs=True, top_logprobs=-1)
+    assert "--max-logprobs 20" in e.value.body["message"] and e.value.body["param"] == "top_logprobs"
+    vocab = server.engine.model_config.vocab_size
+    wide = start_server(tiny_qwen3, max_logprobs=-1)
+    try:
+        r = wide.client().chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=1, logprobs=True, top_logprobs=-1)
+        tops = r.choices[0].logprobs.content[0].top_logprobs
+        assert len(tops) == vocab
+        c = wide.client().completions.create(model=MODEL_NAME, prompt="hi", max_tokens=1, logprobs=-1)
+        assert len(c.choices[0].logprobs.top_logprobs[0]) > 20  # keyed by text: the tiny vocabulary repeats texts
+    finally:
+        wide.stop()
