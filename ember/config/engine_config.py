@@ -34,6 +34,8 @@ from ember.platform import DTYPES
 logger = logging.getLogger("ember")
 # --speculative-model values that mean "the model's own MTP layers" (older vLLM and the seeds)
 SPEC_MODEL_MTP = ("mtp", "[mtp]", "deepseek_mtp", "qwen3_next_mtp", "qwen3_5_mtp")
+# vLLM's other names of dtypes
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 # vLLM's kernel-specific quantization names -> the weight format ember loads
 QUANTIZATION_ALIASES = {"awq_marlin": "awq"}
 
@@ -52,7 +54,8 @@ class EngineConfig:
     model: str | None = flag(None, "load", "HF model folder or .gguf file; default: the embedded SmolLM2-135M-Instruct")
     tokenizer: str | None = flag(None, "load", "tokenizer folder (default: the model's own)")
     dtype: str = flag("auto", "load", "activation and weight dtype; auto = bfloat16 on CUDA or a CPU with "
-                                      "AVX512-BF16, else float32", choices=DTYPES)
+                                      "AVX512-BF16, else float32 (vLLM's half / float are taken)",
+                       choices=DTYPES + tuple(DTYPE_ALIASES))
     device: str = flag("auto", "load", "auto = cuda when available, else cpu", choices=DEVICES)
     quantization: str = flag("auto", "load", "weight format: auto = what the checkpoint holds (awq for an AWQ folder, "
                                              "gguf = packed blocks for a .gguf file, else none); none on a .gguf "
@@ -171,6 +174,8 @@ class EngineConfig:
             logger.info("ember: --speculative-model %s means --enable-mtp (the model's own MTP layers)",
                         self.speculative_model)
             self.speculative_model, self.enable_mtp = None, True
+        if self.dtype in DTYPE_ALIASES:
+            self.dtype = DTYPE_ALIASES[self.dtype]
         if self.quantization in QUANTIZATION_ALIASES:
             logger.info("ember: --quantization %s is vLLM's kernel choice for %s weights; ember runs them as "
                         "--quantization %s", self.quantization, QUANTIZATION_ALIASES[self.quantization],

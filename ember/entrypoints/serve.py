@@ -31,7 +31,8 @@ def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool =
                    "0.0.0.0 exposes the server to the network)")
     g.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     g.add_argument("--api-key", default=None,
-                   help="require `Authorization: Bearer KEY` on /v1/* (default: $EMBER_API_KEY, else no key)")
+                   help="require `Authorization: Bearer KEY` on /v1/* (default: $EMBER_API_KEY, or vLLM's $VLLM_API_KEY, "
+                        "else no key)")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model name(s) clients use; the first is reported (default: the model argument)")
     g.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
@@ -47,6 +48,8 @@ def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool =
                    help="uvicorn's own log level (info shows one access line per request)")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM compatibility: ember parses tool calls whenever a request has tools")
+    g.add_argument("--root-path", default="",
+                   help="the path prefix a proxy serves ember under (e.g. /llm): routes answer with and without it")
     g.add_argument("--enable-force-include-usage", action="store_true",
                    help="every streamed answer reports usage on every chunk and at the end, as vLLM's flag")
     g.add_argument("--enable-request-id-headers", action="store_true",
@@ -98,11 +101,12 @@ def build_server(args):
     engine = engine_thread.submit(LLMEngine, engine_config_from_args(args), defer_compile=True).result()
     names = _model_name(args, engine)
     config = ServerConfig(served_model_names=names, model_root=str(engine.loaded.path),
-                          api_key=args.api_key or os.environ.get("EMBER_API_KEY") or None,
+                          api_key=args.api_key or os.environ.get("EMBER_API_KEY") or os.environ.get("VLLM_API_KEY")
+                          or None,
                           chat_template=template, log_requests=not args.disable_log_requests,
                           enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
                           enable_force_include_usage=args.enable_force_include_usage,
-                          enable_request_id_headers=args.enable_request_id_headers)
+                          enable_request_id_headers=args.enable_request_id_headers, root_path=args.root_path)
     metrics = ServerMetrics(names[0])
     metrics.watch_compile(engine.compiler)
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=args.max_waiting_requests, warmup=args.warmup,

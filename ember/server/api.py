@@ -129,7 +129,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, metrics: ServerMetri
         finally:
             engine.shutdown()
 
-    app = FastAPI(title="ember", version=ember_version(), lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="ember", version=ember_version(), lifespan=lifespan, docs_url=None, redoc_url=None,
+                  root_path=config.root_path)
     app.state.engine = engine
     app.state.serving = serving
     app.state.metrics = metrics

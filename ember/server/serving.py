@@ -43,6 +43,7 @@ class ServerConfig:
     api_key: str | None = None
     chat_template: str | None = None  # a template string (the flag also takes a file; read by the launcher)
     log_requests: bool = True
+    root_path: str = ""  # a proxy's path prefix (--root-path): routes answer with and without it
     enable_request_id_headers: bool = False  # vLLM's flag: X-Request-Id on every response
     enable_force_include_usage: bool = False  # vLLM's flag: every stream reports usage, on every chunk
     enable_tokenizer_info_endpoint: bool = False  # vLLM's flag: GET /tokenizer_info

@@ -49,7 +49,7 @@ class LiveServer:
 
 def start_server(model_dir: str, *, api_key: str | None = None, warmup: bool = False, max_waiting_requests: int = 256,
                  chat_template: str | None = None, wait_ready: bool = True, tokenizer_info: bool = False,
-                 server_knobs: dict | None = None, **engine_knobs) -> LiveServer:
+                 server_knobs: dict | None = None, root_path: str = "", **engine_knobs) -> LiveServer:
     import uvicorn
 
     from ember.config import EngineConfig
@@ -65,7 +65,8 @@ def start_server(model_dir: str, *, api_key: str | None = None, warmup: bool = F
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=max_waiting_requests, warmup=warmup)
     app = build_app(async_engine, ServerConfig(served_model_names=[MODEL_NAME, "alias"], model_root=model_dir,
                                                api_key=api_key, chat_template=chat_template,
-                                               enable_tokenizer_info_endpoint=tokenizer_info, **(server_knobs or {})))
+                                               enable_tokenizer_info_endpoint=tokenizer_info, root_path=root_path,
+                                               **(server_knobs or {})))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))

@@ -52,3 +52,20 @@ def test_request_id_headers(flagged, server):
     assert len(made) == 32
     assert httpx.get(flagged.url + "/health", headers={"X-Request-Id": "Custom"}).headers["x-request-id"] == "Custom"
     assert "x-request-id" not in httpx.get(server.url + "/health").headers  # off by default
+
+
+def test_root_path_serves_with_and_without_the_prefix(tiny_qwen3):
+    server = start_server(tiny_qwen3, root_path="/llm")
+    try:
+        for base in ("/v1", "/llm/v1"):
+            client = __import__("openai").OpenAI(base_url=server.url + base, api_key="x", max_retries=0)
+            r = client.chat.completions.create(model=MODEL_NAME, messages=MSGS, max_tokens=2)
+            assert r.choices[0].message.content is not None
+    finally:
+        server.stop()
+
+
+def test_vllm_spellings_of_dtype_are_taken():
+    from ember.config import EngineConfig
+
+    assert EngineConfig(dtype="half").dtype == "float16" and EngineConfig(dtype="float").dtype == "float32"
