@@ -240,6 +240,11 @@ class AsyncLLMEngine:
             self._pending_adds -= 1
         return stream
 
+    def abort_all(self) -> None:
+        """Abort every request in flight (a server's shutdown timeout ran out): each stream ends with its
+        text so far and finish_reason "abort". Any thread."""
+        self._commands.put(("abort_all",))
+
     def _abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
         self._commands.put(("abort", request_id))
@@ -318,6 +323,15 @@ class AsyncLLMEngine:
             self._tracked[rid] = _Tracked(children, timing, [0] * len(children), [False] * len(children))
             self.num_waiting = len(self.engine.scheduler.waiting)
             self._call_in_loop(self._resolve, ack, None)
+        elif cmd[0] == "abort_all":
+            now, batch = time.monotonic(), []
+            for rid, tracked in list(self._tracked.items()):
+                self.engine.abort_request(rid)
+                delta, _ = self._delta(rid, tracked, True, 0, now)
+                batch.append((rid, delta))
+            if batch:
+                self._call_in_loop(self._deliver, batch)
+                self._publish(0, 0.0)
         elif cmd[0] == "abort":
             rid = cmd[1]
             tracked = self._tracked.pop(rid, None)

@@ -12,7 +12,10 @@ import argparse
 from concurrent.futures import ThreadPoolExecutor
 import logging
 import os
+import threading
 import time
+
+import uvicorn
 
 from ember.engine.async_engine import DEFAULT_MAX_WAITING_REQUESTS
 from ember.engine_args import add_engine_args, engine_config_from_args
@@ -22,6 +25,9 @@ logger = logging.getLogger("ember.server")
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+DEFAULT_SHUTDOWN_TIMEOUT = 5.0
+# after the shutdown timeout's aborts: time for the aborted answers to reach their clients
+ABORT_FLUSH_SECONDS = 5.0
 
 
 def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool = True) -> None:
@@ -48,6 +54,9 @@ def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool =
                    help="uvicorn's own log level (info shows one access line per request)")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM compatibility: ember parses tool calls whenever a request has tools")
+    g.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT, metavar="SECONDS",
+                   help="on SIGTERM / Ctrl-C: stop taking requests (503), give those in flight this long to finish, "
+                        f"then abort the rest (finish_reason abort); 0 aborts at once (default {DEFAULT_SHUTDOWN_TIMEOUT:g})")
     g.add_argument("--root-path", default="",
                    help="the path prefix a proxy serves ember under (e.g. /llm): routes answer with and without it")
     g.add_argument("--enable-force-include-usage", action="store_true",
@@ -82,9 +91,7 @@ def _chat_template(value: str | None) -> str | None:
 
 
 def build_server(args):
-    """(uvicorn.Server, app) for parsed args; loads the model."""
-    import uvicorn
-
+    """(DrainingServer, app) for parsed args; loads the model."""
     from ember.engine.async_engine import AsyncLLMEngine
     from ember.engine.engine import LLMEngine
     from ember.server.api import build_app
@@ -93,6 +100,8 @@ def build_server(args):
 
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in 0..65535 (got {args.port})")
+    if args.shutdown_timeout < 0:
+        raise ConfigError(f"--shutdown-timeout must be >= 0 seconds (got {args.shutdown_timeout:g})")
     if args.max_waiting_requests < 1:
         raise ConfigError(f"--max-waiting-requests must be >= 1 (got {args.max_waiting_requests})")
     template = _chat_template(args.chat_template)
@@ -113,8 +122,33 @@ def build_server(args):
                                   stats=metrics, executor=engine_thread)
     app = build_app(async_engine, config, metrics)
     uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                        timeout_graceful_shutdown=5, access_log=args.uvicorn_log_level in ("info", "debug", "trace"))
-    return uvicorn.Server(uv), app
+                        timeout_graceful_shutdown=args.shutdown_timeout + ABORT_FLUSH_SECONDS,
+                        access_log=args.uvicorn_log_level in ("info", "debug", "trace"))
+    return DrainingServer(uv, app, args.shutdown_timeout), app
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, with vLLM's --shutdown-timeout: at the first SIGTERM / SIGINT new requests get a
+    503 (uvicorn also stops listening), those in flight get `shutdown_timeout` seconds, then the engine
+    aborts them and each answer ends with finish_reason "abort" -- before uvicorn's own deadline, so no
+    handler is cancelled mid-answer (a 500 and a traceback)."""
+
+    def __init__(self, config, app, shutdown_timeout: float):
+        super().__init__(config)
+        self.app = app
+        self.shutdown_timeout = shutdown_timeout
+        self._timer: threading.Timer | None = None
+
+    def handle_exit(self, sig, frame) -> None:
+        serving = self.app.state.serving
+        if not serving.draining:
+            serving.draining = True
+            logger.info("ember serve: shutting down; %s", "aborting the requests in flight" if not self.shutdown_timeout
+                        else f"giving the requests in flight {self.shutdown_timeout:g}s")
+            self._timer = threading.Timer(self.shutdown_timeout, self.app.state.engine.abort_all)
+            self._timer.daemon = True
+            self._timer.start()
+        super().handle_exit(sig, frame)
 
 
 def run_server(args) -> None:

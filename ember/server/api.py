@@ -79,9 +79,10 @@ class _CountRequests:
     answers a handler bug with a generic 500 itself. Starlette's own 500 path re-raises to the
     server, which then drops the keep-alive connection; here the connection stays usable."""
 
-    def __init__(self, app, metrics: ServerMetrics, request_id_headers: bool = False):
+    def __init__(self, app, metrics: ServerMetrics, request_id_headers: bool = False, serving: Serving | None = None):
         self.app = app
         self.metrics = metrics
+        self.serving = serving  # its `draining` flag: a shutdown has begun, new requests get a 503
         self.request_id_headers = request_id_headers  # --enable-request-id-headers: echo or make X-Request-Id
 
     async def __call__(self, scope, receive, send):
@@ -104,6 +105,9 @@ class _CountRequests:
                     message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", request_id)]}
             await send(message)
 
+        if self.serving is not None and self.serving.draining:
+            response = _error(503, "the server is shutting down; send the request to another instance or retry later")
+            return await response(scope, receive, counting_send)
         try:
             await self.app(scope, receive, counting_send)
         except Exception as exc:  # noqa: BLE001 -- a bug in a handler: log it, answer 500, keep serving
@@ -138,7 +142,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, metrics: ServerMetri
     _add_service_routes(app, engine, metrics)
     _add_v1_routes(app, serving, config, [Depends(_api_key_check(config))])
     _add_tokenizer_routes(app, serving, config)
-    app.add_middleware(_CountRequests, metrics=metrics, request_id_headers=config.enable_request_id_headers)
+    app.add_middleware(_CountRequests, metrics=metrics, request_id_headers=config.enable_request_id_headers,
+                       serving=serving)
     return app
 
 

@@ -69,6 +69,7 @@ class Serving:
         self.config = config
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        self.draining = False  # a shutdown began (ember.entrypoints.serve.DrainingServer): refuse new work
         self.token_text = TokenText(self.tokenizer)
         self.token_ids_text = TokenText(self.tokenizer, as_ids=True)
 
