@@ -38,3 +38,5 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then one dict per token
+    prompt_logprobs: list[PositionLogprobs | None] | None = None

@@ -79,6 +79,9 @@ class Request:
         self.grammar: Any = None
         # Filled by the engine: detokenizer, logprobs, parent for n > 1.
         self.logprobs: list | None = None
+        # SamplingParams.prompt_logprobs: one PositionLogprobs per prompt token (None for the first),
+        # filled chunk by chunk during prefill.
+        self.prompt_logprobs: list | None = None
         self.detokenizer: Any = None
         self.parent_id: str | None = None
         self.index = 0
@@ -106,6 +109,17 @@ class Request:
     @property
     def finish_reason(self) -> str | None:
         return self.status.value if self.is_finished else None
+
+    def decoded_prompt_logprobs(self) -> list | None:
+        """The prompt logprobs so far, each entry's decoded_token filled in (by the detokenizer)."""
+        lps = self.prompt_logprobs
+        if lps is None:
+            return None
+        for pos in lps[1:]:
+            for tid, lp in pos.items():
+                if lp.decoded_token is None:
+                    lp.decoded_token = self.detokenizer.decoded_token(tid)
+        return lps
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

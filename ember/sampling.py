@@ -50,6 +50,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # top-N; 0 = only the sampled token's logprob; -1 = all (capped by --max-logprobs)
     skip_special_tokens: bool = True
+    # top-N logprobs of every prompt token after the first (vLLM's; -1 = the whole vocabulary). The prompt
+    # is then computed in full: a prefix-cache hit would skip the positions these come from.
+    prompt_logprobs: int | None = None
     # token id -> value added to its logit before sampling (OpenAI's logit_bias: -100 bans, +100 forces)
     logit_bias: dict[int, float] | None = None
     # The shape the answer must have (JSON schema, regex, choice, grammar); None = free text.
@@ -129,6 +132,9 @@ class SamplingParams:
             self._check_int("logprobs", self.logprobs, lo=-1,
                             allowed="an integer >= -1 or None (0 = only the sampled token, -1 = the whole "
                                     f"vocabulary; the engine allows up to --max-logprobs, {MAX_LOGPROBS} by default)")
+        if self.prompt_logprobs is not None:
+            self._check_int("prompt_logprobs", self.prompt_logprobs, lo=-1,
+                            allowed="an integer >= -1 or None (0 = only the prompt token, -1 = the whole vocabulary)")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "true or false")

@@ -65,6 +65,8 @@ class RequestDelta:
     finished: bool  # every sequence of the request has finished
     num_prompt_tokens: int
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs: on the first delta after the prompt was computed, else None
+    prompt_logprobs: list | None = None
 
 
 @dataclass
@@ -96,6 +98,7 @@ class _Tracked:
     timing: RequestTiming
     sent_tokens: list[int] = field(default_factory=list)
     reported: list[bool] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
 
 
 class RequestStream:
@@ -406,9 +409,14 @@ class AsyncLLMEngine:
             timing.finish_reason = reasons[0] if len(set(reasons)) == 1 else ",".join(reasons)
             if self.stats_listener is not None:
                 self.stats_listener.on_request_finished(timing)
-        if not seqs and not finished:
+        prompt_lps = None
+        first = tracked.children[0]
+        if (first.prompt_logprobs is not None and not tracked.prompt_logprobs_sent
+                and (len(first.prompt_logprobs) == first.num_prompt_tokens or finished)):
+            prompt_lps, tracked.prompt_logprobs_sent = first.decoded_prompt_logprobs(), True
+        if not seqs and not finished and prompt_lps is None:
             return None, new_tokens
-        return RequestDelta(rid, seqs, finished, timing.num_prompt_tokens, cached), new_tokens
+        return RequestDelta(rid, seqs, finished, timing.num_prompt_tokens, cached, prompt_lps), new_tokens
 
     def _publish(self, new_tokens: int, step_seconds: float) -> None:
         sched = self.engine.scheduler

@@ -13,9 +13,10 @@ import time
 from dataclasses import dataclass, field
 
 from ember.config import EngineConfig
+from ember.engine.admission import check_request
 from ember.engine.detokenizer import IncrementalDetokenizer
 from ember.engine.startup import start_engine
-from ember.errors import InvalidRequestError, PromptTooLongError
+from ember.errors import InvalidRequestError
 from ember.outputs import CompletionOutput, RequestOutput
 from ember.request import Request, RequestStatus
 from ember.sampling import SamplingParams
@@ -117,23 +118,7 @@ class LLMEngine:
         text, ids = self._tokenize(prompt)
         if not ids:
             raise InvalidRequestError("the prompt is empty; give at least one token")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        params = self._resolve_logprobs(params, vocab)
-        bias = [t for t in (params.logit_bias or {}) if t >= vocab]
-        if bias:
-            raise InvalidRequestError(f"logit_bias token ids {bias[:5]} are outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise PromptTooLongError(
-                f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} (prompt plus at least one "
-                f"generated token must fit); shorten the prompt or raise --max-model-len")
-        sched = self.config.scheduler_config
-        if not sched.enable_chunked_prefill and len(ids) > sched.max_num_batched_tokens:
-            raise PromptTooLongError(
-                f"the prompt has {len(ids)} tokens, more than --max-num-batched-tokens {sched.max_num_batched_tokens}, "
-                "and chunked prefill is off; enable chunked prefill or raise --max-num-batched-tokens")
+        params = check_request(ids, params, self.config, self.model_config.vocab_size, self.max_model_len)
         group = _Group(request_id, text, ids)
         for i in range(params.n):
             child_params = params if params.n == 1 else params.replace(
@@ -143,24 +128,14 @@ class LLMEngine:
             req.parent_id, req.index = request_id, i
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, child_params)
             req.logprobs = [] if child_params.logprobs is not None else None
+            if child_params.prompt_logprobs is not None and i == 0:  # the sequences share one prompt
+                req.prompt_logprobs = [None]
             group.children.append(req)
         self.structured.add_request(group.children, ids)  # a grammar that cannot be built raises here
         for req in group.children:
             self.scheduler.add_request(req)
         self.groups[request_id] = group
         return request_id
-
-    def _resolve_logprobs(self, params: SamplingParams, vocab: int) -> SamplingParams:
-        """logprobs -1 means the whole vocabulary; more than --max-logprobs is refused."""
-        n = params.logprobs
-        if n is None:
-            return params
-        n = vocab if n == -1 else n
-        cap = self.config.max_logprobs
-        if cap != -1 and n > cap:
-            raise InvalidRequestError(f"{n} logprobs were asked for (-1 = the whole vocabulary of {vocab}), more than "
-                                      f"--max-logprobs {cap}; ask for fewer or raise --max-logprobs")
-        return params if n == params.logprobs else params.replace(logprobs=n)
 
     def abort_request(self, request_id: str) -> bool:
         group = self.groups.pop(request_id, None)
@@ -260,9 +235,11 @@ class LLMEngine:
                              logprobs=r.logprobs, finish_reason=r.finish_reason, stop_reason=r.stop_reason)
             for r in group.children
         ]
-        cached = max(0, group.children[0].num_cached_tokens)
+        first = group.children[0]
+        cached = max(0, first.num_cached_tokens)
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
-                             finished=group.finished, num_cached_tokens=cached)
+                             finished=group.finished, num_cached_tokens=cached,
+                             prompt_logprobs=first.decoded_prompt_logprobs())
 
     # -- introspection -----------------------------------------------------------------------
     @property
@@ -286,3 +263,4 @@ class LLMEngine:
                          tp_broadcast_seconds_last_step=self.tp.last_step_broadcast_seconds,
                          tp_comm_seconds_total=self.tp.total_comm_seconds)
         return stats
+

@@ -22,7 +22,7 @@ from ember.request import Request
 from ember.engine.scheduler import SchedulerOutput
 from ember.engine.step_executor import EagerExecutor, StepExecutor
 from ember.kernels.metadata import AttentionMetadata, RecurrentMetadata, RowSelection, select_rows
-from ember.layers.sampler import SampledToken, Sampler, SamplingRow, make_generator
+from ember.layers.sampler import SampledToken, Sampler, SamplingRow, make_generator, token_logprobs
 from ember.model_config import ModelConfig
 from ember.spec.proposer import StepRows
 from ember.spec.rejection import RejectionSampler, VerifyRequest
@@ -61,6 +61,7 @@ class ModelRunner:
         self.keep_rows = False  # a drafter reads the step's layout only (a draft model): last_step without hidden
         self.last_step: StepRows | None = None
         self._step_layout: tuple[list, list[list[int]]] | None = None  # prepare() -> execute(), for last_step
+        self._prompt_rows: list[tuple[Request, int, int]] = []  # prepare() -> execute(): rows scoring prompt tokens
         # How the forward runs (eager, compiled, CUDA graph); the engine may swap in another.
         self.executor: StepExecutor = EagerExecutor(model, self.kv_caches)
 
@@ -85,6 +86,7 @@ class ModelRunner:
         sampling_reqs: list[Request] = []  # requests whose step reaches their end (a mid-prompt chunk samples nothing)
         logit_seqs: list[int] = []  # the sequence (batch index) of each logit row
         entries: list[tuple[Request, int, int, int]] = []  # (request, first row, first position, rows)
+        prompt_rows: list[tuple[Request, int, int]] = []  # (request, flat row, prompt position) scoring token p + 1
         rec = RecurrentMetadata([], [], [], []) if self.recurrent_states else None
         for req, n in out.scheduled:
             start = req.num_computed_tokens
@@ -93,6 +95,10 @@ class ModelRunner:
             d = len(draft) if draft is not None else 0
             entries.append((req, query_start[-1], start, n))
             input_ids.extend(req.token_ids[start:end - d])
+            if req.prompt_logprobs is not None:
+                last = min(end, req.num_prompt_tokens - 1)  # the last prompt row scores the first output token
+                prompt_rows.extend((req, query_start[-1] + p - start, p) for p in range(start, last)
+                                   if p + 1 >= len(req.prompt_logprobs))  # a recompute adds nothing twice
             if d:
                 input_ids.extend(draft.token_ids)  # positions num_tokens.. : K/V written, kept only if accepted
             positions.extend(range(start, end))
@@ -130,9 +136,10 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.int64, device=dev)
         # The last layer's work restricted to the logit rows, each as a one-token query over its
         # prefix; not when a drafter needs every row's hidden state.
-        restrict = len(logit_rows) < len(input_ids) and not self.keep_hidden
+        restrict = len(logit_rows) < len(input_ids) and not self.keep_hidden and not prompt_rows
         self.select = select_rows(meta, tables, positions, logit_rows, logit_seqs, dev) if restrict else None
         self._step_layout = (entries, tables)
+        self._prompt_rows = prompt_rows
         return ids, pos, meta, logit_rows, sampling_reqs
 
     @torch.inference_mode()
@@ -149,6 +156,8 @@ class ModelRunner:
         entries, tables = self._step_layout
         keep = self.keep_hidden or self.keep_rows
         self.last_step = StepRows(hidden if self.keep_hidden else None, entries, meta.slot_mapping, tables) if keep else None
+        if self._prompt_rows:
+            self._score_prompt(hidden)
         if not logit_rows:
             return {}
         logits = self.model.compute_logits(hidden if self.select is not None else hidden[logit_rows])
@@ -187,6 +196,17 @@ class ModelRunner:
                 self.model.commit_states(self.recurrent_states,
                                          {req.state_slot: len(toks) - 1 for (req, _), toks in zip(verify, emitted)})
         return result
+
+    def _score_prompt(self, hidden: torch.Tensor) -> None:
+        """Prompt logprobs of this step's prompt rows, appended to their requests (row p scores token p + 1)."""
+        rows = self._prompt_rows
+        logits = self.model.compute_logits(hidden[torch.tensor([r for _, r, _ in rows], device=hidden.device)])
+        vocab = logits.shape[1]
+        tops = [vocab if req.sampling_params.prompt_logprobs == -1 else req.sampling_params.prompt_logprobs
+                for req, _, _ in rows]
+        found = token_logprobs(logits, [req.token_ids[p + 1] for req, _, p in rows], tops)
+        for (req, _, _), lps in zip(rows, found):
+            req.prompt_logprobs.append(lps)
 
     @staticmethod
     def _logit_layout(out: SchedulerOutput, sampling_reqs: list[Request]) -> list[tuple[str, int]]:

@@ -96,7 +96,9 @@ class Scheduler:
         # Admit waiting requests only when nothing had to be preempted this step.
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
+            # prompt logprobs come from the prompt's own positions: a request that asks for them computes all
+            cached = (self.kv.find_cached_prefix(req)
+                      if req.num_computed_tokens == 0 and req.prompt_logprobs is None else [])
             num_cached = len(cached) * self.kv.block_size
             n = req.num_tokens - req.num_computed_tokens - num_cached
             if n > budget and not self.enable_chunked_prefill:

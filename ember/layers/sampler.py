@@ -312,26 +312,35 @@ def exponential_noise(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
 def gather_logprobs(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int],
                      tokens: list[int]) -> dict[int, PositionLogprobs]:
     """Sampled token plus top-N from log_softmax of the raw logits; rank = 1 + #strictly greater."""
+    idx_t = torch.tensor(idx, device=logits.device)
+    found = token_logprobs(logits[idx_t], [tokens[i] for i in idx], [rows[i].params.logprobs for i in idx])
+    return dict(zip(idx, found))
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], tops: list[int]) -> list[PositionLogprobs]:
+    """Per row of [R, V] logits: the given token's logprob and rank, plus the row's top tops[r], from
+    log_softmax of the raw logits (also the prompt logprobs: row p scores prompt token p + 1)."""
     device = logits.device
-    idx_t = torch.tensor(idx, device=device)
-    lp = torch.log_softmax(logits[idx_t].float(), dim=-1)
-    chosen = torch.tensor([tokens[i] for i in idx], device=device).unsqueeze(1)
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = torch.tensor(tokens, device=device).unsqueeze(1)
     chosen_lp = lp.gather(1, chosen)
     chosen_rank = (lp > chosen_lp).sum(dim=-1) + 1
 
-    n_max = max(rows[i].params.logprobs for i in idx)
+    n_max = max(tops)
     top_lp = top_id = top_rank = None
     if n_max > 0:
         top_v, top_i = lp.topk(n_max, dim=-1)
-        # Anything strictly greater than a top-N value is itself in the top-N.
-        top_rank = (top_v.unsqueeze(1) > top_v.unsqueeze(2)).sum(dim=-1) + 1
+        # Anything strictly greater than a top-N value is itself in the top-N: in the descending list, a
+        # value's rank is 1 + the index of its first equal (searchsorted on the ascending negation).
+        neg = (-top_v).contiguous()
+        top_rank = torch.searchsorted(neg, neg, right=False) + 1
         top_lp, top_id, top_rank = top_v.tolist(), top_i.tolist(), top_rank.tolist()
 
     chosen_lp, chosen_rank = chosen_lp.squeeze(1).tolist(), chosen_rank.tolist()
-    out: dict[int, PositionLogprobs] = {}
-    for j, i in enumerate(idx):
-        d: PositionLogprobs = {tokens[i]: Logprob(chosen_lp[j], chosen_rank[j])}
-        for k in range(rows[i].params.logprobs):
+    out: list[PositionLogprobs] = []
+    for j, (token, n) in enumerate(zip(tokens, tops)):
+        d: PositionLogprobs = {token: Logprob(chosen_lp[j], chosen_rank[j])}
+        for k in range(n):
             d.setdefault(top_id[j][k], Logprob(top_lp[j][k], top_rank[j][k]))
-        out[i] = d
+        out.append(d)
     return out

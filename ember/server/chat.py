@@ -13,6 +13,7 @@ from typing import Any, AsyncIterator
 
 from ember.errors import InvalidRequestError
 from ember.reasoning import ReasoningSplitter
+from ember.server.completions import vllm_prompt_logprobs
 from ember.server.logprobs import chat_logprobs
 from ember.server.protocol import ChatCompletionRequest, now, request_id, usage
 from ember.server.serving import ParamError, Serving, merged, unless_disconnected, sse_writers
@@ -115,9 +116,11 @@ class ChatHandler:
         finish: list[str | None] = [None] * n
         stop_reason: list[Any] = [None] * n
         cached = 0
+        prompt_lps = None
         try:
             async for _, delta in merged(streams):
                 cached = delta.num_cached_tokens
+                prompt_lps = delta.prompt_logprobs if delta.prompt_logprobs is not None else prompt_lps
                 for sd in delta.seqs:
                     texts[sd.index].append(sd.text)
                     tokens[sd.index].extend(sd.token_ids)
@@ -164,7 +167,8 @@ class ChatHandler:
         self._log(ctx, completion, finish)
         return {"id": ctx.rid, "object": "chat.completion", "created": ctx.created, "model": ctx.model,
                 "choices": choices, "usage": usage(ctx.prompt_len, completion, cached), "system_fingerprint": None,
-                "prompt_token_ids": ctx.prompt_ids if ctx.req.return_token_ids else None}
+                "prompt_token_ids": ctx.prompt_ids if ctx.req.return_token_ids else None,
+                "prompt_logprobs": vllm_prompt_logprobs(prompt_lps) if ctx.req.prompt_logprobs is not None else None}
 
     # -- streaming ----------------------------------------------------------------------------
     async def _stream(self, streams, ctx: _Ctx) -> AsyncIterator[str]:

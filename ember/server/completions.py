@@ -15,6 +15,19 @@ from ember.server.structured import structured_params
 logger = logging.getLogger("ember.server")
 
 
+def _joined(a: dict, b: dict) -> dict:
+    return {key: a[key] + b[key] for key in a}
+
+
+def vllm_prompt_logprobs(positions: list | None) -> list | None:
+    """vLLM's prompt_logprobs field: None for the first token, then {token id: {logprob, rank, decoded_token}}."""
+    if positions is None:
+        return None
+    return [None if pos is None else {str(tid): {"logprob": lp.logprob, "rank": lp.rank,
+                                                   "decoded_token": lp.decoded_token} for tid, lp in pos.items()}
+            for pos in positions]
+
+
 class CompletionHandler:
     def __init__(self, serving: Serving):
         self.s = serving
@@ -47,9 +60,6 @@ class CompletionHandler:
         self.s.check_unsupported(req)
         if req.suffix is not None:
             raise ParamError("suffix (fill-in-the-middle) is not supported by ember; leave it unset", "suffix")
-        if req.echo and req.logprobs is not None:
-            raise ParamError("echo with logprobs needs prompt logprobs, which ember does not compute; drop one of them",
-                             "echo")
         prompts = self._prompts(req)
         structured = structured_params(req)
         if req.logprobs is not None:
@@ -83,9 +93,12 @@ class CompletionHandler:
         finish: list[str | None] = [None] * total
         stop_reason: list[Any] = [None] * total
         cached = [0] * len(prompts)
+        prompt_lps: list = [None] * len(prompts)
         try:
             async for pi, delta in merged(streams):
                 cached[pi] = delta.num_cached_tokens
+                if delta.prompt_logprobs is not None:
+                    prompt_lps[pi] = delta.prompt_logprobs
                 for sd in delta.seqs:
                     k = pi * n + sd.index
                     texts[k].append(sd.text)
@@ -103,11 +116,16 @@ class CompletionHandler:
             prefix = self._echo(*prompts[k // n]) if req.echo else ""
             lp = None
             if req.logprobs is not None:
-                lp = CompletionLogprobs(req.logprobs, self.s.token_text_for(req), len(prefix)).build(tokens[k], lps[k])
+                names = self.s.token_text_for(req)
+                lp = CompletionLogprobs(req.logprobs, names, len(prefix)).build(tokens[k], lps[k])
+                if req.echo:  # the echoed prompt's tokens first (the first has no logprob)
+                    lp = _joined(CompletionLogprobs(req.logprobs, names).build(prompts[k // n][1], prompt_lps[k // n]), lp)
             choices.append({"index": k, "text": prefix + text, "logprobs": lp, "finish_reason": finish[k],
                             "stop_reason": stop_reason[k],
                             "prompt_token_ids": prompts[k // n][1] if req.return_token_ids else None,
-                            "token_ids": tokens[k] if req.return_token_ids else None})
+                            "token_ids": tokens[k] if req.return_token_ids else None,
+                            "prompt_logprobs": vllm_prompt_logprobs(prompt_lps[k // n])
+                            if req.prompt_logprobs is not None else None})
         prompt_tokens = sum(len(ids) for _, ids in prompts)
         completion = sum(len(t) for t in tokens)
         self._log(ctx, prompt_tokens, completion)
@@ -132,12 +150,21 @@ class CompletionHandler:
             return usage(prompt_tokens, completion, sum(cached)) if continuous else None
 
         try:
-            if req.echo:  # one choice per chunk, as OpenAI streams n > 1 (clients read choices[0])
+            if req.echo and req.logprobs is None:  # one choice per chunk, as OpenAI streams n > 1
                 for k in range(total):
                     yield chunk([{"index": k, "text": self._echo(*prompts[k // n]), "logprobs": None,
                                   "finish_reason": None}], so_far())
             async for pi, delta in merged(streams):
                 cached[pi] = delta.num_cached_tokens
+                if delta.prompt_logprobs is not None:  # the prompt is computed: echo it with its logprobs
+                    for k in range(pi * n, pi * n + n):
+                        first = {"index": k, "text": self._echo(*prompts[pi]) if req.echo else "", "logprobs": None,
+                                 "finish_reason": None,
+                                 "prompt_logprobs": vllm_prompt_logprobs(delta.prompt_logprobs)
+                                 if req.prompt_logprobs is not None else None}
+                        if req.echo and lp_state[k] is not None:
+                            first["logprobs"] = lp_state[k].build(prompts[pi][1], delta.prompt_logprobs)
+                        yield chunk([first], so_far())
                 out = []
                 for sd in delta.seqs:
                     k = pi * n + sd.index

@@ -100,9 +100,19 @@ class CompletionLogprobs:
         self._text = text
         self.offset = offset  # text_offset of the next token
 
-    def build(self, token_ids: list[int], positions: list[PositionLogprobs]) -> dict:
+    def build(self, token_ids: list[int], positions: list[PositionLogprobs | None] | None) -> dict:
+        """positions[i] None (an echoed prompt's first token): listed with null logprob and top."""
         tokens, token_lps, tops, offsets = [], [], [], []
+        positions = positions if positions is not None else [None] * len(token_ids)
         for tid, pos in zip(token_ids, positions):
+            if pos is None:
+                tok, _ = self._text(tid)
+                tokens.append(tok)
+                token_lps.append(None)
+                tops.append(None)
+                offsets.append(self.offset)
+                self.offset += len(tok)
+                continue
             tok, _ = self._text(tid, pos[tid].decoded_token)
             tokens.append(tok)
             token_lps.append(_finite(pos[tid].logprob))

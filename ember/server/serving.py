@@ -126,7 +126,8 @@ class Serving:
             stop=req.stop, max_tokens=max_tokens if max_tokens is not None else m - prompt_len,
             min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, stop_token_ids=req.stop_token_ids,
             include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
-            logprobs=logprobs, structured_outputs=structured, logit_bias=self._logit_bias(req))
+            logprobs=logprobs, structured_outputs=structured, logit_bias=self._logit_bias(req),
+            prompt_logprobs=self._prompt_logprobs(req, logprobs))
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             v = getattr(req, name)
             if v is not None:
@@ -141,6 +142,16 @@ class Serving:
     def top_n(self, n: int) -> int:
         """A request's top-logprobs count, -1 (the whole vocabulary) resolved."""
         return self.engine.engine.model_config.vocab_size if n == -1 else n
+
+    def _prompt_logprobs(self, req, logprobs: int | None) -> int | None:
+        """vLLM's prompt_logprobs; a completion's echo with logprobs needs them for the echoed tokens."""
+        n = req.prompt_logprobs
+        if n is not None:
+            self._check_logprobs(n, "prompt_logprobs")
+            n = self.top_n(n)
+        if getattr(req, "echo", False) and isinstance(req, CompletionRequest) and logprobs is not None:
+            n = max(n or 0, logprobs)
+        return n
 
     def _check_logprobs(self, n: int, param: str) -> None:
         vocab = self.engine.engine.model_config.vocab_size

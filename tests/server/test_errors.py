@@ -90,7 +90,7 @@ def test_prompt_too_long_names_both_numbers(server, client):
 
 @pytest.mark.parametrize("kw, param", [
     (dict(prompt="x", suffix="y"), "suffix"),
-    (dict(prompt="x", echo=True, logprobs=1), "echo"),
+    (dict(prompt="x", extra_body={"prompt_logprobs": 21}), "prompt_logprobs"),
     (dict(prompt=[5, 10**6]), "prompt"),
     (dict(prompt=[]), "prompt"),
     (dict(prompt="x", logprobs=21), "logprobs"),
