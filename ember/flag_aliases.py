@@ -39,6 +39,24 @@ SWITCHES = {
 IGNORED = {
     "--trust-remote-code": "ember runs its own model code for the architectures it supports; a model's remote "
                            "code is never executed, so the flag changes nothing",
+    "--enable-prompt-tokens-details": "ember always reports usage.prompt_tokens_details.cached_tokens",
+    "--disable-log-stats": "ember logs no periodic stats line; /metrics has them",
+    "--disable-frontend-multiprocessing": "ember's server and engine share one process (the engine on its own thread)",
+}
+# other engines' flags that take a value: the values that change nothing here -> why; any other value is refused
+IGNORED_VALUES = {
+    "--load-format": (("auto", "safetensors", "gguf"), "ember reads safetensors folders and .gguf files as they are; "
+                      "other formats (pt, dummy, bitsandbytes, ...) it does not load"),
+    "--api-server-count": (("1",), "ember runs one API server process; use one process per port to scale out"),
+}
+# other engines' flags for features ember does not have -> what to do instead (refused at start)
+REFUSED = {
+    "--enable-lora": "ember serves no LoRA adapters; merge the adapter into the weights first",
+    "--lora-modules": "ember serves no LoRA adapters; merge the adapter into the weights first",
+    "--skip-tokenizer-init": "ember needs the tokenizer (chat templates, stop strings, structured outputs)",
+    "--enable-sleep-mode": "ember has no sleep mode; stop the server to free its memory",
+    "--enable-prompt-embeds": "ember takes text or token ids, not embeddings",
+    "--limit-mm-per-prompt": "ember serves text models only",
 }
 
 
@@ -108,6 +126,20 @@ class _Alias(argparse.Action):
         namespace._alias_notes = notes
 
 
+def _only(alias: str, allowed: tuple[str, ...], why: str) -> Callable[[str], dict[str, Any]]:
+    def fields(value: str) -> dict[str, Any]:
+        if value not in allowed:
+            raise argparse.ArgumentTypeError(f"{alias} {value}: {why}; leave it out or say {allowed[0]}")
+        return {}
+    return fields
+
+
+def _refuse(alias: str, instead: str) -> Callable[[str | None], dict[str, Any]]:
+    def fields(value: str | None) -> dict[str, Any]:
+        raise argparse.ArgumentTypeError(f"{alias}: {instead}")
+    return fields
+
+
 def add_aliases(group, field_types: dict[str, Callable]) -> None:
     """Add every alias to an argparse group; field_types: EngineConfig field -> its argparse type."""
     for alias, (field, whose) in RENAMED.items():
@@ -122,6 +154,12 @@ def add_aliases(group, field_types: dict[str, Callable]) -> None:
     for alias, why in IGNORED.items():
         group.add_argument(alias, action=_Alias, nargs=0, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
                            fields=lambda v: {}, note=f"accepted and ignored: {why}", help=argparse.SUPPRESS)
+    for alias, (allowed, why) in IGNORED_VALUES.items():
+        group.add_argument(alias, action=_Alias, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                           fields=_only(alias, allowed, why), note=f"accepted and ignored: {why}", help=argparse.SUPPRESS)
+    for alias, instead in REFUSED.items():
+        group.add_argument(alias, action=_Alias, nargs="?", dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                           fields=_refuse(alias, instead), note="", help=argparse.SUPPRESS)
     for alias, (fn, note) in MAPPED.items():
         group.add_argument(alias, action=_Alias, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, fields=fn,
                            note=note, help=argparse.SUPPRESS)

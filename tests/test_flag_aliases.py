@@ -110,3 +110,17 @@ def test_awq_launch_line_starts(tiny_model_dir, tmp_path):
                    "--dtype float32 --kv-cache-memory 0.01 --max-num-seqs 2", awq_dir)
     engine = LLMEngine(cfg)
     assert engine.loaded.quantization == "awq" and engine.kv_dtype.itemsize == 1
+
+
+def test_harmless_vllm_flags_pass_with_a_note_and_the_rest_are_refused_naming_why(capsys):
+    from ember.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--load-format", "safetensors", "--enable-prompt-tokens-details",
+                                      "--api-server-count", "1"])
+    notes = " ".join(args._alias_notes)
+    assert "--load-format is accepted and ignored" in notes and "--enable-prompt-tokens-details" in notes
+    for argv, says in ((["--load-format", "dummy"], "other formats"), (["--enable-lora"], "LoRA"),
+                       (["--api-server-count", "2"], "one API server"), (["--limit-mm-per-prompt", "{}"], "text models")):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", *argv])
+        assert says in capsys.readouterr().err

@@ -59,6 +59,8 @@ def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool =
                         f"then abort the rest (finish_reason abort); 0 aborts at once (default {DEFAULT_SHUTDOWN_TIMEOUT:g})")
     g.add_argument("--root-path", default="",
                    help="the path prefix a proxy serves ember under (e.g. /llm): routes answer with and without it")
+    g.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprobs name tokens `token_id:N` unless a request says otherwise, as vLLM's flag")
     g.add_argument("--enable-force-include-usage", action="store_true",
                    help="every streamed answer reports usage on every chunk and at the end, as vLLM's flag")
     g.add_argument("--enable-request-id-headers", action="store_true",
@@ -115,7 +117,8 @@ def build_server(args):
                           chat_template=template, log_requests=not args.disable_log_requests,
                           enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
                           enable_force_include_usage=args.enable_force_include_usage,
-                          enable_request_id_headers=args.enable_request_id_headers, root_path=args.root_path)
+                          enable_request_id_headers=args.enable_request_id_headers, root_path=args.root_path,
+                          return_tokens_as_token_ids=args.return_tokens_as_token_ids)
     metrics = ServerMetrics(names[0])
     metrics.watch_compile(engine.compiler)
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=args.max_waiting_requests, warmup=args.warmup,

@@ -45,6 +45,7 @@ class ServerConfig:
     log_requests: bool = True
     root_path: str = ""  # a proxy's path prefix (--root-path): routes answer with and without it
     enable_request_id_headers: bool = False  # vLLM's flag: X-Request-Id on every response
+    return_tokens_as_token_ids: bool = False  # vLLM's flag: the default of the request field of that name
     enable_force_include_usage: bool = False  # vLLM's flag: every stream reports usage, on every chunk
     enable_tokenizer_info_endpoint: bool = False  # vLLM's flag: GET /tokenizer_info
 
@@ -89,7 +90,10 @@ class Serving:
 
     def token_text_for(self, req) -> TokenText:
         """How logprobs name tokens: their text, or `token_id:N` (vLLM's return_tokens_as_token_ids)."""
-        return self.token_ids_text if req.return_tokens_as_token_ids else self.token_text
+        as_ids = req.return_tokens_as_token_ids
+        if as_ids is None:
+            as_ids = self.config.return_tokens_as_token_ids
+        return self.token_ids_text if as_ids else self.token_text
 
     def usage_options(self, req) -> tuple[bool, bool]:
         """(a final usage chunk, usage on every chunk) for a streamed answer."""

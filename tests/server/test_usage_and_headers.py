@@ -69,3 +69,16 @@ def test_vllm_spellings_of_dtype_are_taken():
     from ember.config import EngineConfig
 
     assert EngineConfig(dtype="half").dtype == "float16" and EngineConfig(dtype="float").dtype == "float32"
+
+
+def test_return_tokens_as_token_ids_server_default(tiny_qwen3):
+    server = start_server(tiny_qwen3, server_knobs={"return_tokens_as_token_ids": True})
+    try:
+        r = server.client().completions.create(model=MODEL_NAME, prompt="hi", max_tokens=3, logprobs=1,
+                                               extra_body={"return_token_ids": True})
+        assert r.choices[0].logprobs.tokens == [f"token_id:{t}" for t in r.choices[0].token_ids]
+        off = server.client().completions.create(model=MODEL_NAME, prompt="hi", max_tokens=3, logprobs=1,
+                                                 extra_body={"return_tokens_as_token_ids": False})
+        assert not off.choices[0].logprobs.tokens[0].startswith("token_id:")
+    finally:
+        server.stop()
