@@ -49,7 +49,7 @@ def check_parser(name: str | None) -> None:
         raise ConfigError(f"--reasoning-parser {name!r} is not one ember has; use one of {', '.join(PARSERS)}")
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest tail of text that is a proper prefix of tag."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:k]):
@@ -95,7 +95,7 @@ class ReasoningSplitter:
                         continue
                 at = self._buf.find(END)
                 if at == -1:
-                    keep = _partial_suffix(self._buf, END)
+                    keep = partial_suffix(self._buf, END)
                     self.reasoning += self._buf[:len(self._buf) - keep]
                     self._buf = self._buf[len(self._buf) - keep:]
                     break

@@ -18,6 +18,8 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from ember.reasoning import partial_suffix
+
 START = "<tool_call>"
 END = "</tool_call>"
 
@@ -48,14 +50,6 @@ class ParsedDelta:
         return bool(self.content or self.tool_calls)
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest tail of text that is a proper prefix of tag."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
-
-
 class HermesToolParser:
     def __init__(self) -> None:
         self.calls: list[ToolCall] = []
@@ -80,7 +74,7 @@ class HermesToolParser:
             if not self._in_call:
                 at = self._buf.find(START)
                 if at == -1:
-                    keep = _partial_suffix(self._buf, START)
+                    keep = partial_suffix(self._buf, START)
                     self._emit_content(out, self._buf[:len(self._buf) - keep])
                     self._buf = self._buf[len(self._buf) - keep:]
                     break
@@ -90,7 +84,7 @@ class HermesToolParser:
             else:
                 at = self._buf.find(END)
                 if at == -1:
-                    keep = _partial_suffix(self._buf, END)
+                    keep = partial_suffix(self._buf, END)
                     self._body += self._buf[:len(self._buf) - keep]
                     self._buf = self._buf[len(self._buf) - keep:]
                     self._stream_call(out)
