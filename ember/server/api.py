@@ -27,7 +27,7 @@ from ember.errors import EmberError
 from ember.server.chat import ChatHandler
 from ember.server.completions import CompletionHandler
 from ember.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from ember.server import tokenize
+from ember.server import openapi, tokenize
 from ember.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                    error_body, model_card)
 from ember.server.serving import AuthenticationError, ClientDisconnected, ParamError, ServerConfig, Serving
@@ -142,6 +142,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, metrics: ServerMetri
     _add_service_routes(app, engine, metrics)
     _add_v1_routes(app, serving, config, [Depends(_api_key_check(config))])
     _add_tokenizer_routes(app, serving, config)
+    openapi.install(app)
     app.add_middleware(_CountRequests, metrics=metrics, request_id_headers=config.enable_request_id_headers,
                        serving=serving)
     return app
