@@ -263,4 +263,3 @@ class LLMEngine:
                          tp_broadcast_seconds_last_step=self.tp.last_step_broadcast_seconds,
                          tp_comm_seconds_total=self.tp.total_comm_seconds)
         return stats
-

@@ -201,9 +201,7 @@ class ModelRunner:
         """Prompt logprobs of this step's prompt rows, appended to their requests (row p scores token p + 1)."""
         rows = self._prompt_rows
         logits = self.model.compute_logits(hidden[torch.tensor([r for _, r, _ in rows], device=hidden.device)])
-        vocab = logits.shape[1]
-        tops = [vocab if req.sampling_params.prompt_logprobs == -1 else req.sampling_params.prompt_logprobs
-                for req, _, _ in rows]
+        tops = [req.sampling_params.prompt_logprobs for req, _, _ in rows]  # -1 was resolved at admission
         found = token_logprobs(logits, [req.token_ids[p + 1] for req, _, p in rows], tops)
         for (req, _, _), lps in zip(rows, found):
             req.prompt_logprobs.append(lps)

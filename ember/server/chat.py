@@ -95,7 +95,8 @@ class ChatHandler:
         ids, use_tools, tool_constraint = self._prompt(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top_n = self.s.top_n(req.top_logprobs or 0) if req.logprobs else None
-        params = self.s.sampling_params(req, len(ids), max_tokens, top_n, structured_params(req, tool_constraint))
+        structured = structured_params(req, tool_constraint, self.s.engine.engine.structured.holds)
+        params = self.s.sampling_params(req, len(ids), max_tokens, top_n, structured)
         rid = request_id("chatcmpl")
         arrival = time.monotonic()
         streams = await self.s.submit(rid, [(None, ids)], params)

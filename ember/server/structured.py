@@ -42,8 +42,10 @@ def _response_format(rf: dict[str, Any]) -> dict[str, Any] | None:
                      "response_format")
 
 
-def structured_params(req, tool_constraint: dict[str, Any] | None = None) -> StructuredOutputsParams | None:
-    """tool_constraint: {"structural_tag": ...} for tool_choice required / named (chat only)."""
+def structured_params(req, tool_constraint: dict[str, Any] | None = None,
+                      built=lambda params: False) -> StructuredOutputsParams | None:
+    """tool_constraint: {"structural_tag": ...} for tool_choice required / named (chat only); built(params):
+    whether the engine already holds this constraint's grammar (then it is not built again here)."""
     given: list[tuple[str, dict[str, Any]]] = []
     if req.response_format:
         fields = _response_format(req.response_format)
@@ -77,7 +79,8 @@ def structured_params(req, tool_constraint: dict[str, Any] | None = None) -> Str
 
     try:
         params = StructuredOutputsParams.from_dict(fields)
-        build_grammar(params)  # here, so that the 400 names the field the client used (the engine builds it again)
+        if not built(params):  # here, so that the 400 names the field the client used (the engine builds it again)
+            build_grammar(params)
     except InvalidRequestError as e:
         raise ParamError(str(e), name) from None
     return params

@@ -99,6 +99,11 @@ class StructuredOutputManager:
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self._compiler
 
+    def holds(self, params) -> bool:
+        """Whether this constraint was built before (so it is known to compile)."""
+        with self._lock:
+            return params.key() in self._cache
+
     def _compiled(self, params) -> Future:
         from ember.structured.grammar import build_grammar
 
@@ -146,7 +151,7 @@ class StructuredOutputManager:
             return None
         from ember.structured.masks import StepMasks
 
-        return StepMasks(rows, self.vocab_size, time.perf_counter() - t0)
+        return StepMasks(rows, time.perf_counter() - t0)
 
     def _rows(self, matcher, drafts) -> torch.Tensor:
         import xgrammar as xgr

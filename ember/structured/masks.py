@@ -16,13 +16,9 @@ from ember.kernels import cpu_row_top
 
 
 class StepMasks:
-    def __init__(self, rows: dict[str, torch.Tensor], vocab_size: int, fill_seconds: float):
+    def __init__(self, rows: dict[str, torch.Tensor], fill_seconds: float):
         self.rows = rows  # request id -> int32 bitmask [1 + d, ceil(V / 32)]
-        self.vocab_size = vocab_size
         self.seconds = fill_seconds  # filling, then applying
-
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self.rows
 
     def apply(self, logits: torch.Tensor, layout: list[tuple[str, int]]) -> None:
         """layout: (request id, its first logit row) for the rows of `logits`, in order."""
