@@ -42,12 +42,14 @@ IGNORED = {
     "--enable-prompt-tokens-details": "ember always reports usage.prompt_tokens_details.cached_tokens",
     "--disable-log-stats": "ember logs no periodic stats line; /metrics has them",
     "--disable-frontend-multiprocessing": "ember's server and engine share one process (the engine on its own thread)",
+    "--enable-server-load-tracking": "ember always counts the generation requests in flight; GET /load reports them",
 }
 # other engines' flags that take a value: the values that change nothing here -> why; any other value is refused
 IGNORED_VALUES = {
     "--load-format": (("auto", "safetensors", "gguf"), "ember reads safetensors folders and .gguf files as they are; "
                       "other formats (pt, dummy, bitsandbytes, ...) it does not load"),
     "--api-server-count": (("1",), "ember runs one API server process; use one process per port to scale out"),
+    "--structured-outputs-config.backend": (("xgrammar", "auto"), "ember's structured outputs are built by xgrammar"),
 }
 # other engines' flags for features ember does not have -> what to do instead (refused at start)
 REFUSED = {

@@ -8,15 +8,20 @@ from ember.errors import InvalidRequestError, PromptTooLongError
 from ember.sampling import SamplingParams
 
 
+def out_of_vocabulary(what: str, ids, vocab: int) -> str | None:
+    """The error for ids outside [0, vocab), or None (vLLM's wording: clients match "out of vocabulary")."""
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if not bad:
+        return None
+    return f"{what} {bad[:5]} {'is' if len(bad) == 1 else 'are'} out of vocabulary: the vocabulary has {vocab} tokens (ids 0 to {vocab - 1})"
+
+
 def check_request(ids: list[int], params: SamplingParams, config: EngineConfig, vocab: int,
                   max_model_len: int) -> SamplingParams:
     """The params to run the request with (logprobs -1 resolved); raises what is wrong, saying what to change."""
-    bad = [t for t in ids if not 0 <= t < vocab]
-    if bad:
-        raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-    bias = [t for t in (params.logit_bias or {}) if t >= vocab]
-    if bias:
-        raise InvalidRequestError(f"logit_bias token ids {bias[:5]} are outside the vocabulary [0, {vocab})")
+    for what, given in (("prompt token id", ids), ("logit_bias token id", params.logit_bias or {})):
+        if message := out_of_vocabulary(what, given, vocab):
+            raise InvalidRequestError(message)
     if len(ids) >= max_model_len:
         raise PromptTooLongError(
             f"the prompt has {len(ids)} tokens but max_model_len is {max_model_len} (prompt plus at least one "

@@ -74,18 +74,26 @@ class RequestTiming:
     """Monotonic times of one request, for metrics and logs."""
 
     arrival: float
+    scheduled: float | None = None  # the start of the first step that ran it (queue time ends)
     first_token: float | None = None
+    last_token: float | None = None  # for the time between output tokens
     finished: float | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # over all sequences
     max_seq_tokens: int = 0  # longest sequence, for time per output token
     finish_reason: str | None = None
+    n: int = 1  # the request's parameters, for vLLM's request_params_* metrics
+    max_tokens: int | None = None
 
 
 class StatsListener(Protocol):
     """What the engine thread reports (the server's metrics implement it)."""
 
-    def on_step(self, stats: dict, num_new_tokens: int, step_seconds: float) -> None: ...
+    def on_step(self, stats: dict, num_new_tokens: int, step_seconds: float, num_prompt_tokens: int = 0) -> None:
+        """After a step: num_prompt_tokens = the prompts whose first token came in it (vLLM's iteration tokens)."""
+
+    def on_output_tokens(self, count: int, seconds: float) -> None:
+        """`count` tokens of one sequence arrived `seconds` after its previous ones (not its first token)."""
 
     def on_request_finished(self, timing: RequestTiming) -> None: ...
 
@@ -153,6 +161,8 @@ class AsyncLLMEngine:
         self.stats_listener = stats
         self.warmup_seconds: float | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._unscheduled: set[str] = set()  # engine thread: requests no step has run yet
+        self._step_prompt_tokens = 0
         # A one-worker executor whose thread built the engine: steps must run on that thread
         # (torch's CPU thread pool belongs to it; a second pool from another thread fights it
         # for the cores: measured ~25% slower steps on 2 cores). None = start a thread here.
@@ -323,6 +333,8 @@ class AsyncLLMEngine:
                 return True
             children = list(self.engine.groups[rid].children)
             timing.num_prompt_tokens = children[0].num_prompt_tokens
+            timing.n, timing.max_tokens = params.n, params.max_tokens
+            self._unscheduled.add(rid)
             self._tracked[rid] = _Tracked(children, timing, [0] * len(children), [False] * len(children))
             self.num_waiting = len(self.engine.scheduler.waiting)
             self._call_in_loop(self._resolve, ack, None)
@@ -361,8 +373,17 @@ class AsyncLLMEngine:
             self._call_in_loop(self._deliver, batch)
             return
         now = time.monotonic()
+        if self._unscheduled:  # queue times end at the start of the step that first ran a request
+            for rid in list(self._unscheduled):
+                tracked = self._tracked.get(rid)
+                if tracked is None:
+                    self._unscheduled.discard(rid)
+                elif tracked.children[0].num_cached_tokens >= 0:
+                    tracked.timing.scheduled = t0
+                    self._unscheduled.discard(rid)
         batch: list[tuple[str, RequestDelta]] = []
         new_tokens = 0
+        self._step_prompt_tokens = 0
         for out in outputs:
             tracked = self._tracked.get(out.request_id)
             if tracked is None:
@@ -373,11 +394,11 @@ class AsyncLLMEngine:
                 batch.append((out.request_id, delta))
         if batch:
             self._call_in_loop(self._deliver, batch)
-        self._publish(new_tokens, now - t0)
+        self._publish(new_tokens, now - t0, self._step_prompt_tokens)
 
     def _delta(self, rid: str, tracked: _Tracked, finished: bool, cached: int, now: float):
         seqs: list[SeqDelta] = []
-        new_tokens = 0
+        new_tokens = seqs_with_tokens = 0
         timing = tracked.timing
         for i, req in enumerate(tracked.children):
             if tracked.reported[i]:
@@ -394,12 +415,21 @@ class AsyncLLMEngine:
                 lps = req.logprobs[tracked.sent_tokens[i]:]
             tracked.sent_tokens[i] += len(new_ids)
             new_tokens += len(new_ids)
+            seqs_with_tokens += bool(new_ids)
             if done:
                 tracked.reported[i] = True
             seqs.append(SeqDelta(req.index, text, new_ids, lps, req.finish_reason if done else None,
                                  req.stop_reason if done else None))
-        if new_tokens and timing.first_token is None:
-            timing.first_token = now
+        if new_tokens:
+            if timing.first_token is None:
+                timing.first_token = now
+                self._step_prompt_tokens += timing.num_prompt_tokens
+                after_first = new_tokens - seqs_with_tokens  # each sequence's first token has no interval before it
+            else:
+                after_first = new_tokens
+            if after_first > 0 and self.stats_listener is not None:
+                self.stats_listener.on_output_tokens(after_first, now - (timing.last_token or now))
+            timing.last_token = now
         timing.num_output_tokens += new_tokens
         if finished:
             self._tracked.pop(rid, None)
@@ -418,12 +448,12 @@ class AsyncLLMEngine:
             return None, new_tokens
         return RequestDelta(rid, seqs, finished, timing.num_prompt_tokens, cached, prompt_lps), new_tokens
 
-    def _publish(self, new_tokens: int, step_seconds: float) -> None:
+    def _publish(self, new_tokens: int, step_seconds: float, prompt_tokens: int = 0) -> None:
         sched = self.engine.scheduler
         self.num_waiting = len(sched.waiting)
         self.num_running = len(sched.running)
         if self.stats_listener is not None:
-            self.stats_listener.on_step(self.engine.stats(), new_tokens, step_seconds)
+            self.stats_listener.on_step(self.engine.stats(), new_tokens, step_seconds, prompt_tokens)
 
     # -- warmup -------------------------------------------------------------------------------
     def warmup(self) -> float:

@@ -119,7 +119,7 @@ def build_server(args):
                           enable_force_include_usage=args.enable_force_include_usage,
                           enable_request_id_headers=args.enable_request_id_headers, root_path=args.root_path,
                           return_tokens_as_token_ids=args.return_tokens_as_token_ids)
-    metrics = ServerMetrics(names[0])
+    metrics = ServerMetrics.for_engine(names[0], engine)
     metrics.watch_compile(engine.compiler)
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=args.max_waiting_requests, warmup=args.warmup,
                                   stats=metrics, executor=engine_thread)

@@ -7,6 +7,9 @@
   tool_parser.py  Qwen/Hermes <tool_call> parsing, whole and as streaming deltas
   logprobs.py     logprobs in the chat (current) and completions (legacy) shapes
   metrics.py      Prometheus metrics (one registry per app)
-  launcher.py     flags, engine and uvicorn for `ember serve` / the vLLM-style entry point
+  structured.py   response_format / structured_outputs / guided_* -> StructuredOutputsParams
+  tokenize.py     /tokenize, /detokenize, /tokenizer_info
+  openapi.py      the /openapi.json document, as the routes really answer
+  launcher.py     re-exports the serve flags (they live in ember/entrypoints/serve.py) for outside tools
 The engine side is ember/engine/async_engine.py (one background step loop, a queue per request).
 """

@@ -18,6 +18,7 @@ import time
 import uuid
 
 from fastapi import Depends, FastAPI, Request
+from pydantic import ValidationError
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -28,14 +29,15 @@ from ember.server.chat import ChatHandler
 from ember.server.completions import CompletionHandler
 from ember.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from ember.server import openapi, tokenize
-from ember.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+from ember.server.protocol import (BatchChatCompletionRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                    error_body, model_card)
 from ember.server.serving import AuthenticationError, ClientDisconnected, ParamError, ServerConfig, Serving
 
 logger = logging.getLogger("ember.server")
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/version", "/metrics", "/tokenize",
-             "/detokenize", "/tokenizer_info")
+GENERATION = ("/v1/chat/completions", "/v1/completions", "/v1/chat/completions/batch", "/invocations")
+ENDPOINTS = (*GENERATION, "/v1/models", "/health", "/version", "/metrics", "/load", "/tokenize", "/detokenize",
+             "/tokenizer_info")
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable_error"}
 
@@ -67,7 +69,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         got = ""
         if err.get("type") != "missing" and not isinstance(value, (dict, list)):
             got = f" (got {json.dumps(value) if isinstance(value, (str, int, float, bool, type(None))) else type(value).__name__})"
-        parts.append(f"{where or 'body'}: {err.get('msg')}{got}")
+        kind = err.get("type")  # pydantic's code (greater_than_equal, ...): clients match it, as vLLM passes it on
+        parts.append(f"{where or 'body'}: {err.get('msg')} [{kind}]{got}" if kind else f"{where or 'body'}: {err.get('msg')}{got}")
         if len(parts) == 3:
             break
     more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
@@ -75,9 +78,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 class _CountRequests:
-    """Pure ASGI middleware (no buffering of streams): counts responses by endpoint and status, and
-    answers a handler bug with a generic 500 itself. Starlette's own 500 path re-raises to the
-    server, which then drops the keep-alive connection; here the connection stays usable."""
+    """Pure ASGI middleware (no buffering of streams): counts responses by endpoint and status and the
+    generation requests in flight (`serving.server_load`, GET /load), and answers a handler bug with a
+    generic 500 itself. Starlette's own 500 path re-raises to the server, which then drops the
+    keep-alive connection; here the connection stays usable."""
 
     def __init__(self, app, metrics: ServerMetrics, request_id_headers: bool = False, serving: Serving | None = None):
         self.app = app
@@ -92,22 +96,29 @@ class _CountRequests:
         endpoint = path if path in ENDPOINTS else "other"
         started = False
         request_id = None
+        headers = dict(scope.get("headers") or ())
         if self.request_id_headers:
-            given = dict(scope.get("headers") or ()).get(b"x-request-id")
-            request_id = given or uuid.uuid4().hex.encode()
+            request_id = headers.get(b"x-request-id") or uuid.uuid4().hex.encode()
+        orca = headers.get(b"endpoint-load-metrics-format") if endpoint in GENERATION else None
 
         async def counting_send(message):
             nonlocal started
             if message["type"] == "http.response.start" and not started:
                 started = True
                 self.metrics.count_http(endpoint, message["status"])
-                if request_id is not None:
-                    message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", request_id)]}
+                extra = [(b"x-request-id", request_id)] if request_id is not None else []
+                if orca and (report := self.metrics.orca_header(orca.decode("latin-1"))):
+                    extra.append((b"endpoint-load-metrics", report))  # ORCA load report, asked for by the client
+                if extra:
+                    message = {**message, "headers": [*message.get("headers", ()), *extra]}
             await send(message)
 
         if self.serving is not None and self.serving.draining:
             response = _error(503, "the server is shutting down; send the request to another instance or retry later")
             return await response(scope, receive, counting_send)
+        load = self.serving is not None and endpoint in GENERATION
+        if load:
+            self.serving.server_load += 1  # until the last byte of the answer (a stream included) is sent
         try:
             await self.app(scope, receive, counting_send)
         except Exception as exc:  # noqa: BLE001 -- a bug in a handler: log it, answer 500, keep serving
@@ -116,10 +127,13 @@ class _CountRequests:
                 raise  # mid-stream: the stream generators report errors in-band; nothing more to send
             response = _error(500, "internal server error; the server log has the details", type_="server_error")
             await response(scope, receive, counting_send)
+        finally:
+            if load:
+                self.serving.server_load -= 1
 
 
 def build_app(engine: AsyncLLMEngine, config: ServerConfig, metrics: ServerMetrics | None = None) -> FastAPI:
-    metrics = metrics or ServerMetrics(config.served_model_names[0])
+    metrics = metrics or ServerMetrics.for_engine(config.served_model_names[0], engine.engine)
     if engine.stats_listener is None:
         engine.stats_listener = metrics
     engine.engine.structured.listener = metrics
@@ -184,7 +198,7 @@ def _api_key_check(config: ServerConfig):
 
 
 def _add_service_routes(app: FastAPI, engine: AsyncLLMEngine, metrics: ServerMetrics) -> None:
-    """/health, /version, /metrics: no API key."""
+    """/health, /version, /metrics, /load: no API key."""
 
     @app.get("/health")
     async def health():
@@ -199,6 +213,11 @@ def _add_service_routes(app: FastAPI, engine: AsyncLLMEngine, metrics: ServerMet
     @app.get("/metrics")
     async def get_metrics():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/load")
+    async def load():
+        """vLLM's: the generation requests in flight (for a load balancer that polls)."""
+        return {"server_load": app.state.serving.server_load}
 
 
 def _add_tokenizer_routes(app: FastAPI, serving: Serving, config: ServerConfig) -> None:
@@ -219,7 +238,7 @@ def _add_tokenizer_routes(app: FastAPI, serving: Serving, config: ServerConfig) 
 
 
 def _add_v1_routes(app: FastAPI, serving: Serving, config: ServerConfig, v1: list) -> None:
-    """The OpenAI API: models, chat completions, completions."""
+    """The OpenAI API: models, chat completions, completions; vLLM's batch chat and SageMaker's /invocations."""
     chat = ChatHandler(serving)
     completions = CompletionHandler(serving)
     created = int(time.time())
@@ -251,6 +270,36 @@ def _add_v1_routes(app: FastAPI, serving: Serving, config: ServerConfig, v1: lis
     async def create_completion(body: CompletionRequest, request: Request):
         try:
             return await answer(await completions.create(body, request.receive))
+        except ClientDisconnected:
+            return Response(status_code=499)
+
+    @app.post("/v1/chat/completions/batch", dependencies=v1)
+    async def chat_completions_batch(body: BatchChatCompletionRequest, request: Request):
+        try:
+            return JSONResponse(await chat.create_batch(body, request.receive))
+        except ClientDisconnected:
+            return Response(status_code=499)
+
+    @app.post("/invocations", dependencies=v1)
+    async def invocations(request: Request):
+        """SageMaker's single route (as vLLM serves it): a body with `messages` is a chat completion, one with
+        `prompt` a completion."""
+        try:
+            body = await request.json()
+        except ValueError as e:
+            raise ParamError(f"the request body is not valid JSON: {e}") from None
+        kind = ("messages" in body and ChatCompletionRequest) or ("prompt" in body and CompletionRequest) \
+            if isinstance(body, dict) else None
+        if not kind:
+            raise ParamError("an /invocations body is a chat request (with `messages`) or a completion request "
+                             "(with `prompt`)")
+        try:
+            parsed = kind.model_validate(body)
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
+        handler = chat if kind is ChatCompletionRequest else completions
+        try:
+            return await answer(await handler.create(parsed, request.receive))
         except ClientDisconnected:
             return Response(status_code=499)
 

@@ -15,8 +15,9 @@ from ember.errors import InvalidRequestError
 from ember.reasoning import ReasoningSplitter
 from ember.server.completions import vllm_prompt_logprobs
 from ember.server.logprobs import chat_logprobs
-from ember.server.protocol import ChatCompletionRequest, now, request_id, usage
-from ember.server.serving import ParamError, Serving, merged, unless_disconnected, sse_writers
+from ember.engine.async_engine import RequestStream
+from ember.server.protocol import BatchChatCompletionRequest, ChatCompletionRequest, now, request_id, usage
+from ember.server.serving import ParamError, Serving, all_or_none, merged, unless_disconnected, sse_writers
 from ember.server.structured import structured_params
 from ember.server.tool_parser import HermesToolParser
 
@@ -88,6 +89,35 @@ class ChatHandler:
         return ids, use_tools, constraint
 
     async def create(self, req: ChatCompletionRequest, receive):
+        streams, ctx = await self._submit(req)
+        if req.stream:
+            return self._stream(streams, ctx)
+        return await unless_disconnected(self._whole(streams, ctx), receive)
+
+    async def create_batch(self, req: BatchChatCompletionRequest, receive) -> dict:
+        """vLLM's /v1/chat/completions/batch: one whole answer for several conversations, choice i (with n > 1:
+        i*n + j) answering conversation i; usage summed. A bad conversation fails the batch and aborts the rest."""
+        if req.stream:
+            raise ParamError("the batch endpoint answers whole; stream each conversation from /v1/chat/completions",
+                             "stream")
+        shared = req.model_dump(exclude={"messages"}, exclude_unset=True)
+        subs = [ChatCompletionRequest.model_validate({**shared, "messages": conv}) for conv in req.messages]
+
+        async def answer(sub: ChatCompletionRequest) -> dict:
+            return await self._whole(*await self._submit(sub))
+
+        answers = await unless_disconnected(all_or_none([answer(sub) for sub in subs]), receive)
+        merged_answer = dict(answers[0])
+        merged_answer["choices"] = [{**c, "index": i * req.n + c["index"]} for i, a in enumerate(answers)
+                                    for c in a["choices"]]
+        merged_answer["usage"] = usage(sum(a["usage"]["prompt_tokens"] for a in answers),
+                                       sum(a["usage"]["completion_tokens"] for a in answers),
+                                       sum(a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers))
+        for key in ("prompt_token_ids", "prompt_logprobs"):  # one per conversation
+            merged_answer[key] = [a[key] for a in answers] if answers[0][key] is not None else None
+        return merged_answer
+
+    async def _submit(self, req: ChatCompletionRequest) -> tuple[list[RequestStream], _Ctx]:
         model = self.s.check_model(req.model)
         self.s.check_unsupported(req)
         if req.top_logprobs is not None and not req.logprobs:
@@ -104,9 +134,7 @@ class ChatHandler:
         tail = self.s.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False) if parser else ""
         ctx = _Ctx(rid, model, now(), req, len(ids), use_tools, top_n, arrival, tail, _echo_text(req))
         ctx.prompt_ids = ids
-        if req.stream:
-            return self._stream(streams, ctx)
-        return await unless_disconnected(self._whole(streams, ctx), receive)
+        return streams, ctx
 
     # -- whole answer -------------------------------------------------------------------------
     async def _whole(self, streams, ctx: _Ctx) -> dict:
@@ -135,7 +163,9 @@ class ChatHandler:
         choices = []
         for i in range(n):
             text = "".join(texts[i])
-            message: dict[str, Any] = {"role": "assistant", "content": text}
+            # every field of OpenAI's message, as vLLM answers (clients compare whole dumps); tool_calls [] when none
+            message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None, "annotations": None,
+                                       "audio": None, "function_call": None, "tool_calls": []}
             splitter = self._splitter(ctx)
             if splitter is not None:
                 splitter.feed(text)
@@ -168,6 +198,7 @@ class ChatHandler:
         self._log(ctx, completion, finish)
         return {"id": ctx.rid, "object": "chat.completion", "created": ctx.created, "model": ctx.model,
                 "choices": choices, "usage": usage(ctx.prompt_len, completion, cached), "system_fingerprint": None,
+                "service_tier": None, "metadata": None, "moderation": None,
                 "prompt_token_ids": ctx.prompt_ids if ctx.req.return_token_ids else None,
                 "prompt_logprobs": vllm_prompt_logprobs(prompt_lps) if ctx.req.prompt_logprobs is not None else None}
 

@@ -1,10 +1,15 @@
 """Prometheus metrics of one server (its own CollectorRegistry, so a process can hold several apps).
 
-Names follow vLLM's with an `ember:` prefix, so dashboards port by renaming. The engine thread
-feeds the gauges and token counters after every step (prometheus-client is thread-safe); the
-HTTP layer counts requests by endpoint and status code.
+Every metric vLLM defines that ember measures is exported twice, from the same measurement: under
+ember's name (`ember:...`) and under vLLM's (`vllm:...`), so the dashboards, autoscalers and routers
+people already point at vLLM read ember unchanged. ember's own (HTTP counts, structured outputs,
+speculation, compile state, time per output token) are `ember:` only. The engine thread feeds the
+gauges and token counters after every step (prometheus-client is thread-safe); the HTTP layer
+counts requests by endpoint and status code.
 """
 from __future__ import annotations
+
+import json
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -20,10 +25,48 @@ TPOT_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0
 GRAMMAR_COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 MASK_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 300.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_SECONDS_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def _token_buckets(max_model_len: int) -> tuple:
+    """1, 2, 5, 10, 20, 50, ... up to max_model_len (vLLM's request token-count buckets)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
+
+
+class _Both:
+    """One measurement under two names (ember's and vLLM's): what is done to it is done to each."""
+
+    def __init__(self, *metrics):
+        self.metrics = metrics
+
+    def labels(self, **kw) -> "_Both":
+        return _Both(*(m.labels(**kw) for m in self.metrics))
+
+    def inc(self, amount: float = 1.0) -> None:
+        for m in self.metrics:
+            m.inc(amount)
+
+    def set(self, value: float) -> None:
+        for m in self.metrics:
+            m.set(value)
+
+    def observe(self, value: float) -> None:
+        for m in self.metrics:
+            m.observe(value)
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, max_model_len: int = 8192, cache_info: dict | None = None):
         self.registry = CollectorRegistry()
         r, labels = self.registry, {"model_name": model_name}
         self._labels = labels
@@ -37,24 +80,54 @@ class ServerMetrics:
         def histogram(name, doc, buckets):
             return Histogram(name, doc, list(labels), buckets=buckets, registry=r).labels(**labels)
 
+        def both(make, name, *args, **kw):  # vLLM's metric: ember:name and vllm:name
+            return _Both(make("ember:" + name, *args, **kw), make("vllm:" + name, *args, **kw))
+
         self.http_requests = counter("ember:http_requests", "HTTP requests by endpoint and status code",
                                      ("endpoint", "status"))
-        self.request_success = counter("ember:request_success", "finished requests by finish reason",
-                                       ("finished_reason",))
-        self.prompt_tokens = counter("ember:prompt_tokens", "prompt tokens of finished (and aborted) requests").labels(**labels)
-        self.generation_tokens = counter("ember:generation_tokens", "generated tokens").labels(**labels)
-        self.prefix_cache_queries = counter("ember:prefix_cache_queries", "prompt tokens looked up in the prefix cache").labels(**labels)
-        self.prefix_cache_hits = counter("ember:prefix_cache_hits", "prompt tokens found in the prefix cache").labels(**labels)
-        self.preemptions = counter("ember:num_preemptions", "requests preempted for lack of KV blocks").labels(**labels)
-        self.running = gauge("ember:num_requests_running", "sequences in the running batch")
-        self.waiting = gauge("ember:num_requests_waiting", "sequences waiting for a slot")
-        self.kv_usage = gauge("ember:kv_cache_usage_perc", "fraction of KV cache blocks in use (0-1)")
+        self.request_success = both(counter, "request_success", "finished requests by finish reason",
+                                    ("finished_reason",))
+        self.prompt_tokens = both(counter, "prompt_tokens", "prompt tokens of finished (and aborted) requests").labels(**labels)
+        self.generation_tokens = both(counter, "generation_tokens", "generated tokens").labels(**labels)
+        self.prefix_cache_queries = both(counter, "prefix_cache_queries", "prompt tokens looked up in the prefix cache").labels(**labels)
+        self.prefix_cache_hits = both(counter, "prefix_cache_hits", "prompt tokens found in the prefix cache").labels(**labels)
+        self.preemptions = both(counter, "num_preemptions", "requests preempted for lack of KV blocks").labels(**labels)
+        self.running = both(gauge, "num_requests_running", "sequences in the running batch")
+        self.waiting = both(gauge, "num_requests_waiting", "sequences waiting for a slot")
+        # vLLM splits the waiting by reason; ember's only reason to wait is capacity (KV blocks / batch slots)
+        self.waiting_by_reason = both(lambda n, d: Gauge(n, d, [*labels, "reason"], registry=r).labels(
+            **labels, reason="capacity"), "num_requests_waiting_by_reason", "waiting requests by why they wait")
+        self.kv_usage = both(gauge, "kv_cache_usage_perc", "fraction of KV cache blocks in use (0-1)")
         self.prefix_hit_rate = gauge("ember:prefix_cache_hit_rate", "prefix cache hits / queries since start (0-1)")
-        self.ttft = histogram("ember:time_to_first_token_seconds", "time from arrival to the first generated token",
-                              TTFT_BUCKETS)
+        self.ttft = both(histogram, "time_to_first_token_seconds", "time from arrival to the first generated token",
+                         TTFT_BUCKETS)
         self.tpot = histogram("ember:time_per_output_token_seconds", "mean time between output tokens, per request",
                               TPOT_BUCKETS)
-        self.e2e = histogram("ember:e2e_request_latency_seconds", "time from arrival to the last token", E2E_BUCKETS)
+        self.itl = both(histogram, "inter_token_latency_seconds", "time between consecutive output tokens of a "
+                        "sequence (tokens that arrive together, as accepted drafts, share the interval)", ITL_BUCKETS)
+        self.e2e = both(histogram, "e2e_request_latency_seconds", "time from arrival to the last token", E2E_BUCKETS)
+        self.queue_time = both(histogram, "request_queue_time_seconds", "time from arrival to the first step that "
+                               "runs the request", REQUEST_SECONDS_BUCKETS)
+        self.inference_time = both(histogram, "request_inference_time_seconds", "time from the first step that "
+                                   "runs the request to its last token", REQUEST_SECONDS_BUCKETS)
+        self.prefill_time = both(histogram, "request_prefill_time_seconds", "time from the first step that runs the "
+                                 "request to its first token", REQUEST_SECONDS_BUCKETS)
+        self.decode_time = both(histogram, "request_decode_time_seconds", "time from the first token to the last",
+                                REQUEST_SECONDS_BUCKETS)
+        token_buckets = _token_buckets(max_model_len)
+        self.request_prompt_tokens = both(histogram, "request_prompt_tokens", "prompt tokens per finished request",
+                                          token_buckets)
+        self.request_generation_tokens = both(histogram, "request_generation_tokens",
+                                              "generated tokens per finished request (all its sequences)", token_buckets)
+        self.params_n = both(histogram, "request_params_n", "the n of finished requests", PARAMS_N_BUCKETS)
+        self.params_max_tokens = both(histogram, "request_params_max_tokens", "the max_tokens of finished requests",
+                                      token_buckets)
+        self.iteration_tokens = both(histogram, "iteration_tokens_total", "tokens per engine step: the prompts "
+                                     "that got their first token in it plus the tokens generated", ITERATION_TOKENS_BUCKETS)
+        if cache_info:
+            info = {k: str(v) for k, v in cache_info.items()}
+            both(lambda n, d: Gauge(n, d, list(info), registry=r).labels(**info), "cache_config_info",
+                 "the KV cache's configuration (labels); the value is 1").set(1)
         self.grammar_compile = histogram("ember:structured_output_compile_seconds",
                                          "time to compile one distinct structured-output grammar (cache misses)",
                                          GRAMMAR_COMPILE_BUCKETS)
@@ -66,8 +139,17 @@ class ServerMetrics:
                                "(--executor auto on CPU: steps run eagerly meanwhile), else 0")
         self.compiling.set_function(lambda: 0.0)
         self._last: dict | None = None
+        self.load = {"kv_cache_usage_perc": 0.0, "num_requests_waiting": 0.0, "num_requests_running": 0.0}  # ORCA
         self._queries = self._hits = 0
         self._spec: dict | None = None  # created at the first stats that carry spec counters
+
+    @classmethod
+    def for_engine(cls, model_name: str, engine) -> "ServerMetrics":
+        """The metrics of a server over this LLMEngine (its length limit and KV pool in the labels)."""
+        cache = engine.config.cache_config
+        info = {"block_size": cache.block_size, "num_gpu_blocks": engine.kv.num_blocks,
+                "cache_dtype": cache.kv_cache_dtype, "enable_prefix_caching": cache.enable_prefix_caching}
+        return cls(model_name, engine.max_model_len, info)
 
     def _spec_metrics(self) -> dict:
         if self._spec is None:
@@ -116,7 +198,11 @@ class ServerMetrics:
         self.grammar_mask.observe(seconds)
 
     # -- StatsListener (called on the engine thread) --------------------------------------------
-    def on_step(self, stats: dict, num_new_tokens: int, step_seconds: float) -> None:
+    def on_output_tokens(self, count: int, seconds: float) -> None:
+        for _ in range(count):
+            self.itl.observe(seconds / count)
+
+    def on_step(self, stats: dict, num_new_tokens: int, step_seconds: float, num_prompt_tokens: int = 0) -> None:
         last = self._last
         self._last = stats
         if last is None:  # the first report (after warmup) is the baseline
@@ -131,8 +217,14 @@ class ServerMetrics:
         self.generation_tokens.inc(num_new_tokens)
         self.running.set(stats["running"])
         self.waiting.set(stats["waiting"])
+        self.waiting_by_reason.set(stats["waiting"])
+        if num_new_tokens or num_prompt_tokens:
+            self.iteration_tokens.observe(num_new_tokens + num_prompt_tokens)
         total = stats["kv_blocks_total"]
-        self.kv_usage.set(1.0 - stats["kv_blocks_free"] / total if total else 0.0)
+        kv_usage = 1.0 - stats["kv_blocks_free"] / total if total else 0.0
+        self.kv_usage.set(kv_usage)
+        self.load = {"kv_cache_usage_perc": kv_usage, "num_requests_waiting": float(stats["waiting"]),
+                     "num_requests_running": float(stats["running"])}
         self.prefix_hit_rate.set(self._hits / self._queries if self._queries else 0.0)
         if "spec_num_drafts" in stats:
             self._on_spec(stats, last)
@@ -146,10 +238,32 @@ class ServerMetrics:
                 self.tpot.observe((t.finished - t.first_token) / (t.max_seq_tokens - 1))
         if t.finished is not None and t.finish_reason != "abort":
             self.e2e.observe(t.finished - t.arrival)
+            self.request_prompt_tokens.observe(t.num_prompt_tokens)
+            self.request_generation_tokens.observe(t.num_output_tokens)
+            self.params_n.observe(t.n)
+            if t.max_tokens is not None:
+                self.params_max_tokens.observe(t.max_tokens)
+            if t.scheduled is not None:
+                self.queue_time.observe(t.scheduled - t.arrival)
+                self.inference_time.observe(t.finished - t.scheduled)
+                if t.first_token is not None:
+                    self.prefill_time.observe(t.first_token - t.scheduled)
+                    self.decode_time.observe(t.finished - t.first_token)
 
     # -- HTTP --------------------------------------------------------------------------------------
     def count_http(self, endpoint: str, status: int) -> None:
         self.http_requests.labels(**self._labels, endpoint=endpoint, status=str(status)).inc()
+
+    def orca_header(self, fmt: str) -> bytes | None:
+        """The `endpoint-load-metrics` value a load balancer asked for with `endpoint-load-metrics-format`
+        (ORCA's TEXT or JSON form, vLLM's named metrics), or None for another format."""
+        fmt = fmt.strip().upper()
+        load = self.load
+        if fmt == "TEXT":
+            return ("TEXT " + ", ".join(f"named_metrics.{k}={v}" for k, v in load.items())).encode()
+        if fmt == "JSON":
+            return ("JSON " + json.dumps({"named_metrics": load})).encode()
+        return None
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

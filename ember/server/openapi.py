@@ -19,7 +19,7 @@ _WHY = {"400": "invalid request: a bad parameter, malformed JSON, a prompt that 
         "401": "missing or wrong API key (when the server has one)", "404": "unknown model",
         "500": "a bug in the server (no details; the server log has them)",
         "503": "overloaded, warming up or shutting down"}
-_GENERATION = ("/v1/chat/completions", "/v1/completions")
+_GENERATION = ("/v1/chat/completions", "/v1/completions", "/invocations")  # the routes that stream when asked
 
 
 def _error(code: str) -> dict:
@@ -30,7 +30,7 @@ def _errors_for(path: str, method: str) -> list[str]:
     codes = ["500", "503"]
     if method == "post":
         codes.append("400")
-    if path.startswith("/v1"):
+    if path.startswith("/v1") or path == "/invocations":
         codes.append("401")
         if path != "/v1/models":
             codes.append("404")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -33,7 +33,7 @@ class _Request(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     n: int = Field(1, ge=1, le=128)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-2**63, le=2**63 - 1)  # a 64-bit generator seed, as vLLM checks
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -78,7 +78,7 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
     # Extra keys (reasoning_content, ...) go to the template as they are.
     model_config = ConfigDict(extra="allow")
-    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    role: str = Field(min_length=1)  # system / developer / user / assistant / tool, or a role of the model's own template (vLLM's)
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
@@ -112,6 +112,11 @@ class ChatCompletionRequest(_Request):
     include_reasoning: bool = True  # vLLM's: false drops reasoning_content from the answer
     continue_final_message: bool = False  # the prompt ends inside the last (assistant) message
     echo: bool = False  # vLLM's: the answer starts with the last message's text when it has the answer's role
+
+
+class BatchChatCompletionRequest(ChatCompletionRequest):
+    """vLLM's /v1/chat/completions/batch: several conversations, the other fields shared by all of them."""
+    messages: list[Annotated[list[ChatMessage], Field(min_length=1)]] = Field(..., min_length=1)
 
 
 class CompletionRequest(_Request):

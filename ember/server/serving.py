@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
+from ember.engine.admission import out_of_vocabulary
 from ember.engine.async_engine import AsyncLLMEngine, RequestDelta, RequestStream
 from ember.errors import EmberError, InvalidRequestError
 from ember.sampling import SamplingParams
@@ -70,6 +71,7 @@ class Serving:
         self.config = config
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        self.server_load = 0  # generation requests in flight, counted by the app's middleware (GET /load)
         self.draining = False  # a shutdown began (ember.entrypoints.serve.DrainingServer): refuse new work
         self.token_text = TokenText(self.tokenizer)
         self.token_ids_text = TokenText(self.tokenizer, as_ids=True)
@@ -175,17 +177,15 @@ class Serving:
                 tid = int(key)
             except ValueError:
                 raise ParamError(f"logit_bias key {key!r} is not a token id", "logit_bias") from None
-            if not 0 <= tid < vocab:
-                raise ParamError(f"logit_bias token id {tid} is out of vocabulary: the vocabulary has {vocab} tokens "
-                                 f"(ids 0 to {vocab - 1})", "logit_bias")
+            if message := out_of_vocabulary("logit_bias token id", [tid], vocab):
+                raise ParamError(message, "logit_bias")
             bias[tid] = value
         return bias
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         vocab = self.engine.engine.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ParamError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param)
+        if message := out_of_vocabulary("token id", ids, vocab):
+            raise ParamError(message, param)
         if not ids:
             raise ParamError("the prompt is empty; give at least one token", param)
 
@@ -278,6 +278,23 @@ def sse_writers(head: dict, include_usage: bool):
 
 class ClientDisconnected(Exception):
     pass
+
+
+async def all_or_none(coros: list) -> list:
+    """Await coroutines together; the first failure cancels the others (their finally blocks abort their
+    engine work) and is raised. (asyncio.gather would leave them running.)"""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for t in tasks:
+            if t.done() and not t.cancelled() and t.exception() is not None:
+                raise t.exception()
+        return [t.result() for t in tasks]
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def unless_disconnected(coro, receive):

@@ -2,6 +2,7 @@
 POST /detokenize, and GET /tokenizer_info (with --enable-tokenizer-info-endpoint, as in vLLM)."""
 from __future__ import annotations
 
+from ember.engine.admission import out_of_vocabulary
 from ember.server.protocol import DetokenizeRequest, TokenizeRequest
 from ember.server.serving import ParamError, Serving
 
@@ -32,9 +33,8 @@ def tokenize(s: Serving, req: TokenizeRequest) -> dict:
 def detokenize(s: Serving, req: DetokenizeRequest) -> dict:
     s.check_model(req.model)
     vocab = s.engine.engine.model_config.vocab_size
-    bad = [t for t in req.tokens if not 0 <= t < vocab]
-    if bad:
-        raise ParamError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
+    if message := out_of_vocabulary("token id", req.tokens, vocab):
+        raise ParamError(message, "tokens")
     return {"prompt": s.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
 

@@ -54,12 +54,22 @@ def test_tokenize_chat_as_transformers_renders_it(live, hf_tok, gen, cont, tools
     assert body["tokens"] == hf_tok.encode(text, add_special_tokens=False)
 
 
+def test_a_custom_role_renders_through_the_template(live, hf_tok):
+    """vLLM passes any role to the chat template; text content and a list of text parts render alike."""
+    conv = [{"role": "my-custom-role", "content": "what is 1+1?"}]
+    text = hf_tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
+    assert "my-custom-role" in text
+    for content in ("what is 1+1?", [{"type": "text", "text": "what is 1+1?"}]):
+        body = httpx.post(live.url + "/tokenize", json={"messages": [{"role": "my-custom-role", "content": content}]}).json()
+        assert body["tokens"] == hf_tok.encode(text, add_special_tokens=False)
+
+
 def test_detokenize_and_its_errors(live, hf_tok):
     prompt = "This is a test prompt. vllm1"
     ids = hf_tok.encode(prompt, add_special_tokens=False)
     assert httpx.post(live.url + "/detokenize", json={"model": MODEL_NAME, "tokens": ids}).json() == {"prompt": prompt}
     bad = httpx.post(live.url + "/detokenize", json={"tokens": [10**7]})
-    assert bad.status_code == 400 and "outside the vocabulary" in bad.json()["error"]["message"]
+    assert bad.status_code == 400 and "out of vocabulary" in bad.json()["error"]["message"]
     both = httpx.post(live.url + "/tokenize", json={"prompt": "a", "messages": CONVERSATION})
     assert both.status_code == 400
     wrong = httpx.post(live.url + "/tokenize", json={"model": "nope", "prompt": "a"})
