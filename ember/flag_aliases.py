@@ -39,7 +39,6 @@ SWITCHES = {
 IGNORED = {
     "--trust-remote-code": "ember runs its own model code for the architectures it supports; a model's remote "
                            "code is never executed, so the flag changes nothing",
-    "--enable-prompt-tokens-details": "ember always reports usage.prompt_tokens_details.cached_tokens",
     "--disable-log-stats": "ember logs no periodic stats line; /metrics has them",
     "--disable-frontend-multiprocessing": "ember's server and engine share one process (the engine on its own thread)",
     "--enable-server-load-tracking": "ember always counts the generation requests in flight; GET /load reports them",

@@ -115,10 +115,11 @@ def test_awq_launch_line_starts(tiny_model_dir, tmp_path):
 def test_harmless_vllm_flags_pass_with_a_note_and_the_rest_are_refused_naming_why(capsys):
     from ember.entrypoints.cli import build_parser
 
-    args = build_parser().parse_args(["serve", "--load-format", "safetensors", "--enable-prompt-tokens-details",
-                                      "--api-server-count", "1"])
+    args = build_parser().parse_args(["serve", "--load-format", "safetensors", "--enable-server-load-tracking",
+                                      "--api-server-count", "1", "--structured-outputs-config.backend", "xgrammar"])
     notes = " ".join(args._alias_notes)
-    assert "--load-format is accepted and ignored" in notes and "--enable-prompt-tokens-details" in notes
+    assert "--load-format is accepted and ignored" in notes and "--enable-server-load-tracking" in notes
+    assert "--structured-outputs-config.backend is accepted" in notes
     for argv, says in ((["--load-format", "dummy"], "other formats"), (["--enable-lora"], "LoRA"),
                        (["--api-server-count", "2"], "one API server"), (["--limit-mm-per-prompt", "{}"], "text models")):
         with pytest.raises(SystemExit):

@@ -63,6 +63,8 @@ def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool =
                    help="logprobs name tokens `token_id:N` unless a request says otherwise, as vLLM's flag")
     g.add_argument("--enable-force-include-usage", action="store_true",
                    help="every streamed answer reports usage on every chunk and at the end, as vLLM's flag")
+    g.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="report the prefix-cache hit as usage.prompt_tokens_details.cached_tokens, as vLLM's flag")
     g.add_argument("--enable-request-id-headers", action="store_true",
                    help="answer every request with an X-Request-Id header (the client's, or a new one)")
     g.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
@@ -117,6 +119,7 @@ def build_server(args):
                           chat_template=template, log_requests=not args.disable_log_requests,
                           enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
                           enable_force_include_usage=args.enable_force_include_usage,
+                          enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                           enable_request_id_headers=args.enable_request_id_headers, root_path=args.root_path,
                           return_tokens_as_token_ids=args.return_tokens_as_token_ids)
     metrics = ServerMetrics.for_engine(names[0], engine)

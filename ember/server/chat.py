@@ -16,7 +16,7 @@ from ember.reasoning import ReasoningSplitter
 from ember.server.completions import vllm_prompt_logprobs
 from ember.server.logprobs import chat_logprobs
 from ember.engine.async_engine import RequestStream
-from ember.server.protocol import BatchChatCompletionRequest, ChatCompletionRequest, now, request_id, usage
+from ember.server.protocol import BatchChatCompletionRequest, ChatCompletionRequest, now, request_id
 from ember.server.serving import ParamError, Serving, all_or_none, merged, unless_disconnected, sse_writers
 from ember.server.structured import structured_params
 from ember.server.tool_parser import HermesToolParser
@@ -110,9 +110,10 @@ class ChatHandler:
         merged_answer = dict(answers[0])
         merged_answer["choices"] = [{**c, "index": i * req.n + c["index"]} for i, a in enumerate(answers)
                                     for c in a["choices"]]
-        merged_answer["usage"] = usage(sum(a["usage"]["prompt_tokens"] for a in answers),
-                                       sum(a["usage"]["completion_tokens"] for a in answers),
-                                       sum(a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers))
+        details = [a["usage"].get("prompt_tokens_details") for a in answers]
+        merged_answer["usage"] = self.s.usage(sum(a["usage"]["prompt_tokens"] for a in answers),
+                                              sum(a["usage"]["completion_tokens"] for a in answers),
+                                              sum(d["cached_tokens"] for d in details) if details[0] else 0)
         for key in ("prompt_token_ids", "prompt_logprobs"):  # one per conversation
             merged_answer[key] = [a[key] for a in answers] if answers[0][key] is not None else None
         return merged_answer
@@ -197,7 +198,7 @@ class ChatHandler:
         completion = sum(len(t) for t in tokens)
         self._log(ctx, completion, finish)
         return {"id": ctx.rid, "object": "chat.completion", "created": ctx.created, "model": ctx.model,
-                "choices": choices, "usage": usage(ctx.prompt_len, completion, cached), "system_fingerprint": None,
+                "choices": choices, "usage": self.s.usage(ctx.prompt_len, completion, cached), "system_fingerprint": None,
                 "service_tier": None, "metadata": None, "moderation": None,
                 "prompt_token_ids": ctx.prompt_ids if ctx.req.return_token_ids else None,
                 "prompt_logprobs": vllm_prompt_logprobs(prompt_lps) if ctx.req.prompt_logprobs is not None else None}
@@ -217,7 +218,7 @@ class ChatHandler:
         cached = 0
 
         def so_far() -> dict | None:
-            return usage(ctx.prompt_len, completion, cached) if continuous else None
+            return self.s.usage(ctx.prompt_len, completion, cached) if continuous else None
 
         try:
             for i in range(n):  # one choice per chunk, as OpenAI streams n > 1 (clients read choices[0])
@@ -271,7 +272,7 @@ class ChatHandler:
                 for choice in out:
                     yield chunk([choice], so_far())
             if include_usage:
-                yield usage_chunk(usage(ctx.prompt_len, completion, cached))
+                yield usage_chunk(self.s.usage(ctx.prompt_len, completion, cached))
             self._log(ctx, completion, finish)
         except Exception:  # noqa: BLE001 -- headers are sent: report in-band, never a traceback
             logger.exception("chat stream %s failed", ctx.rid)

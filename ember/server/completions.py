@@ -8,7 +8,7 @@ import time
 from typing import Any, AsyncIterator
 
 from ember.server.logprobs import CompletionLogprobs
-from ember.server.protocol import CompletionRequest, now, request_id, usage
+from ember.server.protocol import CompletionRequest, now, request_id
 from ember.server.serving import ParamError, Serving, merged, unless_disconnected, sse_writers
 from ember.server.structured import structured_params
 
@@ -130,7 +130,7 @@ class CompletionHandler:
         completion = sum(len(t) for t in tokens)
         self._log(ctx, prompt_tokens, completion)
         return {"id": ctx["rid"], "object": "text_completion", "created": ctx["created"], "model": ctx["model"],
-                "choices": choices, "usage": usage(prompt_tokens, completion, sum(cached)), "system_fingerprint": None}
+                "choices": choices, "usage": self.s.usage(prompt_tokens, completion, sum(cached)), "system_fingerprint": None}
 
     async def _stream(self, streams, ctx) -> AsyncIterator[str]:
         req, prompts, n = ctx["req"], ctx["prompts"], ctx["req"].n
@@ -147,7 +147,7 @@ class CompletionHandler:
         ids_sent: set[int] = set()  # choices whose prompt_token_ids went out (return_token_ids: the first chunk)
 
         def so_far() -> dict | None:
-            return usage(prompt_tokens, completion, sum(cached)) if continuous else None
+            return self.s.usage(prompt_tokens, completion, sum(cached)) if continuous else None
 
         try:
             if req.echo and req.logprobs is None:  # one choice per chunk, as OpenAI streams n > 1
@@ -186,7 +186,7 @@ class CompletionHandler:
                 for choice in out:
                     yield chunk([choice], so_far())
             if include_usage:
-                yield usage_chunk(usage(prompt_tokens, completion, sum(cached)))
+                yield usage_chunk(self.s.usage(prompt_tokens, completion, sum(cached)))
             self._log(ctx, prompt_tokens, completion)
         except Exception:  # noqa: BLE001 -- headers are sent: report in-band, never a traceback
             logger.exception("completion stream %s failed", ctx["rid"])

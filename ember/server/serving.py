@@ -16,7 +16,7 @@ from ember.errors import EmberError, InvalidRequestError
 from ember.sampling import SamplingParams
 from ember.structured_params import StructuredOutputsParams
 from ember.server.logprobs import TokenText
-from ember.server.protocol import ChatCompletionRequest, CompletionRequest
+from ember.server.protocol import ChatCompletionRequest, CompletionRequest, usage
 
 logger = logging.getLogger("ember.server")
 
@@ -49,6 +49,7 @@ class ServerConfig:
     return_tokens_as_token_ids: bool = False  # vLLM's flag: the default of the request field of that name
     enable_force_include_usage: bool = False  # vLLM's flag: every stream reports usage, on every chunk
     enable_tokenizer_info_endpoint: bool = False  # vLLM's flag: GET /tokenizer_info
+    enable_prompt_tokens_details: bool = False  # vLLM's flag: usage.prompt_tokens_details (cached tokens)
 
 
 _SAMPLING_PARAM = re.compile(r"^SamplingParams\.(\w+)=")
@@ -181,6 +182,12 @@ class Serving:
                 raise ParamError(message, "logit_bias")
             bias[tid] = value
         return bias
+
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+        """An answer's usage; the prefix-cache hit as prompt_tokens_details.cached_tokens only under
+        --enable-prompt-tokens-details (vLLM's rule: clients compare usage objects whole)."""
+        return usage(prompt_tokens, completion_tokens,
+                     cached_tokens if self.config.enable_prompt_tokens_details else None)
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         vocab = self.engine.engine.model_config.vocab_size

@@ -1,4 +1,5 @@
-"""stream_options.continuous_usage_stats, --enable-force-include-usage and --enable-request-id-headers."""
+"""stream_options.continuous_usage_stats, --enable-force-include-usage, --enable-prompt-tokens-details and
+--enable-request-id-headers."""
 from __future__ import annotations
 
 import httpx
@@ -36,7 +37,8 @@ def test_continuous_usage_stats_on_both_endpoints(client):
 @pytest.fixture(scope="module")
 def flagged(tiny_qwen3):
     server = start_server(tiny_qwen3, server_knobs={"enable_force_include_usage": True,
-                                                    "enable_request_id_headers": True})
+                                                    "enable_request_id_headers": True,
+                                                    "enable_prompt_tokens_details": True})
     yield server
     server.stop()
 
@@ -45,6 +47,18 @@ def test_force_include_usage(flagged):
     stream = flagged.client().chat.completions.create(model=MODEL_NAME, messages=MSGS, max_tokens=6, stream=True,
                                                       extra_body={"min_tokens": 6})
     _check_running_usage(list(stream), 6)
+
+
+def test_prompt_tokens_details_only_with_the_flag(flagged, client):
+    """vLLM's rule: usage.prompt_tokens_details (the prefix-cache hit) under --enable-prompt-tokens-details."""
+    kw = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "the same prompt twice " * 8}], max_tokens=2)
+    for _ in range(2):
+        with_flag = flagged.client().chat.completions.create(**kw)
+        without = client.chat.completions.create(**kw)
+    assert with_flag.usage.prompt_tokens_details.cached_tokens > 0  # the second time it was cached
+    assert without.usage.prompt_tokens_details is None
+    comp = flagged.client().completions.create(model=MODEL_NAME, prompt="hello", max_tokens=1)
+    assert comp.usage.prompt_tokens_details.cached_tokens >= 0
 
 
 def test_request_id_headers(flagged, server):
