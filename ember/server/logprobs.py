@@ -116,8 +116,10 @@ class CompletionLogprobs:
             tok, _ = self._text(tid, pos[tid].decoded_token)
             tokens.append(tok)
             token_lps.append(_finite(pos[tid].logprob))
-            top = {self._text(i, pos[i].decoded_token)[0]: _finite(lp) for i, lp in _top(pos, self.top_n)}
-            top.setdefault(tok, _finite(pos[tid].logprob))  # the sampled token is always listed (OpenAI)
+            # the sampled (or echoed prompt) token first, always listed (OpenAI), then the top n (vLLM's order)
+            top = {tok: _finite(pos[tid].logprob)}
+            for i, lp in _top(pos, self.top_n):
+                top.setdefault(self._text(i, pos[i].decoded_token)[0], _finite(lp))
             tops.append(top)
             offsets.append(self.offset)
             self.offset += len(tok)

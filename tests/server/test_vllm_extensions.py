@@ -154,3 +154,15 @@ def test_seed_outside_64_bits_is_a_400_naming_the_bound(client):
 def test_prompt_ids_out_of_vocabulary_say_so(client):
     with pytest.raises(openai.BadRequestError, match="out of vocabulary"):
         client.completions.create(model=MODEL_NAME, prompt=[999999], max_tokens=2)
+
+
+def test_each_listed_token_leads_its_top_logprobs(client):
+    """vLLM's order (its own test reads it): the echoed or sampled token first in top_logprobs, then the top n."""
+    for temperature in (0.0, 1.0):
+        r = client.completions.create(model=MODEL_NAME, prompt="Say hello, world, again and again", echo=True,
+                                      max_tokens=6, logprobs=1, temperature=temperature, seed=3,
+                                      extra_body={"return_tokens_as_token_ids": True})
+        lp = r.choices[0].logprobs
+        assert lp.top_logprobs[0] is None and len(lp.tokens) == len(lp.top_logprobs)
+        assert lp.tokens[1:] == [next(iter(top)) for top in lp.top_logprobs[1:]]
+        assert all(1 <= len(top) <= 2 for top in lp.top_logprobs[1:])
