@@ -260,7 +260,8 @@ class ChatHandler:
                     if ctx.top_n is not None and sd.token_ids:
                         names = self.s.token_text_for(req)
                         lp = {"content": chat_logprobs(sd.token_ids, sd.logprobs, ctx.top_n, names)}
-                    if not d and lp is None and reason is None:
+                    # a token whose text is held back (part of a character) still goes out when ids are asked for
+                    if not d and lp is None and reason is None and not (req.return_token_ids and sd.token_ids):
                         continue
                     choice = {"index": sd.index, "delta": d, "logprobs": lp, "finish_reason": reason}
                     if req.return_token_ids:

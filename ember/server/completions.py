@@ -172,7 +172,9 @@ class CompletionHandler:
                     lp = None
                     if lp_state[k] is not None and sd.token_ids:
                         lp = lp_state[k].build(sd.token_ids, sd.logprobs)
-                    if not sd.text and lp is None and sd.finish_reason is None:
+                    # a token whose text is held back (part of a character) still goes out when ids are asked for
+                    if not sd.text and lp is None and sd.finish_reason is None and not (req.return_token_ids
+                                                                                        and sd.token_ids):
                         continue
                     choice = {"index": k, "text": sd.text, "logprobs": lp, "finish_reason": sd.finish_reason}
                     if req.return_token_ids:

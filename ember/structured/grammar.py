@@ -54,7 +54,10 @@ def build_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
         if kind == "regex":
             return xgr.Grammar.from_regex(params.regex)
         if kind == "choice":
-            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in params.choice))
+            # EBNF string literals; ensure_ascii=False: xgrammar reads a \uXXXX escape as one code point, so an
+            # escaped surrogate pair would become two (invalid) characters instead of the one above U+FFFF
+            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False)
+                                                                  for c in params.choice))
         if kind == "grammar":
             return _ebnf_or_lark(params.grammar)
         return xgr.Grammar.from_structural_tag(params.structural_tag)

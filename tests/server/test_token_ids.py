@@ -43,3 +43,23 @@ def test_chat_token_ids(client, server):
         r.choices[0].token_ids
     off = client.chat.completions.create(model=MODEL_NAME, messages=msgs, max_tokens=2)
     assert off.prompt_token_ids is None and off.choices[0].token_ids is None
+
+
+def test_tokens_inside_a_character_are_streamed_with_their_ids(client, server):
+    """A token that ends inside a UTF-8 character has no text yet; its id still streams (vLLM's emoji tests)."""
+    tok = server.engine.tokenizer
+    text = "🦩🦩"
+    pieces = [tok.decode([t]) for t in tok.encode(text)]
+    assert any("\ufffd" in p for p in pieces)  # the tokenizer splits the character: the case under test
+    kw = dict(model=MODEL_NAME, prompt="a bird:", max_tokens=20, temperature=0,
+              extra_body={"return_token_ids": True, "structured_outputs": {"choice": [text]}})
+    whole = client.completions.create(**kw).choices[0]
+    assert whole.text == text and tok.decode(whole.token_ids) == text
+    chunks = [ch for ch in client.completions.create(stream=True, **kw) if ch.choices]
+    assert [t for ch in chunks for t in ch.choices[0].token_ids] == whole.token_ids
+    assert "".join(ch.choices[0].text for ch in chunks) == text
+    chat = [ch for ch in client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "a bird"}], max_tokens=20, temperature=0, stream=True,
+        extra_body={"return_token_ids": True, "structured_outputs": {"choice": [text]}}) if ch.choices]
+    ids = [t for ch in chat for t in (getattr(ch.choices[0], "token_ids", None) or [])]
+    assert tok.decode(ids, skip_special_tokens=True) == "".join(ch.choices[0].delta.content or "" for ch in chat) == text
