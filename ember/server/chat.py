@@ -124,6 +124,7 @@ class ChatHandler:
         if req.top_logprobs is not None and not req.logprobs:
             raise ParamError("top_logprobs needs logprobs to be true", "top_logprobs")
         ids, use_tools, tool_constraint = self._prompt(req)
+        ids = self.s.truncate(ids, req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top_n = self.s.top_n(req.top_logprobs or 0) if req.logprobs else None
         structured = structured_params(req, tool_constraint, self.s.engine.engine.structured.holds)

@@ -53,6 +53,8 @@ class CompletionHandler:
                 ids = list(item)
                 self.s.check_token_ids(ids, "prompt")
                 out.append((None, ids))
+        if req.truncate_prompt_tokens is not None:  # a cut prompt is echoed from the tokens it kept
+            out = [(text if len(kept := self.s.truncate(ids, req)) == len(ids) else None, kept) for text, ids in out]
         return out
 
     async def create(self, req: CompletionRequest, receive):

@@ -64,6 +64,7 @@ class _Request(BaseModel):
     return_token_ids: bool | None = None  # prompt_token_ids and each choice's token_ids in the answer
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens `token_id:N`
     prompt_logprobs: int | None = Field(None, ge=-1)  # vLLM's: top-N logprobs of each prompt token (-1 = all)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM's: keep the prompt's last N tokens (-1: max_model_len)
 
     def ignored_fields(self) -> list[str]:
         return sorted(self.model_extra or ())

@@ -52,6 +52,17 @@ class ServerConfig:
     enable_prompt_tokens_details: bool = False  # vLLM's flag: usage.prompt_tokens_details (cached tokens)
 
 
+# vLLM request fields that would change the answer and ember does not implement: a 400 naming each
+# (other unknown fields are ignored with a log line, as vLLM does)
+REFUSED_FIELDS = {
+    "use_beam_search": "ember samples (or decodes greedily); it has no beam search",
+    "allowed_token_ids": "use logit_bias, or structured_outputs to hold the answer to a set of strings",
+    "bad_words": "use logit_bias with -100 for the words' tokens",
+    "prompt_embeds": "ember takes text or token ids, not embeddings",
+    "logits_processors": "ember runs no custom logits processors",
+    "priority": "ember schedules first come, first served",
+}
+
 _SAMPLING_PARAM = re.compile(r"^SamplingParams\.(\w+)=")
 
 
@@ -111,6 +122,10 @@ class Serving:
             raise ParamError(f"best_of={req.best_of} is not supported (only best_of == n); leave it unset", "best_of")
         if req.stream_options is not None and not req.stream:
             raise ParamError("stream_options can only be given when stream is true", "stream_options")
+        extra = req.model_extra or {}
+        for name, instead in REFUSED_FIELDS.items():
+            if extra.get(name) not in (None, False, 0, [], {}):
+                raise ParamError(f"{name} is not supported by ember: {instead}", name)
         ignored = req.ignored_fields()
         if ignored:
             logger.warning("request fields ignored (not known to ember): %s", ", ".join(ignored))
@@ -182,6 +197,18 @@ class Serving:
                 raise ParamError(message, "logit_bias")
             bias[tid] = value
         return bias
+
+    def truncate(self, ids: list[int], req) -> list[int]:
+        """vLLM's truncate_prompt_tokens: keep the prompt's last k tokens (-1: the model's length)."""
+        k = req.truncate_prompt_tokens
+        if k is None:
+            return ids
+        if k == -1:
+            k = self.max_model_len
+        if not 1 <= k <= self.max_model_len:
+            raise ParamError(f"truncate_prompt_tokens must be -1 or 1..{self.max_model_len} (max_model_len); got {k}",
+                             "truncate_prompt_tokens")
+        return ids[-k:]
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
         """An answer's usage; the prefix-cache hit as prompt_tokens_details.cached_tokens only under

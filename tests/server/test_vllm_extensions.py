@@ -166,3 +166,28 @@ def test_each_listed_token_leads_its_top_logprobs(client):
         assert lp.top_logprobs[0] is None and len(lp.tokens) == len(lp.top_logprobs)
         assert lp.tokens[1:] == [next(iter(top)) for top in lp.top_logprobs[1:]]
         assert all(1 <= len(top) <= 2 for top in lp.top_logprobs[1:])
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(client, server):
+    long_prompt = " ".join(["word"] * 400)  # longer than the tiny model's max_model_len
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL_NAME, prompt=long_prompt, max_tokens=2)
+    r = client.completions.create(model=MODEL_NAME, prompt=long_prompt, max_tokens=2, temperature=0, echo=True,
+                                  extra_body={"truncate_prompt_tokens": 20, "return_token_ids": True})
+    ids = server.engine.tokenizer.encode(long_prompt)
+    assert r.usage.prompt_tokens == 20 and r.choices[0].prompt_token_ids == ids[-20:]
+    assert r.choices[0].text.startswith(server.engine.tokenizer.decode(ids[-20:]))
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": long_prompt}],
+                                          max_tokens=2, extra_body={"truncate_prompt_tokens": 30})
+    assert chat.usage.prompt_tokens == 30
+    with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens"):
+        client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2, extra_body={"truncate_prompt_tokens": 0})
+
+
+@pytest.mark.parametrize("field, value", [("use_beam_search", True), ("allowed_token_ids", [1, 2]),
+                                          ("bad_words", ["x"]), ("priority", 3)])
+def test_vllm_fields_ember_does_not_implement_are_refused_by_name(client, field, value):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2, extra_body={field: value})
+    assert field in e.value.message and e.value.body["param"] == field
+    client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2, extra_body={field: None})  # unset: fine
