@@ -345,8 +345,8 @@ class AsyncLLMEngine:
                 delta, _ = self._delta(rid, tracked, True, 0, now)
                 batch.append((rid, delta))
             if batch:
-                self._call_in_loop(self._deliver, batch)
                 self._publish(0, 0.0)
+                self._call_in_loop(self._deliver, batch)
         elif cmd[0] == "abort":
             rid = cmd[1]
             tracked = self._tracked.pop(rid, None)
@@ -392,9 +392,10 @@ class AsyncLLMEngine:
             new_tokens += n
             if delta is not None:
                 batch.append((out.request_id, delta))
+        # stats first: a client that has its last token may read /metrics at once, and must find this step in it
+        self._publish(new_tokens, now - t0, self._step_prompt_tokens)
         if batch:
             self._call_in_loop(self._deliver, batch)
-        self._publish(new_tokens, now - t0, self._step_prompt_tokens)
 
     def _delta(self, rid: str, tracked: _Tracked, finished: bool, cached: int, now: float):
         seqs: list[SeqDelta] = []

@@ -22,6 +22,8 @@ class IncrementalDetokenizer:
         self._sent = 0  # characters already handed out by get_delta
         self._stopped = False  # a stop string matched: the text is final
         self._token_text: dict[int, str] = {}
+        self._skip_special = params.skip_special_tokens
+        self._pending: list[int] = []  # ids whose bytes end inside a character: no text yet
 
     @property
     def output_text(self) -> str:
@@ -36,8 +38,13 @@ class IncrementalDetokenizer:
         if self._stopped:
             return None
         start = len(self._text)
-        pieces = [self._stream.step(t) for t in new_token_ids]
-        self._text += "".join(p for p in pieces if p)
+        for t in new_token_ids:
+            piece = self._stream.step(t)
+            if piece:
+                self._text += piece
+                self._pending.clear()
+            else:
+                self._pending.append(t)
         if not self._stops or len(self._text) == start:
             return None
         return self._find_stop(start)
@@ -56,6 +63,13 @@ class IncrementalDetokenizer:
         self._text = self._text[:end]
         self._stopped = True
         return best
+
+    def finish(self) -> None:
+        """The sequence ended: bytes still waiting for the rest of a character become U+FFFD, as a full
+        decode shows them, so the text always accounts for every token (text == decode(token_ids))."""
+        if self._pending and not self._stopped:
+            self._text += self._tokenizer.decode(self._pending, skip_special_tokens=self._skip_special)
+        self._pending.clear()
 
     def get_delta(self, finished: bool) -> str:
         """Text not returned before. While running, a tail that could still grow into a stop

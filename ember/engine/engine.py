@@ -217,6 +217,7 @@ class LLMEngine:
             if req.num_output_tokens >= max_tokens or req.num_tokens >= self.max_model_len:
                 status = RequestStatus.FINISHED_LENGTH
         if status is not None:
+            req.detokenizer.finish()
             self.scheduler.finish_request(req, status)
             self.runner.release(req.request_id)
 

@@ -168,6 +168,24 @@ def test_multibyte_characters_split_over_tokens_never_show_replacement(bpe):
     assert "".join(deltas) == d.output_text == TEXT
 
 
+def test_a_sequence_cut_inside_a_character_ends_as_a_full_decode_does(bpe):
+    """Bytes still waiting for the rest of their character when the sequence ends become U+FFFD, so the
+    final text equals decode(token_ids) (clients check it); before the end they never show."""
+    ids = bpe.encode(TEXT).ids
+    cut = next(k for k in range(1, len(ids)) if "\ufffd" in bpe.decode(ids[:k]))  # ends inside a character
+    d = IncrementalDetokenizer(HFTokenizer(bpe), SamplingParams())
+    deltas, _ = _stream(d, ids[:cut])
+    assert all("\ufffd" not in x for x in deltas)
+    d.finish()
+    deltas.append(d.get_delta(True))
+    assert "".join(deltas) == d.output_text == bpe.decode(ids[:cut])
+    assert d.output_text.endswith("\ufffd")
+    whole = IncrementalDetokenizer(HFTokenizer(bpe), SamplingParams())
+    _stream(whole, ids)
+    whole.finish()  # nothing pending: nothing added
+    assert whole.output_text == TEXT
+
+
 @pytest.mark.parametrize("stop, include, expected", [
     ("本語", False, "Hello 日"),
     ("本語", True, "Hello 日本語"),
