@@ -79,10 +79,19 @@ def test_root_path_serves_with_and_without_the_prefix(tiny_qwen3):
         server.stop()
 
 
-def test_vllm_spellings_of_dtype_are_taken():
+def test_vllm_spellings_of_dtype_are_taken(caplog):
+    import torch
+
     from ember.config import EngineConfig
+    from ember.engine.device_setup import resolve_dtype
+    from ember.platform import has_cpu_flags, resolve_dtype_name
 
     assert EngineConfig(dtype="half").dtype == "float16" and EngineConfig(dtype="float").dtype == "float32"
+    # float16 on a CPU without float16 arithmetic computes as auto does there (vLLM's CPU backend does too)
+    if not has_cpu_flags("avx512_fp16"):
+        with caplog.at_level("WARNING", logger="ember"):
+            got = resolve_dtype("float16", torch.device("cpu"))
+        assert got == getattr(torch, resolve_dtype_name("auto", "cpu")) and "no float16 arithmetic" in caplog.text
 
 
 def test_return_tokens_as_token_ids_server_default(tiny_qwen3):
