@@ -12,7 +12,7 @@ SGLANG_PORT = 30000
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ember.entrypoints.serve import add_server_args
+    from ember.server.launcher import add_server_args
 
     parser = argparse.ArgumentParser(prog="python -m ember.launch_server",
                                      description="ember's OpenAI-compatible server, launched as SGLang's is (same flags "

@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from ember.entrypoints.serve import add_server_args
+    from ember.server.launcher import add_server_args
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default http://127.0.0.1:8000/v1)")
     add_server_args(p)

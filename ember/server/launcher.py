@@ -1,10 +1,61 @@
-"""The `ember serve` flags where outside tools look for them.
+"""The `ember serve` flags: every engine flag (generated from EngineConfig) and the server's own.
 
-The conformance harness that runs vLLM's server tests against ember
-(../shared/conformance/vllm-openai/shim/ember_args.py) builds its argument filter from
-`ember.server.launcher.add_server_args`; the flags themselves live with the command in
-ember/entrypoints/serve.py.
+The server's flags keep vLLM's names (--host, --port, --api-key, --served-model-name, --chat-template,
+--disable-log-requests, --enable-auto-tool-choice, --tool-call-parser, ...), so a vLLM launch line works.
+ember/entrypoints/serve.py builds the engine and uvicorn from them; outside tools that need the flag
+set read it here too (the harness that runs vLLM's server tests against ember filters vLLM's flags with
+`add_server_args`: ../shared/conformance/vllm-openai/shim/ember_args.py).
 """
-from ember.entrypoints.serve import add_server_args
+from __future__ import annotations
 
-__all__ = ["add_server_args"]
+import argparse
+
+from ember.engine.async_engine import DEFAULT_MAX_WAITING_REQUESTS
+from ember.engine_args import add_engine_args
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+DEFAULT_SHUTDOWN_TIMEOUT = 5.0
+
+
+def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool = True) -> None:
+    add_engine_args(parser, positional_model=positional_model)
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST}; "
+                   "0.0.0.0 exposes the server to the network)")
+    g.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    g.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on /v1/* (default: $EMBER_API_KEY, or vLLM's $VLLM_API_KEY, "
+                        "else no key)")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model name(s) clients use; the first is reported (default: the model argument)")
+    g.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
+                   help="requests allowed to wait for a slot; more are answered 503 "
+                        f"(default {DEFAULT_MAX_WAITING_REQUESTS})")
+    g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="run a short request and a long step (the full budget; 512 tokens on CPU) before /health reports ready (default on)")
+    g.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template, or a file holding one, instead of the model's")
+    g.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
+    g.add_argument("--uvicorn-log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's own log level (info shows one access line per request)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM compatibility: ember parses tool calls whenever a request has tools")
+    g.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT, metavar="SECONDS",
+                   help="on SIGTERM / Ctrl-C: stop taking requests (503), give those in flight this long to finish, "
+                        f"then abort the rest (finish_reason abort); 0 aborts at once (default {DEFAULT_SHUTDOWN_TIMEOUT:g})")
+    g.add_argument("--root-path", default="",
+                   help="the path prefix a proxy serves ember under (e.g. /llm): routes answer with and without it")
+    g.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprobs name tokens `token_id:N` unless a request says otherwise, as vLLM's flag")
+    g.add_argument("--enable-force-include-usage", action="store_true",
+                   help="every streamed answer reports usage on every chunk and at the end, as vLLM's flag")
+    g.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="report the prefix-cache hit as usage.prompt_tokens_details.cached_tokens, as vLLM's flag")
+    g.add_argument("--enable-request-id-headers", action="store_true",
+                   help="answer every request with an X-Request-Id header (the client's, or a new one)")
+    g.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="serve GET /tokenizer_info (the tokenizer's configuration and chat template), as vLLM")
+    g.add_argument("--tool-call-parser", default="hermes", choices=["hermes"],
+                   help="tool-call format: hermes = Qwen/Hermes <tool_call>{json}</tool_call> (the only one)")

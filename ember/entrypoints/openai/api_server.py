@@ -9,7 +9,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ember.entrypoints.serve import add_server_args
+    from ember.server.launcher import add_server_args
 
     parser = argparse.ArgumentParser(prog="python -m ember.entrypoints.openai.api_server",
                                      description="ember's OpenAI-compatible server (same flags as `ember serve`)")
