@@ -16,6 +16,7 @@ import uvicorn
 
 from ember.engine_args import engine_config_from_args
 from ember.errors import ConfigError
+from ember.server.launcher import VLLM_SWITCHES
 
 logger = logging.getLogger("ember.server")
 
@@ -63,15 +64,12 @@ def build_server(args):
     engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ember-engine")
     engine = engine_thread.submit(LLMEngine, engine_config_from_args(args), defer_compile=True).result()
     names = _model_name(args, engine)
+    switches = [flag[2:].replace("-", "_") for flag in VLLM_SWITCHES]
     config = ServerConfig(served_model_names=names, model_root=str(engine.loaded.path),
                           api_key=args.api_key or os.environ.get("EMBER_API_KEY") or os.environ.get("VLLM_API_KEY")
                           or None,
                           chat_template=template, log_requests=not args.disable_log_requests,
-                          enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
-                          enable_force_include_usage=args.enable_force_include_usage,
-                          enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-                          enable_request_id_headers=args.enable_request_id_headers, root_path=args.root_path,
-                          return_tokens_as_token_ids=args.return_tokens_as_token_ids)
+                          root_path=args.root_path, **{name: getattr(args, name) for name in switches})
     metrics = ServerMetrics.for_engine(names[0], engine)
     metrics.watch_compile(engine.compiler)
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=args.max_waiting_requests, warmup=args.warmup,

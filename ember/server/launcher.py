@@ -18,6 +18,16 @@ DEFAULT_PORT = 8000
 DEFAULT_SHUTDOWN_TIMEOUT = 5.0
 
 
+# vLLM's on/off server flags, with vLLM's meaning (ServerConfig has a field of each name)
+VLLM_SWITCHES = {
+    "--return-tokens-as-token-ids": "logprobs name tokens `token_id:N` unless a request says otherwise",
+    "--enable-force-include-usage": "every streamed answer reports usage on every chunk and at the end",
+    "--enable-prompt-tokens-details": "report the prefix-cache hit as usage.prompt_tokens_details.cached_tokens",
+    "--enable-request-id-headers": "answer every request with an X-Request-Id header (the client's, or a new one)",
+    "--enable-tokenizer-info-endpoint": "serve GET /tokenizer_info (the tokenizer's configuration and chat template)",
+}
+
+
 def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool = True) -> None:
     add_engine_args(parser, positional_model=positional_model)
     g = parser.add_argument_group("server")
@@ -47,15 +57,7 @@ def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool =
                         f"then abort the rest (finish_reason abort); 0 aborts at once (default {DEFAULT_SHUTDOWN_TIMEOUT:g})")
     g.add_argument("--root-path", default="",
                    help="the path prefix a proxy serves ember under (e.g. /llm): routes answer with and without it")
-    g.add_argument("--return-tokens-as-token-ids", action="store_true",
-                   help="logprobs name tokens `token_id:N` unless a request says otherwise, as vLLM's flag")
-    g.add_argument("--enable-force-include-usage", action="store_true",
-                   help="every streamed answer reports usage on every chunk and at the end, as vLLM's flag")
-    g.add_argument("--enable-prompt-tokens-details", action="store_true",
-                   help="report the prefix-cache hit as usage.prompt_tokens_details.cached_tokens, as vLLM's flag")
-    g.add_argument("--enable-request-id-headers", action="store_true",
-                   help="answer every request with an X-Request-Id header (the client's, or a new one)")
-    g.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
-                   help="serve GET /tokenizer_info (the tokenizer's configuration and chat template), as vLLM")
+    for flag, what in VLLM_SWITCHES.items():
+        g.add_argument(flag, action="store_true", help=what + " (vLLM's flag)")
     g.add_argument("--tool-call-parser", default="hermes", choices=["hermes"],
                    help="tool-call format: hermes = Qwen/Hermes <tool_call>{json}</tool_call> (the only one)")
