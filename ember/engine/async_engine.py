@@ -352,6 +352,8 @@ class AsyncLLMEngine:
             tracked = self._tracked.pop(rid, None)
             if tracked is not None:
                 self.engine.abort_request(rid)
+                logger.info("request %s aborted before it finished (%d tokens generated); its KV blocks are freed",
+                            rid, tracked.timing.num_output_tokens)
                 tracked.timing.finished = time.monotonic()
                 tracked.timing.finish_reason = "abort"
                 if self.stats_listener is not None:

@@ -36,7 +36,8 @@ def slowed(monkeypatch, engine, seconds: float = 0.01) -> None:
     monkeypatch.setattr(engine, "step", step)
 
 
-def test_disconnect_mid_stream_aborts_and_frees_blocks(server, monkeypatch):
+def test_disconnect_mid_stream_aborts_and_frees_blocks(server, monkeypatch, caplog):
+    caplog.set_level("INFO", logger="ember.async_engine")
     server.wait_idle()
     total = server.engine.kv.num_blocks
     before = metric_samples(server)
@@ -59,6 +60,7 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server, monkeypatch):
         value(before, "ember:request_success_total", finished_reason="abort") + 1
     generated = value(after, "ember:generation_tokens_total") - value(before, "ember:generation_tokens_total")
     assert 3 <= generated < 200
+    assert "aborted before it finished" in caplog.text  # the operator sees why the request ended
 
 
 def test_disconnect_while_waiting_for_whole_answer(server, monkeypatch):
