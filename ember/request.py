@@ -61,6 +61,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first schedule; -1 = not scheduled yet
+        self.first_scheduled_time: float | None = None  # monotonic; the end of its queue time (metrics)
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of this request's full blocks
         self.num_preemptions = 0

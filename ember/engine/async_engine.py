@@ -74,7 +74,7 @@ class RequestTiming:
     """Monotonic times of one request, for metrics and logs."""
 
     arrival: float
-    scheduled: float | None = None  # the start of the first step that ran it (queue time ends)
+    scheduled: float | None = None  # when the scheduler first took it (queue time ends); set at the finish
     first_token: float | None = None
     last_token: float | None = None  # for the time between output tokens
     finished: float | None = None
@@ -161,7 +161,6 @@ class AsyncLLMEngine:
         self.stats_listener = stats
         self.warmup_seconds: float | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._unscheduled: set[str] = set()  # engine thread: requests no step has run yet
         self._step_prompt_tokens = 0
         # A one-worker executor whose thread built the engine: steps must run on that thread
         # (torch's CPU thread pool belongs to it; a second pool from another thread fights it
@@ -334,7 +333,6 @@ class AsyncLLMEngine:
             children = list(self.engine.groups[rid].children)
             timing.num_prompt_tokens = children[0].num_prompt_tokens
             timing.n, timing.max_tokens = params.n, params.max_tokens
-            self._unscheduled.add(rid)
             self._tracked[rid] = _Tracked(children, timing, [0] * len(children), [False] * len(children))
             self.num_waiting = len(self.engine.scheduler.waiting)
             self._call_in_loop(self._resolve, ack, None)
@@ -375,14 +373,6 @@ class AsyncLLMEngine:
             self._call_in_loop(self._deliver, batch)
             return
         now = time.monotonic()
-        if self._unscheduled:  # queue times end at the start of the step that first ran a request
-            for rid in list(self._unscheduled):
-                tracked = self._tracked.get(rid)
-                if tracked is None:
-                    self._unscheduled.discard(rid)
-                elif tracked.children[0].num_cached_tokens >= 0:
-                    tracked.timing.scheduled = t0
-                    self._unscheduled.discard(rid)
         batch: list[tuple[str, RequestDelta]] = []
         new_tokens = 0
         self._step_prompt_tokens = 0
@@ -437,6 +427,7 @@ class AsyncLLMEngine:
         if finished:
             self._tracked.pop(rid, None)
             timing.finished = now
+            timing.scheduled = tracked.children[0].first_scheduled_time
             timing.max_seq_tokens = max(tracked.sent_tokens)
             reasons = [r.finish_reason for r in tracked.children]
             timing.finish_reason = reasons[0] if len(set(reasons)) == 1 else ",".join(reasons)

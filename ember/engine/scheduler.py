@@ -17,6 +17,8 @@ tokens are not counted as computed (their K/V is overwritten later).
 """
 from __future__ import annotations
 
+import time
+
 import logging
 from collections import deque
 from dataclasses import dataclass, field
@@ -110,6 +112,7 @@ class Scheduler:
             req.num_computed_tokens += num_cached
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
+                req.first_scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append((req, n))

@@ -29,8 +29,8 @@ from ember.server.chat import ChatHandler
 from ember.server.completions import CompletionHandler
 from ember.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from ember.server import openapi, tokenize
-from ember.server.protocol import (BatchChatCompletionRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                                   error_body, model_card)
+from ember.server.protocol import (BatchChatCompletionRequest, ChatCompletionRequest, CompletionRequest,
+                                   DetokenizeRequest, TokenizeRequest, error_body, model_card)
 from ember.server.serving import AuthenticationError, ClientDisconnected, ParamError, ServerConfig, Serving
 
 logger = logging.getLogger("ember.server")
@@ -253,7 +253,12 @@ def _add_v1_routes(app: FastAPI, serving: Serving, config: ServerConfig, v1: lis
         serving.check_model(name)
         return model_card(name, config.model_root, serving.max_model_len, created)
 
-    async def answer(result):
+    async def answer(create):
+        """The route's answer: JSON, or SSE for a stream; 499 when the client left first (its work is aborted)."""
+        try:
+            result = await create
+        except ClientDisconnected:
+            return Response(status_code=499)
         if isinstance(result, dict):
             return JSONResponse(result)
         return StreamingResponse(result, media_type="text/event-stream",
@@ -261,24 +266,15 @@ def _add_v1_routes(app: FastAPI, serving: Serving, config: ServerConfig, v1: lis
 
     @app.post("/v1/chat/completions", dependencies=v1)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        try:
-            return await answer(await chat.create(body, request.receive))
-        except ClientDisconnected:
-            return Response(status_code=499)
+        return await answer(chat.create(body, request.receive))
 
     @app.post("/v1/completions", dependencies=v1)
     async def create_completion(body: CompletionRequest, request: Request):
-        try:
-            return await answer(await completions.create(body, request.receive))
-        except ClientDisconnected:
-            return Response(status_code=499)
+        return await answer(completions.create(body, request.receive))
 
     @app.post("/v1/chat/completions/batch", dependencies=v1)
     async def chat_completions_batch(body: BatchChatCompletionRequest, request: Request):
-        try:
-            return JSONResponse(await chat.create_batch(body, request.receive))
-        except ClientDisconnected:
-            return Response(status_code=499)
+        return await answer(chat.create_batch(body, request.receive))
 
     @app.post("/invocations", dependencies=v1)
     async def invocations(request: Request):
@@ -298,10 +294,7 @@ def _add_v1_routes(app: FastAPI, serving: Serving, config: ServerConfig, v1: lis
         except ValidationError as e:
             raise RequestValidationError(e.errors()) from None
         handler = chat if kind is ChatCompletionRequest else completions
-        try:
-            return await answer(await handler.create(parsed, request.receive))
-        except ClientDisconnected:
-            return Response(status_code=499)
+        return await answer(handler.create(parsed, request.receive))
 
 
 __all__ = ["build_app", "ServerConfig", "ParamError"]

@@ -110,10 +110,9 @@ class ChatHandler:
         merged_answer = dict(answers[0])
         merged_answer["choices"] = [{**c, "index": i * req.n + c["index"]} for i, a in enumerate(answers)
                                     for c in a["choices"]]
-        details = [a["usage"].get("prompt_tokens_details") for a in answers]
-        merged_answer["usage"] = self.s.usage(sum(a["usage"]["prompt_tokens"] for a in answers),
-                                              sum(a["usage"]["completion_tokens"] for a in answers),
-                                              sum(d["cached_tokens"] for d in details) if details[0] else 0)
+        merged_answer["usage"] = self.s.usage(
+            sum(a["usage"]["prompt_tokens"] for a in answers), sum(a["usage"]["completion_tokens"] for a in answers),
+            sum((a["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) for a in answers))
         for key in ("prompt_token_ids", "prompt_logprobs"):  # one per conversation
             merged_answer[key] = [a[key] for a in answers] if answers[0][key] is not None else None
         return merged_answer

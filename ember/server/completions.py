@@ -53,8 +53,10 @@ class CompletionHandler:
                 ids = list(item)
                 self.s.check_token_ids(ids, "prompt")
                 out.append((None, ids))
-        if req.truncate_prompt_tokens is not None:  # a cut prompt is echoed from the tokens it kept
-            out = [(text if len(kept := self.s.truncate(ids, req)) == len(ids) else None, kept) for text, ids in out]
+        if req.truncate_prompt_tokens is not None:
+            cut = [(text, self.s.truncate(ids, req), ids) for text, ids in out]
+            # a cut prompt has no text of its own: echo decodes the tokens it kept
+            out = [(text if len(kept) == len(ids) else None, kept) for text, kept, ids in cut]
         return out
 
     async def create(self, req: CompletionRequest, receive):
