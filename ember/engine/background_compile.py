@@ -3,14 +3,18 @@
 `--executor auto` on CPU is the compiled executor, built this way: the engine answers at once
 (eager steps), one daemon thread compiles each CompiledExecutor's shapes in turn (the model's
 decode steps, then the MTP fill's), and a shape starts running compiled at the first step after
-its graph is ready and checked. A cold compile costs ~1-2 min per shape on 2 cores (seconds from
-inductor's on-disk cache on a second start); `--executor compiled` compiles in the foreground
+its graph is ready and checked. A cold compile costs ~45 s per shape of the default model on 2 cores
+(~7 s from torch's on-disk caches on a later start); `--executor compiled` compiles in the foreground
 instead, before the engine takes a request.
 
 The thread never touches the engine's KV pool: it compiles against scratch caches of the pool's
 shape (the pool's block count is a dynamic dimension of every graph) and publishes a shape only
-when dynamo's guards pass for the real pool. It runs at a lower CPU priority (nice 10, inherited
-by inductor's compile workers and compilers) so that serving keeps the cores it needs; the GIL
+when dynamo's guards pass for the real pool. It runs at serving's own CPU priority: at nice 10,
+as it first did, a busy server left its compilers about 5% of a core (CFS weights 110 against
+1024 a thread), and a first compile of the default model had not finished after 240 s of
+continuous requests (issue 38). At equal priority its compiler takes about a third of two cores
+while it runs, and eager steps slow by about as much, for the minutes of a first compile only (a
+restart loads the graphs from torch's caches in seconds: ember.engine.compile_cache); the GIL
 still slows eager steps while it traces. When the engine's process ends (exit, Ctrl-C, SIGTERM),
 compilers it started are ended with it (close); for a SIGKILLed one, a compile guard process
 (ember.engine.compile_guard, alive only while a compile runs) ends them.
@@ -28,8 +32,6 @@ import threading
 
 logger = logging.getLogger("ember")
 
-NICE = 10  # the compile thread's priority below serving's (Linux: per thread, inherited by its children)
-
 
 class BackgroundCompiler:
     def __init__(self, paused: bool = False):
@@ -44,6 +46,7 @@ class BackgroundCompiler:
         self._thread: threading.Thread | None = None
         self._guard: subprocess.Popen | None = None
         self.failures: list[str] = []
+        self.executors: list = []  # every CompiledExecutor submitted (the model's, the MTP fill's)
         self._go = threading.Event()
         if not paused:
             self._go.set()
@@ -61,12 +64,18 @@ class BackgroundCompiler:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="ember-compile", daemon=True)
                 self._thread.start()
+        self.executors.append(executor)
         for size in executor.sizes:
             self._jobs.put((size, next(self._order), executor))
 
     def resume(self) -> None:
         """Let a paused compiler start (idempotent)."""
         self._go.set()
+
+    @property
+    def ready_shapes(self) -> int:
+        """Decode step shapes (batch size x query length, of every executor) that run compiled now."""
+        return sum(len(e.ready) for e in self.executors)
 
     @property
     def done(self) -> bool:
@@ -78,10 +87,6 @@ class BackgroundCompiler:
         return self._idle.wait(timeout)
 
     def _run(self) -> None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
-        except (AttributeError, OSError):  # not Linux, or not permitted: same priority as serving
-            pass
         while True:  # until the queue is empty: see the finally below
             self._go.wait()
             size, _, executor = self._jobs.get()

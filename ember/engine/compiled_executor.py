@@ -1,12 +1,12 @@
 """CompiledExecutor (CPU): torch.compile (inductor) of the pure-decode forward at a few batch sizes.
 
 Why whole decode steps: on 2 CPU cores a third of an eager decode step is framework overhead;
-inductor with freezing (weights folded in as constants) and mode max-autotune-no-cudagraphs
+inductor (mode max-autotune-no-cudagraphs; freezing for dense weights: auto_freezing)
 removes most of it (DESIGN.md: 115-125 -> 138-162 tok/s at the default model's shape).
 
-Shapes: each compile size is one static graph (every compiled shape costs ~1-1.5 min cold on
-the default model, seconds from inductor's on-disk cache, which torch keeps in its default
-cache dir across runs), so a decode batch of B sequences is padded to the next size
+Shapes: each compile size is one static graph (every compiled shape costs ~1.5 min cold on
+the default model and ~8 s from torch's on-disk caches, kept in ember's folder across processes:
+ember.engine.compile_cache), so a decode batch of B sequences is padded to the next size
 (ember.engine.decode_batch). The block-table width is the one dynamic dimension: a sequence's
 length grows every step. Every size is compiled at startup, so no request waits for one.
 Speculative verifies (every sequence 1 + k queries) are compiled too, at every size, where the
@@ -56,6 +56,18 @@ def _cache_entries() -> list:
         return list(_debug_get_cache_entry_list(CompiledExecutor._forward.__code__))
     except Exception:  # noqa: BLE001
         return []
+
+
+def auto_freezing(model: torch.nn.Module) -> bool:
+    """freezing's default: on when some linear keeps dense weights (inductor folds them in as constants
+    and may repack them for its GEMMs), off when every linear is quantized (GGUF blocks, AWQ: ember's
+    own kernels take the packed weights, so freezing has nothing to fold). Off also lets AOTAutograd's
+    on-disk cache keep the traced graph, which it refuses for frozen ones: a restart then loads the
+    default model's batch-1 graph in 7.5 s instead of 15.3 s, at the same decode speed (176-180 tok/s
+    either way; docs/tuning.md, "Compile caches")."""
+    from ember.layers.linear import DenseMethod, LinearBase
+
+    return any(isinstance(m, LinearBase) and isinstance(m.quant_method, DenseMethod) for m in model.modules())
 
 
 class CompiledExecutor:
@@ -154,8 +166,15 @@ class CompiledExecutor:
         import torch._dynamo
         import torch._inductor
 
+        from ember.engine.compile_cache import use_compile_cache
+
+        self.cache_dir = use_compile_cache()
+
+        # cpp_wrapper_build_separate: the C++ entry function (one call per op, ~300 for the default model)
+        # is built at -O1 apart from the kernels. One -O3 build of both took 71 of a cold compile's 104 s;
+        # apart, the compile took 45 s, at the same decode speed (docs/tuning.md, "Compile caches").
         options = dict(torch._inductor.list_mode_options(self.mode)) | {
-            "freezing": self.freezing, "cpp_wrapper": self.cpp_wrapper,
+            "freezing": self.freezing, "cpp_wrapper": self.cpp_wrapper, "cpp_wrapper_build_separate": True,
             "size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
         # One graph per shape, plus slack for a re-specialisation; dynamo's default limit is 8.
         # Every executor in this process (other engines, the MTP fill) adds entries to the same code object.
@@ -214,10 +233,10 @@ class CompiledExecutor:
         if not background:
             for cache in self.kv_caches:
                 cache[:, 0].zero_()
-        logger.info("%s: sizes %s x query lengths %s %s in %.1fs (inductor cache: torch's default dir)",
+        logger.info("%s: sizes %s x query lengths %s %s in %.1fs (compile cache: %s)",
                     self.what, sorted(sizes), self.query_lens,
                     "compiled in the background; decode steps of those shapes now run compiled" if background else "ready",
-                    time.perf_counter() - total)
+                    time.perf_counter() - total, self.cache_dir)
 
     def _reused_code(self, x: DecodeInputs, rows: tuple, caches: list[torch.Tensor] | None = None
                      ) -> types.CodeType | None:

@@ -82,10 +82,19 @@ class LLMEngine:
 
     @property
     def executor_state(self) -> str:
-        """What runs decode steps now: eager, compiled, cuda-graph, or 'compiling (eager meanwhile)'."""
+        """What runs decode steps now: eager, compiled, cuda-graph, 'compiling (eager meanwhile)' before
+        the first graph is ready, or 'compiled (N shapes so far; compiling the rest)'."""
         if self.compiler is not None and not self.compiler.done:
-            return "compiling (eager meanwhile)"
+            ready = self.compiler.ready_shapes
+            return f"compiled ({ready} shapes so far; compiling the rest)" if ready else "compiling (eager meanwhile)"
         return self.executor_name
+
+    @property
+    def compiled_shapes(self) -> int:
+        """Decode step shapes (batch size x query length, the MTP fill's included) that run compiled now."""
+        if self.compiler is not None:
+            return self.compiler.ready_shapes
+        return len(getattr(self.runner.executor, "ready", ()))
 
     @property
     def tp_comm_seconds(self) -> float:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ember import planner
+from ember.engine.compile_cache import use_compile_cache
 from ember.engine.device_setup import DeviceSetup, init_device
 from ember.engine.kv_cache import KVCacheManager
 from ember.engine.state_slots import StateSlots
@@ -70,6 +71,8 @@ class EngineCore:
 def start_engine(config, defer_compile: bool = False) -> EngineCore:
     """Build an engine's parts from its validated EngineConfig (see the module docstring).
     defer_compile: a background compile waits for compiler.resume() (a server warms up first)."""
+    # before anything of torch's compile machinery runs: torch fixes its cache folder at first use
+    use_compile_cache()
     tp_size = config.parallel_config.tensor_parallel_size
     setup = init_device(config, world_size=tp_size)
     tp = None

@@ -118,9 +118,12 @@ def build_executor(name: str, runner, *, max_model_len: int, compile_options: di
     if name == "compiled":
         from ember.engine.compiled_executor import CompiledExecutor
 
+        from ember.engine.compiled_executor import auto_freezing
+
         cc = compile_options
+        freezing = auto_freezing(runner.model) if cc["freezing"] is None else cc["freezing"]
         return CompiledExecutor(runner.model, runner.kv_caches, runner.block_size, max_model_len,
-                                cc["compile_sizes"], cc["mode"], cc["freezing"], cc["cpp_wrapper"], query_lens,
+                                cc["compile_sizes"], cc["mode"], freezing, cc["cpp_wrapper"], query_lens,
                                 compiler=compiler)
     from ember.engine.cuda_graph_executor import CUDAGraphExecutor
 

@@ -1,4 +1,4 @@
-"""`ember serve | generate | chat | bench`."""
+"""`ember serve | generate | chat | compile | bench | plan | quantize | train-mtp`."""
 from __future__ import annotations
 
 import argparse
@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", default=None, help="system prompt")
     p.set_defaults(func=cmd_chat)
 
+    from ember.entrypoints.compile import add_compile_parser
+
+    add_compile_parser(sub)
     from ember.bench.cli import add_bench_parser
 
     add_bench_parser(sub)

@@ -71,7 +71,7 @@ def build_server(args):
                           chat_template=template, log_requests=not args.disable_log_requests,
                           root_path=args.root_path, **{name: getattr(args, name) for name in switches})
     metrics = ServerMetrics.for_engine(names[0], engine)
-    metrics.watch_compile(engine.compiler)
+    metrics.watch_compile(engine)
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=args.max_waiting_requests, warmup=args.warmup,
                                   stats=metrics, executor=engine_thread)
     app = build_app(async_engine, config, metrics)

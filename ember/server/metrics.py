@@ -138,6 +138,9 @@ class ServerMetrics:
         self.compiling = gauge("ember:executor_compiling", "1 while decode graphs compile in the background "
                                "(--executor auto on CPU: steps run eagerly meanwhile), else 0")
         self.compiling.set_function(lambda: 0.0)
+        self.compiled_shapes = gauge("ember:executor_compiled_shapes", "decode step shapes (batch size x query "
+                                     "length, the MTP fill's included) that run compiled now: 0 = every step eager")
+        self.compiled_shapes.set_function(lambda: 0.0)
         self._last: dict | None = None
         self.load = {"kv_cache_usage_perc": 0.0, "num_requests_waiting": 0.0, "num_requests_running": 0.0}  # ORCA
         self._queries = self._hits = 0
@@ -185,10 +188,13 @@ class ServerMetrics:
                 m[key].labels(**self._labels, position=str(pos)).inc(max(0, now - was))  # every position shows, 0 too
         m["mean"].set(stats["spec_mean_accepted_length"])
 
-    def watch_compile(self, compiler) -> None:
-        """Report a BackgroundCompiler's state (None: nothing compiles in the background)."""
+    def watch_compile(self, engine) -> None:
+        """Report the engine's compiled path: whether its background compile runs, and how many decode
+        shapes run compiled (read at scrape time)."""
+        compiler = engine.compiler
         if compiler is not None:
             self.compiling.set_function(lambda: 0.0 if compiler.done else 1.0)
+        self.compiled_shapes.set_function(lambda: float(engine.compiled_shapes))
 
     # -- the structured-output manager's listener (engine and grammar threads) ---------------------
     def observe_compile(self, seconds: float) -> None:

@@ -150,7 +150,7 @@ def test_executor_resolution_and_refusals():
     with pytest.raises(ConfigError, match="cuda-graph-max-batch-size"):
         EngineConfig(cuda_graph_max_batch_size=0)
     cc = compile_options(EngineConfig(executor="compiled", compilation_config={"compile_sizes": [1, 8, 32]}), 16)
-    assert cc["compile_sizes"] == [1, 8, 16] and cc["freezing"] is True
+    assert cc["compile_sizes"] == [1, 8, 16] and cc["freezing"] is None  # auto: chosen from the model's linears
     # CUDA graphs capture 1 + k only where the backend runs it from fixed-shape metadata
     assert graph_query_lens(0, TorchAttentionBackend()) == [1]
     assert graph_query_lens(3, TorchAttentionBackend()) == [1]
