@@ -52,7 +52,7 @@ def _common_args(p: argparse.ArgumentParser) -> None:
 
 def add_bench_parser(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmark ember against transformers and write a results file")
-    sub = p.add_subparsers(dest="bench_command", required=True, metavar="{latency,throughput,serve,quant,spec,tp,compare,hybrid,matrix,readme-table,startup,structured}")
+    sub = p.add_subparsers(dest="bench_command", required=True, metavar="{latency,throughput,serve,quant,spec,tp,compare,hybrid,matrix,readme-table,restart,startup,structured}")
 
     lat = sub.add_parser("latency", help="batch-1 decode tok/s and time to first token")
     _common_args(lat)
@@ -75,6 +75,7 @@ def add_bench_parser(subparsers) -> None:
     from ember.bench.readme_table import add_readme_table_parser
     from ember.bench.serve import add_serve_parser
     from ember.bench.spec import add_spec_parser
+    from ember.bench.restart import add_restart_parser
     from ember.bench.startup import add_startup_parser
     from ember.bench.structured import add_structured_parser
     from ember.bench.tp import add_tp_parser
@@ -87,6 +88,7 @@ def add_bench_parser(subparsers) -> None:
     add_hybrid_parser(sub)
     add_matrix_parser(sub)
     add_readme_table_parser(sub)
+    add_restart_parser(sub)
     add_startup_parser(sub)
     add_structured_parser(sub)
 

@@ -103,12 +103,13 @@ class Start:
         os.unlink(self.log.name)
 
 
-def ember_start(flags: list[str], cache_dir: str, port: int) -> Start:
+def ember_start(flags: list[str], cache_dir: str | None, port: int) -> Start:
+    """cache_dir: torch's compile cache folder for this start (None: the one a user's start finds)."""
     import sys
 
     argv = [sys.executable, "-m", "ember.entrypoints.cli", "serve", *flags, "--host", "127.0.0.1", "--port", str(port),
             "--disable-log-requests"]
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
+    env = dict(os.environ) if cache_dir is None else dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
     env.pop("EMBER_AUTO_COMPILE", None)  # what a user gets
     return Start(argv, env, f"http://127.0.0.1:{port}", compiles=True)
 

@@ -1,0 +1,217 @@
+"""`ember bench restart`: batch-1 decode in the first minute after `ember serve` restarts, against
+ember's own steady compiled speed and llama.cpp's on the same file, measured in the same run.
+
+What a user of `make run` gets after a restart, when they start talking at once. Each round:
+- ember: launch `ember serve [flags]` as a user would, on this machine's compile cache as it is
+  (run it after `ember compile` or a first server: a restart), wait for /health, then stream greedy
+  answers of --decode-tokens tokens (EOS ignored) one after another until --window seconds have
+  passed since /health. "first minute" = the tokens after each answer's first, summed, over the time
+  from each answer's first token to its last, summed (prefill time is not decode time). Then wait
+  for the background compile to finish (/metrics ember:executor_compiling 0) and stream --answers
+  more: "steady" = their median. SIGTERM.
+- llama.cpp: llama-cpp-python in a worker process of its own (the bench extra), same GGUF file,
+  same threads, flash attention, the same prompt token ids: --answers answers, their median.
+Every answer decodes after the same held-out chat request (ember.bench.spec.held_out_prompts, new
+each round), sent to ember as token ids through /v1/completions, so both engines see the same
+tokens. Rounds alternate which side goes first. Ratios are taken round by round.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import time
+
+from ember.errors import ConfigError
+
+logger = logging.getLogger("ember.bench")
+
+KIND = "restart"
+
+
+def stream_times(url: str, model: str, prompt: list[int], n: int) -> list[float]:
+    """time.monotonic() arrival time of each generated token of one streamed greedy completion (tokens that
+    arrive in one chunk, as a speculative step brings them, share its time)."""
+    import httpx
+
+    body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True}
+    times: list[float] = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choices = json.loads(line[6:]).get("choices") or []
+            ids = choices[0].get("token_ids") if choices else None
+            if ids:
+                now = time.monotonic()
+                times += [now] * len(ids)
+    if len(times) < 2:
+        raise ConfigError(f"the server streamed {len(times)} tokens for a {n}-token request")
+    return times
+
+
+def _metric(url: str, name: str) -> float | None:
+    import httpx
+
+    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def ember_round(flags: list[str], prompt: list[int], args) -> dict:
+    from ember.bench.latency import decode_rates
+    from ember.bench.serve import free_port
+    from ember.bench.startup import ember_start
+
+    start = ember_start(flags, None, free_port())
+    try:
+        health = start.health(args.timeout)
+        import httpx
+
+        model = httpx.get(start.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        shapes_at_health = _metric(start.url, "ember:executor_compiled_shapes")
+        window_end = time.monotonic() + args.window
+        tokens = seconds = 0.0
+        answers = 0
+        first_token = None
+        while time.monotonic() < window_end:
+            times = stream_times(start.url, model, prompt, args.decode_tokens)
+            if first_token is None:
+                first_token = times[0] - start.t0
+            tokens += len(times) - 1
+            seconds += times[-1] - times[0]
+            answers += 1
+        first_minute = tokens / seconds
+        shapes_after_window = _metric(start.url, "ember:executor_compiled_shapes")
+        compiled = start.compiled(args.timeout)
+        steady = [decode_rates(stream_times(start.url, model, prompt, args.decode_tokens))[0]
+                  for _ in range(args.answers)]
+        return {"health_s": round(health, 2), "first_token_s": round(first_token, 2),
+                "compiled_s": None if compiled is None else round(compiled, 1),
+                "shapes_at_health": shapes_at_health, "shapes_after_window": shapes_after_window,
+                "first_minute_answers": answers, "first_minute_tok_s": first_minute,
+                "steady_tok_s": statistics.median(steady), "steady_runs": steady}
+    finally:
+        start.stop()
+
+
+def cmd_restart(args) -> None:
+    from ember.bench.cli import _command
+    from ember.bench.compare import PEERS, chat_prompts, spread, write
+    from ember.bench.latency import decode_rates
+    from ember.bench.report import load_average, machine_info
+    from ember.bench.worker import RemoteSide
+    from ember.default_model import default_model_path
+    from ember.engine_args import engine_args_to_words, engine_config_from_args
+
+    config = engine_config_from_args(args)
+    model = str(config.model or default_model_path())
+    flags = engine_args_to_words(args)
+    threads = config.num_threads or len(os.sched_getaffinity(0))
+    prompts = chat_prompts(model)
+    peer = None
+    if args.peer == "llamacpp":
+        peer = RemoteSide(PEERS["llamacpp"], {"gguf_path": model, "threads": threads, "n_ctx": 4096}, threads)
+    load = load_average()
+    rounds = []
+    try:
+        for r in range(args.runs):
+            prompt = prompts(r)
+            row: dict = {"round": r, "prompt_tokens": len(prompt)}
+            order = ["ember", "llamacpp"] if r % 2 == 0 else ["llamacpp", "ember"]
+            for side in order:
+                if side == "ember":
+                    row["ember"] = ember_round(flags, prompt, args)
+                elif peer is not None:
+                    runs = [decode_rates(peer.decode(prompt, args.decode_tokens))[0] for _ in range(args.answers)]
+                    row["llamacpp"] = {"tok_s": statistics.median(runs), "runs": runs}
+            logger.info("bench restart: round %d: %s", r, row)
+            rounds.append(row)
+    finally:
+        if peer is not None:
+            peer.close()
+    machine = machine_info()
+    machine["load_at_end"] = load_average()
+    data = {"kind": KIND, "command": _command(args, ["runs", "peer", "window", "decode_tokens", "answers", "output"]),
+            "machine": machine, "load_at_start": load, "threads": threads, "model": model, "flags": flags,
+            "rounds": rounds, "summary": summarize(rounds, spread)}
+    section = render(data)
+    md, js = write(data, section, args.output, KIND)
+    print(section)
+    logger.info("bench restart: wrote %s and %s", md, js)
+
+
+def summarize(rounds: list[dict], spread) -> dict:
+    e = [r["ember"] for r in rounds]
+    out = {key: spread([x[key] for x in e if x.get(key) is not None])
+           for key in ("health_s", "first_token_s", "compiled_s", "first_minute_tok_s", "steady_tok_s")}
+    out["first_minute_over_steady"] = spread([x["first_minute_tok_s"] / x["steady_tok_s"] for x in e])
+    peer = [r for r in rounds if "llamacpp" in r]
+    if peer:
+        out["llamacpp_tok_s"] = spread([r["llamacpp"]["tok_s"] for r in peer])
+        out["first_minute_over_llamacpp"] = spread([r["ember"]["first_minute_tok_s"] / r["llamacpp"]["tok_s"]
+                                                    for r in peer])
+        out["steady_over_llamacpp"] = spread([r["ember"]["steady_tok_s"] / r["llamacpp"]["tok_s"] for r in peer])
+    return out
+
+
+def _cell(s: dict, fmt: str = "{:.1f}") -> str:
+    if not s:
+        return "-"
+    return f"{fmt.format(s['median'])} [{fmt.format(s['min'])}-{fmt.format(s['max'])}]"
+
+
+def render(data: dict) -> str:
+    from ember.bench.report import _machine_line
+
+    s = data["summary"]
+    ratio = "{:.2f}"
+    lines = ["## Restart: batch-1 decode in the first minute after `ember serve` restarts", "",
+             f"- command: `{data['command']}`", f"- machine: {_machine_line(data['machine'])}",
+             f"- 1-minute load average: {data['load_at_start']} at start, {data['machine'].get('load_at_end')} at end",
+             f"- model: `{data['model']}`; {data['threads']} threads; ember flags: "
+             f"`{' '.join(data['flags']) or '(defaults, as make run serves)'}`; {len(data['rounds'])} rounds, "
+             "median [min-max], ratios round by round",
+             "- ember restarts on this machine's compile cache as it is (a restart, not a first start); "
+             "first minute: greedy answers streamed back to back from /health for the window, decode tokens over "
+             "decode time; steady: after the background compile finished; llama.cpp: llama-cpp-python in its own "
+             "process on the same file and prompt token ids (ember.bench.restart)", "",
+             "| figure | value |", "|---|---:|",
+             f"| ember: launch to /health 200 (s) | {_cell(s.get('health_s'), '{:.2f}')} |",
+             f"| ember: launch to the first token (s) | {_cell(s.get('first_token_s'), '{:.2f}')} |",
+             f"| ember: launch to background compile done (s) | {_cell(s.get('compiled_s'))} |",
+             f"| ember first-minute decode (tok/s) | {_cell(s.get('first_minute_tok_s'))} |",
+             f"| ember steady compiled decode (tok/s) | {_cell(s.get('steady_tok_s'))} |"]
+    if "llamacpp_tok_s" in s:
+        lines.append(f"| llama.cpp decode (tok/s) | {_cell(s['llamacpp_tok_s'])} |")
+    lines += ["", "| bar | ratio | result |", "|---|---:|---|"]
+    fm = s["first_minute_over_steady"]
+    lines.append(f"| first minute >= 0.95x ember's steady | {_cell(fm, ratio)} | "
+                 f"**{'PASS' if fm['median'] >= 0.95 else 'FAIL'}** |")
+    if "first_minute_over_llamacpp" in s:
+        fl = s["first_minute_over_llamacpp"]
+        lines.append(f"| first minute >= 1.3x llama.cpp | {_cell(fl, ratio)} | "
+                     f"**{'PASS' if fl['median'] >= 1.3 else 'FAIL'}** |")
+        lines.append(f"| (steady / llama.cpp) | {_cell(s['steady_over_llamacpp'], ratio)} | |")
+    return "\n".join(lines) + "\n"
+
+
+def add_restart_parser(sub) -> None:
+    from ember.engine_args import add_engine_args
+
+    p = sub.add_parser("restart", help="batch-1 decode in the first minute after ember serve restarts, against its "
+                                       "steady compiled speed and llama.cpp's on the same file")
+    add_engine_args(p)
+    g = p.add_argument_group("benchmark")
+    g.add_argument("--runs", type=int, default=3, help="rounds (each restarts the server)")
+    g.add_argument("--peer", choices=["llamacpp", "none"], default="llamacpp")
+    g.add_argument("--window", type=float, default=60.0, help="seconds from /health that count as the first minute")
+    g.add_argument("--decode-tokens", type=int, default=256, help="tokens per answer")
+    g.add_argument("--answers", type=int, default=3, help="answers per side for the steady figures")
+    g.add_argument("--timeout", type=float, default=900.0, help="seconds a start (and its compile) may take")
+    g.add_argument("--output", default="benchmarks/startup.md", help="markdown file; the JSON goes beside it")
+    p.set_defaults(func=cmd_restart)

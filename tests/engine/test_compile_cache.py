@@ -1,0 +1,92 @@
+"""The compiled graphs persist across processes, in torch's own caches in ember's folder: `ember compile`
+builds them in one process, and an engine started later in another loads them (inductor's FX graph
+cache and AOTAutograd's cache both hit, nothing compiles anew) and runs its decode steps compiled.
+Plus the pieces around it: which folder, freezing's default, the metric that says how many shapes run
+compiled."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+from ember import LLM
+from ember.engine.compile_cache import default_compile_cache_dir, use_compile_cache
+from ember.engine.compiled_executor import auto_freezing
+from ember.server.metrics import ServerMetrics
+from tests.engine.test_engine import make_llm
+from tests.spec.test_spec_metrics import sample_value
+
+# fastest to compile (mode default, no C++ wrapper); freezing off, as for the default (quantized) model,
+# so that AOTAutograd's cache keeps the traced graph too
+COMPILE = {"compile_sizes": [1], "mode": "default", "freezing": False, "cpp_wrapper": False}
+
+LATER_START = textwrap.dedent("""
+    import json, sys
+    from torch._dynamo.utils import counters
+    from ember import LLM, SamplingParams
+    llm = LLM(model=sys.argv[1], executor="auto", max_num_seqs=1, compilation_config=json.loads(sys.argv[2]))
+    assert llm.wait_for_compile(timeout=600)
+    llm.generate(["hello"], SamplingParams(max_tokens=4, ignore_eos=True))
+    engine = llm.engine
+    print(json.dumps({"inductor": dict(counters["inductor"]), "aot": dict(counters["aot_autograd"]),
+                      "shapes": engine.compiled_shapes, "steps": engine.runner.executor.compiled_steps,
+                      "failures": engine.compiler.failures, "cache": engine.runner.executor.cache_dir}))
+""")
+
+
+def test_the_cache_folder_is_embers_unless_one_is_named(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "recorded, so that monkeypatch restores the variable")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    ours = str(tmp_path / "xdg" / "ember" / "torch-compile")
+    assert default_compile_cache_dir() == ours
+    assert use_compile_cache() == ours and os.environ["TORCHINDUCTOR_CACHE_DIR"] == ours and os.path.isdir(ours)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert use_compile_cache() == str(tmp_path / "mine")  # a user's (or a benchmark's) choice stands
+
+
+def test_freezing_is_on_for_dense_weights_and_off_for_quantized_ones(tiny_model_dir):
+    from ember.default_model import default_model_path
+
+    assert auto_freezing(make_llm(tiny_model_dir("llama"), executor="eager").engine.runner.model) is True
+    quantized = LLM(default_model_path(), executor="eager", dtype="bfloat16", kv_cache_memory=0.05, max_model_len=128)
+    assert auto_freezing(quantized.engine.runner.model) is False
+
+
+def test_metrics_say_how_many_shapes_run_compiled():
+    class Engine:  # what watch_compile reads
+        compiler, compiled_shapes = None, 3
+
+    metrics = ServerMetrics("tiny")
+    metrics.watch_compile(Engine())
+    text = metrics.render().decode()
+    assert sample_value(text, "ember:executor_compiled_shapes") == 3
+    assert sample_value(text, "ember:executor_compiling") == 0
+
+
+def test_ember_compile_fills_the_cache_that_a_later_process_loads(tiny_model_dir, tmp_path):
+    model = tiny_model_dir("llama")
+    env = dict(os.environ, EMBER_AUTO_COMPILE="1", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"),
+               PYTHONPATH=os.getcwd())
+    cc = json.dumps(COMPILE)
+    built = subprocess.run([sys.executable, "-m", "ember.entrypoints.cli", "compile", model, "--max-num-seqs", "1",
+                            "--compilation-config", cc], env=env, capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0, built.stderr[-2000:]
+    assert "decode graphs of" in built.stdout and str(tmp_path / "cache") in built.stdout
+    later = subprocess.run([sys.executable, "-c", LATER_START, model, cc], env=env, capture_output=True, text=True,
+                           timeout=600)
+    assert later.returncode == 0, later.stderr[-2000:]
+    seen = json.loads(later.stdout.strip().splitlines()[-1])
+    assert seen["cache"] == str(tmp_path / "cache") and not seen["failures"]
+    assert seen["inductor"].get("fxgraph_cache_hit", 0) >= 1 and not seen["inductor"].get("fxgraph_cache_miss")
+    assert seen["aot"].get("autograd_cache_hit", 0) >= 1 and not seen["aot"].get("autograd_cache_miss")
+    assert seen["shapes"] == 1 and seen["steps"] > 0  # batch-1 decode steps ran the loaded graph
+
+
+def test_ember_compile_says_when_there_is_nothing_to_compile(tiny_model_dir):
+    out = subprocess.run([sys.executable, "-m", "ember.entrypoints.cli", "compile", tiny_model_dir("llama"),
+                          "--executor", "eager"], env=dict(os.environ, PYTHONPATH=os.getcwd()),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "nothing to compile" in out.stdout and "eager" in out.stdout
