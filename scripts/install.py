@@ -112,12 +112,38 @@ def check_kernels(venv: str) -> None:
             + "until then those paths run in torch, which is slower.")
 
 
+# llama.cpp built for a CPU with AMX uses AMX tiles for its quantized matmuls, and on such a machine
+# here (Intel Xeon with AMX under a VM, llama-cpp-python 0.3.36) that crashed: SIGSEGV in
+# ggml_backend_amx_mul_mat at the first decode of the default model's Q4_1 weights. There, llama.cpp
+# is built for the CPU's AVX-512 kernels without AMX instead (what the peer measures then: its
+# decode matvecs are AVX-512 VNNI either way). A CMAKE_ARGS of the user's own is left as it is.
+LLAMA_CPP_NO_AMX = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON "
+                    "-DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON "
+                    "-DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF")
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line for line in f if line.startswith("flags")), "").partition(":")[2].split())
+    except OSError:
+        return set()
+
+
+def llama_cpp_build_env() -> dict:
+    env = dict(os.environ)
+    if "amx_int8" in cpu_flags() and "CMAKE_ARGS" not in env:
+        log("this CPU has AMX: llama.cpp is built with its AVX-512 kernels, without AMX (see LLAMA_CPP_NO_AMX)")
+        env["CMAKE_ARGS"] = LLAMA_CPP_NO_AMX
+    return env
+
+
 def install_extra(venv: str, extra: str, quiet: list[str]) -> None:
     requirements = pinned(project()["optional-dependencies"][extra])
     hint = ("a dependency could not be installed: pip's message above names it. llama-cpp-python compiles "
             "llama.cpp from source: it needs a C++ compiler and cmake (Debian: apt-get install g++ cmake)")
     step(f"the {extra} extra (llama-cpp-python compiles llama.cpp here: minutes on 2 cores)",
-         pip(venv, *quiet, *requirements), hint)
+         pip(venv, *quiet, *requirements), hint, env=llama_cpp_build_env())
 
 
 def main(argv: list[str] | None = None) -> int:

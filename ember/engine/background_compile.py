@@ -29,13 +29,17 @@ import queue
 import subprocess
 import sys
 import threading
+import time
 
 logger = logging.getLogger("ember")
 
+IDLE_BEFORE_LARGER_SIZES_S = 5.0  # how long the engine is idle before a larger batch size compiles unasked
+
 
 class BackgroundCompiler:
-    def __init__(self, paused: bool = False):
-        """paused: jobs wait for resume() (a server warms up first, then compiles)."""
+    def __init__(self, paused: bool = False, demand=None):
+        """paused: jobs wait for resume() (a server warms up first, then compiles). demand: how many
+        requests run now (the engine's; None: none ever do), which the larger batch sizes wait on."""
         self._jobs: queue.PriorityQueue = queue.PriorityQueue()  # (batch size, order, executor)
         self._order = itertools.count()
         self._idle = threading.Event()
@@ -47,6 +51,8 @@ class BackgroundCompiler:
         self._guard: subprocess.Popen | None = None
         self.failures: list[str] = []
         self.executors: list = []  # every CompiledExecutor submitted (the model's, the MTP fill's)
+        self.demand = demand  # None: nothing is served beside the compile (ember compile), no size waits
+        self._active = threading.Event()  # a job is compiling now (the engine's steps then take one thread)
         self._go = threading.Event()
         if not paused:
             self._go.set()
@@ -55,18 +61,44 @@ class BackgroundCompiler:
     def submit(self, executor) -> None:
         """Queue executor.warmup(background=True, sizes=[b]) for each of its batch sizes b. Jobs run one
         at a time, smallest size first across executors (the model's batch-1 graphs, then the MTP
-        fill's, then batch 2, ...), in submission order within a size."""
+        fill's, then batch 2, ...), in submission order within a size. A smallest size this machine
+        has built before (its marker: ember.engine.compile_cache) is loaded here, before the engine
+        serves: seconds from torch's caches (the default model's batch 1: ~7 s a graph on 2 cores),
+        where loading it beside eager steps slowed both several-fold."""
+        smallest = executor.sizes[0]
+        if executor.was_built(smallest):
+            t0 = time.perf_counter()
+            try:
+                executor.warmup(background=True, sizes=[smallest])
+                logger.info("%s: batch %d graphs loaded from the compile cache before serving in %.1fs",
+                            executor.what, smallest, time.perf_counter() - t0)
+            except Exception as e:  # noqa: BLE001 - a failed load leaves those steps eager, never the engine down
+                self.failures.append(f"{executor.what} batch {smallest}: {type(e).__name__}: {e}")
+                logger.warning("%s: loading batch %d failed (%s: %s); its steps run eagerly", executor.what,
+                               smallest, type(e).__name__, e)
         with self._lock:
             if self._closed:
                 return
-            self._pending += len(executor.sizes)
+            unsettled = [size for size in executor.sizes if size not in executor.settled_sizes]
+            if not unsettled:
+                self.executors.append(executor)
+                return
+            self._pending += len(unsettled)
             self._idle.clear()
+            self.executors.append(executor)
+            for size in executor.sizes:
+                if size not in executor.settled_sizes:
+                    self._jobs.put((size, next(self._order), executor))
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="ember-compile", daemon=True)
-                self._thread.start()
-        self.executors.append(executor)
-        for size in executor.sizes:
-            self._jobs.put((size, next(self._order), executor))
+                self._start_thread()
+
+    def _start_thread(self) -> None:
+        # One thread per job: the graphs a job runs (to check and time them) give its thread an OpenMP
+        # team, and while that team lives libgomp counts more threads than cores and its idle workers
+        # stop spinning between parallel regions, so every step of the engine waits on futex wake-ups
+        # (measured: batch-1 decode 58-72 instead of 127-164 tok/s). The team ends with its thread.
+        self._thread = threading.Thread(target=self._run, name="ember-compile", daemon=True)
+        self._thread.start()
 
     def resume(self) -> None:
         """Let a paused compiler start (idempotent)."""
@@ -78,6 +110,11 @@ class BackgroundCompiler:
         return sum(len(e.ready) for e in self.executors)
 
     @property
+    def active(self) -> bool:
+        """Whether a job is compiling right now (not waiting for demand, not between jobs)."""
+        return self._active.is_set()
+
+    @property
     def done(self) -> bool:
         return self._idle.is_set()
 
@@ -87,31 +124,50 @@ class BackgroundCompiler:
         return self._idle.wait(timeout)
 
     def _run(self) -> None:
-        while True:  # until the queue is empty: see the finally below
-            self._go.wait()
-            size, _, executor = self._jobs.get()
-            if self._guard is None and not self._closed:
-                self._guard = _start_guard()
-            try:
-                if not self._closed:
-                    executor.warmup(background=True, sizes=[size])
-            except Exception as e:  # noqa: BLE001 - a failed compile leaves those steps eager, never the engine down
-                self.failures.append(f"{executor.what} batch {size}: {type(e).__name__}: {e}")
-                logger.warning("%s: background compile of batch %d failed (%s: %s); its steps keep running eagerly",
-                               executor.what, size, type(e).__name__, e)
-            finally:
-                with self._lock:
-                    self._pending -= 1
-                    if self._pending == 0:
-                        self._stop_guard()
-                        self._idle.set()
-                        # The thread ends with its last job (submit starts another): its OpenMP team
-                        # (the graphs it ran to check and time them) goes with it. While that team
-                        # lives, libgomp counts more threads than cores and its idle workers stop
-                        # spinning between parallel regions: every compiled step then waits on
-                        # futex wake-ups (measured: batch-1 decode 58-72 instead of 127-164 tok/s).
-                        self._thread = None
-                        return
+        """One job (a batch size of one executor), then this thread ends; the next job gets a new one."""
+        self._go.wait()
+        size, _, executor = self._jobs.get()
+        self._wait_for_demand(size)
+        if self._guard is None and not self._closed:
+            self._guard = _start_guard()
+        self._active.set()
+        try:
+            if not self._closed:
+                executor.warmup(background=True, sizes=[size])
+        except Exception as e:  # noqa: BLE001 - a failed compile leaves those steps eager, never the engine down
+            self.failures.append(f"{executor.what} batch {size}: {type(e).__name__}: {e}")
+            logger.warning("%s: background compile of batch %d failed (%s: %s); its steps keep running eagerly",
+                           executor.what, size, type(e).__name__, e)
+        finally:
+            self._active.clear()
+            with self._lock:
+                self._pending -= 1
+                if self._pending == 0:
+                    self._stop_guard()
+                    self._idle.set()
+                    self._thread = None
+                else:
+                    self._start_thread()
+
+    def _wait_for_demand(self, size: int) -> None:
+        """A batch size above the smallest waits until a step could use it (as many requests are in the
+        engine) or the engine has been idle for IDLE_BEFORE_LARGER_SIZES_S: compiling traces under the
+        GIL and takes a core, and a step beside it slows (measured: 78-80 against 125 tok/s with one
+        thread, 5-17 with two), so one user's chat keeps its cores until it pauses. Under a steady
+        single stream the larger sizes wait: no step of that stream would use them."""
+        smallest = min((e.sizes[0] for e in self.executors), default=size)
+        if size <= smallest or self.demand is None:
+            return
+        idle_since = None
+        while not self._closed:
+            waiting = self.demand()
+            if waiting >= size:
+                return
+            now = time.monotonic()
+            idle_since = (idle_since or now) if waiting == 0 else None
+            if idle_since is not None and now - idle_since >= IDLE_BEFORE_LARGER_SIZES_S:
+                return
+            time.sleep(0.2)
 
     def _stop_guard(self) -> None:
         if self._guard is not None:

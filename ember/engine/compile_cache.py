@@ -33,3 +33,55 @@ def use_compile_cache() -> str:
         path = os.environ[ENV] = default_compile_cache_dir()
     os.makedirs(path, exist_ok=True)
     return path
+
+
+# -- which graphs this machine has built ------------------------------------------------------------
+# torch keys its caches on the traced graph, so it can only say whether a graph is cached after
+# dynamo has traced it again. An engine decides before that whether to load its smallest batch
+# size's graphs before it serves (seconds, when they are cached) or to serve at once and compile in
+# the background (minutes, when they are not): a marker per built (executor, size) says which. It
+# is a hint, never the graphs: a marker whose graphs were evicted costs a compile in the foreground.
+
+# EngineConfig flags that change no traced graph (pool sizes, scheduling, sampling-side options; the
+# compile options are named resolved, and the batch sizes by their shapes)
+NOT_IN_GRAPHS = frozenset({
+    "seed", "kv_cache_memory", "gpu_memory_utilization", "enable_prefix_caching", "max_state_snapshots",
+    "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill", "compilation_config",
+    "cuda_graph_max_batch_size", "max_logprobs", "reasoning_parser", "structured_outputs_config", "tokenizer"})
+
+
+def graph_identity(config, model_path: str) -> str:
+    """What an engine's compiled graphs depend on, in ember's terms: the model's file (or folder) as it
+    is on disk, and the engine flags that change what is traced."""
+    import dataclasses
+    import json
+
+    flags = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+             if f.metadata.get("group") and f.name not in NOT_IN_GRAPHS}
+    path = os.path.realpath(str(model_path))
+    try:
+        st = os.stat(path)
+        stamp = [st.st_size, st.st_mtime_ns]
+    except OSError:
+        stamp = None
+    return json.dumps({"model": path, "stamp": stamp, "flags": flags}, sort_keys=True, default=str)
+
+
+def built_marker(identity: str, what: str, size: int, shapes: list, options: dict) -> str:
+    """Where the marker of one executor's batch size lives (the torch version and CPU are in its name)."""
+    import hashlib
+    import json
+
+    import torch
+
+    from ember.platform import cpu_flags_line
+
+    key = json.dumps([identity, what, size, sorted(shapes), options, torch.__version__, cpu_flags_line()],
+                     sort_keys=True, default=str)
+    return os.path.join(use_compile_cache(), "ember-built", hashlib.sha256(key.encode()).hexdigest()[:32])
+
+
+def mark_built(marker: str) -> None:
+    os.makedirs(os.path.dirname(marker), exist_ok=True)
+    with open(marker, "w") as f:
+        f.write("built\n")

@@ -35,6 +35,7 @@ call, which could recompile on the step thread) and only when the guards pass fo
 from __future__ import annotations
 
 import logging
+import os
 import time
 import types
 
@@ -77,13 +78,16 @@ class CompiledExecutor:
                  sizes: list[int], mode: str = "max-autotune-no-cudagraphs", freezing: bool = True,
                  cpp_wrapper: bool = True, query_lens: list[int] = (1,),
                  row_inputs: tuple[tuple[tuple[int, ...], torch.dtype], ...] = (), what: str = "compiled executor",
-                 compiler=None):
+                 compiler=None, graph_identity: str | None = None):
         """row_inputs: (per-row shape, dtype) of tensors the model takes after (input_ids, positions,
         kv_caches, meta, select), one row per query (the MTP fill's hidden states). compiler: a
-        BackgroundCompiler to compile on (None: compile now)."""
+        BackgroundCompiler to compile on (None: compile now). graph_identity: what the graphs depend
+        on (ember.engine.compile_cache.graph_identity; None: no markers of built sizes)."""
+        self.graph_identity = graph_identity
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.row_inputs, self.what = tuple(row_inputs), what
         self.max_model_len, self.mode, self.freezing, self.cpp_wrapper = max_model_len, mode, freezing, cpp_wrapper
+        self.threads = torch.get_num_threads()  # the engine's, at start (see LLMEngine._share_cores)
         self.sizes = sorted(sizes)
         self.query_lens = sorted(query_lens)  # 1 (decode), and 1 + k (speculative verify)
         self.shapes = [(b, n) for n in self.query_lens for b in self.sizes]
@@ -104,6 +108,20 @@ class CompiledExecutor:
             self.warmup()
         else:
             compiler.submit(self)
+
+    def built_marker(self, size: int) -> str | None:
+        """The marker saying this machine has built the graphs of `size` (None without an identity)."""
+        if self.graph_identity is None:
+            return None
+        from ember.engine.compile_cache import built_marker
+
+        options = {"mode": self.mode, "freezing": self.freezing, "cpp_wrapper": self.cpp_wrapper,
+                   "threads": self.threads}
+        return built_marker(self.graph_identity, self.what, size, [s for s in self.shapes if s[0] == size], options)
+
+    def was_built(self, size: int) -> bool:
+        marker = self.built_marker(size)
+        return marker is not None and os.path.exists(marker)
 
     @property
     def timed(self) -> bool:
@@ -175,11 +193,9 @@ class CompiledExecutor:
         # apart, the compile took 45 s, at the same decode speed (docs/tuning.md, "Compile caches").
         options = dict(torch._inductor.list_mode_options(self.mode)) | {
             "freezing": self.freezing, "cpp_wrapper": self.cpp_wrapper, "cpp_wrapper_build_separate": True,
+            # loop splits for the engine's thread count, whatever count the thread compiling has now
+            "cpp.threads": self.threads,
             "size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
-        # One graph per shape, plus slack for a re-specialisation; dynamo's default limit is 8.
-        # Every executor in this process (other engines, the MTP fill) adds entries to the same code object.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
-                                                   len(_cache_entries()) + 2 * len(self.shapes) + 4)
         self._compiled = torch.compile(self._forward, options=options, dynamic=False, fullgraph=True)
 
     @torch.inference_mode()
@@ -190,6 +206,12 @@ class CompiledExecutor:
         first across executors: batch 1 runs compiled soonest)."""
         sizes = set(self.sizes if sizes is None else sizes)
         self._make_compiled()
+        # One graph per shape, plus slack for a re-specialisation; dynamo's default limit is 8. Every
+        # executor in this process (other engines, the MTP fill) adds entries to the same code object.
+        # Set on every warmup: dynamo's config is the calling thread's, and each background job runs
+        # on a thread of its own (ember.engine.background_compile).
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                                   len(_cache_entries()) + 2 * len(self.shapes) + 4)
         dev = self.kv_caches[0].device
         caches = self._scratch_caches() if background else self.kv_caches
         total = time.perf_counter()
@@ -228,6 +250,12 @@ class CompiledExecutor:
                                    "its steps stay eager", self.what, b, n)
             self.settled_sizes |= sizes
             self._time_calls(dev, caches, sizes)
+            for size in sizes:
+                marker = self.built_marker(size)
+                if marker is not None and all(s in self.ready for s in self.shapes if s[0] == size):
+                    from ember.engine.compile_cache import mark_built
+
+                    mark_built(marker)
         finally:
             hook.remove()
         if not background:
@@ -288,7 +316,7 @@ class CompiledExecutor:
         """The same sizes, query lengths and inductor options for another module (the MTP fill)."""
         return type(self)(model, kv_caches, self.block_size, self.max_model_len, self.sizes, self.mode,
                           self.freezing, self.cpp_wrapper, self.query_lens, row_inputs=row_inputs, what=what,
-                          compiler=self.compiler)
+                          compiler=self.compiler, graph_identity=self.graph_identity)
 
     def covers(self, meta) -> bool:
         """Whether a step of this metadata (and no RowSelection) runs compiled."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ember import planner
-from ember.engine.compile_cache import use_compile_cache
+from ember.engine.compile_cache import graph_identity, use_compile_cache
 from ember.engine.device_setup import DeviceSetup, init_device
 from ember.engine.kv_cache import KVCacheManager
 from ember.engine.state_slots import StateSlots
@@ -236,7 +236,8 @@ def _build_executors(config, tp, loaded: LoadedModel, limits: Limits, runner: Mo
     runner.executor = build_executor(
         limits.executor, runner, max_model_len=limits.max_model_len,
         compile_options=config.executor_config.compile_options(limits.max_num_seqs),
-        cuda_graph_max_batch=_graph_max_batch(config, limits), query_lens=query_lens, compiler=compiler)
+        cuda_graph_max_batch=_graph_max_batch(config, limits), query_lens=query_lens, compiler=compiler,
+        graph_identity=graph_identity(config, loaded.path))
     if spec is not None:  # the workers replay a drafter's forwards eagerly: no graphs of its own under TP
         spec.prepare(runner.executor, runner.executor.sibling if tp is None else lambda *args: None)
     return compiler
@@ -264,7 +265,12 @@ def _log_start(core: EngineCore, pool: planner.KVPool) -> None:
 def _executor_note(core: EngineCore) -> str:
     if core.compiler is None:
         return ""
-    sizes = core.runner.executor.sizes
-    return (f" (serving eagerly now; decode steps at batch sizes {sizes} switch to compiled graphs as the "
-            "background compile finishes them: minutes on a cold inductor cache, seconds on a warm one; "
-            "--executor compiled compiles before serving, --executor eager never)")
+    executor = core.runner.executor
+    loaded = sorted(executor.settled_sizes)
+    rest = [size for size in executor.sizes if size not in executor.settled_sizes]
+    now = (f"batch sizes {loaded} run compiled now, loaded from the compile cache" if loaded
+           else "serving eagerly now, ember compile builds the graphs ahead")
+    return (f" ({now}; decode steps at batch sizes {rest} switch to compiled graphs as the background compile "
+            "finishes them, a larger size once as many requests run or the engine is idle: minutes on a cold "
+            "compile cache, seconds on a warm one; --executor compiled compiles before serving, --executor eager "
+            "never)") if rest else f" ({now})"

@@ -109,7 +109,7 @@ def compile_options(config, max_num_seqs: int) -> dict:
 
 
 def build_executor(name: str, runner, *, max_model_len: int, compile_options: dict, cuda_graph_max_batch: int,
-                   query_lens: list[int], compiler=None) -> StepExecutor:
+                   query_lens: list[int], compiler=None, graph_identity: str | None = None) -> StepExecutor:
     """The runner's executor; compiled and cuda-graph compile or capture here, at startup, except
     compiled with a BackgroundCompiler (`compiler`), which compiles while the engine serves.
     query_lens: the uniform query lengths to build graphs for (graph_query_lens / compiled_query_lens)."""
@@ -124,7 +124,7 @@ def build_executor(name: str, runner, *, max_model_len: int, compile_options: di
         freezing = auto_freezing(runner.model) if cc["freezing"] is None else cc["freezing"]
         return CompiledExecutor(runner.model, runner.kv_caches, runner.block_size, max_model_len,
                                 cc["compile_sizes"], cc["mode"], freezing, cc["cpp_wrapper"], query_lens,
-                                compiler=compiler)
+                                compiler=compiler, graph_identity=graph_identity)
     from ember.engine.cuda_graph_executor import CUDAGraphExecutor
 
     return CUDAGraphExecutor(runner.model, runner.kv_caches, runner.block_size, max_model_len,

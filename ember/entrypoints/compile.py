@@ -40,6 +40,7 @@ def cmd_compile(args: argparse.Namespace) -> None:
                   "(graphs are compiled for --executor auto on CPU with ember's C++ kernels, where "
                   "EMBER_AUTO_COMPILE is not 0)", flush=True)
             return
+        engine.compiler.demand = None  # nothing is served: every size compiles at once
         engine.start_compile()
         engine.wait_for_compile()
         failures = list(engine.compiler.failures)

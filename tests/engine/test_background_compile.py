@@ -118,7 +118,10 @@ FAKE_CHILD = textwrap.dedent("""
     from ember.engine.background_compile import BackgroundCompiler
 
     class Job:
-        what, sizes = "fake", [1]
+        what, sizes, settled_sizes, ready = "fake", [1], set(), {}
+
+        def was_built(self, size):
+            return False
 
         def warmup(self, background, sizes):
             subprocess.run([sys.argv[1], "600"])
@@ -196,7 +199,10 @@ def test_close_ends_a_running_compile_and_its_guard(tmp_path):
     fake = _fake_compiler(tmp_path)
 
     class Job:
-        what, sizes = "fake", [1]
+        what, sizes, settled_sizes, ready = "fake", [1], set(), {}
+
+        def was_built(self, size):
+            return False
 
         def warmup(self, background, sizes):
             subprocess.run([fake, "600"])

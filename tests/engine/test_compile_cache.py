@@ -27,10 +27,11 @@ LATER_START = textwrap.dedent("""
     from torch._dynamo.utils import counters
     from ember import LLM, SamplingParams
     llm = LLM(model=sys.argv[1], executor="auto", max_num_seqs=1, compilation_config=json.loads(sys.argv[2]))
+    at_start = llm.engine.compiled_shapes  # before any step: loaded while the engine was built
     assert llm.wait_for_compile(timeout=600)
     llm.generate(["hello"], SamplingParams(max_tokens=4, ignore_eos=True))
     engine = llm.engine
-    print(json.dumps({"inductor": dict(counters["inductor"]), "aot": dict(counters["aot_autograd"]),
+    print(json.dumps({"at_start": at_start, "inductor": dict(counters["inductor"]), "aot": dict(counters["aot_autograd"]),
                       "shapes": engine.compiled_shapes, "steps": engine.runner.executor.compiled_steps,
                       "failures": engine.compiler.failures, "cache": engine.runner.executor.cache_dir}))
 """)
@@ -83,6 +84,66 @@ def test_ember_compile_fills_the_cache_that_a_later_process_loads(tiny_model_dir
     assert seen["inductor"].get("fxgraph_cache_hit", 0) >= 1 and not seen["inductor"].get("fxgraph_cache_miss")
     assert seen["aot"].get("autograd_cache_hit", 0) >= 1 and not seen["aot"].get("autograd_cache_miss")
     assert seen["shapes"] == 1 and seen["steps"] > 0  # batch-1 decode steps ran the loaded graph
+    assert seen["at_start"] == 1  # a size this machine built before is loaded before the engine serves
+
+
+def test_larger_batch_sizes_wait_until_a_step_could_use_them(monkeypatch):
+    """Batch 1 compiles at once; batch 2 waits while one request runs (its trace would slow that
+    request's steps) and goes when two are in the engine; batch 4 then waits until four are, or the
+    engine has been idle for a while."""
+    import time
+
+    from ember.engine import background_compile
+    from ember.engine.background_compile import BackgroundCompiler
+
+    monkeypatch.setattr(background_compile, "IDLE_BEFORE_LARGER_SIZES_S", 0.5)
+    waiting = {"n": 1}
+    compiled: list[int] = []
+
+    class Job:
+        what, sizes, settled_sizes, ready = "fake", [1, 2, 4], set(), {}
+
+        def was_built(self, size):
+            return False
+
+        def warmup(self, background, sizes):
+            compiled.extend(sizes)
+
+    def settle(want: list[int]) -> None:
+        deadline = time.time() + 10
+        while compiled != want and time.time() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # long enough for a size that should wait to have gone, were it not waiting
+        assert compiled == want
+
+    compiler = BackgroundCompiler(demand=lambda: waiting["n"])
+    compiler.submit(Job())
+    settle([1])  # batch 2 waits: one request runs
+    waiting["n"] = 2
+    settle([1, 2])  # two run: batch 2 is wanted now; batch 4 is not
+    waiting["n"] = 0
+    assert compiler.wait(timeout=10) and compiled == [1, 2, 4]  # idle for a while: batch 4 compiles
+
+
+def test_steps_take_one_thread_while_a_job_compiles(tiny_model_dir):
+    import torch
+
+    llm = make_llm(tiny_model_dir("llama"), executor="eager", num_threads=2)
+    engine = llm.engine
+
+    class Compiler:
+        active = True
+
+    engine.compiler, before = Compiler(), torch.get_num_threads()
+    try:
+        engine._share_cores()
+        assert torch.get_num_threads() == 1
+        Compiler.active = False
+        engine._share_cores()
+        assert torch.get_num_threads() == engine._threads == before
+    finally:
+        engine.compiler = None
+        torch.set_num_threads(before)
 
 
 def test_ember_compile_says_when_there_is_nothing_to_compile(tiny_model_dir):
