@@ -9,6 +9,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 import logging
 import os
+import signal
 import threading
 import time
 
@@ -116,6 +117,11 @@ def run_server(args) -> None:
     logger.info("ember serve: %s at http://%s:%d/v1 (%s), engine built in %.1fs%s; decode steps: %s",
                 ", ".join(app.state.serving.config.served_model_names), args.host, args.port, auth,
                 time.monotonic() - t0, "; warming up" if args.warmup else "", compiling)
+    # SIGTERM asks for a stop: once uvicorn's graceful shutdown is done it re-raises the signal it caught,
+    # and with the default handler the process would die of it (status 143, which `make run` reports as
+    # "Terminated", exit 2). Handled, the re-raise ends here and a finished shutdown exits 0, as Ctrl-C does.
+    if threading.current_thread() is threading.main_thread():  # where uvicorn installs its handlers too
+        signal.signal(signal.SIGTERM, lambda signum, frame: None)
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn shut down gracefully, then re-raised Ctrl-C
