@@ -31,6 +31,8 @@ import sys
 import threading
 import time
 
+import torch
+
 logger = logging.getLogger("ember")
 
 IDLE_BEFORE_LARGER_SIZES_S = 5.0  # how long the engine is idle before a larger batch size compiles unasked
@@ -53,6 +55,8 @@ class BackgroundCompiler:
         self.executors: list = []  # every CompiledExecutor submitted (the model's, the MTP fill's)
         self.demand = demand  # None: nothing is served beside the compile (ember compile), no size waits
         self._active = threading.Event()  # a job is compiling now (the engine's steps then take one thread)
+        # built on the thread that will step the engine, after its thread count is set
+        self.step_threads = self._step_threads_now = torch.get_num_threads()
         self._go = threading.Event()
         if not paused:
             self._go.set()
@@ -108,6 +112,19 @@ class BackgroundCompiler:
     def ready_shapes(self) -> int:
         """Decode step shapes (batch size x query length, of every executor) that run compiled now."""
         return sum(len(e.ready) for e in self.executors)
+
+    def fit_step_threads(self) -> None:
+        """Called by the engine's thread before each step: while a job compiles, steps use one intra-op
+        thread and leave the other cores to it. With all of them, the step's OpenMP team waits at every
+        barrier for a worker the compile thread has pushed off its core: measured, default model on 2
+        cores, decode fell to 5-17 tok/s (eager and compiled alike) beside a loading graph. The graphs'
+        OpenMP regions take the thread count of the thread that runs them, and inductor's own loop
+        splits are fixed at the engine's count (compile option cpp.threads), so a graph built meanwhile
+        is the one a full team runs."""
+        want = 1 if self.active else self.step_threads
+        if want != self._step_threads_now:
+            torch.set_num_threads(want)
+            self._step_threads_now = want
 
     @property
     def active(self) -> bool:

@@ -12,8 +12,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from ember.config import EngineConfig
 from ember.engine.admission import check_request
 from ember.engine.detokenizer import IncrementalDetokenizer
@@ -56,7 +54,6 @@ class LLMEngine:
         self.compiler = core.compiler  # the BackgroundCompiler of --executor auto on CPU (None: none)
         if self.compiler is not None:  # its larger batch sizes wait until as many requests run (or none)
             self.compiler.demand = lambda: self.scheduler.num_unfinished  # lens of plain containers: thread-safe
-        self._threads = self._step_threads = torch.get_num_threads()
         self.kv, self.scheduler, self.runner, self.spec = core.kv, core.scheduler, core.runner, core.spec
         self.eos_token_ids = core.eos_token_ids
         self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
@@ -72,18 +69,6 @@ class LLMEngine:
         self.structured.shutdown()
         if self.tp is not None:
             self.tp.shutdown()
-
-    def _share_cores(self) -> None:
-        """While a compile job runs, steps use one intra-op thread and leave the other cores to it.
-        With both, the step's OpenMP team waits at every barrier for a worker the compile thread has
-        pushed off its core: measured, default model on 2 cores, decode fell to 5-17 tok/s (eager and
-        compiled alike) while graphs loaded. The graphs' OpenMP regions take the thread count of the
-        thread that runs them, and inductor's own loop splits are fixed at the engine's count
-        (compile option cpp.threads), so a graph built meanwhile is the one a full team runs."""
-        want = 1 if self.compiler.active else self._threads
-        if want != self._step_threads:
-            torch.set_num_threads(want)
-            self._step_threads = want
 
     def start_compile(self) -> None:
         """Start a deferred background compile (nothing to do without one), and load the grammar
@@ -178,7 +163,7 @@ class LLMEngine:
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         if self.compiler is not None:
-            self._share_cores()
+            self.compiler.fit_step_threads()
         if self.tp is None:
             return self._step()
         with self.tp.step():  # a dead worker or a failed collective raises DistributedError here
