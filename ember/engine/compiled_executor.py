@@ -87,7 +87,7 @@ class CompiledExecutor:
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.row_inputs, self.what = tuple(row_inputs), what
         self.max_model_len, self.mode, self.freezing, self.cpp_wrapper = max_model_len, mode, freezing, cpp_wrapper
-        self.threads = torch.get_num_threads()  # the engine's, at start (see LLMEngine._share_cores)
+        self.threads = torch.get_num_threads()  # the engine's, at start (see BackgroundCompiler.fit_step_threads)
         self.sizes = sorted(sizes)
         self.query_lens = sorted(query_lens)  # 1 (decode), and 1 + k (speculative verify)
         self.shapes = [(b, n) for n in self.query_lens for b in self.sizes]
