@@ -141,3 +141,10 @@ def test_steps_take_one_thread_while_a_job_compiles():
         assert torch.get_num_threads() == compiler.step_threads == before
     finally:
         torch.set_num_threads(before)
+
+
+def test_ember_compile_says_when_there_is_nothing_to_compile(tiny_model_dir):
+    out = subprocess.run([sys.executable, "-m", "ember.entrypoints.cli", "compile", tiny_model_dir("llama"),
+                          "--executor", "eager"], env=dict(os.environ, PYTHONPATH=os.getcwd()),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "nothing to compile" in out.stdout and "eager" in out.stdout
