@@ -85,10 +85,11 @@ class LLMEngine:
     @property
     def executor_state(self) -> str:
         """What runs decode steps now: eager, compiled, cuda-graph, 'compiling (eager meanwhile)' before
-        the first graph is ready, or 'compiled (N shapes so far; compiling the rest)'."""
+        the first graph is ready, or 'compiled (N shapes so far; ...)' while larger sizes remain."""
         if self.compiler is not None and not self.compiler.done:
             ready = self.compiler.ready_shapes
-            return f"compiled ({ready} shapes so far; compiling the rest)" if ready else "compiling (eager meanwhile)"
+            return (f"compiled ({ready} shapes so far; the rest compile in the background as they are needed)" if ready
+                    else "compiling (eager meanwhile)")
         return self.executor_name
 
     @property
