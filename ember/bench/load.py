@@ -27,7 +27,6 @@ if TYPE_CHECKING:  # httpx is the bench extra's (imported where a load runs): `e
     import httpx
 
 
-
 # -- the workload -----------------------------------------------------------------------------
 
 @dataclass
@@ -223,9 +222,9 @@ def _chunk_text(obj: dict, endpoint: str) -> bool:
 
 
 async def send(c: httpx.AsyncClient, target: Target, spec: RequestSpec) -> RequestResult:
+    """One streaming request, timed chunk by chunk."""
     import httpx
 
-    """One streaming request, timed chunk by chunk."""
     res = RequestResult(ok=False)
     body = target.body(spec)
     res.start = t0 = time.perf_counter()

@@ -69,12 +69,12 @@ def ember_round(flags: list[str], prompt: list[int], args) -> dict:
     from ember.bench.serve import free_port
     from ember.bench.startup import ember_start
 
+    import httpx
+
     cold = tempfile.mkdtemp(prefix="ember-bench-cold-") if args.cold else None
     start = ember_start(flags, cold, free_port())
     try:
         health = start.health(args.timeout)
-        import httpx
-
         model = httpx.get(start.url + "/v1/models", timeout=10).json()["data"][0]["id"]
         shapes_at_health = _metric(start.url, "ember:executor_compiled_shapes")
         window_end = time.monotonic() + args.window

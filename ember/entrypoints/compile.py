@@ -10,12 +10,9 @@ GPU, a hybrid model, --executor eager) says so and succeeds.
 from __future__ import annotations
 
 import argparse
-import logging
 import time
 
 from ember.errors import EmberError
-
-logger = logging.getLogger("ember")
 
 
 def add_compile_parser(sub) -> None:
