@@ -65,21 +65,21 @@ class BackgroundCompiler:
     def submit(self, executor) -> None:
         """Queue executor.warmup(background=True, sizes=[b]) for each of its batch sizes b. Jobs run one
         at a time, smallest size first across executors (the model's batch-1 graphs, then the MTP
-        fill's, then batch 2, ...), in submission order within a size. A smallest size this machine
-        has built before (its marker: ember.engine.compile_cache) is loaded here, before the engine
-        serves: seconds from torch's caches (the default model's batch 1: ~7 s a graph on 2 cores),
-        where loading it beside eager steps slowed both several-fold."""
-        smallest = executor.sizes[0]
-        if executor.was_built(smallest):
+        fill's, then batch 2, ...), in submission order within a size. What this machine built before
+        (executor.built_sizes) is loaded here, before the engine serves: milliseconds a graph from an
+        AOTInductor package, or seconds from torch's caches for the smallest size of a frozen (dense)
+        model, where loading it beside eager steps slowed both several-fold."""
+        built = executor.built_sizes()
+        if built:
             t0 = time.perf_counter()
             try:
-                executor.warmup(background=True, sizes=[smallest])
-                logger.info("%s: batch %d graphs loaded from the compile cache before serving in %.1fs",
-                            executor.what, smallest, time.perf_counter() - t0)
+                executor.warmup(background=True, sizes=built)
+                logger.info("%s: batch sizes %s loaded from the compile cache before serving in %.1fs",
+                            executor.what, built, time.perf_counter() - t0)
             except Exception as e:  # noqa: BLE001 - a failed load leaves those steps eager, never the engine down
-                self.failures.append(f"{executor.what} batch {smallest}: {type(e).__name__}: {e}")
-                logger.warning("%s: loading batch %d failed (%s: %s); its steps run eagerly", executor.what,
-                               smallest, type(e).__name__, e)
+                self.failures.append(f"{executor.what} batch sizes {built}: {type(e).__name__}: {e}")
+                logger.warning("%s: loading batch sizes %s failed (%s: %s); their steps run eagerly", executor.what,
+                               built, type(e).__name__, e)
         with self._lock:
             if self._closed:
                 return

@@ -34,15 +34,20 @@ call, which could recompile on the step thread) and only when the guards pass fo
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import shutil
+import tempfile
 import time
 import types
+from typing import Callable
 
 import torch
 
 from ember.engine.decode_batch import (DecodeInputs, fixed_meta, graph_shape, pad_decode, table_width,
                                        warmup_inputs)
+from ember.errors import EmberError
 from ember.layers.rotary import RotaryEmbedding
 
 logger = logging.getLogger("ember")
@@ -71,6 +76,31 @@ def auto_freezing(model: torch.nn.Module) -> bool:
     return any(isinstance(m, LinearBase) and isinstance(m.quant_method, DenseMethod) for m in model.modules())
 
 
+def step_forward(model: torch.nn.Module, block_size: int, input_ids, positions, slot_mapping, query_start_loc,
+                 seq_lens, block_tables, kv_caches, *rows) -> torch.Tensor:
+    """One uniform-decode step of `model` over fixed-shape metadata: what every compiled graph traces."""
+    x = DecodeInputs(input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables)
+    q_len = input_ids.shape[0] // block_tables.shape[0]  # static per graph
+    return model(input_ids, positions, kv_caches, fixed_meta(x, q_len, block_size), None, *rows)
+
+
+class DecodeStep(torch.nn.Module):
+    """step_forward as a module, for torch.export (ember.engine.aot_package); rows: a list (export
+    takes no varargs)."""
+
+    def __init__(self, model: torch.nn.Module, block_size: int):
+        super().__init__()
+        self.model, self.block_size = model, block_size
+
+    def forward(self, input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables, kv_caches, rows):
+        return step_forward(self.model, self.block_size, input_ids, positions, slot_mapping, query_start_loc,
+                            seq_lens, block_tables, kv_caches, *rows)
+
+
+# How a ready shape's step runs: (inputs, per-row inputs, KV caches) -> the model's output
+StepCall = Callable[[DecodeInputs, tuple, list], torch.Tensor]
+
+
 class CompiledExecutor:
     name = "compiled"
 
@@ -97,10 +127,16 @@ class CompiledExecutor:
         self._compiled = None  # torch.compile's wrapper of _forward, made by the first warmup (_make_compiled)
         self.compiles = 0  # graphs built at startup
         self.compiled_steps = 0  # steps that ran compiled (the rest ran eagerly)
+        # Ahead of time (AOTInductor packages, ember.engine.aot_package) unless freezing: a frozen graph
+        # folds the weights in, and a package of it would carry a second copy of them. Frozen graphs, and
+        # a shape whose export fails, go through dynamo (torch.compile) instead.
+        self.ahead_of_time = not freezing
         self._direct: dict[tuple[int, int], types.FunctionType] = {}  # (size, q_len) -> compiled bytecode, no guards
-        # (size, q_len) -> how a step of that shape runs compiled: its direct bytecode, or None for dynamo's
-        # guarded call. A shape not in it runs eagerly. Filled by warmup (in the background: shape by shape).
-        self.ready: dict[tuple[int, int], types.FunctionType | None] = {}
+        self._packages: dict[tuple[int, int], object] = {}  # (size, q_len) -> its loaded AOTInductor package
+        # (size, q_len) -> how a step of that shape runs compiled (a package, dynamo's bytecode without its
+        # guards, or dynamo's guarded call). A shape not in it runs eagerly. Filled by warmup (in the
+        # background: size by size).
+        self.ready: dict[tuple[int, int], StepCall] = {}
         self.call_seconds: dict[tuple[int, int], float] = {}  # (size, q_len) -> median seconds of a call, at warmup
         self.compiler = compiler
         self.settled_sizes: set[int] = set()  # sizes whose shapes are compiled (or left eager) and timed
@@ -120,8 +156,33 @@ class CompiledExecutor:
         return built_marker(self.graph_identity, self.what, size, [s for s in self.shapes if s[0] == size], options)
 
     def was_built(self, size: int) -> bool:
+        if self.ahead_of_time and self.graph_identity is not None:
+            return all(os.path.exists(self.package_path(s)) for s in self.shapes if s[0] == size)
         marker = self.built_marker(size)
         return marker is not None and os.path.exists(marker)
+
+    def built_sizes(self) -> list[int]:
+        """The sizes to load before the engine serves, from what this machine built before: every built
+        size when they are packages (milliseconds each), else the smallest if built (seconds each)."""
+        built = [size for size in self.sizes if self.was_built(size)]
+        return built if self.ahead_of_time else [size for size in built if size == self.sizes[0]]
+
+    def _inductor_options(self) -> dict:
+        import torch._inductor
+
+        # torch.compile takes a mode or options, not both: the mode's options plus ember's. Without
+        # inductor's size/stride asserts: with the C++ wrapper each assert builds a std::stringstream,
+        # ~1.5 us per custom-op call measured (5 such calls a layer); the ops' shapes are their fake
+        # kernels', which the tests check. cpp.threads: loop splits for the engine's thread count,
+        # whatever count the thread compiling has now.
+        return dict(torch._inductor.list_mode_options(self.mode)) | {
+            "cpp.threads": self.threads, "size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
+
+    def package_path(self, shape: tuple[int, int]) -> str:
+        from ember.engine.aot_package import package_path
+
+        return package_path(self.graph_identity, self.what, shape, {"mode": self.mode, "threads": self.threads,
+                                                                    "row_inputs": self.row_inputs})
 
     @property
     def timed(self) -> bool:
@@ -130,14 +191,18 @@ class CompiledExecutor:
         return self.sizes[0] in self.settled_sizes or (self.compiler is not None and self.compiler.done)
 
     def _forward(self, input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables, kv_caches, *rows):
-        x = DecodeInputs(input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables)
-        q_len = input_ids.shape[0] // block_tables.shape[0]  # static per graph
-        return self.model(input_ids, positions, kv_caches, fixed_meta(x, q_len, self.block_size), None, *rows)
+        return step_forward(self.model, self.block_size, input_ids, positions, slot_mapping, query_start_loc,
+                            seq_lens, block_tables, kv_caches, *rows)
 
     @property
     def direct_shapes(self) -> list[tuple[int, int]]:
-        """(size, q_len) called straight through their compiled bytecode (no guard evaluation)."""
-        return sorted(self._direct)
+        """(size, q_len) called straight, with no guard evaluation (a package, or dynamo's bytecode)."""
+        return sorted(set(self._direct) | set(self._packages))
+
+    @property
+    def package_shapes(self) -> list[tuple[int, int]]:
+        """(size, q_len) that run an AOTInductor package."""
+        return sorted(self._packages)
 
     def _call(self, x: DecodeInputs, rows: tuple = (), caches: list[torch.Tensor] | None = None) -> torch.Tensor:
         # The table width grows with the longest sequence; everything else is static per size. The
@@ -154,6 +219,11 @@ class CompiledExecutor:
                      caches: list[torch.Tensor] | None = None) -> torch.Tensor:
         return fn(self, x.input_ids, x.positions, x.slot_mapping, x.query_start_loc, x.seq_lens, x.block_tables,
                   self.kv_caches if caches is None else caches, *rows)
+
+    def _call_package(self, package, x: DecodeInputs, rows: tuple = (),
+                      caches: list[torch.Tensor] | None = None) -> torch.Tensor:
+        return package([x.input_ids, x.positions, x.slot_mapping, x.query_start_loc, x.seq_lens, x.block_tables,
+                        *(self.kv_caches if caches is None else caches), *rows])
 
     def _scratch_caches(self) -> list[torch.Tensor]:
         """Caches of the pool's very shape, for a background compile to write instead of the pool the
@@ -177,34 +247,102 @@ class CompiledExecutor:
         which a background compile keeps off the engine's start."""
         if self._compiled is not None:
             return
-        # torch.compile takes a mode or options, not both: the mode's options plus freezing.
-        # Without inductor's size/stride asserts: with the C++ wrapper each assert builds a
-        # std::stringstream, ~1.5 us per custom-op call measured (5 such calls a layer); the ops'
-        # shapes are their fake kernels', which the tests check.
         import torch._dynamo
-        import torch._inductor
-
-        from ember.engine.compile_cache import use_compile_cache
-
-        self.cache_dir = use_compile_cache()
 
         # cpp_wrapper_build_separate: the C++ entry function (one call per op, ~300 for the default model)
         # is built at -O1 apart from the kernels. One -O3 build of both took 71 of a cold compile's 104 s;
         # apart, the compile took 45 s, at the same decode speed (docs/tuning.md, "Compile caches").
-        options = dict(torch._inductor.list_mode_options(self.mode)) | {
-            "freezing": self.freezing, "cpp_wrapper": self.cpp_wrapper, "cpp_wrapper_build_separate": True,
-            # loop splits for the engine's thread count, whatever count the thread compiling has now
-            "cpp.threads": self.threads,
-            "size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
+        options = self._inductor_options() | {"freezing": self.freezing, "cpp_wrapper": self.cpp_wrapper,
+                                              "cpp_wrapper_build_separate": True}
         self._compiled = torch.compile(self._forward, options=options, dynamic=False, fullgraph=True)
 
     @torch.inference_mode()
     def warmup(self, background: bool = False, sizes: list[int] | None = None) -> None:
-        """Compile every (size, q_len) of `sizes` (default: all): in the foreground with a dummy step
-        writing block 0 of the pool (zeroed again after), in the background with scratch caches,
+        """Compile (or load) every (size, q_len) of `sizes` (default: all): in the foreground with a dummy
+        step writing block 0 of the pool (zeroed again after), in the background with scratch caches,
         publishing each shape as it is checked (BackgroundCompiler runs one size at a time, smallest
         first across executors: batch 1 runs compiled soonest)."""
+        from ember.engine.compile_cache import mark_built, use_compile_cache
+
+        self.cache_dir = use_compile_cache()
         sizes = set(self.sizes if sizes is None else sizes)
+        dev = self.kv_caches[0].device
+        caches = self._scratch_caches() if background else self.kv_caches
+        total = time.perf_counter()
+        shapes = sorted(s for s in self.shapes if s[0] in sizes)
+        if self.ahead_of_time:
+            shapes = [shape for shape in shapes if not self._warmup_package(shape, caches)]
+        if shapes:
+            self._warmup_dynamo(shapes, caches, background)
+        self.settled_sizes |= sizes
+        self._time_calls(dev, caches, sizes)
+        for size in sizes:
+            marker = self.built_marker(size)
+            if marker is not None and all(s in self.ready for s in self.shapes if s[0] == size):
+                mark_built(marker)
+        if not background:
+            for cache in self.kv_caches:
+                cache[:, 0].zero_()
+        logger.info("%s: sizes %s x query lengths %s %s in %.1fs (compile cache: %s)",
+                    self.what, sorted(sizes), self.query_lens,
+                    "compiled in the background; decode steps of those shapes now run compiled" if background else "ready",
+                    time.perf_counter() - total, self.cache_dir)
+
+    def _warmup_package(self, shape: tuple[int, int], caches: list[torch.Tensor]) -> bool:
+        """Make `shape` ready from its AOTInductor package: loaded if this machine built it before, else
+        exported and compiled now (and kept for later processes). False when that fails (dynamo takes
+        the shape instead); a package that fails to load is deleted and built again."""
+        from ember.engine import aot_package
+
+        b, n = shape
+        t0 = time.perf_counter()
+        x = warmup_inputs(b, n, table_width(n, self.block_size), self.kv_caches[0].device)
+        rows = self._dummy_rows(b * n, x.input_ids.device)
+        keep = self.graph_identity is not None  # without an identity there is no key: built for this process only
+        path = self.package_path(shape) if keep else os.path.join(tempfile.mkdtemp(prefix="ember-aot-"), "step.pt2")
+        package = None
+        try:
+            package = aot_package.load(path, self.model)
+        except Exception as e:  # noqa: BLE001 - a stale or broken package is built again
+            logger.warning("%s: the package of batch %d x %d did not load (%s: %s); building it again",
+                           self.what, b, n, type(e).__name__, e)
+            aot_package.discard(path)
+        how = "loaded from its ahead-of-time package"
+        try:
+            if package is None:
+                how = "compiled ahead of time"
+                dynamic = self._dynamic_shapes(len(caches), len(rows))
+                aot_package.build(DecodeStep(self.model, self.block_size), self.model,
+                                  (x.input_ids, x.positions, x.slot_mapping, x.query_start_loc, x.seq_lens,
+                                   x.block_tables, list(caches), list(rows)), dynamic, self._inductor_options(), path)
+                package = aot_package.load(path, self.model)
+            out = self._call_package(package, x, rows, caches)  # fails here, not on a request
+            if out.shape[0] != b * n:
+                raise EmberError(f"the package returned {out.shape[0]} rows for {b * n} queries")
+        except Exception as e:  # noqa: BLE001 - dynamo compiles the shape instead
+            logger.warning("%s: batch %d x %d could not run as an ahead-of-time package (%s: %s); torch.compile "
+                           "builds it instead", self.what, b, n, type(e).__name__, e)
+            aot_package.discard(path)
+            return False
+        finally:
+            if not keep:
+                shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+        self._packages[shape] = package
+        self.ready[shape] = functools.partial(self._call_package, package)
+        self.compiles += 1
+        logger.info("%s: batch %d x %d queries %s in %.1fs", self.what, b, n, how, time.perf_counter() - t0)
+        return True
+
+    @staticmethod
+    def _dynamic_shapes(num_caches: int, num_rows: int) -> tuple:
+        """What export keeps symbolic: the block-table width (it grows with the longest sequence) and the
+        pool's block count (so that any --kv-cache-memory runs the same package)."""
+        width, blocks = torch.export.Dim("table_width", min=2), torch.export.Dim("pool_blocks", min=2)
+        return (None,) * 5 + ({1: width}, [{1: blocks}] * num_caches, [None] * num_rows)
+
+    def _warmup_dynamo(self, shapes: list[tuple[int, int]], caches: list[torch.Tensor], background: bool) -> None:
+        """Compile `shapes` with torch.compile, each run straight through dynamo's bytecode where that
+        equals the guarded call (and, in the background, the real pool passes the guards)."""
         self._make_compiled()
         # One graph per shape, plus slack for a re-specialisation; dynamo's default limit is 8. Every
         # executor in this process (other engines, the MTP fill) adds entries to the same code object.
@@ -213,14 +351,12 @@ class CompiledExecutor:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                    len(_cache_entries()) + 2 * len(self.shapes) + 4)
         dev = self.kv_caches[0].device
-        caches = self._scratch_caches() if background else self.kv_caches
-        total = time.perf_counter()
         source = CompiledExecutor._forward
         codes: list[types.CodeType] = []  # dynamo's rewritten bytecode of _forward, one per graph
         hook = torch._dynamo.convert_frame.register_bytecode_hook(
             lambda old, new: codes.append(new) if old is source.__code__ else None)
         try:
-            for b, n in sorted(s for s in self.shapes if s[0] in sizes):
+            for b, n in shapes:
                 t0 = time.perf_counter()
                 seen = len(codes)
                 x = warmup_inputs(b, n, table_width(n, self.block_size), dev)
@@ -238,33 +374,19 @@ class CompiledExecutor:
                     # same step again: same slot, same values
                     if torch.equal(self._call_direct(fn, x, rows, caches), guarded):
                         self._direct[(b, n)] = fn
+                direct = functools.partial(self._call_direct, self._direct[(b, n)]) if (b, n) in self._direct else None
                 if not background:
-                    self.ready[(b, n)] = self._direct.get((b, n))
-                    if (b, n) not in self._direct:
+                    self.ready[(b, n)] = direct or self._call
+                    if direct is None:
                         logger.warning("%s: batch %d x %d keeps dynamo's guarded call (~2 ms a step slower)",
                                        self.what, b, n)
-                elif (b, n) in self._direct and self._reused_code(x, rows) is code:  # the real pool passes its guards
-                    self.ready[(b, n)] = self._direct[(b, n)]
+                elif direct is not None and self._reused_code(x, rows) is code:  # the real pool passes its guards
+                    self.ready[(b, n)] = direct
                 else:
                     logger.warning("%s: batch %d x %d compiled but cannot run on the pool without dynamo's guards; "
                                    "its steps stay eager", self.what, b, n)
-            self.settled_sizes |= sizes
-            self._time_calls(dev, caches, sizes)
-            for size in sizes:
-                marker = self.built_marker(size)
-                if marker is not None and all(s in self.ready for s in self.shapes if s[0] == size):
-                    from ember.engine.compile_cache import mark_built
-
-                    mark_built(marker)
         finally:
             hook.remove()
-        if not background:
-            for cache in self.kv_caches:
-                cache[:, 0].zero_()
-        logger.info("%s: sizes %s x query lengths %s %s in %.1fs (compile cache: %s)",
-                    self.what, sorted(sizes), self.query_lens,
-                    "compiled in the background; decode steps of those shapes now run compiled" if background else "ready",
-                    time.perf_counter() - total, self.cache_dir)
 
     def _reused_code(self, x: DecodeInputs, rows: tuple, caches: list[torch.Tensor] | None = None
                      ) -> types.CodeType | None:
@@ -286,9 +408,9 @@ class CompiledExecutor:
         times: dict[tuple[int, int], list[float]] = {s: [] for s in inputs}
         for _ in range(rounds):
             for s, (x, rows) in inputs.items():
-                fn = self._direct.get(s)
+                call = self.ready.get(s, self._call)  # a background shape left eager: dynamo's guarded call
                 t0 = time.perf_counter()
-                self._call(x, rows, caches) if fn is None else self._call_direct(fn, x, rows, caches)
+                call(x, rows, caches)
                 times[s].append(time.perf_counter() - t0)
         self.call_seconds |= {s: sorted(t)[len(t) // 2] for s, t in times.items()}
 
@@ -333,6 +455,5 @@ class CompiledExecutor:
         if rows and T > input_ids.shape[0]:  # padded sequences: zero rows (their slots are -1, their outputs dropped)
             rows = tuple(torch.nn.functional.pad(r, (0, 0) * (r.dim() - 1) + (0, T - r.shape[0])) for r in rows)
         self.compiled_steps += 1
-        fn = self.ready[shape]
-        out = self._call(x, rows) if fn is None else self._call_direct(fn, x, rows)
+        out = self.ready[shape](x, rows, self.kv_caches)
         return out[:input_ids.shape[0]]

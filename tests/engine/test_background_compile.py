@@ -120,8 +120,8 @@ FAKE_CHILD = textwrap.dedent("""
     class Job:
         what, sizes, settled_sizes, ready = "fake", [1], set(), {}
 
-        def was_built(self, size):
-            return False
+        def built_sizes(self):
+            return []
 
         def warmup(self, background, sizes):
             subprocess.run([sys.argv[1], "600"])
@@ -201,8 +201,8 @@ def test_close_ends_a_running_compile_and_its_guard(tmp_path):
     class Job:
         what, sizes, settled_sizes, ready = "fake", [1], set(), {}
 
-        def was_built(self, size):
-            return False
+        def built_sizes(self):
+            return []
 
         def warmup(self, background, sizes):
             subprocess.run([fake, "600"])

@@ -1,8 +1,8 @@
-"""The compiled graphs persist across processes, in torch's own caches in ember's folder: `ember compile`
-builds them in one process, and an engine started later in another loads them (inductor's FX graph
-cache and AOTAutograd's cache both hit, nothing compiles anew) and runs its decode steps compiled.
-Plus the pieces around it: which folder, freezing's default, the metric that says how many shapes run
-compiled."""
+"""The compiled graphs persist across processes: `ember compile` builds them in one process, and an
+engine started later in another loads them before it serves and runs its decode steps on them, with
+nothing compiled anew. Quantized models (freezing off) keep AOTInductor packages; frozen (dense) ones
+torch's own caches, in ember's folder. Plus the pieces around it: which folder, freezing's default, the
+metric that says how many shapes run compiled."""
 from __future__ import annotations
 
 import json
@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from ember import LLM
 from ember.engine.compile_cache import default_compile_cache_dir, use_compile_cache
 from ember.engine.compiled_executor import auto_freezing
@@ -18,9 +20,8 @@ from ember.server.metrics import ServerMetrics
 from tests.engine.test_engine import make_llm
 from tests.spec.test_spec_metrics import sample_value
 
-# fastest to compile (mode default, no C++ wrapper); freezing off, as for the default (quantized) model,
-# so that AOTAutograd's cache keeps the traced graph too
-COMPILE = {"compile_sizes": [1], "mode": "default", "freezing": False, "cpp_wrapper": False}
+# fastest to compile (mode default, no C++ wrapper for torch.compile's graphs)
+COMPILE = {"compile_sizes": [1], "mode": "default", "cpp_wrapper": False}
 
 LATER_START = textwrap.dedent("""
     import json, sys
@@ -33,6 +34,7 @@ LATER_START = textwrap.dedent("""
     engine = llm.engine
     print(json.dumps({"at_start": at_start, "inductor": dict(counters["inductor"]), "aot": dict(counters["aot_autograd"]),
                       "shapes": engine.compiled_shapes, "steps": engine.runner.executor.compiled_steps,
+                      "packages": engine.runner.executor.package_shapes,
                       "failures": engine.compiler.failures, "cache": engine.runner.executor.cache_dir}))
 """)
 
@@ -67,11 +69,15 @@ def test_metrics_say_how_many_shapes_run_compiled():
     assert sample_value(text, "ember:executor_compiling") == 0
 
 
-def test_ember_compile_fills_the_cache_that_a_later_process_loads(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("freezing", [False, True], ids=["package", "torch-caches"])
+def test_ember_compile_fills_the_cache_that_a_later_process_loads(tiny_model_dir, tmp_path, freezing):
+    """freezing off (as for the default, quantized model): an AOTInductor package per shape, loaded with
+    no tracing and no inductor work. freezing on: torch's FX graph cache hits (AOTAutograd's cache
+    refuses frozen graphs, so it traces again)."""
     model = tiny_model_dir("llama")
     env = dict(os.environ, EMBER_AUTO_COMPILE="1", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"),
                PYTHONPATH=os.getcwd())
-    cc = json.dumps(COMPILE)
+    cc = json.dumps(COMPILE | {"freezing": freezing})
     built = subprocess.run([sys.executable, "-m", "ember.entrypoints.cli", "compile", model, "--max-num-seqs", "1",
                             "--compilation-config", cc], env=env, capture_output=True, text=True, timeout=600)
     assert built.returncode == 0, built.stderr[-2000:]
@@ -81,8 +87,12 @@ def test_ember_compile_fills_the_cache_that_a_later_process_loads(tiny_model_dir
     assert later.returncode == 0, later.stderr[-2000:]
     seen = json.loads(later.stdout.strip().splitlines()[-1])
     assert seen["cache"] == str(tmp_path / "cache") and not seen["failures"]
-    assert seen["inductor"].get("fxgraph_cache_hit", 0) >= 1 and not seen["inductor"].get("fxgraph_cache_miss")
-    assert seen["aot"].get("autograd_cache_hit", 0) >= 1 and not seen["aot"].get("autograd_cache_miss")
+    if freezing:
+        assert seen["packages"] == []
+        assert seen["inductor"].get("fxgraph_cache_hit", 0) >= 1 and not seen["inductor"].get("fxgraph_cache_miss")
+    else:
+        assert seen["packages"] == [[1, 1]] and os.listdir(tmp_path / "cache" / "ember-aot")
+        assert not seen["inductor"] and not seen["aot"]  # nothing traced or compiled in this process
     assert seen["shapes"] == 1 and seen["steps"] > 0  # batch-1 decode steps ran the loaded graph
     assert seen["at_start"] == 1  # a size this machine built before is loaded before the engine serves
 
@@ -103,8 +113,8 @@ def test_larger_batch_sizes_wait_until_a_step_could_use_them(monkeypatch):
     class Job:
         what, sizes, settled_sizes, ready = "fake", [1, 2, 4], set(), {}
 
-        def was_built(self, size):
-            return False
+        def built_sizes(self):
+            return []
 
         def warmup(self, background, sizes):
             compiled.extend(sizes)

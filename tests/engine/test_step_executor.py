@@ -171,18 +171,21 @@ def outputs(llm, prompts, params):
     return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
 
 
-def test_compiled_equals_eager_batches_1_to_5(tiny_model_dir):
+@pytest.mark.parametrize("freezing", [True, False], ids=["torch.compile", "package"])
+def test_compiled_equals_eager_batches_1_to_5(tiny_model_dir, freezing):
     """Sizes [1, 4]: batch 1 exact, 2-3 padded to 4, 4 exact, 5 eager. Same greedy tokens, logprobs
-    within fp32 noise, and no graph compiled after startup (the table width is dynamic)."""
+    within fp32 noise, and no graph compiled after startup (the table width is dynamic). Frozen graphs
+    go through torch.compile, unfrozen ones are AOTInductor packages (ember.engine.aot_package)."""
     import torch._dynamo.utils
 
     path = tiny_model_dir("llama")
     kw = dict(max_num_seqs=5, enable_prefix_caching=False)
     eager = make_llm(path, **kw)
-    compiled = make_llm(path, executor="compiled", compilation_config=COMPILE, **kw)
+    compiled = make_llm(path, executor="compiled", compilation_config=COMPILE | {"freezing": freezing}, **kw)
     ex = compiled.engine.runner.executor
     assert ex.name == "compiled" and ex.sizes == [1, 4] and ex.compiles == 2
-    assert ex.direct_shapes == [(1, 1), (4, 1)]  # both run through their bytecode, without dynamo's guards
+    assert ex.direct_shapes == [(1, 1), (4, 1)]  # both run straight, without dynamo's guards
+    assert ex.package_shapes == ([] if freezing else [(1, 1), (4, 1)])
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=3)
     prompts = [random_prompt(n, 40 + s) for s, n in enumerate([5, 17, 3, 9, 12])]
@@ -214,16 +217,20 @@ def test_compiled_with_cpp_wrapper_equals_eager(tiny_model_dir):
         EngineConfig(executor="compiled", compilation_config={"cpp_wrapper": "yes"})
 
 
-def test_compiled_with_mtp_speculation_keeps_greedy_output(mtp_model):  # noqa: F811
+@pytest.mark.parametrize("freezing", [True, False], ids=["torch.compile", "package"])
+def test_compiled_with_mtp_speculation_keeps_greedy_output(mtp_model, freezing):  # noqa: F811
     """Verify steps (3 queries each) and plain decodes both compiled: with the bigram model every
-    draft is accepted, so 8 tokens = prefill 1, two verifies of 3, one decode (no room for a draft)."""
+    draft is accepted, so 8 tokens = prefill 1, two verifies of 3, one decode (no room for a draft).
+    As packages too: the fill's hidden-state rows are a package input, and the MTP's shared embedding
+    is found on the main model."""
     path = mtp_model("qwen3", "deepseek", bigram=True)
     prompts = [random_prompt(n, 60 + s) for s, n in enumerate([7, 4, 11])]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     kw = dict(max_num_seqs=4, enable_mtp=True, num_speculative_tokens=2, adaptive_spec=False)
     eager = make_llm(path, **kw)
     ref = [o.token_ids for o in outputs(eager, prompts, params)]
-    llm = make_llm(path, executor="compiled", compilation_config={**COMPILE, "compile_sizes": [4]}, **kw)
+    cc = {**COMPILE, "compile_sizes": [4], "freezing": freezing}
+    llm = make_llm(path, executor="compiled", compilation_config=cc, **kw)
     assert [o.token_ids for o in outputs(llm, prompts, params)] == ref
     accepted = llm.engine.stats()["spec_num_accepted_tokens"]
     assert accepted > 0 and accepted == eager.engine.stats()["spec_num_accepted_tokens"]
@@ -233,10 +240,13 @@ def test_compiled_with_mtp_speculation_keeps_greedy_output(mtp_model):  # noqa: 
     # the MTP fill compiled at the same shapes: 3 sequences padded to 4, rows of 1 or 3 queries each
     fill = llm.engine.spec.proposer.fill_executor
     assert fill.what == "MTP fill" and fill.direct_shapes == [(4, 1), (4, 3)]
+    assert fill.package_shapes == ex.package_shapes == ([] if freezing else [(4, 1), (4, 3)])
     # fills after both verifies and the last decode (the prefill's is eager), and the chain's second draft
     # (layer 0 again, one row per sequence) after the prefill and after the first verify
     assert fill.compiled_steps == 5
-    assert ex.extra_query_cost() is not None and llm.engine.spec.adaptive.cost < 1.0
+    spec = llm.engine.spec  # a verified token is priced from the graphs' timings
+    assert ex.extra_query_cost() is not None
+    assert spec.adaptive.cost == pytest.approx(ex.extra_query_cost() + spec.draft_token_cost)
 
 
 def test_compiled_adaptive_mtp_has_a_graph_for_every_draft_length(mtp_model):  # noqa: F811
