@@ -77,6 +77,10 @@ def ember_round(flags: list[str], prompt: list[int], args) -> dict:
         health = start.health(args.timeout)
         model = httpx.get(start.url + "/v1/models", timeout=10).json()["data"][0]["id"]
         shapes_at_health = _metric(start.url, "ember:executor_compiled_shapes")
+        from ember.bench.serve import _compiling
+
+        # launch -> nothing left to compile: at /health, or read after each answer (an upper bound)
+        compiled = None if _compiling(httpx.get(start.url + "/metrics", timeout=5).text) else health
         window_end = time.monotonic() + args.window
         tokens = seconds = 0.0
         # (seconds from launch to the answer's first token, its tok/s, graphs in use after it, to its last token)
@@ -90,16 +94,20 @@ def ember_round(flags: list[str], prompt: list[int], args) -> dict:
             seconds += times[-1] - times[0]
             answers.append((round(times[0] - start.t0, 1), round((len(times) - 1) / (times[-1] - times[0]), 1),
                             _metric(start.url, "ember:executor_compiled_shapes"), round(times[-1] - start.t0, 1)))
+            if compiled is None and not _compiling(httpx.get(start.url + "/metrics", timeout=5).text):
+                compiled = times[-1] - start.t0
         first_minute = tokens / seconds
         shapes_after_window = _metric(start.url, "ember:executor_compiled_shapes")
-        compiled = start.compiled(args.timeout)
+        if compiled is None:
+            compiled = start.compiled(args.timeout)
         steady = [decode_rates(stream_times(start.url, model, prompt, args.decode_tokens))[0]
                   for _ in range(args.answers)]
         start.log.flush()
         start.log.seek(0)
         compile_log = [line.strip() for line in start.log.read().splitlines()
                        if "compiled in" in line or "warmup:" in line or "decode steps:" in line]
-        in_use = next((a[3] for a in answers if a[2]), None)  # an upper bound: the metric is read after each answer
+        # at /health when graphs were loaded before serving; else an upper bound (read after each answer)
+        in_use = round(health, 1) if shapes_at_health else next((a[3] for a in answers if a[2]), None)
         return {"compile_log": compile_log, "graphs_in_use_by_s": in_use, "health_s": round(health, 2), "first_token_s": round(first_token, 2),
                 "compiled_s": None if compiled is None else round(compiled, 1),
                 "shapes_at_health": shapes_at_health, "shapes_after_window": shapes_after_window,

@@ -1,20 +1,21 @@
 """BackgroundCompiler: compiled CPU graphs built on a thread while the engine serves eagerly.
 
 `--executor auto` on CPU is the compiled executor, built this way: the engine answers at once
-(eager steps), daemon threads compile each CompiledExecutor's shapes in turn, one thread a batch
-size (the model's decode steps, then the MTP fill's), and a shape starts running compiled at the
-first step after its graph is ready and checked. A cold compile costs ~45 s per shape of the default model on 2 cores
-(~7 s from torch's on-disk caches on a later start); `--executor compiled` compiles in the foreground
-instead, before the engine takes a request.
+(eager steps, or graphs this machine built before, loaded first), daemon threads compile each
+CompiledExecutor's shapes in turn, one thread a batch size (the model's decode steps, then the MTP
+fill's), and a shape starts running compiled at the first step after its graph is ready and
+checked. A cold compile costs ~40-47 s per shape of the default model on 2 cores (a later start
+loads its packages in milliseconds); `--executor compiled` compiles in the foreground instead,
+before the engine takes a request.
 
 The thread never touches the engine's KV pool: it compiles against scratch caches of the pool's
-shape (the pool's block count is a dynamic dimension of every graph) and publishes a shape only
-when dynamo's guards pass for the real pool. It runs at serving's own CPU priority: at nice 10,
+shape (the pool's block count is a dynamic dimension of every graph), and a torch.compile shape is
+published only when dynamo's guards pass for the real pool. It runs at serving's own CPU priority: at nice 10,
 as it first did, a busy server left its compilers about 5% of a core (CFS weights 110 against
 1024 a thread), and a first compile of the default model had not finished after 240 s of
 continuous requests (issue 38). At equal priority it takes a core while it runs, and the engine's
 steps take one intra-op thread meanwhile (fit_step_threads), for the minutes of a first compile
-only (a restart loads the graphs from torch's caches: ember.engine.compile_cache); the GIL still
+only (a restart loads what was built: ember.engine.compile_cache); the GIL still
 slows eager steps while it traces. When the engine's process ends (exit, Ctrl-C, SIGTERM),
 compilers it started are ended with it (close); for a SIGKILLed one, a compile guard process
 (ember.engine.compile_guard, alive only while a compile runs) ends them.

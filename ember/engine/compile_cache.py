@@ -1,13 +1,14 @@
-"""Where the compiled step graphs persist between processes: torch's own compile caches, in a folder of ember's.
+"""Where the compiled step graphs persist between processes: a folder of ember's, for torch's caches and ember's packages.
 
-The compiled executor's graphs are torch.compile's (ember.engine.compiled_executor). torch keeps
-what it builds in its on-disk caches: inductor's FX graph cache (the generated C++ and its built
-library) and AOTAutograd's cache (the traced joint graph), both keyed by what the graph depends on
-(the traced graph with its shapes and dtypes, inductor's options, the torch version, the compiler
-and the CPU's ISA), so a model, shape or machine that differs misses and compiles anew. A restart
-of the same engine finds them and skips inductor's work: the batch-1 decode graph of the default
-model took 104 s cold and 7.5 s from these caches (dynamo still traces the forward: 3.8 s of it),
-on 2 cores (docs/tuning.md, "Compile caches").
+The compiled executor's graphs (ember.engine.compiled_executor) are AOTInductor packages for
+quantized models (ember.engine.aot_package, in `ember-aot/` here: ~5 ms to load a graph) and
+torch.compile's for dense ones. torch keeps what torch.compile builds in its on-disk caches:
+inductor's FX graph cache (the generated C++ and its built library) and AOTAutograd's cache (the
+traced joint graph), both keyed by what the graph depends on (the traced graph with its shapes and
+dtypes, inductor's options, the torch version, the compiler and the CPU's ISA), so a model, shape or
+machine that differs misses and compiles anew. A restart of the same engine finds them and skips
+inductor's work, not dynamo's: the batch-1 decode graph of the default model took 104 s cold and
+7.5 s from these caches (dynamo's trace 3.8 s of it), on 2 cores (docs/tuning.md, "Compile caches").
 
 torch's default folder is /tmp/torchinductor_$USER, which a reboot or a tmp cleaner empties; ember
 points torch at ~/.cache/ember/torch-compile ($XDG_CACHE_HOME honoured) instead, unless
@@ -35,7 +36,7 @@ def use_compile_cache() -> str:
     return path
 
 
-# -- which graphs this machine has built ------------------------------------------------------------
+# -- which torch.compile graphs this machine has built (a package's own file says so for packages) --
 # torch keys its caches on the traced graph, so it can only say whether a graph is cached after
 # dynamo has traced it again. An engine decides before that whether to load its smallest batch
 # size's graphs before it serves (seconds, when they are cached) or to serve at once and compile in

@@ -1,36 +1,42 @@
-"""CompiledExecutor (CPU): torch.compile (inductor) of the pure-decode forward at a few batch sizes.
+"""CompiledExecutor (CPU): inductor-compiled pure-decode forwards at a few batch sizes.
 
 Why whole decode steps: on 2 CPU cores a third of an eager decode step is framework overhead;
 inductor (mode max-autotune-no-cudagraphs; freezing for dense weights: auto_freezing)
 removes most of it (DESIGN.md: 115-125 -> 138-162 tok/s at the default model's shape).
 
-Shapes: each compile size is one static graph (every compiled shape costs ~1.5 min cold on
-the default model and ~8 s from torch's on-disk caches, kept in ember's folder across processes:
-ember.engine.compile_cache), so a decode batch of B sequences is padded to the next size
-(ember.engine.decode_batch). The block-table width is the one dynamic dimension: a sequence's
-length grows every step. Every size is compiled at startup, so no request waits for one.
-Speculative verifies (every sequence 1 + k queries) are compiled too, at every size, where the
-attention backend runs them from fixed-shape metadata (the torch backend with its fused C++
-kernel: query_lens [1, 1 + k]). Not compiled (eager): prefill chunks, mixed steps, verifies of
-another length (a pinned k cut short near max_tokens; with adaptive k every 1 + k is compiled),
-steps with a RowSelection and batches above the largest size. The MTP's fill and its layer-0
-draft steps run in a CompiledExecutor of their own (row_inputs: the hidden states; see
-MTPProposer.prepare).
+Two ways to build a graph, one contract (`ready`: a callable per (size, q_len)):
+- unfrozen (every quantized model, the default one included): an AOTInductor package per shape
+  (ember.engine.aot_package), exported once per machine and loaded by later processes in
+  milliseconds, bound to the model's own tensors; it is called with no guards at all.
+- frozen (dense weights folded into the graph, which a package would copy) or a shape whose export
+  fails: torch.compile of `_forward`, persisted in torch's own caches (~8 s a graph to load).
 
-Guards: dynamo checks ~7,000 guards (every module attribute and parameter the forward touched)
-before each call, 1.3 ms of an 8 ms batch-1 step on the default model; the whole dispatch cost
-~2 ms a step. The executor already fixes every shape but the table width, so after warmup it
-calls dynamo's transformed bytecode of `_forward` (captured with a bytecode hook, one per size)
-directly, with no guard evaluation: vLLM's custom dispatcher does the same. Measured, default
-model, compile_sizes [1], 256 greedy tokens: 118-123 -> 159-169 tok/s. Each size's direct call
-is checked bit for bit against the guarded one at warmup; a size that compiled to more than one
-graph, or fails the check, keeps the guarded call.
+Shapes: each compile size is one static graph, so a decode batch of B sequences is padded to the
+next size (ember.engine.decode_batch). The block-table width is the one dynamic dimension a step
+changes (a sequence's length grows every step); the pool's block count is dynamic too, so any
+--kv-cache-memory runs the same graphs. Speculative verifies (every sequence 1 + k queries) are
+compiled too, at every size, where the attention backend runs them from fixed-shape metadata (the
+torch backend with its fused C++ kernel: query_lens [1, 1 + k]). Not compiled (eager): prefill
+chunks, mixed steps, verifies of another length (a pinned k cut short near max_tokens; with
+adaptive k every 1 + k is compiled), steps with a RowSelection and batches above the largest size.
+The MTP's fill and its layer-0 draft steps run in a CompiledExecutor of their own (row_inputs: the
+hidden states; see MTPProposer.prepare).
+
+Guards (torch.compile only): dynamo checks ~7,000 guards (every module attribute and parameter the
+forward touched) before each call, 1.3 ms of an 8 ms batch-1 step on the default model. The
+executor already fixes every shape but the table width, so after warmup it calls dynamo's
+transformed bytecode of `_forward` (captured with a bytecode hook, one per size) directly, with no
+guard evaluation, as vLLM's custom dispatcher does. Each size's direct call is checked bit for bit
+against the guarded one at warmup; a size that compiled to more than one graph, or fails the check,
+keeps the guarded call. A package has no guards; its call was faster still (docs/tuning.md,
+"Compile caches").
 
 Foreground or background: built with a BackgroundCompiler (`--executor auto` on CPU), the
 executor runs every step eagerly until the compile thread publishes a shape in `ready`
-(ember.engine.background_compile); without one (`--executor compiled`) every shape is compiled
-in __init__. A background shape is published only with its direct call (never dynamo's guarded
-call, which could recompile on the step thread) and only when the guards pass for the real pool.
+(ember.engine.background_compile), except what this machine built before, loaded while the engine
+is built (built_sizes); without one (`--executor compiled`) every shape is built in __init__. A
+background torch.compile shape is published only with its direct call (never dynamo's guarded call,
+which could recompile on the step thread) and only when the guards pass for the real pool.
 """
 from __future__ import annotations
 
