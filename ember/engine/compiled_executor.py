@@ -339,6 +339,13 @@ class CompiledExecutor:
         logger.info("%s: batch %d x %d queries %s in %.1fs", self.what, b, n, how, time.perf_counter() - t0)
         return True
 
+    @torch.inference_mode()
+    def build_package(self, shape: tuple[int, int]) -> None:
+        """Build `shape`'s package into the compile cache now, against scratch caches (`ember compile`'s
+        workers: one process a package)."""
+        if not self._warmup_package(shape, self._scratch_caches()):
+            raise EmberError(f"{self.what}: batch {shape[0]} x {shape[1]} did not build as a package (see the log)")
+
     @staticmethod
     def _dynamic_shapes(num_caches: int, num_rows: int) -> tuple:
         """What export keeps symbolic: the block-table width (it grows with the longest sequence) and the

@@ -1,7 +1,9 @@
 """`ember compile [MODEL] [engine flags]`: build a model's compiled step graphs now, so that servers start on them.
 
 It starts the engine `ember serve` would start with the same flags and runs its background
-compile to the end, in the foreground, with nothing else on the cores. What it builds lands in
+compile to the end, in the foreground, with nothing else on the cores; AOTInductor packages (the
+graphs of quantized models) are first built on every core, by this process and a worker process per
+other core. What it builds lands in
 torch's compile caches (ember.engine.compile_cache), where every later engine of the same model,
 flags, torch and CPU finds it: its graphs then load in seconds rather than minutes. `make run`'s
 install runs it for the default model. A model or flag combination with nothing to compile (a
@@ -10,9 +12,15 @@ GPU, a hybrid model, --executor eager) says so and succeeds.
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 import time
 
 from ember.errors import EmberError
+
+# set for a worker process: the packages it builds, "what|batch size|query length" joined by ";"
+WORKER_PACKAGES = "EMBER_COMPILE_PACKAGES"
 
 
 def add_compile_parser(sub) -> None:
@@ -37,6 +45,11 @@ def cmd_compile(args: argparse.Namespace) -> None:
                   "(graphs are compiled for --executor auto on CPU with ember's C++ kernels, where "
                   "EMBER_AUTO_COMPILE is not 0)", flush=True)
             return
+        share = os.environ.get(WORKER_PACKAGES)
+        if share is not None:  # a worker of a parent `ember compile`: its packages, then exit
+            _build(engine, share.split(";"))
+            return
+        _build_packages_in_parallel(engine)
         engine.compiler.demand = None  # nothing is served: every size compiles at once
         engine.start_compile()
         engine.wait_for_compile()
@@ -51,3 +64,49 @@ def cmd_compile(args: argparse.Namespace) -> None:
 
     print(f"ember compile: {shapes} decode graphs of {engine.loaded.path} ready in {time.monotonic() - t0:.0f} s, "
           f"kept in {use_compile_cache()}", flush=True)
+
+
+def _packages_to_build(engine) -> list[str]:
+    """The AOTInductor packages this engine's executors lack ("what|batch size|query length"), the
+    model's before the MTP fill's."""
+    jobs = []
+    for executor in engine.compiler.executors:  # the model's, then the MTP fill's
+        if executor.ahead_of_time and executor.graph_identity is not None:
+            jobs += [f"{executor.what}|{b}|{n}" for b, n in executor.shapes
+                     if not os.path.exists(executor.package_path((b, n)))]
+    return jobs
+
+
+def _build_packages_in_parallel(engine) -> None:
+    """Build the missing packages on every core: a package's build is mostly single-threaded (export
+    and inductor's lowering in Python, then one g++ at a time). The packages are dealt round-robin
+    into one share per core; this process builds the first, a worker process (this command again,
+    with WORKER_PACKAGES) each other one. The compile that follows loads what they built, and builds
+    what a failed worker did not. Only when run as `ember compile ...` (its command line is the
+    workers'), with 2 cores and 2 packages or more to build (docs/tuning.md, "Compile caches")."""
+    jobs = _packages_to_build(engine)
+    shares = [jobs[i::os.cpu_count() or 1] for i in range(min(len(jobs), os.cpu_count() or 1))]
+    if len(shares) < 2 or sys.argv[1:2] != ["compile"]:
+        return
+    argv = [sys.executable, "-m", "ember.entrypoints.cli", *sys.argv[1:]]
+    workers = [subprocess.Popen(argv, env=dict(os.environ, **{WORKER_PACKAGES: ";".join(share)}),
+                                stdout=subprocess.DEVNULL) for share in shares[1:]]
+    try:
+        try:
+            _build(engine, shares[0])
+        except EmberError:
+            pass  # built again by the compile that follows
+        for worker in workers:
+            worker.wait()
+    finally:  # interrupted: the workers end with this command
+        for worker in workers:
+            if worker.poll() is None:
+                worker.terminate()
+                worker.wait()
+
+
+def _build(engine, jobs: list[str]) -> None:
+    executors = {e.what: e for e in engine.compiler.executors}
+    for job in jobs:
+        what, b, n = job.split("|")
+        executors[what].build_package((int(b), int(n)))

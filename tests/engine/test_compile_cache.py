@@ -77,11 +77,19 @@ def test_ember_compile_fills_the_cache_that_a_later_process_loads(tiny_model_dir
     model = tiny_model_dir("llama")
     env = dict(os.environ, EMBER_AUTO_COMPILE="1", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"),
                PYTHONPATH=os.getcwd())
-    cc = json.dumps(COMPILE | {"freezing": freezing})
-    built = subprocess.run([sys.executable, "-m", "ember.entrypoints.cli", "compile", model, "--max-num-seqs", "1",
+    # packages: two sizes, built at once by this process and a worker (one per core); the later
+    # start (max_num_seqs 1) uses the batch-1 one
+    sizes, seqs = ([1], "1") if freezing else ([1, 2], "2")
+    cc = json.dumps(COMPILE | {"freezing": freezing, "compile_sizes": sizes})
+    built = subprocess.run([sys.executable, "-m", "ember.entrypoints.cli", "compile", model, "--max-num-seqs", seqs,
                             "--compilation-config", cc], env=env, capture_output=True, text=True, timeout=600)
     assert built.returncode == 0, built.stderr[-2000:]
     assert "decode graphs of" in built.stdout and str(tmp_path / "cache") in built.stdout
+    if not freezing:
+        assert built.stderr.count("compiled ahead of time") == 2
+        engines = built.stderr.count("INFO ember: ember: LlamaForCausalLM")
+        assert engines == (2 if (os.cpu_count() or 1) >= 2 else 1)  # with a worker on 2 cores
+        assert built.stderr.count("loaded from its ahead-of-time package") == 2  # the final compile loads both
     later = subprocess.run([sys.executable, "-c", LATER_START, model, cc], env=env, capture_output=True, text=True,
                            timeout=600)
     assert later.returncode == 0, later.stderr[-2000:]
