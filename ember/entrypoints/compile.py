@@ -90,7 +90,7 @@ def _build_packages_in_parallel(engine) -> None:
         return
     argv = [sys.executable, "-m", "ember.entrypoints.cli", *sys.argv[1:]]
     workers = [subprocess.Popen(argv, env=dict(os.environ, **{WORKER_PACKAGES: ";".join(share)}),
-                                stdout=subprocess.DEVNULL) for share in shares[1:]]
+                                stdout=subprocess.DEVNULL, preexec_fn=_end_with_parent) for share in shares[1:]]
     try:
         try:
             _build(engine, shares[0])
@@ -103,6 +103,18 @@ def _build_packages_in_parallel(engine) -> None:
             if worker.poll() is None:
                 worker.terminate()
                 worker.wait()
+
+
+def _end_with_parent() -> None:
+    """In a worker, before it runs: SIGTERM when this command's process dies, however it dies (Linux's
+    parent-death signal; elsewhere the worker finishes its share and exits)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _build(engine, jobs: list[str]) -> None:
