@@ -157,15 +157,22 @@ def build(step: torch.nn.Module, owner: torch.nn.Module, example: tuple, dynamic
             spec.kind, spec.persistent = InputKind.BUFFER, False
     os.makedirs(os.path.dirname(path), exist_ok=True)
     partial = path.removesuffix(".pt2") + f".{os.getpid()}.partial.pt2"  # torch wants the suffix
-    torch._inductor.aoti_compile_and_package(
-        program, package_path=partial,
-        # always_keep_tensor_constants: inductor would otherwise inline a weight of up to 8 values (a
-        # small norm, a scale) into the code, where a later load could not replace it
-        inductor_configs=options | {"aot_inductor.package_constants_in_so": False, "always_keep_tensor_constants": True})
-    with open(_constants_file(path) + ".partial", "w") as f:
-        json.dump(constants, f)
-    os.replace(_constants_file(path) + ".partial", _constants_file(path))
-    os.replace(partial, path)  # last: a package on disk always has its constants file
+    partial_constants = f"{_constants_file(path)}.{os.getpid()}.partial"
+    try:
+        torch._inductor.aoti_compile_and_package(
+            program, package_path=partial,
+            # always_keep_tensor_constants: inductor would otherwise inline a weight of up to 8 values (a
+            # small norm, a scale) into the code, where a later load could not replace it
+            inductor_configs=options | {"aot_inductor.package_constants_in_so": False,
+                                        "always_keep_tensor_constants": True})
+        with open(partial_constants, "w") as f:
+            json.dump(constants, f)
+        os.replace(partial_constants, _constants_file(path))  # whole files only, whoever else builds it
+        os.replace(partial, path)  # last: a package on disk always has its constants file
+    finally:  # a failed build leaves nothing in the cache
+        for leftover in (partial, partial_constants):
+            if os.path.exists(leftover):
+                os.remove(leftover)
 
 
 class LoadedStep:
@@ -197,7 +204,7 @@ def load(path: str, owner: torch.nn.Module) -> LoadedStep | None:
 
 
 def discard(path: str) -> None:
-    """Remove a package that failed to load (it is built again)."""
+    """Remove a package (and its constants file) that failed to load or to run."""
     for p in (path, _constants_file(path)):
         try:
             os.remove(p)

@@ -152,8 +152,9 @@ class CompiledExecutor:
             compiler.submit(self)
 
     def built_marker(self, size: int) -> str | None:
-        """The marker saying this machine has built the graphs of `size` (None without an identity)."""
-        if self.graph_identity is None:
+        """The marker saying this machine has built the torch.compile graphs of `size` (None without an
+        identity, and for packages: a package's own file says it was built)."""
+        if self.graph_identity is None or self.ahead_of_time:
             return None
         from ember.engine.compile_cache import built_marker
 
@@ -341,8 +342,8 @@ class CompiledExecutor:
 
     @torch.inference_mode()
     def build_package(self, shape: tuple[int, int]) -> None:
-        """Build `shape`'s package into the compile cache now, against scratch caches (`ember compile`'s
-        workers: one process a package)."""
+        """Build `shape`'s package into the compile cache now, against scratch caches (`ember compile`
+        and its workers, before the compile that loads them)."""
         if not self._warmup_package(shape, self._scratch_caches()):
             raise EmberError(f"{self.what}: batch {shape[0]} x {shape[1]} did not build as a package (see the log)")
 

@@ -84,8 +84,8 @@ def _build_packages_in_parallel(engine) -> None:
     with WORKER_PACKAGES) each other one. The compile that follows loads what they built, and builds
     what a failed worker did not. Only when run as `ember compile ...` (its command line is the
     workers'), with 2 cores and 2 packages or more to build (docs/tuning.md, "Compile caches")."""
-    jobs = _packages_to_build(engine)
-    shares = [jobs[i::os.cpu_count() or 1] for i in range(min(len(jobs), os.cpu_count() or 1))]
+    jobs, cores = _packages_to_build(engine), os.cpu_count() or 1
+    shares = [jobs[i::cores] for i in range(min(len(jobs), cores))]
     if len(shares) < 2 or sys.argv[1:2] != ["compile"]:
         return
     argv = [sys.executable, "-m", "ember.entrypoints.cli", *sys.argv[1:]]
