@@ -281,8 +281,10 @@ class CompiledExecutor:
             shapes = [shape for shape in shapes if not self._warmup_package(shape, caches)]
         if shapes:
             self._warmup_dynamo(shapes, caches, background)
-        self.settled_sizes |= sizes
         self._time_calls(dev, caches, sizes)
+        # settled only once timed: the engine's thread reads `timed` and then verify_costs (a race
+        # that priced adaptive k from no timings at all when settled came first)
+        self.settled_sizes |= sizes
         for size in sizes:
             marker = self.built_marker(size)
             if marker is not None and all(s in self.ready for s in self.shapes if s[0] == size):

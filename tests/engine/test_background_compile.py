@@ -88,6 +88,15 @@ def test_mtp_fill_compiles_after_the_model_and_adaptive_k_is_priced_then(mtp_mod
             return made(self)
 
     monkeypatch.setattr(CompiledExecutor, "_scratch_caches", nan_garbage)
+    # an executor reads as timed only once its timings are there: the engine's thread prices adaptive k
+    # the first time it reads `timed`, and a size settled before its timing priced it from nothing
+    time_calls, timed_while_timing = CompiledExecutor._time_calls, []
+
+    def recording(self, *args, **kwargs):
+        timed_while_timing.append(self.timed)
+        return time_calls(self, *args, **kwargs)
+
+    monkeypatch.setattr(CompiledExecutor, "_time_calls", recording)
     path = mtp_model("qwen3", "deepseek")
     kw = dict(max_num_seqs=1, enable_mtp=True, num_speculative_tokens=2, adaptive_spec=True)
     prompt = [random_prompt(9, 71)]
@@ -101,6 +110,7 @@ def test_mtp_fill_compiles_after_the_model_and_adaptive_k_is_priced_then(mtp_mod
     assert outputs(llm, prompt, params)[0].token_ids == ref
     assert fill.compiled_steps > 0 and ex.compiled_steps > 0
     # the first proposal after the compile read the graphs' timings
+    assert timed_while_timing and not any(timed_while_timing)
     assert spec._unpriced is None and spec.adaptive.verify_costs == ex.verify_costs() and ex.verify_costs()
 
 
