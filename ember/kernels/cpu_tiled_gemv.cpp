@@ -39,8 +39,8 @@ constexpr int kMaxM = 4;    // x rows per pass over a tile (accumulators: 2 per 
 
 // A few-row GEMV reads each weight byte once, so it runs at the speed memory delivers the tiles.
 // The hardware prefetchers alone kept too few lines in flight for a core: the default model's
-// 3072x576 Q4 GEMV read 14 GB/s from memory where a plain read reaches 23 (2 Sapphire Rapids
-// cores); asking for the tile kPrefetchTiles ahead (2 KiB of 4-bit codes, 4 KiB of 8-bit) made it
+// 3072x576 Q4 GEMV read 14 GB/s from memory where a plain read reaches 23 (2 cores of an AMX
+// Xeon); asking for the tile kPrefetchTiles ahead (2 KiB of 4-bit codes, 4 KiB of 8-bit) made it
 // 19 GB/s, and batch-1 decode of the default model 90 -> 126 tok/s (docs/tuning.md). A prefetch
 // past the end of the weights is harmless: it never faults.
 constexpr int kPrefetchTiles = 8;
