@@ -144,7 +144,7 @@ def weight_inventory(mc: ModelConfig, tp: int = 1, extra_layers: int = 0) -> tup
             linears += [(2 * i, H), (H, i)]
             dense += H
         if mc.attention_bias:
-            dense += (hq + 2 * hkv) * D + (H if mc.architecture != "Qwen2ForCausalLM" else 0)
+            dense += (hq + 2 * hkv) * D + (0 if mc.traits.qkv_bias_only else H)
         if mc.is_moe_layer(min(layer, mc.num_layers - 1)):
             i = c(mc.moe_intermediate_size)
             linears += [(2 * i, H), (H, i)] * mc.num_experts
