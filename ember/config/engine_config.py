@@ -24,7 +24,8 @@ import logging
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ember.config.groups import (ATTENTION_BACKEND_ALIASES, ATTENTION_BACKENDS, CPU_KV_CAP_GIB, CPU_KV_FRACTION, DEVICES, EXECUTORS,
+from ember.config.aliases import ATTENTION_BACKEND_ALIASES, DTYPE_ALIASES, QUANTIZATION_ALIASES, SPEC_MODEL_MTP
+from ember.config.groups import (ATTENTION_BACKENDS, CPU_KV_CAP_GIB, CPU_KV_FRACTION, DEVICES, EXECUTORS,
                                  KV_CACHE_DTYPES, QUANTIZATION_CHOICES, CacheConfig, ExecutorConfig, KernelConfig,
                                  LoadConfig, ParallelConfig, SchedulerConfig, need)
 from ember.config.speculative import SpeculativeConfig, resolve_speculative_config
@@ -32,12 +33,6 @@ from ember.errors import ConfigError
 from ember.platform import DTYPES
 
 logger = logging.getLogger("ember")
-# --speculative-model values that mean "the model's own MTP layers" (older vLLM and the seeds)
-SPEC_MODEL_MTP = ("mtp", "[mtp]", "deepseek_mtp", "qwen3_next_mtp", "qwen3_5_mtp")
-# vLLM's other names of dtypes
-DTYPE_ALIASES = {"half": "float16", "float": "float32"}
-# vLLM's kernel-specific quantization names -> the weight format ember loads
-QUANTIZATION_ALIASES = {"awq_marlin": "awq"}
 
 
 def flag(default: Any, group: str, help: str, **more: Any):

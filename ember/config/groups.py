@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ember.config.aliases import ATTENTION_BACKEND_ALIASES
 from ember.errors import ConfigError
 from ember.platform import DTYPES
 
@@ -18,10 +19,6 @@ EXECUTORS = ("auto", "eager", "compiled", "cuda-graph")
 # torch = the reference (SDPA over gathered blocks), cpu = the reference plus ember's C++ kernels,
 # triton = the GPU kernels (on CPU only under TRITON_INTERPRET=1, which is how the tests run them)
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
-# other engines' backend names -> ember's: "gpu" = its GPU kernels (triton) on CUDA, the cpu backend on CPU.
-# flash2: the split-KV decode kernel's name in the seeds; flashinfer / fa3: SGLang's and vLLM's GPU backends
-ATTENTION_BACKEND_ALIASES = {"flash2": "gpu", "flashinfer": "gpu", "fa3": "gpu", "flash_attn": "gpu",
-                             "torch_native": "torch"}
 QUANTIZATION_CHOICES = ("auto", "none", "awq", "gguf")
 # Default CPU KV budget: this fraction of available RAM, capped (the pool is allocated up front).
 CPU_KV_FRACTION = 0.2
