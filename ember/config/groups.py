@@ -39,7 +39,7 @@ def one_of(value: Any, choices: tuple, flag: str) -> None:
     need(value in choices, f"{flag} {value!r} is not one of {', '.join(choices)}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LoadConfig:
     """What to load and in which form."""
 
@@ -56,7 +56,7 @@ class LoadConfig:
         one_of(self.quantization, QUANTIZATION_CHOICES, "--quantization")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CacheConfig:
     """The paged KV pool."""
 
@@ -84,7 +84,7 @@ class CacheConfig:
              f"--gpu-memory-utilization must be in (0, 1] (got {self.gpu_memory_utilization})")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
     """The step's token budget and who shares it."""
 
@@ -113,7 +113,7 @@ class SchedulerConfig:
         return self.max_num_seqs or (64 if device_type == "cuda" else 16)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ExecutorConfig:
     """How a step's forward runs: eager, compiled (CPU torch.compile) or cuda-graph."""
 
@@ -148,7 +148,7 @@ class ExecutorConfig:
         return cc | {"compile_sizes": sorted({min(s, max_num_seqs) for s in cc["compile_sizes"]})}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class KernelConfig:
     """Which kernels run: the attention backend, CPU threads, and the CPU fast paths (each on by
     default where the machine can run it; off = the torch ops, for measuring what each one buys)."""
@@ -169,7 +169,7 @@ class KernelConfig:
             need(self.num_threads >= 1, f"--num-threads must be >= 1 (got {self.num_threads})")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     tensor_parallel_size: int
 
