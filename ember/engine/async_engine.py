@@ -28,6 +28,7 @@ from ember.sampling import SamplingParams
 
 if TYPE_CHECKING:  # the engine pulls in torch; `ember --help` should not
     from ember.engine.engine import LLMEngine
+    from ember.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger("ember.async_engine")
 
@@ -177,6 +178,30 @@ class AsyncLLMEngine:
         # Published by the engine thread after each step (plain int reads are atomic).
         self.num_waiting = 0
         self.num_running = 0
+
+    # -- what the server reads of the engine it drives ----------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    @property
+    def max_logprobs(self) -> int:
+        """--max-logprobs: the most logprobs a request may ask for per token (-1: no cap)."""
+        return self.engine.config.max_logprobs
+
+    @property
+    def reasoning_parser(self) -> str | None:
+        return self.engine.config.reasoning_parser
+
+    @property
+    def structured(self) -> StructuredOutputManager:
+        """The engine's grammars: which are built (holds), and who hears of each compile (listener)."""
+        return self.engine.structured
+
+    @property
+    def executor_state(self) -> str:
+        """What decode steps run: eager, compiled, or compiling (eager meanwhile)."""
+        return self.engine.executor_state
 
     # -- life cycle ---------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -330,7 +355,7 @@ class AsyncLLMEngine:
             except Exception as e:  # noqa: BLE001 -- handed to the caller, who answers the client
                 self._call_in_loop(self._resolve, ack, e)
                 return True
-            children = list(self.engine.groups[rid].children)
+            children = list(self.engine.parents[rid].children)
             timing.num_prompt_tokens = children[0].num_prompt_tokens
             timing.n, timing.max_tokens = params.n, params.max_tokens
             self._tracked[rid] = _Tracked(children, timing, [0] * len(children), [False] * len(children))
@@ -476,7 +501,7 @@ class AsyncLLMEngine:
         engine = self.engine
         engine.add_request(rid, {"prompt_token_ids": ids}, params)
         try:
-            while rid in engine.groups:
+            while rid in engine.parents:
                 engine.step()
         finally:
             engine.abort_request(rid)

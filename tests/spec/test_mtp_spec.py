@@ -244,7 +244,7 @@ def test_drafts_equal_a_full_recompute(tiny_model_dir, mtp_model, layout, monkey
                    max_num_seqs=4)
     eng = llm.engine
     eng.add_request("x", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    req = eng.groups["x"].children[0]
+    req = eng.parents["x"].children[0]
     while req.draft is None:
         eng.step()
     drafts, sampled = list(req.draft.token_ids), req.token_ids[-1]
