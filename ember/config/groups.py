@@ -35,7 +35,7 @@ def need(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
-def one_of(value: Any, choices: tuple, flag: str) -> None:
+def one_of(value: object, choices: tuple, flag: str) -> None:
     need(value in choices, f"{flag} {value!r} is not one of {', '.join(choices)}")
 
 

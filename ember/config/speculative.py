@@ -51,7 +51,7 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
 
 
-def _method_alias(name: Any) -> str:
+def _method_alias(name: object) -> str:
     if not isinstance(name, str):
         raise ConfigError(f"speculative method {name!r} must be a string: one of {', '.join(METHODS)}")
     m = speculative_method(name)
@@ -167,7 +167,7 @@ def _validate(method: str, m: dict[str, Any], cfg) -> SpeculativeConfig:
         if not cond:
             raise ConfigError(msg)
 
-    def is_int(v: Any) -> bool:
+    def is_int(v: object) -> bool:
         return isinstance(v, int) and not isinstance(v, bool)
 
     k = m.get("num_speculative_tokens")

@@ -27,6 +27,7 @@ from ember.outputs import PositionLogprobs
 from ember.sampling import SamplingParams
 
 if TYPE_CHECKING:  # the engine pulls in torch; `ember --help` should not
+    from ember.engine.engine import PromptType
     from ember.engine.engine import LLMEngine
     from ember.structured.manager import StructuredOutputManager
 
@@ -147,7 +148,7 @@ class RequestStream:
 @dataclass
 class AddCommand:
     request_id: str
-    prompt: Any
+    prompt: PromptType
     params: SamplingParams
     timing: RequestTiming
     ack: asyncio.Future  # resolved in the loop: None when accepted, else the engine's error
@@ -265,7 +266,7 @@ class AsyncLLMEngine:
         return self._ready.wait(timeout)
 
     # -- the asyncio side ---------------------------------------------------------------------
-    async def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                           arrival: float | None = None) -> RequestStream:
         """Queue a request; returns its stream once the engine thread accepted it.
 

@@ -24,6 +24,9 @@ from ember.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger("ember")
 
+# What add_request takes: text, token ids, or vLLM's dict form ({"prompt": ...} / {"prompt_token_ids": ...})
+PromptType = str | list[int] | dict
+
 
 @dataclass
 class ParentRequest:
@@ -108,7 +111,7 @@ class LLMEngine:
         return self.core.copies.note()
 
     # -- requests ----------------------------------------------------------------------------
-    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
@@ -122,7 +125,7 @@ class LLMEngine:
             return None, list(prompt)
         raise InvalidRequestError(f"a prompt must be a string, a list of token ids or a dict, not {type(prompt).__name__}")
 
-    def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None) -> str:
+    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None) -> str:
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.parents:

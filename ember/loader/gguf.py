@@ -89,12 +89,12 @@ class GGUFCheckpoint:
 
     # ---- metadata -------------------------------------------------------------------------
 
-    def metadata(self, key: str, default: Any = None) -> Any:
+    def metadata(self, key: str, default: object = None) -> Any:
         """A metadata value by its GGUF key (arrays come back as lists)."""
         field = self._reader.fields.get(key)
         return default if field is None else field.contents()
 
-    def _arch(self, key: str, default: Any = None) -> Any:
+    def _arch(self, key: str, default: object = None) -> Any:
         return self.metadata(f"{self.architecture}.{key}", default)
 
     def _arch_required(self, key: str) -> Any:
