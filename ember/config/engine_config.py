@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ember.config.aliases import ATTENTION_BACKEND_ALIASES, DTYPE_ALIASES, QUANTIZATION_ALIASES, SPEC_MODEL_MTP
-from ember.config.groups import (ATTENTION_BACKENDS, CPU_KV_CAP_GIB, CPU_KV_FRACTION, DEVICES, EXECUTORS,
+from ember.config.groups import (ATTENTION_BACKENDS, CPU_KV_CAP_GIB, DEFAULT_MAX_NUM_SEQS, CPU_KV_FRACTION, DEVICES, EXECUTORS,
                                  KV_CACHE_DTYPES, QUANTIZATION_CHOICES, CacheConfig, ExecutorConfig, KernelConfig,
                                  LoadConfig, ParallelConfig, SchedulerConfig, need)
 from ember.config.speculative import SpeculativeConfig, resolve_speculative_config
@@ -71,7 +71,8 @@ class EngineConfig:
     max_model_len: int | None = flag(None, "scheduler", "longest sequence (prompt + output); default: the model's "
                                                         "context length")
     max_num_batched_tokens: int = flag(2048, "scheduler", "token budget of one step (decodes + prefill chunks)")
-    max_num_seqs: int | None = flag(None, "scheduler", "most sequences in one step (default 16 on CPU, 64 on CUDA)")
+    max_num_seqs: int | None = flag(None, "scheduler", "most sequences in one step (default "
+                                    + ", ".join(f"{n} on {d.upper()}" for d, n in DEFAULT_MAX_NUM_SEQS.items()) + ")")
     enable_chunked_prefill: bool = flag(True, "scheduler", "split long prompts over several steps")
     # -- executor
     enforce_eager: bool = flag(False, "executor", "never use CUDA graphs or torch.compile (= --executor eager)")

@@ -84,23 +84,25 @@ class CacheConfig:
              f"--gpu-memory-utilization must be in (0, 1] (got {self.gpu_memory_utilization})")
 
 
+# --max-num-seqs when not given, per device type: CPU steps are bandwidth-bound from a few rows,
+# a GPU's take many sequences before they cost more than one
+DEFAULT_MAX_NUM_SEQS = {"cpu": 16, "cuda": 64}
+
+
 @dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
     """The step's token budget and who shares it."""
 
     max_model_len: int | None  # None: the model's context length
     max_num_batched_tokens: int
-    max_num_seqs: int | None  # None: 16 on CPU, 64 on CUDA
+    max_num_seqs: int | None  # None: DEFAULT_MAX_NUM_SEQS of the device type
     enable_chunked_prefill: bool
 
     def __post_init__(self) -> None:
         need(self.max_num_batched_tokens >= 1, f"--max-num-batched-tokens must be >= 1 (got {self.max_num_batched_tokens})")
         if self.max_num_seqs is not None:
             need(self.max_num_seqs >= 1, f"--max-num-seqs must be >= 1 (got {self.max_num_seqs})")
-            need(self.max_num_seqs <= self.max_num_batched_tokens,
-                 f"--max-num-seqs {self.max_num_seqs} exceeds --max-num-batched-tokens {self.max_num_batched_tokens}: "
-                 "every running sequence needs at least one token of the step budget; raise the budget or lower "
-                 "--max-num-seqs")
+            self._check_budget(self.max_num_seqs)
         if self.max_model_len is not None:
             need(self.max_model_len >= 2, f"--max-model-len must be >= 2 (got {self.max_model_len})")
             if not self.enable_chunked_prefill:
@@ -110,7 +112,17 @@ class SchedulerConfig:
                      "--max-model-len, or drop --no-enable-chunked-prefill")
 
     def default_max_num_seqs(self, device_type: str) -> int:
-        return self.max_num_seqs or (64 if device_type == "cuda" else 16)
+        """--max-num-seqs, or its default on this device type; refused when the step budget cannot give
+        each of them a token."""
+        n = self.max_num_seqs or DEFAULT_MAX_NUM_SEQS[device_type]
+        self._check_budget(n)
+        return n
+
+    def _check_budget(self, max_num_seqs: int) -> None:
+        need(max_num_seqs <= self.max_num_batched_tokens,
+             f"--max-num-seqs {max_num_seqs} exceeds --max-num-batched-tokens {self.max_num_batched_tokens}: "
+             "every running sequence needs at least one token of the step budget; raise the budget or lower "
+             "--max-num-seqs")
 
 
 @dataclass(frozen=True, kw_only=True)
