@@ -1,7 +1,7 @@
 """Engine flags for every subcommand, generated from EngineConfig so CLI and LLM(**knobs) never drift.
 
 Each flag lands in the `--help` group of the sub-config it feeds (EngineConfig's field metadata).
-Other engines' spellings of them (ember.flag_aliases) are accepted too, each with a one-line note.
+Other engines' spellings of them (ember.config.aliases) are accepted too, each with a one-line note.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import types
 import typing
 
 from ember.config import EngineConfig
-from ember.flag_aliases import add_aliases, check_aliases
+from ember.config.aliases import add_aliases, check_aliases
 
 logger = logging.getLogger("ember")
 

@@ -1,7 +1,7 @@
 """SGLang's launch line, for ember: `python -m ember.launch_server --model-path M --context-length N ...`.
 
 The same server and flags as `ember serve` (SGLang's flag names are accepted with a note, see
-ember.flag_aliases), listening on SGLang's default port 30000 unless --port says otherwise.
+ember.config.aliases), listening on SGLang's default port 30000 unless --port says otherwise.
 """
 from __future__ import annotations
 

@@ -10,23 +10,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from ember.config.architectures import ARCHITECTURES, Architecture
 from ember.errors import ModelLoadError
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "Qwen3MoeForCausalLM",
-    "Qwen3NextForCausalLM",
-    "Qwen3_5ForCausalLM",
-    "Qwen3_5MoeForCausalLM",
-    "Qwen3_5ForConditionalGeneration",
-    "Qwen3_5MoeForConditionalGeneration",
-)
-# Hybrid models: Gated DeltaNet (linear attention, recurrent state) layers between full-attention ones.
-HYBRID_ARCHITECTURES = SUPPORTED_ARCHITECTURES[4:]
-# The vision-language checkpoints, served as their text model (config under "text_config").
-VL_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 
 
@@ -85,8 +71,13 @@ class ModelConfig:
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
+    def traits(self) -> Architecture:
+        """This architecture's row of the table (ember.config.architectures)."""
+        return ARCHITECTURES[self.architecture]
+
+    @property
     def is_hybrid(self) -> bool:
-        return self.architecture in HYBRID_ARCHITECTURES
+        return self.traits.hybrid
 
     @property
     def attention_layers(self) -> list[int]:
@@ -115,8 +106,8 @@ class ModelConfig:
         return n * (conv + ssm)
 
     def is_moe_layer(self, layer_idx: int) -> bool:
-        if self.architecture in ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"):
-            return True  # every Qwen3.5-MoE layer is sparse
+        if self.traits.all_layers_moe:
+            return True
         return (
             self.num_experts > 0
             and layer_idx not in self.mlp_only_layers
@@ -131,13 +122,14 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
         archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        arch = next((a for a in archs if a in ARCHITECTURES), None)
         if arch is None:
             raise ModelLoadError(
                 f"unsupported architecture {archs or cfg.get('model_type')!r}; ember supports "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"{', '.join(ARCHITECTURES)}"
             )
-        if arch in VL_ARCHITECTURES:
+        traits = ARCHITECTURES[arch]
+        if traits.vision_language:
             cfg = text_config(cfg)
         try:
             hidden = int(cfg["hidden_size"])
@@ -156,12 +148,12 @@ class ModelConfig:
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
                 rope=_parse_rope(cfg),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-                qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") or arch in HYBRID_ARCHITECTURES,
-                num_experts=int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) if _is_moe_arch(arch) else 0,
+                attention_bias=bool(cfg.get("attention_bias", traits.attention_bias)),
+                qk_norm=traits.qk_norm,
+                num_experts=int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) if traits.moe else 0,
                 num_experts_per_tok=int(cfg.get("num_experts_per_tok", 0) or 0),
                 moe_intermediate_size=int(cfg.get("moe_intermediate_size", 0) or 0),
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", "Qwen3_5Moe" in arch)),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", traits.norm_topk_prob)),
                 decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1) or 1),
                 mlp_only_layers=list(cfg.get("mlp_only_layers") or []),
                 **_hybrid_fields(arch, cfg),
@@ -186,10 +178,6 @@ class ModelConfig:
         return cls.from_dict(cfg)
 
 
-def _is_moe_arch(arch: str) -> bool:
-    return arch in ("Qwen3MoeForCausalLM", "Qwen3NextForCausalLM") or "Qwen3_5Moe" in arch
-
-
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """A vision-language checkpoint's text model config, as a plain CausalLM config dict (the
     top-level tie_word_embeddings and architectures win: they describe the checkpoint)."""
@@ -207,7 +195,7 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def _hybrid_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """Qwen3-Next / Qwen3.5 keys; refuses the variants ember does not implement, by name."""
-    if arch not in HYBRID_ARCHITECTURES:
+    if not ARCHITECTURES[arch].hybrid:
         return {}
     n = int(cfg["num_hidden_layers"])
     types = cfg.get("layer_types")
@@ -254,7 +242,7 @@ def _parse_rope(cfg: dict[str, Any]) -> RopeConfig:
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     rope = RopeConfig(theta=float(theta), type=rope_type)
     # Qwen3-Next / Qwen3.5 rotate a quarter of head_dim when the config does not say (transformers' default)
-    hybrid = any(a in HYBRID_ARCHITECTURES for a in cfg.get("architectures") or [])
+    hybrid = any(a in ARCHITECTURES and ARCHITECTURES[a].hybrid for a in cfg.get("architectures") or [])
     rope.partial_rotary_factor = float(params.get("partial_rotary_factor",
                                                   cfg.get("partial_rotary_factor", 0.25 if hybrid else 1.0)))
     if rope_type == "default":

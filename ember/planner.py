@@ -31,6 +31,7 @@ import math
 import os
 from dataclasses import asdict, dataclass
 
+from ember.config import EngineConfig
 from ember.errors import ConfigError, KVCacheTooSmallError, ModelLoadError, UnsupportedModelError
 from ember.model_config import ModelConfig
 from ember.platform import available_ram_bytes, resolve_dtype_name
@@ -144,7 +145,7 @@ def weight_inventory(mc: ModelConfig, tp: int = 1, extra_layers: int = 0) -> tup
             linears += [(2 * i, H), (H, i)]
             dense += H
         if mc.attention_bias:
-            dense += (hq + 2 * hkv) * D + (H if mc.architecture != "Qwen2ForCausalLM" else 0)
+            dense += (hq + 2 * hkv) * D + (0 if mc.traits.qkv_bias_only else H)
         if mc.is_moe_layer(min(layer, mc.num_layers - 1)):
             i = c(mc.moe_intermediate_size)
             linears += [(2 * i, H), (H, i)] * mc.num_experts
@@ -297,33 +298,31 @@ def default_memory_gib(device: str) -> float:
     return available_ram_bytes() / GiB
 
 
-def plan(model: str | None = None, *, memory_gib: float | None = None, max_model_len: int | None = None,
-         kv_cache_dtype: str = "auto", quantization: str = "auto", tensor_parallel_size: int = 1,
-         num_speculative_tokens: int = 0, dtype: str = "auto", device: str = "cuda", block_size: int = 16,
-         max_num_seqs: int | None = None, max_num_batched_tokens: int = 2048,
-         gpu_memory_utilization: float = 0.9, speculative_model: str | None = None) -> Plan:
-    """speculative_model: a separate MTP folder whose layers speculation adds (with num_speculative_tokens > 0)
-    instead of the config's own, or a draft model (any folder or .gguf that is not MTP weights, as
-    ember.config.speculative decides): its KV layers join the pool (same blocks) and its weights the total."""
-    if tensor_parallel_size < 1:
-        raise ConfigError(f"--tensor-parallel-size must be >= 1 (got {tensor_parallel_size})")
-    src = load_source(model)
-    mc, tp = src.mc, tensor_parallel_size
-    quant, group = resolve_quantization(src, quantization)
-    dtype = resolve_dtype_name(dtype, device)
-    b = DTYPE_BYTES[dtype]
-    extra = 0
-    draft = None
-    if num_speculative_tokens > 0:
-        from ember.config.speculative import is_mtp_folder
+def plan(config: EngineConfig, memory_gib: float | None = None) -> Plan:
+    """The memory plan of an engine started with these flags, without loading the model.
 
-        if speculative_model and not is_mtp_folder(speculative_model, src.path):
-            draft = load_source(speculative_model)
-        else:
-            extra = folder_mtp_layers(speculative_model) if speculative_model else mtp_layers(mc)
-    max_num_seqs = max_num_seqs or (64 if device == "cuda" else 16)
-    elem = kv_elem_bytes(kv_cache_dtype, b)
-    per_token = kv_bytes_per_token(mc, elem, tp, num_speculative_tokens, extra)
+    --device auto plans for CUDA (a plan is for the card the model will run on; --device cpu plans
+    against this machine's RAM). memory_gib: the device's memory (None: the CUDA device's, or the
+    available RAM). Speculation counts as the engine would run it: an MTP proposer's layers (the
+    model's own, or a separate MTP folder's; the default model's trained head by default) join the
+    KV pool, a draft model's layers join it too (same blocks) and its weights the total."""
+    device = "cuda" if config.device == "auto" else config.device
+    tp = config.tensor_parallel_size
+    src = load_source(config.model)
+    mc = src.mc
+    quant, group = resolve_quantization(src, config.quantization)
+    dtype = resolve_dtype_name(config.dtype, device)
+    b = DTYPE_BYTES[dtype]
+    spec = config.speculative
+    extra, draft = 0, None
+    if spec is not None and spec.method == "mtp":
+        extra = folder_mtp_layers(spec.model) if spec.model else mtp_layers(mc)
+    elif spec is not None and spec.method == "draft":
+        draft = load_source(spec.model)
+    sched = config.scheduler_config
+    max_num_seqs = sched.default_max_num_seqs(device)
+    elem = kv_elem_bytes(config.kv_cache_dtype, b)
+    per_token = kv_bytes_per_token(mc, elem, tp, num_mtp_layers=extra)
     weights = weight_bytes(mc, quant, b, tp, extra, group, src.gguf_bytes)
     draft_kv = 0
     if draft is not None:  # unsharded, as ember.spec.draft loads it
@@ -331,19 +330,21 @@ def plan(model: str | None = None, *, memory_gib: float | None = None, max_model
         dquant, dgroup = resolve_quantization(draft, "auto")
         per_token += draft_kv
         weights += weight_bytes(draft.mc, dquant, b, 1, 0, dgroup, draft.gguf_bytes)
-    act = activation_bytes(mc, b, tp, max_num_batched_tokens, max_num_seqs)
+    act = activation_bytes(mc, b, tp, sched.max_num_batched_tokens, max_num_seqs)
     cuda = cuda_reserve_bytes(mc, b, tp, max_num_seqs) if device == "cuda" else 0
     memory = int((memory_gib if memory_gib is not None else default_memory_gib(device)) * GiB)
-    usable = int(memory * (gpu_memory_utilization if device == "cuda" else 1.0))
+    usable = int(memory * (config.gpu_memory_utilization if device == "cuda" else 1.0))
     budget = max(0, usable - weights - act - cuda)
     state_seq = mc.state_bytes_per_seq(b, tp) if mc.is_hybrid else 0
-    slots = 3 * max_num_seqs if mc.is_hybrid else 0  # the engine's default: max_num_seqs + 2 x max_num_seqs snapshots
+    # the engine's slots: one live state per sequence, plus the prefix cache's snapshots
+    slots = max_num_seqs + config.cache_config.state_snapshots(max_num_seqs) if mc.is_hybrid else 0
+    block_size = config.block_size
     pool = kv_pool(max(0, budget - state_seq * slots), per_token * block_size, block_size)
     context = mc.max_position_embeddings
-    if max_model_len is not None and max_model_len > context:
-        raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's context length {context}")
-    want = max_model_len or context
-    return Plan(src.path, mc.architecture, device, dtype, kv_cache_dtype, quant, tp, num_parameters(mc, extra),
+    if sched.max_model_len is not None and sched.max_model_len > context:
+        raise ConfigError(f"--max-model-len {sched.max_model_len} exceeds the model's context length {context}")
+    want = sched.max_model_len or context
+    return Plan(src.path, mc.architecture, device, dtype, config.kv_cache_dtype, quant, tp, num_parameters(mc, extra),
                 weights, mc.num_kv_layers + extra, kv_heads_per_device(mc, tp), mc.head_dim, elem, per_token, act, cuda,
                 memory, usable, budget, block_size, pool.tokens, context, want, min(context, pool.tokens),
                 pool.tokens / want, pool.tokens >= want and state_seq * slots < budget, draft_kv, state_seq, slots)

@@ -9,7 +9,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from ember.engine.detokenizer import IncrementalDetokenizer
+    from ember.sampling import SamplingParams
+    from ember.spec.adaptive import SpecState
+    from ember.structured.manager import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -32,7 +40,7 @@ class Draft:
     token_ids: list[int]
     # [len(token_ids), V] draft distributions q (torch), or None for deterministic drafts
     # (n-gram, argmax MTP): q is then one-hot and the rejection sampler accepts with p(x).
-    probs: Any = None
+    probs: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -50,7 +58,7 @@ class Request:
     short: a prefill chunk); only a step that reaches num_tokens produces a new token.
     """
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: Any,
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None,
                  prompt: str | None = None, arrival_time: float | None = None):
         self.request_id = request_id
         self.prompt = prompt
@@ -74,16 +82,16 @@ class Request:
         self.stop_reason: int | str | None = None
         # Speculative decoding: draft tokens proposed for the next step (a Draft,
         # consumed when scheduled) and the adaptive-k state (ember.spec.adaptive.SpecState).
-        self.draft: Any = None
-        self.spec_state: Any = None
+        self.draft: Draft | None = None
+        self.spec_state: SpecState | None = None
         # Structured outputs: the request's grammar and matcher (ember.structured.manager.GrammarState).
-        self.grammar: Any = None
+        self.grammar: GrammarState | None = None
         # Filled by the engine: detokenizer, logprobs, parent for n > 1.
         self.logprobs: list | None = None
         # SamplingParams.prompt_logprobs: one PositionLogprobs per prompt token (None for the first),
         # filled chunk by chunk during prefill.
         self.prompt_logprobs: list | None = None
-        self.detokenizer: Any = None
+        self.detokenizer: IncrementalDetokenizer | None = None
         self.parent_id: str | None = None
         self.index = 0
 

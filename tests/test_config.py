@@ -45,7 +45,9 @@ def test_config_is_a_light_import():
 
 
 def test_cpu_kernels_follow_the_flags():
-    off = KernelConfig("auto", None, False, False, False, False, False, None, None)
+    off = KernelConfig(attention_backend="auto", num_threads=None, paged_attention=False, flash_attention=False,
+                       tiled_gemv=False, int8_activations=False, fused_elementwise=False, int8_decode=None,
+                       int4_dense_copy=None)
     assert CpuKernels.select(off, "cpu", torch.float32) == CpuKernels.none()
     assert CpuKernels.select(EngineConfig().kernel_config, "cuda", torch.bfloat16) == CpuKernels.none()
     on = CpuKernels.select(EngineConfig().kernel_config, "cpu", torch.float32)

@@ -96,8 +96,9 @@ def _all_logits(engine, ids: list[int]) -> torch.Tensor:
     req = Request("logits", ids, sampling_params=None)
     assert engine.kv.allocate_slots(req, len(ids))
     try:
-        i, p, meta, _, _ = engine.runner.prepare(SchedulerOutput(scheduled=[(req, len(ids))]))
-        return engine.runner.model.compute_logits(engine.runner.model(i, p, engine.runner.kv_caches, meta)).float()
+        b = engine.runner.prepare(SchedulerOutput(scheduled=[(req, len(ids))]))
+        hidden = engine.runner.model(b.input_ids, b.positions, engine.runner.kv_caches, b.meta)
+        return engine.runner.model.compute_logits(hidden).float()
     finally:
         engine.kv.free(req)
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ember import planner
+from ember.config import EngineConfig
 from ember.entrypoints.cli import main
 from ember.errors import ConfigError, KVCacheTooSmallError
 from ember.loader.model_loader import count_parameters
@@ -23,6 +24,11 @@ SEED = {"architectures": ["LlamaForCausalLM"], "hidden_size": 8192, "intermediat
 H, I, V, L, D = 8192, 28672, 128256, 80, 128
 
 
+def planned(model, memory_gib=None, **flags) -> planner.Plan:
+    """The plan of the engine these flags would start (ember plan's arithmetic)."""
+    return planner.plan(EngineConfig(model=model, **flags), memory_gib=memory_gib)
+
+
 @pytest.fixture
 def seed_config(tmp_path):
     path = tmp_path / "config.json"
@@ -35,9 +41,9 @@ def test_seed_example_kv_bytes(seed_config):
     assert planner.kv_bytes_per_token(mc, 2) == 2 * 80 * 8 * 128 * 2 == 327_680
     assert planner.kv_bytes_per_token(mc, 2) * 50_000 == 16_384_000_000  # 50K tokens ~ 16.4e9 B
     assert planner.kv_bytes_per_token(ModelConfig.from_dict(SEED | {"num_hidden_layers": 40}), 2) == 163_840
-    p = planner.plan(seed_config, dtype="float16", memory_gib=200, max_model_len=50_000)
+    p = planned(seed_config, dtype="float16", memory_gib=200, max_model_len=50_000)
     assert p.kv_bytes_per_token == 327_680
-    p8 = planner.plan(seed_config, dtype="float16", memory_gib=200, max_model_len=50_000, kv_cache_dtype="fp8")
+    p8 = planned(seed_config, dtype="float16", memory_gib=200, max_model_len=50_000, kv_cache_dtype="fp8")
     assert p8.kv_bytes_per_token == 163_840
     assert p8.kv_budget_bytes == p.kv_budget_bytes
     assert 0 <= p8.pool_tokens - 2 * p.pool_tokens <= 16  # twice the tokens (whole blocks of 16)
@@ -46,7 +52,7 @@ def test_seed_example_kv_bytes(seed_config):
 def test_seed_example_weights_and_budget(seed_config):
     layer_linear = (64 + 2 * 8) * D * H + H * 64 * D + 3 * H * I
     linear, dense = L * layer_linear, L * 2 * H + 2 * V * H + H
-    p = planner.plan(seed_config, dtype="float16", memory_gib=200, max_model_len=50_000, device="cuda")
+    p = planned(seed_config, dtype="float16", memory_gib=200, max_model_len=50_000, device="cuda")
     assert p.num_parameters == linear + dense == 70_553_706_496  # Llama-3-70B's count
     assert p.weight_bytes == 2 * (linear + dense)
     per_token_act = (2 * H + (2 * 64 + 2 * 8) * D + 3 * I) * 2
@@ -57,31 +63,33 @@ def test_seed_example_weights_and_budget(seed_config):
     block = 327_680 * 16
     assert p.pool_tokens == p.kv_budget_bytes // block * 16
     assert p.fits and p.largest_max_model_len == min(131072, p.pool_tokens) and p.concurrency == pytest.approx(p.pool_tokens / 50_000)
-    awq = planner.plan(seed_config, dtype="float16", memory_gib=200, quantization="awq")
+    awq = planned(seed_config, dtype="float16", memory_gib=200, quantization="awq")
     assert awq.weight_bytes == math.ceil(linear * (0.5 + 2.5 / 128)) + 2 * dense
 
 
 def test_tensor_parallel_per_device(seed_config):
-    p = planner.plan(seed_config, dtype="float16", memory_gib=80, tensor_parallel_size=2)
+    p = planned(seed_config, dtype="float16", memory_gib=80, tensor_parallel_size=2)
     assert p.kv_bytes_per_token == 2 * 80 * 4 * 128 * 2 == 163_840  # 4 of the 8 kv heads per device
     layer_linear = (32 + 2 * 4) * D * H + H * 32 * D + 3 * H * (I // 2)
     assert p.weight_bytes == 2 * (L * layer_linear + L * 2 * H + 2 * (V // 2) * H + H)  # norms replicated
     # More devices than kv heads: each device keeps one kv head (replicated k/v).
-    p16 = planner.plan(seed_config, dtype="float16", memory_gib=80, tensor_parallel_size=16)
+    p16 = planned(seed_config, dtype="float16", memory_gib=80, tensor_parallel_size=16)
     assert p16.kv_bytes_per_token == 2 * 80 * 1 * 128 * 2 and p16.kv_heads_per_device == 1
 
 
 def test_mtp_layers_count_with_speculative_tokens(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(SEED | {"num_nextn_predict_layers": 1}))
-    assert planner.plan(str(path), dtype="float16", memory_gib=200).kv_bytes_per_token == 327_680
-    spec = planner.plan(str(path), dtype="float16", memory_gib=200, num_speculative_tokens=2)
+    assert planned(str(path), dtype="float16", memory_gib=200).kv_bytes_per_token == 327_680
+    spec = planned(str(path), dtype="float16", memory_gib=200, enable_mtp=True, num_speculative_tokens=2)
     assert spec.kv_bytes_per_token == 2 * 81 * 8 * 128 * 2 and spec.kv_layers == 81
 
 
 def test_default_model_by_hand():
-    """SmolLM2-135M (Q4_1 GGUF): 30 layers, 3 kv heads of 64, hidden 576, intermediate 1536, vocab 49152."""
-    p = planner.plan(None, dtype="bfloat16", device="cpu", memory_gib=4)
+    """SmolLM2-135M (Q4_1 GGUF): 30 layers, 3 kv heads of 64, hidden 576, intermediate 1536, vocab 49152.
+    The engine speculates with the default model's MTP head unless told not to: one more KV layer."""
+    assert planned(None, dtype="bfloat16", device="cpu", memory_gib=4).kv_layers == 31
+    p = planned(None, dtype="bfloat16", device="cpu", memory_gib=4, enable_mtp=False)
     assert p.kv_bytes_per_token == 2 * 30 * 3 * 64 * 2 == 23_040
     assert (p.quantization, p.num_parameters, p.weight_bytes) == ("gguf", 134_515_008, 96_576_768)  # the file's
     assert p.activation_bytes == 2048 * (2 * 576 + (18 + 6) * 64 + 3 * 1536) * 2 + 2 * 16 * 49152 * 4
@@ -89,8 +97,9 @@ def test_default_model_by_hand():
     assert p.kv_budget_bytes == 4 * GiB - 96_576_768 - p.activation_bytes
     assert p.pool_tokens == p.kv_budget_bytes // (23_040 * 16) * 16
     assert p.max_model_len == p.largest_max_model_len == 8192  # capped by the model's context
-    assert planner.plan(None, dtype="bfloat16", device="cpu", memory_gib=4, kv_cache_dtype="fp8").kv_bytes_per_token == 11_520
-    dense = planner.plan(None, dtype="bfloat16", device="cpu", memory_gib=4, quantization="none")
+    fp8 = planned(None, dtype="bfloat16", device="cpu", memory_gib=4, kv_cache_dtype="fp8", enable_mtp=False)
+    assert fp8.kv_bytes_per_token == 11_520
+    dense = planned(None, dtype="bfloat16", device="cpu", memory_gib=4, quantization="none", enable_mtp=False)
     assert dense.weight_bytes == 134_515_008 * 2
 
 
@@ -98,13 +107,13 @@ def test_config_only_folder_and_path(seed_config, tmp_path):
     folder = tmp_path / "only-config"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(SEED | {"quantization_config": {"quant_method": "awq", "group_size": 64}}))
-    p = planner.plan(str(folder), dtype="float16", memory_gib=48, max_model_len=4096)
+    p = planned(str(folder), dtype="float16", memory_gib=48, max_model_len=4096)
     assert p.quantization == "awq" and p.kv_bytes_per_token == 327_680
     assert p.weight_bytes == planner.weight_bytes(ModelConfig.from_dict(SEED), "awq", 2, group_size=64)
     with pytest.raises(ConfigError, match="exceeds the model's context"):
-        planner.plan(seed_config, memory_gib=24, max_model_len=200_000)
+        planned(seed_config, memory_gib=24, max_model_len=200_000)
     with pytest.raises(ConfigError, match=".gguf"):
-        planner.plan(seed_config, memory_gib=24, quantization="gguf")
+        planned(seed_config, memory_gib=24, quantization="gguf")
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe"])
@@ -148,7 +157,7 @@ def test_hybrid_plan_counts_attention_kv_and_the_recurrent_state(tmp_path, capsy
     """Qwen3-Next-80B-A3B's published shape: 12 of 48 layers keep KV; a sequence's state (36 linear
     layers x 32 heads x 128 x 128 fp32 + the bf16 conv window) is ~74 MiB (hybrid.md); 79.7 B parameters."""
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_NEXT_80B))
-    p = planner.plan(str(tmp_path), memory_gib=256, max_model_len=32768, dtype="bfloat16", device="cpu")
+    p = planned(str(tmp_path), memory_gib=256, max_model_len=32768, dtype="bfloat16", device="cpu")
     assert p.kv_layers == 12 and p.kv_bytes_per_token == 2 * 12 * 2 * 256 * 2
     assert p.state_bytes_per_seq == 36 * (32 * 128 * 128 * 4 + 8192 * 3 * 2)
     assert round(p.state_bytes_per_seq / 2**20) == 74
@@ -157,5 +166,5 @@ def test_hybrid_plan_counts_attention_kv_and_the_recurrent_state(tmp_path, capsy
     main(["plan", str(tmp_path), "--memory", "256", "--max-model-len", "32768", "--dtype", "bfloat16", "--device", "cpu"])
     out = capsys.readouterr().out
     assert "recurrent state" in out and "sequences that fit" in out
-    tiny = planner.plan(str(tmp_path), memory_gib=150.5, max_model_len=32768, dtype="bfloat16", device="cpu")
+    tiny = planned(str(tmp_path), memory_gib=150.5, max_model_len=32768, dtype="bfloat16", device="cpu")
     assert not tiny.fits  # the weights leave less than the states need

@@ -16,7 +16,8 @@ import importlib.util
 import logging
 import os
 
-from ember.config.groups import ATTENTION_BACKEND_ALIASES, ATTENTION_BACKENDS
+from ember.config.aliases import ATTENTION_BACKEND_ALIASES
+from ember.config.groups import ATTENTION_BACKENDS
 from ember.errors import ConfigError
 
 logger = logging.getLogger("ember")

@@ -24,7 +24,8 @@ import logging
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ember.config.groups import (ATTENTION_BACKEND_ALIASES, ATTENTION_BACKENDS, CPU_KV_CAP_GIB, CPU_KV_FRACTION, DEVICES, EXECUTORS,
+from ember.config.aliases import ATTENTION_BACKEND_ALIASES, DTYPE_ALIASES, QUANTIZATION_ALIASES, SPEC_MODEL_MTP
+from ember.config.groups import (ATTENTION_BACKENDS, CPU_KV_CAP_GIB, DEFAULT_MAX_NUM_SEQS, CPU_KV_FRACTION, DEVICES, EXECUTORS,
                                  KV_CACHE_DTYPES, QUANTIZATION_CHOICES, CacheConfig, ExecutorConfig, KernelConfig,
                                  LoadConfig, ParallelConfig, SchedulerConfig, need)
 from ember.config.speculative import SpeculativeConfig, resolve_speculative_config
@@ -32,12 +33,6 @@ from ember.errors import ConfigError
 from ember.platform import DTYPES
 
 logger = logging.getLogger("ember")
-# --speculative-model values that mean "the model's own MTP layers" (older vLLM and the seeds)
-SPEC_MODEL_MTP = ("mtp", "[mtp]", "deepseek_mtp", "qwen3_next_mtp", "qwen3_5_mtp")
-# vLLM's other names of dtypes
-DTYPE_ALIASES = {"half": "float16", "float": "float32"}
-# vLLM's kernel-specific quantization names -> the weight format ember loads
-QUANTIZATION_ALIASES = {"awq_marlin": "awq"}
 
 
 def flag(default: Any, group: str, help: str, **more: Any):
@@ -76,7 +71,8 @@ class EngineConfig:
     max_model_len: int | None = flag(None, "scheduler", "longest sequence (prompt + output); default: the model's "
                                                         "context length")
     max_num_batched_tokens: int = flag(2048, "scheduler", "token budget of one step (decodes + prefill chunks)")
-    max_num_seqs: int | None = flag(None, "scheduler", "most sequences in one step (default 16 on CPU, 64 on CUDA)")
+    max_num_seqs: int | None = flag(None, "scheduler", "most sequences in one step (default "
+                                    + ", ".join(f"{n} on {d.upper()}" for d, n in DEFAULT_MAX_NUM_SEQS.items()) + ")")
     enable_chunked_prefill: bool = flag(True, "scheduler", "split long prompts over several steps")
     # -- executor
     enforce_eager: bool = flag(False, "executor", "never use CUDA graphs or torch.compile (= --executor eager)")
@@ -185,23 +181,30 @@ class EngineConfig:
 
     def validate(self) -> None:
         """Build the sub-configs from the flags (each checks its own), then the rules across them."""
-        self.load_config = LoadConfig(self.model, self.tokenizer, self.dtype, self.device, self.quantization, self.seed)
+        self.load_config = LoadConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype, device=self.device,
+                                      quantization=self.quantization, seed=self.seed)
         self.kernel_config = KernelConfig(
-            self.attention_backend, self.num_threads, self.cpu_paged_attention, self.cpu_flash_attention,
-            self.cpu_tiled_gemv, self.cpu_int8_activations, self.cpu_fused_elementwise, self.int8_decode,
-            self.int4_dense_copy)
+            attention_backend=self.attention_backend, num_threads=self.num_threads,
+            paged_attention=self.cpu_paged_attention, flash_attention=self.cpu_flash_attention,
+            tiled_gemv=self.cpu_tiled_gemv, int8_activations=self.cpu_int8_activations,
+            fused_elementwise=self.cpu_fused_elementwise, int8_decode=self.int8_decode,
+            int4_dense_copy=self.int4_dense_copy)
         if self.attention_backend == "triton" and self.device == "cpu":
             from ember.config.attention import resolve_attention_backend
 
             resolve_attention_backend("triton", "cpu")  # refuses unless TRITON_INTERPRET=1, saying what to change
-        self.cache_config = CacheConfig(self.block_size, self.kv_cache_dtype, self.kv_cache_memory,
-                                        self.gpu_memory_utilization, self.enable_prefix_caching,
-                                        self.max_state_snapshots)
+        self.cache_config = CacheConfig(block_size=self.block_size, kv_cache_dtype=self.kv_cache_dtype,
+                                        kv_cache_memory=self.kv_cache_memory,
+                                        gpu_memory_utilization=self.gpu_memory_utilization,
+                                        enable_prefix_caching=self.enable_prefix_caching,
+                                        max_state_snapshots=self.max_state_snapshots)
         need(self.kv_cache_memory is None or self.device != "cuda",
              "--kv-cache-memory sizes the CPU KV cache; on CUDA use --gpu-memory-utilization")
-        self.scheduler_config = SchedulerConfig(self.max_model_len, self.max_num_batched_tokens, self.max_num_seqs,
-                                                self.enable_chunked_prefill)
-        self.parallel_config = ParallelConfig(self.tensor_parallel_size)
+        self.scheduler_config = SchedulerConfig(max_model_len=self.max_model_len,
+                                                max_num_batched_tokens=self.max_num_batched_tokens,
+                                                max_num_seqs=self.max_num_seqs,
+                                                enable_chunked_prefill=self.enable_chunked_prefill)
+        self.parallel_config = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size)
         self.speculative = resolve_speculative_config(self)  # None = no speculation
         self._check_structured()
         need(isinstance(self.max_logprobs, int) and self.max_logprobs >= -1,
@@ -210,8 +213,9 @@ class EngineConfig:
             raise ConfigError('--compilation-config must be a JSON object, e.g. {"compile_sizes": [1, 4]}')
         need(not (self.enforce_eager and self.executor not in ("auto", "eager")),
              f"--enforce-eager contradicts --executor {self.executor}; drop one of them")
-        self.executor_config = ExecutorConfig("eager" if self.enforce_eager else self.executor,
-                                              self.cuda_graph_max_batch_size, dict(self.compilation_config or {}))
+        self.executor_config = ExecutorConfig(executor="eager" if self.enforce_eager else self.executor,
+                                              cuda_graph_max_batch_size=self.cuda_graph_max_batch_size,
+                                              compilation=dict(self.compilation_config or {}))
         if self.compilation_config is not None and not self.compilation_config:
             need(self.executor_config.executor in ("compiled", "auto"),
                  "--compilation-config configures --executor compiled (and auto, which compiles on CPU in the "

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ember.config.aliases import ATTENTION_BACKEND_ALIASES
 from ember.errors import ConfigError
 from ember.platform import DTYPES
 
@@ -18,10 +19,6 @@ EXECUTORS = ("auto", "eager", "compiled", "cuda-graph")
 # torch = the reference (SDPA over gathered blocks), cpu = the reference plus ember's C++ kernels,
 # triton = the GPU kernels (on CPU only under TRITON_INTERPRET=1, which is how the tests run them)
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
-# other engines' backend names -> ember's: "gpu" = its GPU kernels (triton) on CUDA, the cpu backend on CPU.
-# flash2: the split-KV decode kernel's name in the seeds; flashinfer / fa3: SGLang's and vLLM's GPU backends
-ATTENTION_BACKEND_ALIASES = {"flash2": "gpu", "flashinfer": "gpu", "fa3": "gpu", "flash_attn": "gpu",
-                             "torch_native": "torch"}
 QUANTIZATION_CHOICES = ("auto", "none", "awq", "gguf")
 # Default CPU KV budget: this fraction of available RAM, capped (the pool is allocated up front).
 CPU_KV_FRACTION = 0.2
@@ -38,11 +35,11 @@ def need(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
-def one_of(value: Any, choices: tuple, flag: str) -> None:
+def one_of(value: object, choices: tuple, flag: str) -> None:
     need(value in choices, f"{flag} {value!r} is not one of {', '.join(choices)}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LoadConfig:
     """What to load and in which form."""
 
@@ -59,7 +56,7 @@ class LoadConfig:
         one_of(self.quantization, QUANTIZATION_CHOICES, "--quantization")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CacheConfig:
     """The paged KV pool."""
 
@@ -87,23 +84,25 @@ class CacheConfig:
              f"--gpu-memory-utilization must be in (0, 1] (got {self.gpu_memory_utilization})")
 
 
-@dataclass(frozen=True)
+# --max-num-seqs when not given, per device type: CPU steps are bandwidth-bound from a few rows,
+# a GPU's take many sequences before they cost more than one
+DEFAULT_MAX_NUM_SEQS = {"cpu": 16, "cuda": 64}
+
+
+@dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
     """The step's token budget and who shares it."""
 
     max_model_len: int | None  # None: the model's context length
     max_num_batched_tokens: int
-    max_num_seqs: int | None  # None: 16 on CPU, 64 on CUDA
+    max_num_seqs: int | None  # None: DEFAULT_MAX_NUM_SEQS of the device type
     enable_chunked_prefill: bool
 
     def __post_init__(self) -> None:
         need(self.max_num_batched_tokens >= 1, f"--max-num-batched-tokens must be >= 1 (got {self.max_num_batched_tokens})")
         if self.max_num_seqs is not None:
             need(self.max_num_seqs >= 1, f"--max-num-seqs must be >= 1 (got {self.max_num_seqs})")
-            need(self.max_num_seqs <= self.max_num_batched_tokens,
-                 f"--max-num-seqs {self.max_num_seqs} exceeds --max-num-batched-tokens {self.max_num_batched_tokens}: "
-                 "every running sequence needs at least one token of the step budget; raise the budget or lower "
-                 "--max-num-seqs")
+            self._check_budget(self.max_num_seqs)
         if self.max_model_len is not None:
             need(self.max_model_len >= 2, f"--max-model-len must be >= 2 (got {self.max_model_len})")
             if not self.enable_chunked_prefill:
@@ -113,10 +112,20 @@ class SchedulerConfig:
                      "--max-model-len, or drop --no-enable-chunked-prefill")
 
     def default_max_num_seqs(self, device_type: str) -> int:
-        return self.max_num_seqs or (64 if device_type == "cuda" else 16)
+        """--max-num-seqs, or its default on this device type; refused when the step budget cannot give
+        each of them a token."""
+        n = self.max_num_seqs or DEFAULT_MAX_NUM_SEQS[device_type]
+        self._check_budget(n)
+        return n
+
+    def _check_budget(self, max_num_seqs: int) -> None:
+        need(max_num_seqs <= self.max_num_batched_tokens,
+             f"--max-num-seqs {max_num_seqs} exceeds --max-num-batched-tokens {self.max_num_batched_tokens}: "
+             "every running sequence needs at least one token of the step budget; raise the budget or lower "
+             "--max-num-seqs")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ExecutorConfig:
     """How a step's forward runs: eager, compiled (CPU torch.compile) or cuda-graph."""
 
@@ -151,7 +160,7 @@ class ExecutorConfig:
         return cc | {"compile_sizes": sorted({min(s, max_num_seqs) for s in cc["compile_sizes"]})}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class KernelConfig:
     """Which kernels run: the attention backend, CPU threads, and the CPU fast paths (each on by
     default where the machine can run it; off = the torch ops, for measuring what each one buys)."""
@@ -172,7 +181,7 @@ class KernelConfig:
             need(self.num_threads >= 1, f"--num-threads must be >= 1 (got {self.num_threads})")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     tensor_parallel_size: int
 

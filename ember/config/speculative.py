@@ -26,6 +26,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from ember.config.aliases import speculative_method
 from ember.errors import ConfigError
 
 METHODS = ("ngram", "mtp", "draft")
@@ -50,16 +51,10 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
 
 
-def _method_alias(name: Any) -> str:
+def _method_alias(name: object) -> str:
     if not isinstance(name, str):
         raise ConfigError(f"speculative method {name!r} must be a string: one of {', '.join(METHODS)}")
-    m = name.strip().lower()
-    if m == "[ngram]":
-        return "ngram"
-    if m == "draft_model":
-        return "draft"
-    if m.endswith("_mtp"):  # vLLM's older per-family names: deepseek_mtp, qwen3_next_mtp, mimo_mtp, ...
-        return "mtp"
+    m = speculative_method(name)
     if m not in METHODS:
         raise ConfigError(f"speculative method {name!r} is not one of {', '.join(METHODS)}")
     return m
@@ -172,7 +167,7 @@ def _validate(method: str, m: dict[str, Any], cfg) -> SpeculativeConfig:
         if not cond:
             raise ConfigError(msg)
 
-    def is_int(v: Any) -> bool:
+    def is_int(v: object) -> bool:
         return isinstance(v, int) and not isinstance(v, bool)
 
     k = m.get("num_speculative_tokens")

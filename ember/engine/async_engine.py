@@ -27,7 +27,9 @@ from ember.outputs import PositionLogprobs
 from ember.sampling import SamplingParams
 
 if TYPE_CHECKING:  # the engine pulls in torch; `ember --help` should not
+    from ember.engine.engine import PromptType
     from ember.engine.engine import LLMEngine
+    from ember.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger("ember.async_engine")
 
@@ -142,7 +144,29 @@ class RequestStream:
         self._queue.put_nowait(item)
 
 
-_STOP = object()
+# Commands from any thread to the engine thread, dispatched by type (AsyncLLMEngine._handle).
+@dataclass
+class AddCommand:
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams
+    timing: RequestTiming
+    ack: asyncio.Future  # resolved in the loop: None when accepted, else the engine's error
+
+
+@dataclass
+class AbortCommand:
+    request_id: str
+
+
+@dataclass
+class AbortAllCommand:
+    """End every request in flight with its text so far (a shutdown's timeout ran out)."""
+
+
+@dataclass
+class StopCommand:
+    """End the engine thread (shutdown)."""
 
 
 CPU_WARMUP_TOKENS = 512  # the long warmup step's prompt on CPU (see AsyncLLMEngine.warmup)
@@ -178,6 +202,30 @@ class AsyncLLMEngine:
         self.num_waiting = 0
         self.num_running = 0
 
+    # -- what the server reads of the engine it drives ----------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    @property
+    def max_logprobs(self) -> int:
+        """--max-logprobs: the most logprobs a request may ask for per token (-1: no cap)."""
+        return self.engine.config.max_logprobs
+
+    @property
+    def reasoning_parser(self) -> str | None:
+        return self.engine.config.reasoning_parser
+
+    @property
+    def structured(self) -> StructuredOutputManager:
+        """The engine's grammars: which are built (holds), and who hears of each compile (listener)."""
+        return self.engine.structured
+
+    @property
+    def executor_state(self) -> str:
+        """What decode steps run: eager, compiled, or compiling (eager meanwhile)."""
+        return self.engine.executor_state
+
     # -- life cycle ---------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         """Start the engine thread (warmup first, unless disabled); call from the serving loop."""
@@ -196,7 +244,7 @@ class AsyncLLMEngine:
         Call from the serving loop's thread."""
         self._stopped = True
         if self._thread is not None:
-            self._commands.put(_STOP)
+            self._commands.put(StopCommand())
             if self._future is not None:
                 try:
                     self._future.result(timeout)
@@ -218,7 +266,7 @@ class AsyncLLMEngine:
         return self._ready.wait(timeout)
 
     # -- the asyncio side ---------------------------------------------------------------------
-    async def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                           arrival: float | None = None) -> RequestStream:
         """Queue a request; returns its stream once the engine thread accepted it.
 
@@ -238,7 +286,7 @@ class AsyncLLMEngine:
         ack: asyncio.Future = self._loop.create_future()
         timing = RequestTiming(arrival=time.monotonic() if arrival is None else arrival)
         self._pending_adds += 1
-        self._commands.put(("add", request_id, prompt, params, timing, ack))
+        self._commands.put(AddCommand(request_id, prompt, params, timing, ack))
         try:
             await ack
         except asyncio.CancelledError:
@@ -255,11 +303,11 @@ class AsyncLLMEngine:
     def abort_all(self) -> None:
         """Abort every request in flight (a server's shutdown timeout ran out): each stream ends with its
         text so far and finish_reason "abort". Any thread."""
-        self._commands.put(("abort_all",))
+        self._commands.put(AbortAllCommand())
 
     def _abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
-        self._commands.put(("abort", request_id))
+        self._commands.put(AbortCommand(request_id))
 
     def _deliver(self, batch: list[tuple[str, RequestDelta | BaseException]]) -> None:
         """Loop thread: hand one step's deltas to their streams."""
@@ -320,44 +368,54 @@ class AsyncLLMEngine:
             self.engine.abort_request(rid)
         self._tracked.clear()
 
-    def _handle(self, cmd) -> bool:
-        if cmd is _STOP:
+    def _handle(self, cmd: AddCommand | AbortCommand | AbortAllCommand | StopCommand) -> bool:
+        """Run one command on the engine thread; False ends the thread."""
+        if isinstance(cmd, StopCommand):
             return False
-        if cmd[0] == "add":
-            _, rid, prompt, params, timing, ack = cmd
-            try:
-                self.engine.add_request(rid, prompt, params)
-            except Exception as e:  # noqa: BLE001 -- handed to the caller, who answers the client
-                self._call_in_loop(self._resolve, ack, e)
-                return True
-            children = list(self.engine.groups[rid].children)
-            timing.num_prompt_tokens = children[0].num_prompt_tokens
-            timing.n, timing.max_tokens = params.n, params.max_tokens
-            self._tracked[rid] = _Tracked(children, timing, [0] * len(children), [False] * len(children))
-            self.num_waiting = len(self.engine.scheduler.waiting)
-            self._call_in_loop(self._resolve, ack, None)
-        elif cmd[0] == "abort_all":
-            now, batch = time.monotonic(), []
-            for rid, tracked in list(self._tracked.items()):
-                self.engine.abort_request(rid)
-                delta, _ = self._delta(rid, tracked, True, 0, now)
-                batch.append((rid, delta))
-            if batch:
-                self._publish(0, 0.0)
-                self._call_in_loop(self._deliver, batch)
-        elif cmd[0] == "abort":
-            rid = cmd[1]
-            tracked = self._tracked.pop(rid, None)
-            if tracked is not None:
-                self.engine.abort_request(rid)
-                logger.info("request %s aborted before it finished (%d tokens generated); its KV blocks are freed",
-                            rid, tracked.timing.num_output_tokens)
-                tracked.timing.finished = time.monotonic()
-                tracked.timing.finish_reason = "abort"
-                if self.stats_listener is not None:
-                    self.stats_listener.on_request_finished(tracked.timing)
-                self._publish(0, 0.0)
+        if isinstance(cmd, AddCommand):
+            self._add(cmd)
+        elif isinstance(cmd, AbortCommand):
+            self._abort_one(cmd.request_id)
+        elif isinstance(cmd, AbortAllCommand):
+            self._abort_every()
         return True
+
+    def _add(self, cmd: AddCommand) -> None:
+        try:
+            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
+        except Exception as e:  # noqa: BLE001 -- handed to the caller, who answers the client
+            self._call_in_loop(self._resolve, cmd.ack, e)
+            return
+        children = list(self.engine.parents[cmd.request_id].children)
+        timing = cmd.timing
+        timing.num_prompt_tokens = children[0].num_prompt_tokens
+        timing.n, timing.max_tokens = cmd.params.n, cmd.params.max_tokens
+        self._tracked[cmd.request_id] = _Tracked(children, timing, [0] * len(children), [False] * len(children))
+        self.num_waiting = len(self.engine.scheduler.waiting)
+        self._call_in_loop(self._resolve, cmd.ack, None)
+
+    def _abort_every(self) -> None:
+        now, batch = time.monotonic(), []
+        for rid, tracked in list(self._tracked.items()):
+            self.engine.abort_request(rid)
+            delta, _ = self._delta(rid, tracked, True, 0, now)
+            batch.append((rid, delta))
+        if batch:
+            self._publish(0, 0.0)
+            self._call_in_loop(self._deliver, batch)
+
+    def _abort_one(self, rid: str) -> None:
+        tracked = self._tracked.pop(rid, None)
+        if tracked is None:
+            return
+        self.engine.abort_request(rid)
+        logger.info("request %s aborted before it finished (%d tokens generated); its KV blocks are freed",
+                    rid, tracked.timing.num_output_tokens)
+        tracked.timing.finished = time.monotonic()
+        tracked.timing.finish_reason = "abort"
+        if self.stats_listener is not None:
+            self.stats_listener.on_request_finished(tracked.timing)
+        self._publish(0, 0.0)
 
     def _step(self) -> None:
         t0 = time.monotonic()
@@ -476,7 +534,7 @@ class AsyncLLMEngine:
         engine = self.engine
         engine.add_request(rid, {"prompt_token_ids": ids}, params)
         try:
-            while rid in engine.groups:
+            while rid in engine.parents:
                 engine.step()
         finally:
             engine.abort_request(rid)

@@ -6,13 +6,16 @@ the cost per step is bounded by the stop strings' length, not the output's.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ember.sampling import SamplingParams
 
+if TYPE_CHECKING:
+    from ember.loader.tokenizer import Tokenizer
+
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, params: SamplingParams):
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams):
         self._tokenizer = tokenizer
         self._stream = tokenizer.decode_stream(skip_special_tokens=params.skip_special_tokens)
         self._stops = list(params.stop or ())

@@ -24,9 +24,12 @@ from ember.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger("ember")
 
+# What add_request takes: text, token ids, or vLLM's dict form ({"prompt": ...} / {"prompt_token_ids": ...})
+PromptType = str | list[int] | dict
+
 
 @dataclass
-class _Group:
+class ParentRequest:
     """One user request: its n >= 1 sampled sequences share the prompt (and its KV blocks)."""
 
     request_id: str
@@ -58,7 +61,7 @@ class LLMEngine:
         self.eos_token_ids = core.eos_token_ids
         self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
                                                   config.reasoning_parser)
-        self.groups: dict[str, _Group] = {}
+        self.parents: dict[str, ParentRequest] = {}
         self._ids = itertools.count()
 
     def shutdown(self) -> None:
@@ -108,7 +111,7 @@ class LLMEngine:
         return self.core.copies.note()
 
     # -- requests ----------------------------------------------------------------------------
-    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
@@ -122,16 +125,16 @@ class LLMEngine:
             return None, list(prompt)
         raise InvalidRequestError(f"a prompt must be a string, a list of token ids or a dict, not {type(prompt).__name__}")
 
-    def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None) -> str:
+    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None) -> str:
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self.groups:
+        if request_id in self.parents:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text, ids = self._tokenize(prompt)
         if not ids:
             raise InvalidRequestError("the prompt is empty; give at least one token")
         params = check_request(ids, params, self.config, self.model_config.vocab_size, self.max_model_len)
-        group = _Group(request_id, text, ids)
+        group = ParentRequest(request_id, text, ids)
         for i in range(params.n):
             child_params = params if params.n == 1 else params.replace(
                 n=1, seed=None if params.seed is None else params.seed + i)
@@ -146,11 +149,11 @@ class LLMEngine:
         self.structured.add_request(group.children, ids)  # a grammar that cannot be built raises here
         for req in group.children:
             self.scheduler.add_request(req)
-        self.groups[request_id] = group
+        self.parents[request_id] = group
         return request_id
 
     def abort_request(self, request_id: str) -> bool:
-        group = self.groups.pop(request_id, None)
+        group = self.parents.pop(request_id, None)
         if group is None:
             return False
         for req in group.children:
@@ -159,7 +162,7 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.groups)
+        return bool(self.parents)
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -181,9 +184,9 @@ class LLMEngine:
         self.structured.step_done(masks)
         rejected = self.spec.verified(out, sampled, time.perf_counter() - t0) if out.drafts else None
         self.scheduler.update_after_step(out, rejected)
-        touched: dict[str, _Group] = {}
+        touched: dict[str, ParentRequest] = {}
         for req, _ in out.scheduled:
-            group = self.groups.get(req.parent_id)
+            group = self.parents.get(req.parent_id)
             toks = sampled.get(req.request_id)
             if group is None or not toks:
                 continue
@@ -195,7 +198,7 @@ class LLMEngine:
         outputs = [self._output(g) for g in touched.values()]
         for g in touched.values():
             if g.finished:
-                del self.groups[g.request_id]
+                del self.parents[g.request_id]
         if self.spec is not None:
             self.spec.propose(self.scheduler.running, self.runner.take_last_step())
         return outputs
@@ -244,7 +247,7 @@ class LLMEngine:
             return RequestStatus.FINISHED_STOPPED
         return None
 
-    def _output(self, group: _Group) -> RequestOutput:
+    def _output(self, group: ParentRequest) -> RequestOutput:
         completions = [
             CompletionOutput(index=r.index, text=r.detokenizer.output_text, token_ids=r.output_token_ids,
                              logprobs=r.logprobs, finish_reason=r.finish_reason, stop_reason=r.stop_reason)

@@ -16,6 +16,8 @@ KV layers come from allocate_kv: same block ids, same slot_mapping.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ember.request import Request
@@ -26,6 +28,22 @@ from ember.layers.sampler import SampledToken, Sampler, SamplingRow, make_genera
 from ember.model_config import ModelConfig
 from ember.spec.proposer import StepRows
 from ember.spec.rejection import RejectionSampler, VerifyRequest
+
+
+@dataclass
+class StepBatch:
+    """One step's inputs, flattened over its requests (ModelRunner.prepare), and what execute needs
+    of them after the forward."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logit_rows: list[int]  # flat rows whose logits are sampled (1 + d per sampling request)
+    sampling_requests: list[Request]  # requests whose step reaches their end (a mid-prompt chunk samples nothing)
+    select: RowSelection | None  # the last layer restricted to logit_rows; None: every row
+    entries: list[tuple[Request, int, int, int]]  # (request, first row, first position, rows)
+    tables: list[list[int]]  # the block table of each request, padded
+    prompt_rows: list[tuple[Request, int, int]]  # (request, flat row, prompt position) scoring token p + 1
 
 
 class ModelRunner:
@@ -56,12 +74,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.rejection = RejectionSampler()
         self.generators: dict[str, torch.Generator] = {} if generators is None else generators
-        self.select: RowSelection | None = None  # set by prepare() for the step it prepares
         self.keep_hidden = False  # a drafter reads every row's hidden state (see StepRows)
         self.keep_rows = False  # a drafter reads the step's layout only (a draft model): last_step without hidden
         self.last_step: StepRows | None = None
-        self._step_layout: tuple[list, list[list[int]]] | None = None  # prepare() -> execute(), for last_step
-        self._prompt_rows: list[tuple[Request, int, int]] = []  # prepare() -> execute(): rows scoring prompt tokens
         # How the forward runs (eager, compiled, CUDA graph); the engine may swap in another.
         self.executor: StepExecutor = EagerExecutor(model, self.kv_caches)
 
@@ -74,7 +89,7 @@ class ModelRunner:
         self.extra_kv_caches.append(cache)
         return cache
 
-    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[Request]]:
+    def prepare(self, out: SchedulerOutput) -> StepBatch:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -137,10 +152,8 @@ class ModelRunner:
         # The last layer's work restricted to the logit rows, each as a one-token query over its
         # prefix; not when a drafter needs every row's hidden state.
         restrict = len(logit_rows) < len(input_ids) and not self.keep_hidden and not prompt_rows
-        self.select = select_rows(meta, tables, positions, logit_rows, logit_seqs, dev) if restrict else None
-        self._step_layout = (entries, tables)
-        self._prompt_rows = prompt_rows
-        return ids, pos, meta, logit_rows, sampling_reqs
+        select = select_rows(meta, tables, positions, logit_rows, logit_seqs, dev) if restrict else None
+        return StepBatch(ids, pos, meta, logit_rows, sampling_reqs, select, entries, tables, prompt_rows)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, banned_token_ids: dict[str, list[int]] | None = None,
@@ -149,18 +162,19 @@ class ModelRunner:
         emits: one sampled token, or its accepted drafts then one more (len - 1 = accepted).
         masks: the step's grammar bitmasks (ember.structured.masks.StepMasks), applied to the
         logits before anything samples."""
-        ids, pos, meta, logit_rows, sampling_reqs = self.prepare(out)
+        batch = self.prepare(out)
+        logit_rows, sampling_reqs = batch.logit_rows, batch.sampling_requests
         if out.state_copies:  # prefix-cache restores, before the forward reads the slots
             self.model.copy_states(self.recurrent_states, out.state_copies)
-        hidden = self.executor.run(ids, pos, meta, self.select)
-        entries, tables = self._step_layout
+        hidden = self.executor.run(batch.input_ids, batch.positions, batch.meta, batch.select)
         keep = self.keep_hidden or self.keep_rows
-        self.last_step = StepRows(hidden if self.keep_hidden else None, entries, meta.slot_mapping, tables) if keep else None
-        if self._prompt_rows:
-            self._score_prompt(hidden)
+        self.last_step = StepRows(hidden if self.keep_hidden else None, batch.entries, batch.meta.slot_mapping,
+                                  batch.tables) if keep else None
+        if batch.prompt_rows:
+            self._score_prompt(hidden, batch.prompt_rows)
         if not logit_rows:
             return {}
-        logits = self.model.compute_logits(hidden if self.select is not None else hidden[logit_rows])
+        logits = self.model.compute_logits(hidden if batch.select is not None else hidden[logit_rows])
         if masks is not None:
             masks.apply(logits, self._logit_layout(out, sampling_reqs))
         if not out.drafts:
@@ -197,9 +211,8 @@ class ModelRunner:
                                          {req.state_slot: len(toks) - 1 for (req, _), toks in zip(verify, emitted)})
         return result
 
-    def _score_prompt(self, hidden: torch.Tensor) -> None:
+    def _score_prompt(self, hidden: torch.Tensor, rows: list[tuple[Request, int, int]]) -> None:
         """Prompt logprobs of this step's prompt rows, appended to their requests (row p scores token p + 1)."""
-        rows = self._prompt_rows
         logits = self.model.compute_logits(hidden[torch.tensor([r for _, r, _ in rows], device=hidden.device)])
         tops = [req.sampling_params.prompt_logprobs for req, _, _ in rows]  # -1 was resolved at admission
         found = token_logprobs(logits, [req.token_ids[p + 1] for req, _, p in rows], tops)

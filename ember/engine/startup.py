@@ -121,9 +121,6 @@ def resolve_limits(config, setup: DeviceSetup, loaded: LoadedModel) -> Limits:
         raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's context length "
                           f"{model_max}; pass --max-model-len {model_max} or less")
     max_num_seqs = sched.default_max_num_seqs(setup.device.type)
-    if max_num_seqs > sched.max_num_batched_tokens:
-        raise ConfigError(f"max_num_seqs {max_num_seqs} exceeds --max-num-batched-tokens "
-                          f"{sched.max_num_batched_tokens}; raise the budget or lower --max-num-seqs")
     if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < max_model_len:
         logger.info("chunked prefill is off: prompts longer than %d tokens will be refused", sched.max_num_batched_tokens)
     kv_dtype = resolve_kv_cache_dtype(config.cache_config.kv_cache_dtype, setup.dtype, setup.device)

@@ -33,7 +33,7 @@ def _stream(engine, request_id: str, prompt, params, out=None) -> str:
     """Add one request, print its text as it is generated, return the whole text."""
     out = out or sys.stdout
     engine.add_request(request_id, prompt, params)
-    req = engine.groups[request_id].children[0]
+    req = engine.parents[request_id].children[0]
     try:
         while engine.has_unfinished_requests():
             engine.step()

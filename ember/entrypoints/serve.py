@@ -113,7 +113,7 @@ def run_server(args) -> None:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not app.state.serving.config.api_key:
         logger.warning("listening on %s without --api-key: anyone who can reach this port can use the model",
                        args.host)
-    compiling = app.state.engine.engine.executor_state
+    compiling = app.state.engine.executor_state
     logger.info("ember serve: %s at http://%s:%d/v1 (%s), engine built in %.1fs%s; decode steps: %s",
                 ", ".join(app.state.serving.config.served_model_names), args.host, args.port, auth,
                 time.monotonic() - t0, "; warming up" if args.warmup else "", compiling)

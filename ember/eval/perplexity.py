@@ -40,8 +40,8 @@ def window_nll(engine, token_ids: list[int], chunk: int) -> tuple[float, int]:
         while req.num_computed_tokens < len(token_ids):
             n = min(chunk, len(token_ids) - req.num_computed_tokens)
             start = req.num_computed_tokens
-            ids, pos, meta, _, _ = runner.prepare(SchedulerOutput(scheduled=[(req, n)]))
-            hidden = runner.model(ids, pos, runner.kv_caches, meta)
+            batch = runner.prepare(SchedulerOutput(scheduled=[(req, n)]))
+            hidden = runner.model(batch.input_ids, batch.positions, runner.kv_caches, batch.meta)
             # Row i predicts token start + i + 1; the window's last row has nothing to predict.
             targets = torch.tensor(token_ids[start + 1:start + n + 1], dtype=torch.long, device=hidden.device)
             if len(targets):

@@ -26,21 +26,13 @@ from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from ember.config.architectures import GGUF_ARCHITECTURES
 from ember.errors import ModelLoadError, UnsupportedModelError
 from ember.loader import gguf_hybrid
 from ember.loader.tokenizer import Tokenizer
 from ember.quant.gguf_blocks import FLOAT_TYPES, GGUFTensor
 
 log = logging.getLogger(__name__)
-
-# gguf architecture -> (HF architectures entry, HF model_type)
-ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", "llama"),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
-    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
-    **gguf_hybrid.ARCHITECTURES,  # Qwen3-Next / Qwen3.5: ember.loader.gguf_hybrid
-}
 
 # Per-block tensor names: gguf suffix -> HF suffix under model.layers.N.
 _BLOCK_NAMES = {
@@ -80,13 +72,14 @@ class GGUFCheckpoint:
         self._tensors = {t.name: t for t in self._reader.tensors}
         self._tokenizer: Tokenizer | None = None
         self.architecture: str = self.metadata("general.architecture", "")
-        if self.architecture not in ARCHITECTURES:
+        if self.architecture not in GGUF_ARCHITECTURES:
             raise UnsupportedModelError(
                 f"{self.path} is a GGUF of architecture {self.architecture!r}, which ember does not "
-                f"implement. Supported GGUF architectures: {', '.join(sorted(ARCHITECTURES))}."
+                f"implement. Supported GGUF architectures: {', '.join(sorted(GGUF_ARCHITECTURES))}."
             )
+        self.traits = GGUF_ARCHITECTURES[self.architecture]
         self.config: dict[str, Any] = self._build_config()
-        self._untangler = gguf_hybrid.Untangler(self, _BLOCK_NAMES) if self.architecture in gguf_hybrid.ARCHITECTURES else None
+        self._untangler = gguf_hybrid.Untangler(self, _BLOCK_NAMES) if self.traits.hybrid else None
         self.tensor_bytes: int = sum(int(t.n_bytes) for t in self._reader.tensors)
         self.num_parameters: int = sum(
             int(t.n_elements) for t in self._reader.tensors if t.name not in _SKIPPED
@@ -96,12 +89,12 @@ class GGUFCheckpoint:
 
     # ---- metadata -------------------------------------------------------------------------
 
-    def metadata(self, key: str, default: Any = None) -> Any:
+    def metadata(self, key: str, default: object = None) -> Any:
         """A metadata value by its GGUF key (arrays come back as lists)."""
         field = self._reader.fields.get(key)
         return default if field is None else field.contents()
 
-    def _arch(self, key: str, default: Any = None) -> Any:
+    def _arch(self, key: str, default: object = None) -> Any:
         return self.metadata(f"{self.architecture}.{key}", default)
 
     def _arch_required(self, key: str) -> Any:
@@ -117,7 +110,7 @@ class GGUFCheckpoint:
         return [k for k in self._reader.fields if not k.startswith("GGUF.")]
 
     def _build_config(self) -> dict[str, Any]:
-        arch_name, model_type = ARCHITECTURES[self.architecture]
+        arch_name, model_type = self.traits.name, self.traits.gguf_model_type
         hidden = int(self._arch_required("embedding_length"))
         heads = int(self._arch_required("attention.head_count"))
         kv_heads = self._arch("attention.head_count_kv", heads)
@@ -163,7 +156,7 @@ class GGUFCheckpoint:
             )
         if (rope_scaling := self._rope_scaling(cfg)) is not None:
             cfg["rope_scaling"] = rope_scaling
-        if self.architecture in gguf_hybrid.ARCHITECTURES:
+        if self.traits.hybrid:
             cfg = gguf_hybrid.hybrid_config(self, cfg)
         return cfg
 

@@ -29,12 +29,6 @@ from ember.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
 
-ARCHITECTURES = {
-    "qwen3next": ("Qwen3NextForCausalLM", "qwen3_next"),
-    "qwen35": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
-    "qwen35moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
-}
-
 # Beyond the names every GGUF architecture shares (ember.loader.gguf's block table)
 BLOCK_NAMES = {
     "post_attention_norm": "post_attention_layernorm",

@@ -266,14 +266,14 @@ def _read_json(path: str) -> dict:
         raise ModelLoadError(f"{path} is not valid JSON ({e}); fix or remove the file.") from e
 
 
-def _token_content(value: Any) -> str | None:
+def _token_content(value: object) -> str | None:
     """tokenizer_config writes special tokens as a string or as an AddedToken dict."""
     if isinstance(value, dict):
         return value.get("content")
     return value if isinstance(value, str) else None
 
 
-def _as_list(value: Any) -> list:
+def _as_list(value: object) -> list:
     if value is None:
         return []
     return list(value) if isinstance(value, (list, tuple)) else [value]
@@ -298,7 +298,7 @@ def _folder_chat_template(path: str, cfg: dict) -> str | dict[str, str] | None:
 _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 
 
-def _alias_reasoning(message: Any) -> Any:
+def _alias_reasoning(message: object) -> object:
     if not isinstance(message, dict):
         return message
     reasoning = next((message[k] for k in _REASONING_KEYS if message.get(k) is not None), None)
@@ -323,7 +323,7 @@ def _raise_exception(message: str):
     raise jinja2.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+def _tojson(x: object, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
     # Jinja's own tojson HTML-escapes and sorts keys; templates expect plain json.dumps.
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -347,7 +347,7 @@ class _SafeNamespace(jinja2.utils.Namespace):
         jinja2.utils.Namespace.__setitem__(self, name, value)
 
     @staticmethod
-    def _check(name: Any) -> None:
+    def _check(name: object) -> None:
         if isinstance(name, str) and name.startswith("_"):
             raise jinja2.exceptions.SecurityError(f"chat templates cannot set namespace attribute {name!r}")
 

@@ -64,7 +64,7 @@ class LlamaAttention(nn.Module):
                                   dtype=dtype, device=device,
                                   quant_method=linear_method(quant_config, f"{prefix}.qkv_proj"))
         # HF: Llama/Qwen3 give o_proj the attention bias too; Qwen2 never does.
-        o_bias = cfg.attention_bias and cfg.architecture != "Qwen2ForCausalLM"
+        o_bias = cfg.attention_bias and not cfg.traits.qkv_bias_only
         self.o_proj = RowParallelLinear(cfg.num_heads * D, cfg.hidden_size, bias=o_bias, dtype=dtype, device=device,
                                         quant_method=linear_method(quant_config, f"{prefix}.o_proj"))
         self.qk_norm = cfg.qk_norm

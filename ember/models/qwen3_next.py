@@ -31,7 +31,7 @@ from ember.layers.linear import QKVLinear, ReplicatedLinear, RowParallelLinear
 from ember.layers.moe import SparseMoeBlock
 from ember.layers.norm import ZeroCenteredRMSNorm
 from ember.layers.rotary import RotaryEmbedding, apply_rotary
-from ember.model_config import LINEAR_ATTENTION, VL_ARCHITECTURES, ModelConfig
+from ember.model_config import LINEAR_ATTENTION, ModelConfig
 from ember.models.llama import LlamaForCausalLM, LlamaMLP, embedding_method, linear_method
 
 log = logging.getLogger(__name__)
@@ -199,7 +199,7 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        if self.cfg.architecture not in VL_ARCHITECTURES:
+        if not self.cfg.traits.vision_language:
             return super().load_weights(weights)
         return super().load_weights(self._text_names(weights))
 

@@ -1,33 +1,12 @@
-"""HF "architectures" name -> model class. A new model is one file plus one line here."""
+"""HF "architectures" name -> model class, from the one architecture table
+(ember.config.architectures: a new model is its file plus one row there)."""
 from __future__ import annotations
 
 import importlib
 
-from ember.errors import UnsupportedModelError
-
-_MODELS = {
-    "LlamaForCausalLM": ("ember.models.llama", "LlamaForCausalLM"),
-    "Qwen2ForCausalLM": ("ember.models.llama", "Qwen2ForCausalLM"),
-    "Qwen3ForCausalLM": ("ember.models.llama", "Qwen3ForCausalLM"),
-    "Qwen3MoeForCausalLM": ("ember.models.qwen3_moe", "Qwen3MoeForCausalLM"),
-    "Qwen3NextForCausalLM": ("ember.models.qwen3_next", "Qwen3NextForCausalLM"),
-    "Qwen3_5ForCausalLM": ("ember.models.qwen3_next", "Qwen3_5ForCausalLM"),
-    "Qwen3_5MoeForCausalLM": ("ember.models.qwen3_next", "Qwen3_5MoeForCausalLM"),
-    # vision-language checkpoints, served as their text model (the vision tower is skipped)
-    "Qwen3_5ForConditionalGeneration": ("ember.models.qwen3_next", "Qwen3_5ForConditionalGeneration"),
-    "Qwen3_5MoeForConditionalGeneration": ("ember.models.qwen3_next", "Qwen3_5MoeForConditionalGeneration"),
-}
+from ember.config.architectures import architecture
 
 
-def supported_architectures() -> list[str]:
-    return list(_MODELS)
-
-
-def get_model_class(architecture: str) -> type:
-    if architecture not in _MODELS:
-        raise UnsupportedModelError(
-            f"model architecture {architecture!r} is not supported; ember supports {', '.join(_MODELS)}. "
-            "Use a model of one of these architectures (see config.json 'architectures')"
-        )
-    module, cls = _MODELS[architecture]
+def get_model_class(name: str) -> type:
+    module, cls = architecture(name).model.split(":")
     return getattr(importlib.import_module(module), cls)

@@ -136,7 +136,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, metrics: ServerMetri
     metrics = metrics or ServerMetrics.for_engine(config.served_model_names[0], engine.engine)
     if engine.stats_listener is None:
         engine.stats_listener = metrics
-    engine.engine.structured.listener = metrics
+    engine.structured.listener = metrics
     serving = Serving(engine, config)
 
     @contextlib.asynccontextmanager

@@ -126,7 +126,7 @@ class ChatHandler:
         ids = self.s.truncate(ids, req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top_n = self.s.top_n(req.top_logprobs or 0) if req.logprobs else None
-        structured = structured_params(req, tool_constraint, self.s.engine.engine.structured.holds)
+        structured = structured_params(req, tool_constraint, self.s.engine.structured.holds)
         params = self.s.sampling_params(req, len(ids), max_tokens, top_n, structured)
         rid = request_id("chatcmpl")
         arrival = time.monotonic()

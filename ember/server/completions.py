@@ -65,7 +65,7 @@ class CompletionHandler:
         if req.suffix is not None:
             raise ParamError("suffix (fill-in-the-middle) is not supported by ember; leave it unset", "suffix")
         prompts = self._prompts(req)
-        structured = structured_params(req, built=self.s.engine.engine.structured.holds)
+        structured = structured_params(req, built=self.s.engine.structured.holds)
         if req.logprobs is not None:
             req.logprobs = self.s.top_n(req.logprobs)
         params = [self.s.sampling_params(req, len(ids), req.max_tokens, req.logprobs, structured) for _, ids in prompts]

@@ -90,7 +90,7 @@ class Serving:
 
     @property
     def reasoning_parser(self) -> str | None:
-        return self.engine.engine.config.reasoning_parser
+        return self.engine.reasoning_parser
 
     @property
     def model_name(self) -> str:
@@ -163,7 +163,7 @@ class Serving:
 
     def top_n(self, n: int) -> int:
         """A request's top-logprobs count, -1 (the whole vocabulary) resolved."""
-        return self.engine.engine.model_config.vocab_size if n == -1 else n
+        return self.engine.vocab_size if n == -1 else n
 
     def _prompt_logprobs(self, req, logprobs: int | None) -> int | None:
         """vLLM's prompt_logprobs; a completion's echo with logprobs needs them for the echoed tokens."""
@@ -176,8 +176,8 @@ class Serving:
         return n
 
     def _check_logprobs(self, n: int, param: str) -> None:
-        vocab = self.engine.engine.model_config.vocab_size
-        cap = self.engine.engine.config.max_logprobs
+        vocab = self.engine.vocab_size
+        cap = self.engine.max_logprobs
         asked = vocab if n == -1 else n
         if cap != -1 and asked > cap:
             raise ParamError(f"{param}={n} asks for {asked} logprobs per token, more than this server's --max-logprobs "
@@ -186,7 +186,7 @@ class Serving:
     def _logit_bias(self, req) -> dict[int, float] | None:
         if not req.logit_bias:
             return None
-        vocab = self.engine.engine.model_config.vocab_size
+        vocab = self.engine.vocab_size
         bias = {}
         for key, value in req.logit_bias.items():
             try:
@@ -217,7 +217,7 @@ class Serving:
                      cached_tokens if self.config.enable_prompt_tokens_details else None)
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
-        vocab = self.engine.engine.model_config.vocab_size
+        vocab = self.engine.vocab_size
         if message := out_of_vocabulary("token id", ids, vocab):
             raise ParamError(message, param)
         if not ids:

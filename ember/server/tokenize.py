@@ -32,7 +32,7 @@ def tokenize(s: Serving, req: TokenizeRequest) -> dict:
 
 def detokenize(s: Serving, req: DetokenizeRequest) -> dict:
     s.check_model(req.model)
-    vocab = s.engine.engine.model_config.vocab_size
+    vocab = s.engine.vocab_size
     if message := out_of_vocabulary("token id", req.tokens, vocab):
         raise ParamError(message, "tokens")
     return {"prompt": s.tokenizer.decode(req.tokens, skip_special_tokens=False)}

@@ -48,7 +48,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Sequence
+from typing import Sequence, TYPE_CHECKING
 
 import torch
 
@@ -62,10 +62,14 @@ from ember.layers.sampler import make_generator, target_probs
 from ember.request import Draft
 from ember.spec.proposer import KVSlots, Proposer, ProposerContext, StepRows
 
+if TYPE_CHECKING:
+    from ember.config.speculative import SpeculativeConfig
+    from ember.loader.tokenizer import Tokenizer
+
 logger = logging.getLogger("ember")
 
 
-def tokenizer_difference(target: Any, draft: Any) -> str | None:
+def tokenizer_difference(target: Tokenizer, draft: Tokenizer) -> str | None:
     """How the draft's tokenizer differs from the target's (None: the same ids for the same text).
     Only the token -> id map and the special tokens count: the engine tokenizes with the target's
     tokenizer, so the draft's BOS/EOS settings (config.json fallbacks) never reach it."""
@@ -75,7 +79,7 @@ def tokenizer_difference(target: Any, draft: Any) -> str | None:
         diff = sorted(set(tv.items()) ^ set(dv.items()), key=lambda kv: kv[1])[:3]
         return f"the vocabularies differ ({len(tv)} vs {len(dv)} tokens; e.g. {diff})"
 
-    def specials(tok: Any) -> dict[int, str]:
+    def specials(tok: Tokenizer) -> dict[int, str]:
         return {i: t.content for i, t in tok.hf_tokenizer.get_added_tokens_decoder().items() if t.special}
 
     if specials(target) != specials(draft):
@@ -86,7 +90,7 @@ def tokenizer_difference(target: Any, draft: Any) -> str | None:
 class DraftModelProposer(Proposer):
     reads_step = "rows"  # the fill reruns the rows the target computed, from their tokens
 
-    def __init__(self, spec: Any, ctx: ProposerContext):
+    def __init__(self, spec: SpeculativeConfig, ctx: ProposerContext):
         from ember.loader.model_loader import load_model
         from ember.config.speculative import is_mtp_folder
 

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Sequence
+from typing import Sequence, TYPE_CHECKING
 
 import torch
 
@@ -55,13 +55,16 @@ from ember.kernels.metadata import AttentionMetadata
 from ember.request import Draft
 from ember.spec.proposer import ExecutorFactory, KVSlots, Proposer, ProposerContext, StepRows
 
+if TYPE_CHECKING:
+    from ember.config.speculative import SpeculativeConfig
+
 logger = logging.getLogger("ember")
 
 
 class MTPProposer(Proposer):
     reads_step = "hidden"  # the fill runs over every row the target computed, from its hidden state
 
-    def __init__(self, spec: Any, ctx: ProposerContext):
+    def __init__(self, spec: SpeculativeConfig, ctx: ProposerContext):
         from ember.spec.mtp_weights import load_mtp
 
         loaded = ctx.target

@@ -7,13 +7,17 @@ Code, quoted documents and repetitive output are where this pays.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Sequence, TYPE_CHECKING
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from ember.request import Draft
 from ember.spec.proposer import Proposer
+
+if TYPE_CHECKING:
+    from ember.config.speculative import SpeculativeConfig
+    from ember.spec.proposer import ProposerContext
 
 
 def ngram_lookup(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
@@ -30,7 +34,7 @@ def ngram_lookup(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int
 
 
 class NgramProposer(Proposer):
-    def __init__(self, spec: Any, ctx: Any = None):
+    def __init__(self, spec: SpeculativeConfig, ctx: ProposerContext | None = None):
         self.n_min = spec.prompt_lookup_min
         self.n_max = spec.prompt_lookup_max
 

@@ -23,6 +23,7 @@ from ember.kernels.cpu_kernels import CpuKernels
 from ember.request import Draft, Request
 
 if TYPE_CHECKING:
+    from ember.loader.model_loader import LoadedModel
     from ember.config.speculative import SpeculativeConfig
 
 
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 class ProposerContext:
     """What a proposer may read when it is built: the target as loaded and the engine's limits."""
 
-    target: Any  # the target's LoadedModel: .model, .model_config, .path, .tokenizer, .weight_bytes
+    target: LoadedModel  # the target as loaded: .model, .model_config, .path, .tokenizer, .weight_bytes
     device: torch.device
     dtype: torch.dtype
     kernels: CpuKernels  # the CPU kernels the target runs (a draft's layers use the same)

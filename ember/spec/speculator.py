@@ -12,12 +12,17 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Iterable
+from typing import Any, Iterable, TYPE_CHECKING
 
 from ember.config.speculative import SpeculativeConfig
 from ember.spec.adaptive import TOKEN_COST, AdaptiveK
 from ember.spec.metrics import SpecStats
 from ember.spec.proposer import ExecutorFactory, KVSlots, ProposerContext, StepRows, build_proposer
+
+if TYPE_CHECKING:
+    from ember.engine.scheduler import SchedulerOutput
+    from ember.engine.step_executor import StepExecutor
+    from ember.request import Request
 
 logger = logging.getLogger("ember")
 
@@ -48,7 +53,7 @@ class Speculator:
     def attach(self, slots: KVSlots) -> None:
         self.proposer.attach(slots)
 
-    def prepare(self, executor: Any, make_executor: ExecutorFactory) -> None:
+    def prepare(self, executor: StepExecutor, make_executor: ExecutorFactory) -> None:
         """Once the engine's executor exists: the proposer may compile its own steps alike, and a
         verified token is priced from the executor's own timings when it has them (the compiled CPU
         executor times its graphs at warmup: there a verify row costs a few percent of a step, not
@@ -73,7 +78,7 @@ class Speculator:
                     "plus %.3f a draft", ", ".join(f"k={k}: {c:.3f}" for k, c in sorted(costs.items())),
                     self.draft_token_cost)
 
-    def verified(self, out: Any, sampled: dict, seconds: float) -> dict[str, int]:
+    def verified(self, out: SchedulerOutput, sampled: dict, seconds: float) -> dict[str, int]:
         """After a step with drafts (out: its SchedulerOutput, sampled: what each request emitted):
         record what was accepted; returns the rejected draft count per request."""
         self.stats.verify_seconds += seconds
@@ -118,6 +123,6 @@ class Speculator:
             if draft is not None and len(draft):
                 req.draft = draft.truncated(k)
 
-    def observe(self, req: Any, num_drafts: int, num_accepted: int) -> None:
+    def observe(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         self.stats.record(num_drafts, num_accepted)
         self.adaptive.observe(req, num_drafts, num_accepted)

@@ -24,13 +24,18 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from ember.reasoning import END as REASONING_END
 from ember.reasoning import starts_in_reasoning
 from ember.request import Request
+
+if TYPE_CHECKING:
+    import xgrammar
+
+    from ember.loader.tokenizer import Tokenizer
 
 logger = logging.getLogger("ember")
 
@@ -40,6 +45,14 @@ MAX_CACHED_GRAMMARS = 128
 PROMPT_TAIL_TOKENS = 64
 
 
+class StructuredListener(Protocol):
+    """Who hears how long grammars take (the server's metrics)."""
+
+    def observe_compile(self, seconds: float) -> None: ...
+
+    def observe_mask(self, seconds: float) -> None: ...
+
+
 class GrammarState:
     """One request's constraint: its compiled grammar (a future until compiled) and matcher."""
 
@@ -47,7 +60,7 @@ class GrammarState:
 
     def __init__(self, compiled: Future, active: bool):
         self.compiled = compiled
-        self.matcher: Any = None  # an xgrammar GrammarMatcher, made at the first masked step
+        self.matcher: xgrammar.GrammarMatcher | None = None  # made at the first masked step
         self.active = active  # False while the output is still inside the reasoning
         self.scan_from = 0  # output text before this has no reasoning end tag
 
@@ -60,15 +73,15 @@ class GrammarState:
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], reasoning_parser: str | None = None):
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int], reasoning_parser: str | None = None):
         """stop_token_ids: what ends a finished grammar (the engine's EOS ids)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self.reasoning_parser = reasoning_parser
-        self.listener: Any = None  # observe_compile(seconds), observe_mask(seconds): the server's metrics
+        self.listener: StructuredListener | None = None  # the server's metrics
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ember-grammar")
-        self._compiler: Any = None  # xgrammar's GrammarCompiler, made on the worker thread
+        self._compiler: xgrammar.GrammarCompiler | None = None  # made on the worker thread
         self._cache: collections.OrderedDict[str, Future] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.num_compiled = 0
@@ -189,7 +202,7 @@ class StructuredOutputManager:
         return True, matcher.is_terminated()
 
 
-def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
+def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]):
     """The vocabulary as xgrammar reads it, from ember's tokenizer (a `tokenizers.Tokenizer`
     inside, from a HF folder or a GGUF file): the byte-level / byte-fallback decoding is detected
     from it by xgrammar's own Hugging Face reader."""

@@ -13,7 +13,6 @@ discriminated unions, the common use, have disjoint branches.
 """
 from __future__ import annotations
 
-from typing import Any
 
 from ember.errors import InvalidRequestError
 
@@ -29,12 +28,12 @@ class UnenforcedKeywordError(InvalidRequestError):
     pass
 
 
-def prepare_schema(schema: Any) -> Any:
+def prepare_schema(schema: object) -> object:
     """The schema with the allOf shapes above merged; raises UnenforcedKeywordError for the rest."""
     return _walk(schema, "")
 
 
-def _walk(node: Any, where: str) -> Any:
+def _walk(node: object, where: str) -> object:
     if not isinstance(node, dict):
         return node
     node = _merge_all_of(node, where)

@@ -9,8 +9,8 @@ from ember import LLM, SamplingParams
 def _forward_both(engine):
     out = engine.scheduler.schedule()
     runner = engine.runner
-    ids, pos, meta, logit_rows, _ = runner.prepare(out)
-    select = runner.select
+    batch = runner.prepare(out)
+    ids, pos, meta, logit_rows, select = batch.input_ids, batch.positions, batch.meta, batch.logit_rows, batch.select
     caches = [c.clone() for c in runner.kv_caches]
     with torch.inference_mode():
         full = runner.model(ids, pos, caches, meta)

@@ -3,14 +3,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from ember.config.architectures import ARCHITECTURES, GGUF_ARCHITECTURES
 from ember.errors import ModelLoadError, UnsupportedModelError
 from ember.loader.weights import iter_safetensors
-from ember.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
+from ember.model_config import ModelConfig
 from ember.models.registry import get_model_class
 from tests.models.tiny_models import (PagedDriver, Seq, build_hf_model, load_ember_model, one_thread, random_prompt,
                                       save_hf_model)
@@ -108,7 +111,24 @@ def test_empty_folder_raises(tmp_path):
 def test_unknown_architecture_lists_supported():
     with pytest.raises(UnsupportedModelError) as e:
         get_model_class("MistralForCausalLM")
-    for arch in SUPPORTED_ARCHITECTURES:
+    for arch in ARCHITECTURES:
         assert arch in str(e.value)
-    for arch in SUPPORTED_ARCHITECTURES:
+    for arch in ARCHITECTURES:
         assert get_model_class(arch).__name__ == arch
+
+
+def test_the_architecture_table_is_the_only_list():
+    """One row per architecture (ember.config.architectures): GGUF names are unique and come with the
+    model_type their metadata becomes, and no other module of the engine names an architecture in
+    its code (a trait is a column of the table, not a test of the class name)."""
+    assert len(GGUF_ARCHITECTURES) == sum(a.gguf is not None for a in ARCHITECTURES.values())
+    for row in ARCHITECTURES.values():
+        assert (row.gguf is None) == (row.gguf_model_type is None), row.name
+        assert row.moe or not row.all_layers_moe, row.name
+    quoted = re.compile(r"[\"'](%s)[\"']" % "|".join(ARCHITECTURES))
+    ember = Path(__file__).resolve().parents[2] / "ember"
+    for path in ember.rglob("*.py"):
+        if path.name == "architectures.py" or path.parent.name == "bench":
+            continue  # the table itself; bench writes random models of a named architecture
+        hits = [line for line in path.read_text().splitlines() if quoted.search(line.split("#")[0])]
+        assert not hits, f"{path} names an architecture in its code: {hits}"

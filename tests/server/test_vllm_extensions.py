@@ -139,7 +139,7 @@ def test_batch_chat_answers_each_conversation(server, client):
     r = httpx.post(server.url + "/v1/chat/completions/batch", json={"messages": [convs[0], []]})
     assert r.status_code == 400
     server.wait_idle()
-    assert server.engine.scheduler.running == [] and not server.engine.groups
+    assert server.engine.scheduler.running == [] and not server.engine.parents
 
 
 def test_seed_outside_64_bits_is_a_400_naming_the_bound(client):

@@ -41,7 +41,7 @@ def drafts_after_prefill(llm, prompt):
 
     eng = llm.engine
     eng.add_request("x", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    req = eng.groups["x"].children[0]
+    req = eng.parents["x"].children[0]
     steps = 0
     while req.draft is None:
         eng.step()
@@ -63,7 +63,7 @@ def run_with_aborts(llm, params_for, prompts) -> None:
     for step in range(40):
         eng.step()
         if step % 3 == 1:
-            live = list(eng.groups)
+            live = list(eng.parents)
             if live:
                 eng.abort_request(live[step % len(live)])
     while eng.has_unfinished_requests():

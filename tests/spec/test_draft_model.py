@@ -137,9 +137,9 @@ def test_planner_counts_the_draft_model(tiny_model_dir, drafts, capsys):
     from ember.entrypoints.cli import main as cli_main
 
     target, draft = tiny_model_dir("qwen3"), drafts["llama"]
-    kw = dict(memory_gib=4, device="cpu", dtype="float32")
-    base = planner.plan(target, **kw)
-    p = planner.plan(target, num_speculative_tokens=2, speculative_model=draft, **kw)
+    kw = dict(model=target, device="cpu", dtype="float32")
+    base = planner.plan(EngineConfig(**kw), memory_gib=4)
+    p = planner.plan(EngineConfig(num_speculative_tokens=2, speculative_model=draft, **kw), memory_gib=4)
     d_tok = ModelConfig.from_folder(draft).kv_bytes_per_token_per_dtype_byte * 4
     assert p.draft_kv_bytes_per_token == d_tok and p.kv_bytes_per_token == base.kv_bytes_per_token + d_tok
     assert p.kv_layers == base.kv_layers and p.weight_bytes > base.weight_bytes

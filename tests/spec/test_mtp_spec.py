@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ember import SamplingParams
+from ember.config import EngineConfig
 from ember.errors import ModelLoadError
 from ember.kernels import cpu_tiled_gemv
 from ember.spec.mtp_proposer import MTPProposer
@@ -244,7 +245,7 @@ def test_drafts_equal_a_full_recompute(tiny_model_dir, mtp_model, layout, monkey
                    max_num_seqs=4)
     eng = llm.engine
     eng.add_request("x", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    req = eng.groups["x"].children[0]
+    req = eng.parents["x"].children[0]
     while req.draft is None:
         eng.step()
     drafts, sampled = list(req.draft.token_ids), req.token_ids[-1]
@@ -329,8 +330,9 @@ def test_pool_and_planner_count_the_mtp_layer(mtp_model):
     assert mtp.engine.kv.num_blocks == 96 * layers // (layers + 1)  # one more layer per token
     assert len(mtp.engine.runner.extra_kv_caches) == 1
     assert mtp.engine.spec.k_max == 1  # no k given: the number of MTP layers, as vLLM
-    p0 = planner.plan(path, memory_gib=4, device="cpu", dtype="float32")
-    p1 = planner.plan(path, memory_gib=4, device="cpu", dtype="float32", num_speculative_tokens=2)
+    p0 = planner.plan(EngineConfig(model=path, device="cpu", dtype="float32"), memory_gib=4)
+    p1 = planner.plan(EngineConfig(model=path, device="cpu", dtype="float32", enable_mtp=True, num_speculative_tokens=2),
+                      memory_gib=4)
     assert (p0.kv_layers, p1.kv_layers) == (layers, layers + 1)
     assert p1.kv_bytes_per_token * layers == p0.kv_bytes_per_token * (layers + 1)
     # The engine's pool per token is the planner's: one more layer of the same shape.
@@ -346,11 +348,12 @@ def test_planner_counts_a_separate_mtp_folder(tiny_model_dir, tmp_path):
     folder = tmp_path / "two"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"architectures": ["Qwen3MTP"], "num_nextn_predict_layers": 2}))
-    kw = dict(memory_gib=4, device="cpu", dtype="float32")
-    base = planner.plan(main_dir, **kw)
-    p = planner.plan(main_dir, num_speculative_tokens=3, speculative_model=str(folder), **kw)
+    kw = dict(model=main_dir, device="cpu", dtype="float32")
+    base = planner.plan(EngineConfig(**kw), memory_gib=4)
+    p = planner.plan(EngineConfig(num_speculative_tokens=3, speculative_model=str(folder), **kw), memory_gib=4)
     assert p.kv_layers == base.kv_layers + 2
-    assert planner.plan(main_dir, speculative_model=str(folder), **kw).kv_layers == base.kv_layers  # k = 0: none
+    # an MTP folder alone speculates with k = its layers, as the engine does: counted the same
+    assert planner.plan(EngineConfig(speculative_model=str(folder), **kw), memory_gib=4).kv_layers == p.kv_layers
     assert cli_main(["plan", main_dir, "--device", "cpu", "--memory", "4", "--num-speculative-tokens", "2",
                      "--speculative-model", str(folder), "--json"]) == 0
 

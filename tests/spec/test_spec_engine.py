@@ -258,7 +258,7 @@ def test_no_blocks_leak_after_aborts_with_drafts_pending(qwen3):
         if step == 8:
             for rid in ("r0", "r3", "n"):
                 assert eng.abort_request(rid)
-    for rid in list(eng.groups):
+    for rid in list(eng.parents):
         eng.abort_request(rid)
     assert pending > 0 and eng.stats()["spec_num_drafts"] > 0
     assert not eng.has_unfinished_requests() and eng.scheduler.num_unfinished == 0

@@ -1,16 +1,47 @@
-"""Other engines' spellings of ember's engine flags, accepted on every command line with a note.
+"""Every other engine's spelling ember accepts, in one place: flag names (each with a note), and the
+values of ember's own flags.
 
 People copy launch lines from SGLang (`python -m sglang.launch_server --model-path ... --context-length
 ...`), older vLLM and the guides our users follow (`--mtp-num`, `--multi-token-prediction`,
-`--decode-kernel flash2`). Each alias below sets ember's own flag (vLLM's name) and leaves a one-line
-note naming it; a value ember cannot honour (EAGLE drafting, tree drafts) is refused with what to use
-instead. Value spellings of ember's own flags (`--speculative-model mtp`, `--attention-backend
-flash2`, `--quantization awq_marlin`) are mapped where the config reads them (ember.config).
+`--decode-kernel flash2`). Each flag alias below sets ember's own flag (vLLM's name) and leaves a
+one-line note naming it; a value ember cannot honour (EAGLE drafting, tree drafts) is refused with what
+to use instead. Value spellings of ember's own flags (`--speculative-model mtp`, `--attention-backend
+flash2`, `--quantization awq_marlin`, `--dtype half`, a speculative method `deepseek_mtp`) are the
+*_ALIASES tables; EngineConfig and the speculative config map them where they read the flag.
 """
 from __future__ import annotations
 
 import argparse
 from typing import Any, Callable
+
+# -- values of ember's own flags ------------------------------------------------------------------
+
+# vLLM's other names of dtypes
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+# vLLM's kernel-specific quantization names -> the weight format ember loads
+QUANTIZATION_ALIASES = {"awq_marlin": "awq"}
+# other engines' attention backend names -> ember's: "gpu" = its GPU kernels (triton) on CUDA, the cpu
+# backend on CPU. flash2: the split-KV decode kernel's name in the seeds; flashinfer / fa3: SGLang's and
+# vLLM's GPU backends (ember.config.attention resolves "gpu" and logs the note)
+ATTENTION_BACKEND_ALIASES = {"flash2": "gpu", "flashinfer": "gpu", "fa3": "gpu", "flash_attn": "gpu",
+                             "torch_native": "torch"}
+# --speculative-model values that mean "the model's own MTP layers" (older vLLM and the seeds)
+SPEC_MODEL_MTP = ("mtp", "[mtp]", "deepseek_mtp", "qwen3_next_mtp", "qwen3_5_mtp")
+# speculative_config["method"] spellings -> ember's method; vLLM's older per-family MTP names
+# (deepseek_mtp, qwen3_next_mtp, mimo_mtp, ...) all end in SPEC_METHOD_MTP_SUFFIX
+SPEC_METHOD_ALIASES = {"[ngram]": "ngram", "draft_model": "draft"}
+SPEC_METHOD_MTP_SUFFIX = "_mtp"
+
+
+def speculative_method(name: str) -> str:
+    """A speculative method as ember names it (unknown names come back as given, lowercased)."""
+    m = name.strip().lower()
+    if m.endswith(SPEC_METHOD_MTP_SUFFIX):
+        return "mtp"
+    return SPEC_METHOD_ALIASES.get(m, m)
+
+
+# -- flags ------------------------------------------------------------------------------------------
 
 # alias -> (ember's flag as its EngineConfig field, whose name it is)
 RENAMED = {
