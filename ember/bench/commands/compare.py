@@ -1,6 +1,6 @@
 """`ember bench compare`: ember against llama.cpp and transformers, one run, same GGUF, same threads.
 
-Sides (each in a worker process of its own, so its peak RSS is its own; see worker.py):
+Sides (each in a worker process of its own, so its peak RSS is its own; see bench/sides/):
   - ember (the command's engine flags; by default packed GGUF weights, no speculation);
   - ember+MTP: the same with enable_mtp=True (the default model's trained MTP head), decode only;
   - llama.cpp through llama-cpp-python (the `bench` extra), same file and thread count;
@@ -15,25 +15,24 @@ are ember / peer per round (medians, min-max shown), and the issue's bars are ju
 """
 from __future__ import annotations
 
-import dataclasses
-import json
+import argparse
 import logging
 import os
-import random
 import shlex
 import statistics
 import subprocess
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable
 
-from tqdm import tqdm
-
-from ember.bench import membw
-from ember.bench.report import (OthersLoad, _machine_line, json_path, load_average, machine_info, update_markdown,
-                                wait_for_quiet)
-from ember.bench.report import _fmt as fmt
-from ember.planner import DTYPE_BYTES, kv_elem_bytes
+from ember.bench.lib import membw
+from ember.bench.lib.args import add_common_args, add_workload_args, command_line, int_list, switches
+from ember.bench.lib.files import publish
+from ember.bench.lib.machine import load_average, machine_info
+from ember.bench.lib.markdown import describe, fmt, head, row
+from ember.bench.lib.prompts import chat_prompts, prompt_maker_of
+from ember.bench.lib.rounds import (RatioBar, cell, decode_task, measure, paired_ratios, ratio_cell, spread,
+                                    summarize_figures, throughput_task, ttft_key, ttft_task)
+from ember.bench.peers import PEER_NAMES, PEERS
+from ember.bench.sides.ember import ember_factory, ember_knobs
+from ember.bench.sides.worker import start_side
 from ember.platform import resolve_dtype_name
 
 logger = logging.getLogger("ember.bench")
@@ -42,219 +41,14 @@ KIND = "compare"
 EMBER, MTP, BASELINE, VERSUS = "ember", "ember+MTP", "ember baseline", "ember --versus"
 # --baseline: this checkout and another one must agree within this share on decode and throughput
 BASELINE_TOLERANCE = 0.05
-# how each peer is built (sides.build); a test swaps in a fake by path
-PEERS = {"llamacpp": "ember.bench.llamacpp_peer:LlamaCppPeer", "hf": "ember.bench.hf_peer:HFPeer"}
-PEER_NAMES = {"llamacpp": "llama.cpp", "hf": "transformers"}
 DEFAULT_PEERS = ["llamacpp", "hf"]
-# ember's KV pool when --kv-cache-memory is not given, per byte of a KV element: 64 sequences of 640
-# tokens of the default model (23 KB a token in bf16, 46 KB in float32) fit; larger workloads or
-# models want the flag
-KV_GIB_PER_BYTE = 0.5
-# held-out chat prompts for decode: rounds -1.. take seeds from here on (ember bench spec's runs use 0..)
-DECODE_PROMPT_RUN = 100
-
-
-# -- sides ----------------------------------------------------------------------------------------
-
-def start_side(factory: str, kwargs: dict, threads: int, in_process: bool, pythonpath: str | None = None):
-    from ember.bench.sides import LocalSide
-    from ember.bench.worker import RemoteSide
-
-    return LocalSide(factory, kwargs) if in_process else RemoteSide(factory, kwargs, threads, pythonpath)
-
-
-def ember_knobs(args, num_prompts: int) -> tuple[dict, int]:
-    """The command's engine knobs as a dict, with max_num_seqs sized to the throughput batch when
-    unset (the peers run all prompts at once), KV cache for that batch when unset, and the thread count
-    pinned; and that thread count."""
-    import torch
-
-    from ember.engine_args import engine_config_from_args
-
-    config = engine_config_from_args(args)
-    threads = config.num_threads or torch.get_num_threads()
-    torch.set_num_threads(threads)  # the driver's bandwidth probe runs on the sides' thread count
-    knobs = config.flags()
-    knobs["num_threads"] = threads
-    if knobs["kv_cache_memory"] is None:
-        # the pool is allocated (and touched) up front, so it is in peak RSS: size it to the workload,
-        # not to the machine's RAM, or the memory figure says more about the default than the engine
-        # (a 1 GiB pool in float32 held 36 of the 64 sequences: half the batch the peers run)
-        element = kv_elem_bytes(config.kv_cache_dtype, DTYPE_BYTES[resolve_dtype_name(config.dtype, "cpu")])
-        knobs["kv_cache_memory"] = KV_GIB_PER_BYTE * element
-    if knobs["max_num_seqs"] is None:
-        knobs["max_num_seqs"] = min(num_prompts, config.max_num_batched_tokens)
-    return knobs, threads
-
-
-def prompt_maker_of(side, base_seed: int):
-    from ember.bench.throughput import PromptMaker
-
-    vocab, special = side.prompt_vocab
-    return PromptMaker(vocab, set(special), base_seed)
-
-
-# -- the workload ---------------------------------------------------------------------------------
-
-@dataclass
-class Figure:
-    """One reported quantity."""
-
-    key: str
-    name: str
-    unit: str
-    higher_is_better: bool
-
-
-@dataclass
-class Task:
-    """One measurement per side per round: inputs(round) are shared by all sides; measure(side,
-    inputs) returns {figure key: value}. Sides named in `skip` do not take it."""
-
-    figures: list[Figure]
-    inputs: Callable[[int], object]
-    measure: Callable[[object, object], dict]
-    skip: frozenset = frozenset()
-
-
-def _seed(run: int, salt: int) -> int:
-    from ember.bench.throughput import prompt_seed
-
-    return prompt_seed(run, 0, salt)
-
-
-def chat_prompts(model: str):
-    """round -> a held-out chat request (ember.bench.spec.held_out_prompts: text `ember train-mtp` never
-    trains on, through the model's chat template), new each round; the driver's own tokenizer."""
-    from ember.bench.serve import load_tokenizer
-    from ember.bench.spec import held_out_prompts
-
-    tok, _ = load_tokenizer(model)
-    return lambda r: held_out_prompts(tok, 4, DECODE_PROMPT_RUN + r)[0]
-
-
-def decode_task(maker, n: int, skip=frozenset(), prompt: Callable[[int], list[int]] | None = None) -> Task:
-    """prompt: round -> the prompt every side decodes after (default: DECODE_PROMPT_LEN random tokens)."""
-    from ember.bench.latency import DECODE_PROMPT_LEN, decode_rates
-
-    figs = [Figure("decode", f"batch-1 decode, {n} tokens", "tok/s", True),
-            Figure("decode_steady", f"batch-1 decode, {n} tokens, steady (median gap)", "tok/s", True)]
-
-    def measure(side, prompt):
-        times = side.decode(prompt, n)
-        assert len(times) == n, f"{len(times)} tokens, wanted {n}"
-        mean, steady = decode_rates(times)
-        return {"decode": mean, "decode_steady": steady}
-
-    return Task(figs, prompt or (lambda r: maker.make(1, DECODE_PROMPT_LEN, _seed(r, 1))[0]), measure, skip)
-
-
-def ttft_key(length: int) -> str:
-    return f"ttft_{length}"
-
-
-def ttft_task(maker, length: int, skip=frozenset()) -> Task:
-    fig = Figure(ttft_key(length), f"TTFT, {length}-token prompt", "ms", False)
-    return Task([fig], lambda r: maker.make(1, length, _seed(r, length))[0],
-                lambda side, prompt: {fig.key: 1000 * side.ttft(prompt)}, skip)
-
-
-def throughput_prompts(maker, n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
-    """n prompts of lengths drawn uniformly from lo..hi (seeded), each its own random tokens."""
-    rng = random.Random(seed)
-    return [maker.make(1, rng.randint(lo, hi), seed * 1000 + i)[0] for i in range(n)]
-
-
-def throughput_task(maker, n: int, lo: int, hi: int, output_len: int, skip=frozenset()) -> Task:
-    fig = Figure("throughput", f"offline throughput, {n} prompts x {lo}-{hi} in / {output_len} out", "out tok/s", True)
-
-    def measure(side, prompts):
-        seconds, generated = side.batch(prompts, output_len)
-        assert generated == n * output_len, f"{generated} tokens, wanted {n * output_len}"
-        return {fig.key: generated / seconds}
-
-    return Task([fig], lambda r: throughput_prompts(maker, n, lo, hi, _seed(r, 3)), measure, skip)
-
-
-# -- measuring ------------------------------------------------------------------------------------
-
-def measure(sides: dict, tasks: list[Task], *, runs: int, quiet_wait_s: float, bandwidth_mib: int = 0,
-            desc: str = "bench") -> tuple[dict, list[float]]:
-    """({figure key: {side: {"runs": [...], "others": [...]}}}, bandwidth GB/s per round).
-
-    Round -1 is the warmup (compiles, caches, page faults), not recorded."""
-    results: dict = {}
-    for t in tasks:
-        for f in t.figures:
-            results[f.key] = {n: {"runs": [], "others": []} for n in sides if n not in t.skip}
-    bandwidth: list[float] = []
-    workers = tuple(s.pid for s in sides.values() if s.pid is not None)
-    for r in tqdm(range(-1, runs), desc=desc, unit="round", dynamic_ncols=True):
-        if r >= 0 and bandwidth_mib:
-            bandwidth.append(membw.read_gbps(bandwidth_mib))
-        for t in tasks:
-            inputs = t.inputs(r)
-            names = [n for n in sides if n not in t.skip]
-            if r % 2:
-                names.reverse()
-            for n in names:
-                if r >= 0 and quiet_wait_s > 0:
-                    wait_for_quiet(quiet_wait_s)
-                with OthersLoad(pids=workers) as load:
-                    values = t.measure(sides[n], inputs)
-                logger.info("%s %s %s: %s (others used %s cores)", desc, n, "warmup" if r < 0 else f"round {r + 1}",
-                            ", ".join(f"{k} {v:.1f}" for k, v in values.items()), load.cores)
-                if r >= 0:
-                    for k, v in values.items():
-                        results[k][n]["runs"].append(v)
-                        results[k][n]["others"].append(load.cores)
-    return results, bandwidth
-
-
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else {}
-
-
-def summarize_figures(figures: list[Figure], results: dict) -> list[dict]:
-    out = []
-    for f in figures:
-        values = {n: {**s, **spread(s["runs"])} for n, s in results[f.key].items()}
-        out.append({**dataclasses.asdict(f), "values": values})
-    return out
-
-
-def paired_ratios(figure: dict, side: str, peer: str) -> dict | None:
-    """ember side / peer, round by round (the same round's inputs and machine state), summarized."""
-    v = figure["values"]
-    if side not in v or peer not in v or not v[side]["runs"] or not v[peer]["runs"]:
-        return None
-    runs = [e / p for e, p in zip(v[side]["runs"], v[peer]["runs"])]
-    return {"runs": runs, **spread(runs)}
+NAME = "compare"
+HELP = "ember vs llama.cpp vs transformers on the same GGUF: decode, TTFT, throughput, memory; judges the CPU bars"
+PARSER = {"description": "Needs llama-cpp-python for the llama.cpp side: pip install -e '.[bench]' -- installing it "
+                         "compiles llama.cpp, several minutes on 2 cores. --peer hf needs transformers and accelerate."}
 
 
 # -- bars -----------------------------------------------------------------------------------------
-
-@dataclass
-class RatioBar:
-    """ember side / peer on a figure must be >= (or <=) `threshold`."""
-
-    text: str
-    figure: str
-    side: str
-    peer: str
-    op: str  # ">=" | "<=" | "within" (|ratio - 1| <= threshold)
-    threshold: float
-
-    def judge(self, figures: list[dict]) -> dict:
-        fig = next((f for f in figures if f["key"] == self.figure), None)
-        r = paired_ratios(fig, self.side, self.peer) if fig else None
-        if r is None:
-            return {**dataclasses.asdict(self), "ratio": None, "result": f"n/a ({self.side} or {self.peer} not measured)"}
-        ok = {">=": r["median"] >= self.threshold, "<=": r["median"] <= self.threshold,
-              "within": abs(r["median"] - 1) <= self.threshold}[self.op]
-        return {**dataclasses.asdict(self), "ratio": r["median"], "ratio_min": r["min"], "ratio_max": r["max"],
-                "result": "PASS" if ok else "FAIL"}
-
 
 def bars(ttft_len: int, baseline: bool = False, versus: bool = False) -> list[RatioBar]:
     """The issue's bars (with a baseline checkout: behaviour unchanged, within BASELINE_TOLERANCE; with
@@ -273,20 +67,6 @@ def bars(ttft_len: int, baseline: bool = False, versus: bool = False) -> list[Ra
                      ">=", 3.0)]
 
 
-# -- rendering ------------------------------------------------------------------------------------
-
-def cell(s: dict | None, suffix: str = "") -> str:
-    """'median [min-max]' of a spread, or '-'."""
-    if not s or "median" not in s:
-        return "-"
-    return f"{fmt(s['median'])}{suffix} [{fmt(s['min'])}-{fmt(s['max'])}]"
-
-
-def ratio_cell(r: dict | None) -> str:
-    """'1.23x [1.10-1.31]' of paired ratios, or '-'."""
-    return f"{r['median']:.2f}x [{r['min']:.2f}-{r['max']:.2f}]" if r else "-"
-
-
 def _others(figure: dict, side: str) -> str:
     known = [o for o in figure["values"].get(side, {}).get("others", []) if o is not None]
     return f"{statistics.median(known):.2f}" if known else "-"
@@ -294,27 +74,27 @@ def _others(figure: dict, side: str) -> str:
 
 def render(data: dict) -> str:
     peers = [n for n in data["sides"] if n not in (EMBER, MTP)]
-    lines = [f"## {data.get('title', 'ember vs llama.cpp vs transformers (same GGUF file, same threads)')}", "",
-             f"- command: `{data['command']}`", f"- machine: {_machine_line(data['machine'])}",
-             f"- 1-minute load average: {data['load_at_start']} at start, {data['machine'].get('load_at_end')} at end"]
-    lines += [f"- {name}: " + ", ".join(f"{k} {v}" for k, v in d.items()) for name, d in data["sides"].items()]
+    lines = head(data.get("title", "ember vs llama.cpp vs transformers (same GGUF file, same threads)"),
+                 data["command"], data["machine"], data["load_at_start"])
+    lines += [f"- {name}: " + describe(d) for name, d in data["sides"].items()]
     lines += [f"- {n}" for n in data["notes"]]
-    head = ["metric", EMBER] + peers + [f"{EMBER} / {p}" for p in peers] + ["others' cores (ember)"]
-    lines += ["", "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    columns = ["metric", EMBER] + peers + [f"{EMBER} / {p}" for p in peers] + ["others' cores (ember)"]
+    lines += ["", row(columns), "|---|" + "---:|" * (len(columns) - 1)]
     for f in data["figures"]:
         for side in (EMBER, MTP):
             if side not in f["values"]:
                 continue
             label = f"{f['name']}{' with MTP' if side == MTP else ''} ({f['unit']})"
-            row = [label, cell(f["values"][side])] + [cell(f["values"].get(p)) for p in peers]
-            row += [ratio_cell(paired_ratios(f, side, p)) for p in peers] + [_others(f, side)]
-            lines.append("| " + " | ".join(row) + " |")
+            cells = [label, cell(f["values"][side])] + [cell(f["values"].get(p)) for p in peers]
+            cells += [ratio_cell(paired_ratios(f, side, p)) for p in peers] + [_others(f, side)]
+            lines.append(row(cells))
     rss = data["peak_rss_mib"]
     for side in (EMBER, MTP):
         if side in rss:
-            row = [f"peak RSS{' with MTP' if side == MTP else ''} (MiB)", fmt(rss[side])] + [fmt(rss.get(p)) for p in peers]
-            row += [f"{rss[side] / rss[p]:.2f}x" if rss.get(p) else "-" for p in peers] + ["-"]
-            lines.append("| " + " | ".join(row) + " |")
+            cells = [f"peak RSS{' with MTP' if side == MTP else ''} (MiB)", fmt(rss[side])]
+            cells += [fmt(rss.get(p)) for p in peers]
+            cells += [f"{rss[side] / rss[p]:.2f}x" if rss.get(p) else "-" for p in peers] + ["-"]
+            lines.append(row(cells))
     bw = data.get("bandwidth")
     if bw:
         lines += ["", f"Memory: read bandwidth {cell(bw['gbps'])} GB/s; ember's decode step reads "
@@ -328,17 +108,6 @@ def render(data: dict) -> str:
         got = f"{b['ratio']:.2f}x [{b['ratio_min']:.2f}-{b['ratio_max']:.2f}]" if b["ratio"] is not None else "-"
         lines.append(f"| {b['text']} | {got} | **{b['result']}** |")
     return "\n".join(lines) + "\n"
-
-
-def write(data: dict, section: str, md_path: str, kind: str) -> tuple[Path, Path]:
-    from ember.bench.report import HEADER
-
-    md = Path(md_path)
-    md.parent.mkdir(parents=True, exist_ok=True)
-    md.write_text(update_markdown(md.read_text() if md.exists() else HEADER, kind, section))
-    js = json_path(md, kind)
-    js.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    return md, js
 
 
 def bandwidth_summary(bandwidth: list[float], decode: dict, weight_bytes: int | None) -> dict | None:
@@ -355,8 +124,6 @@ def bandwidth_summary(bandwidth: list[float], decode: dict, weight_bytes: int | 
 # -- the command ----------------------------------------------------------------------------------
 
 def _peer_list(s: str) -> list[str]:
-    import argparse
-
     if s == "none":
         return ["none"]  # kept as a word, so the command line in the report reads back as typed
     names = [x.strip() for x in s.split(",") if x.strip()]
@@ -368,16 +135,14 @@ def _peer_list(s: str) -> list[str]:
 
 def check_peers_installed(peers: list[str]) -> None:
     """Fail before anything loads when llama-cpp-python is missing (the install hint says how)."""
-    if "llamacpp" in peers and PEERS["llamacpp"].startswith("ember.bench.llamacpp_peer:"):
-        from ember.bench.llamacpp_peer import _import_llama_cpp
+    if "llamacpp" in peers and PEERS["llamacpp"].startswith("ember.bench.peers.llamacpp:"):
+        from ember.bench.peers.llamacpp import import_llama_cpp
 
-        _import_llama_cpp()
+        import_llama_cpp()
 
 
 def versus_knobs(args, knobs: dict) -> dict:
     """The command's engine knobs with --versus's engine flags on top (no speculation either)."""
-    import argparse
-
     from ember.engine_args import add_engine_args
 
     parser = argparse.ArgumentParser(prog="ember bench compare --versus")
@@ -398,9 +163,7 @@ def model_path(knobs: dict) -> str:
     return knobs["model"] or default_model_path()
 
 
-def cmd_compare(args) -> None:
-    from ember.bench.cli import _command
-    from ember.bench.sides import EMBER as EMBER_FACTORY
+def main(args) -> None:
     from ember.errors import ConfigError
 
     lo, hi = args.input_len_range
@@ -426,15 +189,16 @@ def cmd_compare(args) -> None:
                    "hf": {"model_path": getattr(args, "hf_model", None) or path, "dtype": resolve_dtype_name("auto", "cpu")}}
     sides = {}
     try:
-        sides[EMBER] = start_side(EMBER_FACTORY, knobs, threads, args.in_process)
+        sides[EMBER] = start_side(ember_factory(), knobs, threads, args.in_process)
         if args.baseline is not None:  # the same flags through the other checkout's ember
-            sides[BASELINE] = start_side(EMBER_FACTORY, knobs, threads, False, os.path.abspath(args.baseline))
+            sides[BASELINE] = start_side(ember_factory(args.baseline), knobs, threads, False,
+                                         os.path.abspath(args.baseline))
             sides[BASELINE].description = {**sides[BASELINE].description, "checkout": checkout_of(args.baseline)}
         if args.versus is not None:  # the same checkout with other flags
-            sides[VERSUS] = start_side(EMBER_FACTORY, versus_knobs(args, knobs), threads, args.in_process)
+            sides[VERSUS] = start_side(ember_factory(), versus_knobs(args, knobs), threads, args.in_process)
             sides[VERSUS].description = {**sides[VERSUS].description, "flags": args.versus}
         if args.mtp:
-            sides[MTP] = start_side(EMBER_FACTORY, mtp_knobs, threads, args.in_process)
+            sides[MTP] = start_side(ember_factory(), mtp_knobs, threads, args.in_process)
         for p in peers:
             sides[PEER_NAMES[p]] = start_side(PEERS[p], peer_kwargs[p], threads, args.in_process)
         maker = prompt_maker_of(sides[EMBER], args.prompt_seed)
@@ -448,7 +212,7 @@ def cmd_compare(args) -> None:
         rss = {n: s.peak_rss_bytes() / (1 << 20) for n, s in sides.items()}
         shared = any(s.shared_process for s in sides.values())
         figures = summarize_figures([f for t in tasks for f in t.figures], results)
-        command = _command(args, ["runs", "peer", "output", "prompt_seed", "quiet_wait", "decode_tokens", "prompt_lens",
+        command = command_line(args, ["runs", "peer", "output", "prompt_seed", "quiet_wait", "decode_tokens", "prompt_lens",
                                   "num_prompts", "input_len_range", "output_len", "bandwidth_mib", "llamacpp_batch",
                                   "decode_prompt", "baseline"])
         if args.versus is not None:
@@ -465,10 +229,7 @@ def cmd_compare(args) -> None:
         for s in sides.values():
             s.close()
     data["notes"] = notes(args, knobs, mtp_knobs, decode_prompt is not None, shared)
-    section = render(data)
-    md, js = write(data, section, args.output, getattr(args, "kind", KIND))
-    print(section)
-    logger.info("bench compare: wrote %s and %s", md, js)
+    publish(args.output, getattr(args, "kind", KIND), render(data), data, who="bench compare")
 
 
 def checkout_of(folder: str) -> str:
@@ -483,16 +244,16 @@ def checkout_of(folder: str) -> str:
 
 def notes(args, knobs: dict, mtp_knobs: dict, chat_decode: bool, shared: bool) -> list[str]:
     """How each figure was measured, for the report."""
-    from ember.bench.hf_peer import BATCH_METHOD as HF_BATCH, TTFT_METHOD as HF_TTFT
-    from ember.bench.latency import DECODE_PROMPT_LEN
-    from ember.bench.llamacpp_peer import BATCH_METHODS as LLAMA_BATCH
+    from ember.bench.lib.timing import DECODE_PROMPT_LEN
+    from ember.bench.peers.hf import BATCH_METHOD as HF_BATCH, TTFT_METHOD as HF_TTFT
+    from ember.bench.peers.llamacpp import BATCH_METHODS as LLAMA_BATCH
 
     out = [
         f"{args.runs} measured rounds after 1 warmup round; cells are median [min-max]; ember / peer ratios are taken "
         "round by round, then summarized; every side sees the same prompts, new each round: seeded random ordinary "
         "tokens for TTFT and throughput" + (", a held-out chat request for decode" if chat_decode else ""),
         "decode: greedy, " + (f"{args.decode_tokens} tokens answering a chat request built from text the MTP head "
-                              "never trained on (ember.bench.spec.held_out_prompts, pydoc_split('eval') through the "
+                              "never trained on (ember.bench.lib.prompts.held_out_prompts, pydoc_split('eval') through the "
                               "chat template), EOS ignored; " if chat_decode else
                               f"{args.decode_tokens} tokens after a {DECODE_PROMPT_LEN}-token random prompt, EOS ignored; ") +
         "mean = (N - 1) / (last token time - first token time), which the bars use (with MTP a step brings several "
@@ -506,7 +267,7 @@ def notes(args, knobs: dict, mtp_knobs: dict, chat_decode: bool, shared: bool) -
         f", at most {mtp_knobs['num_speculative_tokens'] or 'the default number of'} tokens); measured on decode only",
         ("peak RSS: all sides ran in this one process (--in-process), so it is the process's high-water mark, "
          "not attributable" if shared else
-         "peak RSS: each side ran in a worker process of its own (python -m ember.bench.worker); its resource.getrusage "
+         "peak RSS: each side ran in a worker process of its own (python -m ember.bench.sides.worker); its resource.getrusage "
          "high-water mark, which includes the Python interpreter and imported libraries, and ember's preallocated KV pool"),
     ]
     if args.versus is not None:
@@ -521,56 +282,15 @@ def notes(args, knobs: dict, mtp_knobs: dict, chat_decode: bool, shared: bool) -
     return out
 
 
-def switches(args, **off_flags: str) -> str:
-    """The on/off flags of a command line as typed: --in-process when set, plus each `name` whose
-    value is False written as its off flag."""
-    words = [" --in-process"] if args.in_process else []
-    words += [f" {flag}" for name, flag in off_flags.items() if not getattr(args, name)]
-    return "".join(words)
-
-
-def _range(s: str) -> list[int]:
-    import argparse
-
-    try:
-        lo, hi = (int(x) for x in s.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"want LO,HI like 128,512 (got {s!r})") from None
-    if not 1 <= lo <= hi:
-        raise argparse.ArgumentTypeError(f"want 1 <= LO <= HI (got {s!r})")
-    return [lo, hi]
-
-
-def workload_args(p, *, prompt_help: str) -> None:
-    """Flags compare and matrix share."""
-    from ember.bench.cli import _positive_int
-
-    p.add_argument("--decode-tokens", type=int, default=256, help="greedy tokens for the batch-1 decode figure (>= 2)")
-    p.add_argument("--num-prompts", type=_positive_int, default=64, help="prompts of the offline throughput figure")
-    p.add_argument("--input-len-range", type=_range, default=[128, 512], metavar="LO,HI",
-                   help="throughput prompt lengths, drawn uniformly (seeded)")
-    p.add_argument("--output-len", type=_positive_int, default=128, help="tokens generated per throughput prompt")
-    p.add_argument("--in-process", action="store_true",
-                   help="build every side in this process instead of one worker process each: starts faster, but "
-                        "peak RSS is then the whole process's, not each side's (" + prompt_help + ")")
-
-
-def add_compare_parser(sub, name: str = "compare", help: str | None = None):
-    from ember.bench.cli import _common_args, _int_list
-
-    p = sub.add_parser(name, help=help or ("ember vs llama.cpp vs transformers on the same GGUF: decode, TTFT, "
-                                           "throughput, memory; judges the CPU bars"),
-                       description="Needs llama-cpp-python for the llama.cpp side: pip install -e '.[bench]' -- "
-                                   "installing it compiles llama.cpp, several minutes on 2 cores. --peer hf needs "
-                                   "transformers and accelerate.")
-    _common_args(p)
+def add_cli_args(p) -> None:
+    add_common_args(p)
     for a in p._actions:  # here --peer takes a list
         if a.dest == "peer":
             a.choices, a.type, a.default = None, _peer_list, list(DEFAULT_PEERS)
             a.metavar, a.help = "PEER,PEER|none", ("llamacpp = llama.cpp through llama-cpp-python (pip install -e "
                                                    "'.[bench]'; compiles llama.cpp on install, several minutes), "
                                                    "hf = transformers bf16; none = ember only")
-    p.add_argument("--prompt-lens", type=_int_list, default=[512, 2000], metavar="N,N,...",
+    p.add_argument("--prompt-lens", type=int_list, default=[512, 2000], metavar="N,N,...",
                    help="prompt lengths for TTFT; the bar is judged at the longest")
     p.add_argument("--no-mtp", dest="mtp", action="store_false", help="leave out the ember+MTP side")
     p.add_argument("--decode-prompt", choices=("chat", "random"), default="chat",
@@ -588,6 +308,4 @@ def add_compare_parser(sub, name: str = "compare", help: str | None = None):
                    help="also measure the ember of another checkout (e.g. a git worktree of an earlier commit) with "
                         "the same flags, alternating in the same rounds; judges decode and throughput within "
                         f"{BASELINE_TOLERANCE:.0%}% of it")  # %% for argparse
-    workload_args(p, prompt_help="for quick checks")
-    p.set_defaults(func=cmd_compare)
-    return p
+    add_workload_args(p, prompt_help="for quick checks")
