@@ -21,6 +21,7 @@ import os
 import shlex
 import statistics
 import subprocess
+from typing import Callable
 
 from ember.bench.lib import membw
 from ember.bench.lib.args import add_common_args, add_workload_args, command_line, int_list, switches
@@ -72,6 +73,25 @@ def _others(figure: dict, side: str) -> str:
     return f"{statistics.median(known):.2f}" if known else "-"
 
 
+def figure_rows(figures: list[dict], peers: list[str], last: Callable[[dict, str], str],
+                skip=()) -> list[list[str]]:
+    """A table row per figure and ember side (ember, ember+MTP): its cell, each peer's, its paired ratio
+    to each peer, and last(figure, side)."""
+    rows = []
+    for f in figures:
+        for side in (EMBER, MTP) if f["key"] not in skip else ():
+            if side in f["values"]:
+                cells = [f"{f['name']}{' with MTP' if side == MTP else ''} ({f['unit']})", cell(f["values"][side])]
+                cells += [cell(f["values"].get(p)) for p in peers]
+                rows.append(cells + [ratio_cell(paired_ratios(f, side, p)) for p in peers] + [last(f, side)])
+    return rows
+
+
+def rss_row(rss: dict, side: str, peers: list[str], last: str) -> list[str]:
+    cells = [f"peak RSS{' with MTP' if side == MTP else ''} (MiB)", fmt(rss[side])] + [fmt(rss.get(p)) for p in peers]
+    return cells + [f"{rss[side] / rss[p]:.2f}x" if rss.get(p) else "-" for p in peers] + [last]
+
+
 def render(data: dict) -> str:
     peers = [n for n in data["sides"] if n not in (EMBER, MTP)]
     lines = head(data.get("title", "ember vs llama.cpp vs transformers (same GGUF file, same threads)"),
@@ -80,21 +100,9 @@ def render(data: dict) -> str:
     lines += [f"- {n}" for n in data["notes"]]
     columns = ["metric", EMBER] + peers + [f"{EMBER} / {p}" for p in peers] + ["others' cores (ember)"]
     lines += ["", row(columns), "|---|" + "---:|" * (len(columns) - 1)]
-    for f in data["figures"]:
-        for side in (EMBER, MTP):
-            if side not in f["values"]:
-                continue
-            label = f"{f['name']}{' with MTP' if side == MTP else ''} ({f['unit']})"
-            cells = [label, cell(f["values"][side])] + [cell(f["values"].get(p)) for p in peers]
-            cells += [ratio_cell(paired_ratios(f, side, p)) for p in peers] + [_others(f, side)]
-            lines.append(row(cells))
+    lines += [row(cells) for cells in figure_rows(data["figures"], peers, _others)]
     rss = data["peak_rss_mib"]
-    for side in (EMBER, MTP):
-        if side in rss:
-            cells = [f"peak RSS{' with MTP' if side == MTP else ''} (MiB)", fmt(rss[side])]
-            cells += [fmt(rss.get(p)) for p in peers]
-            cells += [f"{rss[side] / rss[p]:.2f}x" if rss.get(p) else "-" for p in peers] + ["-"]
-            lines.append(row(cells))
+    lines += [row(rss_row(rss, side, peers, "-")) for side in (EMBER, MTP) if side in rss]
     bw = data.get("bandwidth")
     if bw:
         lines += ["", f"Memory: read bandwidth {cell(bw['gbps'])} GB/s; ember's decode step reads "
@@ -212,9 +220,9 @@ def main(args) -> None:
         rss = {n: s.peak_rss_bytes() / (1 << 20) for n, s in sides.items()}
         shared = any(s.shared_process for s in sides.values())
         figures = summarize_figures([f for t in tasks for f in t.figures], results)
-        command = command_line(args, ["runs", "peer", "output", "prompt_seed", "quiet_wait", "decode_tokens", "prompt_lens",
-                                  "num_prompts", "input_len_range", "output_len", "bandwidth_mib", "llamacpp_batch",
-                                  "decode_prompt", "baseline"])
+        command = command_line(args, ["runs", "peer", "output", "prompt_seed", "quiet_wait", "decode_tokens",
+                                      "prompt_lens", "num_prompts", "input_len_range", "output_len", "bandwidth_mib",
+                                      "llamacpp_batch", "decode_prompt", "baseline"])
         if args.versus is not None:
             command += " --versus " + shlex.quote(args.versus)
         command += switches(args, mtp="--no-mtp")
@@ -253,8 +261,8 @@ def notes(args, knobs: dict, mtp_knobs: dict, chat_decode: bool, shared: bool) -
         "round by round, then summarized; every side sees the same prompts, new each round: seeded random ordinary "
         "tokens for TTFT and throughput" + (", a held-out chat request for decode" if chat_decode else ""),
         "decode: greedy, " + (f"{args.decode_tokens} tokens answering a chat request built from text the MTP head "
-                              "never trained on (ember.bench.lib.prompts.held_out_prompts, pydoc_split('eval') through the "
-                              "chat template), EOS ignored; " if chat_decode else
+                              "never trained on (ember.bench.lib.prompts.held_out_prompts, pydoc_split('eval') "
+                              "through the chat template), EOS ignored; " if chat_decode else
                               f"{args.decode_tokens} tokens after a {DECODE_PROMPT_LEN}-token random prompt, EOS ignored; ") +
         "mean = (N - 1) / (last token time - first token time), which the bars use (with MTP a step brings several "
         "tokens at once, and the mean is what a user gets); steady = 1 / median gap between tokens, shown because a "
@@ -267,8 +275,9 @@ def notes(args, knobs: dict, mtp_knobs: dict, chat_decode: bool, shared: bool) -
         f", at most {mtp_knobs['num_speculative_tokens'] or 'the default number of'} tokens); measured on decode only",
         ("peak RSS: all sides ran in this one process (--in-process), so it is the process's high-water mark, "
          "not attributable" if shared else
-         "peak RSS: each side ran in a worker process of its own (python -m ember.bench.sides.worker); its resource.getrusage "
-         "high-water mark, which includes the Python interpreter and imported libraries, and ember's preallocated KV pool"),
+         "peak RSS: each side ran in a worker process of its own (python -m ember.bench.sides.worker); its "
+         "resource.getrusage high-water mark, which includes the Python interpreter and imported libraries, and "
+         "ember's preallocated KV pool"),
     ]
     if args.versus is not None:
         out.append(f"{VERSUS}: this checkout with `{args.versus}` on top of the command's flags, measured in the same "

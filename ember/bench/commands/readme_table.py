@@ -8,10 +8,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ember.bench.commands.compare import EMBER, MTP
+from ember.bench.commands.compare import EMBER, MTP, figure_rows, rss_row
 from ember.bench.lib.files import update_markdown
 from ember.bench.lib.markdown import fmt, row
-from ember.bench.lib.rounds import cell, paired_ratios, ratio_cell
 
 KIND = "readme-compare"
 NAME = "readme-table"
@@ -29,22 +28,10 @@ def table(data: dict) -> str:
              "Full table, method and raw runs: `benchmarks/cpu.md`, `benchmarks/cpu-compare.json`.", "",
              "| benchmark | ember | " + " | ".join(peers) + " | " + " | ".join(f"ember / {p}" for p in peers) + " | bar |",
              "|---|" + "---:|" * (1 + 2 * len(peers)) + "---|"]
-    for f in data["figures"]:
-        if f["key"] == "decode_steady":
-            continue
-        for side in (EMBER, MTP):
-            if side not in f["values"]:
-                continue
-            cells = [f"{f['name']}{' with MTP' if side == MTP else ''} ({f['unit']})", cell(f["values"][side])]
-            cells += [cell(f["values"].get(p)) for p in peers]
-            cells += [ratio_cell(paired_ratios(f, side, p)) for p in peers]
-            cells.append(verdicts.get((f["key"], side), ""))
-            lines.append(row(cells))
-    rss = data["peak_rss_mib"]
-    if EMBER in rss:
-        cells = ["peak RSS (MiB)", fmt(rss[EMBER])] + [fmt(rss.get(p)) for p in peers]
-        cells += [f"{rss[EMBER] / rss[p]:.2f}x" if rss.get(p) else "-" for p in peers] + [""]
-        lines.append(row(cells))
+    verdict = lambda f, side: verdicts.get((f["key"], side), "")  # noqa: E731
+    lines += [row(cells) for cells in figure_rows(data["figures"], peers, verdict, skip=("decode_steady",))]
+    if EMBER in data["peak_rss_mib"]:
+        lines.append(row(rss_row(data["peak_rss_mib"], EMBER, peers, "")))
     bw = data.get("bandwidth")
     if bw:
         lines += ["", f"ember's batch-1 decode reads {bw['weight_bytes'] / 1e6:.0f} MB of weights per token: "

@@ -17,9 +17,7 @@ tokens. Rounds alternate which side goes first. Ratios are taken round by round.
 """
 from __future__ import annotations
 
-import json
 import logging
-import os
 import shutil
 import statistics
 import tempfile
@@ -31,7 +29,7 @@ from ember.bench.lib.machine import load_average, machine_info
 from ember.bench.lib.markdown import head
 from ember.bench.lib.prompts import chat_prompts
 from ember.bench.lib.rounds import spread
-from ember.bench.lib.servers import compiling, ember_start, free_port
+from ember.bench.lib.servers import compiling, ember_start, free_port, launch_plan, stream
 from ember.bench.lib.timing import decode_rates
 from ember.errors import ConfigError
 
@@ -45,21 +43,15 @@ HELP = ("batch-1 decode in the first minute after ember serve restarts, against 
 def stream_times(url: str, model: str, prompt: list[int], n: int) -> list[float]:
     """time.monotonic() arrival time of each generated token of one streamed greedy completion (tokens that
     arrive in one chunk, as a speculative step brings them, share its time)."""
-    import httpx
-
     body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
             "stream": True, "return_token_ids": True}
     times: list[float] = []
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            choices = json.loads(line[6:]).get("choices") or []
-            ids = choices[0].get("token_ids") if choices else None
-            if ids:
-                now = time.monotonic()
-                times += [now] * len(ids)
+    for chunk in stream(url + "/v1/completions", body):
+        choices = chunk.get("choices") or []
+        ids = choices[0].get("token_ids") if choices else None
+        if ids:
+            now = time.monotonic()
+            times += [now] * len(ids)
     if len(times) < 2:
         raise ConfigError(f"the server streamed {len(times)} tokens for a {n}-token request")
     return times
@@ -126,13 +118,8 @@ def ember_round(flags: list[str], prompt: list[int], args) -> dict:
 def main(args) -> None:
     from ember.bench.peers import PEERS
     from ember.bench.sides.worker import RemoteSide
-    from ember.default_model import default_model_path
-    from ember.engine_args import engine_args_to_words, engine_config_from_args
 
-    config = engine_config_from_args(args)
-    model = str(config.model or default_model_path())
-    flags = engine_args_to_words(args)
-    threads = config.num_threads or len(os.sched_getaffinity(0))
+    model, flags, threads = launch_plan(args)
     prompts = chat_prompts(model)
     peer = None
     if args.peer == "llamacpp":

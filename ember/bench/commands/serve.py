@@ -28,7 +28,6 @@ import os
 import random
 import shlex
 import statistics
-import time
 
 from ember.bench.lib import load
 from ember.bench.lib.args import int_list, positive_int
@@ -38,6 +37,7 @@ from ember.bench.lib.machine import load_average, machine_info
 from ember.bench.lib.markdown import describe, fmt, head
 from ember.bench.lib.prompts import load_tokenizer, ordinary_tokens
 from ember.bench.lib.servers import LaunchedServer, free_port
+from ember.bench.lib.timing import ember_batch
 from ember.engine_args import engine_args_to_words
 from ember.errors import ConfigError
 
@@ -74,16 +74,7 @@ METHOD_NOTES = [
 
 def offline_batch(llm, specs: list[load.RequestSpec]) -> tuple[float, int, int]:
     """One LLM.generate over the specs (token ids, ignore_eos); (seconds, prompt tokens, output tokens)."""
-    from ember.sampling import SamplingParams
-
-    params = [SamplingParams(temperature=0.0, max_tokens=s.output_len, ignore_eos=True) for s in specs]
-    t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": s.prompt} for s in specs], params, use_tqdm=False)
-    seconds = time.perf_counter() - t0
-    assert not any(o.num_cached_tokens for o in outs), "the prefix cache served a benchmark prompt; prompts must be fresh"
-    generated = sum(len(o.outputs[0].token_ids) for o in outs)
-    want = sum(s.output_len for s in specs)
-    assert generated == want, f"offline generated {generated} tokens, wanted {want}"
+    seconds, generated = ember_batch(llm, [s.prompt for s in specs], [s.output_len for s in specs])
     return seconds, sum(len(s.prompt) for s in specs), generated
 
 

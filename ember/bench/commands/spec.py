@@ -260,7 +260,8 @@ def main(args) -> None:
              "temperature > 0: plain temperature sampling (no top-k/top-p), a seed per request",
              f"prompts: chat requests from pydoc_split('eval') (never trained on), seed {PROMPT_SEED}+run; "
              f"load average at start {load}"]
-    command = command_line(args, ["runs", "peer", "output", "quiet_wait", "ks", "temperatures", "num_prompts", "max_tokens"])
+    command = command_line(args, ["runs", "peer", "output", "quiet_wait", "ks", "temperatures", "num_prompts",
+                                  "max_tokens"])
     machine = machine_info()
     section = render(summary, command=command, desc=desc, machine=machine, runs=args.runs, notes=notes)
     publish(args.output, KIND, section, {"command": command, "machine": machine, "engines": desc, "notes": notes,

@@ -23,7 +23,7 @@ from ember.bench.lib.args import command_line
 from ember.bench.lib.files import publish
 from ember.bench.lib.machine import load_average, machine_info
 from ember.bench.lib.markdown import head, row
-from ember.bench.lib.servers import Start, ember_start, free_port, llama_server_start
+from ember.bench.lib.servers import Start, ember_start, free_port, launch_plan, llama_server_start
 from ember.errors import ConfigError
 
 logger = logging.getLogger("ember.bench")
@@ -44,13 +44,7 @@ def measure(start: Start, timeout: float, wait_compile: bool) -> dict:
 
 
 def main(args) -> None:
-    from ember.default_model import default_model_path
-    from ember.engine_args import engine_args_to_words, engine_config_from_args
-
-    config = engine_config_from_args(args)
-    model = str(config.model or default_model_path())
-    flags = engine_args_to_words(args)
-    threads = config.num_threads or len(os.sched_getaffinity(0))
+    model, flags, threads = launch_plan(args)
     binary = None
     if args.peer == "llama-server":
         binary = args.llama_server or shutil.which("llama-server")
@@ -83,7 +77,8 @@ def main(args) -> None:
         shutil.rmtree(cache_dir, ignore_errors=True)
     machine = machine_info()
     machine["load_at_end"] = load_average()
-    data = {"kind": KIND, "command": command_line(args, ["runs", "peer", "output", "timeout"]) + ("" if args.wait_compile else " --no-wait-compile"),
+    command = command_line(args, ["runs", "peer", "output", "timeout"]) + ("" if args.wait_compile else " --no-wait-compile")
+    data = {"kind": KIND, "command": command,
             "machine": machine, "load_at_start": load, "threads": threads, "model": model, "runs": runs,
             "summary": summarize(runs)}
     publish(args.output, KIND, render(data), data, who="bench startup")

@@ -19,7 +19,8 @@ def row(cells: list[str]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def head(title: str, command: str, machine: dict, load_at_start: float | None, *, cores_note: bool = False) -> list[str]:
+def head(title: str, command: str, machine: dict, load_at_start: float | None, *,
+         cores_note: bool = False) -> list[str]:
     """The section's title and its first lines. cores_note: say the machine's core count and what a load
     above it means (and write a missing load as '-')."""
     if cores_note:

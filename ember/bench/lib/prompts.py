@@ -44,7 +44,8 @@ def prompt_seed(run: int, attempt: int, salt: int = 0) -> int:
 
 
 def held_out_prompts(tokenizer, n: int, run: int) -> list[list[int]]:
-    """n chat requests from pydoc_split("eval") (the half MTP training never reads), through the model's chat template."""
+    """n chat requests from pydoc_split("eval") (the half MTP training never reads), through the model's chat
+    template."""
     from ember.quant.calibration import pydoc_split
     from ember.train.mtp_data import build_prompts
 

@@ -34,6 +34,28 @@ def compiling(metrics_text: str) -> bool:
                for line in metrics_text.splitlines())
 
 
+def stream(url: str, body: dict):
+    """POST a streaming request; yield the JSON object of every `data:` line before `data: [DONE]`."""
+    import httpx
+
+    with httpx.stream("POST", url, json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
+
+
+def launch_plan(args) -> tuple[str, list[str], int]:
+    """(the model, its `ember serve` flags, the thread count) of a command's engine flags, as a server
+    launched with them runs."""
+    from ember.default_model import default_model_path
+    from ember.engine_args import engine_args_to_words, engine_config_from_args
+
+    config = engine_config_from_args(args)
+    model = str(config.model or default_model_path())
+    return model, engine_args_to_words(args), config.num_threads or len(os.sched_getaffinity(0))
+
+
 def serve_argv(flags: list[str], port: int) -> list[str]:
     """`ember serve FLAGS` on 127.0.0.1:port, as this Python runs it."""
     return [sys.executable, "-m", "ember.entrypoints.cli", "serve", *flags, "--host", "127.0.0.1", "--port", str(port),
@@ -132,14 +154,10 @@ class Start:
 
         model = httpx.get(self.url + "/v1/models", timeout=10).json()["data"][0]["id"]
         body = {"model": model, "messages": PROMPT, "max_tokens": 16, "temperature": 0, "stream": True}
-        with httpx.stream("POST", self.url + "/v1/chat/completions", json=body, timeout=600) as r:
-            r.raise_for_status()
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                choices = json.loads(line[6:]).get("choices") or [{}]
-                if choices[0].get("delta", {}).get("content"):
-                    return time.monotonic() - self.t0
+        for chunk in stream(self.url + "/v1/chat/completions", body):
+            choices = chunk.get("choices") or [{}]
+            if choices[0].get("delta", {}).get("content"):
+                return time.monotonic() - self.t0
         raise ConfigError("the stream ended without a content token")
 
     def compiled(self, timeout: float) -> float | None:

@@ -68,13 +68,19 @@ def decode_rates(times: list[float]) -> tuple[float, float]:
     return len(gaps) / (times[-1] - times[0]), 1.0 / statistics.median(gaps)
 
 
-def ember_batch(llm, prompts: list[list[int]], output_len: int) -> tuple[float, int]:
-    """One LLM.generate over all prompts; returns (seconds, generated tokens)."""
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+def ember_batch(llm, prompts: list[list[int]], output_len: int | list[int]) -> tuple[float, int]:
+    """One LLM.generate over all prompts, output_len tokens each (a list: one length per prompt), EOS
+    ignored; returns (seconds, generated tokens)."""
+    if isinstance(output_len, list):
+        want = sum(output_len)
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_len]
+    else:
+        want = output_len * len(prompts)
+        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     seconds = time.perf_counter() - t0
     assert not any(o.num_cached_tokens for o in outs), "the prefix cache served a benchmark prompt; prompts must be fresh"
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert generated == output_len * len(prompts), f"ember generated {generated} tokens, wanted {output_len * len(prompts)}"
+    assert generated == want, f"ember generated {generated} tokens, wanted {want}"
     return seconds, generated
