@@ -23,7 +23,7 @@ import statistics
 import tempfile
 import time
 
-from ember.bench.lib.args import command_line
+from ember.bench.lib.args import add_benchmark_group, command_line
 from ember.bench.lib.files import publish
 from ember.bench.lib.machine import load_average, machine_info
 from ember.bench.lib.markdown import head
@@ -215,10 +215,7 @@ def render(data: dict) -> str:
 
 
 def add_cli_args(p) -> None:
-    from ember.engine_args import add_engine_args
-
-    add_engine_args(p)
-    g = p.add_argument_group("benchmark")
+    g = add_benchmark_group(p)
     g.add_argument("--runs", type=int, default=3, help="rounds (each restarts the server)")
     g.add_argument("--peer", choices=["llamacpp", "none"], default="llamacpp")
     g.add_argument("--window", type=float, default=60.0, help="seconds from /health that count as the first minute")

@@ -19,7 +19,7 @@ import shutil
 import statistics
 import tempfile
 
-from ember.bench.lib.args import command_line
+from ember.bench.lib.args import add_benchmark_group, command_line
 from ember.bench.lib.files import publish
 from ember.bench.lib.machine import load_average, machine_info
 from ember.bench.lib.markdown import head, row
@@ -128,10 +128,7 @@ def render(data: dict) -> str:
 
 
 def add_cli_args(p) -> None:
-    from ember.engine_args import add_engine_args
-
-    add_engine_args(p)
-    g = p.add_argument_group("benchmark")
+    g = add_benchmark_group(p)
     g.add_argument("--runs", type=int, default=3, help="warm starts per side after the cold one")
     g.add_argument("--peer", choices=["llama-server", "none"], default="llama-server")
     g.add_argument("--llama-server", default=None, metavar="PATH", help="llama.cpp's llama-server binary (default: on PATH)")

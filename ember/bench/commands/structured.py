@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 
-from ember.bench.lib.args import command_line
+from ember.bench.lib.args import add_benchmark_group, command_line
 from ember.bench.lib.cpu import CpuMeter, wait_for_quiet
 from ember.bench.lib.machine import load_average
 from ember.bench.lib.result import Bar, Metric, Result
@@ -152,10 +152,7 @@ def main(args) -> None:
 
 
 def add_cli_args(p) -> None:
-    from ember.engine_args import add_engine_args
-
-    add_engine_args(p)
-    g = p.add_argument_group("benchmark")
+    g = add_benchmark_group(p)
     g.add_argument("--runs", type=int, default=3, help="measured runs after one warmup; medians of per-run ratios")
     g.add_argument("--output-len", type=int, default=128, help="tokens generated per request on both sides")
     g.add_argument("--output", default="benchmarks/structured.md", help="markdown results file (and its JSON)")

@@ -44,10 +44,16 @@ def names(s: str) -> list[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
 
 
+def add_benchmark_group(p: argparse.ArgumentParser):
+    """The engine flags (the same generated set as `ember serve`), then the "benchmark" group a command
+    adds its own flags to."""
+    add_engine_args(p)
+    return p.add_argument_group("benchmark")
+
+
 def add_common_args(p: argparse.ArgumentParser) -> None:
     """The engine flags plus the benchmark group of the commands that measure ember against a peer."""
-    add_engine_args(p)
-    g = p.add_argument_group("benchmark")
+    g = add_benchmark_group(p)
     g.add_argument("--runs", type=positive_int, default=3, help="measured runs after one warmup; medians are reported")
     g.add_argument("--peer", choices=("hf", "none"), default="hf",
                    help="hf = Hugging Face transformers on the same weights (bf16), measured in the same run")
