@@ -35,7 +35,10 @@ class RemoteSide:
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         if pythonpath is not None:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
-        self.proc = subprocess.Popen([sys.executable, "-m", worker_module(pythonpath)], stdin=subprocess.PIPE,
+        # -P: `python -m` would put the current directory first on sys.path, and a driver run from a
+        # checkout's root would measure that checkout's ember as the "baseline"
+        isolate = ["-P"] if pythonpath is not None else []
+        self.proc = subprocess.Popen([sys.executable, *isolate, "-m", worker_module(pythonpath)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env)
         self.pid = self.proc.pid
         info = self._call("build", factory, kwargs, threads)
