@@ -30,7 +30,7 @@ Sections and rows (in run order; names are the same in both modes, toy sizes say
             e4m3 KV; q_len 1 and a 4-token verify), varlen prefill (a mixed step: fresh prompt,
             decode, chunks over a cached prefix; bf16 and fp8), KV store (bit-exact with the
             torch write, bf16 and fp8), AWQ GEMM (M = 1 / 8 / 64) and AWQ dequantize (bit-exact).
-  attention ember.bench.triton_kernels.bench_decode_attention: Triton split-KV decode vs torch
+  attention ember.bench.lib.triton_kernels.bench_decode_attention: Triton split-KV decode vs torch
             SDPA over the gathered (padded) KV, batch 8, 32/8 heads, D 128, at 4K / 32K / 128K
             context (+ an fp8 KV row at 32K); ms each, speedup, KV GB/s, max_abs_diff.
   models    Qwen3-0.6B and Qwen3-8B shapes (dense bf16), Qwen3-8B shape as int4 AWQ (GEMM layout,
@@ -86,7 +86,7 @@ import weakref  # noqa: E402
 
 import torch  # noqa: E402
 
-from ember.bench.random_model import QWEN3, build_model  # noqa: E402
+from ember.bench.lib.random_model import QWEN3, build_model  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 NEEDS_CUDA = "skipped: needs CUDA"
@@ -244,7 +244,7 @@ def free_memory() -> None:
 # -- timing helpers ------------------------------------------------------------------------------
 
 def time_ms(fn, iters: int, warmup: int, device: torch.device) -> float:
-    from ember.bench.triton_kernels import time_ms as median_ms
+    from ember.bench.lib.triton_kernels import time_ms as median_ms
 
     return median_ms(fn, iters, warmup, device)
 
@@ -261,7 +261,7 @@ def copy_bandwidth(device: torch.device) -> float:
 # -- env ---------------------------------------------------------------------------------------
 
 def section_env(sec: Section, ctx: dict) -> None:
-    from ember.bench.report import machine_info
+    from ember.bench.lib.machine import machine_info
 
     m = machine_info()
     try:
@@ -481,7 +481,7 @@ def section_attention(sec: Section, ctx: dict) -> None:
             continue
         try:
             if dev.type == "cuda":
-                from ember.bench.triton_kernels import bench_decode_attention
+                from ember.bench.lib.triton_kernels import bench_decode_attention
 
                 r = bench_decode_attention(contexts=(context,), batch_size=8, num_heads=32, num_kv_heads=8,
                                            head_dim=128, kv_dtype=kv_dtype, iters=20, warmup=3)[0]
@@ -494,7 +494,7 @@ def section_attention(sec: Section, ctx: dict) -> None:
                         f"{r['triton_gbps']:.0f} GB/s KV; max_abs_diff {r['max_abs_diff']:.3g} (tol {tol:.2g}); "
                         f"splits {r['num_splits']}; batch 8, heads 32/8, D 128", tol=tol, **r)
             else:  # the same case builder, kernel and baseline at a toy size; no timing without CUDA events
-                from ember.bench.triton_kernels import decode_case, gathered_sdpa
+                from ember.bench.lib.triton_kernels import decode_case, gathered_sdpa
                 from ember.kernels.triton_decode import paged_decode_attention
 
                 toy = 64 << i

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from ember.bench import report
+from ember.bench.lib import files, result
 from ember.entrypoints.cli import main
 from ember.errors import DefaultModelMissingError
 
@@ -73,23 +73,23 @@ def test_latency_and_throughput_share_one_markdown_file(tmp_path, one_model_load
 
 
 def test_update_markdown_replaces_only_its_section():
-    text = report.update_markdown(report.HEADER, "a", "A1\n")
-    text = report.update_markdown(text, "b", "B1\n")
-    text = report.update_markdown(text, "a", "A2\n")
+    text = files.update_markdown(files.HEADER, "a", "A1\n")
+    text = files.update_markdown(text, "b", "B1\n")
+    text = files.update_markdown(text, "a", "A2\n")
     assert "A1" not in text and "A2" in text and "B1" in text
     assert text.index("A2") < text.index("B1")  # replaced in place, not moved
 
 
 def test_speedup_is_median_of_paired_runs():
-    m = report.Metric("t", "ms", higher_is_better=False, ember=[10.0, 20.0, 30.0], peer=[20.0, 20.0, 90.0])
+    m = result.Metric("t", "ms", higher_is_better=False, ember=[10.0, 20.0, 30.0], peer=[20.0, 20.0, 90.0])
     assert m.speedups == [2.0, 1.0, 3.0] and m.speedup == 2.0
-    bar = report.Bar("no worse", "t", 1.0)
+    bar = result.Bar("no worse", "t", 1.0)
     assert bar.judge([m]) == (2.0, "PASS")
-    assert report.Bar("x", "t", 2.5).judge([m]) == (2.0, "FAIL")
+    assert result.Bar("x", "t", 2.5).judge([m]) == (2.0, "FAIL")
 
 
 def test_contended_runs_are_left_out_unless_all_are():
-    m = report.Metric("d", "tok/s", True, ember=[50.0, 5.0, 45.0], peer=[40.0, 10.0, 45.0],
+    m = result.Metric("d", "tok/s", True, ember=[50.0, 5.0, 45.0], peer=[40.0, 10.0, 45.0],
                       ember_others=[0.0, 1.3, 0.1], peer_others=[0.0, 0.2, 0.1])
     assert m.kept_runs == [0, 2] and m.ember_median == 47.5 and m.speedup == pytest.approx((1.25 + 1.0) / 2)
     m.ember_others = [1.0, 1.3, 0.9]
@@ -97,7 +97,7 @@ def test_contended_runs_are_left_out_unless_all_are():
 
 
 def test_decode_rates_steady_ignores_a_stall():
-    from ember.bench.latency import decode_rates
+    from ember.bench.lib.timing import decode_rates
 
     times = [0.0, 0.1, 0.2, 0.3, 1.3]  # four gaps, one stretched by someone else's job
     mean, steady = decode_rates(times)
@@ -105,7 +105,7 @@ def test_decode_rates_steady_ignores_a_stall():
 
 
 def test_decode_rates_share_a_steps_gap_among_its_tokens():
-    from ember.bench.latency import decode_rates
+    from ember.bench.lib.timing import decode_rates
 
     times = [0.0, 0.1, 0.1, 0.2, 0.3, 0.3, 0.3, 0.4]  # speculative steps bring 2 and 3 tokens at once
     mean, steady = decode_rates(times)
@@ -115,7 +115,7 @@ def test_decode_rates_share_a_steps_gap_among_its_tokens():
 def test_missing_transformers_says_how_to_fix(monkeypatch):
     import sys
 
-    from ember.bench.hf_peer import HFPeer
+    from ember.bench.peers.hf import HFPeer
     from ember.errors import ConfigError
 
     monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` fail

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from ember.bench import compare, matrix, readme_table
+from ember.bench.commands import compare, matrix, readme_table
 from ember.entrypoints.cli import main
 from ember.config import cpu_has_avx512_bf16
 from ember.errors import ConfigError
@@ -81,7 +81,7 @@ def test_without_peers_the_bars_say_not_measured(tmp_path, one_model_load):
 
 def test_decode_prompts_are_held_out_chat_requests():
     """One per round, the same for every side and every rerun, through the model's chat template."""
-    from ember.bench.serve import load_tokenizer
+    from ember.bench.lib.prompts import load_tokenizer
     from ember.default_model import default_model_path
 
     prompt = compare.chat_prompts(default_model_path())
@@ -125,7 +125,7 @@ def test_matrix_adds_the_compiled_row_only_when_the_flag_exists(monkeypatch):
 
 
 def test_a_side_in_its_own_process():
-    from ember.bench.worker import RemoteSide
+    from ember.bench.sides.worker import RemoteSide
 
     side = RemoteSide("tests.bench.fake_peers:FakeLlamaCpp", {"threads": 1}, threads=1)
     try:
@@ -141,7 +141,7 @@ def test_a_side_in_its_own_process():
 
 
 def test_missing_llama_cpp_python_says_how_to_install(monkeypatch, capsys):
-    from ember.bench.llamacpp_peer import LlamaCppPeer
+    from ember.bench.peers.llamacpp import LlamaCppPeer
 
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # makes `import llama_cpp` fail
     with pytest.raises(ConfigError, match=r"llama-cpp-python.*pip install.*compiles llama.cpp"):

@@ -6,7 +6,7 @@ import argparse
 import torch
 
 from ember import LLM, SamplingParams
-from ember.bench.hybrid import QWEN35_08B, add_hybrid_parser, build_folder, build_gguf
+from ember.bench.commands.hybrid import QWEN35_08B, add_cli_args, build_folder, build_gguf
 
 TINY = dict(QWEN35_08B, hidden_size=64, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
             head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
@@ -30,7 +30,7 @@ def test_the_model_files_are_built_converted_and_run(tmp_path):
 
 def test_defaults_write_their_own_section_without_bars():
     parser = argparse.ArgumentParser()
-    add_hybrid_parser(parser.add_subparsers(dest="bench_command"))
-    args = parser.parse_args(["hybrid"])
+    add_cli_args(parser)
+    args = parser.parse_args([])
     assert args.output == "benchmarks/hybrid.md" and args.prompt_lens == [2000] and args.num_prompts == 16
     assert args.mtp is False and args.decode_prompt == "random"

@@ -1,5 +1,5 @@
 """ember bench quant: the bars judged from the rows, and the rendered table."""
-from ember.bench.quant import Row, bars, render, variants
+from ember.bench.commands.quant import Row, bars, render, variants
 
 
 def _rows(awq_ppl=10.5, rtn_ppl=11.0, fp8_ppl=10.1):

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from ember.bench import load
+from ember.bench.lib import load
 from ember.entrypoints.cli import main
 from tests.server.live import start_server
 
@@ -143,7 +143,7 @@ def test_launch_chat_sends_text_and_runs_the_offline_peer_on_ids(tmp_path, tiny)
 def test_a_redone_measurement_keeps_the_lengths_and_draws_new_prompts():
     from types import SimpleNamespace
 
-    from ember.bench.serve import Workload
+    from ember.bench.commands.serve import Workload
 
     args = SimpleNamespace(num_prompts=6, input_len=20, output_len=10, random_range_ratio=0.5, prompt_seed=0)
     work = Workload(args, load.Target("http://x"), list(range(100, 200)), use_ids=True)

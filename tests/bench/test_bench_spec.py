@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from ember.bench import spec as bench_spec
+from ember.bench.commands import spec as bench_spec
 from ember.entrypoints.cli import main
 from ember.errors import DefaultModelMissingError
 

@@ -260,7 +260,7 @@ def test_greedy_tokens_match_torch_backend(tiny_model_dir, kv_cache_dtype):
 @pytest.mark.parametrize("kv_dtype, q_len", [(torch.float32, 1), (E4M3, 4)])
 def test_bench_baseline_agrees_with_the_kernel(kv_dtype, q_len):
     """triton_bench's gathered-SDPA baseline and its case builder (the timing itself needs CUDA)."""
-    from ember.bench import triton_kernels as triton_bench
+    from ember.bench.lib import triton_kernels as triton_bench
 
     q, cache, meta, k_scale, v_scale = triton_bench.decode_case(3, 45, 8, 2, D, 16, torch.float32, kv_dtype, q_len,
                                                                 DEVICE)

@@ -1,5 +1,5 @@
 """GGUF files of hybrid Qwen models written by llama.cpp's own converter (convert_hf_to_gguf.py from
-the llama-cpp-python sdist, ember.bench.llamacpp_convert) from tiny random HF folders: ember gives
+the llama-cpp-python sdist, ember.bench.peers.llamacpp_convert) from tiny random HF folders: ember gives
 transformers' greedy tokens on the folder (chunked, batched), keeps q8_0 matrices packed, matches
 llama.cpp's own logits on the file, and names what a broken file lacks."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ember import LLM, SamplingParams
-from ember.bench.llamacpp_convert import convert, write_qwen_tokenizer
+from ember.bench.peers.llamacpp_convert import convert, write_qwen_tokenizer
 from ember.errors import ModelLoadError
 from tests.models.tiny_hybrids import build_hybrid
 from tests.models.tiny_models import hf_greedy, one_thread  # noqa: F401

@@ -97,7 +97,7 @@ def test_real_shapes_load_on_meta(key, tmp_path):
     from ember.models.registry import get_model_class
     from ember.quant import resolve_quant_config
 
-    from ember.bench import random_model as rm
+    from ember.bench.lib import random_model as rm
 
     gc = load_script()
     assert not gc.SMOKE

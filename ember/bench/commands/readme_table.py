@@ -1,6 +1,6 @@
 """`ember bench readme-table`: the README's performance table, generated from `ember bench compare`'s JSON.
 
-The table lives between fences in README.md (report.update_markdown's, kind "readme-compare"),
+The table lives between fences in README.md (lib/files.py's, kind "readme-compare"),
 so rerunning the benchmark and this command is the only way the numbers there change.
 """
 from __future__ import annotations
@@ -8,10 +8,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ember.bench.compare import EMBER, MTP, cell, fmt, paired_ratios, ratio_cell
-from ember.bench.report import update_markdown
+from ember.bench.commands.compare import EMBER, MTP, figure_rows, rss_row
+from ember.bench.lib.files import update_markdown
+from ember.bench.lib.markdown import fmt, row
 
 KIND = "readme-compare"
+NAME = "readme-table"
+HELP = "rewrite README.md's performance table from `ember bench compare`'s JSON"
 DEFAULT_JSON = "benchmarks/cpu-compare.json"
 
 
@@ -25,22 +28,10 @@ def table(data: dict) -> str:
              "Full table, method and raw runs: `benchmarks/cpu.md`, `benchmarks/cpu-compare.json`.", "",
              "| benchmark | ember | " + " | ".join(peers) + " | " + " | ".join(f"ember / {p}" for p in peers) + " | bar |",
              "|---|" + "---:|" * (1 + 2 * len(peers)) + "---|"]
-    for f in data["figures"]:
-        if f["key"] == "decode_steady":
-            continue
-        for side in (EMBER, MTP):
-            if side not in f["values"]:
-                continue
-            row = [f"{f['name']}{' with MTP' if side == MTP else ''} ({f['unit']})", cell(f["values"][side])]
-            row += [cell(f["values"].get(p)) for p in peers]
-            row += [ratio_cell(paired_ratios(f, side, p)) for p in peers]
-            row.append(verdicts.get((f["key"], side), ""))
-            lines.append("| " + " | ".join(row) + " |")
-    rss = data["peak_rss_mib"]
-    if EMBER in rss:
-        row = ["peak RSS (MiB)", fmt(rss[EMBER])] + [fmt(rss.get(p)) for p in peers]
-        row += [f"{rss[EMBER] / rss[p]:.2f}x" if rss.get(p) else "-" for p in peers] + [""]
-        lines.append("| " + " | ".join(row) + " |")
+    verdict = lambda f, side: verdicts.get((f["key"], side), "")  # noqa: E731
+    lines += [row(cells) for cells in figure_rows(data["figures"], peers, verdict, skip=("decode_steady",))]
+    if EMBER in data["peak_rss_mib"]:
+        lines.append(row(rss_row(data["peak_rss_mib"], EMBER, peers, "")))
     bw = data.get("bandwidth")
     if bw:
         lines += ["", f"ember's batch-1 decode reads {bw['weight_bytes'] / 1e6:.0f} MB of weights per token: "
@@ -54,7 +45,7 @@ def rewrite(readme_text: str, data: dict) -> str:
     return update_markdown(readme_text, KIND, table(data))
 
 
-def cmd_readme_table(args) -> None:
+def main(args) -> None:
     from ember.errors import ConfigError
 
     src = Path(args.json)
@@ -65,8 +56,6 @@ def cmd_readme_table(args) -> None:
     print(f"rewrote the performance table in {readme} from {src}")
 
 
-def add_readme_table_parser(sub) -> None:
-    p = sub.add_parser("readme-table", help="rewrite README.md's performance table from `ember bench compare`'s JSON")
+def add_cli_args(p) -> None:
     p.add_argument("--json", default=DEFAULT_JSON, help="the JSON `ember bench compare` wrote")
     p.add_argument("--readme", default="README.md")
-    p.set_defaults(func=cmd_readme_table)

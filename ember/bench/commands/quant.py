@@ -22,8 +22,12 @@ import statistics
 import time
 from pathlib import Path
 
+from ember.bench.lib.machine import machine_info, machine_line
+
 logger = logging.getLogger("ember.bench")
 
+NAME = "quant"
+HELP = "memory, decode speed and perplexity of each weight / KV format"
 DEFAULT_OUTPUT = "benchmarks/quant.md"
 DECODE_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -78,7 +82,7 @@ def ensure_quantized(source: str, out: str, method: str, group_size: int, num_sa
 
 
 def measure(v: Variant, eval_ids: list[int] | None, args) -> Row:
-    from ember.bench.latency import decode_rates, ember_decode
+    from ember.bench.lib.timing import decode_rates, ember_decode
     from ember.eval.perplexity import perplexity
     from ember.llm import LLM
 
@@ -107,12 +111,10 @@ def measure(v: Variant, eval_ids: list[int] | None, args) -> Row:
 
 
 def render(rows: list[Row], meta: dict) -> str:
-    from ember.bench.report import _machine_line
-
     base = rows[0]
     lines = [
         "# Quantization: memory, decode speed, perplexity (default model)", "",
-        f"Machine: {_machine_line(meta['machine'])}", "",
+        f"Machine: {machine_line(meta['machine'])}", "",
         f"Command: `{meta['command']}`", "",
         f"GGUF file tensor bytes: {meta['gguf_tensor_bytes'] / 1e6:.1f} MB "
         f"({meta['gguf_path']}).", "",
@@ -155,12 +157,11 @@ def bars(rows: list[Row], meta: dict) -> list[tuple[str, bool, str]]:
     return out
 
 
-def cmd_quant(args) -> None:
+def main(args) -> None:
     import shlex
 
     import torch
 
-    from ember.bench.report import machine_info
     from ember.default_model import default_model_path
     from ember.loader.gguf import GGUFCheckpoint
     from ember.quant.calibration import pydoc_split
@@ -210,8 +211,7 @@ QUANT_FLAGS = ("dtype", "runs", "decode_tokens", "eval_tokens", "window", "chunk
                "calib_seq_len", "work_dir", "output", "kv_cache_memory")
 
 
-def add_quant_parser(sub) -> None:
-    p = sub.add_parser("quant", help="memory, decode speed and perplexity of each weight / KV format")
+def add_cli_args(p) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--decode-tokens", type=int, default=128)
@@ -226,4 +226,3 @@ def add_quant_parser(sub) -> None:
     p.add_argument("--kv-cache-memory", type=float, default=0.25)
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--output", default=DEFAULT_OUTPUT)
-    p.set_defaults(func=cmd_quant)

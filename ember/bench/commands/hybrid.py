@@ -2,7 +2,7 @@
 by llama.cpp and by transformers on the same weights, same threads, in one `bench compare` run.
 
 The model is written once into a cache folder: an HF folder by transformers (Qwen3_5ForCausalLM,
-bf16, random weights), then a GGUF of it by llama.cpp's own converter (ember.bench.llamacpp_convert)
+bf16, random weights), then a GGUF of it by llama.cpp's own converter (ember.bench.peers.llamacpp_convert)
 for the llama.cpp side; ember and transformers read the HF folder (the GGUF holds the same bf16
 values). The tokenizer is Qwen's (151,936 ids, from llama.cpp's own vocab file: the converter only
 takes tokenizers it knows); the config's vocab_size stays Qwen3.5's 248,320 (the converter pads the
@@ -14,7 +14,14 @@ from __future__ import annotations
 import logging
 import os
 
+from ember.bench.commands import compare
+
 logger = logging.getLogger("ember.bench")
+
+NAME = "hybrid"
+HELP = ("a random-weight Qwen3.5-0.8B-shaped hybrid (Gated DeltaNet) model: ember vs llama.cpp vs transformers on the "
+        "same weights (built once into a cache folder; the GGUF by llama.cpp's converter)")
+PARSER = compare.PARSER
 
 # Qwen3.5-0.8B's text model as published: 24 layers (every 4th full attention: 6 KV layers), hidden
 # 1024, 8 query / 2 KV heads of 256 with a quarter rotated, tied embeddings, vocab 248,320; the linear
@@ -39,7 +46,7 @@ def build_folder(path: str, seed: int = 0, shape: dict = QWEN35_08B) -> str:
     import torch
     import transformers
 
-    from ember.bench.llamacpp_convert import write_qwen_tokenizer
+    from ember.bench.peers.llamacpp_convert import write_qwen_tokenizer
 
     torch.manual_seed(seed)
     config = transformers.Qwen3_5TextConfig(**shape, dtype="bfloat16")
@@ -62,7 +69,7 @@ def build_folder(path: str, seed: int = 0, shape: dict = QWEN35_08B) -> str:
 
 
 def build_gguf(folder: str) -> str:
-    from ember.bench.llamacpp_convert import convert
+    from ember.bench.peers.llamacpp_convert import convert
 
     out = folder.rstrip("/") + ".bf16.gguf"
     if not os.path.exists(out):
@@ -71,9 +78,7 @@ def build_gguf(folder: str) -> str:
     return out
 
 
-def cmd_hybrid(args) -> None:
-    from ember.bench.compare import cmd_compare
-
+def main(args) -> None:
     folder = build_folder(args.model_dir or os.path.join(cache_root(), "qwen3.5-0.8b-shape-random"))
     gguf = build_gguf(folder) if "llamacpp" in args.peer else None
     logger.info("bench hybrid: %s (HF, ember and transformers), %s (llama.cpp)", folder, gguf)
@@ -81,15 +86,12 @@ def cmd_hybrid(args) -> None:
     args.mtp, args.versus, args.baseline, args.judge, args.kind = False, None, None, False, "hybrid"
     args.title = ("hybrid: a random Qwen3.5-0.8B-shaped model, ember and transformers on its HF folder, llama.cpp on "
                   "its GGUF (llama.cpp's converter, bf16: the same values), same threads")
-    cmd_compare(args)
+    compare.main(args)
 
 
-def add_hybrid_parser(sub) -> None:
-    from ember.bench.compare import add_compare_parser
-
-    p = add_compare_parser(sub, name="hybrid", help=(
-        "a random-weight Qwen3.5-0.8B-shaped hybrid (Gated DeltaNet) model: ember vs llama.cpp vs transformers on "
-        "the same weights (built once into a cache folder; the GGUF by llama.cpp's converter)"))
+def add_cli_args(p) -> None:
+    """compare's flags, with this command's model folder and defaults."""
+    compare.add_cli_args(p)
     p.add_argument("--model-dir", default=None, help="where the random HF folder is (built there if missing)")
-    p.set_defaults(func=cmd_hybrid, output="benchmarks/hybrid.md", decode_prompt="random", prompt_lens=[2000],
-                   num_prompts=16, decode_tokens=64, output_len=32, mtp=False, max_model_len=4096)
+    p.set_defaults(output="benchmarks/hybrid.md", decode_prompt="random", prompt_lens=[2000], num_prompts=16,
+                   decode_tokens=64, output_len=32, mtp=False, max_model_len=4096)

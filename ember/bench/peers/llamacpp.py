@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 
+from ember.bench.lib.machine import package_version
 from ember.errors import ConfigError
 
 BATCH_METHODS = {
@@ -26,7 +27,7 @@ INSTALL_HINT = ("pip install 'llama-cpp-python==0.3.36'  (or: pip install -e '.[
                 "several minutes on 2 cores)")
 
 
-def _import_llama_cpp():
+def import_llama_cpp():
     try:
         import llama_cpp
     except ImportError:
@@ -36,7 +37,7 @@ def _import_llama_cpp():
 
 def llama_cpp_version() -> str | None:
     try:
-        return _import_llama_cpp().__version__
+        return import_llama_cpp().__version__
     except ConfigError:
         return None
 
@@ -45,16 +46,14 @@ class LlamaCppPeer:
     name = "llama.cpp"
 
     def __init__(self, gguf_path: str, threads: int, n_ctx: int = 4096, batch_mode: str = "parallel"):
-        from ember.bench.report import _version
-
         if batch_mode not in BATCH_METHODS:
             raise ConfigError(f"batch_mode must be one of {', '.join(BATCH_METHODS)} (got {batch_mode!r})")
         self.batch_mode = batch_mode
-        self.description = {"name": self.name, "version": _version("llama-cpp-python"), "model": str(gguf_path).rsplit("/", 1)[-1],
+        self.description = {"name": self.name, "version": package_version("llama-cpp-python"), "model": str(gguf_path).rsplit("/", 1)[-1],
                             "threads": threads, "flash_attn": True, "n_ctx": n_ctx, "batch": batch_mode}
         if not str(gguf_path).endswith(".gguf"):
             raise ConfigError(f"the llama.cpp peer reads .gguf files only; {gguf_path} is not one")
-        llama_cpp = _import_llama_cpp()
+        llama_cpp = import_llama_cpp()
         self.threads = threads
         self.llm = llama_cpp.Llama(model_path=str(gguf_path), n_threads=threads, n_threads_batch=threads,
                                    n_ctx=n_ctx, n_batch=512, flash_attn=True, seed=0, verbose=False)
@@ -88,7 +87,7 @@ class LlamaCppPeer:
             t0 = time.perf_counter()
             generated = sum(len(self.decode(p, output_len)) for p in prompts)
             return time.perf_counter() - t0, generated
-        from ember.bench.llamacpp_batch import parallel_generate
+        from ember.bench.peers.llamacpp_batch import parallel_generate
 
         seconds, outs = parallel_generate(self.llm, prompts, output_len)
         return seconds, sum(len(o) for o in outs)

@@ -16,13 +16,19 @@ import argparse
 import dataclasses
 import logging
 
-from ember.bench.compare import (cell, decode_task, ember_knobs, fmt, measure, prompt_maker_of, start_side,
-                                 summarize_figures, switches, throughput_task, ttft_task, workload_args, write)
-from ember.bench.report import _machine_line, load_average, machine_info
+from ember.bench.lib.args import add_common_args, add_workload_args, command_line, names, positive_int, switches
+from ember.bench.lib.files import publish
+from ember.bench.lib.machine import load_average, machine_info
+from ember.bench.lib.markdown import fmt, head, row
+from ember.bench.lib.prompts import prompt_maker_of
+from ember.bench.lib.rounds import cell, decode_task, measure, summarize_figures, throughput_task, ttft_task
+from ember.bench.sides.ember import EMBER, ember_knobs
+from ember.bench.sides.worker import start_side
 
 logger = logging.getLogger("ember.bench")
 
-KIND = "matrix"
+NAME = KIND = "matrix"
+HELP = "each engine lever from everything off to everything on: TTFT, decode, throughput, peak memory"
 OFF = {"enforce_eager": True, "enable_chunked_prefill": False, "enable_mtp": False, "speculative_config": None,
        "speculative_model": None, "num_speculative_tokens": None, "quantization": "none", "int8_decode": False,
        "int4_dense_copy": False, "cpu_tiled_gemv": False, "cpu_paged_attention": False, "cpu_fused_elementwise": False,
@@ -69,22 +75,18 @@ def lever_values(knobs: dict) -> str:
 
 def render(data: dict) -> str:
     figs = data["figures"]
-    lines = ["## Engine levers (ember alone, cumulative)", "", f"- command: `{data['command']}`",
-             f"- machine: {_machine_line(data['machine'])}",
-             f"- 1-minute load average: {data['load_at_start']} at start, {data['machine'].get('load_at_end')} at end"]
+    lines = head("Engine levers (ember alone, cumulative)", data["command"], data["machine"], data["load_at_start"])
     lines += [f"- {n}" for n in data["notes"]]
-    head = ["config"] + [f"{f['name']} ({f['unit']})" for f in figs] + ["peak RSS (MiB)"]
-    lines += ["", "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
-    for row in data["rows"]:
-        name = row["name"]
-        lines.append("| " + " | ".join([f"{name} ({row['knobs']})"] + [cell(f["values"].get(name)) for f in figs]
-                                       + [fmt(data["peak_rss_mib"].get(name))]) + " |")
+    columns = ["config"] + [f"{f['name']} ({f['unit']})" for f in figs] + ["peak RSS (MiB)"]
+    lines += ["", row(columns), "|---|" + "---:|" * (len(columns) - 1)]
+    for r in data["rows"]:
+        name = r["name"]
+        lines.append(row([f"{name} ({r['knobs']})"] + [cell(f["values"].get(name)) for f in figs]
+                         + [fmt(data["peak_rss_mib"].get(name))]))
     return "\n".join(lines) + "\n"
 
 
-def cmd_matrix(args) -> None:
-    from ember.bench.cli import _command
-    from ember.bench.sides import EMBER
+def main(args) -> None:
     from ember.errors import ConfigError
 
     if args.decode_tokens < 2:
@@ -114,8 +116,8 @@ def cmd_matrix(args) -> None:
         for s in sides.values():
             s.close()
     figures = [f for f in summarize_figures([f for t in tasks for f in t.figures], results) if f["key"] != "decode_steady"]
-    command = _command(args, ["runs", "output", "prompt_seed", "quiet_wait", "prompt_len", "decode_tokens",
-                              "num_prompts", "input_len_range", "output_len"])
+    command = command_line(args, ["runs", "output", "prompt_seed", "quiet_wait", "prompt_len", "decode_tokens",
+                                  "num_prompts", "input_len_range", "output_len"])
     command += switches(args) + (f" --configs {','.join(args.configs)}" if args.configs else "")
     data = {"kind": KIND, "command": command, "machine": machine_info(), "load_at_start": load, "threads": threads,
             "runs": args.runs, "figures": figures, "peak_rss_mib": rss, "rss_shared_process": shared,
@@ -130,28 +132,16 @@ def cmd_matrix(args) -> None:
                       "peak RSS: the whole process's high-water mark (--in-process), not attributable" if shared else
                       "peak RSS: each row's own worker process (getrusage high-water mark, incl. the interpreter, "
                       "libraries and the preallocated KV pool)"]}
-    section = render(data)
-    md, js = write(data, section, args.output, KIND)
-    print(section)
-    logger.info("bench matrix: wrote %s and %s", md, js)
+    publish(args.output, KIND, render(data), data, who="bench matrix")
 
 
-def _names(s: str) -> list[str]:
-    return [x.strip() for x in s.split(",") if x.strip()]
-
-
-def add_matrix_parser(sub) -> None:
-    from ember.bench.cli import _common_args, _positive_int
-
-    p = sub.add_parser("matrix", help="each engine lever from everything off to everything on: TTFT, decode, "
-                                      "throughput, peak memory")
-    _common_args(p)
+def add_cli_args(p) -> None:
+    add_common_args(p)
     for a in p._actions:  # ember alone: --peer only accepts none here, and is not listed
         if a.dest == "peer":
             a.choices, a.default, a.help = ("none",), "none", argparse.SUPPRESS
-    p.add_argument("--prompt-len", type=_positive_int, default=2000,
+    p.add_argument("--prompt-len", type=positive_int, default=2000,
                    help="TTFT prompt length: the longest this machine handles in reasonable time")
-    p.add_argument("--configs", type=_names, default=None, metavar="NAME,NAME,...",
+    p.add_argument("--configs", type=names, default=None, metavar="NAME,NAME,...",
                    help="only these rows (by name, e.g. 'everything off,+ packed GGUF weights')")
-    workload_args(p, prompt_help="for quick checks")
-    p.set_defaults(func=cmd_matrix)
+    add_workload_args(p, prompt_help="for quick checks")

@@ -14,7 +14,16 @@ from __future__ import annotations
 import logging
 import time
 
+from ember.bench.lib.args import add_benchmark_group, command_line
+from ember.bench.lib.cpu import CpuMeter, wait_for_quiet
+from ember.bench.lib.machine import load_average
+from ember.bench.lib.result import Bar, Metric, Result
+
 logger = logging.getLogger("ember.bench")
+
+NAME = "structured"
+HELP = ("decode tok/s with a JSON-schema constraint vs without, batch 1 and 32, same run (default model unless a "
+        "model is given)")
 
 MIN_ITEMS = 64
 SCHEMA = {
@@ -85,7 +94,6 @@ class _MaskClock:
 
 
 def run(llm, runs: int, output_len: int, quiet_wait_s: float):
-    from ember.bench.report import Metric, OthersLoad, wait_for_quiet
     from ember.sampling import SamplingParams
     from ember.structured_params import StructuredOutputsParams
 
@@ -105,21 +113,19 @@ def run(llm, runs: int, output_len: int, quiet_wait_s: float):
             texts = prompts(tok, b, r)
             wait_for_quiet(quiet_wait_s)
             for side, params in (("ember", constrained), ("peer", free)) if r % 2 == 0 else (("peer", free), ("ember", constrained)):
-                with OthersLoad() as load:
+                with CpuMeter() as load:
                     rate = decode_rate(engine, texts, params)
-                metrics[b].add(side, rate, load.cores)
+                metrics[b].add(side, rate, load.others)
                 logger.info("bench structured: run %d batch %d %s %.1f tok/s", r, b,
                             "constrained" if side == "ember" else "free", rate)
     engine.structured.listener = None
     return [metrics[b] for b in BATCHES], clock
 
 
-def cmd_structured(args) -> None:
+def main(args) -> None:
     import dataclasses
     import statistics
 
-    from ember.bench.cli import _command, _finish
-    from ember.bench.report import Bar, Result, load_average
     from ember.engine_args import engine_config_from_args
     from ember.llm import LLM
 
@@ -140,25 +146,17 @@ def cmd_structured(args) -> None:
              f"median mask time per constrained step (fill + apply, all rows of the step): {mask_ms:.3f} ms; "
              f"grammar compiles: {len(clock.compile)} ({', '.join(f'{s * 1e3:.0f} ms' for s in clock.compile)})"]
     bars = [Bar(f"constrained batch-{b} decode >= {x}x unconstrained", f"batch-{b} decode", x) for b, x in BARS.items()]
-    result = Result("structured", "Structured outputs: JSON-schema decode vs the same decode unconstrained",
-                    _command(args, ["runs", "output", "quiet_wait", "output_len"]), args.runs, metrics, bars,
-                    ember_desc, peer, notes, load)
-    _finish(result, args.output)
+    Result("structured", "Structured outputs: JSON-schema decode vs the same decode unconstrained",
+           command_line(args, ["runs", "output", "quiet_wait", "output_len"]), args.runs, metrics, bars, ember_desc,
+           peer, notes, load).publish(args.output)
 
 
-def add_structured_parser(sub) -> None:
-    from ember.engine_args import add_engine_args
-
-    p = sub.add_parser("structured", help="decode tok/s with a JSON-schema constraint vs without, batch 1 and 32, "
-                                          "same run (default model unless a model is given)")
-    add_engine_args(p)
-    g = p.add_argument_group("benchmark")
+def add_cli_args(p) -> None:
+    g = add_benchmark_group(p)
     g.add_argument("--runs", type=int, default=3, help="measured runs after one warmup; medians of per-run ratios")
     g.add_argument("--output-len", type=int, default=128, help="tokens generated per request on both sides")
     g.add_argument("--output", default="benchmarks/structured.md", help="markdown results file (and its JSON)")
     g.add_argument("--quiet-wait", type=float, default=30.0, metavar="SECONDS",
                    help="before each batch size of each run, wait up to this long for other processes to leave "
                         "the CPU idle")
-    p.set_defaults(func=cmd_structured)
-    return p
 

@@ -13,7 +13,6 @@ of the step. Prefill: one prompt of --prompt-len tokens, tokens / TTFT.
 """
 from __future__ import annotations
 
-import json
 import logging
 import shlex
 import shutil
@@ -21,10 +20,16 @@ import statistics
 import time
 from pathlib import Path
 
-from ember.bench.report import _machine_line, machine_info, update_markdown
+from ember.bench.lib.args import int_list, positive_int
+from ember.bench.lib.files import write
+from ember.bench.lib.machine import machine_info, machine_line
 from ember.sampling import SamplingParams
 
 logger = logging.getLogger("ember.bench")
+
+NAME = KIND = "tp"
+HELP = "tensor parallelism: TP=1 vs TP=N decode / prefill and communication share"
+HEADER = "# ember tensor-parallel benchmarks\n\nWritten by `ember bench tp`.\n"
 
 SHAPES = {  # real layer shapes, fewer layers where a whole model would crawl on 2 cores
     "qwen3-0.6b": dict(label="Qwen3-0.6B shape (28 layers), random bf16 weights", hidden=1024, inter=3072, layers=28,
@@ -88,7 +93,7 @@ def measure(path: str, tp: int, *, runs: int, decode_tokens: int, prompt_len: in
         llm.engine.shutdown()
 
 
-def _command(args) -> str:
+def command_line(args) -> str:
     words = ["ember", "bench", "tp"] + (["--model", args.model] if args.model else ["--shape", args.shape])
     for name in ("sizes", "runs", "decode_tokens", "prompt_len", "dtype", "kv_cache_memory", "output"):
         v = getattr(args, name)
@@ -102,7 +107,7 @@ def render(rows: list[dict], meta: dict) -> str:
 
     base = rows[0]
     lines = ["## Tensor parallelism (CPU, gloo)", "", f"`{meta['command']}`", "",
-             f"- machine: {_machine_line(meta['machine'])}", f"- model: {meta['model']}",
+             f"- machine: {machine_line(meta['machine'])}", f"- model: {meta['model']}",
              f"- {meta['runs']} runs; decode {meta['decode_tokens']} tokens at batch 1 (per-step medians), "
              f"prefill one {meta['prompt_len']}-token prompt; every rank gets cores / N torch threads",
              "- comm = rank 0's time in the model's all-reduce / all-gather per decode step; broadcast = sending the "
@@ -118,10 +123,10 @@ def render(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def cmd_tp(args) -> None:
+def main(args) -> None:
     import torch
 
-    from ember.bench import random_model
+    from ember.bench.lib import random_model
 
     tmp = None
     if args.model:
@@ -138,29 +143,22 @@ def cmd_tp(args) -> None:
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
-    meta = {"command": _command(args),
+    meta = {"command": command_line(args),
             "machine": machine_info(), "model": label, "runs": args.runs, "decode_tokens": args.decode_tokens,
             "prompt_len": args.prompt_len}
     section = render(rows, meta)
-    md = Path(args.output)
-    md.parent.mkdir(parents=True, exist_ok=True)
-    old = md.read_text() if md.exists() else "# ember tensor-parallel benchmarks\n\nWritten by `ember bench tp`.\n"
-    md.write_text(update_markdown(old, "tp", section))
-    md.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=2, default=str) + "\n")
+    write(args.output, KIND, section, {**meta, "rows": rows}, header=HEADER,
+          json_file=Path(args.output).with_suffix(".json"))
     print(section)
 
 
-def add_tp_parser(sub) -> None:
-    from ember.bench.cli import _int_list, _positive_int
-
-    p = sub.add_parser("tp", help="tensor parallelism: TP=1 vs TP=N decode / prefill and communication share")
+def add_cli_args(p) -> None:
     p.add_argument("--model", default=None, help="model folder (default: a random model of --shape)")
     p.add_argument("--shape", choices=list(SHAPES), default="qwen3-0.6b")
-    p.add_argument("--sizes", type=_int_list, default=[1, 2], metavar="N,N", help="tensor-parallel sizes")
-    p.add_argument("--runs", type=_positive_int, default=3)
-    p.add_argument("--decode-tokens", type=_positive_int, default=32)
-    p.add_argument("--prompt-len", type=_positive_int, default=512)
+    p.add_argument("--sizes", type=int_list, default=[1, 2], metavar="N,N", help="tensor-parallel sizes")
+    p.add_argument("--runs", type=positive_int, default=3)
+    p.add_argument("--decode-tokens", type=positive_int, default=32)
+    p.add_argument("--prompt-len", type=positive_int, default=512)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--kv-cache-memory", type=float, default=0.5)
     p.add_argument("--output", default="benchmarks/tp.md")
-    p.set_defaults(func=cmd_tp)

@@ -1,84 +1,39 @@
-"""Batch-1 latency: greedy decode speed after the first token, and time to first token (TTFT).
+"""`ember bench latency`: batch-1 greedy decode speed after the first token, and time to first token
+(TTFT), ember against transformers on the same weights in the same runs.
 
-Both are taken through the engine's step loop (add_request / step), the same path the server's
-streaming uses, so TTFT includes scheduling and sampling, not just the forward.
-
-Decode is reported two ways from the same per-token timestamps (first token excluded, so
-prefill is not in it):
-- mean: (N - 1) / (last token time - first token time);
-- steady: 1 / median gap between consecutive tokens. A burst of someone else's work on the
-  shared machine stretches a few gaps; the median ignores them, the mean does not. On a quiet
-  machine the two agree, so the bar is judged on the steady figure.
+Both are taken through the engine's step loop (lib/timing.py), so TTFT includes scheduling and
+sampling, not just the forward. Decode is reported as mean and steady (1 / median gap); on a quiet
+machine the two agree, so the bar is judged on the steady figure.
 """
 from __future__ import annotations
 
 import logging
-import statistics
-import time
 
 from tqdm import tqdm
 
-from ember.bench.report import Bar, Metric
-from ember.bench.throughput import measure_pair, prompt_maker, prompt_seed
-from ember.sampling import SamplingParams
+from ember.bench.lib.args import add_common_args, command_line, int_list
+from ember.bench.lib.cpu import measure_pair, protocol_note
+from ember.bench.lib.machine import load_average
+from ember.bench.lib.prompts import prompt_maker, prompt_seed
+from ember.bench.lib.result import Bar, Metric, Result
+from ember.bench.lib.timing import DECODE_PROMPT_LEN, decode_rates, ember_decode, ember_ttft
 
 logger = logging.getLogger("ember.bench")
 
-DECODE_PROMPT_LEN = 32  # "a short prompt": decode speed should not depend on a long context
+NAME = "latency"
+HELP = "batch-1 decode tok/s and time to first token"
 DECODE_METHOD = "ember decode: engine.step() loop, each token timestamped when its step returns"
 RATES_METHOD = ("decode, both sides: mean = (N - 1) / (last token time - first token time); steady = 1 / median gap "
                 "between tokens, robust to a burst of other work (bars use steady; on a quiet machine they agree)")
 TTFT_METHOD = "ember TTFT: engine.add_request() to the step that returns the first token (max_tokens=1)"
+FLAGS = ["runs", "peer", "output", "prompt_seed", "quiet_wait", "decode_tokens", "prompt_lens"]
 
 
-def token_times(engine, request_id: str, prompt: list[int], params: SamplingParams, fresh: bool = True) -> list[float]:
-    """Drive one request to the end through engine.step(); the perf_counter time each of its tokens
-    arrived (a step that brings several, a speculative verify, stamps them all with its time).
-    fresh: the prompt must not hit the prefix cache (a time to first token would say nothing)."""
-    engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
-    times: list[float] = []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.request_id == request_id:
-                now = time.perf_counter()
-                assert not (fresh and out.num_cached_tokens), \
-                    "the prefix cache served a benchmark prompt; prompts must be fresh"
-                times += [now] * (len(out.outputs[0].token_ids) - len(times))
-    return times
-
-
-def _run_one(engine, request_id: str, prompt: list[int], max_tokens: int, fresh: bool = True) -> list[float]:
-    """One greedy request of exactly max_tokens tokens (EOS ignored): its token arrival times."""
-    times = token_times(engine, request_id, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                                    ignore_eos=True), fresh)
-    assert len(times) == max_tokens, f"ember produced {len(times)} tokens, wanted {max_tokens}"
-    return times
-
-
-def ember_decode(engine, request_id: str, prompt: list[int], n: int) -> list[float]:
-    # Decode rates start at the first token, so a cached prefix (a chat template's system prompt) changes nothing.
-    return _run_one(engine, request_id, prompt, n, fresh=False)
-
-
-def ember_ttft(engine, request_id: str, prompt: list[int]) -> float:
-    t0 = time.perf_counter()
-    times = _run_one(engine, request_id, prompt, 1)
-    return times[0] - t0
-
-
-def decode_rates(times: list[float]) -> tuple[float, float]:
-    """(mean tok/s, steady tok/s) over tokens 2..N; see the module docstring.
-
-    A step that brings m tokens at once (speculative decoding) gives each of them 1/m of its gap."""
-    gaps: list[float] = []
-    i = 1
-    while i < len(times):
-        m = 1
-        while i + m < len(times) and times[i + m] == times[i]:
-            m += 1
-        gaps += [(times[i] - times[i - 1]) / m] * m
-        i += m
-    return len(gaps) / (times[-1] - times[0]), 1.0 / statistics.median(gaps)
+def add_cli_args(p) -> None:
+    add_common_args(p)
+    p.add_argument("--decode-tokens", type=int, default=128, help="tokens generated for the decode figure (>= 2)")
+    p.add_argument("--prompt-lens", type=int_list, default=[128, 512, 2048], metavar="N,N,...",
+                   help="prompt lengths for TTFT")
 
 
 def decode_metric_name(n: int, steady: bool) -> str:
@@ -136,3 +91,24 @@ def run(llm, peer, *, decode_tokens: int, prompt_lens: list[int], runs: int, qui
                     if r >= 0:
                         m.add(side, value, others)
     return [mean, steady, *ttfts.values()]
+
+
+def main(args) -> None:
+    from ember.bench.peers import hf
+    from ember.bench.sides.ember import engine_and_peer
+    from ember.errors import ConfigError
+
+    if args.decode_tokens < 2:
+        raise ConfigError(f"--decode-tokens must be >= 2 to time decode after the first token (got {args.decode_tokens})")
+    llm, peer, ember_desc = engine_and_peer(args)
+    load = load_average()
+    metrics = run(llm, peer, decode_tokens=args.decode_tokens, prompt_lens=args.prompt_lens, runs=args.runs,
+                  quiet_wait_s=args.quiet_wait, prompt_seed_base=args.prompt_seed)
+    notes = [protocol_note(args.quiet_wait), DECODE_METHOD, RATES_METHOD, TTFT_METHOD,
+             f"decode uses a {DECODE_PROMPT_LEN}-token prompt; all prompts are seeded random ordinary tokens, "
+             "new each run"]
+    if peer:
+        notes += [hf.DECODE_METHOD, hf.TTFT_METHOD]
+    Result("latency", "Latency (batch 1)", command_line(args, FLAGS), args.runs, metrics,
+           bars(args.decode_tokens, args.prompt_lens), ember_desc, peer.description if peer else None, notes,
+           load).publish(args.output)

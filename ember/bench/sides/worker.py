@@ -1,7 +1,7 @@
 """One benchmark side in a process of its own, so its peak memory is its own.
 
-`ember bench compare | matrix` start `python -m ember.bench.worker` once per side; the worker
-builds the side (sides.build) and answers measurement calls over its stdin/stdout, pickled, one
+`ember bench compare | matrix` start `python -m ember.bench.sides.worker` once per side; the worker
+builds the side (local.build) and answers measurement calls over its stdin/stdout, pickled, one
 call at a time. Everything else the side prints (llama.cpp's C code writes to fd 1) is moved to
 stderr, so it cannot corrupt the replies.
 """
@@ -13,7 +13,16 @@ import pickle
 import subprocess
 import sys
 
+from ember.bench.sides.local import LocalSide, build, peak_rss_bytes
 from ember.errors import ConfigError, EmberError
+
+
+def worker_module(checkout: str | None = None) -> str:
+    """This module's name in this ember, or in the ember of another checkout (one from before bench/sides/
+    has the worker at ember.bench.worker: a baseline is often an earlier commit)."""
+    if checkout is None or os.path.exists(os.path.join(checkout, "ember", "bench", "sides", "worker.py")):
+        return "ember.bench.sides.worker"
+    return "ember.bench.worker"
 
 
 class RemoteSide:
@@ -26,7 +35,10 @@ class RemoteSide:
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         if pythonpath is not None:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
-        self.proc = subprocess.Popen([sys.executable, "-m", "ember.bench.worker"], stdin=subprocess.PIPE,
+        # -P: `python -m` would put the current directory first on sys.path, and a driver run from a
+        # checkout's root would measure that checkout's ember as the "baseline"
+        isolate = ["-P"] if pythonpath is not None else []
+        self.proc = subprocess.Popen([sys.executable, *isolate, "-m", worker_module(pythonpath)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env)
         self.pid = self.proc.pid
         info = self._call("build", factory, kwargs, threads)
@@ -68,9 +80,12 @@ class RemoteSide:
                 self.proc.wait()
 
 
-def _answer(side, method: str, args: tuple):
-    from ember.bench import sides
+def start_side(factory: str, kwargs: dict, threads: int, in_process: bool, pythonpath: str | None = None):
+    """The side built by `factory`, here (in_process) or in a worker process of its own."""
+    return LocalSide(factory, kwargs) if in_process else RemoteSide(factory, kwargs, threads, pythonpath)
 
+
+def _answer(side, method: str, args: tuple):
     if method == "build":
         factory, kwargs, threads = args
         try:
@@ -79,10 +94,10 @@ def _answer(side, method: str, args: tuple):
             torch.set_num_threads(threads)
         except ImportError:
             pass
-        side = sides.build(factory, kwargs)
+        side = build(factory, kwargs)
         return side, (side.description, getattr(side, "weight_bytes", None), getattr(side, "prompt_vocab", None))
     if method == "peak_rss_bytes":
-        return side, sides.peak_rss_bytes()
+        return side, peak_rss_bytes()
     return side, getattr(side, method)(*args)
 
 

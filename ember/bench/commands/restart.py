@@ -11,45 +11,47 @@ What a user of `make run` gets after a restart, when they start talking at once.
   more: "steady" = their median. SIGTERM.
 - llama.cpp: llama-cpp-python in a worker process of its own (the bench extra), same GGUF file,
   same threads, flash attention, the same prompt token ids: --answers answers, their median.
-Every answer decodes after the same held-out chat request (ember.bench.spec.held_out_prompts, new
+Every answer decodes after the same held-out chat request (lib/prompts.py's held_out_prompts, new
 each round), sent to ember as token ids through /v1/completions, so both engines see the same
 tokens. Rounds alternate which side goes first. Ratios are taken round by round.
 """
 from __future__ import annotations
 
-import json
 import logging
-import os
 import shutil
 import statistics
 import tempfile
 import time
 
+from ember.bench.lib.args import add_benchmark_group, command_line
+from ember.bench.lib.files import publish
+from ember.bench.lib.machine import load_average, machine_info
+from ember.bench.lib.markdown import head
+from ember.bench.lib.prompts import chat_prompts
+from ember.bench.lib.rounds import spread
+from ember.bench.lib.servers import compiling, ember_start, free_port, launch_plan, stream
+from ember.bench.lib.timing import decode_rates
 from ember.errors import ConfigError
 
 logger = logging.getLogger("ember.bench")
 
-KIND = "restart"
+NAME = KIND = "restart"
+HELP = ("batch-1 decode in the first minute after ember serve restarts, against its steady compiled speed and "
+        "llama.cpp's on the same file")
 
 
 def stream_times(url: str, model: str, prompt: list[int], n: int) -> list[float]:
     """time.monotonic() arrival time of each generated token of one streamed greedy completion (tokens that
     arrive in one chunk, as a speculative step brings them, share its time)."""
-    import httpx
-
     body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
             "stream": True, "return_token_ids": True}
     times: list[float] = []
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            choices = json.loads(line[6:]).get("choices") or []
-            ids = choices[0].get("token_ids") if choices else None
-            if ids:
-                now = time.monotonic()
-                times += [now] * len(ids)
+    for chunk in stream(url + "/v1/completions", body):
+        choices = chunk.get("choices") or []
+        ids = choices[0].get("token_ids") if choices else None
+        if ids:
+            now = time.monotonic()
+            times += [now] * len(ids)
     if len(times) < 2:
         raise ConfigError(f"the server streamed {len(times)} tokens for a {n}-token request")
     return times
@@ -65,10 +67,6 @@ def _metric(url: str, name: str) -> float | None:
 
 
 def ember_round(flags: list[str], prompt: list[int], args) -> dict:
-    from ember.bench.latency import decode_rates
-    from ember.bench.serve import free_port
-    from ember.bench.startup import ember_start
-
     import httpx
 
     cold = tempfile.mkdtemp(prefix="ember-bench-cold-") if args.cold else None
@@ -77,10 +75,8 @@ def ember_round(flags: list[str], prompt: list[int], args) -> dict:
         health = start.health(args.timeout)
         model = httpx.get(start.url + "/v1/models", timeout=10).json()["data"][0]["id"]
         shapes_at_health = _metric(start.url, "ember:executor_compiled_shapes")
-        from ember.bench.serve import _compiling
-
         # launch -> nothing left to compile: at /health, or read after each answer (an upper bound)
-        compiled = None if _compiling(httpx.get(start.url + "/metrics", timeout=5).text) else health
+        compiled = None if compiling(httpx.get(start.url + "/metrics", timeout=5).text) else health
         window_end = time.monotonic() + args.window
         tokens = seconds = 0.0
         # (seconds from launch to the answer's first token, its tok/s, graphs in use after it, to its last token)
@@ -94,7 +90,7 @@ def ember_round(flags: list[str], prompt: list[int], args) -> dict:
             seconds += times[-1] - times[0]
             answers.append((round(times[0] - start.t0, 1), round((len(times) - 1) / (times[-1] - times[0]), 1),
                             _metric(start.url, "ember:executor_compiled_shapes"), round(times[-1] - start.t0, 1)))
-            if compiled is None and not _compiling(httpx.get(start.url + "/metrics", timeout=5).text):
+            if compiled is None and not compiling(httpx.get(start.url + "/metrics", timeout=5).text):
                 compiled = times[-1] - start.t0
         first_minute = tokens / seconds
         shapes_after_window = _metric(start.url, "ember:executor_compiled_shapes")
@@ -119,19 +115,11 @@ def ember_round(flags: list[str], prompt: list[int], args) -> dict:
             shutil.rmtree(cold, ignore_errors=True)
 
 
-def cmd_restart(args) -> None:
-    from ember.bench.cli import _command
-    from ember.bench.compare import PEERS, chat_prompts, spread, write
-    from ember.bench.latency import decode_rates
-    from ember.bench.report import load_average, machine_info
-    from ember.bench.worker import RemoteSide
-    from ember.default_model import default_model_path
-    from ember.engine_args import engine_args_to_words, engine_config_from_args
+def main(args) -> None:
+    from ember.bench.peers import PEERS
+    from ember.bench.sides.worker import RemoteSide
 
-    config = engine_config_from_args(args)
-    model = str(config.model or default_model_path())
-    flags = engine_args_to_words(args)
-    threads = config.num_threads or len(os.sched_getaffinity(0))
+    model, flags, threads = launch_plan(args)
     prompts = chat_prompts(model)
     peer = None
     if args.peer == "llamacpp":
@@ -156,17 +144,14 @@ def cmd_restart(args) -> None:
             peer.close()
     machine = machine_info()
     machine["load_at_end"] = load_average()
-    data = {"kind": KIND, "command": _command(args, ["runs", "peer", "window", "decode_tokens", "answers", "output"])
+    data = {"kind": KIND, "command": command_line(args, ["runs", "peer", "window", "decode_tokens", "answers", "output"])
             + (" --cold" if args.cold else ""), "cold": args.cold,
             "machine": machine, "load_at_start": load, "threads": threads, "model": model, "flags": flags,
-            "rounds": rounds, "summary": summarize(rounds, spread)}
-    section = render(data)
-    md, js = write(data, section, args.output, "first-start" if args.cold else KIND)
-    print(section)
-    logger.info("bench restart: wrote %s and %s", md, js)
+            "rounds": rounds, "summary": summarize(rounds)}
+    publish(args.output, "first-start" if args.cold else KIND, render(data), data, who="bench restart")
 
 
-def summarize(rounds: list[dict], spread) -> dict:
+def summarize(rounds: list[dict]) -> dict:
     e = [r["ember"] for r in rounds]
     out = {key: spread([x[key] for x in e if x.get(key) is not None])
            for key in ("health_s", "first_token_s", "graphs_in_use_by_s", "compiled_s", "first_minute_tok_s",
@@ -188,32 +173,28 @@ def _cell(s: dict, fmt: str = "{:.1f}") -> str:
 
 
 def render(data: dict) -> str:
-    from ember.bench.report import _machine_line
-
     s = data["summary"]
     ratio = "{:.2f}"
     cold = data.get("cold")
-    title = ("## First start: a model never compiled on this machine, under continuous batch-1 load" if cold else
-             "## Restart: batch-1 decode in the first minute after `ember serve` restarts")
-    lines = [title, "",
-             f"- command: `{data['command']}`", f"- machine: {_machine_line(data['machine'])}",
-             f"- 1-minute load average: {data['load_at_start']} at start, {data['machine'].get('load_at_end')} at end",
-             f"- model: `{data['model']}`; {data['threads']} threads; ember flags: "
-             f"`{' '.join(data['flags']) or '(defaults, as make run serves)'}`; {len(data['rounds'])} rounds, "
-             "median [min-max], ratios round by round",
-             ("- ember starts on an empty compile cache of its own (TORCHINDUCTOR_CACHE_DIR in a fresh folder); "
-              if cold else "- ember restarts on this machine's compile cache as it is (a restart, not a first start); ") +
-             "first minute: greedy answers streamed back to back from /health for the window, decode tokens over "
-             "decode time; steady: after the background compile finished; llama.cpp: llama-cpp-python in its own "
-             "process on the same file and prompt token ids (ember.bench.restart)", "",
-             "| figure | value |", "|---|---:|",
-             f"| ember: launch to /health 200 (s) | {_cell(s.get('health_s'), '{:.2f}')} |",
-             f"| ember: launch to the first token (s) | {_cell(s.get('first_token_s'), '{:.2f}')} |",
-             f"| ember: launch to its first graphs in use, under that load (s; read after each answer) | "
-             f"{_cell(s.get('graphs_in_use_by_s'))} |",
-             f"| ember: launch to every graph built (s; larger batch sizes wait for a pause) | {_cell(s.get('compiled_s'))} |",
-             f"| ember decode over the window (tok/s) | {_cell(s.get('first_minute_tok_s'))} |",
-             f"| ember steady compiled decode (tok/s) | {_cell(s.get('steady_tok_s'))} |"]
+    title = ("First start: a model never compiled on this machine, under continuous batch-1 load" if cold else
+             "Restart: batch-1 decode in the first minute after `ember serve` restarts")
+    lines = head(title, data["command"], data["machine"], data["load_at_start"])
+    lines += [f"- model: `{data['model']}`; {data['threads']} threads; ember flags: "
+              f"`{' '.join(data['flags']) or '(defaults, as make run serves)'}`; {len(data['rounds'])} rounds, "
+              "median [min-max], ratios round by round",
+              ("- ember starts on an empty compile cache of its own (TORCHINDUCTOR_CACHE_DIR in a fresh folder); "
+               if cold else "- ember restarts on this machine's compile cache as it is (a restart, not a first start); ") +
+              "first minute: greedy answers streamed back to back from /health for the window, decode tokens over "
+              "decode time; steady: after the background compile finished; llama.cpp: llama-cpp-python in its own "
+              "process on the same file and prompt token ids (ember.bench.commands.restart)", "",
+              "| figure | value |", "|---|---:|",
+              f"| ember: launch to /health 200 (s) | {_cell(s.get('health_s'), '{:.2f}')} |",
+              f"| ember: launch to the first token (s) | {_cell(s.get('first_token_s'), '{:.2f}')} |",
+              f"| ember: launch to its first graphs in use, under that load (s; read after each answer) | "
+              f"{_cell(s.get('graphs_in_use_by_s'))} |",
+              f"| ember: launch to every graph built (s; larger batch sizes wait for a pause) | {_cell(s.get('compiled_s'))} |",
+              f"| ember decode over the window (tok/s) | {_cell(s.get('first_minute_tok_s'))} |",
+              f"| ember steady compiled decode (tok/s) | {_cell(s.get('steady_tok_s'))} |"]
     if "llamacpp_tok_s" in s:
         lines.append(f"| llama.cpp decode (tok/s) | {_cell(s['llamacpp_tok_s'])} |")
     lines += ["", "| bar | ratio | result |", "|---|---:|---|"]
@@ -233,13 +214,8 @@ def render(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def add_restart_parser(sub) -> None:
-    from ember.engine_args import add_engine_args
-
-    p = sub.add_parser("restart", help="batch-1 decode in the first minute after ember serve restarts, against its "
-                                       "steady compiled speed and llama.cpp's on the same file")
-    add_engine_args(p)
-    g = p.add_argument_group("benchmark")
+def add_cli_args(p) -> None:
+    g = add_benchmark_group(p)
     g.add_argument("--runs", type=int, default=3, help="rounds (each restarts the server)")
     g.add_argument("--peer", choices=["llamacpp", "none"], default="llamacpp")
     g.add_argument("--window", type=float, default=60.0, help="seconds from /health that count as the first minute")
@@ -250,4 +226,3 @@ def add_restart_parser(sub) -> None:
                    help="a first start instead: each round on an empty compile cache of its own (give a longer "
                         "--window to see when the graphs arrive under continuous load)")
     g.add_argument("--output", default="benchmarks/startup.md", help="markdown file; the JSON goes beside it")
-    p.set_defaults(func=cmd_restart)

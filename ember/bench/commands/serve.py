@@ -21,30 +21,32 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import logging
 import math
 import os
 import random
 import shlex
-import socket
 import statistics
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
 
-from ember.bench import load
-from ember.bench import report
-from ember.bench.report import CONTENDED_CORES
+from ember.bench.lib import load
+from ember.bench.lib.args import int_list, positive_int
+from ember.bench.lib.cpu import CONTENDED_CORES, RETRIES, CpuMeter, wait_for_quiet
+from ember.bench.lib.files import json_path, publish
+from ember.bench.lib.machine import load_average, machine_info
+from ember.bench.lib.markdown import describe, fmt, head
+from ember.bench.lib.prompts import load_tokenizer, ordinary_tokens
+from ember.bench.lib.servers import LaunchedServer, free_port
+from ember.bench.lib.timing import ember_batch
 from ember.engine_args import engine_args_to_words
-from ember.bench.throughput import RETRIES
 from ember.errors import ConfigError
 
 logger = logging.getLogger("ember.bench")
 
+NAME = "serve"
+HELP = ("streaming load against an OpenAI-compatible server (--url) or a launched `ember serve` (--launch): TTFT, "
+        "TPOT, ITL, tok/s")
+PARSER = {"description": __doc__, "formatter_class": argparse.RawDescriptionHelpFormatter}
 DEFAULT_OUTPUT = "benchmarks/serve.md"
 DEFAULT_LAUNCH_LEVELS = [1, 8, 32]
 LEVEL_SEED = 1_000  # each (run, level) draws prompts of its own
@@ -68,162 +70,12 @@ METHOD_NOTES = [
 ]
 
 
-# -- CPU use of this process, the server and everyone else ---------------------------------------
-
-def _pid_ticks(pid: int | None) -> int | None:
-    if pid is None:
-        return None
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            rest = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return int(rest[11]) + int(rest[12])
-
-
-class CpuUse:
-    """Cores used by this process (the client, or the offline engine), the server process and all
-    other processes while the block ran (Linux /proc; None elsewhere)."""
-
-    own: float | None = None
-    server: float | None = None
-    others: float | None = None
-
-    def __init__(self, server_pid: int | None = None):
-        self.server_pid = server_pid
-
-    def __enter__(self) -> "CpuUse":
-        self._t = time.perf_counter()
-        self._busy, self._own, self._srv = report._busy_ticks(), report._own_ticks(), _pid_ticks(self.server_pid)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        busy, own, srv = report._busy_ticks(), report._own_ticks(), _pid_ticks(self.server_pid)
-        if None in (busy, own, self._busy, self._own):
-            return
-        hz, seconds = os.sysconf("SC_CLK_TCK"), max(time.perf_counter() - self._t, 1e-6)
-        d_own = own - self._own
-        d_srv = (srv - self._srv) if srv is not None and self._srv is not None else 0
-        self.own = round(d_own / hz / seconds, 2)
-        self.server = round(d_srv / hz / seconds, 2) if self.server_pid else None
-        self.others = round(max(0.0, (busy - self._busy - d_own - d_srv) / hz / seconds), 2)
-
-    def to_dict(self) -> dict:
-        return {"client": self.own, "server": self.server, "others": self.others}
-
-
-# -- the launched server ----------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LaunchedServer:
-    """`ember serve` in a subprocess on 127.0.0.1:port; its log goes to a temporary file."""
-
-    def __init__(self, flags: list[str], port: int, api_key: str | None, extra: list[str]):
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}"
-        self.argv = [sys.executable, "-m", "ember.entrypoints.cli", "serve", *flags, "--host", "127.0.0.1", "--port", str(port),
-                     "--disable-log-requests", *extra] + (["--api-key", api_key] if api_key else [])
-        self.command = shlex.join(["ember", "serve", *self.argv[4:]]).replace(api_key or "\0", "***")
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="ember-bench-serve-", suffix=".log", delete=False)
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        logger.info("bench serve: starting %s (log: %s)", self.command, self.log.name)
-        self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
-
-    def log_tail(self, n: int = 30) -> str:
-        try:
-            return "\n".join(Path(self.log.name).read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def wait_ready(self, timeout: float, steady: bool = True) -> float:
-        """Seconds until /health answered 200 and (steady) no background compile is running (its
-        /metrics gauge ember:executor_compiling is 0): a benchmark measures the steady state. Raises
-        with the server's log when it died or timed out."""
-        import httpx
-
-        t0 = time.monotonic()
-        healthy = False
-        while time.monotonic() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise ConfigError(f"`{self.command}` exited with status {self.proc.returncode} before it was ready; "
-                                  f"its log ends:\n{self.log_tail()}")
-            try:
-                healthy = healthy or httpx.get(self.url + "/health", timeout=2).status_code == 200
-                if healthy and (not steady or not _compiling(httpx.get(self.url + "/metrics", timeout=5).text)):
-                    return time.monotonic() - t0
-            except httpx.TransportError:
-                pass
-            time.sleep(0.25)
-        raise ConfigError(f"`{self.command}` was not ready after {timeout:g}s (--server-timeout); its log ends:\n"
-                          f"{self.log_tail()}")
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.log.close()
-
-
-def _compiling(metrics_text: str) -> bool:
-    """Whether an ember server's /metrics says a background compile is running (another server: no)."""
-    return any(line.startswith("ember:executor_compiling") and float(line.rsplit(" ", 1)[1]) > 0
-               for line in metrics_text.splitlines())
-
-
 # -- the offline side -------------------------------------------------------------------------------
 
 def offline_batch(llm, specs: list[load.RequestSpec]) -> tuple[float, int, int]:
     """One LLM.generate over the specs (token ids, ignore_eos); (seconds, prompt tokens, output tokens)."""
-    from ember.sampling import SamplingParams
-
-    params = [SamplingParams(temperature=0.0, max_tokens=s.output_len, ignore_eos=True) for s in specs]
-    t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": s.prompt} for s in specs], params, use_tqdm=False)
-    seconds = time.perf_counter() - t0
-    assert not any(o.num_cached_tokens for o in outs), "the prefix cache served a benchmark prompt; prompts must be fresh"
-    generated = sum(len(o.outputs[0].token_ids) for o in outs)
-    want = sum(s.output_len for s in specs)
-    assert generated == want, f"offline generated {generated} tokens, wanted {want}"
+    seconds, generated = ember_batch(llm, [s.prompt for s in specs], [s.output_len for s in specs])
     return seconds, sum(len(s.prompt) for s in specs), generated
-
-
-def load_tokenizer(path: str | None):
-    """(tokenizer, model vocab size) of a model folder or .gguf file, without loading weights."""
-    from ember.loader.model_loader import resolve_model_path
-    from ember.loader.tokenizer import Tokenizer
-
-    p = resolve_model_path(path)
-    if os.path.isfile(p):
-        from ember.loader.gguf import GGUFCheckpoint
-
-        ckpt = GGUFCheckpoint(p)
-        from ember.model_config import ModelConfig
-
-        return ckpt.tokenizer(), ModelConfig.from_dict(ckpt.config).vocab_size
-    from ember.model_config import ModelConfig
-
-    tok = Tokenizer.from_folder(p)
-    return tok, ModelConfig.from_folder(p).vocab_size
-
-
-def ordinary_tokens(tokenizer, vocab_size: int) -> list[int]:
-    special = set(tokenizer.all_special_ids)
-    return [t for t in range(min(tokenizer.vocab_size, vocab_size)) if t not in special]
 
 
 # -- the workload ---------------------------------------------------------------------------------
@@ -289,14 +141,14 @@ def _progress(total: int, desc: str):
 def measure_level(target: load.Target, specs: list[load.RequestSpec], concurrency: int | None, rate: float,
                   seed: int, server_pid: int | None, desc: str) -> tuple[load.LevelStats, dict]:
     bar = _progress(len(specs), desc)
-    with CpuUse(server_pid) as cpu:
+    with CpuMeter(server_pid=server_pid) as cpu:
         results, seconds = load.run(target, specs, max_concurrency=concurrency, request_rate=rate, seed=seed,
                                     progress=lambda r: bar.update(1))
     bar.close()
     stats = load.summarize(specs, results, seconds, max_concurrency=concurrency, request_rate=rate)
     logger.info("bench serve %s: %d ok, %d failed in %.1fs; %.1f out tok/s; TTFT p50 %s ms; TPOT p50 %s ms "
                 "(CPU cores: client %s, server %s, others %s)", desc, stats.completed, stats.failed, seconds,
-                stats.output_throughput, _fmt(stats.ttft_ms["p50"]), _fmt(stats.tpot_ms["p50"]), cpu.own, cpu.server,
+                stats.output_throughput, fmt(stats.ttft_ms["p50"]), fmt(stats.tpot_ms["p50"]), cpu.own, cpu.server,
                 cpu.others)
     for e in stats.errors:
         logger.warning("bench serve %s: failed request: %s", desc, e)
@@ -304,7 +156,7 @@ def measure_level(target: load.Target, specs: list[load.RequestSpec], concurrenc
 
 
 def measure_offline(llm, specs: list[load.RequestSpec], server_pid: int | None, desc: str) -> dict:
-    with CpuUse(server_pid) as cpu:
+    with CpuMeter(server_pid=server_pid) as cpu:
         seconds, prompt, out = offline_batch(llm, specs)
     d = {"seconds": seconds, "prompt_tokens": prompt, "output_tokens": out, "output_throughput": out / seconds,
          "total_throughput": (prompt + out) / seconds, "request_throughput": len(specs) / seconds,
@@ -315,10 +167,6 @@ def measure_offline(llm, specs: list[load.RequestSpec], server_pid: int | None, 
 
 
 # -- rendering -------------------------------------------------------------------------------------------
-
-def _fmt(v) -> str:
-    return report._fmt(v)
-
 
 def _int(v) -> str:
     return "-" if v is None else f"{v:.0f}" if v == int(v) else f"{v:.1f}"
@@ -351,7 +199,7 @@ def median_level(runs: list[dict]) -> dict:
 
 
 def _dist_cell(d: dict) -> str:
-    return " / ".join(_fmt(d[f"p{q}"]) for q in load.PERCENTILES)
+    return " / ".join(fmt(d[f"p{q}"]) for q in load.PERCENTILES)
 
 
 def _cpu_cell(c: dict) -> str:
@@ -369,8 +217,8 @@ def judge_bars(result: dict) -> list[dict]:
         got = _med(ratios)
         bars.append({"text": f"server output tok/s at concurrency {c} >= {THROUGHPUT_RATIO_BAR:.0%} of offline "
                              f"LLM.generate (same prompts count and lengths, same engine flags; median of per-run ratios)",
-                     "measured": got, "shown": f"{got:.0%} ({_fmt(top['median']['output_throughput'])} / "
-                                               f"{_fmt(off['median']['output_throughput'])} tok/s)",
+                     "measured": got, "shown": f"{got:.0%} ({fmt(top['median']['output_throughput'])} / "
+                                               f"{fmt(off['median']['output_throughput'])} tok/s)",
                      "result": "PASS" if got >= THROUGHPUT_RATIO_BAR else "FAIL"})
     at8 = next((lv for lv in levels if lv["max_concurrency"] == TTFT_BAR_CONCURRENCY), None)
     if at8 is not None:
@@ -378,24 +226,18 @@ def judge_bars(result: dict) -> list[dict]:
         ok = got is not None and got < TTFT_BAR_MS and at8["median"]["failed"] == 0
         bars.append({"text": f"TTFT p50 at concurrency {TTFT_BAR_CONCURRENCY} < {TTFT_BAR_MS / 1000:g} s "
                              f"({result['input_len']}-token prompts)",
-                     "measured": got, "shown": f"{_fmt(got)} ms", "result": "PASS" if ok else "FAIL"})
+                     "measured": got, "shown": f"{fmt(got)} ms", "result": "PASS" if ok else "FAIL"})
     return bars
 
 
 def render_section(result: dict) -> str:
-    m = result["machine"]
-    lines = [f"## {result['title']}", "",
-             f"- command: `{result['command']}`",
-             f"- machine: {report._machine_line(m)}",
-             f"- 1-minute load average: {result['load_at_start'] if result['load_at_start'] is not None else '-'} at "
-             f"start, {m.get('load_at_end', '-')} at end ({m['usable_cores']} cores; more means the cores were shared "
-             "with other work and wall times are noisy)",
-             f"- server: {result['server']['url']}, model `{result['server']['model']}`"
+    lines = head(result["title"], result["command"], result["machine"], result["load_at_start"], cores_note=True)
+    lines += [f"- server: {result['server']['url']}, model `{result['server']['model']}`"
              + (f" (max_model_len {result['server']['max_model_len']})" if result['server'].get('max_model_len') else "")
              + (f"; launched as `{result['server']['command']}`, ready {result['server']['ready_s']:.1f}s after start (/health 200 and no background compile running)"
                 if result['server'].get('command') else "")]
     if result.get("engine"):
-        lines.append(f"- ember engine (server and offline alike): {report._describe(result['engine'])}")
+        lines.append(f"- ember engine (server and offline alike): {describe(result['engine'])}")
     lines.append(f"- workload: {result['workload']}")
     lines.append(f"- client: this process, asyncio + httpx, streaming; {result['runs']} run(s) after a warmup of "
                  f"{result['warmup_prompts']} short requests; before each measurement wait up to "
@@ -418,7 +260,7 @@ def render_section(result: dict) -> str:
         lines.append(
             f"| {_level_name(lv['max_concurrency'], lv['request_rate'] or math.inf)} | {_int(md['completed'])} / "
             f"{_int(md['failed'])} | {_int(md['prompt_tokens'])} / {_int(md['output_tokens'])} | "
-            f"{_fmt(md['request_throughput'])} | {_fmt(md['output_throughput'])} | {_fmt(md['total_throughput'])} | "
+            f"{fmt(md['request_throughput'])} | {fmt(md['output_throughput'])} | {fmt(md['total_throughput'])} | "
             f"{_dist_cell(md['ttft_ms'])} | {_dist_cell(md['tpot_ms'])} | {_dist_cell(md['itl_ms'])} | "
             f"{_dist_cell(md['e2e_s'])} | {_cpu_cell(md['cpu'])} |")
     off = result.get("offline")
@@ -427,8 +269,8 @@ def render_section(result: dict) -> str:
         cpu = dict(md["cpu"])
         lines.append(f"| offline LLM.generate (max_num_seqs {result['engine'].get('max_num_seqs', '-')}) | "
                      f"{result['num_prompts']} / 0 | {_int(md['prompt_tokens'])} / {_int(md['output_tokens'])} | "
-                     f"{_fmt(md['request_throughput'])} | {_fmt(md['output_throughput'])} | "
-                     f"{_fmt(md['total_throughput'])} | - | - | - | {_fmt(md['seconds'])} (whole batch) | "
+                     f"{fmt(md['request_throughput'])} | {fmt(md['output_throughput'])} | "
+                     f"{fmt(md['total_throughput'])} | - | - | - | {fmt(md['seconds'])} (whole batch) | "
                      f"{_cpu_cell(cpu)} (client = the offline engine) |")
     errors = sorted({e for lv in result["levels"] for e in lv["median"]["errors"]})
     if errors:
@@ -438,16 +280,6 @@ def render_section(result: dict) -> str:
         for b in result["bars"]:
             lines.append(f"| {b['text']} | {b['shown']} | **{b['result']}** |")
     return "\n".join(lines) + "\n"
-
-
-def write(result: dict, md_path: str) -> tuple[Path, Path]:
-    md = Path(md_path)
-    md.parent.mkdir(parents=True, exist_ok=True)
-    old = md.read_text() if md.exists() else HEADER
-    md.write_text(report.update_markdown(old, f"serve:{result['label']}", render_section(result)))
-    js = report.json_path(md, result["label"])
-    js.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    return md, js
 
 
 # -- the command ------------------------------------------------------------------------------------------
@@ -518,11 +350,11 @@ def _levels(args) -> list[int | None]:
     return list(DEFAULT_LAUNCH_LEVELS) if args.launch else [None]
 
 
-def cmd_serve(args) -> None:
+def main(args) -> None:
     _check_args(args)
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger("httpx").getEffectiveLevel()))
     levels = _levels(args)
-    load_at_start = report.load_average()
+    load_at_start = load_average()
     server: LaunchedServer | None = None
     llm = None
     engine_desc: dict = {}
@@ -579,7 +411,7 @@ def cmd_serve(args) -> None:
         result = _sweep(args, levels, target, work, server, llm)
         result.update(
             label=args.label or ("ember" if args.launch else _slug(target.model)),
-            command=command_line(args), load_at_start=load_at_start, machine=report.machine_info(),
+            command=command_line(args), load_at_start=load_at_start, machine=machine_info(),
             server={"url": url, "model": target.model, "max_model_len": card.get("max_model_len"),
                     "command": server.command if server else None, "ready_s": ready_s,
                     "pid_known": bool(server or args.server_pid)},
@@ -590,9 +422,8 @@ def cmd_serve(args) -> None:
         result["title"] = (f"Serving: {result['label']} ({target.model}), {args.num_prompts} requests per level, "
                            f"{args.input_len} in / {args.output_len} out")
         result["bars"] = judge_bars(result)
-        md, js = write(result, args.output)
-        print(render_section(result))
-        logger.info("bench serve: wrote %s and %s", md, js)
+        publish(args.output, f"serve:{result['label']}", render_section(result), result, header=HEADER,
+                json_file=json_path(args.output, result["label"]), who="bench serve")
     finally:
         if server is not None:
             server.stop()
@@ -657,7 +488,7 @@ def _sweep(args, levels: list[int | None], target: load.Target, work: Workload, 
             def server_side():
                 for attempt in range(RETRIES + 1):
                     if args.quiet_wait > 0:
-                        report.wait_for_quiet(args.quiet_wait)
+                        wait_for_quiet(args.quiet_wait)
                     stats, cpu = measure_level(target, work.specs(seed, salt=2 * attempt), c, rate, seed + attempt,
                                                pid, desc)
                     if not contended(cpu, attempt, desc):
@@ -667,7 +498,7 @@ def _sweep(args, levels: list[int | None], target: load.Target, work: Workload, 
             def offline_side():
                 for attempt in range(RETRIES + 1):
                     if args.quiet_wait > 0:
-                        report.wait_for_quiet(args.quiet_wait)
+                        wait_for_quiet(args.quiet_wait)
                     d = measure_offline(llm, work.specs(seed, ids=True, salt=2 * attempt + 1), pid, f"run {r + 1}/{args.runs} offline")
                     if not contended(d["cpu"], attempt, f"run {r + 1}/{args.runs} offline"):
                         break
@@ -695,13 +526,9 @@ def _sweep(args, levels: list[int | None], target: load.Target, work: Workload, 
 
 # -- the parser ---------------------------------------------------------------------------------------------
 
-def add_serve_parser(sub) -> None:
-    from ember.bench.cli import _int_list, _positive_int
+def add_cli_args(p) -> None:
     from ember.engine_args import add_engine_args
 
-    p = sub.add_parser("serve", help="streaming load against an OpenAI-compatible server (--url) or a launched "
-                                     "`ember serve` (--launch): TTFT, TPOT, ITL, tok/s",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(p)  # for --launch; --model / --tokenizer also name the served model / its tokenizer with --url
     g = p.add_argument_group("server")
     g.add_argument("--url", default=None, help="base URL of a running OpenAI-compatible server (http://host:port)")
@@ -727,15 +554,15 @@ def add_serve_parser(sub) -> None:
     w.add_argument("--prompt-format", choices=("auto", "ids", "text"), default="auto",
                    help="ids = random ordinary token ids (needs a tokenizer: --launch, or --tokenizer with --url); "
                         "text = random words sized with the server's usage counts; auto = ids when possible")
-    w.add_argument("--num-prompts", type=_positive_int, default=64, help="requests per level")
-    w.add_argument("--max-concurrency", type=_positive_int, default=None,
+    w.add_argument("--num-prompts", type=positive_int, default=64, help="requests per level")
+    w.add_argument("--max-concurrency", type=positive_int, default=None,
                    help="at most N requests in flight (one level; default: unlimited, or 1,8,32 with --launch)")
-    w.add_argument("--concurrency-list", type=_int_list, default=None, metavar="N,N,...",
+    w.add_argument("--concurrency-list", type=int_list, default=None, metavar="N,N,...",
                    help="a sweep: one level per concurrency (default with --launch: 1,8,32)")
     w.add_argument("--request-rate", type=float, default=math.inf,
                    help="Poisson arrivals at R requests/s (default inf: all at once, limited by the concurrency)")
-    w.add_argument("--input-len", type=_positive_int, default=128, help="prompt tokens")
-    w.add_argument("--output-len", type=_positive_int, default=128, help="max_tokens of every request")
+    w.add_argument("--input-len", type=positive_int, default=128, help="prompt tokens")
+    w.add_argument("--output-len", type=positive_int, default=128, help="max_tokens of every request")
     w.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="draw lengths uniformly from [len*(1-r), len*(1+r)] (vLLM's random dataset); 0 = fixed")
     w.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
@@ -743,7 +570,7 @@ def add_serve_parser(sub) -> None:
     w.add_argument("--extra-body", default=None, metavar="JSON", help="extra fields merged into every request body")
     w.add_argument("--prompt-seed", type=int, default=0, help="seed of the random prompts")
     r = p.add_argument_group("measurement")
-    r.add_argument("--runs", type=_positive_int, default=1, help="sweeps; every figure is the median over them")
+    r.add_argument("--runs", type=positive_int, default=1, help="sweeps; every figure is the median over them")
     r.add_argument("--warmup-prompts", type=int, default=None,
                    help="short warmup requests at the top concurrency before measuring (default: that concurrency)")
     r.add_argument("--quiet-wait", type=float, default=30.0, metavar="SECONDS",
@@ -752,4 +579,3 @@ def add_serve_parser(sub) -> None:
                    help="names this server's section and JSON file (default: ember with --launch, else the model)")
     r.add_argument("--output", default=DEFAULT_OUTPUT,
                    help="markdown results file; this label's section is rewritten and <stem>-<label>.json written")
-    p.set_defaults(func=cmd_serve)

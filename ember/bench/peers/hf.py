@@ -7,7 +7,7 @@ run the same numbers; a model folder loads as it is.
 How each figure is taken (the method strings below go into the results file):
 - decode: `generate(max_new_tokens=N, min_new_tokens=N, do_sample=False)` with a streamer that
   timestamps every new token; the same per-token times ember's step loop gives, so both sides'
-  decode figures come from the same formulas (see latency.py) and exclude prefill (TTFT).
+  decode figures come from the same formulas (see lib/timing.py) and exclude prefill (TTFT).
 - TTFT: one forward over the prompt that builds the KV cache (`use_cache=True`), logits for the
   last position only (`logits_to_keep=1`), then argmax: the least a transformers user pays for
   the first token, with no generate() bookkeeping.

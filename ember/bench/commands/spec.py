@@ -20,7 +20,6 @@ position, mean accepted length and draft vs verify time come from the engine's S
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import statistics
 from dataclasses import dataclass, field
@@ -28,14 +27,20 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ember.bench.latency import token_times
-from ember.bench.report import OthersLoad, _machine_line, load_average, machine_info, update_markdown, wait_for_quiet
+from ember.bench.lib.args import add_common_args, command_line, int_list, positive_int
+from ember.bench.lib.cpu import CpuMeter, wait_for_quiet
+from ember.bench.lib.files import publish
+from ember.bench.lib.machine import load_average, machine_info, machine_line
+from ember.bench.lib.prompts import PROMPT_SEED, held_out_prompts
+from ember.bench.lib.timing import token_times
 from ember.sampling import SamplingParams
 
 logger = logging.getLogger("ember.bench")
 
-PROMPT_SEED = 4242  # held-out prompt sets: seed + run index (the MTP training uses seeds 0..2)
-KIND = "spec"
+NAME = KIND = "spec"
+HELP = "speculative decoding: acceptance and batch-1 decode vs no speculation and llama.cpp"
+HEADER = ("# ember speculative decoding benchmarks\n\nWritten by `ember bench spec`; raw runs in the JSON file next to "
+          "this one.\n")
 
 
 @dataclass
@@ -107,22 +112,13 @@ def build_sides(config, ks: list[int], peer: str, threads: int) -> tuple[list[Si
     desc = {"model": str(eng.loaded.path), "dtype": str(eng.dtype).removeprefix("torch."),
             "drafter": f"{eng.spec.config.method} ({eng.spec.config.model or 'the model itself'})"}
     if peer == "llamacpp":
-        from ember.bench.llamacpp_peer import LlamaCppPeer, llama_cpp_version
+        from ember.bench.peers.llamacpp import LlamaCppPeer, llama_cpp_version
 
         p = Side("llama.cpp", None, is_peer=True)
         p.llm = LlamaCppPeer(str(eng.loaded.path), threads)
         sides.append(p)
         desc["peer"] = f"llama-cpp-python {llama_cpp_version()}, {threads} threads, flash attention"
     return sides, desc
-
-
-def held_out_prompts(tokenizer, n: int, run: int) -> list[list[int]]:
-    from ember.quant.calibration import pydoc_split
-    from ember.train.mtp_data import build_prompts
-
-    texts = pydoc_split("eval")
-    return [p.ids for p in build_prompts(tokenizer, texts, n, PROMPT_SEED + run, temperature=0.0)
-            if p.kind == "chat"][:n] or [p.ids for p in build_prompts(tokenizer, texts, n, PROMPT_SEED + run)]
 
 
 def run(sides: list[Side], tokenizer, *, temperatures: list[float], num_prompts: int, max_tokens: int, runs: int,
@@ -136,7 +132,7 @@ def run(sides: list[Side], tokenizer, *, temperatures: list[float], num_prompts:
                     wait_for_quiet(quiet_wait_s)
                 before = None if s.is_peer or s.k is None else _spec_counters(s.llm)
                 gen, secs = 0, 0.0
-                with OthersLoad() as load:
+                with CpuMeter() as load:
                     for i, p in enumerate(prompts):
                         seed = 1000 * r + i
                         if s.is_peer:
@@ -150,12 +146,12 @@ def run(sides: list[Side], tokenizer, *, temperatures: list[float], num_prompts:
                     continue
                 rate = gen / secs if secs else 0.0
                 s.rates.setdefault(temp, []).append(rate)
-                s.others.setdefault(temp, []).append(load.cores)
+                s.others.setdefault(temp, []).append(load.others)
                 s.tokens[temp] = s.tokens.get(temp, 0) + gen
                 if before is not None:
                     _accumulate(s.stats.setdefault(temp, {}), _delta(_spec_counters(s.llm), before))
                 logger.info("bench spec %s temp %g run %d: %.1f tok/s (%d tokens; others used %s cores)",
-                            s.name, temp, r + 1, rate, gen, load.cores)
+                            s.name, temp, r + 1, rate, gen, load.others)
 
 
 # -- results ------------------------------------------------------------------------------------
@@ -219,7 +215,7 @@ def _f(v, fmt="{:.2f}") -> str:
 
 def render(summary: dict, *, command: str, desc: dict, machine: dict, runs: int, notes: list[str]) -> str:
     lines = ["## Speculative decoding (batch 1, held-out prompts)", "", f"`{command}`", "",
-             f"- machine: {_machine_line(machine)}", f"- model: {desc['model']} ({desc['dtype']}); drafter: {desc['drafter']}"]
+             f"- machine: {machine_line(machine)}", f"- model: {desc['model']} ({desc['dtype']}); drafter: {desc['drafter']}"]
     if "peer" in desc:
         lines.append(f"- peer: {desc['peer']}")
     lines += [f"- {runs} measured runs after one warmup; medians, min-max in brackets", *[f"- {n}" for n in notes], "",
@@ -236,18 +232,7 @@ def render(summary: dict, *, command: str, desc: dict, machine: dict, runs: int,
     return "\n".join(lines) + "\n"
 
 
-def write(section: str, data: dict, md_path: str) -> tuple[Path, Path]:
-    md = Path(md_path)
-    md.parent.mkdir(parents=True, exist_ok=True)
-    old = md.read_text() if md.exists() else ("# ember speculative decoding benchmarks\n\nWritten by "
-                                               "`ember bench spec`; raw runs in the JSON file next to this one.\n")
-    md.write_text(update_markdown(old, KIND, section))
-    js = md.with_suffix(".json")
-    js.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    return md, js
-
-
-def cmd_spec(args) -> None:
+def main(args) -> None:
     import torch
 
     from ember.engine_args import engine_config_from_args
@@ -275,29 +260,22 @@ def cmd_spec(args) -> None:
              "temperature > 0: plain temperature sampling (no top-k/top-p), a seed per request",
              f"prompts: chat requests from pydoc_split('eval') (never trained on), seed {PROMPT_SEED}+run; "
              f"load average at start {load}"]
-    from ember.bench.cli import _command
-
-    command = _command(args, ["runs", "peer", "output", "quiet_wait", "ks", "temperatures", "num_prompts", "max_tokens"])
+    command = command_line(args, ["runs", "peer", "output", "quiet_wait", "ks", "temperatures", "num_prompts",
+                                  "max_tokens"])
     machine = machine_info()
     section = render(summary, command=command, desc=desc, machine=machine, runs=args.runs, notes=notes)
-    md, js = write(section, {"command": command, "machine": machine, "engines": desc, "notes": notes, **summary},
-                   args.output)
-    print(section)
-    logger.info("bench: wrote %s and %s", md, js)
+    publish(args.output, KIND, section, {"command": command, "machine": machine, "engines": desc, "notes": notes,
+                                         **summary}, header=HEADER, json_file=Path(args.output).with_suffix(".json"))
 
 
-def add_spec_parser(sub) -> None:
-    from ember.bench.cli import _common_args, _int_list, _positive_int
-
-    p = sub.add_parser("spec", help="speculative decoding: acceptance and batch-1 decode vs no speculation and llama.cpp")
-    _common_args(p)
+def add_cli_args(p) -> None:
+    add_common_args(p)
     p.set_defaults(peer="llamacpp", output="benchmarks/spec.md", runs=3)
     for a in p._actions:  # the peer here is llama.cpp, not transformers
         if a.dest == "peer":
             a.choices, a.help = ("llamacpp", "none"), "llamacpp = llama.cpp (llama-cpp-python) on the same GGUF"
-    p.add_argument("--ks", type=_int_list, default=[1, 2, 3], metavar="K,K,...", help="draft lengths to pin")
+    p.add_argument("--ks", type=int_list, default=[1, 2, 3], metavar="K,K,...", help="draft lengths to pin")
     p.add_argument("--temperatures", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 0.8],
                    metavar="T,T,...")
-    p.add_argument("--num-prompts", type=_positive_int, default=4, help="held-out prompts per run")
+    p.add_argument("--num-prompts", type=positive_int, default=4, help="held-out prompts per run")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per request at most")
-    p.set_defaults(func=cmd_spec)

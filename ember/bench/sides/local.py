@@ -1,0 +1,37 @@
+"""A side built in this process from its factory path, and the peak memory a process reports."""
+from __future__ import annotations
+
+import importlib
+import resource
+import sys
+
+
+def build(factory: str, kwargs: dict):
+    module, _, attr = factory.partition(":")
+    return getattr(importlib.import_module(module), attr)(**kwargs)
+
+
+def peak_rss_bytes() -> int:
+    """This process's resident-set high-water mark (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+class LocalSide:
+    """A side built in this process (--in-process): cheap to start, but its memory is not its own."""
+
+    shared_process = True
+    pid = None  # its CPU time is this process's own
+
+    def __init__(self, factory: str, kwargs: dict):
+        self.side = build(factory, kwargs)
+        self.description = self.side.description
+        self.weight_bytes = getattr(self.side, "weight_bytes", None)
+        self.prompt_vocab = getattr(self.side, "prompt_vocab", None)
+        self.decode, self.ttft, self.batch = self.side.decode, self.side.ttft, self.side.batch
+
+    def peak_rss_bytes(self) -> int:
+        return peak_rss_bytes()
+
+    def close(self) -> None:
+        self.side = None
