@@ -19,10 +19,6 @@ _MODELS = {
 }
 
 
-def supported_architectures() -> list[str]:
-    return list(_MODELS)
-
-
 def get_model_class(architecture: str) -> type:
     if architecture not in _MODELS:
         raise UnsupportedModelError(

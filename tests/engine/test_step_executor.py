@@ -10,7 +10,7 @@ from ember import SamplingParams
 from ember.config import EngineConfig
 from ember.engine.decode_batch import (bucket_for, default_sizes, fixed_meta, leading, pad_decode, static_buffers,
                                        table_width, uniform_query_len, warmup_inputs)
-from ember.engine.step_executor import compile_options, graph_query_lens, resolve_executor
+from ember.engine.step_executor import graph_query_lens, resolve_executor
 from ember.errors import ConfigError
 from ember.kernels.metadata import AttentionMetadata
 from ember.kernels.torch_attention import TorchAttentionBackend
@@ -149,7 +149,8 @@ def test_executor_resolution_and_refusals():
         EngineConfig(executor="compiled", compilation_config='{"compile_sizes": [0]}')
     with pytest.raises(ConfigError, match="cuda-graph-max-batch-size"):
         EngineConfig(cuda_graph_max_batch_size=0)
-    cc = compile_options(EngineConfig(executor="compiled", compilation_config={"compile_sizes": [1, 8, 32]}), 16)
+    config = EngineConfig(executor="compiled", compilation_config={"compile_sizes": [1, 8, 32]})
+    cc = config.executor_config.compile_options(16)
     assert cc["compile_sizes"] == [1, 8, 16] and cc["freezing"] is None  # auto: chosen from the model's linears
     # CUDA graphs capture 1 + k only where the backend runs it from fixed-shape metadata
     assert graph_query_lens(0, TorchAttentionBackend()) == [1]
