@@ -67,10 +67,6 @@ class ReasoningSplitter:
         self.reasoning = ""
         self.content = ""
 
-    @property
-    def in_reasoning(self) -> bool:
-        return self._state != _CONTENT
-
     def feed(self, text: str) -> tuple[str, str]:
         r0, c0 = len(self.reasoning), len(self.content)
         self._buf += text

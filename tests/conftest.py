@@ -64,3 +64,85 @@ def tiny_model_dir(tmp_path_factory):
         return cache[arch]
 
     return make
+
+
+# -- the fast lane: `pytest -m "not engine"` -------------------------------------------------------
+# A test that builds an engine (LLM, LLMEngine, AsyncLLMEngine, make_llm, a live server, a subprocess
+# that starts one) is marked `engine` (pyproject.toml registers the marker): with a module-level
+# `pytestmark`, a mark on the test, or here, through a fixture that builds one. Whatever builds an
+# engine in this process and is not marked fails at teardown (_engine_tests_are_marked), so the lane
+# cannot quietly grow one; an engine in a subprocess is the mark's alone.
+
+# fixtures that build an engine or start a server over one: a test using one (through another
+# fixture too) is an engine test
+ENGINE_FIXTURES = {
+    "server", "client",  # tests/server/conftest.py
+    "live",  # tests/server/test_{prompt_logprobs,structured_outputs,tokenize}.py, tests/bench/test_bench_serve.py
+    "strict", "flagged", "scripted", "thinking",  # tests/server: servers with their own flags
+    "llm",  # tests/test_default_model.py, tests/structured/test_structured_engine.py
+    "plain", "reference", "references", "long_ref", "tiny_data",  # tests/engine, tests/spec: reference runs
+    "one_model_load",  # tests/bench/test_bench_cli.py: the default model's engines for `ember bench`
+}
+
+# tests/bench is restructured elsewhere: its engine tests that no fixture above gives away are
+# marked from here, by file and name, rather than in its files
+BENCH_ENGINE_TESTS = {
+    "test_bench_cli.py": {"test_bench_structured_writes_both_bars"},
+    "test_bench_compare.py": {"test_baseline_checkout_is_measured_in_its_own_worker",
+                              "test_versus_measures_other_flags_of_this_checkout"},
+    "test_bench_hybrid.py": {"test_the_model_files_are_built_converted_and_run"},
+    "test_bench_serve.py": {"test_launch_runs_the_sweep_and_the_offline_peer",
+                            "test_launch_chat_sends_text_and_runs_the_offline_peer_on_ids"},
+    "test_bench_spec.py": {"test_bench_spec_writes_rows_acceptance_and_bars"},
+    "test_bench_startup.py": {"test_startup_times_cold_and_warm_starts"},
+    "test_bench_tp.py": {"test_bench_tp_measures_tp1_and_tp2"},
+}
+
+
+def _is_bench_engine_test(item) -> bool:
+    path = item.path
+    return path.parent.name == "bench" and path.parent.parent.name == "tests" and \
+        getattr(item, "originalname", item.name) in BENCH_ENGINE_TESTS.get(path.name, ())
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())) or _is_bench_engine_test(item):
+            item.add_marker(pytest.mark.engine)
+
+
+_engine_built = {"guarded": False, "by_this_test": False}
+
+
+def _guard_engine_builds() -> None:
+    """LLMEngine.__init__ notes that the running test built an engine (once it is built)."""
+    import functools
+
+    from ember.engine.engine import LLMEngine
+
+    init = LLMEngine.__init__
+
+    @functools.wraps(init)
+    def noting_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        _engine_built["by_this_test"] = True
+
+    LLMEngine.__init__ = noting_init
+    _engine_built["guarded"] = True
+
+
+@pytest.hookimpl(tryfirst=True)  # before the test's fixtures are set up: a fixture may build the engine
+def pytest_runtest_setup(item):
+    _engine_built["by_this_test"] = False
+    if item.get_closest_marker("engine") is None and not _engine_built["guarded"]:
+        _guard_engine_builds()
+
+
+@pytest.fixture(autouse=True)
+def _engine_tests_are_marked(request):
+    yield
+    if _engine_built["by_this_test"] and request.node.get_closest_marker("engine") is None:
+        pytest.fail(f"{request.node.nodeid} builds an engine but is not marked `engine`: give it "
+                    "@pytest.mark.engine (or its module `pytestmark`), so that `pytest -m 'not engine'` "
+                    "stays the fast lane", pytrace=False)

@@ -11,6 +11,8 @@ from ember import LLM, SamplingParams
 from ember.entrypoints.cli import main as cli_main
 from ember.default_model import default_model_path
 
+pytestmark = pytest.mark.engine  # every test here builds an engine
+
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",

@@ -80,6 +80,7 @@ def test_attention_backend_names_of_other_engines(caplog):
     assert any("--attention-backend flash2 is another engine's name; on cpu" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.engine
 def test_seed_lines_start_on_tiny_models(mtp_model):  # noqa: F811
     """The MTP launch lines of both engines start an engine that drafts with the model's own layer."""
     from ember.engine.engine import LLMEngine
@@ -99,6 +100,7 @@ def test_seed_lines_start_on_tiny_models(mtp_model):  # noqa: F811
         assert engine.stats()["spec_num_drafts"] > 0 and engine.num_free_blocks == engine.kv.num_blocks
 
 
+@pytest.mark.engine
 def test_awq_launch_line_starts(tiny_model_dir, tmp_path):
     """vLLM's AWQ line with its kernel-specific name (awq_marlin) and an fp8 cache, on an AWQ folder."""
     from ember.engine.engine import LLMEngine

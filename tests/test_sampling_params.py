@@ -79,6 +79,7 @@ def test_replace_validates_and_copies():
         p.replace(top_p=2.0)
 
 
+@pytest.mark.engine
 def test_logprobs_minus_one_is_the_vocabulary_and_the_engine_caps_it(tiny_model_dir):
     from ember import LLM
 

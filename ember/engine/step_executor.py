@@ -103,11 +103,6 @@ def resolve_executor(config, device: torch.device, kv_dtype: torch.dtype | None 
     return name
 
 
-def compile_options(config, max_num_seqs: int) -> dict:
-    """--compilation-config with defaults (ember.config.ExecutorConfig.compile_options)."""
-    return config.executor_config.compile_options(max_num_seqs)
-
-
 def build_executor(name: str, runner, *, max_model_len: int, compile_options: dict, cuda_graph_max_batch: int,
                    query_lens: list[int], compiler=None, graph_identity: str | None = None) -> StepExecutor:
     """The runner's executor; compiled and cuda-graph compile or capture here, at startup, except

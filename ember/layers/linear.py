@@ -169,13 +169,6 @@ class ReplicatedLinear(LinearBase):
         super().__init__(in_features, [out_features], bias, dtype, device, quant_method)
 
 
-class ColumnParallelLinear(LinearBase):
-    """Output features split across ranks; the output stays sharded (the next row-parallel layer consumes it)."""
-
-    def __init__(self, in_features, out_features, bias=False, dtype=torch.float32, device="cpu", quant_method=None):
-        super().__init__(in_features, [out_features], bias, dtype, device, quant_method, tp_mode="column")
-
-
 class MergedColumnLinear(LinearBase):
     """Several column-parallel projections of the same input in one weight (gate_up: shards "gate", "up")."""
 

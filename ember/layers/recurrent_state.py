@@ -50,9 +50,6 @@ class RecurrentState:
             self.write(slot, states[kept - 1], window[:, kept:kept + K - 1])
         self._pending.clear()
 
-    def discard_pending(self) -> None:
-        self._pending.clear()
-
     def copy(self, src: int, dst: int) -> None:
         self.conv[dst] = self.conv[src]
         self.ssm[dst] = self.ssm[src]

@@ -105,10 +105,6 @@ class GGUFCheckpoint:
             )
         return value
 
-    @property
-    def metadata_keys(self) -> list[str]:
-        return [k for k in self._reader.fields if not k.startswith("GGUF.")]
-
     def _build_config(self) -> dict[str, Any]:
         arch_name, model_type = self.traits.name, self.traits.gguf_model_type
         hidden = int(self._arch_required("embedding_length"))

@@ -17,28 +17,7 @@ import os
 from ember.config.groups import QUANTIZATION_CHOICES
 from ember.errors import ConfigError, UnsupportedModelError
 from ember.kernels.cpu_kernels import CpuKernels
-
-
-class QuantConfig:
-    """Per-checkpoint quantization settings; a factory of per-layer QuantMethods.
-
-    kernels: the model's CpuKernels, handed to the methods it makes (packed GGUF weights take the
-    tiled GEMV's layout only where they allow it); set by resolve_quant_config."""
-
-    name = "none"
-    kernels: CpuKernels = CpuKernels()
-
-    def linear_method(self, prefix: str):
-        """QuantMethod for the Linear at `prefix` (fused names: qkv_proj, gate_up_proj), or None for dense."""
-        return None
-
-    def experts_method(self, prefix: str):
-        """Method for the stacked MoE experts at `prefix` ("model.layers.N.mlp.experts"), or None for dense."""
-        return None
-
-    def embedding_method(self, prefix: str):
-        """Method for the token embedding / untied LM head at `prefix`, or None for dense."""
-        return None
+from ember.quant.quant_config import QuantConfig
 
 
 def checkpoint_quantization(path: str, raw_config: dict | None) -> tuple[str, dict | None]:

@@ -22,9 +22,10 @@ from ember.kernels.cpu_kernels import CpuKernels
 from ember.layers.activation import silu_and_mul
 from ember.layers.linear import QuantMethod, copy_checked, new_param
 from ember.layers.moe import grouped_experts
-from ember.quant import QuantConfig, gemm_dispatch
+from ember.quant import gemm_dispatch
 from ember.quant.awq_packing import dequantize_awq, unpack_awq
 from ember.quant.int4_cpu import Int4Weight
+from ember.quant.quant_config import QuantConfig
 
 PACK = 8  # 4-bit values per int32
 # Our fused layers and the HF modules they hold, for matching modules_to_not_convert.

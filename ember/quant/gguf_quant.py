@@ -59,10 +59,10 @@ from ember.kernels.cpu_kernels import CpuKernels
 from ember.layers.activation import silu_and_mul
 from ember.layers.linear import QuantMethod, new_param
 from ember.layers.moe import grouped_experts
-from ember.quant import QuantConfig
 from ember.quant.gguf_blocks import AFFINE_4BIT, AFFINE_8BIT, GROUP, GGUFTensor, affine_codes, dequantize, q6_k_codes
 from ember.quant import gemm_dispatch
 from ember.quant.int4_cpu import Int4Weight, block_n, pack_int4_codes, row_codes
+from ember.quant.quant_config import QuantConfig
 
 # Raw-block parts dequantize at most this many weights at a time (64 MiB of float32).
 RAW_CHUNK_ELEMS = 1 << 24

@@ -62,10 +62,6 @@ class HermesToolParser:
         self._call_id = ""
         self._name = ""
 
-    @property
-    def has_calls(self) -> bool:
-        return bool(self.calls) or self._head_sent
-
     # -- streaming ----------------------------------------------------------------------------
     def feed(self, text: str) -> ParsedDelta:
         out = ParsedDelta()

@@ -114,10 +114,6 @@ PROPOSERS: dict[str, str] = {
 }
 
 
-def available_methods() -> tuple[str, ...]:
-    return tuple(PROPOSERS)
-
-
 def build_proposer(spec: SpeculativeConfig, ctx: ProposerContext) -> Proposer:
     module, _, cls = PROPOSERS[spec.method].partition(":")
     return getattr(importlib.import_module(module), cls)(spec, ctx)

@@ -296,10 +296,6 @@ def coverage(seqs: list[Sequence], draft_vocab: torch.Tensor, vocab_size: int) -
     return hit / max(tot, 1)
 
 
-def generation_settings(num_prompts: int, max_new_tokens: int, seed: int, eval_prompts: int) -> dict:
-    return {"num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "seed": seed, "eval_prompts": eval_prompts}
-
-
 def make_data(llm, main, tokenizer, num_prompts: int, max_new_tokens: int, seed: int, eval_prompts: int,
               progress: bool = True, teacher_batch_tokens: int = 4096) -> MTPData:
     """Prompts -> generations (llm) -> hidden states (main). Held-out sets from pydoc_split("eval")."""

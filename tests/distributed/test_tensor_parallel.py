@@ -22,6 +22,8 @@ from ember.errors import ConfigError, DistributedError
 from tests.models.tiny_models import random_prompt
 from tests.spec.spec_helpers import make_llm
 
+pytestmark = pytest.mark.engine  # every test here builds an engine
+
 PROMPTS = [random_prompt(n, 70 + s) for s, n in enumerate([9, 23, 4, 17, 12, 30])]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
 HARD = dict(max_num_batched_tokens=7, max_num_seqs=6, enable_prefix_caching=False)

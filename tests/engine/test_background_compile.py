@@ -45,6 +45,7 @@ def test_auto_resolves_to_compiled_only_where_it_is_the_fast_path(monkeypatch):
     assert resolve_executor(EngineConfig(), cpu, torch.float32, "cpu") == "eager"
 
 
+@pytest.mark.engine
 @pytest.mark.usefixtures("auto_compiles")
 def test_serves_eagerly_while_compiling_then_compiled_with_the_same_tokens(tiny_model_dir):
     path = tiny_model_dir("llama")
@@ -76,6 +77,7 @@ def test_serves_eagerly_while_compiling_then_compiled_with_the_same_tokens(tiny_
     engine.shutdown()
 
 
+@pytest.mark.engine
 @pytest.mark.usefixtures("auto_compiles")
 def test_mtp_fill_compiles_after_the_model_and_adaptive_k_is_priced_then(mtp_model, monkeypatch):  # noqa: F811
     # scratch caches full of NaN, as reused heap memory can be (a fresh page is zeros): a verify step's
@@ -229,6 +231,7 @@ def test_close_ends_a_running_compile_and_its_guard(tmp_path):
     assert not alive and compiler.wait(timeout=10) and not _guards_of(os.getpid())
 
 
+@pytest.mark.engine
 @pytest.mark.usefixtures("auto_compiles")
 def test_a_real_compile_killed_midway_leaves_nothing_behind(tiny_model_dir, tmp_path):
     """The real thing: a cold inductor cache (its own folder) and the C++ wrapper; the engine is SIGKILLed

@@ -50,6 +50,7 @@ def test_the_cache_folder_is_embers_unless_one_is_named(monkeypatch, tmp_path):
     assert use_compile_cache() == str(tmp_path / "mine")  # a user's (or a benchmark's) choice stands
 
 
+@pytest.mark.engine
 def test_freezing_is_on_for_dense_weights_and_off_for_quantized_ones(tiny_model_dir):
     from ember.default_model import default_model_path
 
@@ -69,6 +70,7 @@ def test_metrics_say_how_many_shapes_run_compiled():
     assert sample_value(text, "ember:executor_compiling") == 0
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("freezing", [False, True], ids=["package", "torch-caches"])
 def test_ember_compile_fills_the_cache_that_a_later_process_loads(tiny_model_dir, tmp_path, freezing):
     """freezing off (as for the default, quantized model): an AOTInductor package per shape, loaded with

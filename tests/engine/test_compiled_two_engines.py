@@ -12,7 +12,7 @@ from tests.engine.test_engine import make_llm
 from tests.models.tiny_models import VOCAB, build_hf_model, one_thread, random_prompt, save_hf_model  # noqa: F401
 from tests.conftest import write_tiny_tokenizer
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.engine]
 COMPILE = {"compile_sizes": [1], "mode": "default", "freezing": True, "cpp_wrapper": False}
 
 

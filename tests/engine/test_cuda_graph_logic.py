@@ -18,7 +18,7 @@ from tests.engine.test_step_executor import outputs
 from tests.models.tiny_models import one_thread, random_prompt  # noqa: F401  (fixture)
 from tests.spec.test_mtp_spec import mtp_model  # noqa: F401  (fixture)
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.engine]
 
 
 class StandInGraph:

@@ -14,6 +14,8 @@ from ember.errors import ConfigError, KVCacheTooSmallError, ModelLoadError, Prom
 from ember.model_config import ModelConfig
 from tests.models.tiny_models import build_hf_model, hf_greedy, random_prompt
 
+pytestmark = pytest.mark.engine  # every test here builds an engine
+
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 LENGTHS = [5, 17, 3, 40, 9, 26, 1, 12]
 

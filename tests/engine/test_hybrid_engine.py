@@ -15,7 +15,7 @@ from ember.spec.proposer import Draft, Proposer
 from tests.models.tiny_hybrids import VOCAB
 from tests.models.tiny_models import one_thread, random_prompt  # noqa: F401
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.engine]
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 BS = 4
 

@@ -1,9 +1,12 @@
 """The last layer restricted to the logit rows gives exactly those rows of the full forward."""
 import copy
 
+import pytest
 import torch
 
 from ember import LLM, SamplingParams
+
+pytestmark = pytest.mark.engine  # every test here builds an engine
 
 
 def _forward_both(engine):

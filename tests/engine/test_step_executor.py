@@ -10,7 +10,7 @@ from ember import SamplingParams
 from ember.config import EngineConfig
 from ember.engine.decode_batch import (bucket_for, default_sizes, fixed_meta, leading, pad_decode, static_buffers,
                                        table_width, uniform_query_len, warmup_inputs)
-from ember.engine.step_executor import compile_options, graph_query_lens, resolve_executor
+from ember.engine.step_executor import graph_query_lens, resolve_executor
 from ember.errors import ConfigError
 from ember.kernels.metadata import AttentionMetadata
 from ember.kernels.torch_attention import TorchAttentionBackend
@@ -149,7 +149,8 @@ def test_executor_resolution_and_refusals():
         EngineConfig(executor="compiled", compilation_config='{"compile_sizes": [0]}')
     with pytest.raises(ConfigError, match="cuda-graph-max-batch-size"):
         EngineConfig(cuda_graph_max_batch_size=0)
-    cc = compile_options(EngineConfig(executor="compiled", compilation_config={"compile_sizes": [1, 8, 32]}), 16)
+    config = EngineConfig(executor="compiled", compilation_config={"compile_sizes": [1, 8, 32]})
+    cc = config.executor_config.compile_options(16)
     assert cc["compile_sizes"] == [1, 8, 16] and cc["freezing"] is None  # auto: chosen from the model's linears
     # CUDA graphs capture 1 + k only where the backend runs it from fixed-shape metadata
     assert graph_query_lens(0, TorchAttentionBackend()) == [1]
@@ -171,6 +172,7 @@ def outputs(llm, prompts, params):
     return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("freezing", [True, False], ids=["torch.compile", "package"])
 def test_compiled_equals_eager_batches_1_to_5(tiny_model_dir, freezing):
     """Sizes [1, 4]: batch 1 exact, 2-3 padded to 4, 4 exact, 5 eager. Same greedy tokens, logprobs
@@ -202,6 +204,7 @@ def test_compiled_equals_eager_batches_1_to_5(tiny_model_dir, freezing):
     assert compiled.engine.num_free_blocks == compiled.engine.kv.num_blocks
 
 
+@pytest.mark.engine
 def test_compiled_with_cpp_wrapper_equals_eager(tiny_model_dir):
     """compilation_config cpp_wrapper: inductor's generated C++ calls the kernels; same greedy tokens."""
     path = tiny_model_dir("llama")
@@ -217,6 +220,7 @@ def test_compiled_with_cpp_wrapper_equals_eager(tiny_model_dir):
         EngineConfig(executor="compiled", compilation_config={"cpp_wrapper": "yes"})
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("freezing", [True, False], ids=["torch.compile", "package"])
 def test_compiled_with_mtp_speculation_keeps_greedy_output(mtp_model, freezing):  # noqa: F811
     """Verify steps (3 queries each) and plain decodes both compiled: with the bigram model every
@@ -249,6 +253,7 @@ def test_compiled_with_mtp_speculation_keeps_greedy_output(mtp_model, freezing):
     assert spec.adaptive.cost == pytest.approx(ex.extra_query_cost() + spec.draft_token_cost)
 
 
+@pytest.mark.engine
 def test_compiled_adaptive_mtp_has_a_graph_for_every_draft_length(mtp_model):  # noqa: F811
     """Adaptive k moves between 1 and k_max: every verify length is compiled (main model and fill), and
     the greedy output is the eager engine's."""

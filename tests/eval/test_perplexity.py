@@ -9,6 +9,8 @@ from ember import LLM
 from ember.errors import ConfigError
 from ember.eval.perplexity import perplexity
 
+pytestmark = pytest.mark.engine  # every test here builds an engine
+
 
 def hf_perplexity(model_dir: str, ids: list[int], window: int) -> float:
     from transformers import AutoModelForCausalLM

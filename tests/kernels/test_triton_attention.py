@@ -236,6 +236,7 @@ def test_backend_selection(monkeypatch):
             EngineConfig(attention_backend="triton", device="cpu")
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_greedy_tokens_match_torch_backend(tiny_model_dir, kv_cache_dtype):
     """A tiny random Llama (GQA 3:1) through the whole engine: chunked prefill (a 32-token

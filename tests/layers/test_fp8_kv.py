@@ -156,6 +156,7 @@ def attention_scales(llm) -> list[tuple[float, float]]:
     return [(round(l.self_attn.attn.k_scale.item(), 6), round(l.self_attn.attn.v_scale.item(), 6)) for l in layers]
 
 
+@pytest.mark.engine
 def test_checkpoint_scales_are_loaded_and_kept(scaled_llama):
     llm = make_llm(scaled_llama, kv_cache_dtype="fp8")
     want = [(0.045, 0.031), (0.052, 0.027)]
@@ -170,6 +171,7 @@ def test_checkpoint_scales_are_loaded_and_kept(scaled_llama):
     assert attn.k_scale.item() == attn.v_scale.item() == pytest.approx(0.07)
 
 
+@pytest.mark.engine
 def test_chunking_does_not_change_fp8_greedy_tokens(scaled_llama):
     """With fixed (checkpoint) scales, a 7-token step budget gives the tokens of one-shot prefills."""
     prompts = [random_prompt(n, seed) for seed, n in enumerate([5, 17, 40, 26])]
@@ -178,6 +180,7 @@ def test_chunking_does_not_change_fp8_greedy_tokens(scaled_llama):
     assert chunked == whole
 
 
+@pytest.mark.engine
 def test_pool_holds_twice_the_tokens_in_the_same_memory(tiny_model_dir, caplog):
     path = tiny_model_dir("qwen3")
     blocks = {}
@@ -206,6 +209,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+@pytest.mark.engine
 def test_default_model_greedy_tokens_mostly_equal_bf16_kv():
     """The embedded SmolLM2 (real weights), bf16, 32 greedy tokens for 12 prompts, fp8 KV against bf16 KV.
     Greedy paths of this small model have near-ties (two prompts flip their first token under either

@@ -16,7 +16,7 @@ from ember.errors import ModelLoadError
 from tests.models.tiny_hybrids import build_hybrid
 from tests.models.tiny_models import hf_greedy, one_thread  # noqa: F401
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.engine]
 VOCAB = 151936  # Qwen's tokenizer (the converter takes only tokenizers it knows)
 # llama.cpp's converter has no dense layers for Qwen3-Next (mlp_only_layers): every layer sparse here
 OVERRIDES = {"qwen3_next": {"mlp_only_layers": []}, "qwen3_5": {}, "qwen3_5_moe": {}}

@@ -69,6 +69,7 @@ def test_logits_match_transformers_whole_and_chunked(arch, tiny_hybrid_dir):
         assert torch.equal(got.argmax(-1), ref.argmax(-1)), (arch, cuts)
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("arch", HYBRID_ARCHS)
 def test_engine_greedy_32_tokens_match_transformers(arch, tiny_hybrid_dir):
     hf = build_hybrid(arch)

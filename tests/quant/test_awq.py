@@ -186,6 +186,7 @@ def test_cpu_awq_matmul_is_exact_dequantization():
     torch.testing.assert_close(y16, x.half() @ dequantize_awq(t["qweight"], t["qzeros"], t["scales"], 32))
 
 
+@pytest.mark.engine
 def test_llm_generates_same_text_as_dequantized_twin(qwen3_awq):
     from ember import LLM, SamplingParams
 

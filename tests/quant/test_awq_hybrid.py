@@ -16,7 +16,7 @@ from tests.models.tiny_hybrids import VOCAB, build_hybrid, save_hybrid
 from tests.models.tiny_models import one_thread, random_prompt  # noqa: F401
 from tests.quant.test_awq import write_awq_pair
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.engine]
 QUANTIZED = re.compile(r"\.((q|k|v|o|gate|up|down)_proj|in_proj_qkvz?|in_proj_z|out_proj)\.weight$")
 SKIP = ["linear_attn.in_proj_b", "linear_attn.in_proj_a", "linear_attn.in_proj_ba", "mlp.gate", "shared_expert_gate"]
 SHAPE = dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16)  # AWQ packs 8 outputs a word

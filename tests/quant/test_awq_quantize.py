@@ -311,6 +311,7 @@ def dequantized_twin(awq_dir: str, out: str) -> str:
     return out
 
 
+@pytest.mark.engine
 def test_ember_loads_the_folder_as_its_dequantized_twin(qwen3_awq, tmp_path):
     from ember import LLM, SamplingParams
 

@@ -115,6 +115,7 @@ def test_awq_model_with_copy_matches_dequantized(tiny_model_dir, tmp_path):
     assert_same_model(got.model, ref.model, prompt_len=DENSE_MIN_ROWS + 2)  # the prefill runs on the copy
 
 
+@pytest.mark.engine
 def test_default_model_copy_is_on_in_bf16_and_flags_are_checked():
     from ember import LLM, SamplingParams
     from ember.kernels import cpu_tiled_gemv as tg

@@ -468,6 +468,7 @@ def test_default_model_packed_bf16_is_as_close_to_fp32_as_dense_bf16(default_mod
     assert errors[True] < 1.5 * errors[False] + 0.05, errors
 
 
+@pytest.mark.engine
 def test_default_model_served_packed_by_default_within_the_memory_budget(default_model):
     from ember import LLM, SamplingParams
 

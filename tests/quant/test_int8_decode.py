@@ -42,6 +42,7 @@ def test_model_logits_close_and_same_argmax(tiny_model_dir):
     assert (a - b).abs().max() < 0.02 * b.abs().max()
 
 
+@pytest.mark.engine
 def test_dequantized_default_model_uses_it_in_bf16_and_refuses_fp32():
     from ember import LLM, SamplingParams
 

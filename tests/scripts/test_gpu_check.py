@@ -43,6 +43,7 @@ def table(md_text: str) -> dict[tuple[str, str], list[str]]:
     return rows
 
 
+@pytest.mark.engine
 def test_cpu_smoke_writes_every_row(tmp_path):
     out = tmp_path / "gpu.md"
     run(out)

@@ -44,6 +44,7 @@ def test_bad_server_flags_fail_before_loading():
             build_server(build_parser().parse_args(argv))
 
 
+@pytest.mark.engine
 def test_vllm_launch_line_in_a_subprocess(tiny_model_dir):
     port = free_port()
     env = {**os.environ, "EMBER_API_KEY": "k123"}
@@ -81,6 +82,7 @@ def test_vllm_launch_line_in_a_subprocess(tiny_model_dir):
     assert proc.returncode == 0, out
 
 
+@pytest.mark.engine
 def test_default_model_says_paris():
     from ember.default_model import default_model_path
     from tests.server.live import start_server

@@ -10,6 +10,8 @@ from ember.default_model import default_model_path
 from ember.eval.pydoc_choice import TASK_NAME, accuracy, build_items, choice_logprobs, write_lm_eval_task
 from tests.server.live import MODEL_NAME, start_server
 
+pytestmark = pytest.mark.engine  # every test here builds an engine
+
 ENGINE = dict(dtype="float32", num_threads=2, kv_cache_memory=0.3, max_model_len=1024)
 ITEMS = 12
 

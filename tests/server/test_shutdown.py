@@ -16,6 +16,8 @@ import pytest
 
 from tests.server.test_launch import TINY, free_port
 
+pytestmark = pytest.mark.engine  # every test here builds an engine
+
 
 def _launch(model: str, timeout_s: float):
     port = free_port()

@@ -6,9 +6,12 @@ import asyncio
 import time
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.live import MODEL_NAME
+
+pytestmark = pytest.mark.engine  # every test here runs against a live server
 
 MSGS = [{"role": "user", "content": "Write a long story."}]
 

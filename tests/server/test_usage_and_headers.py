@@ -68,6 +68,7 @@ def test_request_id_headers(flagged, server):
     assert "x-request-id" not in httpx.get(server.url + "/health").headers  # off by default
 
 
+@pytest.mark.engine
 def test_root_path_serves_with_and_without_the_prefix(tiny_qwen3):
     server = start_server(tiny_qwen3, root_path="/llm")
     try:
@@ -94,6 +95,7 @@ def test_vllm_spellings_of_dtype_are_taken(caplog):
         assert got == getattr(torch, resolve_dtype_name("auto", "cpu")) and "no float16 arithmetic" in caplog.text
 
 
+@pytest.mark.engine
 def test_return_tokens_as_token_ids_server_default(tiny_qwen3):
     server = start_server(tiny_qwen3, server_knobs={"return_tokens_as_token_ids": True})
     try:

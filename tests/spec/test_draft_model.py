@@ -22,7 +22,7 @@ from ember.spec.draft import DraftModelProposer
 from tests.models.tiny_models import random_prompt
 from tests.spec.spec_helpers import drafts_after_prefill, run_with_aborts, kv_gib, make_llm, run
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.engine]
 from tests.models.tiny_models import one_thread  # noqa: E402,F401
 
 PROMPTS = [random_prompt(n, 70 + s) for s, n in enumerate([9, 23, 4, 17, 12, 30])]

@@ -23,6 +23,8 @@ from tests.spec.mtp_fixtures import (COUNT_KEY, LAYOUTS, checkpoint_tensors, hf_
                                      write_main_with_mtp, write_mtp_folder)
 from tests.spec.spec_helpers import drafts_after_prefill, run_with_aborts, kv_gib, make_llm, run
 
+pytestmark = pytest.mark.engine  # every test here builds an engine
+
 PROMPTS = [random_prompt(n, 70 + s) for s, n in enumerate([9, 23, 4, 17, 12, 30])]
 GREEDY = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
 

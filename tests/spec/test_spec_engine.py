@@ -12,6 +12,8 @@ from ember.spec.proposer import Draft, Proposer
 from tests.models.tiny_models import VOCAB, random_prompt
 from tests.spec.spec_helpers import GREEDY, REPEATED, kv_gib, make_llm, ngram, run
 
+pytestmark = pytest.mark.engine  # every test here builds an engine
+
 
 def scenarios(path):
     return {

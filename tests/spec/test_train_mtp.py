@@ -278,6 +278,7 @@ def test_draft_vocab_without_own_head_uses_model_head_rows_and_bad_ones_are_refu
 
 # ---- the command --------------------------------------------------------------------------------------------
 
+@pytest.mark.engine
 def test_cli_writes_a_loadable_folder_with_a_readme_and_resumes(tiny_model_dir, tmp_path):
     from ember.entrypoints.cli import main as cli_main
 

@@ -17,6 +17,8 @@ from ember import LLM, SamplingParams, StructuredOutputsParams
 from ember.errors import InvalidRequestError
 from tests.structured.schemas import SCHEMAS
 
+pytestmark = pytest.mark.engine  # every test here builds an engine
+
 MAX_TOKENS = 400
 
 
