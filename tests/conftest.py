@@ -84,31 +84,10 @@ ENGINE_FIXTURES = {
     "one_model_load",  # tests/bench/test_bench_cli.py: the default model's engines for `ember bench`
 }
 
-# tests/bench is restructured elsewhere: its engine tests that no fixture above gives away are
-# marked from here, by file and name, rather than in its files
-BENCH_ENGINE_TESTS = {
-    "test_bench_cli.py": {"test_bench_structured_writes_both_bars"},
-    "test_bench_compare.py": {"test_baseline_checkout_is_measured_in_its_own_worker",
-                              "test_versus_measures_other_flags_of_this_checkout"},
-    "test_bench_hybrid.py": {"test_the_model_files_are_built_converted_and_run"},
-    "test_bench_serve.py": {"test_launch_runs_the_sweep_and_the_offline_peer",
-                            "test_launch_chat_sends_text_and_runs_the_offline_peer_on_ids"},
-    "test_bench_spec.py": {"test_bench_spec_writes_rows_acceptance_and_bars"},
-    "test_bench_startup.py": {"test_startup_times_cold_and_warm_starts"},
-    "test_bench_tp.py": {"test_bench_tp_measures_tp1_and_tp2"},
-}
-
-
-def _is_bench_engine_test(item) -> bool:
-    path = item.path
-    return path.parent.name == "bench" and path.parent.parent.name == "tests" and \
-        getattr(item, "originalname", item.name) in BENCH_ENGINE_TESTS.get(path.name, ())
-
-
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())) or _is_bench_engine_test(item):
+        if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.engine)
 
 

@@ -123,6 +123,7 @@ def test_missing_transformers_says_how_to_fix(monkeypatch):
         HFPeer("model.gguf")
 
 
+@pytest.mark.engine
 def test_bench_structured_writes_both_bars(tmp_path):
     """`ember bench structured` on the default model, one short run: constrained and free decode at batch 1
     and 32 in one file, with the two bars judged (the figures themselves are benchmarks/structured.md's)."""

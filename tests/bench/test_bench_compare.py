@@ -210,6 +210,7 @@ def test_kv_pool_fits_the_throughput_batch_in_the_engines_dtype():
     assert pool("--kv-cache-memory", "0.3")["kv_cache_memory"] == 0.3
 
 
+@pytest.mark.engine
 def test_baseline_checkout_is_measured_in_its_own_worker(tmp_path):
     """--baseline DIR: another checkout's ember (here this one's own source tree) as a side of its own,
     its worker importing ember from DIR, judged within 5% on decode and throughput."""
@@ -231,6 +232,7 @@ def test_baseline_checkout_is_measured_in_its_own_worker(tmp_path):
     assert main(["bench", "compare", *TINY, "--peer", "none", "--baseline", str(tmp_path)]) == 2
 
 
+@pytest.mark.engine
 def test_versus_measures_other_flags_of_this_checkout(tmp_path):
     """--versus FLAGS: the same checkout with other engine flags as a side of its own, in the same rounds;
     the command's batch-1 decode is judged at least theirs (within 5%)."""

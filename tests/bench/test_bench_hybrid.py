@@ -3,6 +3,7 @@ default model's tokenizer, converted by llama.cpp's own converter (fetched from 
 sdist), which ember loads and runs; and the command's defaults (no bars judged, its own section)."""
 import argparse
 
+import pytest
 import torch
 
 from ember import LLM, SamplingParams
@@ -13,6 +14,7 @@ TINY = dict(QWEN35_08B, hidden_size=64, num_hidden_layers=4, num_attention_heads
             linear_value_head_dim=16, intermediate_size=96, vocab_size=152000)
 
 
+@pytest.mark.engine
 def test_the_model_files_are_built_converted_and_run(tmp_path):
     folder = build_folder(str(tmp_path / "q35"), shape=TINY)
     gguf = build_gguf(folder)

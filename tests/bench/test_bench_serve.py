@@ -85,6 +85,7 @@ def test_failed_requests_are_counted_not_fatal(tmp_path, tiny, live):
     assert "Failed requests" in md.read_text()
 
 
+@pytest.mark.engine
 def test_launch_runs_the_sweep_and_the_offline_peer(tmp_path, tiny):
     md = tmp_path / "serve.md"
     assert main(["bench", "serve", "--launch", tiny, *TINY_SERVER, "--server-args=--no-warmup",
@@ -127,6 +128,7 @@ def test_percentiles_and_lengths():
     assert min(drawn) >= 50 and max(drawn) <= 150 and len(set(drawn)) > 20
 
 
+@pytest.mark.engine
 def test_launch_chat_sends_text_and_runs_the_offline_peer_on_ids(tmp_path, tiny):
     md = tmp_path / "serve.md"
     assert main(["bench", "serve", "--launch", tiny, *TINY_SERVER, "--server-args=--no-warmup", "--endpoint", "chat",

@@ -8,6 +8,7 @@ from ember.entrypoints.cli import main
 from ember.errors import DefaultModelMissingError
 
 
+@pytest.mark.engine
 def test_bench_spec_writes_rows_acceptance_and_bars(tmp_path):
     from ember.default_model import default_model_path, default_mtp_path
 

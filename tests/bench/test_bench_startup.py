@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from ember.entrypoints.cli import main
 
 
+@pytest.mark.engine
 def test_startup_times_cold_and_warm_starts(tiny_model_dir, tmp_path):
     md = tmp_path / "startup.md"
     args = ["bench", "startup", tiny_model_dir("llama"), "--peer", "none", "--runs", "1", "--max-model-len", "256",

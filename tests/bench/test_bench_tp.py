@@ -1,9 +1,12 @@
 """`ember bench tp` on a tiny random Qwen3 over 2 gloo ranks: the table, the JSON, the comm share."""
 import json
 
+import pytest
+
 from ember.entrypoints.cli import main
 
 
+@pytest.mark.engine
 def test_bench_tp_measures_tp1_and_tp2(tmp_path):
     md = tmp_path / "tp.md"
     assert main(["bench", "tp", "--shape", "tiny", "--runs", "1", "--decode-tokens", "4", "--prompt-len", "16",
