@@ -24,8 +24,8 @@ class _NoCompiler:
 
 
 def main() -> None:
-    from ember.engine.compiled_executor import CompiledExecutor
-    from ember.engine.decode_batch import warmup_inputs
+    from ember.engine.executor.compiled import CompiledExecutor
+    from ember.engine.executor.decode_batch import warmup_inputs
     from ember.engine.engine import LLMEngine
     from ember.engine_args import add_engine_args, engine_config_from_args
 

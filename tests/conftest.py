@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-# --executor auto on CPU compiles decode graphs on a background thread (ember.engine.background_compile).
+# --executor auto on CPU compiles decode graphs on a background thread (ember.engine.executor.background_compile).
 # The suite starts hundreds of short-lived engines: there auto stays eager, and the tests of the background
 # compile (tests/engine/test_background_compile.py) turn it on. Set here, so servers the tests launch inherit it.
 os.environ.setdefault("EMBER_AUTO_COMPILE", "0")

@@ -1,7 +1,7 @@
 """The structure docs/architecture.md promises, checked on the source (ast only: nothing is imported).
 
 - ember's packages import each other without a cycle, function-local imports included (a top-level
-  module such as ember/planner.py counts as a package of its own);
+  module such as ember/engine/planner.py counts as a package of its own);
 - inside each package, its modules import each other without a cycle either (function-local imports
   included);
 - an import under `if TYPE_CHECKING:` is no edge (it never runs): a module may name a type from a
@@ -35,7 +35,7 @@ MODULES = _modules()
 
 
 def package_of(module: str) -> str:
-    """ember.engine.runner -> engine; ember.planner -> planner; ember -> ember (the root package)."""
+    """ember.engine.runner -> engine; ember.engine.planner -> planner; ember -> ember (the root package)."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "ember"
 
@@ -75,7 +75,7 @@ def _imported(module: str, tree: ast.Module, modules: dict[str, ast.Module] = MO
                 target = node.module or ""
             if target.split(".")[0] != "ember":
                 continue
-            # `from ember import planner` imports the module ember.planner; `from ember import LLM` the root
+            # `from ember.engine import planner` imports the module ember.engine.planner; `from ember import LLM` the root
             found |= {f"{target}.{a.name}" if f"{target}.{a.name}" in modules else target for a in node.names}
     return found
 

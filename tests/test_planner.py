@@ -1,4 +1,4 @@
-"""ember.planner and `ember plan`: figures computed by hand from the configs."""
+"""ember.engine.planner and `ember plan`: figures computed by hand from the configs."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from ember import planner
+from ember.engine import planner
 from ember.config import EngineConfig
 from ember.entrypoints.cli import main
 from ember.errors import ConfigError, KVCacheTooSmallError

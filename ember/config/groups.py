@@ -25,7 +25,7 @@ CPU_KV_FRACTION = 0.2
 CPU_KV_CAP_GIB = 2.0
 CPU_DENSE_COPY_FRACTION = 0.1  # --int4-dense-copy auto: on when the copy takes at most this share of free RAM
 # --executor compiled's options (--compilation-config overrides them); docs/tuning.md has the figures
-# freezing None: auto, on for models with dense linears, off for quantized ones (ember.engine.compiled_executor.auto_freezing)
+# freezing None: auto, on for models with dense linears, off for quantized ones (ember.engine.executor.compiled.auto_freezing)
 COMPILE_DEFAULTS = {"compile_sizes": [1, 2, 4], "mode": "max-autotune-no-cudagraphs", "freezing": None,
                     "cpp_wrapper": True}
 
@@ -186,6 +186,6 @@ class ParallelConfig:
     tensor_parallel_size: int
 
     def __post_init__(self) -> None:
-        # >= 1 here; whether the model's heads split that way is checked at start (ember.engine.tp_config)
+        # >= 1 here; whether the model's heads split that way is checked at start (ember.engine.tp.config)
         need(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
              f"--tensor-parallel-size must be an integer >= 1 (got {self.tensor_parallel_size!r})")

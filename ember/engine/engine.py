@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from ember.config import EngineConfig
 from ember.engine.admission import check_request
 from ember.engine.detokenizer import IncrementalDetokenizer
-from ember.engine.startup import start_engine
+from ember.engine.startup.start import start_engine
 from ember.errors import InvalidRequestError
 from ember.outputs import CompletionOutput, RequestOutput
 from ember.request import Request, RequestStatus

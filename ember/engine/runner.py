@@ -5,7 +5,7 @@ token; query_start_loc, seq_lens and block_tables per request. Logits are comput
 the last token of requests whose step reaches their end (a mid-prompt chunk samples nothing),
 and at every draft token a request verifies: its 1 + d rows go to the rejection sampler.
 The per-layer KV caches are allocated here, zeroed, in kv_dtype (the model's dtype, or fp8:
-the Attention layers quantize into them); ember.planner sizes them.
+the Attention layers quantize into them); ember.engine.planner sizes them.
 
 A drafter that reads the target's hidden states (MTP: reads_step "hidden") gets keep_hidden:
 the last layer then runs for every row (no RowSelection: a prefill chunk's rows all feed the MTP
@@ -22,7 +22,7 @@ import torch
 
 from ember.request import Request
 from ember.engine.scheduler import SchedulerOutput
-from ember.engine.step_executor import EagerExecutor, StepExecutor
+from ember.engine.executor.base import EagerExecutor, StepExecutor
 from ember.kernels.metadata import AttentionMetadata, RecurrentMetadata, RowSelection, select_rows
 from ember.layers.sampler import SampledToken, Sampler, SamplingRow, make_generator, token_logprobs
 from ember.model_config import ModelConfig

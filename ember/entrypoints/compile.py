@@ -4,7 +4,7 @@ It starts the engine `ember serve` would start with the same flags and runs its 
 compile to the end, in the foreground, with nothing else on the cores; AOTInductor packages (the
 graphs of quantized models) are first built on every core, by this process and a worker process per
 other core. What it builds lands in
-torch's compile caches (ember.engine.compile_cache), where every later engine of the same model,
+torch's compile caches (ember.engine.executor.compile_cache), where every later engine of the same model,
 flags, torch and CPU finds it: its graphs then load in seconds rather than minutes. `make run`'s
 install runs it for the default model. A model or flag combination with nothing to compile (a
 GPU, a hybrid model, --executor eager) says so and succeeds.
@@ -60,7 +60,7 @@ def cmd_compile(args: argparse.Namespace) -> None:
     if failures:
         raise EmberError("ember compile: these graphs did not compile (a server runs their steps eagerly): "
                          + "; ".join(failures))
-    from ember.engine.compile_cache import use_compile_cache
+    from ember.engine.executor.compile_cache import use_compile_cache
 
     print(f"ember compile: {shapes} decode graphs of {engine.loaded.path} ready in {time.monotonic() - t0:.0f} s, "
           f"kept in {use_compile_cache()}", flush=True)

@@ -1,4 +1,4 @@
-"""`ember plan [MODEL] [engine flags]`: the memory arithmetic of ember.planner as a table (or --json), for
+"""`ember plan [MODEL] [engine flags]`: the memory arithmetic of ember.engine.planner as a table (or --json), for
 the engine that `ember serve` with the same flags would start."""
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def add_plan_parser(sub) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> None:
     from ember.engine_args import engine_config_from_args
-    from ember.planner import format_plan, plan
+    from ember.engine.planner import format_plan, plan
 
     result = plan(engine_config_from_args(args), memory_gib=args.memory)
     print(json.dumps(result.to_dict(), indent=2) if args.json else format_plan(result))

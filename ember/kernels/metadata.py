@@ -26,7 +26,7 @@ class AttentionMetadata:
     max_seq_len: int
     # True when no slot is -1 (no padding rows): K/V writes skip the masking (a sync per layer).
     all_slots_valid: bool = False
-    # Built by a StepExecutor for torch.compile / CUDA-graph capture (ember.engine.decode_batch):
+    # Built by a StepExecutor for torch.compile / CUDA-graph capture (ember.engine.executor.decode_batch):
     # the host lists and max_seq_len are bounds, not this step's values; padding rows have slot -1.
     fixed_shape: bool = False
     # Hybrid models: each sequence's recurrent-state slot (see RecurrentMetadata); None otherwise.

@@ -8,7 +8,7 @@ Tensor parallelism (vocab-parallel): rank r holds rows [r * Vp, (r + 1) * Vp) of
 Vp = ceil(V / tp), the last rank's tail padded with zero rows. The embedding looks up its own
 ids, zeroes the others and all-reduces; the head computes its Vp logit columns and all-gathers
 them (then drops the padding). Dense weights only: packed GGUF tables are refused under TP
-(ember.engine.tp_config), a GGUF model runs dequantized there.
+(ember.engine.tp.config), a GGUF model runs dequantized there.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@
 
 Which copy a step uses, by its row count, is ember.quant.gemm_dispatch's (with the wrappers
 installed here); whether to make a copy at all is the engine's start-up decision
-(ember.engine.model_setup). The measurements behind both are in docs/tuning.md.
+(ember.engine.startup.weights). The measurements behind both are in docs/tuning.md.
 """
 from __future__ import annotations
 

@@ -160,7 +160,7 @@ class DraftModelProposer(Proposer):
 
     # -- sizing and setup ---------------------------------------------------------------------
     def kv_bytes_per_token(self, elem_bytes: int) -> int:
-        """The draft layers' KV bytes per token: 2 x L x Hkv x D x elem (ember.planner's formula)."""
+        """The draft layers' KV bytes per token: 2 x L x Hkv x D x elem (ember.engine.planner's formula)."""
         mc = self.model_config
         return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * elem_bytes
 

@@ -5,7 +5,7 @@ or a separate MTP folder (`--speculative-model DIR`, e.g. one written by `ember 
 
 KV. Each MTP layer has its own paged cache in the runner's pool (ModelRunner.allocate_kv): the
 same block ids, tables and slot_mapping as the main layers, so the engine sizes the pool with
-one more layer per MTP layer (kv_bytes_per_token below; ember.planner counts it the same way).
+one more layer per MTP layer (kv_bytes_per_token below; ember.engine.planner counts it the same way).
 Position i of that cache holds the MTP's K/V for the row (t_{i+1}, position i, h_i).
 
 After every step (after_step) the MTP runs over the rows the target just computed, the fill:
@@ -126,7 +126,7 @@ class MTPProposer(Proposer):
         return heads, dim
 
     def kv_bytes_per_token(self, elem_bytes: int) -> int:
-        """KV bytes per token of the MTP layers: 2 x n x Hkv x D x elem (ember.planner's formula)."""
+        """KV bytes per token of the MTP layers: 2 x n x Hkv x D x elem (ember.engine.planner's formula)."""
         heads, dim = self.kv_shape()
         return 2 * self.num_layers * heads * dim * elem_bytes
 

@@ -21,7 +21,7 @@ from ember.spec.proposer import ExecutorFactory, KVSlots, ProposerContext, StepR
 
 if TYPE_CHECKING:
     from ember.engine.scheduler import SchedulerOutput
-    from ember.engine.step_executor import StepExecutor
+    from ember.engine.executor.base import StepExecutor
     from ember.request import Request
 
 logger = logging.getLogger("ember")

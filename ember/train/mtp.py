@@ -520,7 +520,7 @@ def _load_or_make_data(cfg: TrainConfig, model_path: str):
     """(data, main model, tokenizer): data.pt from the checkpoint dir when it was made with the same
     settings, else generated now (and saved there)."""
     from ember import LLM
-    from ember.engine.device_setup import resolve_dtype
+    from ember.engine.startup.device import resolve_dtype
     from ember.loader.model_loader import load_model
 
     path = os.path.join(cfg.ckpt_dir, "data.pt")

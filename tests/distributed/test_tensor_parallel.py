@@ -17,7 +17,7 @@ import pytest
 
 from ember import SamplingParams
 from ember.distributed import parallel_state
-from ember.engine import tp_config
+from ember.engine.tp import config as tp_config
 from ember.errors import ConfigError, DistributedError
 from tests.models.tiny_models import random_prompt
 from tests.spec.spec_helpers import make_llm

@@ -1,4 +1,4 @@
-"""AOTInductor packages of decode steps (ember.engine.aot_package): the weights stay the model's own
+"""AOTInductor packages of decode steps (ember.engine.executor.aot_package): the weights stay the model's own
 (found again by path in a later process, wherever the model keeps them), a package is keyed by what
 its graph depends on, and a broken one is refused with a message rather than run."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from ember.engine import aot_package
+from ember.engine.executor import aot_package
 from ember.errors import EmberError
 
 

@@ -16,9 +16,9 @@ import torch
 
 from ember import SamplingParams
 from ember.config import EngineConfig
-from ember.engine.compile_guard import COMPILERS, is_compile_process
-from ember.engine.compiled_executor import CompiledExecutor
-from ember.engine.step_executor import resolve_executor
+from ember.engine.executor.compile_guard import COMPILERS, is_compile_process
+from ember.engine.executor.compiled import CompiledExecutor
+from ember.engine.executor.base import resolve_executor
 from tests.engine.test_engine import make_llm
 from tests.engine.test_step_executor import outputs
 from tests.models.tiny_models import random_prompt
@@ -127,7 +127,7 @@ CHILD = textwrap.dedent("""
 # a compile job whose "compiler" is /bin/sleep under a compiler's name: it would outlive its engine by minutes
 FAKE_CHILD = textwrap.dedent("""
     import subprocess, sys, time
-    from ember.engine.background_compile import BackgroundCompiler
+    from ember.engine.executor.background_compile import BackgroundCompiler
 
     class Job:
         what, sizes, settled_sizes, ready = "fake", [1], set(), {}
@@ -161,7 +161,7 @@ def _guards_of(pid: int) -> list:
     import psutil
 
     return [p for p in psutil.process_iter(["cmdline"])
-            if (p.info["cmdline"] or [])[-2:] == ["ember.engine.compile_guard", str(pid)]]
+            if (p.info["cmdline"] or [])[-2:] == ["ember.engine.executor.compile_guard", str(pid)]]
 
 
 def _fake_compiler(tmp_path) -> str:
@@ -206,7 +206,7 @@ def test_close_ends_a_running_compile_and_its_guard(tmp_path):
     """The engine's own exit (atexit, Ctrl-C, a served SIGTERM) closes the compiler: its compilers end now."""
     import psutil
 
-    from ember.engine.background_compile import BackgroundCompiler
+    from ember.engine.executor.background_compile import BackgroundCompiler
 
     fake = _fake_compiler(tmp_path)
 

@@ -14,8 +14,8 @@ import textwrap
 import pytest
 
 from ember import LLM
-from ember.engine.compile_cache import default_compile_cache_dir, use_compile_cache
-from ember.engine.compiled_executor import auto_freezing
+from ember.engine.executor.compile_cache import default_compile_cache_dir, use_compile_cache
+from ember.engine.executor.compiled import auto_freezing
 from ember.server.metrics import ServerMetrics
 from tests.engine.test_engine import make_llm
 from tests.spec.test_spec_metrics import sample_value
@@ -113,8 +113,8 @@ def test_larger_batch_sizes_wait_until_a_step_could_use_them(monkeypatch):
     engine has been idle for a while."""
     import time
 
-    from ember.engine import background_compile
-    from ember.engine.background_compile import BackgroundCompiler
+    from ember.engine.executor import background_compile
+    from ember.engine.executor.background_compile import BackgroundCompiler
 
     monkeypatch.setattr(background_compile, "IDLE_BEFORE_LARGER_SIZES_S", 0.5)
     waiting = {"n": 1}
@@ -148,7 +148,7 @@ def test_larger_batch_sizes_wait_until_a_step_could_use_them(monkeypatch):
 def test_steps_take_one_thread_while_a_job_compiles():
     import torch
 
-    from ember.engine.background_compile import BackgroundCompiler
+    from ember.engine.executor.background_compile import BackgroundCompiler
 
     before = torch.get_num_threads()
     compiler = BackgroundCompiler(paused=True)

@@ -1,4 +1,4 @@
-"""The engine raises glibc's malloc thresholds on CPU (see ember/engine/cpu_malloc.py)."""
+"""The engine raises glibc's malloc thresholds on CPU (see ember/engine/startup/cpu_malloc.py)."""
 from __future__ import annotations
 
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 CHILD = r"""
 import ctypes, mmap
-from ember.engine.cpu_malloc import keep_freed_memory_in_heap
+from ember.engine.startup.cpu_malloc import keep_freed_memory_in_heap
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
 libc.malloc.argtypes = [ctypes.c_size_t]

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from ember import SamplingParams
-from ember.engine import cuda_graph_executor
-from ember.engine.cuda_graph_executor import CUDAGraphExecutor
+from ember.engine.executor import cuda_graph as cuda_graph_executor
+from ember.engine.executor.cuda_graph import CUDAGraphExecutor
 from tests.engine.test_engine import make_llm
 from tests.engine.test_step_executor import outputs
 from tests.models.tiny_models import one_thread, random_prompt  # noqa: F401  (fixture)
@@ -91,7 +91,7 @@ def test_mtp_fill_captured_with_its_hidden_states_as_row_inputs(mtp_model, monke
     drafts = record_drafts(llm, monkeypatch)
     main = graphs_for(llm, [1, 3])
     proposer = llm.engine.spec.proposer
-    proposer.prepare(main.sibling)  # the engine hands its executor's factory (ember.engine.startup)
+    proposer.prepare(main.sibling)  # the engine hands its executor's factory (ember.engine.startup.start)
     fill = proposer.fill_executor
     assert isinstance(fill, CPUGraphExecutor) and fill.what == "MTP fill cuda graphs" and fill.pool is main.pool
     assert sorted(fill.graphs) == sorted(main.graphs)

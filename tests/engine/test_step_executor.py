@@ -8,9 +8,9 @@ import torch
 
 from ember import SamplingParams
 from ember.config import EngineConfig
-from ember.engine.decode_batch import (bucket_for, default_sizes, fixed_meta, leading, pad_decode, static_buffers,
+from ember.engine.executor.decode_batch import (bucket_for, default_sizes, fixed_meta, leading, pad_decode, static_buffers,
                                        table_width, uniform_query_len, warmup_inputs)
-from ember.engine.step_executor import graph_query_lens, resolve_executor
+from ember.engine.executor.base import graph_query_lens, resolve_executor
 from ember.errors import ConfigError
 from ember.kernels.metadata import AttentionMetadata
 from ember.kernels.torch_attention import TorchAttentionBackend
@@ -177,7 +177,7 @@ def outputs(llm, prompts, params):
 def test_compiled_equals_eager_batches_1_to_5(tiny_model_dir, freezing):
     """Sizes [1, 4]: batch 1 exact, 2-3 padded to 4, 4 exact, 5 eager. Same greedy tokens, logprobs
     within fp32 noise, and no graph compiled after startup (the table width is dynamic). Frozen graphs
-    go through torch.compile, unfrozen ones are AOTInductor packages (ember.engine.aot_package)."""
+    go through torch.compile, unfrozen ones are AOTInductor packages (ember.engine.executor.aot_package)."""
     import torch._dynamo.utils
 
     path = tiny_model_dir("llama")
@@ -276,7 +276,7 @@ def test_compiled_adaptive_mtp_has_a_graph_for_every_draft_length(mtp_model):  #
 
 def test_compiled_query_lens_follow_the_fused_kernel():
     """Verify graphs only where the attention runs them from fixed-shape metadata alone."""
-    from ember.engine.step_executor import compiled_query_lens
+    from ember.engine.executor.base import compiled_query_lens
     from ember.kernels.cpu_attention import CpuAttentionBackend
 
     backend = CpuAttentionBackend()

@@ -280,7 +280,7 @@ def test_verify_steps_run_from_fixed_shape_metadata():
     real lengths). Same output as with the exact metadata; graph_query_lens then captures 1 + k."""
     import dataclasses
 
-    from ember.engine.step_executor import graph_query_lens
+    from ember.engine.executor.base import graph_query_lens
 
     q_len, bs = 3, 16
     step = Step([q_len] * 3, DECODE_SEQ_LENS, bs, 3, torch.float32, seed=5).to(DEVICE)

@@ -84,7 +84,7 @@ def test_vllm_spellings_of_dtype_are_taken(caplog):
     import torch
 
     from ember.config import EngineConfig
-    from ember.engine.device_setup import resolve_dtype
+    from ember.engine.startup.device import resolve_dtype
     from ember.platform import has_cpu_flags, resolve_dtype_name
 
     assert EngineConfig(dtype="half").dtype == "float16" and EngineConfig(dtype="float").dtype == "float32"

@@ -133,7 +133,7 @@ def test_json_spelling_and_the_pool_counts_the_draft_layers(tiny_model_dir, draf
 
 
 def test_planner_counts_the_draft_model(tiny_model_dir, drafts, capsys):
-    from ember import planner
+    from ember.engine import planner
     from ember.entrypoints.cli import main as cli_main
 
     target, draft = tiny_model_dir("qwen3"), drafts["llama"]

@@ -322,7 +322,7 @@ def test_separate_mtp_folder_is_recognised_without_a_method(tiny_model_dir, refe
 # ---- sizing ---------------------------------------------------------------------------------------------
 
 def test_pool_and_planner_count_the_mtp_layer(mtp_model):
-    from ember import planner
+    from ember.engine import planner
 
     path = mtp_model("qwen3", "qwen3_next")
     plain = make_llm(path, kv_cache_memory=kv_gib(path, 96))
@@ -343,7 +343,7 @@ def test_pool_and_planner_count_the_mtp_layer(mtp_model):
 
 
 def test_planner_counts_a_separate_mtp_folder(tiny_model_dir, tmp_path):
-    from ember import planner
+    from ember.engine import planner
     from ember.entrypoints.cli import main as cli_main
 
     main_dir = tiny_model_dir("qwen3")

@@ -10,7 +10,7 @@ import dataclasses
 import itertools
 import os
 
-from ember.planner import DTYPE_BYTES, kv_elem_bytes
+from ember.engine.planner import DTYPE_BYTES, kv_elem_bytes
 from ember.platform import resolve_dtype_name
 
 EMBER = "ember.bench.sides.ember:EmberSide"

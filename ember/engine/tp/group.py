@@ -2,7 +2,7 @@
 
 Start (start_tensor_parallel): check the model splits (tp_config), open a c10d TCPStore on a
 port the OS picks (port 0: two ember instances on one host never collide), start ranks
-1..N-1 as `python -m ember.engine.tp_worker` subprocesses (not multiprocessing's spawn, which
+1..N-1 as `python -m ember.engine.tp.worker` subprocesses (not multiprocessing's spawn, which
 re-runs the user's main script: a script without a __main__ guard would start engines
 recursively), wait for each to check in -- polling, so a worker that
 dies while starting is reported instead of waited for -- then join the process group (gloo on
@@ -68,7 +68,7 @@ class TensorParallelGroup:
                 raise DistributedError(f"torchrun started {world} processes but --tensor-parallel-size is "
                                        f"{self.world_size}; make them equal")
             if rank != 0:  # this process is a worker: serve rank 0, then leave
-                from ember.engine.tp_worker import serve
+                from ember.engine.tp.worker import serve
 
                 local = int(os.environ.get("LOCAL_RANK", rank))
                 try:
@@ -98,7 +98,7 @@ class TensorParallelGroup:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         blob = pickle.dumps(config)
         for rank in range(1, self.world_size):
-            cmd = [sys.executable, "-m", "ember.engine.tp_worker", str(rank), str(self.world_size), "127.0.0.1",
+            cmd = [sys.executable, "-m", "ember.engine.tp.worker", str(rank), str(self.world_size), "127.0.0.1",
                    str(store.port), device.type, str(os.getpid())]
             p = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env)
             p.stdin.write(blob)  # the EngineConfig: how to load this rank's shard
@@ -187,7 +187,7 @@ class TensorParallelGroup:
 def start_tensor_parallel(config, device: torch.device) -> TensorParallelGroup:
     """Validate, then start the group for an engine with config.tensor_parallel_size > 1."""
     global _current
-    from ember.engine.tp_config import check_tensor_parallel, model_config_for, tp_quantization
+    from ember.engine.tp.config import check_tensor_parallel, model_config_for, tp_quantization
 
     quantization = tp_quantization(config.load_config.quantization, config.load_config.model)
     mc, awq_group = model_config_for(config.load_config.model)

@@ -1,6 +1,6 @@
 """Decode step graphs as AOTInductor packages: built once on a machine, loaded by later processes in milliseconds.
 
-torch.compile's on-disk caches (ember.engine.compile_cache) spare a restart inductor's work but not
+torch.compile's on-disk caches (ember.engine.executor.compile_cache) spare a restart inductor's work but not
 dynamo's: it traces the forward again, and a cached batch-1 graph of the default model still took
 7.5 s to load on 2 cores, two graphs (decode and the speculative verify) 14 s before the first
 answer. An AOTInductor package is the graph already built: torch.export traces the step once (the
@@ -54,7 +54,7 @@ def source_digest() -> str:
 
 def package_path(identity: str, what: str, shape: tuple[int, int], options: dict) -> str:
     """Where the package of one (batch size, query length) graph of an executor lives."""
-    from ember.engine.compile_cache import use_compile_cache
+    from ember.engine.executor.compile_cache import use_compile_cache
     from ember.platform import cpu_flags_line
 
     key = json.dumps([identity, what, list(shape), options, torch.__version__, cpu_flags_line(), source_digest()],

@@ -1,4 +1,4 @@
-"""The KV pool's size: how many blocks the memory budget holds (ember.planner's arithmetic).
+"""The KV pool's size: how many blocks the memory budget holds (ember.engine.planner's arithmetic).
 
 CPU: --kv-cache-memory GiB, or CPU_KV_FRACTION of available RAM capped at CPU_KV_CAP_GIB (the
 pool is allocated up front). CUDA: one forward at the full token budget measures the activation
@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from ember import planner
+from ember.engine import planner
 from ember.config import CPU_KV_CAP_GIB, CPU_KV_FRACTION
 from ember.kernels.metadata import AttentionMetadata
 from ember.platform import available_ram_bytes

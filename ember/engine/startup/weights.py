@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ember.config import CPU_DENSE_COPY_FRACTION
-from ember.engine.device_setup import DeviceSetup
+from ember.engine.startup.device import DeviceSetup
 from ember.errors import ConfigError
 from ember.loader.model_loader import LoadedModel, load_model
 from ember.platform import available_ram_bytes

@@ -1,6 +1,6 @@
 """A tensor-parallel worker (rank >= 1): join the group, load this rank's shard, replay rank 0's calls.
 
-Started by rank 0 (ember.engine.tp_group, one spawned process per rank) or, across nodes, by
+Started by rank 0 (ember.engine.tp.group, one spawned process per rank) or, across nodes, by
 torchrun (every rank runs the same `ember ...` command; ranks >= 1 end up here). A worker never
 outlives rank 0: it exits on rank 0's "stop", when rank 0's connections close (a blocked
 broadcast raises), or when its parent process changes (rank 0 killed outright).
@@ -29,13 +29,13 @@ def _exit_with_parent(parent_pid: int) -> None:
 
 
 def serve(rank: int, world_size: int, store, config, device_type: str, local_rank: int) -> None:
-    """Join, start up as rank 0 does (ember.engine.device_setup, model_setup), replay until "stop"."""
+    """Join, start up as rank 0 does (ember.engine.startup: device, weights), replay until "stop"."""
     from ember.distributed import parallel_state
     from ember.distributed.comm import recv_call
-    from ember.engine.device_setup import init_device
-    from ember.engine.model_setup import load_weights
-    from ember.engine.tp_config import tp_quantization
-    from ember.engine.tp_mirror import Replayer
+    from ember.engine.startup.device import init_device
+    from ember.engine.startup.weights import load_weights
+    from ember.engine.tp.config import tp_quantization
+    from ember.engine.tp.mirror import Replayer
 
     # rank 0's device type (its --device auto already resolved); on CUDA, this rank's GPU
     setup = init_device(config, world_size, local_rank, device_type)
@@ -86,7 +86,7 @@ def run_worker(rank: int, world_size: int, host: str, port: int, config, device_
     os._exit(code)
 
 
-if __name__ == "__main__":  # python -m ember.engine.tp_worker RANK WORLD HOST PORT DEVICE PARENT_PID < config
+if __name__ == "__main__":  # python -m ember.engine.tp.worker RANK WORLD HOST PORT DEVICE PARENT_PID < config
     import pickle
 
     _rank, _world, _host, _port, _device, _parent = sys.argv[1:7]

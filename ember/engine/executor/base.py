@@ -4,16 +4,16 @@
 
   eager       the model called directly (every step shape; the reference);
   compiled    CPU: torch.compile (inductor) of pure-decode steps at a few padded batch sizes
-              (ember.engine.compiled_executor); every other step eager;
+              (ember.engine.executor.compiled); every other step eager;
   cuda-graph  CUDA: captured graphs of decode-shaped steps, each request 1 + k query tokens,
-              batch padded to the next captured size (ember.engine.cuda_graph_executor).
+              batch padded to the next captured size (ember.engine.executor.cuda_graph).
 
 An executor only ever changes how the forward is run, never what it computes: the padding
-and fixed-shape metadata live in ember.engine.decode_batch, the runner's sampling is untouched.
+and fixed-shape metadata live in ember.engine.executor.decode_batch, the runner's sampling is untouched.
 
 auto: cuda-graph on CUDA with a GPU attention backend; on CPU with ember's C++ kernels (the cpu
 attention backend) compiled, built in the background while the engine serves eagerly
-(ember.engine.background_compile: a cold compile costs minutes, and the engine answers at once);
+(ember.engine.executor.background_compile: a cold compile costs minutes, and the engine answers at once);
 else eager. EMBER_AUTO_COMPILE=0 makes auto eager on CPU (for scripts that start many short-lived
 engines, such as the test suite). Flags (vLLM's where it has one; ember.config.ExecutorConfig):
 --enforce-eager (= --executor eager), --executor, --cuda-graph-max-batch-size, --compilation-config.
@@ -111,16 +111,16 @@ def build_executor(name: str, runner, *, max_model_len: int, compile_options: di
     if name == "eager":
         return EagerExecutor(runner.model, runner.kv_caches)
     if name == "compiled":
-        from ember.engine.compiled_executor import CompiledExecutor
+        from ember.engine.executor.compiled import CompiledExecutor
 
-        from ember.engine.compiled_executor import auto_freezing
+        from ember.engine.executor.compiled import auto_freezing
 
         cc = compile_options
         freezing = auto_freezing(runner.model) if cc["freezing"] is None else cc["freezing"]
         return CompiledExecutor(runner.model, runner.kv_caches, runner.block_size, max_model_len,
                                 cc["compile_sizes"], cc["mode"], freezing, cc["cpp_wrapper"], query_lens,
                                 compiler=compiler, graph_identity=graph_identity)
-    from ember.engine.cuda_graph_executor import CUDAGraphExecutor
+    from ember.engine.executor.cuda_graph import CUDAGraphExecutor
 
     return CUDAGraphExecutor(runner.model, runner.kv_caches, runner.block_size, max_model_len,
                              cuda_graph_max_batch, query_lens, runner.device)

@@ -98,7 +98,7 @@ class Replayer:
         self.model.commit_states(self.states, accepted)
 
     def op_profile(self, n: int, num_seqs: int, kv_heads: int, dtype) -> None:
-        from ember.engine.kv_setup import profile_forward
+        from ember.engine.startup.kv_pool import profile_forward
 
         profile_forward(self.model, n, num_seqs, kv_heads, dtype, self.device)
 

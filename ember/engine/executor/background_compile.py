@@ -15,10 +15,10 @@ as it first did, a busy server left its compilers about 5% of a core (CFS weight
 1024 a thread), and a first compile of the default model had not finished after 240 s of
 continuous requests (issue 38). At equal priority it takes a core while it runs, and the engine's
 steps take one intra-op thread meanwhile (fit_step_threads), for the minutes of a first compile
-only (a restart loads what was built: ember.engine.compile_cache); the GIL still
+only (a restart loads what was built: ember.engine.executor.compile_cache); the GIL still
 slows eager steps while it traces. When the engine's process ends (exit, Ctrl-C, SIGTERM),
 compilers it started are ended with it (close); for a SIGKILLed one, a compile guard process
-(ember.engine.compile_guard, alive only while a compile runs) ends them.
+(ember.engine.executor.compile_guard, alive only while a compile runs) ends them.
 """
 from __future__ import annotations
 
@@ -208,17 +208,17 @@ def _end_children() -> None:
     compilers run from the compile thread); other children (a user's) are left alone."""
     import psutil
 
-    from ember.engine.compile_guard import compile_descendants, end
+    from ember.engine.executor.compile_guard import compile_descendants, end
 
     end(compile_descendants(psutil.Process()))
 
 
 def _start_guard() -> subprocess.Popen | None:
-    """The compile guard (ember.engine.compile_guard) for this process: if it is SIGKILLed mid-compile,
+    """The compile guard (ember.engine.executor.compile_guard) for this process: if it is SIGKILLed mid-compile,
     the guard ends its compilers. In a session of its own, so that a Ctrl-C meant for the engine
     leaves the guard to clean up."""
     try:
-        return subprocess.Popen([sys.executable, "-m", "ember.engine.compile_guard", str(os.getpid())],
+        return subprocess.Popen([sys.executable, "-m", "ember.engine.executor.compile_guard", str(os.getpid())],
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     except OSError as e:
         logger.warning("background compile: no compile guard (%s); a SIGKILLed engine may leave a compiler running", e)

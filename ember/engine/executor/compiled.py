@@ -6,13 +6,13 @@ removes most of it (DESIGN.md: 115-125 -> 138-162 tok/s at the default model's s
 
 Two ways to build a graph, one contract (`ready`: a callable per (size, q_len)):
 - unfrozen (every quantized model, the default one included): an AOTInductor package per shape
-  (ember.engine.aot_package), exported once per machine and loaded by later processes in
+  (ember.engine.executor.aot_package), exported once per machine and loaded by later processes in
   milliseconds, bound to the model's own tensors; it is called with no guards at all.
 - frozen (dense weights folded into the graph, which a package would copy) or a shape whose export
   fails: torch.compile of `_forward`, persisted in torch's own caches (~8 s a graph to load).
 
 Shapes: each compile size is one static graph, so a decode batch of B sequences is padded to the
-next size (ember.engine.decode_batch). The block-table width is the one dynamic dimension a step
+next size (ember.engine.executor.decode_batch). The block-table width is the one dynamic dimension a step
 changes (a sequence's length grows every step); the pool's block count is dynamic too, so any
 --kv-cache-memory runs the same graphs. Speculative verifies (every sequence 1 + k queries) are
 compiled too, at every size, where the attention backend runs them from fixed-shape metadata (the
@@ -33,7 +33,7 @@ keeps the guarded call. A package has no guards; its call was faster still (docs
 
 Foreground or background: built with a BackgroundCompiler (`--executor auto` on CPU), the
 executor runs every step eagerly until the compile thread publishes a shape in `ready`
-(ember.engine.background_compile), except what this machine built before, loaded while the engine
+(ember.engine.executor.background_compile), except what this machine built before, loaded while the engine
 is built (built_sizes); without one (`--executor compiled`) every shape is built in __init__. A
 background torch.compile shape is published only with its direct call (never dynamo's guarded call,
 which could recompile on the step thread) and only when the guards pass for the real pool.
@@ -51,7 +51,7 @@ from typing import Callable
 
 import torch
 
-from ember.engine.decode_batch import (DecodeInputs, fixed_meta, graph_shape, pad_decode, table_width,
+from ember.engine.executor.decode_batch import (DecodeInputs, fixed_meta, graph_shape, pad_decode, table_width,
                                        warmup_inputs)
 from ember.errors import EmberError
 from ember.layers.rotary import RotaryEmbedding
@@ -91,7 +91,7 @@ def step_forward(model: torch.nn.Module, block_size: int, input_ids, positions, 
 
 
 class DecodeStep(torch.nn.Module):
-    """step_forward as a module, for torch.export (ember.engine.aot_package); rows: a list (export
+    """step_forward as a module, for torch.export (ember.engine.executor.aot_package); rows: a list (export
     takes no varargs)."""
 
     def __init__(self, model: torch.nn.Module, block_size: int):
@@ -118,7 +118,7 @@ class CompiledExecutor:
         """row_inputs: (per-row shape, dtype) of tensors the model takes after (input_ids, positions,
         kv_caches, meta, select), one row per query (the MTP fill's hidden states). compiler: a
         BackgroundCompiler to compile on (None: compile now). graph_identity: what the graphs depend
-        on (ember.engine.compile_cache.graph_identity; None: no markers of built sizes)."""
+        on (ember.engine.executor.compile_cache.graph_identity; None: no markers of built sizes)."""
         self.graph_identity = graph_identity
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.row_inputs, self.what = tuple(row_inputs), what
@@ -133,7 +133,7 @@ class CompiledExecutor:
         self._compiled = None  # torch.compile's wrapper of _forward, made by the first warmup (_make_compiled)
         self.compiles = 0  # graphs built at startup
         self.compiled_steps = 0  # steps that ran compiled (the rest ran eagerly)
-        # Ahead of time (AOTInductor packages, ember.engine.aot_package) unless freezing: a frozen graph
+        # Ahead of time (AOTInductor packages, ember.engine.executor.aot_package) unless freezing: a frozen graph
         # folds the weights in, and a package of it would carry a second copy of them. Frozen graphs, and
         # a shape whose export fails, go through dynamo (torch.compile) instead.
         self.ahead_of_time = not freezing
@@ -156,7 +156,7 @@ class CompiledExecutor:
         identity, and for packages: a package's own file says it was built)."""
         if self.graph_identity is None or self.ahead_of_time:
             return None
-        from ember.engine.compile_cache import built_marker
+        from ember.engine.executor.compile_cache import built_marker
 
         options = {"mode": self.mode, "freezing": self.freezing, "cpp_wrapper": self.cpp_wrapper,
                    "threads": self.threads}
@@ -186,7 +186,7 @@ class CompiledExecutor:
             "cpp.threads": self.threads, "size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
 
     def package_path(self, shape: tuple[int, int]) -> str:
-        from ember.engine.aot_package import package_path
+        from ember.engine.executor.aot_package import package_path
 
         return package_path(self.graph_identity, self.what, shape, {"mode": self.mode, "threads": self.threads,
                                                                     "row_inputs": self.row_inputs})
@@ -269,7 +269,7 @@ class CompiledExecutor:
         step writing block 0 of the pool (zeroed again after), in the background with scratch caches,
         publishing each shape as it is checked (BackgroundCompiler runs one size at a time, smallest
         first across executors: batch 1 runs compiled soonest)."""
-        from ember.engine.compile_cache import mark_built, use_compile_cache
+        from ember.engine.executor.compile_cache import mark_built, use_compile_cache
 
         self.cache_dir = use_compile_cache()
         sizes = set(self.sizes if sizes is None else sizes)
@@ -301,7 +301,7 @@ class CompiledExecutor:
         """Make `shape` ready from its AOTInductor package: loaded if this machine built it before, else
         exported and compiled now (and kept for later processes). False when that fails (dynamo takes
         the shape instead); a package that fails to load is deleted and built again."""
-        from ember.engine import aot_package
+        from ember.engine.executor import aot_package
 
         b, n = shape
         t0 = time.perf_counter()
@@ -363,7 +363,7 @@ class CompiledExecutor:
         # One graph per shape, plus slack for a re-specialisation; dynamo's default limit is 8. Every
         # executor in this process (other engines, the MTP fill) adds entries to the same code object.
         # Set on every warmup: dynamo's config is the calling thread's, and each background job runs
-        # on a thread of its own (ember.engine.background_compile).
+        # on a thread of its own (ember.engine.executor.background_compile).
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                    len(_cache_entries()) + 2 * len(self.shapes) + 4)
         dev = self.kv_caches[0].device

@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from ember.engine.decode_batch import (DecodeInputs, default_sizes, fixed_meta, graph_shape, leading, pad_decode,
+from ember.engine.executor.decode_batch import (DecodeInputs, default_sizes, fixed_meta, graph_shape, leading, pad_decode,
                                        table_width, warmup_inputs)
 from ember.errors import ConfigError
 from ember.layers.rotary import RotaryEmbedding

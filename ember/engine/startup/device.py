@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ember.config.attention import resolve_attention_backend
-from ember.engine.cpu_malloc import keep_freed_memory_in_heap
+from ember.engine.startup.cpu_malloc import keep_freed_memory_in_heap
 from ember.errors import ConfigError
 from ember.kernels.cpu_kernels import CpuKernels
 from ember.platform import has_cpu_flags, resolve_dtype_name

@@ -1,13 +1,13 @@
 """Rank 0's engine start-up: everything LLMEngine drives, built once, in this order.
 
-  1. device_setup.init_device       device, dtype, threads, allocator, seed, the CPU kernels
-  2. tp_group.start_tensor_parallel (--tensor-parallel-size > 1) the workers, which run steps 1
-                                    and 3 themselves (tp_worker.serve) with the same config
-  3. model_setup.load_weights       the model (rank 0's shard) and its second weight copies
-  4. limits                         max_model_len, max_num_seqs, the KV dtype, the executor kind
+  1. device.init_device            device, dtype, threads, allocator, seed, the CPU kernels
+  2. tp.group.start_tensor_parallel  (--tensor-parallel-size > 1) the workers, which run steps 1
+                                    and 3 themselves (tp.worker.serve) with the same config
+  3. weights.load_weights          the model (rank 0's shard) and its second weight copies
+  4. limits.resolve_limits         max_model_len, max_num_seqs, the KV dtype, the executor kind
   5. the Speculator                 first: a drafter with KV layers of its own needs its share of
                                     the pool, and it reads only a ProposerContext, not the engine
-  6. kv_setup.kv_pool               the blocks that fit the budget (refused when not one sequence does)
+  6. kv_pool.kv_pool               the blocks that fit the budget (refused when not one sequence does)
   7. the block manager, the scheduler, the runner (mirrored to the workers under TP), the
      drafter's KV layers, the workers' caches
   8. the executor                   compiled or captured graphs, after every KV layer exists; then
@@ -19,56 +19,52 @@ from __future__ import annotations
 import logging
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from ember import planner
-from ember.engine.compile_cache import graph_identity, use_compile_cache
-from ember.engine.device_setup import DeviceSetup, init_device
+from ember.engine import planner
+from ember.engine.executor.compile_cache import graph_identity, use_compile_cache
+from ember.engine.startup.device import DeviceSetup, init_device
 from ember.engine.kv_cache import KVCacheManager
 from ember.engine.state_slots import StateSlots
-from ember.engine.kv_setup import cuda_kv_budget, kv_pool
-from ember.engine.model_setup import WeightCopies, load_weights
+from ember.engine.startup.kv_pool import cuda_kv_budget, kv_pool
+from ember.engine.startup.weights import WeightCopies, load_weights
 from ember.engine.runner import ModelRunner
 from ember.engine.scheduler import Scheduler
-from ember.engine.step_executor import build_executor, compiled_query_lens, graph_query_lens, resolve_executor
-from ember.errors import ConfigError
-from ember.layers.attention import resolve_kv_cache_dtype
+from ember.engine.startup.limits import Limits, resolve_limits
+from ember.engine.executor.base import build_executor, compiled_query_lens, graph_query_lens
 from ember.loader.model_loader import LoadedModel
 from ember.spec.proposer import KVSlots, ProposerContext
 from ember.spec.speculator import Speculator
+
+if TYPE_CHECKING:
+    from ember.config import EngineConfig
+    from ember.engine.executor.background_compile import BackgroundCompiler
+    from ember.engine.tp.group import TensorParallelGroup
 
 logger = logging.getLogger("ember")
 
 
 @dataclass
-class Limits:
-    max_model_len: int
-    max_num_seqs: int
-    kv_dtype: torch.dtype
-    executor: str  # eager | compiled | cuda-graph
-    background: bool = False  # compiled while serving (--executor auto on CPU), not before
-
-
-@dataclass
-class EngineCore:
+class EngineParts:
     """What start-up built: LLMEngine keeps requests and the step loop over it."""
 
-    config: object  # the EngineConfig
+    config: EngineConfig
     setup: DeviceSetup
-    tp: object | None  # the TensorParallelGroup (None without TP)
+    tp: TensorParallelGroup | None  # None without TP
     loaded: LoadedModel
     copies: WeightCopies
     limits: Limits
     spec: Speculator | None
-    compiler: object | None  # the BackgroundCompiler (None: nothing compiles in the background)
+    compiler: BackgroundCompiler | None  # None: nothing compiles in the background
     kv: KVCacheManager
     scheduler: Scheduler
     runner: ModelRunner
     eos_token_ids: list[int]
 
 
-def start_engine(config, defer_compile: bool = False) -> EngineCore:
+def start_engine(config, defer_compile: bool = False) -> EngineParts:
     """Build an engine's parts from its validated EngineConfig (see the module docstring).
     defer_compile: a background compile waits for compiler.resume() (a server warms up first)."""
     # before anything of torch's compile machinery runs: torch fixes its cache folder at first use
@@ -77,7 +73,7 @@ def start_engine(config, defer_compile: bool = False) -> EngineCore:
     setup = init_device(config, world_size=tp_size)
     tp = None
     if tp_size > 1:  # the workers start (and load their shards) alongside rank 0's own load
-        from ember.engine.tp_group import start_tensor_parallel
+        from ember.engine.tp.group import start_tensor_parallel
 
         tp = start_tensor_parallel(config, setup.device)
     with _sharding(tp):
@@ -99,7 +95,7 @@ def start_engine(config, defer_compile: bool = False) -> EngineCore:
     runner = _build_runner(config, setup, tp, loaded, limits, pool.num_blocks, generators, spec,
                            0 if states is None else states.num_live + states.num_snapshots)
     compiler = _build_executors(config, tp, loaded, limits, runner, spec, defer_compile)
-    core = EngineCore(config, setup, tp, loaded, copies, limits, spec, compiler, kv, scheduler, runner,
+    core = EngineParts(config, setup, tp, loaded, copies, limits, spec, compiler, kv, scheduler, runner,
                       _eos_token_ids(loaded))
     _log_start(core, pool)
     return core
@@ -114,27 +110,11 @@ def _sharding(tp):
     return sharding(0, tp.world_size)
 
 
-def resolve_limits(config, setup: DeviceSetup, loaded: LoadedModel) -> Limits:
-    sched, model_max = config.scheduler_config, loaded.model_config.max_position_embeddings
-    max_model_len = sched.max_model_len or model_max
-    if max_model_len > model_max:
-        raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's context length "
-                          f"{model_max}; pass --max-model-len {model_max} or less")
-    max_num_seqs = sched.default_max_num_seqs(setup.device.type)
-    if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < max_model_len:
-        logger.info("chunked prefill is off: prompts longer than %d tokens will be refused", sched.max_num_batched_tokens)
-    kv_dtype = resolve_kv_cache_dtype(config.cache_config.kv_cache_dtype, setup.dtype, setup.device)
-    executor = resolve_executor(config, setup.device, kv_dtype, loaded.model.attn_backend.name,
-                                loaded.model_config.is_hybrid)
-    background = executor == "compiled" and config.executor_config.executor == "auto"
-    return Limits(max_model_len, max_num_seqs, kv_dtype, executor, background)
-
-
 def _proposer_context(config, setup: DeviceSetup, tp, loaded: LoadedModel, limits: Limits,
                       generators: dict) -> ProposerContext:
     mirror = lambda module: module  # noqa: E731
     if tp is not None:  # an MTP layer's forwards are replayed on the workers' shards
-        from ember.engine.tp_mirror import MirroredMTP
+        from ember.engine.tp.mirror import MirroredMTP
 
         mirror = MirroredMTP
     return ProposerContext(loaded, setup.device, setup.dtype, setup.kernels, setup.attention_backend,
@@ -183,7 +163,7 @@ def _graph_pool_bytes(config, setup: DeviceSetup, loaded: LoadedModel, limits: L
     """The CUDA graphs' memory pool, which the KV cache cannot have (0 without CUDA graphs)."""
     if limits.executor != "cuda-graph":
         return 0
-    from ember.engine.cuda_graph_executor import graph_pool_estimate
+    from ember.engine.executor.cuda_graph import graph_pool_estimate
 
     q_len = max(graph_query_lens(spec.k_max if spec is not None else 0, loaded.model.attn_backend))
     return graph_pool_estimate(loaded.model, loaded.model_config, _graph_max_batch(config, limits), q_len,
@@ -199,7 +179,7 @@ def _build_runner(config, setup: DeviceSetup, tp, loaded: LoadedModel, limits: L
     """The runner over the pool; the drafter's layers in it; under TP the workers' caches alike."""
     model = loaded.model
     if tp is not None:  # every forward is replayed on the workers' shards
-        from ember.engine.tp_mirror import MirroredModel
+        from ember.engine.tp.mirror import MirroredModel
 
         model = MirroredModel(model)
     tp_size = config.parallel_config.tensor_parallel_size
@@ -227,7 +207,7 @@ def _build_executors(config, tp, loaded: LoadedModel, limits: Limits, runner: Mo
         query_lens = graph_query_lens(k_max, backend)
     compiler = None
     if limits.background:
-        from ember.engine.background_compile import BackgroundCompiler
+        from ember.engine.executor.background_compile import BackgroundCompiler
 
         compiler = BackgroundCompiler(paused=defer_compile)
     runner.executor = build_executor(
@@ -247,7 +227,7 @@ def _eos_token_ids(loaded: LoadedModel) -> list[int]:
     return list(dict.fromkeys(eos))
 
 
-def _log_start(core: EngineCore, pool: planner.KVPool) -> None:
+def _log_start(core: EngineParts, pool: planner.KVPool) -> None:
     loaded, limits, setup = core.loaded, core.limits, core.setup
     mc, bs = loaded.model_config, pool.block_size
     logger.info(
@@ -259,7 +239,7 @@ def _log_start(core: EngineCore, pool: planner.KVPool) -> None:
         limits.executor, _executor_note(core), loaded.path, loaded.load_seconds)
 
 
-def _executor_note(core: EngineCore) -> str:
+def _executor_note(core: EngineParts) -> str:
     if core.compiler is None:
         return ""
     executor = core.runner.executor

@@ -7,7 +7,7 @@ the engine: every POLL_S it notes the engine's compile descendants, and when the
 ends the ones it noted (and what they started), then exits. It also exits when the engine ends it
 (the compile finished) or when it sees no engine.
 
-    python -m ember.engine.compile_guard ENGINE_PID
+    python -m ember.engine.executor.compile_guard ENGINE_PID
 """
 from __future__ import annotations
 

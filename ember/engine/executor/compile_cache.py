@@ -1,7 +1,7 @@
 """Where the compiled step graphs persist between processes: a folder of ember's, for torch's caches and ember's packages.
 
-The compiled executor's graphs (ember.engine.compiled_executor) are AOTInductor packages for
-quantized models (ember.engine.aot_package, in `ember-aot/` here: ~5 ms to load a graph) and
+The compiled executor's graphs (ember.engine.executor.compiled) are AOTInductor packages for
+quantized models (ember.engine.executor.aot_package, in `ember-aot/` here: ~5 ms to load a graph) and
 torch.compile's for dense ones. torch keeps what torch.compile builds in its on-disk caches:
 inductor's FX graph cache (the generated C++ and its built library) and AOTAutograd's cache (the
 traced joint graph), both keyed by what the graph depends on (the traced graph with its shapes and
