@@ -27,6 +27,10 @@ class AttentionBackend(Protocol):
     name: str
     stores_kv: bool
     fixed_shape_max_query_len: int
+    graph_devices: tuple[str, ...]
+    """Device types on which its decode step belongs in a graph (--executor auto builds one: compiled on
+    CPU, captured on CUDA); none for the torch reference, whose captured decode would read the
+    max_model_len bound of keys each step."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,

@@ -24,6 +24,7 @@ from ember.kernels.torch_attention import VERIFY_MAX_QUERIES, TorchAttentionBack
 
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
+    graph_devices = ("cpu",)  # torch.compile'd decode steps over its C++ kernels
 
     def __init__(self, fused_decode: bool = True, flash: bool = True):
         self.fused_decode = fused_decode

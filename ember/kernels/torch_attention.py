@@ -36,6 +36,9 @@ class TorchAttentionBackend:
     # Longest uniform q_len it runs from fixed-shape metadata (AttentionMetadata.fixed_shape):
     # decodes read only device tensors and the max_seq_len bound; longer queries loop over host lists.
     fixed_shape_max_query_len = 1
+    # the reference: kept as it is (captured, its decode reads the max_model_len bound of keys for
+    # every sequence, each step: slower than eager for short sequences)
+    graph_devices: tuple[str, ...] = ()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,

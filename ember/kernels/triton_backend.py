@@ -27,6 +27,7 @@ class TritonAttentionBackend:
     # split-KV kernel reads lengths from device tensors and sizes its grid from the bounds, so CUDA
     # graphs capture speculative verify steps (1 + k queries per sequence) as well as decodes.
     fixed_shape_max_query_len = MAX_SPLIT_KV_QUERY_LEN
+    graph_devices = ("cuda",)  # CUDA graphs of decode and verify steps (on CPU it runs only interpreted)
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:

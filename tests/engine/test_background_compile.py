@@ -19,6 +19,8 @@ from ember.config import EngineConfig
 from ember.engine.executor.compile_guard import COMPILERS, is_compile_process
 from ember.engine.executor.compiled import CompiledExecutor
 from ember.engine.executor.base import resolve_executor
+from ember.kernels.cpu_attention import CpuAttentionBackend
+from ember.kernels.torch_attention import TorchAttentionBackend
 from tests.engine.test_engine import make_llm
 from tests.engine.test_step_executor import outputs
 from tests.models.tiny_models import random_prompt
@@ -36,13 +38,13 @@ def auto_compiles(monkeypatch):
 def test_auto_resolves_to_compiled_only_where_it_is_the_fast_path(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.setenv("EMBER_AUTO_COMPILE", "1")
-    assert resolve_executor(EngineConfig(), cpu, torch.float32, "cpu") == "compiled"
-    assert resolve_executor(EngineConfig(), cpu, torch.float32, "torch") == "eager"  # the reference stays plain
-    assert resolve_executor(EngineConfig(), cpu, torch.float8_e4m3fn, "cpu") == "eager"  # fp8 scales calibrate
-    assert resolve_executor(EngineConfig(tensor_parallel_size=2), cpu, torch.float32, "cpu") == "eager"
-    assert resolve_executor(EngineConfig(enforce_eager=True), cpu, torch.float32, "cpu") == "eager"
+    assert resolve_executor(EngineConfig(), cpu, torch.float32, CpuAttentionBackend()) == "compiled"
+    assert resolve_executor(EngineConfig(), cpu, torch.float32, TorchAttentionBackend()) == "eager"  # the reference stays plain
+    assert resolve_executor(EngineConfig(), cpu, torch.float8_e4m3fn, CpuAttentionBackend()) == "eager"  # fp8 scales calibrate
+    assert resolve_executor(EngineConfig(tensor_parallel_size=2), cpu, torch.float32, CpuAttentionBackend()) == "eager"
+    assert resolve_executor(EngineConfig(enforce_eager=True), cpu, torch.float32, CpuAttentionBackend()) == "eager"
     monkeypatch.setenv("EMBER_AUTO_COMPILE", "0")
-    assert resolve_executor(EngineConfig(), cpu, torch.float32, "cpu") == "eager"
+    assert resolve_executor(EngineConfig(), cpu, torch.float32, CpuAttentionBackend()) == "eager"
 
 
 @pytest.mark.engine

@@ -28,7 +28,7 @@ from typing import Protocol
 import torch
 
 from ember.errors import ConfigError
-from ember.kernels.attention_backend import fixed_shape_query_lens
+from ember.kernels.attention_backend import AttentionBackend, fixed_shape_query_lens
 from ember.kernels.metadata import AttentionMetadata, RowSelection
 
 
@@ -62,11 +62,11 @@ class EagerExecutor:
 
 
 def resolve_executor(config, device: torch.device, kv_dtype: torch.dtype | None = None,
-                     backend_name: str | None = None, hybrid: bool = False) -> str:
+                     backend: AttentionBackend | None = None, hybrid: bool = False) -> str:
     """The executor name for this device (an EngineConfig's executor_config), or a ConfigError for a
-    combination that cannot work. backend_name: the attention backend the model was built with
-    (default: the config's); hybrid: a model with recurrent-state layers (eager only, for now: its
-    graphs come with its fast kernels)."""
+    combination that cannot work. backend: the attention backend the model was built with, whose
+    declared graph_devices say where auto builds graphs for it (None: the device's default, which does); hybrid: a
+    model with recurrent-state layers (eager only, for now: its graphs come with its fast kernels)."""
     name = config.executor_config.executor
     if name == "eager":
         return "eager"
@@ -77,14 +77,13 @@ def resolve_executor(config, device: torch.device, kv_dtype: torch.dtype | None 
         return "eager"
     tp = config.parallel_config.tensor_parallel_size
     if name == "auto":
-        # Not with the torch reference backend: captured, its decode reads the fixed max_model_len
-        # bound of keys for every sequence, each step (slower than eager for short sequences); on CPU
-        # it is the reference, kept as it is. Not under tensor parallelism: the workers replay each
-        # forward eagerly. Not with an fp8 cache on CPU (its scales calibrate on the first step).
-        backend = backend_name or config.kernel_config.attention_backend
+        # Graphs only where the backend declares its decode fit for them (graph_devices). Not under
+        # tensor parallelism: the workers replay each forward eagerly. Not with an fp8 cache on CPU
+        # (its scales calibrate on the first step).
+        graphs = backend is None or device.type in backend.graph_devices
         if device.type == "cuda":
-            return "cuda-graph" if backend != "torch" and tp == 1 else "eager"
-        compiled = (device.type == "cpu" and backend == "cpu" and tp == 1 and (kv_dtype is None or kv_dtype.itemsize > 1)
+            return "cuda-graph" if graphs and tp == 1 else "eager"
+        compiled = (device.type == "cpu" and graphs and tp == 1 and (kv_dtype is None or kv_dtype.itemsize > 1)
                     and os.environ.get("EMBER_AUTO_COMPILE", "1") != "0")
         return "compiled" if compiled else "eager"
     if tp > 1:

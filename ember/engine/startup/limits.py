@@ -38,7 +38,7 @@ def resolve_limits(config: EngineConfig, setup: DeviceSetup, loaded: LoadedModel
     if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < max_model_len:
         logger.info("chunked prefill is off: prompts longer than %d tokens will be refused", sched.max_num_batched_tokens)
     kv_dtype = resolve_kv_cache_dtype(config.cache_config.kv_cache_dtype, setup.dtype, setup.device)
-    executor = resolve_executor(config, setup.device, kv_dtype, loaded.model.attn_backend.name,
+    executor = resolve_executor(config, setup.device, kv_dtype, loaded.model.attn_backend,
                                 loaded.model_config.is_hybrid)
     background = executor == "compiled" and config.executor_config.executor == "auto"
     return Limits(max_model_len, max_num_seqs, kv_dtype, executor, background)
