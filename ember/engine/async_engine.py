@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ember.request import Request
-from ember.errors import ConfigError, EmberError
+from ember.errors import ConfigError, EmberError, EngineDeadError, ServerOverloadedError
 from ember.outputs import PositionLogprobs
 from ember.sampling import SamplingParams
 
@@ -34,18 +34,6 @@ if TYPE_CHECKING:  # the engine pulls in torch; `ember --help` should not
 logger = logging.getLogger("ember.async_engine")
 
 DEFAULT_MAX_WAITING_REQUESTS = 256
-
-
-class ServerOverloadedError(EmberError):
-    """The waiting queue is full: the client should retry later."""
-
-    http_status = 503
-
-
-class EngineDeadError(EmberError):
-    """The engine thread is gone (shut down); nothing more can be served."""
-
-    http_status = 503
 
 
 @dataclass

@@ -31,7 +31,8 @@ from ember.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from ember.server import openapi, tokenize
 from ember.server.protocol import (BatchChatCompletionRequest, ChatCompletionRequest, CompletionRequest,
                                    DetokenizeRequest, TokenizeRequest, error_body, model_card)
-from ember.server.serving import AuthenticationError, ClientDisconnected, ParamError, ServerConfig, Serving
+from ember.errors import AuthenticationError, ParamError
+from ember.server.serving import ClientDisconnected, ServerConfig, Serving
 
 logger = logging.getLogger("ember.server")
 

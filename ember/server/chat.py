@@ -17,7 +17,8 @@ from ember.server.completions import vllm_prompt_logprobs
 from ember.server.logprobs import chat_logprobs
 from ember.engine.async_engine import RequestStream
 from ember.server.protocol import BatchChatCompletionRequest, ChatCompletionRequest, now, request_id
-from ember.server.serving import ParamError, Serving, all_or_none, merged, unless_disconnected, sse_writers
+from ember.errors import ParamError
+from ember.server.serving import Serving, all_or_none, merged, unless_disconnected, sse_writers
 from ember.server.structured import structured_params
 from ember.server.tool_parser import HermesToolParser
 

@@ -9,7 +9,8 @@ from typing import Any, AsyncIterator
 
 from ember.server.logprobs import CompletionLogprobs
 from ember.server.protocol import CompletionRequest, now, request_id
-from ember.server.serving import ParamError, Serving, merged, unless_disconnected, sse_writers
+from ember.errors import ParamError
+from ember.server.serving import Serving, merged, unless_disconnected, sse_writers
 from ember.server.structured import structured_params
 
 logger = logging.getLogger("ember.server")

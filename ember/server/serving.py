@@ -12,29 +12,13 @@ from typing import Any, AsyncIterator
 
 from ember.engine.admission import out_of_vocabulary
 from ember.engine.async_engine import AsyncLLMEngine, RequestDelta, RequestStream
-from ember.errors import EmberError, InvalidRequestError
+from ember.errors import EmberError, InvalidRequestError, ModelNotFoundError, ParamError
 from ember.sampling import SamplingParams
 from ember.structured_params import StructuredOutputsParams
 from ember.server.logprobs import TokenText
 from ember.server.protocol import ChatCompletionRequest, CompletionRequest, usage
 
 logger = logging.getLogger("ember.server")
-
-
-class ModelNotFoundError(EmberError):
-    http_status = 404
-
-
-class AuthenticationError(EmberError):
-    http_status = 401
-
-
-class ParamError(InvalidRequestError):
-    """A 400 that names the offending request field."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass

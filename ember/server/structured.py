@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from ember.errors import InvalidRequestError
-from ember.server.serving import ParamError
+from ember.errors import ParamError
 from ember.structured_params import StructuredOutputsParams
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}

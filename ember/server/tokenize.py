@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from ember.engine.admission import out_of_vocabulary
 from ember.server.protocol import DetokenizeRequest, TokenizeRequest
-from ember.server.serving import ParamError, Serving
+from ember.errors import ParamError
+from ember.server.serving import Serving
 
 
 def _chat_messages(messages) -> list[dict]:

@@ -10,17 +10,9 @@ import json
 
 import xgrammar as xgr
 
-from ember.errors import InvalidRequestError
-from ember.structured.schema_check import UnenforcedKeywordError, prepare_schema
+from ember.errors import GrammarError, InvalidRequestError, UnenforcedKeywordError
+from ember.structured.schema_check import prepare_schema
 from ember.structured_params import StructuredOutputsParams
-
-
-class GrammarError(InvalidRequestError):
-    """A constraint the grammar library cannot build: says which field and what is wrong."""
-
-    def __init__(self, message: str, param: str):
-        super().__init__(message)
-        self.param = param
 
 
 def _library_message(e: Exception) -> str:

@@ -14,7 +14,7 @@ discriminated unions, the common use, have disjoint branches.
 from __future__ import annotations
 
 
-from ember.errors import InvalidRequestError
+from ember.errors import UnenforcedKeywordError
 
 UNENFORCED = ("allOf", "if", "then", "else", "contains", "not", "dependentRequired", "dependentSchemas")
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
@@ -22,10 +22,6 @@ _SCHEMA_VALUES = ("items", "additionalProperties", "propertyNames", "contains", 
                   "unevaluatedProperties", "unevaluatedItems", "additionalItems")
 _SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
 _MERGEABLE = {"type", "properties", "required", "description", "title", "additionalProperties"}
-
-
-class UnenforcedKeywordError(InvalidRequestError):
-    pass
 
 
 def prepare_schema(schema: object) -> object:

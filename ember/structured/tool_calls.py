@@ -15,7 +15,8 @@ import xgrammar as xgr
 from xgrammar.structural_tag import ConstStringFormat, OrFormat, RepeatFormat, SequenceFormat, StructuralTag
 
 from ember.errors import InvalidRequestError
-from ember.structured.schema_check import UnenforcedKeywordError, prepare_schema
+from ember.errors import UnenforcedKeywordError
+from ember.structured.schema_check import prepare_schema
 from ember.structured_params import DEFAULT_MAX_WHITESPACE
 
 MODEL_FORMAT = "qwen_3"

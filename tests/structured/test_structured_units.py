@@ -13,7 +13,8 @@ from ember.loader.gguf import GGUFCheckpoint
 from ember.default_model import default_model_path
 from ember.request import Draft, Request
 from ember.sampling import SamplingParams
-from ember.structured.grammar import GrammarError, build_grammar
+from ember.errors import GrammarError
+from ember.structured.grammar import build_grammar
 from ember.structured.manager import StructuredOutputManager, tokenizer_info
 from ember.structured.tool_calls import MAX_PARALLEL_TOOL_CALLS, tool_call_structural_tag
 from ember.structured_params import StructuredOutputsParams
