@@ -27,7 +27,7 @@ def main() -> None:
     from ember.engine.executor.compiled import CompiledExecutor
     from ember.engine.executor.decode_batch import warmup_inputs
     from ember.engine.engine import LLMEngine
-    from ember.engine_args import add_engine_args, engine_config_from_args
+    from ember.config.engine_args import add_engine_args, engine_config_from_args
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keys", type=int, default=300)

@@ -113,7 +113,7 @@ def test_int8_activations_stay_near_fp32_logits(llm):
     texts: its logits move at most ~2.5x what bf16 x alone moves them (measured: median of the
     per-position max |difference| 0.70 vs 0.33, argmax agreeing at 95.9% vs 97.5% of 1020
     positions), and it really is another path (its logits differ from bf16 x's)."""
-    from ember.quant.calibration import pydoc_split
+    from ember.train.calibration import pydoc_split
 
     tok = llm.engine.tokenizer
     prompts = [tok.encode(t)[:160] for t in pydoc_split("eval")[:4]]

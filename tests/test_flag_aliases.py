@@ -8,7 +8,7 @@ import shlex
 
 import pytest
 
-from ember.engine_args import engine_config_from_args
+from ember.config.engine_args import engine_config_from_args
 from ember.entrypoints.cli import build_parser
 from ember.errors import ConfigError
 from ember.launch_server import build_parser as sglang_parser

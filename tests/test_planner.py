@@ -12,7 +12,7 @@ from ember.config import EngineConfig
 from ember.entrypoints.cli import main
 from ember.errors import ConfigError, KVCacheTooSmallError
 from ember.loader.model_loader import count_parameters
-from ember.model_config import ModelConfig
+from ember.config.model_config import ModelConfig
 from ember.models.registry import get_model_class
 
 GiB = 2**30

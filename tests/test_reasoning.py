@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ember.errors import ConfigError
-from ember.reasoning import ReasoningSplitter, split_reasoning, starts_in_reasoning
+from ember.structured.reasoning import ReasoningSplitter, split_reasoning, starts_in_reasoning
 
 
 def streamed(parser: str, prompt: str, text: str, step: int) -> tuple[str, str]:

@@ -135,7 +135,7 @@ MAPPED: dict[str, tuple[Callable[[str], dict[str, Any]], str]] = {
 
 class _Alias(argparse.Action):
     """Sets ember's own fields from an alias, refusing a contradiction with a flag already given,
-    and records a note (ns._alias_notes) that ember.engine_args logs."""
+    and records a note (ns._alias_notes) that ember.config.engine_args logs."""
 
     def __init__(self, option_strings, dest, fields: Callable[[str | None], dict[str, Any]], note: str, **kw):
         self.fields, self.note = fields, note

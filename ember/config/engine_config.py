@@ -2,7 +2,7 @@
 
 Field names are vLLM's flag names in snake_case, so `LLM(max_num_batched_tokens=...)` and
 `ember serve --max-num-batched-tokens ...` are the same knob; the CLI is generated from the
-fields (ember.engine_args), grouped in `--help` by the sub-config each one feeds. Construction
+fields (ember.config.engine_args), grouped in `--help` by the sub-config each one feeds. Construction
 validates every flag and groups them (vLLM's EngineArgs -> VllmConfig in one step):
 
     load_config       model, tokenizer, dtype, device, quantization, seed
@@ -27,7 +27,7 @@ from typing import Any
 from ember.config.aliases import ATTENTION_BACKEND_ALIASES, DTYPE_ALIASES, QUANTIZATION_ALIASES, SPEC_MODEL_MTP
 from ember.config.groups import (ATTENTION_BACKENDS, CPU_KV_CAP_GIB, DEFAULT_MAX_NUM_SEQS, CPU_KV_FRACTION, DEVICES, EXECUTORS,
                                  KV_CACHE_DTYPES, QUANTIZATION_CHOICES, CacheConfig, ExecutorConfig, KernelConfig,
-                                 LoadConfig, ParallelConfig, SchedulerConfig, need)
+                                 LoadConfig, ParallelConfig, SchedulerConfig, check_reasoning_parser, need)
 from ember.config.speculative import SpeculativeConfig, resolve_speculative_config
 from ember.errors import ConfigError
 from ember.platform import DTYPES
@@ -222,9 +222,7 @@ class EngineConfig:
                  f"background); it contradicts --executor {self.executor_config.executor}: drop one of them")
 
     def _check_structured(self) -> None:
-        from ember.reasoning import check_parser
-
-        check_parser(self.reasoning_parser)
+        check_reasoning_parser(self.reasoning_parser)
         so = self.structured_outputs_config
         need(isinstance(so, (dict, type(None))), '--structured-outputs-config must be a JSON object, e.g. '
              '{"backend": "xgrammar"}')
@@ -238,7 +236,7 @@ class EngineConfig:
         if nested is not None:
             need(self.reasoning_parser in (None, nested), f"--reasoning-parser {self.reasoning_parser} and "
                  f"--structured-outputs-config reasoning_parser {nested} disagree; give one")
-            check_parser(nested)
+            check_reasoning_parser(nested)
             self.reasoning_parser = nested
 
     @classmethod

@@ -30,6 +30,14 @@ COMPILE_DEFAULTS = {"compile_sizes": [1, 2, 4], "mode": "max-autotune-no-cudagra
                     "cpp_wrapper": True}
 
 
+# --reasoning-parser values (ember.structured.reasoning splits their <think>...</think>)
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
+
+
+def check_reasoning_parser(name: str | None) -> None:
+    if name is not None and name not in REASONING_PARSERS:
+        raise ConfigError(f"--reasoning-parser {name!r} is not one ember has; use one of {', '.join(REASONING_PARSERS)}")
+
 def need(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)

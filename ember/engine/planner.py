@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 
 from ember.config import EngineConfig
 from ember.errors import ConfigError, KVCacheTooSmallError, ModelLoadError, UnsupportedModelError
-from ember.model_config import ModelConfig
+from ember.config.model_config import ModelConfig
 from ember.platform import available_ram_bytes, resolve_dtype_name
 
 GiB = 1 << 30

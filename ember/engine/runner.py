@@ -25,7 +25,7 @@ from ember.engine.scheduler import SchedulerOutput
 from ember.engine.executor.base import EagerExecutor, StepExecutor
 from ember.kernels.metadata import AttentionMetadata, RecurrentMetadata, RowSelection, select_rows
 from ember.layers.sampler import SampledToken, Sampler, SamplingRow, make_generator, token_logprobs
-from ember.model_config import ModelConfig
+from ember.config.model_config import ModelConfig
 from ember.spec.proposer import StepRows
 from ember.spec.rejection import RejectionSampler, VerifyRequest
 

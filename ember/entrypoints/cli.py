@@ -5,7 +5,7 @@ import argparse
 import logging
 import sys
 
-from ember.engine_args import add_engine_args, engine_config_from_args
+from ember.config.engine_args import add_engine_args, engine_config_from_args
 from ember.errors import EmberError
 
 

@@ -24,7 +24,7 @@ WORKER_PACKAGES = "EMBER_COMPILE_PACKAGES"
 
 
 def add_compile_parser(sub) -> None:
-    from ember.engine_args import add_engine_args
+    from ember.config.engine_args import add_engine_args
 
     p = sub.add_parser("compile", help="build a model's compiled decode graphs into the compile cache now "
                                        "(later `ember serve` starts load them in seconds)")
@@ -34,7 +34,7 @@ def add_compile_parser(sub) -> None:
 
 def cmd_compile(args: argparse.Namespace) -> None:
     from ember.engine.engine import LLMEngine
-    from ember.engine_args import engine_config_from_args
+    from ember.config.engine_args import engine_config_from_args
 
     config = engine_config_from_args(args)
     t0 = time.monotonic()

@@ -7,7 +7,7 @@ import json
 
 
 def add_plan_parser(sub) -> None:
-    from ember.engine_args import add_engine_args
+    from ember.config.engine_args import add_engine_args
 
     p = sub.add_parser("plan", help="memory plan: weights, KV bytes per token, the longest context and concurrency that fit",
                        description="Plan memory for a model without loading it, for the engine these flags would start "
@@ -22,7 +22,7 @@ def add_plan_parser(sub) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    from ember.engine_args import engine_config_from_args
+    from ember.config.engine_args import engine_config_from_args
     from ember.engine.planner import format_plan, plan
 
     result = plan(engine_config_from_args(args), memory_gib=args.memory)

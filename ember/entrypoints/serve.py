@@ -15,7 +15,7 @@ import time
 
 import uvicorn
 
-from ember.engine_args import engine_config_from_args
+from ember.config.engine_args import engine_config_from_args
 from ember.errors import ConfigError
 from ember.server.launcher import VLLM_SWITCHES
 

@@ -25,7 +25,7 @@ from ember.layers import gated_delta_rule as gdr
 from ember.layers.linear import MergedColumnLinear, RowParallelLinear, copy_checked, get_tp_rank_size
 from ember.layers.norm import GatedRMSNorm
 from ember.layers.recurrent_state import RecurrentState
-from ember.model_config import ModelConfig
+from ember.config.model_config import ModelConfig
 
 
 class GatedDeltaNet(nn.Module):

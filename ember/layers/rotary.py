@@ -15,7 +15,7 @@ from torch import nn
 
 from ember.errors import UnsupportedModelError
 from ember.kernels import cpu_fused_elementwise as fused
-from ember.model_config import RopeConfig
+from ember.config.model_config import RopeConfig
 
 
 def rotary_dim(head_dim: int, rope: RopeConfig) -> int:

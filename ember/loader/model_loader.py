@@ -11,7 +11,7 @@ import torch
 
 from ember.errors import ModelLoadError
 from ember.kernels.cpu_kernels import CpuKernels
-from ember.model_config import ModelConfig
+from ember.config.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

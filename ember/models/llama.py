@@ -24,7 +24,7 @@ from ember.layers.embedding import LMHead, VocabEmbedding
 from ember.layers.linear import MergedColumnLinear, QKVLinear, RowParallelLinear, copy_checked
 from ember.layers.norm import RMSNorm
 from ember.layers.rotary import RotaryEmbedding, apply_rotary
-from ember.model_config import ModelConfig
+from ember.config.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 # FP8 KV scales (formats.md §6) -> the layer's Attention: llm-compressor "self_attn.k_scale",

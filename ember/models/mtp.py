@@ -59,7 +59,7 @@ from ember.layers.embedding import LMHead
 from ember.layers.linear import ReplicatedLinear
 from ember.layers.norm import RMSNorm
 from ember.layers.rotary import RotaryEmbedding, apply_rotary
-from ember.model_config import ModelConfig
+from ember.config.model_config import ModelConfig
 from ember.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 LAYOUTS = ("deepseek", "mimo", "qwen3_next")

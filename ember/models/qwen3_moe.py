@@ -6,7 +6,7 @@ from torch import nn
 
 from ember.errors import ModelLoadError
 from ember.layers.moe import SparseMoeBlock
-from ember.model_config import ModelConfig
+from ember.config.model_config import ModelConfig
 from ember.models.llama import LlamaForCausalLM
 
 

@@ -31,7 +31,7 @@ from ember.layers.linear import QKVLinear, ReplicatedLinear, RowParallelLinear
 from ember.layers.moe import SparseMoeBlock
 from ember.layers.norm import ZeroCenteredRMSNorm
 from ember.layers.rotary import RotaryEmbedding, apply_rotary
-from ember.model_config import LINEAR_ATTENTION, ModelConfig
+from ember.config.model_config import LINEAR_ATTENTION, ModelConfig
 from ember.models.llama import LlamaForCausalLM, LlamaMLP, embedding_method, linear_method
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ import time
 from typing import Any, AsyncIterator
 
 from ember.errors import InvalidRequestError
-from ember.reasoning import ReasoningSplitter
+from ember.structured.reasoning import ReasoningSplitter
 from ember.server.completions import vllm_prompt_logprobs
 from ember.server.logprobs import chat_logprobs
 from ember.engine.async_engine import RequestStream
@@ -22,7 +22,7 @@ from ember.server.serving import Serving, all_or_none, merged, unless_disconnect
 from ember.server.structured import structured_params
 from ember.server.tool_parser import HermesToolParser
 
-# Prompt tokens read back to see whether the template opened a reasoning block (ember.reasoning).
+# Prompt tokens read back to see whether the template opened a reasoning block (ember.structured.reasoning).
 PROMPT_TAIL_TOKENS = 64
 
 logger = logging.getLogger("ember.server")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from ember.engine.async_engine import DEFAULT_MAX_WAITING_REQUESTS
-from ember.engine_args import add_engine_args
+from ember.config.engine_args import add_engine_args
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000

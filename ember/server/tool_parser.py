@@ -18,7 +18,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from ember.reasoning import partial_suffix
+from ember.structured.reasoning import partial_suffix
 
 START = "<tool_call>"
 END = "</tool_call>"

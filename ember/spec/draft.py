@@ -107,7 +107,7 @@ class DraftModelProposer(Proposer):
                               "file; copy the target's tokenizer files into the draft folder, or pass --tokenizer DIR")
         tmc = target.model_config
         if os.path.isdir(path):  # refuse a vocabulary mismatch before loading any weights
-            from ember.model_config import ModelConfig
+            from ember.config.model_config import ModelConfig
 
             self._check_vocab(spec.model, ModelConfig.from_folder(path).vocab_size, tmc.vocab_size)
         t0 = time.perf_counter()

@@ -50,7 +50,7 @@ from tqdm import tqdm
 from ember.errors import ModelLoadError
 from ember.models.llama import load_routed
 from ember.loader import weights as weights_io
-from ember.model_config import ModelConfig
+from ember.config.model_config import ModelConfig
 from ember.models.mtp import MTPModule
 
 log = logging.getLogger(__name__)

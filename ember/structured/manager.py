@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from ember.reasoning import END as REASONING_END
-from ember.reasoning import starts_in_reasoning
+from ember.structured.reasoning import END as REASONING_END
+from ember.structured.reasoning import starts_in_reasoning
 from ember.request import Request
 
 if TYPE_CHECKING:

@@ -475,7 +475,7 @@ verifies every draft, so output stays exactly the model's.
 ## Data
 
 The model's own generations (ember, batched) on prompts from the calibration half of CPython's
-help topics (`ember.quant.calibration.pydoc_split("calib")`): {data_info.get('train_sequences')} prompts,
+help topics (`ember.train.calibration.pydoc_split("calib")`): {data_info.get('train_sequences')} prompts,
 chat requests through the model's chat template ("Explain ...", "Summarize ...", "Give an example
 of ...", questions about the section title) and {data_info.get('train_raw_sequences')} raw-text continuations;
 {data_info.get('train_greedy_sequences')} generated greedily, the others at temperature 0.7 / 0.8;

@@ -1,7 +1,7 @@
 """Training data for `ember train-mtp`: the model's own generations on offline prompts, and the
 frozen model's final-normed hidden states over them.
 
-Prompts come from CPython's help topics (ember.quant.calibration.pydoc_split: the "calib" half
+Prompts come from CPython's help topics (ember.train.calibration.pydoc_split: the "calib" half
 for training, the "eval" half held out; training snippets that repeat a paragraph of the "eval"
 half -- the topics overlap -- are dropped). Each topic is cut into snippets (paragraphs merged up to
 ~600 characters, each with the title of its section) and turned into:
@@ -299,7 +299,7 @@ def coverage(seqs: list[Sequence], draft_vocab: torch.Tensor, vocab_size: int) -
 def make_data(llm, main, tokenizer, num_prompts: int, max_new_tokens: int, seed: int, eval_prompts: int,
               progress: bool = True, teacher_batch_tokens: int = 4096) -> MTPData:
     """Prompts -> generations (llm) -> hidden states (main). Held-out sets from pydoc_split("eval")."""
-    from ember.quant.calibration import pydoc_split
+    from ember.train.calibration import pydoc_split
 
     t0 = time.perf_counter()
     eval_texts = pydoc_split("eval")

@@ -2,7 +2,7 @@
 ember.entrypoints.quantize).
 
 The source (an HF folder or a .gguf file, dequantized) is loaded dense in float32 on the CPU.
-`awq` runs the activation-aware scale and clipping search (ember.quant.awq_quantizer) on
+`awq` runs the activation-aware scale and clipping search (ember.train.awq_search) on
 calibration text first; `rtn` packs the weights by plain round-to-nearest, the baseline.
 Two defaults of `awq` go beyond AutoAWQ and keep its checkpoint format (integer zero points,
 same packing): `--clip asym` searches each group's lower and upper clip separately and snaps
@@ -34,7 +34,7 @@ GPTQ_DEFAULT = True
 
 def _source_config(path: str):
     """The source's ModelConfig, read without loading weights; refuses an already-quantized folder."""
-    from ember.model_config import ModelConfig
+    from ember.config.model_config import ModelConfig
     from ember.quant import checkpoint_quantization
 
     if os.path.isfile(path):
@@ -53,9 +53,9 @@ def quantize(model: str | None, out: str, method: str = "awq", bits: int = 4, gr
              progress: bool | None = None, clip: str = "asym", gptq: bool = GPTQ_DEFAULT) -> str:
     """Quantize `model` (None = the embedded default) into the folder `out`; returns `out`."""
     from ember.loader.model_loader import load_model, resolve_model_path
-    from ember.quant.awq_export import write_awq_folder
-    from ember.quant.awq_quantizer import CLIP_MODES, awq_search, check_quant_settings
-    from ember.quant.calibration import calibration_blocks, calibration_texts
+    from ember.train.awq_export import write_awq_folder
+    from ember.train.awq_search import CLIP_MODES, awq_search, check_quant_settings
+    from ember.train.calibration import calibration_blocks, calibration_texts
 
     if method not in METHODS:
         raise ConfigError(f"--method {method!r} is not one of {', '.join(METHODS)}")

@@ -11,7 +11,7 @@ import torch
 from ember import LLM, SamplingParams
 from ember.config import EngineConfig
 from ember.errors import ConfigError, KVCacheTooSmallError, ModelLoadError, PromptTooLongError
-from ember.model_config import ModelConfig
+from ember.config.model_config import ModelConfig
 from tests.models.tiny_models import build_hf_model, hf_greedy, random_prompt
 
 pytestmark = pytest.mark.engine  # every test here builds an engine

@@ -10,7 +10,7 @@ import torch
 
 from ember import LLM, SamplingParams
 from ember.errors import KVCacheTooSmallError
-from ember.model_config import ModelConfig
+from ember.config.model_config import ModelConfig
 from ember.spec.proposer import Draft, Proposer
 from tests.models.tiny_hybrids import VOCAB
 from tests.models.tiny_models import one_thread, random_prompt  # noqa: F401

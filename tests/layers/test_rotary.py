@@ -10,7 +10,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ember.layers.rotary import RotaryEmbedding, apply_rotary, compute_inv_freq
-from ember.model_config import ModelConfig
+from ember.config.model_config import ModelConfig
 
 BASE = dict(architectures=["Qwen3ForCausalLM"], vocab_size=100, hidden_size=64, intermediate_size=64,
             num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)

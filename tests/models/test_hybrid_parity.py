@@ -13,7 +13,7 @@ from ember.errors import ModelLoadError
 from ember.kernels.metadata import AttentionMetadata, RecurrentMetadata
 from ember.kernels.torch_attention import TorchAttentionBackend
 from ember.loader.weights import iter_safetensors
-from ember.model_config import ModelConfig
+from ember.config.model_config import ModelConfig
 from ember.models.registry import get_model_class
 from tests.models.tiny_hybrids import HYBRID_ARCHS, VOCAB, build_hybrid
 from tests.models.tiny_models import hf_greedy, one_thread, random_prompt  # noqa: F401

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from ember.config.architectures import ARCHITECTURES, GGUF_ARCHITECTURES
 from ember.errors import ModelLoadError, UnsupportedModelError
 from ember.loader.weights import iter_safetensors
-from ember.model_config import ModelConfig
+from ember.config.model_config import ModelConfig
 from ember.models.registry import get_model_class
 from tests.models.tiny_models import (PagedDriver, Seq, build_hf_model, load_ember_model, one_thread, random_prompt,
                                       save_hf_model)

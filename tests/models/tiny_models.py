@@ -17,7 +17,7 @@ import torch
 from ember.kernels.metadata import AttentionMetadata
 from ember.kernels.torch_attention import TorchAttentionBackend
 from ember.loader.weights import iter_safetensors
-from ember.model_config import ModelConfig
+from ember.config.model_config import ModelConfig
 from ember.models.registry import get_model_class
 
 VOCAB = 1000

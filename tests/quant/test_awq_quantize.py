@@ -15,13 +15,13 @@ from ember.entrypoints.cli import main
 from ember.errors import ConfigError
 from ember.loader.model_loader import load_model
 from ember.loader.tokenizer import Tokenizer
-from ember.model_config import ModelConfig
+from ember.config.model_config import ModelConfig
 from ember.models.registry import get_model_class
-from ember.quant import awq_quantizer
-from ember.quant.awq_export import write_tokenizer
+from ember.train import awq_search as awq_quantizer
+from ember.train.awq_export import write_tokenizer
 from ember.quant.awq_packing import dequantize_awq, pack_linear, pseudo_quantize, quantize_groups
-from ember.quant.awq_quantizer import Calib, ScaleGroup, apply_scale, awq_search, search_scale
-from ember.quant.calibration import calibration_blocks, pydoc_split
+from ember.train.awq_search import Calib, ScaleGroup, apply_scale, awq_search, search_scale
+from ember.train.calibration import calibration_blocks, pydoc_split
 from ember.train.quantize import quantize
 from tests.models.tiny_models import PagedDriver, Seq, one_thread, random_prompt
 

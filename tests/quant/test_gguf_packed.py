@@ -350,7 +350,7 @@ def tiny_mixed_gguf(path, arch="llama", tied=True, layers=2, experts=0):
 
 def build(path, packed: bool, dtype=torch.float32):
     from ember.loader.gguf import GGUFCheckpoint
-    from ember.model_config import ModelConfig
+    from ember.config.model_config import ModelConfig
     from ember.models.registry import get_model_class
 
     ckpt = GGUFCheckpoint(path)

@@ -94,7 +94,7 @@ def test_real_shapes_load_on_meta(key, tmp_path):
     import torch
 
     from ember.kernels.torch_attention import TorchAttentionBackend
-    from ember.model_config import ModelConfig
+    from ember.config.model_config import ModelConfig
     from ember.models.registry import get_model_class
     from ember.quant import resolve_quant_config
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ember import LLM, SamplingParams
-from ember.model_config import ModelConfig
+from ember.config.model_config import ModelConfig
 from tests.models.tiny_models import random_prompt
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

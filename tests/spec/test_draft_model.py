@@ -17,7 +17,7 @@ import torch
 from ember import SamplingParams
 from ember.config import EngineConfig
 from ember.errors import ConfigError
-from ember.model_config import ModelConfig
+from ember.config.model_config import ModelConfig
 from ember.spec.draft import DraftModelProposer
 from tests.models.tiny_models import random_prompt
 from tests.spec.spec_helpers import drafts_after_prefill, run_with_aborts, kv_gib, make_llm, run

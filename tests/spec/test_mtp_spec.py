@@ -398,7 +398,7 @@ def test_default_model_speculates_with_its_mtp_head_unless_told_not_to(tmp_path,
 
     import ember.default_model as dm
     from ember.config import EngineConfig
-    from ember.engine_args import add_engine_args, engine_config_from_args
+    from ember.config.engine_args import add_engine_args, engine_config_from_args
 
     monkeypatch.setattr(dm, "DEFAULT_MTP_DIR", str(tmp_path / "missing"))
     assert EngineConfig().speculative is None  # no head installed: no speculation

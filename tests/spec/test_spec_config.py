@@ -5,7 +5,7 @@ import argparse
 import pytest
 
 from ember.config import EngineConfig
-from ember.engine_args import add_engine_args, engine_config_from_args
+from ember.config.engine_args import add_engine_args, engine_config_from_args
 from ember.errors import ConfigError
 from ember.config.speculative import SpeculativeConfig
 

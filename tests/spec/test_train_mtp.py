@@ -64,7 +64,7 @@ def randomize(mtp: MTPModule, seed: int = 0) -> None:
 
 def test_prompts_mix_chat_and_raw_greedy_and_sampled(tiny_model_dir):
     from ember.loader.tokenizer import Tokenizer
-    from ember.quant.calibration import pydoc_split
+    from ember.train.calibration import pydoc_split
 
     tok = Tokenizer.from_folder(tiny_model_dir("llama"))
     prompts = build_prompts(tok, pydoc_split("calib"), 80, seed=3)
@@ -320,7 +320,7 @@ def test_committed_default_model_mtp_loads_and_drafts(tmp_path):
     dv = mtp.layers[0].draft_vocab
     assert dv is not None and dv.numel() == cfg["draft_vocab_size"] and mtp.layers[0].head.weight.shape[0] == dv.numel()
     # a trained draft: on held-out text, the MTP's draft at position i often is the model's token at i + 2
-    from ember.quant.calibration import pydoc_split
+    from ember.train.calibration import pydoc_split
 
     ids = torch.tensor(tok.encode(pydoc_split("eval")[3][:1200]))[:160]
     L = len(ids)

@@ -151,7 +151,7 @@ def check_peers_installed(peers: list[str]) -> None:
 
 def versus_knobs(args, knobs: dict) -> dict:
     """The command's engine knobs with --versus's engine flags on top (no speculation either)."""
-    from ember.engine_args import add_engine_args
+    from ember.config.engine_args import add_engine_args
 
     parser = argparse.ArgumentParser(prog="ember bench compare --versus")
     add_engine_args(parser, positional_model=False)

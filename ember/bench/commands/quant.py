@@ -164,7 +164,7 @@ def main(args) -> None:
 
     from ember.default_model import default_model_path
     from ember.loader.gguf import GGUFCheckpoint
-    from ember.quant.calibration import pydoc_split
+    from ember.train.calibration import pydoc_split
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)

@@ -38,7 +38,7 @@ from ember.bench.lib.markdown import describe, fmt, head
 from ember.bench.lib.prompts import load_tokenizer, ordinary_tokens
 from ember.bench.lib.servers import LaunchedServer, free_port
 from ember.bench.lib.timing import ember_batch
-from ember.engine_args import engine_args_to_words
+from ember.config.engine_args import engine_args_to_words
 from ember.errors import ConfigError
 
 logger = logging.getLogger("ember.bench")
@@ -362,7 +362,7 @@ def main(args) -> None:
     pool = None
     try:
         if args.launch:
-            from ember.engine_args import engine_config_from_args
+            from ember.config.engine_args import engine_config_from_args
 
             config = engine_config_from_args(args)  # validates the flags before anything starts
             top = max(c or 0 for c in levels)
@@ -527,7 +527,7 @@ def _sweep(args, levels: list[int | None], target: load.Target, work: Workload, 
 # -- the parser ---------------------------------------------------------------------------------------------
 
 def add_cli_args(p) -> None:
-    from ember.engine_args import add_engine_args
+    from ember.config.engine_args import add_engine_args
 
     add_engine_args(p)  # for --launch; --model / --tokenizer also name the served model / its tokenizer with --url
     g = p.add_argument_group("server")

@@ -235,7 +235,7 @@ def render(summary: dict, *, command: str, desc: dict, machine: dict, runs: int,
 def main(args) -> None:
     import torch
 
-    from ember.engine_args import engine_config_from_args
+    from ember.config.engine_args import engine_config_from_args
     from ember.errors import ConfigError
 
     if args.max_tokens < 2:

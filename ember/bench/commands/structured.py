@@ -126,7 +126,7 @@ def main(args) -> None:
     import dataclasses
     import statistics
 
-    from ember.engine_args import engine_config_from_args
+    from ember.config.engine_args import engine_config_from_args
     from ember.llm import LLM
 
     config = engine_config_from_args(args)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import shlex
 
-from ember.engine_args import add_engine_args, engine_args_to_words
+from ember.config.engine_args import add_engine_args, engine_args_to_words
 
 DEFAULT_OUTPUT = "benchmarks/cpu.md"
 

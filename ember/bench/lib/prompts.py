@@ -46,7 +46,7 @@ def prompt_seed(run: int, attempt: int, salt: int = 0) -> int:
 def held_out_prompts(tokenizer, n: int, run: int) -> list[list[int]]:
     """n chat requests from pydoc_split("eval") (the half MTP training never reads), through the model's chat
     template."""
-    from ember.quant.calibration import pydoc_split
+    from ember.train.calibration import pydoc_split
     from ember.train.mtp_data import build_prompts
 
     texts = pydoc_split("eval")
@@ -64,7 +64,7 @@ def load_tokenizer(path: str | None):
     """(tokenizer, model vocab size) of a model folder or .gguf file, without loading weights."""
     from ember.loader.model_loader import resolve_model_path
     from ember.loader.tokenizer import Tokenizer
-    from ember.model_config import ModelConfig
+    from ember.config.model_config import ModelConfig
 
     p = resolve_model_path(path)
     if os.path.isfile(p):

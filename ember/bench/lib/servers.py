@@ -49,7 +49,7 @@ def launch_plan(args) -> tuple[str, list[str], int]:
     """(the model, its `ember serve` flags, the thread count) of a command's engine flags, as a server
     launched with them runs."""
     from ember.default_model import default_model_path
-    from ember.engine_args import engine_args_to_words, engine_config_from_args
+    from ember.config.engine_args import engine_args_to_words, engine_config_from_args
 
     config = engine_config_from_args(args)
     model = str(config.model or default_model_path())

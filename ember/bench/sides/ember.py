@@ -73,7 +73,7 @@ def ember_knobs(args, num_prompts: int) -> tuple[dict, int]:
     pinned; and that thread count."""
     import torch
 
-    from ember.engine_args import engine_config_from_args
+    from ember.config.engine_args import engine_config_from_args
 
     config = engine_config_from_args(args)
     threads = config.num_threads or torch.get_num_threads()
@@ -96,7 +96,7 @@ def engine_and_peer(args, batch: int | None = None):
     when the user left it unset (capped by the step budget, as the engine requires)."""
     import torch
 
-    from ember.engine_args import engine_config_from_args
+    from ember.config.engine_args import engine_config_from_args
     from ember.llm import LLM
 
     config = engine_config_from_args(args)

@@ -94,7 +94,7 @@ def tp_quantization(requested: str | None, model: str | None) -> str:
 def model_config_for(model: str | None):
     """(ModelConfig, AWQ group size or None) of a model argument, without loading weights."""
     from ember.loader.model_loader import resolve_model_path
-    from ember.model_config import ModelConfig
+    from ember.config.model_config import ModelConfig
     from ember.quant import checkpoint_quantization
 
     path = resolve_model_path(model)

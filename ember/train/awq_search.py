@@ -33,7 +33,7 @@ from ember.errors import ConfigError
 from ember.kernels.metadata import AttentionMetadata
 from ember.layers.activation import silu_and_mul
 from ember.layers.moe import SparseMoeBlock
-from ember.model_config import ModelConfig
+from ember.config.model_config import ModelConfig
 from ember.quant.awq_packing import pseudo_quantize, quantize_groups
 
 log = logging.getLogger(__name__)

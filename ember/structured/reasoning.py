@@ -17,9 +17,11 @@ A leaf module: plain strings, no engine, no server.
 """
 from __future__ import annotations
 
+from ember.config.groups import REASONING_PARSERS as PARSERS
+from ember.config.groups import check_reasoning_parser
+
 START = "<think>"
 END = "</think>"
-PARSERS = ("qwen3", "deepseek_r1")
 
 _UNDECIDED, _REASONING, _CONTENT = "undecided", "reasoning", "content"
 
@@ -42,13 +44,6 @@ def starts_in_reasoning(parser: str, prompt_text: str) -> bool | None:
     return True if parser == "deepseek_r1" else None
 
 
-def check_parser(name: str | None) -> None:
-    from ember.errors import ConfigError
-
-    if name is not None and name not in PARSERS:
-        raise ConfigError(f"--reasoning-parser {name!r} is not one ember has; use one of {', '.join(PARSERS)}")
-
-
 def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest tail of text that is a proper prefix of tag."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
@@ -59,7 +54,7 @@ def partial_suffix(text: str, tag: str) -> int:
 
 class ReasoningSplitter:
     def __init__(self, parser: str, prompt_text: str = ""):
-        check_parser(parser)
+        check_reasoning_parser(parser)
         begins = starts_in_reasoning(parser, prompt_text)
         self._state = _UNDECIDED if begins is None else (_REASONING if begins else _CONTENT)
         self._opened = False  # a leading <think> in the output has been consumed
