@@ -85,6 +85,7 @@ def test_mtp_layers_count_with_speculative_tokens(tmp_path):
     assert spec.kv_bytes_per_token == 2 * 81 * 8 * 128 * 2 and spec.kv_layers == 81
 
 
+@pytest.mark.slow
 def test_default_model_by_hand():
     """SmolLM2-135M (Q4_1 GGUF): 30 layers, 3 kv heads of 64, hidden 576, intermediate 1536, vocab 49152.
     The engine speculates with the default model's MTP head unless told not to: one more KV layer."""

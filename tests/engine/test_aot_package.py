@@ -62,6 +62,7 @@ def test_tensors_are_found_by_path_wherever_the_model_keeps_them():
         assert found[aot_package._same_tensor(aot_package._resolve(toy, path))] == path
 
 
+@pytest.mark.slow
 def test_a_package_runs_on_the_weights_of_the_model_it_is_loaded_for(tmp_path):
     """Built on one model, loaded for another of the same structure (a later process): the output is
     the second model's, so no weight was baked into the package."""

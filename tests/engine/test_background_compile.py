@@ -175,6 +175,7 @@ def _fake_compiler(tmp_path) -> str:
 
 
 @pytest.mark.parametrize("how", ["sigterm", "sigkill"])
+@pytest.mark.slow
 def test_the_compile_guard_ends_a_dead_engines_compilers(tmp_path, how):
     """A plain script has no SIGTERM handler (no atexit runs), and SIGKILL allows none: the compile
     guard process ends the compilers the engine left, then itself."""

@@ -107,6 +107,7 @@ def test_ember_compile_fills_the_cache_that_a_later_process_loads(tiny_model_dir
     assert seen["at_start"] == 1  # a size this machine built before is loaded before the engine serves
 
 
+@pytest.mark.slow
 def test_larger_batch_sizes_wait_until_a_step_could_use_them(monkeypatch):
     """Batch 1 compiles at once; batch 2 waits while one request runs (its trace would slow that
     request's steps) and goes when two are in the engine; batch 4 then waits until four are, or the

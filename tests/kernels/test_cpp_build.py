@@ -62,6 +62,7 @@ def wrappers_running() -> list[str]:
     return [line for line in out.splitlines() if "pgrep" not in line]
 
 
+@pytest.mark.slow
 def test_two_processes_starting_at_once_build_once_and_both_run(kernel):
     src, env = kernel
     procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(src)], env=env, stdout=subprocess.PIPE,
@@ -76,6 +77,7 @@ def test_two_processes_starting_at_once_build_once_and_both_run(kernel):
     assert again.stdout.strip() == "[2.0, 2.0]" and "building" not in again.stderr and compiles(src) == 1
 
 
+@pytest.mark.slow
 def test_a_build_whose_owner_is_killed_leaves_no_compiler_and_the_next_start_builds(kernel):
     src, env = kernel
     owner = subprocess.Popen([sys.executable, "-c", CHILD, str(src)], env=dict(env, STALL="1"),

@@ -81,6 +81,7 @@ def test_config(ckpt):
     assert 90e6 < ckpt.tensor_bytes < os.path.getsize(ckpt.path)
 
 
+@pytest.mark.slow
 def test_weights_match_transformers(ckpt, hf_state):
     names = [
         "model.embed_tokens.weight",
@@ -117,6 +118,7 @@ def test_llama_qk_rows_are_unpermuted(ckpt):
 # ---- broken files ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_fast_string_and_scalar_arrays_read_what_the_stock_reader_reads(model_file, tmp_path):
     """ember's reader takes a faster path for arrays (tokens, merges, token types); every field and tensor
     is what gguf's own GGUFReader makes of the same file: the default model, and a file gguf's writer
@@ -401,6 +403,7 @@ def _tokenizer_meta(ck):
 
 
 @pytest.mark.parametrize("pre", ["llama-bpe", "qwen2"])
+@pytest.mark.slow
 def test_byte_level_pre_tokenizers_match_transformers(ckpt, tmp_path, pre):
     """The default model's vocabulary under the Llama 3 and Qwen2 split patterns."""
     meta, tensors = tiny_model("llama", layers=1, vocab=49152, hidden=32)

@@ -44,6 +44,7 @@ def hf_tok(model_file):
     )
 
 
+@pytest.mark.slow
 def test_ids_match_transformers(tok, hf_tok):
     for text in TEXTS:
         assert tok.encode(text) == hf_tok(text)["input_ids"], text

@@ -445,6 +445,7 @@ def reference_logits(default_model, one_thread):
     return _last_logits(build(default_model.path, False), default_model.tokenizer(), PROMPTS)
 
 
+@pytest.mark.slow
 def test_default_model_packed_fp32_logits_match_dequantized(default_model, reference_logits):
     from ember.loader.model_loader import resident_weight_bytes
 
@@ -458,6 +459,7 @@ def test_default_model_packed_fp32_logits_match_dequantized(default_model, refer
     assert resident_weight_bytes(packed) < 1.35 * default_model.tensor_bytes
 
 
+@pytest.mark.slow
 def test_default_model_packed_bf16_is_as_close_to_fp32_as_dense_bf16(default_model, reference_logits):
     errors = {}
     for packed in (True, False):

@@ -94,6 +94,7 @@ def test_unknown_choice_lists_the_choices(tmp_path):
         resolve_quant_config("int4", str(tmp_path), {})
 
 
+@pytest.mark.slow
 def test_gguf_auto_dequantizes_for_float32_on_cpu_and_gguf_forces_packing():
     """torch's CPU int4 kernel is fast in bf16 only: auto keeps a float32 run dense unless the tiled
     GEMV runs float32 here (its AVX2 build), gguf still packs."""

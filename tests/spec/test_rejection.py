@@ -2,6 +2,7 @@
 tokens distributed exactly as the target (chi-square on a tiny vocabulary); seeds reproduce."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ember.layers.sampler import Sampler, SamplingRow, make_generator
@@ -105,6 +106,7 @@ def _run(params, with_probs: bool, seed: int):
     return emitted(logits, reqs), p, q
 
 
+@pytest.mark.slow
 def test_sampled_tokens_follow_the_target_exactly():
     """Position 1 is always emitted and ~p_1; position 2, when emitted, is ~p_2 (lossless)."""
     for params in (SamplingParams(temperature=0.9), SamplingParams(temperature=1.3, top_k=4, top_p=0.9)):
