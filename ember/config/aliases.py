@@ -21,11 +21,11 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 # vLLM's kernel-specific quantization names -> the weight format ember loads
 QUANTIZATION_ALIASES = {"awq_marlin": "awq"}
 # other engines' attention backend names -> ember's: "gpu" = its GPU kernels (triton) on CUDA, the cpu
-# backend on CPU. flash2: the split-KV decode kernel's name in the seeds; flashinfer / fa3: SGLang's and
+# backend on CPU. flash2: an older guide's name for a split-KV decode kernel; flashinfer / fa3: SGLang's and
 # vLLM's GPU backends (ember.config.attention resolves "gpu" and logs the note)
 ATTENTION_BACKEND_ALIASES = {"flash2": "gpu", "flashinfer": "gpu", "fa3": "gpu", "flash_attn": "gpu",
                              "torch_native": "torch"}
-# --speculative-model values that mean "the model's own MTP layers" (older vLLM and the seeds)
+# --speculative-model values that mean "the model's own MTP layers" (older vLLM and older guides)
 SPEC_MODEL_MTP = ("mtp", "[mtp]", "deepseek_mtp", "qwen3_next_mtp", "qwen3_5_mtp")
 # speculative_config["method"] spellings -> ember's method; vLLM's older per-family MTP names
 # (deepseek_mtp, qwen3_next_mtp, mimo_mtp, ...) all end in SPEC_METHOD_MTP_SUFFIX

@@ -5,8 +5,8 @@
           attention for decodes and verifies, flash-style causal attention for bf16 prefill)
   triton  the GPU kernels; on CPU only under TRITON_INTERPRET=1 (how the tests run them)
   auto    triton on CUDA (when triton is installed), cpu on CPU, else torch
-Other engines' names are accepted with a note (ATTENTION_BACKEND_ALIASES): flash2 (the seeds' name
-for a split-KV decode kernel), flashinfer, fa3 and flash_attn mean triton on CUDA and cpu on CPU;
+Other engines' names are accepted with a note (ATTENTION_BACKEND_ALIASES): flash2 (an older guide's
+name for a split-KV decode kernel), flashinfer, fa3 and flash_attn mean triton on CUDA and cpu on CPU;
 torch_native (SGLang) means torch.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """SpeculativeConfig: every spelling of "speculate" (vLLM's JSON, its flags, --enable-mtp) as one value.
 
-Spellings accepted, as vLLM and the seeds write them:
+Spellings accepted, as vLLM and older launch guides write them:
   --speculative-config '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'
   --speculative-model ngram --num-speculative-tokens 3
   --speculative-model DIR --num-speculative-tokens 3      (a draft model, or MTP layers: see below)

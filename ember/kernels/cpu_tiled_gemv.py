@@ -1,8 +1,8 @@
 """x @ W^T on CPU over 4- and 8-bit affine weights, in row tiles (cpu_tiled_gemv.cpp).
 
-Why: batch-1 decode is nothing but GEMVs over the packed weights. torch's CPU int4 kernel
-(aten._weight_int4pack_mm_for_cpu) moves the default model's 30 layers of Q4_1 weights at
-~22 GB/s on 2 Zen4 cores, ~3.5 ms of a 6 ms token. This kernel keeps 16 output rows in the
+Why: batch-1 decode is nothing but GEMVs over the packed weights, and torch's CPU int4 kernel
+(aten._weight_int4pack_mm_for_cpu) leaves much of the memory bandwidth unused (docs/tuning.md,
+"CPU kernels", has the figures of each step below). This kernel keeps 16 output rows in the
 16 float32 lanes of an AVX-512 register: a bf16 dot instruction (vdpbf16ps) multiplies 16 rows'
 codes at two inputs by a broadcast pair of x, with no dequantized weight and no horizontal
 sums; a group's scale and offset are applied once per 16 x 32 tile. Numerics: the codes and
@@ -18,18 +18,14 @@ runs in float32, the same tiles serve a float32-x build that multiplies in integ
 32 inputs of x is held as int16 steps of the group's largest |x| (rounding moves an x by at most
 2^-16 of that: finer than the bf16 x of the AVX-512 build), codes times those are summed exactly in
 int32 with vpmaddwd (16 products an instruction), and the group's scale, step and offset apply in
-float32. Measured on 2 Zen3 cores against the exact-float32 build it replaced (codes spread to
-float32 and FMA'd with a broadcast x, compute-bound at ~4 MACs a cycle): a hot 3072x576 GEMV 0.059
--> ~0.040 ms, 2 rows 0.075 -> ~0.050 ms; the default model's 121 decode GEMVs 5.4 -> ~4.5 ms;
-greedy output on 12 held-out chat prompts x 200 tokens identical, top-5 logprobs within 0.0032
-(median 0.0002). (Its first form, one step per row of x, moved logits by up to 0.07.)
+float32. It replaced an exact-float32 build (codes spread to float32 and FMA'd with a broadcast x,
+compute-bound) at the same greedy output and top-5 logprobs within a few thousandths; one step per
+row of x (its first form) moved logits too much.
 From 16 rows of x (prefill, batched decode) that build widens each tile's codes to int16 once and
 runs 3 rows of x a pass against them with 6 registers of int32 sums (the few-row loop re-widens
-per 4 rows and spills). Same products, same epilogue: the same bits as the few-row path. Measured
-on 2 Zen3 cores against MKL's float32 GEMM over the dequantized weight (ms): 3072x576 at 16 / 64 /
-512 / 2048 rows 0.29 / 1.02 / 8.0 / 33.4 against 0.61 / 1.61 / 11.0 / 39.7 (~215-228 GFLOP/s; vpmaddwd
-issues 2 a cycle here, the adds beside it take the rest); 576x1536 0.15 / 0.54 / 4.2 / 17.2 against
-0.32 / 0.80 / 4.9 / 19.0. So the AVX2 build serves every row count and needs no dense copy.
+per 4 rows and spills). Same products, same epilogue: the same bits as the few-row path. It beats
+MKL's float32 GEMM over the dequantized weight at every row count measured, so the AVX2 build serves
+every row count and needs no dense copy.
 Many rows in the bf16 build (gemm_q8; CPUs with AVX-512 VNNI and VBMI: Zen4, Sapphire Rapids): from
 TILED_Q8_MIN_ROWS (ember.quant.gemm_dispatch) rows of x (prefill, batched decode), each group of 32 inputs of a row is rounded to int8
 steps of the group's largest |x| (step = max|x| / 127: llama.cpp's Q8 activation blocks, which its
@@ -38,10 +34,9 @@ int8 steps exactly in int32, 64 products an instruction (vdpbf16ps: 32); scale *
 step * sum(q) apply per group in float32. One vpermb per 64 tile bytes turns the tile's pairs into
 the 4-code lanes vpdpbusd takes, so the layout is the GEMV's and no dense copy is needed. The
 float32 epilogue per group (convert, scale, two FMAs against 8 vpdpbusd) shares their pipes: ~65%
-of the int8 peak. Measured on 2 Zen4 cores (ms; oneDNN's bf16 GEMM over a dense copy / gemm_q8):
-3072x576 at 16 rows 0.34 / 0.16, 64 rows 0.68 / 0.46, 2048 rows 18.9 / 15.2; the 49152x576 Q8_0
-LM head at 64 rows 17.7 / 9.5. Numerics: the default model's perplexity on held-out pydoc text
-14.919 -> 14.964 (+0.3%), where a per-row (not per-group) int8 x gave +2.3%.
+of the int8 peak. It beats oneDNN's bf16 GEMM over a dense copy at every row count measured.
+Numerics: the default model's perplexity on held-out text moves +0.3% (a per-row, not per-group,
+int8 x moved it +2.3%).
 `x_dtype()` says which x this machine's build takes (None: neither),
 `available()` whether it also built, `has_q8()` whether the int8-x path is there. Built like the attention kernel (ember.kernels.cpp_build).
 Which path a step takes by its row count (TILED_Q8_MIN_ROWS and the GEMV's max rows) is

@@ -52,9 +52,9 @@ DEFAULT_LAUNCH_LEVELS = [1, 8, 32]
 LEVEL_SEED = 1_000  # each (run, level) draws prompts of its own
 WARMUP_SEED = 90_000
 CALIBRATION_SEED = 77_777
-THROUGHPUT_RATIO_BAR = 0.8
-TTFT_BAR_CONCURRENCY = 8
-TTFT_BAR_MS = 1000.0
+MIN_SERVER_OVER_OFFLINE_THROUGHPUT = 0.8
+TTFT_JUDGED_AT_CONCURRENCY = 8
+MAX_TTFT_P50_MS = 1000.0
 
 HEADER = ("# ember serving benchmarks\n\n"
           "Written by `ember bench serve`; each section (one per server label) is rewritten only by its own run. "
@@ -215,16 +215,16 @@ def judge_bars(result: dict) -> list[dict]:
         c = top["max_concurrency"]
         ratios = [r["stats"]["output_throughput"] / o["output_throughput"] for r, o in zip(top["runs"], off["runs"])]
         got = _med(ratios)
-        bars.append({"text": f"server output tok/s at concurrency {c} >= {THROUGHPUT_RATIO_BAR:.0%} of offline "
+        bars.append({"text": f"server output tok/s at concurrency {c} >= {MIN_SERVER_OVER_OFFLINE_THROUGHPUT:.0%} of offline "
                              f"LLM.generate (same prompts count and lengths, same engine flags; median of per-run ratios)",
                      "measured": got, "shown": f"{got:.0%} ({fmt(top['median']['output_throughput'])} / "
                                                f"{fmt(off['median']['output_throughput'])} tok/s)",
-                     "result": "PASS" if got >= THROUGHPUT_RATIO_BAR else "FAIL"})
-    at8 = next((lv for lv in levels if lv["max_concurrency"] == TTFT_BAR_CONCURRENCY), None)
+                     "result": "PASS" if got >= MIN_SERVER_OVER_OFFLINE_THROUGHPUT else "FAIL"})
+    at8 = next((lv for lv in levels if lv["max_concurrency"] == TTFT_JUDGED_AT_CONCURRENCY), None)
     if at8 is not None:
         got = at8["median"]["ttft_ms"]["p50"]
-        ok = got is not None and got < TTFT_BAR_MS and at8["median"]["failed"] == 0
-        bars.append({"text": f"TTFT p50 at concurrency {TTFT_BAR_CONCURRENCY} < {TTFT_BAR_MS / 1000:g} s "
+        ok = got is not None and got < MAX_TTFT_P50_MS and at8["median"]["failed"] == 0
+        bars.append({"text": f"TTFT p50 at concurrency {TTFT_JUDGED_AT_CONCURRENCY} < {MAX_TTFT_P50_MS / 1000:g} s "
                              f"({result['input_len']}-token prompts)",
                      "measured": got, "shown": f"{fmt(got)} ms", "result": "PASS" if ok else "FAIL"})
     return bars

@@ -2,14 +2,14 @@
 
 Why whole decode steps: on 2 CPU cores a third of an eager decode step is framework overhead;
 inductor (mode max-autotune-no-cudagraphs; freezing for dense weights: auto_freezing)
-removes most of it (DESIGN.md: 115-125 -> 138-162 tok/s at the default model's shape).
+removes most of it (docs/tuning.md, "Executor", has the figures).
 
 Two ways to build a graph, one contract (`ready`: a callable per (size, q_len)):
 - unfrozen (every quantized model, the default one included): an AOTInductor package per shape
   (ember.engine.executor.aot_package), exported once per machine and loaded by later processes in
   milliseconds, bound to the model's own tensors; it is called with no guards at all.
 - frozen (dense weights folded into the graph, which a package would copy) or a shape whose export
-  fails: torch.compile of `_forward`, persisted in torch's own caches (~8 s a graph to load).
+  fails: torch.compile of `_forward`, persisted in torch's own caches (seconds a graph to load).
 
 Shapes: each compile size is one static graph, so a decode batch of B sequences is padded to the
 next size (ember.engine.executor.decode_batch). The block-table width is the one dynamic dimension a step
@@ -22,8 +22,8 @@ adaptive k every 1 + k is compiled), steps with a RowSelection and batches above
 The MTP's fill and its layer-0 draft steps run in a CompiledExecutor of their own (row_inputs: the
 hidden states; see MTPProposer.prepare).
 
-Guards (torch.compile only): dynamo checks ~7,000 guards (every module attribute and parameter the
-forward touched) before each call, 1.3 ms of an 8 ms batch-1 step on the default model. The
+Guards (torch.compile only): dynamo checks thousands of guards (every module attribute and parameter
+the forward touched) before each call, a sizeable share of a batch-1 step (docs/tuning.md). The
 executor already fixes every shape but the table width, so after warmup it calls dynamo's
 transformed bytecode of `_forward` (captured with a bytecode hook, one per size) directly, with no
 guard evaluation, as vLLM's custom dispatcher does. Each size's direct call is checked bit for bit
