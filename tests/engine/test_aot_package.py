@@ -3,6 +3,8 @@
 its graph depends on, and a broken one is refused with a message rather than run."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -111,3 +113,11 @@ def test_the_key_covers_shape_executor_and_model():
               aot_package.package_path("model-a", "compiled executor", (1, 2), {"mode": "m"}),
               aot_package.package_path("model-a", "compiled executor", (1, 1), {"mode": "n"})}
     assert base not in others and len(others) == 4
+
+
+def test_the_source_digest_covers_the_whole_package():
+    """A package's key hashes every traced ember source: a module move once left it hashing engine/ alone."""
+    import ember
+
+    assert aot_package.ROOT == Path(ember.__file__).resolve().parent
+    assert (aot_package.ROOT / "layers" / "linear.py").is_file() and (aot_package.ROOT / "kernels").is_dir()

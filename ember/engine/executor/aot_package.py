@@ -31,9 +31,10 @@ from pathlib import Path
 
 import torch
 
+import ember
 from ember.errors import EmberError
 
-ROOT = Path(__file__).resolve().parents[1]  # the ember package
+ROOT = Path(ember.__file__).resolve().parent  # the ember package (not a path relative to this module's)
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))  # _parameters, _buffers, _modules, hooks, training
 
 

@@ -38,6 +38,8 @@ from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
+
+import ember
 import torch.distributed as dist
 
 from ember.distributed import comm, parallel_state
@@ -94,7 +96,7 @@ class TensorParallelGroup:
     def _spawn(self, config, device, store) -> None:
         env = dict(os.environ)
         # The child imports the same ember as this process, installed or not.
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        root = os.path.dirname(os.path.dirname(os.path.abspath(ember.__file__)))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         blob = pickle.dumps(config)
         for rank in range(1, self.world_size):
