@@ -146,6 +146,16 @@ FAKE_CHILD = textwrap.dedent("""
 """)
 
 
+def _name(p) -> str | None:
+    """A process's name, or None once it has exited (a compiler can end between listing and asking)."""
+    import psutil
+
+    try:
+        return p.name()
+    except psutil.Error:
+        return None
+
+
 def _descendants(pid: int) -> list:
     import psutil
 
@@ -248,7 +258,7 @@ def test_a_real_compile_killed_midway_leaves_nothing_behind(tiny_model_dir, tmp_
     try:
         assert child.stdout.readline().strip() == "serving"  # start-up did not wait for the compile
         deadline, seen = time.time() + 300, []
-        while time.time() < deadline and not any(p.name() in COMPILERS for p in seen):
+        while time.time() < deadline and not any(_name(p) in COMPILERS for p in seen):
             seen = _compile_processes(child.pid)
             time.sleep(0.1)
         assert seen, "no compiler appeared"

@@ -14,7 +14,6 @@ from ember.engine.executor.base import graph_query_lens, resolve_executor
 from ember.errors import ConfigError
 from ember.kernels.metadata import AttentionMetadata
 from ember.kernels.torch_attention import TorchAttentionBackend
-from ember.kernels.triton_backend import TritonAttentionBackend
 from ember.layers.attention import write_kv_cache
 from tests.engine.test_engine import make_llm
 from tests.models.tiny_models import load_ember_model, one_thread, random_prompt  # noqa: F401  (fixture)
@@ -120,14 +119,23 @@ def test_padded_fixed_shape_step_leaves_real_rows_alone(tiny_model_dir):
 
 # ---- flags and refusals -------------------------------------------------------------------------------
 
+class _GpuBackend:
+    """What resolve_executor reads of a GPU backend (importing the Triton one here would build its
+    kernels before tests/kernels sets TRITON_INTERPRET)."""
+
+    graph_devices = ("cuda",)
+
+
+GPU_BACKEND = _GpuBackend()
+
 def test_executor_resolution_and_refusals():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_executor(EngineConfig(), cpu) == "eager"
     # CUDA: graphs by default with a GPU attention backend, never over the torch reference
     assert resolve_executor(EngineConfig(), cuda, backend=TorchAttentionBackend()) == "eager"
-    assert resolve_executor(EngineConfig(), cuda, backend=TritonAttentionBackend()) == "cuda-graph"
+    assert resolve_executor(EngineConfig(), cuda, backend=GPU_BACKEND) == "cuda-graph"
     assert resolve_executor(EngineConfig(attention_backend="torch"), cuda, backend=TorchAttentionBackend()) == "eager"
-    assert resolve_executor(EngineConfig(tensor_parallel_size=2), cuda, backend=TritonAttentionBackend()) == "eager"
+    assert resolve_executor(EngineConfig(tensor_parallel_size=2), cuda, backend=GPU_BACKEND) == "eager"
     with pytest.raises(ConfigError, match="does not run under --tensor-parallel-size 2"):
         resolve_executor(EngineConfig(executor="compiled", tensor_parallel_size=2), cpu)
     assert resolve_executor(EngineConfig(executor="cuda-graph"), cuda) == "cuda-graph"

@@ -31,10 +31,9 @@ from pathlib import Path
 
 import torch
 
-import ember
 from ember.errors import EmberError
 
-ROOT = Path(ember.__file__).resolve().parent  # the ember package (not a path relative to this module's)
+ROOT = Path(__file__).resolve().parents[2]  # the ember package (this module is ember/engine/executor/)
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))  # _parameters, _buffers, _modules, hooks, training
 
 

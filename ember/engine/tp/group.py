@@ -36,10 +36,10 @@ import threading
 import time
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 
-import ember
 import torch.distributed as dist
 
 from ember.distributed import comm, parallel_state
@@ -96,7 +96,7 @@ class TensorParallelGroup:
     def _spawn(self, config, device, store) -> None:
         env = dict(os.environ)
         # The child imports the same ember as this process, installed or not.
-        root = os.path.dirname(os.path.dirname(os.path.abspath(ember.__file__)))
+        root = str(Path(__file__).resolve().parents[3])  # the folder that holds ember/ (this is ember/engine/tp/)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         blob = pickle.dumps(config)
         for rank in range(1, self.world_size):
