@@ -83,12 +83,18 @@ ENGINE_FIXTURES = {
     "plain", "reference", "references", "long_ref", "tiny_data",  # tests/engine, tests/spec: reference runs
     "one_model_load",  # tests/bench/test_bench_cli.py: the default model's engines for `ember bench`
 }
+# fixtures that load the default model into transformers (seconds each): their tests are `slow`
+SLOW_FIXTURES = {"hf_state", "hf_tok"}  # tests/loader/test_gguf.py, tests/loader/test_tokenizer.py
+
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())):
+        used = set(getattr(item, "fixturenames", ()))
+        if ENGINE_FIXTURES & used:
             item.add_marker(pytest.mark.engine)
+        if SLOW_FIXTURES & used:
+            item.add_marker(pytest.mark.slow)
 
 
 _engine_built = {"guarded": False, "by_this_test": False}

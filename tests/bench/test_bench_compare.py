@@ -124,6 +124,7 @@ def test_matrix_adds_the_compiled_row_only_when_the_flag_exists(monkeypatch):
     assert last["compilation_config"] == {"compile_sizes": [1]}
 
 
+@pytest.mark.slow
 def test_a_side_in_its_own_process():
     from ember.bench.sides.worker import RemoteSide
 

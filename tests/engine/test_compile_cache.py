@@ -164,6 +164,7 @@ def test_steps_take_one_thread_while_a_job_compiles():
         torch.set_num_threads(before)
 
 
+@pytest.mark.slow
 def test_ember_compile_says_when_there_is_nothing_to_compile(tiny_model_dir):
     out = subprocess.run([sys.executable, "-m", "ember.entrypoints.cli", "compile", tiny_model_dir("llama"),
                           "--executor", "eager"], env=dict(os.environ, PYTHONPATH=os.getcwd()),

@@ -303,6 +303,7 @@ def test_cli_writes_a_loadable_folder_with_a_readme_and_resumes(tiny_model_dir, 
 
 # ---- the committed folder for the default model ----------------------------------------------------------------
 
+@pytest.mark.slow
 def test_committed_default_model_mtp_loads_and_drafts(tmp_path):
     from ember.default_model import default_model_path
     from ember.loader.model_loader import load_model
