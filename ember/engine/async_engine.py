@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ember.request import Request
 from ember.errors import ConfigError, EmberError, EngineDeadError, ServerOverloadedError

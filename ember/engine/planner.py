@@ -13,7 +13,7 @@ V vocab, G the AWQ group size, b the activation dtype's bytes:
   KV per token 2 x layers x kv heads per device x D x kv bytes (kv bytes = b, or 1 for fp8), with
                kv heads per device = max(1, Hkv / N) and layers + MTP layers
                (num_nextn_predict_layers / mtp_num_hidden_layers, of the config or of a separate
-               MTP folder) when speculative tokens > 0. The engine sizes its pool the same way
+               MTP folder) when the engine would speculate with MTP. The engine sizes its pool the same way
                with the MTP layers its proposer loaded (each one more KV layer, same blocks).
   activations  max_num_batched_tokens x (2H + (2 Hq + 2 Hkv) D / N + 3 I' / N) x b    (residual and
                hidden, qkv, attention output, gate_up and its product; I' = max(I, moe_I x top-k))
@@ -66,11 +66,8 @@ def kv_heads_per_device(mc: ModelConfig, tp: int = 1) -> int:
     return max(1, -(-mc.num_kv_heads // tp))
 
 
-def kv_bytes_per_token(mc: ModelConfig, elem_bytes: int, tp: int = 1, num_speculative_tokens: int = 0,
-                       num_mtp_layers: int | None = None) -> int:
-    """num_mtp_layers: MTP layers speculation adds (None: the config's, when num_speculative_tokens > 0)."""
-    if num_mtp_layers is None:
-        num_mtp_layers = mtp_layers(mc) if num_speculative_tokens > 0 else 0
+def kv_bytes_per_token(mc: ModelConfig, elem_bytes: int, tp: int = 1, num_mtp_layers: int = 0) -> int:
+    """num_mtp_layers: the MTP layers speculation adds (each one more KV layer)."""
     layers = mc.num_kv_layers + num_mtp_layers
     return 2 * layers * kv_heads_per_device(mc, tp) * mc.head_dim * elem_bytes
 

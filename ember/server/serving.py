@@ -12,7 +12,7 @@ from typing import Any, AsyncIterator
 
 from ember.engine.admission import out_of_vocabulary
 from ember.engine.async_engine import AsyncLLMEngine, RequestDelta, RequestStream
-from ember.errors import EmberError, InvalidRequestError, ModelNotFoundError, ParamError
+from ember.errors import InvalidRequestError, ModelNotFoundError, ParamError
 from ember.sampling import SamplingParams
 from ember.structured_params import StructuredOutputsParams
 from ember.server.logprobs import TokenText

@@ -10,7 +10,7 @@ import json
 
 import xgrammar as xgr
 
-from ember.errors import GrammarError, InvalidRequestError, UnenforcedKeywordError
+from ember.errors import GrammarError, UnenforcedKeywordError
 from ember.structured.schema_check import prepare_schema
 from ember.structured_params import StructuredOutputsParams
 

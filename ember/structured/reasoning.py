@@ -17,7 +17,6 @@ A leaf module: plain strings, no engine, no server.
 """
 from __future__ import annotations
 
-from ember.config.groups import REASONING_PARSERS as PARSERS
 from ember.config.groups import check_reasoning_parser
 
 START = "<think>"

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from ember import SamplingParams
-from ember.engine.executor import cuda_graph as cuda_graph_executor
 from ember.engine.executor.cuda_graph import CUDAGraphExecutor
 from tests.engine.test_engine import make_llm
 from tests.engine.test_step_executor import outputs

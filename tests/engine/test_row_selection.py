@@ -1,5 +1,4 @@
 """The last layer restricted to the logit rows gives exactly those rows of the full forward."""
-import copy
 
 import pytest
 import torch
