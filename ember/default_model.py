@@ -39,9 +39,8 @@ DEFAULT_MTP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "asse
 # k_max for it: benchmarks/spec.md measured k = 1 fastest (1.22x / 1.20x at temperature 0 / 0.8; k = 2, 3
 # and adaptive up to 3 were 1.02-1.21x); adaptive k still stops drafting for a request it does not pay.
 DEFAULT_MTP_TOKENS = 1
-# ...and drafts nothing in steps with this many running requests or more. Measured (2 Zen4 cores,
-# 8 chat prompts, 128 greedy tokens each, eager), MTP k=1 / no speculation, total tok/s: batch 1
-# 112.9 / 93.6 (1.21x), 2: 153.2 / 166.0 (0.92x), 4: 234.1 / 263.4 (0.89x), 8: 299.2 / 364.0 (0.82x).
+# ...and drafts nothing in steps with this many running requests or more: drafting loses from batch 2
+# on CPU (docs/tuning.md, speculation).
 DEFAULT_MTP_DISABLE_BY_BATCH_SIZE = 2
 
 

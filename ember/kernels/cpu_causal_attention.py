@@ -3,20 +3,16 @@ kernel, else blocked GEMMs.
 
 The C++ kernel (cpu_causal_attention.cpp, needs AVX512-BF16): scores, online softmax and P V
 per 32-key tile with bf16 dot-product instructions, nothing of size queries x keys in memory,
-one call per sequence and layer. Measured on 2 Zen4 cores, 9/3 heads x 64, a throughput-bench
-prefill chunk's 7 prompts of 136-432 tokens x 30 layers: 72-85 ms against 176-221 ms for the
-GEMM path below. Numerics: float32 scores from exact bf16 products, float32 softmax, the
+one call per sequence and layer; ~2.4x the GEMM path below on a prefill chunk (docs/tuning.md,
+CPU kernels). Numerics: float32 scores from exact bf16 products, float32 softmax, the
 probabilities rounded to bf16 for P V (as the GEMM path's bf16 softmax output), float32
 accumulation; max error against float64 attention ~half a bf16 ulp of the output.
 
-The GEMM path (the fallback, and for fp16): torch's CPU flash kernel (SDPA) reaches ~140 GFLOP/s
-at head_dim 64 in bf16 on AVX512-BF16, while oneDNN's plain bf16 GEMM reaches ~600-800 at the
-same shapes. So for each block of BLOCK_QUERIES queries and each kv head: scores = Q_blk
+The GEMM path (the fallback, and for fp16): torch's CPU flash kernel (SDPA) reaches a fraction of
+what oneDNN's plain bf16 GEMM does at head_dim 64 in bf16 (docs/tuning.md). So for each block of BLOCK_QUERIES queries and each kv head: scores = Q_blk
 K[:end]^T (one GEMM, the G query heads of the kv head stacked as rows, so K/V are never
 repeated for GQA), a causal mask on the diagonal block only, softmax, then P V[:end] (one GEMM).
-Blocks skip the keys after their last query, so the causal half is never computed. Measured on
-2 Zen4 cores, 9/3 heads x 64: 2048 tokens 12.7 vs 34.0 ms, 512 tokens 1.5 vs 3.6 ms, a
-1024-token chunk over a 1024-token prefix 8.8 ms vs 27 ms (fp32 SDPA with a mask). Its numerics
+Blocks skip the keys after their last query, so the causal half is never computed. Its numerics
 are those of eager bf16 attention (HF's "eager" path): scores rounded to bf16 after an
 fp32-accumulated GEMM, softmax computed in fp32 inside torch's bf16 kernel. Relative error
 against fp32 attention ~4e-3 (SDPA bf16: ~2e-3).
@@ -27,7 +23,7 @@ import torch
 
 from ember.kernels.cpp_build import build
 
-BLOCK_QUERIES = 128  # 64..256 measured within 15% of each other at 1-4K tokens; 128 best overall
+BLOCK_QUERIES = 128  # queries per block of the GEMM path (docs/tuning.md: 64..256 are close; 128 best)
 MIN_QUERIES = 128  # below this SDPA is as fast and the per-block calls dominate
 
 

@@ -3,18 +3,16 @@
 A kernel over packed (or int8-copied) weights reads the weight once per row of x: it wins while
 a step has few rows (batch-1 decode, a speculative verify: bandwidth-bound) and loses to a dense
 GEMM beyond, which reuses each weight across rows. Each method asks here instead of keeping its
-own threshold. Measured on 2 Zen4 cores unless said (the tables are in docs/tuning.md):
+own threshold. The measurements behind each crossover are in docs/tuning.md:
 
   int4_kernel      torch's CPU int4 kernel up to INT4_KERNEL_MAX_ROWS rows, then dequantize + a
-                   dense GEMM (3072x576 bf16: ~10 us a row against ~1.5 ms + 4 us a row)
+                   dense GEMM
   q6k_kernel       Q6_K's 2K-wide int4 call up to Q6K_KERNEL_MAX_ROWS rows, then the bf16 weight
-                   rebuilt for a dense GEMM (~24 us a row against ~0.9 ms)
-  tiled_path       the tiled GEMV: its int8-x path (AVX-512 VNNI) from TILED_Q8_MIN_ROWS rows
-                   (3072x576 at 5 rows 0.122 / 0.074 ms GEMV / int8-x), else the GEMV up to the
-                   part's max_rows (None: every row count, the AVX2 build), else a dense GEMM
-  dense_copy       a dense copy of packed weights from DENSE_COPY_MIN_ROWS rows (crossover between
-                   8 and 16 rows against the int4 kernel)
-  int8_copy        an int8 copy of dense weights up to INT8_COPY_MAX_ROWS rows (crossover ~16)
+                   rebuilt for a dense GEMM
+  tiled_path       the tiled GEMV: its int8-x path (AVX-512 VNNI) from TILED_Q8_MIN_ROWS rows,
+                   else the GEMV up to the part's max_rows (None: every row count, the AVX2 build), else a dense GEMM
+  dense_copy       a dense copy of packed weights from DENSE_COPY_MIN_ROWS rows
+  int8_copy        an int8 copy of dense weights up to INT8_COPY_MAX_ROWS rows
   refine_logits    a low-precision LM head recomputes its top candidates in float32 up to
                    REFINE_MAX_ROWS rows
   awq_fused        AWQ on CUDA: the fused int4 GEMM below AWQ_DEQUANT_MIN_ROWS rows, then

@@ -20,10 +20,9 @@ stored by its type, with no dense copy:
   z moves a weight by <= ~0.19 c, like a dense bf16 weight's <= 0.125 c; with the plain codes,
   z = 104 s / 17, that was ~0.8 c.) Codes and s are exact; in float32 only z rounds (~1e-5 c).
   One kernel call per part, 1 byte of codes + (s, z) per 16 weights: 1.25 B/weight in bf16
-  (1.5 in fp32; the file has 0.82). Speed, one row, one thread, bf16, 576x1536: ~58 us against
-  ~61 us for a dense bf16 GEMV (dequantizing per call, RawPart.linear: ~1.3 ms). The 2K-wide
-  call costs ~24 us per row, so above Q6K_KERNEL_MAX_ROWS rows the bf16 weight is rebuilt per
-  call (~0.9 ms) for a dense GEMM. Rows for lookups / the head's refinement come from the
+  (1.5 in fp32; the file has 0.82). At one row it runs as fast as a dense bf16 GEMV; the 2K-wide
+  call costs per row, so above Q6K_KERNEL_MAX_ROWS rows the bf16 weight is rebuilt per call for a
+  dense GEMM (docs/tuning.md, row-count crossovers). Rows for lookups / the head's refinement come from the
   codes and s alone, bit-exact in float32. An embedding that is only looked up (untied) keeps
   Q6_K raw (smaller; a lookup dequantizes just its rows).
 - Q2_K, Q3_K, Q5_K, IQ* and the other types: dequantized once at load to the run dtype (dense),
@@ -34,9 +33,8 @@ A fused layer with mixed types holds one part per run of same-kind shards and co
 outputs. The int4 kernel wants its scales in the activation dtype: in float32 runs the repack is
 exact (the kernel's zero z = offset + 8 scale may round by an ulp); in bfloat16 runs the fp16
 block scales round to bf16, an error of the same order as holding the weights in bf16. Speed:
-torch vectorizes the int4 kernel for bf16 only (measured 1536x576, one row: bf16 25 us, fp32
-1.3 ms against 52 us for a dense fp32 GEMV), so float32 runs are exact but slow; bf16 is the
-packed path's speed mode (and with fp32 scales, fp32 runs hold ~1.25x the file's bytes).
+torch vectorizes the int4 kernel for bf16 only (docs/tuning.md), so float32 runs are exact but
+slow; bf16 is the packed path's speed mode (and with fp32 scales, fp32 runs hold ~1.25x the file's bytes).
 
 The token embedding and the LM head use the same parts: a lookup gathers and unpacks only the
 rows it needs, the head is a `linear`. A tied LM head shares the embedding's method and data.
@@ -174,9 +172,8 @@ class Int4Part(PackedPart):
 class TiledPart(PackedPart):
     """W = code * scale + offset per group of 32, in the row tiles of the CPU GEMV kernel
     (ember.kernels.cpu_tiled_gemv): 4-bit codes (Q4_0, Q4_1, Q4_K) or whole 8-bit ones (Q8_0,
-    Q5_0, Q5_1). Used in place of Int4Part for bf16 on CPUs with AVX-512 BF16 (measured on 2
-    Zen4 cores, the default model's 30 layers at one row: 2.25 ms against Int4Weight's 3.54,
-    its Q8_0 LM head 0.46 against 0.98 ms) and for float32 on CPUs with AVX2 (the kernel's int16-x
+    Q5_0, Q5_1). Used in place of Int4Part for bf16 on CPUs with AVX-512 BF16 (faster at one row:
+    docs/tuning.md, CPU kernels) and for float32 on CPUs with AVX2 (the kernel's int16-x
     build). From TILED_Q8_MIN_ROWS rows on a CPU with AVX-512 VNNI (has_q8, --cpu-int8-activations), the
     kernel's int8-x path (x rounded to int8 steps per group of 32, as llama.cpp's Q8 activations),
     which beats oneDNN's bf16 GEMM over a dense copy at every row count. Otherwise, above

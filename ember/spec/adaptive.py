@@ -11,8 +11,7 @@ E[N] / (1 + cost(k)) over 1..k_max.
   requests: its conditional acceptance at position i over its acceptance at position 1. Drafts
   are not i.i.d.: the default model's MTP head, re-entered with its own output, is accepted at
   0.61 / 0.40 / 0.31 (conditional) at positions 1 / 2 / 3. Treating them as i.i.d. at a_1
-  chose k = 2 where k = 1 was faster (ember bench spec, 14:57 UTC: adaptive k <= 3 1.08x no
-  speculation at temperature 0 against k = 1's 1.22x, 0.81x against 1.03x at 0.8).
+  chose k = 2 where k = 1 was faster (docs/tuning.md, speculation).
 - cost(k) = the verify's measured cost of 1 + k rows where the executor timed them at warmup
   (Speculator.prepare; the compiled CPU executor), else k * TOKEN_COST; plus k * the drafter's
   own cost per draft.

@@ -99,7 +99,7 @@ class BackgroundCompiler:
         # One thread per job: the graphs a job runs (to check and time them) give its thread an OpenMP
         # team, and while that team lives libgomp counts more threads than cores and its idle workers
         # stop spinning between parallel regions, so every step of the engine waits on futex wake-ups
-        # (measured: batch-1 decode 58-72 instead of 127-164 tok/s). The team ends with its thread.
+        # (docs/tuning.md, executor). The team ends with its thread.
         self._thread = threading.Thread(target=self._run, name="ember-compile", daemon=True)
         self._thread.start()
 
@@ -115,8 +115,8 @@ class BackgroundCompiler:
     def fit_step_threads(self) -> None:
         """Called by the engine's thread before each step: while a job compiles, steps use one intra-op
         thread and leave the other cores to it. With all of them, the step's OpenMP team waits at every
-        barrier for a worker the compile thread has pushed off its core: measured, default model on 2
-        cores, decode fell to 5-17 tok/s (eager and compiled alike) beside a loading graph. The graphs'
+        barrier for a worker the compile thread has pushed off its core, and decode slows several-fold
+        beside a loading graph (docs/tuning.md, executor). The graphs'
         OpenMP regions take the thread count of the thread that runs them, and inductor's own loop
         splits are fixed at the engine's count (compile option cpp.threads), so a graph built meanwhile
         is the one a full team runs."""
@@ -168,8 +168,7 @@ class BackgroundCompiler:
     def _wait_for_demand(self, size: int) -> None:
         """A batch size above the smallest waits until a step could use it (as many requests are in the
         engine) or the engine has been idle for IDLE_BEFORE_LARGER_SIZES_S: compiling traces under the
-        GIL and takes a core, and a step beside it slows (measured: 78-80 against 125 tok/s with one
-        thread, 5-17 with two), so one user's chat keeps its cores until it pauses. Under a steady
+        GIL and takes a core, and a step beside it slows (docs/tuning.md, executor), so one user's chat keeps its cores until it pauses. Under a steady
         single stream the larger sizes wait: no step of that stream would use them."""
         smallest = min((e.sizes[0] for e in self.executors), default=size)
         if size <= smallest or self.demand is None:
