@@ -31,8 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels.triton_utils import (INTERPRETING, attend_key_tile, cast_constexprs, check_launch, dot_precision,
-                                        next_pow2, round_to_format)
+from ember.kernels.triton_utils import (INTERPRETING, attend_keys, cast_constexprs, check_launch, check_paged_layout,
+                                        dot_precision, fold_k_scale, load_query_tile, next_pow2, paged_strides,
+                                        sequence_extent, store_output)
 
 LOG2E = 1.4426950408889634
 BLOCK_N = 64  # keys per tile on a GPU
@@ -49,47 +50,41 @@ def decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, k_scale_pt
                         DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
                         ROUND_MBITS: tl.constexpr, ROUND_MIN_NORMAL: tl.constexpr):
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    q_start = tl.load(qsl_ptr + b)
-    q_len = tl.load(qsl_ptr + b + 1) - q_start
-    seq_len = tl.load(seq_lens_ptr + b)
+    q_start, q_len, seq_len = sequence_extent(qsl_ptr, seq_lens_ptr, b)
     rows = tl.arange(0, BLOCK_M)
-    qi, head = rows // G, kvh * G + rows % G
+    qi, head = rows // G, kvh * G + rows % G  # row r: query token r // G, head r % G of this kv head's group
     row_ok = qi < q_len
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
     tok = (q_start + qi).to(tl.int64)
-    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    if DOT_FP32:
-        q = q.to(tl.float32)
-    if FP8:
-        qk_scale = qk_scale * tl.load(k_scale_ptr)
+    tile_mask = row_ok[:, None] & d_ok[None, :]
+    q = load_query_tile(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], tile_mask, DOT_FP32)
+    qk_scale = fold_k_scale(qk_scale, k_scale_ptr, FP8)
     visible_end = seq_len - q_len + qi + 1  # per row: keys < this are visible
     lo = split * tiles_per_split * BLOCK_N
     hi = tl.minimum(seq_len, lo + tiles_per_split * BLOCK_N)
-
-    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_i = tl.full((BLOCK_M,), 0.0, tl.float32)
-    acc = tl.full((BLOCK_M, D_PAD), 0.0, tl.float32)
     kv_base = kv_ptr + kvh * stride_kvh + d[None, :]
-    for start in range(lo, hi, BLOCK_N):
-        acc, m_i, l_i = attend_key_tile(q, acc, m_i, l_i, start, hi, visible_end, kv_base, bt_ptr + b * stride_bt,
-                                        d_ok, qk_scale, stride_kv, stride_slot, BLOCK_SIZE, BLOCK_N, PRECISION)
+    bt_row = bt_ptr + b * stride_bt
+    acc, m_i, l_i = attend_keys(q, lo, hi, visible_end, kv_base, bt_row, d_ok, qk_scale, stride_kv, stride_slot,
+                                BLOCK_SIZE, BLOCK_N, PRECISION)
 
-    has_keys = l_i > 0.0
-    o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    out_mask = row_ok[:, None] & d_ok[None, :]
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     if DIRECT:
-        if FP8:
-            o = o * tl.load(v_scale_ptr)
-        o = round_to_format(o, ROUND_MBITS, ROUND_MIN_NORMAL)
-        tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=out_mask)
+        out_offsets = tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        store_output(out_ptr, out_offsets, o, tile_mask, v_scale_ptr, FP8, ROUND_MBITS, ROUND_MIN_NORMAL)
     else:
-        part = tok[:, None] * stride_pt + head[:, None] * stride_ph + split * stride_ps
-        tl.store(part_out_ptr + part * D_PAD + d[None, :], o, mask=out_mask)
-        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        tl.store(part_lse_ptr + tok * stride_pt + head * stride_ph + split * stride_ps, lse, mask=row_ok)
+        part = tok * stride_pt + head * stride_ph + split * stride_ps  # each row's (token, head, split)
+        store_partial(part_out_ptr, part_lse_ptr, part, d, o, m_i, l_i, row_ok, tile_mask, D_PAD)
+
+
+@triton.jit
+def store_partial(part_out_ptr, part_lse_ptr, part, d, o, m_i, l_i, row_ok, tile_mask, D_PAD: tl.constexpr):
+    """One split's normalised output o of each row, at its (token, head, split) index part, and its
+    log-sum-exp (base 2) for the merge; -inf where the split held none of the row's keys (weight 0)."""
+    tl.store(part_out_ptr + part[:, None] * D_PAD + d[None, :], o, mask=tile_mask)
+    has_keys = l_i > 0.0
+    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+    tl.store(part_lse_ptr + part, lse, mask=row_ok)
 
 
 @triton.jit
@@ -105,10 +100,8 @@ def merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, v_scale_ptr, num_sp
     w = tl.exp2(lse - tl.max(lse, 0))  # split 0 always has key 0, so the max is finite
     o = tl.load(part_out_ptr + base[:, None] * D_PAD + d[None, :], mask=(splits < num_splits)[:, None], other=0.0)
     out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
-    if FP8:
-        out = out * tl.load(v_scale_ptr)
-    out = round_to_format(out, ROUND_MBITS, ROUND_MIN_NORMAL)
-    tl.store(out_ptr + tok * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    store_output(out_ptr, tok * stride_ot + head * stride_oh + d, out, d < HEAD_DIM, v_scale_ptr, FP8, ROUND_MBITS,
+                 ROUND_MIN_NORMAL)
 
 
 @functools.lru_cache(maxsize=8)
@@ -145,8 +138,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     _, _, block_size, Hkv, D = kv_cache.shape
     Hq = q.shape[1]
     G = Hq // Hkv
-    if q.stride(2) != 1 or kv_cache.stride(4) != 1 or kv_cache.stride(1) != block_size * kv_cache.stride(2):
-        raise ValueError("paged_decode_attention needs unit-stride head dims and a cache with contiguous blocks")
+    check_paged_layout(q, kv_cache, "paged_decode_attention")
     fp8 = kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     if B == 0 or num_tokens == 0:
         return out
@@ -155,26 +147,37 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     d_pad = max(16, next_pow2(D))
     block_m = max(16, next_pow2(max_query_len * G))
     dot_fp32, precision = dot_precision(q.dtype, INTERPRETING)
-    direct = num_splits == 1
-    if direct:
-        part_out = part_lse = out  # never touched
-        stride_p = (0, 0, 0)
-    else:
-        part_lse = torch.empty((num_tokens, Hq, num_splits), dtype=torch.float32, device=q.device)
-        part_out = torch.empty((num_tokens, Hq, num_splits, d_pad), dtype=torch.float32, device=q.device)
-        stride_p = part_lse.stride()
+    part_out, part_lse, stride_p = _split_partials(num_tokens, Hq, num_splits, d_pad, q.device, out)
     scales = (k_scale, v_scale) if fp8 else (seq_lens, seq_lens)  # never read when not fp8
     rounding = cast_constexprs(out.dtype, INTERPRETING)
+    num_warps = 4 if block_m * d_pad <= 16 * 128 else 8  # larger (verify) row tiles spill at 4 warps on sm_90
     decode_split_kernel[(B, Hkv, num_splits)](
         q, kv_cache, block_tables, seq_lens, query_start_loc, *scales, part_out, part_lse, out,
-        scale * LOG2E, tiles_per_split,
-        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
-        *stride_p, out.stride(0), out.stride(1),
+        scale * LOG2E, tiles_per_split, *paged_strides(q, kv_cache, block_tables), *stride_p, out.stride(0),
+        out.stride(1),
         G=G, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D, D_PAD=d_pad, FP8=fp8,
-        DIRECT=direct, DOT_FP32=dot_fp32, PRECISION=precision, **rounding,
-        num_warps=4 if block_m * d_pad <= 16 * 128 else 8)  # larger (verify) row tiles spill at 4 warps on sm_90
-    if not direct:
-        merge_splits_kernel[(num_tokens, Hq)](
-            part_out, part_lse, out, scales[1], num_splits, stride_p[0], stride_p[1], out.stride(0), out.stride(1),
-            HEAD_DIM=D, D_PAD=d_pad, S_PAD=max(2, next_pow2(num_splits)), FP8=fp8, **rounding)
+        DIRECT=num_splits == 1, DOT_FP32=dot_fp32, PRECISION=precision, **rounding, num_warps=num_warps)
+    if num_splits > 1:
+        _merge_splits(part_out, part_lse, stride_p, num_splits, out, scales[1], D, d_pad, fp8, rounding)
     return out
+
+
+def _merge_splits(part_out: torch.Tensor, part_lse: torch.Tensor, stride_p: tuple[int, ...], num_splits: int,
+                  out: torch.Tensor, v_scale: torch.Tensor, head_dim: int, d_pad: int, fp8: bool,
+                  rounding: dict) -> None:
+    """The second kernel: each (token, head)'s split outputs weighted by their log-sum-exps into out."""
+    num_tokens, num_heads = part_lse.shape[:2]
+    merge_splits_kernel[(num_tokens, num_heads)](
+        part_out, part_lse, out, v_scale, num_splits, stride_p[0], stride_p[1], out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, D_PAD=d_pad, S_PAD=max(2, next_pow2(num_splits)), FP8=fp8, **rounding)
+
+
+def _split_partials(num_tokens: int, num_heads: int, num_splits: int, d_pad: int, device: torch.device,
+                    out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """(part_out, part_lse, their (token, head, split) strides): where the splits leave their outputs
+    and log-sum-exps for the merge. One split writes out directly: out stands in, never touched."""
+    if num_splits == 1:
+        return out, out, (0, 0, 0)
+    part_lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=device)
+    part_out = torch.empty((num_tokens, num_heads, num_splits, d_pad), dtype=torch.float32, device=device)
+    return part_out, part_lse, part_lse.stride()

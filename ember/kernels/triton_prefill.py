@@ -19,8 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels.triton_utils import (INTERPRETING, attend_key_tile, cast_constexprs, check_launch, dot_precision,
-                                        next_pow2, round_to_format)
+from ember.kernels.triton_utils import (INTERPRETING, attend_keys, cast_constexprs, check_launch, check_paged_layout,
+                                        dot_precision, fold_k_scale, load_query_tile, next_pow2, paged_strides,
+                                        sequence_extent, store_output)
 
 LOG2E = 1.4426950408889634
 BLOCK_Q, BLOCK_N = 64, 64  # GPU tiles; the interpreter uses 16 x 16 (its cost is per op, not per element)
@@ -35,40 +36,28 @@ def prefill_kernel(q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, k_scale_ptr, v_
                    ROUND_MBITS: tl.constexpr, ROUND_MIN_NORMAL: tl.constexpr):
     b, q_tile, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kvh = head // G
-    q_start = tl.load(qsl_ptr + b)
-    q_len = tl.load(qsl_ptr + b + 1) - q_start
-    seq_len = tl.load(seq_lens_ptr + b)
+    q_start, q_len, seq_len = sequence_extent(qsl_ptr, seq_lens_ptr, b)
     ctx_len = seq_len - q_len
     qi = q_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
     row_ok = qi < q_len
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
     tok = (q_start + qi).to(tl.int64)
-    q = tl.load(q_ptr + tok[:, None] * stride_qt + head * stride_qh + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    if DOT_FP32:
-        q = q.to(tl.float32)
-    if FP8:
-        qk_scale = qk_scale * tl.load(k_scale_ptr)
+    tile_mask = row_ok[:, None] & d_ok[None, :]
+    q = load_query_tile(q_ptr + tok[:, None] * stride_qt + head * stride_qh + d[None, :], tile_mask, DOT_FP32)
+    qk_scale = fold_k_scale(qk_scale, k_scale_ptr, FP8)
     visible_end = ctx_len + qi + 1  # per row: keys < this are visible
     # The tile's last real row sees the most keys; a tile past q_len sees none (hi <= 0).
     hi = tl.minimum(seq_len, ctx_len + tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len))
     hi = tl.where(q_tile * BLOCK_Q < q_len, hi, 0)
-
-    m_i = tl.full((BLOCK_Q,), float("-inf"), tl.float32)
-    l_i = tl.full((BLOCK_Q,), 0.0, tl.float32)
-    acc = tl.full((BLOCK_Q, D_PAD), 0.0, tl.float32)
     kv_base = kv_ptr + kvh * stride_kvh + d[None, :]
-    for start in range(0, hi, BLOCK_N):
-        acc, m_i, l_i = attend_key_tile(q, acc, m_i, l_i, start, hi, visible_end, kv_base, bt_ptr + b * stride_bt,
-                                        d_ok, qk_scale, stride_kv, stride_slot, BLOCK_SIZE, BLOCK_N, PRECISION)
+    bt_row = bt_ptr + b * stride_bt
+    acc, m_i, l_i = attend_keys(q, 0, hi, visible_end, kv_base, bt_row, d_ok, qk_scale, stride_kv, stride_slot,
+                                BLOCK_SIZE, BLOCK_N, PRECISION)
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    if FP8:
-        o = o * tl.load(v_scale_ptr)
-    o = round_to_format(o, ROUND_MBITS, ROUND_MIN_NORMAL)
-    tl.store(out_ptr + tok[:, None] * stride_ot + head * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & d_ok[None, :])
+    out_offsets = tok[:, None] * stride_ot + head * stride_oh + d[None, :]
+    store_output(out_ptr, out_offsets, o, tile_mask, v_scale_ptr, FP8, ROUND_MBITS, ROUND_MIN_NORMAL)
 
 
 def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -84,8 +73,7 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     B = seq_lens.shape[0]
     _, _, block_size, Hkv, D = kv_cache.shape
     Hq = q.shape[1]
-    if q.stride(2) != 1 or kv_cache.stride(4) != 1 or kv_cache.stride(1) != block_size * kv_cache.stride(2):
-        raise ValueError("paged_prefill_attention needs unit-stride head dims and a cache with contiguous blocks")
+    check_paged_layout(q, kv_cache, "paged_prefill_attention")
     if B == 0 or max_query_len == 0:
         return out
     fp8 = kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -93,11 +81,11 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
     block_n = block_n or (16 if INTERPRETING else BLOCK_N)
     dot_fp32, precision = dot_precision(q.dtype, INTERPRETING)
     scales = (k_scale, v_scale) if fp8 else (seq_lens, seq_lens)  # never read when not fp8
+    num_warps = 8 if D > 64 else 4  # D 128 at 4 warps spills (sm_90)
     prefill_kernel[(B, triton.cdiv(max_query_len, block_q), Hq)](
         q, kv_cache, block_tables, seq_lens, query_start_loc, *scales, out, scale * LOG2E,
-        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        *paged_strides(q, kv_cache, block_tables), out.stride(0), out.stride(1),
         G=Hq // Hkv, BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_N=block_n, HEAD_DIM=D,
         D_PAD=max(16, next_pow2(D)), FP8=fp8, DOT_FP32=dot_fp32, PRECISION=precision,
-        **cast_constexprs(out.dtype, INTERPRETING), num_warps=8 if D > 64 else 4)  # D 128 at 4 warps spills (sm_90)
+        **cast_constexprs(out.dtype, INTERPRETING), num_warps=num_warps)
     return out

@@ -1,5 +1,6 @@
 """What the Triton attention kernels share: interpreter detection, dot precision, a fix for two
-casts the interpreter gets wrong, and the online-softmax step over one paged key tile.
+casts the interpreter gets wrong, the launchers' layout check and strides, and the kernels' common
+steps (a sequence's extent, the query tile, the online softmax over paged key tiles, the output store).
 
 These modules import triton at the top and define their kernels at module level (helpers such
 as round_to_format are called from kernels, and the interpreter resolves a kernel's callees in
@@ -52,6 +53,21 @@ def check_launch(*tensors: torch.Tensor) -> None:
     if on_cpu and not INTERPRETING:
         raise ConfigError("the Triton attention kernels run on CUDA tensors; on CPU use --attention-backend torch "
                           "(or set TRITON_INTERPRET=1 before starting, to run them in Triton's interpreter)")
+
+
+def check_paged_layout(q: torch.Tensor, kv_cache: torch.Tensor, kernel: str) -> None:
+    """The layout the attention kernels index by: unit-stride head dims, and cache blocks laid out one
+    after the other (slot = block * block_size + offset, one stride for both)."""
+    block_size = kv_cache.shape[2]
+    if q.stride(2) != 1 or kv_cache.stride(4) != 1 or kv_cache.stride(1) != block_size * kv_cache.stride(2):
+        raise ValueError(f"{kernel} needs unit-stride head dims and a cache with contiguous blocks")
+
+
+def paged_strides(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor) -> tuple[int, ...]:
+    """(stride_qt, stride_qh, stride_kv, stride_slot, stride_kvh, stride_bt), in the order the attention
+    kernels take them: query token and head; K to V, slot (the block dim folded in) and kv head of the
+    cache; a block-table row."""
+    return q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0)
 
 
 def next_pow2(n: int) -> int:
@@ -121,3 +137,56 @@ def attend_key_tile(q, acc, m_i, l_i, start, hi, visible_end, kv_base, bt_row_pt
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
     return acc, m_new, l_i
+
+
+# -- the attention kernels' shared steps (jitted callees are inlined into the kernel that calls them) --
+
+@triton.jit
+def sequence_extent(qsl_ptr, seq_lens_ptr, b):
+    """(first query token, query length, sequence length) of sequence b of a varlen step."""
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    return q_start, q_len, tl.load(seq_lens_ptr + b)
+
+
+@triton.jit
+def load_query_tile(q_ptrs, mask, DOT_FP32: tl.constexpr):
+    """The query tile at q_ptrs (0 where masked), widened to fp32 when the dots run in fp32."""
+    q = tl.load(q_ptrs, mask=mask, other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    return q
+
+
+@triton.jit
+def fold_k_scale(qk_scale, k_scale_ptr, FP8: tl.constexpr):
+    """The score scale, times an fp8 cache's k_scale: K loads unscaled, so the scale goes on the scores."""
+    if FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
+    return qk_scale
+
+
+@triton.jit
+def attend_keys(q, lo, hi, visible_end, kv_base, bt_row_ptr, d_ok, qk_scale, stride_kv, stride_slot,
+                BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """The query tile q [M, D_PAD] over the keys at positions lo..hi-1, BLOCK_N at a time
+    (attend_key_tile): (acc, m_i, l_i), acc not yet divided by l_i; a row that saw no key keeps l_i 0."""
+    m_i = tl.full((q.shape[0],), float("-inf"), tl.float32)
+    l_i = tl.full((q.shape[0],), 0.0, tl.float32)
+    acc = tl.full(q.shape, 0.0, tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        acc, m_i, l_i = attend_key_tile(q, acc, m_i, l_i, start, hi, visible_end, kv_base, bt_row_ptr, d_ok, qk_scale,
+                                        stride_kv, stride_slot, BLOCK_SIZE, BLOCK_N, PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def store_output(out_ptr, offsets, o, mask, v_scale_ptr, FP8: tl.constexpr, ROUND_MBITS: tl.constexpr,
+                 ROUND_MIN_NORMAL: tl.constexpr):
+    """The fp32 attention output o into out (at out_ptr + offsets) in out's dtype: times an fp8 cache's
+    v_scale (V loads unscaled; the softmax weights sum to 1, so the scale goes on the output), rounded
+    before the cast where the interpreter needs it (round_to_format)."""
+    if FP8:
+        o = o * tl.load(v_scale_ptr)
+    o = round_to_format(o, ROUND_MBITS, ROUND_MIN_NORMAL)
+    tl.store(out_ptr + offsets, o.to(out_ptr.dtype.element_ty), mask=mask)

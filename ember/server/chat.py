@@ -18,7 +18,7 @@ from ember.server.logprobs import chat_logprobs
 from ember.engine.async_engine import RequestStream
 from ember.server.protocol import BatchChatCompletionRequest, ChatCompletionRequest, now, request_id
 from ember.errors import ParamError
-from ember.server.serving import Serving, all_or_none, merged, unless_disconnected, sse_writers
+from ember.server.serving import STREAM_ERROR, Serving, all_or_none, merged, unless_disconnected, sse_writers
 from ember.server.structured import structured_params
 from ember.server.tool_parser import HermesToolParser
 
@@ -140,150 +140,101 @@ class ChatHandler:
 
     # -- whole answer -------------------------------------------------------------------------
     async def _whole(self, streams, ctx: _Ctx) -> dict:
-        n = ctx.req.n
-        texts = [[] for _ in range(n)]
-        tokens = [[] for _ in range(n)]
-        lps: list[list] = [[] for _ in range(n)]
-        finish: list[str | None] = [None] * n
-        stop_reason: list[Any] = [None] * n
-        cached = 0
-        prompt_lps = None
-        try:
-            async for _, delta in merged(streams):
-                cached = delta.num_cached_tokens
-                prompt_lps = delta.prompt_logprobs if delta.prompt_logprobs is not None else prompt_lps
-                for sd in delta.seqs:
-                    texts[sd.index].append(sd.text)
-                    tokens[sd.index].extend(sd.token_ids)
-                    if sd.logprobs is not None:
-                        lps[sd.index].extend(sd.logprobs)
-                    if sd.finish_reason is not None:
-                        finish[sd.index], stop_reason[sd.index] = sd.finish_reason, sd.stop_reason
-        finally:
-            for s in streams:
-                s.abort()
-        choices = []
-        for i in range(n):
-            text = "".join(texts[i])
-            # every field of OpenAI's message, as vLLM answers (clients compare whole dumps); tool_calls [] when none
-            message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None, "annotations": None,
-                                       "audio": None, "function_call": None, "tool_calls": []}
-            splitter = self._splitter(ctx)
-            if splitter is not None:
-                splitter.feed(text)
-                splitter.finish()
-                text = splitter.content
-                message["content"] = text or None
-                if ctx.req.include_reasoning:
-                    message["reasoning_content"] = splitter.reasoning or None
-            reason = finish[i]
-            if ctx.use_tools:
-                parser = HermesToolParser()
-                parser.feed(text)
-                parser.finish()
-                if parser.calls:
-                    message["content"] = parser.content if parser.content.strip() else None
-                    message["tool_calls"] = [{"id": c.id, "type": "function",
-                                              "function": {"name": c.name, "arguments": c.arguments}}
-                                             for c in parser.calls]
-                    if reason == "stop":
-                        reason = "tool_calls"
-            if ctx.echo:
-                message["content"] = ctx.echo + (message["content"] or "")
-            choice = {"index": i, "message": message, "logprobs": None, "finish_reason": reason,
-                      "stop_reason": stop_reason[i], "token_ids": tokens[i] if ctx.req.return_token_ids else None}
-            if ctx.top_n is not None:
-                names = self.s.token_text_for(ctx.req)
-                choice["logprobs"] = {"content": chat_logprobs(tokens[i], lps[i], ctx.top_n, names)}
-            choices.append(choice)
-        completion = sum(len(t) for t in tokens)
-        self._log(ctx, completion, finish)
+        got = await _gather(streams, ctx.req.n)
+        choices = [self._whole_choice(ctx, i, got) for i in range(ctx.req.n)]
+        completion = sum(len(t) for t in got.tokens)
+        self._log(ctx, completion, got.finish)
+        prompt_lps = vllm_prompt_logprobs(got.prompt_lps) if ctx.req.prompt_logprobs is not None else None
         return {"id": ctx.rid, "object": "chat.completion", "created": ctx.created, "model": ctx.model,
-                "choices": choices, "usage": self.s.usage(ctx.prompt_len, completion, cached), "system_fingerprint": None,
-                "service_tier": None, "metadata": None, "moderation": None,
-                "prompt_token_ids": ctx.prompt_ids if ctx.req.return_token_ids else None,
-                "prompt_logprobs": vllm_prompt_logprobs(prompt_lps) if ctx.req.prompt_logprobs is not None else None}
+                "choices": choices, "usage": self.s.usage(ctx.prompt_len, completion, got.cached),
+                "system_fingerprint": None, "service_tier": None, "metadata": None, "moderation": None,
+                "prompt_token_ids": ctx.prompt_ids if ctx.req.return_token_ids else None, "prompt_logprobs": prompt_lps}
+
+    def _whole_choice(self, ctx: _Ctx, i: int, got: _Gathered) -> dict:
+        message, reason = self._whole_message(ctx, "".join(got.texts[i]), got.finish[i])
+        choice = {"index": i, "message": message, "logprobs": None, "finish_reason": reason,
+                  "stop_reason": got.stop_reason[i], "token_ids": got.tokens[i] if ctx.req.return_token_ids else None}
+        if ctx.top_n is not None:
+            names = self.s.token_text_for(ctx.req)
+            choice["logprobs"] = {"content": chat_logprobs(got.tokens[i], got.lps[i], ctx.top_n, names)}
+        return choice
+
+    def _whole_message(self, ctx: _Ctx, text: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """(the assistant message for one sequence's whole text, its finish reason): reasoning split off,
+        tool calls parsed (a stop after calls finishes as tool_calls), the echo in front."""
+        # every field of OpenAI's message, as vLLM answers (clients compare whole dumps); tool_calls [] when none
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None, "annotations": None,
+                                   "audio": None, "function_call": None, "tool_calls": []}
+        splitter = self._splitter(ctx)
+        if splitter is not None:
+            splitter.feed(text)
+            splitter.finish()
+            text = splitter.content
+            message["content"] = text or None
+            if ctx.req.include_reasoning:
+                message["reasoning_content"] = splitter.reasoning or None
+        if ctx.use_tools:
+            reason = _take_tool_calls(message, text, reason)
+        if ctx.echo:
+            message["content"] = ctx.echo + (message["content"] or "")
+        return message, reason
 
     # -- streaming ----------------------------------------------------------------------------
     async def _stream(self, streams, ctx: _Ctx) -> AsyncIterator[str]:
         req = ctx.req
-        n = req.n
         include_usage, continuous = self.s.usage_options(req)
         head = {"id": ctx.rid, "object": "chat.completion.chunk", "created": ctx.created, "model": ctx.model}
         chunk, usage_chunk = sse_writers(head, include_usage)
-
-        parsers = [HermesToolParser() for _ in range(n)] if ctx.use_tools else None
-        splitters = [self._splitter(ctx) for _ in range(n)]
+        choices = [_StreamedChoice(self._splitter(ctx), HermesToolParser() if ctx.use_tools else None,
+                                   req.include_reasoning) for _ in range(req.n)]
         completion = 0
-        finish: list[str | None] = [None] * n
         cached = 0
 
         def so_far() -> dict | None:
             return self.s.usage(ctx.prompt_len, completion, cached) if continuous else None
 
         try:
-            for i in range(n):  # one choice per chunk, as OpenAI streams n > 1 (clients read choices[0])
+            for i in range(req.n):  # one choice per chunk, as OpenAI streams n > 1 (clients read choices[0])
                 first = {"prompt_token_ids": ctx.prompt_ids} if req.return_token_ids and i == 0 else None
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ctx.echo}, "logprobs": None,
                               "finish_reason": None}], so_far(), first)
             async for _, delta in merged(streams):
                 cached = delta.num_cached_tokens
-                out = []
-                for sd in delta.seqs:
-                    completion += len(sd.token_ids)
-                    d: dict[str, Any] = {}
-                    reason = sd.finish_reason
-                    text = sd.text
-                    splitter = splitters[sd.index]
-                    if splitter is not None:
-                        thought, text = splitter.feed(text)
-                        if reason is not None:
-                            more_thought, more_text = splitter.finish()
-                            thought, text = thought + more_thought, text + more_text
-                        if thought and req.include_reasoning:
-                            d["reasoning_content"] = thought
-                    if parsers is not None:
-                        p = parsers[sd.index]
-                        parsed = p.feed(text)
-                        if reason is not None:
-                            tail = p.finish()
-                            parsed.content += tail.content
-                            parsed.tool_calls += tail.tool_calls
-                            if p.calls and reason == "stop":
-                                reason = "tool_calls"
-                        if parsed.content:
-                            d["content"] = parsed.content
-                        if parsed.tool_calls:
-                            d["tool_calls"] = parsed.tool_calls
-                    elif text:
-                        d["content"] = text
-                    lp = None
-                    if ctx.top_n is not None and sd.token_ids:
-                        names = self.s.token_text_for(req)
-                        lp = {"content": chat_logprobs(sd.token_ids, sd.logprobs, ctx.top_n, names)}
-                    # a token whose text is held back (part of a character) still goes out when ids are asked for
-                    if not d and lp is None and reason is None and not (req.return_token_ids and sd.token_ids):
-                        continue
-                    choice = {"index": sd.index, "delta": d, "logprobs": lp, "finish_reason": reason}
-                    if req.return_token_ids:
-                        choice["token_ids"] = sd.token_ids
-                    if reason is not None:
-                        finish[sd.index] = reason
-                        choice["stop_reason"] = sd.stop_reason
-                    out.append(choice)
+                completion += sum(len(sd.token_ids) for sd in delta.seqs)
+                # the whole delta is counted before its chunks go out: each carries the usage after it
+                out = [self._stream_choice(ctx, choices[sd.index], sd) for sd in delta.seqs]
                 for choice in out:
-                    yield chunk([choice], so_far())
+                    if choice is not None:
+                        yield chunk([choice], so_far())
             if include_usage:
                 yield usage_chunk(self.s.usage(ctx.prompt_len, completion, cached))
-            self._log(ctx, completion, finish)
+            self._log(ctx, completion, [c.finish for c in choices])
         except Exception:  # noqa: BLE001 -- headers are sent: report in-band, never a traceback
             logger.exception("chat stream %s failed", ctx.rid)
-            yield "data: " + json.dumps({"error": {"message": "internal error while streaming; see the server log",
-                                                   "type": "server_error", "param": None, "code": 500}}) + "\n\n"
+            yield STREAM_ERROR
         finally:
             for s in streams:
                 s.abort()
         yield "data: [DONE]\n\n"
+
+    def _stream_choice(self, ctx: _Ctx, streamed: _StreamedChoice, sd) -> dict | None:
+        """The chunk choice for one sequence's new output, or None when there is nothing to send yet."""
+        req = ctx.req
+        d, reason = streamed.delta(sd.text, sd.finish_reason)
+        lp = None
+        if ctx.top_n is not None and sd.token_ids:
+            names = self.s.token_text_for(req)
+            lp = {"content": chat_logprobs(sd.token_ids, sd.logprobs, ctx.top_n, names)}
+        # a token whose text is held back (part of a character) still goes out when ids are asked for
+        if not d and lp is None and reason is None and not (req.return_token_ids and sd.token_ids):
+            return None
+        choice = {"index": sd.index, "delta": d, "logprobs": lp, "finish_reason": reason}
+        if req.return_token_ids:
+            choice["token_ids"] = sd.token_ids
+        if reason is not None:
+            streamed.finish = reason
+            choice["stop_reason"] = sd.stop_reason
+        return choice
 
     def _splitter(self, ctx: _Ctx) -> ReasoningSplitter | None:
         parser = self.s.reasoning_parser
@@ -293,6 +244,102 @@ class ChatHandler:
         if self.s.config.log_requests:
             logger.info("%s: %d prompt + %d completion tokens in %.2fs, finish %s", ctx.rid, ctx.prompt_len,
                         completion, time.monotonic() - ctx.arrival, ",".join(str(f) for f in finish))
+
+
+class _Gathered:
+    """A whole answer's n sequences as the engine streamed them, joined up."""
+
+    def __init__(self, n: int):
+        self.texts: list[list[str]] = [[] for _ in range(n)]
+        self.tokens: list[list[int]] = [[] for _ in range(n)]
+        self.lps: list[list] = [[] for _ in range(n)]
+        self.finish: list[str | None] = [None] * n
+        self.stop_reason: list[Any] = [None] * n
+        self.cached = 0
+        self.prompt_lps = None
+
+    def add(self, delta) -> None:
+        self.cached = delta.num_cached_tokens
+        if delta.prompt_logprobs is not None:
+            self.prompt_lps = delta.prompt_logprobs
+        for sd in delta.seqs:
+            self.texts[sd.index].append(sd.text)
+            self.tokens[sd.index].extend(sd.token_ids)
+            if sd.logprobs is not None:
+                self.lps[sd.index].extend(sd.logprobs)
+            if sd.finish_reason is not None:
+                self.finish[sd.index], self.stop_reason[sd.index] = sd.finish_reason, sd.stop_reason
+
+
+async def _gather(streams: list[RequestStream], n: int) -> _Gathered:
+    """Every delta of the request's streams; the engine work is aborted however this ends (a client gone,
+    an error), a no-op once it has finished."""
+    got = _Gathered(n)
+    try:
+        async for _, delta in merged(streams):
+            got.add(delta)
+    finally:
+        for s in streams:
+            s.abort()
+    return got
+
+
+def _take_tool_calls(message: dict[str, Any], text: str, reason: str | None) -> str | None:
+    """Move the tool calls written in a whole answer's text into message (content: the text around them,
+    None when blank); returns the finish reason, tool_calls for a stop that ended on calls."""
+    parser = HermesToolParser()
+    parser.feed(text)
+    parser.finish()
+    if not parser.calls:
+        return reason
+    message["content"] = parser.content if parser.content.strip() else None
+    message["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                             for c in parser.calls]
+    return "tool_calls" if reason == "stop" else reason
+
+
+class _StreamedChoice:
+    """One choice of a streamed answer. Its reasoning splitter and tool-call parser (either may be None)
+    hold back text across deltas, since a tag can arrive in pieces; finish: the reason it ended with."""
+
+    def __init__(self, splitter: ReasoningSplitter | None, parser: HermesToolParser | None, include_reasoning: bool):
+        self.splitter = splitter
+        self.parser = parser
+        self.include_reasoning = include_reasoning
+        self.finish: str | None = None
+
+    def delta(self, text: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """(the delta fields for this piece of output, the finish reason). A reason marks the last piece:
+        what the splitter and parser still hold goes out with it."""
+        d: dict[str, Any] = {}
+        if self.splitter is not None:
+            thought, text = self.splitter.feed(text)
+            if reason is not None:
+                more_thought, more_text = self.splitter.finish()
+                thought, text = thought + more_thought, text + more_text
+            if thought and self.include_reasoning:
+                d["reasoning_content"] = thought
+        if self.parser is None:
+            if text:
+                d["content"] = text
+            return d, reason
+        return d, self._tool_call_delta(d, text, reason)
+
+    def _tool_call_delta(self, d: dict[str, Any], text: str, reason: str | None) -> str | None:
+        """Content and tool-call pieces parsed from text into d; the finish reason, tool_calls for a stop
+        that ended on calls."""
+        parsed = self.parser.feed(text)
+        if reason is not None:
+            tail = self.parser.finish()
+            parsed.content += tail.content
+            parsed.tool_calls += tail.tool_calls
+            if self.parser.calls and reason == "stop":
+                reason = "tool_calls"
+        if parsed.content:
+            d["content"] = parsed.content
+        if parsed.tool_calls:
+            d["tool_calls"] = parsed.tool_calls
+        return reason
 
 
 def _echo_text(req: ChatCompletionRequest) -> str:

@@ -2,7 +2,6 @@
 each prompt is one engine request with n sequences (choice index = prompt index * n + i)."""
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import Any, AsyncIterator
@@ -10,7 +9,7 @@ from typing import Any, AsyncIterator
 from ember.server.logprobs import CompletionLogprobs
 from ember.server.protocol import CompletionRequest, now, request_id
 from ember.errors import ParamError
-from ember.server.serving import Serving, merged, unless_disconnected, sse_writers
+from ember.server.serving import STREAM_ERROR, Serving, merged, unless_disconnected, sse_writers
 from ember.server.structured import structured_params
 
 logger = logging.getLogger("ember.server")
@@ -142,69 +141,84 @@ class CompletionHandler:
         include_usage, continuous = self.s.usage_options(req)
         head = {"id": ctx["rid"], "object": "text_completion", "created": ctx["created"], "model": ctx["model"]}
         chunk, usage_chunk = sse_writers(head, include_usage)
-
-        total = len(prompts) * n
-        lp_state = [CompletionLogprobs(req.logprobs, self.s.token_text_for(req)) if req.logprobs is not None else None
-                    for _ in range(total)]
+        choices = [_StreamedChoice(k, prompts[k // n], CompletionLogprobs(req.logprobs, self.s.token_text_for(req))
+                                   if req.logprobs is not None else None) for k in range(len(prompts) * n)]
         completion = 0
         cached = [0] * len(prompts)
         prompt_tokens = sum(len(ids) for _, ids in prompts)
-        ids_sent: set[int] = set()  # choices whose prompt_token_ids went out (return_token_ids: the first chunk)
 
         def so_far() -> dict | None:
             return self.s.usage(prompt_tokens, completion, sum(cached)) if continuous else None
 
         try:
             if req.echo and req.logprobs is None:  # one choice per chunk, as OpenAI streams n > 1
-                for k in range(total):
-                    yield chunk([{"index": k, "text": self._echo(*prompts[k // n]), "logprobs": None,
+                for c in choices:
+                    yield chunk([{"index": c.index, "text": self._echo(*c.prompt), "logprobs": None,
                                   "finish_reason": None}], so_far())
             async for pi, delta in merged(streams):
                 cached[pi] = delta.num_cached_tokens
                 if delta.prompt_logprobs is not None:  # the prompt is computed: echo it with its logprobs
-                    for k in range(pi * n, pi * n + n):
-                        first = {"index": k, "text": self._echo(*prompts[pi]) if req.echo else "", "logprobs": None,
-                                 "finish_reason": None,
-                                 "prompt_logprobs": vllm_prompt_logprobs(delta.prompt_logprobs)
-                                 if req.prompt_logprobs is not None else None}
-                        if req.echo and lp_state[k] is not None:
-                            first["logprobs"] = lp_state[k].build(prompts[pi][1], delta.prompt_logprobs)
-                        yield chunk([first], so_far())
-                out = []
-                for sd in delta.seqs:
-                    k = pi * n + sd.index
-                    completion += len(sd.token_ids)
-                    lp = None
-                    if lp_state[k] is not None and sd.token_ids:
-                        lp = lp_state[k].build(sd.token_ids, sd.logprobs)
-                    # a token whose text is held back (part of a character) still goes out when ids are asked for
-                    if not sd.text and lp is None and sd.finish_reason is None and not (req.return_token_ids
-                                                                                        and sd.token_ids):
-                        continue
-                    choice = {"index": k, "text": sd.text, "logprobs": lp, "finish_reason": sd.finish_reason}
-                    if req.return_token_ids:
-                        choice["token_ids"] = sd.token_ids
-                        if k not in ids_sent:
-                            choice["prompt_token_ids"] = prompts[k // n][1]
-                            ids_sent.add(k)
-                    if sd.finish_reason is not None:
-                        choice["stop_reason"] = sd.stop_reason
-                    out.append(choice)
+                    for c in choices[pi * n:pi * n + n]:
+                        yield chunk([self._prompt_choice(req, c, delta.prompt_logprobs)], so_far())
+                completion += sum(len(sd.token_ids) for sd in delta.seqs)
+                # the whole delta is counted before its chunks go out: each carries the usage after it
+                out = [choices[pi * n + sd.index].output_choice(sd, req.return_token_ids) for sd in delta.seqs]
                 for choice in out:
-                    yield chunk([choice], so_far())
+                    if choice is not None:
+                        yield chunk([choice], so_far())
             if include_usage:
                 yield usage_chunk(self.s.usage(prompt_tokens, completion, sum(cached)))
             self._log(ctx, prompt_tokens, completion)
         except Exception:  # noqa: BLE001 -- headers are sent: report in-band, never a traceback
             logger.exception("completion stream %s failed", ctx["rid"])
-            yield "data: " + json.dumps({"error": {"message": "internal error while streaming; see the server log",
-                                                   "type": "server_error", "param": None, "code": 500}}) + "\n\n"
+            yield STREAM_ERROR
         finally:
             for s in streams:
                 s.abort()
         yield "data: [DONE]\n\n"
 
+    def _prompt_choice(self, req: CompletionRequest, c: _StreamedChoice, prompt_logprobs: list) -> dict:
+        """The choice that streams a computed prompt: its echo (with the prompt's logprobs when asked for)
+        and vLLM's prompt_logprobs."""
+        text, ids = c.prompt
+        choice = {"index": c.index, "text": self._echo(text, ids) if req.echo else "", "logprobs": None,
+                  "finish_reason": None,
+                  "prompt_logprobs": vllm_prompt_logprobs(prompt_logprobs) if req.prompt_logprobs is not None else None}
+        if req.echo and c.logprobs is not None:
+            choice["logprobs"] = c.logprobs.build(ids, prompt_logprobs)
+        return choice
+
     def _log(self, ctx, prompt_tokens: int, completion: int) -> None:
         if self.s.config.log_requests:
             logger.info("%s: %d prompt + %d completion tokens in %.2fs", ctx["rid"], prompt_tokens, completion,
                         time.monotonic() - ctx["arrival"])
+
+
+class _StreamedChoice:
+    """One choice (prompt index * n + sequence) of a streamed completion: its prompt (text or None, ids),
+    its logprobs builder (None without logprobs; text offsets run on from chunk to chunk) and whether its
+    prompt_token_ids went out yet (with return_token_ids: on its first output chunk)."""
+
+    def __init__(self, index: int, prompt: tuple[str | None, list[int]], logprobs: CompletionLogprobs | None):
+        self.index = index
+        self.prompt = prompt
+        self.logprobs = logprobs
+        self.prompt_ids_sent = False
+
+    def output_choice(self, sd, return_token_ids: bool) -> dict | None:
+        """The chunk choice for this sequence's new output, or None when there is nothing to send yet."""
+        lp = None
+        if self.logprobs is not None and sd.token_ids:
+            lp = self.logprobs.build(sd.token_ids, sd.logprobs)
+        # a token whose text is held back (part of a character) still goes out when ids are asked for
+        if not sd.text and lp is None and sd.finish_reason is None and not (return_token_ids and sd.token_ids):
+            return None
+        choice = {"index": self.index, "text": sd.text, "logprobs": lp, "finish_reason": sd.finish_reason}
+        if return_token_ids:
+            choice["token_ids"] = sd.token_ids
+            if not self.prompt_ids_sent:
+                choice["prompt_token_ids"] = self.prompt[1]
+                self.prompt_ids_sent = True
+        if sd.finish_reason is not None:
+            choice["stop_reason"] = sd.stop_reason
+        return choice

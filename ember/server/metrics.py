@@ -68,21 +68,42 @@ class _Both:
 class ServerMetrics:
     def __init__(self, model_name: str, max_model_len: int = 8192, cache_info: dict | None = None):
         self.registry = CollectorRegistry()
-        r, labels = self.registry, {"model_name": model_name}
-        self._labels = labels
+        self._labels = {"model_name": model_name}
+        # Prometheus renders metrics in the order they were registered: the families below keep it.
+        self._define_counters()
+        self._define_load_gauges()
+        self._define_latency_histograms()
+        self._define_request_size_histograms(_token_buckets(max_model_len))
+        if cache_info:
+            self._define_cache_info(cache_info)
+        self._define_structured_output_histograms()
+        self._define_compile_gauges()
+        self._last: dict | None = None
+        self.load = {"kv_cache_usage_perc": 0.0, "num_requests_waiting": 0.0, "num_requests_running": 0.0}  # ORCA
+        self._queries = self._hits = 0
+        self._spec: dict | None = None  # created at the first stats that carry spec counters
 
-        def counter(name, doc, extra=()):
-            return Counter(name, doc, [*labels, *extra], registry=r)
+    # -- metric makers: the model_name label on every one ----------------------------------------
+    def _counter(self, name: str, doc: str, extra: tuple = ()) -> Counter:
+        return Counter(name, doc, [*self._labels, *extra], registry=self.registry)
 
-        def gauge(name, doc):
-            return Gauge(name, doc, list(labels), registry=r).labels(**labels)
+    def _gauge(self, name: str, doc: str, labels: dict | None = None):
+        """A gauge with its one label set (the model's, unless labels says otherwise)."""
+        labels = self._labels if labels is None else labels
+        return Gauge(name, doc, list(labels), registry=self.registry).labels(**labels)
 
-        def histogram(name, doc, buckets):
-            return Histogram(name, doc, list(labels), buckets=buckets, registry=r).labels(**labels)
+    def _histogram(self, name: str, doc: str, buckets: tuple):
+        return Histogram(name, doc, list(self._labels), buckets=buckets, registry=self.registry).labels(**self._labels)
 
-        def both(make, name, *args, **kw):  # vLLM's metric: ember:name and vllm:name
-            return _Both(make("ember:" + name, *args, **kw), make("vllm:" + name, *args, **kw))
+    @staticmethod
+    def _both(make, name: str, *args) -> _Both:
+        """vLLM's metric: made as ember:name and as vllm:name, fed together."""
+        return _Both(make("ember:" + name, *args), make("vllm:" + name, *args))
 
+    # -- the families --------------------------------------------------------------------------
+    def _define_counters(self) -> None:
+        """HTTP requests, finished requests and the token, prefix-cache and preemption counts."""
+        counter, both, labels = self._counter, self._both, self._labels
         self.http_requests = counter("ember:http_requests", "HTTP requests by endpoint and status code",
                                      ("endpoint", "status"))
         self.request_success = both(counter, "request_success", "finished requests by finish reason",
@@ -92,13 +113,21 @@ class ServerMetrics:
         self.prefix_cache_queries = both(counter, "prefix_cache_queries", "prompt tokens looked up in the prefix cache").labels(**labels)
         self.prefix_cache_hits = both(counter, "prefix_cache_hits", "prompt tokens found in the prefix cache").labels(**labels)
         self.preemptions = both(counter, "num_preemptions", "requests preempted for lack of KV blocks").labels(**labels)
+
+    def _define_load_gauges(self) -> None:
+        """What the engine holds now: running and waiting sequences, KV cache use, prefix-cache hit rate."""
+        gauge, both = self._gauge, self._both
         self.running = both(gauge, "num_requests_running", "sequences in the running batch")
         self.waiting = both(gauge, "num_requests_waiting", "sequences waiting for a slot")
         # vLLM splits the waiting by reason; ember's only reason to wait is capacity (KV blocks / batch slots)
-        self.waiting_by_reason = both(lambda n, d: Gauge(n, d, [*labels, "reason"], registry=r).labels(
-            **labels, reason="capacity"), "num_requests_waiting_by_reason", "waiting requests by why they wait")
+        self.waiting_by_reason = both(gauge, "num_requests_waiting_by_reason", "waiting requests by why they wait",
+                                      {**self._labels, "reason": "capacity"})
         self.kv_usage = both(gauge, "kv_cache_usage_perc", "fraction of KV cache blocks in use (0-1)")
         self.prefix_hit_rate = gauge("ember:prefix_cache_hit_rate", "prefix cache hits / queries since start (0-1)")
+
+    def _define_latency_histograms(self) -> None:
+        """Per request (and per output token): how long its phases took."""
+        histogram, both = self._histogram, self._both
         self.ttft = both(histogram, "time_to_first_token_seconds", "time from arrival to the first generated token",
                          TTFT_BUCKETS)
         self.tpot = histogram("ember:time_per_output_token_seconds", "mean time between output tokens, per request",
@@ -114,7 +143,10 @@ class ServerMetrics:
                                  "request to its first token", REQUEST_SECONDS_BUCKETS)
         self.decode_time = both(histogram, "request_decode_time_seconds", "time from the first token to the last",
                                 REQUEST_SECONDS_BUCKETS)
-        token_buckets = _token_buckets(max_model_len)
+
+    def _define_request_size_histograms(self, token_buckets: tuple) -> None:
+        """Per finished request: its token counts and sampling parameters; per engine step: its tokens."""
+        histogram, both = self._histogram, self._both
         self.request_prompt_tokens = both(histogram, "request_prompt_tokens", "prompt tokens per finished request",
                                           token_buckets)
         self.request_generation_tokens = both(histogram, "request_generation_tokens",
@@ -124,27 +156,32 @@ class ServerMetrics:
                                       token_buckets)
         self.iteration_tokens = both(histogram, "iteration_tokens_total", "tokens per engine step: the prompts "
                                      "that got their first token in it plus the tokens generated", ITERATION_TOKENS_BUCKETS)
-        if cache_info:
-            info = {k: str(v) for k, v in cache_info.items()}
-            both(lambda n, d: Gauge(n, d, list(info), registry=r).labels(**info), "cache_config_info",
-                 "the KV cache's configuration (labels); the value is 1").set(1)
-        self.grammar_compile = histogram("ember:structured_output_compile_seconds",
-                                         "time to compile one distinct structured-output grammar (cache misses)",
-                                         GRAMMAR_COMPILE_BUCKETS)
-        self.grammar_mask = histogram("ember:structured_output_mask_seconds",
-                                      "per step with constrained requests: filling and applying their grammar masks",
-                                      MASK_BUCKETS)
-        # read at scrape time (an idle server steps no more, yet its compile finishes)
-        self.compiling = gauge("ember:executor_compiling", "1 while decode graphs compile in the background "
-                               "(--executor auto on CPU: steps run eagerly meanwhile), else 0")
+
+    def _define_cache_info(self, cache_info: dict) -> None:
+        """vLLM's cache_config_info: the KV cache's configuration as the labels of a constant 1."""
+        info = {k: str(v) for k, v in cache_info.items()}
+        self._both(self._gauge, "cache_config_info", "the KV cache's configuration (labels); the value is 1",
+                   info).set(1)
+
+    def _define_structured_output_histograms(self) -> None:
+        """The structured-output manager's timings: grammar compiles and the per-step mask work."""
+        self.grammar_compile = self._histogram("ember:structured_output_compile_seconds",
+                                               "time to compile one distinct structured-output grammar (cache misses)",
+                                               GRAMMAR_COMPILE_BUCKETS)
+        self.grammar_mask = self._histogram(
+            "ember:structured_output_mask_seconds",
+            "per step with constrained requests: filling and applying their grammar masks", MASK_BUCKETS)
+
+    def _define_compile_gauges(self) -> None:
+        """The compiled decode path's state, read at scrape time (an idle server steps no more, yet its
+        compile finishes); 0 until watch_compile points them at an engine."""
+        self.compiling = self._gauge("ember:executor_compiling", "1 while decode graphs compile in the background "
+                                     "(--executor auto on CPU: steps run eagerly meanwhile), else 0")
         self.compiling.set_function(lambda: 0.0)
-        self.compiled_shapes = gauge("ember:executor_compiled_shapes", "decode step shapes (batch size x query "
-                                     "length, the MTP fill's included) that run compiled now: 0 = every step eager")
+        self.compiled_shapes = self._gauge("ember:executor_compiled_shapes", "decode step shapes (batch size x "
+                                           "query length, the MTP fill's included) that run compiled now: 0 = every "
+                                           "step eager")
         self.compiled_shapes.set_function(lambda: 0.0)
-        self._last: dict | None = None
-        self.load = {"kv_cache_usage_perc": 0.0, "num_requests_waiting": 0.0, "num_requests_running": 0.0}  # ORCA
-        self._queries = self._hits = 0
-        self._spec: dict | None = None  # created at the first stats that carry spec counters
 
     @classmethod
     def for_engine(cls, model_name: str, engine) -> "ServerMetrics":
@@ -156,11 +193,9 @@ class ServerMetrics:
 
     def _spec_metrics(self) -> dict:
         if self._spec is None:
-            r, labels = self.registry, self._labels
-
             def counter(name, doc, extra=()):
-                c = Counter(name, doc, [*labels, *extra], registry=r)
-                return c if extra else c.labels(**labels)
+                c = self._counter(name, doc, extra)
+                return c if extra else c.labels(**self._labels)
 
             self._spec = {
                 "spec_num_drafts": counter("ember:spec_decode_num_drafts", "verify steps that carried draft tokens (per request)"),
@@ -172,8 +207,8 @@ class ServerMetrics:
                                                          "draft tokens verified, by draft position (0 = first)", ("position",)),
                 "spec_draft_seconds": counter("ember:spec_decode_draft_seconds", "time spent proposing drafts"),
                 "spec_verify_seconds": counter("ember:spec_decode_verify_seconds", "time of steps that verified drafts"),
-                "mean": Gauge("ember:spec_decode_mean_accepted_length", "tokens emitted per verify step since start",
-                              list(labels), registry=r).labels(**labels),
+                "mean": self._gauge("ember:spec_decode_mean_accepted_length",
+                                    "tokens emitted per verify step since start"),
             }
         return self._spec
 

@@ -265,6 +265,12 @@ async def wait_for_disconnect(receive) -> None:
             return
 
 
+# What a stream says when it fails after its headers went out (status 200 sent): an error event, then
+# [DONE]; the details go to the server log, never to the client.
+STREAM_ERROR = "data: " + json.dumps({"error": {"message": "internal error while streaming; see the server log",
+                                                "type": "server_error", "param": None, "code": 500}}) + "\n\n"
+
+
 def sse_writers(head: dict, include_usage: bool):
     """(chunk(choices) -> SSE line, usage_chunk(usage) -> SSE line) for one streamed response.
 
