@@ -15,7 +15,8 @@ from ember.bench.lib.args import add_common_args, command_line, int_list
 from ember.bench.lib.cpu import measure_pair, protocol_note
 from ember.bench.lib.machine import load_average
 from ember.bench.lib.prompts import prompt_maker, prompt_seed
-from ember.bench.lib.result import Bar, Metric, Result
+from ember.bench.lib.bar import Bar
+from ember.bench.lib.metric import Metric, paired_result, speedup_bar
 from ember.bench.lib.timing import DECODE_PROMPT_LEN, decode_rates, ember_decode, ember_ttft
 
 logger = logging.getLogger("ember.bench")
@@ -44,11 +45,12 @@ def ttft_metric_name(length: int) -> str:
     return f"TTFT, {length}-token prompt"
 
 
-def bars(decode_tokens: int, prompt_lens: list[int]) -> list[Bar]:
-    out = [Bar("batch-1 decode >= 2x transformers bf16", decode_metric_name(decode_tokens, steady=True), 2.0)]
+def bars(metrics: list[Metric], decode_tokens: int, prompt_lens: list[int]) -> list[Bar]:
+    out = [speedup_bar("batch-1 decode >= 2x transformers bf16", metrics, decode_metric_name(decode_tokens, True), 2.0)]
     if 2048 in prompt_lens:
         # TTFT is lower-is-better; its speedup is peer time / ember time, so "no worse" is >= 1
-        out.append(Bar("TTFT at 2048 tokens no worse than transformers bf16", ttft_metric_name(2048), 1.0))
+        out.append(speedup_bar("TTFT at 2048 tokens no worse than transformers bf16", metrics, ttft_metric_name(2048),
+                               1.0))
     return out
 
 
@@ -109,6 +111,6 @@ def main(args) -> None:
              "new each run"]
     if peer:
         notes += [hf.DECODE_METHOD, hf.TTFT_METHOD]
-    Result("latency", "Latency (batch 1)", command_line(args, FLAGS), args.runs, metrics,
-           bars(args.decode_tokens, args.prompt_lens), ember_desc, peer.description if peer else None, notes,
-           load).publish(args.output)
+    paired_result("latency", "Latency (batch 1)", command_line(args, FLAGS), args.runs, metrics,
+                  bars(metrics, args.decode_tokens, args.prompt_lens), ember_desc, peer.description if peer else None,
+                  notes, load).publish(args.output)

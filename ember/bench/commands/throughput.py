@@ -11,7 +11,7 @@ from ember.bench.lib.args import add_common_args, command_line, positive_int
 from ember.bench.lib.cpu import measure_pair, protocol_note
 from ember.bench.lib.machine import load_average
 from ember.bench.lib.prompts import prompt_maker, prompt_seed
-from ember.bench.lib.result import Bar, Metric, Result
+from ember.bench.lib.metric import Metric, paired_result, speedup_bar
 from ember.bench.lib.timing import ember_batch
 
 logger = logging.getLogger("ember.bench")
@@ -28,11 +28,6 @@ def add_cli_args(p) -> None:
     p.add_argument("--num-prompts", type=positive_int, default=32)
     p.add_argument("--input-len", type=positive_int, default=128)
     p.add_argument("--output-len", type=positive_int, default=128)
-
-
-def bars(num_prompts: int, input_len: int, output_len: int) -> list[Bar]:
-    return [Bar(f"batched throughput ({num_prompts} prompts, {input_len} in / {output_len} out) >= 1.5x "
-                "transformers batched generate", OUTPUT_METRIC, 1.5)]
 
 
 def run(llm, peer, *, num_prompts: int, input_len: int, output_len: int, runs: int, quiet_wait_s: float = 0.0,
@@ -77,6 +72,7 @@ def main(args) -> None:
              f"{args.input_len} in / {args.output_len} out each"]
     if peer:
         notes.append(hf.BATCH_METHOD)
-    Result("throughput", "Throughput (offline batch)", command_line(args, FLAGS), args.runs, metrics,
-           bars(args.num_prompts, args.input_len, args.output_len), ember_desc, peer.description if peer else None,
-           notes, load).publish(args.output)
+    bar = speedup_bar(f"batched throughput ({args.num_prompts} prompts, {args.input_len} in / {args.output_len} out) "
+                      ">= 1.5x transformers batched generate", metrics, OUTPUT_METRIC, 1.5)
+    paired_result("throughput", "Throughput (offline batch)", command_line(args, FLAGS), args.runs, metrics, [bar],
+                  ember_desc, peer.description if peer else None, notes, load).publish(args.output)

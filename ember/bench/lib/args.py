@@ -51,12 +51,16 @@ def add_benchmark_group(p: argparse.ArgumentParser):
     return p.add_argument_group("benchmark")
 
 
-def add_common_args(p: argparse.ArgumentParser) -> None:
-    """The engine flags plus the benchmark group of the commands that measure ember against a peer."""
+HF_PEER = {"choices": ("hf", "none"), "default": "hf",
+           "help": "hf = Hugging Face transformers on the same weights (bf16), measured in the same run"}
+
+
+def add_common_args(p: argparse.ArgumentParser, peer: dict = HF_PEER) -> None:
+    """The engine flags plus the benchmark group of the commands that measure ember against a peer; `peer`:
+    add_argument's keywords for --peer (which peers the command has)."""
     g = add_benchmark_group(p)
     g.add_argument("--runs", type=positive_int, default=3, help="measured runs after one warmup; medians are reported")
-    g.add_argument("--peer", choices=("hf", "none"), default="hf",
-                   help="hf = Hugging Face transformers on the same weights (bf16), measured in the same run")
+    g.add_argument("--peer", **peer)
     g.add_argument("--output", default=DEFAULT_OUTPUT,
                    help="markdown results file; this benchmark's section is rewritten and a JSON file "
                         "<stem>-<kind>.json is written next to it")

@@ -18,6 +18,9 @@ EMBER = "ember.bench.sides.ember:EmberSide"
 # tokens of the default model (23 KB a token in bf16, 46 KB in float32) fit; larger workloads or
 # models want the flag
 KV_GIB_PER_BYTE = 0.5
+# engine knobs that turn every kind of speculation off
+NO_SPECULATION = {"speculative_config": None, "speculative_model": None, "enable_mtp": False,
+                  "num_speculative_tokens": None}
 
 
 def ember_factory(checkout: str | None = None) -> str:
