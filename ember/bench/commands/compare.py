@@ -19,7 +19,6 @@ import argparse
 import logging
 import os
 import shlex
-import statistics
 import subprocess
 from typing import Callable
 
@@ -27,11 +26,11 @@ from ember.bench.lib import membw
 from ember.bench.lib.args import add_common_args, add_workload_args, command_line, int_list, switches
 from ember.bench.lib.bar import Bar
 from ember.bench.lib.machine import load_average
-from ember.bench.lib.markdown import describe, fmt, row
+from ember.bench.lib.markdown import cell, cores_cell, describe, fmt, ratio_cell, row
 from ember.bench.lib.prompts import chat_prompts, prompt_maker_of
 from ember.bench.lib.result import Result
-from ember.bench.lib.rounds import (cell, decode_task, measure, paired_ratios, ratio_bar, ratio_cell, spread,
-                                    summarize_figures, throughput_task, ttft_key, ttft_task)
+from ember.bench.lib.rounds import (decode_task, measure, paired_ratios, ratio_bar, spread, summarize_figures,
+                                    throughput_task, ttft_key, ttft_task)
 from ember.bench.peers import PEER_NAMES, PEERS
 from ember.bench.sides.ember import NO_SPECULATION, ember_factory, ember_knobs
 from ember.bench.sides.worker import start_side
@@ -73,8 +72,7 @@ def bars(figures: list[dict], ttft_len: int, baseline: bool = False, versus: boo
 
 
 def _others(figure: dict, side: str) -> str:
-    known = [o for o in figure["values"].get(side, {}).get("others", []) if o is not None]
-    return f"{statistics.median(known):.2f}" if known else "-"
+    return cores_cell(figure["values"].get(side, {}).get("others", []))
 
 
 def figure_rows(figures: list[dict], peers: list[str], last: Callable[[dict, str], str],
@@ -160,12 +158,6 @@ def versus_knobs(args, knobs: dict) -> dict:
     return out
 
 
-def model_path(knobs: dict) -> str:
-    from ember.default_model import default_model_path
-
-    return knobs["model"] or default_model_path()
-
-
 def _check(args) -> None:
     from ember.errors import ConfigError
 
@@ -213,12 +205,14 @@ def command(args) -> str:
 
 
 def main(args) -> None:
+    from ember.default_model import default_model_path
+
     _check(args)
     knobs, threads = ember_knobs(args, args.num_prompts)
     # the plain ember side never speculates (its bar is "without speculation"); the MTP side adds the model's head
     mtp_knobs = {**knobs, "speculative_config": None, "speculative_model": None, "enable_mtp": True}
     knobs.update(NO_SPECULATION)
-    path = model_path(knobs)
+    path = knobs["model"] or default_model_path()
     lo, hi = args.input_len_range
     sides = {}
     try:

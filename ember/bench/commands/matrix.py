@@ -18,10 +18,10 @@ import logging
 
 from ember.bench.lib.args import add_common_args, add_workload_args, command_line, names, positive_int, switches
 from ember.bench.lib.machine import load_average
-from ember.bench.lib.markdown import fmt, row
+from ember.bench.lib.markdown import cell, fmt, row
 from ember.bench.lib.prompts import prompt_maker_of
 from ember.bench.lib.result import Result
-from ember.bench.lib.rounds import cell, decode_task, measure, summarize_figures, throughput_task, ttft_task
+from ember.bench.lib.rounds import decode_task, measure, summarize_figures, throughput_task, ttft_task
 from ember.bench.sides.ember import EMBER, ember_knobs
 from ember.bench.sides.worker import start_side
 
@@ -84,6 +84,19 @@ def table(figures: list[dict], rows: list[dict], rss: dict) -> list[str]:
     return lines
 
 
+def notes(args, shared: bool) -> list[str]:
+    """How each figure was measured, for the report."""
+    return [f"{args.runs} measured rounds after 1 warmup round (which also pays any compilation); cells are "
+            "median [min-max]; every row sees the same seeded random prompts, new each round",
+            f"decode: greedy, {args.decode_tokens} tokens, EOS ignored, mean rate; TTFT: add_request() to the "
+            "first token; throughput: one LLM.generate() over all prompts, EOS ignored",
+            "rows are cumulative: each is the row above plus one lever"
+            + ("" if has_executor_flag() else "; no compiled-executor row: this build has no --executor flag"),
+            "peak RSS: the whole process's high-water mark (--in-process), not attributable" if shared else
+            "peak RSS: each row's own worker process (getrusage high-water mark, incl. the interpreter, "
+            "libraries and the preallocated KV pool)"]
+
+
 def main(args) -> None:
     from ember.errors import ConfigError
 
@@ -118,18 +131,9 @@ def main(args) -> None:
                                   "num_prompts", "input_len_range", "output_len"])
     command += switches(args) + (f" --configs {','.join(args.configs)}" if args.configs else "")
     rows = [{"name": n, "knobs": lever_values(kn), "engine": descriptions[n]} for n, kn in rows]
-    notes = [f"{args.runs} measured rounds after 1 warmup round (which also pays any compilation); cells are "
-             "median [min-max]; every row sees the same seeded random prompts, new each round",
-             f"decode: greedy, {args.decode_tokens} tokens, EOS ignored, mean rate; TTFT: add_request() to the "
-             "first token; throughput: one LLM.generate() over all prompts, EOS ignored",
-             "rows are cumulative: each is the row above plus one lever"
-             + ("" if has_executor_flag() else "; no compiled-executor row: this build has no --executor flag"),
-             "peak RSS: the whole process's high-water mark (--in-process), not attributable" if shared else
-             "peak RSS: each row's own worker process (getrusage high-water mark, incl. the interpreter, "
-             "libraries and the preallocated KV pool)"]
     data = {"threads": threads, "runs": args.runs, "figures": figures, "peak_rss_mib": rss,
             "rss_shared_process": shared, "rows": rows, "executor_flag": has_executor_flag()}
-    Result(KIND, TITLE, command, load, [], notes, table(figures, rows, rss), data).publish(args.output)
+    Result(KIND, TITLE, command, load, [], notes(args, shared), table(figures, rows, rss), data).publish(args.output)
 
 
 def add_cli_args(p) -> None:

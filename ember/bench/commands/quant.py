@@ -21,6 +21,7 @@ import statistics
 import time
 from pathlib import Path
 
+from ember.bench.lib.args import command_line
 from ember.bench.lib.bar import Bar
 from ember.bench.lib.machine import load_average
 from ember.bench.lib.result import Result
@@ -159,8 +160,6 @@ def report(rows: list[Row], *, command: str, gguf_path: str, gguf_tensor_bytes: 
 
 
 def main(args) -> None:
-    import shlex
-
     import torch
 
     from ember.default_model import default_model_path
@@ -181,9 +180,7 @@ def main(args) -> None:
     eval_ids = tok.encode(eval_text)[: args.eval_tokens]
     load = load_average()
     rows = [measure(v, eval_ids, args) for v in variants(quantized, args.dtype)]
-    command = shlex.join(["ember", "bench", "quant"] + [
-        f"--{k.replace('_', '-')}={','.join(map(str, v)) if isinstance(v, list) else v}"
-        for k, v in sorted(vars(args).items()) if k in QUANT_FLAGS])
+    command = command_line(args, QUANT_FLAGS, engine=False)
     notes = [
         f"perplexity: {len(eval_ids)} tokens of held-out pydoc text (`pydoc_split('eval')`), windows of "
         f"{args.window} tokens prefilled in chunks of {args.chunk} (later chunks read earlier K/V from the cache)",
@@ -201,8 +198,8 @@ def main(args) -> None:
            load_at_start=load).publish(args.output, header=HEADER, json_file=Path(args.output).with_suffix(".json"))
 
 
-QUANT_FLAGS = ("dtype", "runs", "decode_tokens", "eval_tokens", "window", "chunk", "group_sizes", "calib_samples",
-               "calib_seq_len", "work_dir", "output", "kv_cache_memory")
+QUANT_FLAGS = ["dtype", "runs", "decode_tokens", "eval_tokens", "window", "chunk", "group_sizes", "calib_samples",
+               "calib_seq_len", "work_dir", "output", "kv_cache_memory"]
 
 
 def add_cli_args(p) -> None:

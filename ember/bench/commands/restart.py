@@ -26,6 +26,7 @@ import time
 from ember.bench.lib.args import add_benchmark_group, command_line
 from ember.bench.lib.bar import Bar
 from ember.bench.lib.machine import load_average
+from ember.bench.lib.markdown import cell
 from ember.bench.lib.prompts import chat_prompts
 from ember.bench.lib.result import Result
 from ember.bench.lib.rounds import spread
@@ -173,10 +174,8 @@ def summarize(rounds: list[dict]) -> dict:
     return out
 
 
-def _cell(s: dict, fmt: str = "{:.1f}") -> str:
-    if not s:
-        return "-"
-    return f"{fmt.format(s['median'])} [{fmt.format(s['min'])}-{fmt.format(s['max'])}]"
+def _cell(s: dict | None, number: str = "{:.1f}") -> str:
+    return cell(s, number=number.format)
 
 
 def table(s: dict) -> list[str]:

@@ -28,6 +28,7 @@ import os
 import random
 import shlex
 import statistics
+import time
 from typing import Callable
 
 from ember.bench.lib import load
@@ -39,8 +40,9 @@ from ember.bench.lib.machine import load_average
 from ember.bench.lib.markdown import describe, fmt
 from ember.bench.lib.prompts import load_tokenizer, ordinary_tokens
 from ember.bench.lib.result import Result
-from ember.bench.lib.servers import LaunchedServer, free_port
+from ember.bench.lib.servers import Server, free_port, serve_argv
 from ember.bench.lib.timing import ember_batch
+from ember.bench.sides.ember import describe_engine
 from ember.config.engine_args import engine_args_to_words
 from ember.errors import ConfigError
 
@@ -220,7 +222,7 @@ def _warmup(args, top: int | None, target: load.Target, work: Workload, pid: int
     return n_warm
 
 
-def _sweep(args, levels: list[int | None], target: load.Target, work: Workload, server: LaunchedServer | None,
+def _sweep(args, levels: list[int | None], target: load.Target, work: Workload, server: Server | None,
            llm) -> dict:
     """Every level in every run (the offline side beside the top level, the two alternating); the figures."""
     pid = server.pid if server else args.server_pid
@@ -436,17 +438,6 @@ def _slug(name: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in os.path.basename(name.rstrip("/")))[:60] or "server"
 
 
-def _engine_desc(llm) -> dict:
-    import torch
-
-    e = llm.engine
-    return {"model": f"{os.path.basename(str(e.loaded.path).rstrip('/'))} ({e.loaded.weight_bytes / 1e6:.0f} MB weights)",
-            "dtype": str(e.dtype).removeprefix("torch."), "device": str(e.device), "max_num_seqs": e.max_num_seqs,
-            "max_num_batched_tokens": e.config.max_num_batched_tokens,
-            "prefix_caching": e.config.enable_prefix_caching, "enforce_eager": e.config.enforce_eager,
-            "threads": torch.get_num_threads()}
-
-
 def _launch_config(args, levels: list[int | None]):
     """The engine config of --launch (validated before anything starts), max_num_seqs sized to the top level when
     the user left it unset (like `ember bench throughput`)."""
@@ -460,6 +451,16 @@ def _launch_config(args, levels: list[int | None]):
     return config
 
 
+def launch(args) -> Server:
+    """`ember serve` with the command's engine flags and --server-args on a free port (the API key hidden in the
+    name it is reported by)."""
+    port = free_port()
+    extra = shlex.split(args.server_args or "") + (["--served-model-name", args.served_model_name]
+                                                   if args.served_model_name else [])
+    argv = serve_argv(engine_args_to_words(args), port) + extra + (["--api-key", args.api_key] if args.api_key else [])
+    return Server(argv, port, shlex.join(["ember", "serve", *argv[4:]]).replace(args.api_key or "\0", "***"))
+
+
 class Tokens:
     """Where the prompts' token ids come from: the offline engine (--launch), a tokenizer (--launch without
     --offline, --url with --tokenizer), or none (text prompts); and the ember engine's description."""
@@ -471,7 +472,7 @@ class Tokens:
 
             self.llm = LLM(**config.flags())
             self.llm.wait_for_compile()  # benchmarks measure the steady state: a background compile finishes first
-            self.engine = _engine_desc(self.llm)
+            self.engine = describe_engine(self.llm)
             self.tokenizer_name = self.engine["model"].split(" (")[0]
             self.pool = ordinary_tokens(self.llm.get_tokenizer(), self.llm.engine.model_config.vocab_size)
         elif config is not None:
@@ -491,29 +492,27 @@ def main(args) -> None:
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger("httpx").getEffectiveLevel()))
     levels = _levels(args)
     load_at_start = load_average()
-    server: LaunchedServer | None = None
+    server: Server | None = None
     try:
         ready_s = None
         if args.launch:
             config = _launch_config(args, levels)
-            extra = shlex.split(args.server_args or "")
-            if args.served_model_name:
-                extra += ["--served-model-name", args.served_model_name]
-            server = LaunchedServer(engine_args_to_words(args), free_port(), args.api_key, extra)
-            server.start()
+            server = launch(args)
             tokens = Tokens(args, config)
-            ready_s = server.wait_ready(args.server_timeout)
+            t0 = time.monotonic()  # ready: from here, once this process's own engine is built
+            server.health(args.server_timeout, steady=True, poll=0.25)
+            ready_s = time.monotonic() - t0
             logger.info("bench serve: server ready after %.1fs", ready_s)
         else:
             tokens = Tokens(args)
         report(args, levels, server, ready_s, tokens, load_at_start)
     finally:
         if server is not None:
-            server.stop()
+            server.stop(keep_log=True)
             logger.info("bench serve: server stopped (its log: %s)", server.log.name)
 
 
-def report(args, levels: list[int | None], server: LaunchedServer | None, ready_s: float | None, tokens: Tokens,
+def report(args, levels: list[int | None], server: Server | None, ready_s: float | None, tokens: Tokens,
            load_at_start: float | None) -> None:
     """Run the sweep against the server and publish its section and JSON file."""
     url = server.url if server else args.url

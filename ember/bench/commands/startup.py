@@ -23,7 +23,7 @@ from ember.bench.lib.args import add_benchmark_group, command_line
 from ember.bench.lib.machine import load_average
 from ember.bench.lib.markdown import row
 from ember.bench.lib.result import Result
-from ember.bench.lib.servers import Start, ember_start, free_port, launch_plan, llama_server_start
+from ember.bench.lib.servers import Server, ember_start, free_port, launch_plan, llama_server_start
 from ember.errors import ConfigError
 
 logger = logging.getLogger("ember.bench")
@@ -33,7 +33,7 @@ HELP = "launch to /health 200 and to the first token, cold and warm, against lla
 TITLE = "Start-up: launch to /health 200 and to the first token"
 
 
-def measure(start: Start, timeout: float, wait_compile: bool) -> dict:
+def measure(start: Server, timeout: float, wait_compile: bool) -> dict:
     try:
         health = start.health(timeout)
         first = start.first_token()

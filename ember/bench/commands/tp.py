@@ -14,13 +14,12 @@ of the step. Prefill: one prompt of --prompt-len tokens, tokens / TTFT.
 from __future__ import annotations
 
 import logging
-import shlex
 import shutil
 import statistics
 import time
 from pathlib import Path
 
-from ember.bench.lib.args import int_list, positive_int
+from ember.bench.lib.args import command_line, int_list, positive_int
 from ember.bench.lib.machine import load_average
 from ember.bench.lib.result import Result
 from ember.sampling import SamplingParams
@@ -93,14 +92,6 @@ def measure(path: str, tp: int, *, runs: int, decode_tokens: int, prompt_len: in
         llm.engine.shutdown()
 
 
-def command_line(args) -> str:
-    words = ["ember", "bench", "tp"] + (["--model", args.model] if args.model else ["--shape", args.shape])
-    for name in ("sizes", "runs", "decode_tokens", "prompt_len", "dtype", "kv_cache_memory", "output"):
-        v = getattr(args, name)
-        words += ["--" + name.replace("_", "-"), ",".join(map(str, v)) if isinstance(v, list) else str(v)]
-    return shlex.join(words)
-
-
 def table(rows: list[dict]) -> list[str]:
     lines = ["| TP | threads per rank | decode tok/s | vs TP=1 | prefill tok/s | vs TP=1 | comm ms / step | "
              "broadcast ms / step | comm share of a decode step |", "|---|---|---|---|---|---|---|---|---|"]
@@ -141,7 +132,9 @@ def main(args) -> None:
              "step's inputs to the workers; share = (comm + broadcast) / step wall time"]
     data = {"model": label, "runs": args.runs, "decode_tokens": args.decode_tokens, "prompt_len": args.prompt_len,
             "rows": rows}
-    Result(KIND, "Tensor parallelism (CPU, gloo)", command_line(args), load, about, [], table(rows), data).publish(
+    command = command_line(args, ["model" if args.model else "shape", "sizes", "runs", "decode_tokens", "prompt_len",
+                                  "dtype", "kv_cache_memory", "output"], engine=False)
+    Result(KIND, "Tensor parallelism (CPU, gloo)", command, load, about, [], table(rows), data).publish(
         args.output, header=HEADER, json_file=Path(args.output).with_suffix(".json"))
 
 

@@ -83,13 +83,15 @@ def add_workload_args(p: argparse.ArgumentParser, *, prompt_help: str) -> None:
                         "peak RSS is then the whole process's, not each side's (" + prompt_help + ")")
 
 
-def command_line(args, bench_flags: list[str]) -> str:
-    """The full command that reproduces this run: every benchmark flag with its value, plus the
-    engine flags that were given (engine flags default to SUPPRESS, so present = given)."""
-    words = ["ember", "bench", args.bench_command] + engine_args_to_words(args)
+def command_line(args, bench_flags: list[str], engine: bool = True) -> str:
+    """The full command that reproduces this run: every benchmark flag that has a value, with it, plus the
+    engine flags that were given (engine flags default to SUPPRESS, so present = given). engine=False: the
+    command has no engine flags (its own may share their names)."""
+    words = ["ember", "bench", args.bench_command] + (engine_args_to_words(args) if engine else [])
     for name in bench_flags:
         v = getattr(args, name)
-        words += ["--" + name.replace("_", "-"), ",".join(map(str, v)) if isinstance(v, list) else str(v)]
+        if v is not None:
+            words += ["--" + name.replace("_", "-"), ",".join(map(str, v)) if isinstance(v, list) else str(v)]
     return shlex.join(words)
 
 

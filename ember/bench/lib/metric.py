@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 
 from ember.bench.lib.bar import Bar
 from ember.bench.lib.cpu import CONTENDED_CORES
-from ember.bench.lib.markdown import describe, fmt
+from ember.bench.lib.markdown import cores_cell, describe, fmt
 from ember.bench.lib.result import Result
 
 
@@ -83,11 +83,6 @@ def speedup_bar(text: str, metrics: list[Metric], name: str, min_speedup: float)
                on={"metric": name})
 
 
-def _cores(values: list[float | None]) -> str:
-    known = [v for v in values if v is not None]
-    return f"{statistics.median(known):.2f}" if known else "-"
-
-
 def paired_result(kind: str, title: str, command: str, runs: int, metrics: list[Metric], bars: list[Bar],
                   ember: dict, peer: dict | None, notes: list[str], load_at_start: float | None) -> Result:
     """The Result of metrics measured on ember and its peer (`peer` None with --peer none): what each side
@@ -102,7 +97,7 @@ def paired_result(kind: str, title: str, command: str, runs: int, metrics: list[
     for m in metrics:
         s = f"{m.speedup:.2f}x" if m.speedup is not None else "-"
         table.append(f"| {m.name} ({m.unit}) | {fmt(m.ember_median)} | {fmt(m.peer_median)} | {s} | "
-                     f"{len(m.kept_runs)}/{len(m.ember)} | {_cores(m.kept(m.ember_others))} / "
-                     f"{_cores(m.kept(m.peer_others))} |")
+                     f"{len(m.kept_runs)}/{len(m.ember)} | {cores_cell(m.kept(m.ember_others))} / "
+                     f"{cores_cell(m.kept(m.peer_others))} |")
     data = {"runs": runs, "ember": ember, "peer": peer, "metrics": [m.to_json() for m in metrics]}
     return Result(kind, title, command, load_at_start, about, notes, table, data, bars)

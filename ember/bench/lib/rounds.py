@@ -17,7 +17,6 @@ from tqdm import tqdm
 from ember.bench.lib import membw
 from ember.bench.lib.bar import Bar
 from ember.bench.lib.cpu import CpuMeter, wait_for_quiet
-from ember.bench.lib.markdown import fmt
 from ember.bench.lib.prompts import prompt_seed
 from ember.bench.lib.timing import DECODE_PROMPT_LEN, decode_rates
 
@@ -151,15 +150,3 @@ def ratio_bar(text: str, figures: list[dict], key: str, side: str, peer: str, op
     r = paired_ratios(fig, side, peer) if fig else None
     return Bar(text, op, threshold, r["median"] if r else None, (r["min"], r["max"]) if r else None,
                missing=f"{side} or {peer} not measured", on={"figure": key, "side": side, "peer": peer})
-
-
-def cell(s: dict | None, suffix: str = "") -> str:
-    """'median [min-max]' of a spread, or '-'."""
-    if not s or "median" not in s:
-        return "-"
-    return f"{fmt(s['median'])}{suffix} [{fmt(s['min'])}-{fmt(s['max'])}]"
-
-
-def ratio_cell(r: dict | None) -> str:
-    """'1.23x [1.10-1.31]' of paired ratios, or '-'."""
-    return f"{r['median']:.2f}x [{r['min']:.2f}-{r['max']:.2f}]" if r else "-"
