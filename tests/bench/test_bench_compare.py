@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from ember.bench.commands import compare, matrix, readme_table
-from ember.entrypoints.cli import main
 from ember.config import cpu_has_avx512_bf16
+from ember.entrypoints.cli import main
 from ember.errors import ConfigError
 from tests.bench import test_bench_cli
 

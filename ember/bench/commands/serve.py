@@ -33,8 +33,8 @@ from typing import Callable
 
 from ember.bench.lib import load
 from ember.bench.lib.args import int_list, positive_int
-from ember.bench.lib.cpu import CONTENDED_CORES, RETRIES, CpuMeter, wait_for_quiet
 from ember.bench.lib.bar import Bar
+from ember.bench.lib.cpu import CONTENDED_CORES, RETRIES, CpuMeter, wait_for_quiet
 from ember.bench.lib.files import json_path
 from ember.bench.lib.machine import load_average
 from ember.bench.lib.markdown import describe, fmt

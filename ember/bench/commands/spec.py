@@ -28,8 +28,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ember.bench.lib.args import add_common_args, command_line, int_list, positive_int
-from ember.bench.lib.cpu import CpuMeter, wait_for_quiet
 from ember.bench.lib.bar import Bar
+from ember.bench.lib.cpu import CpuMeter, wait_for_quiet
 from ember.bench.lib.machine import load_average
 from ember.bench.lib.prompts import PROMPT_SEED, held_out_prompts
 from ember.bench.lib.result import Result

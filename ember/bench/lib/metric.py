@@ -1,15 +1,22 @@
 """Figures measured on ember and its peer in the same runs, the shape of `ember bench latency | throughput |
-structured`: a Metric per figure, its bar (ember's speedup over the peer), and the Result that reports them.
+structured`: a Metric per figure, the runs that fill them, a bar on ember's speedup over the peer, and the
+Result that reports them.
 """
 from __future__ import annotations
 
+import logging
 import statistics
 from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+from tqdm import tqdm
 
 from ember.bench.lib.bar import Bar
-from ember.bench.lib.cpu import CONTENDED_CORES
+from ember.bench.lib.cpu import CONTENDED_CORES, measure_pair
 from ember.bench.lib.markdown import cores_cell, describe, fmt
 from ember.bench.lib.result import Result
+
+logger = logging.getLogger("ember.bench")
 
 
 @dataclass
@@ -74,6 +81,22 @@ class Metric:
     def to_json(self) -> dict:
         return {**asdict(self), "kept_runs": self.kept_runs, "ember_median": self.ember_median,
                 "peer_median": self.peer_median, "speedups": self.speedups, "speedup": self.speedup}
+
+
+def measure_runs(desc: str, runs: int, pairs: Callable[[int], list], metrics: list[Metric],
+                 quiet_wait_s: float) -> None:
+    """One warmup round (-1), then `runs` rounds; pairs(round) gives the round's measurements, each a
+    make_pair of cpu.measure_pair whose sides return {metric name: value}. Every value goes to its metric
+    (other keys are only logged), the warmup's excepted."""
+    by_name = {m.name: m for m in metrics}
+    for r in tqdm(range(-1, runs), desc=desc, unit="run", dynamic_ncols=True):
+        for make_pair in pairs(r):
+            for side, values, others in measure_pair(r, make_pair, quiet_wait_s):
+                logger.info("%s %s %s: %s (others used %s cores)", desc, side, "warmup" if r < 0 else f"run {r + 1}/{runs}",
+                            ", ".join(f"{name} = {v:.2f}" for name, v in values.items()), others)
+                for name, value in values.items():
+                    if r >= 0 and name in by_name:
+                        by_name[name].add(side, value, others)
 
 
 def speedup_bar(text: str, metrics: list[Metric], name: str, min_speedup: float) -> Bar:
