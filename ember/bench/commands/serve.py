@@ -237,13 +237,13 @@ def _sweep(args, levels: list[int | None], target: load.Target, work: Workload, 
             off = f"run {r + 1}/{args.runs} offline"
             seed = LEVEL_SEED * (r + 1) + 10 * i  # the level's lengths; every attempt and side draws its own prompts
 
-            def server(attempt: int) -> dict:
+            def through_server(attempt: int) -> dict:
                 return measure_level(target, work.specs(seed, salt=2 * attempt), c, rate, seed + attempt, pid, desc)
 
             def offline(attempt: int) -> dict:
                 return measure_offline(llm, work.specs(seed, ids=True, salt=2 * attempt + 1), pid, off)
 
-            sides = [(per_level[i], server, desc)]
+            sides = [(per_level[i], through_server, desc)]
             if llm is not None and c == top:
                 sides.append((offline_runs, offline, off))
             for runs, measure_once, what in sides if r % 2 == 0 else reversed(sides):
@@ -505,15 +505,15 @@ def main(args) -> None:
             logger.info("bench serve: server ready after %.1fs", ready_s)
         else:
             tokens = Tokens(args)
-        report(args, levels, server, ready_s, tokens, load_at_start)
+        run_and_publish(args, levels, server, ready_s, tokens, load_at_start)
     finally:
         if server is not None:
             server.stop(keep_log=True)
             logger.info("bench serve: server stopped (its log: %s)", server.log.name)
 
 
-def report(args, levels: list[int | None], server: Server | None, ready_s: float | None, tokens: Tokens,
-           load_at_start: float | None) -> None:
+def run_and_publish(args, levels: list[int | None], server: Server | None, ready_s: float | None, tokens: Tokens,
+                    load_at_start: float | None) -> None:
     """Run the sweep against the server and publish its section and JSON file."""
     url = server.url if server else args.url
     target = load.Target(url, None, args.endpoint, args.api_key, args.ignore_eos, _extra_body(args.extra_body))
