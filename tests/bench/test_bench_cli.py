@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from ember.bench.lib import files, result
+from ember.bench.lib import files, metric
 from ember.entrypoints.cli import main
 from ember.errors import DefaultModelMissingError
 
@@ -81,15 +81,16 @@ def test_update_markdown_replaces_only_its_section():
 
 
 def test_speedup_is_median_of_paired_runs():
-    m = result.Metric("t", "ms", higher_is_better=False, ember=[10.0, 20.0, 30.0], peer=[20.0, 20.0, 90.0])
+    m = metric.Metric("t", "ms", higher_is_better=False, ember=[10.0, 20.0, 30.0], peer=[20.0, 20.0, 90.0])
     assert m.speedups == [2.0, 1.0, 3.0] and m.speedup == 2.0
-    bar = result.Bar("no worse", "t", 1.0)
-    assert bar.judge([m]) == (2.0, "PASS")
-    assert result.Bar("x", "t", 2.5).judge([m]) == (2.0, "FAIL")
+    bar = metric.speedup_bar("no worse", [m], "t", 1.0)
+    assert (bar.measured, bar.result) == (2.0, "PASS")
+    bar = metric.speedup_bar("x", [m], "t", 2.5)
+    assert (bar.measured, bar.result) == (2.0, "FAIL")
 
 
 def test_contended_runs_are_left_out_unless_all_are():
-    m = result.Metric("d", "tok/s", True, ember=[50.0, 5.0, 45.0], peer=[40.0, 10.0, 45.0],
+    m = metric.Metric("d", "tok/s", True, ember=[50.0, 5.0, 45.0], peer=[40.0, 10.0, 45.0],
                       ember_others=[0.0, 1.3, 0.1], peer_others=[0.0, 0.2, 0.1])
     assert m.kept_runs == [0, 2] and m.ember_median == 47.5 and m.speedup == pytest.approx((1.25 + 1.0) / 2)
     m.ember_others = [1.0, 1.3, 0.9]
@@ -137,5 +138,5 @@ def test_bench_structured_writes_both_bars(tmp_path):
     data = _json.loads((tmp_path / "structured-structured.json").read_text())
     assert [m["name"] for m in data["metrics"]] == ["batch-1 decode", "batch-32 decode"]
     assert all(m["ember"][0] > 0 and m["peer"][0] > 0 for m in data["metrics"])
-    assert [b["min_speedup"] for b in data["bars"]] == [0.9, 0.85]
+    assert [b["threshold"] for b in data["bars"]] == [0.9, 0.85]
     assert "constrained batch-32 decode" in out.read_text()

@@ -1,5 +1,5 @@
 """ember bench quant: the bars judged from the rows, and the rendered table."""
-from ember.bench.commands.quant import Row, bars, render, variants
+from ember.bench.commands.quant import Row, bars, report, variants
 
 
 def _rows(awq_ppl=10.5, rtn_ppl=11.0, fp8_ppl=10.1):
@@ -13,13 +13,13 @@ def _rows(awq_ppl=10.5, rtn_ppl=11.0, fp8_ppl=10.1):
     ]
 
 
-META = {"gguf_tensor_bytes": 96_000_000}
+GGUF_TENSOR_BYTES = 96_000_000
 
 
 def test_bars_pass_and_fail_on_the_figures():
-    got = {name: ok for name, ok, _ in bars(_rows(), META)}
+    got = {b.text: b.result == "PASS" for b in bars(_rows(), GGUF_TENSOR_BYTES)}
     assert all(got.values()), got
-    got = {name: ok for name, ok, _ in bars(_rows(awq_ppl=11.2, rtn_ppl=11.1, fp8_ppl=10.3), META)}
+    got = {b.text: b.result == "PASS" for b in bars(_rows(awq_ppl=11.2, rtn_ppl=11.1, fp8_ppl=10.3), GGUF_TENSOR_BYTES)}
     assert not got["AWQ g32 perplexity within 8% of dense"]
     assert not got["AWQ g32 perplexity strictly better than round-to-nearest g32"]
     assert not got["FP8 KV perplexity within 2% of bf16 KV"]
@@ -27,11 +27,12 @@ def test_bars_pass_and_fail_on_the_figures():
 
 
 def test_render_has_every_row_and_ratio():
-    meta = META | {"machine": {"cpu": "cpu", "usable_cores": 2, "avx512_bf16": True, "ram_gib": 24, "os": "linux",
-                               "python": "3.11", "torch": "2.13", "transformers": "5", "ember": "source",
-                               "torch_threads": 2, "date": "today"},
-                   "command": "ember bench quant", "gguf_path": "x.gguf", "notes": ["n"]}
-    text = render(_rows(), meta)
+    result = report(_rows(), command="ember bench quant", gguf_path="x.gguf", gguf_tensor_bytes=GGUF_TENSOR_BYTES,
+                    notes=["n"], load_at_start=None)
+    result.machine = {"cpu": "cpu", "usable_cores": 2, "avx512_bf16": True, "ram_gib": 24, "os": "linux",
+                      "python": "3.11", "torch": "2.13", "transformers": "5", "ember": "source", "torch_threads": 2,
+                      "date": "today"}
+    text = result.to_markdown()
     assert "| GGUF Q4_1 packed | 101.0 | 1.05 | 81.0 (80.0–82.0) | 2.02 | 10.050 | +0.50% |" in text
     assert text.count("PASS") == 5
 

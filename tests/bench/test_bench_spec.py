@@ -26,7 +26,7 @@ def test_bench_spec_writes_rows_acceptance_and_bars(tmp_path):
     k1 = next(r for r in data["rows"] if r["config"] == "k=1" and r["temperature"] == 0.0)
     assert len(k1["acceptance_per_pos"]) == 1 and 1.0 <= k1["mean_accepted_length"] <= 2.0
     assert k1["tok_s_median"] > 0 and k1["vs_no_spec"] > 0
-    assert [b["bar"].split(" (")[0] for b in data["bars"]] == [
+    assert [b["text"].split(" (")[0] for b in data["bars"]] == [
         "position-1 acceptance >= 0.6 at temperature 0", "decode >= 1.6x no speculation at temperature 0",
         "decode >= 1.25x no speculation at temperature 0.8"]
     text = md.read_text()
@@ -54,4 +54,4 @@ def test_summary_ratios_and_bars_from_measured_rates():
     assert k2["vs_no_spec"] == pytest.approx(1.8) and k2["vs_llama_cpp"] == pytest.approx(0.9)
     assert k2["acceptance_per_pos"] == [0.7, 5 / 7] and k2["mean_accepted_length"] == pytest.approx(2.2)
     assert k2["draft_time_share"] == pytest.approx(0.25)
-    assert [(b["value"], b["result"]) for b in out["bars"]] == [(0.7, "pass"), (pytest.approx(1.8), "pass")]
+    assert [(b.measured, b.result) for b in out["bars"]] == [(0.7, "PASS"), (pytest.approx(1.8), "PASS")]

@@ -19,26 +19,27 @@ import argparse
 import logging
 import os
 import shlex
-import statistics
 import subprocess
 from typing import Callable
 
 from ember.bench.lib import membw
 from ember.bench.lib.args import add_common_args, add_workload_args, command_line, int_list, switches
-from ember.bench.lib.files import publish
-from ember.bench.lib.machine import load_average, machine_info
-from ember.bench.lib.markdown import describe, fmt, head, row
+from ember.bench.lib.bar import Bar
+from ember.bench.lib.machine import load_average
+from ember.bench.lib.markdown import cell, cores_cell, describe, fmt, ratio_cell, row
 from ember.bench.lib.prompts import chat_prompts, prompt_maker_of
-from ember.bench.lib.rounds import (RatioBar, cell, decode_task, measure, paired_ratios, ratio_cell, spread,
-                                    summarize_figures, throughput_task, ttft_key, ttft_task)
+from ember.bench.lib.result import Result
+from ember.bench.lib.rounds import (decode_task, measure, paired_ratios, ratio_bar, spread, summarize_figures,
+                                    throughput_task, ttft_key, ttft_task)
 from ember.bench.peers import PEER_NAMES, PEERS
-from ember.bench.sides.ember import ember_factory, ember_knobs
+from ember.bench.sides.ember import NO_SPECULATION, ember_factory, ember_knobs
 from ember.bench.sides.worker import start_side
 from ember.platform import resolve_dtype_name
 
 logger = logging.getLogger("ember.bench")
 
 KIND = "compare"
+TITLE = "ember vs llama.cpp vs transformers (same GGUF file, same threads)"
 EMBER, MTP, BASELINE, VERSUS = "ember", "ember+MTP", "ember baseline", "ember --versus"
 # --baseline: this checkout and another one must agree within this share on decode and throughput
 BASELINE_TOLERANCE = 0.05
@@ -49,28 +50,29 @@ PARSER = {"description": "Needs llama-cpp-python for the llama.cpp side: pip ins
                          "compiles llama.cpp, several minutes on 2 cores. --peer hf needs transformers and accelerate."}
 
 
-# -- bars -----------------------------------------------------------------------------------------
+# -- bars and the table ---------------------------------------------------------------------------
 
-def bars(ttft_len: int, baseline: bool = False, versus: bool = False) -> list[RatioBar]:
+def bars(figures: list[dict], ttft_len: int, baseline: bool = False, versus: bool = False) -> list[Bar]:
     """The issue's bars (with a baseline checkout: behaviour unchanged, within BASELINE_TOLERANCE; with
     --versus flags: the command's flags at least as fast at batch-1 decode, within it)."""
     tol = BASELINE_TOLERANCE
     if versus:
-        return [RatioBar(f"batch-1 decode >= {1 - tol:.2f}x the --versus flags'", "decode", EMBER, VERSUS, ">=", 1 - tol)]
-    same = [RatioBar(f"batch-1 decode within {tol:.0%} of the baseline checkout", "decode", EMBER, BASELINE,
-                     "within", tol),
-            RatioBar(f"offline throughput within {tol:.0%} of the baseline checkout", "throughput", EMBER, BASELINE,
-                     "within", tol)] if baseline else []
-    return same + [RatioBar("batch-1 decode >= 1.0x llama.cpp, no speculation", "decode", EMBER, "llama.cpp", ">=", 1.0),
-            RatioBar("batch-1 decode >= 1.5x llama.cpp with MTP", "decode", MTP, "llama.cpp", ">=", 1.5),
-            RatioBar(f"TTFT at {ttft_len} tokens <= 0.33x llama.cpp's", ttft_key(ttft_len), EMBER, "llama.cpp", "<=", 0.33),
-            RatioBar("offline throughput >= 3x transformers' batched generate", "throughput", EMBER, "transformers",
-                     ">=", 3.0)]
+        specs = [(f"batch-1 decode >= {1 - tol:.2f}x the --versus flags'", "decode", EMBER, VERSUS, ">=", 1 - tol)]
+    else:
+        specs = [(f"batch-1 decode within {tol:.0%} of the baseline checkout", "decode", EMBER, BASELINE, "within", tol),
+                 (f"offline throughput within {tol:.0%} of the baseline checkout", "throughput", EMBER, BASELINE,
+                  "within", tol)] if baseline else []
+        specs += [("batch-1 decode >= 1.0x llama.cpp, no speculation", "decode", EMBER, "llama.cpp", ">=", 1.0),
+                  ("batch-1 decode >= 1.5x llama.cpp with MTP", "decode", MTP, "llama.cpp", ">=", 1.5),
+                  (f"TTFT at {ttft_len} tokens <= 0.33x llama.cpp's", ttft_key(ttft_len), EMBER, "llama.cpp", "<=",
+                   0.33),
+                  ("offline throughput >= 3x transformers' batched generate", "throughput", EMBER, "transformers",
+                   ">=", 3.0)]
+    return [ratio_bar(text, figures, *spec) for text, *spec in specs]
 
 
 def _others(figure: dict, side: str) -> str:
-    known = [o for o in figure["values"].get(side, {}).get("others", []) if o is not None]
-    return f"{statistics.median(known):.2f}" if known else "-"
+    return cores_cell(figure["values"].get(side, {}).get("others", []))
 
 
 def figure_rows(figures: list[dict], peers: list[str], last: Callable[[dict, str], str],
@@ -92,14 +94,11 @@ def rss_row(rss: dict, side: str, peers: list[str], last: str) -> list[str]:
     return cells + [f"{rss[side] / rss[p]:.2f}x" if rss.get(p) else "-" for p in peers] + [last]
 
 
-def render(data: dict) -> str:
+def table(data: dict) -> list[str]:
+    """The figures of every side, each ember side's ratio to every other, peak RSS, the bandwidth paragraph."""
     peers = [n for n in data["sides"] if n not in (EMBER, MTP)]
-    lines = head(data.get("title", "ember vs llama.cpp vs transformers (same GGUF file, same threads)"),
-                 data["command"], data["machine"], data["load_at_start"])
-    lines += [f"- {name}: " + describe(d) for name, d in data["sides"].items()]
-    lines += [f"- {n}" for n in data["notes"]]
     columns = ["metric", EMBER] + peers + [f"{EMBER} / {p}" for p in peers] + ["others' cores (ember)"]
-    lines += ["", row(columns), "|---|" + "---:|" * (len(columns) - 1)]
+    lines = [row(columns), "|---|" + "---:|" * (len(columns) - 1)]
     lines += [row(cells) for cells in figure_rows(data["figures"], peers, _others)]
     rss = data["peak_rss_mib"]
     lines += [row(rss_row(rss, side, peers, "-")) for side in (EMBER, MTP) if side in rss]
@@ -109,13 +108,7 @@ def render(data: dict) -> str:
                       f"{bw['weight_bytes'] / 1e6:.1f} MB of weights per token, so it achieves "
                       f"{cell(bw['achieved_gbps'])} GB/s = {cell(bw['percent'], '%')} of the bandwidth measured in "
                       "the same rounds (round by round)."]
-    if not data["bars"]:  # ember bench hybrid: figures only
-        return "\n".join(lines) + "\n"
-    lines += ["", "| bar | ember / peer | result |", "|---|---:|---|"]
-    for b in data["bars"]:
-        got = f"{b['ratio']:.2f}x [{b['ratio_min']:.2f}-{b['ratio_max']:.2f}]" if b["ratio"] is not None else "-"
-        lines.append(f"| {b['text']} | {got} | **{b['result']}** |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def bandwidth_summary(bandwidth: list[float], decode: dict, weight_bytes: int | None) -> dict | None:
@@ -158,86 +151,95 @@ def versus_knobs(args, knobs: dict) -> dict:
     given = vars(parser.parse_args(shlex.split(args.versus)))  # engine flags default to SUPPRESS: only these
     ns = argparse.Namespace(**{**vars(args), **given})
     out, _ = ember_knobs(ns, args.num_prompts)
-    out.update(speculative_config=None, speculative_model=None, enable_mtp=False, num_speculative_tokens=None)
+    out.update(NO_SPECULATION)
     for key in ("kv_cache_memory", "max_num_seqs"):  # sized alike unless --versus sets them
         if key not in given:
             out[key] = knobs[key]
     return out
 
 
-def model_path(knobs: dict) -> str:
-    from ember.default_model import default_model_path
-
-    return knobs["model"] or default_model_path()
-
-
-def main(args) -> None:
+def _check(args) -> None:
     from ember.errors import ConfigError
 
-    lo, hi = args.input_len_range
     if args.decode_tokens < 2:
         raise ConfigError(f"--decode-tokens must be >= 2 (got {args.decode_tokens})")
     if args.baseline is not None and (args.in_process or not os.path.isdir(os.path.join(args.baseline, "ember"))):
         raise ConfigError(f"--baseline {args.baseline!r} must be a checkout of ember (a folder holding ember/), "
                           "measured in a worker process of its own (drop --in-process)")
-    peers = [p for p in args.peer if p != "none"]
-    check_peers_installed(peers)
-    knobs, threads = ember_knobs(args, args.num_prompts)
-    # the plain ember side never speculates (its bar is "without speculation"); the MTP side adds the model's head
-    mtp_knobs = {**knobs, "speculative_config": None, "speculative_model": None, "enable_mtp": True}
-    knobs.update(speculative_config=None, speculative_model=None, enable_mtp=False, num_speculative_tokens=None)
-    path = model_path(knobs)
-    longest = max(args.prompt_lens)
+    check_peers_installed(args.peer)
+
+
+def start_sides(sides: dict, args, knobs: dict, mtp_knobs: dict, threads: int, path: str) -> None:
+    """Start every side into `sides` (the caller closes what started, whatever fails)."""
+    lo, hi = args.input_len_range
     # a peer may read another file of the same weights (ember bench hybrid: the GGUF for llama.cpp, the HF folder
     # for transformers)
-    peer_kwargs = {"llamacpp": {"gguf_path": getattr(args, "llamacpp_model", None) or path, "threads": threads, "n_ctx": max(4096, longest + hi + args.output_len),
+    peer_kwargs = {"llamacpp": {"gguf_path": getattr(args, "llamacpp_model", None) or path, "threads": threads,
+                                "n_ctx": max(4096, max(args.prompt_lens) + hi + args.output_len),
                                 "batch_mode": args.llamacpp_batch},
                    # transformers in the dtype ember picks here: bf16 where the CPU has bf16 instructions,
                    # else float32 (emulated bf16 runs several times slower: no user would pick it)
-                   "hf": {"model_path": getattr(args, "hf_model", None) or path, "dtype": resolve_dtype_name("auto", "cpu")}}
+                   "hf": {"model_path": getattr(args, "hf_model", None) or path,
+                          "dtype": resolve_dtype_name("auto", "cpu")}}
+    sides[EMBER] = start_side(ember_factory(), knobs, threads, args.in_process)
+    if args.baseline is not None:  # the same flags through the other checkout's ember
+        sides[BASELINE] = start_side(ember_factory(args.baseline), knobs, threads, False, os.path.abspath(args.baseline))
+        sides[BASELINE].description = {**sides[BASELINE].description, "checkout": checkout_of(args.baseline)}
+    if args.versus is not None:  # the same checkout with other flags
+        sides[VERSUS] = start_side(ember_factory(), versus_knobs(args, knobs), threads, args.in_process)
+        sides[VERSUS].description = {**sides[VERSUS].description, "flags": args.versus}
+    if args.mtp:
+        sides[MTP] = start_side(ember_factory(), mtp_knobs, threads, args.in_process)
+    for p in args.peer:
+        if p != "none":
+            sides[PEER_NAMES[p]] = start_side(PEERS[p], peer_kwargs[p], threads, args.in_process)
+
+
+def command(args) -> str:
+    words = command_line(args, ["runs", "peer", "output", "prompt_seed", "quiet_wait", "decode_tokens", "prompt_lens",
+                                "num_prompts", "input_len_range", "output_len", "bandwidth_mib", "llamacpp_batch",
+                                "decode_prompt", "baseline"])
+    if args.versus is not None:
+        words += " --versus " + shlex.quote(args.versus)
+    return words + switches(args, mtp="--no-mtp")
+
+
+def main(args) -> None:
+    from ember.default_model import default_model_path
+
+    _check(args)
+    knobs, threads = ember_knobs(args, args.num_prompts)
+    # the plain ember side never speculates (its bar is "without speculation"); the MTP side adds the model's head
+    mtp_knobs = {**knobs, "speculative_config": None, "speculative_model": None, "enable_mtp": True}
+    knobs.update(NO_SPECULATION)
+    path = knobs["model"] or default_model_path()
+    lo, hi = args.input_len_range
     sides = {}
     try:
-        sides[EMBER] = start_side(ember_factory(), knobs, threads, args.in_process)
-        if args.baseline is not None:  # the same flags through the other checkout's ember
-            sides[BASELINE] = start_side(ember_factory(args.baseline), knobs, threads, False,
-                                         os.path.abspath(args.baseline))
-            sides[BASELINE].description = {**sides[BASELINE].description, "checkout": checkout_of(args.baseline)}
-        if args.versus is not None:  # the same checkout with other flags
-            sides[VERSUS] = start_side(ember_factory(), versus_knobs(args, knobs), threads, args.in_process)
-            sides[VERSUS].description = {**sides[VERSUS].description, "flags": args.versus}
-        if args.mtp:
-            sides[MTP] = start_side(ember_factory(), mtp_knobs, threads, args.in_process)
-        for p in peers:
-            sides[PEER_NAMES[p]] = start_side(PEERS[p], peer_kwargs[p], threads, args.in_process)
+        start_sides(sides, args, knobs, mtp_knobs, threads, path)
         maker = prompt_maker_of(sides[EMBER], args.prompt_seed)
         only_ember = frozenset({MTP})
         decode_prompt = chat_prompts(path) if args.decode_prompt == "chat" else None
-        tasks = [decode_task(maker, args.decode_tokens, prompt=decode_prompt), *(ttft_task(maker, n, only_ember) for n in args.prompt_lens),
+        tasks = [decode_task(maker, args.decode_tokens, prompt=decode_prompt),
+                 *(ttft_task(maker, n, only_ember) for n in args.prompt_lens),
                  throughput_task(maker, args.num_prompts, lo, hi, args.output_len, only_ember)]
         load = load_average()
         results, bandwidth = measure(sides, tasks, runs=args.runs, quiet_wait_s=args.quiet_wait,
                                      bandwidth_mib=args.bandwidth_mib, desc="bench compare")
-        rss = {n: s.peak_rss_bytes() / (1 << 20) for n, s in sides.items()}
-        shared = any(s.shared_process for s in sides.values())
         figures = summarize_figures([f for t in tasks for f in t.figures], results)
-        command = command_line(args, ["runs", "peer", "output", "prompt_seed", "quiet_wait", "decode_tokens",
-                                      "prompt_lens", "num_prompts", "input_len_range", "output_len", "bandwidth_mib",
-                                      "llamacpp_batch", "decode_prompt", "baseline"])
-        if args.versus is not None:
-            command += " --versus " + shlex.quote(args.versus)
-        command += switches(args, mtp="--no-mtp")
-        data = {"kind": KIND, "command": command, **({"title": args.title} if getattr(args, "title", None) else {}),
-                "machine": machine_info(), "load_at_start": load, "threads": threads, "runs": args.runs,
-                "sides": {n: s.description for n, s in sides.items()}, "figures": figures,
-                "peak_rss_mib": rss, "rss_shared_process": shared,
-                "bandwidth": bandwidth_summary(bandwidth, figures[0], sides[EMBER].weight_bytes),
-                "bars": [b.judge(figures) for b in bars(longest, args.baseline is not None, args.versus is not None)]
-                if getattr(args, "judge", True) else []}
+        shared = any(s.shared_process for s in sides.values())
+        data = {"threads": threads, "runs": args.runs, "sides": {n: s.description for n, s in sides.items()},
+                "figures": figures, "peak_rss_mib": {n: s.peak_rss_bytes() / (1 << 20) for n, s in sides.items()},
+                "rss_shared_process": shared,
+                "bandwidth": bandwidth_summary(bandwidth, figures[0], sides[EMBER].weight_bytes)}
     finally:
         for s in sides.values():
             s.close()
-    data["notes"] = notes(args, knobs, mtp_knobs, decode_prompt is not None, shared)
-    publish(args.output, getattr(args, "kind", KIND), render(data), data, who="bench compare")
+    judged = bars(figures, max(args.prompt_lens), args.baseline is not None, args.versus is not None)
+    Result(getattr(args, "kind", KIND), getattr(args, "title", None) or TITLE, command(args), load,
+           [f"{name}: {describe(d)}" for name, d in data["sides"].items()],
+           notes(args, knobs, mtp_knobs, decode_prompt is not None, shared), table(data), data,
+           judged if getattr(args, "judge", True) else [], "ember / peer").publish(args.output)
 
 
 def checkout_of(folder: str) -> str:
@@ -292,13 +294,9 @@ def notes(args, knobs: dict, mtp_knobs: dict, chat_decode: bool, shared: bool) -
 
 
 def add_cli_args(p) -> None:
-    add_common_args(p)
-    for a in p._actions:  # here --peer takes a list
-        if a.dest == "peer":
-            a.choices, a.type, a.default = None, _peer_list, list(DEFAULT_PEERS)
-            a.metavar, a.help = "PEER,PEER|none", ("llamacpp = llama.cpp through llama-cpp-python (pip install -e "
-                                                   "'.[bench]'; compiles llama.cpp on install, several minutes), "
-                                                   "hf = transformers bf16; none = ember only")
+    add_common_args(p, {"type": _peer_list, "default": list(DEFAULT_PEERS), "metavar": "PEER,PEER|none",
+                        "help": "llamacpp = llama.cpp through llama-cpp-python (pip install -e '.[bench]'; compiles "
+                                "llama.cpp on install, several minutes), hf = transformers bf16; none = ember only"})
     p.add_argument("--prompt-lens", type=int_list, default=[512, 2000], metavar="N,N,...",
                    help="prompt lengths for TTFT; the bar is judged at the longest")
     p.add_argument("--no-mtp", dest="mtp", action="store_false", help="leave out the ember+MTP side")

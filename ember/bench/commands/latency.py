@@ -7,18 +7,13 @@ machine the two agree, so the bar is judged on the steady figure.
 """
 from __future__ import annotations
 
-import logging
-
-from tqdm import tqdm
-
 from ember.bench.lib.args import add_common_args, command_line, int_list
-from ember.bench.lib.cpu import measure_pair, protocol_note
+from ember.bench.lib.bar import Bar
+from ember.bench.lib.cpu import protocol_note
 from ember.bench.lib.machine import load_average
+from ember.bench.lib.metric import Metric, measure_runs, paired_result, speedup_bar
 from ember.bench.lib.prompts import prompt_maker, prompt_seed
-from ember.bench.lib.result import Bar, Metric, Result
 from ember.bench.lib.timing import DECODE_PROMPT_LEN, decode_rates, ember_decode, ember_ttft
-
-logger = logging.getLogger("ember.bench")
 
 NAME = "latency"
 HELP = "batch-1 decode tok/s and time to first token"
@@ -44,11 +39,12 @@ def ttft_metric_name(length: int) -> str:
     return f"TTFT, {length}-token prompt"
 
 
-def bars(decode_tokens: int, prompt_lens: list[int]) -> list[Bar]:
-    out = [Bar("batch-1 decode >= 2x transformers bf16", decode_metric_name(decode_tokens, steady=True), 2.0)]
+def bars(metrics: list[Metric], decode_tokens: int, prompt_lens: list[int]) -> list[Bar]:
+    out = [speedup_bar("batch-1 decode >= 2x transformers bf16", metrics, decode_metric_name(decode_tokens, True), 2.0)]
     if 2048 in prompt_lens:
         # TTFT is lower-is-better; its speedup is peer time / ember time, so "no worse" is >= 1
-        out.append(Bar("TTFT at 2048 tokens no worse than transformers bf16", ttft_metric_name(2048), 1.0))
+        out.append(speedup_bar("TTFT at 2048 tokens no worse than transformers bf16", metrics, ttft_metric_name(2048),
+                               1.0))
     return out
 
 
@@ -66,10 +62,7 @@ def run(llm, peer, *, decode_tokens: int, prompt_lens: list[int], runs: int, qui
         m, s = decode_rates(times)
         return {mean.name: m, steady.name: s}
 
-    by_name = {m.name: m for m in (mean, steady, *ttfts.values())}
-    for r in tqdm(range(-1, runs), desc="bench latency", unit="run", dynamic_ncols=True):
-        label = "warmup" if r < 0 else f"run {r + 1}/{runs}"
-
+    def pairs(r: int) -> list:
         def decode_pair(attempt: int):
             p = make.make(1, DECODE_PROMPT_LEN, prompt_seed(r, attempt))[0]
             return (lambda: decode(ember_decode(engine, f"bench-decode-{r}-{attempt}", p, decode_tokens)),
@@ -82,15 +75,11 @@ def run(llm, peer, *, decode_tokens: int, prompt_lens: list[int], runs: int, qui
                         (lambda: {m.name: 1000 * peer.ttft(p)}) if peer else None)
             return make_pair
 
-        for make_pair in [decode_pair, *(ttft_pair(n, m) for n, m in ttfts.items())]:
-            for side, values, others in measure_pair(r, make_pair, quiet_wait_s):
-                for name, value in values.items():
-                    m = by_name[name]
-                    logger.info("bench latency %s %s: %s = %.1f %s (others used %s cores)", side, label, name, value,
-                                m.unit, others)
-                    if r >= 0:
-                        m.add(side, value, others)
-    return [mean, steady, *ttfts.values()]
+        return [decode_pair, *(ttft_pair(n, m) for n, m in ttfts.items())]
+
+    metrics = [mean, steady, *ttfts.values()]
+    measure_runs("bench latency", runs, pairs, metrics, quiet_wait_s)
+    return metrics
 
 
 def main(args) -> None:
@@ -109,6 +98,6 @@ def main(args) -> None:
              "new each run"]
     if peer:
         notes += [hf.DECODE_METHOD, hf.TTFT_METHOD]
-    Result("latency", "Latency (batch 1)", command_line(args, FLAGS), args.runs, metrics,
-           bars(args.decode_tokens, args.prompt_lens), ember_desc, peer.description if peer else None, notes,
-           load).publish(args.output)
+    paired_result("latency", "Latency (batch 1)", command_line(args, FLAGS), args.runs, metrics,
+                  bars(metrics, args.decode_tokens, args.prompt_lens), ember_desc, peer.description if peer else None,
+                  notes, load).publish(args.output)

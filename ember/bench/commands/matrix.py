@@ -17,11 +17,11 @@ import dataclasses
 import logging
 
 from ember.bench.lib.args import add_common_args, add_workload_args, command_line, names, positive_int, switches
-from ember.bench.lib.files import publish
-from ember.bench.lib.machine import load_average, machine_info
-from ember.bench.lib.markdown import fmt, head, row
+from ember.bench.lib.machine import load_average
+from ember.bench.lib.markdown import cell, fmt, row
 from ember.bench.lib.prompts import prompt_maker_of
-from ember.bench.lib.rounds import cell, decode_task, measure, summarize_figures, throughput_task, ttft_task
+from ember.bench.lib.result import Result
+from ember.bench.lib.rounds import decode_task, measure, summarize_figures, throughput_task, ttft_task
 from ember.bench.sides.ember import EMBER, ember_knobs
 from ember.bench.sides.worker import start_side
 
@@ -29,6 +29,7 @@ logger = logging.getLogger("ember.bench")
 
 NAME = KIND = "matrix"
 HELP = "each engine lever from everything off to everything on: TTFT, decode, throughput, peak memory"
+TITLE = "Engine levers (ember alone, cumulative)"
 OFF = {"enforce_eager": True, "enable_chunked_prefill": False, "enable_mtp": False, "speculative_config": None,
        "speculative_model": None, "num_speculative_tokens": None, "quantization": "none", "int8_decode": False,
        "int4_dense_copy": False, "cpu_tiled_gemv": False, "cpu_paged_attention": False, "cpu_fused_elementwise": False,
@@ -73,17 +74,27 @@ def lever_values(knobs: dict) -> str:
     return ", ".join(f"{k}={knobs[k]}" for k in LEVERS if k in knobs)
 
 
-def render(data: dict) -> str:
-    figs = data["figures"]
-    lines = head("Engine levers (ember alone, cumulative)", data["command"], data["machine"], data["load_at_start"])
-    lines += [f"- {n}" for n in data["notes"]]
-    columns = ["config"] + [f"{f['name']} ({f['unit']})" for f in figs] + ["peak RSS (MiB)"]
-    lines += ["", row(columns), "|---|" + "---:|" * (len(columns) - 1)]
-    for r in data["rows"]:
+def table(figures: list[dict], rows: list[dict], rss: dict) -> list[str]:
+    columns = ["config"] + [f"{f['name']} ({f['unit']})" for f in figures] + ["peak RSS (MiB)"]
+    lines = [row(columns), "|---|" + "---:|" * (len(columns) - 1)]
+    for r in rows:
         name = r["name"]
-        lines.append(row([f"{name} ({r['knobs']})"] + [cell(f["values"].get(name)) for f in figs]
-                         + [fmt(data["peak_rss_mib"].get(name))]))
-    return "\n".join(lines) + "\n"
+        lines.append(row([f"{name} ({r['knobs']})"] + [cell(f["values"].get(name)) for f in figures]
+                         + [fmt(rss.get(name))]))
+    return lines
+
+
+def notes(args, shared: bool) -> list[str]:
+    """How each figure was measured, for the report."""
+    return [f"{args.runs} measured rounds after 1 warmup round (which also pays any compilation); cells are "
+            "median [min-max]; every row sees the same seeded random prompts, new each round",
+            f"decode: greedy, {args.decode_tokens} tokens, EOS ignored, mean rate; TTFT: add_request() to the "
+            "first token; throughput: one LLM.generate() over all prompts, EOS ignored",
+            "rows are cumulative: each is the row above plus one lever"
+            + ("" if has_executor_flag() else "; no compiled-executor row: this build has no --executor flag"),
+            "peak RSS: the whole process's high-water mark (--in-process), not attributable" if shared else
+            "peak RSS: each row's own worker process (getrusage high-water mark, incl. the interpreter, "
+            "libraries and the preallocated KV pool)"]
 
 
 def main(args) -> None:
@@ -119,27 +130,15 @@ def main(args) -> None:
     command = command_line(args, ["runs", "output", "prompt_seed", "quiet_wait", "prompt_len", "decode_tokens",
                                   "num_prompts", "input_len_range", "output_len"])
     command += switches(args) + (f" --configs {','.join(args.configs)}" if args.configs else "")
-    data = {"kind": KIND, "command": command, "machine": machine_info(), "load_at_start": load, "threads": threads,
-            "runs": args.runs, "figures": figures, "peak_rss_mib": rss, "rss_shared_process": shared,
-            "rows": [{"name": n, "knobs": lever_values(kn), "engine": descriptions[n]} for n, kn in rows],
-            "executor_flag": has_executor_flag(),
-            "notes": [f"{args.runs} measured rounds after 1 warmup round (which also pays any compilation); cells are "
-                      "median [min-max]; every row sees the same seeded random prompts, new each round",
-                      f"decode: greedy, {args.decode_tokens} tokens, EOS ignored, mean rate; TTFT: add_request() to the "
-                      "first token; throughput: one LLM.generate() over all prompts, EOS ignored",
-                      "rows are cumulative: each is the row above plus one lever"
-                      + ("" if has_executor_flag() else "; no compiled-executor row: this build has no --executor flag"),
-                      "peak RSS: the whole process's high-water mark (--in-process), not attributable" if shared else
-                      "peak RSS: each row's own worker process (getrusage high-water mark, incl. the interpreter, "
-                      "libraries and the preallocated KV pool)"]}
-    publish(args.output, KIND, render(data), data, who="bench matrix")
+    rows = [{"name": n, "knobs": lever_values(kn), "engine": descriptions[n]} for n, kn in rows]
+    data = {"threads": threads, "runs": args.runs, "figures": figures, "peak_rss_mib": rss,
+            "rss_shared_process": shared, "rows": rows, "executor_flag": has_executor_flag()}
+    Result(KIND, TITLE, command, load, [], notes(args, shared), table(figures, rows, rss), data).publish(args.output)
 
 
 def add_cli_args(p) -> None:
-    add_common_args(p)
-    for a in p._actions:  # ember alone: --peer only accepts none here, and is not listed
-        if a.dest == "peer":
-            a.choices, a.default, a.help = ("none",), "none", argparse.SUPPRESS
+    # ember alone: --peer only accepts none here, and is not listed
+    add_common_args(p, {"choices": ("none",), "default": "none", "help": argparse.SUPPRESS})
     p.add_argument("--prompt-len", type=positive_int, default=2000,
                    help="TTFT prompt length: the longest this machine handles in reasonable time")
     p.add_argument("--configs", type=names, default=None, metavar="NAME,NAME,...",

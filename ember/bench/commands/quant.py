@@ -15,20 +15,24 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import logging
 import os
 import statistics
 import time
 from pathlib import Path
 
-from ember.bench.lib.machine import machine_info, machine_line
+from ember.bench.lib.args import command_line
+from ember.bench.lib.bar import Bar
+from ember.bench.lib.machine import load_average
+from ember.bench.lib.result import Result
 
 logger = logging.getLogger("ember.bench")
 
 NAME = "quant"
 HELP = "memory, decode speed and perplexity of each weight / KV format"
 DEFAULT_OUTPUT = "benchmarks/quant.md"
+TITLE = "Quantization: memory, decode speed, perplexity (default model)"
+HEADER = "# ember quantization benchmarks\n\nWritten by `ember bench quant`; raw rows in the JSON file next to this one.\n"
 DECODE_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
@@ -110,56 +114,52 @@ def measure(v: Variant, eval_ids: list[int] | None, args) -> Row:
     return Row(v.kind, v.label, v.group_size, weight_bytes, rates, ppl, scored)
 
 
-def render(rows: list[Row], meta: dict) -> str:
+def table(rows: list[Row], gguf_tensor_bytes: int) -> list[str]:
+    lines = ["| format | resident weights (MB) | × GGUF tensor bytes | batch-1 decode tok/s (median, min–max) "
+             "| × dense | perplexity | Δ vs dense |", "|---|---|---|---|---|---|---|"]
     base = rows[0]
-    lines = [
-        "# Quantization: memory, decode speed, perplexity (default model)", "",
-        f"Machine: {machine_line(meta['machine'])}", "",
-        f"Command: `{meta['command']}`", "",
-        f"GGUF file tensor bytes: {meta['gguf_tensor_bytes'] / 1e6:.1f} MB "
-        f"({meta['gguf_path']}).", "",
-        "| format | resident weights (MB) | × GGUF tensor bytes | batch-1 decode tok/s (median, min–max) "
-        "| × dense | perplexity | Δ vs dense |",
-        "|---|---|---|---|---|---|---|",
-    ]
     base_rate = statistics.median(base.decode_tok_s)
     for r in rows:
         rate = statistics.median(r.decode_tok_s)
         ppl = "-" if r.perplexity is None else f"{r.perplexity:.3f}"
         delta = "-" if r.perplexity is None or base.perplexity is None else \
             f"{100 * (r.perplexity / base.perplexity - 1):+.2f}%"
-        lines.append(f"| {r.label} | {r.weight_bytes / 1e6:.1f} | {r.weight_bytes / meta['gguf_tensor_bytes']:.2f} "
+        lines.append(f"| {r.label} | {r.weight_bytes / 1e6:.1f} | {r.weight_bytes / gguf_tensor_bytes:.2f} "
                      f"| {rate:.1f} ({min(r.decode_tok_s):.1f}–{max(r.decode_tok_s):.1f}) | {rate / base_rate:.2f} "
                      f"| {ppl} | {delta} |")
-    lines += ["", "Bars (issue 4):", ""]
-    lines += [f"- {name}: {'PASS' if ok else 'FAIL'} ({detail})" for name, ok, detail in bars(rows, meta)]
-    lines += ["", "Notes:", ""] + [f"- {n}" for n in meta["notes"]]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
-def bars(rows: list[Row], meta: dict) -> list[tuple[str, bool, str]]:
+def bars(rows: list[Row], gguf_tensor_bytes: int) -> list[Bar]:
+    """The bars of issue 4."""
     one = {r.kind: r for r in rows if r.kind in ("dense", "gguf", "fp8")}
     dense, packed, fp8 = one["dense"], one["gguf"], one["fp8"]
-    out = []
-    ratio = packed.weight_bytes / meta["gguf_tensor_bytes"]
-    out.append(("packed GGUF resident weights <= 1.15x the GGUF tensor bytes", ratio <= 1.15, f"{ratio:.3f}x"))
+    ratio = packed.weight_bytes / gguf_tensor_bytes
     sp = statistics.median(packed.decode_tok_s) / statistics.median(dense.decode_tok_s)
-    out.append(("packed int4 batch-1 decode faster than bf16 dense", sp > 1.0, f"{sp:.2f}x"))
+    out = [Bar("packed GGUF resident weights <= 1.15x the GGUF tensor bytes", "<=", 1.15, ratio, shown=f"{ratio:.3f}x"),
+           Bar("packed int4 batch-1 decode faster than bf16 dense", ">", 1.0, sp)]
     for awq in (r for r in rows if r.kind == "awq"):
-        rtn = next(r for r in rows if r.kind == "rtn" and r.group_size == awq.group_size)
+        g = awq.group_size
+        rtn = next(r for r in rows if r.kind == "rtn" and r.group_size == g)
         d = awq.perplexity / dense.perplexity - 1
-        out.append((f"AWQ g{awq.group_size} perplexity within 8% of dense", d <= 0.08, f"{100 * d:+.2f}%"))
-        out.append((f"AWQ g{awq.group_size} perplexity strictly better than round-to-nearest g{awq.group_size}",
-                    awq.perplexity < rtn.perplexity, f"{awq.perplexity:.3f} vs {rtn.perplexity:.3f}"))
+        out += [Bar(f"AWQ g{g} perplexity within 8% of dense", "<=", 0.08, d, shown=f"{100 * d:+.2f}%"),
+                Bar(f"AWQ g{g} perplexity strictly better than round-to-nearest g{g}", "<", rtn.perplexity,
+                    awq.perplexity, shown=f"{awq.perplexity:.3f} vs {rtn.perplexity:.3f}")]
     if fp8.perplexity and dense.perplexity:
-        d = fp8.perplexity / dense.perplexity - 1
-        out.append(("FP8 KV perplexity within 2% of bf16 KV", abs(d) <= 0.02, f"{100 * d:+.2f}%"))
+        r = fp8.perplexity / dense.perplexity
+        out.append(Bar("FP8 KV perplexity within 2% of bf16 KV", "within", 0.02, r, shown=f"{100 * (r - 1):+.2f}%"))
     return out
 
 
-def main(args) -> None:
-    import shlex
+def report(rows: list[Row], *, command: str, gguf_path: str, gguf_tensor_bytes: int, notes: list[str],
+           load_at_start: float | None) -> Result:
+    about = [f"GGUF file tensor bytes: {gguf_tensor_bytes / 1e6:.1f} MB ({gguf_path})"]
+    data = {"gguf_path": gguf_path, "gguf_tensor_bytes": gguf_tensor_bytes, "rows": [dataclasses.asdict(r) for r in rows]}
+    return Result(NAME, TITLE, command, load_at_start, about, notes, table(rows, gguf_tensor_bytes), data,
+                  bars(rows, gguf_tensor_bytes))
 
+
+def main(args) -> None:
     import torch
 
     from ember.default_model import default_model_path
@@ -178,37 +178,28 @@ def main(args) -> None:
     tok = ckpt.tokenizer()
     eval_text = "\n\n".join(pydoc_split("eval"))
     eval_ids = tok.encode(eval_text)[: args.eval_tokens]
+    load = load_average()
     rows = [measure(v, eval_ids, args) for v in variants(quantized, args.dtype)]
-    command = shlex.join(["ember", "bench", "quant"] + [
-        f"--{k.replace('_', '-')}={','.join(map(str, v)) if isinstance(v, list) else v}"
-        for k, v in sorted(vars(args).items()) if k in QUANT_FLAGS])
-    meta = {
-        "machine": machine_info(), "command": command, "gguf_path": source, "gguf_tensor_bytes": ckpt.tensor_bytes,
-        "notes": [
-            f"perplexity: {len(eval_ids)} tokens of held-out pydoc text (`pydoc_split('eval')`), windows of "
-            f"{args.window} tokens prefilled in chunks of {args.chunk} (later chunks read earlier K/V from the cache)",
-            f"decode: greedy, {args.decode_tokens} tokens after a {len(tok.encode(DECODE_PROMPT))}-token prompt, "
-            f"steady rate (1 / median gap), {args.runs} runs; dtype {args.dtype}",
-            f"AWQ / RTN: `ember quantize --group-size G --calib pydoc --num-samples {args.calib_samples} "
-            f"--seq-len {args.calib_seq_len}` from the GGUF dequantized to fp32 (seconds taken here, 0 = reused: "
-            + ", ".join(f"{m} g{g} {t:.0f}" for (g, m), t in q_secs.items()) + "). No g128: the model's hidden "
-            "size 576 is not a multiple of 128, so g128 cannot quantize q/k/v/gate/up (AutoAWQ and vLLM refuse "
-            "it too); g32 is the group size the GGUF's own Q4_1 blocks use",
-            "resident weights: parameters and buffers as held in memory (packed int4 codes + scales; the tied "
-            "embedding / LM head once)",
-        ],
-    }
-    text = render(rows, meta)
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": [dataclasses.asdict(r) for r in rows]},
-                                                   indent=1))
-    print(text)
+    command = command_line(args, QUANT_FLAGS, engine=False)
+    notes = [
+        f"perplexity: {len(eval_ids)} tokens of held-out pydoc text (`pydoc_split('eval')`), windows of "
+        f"{args.window} tokens prefilled in chunks of {args.chunk} (later chunks read earlier K/V from the cache)",
+        f"decode: greedy, {args.decode_tokens} tokens after a {len(tok.encode(DECODE_PROMPT))}-token prompt, "
+        f"steady rate (1 / median gap), {args.runs} runs; dtype {args.dtype}",
+        f"AWQ / RTN: `ember quantize --group-size G --calib pydoc --num-samples {args.calib_samples} "
+        f"--seq-len {args.calib_seq_len}` from the GGUF dequantized to fp32 (seconds taken here, 0 = reused: "
+        + ", ".join(f"{m} g{g} {t:.0f}" for (g, m), t in q_secs.items()) + "). No g128: the model's hidden "
+        "size 576 is not a multiple of 128, so g128 cannot quantize q/k/v/gate/up (AutoAWQ and vLLM refuse "
+        "it too); g32 is the group size the GGUF's own Q4_1 blocks use",
+        "resident weights: parameters and buffers as held in memory (packed int4 codes + scales; the tied "
+        "embedding / LM head once)",
+    ]
+    report(rows, command=command, gguf_path=source, gguf_tensor_bytes=ckpt.tensor_bytes, notes=notes,
+           load_at_start=load).publish(args.output, header=HEADER, json_file=Path(args.output).with_suffix(".json"))
 
 
-QUANT_FLAGS = ("dtype", "runs", "decode_tokens", "eval_tokens", "window", "chunk", "group_sizes", "calib_samples",
-               "calib_seq_len", "work_dir", "output", "kv_cache_memory")
+QUANT_FLAGS = ["dtype", "runs", "decode_tokens", "eval_tokens", "window", "chunk", "group_sizes", "calib_samples",
+               "calib_seq_len", "work_dir", "output", "kv_cache_memory"]
 
 
 def add_cli_args(p) -> None:

@@ -24,10 +24,11 @@ import tempfile
 import time
 
 from ember.bench.lib.args import add_benchmark_group, command_line
-from ember.bench.lib.files import publish
-from ember.bench.lib.machine import load_average, machine_info
-from ember.bench.lib.markdown import head
+from ember.bench.lib.bar import Bar
+from ember.bench.lib.machine import load_average
+from ember.bench.lib.markdown import cell
 from ember.bench.lib.prompts import chat_prompts
+from ember.bench.lib.result import Result
 from ember.bench.lib.rounds import spread
 from ember.bench.lib.servers import compiling, ember_start, free_port, launch_plan, stream
 from ember.bench.lib.timing import decode_rates
@@ -142,13 +143,20 @@ def main(args) -> None:
     finally:
         if peer is not None:
             peer.close()
-    machine = machine_info()
-    machine["load_at_end"] = load_average()
-    data = {"kind": KIND, "command": command_line(args, ["runs", "peer", "window", "decode_tokens", "answers", "output"])
-            + (" --cold" if args.cold else ""), "cold": args.cold,
-            "machine": machine, "load_at_start": load, "threads": threads, "model": model, "flags": flags,
-            "rounds": rounds, "summary": summarize(rounds)}
-    publish(args.output, "first-start" if args.cold else KIND, render(data), data, who="bench restart")
+    command = command_line(args, ["runs", "peer", "window", "decode_tokens", "answers", "output"])
+    summary = summarize(rounds)
+    title = ("First start: a model never compiled on this machine, under continuous batch-1 load" if args.cold else
+             "Restart: batch-1 decode in the first minute after `ember serve` restarts")
+    about = [f"model: `{model}`; {threads} threads; ember flags: `{' '.join(flags) or '(defaults, as make run serves)'}`; "
+             f"{len(rounds)} rounds, median [min-max], ratios round by round",
+             ("ember starts on an empty compile cache of its own (TORCHINDUCTOR_CACHE_DIR in a fresh folder); "
+              if args.cold else "ember restarts on this machine's compile cache as it is (a restart, not a first start); ")
+             + "first minute: greedy answers streamed back to back from /health for the window, decode tokens over "
+             "decode time; steady: after the background compile finished; llama.cpp: llama-cpp-python in its own "
+             "process on the same file and prompt token ids (ember.bench.commands.restart)"]
+    data = {"cold": args.cold, "threads": threads, "model": model, "flags": flags, "rounds": rounds, "summary": summary}
+    Result("first-start" if args.cold else KIND, title, command + (" --cold" if args.cold else ""), load, about, [],
+           table(summary), data, bars(summary, args.cold), "ratio").publish(args.output)
 
 
 def summarize(rounds: list[dict]) -> dict:
@@ -166,52 +174,36 @@ def summarize(rounds: list[dict]) -> dict:
     return out
 
 
-def _cell(s: dict, fmt: str = "{:.1f}") -> str:
-    if not s:
-        return "-"
-    return f"{fmt.format(s['median'])} [{fmt.format(s['min'])}-{fmt.format(s['max'])}]"
+def _cell(s: dict | None, number: str = "{:.1f}") -> str:
+    return cell(s, number=number.format)
 
 
-def render(data: dict) -> str:
-    s = data["summary"]
-    ratio = "{:.2f}"
-    cold = data.get("cold")
-    title = ("First start: a model never compiled on this machine, under continuous batch-1 load" if cold else
-             "Restart: batch-1 decode in the first minute after `ember serve` restarts")
-    lines = head(title, data["command"], data["machine"], data["load_at_start"])
-    lines += [f"- model: `{data['model']}`; {data['threads']} threads; ember flags: "
-              f"`{' '.join(data['flags']) or '(defaults, as make run serves)'}`; {len(data['rounds'])} rounds, "
-              "median [min-max], ratios round by round",
-              ("- ember starts on an empty compile cache of its own (TORCHINDUCTOR_CACHE_DIR in a fresh folder); "
-               if cold else "- ember restarts on this machine's compile cache as it is (a restart, not a first start); ") +
-              "first minute: greedy answers streamed back to back from /health for the window, decode tokens over "
-              "decode time; steady: after the background compile finished; llama.cpp: llama-cpp-python in its own "
-              "process on the same file and prompt token ids (ember.bench.commands.restart)", "",
-              "| figure | value |", "|---|---:|",
-              f"| ember: launch to /health 200 (s) | {_cell(s.get('health_s'), '{:.2f}')} |",
-              f"| ember: launch to the first token (s) | {_cell(s.get('first_token_s'), '{:.2f}')} |",
-              f"| ember: launch to its first graphs in use, under that load (s; read after each answer) | "
-              f"{_cell(s.get('graphs_in_use_by_s'))} |",
-              f"| ember: launch to every graph built (s; larger batch sizes wait for a pause) | {_cell(s.get('compiled_s'))} |",
-              f"| ember decode over the window (tok/s) | {_cell(s.get('first_minute_tok_s'))} |",
-              f"| ember steady compiled decode (tok/s) | {_cell(s.get('steady_tok_s'))} |"]
+def table(s: dict) -> list[str]:
+    lines = ["| figure | value |", "|---|---:|",
+             f"| ember: launch to /health 200 (s) | {_cell(s.get('health_s'), '{:.2f}')} |",
+             f"| ember: launch to the first token (s) | {_cell(s.get('first_token_s'), '{:.2f}')} |",
+             f"| ember: launch to its first graphs in use, under that load (s; read after each answer) | "
+             f"{_cell(s.get('graphs_in_use_by_s'))} |",
+             f"| ember: launch to every graph built (s; larger batch sizes wait for a pause) | {_cell(s.get('compiled_s'))} |",
+             f"| ember decode over the window (tok/s) | {_cell(s.get('first_minute_tok_s'))} |",
+             f"| ember steady compiled decode (tok/s) | {_cell(s.get('steady_tok_s'))} |"]
     if "llamacpp_tok_s" in s:
-        lines.append(f"| llama.cpp decode (tok/s) | {_cell(s['llamacpp_tok_s'])} |")
-    lines += ["", "| bar | ratio | result |", "|---|---:|---|"]
+        lines += [f"| llama.cpp decode (tok/s) | {_cell(s['llamacpp_tok_s'])} |",
+                  f"| ember steady / llama.cpp decode (ratio) | {_cell(s['steady_over_llamacpp'], '{:.2f}')} |"]
+    return lines
+
+
+def bars(s: dict, cold: bool) -> list[Bar]:
     if cold:
-        used = s.get("graphs_in_use_by_s")
-        ok = bool(used) and used["max"] <= 180
-        lines.append(f"| first graphs in use within 180 s of launch | {_cell(used)} s | **{'PASS' if ok else 'FAIL'}** |")
-        return "\n".join(lines) + "\n"
+        used = s.get("graphs_in_use_by_s")  # none in use within the window: failed
+        return [Bar("first graphs in use within 180 s of launch", "<=", 180, used["max"] if used else None,
+                    shown=f"{_cell(used)} s", unmet=not used)]
     fm = s["first_minute_over_steady"]
-    lines.append(f"| first minute >= 0.95x ember's steady | {_cell(fm, ratio)} | "
-                 f"**{'PASS' if fm['median'] >= 0.95 else 'FAIL'}** |")
+    out = [Bar("first minute >= 0.95x ember's steady", ">=", 0.95, fm["median"], (fm["min"], fm["max"]))]
     if "first_minute_over_llamacpp" in s:
         fl = s["first_minute_over_llamacpp"]
-        lines.append(f"| first minute >= 1.3x llama.cpp | {_cell(fl, ratio)} | "
-                     f"**{'PASS' if fl['median'] >= 1.3 else 'FAIL'}** |")
-        lines.append(f"| (steady / llama.cpp) | {_cell(s['steady_over_llamacpp'], ratio)} | |")
-    return "\n".join(lines) + "\n"
+        out.append(Bar("first minute >= 1.3x llama.cpp", ">=", 1.3, fl["median"], (fl["min"], fl["max"])))
+    return out
 
 
 def add_cli_args(p) -> None:

@@ -28,16 +28,21 @@ import os
 import random
 import shlex
 import statistics
+import time
+from typing import Callable
 
 from ember.bench.lib import load
 from ember.bench.lib.args import int_list, positive_int
+from ember.bench.lib.bar import Bar
 from ember.bench.lib.cpu import CONTENDED_CORES, RETRIES, CpuMeter, wait_for_quiet
-from ember.bench.lib.files import json_path, publish
-from ember.bench.lib.machine import load_average, machine_info
-from ember.bench.lib.markdown import describe, fmt, head
+from ember.bench.lib.files import json_path
+from ember.bench.lib.machine import load_average
+from ember.bench.lib.markdown import describe, fmt
 from ember.bench.lib.prompts import load_tokenizer, ordinary_tokens
-from ember.bench.lib.servers import LaunchedServer, free_port
+from ember.bench.lib.result import Result
+from ember.bench.lib.servers import Server, free_port, serve_argv
 from ember.bench.lib.timing import ember_batch
+from ember.bench.sides.ember import describe_engine
 from ember.config.engine_args import engine_args_to_words
 from ember.errors import ConfigError
 
@@ -139,7 +144,8 @@ def _progress(total: int, desc: str):
 
 
 def measure_level(target: load.Target, specs: list[load.RequestSpec], concurrency: int | None, rate: float,
-                  seed: int, server_pid: int | None, desc: str) -> tuple[load.LevelStats, dict]:
+                  seed: int, server_pid: int | None, desc: str) -> dict:
+    """One load level through the server: {"stats": LevelStats as a dict, "cpu": cores each process used}."""
     bar = _progress(len(specs), desc)
     with CpuMeter(server_pid=server_pid) as cpu:
         results, seconds = load.run(target, specs, max_concurrency=concurrency, request_rate=rate, seed=seed,
@@ -152,7 +158,7 @@ def measure_level(target: load.Target, specs: list[load.RequestSpec], concurrenc
                 cpu.others)
     for e in stats.errors:
         logger.warning("bench serve %s: failed request: %s", desc, e)
-    return stats, cpu.to_dict()
+    return {"stats": stats.to_dict(), "cpu": cpu.to_dict()}
 
 
 def measure_offline(llm, specs: list[load.RequestSpec], server_pid: int | None, desc: str) -> dict:
@@ -160,28 +166,35 @@ def measure_offline(llm, specs: list[load.RequestSpec], server_pid: int | None, 
         seconds, prompt, out = offline_batch(llm, specs)
     d = {"seconds": seconds, "prompt_tokens": prompt, "output_tokens": out, "output_throughput": out / seconds,
          "total_throughput": (prompt + out) / seconds, "request_throughput": len(specs) / seconds,
-         "cpu": {"client": cpu.own, "server": cpu.server, "others": cpu.others}}
+         "cpu": cpu.to_dict()}
     logger.info("bench serve %s: %d prompts in %.1fs, %.1f out tok/s (CPU cores: this process %s, idle server %s, "
                 "others %s)", desc, len(specs), seconds, d["output_throughput"], cpu.own, cpu.server, cpu.others)
     return d
 
 
-# -- rendering -------------------------------------------------------------------------------------------
+def redone_if_contended(measure_once: Callable[[int], dict], pid: int | None, quiet_wait: float, what: str) -> dict:
+    """measure_once(attempt) after waiting for a quiet machine; redone (it draws fresh prompts per attempt) while
+    other processes took over CONTENDED_CORES, up to RETRIES times. Its dict, with the attempts it took."""
+    for attempt in range(RETRIES + 1):
+        if quiet_wait > 0:
+            wait_for_quiet(quiet_wait)
+        run = measure_once(attempt)
+        others = run["cpu"].get("others")
+        # without the server's pid, "others" includes the server itself: nothing to judge
+        if pid is None or others is None or others <= CONTENDED_CORES or attempt == RETRIES:
+            return {**run, "attempts": attempt + 1}
+        logger.info("bench serve: other processes used %.2f cores during %s; measuring it again", others, what)
 
-def _int(v) -> str:
-    return "-" if v is None else f"{v:.0f}" if v == int(v) else f"{v:.1f}"
 
+# -- the sweep -----------------------------------------------------------------------------------------------
 
 def _med(values: list) -> float | None:
     vals = [v for v in values if v is not None]
     return statistics.median(vals) if vals else None
 
 
-def _level_name(c: int | None, rate: float) -> str:
-    parts = [f"{c}" if c else "unlimited"]
-    if math.isfinite(rate):
-        parts.append(f"@ {rate:g} req/s")
-    return " ".join(parts)
+def _median_cpu(runs: list[dict]) -> dict:
+    return {k: _med([r["cpu"][k] for r in runs]) for k in ("client", "server", "others")}
 
 
 def median_level(runs: list[dict]) -> dict:
@@ -191,11 +204,74 @@ def median_level(runs: list[dict]) -> dict:
                                                   "request_throughput", "output_throughput", "total_throughput")}
     for dist in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_s"):
         out[dist] = {q: _med([x[dist][q] for x in s]) for q in s[0][dist]}
-    out["cpu"] = {k: _med([r["cpu"][k] for r in runs]) for k in ("client", "server", "others")}
+    out["cpu"] = _median_cpu(runs)
     out["expected_output_tokens"] = s[0]["expected_output_tokens"]
     out["usage_reported"] = all(x["usage_reported"] for x in s)
     out["errors"] = sorted({e for x in s for e in x["errors"]})[:5]
     return out
+
+
+def _warmup(args, top: int | None, target: load.Target, work: Workload, pid: int | None, llm) -> int:
+    """The top level's batch shape with short outputs, through the server and offline alike; how many prompts."""
+    n_warm = args.warmup_prompts if args.warmup_prompts is not None else min(args.num_prompts, top or args.num_prompts)
+    if n_warm:
+        specs = work.specs(WARMUP_SEED, n=n_warm, output_len=min(16, args.output_len))
+        measure_level(target, specs, top, math.inf, 0, pid, "warmup")
+        if llm is not None:
+            offline_batch(llm, work.specs(WARMUP_SEED, n=n_warm, output_len=min(16, args.output_len), ids=True, salt=1))
+    return n_warm
+
+
+def _sweep(args, levels: list[int | None], target: load.Target, work: Workload, server: Server | None,
+           llm) -> dict:
+    """Every level in every run (the offline side beside the top level, the two alternating); the figures."""
+    pid = server.pid if server else args.server_pid
+    rate = args.request_rate
+    top = max(levels, key=lambda c: c or 0)
+    n_warm = _warmup(args, top, target, work, pid, llm)
+    per_level: list[list[dict]] = [[] for _ in levels]
+    offline_runs: list[dict] = []
+    for r in range(args.runs):
+        for i, c in enumerate(levels):
+            desc = f"run {r + 1}/{args.runs} concurrency {_level_name(c, rate)}"
+            off = f"run {r + 1}/{args.runs} offline"
+            seed = LEVEL_SEED * (r + 1) + 10 * i  # the level's lengths; every attempt and side draws its own prompts
+
+            def through_server(attempt: int) -> dict:
+                return measure_level(target, work.specs(seed, salt=2 * attempt), c, rate, seed + attempt, pid, desc)
+
+            def offline(attempt: int) -> dict:
+                return measure_offline(llm, work.specs(seed, ids=True, salt=2 * attempt + 1), pid, off)
+
+            sides = [(per_level[i], through_server, desc)]
+            if llm is not None and c == top:
+                sides.append((offline_runs, offline, off))
+            for runs, measure_once, what in sides if r % 2 == 0 else reversed(sides):
+                runs.append(redone_if_contended(measure_once, pid, args.quiet_wait, what))
+    result = {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
+              "random_range_ratio": args.random_range_ratio, "runs": args.runs, "warmup_prompts": n_warm,
+              "quiet_wait": args.quiet_wait,
+              "levels": [{"max_concurrency": c, "request_rate": None if math.isinf(rate) else rate,
+                          "runs": per_level[i], "median": median_level(per_level[i])} for i, c in enumerate(levels)]}
+    if offline_runs:
+        med = {k: _med([o[k] for o in offline_runs]) for k in ("seconds", "prompt_tokens", "output_tokens",
+                                                               "output_throughput", "total_throughput",
+                                                               "request_throughput")}
+        result["offline"] = {"runs": offline_runs, "median": {**med, "cpu": _median_cpu(offline_runs)}}
+    return result
+
+
+# -- the report ----------------------------------------------------------------------------------------------
+
+def _int(v) -> str:
+    return "-" if v is None else f"{v:.0f}" if v == int(v) else f"{v:.1f}"
+
+
+def _level_name(c: int | None, rate: float) -> str:
+    parts = [f"{c}" if c else "unlimited"]
+    if math.isfinite(rate):
+        parts.append(f"@ {rate:g} req/s")
+    return " ".join(parts)
 
 
 def _dist_cell(d: dict) -> str:
@@ -206,55 +282,57 @@ def _cpu_cell(c: dict) -> str:
     return " / ".join("-" if c.get(k) is None else f"{c[k]:.2f}" for k in ("server", "client", "others"))
 
 
-def judge_bars(result: dict) -> list[dict]:
-    bars = []
+def bars(result: dict) -> list[Bar]:
+    out = []
     levels = result["levels"]
     off = result.get("offline")
     if off and levels:
         top = max(levels, key=lambda lv: lv["max_concurrency"] or 0)
-        c = top["max_concurrency"]
-        ratios = [r["stats"]["output_throughput"] / o["output_throughput"] for r, o in zip(top["runs"], off["runs"])]
-        got = _med(ratios)
-        bars.append({"text": f"server output tok/s at concurrency {c} >= {MIN_SERVER_OVER_OFFLINE_THROUGHPUT:.0%} of offline "
-                             f"LLM.generate (same prompts count and lengths, same engine flags; median of per-run ratios)",
-                     "measured": got, "shown": f"{got:.0%} ({fmt(top['median']['output_throughput'])} / "
-                                               f"{fmt(off['median']['output_throughput'])} tok/s)",
-                     "result": "PASS" if got >= MIN_SERVER_OVER_OFFLINE_THROUGHPUT else "FAIL"})
-    at8 = next((lv for lv in levels if lv["max_concurrency"] == TTFT_JUDGED_AT_CONCURRENCY), None)
-    if at8 is not None:
-        got = at8["median"]["ttft_ms"]["p50"]
-        ok = got is not None and got < MAX_TTFT_P50_MS and at8["median"]["failed"] == 0
-        bars.append({"text": f"TTFT p50 at concurrency {TTFT_JUDGED_AT_CONCURRENCY} < {MAX_TTFT_P50_MS / 1000:g} s "
-                             f"({result['input_len']}-token prompts)",
-                     "measured": got, "shown": f"{fmt(got)} ms", "result": "PASS" if ok else "FAIL"})
-    return bars
+        got = _med([r["stats"]["output_throughput"] / o["output_throughput"] for r, o in zip(top["runs"], off["runs"])])
+        out.append(Bar(f"server output tok/s at concurrency {top['max_concurrency']} >= "
+                       f"{MIN_SERVER_OVER_OFFLINE_THROUGHPUT:.0%} of offline LLM.generate (same prompts count and "
+                       "lengths, same engine flags; median of per-run ratios)", ">=",
+                       MIN_SERVER_OVER_OFFLINE_THROUGHPUT, got,
+                       shown=f"{got:.0%} ({fmt(top['median']['output_throughput'])} / "
+                             f"{fmt(off['median']['output_throughput'])} tok/s)"))
+    at = next((lv["median"] for lv in levels if lv["max_concurrency"] == TTFT_JUDGED_AT_CONCURRENCY), None)
+    if at is not None:
+        got = at["ttft_ms"]["p50"]
+        out.append(Bar(f"TTFT p50 at concurrency {TTFT_JUDGED_AT_CONCURRENCY} < {MAX_TTFT_P50_MS / 1000:g} s "
+                       f"({result['input_len']}-token prompts)", "<", MAX_TTFT_P50_MS, got, shown=f"{fmt(got)} ms",
+                       unmet=at["failed"] != 0))  # a TTFT over the requests that did not fail says little
+    return out
 
 
-def render_section(result: dict) -> str:
-    lines = head(result["title"], result["command"], result["machine"], result["load_at_start"], cores_note=True)
-    lines += [f"- server: {result['server']['url']}, model `{result['server']['model']}`"
-             + (f" (max_model_len {result['server']['max_model_len']})" if result['server'].get('max_model_len') else "")
-             + (f"; launched as `{result['server']['command']}`, ready {result['server']['ready_s']:.1f}s after start (/health 200 and no background compile running)"
-                if result['server'].get('command') else "")]
+def about(result: dict) -> list[str]:
+    """What ran: the server, the engine, the workload, the client, the offline peer."""
+    srv = result["server"]
+    lines = [f"server: {srv['url']}, model `{srv['model']}`"
+             + (f" (max_model_len {srv['max_model_len']})" if srv.get("max_model_len") else "")
+             + (f"; launched as `{srv['command']}`, ready {srv['ready_s']:.1f}s after start (/health 200 and no "
+                "background compile running)" if srv.get("command") else "")]
     if result.get("engine"):
-        lines.append(f"- ember engine (server and offline alike): {describe(result['engine'])}")
-    lines.append(f"- workload: {result['workload']}")
-    lines.append(f"- client: this process, asyncio + httpx, streaming; {result['runs']} run(s) after a warmup of "
+        lines.append(f"ember engine (server and offline alike): {describe(result['engine'])}")
+    lines.append(f"workload: {result['workload']}")
+    lines.append(f"client: this process, asyncio + httpx, streaming; {result['runs']} run(s) after a warmup of "
                  f"{result['warmup_prompts']} short requests; before each measurement wait up to "
                  f"{result['quiet_wait']:g}s for other processes to leave the CPU idle"
                  + (f"; a measurement during which they used > {CONTENDED_CORES} cores is redone with fresh prompts "
-                    f"(up to {RETRIES} times)" if result["server"].get("pid_known") else
+                    f"(up to {RETRIES} times)" if srv.get("pid_known") else
                     "; the server's pid is unknown (--server-pid), so its CPU use counts under others"))
     if result.get("offline"):
-        lines.append(f"- peer: offline `LLM.generate` in the client process over {result['num_prompts']} fresh prompts "
+        lines.append(f"peer: offline `LLM.generate` in the client process over {result['num_prompts']} fresh prompts "
                      "of the same lengths (token ids, ignore_eos), same engine flags, measured right before or after "
                      "the top concurrency level in every run (alternating), while the server idles")
-    lines += [f"- {n}" for n in result["notes"]]
-    lines += ["",
-              "| concurrency | ok / failed | prompt / output tokens | req/s | output tok/s | total tok/s | "
-              "TTFT p50 / p90 / p99 (ms) | TPOT p50 / p90 / p99 (ms) | ITL p50 / p90 / p99 (ms) | "
-              "e2e p50 / p90 / p99 (s) | CPU cores: server / client / others |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    return lines
+
+
+def table(result: dict) -> list[str]:
+    """A row per level (medians over runs), the offline row, the distinct errors of failed requests."""
+    lines = ["| concurrency | ok / failed | prompt / output tokens | req/s | output tok/s | total tok/s | "
+             "TTFT p50 / p90 / p99 (ms) | TPOT p50 / p90 / p99 (ms) | ITL p50 / p90 / p99 (ms) | "
+             "e2e p50 / p90 / p99 (s) | CPU cores: server / client / others |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for lv in result["levels"]:
         md = lv["median"]
         lines.append(
@@ -266,30 +344,28 @@ def render_section(result: dict) -> str:
     off = result.get("offline")
     if off:
         md = off["median"]
-        cpu = dict(md["cpu"])
         lines.append(f"| offline LLM.generate (max_num_seqs {result['engine'].get('max_num_seqs', '-')}) | "
                      f"{result['num_prompts']} / 0 | {_int(md['prompt_tokens'])} / {_int(md['output_tokens'])} | "
                      f"{fmt(md['request_throughput'])} | {fmt(md['output_throughput'])} | "
                      f"{fmt(md['total_throughput'])} | - | - | - | {fmt(md['seconds'])} (whole batch) | "
-                     f"{_cpu_cell(cpu)} (client = the offline engine) |")
+                     f"{_cpu_cell(md['cpu'])} (client = the offline engine) |")
     errors = sorted({e for lv in result["levels"] for e in lv["median"]["errors"]})
     if errors:
         lines += ["", "Failed requests (first few distinct errors):", ""] + [f"- `{e}`" for e in errors]
-    if result["bars"]:
-        lines += ["", "| bar | measured | result |", "|---|---:|---|"]
-        for b in result["bars"]:
-            lines.append(f"| {b['text']} | {b['shown']} | **{b['result']}** |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 # -- the command ------------------------------------------------------------------------------------------
 
 BENCH_FLAGS = ["url", "launch", "server_args", "server_pid", "served_model_name", "endpoint", "prompt_format",
-               "num_prompts", "max_concurrency", "concurrency_list", "request_rate", "input_len", "output_len", "random_range_ratio", "ignore_eos",
-               "extra_body", "runs", "warmup_prompts", "offline", "prompt_seed", "quiet_wait", "label", "output"]
+               "num_prompts", "max_concurrency", "concurrency_list", "request_rate", "input_len", "output_len",
+               "random_range_ratio", "ignore_eos", "extra_body", "runs", "warmup_prompts", "offline", "prompt_seed",
+               "quiet_wait", "label", "output"]
 
 
 def command_line(args) -> str:
+    """The command that reproduces the run: engine flags with --launch, the served model and tokenizer with
+    --url, every flag here (on/off flags as typed), the API key hidden."""
     words = ["ember", "bench", "serve"]
     if args.launch:
         words += engine_args_to_words(args)
@@ -300,14 +376,10 @@ def command_line(args) -> str:
     for name in BENCH_FLAGS:
         v = getattr(args, name, None)
         flag = "--" + name.replace("_", "-")
-        if v is None or (name == "request_rate" and math.isinf(v)):
+        if v is None or v is False and name == "launch" or (name == "request_rate" and math.isinf(v)):
             continue
         if isinstance(v, bool):
-            if name == "launch":
-                if v:
-                    words.append(flag)
-            else:
-                words.append(flag if v else "--no-" + name.replace("_", "-"))
+            words.append(flag if v else "--no-" + name.replace("_", "-"))
         elif isinstance(v, list):
             words += [flag, ",".join(map(str, v))]
         elif name == "server_args":
@@ -350,86 +422,6 @@ def _levels(args) -> list[int | None]:
     return list(DEFAULT_LAUNCH_LEVELS) if args.launch else [None]
 
 
-def main(args) -> None:
-    _check_args(args)
-    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger("httpx").getEffectiveLevel()))
-    levels = _levels(args)
-    load_at_start = load_average()
-    server: LaunchedServer | None = None
-    llm = None
-    engine_desc: dict = {}
-    tokenizer_name = None
-    pool = None
-    try:
-        if args.launch:
-            from ember.config.engine_args import engine_config_from_args
-
-            config = engine_config_from_args(args)  # validates the flags before anything starts
-            top = max(c or 0 for c in levels)
-            if config.max_num_seqs is None and top:
-                # like `ember bench throughput`: size the batch to the workload when the user left it unset
-                args.max_num_seqs = min(top, config.max_num_batched_tokens)
-                config = engine_config_from_args(args)
-            extra = shlex.split(args.server_args or "")
-            if args.served_model_name:
-                extra += ["--served-model-name", args.served_model_name]
-            server = LaunchedServer(engine_args_to_words(args), free_port(), args.api_key, extra)
-            server.start()
-            tokenizer_name = os.path.basename(str(config.tokenizer or config.model or "the default model").rstrip("/"))
-            if args.offline:
-                from ember.llm import LLM
-
-                llm = LLM(**config.flags())
-                llm.wait_for_compile()  # benchmarks measure the steady state: a background compile finishes first
-                tok, vocab = llm.get_tokenizer(), llm.engine.model_config.vocab_size
-                engine_desc = _engine_desc(llm)
-                tokenizer_name = engine_desc["model"].split(" (")[0]
-            else:
-                tok, vocab = load_tokenizer(config.tokenizer or config.model)
-            pool = ordinary_tokens(tok, vocab)
-            ready_s = server.wait_ready(args.server_timeout)
-            logger.info("bench serve: server ready after %.1fs", ready_s)
-            url = server.url
-        else:
-            url = args.url
-            ready_s = None
-            if args.prompt_format != "text" and args.endpoint == "completions" and getattr(args, "tokenizer", None):
-                tok, vocab = load_tokenizer(args.tokenizer)
-                pool = ordinary_tokens(tok, vocab)
-                tokenizer_name = os.path.basename(args.tokenizer.rstrip("/"))
-            elif args.prompt_format == "ids":
-                raise ConfigError("--prompt-format ids with --url needs --tokenizer PATH (the served model's folder or "
-                                  ".gguf file) to draw ordinary token ids from")
-        use_ids = pool is not None and args.prompt_format != "text" and args.endpoint == "completions"
-
-        target = load.Target(url, None, args.endpoint, args.api_key, args.ignore_eos, _extra_body(args.extra_body))
-        card = asyncio.run(load.served_model(target))
-        target.model = args.served_model_name or (getattr(args, "model", None) if not args.launch else None) or card["id"]
-        work = Workload(args, target, pool, use_ids)
-        work.calibrate()
-
-        result = _sweep(args, levels, target, work, server, llm)
-        result.update(
-            label=args.label or ("ember" if args.launch else _slug(target.model)),
-            command=command_line(args), load_at_start=load_at_start, machine=machine_info(),
-            server={"url": url, "model": target.model, "max_model_len": card.get("max_model_len"),
-                    "command": server.command if server else None, "ready_s": ready_s,
-                    "pid_known": bool(server or args.server_pid)},
-            engine=engine_desc, workload=work.describe(tokenizer_name), notes=list(METHOD_NOTES),
-            prompt_format=work.kind, endpoint=args.endpoint)
-        if not engine_desc and args.launch:
-            result["engine"] = {"max_num_seqs": getattr(args, "max_num_seqs", None)}
-        result["title"] = (f"Serving: {result['label']} ({target.model}), {args.num_prompts} requests per level, "
-                           f"{args.input_len} in / {args.output_len} out")
-        result["bars"] = judge_bars(result)
-        publish(args.output, f"serve:{result['label']}", render_section(result), result, header=HEADER,
-                json_file=json_path(args.output, result["label"]), who="bench serve")
-    finally:
-        if server is not None:
-            server.stop()
-            logger.info("bench serve: server stopped (its log: %s)", server.log.name)
-
-
 def _extra_body(text: str | None) -> dict:
     if not text:
         return {}
@@ -446,82 +438,102 @@ def _slug(name: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in os.path.basename(name.rstrip("/")))[:60] or "server"
 
 
-def _engine_desc(llm) -> dict:
-    import torch
+def _launch_config(args, levels: list[int | None]):
+    """The engine config of --launch (validated before anything starts), max_num_seqs sized to the top level when
+    the user left it unset (like `ember bench throughput`)."""
+    from ember.config.engine_args import engine_config_from_args
 
-    e = llm.engine
-    return {"model": f"{os.path.basename(str(e.loaded.path).rstrip('/'))} ({e.loaded.weight_bytes / 1e6:.0f} MB weights)",
-            "dtype": str(e.dtype).removeprefix("torch."), "device": str(e.device), "max_num_seqs": e.max_num_seqs,
-            "max_num_batched_tokens": e.config.max_num_batched_tokens,
-            "prefix_caching": e.config.enable_prefix_caching, "enforce_eager": e.config.enforce_eager,
-            "threads": torch.get_num_threads()}
+    config = engine_config_from_args(args)
+    top = max(c or 0 for c in levels)
+    if config.max_num_seqs is None and top:
+        args.max_num_seqs = min(top, config.max_num_batched_tokens)
+        config = engine_config_from_args(args)
+    return config
 
 
-def _sweep(args, levels: list[int | None], target: load.Target, work: Workload, server: LaunchedServer | None,
-           llm) -> dict:
-    pid = server.pid if server else args.server_pid
-    rate = args.request_rate
-    top = max(levels, key=lambda c: c or 0)
-    # warmup: the top level's batch shape with short outputs, through the server and offline alike
-    n_warm = args.warmup_prompts if args.warmup_prompts is not None else min(args.num_prompts, top or args.num_prompts)
-    if n_warm:
-        specs = work.specs(WARMUP_SEED, n=n_warm, output_len=min(16, args.output_len))
-        measure_level(target, specs, top, math.inf, 0, pid, "warmup")
-        if llm is not None:
-            offline_batch(llm, work.specs(WARMUP_SEED, n=n_warm, output_len=min(16, args.output_len), ids=True, salt=1))
-    per_level: dict[int, list[dict]] = {i: [] for i in range(len(levels))}
-    offline_runs: list[dict] = []
+def launch(args) -> Server:
+    """`ember serve` with the command's engine flags and --server-args on a free port (the API key hidden in the
+    name it is reported by)."""
+    port = free_port()
+    extra = shlex.split(args.server_args or "") + (["--served-model-name", args.served_model_name]
+                                                   if args.served_model_name else [])
+    argv = serve_argv(engine_args_to_words(args), port) + extra + (["--api-key", args.api_key] if args.api_key else [])
+    return Server(argv, port, shlex.join(["ember", "serve", *argv[4:]]).replace(args.api_key or "\0", "***"))
 
-    def contended(cpu: dict, attempt: int, what: str) -> bool:
-        """Redo a measurement during which other processes took over CONTENDED_CORES (fresh prompts)."""
-        others = cpu.get("others")
-        if pid is None or others is None or others <= CONTENDED_CORES or attempt == RETRIES:
-            return False  # without the server's pid, "others" includes the server itself: nothing to judge
-        logger.info("bench serve: other processes used %.2f cores during %s; measuring it again", others, what)
-        return True
 
-    for r in range(args.runs):
-        for i, c in enumerate(levels):
-            desc = f"run {r + 1}/{args.runs} concurrency {_level_name(c, rate)}"
-            seed = LEVEL_SEED * (r + 1) + 10 * i  # the level's lengths; every attempt and side draws its own prompts
+class Tokens:
+    """Where the prompts' token ids come from: the offline engine (--launch), a tokenizer (--launch without
+    --offline, --url with --tokenizer), or none (text prompts); and the ember engine's description."""
 
-            def server_side():
-                for attempt in range(RETRIES + 1):
-                    if args.quiet_wait > 0:
-                        wait_for_quiet(args.quiet_wait)
-                    stats, cpu = measure_level(target, work.specs(seed, salt=2 * attempt), c, rate, seed + attempt,
-                                               pid, desc)
-                    if not contended(cpu, attempt, desc):
-                        break
-                per_level[i].append({"stats": stats.to_dict(), "cpu": cpu, "attempts": attempt + 1})
+    def __init__(self, args, config=None):
+        self.llm, self.engine, self.pool, self.tokenizer_name = None, {}, None, None
+        if config is not None and args.offline:
+            from ember.llm import LLM
 
-            def offline_side():
-                for attempt in range(RETRIES + 1):
-                    if args.quiet_wait > 0:
-                        wait_for_quiet(args.quiet_wait)
-                    d = measure_offline(llm, work.specs(seed, ids=True, salt=2 * attempt + 1), pid, f"run {r + 1}/{args.runs} offline")
-                    if not contended(d["cpu"], attempt, f"run {r + 1}/{args.runs} offline"):
-                        break
-                d["attempts"] = attempt + 1
-                offline_runs.append(d)
+            self.llm = LLM(**config.flags())
+            self.llm.wait_for_compile()  # benchmarks measure the steady state: a background compile finishes first
+            self.engine = describe_engine(self.llm)
+            self.tokenizer_name = self.engine["model"].split(" (")[0]
+            self.pool = ordinary_tokens(self.llm.get_tokenizer(), self.llm.engine.model_config.vocab_size)
+        elif config is not None:
+            self.tokenizer_name = os.path.basename(str(config.tokenizer or config.model or "the default model").rstrip("/"))
+            self.pool = ordinary_tokens(*load_tokenizer(config.tokenizer or config.model))
+            self.engine = {"max_num_seqs": getattr(args, "max_num_seqs", None)}
+        elif args.prompt_format != "text" and args.endpoint == "completions" and getattr(args, "tokenizer", None):
+            self.pool = ordinary_tokens(*load_tokenizer(args.tokenizer))
+            self.tokenizer_name = os.path.basename(args.tokenizer.rstrip("/"))
+        elif args.prompt_format == "ids":
+            raise ConfigError("--prompt-format ids with --url needs --tokenizer PATH (the served model's folder or "
+                              ".gguf file) to draw ordinary token ids from")
 
-            sides = [server_side] + ([offline_side] if llm is not None and c == top else [])
-            if r % 2:
-                sides.reverse()
-            for side in sides:
-                side()
-    result = {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-              "random_range_ratio": args.random_range_ratio, "runs": args.runs, "warmup_prompts": n_warm,
-              "quiet_wait": args.quiet_wait,
-              "levels": [{"max_concurrency": c, "request_rate": None if math.isinf(rate) else rate,
-                          "runs": per_level[i], "median": median_level(per_level[i])} for i, c in enumerate(levels)]}
-    if offline_runs:
-        med = {k: _med([o[k] for o in offline_runs]) for k in ("seconds", "prompt_tokens", "output_tokens",
-                                                               "output_throughput", "total_throughput",
-                                                               "request_throughput")}
-        med["cpu"] = {k: _med([o["cpu"][k] for o in offline_runs]) for k in ("client", "server", "others")}
-        result["offline"] = {"runs": offline_runs, "median": med}
-    return result
+
+def main(args) -> None:
+    _check_args(args)
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger("httpx").getEffectiveLevel()))
+    levels = _levels(args)
+    load_at_start = load_average()
+    server: Server | None = None
+    try:
+        ready_s = None
+        if args.launch:
+            config = _launch_config(args, levels)
+            server = launch(args)
+            tokens = Tokens(args, config)
+            t0 = time.monotonic()  # ready: from here, once this process's own engine is built
+            server.health(args.server_timeout, steady=True, poll=0.25)
+            ready_s = time.monotonic() - t0
+            logger.info("bench serve: server ready after %.1fs", ready_s)
+        else:
+            tokens = Tokens(args)
+        run_and_publish(args, levels, server, ready_s, tokens, load_at_start)
+    finally:
+        if server is not None:
+            server.stop(keep_log=True)
+            logger.info("bench serve: server stopped (its log: %s)", server.log.name)
+
+
+def run_and_publish(args, levels: list[int | None], server: Server | None, ready_s: float | None, tokens: Tokens,
+                    load_at_start: float | None) -> None:
+    """Run the sweep against the server and publish its section and JSON file."""
+    url = server.url if server else args.url
+    target = load.Target(url, None, args.endpoint, args.api_key, args.ignore_eos, _extra_body(args.extra_body))
+    card = asyncio.run(load.served_model(target))
+    target.model = args.served_model_name or (getattr(args, "model", None) if not args.launch else None) or card["id"]
+    use_ids = tokens.pool is not None and args.prompt_format != "text" and args.endpoint == "completions"
+    work = Workload(args, target, tokens.pool, use_ids)
+    work.calibrate()
+    result = _sweep(args, levels, target, work, server, tokens.llm)
+    label = args.label or ("ember" if args.launch else _slug(target.model))
+    result.update(label=label, server={"url": url, "model": target.model, "max_model_len": card.get("max_model_len"),
+                                       "command": server.command if server else None, "ready_s": ready_s,
+                                       "pid_known": bool(server or args.server_pid)},
+                  engine=tokens.engine, workload=work.describe(tokens.tokenizer_name), prompt_format=work.kind,
+                  endpoint=args.endpoint)
+    title = (f"Serving: {label} ({target.model}), {args.num_prompts} requests per level, {args.input_len} in / "
+             f"{args.output_len} out")
+    Result(f"serve:{label}", title, command_line(args), load_at_start, about(result), list(METHOD_NOTES),
+           table(result), result, bars(result)).publish(args.output, header=HEADER,
+                                                        json_file=json_path(args.output, label))
 
 
 # -- the parser ---------------------------------------------------------------------------------------------
@@ -530,7 +542,12 @@ def add_cli_args(p) -> None:
     from ember.config.engine_args import add_engine_args
 
     add_engine_args(p)  # for --launch; --model / --tokenizer also name the served model / its tokenizer with --url
-    g = p.add_argument_group("server")
+    _add_server_args(p.add_argument_group("server"))
+    _add_workload_args(p.add_argument_group("workload"))
+    _add_measurement_args(p.add_argument_group("measurement"))
+
+
+def _add_server_args(g) -> None:
     g.add_argument("--url", default=None, help="base URL of a running OpenAI-compatible server (http://host:port)")
     g.add_argument("--launch", action="store_true",
                    help="start `ember serve` (with the engine flags given here) on a free local port, run, stop it")
@@ -549,7 +566,9 @@ def add_cli_args(p) -> None:
     g.add_argument("--offline", action=argparse.BooleanOptionalAction, default=True,
                    help="with --launch: also measure offline LLM.generate in this process, same prompts count and "
                         "lengths (the peer of the throughput bar)")
-    w = p.add_argument_group("workload")
+
+
+def _add_workload_args(w) -> None:
     w.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     w.add_argument("--prompt-format", choices=("auto", "ids", "text"), default="auto",
                    help="ids = random ordinary token ids (needs a tokenizer: --launch, or --tokenizer with --url); "
@@ -569,7 +588,9 @@ def add_cli_args(p) -> None:
                    help="send ignore_eos and min_tokens (ember/vLLM/llama.cpp) so every request runs to max_tokens")
     w.add_argument("--extra-body", default=None, metavar="JSON", help="extra fields merged into every request body")
     w.add_argument("--prompt-seed", type=int, default=0, help="seed of the random prompts")
-    r = p.add_argument_group("measurement")
+
+
+def _add_measurement_args(r) -> None:
     r.add_argument("--runs", type=positive_int, default=1, help="sweeps; every figure is the median over them")
     r.add_argument("--warmup-prompts", type=int, default=None,
                    help="short warmup requests at the top concurrency before measuring (default: that concurrency)")

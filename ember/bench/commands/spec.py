@@ -28,17 +28,20 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ember.bench.lib.args import add_common_args, command_line, int_list, positive_int
+from ember.bench.lib.bar import Bar
 from ember.bench.lib.cpu import CpuMeter, wait_for_quiet
-from ember.bench.lib.files import publish
-from ember.bench.lib.machine import load_average, machine_info, machine_line
+from ember.bench.lib.machine import load_average
 from ember.bench.lib.prompts import PROMPT_SEED, held_out_prompts
+from ember.bench.lib.result import Result
 from ember.bench.lib.timing import token_times
+from ember.bench.sides.ember import NO_SPECULATION
 from ember.sampling import SamplingParams
 
 logger = logging.getLogger("ember.bench")
 
 NAME = KIND = "spec"
 HELP = "speculative decoding: acceptance and batch-1 decode vs no speculation and llama.cpp"
+TITLE = "Speculative decoding (batch 1, held-out prompts)"
 HEADER = ("# ember speculative decoding benchmarks\n\nWritten by `ember bench spec`; raw runs in the JSON file next to "
           "this one.\n")
 
@@ -94,8 +97,7 @@ def build_sides(config, ks: list[int], peer: str, threads: int) -> tuple[list[Si
     def knobs(k: int | None, adaptive: bool) -> dict:
         base = config.flags()
         if k is None:
-            base.update(speculative_config=None, speculative_model=None, enable_mtp=False, num_speculative_tokens=None)
-            return base
+            return base | NO_SPECULATION
         base.update(spec_keys, adaptive_spec=adaptive, num_speculative_tokens=k)
         if isinstance(base["speculative_config"], dict):
             base["speculative_config"] = {**base["speculative_config"], "num_speculative_tokens": k}
@@ -187,7 +189,7 @@ def summarize(sides: list[Side], temperatures: list[float]) -> dict:
     return {"rows": rows, "bars": bars(rows, temperatures)}
 
 
-def bars(rows: list[dict], temperatures: list[float]) -> list[dict]:
+def bars(rows: list[dict], temperatures: list[float]) -> list[Bar]:
     """The issue's bars: position-1 acceptance >= 0.6 at temperature 0; the best MTP configuration
     >= 1.6x no speculation at temperature 0 and >= 1.25x at 0.8."""
     out = []
@@ -197,15 +199,13 @@ def bars(rows: list[dict], temperatures: list[float]) -> list[dict]:
         if pinned:
             # position 1 is drafted on every verify step whatever k is: pool the pinned configurations
             acc1 = statistics.median(r["acceptance_per_pos"][0] for r in pinned)
-            out.append({"bar": "position-1 acceptance >= 0.6 at temperature 0", "value": acc1, "need": 0.6,
-                        "result": "pass" if acc1 >= 0.6 else "fail"})
+            out.append(Bar("position-1 acceptance >= 0.6 at temperature 0", ">=", 0.6, acc1, shown=f"{acc1:.2f}"))
     for temp, need in ((0.0, 1.6), (0.8, 1.25)):
         cand = [r for r in spec if r["temperature"] == temp and r["vs_no_spec"]]
         if cand:
             best = max(cand, key=lambda r: r["vs_no_spec"])
-            out.append({"bar": f"decode >= {need}x no speculation at temperature {temp:g} (best: {best['config']})",
-                        "value": best["vs_no_spec"], "need": need,
-                        "result": "pass" if best["vs_no_spec"] >= need else "fail"})
+            out.append(Bar(f"decode >= {need}x no speculation at temperature {temp:g} (best: {best['config']})", ">=",
+                           need, best["vs_no_spec"]))
     return out
 
 
@@ -213,23 +213,16 @@ def _f(v, fmt="{:.2f}") -> str:
     return "-" if v is None else fmt.format(v)
 
 
-def render(summary: dict, *, command: str, desc: dict, machine: dict, runs: int, notes: list[str]) -> str:
-    lines = ["## Speculative decoding (batch 1, held-out prompts)", "", f"`{command}`", "",
-             f"- machine: {machine_line(machine)}", f"- model: {desc['model']} ({desc['dtype']}); drafter: {desc['drafter']}"]
-    if "peer" in desc:
-        lines.append(f"- peer: {desc['peer']}")
-    lines += [f"- {runs} measured runs after one warmup; medians, min-max in brackets", *[f"- {n}" for n in notes], "",
-              "| temp | config | decode tok/s | vs no spec | vs llama.cpp | acceptance per position | mean accepted length "
-              "| draft time share | others' cores |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in summary["rows"]:
+def table(rows: list[dict]) -> list[str]:
+    lines = ["| temp | config | decode tok/s | vs no spec | vs llama.cpp | acceptance per position | mean accepted "
+             "length | draft time share | others' cores |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
         acc = ", ".join(f"{a:.2f}" for a in r["acceptance_per_pos"]) or "-"
         lines.append(f"| {r['temperature']:g} | {r['config']} | {r['tok_s_median']:.1f} [{r['tok_s_min']:.1f}-"
                      f"{r['tok_s_max']:.1f}] | {_f(r['vs_no_spec'])}x | {_f(r['vs_llama_cpp'])}x | {acc} | "
                      f"{_f(r['mean_accepted_length'])} | {_f(r['draft_time_share'], '{:.0%}')} | "
                      f"{_f(r['others_cores_median'])} |")
-    lines += ["", "| bar | measured | result |", "|---|---|---|"]
-    lines += [f"| {b['bar']} | {b['value']:.2f} | {b['result']} |" for b in summary["bars"]]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def main(args) -> None:
@@ -252,28 +245,28 @@ def main(args) -> None:
     run(sides, sides[0].llm.tokenizer, temperatures=args.temperatures, num_prompts=args.num_prompts,
         max_tokens=args.max_tokens, runs=args.runs, quiet_wait_s=args.quiet_wait)
     summary = summarize(sides, args.temperatures)
+    about = [f"model: {desc['model']} ({desc['dtype']}); drafter: {desc['drafter']}"]
+    about += [f"peer: {desc['peer']}"] if "peer" in desc else []
+    about += [f"{args.runs} measured runs after one warmup; medians, min-max in brackets"]
     notes = ["decode tok/s = tokens after the first / time from the first token to the last, summed over the run's "
              f"{args.num_prompts} prompts (prefill excluded); ember stops at EOS or {args.max_tokens} tokens, "
              f"llama.cpp always generates {args.max_tokens}",
              "acceptance per position = drafts accepted at position i / drafts verified at position i (SpecStats, "
              "as /metrics); mean accepted length = tokens per verify step",
              "temperature > 0: plain temperature sampling (no top-k/top-p), a seed per request",
-             f"prompts: chat requests from pydoc_split('eval') (never trained on), seed {PROMPT_SEED}+run; "
-             f"load average at start {load}"]
+             f"prompts: chat requests from pydoc_split('eval') (never trained on), seed {PROMPT_SEED}+run"]
     command = command_line(args, ["runs", "peer", "output", "quiet_wait", "ks", "temperatures", "num_prompts",
                                   "max_tokens"])
-    machine = machine_info()
-    section = render(summary, command=command, desc=desc, machine=machine, runs=args.runs, notes=notes)
-    publish(args.output, KIND, section, {"command": command, "machine": machine, "engines": desc, "notes": notes,
-                                         **summary}, header=HEADER, json_file=Path(args.output).with_suffix(".json"))
+    Result(KIND, TITLE, command, load, about, notes, table(summary["rows"]),
+           {"engines": desc, "rows": summary["rows"]}, summary["bars"]).publish(
+        args.output, header=HEADER, json_file=Path(args.output).with_suffix(".json"))
 
 
 def add_cli_args(p) -> None:
-    add_common_args(p)
-    p.set_defaults(peer="llamacpp", output="benchmarks/spec.md", runs=3)
-    for a in p._actions:  # the peer here is llama.cpp, not transformers
-        if a.dest == "peer":
-            a.choices, a.help = ("llamacpp", "none"), "llamacpp = llama.cpp (llama-cpp-python) on the same GGUF"
+    # the peer here is llama.cpp, not transformers
+    add_common_args(p, {"choices": ("llamacpp", "none"), "default": "llamacpp",
+                        "help": "llamacpp = llama.cpp (llama-cpp-python) on the same GGUF"})
+    p.set_defaults(output="benchmarks/spec.md")
     p.add_argument("--ks", type=int_list, default=[1, 2, 3], metavar="K,K,...", help="draft lengths to pin")
     p.add_argument("--temperatures", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 0.8],
                    metavar="T,T,...")

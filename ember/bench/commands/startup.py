@@ -20,19 +20,20 @@ import statistics
 import tempfile
 
 from ember.bench.lib.args import add_benchmark_group, command_line
-from ember.bench.lib.files import publish
-from ember.bench.lib.machine import load_average, machine_info
-from ember.bench.lib.markdown import head, row
-from ember.bench.lib.servers import Start, ember_start, free_port, launch_plan, llama_server_start
+from ember.bench.lib.machine import load_average
+from ember.bench.lib.markdown import row
+from ember.bench.lib.result import Result
+from ember.bench.lib.servers import Server, ember_start, free_port, launch_plan, llama_server_start
 from ember.errors import ConfigError
 
 logger = logging.getLogger("ember.bench")
 
 NAME = KIND = "startup"
 HELP = "launch to /health 200 and to the first token, cold and warm, against llama.cpp's llama-server on the same file"
+TITLE = "Start-up: launch to /health 200 and to the first token"
 
 
-def measure(start: Start, timeout: float, wait_compile: bool) -> dict:
+def measure(start: Server, timeout: float, wait_compile: bool) -> dict:
     try:
         health = start.health(timeout)
         first = start.first_token()
@@ -75,13 +76,15 @@ def main(args) -> None:
                 logger.info("bench startup: %s %s start %d: %s", side, phase, r, result)
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
-    machine = machine_info()
-    machine["load_at_end"] = load_average()
     command = command_line(args, ["runs", "peer", "output", "timeout"]) + ("" if args.wait_compile else " --no-wait-compile")
-    data = {"kind": KIND, "command": command,
-            "machine": machine, "load_at_start": load, "threads": threads, "model": model, "runs": runs,
-            "summary": summarize(runs)}
-    publish(args.output, KIND, render(data), data, who="bench startup")
+    summary = summarize(runs)
+    about = [f"model: `{model}`; {threads} threads; one streamed chat request of 16 tokens after /health",
+             "cold: ember's first start on an empty inductor cache (TORCHINDUCTOR_CACHE_DIR in a fresh folder; the C++ "
+             "kernels were built at install); llama-server's first start. warm: the next starts (median [min-max])",
+             "ember compiled: launch to the end of its background compile (--executor auto on CPU; requests are "
+             "served eagerly until then)"]
+    Result(KIND, TITLE, command, load, about, [], table(summary),
+           {"threads": threads, "model": model, "runs": runs, "summary": summary}).publish(args.output)
 
 
 def summarize(runs: dict) -> dict:
@@ -102,18 +105,10 @@ def _cell(s: dict | None) -> str:
     return f"{s['median']:.2f}" if s["n"] == 1 else f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}]"
 
 
-def render(data: dict) -> str:
-    summary = data["summary"]
+def table(summary: dict) -> list[str]:
     sides = list(summary)
-    lines = head("Start-up: launch to /health 200 and to the first token", data["command"], data["machine"],
-                 data["load_at_start"])
-    lines += [f"- model: `{data['model']}`; {data['threads']} threads; one streamed chat request of 16 tokens after /health",
-              "- cold: ember's first start on an empty inductor cache (TORCHINDUCTOR_CACHE_DIR in a fresh folder; the C++ "
-              "kernels were built at install); llama-server's first start. warm: the next starts (median [min-max])",
-              "- ember compiled: launch to the end of its background compile (--executor auto on CPU; requests are "
-              "served eagerly until then)", "",
-              "| start | metric (s) | " + " | ".join(sides) + (" | ember / llama-server |" if len(sides) > 1 else " |"),
-              "|---|---|" + "---:|" * (len(sides) + (1 if len(sides) > 1 else 0))]
+    lines = ["| start | metric (s) | " + " | ".join(sides) + (" | ember / llama-server |" if len(sides) > 1 else " |"),
+             "|---|---|" + "---:|" * (len(sides) + (1 if len(sides) > 1 else 0))]
     for phase in ("cold", "warm"):
         for key, label in (("health_s", "/health 200"), ("first_token_s", "first token"), ("compiled_s", "compiled")):
             cells = [summary.get(s, {}).get(phase, {}).get(key) for s in sides]
@@ -124,7 +119,7 @@ def render(data: dict) -> str:
                 a, b = cells[0], cells[1]
                 line.append(f"{a['median'] / b['median']:.2f}x" if a and b and b["median"] else "-")
             lines.append(row(line))
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def add_cli_args(p) -> None:

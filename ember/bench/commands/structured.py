@@ -17,7 +17,7 @@ import time
 from ember.bench.lib.args import add_benchmark_group, command_line
 from ember.bench.lib.cpu import CpuMeter, wait_for_quiet
 from ember.bench.lib.machine import load_average
-from ember.bench.lib.result import Bar, Metric, Result
+from ember.bench.lib.metric import Metric, paired_result, speedup_bar
 
 logger = logging.getLogger("ember.bench")
 
@@ -145,10 +145,11 @@ def main(args) -> None:
     notes = [__doc__.split("\n\n", 1)[1].replace("\n", " ").strip(),
              f"median mask time per constrained step (fill + apply, all rows of the step): {mask_ms:.3f} ms; "
              f"grammar compiles: {len(clock.compile)} ({', '.join(f'{s * 1e3:.0f} ms' for s in clock.compile)})"]
-    bars = [Bar(f"constrained batch-{b} decode >= {x}x unconstrained", f"batch-{b} decode", x) for b, x in BARS.items()]
-    Result("structured", "Structured outputs: JSON-schema decode vs the same decode unconstrained",
-           command_line(args, ["runs", "output", "quiet_wait", "output_len"]), args.runs, metrics, bars, ember_desc,
-           peer, notes, load).publish(args.output)
+    bars = [speedup_bar(f"constrained batch-{b} decode >= {x}x unconstrained", metrics, f"batch-{b} decode", x)
+            for b, x in BARS.items()]
+    paired_result("structured", "Structured outputs: JSON-schema decode vs the same decode unconstrained",
+                  command_line(args, ["runs", "output", "quiet_wait", "output_len"]), args.runs, metrics, bars,
+                  ember_desc, peer, notes, load).publish(args.output)
 
 
 def add_cli_args(p) -> None:

@@ -3,18 +3,12 @@ output_len tokens each, ember's LLM.generate against transformers' batched gener
 """
 from __future__ import annotations
 
-import logging
-
-from tqdm import tqdm
-
 from ember.bench.lib.args import add_common_args, command_line, positive_int
-from ember.bench.lib.cpu import measure_pair, protocol_note
+from ember.bench.lib.cpu import protocol_note
 from ember.bench.lib.machine import load_average
+from ember.bench.lib.metric import Metric, measure_runs, paired_result, speedup_bar
 from ember.bench.lib.prompts import prompt_maker, prompt_seed
-from ember.bench.lib.result import Bar, Metric, Result
 from ember.bench.lib.timing import ember_batch
-
-logger = logging.getLogger("ember.bench")
 
 NAME = "throughput"
 HELP = "offline batched generation tok/s"
@@ -30,37 +24,26 @@ def add_cli_args(p) -> None:
     p.add_argument("--output-len", type=positive_int, default=128)
 
 
-def bars(num_prompts: int, input_len: int, output_len: int) -> list[Bar]:
-    return [Bar(f"batched throughput ({num_prompts} prompts, {input_len} in / {output_len} out) >= 1.5x "
-                "transformers batched generate", OUTPUT_METRIC, 1.5)]
-
-
 def run(llm, peer, *, num_prompts: int, input_len: int, output_len: int, runs: int, quiet_wait_s: float = 0.0,
         prompt_seed_base: int = 0) -> list[Metric]:
     """Warm up once, then `runs` rounds of ember and peer on the same fresh prompts; tok/s per round."""
     make = prompt_maker(llm, prompt_seed_base)
-    metrics = {name: Metric(name, "tok/s", True, peer=[] if peer else None) for name in (OUTPUT_METRIC, TOTAL_METRIC)}
 
     def rates(measure) -> dict:
         seconds, generated = measure()
         return {OUTPUT_METRIC: generated / seconds, TOTAL_METRIC: (generated + num_prompts * input_len) / seconds,
                 "seconds": seconds}
 
-    for r in tqdm(range(-1, runs), desc="bench throughput", unit="run", dynamic_ncols=True):
+    def pairs(r: int) -> list:
         def make_pair(attempt: int):
             prompts = make.make(num_prompts, input_len, prompt_seed(r, attempt))
             return (lambda: rates(lambda: ember_batch(llm, prompts, output_len)),
                     (lambda: rates(lambda: peer.batch(prompts, output_len))) if peer else None)
+        return [make_pair]
 
-        pair = measure_pair(r, make_pair, quiet_wait_s)
-        for side, values, others in pair:
-            logger.info("bench throughput %s %s: %d prompts in %.2fs, %.1f out tok/s, %.1f total tok/s "
-                        "(others used %s cores)", side, "warmup" if r < 0 else f"run {r + 1}/{runs}", num_prompts,
-                        values["seconds"], values[OUTPUT_METRIC], values[TOTAL_METRIC], others)
-            if r >= 0:
-                for name, m in metrics.items():
-                    m.add(side, values[name], others)
-    return list(metrics.values())
+    metrics = [Metric(name, "tok/s", True, peer=[] if peer else None) for name in (OUTPUT_METRIC, TOTAL_METRIC)]
+    measure_runs("bench throughput", runs, pairs, metrics, quiet_wait_s)
+    return metrics
 
 
 def main(args) -> None:
@@ -77,6 +60,7 @@ def main(args) -> None:
              f"{args.input_len} in / {args.output_len} out each"]
     if peer:
         notes.append(hf.BATCH_METHOD)
-    Result("throughput", "Throughput (offline batch)", command_line(args, FLAGS), args.runs, metrics,
-           bars(args.num_prompts, args.input_len, args.output_len), ember_desc, peer.description if peer else None,
-           notes, load).publish(args.output)
+    bar = speedup_bar(f"batched throughput ({args.num_prompts} prompts, {args.input_len} in / {args.output_len} out) "
+                      ">= 1.5x transformers batched generate", metrics, OUTPUT_METRIC, 1.5)
+    paired_result("throughput", "Throughput (offline batch)", command_line(args, FLAGS), args.runs, metrics, [bar],
+                  ember_desc, peer.description if peer else None, notes, load).publish(args.output)

@@ -14,15 +14,14 @@ of the step. Prefill: one prompt of --prompt-len tokens, tokens / TTFT.
 from __future__ import annotations
 
 import logging
-import shlex
 import shutil
 import statistics
 import time
 from pathlib import Path
 
-from ember.bench.lib.args import int_list, positive_int
-from ember.bench.lib.files import write
-from ember.bench.lib.machine import machine_info, machine_line
+from ember.bench.lib.args import command_line, int_list, positive_int
+from ember.bench.lib.machine import load_average
+from ember.bench.lib.result import Result
 from ember.sampling import SamplingParams
 
 logger = logging.getLogger("ember.bench")
@@ -93,34 +92,16 @@ def measure(path: str, tp: int, *, runs: int, decode_tokens: int, prompt_len: in
         llm.engine.shutdown()
 
 
-def command_line(args) -> str:
-    words = ["ember", "bench", "tp"] + (["--model", args.model] if args.model else ["--shape", args.shape])
-    for name in ("sizes", "runs", "decode_tokens", "prompt_len", "dtype", "kv_cache_memory", "output"):
-        v = getattr(args, name)
-        words += ["--" + name.replace("_", "-"), ",".join(map(str, v)) if isinstance(v, list) else str(v)]
-    return shlex.join(words)
-
-
-def render(rows: list[dict], meta: dict) -> str:
-    def med(v):
-        return statistics.median(v)
-
-    base = rows[0]
-    lines = ["## Tensor parallelism (CPU, gloo)", "", f"`{meta['command']}`", "",
-             f"- machine: {machine_line(meta['machine'])}", f"- model: {meta['model']}",
-             f"- {meta['runs']} runs; decode {meta['decode_tokens']} tokens at batch 1 (per-step medians), "
-             f"prefill one {meta['prompt_len']}-token prompt; every rank gets cores / N torch threads",
-             "- comm = rank 0's time in the model's all-reduce / all-gather per decode step; broadcast = sending the "
-             "step's inputs to the workers; share = (comm + broadcast) / step wall time", "",
-             "| TP | threads per rank | decode tok/s | vs TP=1 | prefill tok/s | vs TP=1 | comm ms / step | "
+def table(rows: list[dict]) -> list[str]:
+    lines = ["| TP | threads per rank | decode tok/s | vs TP=1 | prefill tok/s | vs TP=1 | comm ms / step | "
              "broadcast ms / step | comm share of a decode step |", "|---|---|---|---|---|---|---|---|---|"]
+    base_decode, base_prefill = statistics.median(rows[0]["decode_tok_s"]), statistics.median(rows[0]["prefill_tok_s"])
     for r in rows:
-        d, p = med(r["decode_tok_s"]), med(r["prefill_tok_s"])
+        d, p = statistics.median(r["decode_tok_s"]), statistics.median(r["prefill_tok_s"])
         lines.append(f"| {r['tp']} | {r['threads_per_rank']} | {d:.1f} [{min(r['decode_tok_s']):.1f}-"
-                     f"{max(r['decode_tok_s']):.1f}] | {d / med(base['decode_tok_s']):.2f}x | {p:.0f} | "
-                     f"{p / med(base['prefill_tok_s']):.2f}x | {r['comm_ms_median']:.2f} | {r['broadcast_ms_median']:.2f} | "
-                     f"{r['comm_share_median']:.0%} |")
-    return "\n".join(lines) + "\n"
+                     f"{max(r['decode_tok_s']):.1f}] | {d / base_decode:.2f}x | {p:.0f} | {p / base_prefill:.2f}x | "
+                     f"{r['comm_ms_median']:.2f} | {r['broadcast_ms_median']:.2f} | {r['comm_share_median']:.0%} |")
+    return lines
 
 
 def main(args) -> None:
@@ -129,6 +110,7 @@ def main(args) -> None:
     from ember.bench.lib import random_model
 
     tmp = None
+    load = load_average()
     if args.model:
         path, label = args.model, args.model
     else:
@@ -143,13 +125,17 @@ def main(args) -> None:
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
-    meta = {"command": command_line(args),
-            "machine": machine_info(), "model": label, "runs": args.runs, "decode_tokens": args.decode_tokens,
-            "prompt_len": args.prompt_len}
-    section = render(rows, meta)
-    write(args.output, KIND, section, {**meta, "rows": rows}, header=HEADER,
-          json_file=Path(args.output).with_suffix(".json"))
-    print(section)
+    about = [f"model: {label}",
+             f"{args.runs} runs; decode {args.decode_tokens} tokens at batch 1 (per-step medians), prefill one "
+             f"{args.prompt_len}-token prompt; every rank gets cores / N torch threads",
+             "comm = rank 0's time in the model's all-reduce / all-gather per decode step; broadcast = sending the "
+             "step's inputs to the workers; share = (comm + broadcast) / step wall time"]
+    data = {"model": label, "runs": args.runs, "decode_tokens": args.decode_tokens, "prompt_len": args.prompt_len,
+            "rows": rows}
+    command = command_line(args, ["model" if args.model else "shape", "sizes", "runs", "decode_tokens", "prompt_len",
+                                  "dtype", "kv_cache_memory", "output"], engine=False)
+    Result(KIND, "Tensor parallelism (CPU, gloo)", command, load, about, [], table(rows), data).publish(
+        args.output, header=HEADER, json_file=Path(args.output).with_suffix(".json"))
 
 
 def add_cli_args(p) -> None:

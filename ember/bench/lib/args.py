@@ -51,12 +51,16 @@ def add_benchmark_group(p: argparse.ArgumentParser):
     return p.add_argument_group("benchmark")
 
 
-def add_common_args(p: argparse.ArgumentParser) -> None:
-    """The engine flags plus the benchmark group of the commands that measure ember against a peer."""
+HF_PEER = {"choices": ("hf", "none"), "default": "hf",
+           "help": "hf = Hugging Face transformers on the same weights (bf16), measured in the same run"}
+
+
+def add_common_args(p: argparse.ArgumentParser, peer: dict = HF_PEER) -> None:
+    """The engine flags plus the benchmark group of the commands that measure ember against a peer; `peer`:
+    add_argument's keywords for --peer (which peers the command has)."""
     g = add_benchmark_group(p)
     g.add_argument("--runs", type=positive_int, default=3, help="measured runs after one warmup; medians are reported")
-    g.add_argument("--peer", choices=("hf", "none"), default="hf",
-                   help="hf = Hugging Face transformers on the same weights (bf16), measured in the same run")
+    g.add_argument("--peer", **peer)
     g.add_argument("--output", default=DEFAULT_OUTPUT,
                    help="markdown results file; this benchmark's section is rewritten and a JSON file "
                         "<stem>-<kind>.json is written next to it")
@@ -79,13 +83,15 @@ def add_workload_args(p: argparse.ArgumentParser, *, prompt_help: str) -> None:
                         "peak RSS is then the whole process's, not each side's (" + prompt_help + ")")
 
 
-def command_line(args, bench_flags: list[str]) -> str:
-    """The full command that reproduces this run: every benchmark flag with its value, plus the
-    engine flags that were given (engine flags default to SUPPRESS, so present = given)."""
-    words = ["ember", "bench", args.bench_command] + engine_args_to_words(args)
+def command_line(args, bench_flags: list[str], engine: bool = True) -> str:
+    """The full command that reproduces this run: every benchmark flag that has a value, with it, plus the
+    engine flags that were given (engine flags default to SUPPRESS, so present = given). engine=False: the
+    command has no engine flags (its own may share their names)."""
+    words = ["ember", "bench", args.bench_command] + (engine_args_to_words(args) if engine else [])
     for name in bench_flags:
         v = getattr(args, name)
-        words += ["--" + name.replace("_", "-"), ",".join(map(str, v)) if isinstance(v, list) else str(v)]
+        if v is not None:
+            words += ["--" + name.replace("_", "-"), ",".join(map(str, v)) if isinstance(v, list) else str(v)]
     return shlex.join(words)
 
 

@@ -17,13 +17,9 @@ HEADER = ("# ember CPU benchmarks\n\n"
           "Raw runs are in the JSON files next to this one.\n")
 
 
-def _fence(kind: str) -> tuple[str, str]:
-    return f"<!-- ember-bench:{kind}:begin -->", f"<!-- ember-bench:{kind}:end -->"
-
-
 def update_markdown(text: str, kind: str, section: str) -> str:
     """`text` with the section of `kind` replaced (or appended when it is not there yet)."""
-    begin, end = _fence(kind)
+    begin, end = f"<!-- ember-bench:{kind}:begin -->", f"<!-- ember-bench:{kind}:end -->"
     block = f"{begin}\n{section}{end}\n"
     pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end) + r"\n?", re.S)
     if pattern.search(text):
@@ -36,22 +32,14 @@ def json_path(md_path: str | os.PathLike, kind: str) -> Path:
     return p.with_name(f"{p.stem}-{kind}.json")
 
 
-def write(md_path: str | os.PathLike, kind: str, section: str, data: dict, *, header: str = HEADER,
-          json_file: Path | None = None) -> tuple[Path, Path]:
-    """Rewrite the section of `kind` in the markdown file (a new file starts with `header`) and write
-    `data` to its JSON file (default <stem>-<kind>.json beside it); return both paths."""
+def publish(md_path: str | os.PathLike, kind: str, section: str, data: dict, *, header: str = HEADER,
+            json_file: Path | None = None) -> None:
+    """Rewrite the section of `kind` in the markdown file (a new file starts with `header`), write `data`
+    to its JSON file (default <stem>-<kind>.json beside it), print the section and log both paths."""
     md = Path(md_path)
     md.parent.mkdir(parents=True, exist_ok=True)
     md.write_text(update_markdown(md.read_text() if md.exists() else header, kind, section))
     js = json_file or json_path(md, kind)
     js.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    return md, js
-
-
-def publish(md_path: str | os.PathLike, kind: str, section: str, data: dict, *, who: str = "bench",
-            **where) -> tuple[Path, Path]:
-    """write(), then print the section and log both paths (`who` names the command in the log line)."""
-    md, js = write(md_path, kind, section, data, **where)
     print(section)
-    logger.info("%s: wrote %s and %s", who, md, js)
-    return md, js
+    logger.info("bench %s: wrote %s and %s", kind, md, js)

@@ -1,8 +1,8 @@
-"""How figures read in the results' markdown: numbers, table rows, and the head every section starts with
-(its command, its machine, the load on it)."""
+"""How figures read in the results' markdown: numbers, spreads, ratios, descriptions, table rows."""
 from __future__ import annotations
 
-from ember.bench.lib.machine import machine_line
+import statistics
+from typing import Callable
 
 
 def fmt(v: float | None) -> str:
@@ -19,15 +19,19 @@ def row(cells: list[str]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def head(title: str, command: str, machine: dict, load_at_start: float | None, *,
-         cores_note: bool = False) -> list[str]:
-    """The section's title and its first lines. cores_note: say the machine's core count and what a load
-    above it means (and write a missing load as '-')."""
-    if cores_note:
-        load = (f"{load_at_start if load_at_start is not None else '-'} at start, {machine.get('load_at_end', '-')} "
-                f"at end ({machine['usable_cores']} cores; more means the cores were shared with other work and "
-                "wall times are noisy)")
-    else:
-        load = f"{load_at_start} at start, {machine.get('load_at_end')} at end"
-    return [f"## {title}", "", f"- command: `{command}`", f"- machine: {machine_line(machine)}",
-            f"- 1-minute load average: {load}"]
+def cell(s: dict | None, suffix: str = "", number: Callable[[float], str] = fmt) -> str:
+    """'median [min-max]' of a spread (lib/rounds.py), each written by `number`, or '-'."""
+    if not s or "median" not in s:
+        return "-"
+    return f"{number(s['median'])}{suffix} [{number(s['min'])}-{number(s['max'])}]"
+
+
+def ratio_cell(r: dict | None) -> str:
+    """'1.23x [1.10-1.31]' of paired ratios, or '-'."""
+    return f"{r['median']:.2f}x [{r['min']:.2f}-{r['max']:.2f}]" if r else "-"
+
+
+def cores_cell(values: list[float | None]) -> str:
+    """The median of the cores other processes used (CpuMeter), the unknown left out, or '-'."""
+    known = [v for v in values if v is not None]
+    return f"{statistics.median(known):.2f}" if known else "-"

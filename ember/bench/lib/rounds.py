@@ -15,8 +15,8 @@ from typing import Callable
 from tqdm import tqdm
 
 from ember.bench.lib import membw
+from ember.bench.lib.bar import Bar
 from ember.bench.lib.cpu import CpuMeter, wait_for_quiet
-from ember.bench.lib.markdown import fmt
 from ember.bench.lib.prompts import prompt_seed
 from ember.bench.lib.timing import DECODE_PROMPT_LEN, decode_rates
 
@@ -143,35 +143,10 @@ def paired_ratios(figure: dict, side: str, peer: str) -> dict | None:
     return {"runs": runs, **spread(runs)}
 
 
-@dataclass
-class RatioBar:
-    """side / peer on a figure must be >= (or <=) `threshold`."""
-
-    text: str
-    figure: str
-    side: str
-    peer: str
-    op: str  # ">=" | "<=" | "within" (|ratio - 1| <= threshold)
-    threshold: float
-
-    def judge(self, figures: list[dict]) -> dict:
-        fig = next((f for f in figures if f["key"] == self.figure), None)
-        r = paired_ratios(fig, self.side, self.peer) if fig else None
-        if r is None:
-            return {**dataclasses.asdict(self), "ratio": None, "result": f"n/a ({self.side} or {self.peer} not measured)"}
-        ok = {">=": r["median"] >= self.threshold, "<=": r["median"] <= self.threshold,
-              "within": abs(r["median"] - 1) <= self.threshold}[self.op]
-        return {**dataclasses.asdict(self), "ratio": r["median"], "ratio_min": r["min"], "ratio_max": r["max"],
-                "result": "PASS" if ok else "FAIL"}
-
-
-def cell(s: dict | None, suffix: str = "") -> str:
-    """'median [min-max]' of a spread, or '-'."""
-    if not s or "median" not in s:
-        return "-"
-    return f"{fmt(s['median'])}{suffix} [{fmt(s['min'])}-{fmt(s['max'])}]"
-
-
-def ratio_cell(r: dict | None) -> str:
-    """'1.23x [1.10-1.31]' of paired ratios, or '-'."""
-    return f"{r['median']:.2f}x [{r['min']:.2f}-{r['max']:.2f}]" if r else "-"
+def ratio_bar(text: str, figures: list[dict], key: str, side: str, peer: str, op: str, threshold: float) -> Bar:
+    """A bar on side / peer of the figure `key`, taken round by round (paired_ratios): its median must be
+    `op` `threshold`."""
+    fig = next((f for f in figures if f["key"] == key), None)
+    r = paired_ratios(fig, side, peer) if fig else None
+    return Bar(text, op, threshold, r["median"] if r else None, (r["min"], r["max"]) if r else None,
+               missing=f"{side} or {peer} not measured", on={"figure": key, "side": side, "peer": peer})

@@ -1,6 +1,6 @@
-"""Servers a benchmark launches and talks to over HTTP: `ember serve` as `ember bench serve` runs it (started,
-waited for until steady, stopped), and a start as `ember bench startup | restart` time it (from the launch,
-`ember serve` or llama.cpp's llama-server), plus the port and /metrics reading they share.
+"""Servers a benchmark launches and talks to over HTTP: `ember serve` as `ember bench serve` runs it (waited for
+until steady), and the starts `ember bench startup | restart` time from the launch (`ember serve` or llama.cpp's
+llama-server); the port, the /metrics reading and the streaming they share.
 """
 from __future__ import annotations
 
@@ -62,24 +62,17 @@ def serve_argv(flags: list[str], port: int) -> list[str]:
             "--disable-log-requests"]
 
 
-class LaunchedServer:
-    """`ember serve` in a subprocess on 127.0.0.1:port; its log goes to a temporary file."""
+class Server:
+    """A server process launched on 127.0.0.1:port, its output in a temporary log file; `command` names it in
+    messages and results. Times are seconds since the launch (t0)."""
 
-    def __init__(self, flags: list[str], port: int, api_key: str | None, extra: list[str]):
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}"
-        self.argv = serve_argv(flags, port) + [*extra] + (["--api-key", api_key] if api_key else [])
-        self.command = shlex.join(["ember", "serve", *self.argv[4:]]).replace(api_key or "\0", "***")
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="ember-bench-serve-", suffix=".log", delete=False)
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        logger.info("bench serve: starting %s (log: %s)", self.command, self.log.name)
-        self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
+    def __init__(self, argv: list[str], port: int, command: str, env: dict | None = None, compiles: bool = True):
+        self.url, self.command, self.compiles = f"http://127.0.0.1:{port}", command, compiles
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="ember-bench-server-", suffix=".log", delete=False)
+        logger.info("bench: starting %s (log: %s)", command, self.log.name)
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        self.pid = self.proc.pid
 
     def log_tail(self, n: int = 30) -> str:
         try:
@@ -87,66 +80,29 @@ class LaunchedServer:
         except OSError:
             return ""
 
-    def wait_ready(self, timeout: float, steady: bool = True) -> float:
-        """Seconds until /health answered 200 and (steady) no background compile is running (its
-        /metrics gauge ember:executor_compiling is 0): a benchmark measures the steady state. Raises
-        with the server's log when it died or timed out."""
+    def _alive(self) -> None:
+        if self.proc.poll() is not None:
+            raise ConfigError(f"`{self.command}` exited with status {self.proc.returncode}; its log ends:\n"
+                              f"{self.log_tail()}")
+
+    def health(self, timeout: float, steady: bool = False, poll: float = 0.05) -> float:
+        """Launch -> /health answered 200 and (steady) no background compile is running (the /metrics gauge
+        ember:executor_compiling is 0: a benchmark measures the steady state). Raises with the server's log when
+        it died or was not ready within `timeout` seconds."""
         import httpx
 
-        t0 = time.monotonic()
+        deadline = time.monotonic() + timeout
         healthy = False
-        while time.monotonic() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise ConfigError(f"`{self.command}` exited with status {self.proc.returncode} before it was ready; "
-                                  f"its log ends:\n{self.log_tail()}")
+        while time.monotonic() < deadline:
+            self._alive()
             try:
                 healthy = healthy or httpx.get(self.url + "/health", timeout=2).status_code == 200
                 if healthy and (not steady or not compiling(httpx.get(self.url + "/metrics", timeout=5).text)):
-                    return time.monotonic() - t0
-            except httpx.TransportError:
-                pass
-            time.sleep(0.25)
-        raise ConfigError(f"`{self.command}` was not ready after {timeout:g}s (--server-timeout); its log ends:\n"
-                          f"{self.log_tail()}")
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.log.close()
-
-
-class Start:
-    """One launched server process, timed from its launch; times are seconds since then."""
-
-    def __init__(self, argv: list[str], env: dict, url: str, compiles: bool):
-        self.url, self.compiles = url, compiles
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="ember-bench-startup-", suffix=".log", delete=False)
-        self.t0 = time.monotonic()
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-
-    def _alive(self) -> None:
-        if self.proc.poll() is not None:
-            self.log.seek(0)
-            tail = "\n".join(self.log.read().splitlines()[-20:])
-            raise ConfigError(f"{self.proc.args[0]} exited with status {self.proc.returncode}; its log ends:\n{tail}")
-
-    def health(self, timeout: float) -> float:
-        import httpx
-
-        while time.monotonic() - self.t0 < timeout:
-            self._alive()
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return time.monotonic() - self.t0
             except httpx.TransportError:
                 pass
-            time.sleep(0.05)
-        raise ConfigError(f"no /health 200 within {timeout:g}s (log: {self.log.name})")
+            time.sleep(poll)
+        raise ConfigError(f"`{self.command}` was not ready within {timeout:g}s; its log ends:\n{self.log_tail()}")
 
     def first_token(self) -> float:
         """Launch -> the first streamed content token of one chat request (to the model /v1/models names)."""
@@ -161,7 +117,8 @@ class Start:
         raise ConfigError("the stream ended without a content token")
 
     def compiled(self, timeout: float) -> float | None:
-        """Launch -> ember's background compile done (None for a server without one)."""
+        """Launch -> ember's background compile done (None for a server without one, or after `timeout` seconds
+        from the launch)."""
         import httpx
 
         if not self.compiles:
@@ -173,7 +130,7 @@ class Start:
             time.sleep(0.5)
         return None
 
-    def stop(self) -> None:
+    def stop(self, keep_log: bool = False) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -182,17 +139,20 @@ class Start:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
-        os.unlink(self.log.name)
+        if not keep_log:
+            os.unlink(self.log.name)
 
 
-def ember_start(flags: list[str], cache_dir: str | None, port: int) -> Start:
-    """cache_dir: torch's compile cache folder for this start (None: the one a user's start finds)."""
+def ember_start(flags: list[str], cache_dir: str | None, port: int) -> Server:
+    """`ember serve FLAGS` as a user starts it; cache_dir: torch's compile cache folder for this start (None: the
+    one a user's start finds)."""
     env = dict(os.environ) if cache_dir is None else dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
     env.pop("EMBER_AUTO_COMPILE", None)  # what a user gets
-    return Start(serve_argv(flags, port), env, f"http://127.0.0.1:{port}", compiles=True)
+    argv = serve_argv(flags, port)
+    return Server(argv, port, shlex.join(["ember", "serve", *argv[4:]]), env)
 
 
-def llama_server_start(binary: str, model: str, threads: int, port: int) -> Start:
+def llama_server_start(binary: str, model: str, threads: int, port: int) -> Server:
     argv = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads), "-c", "4096",
             "--log-disable"]
-    return Start(argv, dict(os.environ), f"http://127.0.0.1:{port}", compiles=False)
+    return Server(argv, port, shlex.join(argv), dict(os.environ), compiles=False)

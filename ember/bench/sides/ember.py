@@ -18,6 +18,9 @@ EMBER = "ember.bench.sides.ember:EmberSide"
 # tokens of the default model (23 KB a token in bf16, 46 KB in float32) fit; larger workloads or
 # models want the flag
 KV_GIB_PER_BYTE = 0.5
+# engine knobs that turn every kind of speculation off
+NO_SPECULATION = {"speculative_config": None, "speculative_model": None, "enable_mtp": False,
+                  "num_speculative_tokens": None}
 
 
 def ember_factory(checkout: str | None = None) -> str:
@@ -94,8 +97,6 @@ def ember_knobs(args, num_prompts: int) -> tuple[dict, int]:
 def engine_and_peer(args, batch: int | None = None):
     """(LLM, peer or None, the ember description for the report). `batch` sets max_num_seqs
     when the user left it unset (capped by the step budget, as the engine requires)."""
-    import torch
-
     from ember.config.engine_args import engine_config_from_args
     from ember.llm import LLM
 
@@ -104,23 +105,22 @@ def engine_and_peer(args, batch: int | None = None):
         config = dataclasses.replace(config, max_num_seqs=min(batch, config.max_num_batched_tokens))
     llm = LLM(**config.flags())
     llm.wait_for_compile()  # benchmarks measure the steady state: a background compile finishes first
-    engine = llm.engine
     # the peer loads after ember so it runs on the thread count ember chose (torch's is per-process)
     peer = None
     if args.peer == "hf":
         from ember.bench.peers.hf import HFPeer
 
-        peer = HFPeer(str(engine.loaded.path))
-    name = str(engine.loaded.path).rstrip("/").rsplit("/", 1)[-1]
-    ember_desc = {
-        "model": f"{name} ({engine.loaded.weight_bytes / 1e6:.0f} MB weights{engine.copies_note()})",
-        "dtype": str(engine.dtype).removeprefix("torch."),
-        "device": str(engine.device),
-        "max_num_seqs": engine.max_num_seqs,
-        "max_num_batched_tokens": config.max_num_batched_tokens,
-        "prefix_caching": config.enable_prefix_caching,
-        "enforce_eager": config.enforce_eager,
-        "executor": engine.executor_name,
-        "threads": torch.get_num_threads(),
-    }
-    return llm, peer, ember_desc
+        peer = HFPeer(str(llm.engine.loaded.path))
+    return llm, peer, describe_engine(llm)
+
+
+def describe_engine(llm) -> dict:
+    """What an ember engine in this process runs, for the report."""
+    import torch
+
+    e = llm.engine
+    name = str(e.loaded.path).rstrip("/").rsplit("/", 1)[-1]
+    return {"model": f"{name} ({e.loaded.weight_bytes / 1e6:.0f} MB weights{e.copies_note()})",
+            "dtype": str(e.dtype).removeprefix("torch."), "device": str(e.device), "max_num_seqs": e.max_num_seqs,
+            "max_num_batched_tokens": e.config.max_num_batched_tokens, "prefix_caching": e.config.enable_prefix_caching,
+            "enforce_eager": e.config.enforce_eager, "executor": e.executor_name, "threads": torch.get_num_threads()}
