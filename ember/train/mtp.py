@@ -538,7 +538,7 @@ def _load_or_make_data(cfg: TrainConfig, model_path: str):
     if cfg.threads:
         knobs.setdefault("num_threads", cfg.threads)
     llm = LLM(model_path, **knobs)
-    loaded = llm.engine.loaded
+    loaded = llm.engine.parts.loaded
     data = make_data(llm, loaded.model, llm.tokenizer, cfg.num_prompts, cfg.max_new_tokens, cfg.seed,
                      cfg.eval_prompts, progress=cfg.progress)
     data.info.update(generation_threads=torch.get_num_threads(), gen_batch=cfg.gen_batch)

@@ -54,9 +54,9 @@ def test_the_cache_folder_is_embers_unless_one_is_named(monkeypatch, tmp_path):
 def test_freezing_is_on_for_dense_weights_and_off_for_quantized_ones(tiny_model_dir):
     from ember.default_model import default_model_path
 
-    assert auto_freezing(make_llm(tiny_model_dir("llama"), executor="eager").engine.runner.model) is True
+    assert auto_freezing(make_llm(tiny_model_dir("llama"), executor="eager").engine.parts.runner.model) is True
     quantized = LLM(default_model_path(), executor="eager", dtype="bfloat16", kv_cache_memory=0.05, max_model_len=128)
-    assert auto_freezing(quantized.engine.runner.model) is False
+    assert auto_freezing(quantized.engine.parts.runner.model) is False
 
 
 def test_metrics_say_how_many_shapes_run_compiled():

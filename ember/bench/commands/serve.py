@@ -381,7 +381,7 @@ def main(args) -> None:
 
                 llm = LLM(**config.flags())
                 llm.wait_for_compile()  # benchmarks measure the steady state: a background compile finishes first
-                tok, vocab = llm.get_tokenizer(), llm.engine.model_config.vocab_size
+                tok, vocab = llm.get_tokenizer(), llm.engine.parts.loaded.model_config.vocab_size
                 engine_desc = _engine_desc(llm)
                 tokenizer_name = engine_desc["model"].split(" (")[0]
             else:
@@ -450,8 +450,10 @@ def _engine_desc(llm) -> dict:
     import torch
 
     e = llm.engine
-    return {"model": f"{os.path.basename(str(e.loaded.path).rstrip('/'))} ({e.loaded.weight_bytes / 1e6:.0f} MB weights)",
-            "dtype": str(e.dtype).removeprefix("torch."), "device": str(e.device), "max_num_seqs": e.max_num_seqs,
+    loaded, setup = e.parts.loaded, e.parts.setup
+    return {"model": f"{os.path.basename(str(loaded.path).rstrip('/'))} ({loaded.weight_bytes / 1e6:.0f} MB weights)",
+            "dtype": str(setup.dtype).removeprefix("torch."), "device": str(setup.device),
+            "max_num_seqs": e.parts.limits.max_num_seqs,
             "max_num_batched_tokens": e.config.max_num_batched_tokens,
             "prefix_caching": e.config.enable_prefix_caching, "enforce_eager": e.config.enforce_eager,
             "threads": torch.get_num_threads()}

@@ -38,15 +38,16 @@ class EmberSide:
         self.llm.wait_for_compile()  # benchmarks measure the steady state: a background compile finishes first
         eng = self.llm.engine
         self._ids = itertools.count()
-        self.weight_bytes = eng.loaded.weight_bytes
+        self.weight_bytes = eng.parts.loaded.weight_bytes
         tok = self.llm.get_tokenizer()
         # what the driver needs to draw prompts of ordinary tokens without loading a tokenizer itself
-        self.prompt_vocab = (min(tok.vocab_size, eng.model_config.vocab_size), sorted(tok.all_special_ids))
-        spec = eng.spec.config.method if eng.spec is not None else "none"
-        self.description = {"name": "ember", "model": str(eng.loaded.path).rstrip("/").rsplit("/", 1)[-1],
-                            "weights_mb": round(eng.loaded.weight_bytes / 1e6, 1),
-                            "dtype": str(eng.dtype).removeprefix("torch."), "quantization": knobs.get("quantization", "auto"),
-                            "speculation": spec, "max_num_seqs": eng.max_num_seqs, "threads": torch.get_num_threads()}
+        self.prompt_vocab = (min(tok.vocab_size, eng.parts.loaded.model_config.vocab_size), sorted(tok.all_special_ids))
+        spec = eng.parts.spec.config.method if eng.parts.spec is not None else "none"
+        self.description = {"name": "ember", "model": str(eng.parts.loaded.path).rstrip("/").rsplit("/", 1)[-1],
+                            "weights_mb": round(eng.parts.loaded.weight_bytes / 1e6, 1),
+                            "dtype": str(eng.parts.setup.dtype).removeprefix("torch."),
+                            "quantization": knobs.get("quantization", "auto"), "speculation": spec,
+                            "max_num_seqs": eng.parts.limits.max_num_seqs, "threads": torch.get_num_threads()}
 
     def _rid(self, what: str) -> str:
         return f"bench-{what}-{next(self._ids)}"
@@ -110,17 +111,17 @@ def engine_and_peer(args, batch: int | None = None):
     if args.peer == "hf":
         from ember.bench.peers.hf import HFPeer
 
-        peer = HFPeer(str(engine.loaded.path))
-    name = str(engine.loaded.path).rstrip("/").rsplit("/", 1)[-1]
+        peer = HFPeer(str(engine.parts.loaded.path))
+    name = str(engine.parts.loaded.path).rstrip("/").rsplit("/", 1)[-1]
     ember_desc = {
-        "model": f"{name} ({engine.loaded.weight_bytes / 1e6:.0f} MB weights{engine.copies_note()})",
-        "dtype": str(engine.dtype).removeprefix("torch."),
-        "device": str(engine.device),
-        "max_num_seqs": engine.max_num_seqs,
+        "model": f"{name} ({engine.parts.loaded.weight_bytes / 1e6:.0f} MB weights{engine.parts.copies.note()})",
+        "dtype": str(engine.parts.setup.dtype).removeprefix("torch."),
+        "device": str(engine.parts.setup.device),
+        "max_num_seqs": engine.parts.limits.max_num_seqs,
         "max_num_batched_tokens": config.max_num_batched_tokens,
         "prefix_caching": config.enable_prefix_caching,
         "enforce_eager": config.enforce_eager,
-        "executor": engine.executor_name,
+        "executor": engine.parts.limits.executor,
         "threads": torch.get_num_threads(),
     }
     return llm, peer, ember_desc
