@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 
@@ -32,10 +33,11 @@ LATER_START = textwrap.dedent("""
     assert llm.wait_for_compile(timeout=600)
     llm.generate(["hello"], SamplingParams(max_tokens=4, ignore_eos=True))
     engine = llm.engine
+    executor = engine.parts.runner.executor
     print(json.dumps({"at_start": at_start, "inductor": dict(counters["inductor"]), "aot": dict(counters["aot_autograd"]),
-                      "shapes": engine.compiled_shapes, "steps": engine.runner.executor.compiled_steps,
-                      "packages": engine.runner.executor.package_shapes,
-                      "failures": engine.compiler.failures, "cache": engine.runner.executor.cache_dir}))
+                      "shapes": engine.compiled_shapes, "steps": executor.compiled_steps,
+                      "packages": executor.package_shapes,
+                      "failures": engine.parts.compiler.failures, "cache": executor.cache_dir}))
 """)
 
 
@@ -61,7 +63,7 @@ def test_freezing_is_on_for_dense_weights_and_off_for_quantized_ones(tiny_model_
 
 def test_metrics_say_how_many_shapes_run_compiled():
     class Engine:  # what watch_compile reads
-        compiler, compiled_shapes = None, 3
+        parts, compiled_shapes = SimpleNamespace(compiler=None), 3
 
     metrics = ServerMetrics("tiny")
     metrics.watch_compile(Engine())
