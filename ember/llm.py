@@ -17,7 +17,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **knobs: Any):
         self.engine = LLMEngine(EngineConfig(model=model, **knobs))
-        self.tokenizer = self.engine.tokenizer
+        self.tokenizer = self.engine.parts.loaded.tokenizer
 
     def wait_for_compile(self, timeout: float | None = None) -> bool:
         """On CPU the default executor compiles decode graphs in the background while generate runs

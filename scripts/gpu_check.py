@@ -536,13 +536,13 @@ def make_llm(path: str, ctx: dict, **knobs):
 
 
 def executor_name(llm) -> str:
-    ex = getattr(llm.engine.runner, "executor", None)
+    ex = getattr(llm.engine.parts.runner, "executor", None)
     return type(ex).__name__ if ex is not None else "none (runner has no executor)"
 
 
 def graph_replays(llm) -> int | None:
     """Steps the CUDA-graph executor ran from a graph so far (None: no such counter)."""
-    return getattr(getattr(llm.engine.runner, "executor", None), "replays", None)
+    return getattr(getattr(llm.engine.parts.runner, "executor", None), "replays", None)
 
 
 def check_freed(sec: Section, engine_ref, what: str) -> None:
@@ -659,7 +659,7 @@ def section_model(sec: Section, ctx: dict, key: str) -> None:
                             replays += (f"; MTP k={MTP_K} pinned: {st.get('spec_num_drafts', 0) - drafts0} verify "
                                         f"steps, acceptance {acc[0]:.2f} (random layer; with the warmup), "
                                         f"mean accepted length {st.get('spec_mean_accepted_length', 0.0):.2f}")
-                        wb = step_bytes(llm.engine.loaded.model, s, b) * steady / b  # bytes / step * steps / s
+                        wb = step_bytes(llm.engine.parts.loaded.model, s, b) * steady / b  # bytes / step * steps / s
                         share = wb / ctx["copy_bps"] if ctx.get("copy_bps") else None
                         of_copy = f"{100 * share:.3g}% of d2d copy" if share else "d2d copy not measured (env not run)"
                         sec.add(case, "ok", f"{steady:.1f} tok/s (mean {mean:.1f})",

@@ -36,7 +36,7 @@ def main() -> None:
     args = parser.parse_args()
     args.executor, args.enable_mtp = "eager", False
     engine = LLMEngine(engine_config_from_args(args))
-    runner = engine.runner
+    runner = engine.parts.runner
     built = {}
     for name, ahead in (("package", True), ("torch.compile", False)):
         ex = CompiledExecutor(runner.model, runner.kv_caches, runner.block_size, 8192, [1], freezing=False,

@@ -86,7 +86,7 @@ def test_cli_chat_is_multi_turn_and_reuses_the_prefix(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "Paris" in out and "Rome" in out
     # the second turn's prompt starts with the whole first turn: it came from the prefix cache
-    assert engines[0].kv.stats.hits >= 32
+    assert engines[0].parts.kv.stats.hits >= 32
 
 
 @torch.inference_mode()
@@ -96,13 +96,13 @@ def _all_logits(engine, ids: list[int]) -> torch.Tensor:
     from ember.engine.scheduler import SchedulerOutput
 
     req = Request("logits", ids, sampling_params=None)
-    assert engine.kv.allocate_slots(req, len(ids))
+    assert engine.parts.kv.allocate_slots(req, len(ids))
     try:
-        b = engine.runner.prepare(SchedulerOutput(scheduled=[(req, len(ids))]))
-        hidden = engine.runner.model(b.input_ids, b.positions, engine.runner.kv_caches, b.meta)
-        return engine.runner.model.compute_logits(hidden).float()
+        b = engine.parts.runner.prepare(SchedulerOutput(scheduled=[(req, len(ids))]))
+        hidden = engine.parts.runner.model(b.input_ids, b.positions, engine.parts.runner.kv_caches, b.meta)
+        return engine.parts.runner.model.compute_logits(hidden).float()
     finally:
-        engine.kv.free(req)
+        engine.parts.kv.free(req)
 
 
 @pytest.mark.skipif(not __import__("ember.kernels.cpu_tiled_gemv", fromlist=["x"]).has_q8(),
@@ -115,7 +115,7 @@ def test_int8_activations_stay_near_fp32_logits(llm):
     positions), and it really is another path (its logits differ from bf16 x's)."""
     from ember.train.calibration import pydoc_split
 
-    tok = llm.engine.tokenizer
+    tok = llm.engine.parts.loaded.tokenizer
     prompts = [tok.encode(t)[:160] for t in pydoc_split("eval")[:4]]
     ref = [_all_logits(llm.engine, p) for p in prompts]
     stats = {}

@@ -93,11 +93,12 @@ def test_seed_lines_start_on_tiny_models(mtp_model):  # noqa: F811
                  f"python -m ember.launch_server --model-path MODEL --context-length 128 --speculative-algorithm NEXTN "
                  f"--speculative-num-steps 2 --speculative-eagle-topk 1 --speculative-num-draft-tokens 3 {small}"):
         engine = LLMEngine(parse(line, path)[0])
-        assert engine.spec.config.method == "mtp" and engine.spec.k_max == 2 and engine.max_model_len == 128
+        spec = engine.parts.spec
+        assert spec.config.method == "mtp" and spec.k_max == 2 and engine.parts.limits.max_model_len == 128
         engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
         while engine.has_unfinished_requests():
             engine.step()
-        assert engine.stats()["spec_num_drafts"] > 0 and engine.num_free_blocks == engine.kv.num_blocks
+        assert engine.stats()["spec_num_drafts"] > 0 and engine.parts.kv.num_free_blocks == engine.parts.kv.num_blocks
 
 
 @pytest.mark.engine
@@ -111,7 +112,7 @@ def test_awq_launch_line_starts(tiny_model_dir, tmp_path):
                    "--gpu-memory-utilization 0.9 --enable-chunked-prefill --max-num-batched-tokens 64 "
                    "--dtype float32 --kv-cache-memory 0.01 --max-num-seqs 2", awq_dir)
     engine = LLMEngine(cfg)
-    assert engine.loaded.quantization == "awq" and engine.kv_dtype.itemsize == 1
+    assert engine.parts.loaded.quantization == "awq" and engine.parts.limits.kv_dtype.itemsize == 1
 
 
 def test_harmless_vllm_flags_pass_with_a_note_and_the_rest_are_refused_naming_why(capsys):

@@ -90,4 +90,4 @@ def test_logprobs_minus_one_is_the_vocabulary_and_the_engine_caps_it(tiny_model_
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1, logprobs=-1), use_tqdm=False)
     wide = LLM(tiny_model_dir("qwen3"), max_logprobs=-1, **kw)
     out = wide.generate([[1, 2, 3]], SamplingParams(max_tokens=1, logprobs=-1), use_tqdm=False)[0].outputs[0]
-    assert len(out.logprobs[0]) == wide.engine.model_config.vocab_size
+    assert len(out.logprobs[0]) == wide.engine.parts.loaded.model_config.vocab_size

@@ -166,8 +166,8 @@ class AsyncLLMEngine:
         if max_waiting_requests < 1:
             raise ConfigError(f"--max-waiting-requests must be >= 1 (got {max_waiting_requests})")
         self.engine = engine
-        self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.max_model_len
+        self.tokenizer = engine.parts.loaded.tokenizer
+        self.max_model_len = engine.parts.limits.max_model_len
         self.max_waiting_requests = max_waiting_requests
         self.do_warmup = warmup
         self.stats_listener = stats
@@ -193,7 +193,7 @@ class AsyncLLMEngine:
     # -- what the server reads of the engine it drives ----------------------------------------
     @property
     def vocab_size(self) -> int:
-        return self.engine.model_config.vocab_size
+        return self.engine.parts.loaded.model_config.vocab_size
 
     @property
     def max_logprobs(self) -> int:
@@ -379,7 +379,7 @@ class AsyncLLMEngine:
         timing.num_prompt_tokens = children[0].num_prompt_tokens
         timing.n, timing.max_tokens = cmd.params.n, cmd.params.max_tokens
         self._tracked[cmd.request_id] = _Tracked(children, timing, [0] * len(children), [False] * len(children))
-        self.num_waiting = len(self.engine.scheduler.waiting)
+        self.num_waiting = len(self.engine.parts.scheduler.waiting)
         self._call_in_loop(self._resolve, cmd.ack, None)
 
     def _abort_every(self) -> None:
@@ -489,7 +489,7 @@ class AsyncLLMEngine:
         return RequestDelta(rid, seqs, finished, timing.num_prompt_tokens, cached, prompt_lps), new_tokens
 
     def _publish(self, new_tokens: int, step_seconds: float, prompt_tokens: int = 0) -> None:
-        sched = self.engine.scheduler
+        sched = self.engine.parts.scheduler
         self.num_waiting = len(sched.waiting)
         self.num_running = len(sched.running)
         if self.stats_listener is not None:
@@ -504,8 +504,8 @@ class AsyncLLMEngine:
         ids = _warmup_token_ids(engine, 64)
         self._run_to_end("ember-warmup-short", ids[:16],
                          SamplingParams(temperature=0.8, top_p=0.9, max_tokens=4, ignore_eos=True, logprobs=1))
-        n = max(1, min(engine.config.scheduler_config.max_num_batched_tokens, engine.max_model_len - 1))
-        if engine.device.type == "cpu":
+        n = max(1, min(engine.config.scheduler_config.max_num_batched_tokens, engine.parts.limits.max_model_len - 1))
+        if engine.parts.setup.device.type == "cpu":
             # A CPU has no memory pool to reserve up front, and every kernel path a long prompt takes runs
             # from 16 rows on: 512 tokens warm them. The full 2048-token step cost ~6 s of a ~14 s start
             # on Zen3 (float32), before /health could answer.
@@ -530,8 +530,8 @@ class AsyncLLMEngine:
 
 def _warmup_token_ids(engine: LLMEngine, n: int, offset: int = 0) -> list[int]:
     """n ordinary (non-special) token ids, deterministic."""
-    special = set(engine.tokenizer.all_special_ids)
-    vocab = min(engine.model_config.vocab_size, engine.tokenizer.vocab_size)
+    special = set(engine.parts.loaded.tokenizer.all_special_ids)
+    vocab = min(engine.parts.loaded.model_config.vocab_size, engine.parts.loaded.tokenizer.vocab_size)
     ids: list[int] = []
     t = 1000 + offset
     while len(ids) < n:

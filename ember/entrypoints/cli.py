@@ -75,7 +75,7 @@ def cmd_chat(args) -> None:
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line})
-        ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = engine.parts.loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         try:
             reply = _stream(engine, f"chat-{turn}", {"prompt_token_ids": ids}, params)
         except EmberError as e:

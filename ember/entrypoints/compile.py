@@ -40,8 +40,8 @@ def cmd_compile(args: argparse.Namespace) -> None:
     t0 = time.monotonic()
     engine = LLMEngine(config, defer_compile=True)
     try:
-        if engine.compiler is None:
-            print(f"ember compile: nothing to compile: this engine runs the {engine.executor_name} executor "
+        if engine.parts.compiler is None:
+            print(f"ember compile: nothing to compile: this engine runs the {engine.parts.limits.executor} executor "
                   "(graphs are compiled for --executor auto on CPU with ember's C++ kernels, where "
                   "EMBER_AUTO_COMPILE is not 0)", flush=True)
             return
@@ -50,10 +50,10 @@ def cmd_compile(args: argparse.Namespace) -> None:
             _build(engine, share.split(";"))
             return
         _build_packages_in_parallel(engine)
-        engine.compiler.demand = None  # nothing is served: every size compiles at once
+        engine.parts.compiler.demand = None  # nothing is served: every size compiles at once
         engine.start_compile()
         engine.wait_for_compile()
-        failures = list(engine.compiler.failures)
+        failures = list(engine.parts.compiler.failures)
         shapes = engine.compiled_shapes
     finally:
         engine.shutdown()
@@ -62,15 +62,15 @@ def cmd_compile(args: argparse.Namespace) -> None:
                          + "; ".join(failures))
     from ember.engine.executor.compile_cache import use_compile_cache
 
-    print(f"ember compile: {shapes} decode graphs of {engine.loaded.path} ready in {time.monotonic() - t0:.0f} s, "
-          f"kept in {use_compile_cache()}", flush=True)
+    print(f"ember compile: {shapes} decode graphs of {engine.parts.loaded.path} ready in "
+          f"{time.monotonic() - t0:.0f} s, kept in {use_compile_cache()}", flush=True)
 
 
 def _packages_to_build(engine) -> list[str]:
     """The AOTInductor packages this engine's executors lack ("what|batch size|query length"), the
     model's before the MTP fill's."""
     jobs = []
-    for executor in engine.compiler.executors:  # the model's, then the MTP fill's
+    for executor in engine.parts.compiler.executors:  # the model's, then the MTP fill's
         if executor.ahead_of_time and executor.graph_identity is not None:
             jobs += [f"{executor.what}|{b}|{n}" for b, n in executor.shapes
                      if not os.path.exists(executor.package_path((b, n)))]
@@ -118,7 +118,7 @@ def _end_with_parent() -> None:
 
 
 def _build(engine, jobs: list[str]) -> None:
-    executors = {e.what: e for e in engine.compiler.executors}
+    executors = {e.what: e for e in engine.parts.compiler.executors}
     for job in jobs:
         what, b, n = job.split("|")
         executors[what].build_package((int(b), int(n)))

@@ -31,7 +31,7 @@ def _model_name(args, engine) -> list[str]:
     given = getattr(args, "model_pos", None) or getattr(args, "model", None)
     if given:
         return [given]
-    base = os.path.basename(str(engine.loaded.path).rstrip("/"))
+    base = os.path.basename(str(engine.parts.loaded.path).rstrip("/"))
     return [base.split(".")[0] if base.endswith(".gguf") else base]
 
 
@@ -66,7 +66,7 @@ def build_server(args):
     engine = engine_thread.submit(LLMEngine, engine_config_from_args(args), defer_compile=True).result()
     names = _model_name(args, engine)
     switches = [flag[2:].replace("-", "_") for flag in VLLM_SWITCHES]
-    config = ServerConfig(served_model_names=names, model_root=str(engine.loaded.path),
+    config = ServerConfig(served_model_names=names, model_root=str(engine.parts.loaded.path),
                           api_key=args.api_key or os.environ.get("EMBER_API_KEY") or os.environ.get("VLLM_API_KEY")
                           or None,
                           chat_template=template, log_requests=not args.disable_log_requests,

@@ -31,7 +31,7 @@ class Perplexity:
 def window_nll(engine, token_ids: list[int], chunk: int) -> tuple[float, int]:
     """(sum of NLL, number of scored tokens) for one sequence, prefilled chunk by chunk."""
     req = Request("perplexity", token_ids, sampling_params=None)
-    runner, kv = engine.runner, engine.kv
+    runner, kv = engine.parts.runner, engine.parts.kv
     if not kv.allocate_slots(req, len(token_ids)):
         raise ConfigError(f"the KV cache cannot hold a {len(token_ids)}-token window; lower the window or raise "
                           "--kv-cache-memory")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,17 @@ def resolve_model_path(model: str | None) -> str:
     return path
 
 
+@dataclass
+class _OpenCheckpoint:
+    """A checkpoint opened for loading: what the model is built from, and its weights still to read."""
+
+    model_config: ModelConfig
+    quant_config: object | None  # a QuantConfig, or None: dense weights
+    tokenizer: object | None  # a GGUF file carries one; a folder's is read by load_model
+    weights: Iterable  # (name, tensor) pairs, read lazily as the model loads them
+    format: str  # "gguf" | "safetensors"
+
+
 def load_model(model: str | None, tokenizer_path: str | None, dtype: torch.dtype, device: torch.device,
                attention_backend: str = "auto", quantization: str | None = "auto",
                kernels: CpuKernels | None = None) -> LoadedModel:
@@ -51,62 +63,87 @@ def load_model(model: str | None, tokenizer_path: str | None, dtype: torch.dtype
     from ember.kernels import get_attention_backend
     from ember.loader.tokenizer import Tokenizer
     from ember.models.registry import get_model_class
-    from ember.quant import process_weights_after_loading, resolve_quant_config
-    from ember.quant.gguf_quant import TiledPart
+    from ember.quant import process_weights_after_loading
 
     t0 = time.perf_counter()
     path = resolve_model_path(model)
     if os.path.isfile(path):
-        from ember.loader.gguf import GGUFCheckpoint
-
-        ckpt = GGUFCheckpoint(path)
-        model_config = ModelConfig.from_dict(ckpt.config)
-        if ((quantization or "auto") == "auto" and device.type == "cpu" and dtype == torch.float32
-                and not TiledPart.usable(dtype, device, kernels)):
-            # torch vectorizes its CPU int4 kernel for bf16 only (fp32 is ~50x slower than a dense
-            # fp32 GEMV), so a float32 run without the tiled GEMV's AVX2 build is faster dequantized;
-            # --quantization gguf still forces packing.
-            logger.info("GGUF in float32 on CPU: dequantizing (torch's int4 kernel is fast in bfloat16 only, and "
-                        "the tiled GEMV is off or not built here); pass --dtype bfloat16 to keep the weights packed")
-            quantization = "none"
-        quant_config = resolve_quant_config(quantization, path, model_config.raw, kernels)
-        tokenizer = ckpt.tokenizer()
-        from tqdm import tqdm
-
-        # disable=None: a bar on a terminal, silence in logs and CI (as iter_safetensors does).
-        # packed: quantized tensors arrive as GGUFTensor blocks for the gguf QuantMethods.
-        weights = tqdm(ckpt.iter_weights(packed=quant_config is not None), total=None if model_config.num_experts else len(ckpt.tensor_names),
-                       desc="Loading weights", unit="tensor", disable=None)
-        fmt = "gguf"
+        ckpt = _open_gguf(path, quantization, dtype, device, kernels)
     else:
-        from ember.loader.weights import iter_safetensors
-
-        model_config = ModelConfig.from_folder(path)
-        quant_config = resolve_quant_config(quantization, path, model_config.raw, kernels)
-        tokenizer = None
-        weights = iter_safetensors(path)
-        fmt = "safetensors"
+        ckpt = _open_safetensors(path, quantization, kernels)
+    tokenizer = ckpt.tokenizer
     if tokenizer_path is not None:
         tokenizer = Tokenizer.from_folder(tokenizer_path)
     elif tokenizer is None:
         tokenizer = Tokenizer.from_folder(path)
 
+    model_config, quant_config = ckpt.model_config, ckpt.quant_config
     model_cls = get_model_class(model_config.architecture)
     with torch.device(device):
         net = model_cls(model_config, dtype=dtype, device=device, quant_config=quant_config, kernels=kernels,
                         attn_backend=get_attention_backend(attention_backend, device, kernels))
-    net.load_weights(weights)
+    net.load_weights(ckpt.weights)
     process_weights_after_loading(net)
     net.eval()
+    num_params = _logical_parameter_count(net, model_cls, model_config, dtype, quant_config)
+    return LoadedModel(net, model_config, tokenizer, path, ckpt.format, quant_config.name if quant_config else "none",
+                       num_params, resident_weight_bytes(net), time.perf_counter() - t0)
+
+
+def _open_gguf(path: str, quantization: str | None, dtype: torch.dtype, device: torch.device,
+               kernels: CpuKernels | None) -> _OpenCheckpoint:
+    from tqdm import tqdm
+
+    from ember.loader.gguf import GGUFCheckpoint
+    from ember.quant import resolve_quant_config
+
+    ckpt = GGUFCheckpoint(path)
+    model_config = ModelConfig.from_dict(ckpt.config)
+    quantization = _gguf_quantization(quantization, dtype, device, kernels)
+    quant_config = resolve_quant_config(quantization, path, model_config.raw, kernels)
+    # disable=None: a bar on a terminal, silence in logs and CI (as iter_safetensors does).
+    # packed: quantized tensors arrive as GGUFTensor blocks for the gguf QuantMethods.
+    weights = tqdm(ckpt.iter_weights(packed=quant_config is not None),
+                   total=None if model_config.num_experts else len(ckpt.tensor_names),
+                   desc="Loading weights", unit="tensor", disable=None)
+    return _OpenCheckpoint(model_config, quant_config, ckpt.tokenizer(), weights, "gguf")
+
+
+def _gguf_quantization(quantization: str | None, dtype: torch.dtype, device: torch.device,
+                       kernels: CpuKernels | None) -> str | None:
+    """--quantization for a GGUF file: `auto` in float32 on a CPU without the tiled GEMV dequantizes."""
+    from ember.quant.gguf_quant import TiledPart
+
+    if ((quantization or "auto") == "auto" and device.type == "cpu" and dtype == torch.float32
+            and not TiledPart.usable(dtype, device, kernels)):
+        # torch vectorizes its CPU int4 kernel for bf16 only (fp32 is ~50x slower than a dense
+        # fp32 GEMV), so a float32 run without the tiled GEMV's AVX2 build is faster dequantized;
+        # --quantization gguf still forces packing.
+        logger.info("GGUF in float32 on CPU: dequantizing (torch's int4 kernel is fast in bfloat16 only, and "
+                    "the tiled GEMV is off or not built here); pass --dtype bfloat16 to keep the weights packed")
+        return "none"
+    return quantization
+
+
+def _open_safetensors(path: str, quantization: str | None, kernels: CpuKernels | None) -> _OpenCheckpoint:
+    from ember.loader.weights import iter_safetensors
+    from ember.quant import resolve_quant_config
+
+    model_config = ModelConfig.from_folder(path)
+    quant_config = resolve_quant_config(quantization, path, model_config.raw, kernels)
+    return _OpenCheckpoint(model_config, quant_config, None, iter_safetensors(path), "safetensors")
+
+
+def _logical_parameter_count(net: torch.nn.Module, model_cls, model_config: ModelConfig, dtype: torch.dtype,
+                             quant_config) -> int:
+    """The model's parameter count as if dense and whole, however this rank holds it."""
     from ember.distributed.parallel_state import get_tp_rank_size, sharding
 
     if quant_config is None and get_tp_rank_size()[1] == 1:
-        num_params = count_parameters(net)
-    else:  # packed or TP-sharded weights hide the logical count: count a whole dense twin on the meta device
-        with sharding(0, 1):
-            num_params = count_parameters(model_cls(model_config, dtype=dtype, device="meta"))
-    return LoadedModel(net, model_config, tokenizer, path, fmt, quant_config.name if quant_config else "none",
-                       num_params, resident_weight_bytes(net), time.perf_counter() - t0)
+        return count_parameters(net)
+    # packed or TP-sharded weights hide the logical count: count a whole dense twin on the meta device
+    with sharding(0, 1):
+        return count_parameters(model_cls(model_config, dtype=dtype, device="meta"))
 
 
 def count_parameters(net: torch.nn.Module) -> int:

@@ -187,9 +187,9 @@ class ServerMetrics:
     def for_engine(cls, model_name: str, engine) -> "ServerMetrics":
         """The metrics of a server over this LLMEngine (its length limit and KV pool in the labels)."""
         cache = engine.config.cache_config
-        info = {"block_size": cache.block_size, "num_gpu_blocks": engine.kv.num_blocks,
+        info = {"block_size": cache.block_size, "num_gpu_blocks": engine.parts.kv.num_blocks,
                 "cache_dtype": cache.kv_cache_dtype, "enable_prefix_caching": cache.enable_prefix_caching}
-        return cls(model_name, engine.max_model_len, info)
+        return cls(model_name, engine.parts.limits.max_model_len, info)
 
     def _spec_metrics(self) -> dict:
         if self._spec is None:
@@ -226,7 +226,7 @@ class ServerMetrics:
     def watch_compile(self, engine) -> None:
         """Report the engine's compiled path: whether its background compile runs, and how many decode
         shapes run compiled (read at scrape time)."""
-        compiler = engine.compiler
+        compiler = engine.parts.compiler
         if compiler is not None:
             self.compiling.set_function(lambda: 0.0 if compiler.done else 1.0)
         self.compiled_shapes.set_function(lambda: float(engine.compiled_shapes))

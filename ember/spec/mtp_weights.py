@@ -42,7 +42,7 @@ import os
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from tqdm import tqdm
@@ -223,7 +223,24 @@ def find_mtp_weights(main_cfg: ModelConfig, model_path: str, speculative_model: 
             raise _no_weights(f"{model_path} (a GGUF file; ember reads MTP layers from safetensors only)", hint)
         raw, block_cfg = main_cfg.raw, main_cfg
     names = _tensor_files(folder)
+    layout, numbers = _detect_layout(folder, names, main_cfg, separate, hint)
+    present, prefix_of = _present_layers(folder, names, layout, numbers, main_cfg, raw)
+    n = _layers_to_use(folder, layout, raw, present, prefix_of)
+    prefixes = [present[j] for j in range(n)]
+    mine = _layer_tensor_names(names, layout, prefixes, n)
+    own_heads = [layout == "deepseek" and f"{p}shared_head.head.weight" in names for p in prefixes]
+    draft_vocab_sizes = [_draft_vocab_size(folder, names, p, main_cfg.vocab_size) if layout == "deepseek" else None
+                         for p in prefixes]
+    log.info("MTP: %d layer(s) in %s layout from %s%s", n, LAYOUT_NAMES[layout], folder,
+             " (separate folder)" if separate else "")
+    return MTPCheckpoint(folder, layout, n, prefixes, {k: names[k] for k in mine}, own_heads, block_cfg, separate,
+                         draft_vocab_sizes)
 
+
+def _detect_layout(folder: str, names: dict[str, str], main_cfg: ModelConfig, separate: bool,
+                   hint: str) -> tuple[str, list[int]]:
+    """The one layout the folder's MTP tensors use, and the layer numbers its names carry (DeepSeek and
+    MiMo; Qwen3-Next's are read by _present_layers). Raises when there are none, or two layouts."""
     deepseek = sorted({int(m[1]) for n in names if (m := _DEEPSEEK.match(n))})
     mimo = sorted({int(m[1]) for n in names if (m := _MIMO.match(n))})
     qnext = any(n.startswith("mtp.") for n in names)
@@ -240,24 +257,32 @@ def find_mtp_weights(main_cfg: ModelConfig, model_path: str, speculative_model: 
         raise ModelLoadError(f"{folder} holds MTP tensors in more than one layout ({layouts}); "
                              "keep one set of MTP weights per folder")
     layout = found[0]
+    return layout, {"deepseek": deepseek, "mimo": mimo, "qwen3_next": []}[layout]
 
-    if layout == "deepseek":
-        base = main_cfg.num_layers if all(n >= main_cfg.num_layers for n in deepseek) else deepseek[0]
+
+def _present_layers(folder: str, names: dict[str, str], layout: str, numbers: list[int], main_cfg: ModelConfig,
+                    raw: dict) -> tuple[dict[int, str], Callable[[int], str]]:
+    """MTP layer index (0 = the first MTP layer) -> the name prefix of its tensors, for the layers present;
+    and the prefix any index would have (to name the missing ones)."""
+    if layout == "deepseek":  # numbered after the decoder's layers, in the decoder's namespace
+        base = main_cfg.num_layers if all(n >= main_cfg.num_layers for n in numbers) else numbers[0]
         if base != main_cfg.num_layers:
             log.info("MTP layers in %s are numbered from %d (the model has %d layers)", folder, base,
                      main_cfg.num_layers)
-        present = {n - base: f"model.layers.{n}." for n in deepseek}
-        prefix_of = lambda j: f"model.layers.{base + j}."  # noqa: E731
-    elif layout == "mimo":
-        present = {j: f"model.mtp_layers.{j}." for j in mimo}
-        prefix_of = lambda j: f"model.mtp_layers.{j}."  # noqa: E731
-    else:
-        if raw.get("mtp_use_dedicated_embeddings"):
-            raise ModelLoadError(f"{folder}: config mtp_use_dedicated_embeddings=true (an MTP embedding of its own) is "
-                                 "not supported; ember's MTP layers share the model's embedding")
-        present = {int(m[1]): f"mtp.layers.{m[1]}." for n in names if (m := _QWEN3_NEXT_BLOCK.match(n))}
-        prefix_of = lambda j: f"mtp.layers.{j}."  # noqa: E731
+        present = {n - base: f"model.layers.{n}." for n in numbers}
+        return present, lambda j: f"model.layers.{base + j}."
+    if layout == "mimo":
+        return {j: f"model.mtp_layers.{j}." for j in numbers}, lambda j: f"model.mtp_layers.{j}."
+    if raw.get("mtp_use_dedicated_embeddings"):
+        raise ModelLoadError(f"{folder}: config mtp_use_dedicated_embeddings=true (an MTP embedding of its own) is "
+                             "not supported; ember's MTP layers share the model's embedding")
+    present = {int(m[1]): f"mtp.layers.{m[1]}." for n in names if (m := _QWEN3_NEXT_BLOCK.match(n))}
+    return present, lambda j: f"mtp.layers.{j}."
 
+
+def _layers_to_use(folder: str, layout: str, raw: dict, present: dict[int, str],
+                   prefix_of: Callable[[int], str]) -> int:
+    """How many MTP layers run: the config's count, else all present; raises when one of them is missing."""
     count = _layer_count(raw, layout)
     n = count if count is not None else (max(present) + 1 if present else 1)
     lacking = [j for j in range(n) if j not in present]
@@ -270,19 +295,15 @@ def find_mtp_weights(main_cfg: ModelConfig, model_path: str, speculative_model: 
             f"MTP weights, or set {COUNT_KEYS[layout][0]} to the number of layers present")
     if max(present) >= n:
         log.info("using %d of the %d MTP layers in %s (%s=%s)", n, len(present), folder, COUNT_KEYS[layout][0], count)
-    prefixes = [present[j] for j in range(n)]
+    return n
+
+
+def _layer_tensor_names(names: dict[str, str], layout: str, prefixes: list[str], n: int) -> list[str]:
+    """The checkpoint names of the n layers' tensors (Qwen3-Next's shared mtp.* ones included)."""
     if layout == "qwen3_next":
-        mine = [k for k in names if k.startswith("mtp.") and not (
+        return [k for k in names if k.startswith("mtp.") and not (
             (m := _QWEN3_NEXT_BLOCK.match(k)) and int(m[1]) >= n)]
-    else:
-        mine = [k for k in names if any(k.startswith(p) for p in prefixes)]
-    own_heads = [layout == "deepseek" and f"{p}shared_head.head.weight" in names for p in prefixes]
-    draft_vocab_sizes = [_draft_vocab_size(folder, names, p, main_cfg.vocab_size) if layout == "deepseek" else None
-                         for p in prefixes]
-    log.info("MTP: %d layer(s) in %s layout from %s%s", n, LAYOUT_NAMES[layout], folder,
-             " (separate folder)" if separate else "")
-    return MTPCheckpoint(folder, layout, n, prefixes, {k: names[k] for k in mine}, own_heads, block_cfg, separate,
-                         draft_vocab_sizes)
+    return [k for k in names if any(k.startswith(p) for p in prefixes)]
 
 
 def _draft_vocab_size(folder: str, names: dict[str, str], prefix: str, vocab_size: int) -> int | None:

@@ -443,15 +443,27 @@ def _fmt_time(s: float) -> str:
 
 def render_readme(cfg: TrainConfig, main_cfg, model_name: str, command: str, data_info: dict, vocab_stats: dict,
                   report: dict, train_seconds: float, steps: int, size_bytes: int, threads: int) -> str:
-    acc, cond = report["acceptance"], report["conditional"]
-    rows = "\n".join(f"| {k + 1} | {acc[k]:.3f} | {cond[k]:.3f} |" for k in range(len(acc)))
-    mal = ", ".join(f"k={k}: {1 + v:.2f}" for k, v in report["mean_accepted"].items())
+    """The README.md written beside the MTP weights: what they are, how they were made, how well they draft."""
     dv = cfg.draft_vocab_size if 0 < cfg.draft_vocab_size < main_cfg.vocab_size else None
-    vocab_line = (f"{dv} token ids (`shared_head.draft_vocab`), the most frequent among the generated training tokens "
-                  f"(FR-Spec / EAGLE-3 style): {vocab_stats.get('train_coverage', 0):.1%} of the generated training "
-                  f"tokens and {report.get('heldout_vocab_coverage', 0):.1%} of the held-out greedy tokens are inside "
-                  f"it; the head is {dv} x {main_cfg.hidden_size} instead of {main_cfg.vocab_size} x "
-                  f"{main_cfg.hidden_size}") if dv else "none (full-vocabulary head)"
+    sections = [_readme_intro(main_cfg, model_name, dv, vocab_stats, report, size_bytes),
+                _readme_command(command, threads, steps), _readme_data(cfg, data_info),
+                _readme_time(data_info, train_seconds), _readme_acceptance(cfg, report)]
+    return "\n\n".join(sections) + "\n"
+
+
+def _draft_vocab_line(main_cfg, dv: int | None, vocab_stats: dict, report: dict) -> str:
+    if not dv:
+        return "none (full-vocabulary head)"
+    return (f"{dv} token ids (`shared_head.draft_vocab`), the most frequent among the generated training tokens "
+            f"(FR-Spec / EAGLE-3 style): {vocab_stats.get('train_coverage', 0):.1%} of the generated training "
+            f"tokens and {report.get('heldout_vocab_coverage', 0):.1%} of the held-out greedy tokens are inside "
+            f"it; the head is {dv} x {main_cfg.hidden_size} instead of {main_cfg.vocab_size} x "
+            f"{main_cfg.hidden_size}")
+
+
+def _readme_intro(main_cfg, model_name: str, dv: int | None, vocab_stats: dict, report: dict,
+                  size_bytes: int) -> str:
+    vocab_line = _draft_vocab_line(main_cfg, dv, vocab_stats, report)
     return f"""# MTP layer for {model_name}
 
 A multi-token-prediction (MTP) layer distilled by `ember train-mtp` for a model that has none:
@@ -462,17 +474,21 @@ bf16, {size_bytes / 1e6:.1f} MB. Load it with `--speculative-model {{this folder
 `ember.spec.mtp_weights.load_mtp(model, model_path, speculative_model=FOLDER)`.
 
 Reduced draft vocabulary: {vocab_line}. The draft proposes only these tokens; the target model
-verifies every draft, so output stays exactly the model's.
+verifies every draft, so output stays exactly the model's."""
 
-## Command
+
+def _readme_command(command: str, threads: int, steps: int) -> str:
+    return f"""## Command
 
 ```
 {command}
 ```
 
-({threads} torch thread(s); {steps} optimizer steps.)
+({threads} torch thread(s); {steps} optimizer steps.)"""
 
-## Data
+
+def _readme_data(cfg: TrainConfig, data_info: dict) -> str:
+    return f"""## Data
 
 The model's own generations (ember, batched) on prompts from the calibration half of CPython's
 help topics (`ember.train.calibration.pydoc_split("calib")`): {data_info.get('train_sequences')} prompts,
@@ -485,16 +501,23 @@ states and its next-token distribution (KL, weight {cfg.kl_weight}) plus the act
 (cross-entropy, weight {cfg.ce_weight}); draft steps 1..{cfg.depth} trained (step weights
 {list(cfg.depth_weights[:cfg.depth])}), the later ones recursing on the layer's own output.
 AdamW, lr {cfg.lr}, cosine, {cfg.epochs} epoch(s), ~{cfg.batch_tokens} tokens per batch, float32
-weights with {cfg.train_dtype} autocast, seed {cfg.seed}.
+weights with {cfg.train_dtype} autocast, seed {cfg.seed}."""
 
-## Time on this machine
+
+def _readme_time(data_info: dict, train_seconds: float) -> str:
+    return f"""## Time on this machine
 
 - generation: {_fmt_time(data_info.get('generation_seconds', 0))} ({data_info.get('generation_threads', '?')} torch thread(s),
   {data_info.get('gen_batch', '?')} sequences at a time)
 - teacher forward (hidden states): {_fmt_time(data_info.get('teacher_seconds', 0))}
-- training: {_fmt_time(train_seconds)}
+- training: {_fmt_time(train_seconds)}"""
 
-## Held-out acceptance
+
+def _readme_acceptance(cfg: TrainConfig, report: dict) -> str:
+    acc, cond = report["acceptance"], report["conditional"]
+    rows = "\n".join(f"| {k + 1} | {acc[k]:.3f} | {cond[k]:.3f} |" for k in range(len(acc)))
+    mal = ", ".join(f"k={k}: {1 + v:.2f}" for k, v in report["mean_accepted"].items())
+    return f"""## Held-out acceptance
 
 {cfg.eval_prompts} prompts built the same way from the held-out half (`pydoc_split("eval")`, never
 trained on), generated greedily by the model: {report['positions']} decode positions. At each, the
@@ -510,8 +533,7 @@ accepted.
 Mean tokens per verify step at temperature 0 (accepted drafts + 1): {mal}.
 Temperature 0.8 ({cfg.eval_prompts} sampled held-out generations, {report['t08_positions']} positions): the
 expected acceptance of the greedy draft 1 (the target's probability of it) is
-{report['t08_pos1_expected_acceptance']:.3f}.
-"""
+{report['t08_pos1_expected_acceptance']:.3f}."""
 
 
 # ---- the command -----------------------------------------------------------------------------------------
@@ -538,7 +560,7 @@ def _load_or_make_data(cfg: TrainConfig, model_path: str):
     if cfg.threads:
         knobs.setdefault("num_threads", cfg.threads)
     llm = LLM(model_path, **knobs)
-    loaded = llm.engine.loaded
+    loaded = llm.engine.parts.loaded
     data = make_data(llm, loaded.model, llm.tokenizer, cfg.num_prompts, cfg.max_new_tokens, cfg.seed,
                      cfg.eval_prompts, progress=cfg.progress)
     data.info.update(generation_threads=torch.get_num_threads(), gen_batch=cfg.gen_batch)

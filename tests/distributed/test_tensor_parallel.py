@@ -49,7 +49,7 @@ def assert_same(ours, ref):
 
 
 def worker_pids(llm) -> list[int]:
-    return [p.pid for p in llm.engine.tp.procs]
+    return [p.pid for p in llm.engine.parts.tp.procs]
 
 
 def gone(pid: int) -> bool:
@@ -67,9 +67,9 @@ def test_greedy_and_logprobs_equal_tp1(tiny_model_dir, arch):
     llm = tp_llm(path, **HARD)
     try:
         # Each rank holds half the q heads and, with 2 kv heads over 2 ranks, one kv head.
-        attn = llm.engine.loaded.model.model.layers[0].self_attn
+        attn = llm.engine.parts.loaded.model.model.layers[0].self_attn
         assert (attn.qkv_proj.num_heads, attn.qkv_proj.num_kv_heads) == (2, 1)
-        assert llm.engine.runner.kv_caches[0].shape[3] == 1
+        assert llm.engine.parts.runner.kv_caches[0].shape[3] == 1
         assert_same(generate(llm), ref)
         stats = llm.engine.stats()
         assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
@@ -89,7 +89,7 @@ def test_awq_int4_shards_equal_tp1(tiny_model_dir, tmp_path, arch, group):
     ref = generate(make_llm(awq_dir, **HARD))
     llm = tp_llm(awq_dir, **HARD)
     try:
-        assert llm.engine.loaded.quantization == "awq"
+        assert llm.engine.parts.loaded.quantization == "awq"
         assert_same(generate(llm), ref)
     finally:
         llm.engine.shutdown()
@@ -125,7 +125,7 @@ def test_draft_model_runs_whole_on_rank0_under_tp(tiny_model_dir):
         assert [o.token_ids for o in generate(llm, params)] == ref
         stats = llm.engine.stats()
         assert stats["spec_num_drafts"] > 0 and stats["spec_acceptance_per_pos"] == [1.0, 1.0], stats
-        assert llm.engine.spec.proposer.loaded.model.model.layers[0].mlp.down_proj.tp_size == 1
+        assert llm.engine.parts.spec.proposer.loaded.model.model.layers[0].mlp.down_proj.tp_size == 1
     finally:
         llm.engine.shutdown()
 
@@ -240,7 +240,7 @@ def test_vocab_not_divisible_by_tp_pads_the_last_shard(tiny_model_dir, tmp_path)
     ref = [o.outputs[0] for o in run(make_llm(dest, **HARD))]
     llm = tp_llm(dest, **HARD)
     try:
-        assert llm.engine.loaded.model.model.embed_tokens.weight.shape[0] == 500
+        assert llm.engine.parts.loaded.model.model.embed_tokens.weight.shape[0] == 500
         assert_same([o.outputs[0] for o in run(llm)], ref)
     finally:
         llm.engine.shutdown()

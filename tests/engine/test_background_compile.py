@@ -54,28 +54,29 @@ def test_serves_eagerly_while_compiling_then_compiled_with_the_same_tokens(tiny_
     kw = dict(max_num_seqs=2, enable_prefix_caching=False)
     ref_llm = make_llm(path, executor="eager", **kw)
     llm = make_llm(path, compilation_config=COMPILE, **kw)
-    engine, ex = llm.engine, llm.engine.runner.executor
-    assert engine.executor_name == "compiled" and engine.compiler is not None and ex.compiler is engine.compiler
+    engine, ex = llm.engine, llm.engine.parts.runner.executor
+    compiler = engine.parts.compiler
+    assert engine.parts.limits.executor == "compiled" and compiler is not None and ex.compiler is compiler
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     prompts = [random_prompt(n, 90 + s) for s, n in enumerate([6, 13])]
     ref = [o.token_ids for o in outputs(ref_llm, prompts, params)]
     # while the thread compiles: requests are answered (eagerly for any shape not published yet)
     assert [o.token_ids for o in outputs(llm, prompts, params)] == ref
-    assert llm.wait_for_compile(timeout=600) and engine.executor_state == "compiled" and not engine.compiler.failures
+    assert llm.wait_for_compile(timeout=600) and engine.executor_state == "compiled" and not compiler.failures
     assert sorted(ex.ready) == [(1, 1), (2, 1)] and all(fn is not None for fn in ex.ready.values())  # direct calls
     # the compile thread ended with its last job, and its OpenMP team with it: a team left alive made
     # libgomp's workers sleep between parallel regions, and compiled decode ran at 0.45x
     compile_threads = [t for t in threading.enumerate() if t.name == "ember-compile"]
     for t in compile_threads:
         t.join(timeout=10)
-    assert not any(t.is_alive() for t in compile_threads) and engine.compiler._thread is None
+    assert not any(t.is_alive() for t in compile_threads) and engine.parts.compiler._thread is None
     before = ex.compiled_steps
     for n in (1, 2):
         assert [o.token_ids for o in outputs(llm, prompts[:n], params)] == ref[:n]
     assert ex.compiled_steps - before >= 2 * 15  # every decode step after each first token
     # the compile never wrote the pool it serves from: the blocks are all free, and block 0 of every
     # layer holds only what requests wrote (compare with the eager engine, which ran the same requests)
-    assert engine.num_free_blocks == engine.kv.num_blocks
+    assert engine.parts.kv.num_free_blocks == engine.parts.kv.num_blocks
     engine.shutdown()
 
 
@@ -109,7 +110,8 @@ def test_mtp_fill_compiles_after_the_model_and_adaptive_k_is_priced_then(mtp_mod
     llm = make_llm(path, compilation_config={**COMPILE, "compile_sizes": [1]}, **kw)
     assert outputs(llm, prompt, params)[0].token_ids == ref
     assert llm.wait_for_compile(timeout=600)
-    ex, fill, spec = llm.engine.runner.executor, llm.engine.spec.proposer.fill_executor, llm.engine.spec
+    spec = llm.engine.parts.spec
+    ex, fill = llm.engine.parts.runner.executor, spec.proposer.fill_executor
     assert fill.compiler is ex.compiler and sorted(fill.ready) == sorted(ex.ready) == [(1, 1), (1, 2), (1, 3)]
     assert outputs(llm, prompt, params)[0].token_ids == ref
     assert fill.compiled_steps > 0 and ex.compiled_steps > 0

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 
@@ -32,10 +33,11 @@ LATER_START = textwrap.dedent("""
     assert llm.wait_for_compile(timeout=600)
     llm.generate(["hello"], SamplingParams(max_tokens=4, ignore_eos=True))
     engine = llm.engine
+    executor = engine.parts.runner.executor
     print(json.dumps({"at_start": at_start, "inductor": dict(counters["inductor"]), "aot": dict(counters["aot_autograd"]),
-                      "shapes": engine.compiled_shapes, "steps": engine.runner.executor.compiled_steps,
-                      "packages": engine.runner.executor.package_shapes,
-                      "failures": engine.compiler.failures, "cache": engine.runner.executor.cache_dir}))
+                      "shapes": engine.compiled_shapes, "steps": executor.compiled_steps,
+                      "packages": executor.package_shapes,
+                      "failures": engine.parts.compiler.failures, "cache": executor.cache_dir}))
 """)
 
 
@@ -54,14 +56,14 @@ def test_the_cache_folder_is_embers_unless_one_is_named(monkeypatch, tmp_path):
 def test_freezing_is_on_for_dense_weights_and_off_for_quantized_ones(tiny_model_dir):
     from ember.default_model import default_model_path
 
-    assert auto_freezing(make_llm(tiny_model_dir("llama"), executor="eager").engine.runner.model) is True
+    assert auto_freezing(make_llm(tiny_model_dir("llama"), executor="eager").engine.parts.runner.model) is True
     quantized = LLM(default_model_path(), executor="eager", dtype="bfloat16", kv_cache_memory=0.05, max_model_len=128)
-    assert auto_freezing(quantized.engine.runner.model) is False
+    assert auto_freezing(quantized.engine.parts.runner.model) is False
 
 
 def test_metrics_say_how_many_shapes_run_compiled():
     class Engine:  # what watch_compile reads
-        compiler, compiled_shapes = None, 3
+        parts, compiled_shapes = SimpleNamespace(compiler=None), 3
 
     metrics = ServerMetrics("tiny")
     metrics.watch_compile(Engine())

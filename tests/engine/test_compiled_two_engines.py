@@ -31,13 +31,13 @@ def test_second_compiled_engine_runs_its_own_weights(tmp_path):
         llm = make_llm(path, executor="compiled", compilation_config=COMPILE)
         got = llm.generate([{"prompt_token_ids": p} for p in prompt], params, use_tqdm=False)
         assert got[0].outputs[0].token_ids == eager[0].outputs[0].token_ids
-        ex = llm.engine.runner.executor
+        ex = llm.engine.parts.runner.executor
         assert ex.compiled_steps >= 9 and ex.direct_shapes == [(1, 1)]
         outs.append(got[0].outputs[0].token_ids)
-        blocks.append(llm.engine.kv.num_blocks)
+        blocks.append(llm.engine.parts.kv.num_blocks)
     assert outs[0] != outs[1]  # two different models
     # another pool size for the first model: the same graph (block count symbolic), called directly
     llm = make_llm(paths[0], executor="compiled", compilation_config=COMPILE, kv_cache_memory=0.01)
     got = llm.generate([{"prompt_token_ids": p} for p in prompt], params, use_tqdm=False)
     assert got[0].outputs[0].token_ids == outs[0]
-    assert llm.engine.runner.executor.direct_shapes == [(1, 1)] and llm.engine.kv.num_blocks != blocks[0]
+    assert llm.engine.parts.runner.executor.direct_shapes == [(1, 1)] and llm.engine.parts.kv.num_blocks != blocks[0]

@@ -50,8 +50,8 @@ class CPUGraphExecutor(CUDAGraphExecutor):
 
 def graphs_for(llm, query_lens, max_batch=4) -> CPUGraphExecutor:
     """Swap the engine's executor for stand-in graphs at sizes 1, 2, 4."""
-    eng, runner = llm.engine, llm.engine.runner
-    ex = CPUGraphExecutor(runner.model, runner.kv_caches, runner.block_size, eng.max_model_len, max_batch,
+    eng, runner = llm.engine, llm.engine.parts.runner
+    ex = CPUGraphExecutor(runner.model, runner.kv_caches, runner.block_size, eng.parts.limits.max_model_len, max_batch,
                           query_lens, runner.device)
     runner.executor = ex
     return ex
@@ -70,7 +70,7 @@ def test_replayed_decodes_equal_eager_batches_1_to_5(tiny_model_dir):
         assert sorted(ex.graphs) == [(1, 1), (1, 2), (1, 4)] and ex.rows == {1: ()}
         assert [o.token_ids for o in outputs(llm, prompts, params)] == ref
         assert (ex.replays > 0) == (n <= 4), (n, ex.replays)  # 5 sequences: above the largest size
-        assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+        assert llm.engine.parts.kv.num_free_blocks == llm.engine.parts.kv.num_blocks
 
 
 def test_mtp_fill_captured_with_its_hidden_states_as_row_inputs(mtp_model, monkeypatch):  # noqa: F811
@@ -89,7 +89,7 @@ def test_mtp_fill_captured_with_its_hidden_states_as_row_inputs(mtp_model, monke
     llm = make_llm(path, **kw)
     drafts = record_drafts(llm, monkeypatch)
     main = graphs_for(llm, [1, 3])
-    proposer = llm.engine.spec.proposer
+    proposer = llm.engine.parts.spec.proposer
     proposer.prepare(main.sibling)  # the engine hands its executor's factory (ember.engine.startup.start)
     fill = proposer.fill_executor
     assert isinstance(fill, CPUGraphExecutor) and fill.what == "MTP fill cuda graphs" and fill.pool is main.pool
@@ -99,12 +99,12 @@ def test_mtp_fill_captured_with_its_hidden_states_as_row_inputs(mtp_model, monke
     assert [o.token_ids for o in outputs(llm, prompts, params)] == ref
     assert main.replays > 0 and fill.replays > 0
     assert len(drafts) > 10 and drafts == ref_drafts
-    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+    assert llm.engine.parts.kv.num_free_blocks == llm.engine.parts.kv.num_blocks
 
 
 def record_drafts(llm, monkeypatch) -> list[list[int]]:
     """Every draft the engine's proposer makes, in order."""
-    proposer, seen = llm.engine.spec.proposer, []
+    proposer, seen = llm.engine.parts.spec.proposer, []
     propose = proposer.propose
 
     def recording(requests, ks):
@@ -120,6 +120,6 @@ def test_the_real_executor_still_refuses_a_cpu_device(tiny_model_dir):
     from ember.errors import ConfigError
 
     llm = make_llm(tiny_model_dir("llama"))
-    runner = llm.engine.runner
+    runner = llm.engine.parts.runner
     with pytest.raises(ConfigError, match="needs a CUDA device"):
         CUDAGraphExecutor(runner.model, runner.kv_caches, runner.block_size, 128, 4, [1], runner.device)

@@ -93,7 +93,7 @@ def test_prefix_cache_hit_equals_cold(qwen3):
     greedy(warm, [first])
     out = warm.generate([{"prompt_token_ids": second}], GREEDY, use_tqdm=False)[0]
     assert out.num_cached_tokens == 32  # 8 full blocks of 4: only the 9 new tokens were computed
-    assert warm.engine.kv.stats.hits >= 32
+    assert warm.engine.parts.kv.stats.hits >= 32
     cold = make_llm(qwen3, enable_prefix_caching=False)
     assert out.outputs[0].token_ids == greedy(cold, [second])[0]
 
@@ -102,30 +102,30 @@ def test_preemption_under_a_tiny_pool_equals_ample_pool(qwen3, prompts):
     # 20 blocks of 4 = 80 tokens for 8 requests of up to 40 + 16 tokens: preemption must happen.
     tiny = make_llm(qwen3, kv_cache_memory=kv_gib(qwen3, 20, 4), max_model_len=64, max_num_seqs=8,
                     enable_prefix_caching=False)
-    assert tiny.engine.kv.num_blocks == 20
+    assert tiny.engine.parts.kv.num_blocks == 20
     out_tiny = greedy(tiny, prompts)
-    assert tiny.engine.scheduler.num_preemptions > 0
+    assert tiny.engine.parts.scheduler.num_preemptions > 0
     ample = make_llm(qwen3, enable_prefix_caching=False)
     assert out_tiny == greedy(ample, prompts)
-    assert tiny.engine.num_free_blocks == 20
+    assert tiny.engine.parts.kv.num_free_blocks == 20
 
 
 def test_all_blocks_return_after_finish_and_abort(qwen3, prompts):
     llm = make_llm(qwen3)
     eng = llm.engine
-    total = eng.kv.num_blocks
+    total = eng.parts.kv.num_blocks
     greedy(llm, prompts)
-    assert eng.num_free_blocks == total
+    assert eng.parts.kv.num_free_blocks == total
     for i, p in enumerate(prompts):
         eng.add_request(f"r{i}", {"prompt_token_ids": p}, GREEDY)
     for _ in range(3):
         eng.step()
-    assert eng.num_free_blocks < total
+    assert eng.parts.kv.num_free_blocks < total
     for i in range(len(prompts)):
         assert eng.abort_request(f"r{i}")
     assert not eng.has_unfinished_requests()
-    assert eng.num_free_blocks == total
-    assert eng.scheduler.num_unfinished == 0
+    assert eng.parts.kv.num_free_blocks == total
+    assert eng.parts.scheduler.num_unfinished == 0
 
 
 def test_stop_string_across_tokens_is_cut(qwen3):
@@ -188,7 +188,7 @@ def test_n_completions_share_the_prompt(qwen3):
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert all(len(c.token_ids) == 8 and c.finish_reason == "length" for c in out.outputs)
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
-    assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+    assert llm.engine.parts.kv.num_free_blocks == llm.engine.parts.kv.num_blocks
 
 
 def test_text_prompts_and_chat(qwen3):
@@ -207,7 +207,7 @@ def test_prompt_longer_than_max_model_len(qwen3):
     llm = make_llm(qwen3, max_model_len=32)
     with pytest.raises(PromptTooLongError, match="max_model_len is 32"):
         llm.generate({"prompt_token_ids": random_prompt(40, 0)}, GREEDY, use_tqdm=False)
-    assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks  # nothing was queued
+    assert llm.engine.parts.kv.num_free_blocks == llm.engine.parts.kv.num_blocks  # nothing was queued
 
 
 def test_max_tokens_capped_by_max_model_len(qwen3):

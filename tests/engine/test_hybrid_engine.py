@@ -41,10 +41,10 @@ def run(llm, prompts, params=GREEDY):
 
 def assert_all_returned(llm):
     eng = llm.engine
-    states = eng.kv.states
+    states = eng.parts.kv.states
     assert states.num_free == states.num_live
     assert len(states.free_snap) + len(states.named) == states.num_snapshots  # no snapshot slot leaked
-    assert eng.kv.num_free_blocks == eng.kv.num_blocks
+    assert eng.parts.kv.num_free_blocks == eng.parts.kv.num_blocks
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +103,7 @@ def test_preempted_requests_restart_and_give_the_same_tokens(qwen3_next, plain):
     kv = 30 * BS * mc.kv_bytes_per_token_per_dtype_byte * 4  # 30 blocks: not enough for four at once
     llm = make_llm(qwen3_next, kv_cache_memory=(states + kv) / 2**30, max_model_len=80)
     assert run(llm, PROMPTS) == [plain[tuple(p)] for p in PROMPTS]
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.parts.scheduler.num_preemptions > 0
     assert_all_returned(llm)
 
 
@@ -114,7 +114,7 @@ def test_aborted_then_resubmitted(qwen3_next, plain):
         eng.add_request(f"r{i}", {"prompt_token_ids": p}, GREEDY)
     for _ in range(6):
         eng.step()
-    assert eng.kv.states.num_free < eng.kv.states.num_live
+    assert eng.parts.kv.states.num_free < eng.parts.kv.states.num_live
     for i in range(4):
         eng.abort_request(f"r{i}")
     assert_all_returned(llm)
@@ -158,7 +158,7 @@ def test_verify_rolls_the_state_back_to_the_accepted_token(qwen3_next, plain, al
     llm = make_llm(qwen3_next, speculative_config={"method": "ngram", "num_speculative_tokens": 4},
                    adaptive_spec=False)
     truth = {tuple(p): p + plain[tuple(p)] for p in PROMPTS}
-    llm.engine.spec.proposer = Scripted(truth, always_wrong)
+    llm.engine.parts.spec.proposer = Scripted(truth, always_wrong)
     assert run(llm, PROMPTS) == [plain[tuple(p)] for p in PROMPTS]
     stats = llm.engine.stats()
     assert stats["spec_num_draft_tokens"] > 0
@@ -172,7 +172,7 @@ def test_verified_tokens_are_snapshotted_only_once_accepted(qwen3_next, plain):
     llm = make_llm(qwen3_next, speculative_config={"method": "ngram", "num_speculative_tokens": 3},
                    adaptive_spec=False, max_num_batched_tokens=7)
     truth = {tuple(p): p + plain[tuple(p)] for p in PROMPTS}
-    llm.engine.spec.proposer = Scripted(truth)
+    llm.engine.parts.spec.proposer = Scripted(truth)
     a = PROMPTS[1]
     assert run(llm, [a]) == [plain[tuple(a)]]
     turn2 = a + plain[tuple(a)] + prompt(5, 3)
@@ -224,7 +224,7 @@ def test_mtp_with_prefix_caching_and_chunked_prefill_together(qwen3_next_mtp, pl
 
 def test_fp8_kv_quantizes_the_attention_layers_only(qwen3_next, plain):
     llm = make_llm(qwen3_next, kv_cache_dtype="fp8")
-    runner = llm.engine.runner
+    runner = llm.engine.parts.runner
     kinds = {type(c).__name__ if not hasattr(c, "dtype") else str(c.dtype) for c in runner.kv_caches}
     assert kinds == {"RecurrentState", "torch.float8_e4m3fn"}
     assert all(st.ssm.dtype == torch.float32 and st.conv.dtype == torch.float32 for st in runner.recurrent_states)
@@ -272,9 +272,10 @@ def test_a_model_of_linear_layers_only_needs_no_kv(tmp_path):
                                     full_attention_interval=None), str(tmp_path / "linear-only"))
     ref = run(make_llm(path, enable_prefix_caching=False, max_num_seqs=1), PROMPTS)
     llm = make_llm(path, max_num_batched_tokens=7, max_state_snapshots=24)  # room for every prompt's snapshot
-    assert llm.engine.runner.kv_caches and not [c for c in llm.engine.runner.kv_caches if isinstance(c, torch.Tensor)]
+    caches = llm.engine.parts.runner.kv_caches
+    assert caches and not [c for c in caches if isinstance(c, torch.Tensor)]
     assert run(llm, PROMPTS) == ref and run(llm, PROMPTS) == ref
-    assert llm.engine.kv.stats.hits > 0
+    assert llm.engine.parts.kv.stats.hits > 0
     assert_all_returned(llm)
 
 
@@ -314,7 +315,7 @@ def test_sampling_keeps_the_target_distribution_under_speculation(qwen3_next):
     for with_probs in (False, True):
         llm = make_llm(qwen3_next, max_num_seqs=32, kv_cache_memory=0.02,
                        speculative_config={"method": "ngram", "num_speculative_tokens": 2}, adaptive_spec=False)
-        llm.engine.spec.proposer = RandomDrafts(cands, with_probs)
+        llm.engine.parts.spec.proposer = RandomDrafts(cands, with_probs)
         spec = sample(llm)
         stats = llm.engine.stats()
         assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]

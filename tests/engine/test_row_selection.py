@@ -9,8 +9,8 @@ pytestmark = pytest.mark.engine  # every test here builds an engine
 
 
 def _forward_both(engine):
-    out = engine.scheduler.schedule()
-    runner = engine.runner
+    out = engine.parts.scheduler.schedule()
+    runner = engine.parts.runner
     batch = runner.prepare(out)
     ids, pos, meta, logit_rows, select = batch.input_ids, batch.positions, batch.meta, batch.logit_rows, batch.select
     caches = [c.clone() for c in runner.kv_caches]

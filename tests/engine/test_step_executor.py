@@ -193,7 +193,7 @@ def test_compiled_equals_eager_batches_1_to_5(tiny_model_dir, freezing):
     kw = dict(max_num_seqs=5, enable_prefix_caching=False)
     eager = make_llm(path, **kw)
     compiled = make_llm(path, executor="compiled", compilation_config=COMPILE | {"freezing": freezing}, **kw)
-    ex = compiled.engine.runner.executor
+    ex = compiled.engine.parts.runner.executor
     assert ex.name == "compiled" and ex.sizes == [1, 4] and ex.compiles == 2
     assert ex.direct_shapes == [(1, 1), (4, 1)]  # both run straight, without dynamo's guards
     assert ex.package_shapes == ([] if freezing else [(1, 1), (4, 1)])
@@ -210,7 +210,7 @@ def test_compiled_equals_eager_batches_1_to_5(tiny_model_dir, freezing):
                     assert abs(lx[t].logprob - ly[t].logprob) < 1e-4, (n, t)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # no recompiles
     assert ex.compiled_steps >= 4 * 19  # batches 1-4: every decode step after the first token
-    assert compiled.engine.num_free_blocks == compiled.engine.kv.num_blocks
+    assert compiled.engine.parts.kv.num_free_blocks == compiled.engine.parts.kv.num_blocks
 
 
 @pytest.mark.engine
@@ -219,7 +219,7 @@ def test_compiled_with_cpp_wrapper_equals_eager(tiny_model_dir):
     path = tiny_model_dir("llama")
     cc = {"compile_sizes": [1], "mode": "default"}  # cpp_wrapper: on by default
     compiled = make_llm(path, executor="compiled", compilation_config=cc, max_num_seqs=2)
-    ex = compiled.engine.runner.executor
+    ex = compiled.engine.parts.runner.executor
     assert ex.compiles == 1 and ex.direct_shapes == [(1, 1)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompt = [random_prompt(7, 3)]
@@ -247,17 +247,17 @@ def test_compiled_with_mtp_speculation_keeps_greedy_output(mtp_model, freezing):
     assert [o.token_ids for o in outputs(llm, prompts, params)] == ref
     accepted = llm.engine.stats()["spec_num_accepted_tokens"]
     assert accepted > 0 and accepted == eager.engine.stats()["spec_num_accepted_tokens"]
-    ex = llm.engine.runner.executor
+    ex = llm.engine.parts.runner.executor
     assert ex.query_lens == [1, 3] and ex.direct_shapes == [(4, 1), (4, 3)]
     assert ex.compiled_steps == 3  # both verifies and the last decode
     # the MTP fill compiled at the same shapes: 3 sequences padded to 4, rows of 1 or 3 queries each
-    fill = llm.engine.spec.proposer.fill_executor
+    fill = llm.engine.parts.spec.proposer.fill_executor
     assert fill.what == "MTP fill" and fill.direct_shapes == [(4, 1), (4, 3)]
     assert fill.package_shapes == ex.package_shapes == ([] if freezing else [(4, 1), (4, 3)])
     # fills after both verifies and the last decode (the prefill's is eager), and the chain's second draft
     # (layer 0 again, one row per sequence) after the prefill and after the first verify
     assert fill.compiled_steps == 5
-    spec = llm.engine.spec  # a verified token is priced from the graphs' timings
+    spec = llm.engine.parts.spec  # a verified token is priced from the graphs' timings
     assert ex.extra_query_cost() is not None
     assert spec.adaptive.cost == pytest.approx(ex.extra_query_cost() + spec.draft_token_cost)
 
@@ -273,12 +273,12 @@ def test_compiled_adaptive_mtp_has_a_graph_for_every_draft_length(mtp_model):  #
     ref = outputs(make_llm(path, **kw), prompt, params)[0].token_ids
     llm = make_llm(path, executor="compiled", compilation_config={**COMPILE, "compile_sizes": [1]}, **kw)
     assert outputs(llm, prompt, params)[0].token_ids == ref
-    ex, fill = llm.engine.runner.executor, llm.engine.spec.proposer.fill_executor
+    ex, fill = llm.engine.parts.runner.executor, llm.engine.parts.spec.proposer.fill_executor
     assert ex.query_lens == [1, 2, 3] and ex.direct_shapes == [(1, 1), (1, 2), (1, 3)]
     assert fill.direct_shapes == [(1, 1), (1, 2), (1, 3)] and fill.compiled_steps > 0
     assert sorted(ex.call_seconds) == [(1, 1), (1, 2), (1, 3)]
     # adaptive k prices each draft length from these timings
-    adaptive = llm.engine.spec.adaptive
+    adaptive = llm.engine.parts.spec.adaptive
     assert sorted(adaptive.verify_costs) == [1, 2] and adaptive.verify_costs == ex.verify_costs()
     assert adaptive.step_cost(2) == ex.verify_costs()[2] + 2 * adaptive.draft_cost
 

@@ -37,7 +37,7 @@ def test_matches_transformers(tiny_model_dir, chunk):
     assert ours.windows == 3 and ours.scored_tokens == 63 + 63 + 21
     assert ours.perplexity == pytest.approx(hf_perplexity(path, ids, 64), rel=1e-4)
     # the KV blocks it borrowed are back
-    assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+    assert llm.engine.parts.kv.num_free_blocks == llm.engine.parts.kv.num_blocks
 
 
 def test_empty_text_is_refused(tiny_model_dir):

@@ -252,7 +252,7 @@ def test_greedy_tokens_match_torch_backend(tiny_model_dir, kv_cache_dtype):
     for backend in ("torch", "triton"):
         llm = make_llm(path, attention_backend=backend, block_size=16, max_num_batched_tokens=32,
                        kv_cache_dtype=kv_cache_dtype, device=DEVICE)
-        assert llm.engine.loaded.model.model.layers[0].self_attn.attn.backend.name == backend
+        assert llm.engine.parts.loaded.model.model.layers[0].self_attn.attn.backend.name == backend
         tokens[backend] = greedy(llm, prompts, params)
     assert tokens["triton"] == tokens["torch"]
     assert all(len(t) == 8 for t in tokens["torch"])

@@ -152,7 +152,7 @@ def scaled_llama(tiny_model_dir, tmp_path_factory):
 
 
 def attention_scales(llm) -> list[tuple[float, float]]:
-    layers = llm.engine.runner.model.model.layers
+    layers = llm.engine.parts.runner.model.model.layers
     return [(round(l.self_attn.attn.k_scale.item(), 6), round(l.self_attn.attn.v_scale.item(), 6)) for l in layers]
 
 
@@ -187,10 +187,10 @@ def test_pool_holds_twice_the_tokens_in_the_same_memory(tiny_model_dir, caplog):
     for kvd in ("auto", "fp8", "fp8_e5m2"):
         with caplog.at_level("INFO", logger="ember"):
             llm = make_llm(path, dtype="bfloat16", kv_cache_dtype=kvd, kv_cache_memory=kv_gib(path, 256, 4))
-        blocks[kvd] = llm.engine.kv.num_blocks
-        kv_dtype = llm.engine.runner.kv_caches[0].dtype
+        blocks[kvd] = llm.engine.parts.kv.num_blocks
+        kv_dtype = llm.engine.parts.runner.kv_caches[0].dtype
         assert f"KV cache {str(kv_dtype).removeprefix('torch.')}," in caplog.text
-    assert llm.engine.runner.kv_caches[0].dtype is E5M2
+    assert llm.engine.parts.runner.kv_caches[0].dtype is E5M2
     # kv_gib(256 blocks of fp32) holds 512 bf16 blocks of 4 tokens, and 1024 fp8 ones.
     assert blocks == {"auto": 512, "fp8": 1024, "fp8_e5m2": 1024}
 

@@ -65,9 +65,10 @@ def test_q8_0_matrices_stay_packed_and_agree_with_their_dequantized_values(tmp_p
     _, path = hf_folder(str(tmp_path), "qwen3_5", hidden_size=64)
     q8 = convert(path, path + ".q8.gguf", "q8_0", ("--no-mtp",))
     packed, dense = llm(q8, dtype="bfloat16"), llm(q8, dtype="float32")  # float32 GGUF runs dequantize
-    layer = next(layer for layer in packed.engine.runner.model.model.layers if layer.is_linear)
+    layer = next(layer for layer in packed.engine.parts.runner.model.model.layers if layer.is_linear)
     assert type(layer.linear_attn.in_proj_qkvz.quant_method).__name__ == "GGUFLinearMethod"
-    assert type(dense.engine.runner.model.model.layers[0].linear_attn.in_proj_qkvz.quant_method).__name__ == "DenseMethod"
+    dense_layer = dense.engine.parts.runner.model.model.layers[0]
+    assert type(dense_layer.linear_attn.in_proj_qkvz.quant_method).__name__ == "DenseMethod"
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
     for a, b in zip(*(m.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
                       for m in (packed, dense))):

@@ -80,7 +80,7 @@ def test_engine_greedy_32_tokens_match_transformers(arch, tiny_hybrid_dir):
                         SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(hf, p, 32), (arch, len(p))
-    states = llm.engine.kv.states
+    states = llm.engine.parts.kv.states
     assert states.num_free == states.num_live == 4  # every slot back
 
 

@@ -30,7 +30,7 @@ def test_awq_hybrid_equals_its_dequantized_twin(arch, tmp_path):
     kw = dict(dtype="float32", block_size=4, max_model_len=96, num_threads=1, kv_cache_memory=0.004, max_num_seqs=3,
               max_num_batched_tokens=11)
     awq, dense = LLM(awq_dir, **kw), LLM(dense_dir, **kw)
-    model = awq.engine.runner.model
+    model = awq.engine.parts.runner.model
     gdn = next(layer.linear_attn for layer in model.model.layers if layer.is_linear)
     assert isinstance(gdn.in_proj_qkvz.quant_method, AWQLinearMethod)
     assert isinstance(gdn.out_proj.quant_method, AWQLinearMethod)

@@ -122,18 +122,18 @@ def test_default_model_copy_is_on_in_bf16_and_flags_are_checked():
 
     # bf16 with the int8-activation path (AVX-512 VNNI): every step on the packed weights, no copy
     llm = LLM(kv_cache_memory=0.05, max_model_len=512, dtype="bfloat16", enable_mtp=False)
-    assert (llm.engine.dense_copy_bytes == 0) == tg.has_q8()
+    assert (llm.engine.parts.copies.dense_copy_bytes == 0) == tg.has_q8()
     prompts = ["The capital of France is", "List three colors: red, green, and the third one"]
     sp = SamplingParams(temperature=0, max_tokens=8)
     first = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert "Paris" in llm.tokenizer.decode(first[0])
     # bf16 activations: the copy serves steps of DENSE_MIN_ROWS rows and more
     copy = LLM(kv_cache_memory=0.05, max_model_len=512, dtype="bfloat16", enable_mtp=False, cpu_int8_activations=False)
-    assert copy.engine.dense_copy_bytes > 200e6  # ~269 MB of bf16 beside 102 MB packed
+    assert copy.engine.parts.copies.dense_copy_bytes > 200e6  # ~269 MB of bf16 beside 102 MB packed
     with_copy = [o.outputs[0].token_ids for o in copy.generate(prompts, sp, use_tqdm=False)]
     off = LLM(kv_cache_memory=0.05, max_model_len=512, dtype="bfloat16", enable_mtp=False, int4_dense_copy=False,
               cpu_int8_activations=False)
-    assert off.engine.dense_copy_bytes == 0
+    assert off.engine.parts.copies.dense_copy_bytes == 0
     without = [o.outputs[0].token_ids for o in off.generate(prompts, sp, use_tqdm=False)]
     # three kernels (a dense GEMM, the packed one, int8 x) round differently, so only a clear answer must
     # agree (the second prompt meets a near-tie at its third token on Zen3's int4 kernel)
@@ -146,8 +146,9 @@ def test_default_model_copy_is_on_in_bf16_and_flags_are_checked():
     # float32: packed only where the tiled GEMV takes float32 (AVX2 build), and then on the kernel at
     # every row count, so no copy either way; asking for one there says why not
     fp32 = LLM(kv_cache_memory=0.05, max_model_len=512, dtype="float32", enable_mtp=False)
-    assert fp32.engine.dense_copy_bytes == 0
-    parts = getattr(fp32.engine.runner.model.model.layers[0].mlp.gate_up_proj, "gguf_parts", [])  # none: dequantized
+    assert fp32.engine.parts.copies.dense_copy_bytes == 0
+    gate_up = fp32.engine.parts.runner.model.model.layers[0].mlp.gate_up_proj
+    parts = getattr(gate_up, "gguf_parts", [])  # none: dequantized
     tiled = bool(parts) and all(isinstance(p, TiledPart) for p in parts)
     assert tiled == (tg.x_dtype() == torch.float32)
     if tg.x_dtype() == torch.float32:

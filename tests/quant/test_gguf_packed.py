@@ -475,8 +475,8 @@ def test_default_model_served_packed_by_default_within_the_memory_budget(default
     from ember import LLM, SamplingParams
 
     llm = LLM(kv_cache_memory=0.05, max_model_len=512, dtype="bfloat16", num_threads=1)
-    loaded = llm.engine.loaded
-    assert loaded.quantization == "gguf" and llm.engine.int8_decode_bytes == 0
+    loaded = llm.engine.parts.loaded
+    assert loaded.quantization == "gguf" and llm.engine.parts.copies.int8_decode_bytes == 0
     assert loaded.weight_bytes <= 1.15 * default_model.tensor_bytes
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
     assert "Paris" in outs[0].outputs[0].text

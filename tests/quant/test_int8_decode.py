@@ -47,7 +47,7 @@ def test_dequantized_default_model_uses_it_in_bf16_and_refuses_fp32():
     from ember import LLM, SamplingParams
 
     llm = LLM(kv_cache_memory=0.05, max_model_len=512, dtype="bfloat16", quantization="none")
-    assert llm.engine.int8_decode_bytes > 100e6
+    assert llm.engine.parts.copies.int8_decode_bytes > 100e6
     out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert "Paris" in out[0].outputs[0].text
     with pytest.raises(ConfigError, match="int8-decode"):

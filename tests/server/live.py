@@ -37,7 +37,8 @@ class LiveServer:
         """Until the engine has nothing in flight and every KV block is free again."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if not self.engine.has_unfinished_requests() and self.engine.num_free_blocks == self.engine.kv.num_blocks:
+            kv = self.engine.parts.kv
+            if not self.engine.has_unfinished_requests() and kv.num_free_blocks == kv.num_blocks:
                 return
             time.sleep(0.02)
         raise AssertionError(f"engine not idle: {self.engine.stats()}")

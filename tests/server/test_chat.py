@@ -11,7 +11,8 @@ MSGS = [{"role": "system", "content": "You are terse."}, {"role": "user", "conte
 
 
 def prompt_len(server, messages=MSGS) -> int:
-    return len(server.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    tokenizer = server.engine.parts.loaded.tokenizer
+    return len(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
 
 
 def stream_text(client, **kw):
@@ -134,7 +135,7 @@ def test_max_completion_tokens_wins(client):
 
 def test_default_max_tokens_fills_the_context(server, client):
     r = client.chat.completions.create(model=MODEL_NAME, messages=MSGS, temperature=0, extra_body={"ignore_eos": True})
-    assert r.usage.total_tokens == server.engine.max_model_len and r.choices[0].finish_reason == "length"
+    assert r.usage.total_tokens == server.engine.parts.limits.max_model_len and r.choices[0].finish_reason == "length"
 
 
 def test_logprobs_current_spec(client):

@@ -12,10 +12,10 @@ def test_string_prompt_and_exact_usage(server, client):
     prompt = "The quick brown fox"
     r = client.completions.create(prompt=prompt, **GREEDY)
     assert r.object == "text_completion" and r.id.startswith("cmpl-")
-    assert r.usage.prompt_tokens == len(server.engine.tokenizer.encode(prompt))
+    assert r.usage.prompt_tokens == len(server.engine.parts.loaded.tokenizer.encode(prompt))
     assert r.usage.completion_tokens == 8 and r.choices[0].finish_reason == "length"
     # the same prompt as token ids gives the same text
-    ids = server.engine.tokenizer.encode(prompt)
+    ids = server.engine.parts.loaded.tokenizer.encode(prompt)
     r2 = client.completions.create(prompt=ids, **GREEDY)
     assert r2.choices[0].text == r.choices[0].text and r2.usage.prompt_tokens == len(ids)
 
@@ -29,7 +29,7 @@ def test_several_prompts_and_n(server, client):
     prompts = ["alpha beta", "gamma delta epsilon", "zeta"]
     r = client.completions.create(prompt=prompts, n=2, seed=3, **{**GREEDY, "temperature": 0.9})
     assert [c.index for c in r.choices] == list(range(6))
-    tok = server.engine.tokenizer
+    tok = server.engine.parts.loaded.tokenizer
     assert r.usage.prompt_tokens == sum(len(tok.encode(p)) for p in prompts)
     assert r.usage.completion_tokens == 6 * 8
     # each prompt alone gives the same choices (seeded)
@@ -75,7 +75,7 @@ def test_legacy_logprobs(client):
 
 
 def test_stop_token_ids(server, client):
-    tok = server.engine.tokenizer
+    tok = server.engine.parts.loaded.tokenizer
     ids = tok.encode("The")
     first_text = client.completions.create(prompt=ids, logprobs=0, **GREEDY).choices[0].logprobs.tokens[0]
     first = tok.encode(first_text, add_special_tokens=False)

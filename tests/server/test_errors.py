@@ -73,7 +73,7 @@ def test_bad_messages_are_400(client, messages, param):
 
 def test_prompt_too_long_names_both_numbers(server, client):
     long_text = " ".join(["word"] * 400)
-    n = len(server.engine.tokenizer.encode(long_text))
+    n = len(server.engine.parts.loaded.tokenizer.encode(long_text))
     assert n > TINY_MAX_MODEL_LEN
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL_NAME, prompt=long_text, max_tokens=1)
@@ -82,7 +82,7 @@ def test_prompt_too_long_names_both_numbers(server, client):
         client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": long_text}])
     check_error(e.value, 400, "messages", str(TINY_MAX_MODEL_LEN))
     # prompt + max_tokens over the limit: vLLM's 400, with prompt, completion and limit
-    ids = server.engine.tokenizer.encode(long_text)[:100]
+    ids = server.engine.parts.loaded.tokenizer.encode(long_text)[:100]
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=TINY_MAX_MODEL_LEN)
     check_error(e.value, 400, "max_tokens", str(len(ids)), str(TINY_MAX_MODEL_LEN), str(len(ids) + TINY_MAX_MODEL_LEN))

@@ -9,7 +9,7 @@ from tests.server.live import MODEL_NAME
 
 
 def test_a_large_bias_forces_a_token_and_a_ban_removes_one(client, server):
-    tok = server.engine.tokenizer
+    tok = server.engine.parts.loaded.tokenizer
     plain = client.completions.create(model=MODEL_NAME, prompt="hello world", max_tokens=6, temperature=0)
     first = plain.choices[0].text
     forced_id = 7
@@ -26,7 +26,7 @@ def test_a_large_bias_forces_a_token_and_a_ban_removes_one(client, server):
 
 
 def test_an_id_outside_the_vocabulary_names_it_and_the_size(client, server):
-    vocab = server.engine.model_config.vocab_size
+    vocab = server.engine.parts.loaded.model_config.vocab_size
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                        logit_bias={str(vocab + 1): 1.0})
@@ -43,7 +43,7 @@ def test_top_logprobs_minus_one_is_the_whole_vocabulary_under_max_logprobs(clien
         client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
                                        logprobs=True, top_logprobs=-1)
     assert "--max-logprobs 20" in e.value.body["message"] and e.value.body["param"] == "top_logprobs"
-    vocab = server.engine.model_config.vocab_size
+    vocab = server.engine.parts.loaded.model_config.vocab_size
     wide = start_server(tiny_qwen3, max_logprobs=-1)
     try:
         r = wide.client().chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],

@@ -30,7 +30,7 @@ def reference(live):
     path = default_model_path()
     hf = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                           dtype=torch.float32).eval()
-    ids = live.engine.tokenizer.encode(PROMPT)
+    ids = live.engine.parts.loaded.tokenizer.encode(PROMPT)
     with torch.no_grad():
         lp = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
     return ids, [lp[i, ids[i + 1]].item() for i in range(len(ids) - 1)]

@@ -42,7 +42,7 @@ def slowed(monkeypatch, engine, seconds: float = 0.01) -> None:
 def test_disconnect_mid_stream_aborts_and_frees_blocks(server, monkeypatch, caplog):
     caplog.set_level("INFO", logger="ember.async_engine")
     server.wait_idle()
-    total = server.engine.kv.num_blocks
+    total = server.engine.parts.kv.num_blocks
     before = metric_samples(server)
     slowed(monkeypatch, server.engine)  # 200 tokens now take > 2 s: the hang-up comes first
     body = {"model": MODEL_NAME, "messages": MSGS, "max_tokens": 200, "stream": True, "ignore_eos": True}
@@ -54,10 +54,10 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server, monkeypatch, capl
             if got == 3:
                 break
         assert server.engine.has_unfinished_requests()
-        assert server.engine.num_free_blocks < total  # it holds blocks while running
+        assert server.engine.parts.kv.num_free_blocks < total  # it holds blocks while running
     # the connection is closed here, mid-stream
     server.wait_idle(timeout=10)
-    assert server.engine.num_free_blocks == total
+    assert server.engine.parts.kv.num_free_blocks == total
     after = metric_samples(server)
     assert value(after, "ember:request_success_total", finished_reason="abort") == \
         value(before, "ember:request_success_total", finished_reason="abort") + 1
@@ -83,7 +83,7 @@ def test_disconnect_while_waiting_for_whole_answer(server, monkeypatch):
 
 def test_32_concurrent_streams_exact_usage(server):
     server.wait_idle()
-    tok = server.engine.tokenizer
+    tok = server.engine.parts.loaded.tokenizer
 
     async def one(client, i: int):
         messages = [{"role": "user", "content": f"Request number {i}: " + "go " * (i % 5)}]

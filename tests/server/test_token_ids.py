@@ -6,7 +6,7 @@ from tests.server.live import MODEL_NAME
 
 
 def test_completion_token_ids(client, server):
-    tok = server.engine.tokenizer
+    tok = server.engine.parts.loaded.tokenizer
     r = client.completions.create(model=MODEL_NAME, prompt="hello world", max_tokens=6, temperature=0, logprobs=1,
                                   extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True})
     c = r.choices[0]
@@ -27,7 +27,7 @@ def test_completion_token_ids(client, server):
 
 
 def test_chat_token_ids(client, server):
-    tok = server.engine.tokenizer
+    tok = server.engine.parts.loaded.tokenizer
     msgs = [{"role": "user", "content": "hi there"}]
     r = client.chat.completions.create(model=MODEL_NAME, messages=msgs, max_tokens=8, temperature=0,
                                        extra_body={"return_token_ids": True})
@@ -47,7 +47,7 @@ def test_chat_token_ids(client, server):
 
 def test_tokens_inside_a_character_are_streamed_with_their_ids(client, server):
     """A token that ends inside a UTF-8 character has no text yet; its id still streams (vLLM's emoji tests)."""
-    tok = server.engine.tokenizer
+    tok = server.engine.parts.loaded.tokenizer
     text = "🦩🦩"
     pieces = [tok.decode([t]) for t in tok.encode(text)]
     assert any("\ufffd" in p for p in pieces)  # the tokenizer splits the character: the case under test

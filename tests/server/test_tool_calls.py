@@ -139,8 +139,8 @@ TOOLS_TEMPLATE = (
 def scripted(tiny_qwen3):
     live = start_server(tiny_qwen3, chat_template=TOOLS_TEMPLATE)
     eng = live.engine
-    eos = eng.tokenizer.token_to_id("<|im_end|>")
-    eng.runner.sampler = ScriptedSampler(eng.runner.sampler, eng.tokenizer,
+    eos = eng.parts.loaded.tokenizer.token_to_id("<|im_end|>")
+    eng.parts.runner.sampler = ScriptedSampler(eng.parts.runner.sampler, eng.parts.loaded.tokenizer,
                                          {"[two calls]": TWO_CALLS, "[plain]": "Just text, no calls."}, eos)
     yield live
     live.stop()
@@ -167,7 +167,7 @@ def test_tool_calls_whole(scripted):
     calls = ch.message.tool_calls
     assert [(c.type, c.function.name, json.loads(c.function.arguments)) for c in calls] == [
         ("function", "get_weather", ARGS1), ("function", "get_time", ARGS2)]
-    tok = scripted.engine.tokenizer
+    tok = scripted.engine.parts.loaded.tokenizer
     assert r.usage.completion_tokens == len(tok.encode(TWO_CALLS, add_special_tokens=False)) + 1
     # without tools in the request the same text is plain content
     r = scripted.client().chat.completions.create(model=MODEL_NAME, messages=ask("[two calls]"))

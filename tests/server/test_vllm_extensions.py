@@ -139,7 +139,7 @@ def test_batch_chat_answers_each_conversation(server, client):
     r = httpx.post(server.url + "/v1/chat/completions/batch", json={"messages": [convs[0], []]})
     assert r.status_code == 400
     server.wait_idle()
-    assert server.engine.scheduler.running == [] and not server.engine.parents
+    assert server.engine.parts.scheduler.running == [] and not server.engine.parents
 
 
 def test_seed_outside_64_bits_is_a_400_naming_the_bound(client):
@@ -174,9 +174,9 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(client, server):
         client.completions.create(model=MODEL_NAME, prompt=long_prompt, max_tokens=2)
     r = client.completions.create(model=MODEL_NAME, prompt=long_prompt, max_tokens=2, temperature=0, echo=True,
                                   extra_body={"truncate_prompt_tokens": 20, "return_token_ids": True})
-    ids = server.engine.tokenizer.encode(long_prompt)
+    ids = server.engine.parts.loaded.tokenizer.encode(long_prompt)
     assert r.usage.prompt_tokens == 20 and r.choices[0].prompt_token_ids == ids[-20:]
-    assert r.choices[0].text.startswith(server.engine.tokenizer.decode(ids[-20:]))
+    assert r.choices[0].text.startswith(server.engine.parts.loaded.tokenizer.decode(ids[-20:]))
     chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": long_prompt}],
                                           max_tokens=2, extra_body={"truncate_prompt_tokens": 30})
     assert chat.usage.prompt_tokens == 30

@@ -48,7 +48,7 @@ def drafts_after_prefill(llm, prompt):
         steps += 1
     bs = eng.config.block_size
     slots = torch.tensor([req.block_ids[p // bs] * bs + p % bs for p in range(len(prompt))])
-    kv = torch.stack([c.flatten(1, 2)[:, slots] for c in eng.spec.proposer.caches])
+    kv = torch.stack([c.flatten(1, 2)[:, slots] for c in eng.parts.spec.proposer.caches])
     draft = list(req.draft.token_ids)
     eng.abort_request("x")
     return draft, kv, steps

@@ -101,7 +101,7 @@ def test_greedy_output_equals_no_speculation(tiny_model_dir, drafts, reference, 
         llm = make_llm(target, speculative_model=draft, num_speculative_tokens=k, adaptive_spec=False,
                        **hard_knobs(target, draft))
         assert llm.engine.config.speculative.method == "draft"
-        assert isinstance(llm.engine.spec.proposer, DraftModelProposer)
+        assert isinstance(llm.engine.parts.spec.proposer, DraftModelProposer)
         assert run(llm, PROMPTS, GREEDY) == reference, (name, k)
         stats = check_clean(llm, (name, k))
         assert stats["num_preemptions"] > 0, (name, k)
@@ -119,17 +119,17 @@ def test_json_spelling_and_the_pool_counts_the_draft_layers(tiny_model_dir, draf
     plain = make_llm(target, kv_cache_memory=kv_gib(target, 96))
     llm = make_llm(target, kv_cache_memory=kv_gib(target, 96),
                    speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 2})
-    eng, dmc, tmc = llm.engine, ModelConfig.from_folder(draft), plain.engine.model_config
-    assert eng.config.speculative.method == "draft" and eng.spec.k_max == 2
-    assert plain.engine.kv.num_blocks == 96
+    eng, dmc, tmc = llm.engine, ModelConfig.from_folder(draft), plain.engine.parts.loaded.model_config
+    assert eng.config.speculative.method == "draft" and eng.parts.spec.k_max == 2
+    assert plain.engine.parts.kv.num_blocks == 96
     t_tok = tmc.kv_bytes_per_token_per_dtype_byte
     d_tok = dmc.kv_bytes_per_token_per_dtype_byte
-    assert eng.kv.num_blocks == 96 * t_tok // (t_tok + d_tok)
-    assert eng.spec.kv_bytes_per_token(4) == d_tok * 4
-    caches = eng.runner.extra_kv_caches
+    assert eng.parts.kv.num_blocks == 96 * t_tok // (t_tok + d_tok)
+    assert eng.parts.spec.kv_bytes_per_token(4) == d_tok * 4
+    caches = eng.parts.runner.extra_kv_caches
     assert len(caches) == dmc.num_layers
-    assert caches[0].shape[1:] == (eng.kv.num_blocks + eng.max_num_seqs * eng.spec.proposer.scratch_per_req, 4,
-                                   dmc.num_kv_heads, dmc.head_dim)
+    scratch = eng.parts.limits.max_num_seqs * eng.parts.spec.proposer.scratch_per_req
+    assert caches[0].shape[1:] == (eng.parts.kv.num_blocks + scratch, 4, dmc.num_kv_heads, dmc.head_dim)
 
 
 def test_planner_counts_the_draft_model(tiny_model_dir, drafts, capsys):
@@ -144,7 +144,7 @@ def test_planner_counts_the_draft_model(tiny_model_dir, drafts, capsys):
     assert p.draft_kv_bytes_per_token == d_tok and p.kv_bytes_per_token == base.kv_bytes_per_token + d_tok
     assert p.kv_layers == base.kv_layers and p.weight_bytes > base.weight_bytes
     llm = make_llm(target, speculative_model=draft, num_speculative_tokens=2)
-    assert llm.engine.spec.kv_bytes_per_token(4) == p.draft_kv_bytes_per_token  # the engine's pool, the same way
+    assert llm.engine.parts.spec.kv_bytes_per_token(4) == p.draft_kv_bytes_per_token  # the engine's pool, the same way
     assert cli_main(["plan", target, "--device", "cpu", "--memory", "4", "--dtype", "float32",
                      "--num-speculative-tokens", "2", "--speculative-model", draft]) == 0
     assert f"+ {d_tok:,} B draft model" in capsys.readouterr().out
@@ -154,9 +154,10 @@ def test_cpu_paged_attention_knob_reaches_the_draft_model(tiny_model_dir, drafts
     target, draft = tiny_model_dir("qwen3"), drafts["trunc"]
     for on in (True, False):
         llm = make_llm(target, speculative_model=draft, num_speculative_tokens=2, cpu_paged_attention=on)
-        backends = [llm.engine.loaded.model.attn_backend, llm.engine.spec.proposer.model.attn_backend]
-        assert all(b is m.self_attn.attn.backend for b, m in zip(backends, (llm.engine.loaded.model.model.layers[0],
-                                                                           llm.engine.spec.proposer.model.model.layers[0])))
+        target_model, draft_model = llm.engine.parts.loaded.model, llm.engine.parts.spec.proposer.model
+        backends = [target_model.attn_backend, draft_model.attn_backend]
+        layers = (target_model.model.layers[0], draft_model.model.layers[0])
+        assert all(b is m.self_attn.attn.backend for b, m in zip(backends, layers))
         assert backends[0] is not backends[1] and [b.fused_decode for b in backends] == [on, on]
 
 

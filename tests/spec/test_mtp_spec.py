@@ -139,7 +139,7 @@ def test_greedy_output_equals_no_speculation(mtp_model, references, arch, layout
     path = mtp_model(arch, layout)
     for k in (1, 2, 3):
         llm = make_llm(path, enable_mtp=True, num_speculative_tokens=k, adaptive_spec=False, **hard_knobs(path))
-        assert isinstance(llm.engine.spec.proposer, MTPProposer)
+        assert isinstance(llm.engine.parts.spec.proposer, MTPProposer)
         assert run(llm, PROMPTS, GREEDY) == references(arch), (layout, k)
         stats = check_clean(llm, (layout, k))
         assert stats["num_preemptions"] > 0, (layout, k)
@@ -153,11 +153,11 @@ def test_two_mtp_layers_take_turns(mtp_model, references):
     path = mtp_model("qwen3_moe", "deepseek", num_layers=2)
     knobs = dict(hard_knobs(path), kv_cache_memory=kv_gib(path, 22))  # 2 of the 5 layers are MTP's
     llm = make_llm(path, enable_mtp=True, adaptive_spec=False, num_speculative_tokens=3, **knobs)
-    assert llm.engine.spec.proposer.num_layers == 2 and len(llm.engine.runner.extra_kv_caches) == 2
+    assert llm.engine.parts.spec.proposer.num_layers == 2 and len(llm.engine.parts.runner.extra_kv_caches) == 2
     assert run(llm, PROMPTS, GREEDY) == references("qwen3_moe")
     stats = check_clean(llm)
     assert stats["spec_num_draft_tokens_per_pos"][2] > 0 and stats["num_preemptions"] > 0
-    assert make_llm(path, enable_mtp=True).engine.spec.k_max == 2  # no k given: the number of layers
+    assert make_llm(path, enable_mtp=True).engine.parts.spec.k_max == 2  # no k given: the number of layers
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -166,7 +166,7 @@ def test_an_mtp_that_predicts_well_gets_whole_drafts_accepted(mtp_model, layout)
     ref = run(make_llm(path, enable_prefix_caching=False), PROMPTS, GREEDY)
     # (adaptive k would stay at 1 here: a tiny model's MTP layer + LM head cost as much as the model)
     llm = make_llm(path, enable_mtp=True, num_speculative_tokens=3, adaptive_spec=False, **hard_knobs(path))
-    assert llm.engine.spec.proposer.draft_token_cost > 0.5
+    assert llm.engine.parts.spec.proposer.draft_token_cost > 0.5
     assert run(llm, PROMPTS, GREEDY) == ref
     stats = check_clean(llm)
     assert stats["spec_acceptance_per_pos"] == [1.0, 1.0, 1.0], stats
@@ -203,7 +203,7 @@ def test_reduced_draft_vocabulary_drafts_its_token_ids(mtp_model, tmp_path):
     w[f"model.layers.{L}.shared_head.draft_vocab"] = torch.tensor(extra[:40] + used + extra[40:80], dtype=torch.int64)
     save_file(w, os.path.join(dest, "model.safetensors"), metadata={"format": "pt"})
     llm = make_llm(dest, enable_mtp=True, num_speculative_tokens=3, adaptive_spec=False)
-    assert llm.engine.spec.proposer.mtp.layers[0].draft_vocab.numel() == len(used) + 80
+    assert llm.engine.parts.spec.proposer.mtp.layers[0].draft_vocab.numel() == len(used) + 80
     assert run(llm, PROMPTS, GREEDY) == ref
     stats = check_clean(llm)
     assert stats["spec_acceptance_per_pos"] == [1.0, 1.0, 1.0], stats
@@ -327,11 +327,11 @@ def test_pool_and_planner_count_the_mtp_layer(mtp_model):
     path = mtp_model("qwen3", "qwen3_next")
     plain = make_llm(path, kv_cache_memory=kv_gib(path, 96))
     mtp = make_llm(path, kv_cache_memory=kv_gib(path, 96), enable_mtp=True)
-    layers = plain.engine.model_config.num_layers
-    assert plain.engine.kv.num_blocks == 96
-    assert mtp.engine.kv.num_blocks == 96 * layers // (layers + 1)  # one more layer per token
-    assert len(mtp.engine.runner.extra_kv_caches) == 1
-    assert mtp.engine.spec.k_max == 1  # no k given: the number of MTP layers, as vLLM
+    layers = plain.engine.parts.loaded.model_config.num_layers
+    assert plain.engine.parts.kv.num_blocks == 96
+    assert mtp.engine.parts.kv.num_blocks == 96 * layers // (layers + 1)  # one more layer per token
+    assert len(mtp.engine.parts.runner.extra_kv_caches) == 1
+    assert mtp.engine.parts.spec.k_max == 1  # no k given: the number of MTP layers, as vLLM
     p0 = planner.plan(EngineConfig(model=path, device="cpu", dtype="float32"), memory_gib=4)
     p1 = planner.plan(EngineConfig(model=path, device="cpu", dtype="float32", enable_mtp=True, num_speculative_tokens=2),
                       memory_gib=4)
@@ -339,7 +339,7 @@ def test_pool_and_planner_count_the_mtp_layer(mtp_model):
     assert p1.kv_bytes_per_token * layers == p0.kv_bytes_per_token * (layers + 1)
     # The engine's pool per token is the planner's: one more layer of the same shape.
     eng = mtp.engine
-    assert eng.spec.kv_bytes_per_token(4) == p1.kv_bytes_per_token - p0.kv_bytes_per_token
+    assert eng.parts.spec.kv_bytes_per_token(4) == p1.kv_bytes_per_token - p0.kv_bytes_per_token
 
 
 def test_planner_counts_a_separate_mtp_folder(tiny_model_dir, tmp_path):
@@ -442,7 +442,7 @@ def test_default_model_greedy_output_identical_with_its_mtp_head():
     stats = check_clean(with_mtp)
     assert stats["spec_num_drafts"] > 0 and stats["spec_num_accepted_tokens"] > 0
     plain = LLM(enable_mtp=False, **knobs)
-    assert plain.engine.spec is None
+    assert plain.engine.parts.spec is None
     assert [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)] == outs
 
 
@@ -484,7 +484,7 @@ def test_cpu_packs_the_mtp_layer_and_still_drafts(mtp_model, monkeypatch, tiled)
     dtype = str(cpu_tiled_gemv.x_dtype()).removeprefix("torch.") if tiled else "bfloat16"
     path = mtp_model("qwen3", "deepseek", bigram=True)
     llm = make_llm(path, dtype=dtype, enable_mtp=True, num_speculative_tokens=2, adaptive_spec=False)
-    proposer = llm.engine.spec.proposer
+    proposer = llm.engine.parts.spec.proposer
     assert proposer.packed_bytes_saved > 0
     method = proposer.mtp.layers[0].block.mlp.down_proj.quant_method
     assert isinstance(method, rtn_tiled.RTNTiledMethod if tiled else RTNInt4Method)
@@ -493,7 +493,7 @@ def test_cpu_packs_the_mtp_layer_and_still_drafts(mtp_model, monkeypatch, tiled)
     assert stats["spec_num_accepted_tokens"] > 0.5 * stats["spec_num_draft_tokens"], stats
     if cpu_tiled_gemv.x_dtype() != torch.float32:  # float32 layers stay dense where the kernel takes bf16
         fp32 = make_llm(path, dtype="float32", enable_mtp=True, num_speculative_tokens=2)
-        assert fp32.engine.spec.proposer.packed_bytes_saved == 0
+        assert fp32.engine.parts.spec.proposer.packed_bytes_saved == 0
 
 
 def test_default_model_dense_with_int8_decode_copy_loads_its_mtp_head():
@@ -506,6 +506,6 @@ def test_default_model_dense_with_int8_decode_copy_loads_its_mtp_head():
         pytest.skip("the default model's MTP head (ember/assets/smollm2-mtp) is not installed")
     # bf16: the int8 copy is a bf16-activation path (auto is float32 on CPUs without AVX512-BF16)
     llm = LLM(quantization="none", kv_cache_memory=0.05, max_model_len=256, dtype="bfloat16")
-    assert llm.engine.int8_decode_bytes > 0 and llm.engine.config.speculative.method == "mtp"
+    assert llm.engine.parts.copies.int8_decode_bytes > 0 and llm.engine.config.speculative.method == "mtp"
     run(llm, [[1, 2, 3, 4, 5]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert check_clean(llm)["spec_num_drafts"] > 0

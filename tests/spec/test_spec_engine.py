@@ -55,11 +55,11 @@ def test_disable_by_batch_size_stops_drafting_in_big_batches(tiny_model_dir, ref
     path = tiny_model_dir("qwen3")
     llm = make_llm(path, max_num_seqs=8, speculative_config=ngram(2, disable_by_batch_size=3))
     assert run(llm, REPEATED) == references("qwen3")
-    spec = llm.engine.spec
+    spec = llm.engine.parts.spec
     assert spec.stats.batch_disabled_steps > 0 and spec.stats.num_draft_tokens == 0  # 6 at once: off
     few = make_llm(path, speculative_config=ngram(2, disable_by_batch_size=3))
     assert run(few, REPEATED[:2]) == references("qwen3")[:2]
-    assert few.engine.spec.stats.batch_disabled_steps == 0 and few.engine.spec.stats.num_accepted_tokens > 0
+    assert few.engine.parts.spec.stats.batch_disabled_steps == 0 and few.engine.parts.spec.stats.num_accepted_tokens > 0
 
 
 class Oracle(Proposer):
@@ -83,7 +83,7 @@ class Oracle(Proposer):
 
 
 def with_oracle(llm, prompts, outputs, **kw):
-    llm.engine.spec.proposer = Oracle(prompts, outputs, **kw)
+    llm.engine.parts.spec.proposer = Oracle(prompts, outputs, **kw)
     return llm
 
 
@@ -127,7 +127,7 @@ def test_stops_among_accepted_drafts_cut_the_output(qwen3, long_ref):
     out = llm.generate({"prompt_token_ids": prompts[2]}, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
                                                                          stop=[stop]), use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and out.text == text[:text.index(stop)]
-    assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+    assert llm.engine.parts.kv.num_free_blocks == llm.engine.parts.kv.num_blocks
 
 
 def test_logprobs_of_verified_tokens_equal_plain_decoding(qwen3, long_ref):
@@ -216,7 +216,7 @@ def test_sampled_distribution_is_unchanged_by_speculation(qwen3):
     cands = {t for s in base for t in s}
     for with_probs in (False, True):
         llm = make_llm(qwen3, max_num_seqs=32, speculative_config=ngram(2), adaptive_spec=False)
-        llm.engine.spec.proposer = RandomDrafts(cands, with_probs)
+        llm.engine.parts.spec.proposer = RandomDrafts(cands, with_probs)
         spec = sample(llm)
         stats = llm.engine.stats()
         assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
@@ -233,7 +233,7 @@ def test_adaptive_k_follows_acceptance(qwen3, long_ref):
         eng.add_request("r", {"prompt_token_ids": prompts[3]}, params)
         seen = []
         while eng.has_unfinished_requests():
-            req = eng.scheduler.requests.get("r")
+            req = eng.parts.scheduler.requests.get("r")
             if req is not None and req.spec_state is not None:
                 seen.append(req.spec_state.k)
             eng.step()
@@ -247,7 +247,7 @@ def test_no_blocks_leak_after_aborts_with_drafts_pending(qwen3):
     llm = make_llm(qwen3, speculative_config=ngram(3), kv_cache_memory=kv_gib(qwen3, 40), max_model_len=64,
                    max_num_seqs=6)
     eng = llm.engine
-    total = eng.kv.num_blocks
+    total = eng.parts.kv.num_blocks
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     for i, p in enumerate(REPEATED):
         eng.add_request(f"r{i}", {"prompt_token_ids": p}, params)
@@ -256,12 +256,12 @@ def test_no_blocks_leak_after_aborts_with_drafts_pending(qwen3):
     pending = 0
     for step in range(40):
         eng.step()
-        pending += sum(r.draft is not None for r in eng.scheduler.running)
+        pending += sum(r.draft is not None for r in eng.parts.scheduler.running)
         if step == 8:
             for rid in ("r0", "r3", "n"):
                 assert eng.abort_request(rid)
     for rid in list(eng.parents):
         eng.abort_request(rid)
     assert pending > 0 and eng.stats()["spec_num_drafts"] > 0
-    assert not eng.has_unfinished_requests() and eng.scheduler.num_unfinished == 0
-    assert eng.num_free_blocks == total
+    assert not eng.has_unfinished_requests() and eng.parts.scheduler.num_unfinished == 0
+    assert eng.parts.kv.num_free_blocks == total

@@ -43,7 +43,7 @@ def tiny_data(tiny_model_dir):
 
     folder = tiny_model_dir("llama")
     llm = LLM(folder, kv_cache_memory=0.02, dtype="float32", max_num_seqs=16, num_threads=1)
-    main = llm.engine.loaded.model
+    main = llm.engine.parts.loaded.model
     data = make_data(llm, main, llm.tokenizer, num_prompts=10, max_new_tokens=20, seed=0, eval_prompts=3,
                      progress=False)
     torch.set_num_threads(1)

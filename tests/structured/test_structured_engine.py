@@ -75,10 +75,10 @@ def test_mtp_speculation_gives_the_answer_of_no_speculation():
     prompts = [chat(with_mtp, SCHEMAS[n][0]) for n in names]
     params = [json_params(SCHEMAS[n][1], temperature=0, max_tokens=150) for n in names]
     spec = with_mtp.generate(prompts, params, use_tqdm=False)
-    assert with_mtp.engine.spec.stats.num_draft_tokens > 0  # drafts were verified against the grammar
+    assert with_mtp.engine.parts.spec.stats.num_draft_tokens > 0  # drafts were verified against the grammar
     del with_mtp
     plain_llm = LLM(kv_cache_memory=0.2, max_model_len=1024, dtype="float32", quantization="none", enable_mtp=False)
-    assert plain_llm.engine.spec is None
+    assert plain_llm.engine.parts.spec is None
     plain = plain_llm.generate(prompts, params, use_tqdm=False)
     for name, a, b in zip(names, spec, plain):
         assert a.outputs[0].text == b.outputs[0].text, name
@@ -123,7 +123,7 @@ def test_preempted_requests_keep_their_grammar_state():
     outs = small.generate([chat(small, "Answer briefly and exactly. " + SCHEMAS[n][0]) for n in names],
                           [json_params(SCHEMAS[n][1], temperature=0.7, seed=1, max_tokens=300) for n in names],
                           use_tqdm=False)
-    assert small.engine.scheduler.num_preemptions > 0
+    assert small.engine.parts.scheduler.num_preemptions > 0
     for name, out in zip(names, outs):
         assert_valid(out.outputs[0], SCHEMAS[name][1])
 

@@ -289,7 +289,7 @@ def notes(args, knobs: dict, mtp_knobs: dict, chat_decode: bool, shared: bool) -
                    "ember from there), measured in the same rounds, alternating with the others")
     if args.bandwidth_mib:
         out.append(membw.METHOD.format(mib=args.bandwidth_mib) + "; achieved = weight bytes as loaded "
-                   "(engine.loaded.weight_bytes) x ember's decode tok/s")
+                   "(engine.parts.loaded.weight_bytes) x ember's decode tok/s")
     return out
 
 

@@ -96,8 +96,8 @@ def measure(v: Variant, eval_ids: list[int] | None, args) -> Row:
     llm = LLM(**kwargs)
     llm.wait_for_compile()  # benchmarks measure the steady state: a background compile finishes first
     engine = llm.engine
-    weight_bytes = engine.loaded.weight_bytes + getattr(engine, "int8_decode_bytes", 0)
-    prompt = engine.tokenizer.encode(DECODE_PROMPT)
+    weight_bytes = engine.parts.loaded.weight_bytes + engine.parts.copies.int8_decode_bytes
+    prompt = engine.parts.loaded.tokenizer.encode(DECODE_PROMPT)
     ember_decode(engine, "warmup", prompt, 8)
     rates = []
     for r in range(args.runs):

@@ -474,7 +474,7 @@ class Tokens:
             self.llm.wait_for_compile()  # benchmarks measure the steady state: a background compile finishes first
             self.engine = describe_engine(self.llm)
             self.tokenizer_name = self.engine["model"].split(" (")[0]
-            self.pool = ordinary_tokens(self.llm.get_tokenizer(), self.llm.engine.model_config.vocab_size)
+            self.pool = ordinary_tokens(self.llm.get_tokenizer(), self.llm.engine.parts.loaded.model_config.vocab_size)
         elif config is not None:
             self.tokenizer_name = os.path.basename(str(config.tokenizer or config.model or "the default model").rstrip("/"))
             self.pool = ordinary_tokens(*load_tokenizer(config.tokenizer or config.model))

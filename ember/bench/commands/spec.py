@@ -62,7 +62,7 @@ class Side:
 
 
 def _spec_counters(llm) -> dict:
-    spec = llm.engine.spec
+    spec = llm.engine.parts.spec
     return spec.stats.as_dict() if spec is not None else {}
 
 
@@ -111,13 +111,13 @@ def build_sides(config, ks: list[int], peer: str, threads: int) -> tuple[list[Si
         s.llm = LLM(**knobs(s.k, s.adaptive))
         s.llm.wait_for_compile()  # benchmarks measure the steady state: a background compile finishes first
     eng = sides[1].llm.engine
-    desc = {"model": str(eng.loaded.path), "dtype": str(eng.dtype).removeprefix("torch."),
-            "drafter": f"{eng.spec.config.method} ({eng.spec.config.model or 'the model itself'})"}
+    desc = {"model": str(eng.parts.loaded.path), "dtype": str(eng.parts.setup.dtype).removeprefix("torch."),
+            "drafter": f"{eng.parts.spec.config.method} ({eng.parts.spec.config.model or 'the model itself'})"}
     if peer == "llamacpp":
         from ember.bench.peers.llamacpp import LlamaCppPeer, llama_cpp_version
 
         p = Side("llama.cpp", None, is_peer=True)
-        p.llm = LlamaCppPeer(str(eng.loaded.path), threads)
+        p.llm = LlamaCppPeer(str(eng.parts.loaded.path), threads)
         sides.append(p)
         desc["peer"] = f"llama-cpp-python {llama_cpp_version()}, {threads} threads, flash attention"
     return sides, desc

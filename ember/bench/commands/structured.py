@@ -138,9 +138,11 @@ def main(args) -> None:
     load = load_average()
     metrics, clock = run(llm, args.runs, args.output_len, args.quiet_wait)
     mask_ms = statistics.median(clock.mask) * 1e3 if clock.mask else float("nan")
-    ember_desc = {"model": str(engine.loaded.path).rsplit("/", 1)[-1], "dtype": str(engine.dtype).removeprefix("torch."),
-                  "executor": engine.executor_name, "speculation": "on" if engine.spec is not None else "off",
-                  "max_num_seqs": engine.max_num_seqs, "constraint": "JSON schema (xgrammar)"}
+    ember_desc = {"model": str(engine.parts.loaded.path).rsplit("/", 1)[-1],
+                  "dtype": str(engine.parts.setup.dtype).removeprefix("torch."),
+                  "executor": engine.parts.limits.executor,
+                  "speculation": "on" if engine.parts.spec is not None else "off",
+                  "max_num_seqs": engine.parts.limits.max_num_seqs, "constraint": "JSON schema (xgrammar)"}
     peer = {"name": "unconstrained", "what": "the same engine, prompts and token count, no constraint (ignore_eos)"}
     notes = [__doc__.split("\n\n", 1)[1].replace("\n", " ").strip(),
              f"median mask time per constrained step (fill + apply, all rows of the step): {mask_ms:.3f} ms; "

@@ -71,7 +71,7 @@ def measure(path: str, tp: int, *, runs: int, decode_tokens: int, prompt_len: in
 
     llm = LLM(path, tensor_parallel_size=tp, enable_prefix_caching=False, **knobs)
     try:
-        vocab = llm.engine.model_config.vocab_size
+        vocab = llm.engine.parts.loaded.model_config.vocab_size
         prompt = lambda seed, n: [(seed * 7919 + 31 * i) % (vocab - 10) + 5 for i in range(n)]  # noqa: E731
         decode_steps(llm, prompt(999, 16), 4)  # warmup
         rates, comm, bcast, share = [], [], [], []

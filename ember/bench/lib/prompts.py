@@ -28,7 +28,7 @@ class PromptMaker:
 
 def prompt_maker(llm, base_seed: int = 0) -> PromptMaker:
     tok = llm.get_tokenizer()
-    vocab = min(tok.vocab_size, llm.engine.model_config.vocab_size)
+    vocab = min(tok.vocab_size, llm.engine.parts.loaded.model_config.vocab_size)
     return PromptMaker(vocab, set(tok.all_special_ids), base_seed)
 
 

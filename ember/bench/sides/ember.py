@@ -39,17 +39,17 @@ class EmberSide:
 
         self.llm = LLM(**knobs)
         self.llm.wait_for_compile()  # benchmarks measure the steady state: a background compile finishes first
-        eng = self.llm.engine
+        parts = self.llm.engine.parts
         self._ids = itertools.count()
-        self.weight_bytes = eng.loaded.weight_bytes
+        self.weight_bytes = parts.loaded.weight_bytes
         tok = self.llm.get_tokenizer()
         # what the driver needs to draw prompts of ordinary tokens without loading a tokenizer itself
-        self.prompt_vocab = (min(tok.vocab_size, eng.model_config.vocab_size), sorted(tok.all_special_ids))
-        spec = eng.spec.config.method if eng.spec is not None else "none"
-        self.description = {"name": "ember", "model": str(eng.loaded.path).rstrip("/").rsplit("/", 1)[-1],
-                            "weights_mb": round(eng.loaded.weight_bytes / 1e6, 1),
-                            "dtype": str(eng.dtype).removeprefix("torch."), "quantization": knobs.get("quantization", "auto"),
-                            "speculation": spec, "max_num_seqs": eng.max_num_seqs, "threads": torch.get_num_threads()}
+        self.prompt_vocab = (min(tok.vocab_size, parts.loaded.model_config.vocab_size), sorted(tok.all_special_ids))
+        spec = parts.spec.config.method if parts.spec is not None else "none"
+        self.description = {"name": "ember", "model": str(parts.loaded.path).rstrip("/").rsplit("/", 1)[-1],
+                            "weights_mb": round(parts.loaded.weight_bytes / 1e6, 1),
+                            "dtype": str(parts.setup.dtype).removeprefix("torch."), "quantization": knobs.get("quantization", "auto"),
+                            "speculation": spec, "max_num_seqs": parts.limits.max_num_seqs, "threads": torch.get_num_threads()}
 
     def _rid(self, what: str) -> str:
         return f"bench-{what}-{next(self._ids)}"
@@ -110,7 +110,7 @@ def engine_and_peer(args, batch: int | None = None):
     if args.peer == "hf":
         from ember.bench.peers.hf import HFPeer
 
-        peer = HFPeer(str(llm.engine.loaded.path))
+        peer = HFPeer(str(llm.engine.parts.loaded.path))
     return llm, peer, describe_engine(llm)
 
 
@@ -118,9 +118,10 @@ def describe_engine(llm) -> dict:
     """What an ember engine in this process runs, for the report."""
     import torch
 
-    e = llm.engine
-    name = str(e.loaded.path).rstrip("/").rsplit("/", 1)[-1]
-    return {"model": f"{name} ({e.loaded.weight_bytes / 1e6:.0f} MB weights{e.copies_note()})",
-            "dtype": str(e.dtype).removeprefix("torch."), "device": str(e.device), "max_num_seqs": e.max_num_seqs,
-            "max_num_batched_tokens": e.config.max_num_batched_tokens, "prefix_caching": e.config.enable_prefix_caching,
-            "enforce_eager": e.config.enforce_eager, "executor": e.executor_name, "threads": torch.get_num_threads()}
+    config, parts = llm.engine.config, llm.engine.parts
+    name = str(parts.loaded.path).rstrip("/").rsplit("/", 1)[-1]
+    return {"model": f"{name} ({parts.loaded.weight_bytes / 1e6:.0f} MB weights{parts.copies.note()})",
+            "dtype": str(parts.setup.dtype).removeprefix("torch."), "device": str(parts.setup.device),
+            "max_num_seqs": parts.limits.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
+            "prefix_caching": config.enable_prefix_caching, "enforce_eager": config.enforce_eager,
+            "executor": parts.limits.executor, "threads": torch.get_num_threads()}

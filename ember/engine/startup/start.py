@@ -48,7 +48,9 @@ logger = logging.getLogger("ember")
 
 @dataclass
 class EngineParts:
-    """What start-up built: LLMEngine keeps requests and the step loop over it."""
+    """What start-up built: LLMEngine keeps requests and the step loop over it. The engine holds it as
+    engine.parts and copies nothing out of it, so each part has one name (engine.parts.runner,
+    engine.parts.limits.max_model_len, engine.parts.loaded.tokenizer)."""
 
     config: EngineConfig
     setup: DeviceSetup
@@ -95,10 +97,10 @@ def start_engine(config, defer_compile: bool = False) -> EngineParts:
     runner = _build_runner(config, setup, tp, loaded, limits, pool.num_blocks, generators, spec,
                            0 if states is None else states.num_live + states.num_snapshots)
     compiler = _build_executors(config, tp, loaded, limits, runner, spec, defer_compile)
-    core = EngineParts(config, setup, tp, loaded, copies, limits, spec, compiler, kv, scheduler, runner,
-                      _eos_token_ids(loaded))
-    _log_start(core, pool)
-    return core
+    parts = EngineParts(config, setup, tp, loaded, copies, limits, spec, compiler, kv, scheduler, runner,
+                        _eos_token_ids(loaded))
+    _log_start(parts, pool)
+    return parts
 
 
 def _sharding(tp):
@@ -227,22 +229,22 @@ def _eos_token_ids(loaded: LoadedModel) -> list[int]:
     return list(dict.fromkeys(eos))
 
 
-def _log_start(core: EngineParts, pool: planner.KVPool) -> None:
-    loaded, limits, setup = core.loaded, core.limits, core.setup
+def _log_start(parts: EngineParts, pool: planner.KVPool) -> None:
+    loaded, limits, setup = parts.loaded, parts.limits, parts.setup
     mc, bs = loaded.model_config, pool.block_size
     logger.info(
         "ember: %s, %.1fM parameters, %.1f MB weights%s, %s on %s, KV cache %s, %d blocks x %d = %d tokens (%.1f MB), "
         "max_model_len %d, %s executor%s, loaded from %s in %.1fs",
-        mc.architecture, loaded.num_parameters / 1e6, loaded.weight_bytes / 1e6, core.copies.note(),
+        mc.architecture, loaded.num_parameters / 1e6, loaded.weight_bytes / 1e6, parts.copies.note(),
         str(setup.dtype).removeprefix("torch."), setup.device, str(limits.kv_dtype).removeprefix("torch."),
         pool.num_blocks, bs, pool.num_blocks * bs, pool.num_blocks * pool.block_bytes / 1e6, limits.max_model_len,
-        limits.executor, _executor_note(core), loaded.path, loaded.load_seconds)
+        limits.executor, _executor_note(parts), loaded.path, loaded.load_seconds)
 
 
-def _executor_note(core: EngineParts) -> str:
-    if core.compiler is None:
+def _executor_note(parts: EngineParts) -> str:
+    if parts.compiler is None:
         return ""
-    executor = core.runner.executor
+    executor = parts.runner.executor
     loaded = sorted(executor.settled_sizes)
     rest = [size for size in executor.sizes if size not in executor.settled_sizes]
     now = (f"batch sizes {loaded} run compiled now, loaded from the compile cache" if loaded
