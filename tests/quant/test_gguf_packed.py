@@ -440,7 +440,7 @@ def _last_logits(model, tok, prompts):
 
 
 @pytest.fixture(scope="module")
-def reference_logits(default_model, one_thread):
+def reference_logits(default_model, one_thread):  # noqa: F811 (the fixture imported above)
     """Last-token logits of the dequantized fp32 model (quantization none)."""
     return _last_logits(build(default_model.path, False), default_model.tokenizer(), PROMPTS)
 
