@@ -7,6 +7,7 @@ install with `pip install --no-build-isolation` after torch (as `make` does). Wi
 or without a compiler, the install still succeeds and says so; each kernel is then built once on
 first use (ember.kernels.cpp_build), or its torch path runs.
 """
+
 import os
 import subprocess
 import sys
@@ -23,8 +24,10 @@ class BuildPyWithKernels(build_py):
         try:
             import torch  # noqa: F401
         except ImportError:
-            print("ember: torch is not in the build environment, so the C++ kernels were not built now; each is "
-                  "built once on first use (install with --no-build-isolation after torch to build them here)")
+            print(
+                "ember: torch is not in the build environment, so the C++ kernels were not built now; each is "
+                "built once on first use (install with --no-build-isolation after torch to build them here)"
+            )
             return
         editable = getattr(self, "editable_mode", False)
         out = os.path.join(ROOT if editable else self.build_lib, "ember", "kernels", "_prebuilt")

@@ -1,4 +1,5 @@
 """ember: a compact, fast LLM inference engine for one GPU or a CPU."""
+
 from ember.config import EngineConfig
 from ember.outputs import CompletionOutput, RequestOutput
 from ember.sampling import SamplingParams

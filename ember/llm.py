@@ -1,4 +1,5 @@
 """Offline API shaped like vLLM's: LLM(model, **knobs).generate(prompts, params) / .chat(messages)."""
+
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -27,8 +28,9 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
-    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True
+    ) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -39,15 +41,26 @@ class LLM:
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
-                raise InvalidRequestError(f"{len(params)} sampling params for {len(prompts)} prompts; give one, or one per prompt")
+                raise InvalidRequestError(
+                    f"{len(params)} sampling params for {len(prompts)} prompts; give one, or one per prompt"
+                )
         return self._run([(p, sp) for p, sp in zip(prompts, params)], use_tqdm)
 
-    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages,
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [
-            {"prompt_token_ids": self.tokenizer.apply_chat_template(
-                conv, add_generation_prompt=add_generation_prompt, tokenize=True, **(chat_template_kwargs or {}))}
+            {
+                "prompt_token_ids": self.tokenizer.apply_chat_template(
+                    conv, add_generation_prompt=add_generation_prompt, tokenize=True, **(chat_template_kwargs or {})
+                )
+            }
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

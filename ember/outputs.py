@@ -1,4 +1,5 @@
 """What generate() returns, shaped like vLLM's RequestOutput so its users feel at home."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -4,6 +4,7 @@ A leaf module (no torch, no other ember package): the config validates against i
 ask it which builds can run, the planner and the engine resolve `--dtype auto` through the one
 function below, so the two can never disagree.
 """
+
 from __future__ import annotations
 
 import functools

@@ -4,6 +4,7 @@ no torch), and Draft: the tokens a proposer guessed for it.
 A leaf module: the engine schedules Requests, speculation reads them, neither imports the other
 for it.
 """
+
 from __future__ import annotations
 
 import enum
@@ -58,8 +59,14 @@ class Request:
     short: a prefill chunk); only a step that reaches num_tokens produces a new token.
     """
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None,
-                 prompt: str | None = None, arrival_time: float | None = None):
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams | None,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+    ):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -105,7 +112,7 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids):]
+        return self.token_ids[len(self.prompt_token_ids) :]
 
     @property
     def num_output_tokens(self) -> int:
@@ -134,5 +141,7 @@ class Request:
         self.token_ids.append(token_id)
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
-                f"blocks={len(self.block_ids)}, {self.status.value})")
+        return (
+            f"Request({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+            f"blocks={len(self.block_ids)}, {self.status.value})"
+        )

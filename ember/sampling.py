@@ -3,6 +3,7 @@
 Names and defaults follow vLLM's SamplingParams so a vLLM user's request works unchanged.
 Every field is checked once here, so the sampler and the engine can trust the values.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,8 +28,7 @@ def _is_int(x: object) -> bool:
 
 
 def _is_number(x: object) -> bool:
-    return (isinstance(x, (int, float)) and not isinstance(x, bool)
-            and math.isfinite(x))
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclass
@@ -93,16 +93,14 @@ class SamplingParams:
 
     def _validate(self) -> None:
         self._check_int("n", self.n, lo=1, allowed="an integer >= 1")
-        self._check_num("temperature", self.temperature, lo=0.0,
-                        allowed="a number >= 0 (0 = greedy)")
+        self._check_num("temperature", self.temperature, lo=0.0, allowed="a number >= 0 (0 = greedy)")
         if not (_is_number(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise _bad("top_p", self.top_p, "a number in (0, 1] (1 = off)")
         self._check_int("top_k", self.top_k, lo=0, allowed="an integer >= 0 (0 or -1 = off)")
         if not (_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0):
             raise _bad("min_p", self.min_p, "a number in [0, 1] (0 = off)")
         if not (_is_number(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise _bad("repetition_penalty", self.repetition_penalty,
-                       "a number > 0 (1 = off, > 1 discourages repeats)")
+            raise _bad("repetition_penalty", self.repetition_penalty, "a number > 0 (1 = off, > 1 discourages repeats)")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not (_is_number(v) and -2.0 <= v <= 2.0):
@@ -110,31 +108,45 @@ class SamplingParams:
         if self.seed is not None and not _is_int(self.seed):
             raise _bad("seed", self.seed, "an integer or None")
         if self.max_tokens is not None:
-            self._check_int("max_tokens", self.max_tokens, lo=1,
-                            allowed="an integer >= 1, or None for up to max_model_len")
+            self._check_int(
+                "max_tokens", self.max_tokens, lo=1, allowed="an integer >= 1, or None for up to max_model_len"
+            )
         self._check_int("min_tokens", self.min_tokens, lo=0, allowed="an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise _bad("min_tokens", self.min_tokens,
-                       f"must be <= max_tokens ({self.max_tokens}); lower min_tokens "
-                       "or raise max_tokens")
+            raise _bad(
+                "min_tokens",
+                self.min_tokens,
+                f"must be <= max_tokens ({self.max_tokens}); lower min_tokens or raise max_tokens",
+            )
         self._check_stop()
         if self.logit_bias is not None and not (
-                isinstance(self.logit_bias, dict)
-                and all(_is_int(k) and k >= 0 and _is_number(v) and -100 <= v <= 100 for k, v in self.logit_bias.items())):
+            isinstance(self.logit_bias, dict)
+            and all(_is_int(k) and k >= 0 and _is_number(v) and -100 <= v <= 100 for k, v in self.logit_bias.items())
+        ):
             raise _bad("logit_bias", self.logit_bias, "a map of token ids (>= 0) to numbers in [-100, 100]")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
-            raise _bad("structured_outputs", self.structured_outputs, "a StructuredOutputsParams, a dict of its fields, or None")
-        if not isinstance(self.stop_token_ids, list) or not all(
-                _is_int(t) and t >= 0 for t in self.stop_token_ids):
-            raise _bad("stop_token_ids", self.stop_token_ids,
-                       "a list of non-negative token ids, or None")
+            raise _bad(
+                "structured_outputs",
+                self.structured_outputs,
+                "a StructuredOutputsParams, a dict of its fields, or None",
+            )
+        if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise _bad("stop_token_ids", self.stop_token_ids, "a list of non-negative token ids, or None")
         if self.logprobs is not None:
-            self._check_int("logprobs", self.logprobs, lo=-1,
-                            allowed="an integer >= -1 or None (0 = only the sampled token, -1 = the whole "
-                                    f"vocabulary; the engine allows up to --max-logprobs, {MAX_LOGPROBS} by default)")
+            self._check_int(
+                "logprobs",
+                self.logprobs,
+                lo=-1,
+                allowed="an integer >= -1 or None (0 = only the sampled token, -1 = the whole "
+                f"vocabulary; the engine allows up to --max-logprobs, {MAX_LOGPROBS} by default)",
+            )
         if self.prompt_logprobs is not None:
-            self._check_int("prompt_logprobs", self.prompt_logprobs, lo=-1,
-                            allowed="an integer >= -1 or None (0 = only the prompt token, -1 = the whole vocabulary)")
+            self._check_int(
+                "prompt_logprobs",
+                self.prompt_logprobs,
+                lo=-1,
+                allowed="an integer >= -1 or None (0 = only the prompt token, -1 = the whole vocabulary)",
+            )
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "true or false")
@@ -143,8 +155,7 @@ class SamplingParams:
         if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
             raise _bad("stop", self.stop, "a string, a list of strings, or None")
         if any(s == "" for s in self.stop):
-            raise _bad("stop", self.stop,
-                       "stop strings must be non-empty (an empty one matches everywhere)")
+            raise _bad("stop", self.stop, "stop strings must be non-empty (an empty one matches everywhere)")
 
     @staticmethod
     def _check_int(name: str, v: object, lo: int, allowed: str, hi: int | None = None) -> None:
@@ -169,8 +180,11 @@ class SamplingParams:
 
     def replace(self, **changes) -> SamplingParams:
         """A validated copy with some fields changed (lists copied, never shared)."""
-        kw = {"stop": list(self.stop), "stop_token_ids": list(self.stop_token_ids),
-              "logit_bias": dict(self.logit_bias) if self.logit_bias else None}
+        kw = {
+            "stop": list(self.stop),
+            "stop_token_ids": list(self.stop_token_ids),
+            "logit_bias": dict(self.logit_bias) if self.logit_bias else None,
+        }
         kw.update(changes)
         return dataclasses.replace(self, **kw)
 

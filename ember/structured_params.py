@@ -12,6 +12,7 @@ vLLM's knob and is refused: xgrammar bounds whitespace by count, not by pattern.
 A leaf module: it checks the fields' types; whether the constraint compiles is the grammar
 library's call (ember.structured), made when the request is added.
 """
+
 from __future__ import annotations
 
 import json
@@ -50,8 +51,10 @@ class StructuredOutputsParams:
         given = [name for name in CONSTRAINTS if getattr(self, name) not in (None, False)]
         if len(given) != 1:
             raise InvalidRequestError(
-                "structured_outputs needs exactly one of " + ", ".join(CONSTRAINTS)
-                + (f"; got {', '.join(given)}" if given else "; got none"))
+                "structured_outputs needs exactly one of "
+                + ", ".join(CONSTRAINTS)
+                + (f"; got {', '.join(given)}" if given else "; got none")
+            )
         if isinstance(self.json, str):
             try:
                 self.json = json.loads(self.json)
@@ -64,14 +67,20 @@ class StructuredOutputsParams:
             if v is not None and (not isinstance(v, str) or not v):
                 raise _bad(name, v, "a non-empty string")
         if self.choice is not None:
-            if (not isinstance(self.choice, (list, tuple)) or not self.choice
-                    or not all(isinstance(c, str) for c in self.choice)):
+            if (
+                not isinstance(self.choice, (list, tuple))
+                or not self.choice
+                or not all(isinstance(c, str) for c in self.choice)
+            ):
                 raise _bad("choice", self.choice, "a non-empty list of strings")
             self.choice = list(self.choice)
         if self.whitespace_pattern is not None:
-            raise _bad("whitespace_pattern", self.whitespace_pattern,
-                       "ember's grammar library bounds whitespace by count, not by a pattern; use "
-                       "disable_any_whitespace (none at all) or leave it unset (a bounded run)")
+            raise _bad(
+                "whitespace_pattern",
+                self.whitespace_pattern,
+                "ember's grammar library bounds whitespace by count, not by a pattern; use "
+                "disable_any_whitespace (none at all) or leave it unset (a bounded run)",
+            )
         if not isinstance(self.max_whitespace, int) or isinstance(self.max_whitespace, bool) or self.max_whitespace < 0:
             raise _bad("max_whitespace", self.max_whitespace, "an integer >= 0")
         for name in ("disable_any_whitespace", "disable_additional_properties", "disable_fallback"):
@@ -84,14 +93,21 @@ class StructuredOutputsParams:
 
     def key(self) -> str:
         """One string per distinct compiled grammar: the cache key."""
-        return json.dumps({"kind": self.kind, "value": getattr(self, self.kind),
-                           "ws": 0 if self.disable_any_whitespace else self.max_whitespace,
-                           "strict": self.disable_additional_properties}, sort_keys=True)
+        return json.dumps(
+            {
+                "kind": self.kind,
+                "value": getattr(self, self.kind),
+                "ws": 0 if self.disable_any_whitespace else self.max_whitespace,
+                "strict": self.disable_additional_properties,
+            },
+            sort_keys=True,
+        )
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StructuredOutputsParams:
         unknown = sorted(set(d) - set(cls.__dataclass_fields__))
         if unknown:
-            raise InvalidRequestError(f"structured_outputs has unknown fields {unknown}; it takes "
-                                      + ", ".join(cls.__dataclass_fields__))
+            raise InvalidRequestError(
+                f"structured_outputs has unknown fields {unknown}; it takes " + ", ".join(cls.__dataclass_fields__)
+            )
         return cls(**{k: v for k, v in d.items() if v is not None})

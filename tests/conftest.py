@@ -1,4 +1,5 @@
 """Shared fixtures: tiny random HF models saved as model folders (with a tiny tokenizer), built offline."""
+
 from __future__ import annotations
 
 import json
@@ -11,21 +12,28 @@ import pytest
 # compile (tests/engine/test_background_compile.py) turn it on. Set here, so servers the tests launch inherit it.
 os.environ.setdefault("EMBER_AUTO_COMPILE", "0")
 
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 
 
 def write_tiny_tokenizer(path: str, vocab_size: int) -> None:
     """A byte-level BPE trained on CPython's own docs, with ChatML specials and a chat template."""
     import pydoc_data.topics
+
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     text = list(pydoc_data.topics.topics.values())[:200]
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(text, trainer)
     assert tok.get_vocab_size() <= vocab_size
     tok.save(os.path.join(path, "tokenizer.json"))
@@ -76,11 +84,19 @@ def tiny_model_dir(tmp_path_factory):
 # fixtures that build an engine or start a server over one: a test using one (through another
 # fixture too) is an engine test
 ENGINE_FIXTURES = {
-    "server", "client",  # tests/server/conftest.py
+    "server",
+    "client",  # tests/server/conftest.py
     "live",  # tests/server/test_{prompt_logprobs,structured_outputs,tokenize}.py, tests/bench/test_bench_serve.py
-    "strict", "flagged", "scripted", "thinking",  # tests/server: servers with their own flags
+    "strict",
+    "flagged",
+    "scripted",
+    "thinking",  # tests/server: servers with their own flags
     "llm",  # tests/test_default_model.py, tests/structured/test_structured_engine.py
-    "plain", "reference", "references", "long_ref", "tiny_data",  # tests/engine, tests/spec: reference runs
+    "plain",
+    "reference",
+    "references",
+    "long_ref",
+    "tiny_data",  # tests/engine, tests/spec: reference runs
     "one_model_load",  # tests/bench/test_bench_cli.py: the default model's engines for `ember bench`
 }
 # fixtures that load the default model into transformers (seconds each): their tests are `slow`
@@ -128,6 +144,9 @@ def pytest_runtest_setup(item):
 def _engine_tests_are_marked(request):
     yield
     if _engine_built["by_this_test"] and request.node.get_closest_marker("engine") is None:
-        pytest.fail(f"{request.node.nodeid} builds an engine but is not marked `engine`: give it "
-                    "@pytest.mark.engine (or its module `pytestmark`), so that `pytest -m 'not engine'` "
-                    "stays the fast lane", pytrace=False)
+        pytest.fail(
+            f"{request.node.nodeid} builds an engine but is not marked `engine`: give it "
+            "@pytest.mark.engine (or its module `pytestmark`), so that `pytest -m 'not engine'` "
+            "stays the fast lane",
+            pytrace=False,
+        )

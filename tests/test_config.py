@@ -1,4 +1,5 @@
 """EngineConfig's flat flags and the sub-configs built from them; CpuKernels chosen from the flags."""
+
 from __future__ import annotations
 
 import subprocess
@@ -13,8 +14,16 @@ from ember.kernels.cpu_kernels import CpuKernels
 
 
 def test_flags_round_trip_and_feed_their_sub_configs():
-    config = EngineConfig(model="m", max_num_seqs=4, block_size=32, enforce_eager=True, cpu_paged_attention=False,
-                          tensor_parallel_size=2, kv_cache_memory=0.5, seed=7)
+    config = EngineConfig(
+        model="m",
+        max_num_seqs=4,
+        block_size=32,
+        enforce_eager=True,
+        cpu_paged_attention=False,
+        tensor_parallel_size=2,
+        kv_cache_memory=0.5,
+        seed=7,
+    )
     assert EngineConfig(**config.flags()) == config
     assert set(config.flags()) == set(EngineConfig.field_names()) and "load_config" not in config.flags()
     assert config.load_config.model == "m" and config.load_config.seed == 7
@@ -45,9 +54,17 @@ def test_config_is_a_light_import():
 
 
 def test_cpu_kernels_follow_the_flags():
-    off = KernelConfig(attention_backend="auto", num_threads=None, paged_attention=False, flash_attention=False,
-                       tiled_gemv=False, int8_activations=False, fused_elementwise=False, int8_decode=None,
-                       int4_dense_copy=None)
+    off = KernelConfig(
+        attention_backend="auto",
+        num_threads=None,
+        paged_attention=False,
+        flash_attention=False,
+        tiled_gemv=False,
+        int8_activations=False,
+        fused_elementwise=False,
+        int8_decode=None,
+        int4_dense_copy=None,
+    )
     assert CpuKernels.select(off, "cpu", torch.float32) == CpuKernels.none()
     assert CpuKernels.select(EngineConfig().kernel_config, "cuda", torch.bfloat16) == CpuKernels.none()
     on = CpuKernels.select(EngineConfig().kernel_config, "cpu", torch.float32)

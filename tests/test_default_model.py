@@ -1,5 +1,6 @@
 """The embedded default model (SmolLM2-135M-Instruct Q4_1 GGUF) end to end against transformers'
 own load of the same file, in fp32."""
+
 from __future__ import annotations
 
 import os
@@ -8,8 +9,8 @@ import pytest
 import torch
 
 from ember import LLM, SamplingParams
-from ember.entrypoints.cli import main as cli_main
 from ember.default_model import default_model_path
+from ember.entrypoints.cli import main as cli_main
 
 pytestmark = pytest.mark.engine  # every test here builds an engine
 
@@ -26,7 +27,8 @@ def hf_model():
 
     path = default_model_path()
     return transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    ).eval()
 
 
 @pytest.fixture(scope="module")
@@ -43,21 +45,40 @@ def test_greedy_32_tokens_equal_transformers(llm, hf_model):
     for prompt, out in zip(PROMPTS, outs):
         ids = tok.encode(prompt)
         with torch.inference_mode():
-            ref = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                    max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert out.outputs[0].token_ids == ref[0, len(ids):].tolist(), prompt
+            ref = hf_model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=32,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        assert out.outputs[0].token_ids == ref[0, len(ids) :].tolist(), prompt
 
 
 def test_chat_answers_sensibly(llm):
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0].outputs[0]
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=16),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert "Paris" in out.text
     assert out.finish_reason == "stop"  # the model ends its turn with <|im_end|>
 
 
 def test_cli_generate(capsys):
-    rc = cli_main(["generate", "The capital of France is", "--max-tokens", "8", "--kv-cache-memory", "0.1",
-                   "--max-model-len", "1024"])
+    rc = cli_main(
+        [
+            "generate",
+            "The capital of France is",
+            "--max-tokens",
+            "8",
+            "--kv-cache-memory",
+            "0.1",
+            "--max-model-len",
+            "1024",
+        ]
+    )
     assert rc == 0
     assert "Paris" in capsys.readouterr().out
 
@@ -92,8 +113,8 @@ def test_cli_chat_is_multi_turn_and_reuses_the_prefix(monkeypatch, capsys):
 @torch.inference_mode()
 def _all_logits(engine, ids: list[int]) -> torch.Tensor:
     """float32 logits at every position of one prompt, prefilled in one step through the engine's pool."""
-    from ember.request import Request
     from ember.engine.scheduler import SchedulerOutput
+    from ember.request import Request
 
     req = Request("logits", ids, sampling_params=None)
     assert engine.parts.kv.allocate_slots(req, len(ids))
@@ -105,8 +126,10 @@ def _all_logits(engine, ids: list[int]) -> torch.Tensor:
         engine.parts.kv.free(req)
 
 
-@pytest.mark.skipif(not __import__("ember.kernels.cpu_tiled_gemv", fromlist=["x"]).has_q8(),
-                    reason="the int8-activation path needs AVX-512 BF16, VNNI and VBMI")
+@pytest.mark.skipif(
+    not __import__("ember.kernels.cpu_tiled_gemv", fromlist=["x"]).has_q8(),
+    reason="the int8-activation path needs AVX-512 BF16, VNNI and VBMI",
+)
 def test_int8_activations_stay_near_fp32_logits(llm):
     """The default bf16 engine on a VNNI CPU prefills through int8 x per group of 32
     (--cpu-int8-activations). Against the exact fp32 model at every position of 4 held-out pydoc

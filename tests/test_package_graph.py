@@ -12,6 +12,7 @@
   from the CpuKernels handed to it);
 - docs/architecture.md names every package.
 """
+
 from __future__ import annotations
 
 import ast
@@ -42,8 +43,9 @@ def package_of(module: str) -> str:
 
 def _is_type_checking(test: ast.expr) -> bool:
     """`TYPE_CHECKING` or `typing.TYPE_CHECKING` (an `if` on it never runs its body)."""
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
-        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _run_time_nodes(tree: ast.AST):
@@ -69,7 +71,7 @@ def _imported(module: str, tree: ast.Module, modules: dict[str, ast.Module] = MO
         elif isinstance(node, ast.ImportFrom):
             if node.level:  # relative: resolve against this module's package
                 base = module.split(".") if is_pkg else module.split(".")[:-1]
-                base = base[:len(base) - node.level + 1]
+                base = base[: len(base) - node.level + 1]
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
@@ -122,7 +124,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state and (cycle := visit(nxt)):
                 return cycle
         state[node] = 2
@@ -144,7 +146,8 @@ def test_no_import_cycle_inside_a_package():
     """Every package, ember.bench included (until its restructure lands, this fails on its cycles)."""
     cycles = cycles_inside_packages(module_graph())
     assert not cycles, "import cycles inside ember's packages:\n" + "\n".join(
-        f"  {package}: {' -> '.join(cycle)}" for package, cycle in cycles.items())
+        f"  {package}: {' -> '.join(cycle)}" for package, cycle in cycles.items()
+    )
 
 
 def test_find_cycle_finds_one():
@@ -159,7 +162,7 @@ def test_module_graph_finds_a_cycle_inside_a_package():
         "ember.pkg": "from ember.pkg.a import A\nfrom ember.pkg.b import B\n",
         "ember.pkg.a": "class A:\n    def f(self):\n        from ember.pkg import helper\n",
         "ember.pkg.b": "from typing import TYPE_CHECKING\nimport ember.other\n"
-                       "if TYPE_CHECKING:\n    from ember.pkg import A\nclass B:\n    pass\n",
+        "if TYPE_CHECKING:\n    from ember.pkg import A\nclass B:\n    pass\n",
         "ember.other": "import ember.pkg.b\n",
     }
     graph = module_graph({module: ast.parse(source) for module, source in sources.items()})
@@ -169,13 +172,19 @@ def test_module_graph_finds_a_cycle_inside_a_package():
 
 
 def test_imported_skips_type_checking_and_keeps_both_halves_of_a_mixed_from_import():
-    tree = ast.parse("import typing\nfrom typing import TYPE_CHECKING\n"
-                     "if TYPE_CHECKING:\n    from ember.engine.engine import LLMEngine\n"
-                     "if typing.TYPE_CHECKING:\n    import ember.spec\nelse:\n    import ember.config\n"
-                     "def f():\n    from ember.kernels import cpu_kernels\n"
-                     "from ember.quant import QuantConfig, gemm_dispatch\n")
-    assert _imported("ember.server.x", tree) == {"ember.config", "ember.kernels.cpu_kernels", "ember.quant",
-                                                 "ember.quant.gemm_dispatch"}
+    tree = ast.parse(
+        "import typing\nfrom typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from ember.engine.engine import LLMEngine\n"
+        "if typing.TYPE_CHECKING:\n    import ember.spec\nelse:\n    import ember.config\n"
+        "def f():\n    from ember.kernels import cpu_kernels\n"
+        "from ember.quant import QuantConfig, gemm_dispatch\n"
+    )
+    assert _imported("ember.server.x", tree) == {
+        "ember.config",
+        "ember.kernels.cpu_kernels",
+        "ember.quant",
+        "ember.quant.gemm_dispatch",
+    }
 
 
 def test_config_imports_no_engine_side_package():
@@ -201,8 +210,11 @@ def test_no_module_level_switch_in_kernels():
         if package_of(module) != "kernels":
             continue
         for node in tree.body:
-            if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Constant) \
-                    and isinstance(node.value.value, bool):
+            if (
+                isinstance(node, (ast.Assign, ast.AnnAssign))
+                and isinstance(node.value, ast.Constant)
+                and isinstance(node.value.value, bool)
+            ):
                 switches.append(f"{module}: {ast.unparse(node)}")
         switches += [f"{module}: global {', '.join(n.names)}" for n in ast.walk(tree) if isinstance(n, ast.Global)]
     assert not switches, switches

@@ -1,4 +1,5 @@
 """ember.engine.planner and `ember plan`: figures computed by hand from the configs."""
+
 from __future__ import annotations
 
 import json
@@ -7,20 +8,29 @@ import math
 import pytest
 import torch
 
-from ember.engine import planner
 from ember.config import EngineConfig
+from ember.config.model_config import ModelConfig
+from ember.engine import planner
 from ember.entrypoints.cli import main
 from ember.errors import ConfigError, KVCacheTooSmallError
 from ember.loader.model_loader import count_parameters
-from ember.config.model_config import ModelConfig
 from ember.models.registry import get_model_class
 
 GiB = 2**30
 # The seed example's figures (327,680 B per token in fp16, 50K tokens ~ 16.4e9 B) are those of
 # 80 layers x 8 KV heads x 128: a Llama-3-70B shape. (40 such layers give half: 163,840.)
-SEED = {"architectures": ["LlamaForCausalLM"], "hidden_size": 8192, "intermediate_size": 28672,
-        "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
-        "vocab_size": 128256, "max_position_embeddings": 131072, "tie_word_embeddings": False}
+SEED = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": False,
+}
 H, I, V, L, D = 8192, 28672, 128256, 80, 128
 
 
@@ -62,7 +72,11 @@ def test_seed_example_weights_and_budget(seed_config):
     assert p.kv_budget_bytes == usable - p.weight_bytes - p.activation_bytes - p.cuda_reserve_bytes
     block = 327_680 * 16
     assert p.pool_tokens == p.kv_budget_bytes // block * 16
-    assert p.fits and p.largest_max_model_len == min(131072, p.pool_tokens) and p.concurrency == pytest.approx(p.pool_tokens / 50_000)
+    assert (
+        p.fits
+        and p.largest_max_model_len == min(131072, p.pool_tokens)
+        and p.concurrency == pytest.approx(p.pool_tokens / 50_000)
+    )
     awq = planned(seed_config, dtype="float16", memory_gib=200, quantization="awq")
     assert awq.weight_bytes == math.ceil(linear * (0.5 + 2.5 / 128)) + 2 * dense
 
@@ -107,7 +121,9 @@ def test_default_model_by_hand():
 def test_config_only_folder_and_path(seed_config, tmp_path):
     folder = tmp_path / "only-config"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(SEED | {"quantization_config": {"quant_method": "awq", "group_size": 64}}))
+    (folder / "config.json").write_text(
+        json.dumps(SEED | {"quantization_config": {"quant_method": "awq", "group_size": 64}})
+    )
     p = planned(str(folder), dtype="float16", memory_gib=48, max_model_len=4096)
     assert p.quantization == "awq" and p.kv_bytes_per_token == 327_680
     assert p.weight_bytes == planner.weight_bytes(ModelConfig.from_dict(SEED), "awq", 2, group_size=64)
@@ -137,7 +153,9 @@ def test_cli_table_and_json(seed_config, capsys):
     out = capsys.readouterr().out
     assert "327,680 B = 2 x 80 layers x 8 kv heads x 128 head_dim x 2 B" in out
     assert "16.38 GB" in out and "50,000 tokens" in out and "fits" in out
-    assert main(["plan", seed_config, "--dtype", "float16", "--memory", "200", "--kv-cache-dtype", "fp8", "--json"]) == 0
+    assert (
+        main(["plan", seed_config, "--dtype", "float16", "--memory", "200", "--kv-cache-dtype", "fp8", "--json"]) == 0
+    )
     data = json.loads(capsys.readouterr().out)
     assert data["kv_bytes_per_token"] == 163_840 and data["kv_cache_dtype"] == "fp8"
     assert main(["plan", seed_config, "--dtype", "float16", "--memory", "160", "--max-model-len", "131072"]) == 0
@@ -145,13 +163,29 @@ def test_cli_table_and_json(seed_config, capsys):
     assert main(["plan", seed_config, "--max-model-len", "999999", "--memory", "8"]) == 2  # a user error, no traceback
 
 
-QWEN3_NEXT_80B = {"architectures": ["Qwen3NextForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
-                  "intermediate_size": 5120, "num_hidden_layers": 48, "num_attention_heads": 16,
-                  "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
-                  "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
-                  "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
-                  "shared_expert_intermediate_size": 512, "norm_topk_prob": True, "max_position_embeddings": 262144,
-                  "rope_theta": 1e7, "torch_dtype": "bfloat16"}
+QWEN3_NEXT_80B = {
+    "architectures": ["Qwen3NextForCausalLM"],
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 5120,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 512,
+    "num_experts_per_tok": 10,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "norm_topk_prob": True,
+    "max_position_embeddings": 262144,
+    "rope_theta": 1e7,
+    "torch_dtype": "bfloat16",
+}
 
 
 def test_hybrid_plan_counts_attention_kv_and_the_recurrent_state(tmp_path, capsys):
@@ -164,7 +198,9 @@ def test_hybrid_plan_counts_attention_kv_and_the_recurrent_state(tmp_path, capsy
     assert round(p.state_bytes_per_seq / 2**20) == 74
     assert abs(p.num_parameters / 1e9 - 79.67) < 0.01
     assert p.state_slots == 3 * 16 and p.fits
-    main(["plan", str(tmp_path), "--memory", "256", "--max-model-len", "32768", "--dtype", "bfloat16", "--device", "cpu"])
+    main(
+        ["plan", str(tmp_path), "--memory", "256", "--max-model-len", "32768", "--dtype", "bfloat16", "--device", "cpu"]
+    )
     out = capsys.readouterr().out
     assert "recurrent state" in out and "sequences that fit" in out
     tiny = planned(str(tmp_path), memory_gib=150.5, max_model_len=32768, dtype="bfloat16", device="cpu")

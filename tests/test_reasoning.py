@@ -1,5 +1,6 @@
 """The reasoning splitter (--reasoning-parser qwen3 / deepseek_r1): whole and streamed agree, tags split
 across deltas are held back, the prompt decides where the output starts."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,7 +13,7 @@ def streamed(parser: str, prompt: str, text: str, step: int) -> tuple[str, str]:
     s = ReasoningSplitter(parser, prompt)
     r, c = [], []
     for i in range(0, len(text), step):
-        dr, dc = s.feed(text[i:i + step])
+        dr, dc = s.feed(text[i : i + step])
         r.append(dr)
         c.append(dc)
     dr, dc = s.finish()
@@ -23,7 +24,12 @@ CASES = [
     # parser, prompt tail, output, (reasoning, content)
     ("qwen3", "<|im_start|>assistant\n", "<think>\nLet me see.\n</think>\n\nParis.", ("\nLet me see.\n", "\n\nParis.")),
     ("qwen3", "<|im_start|>assistant\n", "Paris.", (None, "Paris.")),
-    ("qwen3", "<|im_start|>assistant\n<think>\n\n</think>\n\n", "Paris <think> is a tag", (None, "Paris <think> is a tag")),
+    (
+        "qwen3",
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n",
+        "Paris <think> is a tag",
+        (None, "Paris <think> is a tag"),
+    ),
     ("qwen3", "<|im_start|>assistant\n<think>\n", "Hmm.\n</think>\nParis.", ("Hmm.\n", "\nParis.")),
     ("qwen3", "<|im_start|>assistant\n<think>\n", "Still thinking when cut", ("Still thinking when cut", None)),
     ("deepseek_r1", "<｜Assistant｜><think>\n", "Add.\n</think>\n4", ("Add.\n", "\n4")),

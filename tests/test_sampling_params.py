@@ -24,29 +24,50 @@ def test_normalisation():
     assert SamplingParams(stop=["ab", "abcd"]).max_stop_len == 4
 
 
-@pytest.mark.parametrize("t, greedy", [(0, True), (0.0, True), (1e-6, True), (1e-4, False),
-                                       (0.7, False)])
+@pytest.mark.parametrize("t, greedy", [(0, True), (0.0, True), (1e-6, True), (1e-4, False), (0.7, False)])
 def test_greedy(t, greedy):
     assert SamplingParams(temperature=t).greedy is greedy
 
 
-@pytest.mark.parametrize("field, value", [
-    ("n", 0), ("n", 1.5), ("n", True),
-    ("temperature", -0.1), ("temperature", float("nan")), ("temperature", "hot"),
-    ("top_p", 0.0), ("top_p", 1.01), ("top_p", -0.5),
-    ("top_k", -2), ("top_k", 2.5),
-    ("min_p", -0.01), ("min_p", 1.5),
-    ("repetition_penalty", 0.0), ("repetition_penalty", -1.0),
-    ("presence_penalty", 2.5), ("presence_penalty", -2.01),
-    ("frequency_penalty", 3.0), ("frequency_penalty", -3.0),
-    ("seed", 1.5), ("seed", "42"),
-    ("max_tokens", 0), ("max_tokens", -5),
-    ("min_tokens", -1),
-    ("stop", ""), ("stop", ["ok", ""]), ("stop", [1, 2]), ("stop", 5),
-    ("stop_token_ids", [-1]), ("stop_token_ids", ["2"]),
-    ("logprobs", -2), ("logprobs", 1.5),
-    ("ignore_eos", "yes"), ("skip_special_tokens", None),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("n", 0),
+        ("n", 1.5),
+        ("n", True),
+        ("temperature", -0.1),
+        ("temperature", float("nan")),
+        ("temperature", "hot"),
+        ("top_p", 0.0),
+        ("top_p", 1.01),
+        ("top_p", -0.5),
+        ("top_k", -2),
+        ("top_k", 2.5),
+        ("min_p", -0.01),
+        ("min_p", 1.5),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", -1.0),
+        ("presence_penalty", 2.5),
+        ("presence_penalty", -2.01),
+        ("frequency_penalty", 3.0),
+        ("frequency_penalty", -3.0),
+        ("seed", 1.5),
+        ("seed", "42"),
+        ("max_tokens", 0),
+        ("max_tokens", -5),
+        ("min_tokens", -1),
+        ("stop", ""),
+        ("stop", ["ok", ""]),
+        ("stop", [1, 2]),
+        ("stop", 5),
+        ("stop_token_ids", [-1]),
+        ("stop_token_ids", ["2"]),
+        ("logprobs", -2),
+        ("logprobs", 1.5),
+        ("ignore_eos", "yes"),
+        ("skip_special_tokens", None),
+    ],
+)
 def test_bad_field_names_field_and_value(field, value):
     with pytest.raises(InvalidRequestError) as err:
         SamplingParams(**{field: value})
@@ -62,8 +83,17 @@ def test_min_tokens_above_max_tokens():
 
 
 def test_boundaries_accepted():
-    SamplingParams(temperature=0, top_p=1.0, top_k=0, min_p=1.0, presence_penalty=-2,
-                   frequency_penalty=2, logprobs=0, max_tokens=1, seed=-7)
+    SamplingParams(
+        temperature=0,
+        top_p=1.0,
+        top_k=0,
+        min_p=1.0,
+        presence_penalty=-2,
+        frequency_penalty=2,
+        logprobs=0,
+        max_tokens=1,
+        seed=-7,
+    )
     SamplingParams(logprobs=20, top_p=1e-3, repetition_penalty=1e-3)
 
 

@@ -5,13 +5,40 @@ registry idea: a plain list of modules). Each is a module of bench/commands/ wit
 add_cli_args(parser) and main(args), the shape of vLLM's benchmarks/latency.py, and PARSER (more
 add_parser keywords) where its --help has a description. Adding a benchmark is a module and a line here.
 """
+
 from __future__ import annotations
 
-from ember.bench.commands import (compare, hybrid, latency, matrix, quant, readme_table, restart, serve, spec,
-                                  startup, structured, throughput, tp)
+from ember.bench.commands import (
+    compare,
+    hybrid,
+    latency,
+    matrix,
+    quant,
+    readme_table,
+    restart,
+    serve,
+    spec,
+    startup,
+    structured,
+    throughput,
+    tp,
+)
 
-COMMANDS = [latency, throughput, serve, quant, spec, tp, compare, hybrid, matrix, readme_table, restart, startup,
-            structured]
+COMMANDS = [
+    latency,
+    throughput,
+    serve,
+    quant,
+    spec,
+    tp,
+    compare,
+    hybrid,
+    matrix,
+    readme_table,
+    restart,
+    startup,
+    structured,
+]
 
 
 def add_bench_parser(subparsers) -> None:

@@ -9,6 +9,7 @@ to use instead. Value spellings of ember's own flags (`--speculative-model mtp`,
 flash2`, `--quantization awq_marlin`, `--dtype half`, a speculative method `deepseek_mtp`) are the
 *_ALIASES tables; EngineConfig and the speculative config map them where they read the flag.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,13 @@ QUANTIZATION_ALIASES = {"awq_marlin": "awq"}
 # other engines' attention backend names -> ember's: "gpu" = its GPU kernels (triton) on CUDA, the cpu
 # backend on CPU. flash2: an older guide's name for a split-KV decode kernel; flashinfer / fa3: SGLang's and
 # vLLM's GPU backends (ember.config.attention resolves "gpu" and logs the note)
-ATTENTION_BACKEND_ALIASES = {"flash2": "gpu", "flashinfer": "gpu", "fa3": "gpu", "flash_attn": "gpu",
-                             "torch_native": "torch"}
+ATTENTION_BACKEND_ALIASES = {
+    "flash2": "gpu",
+    "flashinfer": "gpu",
+    "fa3": "gpu",
+    "flash_attn": "gpu",
+    "torch_native": "torch",
+}
 # --speculative-model values that mean "the model's own MTP layers" (older vLLM and older guides)
 SPEC_MODEL_MTP = ("mtp", "[mtp]", "deepseek_mtp", "qwen3_next_mtp", "qwen3_5_mtp")
 # speculative_config["method"] spellings -> ember's method; vLLM's older per-family MTP names
@@ -69,15 +75,18 @@ SWITCHES = {
 # harmless flags of other engines that ember has no use for -> why (accepted with that note)
 IGNORED = {
     "--trust-remote-code": "ember runs its own model code for the architectures it supports; a model's remote "
-                           "code is never executed, so the flag changes nothing",
+    "code is never executed, so the flag changes nothing",
     "--disable-log-stats": "ember logs no periodic stats line; /metrics has them",
     "--disable-frontend-multiprocessing": "ember's server and engine share one process (the engine on its own thread)",
     "--enable-server-load-tracking": "ember always counts the generation requests in flight; GET /load reports them",
 }
 # other engines' flags that take a value: the values that change nothing here -> why; any other value is refused
 IGNORED_VALUES = {
-    "--load-format": (("auto", "safetensors", "gguf"), "ember reads safetensors folders and .gguf files as they are; "
-                      "other formats (pt, dummy, bitsandbytes, ...) it does not load"),
+    "--load-format": (
+        ("auto", "safetensors", "gguf"),
+        "ember reads safetensors folders and .gguf files as they are; "
+        "other formats (pt, dummy, bitsandbytes, ...) it does not load",
+    ),
     "--api-server-count": (("1",), "ember runs one API server process; use one process per port to scale out"),
     "--structured-outputs-config.backend": (("xgrammar", "auto"), "ember's structured outputs are built by xgrammar"),
 }
@@ -102,13 +111,15 @@ def _speculative_algorithm(value: str) -> dict[str, Any]:
         return {}
     raise argparse.ArgumentTypeError(
         f"--speculative-algorithm {value}: ember has no EAGLE-style drafter; use NEXTN (the model's MTP layers, "
-        "= --enable-mtp), NGRAM (= --speculative-model ngram), or a draft model with --speculative-model DIR")
+        "= --enable-mtp), NGRAM (= --speculative-model ngram), or a draft model with --speculative-model DIR"
+    )
 
 
 def _eagle_topk(value: str) -> dict[str, Any]:
     if int(value) != 1:
-        raise argparse.ArgumentTypeError(f"--speculative-eagle-topk {value}: ember drafts one chain, not a tree; "
-                                         "use 1 (or leave it out)")
+        raise argparse.ArgumentTypeError(
+            f"--speculative-eagle-topk {value}: ember drafts one chain, not a tree; use 1 (or leave it out)"
+        )
     return {}
 
 
@@ -148,8 +159,10 @@ class _Alias(argparse.Action):
             parser.error(str(e))
         for name, value in fields.items():
             if hasattr(namespace, name) and getattr(namespace, name) != value:
-                parser.error(f"{option_string} {values if values is not None else ''} sets --{name.replace('_', '-')} "
-                             f"to {value!r}, but it was given as {getattr(namespace, name)!r}; give one of them")
+                parser.error(
+                    f"{option_string} {values if values is not None else ''} sets --{name.replace('_', '-')} "
+                    f"to {value!r}, but it was given as {getattr(namespace, name)!r}; give one of them"
+                )
             setattr(namespace, name, value)
             # ember's own flag may still come later on the line: check_aliases compares at the end
             namespace._alias_set = {**getattr(namespace, "_alias_set", {}), name: (option_string, value)}
@@ -163,38 +176,82 @@ def _only(alias: str, allowed: tuple[str, ...], why: str) -> Callable[[str], dic
         if value not in allowed:
             raise argparse.ArgumentTypeError(f"{alias} {value}: {why}; leave it out or say {allowed[0]}")
         return {}
+
     return fields
 
 
 def _refuse(alias: str, instead: str) -> Callable[[str | None], dict[str, Any]]:
     def fields(value: str | None) -> dict[str, Any]:
         raise argparse.ArgumentTypeError(f"{alias}: {instead}")
+
     return fields
 
 
 def add_aliases(group, field_types: dict[str, Callable]) -> None:
     """Add every alias to an argparse group; field_types: EngineConfig field -> its argparse type."""
     for alias, (field, whose) in RENAMED.items():
-        group.add_argument(alias, action=_Alias, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
-                           fields=lambda v, f=field: {f: field_types[f](v)},
-                           note=f"{whose}'s name for --{field.replace('_', '-')}", help=argparse.SUPPRESS)
+        group.add_argument(
+            alias,
+            action=_Alias,
+            dest=argparse.SUPPRESS,
+            default=argparse.SUPPRESS,
+            fields=lambda v, f=field: {f: field_types[f](v)},
+            note=f"{whose}'s name for --{field.replace('_', '-')}",
+            help=argparse.SUPPRESS,
+        )
     for alias, (field, value, whose) in SWITCHES.items():
-        group.add_argument(alias, action=_Alias, nargs=0, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
-                           fields=lambda v, f=field, x=value: {f: x},
-                           note=f"{whose}'s name for --{'' if value else 'no-'}{field.replace('_', '-')}",
-                           help=argparse.SUPPRESS)
+        group.add_argument(
+            alias,
+            action=_Alias,
+            nargs=0,
+            dest=argparse.SUPPRESS,
+            default=argparse.SUPPRESS,
+            fields=lambda v, f=field, x=value: {f: x},
+            note=f"{whose}'s name for --{'' if value else 'no-'}{field.replace('_', '-')}",
+            help=argparse.SUPPRESS,
+        )
     for alias, why in IGNORED.items():
-        group.add_argument(alias, action=_Alias, nargs=0, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
-                           fields=lambda v: {}, note=f"accepted and ignored: {why}", help=argparse.SUPPRESS)
+        group.add_argument(
+            alias,
+            action=_Alias,
+            nargs=0,
+            dest=argparse.SUPPRESS,
+            default=argparse.SUPPRESS,
+            fields=lambda v: {},
+            note=f"accepted and ignored: {why}",
+            help=argparse.SUPPRESS,
+        )
     for alias, (allowed, why) in IGNORED_VALUES.items():
-        group.add_argument(alias, action=_Alias, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
-                           fields=_only(alias, allowed, why), note=f"accepted and ignored: {why}", help=argparse.SUPPRESS)
+        group.add_argument(
+            alias,
+            action=_Alias,
+            dest=argparse.SUPPRESS,
+            default=argparse.SUPPRESS,
+            fields=_only(alias, allowed, why),
+            note=f"accepted and ignored: {why}",
+            help=argparse.SUPPRESS,
+        )
     for alias, instead in REFUSED.items():
-        group.add_argument(alias, action=_Alias, nargs="?", dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
-                           fields=_refuse(alias, instead), note="", help=argparse.SUPPRESS)
+        group.add_argument(
+            alias,
+            action=_Alias,
+            nargs="?",
+            dest=argparse.SUPPRESS,
+            default=argparse.SUPPRESS,
+            fields=_refuse(alias, instead),
+            note="",
+            help=argparse.SUPPRESS,
+        )
     for alias, (fn, note) in MAPPED.items():
-        group.add_argument(alias, action=_Alias, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, fields=fn,
-                           note=note, help=argparse.SUPPRESS)
+        group.add_argument(
+            alias,
+            action=_Alias,
+            dest=argparse.SUPPRESS,
+            default=argparse.SUPPRESS,
+            fields=fn,
+            note=note,
+            help=argparse.SUPPRESS,
+        )
 
 
 def check_aliases(args: argparse.Namespace) -> list[str]:
@@ -204,6 +261,8 @@ def check_aliases(args: argparse.Namespace) -> list[str]:
 
     for name, (option, value) in getattr(args, "_alias_set", {}).items():
         if getattr(args, name) != value:
-            raise ConfigError(f"{option} sets --{name.replace('_', '-')} to {value!r}, but --{name.replace('_', '-')} "
-                              f"says {getattr(args, name)!r}; give one of them")
+            raise ConfigError(
+                f"{option} sets --{name.replace('_', '-')} to {value!r}, but --{name.replace('_', '-')} "
+                f"says {getattr(args, name)!r}; give one of them"
+            )
     return list(getattr(args, "_alias_notes", []))

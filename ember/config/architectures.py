@@ -5,6 +5,7 @@ one row here.
 The rows name their classes by "module:Class" (imported on use, ember.models.registry): this
 table sits in config/ so that ModelConfig and the GGUF loader read it without importing the models.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -40,26 +41,80 @@ class Architecture:
     """attention_bias puts a bias on q, k and v but none on the output projection (Qwen2)."""
 
 
-ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
-    Architecture("LlamaForCausalLM", "ember.models.llama:LlamaForCausalLM", gguf="llama", gguf_model_type="llama"),
-    Architecture("Qwen2ForCausalLM", "ember.models.llama:Qwen2ForCausalLM", gguf="qwen2", gguf_model_type="qwen2",
-                 attention_bias=True, qkv_bias_only=True),
-    Architecture("Qwen3ForCausalLM", "ember.models.llama:Qwen3ForCausalLM", gguf="qwen3", gguf_model_type="qwen3",
-                 qk_norm=True),
-    Architecture("Qwen3MoeForCausalLM", "ember.models.qwen3_moe:Qwen3MoeForCausalLM", gguf="qwen3moe",
-                 gguf_model_type="qwen3_moe", qk_norm=True, moe=True),
-    Architecture("Qwen3NextForCausalLM", "ember.models.qwen3_next:Qwen3NextForCausalLM", gguf="qwen3next",
-                 gguf_model_type="qwen3_next", hybrid=True, qk_norm=True, moe=True),
-    Architecture("Qwen3_5ForCausalLM", "ember.models.qwen3_next:Qwen3_5ForCausalLM", gguf="qwen35",
-                 gguf_model_type="qwen3_5_text", hybrid=True, qk_norm=True),
-    Architecture("Qwen3_5MoeForCausalLM", "ember.models.qwen3_next:Qwen3_5MoeForCausalLM", gguf="qwen35moe",
-                 gguf_model_type="qwen3_5_moe_text", hybrid=True, qk_norm=True, moe=True, all_layers_moe=True,
-                 norm_topk_prob=True),
-    Architecture("Qwen3_5ForConditionalGeneration", "ember.models.qwen3_next:Qwen3_5ForConditionalGeneration",
-                 hybrid=True, vision_language=True, qk_norm=True),
-    Architecture("Qwen3_5MoeForConditionalGeneration", "ember.models.qwen3_next:Qwen3_5MoeForConditionalGeneration",
-                 hybrid=True, vision_language=True, qk_norm=True, moe=True, all_layers_moe=True, norm_topk_prob=True),
-)}
+ARCHITECTURES: dict[str, Architecture] = {
+    a.name: a
+    for a in (
+        Architecture("LlamaForCausalLM", "ember.models.llama:LlamaForCausalLM", gguf="llama", gguf_model_type="llama"),
+        Architecture(
+            "Qwen2ForCausalLM",
+            "ember.models.llama:Qwen2ForCausalLM",
+            gguf="qwen2",
+            gguf_model_type="qwen2",
+            attention_bias=True,
+            qkv_bias_only=True,
+        ),
+        Architecture(
+            "Qwen3ForCausalLM",
+            "ember.models.llama:Qwen3ForCausalLM",
+            gguf="qwen3",
+            gguf_model_type="qwen3",
+            qk_norm=True,
+        ),
+        Architecture(
+            "Qwen3MoeForCausalLM",
+            "ember.models.qwen3_moe:Qwen3MoeForCausalLM",
+            gguf="qwen3moe",
+            gguf_model_type="qwen3_moe",
+            qk_norm=True,
+            moe=True,
+        ),
+        Architecture(
+            "Qwen3NextForCausalLM",
+            "ember.models.qwen3_next:Qwen3NextForCausalLM",
+            gguf="qwen3next",
+            gguf_model_type="qwen3_next",
+            hybrid=True,
+            qk_norm=True,
+            moe=True,
+        ),
+        Architecture(
+            "Qwen3_5ForCausalLM",
+            "ember.models.qwen3_next:Qwen3_5ForCausalLM",
+            gguf="qwen35",
+            gguf_model_type="qwen3_5_text",
+            hybrid=True,
+            qk_norm=True,
+        ),
+        Architecture(
+            "Qwen3_5MoeForCausalLM",
+            "ember.models.qwen3_next:Qwen3_5MoeForCausalLM",
+            gguf="qwen35moe",
+            gguf_model_type="qwen3_5_moe_text",
+            hybrid=True,
+            qk_norm=True,
+            moe=True,
+            all_layers_moe=True,
+            norm_topk_prob=True,
+        ),
+        Architecture(
+            "Qwen3_5ForConditionalGeneration",
+            "ember.models.qwen3_next:Qwen3_5ForConditionalGeneration",
+            hybrid=True,
+            vision_language=True,
+            qk_norm=True,
+        ),
+        Architecture(
+            "Qwen3_5MoeForConditionalGeneration",
+            "ember.models.qwen3_next:Qwen3_5MoeForConditionalGeneration",
+            hybrid=True,
+            vision_language=True,
+            qk_norm=True,
+            moe=True,
+            all_layers_moe=True,
+            norm_topk_prob=True,
+        ),
+    )
+}
 
 GGUF_ARCHITECTURES: dict[str, Architecture] = {a.gguf: a for a in ARCHITECTURES.values() if a.gguf is not None}
 """GGUF `general.architecture` -> its row."""
@@ -71,5 +126,6 @@ def architecture(name: str) -> Architecture:
     if row is None:
         raise UnsupportedModelError(
             f"model architecture {name!r} is not supported; ember supports {', '.join(ARCHITECTURES)}. "
-            "Use a model of one of these architectures (see config.json 'architectures')")
+            "Use a model of one of these architectures (see config.json 'architectures')"
+        )
     return row

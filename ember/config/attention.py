@@ -9,6 +9,7 @@ Other engines' names are accepted with a note (ATTENTION_BACKEND_ALIASES): flash
 name for a split-KV decode kernel), flashinfer, fa3 and flash_attn mean triton on CUDA and cpu on CPU;
 torch_native (SGLang) means torch.
 """
+
 from __future__ import annotations
 
 import functools
@@ -42,23 +43,36 @@ def resolve_attention_backend(name: str, device=None) -> str:
             return "triton" if has_triton else "torch"
         return "cpu" if device_type == "cpu" else "torch"
     if name == "cpu" and device_type != "cpu":
-        raise ConfigError(f"--attention-backend cpu runs ember's CPU kernels, not on {device_type}: use "
-                          "--attention-backend triton (or auto) there")
+        raise ConfigError(
+            f"--attention-backend cpu runs ember's CPU kernels, not on {device_type}: use "
+            "--attention-backend triton (or auto) there"
+        )
     if name == "triton":
         if not has_triton:
-            raise ConfigError("--attention-backend triton needs the triton package (pip install triton); "
-                              "or use --attention-backend torch")
+            raise ConfigError(
+                "--attention-backend triton needs the triton package (pip install triton); "
+                "or use --attention-backend torch"
+            )
         if device_type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
-            raise ConfigError(f"--attention-backend triton runs on CUDA, not on {device_type}: use --attention-backend "
-                              "cpu or --attention-backend torch (or auto), or set TRITON_INTERPRET=1 to run the kernels in Triton's "
-                              "interpreter (slow; for tests)")
+            raise ConfigError(
+                f"--attention-backend triton runs on CUDA, not on {device_type}: use --attention-backend "
+                "cpu or --attention-backend torch (or auto), or set TRITON_INTERPRET=1 to run the kernels in Triton's "
+                "interpreter (slow; for tests)"
+            )
     return name
 
 
 @functools.cache
 def _note_alias(name: str, target: str, device_type: str) -> None:
-    what = {"triton": "ember's Triton kernels (split-KV decode, varlen prefill)",
-            "cpu": "the torch reference with ember's C++ kernels (fused paged decode, flash-style prefill)",
-            "torch": "the torch reference (SDPA)"}[target]
-    logger.info("ember: --attention-backend %s is another engine's name; on %s ember runs --attention-backend %s: %s",
-                name, device_type, target, what)
+    what = {
+        "triton": "ember's Triton kernels (split-KV decode, varlen prefill)",
+        "cpu": "the torch reference with ember's C++ kernels (fused paged decode, flash-style prefill)",
+        "torch": "the torch reference (SDPA)",
+    }[target]
+    logger.info(
+        "ember: --attention-backend %s is another engine's name; on %s ember runs --attention-backend %s: %s",
+        name,
+        device_type,
+        target,
+        what,
+    )

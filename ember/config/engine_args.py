@@ -3,6 +3,7 @@
 Each flag lands in the `--help` group of the sub-config it feeds (EngineConfig's field metadata).
 Other engines' spellings of them (ember.config.aliases) are accepted too, each with a one-line note.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,9 +17,16 @@ from ember.config.aliases import add_aliases, check_aliases
 
 logger = logging.getLogger("ember")
 
-GROUP_TITLES = {"load": "model loading", "cache": "KV cache", "scheduler": "scheduler", "executor": "executor",
-                "kernels": "kernels", "parallel": "parallelism", "speculative": "speculative decoding",
-                "structured": "structured outputs and reasoning"}
+GROUP_TITLES = {
+    "load": "model loading",
+    "cache": "KV cache",
+    "scheduler": "scheduler",
+    "executor": "executor",
+    "kernels": "kernels",
+    "parallel": "parallelism",
+    "speculative": "speculative decoding",
+    "structured": "structured outputs and reasoning",
+}
 
 
 def _base_type(tp):

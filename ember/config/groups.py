@@ -4,6 +4,7 @@ EngineConfig (engine_config.py) holds the flags as the user gave them; `build_gr
 them into these, validated, and the engine reads only these (vLLM's VllmConfig shape). Each
 group's defaults and limits live next to it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -26,8 +27,12 @@ CPU_KV_CAP_GIB = 2.0
 CPU_DENSE_COPY_FRACTION = 0.1  # --int4-dense-copy auto: on when the copy takes at most this share of free RAM
 # --executor compiled's options (--compilation-config overrides them); docs/tuning.md has the figures
 # freezing None: auto, on for models with dense linears, off for quantized ones (ember.engine.executor.compiled.auto_freezing)
-COMPILE_DEFAULTS = {"compile_sizes": [1, 2, 4], "mode": "max-autotune-no-cudagraphs", "freezing": None,
-                    "cpp_wrapper": True}
+COMPILE_DEFAULTS = {
+    "compile_sizes": [1, 2, 4],
+    "mode": "max-autotune-no-cudagraphs",
+    "freezing": None,
+    "cpp_wrapper": True,
+}
 
 
 # --reasoning-parser values (ember.structured.reasoning splits their <think>...</think>)
@@ -36,7 +41,10 @@ REASONING_PARSERS = ("qwen3", "deepseek_r1")
 
 def check_reasoning_parser(name: str | None) -> None:
     if name is not None and name not in REASONING_PARSERS:
-        raise ConfigError(f"--reasoning-parser {name!r} is not one ember has; use one of {', '.join(REASONING_PARSERS)}")
+        raise ConfigError(
+            f"--reasoning-parser {name!r} is not one ember has; use one of {', '.join(REASONING_PARSERS)}"
+        )
+
 
 def need(cond: bool, msg: str) -> None:
     if not cond:
@@ -84,12 +92,16 @@ class CacheConfig:
         one_of(self.kv_cache_dtype, KV_CACHE_DTYPES, "--kv-cache-dtype")
         if self.max_state_snapshots is not None:
             need(self.max_state_snapshots >= 0, f"--max-state-snapshots must be >= 0 (got {self.max_state_snapshots})")
-        need(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
-             f"--block-size must be a power of two (got {self.block_size}); 16 is the default")
+        need(
+            self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
+            f"--block-size must be a power of two (got {self.block_size}); 16 is the default",
+        )
         if self.kv_cache_memory is not None:
             need(self.kv_cache_memory > 0, f"--kv-cache-memory must be > 0 GiB (got {self.kv_cache_memory})")
-        need(0 < self.gpu_memory_utilization <= 1,
-             f"--gpu-memory-utilization must be in (0, 1] (got {self.gpu_memory_utilization})")
+        need(
+            0 < self.gpu_memory_utilization <= 1,
+            f"--gpu-memory-utilization must be in (0, 1] (got {self.gpu_memory_utilization})",
+        )
 
 
 # --max-num-seqs when not given, per device type: CPU steps are bandwidth-bound from a few rows,
@@ -107,17 +119,22 @@ class SchedulerConfig:
     enable_chunked_prefill: bool
 
     def __post_init__(self) -> None:
-        need(self.max_num_batched_tokens >= 1, f"--max-num-batched-tokens must be >= 1 (got {self.max_num_batched_tokens})")
+        need(
+            self.max_num_batched_tokens >= 1,
+            f"--max-num-batched-tokens must be >= 1 (got {self.max_num_batched_tokens})",
+        )
         if self.max_num_seqs is not None:
             need(self.max_num_seqs >= 1, f"--max-num-seqs must be >= 1 (got {self.max_num_seqs})")
             self._check_budget(self.max_num_seqs)
         if self.max_model_len is not None:
             need(self.max_model_len >= 2, f"--max-model-len must be >= 2 (got {self.max_model_len})")
             if not self.enable_chunked_prefill:
-                need(self.max_num_batched_tokens >= self.max_model_len,
-                     f"with chunked prefill off, --max-num-batched-tokens ({self.max_num_batched_tokens}) must be >= "
-                     f"--max-model-len ({self.max_model_len}) so any prompt fits one step; raise the budget, lower "
-                     "--max-model-len, or drop --no-enable-chunked-prefill")
+                need(
+                    self.max_num_batched_tokens >= self.max_model_len,
+                    f"with chunked prefill off, --max-num-batched-tokens ({self.max_num_batched_tokens}) must be >= "
+                    f"--max-model-len ({self.max_model_len}) so any prompt fits one step; raise the budget, lower "
+                    "--max-model-len, or drop --no-enable-chunked-prefill",
+                )
 
     def default_max_num_seqs(self, device_type: str) -> int:
         """--max-num-seqs, or its default on this device type; refused when the step budget cannot give
@@ -127,10 +144,12 @@ class SchedulerConfig:
         return n
 
     def _check_budget(self, max_num_seqs: int) -> None:
-        need(max_num_seqs <= self.max_num_batched_tokens,
-             f"--max-num-seqs {max_num_seqs} exceeds --max-num-batched-tokens {self.max_num_batched_tokens}: "
-             "every running sequence needs at least one token of the step budget; raise the budget or lower "
-             "--max-num-seqs")
+        need(
+            max_num_seqs <= self.max_num_batched_tokens,
+            f"--max-num-seqs {max_num_seqs} exceeds --max-num-batched-tokens {self.max_num_batched_tokens}: "
+            "every running sequence needs at least one token of the step budget; raise the budget or lower "
+            "--max-num-seqs",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,24 +162,37 @@ class ExecutorConfig:
 
     def __post_init__(self) -> None:
         one_of(self.executor, EXECUTORS, "--executor")
-        need(self.cuda_graph_max_batch_size >= 1,
-             f"--cuda-graph-max-batch-size must be >= 1 (got {self.cuda_graph_max_batch_size})")
+        need(
+            self.cuda_graph_max_batch_size >= 1,
+            f"--cuda-graph-max-batch-size must be >= 1 (got {self.cuda_graph_max_batch_size})",
+        )
         cc = self.compilation
         if not cc:
             return
         unknown = set(cc) - set(COMPILE_DEFAULTS)
-        need(not unknown, f"--compilation-config has unknown keys {sorted(unknown)}; known: {', '.join(COMPILE_DEFAULTS)}")
+        need(
+            not unknown,
+            f"--compilation-config has unknown keys {sorted(unknown)}; known: {', '.join(COMPILE_DEFAULTS)}",
+        )
         sizes = cc.get("compile_sizes", COMPILE_DEFAULTS["compile_sizes"])
-        need(isinstance(sizes, list) and sizes and all(isinstance(s, int) and s >= 1 for s in sizes),
-             f"--compilation-config compile_sizes must be a non-empty list of batch sizes >= 1 (got {sizes!r})")
-        need(cc.get("freezing") is None or isinstance(cc["freezing"], bool),
-             f"--compilation-config freezing must be true, false or null (auto) (got {cc.get('freezing')!r})")
+        need(
+            isinstance(sizes, list) and sizes and all(isinstance(s, int) and s >= 1 for s in sizes),
+            f"--compilation-config compile_sizes must be a non-empty list of batch sizes >= 1 (got {sizes!r})",
+        )
+        need(
+            cc.get("freezing") is None or isinstance(cc["freezing"], bool),
+            f"--compilation-config freezing must be true, false or null (auto) (got {cc.get('freezing')!r})",
+        )
         for flag in ("cpp_wrapper",):
-            need(flag not in cc or isinstance(cc[flag], bool),
-                 f"--compilation-config {flag} must be true or false (got {cc.get(flag)!r})")
-        need(self.executor in ("compiled", "auto"),
-             "--compilation-config configures --executor compiled (and auto, which compiles on CPU in the "
-             f"background); it contradicts --executor {self.executor}: drop one of them")
+            need(
+                flag not in cc or isinstance(cc[flag], bool),
+                f"--compilation-config {flag} must be true or false (got {cc.get(flag)!r})",
+            )
+        need(
+            self.executor in ("compiled", "auto"),
+            "--compilation-config configures --executor compiled (and auto, which compiles on CPU in the "
+            f"background); it contradicts --executor {self.executor}: drop one of them",
+        )
 
     def compile_options(self, max_num_seqs: int) -> dict[str, Any]:
         """--compilation-config with defaults; sizes above max_num_seqs are dropped (never used)."""
@@ -195,5 +227,7 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         # >= 1 here; whether the model's heads split that way is checked at start (ember.engine.tp.config)
-        need(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
-             f"--tensor-parallel-size must be an integer >= 1 (got {self.tensor_parallel_size!r})")
+        need(
+            isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+            f"--tensor-parallel-size must be an integer >= 1 (got {self.tensor_parallel_size!r})",
+        )

@@ -3,6 +3,7 @@
 A GGUF file's metadata is turned into the same dict shape by ember.loader.gguf, so every
 format goes through one parser.
 """
+
 from __future__ import annotations
 
 import json
@@ -94,8 +95,10 @@ class ModelConfig:
     @property
     def linear_conv_dim(self) -> int:
         """Channels of a Gated DeltaNet layer's causal conv: q, k and v."""
-        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + \
-            self.linear_num_value_heads * self.linear_value_head_dim
+        return (
+            2 * self.linear_num_key_heads * self.linear_key_head_dim
+            + self.linear_num_value_heads * self.linear_value_head_dim
+        )
 
     def state_bytes_per_seq(self, conv_elem_bytes: int, tp: int = 1) -> int:
         """One sequence's recurrent state over every linear-attention layer, on one device: the conv
@@ -205,8 +208,10 @@ def _hybrid_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     types = list(types)
     bad = sorted(set(types) - {FULL_ATTENTION, LINEAR_ATTENTION})
     if len(types) != n or bad:
-        raise ModelLoadError(f"{arch}: layer_types must list {n} entries of {FULL_ATTENTION!r} / {LINEAR_ATTENTION!r} "
-                             f"(got {len(types)}{', unknown ' + str(bad) if bad else ''})")
+        raise ModelLoadError(
+            f"{arch}: layer_types must list {n} entries of {FULL_ATTENTION!r} / {LINEAR_ATTENTION!r} "
+            f"(got {len(types)}{', unknown ' + str(bad) if bad else ''})"
+        )
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ModelLoadError(f"{arch}: hidden_act {act!r} is not supported (ember implements silu)")
@@ -214,8 +219,9 @@ def _hybrid_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         raise ModelLoadError(f"{arch}: attn_output_gate=false is not supported (ember implements the gated attention)")
     ssm_dtype = cfg.get("mamba_ssm_dtype", "float32")
     if ssm_dtype not in ("float32", None):
-        raise ModelLoadError(f"{arch}: mamba_ssm_dtype {ssm_dtype!r} is not supported; ember keeps the "
-                             "recurrent state in float32")
+        raise ModelLoadError(
+            f"{arch}: mamba_ssm_dtype {ssm_dtype!r} is not supported; ember keeps the recurrent state in float32"
+        )
     f = dict(
         layer_types=types,
         linear_num_key_heads=int(cfg.get("linear_num_key_heads", 16)),
@@ -226,8 +232,10 @@ def _hybrid_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 0) or 0),
     )
     if f["linear_num_value_heads"] % f["linear_num_key_heads"]:
-        raise ModelLoadError(f"{arch}: linear_num_value_heads {f['linear_num_value_heads']} must be a multiple of "
-                             f"linear_num_key_heads {f['linear_num_key_heads']}")
+        raise ModelLoadError(
+            f"{arch}: linear_num_value_heads {f['linear_num_value_heads']} must be a multiple of "
+            f"linear_num_key_heads {f['linear_num_key_heads']}"
+        )
     if f["linear_conv_kernel_dim"] < 2:
         raise ModelLoadError(f"{arch}: linear_conv_kernel_dim must be at least 2")
     return f
@@ -243,8 +251,9 @@ def _parse_rope(cfg: dict[str, Any]) -> RopeConfig:
     rope = RopeConfig(theta=float(theta), type=rope_type)
     # Qwen3-Next / Qwen3.5 rotate a quarter of head_dim when the config does not say (transformers' default)
     hybrid = any(a in ARCHITECTURES and ARCHITECTURES[a].hybrid for a in cfg.get("architectures") or [])
-    rope.partial_rotary_factor = float(params.get("partial_rotary_factor",
-                                                  cfg.get("partial_rotary_factor", 0.25 if hybrid else 1.0)))
+    rope.partial_rotary_factor = float(
+        params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25 if hybrid else 1.0))
+    )
     if rope_type == "default":
         return rope
     if rope_type not in ("linear", "llama3", "yarn"):

@@ -19,6 +19,7 @@ before the model loads.
 The engine's proposers are registered by method in ember.spec.proposer.PROPOSERS, whose keys are
 METHODS (tests/spec/test_spec_config.py holds them equal).
 """
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,15 @@ METHODS = ("ngram", "mtp", "draft")
 MAX_SPEC_TOKENS = 8
 # vLLM's defaults when neither bound is given (its own comment: "arbitrarily chosen").
 DEFAULT_LOOKUP = 5
-JSON_KEYS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max",
-             "draft_tensor_parallel_size", "disable_by_batch_size")
+JSON_KEYS = (
+    "method",
+    "num_speculative_tokens",
+    "model",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+    "draft_tensor_parallel_size",
+    "disable_by_batch_size",
+)
 
 
 @dataclass(frozen=True)
@@ -72,8 +80,11 @@ def _default_mtp(cfg) -> str | None:
         return None
     if cfg.enable_mtp is None and not DEFAULT_MODEL_MTP_BY_DEFAULT:
         return None
-    other = cfg.speculative_model is not None or (cfg.speculative_config or {}).get("method") not in (None, "mtp") \
+    other = (
+        cfg.speculative_model is not None
+        or (cfg.speculative_config or {}).get("method") not in (None, "mtp")
         or (cfg.speculative_config or {}).get("model") is not None
+    )
     if other and not cfg.enable_mtp:
         return None
     from ember.default_model import default_mtp_path
@@ -88,8 +99,11 @@ def is_mtp_folder(path: str, target: str | None = None) -> bool:
     if not isinstance(path, str):
         return False
     folder = os.path.expanduser(path)
-    if target is not None and os.path.exists(folder) and os.path.realpath(folder) == os.path.realpath(
-            os.path.expanduser(target)):
+    if (
+        target is not None
+        and os.path.exists(folder)
+        and os.path.realpath(folder) == os.path.realpath(os.path.expanduser(target))
+    ):
         return True
     try:
         with open(os.path.join(folder, "config.json")) as f:
@@ -105,8 +119,9 @@ def _merge(merged: dict[str, Any], key: str, value: Any, flag: str) -> None:
         return
     have = merged.get(key)
     if have is not None and have != value:
-        raise ConfigError(f"--speculative-config says {key}={have!r} but {flag} says {value!r}; "
-                          "give one of them, or make them agree")
+        raise ConfigError(
+            f"--speculative-config says {key}={have!r} but {flag} says {value!r}; give one of them, or make them agree"
+        )
     merged[key] = value
 
 
@@ -141,8 +156,12 @@ def resolve_speculative_config(cfg) -> SpeculativeConfig | None:
             merged["num_speculative_tokens"] = DEFAULT_MTP_TOKENS
         merged.setdefault("disable_by_batch_size", DEFAULT_MTP_DISABLE_BY_BATCH_SIZE)
     _merge(merged, "num_speculative_tokens", cfg.num_speculative_tokens, "--num-speculative-tokens")
-    _merge(merged, "draft_tensor_parallel_size", cfg.speculative_draft_tensor_parallel_size,
-           "--speculative-draft-tensor-parallel-size")
+    _merge(
+        merged,
+        "draft_tensor_parallel_size",
+        cfg.speculative_draft_tensor_parallel_size,
+        "--speculative-draft-tensor-parallel-size",
+    )
 
     if merged.get("model") in ("ngram", "[ngram]"):  # vLLM's JSON spelling {"model": "[ngram]"}
         if merged.get("method") not in (None, "ngram"):
@@ -155,8 +174,10 @@ def resolve_speculative_config(cfg) -> SpeculativeConfig | None:
             method = "mtp" if is_mtp_folder(merged["model"], cfg.model) else "draft"
         elif merged:
             given = ", ".join(f"{k}={v!r}" for k, v in merged.items())
-            raise ConfigError(f"speculative decoding settings ({given}) were given without a drafter; add "
-                              "--speculative-model ngram|DIR, --enable-mtp, or a \"method\" in --speculative-config")
+            raise ConfigError(
+                f"speculative decoding settings ({given}) were given without a drafter; add "
+                '--speculative-model ngram|DIR, --enable-mtp, or a "method" in --speculative-config'
+            )
         else:
             return None
     return _validate(method, merged, cfg)
@@ -172,16 +193,23 @@ def _validate(method: str, m: dict[str, Any], cfg) -> SpeculativeConfig:
 
     k = m.get("num_speculative_tokens")
     if k is None:
-        need(method == "mtp", f"speculative method {method!r} needs the number of draft tokens; add "
-                              f"--num-speculative-tokens k (1..{MAX_SPEC_TOKENS})")
+        need(
+            method == "mtp",
+            f"speculative method {method!r} needs the number of draft tokens; add "
+            f"--num-speculative-tokens k (1..{MAX_SPEC_TOKENS})",
+        )
     else:
-        need(is_int(k) and 1 <= k <= MAX_SPEC_TOKENS,
-             f"--num-speculative-tokens must be an integer in 1..{MAX_SPEC_TOKENS} (got {k!r})")
+        need(
+            is_int(k) and 1 <= k <= MAX_SPEC_TOKENS,
+            f"--num-speculative-tokens must be an integer in 1..{MAX_SPEC_TOKENS} (got {k!r})",
+        )
 
     lo, hi = m.get("prompt_lookup_min"), m.get("prompt_lookup_max")
     if method == "ngram":
-        need(m.get("model") is None, f"the ngram method has no model; drop --speculative-model {m.get('model')!r} "
-                                     "or choose method 'draft'")
+        need(
+            m.get("model") is None,
+            f"the ngram method has no model; drop --speculative-model {m.get('model')!r} or choose method 'draft'",
+        )
         for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
             need(v is None or (is_int(v) and v >= 1), f"{name} must be an integer >= 1 (got {v!r})")
         if lo is None and hi is None:
@@ -191,22 +219,37 @@ def _validate(method: str, m: dict[str, Any], cfg) -> SpeculativeConfig:
     else:
         need(lo is None and hi is None, f"prompt_lookup_min/max are for the ngram method, not {method!r}; drop them")
     if method == "draft":
-        need(m.get("model") is not None, "the draft method needs a draft model; add --speculative-model DIR "
-                                         "(a small model with the same tokenizer)")
-        need(os.path.exists(os.path.expanduser(str(m["model"]))),
-             f"draft model {m['model']!r} not found; give --speculative-model a local Hugging Face folder or "
-             ".gguf file of a small model with the target's tokenizer (ember never downloads weights)")
+        need(
+            m.get("model") is not None,
+            "the draft method needs a draft model; add --speculative-model DIR (a small model with the same tokenizer)",
+        )
+        need(
+            os.path.exists(os.path.expanduser(str(m["model"]))),
+            f"draft model {m['model']!r} not found; give --speculative-model a local Hugging Face folder or "
+            ".gguf file of a small model with the target's tokenizer (ember never downloads weights)",
+        )
 
     tp = cfg.tensor_parallel_size
     dtp = m.get("draft_tensor_parallel_size")
     dtp = 1 if dtp is None else dtp
-    need(is_int(dtp) and dtp in (1, tp),
-         f"--speculative-draft-tensor-parallel-size must be 1 or the --tensor-parallel-size ({tp}) (got {dtp!r})")
+    need(
+        is_int(dtp) and dtp in (1, tp),
+        f"--speculative-draft-tensor-parallel-size must be 1 or the --tensor-parallel-size ({tp}) (got {dtp!r})",
+    )
 
     off_at = m.get("disable_by_batch_size")
-    need(off_at is None or (is_int(off_at) and off_at >= 2),
-         f"disable_by_batch_size must be an integer >= 2 (got {off_at!r}); leave it out to always draft")
+    need(
+        off_at is None or (is_int(off_at) and off_at >= 2),
+        f"disable_by_batch_size must be an integer >= 2 (got {off_at!r}); leave it out to always draft",
+    )
 
-    return SpeculativeConfig(method=method, num_speculative_tokens=k, model=m.get("model"),
-                             prompt_lookup_min=lo, prompt_lookup_max=hi, draft_tensor_parallel_size=dtp,
-                             adaptive=cfg.adaptive_spec, disable_by_batch_size=off_at)
+    return SpeculativeConfig(
+        method=method,
+        num_speculative_tokens=k,
+        model=m.get("model"),
+        prompt_lookup_min=lo,
+        prompt_lookup_max=hi,
+        draft_tensor_parallel_size=dtp,
+        adaptive=cfg.adaptive_spec,
+        disable_by_batch_size=off_at,
+    )

@@ -9,6 +9,7 @@ send_call / recv_call move one call from rank 0 to the workers: a pickled header
 arguments' structure: lists, scalars, dataclasses such as AttentionMetadata) on the control group,
 then every tensor argument, concatenated per dtype, broadcast on the data group.
 """
+
 from __future__ import annotations
 
 import dataclasses

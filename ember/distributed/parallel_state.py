@@ -9,6 +9,7 @@ Two pieces of state, kept apart on purpose:
   hung peer cannot hang rank 0) and the step inputs; ``control`` (gloo, no practical timeout)
   carries only the small pickled step header that workers wait on while the engine is idle.
 """
+
 from __future__ import annotations
 
 import os

@@ -11,6 +11,7 @@ moved, the new text (from IncrementalDetokenizer.get_delta, which holds back tex
 still become a stop string), the new token ids and their logprobs. Deltas are computed on the
 engine thread, where the detokenizers live.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -21,14 +22,13 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from ember.request import Request
 from ember.errors import ConfigError, EmberError, EngineDeadError, ServerOverloadedError
 from ember.outputs import PositionLogprobs
+from ember.request import Request
 from ember.sampling import SamplingParams
 
 if TYPE_CHECKING:  # the engine pulls in torch; `ember --help` should not
-    from ember.engine.engine import PromptType
-    from ember.engine.engine import LLMEngine
+    from ember.engine.engine import LLMEngine, PromptType
     from ember.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger("ember.async_engine")
@@ -161,8 +161,15 @@ CPU_WARMUP_TOKENS = 512  # the long warmup step's prompt on CPU (see AsyncLLMEng
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, *, max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
-                 warmup: bool = True, stats: StatsListener | None = None, executor=None):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
+        warmup: bool = True,
+        stats: StatsListener | None = None,
+        executor=None,
+    ):
         if max_waiting_requests < 1:
             raise ConfigError(f"--max-waiting-requests must be >= 1 (got {max_waiting_requests})")
         self.engine = engine
@@ -254,8 +261,9 @@ class AsyncLLMEngine:
         return self._ready.wait(timeout)
 
     # -- the asyncio side ---------------------------------------------------------------------
-    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                          arrival: float | None = None) -> RequestStream:
+    async def add_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, arrival: float | None = None
+    ) -> RequestStream:
         """Queue a request; returns its stream once the engine thread accepted it.
 
         Raises ServerOverloadedError when max_waiting_requests are already waiting, and the
@@ -268,7 +276,8 @@ class AsyncLLMEngine:
         if waiting >= self.max_waiting_requests:
             raise ServerOverloadedError(
                 f"the server is overloaded: {waiting} requests are already waiting for a slot "
-                f"(--max-waiting-requests {self.max_waiting_requests}); retry later")
+                f"(--max-waiting-requests {self.max_waiting_requests}); retry later"
+            )
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream
         ack: asyncio.Future = self._loop.create_future()
@@ -397,8 +406,11 @@ class AsyncLLMEngine:
         if tracked is None:
             return
         self.engine.abort_request(rid)
-        logger.info("request %s aborted before it finished (%d tokens generated); its KV blocks are freed",
-                    rid, tracked.timing.num_output_tokens)
+        logger.info(
+            "request %s aborted before it finished (%d tokens generated); its KV blocks are freed",
+            rid,
+            tracked.timing.num_output_tokens,
+        )
         tracked.timing.finished = time.monotonic()
         tracked.timing.finish_reason = "abort"
         if self.stats_listener is not None:
@@ -451,14 +463,22 @@ class AsyncLLMEngine:
                 continue
             lps = None
             if req.logprobs is not None:
-                lps = req.logprobs[tracked.sent_tokens[i]:]
+                lps = req.logprobs[tracked.sent_tokens[i] :]
             tracked.sent_tokens[i] += len(new_ids)
             new_tokens += len(new_ids)
             seqs_with_tokens += bool(new_ids)
             if done:
                 tracked.reported[i] = True
-            seqs.append(SeqDelta(req.index, text, new_ids, lps, req.finish_reason if done else None,
-                                 req.stop_reason if done else None))
+            seqs.append(
+                SeqDelta(
+                    req.index,
+                    text,
+                    new_ids,
+                    lps,
+                    req.finish_reason if done else None,
+                    req.stop_reason if done else None,
+                )
+            )
         if new_tokens:
             if timing.first_token is None:
                 timing.first_token = now
@@ -481,8 +501,11 @@ class AsyncLLMEngine:
                 self.stats_listener.on_request_finished(timing)
         prompt_lps = None
         first = tracked.children[0]
-        if (first.prompt_logprobs is not None and not tracked.prompt_logprobs_sent
-                and (len(first.prompt_logprobs) == first.num_prompt_tokens or finished)):
+        if (
+            first.prompt_logprobs is not None
+            and not tracked.prompt_logprobs_sent
+            and (len(first.prompt_logprobs) == first.num_prompt_tokens or finished)
+        ):
             prompt_lps, tracked.prompt_logprobs_sent = first.decoded_prompt_logprobs(), True
         if not seqs and not finished and prompt_lps is None:
             return None, new_tokens
@@ -502,8 +525,11 @@ class AsyncLLMEngine:
         engine = self.engine
         t0 = time.monotonic()
         ids = _warmup_token_ids(engine, 64)
-        self._run_to_end("ember-warmup-short", ids[:16],
-                         SamplingParams(temperature=0.8, top_p=0.9, max_tokens=4, ignore_eos=True, logprobs=1))
+        self._run_to_end(
+            "ember-warmup-short",
+            ids[:16],
+            SamplingParams(temperature=0.8, top_p=0.9, max_tokens=4, ignore_eos=True, logprobs=1),
+        )
         n = max(1, min(engine.config.scheduler_config.max_num_batched_tokens, engine.parts.limits.max_model_len - 1))
         if engine.parts.setup.device.type == "cpu":
             # A CPU has no memory pool to reserve up front, and every kernel path a long prompt takes runs
@@ -512,8 +538,11 @@ class AsyncLLMEngine:
             n = min(n, CPU_WARMUP_TOKENS)
         if not engine.config.scheduler_config.enable_chunked_prefill:
             n = min(n, engine.config.scheduler_config.max_num_batched_tokens)
-        self._run_to_end("ember-warmup-full", _warmup_token_ids(engine, n, offset=7),
-                         SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        self._run_to_end(
+            "ember-warmup-full",
+            _warmup_token_ids(engine, n, offset=7),
+            SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+        )
         seconds = time.monotonic() - t0
         logger.info("warmup: a 16-token request and a %d-token step in %.2fs; ready", n, seconds)
         return seconds

@@ -4,6 +4,7 @@ Text grows through the tokenizer's decode stream, which only emits whole UTF-8 c
 After each update only the tail that can hold a newly completed stop string is searched, so
 the cost per step is bounded by the stop strings' length, not the output's.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -82,7 +83,7 @@ class IncrementalDetokenizer:
             end -= self._held_back()
         if end <= self._sent:
             return ""
-        delta = self._text[self._sent:end]
+        delta = self._text[self._sent : end]
         self._sent = end
         return delta
 

@@ -7,6 +7,7 @@ engine.parts.loaded.tokenizer; the engine itself keeps only the requests. A step
 schedule -> runner.execute -> (speculation: verified) -> scheduler.update_after_step ->
 detokenize and stop checks -> (speculation: propose the next drafts).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -62,15 +63,27 @@ class ParentRequest:
     def output(self) -> RequestOutput:
         """What the caller sees of this request now: every sequence's text and tokens so far."""
         completions = [
-            CompletionOutput(index=r.index, text=r.detokenizer.output_text, token_ids=r.output_token_ids,
-                             logprobs=r.logprobs, finish_reason=r.finish_reason, stop_reason=r.stop_reason)
+            CompletionOutput(
+                index=r.index,
+                text=r.detokenizer.output_text,
+                token_ids=r.output_token_ids,
+                logprobs=r.logprobs,
+                finish_reason=r.finish_reason,
+                stop_reason=r.stop_reason,
+            )
             for r in self.children
         ]
         first = self.children[0]
         cached = max(0, first.num_cached_tokens)
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions,
-                             finished=self.finished, num_cached_tokens=cached,
-                             prompt_logprobs=first.decoded_prompt_logprobs())
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            completions,
+            finished=self.finished,
+            num_cached_tokens=cached,
+            prompt_logprobs=first.decoded_prompt_logprobs(),
+        )
 
 
 class LLMEngine:
@@ -84,8 +97,9 @@ class LLMEngine:
             # lens of plain containers: safe to read from the compile thread
             self.parts.compiler.demand = lambda: self.parts.scheduler.num_unfinished
         loaded = self.parts.loaded
-        self.structured = StructuredOutputManager(loaded.tokenizer, loaded.model_config.vocab_size,
-                                                  self.parts.eos_token_ids, config.reasoning_parser)
+        self.structured = StructuredOutputManager(
+            loaded.tokenizer, loaded.model_config.vocab_size, self.parts.eos_token_ids, config.reasoning_parser
+        )
         self.parents: dict[str, ParentRequest] = {}
         self._ids = itertools.count()
 
@@ -117,8 +131,11 @@ class LLMEngine:
         compiler = self.parts.compiler
         if compiler is not None and not compiler.done:
             ready = compiler.ready_shapes
-            return (f"compiled ({ready} shapes so far; the rest compile in the background as they are needed)" if ready
-                    else "compiling (eager meanwhile)")
+            return (
+                f"compiled ({ready} shapes so far; the rest compile in the background as they are needed)"
+                if ready
+                else "compiling (eager meanwhile)"
+            )
         return self.parts.limits.executor
 
     @property
@@ -143,12 +160,14 @@ class LLMEngine:
         text, ids = prompt_text_and_ids(prompt, loaded.tokenizer)
         if not ids:
             raise InvalidRequestError("the prompt is empty; give at least one token")
-        params = check_request(ids, params, self.config, loaded.model_config.vocab_size,
-                               self.parts.limits.max_model_len)
+        params = check_request(
+            ids, params, self.config, loaded.model_config.vocab_size, self.parts.limits.max_model_len
+        )
         group = ParentRequest(request_id, text, ids)
         for i in range(params.n):
-            child_params = params if params.n == 1 else params.replace(
-                n=1, seed=None if params.seed is None else params.seed + i)
+            child_params = (
+                params if params.n == 1 else params.replace(n=1, seed=None if params.seed is None else params.seed + i)
+            )
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(rid, ids, child_params, prompt=text)
             req.parent_id, req.index = request_id, i
@@ -276,7 +295,9 @@ class LLMEngine:
         if spec is not None:
             stats.update(spec.stats.as_dict())
         if tp is not None:
-            stats.update(tp_comm_seconds_last_step=tp.last_step_comm_seconds,
-                         tp_broadcast_seconds_last_step=tp.last_step_broadcast_seconds,
-                         tp_comm_seconds_total=tp.total_comm_seconds)
+            stats.update(
+                tp_comm_seconds_last_step=tp.last_step_comm_seconds,
+                tp_broadcast_seconds_last_step=tp.last_step_broadcast_seconds,
+                tp_comm_seconds_total=tp.total_comm_seconds,
+            )
         return stats

@@ -6,6 +6,7 @@ both free and a cache entry until it is handed out again. The free queue is LRU:
 to its back when freed (the tail of a sequence first, so its head survives longer) and are
 taken from its front.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -26,8 +27,9 @@ def hash_block(parent_hash: int | None, tokens: tuple[int, ...]) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 states: StateSlots | None = None):
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, states: StateSlots | None = None
+    ):
         """states: a hybrid model's recurrent-state slots, handed out and cached with the blocks."""
         self.states = states
         self.num_blocks = num_blocks
@@ -64,13 +66,13 @@ class KVCacheManager:
         hits: list[int] = []
         parent = None
         for i in range(max_blocks):
-            parent = hash_block(parent, tuple(request.token_ids[i * bs:(i + 1) * bs]))
+            parent = hash_block(parent, tuple(request.token_ids[i * bs : (i + 1) * bs]))
             block = self.hash_to_block.get(parent)
             if block is None:
                 break
             hits.append(block)
         if self.states is not None:  # skip only tokens whose recurrent state can be restored
-            hits = hits[:self.states.usable_hit([self.block_hash[b] for b in hits])]
+            hits = hits[: self.states.usable_hit([self.block_hash[b] for b in hits])]
         self.stats.queries += request.num_tokens
         self.stats.hits += len(hits) * bs
         return hits
@@ -88,7 +90,7 @@ class KVCacheManager:
         num_full = min(request.num_computed_tokens, request.num_tokens) // bs
         for i in range(len(request.block_hashes), num_full):
             parent = request.block_hashes[-1] if request.block_hashes else None
-            h = hash_block(parent, tuple(request.token_ids[i * bs:(i + 1) * bs]))
+            h = hash_block(parent, tuple(request.token_ids[i * bs : (i + 1) * bs]))
             request.block_hashes.append(h)
             block = request.block_ids[i]
             if self.block_hash[block] is None and h not in self.hash_to_block:

@@ -24,6 +24,7 @@ V vocab, G the AWQ group size, b the activation dtype's bytes:
                the pool holds floor(budget / block bytes) blocks; the largest max_model_len is
                min(model context, pool tokens); concurrency = pool tokens / max_model_len.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,8 @@ import os
 from dataclasses import asdict, dataclass
 
 from ember.config import EngineConfig
-from ember.errors import ConfigError, KVCacheTooSmallError, ModelLoadError, UnsupportedModelError
 from ember.config.model_config import ModelConfig
+from ember.errors import ConfigError, KVCacheTooSmallError, ModelLoadError, UnsupportedModelError
 from ember.platform import available_ram_bytes, resolve_dtype_name
 
 GiB = 1 << 30
@@ -43,6 +44,7 @@ AWQ_DEFAULT_GROUP = 128
 
 
 # ---- KV cache ------------------------------------------------------------------------------
+
 
 def kv_elem_bytes(kv_cache_dtype: str, dtype_bytes: int) -> int:
     return dtype_bytes if kv_cache_dtype == "auto" else 1
@@ -102,7 +104,8 @@ def check_states_fit(budget_bytes: float, state_bytes: int, knob: str) -> None:
     raise KVCacheTooSmallError(
         f"the recurrent-state slots of this hybrid model need {state_bytes / GiB:.3f} GiB and the KV cache budget is "
         f"{budget_bytes / GiB:.3f} GiB: raise {knob}, or lower --max-num-seqs (one slot a sequence) or "
-        "--max-state-snapshots (prefix-cache snapshots); `ember plan` shows the arithmetic")
+        "--max-state-snapshots (prefix-cache snapshots); `ember plan` shows the arithmetic"
+    )
 
 
 def check_fits(pool: KVPool, max_model_len: int, knob: str) -> None:
@@ -114,10 +117,12 @@ def check_fits(pool: KVPool, max_model_len: int, knob: str) -> None:
         f"the KV cache ({pool.budget_bytes / GiB:.3f} GiB, {pool.num_blocks} blocks of {pool.block_size} tokens) "
         f"cannot hold one sequence of --max-model-len {max_model_len}; the largest max-model-len that fits is "
         f"{pool.tokens}: pass --max-model-len {pool.tokens} or raise {knob} (one full sequence needs {need_gib:.3f} "
-        "GiB; `ember plan` shows the arithmetic)")
+        "GiB; `ember plan` shows the arithmetic)"
+    )
 
 
 # ---- weights -------------------------------------------------------------------------------
+
 
 def weight_inventory(mc: ModelConfig, tp: int = 1, extra_layers: int = 0) -> tuple[list[tuple[int, int]], int]:
     """Per device: ([(out, in)] of every linear, elements held dense: embeddings, norms, biases, routers)."""
@@ -127,8 +132,11 @@ def weight_inventory(mc: ModelConfig, tp: int = 1, extra_layers: int = 0) -> tup
     linears, dense = [], 0
     for layer in range(mc.num_layers + extra_layers):
         if layer < mc.num_layers and mc.layer_type(layer) == "linear_attention":  # Gated DeltaNet
-            kd, vd, nv = c(mc.linear_num_key_heads) * mc.linear_key_head_dim, \
-                c(mc.linear_num_value_heads) * mc.linear_value_head_dim, c(mc.linear_num_value_heads)
+            kd, vd, nv = (
+                c(mc.linear_num_key_heads) * mc.linear_key_head_dim,
+                c(mc.linear_num_value_heads) * mc.linear_value_head_dim,
+                c(mc.linear_num_value_heads),
+            )
             linears += [((2 * kd + 2 * vd), H), (2 * nv, H), (H, vd)]
             dense += 2 * H + (2 * kd + vd) * mc.linear_conv_kernel_dim + 2 * nv + mc.linear_value_head_dim
         elif mc.is_hybrid:  # gated attention: q_proj is twice as tall
@@ -163,8 +171,15 @@ def num_parameters(mc: ModelConfig, extra_layers: int = 0) -> int:
     return sum(o * i for o, i in linears) + dense
 
 
-def weight_bytes(mc: ModelConfig, quantization: str, dtype_bytes: int, tp: int = 1, extra_layers: int = 0,
-                 group_size: int = AWQ_DEFAULT_GROUP, gguf_bytes: int | None = None) -> int:
+def weight_bytes(
+    mc: ModelConfig,
+    quantization: str,
+    dtype_bytes: int,
+    tp: int = 1,
+    extra_layers: int = 0,
+    group_size: int = AWQ_DEFAULT_GROUP,
+    gguf_bytes: int | None = None,
+) -> int:
     linears, dense = weight_inventory(mc, tp, extra_layers)
     linear_elems = sum(o * i for o, i in linears)
     if quantization == "awq":
@@ -176,6 +191,7 @@ def weight_bytes(mc: ModelConfig, quantization: str, dtype_bytes: int, tp: int =
 
 # ---- activations ---------------------------------------------------------------------------
 
+
 def activation_bytes_per_token(mc: ModelConfig, dtype_bytes: int, tp: int = 1) -> int:
     c = lambda n: -(-n // tp)  # noqa: E731
     inter = max(mc.intermediate_size, mc.moe_intermediate_size * mc.num_experts_per_tok)
@@ -184,8 +200,9 @@ def activation_bytes_per_token(mc: ModelConfig, dtype_bytes: int, tp: int = 1) -
 
 
 def activation_bytes(mc: ModelConfig, dtype_bytes: int, tp: int, max_num_batched_tokens: int, max_num_seqs: int) -> int:
-    return (max_num_batched_tokens * activation_bytes_per_token(mc, dtype_bytes, tp)
-            + 2 * max_num_seqs * mc.vocab_size * 4)
+    return (
+        max_num_batched_tokens * activation_bytes_per_token(mc, dtype_bytes, tp) + 2 * max_num_seqs * mc.vocab_size * 4
+    )
 
 
 def cuda_reserve_bytes(mc: ModelConfig, dtype_bytes: int, tp: int, max_num_seqs: int) -> int:
@@ -193,6 +210,7 @@ def cuda_reserve_bytes(mc: ModelConfig, dtype_bytes: int, tp: int, max_num_seqs:
 
 
 # ---- a model on disk -> a plan --------------------------------------------------------------
+
 
 @dataclass
 class Source:
@@ -239,8 +257,10 @@ def resolve_quantization(src: Source, requested: str) -> tuple[str, int]:
     group = int(qc.get("group_size") or qc.get("q_group_size") or AWQ_DEFAULT_GROUP)
     q = held if requested in ("auto", None) else requested
     if q not in ("none", "awq", "gguf"):
-        raise UnsupportedModelError(f"{src.path} holds {q!r}-quantized weights; ember plans none, awq and gguf. "
-                                    "Pass --quantization none or awq to plan those instead")
+        raise UnsupportedModelError(
+            f"{src.path} holds {q!r}-quantized weights; ember plans none, awq and gguf. "
+            "Pass --quantization none or awq to plan those instead"
+        )
     if q == "gguf" and src.kind != "gguf":
         raise ConfigError("--quantization gguf plans from a .gguf file's own tensor bytes; give the .gguf file")
     if q == "awq" and src.kind == "gguf":
@@ -341,10 +361,37 @@ def plan(config: EngineConfig, memory_gib: float | None = None) -> Plan:
     if sched.max_model_len is not None and sched.max_model_len > context:
         raise ConfigError(f"--max-model-len {sched.max_model_len} exceeds the model's context length {context}")
     want = sched.max_model_len or context
-    return Plan(src.path, mc.architecture, device, dtype, config.kv_cache_dtype, quant, tp, num_parameters(mc, extra),
-                weights, mc.num_kv_layers + extra, kv_heads_per_device(mc, tp), mc.head_dim, elem, per_token, act, cuda,
-                memory, usable, budget, block_size, pool.tokens, context, want, min(context, pool.tokens),
-                pool.tokens / want, pool.tokens >= want and state_seq * slots < budget, draft_kv, state_seq, slots)
+    return Plan(
+        src.path,
+        mc.architecture,
+        device,
+        dtype,
+        config.kv_cache_dtype,
+        quant,
+        tp,
+        num_parameters(mc, extra),
+        weights,
+        mc.num_kv_layers + extra,
+        kv_heads_per_device(mc, tp),
+        mc.head_dim,
+        elem,
+        per_token,
+        act,
+        cuda,
+        memory,
+        usable,
+        budget,
+        block_size,
+        pool.tokens,
+        context,
+        want,
+        min(context, pool.tokens),
+        pool.tokens / want,
+        pool.tokens >= want and state_seq * slots < budget,
+        draft_kv,
+        state_seq,
+        slots,
+    )
 
 
 def format_plan(p: Plan) -> str:
@@ -356,27 +403,57 @@ def format_plan(p: Plan) -> str:
         ("model", f"{p.architecture}  {p.model}"),
         ("parameters", f"{p.num_parameters:,} ({p.num_parameters / 1e9:.2f} B)"),
         ("weights", f"{size(p.weight_bytes)}  [{p.quantization}, {p.dtype}{tp}]"),
-        ("KV bytes per token", f"{p.kv_bytes_per_token:,} B = 2 x {p.kv_layers} layers x {p.kv_heads_per_device} kv heads"
-                               f" x {p.head_dim} head_dim x {p.kv_elem_bytes} B"
-                               + (f" + {p.draft_kv_bytes_per_token:,} B draft model" if p.draft_kv_bytes_per_token else "")
-                               + f"  [{p.kv_cache_dtype}]"),
+        (
+            "KV bytes per token",
+            f"{p.kv_bytes_per_token:,} B = 2 x {p.kv_layers} layers x {p.kv_heads_per_device} kv heads"
+            f" x {p.head_dim} head_dim x {p.kv_elem_bytes} B"
+            + (f" + {p.draft_kv_bytes_per_token:,} B draft model" if p.draft_kv_bytes_per_token else "")
+            + f"  [{p.kv_cache_dtype}]",
+        ),
         ("KV per sequence", f"{size(p.kv_bytes_per_token * p.max_model_len)} for {p.max_model_len:,} tokens"),
         ("activation reserve", size(p.activation_bytes)),
         ("CUDA reserve", size(p.cuda_reserve_bytes) if p.device == "cuda" else "- (cpu)"),
-        ("memory", f"{size(p.memory_bytes)}" + (f", usable {size(p.usable_bytes)}" if p.usable_bytes != p.memory_bytes else "")),
+        (
+            "memory",
+            f"{size(p.memory_bytes)}"
+            + (f", usable {size(p.usable_bytes)}" if p.usable_bytes != p.memory_bytes else ""),
+        ),
         ("KV cache budget", size(p.kv_budget_bytes)),
-        *([("recurrent state", f"{size(p.state_bytes_per_seq)} a sequence (fp32 SSM + conv window); {p.state_slots} "
-                               f"slots = max_num_seqs + 2 x max_num_seqs prefix-cache snapshots = "
-                               f"{size(p.state_bytes_per_seq * p.state_slots)} of the budget")]
-          if p.state_bytes_per_seq else []),
+        *(
+            [
+                (
+                    "recurrent state",
+                    f"{size(p.state_bytes_per_seq)} a sequence (fp32 SSM + conv window); {p.state_slots} "
+                    f"slots = max_num_seqs + 2 x max_num_seqs prefix-cache snapshots = "
+                    f"{size(p.state_bytes_per_seq * p.state_slots)} of the budget",
+                )
+            ]
+            if p.state_bytes_per_seq
+            else []
+        ),
         ("KV pool", f"{p.pool_tokens:,} tokens (blocks of {p.block_size})"),
-        ("max_model_len", f"{p.max_model_len:,} (model context {p.context_len:,})  {'fits' if p.fits else 'DOES NOT FIT'}"),
+        (
+            "max_model_len",
+            f"{p.max_model_len:,} (model context {p.context_len:,})  {'fits' if p.fits else 'DOES NOT FIT'}",
+        ),
         ("largest max_model_len", f"{p.largest_max_model_len:,}"),
-        ("concurrency", f"{p.concurrency:.2f} sequences of {p.max_model_len:,} tokens"
-                        + (" (each also holds a state slot)" if p.state_bytes_per_seq else "")),
-        *([("sequences that fit", f"{int(p.kv_budget_bytes // (p.kv_bytes_per_token * p.max_model_len + p.state_bytes_per_seq))}"
-                                  f" of {p.max_model_len:,} tokens, each with its KV and its recurrent state "
-                                  "(snapshots aside)")] if p.state_bytes_per_seq else []),
+        (
+            "concurrency",
+            f"{p.concurrency:.2f} sequences of {p.max_model_len:,} tokens"
+            + (" (each also holds a state slot)" if p.state_bytes_per_seq else ""),
+        ),
+        *(
+            [
+                (
+                    "sequences that fit",
+                    f"{int(p.kv_budget_bytes // (p.kv_bytes_per_token * p.max_model_len + p.state_bytes_per_seq))}"
+                    f" of {p.max_model_len:,} tokens, each with its KV and its recurrent state "
+                    "(snapshots aside)",
+                )
+            ]
+            if p.state_bytes_per_seq
+            else []
+        ),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -14,18 +14,19 @@ the engine takes them for the drafter (take_last_step); keep_rows keeps the same
 hidden states, for a draft model that only needs to know which rows the step computed. Its own
 KV layers come from allocate_kv: same block ids, same slot_mapping.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
-from ember.request import Request
-from ember.engine.scheduler import SchedulerOutput
+from ember.config.model_config import ModelConfig
 from ember.engine.executor.base import EagerExecutor, StepExecutor
+from ember.engine.scheduler import SchedulerOutput
 from ember.kernels.metadata import AttentionMetadata, RecurrentMetadata, RowSelection, select_rows
 from ember.layers.sampler import SampledToken, Sampler, SamplingRow, make_generator, token_logprobs
-from ember.config.model_config import ModelConfig
+from ember.request import Request
 from ember.spec.proposer import StepRows
 from ember.spec.rejection import RejectionSampler, VerifyRequest
 
@@ -47,9 +48,18 @@ class StepBatch:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, model_config: ModelConfig, num_blocks: int, block_size: int,
-                 kv_dtype: torch.dtype, device: torch.device, num_kv_heads: int | None = None,
-                 generators: dict[str, torch.Generator] | None = None, state_slots: int = 0):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        model_config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        kv_dtype: torch.dtype,
+        device: torch.device,
+        num_kv_heads: int | None = None,
+        generators: dict[str, torch.Generator] | None = None,
+        state_slots: int = 0,
+    ):
         """num_kv_heads: this rank's kv heads under tensor parallelism (default: the model's);
         generators: the per-request seeded generators (shared with a drafter that samples);
         state_slots: a hybrid model's recurrent-state slots (live + snapshots; ember.engine.state_slots)."""
@@ -62,12 +72,24 @@ class ModelRunner:
         # One cache per layer: paged KV for an attention layer, a RecurrentState for a hybrid's
         # linear-attention layer.
         self.state_slots = state_slots if model_config.is_hybrid else 0
-        states = model.make_recurrent_states(state_slots, device) if model_config.is_hybrid else [None] * model_config.num_layers
+        states = (
+            model.make_recurrent_states(state_slots, device)
+            if model_config.is_hybrid
+            else [None] * model_config.num_layers
+        )
         self.recurrent_states = [st for st in states if st is not None]
         self.kv_caches = [
-            st if st is not None else
-            torch.zeros(2, num_blocks, block_size, num_kv_heads or model_config.num_kv_heads, model_config.head_dim,
-                        dtype=kv_dtype, device=device)
+            st
+            if st is not None
+            else torch.zeros(
+                2,
+                num_blocks,
+                block_size,
+                num_kv_heads or model_config.num_kv_heads,
+                model_config.head_dim,
+                dtype=kv_dtype,
+                device=device,
+            )
             for st in states
         ]
         self.extra_kv_caches: list[torch.Tensor] = []  # a drafter's own layers (MTP), same block ids
@@ -84,8 +106,15 @@ class ModelRunner:
         """One more zeroed KV layer in the pool's layout: block b is the main layers' block b (a
         drafter's layer shares the block tables); extra_blocks more at the end are the caller's
         own scratch, never handed out by the block manager."""
-        cache = torch.zeros(2, self.num_blocks + extra_blocks, self.block_size, num_heads, head_dim,
-                            dtype=self.kv_dtype, device=self.device)
+        cache = torch.zeros(
+            2,
+            self.num_blocks + extra_blocks,
+            self.block_size,
+            num_heads,
+            head_dim,
+            dtype=self.kv_dtype,
+            device=self.device,
+        )
         self.extra_kv_caches.append(cache)
         return cache
 
@@ -109,11 +138,14 @@ class ModelRunner:
             draft = out.drafts.get(req.request_id)
             d = len(draft) if draft is not None else 0
             entries.append((req, query_start[-1], start, n))
-            input_ids.extend(req.token_ids[start:end - d])
+            input_ids.extend(req.token_ids[start : end - d])
             if req.prompt_logprobs is not None:
                 last = min(end, req.num_prompt_tokens - 1)  # the last prompt row scores the first output token
-                prompt_rows.extend((req, query_start[-1] + p - start, p) for p in range(start, last)
-                                   if p + 1 >= len(req.prompt_logprobs))  # a recompute adds nothing twice
+                prompt_rows.extend(
+                    (req, query_start[-1] + p - start, p)
+                    for p in range(start, last)
+                    if p + 1 >= len(req.prompt_logprobs)
+                )  # a recompute adds nothing twice
             if d:
                 input_ids.extend(draft.token_ids)  # positions num_tokens.. : K/V written, kept only if accepted
             positions.extend(range(start, end))
@@ -156,8 +188,9 @@ class ModelRunner:
         return StepBatch(ids, pos, meta, logit_rows, sampling_reqs, select, entries, tables, prompt_rows)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, banned_token_ids: dict[str, list[int]] | None = None,
-                masks=None) -> dict[str, list[SampledToken]]:
+    def execute(
+        self, out: SchedulerOutput, banned_token_ids: dict[str, list[int]] | None = None, masks=None
+    ) -> dict[str, list[SampledToken]]:
         """Run one step. Returns, for every request whose step reached its end, the tokens it
         emits: one sampled token, or its accepted drafts then one more (len - 1 = accepted).
         masks: the step's grammar bitmasks (ember.structured.masks.StepMasks), applied to the
@@ -168,8 +201,11 @@ class ModelRunner:
             self.model.copy_states(self.recurrent_states, out.state_copies)
         hidden = self.executor.run(batch.input_ids, batch.positions, batch.meta, batch.select)
         keep = self.keep_hidden or self.keep_rows
-        self.last_step = StepRows(hidden if self.keep_hidden else None, batch.entries, batch.meta.slot_mapping,
-                                  batch.tables) if keep else None
+        self.last_step = (
+            StepRows(hidden if self.keep_hidden else None, batch.entries, batch.meta.slot_mapping, batch.tables)
+            if keep
+            else None
+        )
         if batch.prompt_rows:
             self._score_prompt(hidden, batch.prompt_rows)
         if not logit_rows:
@@ -201,14 +237,18 @@ class ModelRunner:
             items = []
             for req, _ in verify:
                 draft = out.drafts[req.request_id]
-                items.append(VerifyRequest([self._row(req, banned_token_ids, draft.token_ids[:j])
-                                            for j in range(1 + len(draft))], draft))
+                items.append(
+                    VerifyRequest(
+                        [self._row(req, banned_token_ids, draft.token_ids[:j]) for j in range(1 + len(draft))], draft
+                    )
+                )
             v_rows = torch.tensor([i for _, rs in verify for i in rs], device=logits.device)
             emitted = self.rejection(logits[v_rows], items)
             result.update((req.request_id, toks) for (req, _), toks in zip(verify, emitted))
             if self.recurrent_states:  # each verify's state moves to its last accepted token
-                self.model.commit_states(self.recurrent_states,
-                                         {req.state_slot: len(toks) - 1 for (req, _), toks in zip(verify, emitted)})
+                self.model.commit_states(
+                    self.recurrent_states, {req.state_slot: len(toks) - 1 for (req, _), toks in zip(verify, emitted)}
+                )
         return result
 
     def _score_prompt(self, hidden: torch.Tensor, rows: list[tuple[Request, int, int]]) -> None:

@@ -15,11 +15,11 @@ behind them, and a request whose lookahead slots do not fit drops its drafts bef
 is preempted. After the step the runner reports how many drafts were rejected; their
 tokens are not counted as computed (their K/V is overwritten later).
 """
+
 from __future__ import annotations
 
-import time
-
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -54,8 +54,14 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_model_len: int, enable_chunked_prefill: bool = True):
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+    ):
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -99,8 +105,9 @@ class Scheduler:
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             # prompt logprobs come from the prompt's own positions: a request that asks for them computes all
-            cached = (self.kv.find_cached_prefix(req)
-                      if req.num_computed_tokens == 0 and req.prompt_logprobs is None else [])
+            cached = (
+                self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 and req.prompt_logprobs is None else []
+            )
             num_cached = len(cached) * self.kv.block_size
             n = req.num_tokens - req.num_computed_tokens - num_cached
             if n > budget and not self.enable_chunked_prefill:
@@ -122,14 +129,26 @@ class Scheduler:
             out.state_copies = self.kv.states.take_copies()
         self.step_count += 1
         if logger.isEnabledFor(logging.DEBUG) and out.scheduled:
-            chunks = [n for r, n in out.scheduled if r.request_id not in out.drafts
-                      and (r.num_computed_tokens + n < r.num_tokens or n > 1)]
+            chunks = [
+                n
+                for r, n in out.scheduled
+                if r.request_id not in out.drafts and (r.num_computed_tokens + n < r.num_tokens or n > 1)
+            ]
             decodes = sum(1 for r, n in out.scheduled if n == 1 or r.request_id in out.drafts)
-            logger.debug("step %d: %d tokens scheduled, prefill chunks %s, %d decodes (+%d draft tokens), %d waiting, "
-                         "KV %.1f%% used (%d/%d blocks free)%s",
-                         self.step_count, out.num_tokens, chunks, decodes, out.num_draft_tokens, len(self.waiting), 100 * self.kv.usage,
-                         self.kv.num_free_blocks, self.kv.num_blocks,
-                         f", preempted {[r.request_id for r in out.preempted]}" if out.preempted else "")
+            logger.debug(
+                "step %d: %d tokens scheduled, prefill chunks %s, %d decodes (+%d draft tokens), %d waiting, "
+                "KV %.1f%% used (%d/%d blocks free)%s",
+                self.step_count,
+                out.num_tokens,
+                chunks,
+                decodes,
+                out.num_draft_tokens,
+                len(self.waiting),
+                100 * self.kv.usage,
+                self.kv.num_free_blocks,
+                self.kv.num_blocks,
+                f", preempted {[r.request_id for r in out.preempted]}" if out.preempted else "",
+            )
         return out
 
     @staticmethod

@@ -17,6 +17,7 @@ only from the states of accepted tokens, at commit: a rejected draft never reach
 and named only after the step, once the tokens up to p are computed and known. Restores are copies
 (snapshot -> live slot) that the runner makes before the step's forward, in the order recorded.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -79,7 +80,12 @@ class StateSlots:
         last_prompt_boundary = (req.num_prompt_tokens - 1) // bs * bs
         for p in range((start // bs + 1) * bs, end + 1, bs):
             in_prompt = p <= last_prompt_boundary
-            if in_prompt and (p % self.interval == 0 or p == last_prompt_boundary) or not in_prompt and p == end - (end % bs):
+            if (
+                in_prompt
+                and (p % self.interval == 0 or p == last_prompt_boundary)
+                or not in_prompt
+                and p == end - (end % bs)
+            ):
                 if not in_prompt and req.rolling_snapshot is not None:  # replaced, not kept beside the new one
                     self._drop(req.rolling_snapshot)
                     req.rolling_snapshot = None

@@ -1,4 +1,5 @@
 """`ember serve | generate | chat | compile | bench | plan | quantize | train-mtp`."""
+
 from __future__ import annotations
 
 import argparse
@@ -24,9 +25,16 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
 def _sampling_params(args):
     from ember.sampling import SamplingParams
 
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                          seed=args.sampling_seed, stop=args.stop)
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.sampling_seed,
+        stop=args.stop,
+    )
 
 
 def _stream(engine, request_id: str, prompt, params, out=None) -> str:
@@ -138,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_command(func, args) -> int:
     """Log setup and the one place a user error becomes a message and exit code 2 (no traceback)."""
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
     try:
         func(args)
     except EmberError as e:

@@ -9,6 +9,7 @@ flags, torch and CPU finds it: its graphs then load in seconds rather than minut
 install runs it for the default model. A model or flag combination with nothing to compile (a
 GPU, a hybrid model, --executor eager) says so and succeeds.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,24 +27,30 @@ WORKER_PACKAGES = "EMBER_COMPILE_PACKAGES"
 def add_compile_parser(sub) -> None:
     from ember.config.engine_args import add_engine_args
 
-    p = sub.add_parser("compile", help="build a model's compiled decode graphs into the compile cache now "
-                                       "(later `ember serve` starts load them in seconds)")
+    p = sub.add_parser(
+        "compile",
+        help="build a model's compiled decode graphs into the compile cache now "
+        "(later `ember serve` starts load them in seconds)",
+    )
     add_engine_args(p)
     p.set_defaults(func=cmd_compile)
 
 
 def cmd_compile(args: argparse.Namespace) -> None:
-    from ember.engine.engine import LLMEngine
     from ember.config.engine_args import engine_config_from_args
+    from ember.engine.engine import LLMEngine
 
     config = engine_config_from_args(args)
     t0 = time.monotonic()
     engine = LLMEngine(config, defer_compile=True)
     try:
         if engine.parts.compiler is None:
-            print(f"ember compile: nothing to compile: this engine runs the {engine.parts.limits.executor} executor "
-                  "(graphs are compiled for --executor auto on CPU with ember's C++ kernels, where "
-                  "EMBER_AUTO_COMPILE is not 0)", flush=True)
+            print(
+                f"ember compile: nothing to compile: this engine runs the {engine.parts.limits.executor} executor "
+                "(graphs are compiled for --executor auto on CPU with ember's C++ kernels, where "
+                "EMBER_AUTO_COMPILE is not 0)",
+                flush=True,
+            )
             return
         share = os.environ.get(WORKER_PACKAGES)
         if share is not None:  # a worker of a parent `ember compile`: its packages, then exit
@@ -58,12 +65,16 @@ def cmd_compile(args: argparse.Namespace) -> None:
     finally:
         engine.shutdown()
     if failures:
-        raise EmberError("ember compile: these graphs did not compile (a server runs their steps eagerly): "
-                         + "; ".join(failures))
+        raise EmberError(
+            "ember compile: these graphs did not compile (a server runs their steps eagerly): " + "; ".join(failures)
+        )
     from ember.engine.executor.compile_cache import use_compile_cache
 
-    print(f"ember compile: {shapes} decode graphs of {engine.parts.loaded.path} ready in "
-          f"{time.monotonic() - t0:.0f} s, kept in {use_compile_cache()}", flush=True)
+    print(
+        f"ember compile: {shapes} decode graphs of {engine.parts.loaded.path} ready in "
+        f"{time.monotonic() - t0:.0f} s, kept in {use_compile_cache()}",
+        flush=True,
+    )
 
 
 def _packages_to_build(engine) -> list[str]:
@@ -72,8 +83,11 @@ def _packages_to_build(engine) -> list[str]:
     jobs = []
     for executor in engine.parts.compiler.executors:  # the model's, then the MTP fill's
         if executor.ahead_of_time and executor.graph_identity is not None:
-            jobs += [f"{executor.what}|{b}|{n}" for b, n in executor.shapes
-                     if not os.path.exists(executor.package_path((b, n)))]
+            jobs += [
+                f"{executor.what}|{b}|{n}"
+                for b, n in executor.shapes
+                if not os.path.exists(executor.package_path((b, n)))
+            ]
     return jobs
 
 
@@ -89,8 +103,15 @@ def _build_packages_in_parallel(engine) -> None:
     if len(shares) < 2 or sys.argv[1:2] != ["compile"]:
         return
     argv = [sys.executable, "-m", "ember.entrypoints.cli", *sys.argv[1:]]
-    workers = [subprocess.Popen(argv, env=dict(os.environ, **{WORKER_PACKAGES: ";".join(share)}),
-                                stdout=subprocess.DEVNULL, preexec_fn=_end_with_parent) for share in shares[1:]]
+    workers = [
+        subprocess.Popen(
+            argv,
+            env=dict(os.environ, **{WORKER_PACKAGES: ";".join(share)}),
+            stdout=subprocess.DEVNULL,
+            preexec_fn=_end_with_parent,
+        )
+        for share in shares[1:]
+    ]
     try:
         try:
             _build(engine, shares[0])

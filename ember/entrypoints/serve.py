@@ -4,14 +4,15 @@ The flags are ember/server/launcher.py's (every engine flag, and the server's ow
 names). The model is loaded before the port opens, so a bad model or flag fails the command with
 its message instead of leaving a half-started server.
 """
+
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 import logging
 import os
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import uvicorn
 
@@ -66,19 +67,33 @@ def build_server(args):
     engine = engine_thread.submit(LLMEngine, engine_config_from_args(args), defer_compile=True).result()
     names = _model_name(args, engine)
     switches = [flag[2:].replace("-", "_") for flag in VLLM_SWITCHES]
-    config = ServerConfig(served_model_names=names, model_root=str(engine.parts.loaded.path),
-                          api_key=args.api_key or os.environ.get("EMBER_API_KEY") or os.environ.get("VLLM_API_KEY")
-                          or None,
-                          chat_template=template, log_requests=not args.disable_log_requests,
-                          root_path=args.root_path, **{name: getattr(args, name) for name in switches})
+    config = ServerConfig(
+        served_model_names=names,
+        model_root=str(engine.parts.loaded.path),
+        api_key=args.api_key or os.environ.get("EMBER_API_KEY") or os.environ.get("VLLM_API_KEY") or None,
+        chat_template=template,
+        log_requests=not args.disable_log_requests,
+        root_path=args.root_path,
+        **{name: getattr(args, name) for name in switches},
+    )
     metrics = ServerMetrics.for_engine(names[0], engine)
     metrics.watch_compile(engine)
-    async_engine = AsyncLLMEngine(engine, max_waiting_requests=args.max_waiting_requests, warmup=args.warmup,
-                                  stats=metrics, executor=engine_thread)
+    async_engine = AsyncLLMEngine(
+        engine,
+        max_waiting_requests=args.max_waiting_requests,
+        warmup=args.warmup,
+        stats=metrics,
+        executor=engine_thread,
+    )
     app = build_app(async_engine, config, metrics)
-    uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                        timeout_graceful_shutdown=args.shutdown_timeout + ABORT_FLUSH_SECONDS,
-                        access_log=args.uvicorn_log_level in ("info", "debug", "trace"))
+    uv = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        timeout_graceful_shutdown=args.shutdown_timeout + ABORT_FLUSH_SECONDS,
+        access_log=args.uvicorn_log_level in ("info", "debug", "trace"),
+    )
     return DrainingServer(uv, app, args.shutdown_timeout), app
 
 
@@ -98,8 +113,12 @@ class DrainingServer(uvicorn.Server):
         serving = self.app.state.serving
         if not serving.draining:
             serving.draining = True
-            logger.info("ember serve: shutting down; %s", "aborting the requests in flight" if not self.shutdown_timeout
-                        else f"giving the requests in flight {self.shutdown_timeout:g}s")
+            logger.info(
+                "ember serve: shutting down; %s",
+                "aborting the requests in flight"
+                if not self.shutdown_timeout
+                else f"giving the requests in flight {self.shutdown_timeout:g}s",
+            )
             self._timer = threading.Timer(self.shutdown_timeout, self.app.state.engine.abort_all)
             self._timer.daemon = True
             self._timer.start()
@@ -111,12 +130,18 @@ def run_server(args) -> None:
     server, app = build_server(args)
     auth = "API key required" if app.state.serving.config.api_key else "no API key"
     if args.host not in ("127.0.0.1", "localhost", "::1") and not app.state.serving.config.api_key:
-        logger.warning("listening on %s without --api-key: anyone who can reach this port can use the model",
-                       args.host)
+        logger.warning("listening on %s without --api-key: anyone who can reach this port can use the model", args.host)
     compiling = app.state.engine.executor_state
-    logger.info("ember serve: %s at http://%s:%d/v1 (%s), engine built in %.1fs%s; decode steps: %s",
-                ", ".join(app.state.serving.config.served_model_names), args.host, args.port, auth,
-                time.monotonic() - t0, "; warming up" if args.warmup else "", compiling)
+    logger.info(
+        "ember serve: %s at http://%s:%d/v1 (%s), engine built in %.1fs%s; decode steps: %s",
+        ", ".join(app.state.serving.config.served_model_names),
+        args.host,
+        args.port,
+        auth,
+        time.monotonic() - t0,
+        "; warming up" if args.warmup else "",
+        compiling,
+    )
     # SIGTERM asks for a stop: once uvicorn's graceful shutdown is done it re-raises the signal it caught,
     # and with the default handler the process would die of it (status 143, which `make run` reports as
     # "Terminated", exit 2). Handled, the re-raise ends here and a finished shutdown exits 0, as Ctrl-C does.

@@ -7,6 +7,7 @@ draft vocabulary) and DIR/README.md (command, data, time, held-out acceptance pe
 --checkpoint-dir): an interrupted run continues with --resume, and a run with the same data
 settings reuses the generated data.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,15 +18,31 @@ def cmd_train_mtp(args) -> None:
     from ember.train.mtp import TrainConfig, train_mtp
 
     cfg = TrainConfig(
-        model=args.model, out=args.out, checkpoint_dir=args.checkpoint_dir, num_prompts=args.num_prompts,
-        max_new_tokens=args.max_new_tokens, eval_prompts=args.eval_prompts, epochs=args.epochs, lr=args.lr,
-        draft_vocab_size=args.draft_vocab_size, depth=args.depth, batch_tokens=args.batch_tokens, seed=args.seed,
-        train_dtype=args.train_dtype, threads=args.threads, gen_batch=args.gen_batch, save_every=args.save_every,
-        resume=args.resume, max_steps=args.max_steps)
+        model=args.model,
+        out=args.out,
+        checkpoint_dir=args.checkpoint_dir,
+        num_prompts=args.num_prompts,
+        max_new_tokens=args.max_new_tokens,
+        eval_prompts=args.eval_prompts,
+        epochs=args.epochs,
+        lr=args.lr,
+        draft_vocab_size=args.draft_vocab_size,
+        depth=args.depth,
+        batch_tokens=args.batch_tokens,
+        seed=args.seed,
+        train_dtype=args.train_dtype,
+        threads=args.threads,
+        gen_batch=args.gen_batch,
+        save_every=args.save_every,
+        resume=args.resume,
+        max_steps=args.max_steps,
+    )
     report = train_mtp(cfg, command=command_line(args))
     acc = ", ".join(f"{a:.3f}" for a in report["acceptance"])
-    print(f"{args.out}: held-out greedy acceptance per draft position {acc}; "
-          f"training {report['train_seconds'] / 60:.1f} min")
+    print(
+        f"{args.out}: held-out greedy acceptance per draft position {acc}; "
+        f"training {report['train_seconds'] / 60:.1f} min"
+    )
 
 
 def command_line(args) -> str:
@@ -44,8 +61,12 @@ def command_line(args) -> str:
 
 
 def add_train_mtp_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("train-mtp", help="distil an MTP draft layer for a model that has none",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "train-mtp",
+        help="distil an MTP draft layer for a model that has none",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("model", nargs="?", default=None, help="HF model folder or .gguf file (default: the embedded model)")
     p.add_argument("--out", required=True, help="folder to write (config.json, model.safetensors, README.md)")
     p.add_argument("--checkpoint-dir", default=None, help="generated data and training state (default: OUT/checkpoint)")
@@ -55,13 +76,23 @@ def add_train_mtp_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--eval-prompts", type=int, default=48, help="held-out prompts for the acceptance report")
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate (cosine decay to 10%%)")
-    p.add_argument("--draft-vocab-size", type=int, default=6144,
-                   help="tokens the draft may propose (most frequent first); 0 = the whole vocabulary")
-    p.add_argument("--depth", type=int, default=1, help="draft steps trained (later ones recurse on the layer's output)")
+    p.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        default=6144,
+        help="tokens the draft may propose (most frequent first); 0 = the whole vocabulary",
+    )
+    p.add_argument(
+        "--depth", type=int, default=1, help="draft steps trained (later ones recurse on the layer's output)"
+    )
     p.add_argument("--batch-tokens", type=int, default=2048, help="padded tokens per optimizer step")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--train-dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                   help="compute dtype (autocast; weights and optimizer stay float32)")
+    p.add_argument(
+        "--train-dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="compute dtype (autocast; weights and optimizer stay float32)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
     p.add_argument("--gen-batch", type=int, default=32, help="sequences generated at once")
     p.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (and at each epoch end)")

@@ -6,6 +6,7 @@ backend, so quantized weights, packed kernels and an FP8 KV cache (later chunks 
 earlier ones from the cache) all count. Every token of a window after its first is scored
 against the logits of the token before it; perplexity = exp(mean negative log-likelihood).
 """
+
 from __future__ import annotations
 
 import math
@@ -14,9 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ember.request import Request
 from ember.engine.scheduler import SchedulerOutput
 from ember.errors import ConfigError
+from ember.request import Request
 
 
 @dataclass
@@ -33,8 +34,9 @@ def window_nll(engine, token_ids: list[int], chunk: int) -> tuple[float, int]:
     req = Request("perplexity", token_ids, sampling_params=None)
     runner, kv = engine.parts.runner, engine.parts.kv
     if not kv.allocate_slots(req, len(token_ids)):
-        raise ConfigError(f"the KV cache cannot hold a {len(token_ids)}-token window; lower the window or raise "
-                          "--kv-cache-memory")
+        raise ConfigError(
+            f"the KV cache cannot hold a {len(token_ids)}-token window; lower the window or raise --kv-cache-memory"
+        )
     total, scored = 0.0, 0
     try:
         while req.num_computed_tokens < len(token_ids):
@@ -43,7 +45,7 @@ def window_nll(engine, token_ids: list[int], chunk: int) -> tuple[float, int]:
             batch = runner.prepare(SchedulerOutput(scheduled=[(req, n)]))
             hidden = runner.model(batch.input_ids, batch.positions, runner.kv_caches, batch.meta)
             # Row i predicts token start + i + 1; the window's last row has nothing to predict.
-            targets = torch.tensor(token_ids[start + 1:start + n + 1], dtype=torch.long, device=hidden.device)
+            targets = torch.tensor(token_ids[start + 1 : start + n + 1], dtype=torch.long, device=hidden.device)
             if len(targets):
                 logits = runner.model.compute_logits(hidden[: len(targets)])
                 total += F.cross_entropy(logits.float(), targets, reduction="sum").item()
@@ -60,7 +62,7 @@ def perplexity(engine, token_ids: list[int], window: int = 512, chunk: int = 256
         raise ConfigError("perplexity needs an idle engine (it borrows the KV pool)")
     total, scored, windows = 0.0, 0, 0
     for s in range(0, len(token_ids), window):
-        part = token_ids[s:s + window]
+        part = token_ids[s : s + window]
         if len(part) < 2:
             break
         nll, n = window_nll(engine, part, chunk)

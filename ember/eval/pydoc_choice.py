@@ -10,6 +10,7 @@ through `datasets`' local json loader; `--include_path folder --tasks pydoc_topi
 (the summed log-probability of " " + choice after the question, from prompt logprobs), through
 ember's own engine: the two accuracies must agree.
 """
+
 from __future__ import annotations
 
 import json
@@ -108,7 +109,7 @@ def choice_logprobs(llm, items: list[Item]) -> list[list[float]]:
     sums = []
     for ids, start, out in zip(prompts, spans, outs):
         sums.append(sum(out.prompt_logprobs[p][ids[p]].logprob for p in range(start, len(ids))))
-    return [sums[i * CHOICES:(i + 1) * CHOICES] for i in range(len(items))]
+    return [sums[i * CHOICES : (i + 1) * CHOICES] for i in range(len(items))]
 
 
 def accuracy(items: list[Item], scores: list[list[float]]) -> dict[str, float]:
@@ -141,8 +142,10 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     items = build_items(args.items)
     write_lm_eval_task(args.folder, items)
-    print(f"lm_eval --model local-completions --include_path {args.folder} --tasks {TASK_NAME} --model_args "
-          "base_url=http://127.0.0.1:8000/v1/completions,model=MODEL_NAME,tokenizer_backend=remote")
+    print(
+        f"lm_eval --model local-completions --include_path {args.folder} --tasks {TASK_NAME} --model_args "
+        "base_url=http://127.0.0.1:8000/v1/completions,model=MODEL_NAME,tokenizer_backend=remote"
+    )
     if args.offline:
         from ember import LLM
 

@@ -4,6 +4,7 @@ Which ones a model runs is decided once, when it is built, from objects passed i
 backend (get_attention_backend) and CpuKernels (cpu_kernels.py). See attention_backend.py for the
 backend contract.
 """
+
 from __future__ import annotations
 
 import torch

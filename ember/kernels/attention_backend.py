@@ -14,6 +14,7 @@ are declared fields, read by name (never probed with getattr):
 Backends: torch (the reference), cpu (the reference with C++ kernels), triton (GPU); see
 ember.kernels.get_attention_backend.
 """
+
 from __future__ import annotations
 
 from typing import Protocol
@@ -32,15 +33,30 @@ class AttentionBackend(Protocol):
     CPU, captured on CUDA); none for the torch reference, whose captured decode would read the
     max_model_len bound of keys each step."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
-                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] (this step's) -> [T, Hq, D]; rows past the last sequence are 0.
         k_scale / v_scale: the fp32 scalars of an fp8 cache."""
         ...
 
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    def store_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+    ) -> None:
         """Write k/v [T, Hkv, D] at slot_mapping (-1: skip). Called only where stores_kv."""
         ...
 

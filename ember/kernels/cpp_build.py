@@ -21,6 +21,7 @@ Where a build fails (no compiler, no ninja) the caller gets None, a warning says
 torch path runs instead. Measured cold on 2 Zen4 cores: ~8-12 s a kernel, the paged attention
 kernel's two units ~45 s (ATen's core headers only: torch/extension.h made it 241 s for four).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,8 +61,9 @@ class Kernel:
 
 KERNELS = {
     "cpu_paged_attention.cpp": Kernel("CPU attention kernel", ("cpu_paged_attention_fp32_fp8.cpp",)),
-    "cpu_tiled_gemv.cpp": Kernel("CPU GEMV kernel", (), (("avx512f", "avx512bw", "avx512_bf16"),
-                                                         ("avx2", "fma", "f16c"))),
+    "cpu_tiled_gemv.cpp": Kernel(
+        "CPU GEMV kernel", (), (("avx512f", "avx512bw", "avx512_bf16"), ("avx2", "fma", "f16c"))
+    ),
     "cpu_causal_attention.cpp": Kernel("CPU prefill attention kernel", (), (("avx512f", "avx512_bf16"),)),
     "cpu_fused_elementwise.cpp": Kernel("CPU fused elementwise kernels", (), (("avx512f", "avx512bw"),)),
     "cpu_row_top.cpp": Kernel("CPU row argmax/top-k kernels", (), (("avx512f",),)),
@@ -107,8 +109,11 @@ def build(source: str, fakes: dict[str, Callable] | None = None, source_dir: str
             name = build_name(source, kernel.more_sources, source_dir)
             path = library_path(name)
             if path is None:
-                logger.info("ember: the C++ %s was not built for this CPU and source (%s); building it once now",
-                            kernel.what, name)
+                logger.info(
+                    "ember: the C++ %s was not built for this CPU and source (%s); building it once now",
+                    kernel.what,
+                    name,
+                )
                 t0 = time.perf_counter()
                 path = _build_in_child(source, source_dir)
                 logger.info("ember: built the C++ %s in %.0f s (%s)", kernel.what, time.perf_counter() - t0, path)
@@ -117,8 +122,13 @@ def build(source: str, fakes: dict[str, Callable] | None = None, source_dir: str
                 torch.library.register_fake(op)(fake)
             result = True
         except Exception as e:  # no compiler, no ninja, a build error: the torch path still works
-            logger.warning("ember: the C++ %s could not be built (%s: %s); using the slower torch path. Install g++ "
-                           "and ninja (pip install ninja) to get it", kernel.what, type(e).__name__, str(e)[:300])
+            logger.warning(
+                "ember: the C++ %s could not be built (%s: %s); using the slower torch path. Install g++ "
+                "and ninja (pip install ninja) to get it",
+                kernel.what,
+                type(e).__name__,
+                str(e)[:300],
+            )
     _loaded[source] = result
     return result
 
@@ -126,8 +136,16 @@ def build(source: str, fakes: dict[str, Callable] | None = None, source_dir: str
 def _build_in_child(source: str, source_dir: str) -> str:
     """Build in `python -m ember.kernels.cpp_build` (its own process group, stopped with this
     process: see the module docstring); returns the library's path."""
-    cmd = [sys.executable, "-m", "ember.kernels.cpp_build", source, "--source-dir", source_dir,
-           "--parent", str(os.getpid())]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ember.kernels.cpp_build",
+        source,
+        "--source-dir",
+        source_dir,
+        "--parent",
+        str(os.getpid()),
+    ]
     proc = subprocess.Popen(cmd, process_group=0, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate()
@@ -160,9 +178,15 @@ def compile_kernel(source: str, source_dir: str = HERE, out_dir: str | None = No
         if os.path.exists(stale):  # torch's own lock, left by a builder killed midway (it held the flock too)
             os.remove(stale)
         _put_ninja_on_path()
-        load(name=name, sources=[os.path.join(source_dir, s) for s in (source, *kernel.more_sources)],
-             extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, is_python_module=False, verbose=False,
-             build_directory=build_dir)
+        load(
+            name=name,
+            sources=[os.path.join(source_dir, s) for s in (source, *kernel.more_sources)],
+            extra_cflags=CFLAGS,
+            extra_ldflags=LDFLAGS,
+            is_python_module=False,
+            verbose=False,
+            build_directory=build_dir,
+        )
         tmp = f"{target}.{os.getpid()}.tmp"
         shutil.copyfile(os.path.join(build_dir, name + ".so"), tmp)
         os.replace(tmp, target)  # atomic: a reader sees no library or the whole one
@@ -194,6 +218,7 @@ def _put_ninja_on_path() -> None:
 def _die_with(parent: int) -> None:
     """This builder stops, with its process group (ninja, which stops its compilers), when its
     parent dies or SIGTERM / SIGINT arrives."""
+
     def stop(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         os.killpg(0, signal.SIGTERM)  # ninja forwards it to its compilers and exits
@@ -231,8 +256,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ember: {kernel.what}: {path} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
         except Exception as e:  # noqa: BLE001 -- one kernel's failure must not stop the others
             failed += 1
-            print(f"ember: {kernel.what} did not build ({type(e).__name__}: {str(e)[-500:]}); it will be built "
-                  "on first use or its torch path runs", file=sys.stderr)
+            print(
+                f"ember: {kernel.what} did not build ({type(e).__name__}: {str(e)[-500:]}); it will be built "
+                "on first use or its torch path runs",
+                file=sys.stderr,
+            )
     return 1 if failed else 0
 
 

@@ -12,6 +12,7 @@
     GEMMs (faster than SDPA there), else to the reference's SDPA.
 Everything else, and every case a kernel does not take, is the reference's path.
 """
+
 from __future__ import annotations
 
 import torch
@@ -50,8 +51,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def decodes(self, q, kv_cache, meta, scale):
         if self._fused(q, kv_cache):
             B = meta.num_seqs
-            return paged_attention(q, kv_cache, meta.block_tables, torch.arange(B, dtype=torch.int32),
-                                   meta.seq_lens[:B], scale)
+            return paged_attention(
+                q, kv_cache, meta.block_tables, torch.arange(B, dtype=torch.int32), meta.seq_lens[:B], scale
+            )
         return super().decodes(q, kv_cache, meta, scale)
 
     def batched(self, q, kv_cache, meta, starts, out, scale):
@@ -89,5 +91,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
             n, seq_len = meta.query_lens_cpu[b], meta.seq_lens_cpu[b]
             seq_idx += [b] * n
             kv_lens += range(seq_len - n + 1, seq_len + 1)
-        return paged_attention(q, kv_cache, meta.block_tables, torch.tensor(seq_idx, dtype=torch.int32),
-                               torch.tensor(kv_lens, dtype=torch.int32), scale)
+        return paged_attention(
+            q,
+            kv_cache,
+            meta.block_tables,
+            torch.tensor(seq_idx, dtype=torch.int32),
+            torch.tensor(kv_lens, dtype=torch.int32),
+            scale,
+        )

@@ -17,6 +17,7 @@ are those of eager bf16 attention (HF's "eager" path): scores rounded to bf16 af
 fp32-accumulated GEMM, softmax computed in fp32 inside torch's bf16 kernel. Relative error
 against fp32 attention ~4e-3 (SDPA bf16: ~2e-3).
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,6 +31,7 @@ MIN_QUERIES = 128  # below this SDPA is as fast and the per-block calls dominate
 HEAD_SIZES = (16, 32, 64, 80, 96, 128, 256)  # the C++ kernel's compiled head sizes (its switch)
 FAKES = {"ember_cpu::causal_attention_bf16": lambda q, k, v, scale: q.new_empty(q.shape)}
 
+
 def flash_available() -> bool:
     """The C++ kernel can run here (AVX512-BF16; loaded, built once first where it was not built at
     install)."""
@@ -38,12 +40,20 @@ def flash_available() -> bool:
 
 def use_flash_attention(q: torch.Tensor) -> bool:
     """bf16 queries on CPU with a compiled head size, rows of [Hq, D] (strided rows are fine)."""
-    return (q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.dim() == 3
-            and q.shape[-1] in HEAD_SIZES and q.stride(-1) == 1 and q.stride(1) == q.shape[-1] and flash_available())
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.bfloat16
+        and q.dim() == 3
+        and q.shape[-1] in HEAD_SIZES
+        and q.stride(-1) == 1
+        and q.stride(1) == q.shape[-1]
+        and flash_available()
+    )
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                     flash: bool = True) -> torch.Tensor | None:
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, flash: bool = True
+) -> torch.Tensor | None:
     """q [n, Hq, D] at positions S-n..S-1 over k/v [S, Hkv, D]: the C++ kernel where it applies (and
     `flash`, the backend's --cpu-flash-attention), else the GEMM path where it pays off, else None
     (the caller's SDPA)."""
@@ -91,6 +101,6 @@ def causal_attention_gemm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
         rows = slice(s0 * G, (s0 + m) * G)
         for h in range(Hkv):
             scores = torch.mm(qs[h, rows], kh[h, :end].t())  # [m*G, end]
-            scores[:, end - m:].add_(diag[:m * G, :m])
+            scores[:, end - m :].add_(diag[: m * G, :m])
             torch.mm(torch.softmax(scores, -1), vh[h, :end], out=out[h, rows])
     return out.view(Hkv, n, G, D).transpose(0, 1).reshape(n, Hq, D)

@@ -17,19 +17,23 @@ Whether a model uses them at all is its CpuKernels' (the engine's --cpu-fused-el
 layers that can (RMSNorm, SiluAndMul, the rotary embedding) keep that choice from when they were
 built and ask applies() per call only whether these tensors fit.
 """
+
 from __future__ import annotations
 
 import torch
 
 from ember.kernels.cpp_build import build
 
+
 def _fake_norm(x, residual, weight, eps):
     return torch.empty_like(x), (torch.empty_like(x) if residual is not None else x.new_empty((0,)))
 
 
-FAKES = {"ember_cpu::rms_norm_bf16": _fake_norm,
-         "ember_cpu::silu_and_mul_bf16": lambda x: x.new_empty((x.shape[0], x.shape[1] // 2)),
-         "ember_cpu::rotary_bf16": lambda x, cos, sin: x.new_empty(x.shape)}
+FAKES = {
+    "ember_cpu::rms_norm_bf16": _fake_norm,
+    "ember_cpu::silu_and_mul_bf16": lambda x: x.new_empty((x.shape[0], x.shape[1] // 2)),
+    "ember_cpu::rotary_bf16": lambda x, cos, sin: x.new_empty(x.shape),
+}
 
 
 def available() -> bool:
@@ -39,8 +43,14 @@ def available() -> bool:
 
 def applies(x: torch.Tensor) -> bool:
     """x [T, H] is a case for the fused ops: bf16 rows on CPU, outside torch.compile, kernel built."""
-    return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2 and x.stride(-1) == 1
-            and not torch.compiler.is_compiling() and available())
+    return (
+        x.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and x.dim() == 2
+        and x.stride(-1) == 1
+        and not torch.compiler.is_compiling()
+        and available()
+    )
 
 
 def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
@@ -53,9 +63,17 @@ def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
 def applies_rotary(x: torch.Tensor, cos: torch.Tensor) -> bool:
     """x [T, H, D] bf16 with each row's heads contiguous (q or k, a view of the qkv output) and bf16
     cos, outside torch.compile, kernel built."""
-    return (x.dtype == torch.bfloat16 and cos.dtype == torch.bfloat16 and x.device.type == "cpu"
-            and x.dim() == 3 and x.stride(-1) == 1 and x.stride(1) == x.shape[-1] and cos.dim() == 2
-            and not torch.compiler.is_compiling() and available())
+    return (
+        x.dtype == torch.bfloat16
+        and cos.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and x.dim() == 3
+        and x.stride(-1) == 1
+        and x.stride(1) == x.shape[-1]
+        and cos.dim() == 2
+        and not torch.compiler.is_compiling()
+        and available()
+    )
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ no request waits for a compiler and a kernel that cannot be built here is simply
 `CpuKernels()` allows every kernel (each still checks it can run: the default for a layer built
 outside the engine, as in the tests); `CpuKernels.none()` is the pure torch reference.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -23,6 +23,7 @@ loaded when a CPU engine starts. Where it cannot be built, a warning
 says why and the torch path runs; --no-cpu-paged-attention turns it off. It is a dispatcher op
 (torch.ops.ember_cpu.paged_attention) with a fake kernel, so compiled decode graphs call it too.
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,8 +37,11 @@ CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3f
 
 
 # the shapes torch.compile traces the op with
-FAKES = {"ember_cpu::paged_attention": lambda q, kv_cache, block_tables, seq_idx, kv_lens, scale:
-         torch.empty_like(q, dtype=torch.float32)}
+FAKES = {
+    "ember_cpu::paged_attention": lambda q, kv_cache, block_tables, seq_idx, kv_lens, scale: torch.empty_like(
+        q, dtype=torch.float32
+    )
+}
 
 
 def paged_attention_op():
@@ -50,17 +54,36 @@ def paged_attention_op():
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Shapes and dtypes the compiled kernel takes (else the caller uses the torch path)."""
     D, Hq, Hkv = q.shape[-1], q.shape[-2], kv_cache.shape[-2]
-    return (q.device.type == "cpu" and D in HEAD_SIZES and Hq % Hkv == 0 and Hq // Hkv <= MAX_GROUP
-            and kv_cache.dtype in CACHE_DTYPES and kv_cache.is_contiguous() and paged_attention_op() is not None)
+    return (
+        q.device.type == "cpu"
+        and D in HEAD_SIZES
+        and Hq % Hkv == 0
+        and Hq // Hkv <= MAX_GROUP
+        and kv_cache.dtype in CACHE_DTYPES
+        and kv_cache.is_contiguous()
+        and paged_attention_op() is not None
+    )
 
 
-def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_idx: torch.Tensor,
-                    kv_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_idx: torch.Tensor,
+    kv_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """q [T, Hq, D]; query i attends to keys 0..kv_lens[i]-1 of sequence seq_idx[i] (its row of
     block_tables). Returns [T, Hq, D] in q's dtype. Call only when paged_attention_op() is not None."""
     # bf16 q over a bf16 cache goes as it is (the kernel's bf16 dot products), else as float32
     qk = q if q.dtype == torch.bfloat16 and kv_cache.dtype == torch.bfloat16 else q.float()
     # supports() checked kv_cache is contiguous; the metadata's tables are int32 already (no copies)
-    out = torch.ops.ember_cpu.paged_attention(qk.contiguous(), kv_cache, block_tables.to(torch.int32).contiguous(),
-                                              seq_idx.to(torch.int32), kv_lens.to(torch.int32), scale)
+    out = torch.ops.ember_cpu.paged_attention(
+        qk.contiguous(),
+        kv_cache,
+        block_tables.to(torch.int32).contiguous(),
+        seq_idx.to(torch.int32),
+        kv_lens.to(torch.int32),
+        scale,
+    )
     return out.to(q.dtype)

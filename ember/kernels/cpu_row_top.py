@@ -14,6 +14,7 @@ unlike torch.topk it never picks a NaN. mask_rows() sets the tokens a structured
 forbids to -inf (xgrammar's apply_token_bitmask_inplace, ~25x faster on 49k-token rows). All fall back to torch where the kernel does not apply
 (not AVX-512, not float32 2-D contiguous CPU rows, inside torch.compile, or not built).
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,8 +28,15 @@ def available() -> bool:
 
 
 def _applies(x: torch.Tensor) -> bool:
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] > 0
-            and x.is_contiguous() and not torch.compiler.is_compiling() and available())
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and x.dim() == 2
+        and x.shape[1] > 0
+        and x.is_contiguous()
+        and not torch.compiler.is_compiling()
+        and available()
+    )
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

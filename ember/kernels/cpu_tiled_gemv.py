@@ -42,6 +42,7 @@ int8 x moved it +2.3%).
 Which path a step takes by its row count (TILED_Q8_MIN_ROWS and the GEMV's max rows) is
 ember.quant.gemm_dispatch's; whether a model uses the kernel at all is its CpuKernels'.
 """
+
 from __future__ import annotations
 
 import torch
@@ -86,9 +87,13 @@ def has_q8() -> bool:
 
 def available() -> bool:
     """True when the op can run here (loaded; built once first where it was not built at install)."""
-    return (x_dtype() is not None
-            and build("cpu_tiled_gemv.cpp", fakes={"ember_cpu::tiled_gemv": _fake_gemv,
-                                                   "ember_cpu::tiled_gemm_q8": _fake_gemv}) is not None)
+    return (
+        x_dtype() is not None
+        and build(
+            "cpu_tiled_gemv.cpp", fakes={"ember_cpu::tiled_gemv": _fake_gemv, "ember_cpu::tiled_gemm_q8": _fake_gemv}
+        )
+        is not None
+    )
 
 
 def _fake_gemv(x, codes, scale, offset, bits, float_out):
@@ -118,8 +123,9 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: i
     return tiles.contiguous(), s, o
 
 
-def unpack_rows(tiles: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
-                ids: torch.Tensor) -> torch.Tensor:
+def unpack_rows(
+    tiles: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int, ids: torch.Tensor
+) -> torch.Tensor:
     """Rows `ids` of W as float32 [len(ids), K], exactly codes * scale + offset."""
     t, i = ids // ROWS, ids % ROWS
     T, G, _ = tiles.shape
@@ -136,8 +142,9 @@ def unpack_rows(tiles: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, 
     return (c * s + o).view(n, G * GROUP)
 
 
-def dequantize(tiles: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int, dtype: torch.dtype,
-               N: int | None = None) -> torch.Tensor:
+def dequantize(
+    tiles: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int, dtype: torch.dtype, N: int | None = None
+) -> torch.Tensor:
     """W [N, K] in `dtype` (the first N rows; default all, padding included)."""
     T, G, _ = tiles.shape
     if bits == 4:
@@ -146,18 +153,22 @@ def dequantize(tiles: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, b
     else:
         c = tiles.view(T, G, 16, ROWS, 2).permute(0, 3, 1, 2, 4)  # [T, i, G, p, e]
     w = c.reshape(T * ROWS, G, GROUP).to(dtype)
-    w = w * scale.transpose(1, 2).reshape(T * ROWS, G, 1).to(dtype) + offset.transpose(1, 2).reshape(T * ROWS, G, 1).to(dtype)
+    w = w * scale.transpose(1, 2).reshape(T * ROWS, G, 1).to(dtype) + offset.transpose(1, 2).reshape(T * ROWS, G, 1).to(
+        dtype
+    )
     return w.view(T * ROWS, G * GROUP)[:N]
 
 
-def gemv(x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
-         float_out: bool = False) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int, float_out: bool = False
+) -> torch.Tensor:
     """x [M, K] in x_dtype() -> x @ W^T [M, N padded to 16] (x's dtype, or float32 with float_out)."""
     return torch.ops.ember_cpu.tiled_gemv(x, tiles, scale, offset, bits, float_out)
 
 
-def gemm_q8(x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
-            float_out: bool = False) -> torch.Tensor:
+def gemm_q8(
+    x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int, float_out: bool = False
+) -> torch.Tensor:
     """x [M, K] bf16 -> x' @ W^T [M, N padded to 16], x' = x quantized to int8 per group of 32 (see
     q8_reference). Where has_q8()."""
     return torch.ops.ember_cpu.tiled_gemm_q8(x, tiles, scale, offset, bits, float_out)

@@ -5,6 +5,7 @@ query_start_loc[b]:query_start_loc[b+1] (q_len new tokens) and has seq_lens[b] t
 cache after this step's K/V are written (ctx_len = seq_len - q_len already cached). Decodes
 (q_len 1), prefill chunks (q_len many) and speculative verifies (q_len 1 + k) all look alike.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -70,8 +71,14 @@ class RowSelection:
     meta: AttentionMetadata | None  # None when R == 0
 
 
-def select_rows(meta: AttentionMetadata, tables: list[list[int]], positions: list[int], rows: list[int],
-                seqs: list[int], device: torch.device) -> RowSelection:
+def select_rows(
+    meta: AttentionMetadata,
+    tables: list[list[int]],
+    positions: list[int],
+    rows: list[int],
+    seqs: list[int],
+    device: torch.device,
+) -> RowSelection:
     """rows (flat indices into the step) as decode-shaped queries: each attends to the keys up to
     its own position, through its sequence's (seqs[i]) block table."""
     if not rows:
@@ -85,6 +92,11 @@ def select_rows(meta: AttentionMetadata, tables: list[list[int]], positions: lis
         query_start_loc=torch.arange(len(rows) + 1, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         block_tables=torch.tensor([tables[b] for b in seqs], dtype=torch.int32, device=device),
-        block_size=meta.block_size, query_lens_cpu=[1] * len(rows), seq_lens_cpu=seq_lens,
-        max_query_len=1, max_seq_len=max(seq_lens), all_slots_valid=True)
+        block_size=meta.block_size,
+        query_lens_cpu=[1] * len(rows),
+        seq_lens_cpu=seq_lens,
+        max_query_len=1,
+        max_seq_len=max(seq_lens),
+        all_slots_valid=True,
+    )
     return RowSelection(row_t, sub)

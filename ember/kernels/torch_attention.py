@@ -20,6 +20,7 @@ undoes V's scale (softmax weights sum to 1). The casts fp8 -> bf16/fp16/fp32 are
 The C++ CPU kernels are a backend of their own built on these paths (cpu_attention.py); each
 path here is a method so that it can take over where its kernel applies and fall back to this.
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,9 +41,17 @@ class TorchAttentionBackend:
     # every sequence, each step: slower than eager for short sequences)
     graph_devices: tuple[str, ...] = ()
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
-                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] (this step's, already in kv_cache) -> [T, Hq, D].
 
         k_scale / v_scale: fp32 scalars of an fp8 cache (k, v and kv_cache then hold fp8)."""
@@ -75,8 +84,7 @@ class TorchAttentionBackend:
     # -- the paths (a backend with kernels overrides the ones they serve) ------------------------
     def decodes(self, q, kv_cache, meta, scale) -> torch.Tensor:
         """A pure-decode step: one query per sequence."""
-        return decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, meta.block_size,
-                                scale)
+        return decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, meta.block_size, scale)
 
     def batched(self, q, kv_cache, meta, starts: list[int], out: torch.Tensor, scale) -> set[int]:
         """The sequences of a mixed step that run together (here its decodes) into `out`; returns them."""
@@ -84,8 +92,15 @@ class TorchAttentionBackend:
         if few:
             tok = torch.tensor([starts[b] for b in few], device=q.device)
             idx = torch.tensor(few, device=q.device)
-            out[tok] = decode_attention(q[tok], kv_cache, meta.block_tables[idx], meta.seq_lens[idx],
-                                        max(meta.seq_lens_cpu[b] for b in few), meta.block_size, scale)
+            out[tok] = decode_attention(
+                q[tok],
+                kv_cache,
+                meta.block_tables[idx],
+                meta.seq_lens[idx],
+                max(meta.seq_lens_cpu[b] for b in few),
+                meta.block_size,
+                scale,
+            )
         return set(few)
 
     def sequence(self, q, k, v, kv_cache, meta, b: int, scale) -> torch.Tensor:
@@ -107,8 +122,15 @@ class TorchAttentionBackend:
         return chunk_attention(q, kv_cache, block_table, seq_len, block_size, scale)
 
 
-def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                     max_seq_len: int, block_size: int, scale: float) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:
     """One query per sequence: q [B, Hq, D] -> [B, Hq, D]; one batched SDPA, float32."""
     B, Hq, D = q.shape
     Hkv = kv_cache.shape[-2]
@@ -129,13 +151,20 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     4-D inputs on purpose: on CPU, 3-D SDPA misses the flash kernel (~7x slower at 2K tokens).
     """
     k, v = k.to(q.dtype), v.to(q.dtype)  # fp8 k/v (an fp8 cache) widen exactly
-    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                       is_causal=True, scale=scale, enable_gqa=True)
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        is_causal=True,
+        scale=scale,
+        enable_gqa=True,
+    )
     return o[0].transpose(0, 1)
 
 
-def verify_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
-                     block_size: int, scale: float) -> torch.Tensor:
+def verify_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, block_size: int, scale: float
+) -> torch.Tensor:
     """chunk_attention for a few queries (a verify of 1 + k tokens): the n x G query heads of each kv
     head are folded into one [Hkv, n*G, D] batch, as decode_attention folds G, so SDPA never repeats
     K/V for GQA; query j sees keys < seq_len - n + j + 1. q [n, Hq, D] -> [n, Hq, D], float32."""
@@ -155,13 +184,16 @@ def verify_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
 
 def gather_keys(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, block_size: int):
     """(k, v) [seq_len, Hkv, D] of one sequence, gathered from its blocks in the cache's dtype."""
-    bt = block_table[:(seq_len + block_size - 1) // block_size]
-    return (kv_cache[0].index_select(0, bt).flatten(0, 1)[:seq_len],
-            kv_cache[1].index_select(0, bt).flatten(0, 1)[:seq_len])
+    bt = block_table[: (seq_len + block_size - 1) // block_size]
+    return (
+        kv_cache[0].index_select(0, bt).flatten(0, 1)[:seq_len],
+        kv_cache[1].index_select(0, bt).flatten(0, 1)[:seq_len],
+    )
 
 
-def chunk_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
-                    block_size: int, scale: float) -> torch.Tensor:
+def chunk_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, block_size: int, scale: float
+) -> torch.Tensor:
     """q_len queries at positions seq_len-q_len..seq_len-1 over all seq_len cached keys."""
     n = q.shape[0]
     k, v = gather_keys(kv_cache, block_table, seq_len, block_size)
@@ -169,6 +201,7 @@ def chunk_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     ctx = seq_len - n
     pos_q = torch.arange(ctx, seq_len, device=q.device)
     mask = torch.arange(seq_len, device=q.device)[None, :] <= pos_q[:, None]
-    o = F.scaled_dot_product_attention(q.transpose(0, 1).float()[None], k[None], v[None], attn_mask=mask,
-                                       scale=scale, enable_gqa=True)  # 4-D: see prefill_attention
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1).float()[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=True
+    )  # 4-D: see prefill_attention
     return o[0].transpose(0, 1).to(q.dtype)

@@ -19,6 +19,7 @@ first use, once per value of the variable. The helpers triton itself defines wit
 fail under the interpreter unless the variable was set before that import; these kernels use
 core builtins only (tl.full, not tl.zeros), so they run whatever the import order.
 """
+
 from __future__ import annotations
 
 import functools
@@ -44,9 +45,25 @@ def _kernels(interpret: bool):  # `interpret` is the cache key: @triton.jit read
     import triton.language as tl
 
     @triton.jit
-    def awq_gemm_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, M, N, K, G, stride_xm, stride_ym, stride_ysplit,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        SPLIT_K: tl.constexpr, PRECISION: tl.constexpr):
+    def awq_gemm_kernel(
+        x_ptr,
+        qw_ptr,
+        qz_ptr,
+        s_ptr,
+        y_ptr,
+        M,
+        N,
+        K,
+        G,
+        stride_xm,
+        stride_ym,
+        stride_ysplit,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        SPLIT_K: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
         pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -68,15 +85,16 @@ def _kernels(interpret: bool):  # `interpret` is the cache key: @triton.jit read
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
     @triton.jit
-    def awq_dequantize_kernel(qw_ptr, qz_ptr, s_ptr, out_ptr, N, K, G,
-                              BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    def awq_dequantize_kernel(qw_ptr, qz_ptr, s_ptr, out_ptr, N, K, G, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
         offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = (offs_k < K)[:, None] & (offs_n < N)[None, :]
         word_n = offs_n // 8
         shifts = ((offs_n % 8) // 2 + (offs_n % 2) * 4) * 4
         g = offs_k // G
-        q = (tl.load(qw_ptr + offs_k[:, None] * (N // 8) + word_n[None, :], mask=mask, other=0) >> shifts[None, :]) & 0xF
+        q = (
+            tl.load(qw_ptr + offs_k[:, None] * (N // 8) + word_n[None, :], mask=mask, other=0) >> shifts[None, :]
+        ) & 0xF
         z = (tl.load(qz_ptr + g[:, None] * (N // 8) + word_n[None, :], mask=mask, other=0) >> shifts[None, :]) & 0xF
         s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
         w = (q - z).to(tl.float32) * s  # exact: a small integer times an fp16 value
@@ -91,9 +109,15 @@ def _check(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, gr
         raise ValueError("qweight and qzeros must be int32")
     if not (qweight.is_contiguous() and qzeros.is_contiguous() and scales.is_contiguous()):
         raise ValueError("AWQ tensors must be contiguous")
-    if K % group_size or tuple(qzeros.shape) != (K // group_size, N // 8) or tuple(scales.shape) != (K // group_size, N):
-        raise ValueError(f"AWQ tensors disagree: qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)}, "
-                         f"scales {tuple(scales.shape)}, group size {group_size}")
+    if (
+        K % group_size
+        or tuple(qzeros.shape) != (K // group_size, N // 8)
+        or tuple(scales.shape) != (K // group_size, N)
+    ):
+        raise ValueError(
+            f"AWQ tensors disagree: qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)}, "
+            f"scales {tuple(scales.shape)}, group size {group_size}"
+        )
     return K, N
 
 
@@ -102,8 +126,14 @@ def block_k_for(group_size: int) -> int | None:
     return next((b for b in BLOCK_K_CHOICES if group_size % b == 0), None)
 
 
-def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-             group_size: int, split_k: int | None = None) -> torch.Tensor:
+def awq_gemm(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    split_k: int | None = None,
+) -> torch.Tensor:
     """x [M, K] @ Wd [K, N] -> [M, N] in x's dtype, fp32 accumulation. group_size = K for one group."""
     triton, gemm, _ = _kernels(_interpret())
     K, N = _check(qweight, qzeros, scales, group_size)
@@ -119,19 +149,37 @@ def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scale
         split_k = max(1, min(K // block_k, 256 // tiles, 16))
     y = torch.empty((split_k, M, N), dtype=x.dtype if split_k == 1 else torch.float32, device=x.device)
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), split_k)
-    gemm[grid](x, qweight, qzeros, scales, y, M, N, K, group_size, x.stride(0), y.stride(1), y.stride(0),
-               BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-               PRECISION="ieee" if x.dtype == torch.float32 else None)
+    gemm[grid](
+        x,
+        qweight,
+        qzeros,
+        scales,
+        y,
+        M,
+        N,
+        K,
+        group_size,
+        x.stride(0),
+        y.stride(1),
+        y.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        SPLIT_K=split_k,
+        PRECISION="ieee" if x.dtype == torch.float32 else None,
+    )
     return y[0] if split_k == 1 else y.sum(0).to(x.dtype)
 
 
-def awq_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
-                   dtype: torch.dtype | None = None) -> torch.Tensor:
+def awq_dequantize(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """Wd [K, N] in `dtype` (default: the scales' dtype, bit-exact with AutoAWQ's fp16 dequantization)."""
     triton, _, dequant = _kernels(_interpret())
     K, N = _check(qweight, qzeros, scales, group_size)
     out = torch.empty((K, N), dtype=dtype or scales.dtype, device=qweight.device)
     block_k, block_n = 32, 64
-    dequant[(triton.cdiv(K, block_k), triton.cdiv(N, block_n))](qweight, qzeros, scales, out, N, K, group_size,
-                                                                 BLOCK_K=block_k, BLOCK_N=block_n)
+    dequant[(triton.cdiv(K, block_k), triton.cdiv(N, block_n))](
+        qweight, qzeros, scales, out, N, K, group_size, BLOCK_K=block_k, BLOCK_N=block_n
+    )
     return out

@@ -8,6 +8,7 @@ Both read every key from the paged cache, so this step's k/v arguments are not u
 backend's own store_kv (the Triton KV store kernel, which also quantizes for an fp8 cache)
 has already written them (stores_kv: the Attention layer calls store_kv instead of writing).
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,14 +30,29 @@ class TritonAttentionBackend:
     fixed_shape_max_query_len = MAX_SPLIT_KV_QUERY_LEN
     graph_devices = ("cuda",)  # CUDA graphs of decode and verify steps (on CPU it runs only interpreted)
 
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    def store_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+    ) -> None:
         """Write k/v [T, Hkv, D] at slot_mapping (-1: skip); fp8(clamp(x / scale)) for an fp8 cache."""
         store_kv(k, v, kv_cache, slot_mapping, k_scale, v_scale)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
-                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """q [T, Hq, D] -> [T, Hq, D]; k/v [T, Hkv, D] are already in kv_cache (unused here).
 
         k_scale / v_scale: fp32 scalars of an fp8 cache."""
@@ -44,8 +60,29 @@ class TritonAttentionBackend:
         # Rows past the last sequence (padding) are zero, as in the reference.
         out = torch.empty_like(q) if q.shape[0] == num_tokens else torch.zeros_like(q)
         if meta.max_query_len <= MAX_SPLIT_KV_QUERY_LEN:
-            return paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                          meta.max_query_len, meta.max_seq_len, num_tokens, scale, out,
-                                          k_scale, v_scale)
-        return paged_prefill_attention(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                       meta.max_query_len, scale, out, k_scale, v_scale)
+            return paged_decode_attention(
+                q,
+                kv_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                meta.query_start_loc,
+                meta.max_query_len,
+                meta.max_seq_len,
+                num_tokens,
+                scale,
+                out,
+                k_scale,
+                v_scale,
+            )
+        return paged_prefill_attention(
+            q,
+            kv_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            meta.max_query_len,
+            scale,
+            out,
+            k_scale,
+            v_scale,
+        )

@@ -23,6 +23,7 @@ cache blocks and any power-of-two block size works.
 FP8 cache: K/V load as fp8 and widen exactly to the dot dtype; k_scale folds into the score
 scale and v_scale into the output (softmax weights sum to 1), both read from device scalars.
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,9 +32,20 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels.triton_utils import (INTERPRETING, attend_keys, cast_constexprs, check_launch, check_paged_layout,
-                                        dot_precision, fold_k_scale, load_query_tile, next_pow2, paged_strides,
-                                        sequence_extent, store_output)
+from ember.kernels.triton_utils import (
+    INTERPRETING,
+    attend_keys,
+    cast_constexprs,
+    check_launch,
+    check_paged_layout,
+    dot_precision,
+    fold_k_scale,
+    load_query_tile,
+    next_pow2,
+    paged_strides,
+    sequence_extent,
+    store_output,
+)
 
 LOG2E = 1.4426950408889634
 BLOCK_N = 64  # keys per tile on a GPU
@@ -41,14 +53,43 @@ MAX_SPLITS = 32
 
 
 @triton.jit
-def decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, k_scale_ptr, v_scale_ptr,
-                        part_out_ptr, part_lse_ptr, out_ptr, qk_scale, tiles_per_split,
-                        stride_qt, stride_qh, stride_kv, stride_slot, stride_kvh, stride_bt,
-                        stride_pt, stride_ph, stride_ps, stride_ot, stride_oh,
-                        G: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, FP8: tl.constexpr, DIRECT: tl.constexpr,
-                        DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
-                        ROUND_MBITS: tl.constexpr, ROUND_MIN_NORMAL: tl.constexpr):
+def decode_split_kernel(
+    q_ptr,
+    kv_ptr,
+    bt_ptr,
+    seq_lens_ptr,
+    qsl_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    qk_scale,
+    tiles_per_split,
+    stride_qt,
+    stride_qh,
+    stride_kv,
+    stride_slot,
+    stride_kvh,
+    stride_bt,
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    stride_ot,
+    stride_oh,
+    G: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    FP8: tl.constexpr,
+    DIRECT: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
+    ROUND_MBITS: tl.constexpr,
+    ROUND_MIN_NORMAL: tl.constexpr,
+):
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start, q_len, seq_len = sequence_extent(qsl_ptr, seq_lens_ptr, b)
     rows = tl.arange(0, BLOCK_M)
@@ -65,8 +106,9 @@ def decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, k_scale_pt
     hi = tl.minimum(seq_len, lo + tiles_per_split * BLOCK_N)
     kv_base = kv_ptr + kvh * stride_kvh + d[None, :]
     bt_row = bt_ptr + b * stride_bt
-    acc, m_i, l_i = attend_keys(q, lo, hi, visible_end, kv_base, bt_row, d_ok, qk_scale, stride_kv, stride_slot,
-                                BLOCK_SIZE, BLOCK_N, PRECISION)
+    acc, m_i, l_i = attend_keys(
+        q, lo, hi, visible_end, kv_base, bt_row, d_ok, qk_scale, stride_kv, stride_slot, BLOCK_SIZE, BLOCK_N, PRECISION
+    )
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     if DIRECT:
@@ -88,10 +130,23 @@ def store_partial(part_out_ptr, part_lse_ptr, part, d, o, m_i, l_i, row_ok, tile
 
 
 @triton.jit
-def merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, v_scale_ptr, num_splits,
-                        stride_pt, stride_ph, stride_ot, stride_oh,
-                        HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr, FP8: tl.constexpr,
-                        ROUND_MBITS: tl.constexpr, ROUND_MIN_NORMAL: tl.constexpr):
+def merge_splits_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    v_scale_ptr,
+    num_splits,
+    stride_pt,
+    stride_ph,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    S_PAD: tl.constexpr,
+    FP8: tl.constexpr,
+    ROUND_MBITS: tl.constexpr,
+    ROUND_MIN_NORMAL: tl.constexpr,
+):
     tok, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
     splits = tl.arange(0, S_PAD)
     d = tl.arange(0, D_PAD)
@@ -100,8 +155,16 @@ def merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, v_scale_ptr, num_sp
     w = tl.exp2(lse - tl.max(lse, 0))  # split 0 always has key 0, so the max is finite
     o = tl.load(part_out_ptr + base[:, None] * D_PAD + d[None, :], mask=(splits < num_splits)[:, None], other=0.0)
     out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
-    store_output(out_ptr, tok * stride_ot + head * stride_oh + d, out, d < HEAD_DIM, v_scale_ptr, FP8, ROUND_MBITS,
-                 ROUND_MIN_NORMAL)
+    store_output(
+        out_ptr,
+        tok * stride_ot + head * stride_oh + d,
+        out,
+        d < HEAD_DIM,
+        v_scale_ptr,
+        FP8,
+        ROUND_MBITS,
+        ROUND_MIN_NORMAL,
+    )
 
 
 @functools.lru_cache(maxsize=8)
@@ -109,8 +172,14 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def plan_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int, device: torch.device,
-                num_splits: int | None = None) -> tuple[int, int]:
+def plan_splits(
+    num_seqs: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    block_n: int,
+    device: torch.device,
+    num_splits: int | None = None,
+) -> tuple[int, int]:
     """(num_splits, tiles_per_split) for the longest sequence's key tiles. By default enough
     (sequence, kv head, split) programs to fill the GPU about twice, never more splits than
     tiles; the interpreter (CPU) runs programs one by one, so at most 2 there."""
@@ -123,11 +192,22 @@ def plan_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int
     return triton.cdiv(num_tiles, tiles_per_split), tiles_per_split  # no split that every sequence leaves empty
 
 
-def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
-                           max_seq_len: int, num_tokens: int, scale: float, out: torch.Tensor,
-                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                           num_splits: int | None = None, block_n: int | None = None) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    num_tokens: int,
+    scale: float,
+    out: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
     """q [T, Hq, D] -> out[:num_tokens] (the step's real tokens; rows past them are left alone).
 
     kv_cache [2, num_blocks, block_size, Hkv, D] already holds this step's K/V. max_query_len /
@@ -152,28 +232,74 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     rounding = cast_constexprs(out.dtype, INTERPRETING)
     num_warps = 4 if block_m * d_pad <= 16 * 128 else 8  # larger (verify) row tiles spill at 4 warps on sm_90
     decode_split_kernel[(B, Hkv, num_splits)](
-        q, kv_cache, block_tables, seq_lens, query_start_loc, *scales, part_out, part_lse, out,
-        scale * LOG2E, tiles_per_split, *paged_strides(q, kv_cache, block_tables), *stride_p, out.stride(0),
+        q,
+        kv_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        *scales,
+        part_out,
+        part_lse,
+        out,
+        scale * LOG2E,
+        tiles_per_split,
+        *paged_strides(q, kv_cache, block_tables),
+        *stride_p,
+        out.stride(0),
         out.stride(1),
-        G=G, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D, D_PAD=d_pad, FP8=fp8,
-        DIRECT=num_splits == 1, DOT_FP32=dot_fp32, PRECISION=precision, **rounding, num_warps=num_warps)
+        G=G,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        HEAD_DIM=D,
+        D_PAD=d_pad,
+        FP8=fp8,
+        DIRECT=num_splits == 1,
+        DOT_FP32=dot_fp32,
+        PRECISION=precision,
+        **rounding,
+        num_warps=num_warps,
+    )
     if num_splits > 1:
         _merge_splits(part_out, part_lse, stride_p, num_splits, out, scales[1], D, d_pad, fp8, rounding)
     return out
 
 
-def _merge_splits(part_out: torch.Tensor, part_lse: torch.Tensor, stride_p: tuple[int, ...], num_splits: int,
-                  out: torch.Tensor, v_scale: torch.Tensor, head_dim: int, d_pad: int, fp8: bool,
-                  rounding: dict) -> None:
+def _merge_splits(
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    stride_p: tuple[int, ...],
+    num_splits: int,
+    out: torch.Tensor,
+    v_scale: torch.Tensor,
+    head_dim: int,
+    d_pad: int,
+    fp8: bool,
+    rounding: dict,
+) -> None:
     """The second kernel: each (token, head)'s split outputs weighted by their log-sum-exps into out."""
     num_tokens, num_heads = part_lse.shape[:2]
     merge_splits_kernel[(num_tokens, num_heads)](
-        part_out, part_lse, out, v_scale, num_splits, stride_p[0], stride_p[1], out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, D_PAD=d_pad, S_PAD=max(2, next_pow2(num_splits)), FP8=fp8, **rounding)
+        part_out,
+        part_lse,
+        out,
+        v_scale,
+        num_splits,
+        stride_p[0],
+        stride_p[1],
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        D_PAD=d_pad,
+        S_PAD=max(2, next_pow2(num_splits)),
+        FP8=fp8,
+        **rounding,
+    )
 
 
-def _split_partials(num_tokens: int, num_heads: int, num_splits: int, d_pad: int, device: torch.device,
-                    out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+def _split_partials(
+    num_tokens: int, num_heads: int, num_splits: int, d_pad: int, device: torch.device, out: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
     """(part_out, part_lse, their (token, head, split) strides): where the splits leave their outputs
     and log-sum-exps for the merge. One split writes out directly: out stands in, never touched."""
     if num_splits == 1:

@@ -8,6 +8,7 @@ clamp matters for e5m2, whose cast would overflow to inf). The scales are read f
 tensors, not host floats: no sync, and a captured CUDA graph sees the calibrated values.
 One program writes BLOCK_T tokens, all heads at once.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,11 +21,30 @@ BLOCK_T = 16
 
 
 @triton.jit
-def kv_store_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr, T,
-                    stride_kt, stride_kh, stride_vt, stride_vh, stride_kv, stride_slot, stride_ch,
-                    HEAD_DIM: tl.constexpr, ROW: tl.constexpr, ROW_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-                    FP8: tl.constexpr, FP8_MAX: tl.constexpr,
-                    ROUND_MBITS: tl.constexpr, ROUND_MIN_NORMAL: tl.constexpr):
+def kv_store_kernel(
+    k_ptr,
+    v_ptr,
+    cache_ptr,
+    slot_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    T,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kv,
+    stride_slot,
+    stride_ch,
+    HEAD_DIM: tl.constexpr,
+    ROW: tl.constexpr,
+    ROW_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    ROUND_MBITS: tl.constexpr,
+    ROUND_MIN_NORMAL: tl.constexpr,
+):
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     slot = tl.load(slot_ptr + tok, mask=tok < T, other=-1).to(tl.int64)
     offs = tl.arange(0, ROW_PAD)  # one [Hkv, D] row, flattened
@@ -43,8 +63,14 @@ def kv_store_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
     tl.store(dst + stride_kv, v.to(cache_ptr.dtype.element_ty), mask=write)
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
     """k, v [T, Hkv, D] -> kv_cache [2, num_blocks, block_size, Hkv, D] at slot_mapping (-1: skip).
 
     k_scale / v_scale: fp32 scalar tensors, required (and only used) for an fp8 cache."""
@@ -52,16 +78,37 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     T, Hkv, D = k.shape
     if T == 0:
         return
-    if k.stride(2) != 1 or v.stride(2) != 1 or kv_cache.stride(4) != 1 or kv_cache.stride(3) != D \
-            or kv_cache.stride(1) != kv_cache.shape[2] * kv_cache.stride(2):
+    if (
+        k.stride(2) != 1
+        or v.stride(2) != 1
+        or kv_cache.stride(4) != 1
+        or kv_cache.stride(3) != D
+        or kv_cache.stride(1) != kv_cache.shape[2] * kv_cache.stride(2)
+    ):
         raise ValueError("store_kv needs unit-stride head dims in k and v and a cache with contiguous blocks")
     fp8 = kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     if fp8 and (k_scale is None or v_scale is None):
         raise ValueError("an fp8 KV cache needs k_scale and v_scale")
     scale_args = (k_scale, v_scale) if fp8 else (slot_mapping, slot_mapping)  # never read when not fp8
     kv_store_kernel[(triton.cdiv(T, BLOCK_T),)](
-        k, v, kv_cache, slot_mapping, *scale_args, T,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
-        HEAD_DIM=D, ROW=Hkv * D, ROW_PAD=next_pow2(Hkv * D), BLOCK_T=BLOCK_T,
-        FP8=fp8, FP8_MAX=torch.finfo(kv_cache.dtype).max if fp8 else 0.0,
-        **cast_constexprs(kv_cache.dtype, INTERPRETING))
+        k,
+        v,
+        kv_cache,
+        slot_mapping,
+        *scale_args,
+        T,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        HEAD_DIM=D,
+        ROW=Hkv * D,
+        ROW_PAD=next_pow2(Hkv * D),
+        BLOCK_T=BLOCK_T,
+        FP8=fp8,
+        FP8_MAX=torch.finfo(kv_cache.dtype).max if fp8 else 0.0,
+        **cast_constexprs(kv_cache.dtype, INTERPRETING),
+    )

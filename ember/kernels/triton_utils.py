@@ -18,6 +18,7 @@ Interpreter gaps (triton 3.9), and how the kernels stay honest about them:
     rounded to nearest-even in fp32 (round_to_format); the cast then only drops zero bits and
     gives exactly what torch (and the GPU) gives. On a GPU the cast is used directly.
 """
+
 from __future__ import annotations
 
 import os
@@ -32,8 +33,8 @@ from ember.errors import ConfigError
 # smallest normal 0.0: the format's subnormals are fp32's (bf16), no separate rounding step.
 _ROUNDED_FORMATS = {
     torch.bfloat16: (7, 0.0),
-    torch.float8_e4m3fn: (3, 2.0 ** -6),
-    torch.float8_e5m2: (2, 2.0 ** -14),
+    torch.float8_e4m3fn: (3, 2.0**-6),
+    torch.float8_e5m2: (2, 2.0**-14),
 }
 
 
@@ -47,12 +48,16 @@ INTERPRETING = interpret()  # how this process's kernels were built (see the mod
 def check_launch(*tensors: torch.Tensor) -> None:
     """The kernels run on CUDA tensors, or on CPU tensors under the interpreter."""
     if interpret() != INTERPRETING:
-        raise ConfigError("TRITON_INTERPRET changed after ember's Triton kernels were built; set it before "
-                          "the first import of triton (and of ember.kernels.triton_*)")
+        raise ConfigError(
+            "TRITON_INTERPRET changed after ember's Triton kernels were built; set it before "
+            "the first import of triton (and of ember.kernels.triton_*)"
+        )
     on_cpu = any(t.device.type == "cpu" for t in tensors)
     if on_cpu and not INTERPRETING:
-        raise ConfigError("the Triton attention kernels run on CUDA tensors; on CPU use --attention-backend torch "
-                          "(or set TRITON_INTERPRET=1 before starting, to run them in Triton's interpreter)")
+        raise ConfigError(
+            "the Triton attention kernels run on CUDA tensors; on CPU use --attention-backend torch "
+            "(or set TRITON_INTERPRET=1 before starting, to run them in Triton's interpreter)"
+        )
 
 
 def check_paged_layout(q: torch.Tensor, kv_cache: torch.Tensor, kernel: str) -> None:
@@ -111,8 +116,24 @@ def round_to_format(x, ROUND_MBITS: tl.constexpr, ROUND_MIN_NORMAL: tl.constexpr
 
 
 @triton.jit
-def attend_key_tile(q, acc, m_i, l_i, start, hi, visible_end, kv_base, bt_row_ptr, d_ok, qk_scale, stride_kv,
-                    stride_slot, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+def attend_key_tile(
+    q,
+    acc,
+    m_i,
+    l_i,
+    start,
+    hi,
+    visible_end,
+    kv_base,
+    bt_row_ptr,
+    d_ok,
+    qk_scale,
+    stride_kv,
+    stride_slot,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """One flash-attention step: the BLOCK_N keys from position start (those < hi) of one
     sequence, gathered slot by slot from its block table row (key position p lives in slot
     bt_row[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE, so a tile may span cache blocks),
@@ -141,6 +162,7 @@ def attend_key_tile(q, acc, m_i, l_i, start, hi, visible_end, kv_base, bt_row_pt
 
 # -- the attention kernels' shared steps (jitted callees are inlined into the kernel that calls them) --
 
+
 @triton.jit
 def sequence_extent(qsl_ptr, seq_lens_ptr, b):
     """(first query token, query length, sequence length) of sequence b of a varlen step."""
@@ -167,22 +189,52 @@ def fold_k_scale(qk_scale, k_scale_ptr, FP8: tl.constexpr):
 
 
 @triton.jit
-def attend_keys(q, lo, hi, visible_end, kv_base, bt_row_ptr, d_ok, qk_scale, stride_kv, stride_slot,
-                BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+def attend_keys(
+    q,
+    lo,
+    hi,
+    visible_end,
+    kv_base,
+    bt_row_ptr,
+    d_ok,
+    qk_scale,
+    stride_kv,
+    stride_slot,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """The query tile q [M, D_PAD] over the keys at positions lo..hi-1, BLOCK_N at a time
     (attend_key_tile): (acc, m_i, l_i), acc not yet divided by l_i; a row that saw no key keeps l_i 0."""
     m_i = tl.full((q.shape[0],), float("-inf"), tl.float32)
     l_i = tl.full((q.shape[0],), 0.0, tl.float32)
     acc = tl.full(q.shape, 0.0, tl.float32)
     for start in range(lo, hi, BLOCK_N):
-        acc, m_i, l_i = attend_key_tile(q, acc, m_i, l_i, start, hi, visible_end, kv_base, bt_row_ptr, d_ok, qk_scale,
-                                        stride_kv, stride_slot, BLOCK_SIZE, BLOCK_N, PRECISION)
+        acc, m_i, l_i = attend_key_tile(
+            q,
+            acc,
+            m_i,
+            l_i,
+            start,
+            hi,
+            visible_end,
+            kv_base,
+            bt_row_ptr,
+            d_ok,
+            qk_scale,
+            stride_kv,
+            stride_slot,
+            BLOCK_SIZE,
+            BLOCK_N,
+            PRECISION,
+        )
     return acc, m_i, l_i
 
 
 @triton.jit
-def store_output(out_ptr, offsets, o, mask, v_scale_ptr, FP8: tl.constexpr, ROUND_MBITS: tl.constexpr,
-                 ROUND_MIN_NORMAL: tl.constexpr):
+def store_output(
+    out_ptr, offsets, o, mask, v_scale_ptr, FP8: tl.constexpr, ROUND_MBITS: tl.constexpr, ROUND_MIN_NORMAL: tl.constexpr
+):
     """The fp32 attention output o into out (at out_ptr + offsets) in out's dtype: times an fp8 cache's
     v_scale (V loads unscaled; the softmax weights sum to 1, so the scale goes on the output), rounded
     before the cast where the interpreter needs it (round_to_format)."""

@@ -1,4 +1,5 @@
 """SwiGLU gate: the fused gate_up output [.., 2I] -> silu(gate) * up [.., I]."""
+
 from __future__ import annotations
 
 import torch

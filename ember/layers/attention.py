@@ -15,6 +15,7 @@ sees the same quantization error as a chunk or a decode reading the cache.
 A backend that stores K/V itself (stores_kv: triton) writes, and quantizes, this step's K/V and
 reads them back from the cache; for the others this layer writes them first (write_kv_cache).
 """
+
 from __future__ import annotations
 
 import logging
@@ -47,11 +48,14 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.de
         try:  # the three operations an fp8 cache needs: store bytes, gather blocks, widen
             cache = torch.zeros(2, 2, dtype=dtype, device=device)
             cache.view(torch.uint8)[torch.tensor([1], device=device)] = quantize_kv(
-                torch.ones(1, 2, dtype=model_dtype, device=device), torch.ones((), device=device), dtype).view(torch.uint8)
+                torch.ones(1, 2, dtype=model_dtype, device=device), torch.ones((), device=device), dtype
+            ).view(torch.uint8)
             cache.index_select(0, torch.tensor([1], device=device)).to(model_dtype)
         except (RuntimeError, TypeError) as e:
-            raise ConfigError(f"--kv-cache-dtype {name} does not work with --dtype {str(model_dtype).removeprefix('torch.')} "
-                              f"on {device} in this torch build ({e}); use --kv-cache-dtype auto") from None
+            raise ConfigError(
+                f"--kv-cache-dtype {name} does not work with --dtype {str(model_dtype).removeprefix('torch.')} "
+                f"on {device} in this torch build ({e}); use --kv-cache-dtype auto"
+            ) from None
     return dtype
 
 
@@ -61,8 +65,14 @@ def quantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tor
     return (x.float() / scale).clamp_(-fmax, fmax).to(dtype)
 
 
-def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                   all_valid: bool = False, fixed_shape: bool = False) -> None:
+def write_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    all_valid: bool = False,
+    fixed_shape: bool = False,
+) -> None:
     """k, v [T, Hkv, D] -> kv_cache at slot_mapping (casts to the cache dtype).
 
     fixed_shape: a step built for torch.compile or CUDA-graph capture: see write_kv_cache_fixed."""
@@ -97,8 +107,9 @@ def write_kv_cache_fixed(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tenso
     k = torch.where(valid[:, None, None], k, k[:1])
     v = torch.where(valid[:, None, None], v, v[:1])
     T, bs = slots.shape[0], kv_cache.shape[2]
-    which = torch.cat([torch.zeros(T, dtype=torch.int64, device=slots.device),
-                       torch.ones(T, dtype=torch.int64, device=slots.device)])
+    which = torch.cat(
+        [torch.zeros(T, dtype=torch.int64, device=slots.device), torch.ones(T, dtype=torch.int64, device=slots.device)]
+    )
     both = torch.cat([slots, slots])
     kv_cache.index_put_((which, both // bs, both % bs), torch.cat([k, v]))
 
@@ -117,12 +128,18 @@ class Attention(nn.Module):
     def load_weight(self, name: str, tensor: torch.Tensor, shard=None):
         """Checkpoint KV scales ("k_scale", "v_scale", or the deprecated "kv_scale" for both)."""
         if name not in ("k_scale", "v_scale", "kv_scale"):
-            raise ModelLoadError(f"attention layer {self.layer_idx} has no tensor {name!r} (it loads k_scale, v_scale, kv_scale)")
+            raise ModelLoadError(
+                f"attention layer {self.layer_idx} has no tensor {name!r} (it loads k_scale, v_scale, kv_scale)"
+            )
         value = tensor.detach().float().abs().max()  # per-head scales: the largest, so nothing clips
         if tensor.numel() > 1:
-            log.info("layer %d: %s has %d values; using their max as the per-tensor scale",
-                     self.layer_idx, name, tensor.numel())
-        for target in (("k_scale", "v_scale") if name == "kv_scale" else (name,)):
+            log.info(
+                "layer %d: %s has %d values; using their max as the per-tensor scale",
+                self.layer_idx,
+                name,
+                tensor.numel(),
+            )
+        for target in ("k_scale", "v_scale") if name == "kv_scale" else (name,):
             getattr(self, target).fill_(value.item())
         self.kv_scales_frozen = True
         return name, None
@@ -140,8 +157,15 @@ class Attention(nn.Module):
         self.v_scale.copy_((v.float().abs().amax() / V_SCALE_CONSTANT).clamp_min(tiny))
         self.kv_scales_frozen = True
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, select: RowSelection | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        select: RowSelection | None = None,
+    ) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] (after norm and RoPE) -> [T, Hq, D], or [R, Hq, D] for
         the selected rows only (every row's K/V is still written)."""
         fp8 = is_fp8(kv_cache.dtype)

@@ -10,6 +10,7 @@ ids, zeroes the others and all-reduces; the head computes its Vp logit columns a
 them (then drops the padding). Dense weights only: packed GGUF tables are refused under TP
 (ember.engine.tp.config), a GGUF model runs dequantized there.
 """
+
 from __future__ import annotations
 
 import torch
@@ -39,7 +40,7 @@ def _load(module: nn.Module, param_name: str, tensor, shard_id):
     if module.quant_method is None:
         if module.tp_size > 1 and param_name == "weight":  # this rank's rows, zero-padded at the vocab's end
             param = module.weight
-            rows = tensor[module.vocab_start:module.vocab_start + param.shape[0]]
+            rows = tensor[module.vocab_start : module.vocab_start + param.shape[0]]
             if tensor.shape[0] != module.vocab_size:
                 rows = tensor  # let copy_checked name the mismatch
             elif rows.shape[0] < param.shape[0]:
@@ -52,8 +53,14 @@ def _load(module: nn.Module, param_name: str, tensor, shard_id):
 
 
 class VocabEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", quant_method=None):
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        quant_method=None,
+    ):
         super().__init__()
         self.vocab_size = vocab_size
         self.quant_method = quant_method
@@ -78,8 +85,15 @@ class VocabEmbedding(nn.Module):
 class LMHead(nn.Module):
     """hidden [N, H] -> logits [N, V] in float32 (sampling and logprobs want fp32)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", tied_to: VocabEmbedding | None = None, quant_method=None):
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        tied_to: VocabEmbedding | None = None,
+        quant_method=None,
+    ):
         super().__init__()
         self.vocab_size = vocab_size
         self.tied = tied_to is not None
@@ -105,5 +119,5 @@ class LMHead(nn.Module):
         if self.tp_size > 1:
             from ember.distributed.comm import all_gather
 
-            logits = all_gather(logits, dim=-1)[..., :self.vocab_size]
+            logits = all_gather(logits, dim=-1)[..., : self.vocab_size]
         return logits

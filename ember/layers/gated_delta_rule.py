@@ -17,6 +17,7 @@ the chunk as e^(G_c) S0 + (e^(G_c - G) K)^T U. Every exponent is <= 0: nothing o
 `recurrent` runs token by token and can keep the state after each token (a speculative verify
 needs the state at whichever draft is the last accepted).
 """
+
 from __future__ import annotations
 
 import torch
@@ -42,8 +43,15 @@ def prepare_qk(q: torch.Tensor, k: torch.Tensor, num_value_heads: int) -> tuple[
     return q, k
 
 
-def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-            state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+def chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk: int = CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence. q, k [L, H, dk], v [L, H, dv], g, beta [L, H] float32 (q, k prepared);
     state [H, dk, dv] float32 (the state before the first token). Returns (o [L, H, dv], final state)."""
     q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.float().transpose(0, 1)  # [H, L, .]
@@ -76,9 +84,15 @@ def _chunk(q, k, v, g, beta, s0):
     return o, s1
 
 
-def recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-              state: torch.Tensor, keep_states: bool = False
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    keep_states: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Token by token over dim 0, any batch dims after it. q, k [L, ..., dk], v [L, ..., dv],
     g, beta [L, ...]; state [..., dk, dv] float32. Returns (o [L, ..., dv] float32, the final state
     [..., dk, dv] or, with keep_states, every token's state [L, ..., dk, dv])."""
@@ -103,7 +117,9 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor)
     return F.silu(out).t().to(x.dtype), window
 
 
-def causal_conv_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_conv_step(
+    x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One token for each of B sequences. x [B, C]; conv_state [B, C, K - 1]. Returns (out [B, C],
     the new conv states [B, C, K - 1])."""
     window = torch.cat([conv_state.to(x.dtype), x[:, :, None]], dim=2)  # [B, C, K]

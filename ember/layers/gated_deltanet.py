@@ -12,6 +12,7 @@ A step's sequences take one of three paths: decodes (one token) together, one re
 for all of them; prefill chunks one at a time through the chunked form; verifies (a decode with
 drafts) token by token, keeping every token's state for the runner to commit.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -19,13 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember.config.model_config import ModelConfig
 from ember.errors import ModelLoadError
 from ember.kernels.metadata import AttentionMetadata
 from ember.layers import gated_delta_rule as gdr
 from ember.layers.linear import MergedColumnLinear, RowParallelLinear, copy_checked, get_tp_rank_size
 from ember.layers.norm import GatedRMSNorm
 from ember.layers.recurrent_state import RecurrentState
-from ember.config.model_config import ModelConfig
 
 
 class GatedDeltaNet(nn.Module):
@@ -41,6 +42,7 @@ class GatedDeltaNet(nn.Module):
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.kernel = cfg.linear_conv_kernel_dim
         key_dim, value_dim = nk * self.dk, nv * self.dv  # full sizes: the Linears narrow them
+
         def method(ours: str, *checkpoint_names: str):
             # dense unless every checkpoint tensor this layer fuses is quantized: an AWQ checkpoint keeps
             # in_proj_b / in_proj_a (the decay and beta gates) unquantized (hybrid.md, pitfall 5)
@@ -49,25 +51,37 @@ class GatedDeltaNet(nn.Module):
             methods = [quant_config.linear_method(f"{prefix}.{n}") for n in (ours, *checkpoint_names)]
             return None if any(m is None for m in methods) else methods[0]
 
-        self.in_proj_qkvz = MergedColumnLinear(cfg.hidden_size, [key_dim, key_dim, value_dim, value_dim],
-                                               dtype=dtype, device=device,
-                                               quant_method=method("in_proj_qkvz", "in_proj_qkv", "in_proj_z"),
-                                               shard_ids=("q", "k", "v", "z"))
-        self.in_proj_ba = MergedColumnLinear(cfg.hidden_size, [nv, nv], dtype=dtype, device=device,
-                                             quant_method=method("in_proj_ba", "in_proj_b", "in_proj_a"),
-                                             shard_ids=("b", "a"))
+        self.in_proj_qkvz = MergedColumnLinear(
+            cfg.hidden_size,
+            [key_dim, key_dim, value_dim, value_dim],
+            dtype=dtype,
+            device=device,
+            quant_method=method("in_proj_qkvz", "in_proj_qkv", "in_proj_z"),
+            shard_ids=("q", "k", "v", "z"),
+        )
+        self.in_proj_ba = MergedColumnLinear(
+            cfg.hidden_size,
+            [nv, nv],
+            dtype=dtype,
+            device=device,
+            quant_method=method("in_proj_ba", "in_proj_b", "in_proj_a"),
+            shard_ids=("b", "a"),
+        )
         self.conv_dim = 2 * self.nk * self.dk + self.nv * self.dv
-        self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, self.kernel, dtype=dtype, device=device),
-                                        requires_grad=False)
+        self.conv_weight = nn.Parameter(
+            torch.empty(self.conv_dim, self.kernel, dtype=dtype, device=device), requires_grad=False
+        )
         self.A_log = nn.Parameter(torch.empty(self.nv, dtype=dtype, device=device), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(self.nv, dtype=dtype, device=device), requires_grad=False)
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps, dtype, device)
-        self.out_proj = RowParallelLinear(value_dim, cfg.hidden_size, dtype=dtype, device=device,
-                                          quant_method=method("out_proj"))
+        self.out_proj = RowParallelLinear(
+            value_dim, cfg.hidden_size, dtype=dtype, device=device, quant_method=method("out_proj")
+        )
 
     def make_state(self, num_slots: int, device) -> RecurrentState:
-        return RecurrentState(num_slots, self.conv_dim, self.kernel, self.nv, self.dk, self.dv,
-                              self.conv_weight.dtype, device)
+        return RecurrentState(
+            num_slots, self.conv_dim, self.kernel, self.nv, self.dk, self.dv, self.conv_weight.dtype, device
+        )
 
     # ---- forward -------------------------------------------------------------------------
 
@@ -101,8 +115,17 @@ class GatedDeltaNet(nn.Module):
         q, k = gdr.prepare_qk(q.reshape(L, self.nk, self.dk), k.reshape(L, self.nk, self.dk), self.nv)
         return q, k, v.reshape(L, self.nv, self.dv)
 
-    def _sequence(self, mixed, g, beta, state: RecurrentState, slot: int, has: bool, verify: bool,
-                  snapshots: list[tuple[int, int]]) -> torch.Tensor:
+    def _sequence(
+        self,
+        mixed,
+        g,
+        beta,
+        state: RecurrentState,
+        slot: int,
+        has: bool,
+        verify: bool,
+        snapshots: list[tuple[int, int]],
+    ) -> torch.Tensor:
         """A prefill chunk (or a verify) of one sequence -> its core output [L, nv, dv]. snapshots:
         (t, slot) -> the state after t tokens is copied there (a verify's at commit)."""
         K = self.kernel
@@ -119,7 +142,7 @@ class GatedDeltaNet(nn.Module):
             if t > t0:
                 o, ssm = gdr.chunked(q[t0:t], k[t0:t], v[t0:t], g[t0:t], beta[t0:t], ssm)
                 outs.append(o)
-            state.write(snap, ssm, window[:, t:t + K - 1])
+            state.write(snap, ssm, window[:, t : t + K - 1])
             t0 = t
         return torch.cat(outs).to(mixed.dtype)
 
@@ -148,9 +171,14 @@ class GatedDeltaNet(nn.Module):
         return {None}
 
     # checkpoint projection -> (our fused layer, the shards it holds in order)
-    _PROJECTIONS = {"in_proj_qkv": ("in_proj_qkvz", "qkv"), "in_proj_z": ("in_proj_qkvz", "z"),
-                    "in_proj_b": ("in_proj_ba", "b"), "in_proj_a": ("in_proj_ba", "a"),
-                    "in_proj_qkvz": ("in_proj_qkvz", "qkvz"), "in_proj_ba": ("in_proj_ba", "ba")}
+    _PROJECTIONS = {
+        "in_proj_qkv": ("in_proj_qkvz", "qkv"),
+        "in_proj_z": ("in_proj_qkvz", "z"),
+        "in_proj_b": ("in_proj_ba", "b"),
+        "in_proj_a": ("in_proj_ba", "a"),
+        "in_proj_qkvz": ("in_proj_qkvz", "qkvz"),
+        "in_proj_ba": ("in_proj_ba", "ba"),
+    }
 
     def load_weight(self, name: str, tensor: torch.Tensor, shard_id=None):
         """A checkpoint tensor named relative to the layer ("in_proj_qkvz.weight", "A_log", an AWQ
@@ -162,8 +190,10 @@ class GatedDeltaNet(nn.Module):
             layer = getattr(self, ours)
             param = getattr(layer, suffix, None)
             if param is None or getattr(param, "output_dim", None) is None:
-                raise ModelLoadError(f"linear_attn.{name}: {ours} has no {suffix!r} (is the checkpoint quantized the "
-                                     "way its config says?)")
+                raise ModelLoadError(
+                    f"linear_attn.{name}: {ours} has no {suffix!r} (is the checkpoint quantized the "
+                    "way its config says?)"
+                )
             for sid, part in zip(sids, self._split_rows(proj, tensor, param.output_dim, key_dim, value_dim)):
                 layer.load_weight(suffix, part, sid)
             return f"{ours}.{suffix}", set(sids)
@@ -184,18 +214,27 @@ class GatedDeltaNet(nn.Module):
             return name, None
         raise ModelLoadError(f"unexpected Gated DeltaNet weight linear_attn.{name}")
 
-    def _split_rows(self, proj: str, tensor: torch.Tensor, dim: int, key_dim: int, value_dim: int) -> list[torch.Tensor]:
+    def _split_rows(
+        self, proj: str, tensor: torch.Tensor, dim: int, key_dim: int, value_dim: int
+    ) -> list[torch.Tensor]:
         """A checkpoint projection's output dim (dim: rows of a weight, packed columns of AWQ's
         qweight) -> its parts in our shard order. Sizes are in output features, scaled to the
         tensor's units (8 int4 values per AWQ word)."""
         nk, r = self.nk * self.tp_size, self.nv // self.nk
-        full = {"in_proj_qkv": 2 * key_dim + value_dim, "in_proj_z": value_dim, "in_proj_b": nk * r,
-                "in_proj_a": nk * r, "in_proj_qkvz": 2 * key_dim + 2 * value_dim, "in_proj_ba": 2 * nk * r}[proj]
+        full = {
+            "in_proj_qkv": 2 * key_dim + value_dim,
+            "in_proj_z": value_dim,
+            "in_proj_b": nk * r,
+            "in_proj_a": nk * r,
+            "in_proj_qkvz": 2 * key_dim + 2 * value_dim,
+            "in_proj_ba": 2 * nk * r,
+        }[proj]
         if tensor.shape[dim] * 8 == full or tensor.shape[dim] == full:
             unit = tensor.shape[dim] / full
         else:
-            raise ModelLoadError(f"linear_attn.{proj} has {tensor.shape[dim]} outputs along dim {dim}; the config "
-                                 f"needs {full}")
+            raise ModelLoadError(
+                f"linear_attn.{proj} has {tensor.shape[dim]} outputs along dim {dim}; the config needs {full}"
+            )
         if proj in ("in_proj_z", "in_proj_b", "in_proj_a"):
             return [tensor]
         if proj == "in_proj_qkv":

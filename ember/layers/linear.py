@@ -10,6 +10,7 @@ Loaders narrow the full checkpoint tensor by (tp_rank, tp_size); with tp_size 1 
 is the identity. The split is a fraction of the stored dim, so it also works for packed or
 grouped layouts (int4 words, per-group scales) as long as they divide evenly.
 """
+
 from __future__ import annotations
 
 import torch
@@ -37,8 +38,14 @@ def new_param(shape, dtype, device, output_dim: int | None = None, input_dim: in
 class QuantMethod:
     """How a Linear stores its weight and computes y = x W^T (+ b)."""
 
-    def create_weights(self, layer: "LinearBase", in_features: int, out_features_per_shard: list[int],
-                       dtype: torch.dtype, device: torch.device) -> None:
+    def create_weights(
+        self,
+        layer: "LinearBase",
+        in_features: int,
+        out_features_per_shard: list[int],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         """Register the weight parameter(s) on `layer` (per-partition sizes), tagged with output_dim/input_dim."""
         raise NotImplementedError
 
@@ -85,10 +92,18 @@ class LinearBase(nn.Module):
     tp_mode: "column" (split outputs), "row" (split inputs) or None (replicated).
     """
 
-    def __init__(self, in_features: int, out_features_per_shard: list[int], bias: bool,
-                 dtype: torch.dtype, device: torch.device | str = "cpu", quant_method: QuantMethod | None = None,
-                 shard_ids: list | None = None, tp_mode: str | None = None,
-                 shard_partitions: list[tuple[int, int]] | None = None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features_per_shard: list[int],
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        quant_method: QuantMethod | None = None,
+        shard_ids: list | None = None,
+        tp_mode: str | None = None,
+        shard_partitions: list[tuple[int, int]] | None = None,
+    ):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank_size() if tp_mode else (0, 1)
         self.tp_mode = tp_mode
@@ -172,24 +187,55 @@ class ReplicatedLinear(LinearBase):
 class MergedColumnLinear(LinearBase):
     """Several column-parallel projections of the same input in one weight (gate_up: shards "gate", "up")."""
 
-    def __init__(self, in_features, out_features_per_shard: list[int], bias=False, dtype=torch.float32,
-                 device="cpu", quant_method=None, shard_ids=("gate", "up")):
-        super().__init__(in_features, out_features_per_shard, bias, dtype, device, quant_method,
-                         shard_ids=list(shard_ids), tp_mode="column")
+    def __init__(
+        self,
+        in_features,
+        out_features_per_shard: list[int],
+        bias=False,
+        dtype=torch.float32,
+        device="cpu",
+        quant_method=None,
+        shard_ids=("gate", "up"),
+    ):
+        super().__init__(
+            in_features,
+            out_features_per_shard,
+            bias,
+            dtype,
+            device,
+            quant_method,
+            shard_ids=list(shard_ids),
+            tp_mode="column",
+        )
 
 
 class QKVLinear(LinearBase):
     """q, k and v projections fused into one [(Hq + 2 Hkv) * D, H] weight; shards "q", "k", "v"."""
 
-    def __init__(self, hidden_size, head_dim, num_heads, num_kv_heads, bias=False, dtype=torch.float32,
-                 device="cpu", quant_method=None):
+    def __init__(
+        self,
+        hidden_size,
+        head_dim,
+        num_heads,
+        num_kv_heads,
+        bias=False,
+        dtype=torch.float32,
+        device="cpu",
+        quant_method=None,
+    ):
         tp_rank, tp_size = get_tp_rank_size()
         # With more ranks than kv heads, each kv head is replicated on tp_size / num_kv_heads ranks.
         kv_parts = min(tp_size, num_kv_heads)
         kv_rank = tp_rank // (tp_size // kv_parts)
         super().__init__(
-            hidden_size, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], bias,
-            dtype, device, quant_method, shard_ids=["q", "k", "v"], tp_mode="column",
+            hidden_size,
+            [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
+            bias,
+            dtype,
+            device,
+            quant_method,
+            shard_ids=["q", "k", "v"],
+            tp_mode="column",
             shard_partitions=[(tp_rank, tp_size), (kv_rank, kv_parts), (kv_rank, kv_parts)],
         )
         self.num_heads = num_heads // tp_size  # per rank

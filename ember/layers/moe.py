@@ -10,6 +10,7 @@ dim (gate/up rows, down columns), like a dense MLP's column/row split. Routing i
 partial outputs are all-reduced. Chosen over whole experts per rank because it balances load
 whatever the routing does and needs no token exchange; the cost is more, smaller GEMMs.
 """
+
 from __future__ import annotations
 
 import re
@@ -38,9 +39,16 @@ class Experts(nn.Module):
 
     _PER_EXPERT = re.compile(r"^(\d+)\.(gate|up|down)_proj\.weight$")
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu", tp: tuple[int, int] = (0, 1),
-                 kernels: CpuKernels | None = None):
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        tp: tuple[int, int] = (0, 1),
+        kernels: CpuKernels | None = None,
+    ):
         """intermediate_size: this rank's slice (the full size / tp); tp: (rank, size) to narrow checkpoints by."""
         super().__init__()
         self.fused_act = (kernels or CpuKernels()).fused_elementwise
@@ -88,8 +96,9 @@ class Experts(nn.Module):
         return grouped_experts(x, topk_ids, topk_weights, self.num_experts, self.expert_forward)
 
 
-def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
-                    expert_forward) -> torch.Tensor:
+def grouped_experts(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, expert_forward
+) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_forward(topk_ids[t, k], x[t]) over token slots grouped by expert.
 
     Shared by every experts storage (dense, AWQ int4): they differ only in expert_forward(e, x_e)."""
@@ -105,7 +114,7 @@ def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        outs.append(expert_forward(e, x[token_of[start:start + n]]))
+        outs.append(expert_forward(e, x[token_of[start : start + n]]))
         start += n
     y = torch.cat(outs) * weight_of[:, None]
     return torch.zeros_like(x).index_add_(0, token_of, y)
@@ -114,22 +123,34 @@ def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
 class SparseMoeBlock(nn.Module):
     """router ("gate") + experts; forward(x [T, H]) -> [T, H]."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 norm_topk_prob: bool, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 quant_config=None, prefix: str = "mlp", kernels: CpuKernels | None = None):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        quant_config=None,
+        prefix: str = "mlp",
+        kernels: CpuKernels | None = None,
+    ):
         super().__init__()
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         gate_method = quant_config.linear_method(f"{prefix}.gate") if quant_config is not None else None
-        self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False, dtype=dtype, device=device,
-                                     quant_method=gate_method)
+        self.gate = ReplicatedLinear(
+            hidden_size, num_experts, bias=False, dtype=dtype, device=device, quant_method=gate_method
+        )
         experts_method = quant_config.experts_method(f"{prefix}.experts") if quant_config is not None else None
         tp = get_tp_rank_size()
         self.tp_size = tp[1]
         local = intermediate_size // tp[1]
         if experts_method is not None:
             kw = {"tp": tp} if tp[1] > 1 else {}  # GGUF experts (refused under TP) take no tp
-            self.experts = experts_method.create_experts(num_experts, hidden_size, local, dtype, device,
-                                                         kernels=kernels, **kw)
+            self.experts = experts_method.create_experts(
+                num_experts, hidden_size, local, dtype, device, kernels=kernels, **kw
+            )
         else:
             self.experts = Experts(num_experts, hidden_size, local, dtype, device, tp=tp, kernels=kernels)
 

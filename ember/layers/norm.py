@@ -1,4 +1,5 @@
 """RMSNorm exactly as Hugging Face computes it, with an optional fused residual add."""
+
 from __future__ import annotations
 
 import torch
@@ -9,8 +10,14 @@ from ember.kernels.cpu_kernels import CpuKernels
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", kernels: CpuKernels | None = None):
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        kernels: CpuKernels | None = None,
+    ):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
@@ -25,8 +32,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x) when residual is None; else (norm(x + residual), x + residual)."""
-        if (self.fused and fused.applies(x) and self.weight.dtype == torch.bfloat16
-                and (residual is None or residual.dtype == x.dtype)):
+        if (
+            self.fused
+            and fused.applies(x)
+            and self.weight.dtype == torch.bfloat16
+            and (residual is None or residual.dtype == x.dtype)
+        ):
             return fused.rms_norm(x, residual, self.weight, self.eps)  # one pass, the same roundings
         if residual is None:
             return self._norm(x)
@@ -38,8 +49,13 @@ class ZeroCenteredRMSNorm(nn.Module):
     """Qwen3-Next / Qwen3.5's norm: the checkpoint stores w - 1, and the multiply by (1 + w) runs
     in float32 before the cast back (HF's order; unlike RMSNorm above, which casts first)."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device), requires_grad=False)
@@ -60,8 +76,13 @@ class GatedRMSNorm(nn.Module):
     """The Gated DeltaNet output norm, per value head: w * rms(o) (cast to o's dtype first) * silu(z),
     the gate in float32. Its weight is stored as is (not zero-centred)."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)

@@ -10,14 +10,24 @@ token it ran (`keep_verify`), and once the rejection sampler has decided, `commi
 state after the last accepted token. So a rejected draft never reaches a slot, and nothing is
 re-run.
 """
+
 from __future__ import annotations
 
 import torch
 
 
 class RecurrentState:
-    def __init__(self, num_slots: int, conv_dim: int, conv_kernel: int, num_heads: int, key_dim: int,
-                 value_dim: int, conv_dtype: torch.dtype, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        num_slots: int,
+        conv_dim: int,
+        conv_kernel: int,
+        num_heads: int,
+        key_dim: int,
+        value_dim: int,
+        conv_dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
         self.conv = torch.zeros(num_slots, conv_dim, conv_kernel - 1, dtype=conv_dtype, device=device)
         self.ssm = torch.zeros(num_slots, num_heads, key_dim, value_dim, dtype=torch.float32, device=device)
         self.conv_kernel = conv_kernel
@@ -27,8 +37,9 @@ class RecurrentState:
     def nbytes(self) -> int:
         return self.conv.nbytes + self.ssm.nbytes
 
-    def keep_verify(self, slot: int, ssm_states: torch.Tensor, window: torch.Tensor,
-                    snapshots: list[tuple[int, int]] = ()) -> None:
+    def keep_verify(
+        self, slot: int, ssm_states: torch.Tensor, window: torch.Tensor, snapshots: list[tuple[int, int]] = ()
+    ) -> None:
         """A verify step's states for `slot`: ssm_states [L, H, dk, dv] (after each of its L tokens),
         its conv window [C, K - 1 + L], and the snapshots planned inside it ((t, slot): after t tokens)."""
         self._pending.append((slot, ssm_states, window, list(snapshots)))
@@ -46,8 +57,8 @@ class RecurrentState:
             kept = accepted[slot] + 1
             for t, snap in snapshots:
                 if t <= kept:
-                    self.write(snap, states[t - 1], window[:, t:t + K - 1])
-            self.write(slot, states[kept - 1], window[:, kept:kept + K - 1])
+                    self.write(snap, states[t - 1], window[:, t : t + K - 1])
+            self.write(slot, states[kept - 1], window[:, kept : kept + K - 1])
         self._pending.clear()
 
     def copy(self, src: int, dst: int) -> None:

@@ -6,6 +6,7 @@ order), so cos/sin match HF bit for bit. cos/sin are cached in float32 for every
 to max_position_embeddings (built on first use, grown if a position goes past it) and looked
 up once per step; the rotation runs in float32 and casts back to the activation dtype.
 """
+
 from __future__ import annotations
 
 import math
@@ -13,9 +14,9 @@ import math
 import torch
 from torch import nn
 
+from ember.config.model_config import RopeConfig
 from ember.errors import UnsupportedModelError
 from ember.kernels import cpu_fused_elementwise as fused
-from ember.config.model_config import RopeConfig
 
 
 def rotary_dim(head_dim: int, rope: RopeConfig) -> int:
@@ -102,8 +103,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, use_kern
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, rope: RopeConfig, max_position_embeddings: int,
-                 device: torch.device | str = "cpu"):
+    def __init__(
+        self, head_dim: int, rope: RopeConfig, max_position_embeddings: int, device: torch.device | str = "cpu"
+    ):
         super().__init__()
         self.head_dim = head_dim
         self.max_position_embeddings = max_position_embeddings

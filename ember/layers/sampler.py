@@ -7,6 +7,7 @@ and lets each seeded row draw only from its own generator.
 Every stage runs only for the rows that need it, vectorised over those rows, and is skipped
 entirely when no row does: this runs every decode step.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -79,11 +80,9 @@ def _plan(rows: list[SamplingRow]) -> tuple[list[int], list[int], list[int], lis
     penalised, banned, randoms, want_lp = [], [], [], []
     for i, row in enumerate(rows):
         p = row.params
-        if (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
-                or p.frequency_penalty != 0.0 or p.logit_bias):
+        if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.logit_bias:
             penalised.append(i)
-        if p.min_tokens and len(row.output_token_ids) < p.min_tokens and (
-                row.banned_token_ids or p.stop_token_ids):
+        if p.min_tokens and len(row.output_token_ids) < p.min_tokens and (row.banned_token_ids or p.stop_token_ids):
             banned.append(i)
         if not p.greedy:
             randoms.append(i)
@@ -134,8 +133,15 @@ def _counts(id_lists: list[list[int]], V: int, device: torch.device) -> torch.Te
 
 def _apply_penalties(work: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -> None:
     """Repetition over prompt+output; frequency and presence over output only (vLLM)."""
-    idx = [i for i in idx if (rows[i].params.repetition_penalty != 1.0 or rows[i].params.presence_penalty != 0.0
-                              or rows[i].params.frequency_penalty != 0.0)]
+    idx = [
+        i
+        for i in idx
+        if (
+            rows[i].params.repetition_penalty != 1.0
+            or rows[i].params.presence_penalty != 0.0
+            or rows[i].params.frequency_penalty != 0.0
+        )
+    ]
     if not idx:
         return
     V = work.shape[1]
@@ -173,8 +179,11 @@ def _apply_logit_bias(work: torch.Tensor, rows: list[SamplingRow], idx: list[int
                 vals.append(b)
     if r_ids:
         dev = work.device
-        work.index_put_((torch.tensor(r_ids, device=dev), torch.tensor(t_ids, device=dev)),
-                        torch.tensor(vals, dtype=work.dtype, device=dev), accumulate=True)
+        work.index_put_(
+            (torch.tensor(r_ids, device=dev), torch.tensor(t_ids, device=dev)),
+            torch.tensor(vals, dtype=work.dtype, device=dev),
+            accumulate=True,
+        )
 
 
 def _ban_tokens(work: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -> None:
@@ -187,8 +196,7 @@ def _ban_tokens(work: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -> 
                 r_ids.append(i)
                 t_ids.append(t)
     if r_ids:
-        work[torch.tensor(r_ids, device=work.device),
-             torch.tensor(t_ids, device=work.device)] = _NEG_INF
+        work[torch.tensor(r_ids, device=work.device), torch.tensor(t_ids, device=work.device)] = _NEG_INF
 
 
 def _sample(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -302,15 +310,15 @@ def exponential_noise(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
             u[i] = torch.empty(V, device=probs.device).uniform_(generator=rows[i].generator)
         others = [i for i, r in enumerate(rows) if r.generator is None]
         if others:
-            u[torch.tensor(others, device=probs.device)] = torch.empty(
-                len(others), V, device=probs.device).uniform_()
+            u[torch.tensor(others, device=probs.device)] = torch.empty(len(others), V, device=probs.device).uniform_()
     q = u.log_().neg_()
     # A zero draw would turn prob 0 into 0/0 = nan, which argmax prefers; keep it positive.
     return q.clamp_min_(torch.finfo(q.dtype).tiny)
 
 
-def gather_logprobs(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int],
-                     tokens: list[int]) -> dict[int, PositionLogprobs]:
+def gather_logprobs(
+    logits: torch.Tensor, rows: list[SamplingRow], idx: list[int], tokens: list[int]
+) -> dict[int, PositionLogprobs]:
     """Sampled token plus top-N from log_softmax of the raw logits; rank = 1 + #strictly greater."""
     idx_t = torch.tensor(idx, device=logits.device)
     found = token_logprobs(logits[idx_t], [tokens[i] for i in idx], [rows[i].params.logprobs for i in idx])

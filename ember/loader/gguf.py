@@ -81,11 +81,14 @@ class GGUFCheckpoint:
         self.config: dict[str, Any] = self._build_config()
         self._untangler = gguf_hybrid.Untangler(self, _BLOCK_NAMES) if self.traits.hybrid else None
         self.tensor_bytes: int = sum(int(t.n_bytes) for t in self._reader.tensors)
-        self.num_parameters: int = sum(
-            int(t.n_elements) for t in self._reader.tensors if t.name not in _SKIPPED
+        self.num_parameters: int = sum(int(t.n_elements) for t in self._reader.tensors if t.name not in _SKIPPED)
+        log.debug(
+            "opened %s (%s, %d tensors) in %.2fs",
+            self.path,
+            self.architecture,
+            len(self._tensors),
+            time.perf_counter() - start,
         )
-        log.debug("opened %s (%s, %d tensors) in %.2fs", self.path, self.architecture,
-                  len(self._tensors), time.perf_counter() - start)
 
     # ---- metadata -------------------------------------------------------------------------
 
@@ -181,7 +184,9 @@ class GGUFCheckpoint:
         dim = int(self._arch("rope.dimension_count", cfg["head_dim"]))
         return _llama3_scaling_from_divisors(
             np.asarray(dequantize(freqs.data, freqs.tensor_type), dtype=np.float64).reshape(-1),
-            cfg["rope_theta"], dim, self.path,
+            cfg["rope_theta"],
+            dim,
+            self.path,
         )
 
     # ---- tokenizer ------------------------------------------------------------------------
@@ -207,7 +212,9 @@ class GGUFCheckpoint:
             if scores is None:
                 raise UnsupportedModelError(f"{self.path}: a SentencePiece vocabulary without scores.")
             hf_tok, in_vocab = _sentencepiece_bpe(
-                tokens, scores, self.metadata("tokenizer.ggml.add_space_prefix", True),
+                tokens,
+                scores,
+                self.metadata("tokenizer.ggml.add_space_prefix", True),
                 self.metadata("tokenizer.ggml.unknown_token_id"),
             )
             # llama.cpp adds BOS to SentencePiece vocabularies unless told otherwise
@@ -231,17 +238,23 @@ class GGUFCheckpoint:
         # Control tokens (<|im_start|>) match whole and are special; user-defined ones (<think>)
         # match whole but stay ordinary text. Only spellings the vocabulary holds can be added
         # without growing it (a byte-level file can mislabel a token in a foreign spelling).
-        hf_tok.add_special_tokens([
-            AddedToken(t, normalized=False, special=True)
-            for t, ty in zip(tokens, types) if ty == _CONTROL and in_vocab(t)
-        ])
-        hf_tok.add_tokens([
-            AddedToken(t, normalized=False, special=False)
-            for t, ty in zip(tokens, types) if ty == _USER_DEFINED and in_vocab(t)
-        ])
-        hf_tok.add_special_tokens([
-            AddedToken(s, normalized=False, special=True) for s in strings.values() if s is not None and in_vocab(s)
-        ])
+        hf_tok.add_special_tokens(
+            [
+                AddedToken(t, normalized=False, special=True)
+                for t, ty in zip(tokens, types)
+                if ty == _CONTROL and in_vocab(t)
+            ]
+        )
+        hf_tok.add_tokens(
+            [
+                AddedToken(t, normalized=False, special=False)
+                for t, ty in zip(tokens, types)
+                if ty == _USER_DEFINED and in_vocab(t)
+            ]
+        )
+        hf_tok.add_special_tokens(
+            [AddedToken(s, normalized=False, special=True) for s in strings.values() if s is not None and in_vocab(s)]
+        )
 
         # EOS first, then llama.cpp's other end-of-generation ids (Llama 3's <|eom_id|>, ...)
         eos_ids = [self.metadata(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
@@ -259,7 +272,7 @@ class GGUFCheckpoint:
         """The default template, plus any named ones (tokenizer.chat_template.tool_use, ...)."""
         default = self.metadata("tokenizer.chat_template")
         prefix = "tokenizer.chat_template."
-        named = {k[len(prefix):]: self.metadata(k) for k in self._reader.fields if k.startswith(prefix)}
+        named = {k[len(prefix) :]: self.metadata(k) for k in self._reader.fields if k.startswith(prefix)}
         if not named:
             return default
         return ({"default": default} if default else {}) | named
@@ -309,8 +322,11 @@ class GGUFCheckpoint:
             return None
         if gguf_name in _GLOBAL_NAMES:
             return _GLOBAL_NAMES[gguf_name]
-        if self._untangler is not None and (h := _HYBRID_BLOCK_RE.fullmatch(gguf_name)) is not None \
-                and _EXPERTS_RE.fullmatch(h[2]) is None:
+        if (
+            self._untangler is not None
+            and (h := _HYBRID_BLOCK_RE.fullmatch(gguf_name)) is not None
+            and _EXPERTS_RE.fullmatch(h[2]) is None
+        ):
             return self._untangler.hf_name(int(h[1]), h[2], h[3])
         m = _BLOCK_RE.fullmatch(gguf_name)
         if m is None:
@@ -327,8 +343,10 @@ class GGUFCheckpoint:
         return list(self._tensors)
 
     def __repr__(self) -> str:
-        return (f"GGUFCheckpoint({self.path!r}, arch={self.architecture}, "
-                f"params={self.num_parameters / 1e6:.1f}M, {self.tensor_bytes / 2**20:.1f} MiB)")
+        return (
+            f"GGUFCheckpoint({self.path!r}, arch={self.architecture}, "
+            f"params={self.num_parameters / 1e6:.1f}M, {self.tensor_bytes / 2**20:.1f} MiB)"
+        )
 
 
 # ---- file opening and integrity ---------------------------------------------------------
@@ -543,20 +561,30 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str):
         return tok if set(tok) <= alphabet else "".join(table[b] for b in tok.encode("utf-8"))
 
     vocab = {spelled(t): i for i, t in enumerate(tokens)}
-    tok = HFTokenizer(models.BPE(
-        vocab=vocab,
-        merges=[tuple(m.split(" ", 1)) for m in merges],
-        dropout=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False,
-    ))
+    tok = HFTokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=[tuple(m.split(" ", 1)) for m in merges],
+            dropout=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+        )
+    )
     if pre in _SPLITS:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     else:
         if pre not in _GPT2_SPLIT_PRES:
-            log.warning("GGUF tokenizer pre-tokenizer %r is not one ember knows; splitting text with "
-                        "GPT-2's pattern, which may tokenize differently from llama.cpp", pre)
+            log.warning(
+                "GGUF tokenizer pre-tokenizer %r is not one ember knows; splitting text with "
+                "GPT-2's pattern, which may tokenize differently from llama.cpp",
+                pre,
+            )
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     return tok, lambda t: set(t) <= alphabet and t in vocab
@@ -574,11 +602,16 @@ def _sentencepiece_bpe(tokens: list[str], scores: list[float], add_space_prefix:
         candidates += [(score, len(l), len(r), l, r) for l, r in splits]
     # Stable sort, best score first; ties prefer longer pieces
     candidates.sort(key=lambda c: c[:3], reverse=True)
-    tok = HFTokenizer(models.BPE(
-        vocab=vocab, merges=[(c[3], c[4]) for c in candidates],
-        fuse_unk=True, byte_fallback=True, dropout=None,
-        unk_token=tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None,
-    ))
+    tok = HFTokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=[(c[3], c[4]) for c in candidates],
+            fuse_unk=True,
+            byte_fallback=True,
+            dropout=None,
+            unk_token=tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None,
+        )
+    )
     tok.pre_tokenizer = pre_tokenizers.Metaspace(
         replacement="▁", prepend_scheme="first" if add_space_prefix else "never", split=False
     )

@@ -18,6 +18,7 @@ What the converter does (llama.cpp conversion/qwen.py, 0.3.36) and how it is und
 - experts are stacked (ffn_{gate,up,down}_exps), the shared expert is ffn_*_shexp with its gate
   ffn_gate_inp_shexp; MTP layers (nextn, past num_hidden_layers) are not loaded from GGUF.
 """
+
 from __future__ import annotations
 
 import logging
@@ -65,23 +66,34 @@ def hybrid_config(ckpt, cfg: dict) -> dict:
     head_dim = cfg["head_dim"]
     rot = int(a("rope.dimension_count", head_dim // 4))
     cfg.update(
-        num_hidden_layers=layers, layer_types=types,
-        linear_num_key_heads=nk, linear_num_value_heads=nv,
+        num_hidden_layers=layers,
+        layer_types=types,
+        linear_num_key_heads=nk,
+        linear_num_value_heads=nv,
         linear_key_head_dim=int(ckpt._arch_required("ssm.state_size")),
         linear_value_head_dim=int(ckpt._arch_required("ssm.inner_size")) // nv,
         linear_conv_kernel_dim=int(ckpt._arch_required("ssm.conv_kernel")),
-        rope_parameters={"rope_type": "default", "rope_theta": cfg["rope_theta"], "partial_rotary_factor": rot / head_dim},
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": cfg["rope_theta"],
+            "partial_rotary_factor": rot / head_dim,
+        },
         attention_bias=False,
     )
     if ckpt.architecture in ("qwen3next", "qwen35moe"):
-        cfg.update(num_experts=int(ckpt._arch_required("expert_count")),
-                   num_experts_per_tok=int(ckpt._arch_required("expert_used_count")),
-                   moe_intermediate_size=int(ckpt._arch_required("expert_feed_forward_length")),
-                   shared_expert_intermediate_size=int(a("expert_shared_feed_forward_length", 0) or 0),
-                   norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+        cfg.update(
+            num_experts=int(ckpt._arch_required("expert_count")),
+            num_experts_per_tok=int(ckpt._arch_required("expert_used_count")),
+            moe_intermediate_size=int(ckpt._arch_required("expert_feed_forward_length")),
+            shared_expert_intermediate_size=int(a("expert_shared_feed_forward_length", 0) or 0),
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
     if nextn:
-        log.info("%s: %d MTP layer(s) in the file are not loaded (ember reads MTP weights from HF folders)",
-                 ckpt.path, nextn)
+        log.info(
+            "%s: %d MTP layer(s) in the file are not loaded (ember reads MTP weights from HF folders)", ckpt.path, nextn
+        )
     return cfg
 
 

@@ -1,5 +1,6 @@
 """Resolve a model argument (HF folder, .gguf file, or nothing = the embedded default) into
 a loaded model, its config and its tokenizer."""
+
 from __future__ import annotations
 
 import logging
@@ -10,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ember.config.model_config import ModelConfig
 from ember.errors import ModelLoadError
 from ember.kernels.cpu_kernels import CpuKernels
-from ember.config.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +56,15 @@ class _OpenCheckpoint:
     format: str  # "gguf" | "safetensors"
 
 
-def load_model(model: str | None, tokenizer_path: str | None, dtype: torch.dtype, device: torch.device,
-               attention_backend: str = "auto", quantization: str | None = "auto",
-               kernels: CpuKernels | None = None) -> LoadedModel:
+def load_model(
+    model: str | None,
+    tokenizer_path: str | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    attention_backend: str = "auto",
+    quantization: str | None = "auto",
+    kernels: CpuKernels | None = None,
+) -> LoadedModel:
     """kernels: the CPU kernels the model's layers may use (default: every one that applies here);
     the attention backend named is built with them."""
     from ember.kernels import get_attention_backend
@@ -80,18 +87,34 @@ def load_model(model: str | None, tokenizer_path: str | None, dtype: torch.dtype
     model_config, quant_config = ckpt.model_config, ckpt.quant_config
     model_cls = get_model_class(model_config.architecture)
     with torch.device(device):
-        net = model_cls(model_config, dtype=dtype, device=device, quant_config=quant_config, kernels=kernels,
-                        attn_backend=get_attention_backend(attention_backend, device, kernels))
+        net = model_cls(
+            model_config,
+            dtype=dtype,
+            device=device,
+            quant_config=quant_config,
+            kernels=kernels,
+            attn_backend=get_attention_backend(attention_backend, device, kernels),
+        )
     net.load_weights(ckpt.weights)
     process_weights_after_loading(net)
     net.eval()
     num_params = _logical_parameter_count(net, model_cls, model_config, dtype, quant_config)
-    return LoadedModel(net, model_config, tokenizer, path, ckpt.format, quant_config.name if quant_config else "none",
-                       num_params, resident_weight_bytes(net), time.perf_counter() - t0)
+    return LoadedModel(
+        net,
+        model_config,
+        tokenizer,
+        path,
+        ckpt.format,
+        quant_config.name if quant_config else "none",
+        num_params,
+        resident_weight_bytes(net),
+        time.perf_counter() - t0,
+    )
 
 
-def _open_gguf(path: str, quantization: str | None, dtype: torch.dtype, device: torch.device,
-               kernels: CpuKernels | None) -> _OpenCheckpoint:
+def _open_gguf(
+    path: str, quantization: str | None, dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None
+) -> _OpenCheckpoint:
     from tqdm import tqdm
 
     from ember.loader.gguf import GGUFCheckpoint
@@ -103,24 +126,35 @@ def _open_gguf(path: str, quantization: str | None, dtype: torch.dtype, device: 
     quant_config = resolve_quant_config(quantization, path, model_config.raw, kernels)
     # disable=None: a bar on a terminal, silence in logs and CI (as iter_safetensors does).
     # packed: quantized tensors arrive as GGUFTensor blocks for the gguf QuantMethods.
-    weights = tqdm(ckpt.iter_weights(packed=quant_config is not None),
-                   total=None if model_config.num_experts else len(ckpt.tensor_names),
-                   desc="Loading weights", unit="tensor", disable=None)
+    weights = tqdm(
+        ckpt.iter_weights(packed=quant_config is not None),
+        total=None if model_config.num_experts else len(ckpt.tensor_names),
+        desc="Loading weights",
+        unit="tensor",
+        disable=None,
+    )
     return _OpenCheckpoint(model_config, quant_config, ckpt.tokenizer(), weights, "gguf")
 
 
-def _gguf_quantization(quantization: str | None, dtype: torch.dtype, device: torch.device,
-                       kernels: CpuKernels | None) -> str | None:
+def _gguf_quantization(
+    quantization: str | None, dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None
+) -> str | None:
     """--quantization for a GGUF file: `auto` in float32 on a CPU without the tiled GEMV dequantizes."""
     from ember.quant.gguf_quant import TiledPart
 
-    if ((quantization or "auto") == "auto" and device.type == "cpu" and dtype == torch.float32
-            and not TiledPart.usable(dtype, device, kernels)):
+    if (
+        (quantization or "auto") == "auto"
+        and device.type == "cpu"
+        and dtype == torch.float32
+        and not TiledPart.usable(dtype, device, kernels)
+    ):
         # torch vectorizes its CPU int4 kernel for bf16 only (fp32 is ~50x slower than a dense
         # fp32 GEMV), so a float32 run without the tiled GEMV's AVX2 build is faster dequantized;
         # --quantization gguf still forces packing.
-        logger.info("GGUF in float32 on CPU: dequantizing (torch's int4 kernel is fast in bfloat16 only, and "
-                    "the tiled GEMV is off or not built here); pass --dtype bfloat16 to keep the weights packed")
+        logger.info(
+            "GGUF in float32 on CPU: dequantizing (torch's int4 kernel is fast in bfloat16 only, and "
+            "the tiled GEMV is off or not built here); pass --dtype bfloat16 to keep the weights packed"
+        )
         return "none"
     return quantization
 
@@ -134,8 +168,9 @@ def _open_safetensors(path: str, quantization: str | None, kernels: CpuKernels |
     return _OpenCheckpoint(model_config, quant_config, None, iter_safetensors(path), "safetensors")
 
 
-def _logical_parameter_count(net: torch.nn.Module, model_cls, model_config: ModelConfig, dtype: torch.dtype,
-                             quant_config) -> int:
+def _logical_parameter_count(
+    net: torch.nn.Module, model_cls, model_config: ModelConfig, dtype: torch.dtype, quant_config
+) -> int:
     """The model's parameter count as if dense and whole, however this rank holds it."""
     from ember.distributed.parallel_state import get_tp_rank_size, sharding
 

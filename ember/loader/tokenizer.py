@@ -119,7 +119,9 @@ class Tokenizer:
 
         def seq(name: str, type_id: int) -> list[str]:
             # Lists, not one string: a token with a space would break the string form
-            return ([f"{bos}:{type_id}"] if bos else []) + [f"${name}:{type_id}"] + ([f"{eos}:{type_id}"] if eos else [])
+            return (
+                ([f"{bos}:{type_id}"] if bos else []) + [f"${name}:{type_id}"] + ([f"{eos}:{type_id}"] if eos else [])
+            )
 
         specials = ([(bos, self.bos_token_id)] if bos else []) + ([(eos, self.eos_token_ids[0])] if eos else [])
         self._tok.post_processor = processors.TemplateProcessing(
@@ -184,8 +186,10 @@ class Tokenizer:
         the prompt ends inside the last message (an assistant reply to continue), as transformers
         cuts it: right after that message's text, its end-of-turn left out."""
         if continue_final_message and add_generation_prompt:
-            raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true: the "
-                                      "first continues the last message, the second opens a new one")
+            raise InvalidRequestError(
+                "continue_final_message and add_generation_prompt cannot both be true: the "
+                "first continues the last message, the second opens a new one"
+            )
         template = self._pick_template(chat_template)
         variables = {**self.special_tokens, **kwargs}
         try:
@@ -248,12 +252,13 @@ def _cut_after_final_message(text: str, messages: list[dict[str, Any]]) -> str:
     if isinstance(final, list):  # text parts
         final = "".join(p.get("text", "") for p in final if isinstance(p, dict))
     if not isinstance(final, str) or not final.strip() or final.strip() not in text:
-        raise InvalidRequestError("continue_final_message needs a last message with text content that the chat "
-                                  "template writes out")
+        raise InvalidRequestError(
+            "continue_final_message needs a last message with text content that the chat template writes out"
+        )
     at = text.rindex(final.strip())
-    if text[at:at + len(final.lstrip())] == final.lstrip():
-        return text[:at + len(final.lstrip())]
-    return text[:at + len(final.strip())]
+    if text[at : at + len(final.lstrip())] == final.lstrip():
+        return text[: at + len(final.lstrip())]
+    return text[: at + len(final.strip())]
 
 
 def _read_json(path: str) -> dict:

@@ -4,6 +4,7 @@ Every file's header is opened and checked before the first tensor is yielded, so
 truncated shard fails fast with a ModelLoadError that names the file, not halfway through
 loading with safetensors' own error.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -76,6 +77,7 @@ def iter_safetensors(folder: str, progress: bool = True) -> Iterator[tuple[str, 
                         tensor = h.get_tensor(name)
                     except (SafetensorError, OSError, ValueError) as e:
                         raise ModelLoadError(
-                            f"{path}: cannot read tensor {name!r} ({e}); download the file again") from None
+                            f"{path}: cannot read tensor {name!r} ({e}); download the file again"
+                        ) from None
                     yield name, tensor
                     bar.update(1)

@@ -5,6 +5,7 @@ and k (over head_dim, before RoPE) and a head_dim that need not be hidden/heads.
 mirror the HF checkpoint ("model.layers.N.self_attn.o_proj.weight"), except that q/k/v load
 into the fused qkv_proj and gate/up into gate_up_proj.
 """
+
 from __future__ import annotations
 
 import logging
@@ -15,6 +16,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from ember.config.model_config import ModelConfig
 from ember.errors import ModelLoadError
 from ember.kernels.cpu_kernels import CpuKernels
 from ember.kernels.metadata import AttentionMetadata, RowSelection
@@ -24,7 +26,6 @@ from ember.layers.embedding import LMHead, VocabEmbedding
 from ember.layers.linear import MergedColumnLinear, QKVLinear, RowParallelLinear, copy_checked
 from ember.layers.norm import RMSNorm
 from ember.layers.rotary import RotaryEmbedding, apply_rotary
-from ember.config.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 # FP8 KV scales (formats.md §6) -> the layer's Attention: llm-compressor "self_attn.k_scale",
@@ -53,26 +54,46 @@ def load_routed(modules: dict, route: tuple, tensor: torch.Tensor) -> tuple[str,
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype, device, attn_backend, quant_config=None,
-                 kernels: CpuKernels | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer_idx: int,
+        dtype,
+        device,
+        attn_backend,
+        quant_config=None,
+        kernels: CpuKernels | None = None,
+    ):
         super().__init__()
         kernels = kernels or CpuKernels()
         self.fused_rotary = kernels.fused_elementwise
         D = cfg.head_dim
         prefix = f"model.layers.{layer_idx}.self_attn"
-        self.qkv_proj = QKVLinear(cfg.hidden_size, D, cfg.num_heads, cfg.num_kv_heads, bias=cfg.attention_bias,
-                                  dtype=dtype, device=device,
-                                  quant_method=linear_method(quant_config, f"{prefix}.qkv_proj"))
+        self.qkv_proj = QKVLinear(
+            cfg.hidden_size,
+            D,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            bias=cfg.attention_bias,
+            dtype=dtype,
+            device=device,
+            quant_method=linear_method(quant_config, f"{prefix}.qkv_proj"),
+        )
         # HF: Llama/Qwen3 give o_proj the attention bias too; Qwen2 never does.
         o_bias = cfg.attention_bias and not cfg.traits.qkv_bias_only
-        self.o_proj = RowParallelLinear(cfg.num_heads * D, cfg.hidden_size, bias=o_bias, dtype=dtype, device=device,
-                                        quant_method=linear_method(quant_config, f"{prefix}.o_proj"))
+        self.o_proj = RowParallelLinear(
+            cfg.num_heads * D,
+            cfg.hidden_size,
+            bias=o_bias,
+            dtype=dtype,
+            device=device,
+            quant_method=linear_method(quant_config, f"{prefix}.o_proj"),
+        )
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(D, cfg.rms_norm_eps, dtype, device, kernels)
             self.k_norm = RMSNorm(D, cfg.rms_norm_eps, dtype, device, kernels)
-        self.attn = Attention(self.qkv_proj.num_heads, D, self.qkv_proj.num_kv_heads, D ** -0.5, attn_backend,
-                              layer_idx)
+        self.attn = Attention(self.qkv_proj.num_heads, D, self.qkv_proj.num_kv_heads, D**-0.5, attn_backend, layer_idx)
 
     def forward(self, x, cos_sin, kv_cache, meta, select: RowSelection | None = None):
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
@@ -85,14 +106,34 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype, device, bias: bool = False,
-                 quant_config=None, prefix: str = "", kernels: CpuKernels | None = None):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        dtype,
+        device,
+        bias: bool = False,
+        quant_config=None,
+        prefix: str = "",
+        kernels: CpuKernels | None = None,
+    ):
         super().__init__()
-        self.gate_up_proj = MergedColumnLinear(hidden_size, [intermediate_size] * 2, bias=bias, dtype=dtype,
-                                               device=device,
-                                               quant_method=linear_method(quant_config, f"{prefix}.gate_up_proj"))
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, dtype=dtype, device=device,
-                                           quant_method=linear_method(quant_config, f"{prefix}.down_proj"))
+        self.gate_up_proj = MergedColumnLinear(
+            hidden_size,
+            [intermediate_size] * 2,
+            bias=bias,
+            dtype=dtype,
+            device=device,
+            quant_method=linear_method(quant_config, f"{prefix}.gate_up_proj"),
+        )
+        self.down_proj = RowParallelLinear(
+            intermediate_size,
+            hidden_size,
+            bias=bias,
+            dtype=dtype,
+            device=device,
+            quant_method=linear_method(quant_config, f"{prefix}.down_proj"),
+        )
         self.act = SiluAndMul(kernels)
 
     def forward(self, x):
@@ -100,8 +141,17 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype, device, attn_backend, mlp: nn.Module,
-                 quant_config=None, kernels: CpuKernels | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer_idx: int,
+        dtype,
+        device,
+        attn_backend,
+        mlp: nn.Module,
+        quant_config=None,
+        kernels: CpuKernels | None = None,
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, kernels)
         self.self_attn = LlamaAttention(cfg, layer_idx, dtype, device, attn_backend, quant_config, kernels)
@@ -125,11 +175,24 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype, device, attn_backend, make_mlp, quant_config=None,
-                 kernels: CpuKernels | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype,
+        device,
+        attn_backend,
+        make_mlp,
+        quant_config=None,
+        kernels: CpuKernels | None = None,
+    ):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device,
-                                           quant_method=embedding_method(quant_config, "model.embed_tokens"))
+        self.embed_tokens = VocabEmbedding(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            dtype,
+            device,
+            quant_method=embedding_method(quant_config, "model.embed_tokens"),
+        )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, i, dtype, device, attn_backend, make_mlp(i), quant_config, kernels)
             for i in range(cfg.num_layers)
@@ -161,9 +224,15 @@ class LlamaForCausalLM(nn.Module):
         (".gate_up_proj.", ".up_proj.", "up"),
     )
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str = "cpu", attn_backend=None, quant_config=None,
-                 kernels: CpuKernels | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+        attn_backend=None,
+        quant_config=None,
+        kernels: CpuKernels | None = None,
+    ):
         """attn_backend: default the torch reference; kernels: the CPU kernels its layers may use
         (default: every one that applies; CpuKernels.none() for the torch ops only)."""
         super().__init__()
@@ -175,19 +244,40 @@ class LlamaForCausalLM(nn.Module):
         self.quant_config = quant_config
         self.attn_backend = attn_backend
         self.kernels = kernels = kernels or CpuKernels()
-        self.model = LlamaModel(cfg, dtype, device, attn_backend, lambda i: self.make_mlp(cfg, i, dtype, device),
-                                quant_config, kernels)
+        self.model = LlamaModel(
+            cfg, dtype, device, attn_backend, lambda i: self.make_mlp(cfg, i, dtype, device), quant_config, kernels
+        )
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, device, tied_to=tied,
-                              quant_method=None if tied else embedding_method(quant_config, "lm_head"))
+        self.lm_head = LMHead(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            dtype,
+            device,
+            tied_to=tied,
+            quant_method=None if tied else embedding_method(quant_config, "lm_head"),
+        )
 
     def make_mlp(self, cfg: ModelConfig, layer_idx: int, dtype, device) -> nn.Module:
         bias = bool(cfg.raw.get("mlp_bias", False))  # some Llama variants
-        return LlamaMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device, bias=bias,
-                        quant_config=self.quant_config, prefix=f"model.layers.{layer_idx}.mlp", kernels=self.kernels)
+        return LlamaMLP(
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            dtype,
+            device,
+            bias=bias,
+            quant_config=self.quant_config,
+            prefix=f"model.layers.{layer_idx}.mlp",
+            kernels=self.kernels,
+        )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, select: RowSelection | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        select: RowSelection | None = None,
+    ) -> torch.Tensor:
         """input_ids, positions [T] -> final-normed hidden [T, H], or [R, H] for select.rows."""
         return self.model(input_ids, positions, kv_caches, meta, select)
 

@@ -44,6 +44,7 @@ KV cache: each MTP layer has its own [2, num_blocks, block_size, Hkv, D] cache, 
 and read through the same AttentionMetadata (block tables, slot_mapping) as the main layers: the
 engine gives the pool one more layer per MTP layer and shares the sequences' block tables.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -52,6 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember.config.model_config import ModelConfig
 from ember.kernels import cpu_row_top
 from ember.kernels.cpu_kernels import CpuKernels
 from ember.kernels.metadata import AttentionMetadata, RowSelection
@@ -59,7 +61,6 @@ from ember.layers.embedding import LMHead
 from ember.layers.linear import ReplicatedLinear
 from ember.layers.norm import RMSNorm
 from ember.layers.rotary import RotaryEmbedding, apply_rotary
-from ember.config.model_config import ModelConfig
 from ember.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 LAYOUTS = ("deepseek", "mimo", "qwen3_next")
@@ -68,8 +69,13 @@ LAYOUTS = ("deepseek", "mimo", "qwen3_next")
 class ZeroCenteredRMSNorm(RMSNorm):
     """Qwen3-Next's RMSNorm: rms(x) * (1 + w), all in fp32, cast back at the end. w starts at 0."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
         super().__init__(hidden_size, eps, dtype, device)
         self.weight.data.zero_()
         self.fused = False  # the C++ RMSNorm computes w * rms(x), not (1 + w) * rms(x)
@@ -95,18 +101,32 @@ class MTPLayer(nn.Module):
     shared: another MTPLayer whose enorm / hnorm / eh_proj / final_norm this one uses (Qwen3-Next
     has one mtp.fc and one set of mtp norms for all of its mtp.layers.*)."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype, device, attn_backend, mlp: nn.Module,
-                 hidden_first: bool = False, zero_centered: bool = False, own_head: bool = False,
-                 shared: "MTPLayer | None" = None, draft_vocab_size: int | None = None,
-                 kernels: CpuKernels | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer_idx: int,
+        dtype,
+        device,
+        attn_backend,
+        mlp: nn.Module,
+        hidden_first: bool = False,
+        zero_centered: bool = False,
+        own_head: bool = False,
+        shared: "MTPLayer | None" = None,
+        draft_vocab_size: int | None = None,
+        kernels: CpuKernels | None = None,
+    ):
         super().__init__()
         H, eps = cfg.hidden_size, cfg.rms_norm_eps
         if zero_centered:
+
             def norm(n):
                 return ZeroCenteredRMSNorm(n, eps, dtype, device)
         else:
+
             def norm(n):
                 return RMSNorm(n, eps, dtype, device, kernels)
+
         if shared is None:
             self.enorm = norm(H)
             self.hnorm = norm(H)
@@ -114,7 +134,11 @@ class MTPLayer(nn.Module):
             self.final_norm = norm(H)
         else:
             self.enorm, self.hnorm, self.eh_proj, self.final_norm = (
-                shared.enorm, shared.hnorm, shared.eh_proj, shared.final_norm)
+                shared.enorm,
+                shared.hnorm,
+                shared.eh_proj,
+                shared.final_norm,
+            )
         if cfg.is_hybrid:  # Qwen3-Next / Qwen3.5's own MTP: the model's gated full-attention layer (MoE and all)
             from ember.models.qwen3_next import HybridDecoderLayer
 
@@ -128,12 +152,21 @@ class MTPLayer(nn.Module):
         rows = draft_vocab_size or cfg.vocab_size
         self.head = LMHead(rows, H, dtype, device) if own_head or draft_vocab_size else None
         # token id of each head row (reduced draft vocabulary), else None: the head covers every id
-        self.register_buffer("draft_vocab", None if draft_vocab_size is None else
-                             torch.arange(draft_vocab_size, dtype=torch.int64, device=device))
+        self.register_buffer(
+            "draft_vocab",
+            None if draft_vocab_size is None else torch.arange(draft_vocab_size, dtype=torch.int64, device=device),
+        )
         self.hidden_first = hidden_first
 
-    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos_sin, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, select: RowSelection | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        cos_sin,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        select: RowSelection | None = None,
+    ) -> torch.Tensor:
         e, h = self.enorm(embeds), self.hnorm(hidden.to(embeds.dtype))
         x = self.eh_proj(torch.cat((h, e) if self.hidden_first else (e, h), dim=-1))
         out, residual = self.block(x, None, cos_sin, kv_cache, meta, select)
@@ -167,8 +200,9 @@ class MTPLayer(nn.Module):
         q, k, v = (t.view(B, T, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
         scale = attn.attn.scale
         if prior_kv is None:
-            o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), is_causal=True, scale=scale,
-                                               enable_gqa=True)
+            o = F.scaled_dot_product_attention(
+                q, k.to(q.dtype), v.to(q.dtype), is_causal=True, scale=scale, enable_gqa=True
+            )
         else:
             o = _chain_attention(q, k, v, prior_kv, scale)
         o = attn.o_proj(o.transpose(1, 2).reshape(B * T, -1))
@@ -218,10 +252,17 @@ class MTPModule(nn.Module):
     stacked_params = LlamaForCausalLM.stacked_params
     route_weight = LlamaForCausalLM.route_weight
 
-    def __init__(self, main: LlamaForCausalLM, num_layers: int, layout: str = "deepseek",
-                 block_cfg: ModelConfig | None = None, own_heads: list[bool] | None = None,
-                 attn_backend=None, make_mlp: Callable[[int], nn.Module] | None = None,
-                 draft_vocab_sizes: list[int | None] | None = None):
+    def __init__(
+        self,
+        main: LlamaForCausalLM,
+        num_layers: int,
+        layout: str = "deepseek",
+        block_cfg: ModelConfig | None = None,
+        own_heads: list[bool] | None = None,
+        attn_backend=None,
+        make_mlp: Callable[[int], nn.Module] | None = None,
+        draft_vocab_sizes: list[int | None] | None = None,
+    ):
         super().__init__()
         if layout not in LAYOUTS:
             raise ValueError(f"unknown MTP layout {layout!r}; one of {LAYOUTS}")
@@ -239,7 +280,10 @@ class MTPModule(nn.Module):
         # Plain attributes, not submodules: they belong to (and are loaded with) the main model.
         rotary = main.model.rotary
         if (cfg.head_dim, cfg.rope, cfg.max_position_embeddings) != (
-                main.cfg.head_dim, main.cfg.rope, main.cfg.max_position_embeddings):
+            main.cfg.head_dim,
+            main.cfg.rope,
+            main.cfg.max_position_embeddings,
+        ):
             self.rotary = rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings, device)
         object.__setattr__(self, "_embed", main.model.embed_tokens)
         object.__setattr__(self, "_lm_head", main.lm_head)
@@ -248,11 +292,22 @@ class MTPModule(nn.Module):
         base = main.cfg.num_layers
         layers: list[MTPLayer] = []
         for j in range(num_layers):
-            layers.append(MTPLayer(
-                cfg, base + j, dtype, device, attn_backend, None if cfg.is_hybrid else make_mlp(base + j),
-                hidden_first=layout == "mimo", zero_centered=layout == "qwen3_next", own_head=own_heads[j],
-                shared=layers[0] if layout == "qwen3_next" and j > 0 else None,
-                draft_vocab_size=draft_vocab_sizes[j], kernels=main.kernels))
+            layers.append(
+                MTPLayer(
+                    cfg,
+                    base + j,
+                    dtype,
+                    device,
+                    attn_backend,
+                    None if cfg.is_hybrid else make_mlp(base + j),
+                    hidden_first=layout == "mimo",
+                    zero_centered=layout == "qwen3_next",
+                    own_head=own_heads[j],
+                    shared=layers[0] if layout == "qwen3_next" and j > 0 else None,
+                    draft_vocab_size=draft_vocab_sizes[j],
+                    kernels=main.kernels,
+                )
+            )
         self.layers = nn.ModuleList(layers)
 
     @property
@@ -268,9 +323,16 @@ class MTPModule(nn.Module):
     def layer_for_step(self, step: int) -> int:
         return step % len(self.layers)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: AttentionMetadata, step: int = 0,
-                select: RowSelection | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        step: int = 0,
+        select: RowSelection | None = None,
+    ) -> torch.Tensor:
         """One draft step over a flat varlen batch.
 
         Row r carries token input_ids[r] = t_{i+1} at positions[r] = i with hidden[r] = h_i (step 0:
@@ -289,8 +351,9 @@ class MTPModule(nn.Module):
         cos_sin = (cos.to(embeds.dtype), sin.to(embeds.dtype))
         return self.layers[j](embeds, hidden, cos_sin, kv_caches[j], meta, select)
 
-    def forward_dense(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, step: int = 0,
-                      prior_kv=None):
+    def forward_dense(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, step: int = 0, prior_kv=None
+    ):
         """The same math as forward over whole sequences without the paged cache (training, evaluation).
 
         input_ids, positions [B, T]; hidden [B, T, H]. Row t of sequence b carries t_{i+1} at position

@@ -12,6 +12,7 @@ The engine hands each layer its cache: paged KV for an attention layer, a Recurr
 linear one (kv_caches lines up with the layers). Qwen3.5's interleaved MRoPE equals plain partial
 RoPE for text (its three position ids are equal), which is all ember serves.
 """
+
 from __future__ import annotations
 
 import logging
@@ -21,6 +22,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from ember.config.model_config import LINEAR_ATTENTION, ModelConfig
 from ember.errors import ModelLoadError
 from ember.kernels.cpu_kernels import CpuKernels
 from ember.kernels.metadata import AttentionMetadata, RowSelection
@@ -31,7 +33,6 @@ from ember.layers.linear import QKVLinear, ReplicatedLinear, RowParallelLinear
 from ember.layers.moe import SparseMoeBlock
 from ember.layers.norm import ZeroCenteredRMSNorm
 from ember.layers.rotary import RotaryEmbedding, apply_rotary
-from ember.config.model_config import LINEAR_ATTENTION, ModelConfig
 from ember.models.llama import LlamaForCausalLM, LlamaMLP, embedding_method, linear_method
 
 log = logging.getLogger(__name__)
@@ -43,15 +44,28 @@ class GatedAttention(nn.Module):
         D, H = cfg.head_dim, cfg.num_heads
         prefix = f"model.layers.{layer_idx}.self_attn"
         # q_proj is [q_h | gate_h] per head: as 2H heads of D it fuses (and shards) like any q.
-        self.qkv_proj = QKVLinear(cfg.hidden_size, D, 2 * H, cfg.num_kv_heads, bias=cfg.attention_bias,
-                                  dtype=dtype, device=device,
-                                  quant_method=linear_method(quant_config, f"{prefix}.qkv_proj"))
-        self.o_proj = RowParallelLinear(H * D, cfg.hidden_size, bias=cfg.attention_bias, dtype=dtype, device=device,
-                                        quant_method=linear_method(quant_config, f"{prefix}.o_proj"))
+        self.qkv_proj = QKVLinear(
+            cfg.hidden_size,
+            D,
+            2 * H,
+            cfg.num_kv_heads,
+            bias=cfg.attention_bias,
+            dtype=dtype,
+            device=device,
+            quant_method=linear_method(quant_config, f"{prefix}.qkv_proj"),
+        )
+        self.o_proj = RowParallelLinear(
+            H * D,
+            cfg.hidden_size,
+            bias=cfg.attention_bias,
+            dtype=dtype,
+            device=device,
+            quant_method=linear_method(quant_config, f"{prefix}.o_proj"),
+        )
         self.q_norm = ZeroCenteredRMSNorm(D, cfg.rms_norm_eps, dtype, device)
         self.k_norm = ZeroCenteredRMSNorm(D, cfg.rms_norm_eps, dtype, device)
         self.num_heads = self.qkv_proj.num_heads // 2  # this rank's
-        self.attn = Attention(self.num_heads, D, self.qkv_proj.num_kv_heads, D ** -0.5, attn_backend, layer_idx)
+        self.attn = Attention(self.num_heads, D, self.qkv_proj.num_kv_heads, D**-0.5, attn_backend, layer_idx)
 
     def forward(self, x, cos_sin, kv_cache, meta, select: RowSelection | None = None):
         q_gate, k, v = self.qkv_proj.split(self.qkv_proj(x))
@@ -70,12 +84,29 @@ class SharedExpertMoeBlock(SparseMoeBlock):
     """The routed experts plus a shared SwiGLU expert scaled by sigmoid(shared_expert_gate(x))."""
 
     def __init__(self, cfg: ModelConfig, dtype, device, quant_config=None, prefix: str = "mlp", kernels=None):
-        super().__init__(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
-                         cfg.norm_topk_prob, dtype, device, quant_config, prefix, kernels)
+        super().__init__(
+            cfg.hidden_size,
+            cfg.moe_intermediate_size,
+            cfg.num_experts,
+            cfg.num_experts_per_tok,
+            cfg.norm_topk_prob,
+            dtype,
+            device,
+            quant_config,
+            prefix,
+            kernels,
+        )
         self.shared_expert = None
         if cfg.shared_expert_intermediate_size > 0:
-            self.shared_expert = LlamaMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, dtype, device,
-                                          quant_config=quant_config, prefix=f"{prefix}.shared_expert", kernels=kernels)
+            self.shared_expert = LlamaMLP(
+                cfg.hidden_size,
+                cfg.shared_expert_intermediate_size,
+                dtype,
+                device,
+                quant_config=quant_config,
+                prefix=f"{prefix}.shared_expert",
+                kernels=kernels,
+            )
             self.shared_expert_gate = ReplicatedLinear(cfg.hidden_size, 1, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -86,8 +117,17 @@ class SharedExpertMoeBlock(SparseMoeBlock):
 
 
 class HybridDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype, device, attn_backend, quant_config, kernels,
-                 attention: bool = False):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer_idx: int,
+        dtype,
+        device,
+        attn_backend,
+        quant_config,
+        kernels,
+        attention: bool = False,
+    ):
         """attention: a full-attention layer whatever layer_types says (the MTP block, past the last layer)."""
         super().__init__()
         self.is_linear = not attention and cfg.layer_type(layer_idx) == LINEAR_ATTENTION
@@ -99,8 +139,15 @@ class HybridDecoderLayer(nn.Module):
         if cfg.is_moe_layer(layer_idx):
             self.mlp = SharedExpertMoeBlock(cfg, dtype, device, quant_config, f"{prefix}.mlp", kernels)
         else:
-            self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device, quant_config=quant_config,
-                                prefix=f"{prefix}.mlp", kernels=kernels)
+            self.mlp = LlamaMLP(
+                cfg.hidden_size,
+                cfg.intermediate_size,
+                dtype,
+                device,
+                quant_config=quant_config,
+                prefix=f"{prefix}.mlp",
+                kernels=kernels,
+            )
         self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
@@ -123,10 +170,17 @@ class HybridDecoderLayer(nn.Module):
 class HybridModel(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype, device, attn_backend, quant_config, kernels):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device,
-                                           quant_method=embedding_method(quant_config, "model.embed_tokens"))
-        self.layers = nn.ModuleList(HybridDecoderLayer(cfg, i, dtype, device, attn_backend, quant_config, kernels)
-                                    for i in range(cfg.num_layers))
+        self.embed_tokens = VocabEmbedding(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            dtype,
+            device,
+            quant_method=embedding_method(quant_config, "model.embed_tokens"),
+        )
+        self.layers = nn.ModuleList(
+            HybridDecoderLayer(cfg, i, dtype, device, attn_backend, quant_config, kernels)
+            for i in range(cfg.num_layers)
+        )
         self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings, device)
 
@@ -137,7 +191,9 @@ class HybridModel(nn.Module):
         residual = None
         last = len(self.layers) - 1
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
-            sel = select if i == last and not layer.is_linear and select is not None and select.meta is not None else None
+            sel = (
+                select if i == last and not layer.is_linear and select is not None and select.meta is not None else None
+            )
             h, residual = layer(h, residual, cos_sin, cache, meta, sel)
         if select is not None and h.shape[0] != select.rows.numel():  # the last layer ran every row
             if select.meta is None:
@@ -153,8 +209,15 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
 
     _LINEAR = re.compile(r"(model\.layers\.\d+\.linear_attn)\.(.+)")
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
-                 attn_backend=None, quant_config=None, kernels: CpuKernels | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+        attn_backend=None,
+        quant_config=None,
+        kernels: CpuKernels | None = None,
+    ):
         nn.Module.__init__(self)
         if attn_backend is None:
             from ember.kernels.torch_attention import TorchAttentionBackend
@@ -168,13 +231,20 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
         self.kernels = kernels = kernels or CpuKernels()
         self.model = HybridModel(cfg, dtype, device, attn_backend, quant_config, kernels)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, device, tied_to=tied,
-                              quant_method=None if tied else embedding_method(quant_config, "lm_head"))
+        self.lm_head = LMHead(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            dtype,
+            device,
+            tied_to=tied,
+            quant_method=None if tied else embedding_method(quant_config, "lm_head"),
+        )
 
     def make_recurrent_states(self, num_slots: int, device) -> list:
         """One RecurrentState per linear-attention layer, None for the attention layers (their KV is paged)."""
-        return [layer.linear_attn.make_state(num_slots, device) if layer.is_linear else None
-                for layer in self.model.layers]
+        return [
+            layer.linear_attn.make_state(num_slots, device) if layer.is_linear else None for layer in self.model.layers
+        ]
 
     @staticmethod
     def copy_states(states: list, copies: list[tuple[int, int]]) -> None:

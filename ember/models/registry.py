@@ -1,5 +1,6 @@
 """HF "architectures" name -> model class, from the one architecture table
 (ember.config.architectures: a new model is its file plus one row there)."""
+
 from __future__ import annotations
 
 import importlib

@@ -9,6 +9,7 @@ and an explicit value that contradicts it is an error.
 A QuantConfig hands each layer its method by the layer's HF-style prefix
 ("model.layers.3.self_attn.qkv_proj"); None means dense.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,8 +37,9 @@ def checkpoint_quantization(path: str, raw_config: dict | None) -> tuple[str, di
     return str(qc.get("quant_method", "unknown")).lower(), qc
 
 
-def resolve_quant_config(requested: str | None, path: str, raw_config: dict | None,
-                         kernels: CpuKernels | None = None) -> QuantConfig | None:
+def resolve_quant_config(
+    requested: str | None, path: str, raw_config: dict | None, kernels: CpuKernels | None = None
+) -> QuantConfig | None:
     """The QuantConfig to build the model with (None = dense), or a ConfigError on a mismatch."""
     config = _resolve(requested, path, raw_config)
     if config is not None and kernels is not None:
@@ -54,28 +56,36 @@ def _resolve(requested: str | None, path: str, raw_config: dict | None) -> Quant
         raise UnsupportedModelError(
             f"{path} holds {held!r}-quantized weights (quantization_config.quant_method); ember loads awq "
             "checkpoints and .gguf files. Use an AWQ export of the model, or quantize the full-precision "
-            "weights with `ember quantize MODEL --method awq`")
+            "weights with `ember quantize MODEL --method awq`"
+        )
     if requested == "auto":
         requested = held
-    what = {"none": "unquantized weights", "awq": "AWQ int4 weights (quantization_config.quant_method 'awq')",
-            "gguf": "a GGUF file"}[held]
+    what = {
+        "none": "unquantized weights",
+        "awq": "AWQ int4 weights (quantization_config.quant_method 'awq')",
+        "gguf": "a GGUF file",
+    }[held]
     if requested == "none":
         if held == "awq":
-            raise ConfigError(f"{path} holds {what}; they cannot run as dense weights. Pass --quantization awq "
-                              "(or leave it at auto)")
+            raise ConfigError(
+                f"{path} holds {what}; they cannot run as dense weights. Pass --quantization awq (or leave it at auto)"
+            )
         # A GGUF file with --quantization none is dequantized to the run dtype at load (more memory, fast GEMMs).
         return None
     if requested == "awq":
         if held != "awq":
-            raise ConfigError(f"--quantization awq, but {path} holds {what}. Leave --quantization at auto, or "
-                              "make an AWQ checkpoint first with `ember quantize MODEL --method awq --out DIR`")
+            raise ConfigError(
+                f"--quantization awq, but {path} holds {what}. Leave --quantization at auto, or "
+                "make an AWQ checkpoint first with `ember quantize MODEL --method awq --out DIR`"
+            )
         from ember.quant.awq import AWQConfig
 
         return AWQConfig.from_settings(settings)
     # requested == "gguf"
     if held != "gguf":
-        raise ConfigError(f"--quantization gguf applies to .gguf files, but {path} holds {what}. Leave "
-                          "--quantization at auto")
+        raise ConfigError(
+            f"--quantization gguf applies to .gguf files, but {path} holds {what}. Leave --quantization at auto"
+        )
     from ember.quant.gguf_quant import GGUFConfig
 
     return GGUFConfig()

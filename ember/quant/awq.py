@@ -12,6 +12,7 @@ Where the weights run:
 Embeddings, the LM head and norms stay dense, and so does every module that
 `modules_to_not_convert` names (typically the MoE router `mlp.gate`).
 """
+
 from __future__ import annotations
 
 import torch
@@ -38,7 +39,7 @@ def names_module(entry: str, name: str) -> bool:
     match ("mlp.gate" names "model.layers.0.mlp.gate", not "...mlp.gate_proj"), unlike vLLM's plain
     substring test, under which the common entry "gate" would also swallow every gate_proj."""
     e, n = entry.strip(".").split("."), name.split(".")
-    return any(n[i:i + len(e)] == e for i in range(len(n) - len(e) + 1))
+    return any(n[i : i + len(e)] == e for i in range(len(n) - len(e) + 1))
 
 
 class AWQConfig(QuantConfig):
@@ -53,20 +54,24 @@ class AWQConfig(QuantConfig):
         """From config.json's quantization_config or an old quant_config.json (w_bit, q_group_size, ...)."""
         bits = int(d.get("bits", d.get("w_bit", 4)))
         if bits != 4:
-            raise UnsupportedModelError(f"this AWQ checkpoint has {bits}-bit weights; ember runs 4-bit AWQ only. "
-                                        f"Use a 4-bit AWQ export, {REQUANTIZE}")
+            raise UnsupportedModelError(
+                f"this AWQ checkpoint has {bits}-bit weights; ember runs 4-bit AWQ only. "
+                f"Use a 4-bit AWQ export, {REQUANTIZE}"
+            )
         group_size = int(d.get("group_size", d.get("q_group_size", 128)))
         if group_size != -1 and group_size <= 0:
             raise UnsupportedModelError(f"AWQ group_size {group_size} is invalid (a positive size or -1)")
         if not d.get("zero_point", True):
             raise UnsupportedModelError(
                 "this AWQ checkpoint is symmetric (zero_point: false), which ember does not support (neither do "
-                f"vLLM's AWQ kernels). Use an AWQ export made with zero_point true, {REQUANTIZE}")
+                f"vLLM's AWQ kernels). Use an AWQ export made with zero_point true, {REQUANTIZE}"
+            )
         version = str(d.get("version", "gemm")).lower()
         if version != "gemm":
             raise UnsupportedModelError(
                 f"this AWQ checkpoint uses the {version!r} packing; ember reads AutoAWQ's GEMM packing only "
-                f"(version 'gemm'). Use a GEMM export, {REQUANTIZE}")
+                f"(version 'gemm'). Use a GEMM export, {REQUANTIZE}"
+            )
         return cls(group_size, d.get("modules_to_not_convert"))
 
     def _skipped(self, prefix: str) -> bool:
@@ -79,7 +84,8 @@ class AWQConfig(QuantConfig):
         if any(hit):
             raise UnsupportedModelError(
                 f"modules_to_not_convert keeps only some of {', '.join(names)} dense; ember fuses them into "
-                f"{prefix} and needs them all quantized or all dense. Fix modules_to_not_convert in config.json")
+                f"{prefix} and needs them all quantized or all dense. Fix modules_to_not_convert in config.json"
+            )
         return False
 
     def linear_method(self, prefix: str):
@@ -96,26 +102,35 @@ def _group(group_size: int, in_features: int) -> int:
 def _awq_params(in_f: int, out_f: int, G: int, device, lead: tuple = ()) -> dict[str, nn.Parameter]:
     """qweight [*lead, in, out/8] int32, qzeros [*lead, in/G, out/8] int32, scales [*lead, in/G, out] fp16."""
     d = len(lead)
-    shapes = {"qweight": ((in_f, out_f // PACK), torch.int32), "qzeros": ((in_f // G, out_f // PACK), torch.int32),
-              "scales": ((in_f // G, out_f), torch.float16)}
-    return {k: new_param(lead + shape, dtype, device, output_dim=d + 1, input_dim=d)
-            for k, (shape, dtype) in shapes.items()}
+    shapes = {
+        "qweight": ((in_f, out_f // PACK), torch.int32),
+        "qzeros": ((in_f // G, out_f // PACK), torch.int32),
+        "scales": ((in_f // G, out_f), torch.float16),
+    }
+    return {
+        k: new_param(lead + shape, dtype, device, output_dim=d + 1, input_dim=d) for k, (shape, dtype) in shapes.items()
+    }
 
 
 def _check_shapes(what: str, in_f: int, outs: list[int], G: int) -> None:
     if in_f % G:
-        raise ModelLoadError(f"{what}: input size {in_f} is not a multiple of the AWQ group size {G}; "
-                             "the checkpoint's group_size does not fit this model")
+        raise ModelLoadError(
+            f"{what}: input size {in_f} is not a multiple of the AWQ group size {G}; "
+            "the checkpoint's group_size does not fit this model"
+        )
     bad = [n for n in outs if n % PACK]
     if bad:
-        raise ModelLoadError(f"{what}: AWQ needs output sizes that are multiples of 8, got {bad}; list this module in "
-                             "modules_to_not_convert if the checkpoint keeps it dense")
+        raise ModelLoadError(
+            f"{what}: AWQ needs output sizes that are multiples of 8, got {bad}; list this module in "
+            "modules_to_not_convert if the checkpoint keeps it dense"
+        )
 
 
 def _load_awq(dst: torch.Tensor, name: str, tensor: torch.Tensor, what: str) -> None:
     if name in ("qweight", "qzeros") and tensor.dtype != torch.int32:
-        raise ModelLoadError(f"{what} is {tensor.dtype}, but AWQ {name} is packed int32; the checkpoint is not an "
-                             "AWQ GEMM export")
+        raise ModelLoadError(
+            f"{what} is {tensor.dtype}, but AWQ {name} is packed int32; the checkpoint is not an AWQ GEMM export"
+        )
     copy_checked(dst, tensor, what)
 
 
@@ -127,8 +142,9 @@ def to_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, G
     return Int4Weight.from_affine(q, s, -z * s, G, dtype)
 
 
-def awq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-               G: int) -> torch.Tensor:
+def awq_matmul(
+    x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, G: int
+) -> torch.Tensor:
     """x [M, K] @ Wd [K, N] from AWQ tensors, in x's dtype (the paths that keep AWQ tensors)."""
     if x.is_cuda:
         from ember.kernels import triton_awq
@@ -189,8 +205,9 @@ class AWQExpertsMethod:
         self.group_size = group_size
 
     def create_experts(self, num_experts, hidden_size, intermediate_size, dtype, device, tp=(0, 1), kernels=None):
-        experts = AWQExperts(num_experts, hidden_size, intermediate_size, self.group_size, dtype, device, tp=tp,
-                             kernels=kernels)
+        experts = AWQExperts(
+            num_experts, hidden_size, intermediate_size, self.group_size, dtype, device, tp=tp, kernels=kernels
+        )
         experts.quant_method = self  # so ember.quant.process_weights_after_loading calls the hook below
         return experts
 
@@ -203,8 +220,17 @@ class AWQExperts(nn.Module):
     loaded from per-expert checkpoint names ("{e}.gate_proj.qweight", ...). Computes like
     `Experts`: token slots grouped by expert, one int4 GEMM pair per expert that has tokens."""
 
-    def __init__(self, num_experts, hidden_size, intermediate_size, group_size, dtype, device="cpu", tp=(0, 1),
-                 kernels: CpuKernels | None = None):
+    def __init__(
+        self,
+        num_experts,
+        hidden_size,
+        intermediate_size,
+        group_size,
+        dtype,
+        device="cpu",
+        tp=(0, 1),
+        kernels: CpuKernels | None = None,
+    ):
         """intermediate_size: this rank's slice; tp (rank, size): checkpoint tensors are narrowed to it
         (gate/up along their packed output columns, down along its input rows and groups)."""
         super().__init__()
@@ -226,11 +252,17 @@ class AWQExperts(nn.Module):
 
     def load_weight(self, name: str, tensor: torch.Tensor, shard_id=None):
         parts = name.split(".")  # "{e}.{gate|up|down}_proj.{qweight|qzeros|scales}"
-        if len(parts) != 3 or not parts[0].isdigit() or parts[1] not in ("gate_proj", "up_proj", "down_proj") \
-                or parts[2] not in ("qweight", "qzeros", "scales"):
-            raise ModelLoadError(f"unexpected AWQ expert tensor name {name!r} (expected "
-                                 "'{e}.{gate|up|down}_proj.{qweight|qzeros|scales}'); if the checkpoint keeps the "
-                                 "experts dense, list them in modules_to_not_convert")
+        if (
+            len(parts) != 3
+            or not parts[0].isdigit()
+            or parts[1] not in ("gate_proj", "up_proj", "down_proj")
+            or parts[2] not in ("qweight", "qzeros", "scales")
+        ):
+            raise ModelLoadError(
+                f"unexpected AWQ expert tensor name {name!r} (expected "
+                "'{e}.{gate|up|down}_proj.{qweight|qzeros|scales}'); if the checkpoint keeps the "
+                "experts dense, list them in modules_to_not_convert"
+            )
         e, kind, pname = int(parts[0]), parts[1][:-5], parts[2]
         if e >= self.num_experts:
             raise ModelLoadError(f"checkpoint has expert {e} but config.json says num_experts={self.num_experts}")
@@ -265,10 +297,16 @@ class AWQExperts(nn.Module):
 
     def _linear(self, prefix: str, e: int, x: torch.Tensor, K: int, N: int, G: int) -> torch.Tensor:
         if self.int4:
-            return Int4Weight(getattr(self, f"{prefix}_packed")[e], getattr(self, f"{prefix}_scales_zeros")[e],
-                              G, N, K).linear(x)
-        return awq_matmul(x, getattr(self, f"{prefix}_qweight")[e], getattr(self, f"{prefix}_qzeros")[e],
-                          getattr(self, f"{prefix}_scales")[e], G)
+            return Int4Weight(
+                getattr(self, f"{prefix}_packed")[e], getattr(self, f"{prefix}_scales_zeros")[e], G, N, K
+            ).linear(x)
+        return awq_matmul(
+            x,
+            getattr(self, f"{prefix}_qweight")[e],
+            getattr(self, f"{prefix}_qzeros")[e],
+            getattr(self, f"{prefix}_scales")[e],
+            G,
+        )
 
     def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
         H, I = self.hidden_size, self.intermediate_size

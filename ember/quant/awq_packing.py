@@ -5,6 +5,7 @@ Layout for a Linear with weight W [out, in] and group size G:
   qweight int32 [in, out/8], qzeros int32 [in/G, out/8], scales fp16 [in/G, out]
 and the dequantized matrix is Wd[in, out] = (q - z) * s, so y = x @ Wd.
 """
+
 from __future__ import annotations
 
 import torch

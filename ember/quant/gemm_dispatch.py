@@ -21,6 +21,7 @@ own threshold. The measurements behind each crossover are in docs/tuning.md:
 The copy wrappers (DenseCopyMethod, DenseCopyHeadMethod, Int8DecodeMethod, Int8DecodeLMHead)
 are here too: all they add to the method they wrap is this choice.
 """
+
 from __future__ import annotations
 
 import torch
@@ -53,7 +54,7 @@ def q6k_kernel(x: torch.Tensor) -> bool:
 
 
 def tiled_path(x: torch.Tensor, x_dtype: torch.dtype, q8: bool, max_rows: int | None) -> str:
-    """"q8" (the int8-x path), "gemv" or "dense" for a tiled part: q8 = the part has the int8-x path;
+    """ "q8" (the int8-x path), "gemv" or "dense" for a tiled part: q8 = the part has the int8-x path;
     max_rows = the most rows its GEMV takes (None: any); x_dtype = the dtype its GEMV takes."""
     n = rows(x)
     if q8 and x.dtype == torch.bfloat16 and n >= TILED_Q8_MIN_ROWS:
@@ -113,8 +114,9 @@ class DenseCopyHeadMethod:
 # ---- an int8 copy of dense weights for decode-sized steps -------------------------------------
 
 
-def int8_or_dense(x: torch.Tensor, weight: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
-                  bias: torch.Tensor | None) -> torch.Tensor:
+def int8_or_dense(
+    x: torch.Tensor, weight: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     if int8_copy(x):
         y = torch._weight_int8pack_mm(x.contiguous(), w8, scale)
         return y if bias is None else y + bias

@@ -16,11 +16,13 @@ matches `gguf.quants.dequantize` bit for bit. Q6_K (sub-blocks of 16, int8 scale
 per 32) unpacks to 6-bit codes plus per-16 scales (`q6_k_codes`, w = scale * (q6 - 32)); any
 other type goes through gguf-py (numpy) as a slow but complete fallback.
 """
+
 from __future__ import annotations
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as np_dequantize
 
 GROUP = 32  # group size of every affine format above
@@ -57,12 +59,13 @@ class GGUFTensor:
         """torch.Tensor.narrow on the logical shape (the input dim must cut at block edges)."""
         rows, cols = self.shape
         if dim == 0:
-            return GGUFTensor(self.qtype, self.data[start:start + length], (length, cols))
+            return GGUFTensor(self.qtype, self.data[start : start + length], (length, cols))
         block, size = GGML_QUANT_SIZES[self.qtype]
         if start % block or length % block:
             raise ValueError(f"{self.qtype.name} cannot be split inside a block of {block} (at {start}+{length})")
-        return GGUFTensor(self.qtype, self.data[:, start // block * size:(start + length) // block * size],
-                          (rows, length))
+        return GGUFTensor(
+            self.qtype, self.data[:, start // block * size : (start + length) // block * size], (rows, length)
+        )
 
     def permute_rows(self, order: np.ndarray) -> "GGUFTensor":
         return GGUFTensor(self.qtype, self.data[order], self.shape)
@@ -114,9 +117,9 @@ def affine_codes(raw: torch.Tensor, qtype: T) -> tuple[torch.Tensor, torch.Tenso
     elif qtype in (T.Q5_0, T.Q5_1):
         d = _f16(b[:, 0:2])
         at = 2 if qtype == T.Q5_0 else 4
-        qh = b[:, at:at + 4].contiguous().view(torch.int32)  # bit i = high bit of element i
+        qh = b[:, at : at + 4].contiguous().view(torch.int32)  # bit i = high bit of element i
         high = (qh >> torch.arange(32, dtype=torch.int32, device=qh.device)) & 1
-        codes = (_nibbles(b[:, at + 4:], 16) | (high.to(torch.uint8) << 4))
+        codes = _nibbles(b[:, at + 4 :], 16) | (high.to(torch.uint8) << 4)
         scale, offset = d, (-16 * d if qtype == T.Q5_0 else _f16(b[:, 2:4]))
     elif qtype == T.Q4_K:
         d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])

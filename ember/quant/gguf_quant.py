@@ -41,6 +41,7 @@ rows it needs, the head is a `linear`. A tied LM head shares the embedding's met
 MoE experts (GGUFExperts) keep each expert packed the same way: gate;up as one fused pair of
 shards, down as one, run through moe.grouped_experts.
 """
+
 from __future__ import annotations
 
 import re
@@ -57,8 +58,8 @@ from ember.kernels.cpu_kernels import CpuKernels
 from ember.layers.activation import silu_and_mul
 from ember.layers.linear import QuantMethod, new_param
 from ember.layers.moe import grouped_experts
-from ember.quant.gguf_blocks import AFFINE_4BIT, AFFINE_8BIT, GROUP, GGUFTensor, affine_codes, dequantize, q6_k_codes
 from ember.quant import gemm_dispatch
+from ember.quant.gguf_blocks import AFFINE_4BIT, AFFINE_8BIT, GROUP, GGUFTensor, affine_codes, dequantize, q6_k_codes
 from ember.quant.int4_cpu import Int4Weight, block_n, pack_int4_codes, row_codes
 from ember.quant.quant_config import QuantConfig
 
@@ -124,8 +125,9 @@ class Int4Part(PackedPart):
     kernel's multiple of 64 (padding rows are zero and cut from the output).
     `split8` marks 8-bit codes stored as [hi | lo] nibbles along K (see the module docstring)."""
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, dtype: torch.dtype,
-                 split8: bool = False):
+    def __init__(
+        self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, dtype: torch.dtype, split8: bool = False
+    ):
         self.N, self.K = codes.shape
         self.split8 = split8
         if split8:  # s*c + o = 16s*hi + (s*lo + o)
@@ -148,10 +150,10 @@ class Int4Part(PackedPart):
                 y = F.linear(x, self._summed().to(x.dtype))
         else:
             y = self.w.linear(x)
-        return y if y.shape[-1] == self.N else y[..., :self.N]
+        return y if y.shape[-1] == self.N else y[..., : self.N]
 
     def _summed(self) -> torch.Tensor:
-        w = self.w.dequantize(torch.float32)[:self.N]
+        w = self.w.dequantize(torch.float32)[: self.N]
         return w.view(self.N, 2, self.K).sum(1) if self.split8 else w
 
     def dequantize(self):
@@ -182,8 +184,9 @@ class TiledPart(PackedPart):
 
     int8_activations: the model's CpuKernels.int8_activations (--cpu-int8-activations)."""
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
-                 int8_activations: bool = True):
+    def __init__(
+        self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int, int8_activations: bool = True
+    ):
         self.N, self.K = codes.shape
         self.bits = bits
         self.x_dtype = tiled_gemv.x_dtype()  # read here: a compiled step cannot trace the CPU-flags lookup
@@ -196,8 +199,12 @@ class TiledPart(PackedPart):
     def usable(dtype: torch.dtype, device, kernels: CpuKernels | None = None) -> bool:
         """Whether weights in `dtype` on `device` take this layout: the model's kernels allow it
         (--cpu-tiled-gemv), this machine's build takes that dtype, and it builds."""
-        return (torch.device(device).type == "cpu" and (kernels or CpuKernels()).tiled_gemv
-                and dtype == tiled_gemv.x_dtype() and tiled_gemv.available())
+        return (
+            torch.device(device).type == "cpu"
+            and (kernels or CpuKernels()).tiled_gemv
+            and dtype == tiled_gemv.x_dtype()
+            and tiled_gemv.available()
+        )
 
     def _path(self, x: torch.Tensor) -> str:
         return gemm_dispatch.tiled_path(x, self.x_dtype, self.q8, self.max_rows)
@@ -212,7 +219,7 @@ class TiledPart(PackedPart):
         else:
             y = F.linear(x2, self._weight(x2.dtype))
             y = y.float() if float_out else y  # linear_float's contract: float32 logits either way
-        y = y if y.shape[-1] == self.N else y[:, :self.N]
+        y = y if y.shape[-1] == self.N else y[:, : self.N]
         return y.reshape(*x.shape[:-1], self.N)
 
     @property
@@ -280,13 +287,14 @@ class Q6KPart(PackedPart):
         if gemm_dispatch.q6k_kernel(x):
             m = self._spread.get(x.dtype)
             if m is None:
-                m = self._spread[x.dtype] = torch.tensor([1.0, 1 / 16], dtype=x.dtype).view(1, 2, 1).expand(
-                    self.K // 16, 2, 16).contiguous()
+                m = self._spread[x.dtype] = (
+                    torch.tensor([1.0, 1 / 16], dtype=x.dtype).view(1, 2, 1).expand(self.K // 16, 2, 16).contiguous()
+                )
             # x' = [x_0:16, x_0:16 / 16, ...] in one op (dividing by 16 is exact)
             y = self.w.linear((x.reshape(*x.shape[:-1], self.K // 16, 1, 16) * m).reshape(*x.shape[:-1], 2 * self.K))
         else:  # many rows: one dense GEMM over the weight rebuilt in x's dtype
             y = F.linear(x, self._weight(x.dtype))
-        return y if y.shape[-1] == self.N else y[..., :self.N]
+        return y if y.shape[-1] == self.N else y[..., : self.N]
 
     def _weight(self, dtype: torch.dtype) -> torch.Tensor:
         """W = c * (q6 - 32) [N, K] in dtype, from the codes and s = 16 c (z is not read), so
@@ -300,7 +308,7 @@ class Q6KPart(PackedPart):
         v ^= 0x80  # as int8: q6 + 96 - 128 = q6 - 32
         s = w.scales_zeros[..., 0].to(dtype).div(16).view(G16, w.N // B, 2, 1, B // 2).permute(1, 2, 0, 3, 4)
         y = v.view(torch.int8).to(dtype) * s  # [N/B, 2, K/16, 16, B/2]; the scale varies along the outer dims
-        return y.permute(0, 1, 4, 2, 3).reshape(w.N, self.K)[:self.N]
+        return y.permute(0, 1, 4, 2, 3).reshape(w.N, self.K)[: self.N]
 
     def dequantize(self):
         return self._weight(torch.float32)
@@ -325,8 +333,10 @@ class RawPart(PackedPart):
 
     def linear(self, x):
         step = max(64, RAW_CHUNK_ELEMS // self.K)
-        outs = [F.linear(x, dequantize(self.raw[i:i + step], self.qtype, self.K).to(x.dtype))
-                for i in range(0, self.N, step)]
+        outs = [
+            F.linear(x, dequantize(self.raw[i : i + step], self.qtype, self.K).to(x.dtype))
+            for i in range(0, self.N, step)
+        ]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
     def rows(self, ids):
@@ -348,8 +358,9 @@ def _kind(t, raw_ok: bool) -> str:
     return f"raw {t.qtype.name}" if raw_ok else "dense"
 
 
-def pack_shards(shards: list, dtype: torch.dtype, device, raw_ok: bool = False,
-                kernels: CpuKernels | None = None) -> list[PackedPart]:
+def pack_shards(
+    shards: list, dtype: torch.dtype, device, raw_ok: bool = False, kernels: CpuKernels | None = None
+) -> list[PackedPart]:
     """Shards (GGUFTensor or float tensors, [n_i, K] each, in output order) -> parts covering
     the same rows in order, one part per run of shards of the same kind. Types with no int4
     form become dense, or RawPart with `raw_ok` (for lookups only: its linear is slow; Q6_K
@@ -371,8 +382,9 @@ def pack_shards(shards: list, dtype: torch.dtype, device, raw_ok: bool = False,
         elif kind in ("int4", "int8"):
             c, s, o = (torch.cat(x).to(device) for x in zip(*(affine_codes(t.raw(), t.qtype) for t in run)))
             if TiledPart.usable(dtype, device, kernels):
-                parts.append(TiledPart(c, s, o, bits=4 if kind == "int4" else 8,
-                                       int8_activations=kernels.int8_activations))
+                parts.append(
+                    TiledPart(c, s, o, bits=4 if kind == "int4" else 8, int8_activations=kernels.int8_activations)
+                )
             else:
                 parts.append(Int4Part(c, s, o, dtype, split8=kind == "int8"))
         elif kind == "q6k":
@@ -397,8 +409,9 @@ def apply_parts(parts: list[PackedPart], x: torch.Tensor) -> torch.Tensor:
 
 def _check_shape(t, want: tuple[int, int], what: str) -> None:
     if tuple(t.shape) != want:
-        raise ModelLoadError(f"{what} has shape {tuple(t.shape)} but the model expects {want}; "
-                             "the checkpoint does not match its config")
+        raise ModelLoadError(
+            f"{what} has shape {tuple(t.shape)} but the model expects {want}; the checkpoint does not match its config"
+        )
 
 
 # ---- Linear ---------------------------------------------------------------------------------
@@ -464,8 +477,7 @@ class GGUFEmbeddingMethod:
 
     def load_weight(self, module: nn.Module, tensor) -> None:
         _check_shape(tensor, self.shape, "the embedding")
-        (self.part,) = pack_shards([tensor], self.dtype, self.device, raw_ok=not self.serves_head,
-                                   kernels=self.kernels)
+        (self.part,) = pack_shards([tensor], self.dtype, self.device, raw_ok=not self.serves_head, kernels=self.kernels)
         register_parts(module, [self.part])
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -502,8 +514,15 @@ class GGUFExperts(nn.Module):
 
     _NAME = re.compile(r"^(\d+)\.(gate|up|down)_proj\.weight$")
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype, device="cpu",
-                 kernels: CpuKernels | None = None):
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        dtype,
+        device="cpu",
+        kernels: CpuKernels | None = None,
+    ):
         super().__init__()
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.dtype, self.device = dtype, torch.device(device)
@@ -534,14 +553,16 @@ class GGUFExperts(nn.Module):
         for e in range(self.num_experts):
             gate_up = [self.pending.pop((e, "gate")), self.pending.pop((e, "up"))]
             self.parts13.append(pack_shards(gate_up, self.dtype, self.device, kernels=self.kernels))
-            self.parts2.append(pack_shards([self.pending.pop((e, "down"))], self.dtype, self.device,
-                                           kernels=self.kernels))
+            self.parts2.append(
+                pack_shards([self.pending.pop((e, "down"))], self.dtype, self.device, kernels=self.kernels)
+            )
             register_parts(self, self.parts13[-1], f"w13_{e}")
             register_parts(self, self.parts2[-1], f"w2_{e}")
 
     def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        return apply_parts(self.parts2[e], silu_and_mul(apply_parts(self.parts13[e], x),
-                                                        self.kernels.fused_elementwise))
+        return apply_parts(
+            self.parts2[e], silu_and_mul(apply_parts(self.parts13[e], x), self.kernels.fused_elementwise)
+        )
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         if self.pending:  # a model built without the loader's post-load hook

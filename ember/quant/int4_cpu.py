@@ -18,6 +18,7 @@ The kernel reads each weight once per row of x, so it wins only for decode-sized
 above gemm_dispatch.INT4_KERNEL_MAX_ROWS rows the weight is dequantized (into a transient buffer) and the
 dense GEMM takes over, as vLLM does for AWQ at >= 256 tokens.
 """
+
 from __future__ import annotations
 
 import functools
@@ -44,8 +45,10 @@ def block_n() -> int:
     for block in (64, 32):
         if torch.equal(_direct_pack(q, block), ref):
             return block
-    raise RuntimeError("torch's CPU int4 pack layout is neither of the known ones (64- or 32-row blocks); "
-                       "this torch build is not supported by ember's int4 path")
+    raise RuntimeError(
+        "torch's CPU int4 pack layout is neither of the known ones (64- or 32-row blocks); "
+        "this torch build is not supported by ember's int4 path"
+    )
 
 
 def pack_int4_codes(q: torch.Tensor) -> torch.Tensor:
@@ -77,13 +80,16 @@ class Int4Weight:
         self.packed, self.scales_zeros, self.group_size, self.N, self.K = packed, scales_zeros, group_size, N, K
 
     @classmethod
-    def from_affine(cls, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size: int,
-                    dtype: torch.dtype) -> "Int4Weight":
+    def from_affine(
+        cls, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size: int, dtype: torch.dtype
+    ) -> "Int4Weight":
         """W[n, k] = q[n, k] * scale[n, k // G] + offset[n, k // G]; q in 0..15, scale/offset [N, K/G]."""
         N, K = q.shape
         if group_size not in SUPPORTED_GROUP_SIZES or K % group_size or N % 64:
-            raise ValueError(f"int4 kernel needs group size in {SUPPORTED_GROUP_SIZES} dividing K={K} and N % 64 == 0 "
-                             f"(got G={group_size}, N={N})")
+            raise ValueError(
+                f"int4 kernel needs group size in {SUPPORTED_GROUP_SIZES} dividing K={K} and N % 64 == 0 "
+                f"(got G={group_size}, N={N})"
+            )
         s = scale.float()
         z = offset.float() + 8.0 * s
         sz = torch.stack((s.t(), z.t()), dim=-1).to(dtype).contiguous()  # [K/G, N, 2]
@@ -124,8 +130,9 @@ class Int4Weight:
         if gemm_dispatch.int4_kernel(x2):
             if x2.dtype != self.scales_zeros.dtype:
                 x2 = x2.to(self.scales_zeros.dtype)
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self.packed, self.group_size,
-                                                           self.scales_zeros)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x2.contiguous(), self.packed, self.group_size, self.scales_zeros
+            )
             y = y.to(x.dtype)
             if bias is not None:
                 y = y + bias

@@ -1,6 +1,7 @@
 """QuantConfig: the base of every quantization method's per-checkpoint settings (AWQConfig,
 GGUFConfig). Its own module, so that the methods subclass it without importing ember.quant's
 __init__, which imports them (resolve_quant_config)."""
+
 from __future__ import annotations
 
 from ember.kernels.cpu_kernels import CpuKernels

@@ -9,6 +9,7 @@ the drafts a little, never the output: the target verifies every draft.
 Asymmetric per group of G input columns: scale = (max - min) / 15, offset = min,
 q = round((w - min) / scale) in 0..15, so w ~= q * scale + offset (Int4Weight.from_affine).
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,7 +24,7 @@ GROUP_SIZE = 32  # the kernel's smallest group: the closest fit to the dense wei
 def rtn_affine(w: torch.Tensor, group_size: int, bits: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[N, K] -> (q [N, K] uint8 0..2^bits - 1, scale [N, K/G], offset [N, K/G]), all computed in float32."""
     N, K = w.shape
-    top = 2 ** bits - 1
+    top = 2**bits - 1
     g = w.float().view(N, K // group_size, group_size)
     lo, hi = g.amin(-1), g.amax(-1)
     scale = ((hi - lo) / top).clamp_min(1e-8)
@@ -43,8 +44,9 @@ class RTNInt4Method(QuantMethod):
         self.group_size = group_size
 
     def apply(self, layer, x, bias=None):
-        w = Int4Weight(layer.int4_packed, layer.int4_scales_zeros, self.group_size, layer.out_features,
-                       layer.in_features)
+        w = Int4Weight(
+            layer.int4_packed, layer.int4_scales_zeros, self.group_size, layer.out_features, layer.in_features
+        )
         return w.linear(x, bias)
 
 
@@ -89,5 +91,9 @@ def pack_module_int4(module: nn.Module, group_size: int = GROUP_SIZE) -> int:
 
 
 def _packable(w: torch.Tensor, group_size: int) -> bool:
-    return (w.device.type == "cpu" and w.dtype == torch.bfloat16 and w.dim() == 2
-            and Int4Weight.supports(w.shape[0], w.shape[1], group_size))
+    return (
+        w.device.type == "cpu"
+        and w.dtype == torch.bfloat16
+        and w.dim() == 2
+        and Int4Weight.supports(w.shape[0], w.shape[1], group_size)
+    )

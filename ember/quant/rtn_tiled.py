@@ -13,6 +13,7 @@ torch's int4 kernel reads int4 (cpu_tiled_gemv.py), so a draft step costs about 
 Asymmetric per group of 32 input columns (rtn_int4.rtn_affine with 8 bits): scale =
 (max - min) / 255, offset = min, q = round((w - min) / scale) in 0..255.
 """
+
 from __future__ import annotations
 
 import torch
@@ -74,8 +75,9 @@ def pack_module_tiled(module: nn.Module, kernels: CpuKernels | None = None) -> i
     saved = 0
     for sub in module.modules():
         dense_linear = isinstance(sub, LinearBase) and isinstance(sub.quant_method, DenseMethod)
-        own_head = (isinstance(sub, LMHead) and not sub.tied and sub.quant_method is None
-                    and getattr(sub, "tp_size", 1) == 1)
+        own_head = (
+            isinstance(sub, LMHead) and not sub.tied and sub.quant_method is None and getattr(sub, "tp_size", 1) == 1
+        )
         if not (dense_linear or own_head) or not _packable(sub.weight):
             continue
         w = sub.weight
@@ -86,5 +88,9 @@ def pack_module_tiled(module: nn.Module, kernels: CpuKernels | None = None) -> i
 
 
 def _packable(w: torch.Tensor) -> bool:
-    return (w.device.type == "cpu" and w.dtype == tiled_gemv.x_dtype() and w.dim() == 2
-            and w.shape[1] % tiled_gemv.GROUP == 0)
+    return (
+        w.device.type == "cpu"
+        and w.dtype == tiled_gemv.x_dtype()
+        and w.dim() == 2
+        and w.shape[1] % tiled_gemv.GROUP == 0
+    )

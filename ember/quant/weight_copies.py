@@ -13,6 +13,7 @@ Which copy a step uses, by its row count, is ember.quant.gemm_dispatch's (with t
 installed here); whether to make a copy at all is the engine's start-up decision
 (ember.engine.startup.weights). The measurements behind both are in docs/tuning.md.
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,7 +31,9 @@ def enable_int8_decode(model: nn.Module) -> int:
         if isinstance(module, LinearBase) and type(module.quant_method) is DenseMethod:
             module.quant_method = Int8DecodeMethod()
             module.quant_method.process_weights_after_loading(module)
-            extra += module.weight_int8.numel() + module.weight_int8_scale.numel() * module.weight_int8_scale.element_size()
+            extra += (
+                module.weight_int8.numel() + module.weight_int8_scale.numel() * module.weight_int8_scale.element_size()
+            )
     if isinstance(getattr(model, "lm_head", None), LMHead):
         model.lm_head = Int8DecodeLMHead(model.lm_head)
         extra += model.lm_head.weight_int8.numel()
@@ -39,7 +42,11 @@ def enable_int8_decode(model: nn.Module) -> int:
 
 def _copy_helps(module: nn.Module) -> bool:
     """False where every part of the layer (or LM head) runs its kernel at any row count."""
-    parts = [getattr(module.quant_method, "part", None)] if isinstance(module, LMHead) else getattr(module, "gguf_parts", [])
+    parts = (
+        [getattr(module.quant_method, "part", None)]
+        if isinstance(module, LMHead)
+        else getattr(module, "gguf_parts", [])
+    )
     return not (parts and all(getattr(p, "kernel_at_any_rows", False) for p in parts))
 
 
@@ -55,8 +62,13 @@ def packed_layers(model: nn.Module, helped: bool = True) -> list[nn.Module]:
 
 def dense_copy_bytes(model: nn.Module, dtype: torch.dtype) -> int:
     """An upper bound of what enable_dense_copy adds (layers already dense add nothing)."""
-    return sum(m.vocab_size * m.quant_method.shape[1] if isinstance(m, LMHead) else m.in_features * m.out_features
-               for m in packed_layers(model)) * dtype.itemsize
+    return (
+        sum(
+            m.vocab_size * m.quant_method.shape[1] if isinstance(m, LMHead) else m.in_features * m.out_features
+            for m in packed_layers(model)
+        )
+        * dtype.itemsize
+    )
 
 
 def enable_dense_copy(model: nn.Module, dtype: torch.dtype) -> int:

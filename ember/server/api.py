@@ -7,6 +7,7 @@ OpenAI's shape `{"error": {"message", "type", "param", "code"}}`:
 on /v1/*, 404 unknown model or route, 503 overload, 500 for a bug -- with a generic message;
 the traceback goes to the log only.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -18,29 +19,50 @@ import time
 import uuid
 
 from fastapi import Depends, FastAPI, Request
-from pydantic import ValidationError
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ember.engine.async_engine import AsyncLLMEngine
-from ember.errors import EmberError
+from ember.errors import AuthenticationError, EmberError, ParamError
+from ember.server import openapi, tokenize
 from ember.server.chat import ChatHandler
 from ember.server.completions import CompletionHandler
 from ember.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from ember.server import openapi, tokenize
-from ember.server.protocol import (BatchChatCompletionRequest, ChatCompletionRequest, CompletionRequest,
-                                   DetokenizeRequest, TokenizeRequest, error_body, model_card)
-from ember.errors import AuthenticationError, ParamError
+from ember.server.protocol import (
+    BatchChatCompletionRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    error_body,
+    model_card,
+)
 from ember.server.serving import ClientDisconnected, ServerConfig, Serving
 
 logger = logging.getLogger("ember.server")
 
 GENERATION = ("/v1/chat/completions", "/v1/completions", "/v1/chat/completions/batch", "/invocations")
-ENDPOINTS = (*GENERATION, "/v1/models", "/health", "/version", "/metrics", "/load", "/tokenize", "/detokenize",
-             "/tokenizer_info")
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable_error"}
+ENDPOINTS = (
+    *GENERATION,
+    "/v1/models",
+    "/health",
+    "/version",
+    "/metrics",
+    "/load",
+    "/tokenize",
+    "/detokenize",
+    "/tokenizer_info",
+)
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    503: "service_unavailable_error",
+}
 
 
 def ember_version() -> str:
@@ -51,8 +73,9 @@ def ember_version() -> str:
 
 
 def _error(status: int, message: str, param: str | None = None, type_: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type_ or _TYPES.get(status, "server_error"), status, param),
-                        status_code=status)
+    return JSONResponse(
+        error_body(message, type_ or _TYPES.get(status, "server_error"), status, param), status_code=status
+    )
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -71,7 +94,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         if err.get("type") != "missing" and not isinstance(value, (dict, list)):
             got = f" (got {json.dumps(value) if isinstance(value, (str, int, float, bool, type(None))) else type(value).__name__})"
         kind = err.get("type")  # pydantic's code (greater_than_equal, ...): clients match it, as vLLM passes it on
-        parts.append(f"{where or 'body'}: {err.get('msg')} [{kind}]{got}" if kind else f"{where or 'body'}: {err.get('msg')}{got}")
+        parts.append(
+            f"{where or 'body'}: {err.get('msg')} [{kind}]{got}"
+            if kind
+            else f"{where or 'body'}: {err.get('msg')}{got}"
+        )
         if len(parts) == 3:
             break
     more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
@@ -148,8 +175,14 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, metrics: ServerMetri
         finally:
             engine.shutdown()
 
-    app = FastAPI(title="ember", version=ember_version(), lifespan=lifespan, docs_url=None, redoc_url=None,
-                  root_path=config.root_path)
+    app = FastAPI(
+        title="ember",
+        version=ember_version(),
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        root_path=config.root_path,
+    )
     app.state.engine = engine
     app.state.serving = serving
     app.state.metrics = metrics
@@ -158,8 +191,9 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, metrics: ServerMetri
     _add_v1_routes(app, serving, config, [Depends(_api_key_check(config))])
     _add_tokenizer_routes(app, serving, config)
     openapi.install(app)
-    app.add_middleware(_CountRequests, metrics=metrics, request_id_headers=config.enable_request_id_headers,
-                       serving=serving)
+    app.add_middleware(
+        _CountRequests, metrics=metrics, request_id_headers=config.enable_request_id_headers, serving=serving
+    )
     return app
 
 
@@ -233,6 +267,7 @@ def _add_tokenizer_routes(app: FastAPI, serving: Serving, config: ServerConfig) 
         return tokenize.detokenize(serving, body)
 
     if config.enable_tokenizer_info_endpoint:
+
         @app.get("/tokenizer_info")
         async def tokenizer_info_route():
             return tokenize.tokenizer_info(serving)
@@ -246,8 +281,12 @@ def _add_v1_routes(app: FastAPI, serving: Serving, config: ServerConfig, v1: lis
 
     @app.get("/v1/models", dependencies=v1)
     async def models():
-        return {"object": "list", "data": [model_card(n, config.model_root, serving.max_model_len, created)
-                                           for n in config.served_model_names]}
+        return {
+            "object": "list",
+            "data": [
+                model_card(n, config.model_root, serving.max_model_len, created) for n in config.served_model_names
+            ],
+        }
 
     @app.get("/v1/models/{name:path}", dependencies=v1)
     async def model(name: str):
@@ -262,8 +301,9 @@ def _add_v1_routes(app: FastAPI, serving: Serving, config: ServerConfig, v1: lis
             return Response(status_code=499)
         if isinstance(result, dict):
             return JSONResponse(result)
-        return StreamingResponse(result, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            result, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
 
     @app.post("/v1/chat/completions", dependencies=v1)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -285,11 +325,15 @@ def _add_v1_routes(app: FastAPI, serving: Serving, config: ServerConfig, v1: lis
             body = await request.json()
         except ValueError as e:
             raise ParamError(f"the request body is not valid JSON: {e}") from None
-        kind = ("messages" in body and ChatCompletionRequest) or ("prompt" in body and CompletionRequest) \
-            if isinstance(body, dict) else None
+        kind = (
+            ("messages" in body and ChatCompletionRequest) or ("prompt" in body and CompletionRequest)
+            if isinstance(body, dict)
+            else None
+        )
         if not kind:
-            raise ParamError("an /invocations body is a chat request (with `messages`) or a completion request "
-                             "(with `prompt`)")
+            raise ParamError(
+                "an /invocations body is a chat request (with `messages`) or a completion request (with `prompt`)"
+            )
         try:
             parsed = kind.model_validate(body)
         except ValidationError as e:

@@ -4,6 +4,7 @@ under --reasoning-parser, the model's <think> reasoning split into reasoning_con
 
 tool_choice "required" or a named function holds the answer to tool calls with a grammar
 (ember.structured.tool_calls); "auto" lets the model choose and parses what it wrote."""
+
 from __future__ import annotations
 
 import json
@@ -11,16 +12,15 @@ import logging
 import time
 from typing import Any, AsyncIterator
 
-from ember.errors import InvalidRequestError
-from ember.structured.reasoning import ReasoningSplitter
+from ember.engine.async_engine import RequestStream
+from ember.errors import InvalidRequestError, ParamError
 from ember.server.completions import vllm_prompt_logprobs
 from ember.server.logprobs import chat_logprobs
-from ember.engine.async_engine import RequestStream
 from ember.server.protocol import BatchChatCompletionRequest, ChatCompletionRequest, now, request_id
-from ember.errors import ParamError
-from ember.server.serving import STREAM_ERROR, Serving, all_or_none, merged, unless_disconnected, sse_writers
+from ember.server.serving import STREAM_ERROR, Serving, all_or_none, merged, sse_writers, unless_disconnected
 from ember.server.structured import structured_params
 from ember.server.tool_parser import HermesToolParser
+from ember.structured.reasoning import ReasoningSplitter
 
 # Prompt tokens read back to see whether the template opened a reasoning block (ember.structured.reasoning).
 PROMPT_TAIL_TOKENS = 64
@@ -35,8 +35,10 @@ def _message_dict(m) -> dict[str, Any]:
         texts = []
         for part in content:
             if part.type != "text" or part.text is None:
-                raise ParamError(f"content part type {part.type!r} is not supported: ember serves text models; "
-                                 "send text parts only", "messages")
+                raise ParamError(
+                    f"content part type {part.type!r} is not supported: ember serves text models; send text parts only",
+                    "messages",
+                )
             texts.append(part.text)
         d["content"] = "\n".join(texts)
     elif content is None:
@@ -68,8 +70,9 @@ class ChatHandler:
         if choice is None or choice in ("auto", "none"):
             return None
         if not tools:
-            raise ParamError(f"tool_choice {choice!r} needs tools; give tools or leave tool_choice unset",
-                             "tool_choice")
+            raise ParamError(
+                f"tool_choice {choice!r} needs tools; give tools or leave tool_choice unset", "tool_choice"
+            )
         from ember.structured.tool_calls import tool_call_structural_tag
 
         try:
@@ -84,9 +87,14 @@ class ChatHandler:
         constraint = self._tool_constraint(req, tools)
         messages = [_message_dict(m) for m in req.messages]
         ids = self.s.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=req.add_generation_prompt, tokenize=True, tools=tools,
-            chat_template=self.s.config.chat_template, continue_final_message=req.continue_final_message,
-            **(req.chat_template_kwargs or {}))
+            messages,
+            add_generation_prompt=req.add_generation_prompt,
+            tokenize=True,
+            tools=tools,
+            chat_template=self.s.config.chat_template,
+            continue_final_message=req.continue_final_message,
+            **(req.chat_template_kwargs or {}),
+        )
         return ids, use_tools, constraint
 
     async def create(self, req: ChatCompletionRequest, receive):
@@ -99,8 +107,9 @@ class ChatHandler:
         """vLLM's /v1/chat/completions/batch: one whole answer for several conversations, choice i (with n > 1:
         i*n + j) answering conversation i; usage summed. A bad conversation fails the batch and aborts the rest."""
         if req.stream:
-            raise ParamError("the batch endpoint answers whole; stream each conversation from /v1/chat/completions",
-                             "stream")
+            raise ParamError(
+                "the batch endpoint answers whole; stream each conversation from /v1/chat/completions", "stream"
+            )
         shared = req.model_dump(exclude={"messages"}, exclude_unset=True)
         subs = [ChatCompletionRequest.model_validate({**shared, "messages": conv}) for conv in req.messages]
 
@@ -109,11 +118,14 @@ class ChatHandler:
 
         answers = await unless_disconnected(all_or_none([answer(sub) for sub in subs]), receive)
         merged_answer = dict(answers[0])
-        merged_answer["choices"] = [{**c, "index": i * req.n + c["index"]} for i, a in enumerate(answers)
-                                    for c in a["choices"]]
+        merged_answer["choices"] = [
+            {**c, "index": i * req.n + c["index"]} for i, a in enumerate(answers) for c in a["choices"]
+        ]
         merged_answer["usage"] = self.s.usage(
-            sum(a["usage"]["prompt_tokens"] for a in answers), sum(a["usage"]["completion_tokens"] for a in answers),
-            sum((a["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) for a in answers))
+            sum(a["usage"]["prompt_tokens"] for a in answers),
+            sum(a["usage"]["completion_tokens"] for a in answers),
+            sum((a["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) for a in answers),
+        )
         for key in ("prompt_token_ids", "prompt_logprobs"):  # one per conversation
             merged_answer[key] = [a[key] for a in answers] if answers[0][key] is not None else None
         return merged_answer
@@ -145,15 +157,31 @@ class ChatHandler:
         completion = sum(len(t) for t in got.tokens)
         self._log(ctx, completion, got.finish)
         prompt_lps = vllm_prompt_logprobs(got.prompt_lps) if ctx.req.prompt_logprobs is not None else None
-        return {"id": ctx.rid, "object": "chat.completion", "created": ctx.created, "model": ctx.model,
-                "choices": choices, "usage": self.s.usage(ctx.prompt_len, completion, got.cached),
-                "system_fingerprint": None, "service_tier": None, "metadata": None, "moderation": None,
-                "prompt_token_ids": ctx.prompt_ids if ctx.req.return_token_ids else None, "prompt_logprobs": prompt_lps}
+        return {
+            "id": ctx.rid,
+            "object": "chat.completion",
+            "created": ctx.created,
+            "model": ctx.model,
+            "choices": choices,
+            "usage": self.s.usage(ctx.prompt_len, completion, got.cached),
+            "system_fingerprint": None,
+            "service_tier": None,
+            "metadata": None,
+            "moderation": None,
+            "prompt_token_ids": ctx.prompt_ids if ctx.req.return_token_ids else None,
+            "prompt_logprobs": prompt_lps,
+        }
 
     def _whole_choice(self, ctx: _Ctx, i: int, got: _Gathered) -> dict:
         message, reason = self._whole_message(ctx, "".join(got.texts[i]), got.finish[i])
-        choice = {"index": i, "message": message, "logprobs": None, "finish_reason": reason,
-                  "stop_reason": got.stop_reason[i], "token_ids": got.tokens[i] if ctx.req.return_token_ids else None}
+        choice = {
+            "index": i,
+            "message": message,
+            "logprobs": None,
+            "finish_reason": reason,
+            "stop_reason": got.stop_reason[i],
+            "token_ids": got.tokens[i] if ctx.req.return_token_ids else None,
+        }
         if ctx.top_n is not None:
             names = self.s.token_text_for(ctx.req)
             choice["logprobs"] = {"content": chat_logprobs(got.tokens[i], got.lps[i], ctx.top_n, names)}
@@ -163,8 +191,15 @@ class ChatHandler:
         """(the assistant message for one sequence's whole text, its finish reason): reasoning split off,
         tool calls parsed (a stop after calls finishes as tool_calls), the echo in front."""
         # every field of OpenAI's message, as vLLM answers (clients compare whole dumps); tool_calls [] when none
-        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None, "annotations": None,
-                                   "audio": None, "function_call": None, "tool_calls": []}
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": text,
+            "refusal": None,
+            "annotations": None,
+            "audio": None,
+            "function_call": None,
+            "tool_calls": [],
+        }
         splitter = self._splitter(ctx)
         if splitter is not None:
             splitter.feed(text)
@@ -185,8 +220,10 @@ class ChatHandler:
         include_usage, continuous = self.s.usage_options(req)
         head = {"id": ctx.rid, "object": "chat.completion.chunk", "created": ctx.created, "model": ctx.model}
         chunk, usage_chunk = sse_writers(head, include_usage)
-        choices = [_StreamedChoice(self._splitter(ctx), HermesToolParser() if ctx.use_tools else None,
-                                   req.include_reasoning) for _ in range(req.n)]
+        choices = [
+            _StreamedChoice(self._splitter(ctx), HermesToolParser() if ctx.use_tools else None, req.include_reasoning)
+            for _ in range(req.n)
+        ]
         completion = 0
         cached = 0
 
@@ -196,8 +233,18 @@ class ChatHandler:
         try:
             for i in range(req.n):  # one choice per chunk, as OpenAI streams n > 1 (clients read choices[0])
                 first = {"prompt_token_ids": ctx.prompt_ids} if req.return_token_ids and i == 0 else None
-                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ctx.echo}, "logprobs": None,
-                              "finish_reason": None}], so_far(), first)
+                yield chunk(
+                    [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ctx.echo},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                    so_far(),
+                    first,
+                )
             async for _, delta in merged(streams):
                 cached = delta.num_cached_tokens
                 completion += sum(len(sd.token_ids) for sd in delta.seqs)
@@ -242,8 +289,14 @@ class ChatHandler:
 
     def _log(self, ctx: _Ctx, completion: int, finish) -> None:
         if self.s.config.log_requests:
-            logger.info("%s: %d prompt + %d completion tokens in %.2fs, finish %s", ctx.rid, ctx.prompt_len,
-                        completion, time.monotonic() - ctx.arrival, ",".join(str(f) for f in finish))
+            logger.info(
+                "%s: %d prompt + %d completion tokens in %.2fs, finish %s",
+                ctx.rid,
+                ctx.prompt_len,
+                completion,
+                time.monotonic() - ctx.arrival,
+                ",".join(str(f) for f in finish),
+            )
 
 
 class _Gathered:
@@ -293,8 +346,9 @@ def _take_tool_calls(message: dict[str, Any], text: str, reason: str | None) -> 
     if not parser.calls:
         return reason
     message["content"] = parser.content if parser.content.strip() else None
-    message["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                             for c in parser.calls]
+    message["tool_calls"] = [
+        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in parser.calls
+    ]
     return "tool_calls" if reason == "stop" else reason
 
 
@@ -353,8 +407,19 @@ def _echo_text(req: ChatCompletionRequest) -> str:
 
 
 class _Ctx:
-    __slots__ = ("rid", "model", "created", "req", "prompt_len", "use_tools", "top_n", "arrival", "prompt_tail",
-                 "echo", "prompt_ids")
+    __slots__ = (
+        "rid",
+        "model",
+        "created",
+        "req",
+        "prompt_len",
+        "use_tools",
+        "top_n",
+        "arrival",
+        "prompt_tail",
+        "echo",
+        "prompt_ids",
+    )
 
     def __init__(self, rid, model, created, req, prompt_len, use_tools, top_n, arrival, prompt_tail="", echo=""):
         self.rid, self.model, self.created, self.req = rid, model, created, req

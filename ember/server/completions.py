@@ -1,15 +1,16 @@
 """POST /v1/completions: a prompt as a string, a list of strings, token ids or lists of token ids;
 each prompt is one engine request with n sequences (choice index = prompt index * n + i)."""
+
 from __future__ import annotations
 
 import logging
 import time
 from typing import Any, AsyncIterator
 
+from ember.errors import ParamError
 from ember.server.logprobs import CompletionLogprobs
 from ember.server.protocol import CompletionRequest, now, request_id
-from ember.errors import ParamError
-from ember.server.serving import STREAM_ERROR, Serving, merged, unless_disconnected, sse_writers
+from ember.server.serving import STREAM_ERROR, Serving, merged, sse_writers, unless_disconnected
 from ember.server.structured import structured_params
 
 logger = logging.getLogger("ember.server")
@@ -23,9 +24,15 @@ def vllm_prompt_logprobs(positions: list | None) -> list | None:
     """vLLM's prompt_logprobs field: None for the first token, then {token id: {logprob, rank, decoded_token}}."""
     if positions is None:
         return None
-    return [None if pos is None else {str(tid): {"logprob": lp.logprob, "rank": lp.rank,
-                                                   "decoded_token": lp.decoded_token} for tid, lp in pos.items()}
-            for pos in positions]
+    return [
+        None
+        if pos is None
+        else {
+            str(tid): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for tid, lp in pos.items()
+        }
+        for pos in positions
+    ]
 
 
 class CompletionHandler:
@@ -123,26 +130,49 @@ class CompletionHandler:
                 names = self.s.token_text_for(req)
                 lp = CompletionLogprobs(req.logprobs, names, len(prefix)).build(tokens[k], lps[k])
                 if req.echo:  # the echoed prompt's tokens first (the first has no logprob)
-                    lp = _joined(CompletionLogprobs(req.logprobs, names).build(prompts[k // n][1], prompt_lps[k // n]), lp)
-            choices.append({"index": k, "text": prefix + text, "logprobs": lp, "finish_reason": finish[k],
-                            "stop_reason": stop_reason[k],
-                            "prompt_token_ids": prompts[k // n][1] if req.return_token_ids else None,
-                            "token_ids": tokens[k] if req.return_token_ids else None,
-                            "prompt_logprobs": vllm_prompt_logprobs(prompt_lps[k // n])
-                            if req.prompt_logprobs is not None else None})
+                    lp = _joined(
+                        CompletionLogprobs(req.logprobs, names).build(prompts[k // n][1], prompt_lps[k // n]), lp
+                    )
+            choices.append(
+                {
+                    "index": k,
+                    "text": prefix + text,
+                    "logprobs": lp,
+                    "finish_reason": finish[k],
+                    "stop_reason": stop_reason[k],
+                    "prompt_token_ids": prompts[k // n][1] if req.return_token_ids else None,
+                    "token_ids": tokens[k] if req.return_token_ids else None,
+                    "prompt_logprobs": vllm_prompt_logprobs(prompt_lps[k // n])
+                    if req.prompt_logprobs is not None
+                    else None,
+                }
+            )
         prompt_tokens = sum(len(ids) for _, ids in prompts)
         completion = sum(len(t) for t in tokens)
         self._log(ctx, prompt_tokens, completion)
-        return {"id": ctx["rid"], "object": "text_completion", "created": ctx["created"], "model": ctx["model"],
-                "choices": choices, "usage": self.s.usage(prompt_tokens, completion, sum(cached)), "system_fingerprint": None}
+        return {
+            "id": ctx["rid"],
+            "object": "text_completion",
+            "created": ctx["created"],
+            "model": ctx["model"],
+            "choices": choices,
+            "usage": self.s.usage(prompt_tokens, completion, sum(cached)),
+            "system_fingerprint": None,
+        }
 
     async def _stream(self, streams, ctx) -> AsyncIterator[str]:
         req, prompts, n = ctx["req"], ctx["prompts"], ctx["req"].n
         include_usage, continuous = self.s.usage_options(req)
         head = {"id": ctx["rid"], "object": "text_completion", "created": ctx["created"], "model": ctx["model"]}
         chunk, usage_chunk = sse_writers(head, include_usage)
-        choices = [_StreamedChoice(k, prompts[k // n], CompletionLogprobs(req.logprobs, self.s.token_text_for(req))
-                                   if req.logprobs is not None else None) for k in range(len(prompts) * n)]
+        choices = [
+            _StreamedChoice(
+                k,
+                prompts[k // n],
+                CompletionLogprobs(req.logprobs, self.s.token_text_for(req)) if req.logprobs is not None else None,
+            )
+            for k in range(len(prompts) * n)
+        ]
         completion = 0
         cached = [0] * len(prompts)
         prompt_tokens = sum(len(ids) for _, ids in prompts)
@@ -153,12 +183,14 @@ class CompletionHandler:
         try:
             if req.echo and req.logprobs is None:  # one choice per chunk, as OpenAI streams n > 1
                 for c in choices:
-                    yield chunk([{"index": c.index, "text": self._echo(*c.prompt), "logprobs": None,
-                                  "finish_reason": None}], so_far())
+                    yield chunk(
+                        [{"index": c.index, "text": self._echo(*c.prompt), "logprobs": None, "finish_reason": None}],
+                        so_far(),
+                    )
             async for pi, delta in merged(streams):
                 cached[pi] = delta.num_cached_tokens
                 if delta.prompt_logprobs is not None:  # the prompt is computed: echo it with its logprobs
-                    for c in choices[pi * n:pi * n + n]:
+                    for c in choices[pi * n : pi * n + n]:
                         yield chunk([self._prompt_choice(req, c, delta.prompt_logprobs)], so_far())
                 completion += sum(len(sd.token_ids) for sd in delta.seqs)
                 # the whole delta is counted before its chunks go out: each carries the usage after it
@@ -181,17 +213,26 @@ class CompletionHandler:
         """The choice that streams a computed prompt: its echo (with the prompt's logprobs when asked for)
         and vLLM's prompt_logprobs."""
         text, ids = c.prompt
-        choice = {"index": c.index, "text": self._echo(text, ids) if req.echo else "", "logprobs": None,
-                  "finish_reason": None,
-                  "prompt_logprobs": vllm_prompt_logprobs(prompt_logprobs) if req.prompt_logprobs is not None else None}
+        choice = {
+            "index": c.index,
+            "text": self._echo(text, ids) if req.echo else "",
+            "logprobs": None,
+            "finish_reason": None,
+            "prompt_logprobs": vllm_prompt_logprobs(prompt_logprobs) if req.prompt_logprobs is not None else None,
+        }
         if req.echo and c.logprobs is not None:
             choice["logprobs"] = c.logprobs.build(ids, prompt_logprobs)
         return choice
 
     def _log(self, ctx, prompt_tokens: int, completion: int) -> None:
         if self.s.config.log_requests:
-            logger.info("%s: %d prompt + %d completion tokens in %.2fs", ctx["rid"], prompt_tokens, completion,
-                        time.monotonic() - ctx["arrival"])
+            logger.info(
+                "%s: %d prompt + %d completion tokens in %.2fs",
+                ctx["rid"],
+                prompt_tokens,
+                completion,
+                time.monotonic() - ctx["arrival"],
+            )
 
 
 class _StreamedChoice:

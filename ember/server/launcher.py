@@ -6,12 +6,13 @@ ember/entrypoints/serve.py builds the engine and uvicorn from them; outside tool
 set read it here too (the harness that runs vLLM's server tests against ember filters vLLM's flags with
 `add_server_args`: ../shared/conformance/vllm-openai/shim/ember_args.py).
 """
+
 from __future__ import annotations
 
 import argparse
 
-from ember.engine.async_engine import DEFAULT_MAX_WAITING_REQUESTS
 from ember.config.engine_args import add_engine_args
+from ember.engine.async_engine import DEFAULT_MAX_WAITING_REQUESTS
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -31,33 +32,70 @@ VLLM_SWITCHES = {
 def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool = True) -> None:
     add_engine_args(parser, positional_model=positional_model)
     g = parser.add_argument_group("server")
-    g.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST}; "
-                   "0.0.0.0 exposes the server to the network)")
+    g.add_argument(
+        "--host",
+        default=DEFAULT_HOST,
+        help=f"address to listen on (default {DEFAULT_HOST}; 0.0.0.0 exposes the server to the network)",
+    )
     g.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
-    g.add_argument("--api-key", default=None,
-                   help="require `Authorization: Bearer KEY` on /v1/* (default: $EMBER_API_KEY, or vLLM's $VLLM_API_KEY, "
-                        "else no key)")
-    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                   help="model name(s) clients use; the first is reported (default: the model argument)")
-    g.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
-                   help="requests allowed to wait for a slot; more are answered 503 "
-                        f"(default {DEFAULT_MAX_WAITING_REQUESTS})")
-    g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
-                   help="run a short request and a long step (the full budget; 512 tokens on CPU) before /health reports ready (default on)")
-    g.add_argument("--chat-template", default=None,
-                   help="a Jinja chat template, or a file holding one, instead of the model's")
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on /v1/* (default: $EMBER_API_KEY, or vLLM's $VLLM_API_KEY, "
+        "else no key)",
+    )
+    g.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="model name(s) clients use; the first is reported (default: the model argument)",
+    )
+    g.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=DEFAULT_MAX_WAITING_REQUESTS,
+        help=f"requests allowed to wait for a slot; more are answered 503 (default {DEFAULT_MAX_WAITING_REQUESTS})",
+    )
+    g.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run a short request and a long step (the full budget; 512 tokens on CPU) before /health reports ready (default on)",
+    )
+    g.add_argument(
+        "--chat-template", default=None, help="a Jinja chat template, or a file holding one, instead of the model's"
+    )
     g.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
-    g.add_argument("--uvicorn-log-level", default="warning",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"],
-                   help="uvicorn's own log level (info shows one access line per request)")
-    g.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help="accepted for vLLM compatibility: ember parses tool calls whenever a request has tools")
-    g.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT, metavar="SECONDS",
-                   help="on SIGTERM / Ctrl-C: stop taking requests (503), give those in flight this long to finish, "
-                        f"then abort the rest (finish_reason abort); 0 aborts at once (default {DEFAULT_SHUTDOWN_TIMEOUT:g})")
-    g.add_argument("--root-path", default="",
-                   help="the path prefix a proxy serves ember under (e.g. /llm): routes answer with and without it")
+    g.add_argument(
+        "--uvicorn-log-level",
+        default="warning",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="uvicorn's own log level (info shows one access line per request)",
+    )
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM compatibility: ember parses tool calls whenever a request has tools",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT,
+        metavar="SECONDS",
+        help="on SIGTERM / Ctrl-C: stop taking requests (503), give those in flight this long to finish, "
+        f"then abort the rest (finish_reason abort); 0 aborts at once (default {DEFAULT_SHUTDOWN_TIMEOUT:g})",
+    )
+    g.add_argument(
+        "--root-path",
+        default="",
+        help="the path prefix a proxy serves ember under (e.g. /llm): routes answer with and without it",
+    )
     for flag, what in VLLM_SWITCHES.items():
         g.add_argument(flag, action="store_true", help=what + " (vLLM's flag)")
-    g.add_argument("--tool-call-parser", default="hermes", choices=["hermes"],
-                   help="tool-call format: hermes = Qwen/Hermes <tool_call>{json}</tool_call> (the only one)")
+    g.add_argument(
+        "--tool-call-parser",
+        default="hermes",
+        choices=["hermes"],
+        help="tool-call format: hermes = Qwen/Hermes <tool_call>{json}</tool_call> (the only one)",
+    )

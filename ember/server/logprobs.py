@@ -8,6 +8,7 @@ Completions (legacy spec): `choices[].logprobs = {tokens, token_logprobs, top_lo
 A token's `bytes` are its real UTF-8 bytes, also for byte-level BPE pieces that are only part
 of a character (whose decoded text alone would be U+FFFD).
 """
+
 from __future__ import annotations
 
 import functools
@@ -82,13 +83,17 @@ def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], top_n
     out = []
     for tid, pos in zip(token_ids, positions):
         tok, raw = text(tid, pos[tid].decoded_token)
-        out.append({
-            "token": tok, "logprob": _finite(pos[tid].logprob), "bytes": raw,
-            "top_logprobs": [
-                {"token": t, "logprob": _finite(lp), "bytes": b}
-                for t, b, lp in ((*text(i, pos[i].decoded_token), lp) for i, lp in _top(pos, top_n))
-            ],
-        })
+        out.append(
+            {
+                "token": tok,
+                "logprob": _finite(pos[tid].logprob),
+                "bytes": raw,
+                "top_logprobs": [
+                    {"token": t, "logprob": _finite(lp), "bytes": b}
+                    for t, b, lp in ((*text(i, pos[i].decoded_token), lp) for i, lp in _top(pos, top_n))
+                ],
+            }
+        )
     return out
 
 

@@ -7,13 +7,20 @@ speculation, compile state, time per output token) are `ember:` only. The engine
 gauges and token counters after every step (prometheus-client is thread-safe); the HTTP layer
 counts requests by endpoint and status code.
 """
+
 from __future__ import annotations
 
 import json
 
 import prometheus_client
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 -- re-exported for the route
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,  # noqa: F401 -- re-exported for the route
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 from ember.engine.async_engine import RequestTiming
 
@@ -25,9 +32,50 @@ TPOT_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0
 GRAMMAR_COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 MASK_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 300.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-REQUEST_SECONDS_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                           240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_SECONDS_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
 
@@ -104,14 +152,22 @@ class ServerMetrics:
     def _define_counters(self) -> None:
         """HTTP requests, finished requests and the token, prefix-cache and preemption counts."""
         counter, both, labels = self._counter, self._both, self._labels
-        self.http_requests = counter("ember:http_requests", "HTTP requests by endpoint and status code",
-                                     ("endpoint", "status"))
-        self.request_success = both(counter, "request_success", "finished requests by finish reason",
-                                    ("finished_reason",))
-        self.prompt_tokens = both(counter, "prompt_tokens", "prompt tokens of finished (and aborted) requests").labels(**labels)
+        self.http_requests = counter(
+            "ember:http_requests", "HTTP requests by endpoint and status code", ("endpoint", "status")
+        )
+        self.request_success = both(
+            counter, "request_success", "finished requests by finish reason", ("finished_reason",)
+        )
+        self.prompt_tokens = both(counter, "prompt_tokens", "prompt tokens of finished (and aborted) requests").labels(
+            **labels
+        )
         self.generation_tokens = both(counter, "generation_tokens", "generated tokens").labels(**labels)
-        self.prefix_cache_queries = both(counter, "prefix_cache_queries", "prompt tokens looked up in the prefix cache").labels(**labels)
-        self.prefix_cache_hits = both(counter, "prefix_cache_hits", "prompt tokens found in the prefix cache").labels(**labels)
+        self.prefix_cache_queries = both(
+            counter, "prefix_cache_queries", "prompt tokens looked up in the prefix cache"
+        ).labels(**labels)
+        self.prefix_cache_hits = both(counter, "prefix_cache_hits", "prompt tokens found in the prefix cache").labels(
+            **labels
+        )
         self.preemptions = both(counter, "num_preemptions", "requests preempted for lack of KV blocks").labels(**labels)
 
     def _define_load_gauges(self) -> None:
@@ -120,102 +176,168 @@ class ServerMetrics:
         self.running = both(gauge, "num_requests_running", "sequences in the running batch")
         self.waiting = both(gauge, "num_requests_waiting", "sequences waiting for a slot")
         # vLLM splits the waiting by reason; ember's only reason to wait is capacity (KV blocks / batch slots)
-        self.waiting_by_reason = both(gauge, "num_requests_waiting_by_reason", "waiting requests by why they wait",
-                                      {**self._labels, "reason": "capacity"})
+        self.waiting_by_reason = both(
+            gauge,
+            "num_requests_waiting_by_reason",
+            "waiting requests by why they wait",
+            {**self._labels, "reason": "capacity"},
+        )
         self.kv_usage = both(gauge, "kv_cache_usage_perc", "fraction of KV cache blocks in use (0-1)")
         self.prefix_hit_rate = gauge("ember:prefix_cache_hit_rate", "prefix cache hits / queries since start (0-1)")
 
     def _define_latency_histograms(self) -> None:
         """Per request (and per output token): how long its phases took."""
         histogram, both = self._histogram, self._both
-        self.ttft = both(histogram, "time_to_first_token_seconds", "time from arrival to the first generated token",
-                         TTFT_BUCKETS)
-        self.tpot = histogram("ember:time_per_output_token_seconds", "mean time between output tokens, per request",
-                              TPOT_BUCKETS)
-        self.itl = both(histogram, "inter_token_latency_seconds", "time between consecutive output tokens of a "
-                        "sequence (tokens that arrive together, as accepted drafts, share the interval)", ITL_BUCKETS)
+        self.ttft = both(
+            histogram, "time_to_first_token_seconds", "time from arrival to the first generated token", TTFT_BUCKETS
+        )
+        self.tpot = histogram(
+            "ember:time_per_output_token_seconds", "mean time between output tokens, per request", TPOT_BUCKETS
+        )
+        self.itl = both(
+            histogram,
+            "inter_token_latency_seconds",
+            "time between consecutive output tokens of a "
+            "sequence (tokens that arrive together, as accepted drafts, share the interval)",
+            ITL_BUCKETS,
+        )
         self.e2e = both(histogram, "e2e_request_latency_seconds", "time from arrival to the last token", E2E_BUCKETS)
-        self.queue_time = both(histogram, "request_queue_time_seconds", "time from arrival to the first step that "
-                               "runs the request", REQUEST_SECONDS_BUCKETS)
-        self.inference_time = both(histogram, "request_inference_time_seconds", "time from the first step that "
-                                   "runs the request to its last token", REQUEST_SECONDS_BUCKETS)
-        self.prefill_time = both(histogram, "request_prefill_time_seconds", "time from the first step that runs the "
-                                 "request to its first token", REQUEST_SECONDS_BUCKETS)
-        self.decode_time = both(histogram, "request_decode_time_seconds", "time from the first token to the last",
-                                REQUEST_SECONDS_BUCKETS)
+        self.queue_time = both(
+            histogram,
+            "request_queue_time_seconds",
+            "time from arrival to the first step that runs the request",
+            REQUEST_SECONDS_BUCKETS,
+        )
+        self.inference_time = both(
+            histogram,
+            "request_inference_time_seconds",
+            "time from the first step that runs the request to its last token",
+            REQUEST_SECONDS_BUCKETS,
+        )
+        self.prefill_time = both(
+            histogram,
+            "request_prefill_time_seconds",
+            "time from the first step that runs the request to its first token",
+            REQUEST_SECONDS_BUCKETS,
+        )
+        self.decode_time = both(
+            histogram, "request_decode_time_seconds", "time from the first token to the last", REQUEST_SECONDS_BUCKETS
+        )
 
     def _define_request_size_histograms(self, token_buckets: tuple) -> None:
         """Per finished request: its token counts and sampling parameters; per engine step: its tokens."""
         histogram, both = self._histogram, self._both
-        self.request_prompt_tokens = both(histogram, "request_prompt_tokens", "prompt tokens per finished request",
-                                          token_buckets)
-        self.request_generation_tokens = both(histogram, "request_generation_tokens",
-                                              "generated tokens per finished request (all its sequences)", token_buckets)
+        self.request_prompt_tokens = both(
+            histogram, "request_prompt_tokens", "prompt tokens per finished request", token_buckets
+        )
+        self.request_generation_tokens = both(
+            histogram,
+            "request_generation_tokens",
+            "generated tokens per finished request (all its sequences)",
+            token_buckets,
+        )
         self.params_n = both(histogram, "request_params_n", "the n of finished requests", PARAMS_N_BUCKETS)
-        self.params_max_tokens = both(histogram, "request_params_max_tokens", "the max_tokens of finished requests",
-                                      token_buckets)
-        self.iteration_tokens = both(histogram, "iteration_tokens_total", "tokens per engine step: the prompts "
-                                     "that got their first token in it plus the tokens generated", ITERATION_TOKENS_BUCKETS)
+        self.params_max_tokens = both(
+            histogram, "request_params_max_tokens", "the max_tokens of finished requests", token_buckets
+        )
+        self.iteration_tokens = both(
+            histogram,
+            "iteration_tokens_total",
+            "tokens per engine step: the prompts that got their first token in it plus the tokens generated",
+            ITERATION_TOKENS_BUCKETS,
+        )
 
     def _define_cache_info(self, cache_info: dict) -> None:
         """vLLM's cache_config_info: the KV cache's configuration as the labels of a constant 1."""
         info = {k: str(v) for k, v in cache_info.items()}
-        self._both(self._gauge, "cache_config_info", "the KV cache's configuration (labels); the value is 1",
-                   info).set(1)
+        self._both(self._gauge, "cache_config_info", "the KV cache's configuration (labels); the value is 1", info).set(
+            1
+        )
 
     def _define_structured_output_histograms(self) -> None:
         """The structured-output manager's timings: grammar compiles and the per-step mask work."""
-        self.grammar_compile = self._histogram("ember:structured_output_compile_seconds",
-                                               "time to compile one distinct structured-output grammar (cache misses)",
-                                               GRAMMAR_COMPILE_BUCKETS)
+        self.grammar_compile = self._histogram(
+            "ember:structured_output_compile_seconds",
+            "time to compile one distinct structured-output grammar (cache misses)",
+            GRAMMAR_COMPILE_BUCKETS,
+        )
         self.grammar_mask = self._histogram(
             "ember:structured_output_mask_seconds",
-            "per step with constrained requests: filling and applying their grammar masks", MASK_BUCKETS)
+            "per step with constrained requests: filling and applying their grammar masks",
+            MASK_BUCKETS,
+        )
 
     def _define_compile_gauges(self) -> None:
         """The compiled decode path's state, read at scrape time (an idle server steps no more, yet its
         compile finishes); 0 until watch_compile points them at an engine."""
-        self.compiling = self._gauge("ember:executor_compiling", "1 while decode graphs compile in the background "
-                                     "(--executor auto on CPU: steps run eagerly meanwhile), else 0")
+        self.compiling = self._gauge(
+            "ember:executor_compiling",
+            "1 while decode graphs compile in the background "
+            "(--executor auto on CPU: steps run eagerly meanwhile), else 0",
+        )
         self.compiling.set_function(lambda: 0.0)
-        self.compiled_shapes = self._gauge("ember:executor_compiled_shapes", "decode step shapes (batch size x "
-                                           "query length, the MTP fill's included) that run compiled now: 0 = every "
-                                           "step eager")
+        self.compiled_shapes = self._gauge(
+            "ember:executor_compiled_shapes",
+            "decode step shapes (batch size x "
+            "query length, the MTP fill's included) that run compiled now: 0 = every "
+            "step eager",
+        )
         self.compiled_shapes.set_function(lambda: 0.0)
 
     @classmethod
     def for_engine(cls, model_name: str, engine) -> "ServerMetrics":
         """The metrics of a server over this LLMEngine (its length limit and KV pool in the labels)."""
         cache = engine.config.cache_config
-        info = {"block_size": cache.block_size, "num_gpu_blocks": engine.parts.kv.num_blocks,
-                "cache_dtype": cache.kv_cache_dtype, "enable_prefix_caching": cache.enable_prefix_caching}
+        info = {
+            "block_size": cache.block_size,
+            "num_gpu_blocks": engine.parts.kv.num_blocks,
+            "cache_dtype": cache.kv_cache_dtype,
+            "enable_prefix_caching": cache.enable_prefix_caching,
+        }
         return cls(model_name, engine.parts.limits.max_model_len, info)
 
     def _spec_metrics(self) -> dict:
         if self._spec is None:
+
             def counter(name, doc, extra=()):
                 c = self._counter(name, doc, extra)
                 return c if extra else c.labels(**self._labels)
 
             self._spec = {
-                "spec_num_drafts": counter("ember:spec_decode_num_drafts", "verify steps that carried draft tokens (per request)"),
+                "spec_num_drafts": counter(
+                    "ember:spec_decode_num_drafts", "verify steps that carried draft tokens (per request)"
+                ),
                 "spec_num_draft_tokens": counter("ember:spec_decode_num_draft_tokens", "draft tokens verified"),
                 "spec_num_accepted_tokens": counter("ember:spec_decode_num_accepted_tokens", "draft tokens accepted"),
-                "spec_num_accepted_tokens_per_pos": counter("ember:spec_decode_num_accepted_tokens_per_pos",
-                                                            "draft tokens accepted, by draft position (0 = first)", ("position",)),
-                "spec_num_draft_tokens_per_pos": counter("ember:spec_decode_num_draft_tokens_per_pos",
-                                                         "draft tokens verified, by draft position (0 = first)", ("position",)),
+                "spec_num_accepted_tokens_per_pos": counter(
+                    "ember:spec_decode_num_accepted_tokens_per_pos",
+                    "draft tokens accepted, by draft position (0 = first)",
+                    ("position",),
+                ),
+                "spec_num_draft_tokens_per_pos": counter(
+                    "ember:spec_decode_num_draft_tokens_per_pos",
+                    "draft tokens verified, by draft position (0 = first)",
+                    ("position",),
+                ),
                 "spec_draft_seconds": counter("ember:spec_decode_draft_seconds", "time spent proposing drafts"),
-                "spec_verify_seconds": counter("ember:spec_decode_verify_seconds", "time of steps that verified drafts"),
-                "mean": self._gauge("ember:spec_decode_mean_accepted_length",
-                                    "tokens emitted per verify step since start"),
+                "spec_verify_seconds": counter(
+                    "ember:spec_decode_verify_seconds", "time of steps that verified drafts"
+                ),
+                "mean": self._gauge(
+                    "ember:spec_decode_mean_accepted_length", "tokens emitted per verify step since start"
+                ),
             }
         return self._spec
 
     def _on_spec(self, stats: dict, last: dict) -> None:
         m = self._spec_metrics()
-        for key in ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_draft_seconds",
-                    "spec_verify_seconds"):
+        for key in (
+            "spec_num_drafts",
+            "spec_num_draft_tokens",
+            "spec_num_accepted_tokens",
+            "spec_draft_seconds",
+            "spec_verify_seconds",
+        ):
             m[key].inc(max(0, stats[key] - last.get(key, 0)))
         for key in ("spec_num_accepted_tokens_per_pos", "spec_num_draft_tokens_per_pos"):
             before = last.get(key) or [0] * len(stats[key])
@@ -264,8 +386,11 @@ class ServerMetrics:
         total = stats["kv_blocks_total"]
         kv_usage = 1.0 - stats["kv_blocks_free"] / total if total else 0.0
         self.kv_usage.set(kv_usage)
-        self.load = {"kv_cache_usage_perc": kv_usage, "num_requests_waiting": float(stats["waiting"]),
-                     "num_requests_running": float(stats["running"])}
+        self.load = {
+            "kv_cache_usage_perc": kv_usage,
+            "num_requests_waiting": float(stats["waiting"]),
+            "num_requests_running": float(stats["running"]),
+        }
         self.prefix_hit_rate.set(self._hits / self._queries if self._queries else 0.0)
         if "spec_num_drafts" in stats:
             self._on_spec(stats, last)

@@ -3,22 +3,36 @@ defaults. /health answers an empty 200 (or a 503 error), /metrics Prometheus tex
 would call invalid (422) is a 400 here; unknown models are 404s, a missing key a 401, overload a 503,
 and the generation endpoints stream `text/event-stream` when asked. Every error body is OpenAI's shape.
 Schemathesis (vLLM's schema test) checks responses against this document."""
+
 from __future__ import annotations
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 ERROR_SCHEMA = {
-    "type": "object", "required": ["error"],
-    "properties": {"error": {"type": "object", "required": ["message", "type"], "properties": {
-        "message": {"type": "string"}, "type": {"type": "string"},
-        "param": {"type": ["string", "null"]}, "code": {"type": ["integer", "string", "null"]}}}},
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["integer", "string", "null"]},
+            },
+        }
+    },
 }
 _ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
-_WHY = {"400": "invalid request: a bad parameter, malformed JSON, a prompt that does not fit",
-        "401": "missing or wrong API key (when the server has one)", "404": "unknown model",
-        "500": "a bug in the server (no details; the server log has them)",
-        "503": "overloaded, warming up or shutting down"}
+_WHY = {
+    "400": "invalid request: a bad parameter, malformed JSON, a prompt that does not fit",
+    "401": "missing or wrong API key (when the server has one)",
+    "404": "unknown model",
+    "500": "a bug in the server (no details; the server log has them)",
+    "503": "overloaded, warming up or shutting down",
+}
 _GENERATION = ("/v1/chat/completions", "/v1/completions", "/invocations")  # the routes that stream when asked
 
 
@@ -59,13 +73,16 @@ def truthful_schema(app: FastAPI) -> dict:
         health["responses"]["200"] = {"description": "ready (an empty body)"}
     metrics = schema["paths"].get("/metrics", {}).get("get")
     if metrics is not None:
-        metrics["responses"]["200"] = {"description": "Prometheus metrics",
-                                       "content": {"text/plain": {"schema": {"type": "string"}}}}
+        metrics["responses"]["200"] = {
+            "description": "Prometheus metrics",
+            "content": {"text/plain": {"schema": {"type": "string"}}},
+        }
     return schema
 
 
 def install(app: FastAPI) -> None:
     """app.openapi() returns the corrected schema (built once)."""
+
     def openapi() -> dict:
         if app.openapi_schema is None:
             app.openapi_schema = truthful_schema(app)

@@ -10,6 +10,7 @@ Unknown fields are ignored with a log line, as vLLM does.
 Responses are built as plain dicts: a streaming chunk is built once per token per request,
 and a dict plus json.dumps costs a fraction of a pydantic model round trip.
 """
+
 from __future__ import annotations
 
 import time
@@ -17,7 +18,6 @@ import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-
 
 
 class StreamOptions(BaseModel):
@@ -33,7 +33,7 @@ class _Request(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     n: int = Field(1, ge=1, le=128)
-    seed: int | None = Field(None, ge=-2**63, le=2**63 - 1)  # a 64-bit generator seed, as vLLM checks
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # a 64-bit generator seed, as vLLM checks
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -64,7 +64,9 @@ class _Request(BaseModel):
     return_token_ids: bool | None = None  # prompt_token_ids and each choice's token_ids in the answer
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens `token_id:N`
     prompt_logprobs: int | None = Field(None, ge=-1)  # vLLM's: top-N logprobs of each prompt token (-1 = all)
-    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM's: keep the prompt's last N tokens (-1: max_model_len)
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=-1
+    )  # vLLM's: keep the prompt's last N tokens (-1: max_model_len)
 
     def ignored_fields(self) -> list[str]:
         return sorted(self.model_extra or ())
@@ -79,7 +81,9 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
     # Extra keys (reasoning_content, ...) go to the template as they are.
     model_config = ConfigDict(extra="allow")
-    role: str = Field(min_length=1)  # system / developer / user / assistant / tool, or a role of the model's own template (vLLM's)
+    role: str = Field(
+        min_length=1
+    )  # system / developer / user / assistant / tool, or a role of the model's own template (vLLM's)
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
@@ -117,6 +121,7 @@ class ChatCompletionRequest(_Request):
 
 class BatchChatCompletionRequest(ChatCompletionRequest):
     """vLLM's /v1/chat/completions/batch: several conversations, the other fields shared by all of them."""
+
     messages: list[Annotated[list[ChatMessage], Field(min_length=1)]] = Field(..., min_length=1)
 
 
@@ -152,6 +157,7 @@ class DetokenizeRequest(BaseModel):
 
 # -- answers ------------------------------------------------------------------------------------
 
+
 def request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -165,13 +171,23 @@ def error_body(message: str, type_: str, code: int | str | None = None, param: s
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
-    u = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-         "total_tokens": prompt_tokens + completion_tokens}
+    u = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
     if cached_tokens is not None:
         u["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
     return u
 
 
 def model_card(name: str, root: str, max_model_len: int, created: int) -> dict:
-    return {"id": name, "object": "model", "created": created, "owned_by": "ember", "root": root,
-            "parent": None, "max_model_len": max_model_len}
+    return {
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "ember",
+        "root": root,
+        "parent": None,
+        "max_model_len": max_model_len,
+    }

@@ -1,6 +1,7 @@
 """What the chat and completions endpoints share: server settings, errors with an HTTP status,
 request -> SamplingParams (with vLLM's context-length check), submitting prompts to the async
 engine, and noticing a client that went away."""
+
 from __future__ import annotations
 
 import asyncio
@@ -14,9 +15,9 @@ from ember.engine.admission import out_of_vocabulary
 from ember.engine.async_engine import AsyncLLMEngine, RequestDelta, RequestStream
 from ember.errors import InvalidRequestError, ModelNotFoundError, ParamError
 from ember.sampling import SamplingParams
-from ember.structured_params import StructuredOutputsParams
 from ember.server.logprobs import TokenText
 from ember.server.protocol import ChatCompletionRequest, CompletionRequest, usage
+from ember.structured_params import StructuredOutputsParams
 
 logger = logging.getLogger("ember.server")
 
@@ -83,8 +84,10 @@ class Serving:
     def check_model(self, name: str | None) -> str:
         if name is None or name in self.config.served_model_names:
             return self.model_name if name is None else name
-        raise ModelNotFoundError(f"The model `{name}` does not exist; this server serves "
-                                 f"{', '.join(repr(n) for n in self.config.served_model_names)} (see /v1/models)")
+        raise ModelNotFoundError(
+            f"The model `{name}` does not exist; this server serves "
+            f"{', '.join(repr(n) for n in self.config.served_model_names)} (see /v1/models)"
+        )
 
     def token_text_for(self, req) -> TokenText:
         """How logprobs name tokens: their text, or `token_id:N` (vLLM's return_tokens_as_token_ids)."""
@@ -114,26 +117,46 @@ class Serving:
         if ignored:
             logger.warning("request fields ignored (not known to ember): %s", ", ".join(ignored))
 
-    def sampling_params(self, req, prompt_len: int, max_tokens: int | None, logprobs: int | None,
-                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
+    def sampling_params(
+        self,
+        req,
+        prompt_len: int,
+        max_tokens: int | None,
+        logprobs: int | None,
+        structured: StructuredOutputsParams | None = None,
+    ) -> SamplingParams:
         """Validated SamplingParams; refuses a prompt (plus max_tokens) that does not fit max_model_len."""
         m = self.max_model_len
         if prompt_len >= m:
-            raise ParamError(f"This model's maximum context length is {m} tokens, but the prompt has {prompt_len} "
-                             f"tokens (prompt plus at least one generated token must fit); shorten the prompt",
-                             "messages" if isinstance(req, ChatCompletionRequest) else "prompt")
+            raise ParamError(
+                f"This model's maximum context length is {m} tokens, but the prompt has {prompt_len} "
+                f"tokens (prompt plus at least one generated token must fit); shorten the prompt",
+                "messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+            )
         if max_tokens is not None and prompt_len + max_tokens > m:
             raise ParamError(
                 f"This model's maximum context length is {m} tokens. However, you requested {prompt_len + max_tokens} "
                 f"tokens ({prompt_len} in the prompt, {max_tokens} in the completion). Please reduce the length of the "
-                f"prompt or max_tokens.", "max_tokens")
+                f"prompt or max_tokens.",
+                "max_tokens",
+            )
         kw: dict[str, Any] = dict(
-            n=req.n, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, seed=req.seed,
-            stop=req.stop, max_tokens=max_tokens if max_tokens is not None else m - prompt_len,
-            min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, stop_token_ids=req.stop_token_ids,
-            include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
-            logprobs=logprobs, structured_outputs=structured, logit_bias=self._logit_bias(req),
-            prompt_logprobs=self._prompt_logprobs(req, logprobs))
+            n=req.n,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            seed=req.seed,
+            stop=req.stop,
+            max_tokens=max_tokens if max_tokens is not None else m - prompt_len,
+            min_tokens=req.min_tokens,
+            ignore_eos=req.ignore_eos,
+            stop_token_ids=req.stop_token_ids,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens,
+            logprobs=logprobs,
+            structured_outputs=structured,
+            logit_bias=self._logit_bias(req),
+            prompt_logprobs=self._prompt_logprobs(req, logprobs),
+        )
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             v = getattr(req, name)
             if v is not None:
@@ -164,8 +187,11 @@ class Serving:
         cap = self.engine.max_logprobs
         asked = vocab if n == -1 else n
         if cap != -1 and asked > cap:
-            raise ParamError(f"{param}={n} asks for {asked} logprobs per token, more than this server's --max-logprobs "
-                             f"{cap}; ask for at most {cap}", param)
+            raise ParamError(
+                f"{param}={n} asks for {asked} logprobs per token, more than this server's --max-logprobs "
+                f"{cap}; ask for at most {cap}",
+                param,
+            )
 
     def _logit_bias(self, req) -> dict[int, float] | None:
         if not req.logit_bias:
@@ -190,15 +216,18 @@ class Serving:
         if k == -1:
             k = self.max_model_len
         if not 1 <= k <= self.max_model_len:
-            raise ParamError(f"truncate_prompt_tokens must be -1 or 1..{self.max_model_len} (max_model_len); got {k}",
-                             "truncate_prompt_tokens")
+            raise ParamError(
+                f"truncate_prompt_tokens must be -1 or 1..{self.max_model_len} (max_model_len); got {k}",
+                "truncate_prompt_tokens",
+            )
         return ids[-k:]
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
         """An answer's usage; the prefix-cache hit as prompt_tokens_details.cached_tokens only under
         --enable-prompt-tokens-details (vLLM's rule: clients compare usage objects whole)."""
-        return usage(prompt_tokens, completion_tokens,
-                     cached_tokens if self.config.enable_prompt_tokens_details else None)
+        return usage(
+            prompt_tokens, completion_tokens, cached_tokens if self.config.enable_prompt_tokens_details else None
+        )
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         vocab = self.engine.vocab_size
@@ -207,8 +236,9 @@ class Serving:
         if not ids:
             raise ParamError("the prompt is empty; give at least one token", param)
 
-    async def submit(self, request_id: str, prompts: list[tuple[str | None, list[int]]],
-                     params: SamplingParams) -> list[RequestStream]:
+    async def submit(
+        self, request_id: str, prompts: list[tuple[str | None, list[int]]], params: SamplingParams
+    ) -> list[RequestStream]:
         """Add every prompt as an engine request (ids request_id-i); all or none."""
         streams: list[RequestStream] = []
         try:
@@ -267,8 +297,20 @@ async def wait_for_disconnect(receive) -> None:
 
 # What a stream says when it fails after its headers went out (status 200 sent): an error event, then
 # [DONE]; the details go to the server log, never to the client.
-STREAM_ERROR = "data: " + json.dumps({"error": {"message": "internal error while streaming; see the server log",
-                                                "type": "server_error", "param": None, "code": 500}}) + "\n\n"
+STREAM_ERROR = (
+    "data: "
+    + json.dumps(
+        {
+            "error": {
+                "message": "internal error while streaming; see the server log",
+                "type": "server_error",
+                "param": None,
+                "code": 500,
+            }
+        }
+    )
+    + "\n\n"
+)
 
 
 def sse_writers(head: dict, include_usage: bool):
@@ -277,9 +319,9 @@ def sse_writers(head: dict, include_usage: bool):
     The fixed head (id, object, created, model) is serialised once per response, not per chunk.
     """
     bare = json.dumps(head, separators=(",", ":"))[:-1] + ',"choices":'
-    prefix = bare[:-len('"choices":')] + '"usage":null,"choices":' if include_usage else bare
+    prefix = bare[: -len('"choices":')] + '"usage":null,"choices":' if include_usage else bare
 
-    with_usage = bare[:-len('"choices":')]
+    with_usage = bare[: -len('"choices":')]
 
     def chunk(choices: list, usage_now: dict | None = None, extra: dict | None = None) -> str:
         """usage_now: the usage so far, on every chunk (stream_options.continuous_usage_stats);
@@ -290,8 +332,15 @@ def sse_writers(head: dict, include_usage: bool):
                 body["usage"] = usage_now
             return "data: " + json.dumps(body, separators=(",", ":")) + "\n\n"
         if usage_now is not None:
-            return ("data: " + with_usage + '"usage":' + json.dumps(usage_now, separators=(",", ":")) + ',"choices":'
-                    + json.dumps(choices, separators=(",", ":")) + "}\n\n")
+            return (
+                "data: "
+                + with_usage
+                + '"usage":'
+                + json.dumps(usage_now, separators=(",", ":"))
+                + ',"choices":'
+                + json.dumps(choices, separators=(",", ":"))
+                + "}\n\n"
+            )
         return "data: " + prefix + json.dumps(choices, separators=(",", ":")) + "}\n\n"
 
     def usage_chunk(u: dict) -> str:

@@ -6,13 +6,13 @@ constraint of `tool_choice` "required" or a named function all land here; giving
 a 400 that names both, never a silent pick. A constraint the grammar library cannot build is a 400
 naming the field the client used and the library's reason.
 """
+
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from ember.errors import InvalidRequestError
-from ember.errors import ParamError
+from ember.errors import InvalidRequestError, ParamError
 from ember.structured_params import StructuredOutputsParams
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -28,22 +28,27 @@ def _response_format(rf: dict[str, Any]) -> dict[str, Any] | None:
     if kind == "json_schema":
         spec = rf.get("json_schema")
         if not isinstance(spec, dict) or "schema" not in spec and "json_schema" not in spec:
-            raise ParamError('response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}',
-                             "response_format")
+            raise ParamError(
+                'response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}', "response_format"
+            )
         schema = spec.get("schema", spec.get("json_schema"))
         return {"json": schema}
     if kind == "structural_tag":
         if not isinstance(rf.get("format"), dict):
-            raise ParamError('response_format structural_tag takes xgrammar\'s form {"type": "structural_tag", '
-                             '"format": {...}}; the older "structures" / "triggers" form is not supported',
-                             "response_format")
+            raise ParamError(
+                'response_format structural_tag takes xgrammar\'s form {"type": "structural_tag", '
+                '"format": {...}}; the older "structures" / "triggers" form is not supported',
+                "response_format",
+            )
         return {"structural_tag": json.dumps(rf)}
-    raise ParamError(f"response_format type {kind!r} is not one of text, json_object, json_schema, structural_tag",
-                     "response_format")
+    raise ParamError(
+        f"response_format type {kind!r} is not one of text, json_object, json_schema, structural_tag", "response_format"
+    )
 
 
-def structured_params(req, tool_constraint: dict[str, Any] | None = None,
-                      built=lambda params: False) -> StructuredOutputsParams | None:
+def structured_params(
+    req, tool_constraint: dict[str, Any] | None = None, built=lambda params: False
+) -> StructuredOutputsParams | None:
     """tool_constraint: {"structural_tag": ...} for tool_choice required / named (chat only); built(params):
     whether the engine already holds this constraint's grammar (then it is not built again here)."""
     given: list[tuple[str, dict[str, Any]]] = []
@@ -62,12 +67,17 @@ def structured_params(req, tool_constraint: dict[str, Any] | None = None,
     if tool_constraint is not None:
         given.append(("tool_choice", tool_constraint))
     if req.guided_decoding_backend not in BACKENDS:
-        raise ParamError(f"guided_decoding_backend {req.guided_decoding_backend!r}: ember compiles grammars with "
-                         "xgrammar; leave it unset or say xgrammar", "guided_decoding_backend")
+        raise ParamError(
+            f"guided_decoding_backend {req.guided_decoding_backend!r}: ember compiles grammars with "
+            "xgrammar; leave it unset or say xgrammar",
+            "guided_decoding_backend",
+        )
     if not given:
         if req.guided_whitespace_pattern is not None:
-            raise ParamError("guided_whitespace_pattern needs a guided_json or response_format constraint",
-                             "guided_whitespace_pattern")
+            raise ParamError(
+                "guided_whitespace_pattern needs a guided_json or response_format constraint",
+                "guided_whitespace_pattern",
+            )
         return None
     if len(given) > 1:
         names = " and ".join(n for n, _ in given)

@@ -1,10 +1,11 @@
 """vLLM's tokenizer endpoints: POST /tokenize (a prompt, or chat messages through the template),
 POST /detokenize, and GET /tokenizer_info (with --enable-tokenizer-info-endpoint, as in vLLM)."""
+
 from __future__ import annotations
 
 from ember.engine.admission import out_of_vocabulary
-from ember.server.protocol import DetokenizeRequest, TokenizeRequest
 from ember.errors import ParamError
+from ember.server.protocol import DetokenizeRequest, TokenizeRequest
 from ember.server.serving import Serving
 
 
@@ -22,10 +23,14 @@ def tokenize(s: Serving, req: TokenizeRequest) -> dict:
         ids = s.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
     else:
         text = s.tokenizer.apply_chat_template(
-            _chat_messages(req.messages), add_generation_prompt=req.add_generation_prompt, tokenize=False,
+            _chat_messages(req.messages),
+            add_generation_prompt=req.add_generation_prompt,
+            tokenize=False,
             continue_final_message=req.continue_final_message,
             tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
-            chat_template=req.chat_template or s.config.chat_template, **(req.chat_template_kwargs or {}))
+            chat_template=req.chat_template or s.config.chat_template,
+            **(req.chat_template_kwargs or {}),
+        )
         ids = s.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
     strs = [s.tokenizer.id_to_token(i) for i in ids] if req.return_token_strs else None
     return {"count": len(ids), "max_model_len": s.max_model_len, "tokens": ids, "token_strs": strs}

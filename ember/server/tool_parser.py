@@ -11,6 +11,7 @@ Text that could still be the start of `<tool_call>` is held back until it is dec
 inside a call nothing is sent until `{"name": "...", "arguments":` has been read, so a client
 never sees half a tag or a call without its name.
 """
+
 from __future__ import annotations
 
 import json
@@ -71,22 +72,22 @@ class HermesToolParser:
                 at = self._buf.find(START)
                 if at == -1:
                     keep = partial_suffix(self._buf, START)
-                    self._emit_content(out, self._buf[:len(self._buf) - keep])
-                    self._buf = self._buf[len(self._buf) - keep:]
+                    self._emit_content(out, self._buf[: len(self._buf) - keep])
+                    self._buf = self._buf[len(self._buf) - keep :]
                     break
                 self._emit_content(out, self._buf[:at])
-                self._buf = self._buf[at + len(START):]
+                self._buf = self._buf[at + len(START) :]
                 self._open_call()
             else:
                 at = self._buf.find(END)
                 if at == -1:
                     keep = partial_suffix(self._buf, END)
-                    self._body += self._buf[:len(self._buf) - keep]
-                    self._buf = self._buf[len(self._buf) - keep:]
+                    self._body += self._buf[: len(self._buf) - keep]
+                    self._buf = self._buf[len(self._buf) - keep :]
                     self._stream_call(out)
                     break
                 self._body += self._buf[:at]
-                self._buf = self._buf[at + len(END):]
+                self._buf = self._buf[at + len(END) :]
                 self._close_call(out)
         return out
 
@@ -136,13 +137,19 @@ class HermesToolParser:
                 return
             self._head_sent = True
             self._args_from = m.end()
-            out.tool_calls.append({"index": len(self.calls), "id": self._call_id, "type": "function",
-                                   "function": {"name": self._name, "arguments": ""}})
-        raw = self._body[self._args_from:]
+            out.tool_calls.append(
+                {
+                    "index": len(self.calls),
+                    "id": self._call_id,
+                    "type": "function",
+                    "function": {"name": self._name, "arguments": ""},
+                }
+            )
+        raw = self._body[self._args_from :]
         tail = _TAIL.search(raw)
         end = tail.start() if tail else len(raw)
         if end > self._args_sent:
-            self._send_args(out, raw[self._args_sent:end])
+            self._send_args(out, raw[self._args_sent : end])
             self._args_sent = end
 
     def _send_args(self, out: ParsedDelta, piece: str) -> None:
@@ -161,14 +168,15 @@ class HermesToolParser:
                 return
             name, args = parsed
             index = len(self.calls)
-            out.tool_calls.append({"index": index, "id": self._call_id, "type": "function",
-                                   "function": {"name": name, "arguments": args}})
+            out.tool_calls.append(
+                {"index": index, "id": self._call_id, "type": "function", "function": {"name": name, "arguments": args}}
+            )
             self.calls.append(ToolCall(self._call_id, name, args))
             return
-        raw = self._body[self._args_from:]
+        raw = self._body[self._args_from :]
         raw_args = _strip_outer_close(raw)
         if len(raw_args) > self._args_sent:
-            self._send_args(out, raw_args[self._args_sent:])
+            self._send_args(out, raw_args[self._args_sent :])
         self.calls.append(ToolCall(self._call_id, self._name, raw_args))
         self._head_sent = False
 
@@ -197,7 +205,7 @@ def _parse_call(body: str) -> tuple[str, str] | None:
     args = obj.get("arguments", obj.get("parameters", {}))
     m = _HEAD.match(body)
     if m is not None:  # name first, arguments second: keep the model's own text
-        raw = _strip_outer_close(body[m.end():])
+        raw = _strip_outer_close(body[m.end() :])
         try:
             if json.loads(raw) == args:
                 return obj["name"], raw

@@ -20,6 +20,7 @@ When no k >= 1 beats a plain decode step (E[N] / (1 + cost(k)) < 1), the request
 (k = 0) and probes with one draft every PROBE_EVERY steps, so it comes back when its text turns
 predictable again. `--no-adaptive-spec` pins k = k_max.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -47,8 +48,7 @@ def expected_tokens(alpha: float, k: int, depth: list[float] | None = None) -> f
     return total
 
 
-def best_k(alpha: float, k_max: int, cost=TOKEN_COST, allow_off: bool = False,
-           depth: list[float] | None = None) -> int:
+def best_k(alpha: float, k_max: int, cost=TOKEN_COST, allow_off: bool = False, depth: list[float] | None = None) -> int:
     """argmax over k in 1..k_max of expected tokens per unit of step cost; cost: per drafted token
     (a float) or cost(k) (a callable); with allow_off, 0 when none of them beats a plain decode
     step (1 token per unit)."""

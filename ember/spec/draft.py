@@ -43,23 +43,22 @@ Prefix caching is exact: the draft's K/V at position i depends on tokens 0..i on
 position of a named block was filled in the step that computed it.
 Cost: k draft forwards per step (the fill, then k - 1 chain steps), eager, batched over requests.
 """
+
 from __future__ import annotations
 
 import logging
 import os
 import time
-from typing import Sequence, TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from ember.request import Request, RequestStatus
-from ember.kernels.metadata import select_rows
 from ember.errors import ConfigError
 from ember.kernels import cpu_row_top
-from ember.kernels.metadata import AttentionMetadata
+from ember.kernels.metadata import AttentionMetadata, select_rows
 from ember.layers.attention import is_fp8
 from ember.layers.sampler import make_generator, target_probs
-from ember.request import Draft
+from ember.request import Draft, Request, RequestStatus
 from ember.spec.proposer import KVSlots, Proposer, ProposerContext, StepRows
 
 if TYPE_CHECKING:
@@ -91,20 +90,24 @@ class DraftModelProposer(Proposer):
     reads_step = "rows"  # the fill reruns the rows the target computed, from their tokens
 
     def __init__(self, spec: SpeculativeConfig, ctx: ProposerContext):
-        from ember.loader.model_loader import load_model
         from ember.config.speculative import is_mtp_folder
+        from ember.loader.model_loader import load_model
 
         if is_mtp_folder(spec.model):
-            raise ConfigError(f"{spec.model!r} holds MTP weights, not a draft model; use method 'mtp' "
-                              "(or give --speculative-model without a method)")
+            raise ConfigError(
+                f"{spec.model!r} holds MTP weights, not a draft model; use method 'mtp' "
+                "(or give --speculative-model without a method)"
+            )
         target = ctx.target
         path = os.path.expanduser(spec.model)
         # A folder without tokenizer files borrows the target's (only vocab_size can be checked then).
         own_tok = os.path.isfile(path) or os.path.isfile(os.path.join(path, "tokenizer.json"))
         borrowed = None if own_tok else ctx.tokenizer or (target.path if os.path.isdir(target.path) else None)
         if not own_tok and borrowed is None:
-            raise ConfigError(f"the draft model folder {spec.model!r} has no tokenizer.json and the target is a GGUF "
-                              "file; copy the target's tokenizer files into the draft folder, or pass --tokenizer DIR")
+            raise ConfigError(
+                f"the draft model folder {spec.model!r} has no tokenizer.json and the target is a GGUF "
+                "file; copy the target's tokenizer files into the draft folder, or pass --tokenizer DIR"
+            )
         tmc = target.model_config
         if os.path.isdir(path):  # refuse a vocabulary mismatch before loading any weights
             from ember.config.model_config import ModelConfig
@@ -116,25 +119,32 @@ class DraftModelProposer(Proposer):
         # Under tensor parallelism the draft runs whole on rank 0 (draft tensor-parallel size 1, as
         # vLLM's default): built outside the engine's sharding, its layers never call a collective.
         with sharding(0, 1):
-            self.loaded = loaded = load_model(spec.model, borrowed, ctx.dtype, ctx.device, ctx.attention_backend,
-                                              "auto", ctx.kernels)
+            self.loaded = loaded = load_model(
+                spec.model, borrowed, ctx.dtype, ctx.device, ctx.attention_backend, "auto", ctx.kernels
+            )
         mc = loaded.model_config
         self._check_vocab(spec.model, mc.vocab_size, tmc.vocab_size)
         if own_tok:
             diff = tokenizer_difference(target.tokenizer, loaded.tokenizer)
             if diff is not None:
-                raise ConfigError(f"the draft model {spec.model!r} has another tokenizer than the target: {diff}; "
-                                  "give a draft model that uses the target's tokenizer")
+                raise ConfigError(
+                    f"the draft model {spec.model!r} has another tokenizer than the target: {diff}; "
+                    "give a draft model that uses the target's tokenizer"
+                )
         else:
             logger.warning("draft model %s has no tokenizer.json: only its vocab_size was checked", spec.model)
         if mc.is_hybrid:
-            raise ConfigError(f"the draft model {spec.model!r} is a hybrid ({mc.architecture}): a draft keeps paged KV "
-                              "only, not recurrent state; use a dense draft of the same vocabulary (e.g. a small "
-                              "Qwen3), or --speculative-config '{\"method\": \"mtp\"}' for the model's own MTP layer")
+            raise ConfigError(
+                f"the draft model {spec.model!r} is a hybrid ({mc.architecture}): a draft keeps paged KV "
+                "only, not recurrent state; use a dense draft of the same vocabulary (e.g. a small "
+                'Qwen3), or --speculative-config \'{"method": "mtp"}\' for the model\'s own MTP layer'
+            )
         if mc.max_position_embeddings < ctx.max_model_len:
-            raise ConfigError(f"the draft model {spec.model!r} has a context of {mc.max_position_embeddings} tokens, "
-                              f"less than max_model_len {ctx.max_model_len}; pass --max-model-len "
-                              f"{mc.max_position_embeddings} or a draft with a longer context")
+            raise ConfigError(
+                f"the draft model {spec.model!r} has a context of {mc.max_position_embeddings} tokens, "
+                f"less than max_model_len {ctx.max_model_len}; pass --max-model-len "
+                f"{mc.max_position_embeddings} or a draft with a longer context"
+            )
         self.model = loaded.model
         self.model_config = mc
         self.device = ctx.device
@@ -148,15 +158,23 @@ class DraftModelProposer(Proposer):
         self.caches: list[torch.Tensor] = []
         # request id -> (N = num_tokens at the fill, scratch slot, scratch holds position N - 1, logits [1, V])
         self.starts: dict[str, tuple[int, int, bool, torch.Tensor]] = {}
-        logger.info("draft model: %s, %d layers, %.1f MB, loaded from %s in %.1fs, draft cost %.2f of a decode step",
-                    mc.architecture, mc.num_layers, loaded.weight_bytes / 1e6, loaded.path,
-                    time.perf_counter() - t0, self.draft_token_cost)
+        logger.info(
+            "draft model: %s, %d layers, %.1f MB, loaded from %s in %.1fs, draft cost %.2f of a decode step",
+            mc.architecture,
+            mc.num_layers,
+            loaded.weight_bytes / 1e6,
+            loaded.path,
+            time.perf_counter() - t0,
+            self.draft_token_cost,
+        )
 
     @staticmethod
     def _check_vocab(name: str, draft: int, target: int) -> None:
         if draft != target:
-            raise ConfigError(f"the draft model {name!r} has vocab_size {draft} but the target has {target}; "
-                              "give a draft model trained with the target's tokenizer (same vocabulary)")
+            raise ConfigError(
+                f"the draft model {name!r} has vocab_size {draft} but the target has {target}; "
+                "give a draft model trained with the target's tokenizer (same vocabulary)"
+            )
 
     # -- sizing and setup ---------------------------------------------------------------------
     def kv_bytes_per_token(self, elem_bytes: int) -> int:
@@ -180,7 +198,9 @@ class DraftModelProposer(Proposer):
         first = self.scratch_base + slot * self.scratch_per_req
         return list(range(first, first + self.scratch_per_req))
 
-    def _meta(self, slots: list[int], qlens: list[int], seq_lens: list[int], tables: list[list[int]]) -> AttentionMetadata:
+    def _meta(
+        self, slots: list[int], qlens: list[int], seq_lens: list[int], tables: list[list[int]]
+    ) -> AttentionMetadata:
         dev = self.device
         width = max(len(t) for t in tables)
         qsl = [0]
@@ -191,8 +211,13 @@ class DraftModelProposer(Proposer):
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
-            block_size=self.block_size, query_lens_cpu=qlens, seq_lens_cpu=seq_lens,
-            max_query_len=max(qlens), max_seq_len=max(seq_lens), all_slots_valid=True)
+            block_size=self.block_size,
+            query_lens_cpu=qlens,
+            seq_lens_cpu=seq_lens,
+            max_query_len=max(qlens),
+            max_seq_len=max(seq_lens),
+            all_slots_valid=True,
+        )
 
     # -- the fill -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -235,13 +260,18 @@ class DraftModelProposer(Proposer):
         meta = self._meta(slots, qlens, seq_lens, tables)
         width = meta.block_tables.shape[1]
         select = select_rows(meta, [t + [0] * (width - len(t)) for t in tables], positions, sel_rows, sel_seqs, dev)
-        hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=dev),
-                            torch.tensor(positions, dtype=torch.int64, device=dev), self.caches, meta, select)
+        hidden = self.model(
+            torch.tensor(ids, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev),
+            self.caches,
+            meta,
+            select,
+        )
         if not sel:
             return
         logits = self.model.compute_logits(hidden)
         for i, (req, slot, used) in enumerate(sel):
-            self.starts[req.request_id] = (req.num_tokens, slot, used, logits[i:i + 1])
+            self.starts[req.request_id] = (req.num_tokens, slot, used, logits[i : i + 1])
 
     # -- drafting -----------------------------------------------------------------------------
     def _generator(self, req: Request) -> torch.Generator | None:
@@ -261,8 +291,9 @@ class DraftModelProposer(Proposer):
         rnd = [i for i, r in enumerate(reqs) if not r.sampling_params.greedy]
         if not rnd:
             return toks, probs
-        q = target_probs(logits[torch.tensor(rnd, device=logits.device)].float(),
-                         [reqs[i].sampling_params for i in rnd])
+        q = target_probs(
+            logits[torch.tensor(rnd, device=logits.device)].float(), [reqs[i].sampling_params for i in rnd]
+        )
         shared = []
         for j, i in enumerate(rnd):
             probs[i] = q[j]
@@ -336,8 +367,12 @@ class DraftModelProposer(Proposer):
             tabs = [tables[i] for i in idx]
             slots = [t[p // bs] * bs + p % bs for t, p in zip(tabs, pos)]
             meta = self._meta(slots, [1] * len(idx), [p + 1 for p in pos], tabs)
-            hidden = self.model(torch.tensor([cur[i] for i in idx], dtype=torch.int64, device=dev),
-                                torch.tensor(pos, dtype=torch.int64, device=dev), self.caches, meta)
+            hidden = self.model(
+                torch.tensor([cur[i] for i in idx], dtype=torch.int64, device=dev),
+                torch.tensor(pos, dtype=torch.int64, device=dev),
+                self.caches,
+                meta,
+            )
             new, probs = self._pick(self.model.compute_logits(hidden), [live[i][1] for i in idx])
             for i, t, p in zip(idx, new, probs):
                 cur[i] = t

@@ -3,6 +3,7 @@
 Named as vLLM's spec-decode metrics (num_drafts, num_draft_tokens, num_accepted_tokens,
 num_accepted_tokens_per_pos) so the same dashboards read them.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -40,19 +40,18 @@ Known approximations (they change drafts, never output):
   blocks reuses its MTP K/V, and the last position of the last shared block was written with the
   other request's next token.
 """
+
 from __future__ import annotations
 
 import logging
 import time
-from typing import Sequence, TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from ember.request import Request, RequestStatus
-from ember.kernels.metadata import select_rows
 from ember.kernels import cpu_row_top
-from ember.kernels.metadata import AttentionMetadata
-from ember.request import Draft
+from ember.kernels.metadata import AttentionMetadata, select_rows
+from ember.request import Draft, Request, RequestStatus
 from ember.spec.proposer import ExecutorFactory, KVSlots, Proposer, ProposerContext, StepRows
 
 if TYPE_CHECKING:
@@ -84,9 +83,14 @@ class MTPProposer(Proposer):
         self.fill_executor = None  # a CompiledExecutor / CUDAGraphExecutor of the fill's decode shapes (prepare)
         # request id -> (c, g_c [1, H]): the fill's last row of a request that decodes next
         self.starts: dict[str, tuple[int, torch.Tensor]] = {}
-        logger.info("MTP: %d layer(s) (%s layout) from %s in %.1fs, draft cost %.2f of a decode step",
-                    self.num_layers, self.mtp.layout, spec.model or loaded.path, time.perf_counter() - t0,
-                    self.draft_token_cost)
+        logger.info(
+            "MTP: %d layer(s) (%s layout) from %s in %.1fs, draft cost %.2f of a decode step",
+            self.num_layers,
+            self.mtp.layout,
+            spec.model or loaded.path,
+            time.perf_counter() - t0,
+            self.draft_token_cost,
+        )
 
     # -- sizing and setup ---------------------------------------------------------------------
     def _pack_draft_weights(self, ctx: ProposerContext) -> int:
@@ -169,7 +173,7 @@ class MTPProposer(Proposer):
                 continue
             r0 = len(rows)
             rows.extend(range(row0, row0 + m))
-            ids.extend(req.token_ids[start + 1:start + 1 + m])
+            ids.extend(req.token_ids[start + 1 : start + 1 + m])
             positions.extend(range(start, start + m))
             qlens.append(m)
             seq_lens.append(start + m)
@@ -190,8 +194,13 @@ class MTPProposer(Proposer):
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            block_size=self.block_size, query_lens_cpu=qlens, seq_lens_cpu=seq_lens,
-            max_query_len=max(qlens), max_seq_len=max(seq_lens), all_slots_valid=True)
+            block_size=self.block_size,
+            query_lens_cpu=qlens,
+            seq_lens_cpu=seq_lens,
+            max_query_len=max(qlens),
+            max_seq_len=max(seq_lens),
+            all_slots_valid=True,
+        )
         ids_t = torch.tensor(ids, dtype=torch.int64, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
         if self.fill_executor is not None and self.fill_executor.covers(meta):
@@ -202,7 +211,7 @@ class MTPProposer(Proposer):
             select = select_rows(meta, tables, positions, sel_rows, sel_seqs, dev)
             g = self.mtp(ids_t, pos_t, step.hidden[row_t], self.caches, meta, step=0, select=select)
         for i, req in enumerate(sel_reqs):
-            self.starts[req.request_id] = (req.num_tokens - 2, g[i:i + 1])
+            self.starts[req.request_id] = (req.num_tokens - 2, g[i : i + 1])
 
     # -- drafting -----------------------------------------------------------------------------
     def _pick(self, g: torch.Tensor, step: int, reqs: list[Request]) -> tuple[torch.Tensor, list]:
@@ -256,8 +265,9 @@ class MTPProposer(Proposer):
             out[i] = Draft(d[:k], None if q[0] is None else torch.stack(q[:k]))
         return out
 
-    def _chain(self, live, g: torch.Tensor, toks: torch.Tensor, drafts: list[list[int]], probs: list[list],
-               k_most: int) -> None:
+    def _chain(
+        self, live, g: torch.Tensor, toks: torch.Tensor, drafts: list[list[int]], probs: list[list], k_most: int
+    ) -> None:
         """Draft steps 1 .. k-1, one row per request, into scratch blocks (module docstring)."""
         bs, dev = self.block_size, self.device
         chain_tables = []
@@ -292,8 +302,13 @@ class MTPProposer(Proposer):
                 query_start_loc=torch.arange(len(idx) + 1, dtype=torch.int32, device=dev),
                 seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
                 block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-                block_size=bs, query_lens_cpu=[1] * len(idx), seq_lens_cpu=lens,
-                max_query_len=1, max_seq_len=max(lens), all_slots_valid=True)
+                block_size=bs,
+                query_lens_cpu=[1] * len(idx),
+                seq_lens_cpu=lens,
+                max_query_len=1,
+                max_seq_len=max(lens),
+                all_slots_valid=True,
+            )
             pos_t = torch.tensor(pos, dtype=torch.int64, device=dev)
             if self.fill_executor is not None and self.mtp.layer_for_step(j) == 0 and self.fill_executor.covers(meta):
                 # one row per sequence through layer 0: the fill's 1-query graph, on the chain's tables

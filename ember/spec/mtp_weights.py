@@ -34,6 +34,7 @@ does not run, so they are refused. Missing config keys (heads, intermediate size
 taken from the main model's config, so a small MTP config need only state what differs; its
 vocab_size and hidden_size, when given, must equal the model's.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,10 +48,10 @@ from typing import Callable, Iterator
 import torch
 from tqdm import tqdm
 
-from ember.errors import ModelLoadError
-from ember.models.llama import load_routed
-from ember.loader import weights as weights_io
 from ember.config.model_config import ModelConfig
+from ember.errors import ModelLoadError
+from ember.loader import weights as weights_io
+from ember.models.llama import load_routed
 from ember.models.mtp import MTPModule
 
 log = logging.getLogger(__name__)
@@ -59,15 +60,31 @@ LAYOUT_NAMES = {"deepseek": "DeepSeek-V3/GLM", "mimo": "MiMo", "qwen3_next": "Qw
 
 # checkpoint sub-name (after the layer prefix) -> MTPLayer module
 SPECIAL = {
-    "deepseek": {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj",
-                 "shared_head.norm": "final_norm", "shared_head.head": "head"},
-    "mimo": {"token_layernorm": "enorm", "hidden_layernorm": "hnorm", "input_proj": "eh_proj",
-             "final_layernorm": "final_norm"},
-    "qwen3_next": {"pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm", "fc": "eh_proj",
-                   "norm": "final_norm"},
+    "deepseek": {
+        "enorm": "enorm",
+        "hnorm": "hnorm",
+        "eh_proj": "eh_proj",
+        "shared_head.norm": "final_norm",
+        "shared_head.head": "head",
+    },
+    "mimo": {
+        "token_layernorm": "enorm",
+        "hidden_layernorm": "hnorm",
+        "input_proj": "eh_proj",
+        "final_layernorm": "final_norm",
+    },
+    "qwen3_next": {
+        "pre_fc_norm_embedding": "enorm",
+        "pre_fc_norm_hidden": "hnorm",
+        "fc": "eh_proj",
+        "norm": "final_norm",
+    },
 }
-COUNT_KEYS = {"deepseek": ("num_nextn_predict_layers",), "mimo": ("num_nextn_predict_layers",),
-              "qwen3_next": ("mtp_num_hidden_layers", "num_nextn_predict_layers")}
+COUNT_KEYS = {
+    "deepseek": ("num_nextn_predict_layers",),
+    "mimo": ("num_nextn_predict_layers",),
+    "qwen3_next": ("mtp_num_hidden_layers", "num_nextn_predict_layers"),
+}
 LOOKED_FOR = (
     "model.layers.{N}.enorm / hnorm / eh_proj / shared_head.norm with N >= num_hidden_layers (DeepSeek-V3/GLM)",
     "model.mtp_layers.{j}.token_layernorm / hidden_layernorm / input_proj / final_layernorm (MiMo)",
@@ -78,8 +95,10 @@ _DEEPSEEK = re.compile(r"^model\.layers\.(\d+)\.(?:enorm|hnorm|eh_proj|shared_he
 _MIMO = re.compile(r"^model\.mtp_layers\.(\d+)\.")
 _QWEN3_NEXT_BLOCK = re.compile(r"^mtp\.layers\.(\d+)\.")
 # ember param (fused) -> checkpoint part, for naming what a checkpoint lacks
-_UNFUSE = {"qkv_proj": {"q": "q_proj", "k": "k_proj", "v": "v_proj"},
-           "gate_up_proj": {"gate": "gate_proj", "up": "up_proj"}}
+_UNFUSE = {
+    "qkv_proj": {"q": "q_proj", "k": "k_proj", "v": "v_proj"},
+    "gate_up_proj": {"gate": "gate_proj", "up": "up_proj"},
+}
 
 
 def accepted_architectures(main_architecture: str) -> list[str]:
@@ -110,18 +129,18 @@ class MTPCheckpoint:
             m = _QWEN3_NEXT_BLOCK.match(name)
             if m:
                 j = int(m[1])
-                return f"layers.{j}.block.{name[m.end():]}" if j < self.num_layers else None
+                return f"layers.{j}.block.{name[m.end() :]}" if j < self.num_layers else None
             rest = name.removeprefix("mtp.")
             for ck, mod in special.items():
                 if rest.startswith(ck + "."):
-                    return f"layers.0.{mod}.{rest[len(ck) + 1:]}"
+                    return f"layers.0.{mod}.{rest[len(ck) + 1 :]}"
             return None  # e.g. mtp.embed_tokens (dedicated embeddings are refused earlier)
         for j, prefix in enumerate(self.prefixes):
             if name.startswith(prefix):
-                rest = name[len(prefix):]
+                rest = name[len(prefix) :]
                 for ck, mod in special.items():
                     if rest.startswith(ck + "."):
-                        return f"layers.{j}.{mod}.{rest[len(ck) + 1:]}"
+                        return f"layers.{j}.{mod}.{rest[len(ck) + 1 :]}"
                 if rest.startswith("embed_tokens."):
                     return None  # DeepSeek keeps a copy of the shared embedding in each MTP layer
                 if rest == DRAFT_VOCAB and self.layout == "deepseek":
@@ -156,13 +175,17 @@ def _same_path(a: str, b: str) -> bool:
 
 def _read_separate_config(folder: str, main_cfg: ModelConfig) -> dict:
     if not os.path.isdir(folder):
-        raise ModelLoadError(f"--speculative-model {folder!r} is not a folder; give the folder that holds the MTP "
-                             "weights (*.safetensors) and their config.json")
+        raise ModelLoadError(
+            f"--speculative-model {folder!r} is not a folder; give the folder that holds the MTP "
+            "weights (*.safetensors) and their config.json"
+        )
     path = os.path.join(folder, "config.json")
     accepted = accepted_architectures(main_cfg.architecture)
     if not os.path.exists(path):
-        raise ModelLoadError(f"{folder} has no config.json; an MTP folder needs one with architectures "
-                             f"[{accepted[0]!r}], vocab_size and hidden_size of the model it drafts for")
+        raise ModelLoadError(
+            f"{folder} has no config.json; an MTP folder needs one with architectures "
+            f"[{accepted[0]!r}], vocab_size and hidden_size of the model it drafts for"
+        )
     try:
         with open(path) as f:
             raw = json.load(f)
@@ -173,14 +196,16 @@ def _read_separate_config(folder: str, main_cfg: ModelConfig) -> dict:
         raise ModelLoadError(
             f"{path} says architectures {archs}, which is not an MTP model for this {main_cfg.architecture} model; "
             f"ember accepts {' or '.join(accepted)} there. If these are MTP weights trained for this model, set "
-            f'"architectures": ["{accepted[0]}"]; a plain draft model goes with speculative method "draft", not "mtp"')
+            f'"architectures": ["{accepted[0]}"]; a plain draft model goes with speculative method "draft", not "mtp"'
+        )
     for key, want in (("vocab_size", main_cfg.vocab_size), ("hidden_size", main_cfg.hidden_size)):
         got = raw.get(key)
         if got is not None and int(got) != want:
             raise ModelLoadError(
                 f"the MTP weights in {folder} have {key} {got} but the model has {want}; MTP layers must be made for "
                 "this model (same tokenizer and width): use its own MTP weights, or train some with "
-                "`ember train-mtp MODEL --out DIR`")
+                "`ember train-mtp MODEL --out DIR`"
+            )
     return raw
 
 
@@ -197,7 +222,9 @@ def _tensor_files(folder: str) -> dict[str, str]:
 def _no_weights(where: str, hint: str) -> ModelLoadError:
     return ModelLoadError(
         f"MTP speculative decoding was asked for, but {where} holds no MTP weights; looked for "
-        + "; ".join(LOOKED_FOR) + f". {hint}")
+        + "; ".join(LOOKED_FOR)
+        + f". {hint}"
+    )
 
 
 def _layer_count(raw: dict, layout: str) -> int | None:
@@ -212,8 +239,10 @@ def find_mtp_weights(main_cfg: ModelConfig, model_path: str, speculative_model: 
     check them against the model; raises ModelLoadError saying what to change."""
     separate = speculative_model is not None and not _same_path(speculative_model, model_path)
     folder = speculative_model if separate else model_path
-    hint = ("Give a folder with MTP weights made for this model with --speculative-model DIR (for example one "
-            "written by `ember train-mtp MODEL --out DIR`), or turn MTP off")
+    hint = (
+        "Give a folder with MTP weights made for this model with --speculative-model DIR (for example one "
+        "written by `ember train-mtp MODEL --out DIR`), or turn MTP off"
+    )
     if separate:
         raw = _read_separate_config(folder, main_cfg)
         merged = {**main_cfg.raw, **raw, "architectures": [main_cfg.architecture]}
@@ -229,16 +258,24 @@ def find_mtp_weights(main_cfg: ModelConfig, model_path: str, speculative_model: 
     prefixes = [present[j] for j in range(n)]
     mine = _layer_tensor_names(names, layout, prefixes, n)
     own_heads = [layout == "deepseek" and f"{p}shared_head.head.weight" in names for p in prefixes]
-    draft_vocab_sizes = [_draft_vocab_size(folder, names, p, main_cfg.vocab_size) if layout == "deepseek" else None
-                         for p in prefixes]
-    log.info("MTP: %d layer(s) in %s layout from %s%s", n, LAYOUT_NAMES[layout], folder,
-             " (separate folder)" if separate else "")
-    return MTPCheckpoint(folder, layout, n, prefixes, {k: names[k] for k in mine}, own_heads, block_cfg, separate,
-                         draft_vocab_sizes)
+    draft_vocab_sizes = [
+        _draft_vocab_size(folder, names, p, main_cfg.vocab_size) if layout == "deepseek" else None for p in prefixes
+    ]
+    log.info(
+        "MTP: %d layer(s) in %s layout from %s%s",
+        n,
+        LAYOUT_NAMES[layout],
+        folder,
+        " (separate folder)" if separate else "",
+    )
+    return MTPCheckpoint(
+        folder, layout, n, prefixes, {k: names[k] for k in mine}, own_heads, block_cfg, separate, draft_vocab_sizes
+    )
 
 
-def _detect_layout(folder: str, names: dict[str, str], main_cfg: ModelConfig, separate: bool,
-                   hint: str) -> tuple[str, list[int]]:
+def _detect_layout(
+    folder: str, names: dict[str, str], main_cfg: ModelConfig, separate: bool, hint: str
+) -> tuple[str, list[int]]:
     """The one layout the folder's MTP tensors use, and the layer numbers its names carry (DeepSeek and
     MiMo; Qwen3-Next's are read by _present_layers). Raises when there are none, or two layouts."""
     deepseek = sorted({int(m[1]) for n in names if (m := _DEEPSEEK.match(n))})
@@ -249,50 +286,62 @@ def _detect_layout(folder: str, names: dict[str, str], main_cfg: ModelConfig, se
     found = [k for k, hit in (("deepseek", deepseek), ("mimo", mimo), ("qwen3_next", qnext)) if hit]
     if not found:
         if separate:
-            hint = ("If this folder is a small draft model rather than MTP layers, use speculative method \"draft\"; "
-                    "otherwise give a folder with MTP weights made for this model")
+            hint = (
+                'If this folder is a small draft model rather than MTP layers, use speculative method "draft"; '
+                "otherwise give a folder with MTP weights made for this model"
+            )
         raise _no_weights(folder, hint)
     if len(found) > 1:
         layouts = ", ".join(LAYOUT_NAMES[k] for k in found)
-        raise ModelLoadError(f"{folder} holds MTP tensors in more than one layout ({layouts}); "
-                             "keep one set of MTP weights per folder")
+        raise ModelLoadError(
+            f"{folder} holds MTP tensors in more than one layout ({layouts}); keep one set of MTP weights per folder"
+        )
     layout = found[0]
     return layout, {"deepseek": deepseek, "mimo": mimo, "qwen3_next": []}[layout]
 
 
-def _present_layers(folder: str, names: dict[str, str], layout: str, numbers: list[int], main_cfg: ModelConfig,
-                    raw: dict) -> tuple[dict[int, str], Callable[[int], str]]:
+def _present_layers(
+    folder: str, names: dict[str, str], layout: str, numbers: list[int], main_cfg: ModelConfig, raw: dict
+) -> tuple[dict[int, str], Callable[[int], str]]:
     """MTP layer index (0 = the first MTP layer) -> the name prefix of its tensors, for the layers present;
     and the prefix any index would have (to name the missing ones)."""
     if layout == "deepseek":  # numbered after the decoder's layers, in the decoder's namespace
         base = main_cfg.num_layers if all(n >= main_cfg.num_layers for n in numbers) else numbers[0]
         if base != main_cfg.num_layers:
-            log.info("MTP layers in %s are numbered from %d (the model has %d layers)", folder, base,
-                     main_cfg.num_layers)
+            log.info(
+                "MTP layers in %s are numbered from %d (the model has %d layers)", folder, base, main_cfg.num_layers
+            )
         present = {n - base: f"model.layers.{n}." for n in numbers}
         return present, lambda j: f"model.layers.{base + j}."
     if layout == "mimo":
         return {j: f"model.mtp_layers.{j}." for j in numbers}, lambda j: f"model.mtp_layers.{j}."
     if raw.get("mtp_use_dedicated_embeddings"):
-        raise ModelLoadError(f"{folder}: config mtp_use_dedicated_embeddings=true (an MTP embedding of its own) is "
-                             "not supported; ember's MTP layers share the model's embedding")
+        raise ModelLoadError(
+            f"{folder}: config mtp_use_dedicated_embeddings=true (an MTP embedding of its own) is "
+            "not supported; ember's MTP layers share the model's embedding"
+        )
     present = {int(m[1]): f"mtp.layers.{m[1]}." for n in names if (m := _QWEN3_NEXT_BLOCK.match(n))}
     return present, lambda j: f"mtp.layers.{j}."
 
 
-def _layers_to_use(folder: str, layout: str, raw: dict, present: dict[int, str],
-                   prefix_of: Callable[[int], str]) -> int:
+def _layers_to_use(
+    folder: str, layout: str, raw: dict, present: dict[int, str], prefix_of: Callable[[int], str]
+) -> int:
     """How many MTP layers run: the config's count, else all present; raises when one of them is missing."""
     count = _layer_count(raw, layout)
     n = count if count is not None else (max(present) + 1 if present else 1)
     lacking = [j for j in range(n) if j not in present]
     if lacking:
-        said = (f"config says {COUNT_KEYS[layout][0]}={count}" if count is not None
-                else f"{len(present)} MTP layer(s) found")
+        said = (
+            f"config says {COUNT_KEYS[layout][0]}={count}"
+            if count is not None
+            else f"{len(present)} MTP layer(s) found"
+        )
         raise ModelLoadError(
             f"{folder}: {said}, but MTP layer(s) {lacking} are missing (no tensors named "
             f"{', '.join(prefix_of(j) + '*' for j in lacking)}, {LAYOUT_NAMES[layout]} layout); give the complete "
-            f"MTP weights, or set {COUNT_KEYS[layout][0]} to the number of layers present")
+            f"MTP weights, or set {COUNT_KEYS[layout][0]} to the number of layers present"
+        )
     if max(present) >= n:
         log.info("using %d of the %d MTP layers in %s (%s=%s)", n, len(present), folder, COUNT_KEYS[layout][0], count)
     return n
@@ -301,8 +350,7 @@ def _layers_to_use(folder: str, layout: str, raw: dict, present: dict[int, str],
 def _layer_tensor_names(names: dict[str, str], layout: str, prefixes: list[str], n: int) -> list[str]:
     """The checkpoint names of the n layers' tensors (Qwen3-Next's shared mtp.* ones included)."""
     if layout == "qwen3_next":
-        return [k for k in names if k.startswith("mtp.") and not (
-            (m := _QWEN3_NEXT_BLOCK.match(k)) and int(m[1]) >= n)]
+        return [k for k in names if k.startswith("mtp.") and not ((m := _QWEN3_NEXT_BLOCK.match(k)) and int(m[1]) >= n)]
     return [k for k in names if any(k.startswith(p) for p in prefixes)]
 
 
@@ -319,11 +367,15 @@ def _draft_vocab_size(folder: str, names: dict[str, str], prefix: str, vocab_siz
         with weights_io._open(names[head]) as h:
             head_shape = h.get_slice(head).get_shape()
     if len(shape) != 1 or not 0 < shape[0] <= vocab_size:
-        raise ModelLoadError(f"{name} in {folder} has shape {list(shape)}; a draft vocabulary is one list of 1.."
-                             f"{vocab_size} token ids (int64)")
+        raise ModelLoadError(
+            f"{name} in {folder} has shape {list(shape)}; a draft vocabulary is one list of 1.."
+            f"{vocab_size} token ids (int64)"
+        )
     if head_shape is not None and head_shape[0] != shape[0]:
-        raise ModelLoadError(f"{name} in {folder} lists {shape[0]} token ids but {head} has {head_shape[0]} rows; "
-                             "the reduced head needs one row per draft-vocabulary token")
+        raise ModelLoadError(
+            f"{name} in {folder} lists {shape[0]} token ids but {head} has {head_shape[0]} rows; "
+            "the reduced head needs one row per draft-vocabulary token"
+        )
     return int(shape[0])
 
 
@@ -332,8 +384,9 @@ def iter_mtp_tensors(ckpt: MTPCheckpoint, progress: bool = True) -> Iterator[tup
     by_file: dict[str, list[str]] = defaultdict(list)
     for name, path in ckpt.tensors.items():
         by_file[path].append(name)
-    with tqdm(total=len(ckpt.tensors), desc="Loading MTP weights", unit="tensor",
-              disable=None if progress else True) as bar:
+    with tqdm(
+        total=len(ckpt.tensors), desc="Loading MTP weights", unit="tensor", disable=None if progress else True
+    ) as bar:
         for path, names in by_file.items():
             with weights_io._open(path) as h:
                 for name in names:
@@ -352,19 +405,25 @@ def load_mtp_weights(mtp: MTPModule, ckpt: MTPCheckpoint, progress: bool = True)
     for name, tensor in iter_mtp_tensors(ckpt, progress):
         local_name = ckpt.module_name(name)
         if local_name is not None and local_name.endswith(".draft_vocab"):
-            _load_draft_vocab(modules[local_name.rpartition(".")[0]], name, tensor, ckpt.folder,
-                              mtp._lm_head.vocab_size)
+            _load_draft_vocab(
+                modules[local_name.rpartition(".")[0]], name, tensor, ckpt.folder, mtp._lm_head.vocab_size
+            )
             continue
         route = mtp.route_weight(local_name, params, modules) if local_name is not None else None
         if route is None:
             ignored.append(name)
             continue
-        if (ckpt.layout == "qwen3_next" and not cfg.is_hybrid and name.endswith("self_attn.q_proj.weight")
-                and tensor.shape[0] == 2 * cfg.num_heads * cfg.head_dim):
+        if (
+            ckpt.layout == "qwen3_next"
+            and not cfg.is_hybrid
+            and name.endswith("self_attn.q_proj.weight")
+            and tensor.shape[0] == 2 * cfg.num_heads * cfg.head_dim
+        ):
             raise ModelLoadError(
                 f"{name} in {ckpt.folder} has {tensor.shape[0]} rows, twice num_heads * head_dim: a Qwen3-Next gated "
                 "attention block, which ember's MTP layer (a Qwen3-style block) does not run; use MTP weights whose "
-                "block matches this model's decoder layers")
+                "block matches this model's decoder layers"
+            )
         try:
             key, shards = load_routed(modules, route, tensor)
         except ModelLoadError as e:
@@ -390,17 +449,22 @@ def load_mtp_weights(mtp: MTPModule, ckpt: MTPCheckpoint, progress: bool = True)
         raise ModelLoadError(
             f"the MTP layer(s) in {ckpt.folder} ({LAYOUT_NAMES[ckpt.layout]} layout) lack {shown}{unused}. An MTP "
             "layer needs its two input norms, its projection, its final norm and a whole decoder block shaped like "
-            "the model's layers; give the complete MTP weights")
+            "the model's layers; give the complete MTP weights"
+        )
 
 
 def _load_draft_vocab(layer, name: str, tensor: torch.Tensor, folder: str, vocab_size: int) -> None:
     if tensor.is_floating_point() or tensor.is_complex() or tensor.dim() != 1:
-        raise ModelLoadError(f"{name} in {folder} is {tensor.dtype} with shape {list(tensor.shape)}; a draft "
-                             "vocabulary is a 1-D integer tensor of token ids")
+        raise ModelLoadError(
+            f"{name} in {folder} is {tensor.dtype} with shape {list(tensor.shape)}; a draft "
+            "vocabulary is a 1-D integer tensor of token ids"
+        )
     ids = tensor.to(torch.int64)
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        raise ModelLoadError(f"{name} in {folder} holds token ids outside 0..{vocab_size - 1}; it was not made "
-                             "for this model's vocabulary")
+        raise ModelLoadError(
+            f"{name} in {folder} holds token ids outside 0..{vocab_size - 1}; it was not made "
+            "for this model's vocabulary"
+        )
     if ids.unique().numel() != ids.numel():
         raise ModelLoadError(f"{name} in {folder} repeats token ids; each draft-vocabulary token must appear once")
     layer.draft_vocab = ids.to(layer.draft_vocab.device)
@@ -453,12 +517,20 @@ def export_deepseek_tensors(mtp: MTPModule, num_hidden_layers: int) -> dict[str,
     return out
 
 
-def load_mtp(main, model_path: str, speculative_model: str | None = None, *, attn_backend=None,
-             progress: bool = True) -> MTPModule:
+def load_mtp(
+    main, model_path: str, speculative_model: str | None = None, *, attn_backend=None, progress: bool = True
+) -> MTPModule:
     """The MTP module for a loaded ember model (main: LlamaForCausalLM or a subclass), from
     model_path's checkpoint or from speculative_model when that is another folder."""
     ckpt = find_mtp_weights(main.cfg, model_path, speculative_model)
-    mtp = MTPModule(main, ckpt.num_layers, ckpt.layout, block_cfg=ckpt.block_cfg, own_heads=ckpt.own_heads,
-                    attn_backend=attn_backend, draft_vocab_sizes=ckpt.draft_vocab_sizes or None)
+    mtp = MTPModule(
+        main,
+        ckpt.num_layers,
+        ckpt.layout,
+        block_cfg=ckpt.block_cfg,
+        own_heads=ckpt.own_heads,
+        attn_backend=attn_backend,
+        draft_vocab_sizes=ckpt.draft_vocab_sizes or None,
+    )
     load_mtp_weights(mtp, ckpt, progress)
     return mtp.eval()

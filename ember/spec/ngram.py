@@ -5,9 +5,10 @@ output; if they occurred earlier, propose the tokens that followed their most re
 occurrence (up to k). The longest n that matches wins: a longer context is a better guess.
 Code, quoted documents and repetitive output are where this pays.
 """
+
 from __future__ import annotations
 
-from typing import Any, Sequence, TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -25,11 +26,11 @@ def ngram_lookup(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int
     L = len(tokens)
     for n in range(min(n_max, L - 1), n_min - 1, -1):
         # Windows starting at 0..L-n-1: each is followed by at least one token, and none is the suffix itself.
-        windows = sliding_window_view(tokens[:L - 1], n)
-        hits = np.flatnonzero((windows == tokens[L - n:]).all(axis=1))
+        windows = sliding_window_view(tokens[: L - 1], n)
+        hits = np.flatnonzero((windows == tokens[L - n :]).all(axis=1))
         if len(hits):
             start = int(hits[-1]) + n
-            return tokens[start:start + k].tolist()
+            return tokens[start : start + k].tolist()
     return []
 
 

@@ -11,6 +11,7 @@ A step, for a proposer: after_step(step) with what the runner kept of the step i
 (StepRows: hidden states and/or the rows' layout, as the proposer's reads_step asks), then
 propose(requests, max_tokens) for the requests that will decode next.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -23,8 +24,8 @@ from ember.kernels.cpu_kernels import CpuKernels
 from ember.request import Draft, Request
 
 if TYPE_CHECKING:
-    from ember.loader.model_loader import LoadedModel
     from ember.config.speculative import SpeculativeConfig
+    from ember.loader.model_loader import LoadedModel
 
 
 @dataclass

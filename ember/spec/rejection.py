@@ -17,6 +17,7 @@ history (which includes the drafts before it), then temperature, min_p, top_k, t
   its own generator (the noise picks the one residual or bonus token that is emitted), so
   its stream depends only on its own drafts, never on the batch.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,8 +25,14 @@ from dataclasses import dataclass
 import torch
 
 from ember.kernels import cpu_row_top
-from ember.layers.sampler import (SampledToken, SamplingRow, exponential_noise, gather_logprobs, process_logits,
-                                  target_probs)
+from ember.layers.sampler import (
+    SampledToken,
+    SamplingRow,
+    exponential_noise,
+    gather_logprobs,
+    process_logits,
+    target_probs,
+)
 from ember.request import Draft
 
 
@@ -55,7 +62,7 @@ class RejectionSampler:
         if greedy:
             target = cpu_row_top.argmax(work).tolist()
             for i in greedy:
-                x, t = reqs[i].draft.token_ids, target[starts[i]:starts[i] + len(reqs[i].rows)]
+                x, t = reqs[i].draft.token_ids, target[starts[i] : starts[i] + len(reqs[i].rows)]
                 a = _num_accepted([xj == tj for xj, tj in zip(x, t)])
                 emitted[i] = x[:a] + [t[a]]
         randoms = [i for i, v in enumerate(reqs) if not v.rows[0].params.greedy]
@@ -64,13 +71,17 @@ class RejectionSampler:
                 emitted[i] = toks
 
         # Logprobs of each emitted token, from the raw logits of the row that emitted it.
-        want = [starts[i] + j for i, v in enumerate(reqs) if v.rows[0].params.logprobs is not None
-                for j in range(len(emitted[i]))]
+        want = [
+            starts[i] + j
+            for i, v in enumerate(reqs)
+            if v.rows[0].params.logprobs is not None
+            for j in range(len(emitted[i]))
+        ]
         lps = {}
         if want:
             by_row = [0] * len(rows)
             for i in range(len(reqs)):
-                by_row[starts[i]:starts[i] + len(emitted[i])] = emitted[i]
+                by_row[starts[i] : starts[i] + len(emitted[i])] = emitted[i]
             lps = gather_logprobs(logits, rows, want, by_row)
         return [[SampledToken(t, lps.get(starts[i] + j)) for j, t in enumerate(emitted[i])] for i in range(len(reqs))]
 
@@ -107,7 +118,7 @@ def _verify_random(work: torch.Tensor, reqs: list[VerifyRequest], idx: list[int]
         if gen is None:
             unseeded.extend(range(at, at + d))
         else:
-            u[at:at + d] = torch.rand(d, generator=gen, device=gen.device).to(dev)
+            u[at : at + d] = torch.rand(d, generator=gen, device=gen.device).to(dev)
         at += d
     if unseeded:
         u[torch.tensor(unseeded, device=dev)] = torch.rand(len(unseeded), device=dev)
@@ -117,7 +128,7 @@ def _verify_random(work: torch.Tensor, reqs: list[VerifyRequest], idx: list[int]
     accepted, final_rows, at = [], [], 0
     for n, i in enumerate(idx):
         d = len(reqs[i].draft)
-        a = _num_accepted(accept[at:at + d])
+        a = _num_accepted(accept[at : at + d])
         accepted.append(a)
         final_rows.append(local[n] + a)
         at += d
@@ -135,7 +146,7 @@ def _verify_random(work: torch.Tensor, reqs: list[VerifyRequest], idx: list[int]
     # Exponential race (unnormalised is fine: argmax of dist / E is a sample of dist / sum).
     gen_rows = [reqs[i].rows[0] for i in idx]
     tokens = cpu_row_top.argmax(dist / exponential_noise(dist, gen_rows)).tolist()
-    return [reqs[i].draft.token_ids[:accepted[n]] + [tokens[n]] for n, i in enumerate(idx)]
+    return [reqs[i].draft.token_ids[: accepted[n]] + [tokens[n]] for n, i in enumerate(idx)]
 
 
 def _draft_q(draft: Draft, dev: torch.device) -> torch.Tensor:

@@ -8,11 +8,12 @@ disable_by_batch_size, a step with that many running requests drafts for none of
 proposer's after_step still runs: its cache stays filled). After a verify step, `verified` counts
 what the rejection sampler accepted (the scheduler un-computes the rest) and feeds adaptive k.
 """
+
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Iterable, TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Iterable
 
 from ember.config.speculative import SpeculativeConfig
 from ember.spec.adaptive import TOKEN_COST, AdaptiveK
@@ -20,8 +21,8 @@ from ember.spec.metrics import SpecStats
 from ember.spec.proposer import ExecutorFactory, KVSlots, ProposerContext, StepRows, build_proposer
 
 if TYPE_CHECKING:
-    from ember.engine.scheduler import SchedulerOutput
     from ember.engine.executor.base import StepExecutor
+    from ember.engine.scheduler import SchedulerOutput
     from ember.request import Request
 
 logger = logging.getLogger("ember")
@@ -39,8 +40,12 @@ class Speculator:
         self.stats = SpecStats(self.k_max)
         self.max_model_len = ctx.max_model_len
         self._unpriced = None  # a compiled executor whose graph timings are not read yet
-        logger.info("speculative decoding: %s, k = %d%s", spec.method, self.k_max,
-                    " (adaptive per request)" if spec.adaptive else " (fixed)")
+        logger.info(
+            "speculative decoding: %s, k = %d%s",
+            spec.method,
+            self.k_max,
+            " (adaptive per request)" if spec.adaptive else " (fixed)",
+        )
 
     @property
     def reads_step(self) -> str | None:
@@ -74,9 +79,12 @@ class Speculator:
             return
         costs = executor.verify_costs()
         self.adaptive.set_cost(verify + self.draft_token_cost, costs, self.draft_token_cost)
-        logger.info("speculative decoding: verifying k drafts costs %s of a decode step (measured at warmup), "
-                    "plus %.3f a draft", ", ".join(f"k={k}: {c:.3f}" for k, c in sorted(costs.items())),
-                    self.draft_token_cost)
+        logger.info(
+            "speculative decoding: verifying k drafts costs %s of a decode step (measured at warmup), "
+            "plus %.3f a draft",
+            ", ".join(f"k={k}: {c:.3f}" for k, c in sorted(costs.items())),
+            self.draft_token_cost,
+        )
 
     def verified(self, out: SchedulerOutput, sampled: dict, seconds: float) -> dict[str, int]:
         """After a step with drafts (out: its SchedulerOutput, sampled: what each request emitted):
@@ -109,8 +117,11 @@ class Speculator:
                 continue
             p = req.sampling_params
             max_tokens = p.max_tokens if p.max_tokens is not None else self.max_model_len
-            k = min(self.adaptive.k_for(req), max_tokens - req.num_output_tokens - 1,
-                    self.max_model_len - req.num_tokens - 1)
+            k = min(
+                self.adaptive.k_for(req),
+                max_tokens - req.num_output_tokens - 1,
+                self.max_model_len - req.num_tokens - 1,
+            )
             if k >= 1:
                 todo.append(req)
                 ks.append(k)

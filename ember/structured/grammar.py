@@ -4,6 +4,7 @@ Building it is where a bad schema, regex or grammar is found, so it runs when th
 added and the client gets a 400 naming the problem; compiling it against the vocabulary (the
 expensive part) is ember.structured.manager's, off the step's critical path.
 """
+
 from __future__ import annotations
 
 import json
@@ -48,8 +49,9 @@ def build_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
         if kind == "choice":
             # EBNF string literals; ensure_ascii=False: xgrammar reads a \uXXXX escape as one code point, so an
             # escaped surrogate pair would become two (invalid) characters instead of the one above U+FFFF
-            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False)
-                                                                  for c in params.choice))
+            return xgr.Grammar.from_ebnf(
+                "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
+            )
         if kind == "grammar":
             return _ebnf_or_lark(params.grammar)
         return xgr.Grammar.from_structural_tag(params.structural_tag)
@@ -68,5 +70,8 @@ def _ebnf_or_lark(text: str) -> xgr.Grammar:
     try:
         return xgr.Grammar.from_lark(text)
     except (RuntimeError, ValueError) as e:
-        raise GrammarError("structured_outputs.grammar cannot be compiled: it has no `::=` rule (EBNF) and is "
-                           f"not a Lark grammar either ({_library_message(e)})", "grammar") from None
+        raise GrammarError(
+            "structured_outputs.grammar cannot be compiled: it has no `::=` rule (EBNF) and is "
+            f"not a Lark grammar either ({_library_message(e)})",
+            "grammar",
+        ) from None

@@ -17,6 +17,7 @@ xgrammar (0.7 s to import: it pulls in transformers) and the TokenizerInfo (the 
 xgrammar reads it, ~0.4 s for 50k tokens) are loaded on the worker thread by `preload()`, which the
 engine calls once start-up is done, or by the first structured request.
 """
+
 from __future__ import annotations
 
 import collections
@@ -28,9 +29,9 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from ember.request import Request
 from ember.structured.reasoning import END as REASONING_END
 from ember.structured.reasoning import starts_in_reasoning
-from ember.request import Request
 
 if TYPE_CHECKING:
     import xgrammar
@@ -73,7 +74,9 @@ class GrammarState:
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int], reasoning_parser: str | None = None):
+    def __init__(
+        self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int], reasoning_parser: str | None = None
+    ):
         """stop_token_ids: what ends a finished grammar (the engine's EOS ids)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size

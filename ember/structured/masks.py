@@ -6,6 +6,7 @@ temperature, top-k/p, penalties and seeds act on what the grammar allows, greedy
 allowed argmax, the rejection sampler's target gives a forbidden draft probability 0, and
 logprobs are those of the distribution sampled from.
 """
+
 from __future__ import annotations
 
 import time

@@ -15,6 +15,7 @@ constraint where the answer begins (vLLM's rule).
 
 A leaf module: plain strings, no engine, no server.
 """
+
 from __future__ import annotations
 
 from ember.config.groups import check_reasoning_parser
@@ -70,7 +71,7 @@ class ReasoningSplitter:
                 if START.startswith(lead) and len(lead) < len(START):
                     break  # could still become <think>
                 if lead.startswith(START):
-                    self._state, self._buf = _REASONING, lead[len(START):]
+                    self._state, self._buf = _REASONING, lead[len(START) :]
                     self._opened = True
                 else:
                     self._state = _CONTENT
@@ -81,16 +82,16 @@ class ReasoningSplitter:
                         break
                     self._opened = True
                     if lead.startswith(START):  # a template that opens <think> and a model that repeats it
-                        self._buf = lead[len(START):]
+                        self._buf = lead[len(START) :]
                         continue
                 at = self._buf.find(END)
                 if at == -1:
                     keep = partial_suffix(self._buf, END)
-                    self.reasoning += self._buf[:len(self._buf) - keep]
-                    self._buf = self._buf[len(self._buf) - keep:]
+                    self.reasoning += self._buf[: len(self._buf) - keep]
+                    self._buf = self._buf[len(self._buf) - keep :]
                     break
                 self.reasoning += self._buf[:at]
-                self._buf = self._buf[at + len(END):]
+                self._buf = self._buf[at + len(END) :]
                 self._state = _CONTENT
             else:
                 self.content += self._buf

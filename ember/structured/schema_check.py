@@ -11,15 +11,26 @@ object schemas that only list properties and required keys is their union.
 `oneOf` is enforced as `anyOf` (an answer matching two overlapping branches passes); pydantic's
 discriminated unions, the common use, have disjoint branches.
 """
-from __future__ import annotations
 
+from __future__ import annotations
 
 from ember.errors import UnenforcedKeywordError
 
 UNENFORCED = ("allOf", "if", "then", "else", "contains", "not", "dependentRequired", "dependentSchemas")
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_VALUES = ("items", "additionalProperties", "propertyNames", "contains", "not", "if", "then", "else",
-                  "unevaluatedProperties", "unevaluatedItems", "additionalItems")
+_SCHEMA_VALUES = (
+    "items",
+    "additionalProperties",
+    "propertyNames",
+    "contains",
+    "not",
+    "if",
+    "then",
+    "else",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+    "additionalItems",
+)
 _SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
 _MERGEABLE = {"type", "properties", "required", "description", "title", "additionalProperties"}
 
@@ -57,10 +68,17 @@ def _merge_all_of(node: dict, where: str) -> dict:
     rest = {k: v for k, v in node.items() if k != "allOf"}
     if len(branches) == 1 and not (set(rest) & set(branches[0])):
         return {**rest, **branches[0]}
-    if all(set(b) <= _MERGEABLE and b.get("type", "object") == "object" for b in branches) and \
-            set(rest) <= _MERGEABLE and rest.get("type", "object") == "object":
-        merged = {**rest, "type": "object", "properties": dict(rest.get("properties", {})),
-                  "required": list(rest.get("required", []))}
+    if (
+        all(set(b) <= _MERGEABLE and b.get("type", "object") == "object" for b in branches)
+        and set(rest) <= _MERGEABLE
+        and rest.get("type", "object") == "object"
+    ):
+        merged = {
+            **rest,
+            "type": "object",
+            "properties": dict(rest.get("properties", {})),
+            "required": list(rest.get("required", [])),
+        }
         for b in branches:
             for name, sub in b.get("properties", {}).items():
                 if name in merged["properties"] and merged["properties"][name] != sub:
@@ -76,6 +94,8 @@ def _merge_all_of(node: dict, where: str) -> dict:
 def _message(key: str, where: str, detail: str = "") -> str:
     at = where or "the top level"
     extra = f" ({detail})" if detail else ""
-    return (f"structured_outputs.json uses `{key}` at {at}{extra}, which ember's grammar library (xgrammar) does "
-            "not enforce: an answer could break it. Drop the keyword, or express it with properties, required, "
-            "enum, anyOf, pattern and bounds")
+    return (
+        f"structured_outputs.json uses `{key}` at {at}{extra}, which ember's grammar library (xgrammar) does "
+        "not enforce: an answer could break it. Drop the keyword, or express it with properties, required, "
+        "enum, anyOf, pattern and bounds"
+    )

@@ -9,13 +9,13 @@ and again, until max_tokens), so the same call tags are put in a sequence: one c
 MAX_PARALLEL_TOOL_CALLS - 1 more after a newline (none when parallel_tool_calls is false), the
 way whitespace runs are bounded.
 """
+
 from __future__ import annotations
 
 import xgrammar as xgr
 from xgrammar.structural_tag import ConstStringFormat, OrFormat, RepeatFormat, SequenceFormat, StructuralTag
 
-from ember.errors import InvalidRequestError
-from ember.errors import UnenforcedKeywordError
+from ember.errors import InvalidRequestError, UnenforcedKeywordError
 from ember.structured.schema_check import prepare_schema
 from ember.structured_params import DEFAULT_MAX_WHITESPACE
 
@@ -37,11 +37,17 @@ def _arguments_schema(tool: dict) -> dict:
         return prepare_schema(params)
     except UnenforcedKeywordError as e:
         name = tool["function"]["name"]
-        raise InvalidRequestError(str(e).replace("structured_outputs.json", f"the parameters of tool {name!r}")) from None
+        raise InvalidRequestError(
+            str(e).replace("structured_outputs.json", f"the parameters of tool {name!r}")
+        ) from None
 
 
-def tool_call_structural_tag(tools: list[dict], tool_choice: str | dict, parallel_tool_calls: bool = True,
-                             max_whitespace: int | None = DEFAULT_MAX_WHITESPACE) -> str:
+def tool_call_structural_tag(
+    tools: list[dict],
+    tool_choice: str | dict,
+    parallel_tool_calls: bool = True,
+    max_whitespace: int | None = DEFAULT_MAX_WHITESPACE,
+) -> str:
     """The structural tag's JSON text; tools in OpenAI's shape ({"type": "function", "function": ...})."""
     names = [t["function"]["name"] for t in tools]
     tools = [{**t, "function": {**t["function"], "parameters": _arguments_schema(t)}} for t in tools]
@@ -50,18 +56,22 @@ def tool_call_structural_tag(tools: list[dict], tool_choice: str | dict, paralle
         if tool_choice.get("type") != "function" or not isinstance(name, str):
             raise InvalidRequestError('a named tool_choice is {"type": "function", "function": {"name": ...}}')
         if name not in names:
-            raise InvalidRequestError(f"tool_choice names the function {name!r}, which is not in tools "
-                                      f"({', '.join(repr(n) for n in names)})")
-        tag = xgr.get_builtin_structural_tag(MODEL_FORMAT, tools=tools, tool_choice=tool_choice, reasoning=False,
-                                             max_whitespace_cnt=max_whitespace)
+            raise InvalidRequestError(
+                f"tool_choice names the function {name!r}, which is not in tools ({', '.join(repr(n) for n in names)})"
+            )
+        tag = xgr.get_builtin_structural_tag(
+            MODEL_FORMAT, tools=tools, tool_choice=tool_choice, reasoning=False, max_whitespace_cnt=max_whitespace
+        )
         return tag.model_dump_json()
     if tool_choice != "required":
         raise ValueError(f"no structural tag for tool_choice {tool_choice!r}")
-    auto = xgr.get_builtin_structural_tag(MODEL_FORMAT, tools=tools, tool_choice="auto", reasoning=False,
-                                          max_whitespace_cnt=max_whitespace)
+    auto = xgr.get_builtin_structural_tag(
+        MODEL_FORMAT, tools=tools, tool_choice="auto", reasoning=False, max_whitespace_cnt=max_whitespace
+    )
     call = OrFormat(elements=list(auto.format.tags))
     if not parallel_tool_calls:
         return StructuralTag(format=call).model_dump_json()
-    more = RepeatFormat(min=0, max=MAX_PARALLEL_TOOL_CALLS - 1,
-                        content=SequenceFormat(elements=[ConstStringFormat(value="\n"), call]))
+    more = RepeatFormat(
+        min=0, max=MAX_PARALLEL_TOOL_CALLS - 1, content=SequenceFormat(elements=[ConstStringFormat(value="\n"), call])
+    )
     return StructuralTag(format=SequenceFormat(elements=[call, more])).model_dump_json()

@@ -10,6 +10,7 @@ that ember and vLLM both load (formats.md §1):
 The fused qkv_proj / gate_up_proj are split back into their HF parts; each part quantizes on
 its own rows, so the packing equals that of the fused weight.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,9 +25,18 @@ from ember.layers.moe import SparseMoeBlock
 from ember.quant.awq_packing import pack_linear
 
 # Files a Hugging Face folder's tokenizer is made of; copied verbatim from a folder source.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
-                   "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "generation_config.json",
+)
 
 
 def _linear(prefix: str, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int):
@@ -40,8 +50,9 @@ def _fused(prefix: str, linear, names: dict[str, str], group_size: int):
     """A fused Linear (qkv_proj / gate_up_proj) as its HF parts {shard id: HF name}."""
     for shard, name in names.items():
         rows = slice(linear.shard_offsets[shard], linear.shard_offsets[shard] + linear.shard_sizes[shard])
-        yield from _linear(f"{prefix}.{name}", linear.weight[rows], None if linear.bias is None else linear.bias[rows],
-                           group_size)
+        yield from _linear(
+            f"{prefix}.{name}", linear.weight[rows], None if linear.bias is None else linear.bias[rows], group_size
+        )
 
 
 def awq_tensors(model, group_size: int) -> Iterator[tuple[str, torch.Tensor]]:
@@ -78,8 +89,11 @@ def awq_tensors(model, group_size: int) -> Iterator[tuple[str, torch.Tensor]]:
 def modules_not_converted(model) -> list[str] | None:
     """Full names of the MoE routers (kept dense); None for a dense model, as AutoAWQ writes.
     Full names, because vLLM matches these as substrings ("mlp.gate" would catch gate_up_proj)."""
-    names = [f"model.layers.{i}.mlp.gate" for i, layer in enumerate(model.model.layers)
-             if isinstance(layer.mlp, SparseMoeBlock)]
+    names = [
+        f"model.layers.{i}.mlp.gate"
+        for i, layer in enumerate(model.model.layers)
+        if isinstance(layer.mlp, SparseMoeBlock)
+    ]
     return names or None
 
 
@@ -88,8 +102,14 @@ def awq_config(raw: dict, group_size: int, not_converted: list[str] | None) -> d
     cfg["torch_dtype"] = "float16"
     if "dtype" in cfg:  # transformers 5 writes "dtype"
         cfg["dtype"] = "float16"
-    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
-                                  "version": "gemm", "modules_to_not_convert": not_converted}
+    cfg["quantization_config"] = {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": group_size,
+        "zero_point": True,
+        "version": "gemm",
+        "modules_to_not_convert": not_converted,
+    }
     return cfg
 
 
@@ -100,8 +120,11 @@ def write_tokenizer(tokenizer, out: str, bos_token_id=None) -> None:
     BOS/EOS adding stays in tokenizer.json's post-processor (no add_bos_token key), so both
     ember and transformers tokenize exactly as the source did."""
     tokenizer.hf_tokenizer.save(os.path.join(out, "tokenizer.json"))
-    tok_cfg: dict = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
-                     **tokenizer.special_tokens}
+    tok_cfg: dict = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "clean_up_tokenization_spaces": False,
+        **tokenizer.special_tokens,
+    }
     templates = tokenizer.chat_templates
     if list(templates) == ["default"]:
         tok_cfg["chat_template"] = templates["default"]
@@ -109,8 +132,10 @@ def write_tokenizer(tokenizer, out: str, bos_token_id=None) -> None:
         tok_cfg["chat_template"] = [{"name": k, "template": v} for k, v in templates.items()]
     _write_json(os.path.join(out, "tokenizer_config.json"), tok_cfg)
     eos = tokenizer.eos_token_ids
-    gen = {"bos_token_id": tokenizer.bos_token_id if tokenizer.bos_token_id is not None else bos_token_id,
-           "eos_token_id": eos[0] if len(eos) == 1 else eos}
+    gen = {
+        "bos_token_id": tokenizer.bos_token_id if tokenizer.bos_token_id is not None else bos_token_id,
+        "eos_token_id": eos[0] if len(eos) == 1 else eos,
+    }
     _write_json(os.path.join(out, "generation_config.json"), {k: v for k, v in gen.items() if v is not None})
 
 
@@ -128,8 +153,9 @@ def write_awq_folder(loaded, out: str, group_size: int) -> dict[str, torch.Tenso
                 raise ModelLoadError(f"{name} does not fit in float16 (inf or NaN after the cast); cannot export it")
             tensors[name] = t.contiguous()
     save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-    _write_json(os.path.join(out, "config.json"),
-                awq_config(loaded.model_config.raw, group_size, modules_not_converted(model)))
+    _write_json(
+        os.path.join(out, "config.json"), awq_config(loaded.model_config.raw, group_size, modules_not_converted(model))
+    )
     if os.path.isdir(loaded.path):  # an HF folder: its tokenizer files, verbatim
         for f in TOKENIZER_FILES:
             if os.path.isfile(os.path.join(loaded.path, f)):

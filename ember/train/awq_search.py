@@ -18,6 +18,7 @@ one that also snaps the integer zero point; see clip_weight). With gptq=True eve
 (gptq_round), beyond AutoAWQ. The model stays dense float32; round-to-nearest packing of the
 result (`pack_linear`) is the AWQ checkpoint. Nothing is quantized in place.
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,11 +30,11 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
+from ember.config.model_config import ModelConfig
 from ember.errors import ConfigError
 from ember.kernels.metadata import AttentionMetadata
 from ember.layers.activation import silu_and_mul
 from ember.layers.moe import SparseMoeBlock
-from ember.config.model_config import ModelConfig
 from ember.quant.awq_packing import pseudo_quantize, quantize_groups
 
 log = logging.getLogger(__name__)
@@ -45,11 +46,16 @@ SUGGESTED_GROUP_SIZES = (256, 128, 64, 32)
 
 # ---- settings ------------------------------------------------------------------------------
 
+
 def linear_shapes(cfg: ModelConfig) -> list[tuple[str, int, int]]:
     """(HF Linear name, out_features, in_features) of every Linear an AWQ export quantizes."""
     H, D = cfg.hidden_size, cfg.head_dim
-    shapes = [("q_proj", cfg.num_heads * D, H), ("k_proj", cfg.num_kv_heads * D, H),
-              ("v_proj", cfg.num_kv_heads * D, H), ("o_proj", H, cfg.num_heads * D)]
+    shapes = [
+        ("q_proj", cfg.num_heads * D, H),
+        ("k_proj", cfg.num_kv_heads * D, H),
+        ("v_proj", cfg.num_kv_heads * D, H),
+        ("o_proj", H, cfg.num_heads * D),
+    ]
     if any(not cfg.is_moe_layer(i) for i in range(cfg.num_layers)):
         I = cfg.intermediate_size
         shapes += [("gate_proj", I, H), ("up_proj", I, H), ("down_proj", H, I)]
@@ -62,10 +68,13 @@ def linear_shapes(cfg: ModelConfig) -> list[tuple[str, int, int]]:
 def check_quant_settings(cfg: ModelConfig, bits: int, group_size: int, zero_point: bool) -> None:
     """Refuse (ConfigError) what an AutoAWQ GEMM checkpoint cannot hold, before any work."""
     if bits != 4:
-        raise ConfigError(f"--bits {bits} is not supported: AWQ checkpoints (AutoAWQ GEMM, vLLM) are 4-bit; use --bits 4")
+        raise ConfigError(
+            f"--bits {bits} is not supported: AWQ checkpoints (AutoAWQ GEMM, vLLM) are 4-bit; use --bits 4"
+        )
     if not zero_point:
-        raise ConfigError("symmetric AWQ (no --zero-point) is not supported: vLLM's AWQ kernels need zero points; "
-                          "use --zero-point")
+        raise ConfigError(
+            "symmetric AWQ (no --zero-point) is not supported: vLLM's AWQ kernels need zero points; use --zero-point"
+        )
     if group_size <= 0:
         raise ConfigError(f"--group-size must be positive (got {group_size})")
     shapes = linear_shapes(cfg)
@@ -73,16 +82,22 @@ def check_quant_settings(cfg: ModelConfig, bits: int, group_size: int, zero_poin
     if bad_in:
         g = math.gcd(*(i for _, _, i in shapes))
         works = [s for s in SUGGESTED_GROUP_SIZES if g % s == 0]
-        hint = (f"group sizes that work for this model: {', '.join(map(str, works))}" if works
-                else f"every input size is a multiple of {g} only")
-        raise ConfigError(f"--group-size {group_size} does not divide the input size of {', '.join(bad_in)}; "
-                          f"AWQ needs in_features % group_size == 0 for every quantized Linear. {hint}")
+        hint = (
+            f"group sizes that work for this model: {', '.join(map(str, works))}"
+            if works
+            else f"every input size is a multiple of {g} only"
+        )
+        raise ConfigError(
+            f"--group-size {group_size} does not divide the input size of {', '.join(bad_in)}; "
+            f"AWQ needs in_features % group_size == 0 for every quantized Linear. {hint}"
+        )
     bad_out = [f"{name} (out {o})" for name, o, _ in shapes if o % 8]
     if bad_out:
         raise ConfigError(f"AWQ packs 8 output channels per int32, but {', '.join(bad_out)} is not a multiple of 8")
 
 
 # ---- running pieces of a layer over the calibration tokens ---------------------------------
+
 
 class Calib:
     """Runs a function of [N, ...] token rows in chunks of whole sequences (seq_len tokens each);
@@ -101,10 +116,17 @@ class Calib:
             cos, sin = self.model.model.rotary.get_cos_sin(torch.arange(L).repeat(B))
             kv = torch.zeros(2, B, L, cfg.num_kv_heads, cfg.head_dim)
             meta = AttentionMetadata(
-                slot_mapping=torch.arange(n_tokens), query_start_loc=torch.arange(0, n_tokens + 1, L, dtype=torch.int32),
-                seq_lens=torch.full((B,), L, dtype=torch.int32), block_tables=torch.arange(B, dtype=torch.int32)[:, None],
-                block_size=L, query_lens_cpu=[L] * B, seq_lens_cpu=[L] * B, max_query_len=L, max_seq_len=L,
-                all_slots_valid=True)
+                slot_mapping=torch.arange(n_tokens),
+                query_start_loc=torch.arange(0, n_tokens + 1, L, dtype=torch.int32),
+                seq_lens=torch.full((B,), L, dtype=torch.int32),
+                block_tables=torch.arange(B, dtype=torch.int32)[:, None],
+                block_size=L,
+                query_lens_cpu=[L] * B,
+                seq_lens_cpu=[L] * B,
+                max_query_len=L,
+                max_seq_len=L,
+                all_slots_valid=True,
+            )
             self._ctx[n_tokens] = ((cos.float(), sin.float()), kv, meta)
         return self._ctx[n_tokens]
 
@@ -113,26 +135,30 @@ class Calib:
 
     def layer(self, layer) -> Callable[[torch.Tensor], torch.Tensor]:
         """hidden (residual stream) in -> hidden out of one decoder layer."""
+
         def run(x):
             out, residual = layer(x, None, *self.ctx(x.shape[0]))
             return out + residual
+
         return run
 
     def map(self, fn, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([fn(x[i:i + self.rows]) for i in range(0, x.shape[0], self.rows)])
+        return torch.cat([fn(x[i : i + self.rows]) for i in range(0, x.shape[0], self.rows)])
 
     def mse(self, fn, x: torch.Tensor, ref: torch.Tensor) -> float:
         total = 0.0
         for i in range(0, x.shape[0], self.rows):
-            total += (fn(x[i:i + self.rows]) - ref[i:i + self.rows]).pow(2).sum().item()
+            total += (fn(x[i : i + self.rows]) - ref[i : i + self.rows]).pow(2).sum().item()
         return total / ref.numel()
 
 
 # ---- scale search ----------------------------------------------------------------------------
 
+
 @dataclass
 class ScaleGroup:
     """Linears that read one input x, and the op that produces x."""
+
     name: str
     prev: list[torch.Tensor]  # tensors whose output channels make x (norm weight, Linear rows/bias): / s
     weights: list[torch.Tensor]  # quantized [out, in] readers of x: columns * s
@@ -141,7 +167,9 @@ class ScaleGroup:
     dense: list[torch.Tensor] = field(default_factory=list)  # unquantized readers of x (MoE router): * s
 
 
-def search_scale(g: ScaleGroup, calib: Calib, group_size: int, n_grid: int = N_GRID) -> tuple[torch.Tensor, list[float]]:
+def search_scale(
+    g: ScaleGroup, calib: Calib, group_size: int, n_grid: int = N_GRID
+) -> tuple[torch.Tensor, list[float]]:
     """AutoAWQ's grid search: (best s [in], loss per alpha). The weights are left as they were."""
     ref = calib.map(g.inspect, g.x)
     x_mean = g.x.abs().mean(0)
@@ -192,8 +220,9 @@ def _group_gram(x: torch.Tensor, ng: int, group_size: int) -> torch.Tensor:
     return torch.bmm(xg.transpose(1, 2), xg) / xg.shape[1]
 
 
-def _clip_err(wg: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, gram: torch.Tensor,
-              group_size: int) -> torch.Tensor:
+def _clip_err(
+    wg: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, gram: torch.Tensor, group_size: int
+) -> torch.Tensor:
     """Output error [rows, ng] of quantizing each (row, group) of wg [rows, ng, G] clamped to [lo, hi]."""
     rows, ng, _ = wg.shape
     clamped = torch.maximum(torch.minimum(wg, hi), lo).reshape(rows, -1)
@@ -206,8 +235,9 @@ def _take(better: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.T
     return torch.where(better[..., None], new, old)
 
 
-def clip_weight(w: torch.Tensor, x: torch.Tensor, group_size: int, mode: str = "asym",
-                rows_per_batch: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+def clip_weight(
+    w: torch.Tensor, x: torch.Tensor, group_size: int, mode: str = "asym", rows_per_batch: int = 512
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipping search; clamps w in place per (row, group) and returns (error before, after)
     of the objective, each [out, in/G].
 
@@ -221,14 +251,14 @@ def clip_weight(w: torch.Tensor, x: torch.Tensor, group_size: int, mode: str = "
     are taken, so per (row, group) asym's error is never above sym's."""
     if mode not in CLIP_MODES:
         raise ValueError(f"clip mode {mode!r} is not one of {CLIP_MODES}")
-    x = x[::max(1, x.shape[0] // CLIP_TOKENS)]
+    x = x[:: max(1, x.shape[0] // CLIP_TOKENS)]
     out_f, in_f = w.shape
     ng = in_f // group_size
     gram = _group_gram(x, ng, group_size)
     n_shrink = int(CLIP_MAX_SHRINK * CLIP_GRID)
     errs0, errs = [], []
     for r0 in range(0, out_f, rows_per_batch):
-        wg = w[r0:r0 + rows_per_batch].view(-1, ng, group_size)  # a view: the clamp below writes w
+        wg = w[r0 : r0 + rows_per_batch].view(-1, ng, group_size)  # a view: the clamp below writes w
         wmax, wmin = wg.amax(dim=-1, keepdim=True), wg.amin(dim=-1, keepdim=True)
         org_max = torch.maximum(wmax, -wmin)
         best_lo, best_hi = wmin, wmax
@@ -247,8 +277,11 @@ def clip_weight(w: torch.Tensor, x: torch.Tensor, group_size: int, mode: str = "
                 for end in ("hi", "lo"):
                     base_lo, base_hi = best_lo, best_hi
                     for j in range(n_shrink):
-                        lo, hi = ((base_lo, wmax - span * (j / CLIP_GRID)) if end == "hi"
-                                  else (wmin + span * (j / CLIP_GRID), base_hi))
+                        lo, hi = (
+                            (base_lo, wmax - span * (j / CLIP_GRID))
+                            if end == "hi"
+                            else (wmin + span * (j / CLIP_GRID), base_hi)
+                        )
                         if (lo >= hi).all():
                             continue
                         hi = torch.maximum(hi, lo)
@@ -296,7 +329,7 @@ def gptq_round(w: torch.Tensor, target: torch.Tensor, x: torch.Tensor, group_siz
     ng = in_f // group_size
     _, scales, zeros = quantize_groups(w, group_size)  # [out, ng]
     wg = w.view(out_f, ng, group_size)
-    has_range = (wg.amax(-1) > wg.amin(-1))  # [out, ng]
+    has_range = wg.amax(-1) > wg.amin(-1)  # [out, ng]
     arg_lo, arg_hi = wg.argmin(-1), wg.argmax(-1)
     zeros = zeros.float()
     H = x.t().double() @ x.double() / x.shape[0]
@@ -329,6 +362,7 @@ def gptq_round(w: torch.Tensor, target: torch.Tensor, x: torch.Tensor, group_siz
 
 
 # ---- the walk over layers --------------------------------------------------------------------
+
 
 def _record_inputs(layer, x: torch.Tensor, calib: Calib) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Run the unchanged layer; ({"qkv", "o", "mlp"[, "down"]}: recorded inputs, next layer's input)."""
@@ -382,8 +416,9 @@ def _scale_groups(layer, feats: dict, calib: Calib) -> Iterator[ScaleGroup]:
         feats[f"experts.{e}.rows"] = rows
         feats[f"experts.{e}.down"] = silu_and_mul(F.linear(feats["mlp"][rows], ex.w13[e]))
         w2 = ex.w2[e]
-        yield ScaleGroup(f"experts.{e}.down", [ex.w13[e, I:]], [w2], feats[f"experts.{e}.down"],
-                         lambda t, w2=w2: F.linear(t, w2))
+        yield ScaleGroup(
+            f"experts.{e}.down", [ex.w13[e, I:]], [w2], feats[f"experts.{e}.down"], lambda t, w2=w2: F.linear(t, w2)
+        )
 
 
 def _clip_targets(layer, feats: dict, qk: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -397,14 +432,23 @@ def _clip_targets(layer, feats: dict, qk: bool = False) -> list[tuple[torch.Tens
         return targets + [(mlp.gate_up_proj.weight, feats["mlp"]), (mlp.down_proj.weight, feats["down"])]
     for e in range(mlp.experts.num_experts):
         if f"experts.{e}.rows" in feats:
-            targets += [(mlp.experts.w13[e], feats["mlp"][feats[f"experts.{e}.rows"]]),
-                        (mlp.experts.w2[e], feats[f"experts.{e}.down"])]
+            targets += [
+                (mlp.experts.w13[e], feats["mlp"][feats[f"experts.{e}.rows"]]),
+                (mlp.experts.w2[e], feats[f"experts.{e}.down"]),
+            ]
     return targets
 
 
 @torch.no_grad()
-def awq_search(model, input_ids: torch.Tensor, group_size: int, progress: bool | None = None,
-               clip: str = "asym", clip_qk: bool = False, gptq: bool = False) -> None:
+def awq_search(
+    model,
+    input_ids: torch.Tensor,
+    group_size: int,
+    progress: bool | None = None,
+    clip: str = "asym",
+    clip_qk: bool = False,
+    gptq: bool = False,
+) -> None:
     """Fold AWQ scales into `model` (float32, dense) and clip its weights, in place.
 
     input_ids: int64 [num_samples, seq_len] calibration blocks, each run as its own sequence.
@@ -418,20 +462,33 @@ def awq_search(model, input_ids: torch.Tensor, group_size: int, progress: bool |
     calib = Calib(model, input_ids.shape[1])
     x = model.model.embed_tokens(input_ids.flatten()).float()
     layers = model.model.layers
-    for i, layer in enumerate(tqdm(layers, desc="AWQ", unit="layer", disable=None if progress is None else not progress)):
+    for i, layer in enumerate(
+        tqdm(layers, desc="AWQ", unit="layer", disable=None if progress is None else not progress)
+    ):
         feats, x_next = _record_inputs(layer, x, calib)
         for group in _scale_groups(layer, feats, calib):
             s, losses = search_scale(group, calib, group_size)
             apply_scale(group, s)
             best = min(range(len(losses)), key=losses.__getitem__)
-            log.debug("layer %d %s: alpha %.2f, loss %.3g (alpha 0: %.3g)", i, group.name, best / N_GRID,
-                      losses[best], losses[0])
+            log.debug(
+                "layer %d %s: alpha %.2f, loss %.3g (alpha 0: %.3g)",
+                i,
+                group.name,
+                best / N_GRID,
+                losses[best],
+                losses[0],
+            )
         originals = [w.clone() for w, _ in _clip_targets(layer, feats, qk=True)] if gptq else []
         for w, inp in _clip_targets(layer, feats, clip_qk):
             errs = clip_weight(w, inp, group_size, clip)
             if errs is not None:
-                log.debug("layer %d clip %s: error %.4g -> %.4g", i, tuple(w.shape), errs[0].sum().item(),
-                          errs[1].sum().item())
+                log.debug(
+                    "layer %d clip %s: error %.4g -> %.4g",
+                    i,
+                    tuple(w.shape),
+                    errs[0].sum().item(),
+                    errs[1].sum().item(),
+                )
         if gptq:
             for (w, inp), target in zip(_clip_targets(layer, feats, qk=True), originals):
                 gptq_round(w, target, inp, group_size)

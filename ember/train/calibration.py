@@ -8,6 +8,7 @@ SmolLM2: enough for AutoAWQ's default 128 x 512) and the ones at even positions 
 are held out for evaluation (188 KB). The two parts share no text, so a
 perplexity on "eval" never sees what the quantizer looked at.
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,7 +29,7 @@ def pydoc_split(part: str) -> list[str]:
         raise ValueError(f"part must be 'calib' or 'eval', not {part!r}")
     topics = pydoc_data.topics.topics
     texts = list(dict.fromkeys(topics[k] for k in sorted(topics)))  # distinct, in sorted-name order
-    return texts[1 if part == "calib" else 0::2]
+    return texts[1 if part == "calib" else 0 :: 2]
 
 
 def calibration_texts(source: str) -> list[str]:
@@ -59,6 +60,11 @@ def calibration_blocks(tokenizer, texts: list[str], num_samples: int, seq_len: i
     if n == 0:
         raise ConfigError(f"the calibration text has {len(ids)} tokens, fewer than one block of --seq-len {seq_len}")
     if n < num_samples:
-        log.warning("calibration text has %d tokens: using %d blocks of %d tokens instead of %d",
-                    len(ids), n, seq_len, num_samples)
-    return torch.tensor(ids[:n * seq_len], dtype=torch.int64).view(n, seq_len)
+        log.warning(
+            "calibration text has %d tokens: using %d blocks of %d tokens instead of %d",
+            len(ids),
+            n,
+            seq_len,
+            num_samples,
+        )
+    return torch.tensor(ids[: n * seq_len], dtype=torch.int64).view(n, seq_len)

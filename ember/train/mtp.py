@@ -31,6 +31,7 @@ DIR/README.md (command, data, times, held-out acceptance). Resumable: DIR/checkp
 --checkpoint-dir) holds the generated data (data.pt) and the training state (state.pt: weights,
 AdamW state, step), saved every --save-every steps and at the end of each epoch.
 """
+
 from __future__ import annotations
 
 import gc
@@ -49,15 +50,29 @@ import torch.nn.functional as F
 
 from ember.errors import ConfigError
 from ember.models.mtp import MTPModule
-from ember.train.mtp_data import MTPData, Sequence, coverage, draft_vocabulary, length_batches, make_data
 from ember.spec.mtp_weights import export_deepseek_tensors, load_mtp, main_head_rows
+from ember.train.mtp_data import MTPData, Sequence, coverage, draft_vocabulary, length_batches, make_data
 
 log = logging.getLogger(__name__)
 
 # main-config keys copied into the MTP folder's config.json (the block's shape; all equal the model's)
-BLOCK_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-              "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings",
-              "hidden_act", "attention_bias", "mlp_bias", "vocab_size")
+BLOCK_KEYS = (
+    "model_type",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "max_position_embeddings",
+    "hidden_act",
+    "attention_bias",
+    "mlp_bias",
+    "vocab_size",
+)
 DATA_KEYS = ("model", "num_prompts", "max_new_tokens", "eval_prompts", "seed")
 
 
@@ -101,6 +116,7 @@ class TrainConfig:
 
 # ---- model setup ---------------------------------------------------------------------------------
 
+
 @torch.no_grad()
 def dense_weight(linear, dtype: torch.dtype, device) -> torch.Tensor:
     """A linear layer's [out, in] weight, dense, whatever its quant method (applied to the identity)."""
@@ -142,14 +158,16 @@ def init_from_main(mtp: MTPModule, main) -> None:
 
 def build_mtp(main, draft_vocab: torch.Tensor | None) -> MTPModule:
     """A one-layer DeepSeek-layout MTP module for main with its own head (reduced when draft_vocab)."""
-    mtp = MTPModule(main, 1, "deepseek", own_heads=[True],
-                    draft_vocab_sizes=[len(draft_vocab)] if draft_vocab is not None else None)
+    mtp = MTPModule(
+        main, 1, "deepseek", own_heads=[True], draft_vocab_sizes=[len(draft_vocab)] if draft_vocab is not None else None
+    )
     if draft_vocab is not None:
         mtp.layers[0].draft_vocab = draft_vocab.to(torch.int64)
     return mtp
 
 
 # ---- batches and losses -----------------------------------------------------------------------------
+
 
 def make_batches(seqs: list[Sequence], batch_tokens: int, seed: int) -> list[list[int]]:
     """Sequences grouped by length so that (count x longest) <= batch_tokens; batch order shuffled by seed."""
@@ -165,8 +183,8 @@ def pad_batch(seqs: list[Sequence], extra: int):
     ids = torch.zeros(len(seqs), L, dtype=torch.int64)
     hid = torch.zeros(len(seqs), L, H, dtype=torch.float32)
     for b, s in enumerate(seqs):
-        ids[b, :len(s)] = s.ids
-        hid[b, :len(s)] = s.hidden.float()
+        ids[b, : len(s)] = s.ids
+        hid[b, : len(s)] = s.hidden.float()
     return ids, hid, torch.tensor([len(s) for s in seqs])
 
 
@@ -178,7 +196,7 @@ def chain_forward(mtp: MTPModule, ids: torch.Tensor, hid: torch.Tensor, depth: i
     pos = torch.arange(R).expand(B, R)
     hidden, prior = hid[:, :R], None
     for s in range(depth):
-        g, kv = mtp.forward_dense(ids[:, s + 1:s + 1 + R], pos + s, hidden, step=s, prior_kv=prior)
+        g, kv = mtp.forward_dense(ids[:, s + 1 : s + 1 + R], pos + s, hidden, step=s, prior_kv=prior)
         prior = (kv[0], kv[1], []) if s == 0 else (prior[0], prior[1], prior[2] + [kv])
         yield s, g
         hidden = g
@@ -194,10 +212,14 @@ class MTPTrainer:
             if draft_vocab is None:
                 draft_vocab = ranked
             elif not torch.equal(draft_vocab, ranked):
-                raise ConfigError("--resume: the checkpoint's draft vocabulary differs from the one this data gives; "
-                                  "resume with the same data (checkpoint dir) or start anew")
+                raise ConfigError(
+                    "--resume: the checkpoint's draft vocabulary differs from the one this data gives; "
+                    "resume with the same data (checkpoint dir) or start anew"
+                )
         elif draft_vocab is not None:
-            raise ConfigError("--resume: the checkpoint has a reduced draft vocabulary but --draft-vocab-size asks for none")
+            raise ConfigError(
+                "--resume: the checkpoint has a reduced draft vocabulary but --draft-vocab-size asks for none"
+            )
         self.draft_vocab = draft_vocab
         torch.manual_seed(cfg.seed)
         self.mtp = build_mtp(main, draft_vocab)
@@ -244,8 +266,8 @@ class MTPTrainer:
         for s, g in chain_forward(self.mtp, ids, hid, depth):
             valid = rows[None] + s + 2 < lens[:, None]
             gv = g[valid]
-            th = hid[:, s + 1:s + 1 + R][valid]
-            target = ids[:, s + 2:s + 2 + R][valid]
+            th = hid[:, s + 1 : s + 1 + R][valid]
+            target = ids[:, s + 2 : s + 2 + R][valid]
             with torch.no_grad(), torch.autocast("cpu", enabled=False):  # the teacher in float32
                 tlog = torch.log_softmax(th @ self.teacher_rows.T, dim=-1)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
@@ -272,8 +294,14 @@ class MTPTrainer:
         stop = min(total, cfg.max_steps) if cfg.max_steps is not None else total
         amp = cfg.train_dtype == "bfloat16"
         self.mtp.train()
-        bar = tqdm(total=stop, initial=min(self.step, stop), desc="train-mtp", unit="step", disable=not progress,
-                   dynamic_ncols=True)
+        bar = tqdm(
+            total=stop,
+            initial=min(self.step, stop),
+            desc="train-mtp",
+            unit="step",
+            disable=not progress,
+            dynamic_ncols=True,
+        )
         try:
             while self.step < stop:
                 batches = make_batches(self.data.train, cfg.batch_tokens, cfg.seed * 1000 + self.epoch)
@@ -311,11 +339,17 @@ class MTPTrainer:
 
     # -- checkpoint
     def state_dict(self) -> dict:
-        return {"step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
-                "train_seconds": self.train_seconds, "history": self.history,
-                "mtp": {k: v.detach().clone() for k, v in self.mtp.state_dict().items()},
-                "optimizer": self.opt.state_dict(), "draft_vocab": self.draft_vocab,
-                "settings": {k: v for k, v in asdict(self.cfg).items() if k not in ("engine_knobs",)}}
+        return {
+            "step": self.step,
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+            "train_seconds": self.train_seconds,
+            "history": self.history,
+            "mtp": {k: v.detach().clone() for k, v in self.mtp.state_dict().items()},
+            "optimizer": self.opt.state_dict(),
+            "draft_vocab": self.draft_vocab,
+            "settings": {k: v for k, v in asdict(self.cfg).items() if k not in ("engine_knobs",)},
+        }
 
     def save_checkpoint(self) -> str:
         os.makedirs(self.cfg.ckpt_dir, exist_ok=True)
@@ -330,8 +364,10 @@ class MTPTrainer:
         saved = st["settings"]
         for key in ("draft_vocab_size", "batch_tokens", "seed", "depth"):
             if saved.get(key) != getattr(self.cfg, key):
-                raise ConfigError(f"--resume: {path} was trained with {key.replace('_', '-')} {saved.get(key)}, not "
-                                  f"{getattr(self.cfg, key)}; resume with the same setting or start a new checkpoint dir")
+                raise ConfigError(
+                    f"--resume: {path} was trained with {key.replace('_', '-')} {saved.get(key)}, not "
+                    f"{getattr(self.cfg, key)}; resume with the same setting or start a new checkpoint dir"
+                )
         self.mtp.load_state_dict(st["mtp"])
         self.opt.load_state_dict(st["optimizer"])
         self.step, self.epoch, self.batch_in_epoch = st["step"], st["epoch"], st["batch_in_epoch"]
@@ -341,13 +377,20 @@ class MTPTrainer:
     # -- evaluation
     @torch.no_grad()
     def evaluate(self, depth: int = 3, batch_tokens: int | None = None) -> dict:
-        return evaluate_mtp(self.mtp, self.main, self.data, depth, batch_tokens or self.cfg.batch_tokens,
-                            self.draft_vocab)
+        return evaluate_mtp(
+            self.mtp, self.main, self.data, depth, batch_tokens or self.cfg.batch_tokens, self.draft_vocab
+        )
 
 
 @torch.no_grad()
-def evaluate_mtp(mtp: MTPModule, main, data: MTPData, depth: int = 3, batch_tokens: int = 4096,
-                 draft_vocab: torch.Tensor | None = None) -> dict:
+def evaluate_mtp(
+    mtp: MTPModule,
+    main,
+    data: MTPData,
+    depth: int = 3,
+    batch_tokens: int = 4096,
+    draft_vocab: torch.Tensor | None = None,
+) -> dict:
     """Held-out acceptance of greedy drafts (see the module docstring)."""
     was_training = mtp.training
     mtp.eval()
@@ -366,14 +409,16 @@ def evaluate_mtp(mtp: MTPModule, main, data: MTPData, depth: int = 3, batch_toke
         rows = (i >= start[:, None]) & (i + depth + 1 < lens[:, None])  # decode positions with `depth` targets
         match_all = rows.clone()
         for s, g in chain_forward(mtp, ids, hid, depth):
-            drafts = mtp.propose_greedy(g.reshape(-1, g.shape[-1]).to(mtp.layers[0].head.weight.dtype), s).view(g.shape[:2])
-            ok = drafts == greedy[:, s + 1:s + 1 + R]
+            drafts = mtp.propose_greedy(g.reshape(-1, g.shape[-1]).to(mtp.layers[0].head.weight.dtype), s).view(
+                g.shape[:2]
+            )
+            ok = drafts == greedy[:, s + 1 : s + 1 + R]
             cond_den[s] += match_all.sum()
             match_all = match_all & ok
             hits[s] += match_all.sum()
         rows_total += int(rows.sum())
         gen_rows = rows & (i + 2 < lens[:, None])
-        teacher_consistency[0] += int(((greedy[:, 1:1 + R] == ids[:, 2:2 + R]) & gen_rows).sum())
+        teacher_consistency[0] += int(((greedy[:, 1 : 1 + R] == ids[:, 2 : 2 + R]) & gen_rows).sum())
         teacher_consistency[1] += int(gen_rows.sum())
     acc = (hits / max(rows_total, 1)).tolist()
     cond = (hits / cond_den.clamp_min(1)).tolist()
@@ -384,27 +429,35 @@ def evaluate_mtp(mtp: MTPModule, main, data: MTPData, depth: int = 3, batch_toke
         ids, hid, lens = pad_batch(seqs, 2)
         R = ids.shape[1] - 2
         for s, g in chain_forward(mtp, ids, hid, 1):
-            drafts = mtp.propose_greedy(g.reshape(-1, g.shape[-1]).to(mtp.layers[0].head.weight.dtype), 0).view(g.shape[:2])
+            drafts = mtp.propose_greedy(g.reshape(-1, g.shape[-1]).to(mtp.layers[0].head.weight.dtype), 0).view(
+                g.shape[:2]
+            )
         for b, seq in enumerate(seqs):
             i0, i1 = seq.prompt_len - 1, len(seq) - 2  # rows with a generated next token
             if i1 <= i0:
                 continue
-            logits = main.compute_logits(hid[b, i0 + 1:i1 + 1].to(main.dtype))
+            logits = main.compute_logits(hid[b, i0 + 1 : i1 + 1].to(main.dtype))
             p = torch.softmax(logits / 0.8, dim=-1)
             exp_acc += float(p.gather(1, drafts[b, i0:i1, None]).sum())
             n_s += i1 - i0
     if was_training:
         mtp.train()
-    out = {"acceptance": acc, "conditional": cond, "positions": rows_total,
-           "mean_accepted": {k: float(sum(acc[:k])) for k in range(1, depth + 1)},
-           "teacher_consistency": teacher_consistency[0] / max(teacher_consistency[1], 1),
-           "t08_pos1_expected_acceptance": exp_acc / max(n_s, 1), "t08_positions": n_s}
+    out = {
+        "acceptance": acc,
+        "conditional": cond,
+        "positions": rows_total,
+        "mean_accepted": {k: float(sum(acc[:k])) for k in range(1, depth + 1)},
+        "teacher_consistency": teacher_consistency[0] / max(teacher_consistency[1], 1),
+        "t08_pos1_expected_acceptance": exp_acc / max(n_s, 1),
+        "t08_positions": n_s,
+    }
     if draft_vocab is not None:
         out["heldout_vocab_coverage"] = coverage(data.eval_greedy, draft_vocab, main.cfg.vocab_size)
     return out
 
 
 # ---- output folder --------------------------------------------------------------------------------------
+
 
 def mtp_config(main_cfg, draft_vocab_size: int | None) -> dict:
     raw = main_cfg.raw
@@ -424,8 +477,10 @@ def write_mtp_folder(mtp: MTPModule, main_cfg, out: str, readme: str | None = No
     from safetensors.torch import save_file
 
     os.makedirs(out, exist_ok=True)
-    tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
-               for k, v in export_deepseek_tensors(mtp, main_cfg.num_layers).items()}
+    tensors = {
+        k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
+        for k, v in export_deepseek_tensors(mtp, main_cfg.num_layers).items()
+    }
     save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     dv = mtp.layers[0].draft_vocab
     with open(os.path.join(out, "config.json"), "w") as f:
@@ -441,28 +496,44 @@ def _fmt_time(s: float) -> str:
     return f"{s / 60:.1f} min" if s >= 90 else f"{s:.0f} s"
 
 
-def render_readme(cfg: TrainConfig, main_cfg, model_name: str, command: str, data_info: dict, vocab_stats: dict,
-                  report: dict, train_seconds: float, steps: int, size_bytes: int, threads: int) -> str:
+def render_readme(
+    cfg: TrainConfig,
+    main_cfg,
+    model_name: str,
+    command: str,
+    data_info: dict,
+    vocab_stats: dict,
+    report: dict,
+    train_seconds: float,
+    steps: int,
+    size_bytes: int,
+    threads: int,
+) -> str:
     """The README.md written beside the MTP weights: what they are, how they were made, how well they draft."""
     dv = cfg.draft_vocab_size if 0 < cfg.draft_vocab_size < main_cfg.vocab_size else None
-    sections = [_readme_intro(main_cfg, model_name, dv, vocab_stats, report, size_bytes),
-                _readme_command(command, threads, steps), _readme_data(cfg, data_info),
-                _readme_time(data_info, train_seconds), _readme_acceptance(cfg, report)]
+    sections = [
+        _readme_intro(main_cfg, model_name, dv, vocab_stats, report, size_bytes),
+        _readme_command(command, threads, steps),
+        _readme_data(cfg, data_info),
+        _readme_time(data_info, train_seconds),
+        _readme_acceptance(cfg, report),
+    ]
     return "\n\n".join(sections) + "\n"
 
 
 def _draft_vocab_line(main_cfg, dv: int | None, vocab_stats: dict, report: dict) -> str:
     if not dv:
         return "none (full-vocabulary head)"
-    return (f"{dv} token ids (`shared_head.draft_vocab`), the most frequent among the generated training tokens "
-            f"(FR-Spec / EAGLE-3 style): {vocab_stats.get('train_coverage', 0):.1%} of the generated training "
-            f"tokens and {report.get('heldout_vocab_coverage', 0):.1%} of the held-out greedy tokens are inside "
-            f"it; the head is {dv} x {main_cfg.hidden_size} instead of {main_cfg.vocab_size} x "
-            f"{main_cfg.hidden_size}")
+    return (
+        f"{dv} token ids (`shared_head.draft_vocab`), the most frequent among the generated training tokens "
+        f"(FR-Spec / EAGLE-3 style): {vocab_stats.get('train_coverage', 0):.1%} of the generated training "
+        f"tokens and {report.get('heldout_vocab_coverage', 0):.1%} of the held-out greedy tokens are inside "
+        f"it; the head is {dv} x {main_cfg.hidden_size} instead of {main_cfg.vocab_size} x "
+        f"{main_cfg.hidden_size}"
+    )
 
 
-def _readme_intro(main_cfg, model_name: str, dv: int | None, vocab_stats: dict, report: dict,
-                  size_bytes: int) -> str:
+def _readme_intro(main_cfg, model_name: str, dv: int | None, vocab_stats: dict, report: dict, size_bytes: int) -> str:
     vocab_line = _draft_vocab_line(main_cfg, dv, vocab_stats, report)
     return f"""# MTP layer for {model_name}
 
@@ -491,15 +562,15 @@ def _readme_data(cfg: TrainConfig, data_info: dict) -> str:
     return f"""## Data
 
 The model's own generations (ember, batched) on prompts from the calibration half of CPython's
-help topics (`ember.train.calibration.pydoc_split("calib")`): {data_info.get('train_sequences')} prompts,
+help topics (`ember.train.calibration.pydoc_split("calib")`): {data_info.get("train_sequences")} prompts,
 chat requests through the model's chat template ("Explain ...", "Summarize ...", "Give an example
-of ...", questions about the section title) and {data_info.get('train_raw_sequences')} raw-text continuations;
-{data_info.get('train_greedy_sequences')} generated greedily, the others at temperature 0.7 / 0.8;
-at most {cfg.max_new_tokens} new tokens each: {data_info.get('train_tokens')} tokens in all,
-{data_info.get('train_generated_tokens')} generated. Targets: the frozen model's final-normed hidden
+of ...", questions about the section title) and {data_info.get("train_raw_sequences")} raw-text continuations;
+{data_info.get("train_greedy_sequences")} generated greedily, the others at temperature 0.7 / 0.8;
+at most {cfg.max_new_tokens} new tokens each: {data_info.get("train_tokens")} tokens in all,
+{data_info.get("train_generated_tokens")} generated. Targets: the frozen model's final-normed hidden
 states and its next-token distribution (KL, weight {cfg.kl_weight}) plus the actual token
 (cross-entropy, weight {cfg.ce_weight}); draft steps 1..{cfg.depth} trained (step weights
-{list(cfg.depth_weights[:cfg.depth])}), the later ones recursing on the layer's own output.
+{list(cfg.depth_weights[: cfg.depth])}), the later ones recursing on the layer's own output.
 AdamW, lr {cfg.lr}, cosine, {cfg.epochs} epoch(s), ~{cfg.batch_tokens} tokens per batch, float32
 weights with {cfg.train_dtype} autocast, seed {cfg.seed}."""
 
@@ -507,9 +578,9 @@ weights with {cfg.train_dtype} autocast, seed {cfg.seed}."""
 def _readme_time(data_info: dict, train_seconds: float) -> str:
     return f"""## Time on this machine
 
-- generation: {_fmt_time(data_info.get('generation_seconds', 0))} ({data_info.get('generation_threads', '?')} torch thread(s),
-  {data_info.get('gen_batch', '?')} sequences at a time)
-- teacher forward (hidden states): {_fmt_time(data_info.get('teacher_seconds', 0))}
+- generation: {_fmt_time(data_info.get("generation_seconds", 0))} ({data_info.get("generation_threads", "?")} torch thread(s),
+  {data_info.get("gen_batch", "?")} sequences at a time)
+- teacher forward (hidden states): {_fmt_time(data_info.get("teacher_seconds", 0))}
 - training: {_fmt_time(train_seconds)}"""
 
 
@@ -520,7 +591,7 @@ def _readme_acceptance(cfg: TrainConfig, report: dict) -> str:
     return f"""## Held-out acceptance
 
 {cfg.eval_prompts} prompts built the same way from the held-out half (`pydoc_split("eval")`, never
-trained on), generated greedily by the model: {report['positions']} decode positions. At each, the
+trained on), generated greedily by the model: {report["positions"]} decode positions. At each, the
 MTP drafts 3 tokens recursively (draft k+1 re-enters the layer with draft k and the layer's own
 output); acceptance at position k = share of positions where drafts 1..k all equal the model's
 greedy tokens (greedy speculative decoding accepts exactly those); conditional = given 1..k-1
@@ -531,12 +602,13 @@ accepted.
 {rows}
 
 Mean tokens per verify step at temperature 0 (accepted drafts + 1): {mal}.
-Temperature 0.8 ({cfg.eval_prompts} sampled held-out generations, {report['t08_positions']} positions): the
+Temperature 0.8 ({cfg.eval_prompts} sampled held-out generations, {report["t08_positions"]} positions): the
 expected acceptance of the greedy draft 1 (the target's probability of it) is
-{report['t08_pos1_expected_acceptance']:.3f}."""
+{report["t08_pos1_expected_acceptance"]:.3f}."""
 
 
 # ---- the command -----------------------------------------------------------------------------------------
+
 
 def _load_or_make_data(cfg: TrainConfig, model_path: str):
     """(data, main model, tokenizer): data.pt from the checkpoint dir when it was made with the same
@@ -552,8 +624,9 @@ def _load_or_make_data(cfg: TrainConfig, model_path: str):
         if st.get("fingerprint") == fp:
             log.info("reusing the generated data in %s", path)
             dtype = resolve_dtype(cfg.engine_knobs.get("dtype", "auto"), torch.device("cpu"))
-            loaded = load_model(model_path, None, dtype, torch.device("cpu"), "auto",
-                                cfg.engine_knobs.get("quantization", "auto"))
+            loaded = load_model(
+                model_path, None, dtype, torch.device("cpu"), "auto", cfg.engine_knobs.get("quantization", "auto")
+            )
             return MTPData.from_state(st["data"]), loaded.model, loaded.tokenizer
         log.info("%s was made with other settings (%s); generating again", path, st.get("fingerprint"))
     knobs = {"max_num_seqs": cfg.gen_batch, "seed": cfg.seed, **cfg.engine_knobs}
@@ -561,8 +634,16 @@ def _load_or_make_data(cfg: TrainConfig, model_path: str):
         knobs.setdefault("num_threads", cfg.threads)
     llm = LLM(model_path, **knobs)
     loaded = llm.engine.parts.loaded
-    data = make_data(llm, loaded.model, llm.tokenizer, cfg.num_prompts, cfg.max_new_tokens, cfg.seed,
-                     cfg.eval_prompts, progress=cfg.progress)
+    data = make_data(
+        llm,
+        loaded.model,
+        llm.tokenizer,
+        cfg.num_prompts,
+        cfg.max_new_tokens,
+        cfg.seed,
+        cfg.eval_prompts,
+        progress=cfg.progress,
+    )
     data.info.update(generation_threads=torch.get_num_threads(), gen_batch=cfg.gen_batch)
     main, tokenizer = loaded.model, llm.tokenizer
     del llm, loaded
@@ -607,17 +688,37 @@ def train_mtp(cfg: TrainConfig, command: str | None = None) -> dict:
     report = evaluate_mtp(served, main, data, 3, cfg.batch_tokens, served.layers[0].draft_vocab)
     report["eval_seconds"] = time.perf_counter() - t0
     report["float32_master_acceptance"] = trainer.evaluate()["acceptance"]
-    report.update(train_seconds=trainer.train_seconds, steps=trainer.step, data=data.info,
-                  draft_vocab=trainer.vocab_stats, dtype=str(main.dtype).removeprefix("torch."))
+    report.update(
+        train_seconds=trainer.train_seconds,
+        steps=trainer.step,
+        data=data.info,
+        draft_vocab=trainer.vocab_stats,
+        dtype=str(main.dtype).removeprefix("torch."),
+    )
     size = os.path.getsize(os.path.join(cfg.out, "model.safetensors"))
     model_name = os.path.basename(model_path)
     command = command or "ember train-mtp " + " ".join(shlex.quote(a) for a in sys.argv[2:])
-    readme = render_readme(cfg, main.cfg, model_name, command, data.info, trainer.vocab_stats, report,
-                           trainer.train_seconds, trainer.step, size, torch.get_num_threads())
+    readme = render_readme(
+        cfg,
+        main.cfg,
+        model_name,
+        command,
+        data.info,
+        trainer.vocab_stats,
+        report,
+        trainer.train_seconds,
+        trainer.step,
+        size,
+        torch.get_num_threads(),
+    )
     with open(os.path.join(cfg.out, "README.md"), "w") as f:
         f.write(readme)
     with open(os.path.join(cfg.ckpt_dir, "report.json"), "w") as f:
         json.dump(report, f, indent=2, default=str)
-    log.info("held-out acceptance per position %s (conditional %s); wrote %s",
-             [round(a, 3) for a in report["acceptance"]], [round(c, 3) for c in report["conditional"]], cfg.out)
+    log.info(
+        "held-out acceptance per position %s (conditional %s); wrote %s",
+        [round(a, 3) for a in report["acceptance"]],
+        [round(c, 3) for c in report["conditional"]],
+        cfg.out,
+    )
     return report

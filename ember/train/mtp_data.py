@@ -17,6 +17,7 @@ the LM head and of an MTP layer). The teacher's next-token distribution at posit
 head(h_i); the trainer computes it on the fly over the draft vocabulary instead of storing
 [T, V] logits.
 """
+
 from __future__ import annotations
 
 import logging
@@ -86,19 +87,34 @@ class MTPData:
 
     def state(self) -> dict:
         def pack(seqs):
-            return [{"ids": s.ids, "prompt_len": s.prompt_len, "temperature": s.temperature, "kind": s.kind,
-                     "hidden": s.hidden} for s in seqs]
-        return {"train": pack(self.train), "eval_greedy": pack(self.eval_greedy),
-                "eval_sampled": pack(self.eval_sampled), "info": self.info}
+            return [
+                {
+                    "ids": s.ids,
+                    "prompt_len": s.prompt_len,
+                    "temperature": s.temperature,
+                    "kind": s.kind,
+                    "hidden": s.hidden,
+                }
+                for s in seqs
+            ]
+
+        return {
+            "train": pack(self.train),
+            "eval_greedy": pack(self.eval_greedy),
+            "eval_sampled": pack(self.eval_sampled),
+            "info": self.info,
+        }
 
     @classmethod
     def from_state(cls, st: dict) -> "MTPData":
         def unpack(items):
             return [Sequence(d["ids"], d["prompt_len"], d["temperature"], d["kind"], d.get("hidden")) for d in items]
+
         return cls(unpack(st["train"]), unpack(st["eval_greedy"]), unpack(st["eval_sampled"]), st.get("info", {}))
 
 
 # ---- prompts ----------------------------------------------------------------------------------
+
 
 def snippets(texts: list[str], max_chars: int = 600, min_chars: int = 120) -> list[Snippet]:
     """Paragraphs of each topic merged up to max_chars, each tagged with its section title."""
@@ -159,8 +175,15 @@ def disjoint_snippets(texts: list[str], others: list[str], min_chars: int = 60) 
     return out
 
 
-def build_prompts(tokenizer, texts: list[str], num_prompts: int, seed: int, greedy_only: bool = False,
-                  temperature: float | None = None, exclude: list[str] | None = None) -> list[Prompt]:
+def build_prompts(
+    tokenizer,
+    texts: list[str],
+    num_prompts: int,
+    seed: int,
+    greedy_only: bool = False,
+    temperature: float | None = None,
+    exclude: list[str] | None = None,
+) -> list[Prompt]:
     """num_prompts prompts (token ids) from the texts: chat requests through the chat template and raw
     continuations, each with the temperature it is generated at. Deterministic for a seed.
     exclude: texts whose paragraphs the prompts must not contain (see disjoint_snippets)."""
@@ -184,8 +207,9 @@ def build_prompts(tokenizer, texts: list[str], num_prompts: int, seed: int, gree
         else:
             template = CHAT_TEMPLATES[rng.randrange(len(CHAT_TEMPLATES))]
             content = template.format(snippet=snip.text, title=snip.title)
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                                tokenize=True)
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True
+            )
         if temperature is not None:
             temp = temperature
         elif greedy_only or rng.random() >= SAMPLED_SHARE:
@@ -200,8 +224,10 @@ def generate(llm, prompts: list[Prompt], max_new_tokens: int, progress: bool = T
     """Continuations by ember itself (one batched LLM.generate call); keeps the token ids."""
     from ember.sampling import SamplingParams
 
-    params = [SamplingParams(temperature=p.temperature, max_tokens=max_new_tokens,
-                             seed=p.seed if p.temperature > 0 else None) for p in prompts]
+    params = [
+        SamplingParams(temperature=p.temperature, max_tokens=max_new_tokens, seed=p.seed if p.temperature > 0 else None)
+        for p in prompts
+    ]
     outs = llm.generate([{"prompt_token_ids": p.ids} for p in prompts], params, use_tqdm=progress)
     seqs = []
     for p, out in zip(prompts, outs):
@@ -212,17 +238,24 @@ def generate(llm, prompts: list[Prompt], max_new_tokens: int, progress: bool = T
 
 # ---- the frozen model's hidden states ---------------------------------------------------------------
 
+
 def prefill_meta(lengths: list[int], device=None) -> AttentionMetadata:
     """Fresh prefills of several sequences in one step: sequence b in block b of size max(lengths)."""
     L, B = max(lengths), len(lengths)
     slots = torch.cat([torch.arange(n) + b * L for b, n in enumerate(lengths)])
     qsl = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     return AttentionMetadata(
-        slot_mapping=slots.to(device), query_start_loc=qsl.to(device),
+        slot_mapping=slots.to(device),
+        query_start_loc=qsl.to(device),
         seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
-        block_tables=torch.arange(B, dtype=torch.int32, device=device)[:, None], block_size=L,
-        query_lens_cpu=list(lengths), seq_lens_cpu=list(lengths), max_query_len=L, max_seq_len=L,
-        all_slots_valid=True)
+        block_tables=torch.arange(B, dtype=torch.int32, device=device)[:, None],
+        block_size=L,
+        query_lens_cpu=list(lengths),
+        seq_lens_cpu=list(lengths),
+        max_query_len=L,
+        max_seq_len=L,
+        all_slots_valid=True,
+    )
 
 
 @torch.no_grad()
@@ -239,8 +272,9 @@ def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
     return batches
 
 
-def teacher_hidden(main, seqs: list[Sequence], batch_tokens: int = 4096, progress: bool = True,
-                   desc: str = "teacher forward") -> None:
+def teacher_hidden(
+    main, seqs: list[Sequence], batch_tokens: int = 4096, progress: bool = True, desc: str = "teacher forward"
+) -> None:
     """Fill seq.hidden with the frozen model's final-normed hidden states [T, H] (one prefill each,
     a few sequences per step)."""
     from tqdm import tqdm
@@ -254,8 +288,10 @@ def teacher_hidden(main, seqs: list[Sequence], batch_tokens: int = 4096, progres
             L = max(lengths)
             ids = torch.cat([seqs[k].ids for k in batch]).to(main.device)
             pos = torch.cat([torch.arange(n) for n in lengths]).to(main.device)
-            caches = [torch.zeros(2, len(batch), L, attn.num_kv_heads, attn.head_dim, dtype=main.dtype,
-                                  device=main.device) for _ in range(cfg.num_layers)]
+            caches = [
+                torch.zeros(2, len(batch), L, attn.num_kv_heads, attn.head_dim, dtype=main.dtype, device=main.device)
+                for _ in range(cfg.num_layers)
+            ]
             h = main(ids, pos, caches, prefill_meta(lengths, main.device))
             for k, part in zip(batch, h.split(lengths)):
                 seqs[k].hidden = part.detach().cpu().clone()
@@ -263,6 +299,7 @@ def teacher_hidden(main, seqs: list[Sequence], batch_tokens: int = 4096, progres
 
 
 # ---- draft vocabulary ----------------------------------------------------------------------------------
+
 
 def draft_vocabulary(seqs: list[Sequence], vocab_size: int, size: int) -> tuple[torch.Tensor, dict]:
     """The `size` token ids the draft may propose, most frequent first (FR-Spec / EAGLE-3): ranked by
@@ -272,15 +309,18 @@ def draft_vocabulary(seqs: list[Sequence], vocab_size: int, size: int) -> tuple[
     gen = torch.zeros(vocab_size, dtype=torch.int64)
     prm = torch.zeros(vocab_size, dtype=torch.int64)
     for s in seqs:
-        gen += torch.bincount(s.ids[s.prompt_len:], minlength=vocab_size)[:vocab_size]
-        prm += torch.bincount(s.ids[:s.prompt_len], minlength=vocab_size)[:vocab_size]
+        gen += torch.bincount(s.ids[s.prompt_len :], minlength=vocab_size)[:vocab_size]
+        prm += torch.bincount(s.ids[: s.prompt_len], minlength=vocab_size)[:vocab_size]
     order = torch.arange(vocab_size)  # lower id first, then (stable sorts) by prompt count, by generated count
     order = order[prm[order].argsort(descending=True, stable=True)]
     order = order[gen[order].argsort(descending=True, stable=True)]
     ids = order[:size]
     total = int(gen.sum())
-    stats = {"distinct_generated": int((gen > 0).sum()), "generated_tokens": total,
-             "train_coverage": float(gen[ids].sum()) / max(total, 1)}
+    stats = {
+        "distinct_generated": int((gen > 0).sum()),
+        "generated_tokens": total,
+        "train_coverage": float(gen[ids].sum()) / max(total, 1),
+    }
     return ids.sort().values, stats
 
 
@@ -290,14 +330,23 @@ def coverage(seqs: list[Sequence], draft_vocab: torch.Tensor, vocab_size: int) -
     inside[draft_vocab] = True
     hit = tot = 0
     for s in seqs:
-        g = s.ids[s.prompt_len:]
+        g = s.ids[s.prompt_len :]
         hit += int(inside[g].sum())
         tot += g.numel()
     return hit / max(tot, 1)
 
 
-def make_data(llm, main, tokenizer, num_prompts: int, max_new_tokens: int, seed: int, eval_prompts: int,
-              progress: bool = True, teacher_batch_tokens: int = 4096) -> MTPData:
+def make_data(
+    llm,
+    main,
+    tokenizer,
+    num_prompts: int,
+    max_new_tokens: int,
+    seed: int,
+    eval_prompts: int,
+    progress: bool = True,
+    teacher_batch_tokens: int = 4096,
+) -> MTPData:
     """Prompts -> generations (llm) -> hidden states (main). Held-out sets from pydoc_split("eval")."""
     from ember.train.calibration import pydoc_split
 
@@ -308,16 +357,29 @@ def make_data(llm, main, tokenizer, num_prompts: int, max_new_tokens: int, seed:
     eval_s = build_prompts(tokenizer, eval_texts, eval_prompts, seed + 2, temperature=0.8)
     everything = generate(llm, train_p + eval_g + eval_s, max_new_tokens, progress)
     t1 = time.perf_counter()
-    train, eg, es = everything[:num_prompts], everything[num_prompts:num_prompts + eval_prompts], \
-        everything[num_prompts + eval_prompts:]
+    train, eg, es = (
+        everything[:num_prompts],
+        everything[num_prompts : num_prompts + eval_prompts],
+        everything[num_prompts + eval_prompts :],
+    )
     teacher_hidden(main, everything, teacher_batch_tokens, progress)
     t2 = time.perf_counter()
-    info = {"generation_seconds": t1 - t0, "teacher_seconds": t2 - t1,
-            "train_sequences": len(train), "train_tokens": sum(len(s) for s in train),
-            "train_generated_tokens": sum(len(s) - s.prompt_len for s in train),
-            "train_greedy_sequences": sum(s.temperature == 0 for s in train),
-            "train_raw_sequences": sum(s.kind == "raw" for s in train),
-            "eval_generated_tokens": sum(len(s) - s.prompt_len for s in eg)}
-    log.info("train-mtp data: %d sequences, %d tokens (%d generated) in %.0f s; teacher forward %.0f s",
-             info["train_sequences"], info["train_tokens"], info["train_generated_tokens"], t1 - t0, t2 - t1)
+    info = {
+        "generation_seconds": t1 - t0,
+        "teacher_seconds": t2 - t1,
+        "train_sequences": len(train),
+        "train_tokens": sum(len(s) for s in train),
+        "train_generated_tokens": sum(len(s) - s.prompt_len for s in train),
+        "train_greedy_sequences": sum(s.temperature == 0 for s in train),
+        "train_raw_sequences": sum(s.kind == "raw" for s in train),
+        "eval_generated_tokens": sum(len(s) - s.prompt_len for s in eg),
+    }
+    log.info(
+        "train-mtp data: %d sequences, %d tokens (%d generated) in %.0f s; teacher forward %.0f s",
+        info["train_sequences"],
+        info["train_tokens"],
+        info["train_generated_tokens"],
+        t1 - t0,
+        t2 - t1,
+    )
     return MTPData(train, eg, es, info)

@@ -14,6 +14,7 @@ so its time grows with --num-samples x --seq-len: SmolLM2-135M (30 layers) with 
 took 17 min on 2 busy CPU cores, 11 min on 1 busy core with --clip asym --gptq (AutoAWQ's 128 x 512
 would be ~8x that); rtn takes seconds.
 """
+
 from __future__ import annotations
 
 import logging
@@ -48,9 +49,20 @@ def _source_config(path: str):
     return cfg
 
 
-def quantize(model: str | None, out: str, method: str = "awq", bits: int = 4, group_size: int = 128,
-             zero_point: bool = True, calib: str = "pydoc", num_samples: int = 128, seq_len: int = 512,
-             progress: bool | None = None, clip: str = "asym", gptq: bool = GPTQ_DEFAULT) -> str:
+def quantize(
+    model: str | None,
+    out: str,
+    method: str = "awq",
+    bits: int = 4,
+    group_size: int = 128,
+    zero_point: bool = True,
+    calib: str = "pydoc",
+    num_samples: int = 128,
+    seq_len: int = 512,
+    progress: bool | None = None,
+    clip: str = "asym",
+    gptq: bool = GPTQ_DEFAULT,
+) -> str:
     """Quantize `model` (None = the embedded default) into the folder `out`; returns `out`."""
     from ember.loader.model_loader import load_model, resolve_model_path
     from ember.train.awq_export import write_awq_folder
@@ -74,8 +86,15 @@ def quantize(model: str | None, out: str, method: str = "awq", bits: int = 4, gr
     loaded = load_model(path, None, torch.float32, torch.device("cpu"), "torch", "none")
     if method == "awq":
         ids = calibration_blocks(loaded.tokenizer, texts, num_samples, seq_len)
-        log.info("AWQ: %d calibration blocks of %d tokens from %s, group size %d, %s clipping, %s rounding",
-                 ids.shape[0], ids.shape[1], calib, group_size, clip, "GPTQ" if gptq else "nearest")
+        log.info(
+            "AWQ: %d calibration blocks of %d tokens from %s, group size %d, %s clipping, %s rounding",
+            ids.shape[0],
+            ids.shape[1],
+            calib,
+            group_size,
+            clip,
+            "GPTQ" if gptq else "nearest",
+        )
         awq_search(loaded.model, ids, group_size, progress=progress, clip=clip, gptq=gptq)
     write_awq_folder(loaded, out, group_size)
     log.info("wrote %s (%s, int4, group %d) in %.1f s", out, method, group_size, time.perf_counter() - t0)

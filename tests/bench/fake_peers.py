@@ -3,6 +3,7 @@
 They return fixed, made-up timings, so a test can check that bars are judged both ways without
 llama-cpp-python (CI does not install the bench extra) and without loading transformers.
 """
+
 from __future__ import annotations
 
 import time

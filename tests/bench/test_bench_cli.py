@@ -1,4 +1,5 @@
 """`ember bench` end to end on the default model, tiny sizes, no peer: files and sections, not speed."""
+
 import json
 
 import pytest
@@ -31,13 +32,47 @@ def one_model_load(monkeypatch):
     return cache
 
 
-LATENCY = ["bench", "latency", "--peer", "none", "--runs", "1", "--quiet-wait", "0", "--prompt-lens", "16", "--max-num-seqs", "2"]
+LATENCY = [
+    "bench",
+    "latency",
+    "--peer",
+    "none",
+    "--runs",
+    "1",
+    "--quiet-wait",
+    "0",
+    "--prompt-lens",
+    "16",
+    "--max-num-seqs",
+    "2",
+]
 
 
 def test_latency_and_throughput_share_one_markdown_file(tmp_path, one_model_load):
     md = tmp_path / "x.md"
-    assert main(["bench", "throughput", "--peer", "none", "--runs", "1", "--quiet-wait", "0", "--num-prompts", "2", "--input-len", "8",
-                 "--output-len", "4", "--output", str(md)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "throughput",
+                "--peer",
+                "none",
+                "--runs",
+                "1",
+                "--quiet-wait",
+                "0",
+                "--num-prompts",
+                "2",
+                "--input-len",
+                "8",
+                "--output-len",
+                "4",
+                "--output",
+                str(md),
+            ]
+        )
+        == 0
+    )
     assert main(LATENCY + ["--decode-tokens", "4", "--output", str(md)]) == 0
 
     text = md.read_text()
@@ -56,8 +91,11 @@ def test_latency_and_throughput_share_one_markdown_file(tmp_path, one_model_load
     out = next(m for m in thr["metrics"] if m["name"] == "output throughput")
     assert len(out["ember"]) == 1 and out["ember"][0] > 0 and out["peer"] is None
     names = [m["name"] for m in lat["metrics"]]
-    assert names == ["batch-1 decode, 4 tokens, mean", "batch-1 decode, 4 tokens, steady (median gap)",
-                     "TTFT, 16-token prompt"]
+    assert names == [
+        "batch-1 decode, 4 tokens, mean",
+        "batch-1 decode, 4 tokens, steady (median gap)",
+        "TTFT, 16-token prompt",
+    ]
     assert all(m["ember_median"] > 0 for m in lat["metrics"])
     assert lat["machine"]["torch_threads"] >= 1 and lat["machine"]["cpu"]
 
@@ -90,8 +128,15 @@ def test_speedup_is_median_of_paired_runs():
 
 
 def test_contended_runs_are_left_out_unless_all_are():
-    m = metric.Metric("d", "tok/s", True, ember=[50.0, 5.0, 45.0], peer=[40.0, 10.0, 45.0],
-                      ember_others=[0.0, 1.3, 0.1], peer_others=[0.0, 0.2, 0.1])
+    m = metric.Metric(
+        "d",
+        "tok/s",
+        True,
+        ember=[50.0, 5.0, 45.0],
+        peer=[40.0, 10.0, 45.0],
+        ember_others=[0.0, 1.3, 0.1],
+        peer_others=[0.0, 0.2, 0.1],
+    )
     assert m.kept_runs == [0, 2] and m.ember_median == 47.5 and m.speedup == pytest.approx((1.25 + 1.0) / 2)
     m.ember_others = [1.0, 1.3, 0.9]
     assert m.kept_runs == [0, 1, 2] and m.speedup == 1.0
@@ -133,8 +178,24 @@ def test_bench_structured_writes_both_bars(tmp_path):
     from ember.entrypoints.cli import main
 
     out = tmp_path / "structured.md"
-    main(["bench", "structured", "--runs", "1", "--output-len", "8", "--quiet-wait", "0", "--output", str(out),
-          "--kv-cache-memory", "0.3", "--max-model-len", "512"])
+    main(
+        [
+            "bench",
+            "structured",
+            "--runs",
+            "1",
+            "--output-len",
+            "8",
+            "--quiet-wait",
+            "0",
+            "--output",
+            str(out),
+            "--kv-cache-memory",
+            "0.3",
+            "--max-model-len",
+            "512",
+        ]
+    )
     data = _json.loads((tmp_path / "structured-structured.json").read_text())
     assert [m["name"] for m in data["metrics"]] == ["batch-1 decode", "batch-32 decode"]
     assert all(m["ember"][0] > 0 and m["peer"][0] > 0 for m in data["metrics"])

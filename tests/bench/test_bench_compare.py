@@ -3,6 +3,7 @@
 The peers are fakes (tests/bench/fake_peers.py) swapped in through compare.PEERS: CI has no
 llama-cpp-python, and what is tested here is the plumbing, not anyone's speed.
 """
+
 import json
 import sys
 
@@ -16,8 +17,25 @@ from tests.bench import test_bench_cli
 
 one_model_load = test_bench_cli.one_model_load  # fixture: the default model, loaded once per set of knobs
 
-TINY = ["--runs", "1", "--quiet-wait", "0", "--decode-tokens", "4", "--num-prompts", "2", "--input-len-range", "4,8",
-        "--output-len", "3", "--kv-cache-memory", "0.05", "--max-model-len", "512", "--in-process"]
+TINY = [
+    "--runs",
+    "1",
+    "--quiet-wait",
+    "0",
+    "--decode-tokens",
+    "4",
+    "--num-prompts",
+    "2",
+    "--input-len-range",
+    "4,8",
+    "--output-len",
+    "3",
+    "--kv-cache-memory",
+    "0.05",
+    "--max-model-len",
+    "512",
+    "--in-process",
+]
 
 
 @pytest.fixture
@@ -32,9 +50,15 @@ def test_compare_writes_rows_and_judges_the_bars(tmp_path, one_model_load, fake_
     text = md.read_text()
     assert text.count("<!-- ember-bench:compare:begin -->") == 1
     assert "| metric | ember | llama.cpp | transformers | ember / llama.cpp | ember / transformers |" in text
-    for row in ("| batch-1 decode, 4 tokens (tok/s) |", "| batch-1 decode, 4 tokens with MTP (tok/s) |",
-                "| TTFT, 8-token prompt (ms) |", "| TTFT, 16-token prompt (ms) |", "| peak RSS (MiB) |",
-                "| offline throughput, 2 prompts x 4-8 in / 3 out (out tok/s) |", "Memory: read bandwidth"):
+    for row in (
+        "| batch-1 decode, 4 tokens (tok/s) |",
+        "| batch-1 decode, 4 tokens with MTP (tok/s) |",
+        "| TTFT, 8-token prompt (ms) |",
+        "| TTFT, 16-token prompt (ms) |",
+        "| peak RSS (MiB) |",
+        "| offline throughput, 2 prompts x 4-8 in / 3 out (out tok/s) |",
+        "Memory: read bandwidth",
+    ):
         assert row in text, row
     assert "--input-len-range 4,8" in text and "--in-process" in text and "--peer llamacpp,hf" in text
     assert "--llamacpp-batch parallel" in text and "all prompts as parallel sequences through llama_decode" in text
@@ -54,8 +78,12 @@ def test_compare_writes_rows_and_judges_the_bars(tmp_path, one_model_load, fake_
     assert ttft["values"]["llama.cpp"]["runs"] == [60000.0]
     verdicts = {b["figure"] + "/" + b["side"]: b["result"] for b in data["bars"]}
     # ember decodes far faster than 1 tok/s and prefills 16 tokens in far less than 60 s; nothing beats 1e6 tok/s
-    assert verdicts == {"decode/ember": "PASS", "decode/ember+MTP": "PASS", "ttft_16/ember": "PASS",
-                        "throughput/ember": "FAIL"}
+    assert verdicts == {
+        "decode/ember": "PASS",
+        "decode/ember+MTP": "PASS",
+        "ttft_16/ember": "PASS",
+        "throughput/ember": "FAIL",
+    }
     assert "**PASS**" in text and "**FAIL**" in text
     assert data["rss_shared_process"] is True and data["peak_rss_mib"]["ember"] > 0
     bw = data["bandwidth"]
@@ -70,8 +98,27 @@ def test_compare_writes_rows_and_judges_the_bars(tmp_path, one_model_load, fake_
 
 def test_without_peers_the_bars_say_not_measured(tmp_path, one_model_load):
     md = tmp_path / "cpu.md"
-    assert main(["bench", "compare", *TINY, "--peer", "none", "--no-mtp", "--prompt-lens", "8", "--bandwidth-mib", "0",
-                 "--decode-prompt", "random", "--output", str(md)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "compare",
+                *TINY,
+                "--peer",
+                "none",
+                "--no-mtp",
+                "--prompt-lens",
+                "8",
+                "--bandwidth-mib",
+                "0",
+                "--decode-prompt",
+                "random",
+                "--output",
+                str(md),
+            ]
+        )
+        == 0
+    )
     assert "4 tokens after a 32-token random prompt" in md.read_text()
     data = json.loads((tmp_path / "cpu-compare.json").read_text())
     assert list(data["sides"]) == ["ember"] and data["bandwidth"] is None
@@ -98,9 +145,11 @@ def test_matrix_rows(tmp_path, one_model_load):
     assert main(["bench", "matrix", *TINY, "--prompt-len", "16", "--configs", rows, "--output", str(md)]) == 0
     text = md.read_text()
     assert text.count("<!-- ember-bench:matrix:begin -->") == 1
-    assert ("| everything off (quantization=none, int8_decode=False, int4_dense_copy=False, cpu_tiled_gemv=False, "
-            "cpu_int8_activations=False, cpu_paged_attention=False, cpu_fused_elementwise=False, cpu_flash_attention=False, "
-            "enable_chunked_prefill=False") in text
+    assert (
+        "| everything off (quantization=none, int8_decode=False, int4_dense_copy=False, cpu_tiled_gemv=False, "
+        "cpu_int8_activations=False, cpu_paged_attention=False, cpu_fused_elementwise=False, cpu_flash_attention=False, "
+        "enable_chunked_prefill=False"
+    ) in text
     assert "| + packed GGUF weights (quantization=auto" in text
     data = json.loads((tmp_path / "cpu-matrix.json").read_text())
     assert [r["name"] for r in data["rows"]] == rows.split(",")
@@ -153,32 +202,54 @@ def test_missing_llama_cpp_python_says_how_to_install(monkeypatch, capsys):
 
 
 SYNTHETIC = {
-    "command": "ember bench compare", "threads": 2, "runs": 3,
+    "command": "ember bench compare",
+    "threads": 2,
+    "runs": 3,
     "machine": {"cpu": "AMD EPYC", "date": "2026-11-30 04:00 UTC"},
     "sides": {"ember": {}, "ember+MTP": {}, "llama.cpp": {}, "transformers": {}},
     "figures": [
-        {"key": "decode", "name": "batch-1 decode, 256 tokens", "unit": "tok/s", "higher_is_better": True,
-         "values": {s: {"runs": r, "median": r[1], "min": min(r), "max": max(r)} for s, r in
-                    {"ember": [90, 100, 110], "ember+MTP": [140, 150, 160], "llama.cpp": [100, 100, 100],
-                     "transformers": [40, 50, 60]}.items()}},
+        {
+            "key": "decode",
+            "name": "batch-1 decode, 256 tokens",
+            "unit": "tok/s",
+            "higher_is_better": True,
+            "values": {
+                s: {"runs": r, "median": r[1], "min": min(r), "max": max(r)}
+                for s, r in {
+                    "ember": [90, 100, 110],
+                    "ember+MTP": [140, 150, 160],
+                    "llama.cpp": [100, 100, 100],
+                    "transformers": [40, 50, 60],
+                }.items()
+            },
+        },
     ],
     "peak_rss_mib": {"ember": 600.0, "llama.cpp": 300.0, "transformers": 1200.0},
-    "bandwidth": {"weight_bytes": 100e6, "gbps": {"median": 40.0}, "achieved_gbps": {"median": 10.0},
-                  "percent": {"median": 25.0}},
-    "bars": [{"figure": "decode", "side": "ember", "peer": "llama.cpp", "op": ">=", "threshold": 1.0, "result": "PASS"},
-             {"figure": "decode", "side": "ember+MTP", "peer": "llama.cpp", "op": ">=", "threshold": 1.5,
-              "result": "PASS"}],
+    "bandwidth": {
+        "weight_bytes": 100e6,
+        "gbps": {"median": 40.0},
+        "achieved_gbps": {"median": 10.0},
+        "percent": {"median": 25.0},
+    },
+    "bars": [
+        {"figure": "decode", "side": "ember", "peer": "llama.cpp", "op": ">=", "threshold": 1.0, "result": "PASS"},
+        {"figure": "decode", "side": "ember+MTP", "peer": "llama.cpp", "op": ">=", "threshold": 1.5, "result": "PASS"},
+    ],
 }
 
 
 def test_readme_table_rewrites_only_its_fenced_block():
-    readme = ("# ember\n\n## Benchmarks\n\n<!-- ember-bench:readme-compare:begin -->\nold table\n"
-              "<!-- ember-bench:readme-compare:end -->\n\n## After\n")
+    readme = (
+        "# ember\n\n## Benchmarks\n\n<!-- ember-bench:readme-compare:begin -->\nold table\n"
+        "<!-- ember-bench:readme-compare:end -->\n\n## After\n"
+    )
     out = readme_table.rewrite(readme, SYNTHETIC)
     assert "old table" not in out and out.startswith("# ember\n\n## Benchmarks\n\n") and out.endswith("\n## After\n")
     assert "| benchmark | ember | llama.cpp | transformers | ember / llama.cpp | ember / transformers | bar |" in out
-    assert ("| batch-1 decode, 256 tokens (tok/s) | 100.0 [90.0-110.0] | 100.0 [100.0-100.0] | 50.0 [40.0-60.0] | "
-            "1.00x [0.90-1.10] | 2.00x [1.83-2.25] | PASS (bar: >= 1x llama.cpp) |") in out
+    assert (
+        "| batch-1 decode, 256 tokens (tok/s) | 100.0 [90.0-110.0] | 100.0 [100.0-100.0] | 50.0 [40.0-60.0] | "
+        "1.00x [0.90-1.10] | 2.00x [1.83-2.25] | PASS (bar: >= 1x llama.cpp) |"
+    ) in out
     assert "| batch-1 decode, 256 tokens with MTP (tok/s) | 150.0 [140.0-160.0] | 100.0 [100.0-100.0] |" in out
     assert "| 1.50x [1.40-1.60] | 3.00x [2.67-3.50] | PASS (bar: >= 1.5x llama.cpp) |" in out
     assert "| peak RSS (MiB) | 600.0 | 300.0 | 1200 | 2.00x | 0.50x |  |" in out
@@ -220,8 +291,29 @@ def test_baseline_checkout_is_measured_in_its_own_worker(tmp_path):
     root = str(Path(__file__).resolve().parents[2])
     md = tmp_path / "cpu.md"
     worker = [a for a in TINY if a != "--in-process"]
-    assert main(["bench", "compare", *worker, "--peer", "none", "--no-mtp", "--baseline", root, "--prompt-lens", "8",
-                 "--bandwidth-mib", "0", "--decode-prompt", "random", "--output", str(md)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "compare",
+                *worker,
+                "--peer",
+                "none",
+                "--no-mtp",
+                "--baseline",
+                root,
+                "--prompt-lens",
+                "8",
+                "--bandwidth-mib",
+                "0",
+                "--decode-prompt",
+                "random",
+                "--output",
+                str(md),
+            ]
+        )
+        == 0
+    )
     data = json.loads((tmp_path / "cpu-compare.json").read_text())
     assert list(data["sides"]) == ["ember", "ember baseline"] and root in data["sides"]["ember baseline"]["checkout"]
     assert f"--baseline {root}" in data["command"]
@@ -238,8 +330,29 @@ def test_versus_measures_other_flags_of_this_checkout(tmp_path):
     """--versus FLAGS: the same checkout with other engine flags as a side of its own, in the same rounds;
     the command's batch-1 decode is judged at least theirs (within 5%)."""
     md = tmp_path / "cpu.md"
-    assert main(["bench", "compare", *TINY, "--peer", "none", "--no-mtp", "--versus", "--executor eager --max-num-seqs 1",
-                 "--prompt-lens", "8", "--bandwidth-mib", "0", "--decode-prompt", "random", "--output", str(md)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "compare",
+                *TINY,
+                "--peer",
+                "none",
+                "--no-mtp",
+                "--versus",
+                "--executor eager --max-num-seqs 1",
+                "--prompt-lens",
+                "8",
+                "--bandwidth-mib",
+                "0",
+                "--decode-prompt",
+                "random",
+                "--output",
+                str(md),
+            ]
+        )
+        == 0
+    )
     data = json.loads((tmp_path / "cpu-compare.json").read_text())
     assert list(data["sides"]) == ["ember", "ember --versus"]
     assert data["sides"]["ember --versus"]["flags"] == "--executor eager --max-num-seqs 1"

@@ -1,4 +1,5 @@
 """ember bench quant: the bars judged from the rows, and the rendered table."""
+
 from ember.bench.commands.quant import Row, bars, report, variants
 
 
@@ -27,11 +28,27 @@ def test_bars_pass_and_fail_on_the_figures():
 
 
 def test_render_has_every_row_and_ratio():
-    result = report(_rows(), command="ember bench quant", gguf_path="x.gguf", gguf_tensor_bytes=GGUF_TENSOR_BYTES,
-                    notes=["n"], load_at_start=None)
-    result.machine = {"cpu": "cpu", "usable_cores": 2, "avx512_bf16": True, "ram_gib": 24, "os": "linux",
-                      "python": "3.11", "torch": "2.13", "transformers": "5", "ember": "source", "torch_threads": 2,
-                      "date": "today"}
+    result = report(
+        _rows(),
+        command="ember bench quant",
+        gguf_path="x.gguf",
+        gguf_tensor_bytes=GGUF_TENSOR_BYTES,
+        notes=["n"],
+        load_at_start=None,
+    )
+    result.machine = {
+        "cpu": "cpu",
+        "usable_cores": 2,
+        "avx512_bf16": True,
+        "ram_gib": 24,
+        "os": "linux",
+        "python": "3.11",
+        "torch": "2.13",
+        "transformers": "5",
+        "ember": "source",
+        "torch_threads": 2,
+        "date": "today",
+    }
     text = result.to_markdown()
     assert "| GGUF Q4_1 packed | 101.0 | 1.05 | 81.0 (80.0–82.0) | 2.02 | 10.050 | +0.50% |" in text
     assert text.count("PASS") == 5
@@ -40,5 +57,9 @@ def test_render_has_every_row_and_ratio():
 def test_variants_pair_awq_and_rtn_per_group_size():
     vs = variants({64: {"awq": "a64", "rtn": "r64"}, 32: {"awq": "a32", "rtn": "r32"}}, "bfloat16")
     assert [(v.kind, v.group_size) for v in vs if v.kind in ("awq", "rtn")] == [
-        ("awq", 64), ("rtn", 64), ("awq", 32), ("rtn", 32)]
+        ("awq", 64),
+        ("rtn", 64),
+        ("awq", 32),
+        ("rtn", 32),
+    ]
     assert next(v for v in vs if v.kind == "fp8").engine_kwargs["kv_cache_dtype"] == "fp8"

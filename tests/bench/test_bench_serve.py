@@ -1,4 +1,5 @@
 """`ember bench serve` end to end on a tiny model: results files, sections and counts, never speed."""
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,32 @@ def _level(js: dict, i: int = 0) -> dict:
 
 def test_token_id_prompts_against_a_url(tmp_path, tiny, live):
     md = tmp_path / "serve.md"
-    assert main(["bench", "serve", "--url", live.url, "--tokenizer", tiny, "--num-prompts", "5", "--max-concurrency", "2",
-                 "--input-len", "16", "--output-len", "6", "--label", "tiny", "--output", str(md)] + QUICK) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "serve",
+                "--url",
+                live.url,
+                "--tokenizer",
+                tiny,
+                "--num-prompts",
+                "5",
+                "--max-concurrency",
+                "2",
+                "--input-len",
+                "16",
+                "--output-len",
+                "6",
+                "--label",
+                "tiny",
+                "--output",
+                str(md),
+            ]
+            + QUICK
+        )
+        == 0
+    )
     text = md.read_text()
     assert text.count("<!-- ember-bench:serve:tiny:begin -->") == 1
     assert "ember bench serve --tokenizer" in text and "--max-concurrency 2" in text
@@ -60,8 +85,30 @@ def test_token_id_prompts_against_a_url(tmp_path, tiny, live):
 def test_chat_with_text_prompts_and_a_second_section(tmp_path, tiny, live):
     md = tmp_path / "serve.md"
     md.write_text("# mine\n\n<!-- ember-bench:serve:other:begin -->\nkept\n<!-- ember-bench:serve:other:end -->\n")
-    assert main(["bench", "serve", "--url", live.url + "/v1", "--endpoint", "chat", "--num-prompts", "4",
-                 "--max-concurrency", "2", "--input-len", "48", "--output-len", "5", "--output", str(md)] + QUICK) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "serve",
+                "--url",
+                live.url + "/v1",
+                "--endpoint",
+                "chat",
+                "--num-prompts",
+                "4",
+                "--max-concurrency",
+                "2",
+                "--input-len",
+                "48",
+                "--output-len",
+                "5",
+                "--output",
+                str(md),
+            ]
+            + QUICK
+        )
+        == 0
+    )
     text = md.read_text()
     assert "kept" in text and "<!-- ember-bench:serve:tiny-qwen3:begin -->" in text
     js = json.loads((tmp_path / "serve-tiny-qwen3.json").read_text())
@@ -76,8 +123,28 @@ def test_chat_with_text_prompts_and_a_second_section(tmp_path, tiny, live):
 def test_failed_requests_are_counted_not_fatal(tmp_path, tiny, live):
     md = tmp_path / "serve.md"
     # 250 prompt tokens + 20 > max_model_len 256: every request is answered 400
-    assert main(["bench", "serve", "--url", live.url, "--tokenizer", tiny, "--num-prompts", "3", "--input-len", "250",
-                 "--output-len", "20", "--output", str(md)] + QUICK) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "serve",
+                "--url",
+                live.url,
+                "--tokenizer",
+                tiny,
+                "--num-prompts",
+                "3",
+                "--input-len",
+                "250",
+                "--output-len",
+                "20",
+                "--output",
+                str(md),
+            ]
+            + QUICK
+        )
+        == 0
+    )
     js = json.loads((tmp_path / "serve-tiny-qwen3.json").read_text())
     lv = _level(js)
     assert (lv["completed"], lv["failed"]) == (0, 3)
@@ -88,9 +155,31 @@ def test_failed_requests_are_counted_not_fatal(tmp_path, tiny, live):
 @pytest.mark.engine
 def test_launch_runs_the_sweep_and_the_offline_peer(tmp_path, tiny):
     md = tmp_path / "serve.md"
-    assert main(["bench", "serve", "--launch", tiny, *TINY_SERVER, "--server-args=--no-warmup",
-                 "--concurrency-list", "2,8", "--num-prompts", "8", "--input-len", "12", "--output-len", "4",
-                 "--quiet-wait", "0", "--output", str(md)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "serve",
+                "--launch",
+                tiny,
+                *TINY_SERVER,
+                "--server-args=--no-warmup",
+                "--concurrency-list",
+                "2,8",
+                "--num-prompts",
+                "8",
+                "--input-len",
+                "12",
+                "--output-len",
+                "4",
+                "--quiet-wait",
+                "0",
+                "--output",
+                str(md),
+            ]
+        )
+        == 0
+    )
     js = json.loads((tmp_path / "serve-ember.json").read_text())
     assert [lv["max_concurrency"] for lv in js["levels"]] == [2, 8]
     for i in (0, 1):
@@ -131,9 +220,36 @@ def test_percentiles_and_lengths():
 @pytest.mark.engine
 def test_launch_chat_sends_text_and_runs_the_offline_peer_on_ids(tmp_path, tiny):
     md = tmp_path / "serve.md"
-    assert main(["bench", "serve", "--launch", tiny, *TINY_SERVER, "--server-args=--no-warmup", "--endpoint", "chat",
-                 "--max-concurrency", "2", "--num-prompts", "2", "--input-len", "40", "--output-len", "3",
-                 "--random-range-ratio", "0.5", "--label", "chat", "--output", str(md)] + QUICK) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "serve",
+                "--launch",
+                tiny,
+                *TINY_SERVER,
+                "--server-args=--no-warmup",
+                "--endpoint",
+                "chat",
+                "--max-concurrency",
+                "2",
+                "--num-prompts",
+                "2",
+                "--input-len",
+                "40",
+                "--output-len",
+                "3",
+                "--random-range-ratio",
+                "0.5",
+                "--label",
+                "chat",
+                "--output",
+                str(md),
+            ]
+            + QUICK
+        )
+        == 0
+    )
     js = json.loads((tmp_path / "serve-chat.json").read_text())
     assert js["prompt_format"] == "text" and js["endpoint"] == "chat"
     lv, off = _level(js), js["offline"]["median"]
@@ -150,7 +266,9 @@ def test_a_redone_measurement_keeps_the_lengths_and_draws_new_prompts():
     args = SimpleNamespace(num_prompts=6, input_len=20, output_len=10, random_range_ratio=0.5, prompt_seed=0)
     work = Workload(args, load.Target("http://x"), list(range(100, 200)), use_ids=True)
     a, b, c = work.specs(7), work.specs(7, salt=1), work.specs(8)
-    assert [len(s.prompt) for s in a] == [len(s.prompt) for s in b] and [s.output_len for s in a] == [s.output_len for s in b]
+    assert [len(s.prompt) for s in a] == [len(s.prompt) for s in b] and [s.output_len for s in a] == [
+        s.output_len for s in b
+    ]
     assert [s.prompt for s in a] != [s.prompt for s in b]
     assert [len(s.prompt) for s in a] != [len(s.prompt) for s in c]
     assert work.specs(7) == a  # seeded

@@ -1,4 +1,5 @@
 """`ember bench spec` end to end on the default model and its MTP head, tiny sizes: files, rows, bars."""
+
 import json
 
 import pytest
@@ -18,8 +19,31 @@ def test_bench_spec_writes_rows_acceptance_and_bars(tmp_path):
         pytest.skip(str(e))
     assert default_mtp_path() is not None
     md = tmp_path / "spec.md"
-    assert main(["bench", "spec", "--peer", "none", "--runs", "1", "--quiet-wait", "0", "--num-prompts", "1",
-                 "--max-tokens", "12", "--ks", "1", "--temperatures", "0,0.8", "--output", str(md)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "spec",
+                "--peer",
+                "none",
+                "--runs",
+                "1",
+                "--quiet-wait",
+                "0",
+                "--num-prompts",
+                "1",
+                "--max-tokens",
+                "12",
+                "--ks",
+                "1",
+                "--temperatures",
+                "0,0.8",
+                "--output",
+                str(md),
+            ]
+        )
+        == 0
+    )
     data = json.loads(md.with_suffix(".json").read_text())
     rows = {(r["config"], r["temperature"]) for r in data["rows"]}
     assert rows == {(c, t) for c in ("no speculation", "k=1", "adaptive, k<=1") for t in (0.0, 0.8)}
@@ -27,8 +51,10 @@ def test_bench_spec_writes_rows_acceptance_and_bars(tmp_path):
     assert len(k1["acceptance_per_pos"]) == 1 and 1.0 <= k1["mean_accepted_length"] <= 2.0
     assert k1["tok_s_median"] > 0 and k1["vs_no_spec"] > 0
     assert [b["text"].split(" (")[0] for b in data["bars"]] == [
-        "position-1 acceptance >= 0.6 at temperature 0", "decode >= 1.6x no speculation at temperature 0",
-        "decode >= 1.25x no speculation at temperature 0.8"]
+        "position-1 acceptance >= 0.6 at temperature 0",
+        "decode >= 1.6x no speculation at temperature 0",
+        "decode >= 1.25x no speculation at temperature 0.8",
+    ]
     text = md.read_text()
     assert "<!-- ember-bench:spec:begin -->" in text and "| 0 | k=1 |" in text and "mtp (" in text
 
@@ -41,11 +67,20 @@ class FakePeer:
 
 
 def test_summary_ratios_and_bars_from_measured_rates():
-    sides = [bench_spec.Side("no speculation", None), bench_spec.Side("k=2", 2),
-             bench_spec.Side("llama.cpp", None, is_peer=True)]
+    sides = [
+        bench_spec.Side("no speculation", None),
+        bench_spec.Side("k=2", 2),
+        bench_spec.Side("llama.cpp", None, is_peer=True),
+    ]
     sides[2].llm = FakePeer()
-    counters = {"spec_num_drafts": 10, "spec_num_accepted_tokens": 12, "spec_num_accepted_tokens_per_pos": [7, 5],
-                "spec_num_draft_tokens_per_pos": [10, 7], "spec_draft_seconds": 1.0, "spec_verify_seconds": 3.0}
+    counters = {
+        "spec_num_drafts": 10,
+        "spec_num_accepted_tokens": 12,
+        "spec_num_accepted_tokens_per_pos": [7, 5],
+        "spec_num_draft_tokens_per_pos": [10, 7],
+        "spec_draft_seconds": 1.0,
+        "spec_verify_seconds": 3.0,
+    }
     for s, rate in zip(sides, (50.0, 90.0, 100.0)):
         s.rates[0.0], s.others[0.0], s.tokens[0.0] = [rate, rate + 2, rate - 2], [0.0, None, 0.1], 100
     sides[1].stats[0.0] = counters

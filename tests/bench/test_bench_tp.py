@@ -1,4 +1,5 @@
 """`ember bench tp` on a tiny random Qwen3 over 2 gloo ranks: the table, the JSON, the comm share."""
+
 import json
 
 import pytest
@@ -9,8 +10,29 @@ from ember.entrypoints.cli import main
 @pytest.mark.engine
 def test_bench_tp_measures_tp1_and_tp2(tmp_path):
     md = tmp_path / "tp.md"
-    assert main(["bench", "tp", "--shape", "tiny", "--runs", "1", "--decode-tokens", "4", "--prompt-len", "16",
-                 "--dtype", "float32", "--kv-cache-memory", "0.05", "--output", str(md)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "tp",
+                "--shape",
+                "tiny",
+                "--runs",
+                "1",
+                "--decode-tokens",
+                "4",
+                "--prompt-len",
+                "16",
+                "--dtype",
+                "float32",
+                "--kv-cache-memory",
+                "0.05",
+                "--output",
+                str(md),
+            ]
+        )
+        == 0
+    )
     data = json.loads(md.with_suffix(".json").read_text())
     one, two = data["rows"]
     assert (one["tp"], two["tp"]) == (1, 2)

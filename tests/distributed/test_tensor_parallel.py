@@ -6,6 +6,7 @@ tests/models/tiny_models.py: TP=2 must give the TP=1 greedy tokens exactly, unde
 the all-reduce's summation order differs); AWQ int4 checkpoints and MTP speculation likewise.
 Then the refusals, a clean shutdown (no process left) and a killed worker (rank 0 raises, fast).
 """
+
 from __future__ import annotations
 
 import os
@@ -84,8 +85,9 @@ def test_awq_int4_shards_equal_tp1(tiny_model_dir, tmp_path, arch, group):
     rows / groups (row-parallel, MoE down); the router stays dense."""
     from tests.quant.test_awq import write_awq_pair
 
-    awq_dir, _ = write_awq_pair(tiny_model_dir(arch), str(tmp_path), group,
-                                skip=["mlp.gate"] if arch == "qwen3_moe" else ())
+    awq_dir, _ = write_awq_pair(
+        tiny_model_dir(arch), str(tmp_path), group, skip=["mlp.gate"] if arch == "qwen3_moe" else ()
+    )
     ref = generate(make_llm(awq_dir, **HARD))
     llm = tp_llm(awq_dir, **HARD)
     try:
@@ -119,8 +121,12 @@ def test_draft_model_runs_whole_on_rank0_under_tp(tiny_model_dir):
     path = tiny_model_dir("qwen3")
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     ref = [o.token_ids for o in generate(make_llm(path, **HARD), params)]
-    llm = tp_llm(path, speculative_config={"method": "draft", "model": path, "num_speculative_tokens": 2},
-                 adaptive_spec=False, **HARD)
+    llm = tp_llm(
+        path,
+        speculative_config={"method": "draft", "model": path, "num_speculative_tokens": 2},
+        adaptive_spec=False,
+        **HARD,
+    )
     try:
         assert [o.token_ids for o in generate(llm, params)] == ref
         stats = llm.engine.stats()
@@ -136,9 +142,12 @@ def test_random_mtp_layer_on_moe_keeps_greedy_output(tiny_model_dir, tmp_path):
     main = tiny_model_dir("qwen3_moe")
     hf_cfg = hf_config(main)
     refs = make_ref_layers(hf_cfg, "mimo", 1, arch="qwen3_moe")
-    path = write_main_with_mtp(main, str(tmp_path / "moe-mtp"),
-                               checkpoint_tensors(refs, "mimo", hf_cfg.num_hidden_layers, hf_cfg.moe_intermediate_size),
-                               {COUNT_KEY["mimo"]: 1})
+    path = write_main_with_mtp(
+        main,
+        str(tmp_path / "moe-mtp"),
+        checkpoint_tensors(refs, "mimo", hf_cfg.num_hidden_layers, hf_cfg.moe_intermediate_size),
+        {COUNT_KEY["mimo"]: 1},
+    )
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     ref = [o.token_ids for o in generate(make_llm(path, **HARD), params)]
     llm = tp_llm(path, enable_mtp=True, num_speculative_tokens=2, **HARD)
@@ -151,9 +160,12 @@ def test_random_mtp_layer_on_moe_keeps_greedy_output(tiny_model_dir, tmp_path):
 
 # ---- refusals -------------------------------------------------------------------------------------
 
+
 def test_head_counts_that_do_not_split_are_refused(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(tp_config, "cpu_limit", lambda: 8)
-    with pytest.raises(ConfigError, match=r"--tensor-parallel-size 3 .*4 attention heads.*Sizes that work here: 1, 2, 4"):
+    with pytest.raises(
+        ConfigError, match=r"--tensor-parallel-size 3 .*4 attention heads.*Sizes that work here: 1, 2, 4"
+    ):
         make_llm(tiny_model_dir("qwen3"), tensor_parallel_size=3)
     assert parallel_state.get_state() is None  # refused before any process started
 
@@ -180,6 +192,7 @@ def test_awq_groups_that_do_not_split_are_refused(tiny_model_dir, tmp_path):
 
 
 # ---- lifecycle ------------------------------------------------------------------------------------
+
 
 def test_shutdown_leaves_no_process(tiny_model_dir):
     llm = tp_llm(tiny_model_dir("qwen3"))
@@ -261,8 +274,10 @@ def test_hybrid_gated_deltanet_shards_by_key_head_group(tmp_path):
     batched, and with prefix-cache hits that restore each rank's state snapshot."""
     from tests.models.tiny_hybrids import VOCAB, build_hybrid, save_hybrid
 
-    path = save_hybrid(build_hybrid("qwen3_next", num_attention_heads=4, num_key_value_heads=2, head_dim=12),
-                       str(tmp_path / "qwen3-next"))
+    path = save_hybrid(
+        build_hybrid("qwen3_next", num_attention_heads=4, num_key_value_heads=2, head_dim=12),
+        str(tmp_path / "qwen3-next"),
+    )
     prompts = [[t % VOCAB for t in p] for p in PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
 

@@ -1,6 +1,7 @@
 """AOTInductor packages of decode steps (ember.engine.executor.aot_package): the weights stay the model's own
 (found again by path in a later process, wherever the model keeps them), a package is keyed by what
 its graph depends on, and a broken one is refused with a message rather than run."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -58,8 +59,13 @@ def test_tensors_are_found_by_path_wherever_the_model_keeps_them():
     toy = Toy(0)
     found = aot_package._tensors_of(toy)
     paths = set(found.values())
-    assert {"layer.norm", "layer.parts.0.codes", "layer.parts.0.scale", "_shared.norm",
-            "_shared.parts.0.codes"} <= paths
+    assert {
+        "layer.norm",
+        "layer.parts.0.codes",
+        "layer.parts.0.scale",
+        "_shared.norm",
+        "_shared.parts.0.codes",
+    } <= paths
     for path in paths:
         assert found[aot_package._same_tensor(aot_package._resolve(toy, path))] == path
 
@@ -72,8 +78,7 @@ def test_a_package_runs_on_the_weights_of_the_model_it_is_loaded_for(tmp_path):
     x, rows = torch.randn(3, 8), [torch.randn(3, 8)]
     path = str(tmp_path / "toy.pt2")
     width = torch.export.Dim("rows", min=2)
-    aot_package.build(Step(built_on), built_on, (x, rows), ({0: width}, [{0: width}]),
-                      {"max_autotune": False}, path)
+    aot_package.build(Step(built_on), built_on, (x, rows), ({0: width}, [{0: width}]), {"max_autotune": False}, path)
     assert aot_package.load(str(tmp_path / "other.pt2"), loaded_for) is None  # nothing built there
     package = aot_package.load(path, loaded_for)
     assert torch.allclose(package([x, rows[0]]), loaded_for(x, rows), atol=1e-5)
@@ -108,10 +113,12 @@ def test_the_key_covers_shape_executor_and_model():
     base = aot_package.package_path("model-a", "compiled executor", (1, 1), {"mode": "m"})
     assert base.endswith(".pt2") and "ember-aot" in base
     assert base == aot_package.package_path("model-a", "compiled executor", (1, 1), {"mode": "m"})
-    others = {aot_package.package_path("model-b", "compiled executor", (1, 1), {"mode": "m"}),
-              aot_package.package_path("model-a", "MTP fill", (1, 1), {"mode": "m"}),
-              aot_package.package_path("model-a", "compiled executor", (1, 2), {"mode": "m"}),
-              aot_package.package_path("model-a", "compiled executor", (1, 1), {"mode": "n"})}
+    others = {
+        aot_package.package_path("model-b", "compiled executor", (1, 1), {"mode": "m"}),
+        aot_package.package_path("model-a", "MTP fill", (1, 1), {"mode": "m"}),
+        aot_package.package_path("model-a", "compiled executor", (1, 2), {"mode": "m"}),
+        aot_package.package_path("model-a", "compiled executor", (1, 1), {"mode": "n"}),
+    }
     assert base not in others and len(others) == 4
 
 

@@ -1,6 +1,7 @@
 """--executor auto on CPU: the engine serves eagerly at once while a background thread compiles its
 decode graphs (and the MTP fill's), then those steps run compiled; what auto resolves to; and a
 process that ends mid-compile takes its compile workers and compilers with it."""
+
 from __future__ import annotations
 
 import os
@@ -16,9 +17,9 @@ import torch
 
 from ember import SamplingParams
 from ember.config import EngineConfig
+from ember.engine.executor.base import resolve_executor
 from ember.engine.executor.compile_guard import COMPILERS, is_compile_process
 from ember.engine.executor.compiled import CompiledExecutor
-from ember.engine.executor.base import resolve_executor
 from ember.kernels.cpu_attention import CpuAttentionBackend
 from ember.kernels.torch_attention import TorchAttentionBackend
 from tests.engine.test_engine import make_llm
@@ -39,8 +40,12 @@ def test_auto_resolves_to_compiled_only_where_it_is_the_fast_path(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.setenv("EMBER_AUTO_COMPILE", "1")
     assert resolve_executor(EngineConfig(), cpu, torch.float32, CpuAttentionBackend()) == "compiled"
-    assert resolve_executor(EngineConfig(), cpu, torch.float32, TorchAttentionBackend()) == "eager"  # the reference stays plain
-    assert resolve_executor(EngineConfig(), cpu, torch.float8_e4m3fn, CpuAttentionBackend()) == "eager"  # fp8 scales calibrate
+    assert (
+        resolve_executor(EngineConfig(), cpu, torch.float32, TorchAttentionBackend()) == "eager"
+    )  # the reference stays plain
+    assert (
+        resolve_executor(EngineConfig(), cpu, torch.float8_e4m3fn, CpuAttentionBackend()) == "eager"
+    )  # fp8 scales calibrate
     assert resolve_executor(EngineConfig(tensor_parallel_size=2), cpu, torch.float32, CpuAttentionBackend()) == "eager"
     assert resolve_executor(EngineConfig(enforce_eager=True), cpu, torch.float32, CpuAttentionBackend()) == "eager"
     monkeypatch.setenv("EMBER_AUTO_COMPILE", "0")
@@ -174,8 +179,11 @@ def _compile_processes(pid: int) -> list:
 def _guards_of(pid: int) -> list:
     import psutil
 
-    return [p for p in psutil.process_iter(["cmdline"])
-            if (p.info["cmdline"] or [])[-2:] == ["ember.engine.executor.compile_guard", str(pid)]]
+    return [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if (p.info["cmdline"] or [])[-2:] == ["ember.engine.executor.compile_guard", str(pid)]
+    ]
 
 
 def _fake_compiler(tmp_path) -> str:
@@ -193,8 +201,12 @@ def test_the_compile_guard_ends_a_dead_engines_compilers(tmp_path, how):
     guard process ends the compilers the engine left, then itself."""
     import psutil
 
-    child = subprocess.Popen([sys.executable, "-c", FAKE_CHILD, _fake_compiler(tmp_path)],
-                             env=dict(os.environ, PYTHONPATH=os.getcwd()), stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", FAKE_CHILD, _fake_compiler(tmp_path)],
+        env=dict(os.environ, PYTHONPATH=os.getcwd()),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert child.stdout.readline().strip() == "compiling"
         deadline, compilers = time.time() + 60, []
@@ -253,10 +265,12 @@ def test_a_real_compile_killed_midway_leaves_nothing_behind(tiny_model_dir, tmp_
     while a compiler runs; nothing it started is left, and a fresh engine then compiles and serves."""
     import psutil
 
-    env = dict(os.environ, EMBER_AUTO_COMPILE="1", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
-               PYTHONPATH=os.getcwd())
-    child = subprocess.Popen([sys.executable, "-c", CHILD, tiny_model_dir("llama")], env=env,
-                             stdout=subprocess.PIPE, text=True)
+    env = dict(
+        os.environ, EMBER_AUTO_COMPILE="1", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), PYTHONPATH=os.getcwd()
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, tiny_model_dir("llama")], env=env, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert child.stdout.readline().strip() == "serving"  # start-up did not wait for the compile
         deadline, seen = time.time() + 300, []

@@ -3,6 +3,7 @@ engine started later in another loads them before it serves and runs its decode 
 nothing compiled anew. Quantized models (freezing off) keep AOTInductor packages; frozen (dense) ones
 torch's own caches, in ember's folder. Plus the pieces around it: which folder, freezing's default, the
 metric that says how many shapes run compiled."""
+
 from __future__ import annotations
 
 import json
@@ -79,14 +80,30 @@ def test_ember_compile_fills_the_cache_that_a_later_process_loads(tiny_model_dir
     no tracing and no inductor work. freezing on: torch's FX graph cache hits (AOTAutograd's cache
     refuses frozen graphs, so it traces again)."""
     model = tiny_model_dir("llama")
-    env = dict(os.environ, EMBER_AUTO_COMPILE="1", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"),
-               PYTHONPATH=os.getcwd())
+    env = dict(
+        os.environ, EMBER_AUTO_COMPILE="1", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=os.getcwd()
+    )
     # packages: two sizes, built at once by this process and a worker (one per core); the later
     # start (max_num_seqs 1) uses the batch-1 one
     sizes, seqs = ([1], "1") if freezing else ([1, 2], "2")
     cc = json.dumps(COMPILE | {"freezing": freezing, "compile_sizes": sizes})
-    built = subprocess.run([sys.executable, "-m", "ember.entrypoints.cli", "compile", model, "--max-num-seqs", seqs,
-                            "--compilation-config", cc], env=env, capture_output=True, text=True, timeout=600)
+    built = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ember.entrypoints.cli",
+            "compile",
+            model,
+            "--max-num-seqs",
+            seqs,
+            "--compilation-config",
+            cc,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert built.returncode == 0, built.stderr[-2000:]
     assert "decode graphs of" in built.stdout and str(tmp_path / "cache") in built.stdout
     if not freezing:
@@ -94,8 +111,9 @@ def test_ember_compile_fills_the_cache_that_a_later_process_loads(tiny_model_dir
         engines = built.stderr.count("INFO ember: ember: LlamaForCausalLM")
         assert engines == (2 if (os.cpu_count() or 1) >= 2 else 1)  # with a worker on 2 cores
         assert built.stderr.count("loaded from its ahead-of-time package") == 2  # the final compile loads both
-    later = subprocess.run([sys.executable, "-c", LATER_START, model, cc], env=env, capture_output=True, text=True,
-                           timeout=600)
+    later = subprocess.run(
+        [sys.executable, "-c", LATER_START, model, cc], env=env, capture_output=True, text=True, timeout=600
+    )
     assert later.returncode == 0, later.stderr[-2000:]
     seen = json.loads(later.stdout.strip().splitlines()[-1])
     assert seen["cache"] == str(tmp_path / "cache") and not seen["failures"]
@@ -168,7 +186,11 @@ def test_steps_take_one_thread_while_a_job_compiles():
 
 @pytest.mark.slow
 def test_ember_compile_says_when_there_is_nothing_to_compile(tiny_model_dir):
-    out = subprocess.run([sys.executable, "-m", "ember.entrypoints.cli", "compile", tiny_model_dir("llama"),
-                          "--executor", "eager"], env=dict(os.environ, PYTHONPATH=os.getcwd()),
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "ember.entrypoints.cli", "compile", tiny_model_dir("llama"), "--executor", "eager"],
+        env=dict(os.environ, PYTHONPATH=os.getcwd()),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0 and "nothing to compile" in out.stdout and "eager" in out.stdout

@@ -3,14 +3,15 @@
 torch.compile caches graphs per code object (CompiledExecutor._forward), and the pool's block count
 is symbolic, so a second engine reuses the first one's graphs: that must run the second model's
 weights (they are graph inputs), and the reused graph must still be called without guards."""
+
 from __future__ import annotations
 
 import pytest
 
 from ember import SamplingParams
+from tests.conftest import write_tiny_tokenizer
 from tests.engine.test_engine import make_llm
 from tests.models.tiny_models import VOCAB, build_hf_model, one_thread, random_prompt, save_hf_model  # noqa: F401
-from tests.conftest import write_tiny_tokenizer
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.engine]
 COMPILE = {"compile_sizes": [1], "mode": "default", "freezing": True, "cpp_wrapper": False}

@@ -1,4 +1,5 @@
 """The engine raises glibc's malloc thresholds on CPU (see ember/engine/startup/cpu_malloc.py)."""
+
 from __future__ import annotations
 
 import subprocess

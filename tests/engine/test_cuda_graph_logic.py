@@ -5,6 +5,7 @@ same static buffers, into the same output tensor: what a CUDA graph does, minus 
 executor's static inputs, padding to the next size, per-row inputs (the MTP fill's hidden
 states) and output slicing are checked against the eager engine, token for token. The capture
 itself (streams, the memory pool) runs on a GPU only (scripts/gpu_check.py)."""
+
 from __future__ import annotations
 
 import pytest
@@ -51,8 +52,15 @@ class CPUGraphExecutor(CUDAGraphExecutor):
 def graphs_for(llm, query_lens, max_batch=4) -> CPUGraphExecutor:
     """Swap the engine's executor for stand-in graphs at sizes 1, 2, 4."""
     eng, runner = llm.engine, llm.engine.parts.runner
-    ex = CPUGraphExecutor(runner.model, runner.kv_caches, runner.block_size, eng.parts.limits.max_model_len, max_batch,
-                          query_lens, runner.device)
+    ex = CPUGraphExecutor(
+        runner.model,
+        runner.kv_caches,
+        runner.block_size,
+        eng.parts.limits.max_model_len,
+        max_batch,
+        query_lens,
+        runner.device,
+    )
     runner.executor = ex
     return ex
 

@@ -21,6 +21,7 @@ class PieceTokenizer:
         class _Stream:
             def step(self, token_id):
                 return pieces[token_id]
+
         return _Stream()
 
     def decode(self, ids, skip_special_tokens=True):
@@ -39,6 +40,7 @@ class HFTokenizer:
         class _Stream:
             def step(self, token_id):
                 return ds.step(tok, token_id)
+
         return _Stream()
 
     def decode(self, ids, skip_special_tokens=True):
@@ -139,17 +141,23 @@ def test_decoded_token_shows_special_tokens():
 
 # -- a real byte-level BPE tokenizer ----------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def bpe() -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    corpus = ["Hello world, this is a tiny corpus.",
-              "The quick brown fox jumps over the lazy dog.",
-              "héllo wörld 日本語 🙂 naïve café"] * 3
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = [
+        "Hello world, this is a tiny corpus.",
+        "The quick brown fox jumps over the lazy dog.",
+        "héllo wörld 日本語 🙂 naïve café",
+    ] * 3
     tok.train_from_iterator(corpus, trainer)
     return tok
 
@@ -186,16 +194,18 @@ def test_a_sequence_cut_inside_a_character_ends_as_a_full_decode_does(bpe):
     assert whole.output_text == TEXT
 
 
-@pytest.mark.parametrize("stop, include, expected", [
-    ("本語", False, "Hello 日"),
-    ("本語", True, "Hello 日本語"),
-    (["🙂 w", "zzz"], False, "Hello 日本語 café "),
-    ("orld", False, "Hello 日本語 café 🙂 w"),
-])
+@pytest.mark.parametrize(
+    "stop, include, expected",
+    [
+        ("本語", False, "Hello 日"),
+        ("本語", True, "Hello 日本語"),
+        (["🙂 w", "zzz"], False, "Hello 日本語 café "),
+        ("orld", False, "Hello 日本語 café 🙂 w"),
+    ],
+)
 def test_stop_strings_with_a_real_tokenizer(bpe, stop, include, expected):
     ids = bpe.encode(TEXT).ids + bpe.encode(" trailing text").ids
-    d = IncrementalDetokenizer(HFTokenizer(bpe),
-                               SamplingParams(stop=stop, include_stop_str_in_output=include))
+    d = IncrementalDetokenizer(HFTokenizer(bpe), SamplingParams(stop=stop, include_stop_str_in_output=include))
     deltas, got = _stream(d, ids)
     assert got == (stop if isinstance(stop, str) else stop[0])
     assert d.output_text == expected

@@ -1,5 +1,6 @@
 """The engine end to end on tiny random models: batching, chunking, prefix cache and preemption
 never change greedy tokens; blocks come back; bad input gets ember errors."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,8 @@ import torch
 
 from ember import LLM, SamplingParams
 from ember.config import EngineConfig
-from ember.errors import ConfigError, KVCacheTooSmallError, ModelLoadError, PromptTooLongError
 from ember.config.model_config import ModelConfig
+from ember.errors import ConfigError, KVCacheTooSmallError, ModelLoadError, PromptTooLongError
 from tests.models.tiny_models import build_hf_model, hf_greedy, random_prompt
 
 pytestmark = pytest.mark.engine  # every test here builds an engine
@@ -100,8 +101,9 @@ def test_prefix_cache_hit_equals_cold(qwen3):
 
 def test_preemption_under_a_tiny_pool_equals_ample_pool(qwen3, prompts):
     # 20 blocks of 4 = 80 tokens for 8 requests of up to 40 + 16 tokens: preemption must happen.
-    tiny = make_llm(qwen3, kv_cache_memory=kv_gib(qwen3, 20, 4), max_model_len=64, max_num_seqs=8,
-                    enable_prefix_caching=False)
+    tiny = make_llm(
+        qwen3, kv_cache_memory=kv_gib(qwen3, 20, 4), max_model_len=64, max_num_seqs=8, enable_prefix_caching=False
+    )
     assert tiny.engine.parts.kv.num_blocks == 20
     out_tiny = greedy(tiny, prompts)
     assert tiny.engine.parts.scheduler.num_preemptions > 0
@@ -131,21 +133,28 @@ def test_all_blocks_return_after_finish_and_abort(qwen3, prompts):
 def test_stop_string_across_tokens_is_cut(qwen3):
     llm = make_llm(qwen3)
     prompt = {"prompt_token_ids": random_prompt(6, 3)}
-    full = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    full = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)[
+        0
+    ].outputs[0]
     text = full.text
     tok = llm.get_tokenizer()
     # A stop string that starts inside one token's text and ends inside a later one.
     pieces = [tok.decode([t]) for t in full.token_ids]
     start = len(pieces[0]) + len(pieces[1]) - 1
-    stop = text[start:start + len(pieces[2]) + 2]
+    stop = text[start : start + len(pieces[2]) + 2]
     assert len(stop) >= 3
     cut = text.index(stop)
-    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]), use_tqdm=False
+    )[0].outputs[0]
     assert out.text == text[:cut]
     assert out.finish_reason == "stop" and out.stop_reason == stop
-    kept = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop],
-                                               include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
-    assert kept.text == text[:cut + len(stop)]
+    kept = llm.generate(
+        prompt,
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop], include_stop_str_in_output=True),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert kept.text == text[: cut + len(stop)]
 
 
 def test_logprobs_match_log_softmax_of_the_reference_logits(tiny_model_dir):
@@ -153,8 +162,11 @@ def test_logprobs_match_log_softmax_of_the_reference_logits(tiny_model_dir):
     hf = build_hf_model("qwen3")
     llm = make_llm(path)
     prompt = random_prompt(9, 5)
-    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=3),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        {"prompt_token_ids": prompt},
+        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=3),
+        use_tqdm=False,
+    )[0].outputs[0]
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([prompt + out.token_ids])).logits[0].float(), -1)
     for i, (tid, lps) in enumerate(zip(out.token_ids, out.logprobs)):
@@ -174,8 +186,9 @@ def test_seeded_sampling_same_text_whatever_the_batch(qwen3, prompts):
     alone = llm.generate({"prompt_token_ids": prompts[1]}, params, use_tqdm=False)[0].outputs[0].token_ids
     others = [SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True)] * len(prompts)
     others[3] = params
-    batch = llm.generate([{"prompt_token_ids": p} for p in prompts[:3] + [prompts[1]] + prompts[4:]], others,
-                         use_tqdm=False)
+    batch = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts[:3] + [prompts[1]] + prompts[4:]], others, use_tqdm=False
+    )
     assert batch[3].outputs[0].token_ids == alone
     other_seed = llm.generate({"prompt_token_ids": prompts[1]}, params.replace(seed=4321), use_tqdm=False)[0]
     assert other_seed.outputs[0].token_ids != alone
@@ -183,8 +196,11 @@ def test_seeded_sampling_same_text_whatever_the_batch(qwen3, prompts):
 
 def test_n_completions_share_the_prompt(qwen3):
     llm = make_llm(qwen3)
-    out = llm.generate({"prompt_token_ids": random_prompt(10, 1)},
-                       SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+    out = llm.generate(
+        {"prompt_token_ids": random_prompt(10, 1)},
+        SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert all(len(c.token_ids) == 8 and c.finish_reason == "length" for c in out.outputs)
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
@@ -193,12 +209,15 @@ def test_n_completions_share_the_prompt(qwen3):
 
 def test_text_prompts_and_chat(qwen3):
     llm = make_llm(qwen3)
-    out = llm.generate(["the class statement", "import os"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    out = llm.generate(
+        ["the class statement", "import os"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False
+    )
     assert [o.prompt for o in out] == ["the class statement", "import os"]
     assert out[0].prompt_token_ids == llm.get_tokenizer().encode("the class statement")
     chat = llm.chat([{"role": "user", "content": "hello"}], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-    ids = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True,
-                                                  tokenize=True)
+    ids = llm.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": "hello"}], add_generation_prompt=True, tokenize=True
+    )
     assert chat[0].prompt_token_ids == ids
 
 
@@ -212,8 +231,11 @@ def test_prompt_longer_than_max_model_len(qwen3):
 
 def test_max_tokens_capped_by_max_model_len(qwen3):
     llm = make_llm(qwen3, max_model_len=20)
-    out = llm.generate({"prompt_token_ids": random_prompt(15, 0)},
-                       SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), use_tqdm=False)[0]
+    out = llm.generate(
+        {"prompt_token_ids": random_prompt(15, 0)},
+        SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
     assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].finish_reason == "length"
 
 

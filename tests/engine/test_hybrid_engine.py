@@ -3,14 +3,15 @@ cut up -- chunked (a 7-token budget), batched, a prefix-cache hit restoring a st
 lengths asserted, multi-turn chat reusing the last turn), preempted, aborted and resubmitted,
 speculated (n-gram k = 1..4, drafts of different lengths in one step, drafts that are always wrong)
 -- gives the tokens of the plain run, and every state slot comes back."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from ember import LLM, SamplingParams
-from ember.errors import KVCacheTooSmallError
 from ember.config.model_config import ModelConfig
+from ember.errors import KVCacheTooSmallError
 from ember.spec.proposer import Draft, Proposer
 from tests.models.tiny_hybrids import VOCAB
 from tests.models.tiny_models import one_thread, random_prompt  # noqa: F401
@@ -29,14 +30,17 @@ REPEATING = [prompt(n, 90 + n, 3) for n in (3, 7, 4, 10)]  # something for promp
 
 
 def make_llm(path, **kw):
-    kw = dict(dtype="float32", block_size=BS, max_model_len=160, num_threads=1, kv_cache_memory=0.004,
-              max_num_seqs=4) | kw
+    kw = (
+        dict(dtype="float32", block_size=BS, max_model_len=160, num_threads=1, kv_cache_memory=0.004, max_num_seqs=4)
+        | kw
+    )
     return LLM(path, **kw)
 
 
 def run(llm, prompts, params=GREEDY):
-    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                         use_tqdm=False)]
+    return [
+        o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    ]
 
 
 def assert_all_returned(llm):
@@ -59,11 +63,15 @@ def plain(qwen3_next):
     return {tuple(p): run(llm, [p])[0] for p in PROMPTS + REPEATING}
 
 
-@pytest.mark.parametrize("knobs", [
-    dict(max_num_batched_tokens=7),  # every prompt in chunks of <= 7, mixed with decodes
-    dict(),  # batched
-    dict(max_num_seqs=2, max_num_batched_tokens=11, enable_prefix_caching=False),
-], ids=["chunked", "batched", "chunked-no-prefix-cache"])
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        dict(max_num_batched_tokens=7),  # every prompt in chunks of <= 7, mixed with decodes
+        dict(),  # batched
+        dict(max_num_seqs=2, max_num_batched_tokens=11, enable_prefix_caching=False),
+    ],
+    ids=["chunked", "batched", "chunked-no-prefix-cache"],
+)
 def test_chunked_and_batched_equal_the_plain_run(qwen3_next, plain, knobs):
     llm = make_llm(qwen3_next, **knobs)
     assert run(llm, PROMPTS) == [plain[tuple(p)] for p in PROMPTS]
@@ -124,9 +132,16 @@ def test_aborted_then_resubmitted(qwen3_next, plain):
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 def test_ngram_speculation_equals_the_plain_run(qwen3_next, plain, k):
-    llm = make_llm(qwen3_next, speculative_config={"method": "ngram", "num_speculative_tokens": k,
-                                                   "prompt_lookup_min": 1, "prompt_lookup_max": 3},
-                   max_num_batched_tokens=13)
+    llm = make_llm(
+        qwen3_next,
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": k,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3,
+        },
+        max_num_batched_tokens=13,
+    )
     assert run(llm, REPEATING) == [plain[tuple(p)] for p in REPEATING]
     stats = llm.engine.stats()
     assert stats["spec_num_draft_tokens"] > 0 and stats["spec_num_accepted_tokens"] > 0
@@ -147,7 +162,7 @@ class Scripted(Proposer):
         for req, k in zip(requests, ks):
             n = req.num_tokens
             k = min(k, 1 + hash((req.request_id, n)) % 4)
-            guess = self.truth.get(tuple(req.prompt_token_ids), [])[n:n + k]
+            guess = self.truth.get(tuple(req.prompt_token_ids), [])[n : n + k]
             guess = [(t + 1) % VOCAB if self.always_wrong or (n + j) % 3 == 0 else t for j, t in enumerate(guess)]
             drafts.append(Draft(guess) if guess else None)
         return drafts
@@ -155,8 +170,7 @@ class Scripted(Proposer):
 
 @pytest.mark.parametrize("always_wrong", [False, True])
 def test_verify_rolls_the_state_back_to_the_accepted_token(qwen3_next, plain, always_wrong):
-    llm = make_llm(qwen3_next, speculative_config={"method": "ngram", "num_speculative_tokens": 4},
-                   adaptive_spec=False)
+    llm = make_llm(qwen3_next, speculative_config={"method": "ngram", "num_speculative_tokens": 4}, adaptive_spec=False)
     truth = {tuple(p): p + plain[tuple(p)] for p in PROMPTS}
     llm.engine.parts.spec.proposer = Scripted(truth, always_wrong)
     assert run(llm, PROMPTS) == [plain[tuple(p)] for p in PROMPTS]
@@ -169,8 +183,12 @@ def test_verify_rolls_the_state_back_to_the_accepted_token(qwen3_next, plain, al
 def test_verified_tokens_are_snapshotted_only_once_accepted(qwen3_next, plain):
     """Speculation with prefix caching: the next turn resumes from a snapshot a verify step wrote,
     and its tokens equal the plain run's (a snapshot of a rejected draft would change them)."""
-    llm = make_llm(qwen3_next, speculative_config={"method": "ngram", "num_speculative_tokens": 3},
-                   adaptive_spec=False, max_num_batched_tokens=7)
+    llm = make_llm(
+        qwen3_next,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+        adaptive_spec=False,
+        max_num_batched_tokens=7,
+    )
     truth = {tuple(p): p + plain[tuple(p)] for p in PROMPTS}
     llm.engine.parts.spec.proposer = Scripted(truth)
     a = PROMPTS[1]
@@ -201,16 +219,21 @@ def qwen3_next_mtp(tmp_path_factory):
 def test_native_mtp_speculation_equals_the_plain_run(qwen3_next_mtp, plain, k):
     """The model's own mtp.* layer (gated attention + MoE with a shared expert) drafts; the target's
     greedy tokens do not change (the same weights as `plain`: transformers ignores mtp.*)."""
-    llm = make_llm(qwen3_next_mtp, speculative_config={"method": "mtp", "num_speculative_tokens": k},
-                   adaptive_spec=False)
+    llm = make_llm(
+        qwen3_next_mtp, speculative_config={"method": "mtp", "num_speculative_tokens": k}, adaptive_spec=False
+    )
     assert run(llm, PROMPTS) == [plain[tuple(p)] for p in PROMPTS]
     assert llm.engine.stats()["spec_num_draft_tokens"] > 0
     assert_all_returned(llm)
 
 
 def test_mtp_with_prefix_caching_and_chunked_prefill_together(qwen3_next_mtp, plain):
-    llm = make_llm(qwen3_next_mtp, speculative_config={"method": "mtp", "num_speculative_tokens": 2},
-                   adaptive_spec=False, max_num_batched_tokens=9)
+    llm = make_llm(
+        qwen3_next_mtp,
+        speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+        adaptive_spec=False,
+        max_num_batched_tokens=9,
+    )
     a = PROMPTS[3]
     assert run(llm, [a, PROMPTS[1]]) == [plain[tuple(a)], plain[tuple(PROMPTS[1])]]
     out = llm.generate([{"prompt_token_ids": a}], GREEDY, use_tqdm=False)[0]
@@ -241,16 +264,26 @@ def dense_draft(tmp_path_factory):
 
     from tests.models.tiny_hybrids import save_hybrid
 
-    cfg = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                   num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                   max_position_embeddings=512)
+    cfg = transformers.Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=512,
+    )
     torch.manual_seed(11)
     return save_hybrid(transformers.Qwen3ForCausalLM(cfg).eval(), str(tmp_path_factory.mktemp("draft")))
 
 
 def test_a_draft_model_speculates_for_a_hybrid_target(qwen3_next, dense_draft, plain):
-    llm = make_llm(qwen3_next, speculative_config={"method": "draft", "model": dense_draft,
-                                                   "num_speculative_tokens": 3}, max_num_batched_tokens=13)
+    llm = make_llm(
+        qwen3_next,
+        speculative_config={"method": "draft", "model": dense_draft, "num_speculative_tokens": 3},
+        max_num_batched_tokens=13,
+    )
     assert run(llm, PROMPTS) == [plain[tuple(p)] for p in PROMPTS]
     assert llm.engine.stats()["spec_num_draft_tokens"] > 0
     assert_all_returned(llm)
@@ -268,8 +301,12 @@ def test_a_model_of_linear_layers_only_needs_no_kv(tmp_path):
     the plain run (transformers itself cannot run such a model: its mask needs an attention layer)."""
     from tests.models.tiny_hybrids import build_hybrid, save_hybrid
 
-    path = save_hybrid(build_hybrid("qwen3_5", layer_types=["linear_attention"] * 3, num_hidden_layers=3,
-                                    full_attention_interval=None), str(tmp_path / "linear-only"))
+    path = save_hybrid(
+        build_hybrid(
+            "qwen3_5", layer_types=["linear_attention"] * 3, num_hidden_layers=3, full_attention_interval=None
+        ),
+        str(tmp_path / "linear-only"),
+    )
     ref = run(make_llm(path, enable_prefix_caching=False, max_num_seqs=1), PROMPTS)
     llm = make_llm(path, max_num_batched_tokens=7, max_state_snapshots=24)  # room for every prompt's snapshot
     caches = llm.engine.parts.runner.kv_caches
@@ -313,8 +350,13 @@ def test_sampling_keeps_the_target_distribution_under_speculation(qwen3_next):
     base = sample(make_llm(qwen3_next, max_num_seqs=32, kv_cache_memory=0.02))
     cands = {t for s in base for t in s}
     for with_probs in (False, True):
-        llm = make_llm(qwen3_next, max_num_seqs=32, kv_cache_memory=0.02,
-                       speculative_config={"method": "ngram", "num_speculative_tokens": 2}, adaptive_spec=False)
+        llm = make_llm(
+            qwen3_next,
+            max_num_seqs=32,
+            kv_cache_memory=0.02,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+            adaptive_spec=False,
+        )
         llm.engine.parts.spec.proposer = RandomDrafts(cands, with_probs)
         spec = sample(llm)
         stats = llm.engine.stats()

@@ -1,4 +1,5 @@
 """Block pool and prefix cache, plain Python (no torch, no model)."""
+
 from ember.engine.kv_cache import KVCacheManager
 from ember.request import Request
 

@@ -23,8 +23,13 @@ def _forward_both(engine):
 
 
 def test_selected_rows_equal_the_full_forward(tiny_model_dir):
-    llm = LLM(model=tiny_model_dir("qwen3"), dtype="float32", kv_cache_memory=0.01, max_model_len=256,
-              max_num_batched_tokens=40)
+    llm = LLM(
+        model=tiny_model_dir("qwen3"),
+        dtype="float32",
+        kv_cache_memory=0.01,
+        max_model_len=256,
+        max_num_batched_tokens=40,
+    )
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     engine.add_request("a", {"prompt_token_ids": list(range(5, 30))}, params)
@@ -39,8 +44,13 @@ def test_selected_rows_equal_the_full_forward(tiny_model_dir):
 
 
 def test_a_chunk_that_samples_nothing_only_writes_kv(tiny_model_dir):
-    llm = LLM(model=tiny_model_dir("llama"), dtype="float32", kv_cache_memory=0.01, max_model_len=256,
-              max_num_batched_tokens=16)
+    llm = LLM(
+        model=tiny_model_dir("llama"),
+        dtype="float32",
+        kv_cache_memory=0.01,
+        max_model_len=256,
+        max_num_batched_tokens=16,
+    )
     engine = llm.engine
     engine.add_request("a", {"prompt_token_ids": list(range(5, 45))}, SamplingParams(max_tokens=2))
     out, logit_rows, select, full, part = _forward_both(engine)

@@ -1,9 +1,10 @@
 """The one-budget scheduler, plain Python (no torch, no model)."""
+
 import logging
 
 from ember.engine.kv_cache import KVCacheManager
-from ember.request import Request, RequestStatus
 from ember.engine.scheduler import Scheduler
+from ember.request import Request, RequestStatus
 
 
 def make(num_blocks=64, block_size=4, budget=16, max_seqs=8, chunked=True, prefix=True):

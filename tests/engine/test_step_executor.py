@@ -1,6 +1,7 @@
 """StepExecutor: the padding/bucketing functions, padded fixed-shape steps leaving real rows
 alone, eager vs compiled (torch.compile) giving the same greedy tokens and logprobs, and the
 refusals (cuda-graph on CPU, contradicting flags)."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,9 +9,18 @@ import torch
 
 from ember import SamplingParams
 from ember.config import EngineConfig
-from ember.engine.executor.decode_batch import (bucket_for, default_sizes, fixed_meta, leading, pad_decode, static_buffers,
-                                       table_width, uniform_query_len, warmup_inputs)
 from ember.engine.executor.base import graph_query_lens, resolve_executor
+from ember.engine.executor.decode_batch import (
+    bucket_for,
+    default_sizes,
+    fixed_meta,
+    leading,
+    pad_decode,
+    static_buffers,
+    table_width,
+    uniform_query_len,
+    warmup_inputs,
+)
 from ember.errors import ConfigError
 from ember.kernels.metadata import AttentionMetadata
 from ember.kernels.torch_attention import TorchAttentionBackend
@@ -24,17 +34,26 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 COMPILE = {"compile_sizes": [1, 4], "mode": "default", "freezing": True, "cpp_wrapper": False}
 
 
-def decode_meta(seq_lens: list[int], tables: list[list[int]], slots: list[int], block_size: int = 4,
-                q_len: int = 1) -> AttentionMetadata:
+def decode_meta(
+    seq_lens: list[int], tables: list[list[int]], slots: list[int], block_size: int = 4, q_len: int = 1
+) -> AttentionMetadata:
     B = len(seq_lens)
     return AttentionMetadata(
-        slot_mapping=torch.tensor(slots), query_start_loc=torch.arange(B + 1, dtype=torch.int32) * q_len,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=torch.tensor(tables, dtype=torch.int32),
-        block_size=block_size, query_lens_cpu=[q_len] * B, seq_lens_cpu=seq_lens, max_query_len=q_len,
-        max_seq_len=max(seq_lens), all_slots_valid=True)
+        slot_mapping=torch.tensor(slots),
+        query_start_loc=torch.arange(B + 1, dtype=torch.int32) * q_len,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor(tables, dtype=torch.int32),
+        block_size=block_size,
+        query_lens_cpu=[q_len] * B,
+        seq_lens_cpu=seq_lens,
+        max_query_len=q_len,
+        max_seq_len=max(seq_lens),
+        all_slots_valid=True,
+    )
 
 
 # ---- plain functions ----------------------------------------------------------------------------------
+
 
 def test_sizes_and_buckets():
     assert default_sizes(16) == [1, 2, 4, 8, 16]
@@ -119,6 +138,7 @@ def test_padded_fixed_shape_step_leaves_real_rows_alone(tiny_model_dir):
 
 # ---- flags and refusals -------------------------------------------------------------------------------
 
+
 class _GpuBackend:
     """What resolve_executor reads of a GPU backend (importing the Triton one here would build its
     kernels before tests/kernels sets TRITON_INTERPRET)."""
@@ -127,6 +147,7 @@ class _GpuBackend:
 
 
 GPU_BACKEND = _GpuBackend()
+
 
 def test_executor_resolution_and_refusals():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
@@ -167,6 +188,7 @@ def test_executor_resolution_and_refusals():
 
     class Varlen:
         fixed_shape_max_query_len = 9
+
     assert graph_query_lens(3, Varlen()) == [1, 4]
 
 
@@ -176,6 +198,7 @@ def test_cuda_graph_refused_on_cpu_engine(tiny_model_dir):
 
 
 # ---- eager vs compiled ----------------------------------------------------------------------------------
+
 
 def outputs(llm, prompts, params):
     return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
@@ -310,10 +333,16 @@ def test_fixed_shape_verify_attention_equals_the_host_list_path():
     cache = torch.randn(2, 10, bs, Hkv, D, generator=g)
     lens, tables = [7, 12], [[3, 1, 0, 0], [2, 5, 9, 4]]
     q = torch.randn(2 * n, Hq, D, generator=g)
-    common = dict(slot_mapping=torch.zeros(2 * n, dtype=torch.int64),
-                  query_start_loc=torch.tensor([0, n, 2 * n], dtype=torch.int32),
-                  seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=torch.tensor(tables, dtype=torch.int32),
-                  block_size=bs, query_lens_cpu=[n, n], max_query_len=n, all_slots_valid=True)
+    common = dict(
+        slot_mapping=torch.zeros(2 * n, dtype=torch.int64),
+        query_start_loc=torch.tensor([0, n, 2 * n], dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_tables=torch.tensor(tables, dtype=torch.int32),
+        block_size=bs,
+        query_lens_cpu=[n, n],
+        max_query_len=n,
+        all_slots_valid=True,
+    )
     real = AttentionMetadata(seq_lens_cpu=lens, max_seq_len=max(lens), **common)
     fixed = AttentionMetadata(seq_lens_cpu=[16, 16], max_seq_len=16, fixed_shape=True, **common)
     from ember.kernels.cpu_attention import CpuAttentionBackend

@@ -1,4 +1,5 @@
 """Perplexity through the engine equals the one computed from HF transformers' logits."""
+
 import math
 
 import pytest
@@ -19,7 +20,7 @@ def hf_perplexity(model_dir: str, ids: list[int], window: int) -> float:
     total, n = 0.0, 0
     with torch.no_grad():
         for s in range(0, len(ids), window):
-            part = ids[s:s + window]
+            part = ids[s : s + window]
             if len(part) < 2:
                 break
             logits = hf(torch.tensor([part])).logits[0, :-1]

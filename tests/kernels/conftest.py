@@ -5,6 +5,7 @@ imported, so TRITON_INTERPRET must be set before that import: conftest files are
 collection, before any test module imports triton (test_triton_awq's own fixture keeps working:
 it sets the same value).
 """
+
 import os
 
 import torch

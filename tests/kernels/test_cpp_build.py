@@ -6,6 +6,7 @@ A tiny op library stands in for ember's kernels (a real one takes 10-100 s to co
 compiler wrapper ($CXX, which torch's builder runs) that counts its compiles and can stall like a
 long compile, so the tests see what the build machinery does, not how long g++ takes.
 """
+
 import os
 import signal
 import subprocess
@@ -44,11 +45,17 @@ def kernel(tmp_path):
     (src / "tiny.cpp").write_text(SOURCE)
     wrapper = tmp_path / MARK  # its name is in its command line, for pgrep
     # counts (and, with STALL=1, stalls) real compiles, not torch's `$CXX --version` checks
-    wrapper.write_text(f'#!/bin/sh\ncase " $* " in *" -c "*) echo compile >> {tmp_path}/compiles\n'
-                       f'  [ "$STALL" = 1 ] && sleep 600;; esac\nexec g++ "$@"\n')
+    wrapper.write_text(
+        f'#!/bin/sh\ncase " $* " in *" -c "*) echo compile >> {tmp_path}/compiles\n'
+        f'  [ "$STALL" = 1 ] && sleep 600;; esac\nexec g++ "$@"\n'
+    )
     wrapper.chmod(0o755)
-    env = dict(os.environ, EMBER_KERNEL_DIR=str(tmp_path / "kernels"), CXX=str(wrapper),
-               PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        EMBER_KERNEL_DIR=str(tmp_path / "kernels"),
+        CXX=str(wrapper),
+        PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]),
+    )
     return src, env
 
 
@@ -65,23 +72,33 @@ def wrappers_running() -> list[str]:
 @pytest.mark.slow
 def test_two_processes_starting_at_once_build_once_and_both_run(kernel):
     src, env = kernel
-    procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(src)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(src)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=600) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [e[-1500:] for _, e in outs]
     assert [o.strip() for o, _ in outs] == ["[2.0, 2.0]"] * 2
     assert compiles(src) == 1  # one compile unit, compiled once: the second start waited and loaded it
     assert any("building it once now" in e for _, e in outs)
     # a third start finds the library and only loads it
-    again = subprocess.run([sys.executable, "-c", CHILD, str(src)], env=env, capture_output=True, text=True, timeout=300)
+    again = subprocess.run(
+        [sys.executable, "-c", CHILD, str(src)], env=env, capture_output=True, text=True, timeout=300
+    )
     assert again.stdout.strip() == "[2.0, 2.0]" and "building" not in again.stderr and compiles(src) == 1
 
 
 @pytest.mark.slow
 def test_a_build_whose_owner_is_killed_leaves_no_compiler_and_the_next_start_builds(kernel):
     src, env = kernel
-    owner = subprocess.Popen([sys.executable, "-c", CHILD, str(src)], env=dict(env, STALL="1"),
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    owner = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(src)],
+        env=dict(env, STALL="1"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 120
     while not wrappers_running():  # the "compiler" is running: the build is midway
         assert time.monotonic() < deadline and owner.poll() is None, "the build never started"
@@ -100,8 +117,11 @@ def test_a_build_whose_owner_is_killed_leaves_no_compiler_and_the_next_start_bui
 def test_every_kernel_of_this_cpu_was_built_at_install():
     """`make test` installs with the build step, so no engine here compiles: every kernel this CPU runs
     has its library for this CPU and source."""
-    missing = [s for s, k in cpp_build.KERNELS.items()
-               if k.runs_here() and cpp_build.library_path(cpp_build.build_name(s, k.more_sources)) is None]
+    missing = [
+        s
+        for s, k in cpp_build.KERNELS.items()
+        if k.runs_here() and cpp_build.library_path(cpp_build.build_name(s, k.more_sources)) is None
+    ]
     assert not missing, f"not built at install: {missing} (in {cpp_build.kernel_dirs()})"
 
 

@@ -3,6 +3,7 @@ against the eager torch ops they replace: the same roundings op for op, so outpu
 rows (row lengths with a vector tail, strided rows, large magnitudes where exp overflows) but for
 rare 1-ulp bf16 differences (the norm's float32 sum order, the exp polynomial), and the layers
 pick them only where they apply."""
+
 from __future__ import annotations
 
 import pytest
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.skipif(not has_cpu_flags("avx512f", "avx512bw"), reason
 def assert_bf16_equal_but_rare_ulps(got: torch.Tensor, want: torch.Tensor, max_share: float = 0.01):
     assert got.shape == want.shape and got.dtype == want.dtype == torch.bfloat16
     g, w = got.float(), want.float()
-    ulp = torch.exp2(torch.floor(torch.log2(w.abs().clamp_min(2.0 ** -126))) - 7)  # bf16 keeps 8 significant bits
+    ulp = torch.exp2(torch.floor(torch.log2(w.abs().clamp_min(2.0**-126))) - 7)  # bf16 keeps 8 significant bits
     assert bool(((g - w).abs() <= ulp).all()), "a difference of more than one bf16 ulp"
     assert (got != want).float().mean().item() <= max_share
 
@@ -92,7 +93,9 @@ def test_compiled_norm_traces_the_torch_ops():
     assert torch.equal(out, want_out) and torch.equal(total, want_sum)
 
 
-@pytest.mark.parametrize("T,H,D,rot", [(1, 9, 64, 64), (300, 3, 64, 64), (5, 2, 128, 64), (17, 4, 16, 16), (3, 1, 80, 40)])
+@pytest.mark.parametrize(
+    "T,H,D,rot", [(1, 9, 64, 64), (300, 3, 64, 64), (5, 2, 128, 64), (17, 4, 16, 16), (3, 1, 80, 40)]
+)
 def test_rotary_equals_torch_bitwise(T, H, D, rot):
     """q / k as strided views of a fused qkv row, partial rotary (rot < D: the rest passed through),
     half widths with a vector tail (8, 20): bit-equal to apply_rotary's bf16 ops."""

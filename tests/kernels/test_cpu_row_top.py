@@ -2,6 +2,7 @@
 torch.topk: the same indices on random logits, on rows whose length leaves a vector tail, with
 ties (first index wins), -inf, NaN (argmax: the first NaN, as torch), and the fallback where the
 kernel does not apply."""
+
 from __future__ import annotations
 
 import pytest
@@ -85,9 +86,9 @@ def test_mask_rows_matches_xgrammar(n_rows, V):
 
     g = torch.Generator().manual_seed(V)
     words = (V + 31) // 32
-    bits = torch.randint(-2**31, 2**31 - 1, (n_rows, words), dtype=torch.int32, generator=g)
-    bits[:, words // 3:words // 2] = 0
-    bits[:, words // 2:] = -1
+    bits = torch.randint(-(2**31), 2**31 - 1, (n_rows, words), dtype=torch.int32, generator=g)
+    bits[:, words // 3 : words // 2] = 0
+    bits[:, words // 2 :] = -1
     logits = torch.randn(n_rows + 4, V, generator=g)
     rows = torch.randperm(n_rows + 4, generator=g)[:n_rows].tolist()  # some rows stay unmasked
     expected = logits.clone()

@@ -1,6 +1,7 @@
 """The tiled CPU GEMV (ember/kernels/cpu_tiled_gemv.*): exact repacking, the kernel against a
 float64 reference over every row-chunk shape, the GGUF TiledPart around it, and tracing it under
 torch.compile."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,12 +9,12 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
-from ember.kernels.cpu_kernels import CpuKernels
 from ember.kernels import cpu_tiled_gemv as tg
-from ember.quant.gguf_blocks import affine_codes
-from ember.quant.gguf_quant import GGUFLinearMethod, Int4Part, TiledPart, pack_shards
+from ember.kernels.cpu_kernels import CpuKernels
 from ember.quant.gemm_dispatch import INT4_KERNEL_MAX_ROWS as KERNEL_MAX_ROWS
 from ember.quant.gemm_dispatch import TILED_Q8_MIN_ROWS
+from ember.quant.gguf_blocks import affine_codes
+from ember.quant.gguf_quant import GGUFLinearMethod, Int4Part, TiledPart, pack_shards
 from tests.quant.test_gguf_packed import gguf_tensor
 
 # This project's machines (and CI's) have been Zen4 (AVX-512 BF16: the bf16 build) and Zen3 (AVX2:
@@ -25,7 +26,7 @@ OTHER = torch.float32 if X == torch.bfloat16 else torch.bfloat16
 
 def affine(N, K, bits, seed, fp16_scales=True):
     g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 2 ** bits, (N, K), generator=g)
+    codes = torch.randint(0, 2**bits, (N, K), generator=g)
     scale = torch.rand(N, K // 32, generator=g) * 0.02 + 0.001
     offset = (torch.rand(N, K // 32, generator=g) - 0.5) * 0.2
     if fp16_scales:
@@ -83,7 +84,7 @@ def test_many_row_path_gives_the_gemv_bits(bits):
     codes, scale, offset, _ = affine(72, 160, bits, 9)
     packed = tg.pack(codes, scale, offset, bits)
     x = torch.randn(260, 160, generator=torch.Generator().manual_seed(10)).to(X)
-    one_by_one = torch.cat([tg.gemv(x[i:i + 1].contiguous(), *packed, bits, float_out=True) for i in range(260)])
+    one_by_one = torch.cat([tg.gemv(x[i : i + 1].contiguous(), *packed, bits, float_out=True) for i in range(260)])
     for M in (16, 17, 18, 260):
         assert torch.equal(tg.gemv(x[:M].contiguous(), *packed, bits, float_out=True), one_by_one[:M]), M
 
@@ -191,10 +192,13 @@ def test_gguf_parts_are_tiled_and_match_the_file(qtype):
         assert (got.float() - exact).abs().max() <= 0.01 * exact.abs().max()
         q8 = tg.has_q8() and rows >= TILED_Q8_MIN_ROWS
         if q8:  # the x it multiplies is x rounded to int8 per group of 32, exactly as q8_reference
-            torch.testing.assert_close(part.linear_float(x).double(), tg.q8_reference(x) @ ref.double().t(),
-                                       rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(
+                part.linear_float(x).double(), tg.q8_reference(x) @ ref.double().t(), rtol=1e-4, atol=1e-4
+            )
             assert not part.precise_logits(x)  # so an LM head on it refines its top candidates
-        elif part.kernel_at_any_rows or rows <= KERNEL_MAX_ROWS:  # float32 out: float32 summation noise (+ int16-rounded x in float32 builds)
+        elif (
+            part.kernel_at_any_rows or rows <= KERNEL_MAX_ROWS
+        ):  # float32 out: float32 summation noise (+ int16-rounded x in float32 builds)
             tol = 1e-4 if X == torch.bfloat16 else 1e-3
             torch.testing.assert_close(part.linear_float(x), exact, rtol=tol, atol=tol)
     # bf16: the tiled part is at least as close to the file's weights as torch's int4 kernel path

@@ -8,6 +8,7 @@ and pre-rounded-cast paths, so bf16 and fp8 cases run here too, but they check t
 not the GPU's bf16 tl.dot (which scripts/gpu_check.py measures through triton_bench).
 Sizes are tiny: the interpreter costs about 0.5 ms per program and op.
 """
+
 from __future__ import annotations
 
 import random
@@ -40,8 +41,7 @@ class Step:
     """One varlen step: q, this step's k/v (as the cache holds them), a cache of garbage around
     shuffled block tables with this step's K/V written, and its metadata."""
 
-    def __init__(self, q_lens, seq_lens, block_size, group, dtype, kv_dtype=None, num_kv_heads=HKV, seed=0,
-                 pad_rows=0):
+    def __init__(self, q_lens, seq_lens, block_size, group, dtype, kv_dtype=None, num_kv_heads=HKV, seed=0, pad_rows=0):
         g = torch.Generator().manual_seed(seed)
         kv_dtype = kv_dtype or dtype
         self.hq, self.hkv = num_kv_heads * group, num_kv_heads
@@ -50,9 +50,13 @@ class Step:
         self.k_scale = torch.tensor(12.0 / 200) if fp8 else None
         self.v_scale = torch.tensor(12.0 / 100) if fp8 else None
         garbage = torch.randn(2, NUM_BLOCKS, block_size, num_kv_heads, D, generator=g) * 3
-        self.cache = (torch.stack([quantize_kv(garbage[0], self.k_scale, kv_dtype),
-                                   quantize_kv(garbage[1], self.v_scale, kv_dtype)])
-                      if fp8 else garbage.to(kv_dtype))
+        self.cache = (
+            torch.stack(
+                [quantize_kv(garbage[0], self.k_scale, kv_dtype), quantize_kv(garbage[1], self.v_scale, kv_dtype)]
+            )
+            if fp8
+            else garbage.to(kv_dtype)
+        )
         free = list(range(NUM_BLOCKS))
         random.Random(seed).shuffle(free)
         tables = [[free.pop() for _ in range(-(-s // block_size))] for s in seq_lens]
@@ -69,18 +73,23 @@ class Step:
         for n in q_lens:
             qsl.append(qsl[-1] + n)
         self.meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+            slot_mapping=torch.tensor(slots),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-            block_size=block_size, query_lens_cpu=list(q_lens), seq_lens_cpu=list(seq_lens),
-            max_query_len=max(q_lens), max_seq_len=max(seq_lens))
+            block_size=block_size,
+            query_lens_cpu=list(q_lens),
+            seq_lens_cpu=list(seq_lens),
+            max_query_len=max(q_lens),
+            max_seq_len=max(seq_lens),
+        )
         self.k_raw, self.v_raw = k, v  # as the layer gets them (before fp8 quantization)
         if fp8:
             k, v = quantize_kv(k, self.k_scale, kv_dtype), quantize_kv(v, self.v_scale, kv_dtype)
         self.unwritten_cache = self.cache.clone()
         write_kv_cache(k, v, self.cache, self.meta.slot_mapping)
         self.k, self.v = k, v  # as the reference backend gets them: what the cache holds
-        self.scale = D ** -0.5
+        self.scale = D**-0.5
 
     def reference(self) -> torch.Tensor:
         scales = (self.k_scale, self.v_scale) if self.k_scale is not None else ()
@@ -109,16 +118,38 @@ def assert_close_to_reference(out, ref, dtype):
 
 def decode(step, **kw):
     m = step.meta
-    return paged_decode_attention(step.q, step.cache, m.block_tables, m.seq_lens, m.query_start_loc, m.max_query_len,
-                                  m.max_seq_len, sum(m.query_lens_cpu), step.scale, torch.zeros_like(step.q),
-                                  step.k_scale, step.v_scale, **kw)
+    return paged_decode_attention(
+        step.q,
+        step.cache,
+        m.block_tables,
+        m.seq_lens,
+        m.query_start_loc,
+        m.max_query_len,
+        m.max_seq_len,
+        sum(m.query_lens_cpu),
+        step.scale,
+        torch.zeros_like(step.q),
+        step.k_scale,
+        step.v_scale,
+        **kw,
+    )
 
 
 def prefill(step, **kw):
     m = step.meta
-    return paged_prefill_attention(step.q, step.cache, m.block_tables, m.seq_lens, m.query_start_loc,
-                                   m.max_query_len, step.scale, torch.zeros_like(step.q), step.k_scale, step.v_scale,
-                                   **kw)
+    return paged_prefill_attention(
+        step.q,
+        step.cache,
+        m.block_tables,
+        m.seq_lens,
+        m.query_start_loc,
+        m.max_query_len,
+        step.scale,
+        torch.zeros_like(step.q),
+        step.k_scale,
+        step.v_scale,
+        **kw,
+    )
 
 
 # Contexts end mid-block for both block sizes; the shortest sequences leave later splits empty.
@@ -129,16 +160,24 @@ DECODE_SEQ_LENS = [37, 5, 70]
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("q_len", [1, 4])
 def test_split_kv_decode_matches_reference(block_size, group, q_len):
-    step = Step([q_len] * 3, DECODE_SEQ_LENS, block_size, group, torch.float32, num_kv_heads=1 if group == 8 else HKV,
-                seed=block_size + group + q_len).to(DEVICE)
+    step = Step(
+        [q_len] * 3,
+        DECODE_SEQ_LENS,
+        block_size,
+        group,
+        torch.float32,
+        num_kv_heads=1 if group == 8 else HKV,
+        seed=block_size + group + q_len,
+    ).to(DEVICE)
     ref = step.reference()
     # 16-key tiles over 70 keys: 5 tiles, 3 splits of 2 tiles (the last one short).
     assert_close_to_reference(decode(step, num_splits=3, block_n=16), ref, torch.float32)
     assert_close_to_reference(decode(step, num_splits=1, block_n=32), ref, torch.float32)  # one split: no merge
 
 
-@pytest.mark.parametrize("dtype, kv_dtype", [(torch.bfloat16, None), (torch.float32, E4M3), (torch.bfloat16, E4M3),
-                                             (torch.float32, E5M2)])
+@pytest.mark.parametrize(
+    "dtype, kv_dtype", [(torch.bfloat16, None), (torch.float32, E4M3), (torch.bfloat16, E4M3), (torch.float32, E5M2)]
+)
 @pytest.mark.parametrize("q_len", [1, 4])
 def test_split_kv_decode_dtypes(dtype, kv_dtype, q_len):
     step = Step([q_len] * 3, DECODE_SEQ_LENS, 16, 3, dtype, kv_dtype, seed=q_len).to(DEVICE)
@@ -160,8 +199,15 @@ PREFILL_CASE = ([20, 1, 13, 33], [20, 40, 50, 50])
 @pytest.mark.parametrize("group", [1, 3, 8])
 def test_varlen_prefill_matches_reference(block_size, group):
     q_lens, seq_lens = PREFILL_CASE
-    step = Step(q_lens, seq_lens, block_size, group, torch.float32, num_kv_heads=1 if group == 8 else HKV,
-                seed=block_size * group).to(DEVICE)
+    step = Step(
+        q_lens,
+        seq_lens,
+        block_size,
+        group,
+        torch.float32,
+        num_kv_heads=1 if group == 8 else HKV,
+        seed=block_size * group,
+    ).to(DEVICE)
     assert_close_to_reference(prefill(step), step.reference(), torch.float32)
 
 
@@ -250,8 +296,14 @@ def test_greedy_tokens_match_torch_backend(tiny_model_dir, kv_cache_dtype):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     tokens = {}
     for backend in ("torch", "triton"):
-        llm = make_llm(path, attention_backend=backend, block_size=16, max_num_batched_tokens=32,
-                       kv_cache_dtype=kv_cache_dtype, device=DEVICE)
+        llm = make_llm(
+            path,
+            attention_backend=backend,
+            block_size=16,
+            max_num_batched_tokens=32,
+            kv_cache_dtype=kv_cache_dtype,
+            device=DEVICE,
+        )
         assert llm.engine.parts.loaded.model.model.layers[0].self_attn.attn.backend.name == backend
         tokens[backend] = greedy(llm, prompts, params)
     assert tokens["triton"] == tokens["torch"]
@@ -263,12 +315,26 @@ def test_bench_baseline_agrees_with_the_kernel(kv_dtype, q_len):
     """triton_bench's gathered-SDPA baseline and its case builder (the timing itself needs CUDA)."""
     from ember.bench.lib import triton_kernels as triton_bench
 
-    q, cache, meta, k_scale, v_scale = triton_bench.decode_case(3, 45, 8, 2, D, 16, torch.float32, kv_dtype, q_len,
-                                                                DEVICE)
-    out = paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, q_len, 45,
-                                 q.shape[0], 0.25, torch.empty_like(q), k_scale, v_scale)
-    torch.testing.assert_close(out, triton_bench.gathered_sdpa(q, cache, meta, 0.25, k_scale, v_scale),
-                               rtol=1e-5, atol=1e-5)
+    q, cache, meta, k_scale, v_scale = triton_bench.decode_case(
+        3, 45, 8, 2, D, 16, torch.float32, kv_dtype, q_len, DEVICE
+    )
+    out = paged_decode_attention(
+        q,
+        cache,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        q_len,
+        45,
+        q.shape[0],
+        0.25,
+        torch.empty_like(q),
+        k_scale,
+        v_scale,
+    )
+    torch.testing.assert_close(
+        out, triton_bench.gathered_sdpa(q, cache, meta, 0.25, k_scale, v_scale), rtol=1e-5, atol=1e-5
+    )
     if DEVICE == "cpu":
         with pytest.raises(ConfigError, match="CUDA"):
             triton_bench.bench_decode_attention()
@@ -285,8 +351,9 @@ def test_verify_steps_run_from_fixed_shape_metadata():
     q_len, bs = 3, 16
     step = Step([q_len] * 3, DECODE_SEQ_LENS, bs, 3, torch.float32, seed=5).to(DEVICE)
     bound = step.meta.block_tables.shape[1] * bs
-    fixed = dataclasses.replace(step.meta, seq_lens_cpu=[bound] * 3, max_seq_len=bound, all_slots_valid=False,
-                                fixed_shape=True)
+    fixed = dataclasses.replace(
+        step.meta, seq_lens_cpu=[bound] * 3, max_seq_len=bound, all_slots_valid=False, fixed_shape=True
+    )
     backend = TritonAttentionBackend()
     out = backend.forward(step.q, step.k, step.v, step.cache, fixed, step.scale)
     assert_close_to_reference(out, step.reference(), torch.float32)

@@ -8,6 +8,7 @@ uint16 and tl.dot multiplies the raw bits (triton-lang/triton#11584, "not suppor
 fp32 -> bf16 casts truncate, so bf16 is tested only on a GPU. Sizes are tiny: the interpreter
 costs about 0.5 ms per program instance and op.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -37,12 +38,15 @@ def awq_tensors(K: int, N: int, G: int, seed: int = 0) -> dict[str, torch.Tensor
     return {k: v.to(DEVICE) for k, v in pack_linear(w, G).items()}
 
 
-@pytest.mark.parametrize("M, K, N, G", [
-    (1, 128, 72, 32),  # one row (decode), N not a power of two
-    (33, 128, 200, 64),  # a row past one 32-row tile, N % 64 != 0
-    (5, 256, 64, 128),
-    (16, 96, 40, 96),  # group_size -1: one group over the whole input
-])
+@pytest.mark.parametrize(
+    "M, K, N, G",
+    [
+        (1, 128, 72, 32),  # one row (decode), N not a power of two
+        (33, 128, 200, 64),  # a row past one 32-row tile, N % 64 != 0
+        (5, 256, 64, 128),
+        (16, 96, 40, 96),  # group_size -1: one group over the whole input
+    ],
+)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gemm_matches_dequantized_matmul(M, K, N, G, dtype):
     t = awq_tensors(K, N, G, seed=M)

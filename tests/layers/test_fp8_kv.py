@@ -1,6 +1,7 @@
 """FP8 KV cache (--kv-cache-dtype fp8 | fp8_e4m3 | fp8_e5m2): attention error against a
 full-precision cache, scales (checkpoint or first-write calibration, then frozen), clamping,
 chunk-independence, the pool's size, and greedy text."""
+
 from __future__ import annotations
 
 import shutil
@@ -30,16 +31,23 @@ BOUND = {E4M3: 0.06, E5M2: 0.12}
 
 
 def new_attention() -> Attention:
-    return Attention(HQ, D, HKV, D ** -0.5, TorchAttentionBackend())
+    return Attention(HQ, D, HKV, D**-0.5, TorchAttentionBackend())
 
 
 def one_seq_meta(start: int, end: int, block_size: int = 64) -> AttentionMetadata:
     """One sequence in block 0, new tokens start..end-1 at slots start..end-1."""
     return AttentionMetadata(
-        slot_mapping=torch.arange(start, end), query_start_loc=torch.tensor([0, end - start], dtype=torch.int32),
-        seq_lens=torch.tensor([end], dtype=torch.int32), block_tables=torch.zeros(1, 1, dtype=torch.int32),
-        block_size=block_size, query_lens_cpu=[end - start], seq_lens_cpu=[end], max_query_len=end - start,
-        max_seq_len=end, all_slots_valid=True)
+        slot_mapping=torch.arange(start, end),
+        query_start_loc=torch.tensor([0, end - start], dtype=torch.int32),
+        seq_lens=torch.tensor([end], dtype=torch.int32),
+        block_tables=torch.zeros(1, 1, dtype=torch.int32),
+        block_size=block_size,
+        query_lens_cpu=[end - start],
+        seq_lens_cpu=[end],
+        max_query_len=end - start,
+        max_seq_len=end,
+        all_slots_valid=True,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -99,7 +107,7 @@ def test_scales_calibrated_on_first_write_then_frozen():
     assert cache[0, 0, 5:].float().abs().max() == 0  # the padding row stayed out
     # The cache reads back K within e4m3's 6.25% relative rounding (plus the subnormal floor).
     back = cache[0, 0, :5].float() * attn.k_scale
-    assert ((back - k[:5]).abs() <= 0.0625 * k[:5].abs() + attn.k_scale * 2 ** -9).all()
+    assert ((back - k[:5]).abs() <= 0.0625 * k[:5].abs() + attn.k_scale * 2**-9).all()
     # A later, 100x larger step: the scales stay; its values clamp at 448 instead of overflowing.
     before = (attn.k_scale.item(), attn.v_scale.item())
     attn(torch.randn(4, HQ, D, generator=g), 100 * k[:4], 100 * v[:4], cache, one_seq_meta(6, 10))
@@ -135,8 +143,10 @@ def test_kv_cache_dtype_names_and_refusal(monkeypatch):
 # ---- checkpoint scales and the engine --------------------------------------------------------
 
 CKPT_SCALES = {  # llm-compressor names on layer 0, ModelOpt names on layer 1
-    "model.layers.0.self_attn.k_scale": 0.045, "model.layers.0.self_attn.v_scale": 0.031,
-    "model.layers.1.self_attn.k_proj.k_scale": 0.052, "model.layers.1.self_attn.v_proj.v_scale": 0.027,
+    "model.layers.0.self_attn.k_scale": 0.045,
+    "model.layers.0.self_attn.v_scale": 0.031,
+    "model.layers.1.self_attn.k_proj.k_scale": 0.052,
+    "model.layers.1.self_attn.v_proj.v_scale": 0.027,
 }
 
 
@@ -165,8 +175,10 @@ def test_checkpoint_scales_are_loaded_and_kept(scaled_llama):
     assert attention_scales(llm) == want  # not recalibrated by the first prefill
     # The deprecated single kv_scale sets both.
     model = load_ember_model(scaled_llama)
-    model.load_weights(list(iter_safetensors(scaled_llama, progress=False))
-                       + [("model.layers.1.self_attn.kv_scale", torch.tensor([0.07]))])
+    model.load_weights(
+        list(iter_safetensors(scaled_llama, progress=False))
+        + [("model.layers.1.self_attn.kv_scale", torch.tensor([0.07]))]
+    )
     attn = model.model.layers[1].self_attn.attn
     assert attn.k_scale.item() == attn.v_scale.item() == pytest.approx(0.07)
 
@@ -195,11 +207,20 @@ def test_pool_holds_twice_the_tokens_in_the_same_memory(tiny_model_dir, caplog):
     assert blocks == {"auto": 512, "fp8": 1024, "fp8_e5m2": 1024}
 
 
-DEFAULT_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
-                   "The three laws of thermodynamics are", "Write a haiku about the sea.",
-                   "The best way to learn Python is", "In 1492, Columbus", "Photosynthesis is the process",
-                   "Here is a recipe for pancakes:", "The difference between a list and a tuple", "My favourite movie is",
-                   "To be or not to be"]
+DEFAULT_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three laws of thermodynamics are",
+    "Write a haiku about the sea.",
+    "The best way to learn Python is",
+    "In 1492, Columbus",
+    "Photosynthesis is the process",
+    "Here is a recipe for pancakes:",
+    "The difference between a list and a tuple",
+    "My favourite movie is",
+    "To be or not to be",
+]
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -1,6 +1,7 @@
 """The gated delta rule and its conv against transformers' torch reference (Qwen3-Next's
 torch_chunk_gated_delta_rule / torch_recurrent_gated_delta_rule): outputs and final state within
 1e-5, for lengths that are not multiples of the 64-token chunk, one token, and a nonzero state."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -26,8 +27,16 @@ def _inputs(L, seed):
 
 def _hf(q, k, v, gate, beta, state, chunk=True):
     fn = hf.torch_chunk_gated_delta_rule if chunk else hf.torch_recurrent_gated_delta_rule
-    o, s = fn(q[None], k[None], v[None], g=gate[None], beta=beta[None], initial_state=state[None],
-              output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o, s = fn(
+        q[None],
+        k[None],
+        v[None],
+        g=gate[None],
+        beta=beta[None],
+        initial_state=state[None],
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
     return o[0], s[0]
 
 
@@ -53,7 +62,7 @@ def test_recurrent_matches_reference_and_keeps_every_state(L):
     torch.testing.assert_close(o, want_o, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(states[-1], want_s, rtol=1e-5, atol=1e-5)
     for t in range(L):  # the state after token t is the final state of the first t + 1 tokens
-        _, s_t = _hf(q[:t + 1], k[:t + 1], v[:t + 1], gate[:t + 1], beta[:t + 1], state, chunk=False)
+        _, s_t = _hf(q[: t + 1], k[: t + 1], v[: t + 1], gate[: t + 1], beta[: t + 1], state, chunk=False)
         torch.testing.assert_close(states[t], s_t, rtol=1e-5, atol=1e-5)
 
 
@@ -78,15 +87,15 @@ def test_causal_conv_matches_reference_and_continues():
     torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
     # split after 5 tokens: the window's state continues the conv; then one token at a time
     out1, win1 = gdr.causal_conv(x[:5], torch.zeros(C, K - 1), w)
-    state = win1[:, -(K - 1):]
+    state = win1[:, -(K - 1) :]
     out2, _ = gdr.causal_conv(x[5:7], state, w)
-    state = torch.cat([state, x[5:7].t()], dim=1)[:, -(K - 1):]
+    state = torch.cat([state, x[5:7].t()], dim=1)[:, -(K - 1) :]
     steps = []
     for t in (7, 8):
-        o, state = gdr.causal_conv_step(x[t:t + 1], state[None], w)
+        o, state = gdr.causal_conv_step(x[t : t + 1], state[None], w)
         state = state[0]
         steps.append(o)
     torch.testing.assert_close(torch.cat([out1, out2, *steps]), want, rtol=1e-6, atol=1e-6)
     # the window keeps every token's state: after token t (here t = 2) it is window[:, t + 1 : t + K]
     padded = torch.cat([torch.zeros(C, K - 1), x.t()], dim=1)
-    torch.testing.assert_close(window[:, 3:3 + K - 1], padded[:, 3:3 + K - 1])
+    torch.testing.assert_close(window[:, 3 : 3 + K - 1], padded[:, 3 : 3 + K - 1])

@@ -1,4 +1,5 @@
 """Fused linears, RMSNorm and the MoE block vs plain torch / transformers modules."""
+
 from __future__ import annotations
 
 import pytest
@@ -89,8 +90,9 @@ def test_moe_block_matches_hf(norm_topk_prob):
 
     torch.manual_seed(0)
     E, H, I = 8, 32, 16
-    cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=2,
-                         norm_topk_prob=norm_topk_prob)
+    cfg = Qwen3MoeConfig(
+        hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=2, norm_topk_prob=norm_topk_prob
+    )
     hf = Qwen3MoeSparseMoeBlock(cfg).eval()
     ours = SparseMoeBlock(H, I, E, 2, norm_topk_prob, torch.float32)
     with torch.no_grad():

@@ -1,4 +1,5 @@
 """RoPE: inv_freq / attention factor equal transformers' rope init functions; rotation equals HF's."""
+
 from __future__ import annotations
 
 import math
@@ -9,32 +10,79 @@ from transformers import Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from ember.layers.rotary import RotaryEmbedding, apply_rotary, compute_inv_freq
 from ember.config.model_config import ModelConfig
+from ember.layers.rotary import RotaryEmbedding, apply_rotary, compute_inv_freq
 
-BASE = dict(architectures=["Qwen3ForCausalLM"], vocab_size=100, hidden_size=64, intermediate_size=64,
-            num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+BASE = dict(
+    architectures=["Qwen3ForCausalLM"],
+    vocab_size=100,
+    hidden_size=64,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 
 CASES = {
-    "linear": dict(head_dim=64, max_position_embeddings=4096,
-                   rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}),
-    "llama3": dict(head_dim=128, max_position_embeddings=131072,
-                   rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                    "low_freq_factor": 1.0,
-                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
-    "yarn-qwen": dict(head_dim=128, max_position_embeddings=131072,
-                      rope_parameters={"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
-                                       "original_max_position_embeddings": 32768}),
-    "yarn-mscale": dict(head_dim=64, max_position_embeddings=16384,
-                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale": 1.0,
-                                         "mscale_all_dim": 0.707, "beta_fast": 16, "beta_slow": 2,
-                                         "original_max_position_embeddings": 4096}),
-    "yarn-partial": dict(head_dim=64, max_position_embeddings=8192,
-                         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0,
-                                          "partial_rotary_factor": 0.5, "original_max_position_embeddings": 4096}),
+    "linear": dict(
+        head_dim=64,
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    ),
+    "llama3": dict(
+        head_dim=128,
+        max_position_embeddings=131072,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),
+    "yarn-qwen": dict(
+        head_dim=128,
+        max_position_embeddings=131072,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 1000000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 32768,
+        },
+    ),
+    "yarn-mscale": dict(
+        head_dim=64,
+        max_position_embeddings=16384,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 40.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.707,
+            "beta_fast": 16,
+            "beta_slow": 2,
+            "original_max_position_embeddings": 4096,
+        },
+    ),
+    "yarn-partial": dict(
+        head_dim=64,
+        max_position_embeddings=8192,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 2.0,
+            "partial_rotary_factor": 0.5,
+            "original_max_position_embeddings": 4096,
+        },
+    ),
     # transformers <= 4 spelling: rope_theta + rope_scaling {"type": ...}
-    "yarn-legacy": dict(head_dim=64, max_position_embeddings=8192, rope_theta=1000000.0,
-                        rope_scaling={"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 4096}),
+    "yarn-legacy": dict(
+        head_dim=64,
+        max_position_embeddings=8192,
+        rope_theta=1000000.0,
+        rope_scaling={"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 4096},
+    ),
 }
 
 

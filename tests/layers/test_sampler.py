@@ -3,8 +3,7 @@ import math
 import pytest
 import torch
 
-from ember.layers.sampler import SampledToken, Sampler, SamplingRow, _apply_penalties, \
-    make_generator
+from ember.layers.sampler import SampledToken, Sampler, SamplingRow, _apply_penalties, make_generator
 from ember.sampling import SamplingParams
 
 sampler = Sampler()
@@ -22,6 +21,7 @@ def tokens(logits, rows) -> list[int]:
 
 # -- greedy -----------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_greedy_is_argmax(dtype):
     logits = torch.randn(8, 500, generator=torch.Generator().manual_seed(0)).to(dtype)
@@ -33,8 +33,7 @@ def test_greedy_is_argmax(dtype):
 
 def test_greedy_ignores_filters_and_mixes_with_random_rows():
     logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(1))
-    rows = [row(temperature=0.0, top_k=5, top_p=0.5) if i % 2 == 0
-            else row(temperature=1.0, seed=i) for i in range(6)]
+    rows = [row(temperature=0.0, top_k=5, top_p=0.5) if i % 2 == 0 else row(temperature=1.0, seed=i) for i in range(6)]
     out = tokens(logits, rows)
     assert out[0::2] == logits[0::2].argmax(-1).tolist()
 
@@ -42,11 +41,12 @@ def test_greedy_ignores_filters_and_mixes_with_random_rows():
 def test_sampler_never_modifies_caller_logits():
     logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(2))
     before = logits.clone()
-    rows = [row(output=[1, 2, 2], repetition_penalty=1.5, frequency_penalty=0.5,
-                temperature=0.0),
-            row(seed=1, top_k=3, top_p=0.8, min_p=0.1, temperature=0.7),
-            row(output=[], min_tokens=2, banned=[int(logits[2].argmax())], temperature=0.0),
-            row(seed=2, logprobs=5)]
+    rows = [
+        row(output=[1, 2, 2], repetition_penalty=1.5, frequency_penalty=0.5, temperature=0.0),
+        row(seed=1, top_k=3, top_p=0.8, min_p=0.1, temperature=0.7),
+        row(output=[], min_tokens=2, banned=[int(logits[2].argmax())], temperature=0.0),
+        row(seed=2, logprobs=5),
+    ]
     sampler(logits, rows)
     assert torch.equal(logits, before)
 
@@ -81,16 +81,18 @@ NEIGHBOURS = [
     [],
     [(None, {})],
     [(None, {"temperature": 0.0}), (7, {"top_p": 0.5}), (None, {"top_k": 10})],
-    [(None, {"min_p": 0.2}), (8, {})] * 4 + [(None, {"repetition_penalty": 1.3,
-                                                     "logprobs": 3})],
+    [(None, {"min_p": 0.2}), (8, {})] * 4 + [(None, {"repetition_penalty": 1.3, "logprobs": 3})],
 ]
 
 
-@pytest.mark.parametrize("params", [
-    {"temperature": 1.0},
-    {"temperature": 0.8, "top_p": 0.9, "top_k": 50, "min_p": 0.01},
-    {"temperature": 1.2, "top_k": 20, "frequency_penalty": 0.5, "logprobs": 2},
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 1.0},
+        {"temperature": 0.8, "top_p": 0.9, "top_k": 50, "min_p": 0.01},
+        {"temperature": 1.2, "top_k": 20, "frequency_penalty": 0.5, "logprobs": 2},
+    ],
+)
 def test_same_seed_same_tokens_whatever_the_batch(params):
     runs = []
     for n_i, neighbours in enumerate(NEIGHBOURS):
@@ -149,7 +151,7 @@ def test_plain_sampling_matches_distribution():
 
 
 def test_temperature_sharpens():
-    sharp = PROBS ** 2 / (PROBS ** 2).sum()
+    sharp = PROBS**2 / (PROBS**2).sum()
     _assert_matches(_frequencies(lambda i: {"temperature": 0.5}), sharp)
 
 
@@ -188,6 +190,7 @@ def test_top_k_larger_than_vocab_is_off():
 
 
 # -- penalties ----------------------------------------------------------------------------
+
 
 def _penalised(logits, rows):
     work = logits.clone()
@@ -235,20 +238,19 @@ def test_penalties_per_row_in_a_mixed_batch():
     assert torch.allclose(work[1], torch.tensor([0.0, -2.0, 0.0, 0.0]))
     # through the sampler: greedy picks the unpenalised token
     logits = torch.tensor([[1.0, 0.9], [1.0, 0.9]])
-    rows = [row(temperature=0, output=[0]),
-            row(temperature=0, output=[0], presence_penalty=0.2)]
+    rows = [row(temperature=0, output=[0]), row(temperature=0, output=[0], presence_penalty=0.2)]
     assert tokens(logits, rows) == [0, 1]
 
 
 # -- min_tokens -----------------------------------------------------------------------------
+
 
 def test_min_tokens_bans_eos_and_stop_ids_until_reached():
     eos = 3
     logits = torch.tensor([[0.0, 1.0, 2.0, 9.0, 5.0]])
     early = row(temperature=0, output=[1], min_tokens=3, banned=[eos], stop_token_ids=[4])
     assert tokens(logits, [early]) == [2]
-    done = row(temperature=0, output=[1, 1, 1], min_tokens=3, banned=[eos],
-               stop_token_ids=[4])
+    done = row(temperature=0, output=[1, 1, 1], min_tokens=3, banned=[eos], stop_token_ids=[4])
     assert tokens(logits, [done]) == [eos]
     # random rows never draw a banned id either
     logits = torch.zeros(N, 5)
@@ -259,13 +261,17 @@ def test_min_tokens_bans_eos_and_stop_ids_until_reached():
 
 # -- logprobs -------------------------------------------------------------------------------
 
+
 def test_logprobs_come_from_raw_logits_with_ranks():
     g = torch.Generator().manual_seed(4)
     logits = torch.randn(3, 200, generator=g)
-    rows = [row(temperature=0, logprobs=5, output=[int(logits[0].argmax())],
-                repetition_penalty=10.0),  # sampled token is not the raw argmax
-            row(seed=3, temperature=2.0, top_k=50, logprobs=0),
-            row(seed=4, logprobs=20, presence_penalty=1.0, output=[1, 2])]
+    rows = [
+        row(
+            temperature=0, logprobs=5, output=[int(logits[0].argmax())], repetition_penalty=10.0
+        ),  # sampled token is not the raw argmax
+        row(seed=3, temperature=2.0, top_k=50, logprobs=0),
+        row(seed=4, logprobs=20, presence_penalty=1.0, output=[1, 2]),
+    ]
     out = sampler(logits, rows)
     raw = torch.log_softmax(logits, dim=-1)
     for i, (s, r) in enumerate(zip(out, rows)):
@@ -313,13 +319,14 @@ def test_make_generator_accepts_any_int_seed():
 
 # -- filters against a plain reference --------------------------------------------------------
 
+
 def _reference_keep(logits: torch.Tensor, p: SamplingParams) -> set[int]:
     """Which tokens survive, computed one token at a time the textbook way."""
     probs = torch.softmax(logits.double() / p.temperature, -1)
     order = sorted(range(len(probs)), key=lambda i: -probs[i].item())
     keep = [i for i in order if probs[i] >= p.min_p * probs[order[0]]]
     if p.top_k:
-        keep = keep[:p.top_k]
+        keep = keep[: p.top_k]
     if p.top_p < 1.0:
         mass = sum(probs[i].item() for i in keep)
         out, acc = [], 0.0
@@ -335,11 +342,18 @@ def _reference_keep(logits: torch.Tensor, p: SamplingParams) -> set[int]:
 @pytest.mark.parametrize("scale", [4.0, 0.05])  # peaked: candidate path; flat: full sort
 def test_filters_match_reference(scale):
     from ember.layers.sampler import TOP_P_CANDIDATES, apply_filters
+
     V = 3 * TOP_P_CANDIDATES
     g = torch.Generator().manual_seed(11)
-    kinds = [dict(top_p=0.9), dict(top_k=40, top_p=0.8), dict(top_k=7), dict(),
-             dict(min_p=0.05, top_p=0.95, temperature=0.7), dict(top_p=0.5, top_k=2000),
-             dict(min_p=0.2)]
+    kinds = [
+        dict(top_p=0.9),
+        dict(top_k=40, top_p=0.8),
+        dict(top_k=7),
+        dict(),
+        dict(min_p=0.05, top_p=0.95, temperature=0.7),
+        dict(top_p=0.5, top_k=2000),
+        dict(min_p=0.2),
+    ]
     params = [SamplingParams(**kw) for kw in kinds]
     logits = torch.randn(len(params), V, generator=g) * scale
     out = apply_filters(logits, params)

@@ -1,4 +1,5 @@
 """TorchAttentionBackend vs a naive float64 reference, over every varlen path."""
+
 from __future__ import annotations
 
 import random
@@ -38,11 +39,16 @@ def make_step(q_lens, seq_lens, dtype, seed=0):
     for n in q_lens:
         qsl.append(qsl[-1] + n)
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        slot_mapping=torch.tensor(slots),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        block_size=BS, query_lens_cpu=list(q_lens), seq_lens_cpu=list(seq_lens),
-        max_query_len=max(q_lens), max_seq_len=max(seq_lens))
+        block_size=BS,
+        query_lens_cpu=list(q_lens),
+        seq_lens_cpu=list(seq_lens),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+    )
     return q, k, v, cache, meta, tables
 
 
@@ -51,7 +57,7 @@ def reference(q, cache, meta, tables, scale):
     for n, s, bt in zip(meta.query_lens_cpu, meta.seq_lens_cpu, tables):
         keys = cache[0][bt].flatten(0, 1)[:s].double().repeat_interleave(HQ // HKV, dim=1)  # [s, HQ, D]
         vals = cache[1][bt].flatten(0, 1)[:s].double().repeat_interleave(HQ // HKV, dim=1)
-        qs = q[start:start + n].double()
+        qs = q[start : start + n].double()
         scores = torch.einsum("qhd,khd->hqk", qs, keys) * scale
         pos_q = torch.arange(s - n, s)[:, None]
         scores = scores.masked_fill(torch.arange(s)[None, :] > pos_q, float("-inf"))
@@ -102,13 +108,13 @@ def backend(request):
 def test_backend_matches_reference(case, dtype, backend):
     q_lens, seq_lens = CASES[case]
     q, k, v, cache, meta, tables = make_step(q_lens, seq_lens, dtype)
-    attn = Attention(HQ, D, HKV, D ** -0.5, backend)
+    attn = Attention(HQ, D, HKV, D**-0.5, backend)
     out = attn(q, k, v, cache, meta)
     assert out.shape == q.shape and out.dtype == dtype
     # The new k/v landed in their slots.
     key_cache = cache[0].view(-1, HKV, D)
     assert torch.equal(key_cache[meta.slot_mapping], k)
-    ref = reference(q, cache, meta, tables, D ** -0.5)
+    ref = reference(q, cache, meta, tables, D**-0.5)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (out.double() - ref).abs().max() < tol
 
@@ -117,7 +123,7 @@ def test_negative_slots_are_not_written():
     q, k, v, cache, meta, tables = make_step([1, 1], [3, 5], torch.float32)
     meta.slot_mapping[1] = -1
     before = cache.clone()
-    Attention(HQ, D, HKV, D ** -0.5, TorchAttentionBackend())(q, k, v, cache, meta)
+    Attention(HQ, D, HKV, D**-0.5, TorchAttentionBackend())(q, k, v, cache, meta)
     changed = (cache != before).any(dim=(0, 3, 4)).nonzero().tolist()  # [block, offset] pairs
     assert changed == [[tables[0][0], 2]]
 
@@ -146,21 +152,31 @@ def test_bf16_prefills_take_the_flash_or_gemm_path(monkeypatch, flash):
     name = "flash_attention" if flash and causal.flash_available() else "causal_attention_gemm"
     real = getattr(causal, name)
     monkeypatch.setattr(causal, name, lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    for backend, dtype, expected in ((CpuAttentionBackend(flash=flash), torch.bfloat16, [150, 140]),
-                                     (CpuAttentionBackend(flash=flash), torch.float32, []),
-                                     (TorchAttentionBackend(), torch.bfloat16, [])):  # the reference: SDPA only
+    for backend, dtype, expected in (
+        (CpuAttentionBackend(flash=flash), torch.bfloat16, [150, 140]),
+        (CpuAttentionBackend(flash=flash), torch.float32, []),
+        (TorchAttentionBackend(), torch.bfloat16, []),
+    ):  # the reference: SDPA only
         calls.clear()
         q, k, v, cache, meta, tables = make_step([1, 150, 140, 2], [40, 150, 401, 30], dtype)
-        out = Attention(HQ, D, HKV, D ** -0.5, backend)(q, k, v, cache, meta)
+        out = Attention(HQ, D, HKV, D**-0.5, backend)(q, k, v, cache, meta)
         assert calls == expected
-        assert (out.double() - reference(q, cache, meta, tables, D ** -0.5)).abs().max() < 2e-2
+        assert (out.double() - reference(q, cache, meta, tables, D**-0.5)).abs().max() < 2e-2
 
 
-@pytest.mark.parametrize("hq,hkv,d", [(8, 1, 64), (4, 4, 128), (16, 2, 32), (12, 4, 80), (12, 2, 64), (9, 3, 64),
-                                     (64, 8, 128)])
-@pytest.mark.parametrize("cache_dtype,q_dtype", [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                                 (torch.float16, torch.float32), (torch.float32, torch.float32),
-                                                 (torch.float8_e4m3fn, torch.float32)])
+@pytest.mark.parametrize(
+    "hq,hkv,d", [(8, 1, 64), (4, 4, 128), (16, 2, 32), (12, 4, 80), (12, 2, 64), (9, 3, 64), (64, 8, 128)]
+)
+@pytest.mark.parametrize(
+    "cache_dtype,q_dtype",
+    [
+        (torch.bfloat16, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float32),
+        (torch.float32, torch.float32),
+        (torch.float8_e4m3fn, torch.float32),
+    ],
+)
 @pytest.mark.parametrize("peaky", [False, True])
 def test_cpp_kernel_matches_reference_across_shapes(hq, hkv, d, cache_dtype, q_dtype, peaky):
     """The fused kernel alone: GQA 8/1/8/3/6 (6 has no fixed-group path) and head sizes 32..128,
@@ -182,13 +198,13 @@ def test_cpp_kernel_matches_reference_across_shapes(hq, hkv, d, cache_dtype, q_d
     kv_lens = torch.tensor([1, 77, 78, 79, 160], dtype=torch.int32)
     q = (torch.randn(5, hq, d, generator=g) * (40.0 if peaky else 1.0)).to(q_dtype)
     # the op itself: float32 out whatever q's dtype (the wrapper casts back to q's)
-    out = torch.ops.ember_cpu.paged_attention(q, cache, tables, seq_idx, kv_lens, d ** -0.5)
+    out = torch.ops.ember_cpu.paged_attention(q, cache, tables, seq_idx, kv_lens, d**-0.5)
     assert out.dtype == torch.float32
-    assert torch.equal(paged_attention(q, cache, tables, seq_idx, kv_lens, d ** -0.5), out.to(q_dtype))
+    assert torch.equal(paged_attention(q, cache, tables, seq_idx, kv_lens, d**-0.5), out.to(q_dtype))
     for i in range(5):
-        keys = cache[0][tables[seq_idx[i]].long()].flatten(0, 1)[:kv_lens[i]].double().repeat_interleave(hq // hkv, 1)
-        vals = cache[1][tables[seq_idx[i]].long()].flatten(0, 1)[:kv_lens[i]].double().repeat_interleave(hq // hkv, 1)
-        p = (torch.einsum("hd,khd->hk", q[i].double(), keys) * d ** -0.5).softmax(-1)
+        keys = cache[0][tables[seq_idx[i]].long()].flatten(0, 1)[: kv_lens[i]].double().repeat_interleave(hq // hkv, 1)
+        vals = cache[1][tables[seq_idx[i]].long()].flatten(0, 1)[: kv_lens[i]].double().repeat_interleave(hq // hkv, 1)
+        p = (torch.einsum("hd,khd->hk", q[i].double(), keys) * d**-0.5).softmax(-1)
         ref = torch.einsum("hk,khd->hd", p, vals)
         assert (out[i].double() - ref).abs().max() < 1e-4, i
 
@@ -212,25 +228,39 @@ def test_cpp_kernel_splits_a_long_context_over_threads(kv_len, hkv, q_dtype):
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        out = torch.ops.ember_cpu.paged_attention(q, cache, tables, torch.zeros(1, dtype=torch.int32),
-                                                  torch.tensor([kv_len], dtype=torch.int32), d ** -0.5)
+        out = torch.ops.ember_cpu.paged_attention(
+            q, cache, tables, torch.zeros(1, dtype=torch.int32), torch.tensor([kv_len], dtype=torch.int32), d**-0.5
+        )
     finally:
         torch.set_num_threads(before)
     keys = cache[0][tables[0].long()].flatten(0, 1)[:kv_len].double().repeat_interleave(hq // hkv, 1)
     vals = cache[1][tables[0].long()].flatten(0, 1)[:kv_len].double().repeat_interleave(hq // hkv, 1)
-    p = (torch.einsum("hd,khd->hk", q[0].double(), keys) * d ** -0.5).softmax(-1)
+    p = (torch.einsum("hd,khd->hk", q[0].double(), keys) * d**-0.5).softmax(-1)
     assert (out[0].double() - torch.einsum("hk,khd->hd", p, vals)).abs().max() < 1e-4
 
 
 # the prefill kernel is AVX512-BF16 code: this project's Zen4 machines run it, its Zen3 ones cannot
-needs_avx512_bf16 = pytest.mark.skipif(not has_cpu_flags("avx512f", "avx512_bf16"),
-                                       reason="the C++ prefill attention kernel needs AVX512-BF16")
+needs_avx512_bf16 = pytest.mark.skipif(
+    not has_cpu_flags("avx512f", "avx512_bf16"), reason="the C++ prefill attention kernel needs AVX512-BF16"
+)
 
 
 @needs_avx512_bf16
-@pytest.mark.parametrize("n,S,hq,hkv,d", [(300, 300, 9, 3, 64), (37, 100, 9, 3, 64), (1, 1, 2, 1, 32), (1, 45, 4, 4, 16),
-                                          (65, 65, 16, 2, 128), (50, 83, 28, 4, 128), (33, 33, 8, 8, 256),
-                                          (40, 70, 12, 2, 96), (20, 20, 15, 3, 80), (19, 19, 7, 1, 64)])
+@pytest.mark.parametrize(
+    "n,S,hq,hkv,d",
+    [
+        (300, 300, 9, 3, 64),
+        (37, 100, 9, 3, 64),
+        (1, 1, 2, 1, 32),
+        (1, 45, 4, 4, 16),
+        (65, 65, 16, 2, 128),
+        (50, 83, 28, 4, 128),
+        (33, 33, 8, 8, 256),
+        (40, 70, 12, 2, 96),
+        (20, 20, 15, 3, 80),
+        (19, 19, 7, 1, 64),
+    ],
+)
 @pytest.mark.parametrize("peaky", [False, True])
 def test_flash_prefill_kernel_matches_reference(n, S, hq, hkv, d, peaky):
     """The C++ prefill kernel alone against float64 attention: groups of 1-8 query heads (taken 1-4
@@ -245,12 +275,13 @@ def test_flash_prefill_kernel_matches_reference(n, S, hq, hkv, d, peaky):
     assert causal.use_flash_attention(q) and q.stride(0) == (hq + 2 * hkv) * d
     k = torch.randn(S, hkv, d, generator=g).to(torch.bfloat16)
     v = torch.randn(S, hkv, d, generator=g).to(torch.bfloat16)
-    out = causal.flash_attention(q, k, v, d ** -0.5)
+    out = causal.flash_attention(q, k, v, d**-0.5)
     G = hq // hkv
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k.double().repeat_interleave(G, 1)) * d ** -0.5
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k.double().repeat_interleave(G, 1)) * d**-0.5
     seen = torch.arange(S)[None, :] <= torch.arange(S - n, S)[:, None]
-    ref = torch.einsum("hqk,khd->qhd", scores.masked_fill(~seen, float("-inf")).softmax(-1),
-                       v.double().repeat_interleave(G, 1))
+    ref = torch.einsum(
+        "hqk,khd->qhd", scores.masked_fill(~seen, float("-inf")).softmax(-1), v.double().repeat_interleave(G, 1)
+    )
     # bf16 output (half an ulp: 2^-9 relative) plus bf16-rounded probabilities in P V
     assert out.dtype == torch.bfloat16 and out.shape == (n, hq, d)
     assert ((out.double() - ref).abs() <= 8e-3 * ref.abs() + 4e-3).all()

@@ -147,11 +147,14 @@ def test_fast_string_and_scalar_arrays_read_what_the_stock_reader_reads(model_fi
         for key, a in stock.fields.items():
             b = ours.fields[key]
             assert (a.offset, a.data, a.types, len(a.parts)) == (b.offset, b.data, b.types, len(b.parts)), key
-            assert all(x.tobytes() == y.tobytes() and x.dtype.newbyteorder("<") == y.dtype.newbyteorder("<")
-                       for x, y in zip(a.parts, b.parts)), key
+            assert all(
+                x.tobytes() == y.tobytes() and x.dtype.newbyteorder("<") == y.dtype.newbyteorder("<")
+                for x, y in zip(a.parts, b.parts)
+            ), key
             assert a.contents() == b.contents(), key
-        assert [(t.name, t.tensor_type, t.data.tobytes()) for t in stock.tensors] == \
-               [(t.name, t.tensor_type, t.data.tobytes()) for t in ours.tensors]
+        assert [(t.name, t.tensor_type, t.data.tobytes()) for t in stock.tensors] == [
+            (t.name, t.tensor_type, t.data.tobytes()) for t in ours.tensors
+        ]
 
 
 def test_truncated_file(model_file, tmp_path):
@@ -211,8 +214,22 @@ def write_gguf(path, arch, meta, tensors):
     return path
 
 
-def tiny_model(arch, *, layers=2, hidden=32, heads=4, kv_heads=2, head_dim=8, ffn=48, vocab=64,
-               experts=0, moe_ffn=0, tied=False, extra_meta=None, seed=0):
+def tiny_model(
+    arch,
+    *,
+    layers=2,
+    hidden=32,
+    heads=4,
+    kv_heads=2,
+    head_dim=8,
+    ffn=48,
+    vocab=64,
+    experts=0,
+    moe_ffn=0,
+    tied=False,
+    extra_meta=None,
+    seed=0,
+):
     rng = np.random.default_rng(seed)
 
     def r(*shape):
@@ -248,8 +265,11 @@ def tiny_model(arch, *, layers=2, hidden=32, heads=4, kv_heads=2, head_dim=8, ff
             p + "ffn_norm.weight": r(hidden),
         }
         if arch == "qwen2":
-            tensors |= {p + "attn_q.bias": r(heads * head_dim), p + "attn_k.bias": r(kv_heads * head_dim),
-                        p + "attn_v.bias": r(kv_heads * head_dim)}
+            tensors |= {
+                p + "attn_q.bias": r(heads * head_dim),
+                p + "attn_k.bias": r(kv_heads * head_dim),
+                p + "attn_v.bias": r(kv_heads * head_dim),
+            }
         if arch in ("qwen3", "qwen3moe"):
             tensors |= {p + "attn_q_norm.weight": r(head_dim), p + "attn_k_norm.weight": r(head_dim)}
         if experts:
@@ -260,15 +280,20 @@ def tiny_model(arch, *, layers=2, hidden=32, heads=4, kv_heads=2, head_dim=8, ff
                 p + "ffn_down_exps.weight": r(experts, hidden, moe_ffn),
             }
         else:
-            tensors |= {p + "ffn_gate.weight": r(ffn, hidden), p + "ffn_up.weight": r(ffn, hidden),
-                        p + "ffn_down.weight": r(hidden, ffn)}
+            tensors |= {
+                p + "ffn_gate.weight": r(ffn, hidden),
+                p + "ffn_up.weight": r(ffn, hidden),
+                p + "ffn_down.weight": r(hidden, ffn),
+            }
     return meta, tensors
 
 
 def _hf_fused_experts(ours, layer, n_experts):
     """transformers 5 fuses experts into gate_up_proj [E, 2I, H] and down_proj [E, H, I]."""
+
     def get(e, w):
         return ours[f"model.layers.{layer}.mlp.experts.{e}.{w}_proj.weight"]
+
     gate_up = torch.stack([torch.cat([get(e, "gate"), get(e, "up")]) for e in range(n_experts)])
     down = torch.stack([get(e, "down") for e in range(n_experts)])
     return gate_up, down
@@ -294,9 +319,15 @@ def test_qwen3moe_matches_transformers(tmp_path):
     # transformers reads no moe_intermediate_size from a GGUF, so use its default (768)
     experts, moe_ffn = 4, 768
     meta, tensors = tiny_model(
-        "qwen3moe", experts=experts, moe_ffn=moe_ffn, tied=True,
-        extra_meta={"qwen3moe.expert_count": experts, "qwen3moe.expert_used_count": 2,
-                    "qwen3moe.expert_feed_forward_length": moe_ffn},
+        "qwen3moe",
+        experts=experts,
+        moe_ffn=moe_ffn,
+        tied=True,
+        extra_meta={
+            "qwen3moe.expert_count": experts,
+            "qwen3moe.expert_used_count": 2,
+            "qwen3moe.expert_feed_forward_length": moe_ffn,
+        },
     )
     path = write_gguf(tmp_path / "moe.gguf", "qwen3moe", meta, tensors)
     ck = GGUFCheckpoint(path)
@@ -329,8 +360,9 @@ def test_qwen3_names(tmp_path):
     assert ck.config["vocab_size"] == 64 and ck.config["attention_bias"] is False
     ours = dict(ck.iter_weights())
     assert ours["model.layers.0.self_attn.q_proj.weight"].shape == (64, 32)  # heads * head_dim != hidden
-    assert torch.equal(ours["model.layers.0.self_attn.k_norm.weight"],
-                       torch.from_numpy(tensors["blk.0.attn_k_norm.weight"]))
+    assert torch.equal(
+        ours["model.layers.0.self_attn.k_norm.weight"], torch.from_numpy(tensors["blk.0.attn_k_norm.weight"])
+    )
 
 
 def test_unsupported_architecture_and_tensor(tmp_path):
@@ -347,8 +379,13 @@ def test_unsupported_architecture_and_tensor(tmp_path):
 # ---- RoPE scaling ----------------------------------------------------------------------------
 
 
-LLAMA31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-           "original_max_position_embeddings": 8192}
+LLAMA31 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 def _rope_freqs(scaling, theta, dim):
@@ -358,16 +395,18 @@ def _rope_freqs(scaling, theta, dim):
 
 def test_llama3_rope_scaling_from_rope_freqs(tmp_path):
     theta, hd = 500000.0, 16
-    meta, tensors = tiny_model("llama", layers=1, heads=2, kv_heads=1, head_dim=hd,
-                               extra_meta={"llama.rope.dimension_count": hd})
+    meta, tensors = tiny_model(
+        "llama", layers=1, heads=2, kv_heads=1, head_dim=hd, extra_meta={"llama.rope.dimension_count": hd}
+    )
     meta["llama.rope.freq_base"] = theta
     # 16-dim heads have too few blended frequencies; recovery needs the real 128-dim shape
     with pytest.raises(UnsupportedModelError, match="rope_freqs"):
         tensors["rope_freqs.weight"] = _rope_freqs(LLAMA31, theta, hd)
         GGUFCheckpoint(write_gguf(tmp_path / "a.gguf", "llama", meta, tensors))
 
-    meta, tensors = tiny_model("llama", layers=1, hidden=256, heads=2, kv_heads=1, head_dim=128,
-                               extra_meta={"llama.rope.dimension_count": 128})
+    meta, tensors = tiny_model(
+        "llama", layers=1, hidden=256, heads=2, kv_heads=1, head_dim=128, extra_meta={"llama.rope.dimension_count": 128}
+    )
     meta["llama.rope.freq_base"] = theta
     for scaling in (LLAMA31, {**LLAMA31, "factor": 32.0}):  # Llama 3.1 and 3.2
         tensors["rope_freqs.weight"] = _rope_freqs(scaling, theta, 128)
@@ -377,10 +416,15 @@ def test_llama3_rope_scaling_from_rope_freqs(tmp_path):
 
 
 def test_yarn_rope_scaling_from_metadata(tmp_path):
-    meta, tensors = tiny_model("qwen3", layers=1, extra_meta={
-        "qwen3.rope.scaling.type": "yarn", "qwen3.rope.scaling.factor": 4.0,
-        "qwen3.rope.scaling.original_context_length": 32768,
-    })
+    meta, tensors = tiny_model(
+        "qwen3",
+        layers=1,
+        extra_meta={
+            "qwen3.rope.scaling.type": "yarn",
+            "qwen3.rope.scaling.factor": 4.0,
+            "qwen3.rope.scaling.original_context_length": 32768,
+        },
+    )
     ck = GGUFCheckpoint(write_gguf(tmp_path / "y.gguf", "qwen3", meta, tensors))
     assert ck.config["rope_scaling"] == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
 
@@ -397,8 +441,15 @@ TEXTS = [
 
 
 def _tokenizer_meta(ck):
-    keys = ["tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
-            "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.unknown_token_id"]
+    keys = [
+        "tokenizer.ggml.model",
+        "tokenizer.ggml.tokens",
+        "tokenizer.ggml.token_type",
+        "tokenizer.ggml.merges",
+        "tokenizer.ggml.bos_token_id",
+        "tokenizer.ggml.eos_token_id",
+        "tokenizer.ggml.unknown_token_id",
+    ]
     return {k: ck.metadata(k) for k in keys}
 
 
@@ -422,17 +473,56 @@ def test_byte_level_pre_tokenizers_match_transformers(ckpt, tmp_path, pre):
 
 
 def test_sentencepiece_matches_transformers(tmp_path):
-    pieces = ["▁", "e", "h", "l", "o", "w", "r", "d", "t", "a", "n", "i", "s", "he", "ll", "llo", "▁h", "▁he",
-              "▁hell", "▁hello", "or", "▁w", "▁wor", "▁world", "in", "▁th", "▁the", "is", "▁is", "an", "at", "▁a"]
+    pieces = [
+        "▁",
+        "e",
+        "h",
+        "l",
+        "o",
+        "w",
+        "r",
+        "d",
+        "t",
+        "a",
+        "n",
+        "i",
+        "s",
+        "he",
+        "ll",
+        "llo",
+        "▁h",
+        "▁he",
+        "▁hell",
+        "▁hello",
+        "or",
+        "▁w",
+        "▁wor",
+        "▁world",
+        "in",
+        "▁th",
+        "▁the",
+        "is",
+        "▁is",
+        "an",
+        "at",
+        "▁a",
+    ]
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
     types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
     scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
     meta, tensors = tiny_model("llama", layers=1, vocab=len(tokens))
-    meta |= {"tokenizer.ggml.model": "llama", "tokenizer.ggml.pre": "default", "tokenizer.ggml.tokens": tokens,
-             "tokenizer.ggml.token_type": types, "tokenizer.ggml.scores": scores,
-             "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
-             "tokenizer.ggml.unknown_token_id": 0,
-             "tokenizer.chat_template": "D", "tokenizer.chat_template.tool_use": "T"}
+    meta |= {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.pre": "default",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
+        "tokenizer.chat_template": "D",
+        "tokenizer.chat_template.tool_use": "T",
+    }
     path = write_gguf(tmp_path / "spm.gguf", "llama", meta, tensors)
     ours = GGUFCheckpoint(path).tokenizer()
     assert ours.apply_chat_template([]) == "D" and ours.apply_chat_template([], chat_template="tool_use") == "T"

@@ -2,6 +2,7 @@
 the llama-cpp-python sdist, ember.bench.peers.llamacpp_convert) from tiny random HF folders: ember gives
 transformers' greedy tokens on the folder (chunked, batched), keeps q8_0 matrices packed, matches
 llama.cpp's own logits on the file, and names what a broken file lacks."""
+
 from __future__ import annotations
 
 import os
@@ -46,8 +47,20 @@ def converted(tmp_path_factory):
 
 
 def llm(path, **kw):
-    return LLM(path, **({"dtype": "float32", "kv_cache_memory": 0.02, "max_model_len": 128, "num_threads": 1,
-                         "max_num_batched_tokens": 7, "max_num_seqs": 4} | kw))
+    return LLM(
+        path,
+        **(
+            {
+                "dtype": "float32",
+                "kv_cache_memory": 0.02,
+                "max_model_len": 128,
+                "num_threads": 1,
+                "max_num_batched_tokens": 7,
+                "max_num_seqs": 4,
+            }
+            | kw
+        ),
+    )
 
 
 @pytest.mark.parametrize("arch", list(OVERRIDES))
@@ -70,8 +83,9 @@ def test_q8_0_matrices_stay_packed_and_agree_with_their_dequantized_values(tmp_p
     dense_layer = dense.engine.parts.runner.model.model.layers[0]
     assert type(dense_layer.linear_attn.in_proj_qkvz.quant_method).__name__ == "DenseMethod"
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
-    for a, b in zip(*(m.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
-                      for m in (packed, dense))):
+    for a, b in zip(
+        *(m.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False) for m in (packed, dense))
+    ):
         la, lb = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
         assert la.keys() == lb.keys()
         assert max(abs(la[t].logprob - lb[t].logprob) for t in lb) < 1.0
@@ -88,8 +102,13 @@ def test_logits_match_llama_cpp_on_the_file(tmp_path):
     theirs = torch.tensor(peer.scores[len(ids) - 1])
     with torch.inference_mode():
         ref = hf(torch.tensor([ids])).logits[0, -1]
-    ours = llm(gguf).generate([{"prompt_token_ids": ids}], SamplingParams(
-        temperature=0, max_tokens=1, logprobs=20), use_tqdm=False)[0].outputs[0]
+    ours = (
+        llm(gguf)
+        .generate(
+            [{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=1, logprobs=20), use_tqdm=False
+        )[0]
+        .outputs[0]
+    )
     top = sorted(ours.logprobs[0], key=lambda t: -ours.logprobs[0][t].logprob)
     assert top[0] == int(theirs.argmax()) == int(ref.argmax())
     theirs_lp = torch.log_softmax(theirs.double(), -1)

@@ -105,8 +105,7 @@ def test_template_environment_matches_hf(tok):
     text = tok.apply_chat_template(messages, chat_template=template, tools=[{"z": 1, "a": 2}], extra="E")
     # No HTML escaping, no key sorting, non-ASCII kept, loop controls work
     assert text == (
-        '{"role": "user", "content": "<b> & ü"}\n'
-        '[\n  {\n    "z": 1,\n    "a": 2\n  }\n]<|im_start|>|<|im_end|>|E'
+        '{"role": "user", "content": "<b> & ü"}\n[\n  {\n    "z": 1,\n    "a": 2\n  }\n]<|im_start|>|<|im_end|>|E'
     )
     # trim_blocks / lstrip_blocks
     assert tok.apply_chat_template([], chat_template="A\n  {% if true %}\nB\n  {% endif %}\nC") == "A\nB\nC"

@@ -2,6 +2,7 @@
 against transformers on tiny random fp32 models with odd shapes (tests/models/tiny_hybrids.py):
 logits within 1e-4 relative, whole or split into chunks that continue the recurrent state, and 32
 greedy tokens through the engine. Plus the weight layouts and the configs ember refuses."""
+
 import json
 import shutil
 
@@ -9,11 +10,11 @@ import pytest
 import torch
 
 from ember import LLM, SamplingParams
+from ember.config.model_config import ModelConfig
 from ember.errors import ModelLoadError
 from ember.kernels.metadata import AttentionMetadata, RecurrentMetadata
 from ember.kernels.torch_attention import TorchAttentionBackend
 from ember.loader.weights import iter_safetensors
-from ember.config.model_config import ModelConfig
 from ember.models.registry import get_model_class
 from tests.models.tiny_hybrids import HYBRID_ARCHS, VOCAB, build_hybrid
 from tests.models.tiny_models import hf_greedy, one_thread, random_prompt  # noqa: F401
@@ -23,8 +24,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def load(path):
     cfg = ModelConfig.from_folder(path)
-    model = get_model_class(cfg.architecture)(cfg, dtype=torch.float32, device="cpu",
-                                               attn_backend=TorchAttentionBackend())
+    model = get_model_class(cfg.architecture)(
+        cfg, dtype=torch.float32, device="cpu", attn_backend=TorchAttentionBackend()
+    )
     model.load_weights(iter_safetensors(path, progress=False))
     return model.eval()
 
@@ -35,8 +37,9 @@ def ember_logits(model, ids: list[int], cuts: list[int], block_size: int = 8) ->
     cfg = model.cfg
     blocks = -(-len(ids) // block_size)
     states = model.make_recurrent_states(2, "cpu")
-    caches = [st if st is not None else torch.randn(2, blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-              for st in states]
+    caches = [
+        st if st is not None else torch.randn(2, blocks, block_size, cfg.num_kv_heads, cfg.head_dim) for st in states
+    ]
     for st in states:  # garbage in the slot: a first step must not read it
         if st is not None:
             st.ssm.normal_()
@@ -45,10 +48,18 @@ def ember_logits(model, ids: list[int], cuts: list[int], block_size: int = 8) ->
     for end in cuts:
         n = end - start
         meta = AttentionMetadata(
-            slot_mapping=torch.arange(start, end), query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-            seq_lens=torch.tensor([end], dtype=torch.int32), block_tables=torch.arange(blocks, dtype=torch.int32)[None],
-            block_size=block_size, query_lens_cpu=[n], seq_lens_cpu=[end], max_query_len=n, max_seq_len=end,
-            all_slots_valid=True, recurrent=RecurrentMetadata([1], [start > 0], [0], [[]]))
+            slot_mapping=torch.arange(start, end),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+            seq_lens=torch.tensor([end], dtype=torch.int32),
+            block_tables=torch.arange(blocks, dtype=torch.int32)[None],
+            block_size=block_size,
+            query_lens_cpu=[n],
+            seq_lens_cpu=[end],
+            max_query_len=n,
+            max_seq_len=end,
+            all_slots_valid=True,
+            recurrent=RecurrentMetadata([1], [start > 0], [0], [[]]),
+        )
         h = model(torch.tensor(ids[start:end]), torch.arange(start, end), caches, meta)
         out.append(model.compute_logits(h))
         start = end
@@ -73,11 +84,21 @@ def test_logits_match_transformers_whole_and_chunked(arch, tiny_hybrid_dir):
 @pytest.mark.parametrize("arch", HYBRID_ARCHS)
 def test_engine_greedy_32_tokens_match_transformers(arch, tiny_hybrid_dir):
     hf = build_hybrid(arch)
-    llm = LLM(tiny_hybrid_dir(arch), dtype="float32", block_size=4, max_model_len=128, num_threads=1,
-              kv_cache_memory=0.005, max_num_seqs=4)
+    llm = LLM(
+        tiny_hybrid_dir(arch),
+        dtype="float32",
+        block_size=4,
+        max_model_len=128,
+        num_threads=1,
+        kv_cache_memory=0.005,
+        max_num_seqs=4,
+    )
     prompts = [[t % VOCAB for t in random_prompt(n, 40 + n)] for n in (1, 13, 40)]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
+        use_tqdm=False,
+    )
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(hf, p, 32), (arch, len(p))
     states = llm.engine.parts.kv.states
@@ -117,13 +138,19 @@ def _edit_config(src, tmp_path, **changes):
     return str(dst)
 
 
-@pytest.mark.parametrize("change, words", [
-    (dict(hidden_act="gelu"), "hidden_act"),
-    (dict(attn_output_gate=False), "attn_output_gate"),
-    (dict(mamba_ssm_dtype="bfloat16"), "mamba_ssm_dtype"),
-    (dict(layer_types=["linear_attention", "sliding_attention", "linear_attention", "full_attention"]), "layer_types"),
-    (dict(linear_num_value_heads=3), "linear_num_value_heads"),
-])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (dict(hidden_act="gelu"), "hidden_act"),
+        (dict(attn_output_gate=False), "attn_output_gate"),
+        (dict(mamba_ssm_dtype="bfloat16"), "mamba_ssm_dtype"),
+        (
+            dict(layer_types=["linear_attention", "sliding_attention", "linear_attention", "full_attention"]),
+            "layer_types",
+        ),
+        (dict(linear_num_value_heads=3), "linear_num_value_heads"),
+    ],
+)
 def test_unsupported_variants_are_refused_by_name(change, words, tiny_hybrid_dir, tmp_path):
     path = _edit_config(tiny_hybrid_dir("qwen3_5"), tmp_path, **change)
     with pytest.raises(ModelLoadError, match=words):

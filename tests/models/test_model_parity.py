@@ -5,13 +5,23 @@ through every attention path (fresh prefill, chunk over cached prefix, batched d
 steps). Prompt seeds are chosen so HF's top-1/top-2 logit gap stays >= 3e-3 over each
 32-token run (our fp32 error is ~1e-5), so a mismatch means a bug, not a near-tie.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.models.tiny_models import (ARCHS, PagedDriver, Seq, build_hf_model, hf_greedy, load_ember_model,
-                                      one_thread, random_prompt, save_hf_model)
+from tests.models.tiny_models import (
+    ARCHS,
+    PagedDriver,
+    Seq,
+    build_hf_model,
+    hf_greedy,
+    load_ember_model,
+    one_thread,
+    random_prompt,
+    save_hf_model,
+)
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 

@@ -1,4 +1,5 @@
 """Checkpoint loading: sharded folders, tied heads, and the errors a broken folder must raise."""
+
 from __future__ import annotations
 
 import json
@@ -11,12 +12,19 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ember.config.architectures import ARCHITECTURES, GGUF_ARCHITECTURES
+from ember.config.model_config import ModelConfig
 from ember.errors import ModelLoadError, UnsupportedModelError
 from ember.loader.weights import iter_safetensors
-from ember.config.model_config import ModelConfig
 from ember.models.registry import get_model_class
-from tests.models.tiny_models import (PagedDriver, Seq, build_hf_model, load_ember_model, one_thread, random_prompt,
-                                      save_hf_model)
+from tests.models.tiny_models import (
+    PagedDriver,
+    Seq,
+    build_hf_model,
+    load_ember_model,
+    one_thread,
+    random_prompt,
+    save_hf_model,
+)
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 
@@ -50,8 +58,10 @@ def test_load_weights_reports_loaded_params(qwen3_moe_folders):
     assert "model.layers.0.mlp.experts.w13" in loaded and "model.layers.1.mlp.gate_up_proj.weight" in loaded
     assert model.model.layers[0].mlp.experts.w13.dtype == torch.bfloat16
     # Extra checkpoint tensors (rotary caches of old exports) are ignored.
-    model.load_weights([("model.layers.0.self_attn.rotary_emb.inv_freq", torch.zeros(8)), ("foo.bar", torch.zeros(1))]
-                       + list(iter_safetensors(folder, progress=False)))
+    model.load_weights(
+        [("model.layers.0.self_attn.rotary_emb.inv_freq", torch.zeros(8)), ("foo.bar", torch.zeros(1))]
+        + list(iter_safetensors(folder, progress=False))
+    )
 
 
 def test_tied_head_needs_no_lm_head(tmp_path):

@@ -4,6 +4,7 @@ The driver plays the scheduler's part in miniature: it hands out blocks, builds 
 AttentionMetadata for each step and runs greedy decoding, so tests reach every attention path
 (fresh prefill, chunk over a cached prefix, batched decode, mixed steps).
 """
+
 from __future__ import annotations
 
 import json
@@ -14,10 +15,10 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from ember.config.model_config import ModelConfig
 from ember.kernels.metadata import AttentionMetadata
 from ember.kernels.torch_attention import TorchAttentionBackend
 from ember.loader.weights import iter_safetensors
-from ember.config.model_config import ModelConfig
 from ember.models.registry import get_model_class
 
 VOCAB = 1000
@@ -25,36 +26,80 @@ VOCAB = 1000
 HF_CONFIGS = {
     # GQA 3:1, untied, llama3 rope scaling.
     "llama": dict(
-        cls="LlamaForCausalLM", init_std=(0.2, 0.2),
-        vocab_size=VOCAB, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
-        num_attention_heads=6, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-        tie_word_embeddings=False, rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+        cls="LlamaForCausalLM",
+        init_std=(0.2, 0.2),
+        vocab_size=VOCAB,
+        hidden_size=96,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
     ),
     # q/k/v bias, tied embeddings.
     "qwen2": dict(
-        cls="Qwen2ForCausalLM", init_std=(0.2, 0.2),
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
+        cls="Qwen2ForCausalLM",
+        init_std=(0.2, 0.2),
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     ),
     # head_dim 32 != 64 / 4, yarn.
     "qwen3": dict(
-        cls="Qwen3ForCausalLM", init_std=(0.2, 0.2),
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+        cls="Qwen3ForCausalLM",
+        init_std=(0.2, 0.2),
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
         tie_word_embeddings=True,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
-                         "original_max_position_embeddings": 64},
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 1000000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
     ),
     # 8 experts top-2, renormalised; layer 1 is dense.
     "qwen3_moe": dict(
-        cls="Qwen3MoeForCausalLM", init_std=(0.5, 0.08),
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-        tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
+        cls="Qwen3MoeForCausalLM",
+        init_std=(0.5, 0.08),
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[1],
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     ),
 }
@@ -113,8 +158,9 @@ def save_hf_model(model, path: str, **kwargs) -> str:
 
 def load_ember_model(path: str, dtype=torch.float32):
     cfg = ModelConfig.from_folder(path)
-    model = get_model_class(cfg.architecture)(cfg, dtype=dtype, device=torch.device("cpu"),
-                                               attn_backend=TorchAttentionBackend())
+    model = get_model_class(cfg.architecture)(
+        cfg, dtype=dtype, device=torch.device("cpu"), attn_backend=TorchAttentionBackend()
+    )
     model.load_weights(iter_safetensors(path, progress=False))
     return model.eval()
 
@@ -133,7 +179,7 @@ class Seq:
 
     @property
     def generated(self) -> list[int]:
-        return self.tokens[len(self.prompt):]
+        return self.tokens[len(self.prompt) :]
 
     @property
     def done(self) -> bool:
@@ -168,7 +214,7 @@ class PagedDriver:
         ids, pos, slots, qlens, seq_lens = [], [], [], [], []
         for seq, n in work:
             start = seq.num_computed
-            ids += seq.tokens[start:start + n]
+            ids += seq.tokens[start : start + n]
             pos += list(range(start, start + n))
             slots += self._slots(seq, start, n)
             qlens.append(n)
@@ -189,8 +235,9 @@ class PagedDriver:
             max_query_len=max(qlens),
             max_seq_len=max(seq_lens),
         )
-        hidden = self.model(torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64),
-                            self.kv_caches, meta)
+        hidden = self.model(
+            torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64), self.kv_caches, meta
+        )
         logits = self.model.compute_logits(hidden)
         for seq, n in work:
             seq.num_computed += n
@@ -217,10 +264,15 @@ class PagedDriver:
 
 def hf_greedy(hf_model, prompt: list[int], max_new: int) -> list[int]:
     with torch.inference_mode():
-        out = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                max_new_tokens=max_new, do_sample=False,
-                                pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
+        out = hf_model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def random_prompt(length: int, seed: int) -> list[int]:

@@ -8,6 +8,7 @@ folder. In fp32 the CPU int4 kernel's weights are bit-identical to those (the re
 differs: logits must agree to 1e-4 of their scale (the same bound as the HF parity tests;
 measured <1e-6) and greedy tokens must be identical.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,9 @@ pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 QUANTIZED = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")  # what AutoAWQ quantizes (experts too)
 
 
-def write_awq_pair(src: str, root: str, group_size: int, skip=(), legacy: bool = False,
-                   quantized: re.Pattern = QUANTIZED) -> tuple[str, str]:
+def write_awq_pair(
+    src: str, root: str, group_size: int, skip=(), legacy: bool = False, quantized: re.Pattern = QUANTIZED
+) -> tuple[str, str]:
     """(AWQ folder, dense folder holding its exact dequantized weights) made from the HF folder src;
     quantized: the checkpoint tensors AutoAWQ would pack (default: attention and MLP projections)."""
     awq_dir, dense_dir = os.path.join(root, "awq"), os.path.join(root, "dense")
@@ -48,8 +50,14 @@ def write_awq_pair(src: str, root: str, group_size: int, skip=(), legacy: bool =
             awq[name] = dense[name] = w
     with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)
-    settings = {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm",
-                "modules_to_not_convert": list(skip) or None}
+    settings = {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": group_size,
+        "zero_point": True,
+        "version": "gemm",
+        "modules_to_not_convert": list(skip) or None,
+    }
     for folder, tensors in ((awq_dir, awq), (dense_dir, dense)):
         os.makedirs(folder)
         for f in os.listdir(src):
@@ -59,8 +67,16 @@ def write_awq_pair(src: str, root: str, group_size: int, skip=(), legacy: bool =
         cfg = dict(config)
         if folder == awq_dir and legacy:  # older AutoAWQ: settings beside config.json, old key names
             with open(os.path.join(folder, "quant_config.json"), "w") as f:
-                json.dump({"w_bit": 4, "q_group_size": group_size, "zero_point": True, "version": "GEMM",
-                           "modules_to_not_convert": list(skip) or None}, f)
+                json.dump(
+                    {
+                        "w_bit": 4,
+                        "q_group_size": group_size,
+                        "zero_point": True,
+                        "version": "GEMM",
+                        "modules_to_not_convert": list(skip) or None,
+                    },
+                    f,
+                )
         elif folder == awq_dir:
             cfg["quantization_config"] = settings
         with open(os.path.join(folder, "config.json"), "w") as f:
@@ -80,8 +96,10 @@ def assert_same_model(awq_model, dense_model, prompt_len: int = 9, new_tokens: i
         ref = PagedDriver(dense_model).step([(Seq(ids, 0), length)])[0]
         err = (ours - ref).abs().max().item()
         assert err <= 1e-4 * ref.abs().max().item(), f"max |dlogit| {err:.3g} vs max |logit| {ref.abs().max():.3g}"
-    seqs = {m: [Seq(random_prompt(prompt_len, 7), new_tokens), Seq(random_prompt(5, 8), new_tokens)]
-            for m in ("awq", "dense")}
+    seqs = {
+        m: [Seq(random_prompt(prompt_len, 7), new_tokens), Seq(random_prompt(5, 8), new_tokens)]
+        for m in ("awq", "dense")
+    }
     PagedDriver(awq_model).generate(seqs["awq"])
     PagedDriver(dense_model).generate(seqs["dense"])
     assert [s.generated for s in seqs["awq"]] == [s.generated for s in seqs["dense"]]
@@ -195,8 +213,9 @@ def test_llm_generates_same_text_as_dequantized_twin(qwen3_awq):
     texts = []
     for path in (awq_dir, dense_dir):
         llm = LLM(model=path, dtype="float32", kv_cache_memory=0.01, max_model_len=128)
-        texts.append([o.outputs[0].token_ids for o in llm.generate(["The quick brown fox", "def main():"], sp,
-                                                                    use_tqdm=False)])
+        texts.append(
+            [o.outputs[0].token_ids for o in llm.generate(["The quick brown fox", "def main():"], sp, use_tqdm=False)]
+        )
     assert texts[0] == texts[1]
 
 
@@ -204,8 +223,16 @@ def test_llm_generates_same_text_as_dequantized_twin(qwen3_awq):
 
 
 def test_from_settings_accepts_both_key_spellings():
-    new = AWQConfig.from_settings({"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True,
-                                   "version": "gemm", "modules_to_not_convert": ["mlp.gate"]})
+    new = AWQConfig.from_settings(
+        {
+            "quant_method": "awq",
+            "bits": 4,
+            "group_size": 64,
+            "zero_point": True,
+            "version": "gemm",
+            "modules_to_not_convert": ["mlp.gate"],
+        }
+    )
     old = AWQConfig.from_settings({"w_bit": 4, "q_group_size": 64, "zero_point": True, "version": "GEMM"})
     assert (new.group_size, new.modules_to_not_convert) == (64, ["mlp.gate"])
     assert (old.group_size, old.modules_to_not_convert) == (64, [])

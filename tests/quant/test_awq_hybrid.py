@@ -2,6 +2,7 @@
 Gated DeltaNet in_proj_qkv / in_proj_z / in_proj_qkvz and out_proj, every MLP and expert, the shared
 expert) load packed and run like their dequantized twins, while what must stay dense stays dense
 (in_proj_b / in_proj_a or in_proj_ba, the conv, A_log, dt_bias, the router, the shared-expert gate)."""
+
 from __future__ import annotations
 
 import re
@@ -27,8 +28,15 @@ G = 8
 def test_awq_hybrid_equals_its_dequantized_twin(arch, tmp_path):
     src = save_hybrid(build_hybrid(arch, **SHAPE), str(tmp_path / "hf"))
     awq_dir, dense_dir = write_awq_pair(src, str(tmp_path), G, skip=SKIP, quantized=QUANTIZED)
-    kw = dict(dtype="float32", block_size=4, max_model_len=96, num_threads=1, kv_cache_memory=0.004, max_num_seqs=3,
-              max_num_batched_tokens=11)
+    kw = dict(
+        dtype="float32",
+        block_size=4,
+        max_model_len=96,
+        num_threads=1,
+        kv_cache_memory=0.004,
+        max_num_seqs=3,
+        max_num_batched_tokens=11,
+    )
     awq, dense = LLM(awq_dir, **kw), LLM(dense_dir, **kw)
     model = awq.engine.parts.runner.model
     gdn = next(layer.linear_attn for layer in model.model.layers if layer.is_linear)

@@ -1,6 +1,7 @@
 """`ember quantize`: the AWQ search (beats round-to-nearest on outlier activations, folds its
 scales exactly), the AutoAWQ folder it writes, that ember loads that folder as its dequantized
 twin, and the refusals."""
+
 from __future__ import annotations
 
 import json
@@ -11,15 +12,15 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from ember.config.model_config import ModelConfig
 from ember.entrypoints.cli import main
 from ember.errors import ConfigError
 from ember.loader.model_loader import load_model
 from ember.loader.tokenizer import Tokenizer
-from ember.config.model_config import ModelConfig
 from ember.models.registry import get_model_class
+from ember.quant.awq_packing import dequantize_awq, pack_linear, pseudo_quantize, quantize_groups
 from ember.train import awq_search as awq_quantizer
 from ember.train.awq_export import write_tokenizer
-from ember.quant.awq_packing import dequantize_awq, pack_linear, pseudo_quantize, quantize_groups
 from ember.train.awq_search import Calib, ScaleGroup, apply_scale, awq_search, search_scale
 from ember.train.calibration import calibration_blocks, pydoc_split
 from ember.train.quantize import quantize
@@ -35,6 +36,7 @@ def load_dense(path: str):
 
 
 # ---- the search ---------------------------------------------------------------------------------------
+
 
 def test_search_beats_round_to_nearest_on_outlier_channels():
     torch.manual_seed(0)
@@ -61,9 +63,10 @@ def test_search_beats_round_to_nearest_on_outlier_channels():
 
 # ---- the clipping search ---------------------------------------------------------------------------------
 
+
 def autoawq_clip(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """AutoAWQ's clipping search as ember had it before --clip (bmm over 512 sampled tokens): the clamped W."""
-    x = x[::max(1, x.shape[0] // 512)]
+    x = x[:: max(1, x.shape[0] // 512)]
     out_f, in_f = w.shape
     ng = in_f // G
     xg = x.reshape(-1, ng, G).transpose(0, 1)
@@ -95,7 +98,7 @@ def clip_case(seed: int):
 
 def group_output_error(wq: torch.Tensor, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """mean over the 512 sampled tokens of (x_g . (wq_g - w_g))^2 per (row, group): what clip_weight minimises."""
-    x = x[::max(1, x.shape[0] // 512)]
+    x = x[:: max(1, x.shape[0] // 512)]
     ng = w.shape[1] // G
     d = (wq - w).view(w.shape[0], ng, G)
     return torch.einsum("tng,rng->trn", x.view(-1, ng, G), d).pow(2).mean(0)
@@ -160,13 +163,46 @@ def test_clip_mode_reaches_the_search(tiny_model_dir, tmp_path, monkeypatch):
     real = awq_quantizer.clip_weight
     monkeypatch.setattr(awq_quantizer, "clip_weight", lambda w, x, g, mode: (seen.append(mode), real(w, x, g, mode))[1])
     out = tmp_path / "sym"
-    assert main(["quantize", tiny_model_dir("qwen3"), "--out", str(out), "--group-size", str(G), "--num-samples", "2",
-                 "--seq-len", "32", "--clip", "sym"]) == 0
+    assert (
+        main(
+            [
+                "quantize",
+                tiny_model_dir("qwen3"),
+                "--out",
+                str(out),
+                "--group-size",
+                str(G),
+                "--num-samples",
+                "2",
+                "--seq-len",
+                "32",
+                "--clip",
+                "sym",
+            ]
+        )
+        == 0
+    )
     assert seen and set(seen) == {"sym"}
     gptq = []
     monkeypatch.setattr(awq_quantizer, "gptq_round", lambda *a: gptq.append(a[0].shape))
-    assert main(["quantize", tiny_model_dir("qwen3"), "--out", str(tmp_path / "g"), "--group-size", str(G),
-                 "--num-samples", "2", "--seq-len", "32", "--gptq"]) == 0
+    assert (
+        main(
+            [
+                "quantize",
+                tiny_model_dir("qwen3"),
+                "--out",
+                str(tmp_path / "g"),
+                "--group-size",
+                str(G),
+                "--num-samples",
+                "2",
+                "--seq-len",
+                "32",
+                "--gptq",
+            ]
+        )
+        == 0
+    )
     assert len(gptq) == 2 * 6  # per layer: v, o, gate_up, down, q, k
     with pytest.raises(ConfigError, match="--clip"):
         quantize(tiny_model_dir("qwen3"), str(tmp_path / "bad"), group_size=G, clip="both")
@@ -174,8 +210,17 @@ def test_clip_mode_reaches_the_search(tiny_model_dir, tmp_path, monkeypatch):
 
 def random_model(arch: str, **overrides):
     """A random ember model from a tiny config (e.g. without GQA, which the fixtures all use)."""
-    cfg = dict(architectures=[arch], vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256, rms_norm_eps=1e-6)
+    cfg = dict(
+        architectures=[arch],
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+    )
     cfg.update(overrides)
     model = get_model_class(arch)(ModelConfig.from_dict(cfg), dtype=torch.float32)
     torch.manual_seed(0)
@@ -218,12 +263,35 @@ def test_folded_scales_leave_the_float_model_unchanged(arch, tiny_model_dir, mon
 
 # ---- the folder -----------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def qwen3_awq(tiny_model_dir, tmp_path_factory):
     src = tiny_model_dir("qwen3")
     out = str(tmp_path_factory.mktemp("q") / "awq")
-    assert main(["quantize", src, "--out", out, "--method", "awq", "--bits", "4", "--group-size", str(G),
-                 "--zero-point", "--calib", "pydoc", "--num-samples", "8", "--seq-len", "64"]) == 0
+    assert (
+        main(
+            [
+                "quantize",
+                src,
+                "--out",
+                out,
+                "--method",
+                "awq",
+                "--bits",
+                "4",
+                "--group-size",
+                str(G),
+                "--zero-point",
+                "--calib",
+                "pydoc",
+                "--num-samples",
+                "8",
+                "--seq-len",
+                "64",
+            ]
+        )
+        == 0
+    )
     return src, out
 
 
@@ -232,8 +300,15 @@ def test_folder_has_autoawq_names_dtypes_shapes_and_config(qwen3_awq):
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(out))
     t = load_file(os.path.join(out, "model.safetensors"))
     H, D = 64, 32
-    sizes = {"q_proj": (4 * D, H), "k_proj": (2 * D, H), "v_proj": (2 * D, H), "o_proj": (H, 4 * D),
-             "gate_proj": (128, H), "up_proj": (128, H), "down_proj": (H, 128)}
+    sizes = {
+        "q_proj": (4 * D, H),
+        "k_proj": (2 * D, H),
+        "v_proj": (2 * D, H),
+        "o_proj": (H, 4 * D),
+        "gate_proj": (128, H),
+        "up_proj": (128, H),
+        "down_proj": (H, 128),
+    }
     for i in range(2):
         for name, (o, n) in sizes.items():
             part = "self_attn" if name[0] in "qkvo" else "mlp"
@@ -247,8 +322,14 @@ def test_folder_has_autoawq_names_dtypes_shapes_and_config(qwen3_awq):
     assert t["model.embed_tokens.weight"].dtype == torch.float16 and "lm_head.weight" not in t  # tied
     with open(os.path.join(out, "config.json")) as f:
         cfg = json.load(f)
-    assert cfg["quantization_config"] == {"quant_method": "awq", "bits": 4, "group_size": G, "zero_point": True,
-                                          "version": "gemm", "modules_to_not_convert": None}
+    assert cfg["quantization_config"] == {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": G,
+        "zero_point": True,
+        "version": "gemm",
+        "modules_to_not_convert": None,
+    }
     assert cfg["architectures"] == ["Qwen3ForCausalLM"] and cfg["torch_dtype"] == "float16"
     # The search moved weights: AWQ is not the round-to-nearest packing of the source weights.
     src_w = load_file(os.path.join(src, "model.safetensors"))["model.layers.0.mlp.down_proj.weight"]
@@ -288,6 +369,7 @@ def test_default_gguf_tokenizer_round_trips(tmp_path):
 
 # ---- loading it -----------------------------------------------------------------------------------------
 
+
 def dequantized_twin(awq_dir: str, out: str) -> str:
     """A plain folder holding the AWQ folder's exact dequantized weights, (q - z) * s in fp32."""
     os.makedirs(out)
@@ -326,8 +408,15 @@ def test_ember_loads_the_folder_as_its_dequantized_twin(qwen3_awq, tmp_path):
         b = PagedDriver(ref).step([(Seq(ids, 0), length)])[0]
         assert (a - b).abs().max().item() <= 1e-4 * b.abs().max().item()
     sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    runs = [[o.outputs[0].token_ids for o in LLM(model=p, dtype="float32", kv_cache_memory=0.01, max_model_len=128)
-             .generate(["The quick brown fox", "def main():"], sp, use_tqdm=False)] for p in (out, twin)]
+    runs = [
+        [
+            o.outputs[0].token_ids
+            for o in LLM(model=p, dtype="float32", kv_cache_memory=0.01, max_model_len=128).generate(
+                ["The quick brown fox", "def main():"], sp, use_tqdm=False
+            )
+        ]
+        for p in (out, twin)
+    ]
     assert runs[0] == runs[1] and len(runs[0][0]) == 6
 
 
@@ -335,8 +424,11 @@ def test_rtn_is_plain_round_to_nearest(tiny_model_dir, tmp_path):
     src = tiny_model_dir("qwen3_moe")
     out = quantize(src, str(tmp_path / "rtn"), method="rtn", group_size=G)
     t, s = load_file(os.path.join(out, "model.safetensors")), load_file(os.path.join(src, "model.safetensors"))
-    for name in ("model.layers.0.self_attn.v_proj", "model.layers.0.mlp.experts.3.down_proj",
-                 "model.layers.1.mlp.gate_proj"):
+    for name in (
+        "model.layers.0.self_attn.v_proj",
+        "model.layers.0.mlp.experts.3.down_proj",
+        "model.layers.1.mlp.gate_proj",
+    ):
         packed = pack_linear(s[f"{name}.weight"], G)
         assert all(torch.equal(t[f"{name}.{k}"], v) for k, v in packed.items()), name
     assert t["model.layers.0.mlp.gate.weight"].dtype == torch.float16  # the router stays dense
@@ -347,6 +439,7 @@ def test_rtn_is_plain_round_to_nearest(tiny_model_dir, tmp_path):
 
 # ---- calibration and refusals ----------------------------------------------------------------------------
 
+
 def test_pydoc_split_is_disjoint_and_deterministic(tiny_model_dir):
     calib, held_out = pydoc_split("calib"), pydoc_split("eval")
     assert calib and held_out and not set(calib) & set(held_out) and pydoc_split("calib") == calib
@@ -354,11 +447,14 @@ def test_pydoc_split_is_disjoint_and_deterministic(tiny_model_dir):
     assert ids.shape == (4, 100) and ids.dtype == torch.int64
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--group-size", "128"], "group sizes that work for this model: 64, 32"),
-    (["--bits", "8"], "--bits 8 is not supported"),
-    (["--no-zero-point"], "symmetric AWQ"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--group-size", "128"], "group sizes that work for this model: 64, 32"),
+        (["--bits", "8"], "--bits 8 is not supported"),
+        (["--no-zero-point"], "symmetric AWQ"),
+    ],
+)
 def test_refusals(args, message, tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["quantize", tiny_model_dir("qwen3"), "--out", str(out), *args]) == 2

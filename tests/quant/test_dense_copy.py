@@ -1,5 +1,6 @@
 """Dense copy of packed int4 weights (ember.quant.weight_copies): few rows stay on the packed
 kernel, many rows run a dense GEMM over an exact dequantization, with the same results."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,8 +13,8 @@ from ember.errors import ConfigError
 from ember.layers.linear import QKVLinear
 from ember.quant.gemm_dispatch import DENSE_COPY_MIN_ROWS as DENSE_MIN_ROWS
 from ember.quant.gemm_dispatch import DenseCopyHeadMethod, DenseCopyMethod
-from ember.quant.weight_copies import enable_dense_copy
 from ember.quant.gguf_quant import GGUFLinearMethod
+from ember.quant.weight_copies import enable_dense_copy
 from tests.models.tiny_models import PagedDriver, Seq, one_thread  # noqa: F401 (fixture)
 from tests.quant.test_awq import assert_same_model, load, write_awq_pair
 from tests.quant.test_gguf_packed import _loaded, build, gguf_tensor, tiny_mixed_gguf
@@ -29,7 +30,7 @@ def test_packed_linear_splits_by_rows():
     _loaded(layer, {"q": tq, "k": tk, "v": tv})
     layer.bias.data.normal_()
     x = torch.randn(3 * DENSE_MIN_ROWS, 256, dtype=torch.bfloat16)
-    packed_few, packed_many = layer(x[:DENSE_MIN_ROWS - 1]), layer(x)
+    packed_few, packed_many = layer(x[: DENSE_MIN_ROWS - 1]), layer(x)
     holder = nn.Module()
     holder.layer = layer
     w = torch.cat([rq, rk, rv])  # the GGUF values in float32
@@ -37,7 +38,7 @@ def test_packed_linear_splits_by_rows():
     assert isinstance(layer.quant_method, DenseCopyMethod)
     # The values the kernel computes with: GGUF codes times its bf16-rounded block scales.
     assert (layer.weight_dense.float() - w).abs().max() < 0.01 * w.abs().max()
-    assert torch.equal(layer(x[:DENSE_MIN_ROWS - 1]), packed_few)  # few rows: still the packed kernel
+    assert torch.equal(layer(x[: DENSE_MIN_ROWS - 1]), packed_few)  # few rows: still the packed kernel
     many = layer(x)
     assert torch.equal(many, F.linear(x, layer.weight_dense, layer.bias))  # many rows: the dense copy
     assert (many.float() - packed_many.float()).abs().max() < 0.02 * packed_many.float().abs().max()
@@ -54,8 +55,14 @@ def test_float32_tiled_layers_get_no_copy():
     layer = MergedColumnLinear(256, [192, 192], quant_method=GGUFLinearMethod())
     _loaded(layer, {"gate": gguf_tensor(T.Q4_0, 192, 256, 4)[0], "up": gguf_tensor(T.Q4_1, 192, 256, 5)[0]})
     mixed = QKVLinear(256, 64, 4, 2, quant_method=GGUFLinearMethod())
-    _loaded(mixed, {"q": gguf_tensor(T.Q4_0, 256, 256, 1)[0], "k": gguf_tensor(T.Q4_0, 128, 256, 2)[0],
-                    "v": gguf_tensor(T.Q6_K, 128, 256, 3)[0]})
+    _loaded(
+        mixed,
+        {
+            "q": gguf_tensor(T.Q4_0, 256, 256, 1)[0],
+            "k": gguf_tensor(T.Q4_0, 128, 256, 2)[0],
+            "v": gguf_tensor(T.Q6_K, 128, 256, 3)[0],
+        },
+    )
     holder = nn.Module()
     holder.layer, holder.mixed = layer, mixed
     tiled = all(isinstance(p, TiledPart) for p in layer.gguf_parts) and cpu_tiled_gemv.rounds_x()
@@ -131,8 +138,14 @@ def test_default_model_copy_is_on_in_bf16_and_flags_are_checked():
     copy = LLM(kv_cache_memory=0.05, max_model_len=512, dtype="bfloat16", enable_mtp=False, cpu_int8_activations=False)
     assert copy.engine.parts.copies.dense_copy_bytes > 200e6  # ~269 MB of bf16 beside 102 MB packed
     with_copy = [o.outputs[0].token_ids for o in copy.generate(prompts, sp, use_tqdm=False)]
-    off = LLM(kv_cache_memory=0.05, max_model_len=512, dtype="bfloat16", enable_mtp=False, int4_dense_copy=False,
-              cpu_int8_activations=False)
+    off = LLM(
+        kv_cache_memory=0.05,
+        max_model_len=512,
+        dtype="bfloat16",
+        enable_mtp=False,
+        int4_dense_copy=False,
+        cpu_int8_activations=False,
+    )
     assert off.engine.parts.copies.dense_copy_bytes == 0
     without = [o.outputs[0].token_ids for o in off.generate(prompts, sp, use_tqdm=False)]
     # three kernels (a dense GEMM, the packed one, int8 x) round differently, so only a clear answer must

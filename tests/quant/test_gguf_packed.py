@@ -1,6 +1,7 @@
 """GGUF weights kept packed: block unpacking against gguf-py, the exact int4 repack, mixed-type
 fused layers, the packed embedding / tied head, tiny GGUF models and the default model against
 their dequantized twins."""
+
 from __future__ import annotations
 
 import gguf
@@ -16,11 +17,18 @@ from ember.kernels import cpu_tiled_gemv as tiled_gemv
 from ember.layers.embedding import LMHead, VocabEmbedding
 from ember.layers.linear import MergedColumnLinear, QKVLinear
 from ember.quant import process_weights_after_loading
-from ember.quant.gguf_blocks import GGUFTensor, affine_codes, dequantize, q6_k_codes
-from ember.quant.gemm_dispatch import Q6K_KERNEL_MAX_ROWS
-from ember.quant.gguf_quant import (GGUFConfig, GGUFEmbeddingMethod, GGUFLinearMethod, Int4Part,
-                                    Q6KPart, RawPart, TiledPart)
 from ember.quant.gemm_dispatch import INT4_KERNEL_MAX_ROWS as KERNEL_MAX_ROWS
+from ember.quant.gemm_dispatch import Q6K_KERNEL_MAX_ROWS
+from ember.quant.gguf_blocks import GGUFTensor, affine_codes, dequantize, q6_k_codes
+from ember.quant.gguf_quant import (
+    GGUFConfig,
+    GGUFEmbeddingMethod,
+    GGUFLinearMethod,
+    Int4Part,
+    Q6KPart,
+    RawPart,
+    TiledPart,
+)
 from ember.quant.int4_cpu import unpack_int4_codes
 from tests.models.tiny_models import PagedDriver, Seq, one_thread  # noqa: F401 (fixture)
 
@@ -250,7 +258,9 @@ def test_embedding_and_tied_head_read_the_packed_data(qtype):
     rows = emb(ids)
     assert rows.shape == (2, 3, hidden)
     assert torch.equal(rows, ref[ids])  # exact in float32, whatever the storage
-    assert type(emb.quant_method.part).__name__ == {T.Q6_K: "Q6KPart", T.F16: "DensePart"}.get(qtype, fp32_affine_part())
+    assert type(emb.quant_method.part).__name__ == {T.Q6_K: "Q6KPart", T.F16: "DensePart"}.get(
+        qtype, fp32_affine_part()
+    )
     h = torch.randn(4, hidden)
     logits = head(h)
     assert logits.dtype == torch.float32 and logits.shape == (4, vocab)
@@ -261,7 +271,9 @@ def test_embedding_and_tied_head_read_the_packed_data(qtype):
 
 
 def test_untied_embedding_keeps_other_types_raw_for_lookups():
-    emb = VocabEmbedding(160, 256, dtype=torch.bfloat16, quant_method=GGUFConfig().embedding_method("model.embed_tokens"))
+    emb = VocabEmbedding(
+        160, 256, dtype=torch.bfloat16, quant_method=GGUFConfig().embedding_method("model.embed_tokens")
+    )
     t, ref = gguf_tensor(T.Q6_K, 160, 256, 8)
     emb.load_weight("weight", t)
     assert type(emb.quant_method.part).__name__ == "RawPart"
@@ -307,13 +319,23 @@ def write_gguf(path, arch: str, meta: dict, tensors: dict) -> str:
 def tiny_mixed_gguf(path, arch="llama", tied=True, layers=2, experts=0):
     """A small model whose weights use every type the packed path distinguishes."""
     H, heads, kv, hd, ffn, vocab = 256, 4, 2, 64, 512, 160
-    meta = {f"{arch}.block_count": layers, f"{arch}.context_length": 256, f"{arch}.embedding_length": H,
-            f"{arch}.feed_forward_length": ffn, f"{arch}.attention.head_count": heads,
-            f"{arch}.attention.head_count_kv": kv, f"{arch}.rope.freq_base": 10000.0,
-            f"{arch}.attention.layer_norm_rms_epsilon": 1e-5, f"{arch}.vocab_size": vocab}
+    meta = {
+        f"{arch}.block_count": layers,
+        f"{arch}.context_length": 256,
+        f"{arch}.embedding_length": H,
+        f"{arch}.feed_forward_length": ffn,
+        f"{arch}.attention.head_count": heads,
+        f"{arch}.attention.head_count_kv": kv,
+        f"{arch}.rope.freq_base": 10000.0,
+        f"{arch}.attention.layer_norm_rms_epsilon": 1e-5,
+        f"{arch}.vocab_size": vocab,
+    }
     if experts:
-        meta |= {f"{arch}.expert_count": experts, f"{arch}.expert_used_count": 2,
-                 f"{arch}.expert_feed_forward_length": ffn}
+        meta |= {
+            f"{arch}.expert_count": experts,
+            f"{arch}.expert_used_count": 2,
+            f"{arch}.expert_feed_forward_length": ffn,
+        }
     rng = np.random.default_rng(0)
     seed = iter(range(1000))
 
@@ -328,35 +350,47 @@ def tiny_mixed_gguf(path, arch="llama", tied=True, layers=2, experts=0):
         tensors["output.weight"] = q(T.Q6_K, vocab, H)
     for b in range(layers):
         p = f"blk.{b}."
-        tensors |= {p + "attn_norm.weight": norm(H), p + "attn_q.weight": q(T.Q4_K, heads * hd, H),
-                    p + "attn_k.weight": q(T.Q4_0, kv * hd, H), p + "attn_v.weight": q(T.Q6_K, kv * hd, H),
-                    p + "attn_output.weight": q(T.Q4_1 if b == 0 else T.BF16, H, heads * hd),
-                    p + "ffn_norm.weight": norm(H)}
+        tensors |= {
+            p + "attn_norm.weight": norm(H),
+            p + "attn_q.weight": q(T.Q4_K, heads * hd, H),
+            p + "attn_k.weight": q(T.Q4_0, kv * hd, H),
+            p + "attn_v.weight": q(T.Q6_K, kv * hd, H),
+            p + "attn_output.weight": q(T.Q4_1 if b == 0 else T.BF16, H, heads * hd),
+            p + "ffn_norm.weight": norm(H),
+        }
         if arch == "qwen2":
-            tensors |= {p + f"attn_{x}.bias": (T.F32, rng.standard_normal(n).astype(np.float32) * 0.1)
-                        for x, n in (("q", heads * hd), ("k", kv * hd), ("v", kv * hd))}
+            tensors |= {
+                p + f"attn_{x}.bias": (T.F32, rng.standard_normal(n).astype(np.float32) * 0.1)
+                for x, n in (("q", heads * hd), ("k", kv * hd), ("v", kv * hd))
+            }
         if arch == "qwen3moe":
             tensors |= {p + "attn_q_norm.weight": norm(hd), p + "attn_k_norm.weight": norm(hd)}
         if experts:
-            tensors |= {p + "ffn_gate_inp.weight": (T.F32, rng.standard_normal((experts, H)).astype(np.float32)),
-                        p + "ffn_gate_exps.weight": (T.Q8_0, random_blocks(T.Q8_0, experts * ffn, H).reshape(experts, ffn, -1)),
-                        p + "ffn_up_exps.weight": (T.Q4_K, random_blocks(T.Q4_K, experts * ffn, H).reshape(experts, ffn, -1)),
-                        p + "ffn_down_exps.weight": (T.Q6_K, random_blocks(T.Q6_K, experts * H, ffn).reshape(experts, H, -1))}
+            tensors |= {
+                p + "ffn_gate_inp.weight": (T.F32, rng.standard_normal((experts, H)).astype(np.float32)),
+                p + "ffn_gate_exps.weight": (T.Q8_0, random_blocks(T.Q8_0, experts * ffn, H).reshape(experts, ffn, -1)),
+                p + "ffn_up_exps.weight": (T.Q4_K, random_blocks(T.Q4_K, experts * ffn, H).reshape(experts, ffn, -1)),
+                p + "ffn_down_exps.weight": (T.Q6_K, random_blocks(T.Q6_K, experts * H, ffn).reshape(experts, H, -1)),
+            }
         else:
-            tensors |= {p + "ffn_gate.weight": q(T.Q8_0, ffn, H), p + "ffn_up.weight": (T.F16, random_blocks(T.F16, ffn, H)),
-                        p + "ffn_down.weight": q(T.Q6_K, H, ffn)}
+            tensors |= {
+                p + "ffn_gate.weight": q(T.Q8_0, ffn, H),
+                p + "ffn_up.weight": (T.F16, random_blocks(T.F16, ffn, H)),
+                p + "ffn_down.weight": q(T.Q6_K, H, ffn),
+            }
     return write_gguf(path, arch, meta, tensors)
 
 
 def build(path, packed: bool, dtype=torch.float32):
-    from ember.loader.gguf import GGUFCheckpoint
     from ember.config.model_config import ModelConfig
+    from ember.loader.gguf import GGUFCheckpoint
     from ember.models.registry import get_model_class
 
     ckpt = GGUFCheckpoint(path)
     cfg = ModelConfig.from_dict(ckpt.config)
-    model = get_model_class(cfg.architecture)(cfg, dtype=dtype, device="cpu",
-                                              quant_config=GGUFConfig() if packed else None)
+    model = get_model_class(cfg.architecture)(
+        cfg, dtype=dtype, device="cpu", quant_config=GGUFConfig() if packed else None
+    )
     model.load_weights(ckpt.iter_weights(packed=packed))
     process_weights_after_loading(model)
     return model.eval()

@@ -1,4 +1,5 @@
 """Int4Weight: torch's CPU int4 kernel layout built directly, exact affine repack, both execution paths."""
+
 import pytest
 import torch
 

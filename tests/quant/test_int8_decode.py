@@ -1,4 +1,5 @@
 """Int8 decode weights: close to the dense weights, used only for decode-sized batches."""
+
 import pytest
 import torch
 

@@ -1,5 +1,6 @@
 """--quantization against what the checkpoint holds: every mismatch or unsupported AWQ variant is
 refused before any weight is read, and each message says what to do instead."""
+
 from __future__ import annotations
 
 import json
@@ -45,8 +46,11 @@ def test_none_on_an_awq_folder_is_refused(tiny_model_dir, tmp_path):
 
 
 def test_awq_on_a_plain_folder_is_refused(tiny_model_dir):
-    with pytest.raises(ConfigError, match=r"--quantization awq, but .* holds unquantized weights\. Leave "
-                                          r"--quantization at auto, or make an AWQ checkpoint first with `ember quantize"):
+    with pytest.raises(
+        ConfigError,
+        match=r"--quantization awq, but .* holds unquantized weights\. Leave "
+        r"--quantization at auto, or make an AWQ checkpoint first with `ember quantize",
+    ):
         load(tiny_model_dir("qwen3"), "awq")
 
 
@@ -63,15 +67,26 @@ def test_awq_on_a_gguf_file_is_refused():
 
 def test_gptq_checkpoint_is_unsupported(tmp_path):
     gptq = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
-    with pytest.raises(UnsupportedModelError, match=r"'gptq'-quantized.*Use an AWQ export.*ember quantize MODEL --method awq"):
+    with pytest.raises(
+        UnsupportedModelError, match=r"'gptq'-quantized.*Use an AWQ export.*ember quantize MODEL --method awq"
+    ):
         resolve_quant_config("auto", str(tmp_path), {"quantization_config": gptq})
 
 
-@pytest.mark.parametrize("settings, says", [
-    ({"bits": 8}, r"8-bit weights; ember runs 4-bit AWQ only\. Use a 4-bit AWQ export, or quantize"),
-    ({"zero_point": False}, r"symmetric \(zero_point: false\).*Use an AWQ export made with zero_point true, or quantize"),
-    ({"version": "gemv"}, r"'gemv' packing; ember reads AutoAWQ's GEMM packing only.*Use a GEMM export, or quantize"),
-])
+@pytest.mark.parametrize(
+    "settings, says",
+    [
+        ({"bits": 8}, r"8-bit weights; ember runs 4-bit AWQ only\. Use a 4-bit AWQ export, or quantize"),
+        (
+            {"zero_point": False},
+            r"symmetric \(zero_point: false\).*Use an AWQ export made with zero_point true, or quantize",
+        ),
+        (
+            {"version": "gemv"},
+            r"'gemv' packing; ember reads AutoAWQ's GEMM packing only.*Use a GEMM export, or quantize",
+        ),
+    ],
+)
 def test_unsupported_awq_variants_are_refused(tmp_path, settings, says):
     with pytest.raises(UnsupportedModelError, match=says):
         resolve_quant_config("awq", str(tmp_path), {"quantization_config": {**AWQ_SETTINGS, **settings}})
@@ -110,7 +125,9 @@ def test_gguf_auto_dequantizes_for_float32_on_cpu_and_gguf_forces_packing():
     cpu = torch.device("cpu")
     fp32_packed = TiledPart.usable(torch.float32, cpu)
     assert fp32_packed == (cpu_tiled_gemv.x_dtype() == torch.float32)
-    assert load_model(path, None, torch.float32, cpu, "torch", "auto").quantization == ("gguf" if fp32_packed else "none")
+    assert load_model(path, None, torch.float32, cpu, "torch", "auto").quantization == (
+        "gguf" if fp32_packed else "none"
+    )
     off = CpuKernels(tiled_gemv=False)  # --no-cpu-tiled-gemv: dense float32 everywhere
     assert load_model(path, None, torch.float32, cpu, "torch", "auto", off).quantization == "none"
     assert load_model(path, None, torch.float32, cpu, "torch", "gguf").quantization == "gguf"

@@ -1,4 +1,5 @@
 """Round-to-nearest int4 repacking of dense Linears / an own LM head (the MTP draft layers on CPU)."""
+
 from __future__ import annotations
 
 import torch

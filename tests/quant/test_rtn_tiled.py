@@ -1,4 +1,5 @@
 """Round-to-nearest 8-bit tiles for dense Linears / an own LM head (the MTP draft layer on CPU)."""
+
 from __future__ import annotations
 
 import pytest

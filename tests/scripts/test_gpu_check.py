@@ -1,6 +1,7 @@
 """scripts/gpu_check.py --cpu-smoke: the GPU check's whole flow at toy sizes on the CPU (Triton
 kernels under TRITON_INTERPRET=1, CUDA-only rows skipped), so the script a lent GPU runs once
 is known to work before it gets there."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -27,8 +28,14 @@ def load_script():
 def run(out, *args):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("TRITON_INTERPRET", None)  # the script must set it itself, before triton is imported
-    proc = subprocess.run([sys.executable, SCRIPT, "--cpu-smoke", "--out", str(out), *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--cpu-smoke", "--out", str(out), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -80,8 +87,11 @@ def test_over_budget_sections_are_skipped_with_a_row(tmp_path):
     run(out, "--budget-s", "0", "--only", "env,kernels,qwen3-8b,ttft")
     rows = table(out.read_text())
     assert rows[("env", "machine")][0] == "ok"
-    for key in [("kernels", "AWQ GEMM M=1"), ("qwen3-8b", "Qwen3-8B build"),
-                ("ttft", "Qwen3-0.6B TTFT 32K, chunked prefill off")]:
+    for key in [
+        ("kernels", "AWQ GEMM M=1"),
+        ("qwen3-8b", "Qwen3-8B build"),
+        ("ttft", "Qwen3-0.6B TTFT 32K, chunked prefill off"),
+    ]:
         status, _, notes = rows[key]
         assert status == "skipped" and "over budget" in notes, (key, notes)
     assert not any(s == "qwen3-0.6b" for s, _ in rows)  # --only
@@ -93,12 +103,11 @@ def test_real_shapes_load_on_meta(key, tmp_path):
     ember's model: built on the meta device, so 16 GB of weights cost nothing here."""
     import torch
 
-    from ember.kernels.torch_attention import TorchAttentionBackend
+    from ember.bench.lib import random_model as rm
     from ember.config.model_config import ModelConfig
+    from ember.kernels.torch_attention import TorchAttentionBackend
     from ember.models.registry import get_model_class
     from ember.quant import resolve_quant_config
-
-    from ember.bench.lib import random_model as rm
 
     gc = load_script()
     assert not gc.SMOKE
@@ -109,8 +118,9 @@ def test_real_shapes_load_on_meta(key, tmp_path):
     assert (quant is not None) == ("awq_group" in spec)
     meta = torch.device("meta")
     with meta:
-        model = get_model_class(cfg.architecture)(cfg, dtype=torch.bfloat16, device=meta,
-                                                  attn_backend=TorchAttentionBackend(), quant_config=quant)
+        model = get_model_class(cfg.architecture)(
+            cfg, dtype=torch.bfloat16, device=meta, attn_backend=TorchAttentionBackend(), quant_config=quant
+        )
     nbytes = 0
     names = []
     for name, t in rm.model_tensors(spec, meta):

@@ -1,5 +1,6 @@
 """scripts/install.py, the install behind `make run | test | bench`: what each path installs, how a
 failed step reads, and that serving needs nothing from the test or bench extras."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -40,8 +41,12 @@ def test_the_main_command_reports_a_failure_without_a_traceback(tmp_path):
     # a venv path whose python cannot be created: the first step fails, named, exit 1
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "install.py"), "serve", "--venv",
-                          str(blocker / "venv")], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "install.py"), "serve", "--venv", str(blocker / "venv")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 1
     assert "ember install: FAILED: step 'create the virtual environment' failed" in out.stdout
     assert "Traceback" not in out.stdout
@@ -55,13 +60,21 @@ def test_serving_needs_no_test_or_bench_package():
     for extra_only in ("pytest", "transformers", "openai", "httpx", "llama-cpp-python", "lm-eval", "triton"):
         assert extra_only not in runtime
     # the CLI parses every subcommand's flags (ember serve too) with none of them importable
-    code = ("import sys\n"
-            "for name in ('httpx', 'transformers', 'openai', 'llama_cpp', 'triton', 'lm_eval', 'pytest'):\n"
-            "    sys.modules[name] = None\n"
-            "from ember.entrypoints.cli import build_parser\n"
-            "build_parser().parse_args(['serve', '--help'])\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
-                         env=dict(os.environ, PYTHONPATH=ROOT))
+    code = (
+        "import sys\n"
+        "for name in ('httpx', 'transformers', 'openai', 'llama_cpp', 'triton', 'lm_eval', 'pytest'):\n"
+        "    sys.modules[name] = None\n"
+        "from ember.entrypoints.cli import build_parser\n"
+        "build_parser().parse_args(['serve', '--help'])\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "--api-key" in out.stdout
 

@@ -1,4 +1,5 @@
 """Fixtures for the API tests; the live-server helper is tests/server/live.py."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,5 +1,6 @@
 """Live servers for the API tests: the real app on uvicorn in a thread, on a free port, over a
 tiny random Qwen3 model (fp32, one thread, small KV pool, max_model_len 256)."""
+
 from __future__ import annotations
 
 import socket
@@ -48,9 +49,19 @@ class LiveServer:
         self.thread.join(15)
 
 
-def start_server(model_dir: str, *, api_key: str | None = None, warmup: bool = False, max_waiting_requests: int = 256,
-                 chat_template: str | None = None, wait_ready: bool = True, tokenizer_info: bool = False,
-                 server_knobs: dict | None = None, root_path: str = "", **engine_knobs) -> LiveServer:
+def start_server(
+    model_dir: str,
+    *,
+    api_key: str | None = None,
+    warmup: bool = False,
+    max_waiting_requests: int = 256,
+    chat_template: str | None = None,
+    wait_ready: bool = True,
+    tokenizer_info: bool = False,
+    server_knobs: dict | None = None,
+    root_path: str = "",
+    **engine_knobs,
+) -> LiveServer:
     import uvicorn
 
     from ember.config import EngineConfig
@@ -59,15 +70,24 @@ def start_server(model_dir: str, *, api_key: str | None = None, warmup: bool = F
     from ember.server.api import build_app
     from ember.server.serving import ServerConfig
 
-    knobs = dict(model=model_dir, dtype="float32", num_threads=1, kv_cache_memory=0.01,
-                 max_model_len=TINY_MAX_MODEL_LEN)
+    knobs = dict(
+        model=model_dir, dtype="float32", num_threads=1, kv_cache_memory=0.01, max_model_len=TINY_MAX_MODEL_LEN
+    )
     knobs.update(engine_knobs)
     engine = LLMEngine(EngineConfig(**knobs))
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=max_waiting_requests, warmup=warmup)
-    app = build_app(async_engine, ServerConfig(served_model_names=[MODEL_NAME, "alias"], model_root=model_dir,
-                                               api_key=api_key, chat_template=chat_template,
-                                               enable_tokenizer_info_endpoint=tokenizer_info, root_path=root_path,
-                                               **(server_knobs or {})))
+    app = build_app(
+        async_engine,
+        ServerConfig(
+            served_model_names=[MODEL_NAME, "alias"],
+            model_root=model_dir,
+            api_key=api_key,
+            chat_template=chat_template,
+            enable_tokenizer_info_endpoint=tokenizer_info,
+            root_path=root_path,
+            **(server_knobs or {}),
+        ),
+    )
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
@@ -87,5 +107,3 @@ def start_server(model_dir: str, *, api_key: str | None = None, warmup: bool = F
         time.sleep(0.05)
     live.stop()
     raise RuntimeError("server did not become ready")
-
-

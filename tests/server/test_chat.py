@@ -1,5 +1,6 @@
 """/v1/chat/completions through the official openai client: whole and streamed answers agree,
 usage is exact, stop strings, seeds, n, logprobs per the current OpenAI spec."""
+
 from __future__ import annotations
 
 import httpx
@@ -45,7 +46,10 @@ def test_greedy_whole_and_stream_agree_with_exact_usage(server, client):
     assert finish == {0: "length"}
     assert n_chunks > 1  # really streamed
     assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
-        r.usage.prompt_tokens, 12, r.usage.total_tokens)
+        r.usage.prompt_tokens,
+        12,
+        r.usage.total_tokens,
+    )
     # as vLLM, the prefix-cache hit is reported only under --enable-prompt-tokens-details
     assert usage.prompt_tokens_details is None
 
@@ -56,8 +60,13 @@ def test_stream_without_include_usage_has_no_usage(client):
 
 
 def test_raw_sse_format(server):
-    body = {"model": MODEL_NAME, "messages": MSGS, "max_tokens": 3, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL_NAME,
+        "messages": MSGS,
+        "max_tokens": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=30) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = [line for line in r.iter_lines() if line]
@@ -68,13 +77,19 @@ def test_raw_sse_format(server):
 
 
 def test_content_parts_and_roles(server, client):
-    messages = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
-                {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]},
-                {"role": "assistant", "content": "Hello."},
-                {"role": "user", "content": "Again"}]
+    messages = [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Again"},
+    ]
     r = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=2)
-    flat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi\nthere"},
-            {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Again"}]
+    flat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi\nthere"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Again"},
+    ]
     assert r.usage.prompt_tokens == prompt_len(server, flat)
 
 
@@ -83,7 +98,7 @@ def test_stop_string_cuts_output_whole_and_streamed(client):
     full = client.chat.completions.create(**base).choices[0].message.content
     # a stop string from the middle of the greedy text (not present earlier in it)
     for start in range(3, len(full) - 3):
-        stop = full[start:start + 3]
+        stop = full[start : start + 3]
         if full.find(stop) == start and stop.strip() and "\ufffd" not in stop:
             break
     else:
@@ -95,14 +110,16 @@ def test_stop_string_cuts_output_whole_and_streamed(client):
     texts, finish, _, _ = stream_text(client, stop=stop, **base)
     assert texts.get(0, "") == full[:start] and finish[0] == "stop"
     # include_stop_str_in_output keeps it (vLLM's extra)
-    r = client.chat.completions.create(stop=stop, **{**base, "extra_body": {"ignore_eos": True,
-                                                                            "include_stop_str_in_output": True}})
+    r = client.chat.completions.create(
+        stop=stop, **{**base, "extra_body": {"ignore_eos": True, "include_stop_str_in_output": True}}
+    )
     assert r.choices[0].message.content == full[:start] + stop
 
 
 def test_seed_reproducible_and_n2(client):
-    kw = dict(model=MODEL_NAME, messages=MSGS, temperature=1.0, top_p=0.95, max_tokens=10,
-              extra_body={"ignore_eos": True})
+    kw = dict(
+        model=MODEL_NAME, messages=MSGS, temperature=1.0, top_p=0.95, max_tokens=10, extra_body={"ignore_eos": True}
+    )
     a = client.chat.completions.create(seed=1234, **kw).choices[0].message.content
     b = client.chat.completions.create(seed=1234, **kw).choices[0].message.content
     c = client.chat.completions.create(seed=4321, **kw).choices[0].message.content
@@ -128,8 +145,9 @@ def test_greedy_is_temperature_zero_and_penalties_accepted(client):
 
 
 def test_max_completion_tokens_wins(client):
-    r = client.chat.completions.create(model=MODEL_NAME, messages=MSGS, max_tokens=9, max_completion_tokens=3,
-                                       extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(
+        model=MODEL_NAME, messages=MSGS, max_tokens=9, max_completion_tokens=3, extra_body={"ignore_eos": True}
+    )
     assert r.usage.completion_tokens == 3
 
 

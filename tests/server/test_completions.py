@@ -1,4 +1,5 @@
 """/v1/completions: string, list of strings, token ids, echo, legacy logprobs, streaming."""
+
 from __future__ import annotations
 
 import pytest
@@ -44,15 +45,21 @@ def test_echo(server, client):
     r = client.completions.create(prompt="Echo me", echo=True, **GREEDY)
     plain = client.completions.create(prompt="Echo me", **GREEDY)
     assert r.choices[0].text == "Echo me" + plain.choices[0].text
-    text = "".join(c.choices[0].text for c in client.completions.create(prompt="Echo me", echo=True, stream=True,
-                                                                        **GREEDY) if c.choices)
+    text = "".join(
+        c.choices[0].text
+        for c in client.completions.create(prompt="Echo me", echo=True, stream=True, **GREEDY)
+        if c.choices
+    )
     assert text == r.choices[0].text
 
 
 def test_stream_matches_whole(client):
     whole = client.completions.create(prompt="In the beginning", **GREEDY)
-    chunks = list(client.completions.create(prompt="In the beginning", stream=True,
-                                            stream_options={"include_usage": True}, **GREEDY))
+    chunks = list(
+        client.completions.create(
+            prompt="In the beginning", stream=True, stream_options={"include_usage": True}, **GREEDY
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage.completion_tokens == 8 and chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
@@ -81,7 +88,12 @@ def test_stop_token_ids(server, client):
     first = tok.encode(first_text, add_special_tokens=False)
     if len(first) != 1:
         pytest.skip("the first greedy token does not round-trip through its text")
-    r = client.completions.create(prompt=ids, model=MODEL_NAME, temperature=0, max_tokens=10,
-                                  extra_body={"ignore_eos": True, "stop_token_ids": first})
+    r = client.completions.create(
+        prompt=ids,
+        model=MODEL_NAME,
+        temperature=0,
+        max_tokens=10,
+        extra_body={"ignore_eos": True, "stop_token_ids": first},
+    )
     assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 1
     assert r.choices[0].model_extra.get("stop_reason") == first[0]

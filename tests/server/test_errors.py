@@ -1,4 +1,5 @@
 """Bad input never hurts the server: each answered with the right status and OpenAI's error schema."""
+
 from __future__ import annotations
 
 import time
@@ -28,43 +29,58 @@ def check_error(e: openai.APIStatusError, status: int, param: str | None = None,
     return err["message"]
 
 
-@pytest.mark.parametrize("kw, param, words", [
-    (dict(max_tokens=-5), "max_tokens", ()),
-    (dict(max_tokens=0), "max_tokens", ()),
-    (dict(max_tokens=10**7), "max_tokens", (str(TINY_MAX_MODEL_LEN), "10000")),
-    (dict(temperature=3.5), "temperature", ()),
-    (dict(temperature=-1), "temperature", ()),
-    (dict(top_p=0), "top_p", ()),
-    (dict(n=0), "n", ()),
-    (dict(presence_penalty=5), "presence_penalty", ()),
-    (dict(top_logprobs=3), "top_logprobs", ()),
-    (dict(logprobs=True, top_logprobs=50), "top_logprobs", ()),
-    (dict(extra_body={"temperature": "hot"}), "temperature", ("hot",)),
-    (dict(extra_body={"n": [1]}), "n", ()),
-    (dict(stop=[""]), "stop", ()),
-    (dict(extra_body={"top_k": -3}), "top_k", ()),
-    (dict(tool_choice={"type": "function", "function": {"name": "g"}}, tools=[{"type": "function", "function": {"name": "f"}}]),
-     "tool_choice", ("'g'", "'f'")),
-    (dict(stream_options={"include_usage": True}), "stream_options", ()),
-    (dict(logit_bias={"999999": 10}), "logit_bias", ("999999", "out of vocabulary")),
-    (dict(logit_bias={"5": 500}), "logit_bias", ()),
-    (dict(response_format={"type": "xml"}), "response_format", ("xml",)),
-    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}),
-     "response_format", ("nope",)),
-    (dict(extra_body={"guided_regex": "(a"}), "guided_regex", ()),
-])
+@pytest.mark.parametrize(
+    "kw, param, words",
+    [
+        (dict(max_tokens=-5), "max_tokens", ()),
+        (dict(max_tokens=0), "max_tokens", ()),
+        (dict(max_tokens=10**7), "max_tokens", (str(TINY_MAX_MODEL_LEN), "10000")),
+        (dict(temperature=3.5), "temperature", ()),
+        (dict(temperature=-1), "temperature", ()),
+        (dict(top_p=0), "top_p", ()),
+        (dict(n=0), "n", ()),
+        (dict(presence_penalty=5), "presence_penalty", ()),
+        (dict(top_logprobs=3), "top_logprobs", ()),
+        (dict(logprobs=True, top_logprobs=50), "top_logprobs", ()),
+        (dict(extra_body={"temperature": "hot"}), "temperature", ("hot",)),
+        (dict(extra_body={"n": [1]}), "n", ()),
+        (dict(stop=[""]), "stop", ()),
+        (dict(extra_body={"top_k": -3}), "top_k", ()),
+        (
+            dict(
+                tool_choice={"type": "function", "function": {"name": "g"}},
+                tools=[{"type": "function", "function": {"name": "f"}}],
+            ),
+            "tool_choice",
+            ("'g'", "'f'"),
+        ),
+        (dict(stream_options={"include_usage": True}), "stream_options", ()),
+        (dict(logit_bias={"999999": 10}), "logit_bias", ("999999", "out of vocabulary")),
+        (dict(logit_bias={"5": 500}), "logit_bias", ()),
+        (dict(response_format={"type": "xml"}), "response_format", ("xml",)),
+        (
+            dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}),
+            "response_format",
+            ("nope",),
+        ),
+        (dict(extra_body={"guided_regex": "(a"}), "guided_regex", ()),
+    ],
+)
 def test_chat_bad_params_are_400(client, kw, param, words):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL_NAME, messages=kw.pop("messages", MSGS), **kw)
     check_error(e.value, 400, param, *words)
 
 
-@pytest.mark.parametrize("messages, param", [
-    ("hi", "messages"),
-    ([], "messages"),
-    ([{"role": "", "content": "hi"}], "messages"),
-    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "messages"),
-])
+@pytest.mark.parametrize(
+    "messages, param",
+    [
+        ("hi", "messages"),
+        ([], "messages"),
+        ([{"role": "", "content": "hi"}], "messages"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "messages"),
+    ],
+)
 def test_bad_messages_are_400(client, messages, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL_NAME, messages=messages)
@@ -88,14 +104,17 @@ def test_prompt_too_long_names_both_numbers(server, client):
     check_error(e.value, 400, "max_tokens", str(len(ids)), str(TINY_MAX_MODEL_LEN), str(len(ids) + TINY_MAX_MODEL_LEN))
 
 
-@pytest.mark.parametrize("kw, param", [
-    (dict(prompt="x", suffix="y"), "suffix"),
-    (dict(prompt="x", extra_body={"prompt_logprobs": 21}), "prompt_logprobs"),
-    (dict(prompt=[5, 10**6]), "prompt"),
-    (dict(prompt=[]), "prompt"),
-    (dict(prompt="x", logprobs=21), "logprobs"),
-    (dict(prompt="x", best_of=3), "best_of"),
-])
+@pytest.mark.parametrize(
+    "kw, param",
+    [
+        (dict(prompt="x", suffix="y"), "suffix"),
+        (dict(prompt="x", extra_body={"prompt_logprobs": 21}), "prompt_logprobs"),
+        (dict(prompt=[5, 10**6]), "prompt"),
+        (dict(prompt=[]), "prompt"),
+        (dict(prompt="x", logprobs=21), "logprobs"),
+        (dict(prompt="x", best_of=3), "best_of"),
+    ],
+)
 def test_completion_bad_params_are_400(client, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL_NAME, **kw)
@@ -112,11 +131,19 @@ def test_unknown_model_is_404(client):
 
 
 def test_malformed_json_unknown_route_wrong_method(server):
-    r = httpx.post(server.url + "/v1/chat/completions", content=b'{"model": "x", "messages": [', timeout=10,
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        content=b'{"model": "x", "messages": [',
+        timeout=10,
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
-    r = httpx.post(server.url + "/v1/completions", content=b"not json at all", timeout=10,
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        server.url + "/v1/completions",
+        content=b"not json at all",
+        timeout=10,
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
     r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL_NAME}, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
@@ -127,8 +154,9 @@ def test_malformed_json_unknown_route_wrong_method(server):
 
 
 def test_unknown_fields_are_ignored(client):
-    r = client.chat.completions.create(model=MODEL_NAME, messages=MSGS, max_tokens=2,
-                                       extra_body={"some_future_field": 1, "another": "x"})
+    r = client.chat.completions.create(
+        model=MODEL_NAME, messages=MSGS, max_tokens=2, extra_body={"some_future_field": 1, "another": "x"}
+    )
     assert r.usage.completion_tokens >= 1
 
 
@@ -150,6 +178,7 @@ def test_handler_bug_is_500_without_traceback_and_server_keeps_serving(server, c
 
 
 # -- a second server: API key, one running sequence, one waiting slot ------------------------------
+
 
 @pytest.fixture(scope="module")
 def strict(tiny_qwen3):

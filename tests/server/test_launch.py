@@ -1,5 +1,6 @@
 """Launch lines: `ember serve` flags, vLLM's `python -m ember.entrypoints.openai.api_server`, and a
 smoke test against the embedded default model."""
+
 from __future__ import annotations
 
 import os
@@ -38,8 +39,11 @@ def test_bad_server_flags_fail_before_loading():
     from ember.entrypoints.cli import build_parser
     from ember.entrypoints.serve import build_server
 
-    for argv in (["serve", "--port", "70000"], ["serve", "--max-waiting-requests", "0"],
-                 ["serve", "--chat-template", "no-such-file"]):
+    for argv in (
+        ["serve", "--port", "70000"],
+        ["serve", "--max-waiting-requests", "0"],
+        ["serve", "--chat-template", "no-such-file"],
+    ):
         with pytest.raises(ConfigError):
             build_server(build_parser().parse_args(argv))
 
@@ -48,9 +52,21 @@ def test_bad_server_flags_fail_before_loading():
 def test_vllm_launch_line_in_a_subprocess(tiny_model_dir):
     port = free_port()
     env = {**os.environ, "EMBER_API_KEY": "k123"}
-    cmd = [sys.executable, "-m", "ember.entrypoints.openai.api_server", "--model", tiny_model_dir("qwen3"), *TINY,
-           "--port", str(port), "--served-model-name", "Qwen/Qwen3-0.6B", "--enable-auto-tool-choice",
-           "--tool-call-parser", "hermes"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ember.entrypoints.openai.api_server",
+        "--model",
+        tiny_model_dir("qwen3"),
+        *TINY,
+        "--port",
+        str(port),
+        "--served-model-name",
+        "Qwen/Qwen3-0.6B",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+    ]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -68,8 +84,11 @@ def test_vllm_launch_line_in_a_subprocess(tiny_model_dir):
         assert httpx.get(url + "/v1/models").status_code == 401
         models = httpx.get(url + "/v1/models", headers={"Authorization": "Bearer k123"}).json()
         assert [m["id"] for m in models["data"]] == ["Qwen/Qwen3-0.6B"]
-        r = httpx.post(url + "/v1/completions", headers={"Authorization": "Bearer k123"},
-                       json={"model": "Qwen/Qwen3-0.6B", "prompt": "hi", "max_tokens": 3, "ignore_eos": True})
+        r = httpx.post(
+            url + "/v1/completions",
+            headers={"Authorization": "Bearer k123"},
+            json={"model": "Qwen/Qwen3-0.6B", "prompt": "hi", "max_tokens": 3, "ignore_eos": True},
+        )
         assert r.json()["usage"]["completion_tokens"] == 3
     finally:
         proc.send_signal(signal.SIGINT)
@@ -97,8 +116,11 @@ def test_default_model_says_paris():
     live = start_server(None, kv_cache_memory=0.05, max_model_len=512, num_threads=None)
     try:
         r = live.client().chat.completions.create(
-            model="tiny-qwen3", temperature=0, max_tokens=24,
-            messages=[{"role": "user", "content": "Name the capital of France."}])
+            model="tiny-qwen3",
+            temperature=0,
+            max_tokens=24,
+            messages=[{"role": "user", "content": "Name the capital of France."}],
+        )
         assert "Paris" in r.choices[0].message.content
         assert r.choices[0].finish_reason == "stop"
     finally:

@@ -2,6 +2,7 @@
 written from offline text (ember.eval.pydoc_choice): it runs end to end (remote tokenizer through
 /tokenizer_info and /tokenize, scoring through completions echo + logprobs), and every log-likelihood it
 scores, and so its accuracy, equals ember's own offline scoring of the same items (default model, fp32)."""
+
 from __future__ import annotations
 
 import pytest
@@ -30,8 +31,11 @@ def test_lm_eval_local_completions_scores_as_ember_does(tmp_path, monkeypatch):
         results = lm_eval.simple_evaluate(
             model="local-completions",
             model_args=f"base_url={live.url}/v1/completions,model={MODEL_NAME},tokenizer_backend=remote,"
-                       "num_concurrent=2,max_retries=1,timeout=120",
-            tasks=[TASK_NAME], task_manager=TaskManager(include_path=folder), log_samples=True)
+            "num_concurrent=2,max_retries=1,timeout=120",
+            tasks=[TASK_NAME],
+            task_manager=TaskManager(include_path=folder),
+            log_samples=True,
+        )
     finally:
         live.stop()
     from ember import LLM

@@ -1,6 +1,7 @@
 """/openapi.json documents what the server answers (what schemathesis, in vLLM's schema test, checks): each
 route's real status codes and media types are the documented ones, and FastAPI's 422 (ember answers 400)
 is nowhere."""
+
 from __future__ import annotations
 
 import httpx

@@ -1,6 +1,7 @@
 """--shutdown-timeout on a real `ember serve` process: SIGTERM stops new work, lets the requests in flight
 finish (or, at 0, aborts them with finish_reason "abort"), and the process exits cleanly: no 500, no
 traceback in its log."""
+
 from __future__ import annotations
 
 import asyncio
@@ -21,8 +22,23 @@ pytestmark = pytest.mark.engine  # every test here builds an engine
 
 def _launch(model: str, timeout_s: float):
     port = free_port()
-    cmd = [sys.executable, "-m", "ember.entrypoints.cli", "serve", model, *TINY, "--port", str(port),
-           "--served-model-name", "m", "--no-warmup", "--max-num-seqs", "4", "--shutdown-timeout", str(timeout_s)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ember.entrypoints.cli",
+        "serve",
+        model,
+        *TINY,
+        "--port",
+        str(port),
+        "--served-model-name",
+        "m",
+        "--no-warmup",
+        "--max-num-seqs",
+        "4",
+        "--shutdown-timeout",
+        str(timeout_s),
+    ]
     proc = subprocess.Popen(cmd, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 90
@@ -40,8 +56,12 @@ def _launch(model: str, timeout_s: float):
 
 async def _in_flight_then_sigterm(proc, url: str, n: int = 24):
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
-    tasks = [asyncio.create_task(client.completions.create(model="m", prompt="story", max_tokens=240,
-                                                           extra_body={"ignore_eos": True})) for _ in range(n)]
+    tasks = [
+        asyncio.create_task(
+            client.completions.create(model="m", prompt="story", max_tokens=240, extra_body={"ignore_eos": True})
+        )
+        for _ in range(n)
+    ]
     await asyncio.sleep(1.5)  # 24 answers of 240 tokens, 4 at a time: most are still running
     proc.send_signal(signal.SIGTERM)
     await asyncio.sleep(0.3)

@@ -1,5 +1,6 @@
 """The async engine under the API: a client that hangs up frees its KV blocks, 32 concurrent
 streams all finish with exact usage, and /metrics parses and moves."""
+
 from __future__ import annotations
 
 import asyncio
@@ -59,8 +60,10 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server, monkeypatch, capl
     server.wait_idle(timeout=10)
     assert server.engine.parts.kv.num_free_blocks == total
     after = metric_samples(server)
-    assert value(after, "ember:request_success_total", finished_reason="abort") == \
-        value(before, "ember:request_success_total", finished_reason="abort") + 1
+    assert (
+        value(after, "ember:request_success_total", finished_reason="abort")
+        == value(before, "ember:request_success_total", finished_reason="abort") + 1
+    )
     generated = value(after, "ember:generation_tokens_total") - value(before, "ember:generation_tokens_total")
     assert 3 <= generated < 200
     assert "aborted before it finished" in caplog.text  # the operator sees why the request ended
@@ -77,8 +80,10 @@ def test_disconnect_while_waiting_for_whole_answer(server, monkeypatch):
         pass
     server.wait_idle(timeout=10)
     after = metric_samples(server)
-    assert value(after, "ember:request_success_total", finished_reason="abort") == \
-        value(before, "ember:request_success_total", finished_reason="abort") + 1
+    assert (
+        value(after, "ember:request_success_total", finished_reason="abort")
+        == value(before, "ember:request_success_total", finished_reason="abort") + 1
+    )
 
 
 def test_32_concurrent_streams_exact_usage(server):
@@ -89,8 +94,15 @@ def test_32_concurrent_streams_exact_usage(server):
         messages = [{"role": "user", "content": f"Request number {i}: " + "go " * (i % 5)}]
         max_tokens = 4 + i % 9
         stream = await client.chat.completions.create(
-            model=MODEL_NAME, messages=messages, max_tokens=max_tokens, stream=True, temperature=0.7, seed=i,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            model=MODEL_NAME,
+            messages=messages,
+            max_tokens=max_tokens,
+            stream=True,
+            temperature=0.7,
+            seed=i,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         text, usage, finish = "", None, None
         async for ch in stream:
             if ch.usage:
@@ -112,16 +124,23 @@ def test_32_concurrent_streams_exact_usage(server):
     results = asyncio.run(run())
     for usage, prompt, max_tokens, finish in results:
         assert finish == "length"
-        assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (prompt, max_tokens,
-                                                                                     prompt + max_tokens)
+        assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
+            prompt,
+            max_tokens,
+            prompt + max_tokens,
+        )
     server.wait_idle()
     after = metric_samples(server)
     done = sum(r[2] for r in results)
     assert value(after, "ember:generation_tokens_total") - value(before, "ember:generation_tokens_total") == done
-    assert value(after, "ember:prompt_tokens_total") - value(before, "ember:prompt_tokens_total") == \
-        sum(r[1] for r in results)
-    assert value(after, "ember:request_success_total", finished_reason="length") - \
-        value(before, "ember:request_success_total", finished_reason="length") == 32
+    assert value(after, "ember:prompt_tokens_total") - value(before, "ember:prompt_tokens_total") == sum(
+        r[1] for r in results
+    )
+    assert (
+        value(after, "ember:request_success_total", finished_reason="length")
+        - value(before, "ember:request_success_total", finished_reason="length")
+        == 32
+    )
 
 
 def test_metrics_parse_and_move(server, client):
@@ -136,13 +155,22 @@ def test_metrics_parse_and_move(server, client):
     server.wait_idle()
     after = metric_samples(server)
     ep = "/v1/chat/completions"
-    assert value(after, "ember:http_requests_total", endpoint=ep, status="200") - \
-        value(before, "ember:http_requests_total", endpoint=ep, status="200") == 2
-    assert value(after, "ember:http_requests_total", endpoint=ep, status="404") - \
-        value(before, "ember:http_requests_total", endpoint=ep, status="404") == 1
+    assert (
+        value(after, "ember:http_requests_total", endpoint=ep, status="200")
+        - value(before, "ember:http_requests_total", endpoint=ep, status="200")
+        == 2
+    )
+    assert (
+        value(after, "ember:http_requests_total", endpoint=ep, status="404")
+        - value(before, "ember:http_requests_total", endpoint=ep, status="404")
+        == 1
+    )
     assert value(after, "ember:generation_tokens_total") - value(before, "ember:generation_tokens_total") == 10
-    for hist in ("ember:time_to_first_token_seconds_count", "ember:e2e_request_latency_seconds_count",
-                 "ember:time_per_output_token_seconds_count"):
+    for hist in (
+        "ember:time_to_first_token_seconds_count",
+        "ember:e2e_request_latency_seconds_count",
+        "ember:time_per_output_token_seconds_count",
+    ):
         assert value(after, hist) - value(before, hist) == 2, hist
     # the same prompt twice: the second finds it in the prefix cache
     assert value(after, "ember:prefix_cache_hits_total") > value(before, "ember:prefix_cache_hits_total")
@@ -195,8 +223,13 @@ def test_health_is_503_until_warmup_is_done(tiny_qwen3, monkeypatch):
         assert r.status_code == 503 and "warming up" in r.json()["error"]["message"]
         # a request that comes during warmup waits for it, then is served
         result = {}
-        t = threading.Thread(target=lambda: result.update(r=live.client().completions.create(
-            model=MODEL_NAME, prompt="x", max_tokens=2, extra_body={"ignore_eos": True})))
+        t = threading.Thread(
+            target=lambda: result.update(
+                r=live.client().completions.create(
+                    model=MODEL_NAME, prompt="x", max_tokens=2, extra_body={"ignore_eos": True}
+                )
+            )
+        )
         t.start()
         time.sleep(0.3)
         assert "r" not in result
@@ -214,14 +247,16 @@ def test_n_sequences_stream_one_choice_per_chunk(client):
     """OpenAI sends each choice in its own chunk; a client that reads choices[0] (vLLM's own test does)
     must see every sequence's text."""
     whole = client.completions.create(model=MODEL_NAME, prompt="hello", n=3, max_tokens=8, temperature=1.0, seed=9)
-    stream = client.completions.create(model=MODEL_NAME, prompt="hello", n=3, max_tokens=8, temperature=1.0, seed=9,
-                                       stream=True)
+    stream = client.completions.create(
+        model=MODEL_NAME, prompt="hello", n=3, max_tokens=8, temperature=1.0, seed=9, stream=True
+    )
     texts = ["", "", ""]
     for chunk in stream:
         if chunk.choices:
             assert len(chunk.choices) == 1
             texts[chunk.choices[0].index] += chunk.choices[0].text
     assert texts == [c.text for c in sorted(whole.choices, key=lambda c: c.index)]
-    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], n=2,
-                                          max_tokens=5, stream=True)
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=5, stream=True
+    )
     assert all(len(c.choices) == 1 for c in chat if c.choices)

@@ -3,6 +3,7 @@ default model (SmolLM2-135M, packed, MTP speculation on, as `ember serve` runs i
 
 Every constrained answer is parsed, validated with jsonschema and must end with `stop` (tool calls:
 `tool_calls`), streamed or not."""
+
 from __future__ import annotations
 
 import asyncio
@@ -24,9 +25,12 @@ MAX_TOKENS = 400
 THINKING_TEMPLATE = (
     "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}{% if enable_thinking is defined and enable_thinking is false %}"
-    "<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}{% endif %}")
-FEW_SHOT = ("Q: 2+2?\n<think>\nI add the numbers.\n</think>\n{\"answer\": 4}\n\n"
-            "Q: 3+3?\n<think>\nI add the numbers.\n</think>\n{\"answer\": 6}\n\nQ: 5+2?")
+    "<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}{% endif %}"
+)
+FEW_SHOT = (
+    'Q: 2+2?\n<think>\nI add the numbers.\n</think>\n{"answer": 4}\n\n'
+    'Q: 3+3?\n<think>\nI add the numbers.\n</think>\n{"answer": 6}\n\nQ: 5+2?'
+)
 ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
 
 
@@ -39,8 +43,15 @@ def live():
 
 @pytest.fixture(scope="module")
 def thinking():
-    server = start_server(default_model_path(), dtype="auto", num_threads=2, kv_cache_memory=0.2, max_model_len=1024,
-                          reasoning_parser="deepseek_r1", chat_template=THINKING_TEMPLATE)
+    server = start_server(
+        default_model_path(),
+        dtype="auto",
+        num_threads=2,
+        kv_cache_memory=0.2,
+        max_model_len=1024,
+        reasoning_parser="deepseek_r1",
+        chat_template=THINKING_TEMPLATE,
+    )
     yield server
     server.stop()
 
@@ -59,9 +70,14 @@ def test_every_schema_validates_through_response_format(live, temperature):
 
     async def ask(name: str):
         prompt, schema = SCHEMAS[name]
-        return await client.chat.completions.create(model=MODEL_NAME, messages=user(prompt), temperature=temperature,
-                                                    seed=21, max_tokens=MAX_TOKENS,
-                                                    response_format=json_format(name, schema))
+        return await client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=user(prompt),
+            temperature=temperature,
+            seed=21,
+            max_tokens=MAX_TOKENS,
+            response_format=json_format(name, schema),
+        )
 
     async def ask_all():
         return await asyncio.gather(*(ask(n) for n in SCHEMAS))
@@ -76,9 +92,15 @@ def test_every_schema_validates_through_response_format(live, temperature):
 
 def test_streamed_schema_answer_validates(live):
     prompt, schema = SCHEMAS["array_of_objects"]
-    stream = live.client().chat.completions.create(model=MODEL_NAME, messages=user(prompt), temperature=1.0, seed=4,
-                                                   max_tokens=MAX_TOKENS, stream=True,
-                                                   response_format=json_format("products", schema))
+    stream = live.client().chat.completions.create(
+        model=MODEL_NAME,
+        messages=user(prompt),
+        temperature=1.0,
+        seed=4,
+        max_tokens=MAX_TOKENS,
+        stream=True,
+        response_format=json_format("products", schema),
+    )
     text, finish = "", None
     for chunk in stream:
         if chunk.choices:
@@ -91,14 +113,23 @@ def test_streamed_schema_answer_validates(live):
 def test_completions_take_structured_outputs_and_the_guided_fields(live):
     client = live.client()
     prompt, schema = SCHEMAS["person"]
-    for extra in ({"structured_outputs": {"json": schema}}, {"guided_json": schema},
-                  {"guided_json": json.dumps(schema)}):
-        r = client.completions.create(model=MODEL_NAME, prompt=prompt + "\n", max_tokens=MAX_TOKENS, temperature=0,
-                                      extra_body=extra)
+    for extra in (
+        {"structured_outputs": {"json": schema}},
+        {"guided_json": schema},
+        {"guided_json": json.dumps(schema)},
+    ):
+        r = client.completions.create(
+            model=MODEL_NAME, prompt=prompt + "\n", max_tokens=MAX_TOKENS, temperature=0, extra_body=extra
+        )
         assert r.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(r.choices[0].text), schema)
-    stream = client.completions.create(model=MODEL_NAME, prompt="Pick a direction:", max_tokens=10, stream=True,
-                                       extra_body={"guided_choice": ["north", "south"]})
+    stream = client.completions.create(
+        model=MODEL_NAME,
+        prompt="Pick a direction:",
+        max_tokens=10,
+        stream=True,
+        extra_body={"guided_choice": ["north", "south"]},
+    )
     chunks = [c for c in stream if c.choices]
     assert "".join(c.choices[0].text for c in chunks) in ("north", "south")
     assert chunks[-1].choices[0].finish_reason == "stop"
@@ -106,17 +137,28 @@ def test_completions_take_structured_outputs_and_the_guided_fields(live):
 
 def test_choice_and_regex(live):
     client = live.client()
-    r = client.chat.completions.create(model=MODEL_NAME, messages=user("Is the sky green?"), temperature=1.0,
-                                       max_tokens=20, extra_body={"guided_choice": ["yes", "no", "maybe"]})
+    r = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=user("Is the sky green?"),
+        temperature=1.0,
+        max_tokens=20,
+        extra_body={"guided_choice": ["yes", "no", "maybe"]},
+    )
     assert r.choices[0].message.content in ("yes", "no", "maybe") and r.choices[0].finish_reason == "stop"
     pattern = r"[A-Z]{2}-[0-9]{3}"
     for extra in ({"guided_regex": pattern}, {"structured_outputs": {"regex": pattern}}):
-        r = client.chat.completions.create(model=MODEL_NAME, messages=user("Give a plate number."), max_tokens=20,
-                                           temperature=1.0, extra_body=extra)
+        r = client.chat.completions.create(
+            model=MODEL_NAME, messages=user("Give a plate number."), max_tokens=20, temperature=1.0, extra_body=extra
+        )
         assert re.fullmatch(pattern, r.choices[0].message.content) and r.choices[0].finish_reason == "stop"
     # Any object (no schema bounds it): an open prompt can make this model nest objects until max_tokens.
-    r = client.chat.completions.create(model=MODEL_NAME, messages=user('Reply with a small JSON object such as {"ok": true}.'), temperature=0,
-                                       max_tokens=MAX_TOKENS, response_format={"type": "json_object"})
+    r = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=user('Reply with a small JSON object such as {"ok": true}.'),
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+        response_format={"type": "json_object"},
+    )
     assert isinstance(json.loads(r.choices[0].message.content), dict) and r.choices[0].finish_reason == "stop"
 
 
@@ -131,9 +173,16 @@ def _check_calls(calls, names: set[str]) -> None:
 @pytest.mark.parametrize("parallel", [None, False])
 def test_tool_choice_required(live, parallel):
     extra = {} if parallel is None else {"parallel_tool_calls": parallel}
-    r = live.client().chat.completions.create(model=MODEL_NAME, messages=user("Find me a flight from Paris to Rome."),
-                                              tools=TOOLS, tool_choice="required", temperature=0.7, seed=2,
-                                              max_tokens=MAX_TOKENS, **extra)
+    r = live.client().chat.completions.create(
+        model=MODEL_NAME,
+        messages=user("Find me a flight from Paris to Rome."),
+        tools=TOOLS,
+        tool_choice="required",
+        temperature=0.7,
+        seed=2,
+        max_tokens=MAX_TOKENS,
+        **extra,
+    )
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls"
     _check_calls(choice.message.tool_calls, {"get_weather", "search_flights"})
@@ -144,14 +193,27 @@ def test_tool_choice_required(live, parallel):
 def test_tool_choice_named_streamed_and_not(live):
     client = live.client()
     named = {"type": "function", "function": {"name": "get_weather"}}
-    r = client.chat.completions.create(model=MODEL_NAME, messages=user("Find me a flight to Rome."), tools=TOOLS,
-                                       tool_choice=named, temperature=0, max_tokens=MAX_TOKENS)
+    r = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=user("Find me a flight to Rome."),
+        tools=TOOLS,
+        tool_choice=named,
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+    )
     assert r.choices[0].finish_reason == "tool_calls"
     _check_calls(r.choices[0].message.tool_calls, {"get_weather"})
     whole = r.choices[0].message.tool_calls[0].function.arguments
 
-    stream = client.chat.completions.create(model=MODEL_NAME, messages=user("Find me a flight to Rome."), tools=TOOLS,
-                                            tool_choice=named, temperature=0, max_tokens=MAX_TOKENS, stream=True)
+    stream = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=user("Find me a flight to Rome."),
+        tools=TOOLS,
+        tool_choice=named,
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+        stream=True,
+    )
     name, args, finish = None, "", None
     for chunk in stream:
         if not chunk.choices:
@@ -178,32 +240,47 @@ def test_bad_constraints_get_a_400_and_the_server_keeps_serving(live):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL_NAME, messages=user("hi"), max_tokens=5, **kw)
         assert says in e.value.body["message"], (kw, e.value.body)
-    r = client.chat.completions.create(model=MODEL_NAME, messages=user("hi"), max_tokens=5,
-                                       extra_body={"guided_choice": ["fine"]})
+    r = client.chat.completions.create(
+        model=MODEL_NAME, messages=user("hi"), max_tokens=5, extra_body={"guided_choice": ["fine"]}
+    )
     assert r.choices[0].message.content == "fine"
     live.wait_idle()
 
 
 def test_metrics_report_compile_and_mask_time(live):
-    live.client().chat.completions.create(model=MODEL_NAME, messages=user("Yes?"), max_tokens=5,
-                                          extra_body={"guided_choice": ["metric check"]})
+    live.client().chat.completions.create(
+        model=MODEL_NAME, messages=user("Yes?"), max_tokens=5, extra_body={"guided_choice": ["metric check"]}
+    )
     text = httpx.get(live.url + "/metrics").text
-    counts = {m.group(1): float(m.group(2)) for m in
-              re.finditer(r'^ember:structured_output_(compile|mask)_seconds_count\{[^}]*\} (\S+)$', text, re.M)}
+    counts = {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(r"^ember:structured_output_(compile|mask)_seconds_count\{[^}]*\} (\S+)$", text, re.M)
+    }
     assert counts.get("compile", 0) >= 1 and counts.get("mask", 0) >= 1
 
 
 def test_reasoning_content_is_split_from_the_answer(thinking):
     client = thinking.client()
-    r = client.chat.completions.create(model=MODEL_NAME, messages=user(FEW_SHOT), temperature=0, max_tokens=60,
-                                       response_format=json_format("answer", ANSWER_SCHEMA))
+    r = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=user(FEW_SHOT),
+        temperature=0,
+        max_tokens=60,
+        response_format=json_format("answer", ANSWER_SCHEMA),
+    )
     message = r.choices[0].message
     assert "I add" in message.reasoning_content and "</think>" not in message.reasoning_content
     assert r.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(message.content), ANSWER_SCHEMA)  # the constraint started after </think>
 
-    stream = client.chat.completions.create(model=MODEL_NAME, messages=user(FEW_SHOT), temperature=0, max_tokens=60,
-                                            stream=True, response_format=json_format("answer", ANSWER_SCHEMA))
+    stream = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=user(FEW_SHOT),
+        temperature=0,
+        max_tokens=60,
+        stream=True,
+        response_format=json_format("answer", ANSWER_SCHEMA),
+    )
     reasoning, content = "", ""
     for chunk in stream:
         if chunk.choices:
@@ -215,7 +292,11 @@ def test_reasoning_content_is_split_from_the_answer(thinking):
 
 def test_enable_thinking_false_leaves_everything_in_the_answer(thinking):
     r = thinking.client().chat.completions.create(
-        model=MODEL_NAME, messages=user("Say a word."), temperature=0, max_tokens=12,
-        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        model=MODEL_NAME,
+        messages=user("Say a word."),
+        temperature=0,
+        max_tokens=12,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
     message = r.choices[0].message
     assert message.reasoning_content is None and message.content

@@ -1,5 +1,6 @@
 """vLLM's /tokenize, /detokenize, /tokenizer_info, and chat's continue_final_message and echo, against a
 live server on the default model; token ids are compared with transformers' own tokenizer of the file."""
+
 from __future__ import annotations
 
 import os
@@ -10,16 +11,27 @@ import pytest
 from ember.default_model import default_model_path
 from tests.server.live import MODEL_NAME, start_server
 
-CONVERSATION = [{"role": "user", "content": "Hi there!"}, {"role": "assistant", "content": "Nice to meet you!"},
-                {"role": "user", "content": "Can I ask a question?"}]
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"location": {"type": "string"}}}}}]
+CONVERSATION = [
+    {"role": "user", "content": "Hi there!"},
+    {"role": "assistant", "content": "Nice to meet you!"},
+    {"role": "user", "content": "Can I ask a question?"},
+]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"location": {"type": "string"}}},
+        },
+    }
+]
 
 
 @pytest.fixture(scope="module")
 def live():
-    server = start_server(default_model_path(), dtype="auto", num_threads=2, kv_cache_memory=0.2,
-                          max_model_len=1024, tokenizer_info=True)
+    server = start_server(
+        default_model_path(), dtype="auto", num_threads=2, kv_cache_memory=0.2, max_model_len=1024, tokenizer_info=True
+    )
     yield server
     server.stop()
 
@@ -35,7 +47,9 @@ def hf_tok():
 def test_tokenize_a_prompt_as_transformers_does(live, hf_tok):
     for special in (False, True):
         prompt = "vllm1 This is a test prompt."
-        r = httpx.post(live.url + "/tokenize", json={"model": MODEL_NAME, "prompt": prompt, "add_special_tokens": special})
+        r = httpx.post(
+            live.url + "/tokenize", json={"model": MODEL_NAME, "prompt": prompt, "add_special_tokens": special}
+        )
         body = r.json()
         assert r.status_code == 200 and body["tokens"] == hf_tok.encode(prompt, add_special_tokens=special)
         assert body["count"] == len(body["tokens"]) and body["max_model_len"] == 1024 and body["token_strs"] is None
@@ -47,10 +61,13 @@ def test_tokenize_a_prompt_as_transformers_does(live, hf_tok):
 @pytest.mark.parametrize("tools", [None, TOOLS])
 def test_tokenize_chat_as_transformers_renders_it(live, hf_tok, gen, cont, tools):
     conv = CONVERSATION + ([{"role": "assistant", "content": "Sure,"}] if cont else [])
-    text = hf_tok.apply_chat_template(conv, add_generation_prompt=gen, continue_final_message=cont, tools=tools,
-                                      tokenize=False)
-    body = httpx.post(live.url + "/tokenize", json={"messages": conv, "add_generation_prompt": gen,
-                                                    "continue_final_message": cont, "tools": tools}).json()
+    text = hf_tok.apply_chat_template(
+        conv, add_generation_prompt=gen, continue_final_message=cont, tools=tools, tokenize=False
+    )
+    body = httpx.post(
+        live.url + "/tokenize",
+        json={"messages": conv, "add_generation_prompt": gen, "continue_final_message": cont, "tools": tools},
+    ).json()
     assert body["tokens"] == hf_tok.encode(text, add_special_tokens=False)
 
 
@@ -60,7 +77,9 @@ def test_a_custom_role_renders_through_the_template(live, hf_tok):
     text = hf_tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
     assert "my-custom-role" in text
     for content in ("what is 1+1?", [{"type": "text", "text": "what is 1+1?"}]):
-        body = httpx.post(live.url + "/tokenize", json={"messages": [{"role": "my-custom-role", "content": content}]}).json()
+        body = httpx.post(
+            live.url + "/tokenize", json={"messages": [{"role": "my-custom-role", "content": content}]}
+        ).json()
         assert body["tokens"] == hf_tok.encode(text, add_special_tokens=False)
 
 
@@ -87,14 +106,23 @@ def test_chat_continues_the_final_message_and_echoes_it(live):
     client = live.client()
     messages = [{"role": "user", "content": "tell me a common saying"}, {"role": "assistant", "content": saying}]
     for echo in (True, False):
-        r = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=12, temperature=0,
-                                           extra_body={"echo": echo, "continue_final_message": True,
-                                                       "add_generation_prompt": False})
+        r = client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=messages,
+            max_tokens=12,
+            temperature=0,
+            extra_body={"echo": echo, "continue_final_message": True, "add_generation_prompt": False},
+        )
         content = r.choices[0].message.content
         assert (saying in content) == echo and content.strip()
         if echo:
             assert content.startswith(saying)
-    stream = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=6, temperature=0, stream=True,
-                                            extra_body={"echo": True, "continue_final_message": True,
-                                                        "add_generation_prompt": False})
+    stream = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        extra_body={"echo": True, "continue_final_message": True, "add_generation_prompt": False},
+    )
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices).startswith(saying)

@@ -1,5 +1,6 @@
 """Qwen/Hermes tool calls: the parser on its own (fed whole, char by char, in random pieces) and
 through the real API path, on a server whose sampler plays a scripted model output."""
+
 from __future__ import annotations
 
 import json
@@ -24,7 +25,7 @@ def replay(text: str, pieces: list[int]) -> tuple[str, list[dict]]:
     i = 0
     deltas = []
     for n in pieces + [len(text)]:
-        deltas.append(p.feed(text[i:i + n]))
+        deltas.append(p.feed(text[i : i + n]))
         i += n
         if i >= len(text):
             break
@@ -96,6 +97,7 @@ def test_arguments_before_name_and_string_escapes():
 
 # -- through the API -------------------------------------------------------------------------------
 
+
 class ScriptedSampler:
     """Plays a fixed token sequence for requests whose prompt contains a key; others sample normally."""
 
@@ -124,15 +126,24 @@ class ScriptedSampler:
         return out
 
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather in a city",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}},
-         {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    },
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}},
+]
 # ChatML that lists the tools' names (Qwen's lists their JSON; the tiny model's context is short).
 TOOLS_TEMPLATE = (
     "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %} {{ t.function.name }}{% endfor %}</tools><|im_end|>\n{% endif %}"
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
     "{% if message.tool_calls %}{% for c in message.tool_calls %}<tool_call>\n{{ c.function | tojson }}\n</tool_call>{% endfor %}{% endif %}"
-    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -140,8 +151,12 @@ def scripted(tiny_qwen3):
     live = start_server(tiny_qwen3, chat_template=TOOLS_TEMPLATE)
     eng = live.engine
     eos = eng.parts.loaded.tokenizer.token_to_id("<|im_end|>")
-    eng.parts.runner.sampler = ScriptedSampler(eng.parts.runner.sampler, eng.parts.loaded.tokenizer,
-                                         {"[two calls]": TWO_CALLS, "[plain]": "Just text, no calls."}, eos)
+    eng.parts.runner.sampler = ScriptedSampler(
+        eng.parts.runner.sampler,
+        eng.parts.loaded.tokenizer,
+        {"[two calls]": TWO_CALLS, "[plain]": "Just text, no calls."},
+        eos,
+    )
     yield live
     live.stop()
 
@@ -154,8 +169,9 @@ def test_tools_reach_the_template(scripted):
     c = scripted.client()
     with_tools = c.chat.completions.create(model=MODEL_NAME, messages=ask("[plain]"), tools=TOOLS, max_tokens=3)
     without = c.chat.completions.create(model=MODEL_NAME, messages=ask("[plain]"), max_tokens=3)
-    none = c.chat.completions.create(model=MODEL_NAME, messages=ask("[plain]"), tools=TOOLS, tool_choice="none",
-                                     max_tokens=3)
+    none = c.chat.completions.create(
+        model=MODEL_NAME, messages=ask("[plain]"), tools=TOOLS, tool_choice="none", max_tokens=3
+    )
     assert with_tools.usage.prompt_tokens > without.usage.prompt_tokens == none.usage.prompt_tokens
 
 
@@ -166,7 +182,9 @@ def test_tool_calls_whole(scripted):
     assert ch.message.content == "I'll check both.\n"
     calls = ch.message.tool_calls
     assert [(c.type, c.function.name, json.loads(c.function.arguments)) for c in calls] == [
-        ("function", "get_weather", ARGS1), ("function", "get_time", ARGS2)]
+        ("function", "get_weather", ARGS1),
+        ("function", "get_time", ARGS2),
+    ]
     tok = scripted.engine.parts.loaded.tokenizer
     assert r.usage.completion_tokens == len(tok.encode(TWO_CALLS, add_special_tokens=False)) + 1
     # without tools in the request the same text is plain content
@@ -176,8 +194,9 @@ def test_tool_calls_whole(scripted):
 
 
 def test_tool_calls_streamed_as_deltas(scripted):
-    stream = scripted.client().chat.completions.create(model=MODEL_NAME, messages=ask("[two calls]"), tools=TOOLS,
-                                                       stream=True)
+    stream = scripted.client().chat.completions.create(
+        model=MODEL_NAME, messages=ask("[two calls]"), tools=TOOLS, stream=True
+    )
     content, calls, finish, arg_chunks = "", {}, None, 0
     for chunk in stream:
         for c in chunk.choices:
@@ -196,8 +215,10 @@ def test_tool_calls_streamed_as_deltas(scripted):
             finish = c.finish_reason or finish
     assert finish == "tool_calls"
     assert content == "I'll check both.\n"
-    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [("get_weather", ARGS1),
-                                                                                 ("get_time", ARGS2)]
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
+        ("get_weather", ARGS1),
+        ("get_time", ARGS2),
+    ]
     assert all(c["id"].startswith("call_") for c in calls.values())
     assert arg_chunks > 4  # split over many chunks, as the model wrote them
 
@@ -205,8 +226,14 @@ def test_tool_calls_streamed_as_deltas(scripted):
 def test_tool_round_trip_messages_render(scripted):
     """The assistant's tool_calls (arguments as JSON text) and a tool result go back into the template."""
     messages = ask("[plain]") + [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
+    ]
     r = scripted.client().chat.completions.create(model=MODEL_NAME, messages=messages, tools=TOOLS)
     assert r.choices[0].message.content == "Just text, no calls." and r.choices[0].finish_reason == "stop"

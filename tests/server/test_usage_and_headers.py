@@ -1,5 +1,6 @@
 """stream_options.continuous_usage_stats, --enable-force-include-usage, --enable-prompt-tokens-details and
 --enable-request-id-headers."""
+
 from __future__ import annotations
 
 import httpx
@@ -21,31 +22,50 @@ def _check_running_usage(chunks, expected_tokens: int) -> None:
 
 
 def test_continuous_usage_stats_on_both_endpoints(client):
-    chat = client.chat.completions.create(model=MODEL_NAME, messages=MSGS, max_tokens=10, stream=True,
-                                          extra_body={"min_tokens": 10},
-                                          stream_options={"include_usage": True, "continuous_usage_stats": True})
+    chat = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=MSGS,
+        max_tokens=10,
+        stream=True,
+        extra_body={"min_tokens": 10},
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )
     _check_running_usage(list(chat), 10)
-    comp = client.completions.create(model=MODEL_NAME, prompt="hello", max_tokens=7, stream=True,
-                                     extra_body={"min_tokens": 7},
-                                     stream_options={"include_usage": True, "continuous_usage_stats": True})
+    comp = client.completions.create(
+        model=MODEL_NAME,
+        prompt="hello",
+        max_tokens=7,
+        stream=True,
+        extra_body={"min_tokens": 7},
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )
     _check_running_usage(list(comp), 7)
-    plain = list(client.chat.completions.create(model=MODEL_NAME, messages=MSGS, max_tokens=3, stream=True,
-                                                stream_options={"include_usage": True}))
+    plain = list(
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=MSGS, max_tokens=3, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage.completion_tokens <= 3
 
 
 @pytest.fixture(scope="module")
 def flagged(tiny_qwen3):
-    server = start_server(tiny_qwen3, server_knobs={"enable_force_include_usage": True,
-                                                    "enable_request_id_headers": True,
-                                                    "enable_prompt_tokens_details": True})
+    server = start_server(
+        tiny_qwen3,
+        server_knobs={
+            "enable_force_include_usage": True,
+            "enable_request_id_headers": True,
+            "enable_prompt_tokens_details": True,
+        },
+    )
     yield server
     server.stop()
 
 
 def test_force_include_usage(flagged):
-    stream = flagged.client().chat.completions.create(model=MODEL_NAME, messages=MSGS, max_tokens=6, stream=True,
-                                                      extra_body={"min_tokens": 6})
+    stream = flagged.client().chat.completions.create(
+        model=MODEL_NAME, messages=MSGS, max_tokens=6, stream=True, extra_body={"min_tokens": 6}
+    )
     _check_running_usage(list(stream), 6)
 
 
@@ -99,11 +119,13 @@ def test_vllm_spellings_of_dtype_are_taken(caplog):
 def test_return_tokens_as_token_ids_server_default(tiny_qwen3):
     server = start_server(tiny_qwen3, server_knobs={"return_tokens_as_token_ids": True})
     try:
-        r = server.client().completions.create(model=MODEL_NAME, prompt="hi", max_tokens=3, logprobs=1,
-                                               extra_body={"return_token_ids": True})
+        r = server.client().completions.create(
+            model=MODEL_NAME, prompt="hi", max_tokens=3, logprobs=1, extra_body={"return_token_ids": True}
+        )
         assert r.choices[0].logprobs.tokens == [f"token_id:{t}" for t in r.choices[0].token_ids]
-        off = server.client().completions.create(model=MODEL_NAME, prompt="hi", max_tokens=3, logprobs=1,
-                                                 extra_body={"return_tokens_as_token_ids": False})
+        off = server.client().completions.create(
+            model=MODEL_NAME, prompt="hi", max_tokens=3, logprobs=1, extra_body={"return_tokens_as_token_ids": False}
+        )
         assert not off.choices[0].logprobs.tokens[0].startswith("token_id:")
     finally:
         server.stop()

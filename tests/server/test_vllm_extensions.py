@@ -1,6 +1,7 @@
 """vLLM's server extensions that load balancers and scripts use: the `vllm:` metric names (counted as vLLM's
 own server test counts them), GET /load, the ORCA load header, SageMaker's /invocations and the batch chat
 route; plus vLLM's request checks (64-bit seeds, "out of vocabulary"). Live server on the tiny Qwen3."""
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,9 @@ def test_vllm_metric_names_count_what_vllm_counts(server, client):
     n, max_tokens = 4, 6
     prompt = [5, 17, 42, 99, 7, 3, 12]
     for _ in range(n):
-        r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens,
-                                      extra_body={"ignore_eos": True})
+        r = client.completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, extra_body={"ignore_eos": True}
+        )
         assert r.usage.completion_tokens == max_tokens
     server.wait_idle()
     after = metric_samples(server)
@@ -53,8 +55,11 @@ def test_vllm_metric_names_count_what_vllm_counts(server, client):
         assert grew(name) == want, name
         # the same measurement under ember's name
         assert grew(name.replace("vllm:", "ember:")) == want, name
-    assert value(after, "vllm:request_success_total", finished_reason="length") - \
-        value(before, "vllm:request_success_total", finished_reason="length") == n
+    assert (
+        value(after, "vllm:request_success_total", finished_reason="length")
+        - value(before, "vllm:request_success_total", finished_reason="length")
+        == n
+    )
     assert value(after, "vllm:num_requests_running") == 0 and value(after, "vllm:num_requests_waiting") == 0
     text = httpx.get(server.url + "/metrics").text
     assert 'reason="capacity"' in text and "vllm:num_requests_waiting_by_reason{" in text
@@ -119,13 +124,16 @@ def test_invocations_answers_as_the_route_the_body_names(server, client):
 
 def test_batch_chat_answers_each_conversation(server, client):
     convs = [[{"role": "user", "content": "alpha"}], [{"role": "user", "content": "beta beta"}]]
-    r = httpx.post(server.url + "/v1/chat/completions/batch",
-                   json={"model": MODEL_NAME, "messages": convs, "max_tokens": 5, "temperature": 0.0, "n": 2})
+    r = httpx.post(
+        server.url + "/v1/chat/completions/batch",
+        json={"model": MODEL_NAME, "messages": convs, "max_tokens": 5, "temperature": 0.0, "n": 2},
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
-    singles = [client.chat.completions.create(model=MODEL_NAME, messages=c, max_tokens=5, temperature=0.0)
-               for c in convs]
+    singles = [
+        client.chat.completions.create(model=MODEL_NAME, messages=c, max_tokens=5, temperature=0.0) for c in convs
+    ]
     assert body["choices"][0]["message"]["content"] == singles[0].choices[0].message.content
     assert body["choices"][2]["message"]["content"] == singles[1].choices[0].message.content
     assert body["usage"]["prompt_tokens"] == sum(s.usage.prompt_tokens for s in singles)
@@ -133,8 +141,10 @@ def test_batch_chat_answers_each_conversation(server, client):
     # streaming is refused; a bad conversation fails the batch and leaves no request running
     r = httpx.post(server.url + "/v1/chat/completions/batch", json={"messages": convs, "stream": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
-    r = httpx.post(server.url + "/v1/chat/completions/batch",
-                   json={"messages": [convs[0], [{"role": "user", "content": [{"type": "image_url"}]}]]})
+    r = httpx.post(
+        server.url + "/v1/chat/completions/batch",
+        json={"messages": [convs[0], [{"role": "user", "content": [{"type": "image_url"}]}]]},
+    )
     assert r.status_code == 400
     r = httpx.post(server.url + "/v1/chat/completions/batch", json={"messages": [convs[0], []]})
     assert r.status_code == 400
@@ -143,7 +153,7 @@ def test_batch_chat_answers_each_conversation(server, client):
 
 
 def test_seed_outside_64_bits_is_a_400_naming_the_bound(client):
-    for seed in (-2**63 - 1, 2**63):
+    for seed in (-(2**63) - 1, 2**63):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL_NAME, messages=MSGS, seed=seed, max_tokens=1)
         assert "greater_than_equal" in e.value.message or "less_than_equal" in e.value.message
@@ -159,9 +169,16 @@ def test_prompt_ids_out_of_vocabulary_say_so(client):
 def test_each_listed_token_leads_its_top_logprobs(client):
     """vLLM's order (its own test reads it): the echoed or sampled token first in top_logprobs, then the top n."""
     for temperature in (0.0, 1.0):
-        r = client.completions.create(model=MODEL_NAME, prompt="Say hello, world, again and again", echo=True,
-                                      max_tokens=6, logprobs=1, temperature=temperature, seed=3,
-                                      extra_body={"return_tokens_as_token_ids": True})
+        r = client.completions.create(
+            model=MODEL_NAME,
+            prompt="Say hello, world, again and again",
+            echo=True,
+            max_tokens=6,
+            logprobs=1,
+            temperature=temperature,
+            seed=3,
+            extra_body={"return_tokens_as_token_ids": True},
+        )
         lp = r.choices[0].logprobs
         assert lp.top_logprobs[0] is None and len(lp.tokens) == len(lp.top_logprobs)
         assert lp.tokens[1:] == [next(iter(top)) for top in lp.top_logprobs[1:]]
@@ -172,20 +189,31 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(client, server):
     long_prompt = " ".join(["word"] * 400)  # longer than the tiny model's max_model_len
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL_NAME, prompt=long_prompt, max_tokens=2)
-    r = client.completions.create(model=MODEL_NAME, prompt=long_prompt, max_tokens=2, temperature=0, echo=True,
-                                  extra_body={"truncate_prompt_tokens": 20, "return_token_ids": True})
+    r = client.completions.create(
+        model=MODEL_NAME,
+        prompt=long_prompt,
+        max_tokens=2,
+        temperature=0,
+        echo=True,
+        extra_body={"truncate_prompt_tokens": 20, "return_token_ids": True},
+    )
     ids = server.engine.parts.loaded.tokenizer.encode(long_prompt)
     assert r.usage.prompt_tokens == 20 and r.choices[0].prompt_token_ids == ids[-20:]
     assert r.choices[0].text.startswith(server.engine.parts.loaded.tokenizer.decode(ids[-20:]))
-    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": long_prompt}],
-                                          max_tokens=2, extra_body={"truncate_prompt_tokens": 30})
+    chat = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": long_prompt}],
+        max_tokens=2,
+        extra_body={"truncate_prompt_tokens": 30},
+    )
     assert chat.usage.prompt_tokens == 30
     with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens"):
         client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2, extra_body={"truncate_prompt_tokens": 0})
 
 
-@pytest.mark.parametrize("field, value", [("use_beam_search", True), ("allowed_token_ids", [1, 2]),
-                                          ("bad_words", ["x"]), ("priority", 3)])
+@pytest.mark.parametrize(
+    "field, value", [("use_beam_search", True), ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]), ("priority", 3)]
+)
 def test_vllm_fields_ember_does_not_implement_are_refused_by_name(client, field, value):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2, extra_body={field: value})

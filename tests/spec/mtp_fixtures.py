@@ -6,6 +6,7 @@ Qwen3MoeDecoderLayer for a MoE model) with random weights; the norms are Qwen3RM
 Qwen3NextRMSNorm (1 + w) for the Qwen3-Next layout, where the block's own norms are swapped for
 Qwen3NextRMSNorm too. checkpoint_tensors() writes the same weights under each layout's names.
 """
+
 from __future__ import annotations
 
 import copy
@@ -22,8 +23,11 @@ from ember.kernels.metadata import AttentionMetadata, RowSelection
 from tests.models.tiny_models import HF_CONFIGS
 
 LAYOUTS = ("deepseek", "mimo", "qwen3_next")
-COUNT_KEY = {"deepseek": "num_nextn_predict_layers", "mimo": "num_nextn_predict_layers",
-             "qwen3_next": "mtp_num_hidden_layers"}
+COUNT_KEY = {
+    "deepseek": "num_nextn_predict_layers",
+    "mimo": "num_nextn_predict_layers",
+    "qwen3_next": "mtp_num_hidden_layers",
+}
 
 
 def hf_config(main_dir: str):
@@ -54,8 +58,9 @@ class RefMTPLayer:
     head: torch.Tensor | None  # own shared_head.head [V, H] (DeepSeek layout), else None
 
 
-def make_ref_layers(hf_cfg, layout: str, num_layers: int = 1, own_head: bool = False, seed: int = 1,
-                    arch: str = "qwen3") -> list[RefMTPLayer]:
+def make_ref_layers(
+    hf_cfg, layout: str, num_layers: int = 1, own_head: bool = False, seed: int = 1, arch: str = "qwen3"
+) -> list[RefMTPLayer]:
     """num_layers random MTP layers (fp32), initialised like tests.models.tiny_models.build_hf_model."""
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
 
@@ -107,8 +112,13 @@ def _block_tensors(block: nn.Module, moe_intermediate: int) -> dict[str, torch.T
     return out
 
 
-def checkpoint_tensors(layers: list[RefMTPLayer], layout: str, num_hidden_layers: int,
-                       moe_intermediate: int = 0, embed: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def checkpoint_tensors(
+    layers: list[RefMTPLayer],
+    layout: str,
+    num_hidden_layers: int,
+    moe_intermediate: int = 0,
+    embed: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
     """The reference layers' weights under the layout's checkpoint names."""
     out = {}
     for j, ref in enumerate(layers):
@@ -127,8 +137,15 @@ def checkpoint_tensors(layers: list[RefMTPLayer], layout: str, num_hidden_layers
             out[p + "input_proj.weight"] = ref.proj.clone()
         else:
             p = f"mtp.layers.{j}."
-            special = {"mtp.pre_fc_norm_embedding": ref.enorm, "mtp.pre_fc_norm_hidden": ref.hnorm,
-                       "mtp.norm": ref.final_norm} if j == 0 else {}
+            special = (
+                {
+                    "mtp.pre_fc_norm_embedding": ref.enorm,
+                    "mtp.pre_fc_norm_hidden": ref.hnorm,
+                    "mtp.norm": ref.final_norm,
+                }
+                if j == 0
+                else {}
+            )
             if j == 0:
                 out["mtp.fc.weight"] = ref.proj.clone()
         for k, norm in special.items():
@@ -139,8 +156,11 @@ def checkpoint_tensors(layers: list[RefMTPLayer], layout: str, num_hidden_layers
 
 
 def _write_tensors(folder: str, tensors: dict[str, torch.Tensor]) -> None:
-    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(folder, "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()},
+        os.path.join(folder, "model.safetensors"),
+        metadata={"format": "pt"},
+    )
 
 
 def write_main_with_mtp(main_dir: str, dest: str, tensors: dict[str, torch.Tensor], config_update: dict) -> str:
@@ -169,9 +189,17 @@ def write_mtp_folder(dest: str, tensors: dict[str, torch.Tensor], config: dict |
 
 # ---- reference forward --------------------------------------------------------------------------
 
+
 @torch.no_grad()
-def ref_mtp(ref: RefMTPLayer, hf_cfg, embed: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-            hidden: torch.Tensor, layout: str) -> torch.Tensor:
+def ref_mtp(
+    ref: RefMTPLayer,
+    hf_cfg,
+    embed: torch.Tensor,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    hidden: torch.Tensor,
+    layout: str,
+) -> torch.Tensor:
     """One MTP layer over ONE sequence whose rows are positions 0..T-1 in order (causal attention
     over the whole sequence: a full recompute). tokens [T] are t_{i+1}; hidden [T, H] is h_i.
     Returns g [T, H] = FinalNorm(block(Proj(concat(...))))."""
@@ -193,6 +221,7 @@ def ref_logits(ref: RefMTPLayer, g: torch.Tensor, lm_head: torch.Tensor) -> torc
 
 
 # ---- paged KV in miniature ----------------------------------------------------------------------
+
 
 class MiniPager:
     """Shuffled block pool and varlen metadata for MTP caches (the engine gives the MTP layer its
@@ -227,18 +256,32 @@ class MiniPager:
         for n in qlens:
             qsl.append(qsl[-1] + n)
         return AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64), query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=torch.tensor(tables, dtype=torch.int32),
-            block_size=bs, query_lens_cpu=qlens, seq_lens_cpu=seq_lens, max_query_len=max(qlens),
-            max_seq_len=max(seq_lens), all_slots_valid=True)
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=torch.tensor(tables, dtype=torch.int32),
+            block_size=bs,
+            query_lens_cpu=qlens,
+            seq_lens_cpu=seq_lens,
+            max_query_len=max(qlens),
+            max_seq_len=max(seq_lens),
+            all_slots_valid=True,
+        )
 
     def last_rows(self, meta: AttentionMetadata, positions: torch.Tensor) -> RowSelection:
         """The last row of each sequence, as the runner's RowSelection builds it."""
         rows = (meta.query_start_loc[1:] - 1).long()
         seq_lens = [int(positions[r]) + 1 for r in rows]
         sub = AttentionMetadata(
-            slot_mapping=meta.slot_mapping[rows], query_start_loc=torch.arange(len(rows) + 1, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=meta.block_tables,
-            block_size=meta.block_size, query_lens_cpu=[1] * len(rows), seq_lens_cpu=seq_lens, max_query_len=1,
-            max_seq_len=max(seq_lens), all_slots_valid=True)
+            slot_mapping=meta.slot_mapping[rows],
+            query_start_loc=torch.arange(len(rows) + 1, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=meta.block_tables,
+            block_size=meta.block_size,
+            query_lens_cpu=[1] * len(rows),
+            seq_lens_cpu=seq_lens,
+            max_query_len=1,
+            max_seq_len=max(seq_lens),
+            all_slots_valid=True,
+        )
         return RowSelection(rows, sub)

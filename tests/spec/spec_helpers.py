@@ -1,4 +1,5 @@
 """Engines on tiny models for the speculative decoding tests."""
+
 from __future__ import annotations
 
 from ember import LLM, SamplingParams

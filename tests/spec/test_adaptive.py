@@ -1,5 +1,6 @@
 """Adaptive k: the k that maximises expected tokens per unit of step cost, from a request's decayed
 position-1 acceptance, the drafter's depth profile and the measured cost of each verify length."""
+
 from ember.request import Request
 from ember.spec.adaptive import AdaptiveK, best_k, expected_tokens
 

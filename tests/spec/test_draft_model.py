@@ -5,6 +5,7 @@ truncation of it (partial acceptance) and a Llama of another shape (other kv hea
 Greedy output identical to no speculation under batching + chunked prefill + preemption; sampled
 tokens distributed as the target's (chi-square); seeds; prefix caching; no leaked blocks after
 aborts; the pool counting the draft's layers; the refusals."""
+
 from __future__ import annotations
 
 import json
@@ -16,11 +17,11 @@ import torch
 
 from ember import SamplingParams
 from ember.config import EngineConfig
-from ember.errors import ConfigError
 from ember.config.model_config import ModelConfig
+from ember.errors import ConfigError
 from ember.spec.draft import DraftModelProposer
 from tests.models.tiny_models import random_prompt
-from tests.spec.spec_helpers import drafts_after_prefill, run_with_aborts, kv_gib, make_llm, run
+from tests.spec.spec_helpers import drafts_after_prefill, kv_gib, make_llm, run, run_with_aborts
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.engine]
 from tests.models.tiny_models import one_thread  # noqa: E402,F401
@@ -35,8 +36,7 @@ def truncate(src: str, dest: str, layers: int = 1) -> str:
 
     shutil.copytree(src, dest)
     w = load_file(os.path.join(dest, "model.safetensors"))
-    keep = {k: v for k, v in w.items()
-            if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    keep = {k: v for k, v in w.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
     save_file(keep, os.path.join(dest, "model.safetensors"), metadata={"format": "pt"})
     edit_config(dest, num_hidden_layers=layers)
     with open(os.path.join(dest, "config.json")) as f:
@@ -60,9 +60,11 @@ def drafts(tiny_model_dir, tmp_path_factory):
     """name -> draft folder: 'self' (a copy of the target), 'trunc' (its first layer), 'llama'."""
     target = tiny_model_dir("qwen3")
     root = tmp_path_factory.mktemp("drafts")
-    return {"self": shutil.copytree(target, str(root / "self")),
-            "trunc": truncate(target, str(root / "trunc")),
-            "llama": tiny_model_dir("llama")}
+    return {
+        "self": shutil.copytree(target, str(root / "self")),
+        "trunc": truncate(target, str(root / "trunc")),
+        "llama": tiny_model_dir("llama"),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +80,13 @@ def pool_gib(target: str, draft: str, blocks: int, block_size: int = 4) -> float
 
 def hard_knobs(target: str, draft: str) -> dict:
     """Batching, chunked prefill (budget 9 < most prompts) and preemption (a 12-block pool), at once."""
-    return dict(max_num_batched_tokens=9, max_num_seqs=6, kv_cache_memory=pool_gib(target, draft, 12),
-                max_model_len=48, enable_prefix_caching=False)
+    return dict(
+        max_num_batched_tokens=9,
+        max_num_seqs=6,
+        kv_cache_memory=pool_gib(target, draft, 12),
+        max_model_len=48,
+        enable_prefix_caching=False,
+    )
 
 
 def check_clean(llm, name=""):
@@ -94,12 +101,14 @@ def acceptance(stats) -> float:
 
 # ---- greedy output --------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", ["self", "trunc", "llama"])
 def test_greedy_output_equals_no_speculation(tiny_model_dir, drafts, reference, name):
     target, draft = tiny_model_dir("qwen3"), drafts[name]
     for k in (1, 2, 3):
-        llm = make_llm(target, speculative_model=draft, num_speculative_tokens=k, adaptive_spec=False,
-                       **hard_knobs(target, draft))
+        llm = make_llm(
+            target, speculative_model=draft, num_speculative_tokens=k, adaptive_spec=False, **hard_knobs(target, draft)
+        )
         assert llm.engine.config.speculative.method == "draft"
         assert isinstance(llm.engine.parts.spec.proposer, DraftModelProposer)
         assert run(llm, PROMPTS, GREEDY) == reference, (name, k)
@@ -117,8 +126,11 @@ def test_greedy_output_equals_no_speculation(tiny_model_dir, drafts, reference, 
 def test_json_spelling_and_the_pool_counts_the_draft_layers(tiny_model_dir, drafts):
     target, draft = tiny_model_dir("qwen3"), drafts["llama"]
     plain = make_llm(target, kv_cache_memory=kv_gib(target, 96))
-    llm = make_llm(target, kv_cache_memory=kv_gib(target, 96),
-                   speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 2})
+    llm = make_llm(
+        target,
+        kv_cache_memory=kv_gib(target, 96),
+        speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 2},
+    )
     eng, dmc, tmc = llm.engine, ModelConfig.from_folder(draft), plain.engine.parts.loaded.model_config
     assert eng.config.speculative.method == "draft" and eng.parts.spec.k_max == 2
     assert plain.engine.parts.kv.num_blocks == 96
@@ -145,8 +157,25 @@ def test_planner_counts_the_draft_model(tiny_model_dir, drafts, capsys):
     assert p.kv_layers == base.kv_layers and p.weight_bytes > base.weight_bytes
     llm = make_llm(target, speculative_model=draft, num_speculative_tokens=2)
     assert llm.engine.parts.spec.kv_bytes_per_token(4) == p.draft_kv_bytes_per_token  # the engine's pool, the same way
-    assert cli_main(["plan", target, "--device", "cpu", "--memory", "4", "--dtype", "float32",
-                     "--num-speculative-tokens", "2", "--speculative-model", draft]) == 0
+    assert (
+        cli_main(
+            [
+                "plan",
+                target,
+                "--device",
+                "cpu",
+                "--memory",
+                "4",
+                "--dtype",
+                "float32",
+                "--num-speculative-tokens",
+                "2",
+                "--speculative-model",
+                draft,
+            ]
+        )
+        == 0
+    )
     assert f"+ {d_tok:,} B draft model" in capsys.readouterr().out
 
 
@@ -163,13 +192,15 @@ def test_cpu_paged_attention_knob_reaches_the_draft_model(tiny_model_dir, drafts
 
 # ---- chunked prefill and prefix caching -------------------------------------------------------------
 
+
 def test_draft_cache_written_on_prefill_chunks(tiny_model_dir, drafts):
     target, draft = tiny_model_dir("qwen3"), drafts["trunc"]
     prompt = random_prompt(29, 5)
     knobs = dict(speculative_model=draft, num_speculative_tokens=3, adaptive_spec=False, enable_prefix_caching=False)
     whole, kv_whole, s1 = drafts_after_prefill(make_llm(target, max_num_seqs=4, **knobs), prompt)
-    chunked, kv_chunked, s2 = drafts_after_prefill(make_llm(target, max_num_batched_tokens=6, max_num_seqs=4, **knobs),
-                                                   prompt)
+    chunked, kv_chunked, s2 = drafts_after_prefill(
+        make_llm(target, max_num_batched_tokens=6, max_num_seqs=4, **knobs), prompt
+    )
     assert (s1, s2) == (1, 5)
     assert len(whole) == 3 and whole == chunked
     assert (kv_whole.flatten(3).abs().amax(-1) > 0).all()  # every prompt position written ...
@@ -182,14 +213,16 @@ def test_prefix_cache_hits_keep_the_draft_exact(tiny_model_dir, drafts):
     base = random_prompt(18, 40)
     prompts = [base, base + random_prompt(5, 41), base[:12] + random_prompt(9, 42), base]
     ref = run(make_llm(target, enable_prefix_caching=False), prompts, GREEDY)
-    llm = make_llm(target, speculative_model=drafts["self"], num_speculative_tokens=3, adaptive_spec=False,
-                   max_num_seqs=1)
+    llm = make_llm(
+        target, speculative_model=drafts["self"], num_speculative_tokens=3, adaptive_spec=False, max_num_seqs=1
+    )
     assert run(llm, prompts, GREEDY) == ref
     stats = check_clean(llm)
     assert stats["prefix_cache_hits"] > 0 and acceptance(stats) > 0.95, stats
 
 
 # ---- sampling ---------------------------------------------------------------------------------------
+
 
 def next_probs(model, tokens: list[int], params) -> torch.Tensor:
     """The target's sampling distribution after `tokens`, by a plain full forward."""
@@ -213,8 +246,15 @@ def test_sampled_tokens_follow_the_target(tiny_model_dir, drafts):
     params = SamplingParams(temperature=1.0, top_k=4, max_tokens=4, ignore_eos=True)
     prompt = random_prompt(7, 3)
     trials = 1500
-    llm = make_llm(target, speculative_model=drafts["trunc"], num_speculative_tokens=2, adaptive_spec=False,
-                   max_num_seqs=64, max_num_batched_tokens=512, kv_cache_memory=pool_gib(target, drafts["trunc"], 1200))
+    llm = make_llm(
+        target,
+        speculative_model=drafts["trunc"],
+        num_speculative_tokens=2,
+        adaptive_spec=False,
+        max_num_seqs=64,
+        max_num_batched_tokens=512,
+        kv_cache_memory=pool_gib(target, drafts["trunc"], 1200),
+    )
     outs = run(llm, [prompt] * trials, params)
     stats = check_clean(llm)
     assert stats["spec_num_draft_tokens_per_pos"][1] > trials // 2
@@ -248,8 +288,15 @@ def test_seeded_runs_reproducible_and_batch_independent(tiny_model_dir, drafts):
 
 def test_no_leaked_blocks_with_aborts(tiny_model_dir, drafts):
     target, draft = tiny_model_dir("qwen3"), drafts["llama"]
-    llm = make_llm(target, speculative_model=draft, num_speculative_tokens=3, max_num_batched_tokens=9,
-                   max_num_seqs=4, kv_cache_memory=pool_gib(target, draft, 30), max_model_len=64)
+    llm = make_llm(
+        target,
+        speculative_model=draft,
+        num_speculative_tokens=3,
+        max_num_batched_tokens=9,
+        max_num_seqs=4,
+        kv_cache_memory=pool_gib(target, draft, 30),
+        max_model_len=64,
+    )
     sampled = SamplingParams(temperature=0.7, max_tokens=20, seed=3, ignore_eos=True)
     run_with_aborts(llm, lambda i: sampled if i % 2 else GREEDY, PROMPTS * 2)
     stats = check_clean(llm)
@@ -257,6 +304,7 @@ def test_no_leaked_blocks_with_aborts(tiny_model_dir, drafts):
 
 
 # ---- refusals ---------------------------------------------------------------------------------------------
+
 
 def spec_config(target: str, draft: str, **kw):
     return EngineConfig(model=target, speculative_model=draft, num_speculative_tokens=2, **kw).speculative
@@ -267,8 +315,10 @@ def test_a_missing_draft_folder_is_refused(tiny_model_dir, tmp_path):
     with pytest.raises(ConfigError, match="draft model '.*nowhere' not found; give --speculative-model a local"):
         spec_config(target, str(tmp_path / "nowhere"))
     with pytest.raises(ConfigError, match="not found"):
-        EngineConfig(model=target, speculative_config={"method": "draft", "model": str(tmp_path / "nowhere"),
-                                                       "num_speculative_tokens": 2})
+        EngineConfig(
+            model=target,
+            speculative_config={"method": "draft", "model": str(tmp_path / "nowhere"), "num_speculative_tokens": 2},
+        )
 
 
 def test_mtp_weights_go_to_mtp_not_draft(tiny_model_dir, tmp_path):
@@ -300,8 +350,9 @@ def test_another_tokenizer_is_refused(tiny_model_dir, drafts, tmp_path):
         make_llm(target, speculative_model=bad, num_speculative_tokens=2)
 
 
-def test_a_draft_folder_without_tokenizer_files_is_checked_by_vocab_size(tiny_model_dir, drafts, reference,
-                                                                          tmp_path, caplog):
+def test_a_draft_folder_without_tokenizer_files_is_checked_by_vocab_size(
+    tiny_model_dir, drafts, reference, tmp_path, caplog
+):
     target = tiny_model_dir("qwen3")
     bare = shutil.copytree(drafts["self"], str(tmp_path / "bare"))
     os.remove(os.path.join(bare, "tokenizer.json"))

@@ -4,6 +4,7 @@ reference: plain torch + transformers' own Qwen3 / Qwen3-MoE decoder layer with 
 Tiny random Qwen3 (and Qwen3-MoE) main models; a random MTP layer in each published layout, in the
 main checkpoint or in a separate folder. fp32 throughout: max |Δ| <= 1e-4 x max |reference|.
 """
+
 from __future__ import annotations
 
 import copy
@@ -19,8 +20,18 @@ from ember.layers.moe import SparseMoeBlock
 from ember.models.mtp import ZeroCenteredRMSNorm
 from ember.spec.mtp_weights import find_mtp_weights, load_mtp
 from tests.models.tiny_models import load_ember_model, one_thread, random_prompt  # noqa: F401
-from tests.spec.mtp_fixtures import (COUNT_KEY, LAYOUTS, MiniPager, checkpoint_tensors, hf_config, make_ref_layers,
-                                     ref_logits, ref_mtp, write_main_with_mtp, write_mtp_folder)
+from tests.spec.mtp_fixtures import (
+    COUNT_KEY,
+    LAYOUTS,
+    MiniPager,
+    checkpoint_tensors,
+    hf_config,
+    make_ref_layers,
+    ref_logits,
+    ref_mtp,
+    write_main_with_mtp,
+    write_mtp_folder,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -39,15 +50,29 @@ def main_weights(main_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
     return embed, w.get("lm_head.weight", embed)
 
 
-def with_mtp(tiny_model_dir, tmp_path, layout: str, arch: str = "qwen3", num_layers: int = 1,
-             own_head: bool = False, embed_copy: bool = False, drop=(), extra_config=None):
+def with_mtp(
+    tiny_model_dir,
+    tmp_path,
+    layout: str,
+    arch: str = "qwen3",
+    num_layers: int = 1,
+    own_head: bool = False,
+    embed_copy: bool = False,
+    drop=(),
+    extra_config=None,
+):
     """A copy of the tiny model whose checkpoint carries random MTP layers; (folder, hf_cfg, refs)."""
     main_dir = tiny_model_dir(arch)
     hf_cfg = hf_config(main_dir)
     refs = make_ref_layers(hf_cfg, layout, num_layers, own_head=own_head, arch=arch)
     embed, _ = main_weights(main_dir)
-    tensors = checkpoint_tensors(refs, layout, hf_cfg.num_hidden_layers,
-                                 getattr(hf_cfg, "moe_intermediate_size", 0), embed if embed_copy else None)
+    tensors = checkpoint_tensors(
+        refs,
+        layout,
+        hf_cfg.num_hidden_layers,
+        getattr(hf_cfg, "moe_intermediate_size", 0),
+        embed if embed_copy else None,
+    )
     for name in drop:
         del tensors[name]
     cfg = {COUNT_KEY[layout]: num_layers, **(extra_config or {})}
@@ -65,6 +90,7 @@ def prefill_hidden(main, pager: MiniPager, ids: torch.Tensor, seq: int = 0):
 
 
 # ---- forward vs the reference ------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_forward_matches_reference_prefill_then_two_recursive_steps(tiny_model_dir, tmp_path, layout):
@@ -118,13 +144,21 @@ def test_embedding_zeroed_at_position_zero_except_qwen3_next(tiny_model_dir, tmp
     for first in (5, 700):
         pager = MiniPager()
         with torch.inference_mode():
-            outs.append(mtp(torch.tensor([first, 8, 9]), torch.arange(3), hidden, [pager.cache(main.cfg)],
-                            pager.meta([(0, 0, 3)])))
+            outs.append(
+                mtp(
+                    torch.tensor([first, 8, 9]),
+                    torch.arange(3),
+                    hidden,
+                    [pager.cache(main.cfg)],
+                    pager.meta([(0, 0, 3)]),
+                )
+            )
     same = torch.equal(outs[0][0], outs[1][0])
     assert same == (layout != "qwen3_next")
 
 
 # ---- paged KV: chunks, batching, decode rows against a full recompute -----------------------------
+
 
 @pytest.mark.parametrize("layout", ["deepseek", "qwen3_next"])
 def test_paged_kv_chunked_batched_decode_equals_full_recompute(tiny_model_dir, tmp_path, layout):
@@ -146,9 +180,9 @@ def test_paged_kv_chunked_batched_decode_equals_full_recompute(tiny_model_dir, t
     out = {s: [None] * n for s, n in lengths.items()}
     for work in schedule:
         meta = pager.meta(work)
-        rows_ids = torch.cat([ids[s][a:a + n] for s, a, n in work])
+        rows_ids = torch.cat([ids[s][a : a + n] for s, a, n in work])
         rows_pos = torch.cat([torch.arange(a, a + n) for s, a, n in work])
-        rows_hid = torch.cat([hid[s][a:a + n] for s, a, n in work])
+        rows_hid = torch.cat([hid[s][a : a + n] for s, a, n in work])
         with torch.inference_mode():
             y = mtp(rows_ids, rows_pos, rows_hid, [cache], meta)
         r = 0
@@ -193,9 +227,9 @@ def test_row_selection_keeps_last_rows_and_writes_every_row(tiny_model_dir, tmp_
 
 # ---- several layers, own heads, MoE, separate folder -----------------------------------------------
 
+
 def test_two_layers_taken_in_turn_with_own_heads(tiny_model_dir, tmp_path):
-    folder, hf_cfg, refs = with_mtp(tiny_model_dir, tmp_path, "deepseek", num_layers=2, own_head=True,
-                                    embed_copy=True)
+    folder, hf_cfg, refs = with_mtp(tiny_model_dir, tmp_path, "deepseek", num_layers=2, own_head=True, embed_copy=True)
     main = load_ember_model(folder)
     mtp = load_mtp(main, folder, progress=False)
     assert mtp.num_layers == 2 and all(layer.head is not None for layer in mtp.layers)
@@ -219,14 +253,22 @@ def test_two_layers_taken_in_turn_with_own_heads(tiny_model_dir, tmp_path):
     new_tok, new_hid = torch.tensor([17]), torch.randn(1, main.cfg.hidden_size)
     with torch.inference_mode():
         g2 = mtp(new_tok, torch.tensor([T]), new_hid, caches, pager.meta([(0, T, 1)]), step=2)
-    full = ref_mtp(refs[0], hf_cfg, embed, torch.cat([toks, new_tok]), torch.arange(T + 1),
-                   torch.cat([hidden, new_hid]), "deepseek")
+    full = ref_mtp(
+        refs[0],
+        hf_cfg,
+        embed,
+        torch.cat([toks, new_tok]),
+        torch.arange(T + 1),
+        torch.cat([hidden, new_hid]),
+        "deepseek",
+    )
     assert_close(g2, full[-1:])
 
 
 def test_moe_model_with_deepseek_layout_moe_block(tiny_model_dir, tmp_path):
-    folder, hf_cfg, refs = with_mtp(tiny_model_dir, tmp_path, "deepseek", arch="qwen3_moe", own_head=True,
-                                    embed_copy=True)
+    folder, hf_cfg, refs = with_mtp(
+        tiny_model_dir, tmp_path, "deepseek", arch="qwen3_moe", own_head=True, embed_copy=True
+    )
     main = load_ember_model(folder)
     mtp = load_mtp(main, folder, progress=False)
     assert isinstance(mtp.layers[0].block.mlp, SparseMoeBlock)  # index 3 is sparse, as the main layers' rule says
@@ -245,8 +287,15 @@ def test_moe_model_with_deepseek_layout_moe_block(tiny_model_dir, tmp_path):
     draft = logits[-1].argmax().view(1)
     with torch.inference_mode():
         g2 = mtp(draft, torch.tensor([T]), g[-1:], [cache], pager.meta([(0, T, 1)]), step=1)
-    full = ref_mtp(refs[0], hf_cfg, embed, torch.cat([toks[1:], draft]), torch.arange(T + 1),
-                   torch.cat([h, ref_g[-1:]]), "deepseek")
+    full = ref_mtp(
+        refs[0],
+        hf_cfg,
+        embed,
+        torch.cat([toks[1:], draft]),
+        torch.arange(T + 1),
+        torch.cat([h, ref_g[-1:]]),
+        "deepseek",
+    )
     assert_close(g2, full[-1:])
 
 
@@ -258,9 +307,18 @@ def test_separate_folder_with_its_own_smaller_block(tiny_model_dir, tmp_path, la
     small.intermediate_size = 48  # an MTP block narrower than the model's: read from the folder's config
     refs = make_ref_layers(small, layout)
     tensors = checkpoint_tensors(refs, layout, hf_cfg.num_hidden_layers)
-    mtp_dir = write_mtp_folder(str(tmp_path / "mtp"), tensors, {
-        "architectures": ["Qwen3MTP"], "vocab_size": hf_cfg.vocab_size, "hidden_size": hf_cfg.hidden_size,
-        "intermediate_size": 48, "num_hidden_layers": 1, COUNT_KEY[layout]: 1})  # its own count: not used
+    mtp_dir = write_mtp_folder(
+        str(tmp_path / "mtp"),
+        tensors,
+        {
+            "architectures": ["Qwen3MTP"],
+            "vocab_size": hf_cfg.vocab_size,
+            "hidden_size": hf_cfg.hidden_size,
+            "intermediate_size": 48,
+            "num_hidden_layers": 1,
+            COUNT_KEY[layout]: 1,
+        },
+    )  # its own count: not used
     main = load_ember_model(main_dir)
     ckpt = find_mtp_weights(main.cfg, main_dir, mtp_dir)
     assert ckpt.separate and ckpt.layout == layout and ckpt.block_cfg.intermediate_size == 48
@@ -276,6 +334,7 @@ def test_separate_folder_with_its_own_smaller_block(tiny_model_dir, tmp_path, la
 
 
 # ---- refusals -------------------------------------------------------------------------------------
+
 
 def test_refuses_when_no_mtp_weights(tiny_model_dir):
     main_dir = tiny_model_dir("qwen3")
@@ -298,17 +357,26 @@ def _separate(tmp_path, tiny_model_dir, config, name="mtp"):
     return load_ember_model(main_dir), main_dir, folder
 
 
-@pytest.mark.parametrize("config, message", [
-    ({"architectures": ["Qwen3MTP"], "vocab_size": 2000, "hidden_size": 64},
-     r"have vocab_size 2000 but the model has 1000.*ember train-mtp"),
-    ({"architectures": ["Qwen3MTP"], "vocab_size": 1000, "hidden_size": 128},
-     r"have hidden_size 128 but the model has 64"),
-    ({"architectures": ["DeepSeekMTPModel"], "vocab_size": 1000, "hidden_size": 64},
-     r"architectures \['DeepSeekMTPModel'\], which is not an MTP model for this Qwen3ForCausalLM model; "
-     r"ember accepts Qwen3MTP or Qwen3ForCausalLM"),
-    ({"vocab_size": 1000, "hidden_size": 64}, r"architectures \[\].*set \"architectures\": \[\"Qwen3MTP\"\]"),
-    (None, r"has no config.json; an MTP folder needs one with architectures \['Qwen3MTP'\]"),
-])
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (
+            {"architectures": ["Qwen3MTP"], "vocab_size": 2000, "hidden_size": 64},
+            r"have vocab_size 2000 but the model has 1000.*ember train-mtp",
+        ),
+        (
+            {"architectures": ["Qwen3MTP"], "vocab_size": 1000, "hidden_size": 128},
+            r"have hidden_size 128 but the model has 64",
+        ),
+        (
+            {"architectures": ["DeepSeekMTPModel"], "vocab_size": 1000, "hidden_size": 64},
+            r"architectures \['DeepSeekMTPModel'\], which is not an MTP model for this Qwen3ForCausalLM model; "
+            r"ember accepts Qwen3MTP or Qwen3ForCausalLM",
+        ),
+        ({"vocab_size": 1000, "hidden_size": 64}, r"architectures \[\].*set \"architectures\": \[\"Qwen3MTP\"\]"),
+        (None, r"has no config.json; an MTP folder needs one with architectures \['Qwen3MTP'\]"),
+    ],
+)
 def test_refuses_bad_separate_folder(tiny_model_dir, tmp_path, config, message):
     main, main_dir, folder = _separate(tmp_path, tiny_model_dir, config)
     with pytest.raises(ModelLoadError, match=message):
@@ -316,8 +384,12 @@ def test_refuses_bad_separate_folder(tiny_model_dir, tmp_path, config, message):
 
 
 def test_refuses_missing_pieces_of_a_layer_naming_them(tiny_model_dir, tmp_path):
-    folder, _, _ = with_mtp(tiny_model_dir, tmp_path, "deepseek",
-                            drop=("model.layers.2.enorm.weight", "model.layers.2.self_attn.k_proj.weight"))
+    folder, _, _ = with_mtp(
+        tiny_model_dir,
+        tmp_path,
+        "deepseek",
+        drop=("model.layers.2.enorm.weight", "model.layers.2.self_attn.k_proj.weight"),
+    )
     main = load_ember_model(folder)
     with pytest.raises(ModelLoadError) as e:
         load_mtp(main, folder, progress=False)
@@ -327,9 +399,13 @@ def test_refuses_missing_pieces_of_a_layer_naming_them(tiny_model_dir, tmp_path)
 
 
 def test_refuses_missing_moe_expert_naming_it(tiny_model_dir, tmp_path):
-    folder, _, _ = with_mtp(tiny_model_dir, tmp_path, "mimo", arch="qwen3_moe",
-                            drop=("model.mtp_layers.0.mlp.experts.5.up_proj.weight",
-                                  "model.mtp_layers.0.token_layernorm.weight"))
+    folder, _, _ = with_mtp(
+        tiny_model_dir,
+        tmp_path,
+        "mimo",
+        arch="qwen3_moe",
+        drop=("model.mtp_layers.0.mlp.experts.5.up_proj.weight", "model.mtp_layers.0.token_layernorm.weight"),
+    )
     main = load_ember_model(folder)
     with pytest.raises(ModelLoadError) as e:
         load_mtp(main, folder, progress=False)
@@ -341,8 +417,11 @@ def test_refuses_missing_moe_expert_naming_it(tiny_model_dir, tmp_path):
 def test_refuses_fewer_layers_than_config_says(tiny_model_dir, tmp_path):
     folder, _, _ = with_mtp(tiny_model_dir, tmp_path, "deepseek", extra_config={"num_nextn_predict_layers": 2})
     main = load_ember_model(folder)
-    with pytest.raises(ModelLoadError, match=r"num_nextn_predict_layers=2, but MTP layer\(s\) \[1\] are missing "
-                                             r"\(no tensors named model\.layers\.3\.\*"):
+    with pytest.raises(
+        ModelLoadError,
+        match=r"num_nextn_predict_layers=2, but MTP layer\(s\) \[1\] are missing "
+        r"\(no tensors named model\.layers\.3\.\*",
+    ):
         load_mtp(main, folder, progress=False)
 
 

@@ -3,6 +3,7 @@ MTP layer (tests/spec/mtp_fixtures.py) in each published layout: greedy output i
 speculation under batching + chunked prefill + preemption, drafts proposed (and accepted, with an
 MTP layer rigged to predict well), the MTP cache really filled on prefill chunks, seeds, no leaked
 blocks after aborts, the pool and the planner counting the MTP layer, and the refusals."""
+
 from __future__ import annotations
 
 import json
@@ -19,9 +20,16 @@ from ember.errors import ModelLoadError
 from ember.kernels import cpu_tiled_gemv
 from ember.spec.mtp_proposer import MTPProposer
 from tests.models.tiny_models import random_prompt
-from tests.spec.mtp_fixtures import (COUNT_KEY, LAYOUTS, checkpoint_tensors, hf_config, make_ref_layers,
-                                     write_main_with_mtp, write_mtp_folder)
-from tests.spec.spec_helpers import drafts_after_prefill, run_with_aborts, kv_gib, make_llm, run
+from tests.spec.mtp_fixtures import (
+    COUNT_KEY,
+    LAYOUTS,
+    checkpoint_tensors,
+    hf_config,
+    make_ref_layers,
+    write_main_with_mtp,
+    write_mtp_folder,
+)
+from tests.spec.spec_helpers import drafts_after_prefill, kv_gib, make_llm, run, run_with_aborts
 
 pytestmark = pytest.mark.engine  # every test here builds an engine
 
@@ -60,21 +68,34 @@ def write_bigram_model_with_mtp(main_dir: str, dest: str, layout: str) -> str:
     ones = torch.ones(H)
     block = {k.removeprefix("model.layers.0."): v.clone() for k, v in w.items() if k.startswith("model.layers.0.")}
     block["input_layernorm.weight"] = ones.clone()
-    for k in ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight",
-              "self_attn.k_norm.weight"):
+    for k in (
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        "self_attn.q_norm.weight",
+        "self_attn.k_norm.weight",
+    ):
         block[k] = norm(block[k])
     eye, zero = torch.eye(H), torch.zeros(H, H)
     proj = torch.cat([zero, eye] if layout == "mimo" else [eye, zero], dim=1)
-    special = {"deepseek": ("enorm", "hnorm", "eh_proj", "shared_head.norm"),
-               "mimo": ("token_layernorm", "hidden_layernorm", "input_proj", "final_layernorm"),
-               "qwen3_next": ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc", "norm")}[layout]
+    special = {
+        "deepseek": ("enorm", "hnorm", "eh_proj", "shared_head.norm"),
+        "mimo": ("token_layernorm", "hidden_layernorm", "input_proj", "final_layernorm"),
+        "qwen3_next": ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc", "norm"),
+    }[layout]
     prefix = {"deepseek": f"model.layers.{L}.", "mimo": "model.mtp_layers.0.", "qwen3_next": "mtp."}[layout]
     bprefix = "mtp.layers.0." if zc else prefix
-    mtp = {prefix + special[0] + ".weight": norm(ones.clone()), prefix + special[1] + ".weight": norm(ones.clone()),
-           prefix + special[2] + ".weight": proj, prefix + special[3] + ".weight": norm(w["model.norm.weight"].clone())}
+    mtp = {
+        prefix + special[0] + ".weight": norm(ones.clone()),
+        prefix + special[1] + ".weight": norm(ones.clone()),
+        prefix + special[2] + ".weight": proj,
+        prefix + special[3] + ".weight": norm(w["model.norm.weight"].clone()),
+    }
     mtp.update({bprefix + k: v for k, v in block.items()})
-    save_file({k: v.contiguous() for k, v in {**w, **mtp}.items()}, os.path.join(dest, "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in {**w, **mtp}.items()},
+        os.path.join(dest, "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     cfg[COUNT_KEY[layout]] = 1
     with open(os.path.join(dest, "config.json"), "w") as f:
         json.dump(cfg, f)
@@ -100,8 +121,9 @@ def mtp_model(tiny_model_dir, tmp_path_factory):
                 cache[key] = write_bigram_model_with_mtp(main_dir, dest, layout)
             else:
                 hf_cfg, refs = mtp_refs(main_dir, arch, layout, num_layers=num_layers)
-                cache[key] = write_main_with_mtp(main_dir, dest, tensors_for(hf_cfg, refs, layout),
-                                                 {COUNT_KEY[layout]: num_layers})
+                cache[key] = write_main_with_mtp(
+                    main_dir, dest, tensors_for(hf_cfg, refs, layout), {COUNT_KEY[layout]: num_layers}
+                )
         return cache[key]
 
     return get
@@ -121,8 +143,13 @@ def references(tiny_model_dir):
 
 def hard_knobs(path) -> dict:
     """Batching, chunked prefill (budget 7 < most prompts) and preemption (an 18-block pool before the MTP layer takes its share), at once."""
-    return dict(max_num_batched_tokens=7, max_num_seqs=6, kv_cache_memory=kv_gib(path, 18), max_model_len=48,
-                enable_prefix_caching=False)
+    return dict(
+        max_num_batched_tokens=7,
+        max_num_seqs=6,
+        kv_cache_memory=kv_gib(path, 18),
+        max_model_len=48,
+        enable_prefix_caching=False,
+    )
 
 
 def check_clean(llm, name=""):
@@ -132,6 +159,7 @@ def check_clean(llm, name=""):
 
 
 # ---- greedy output ----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -211,13 +239,16 @@ def test_reduced_draft_vocabulary_drafts_its_token_ids(mtp_model, tmp_path):
 
 # ---- the MTP cache is filled on every prefill chunk -----------------------------------------------
 
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_mtp_cache_written_on_prefill_chunks(mtp_model, layout):
     path = mtp_model("qwen3", layout)
     prompt = random_prompt(29, 5)
     knobs = dict(enable_mtp=True, num_speculative_tokens=3, adaptive_spec=False, enable_prefix_caching=False)
     whole, kv_whole, s1 = drafts_after_prefill(make_llm(path, max_num_seqs=4, **knobs), prompt)
-    chunked, kv_chunked, s2 = drafts_after_prefill(make_llm(path, max_num_batched_tokens=6, max_num_seqs=4, **knobs), prompt)
+    chunked, kv_chunked, s2 = drafts_after_prefill(
+        make_llm(path, max_num_batched_tokens=6, max_num_seqs=4, **knobs), prompt
+    )
     assert (s1, s2) == (1, 5)
     assert len(whole) == 3 and whole == chunked
     assert (kv_whole.flatten(3).abs().amax(-1) > 0).all()  # every prompt position written ...
@@ -243,8 +274,9 @@ def test_drafts_equal_a_full_recompute(tiny_model_dir, mtp_model, layout, monkey
 
     path = mtp_model("qwen3", layout)
     prompt = random_prompt(21, 8)
-    llm = make_llm(path, enable_mtp=True, num_speculative_tokens=3, adaptive_spec=False, max_num_batched_tokens=8,
-                   max_num_seqs=4)
+    llm = make_llm(
+        path, enable_mtp=True, num_speculative_tokens=3, adaptive_spec=False, max_num_batched_tokens=8, max_num_seqs=4
+    )
     eng = llm.engine
     eng.add_request("x", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     req = eng.parents["x"].children[0]
@@ -273,21 +305,38 @@ def test_drafts_equal_a_full_recompute(tiny_model_dir, mtp_model, layout, monkey
 
 # ---- sampling, seeds, aborts --------------------------------------------------------------------------
 
+
 def test_sampled_runs_reproducible_with_a_seed(mtp_model):
     path = mtp_model("qwen3_moe", "deepseek")
     params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=12, seed=1234, ignore_eos=True)
-    outs = [run(make_llm(path, enable_mtp=True, num_speculative_tokens=2, max_num_batched_tokens=7, max_num_seqs=6),
-                PROMPTS, params) for _ in range(2)]
+    outs = [
+        run(
+            make_llm(path, enable_mtp=True, num_speculative_tokens=2, max_num_batched_tokens=7, max_num_seqs=6),
+            PROMPTS,
+            params,
+        )
+        for _ in range(2)
+    ]
     assert outs[0] == outs[1]
-    other = run(make_llm(path, enable_mtp=True, num_speculative_tokens=2),
-                PROMPTS, SamplingParams(temperature=0.9, top_p=0.95, max_tokens=12, seed=99, ignore_eos=True))
+    other = run(
+        make_llm(path, enable_mtp=True, num_speculative_tokens=2),
+        PROMPTS,
+        SamplingParams(temperature=0.9, top_p=0.95, max_tokens=12, seed=99, ignore_eos=True),
+    )
     assert other != outs[0]
 
 
 def test_no_leaked_blocks_with_aborts(mtp_model):
     path = mtp_model("qwen3", "mimo")
-    llm = make_llm(path, enable_mtp=True, num_speculative_tokens=3, max_num_batched_tokens=9, max_num_seqs=4,
-                   kv_cache_memory=kv_gib(path, 30), max_model_len=64)
+    llm = make_llm(
+        path,
+        enable_mtp=True,
+        num_speculative_tokens=3,
+        max_num_batched_tokens=9,
+        max_num_seqs=4,
+        kv_cache_memory=kv_gib(path, 30),
+        max_model_len=64,
+    )
     params = SamplingParams(temperature=0.7, max_tokens=20, seed=3, ignore_eos=True)
     run_with_aborts(llm, lambda i: params, PROMPTS * 2)
     stats = check_clean(llm)
@@ -307,12 +356,20 @@ def test_prefix_cache_hits_keep_greedy_output(mtp_model, tiny_model_dir):
 
 # ---- a separate MTP folder ------------------------------------------------------------------------------
 
+
 def test_separate_mtp_folder_is_recognised_without_a_method(tiny_model_dir, references, tmp_path):
     main_dir = tiny_model_dir("qwen3")
     hf_cfg, refs = mtp_refs(main_dir, "qwen3", "deepseek")
-    folder = write_mtp_folder(str(tmp_path / "qwen3-mtp"), tensors_for(hf_cfg, refs, "deepseek"),
-                              {"architectures": ["Qwen3MTP"], "num_nextn_predict_layers": 1,
-                               "vocab_size": hf_cfg.vocab_size, "hidden_size": hf_cfg.hidden_size})
+    folder = write_mtp_folder(
+        str(tmp_path / "qwen3-mtp"),
+        tensors_for(hf_cfg, refs, "deepseek"),
+        {
+            "architectures": ["Qwen3MTP"],
+            "num_nextn_predict_layers": 1,
+            "vocab_size": hf_cfg.vocab_size,
+            "hidden_size": hf_cfg.hidden_size,
+        },
+    )
     llm = make_llm(main_dir, speculative_model=folder, num_speculative_tokens=2, **hard_knobs(main_dir))
     assert llm.engine.config.speculative.method == "mtp"
     assert run(llm, PROMPTS, GREEDY) == references("qwen3")
@@ -320,6 +377,7 @@ def test_separate_mtp_folder_is_recognised_without_a_method(tiny_model_dir, refe
 
 
 # ---- sizing ---------------------------------------------------------------------------------------------
+
 
 def test_pool_and_planner_count_the_mtp_layer(mtp_model):
     from ember.engine import planner
@@ -333,8 +391,9 @@ def test_pool_and_planner_count_the_mtp_layer(mtp_model):
     assert len(mtp.engine.parts.runner.extra_kv_caches) == 1
     assert mtp.engine.parts.spec.k_max == 1  # no k given: the number of MTP layers, as vLLM
     p0 = planner.plan(EngineConfig(model=path, device="cpu", dtype="float32"), memory_gib=4)
-    p1 = planner.plan(EngineConfig(model=path, device="cpu", dtype="float32", enable_mtp=True, num_speculative_tokens=2),
-                      memory_gib=4)
+    p1 = planner.plan(
+        EngineConfig(model=path, device="cpu", dtype="float32", enable_mtp=True, num_speculative_tokens=2), memory_gib=4
+    )
     assert (p0.kv_layers, p1.kv_layers) == (layers, layers + 1)
     assert p1.kv_bytes_per_token * layers == p0.kv_bytes_per_token * (layers + 1)
     # The engine's pool per token is the planner's: one more layer of the same shape.
@@ -356,11 +415,28 @@ def test_planner_counts_a_separate_mtp_folder(tiny_model_dir, tmp_path):
     assert p.kv_layers == base.kv_layers + 2
     # an MTP folder alone speculates with k = its layers, as the engine does: counted the same
     assert planner.plan(EngineConfig(speculative_model=str(folder), **kw), memory_gib=4).kv_layers == p.kv_layers
-    assert cli_main(["plan", main_dir, "--device", "cpu", "--memory", "4", "--num-speculative-tokens", "2",
-                     "--speculative-model", str(folder), "--json"]) == 0
+    assert (
+        cli_main(
+            [
+                "plan",
+                main_dir,
+                "--device",
+                "cpu",
+                "--memory",
+                "4",
+                "--num-speculative-tokens",
+                "2",
+                "--speculative-model",
+                str(folder),
+                "--json",
+            ]
+        )
+        == 0
+    )
 
 
 # ---- refusals ----------------------------------------------------------------------------------------------
+
 
 def test_mtp_without_mtp_weights_is_refused(tiny_model_dir):
     path = tiny_model_dir("qwen3")
@@ -368,11 +444,14 @@ def test_mtp_without_mtp_weights_is_refused(tiny_model_dir):
         make_llm(path, enable_mtp=True)
 
 
-@pytest.mark.parametrize("config,message", [
-    ({"architectures": ["Qwen3MTP"], "vocab_size": 999}, "have vocab_size 999 but the model has 1000"),
-    ({"architectures": ["Qwen3MTP"], "hidden_size": 32}, "have hidden_size 32 but the model has 64"),
-    ({"architectures": ["DeepseekV3MTP"]}, "is not an MTP model for this Qwen3ForCausalLM model"),
-])
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        ({"architectures": ["Qwen3MTP"], "vocab_size": 999}, "have vocab_size 999 but the model has 1000"),
+        ({"architectures": ["Qwen3MTP"], "hidden_size": 32}, "have hidden_size 32 but the model has 64"),
+        ({"architectures": ["DeepseekV3MTP"]}, "is not an MTP model for this Qwen3ForCausalLM model"),
+    ],
+)
 def test_mismatched_mtp_folder_is_refused_through_the_engine(tiny_model_dir, tmp_path, config, message):
     main_dir = tiny_model_dir("qwen3")
     hf_cfg, refs = mtp_refs(main_dir, "qwen3", "deepseek")
@@ -384,14 +463,34 @@ def test_mismatched_mtp_folder_is_refused_through_the_engine(tiny_model_dir, tmp
 def test_cli_refuses_mtp_without_mtp_weights(tiny_model_dir):
     path = tiny_model_dir("qwen3")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    res = subprocess.run([sys.executable, "-m", "ember.entrypoints.cli", "generate", "hi", "--model", path, "--enable-mtp",
-                          "--dtype", "float32", "--kv-cache-memory", "0.01", "--max-tokens", "2"],
-                         capture_output=True, text=True, env=env, timeout=120)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ember.entrypoints.cli",
+            "generate",
+            "hi",
+            "--model",
+            path,
+            "--enable-mtp",
+            "--dtype",
+            "float32",
+            "--kv-cache-memory",
+            "0.01",
+            "--max-tokens",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert res.returncode != 0
     assert "holds no MTP weights" in res.stderr and "--speculative-model DIR" in res.stderr, res.stderr[-2000:]
 
 
 # ---- the default model's MTP head ----------------------------------------------------------------------------
+
 
 def test_default_model_speculates_with_its_mtp_head_unless_told_not_to(tmp_path, monkeypatch):
     import argparse

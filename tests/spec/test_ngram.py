@@ -1,8 +1,9 @@
 """Prompt lookup: the longest suffix n-gram seen before, its most recent occurrence, up to k tokens."""
+
 import numpy as np
 
-from ember.request import Request
 from ember.config.speculative import SpeculativeConfig
+from ember.request import Request
 from ember.spec.ngram import NgramProposer, ngram_lookup
 
 

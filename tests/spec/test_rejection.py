@@ -1,5 +1,6 @@
 """Rejection sampling: greedy verify equals token-by-token greedy sampling; sampled verify emits
 tokens distributed exactly as the target (chi-square on a tiny vocabulary); seeds reproduce."""
+
 from __future__ import annotations
 
 import pytest
@@ -38,7 +39,7 @@ def sequential(logits, params, drafts, prompt, banned):
     """What plain decoding emits, one sampler call per token, stopping at the first draft it disagrees with."""
     out = []
     for j in range(len(drafts) + 1):
-        tok = Sampler()(logits[j:j + 1], [SamplingRow(params, prompt, out[:], None, banned)])[0].token_id
+        tok = Sampler()(logits[j : j + 1], [SamplingRow(params, prompt, out[:], None, banned)])[0].token_id
         out.append(tok)
         if j == len(drafts) or tok != drafts[j]:
             return out
@@ -85,9 +86,9 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 V, TRIALS = 6, 12000
-TARGET = torch.tensor([[1.0, 0.2, -0.5, 2.0, 0.0, -1.0],
-                       [0.0, 1.5, 1.4, -2.0, 0.3, 0.9],
-                       [0.5, 0.5, 0.5, 0.5, 0.5, -3.0]])
+TARGET = torch.tensor(
+    [[1.0, 0.2, -0.5, 2.0, 0.0, -1.0], [0.0, 1.5, 1.4, -2.0, 0.3, 0.9], [0.5, 0.5, 0.5, 0.5, 0.5, -3.0]]
+)
 
 
 def _run(params, with_probs: bool, seed: int):
@@ -102,6 +103,7 @@ def _run(params, with_probs: bool, seed: int):
     reqs = [verify_request(params, x, probs=q.clone() if with_probs else None) for x in drafts]
     logits = TARGET.repeat(TRIALS, 1)
     from ember.layers.sampler import target_probs
+
     p = target_probs(TARGET.clone(), [params] * 3)
     return emitted(logits, reqs), p, q
 
@@ -139,8 +141,12 @@ def test_seeded_verify_is_reproducible_and_draws_only_its_own_generator():
         gen = make_generator(5)
         torch.manual_seed(len(runs))  # the global RNG differs between runs: must not matter
         other = verify_request(SamplingParams(temperature=1.0), [1])  # an unseeded neighbour
-        runs.append([emitted(torch.cat([logits, logits[:2]]), [verify_request(params, [7, 8, 9], gen=gen), other])[0]
-                     for _ in range(10)])
+        runs.append(
+            [
+                emitted(torch.cat([logits, logits[:2]]), [verify_request(params, [7, 8, 9], gen=gen), other])[0]
+                for _ in range(10)
+            ]
+        )
     assert runs[0] == runs[1]
     # The draws are d uniforms then one noise vector of V: the generator advanced by exactly that.
     gen, ref = make_generator(5), make_generator(5)

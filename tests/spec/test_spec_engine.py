@@ -1,6 +1,7 @@
 """Speculative decoding end to end on tiny random models: greedy output is identical to no
 speculation (batching, chunked prefill, preemption, prefix cache, stops), sampled output keeps
 its distribution and its seeds, adaptive k moves, and every block comes back."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -19,7 +20,9 @@ def scenarios(path):
     return {
         "batched": dict(max_num_seqs=8),
         "chunked": dict(max_num_batched_tokens=7, max_num_seqs=4),
-        "preempted": dict(kv_cache_memory=kv_gib(path, 20), max_model_len=64, max_num_seqs=8, enable_prefix_caching=False),
+        "preempted": dict(
+            kv_cache_memory=kv_gib(path, 20), max_model_len=64, max_num_seqs=8, enable_prefix_caching=False
+        ),
     }
 
 
@@ -76,7 +79,7 @@ class Oracle(Proposer):
         drafts = []
         for req, k in zip(requests, ks):
             n = req.num_tokens
-            guess = self.truth.get(tuple(req.prompt_token_ids), [])[n:n + k]  # unknown prompt: no guess
+            guess = self.truth.get(tuple(req.prompt_token_ids), [])[n : n + k]  # unknown prompt: no guess
             guess = [(t + 1) % VOCAB if (n + j) % self.wrong_every == 0 else t for j, t in enumerate(guess)]
             drafts.append(Draft(guess) if guess else None)
         return drafts
@@ -114,19 +117,27 @@ def test_long_accepted_runs_keep_greedy_output(qwen3, long_ref):
 
 def test_stops_among_accepted_drafts_cut_the_output(qwen3, long_ref):
     prompts, ref, _ = long_ref
-    llm = with_oracle(make_llm(qwen3, speculative_config=ngram(3), adaptive_spec=False), prompts, ref, wrong_every=10**9)
+    llm = with_oracle(
+        make_llm(qwen3, speculative_config=ngram(3), adaptive_spec=False), prompts, ref, wrong_every=10**9
+    )
     stop_tok = ref[1][6]
-    out = llm.generate({"prompt_token_ids": prompts[1]}, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
-                                                                         stop_token_ids=[stop_tok]), use_tqdm=False)[0]
+    out = llm.generate(
+        {"prompt_token_ids": prompts[1]},
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[stop_tok]),
+        use_tqdm=False,
+    )[0]
     cut = ref[1].index(stop_tok) + 1
     assert out.outputs[0].token_ids == ref[1][:cut] and out.outputs[0].finish_reason == "stop"
     for n in (1, 2, 5, 7):
         assert run(llm, [prompts[0]], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)) == [ref[0][:n]]
     text = llm.get_tokenizer().decode(ref[2][:12])
     stop = text[-3:]
-    out = llm.generate({"prompt_token_ids": prompts[2]}, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
-                                                                         stop=[stop]), use_tqdm=False)[0].outputs[0]
-    assert out.finish_reason == "stop" and out.text == text[:text.index(stop)]
+    out = llm.generate(
+        {"prompt_token_ids": prompts[2]},
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert out.finish_reason == "stop" and out.text == text[: text.index(stop)]
     assert llm.engine.parts.kv.num_free_blocks == llm.engine.parts.kv.num_blocks
 
 
@@ -194,8 +205,9 @@ def two_sample_pvalue(a: list[tuple], b: list[tuple]) -> float:
     ca = {k: a.count(k) for k in keys}
     cb = {k: b.count(k) for k in keys}
     big = [k for k in keys if ca[k] + cb[k] >= 20]
-    cells = [(ca[k], cb[k]) for k in big] + [(sum(ca[k] for k in keys if k not in big),
-                                             sum(cb[k] for k in keys if k not in big))]
+    cells = [(ca[k], cb[k]) for k in big] + [
+        (sum(ca[k] for k in keys if k not in big), sum(cb[k] for k in keys if k not in big))
+    ]
     cells = [c for c in cells if sum(c) > 0]
     stat = sum((x - y) ** 2 / (x + y) for x, y in cells)
     return float(torch.special.gammaincc(torch.tensor((len(cells) - 1) / 2), torch.tensor(stat / 2)))
@@ -227,8 +239,12 @@ def test_adaptive_k_follows_acceptance(qwen3, long_ref):
     prompts, ref, params = long_ref
     ks = {}
     for label, wrong_every, adaptive in (("right", 10**9, True), ("wrong", 1, True), ("pinned", 1, False)):
-        llm = with_oracle(make_llm(qwen3, speculative_config=ngram(6, prompt_lookup_max=6), adaptive_spec=adaptive),
-                          prompts, ref, wrong_every=wrong_every)
+        llm = with_oracle(
+            make_llm(qwen3, speculative_config=ngram(6, prompt_lookup_max=6), adaptive_spec=adaptive),
+            prompts,
+            ref,
+            wrong_every=wrong_every,
+        )
         eng = llm.engine
         eng.add_request("r", {"prompt_token_ids": prompts[3]}, params)
         seen = []
@@ -244,15 +260,19 @@ def test_adaptive_k_follows_acceptance(qwen3, long_ref):
 
 
 def test_no_blocks_leak_after_aborts_with_drafts_pending(qwen3):
-    llm = make_llm(qwen3, speculative_config=ngram(3), kv_cache_memory=kv_gib(qwen3, 40), max_model_len=64,
-                   max_num_seqs=6)
+    llm = make_llm(
+        qwen3, speculative_config=ngram(3), kv_cache_memory=kv_gib(qwen3, 40), max_model_len=64, max_num_seqs=6
+    )
     eng = llm.engine
     total = eng.parts.kv.num_blocks
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     for i, p in enumerate(REPEATED):
         eng.add_request(f"r{i}", {"prompt_token_ids": p}, params)
-    eng.add_request("n", {"prompt_token_ids": REPEATED[0]}, SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=30,
-                                                                         ignore_eos=True))
+    eng.add_request(
+        "n",
+        {"prompt_token_ids": REPEATED[0]},
+        SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=30, ignore_eos=True),
+    )
     pending = 0
     for step in range(40):
         eng.step()

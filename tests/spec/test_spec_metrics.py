@@ -1,11 +1,12 @@
 """Spec-decode counters reach engine.stats() and the Prometheus /metrics text under vLLM's names."""
+
 import pytest
 
 from ember.server.metrics import ServerMetrics
 from tests.spec.spec_helpers import REPEATED, make_llm, ngram, run
 
-
 pytestmark = pytest.mark.engine  # every test here builds an engine
+
 
 def sample_value(text: str, name: str) -> float:
     for line in text.splitlines():

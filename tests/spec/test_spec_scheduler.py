@@ -1,8 +1,9 @@
 """Scheduling drafts (plain Python): 1 + d tokens under the one budget, drafts give way first,
 rejected tokens are not computed and never reach the prefix cache."""
+
 from ember.engine.kv_cache import KVCacheManager, hash_block
-from ember.request import Request
 from ember.engine.scheduler import Scheduler
+from ember.request import Request
 from ember.spec.proposer import Draft
 
 
@@ -96,7 +97,7 @@ def test_rejected_tokens_are_not_computed_and_not_cached():
     real = a.token_ids[:12]
     h = None
     for i in range(3):
-        h = hash_block(h, tuple(real[4 * i:4 * i + 4]))
+        h = hash_block(h, tuple(real[4 * i : 4 * i + 4]))
     assert a.block_hashes[2] == h and s.kv.hash_to_block[h] == a.block_ids[2]
 
 

@@ -3,6 +3,7 @@ vocabulary, and the committed MTP folder for the default model.
 
 Tiny random models (tests/conftest.py tiny_model_dir) with tiny settings; fp32 throughout.
 """
+
 from __future__ import annotations
 
 import copy
@@ -13,12 +14,11 @@ import pytest
 import torch
 
 import ember
-
 from ember.errors import ConfigError, ModelLoadError
 from ember.models.mtp import MTPModule
-from ember.train.mtp_data import build_prompts, disjoint_snippets, draft_vocabulary, make_data, snippets
 from ember.spec.mtp_weights import export_deepseek_tensors, find_mtp_weights, load_mtp
-from ember.train.mtp import (MTPTrainer, TrainConfig, build_mtp, chain_forward, pad_batch, write_mtp_folder)
+from ember.train.mtp import MTPTrainer, TrainConfig, build_mtp, chain_forward, pad_batch, write_mtp_folder
+from ember.train.mtp_data import build_prompts, disjoint_snippets, draft_vocabulary, make_data, snippets
 from tests.models.tiny_models import load_ember_model, one_thread  # noqa: F401
 from tests.spec.mtp_fixtures import MiniPager
 
@@ -28,10 +28,22 @@ ASSET = os.path.join(os.path.dirname(ember.__file__), "assets", "smollm2-mtp")  
 
 
 def tiny_cfg(tmp_path, **kw) -> TrainConfig:
-    base = dict(out=str(tmp_path / "out"), checkpoint_dir=str(tmp_path / "ckpt"), num_prompts=10,
-                max_new_tokens=20, eval_prompts=3, epochs=4, lr=3e-3, draft_vocab_size=300, depth=2,
-                batch_tokens=256, save_every=0, progress=False, train_dtype="float32",
-                engine_knobs={"kv_cache_memory": 0.02, "dtype": "float32"})
+    base = dict(
+        out=str(tmp_path / "out"),
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        num_prompts=10,
+        max_new_tokens=20,
+        eval_prompts=3,
+        epochs=4,
+        lr=3e-3,
+        draft_vocab_size=300,
+        depth=2,
+        batch_tokens=256,
+        save_every=0,
+        progress=False,
+        train_dtype="float32",
+        engine_knobs={"kv_cache_memory": 0.02, "dtype": "float32"},
+    )
     base.update(kw)
     return TrainConfig(**base)
 
@@ -44,8 +56,9 @@ def tiny_data(tiny_model_dir):
     folder = tiny_model_dir("llama")
     llm = LLM(folder, kv_cache_memory=0.02, dtype="float32", max_num_seqs=16, num_threads=1)
     main = llm.engine.parts.loaded.model
-    data = make_data(llm, main, llm.tokenizer, num_prompts=10, max_new_tokens=20, seed=0, eval_prompts=3,
-                     progress=False)
+    data = make_data(
+        llm, main, llm.tokenizer, num_prompts=10, max_new_tokens=20, seed=0, eval_prompts=3, progress=False
+    )
     torch.set_num_threads(1)
     return folder, main, data
 
@@ -61,6 +74,7 @@ def randomize(mtp: MTPModule, seed: int = 0) -> None:
 
 
 # ---- data -------------------------------------------------------------------------------------------
+
 
 def test_prompts_mix_chat_and_raw_greedy_and_sampled(tiny_model_dir):
     from ember.loader.tokenizer import Tokenizer
@@ -98,7 +112,7 @@ def test_data_keeps_generations_and_teacher_hidden_states(tiny_data):
     # greedy held-out generations continue with the model's argmax
     s = data.eval_greedy[0]
     greedy = main.compute_logits(s.hidden).argmax(-1)
-    assert torch.equal(greedy[s.prompt_len - 1:-1], s.ids[s.prompt_len:])
+    assert torch.equal(greedy[s.prompt_len - 1 : -1], s.ids[s.prompt_len :])
 
 
 def test_draft_vocabulary_ranks_generated_tokens_first():
@@ -113,6 +127,7 @@ def test_draft_vocabulary_ranks_generated_tokens_first():
 
 
 # ---- dense forward == paged forward --------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_dense_forward_equals_paged_forward_with_recursion(tiny_model_dir, arch):
@@ -135,10 +150,11 @@ def test_dense_forward_equals_paged_forward_with_recursion(tiny_model_dir, arch)
             pager = MiniPager()
             cache = pager.cache(main.cfg)
             with torch.no_grad():
-                y = mtp(ids[0][b, :t + 1], pos[b, :t + 1], hid[b, :t + 1], [cache], pager.meta([(0, 0, t + 1)]))
-                y1 = mtp(ids[1][b, t:t + 1], torch.tensor([t + 1]), y[-1:], [cache], pager.meta([(0, t + 1, 1)]),
-                         step=1)
-                y2 = mtp(ids[2][b, t:t + 1], torch.tensor([t + 2]), y1, [cache], pager.meta([(0, t + 2, 1)]), step=2)
+                y = mtp(ids[0][b, : t + 1], pos[b, : t + 1], hid[b, : t + 1], [cache], pager.meta([(0, 0, t + 1)]))
+                y1 = mtp(
+                    ids[1][b, t : t + 1], torch.tensor([t + 1]), y[-1:], [cache], pager.meta([(0, t + 1, 1)]), step=1
+                )
+                y2 = mtp(ids[2][b, t : t + 1], torch.tensor([t + 2]), y1, [cache], pager.meta([(0, t + 2, 1)]), step=2)
             torch.testing.assert_close(y[-1], g0[b, t], rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(y1[0], g1[b, t], rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(y2[0], g2[b, t], rtol=1e-5, atol=1e-5)
@@ -157,6 +173,7 @@ def test_dense_forward_is_differentiable(tiny_model_dir):
 
 
 # ---- training ---------------------------------------------------------------------------------------------
+
 
 def test_few_steps_reduce_the_loss(tiny_data, tmp_path):
     _, main, data = tiny_data
@@ -216,14 +233,20 @@ def test_written_folder_loads_with_load_mtp_and_gives_the_same_logits(tiny_data,
     with torch.no_grad():
         for (s, g_ref), (_, g_new) in zip(chain_forward(ref, ids, hid, 2), chain_forward(loaded, ids, hid, 2)):
             torch.testing.assert_close(g_new, g_ref, rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(loaded.compute_logits(g_new[0], s), ref.compute_logits(g_ref[0], s),
-                                       rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                loaded.compute_logits(g_new[0], s), ref.compute_logits(g_ref[0], s), rtol=1e-5, atol=1e-5
+            )
     # and through the paged path the engine uses
     s = seqs[0]
     pager = MiniPager(num_blocks=64)
     with torch.no_grad():
-        y = loaded(s.ids[1:], torch.arange(len(s) - 1), s.hidden[:-1], [pager.cache(main.cfg, num_blocks=64)],
-                   pager.meta([(0, 0, len(s) - 1)]))
+        y = loaded(
+            s.ids[1:],
+            torch.arange(len(s) - 1),
+            s.hidden[:-1],
+            [pager.cache(main.cfg, num_blocks=64)],
+            pager.meta([(0, 0, len(s) - 1)]),
+        )
         g_ref, _ = ref.forward_dense(s.ids[None, 1:], torch.arange(len(s) - 1)[None], s.hidden[None, :-1])
     torch.testing.assert_close(y, g_ref[0], rtol=1e-5, atol=1e-5)
 
@@ -243,7 +266,9 @@ def test_reduced_vocab_head_only_proposes_draft_tokens(tiny_model_dir):
     assert torch.isneginf(full[:, outside]).all() and torch.isfinite(full[:, dv]).all()
     assert set(full.argmax(-1).tolist()) <= set(dv.tolist())
     assert torch.equal(mtp.propose_greedy(g), full.argmax(-1))
-    sampled = torch.multinomial(torch.softmax(full, -1), 20, replacement=True, generator=torch.Generator().manual_seed(7))
+    sampled = torch.multinomial(
+        torch.softmax(full, -1), 20, replacement=True, generator=torch.Generator().manual_seed(7)
+    )
     assert set(sampled.flatten().tolist()) <= set(dv.tolist())
 
 
@@ -264,9 +289,11 @@ def test_draft_vocab_without_own_head_uses_model_head_rows_and_bad_ones_are_refu
     save_file(tensors, str(out / "model.safetensors"))
     loaded = load_mtp(main, folder, str(out), progress=False)
     torch.testing.assert_close(loaded.layers[0].head.weight, main.lm_head.weight[dv])
-    for bad, message in ((torch.tensor([3, 3, 4, 5, 6]), "repeats token ids"),
-                         (torch.tensor([3, 4, 5, 6, 5000]), "outside 0..999"),
-                         (torch.tensor([1.0, 2, 3, 4, 5]), "1-D integer tensor")):
+    for bad, message in (
+        (torch.tensor([3, 3, 4, 5, 6]), "repeats token ids"),
+        (torch.tensor([3, 4, 5, 6, 5000]), "outside 0..999"),
+        (torch.tensor([1.0, 2, 3, 4, 5]), "1-D integer tensor"),
+    ):
         save_file({**tensors, "model.layers.2.shared_head.draft_vocab": bad}, str(out / "model.safetensors"))
         with pytest.raises(ModelLoadError, match=message):
             load_mtp(main, folder, str(out), progress=False)
@@ -278,15 +305,36 @@ def test_draft_vocab_without_own_head_uses_model_head_rows_and_bad_ones_are_refu
 
 # ---- the command --------------------------------------------------------------------------------------------
 
+
 @pytest.mark.engine
 def test_cli_writes_a_loadable_folder_with_a_readme_and_resumes(tiny_model_dir, tmp_path):
     from ember.entrypoints.cli import main as cli_main
 
     folder = tiny_model_dir("llama")
     out, ck = str(tmp_path / "out"), str(tmp_path / "ck")
-    common = [folder, "--out", out, "--checkpoint-dir", ck, "--num-prompts", "6", "--max-new-tokens", "12",
-              "--eval-prompts", "2", "--draft-vocab-size", "200", "--batch-tokens", "256", "--threads", "1",
-              "--depth", "2", "--epochs", "2"]
+    common = [
+        folder,
+        "--out",
+        out,
+        "--checkpoint-dir",
+        ck,
+        "--num-prompts",
+        "6",
+        "--max-new-tokens",
+        "12",
+        "--eval-prompts",
+        "2",
+        "--draft-vocab-size",
+        "200",
+        "--batch-tokens",
+        "256",
+        "--threads",
+        "1",
+        "--depth",
+        "2",
+        "--epochs",
+        "2",
+    ]
     assert cli_main(["train-mtp", *common, "--resume"]) == 2  # nothing to resume yet
     assert cli_main(["train-mtp", *common, "--max-steps", "2"]) == 0
     assert sorted(os.listdir(out)) == ["README.md", "config.json", "model.safetensors"]
@@ -302,6 +350,7 @@ def test_cli_writes_a_loadable_folder_with_a_readme_and_resumes(tiny_model_dir, 
 
 
 # ---- the committed folder for the default model ----------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_committed_default_model_mtp_loads_and_drafts(tmp_path):

@@ -4,6 +4,7 @@ runs it: packed Q4_1, MTP speculation on), whose free-running JSON is usually in
 Every answer is parsed and validated with jsonschema and must end with `stop`, never cut at
 max_tokens: in a batch, at temperature 0 and 1, with n > 1, after preemption, across chunked
 prefill and prefix-cache hits; with MTP speculation it equals the answer without (greedy)."""
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,9 @@ def llm():
 
 
 def chat(llm, text: str) -> str:
-    return llm.get_tokenizer().apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                   tokenize=False)
+    return llm.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
 
 
 def json_params(schema: dict, **kw) -> SamplingParams:
@@ -55,8 +57,9 @@ def test_every_schema_validates_and_stops_in_one_batch(llm, temperature):
 def test_free_text_of_the_same_prompts_is_not_valid_json(llm):
     """The constraint is what makes them valid: unconstrained, most of these answers are not JSON of the schema."""
     names = list(SCHEMAS)
-    outs = llm.generate([chat(llm, SCHEMAS[n][0]) for n in names],
-                        SamplingParams(temperature=0, max_tokens=120), use_tqdm=False)
+    outs = llm.generate(
+        [chat(llm, SCHEMAS[n][0]) for n in names], SamplingParams(temperature=0, max_tokens=120), use_tqdm=False
+    )
     valid = 0
     for name, out in zip(names, outs):
         try:
@@ -87,8 +90,9 @@ def test_mtp_speculation_gives_the_answer_of_no_speculation():
 
 def test_n_sequences_each_hold_to_the_schema(llm):
     schema = SCHEMAS["person"][1]
-    out = llm.generate([chat(llm, SCHEMAS["person"][0])], json_params(schema, n=4, temperature=1.0, seed=3),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        [chat(llm, SCHEMAS["person"][0])], json_params(schema, n=4, temperature=1.0, seed=3), use_tqdm=False
+    )[0]
     assert len(out.outputs) == 4
     for c in out.outputs:
         assert_valid(c, schema)
@@ -99,18 +103,27 @@ def test_regex_choice_and_grammars(llm):
     prompt = chat(llm, "What is the phone number of the office?")
     cases = [
         (StructuredOutputsParams(regex=r"\(\d{3}\) \d{3}-\d{4}"), lambda t: re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", t)),
-        (StructuredOutputsParams(choice=["Paris", "London", "a \"quoted\" one"]),
-         lambda t: t in ("Paris", "London", 'a "quoted" one')),
-        (StructuredOutputsParams(grammar='root ::= ("yes" | "no") ", " [0-9] [0-9]?'),
-         lambda t: re.fullmatch(r"(yes|no), [0-9][0-9]?", t)),
+        (
+            StructuredOutputsParams(choice=["Paris", "London", 'a "quoted" one']),
+            lambda t: t in ("Paris", "London", 'a "quoted" one'),
+        ),
+        (
+            StructuredOutputsParams(grammar='root ::= ("yes" | "no") ", " [0-9] [0-9]?'),
+            lambda t: re.fullmatch(r"(yes|no), [0-9][0-9]?", t),
+        ),
         (StructuredOutputsParams(grammar='start: answer\nanswer: "up" | "down"'), lambda t: t in ("up", "down")),
         # Any object: keys and string values unbounded, so sampled at 0.8 this model may write one string
         # until max_tokens; greedy it closes it.
         (StructuredOutputsParams(json_object=True), lambda t: isinstance(json.loads(t), dict)),
     ]
-    outs = llm.generate([prompt] * len(cases), [SamplingParams(temperature=0.0 if so.json_object else 0.8, seed=5,
-                                                               max_tokens=200, structured_outputs=so)
-                                                for so, _ in cases], use_tqdm=False)
+    outs = llm.generate(
+        [prompt] * len(cases),
+        [
+            SamplingParams(temperature=0.0 if so.json_object else 0.8, seed=5, max_tokens=200, structured_outputs=so)
+            for so, _ in cases
+        ],
+        use_tqdm=False,
+    )
     for (so, check), out in zip(cases, outs):
         c = out.outputs[0]
         assert c.finish_reason == "stop" and check(c.text), (so.kind, c.text)
@@ -120,9 +133,11 @@ def test_preempted_requests_keep_their_grammar_state():
     """A pool too small for the batch: requests are preempted (recomputed) mid-answer and still validate."""
     small = LLM(kv_cache_memory=0.012, max_model_len=512, max_num_seqs=16, enable_mtp=False)
     names = list(SCHEMAS)
-    outs = small.generate([chat(small, "Answer briefly and exactly. " + SCHEMAS[n][0]) for n in names],
-                          [json_params(SCHEMAS[n][1], temperature=0.7, seed=1, max_tokens=300) for n in names],
-                          use_tqdm=False)
+    outs = small.generate(
+        [chat(small, "Answer briefly and exactly. " + SCHEMAS[n][0]) for n in names],
+        [json_params(SCHEMAS[n][1], temperature=0.7, seed=1, max_tokens=300) for n in names],
+        use_tqdm=False,
+    )
     assert small.engine.parts.scheduler.num_preemptions > 0
     for name, out in zip(names, outs):
         assert_valid(out.outputs[0], SCHEMAS[name][1])
@@ -144,8 +159,10 @@ def test_chunked_prefill_and_prefix_cache_hit():
 def test_sampling_knobs_act_within_the_grammar(llm):
     schema = SCHEMAS["person"][1]
     prompt = chat(llm, SCHEMAS["person"][0])
-    seeded = [json_params(schema, temperature=1.0, top_p=0.9, top_k=40, seed=42, repetition_penalty=1.3,
-                          presence_penalty=0.5) for _ in range(2)]
+    seeded = [
+        json_params(schema, temperature=1.0, top_p=0.9, top_k=40, seed=42, repetition_penalty=1.3, presence_penalty=0.5)
+        for _ in range(2)
+    ]
     a, b = llm.generate([prompt, prompt], seeded, use_tqdm=False)
     assert a.outputs[0].text == b.outputs[0].text  # a seed still fixes the sample
     assert_valid(a.outputs[0], schema)
@@ -153,10 +170,13 @@ def test_sampling_knobs_act_within_the_grammar(llm):
 
 def test_logprobs_are_those_of_the_masked_distribution(llm):
     choices = ["alpha", "beta", "gamma"]
-    out = llm.generate([chat(llm, "Pick a Greek letter.")],
-                       SamplingParams(temperature=0, max_tokens=20, logprobs=20,
-                                      structured_outputs=StructuredOutputsParams(choice=choices)),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        [chat(llm, "Pick a Greek letter.")],
+        SamplingParams(
+            temperature=0, max_tokens=20, logprobs=20, structured_outputs=StructuredOutputsParams(choice=choices)
+        ),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert out.text in choices
     first = out.logprobs[0]
     tok = llm.get_tokenizer()
@@ -171,35 +191,52 @@ def test_logprobs_are_those_of_the_masked_distribution(llm):
 
 
 def test_grammar_end_stops_the_request_even_under_ignore_eos(llm):
-    out = llm.generate([chat(llm, "Yes or no?")],
-                       SamplingParams(temperature=0, max_tokens=50, ignore_eos=True,
-                                      structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        [chat(llm, "Yes or no?")],
+        SamplingParams(
+            temperature=0,
+            max_tokens=50,
+            ignore_eos=True,
+            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]),
+        ),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert out.finish_reason == "stop" and out.text in ("yes", "no")
 
 
 def test_stop_strings_still_end_a_constrained_answer(llm):
     schema = SCHEMAS["person"][1]
-    out = llm.generate([chat(llm, SCHEMAS["person"][0])], json_params(schema, temperature=0, stop=[","]),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        [chat(llm, SCHEMAS["person"][0])], json_params(schema, temperature=0, stop=[","]), use_tqdm=False
+    )[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == "," and out.text.startswith("{")
 
 
 def test_a_bad_constraint_is_refused_and_the_engine_goes_on(llm):
-    for bad in ({"json": {"type": "nope"}}, {"regex": "a(b"}, {"grammar": "root ::= undefined_rule"},
-                {"json": '{"type": '}):
+    for bad in (
+        {"json": {"type": "nope"}},
+        {"regex": "a(b"},
+        {"grammar": "root ::= undefined_rule"},
+        {"json": '{"type": '},
+    ):
         with pytest.raises(InvalidRequestError) as e:
             llm.generate(["x"], SamplingParams(max_tokens=4, structured_outputs=bad), use_tqdm=False)
         assert "structured_outputs" in str(e.value)
     assert not llm.engine.has_unfinished_requests()
-    out = llm.generate(["Say yes."], SamplingParams(temperature=0, max_tokens=8, structured_outputs={"choice": ["yes"]}),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        ["Say yes."],
+        SamplingParams(temperature=0, max_tokens=8, structured_outputs={"choice": ["yes"]}),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert out.text == "yes"
 
 
 def test_each_distinct_constraint_compiles_once(llm):
-    schema = {"type": "object", "properties": {"unique_field_for_cache_test": {"type": "boolean"}},
-              "required": ["unique_field_for_cache_test"]}
+    schema = {
+        "type": "object",
+        "properties": {"unique_field_for_cache_test": {"type": "boolean"}},
+        "required": ["unique_field_for_cache_test"],
+    }
     before = llm.engine.structured.num_compiled
     for _ in range(3):
         llm.generate(["Answer."], json_params(schema, temperature=0, max_tokens=30), use_tqdm=False)
@@ -210,8 +247,10 @@ def test_reasoning_is_free_and_the_answer_is_constrained():
     """--reasoning-parser deepseek_r1: a prompt that opens <think> leaves the reasoning unconstrained; the
     schema holds from the token after </think> (the 135M model copies the few-shot pattern)."""
     thinker = LLM(kv_cache_memory=0.3, max_model_len=1024, reasoning_parser="deepseek_r1", enable_mtp=False)
-    prompt = ("Q: 2+2?\n<think>\nI add the numbers.\n</think>\n{\"answer\": 4}\n\n"
-              "Q: 3+3?\n<think>\nI add the numbers.\n</think>\n{\"answer\": 6}\n\nQ: 5+2?\n<think>\n")
+    prompt = (
+        'Q: 2+2?\n<think>\nI add the numbers.\n</think>\n{"answer": 4}\n\n'
+        'Q: 3+3?\n<think>\nI add the numbers.\n</think>\n{"answer": 6}\n\nQ: 5+2?\n<think>\n'
+    )
     schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
     out = thinker.generate([prompt], json_params(schema, temperature=0, max_tokens=60), use_tqdm=False)[0].outputs[0]
     reasoning, _, answer = out.text.partition("</think>")

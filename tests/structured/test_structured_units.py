@@ -1,5 +1,6 @@
 """StructuredOutputsParams, grammar building, tool-call tags and the manager's verify-row masks, against
 the default model's vocabulary (49,152 byte-level BPE tokens, through xgrammar's reader)."""
+
 from __future__ import annotations
 
 import json
@@ -8,12 +9,11 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from ember.errors import InvalidRequestError
-from ember.loader.gguf import GGUFCheckpoint
 from ember.default_model import default_model_path
+from ember.errors import GrammarError, InvalidRequestError
+from ember.loader.gguf import GGUFCheckpoint
 from ember.request import Draft, Request
 from ember.sampling import SamplingParams
-from ember.errors import GrammarError
 from ember.structured.grammar import build_grammar
 from ember.structured.manager import StructuredOutputManager, tokenizer_info
 from ember.structured.tool_calls import MAX_PARALLEL_TOOL_CALLS, tool_call_structural_tag
@@ -80,21 +80,25 @@ def test_grammars_accept_what_they_should(compiler):
 
 
 def test_whitespace_runs_are_bounded_by_default(compiler):
-    g = build_grammar(StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}},
-                                                    "required": ["a"]}))
+    g = build_grammar(
+        StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+    )
     bound = StructuredOutputsParams(json={}).max_whitespace
     assert accepts(compiler, g, "{" + " " * bound + '"a": 1}')
     assert not accepts(compiler, g, "{" + " " * (bound + 1) + '"a": 1}')
 
 
-@pytest.mark.parametrize("fields, param, says", [
-    ({"json": {"type": "nope"}}, "json", "Unsupported type"),
-    ({"json": {"type": "string", "pattern": "(unclosed"}}, "json", "cannot be compiled"),
-    ({"regex": "a(b"}, "regex", "parenthesis"),
-    ({"grammar": "root ::= missing"}, "grammar", "not defined"),
-    ({"grammar": "not a grammar at all"}, "grammar", "no `::=` rule"),
-    ({"structural_tag": '{"type": "structural_tag"}'}, "structural_tag", "cannot be compiled"),
-])
+@pytest.mark.parametrize(
+    "fields, param, says",
+    [
+        ({"json": {"type": "nope"}}, "json", "Unsupported type"),
+        ({"json": {"type": "string", "pattern": "(unclosed"}}, "json", "cannot be compiled"),
+        ({"regex": "a(b"}, "regex", "parenthesis"),
+        ({"grammar": "root ::= missing"}, "grammar", "not defined"),
+        ({"grammar": "not a grammar at all"}, "grammar", "no `::=` rule"),
+        ({"structural_tag": '{"type": "structural_tag"}'}, "structural_tag", "cannot be compiled"),
+    ],
+)
 def test_a_bad_constraint_names_the_field_and_the_problem(fields, param, says):
     with pytest.raises(GrammarError) as e:
         build_grammar(StructuredOutputsParams(**fields))
@@ -113,8 +117,9 @@ def test_tool_call_tags_hold_hermes_calls(compiler):
     assert not accepts(compiler, required, "\n".join([call] * (MAX_PARALLEL_TOOL_CALLS + 1)))
     single = xgr.Grammar.from_structural_tag(tool_call_structural_tag(TOOLS, "required", parallel_tool_calls=False))
     assert accepts(compiler, single, other) and not accepts(compiler, single, call + "\n" + other)
-    named = xgr.Grammar.from_structural_tag(tool_call_structural_tag(
-        TOOLS, {"type": "function", "function": {"name": "search_flights"}}))
+    named = xgr.Grammar.from_structural_tag(
+        tool_call_structural_tag(TOOLS, {"type": "function", "function": {"name": "search_flights"}})
+    )
     assert accepts(compiler, named, other) and not accepts(compiler, named, call)
     with pytest.raises(InvalidRequestError, match="not in tools"):
         tool_call_structural_tag(TOOLS, {"type": "function", "function": {"name": "nope"}})
@@ -131,7 +136,10 @@ def test_verify_rows_follow_the_drafts_and_leave_the_matcher_where_it_was(tokeni
     prompt = tokenizer.encode("Answer:")
     req = Request("r", prompt, SamplingParams(structured_outputs={"choice": ["yes please", "no thanks"]}))
     mgr.add_request([req], prompt)
-    yes, please = tokenizer.encode("yes", add_special_tokens=False), tokenizer.encode(" please", add_special_tokens=False)
+    yes, please = (
+        tokenizer.encode("yes", add_special_tokens=False),
+        tokenizer.encode(" please", add_special_tokens=False),
+    )
     drafts = Draft(yes + please)
     req.num_computed_tokens = len(prompt) - 1  # a decode step: 1 + d rows sample
     masks = mgr.step_masks(_Out([(req, 1 + len(drafts))], {"r": drafts}))
@@ -173,7 +181,9 @@ def test_a_prefill_chunk_gets_no_mask(tokenizer):
 
 
 def test_reasoning_delays_the_constraint_until_the_answer(tokenizer):
-    mgr = StructuredOutputManager(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids, reasoning_parser="deepseek_r1")
+    mgr = StructuredOutputManager(
+        tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids, reasoning_parser="deepseek_r1"
+    )
     opened = tokenizer.encode("Question?\n<think>\n")
     closed = tokenizer.encode("Question?\n<think>\n\n</think>\n\n")
     a = Request("a", opened, SamplingParams(structured_outputs={"regex": "[0-9]"}))
@@ -196,19 +206,40 @@ def test_reasoning_delays_the_constraint_until_the_answer(tokenizer):
 
 
 # -- keywords the library would not enforce ----------------------------------------------------------
-@pytest.mark.parametrize("schema, keyword, accepted_invalid", [
-    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems", "[1, 1]"),
-    ({"type": "object", "properties": {"k": {"type": "string"}, "v": {"type": "integer"}}, "required": ["k", "v"],
-      "if": {"properties": {"k": {"const": "a"}}}, "then": {"properties": {"v": {"minimum": 100}}}}, "if",
-     '{"k": "a", "v": 1}'),
-    ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 7}}, "contains", "[1]"),
-    ({"type": "object", "properties": {"x": {"not": {"type": "string"}}}, "required": ["x"]}, "not", '{"x": "s"}'),
-    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-      "dependentRequired": {"a": ["b"]}}, "dependentRequired", '{"a": 1}'),
-    ({"type": "number", "multipleOf": 0.5}, "multipleOf", "0.3"),
-    ({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
-                {"type": "integer"}]}, "allOf", '{"a": 1}'),
-])
+@pytest.mark.parametrize(
+    "schema, keyword, accepted_invalid",
+    [
+        ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems", "[1, 1]"),
+        (
+            {
+                "type": "object",
+                "properties": {"k": {"type": "string"}, "v": {"type": "integer"}},
+                "required": ["k", "v"],
+                "if": {"properties": {"k": {"const": "a"}}},
+                "then": {"properties": {"v": {"minimum": 100}}},
+            },
+            "if",
+            '{"k": "a", "v": 1}',
+        ),
+        ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 7}}, "contains", "[1]"),
+        ({"type": "object", "properties": {"x": {"not": {"type": "string"}}}, "required": ["x"]}, "not", '{"x": "s"}'),
+        (
+            {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "dependentRequired": {"a": ["b"]},
+            },
+            "dependentRequired",
+            '{"a": 1}',
+        ),
+        ({"type": "number", "multipleOf": 0.5}, "multipleOf", "0.3"),
+        (
+            {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}}, {"type": "integer"}]},
+            "allOf",
+            '{"a": 1}',
+        ),
+    ],
+)
 def test_keywords_the_library_ignores_are_refused(compiler, schema, keyword, accepted_invalid):
     # what the library does with them: compiles, then lets an answer through that breaks the keyword
     import jsonschema
@@ -221,17 +252,28 @@ def test_keywords_the_library_ignores_are_refused(compiler, schema, keyword, acc
 
 
 def test_plain_all_of_shapes_are_merged_and_enforced(compiler):
-    one = {"type": "object", "properties": {"p": {"allOf": [{"$ref": "#/$defs/pt"}], "description": "a point"}},
-           "required": ["p"], "$defs": {"pt": {"type": "object", "properties": {"x": {"type": "integer"}},
-                                               "required": ["x"]}}}
+    one = {
+        "type": "object",
+        "properties": {"p": {"allOf": [{"$ref": "#/$defs/pt"}], "description": "a point"}},
+        "required": ["p"],
+        "$defs": {"pt": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}},
+    }
     g = build_grammar(StructuredOutputsParams(json=one))
     assert accepts(compiler, g, '{"p": {"x": 1}}') and not accepts(compiler, g, '{"p": {"y": 1}}')
-    union = {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
-                       {"type": "object", "properties": {"b": {"type": "boolean"}}, "required": ["b"]}]}
+    union = {
+        "allOf": [
+            {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+            {"type": "object", "properties": {"b": {"type": "boolean"}}, "required": ["b"]},
+        ]
+    }
     g = build_grammar(StructuredOutputsParams(json=union))
     assert accepts(compiler, g, '{"a": 1, "b": true}') and not accepts(compiler, g, '{"a": 1}')
     # a property called like a keyword is a name, not a keyword
-    named = {"type": "object", "properties": {"not": {"type": "integer"}, "if": {"type": "string"}}, "required": ["not"]}
+    named = {
+        "type": "object",
+        "properties": {"not": {"type": "integer"}, "if": {"type": "string"}},
+        "required": ["not"],
+    }
     assert accepts(compiler, build_grammar(StructuredOutputsParams(json=named)), '{"not": 3}')
 
 
@@ -240,7 +282,14 @@ def test_a_tool_without_parameters_takes_an_empty_object(compiler):
     g = xgr.Grammar.from_structural_tag(tool_call_structural_tag(tools, "required"))
     assert accepts(compiler, g, '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>')
     assert not accepts(compiler, g, '<tool_call>\n{"name": "now", "arguments": "soon"}\n</tool_call>')
-    unique = [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"xs": {"type": "array", "uniqueItems": True}}}}}]
+    unique = [
+        {
+            "type": "function",
+            "function": {
+                "name": "f",
+                "parameters": {"type": "object", "properties": {"xs": {"type": "array", "uniqueItems": True}}},
+            },
+        }
+    ]
     with pytest.raises(InvalidRequestError, match="parameters of tool 'f'.*uniqueItems"):
         tool_call_structural_tag(unique, "required")

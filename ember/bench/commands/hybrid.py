@@ -9,6 +9,7 @@ takes tokenizers it knows); the config's vocab_size stays Qwen3.5's 248,320 (the
 GGUF vocabulary), so the embedding and the tied head have Qwen3.5-0.8B's size. Prompts are token ids, so the text
 the random model writes does not matter. No speed bar is judged here (hybrid kernels come later).
 """
+
 from __future__ import annotations
 
 import logging
@@ -19,20 +20,40 @@ from ember.bench.commands import compare
 logger = logging.getLogger("ember.bench")
 
 NAME = "hybrid"
-HELP = ("a random-weight Qwen3.5-0.8B-shaped hybrid (Gated DeltaNet) model: ember vs llama.cpp vs transformers on the "
-        "same weights (built once into a cache folder; the GGUF by llama.cpp's converter)")
+HELP = (
+    "a random-weight Qwen3.5-0.8B-shaped hybrid (Gated DeltaNet) model: ember vs llama.cpp vs transformers on the "
+    "same weights (built once into a cache folder; the GGUF by llama.cpp's converter)"
+)
 PARSER = compare.PARSER
 
 # Qwen3.5-0.8B's text model as published: 24 layers (every 4th full attention: 6 KV layers), hidden
 # 1024, 8 query / 2 KV heads of 256 with a quarter rotated, tied embeddings, vocab 248,320; the linear
 # heads (16 key / 16 value of 128) and the MLP (3,584) are the family's, not read off that checkpoint.
-QWEN35_08B = dict(vocab_size=248320, hidden_size=1024, num_hidden_layers=24, num_attention_heads=8,
-                  num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
-                  linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
-                  intermediate_size=3584, full_attention_interval=4, max_position_embeddings=32768,
-                  rms_norm_eps=1e-6, tie_word_embeddings=True,
-                  rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
-                                   "mrope_section": [11, 11, 10], "mrope_interleaved": True})
+QWEN35_08B = dict(
+    vocab_size=248320,
+    hidden_size=1024,
+    num_hidden_layers=24,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=16,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    intermediate_size=3584,
+    full_attention_interval=4,
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 1e7,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [11, 11, 10],
+        "mrope_interleaved": True,
+    },
+)
 
 
 def cache_root() -> str:
@@ -84,8 +105,10 @@ def main(args) -> None:
     logger.info("bench hybrid: %s (HF, ember and transformers), %s (llama.cpp)", folder, gguf)
     args.model, args.llamacpp_model, args.hf_model = folder, gguf, folder
     args.mtp, args.versus, args.baseline, args.judge, args.kind = False, None, None, False, "hybrid"
-    args.title = ("hybrid: a random Qwen3.5-0.8B-shaped model, ember and transformers on its HF folder, llama.cpp on "
-                  "its GGUF (llama.cpp's converter, bf16: the same values), same threads")
+    args.title = (
+        "hybrid: a random Qwen3.5-0.8B-shaped model, ember and transformers on its HF folder, llama.cpp on "
+        "its GGUF (llama.cpp's converter, bf16: the same values), same threads"
+    )
     compare.main(args)
 
 
@@ -93,5 +116,13 @@ def add_cli_args(p) -> None:
     """compare's flags, with this command's model folder and defaults."""
     compare.add_cli_args(p)
     p.add_argument("--model-dir", default=None, help="where the random HF folder is (built there if missing)")
-    p.set_defaults(output="benchmarks/hybrid.md", decode_prompt="random", prompt_lens=[2000], num_prompts=16,
-                   decode_tokens=64, output_len=32, mtp=False, max_model_len=4096)
+    p.set_defaults(
+        output="benchmarks/hybrid.md",
+        decode_prompt="random",
+        prompt_lens=[2000],
+        num_prompts=16,
+        decode_tokens=64,
+        output_len=32,
+        mtp=False,
+        max_model_len=4096,
+    )

@@ -15,6 +15,7 @@ Every answer decodes after the same held-out chat request (lib/prompts.py's held
 each round), sent to ember as token ids through /v1/completions, so both engines see the same
 tokens. Rounds alternate which side goes first. Ratios are taken round by round.
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,15 +38,24 @@ from ember.errors import ConfigError
 logger = logging.getLogger("ember.bench")
 
 NAME = KIND = "restart"
-HELP = ("batch-1 decode in the first minute after ember serve restarts, against its steady compiled speed and "
-        "llama.cpp's on the same file")
+HELP = (
+    "batch-1 decode in the first minute after ember serve restarts, against its steady compiled speed and "
+    "llama.cpp's on the same file"
+)
 
 
 def stream_times(url: str, model: str, prompt: list[int], n: int) -> list[float]:
     """time.monotonic() arrival time of each generated token of one streamed greedy completion (tokens that
     arrive in one chunk, as a speculative step brings them, share its time)."""
-    body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-            "stream": True, "return_token_ids": True}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": n,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
     times: list[float] = []
     for chunk in stream(url + "/v1/completions", body):
         choices = chunk.get("choices") or []
@@ -89,27 +99,45 @@ def ember_round(flags: list[str], prompt: list[int], args) -> dict:
                 first_token = times[0] - start.t0
             tokens += len(times) - 1
             seconds += times[-1] - times[0]
-            answers.append((round(times[0] - start.t0, 1), round((len(times) - 1) / (times[-1] - times[0]), 1),
-                            _metric(start.url, "ember:executor_compiled_shapes"), round(times[-1] - start.t0, 1)))
+            answers.append(
+                (
+                    round(times[0] - start.t0, 1),
+                    round((len(times) - 1) / (times[-1] - times[0]), 1),
+                    _metric(start.url, "ember:executor_compiled_shapes"),
+                    round(times[-1] - start.t0, 1),
+                )
+            )
             if compiled is None and not compiling(httpx.get(start.url + "/metrics", timeout=5).text):
                 compiled = times[-1] - start.t0
         first_minute = tokens / seconds
         shapes_after_window = _metric(start.url, "ember:executor_compiled_shapes")
         if compiled is None:
             compiled = start.compiled(args.timeout)
-        steady = [decode_rates(stream_times(start.url, model, prompt, args.decode_tokens))[0]
-                  for _ in range(args.answers)]
+        steady = [
+            decode_rates(stream_times(start.url, model, prompt, args.decode_tokens))[0] for _ in range(args.answers)
+        ]
         start.log.flush()
         start.log.seek(0)
-        compile_log = [line.strip() for line in start.log.read().splitlines()
-                       if "compiled in" in line or "warmup:" in line or "decode steps:" in line]
+        compile_log = [
+            line.strip()
+            for line in start.log.read().splitlines()
+            if "compiled in" in line or "warmup:" in line or "decode steps:" in line
+        ]
         # at /health when graphs were loaded before serving; else an upper bound (read after each answer)
         in_use = round(health, 1) if shapes_at_health else next((a[3] for a in answers if a[2]), None)
-        return {"compile_log": compile_log, "graphs_in_use_by_s": in_use, "health_s": round(health, 2), "first_token_s": round(first_token, 2),
-                "compiled_s": None if compiled is None else round(compiled, 1),
-                "shapes_at_health": shapes_at_health, "shapes_after_window": shapes_after_window,
-                "first_minute_answers": answers, "first_minute_tok_s": first_minute,
-                "steady_tok_s": statistics.median(steady), "steady_runs": steady}
+        return {
+            "compile_log": compile_log,
+            "graphs_in_use_by_s": in_use,
+            "health_s": round(health, 2),
+            "first_token_s": round(first_token, 2),
+            "compiled_s": None if compiled is None else round(compiled, 1),
+            "shapes_at_health": shapes_at_health,
+            "shapes_after_window": shapes_after_window,
+            "first_minute_answers": answers,
+            "first_minute_tok_s": first_minute,
+            "steady_tok_s": statistics.median(steady),
+            "steady_runs": steady,
+        }
     finally:
         start.stop()
         if cold is not None:
@@ -145,31 +173,58 @@ def main(args) -> None:
             peer.close()
     command = command_line(args, ["runs", "peer", "window", "decode_tokens", "answers", "output"])
     summary = summarize(rounds)
-    title = ("First start: a model never compiled on this machine, under continuous batch-1 load" if args.cold else
-             "Restart: batch-1 decode in the first minute after `ember serve` restarts")
-    about = [f"model: `{model}`; {threads} threads; ember flags: `{' '.join(flags) or '(defaults, as make run serves)'}`; "
-             f"{len(rounds)} rounds, median [min-max], ratios round by round",
-             ("ember starts on an empty compile cache of its own (TORCHINDUCTOR_CACHE_DIR in a fresh folder); "
-              if args.cold else "ember restarts on this machine's compile cache as it is (a restart, not a first start); ")
-             + "first minute: greedy answers streamed back to back from /health for the window, decode tokens over "
-             "decode time; steady: after the background compile finished; llama.cpp: llama-cpp-python in its own "
-             "process on the same file and prompt token ids (ember.bench.commands.restart)"]
+    title = (
+        "First start: a model never compiled on this machine, under continuous batch-1 load"
+        if args.cold
+        else "Restart: batch-1 decode in the first minute after `ember serve` restarts"
+    )
+    about = [
+        f"model: `{model}`; {threads} threads; ember flags: `{' '.join(flags) or '(defaults, as make run serves)'}`; "
+        f"{len(rounds)} rounds, median [min-max], ratios round by round",
+        (
+            "ember starts on an empty compile cache of its own (TORCHINDUCTOR_CACHE_DIR in a fresh folder); "
+            if args.cold
+            else "ember restarts on this machine's compile cache as it is (a restart, not a first start); "
+        )
+        + "first minute: greedy answers streamed back to back from /health for the window, decode tokens over "
+        "decode time; steady: after the background compile finished; llama.cpp: llama-cpp-python in its own "
+        "process on the same file and prompt token ids (ember.bench.commands.restart)",
+    ]
     data = {"cold": args.cold, "threads": threads, "model": model, "flags": flags, "rounds": rounds, "summary": summary}
-    Result("first-start" if args.cold else KIND, title, command + (" --cold" if args.cold else ""), load, about, [],
-           table(summary), data, bars(summary, args.cold), "ratio").publish(args.output)
+    Result(
+        "first-start" if args.cold else KIND,
+        title,
+        command + (" --cold" if args.cold else ""),
+        load,
+        about,
+        [],
+        table(summary),
+        data,
+        bars(summary, args.cold),
+        "ratio",
+    ).publish(args.output)
 
 
 def summarize(rounds: list[dict]) -> dict:
     e = [r["ember"] for r in rounds]
-    out = {key: spread([x[key] for x in e if x.get(key) is not None])
-           for key in ("health_s", "first_token_s", "graphs_in_use_by_s", "compiled_s", "first_minute_tok_s",
-                       "steady_tok_s")}
+    out = {
+        key: spread([x[key] for x in e if x.get(key) is not None])
+        for key in (
+            "health_s",
+            "first_token_s",
+            "graphs_in_use_by_s",
+            "compiled_s",
+            "first_minute_tok_s",
+            "steady_tok_s",
+        )
+    }
     out["first_minute_over_steady"] = spread([x["first_minute_tok_s"] / x["steady_tok_s"] for x in e])
     peer = [r for r in rounds if "llamacpp" in r]
     if peer:
         out["llamacpp_tok_s"] = spread([r["llamacpp"]["tok_s"] for r in peer])
-        out["first_minute_over_llamacpp"] = spread([r["ember"]["first_minute_tok_s"] / r["llamacpp"]["tok_s"]
-                                                    for r in peer])
+        out["first_minute_over_llamacpp"] = spread(
+            [r["ember"]["first_minute_tok_s"] / r["llamacpp"]["tok_s"] for r in peer]
+        )
         out["steady_over_llamacpp"] = spread([r["ember"]["steady_tok_s"] / r["llamacpp"]["tok_s"] for r in peer])
     return out
 
@@ -179,25 +234,38 @@ def _cell(s: dict | None, number: str = "{:.1f}") -> str:
 
 
 def table(s: dict) -> list[str]:
-    lines = ["| figure | value |", "|---|---:|",
-             f"| ember: launch to /health 200 (s) | {_cell(s.get('health_s'), '{:.2f}')} |",
-             f"| ember: launch to the first token (s) | {_cell(s.get('first_token_s'), '{:.2f}')} |",
-             f"| ember: launch to its first graphs in use, under that load (s; read after each answer) | "
-             f"{_cell(s.get('graphs_in_use_by_s'))} |",
-             f"| ember: launch to every graph built (s; larger batch sizes wait for a pause) | {_cell(s.get('compiled_s'))} |",
-             f"| ember decode over the window (tok/s) | {_cell(s.get('first_minute_tok_s'))} |",
-             f"| ember steady compiled decode (tok/s) | {_cell(s.get('steady_tok_s'))} |"]
+    lines = [
+        "| figure | value |",
+        "|---|---:|",
+        f"| ember: launch to /health 200 (s) | {_cell(s.get('health_s'), '{:.2f}')} |",
+        f"| ember: launch to the first token (s) | {_cell(s.get('first_token_s'), '{:.2f}')} |",
+        f"| ember: launch to its first graphs in use, under that load (s; read after each answer) | "
+        f"{_cell(s.get('graphs_in_use_by_s'))} |",
+        f"| ember: launch to every graph built (s; larger batch sizes wait for a pause) | {_cell(s.get('compiled_s'))} |",
+        f"| ember decode over the window (tok/s) | {_cell(s.get('first_minute_tok_s'))} |",
+        f"| ember steady compiled decode (tok/s) | {_cell(s.get('steady_tok_s'))} |",
+    ]
     if "llamacpp_tok_s" in s:
-        lines += [f"| llama.cpp decode (tok/s) | {_cell(s['llamacpp_tok_s'])} |",
-                  f"| ember steady / llama.cpp decode (ratio) | {_cell(s['steady_over_llamacpp'], '{:.2f}')} |"]
+        lines += [
+            f"| llama.cpp decode (tok/s) | {_cell(s['llamacpp_tok_s'])} |",
+            f"| ember steady / llama.cpp decode (ratio) | {_cell(s['steady_over_llamacpp'], '{:.2f}')} |",
+        ]
     return lines
 
 
 def bars(s: dict, cold: bool) -> list[Bar]:
     if cold:
         used = s.get("graphs_in_use_by_s")  # none in use within the window: failed
-        return [Bar("first graphs in use within 180 s of launch", "<=", 180, used["max"] if used else None,
-                    shown=f"{_cell(used)} s", unmet=not used)]
+        return [
+            Bar(
+                "first graphs in use within 180 s of launch",
+                "<=",
+                180,
+                used["max"] if used else None,
+                shown=f"{_cell(used)} s",
+                unmet=not used,
+            )
+        ]
     fm = s["first_minute_over_steady"]
     out = [Bar("first minute >= 0.95x ember's steady", ">=", 0.95, fm["median"], (fm["min"], fm["max"]))]
     if "first_minute_over_llamacpp" in s:
@@ -214,7 +282,10 @@ def add_cli_args(p) -> None:
     g.add_argument("--decode-tokens", type=int, default=256, help="tokens per answer")
     g.add_argument("--answers", type=int, default=3, help="answers per side for the steady figures")
     g.add_argument("--timeout", type=float, default=900.0, help="seconds a start (and its compile) may take")
-    g.add_argument("--cold", action="store_true",
-                   help="a first start instead: each round on an empty compile cache of its own (give a longer "
-                        "--window to see when the graphs arrive under continuous load)")
+    g.add_argument(
+        "--cold",
+        action="store_true",
+        help="a first start instead: each round on an empty compile cache of its own (give a longer "
+        "--window to see when the graphs arrive under continuous load)",
+    )
     g.add_argument("--output", default="benchmarks/startup.md", help="markdown file; the JSON goes beside it")

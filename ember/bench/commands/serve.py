@@ -17,6 +17,7 @@ prompts include the chat template). Every level gets fresh prompts, so no prefix
 The client (this process) and the server share the machine: the report gives the CPU cores each
 used during every level, so the load generator's own cost is visible.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,8 +50,10 @@ from ember.errors import ConfigError
 logger = logging.getLogger("ember.bench")
 
 NAME = "serve"
-HELP = ("streaming load against an OpenAI-compatible server (--url) or a launched `ember serve` (--launch): TTFT, "
-        "TPOT, ITL, tok/s")
+HELP = (
+    "streaming load against an OpenAI-compatible server (--url) or a launched `ember serve` (--launch): TTFT, "
+    "TPOT, ITL, tok/s"
+)
 PARSER = {"description": __doc__, "formatter_class": argparse.RawDescriptionHelpFormatter}
 DEFAULT_OUTPUT = "benchmarks/serve.md"
 DEFAULT_LAUNCH_LEVELS = [1, 8, 32]
@@ -61,9 +64,11 @@ MIN_SERVER_OVER_OFFLINE_THROUGHPUT = 0.8
 TTFT_JUDGED_AT_CONCURRENCY = 8
 MAX_TTFT_P50_MS = 1000.0
 
-HEADER = ("# ember serving benchmarks\n\n"
-          "Written by `ember bench serve`; each section (one per server label) is rewritten only by its own run. "
-          "Raw numbers are in the JSON files next to this one.\n")
+HEADER = (
+    "# ember serving benchmarks\n\n"
+    "Written by `ember bench serve`; each section (one per server label) is rewritten only by its own run. "
+    "Raw numbers are in the JSON files next to this one.\n"
+)
 
 METHOD_NOTES = [
     "TTFT: request sent -> first SSE chunk carrying generated text (the empty role chunk of chat does not count)",
@@ -77,6 +82,7 @@ METHOD_NOTES = [
 
 # -- the offline side -------------------------------------------------------------------------------
 
+
 def offline_batch(llm, specs: list[load.RequestSpec]) -> tuple[float, int, int]:
     """One LLM.generate over the specs (token ids, ignore_eos); (seconds, prompt tokens, output tokens)."""
     seconds, generated = ember_batch(llm, [s.prompt for s in specs], [s.output_len for s in specs])
@@ -84,6 +90,7 @@ def offline_batch(llm, specs: list[load.RequestSpec]) -> tuple[float, int, int]:
 
 
 # -- the workload ---------------------------------------------------------------------------------
+
 
 class Workload:
     """Prompts for every (run, level): token ids from a tokenizer's ordinary tokens, or calibrated text."""
@@ -99,11 +106,15 @@ class Workload:
     def calibrate(self) -> None:
         if not self.use_ids:
             self.calibration = asyncio.run(load.calibrate_text(self.target, self.args.input_len, CALIBRATION_SEED))
-            logger.info("bench serve: text prompts: %.2f prompt tokens per word + %.1f fixed", self.calibration.per_word,
-                        self.calibration.base)
+            logger.info(
+                "bench serve: text prompts: %.2f prompt tokens per word + %.1f fixed",
+                self.calibration.per_word,
+                self.calibration.base,
+            )
 
-    def specs(self, seed: int, n: int | None = None, output_len: int | None = None, ids: bool = False,
-              salt: int = 0) -> list[load.RequestSpec]:
+    def specs(
+        self, seed: int, n: int | None = None, output_len: int | None = None, ids: bool = False, salt: int = 0
+    ) -> list[load.RequestSpec]:
         """Requests of lengths drawn with `seed`; each `salt` draws other prompts of those same lengths (a redone
         measurement and the offline side get prompts of their own). ids=True: token ids even when the server
         gets text (the offline engine takes ids)."""
@@ -119,23 +130,34 @@ class Workload:
 
     def describe(self, tokenizer_name: str | None) -> str:
         a = self.args
-        lens = (f"{a.input_len} in / {a.output_len} out" if a.random_range_ratio <= 0 else
-                f"in ~U[{a.input_len * (1 - a.random_range_ratio):.0f}, {a.input_len * (1 + a.random_range_ratio):.0f}], "
-                f"out ~U[{a.output_len * (1 - a.random_range_ratio):.0f}, {a.output_len * (1 + a.random_range_ratio):.0f}]")
-        eos = ("`ignore_eos: true` and `min_tokens` = max_tokens, so every request generates exactly max_tokens"
-               if a.ignore_eos else "no ignore_eos: requests may stop early at EOS")
+        lens = (
+            f"{a.input_len} in / {a.output_len} out"
+            if a.random_range_ratio <= 0
+            else f"in ~U[{a.input_len * (1 - a.random_range_ratio):.0f}, {a.input_len * (1 + a.random_range_ratio):.0f}], "
+            f"out ~U[{a.output_len * (1 - a.random_range_ratio):.0f}, {a.output_len * (1 + a.random_range_ratio):.0f}]"
+        )
+        eos = (
+            "`ignore_eos: true` and `min_tokens` = max_tokens, so every request generates exactly max_tokens"
+            if a.ignore_eos
+            else "no ignore_eos: requests may stop early at EOS"
+        )
         if self.kind == "ids":
-            what = (f"seeded random prompts of token ids drawn from the ordinary (non-special) tokens of {tokenizer_name}, "
-                    f"sent as `prompt` to {self.target.path}")
+            what = (
+                f"seeded random prompts of token ids drawn from the ordinary (non-special) tokens of {tokenizer_name}, "
+                f"sent as `prompt` to {self.target.path}"
+            )
         else:
             c = self.calibration
-            what = (f"text prompts of random English words (from pydoc_data.topics) sent to {self.target.path}, "
-                    f"sized with this server's usage.prompt_tokens ({c.per_word:.2f} tokens per word + {c.base:.1f} "
-                    "fixed, fitted on probe prompts); the measured prompt tokens are in the table")
+            what = (
+                f"text prompts of random English words (from pydoc_data.topics) sent to {self.target.path}, "
+                f"sized with this server's usage.prompt_tokens ({c.per_word:.2f} tokens per word + {c.base:.1f} "
+                "fixed, fitted on probe prompts); the measured prompt tokens are in the table"
+            )
         return f"{a.num_prompts} requests per level, {lens}, greedy, new prompts every level; {what}; {eos}"
 
 
 # -- one measurement ----------------------------------------------------------------------------------
+
 
 def _progress(total: int, desc: str):
     from tqdm import tqdm
@@ -143,19 +165,37 @@ def _progress(total: int, desc: str):
     return tqdm(total=total, desc=desc, unit="req", dynamic_ncols=True, leave=False)
 
 
-def measure_level(target: load.Target, specs: list[load.RequestSpec], concurrency: int | None, rate: float,
-                  seed: int, server_pid: int | None, desc: str) -> dict:
+def measure_level(
+    target: load.Target,
+    specs: list[load.RequestSpec],
+    concurrency: int | None,
+    rate: float,
+    seed: int,
+    server_pid: int | None,
+    desc: str,
+) -> dict:
     """One load level through the server: {"stats": LevelStats as a dict, "cpu": cores each process used}."""
     bar = _progress(len(specs), desc)
     with CpuMeter(server_pid=server_pid) as cpu:
-        results, seconds = load.run(target, specs, max_concurrency=concurrency, request_rate=rate, seed=seed,
-                                    progress=lambda r: bar.update(1))
+        results, seconds = load.run(
+            target, specs, max_concurrency=concurrency, request_rate=rate, seed=seed, progress=lambda r: bar.update(1)
+        )
     bar.close()
     stats = load.summarize(specs, results, seconds, max_concurrency=concurrency, request_rate=rate)
-    logger.info("bench serve %s: %d ok, %d failed in %.1fs; %.1f out tok/s; TTFT p50 %s ms; TPOT p50 %s ms "
-                "(CPU cores: client %s, server %s, others %s)", desc, stats.completed, stats.failed, seconds,
-                stats.output_throughput, fmt(stats.ttft_ms["p50"]), fmt(stats.tpot_ms["p50"]), cpu.own, cpu.server,
-                cpu.others)
+    logger.info(
+        "bench serve %s: %d ok, %d failed in %.1fs; %.1f out tok/s; TTFT p50 %s ms; TPOT p50 %s ms "
+        "(CPU cores: client %s, server %s, others %s)",
+        desc,
+        stats.completed,
+        stats.failed,
+        seconds,
+        stats.output_throughput,
+        fmt(stats.ttft_ms["p50"]),
+        fmt(stats.tpot_ms["p50"]),
+        cpu.own,
+        cpu.server,
+        cpu.others,
+    )
     for e in stats.errors:
         logger.warning("bench serve %s: failed request: %s", desc, e)
     return {"stats": stats.to_dict(), "cpu": cpu.to_dict()}
@@ -164,11 +204,25 @@ def measure_level(target: load.Target, specs: list[load.RequestSpec], concurrenc
 def measure_offline(llm, specs: list[load.RequestSpec], server_pid: int | None, desc: str) -> dict:
     with CpuMeter(server_pid=server_pid) as cpu:
         seconds, prompt, out = offline_batch(llm, specs)
-    d = {"seconds": seconds, "prompt_tokens": prompt, "output_tokens": out, "output_throughput": out / seconds,
-         "total_throughput": (prompt + out) / seconds, "request_throughput": len(specs) / seconds,
-         "cpu": cpu.to_dict()}
-    logger.info("bench serve %s: %d prompts in %.1fs, %.1f out tok/s (CPU cores: this process %s, idle server %s, "
-                "others %s)", desc, len(specs), seconds, d["output_throughput"], cpu.own, cpu.server, cpu.others)
+    d = {
+        "seconds": seconds,
+        "prompt_tokens": prompt,
+        "output_tokens": out,
+        "output_throughput": out / seconds,
+        "total_throughput": (prompt + out) / seconds,
+        "request_throughput": len(specs) / seconds,
+        "cpu": cpu.to_dict(),
+    }
+    logger.info(
+        "bench serve %s: %d prompts in %.1fs, %.1f out tok/s (CPU cores: this process %s, idle server %s, others %s)",
+        desc,
+        len(specs),
+        seconds,
+        d["output_throughput"],
+        cpu.own,
+        cpu.server,
+        cpu.others,
+    )
     return d
 
 
@@ -188,6 +242,7 @@ def redone_if_contended(measure_once: Callable[[int], dict], pid: int | None, qu
 
 # -- the sweep -----------------------------------------------------------------------------------------------
 
+
 def _med(values: list) -> float | None:
     vals = [v for v in values if v is not None]
     return statistics.median(vals) if vals else None
@@ -200,8 +255,19 @@ def _median_cpu(runs: list[dict]) -> dict:
 def median_level(runs: list[dict]) -> dict:
     """The median over runs of every figure of one level (each run: {"stats": LevelStats dict, "cpu": {...}})."""
     s = [r["stats"] for r in runs]
-    out = {k: _med([x[k] for x in s]) for k in ("completed", "failed", "seconds", "prompt_tokens", "output_tokens",
-                                                  "request_throughput", "output_throughput", "total_throughput")}
+    out = {
+        k: _med([x[k] for x in s])
+        for k in (
+            "completed",
+            "failed",
+            "seconds",
+            "prompt_tokens",
+            "output_tokens",
+            "request_throughput",
+            "output_throughput",
+            "total_throughput",
+        )
+    }
     for dist in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_s"):
         out[dist] = {q: _med([x[dist][q] for x in s]) for q in s[0][dist]}
     out["cpu"] = _median_cpu(runs)
@@ -222,8 +288,7 @@ def _warmup(args, top: int | None, target: load.Target, work: Workload, pid: int
     return n_warm
 
 
-def _sweep(args, levels: list[int | None], target: load.Target, work: Workload, server: Server | None,
-           llm) -> dict:
+def _sweep(args, levels: list[int | None], target: load.Target, work: Workload, server: Server | None, llm) -> dict:
     """Every level in every run (the offline side beside the top level, the two alternating); the figures."""
     pid = server.pid if server else args.server_pid
     rate = args.request_rate
@@ -248,20 +313,42 @@ def _sweep(args, levels: list[int | None], target: load.Target, work: Workload, 
                 sides.append((offline_runs, offline, off))
             for runs, measure_once, what in sides if r % 2 == 0 else reversed(sides):
                 runs.append(redone_if_contended(measure_once, pid, args.quiet_wait, what))
-    result = {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-              "random_range_ratio": args.random_range_ratio, "runs": args.runs, "warmup_prompts": n_warm,
-              "quiet_wait": args.quiet_wait,
-              "levels": [{"max_concurrency": c, "request_rate": None if math.isinf(rate) else rate,
-                          "runs": per_level[i], "median": median_level(per_level[i])} for i, c in enumerate(levels)]}
+    result = {
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "random_range_ratio": args.random_range_ratio,
+        "runs": args.runs,
+        "warmup_prompts": n_warm,
+        "quiet_wait": args.quiet_wait,
+        "levels": [
+            {
+                "max_concurrency": c,
+                "request_rate": None if math.isinf(rate) else rate,
+                "runs": per_level[i],
+                "median": median_level(per_level[i]),
+            }
+            for i, c in enumerate(levels)
+        ],
+    }
     if offline_runs:
-        med = {k: _med([o[k] for o in offline_runs]) for k in ("seconds", "prompt_tokens", "output_tokens",
-                                                               "output_throughput", "total_throughput",
-                                                               "request_throughput")}
+        med = {
+            k: _med([o[k] for o in offline_runs])
+            for k in (
+                "seconds",
+                "prompt_tokens",
+                "output_tokens",
+                "output_throughput",
+                "total_throughput",
+                "request_throughput",
+            )
+        }
         result["offline"] = {"runs": offline_runs, "median": {**med, "cpu": _median_cpu(offline_runs)}}
     return result
 
 
 # -- the report ----------------------------------------------------------------------------------------------
+
 
 def _int(v) -> str:
     return "-" if v is None else f"{v:.0f}" if v == int(v) else f"{v:.1f}"
@@ -289,50 +376,79 @@ def bars(result: dict) -> list[Bar]:
     if off and levels:
         top = max(levels, key=lambda lv: lv["max_concurrency"] or 0)
         got = _med([r["stats"]["output_throughput"] / o["output_throughput"] for r, o in zip(top["runs"], off["runs"])])
-        out.append(Bar(f"server output tok/s at concurrency {top['max_concurrency']} >= "
-                       f"{MIN_SERVER_OVER_OFFLINE_THROUGHPUT:.0%} of offline LLM.generate (same prompts count and "
-                       "lengths, same engine flags; median of per-run ratios)", ">=",
-                       MIN_SERVER_OVER_OFFLINE_THROUGHPUT, got,
-                       shown=f"{got:.0%} ({fmt(top['median']['output_throughput'])} / "
-                             f"{fmt(off['median']['output_throughput'])} tok/s)"))
+        out.append(
+            Bar(
+                f"server output tok/s at concurrency {top['max_concurrency']} >= "
+                f"{MIN_SERVER_OVER_OFFLINE_THROUGHPUT:.0%} of offline LLM.generate (same prompts count and "
+                "lengths, same engine flags; median of per-run ratios)",
+                ">=",
+                MIN_SERVER_OVER_OFFLINE_THROUGHPUT,
+                got,
+                shown=f"{got:.0%} ({fmt(top['median']['output_throughput'])} / "
+                f"{fmt(off['median']['output_throughput'])} tok/s)",
+            )
+        )
     at = next((lv["median"] for lv in levels if lv["max_concurrency"] == TTFT_JUDGED_AT_CONCURRENCY), None)
     if at is not None:
         got = at["ttft_ms"]["p50"]
-        out.append(Bar(f"TTFT p50 at concurrency {TTFT_JUDGED_AT_CONCURRENCY} < {MAX_TTFT_P50_MS / 1000:g} s "
-                       f"({result['input_len']}-token prompts)", "<", MAX_TTFT_P50_MS, got, shown=f"{fmt(got)} ms",
-                       unmet=at["failed"] != 0))  # a TTFT over the requests that did not fail says little
+        out.append(
+            Bar(
+                f"TTFT p50 at concurrency {TTFT_JUDGED_AT_CONCURRENCY} < {MAX_TTFT_P50_MS / 1000:g} s "
+                f"({result['input_len']}-token prompts)",
+                "<",
+                MAX_TTFT_P50_MS,
+                got,
+                shown=f"{fmt(got)} ms",
+                unmet=at["failed"] != 0,
+            )
+        )  # a TTFT over the requests that did not fail says little
     return out
 
 
 def about(result: dict) -> list[str]:
     """What ran: the server, the engine, the workload, the client, the offline peer."""
     srv = result["server"]
-    lines = [f"server: {srv['url']}, model `{srv['model']}`"
-             + (f" (max_model_len {srv['max_model_len']})" if srv.get("max_model_len") else "")
-             + (f"; launched as `{srv['command']}`, ready {srv['ready_s']:.1f}s after start (/health 200 and no "
-                "background compile running)" if srv.get("command") else "")]
+    lines = [
+        f"server: {srv['url']}, model `{srv['model']}`"
+        + (f" (max_model_len {srv['max_model_len']})" if srv.get("max_model_len") else "")
+        + (
+            f"; launched as `{srv['command']}`, ready {srv['ready_s']:.1f}s after start (/health 200 and no "
+            "background compile running)"
+            if srv.get("command")
+            else ""
+        )
+    ]
     if result.get("engine"):
         lines.append(f"ember engine (server and offline alike): {describe(result['engine'])}")
     lines.append(f"workload: {result['workload']}")
-    lines.append(f"client: this process, asyncio + httpx, streaming; {result['runs']} run(s) after a warmup of "
-                 f"{result['warmup_prompts']} short requests; before each measurement wait up to "
-                 f"{result['quiet_wait']:g}s for other processes to leave the CPU idle"
-                 + (f"; a measurement during which they used > {CONTENDED_CORES} cores is redone with fresh prompts "
-                    f"(up to {RETRIES} times)" if srv.get("pid_known") else
-                    "; the server's pid is unknown (--server-pid), so its CPU use counts under others"))
+    lines.append(
+        f"client: this process, asyncio + httpx, streaming; {result['runs']} run(s) after a warmup of "
+        f"{result['warmup_prompts']} short requests; before each measurement wait up to "
+        f"{result['quiet_wait']:g}s for other processes to leave the CPU idle"
+        + (
+            f"; a measurement during which they used > {CONTENDED_CORES} cores is redone with fresh prompts "
+            f"(up to {RETRIES} times)"
+            if srv.get("pid_known")
+            else "; the server's pid is unknown (--server-pid), so its CPU use counts under others"
+        )
+    )
     if result.get("offline"):
-        lines.append(f"peer: offline `LLM.generate` in the client process over {result['num_prompts']} fresh prompts "
-                     "of the same lengths (token ids, ignore_eos), same engine flags, measured right before or after "
-                     "the top concurrency level in every run (alternating), while the server idles")
+        lines.append(
+            f"peer: offline `LLM.generate` in the client process over {result['num_prompts']} fresh prompts "
+            "of the same lengths (token ids, ignore_eos), same engine flags, measured right before or after "
+            "the top concurrency level in every run (alternating), while the server idles"
+        )
     return lines
 
 
 def table(result: dict) -> list[str]:
     """A row per level (medians over runs), the offline row, the distinct errors of failed requests."""
-    lines = ["| concurrency | ok / failed | prompt / output tokens | req/s | output tok/s | total tok/s | "
-             "TTFT p50 / p90 / p99 (ms) | TPOT p50 / p90 / p99 (ms) | ITL p50 / p90 / p99 (ms) | "
-             "e2e p50 / p90 / p99 (s) | CPU cores: server / client / others |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| concurrency | ok / failed | prompt / output tokens | req/s | output tok/s | total tok/s | "
+        "TTFT p50 / p90 / p99 (ms) | TPOT p50 / p90 / p99 (ms) | ITL p50 / p90 / p99 (ms) | "
+        "e2e p50 / p90 / p99 (s) | CPU cores: server / client / others |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for lv in result["levels"]:
         md = lv["median"]
         lines.append(
@@ -340,15 +456,18 @@ def table(result: dict) -> list[str]:
             f"{_int(md['failed'])} | {_int(md['prompt_tokens'])} / {_int(md['output_tokens'])} | "
             f"{fmt(md['request_throughput'])} | {fmt(md['output_throughput'])} | {fmt(md['total_throughput'])} | "
             f"{_dist_cell(md['ttft_ms'])} | {_dist_cell(md['tpot_ms'])} | {_dist_cell(md['itl_ms'])} | "
-            f"{_dist_cell(md['e2e_s'])} | {_cpu_cell(md['cpu'])} |")
+            f"{_dist_cell(md['e2e_s'])} | {_cpu_cell(md['cpu'])} |"
+        )
     off = result.get("offline")
     if off:
         md = off["median"]
-        lines.append(f"| offline LLM.generate (max_num_seqs {result['engine'].get('max_num_seqs', '-')}) | "
-                     f"{result['num_prompts']} / 0 | {_int(md['prompt_tokens'])} / {_int(md['output_tokens'])} | "
-                     f"{fmt(md['request_throughput'])} | {fmt(md['output_throughput'])} | "
-                     f"{fmt(md['total_throughput'])} | - | - | - | {fmt(md['seconds'])} (whole batch) | "
-                     f"{_cpu_cell(md['cpu'])} (client = the offline engine) |")
+        lines.append(
+            f"| offline LLM.generate (max_num_seqs {result['engine'].get('max_num_seqs', '-')}) | "
+            f"{result['num_prompts']} / 0 | {_int(md['prompt_tokens'])} / {_int(md['output_tokens'])} | "
+            f"{fmt(md['request_throughput'])} | {fmt(md['output_throughput'])} | "
+            f"{fmt(md['total_throughput'])} | - | - | - | {fmt(md['seconds'])} (whole batch) | "
+            f"{_cpu_cell(md['cpu'])} (client = the offline engine) |"
+        )
     errors = sorted({e for lv in result["levels"] for e in lv["median"]["errors"]})
     if errors:
         lines += ["", "Failed requests (first few distinct errors):", ""] + [f"- `{e}`" for e in errors]
@@ -357,10 +476,31 @@ def table(result: dict) -> list[str]:
 
 # -- the command ------------------------------------------------------------------------------------------
 
-BENCH_FLAGS = ["url", "launch", "server_args", "server_pid", "served_model_name", "endpoint", "prompt_format",
-               "num_prompts", "max_concurrency", "concurrency_list", "request_rate", "input_len", "output_len",
-               "random_range_ratio", "ignore_eos", "extra_body", "runs", "warmup_prompts", "offline", "prompt_seed",
-               "quiet_wait", "label", "output"]
+BENCH_FLAGS = [
+    "url",
+    "launch",
+    "server_args",
+    "server_pid",
+    "served_model_name",
+    "endpoint",
+    "prompt_format",
+    "num_prompts",
+    "max_concurrency",
+    "concurrency_list",
+    "request_rate",
+    "input_len",
+    "output_len",
+    "random_range_ratio",
+    "ignore_eos",
+    "extra_body",
+    "runs",
+    "warmup_prompts",
+    "offline",
+    "prompt_seed",
+    "quiet_wait",
+    "label",
+    "output",
+]
 
 
 def command_line(args) -> str:
@@ -402,8 +542,9 @@ def _check_args(args) -> None:
         given = [n for n in EngineConfig.field_names() if hasattr(args, n) and n not in ("model", "tokenizer")]
         if given or getattr(args, "model_pos", None):
             flags = ", ".join("--" + n.replace("_", "-") for n in given) or "MODEL"
-            raise ConfigError(f"engine flags ({flags}) only apply with --launch; with --url the server was started "
-                              "with its own flags")
+            raise ConfigError(
+                f"engine flags ({flags}) only apply with --launch; with --url the server was started with its own flags"
+            )
     if args.max_concurrency is not None and args.concurrency_list is not None:
         raise ConfigError("give --max-concurrency N (one level) or --concurrency-list N,N,... (a sweep), not both")
     if not (args.request_rate > 0):
@@ -435,7 +576,10 @@ def _extra_body(text: str | None) -> dict:
 
 
 def _slug(name: str) -> str:
-    return "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in os.path.basename(name.rstrip("/")))[:60] or "server"
+    return (
+        "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in os.path.basename(name.rstrip("/")))[:60]
+        or "server"
+    )
 
 
 def _launch_config(args, levels: list[int | None]):
@@ -455,8 +599,9 @@ def launch(args) -> Server:
     """`ember serve` with the command's engine flags and --server-args on a free port (the API key hidden in the
     name it is reported by)."""
     port = free_port()
-    extra = shlex.split(args.server_args or "") + (["--served-model-name", args.served_model_name]
-                                                   if args.served_model_name else [])
+    extra = shlex.split(args.server_args or "") + (
+        ["--served-model-name", args.served_model_name] if args.served_model_name else []
+    )
     argv = serve_argv(engine_args_to_words(args), port) + extra + (["--api-key", args.api_key] if args.api_key else [])
     return Server(argv, port, shlex.join(["ember", "serve", *argv[4:]]).replace(args.api_key or "\0", "***"))
 
@@ -476,15 +621,19 @@ class Tokens:
             self.tokenizer_name = self.engine["model"].split(" (")[0]
             self.pool = ordinary_tokens(self.llm.get_tokenizer(), self.llm.engine.parts.loaded.model_config.vocab_size)
         elif config is not None:
-            self.tokenizer_name = os.path.basename(str(config.tokenizer or config.model or "the default model").rstrip("/"))
+            self.tokenizer_name = os.path.basename(
+                str(config.tokenizer or config.model or "the default model").rstrip("/")
+            )
             self.pool = ordinary_tokens(*load_tokenizer(config.tokenizer or config.model))
             self.engine = {"max_num_seqs": getattr(args, "max_num_seqs", None)}
         elif args.prompt_format != "text" and args.endpoint == "completions" and getattr(args, "tokenizer", None):
             self.pool = ordinary_tokens(*load_tokenizer(args.tokenizer))
             self.tokenizer_name = os.path.basename(args.tokenizer.rstrip("/"))
         elif args.prompt_format == "ids":
-            raise ConfigError("--prompt-format ids with --url needs --tokenizer PATH (the served model's folder or "
-                              ".gguf file) to draw ordinary token ids from")
+            raise ConfigError(
+                "--prompt-format ids with --url needs --tokenizer PATH (the served model's folder or "
+                ".gguf file) to draw ordinary token ids from"
+            )
 
 
 def main(args) -> None:
@@ -512,8 +661,14 @@ def main(args) -> None:
             logger.info("bench serve: server stopped (its log: %s)", server.log.name)
 
 
-def run_and_publish(args, levels: list[int | None], server: Server | None, ready_s: float | None, tokens: Tokens,
-                    load_at_start: float | None) -> None:
+def run_and_publish(
+    args,
+    levels: list[int | None],
+    server: Server | None,
+    ready_s: float | None,
+    tokens: Tokens,
+    load_at_start: float | None,
+) -> None:
     """Run the sweep against the server and publish its section and JSON file."""
     url = server.url if server else args.url
     target = load.Target(url, None, args.endpoint, args.api_key, args.ignore_eos, _extra_body(args.extra_body))
@@ -524,19 +679,40 @@ def run_and_publish(args, levels: list[int | None], server: Server | None, ready
     work.calibrate()
     result = _sweep(args, levels, target, work, server, tokens.llm)
     label = args.label or ("ember" if args.launch else _slug(target.model))
-    result.update(label=label, server={"url": url, "model": target.model, "max_model_len": card.get("max_model_len"),
-                                       "command": server.command if server else None, "ready_s": ready_s,
-                                       "pid_known": bool(server or args.server_pid)},
-                  engine=tokens.engine, workload=work.describe(tokens.tokenizer_name), prompt_format=work.kind,
-                  endpoint=args.endpoint)
-    title = (f"Serving: {label} ({target.model}), {args.num_prompts} requests per level, {args.input_len} in / "
-             f"{args.output_len} out")
-    Result(f"serve:{label}", title, command_line(args), load_at_start, about(result), list(METHOD_NOTES),
-           table(result), result, bars(result)).publish(args.output, header=HEADER,
-                                                        json_file=json_path(args.output, label))
+    result.update(
+        label=label,
+        server={
+            "url": url,
+            "model": target.model,
+            "max_model_len": card.get("max_model_len"),
+            "command": server.command if server else None,
+            "ready_s": ready_s,
+            "pid_known": bool(server or args.server_pid),
+        },
+        engine=tokens.engine,
+        workload=work.describe(tokens.tokenizer_name),
+        prompt_format=work.kind,
+        endpoint=args.endpoint,
+    )
+    title = (
+        f"Serving: {label} ({target.model}), {args.num_prompts} requests per level, {args.input_len} in / "
+        f"{args.output_len} out"
+    )
+    Result(
+        f"serve:{label}",
+        title,
+        command_line(args),
+        load_at_start,
+        about(result),
+        list(METHOD_NOTES),
+        table(result),
+        result,
+        bars(result),
+    ).publish(args.output, header=HEADER, json_file=json_path(args.output, label))
 
 
 # -- the parser ---------------------------------------------------------------------------------------------
+
 
 def add_cli_args(p) -> None:
     from ember.config.engine_args import add_engine_args
@@ -549,54 +725,120 @@ def add_cli_args(p) -> None:
 
 def _add_server_args(g) -> None:
     g.add_argument("--url", default=None, help="base URL of a running OpenAI-compatible server (http://host:port)")
-    g.add_argument("--launch", action="store_true",
-                   help="start `ember serve` (with the engine flags given here) on a free local port, run, stop it")
-    g.add_argument("--served-model-name", default=None,
-                   help="model name sent in requests (default: --model with --url, else the first of /v1/models)")
-    g.add_argument("--server-pid", type=int, default=None,
-                   help="with --url to a server on this machine: its process id, so its CPU use is reported apart "
-                        "from other processes' (and a measurement they disturbed is redone)")
-    g.add_argument("--api-key", default=os.environ.get("EMBER_API_KEY") or os.environ.get("OPENAI_API_KEY"),
-                   help="Bearer key (default: $EMBER_API_KEY or $OPENAI_API_KEY); with --launch the server requires it")
-    g.add_argument("--server-timeout", type=float, default=600.0, metavar="SECONDS",
-                   help="with --launch: how long to wait for /health to answer 200")
-    g.add_argument("--server-args", default=None, metavar="'FLAGS'",
-                   help="with --launch: extra `ember serve` flags that are not engine flags; write it with =, "
-                        "e.g. --server-args='--no-warmup'")
-    g.add_argument("--offline", action=argparse.BooleanOptionalAction, default=True,
-                   help="with --launch: also measure offline LLM.generate in this process, same prompts count and "
-                        "lengths (the peer of the throughput bar)")
+    g.add_argument(
+        "--launch",
+        action="store_true",
+        help="start `ember serve` (with the engine flags given here) on a free local port, run, stop it",
+    )
+    g.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model name sent in requests (default: --model with --url, else the first of /v1/models)",
+    )
+    g.add_argument(
+        "--server-pid",
+        type=int,
+        default=None,
+        help="with --url to a server on this machine: its process id, so its CPU use is reported apart "
+        "from other processes' (and a measurement they disturbed is redone)",
+    )
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("EMBER_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+        help="Bearer key (default: $EMBER_API_KEY or $OPENAI_API_KEY); with --launch the server requires it",
+    )
+    g.add_argument(
+        "--server-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="with --launch: how long to wait for /health to answer 200",
+    )
+    g.add_argument(
+        "--server-args",
+        default=None,
+        metavar="'FLAGS'",
+        help="with --launch: extra `ember serve` flags that are not engine flags; write it with =, "
+        "e.g. --server-args='--no-warmup'",
+    )
+    g.add_argument(
+        "--offline",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --launch: also measure offline LLM.generate in this process, same prompts count and "
+        "lengths (the peer of the throughput bar)",
+    )
 
 
 def _add_workload_args(w) -> None:
     w.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
-    w.add_argument("--prompt-format", choices=("auto", "ids", "text"), default="auto",
-                   help="ids = random ordinary token ids (needs a tokenizer: --launch, or --tokenizer with --url); "
-                        "text = random words sized with the server's usage counts; auto = ids when possible")
+    w.add_argument(
+        "--prompt-format",
+        choices=("auto", "ids", "text"),
+        default="auto",
+        help="ids = random ordinary token ids (needs a tokenizer: --launch, or --tokenizer with --url); "
+        "text = random words sized with the server's usage counts; auto = ids when possible",
+    )
     w.add_argument("--num-prompts", type=positive_int, default=64, help="requests per level")
-    w.add_argument("--max-concurrency", type=positive_int, default=None,
-                   help="at most N requests in flight (one level; default: unlimited, or 1,8,32 with --launch)")
-    w.add_argument("--concurrency-list", type=int_list, default=None, metavar="N,N,...",
-                   help="a sweep: one level per concurrency (default with --launch: 1,8,32)")
-    w.add_argument("--request-rate", type=float, default=math.inf,
-                   help="Poisson arrivals at R requests/s (default inf: all at once, limited by the concurrency)")
+    w.add_argument(
+        "--max-concurrency",
+        type=positive_int,
+        default=None,
+        help="at most N requests in flight (one level; default: unlimited, or 1,8,32 with --launch)",
+    )
+    w.add_argument(
+        "--concurrency-list",
+        type=int_list,
+        default=None,
+        metavar="N,N,...",
+        help="a sweep: one level per concurrency (default with --launch: 1,8,32)",
+    )
+    w.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="Poisson arrivals at R requests/s (default inf: all at once, limited by the concurrency)",
+    )
     w.add_argument("--input-len", type=positive_int, default=128, help="prompt tokens")
     w.add_argument("--output-len", type=positive_int, default=128, help="max_tokens of every request")
-    w.add_argument("--random-range-ratio", type=float, default=0.0,
-                   help="draw lengths uniformly from [len*(1-r), len*(1+r)] (vLLM's random dataset); 0 = fixed")
-    w.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                   help="send ignore_eos and min_tokens (ember/vLLM/llama.cpp) so every request runs to max_tokens")
+    w.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="draw lengths uniformly from [len*(1-r), len*(1+r)] (vLLM's random dataset); 0 = fixed",
+    )
+    w.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send ignore_eos and min_tokens (ember/vLLM/llama.cpp) so every request runs to max_tokens",
+    )
     w.add_argument("--extra-body", default=None, metavar="JSON", help="extra fields merged into every request body")
     w.add_argument("--prompt-seed", type=int, default=0, help="seed of the random prompts")
 
 
 def _add_measurement_args(r) -> None:
     r.add_argument("--runs", type=positive_int, default=1, help="sweeps; every figure is the median over them")
-    r.add_argument("--warmup-prompts", type=int, default=None,
-                   help="short warmup requests at the top concurrency before measuring (default: that concurrency)")
-    r.add_argument("--quiet-wait", type=float, default=30.0, metavar="SECONDS",
-                   help="before each measurement wait up to this long for other processes to leave the CPU idle")
-    r.add_argument("--label", default=None,
-                   help="names this server's section and JSON file (default: ember with --launch, else the model)")
-    r.add_argument("--output", default=DEFAULT_OUTPUT,
-                   help="markdown results file; this label's section is rewritten and <stem>-<label>.json written")
+    r.add_argument(
+        "--warmup-prompts",
+        type=int,
+        default=None,
+        help="short warmup requests at the top concurrency before measuring (default: that concurrency)",
+    )
+    r.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="before each measurement wait up to this long for other processes to leave the CPU idle",
+    )
+    r.add_argument(
+        "--label",
+        default=None,
+        help="names this server's section and JSON file (default: ember with --launch, else the model)",
+    )
+    r.add_argument(
+        "--output",
+        default=DEFAULT_OUTPUT,
+        help="markdown results file; this label's section is rewritten and <stem>-<label>.json written",
+    )

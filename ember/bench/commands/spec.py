@@ -17,6 +17,7 @@ token to the last, summed over the run's prompts (prefill excluded). Acceptance 
 position, mean accepted length and draft vs verify time come from the engine's SpecStats
 (as /metrics exports them), taken over the measured runs.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,8 +43,10 @@ logger = logging.getLogger("ember.bench")
 NAME = KIND = "spec"
 HELP = "speculative decoding: acceptance and batch-1 decode vs no speculation and llama.cpp"
 TITLE = "Speculative decoding (batch 1, held-out prompts)"
-HEADER = ("# ember speculative decoding benchmarks\n\nWritten by `ember bench spec`; raw runs in the JSON file next to "
-          "this one.\n")
+HEADER = (
+    "# ember speculative decoding benchmarks\n\nWritten by `ember bench spec`; raw runs in the JSON file next to "
+    "this one.\n"
+)
 
 
 @dataclass
@@ -89,8 +92,11 @@ def build_sides(config, ks: list[int], peer: str, threads: int) -> tuple[list[Si
     """Engines for no-spec, each k pinned and adaptive; the llama.cpp peer when asked and installed."""
     from ember.llm import LLM
 
-    spec_keys = dict(speculative_config=config.speculative_config, speculative_model=config.speculative_model,
-                     enable_mtp=config.enable_mtp)
+    spec_keys = dict(
+        speculative_config=config.speculative_config,
+        speculative_model=config.speculative_model,
+        enable_mtp=config.enable_mtp,
+    )
     if all(v in (None, False) for v in spec_keys.values()):
         spec_keys["enable_mtp"] = True  # the model's MTP layers (the default model: its trained head)
 
@@ -111,8 +117,11 @@ def build_sides(config, ks: list[int], peer: str, threads: int) -> tuple[list[Si
         s.llm = LLM(**knobs(s.k, s.adaptive))
         s.llm.wait_for_compile()  # benchmarks measure the steady state: a background compile finishes first
     eng = sides[1].llm.engine
-    desc = {"model": str(eng.parts.loaded.path), "dtype": str(eng.parts.setup.dtype).removeprefix("torch."),
-            "drafter": f"{eng.parts.spec.config.method} ({eng.parts.spec.config.model or 'the model itself'})"}
+    desc = {
+        "model": str(eng.parts.loaded.path),
+        "dtype": str(eng.parts.setup.dtype).removeprefix("torch."),
+        "drafter": f"{eng.parts.spec.config.method} ({eng.parts.spec.config.model or 'the model itself'})",
+    }
     if peer == "llamacpp":
         from ember.bench.peers.llamacpp import LlamaCppPeer, llama_cpp_version
 
@@ -123,8 +132,16 @@ def build_sides(config, ks: list[int], peer: str, threads: int) -> tuple[list[Si
     return sides, desc
 
 
-def run(sides: list[Side], tokenizer, *, temperatures: list[float], num_prompts: int, max_tokens: int, runs: int,
-        quiet_wait_s: float) -> None:
+def run(
+    sides: list[Side],
+    tokenizer,
+    *,
+    temperatures: list[float],
+    num_prompts: int,
+    max_tokens: int,
+    runs: int,
+    quiet_wait_s: float,
+) -> None:
     for r in tqdm(range(-1, runs), desc="bench spec", unit="run", dynamic_ncols=True):
         prompts = held_out_prompts(tokenizer, num_prompts, r + 1)
         order = sides if r % 2 == 0 else list(reversed(sides))  # alternate, so drift favours no one
@@ -140,8 +157,12 @@ def run(sides: list[Side], tokenizer, *, temperatures: list[float], num_prompts:
                         if s.is_peer:
                             t = s.llm.decode(p, max_tokens, temperature=temp, seed=seed)
                         else:
-                            t = token_times(s.llm.engine, f"spec-{s.name}-{temp}-{r}-{i}", p,
-                                            SamplingParams(temperature=temp, max_tokens=max_tokens, seed=seed))
+                            t = token_times(
+                                s.llm.engine,
+                                f"spec-{s.name}-{temp}-{r}-{i}",
+                                p,
+                                SamplingParams(temperature=temp, max_tokens=max_tokens, seed=seed),
+                            )
                         if len(t) >= 2:
                             gen, secs = gen + len(t) - 1, secs + (t[-1] - t[0])
                 if r < 0:
@@ -152,17 +173,27 @@ def run(sides: list[Side], tokenizer, *, temperatures: list[float], num_prompts:
                 s.tokens[temp] = s.tokens.get(temp, 0) + gen
                 if before is not None:
                     _accumulate(s.stats.setdefault(temp, {}), _delta(_spec_counters(s.llm), before))
-                logger.info("bench spec %s temp %g run %d: %.1f tok/s (%d tokens; others used %s cores)",
-                            s.name, temp, r + 1, rate, gen, load.others)
+                logger.info(
+                    "bench spec %s temp %g run %d: %.1f tok/s (%d tokens; others used %s cores)",
+                    s.name,
+                    temp,
+                    r + 1,
+                    rate,
+                    gen,
+                    load.others,
+                )
 
 
 # -- results ------------------------------------------------------------------------------------
+
 
 def _acceptance(st: dict) -> tuple[list[float], float | None, float | None]:
     """(acceptance per position, mean accepted length, share of step time spent drafting)."""
     if not st or not st.get("spec_num_drafts"):
         return [], None, None
-    acc = [a / d if d else 0.0 for a, d in zip(st["spec_num_accepted_tokens_per_pos"], st["spec_num_draft_tokens_per_pos"])]
+    acc = [
+        a / d if d else 0.0 for a, d in zip(st["spec_num_accepted_tokens_per_pos"], st["spec_num_draft_tokens_per_pos"])
+    ]
     mal = 1.0 + st["spec_num_accepted_tokens"] / st["spec_num_drafts"]
     total = st["spec_draft_seconds"] + st["spec_verify_seconds"]
     return acc, mal, (st["spec_draft_seconds"] / total if total else None)
@@ -180,12 +211,26 @@ def summarize(sides: list[Side], temperatures: list[float]) -> dict:
             med = statistics.median(rates)
             acc, mal, draft_share = _acceptance(s.stats.get(temp, {}))
             others = [o for o in s.others[temp] if o is not None]
-            rows.append({"config": s.name, "temperature": temp, "tok_s_median": med, "tok_s_min": min(rates),
-                         "tok_s_max": max(rates), "runs": rates, "vs_no_spec": med / b if b else None,
-                         "vs_llama_cpp": (med / pr if pr else None), "tokens": s.tokens[temp],
-                         "acceptance_per_pos": acc, "mean_accepted_length": mal, "draft_time_share": draft_share,
-                         "others_cores_median": statistics.median(others) if others else None, "k": s.k,
-                         "adaptive": s.adaptive, "spec_counters": s.stats.get(temp)})
+            rows.append(
+                {
+                    "config": s.name,
+                    "temperature": temp,
+                    "tok_s_median": med,
+                    "tok_s_min": min(rates),
+                    "tok_s_max": max(rates),
+                    "runs": rates,
+                    "vs_no_spec": med / b if b else None,
+                    "vs_llama_cpp": (med / pr if pr else None),
+                    "tokens": s.tokens[temp],
+                    "acceptance_per_pos": acc,
+                    "mean_accepted_length": mal,
+                    "draft_time_share": draft_share,
+                    "others_cores_median": statistics.median(others) if others else None,
+                    "k": s.k,
+                    "adaptive": s.adaptive,
+                    "spec_counters": s.stats.get(temp),
+                }
+            )
     return {"rows": rows, "bars": bars(rows, temperatures)}
 
 
@@ -204,8 +249,14 @@ def bars(rows: list[dict], temperatures: list[float]) -> list[Bar]:
         cand = [r for r in spec if r["temperature"] == temp and r["vs_no_spec"]]
         if cand:
             best = max(cand, key=lambda r: r["vs_no_spec"])
-            out.append(Bar(f"decode >= {need}x no speculation at temperature {temp:g} (best: {best['config']})", ">=",
-                           need, best["vs_no_spec"]))
+            out.append(
+                Bar(
+                    f"decode >= {need}x no speculation at temperature {temp:g} (best: {best['config']})",
+                    ">=",
+                    need,
+                    best["vs_no_spec"],
+                )
+            )
     return out
 
 
@@ -214,14 +265,19 @@ def _f(v, fmt="{:.2f}") -> str:
 
 
 def table(rows: list[dict]) -> list[str]:
-    lines = ["| temp | config | decode tok/s | vs no spec | vs llama.cpp | acceptance per position | mean accepted "
-             "length | draft time share | others' cores |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| temp | config | decode tok/s | vs no spec | vs llama.cpp | acceptance per position | mean accepted "
+        "length | draft time share | others' cores |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         acc = ", ".join(f"{a:.2f}" for a in r["acceptance_per_pos"]) or "-"
-        lines.append(f"| {r['temperature']:g} | {r['config']} | {r['tok_s_median']:.1f} [{r['tok_s_min']:.1f}-"
-                     f"{r['tok_s_max']:.1f}] | {_f(r['vs_no_spec'])}x | {_f(r['vs_llama_cpp'])}x | {acc} | "
-                     f"{_f(r['mean_accepted_length'])} | {_f(r['draft_time_share'], '{:.0%}')} | "
-                     f"{_f(r['others_cores_median'])} |")
+        lines.append(
+            f"| {r['temperature']:g} | {r['config']} | {r['tok_s_median']:.1f} [{r['tok_s_min']:.1f}-"
+            f"{r['tok_s_max']:.1f}] | {_f(r['vs_no_spec'])}x | {_f(r['vs_llama_cpp'])}x | {acc} | "
+            f"{_f(r['mean_accepted_length'])} | {_f(r['draft_time_share'], '{:.0%}')} | "
+            f"{_f(r['others_cores_median'])} |"
+        )
     return lines
 
 
@@ -242,33 +298,58 @@ def main(args) -> None:
     config = dataclasses.replace(config, enable_prefix_caching=False)
     sides, desc = build_sides(config, args.ks, args.peer, torch.get_num_threads())
     load = load_average()
-    run(sides, sides[0].llm.tokenizer, temperatures=args.temperatures, num_prompts=args.num_prompts,
-        max_tokens=args.max_tokens, runs=args.runs, quiet_wait_s=args.quiet_wait)
+    run(
+        sides,
+        sides[0].llm.tokenizer,
+        temperatures=args.temperatures,
+        num_prompts=args.num_prompts,
+        max_tokens=args.max_tokens,
+        runs=args.runs,
+        quiet_wait_s=args.quiet_wait,
+    )
     summary = summarize(sides, args.temperatures)
     about = [f"model: {desc['model']} ({desc['dtype']}); drafter: {desc['drafter']}"]
     about += [f"peer: {desc['peer']}"] if "peer" in desc else []
     about += [f"{args.runs} measured runs after one warmup; medians, min-max in brackets"]
-    notes = ["decode tok/s = tokens after the first / time from the first token to the last, summed over the run's "
-             f"{args.num_prompts} prompts (prefill excluded); ember stops at EOS or {args.max_tokens} tokens, "
-             f"llama.cpp always generates {args.max_tokens}",
-             "acceptance per position = drafts accepted at position i / drafts verified at position i (SpecStats, "
-             "as /metrics); mean accepted length = tokens per verify step",
-             "temperature > 0: plain temperature sampling (no top-k/top-p), a seed per request",
-             f"prompts: chat requests from pydoc_split('eval') (never trained on), seed {PROMPT_SEED}+run"]
-    command = command_line(args, ["runs", "peer", "output", "quiet_wait", "ks", "temperatures", "num_prompts",
-                                  "max_tokens"])
-    Result(KIND, TITLE, command, load, about, notes, table(summary["rows"]),
-           {"engines": desc, "rows": summary["rows"]}, summary["bars"]).publish(
-        args.output, header=HEADER, json_file=Path(args.output).with_suffix(".json"))
+    notes = [
+        "decode tok/s = tokens after the first / time from the first token to the last, summed over the run's "
+        f"{args.num_prompts} prompts (prefill excluded); ember stops at EOS or {args.max_tokens} tokens, "
+        f"llama.cpp always generates {args.max_tokens}",
+        "acceptance per position = drafts accepted at position i / drafts verified at position i (SpecStats, "
+        "as /metrics); mean accepted length = tokens per verify step",
+        "temperature > 0: plain temperature sampling (no top-k/top-p), a seed per request",
+        f"prompts: chat requests from pydoc_split('eval') (never trained on), seed {PROMPT_SEED}+run",
+    ]
+    command = command_line(
+        args, ["runs", "peer", "output", "quiet_wait", "ks", "temperatures", "num_prompts", "max_tokens"]
+    )
+    Result(
+        KIND,
+        TITLE,
+        command,
+        load,
+        about,
+        notes,
+        table(summary["rows"]),
+        {"engines": desc, "rows": summary["rows"]},
+        summary["bars"],
+    ).publish(args.output, header=HEADER, json_file=Path(args.output).with_suffix(".json"))
 
 
 def add_cli_args(p) -> None:
     # the peer here is llama.cpp, not transformers
-    add_common_args(p, {"choices": ("llamacpp", "none"), "default": "llamacpp",
-                        "help": "llamacpp = llama.cpp (llama-cpp-python) on the same GGUF"})
+    add_common_args(
+        p,
+        {
+            "choices": ("llamacpp", "none"),
+            "default": "llamacpp",
+            "help": "llamacpp = llama.cpp (llama-cpp-python) on the same GGUF",
+        },
+    )
     p.set_defaults(output="benchmarks/spec.md")
     p.add_argument("--ks", type=int_list, default=[1, 2, 3], metavar="K,K,...", help="draft lengths to pin")
-    p.add_argument("--temperatures", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 0.8],
-                   metavar="T,T,...")
+    p.add_argument(
+        "--temperatures", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 0.8], metavar="T,T,..."
+    )
     p.add_argument("--num-prompts", type=positive_int, default=4, help="held-out prompts per run")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per request at most")

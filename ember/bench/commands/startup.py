@@ -10,6 +10,7 @@ PATH) runs the same file with the same thread count; its first start is its cold
 no cache; the model file may already be in the OS page cache for both). Rounds alternate the
 sides' order. A start is stopped (SIGTERM) before the next one begins.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,11 @@ def measure(start: Server, timeout: float, wait_compile: bool) -> dict:
         health = start.health(timeout)
         first = start.first_token()
         compiled = start.compiled(timeout) if wait_compile else None
-        return {"health_s": round(health, 2), "first_token_s": round(first, 2),
-                "compiled_s": None if compiled is None else round(compiled, 1)}
+        return {
+            "health_s": round(health, 2),
+            "first_token_s": round(first, 2),
+            "compiled_s": None if compiled is None else round(compiled, 1),
+        }
     finally:
         start.stop()
 
@@ -50,9 +54,11 @@ def main(args) -> None:
     if args.peer == "llama-server":
         binary = args.llama_server or shutil.which("llama-server")
         if not binary or not os.access(binary, os.X_OK):
-            raise ConfigError("--peer llama-server needs llama.cpp's llama-server binary: pass --llama-server PATH "
-                              "(build it from llama.cpp: cmake -B build && cmake --build build --target llama-server), "
-                              "or --peer none")
+            raise ConfigError(
+                "--peer llama-server needs llama.cpp's llama-server binary: pass --llama-server PATH "
+                "(build it from llama.cpp: cmake -B build && cmake --build build --target llama-server), "
+                "or --peer none"
+            )
     cache_dir = tempfile.mkdtemp(prefix="ember-bench-inductor-")
     runs: dict[str, dict[str, list[dict]]] = {"ember": {"cold": [], "warm": []}}
     if binary:
@@ -76,15 +82,27 @@ def main(args) -> None:
                 logger.info("bench startup: %s %s start %d: %s", side, phase, r, result)
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
-    command = command_line(args, ["runs", "peer", "output", "timeout"]) + ("" if args.wait_compile else " --no-wait-compile")
+    command = command_line(args, ["runs", "peer", "output", "timeout"]) + (
+        "" if args.wait_compile else " --no-wait-compile"
+    )
     summary = summarize(runs)
-    about = [f"model: `{model}`; {threads} threads; one streamed chat request of 16 tokens after /health",
-             "cold: ember's first start on an empty inductor cache (TORCHINDUCTOR_CACHE_DIR in a fresh folder; the C++ "
-             "kernels were built at install); llama-server's first start. warm: the next starts (median [min-max])",
-             "ember compiled: launch to the end of its background compile (--executor auto on CPU; requests are "
-             "served eagerly until then)"]
-    Result(KIND, TITLE, command, load, about, [], table(summary),
-           {"threads": threads, "model": model, "runs": runs, "summary": summary}).publish(args.output)
+    about = [
+        f"model: `{model}`; {threads} threads; one streamed chat request of 16 tokens after /health",
+        "cold: ember's first start on an empty inductor cache (TORCHINDUCTOR_CACHE_DIR in a fresh folder; the C++ "
+        "kernels were built at install); llama-server's first start. warm: the next starts (median [min-max])",
+        "ember compiled: launch to the end of its background compile (--executor auto on CPU; requests are "
+        "served eagerly until then)",
+    ]
+    Result(
+        KIND,
+        TITLE,
+        command,
+        load,
+        about,
+        [],
+        table(summary),
+        {"threads": threads, "model": model, "runs": runs, "summary": summary},
+    ).publish(args.output)
 
 
 def summarize(runs: dict) -> dict:
@@ -95,7 +113,11 @@ def summarize(runs: dict) -> dict:
                 vals = [r[key] for r in results if r.get(key) is not None]
                 if vals:
                     out.setdefault(side, {}).setdefault(phase, {})[key] = {
-                        "median": round(statistics.median(vals), 2), "min": min(vals), "max": max(vals), "n": len(vals)}
+                        "median": round(statistics.median(vals), 2),
+                        "min": min(vals),
+                        "max": max(vals),
+                        "n": len(vals),
+                    }
     return out
 
 
@@ -107,8 +129,10 @@ def _cell(s: dict | None) -> str:
 
 def table(summary: dict) -> list[str]:
     sides = list(summary)
-    lines = ["| start | metric (s) | " + " | ".join(sides) + (" | ember / llama-server |" if len(sides) > 1 else " |"),
-             "|---|---|" + "---:|" * (len(sides) + (1 if len(sides) > 1 else 0))]
+    lines = [
+        "| start | metric (s) | " + " | ".join(sides) + (" | ember / llama-server |" if len(sides) > 1 else " |"),
+        "|---|---|" + "---:|" * (len(sides) + (1 if len(sides) > 1 else 0)),
+    ]
     for phase in ("cold", "warm"):
         for key, label in (("health_s", "/health 200"), ("first_token_s", "first token"), ("compiled_s", "compiled")):
             cells = [summary.get(s, {}).get(phase, {}).get(key) for s in sides]
@@ -126,10 +150,19 @@ def add_cli_args(p) -> None:
     g = add_benchmark_group(p)
     g.add_argument("--runs", type=int, default=3, help="warm starts per side after the cold one")
     g.add_argument("--peer", choices=["llama-server", "none"], default="llama-server")
-    g.add_argument("--llama-server", default=None, metavar="PATH", help="llama.cpp's llama-server binary (default: on PATH)")
-    g.add_argument("--wait-compile", action=argparse.BooleanOptionalAction, default=True,
-                   help="after the first token, wait for ember's background compile and report when it finished")
-    g.add_argument("--timeout", type=float, default=3600.0,
-                   help="seconds a start may take, its background compile included (a cold one took over 15 min "
-                        "on 2 Zen3 cores)")
+    g.add_argument(
+        "--llama-server", default=None, metavar="PATH", help="llama.cpp's llama-server binary (default: on PATH)"
+    )
+    g.add_argument(
+        "--wait-compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="after the first token, wait for ember's background compile and report when it finished",
+    )
+    g.add_argument(
+        "--timeout",
+        type=float,
+        default=3600.0,
+        help="seconds a start may take, its background compile included (a cold one took over 15 min on 2 Zen3 cores)",
+    )
     g.add_argument("--output", default="benchmarks/startup.md", help="markdown file; the JSON goes beside it")

@@ -9,6 +9,7 @@ The two sides alternate within each run; the figure is the median of the per-run
 engine runs as configured (on the default model: MTP speculation on, so a constrained step also
 walks the drafts through the grammar). The "peer" column is the unconstrained side.
 """
+
 from __future__ import annotations
 
 import logging
@@ -22,22 +23,42 @@ from ember.bench.lib.metric import Metric, paired_result, speedup_bar
 logger = logging.getLogger("ember.bench")
 
 NAME = "structured"
-HELP = ("decode tok/s with a JSON-schema constraint vs without, batch 1 and 32, same run (default model unless a "
-        "model is given)")
+HELP = (
+    "decode tok/s with a JSON-schema constraint vs without, batch 1 and 32, same run (default model unless a "
+    "model is given)"
+)
 
 MIN_ITEMS = 64
 SCHEMA = {
     "type": "object",
-    "properties": {"products": {"type": "array", "minItems": MIN_ITEMS, "items": {
-        "type": "object",
-        "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 99999},
-                       "name": {"type": "string", "maxLength": 32},
-                       "price": {"type": "number", "minimum": 0, "maximum": 10000},
-                       "in_stock": {"type": "boolean"}},
-        "required": ["id", "name", "price", "in_stock"]}}},
-    "required": ["products"]}
-SHOPS = ["a bakery", "a bike shop", "a bookstore", "a hardware store", "a pharmacy", "a toy shop", "a florist",
-         "a music store"]
+    "properties": {
+        "products": {
+            "type": "array",
+            "minItems": MIN_ITEMS,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer", "minimum": 1, "maximum": 99999},
+                    "name": {"type": "string", "maxLength": 32},
+                    "price": {"type": "number", "minimum": 0, "maximum": 10000},
+                    "in_stock": {"type": "boolean"},
+                },
+                "required": ["id", "name", "price", "in_stock"],
+            },
+        }
+    },
+    "required": ["products"],
+}
+SHOPS = [
+    "a bakery",
+    "a bike shop",
+    "a bookstore",
+    "a hardware store",
+    "a pharmacy",
+    "a toy shop",
+    "a florist",
+    "a music store",
+]
 BATCHES = (1, 32)
 BARS = {1: 0.9, 32: 0.85}
 
@@ -48,8 +69,11 @@ def prompts(tokenizer, n: int, run: int) -> list[str]:
     for i in range(n):
         shop = SHOPS[(i + run) % len(SHOPS)]
         text = f"List {20 + (i * 7 + run) % 50} products sold by {shop}, with id, name, price and stock, as JSON."
-        out.append(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                 tokenize=False))
+        out.append(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+            )
+        )
     return out
 
 
@@ -112,12 +136,19 @@ def run(llm, runs: int, output_len: int, quiet_wait_s: float):
         for b in BATCHES:
             texts = prompts(tok, b, r)
             wait_for_quiet(quiet_wait_s)
-            for side, params in (("ember", constrained), ("peer", free)) if r % 2 == 0 else (("peer", free), ("ember", constrained)):
+            for side, params in (
+                (("ember", constrained), ("peer", free)) if r % 2 == 0 else (("peer", free), ("ember", constrained))
+            ):
                 with CpuMeter() as load:
                     rate = decode_rate(engine, texts, params)
                 metrics[b].add(side, rate, load.others)
-                logger.info("bench structured: run %d batch %d %s %.1f tok/s", r, b,
-                            "constrained" if side == "ember" else "free", rate)
+                logger.info(
+                    "bench structured: run %d batch %d %s %.1f tok/s",
+                    r,
+                    b,
+                    "constrained" if side == "ember" else "free",
+                    rate,
+                )
     engine.structured.listener = None
     return [metrics[b] for b in BATCHES], clock
 
@@ -138,20 +169,36 @@ def main(args) -> None:
     load = load_average()
     metrics, clock = run(llm, args.runs, args.output_len, args.quiet_wait)
     mask_ms = statistics.median(clock.mask) * 1e3 if clock.mask else float("nan")
-    ember_desc = {"model": str(engine.parts.loaded.path).rsplit("/", 1)[-1],
-                  "dtype": str(engine.parts.setup.dtype).removeprefix("torch."),
-                  "executor": engine.parts.limits.executor,
-                  "speculation": "on" if engine.parts.spec is not None else "off",
-                  "max_num_seqs": engine.parts.limits.max_num_seqs, "constraint": "JSON schema (xgrammar)"}
+    ember_desc = {
+        "model": str(engine.parts.loaded.path).rsplit("/", 1)[-1],
+        "dtype": str(engine.parts.setup.dtype).removeprefix("torch."),
+        "executor": engine.parts.limits.executor,
+        "speculation": "on" if engine.parts.spec is not None else "off",
+        "max_num_seqs": engine.parts.limits.max_num_seqs,
+        "constraint": "JSON schema (xgrammar)",
+    }
     peer = {"name": "unconstrained", "what": "the same engine, prompts and token count, no constraint (ignore_eos)"}
-    notes = [__doc__.split("\n\n", 1)[1].replace("\n", " ").strip(),
-             f"median mask time per constrained step (fill + apply, all rows of the step): {mask_ms:.3f} ms; "
-             f"grammar compiles: {len(clock.compile)} ({', '.join(f'{s * 1e3:.0f} ms' for s in clock.compile)})"]
-    bars = [speedup_bar(f"constrained batch-{b} decode >= {x}x unconstrained", metrics, f"batch-{b} decode", x)
-            for b, x in BARS.items()]
-    paired_result("structured", "Structured outputs: JSON-schema decode vs the same decode unconstrained",
-                  command_line(args, ["runs", "output", "quiet_wait", "output_len"]), args.runs, metrics, bars,
-                  ember_desc, peer, notes, load).publish(args.output)
+    notes = [
+        __doc__.split("\n\n", 1)[1].replace("\n", " ").strip(),
+        f"median mask time per constrained step (fill + apply, all rows of the step): {mask_ms:.3f} ms; "
+        f"grammar compiles: {len(clock.compile)} ({', '.join(f'{s * 1e3:.0f} ms' for s in clock.compile)})",
+    ]
+    bars = [
+        speedup_bar(f"constrained batch-{b} decode >= {x}x unconstrained", metrics, f"batch-{b} decode", x)
+        for b, x in BARS.items()
+    ]
+    paired_result(
+        "structured",
+        "Structured outputs: JSON-schema decode vs the same decode unconstrained",
+        command_line(args, ["runs", "output", "quiet_wait", "output_len"]),
+        args.runs,
+        metrics,
+        bars,
+        ember_desc,
+        peer,
+        notes,
+        load,
+    ).publish(args.output)
 
 
 def add_cli_args(p) -> None:
@@ -159,7 +206,10 @@ def add_cli_args(p) -> None:
     g.add_argument("--runs", type=int, default=3, help="measured runs after one warmup; medians of per-run ratios")
     g.add_argument("--output-len", type=int, default=128, help="tokens generated per request on both sides")
     g.add_argument("--output", default="benchmarks/structured.md", help="markdown results file (and its JSON)")
-    g.add_argument("--quiet-wait", type=float, default=30.0, metavar="SECONDS",
-                   help="before each batch size of each run, wait up to this long for other processes to leave "
-                        "the CPU idle")
-
+    g.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="before each batch size of each run, wait up to this long for other processes to leave the CPU idle",
+    )

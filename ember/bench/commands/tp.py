@@ -11,6 +11,7 @@ Per step of a batch-1 decode: wall time, rank 0's time in all-reduce / all-gathe
 collectives), and the broadcast of the step's inputs to the workers; their medians and share
 of the step. Prefill: one prompt of --prompt-len tokens, tokens / TTFT.
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,18 +32,36 @@ HELP = "tensor parallelism: TP=1 vs TP=N decode / prefill and communication shar
 HEADER = "# ember tensor-parallel benchmarks\n\nWritten by `ember bench tp`.\n"
 
 SHAPES = {  # real layer shapes, fewer layers where a whole model would crawl on 2 cores
-    "qwen3-0.6b": dict(label="Qwen3-0.6B shape (28 layers), random bf16 weights", hidden=1024, inter=3072, layers=28,
-                       heads=16, kv_heads=8, head_dim=128, tie=True),
-    "tiny": dict(label="tiny Qwen3 (2 layers)", vocab=512, hidden=64, inter=128, layers=2, heads=4, kv_heads=2,
-                 head_dim=16, tie=True),
+    "qwen3-0.6b": dict(
+        label="Qwen3-0.6B shape (28 layers), random bf16 weights",
+        hidden=1024,
+        inter=3072,
+        layers=28,
+        heads=16,
+        kv_heads=8,
+        head_dim=128,
+        tie=True,
+    ),
+    "tiny": dict(
+        label="tiny Qwen3 (2 layers)",
+        vocab=512,
+        hidden=64,
+        inter=128,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        head_dim=16,
+        tie=True,
+    ),
 }
 
 
 def decode_steps(llm, prompt: list[int], n: int) -> list[dict]:
     """Greedy batch-1 decode of n tokens through engine.step(); per decode step: wall, comm, broadcast."""
     eng = llm.engine
-    eng.add_request("tp-decode", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=n,
-                                                                               ignore_eos=True))
+    eng.add_request(
+        "tp-decode", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    )
     eng.step()  # the prefill
     steps = []
     while eng.has_unfinished_requests():
@@ -50,8 +69,13 @@ def decode_steps(llm, prompt: list[int], n: int) -> list[dict]:
         eng.step()
         wall = time.perf_counter() - t0
         st = eng.stats()
-        steps.append({"wall": wall, "comm": st.get("tp_comm_seconds_last_step", 0.0),
-                      "broadcast": st.get("tp_broadcast_seconds_last_step", 0.0)})
+        steps.append(
+            {
+                "wall": wall,
+                "comm": st.get("tp_comm_seconds_last_step", 0.0),
+                "broadcast": st.get("tp_broadcast_seconds_last_step", 0.0),
+            }
+        )
     return steps
 
 
@@ -84,23 +108,34 @@ def measure(path: str, tp: int, *, runs: int, decode_tokens: int, prompt_len: in
             bcast += [s["broadcast"] for s in steps]
             share += [(s["comm"] + s["broadcast"]) / s["wall"] for s in steps]
             prefill.append(prompt_len / prefill_seconds(llm, prompt(1000 + r, prompt_len)))
-        out = {"tp": tp, "decode_tok_s": rates, "prefill_tok_s": prefill,
-               "comm_ms_median": 1000 * statistics.median(comm), "broadcast_ms_median": 1000 * statistics.median(bcast),
-               "comm_share_median": statistics.median(share), "threads_per_rank": torch.get_num_threads()}
+        out = {
+            "tp": tp,
+            "decode_tok_s": rates,
+            "prefill_tok_s": prefill,
+            "comm_ms_median": 1000 * statistics.median(comm),
+            "broadcast_ms_median": 1000 * statistics.median(bcast),
+            "comm_share_median": statistics.median(share),
+            "threads_per_rank": torch.get_num_threads(),
+        }
         return out
     finally:
         llm.engine.shutdown()
 
 
 def table(rows: list[dict]) -> list[str]:
-    lines = ["| TP | threads per rank | decode tok/s | vs TP=1 | prefill tok/s | vs TP=1 | comm ms / step | "
-             "broadcast ms / step | comm share of a decode step |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| TP | threads per rank | decode tok/s | vs TP=1 | prefill tok/s | vs TP=1 | comm ms / step | "
+        "broadcast ms / step | comm share of a decode step |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     base_decode, base_prefill = statistics.median(rows[0]["decode_tok_s"]), statistics.median(rows[0]["prefill_tok_s"])
     for r in rows:
         d, p = statistics.median(r["decode_tok_s"]), statistics.median(r["prefill_tok_s"])
-        lines.append(f"| {r['tp']} | {r['threads_per_rank']} | {d:.1f} [{min(r['decode_tok_s']):.1f}-"
-                     f"{max(r['decode_tok_s']):.1f}] | {d / base_decode:.2f}x | {p:.0f} | {p / base_prefill:.2f}x | "
-                     f"{r['comm_ms_median']:.2f} | {r['broadcast_ms_median']:.2f} | {r['comm_share_median']:.0%} |")
+        lines.append(
+            f"| {r['tp']} | {r['threads_per_rank']} | {d:.1f} [{min(r['decode_tok_s']):.1f}-"
+            f"{max(r['decode_tok_s']):.1f}] | {d / base_decode:.2f}x | {p:.0f} | {p / base_prefill:.2f}x | "
+            f"{r['comm_ms_median']:.2f} | {r['broadcast_ms_median']:.2f} | {r['comm_share_median']:.0%} |"
+        )
     return lines
 
 
@@ -120,22 +155,44 @@ def main(args) -> None:
         tmp, label = path, shape["label"]
     try:
         knobs = {"dtype": args.dtype, "kv_cache_memory": args.kv_cache_memory, "max_model_len": args.prompt_len + 64}
-        rows = [measure(path, tp, runs=args.runs, decode_tokens=args.decode_tokens, prompt_len=args.prompt_len,
-                        knobs=knobs) for tp in args.sizes]
+        rows = [
+            measure(path, tp, runs=args.runs, decode_tokens=args.decode_tokens, prompt_len=args.prompt_len, knobs=knobs)
+            for tp in args.sizes
+        ]
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
-    about = [f"model: {label}",
-             f"{args.runs} runs; decode {args.decode_tokens} tokens at batch 1 (per-step medians), prefill one "
-             f"{args.prompt_len}-token prompt; every rank gets cores / N torch threads",
-             "comm = rank 0's time in the model's all-reduce / all-gather per decode step; broadcast = sending the "
-             "step's inputs to the workers; share = (comm + broadcast) / step wall time"]
-    data = {"model": label, "runs": args.runs, "decode_tokens": args.decode_tokens, "prompt_len": args.prompt_len,
-            "rows": rows}
-    command = command_line(args, ["model" if args.model else "shape", "sizes", "runs", "decode_tokens", "prompt_len",
-                                  "dtype", "kv_cache_memory", "output"], engine=False)
+    about = [
+        f"model: {label}",
+        f"{args.runs} runs; decode {args.decode_tokens} tokens at batch 1 (per-step medians), prefill one "
+        f"{args.prompt_len}-token prompt; every rank gets cores / N torch threads",
+        "comm = rank 0's time in the model's all-reduce / all-gather per decode step; broadcast = sending the "
+        "step's inputs to the workers; share = (comm + broadcast) / step wall time",
+    ]
+    data = {
+        "model": label,
+        "runs": args.runs,
+        "decode_tokens": args.decode_tokens,
+        "prompt_len": args.prompt_len,
+        "rows": rows,
+    }
+    command = command_line(
+        args,
+        [
+            "model" if args.model else "shape",
+            "sizes",
+            "runs",
+            "decode_tokens",
+            "prompt_len",
+            "dtype",
+            "kv_cache_memory",
+            "output",
+        ],
+        engine=False,
+    )
     Result(KIND, "Tensor parallelism (CPU, gloo)", command, load, about, [], table(rows), data).publish(
-        args.output, header=HEADER, json_file=Path(args.output).with_suffix(".json"))
+        args.output, header=HEADER, json_file=Path(args.output).with_suffix(".json")
+    )
 
 
 def add_cli_args(p) -> None:

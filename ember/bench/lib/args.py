@@ -3,6 +3,7 @@
 Every engine flag works in the commands that build an engine (the same generated set as `ember serve`),
 so a tuned configuration can be benchmarked exactly as it will be served.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,11 @@ def add_benchmark_group(p: argparse.ArgumentParser):
     return p.add_argument_group("benchmark")
 
 
-HF_PEER = {"choices": ("hf", "none"), "default": "hf",
-           "help": "hf = Hugging Face transformers on the same weights (bf16), measured in the same run"}
+HF_PEER = {
+    "choices": ("hf", "none"),
+    "default": "hf",
+    "help": "hf = Hugging Face transformers on the same weights (bf16), measured in the same run",
+}
 
 
 def add_common_args(p: argparse.ArgumentParser, peer: dict = HF_PEER) -> None:
@@ -61,26 +65,46 @@ def add_common_args(p: argparse.ArgumentParser, peer: dict = HF_PEER) -> None:
     g = add_benchmark_group(p)
     g.add_argument("--runs", type=positive_int, default=3, help="measured runs after one warmup; medians are reported")
     g.add_argument("--peer", **peer)
-    g.add_argument("--output", default=DEFAULT_OUTPUT,
-                   help="markdown results file; this benchmark's section is rewritten and a JSON file "
-                        "<stem>-<kind>.json is written next to it")
-    g.add_argument("--prompt-seed", type=int, default=0,
-                   help="seed of the random prompts (both sides get the same ones; change it for another sample)")
-    g.add_argument("--quiet-wait", type=float, default=30.0, metavar="SECONDS",
-                   help="before each measured ember/peer pair, wait up to this long for other processes to leave "
-                        "the CPU idle (0 = don't wait); what they used during each measurement is reported either way")
+    g.add_argument(
+        "--output",
+        default=DEFAULT_OUTPUT,
+        help="markdown results file; this benchmark's section is rewritten and a JSON file "
+        "<stem>-<kind>.json is written next to it",
+    )
+    g.add_argument(
+        "--prompt-seed",
+        type=int,
+        default=0,
+        help="seed of the random prompts (both sides get the same ones; change it for another sample)",
+    )
+    g.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="before each measured ember/peer pair, wait up to this long for other processes to leave "
+        "the CPU idle (0 = don't wait); what they used during each measurement is reported either way",
+    )
 
 
 def add_workload_args(p: argparse.ArgumentParser, *, prompt_help: str) -> None:
     """The workload flags of the commands that measure sides in rounds (compare, hybrid, matrix)."""
     p.add_argument("--decode-tokens", type=int, default=256, help="greedy tokens for the batch-1 decode figure (>= 2)")
     p.add_argument("--num-prompts", type=positive_int, default=64, help="prompts of the offline throughput figure")
-    p.add_argument("--input-len-range", type=int_range, default=[128, 512], metavar="LO,HI",
-                   help="throughput prompt lengths, drawn uniformly (seeded)")
+    p.add_argument(
+        "--input-len-range",
+        type=int_range,
+        default=[128, 512],
+        metavar="LO,HI",
+        help="throughput prompt lengths, drawn uniformly (seeded)",
+    )
     p.add_argument("--output-len", type=positive_int, default=128, help="tokens generated per throughput prompt")
-    p.add_argument("--in-process", action="store_true",
-                   help="build every side in this process instead of one worker process each: starts faster, but "
-                        "peak RSS is then the whole process's, not each side's (" + prompt_help + ")")
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="build every side in this process instead of one worker process each: starts faster, but "
+        "peak RSS is then the whole process's, not each side's (" + prompt_help + ")",
+    )
 
 
 def command_line(args, bench_flags: list[str], engine: bool = True) -> str:

@@ -2,14 +2,20 @@
 judged PASS or FAIL, or n/a when the figure was not measured; and the one table every results file
 shows its bars in.
 """
+
 from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
 
 # how a measured value meets its threshold; "within": a ratio no further than `threshold` from 1
-OPS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt,
-       "within": lambda value, threshold: abs(value - 1) <= threshold}
+OPS = {
+    ">=": operator.ge,
+    ">": operator.gt,
+    "<=": operator.le,
+    "<": operator.lt,
+    "within": lambda value, threshold: abs(value - 1) <= threshold,
+}
 
 
 @dataclass
@@ -51,5 +57,6 @@ class Bar:
 
 def bar_table(bars: list[Bar], column: str = "measured") -> list[str]:
     """The verdicts as a markdown table; `column` names what the measured values are."""
-    return [f"| bar | {column} | result |", "|---|---:|---|"] + [f"| {b.text} | {b.cell} | **{b.result}** |"
-                                                               for b in bars]
+    return [f"| bar | {column} | result |", "|---|---:|---|"] + [
+        f"| {b.text} | {b.cell} | **{b.result}** |" for b in bars
+    ]

@@ -5,6 +5,7 @@ redoes a measurement others disturbed.
 Wall times on a shared 2-core machine swing by 10x when someone else's job runs, so every measurement
 records what other processes used next to its value, and the report shows it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -88,8 +89,9 @@ def wait_for_quiet(max_wait_s: float, threshold_cores: float = 0.25, sample_s: f
             return load.others
 
 
-def measure_pair(run: int, make_pair: Callable[[int], tuple[Callable[[], dict], Callable[[], dict] | None]],
-                 quiet_wait_s: float) -> list[tuple[str, dict, float | None]]:
+def measure_pair(
+    run: int, make_pair: Callable[[int], tuple[Callable[[], dict], Callable[[], dict] | None]], quiet_wait_s: float
+) -> list[tuple[str, dict, float | None]]:
     """Run ember and the peer back to back; [(side, values, others' cores)].
 
     `make_pair(attempt)` gives the two measurements on that attempt's inputs: a redone pair must
@@ -118,5 +120,7 @@ def measure_pair(run: int, make_pair: Callable[[int], tuple[Callable[[], dict], 
 
 def protocol_note(quiet_wait: float) -> str:
     """measure_pair's protocol, as the results file states it."""
-    return (f"before each measured pair: wait up to {quiet_wait:g}s for other processes to leave the CPU idle; "
-            f"a pair during which they used > {CONTENDED_CORES} cores is redone (up to {RETRIES} times)")
+    return (
+        f"before each measured pair: wait up to {quiet_wait:g}s for other processes to leave the CPU idle; "
+        f"a pair during which they used > {CONTENDED_CORES} cores is redone (up to {RETRIES} times)"
+    )

@@ -2,6 +2,7 @@
 command (`ember bench latency`, `ember bench throughput`, ...) rewrites only its own section; next to it
 goes a JSON file per kind with every raw run, for tables generated later.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,9 +13,11 @@ from pathlib import Path
 
 logger = logging.getLogger("ember.bench")
 
-HEADER = ("# ember CPU benchmarks\n\n"
-          "Written by `ember bench ...`; each section is rewritten only by its own command. "
-          "Raw runs are in the JSON files next to this one.\n")
+HEADER = (
+    "# ember CPU benchmarks\n\n"
+    "Written by `ember bench ...`; each section is rewritten only by its own command. "
+    "Raw runs are in the JSON files next to this one.\n"
+)
 
 
 def update_markdown(text: str, kind: str, section: str) -> str:
@@ -32,8 +35,15 @@ def json_path(md_path: str | os.PathLike, kind: str) -> Path:
     return p.with_name(f"{p.stem}-{kind}.json")
 
 
-def publish(md_path: str | os.PathLike, kind: str, section: str, data: dict, *, header: str = HEADER,
-            json_file: Path | None = None) -> None:
+def publish(
+    md_path: str | os.PathLike,
+    kind: str,
+    section: str,
+    data: dict,
+    *,
+    header: str = HEADER,
+    json_file: Path | None = None,
+) -> None:
     """Rewrite the section of `kind` in the markdown file (a new file starts with `header`), write `data`
     to its JSON file (default <stem>-<kind>.json beside it), print the section and log both paths."""
     md = Path(md_path)

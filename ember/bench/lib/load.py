@@ -13,6 +13,7 @@ ember, vLLM or llama.cpp's server. Per request it records
 and counts tokens from the final `usage` chunk (requested with stream_options.include_usage), not
 from chunks. Aggregates are p50/p90/p99 (linear interpolation, as numpy's default).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -28,6 +29,7 @@ if TYPE_CHECKING:  # httpx is the bench extra's (imported where a load runs): `e
 
 
 # -- the workload -----------------------------------------------------------------------------
+
 
 @dataclass
 class RequestSpec:
@@ -76,8 +78,9 @@ def text_prompt(n_words: int, rng: random.Random) -> str:
     return " ".join(rng.choices(words(), k=max(1, n_words)))
 
 
-def text_specs(words_for: Callable[[int], int], input_lens: list[int], output_lens: list[int],
-               seed: int) -> list[RequestSpec]:
+def text_specs(
+    words_for: Callable[[int], int], input_lens: list[int], output_lens: list[int], seed: int
+) -> list[RequestSpec]:
     """Text prompts of random words; words_for(tokens) says how many words give that many prompt
     tokens on the server (see calibrate_text)."""
     rng = random.Random(seed)
@@ -85,6 +88,7 @@ def text_specs(words_for: Callable[[int], int], input_lens: list[int], output_le
 
 
 # -- talking to the server --------------------------------------------------------------------
+
 
 @dataclass
 class Target:
@@ -131,10 +135,12 @@ class Target:
 def client(target: Target, connections: int) -> httpx.AsyncClient:
     import httpx
 
-    return httpx.AsyncClient(base_url=target.root, headers=target.headers,
-                             timeout=httpx.Timeout(None, connect=30.0),
-                             limits=httpx.Limits(max_connections=max(1, connections),
-                                                 max_keepalive_connections=max(1, connections)))
+    return httpx.AsyncClient(
+        base_url=target.root,
+        headers=target.headers,
+        timeout=httpx.Timeout(None, connect=30.0),
+        limits=httpx.Limits(max_connections=max(1, connections), max_keepalive_connections=max(1, connections)),
+    )
 
 
 async def served_model(target: Target) -> dict:
@@ -187,6 +193,7 @@ async def calibrate_text(target: Target, input_len: int, seed: int) -> TextCalib
 
 
 # -- one request ----------------------------------------------------------------------------
+
 
 @dataclass
 class RequestResult:
@@ -276,9 +283,16 @@ async def send(c: httpx.AsyncClient, target: Target, spec: RequestSpec) -> Reque
 
 # -- a whole level ------------------------------------------------------------------------------
 
-async def run_async(target: Target, specs: list[RequestSpec], *, max_concurrency: int | None = None,
-                    request_rate: float = math.inf, seed: int = 0,
-                    progress: Callable[[RequestResult], None] | None = None) -> tuple[list[RequestResult], float]:
+
+async def run_async(
+    target: Target,
+    specs: list[RequestSpec],
+    *,
+    max_concurrency: int | None = None,
+    request_rate: float = math.inf,
+    seed: int = 0,
+    progress: Callable[[RequestResult], None] | None = None,
+) -> tuple[list[RequestResult], float]:
     """Send every spec (at most max_concurrency in flight; arrivals a Poisson process at request_rate
     per second, or all at once when inf); returns the results in spec order and the wall time from
     the first send to the last answer."""
@@ -287,6 +301,7 @@ async def run_async(target: Target, specs: list[RequestSpec], *, max_concurrency
     rng = random.Random(seed)
 
     async with client(target, min(limit, len(specs))) as c:
+
         async def one(spec: RequestSpec) -> RequestResult:
             async with sem:
                 r = await send(c, target, spec)
@@ -310,6 +325,7 @@ def run(target: Target, specs: list[RequestSpec], **kw) -> tuple[list[RequestRes
 
 
 # -- aggregates -----------------------------------------------------------------------------------
+
 
 def percentile(values: list[float], q: float) -> float | None:
     """q in [0, 100], linear interpolation between closest ranks (numpy's default)."""
@@ -356,18 +372,34 @@ class LevelStats:
         return asdict(self)
 
 
-def summarize(specs: list[RequestSpec], results: list[RequestResult], seconds: float, *,
-              max_concurrency: int | None, request_rate: float) -> LevelStats:
+def summarize(
+    specs: list[RequestSpec],
+    results: list[RequestResult],
+    seconds: float,
+    *,
+    max_concurrency: int | None,
+    request_rate: float,
+) -> LevelStats:
     ok = [r for r in results if r.ok]
     prompt = sum(r.prompt_tokens or 0 for r in ok)
     out = sum(r.output_tokens or 0 for r in ok)
     errors = sorted({r.error for r in results if not r.ok and r.error})
     return LevelStats(
-        max_concurrency=max_concurrency, request_rate=None if math.isinf(request_rate) else request_rate,
-        completed=len(ok), failed=len(results) - len(ok), seconds=seconds, prompt_tokens=prompt, output_tokens=out,
-        expected_output_tokens=sum(s.output_len for s in specs), usage_reported=all(r.usage_reported for r in ok),
-        request_throughput=len(ok) / seconds, output_throughput=out / seconds,
+        max_concurrency=max_concurrency,
+        request_rate=None if math.isinf(request_rate) else request_rate,
+        completed=len(ok),
+        failed=len(results) - len(ok),
+        seconds=seconds,
+        prompt_tokens=prompt,
+        output_tokens=out,
+        expected_output_tokens=sum(s.output_len for s in specs),
+        usage_reported=all(r.usage_reported for r in ok),
+        request_throughput=len(ok) / seconds,
+        output_throughput=out / seconds,
         total_throughput=(prompt + out) / seconds,
-        ttft_ms=_dist([r.ttft for r in ok], 1e3), tpot_ms=_dist([t for r in ok if (t := r.tpot) is not None], 1e3),
-        itl_ms=_dist([g for r in ok for g in r.itl], 1e3), e2e_s=_dist([r.e2e for r in ok]),
-        errors=errors[:5])
+        ttft_ms=_dist([r.ttft for r in ok], 1e3),
+        tpot_ms=_dist([t for r in ok if (t := r.tpot) is not None], 1e3),
+        itl_ms=_dist([g for r in ok for g in r.itl], 1e3),
+        e2e_s=_dist([r.e2e for r in ok]),
+        errors=errors[:5],
+    )

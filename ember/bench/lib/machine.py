@@ -2,6 +2,7 @@
 
 Every figure names its machine; a result measured on another CPU or under another load is another result.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -44,7 +45,9 @@ def package_version(dist: str) -> str | None:
 def _git_commit() -> str | None:
     here = Path(__file__).resolve().parent
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return (out.stdout.strip() or None) if out.returncode == 0 else None
@@ -83,6 +86,8 @@ def load_average() -> float | None:
 def machine_line(m: dict) -> str:
     bf16 = ", AVX512-BF16" if m["avx512_bf16"] else ""
     commit = f" @ {m['ember_commit']}" if m.get("ember_commit") else ""
-    return (f"{m['cpu']} ({m['usable_cores']} cores{bf16}), {m['ram_gib']} GiB RAM, {m['os']}; "
-            f"Python {m['python']}, torch {m['torch']}, transformers {m['transformers'] or '-'}, "
-            f"ember {m['ember']}{commit}; {m['torch_threads']} torch threads; {m['date']}")
+    return (
+        f"{m['cpu']} ({m['usable_cores']} cores{bf16}), {m['ram_gib']} GiB RAM, {m['os']}; "
+        f"Python {m['python']}, torch {m['torch']}, transformers {m['transformers'] or '-'}, "
+        f"ember {m['ember']}{commit}; {m['torch_threads']} torch threads; {m['date']}"
+    )

@@ -1,4 +1,5 @@
 """How figures read in the results' markdown: numbers, spreads, ratios, descriptions, table rows."""
+
 from __future__ import annotations
 
 import statistics

@@ -3,12 +3,15 @@
 Batch-1 decode reads every weight once per token, so weight bytes x tok/s against this figure
 says how close ember's decode step is to what the memory can deliver.
 """
+
 from __future__ import annotations
 
 import time
 
-METHOD = ("memory bandwidth: best of 5 torch sum() passes over a {mib} MiB float32 tensor (read only), "
-          "same thread count, in the benchmark driver between measurements")
+METHOD = (
+    "memory bandwidth: best of 5 torch sum() passes over a {mib} MiB float32 tensor (read only), "
+    "same thread count, in the benchmark driver between measurements"
+)
 
 
 def read_gbps(mib: int = 512, passes: int = 5) -> float:

@@ -1,6 +1,7 @@
 """Benchmark prompts: seeded random ordinary tokens, the same for every side and new every run (so no
 prefix cache helps), and held-out chat requests, built from text `ember train-mtp` never trains on.
 """
+
 from __future__ import annotations
 
 import os
@@ -50,8 +51,9 @@ def held_out_prompts(tokenizer, n: int, run: int) -> list[list[int]]:
     from ember.train.mtp_data import build_prompts
 
     texts = pydoc_split("eval")
-    return [p.ids for p in build_prompts(tokenizer, texts, n, PROMPT_SEED + run, temperature=0.0)
-            if p.kind == "chat"][:n] or [p.ids for p in build_prompts(tokenizer, texts, n, PROMPT_SEED + run)]
+    return [p.ids for p in build_prompts(tokenizer, texts, n, PROMPT_SEED + run, temperature=0.0) if p.kind == "chat"][
+        :n
+    ] or [p.ids for p in build_prompts(tokenizer, texts, n, PROMPT_SEED + run)]
 
 
 def chat_prompts(model: str):
@@ -62,9 +64,9 @@ def chat_prompts(model: str):
 
 def load_tokenizer(path: str | None):
     """(tokenizer, model vocab size) of a model folder or .gguf file, without loading weights."""
+    from ember.config.model_config import ModelConfig
     from ember.loader.model_loader import resolve_model_path
     from ember.loader.tokenizer import Tokenizer
-    from ember.config.model_config import ModelConfig
 
     p = resolve_model_path(path)
     if os.path.isfile(p):

@@ -6,6 +6,7 @@ random MTP layers in the DeepSeek-V3 layout (model.layers.{L+j}.enorm/hnorm/eh_p
 + a decoder block, config num_nextn_predict_layers), which `enable_mtp` loads. Used by
 scripts/gpu_check.py (real shapes on a lent GPU) and `ember bench tp` (a model whose heads split).
 """
+
 from __future__ import annotations
 
 import json
@@ -19,21 +20,46 @@ QWEN3 = dict(arch="Qwen3ForCausalLM", vocab=151936, rope_theta=1e6, max_pos=4096
 
 
 def hf_config(s: dict) -> dict:
-    cfg = dict(architectures=[s["arch"]], model_type="qwen3_moe" if "experts" in s else "qwen3",
-               vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["inter"],
-               num_hidden_layers=s["layers"], num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
-               head_dim=s["head_dim"], max_position_embeddings=s["max_pos"], rms_norm_eps=1e-6,
-               rope_theta=s["rope_theta"], tie_word_embeddings=s["tie"], attention_bias=False,
-               torch_dtype="bfloat16", bos_token_id=None, eos_token_id=2)
+    cfg = dict(
+        architectures=[s["arch"]],
+        model_type="qwen3_moe" if "experts" in s else "qwen3",
+        vocab_size=s["vocab"],
+        hidden_size=s["hidden"],
+        intermediate_size=s["inter"],
+        num_hidden_layers=s["layers"],
+        num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv_heads"],
+        head_dim=s["head_dim"],
+        max_position_embeddings=s["max_pos"],
+        rms_norm_eps=1e-6,
+        rope_theta=s["rope_theta"],
+        tie_word_embeddings=s["tie"],
+        attention_bias=False,
+        torch_dtype="bfloat16",
+        bos_token_id=None,
+        eos_token_id=2,
+    )
     if "experts" in s:
-        cfg.update(num_experts=s["experts"], num_experts_per_tok=s["top_k"], moe_intermediate_size=s["moe_inter"],
-                   norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+        cfg.update(
+            num_experts=s["experts"],
+            num_experts_per_tok=s["top_k"],
+            moe_intermediate_size=s["moe_inter"],
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
     if s.get("mtp_layers"):
         cfg["num_nextn_predict_layers"] = s["mtp_layers"]
     if "awq_group" in s:
         cfg["torch_dtype"] = "float16"
-        cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": s["awq_group"],
-                                      "zero_point": True, "version": "gemm", "modules_to_not_convert": None}
+        cfg["quantization_config"] = {
+            "quant_method": "awq",
+            "bits": 4,
+            "group_size": s["awq_group"],
+            "zero_point": True,
+            "version": "gemm",
+            "modules_to_not_convert": None,
+        }
     return cfg
 
 
@@ -69,7 +95,7 @@ def model_tensors(s: dict, device: torch.device):
             yield f"{prefix}.weight", rand(out_f, in_f)
             return
         G = s["awq_group"]
-        words = lambda *shape: torch.randint(-2**31, 2**31, shape, device=device, dtype=torch.int64).to(torch.int32)  # noqa: E731
+        words = lambda *shape: torch.randint(-(2**31), 2**31, shape, device=device, dtype=torch.int64).to(torch.int32)  # noqa: E731
         yield f"{prefix}.qweight", words(in_f, out_f // 8)
         yield f"{prefix}.qzeros", words(in_f // G, out_f // 8)
         # |q - z| ~ 5 on average: scales ~0.004 give weights of ~0.02

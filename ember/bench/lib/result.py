@@ -5,6 +5,7 @@ reproduces the run, the machine, the load on it), then what ran and how each fig
 bullet each, then the command's own table, then its bars (lib/bar.py). The JSON file holds the same
 with the command's raw figures.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,18 +34,30 @@ class Result:
     def to_markdown(self) -> str:
         m = self.machine
         load = "-" if self.load_at_start is None else self.load_at_start
-        lines = [f"## {self.title}", "", f"- command: `{self.command}`", f"- machine: {machine_line(m)}",
-                 f"- 1-minute load average: {load} at start, {m.get('load_at_end', '-')} at end ({m['usable_cores']} "
-                 "cores; more means the cores were shared with other work and wall times are noisy)"]
+        lines = [
+            f"## {self.title}",
+            "",
+            f"- command: `{self.command}`",
+            f"- machine: {machine_line(m)}",
+            f"- 1-minute load average: {load} at start, {m.get('load_at_end', '-')} at end ({m['usable_cores']} "
+            "cores; more means the cores were shared with other work and wall times are noisy)",
+        ]
         lines += [f"- {line}" for line in self.about + self.notes] + [""] + self.table
         if self.bars:
             lines += [""] + bar_table(self.bars, self.bar_column)
         return "\n".join(lines) + "\n"
 
     def to_json(self) -> dict:
-        return {"kind": self.kind, "title": self.title, "command": self.command, "machine": self.machine,
-                "load_at_start": self.load_at_start, **self.data, "notes": self.notes,
-                "bars": [b.to_json() for b in self.bars]}
+        return {
+            "kind": self.kind,
+            "title": self.title,
+            "command": self.command,
+            "machine": self.machine,
+            "load_at_start": self.load_at_start,
+            **self.data,
+            "notes": self.notes,
+            "bars": [b.to_json() for b in self.bars],
+        }
 
     def publish(self, md_path: str | os.PathLike, *, header: str = HEADER, json_file: Path | None = None) -> None:
         """Rewrite this result's section of the markdown file and its JSON file, and print the section."""

@@ -3,6 +3,7 @@ task on the same inputs in each round, the order of sides reversed every other r
 no one; figures are summarized as median [min-max], and ratios between two sides are taken round by
 round (the same round's inputs and machine state), then summarized.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -50,8 +51,10 @@ def _seed(run: int, salt: int) -> int:
 
 def decode_task(maker, n: int, skip=frozenset(), prompt: Callable[[int], list[int]] | None = None) -> Task:
     """prompt: round -> the prompt every side decodes after (default: DECODE_PROMPT_LEN random tokens)."""
-    figs = [Figure("decode", f"batch-1 decode, {n} tokens", "tok/s", True),
-            Figure("decode_steady", f"batch-1 decode, {n} tokens, steady (median gap)", "tok/s", True)]
+    figs = [
+        Figure("decode", f"batch-1 decode, {n} tokens", "tok/s", True),
+        Figure("decode_steady", f"batch-1 decode, {n} tokens, steady (median gap)", "tok/s", True),
+    ]
 
     def measure(side, prompt):
         times = side.decode(prompt, n)
@@ -68,8 +71,12 @@ def ttft_key(length: int) -> str:
 
 def ttft_task(maker, length: int, skip=frozenset()) -> Task:
     fig = Figure(ttft_key(length), f"TTFT, {length}-token prompt", "ms", False)
-    return Task([fig], lambda r: maker.make(1, length, _seed(r, length))[0],
-                lambda side, prompt: {fig.key: 1000 * side.ttft(prompt)}, skip)
+    return Task(
+        [fig],
+        lambda r: maker.make(1, length, _seed(r, length))[0],
+        lambda side, prompt: {fig.key: 1000 * side.ttft(prompt)},
+        skip,
+    )
 
 
 def throughput_prompts(maker, n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
@@ -89,8 +96,9 @@ def throughput_task(maker, n: int, lo: int, hi: int, output_len: int, skip=froze
     return Task([fig], lambda r: throughput_prompts(maker, n, lo, hi, _seed(r, 3)), measure, skip)
 
 
-def measure(sides: dict, tasks: list[Task], *, runs: int, quiet_wait_s: float, bandwidth_mib: int = 0,
-            desc: str = "bench") -> tuple[dict, list[float]]:
+def measure(
+    sides: dict, tasks: list[Task], *, runs: int, quiet_wait_s: float, bandwidth_mib: int = 0, desc: str = "bench"
+) -> tuple[dict, list[float]]:
     """({figure key: {side: {"runs": [...], "others": [...]}}}, bandwidth GB/s per round).
 
     Round -1 is the warmup (compiles, caches, page faults), not recorded."""
@@ -113,8 +121,14 @@ def measure(sides: dict, tasks: list[Task], *, runs: int, quiet_wait_s: float, b
                     wait_for_quiet(quiet_wait_s)
                 with CpuMeter(pids=workers) as load:
                     values = t.measure(sides[n], inputs)
-                logger.info("%s %s %s: %s (others used %s cores)", desc, n, "warmup" if r < 0 else f"round {r + 1}",
-                            ", ".join(f"{k} {v:.1f}" for k, v in values.items()), load.others)
+                logger.info(
+                    "%s %s %s: %s (others used %s cores)",
+                    desc,
+                    n,
+                    "warmup" if r < 0 else f"round {r + 1}",
+                    ", ".join(f"{k} {v:.1f}" for k, v in values.items()),
+                    load.others,
+                )
                 if r >= 0:
                     for k, v in values.items():
                         results[k][n]["runs"].append(v)
@@ -148,5 +162,12 @@ def ratio_bar(text: str, figures: list[dict], key: str, side: str, peer: str, op
     `op` `threshold`."""
     fig = next((f for f in figures if f["key"] == key), None)
     r = paired_ratios(fig, side, peer) if fig else None
-    return Bar(text, op, threshold, r["median"] if r else None, (r["min"], r["max"]) if r else None,
-               missing=f"{side} or {peer} not measured", on={"figure": key, "side": side, "peer": peer})
+    return Bar(
+        text,
+        op,
+        threshold,
+        r["median"] if r else None,
+        (r["min"], r["max"]) if r else None,
+        missing=f"{side} or {peer} not measured",
+        on={"figure": key, "side": side, "peer": peer},
+    )

@@ -2,6 +2,7 @@
 until steady), and the starts `ember bench startup | restart` time from the launch (`ember serve` or llama.cpp's
 llama-server); the port, the /metrics reading and the streaming they share.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,10 @@ def free_port() -> int:
 
 def compiling(metrics_text: str) -> bool:
     """Whether an ember server's /metrics says a background compile is running (another server: no)."""
-    return any(line.startswith("ember:executor_compiling") and float(line.rsplit(" ", 1)[1]) > 0
-               for line in metrics_text.splitlines())
+    return any(
+        line.startswith("ember:executor_compiling") and float(line.rsplit(" ", 1)[1]) > 0
+        for line in metrics_text.splitlines()
+    )
 
 
 def stream(url: str, body: dict):
@@ -48,8 +51,8 @@ def stream(url: str, body: dict):
 def launch_plan(args) -> tuple[str, list[str], int]:
     """(the model, its `ember serve` flags, the thread count) of a command's engine flags, as a server
     launched with them runs."""
-    from ember.default_model import default_model_path
     from ember.config.engine_args import engine_args_to_words, engine_config_from_args
+    from ember.default_model import default_model_path
 
     config = engine_config_from_args(args)
     model = str(config.model or default_model_path())
@@ -58,8 +61,18 @@ def launch_plan(args) -> tuple[str, list[str], int]:
 
 def serve_argv(flags: list[str], port: int) -> list[str]:
     """`ember serve FLAGS` on 127.0.0.1:port, as this Python runs it."""
-    return [sys.executable, "-m", "ember.entrypoints.cli", "serve", *flags, "--host", "127.0.0.1", "--port", str(port),
-            "--disable-log-requests"]
+    return [
+        sys.executable,
+        "-m",
+        "ember.entrypoints.cli",
+        "serve",
+        *flags,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--disable-log-requests",
+    ]
 
 
 class Server:
@@ -82,8 +95,9 @@ class Server:
 
     def _alive(self) -> None:
         if self.proc.poll() is not None:
-            raise ConfigError(f"`{self.command}` exited with status {self.proc.returncode}; its log ends:\n"
-                              f"{self.log_tail()}")
+            raise ConfigError(
+                f"`{self.command}` exited with status {self.proc.returncode}; its log ends:\n{self.log_tail()}"
+            )
 
     def health(self, timeout: float, steady: bool = False, poll: float = 0.05) -> float:
         """Launch -> /health answered 200 and (steady) no background compile is running (the /metrics gauge
@@ -153,6 +167,18 @@ def ember_start(flags: list[str], cache_dir: str | None, port: int) -> Server:
 
 
 def llama_server_start(binary: str, model: str, threads: int, port: int) -> Server:
-    argv = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads), "-c", "4096",
-            "--log-disable"]
+    argv = [
+        binary,
+        "-m",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-t",
+        str(threads),
+        "-c",
+        "4096",
+        "--log-disable",
+    ]
     return Server(argv, port, shlex.join(argv), dict(os.environ), compiles=False)

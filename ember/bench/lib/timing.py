@@ -8,6 +8,7 @@ not in it):
   shared machine stretches a few gaps; the median ignores them, the mean does not. On a quiet
   machine the two agree.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -28,16 +29,18 @@ def token_times(engine, request_id: str, prompt: list[int], params: SamplingPara
         for out in engine.step():
             if out.request_id == request_id:
                 now = time.perf_counter()
-                assert not (fresh and out.num_cached_tokens), \
+                assert not (fresh and out.num_cached_tokens), (
                     "the prefix cache served a benchmark prompt; prompts must be fresh"
+                )
                 times += [now] * (len(out.outputs[0].token_ids) - len(times))
     return times
 
 
 def _run_one(engine, request_id: str, prompt: list[int], max_tokens: int, fresh: bool = True) -> list[float]:
     """One greedy request of exactly max_tokens tokens (EOS ignored): its token arrival times."""
-    times = token_times(engine, request_id, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                                    ignore_eos=True), fresh)
+    times = token_times(
+        engine, request_id, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), fresh
+    )
     assert len(times) == max_tokens, f"ember produced {len(times)} tokens, wanted {max_tokens}"
     return times
 
@@ -80,7 +83,9 @@ def ember_batch(llm, prompts: list[list[int]], output_len: int | list[int]) -> t
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     seconds = time.perf_counter() - t0
-    assert not any(o.num_cached_tokens for o in outs), "the prefix cache served a benchmark prompt; prompts must be fresh"
+    assert not any(o.num_cached_tokens for o in outs), (
+        "the prefix cache served a benchmark prompt; prompts must be fresh"
+    )
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     assert generated == want, f"ember generated {generated} tokens, wanted {want}"
     return seconds, generated

@@ -14,6 +14,7 @@ How each figure is taken (the method strings below go into the results file):
 - batched: one `generate` call on all prompts as a single left-padded batch (pad = EOS),
   `min_new_tokens = max_new_tokens` so every row produces exactly output_len tokens.
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,10 +27,13 @@ from ember.errors import ConfigError
 
 logger = logging.getLogger("ember.bench")
 
-DECODE_METHOD = ("transformers decode: generate(min_new_tokens=max_new_tokens=N, greedy) with a streamer that "
-                 "timestamps each token")
+DECODE_METHOD = (
+    "transformers decode: generate(min_new_tokens=max_new_tokens=N, greedy) with a streamer that timestamps each token"
+)
 TTFT_METHOD = "transformers TTFT: one forward over the prompt (use_cache=True, logits_to_keep=1) + argmax"
-BATCH_METHOD = "transformers batched: one generate() over all prompts as a left-padded batch, min_new_tokens=max_new_tokens"
+BATCH_METHOD = (
+    "transformers batched: one generate() over all prompts as a left-padded batch, min_new_tokens=max_new_tokens"
+)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -38,8 +42,10 @@ def _import_transformers():
     try:
         import transformers
     except ImportError:
-        raise ConfigError("the transformers peer needs transformers: `pip install transformers accelerate`, "
-                          "or run without a peer with --peer none") from None
+        raise ConfigError(
+            "the transformers peer needs transformers: `pip install transformers accelerate`, "
+            "or run without a peer with --peer none"
+        ) from None
     return transformers
 
 
@@ -72,30 +78,51 @@ class HFPeer:
             try:
                 import accelerate  # noqa: F401  (transformers needs it to load a GGUF file)
             except ImportError:
-                raise ConfigError("transformers needs accelerate to load a GGUF file: `pip install transformers "
-                                  "accelerate`, or run without a peer with --peer none") from None
+                raise ConfigError(
+                    "transformers needs accelerate to load a GGUF file: `pip install transformers "
+                    "accelerate`, or run without a peer with --peer none"
+                ) from None
             folder, kw["gguf_file"] = os.path.dirname(os.path.abspath(model_path)), os.path.basename(model_path)
         else:
             folder = model_path
         self.model = AutoModelForCausalLM.from_pretrained(folder, **kw).eval()
         cfg = self.model.config
-        eos = self.model.generation_config.eos_token_id if self.model.generation_config.eos_token_id is not None else cfg.eos_token_id
+        eos = (
+            self.model.generation_config.eos_token_id
+            if self.model.generation_config.eos_token_id is not None
+            else cfg.eos_token_id
+        )
         self.pad_id = eos[0] if isinstance(eos, list) else (eos if eos is not None else 0)
         self.description = {
             "name": "transformers",
             "version": transformers.__version__,
-            "model": os.path.basename(model_path.rstrip("/")) + (" (dequantized by transformers)" if "gguf_file" in kw else ""),
+            "model": os.path.basename(model_path.rstrip("/"))
+            + (" (dequantized by transformers)" if "gguf_file" in kw else ""),
             "dtype": dtype,
             "attention": getattr(cfg, "_attn_implementation", None) or "default",
             "threads": torch.get_num_threads(),
         }
-        logger.info("bench: transformers %s loaded %s as %s in %.1fs", transformers.__version__, model_path, dtype,
-                    time.perf_counter() - t0)
+        logger.info(
+            "bench: transformers %s loaded %s as %s in %.1fs",
+            transformers.__version__,
+            model_path,
+            dtype,
+            time.perf_counter() - t0,
+        )
 
     def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, n: int, streamer=None) -> torch.Tensor:
-        return self.model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=n,
-                                   min_new_tokens=n, do_sample=False, pad_token_id=self.pad_id, streamer=streamer,
-                                   temperature=None, top_p=None, top_k=None)
+        return self.model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=self.pad_id,
+            streamer=streamer,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+        )
 
     def decode(self, prompt: list[int], n: int) -> list[float]:
         """Batch-1 greedy decode of n tokens; the perf_counter time each token arrived."""
@@ -120,8 +147,8 @@ class HFPeer:
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, p in enumerate(prompts):  # left padding: every row's last prompt token lines up
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
         t0 = time.perf_counter()
         out = self._generate(ids, mask, output_len)
         seconds = time.perf_counter() - t0

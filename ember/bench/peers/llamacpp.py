@@ -10,6 +10,7 @@ prompt, a unified KV cache of n_seq_max = the number of prompts, as llama-server
 do): all prompts prefilled in n_batch-token batches, then one decode per step over every sequence,
 greedy. batch_mode="sequential" instead runs the prompts one after another through generate().
 """
+
 from __future__ import annotations
 
 import time
@@ -18,13 +19,17 @@ from ember.bench.lib.machine import package_version
 from ember.errors import ConfigError
 
 BATCH_METHODS = {
-    "parallel": ("llama.cpp offline throughput: all prompts as parallel sequences through llama_decode (llama-cpp-python "
-                 "has no batched generate; its low-level batch API, unified KV, n_seq_max = prompts, greedy argmax)"),
+    "parallel": (
+        "llama.cpp offline throughput: all prompts as parallel sequences through llama_decode (llama-cpp-python "
+        "has no batched generate; its low-level batch API, unified KV, n_seq_max = prompts, greedy argmax)"
+    ),
     "sequential": "llama.cpp offline throughput: the prompts one after another through Llama.generate()",
 }
 
-INSTALL_HINT = ("pip install 'llama-cpp-python==0.3.36'  (or: pip install -e '.[bench]'; it compiles llama.cpp, "
-                "several minutes on 2 cores)")
+INSTALL_HINT = (
+    "pip install 'llama-cpp-python==0.3.36'  (or: pip install -e '.[bench]'; it compiles llama.cpp, "
+    "several minutes on 2 cores)"
+)
 
 
 def import_llama_cpp():
@@ -49,21 +54,43 @@ class LlamaCppPeer:
         if batch_mode not in BATCH_METHODS:
             raise ConfigError(f"batch_mode must be one of {', '.join(BATCH_METHODS)} (got {batch_mode!r})")
         self.batch_mode = batch_mode
-        self.description = {"name": self.name, "version": package_version("llama-cpp-python"), "model": str(gguf_path).rsplit("/", 1)[-1],
-                            "threads": threads, "flash_attn": True, "n_ctx": n_ctx, "batch": batch_mode}
+        self.description = {
+            "name": self.name,
+            "version": package_version("llama-cpp-python"),
+            "model": str(gguf_path).rsplit("/", 1)[-1],
+            "threads": threads,
+            "flash_attn": True,
+            "n_ctx": n_ctx,
+            "batch": batch_mode,
+        }
         if not str(gguf_path).endswith(".gguf"):
             raise ConfigError(f"the llama.cpp peer reads .gguf files only; {gguf_path} is not one")
         llama_cpp = import_llama_cpp()
         self.threads = threads
-        self.llm = llama_cpp.Llama(model_path=str(gguf_path), n_threads=threads, n_threads_batch=threads,
-                                   n_ctx=n_ctx, n_batch=512, flash_attn=True, seed=0, verbose=False)
+        self.llm = llama_cpp.Llama(
+            model_path=str(gguf_path),
+            n_threads=threads,
+            n_threads_batch=threads,
+            n_ctx=n_ctx,
+            n_batch=512,
+            flash_attn=True,
+            seed=0,
+            verbose=False,
+        )
 
     def _tokens(self, prompt: list[int], n: int, temperature: float, seed: int):
         """Yield n generated tokens (EOS ignored, as ember's ignore_eos); greedy at temperature 0.
         Plain temperature sampling otherwise: top-k/top-p/min-p off, as ember's defaults."""
         self.llm.set_seed(seed)
-        gen = self.llm.generate(prompt, temp=temperature, top_k=0 if temperature > 0 else 1, top_p=1.0, min_p=0.0,
-                                repeat_penalty=1.0, reset=True)
+        gen = self.llm.generate(
+            prompt,
+            temp=temperature,
+            top_k=0 if temperature > 0 else 1,
+            top_p=1.0,
+            min_p=0.0,
+            repeat_penalty=1.0,
+            reset=True,
+        )
         for i, tok in enumerate(gen):
             yield tok
             if i + 1 >= n:

@@ -8,12 +8,15 @@ sequence id per prompt over a unified KV cache; prompts prefilled in n_batch-tok
 newest token. Greedy = argmax of the logits, as ember's temperature 0. Only the generation is
 timed: a server allocates its context once, up front.
 """
+
 from __future__ import annotations
 
 import time
 
 
-def parallel_generate(llm, prompts: list[list[int]], output_len: int, n_batch: int = 512) -> tuple[float, list[list[int]]]:
+def parallel_generate(
+    llm, prompts: list[list[int]], output_len: int, n_batch: int = 512
+) -> tuple[float, list[list[int]]]:
     """(seconds, output_len token ids per prompt) for `llm`, a llama_cpp.Llama."""
     import llama_cpp
     import numpy as np
@@ -39,8 +42,11 @@ def parallel_generate(llm, prompts: list[list[int]], output_len: int, n_batch: i
         rc = llama_cpp.llama_decode(ctx.ctx, batch)
         if rc != 0:
             raise RuntimeError(f"llama_decode returned {rc} (KV cache full?)")
-        return [int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx.ctx, j), shape=(n_vocab,))))
-                for j, e in enumerate(entries) if e[3]]
+        return [
+            int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx.ctx, j), shape=(n_vocab,))))
+            for j, e in enumerate(entries)
+            if e[3]
+        ]
 
     try:
         t0 = time.perf_counter()

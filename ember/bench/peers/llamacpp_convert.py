@@ -7,6 +7,7 @@ converter, its `conversion` package and `gguf-py` are unpacked. The converter ru
 with gguf-py first on its path (the vendored gguf knows the newest architectures), so ember's own
 environment is untouched.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -26,8 +27,10 @@ _WANTED = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", QWEN_VOCAB)
 
 
 def cache_dir() -> str:
-    return os.environ.get("EMBER_LLAMACPP_CONVERTER_CACHE",
-                          os.path.join(os.path.expanduser("~"), ".cache", "ember", f"llama.cpp-converter-{VERSION}"))
+    return os.environ.get(
+        "EMBER_LLAMACPP_CONVERTER_CACHE",
+        os.path.join(os.path.expanduser("~"), ".cache", "ember", f"llama.cpp-converter-{VERSION}"),
+    )
 
 
 def converter_dir() -> str:
@@ -47,17 +50,32 @@ def converter_dir() -> str:
 def _fetch(root: str) -> None:
     sdist = os.path.join(root, f"llama_cpp_python-{VERSION}.tar.gz")
     if not os.path.exists(sdist):
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-                        f"llama-cpp-python=={VERSION}", "-d", root], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                f"llama-cpp-python=={VERSION}",
+                "-d",
+                root,
+            ],
+            check=True,
+        )
     target = os.path.join(root, "llama.cpp")
     staging = target + ".partial"
     shutil.rmtree(staging, ignore_errors=True)
     shutil.rmtree(target, ignore_errors=True)  # an older, smaller unpack
     with tarfile.open(sdist) as tar:
-        members = [m for m in tar.getmembers()
-                   if m.name.startswith(_VENDOR) and m.name[len(_VENDOR):].startswith(_WANTED)]
+        members = [
+            m for m in tar.getmembers() if m.name.startswith(_VENDOR) and m.name[len(_VENDOR) :].startswith(_WANTED)
+        ]
         for m in members:
-            m.name = m.name[len(_VENDOR):]
+            m.name = m.name[len(_VENDOR) :]
         tar.extractall(staging, members=members, filter="data")
     os.replace(staging, target)  # whole or not at all: a killed fetch leaves no half converter
     os.remove(sdist)
@@ -71,21 +89,37 @@ def write_qwen_tokenizer(folder: str) -> int:
     tok = GGUFCheckpoint(os.path.join(converter_dir(), QWEN_VOCAB)).tokenizer()
     tok.hf_tokenizer.save(os.path.join(folder, "tokenizer.json"))
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
-        json.dump({"eos_token": tok.special_tokens.get("eos_token"), "bos_token": None,
-                   "chat_template": tok.chat_template}, f)
+        json.dump(
+            {"eos_token": tok.special_tokens.get("eos_token"), "bos_token": None, "chat_template": tok.chat_template}, f
+        )
     return tok.vocab_size
 
 
-def convert(hf_dir: str, out_path: str, outtype: str = "f32", extra_args: tuple[str, ...] = (),
-            timeout: float = 1800) -> str:
+def convert(
+    hf_dir: str, out_path: str, outtype: str = "f32", extra_args: tuple[str, ...] = (), timeout: float = 1800
+) -> str:
     """Run llama.cpp's converter on an HF folder; returns out_path. outtype: f32, f16, bf16, q8_0, ...;
     extra_args: more converter flags (e.g. --no-mtp for a Qwen3-Next / Qwen3.5 folder without mtp.*)."""
     conv = converter_dir()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(conv, "gguf-py"), conv]),
-               NO_LOCAL_GGUF="")
-    proc = subprocess.run([sys.executable, os.path.join(conv, "convert_hf_to_gguf.py"), hf_dir, "--outfile", out_path,
-                           "--outtype", outtype, *extra_args], env=env, capture_output=True, text=True, timeout=timeout)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(conv, "gguf-py"), conv]), NO_LOCAL_GGUF="")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(conv, "convert_hf_to_gguf.py"),
+            hf_dir,
+            "--outfile",
+            out_path,
+            "--outtype",
+            outtype,
+            *extra_args,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if proc.returncode != 0:
-        raise RuntimeError(f"llama.cpp's convert_hf_to_gguf.py failed on {hf_dir} (exit {proc.returncode}):\n"
-                           f"{proc.stderr[-4000:]}")
+        raise RuntimeError(
+            f"llama.cpp's convert_hf_to_gguf.py failed on {hf_dir} (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
+        )
     return out_path

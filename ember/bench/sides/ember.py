@@ -4,6 +4,7 @@ EmberSide is what `ember bench compare | hybrid | matrix` build (here or in a wo
 ember_knobs turns the command's flags into its knobs. engine_and_peer builds the two sides of
 `ember bench latency | throughput` in this process: ember, then transformers on the same weights.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,8 +20,12 @@ EMBER = "ember.bench.sides.ember:EmberSide"
 # models want the flag
 KV_GIB_PER_BYTE = 0.5
 # engine knobs that turn every kind of speculation off
-NO_SPECULATION = {"speculative_config": None, "speculative_model": None, "enable_mtp": False,
-                  "num_speculative_tokens": None}
+NO_SPECULATION = {
+    "speculative_config": None,
+    "speculative_model": None,
+    "enable_mtp": False,
+    "num_speculative_tokens": None,
+}
 
 
 def ember_factory(checkout: str | None = None) -> str:
@@ -46,10 +51,16 @@ class EmberSide:
         # what the driver needs to draw prompts of ordinary tokens without loading a tokenizer itself
         self.prompt_vocab = (min(tok.vocab_size, parts.loaded.model_config.vocab_size), sorted(tok.all_special_ids))
         spec = parts.spec.config.method if parts.spec is not None else "none"
-        self.description = {"name": "ember", "model": str(parts.loaded.path).rstrip("/").rsplit("/", 1)[-1],
-                            "weights_mb": round(parts.loaded.weight_bytes / 1e6, 1),
-                            "dtype": str(parts.setup.dtype).removeprefix("torch."), "quantization": knobs.get("quantization", "auto"),
-                            "speculation": spec, "max_num_seqs": parts.limits.max_num_seqs, "threads": torch.get_num_threads()}
+        self.description = {
+            "name": "ember",
+            "model": str(parts.loaded.path).rstrip("/").rsplit("/", 1)[-1],
+            "weights_mb": round(parts.loaded.weight_bytes / 1e6, 1),
+            "dtype": str(parts.setup.dtype).removeprefix("torch."),
+            "quantization": knobs.get("quantization", "auto"),
+            "speculation": spec,
+            "max_num_seqs": parts.limits.max_num_seqs,
+            "threads": torch.get_num_threads(),
+        }
 
     def _rid(self, what: str) -> str:
         return f"bench-{what}-{next(self._ids)}"
@@ -120,8 +131,14 @@ def describe_engine(llm) -> dict:
 
     config, parts = llm.engine.config, llm.engine.parts
     name = str(parts.loaded.path).rstrip("/").rsplit("/", 1)[-1]
-    return {"model": f"{name} ({parts.loaded.weight_bytes / 1e6:.0f} MB weights{parts.copies.note()})",
-            "dtype": str(parts.setup.dtype).removeprefix("torch."), "device": str(parts.setup.device),
-            "max_num_seqs": parts.limits.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
-            "prefix_caching": config.enable_prefix_caching, "enforce_eager": config.enforce_eager,
-            "executor": parts.limits.executor, "threads": torch.get_num_threads()}
+    return {
+        "model": f"{name} ({parts.loaded.weight_bytes / 1e6:.0f} MB weights{parts.copies.note()})",
+        "dtype": str(parts.setup.dtype).removeprefix("torch."),
+        "device": str(parts.setup.device),
+        "max_num_seqs": parts.limits.max_num_seqs,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "prefix_caching": config.enable_prefix_caching,
+        "enforce_eager": config.enforce_eager,
+        "executor": parts.limits.executor,
+        "threads": torch.get_num_threads(),
+    }

@@ -1,4 +1,5 @@
 """A side built in this process from its factory path, and the peak memory a process reports."""
+
 from __future__ import annotations
 
 import importlib

@@ -5,6 +5,7 @@ builds the side (local.build) and answers measurement calls over its stdin/stdou
 call at a time. Everything else the side prints (llama.cpp's C code writes to fd 1) is moved to
 stderr, so it cannot corrupt the replies.
 """
+
 from __future__ import annotations
 
 import logging
@@ -38,8 +39,12 @@ class RemoteSide:
         # -P: `python -m` would put the current directory first on sys.path, and a driver run from a
         # checkout's root would measure that checkout's ember as the "baseline"
         isolate = ["-P"] if pythonpath is not None else []
-        self.proc = subprocess.Popen([sys.executable, *isolate, "-m", worker_module(pythonpath)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, *isolate, "-m", worker_module(pythonpath)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+        )
         self.pid = self.proc.pid
         info = self._call("build", factory, kwargs, threads)
         self.description, self.weight_bytes, self.prompt_vocab = info
@@ -50,8 +55,9 @@ class RemoteSide:
             self.proc.stdin.flush()
             reply = pickle.load(self.proc.stdout)
         except (BrokenPipeError, EOFError):
-            raise RuntimeError(f"benchmark worker died during {method} (exit code {self.proc.wait()}); "
-                               "its stderr above says why") from None
+            raise RuntimeError(
+                f"benchmark worker died during {method} (exit code {self.proc.wait()}); its stderr above says why"
+            ) from None
         if reply[0] == "ok":
             return reply[1]
         _, user_error, message = reply
@@ -116,7 +122,11 @@ def main() -> None:
             side, value = _answer(side, method, args)
             reply = ("ok", value)
         except Exception as e:  # sent back to the driver, which raises it there
-            reply = ("error", isinstance(e, EmberError), f"{type(e).__name__}: {e}" if not isinstance(e, EmberError) else str(e))
+            reply = (
+                "error",
+                isinstance(e, EmberError),
+                f"{type(e).__name__}: {e}" if not isinstance(e, EmberError) else str(e),
+            )
         pickle.dump(reply, replies)
         replies.flush()
 

@@ -20,6 +20,7 @@ trace (compile_cache.graph_identity), the executor, the shape, inductor's option
 the CPU's flags, and ember's own source (the model code the trace runs through and the kernels it
 calls: an edit there builds anew; the server, the CLI and the benches are left out).
 """
+
 from __future__ import annotations
 
 import copy
@@ -45,8 +46,11 @@ NOT_TRACED = frozenset({"bench", "server", "entrypoints", "eval", "train"})
 def source_digest() -> str:
     """A hash of ember's Python and C++ sources but NOT_TRACED (~1 MB; a few ms, once a process)."""
     h = hashlib.sha256()
-    for path in sorted(p for p in ROOT.rglob("*") if p.suffix in (".py", ".cpp", ".h")
-                       and p.relative_to(ROOT).parts[0] not in NOT_TRACED):
+    for path in sorted(
+        p
+        for p in ROOT.rglob("*")
+        if p.suffix in (".py", ".cpp", ".h") and p.relative_to(ROOT).parts[0] not in NOT_TRACED
+    ):
         h.update(str(path.relative_to(ROOT)).encode())
         h.update(path.read_bytes())
     return h.hexdigest()
@@ -57,8 +61,11 @@ def package_path(identity: str, what: str, shape: tuple[int, int], options: dict
     from ember.engine.executor.compile_cache import use_compile_cache
     from ember.platform import cpu_flags_line
 
-    key = json.dumps([identity, what, list(shape), options, torch.__version__, cpu_flags_line(), source_digest()],
-                     sort_keys=True, default=str)
+    key = json.dumps(
+        [identity, what, list(shape), options, torch.__version__, cpu_flags_line(), source_digest()],
+        sort_keys=True,
+        default=str,
+    )
     return os.path.join(use_compile_cache(), "ember-aot", hashlib.sha256(key.encode()).hexdigest()[:32] + ".pt2")
 
 
@@ -129,8 +136,9 @@ def _structural_copy(module: torch.nn.Module) -> torch.nn.Module:
     return new
 
 
-def build(step: torch.nn.Module, owner: torch.nn.Module, example: tuple, dynamic_shapes: tuple, options: dict,
-          path: str) -> None:
+def build(
+    step: torch.nn.Module, owner: torch.nn.Module, example: tuple, dynamic_shapes: tuple, options: dict, path: str
+) -> None:
     """Export `step` (a module whose submodule `owner` holds the weights) on `example` and compile it
     into a package at `path`, with its constants file. Raises EmberError when a constant the graph reads
     is not a tensor of `owner` (it could not be found again by a later process)."""
@@ -149,9 +157,11 @@ def build(step: torch.nn.Module, owner: torch.nn.Module, example: tuple, dynamic
         tensor = program.constants.get(spec.target, program.state_dict.get(spec.target))
         found = where.get(_same_tensor(tensor))
         if found is None or not found.startswith(owner_name + "."):
-            raise EmberError(f"the step reads a tensor ({spec.target}: {tuple(tensor.shape)} {tensor.dtype}) that "
-                             "is not held by the model's modules, so a later process could not hand it to an "
-                             "ahead-of-time package")
+            raise EmberError(
+                f"the step reads a tensor ({spec.target}: {tuple(tensor.shape)} {tensor.dtype}) that "
+                "is not held by the model's modules, so a later process could not hand it to an "
+                "ahead-of-time package"
+            )
         constants[spec.target] = found.removeprefix(owner_name + ".")
         if spec.kind == InputKind.CONSTANT_TENSOR:  # kept by name (see the module docstring)
             spec.kind, spec.persistent = InputKind.BUFFER, False
@@ -160,11 +170,13 @@ def build(step: torch.nn.Module, owner: torch.nn.Module, example: tuple, dynamic
     partial_constants = f"{_constants_file(path)}.{os.getpid()}.partial"
     try:
         torch._inductor.aoti_compile_and_package(
-            program, package_path=partial,
+            program,
+            package_path=partial,
             # always_keep_tensor_constants: inductor would otherwise inline a weight of up to 8 values (a
             # small norm, a scale) into the code, where a later load could not replace it
-            inductor_configs=options | {"aot_inductor.package_constants_in_so": False,
-                                        "always_keep_tensor_constants": True})
+            inductor_configs=options
+            | {"aot_inductor.package_constants_in_so": False, "always_keep_tensor_constants": True},
+        )
         with open(partial_constants, "w") as f:
             json.dump(constants, f)
         os.replace(partial_constants, _constants_file(path))  # whole files only, whoever else builds it
@@ -185,8 +197,10 @@ class LoadedStep:
         names = self._loader.get_constant_fqns()
         missing = [n for n in names if n not in where]
         if missing:
-            raise EmberError(f"{path}: constants {missing[:3]} are not named in its constants file; "
-                             "delete the package to build it again")
+            raise EmberError(
+                f"{path}: constants {missing[:3]} are not named in its constants file; "
+                "delete the package to build it again"
+            )
         self.constants = {n: _resolve(owner, where[n]) for n in names}  # kept alive: the loader holds pointers
         # (constants map, use the inactive buffer, check that every constant is set, user-managed, host copies)
         self._loader.load_constants(self.constants, False, True, True, False)

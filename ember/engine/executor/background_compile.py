@@ -20,6 +20,7 @@ slows eager steps while it traces. When the engine's process ends (exit, Ctrl-C,
 compilers it started are ended with it (close); for a SIGKILLed one, a compile guard process
 (ember.engine.executor.compile_guard, alive only while a compile runs) ends them.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -75,12 +76,21 @@ class BackgroundCompiler:
             t0 = time.perf_counter()
             try:
                 executor.warmup(background=True, sizes=built)
-                logger.info("%s: batch sizes %s loaded from the compile cache before serving in %.1fs",
-                            executor.what, built, time.perf_counter() - t0)
+                logger.info(
+                    "%s: batch sizes %s loaded from the compile cache before serving in %.1fs",
+                    executor.what,
+                    built,
+                    time.perf_counter() - t0,
+                )
             except Exception as e:  # noqa: BLE001 - a failed load leaves those steps eager, never the engine down
                 self.failures.append(f"{executor.what} batch sizes {built}: {type(e).__name__}: {e}")
-                logger.warning("%s: loading batch sizes %s failed (%s: %s); their steps run eagerly", executor.what,
-                               built, type(e).__name__, e)
+                logger.warning(
+                    "%s: loading batch sizes %s failed (%s: %s); their steps run eagerly",
+                    executor.what,
+                    built,
+                    type(e).__name__,
+                    e,
+                )
         with self._lock:
             if self._closed:
                 return
@@ -152,8 +162,13 @@ class BackgroundCompiler:
                 executor.warmup(background=True, sizes=[size])
         except Exception as e:  # noqa: BLE001 - a failed compile leaves those steps eager, never the engine down
             self.failures.append(f"{executor.what} batch {size}: {type(e).__name__}: {e}")
-            logger.warning("%s: background compile of batch %d failed (%s: %s); its steps keep running eagerly",
-                           executor.what, size, type(e).__name__, e)
+            logger.warning(
+                "%s: background compile of batch %d failed (%s: %s); its steps keep running eagerly",
+                executor.what,
+                size,
+                type(e).__name__,
+                e,
+            )
         finally:
             self._active.clear()
             with self._lock:
@@ -217,8 +232,11 @@ def _start_guard() -> subprocess.Popen | None:
     the guard ends its compilers. In a session of its own, so that a Ctrl-C meant for the engine
     leaves the guard to clean up."""
     try:
-        return subprocess.Popen([sys.executable, "-m", "ember.engine.executor.compile_guard", str(os.getpid())],
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        return subprocess.Popen(
+            [sys.executable, "-m", "ember.engine.executor.compile_guard", str(os.getpid())],
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     except OSError as e:
         logger.warning("background compile: no compile guard (%s); a SIGKILLed engine may leave a compiler running", e)
         return None

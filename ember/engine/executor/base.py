@@ -20,6 +20,7 @@ engines, such as the test suite). Flags (vLLM's where it has one; ember.config.E
 vLLM's -O0 is eager; its default CUDA mode (inductor + piecewise CUDA graphs) is closest to
 cuda-graph; it has no CPU compile of whole steps.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,13 +36,19 @@ from ember.kernels.metadata import AttentionMetadata, RowSelection
 class StepExecutor(Protocol):
     name: str
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-            select: RowSelection | None = None) -> torch.Tensor:
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        select: RowSelection | None = None,
+    ) -> torch.Tensor:
         """input_ids, positions [T] -> final-normed hidden [T, H] (or [R, H] for select.rows)."""
         ...
 
-    def sibling(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], row_inputs: tuple = (),
-                what: str = "") -> "StepExecutor | None":
+    def sibling(
+        self, model: torch.nn.Module, kv_caches: list[torch.Tensor], row_inputs: tuple = (), what: str = ""
+    ) -> "StepExecutor | None":
         """An executor of this kind, sizes and query lengths for another module in the model's call
         shape (the MTP fill), or None where it would run eagerly anyway."""
         ...
@@ -61,8 +68,13 @@ class EagerExecutor:
         return None
 
 
-def resolve_executor(config, device: torch.device, kv_dtype: torch.dtype | None = None,
-                     backend: AttentionBackend | None = None, hybrid: bool = False) -> str:
+def resolve_executor(
+    config,
+    device: torch.device,
+    kv_dtype: torch.dtype | None = None,
+    backend: AttentionBackend | None = None,
+    hybrid: bool = False,
+) -> str:
     """The executor name for this device (an EngineConfig's executor_config), or a ConfigError for a
     combination that cannot work. backend: the attention backend the model was built with, whose
     declared graph_devices say where auto builds graphs for it (None: the device's default, which does); hybrid: a
@@ -72,8 +84,10 @@ def resolve_executor(config, device: torch.device, kv_dtype: torch.dtype | None 
         return "eager"
     if hybrid:
         if name != "auto":
-            raise ConfigError(f"--executor {name} does not run hybrid models (Qwen3-Next, Qwen3.5) yet: their "
-                              "linear-attention layers run eagerly; use --executor eager (or auto)")
+            raise ConfigError(
+                f"--executor {name} does not run hybrid models (Qwen3-Next, Qwen3.5) yet: their "
+                "linear-attention layers run eagerly; use --executor eager (or auto)"
+            )
         return "eager"
     tp = config.parallel_config.tensor_parallel_size
     if name == "auto":
@@ -83,46 +97,83 @@ def resolve_executor(config, device: torch.device, kv_dtype: torch.dtype | None 
         graphs = backend is None or device.type in backend.graph_devices
         if device.type == "cuda":
             return "cuda-graph" if graphs and tp == 1 else "eager"
-        compiled = (device.type == "cpu" and graphs and tp == 1 and (kv_dtype is None or kv_dtype.itemsize > 1)
-                    and os.environ.get("EMBER_AUTO_COMPILE", "1") != "0")
+        compiled = (
+            device.type == "cpu"
+            and graphs
+            and tp == 1
+            and (kv_dtype is None or kv_dtype.itemsize > 1)
+            and os.environ.get("EMBER_AUTO_COMPILE", "1") != "0"
+        )
         return "compiled" if compiled else "eager"
     if tp > 1:
-        raise ConfigError(f"--executor {name} does not run under --tensor-parallel-size {tp} yet (the workers replay "
-                          "every forward eagerly); use --executor eager (or auto)")
+        raise ConfigError(
+            f"--executor {name} does not run under --tensor-parallel-size {tp} yet (the workers replay "
+            "every forward eagerly); use --executor eager (or auto)"
+        )
     if name == "cuda-graph" and device.type != "cuda":
-        raise ConfigError(f"--executor cuda-graph needs a CUDA device, and this engine runs on {device.type}; "
-                          "on CPU use --executor compiled (torch.compile) or eager")
+        raise ConfigError(
+            f"--executor cuda-graph needs a CUDA device, and this engine runs on {device.type}; "
+            "on CPU use --executor compiled (torch.compile) or eager"
+        )
     if name == "compiled":
         if device.type != "cpu":
-            raise ConfigError("--executor compiled is the CPU path (torch.compile of decode steps); "
-                              "on CUDA use --executor cuda-graph (the default) or eager")
+            raise ConfigError(
+                "--executor compiled is the CPU path (torch.compile of decode steps); "
+                "on CUDA use --executor cuda-graph (the default) or eager"
+            )
         if kv_dtype is not None and kv_dtype.itemsize == 1:
-            raise ConfigError("--executor compiled supports --kv-cache-dtype auto only (an fp8 cache calibrates its "
-                              "scales on the first step, which a compiled graph would freeze); drop one of them")
+            raise ConfigError(
+                "--executor compiled supports --kv-cache-dtype auto only (an fp8 cache calibrates its "
+                "scales on the first step, which a compiled graph would freeze); drop one of them"
+            )
     return name
 
 
-def build_executor(name: str, runner, *, max_model_len: int, compile_options: dict, cuda_graph_max_batch: int,
-                   query_lens: list[int], compiler=None, graph_identity: str | None = None) -> StepExecutor:
+def build_executor(
+    name: str,
+    runner,
+    *,
+    max_model_len: int,
+    compile_options: dict,
+    cuda_graph_max_batch: int,
+    query_lens: list[int],
+    compiler=None,
+    graph_identity: str | None = None,
+) -> StepExecutor:
     """The runner's executor; compiled and cuda-graph compile or capture here, at startup, except
     compiled with a BackgroundCompiler (`compiler`), which compiles while the engine serves.
     query_lens: the uniform query lengths to build graphs for (graph_query_lens / compiled_query_lens)."""
     if name == "eager":
         return EagerExecutor(runner.model, runner.kv_caches)
     if name == "compiled":
-        from ember.engine.executor.compiled import CompiledExecutor
-
-        from ember.engine.executor.compiled import auto_freezing
+        from ember.engine.executor.compiled import CompiledExecutor, auto_freezing
 
         cc = compile_options
         freezing = auto_freezing(runner.model) if cc["freezing"] is None else cc["freezing"]
-        return CompiledExecutor(runner.model, runner.kv_caches, runner.block_size, max_model_len,
-                                cc["compile_sizes"], cc["mode"], freezing, cc["cpp_wrapper"], query_lens,
-                                compiler=compiler, graph_identity=graph_identity)
+        return CompiledExecutor(
+            runner.model,
+            runner.kv_caches,
+            runner.block_size,
+            max_model_len,
+            cc["compile_sizes"],
+            cc["mode"],
+            freezing,
+            cc["cpp_wrapper"],
+            query_lens,
+            compiler=compiler,
+            graph_identity=graph_identity,
+        )
     from ember.engine.executor.cuda_graph import CUDAGraphExecutor
 
-    return CUDAGraphExecutor(runner.model, runner.kv_caches, runner.block_size, max_model_len,
-                             cuda_graph_max_batch, query_lens, runner.device)
+    return CUDAGraphExecutor(
+        runner.model,
+        runner.kv_caches,
+        runner.block_size,
+        max_model_len,
+        cuda_graph_max_batch,
+        query_lens,
+        runner.device,
+    )
 
 
 def graph_query_lens(k_max: int, backend) -> list[int]:

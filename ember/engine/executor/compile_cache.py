@@ -15,6 +15,7 @@ points torch at ~/.cache/ember/torch-compile ($XDG_CACHE_HOME honoured) instead,
 TORCHINDUCTOR_CACHE_DIR already names one (a user's choice, or a benchmark's fresh folder).
 `ember compile` (run by `make run`'s install) fills it for a model before its first server starts.
 """
+
 from __future__ import annotations
 
 import os
@@ -45,10 +46,24 @@ def use_compile_cache() -> str:
 
 # EngineConfig flags that change no traced graph (pool sizes, scheduling, sampling-side options; the
 # compile options are named resolved, and the batch sizes by their shapes)
-NOT_IN_GRAPHS = frozenset({
-    "seed", "kv_cache_memory", "gpu_memory_utilization", "enable_prefix_caching", "max_state_snapshots",
-    "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill", "compilation_config",
-    "cuda_graph_max_batch_size", "max_logprobs", "reasoning_parser", "structured_outputs_config", "tokenizer"})
+NOT_IN_GRAPHS = frozenset(
+    {
+        "seed",
+        "kv_cache_memory",
+        "gpu_memory_utilization",
+        "enable_prefix_caching",
+        "max_state_snapshots",
+        "max_num_batched_tokens",
+        "max_num_seqs",
+        "enable_chunked_prefill",
+        "compilation_config",
+        "cuda_graph_max_batch_size",
+        "max_logprobs",
+        "reasoning_parser",
+        "structured_outputs_config",
+        "tokenizer",
+    }
+)
 
 
 def graph_identity(config, model_path: str) -> str:
@@ -57,8 +72,11 @@ def graph_identity(config, model_path: str) -> str:
     import dataclasses
     import json
 
-    flags = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
-             if f.metadata.get("group") and f.name not in NOT_IN_GRAPHS}
+    flags = {
+        f.name: getattr(config, f.name)
+        for f in dataclasses.fields(config)
+        if f.metadata.get("group") and f.name not in NOT_IN_GRAPHS
+    }
     path = os.path.realpath(str(model_path))
     try:
         st = os.stat(path)
@@ -77,8 +95,11 @@ def built_marker(identity: str, what: str, size: int, shapes: list, options: dic
 
     from ember.platform import cpu_flags_line
 
-    key = json.dumps([identity, what, size, sorted(shapes), options, torch.__version__, cpu_flags_line()],
-                     sort_keys=True, default=str)
+    key = json.dumps(
+        [identity, what, size, sorted(shapes), options, torch.__version__, cpu_flags_line()],
+        sort_keys=True,
+        default=str,
+    )
     return os.path.join(use_compile_cache(), "ember-built", hashlib.sha256(key.encode()).hexdigest()[:32])
 
 

@@ -9,6 +9,7 @@ ends the ones it noted (and what they started), then exits. It also exits when t
 
     python -m ember.engine.executor.compile_guard ENGINE_PID
 """
+
 from __future__ import annotations
 
 import sys

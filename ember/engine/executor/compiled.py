@@ -38,6 +38,7 @@ is built (built_sizes); without one (`--executor compiled`) every shape is built
 background torch.compile shape is published only with its direct call (never dynamo's guarded call,
 which could recompile on the step thread) and only when the guards pass for the real pool.
 """
+
 from __future__ import annotations
 
 import functools
@@ -51,8 +52,14 @@ from typing import Callable
 
 import torch
 
-from ember.engine.executor.decode_batch import (DecodeInputs, fixed_meta, graph_shape, pad_decode, table_width,
-                                       warmup_inputs)
+from ember.engine.executor.decode_batch import (
+    DecodeInputs,
+    fixed_meta,
+    graph_shape,
+    pad_decode,
+    table_width,
+    warmup_inputs,
+)
 from ember.errors import EmberError
 from ember.layers.rotary import RotaryEmbedding
 
@@ -82,8 +89,18 @@ def auto_freezing(model: torch.nn.Module) -> bool:
     return any(isinstance(m, LinearBase) and isinstance(m.quant_method, DenseMethod) for m in model.modules())
 
 
-def step_forward(model: torch.nn.Module, block_size: int, input_ids, positions, slot_mapping, query_start_loc,
-                 seq_lens, block_tables, kv_caches, *rows) -> torch.Tensor:
+def step_forward(
+    model: torch.nn.Module,
+    block_size: int,
+    input_ids,
+    positions,
+    slot_mapping,
+    query_start_loc,
+    seq_lens,
+    block_tables,
+    kv_caches,
+    *rows,
+) -> torch.Tensor:
     """One uniform-decode step of `model` over fixed-shape metadata: what every compiled graph traces."""
     x = DecodeInputs(input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables)
     q_len = input_ids.shape[0] // block_tables.shape[0]  # static per graph
@@ -99,8 +116,18 @@ class DecodeStep(torch.nn.Module):
         self.model, self.block_size = model, block_size
 
     def forward(self, input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables, kv_caches, rows):
-        return step_forward(self.model, self.block_size, input_ids, positions, slot_mapping, query_start_loc,
-                            seq_lens, block_tables, kv_caches, *rows)
+        return step_forward(
+            self.model,
+            self.block_size,
+            input_ids,
+            positions,
+            slot_mapping,
+            query_start_loc,
+            seq_lens,
+            block_tables,
+            kv_caches,
+            *rows,
+        )
 
 
 # How a ready shape's step runs: (inputs, per-row inputs, KV caches) -> the model's output
@@ -110,11 +137,22 @@ StepCall = Callable[[DecodeInputs, tuple, list], torch.Tensor]
 class CompiledExecutor:
     name = "compiled"
 
-    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int, max_model_len: int,
-                 sizes: list[int], mode: str = "max-autotune-no-cudagraphs", freezing: bool = True,
-                 cpp_wrapper: bool = True, query_lens: list[int] = (1,),
-                 row_inputs: tuple[tuple[tuple[int, ...], torch.dtype], ...] = (), what: str = "compiled executor",
-                 compiler=None, graph_identity: str | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        max_model_len: int,
+        sizes: list[int],
+        mode: str = "max-autotune-no-cudagraphs",
+        freezing: bool = True,
+        cpp_wrapper: bool = True,
+        query_lens: list[int] = (1,),
+        row_inputs: tuple[tuple[tuple[int, ...], torch.dtype], ...] = (),
+        what: str = "compiled executor",
+        compiler=None,
+        graph_identity: str | None = None,
+    ):
         """row_inputs: (per-row shape, dtype) of tensors the model takes after (input_ids, positions,
         kv_caches, meta, select), one row per query (the MTP fill's hidden states). compiler: a
         BackgroundCompiler to compile on (None: compile now). graph_identity: what the graphs depend
@@ -158,8 +196,12 @@ class CompiledExecutor:
             return None
         from ember.engine.executor.compile_cache import built_marker
 
-        options = {"mode": self.mode, "freezing": self.freezing, "cpp_wrapper": self.cpp_wrapper,
-                   "threads": self.threads}
+        options = {
+            "mode": self.mode,
+            "freezing": self.freezing,
+            "cpp_wrapper": self.cpp_wrapper,
+            "threads": self.threads,
+        }
         return built_marker(self.graph_identity, self.what, size, [s for s in self.shapes if s[0] == size], options)
 
     def was_built(self, size: int) -> bool:
@@ -183,13 +225,21 @@ class CompiledExecutor:
         # kernels', which the tests check. cpp.threads: loop splits for the engine's thread count,
         # whatever count the thread compiling has now.
         return dict(torch._inductor.list_mode_options(self.mode)) | {
-            "cpp.threads": self.threads, "size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
+            "cpp.threads": self.threads,
+            "size_asserts": False,
+            "alignment_asserts": False,
+            "scalar_asserts": False,
+        }
 
     def package_path(self, shape: tuple[int, int]) -> str:
         from ember.engine.executor.aot_package import package_path
 
-        return package_path(self.graph_identity, self.what, shape, {"mode": self.mode, "threads": self.threads,
-                                                                    "row_inputs": self.row_inputs})
+        return package_path(
+            self.graph_identity,
+            self.what,
+            shape,
+            {"mode": self.mode, "threads": self.threads, "row_inputs": self.row_inputs},
+        )
 
     @property
     def timed(self) -> bool:
@@ -198,8 +248,18 @@ class CompiledExecutor:
         return self.sizes[0] in self.settled_sizes or (self.compiler is not None and self.compiler.done)
 
     def _forward(self, input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables, kv_caches, *rows):
-        return step_forward(self.model, self.block_size, input_ids, positions, slot_mapping, query_start_loc,
-                            seq_lens, block_tables, kv_caches, *rows)
+        return step_forward(
+            self.model,
+            self.block_size,
+            input_ids,
+            positions,
+            slot_mapping,
+            query_start_loc,
+            seq_lens,
+            block_tables,
+            kv_caches,
+            *rows,
+        )
 
     @property
     def direct_shapes(self) -> list[tuple[int, int]]:
@@ -219,18 +279,40 @@ class CompiledExecutor:
         torch._dynamo.maybe_mark_dynamic(x.block_tables, 1)
         for cache in caches:
             torch._dynamo.maybe_mark_dynamic(cache, 1)
-        return self._compiled(x.input_ids, x.positions, x.slot_mapping, x.query_start_loc, x.seq_lens,
-                              x.block_tables, caches, *rows)
+        return self._compiled(
+            x.input_ids, x.positions, x.slot_mapping, x.query_start_loc, x.seq_lens, x.block_tables, caches, *rows
+        )
 
-    def _call_direct(self, fn: types.FunctionType, x: DecodeInputs, rows: tuple = (),
-                     caches: list[torch.Tensor] | None = None) -> torch.Tensor:
-        return fn(self, x.input_ids, x.positions, x.slot_mapping, x.query_start_loc, x.seq_lens, x.block_tables,
-                  self.kv_caches if caches is None else caches, *rows)
+    def _call_direct(
+        self, fn: types.FunctionType, x: DecodeInputs, rows: tuple = (), caches: list[torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        return fn(
+            self,
+            x.input_ids,
+            x.positions,
+            x.slot_mapping,
+            x.query_start_loc,
+            x.seq_lens,
+            x.block_tables,
+            self.kv_caches if caches is None else caches,
+            *rows,
+        )
 
-    def _call_package(self, package, x: DecodeInputs, rows: tuple = (),
-                      caches: list[torch.Tensor] | None = None) -> torch.Tensor:
-        return package([x.input_ids, x.positions, x.slot_mapping, x.query_start_loc, x.seq_lens, x.block_tables,
-                        *(self.kv_caches if caches is None else caches), *rows])
+    def _call_package(
+        self, package, x: DecodeInputs, rows: tuple = (), caches: list[torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        return package(
+            [
+                x.input_ids,
+                x.positions,
+                x.slot_mapping,
+                x.query_start_loc,
+                x.seq_lens,
+                x.block_tables,
+                *(self.kv_caches if caches is None else caches),
+                *rows,
+            ]
+        )
 
     def _scratch_caches(self) -> list[torch.Tensor]:
         """Caches of the pool's very shape, for a background compile to write instead of the pool the
@@ -259,8 +341,11 @@ class CompiledExecutor:
         # cpp_wrapper_build_separate: the C++ entry function (one call per op, ~300 for the default model)
         # is built at -O1 apart from the kernels. One -O3 build of both took 71 of a cold compile's 104 s;
         # apart, the compile took 45 s, at the same decode speed (docs/tuning.md, "Compile caches").
-        options = self._inductor_options() | {"freezing": self.freezing, "cpp_wrapper": self.cpp_wrapper,
-                                              "cpp_wrapper_build_separate": True}
+        options = self._inductor_options() | {
+            "freezing": self.freezing,
+            "cpp_wrapper": self.cpp_wrapper,
+            "cpp_wrapper_build_separate": True,
+        }
         self._compiled = torch.compile(self._forward, options=options, dynamic=False, fullgraph=True)
 
     @torch.inference_mode()
@@ -292,10 +377,15 @@ class CompiledExecutor:
         if not background:
             for cache in self.kv_caches:
                 cache[:, 0].zero_()
-        logger.info("%s: sizes %s x query lengths %s %s in %.1fs (compile cache: %s)",
-                    self.what, sorted(sizes), self.query_lens,
-                    "compiled in the background; decode steps of those shapes now run compiled" if background else "ready",
-                    time.perf_counter() - total, self.cache_dir)
+        logger.info(
+            "%s: sizes %s x query lengths %s %s in %.1fs (compile cache: %s)",
+            self.what,
+            sorted(sizes),
+            self.query_lens,
+            "compiled in the background; decode steps of those shapes now run compiled" if background else "ready",
+            time.perf_counter() - total,
+            self.cache_dir,
+        )
 
     def _warmup_package(self, shape: tuple[int, int], caches: list[torch.Tensor]) -> bool:
         """Make `shape` ready from its AOTInductor package: loaded if this machine built it before, else
@@ -313,24 +403,50 @@ class CompiledExecutor:
         try:
             package = aot_package.load(path, self.model)
         except Exception as e:  # noqa: BLE001 - a stale or broken package is built again
-            logger.warning("%s: the package of batch %d x %d did not load (%s: %s); building it again",
-                           self.what, b, n, type(e).__name__, e)
+            logger.warning(
+                "%s: the package of batch %d x %d did not load (%s: %s); building it again",
+                self.what,
+                b,
+                n,
+                type(e).__name__,
+                e,
+            )
             aot_package.discard(path)
         how = "loaded from its ahead-of-time package"
         try:
             if package is None:
                 how = "compiled ahead of time"
                 dynamic = self._dynamic_shapes(len(caches), len(rows))
-                aot_package.build(DecodeStep(self.model, self.block_size), self.model,
-                                  (x.input_ids, x.positions, x.slot_mapping, x.query_start_loc, x.seq_lens,
-                                   x.block_tables, list(caches), list(rows)), dynamic, self._inductor_options(), path)
+                aot_package.build(
+                    DecodeStep(self.model, self.block_size),
+                    self.model,
+                    (
+                        x.input_ids,
+                        x.positions,
+                        x.slot_mapping,
+                        x.query_start_loc,
+                        x.seq_lens,
+                        x.block_tables,
+                        list(caches),
+                        list(rows),
+                    ),
+                    dynamic,
+                    self._inductor_options(),
+                    path,
+                )
                 package = aot_package.load(path, self.model)
             out = self._call_package(package, x, rows, caches)  # fails here, not on a request
             if out.shape[0] != b * n:
                 raise EmberError(f"the package returned {out.shape[0]} rows for {b * n} queries")
         except Exception as e:  # noqa: BLE001 - dynamo compiles the shape instead
-            logger.warning("%s: batch %d x %d could not run as an ahead-of-time package (%s: %s); torch.compile "
-                           "builds it instead", self.what, b, n, type(e).__name__, e)
+            logger.warning(
+                "%s: batch %d x %d could not run as an ahead-of-time package (%s: %s); torch.compile builds it instead",
+                self.what,
+                b,
+                n,
+                type(e).__name__,
+                e,
+            )
             aot_package.discard(path)
             return False
         finally:
@@ -364,13 +480,15 @@ class CompiledExecutor:
         # executor in this process (other engines, the MTP fill) adds entries to the same code object.
         # Set on every warmup: dynamo's config is the calling thread's, and each background job runs
         # on a thread of its own (ember.engine.executor.background_compile).
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
-                                                   len(_cache_entries()) + 2 * len(self.shapes) + 4)
+        torch._dynamo.config.recompile_limit = max(
+            torch._dynamo.config.recompile_limit, len(_cache_entries()) + 2 * len(self.shapes) + 4
+        )
         dev = self.kv_caches[0].device
         source = CompiledExecutor._forward
         codes: list[types.CodeType] = []  # dynamo's rewritten bytecode of _forward, one per graph
         hook = torch._dynamo.convert_frame.register_bytecode_hook(
-            lambda old, new: codes.append(new) if old is source.__code__ else None)
+            lambda old, new: codes.append(new) if old is source.__code__ else None
+        )
         try:
             for b, n in shapes:
                 t0 = time.perf_counter()
@@ -382,11 +500,17 @@ class CompiledExecutor:
                 logger.info("%s: batch %d x %d queries compiled in %.1fs", self.what, b, n, time.perf_counter() - t0)
                 # a new graph's bytecode, or that of the cached graph dynamo chose (an earlier engine's
                 # in this process, e.g. another --kv-cache-memory: weights are graph inputs, so it fits)
-                code = (codes[-1] if len(codes) == seen + 1 else self._reused_code(x, rows, caches) if len(codes) == seen
-                        else None)
+                code = (
+                    codes[-1]
+                    if len(codes) == seen + 1
+                    else self._reused_code(x, rows, caches)
+                    if len(codes) == seen
+                    else None
+                )
                 if code is not None:
-                    fn = types.FunctionType(code, source.__globals__, source.__name__, source.__defaults__,
-                                            source.__closure__)
+                    fn = types.FunctionType(
+                        code, source.__globals__, source.__name__, source.__defaults__, source.__closure__
+                    )
                     # same step again: same slot, same values
                     if torch.equal(self._call_direct(fn, x, rows, caches), guarded):
                         self._direct[(b, n)] = fn
@@ -394,23 +518,39 @@ class CompiledExecutor:
                 if not background:
                     self.ready[(b, n)] = direct or self._call
                     if direct is None:
-                        logger.warning("%s: batch %d x %d keeps dynamo's guarded call (~2 ms a step slower)",
-                                       self.what, b, n)
+                        logger.warning(
+                            "%s: batch %d x %d keeps dynamo's guarded call (~2 ms a step slower)", self.what, b, n
+                        )
                 elif direct is not None and self._reused_code(x, rows) is code:  # the real pool passes its guards
                     self.ready[(b, n)] = direct
                 else:
-                    logger.warning("%s: batch %d x %d compiled but cannot run on the pool without dynamo's guards; "
-                                   "its steps stay eager", self.what, b, n)
+                    logger.warning(
+                        "%s: batch %d x %d compiled but cannot run on the pool without dynamo's guards; "
+                        "its steps stay eager",
+                        self.what,
+                        b,
+                        n,
+                    )
         finally:
             hook.remove()
 
-    def _reused_code(self, x: DecodeInputs, rows: tuple, caches: list[torch.Tensor] | None = None
-                     ) -> types.CodeType | None:
+    def _reused_code(
+        self, x: DecodeInputs, rows: tuple, caches: list[torch.Tensor] | None = None
+    ) -> types.CodeType | None:
         """The rewritten bytecode of the cache entry of `_forward` whose guards pass for these arguments
         (default caches: the pool's; None if there is none, or dynamo's private API moved)."""
-        values = (self, x.input_ids, x.positions, x.slot_mapping, x.query_start_loc, x.seq_lens, x.block_tables,
-                  self.kv_caches if caches is None else caches, rows)
-        frame = dict(zip(CompiledExecutor._forward.__code__.co_varnames[:len(values)], values))
+        values = (
+            self,
+            x.input_ids,
+            x.positions,
+            x.slot_mapping,
+            x.query_start_loc,
+            x.seq_lens,
+            x.block_tables,
+            self.kv_caches if caches is None else caches,
+            rows,
+        )
+        frame = dict(zip(CompiledExecutor._forward.__code__.co_varnames[: len(values)], values))
         try:
             return next((e.code for e in _cache_entries() if e.guard_manager.check(frame)), None)
         except Exception:  # noqa: BLE001 - the guarded call still works
@@ -419,8 +559,11 @@ class CompiledExecutor:
     def _time_calls(self, dev, caches: list[torch.Tensor], sizes: set[int], rounds: int = 5) -> None:
         """Median seconds of one call per shape of `sizes` (merged into call_seconds), the shapes interleaved round by round so that a burst
         of other work on the machine hits them alike. Speculation prices a verify row from these."""
-        inputs = {s: (warmup_inputs(s[0], s[1], table_width(s[1], self.block_size), dev),
-                      self._dummy_rows(s[0] * s[1], dev)) for s in self.shapes if s[0] in sizes}
+        inputs = {
+            s: (warmup_inputs(s[0], s[1], table_width(s[1], self.block_size), dev), self._dummy_rows(s[0] * s[1], dev))
+            for s in self.shapes
+            if s[0] in sizes
+        }
         times: dict[tuple[int, int], list[float]] = {s: [] for s in inputs}
         for _ in range(rounds):
             for s, (x, rows) in inputs.items():
@@ -437,8 +580,11 @@ class CompiledExecutor:
         base = self.call_seconds.get((size, 1))
         if not base:
             return {}
-        return {n - 1: max(0.0, (self.call_seconds[(size, n)] - base) / base)
-                for n in self.query_lens if n > 1 and (size, n) in self.call_seconds}
+        return {
+            n - 1: max(0.0, (self.call_seconds[(size, n)] - base) / base)
+            for n in self.query_lens
+            if n > 1 and (size, n) in self.call_seconds
+        }
 
     def extra_query_cost(self, size: int | None = None) -> float | None:
         """What one more query per sequence adds to a compiled step at `size` (default: the smallest),
@@ -452,9 +598,21 @@ class CompiledExecutor:
 
     def sibling(self, model, kv_caches, row_inputs=(), what: str = "compiled executor") -> "CompiledExecutor":
         """The same sizes, query lengths and inductor options for another module (the MTP fill)."""
-        return type(self)(model, kv_caches, self.block_size, self.max_model_len, self.sizes, self.mode,
-                          self.freezing, self.cpp_wrapper, self.query_lens, row_inputs=row_inputs, what=what,
-                          compiler=self.compiler, graph_identity=self.graph_identity)
+        return type(self)(
+            model,
+            kv_caches,
+            self.block_size,
+            self.max_model_len,
+            self.sizes,
+            self.mode,
+            self.freezing,
+            self.cpp_wrapper,
+            self.query_lens,
+            row_inputs=row_inputs,
+            what=what,
+            compiler=self.compiler,
+            graph_identity=self.graph_identity,
+        )
 
     def covers(self, meta) -> bool:
         """Whether a step of this metadata (and no RowSelection) runs compiled."""
@@ -472,4 +630,4 @@ class CompiledExecutor:
             rows = tuple(torch.nn.functional.pad(r, (0, 0) * (r.dim() - 1) + (0, T - r.shape[0])) for r in rows)
         self.compiled_steps += 1
         out = self.ready[shape](x, rows, self.kv_caches)
-        return out[:input_ids.shape[0]]
+        return out[: input_ids.shape[0]]

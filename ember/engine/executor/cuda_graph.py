@@ -25,6 +25,7 @@ size in decode_batch.default_sizes(--cuda-graph-max-batch-size): 1, 2, 4, 8, 16,
 The CUDA calls sit in a few small methods (_synchronize, _free_bytes, _new_pool, _capture_graph)
 so that tests can run the buffer, padding and replay logic on CPU with stand-in graphs.
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,8 +33,16 @@ import time
 
 import torch
 
-from ember.engine.executor.decode_batch import (DecodeInputs, default_sizes, fixed_meta, graph_shape, leading, pad_decode,
-                                       table_width, warmup_inputs)
+from ember.engine.executor.decode_batch import (
+    DecodeInputs,
+    default_sizes,
+    fixed_meta,
+    graph_shape,
+    leading,
+    pad_decode,
+    table_width,
+    warmup_inputs,
+)
 from ember.errors import ConfigError
 from ember.layers.rotary import RotaryEmbedding
 
@@ -45,9 +54,19 @@ class CUDAGraphExecutor:
     name = "cuda-graph"
     device_type = "cuda"  # tests run the logic on CPU with stand-in graphs (see the module docstring)
 
-    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int, max_model_len: int,
-                 max_batch: int, query_lens: list[int], device: torch.device, row_inputs: tuple = (),
-                 what: str = "cuda graphs", pool=None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        max_model_len: int,
+        max_batch: int,
+        query_lens: list[int],
+        device: torch.device,
+        row_inputs: tuple = (),
+        what: str = "cuda graphs",
+        pool=None,
+    ):
         """row_inputs: ((shape, dtype), ...) of the model's per-row inputs after its 5 usual arguments;
         pool: a graph memory pool to share (default: a new one)."""
         if device.type != self.device_type:
@@ -67,8 +86,10 @@ class CUDAGraphExecutor:
         try:
             self.capture(query_lens)
         except torch.OutOfMemoryError:
-            raise ConfigError(f"out of GPU memory while capturing CUDA graphs (batch sizes {self.sizes}, query lengths "
-                              f"{query_lens}); {OOM_HINT}") from None
+            raise ConfigError(
+                f"out of GPU memory while capturing CUDA graphs (batch sizes {self.sizes}, query lengths "
+                f"{query_lens}); {OOM_HINT}"
+            ) from None
 
     @property
     def query_lens(self) -> list[int]:
@@ -83,21 +104,30 @@ class CUDAGraphExecutor:
             self.pool = self._new_pool()
         for q in query_lens:
             static = self.static[q] = warmup_inputs(self.sizes[-1], q, self.width, dev)
-            rows = self.rows[q] = tuple(torch.zeros(self.sizes[-1] * q, *shape, dtype=dtype, device=dev)
-                                        for shape, dtype in self.row_inputs)
+            rows = self.rows[q] = tuple(
+                torch.zeros(self.sizes[-1] * q, *shape, dtype=dtype, device=dev) for shape, dtype in self.row_inputs
+            )
             for b in reversed(self.sizes):  # largest first: the smaller graphs fit in its pool memory
                 x = leading(static, b, q)
                 meta = fixed_meta(x, q, self.block_size)
-                r = tuple(t[:b * q] for t in rows)
+                r = tuple(t[: b * q] for t in rows)
                 self.graphs[(q, b)] = self._capture_graph(
-                    lambda x=x, meta=meta, r=r: self.model(x.input_ids, x.positions, self.kv_caches, meta, None, *r))
+                    lambda x=x, meta=meta, r=r: self.model(x.input_ids, x.positions, self.kv_caches, meta, None, *r)
+                )
             static.slot_mapping.fill_(-1)
         for cache in self.kv_caches:  # the dummy steps wrote block 0
             cache[:, 0].zero_()
         self._synchronize()
         self.graph_bytes = free0 - self._free_bytes()
-        logger.info("%s: %d captured (batch sizes %s, query lengths %s) in %.1fs, %.1f MB", self.what,
-                    len(self.graphs), self.sizes, query_lens, time.perf_counter() - t0, self.graph_bytes / 1e6)
+        logger.info(
+            "%s: %d captured (batch sizes %s, query lengths %s) in %.1fs, %.1f MB",
+            self.what,
+            len(self.graphs),
+            self.sizes,
+            query_lens,
+            time.perf_counter() - t0,
+            self.graph_bytes / 1e6,
+        )
 
     # -- the CUDA calls (stand-ins in tests) ------------------------------------------------------
     def _synchronize(self) -> None:
@@ -132,8 +162,18 @@ class CUDAGraphExecutor:
     def sibling(self, model, kv_caches, row_inputs=(), what: str = "cuda graphs") -> "CUDAGraphExecutor":
         """The same sizes and query lengths for another module (the MTP fill), captured into this
         executor's memory pool."""
-        return type(self)(model, kv_caches, self.block_size, self.max_model_len, self.sizes[-1], self.query_lens,
-                          self.device, row_inputs=row_inputs, what=f"{what} cuda graphs", pool=self.pool)
+        return type(self)(
+            model,
+            kv_caches,
+            self.block_size,
+            self.max_model_len,
+            self.sizes[-1],
+            self.query_lens,
+            self.device,
+            row_inputs=row_inputs,
+            what=f"{what} cuda graphs",
+            pool=self.pool,
+        )
 
     def covers(self, meta) -> bool:
         """Whether a step of this metadata (and no RowSelection) replays a graph."""
@@ -149,20 +189,30 @@ class CUDAGraphExecutor:
         T = input_ids.shape[0]
         for buf, r in zip(self.rows[q], rows):  # padding rows read zeros (their slots are -1, outputs dropped)
             buf[:T].copy_(r, non_blocking=True)
-            buf[T:batch * q].zero_()
+            buf[T : batch * q].zero_()
         graph, out = self.graphs[(q, batch)]
         graph.replay()
         self.replays += 1
         return out[:T].clone()  # the next replay overwrites out
 
 
-def graph_pool_estimate(model: torch.nn.Module, mc, max_batch: int, q_len: int, max_model_len: int, block_size: int,
-                        dtype: torch.dtype, device: torch.device) -> int:
+def graph_pool_estimate(
+    model: torch.nn.Module,
+    mc,
+    max_batch: int,
+    q_len: int,
+    max_model_len: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> int:
     """Bytes the graphs' shared pool will take: the largest graph's forward run once eagerly (its
     activations; smaller graphs reuse that memory), plus 10%."""
     width = table_width(max_model_len, block_size)
-    caches = [torch.zeros(2, 1, block_size, mc.num_kv_heads, mc.head_dim, dtype=dtype, device=device)
-              for _ in range(mc.num_layers)]  # one block: every table entry is block 0
+    caches = [
+        torch.zeros(2, 1, block_size, mc.num_kv_heads, mc.head_dim, dtype=dtype, device=device)
+        for _ in range(mc.num_layers)
+    ]  # one block: every table entry is block 0
     x = warmup_inputs(max_batch, q_len, width, device)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)

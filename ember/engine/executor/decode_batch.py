@@ -16,6 +16,7 @@ padded to the next size in `sizes` (bucket_for), and the block tables to a fixed
 Everything here is ordinary tensor code, so it is unit-tested on CPU; the executors only add
 torch.compile or CUDA-graph capture around it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -72,9 +73,9 @@ class DecodeInputs:
         for f in fields(self):
             src, dst = getattr(self, f.name), getattr(static, f.name)
             if src.dim() == 2:
-                dst[:src.shape[0], :src.shape[1]].copy_(src, non_blocking=True)
+                dst[: src.shape[0], : src.shape[1]].copy_(src, non_blocking=True)
             else:
-                dst[:src.shape[0]].copy_(src, non_blocking=True)
+                dst[: src.shape[0]].copy_(src, non_blocking=True)
 
 
 def graph_shape(meta: AttentionMetadata, sizes: list[int], query_lens) -> tuple[int, int] | None:
@@ -85,8 +86,9 @@ def graph_shape(meta: AttentionMetadata, sizes: list[int], query_lens) -> tuple[
     return None if batch is None else (batch, q)
 
 
-def pad_decode(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, batch: int,
-               width: int) -> DecodeInputs:
+def pad_decode(
+    input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, batch: int, width: int
+) -> DecodeInputs:
     """A uniform-decode step (B sequences of q_len rows) padded to `batch` sequences and block
     tables `width` wide. Padding is appended on the device: no host sync."""
     B, q_len = meta.num_seqs, meta.max_query_len
@@ -116,10 +118,18 @@ def fixed_meta(inputs: DecodeInputs, q_len: int, block_size: int) -> AttentionMe
     B, W = inputs.block_tables.shape
     bound = W * block_size
     return AttentionMetadata(
-        slot_mapping=inputs.slot_mapping, query_start_loc=inputs.query_start_loc, seq_lens=inputs.seq_lens,
-        block_tables=inputs.block_tables, block_size=block_size, query_lens_cpu=[q_len] * B,
-        seq_lens_cpu=[bound] * B, max_query_len=q_len, max_seq_len=bound, all_slots_valid=False,
-        fixed_shape=True)
+        slot_mapping=inputs.slot_mapping,
+        query_start_loc=inputs.query_start_loc,
+        seq_lens=inputs.seq_lens,
+        block_tables=inputs.block_tables,
+        block_size=block_size,
+        query_lens_cpu=[q_len] * B,
+        seq_lens_cpu=[bound] * B,
+        max_query_len=q_len,
+        max_seq_len=bound,
+        all_slots_valid=False,
+        fixed_shape=True,
+    )
 
 
 def static_buffers(max_batch: int, q_len: int, width: int, device: torch.device) -> DecodeInputs:
@@ -131,14 +141,21 @@ def static_buffers(max_batch: int, q_len: int, width: int, device: torch.device)
         slot_mapping=torch.full((T,), -1, dtype=torch.int64, device=device),
         query_start_loc=torch.arange(max_batch + 1, dtype=torch.int32, device=device) * q_len,
         seq_lens=torch.full((max_batch,), q_len, dtype=torch.int32, device=device),
-        block_tables=torch.zeros(max_batch, width, dtype=torch.int32, device=device))
+        block_tables=torch.zeros(max_batch, width, dtype=torch.int32, device=device),
+    )
 
 
 def leading(static: DecodeInputs, batch: int, q_len: int) -> DecodeInputs:
     """Views of the first `batch` sequences of static buffers (what a graph of that size reads)."""
     T = batch * q_len
-    return DecodeInputs(static.input_ids[:T], static.positions[:T], static.slot_mapping[:T],
-                        static.query_start_loc[:batch + 1], static.seq_lens[:batch], static.block_tables[:batch])
+    return DecodeInputs(
+        static.input_ids[:T],
+        static.positions[:T],
+        static.slot_mapping[:T],
+        static.query_start_loc[: batch + 1],
+        static.seq_lens[:batch],
+        static.block_tables[:batch],
+    )
 
 
 def warmup_inputs(batch: int, q_len: int, width: int, device: torch.device) -> DecodeInputs:

@@ -8,6 +8,7 @@ step of the default model took 780-870 ms that way and 270-300 ms with both thre
 Intel's PyTorch CPU guide gets the same effect by preloading jemalloc or tcmalloc; mallopt does
 it without a preload. The cost: RSS stays at the step's high-water mark instead of shrinking.
 """
+
 from __future__ import annotations
 
 import ctypes

@@ -4,6 +4,7 @@ the device, the dtype, CPU threads and allocator, the seed, and which CPU kernel
 What it decides is one DeviceSetup, handed to everything built after it (the model and its
 layers, the draft model, the KV pool), so no later step re-derives any of it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -52,8 +53,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return TORCH_DTYPES[resolve_dtype_name(name, device.type)]
 
 
-def init_device(config, world_size: int = 1, local_rank: int | None = None,
-                device_type: str | None = None) -> DeviceSetup:
+def init_device(
+    config, world_size: int = 1, local_rank: int | None = None, device_type: str | None = None
+) -> DeviceSetup:
     """Set this process up to run the model: threads and allocator on CPU (the cores are shared
     among world_size ranks), the seed; build or load the CPU kernels. A worker passes its
     local_rank (on CUDA its GPU, made the current device) and rank 0's device_type; rank 0 passes

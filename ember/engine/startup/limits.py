@@ -1,6 +1,7 @@
 """An engine's limits, resolved once its device and model are known: max_model_len, max_num_seqs
 (its default and budget check are SchedulerConfig's: config may not import the engine), the KV
 cache dtype, and which executor runs its steps."""
+
 from __future__ import annotations
 
 import logging
@@ -27,18 +28,22 @@ class Limits:
     background: bool = False  # compiled while serving (--executor auto on CPU), not before
 
 
-
 def resolve_limits(config: EngineConfig, setup: DeviceSetup, loaded: LoadedModel) -> Limits:
     sched, model_max = config.scheduler_config, loaded.model_config.max_position_embeddings
     max_model_len = sched.max_model_len or model_max
     if max_model_len > model_max:
-        raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's context length "
-                          f"{model_max}; pass --max-model-len {model_max} or less")
+        raise ConfigError(
+            f"--max-model-len {max_model_len} exceeds the model's context length "
+            f"{model_max}; pass --max-model-len {model_max} or less"
+        )
     max_num_seqs = sched.default_max_num_seqs(setup.device.type)
     if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < max_model_len:
-        logger.info("chunked prefill is off: prompts longer than %d tokens will be refused", sched.max_num_batched_tokens)
+        logger.info(
+            "chunked prefill is off: prompts longer than %d tokens will be refused", sched.max_num_batched_tokens
+        )
     kv_dtype = resolve_kv_cache_dtype(config.cache_config.kv_cache_dtype, setup.dtype, setup.device)
-    executor = resolve_executor(config, setup.device, kv_dtype, loaded.model.attn_backend,
-                                loaded.model_config.is_hybrid)
+    executor = resolve_executor(
+        config, setup.device, kv_dtype, loaded.model.attn_backend, loaded.model_config.is_hybrid
+    )
     background = executor == "compiled" and config.executor_config.executor == "auto"
     return Limits(max_model_len, max_num_seqs, kv_dtype, executor, background)

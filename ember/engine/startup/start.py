@@ -1,19 +1,20 @@
 """Rank 0's engine start-up: everything LLMEngine drives, built once, in this order.
 
-  1. device.init_device            device, dtype, threads, allocator, seed, the CPU kernels
-  2. tp.group.start_tensor_parallel  (--tensor-parallel-size > 1) the workers, which run steps 1
-                                    and 3 themselves (tp.worker.serve) with the same config
-  3. weights.load_weights          the model (rank 0's shard) and its second weight copies
-  4. limits.resolve_limits         max_model_len, max_num_seqs, the KV dtype, the executor kind
-  5. the Speculator                 first: a drafter with KV layers of its own needs its share of
-                                    the pool, and it reads only a ProposerContext, not the engine
-  6. kv_pool.kv_pool               the blocks that fit the budget (refused when not one sequence does)
-  7. the block manager, the scheduler, the runner (mirrored to the workers under TP), the
-     drafter's KV layers, the workers' caches
-  8. the executor                   compiled or captured graphs, after every KV layer exists; then
-                                    the drafter's own graphs alike (--executor auto on CPU: compiled
-                                    on a BackgroundCompiler while the engine serves eagerly)
+1. device.init_device            device, dtype, threads, allocator, seed, the CPU kernels
+2. tp.group.start_tensor_parallel  (--tensor-parallel-size > 1) the workers, which run steps 1
+                                  and 3 themselves (tp.worker.serve) with the same config
+3. weights.load_weights          the model (rank 0's shard) and its second weight copies
+4. limits.resolve_limits         max_model_len, max_num_seqs, the KV dtype, the executor kind
+5. the Speculator                 first: a drafter with KV layers of its own needs its share of
+                                  the pool, and it reads only a ProposerContext, not the engine
+6. kv_pool.kv_pool               the blocks that fit the budget (refused when not one sequence does)
+7. the block manager, the scheduler, the runner (mirrored to the workers under TP), the
+   drafter's KV layers, the workers' caches
+8. the executor                   compiled or captured graphs, after every KV layer exists; then
+                                  the drafter's own graphs alike (--executor auto on CPU: compiled
+                                  on a BackgroundCompiler while the engine serves eagerly)
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,16 +25,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from ember.engine import planner
+from ember.engine.executor.base import build_executor, compiled_query_lens, graph_query_lens
 from ember.engine.executor.compile_cache import graph_identity, use_compile_cache
-from ember.engine.startup.device import DeviceSetup, init_device
 from ember.engine.kv_cache import KVCacheManager
-from ember.engine.state_slots import StateSlots
-from ember.engine.startup.kv_pool import cuda_kv_budget, kv_pool
-from ember.engine.startup.weights import WeightCopies, load_weights
 from ember.engine.runner import ModelRunner
 from ember.engine.scheduler import Scheduler
+from ember.engine.startup.device import DeviceSetup, init_device
+from ember.engine.startup.kv_pool import cuda_kv_budget, kv_pool
 from ember.engine.startup.limits import Limits, resolve_limits
-from ember.engine.executor.base import build_executor, compiled_query_lens, graph_query_lens
+from ember.engine.startup.weights import WeightCopies, load_weights
+from ember.engine.state_slots import StateSlots
 from ember.loader.model_loader import LoadedModel
 from ember.spec.proposer import KVSlots, ProposerContext
 from ember.spec.speculator import Speculator
@@ -92,13 +93,24 @@ def start_engine(config, defer_compile: bool = False) -> EngineParts:
     pool = _size_pool(config, setup, tp, loaded, limits, spec, states)
     kv = KVCacheManager(pool.num_blocks, cache.block_size, cache.enable_prefix_caching, states)
     sched = config.scheduler_config
-    scheduler = Scheduler(kv, sched.max_num_batched_tokens, limits.max_num_seqs, limits.max_model_len,
-                          sched.enable_chunked_prefill)
-    runner = _build_runner(config, setup, tp, loaded, limits, pool.num_blocks, generators, spec,
-                           0 if states is None else states.num_live + states.num_snapshots)
+    scheduler = Scheduler(
+        kv, sched.max_num_batched_tokens, limits.max_num_seqs, limits.max_model_len, sched.enable_chunked_prefill
+    )
+    runner = _build_runner(
+        config,
+        setup,
+        tp,
+        loaded,
+        limits,
+        pool.num_blocks,
+        generators,
+        spec,
+        0 if states is None else states.num_live + states.num_snapshots,
+    )
     compiler = _build_executors(config, tp, loaded, limits, runner, spec, defer_compile)
-    parts = EngineParts(config, setup, tp, loaded, copies, limits, spec, compiler, kv, scheduler, runner,
-                        _eos_token_ids(loaded))
+    parts = EngineParts(
+        config, setup, tp, loaded, copies, limits, spec, compiler, kv, scheduler, runner, _eos_token_ids(loaded)
+    )
     _log_start(parts, pool)
     return parts
 
@@ -112,16 +124,28 @@ def _sharding(tp):
     return sharding(0, tp.world_size)
 
 
-def _proposer_context(config, setup: DeviceSetup, tp, loaded: LoadedModel, limits: Limits,
-                      generators: dict) -> ProposerContext:
+def _proposer_context(
+    config, setup: DeviceSetup, tp, loaded: LoadedModel, limits: Limits, generators: dict
+) -> ProposerContext:
     mirror = lambda module: module  # noqa: E731
     if tp is not None:  # an MTP layer's forwards are replayed on the workers' shards
         from ember.engine.tp.mirror import MirroredMTP
 
         mirror = MirroredMTP
-    return ProposerContext(loaded, setup.device, setup.dtype, setup.kernels, setup.attention_backend,
-                           config.load_config.tokenizer, config.cache_config.block_size, limits.max_model_len,
-                           limits.max_num_seqs, generators, tensor_parallel=tp is not None, mirror=mirror)
+    return ProposerContext(
+        loaded,
+        setup.device,
+        setup.dtype,
+        setup.kernels,
+        setup.attention_backend,
+        config.load_config.tokenizer,
+        config.cache_config.block_size,
+        limits.max_model_len,
+        limits.max_num_seqs,
+        generators,
+        tensor_parallel=tp is not None,
+        mirror=mirror,
+    )
 
 
 def _state_slots(config, setup: DeviceSetup, loaded: LoadedModel, limits: Limits) -> StateSlots | None:
@@ -132,8 +156,9 @@ def _state_slots(config, setup: DeviceSetup, loaded: LoadedModel, limits: Limits
     return StateSlots(limits.max_num_seqs, cache.state_snapshots(limits.max_num_seqs), cache.block_size)
 
 
-def _size_pool(config, setup: DeviceSetup, tp, loaded: LoadedModel, limits: Limits, spec,
-               states: StateSlots | None = None) -> planner.KVPool:
+def _size_pool(
+    config, setup: DeviceSetup, tp, loaded: LoadedModel, limits: Limits, spec, states: StateSlots | None = None
+) -> planner.KVPool:
     mc, tp_size = loaded.model_config, config.parallel_config.tensor_parallel_size
     elem = limits.kv_dtype.itemsize
     per_token = planner.kv_bytes_per_token(mc, elem, tp_size)  # this device's kv heads
@@ -146,18 +171,30 @@ def _size_pool(config, setup: DeviceSetup, tp, loaded: LoadedModel, limits: Limi
         on_workers = None
         if tp is not None:  # the workers run the same profile step (its collectives need them)
             from ember.distributed.comm import send_call as on_workers
-        return cuda_kv_budget(loaded.model, min(sched.max_num_batched_tokens, limits.max_model_len),
-                              limits.max_num_seqs, planner.kv_heads_per_device(mc, tp_size), setup.dtype, setup.device,
-                              config.cache_config.gpu_memory_utilization,
-                              lambda: _graph_pool_bytes(config, setup, loaded, limits, spec), on_workers)
+        return cuda_kv_budget(
+            loaded.model,
+            min(sched.max_num_batched_tokens, limits.max_model_len),
+            limits.max_num_seqs,
+            planner.kv_heads_per_device(mc, tp_size),
+            setup.dtype,
+            setup.device,
+            config.cache_config.gpu_memory_utilization,
+            lambda: _graph_pool_bytes(config, setup, loaded, limits, spec),
+            on_workers,
+        )
 
     state_bytes = 0
     if states is not None:  # the recurrent states come out of the same budget, first
         per_seq = mc.state_bytes_per_seq(setup.dtype.itemsize, tp_size)
         state_bytes = per_seq * (states.num_live + states.num_snapshots)
-        logger.info("recurrent state: %.2f MB a sequence, %d slots (%d sequences + %d prefix-cache snapshots) = %.1f MB",
-                    per_seq / 1e6, states.num_live + states.num_snapshots, states.num_live, states.num_snapshots,
-                    state_bytes / 1e6)
+        logger.info(
+            "recurrent state: %.2f MB a sequence, %d slots (%d sequences + %d prefix-cache snapshots) = %.1f MB",
+            per_seq / 1e6,
+            states.num_live + states.num_snapshots,
+            states.num_live,
+            states.num_snapshots,
+            state_bytes / 1e6,
+        )
     return kv_pool(config, setup.device, block_bytes, limits.max_model_len, cuda_budget, state_bytes)
 
 
@@ -168,16 +205,33 @@ def _graph_pool_bytes(config, setup: DeviceSetup, loaded: LoadedModel, limits: L
     from ember.engine.executor.cuda_graph import graph_pool_estimate
 
     q_len = max(graph_query_lens(spec.k_max if spec is not None else 0, loaded.model.attn_backend))
-    return graph_pool_estimate(loaded.model, loaded.model_config, _graph_max_batch(config, limits), q_len,
-                               limits.max_model_len, config.cache_config.block_size, setup.dtype, setup.device)
+    return graph_pool_estimate(
+        loaded.model,
+        loaded.model_config,
+        _graph_max_batch(config, limits),
+        q_len,
+        limits.max_model_len,
+        config.cache_config.block_size,
+        setup.dtype,
+        setup.device,
+    )
 
 
 def _graph_max_batch(config, limits: Limits) -> int:
     return min(config.executor_config.cuda_graph_max_batch_size, limits.max_num_seqs)
 
 
-def _build_runner(config, setup: DeviceSetup, tp, loaded: LoadedModel, limits: Limits, num_blocks: int,
-                  generators: dict, spec, state_slots: int = 0) -> ModelRunner:
+def _build_runner(
+    config,
+    setup: DeviceSetup,
+    tp,
+    loaded: LoadedModel,
+    limits: Limits,
+    num_blocks: int,
+    generators: dict,
+    spec,
+    state_slots: int = 0,
+) -> ModelRunner:
     """The runner over the pool; the drafter's layers in it; under TP the workers' caches alike."""
     model = loaded.model
     if tp is not None:  # every forward is replayed on the workers' shards
@@ -185,9 +239,17 @@ def _build_runner(config, setup: DeviceSetup, tp, loaded: LoadedModel, limits: L
 
         model = MirroredModel(model)
     tp_size = config.parallel_config.tensor_parallel_size
-    runner = ModelRunner(model, loaded.model_config, num_blocks, config.cache_config.block_size, limits.kv_dtype,
-                         setup.device, num_kv_heads=planner.kv_heads_per_device(loaded.model_config, tp_size),
-                         generators=generators, state_slots=state_slots)
+    runner = ModelRunner(
+        model,
+        loaded.model_config,
+        num_blocks,
+        config.cache_config.block_size,
+        limits.kv_dtype,
+        setup.device,
+        num_kv_heads=planner.kv_heads_per_device(loaded.model_config, tp_size),
+        generators=generators,
+        state_slots=state_slots,
+    )
     if spec is not None:
         spec.attach(KVSlots(num_blocks, runner.allocate_kv))
         runner.keep_hidden = spec.reads_step == "hidden"
@@ -197,8 +259,9 @@ def _build_runner(config, setup: DeviceSetup, tp, loaded: LoadedModel, limits: L
     return runner
 
 
-def _build_executors(config, tp, loaded: LoadedModel, limits: Limits, runner: ModelRunner, spec,
-                     defer_compile: bool = False):
+def _build_executors(
+    config, tp, loaded: LoadedModel, limits: Limits, runner: ModelRunner, spec, defer_compile: bool = False
+):
     """After every KV layer exists (compiled graphs and captured graphs address the caches). Returns
     the BackgroundCompiler the executors compile on (None when they compiled here, or need none)."""
     k_max = spec.k_max if spec is not None else 0
@@ -213,10 +276,15 @@ def _build_executors(config, tp, loaded: LoadedModel, limits: Limits, runner: Mo
 
         compiler = BackgroundCompiler(paused=defer_compile)
     runner.executor = build_executor(
-        limits.executor, runner, max_model_len=limits.max_model_len,
+        limits.executor,
+        runner,
+        max_model_len=limits.max_model_len,
         compile_options=config.executor_config.compile_options(limits.max_num_seqs),
-        cuda_graph_max_batch=_graph_max_batch(config, limits), query_lens=query_lens, compiler=compiler,
-        graph_identity=graph_identity(config, loaded.path))
+        cuda_graph_max_batch=_graph_max_batch(config, limits),
+        query_lens=query_lens,
+        compiler=compiler,
+        graph_identity=graph_identity(config, loaded.path),
+    )
     if spec is not None:  # the workers replay a drafter's forwards eagerly: no graphs of its own under TP
         spec.prepare(runner.executor, runner.executor.sibling if tp is None else lambda *args: None)
     return compiler
@@ -235,10 +303,23 @@ def _log_start(parts: EngineParts, pool: planner.KVPool) -> None:
     logger.info(
         "ember: %s, %.1fM parameters, %.1f MB weights%s, %s on %s, KV cache %s, %d blocks x %d = %d tokens (%.1f MB), "
         "max_model_len %d, %s executor%s, loaded from %s in %.1fs",
-        mc.architecture, loaded.num_parameters / 1e6, loaded.weight_bytes / 1e6, parts.copies.note(),
-        str(setup.dtype).removeprefix("torch."), setup.device, str(limits.kv_dtype).removeprefix("torch."),
-        pool.num_blocks, bs, pool.num_blocks * bs, pool.num_blocks * pool.block_bytes / 1e6, limits.max_model_len,
-        limits.executor, _executor_note(parts), loaded.path, loaded.load_seconds)
+        mc.architecture,
+        loaded.num_parameters / 1e6,
+        loaded.weight_bytes / 1e6,
+        parts.copies.note(),
+        str(setup.dtype).removeprefix("torch."),
+        setup.device,
+        str(limits.kv_dtype).removeprefix("torch."),
+        pool.num_blocks,
+        bs,
+        pool.num_blocks * bs,
+        pool.num_blocks * pool.block_bytes / 1e6,
+        limits.max_model_len,
+        limits.executor,
+        _executor_note(parts),
+        loaded.path,
+        loaded.load_seconds,
+    )
 
 
 def _executor_note(parts: EngineParts) -> str:
@@ -247,9 +328,18 @@ def _executor_note(parts: EngineParts) -> str:
     executor = parts.runner.executor
     loaded = sorted(executor.settled_sizes)
     rest = [size for size in executor.sizes if size not in executor.settled_sizes]
-    now = (f"batch sizes {loaded} run compiled now, loaded from the compile cache" if loaded
-           else "serving eagerly now, ember compile builds the graphs ahead")
-    return (f" ({now}; decode steps at batch sizes {rest} switch to compiled graphs as the background compile "
+    now = (
+        f"batch sizes {loaded} run compiled now, loaded from the compile cache"
+        if loaded
+        else "serving eagerly now, ember compile builds the graphs ahead"
+    )
+    return (
+        (
+            f" ({now}; decode steps at batch sizes {rest} switch to compiled graphs as the background compile "
             "finishes them, a larger size once as many requests run or the engine is idle: minutes on a cold "
             "compile cache, seconds on a warm one; --executor compiled compiles before serving, --executor eager "
-            "never)") if rest else f" ({now})"
+            "never)"
+        )
+        if rest
+        else f" ({now})"
+    )

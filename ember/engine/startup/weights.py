@@ -4,6 +4,7 @@ parallelism) and decide its second weight copies (ember.quant.weight_copies).
 Rank 0 and the tensor-parallel workers call the same function with the same config, so every
 rank holds the same kind of weights and runs the same kernels (their numerics agree).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,12 +33,14 @@ class WeightCopies:
         return ""
 
 
-def load_weights(config, setup: DeviceSetup, quantization: str, tensor_parallel: bool = False
-                 ) -> tuple[LoadedModel, WeightCopies]:
+def load_weights(
+    config, setup: DeviceSetup, quantization: str, tensor_parallel: bool = False
+) -> tuple[LoadedModel, WeightCopies]:
     """The model as this rank holds it (call inside parallel_state.sharding under TP), with its copies."""
     load = config.load_config
-    loaded = load_model(load.model, load.tokenizer, setup.dtype, setup.device, setup.attention_backend,
-                        quantization, setup.kernels)
+    loaded = load_model(
+        load.model, load.tokenizer, setup.dtype, setup.device, setup.attention_backend, quantization, setup.kernels
+    )
     copies = WeightCopies(int8_decode(config, setup, loaded), dense_copy(config, setup, loaded, tensor_parallel))
     return loaded, copies
 
@@ -51,12 +54,16 @@ def int8_decode(config, setup: DeviceSetup, loaded: LoadedModel) -> int:
     if not on:
         return 0
     if loaded.quantization != "none":
-        raise ConfigError(f"--int8-decode adds an int8 copy of dense weights; these are already {loaded.quantization} "
-                          "packed. Drop --int8-decode, or pass --quantization none")
+        raise ConfigError(
+            f"--int8-decode adds an int8 copy of dense weights; these are already {loaded.quantization} "
+            "packed. Drop --int8-decode, or pass --quantization none"
+        )
     if not cpu:
         raise ConfigError("--int8-decode is a CPU path; drop it on CUDA")
     if setup.dtype == torch.float32:
-        raise ConfigError("--int8-decode needs --dtype bfloat16 or float16 (torch's int8 kernel takes those activations)")
+        raise ConfigError(
+            "--int8-decode needs --dtype bfloat16 or float16 (torch's int8 kernel takes those activations)"
+        )
     return enable_int8_decode(loaded.model)
 
 
@@ -72,20 +79,28 @@ def dense_copy(config, setup: DeviceSetup, loaded: LoadedModel, tensor_parallel:
         # dequantizes them), and only layers with another part (a Q6_K shard) count in `need`; AWQ in
         # float32 runs torch's slow fp32 int4 kernel, a copy or not
         packed_fp32 = TiledPart.usable(torch.float32, setup.device, setup.kernels)
-        on = (cpu and (setup.dtype != torch.float32 or packed_fp32) and not tensor_parallel
-              and 0 < need <= CPU_DENSE_COPY_FRACTION * available_ram_bytes())
+        on = (
+            cpu
+            and (setup.dtype != torch.float32 or packed_fp32)
+            and not tensor_parallel
+            and 0 < need <= CPU_DENSE_COPY_FRACTION * available_ram_bytes()
+        )
         if not on:
             return 0
     if not cpu:
         raise ConfigError("--int4-dense-copy is a CPU path (CUDA runs AWQ through its own kernels); drop it")
     if need == 0:
         if packed_layers(loaded.model, helped=False):
-            raise ConfigError("--int4-dense-copy: every packed layer here runs its kernel at any batch size (the tiled "
-                              "GEMV's AVX2 build beats a float32 dense GEMM; its int8-activation path, "
-                              "--cpu-int8-activations, beats a bf16 one), so a copy would only cost memory. Drop the "
-                              "flag, or add --no-cpu-int8-activations for bf16 activations over a dense copy")
-        raise ConfigError(f"--int4-dense-copy needs packed int4 weights (a .gguf file or an AWQ folder); this model "
-                          f"is {loaded.quantization}. Drop the flag")
+            raise ConfigError(
+                "--int4-dense-copy: every packed layer here runs its kernel at any batch size (the tiled "
+                "GEMV's AVX2 build beats a float32 dense GEMM; its int8-activation path, "
+                "--cpu-int8-activations, beats a bf16 one), so a copy would only cost memory. Drop the "
+                "flag, or add --no-cpu-int8-activations for bf16 activations over a dense copy"
+            )
+        raise ConfigError(
+            f"--int4-dense-copy needs packed int4 weights (a .gguf file or an AWQ folder); this model "
+            f"is {loaded.quantization}. Drop the flag"
+        )
     if tensor_parallel:
         raise ConfigError("--int4-dense-copy is not supported with --tensor-parallel-size > 1; drop one of them")
     return enable_dense_copy(loaded.model, setup.dtype)

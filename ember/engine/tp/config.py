@@ -5,6 +5,7 @@ tp / num_kv_heads ranks when there are fewer kv heads than ranks), and so do the
 experts' intermediate dims. On CUDA there must be a device per rank; on CPU at most one rank per
 core this process may use (more only oversubscribes the cores). A refusal lists the sizes that work.
 """
+
 from __future__ import annotations
 
 import os
@@ -56,8 +57,9 @@ def shape_problems(mc, tp: int, awq_group_size: int | None = None) -> list[str]:
     return bad
 
 
-def check_tensor_parallel(mc, tp: int, device_type: str, awq_group_size: int | None = None,
-                          multi_node: bool = False) -> None:
+def check_tensor_parallel(
+    mc, tp: int, device_type: str, awq_group_size: int | None = None, multi_node: bool = False
+) -> None:
     """Raise ConfigError unless mc runs with tp ranks on this device type; the message lists what works.
     multi_node (torchrun): the ranks are spread over hosts, so this host's devices do not bound tp."""
     if tp < 1:
@@ -69,11 +71,14 @@ def check_tensor_parallel(mc, tp: int, device_type: str, awq_group_size: int | N
     if not bad and tp <= limit:
         return
     ok = [n for n in range(1, max(limit, 1) + 1) if not shape_problems(mc, n, awq_group_size)]
-    where = (f"{limit} CUDA device(s) visible" if device_type == "cuda"
-             else f"{limit} CPU core(s) available to this process")
+    where = (
+        f"{limit} CUDA device(s) visible" if device_type == "cuda" else f"{limit} CPU core(s) available to this process"
+    )
     why = f"it does not divide {', '.join(bad)}" if bad else f"there are only {where}"
-    raise ConfigError(f"--tensor-parallel-size {tp} cannot run {mc.architecture}: {why}. "
-                      f"Sizes that work here: {', '.join(map(str, ok))}")
+    raise ConfigError(
+        f"--tensor-parallel-size {tp} cannot run {mc.architecture}: {why}. "
+        f"Sizes that work here: {', '.join(map(str, ok))}"
+    )
 
 
 def tp_quantization(requested: str | None, model: str | None) -> str:
@@ -85,16 +90,18 @@ def tp_quantization(requested: str | None, model: str | None) -> str:
     if not os.path.isfile(resolve_model_path(model)):
         return requested
     if requested == "gguf":
-        raise ConfigError("--quantization gguf keeps GGUF blocks packed, which ember does not split across ranks; "
-                          "with --tensor-parallel-size > 1 leave --quantization at auto (or none): the file is "
-                          "dequantized to --dtype at load")
+        raise ConfigError(
+            "--quantization gguf keeps GGUF blocks packed, which ember does not split across ranks; "
+            "with --tensor-parallel-size > 1 leave --quantization at auto (or none): the file is "
+            "dequantized to --dtype at load"
+        )
     return "none"
 
 
 def model_config_for(model: str | None):
     """(ModelConfig, AWQ group size or None) of a model argument, without loading weights."""
-    from ember.loader.model_loader import resolve_model_path
     from ember.config.model_config import ModelConfig
+    from ember.loader.model_loader import resolve_model_path
     from ember.quant import checkpoint_quantization
 
     path = resolve_model_path(model)
@@ -104,5 +111,7 @@ def model_config_for(model: str | None):
         return ModelConfig.from_dict(GGUFCheckpoint(path).config), None
     mc = ModelConfig.from_folder(path)
     held, settings = checkpoint_quantization(path, mc.raw)
-    group = int((settings or {}).get("group_size", (settings or {}).get("q_group_size", 128))) if held == "awq" else None
+    group = (
+        int((settings or {}).get("group_size", (settings or {}).get("q_group_size", 128))) if held == "awq" else None
+    )
     return mc, group

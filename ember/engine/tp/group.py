@@ -24,6 +24,7 @@ hangs. A watchdog thread logs a worker's death the moment it happens.
 
 Shutdown: "stop" to every worker, join, then terminate / kill whatever is left; also at exit.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -39,7 +40,6 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-
 import torch.distributed as dist
 
 from ember.distributed import comm, parallel_state
@@ -67,8 +67,10 @@ class TensorParallelGroup:
         if under_torchrun():
             store, rank, world = next(dist.rendezvous("env://", timeout=timedelta(seconds=JOIN_TIMEOUT_S)))
             if world != self.world_size:
-                raise DistributedError(f"torchrun started {world} processes but --tensor-parallel-size is "
-                                       f"{self.world_size}; make them equal")
+                raise DistributedError(
+                    f"torchrun started {world} processes but --tensor-parallel-size is "
+                    f"{self.world_size}; make them equal"
+                )
             if rank != 0:  # this process is a worker: serve rank 0, then leave
                 from ember.engine.tp.worker import serve
 
@@ -80,8 +82,14 @@ class TensorParallelGroup:
                 raise SystemExit(0)
             parallel_state.init(0, world, store, backend)
         else:
-            store = dist.TCPStore("127.0.0.1", 0, self.world_size, is_master=True, wait_for_workers=False,
-                                  timeout=parallel_state.data_timeout())
+            store = dist.TCPStore(
+                "127.0.0.1",
+                0,
+                self.world_size,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=parallel_state.data_timeout(),
+            )
             self._spawn(config, device, store)
             self._await_checkin(store)
             parallel_state.init(0, self.world_size, store, backend)
@@ -89,8 +97,12 @@ class TensorParallelGroup:
                 threading.Thread(target=self._watch, args=(p,), name="ember-tp-watchdog", daemon=True).start()
         self._store = store  # kept alive: it is the group's rendezvous server
         atexit.register(self.shutdown)
-        logger.info("tensor parallel: %d ranks (%s)%s", self.world_size, backend,
-                    "" if under_torchrun() else f", workers pid {[p.pid for p in self.procs]}")
+        logger.info(
+            "tensor parallel: %d ranks (%s)%s",
+            self.world_size,
+            backend,
+            "" if under_torchrun() else f", workers pid {[p.pid for p in self.procs]}",
+        )
 
     # -- start ------------------------------------------------------------------------------
     def _spawn(self, config, device, store) -> None:
@@ -100,8 +112,17 @@ class TensorParallelGroup:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         blob = pickle.dumps(config)
         for rank in range(1, self.world_size):
-            cmd = [sys.executable, "-m", "ember.engine.tp.worker", str(rank), str(self.world_size), "127.0.0.1",
-                   str(store.port), device.type, str(os.getpid())]
+            cmd = [
+                sys.executable,
+                "-m",
+                "ember.engine.tp.worker",
+                str(rank),
+                str(self.world_size),
+                "127.0.0.1",
+                str(store.port),
+                device.type,
+                str(os.getpid()),
+            ]
             p = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env)
             p.stdin.write(blob)  # the EngineConfig: how to load this rank's shard
             p.stdin.close()
@@ -119,8 +140,11 @@ class TensorParallelGroup:
 
     # -- health -----------------------------------------------------------------------------
     def dead_workers(self) -> list[str]:
-        return [f"rank {r} (pid {p.pid}) exited with code {p.returncode}"
-                for r, p in enumerate(self.procs, 1) if p.poll() is not None]
+        return [
+            f"rank {r} (pid {p.pid}) exited with code {p.returncode}"
+            for r, p in enumerate(self.procs, 1)
+            if p.poll() is not None
+        ]
 
     def check(self) -> None:
         """Raise DistributedError (after stopping the rest) if a worker has exited."""
@@ -129,8 +153,10 @@ class TensorParallelGroup:
         dead = self.dead_workers()
         if dead:
             self.shutdown(graceful=False)
-            raise DistributedError(f"tensor-parallel worker {'; '.join(dead)}; the engine cannot continue "
-                                   "without every shard. Check the worker's log above, then restart")
+            raise DistributedError(
+                f"tensor-parallel worker {'; '.join(dead)}; the engine cannot continue "
+                "without every shard. Check the worker's log above, then restart"
+            )
 
     def _watch(self, proc) -> None:
         proc.wait()
@@ -161,8 +187,13 @@ class TensorParallelGroup:
     # -- setup and stop -----------------------------------------------------------------------
     def setup_workers(self, runner) -> None:
         """Give the workers rank 0's cache layout (shapes are per rank already: its kv heads)."""
-        comm.send_call("setup", [tuple(c.shape) if isinstance(c, torch.Tensor) else None for c in runner.kv_caches],
-                       [tuple(c.shape) for c in runner.extra_kv_caches], runner.kv_dtype, runner.state_slots)
+        comm.send_call(
+            "setup",
+            [tuple(c.shape) if isinstance(c, torch.Tensor) else None for c in runner.kv_caches],
+            [tuple(c.shape) for c in runner.extra_kv_caches],
+            runner.kv_dtype,
+            runner.state_slots,
+        )
 
     def shutdown(self, graceful: bool = True, timeout: float = 10.0) -> None:
         global _current
@@ -193,8 +224,9 @@ def start_tensor_parallel(config, device: torch.device) -> TensorParallelGroup:
 
     quantization = tp_quantization(config.load_config.quantization, config.load_config.model)
     mc, awq_group = model_config_for(config.load_config.model)
-    check_tensor_parallel(mc, config.parallel_config.tensor_parallel_size, device.type, awq_group,
-                          multi_node=under_torchrun())
+    check_tensor_parallel(
+        mc, config.parallel_config.tensor_parallel_size, device.type, awq_group, multi_node=under_torchrun()
+    )
     if _current is not None:  # one TP engine per process: the previous one's group is torn down
         logger.warning("a previous tensor-parallel engine in this process was not shut down; stopping it")
         _current.shutdown()

@@ -7,6 +7,7 @@ see the flattened step inputs (input_ids, positions, attention metadata, row sel
 hidden rows that logits or an MTP step are computed from -- never a request. Rank 0's KV caches
 are replaced by each worker's own (its kv heads) on the way.
 """
+
 from __future__ import annotations
 
 import torch
@@ -86,7 +87,9 @@ class Replayer:
         """Allocate this rank's KV caches in rank 0's layout (same blocks, this rank's kv heads); a
         hybrid's linear-attention layers (shape None) get this rank's recurrent states."""
         alloc = lambda s: torch.zeros(s, dtype=kv_dtype, device=self.device)  # noqa: E731
-        states = self.model.make_recurrent_states(state_slots, self.device) if state_slots else [None] * len(main_shapes)
+        states = (
+            self.model.make_recurrent_states(state_slots, self.device) if state_slots else [None] * len(main_shapes)
+        )
         self.states = [st for st in states if st is not None]
         self.kv_caches = [st if s is None else alloc(s) for s, st in zip(main_shapes, states)]
         self.mtp_caches = [alloc(s) for s in extra_shapes]

@@ -5,6 +5,7 @@ torchrun (every rank runs the same `ember ...` command; ranks >= 1 end up here).
 outlives rank 0: it exits on rank 0's "stop", when rank 0's connections close (a blocked
 broadcast raises), or when its parent process changes (rank 0 killed outright).
 """
+
 from __future__ import annotations
 
 import logging
@@ -12,8 +13,6 @@ import os
 import sys
 import threading
 import time
-
-import torch
 
 logger = logging.getLogger("ember")
 
@@ -50,8 +49,13 @@ def serve(rank: int, world_size: int, store, config, device_type: str, local_ran
 
             mtp = load_mtp(loaded.model, loaded.path, spec.model, progress=False)
     replayer = Replayer(loaded.model, mtp, setup.device)
-    logger.info("tensor-parallel rank %d/%d ready on %s (%.1f MB weights)", rank, world_size, setup.device,
-                loaded.weight_bytes / 1e6)
+    logger.info(
+        "tensor-parallel rank %d/%d ready on %s (%.1f MB weights)",
+        rank,
+        world_size,
+        setup.device,
+        loaded.weight_bytes / 1e6,
+    )
     while True:
         op, args = recv_call(setup.device)
         if op == "stop":
@@ -61,11 +65,11 @@ def serve(rank: int, world_size: int, store, config, device_type: str, local_ran
 
 def run_worker(rank: int, world_size: int, host: str, port: int, config, device_type: str, parent_pid: int) -> None:
     """Main of a worker process started by rank 0 (see __main__ below)."""
+    import signal
+
     import torch.distributed as dist
 
     from ember.distributed import parallel_state
-
-    import signal
 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp{rank} %(levelname)s %(message)s")
     # Ctrl-C reaches the whole process group; rank 0 decides when workers stop (it sends "stop").

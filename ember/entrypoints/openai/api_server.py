@@ -2,6 +2,7 @@
 
 The same server and flags as `ember serve` (the model may also be given positionally).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -11,8 +12,10 @@ import sys
 def build_parser() -> argparse.ArgumentParser:
     from ember.server.launcher import add_server_args
 
-    parser = argparse.ArgumentParser(prog="python -m ember.entrypoints.openai.api_server",
-                                     description="ember's OpenAI-compatible server (same flags as `ember serve`)")
+    parser = argparse.ArgumentParser(
+        prog="python -m ember.entrypoints.openai.api_server",
+        description="ember's OpenAI-compatible server (same flags as `ember serve`)",
+    )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     add_server_args(parser)
     return parser
