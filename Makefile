@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 INSTALL := $(PY) scripts/install.py --venv $(VENV)
 
-.PHONY: setup run test bench
+.PHONY: setup run test bench format
 
 setup: $(VENV)/.installed-serve
 
@@ -32,3 +32,8 @@ bench: $(VENV)/.installed-bench
 	$(BIN)/ember bench latency
 	$(BIN)/ember bench throughput
 	$(BIN)/ember bench serve --launch --max-num-seqs 32
+
+# ruff's format and import sorting (pyproject.toml [tool.ruff]); tests/test_formatting.py checks both
+format: $(VENV)/.installed-test
+	$(BIN)/ruff check --fix ember tests scripts setup.py
+	$(BIN)/ruff format ember tests scripts setup.py
