@@ -244,9 +244,7 @@ class LlamaForCausalLM(nn.Module):
         self.quant_config = quant_config
         self.attn_backend = attn_backend
         self.kernels = kernels = kernels or CpuKernels()
-        self.model = LlamaModel(
-            cfg, dtype, device, attn_backend, lambda i: self.make_mlp(cfg, i, dtype, device), quant_config, kernels
-        )
+        self.model = self.make_body(cfg, dtype, device, attn_backend, quant_config, kernels)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = LMHead(
             cfg.vocab_size,
@@ -255,6 +253,13 @@ class LlamaForCausalLM(nn.Module):
             device,
             tied_to=tied,
             quant_method=None if tied else embedding_method(quant_config, "lm_head"),
+        )
+
+    def make_body(self, cfg: ModelConfig, dtype, device, attn_backend, quant_config, kernels: CpuKernels) -> nn.Module:
+        """The decoder stack between the embedding and the LM head (its layers' MLPs from make_mlp); a
+        family with other layers (the hybrids) builds its own and shares the rest: head, loading."""
+        return LlamaModel(
+            cfg, dtype, device, attn_backend, lambda i: self.make_mlp(cfg, i, dtype, device), quant_config, kernels
         )
 
     def make_mlp(self, cfg: ModelConfig, layer_idx: int, dtype, device) -> nn.Module:

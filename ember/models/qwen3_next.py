@@ -27,7 +27,7 @@ from ember.errors import ModelLoadError
 from ember.kernels.cpu_kernels import CpuKernels
 from ember.kernels.metadata import AttentionMetadata, RowSelection
 from ember.layers.attention import Attention
-from ember.layers.embedding import LMHead, VocabEmbedding
+from ember.layers.embedding import VocabEmbedding
 from ember.layers.gated_deltanet import GatedDeltaNet
 from ember.layers.linear import QKVLinear, ReplicatedLinear, RowParallelLinear
 from ember.layers.moe import SparseMoeBlock
@@ -209,36 +209,13 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
 
     _LINEAR = re.compile(r"(model\.layers\.\d+\.linear_attn)\.(.+)")
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        dtype: torch.dtype = torch.bfloat16,
-        device: torch.device | str = "cpu",
-        attn_backend=None,
-        quant_config=None,
-        kernels: CpuKernels | None = None,
-    ):
-        nn.Module.__init__(self)
-        if attn_backend is None:
-            from ember.kernels.torch_attention import TorchAttentionBackend
-
-            attn_backend = TorchAttentionBackend()
+    def __init__(self, cfg: ModelConfig, *args, **kwargs):
         if cfg.num_experts_per_tok <= 0 and cfg.num_experts > 0:
             raise ModelLoadError(f"{cfg.architecture} needs num_experts_per_tok > 0 in config.json")
-        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
-        self.quant_config = quant_config
-        self.attn_backend = attn_backend
-        self.kernels = kernels = kernels or CpuKernels()
-        self.model = HybridModel(cfg, dtype, device, attn_backend, quant_config, kernels)
-        tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
-        self.lm_head = LMHead(
-            cfg.vocab_size,
-            cfg.hidden_size,
-            dtype,
-            device,
-            tied_to=tied,
-            quant_method=None if tied else embedding_method(quant_config, "lm_head"),
-        )
+        super().__init__(cfg, *args, **kwargs)
+
+    def make_body(self, cfg: ModelConfig, dtype, device, attn_backend, quant_config, kernels: CpuKernels) -> nn.Module:
+        return HybridModel(cfg, dtype, device, attn_backend, quant_config, kernels)
 
     def make_recurrent_states(self, num_slots: int, device) -> list:
         """One RecurrentState per linear-attention layer, None for the attention layers (their KV is paged)."""
