@@ -19,6 +19,8 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_simd.h"
+
 namespace {
 
 // ---- float32 vectors: loads and stores of the first n lanes (n <= kLanes), for head dims that are
@@ -32,6 +34,8 @@ inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline vec vdiv(vec a, vec b) { return _mm512_div_ps(a, b); }
+inline vec vclamp(vec x, float lo, float hi) { return _mm512_min_ps(_mm512_max_ps(x, vset(lo)), vset(hi)); }
 inline __mmask16 first_lanes(int n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
 inline vec vload(const float* p, int n) {
   return n == kLanes ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(first_lanes(n), p);
@@ -51,6 +55,8 @@ inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
 inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
 inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline vec vdiv(vec a, vec b) { return _mm256_div_ps(a, b); }
+inline vec vclamp(vec x, float lo, float hi) { return _mm256_min_ps(_mm256_max_ps(x, vset(lo)), vset(hi)); }
 inline __m256i first_lanes(int n) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
@@ -145,32 +151,37 @@ struct StateSinks {
   float* last;
 };
 
-// Columns [j0, j0 + w) of one head's state S [dk, dv] through T tokens. S enters in buf (dk rows of
-// kStripe floats, the stripe's copy: registers and L1 from here on); each token does
+// Columns [j0, j0 + w) of one head's state S [dk, dv] through T tokens; each token does
 //   kv = S^T k;  delta = beta (v - decay kv);  S = decay S + k delta^T;  o = S^T q
-// (the decay applied to the sum instead of to S first: one multiply per column, not per element),
-// so the state is read once per step and written once per sink.
-void run_stripe(const GdnShape& s, const TokenInputs& in, int64_t j0, int w, float* buf, const StateSinks& sinks,
-                float* o) {
+// (the decay applied to the sum instead of to S first: one multiply per column, not per element).
+// The first token reads the stripe from its slot (src: rows dv apart; null: a zero state, held in
+// buf) and its second pass re-reads it from L1; later tokens work on buf, the stripe's copy (rows
+// kStripe apart), which a decode (T = 1) never needs. So the state is read once per step and
+// written once per sink.
+void run_stripe(const GdnShape& s, const TokenInputs& in, int64_t j0, int w, const float* src, float* buf,
+                const StateSinks& sinks, float* o) {
   const int n0 = std::min(w, kLanes), n1 = w - n0;
   const int64_t dk = s.dk, dv = s.dv;
+  const float* cur = src != nullptr ? src + j0 : buf;
+  int64_t stride = src != nullptr ? dv : kStripe;
+  int m0 = src != nullptr ? n0 : kLanes, m1 = src != nullptr ? n1 : kLanes;  // a slot's row ends at w
   for (int64_t t = 0; t < s.T; ++t) {
     const float* q = in.q.data() + t * dk;
     const float* k = in.k.data() + t * dk;
     vec a0 = vzero(), a1 = vzero(), b0 = vzero(), b1 = vzero();
     int64_t i = 0;
     for (; i + 1 < dk; i += 2) {
-      const float* r = buf + i * kStripe;
+      const float* r = cur + i * stride;
       const vec ka = vset(k[i]), kb = vset(k[i + 1]);
-      a0 = vfma(vload(r, kLanes), ka, a0);
-      a1 = vfma(vload(r + kLanes, kLanes), ka, a1);
-      b0 = vfma(vload(r + kStripe, kLanes), kb, b0);
-      b1 = vfma(vload(r + kStripe + kLanes, kLanes), kb, b1);
+      a0 = vfma(vload(r, m0), ka, a0);
+      a1 = vfma(vload(r + kLanes, m1), ka, a1);
+      b0 = vfma(vload(r + stride, m0), kb, b0);
+      b1 = vfma(vload(r + stride + kLanes, m1), kb, b1);
     }
     if (i < dk) {
       const vec ka = vset(k[i]);
-      a0 = vfma(vload(buf + i * kStripe, kLanes), ka, a0);
-      a1 = vfma(vload(buf + i * kStripe + kLanes, kLanes), ka, a1);
+      a0 = vfma(vload(cur + i * stride, m0), ka, a0);
+      a1 = vfma(vload(cur + i * stride + kLanes, m1), ka, a1);
     }
     const vec decay = vset(in.decay[t]), beta = vset(in.beta[t]);
     const float* v = in.v.data() + t * dv + j0;
@@ -178,14 +189,17 @@ void run_stripe(const GdnShape& s, const TokenInputs& in, int64_t j0, int w, flo
     const vec d1 = vmul(beta, vsub(vload(v + n0, n1), vmul(decay, vadd(a1, b1))));
     float* out = sinks.out != nullptr ? sinks.out[t] : nullptr;
     float* last = t == s.T - 1 ? sinks.last : nullptr;
+    const bool keep = t + 1 < s.T;  // another token reads buf
     vec o0 = vzero(), o1 = vzero(), p0 = vzero(), p1 = vzero();
     for (i = 0; i < dk; ++i) {
-      float* r = buf + i * kStripe;
+      const float* r = cur + i * stride;
       const vec ki = vset(k[i]), qi = vset(q[i]);
-      const vec s0 = vfma(ki, d0, vmul(vload(r, kLanes), decay));
-      const vec s1 = vfma(ki, d1, vmul(vload(r + kLanes, kLanes), decay));
-      vstore(r, s0, kLanes);
-      vstore(r + kLanes, s1, kLanes);
+      const vec s0 = vfma(ki, d0, vmul(vload(r, m0), decay));
+      const vec s1 = vfma(ki, d1, vmul(vload(r + kLanes, m1), decay));
+      if (keep) {
+        vstore(buf + i * kStripe, s0, kLanes);
+        vstore(buf + i * kStripe + kLanes, s1, kLanes);
+      }
       if (out != nullptr) {
         vstore(out + i * dv + j0, s0, n0);
         vstore(out + i * dv + j0 + n0, s1, n1);
@@ -204,6 +218,7 @@ void run_stripe(const GdnShape& s, const TokenInputs& in, int64_t j0, int w, flo
     }
     vstore(o + t * dv + j0, vadd(o0, p0), n0);
     vstore(o + t * dv + j0 + n0, vadd(o1, p1), n1);
+    cur = buf, stride = kStripe, m0 = m1 = kLanes;
   }
 }
 
@@ -217,16 +232,8 @@ void gdn_task(const GdnShape& s, int64_t n, int64_t h, const T* qkv, const T* a,
   buf.resize(dk * kStripe);
   o.resize(s.T * dv);
   for (int64_t j0 = 0; j0 < dv; j0 += kStripe) {
-    const int w = (int)std::min<int64_t>(kStripe, dv - j0);
-    for (int64_t i = 0; i < dk; ++i) {  // the stripe's state in (zeros for a sequence without one)
-      float* r = buf.data() + i * kStripe;
-      if (src != nullptr)
-        std::memcpy(r, src + i * dv + j0, w * sizeof(float));
-      else
-        std::memset(r, 0, w * sizeof(float));
-      std::memset(r + w, 0, (kStripe - w) * sizeof(float));  // a narrower last stripe: idle lanes stay 0
-    }
-    run_stripe(s, in, j0, w, buf.data(), StateSinks{outs, dst}, o.data());
+    if (src == nullptr) std::fill(buf.begin(), buf.end(), 0.f);  // a sequence without a state: zeros
+    run_stripe(s, in, j0, (int)std::min<int64_t>(kStripe, dv - j0), src, buf.data(), StateSinks{outs, dst}, o.data());
   }
   for (int64_t t = 0; t < s.T; ++t)
     for (int64_t j = 0; j < dv; ++j) o_rows[(n * s.T + t) * s.Hv * dv + h * dv + j] = static_cast<T>(o[t * dv + j]);
@@ -337,34 +344,52 @@ struct ConvShape {
   int64_t N, T, C, K, x_stride;
 };
 
-// Channels [c0, c1) of sequence n through its T tokens: out = silu(sum_j w[j] window[t + j]) over the
-// window of the K - 1 inputs before the token and the token's own. The sum is float32 and rounded to
-// the model's dtype before the SiLU, as the layer's conv output is.
-template <typename T>
+// x <- silu(x) = x / (1 + exp(-x)) over n floats, vectorized (a scalar exp per channel was most of the
+// conv's time). exp's argument is clamped to [-87, 88]: past either end silu is x or 0 in float32.
+void silu_inplace(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const int m = (int)std::min<int64_t>(kLanes, n - i);
+    const vec v = vload(x + i, m);
+    const vec e = ember_simd::exp_in_range(vclamp(vsub(vzero(), v), -87.f, 88.f));
+    vstore(x + i, vdiv(v, vadd(vset(1.f), e)), m);
+  }
+}
+
+// Channels [c0, c1) (at most kConvChannels) of sequence n through its T tokens: out = silu(sum_j
+// w[j] window[t + j]) over the K - 1 inputs before the token and the token's own. The sum is float32
+// and rounded to the model's dtype before the SiLU, as the layer's conv output is. KK: K known at
+// compile time (4, every Qwen3.5 / Qwen3-Next), so the per-channel loops unroll and channels overlap
+// (with K read at run time, loop overhead and the window's shift made it ~60 cycles a channel); 0: any K.
+template <typename T, int64_t KK>
 void conv_task(const ConvShape& s, int64_t n, int64_t c0, int64_t c1, const T* x, const T* w, const T* src, T* dst,
                T* window_out, T* out) {
-  const int64_t K = s.K, H = K - 1;
-  for (int64_t c = c0; c < c1; ++c) {
-    float hist[kMaxConvKernel], wc[kMaxConvKernel];
-    for (int64_t j = 0; j < K; ++j) wc[j] = to_f(w[c * K + j]);
-    for (int64_t j = 0; j < H; ++j) hist[j] = src != nullptr ? to_f(src[c * H + j]) : 0.f;
-    T* win = window_out != nullptr ? window_out + c * (H + s.T) : nullptr;
-    if (win != nullptr)
-      for (int64_t j = 0; j < H; ++j) win[j] = static_cast<T>(hist[j]);
-    for (int64_t t = 0; t < s.T; ++t) {
-      const int64_t row = n * s.T + t;
-      const float xt = to_f(x[row * s.x_stride + c]);
-      float acc = 0.f;
-      for (int64_t j = 0; j < H; ++j) acc += wc[j] * hist[j];
-      acc += wc[H] * xt;
-      out[row * s.C + c] = static_cast<T>(silu(round_to<T>(acc)));
-      if (win != nullptr) win[H + t] = x[row * s.x_stride + c];
-      for (int64_t j = 0; j + 1 < H; ++j) hist[j] = hist[j + 1];
-      if (H > 0) hist[H - 1] = xt;
+  const int64_t K = KK > 0 ? KK : s.K, H = K - 1, nc = c1 - c0, W = H + s.T;
+  float hist[kConvChannels * kMaxConvKernel], pre[kConvChannels];
+  for (int64_t c = c0; c < c1; ++c)
+    for (int64_t j = 0; j < H; ++j) {
+      hist[(c - c0) * H + j] = src != nullptr ? to_f(src[c * H + j]) : 0.f;
+      if (window_out != nullptr) window_out[c * W + j] = src != nullptr ? src[c * H + j] : static_cast<T>(0.f);
     }
-    if (dst != nullptr)
-      for (int64_t j = 0; j < H; ++j) dst[c * H + j] = static_cast<T>(hist[j]);
+  for (int64_t t = 0; t < s.T; ++t) {
+    const T* xt = x + (n * s.T + t) * s.x_stride;
+    for (int64_t c = c0; c < c1; ++c) {
+      float* h = hist + (c - c0) * H;
+      const T* wc = w + c * K;
+      const float xc = to_f(xt[c]);
+      float acc = 0.f;
+      for (int64_t j = 0; j < H; ++j) acc += to_f(wc[j]) * h[j];
+      pre[c - c0] = round_to<T>(acc + to_f(wc[H]) * xc);
+      for (int64_t j = 0; j + 1 < H; ++j) h[j] = h[j + 1];
+      if (H > 0) h[H - 1] = xc;
+      if (window_out != nullptr) window_out[c * W + H + t] = xt[c];
+    }
+    silu_inplace(pre, nc);
+    T* o = out + (n * s.T + t) * s.C;
+    for (int64_t c = c0; c < c1; ++c) o[c] = static_cast<T>(pre[c - c0]);
   }
+  if (dst != nullptr)
+    for (int64_t c = c0; c < c1; ++c)
+      for (int64_t j = 0; j < H; ++j) dst[c * H + j] = static_cast<T>(hist[(c - c0) * H + j]);
 }
 
 template <typename T>
@@ -381,7 +406,11 @@ void conv_run(const ConvShape& s, const at::Tensor& x, const at::Tensor& weight,
       const T* from = src[n] >= 0 ? pool + src[n] * slot : nullptr;
       T* to = dst[n] >= 0 ? pool + dst[n] * slot : nullptr;
       T* win = windows != nullptr ? windows + n * s.C * (s.K - 1 + s.T) : nullptr;
-      conv_task<T>(s, n, c0, std::min(c0 + kConvChannels, s.C), xp, wp, from, to, win, op);
+      const int64_t c1 = std::min(c0 + kConvChannels, s.C);
+      if (s.K == 4)
+        conv_task<T, 4>(s, n, c0, c1, xp, wp, from, to, win, op);
+      else
+        conv_task<T, 0>(s, n, c0, c1, xp, wp, from, to, win, op);
     }
   });
 }
