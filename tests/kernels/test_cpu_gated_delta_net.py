@@ -15,9 +15,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ember.config.model_config import ModelConfig
 from ember.kernels import cpp_build
 from ember.kernels import cpu_gated_delta_net as gdn
+from ember.kernels.cpu_kernels import CpuKernels
+from ember.kernels.metadata import AttentionMetadata, RecurrentMetadata
 from ember.layers import gated_delta_rule as gdr
+from ember.layers.gated_deltanet import GatedDeltaNet
 
 pytestmark = pytest.mark.skipif(
     not (cpp_build.has_cpu_flags("avx512f") or cpp_build.has_cpu_flags("avx2", "fma")),
@@ -200,6 +204,65 @@ def test_bad_inputs_are_refused_with_a_message():
         gdn.gated_delta_net(qkv[:, :112], a[:, :3], b[:, :3], A_log[:3], dt_bias[:3], three, idx([0, 1]), idx([0, 1]))
     with pytest.raises(RuntimeError, match="states_out"):
         gdn.gated_delta_net(qkv, a, b, A_log, dt_bias, pool, idx([0, 1]), idx([0, 1]), torch.empty(2, 1, 4, 16, 8))
+
+
+def step(query_lens, slots, has, drafts, snapshots):
+    """A step's metadata as far as a Gated DeltaNet layer reads it."""
+    B, T = len(query_lens), sum(query_lens)
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(T, dtype=torch.int64),
+        query_start_loc=torch.zeros(B + 1, dtype=torch.int32),
+        seq_lens=torch.ones(B, dtype=torch.int32),
+        block_tables=torch.zeros(B, 1, dtype=torch.int32),
+        block_size=4,
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=[1] * B,
+        max_query_len=max(query_lens),
+        max_seq_len=1,
+        recurrent=RecurrentMetadata(slots, has, drafts, snapshots),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_layer_takes_the_kernels_and_matches_its_torch_path(dtype, tiny_hybrid_dir, monkeypatch):
+    """GatedDeltaNet with the kernels (the default) against CpuKernels.none(), same weights and states:
+    a step mixing decodes (one of them a new sequence, one with a snapshot), verifies (with a
+    snapshot) and a prefill, the commit after it, then a step of decodes only. Tiny Qwen3.5 heads
+    (2 key, 4 value, dk 12, dv 10)."""
+    cfg = ModelConfig.from_folder(tiny_hybrid_dir("qwen3_5"))
+    torch.manual_seed(0)
+    fused, ref = GatedDeltaNet(cfg, dtype, "cpu"), GatedDeltaNet(cfg, dtype, "cpu", kernels=CpuKernels.none())
+    with torch.no_grad():
+        for p in fused.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    ref.load_state_dict(fused.state_dict())
+    states = fused.make_state(8, "cpu")
+    states.conv.normal_()
+    states.ssm.normal_()
+    ref_states = ref.make_state(8, "cpu")
+    ref_states.conv.copy_(states.conv)
+    ref_states.ssm.copy_(states.ssm)
+    calls, op = [], gdn.gated_delta_net
+
+    def counted(*args):  # whether each call kept every token's state (a verify)
+        calls.append(len(args) > 8 and args[8] is not None)
+        return op(*args)
+
+    monkeypatch.setattr(gdn, "gated_delta_net", counted)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.03, atol=0.03)
+    mixed = step([1, 4, 5, 1, 2], [3, 1, 5, 0, 2], [True, True, False, False, True], [0, 3, 0, 0, 1],
+                 [[], [], [], [(1, 6)], [(1, 7)]])  # fmt: skip
+    decodes = step([1] * 5, [1, 2, 3, 0, 5], [True] * 5, [0] * 5, [[]] * 5)
+    for meta, accepted in [(mixed, {1: 2, 2: 0}), (decodes, None)]:
+        x = torch.randn(sum(meta.query_lens_cpu), cfg.hidden_size).to(dtype)
+        with torch.inference_mode():
+            torch.testing.assert_close(fused(x, states, meta).float(), ref(x, ref_states, meta).float(), **tol)
+        if accepted:
+            states.commit(accepted)
+            ref_states.commit(accepted)
+        torch.testing.assert_close(states.ssm, ref_states.ssm, **tol)
+        torch.testing.assert_close(states.conv.float(), ref_states.conv.float(), **tol)
+    assert calls == [True, True, False, False]  # the two verifies and the decodes, then the decodes
 
 
 @pytest.mark.slow
