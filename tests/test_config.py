@@ -62,6 +62,7 @@ def test_cpu_kernels_follow_the_flags():
         tiled_gemv=False,
         int8_activations=False,
         fused_elementwise=False,
+        gated_delta_net=False,
         int8_decode=None,
         int4_dense_copy=None,
     )

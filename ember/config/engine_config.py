@@ -174,6 +174,12 @@ class EngineConfig:
     cpu_fused_elementwise: bool = flag(
         True, "kernels", "CPU, bf16: RMSNorm (+ residual), SiLU*up and RoPE in one pass each; off = the torch ops"
     )
+    cpu_gated_delta_net: bool = flag(
+        True,
+        "kernels",
+        "CPU, hybrid models (Qwen3.5, Qwen3-Next): Gated DeltaNet decode and verify steps in two fused C++ "
+        "kernels (conv + SiLU, then the gated delta rule in place in the state's slot); off = the torch ops",
+    )
     int8_decode: bool | None = flag(
         None,
         "kernels",
@@ -303,6 +309,7 @@ class EngineConfig:
             tiled_gemv=self.cpu_tiled_gemv,
             int8_activations=self.cpu_int8_activations,
             fused_elementwise=self.cpu_fused_elementwise,
+            gated_delta_net=self.cpu_gated_delta_net,
             int8_decode=self.int8_decode,
             int4_dense_copy=self.int4_dense_copy,
         )

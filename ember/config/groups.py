@@ -212,6 +212,7 @@ class KernelConfig:
     tiled_gemv: bool  # GGUF 4/8-bit weights in the tiled GEMV's layout
     int8_activations: bool  # its int8-x path for many-row steps (AVX-512 VNNI)
     fused_elementwise: bool  # RMSNorm, SiLU*up and RoPE in one pass each (bf16)
+    gated_delta_net: bool  # Gated DeltaNet decode / verify steps in fused C++ kernels (hybrid models)
     int8_decode: bool | None  # an int8 copy of dense weights for decode (None: auto)
     int4_dense_copy: bool | None  # a dense copy of packed weights for many-row steps (None: auto)
 

@@ -67,6 +67,7 @@ KERNELS = {
     "cpu_causal_attention.cpp": Kernel("CPU prefill attention kernel", (), (("avx512f", "avx512_bf16"),)),
     "cpu_fused_elementwise.cpp": Kernel("CPU fused elementwise kernels", (), (("avx512f", "avx512bw"),)),
     "cpu_row_top.cpp": Kernel("CPU row argmax/top-k kernels", (), (("avx512f",),)),
+    "cpu_gated_delta_net.cpp": Kernel("CPU Gated DeltaNet kernels", (), (("avx512f",), ("avx2", "fma"))),
 }
 
 _loaded: dict[str, bool | None] = {}  # source -> loaded (None: could not be built)

@@ -1,7 +1,7 @@
 """CpuKernels: which of ember's C++ CPU kernels a model runs, chosen once, when it is built.
 
 vLLM's CustomOp idea without the class hierarchy: a layer that has a fast CPU path (RMSNorm,
-SiLU*up, the rotary embedding, the attention backend, a packed GGUF linear) is handed this
+SiLU*up, the rotary embedding, the attention backend, a packed GGUF linear, Gated DeltaNet) is handed this
 object when it is constructed and keeps the one boolean it needs; its forward then takes the
 C++ kernel where the tensors fit it (bf16 rows on CPU, outside torch.compile) and the torch ops
 otherwise. Nothing reads a module-level switch, so two engines with different --cpu-* flags can
@@ -16,7 +16,7 @@ outside the engine, as in the tests); `CpuKernels.none()` is the pure torch refe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -28,11 +28,12 @@ class CpuKernels:
     fused_elementwise: bool = True  # RMSNorm, SiLU*up, RoPE in one pass each, bf16 (cpu_fused_elementwise)
     tiled_gemv: bool = True  # GGUF 4/8-bit weights in the tiled GEMV's layout (cpu_tiled_gemv)
     int8_activations: bool = True  # the tiled GEMV's int8-x path for many-row steps (AVX-512 VNNI)
+    gated_delta_net: bool = True  # Gated DeltaNet conv + recurrence for decodes and verifies (cpu_gated_delta_net)
 
     @classmethod
     def none(cls) -> "CpuKernels":
         """The torch ops everywhere: the reference."""
-        return cls(False, False, False, False, False)
+        return cls(**{f.name: False for f in fields(cls)})
 
     @classmethod
     def select(cls, config, device_type: str, dtype: torch.dtype) -> "CpuKernels":
@@ -41,7 +42,13 @@ class CpuKernels:
         machine (then cached), not in the first request."""
         if device_type != "cpu":
             return cls.none()
-        from ember.kernels import cpu_causal_attention, cpu_fused_elementwise, cpu_row_top, cpu_tiled_gemv
+        from ember.kernels import (
+            cpu_causal_attention,
+            cpu_fused_elementwise,
+            cpu_gated_delta_net,
+            cpu_row_top,
+            cpu_tiled_gemv,
+        )
         from ember.kernels.cpu_paged_attention import paged_attention_op
 
         bf16 = dtype == torch.bfloat16
@@ -53,4 +60,6 @@ class CpuKernels:
             fused_elementwise=config.fused_elementwise and (not bf16 or cpu_fused_elementwise.available()),
             tiled_gemv=config.tiled_gemv and cpu_tiled_gemv.x_dtype() is not None,
             int8_activations=config.int8_activations,
+            # hybrid models' (~10 s to build where it was not at install; a load of a few ms where it was)
+            gated_delta_net=config.gated_delta_net and cpu_gated_delta_net.available(),
         )

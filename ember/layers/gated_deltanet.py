@@ -10,7 +10,10 @@ can keep them dense (hybrid.md, pitfall 5).
 
 A step's sequences take one of three paths: decodes (one token) together, one recurrent step
 for all of them; prefill chunks one at a time through the chunked form; verifies (a decode with
-drafts) token by token, keeping every token's state for the runner to commit.
+drafts) token by token, keeping every token's state for the runner to commit. On CPU, decodes
+and verifies run in two fused C++ ops (ember/kernels/cpu_gated_delta_net.py: conv + SiLU, then
+the gated delta rule in place in the slot) unless CpuKernels turned them off; the torch path
+below is their reference and the fallback.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from torch import nn
 
 from ember.config.model_config import ModelConfig
 from ember.errors import ModelLoadError
+from ember.kernels import cpu_gated_delta_net as fused_gdn
+from ember.kernels.cpu_kernels import CpuKernels
 from ember.kernels.metadata import AttentionMetadata
 from ember.layers import gated_delta_rule as gdr
 from ember.layers.linear import MergedColumnLinear, RowParallelLinear, copy_checked, get_tp_rank_size
@@ -30,8 +35,10 @@ from ember.layers.recurrent_state import RecurrentState
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype, device, quant_config=None, prefix: str = ""):
+    def __init__(self, cfg: ModelConfig, dtype, device, quant_config=None, prefix: str = "", kernels=None):
         super().__init__()
+        # decodes and verifies through the fused C++ kernels where the step's tensors fit them (CPU)
+        self.fused = (kernels or CpuKernels()).gated_delta_net
         # Tensor parallelism splits by key-head group: a rank holds nk / tp key heads, the value
         # heads that read them, and their state.
         self.tp_rank, self.tp_size = get_tp_rank_size()
@@ -87,25 +94,38 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, state: RecurrentState, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v, z = self.in_proj_qkvz(x).split([self.in_proj_qkvz.shard_sizes[s] for s in "qkvz"], dim=-1)
+        qkvz = self.in_proj_qkvz(x)
+        mixed, z = qkvz.split([self.conv_dim, qkvz.shape[-1] - self.conv_dim], dim=-1)  # [q | k | v]: the conv's
         b, a = self.in_proj_ba(x).chunk(2, dim=-1)
-        mixed = torch.cat([q, k, v], dim=-1)  # the conv's channels
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        fused = self._fused_applies(mixed, state)
+        gates = None if fused and meta.is_pure_decode else self._gates(a, b)  # (g, beta) for the torch paths
         out = torch.empty(T, self.nv, self.dv, dtype=x.dtype, device=x.device)
         rec = meta.recurrent
         decodes, s = [], 0
         for n, slot, has, d, snaps in zip(meta.query_lens_cpu, rec.slots, rec.has_state, rec.num_drafts, rec.snapshots):
+            rows = slice(s, s + n)
             if n == 1 and d == 0:
                 decodes.append((s, slot, has, snaps))
+            elif n and fused and d > 0:
+                out[rows] = self._verify_fused(mixed[rows], a[rows], b[rows], state, slot, has, snaps)
             elif n:
-                rows = slice(s, s + n)
-                out[rows] = self._sequence(mixed[rows], g[rows], beta[rows], state, slot, has, d > 0, snaps)
+                g, beta = gates[0][rows], gates[1][rows]
+                out[rows] = self._sequence(mixed[rows], g, beta, state, slot, has, d > 0, snaps)
             s += n
-        if decodes:
-            self._decode(mixed, g, beta, state, decodes, out)
+        if decodes and fused:
+            self._decode_fused(mixed, a, b, state, decodes, out)
+        elif decodes:
+            self._decode(mixed, *gates, state, decodes, out)
         o = self.norm(out, z.view(T, self.nv, self.dv))
         return self.out_proj(o.flatten(1))
+
+    def _gates(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(g, beta): the log decay -exp(A_log) softplus(a + dt_bias) in float32, beta = sigmoid(b)."""
+        return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias), b.sigmoid()
+
+    def _fused_applies(self, mixed: torch.Tensor, state: RecurrentState) -> bool:
+        """This step's decodes and verifies can take the fused CPU kernels (asked for, CPU, built, one dtype)."""
+        return self.fused and mixed.dtype == self.conv_weight.dtype == state.conv.dtype and fused_gdn.applies(mixed)
 
     def _split(self, mixed: torch.Tensor):
         """conv output [L, C] -> q, k [L, nv, dk] (prepared, float32), v [L, nv, dv]."""
@@ -164,6 +184,38 @@ class GatedDeltaNet(nn.Module):
             for _, snap in snaps:  # after its one token: the new state
                 state.copy(slot, snap)
         out[rows] = o[0].to(out.dtype)
+
+    def _decode_fused(self, mixed, a, b, state: RecurrentState, decodes: list[tuple], out) -> None:
+        """_decode in the fused kernels: each slot's conv and SSM state updated in place (a sequence
+        without one starts from zeros), no gather or scatter of the states."""
+        dev = mixed.device
+        slots = torch.tensor([s for _, s, _, _ in decodes], dtype=torch.int64, device=dev)
+        src = torch.tensor([s if h else -1 for _, s, h, _ in decodes], dtype=torch.int64, device=dev)
+        if len(decodes) < mixed.shape[0]:  # prefills or verifies beside them: this step's decode rows
+            rows = torch.tensor([r for r, _, _, _ in decodes], device=dev)
+            mixed, a, b = mixed[rows], a[rows], b[rows]
+        conv_out = fused_gdn.causal_conv1d_silu(mixed, self.conv_weight, state.conv, src, slots)
+        o = fused_gdn.gated_delta_net(conv_out, a, b, self.A_log, self.dt_bias, state.ssm, src, slots)
+        for _, slot, _, snaps in decodes:
+            for _, snap in snaps:  # after its one token: the new state
+                state.copy(slot, snap)
+        if len(decodes) < out.shape[0]:
+            out[rows] = o.view(-1, self.nv, self.dv)
+        else:
+            out.copy_(o.view(out.shape))
+
+    def _verify_fused(self, mixed, a, b, state: RecurrentState, slot: int, has: bool, snapshots) -> torch.Tensor:
+        """A verify in the fused kernels: the slot is left as it is; the conv window and the state after
+        every token go to keep_verify, for the commit to pick the last accepted one."""
+        L, dev = mixed.shape[0], mixed.device
+        src = torch.tensor([slot if has else -1], dtype=torch.int64, device=dev)
+        none = torch.tensor([-1], dtype=torch.int64, device=dev)
+        windows = mixed.new_empty(1, self.conv_dim, self.kernel - 1 + L)
+        conv_out = fused_gdn.causal_conv1d_silu(mixed, self.conv_weight, state.conv, src, none, windows)
+        states = torch.empty(1, L, self.nv, self.dk, self.dv, dtype=torch.float32, device=dev)
+        o = fused_gdn.gated_delta_net(conv_out, a, b, self.A_log, self.dt_bias, state.ssm, src, none, states)
+        state.keep_verify(slot, states[0], windows[0], snapshots)
+        return o.view(L, self.nv, self.dv)
 
     # ---- weights -------------------------------------------------------------------------
 

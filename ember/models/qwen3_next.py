@@ -133,7 +133,7 @@ class HybridDecoderLayer(nn.Module):
         self.is_linear = not attention and cfg.layer_type(layer_idx) == LINEAR_ATTENTION
         prefix = f"model.layers.{layer_idx}"
         if self.is_linear:
-            self.linear_attn = GatedDeltaNet(cfg, dtype, device, quant_config, f"{prefix}.linear_attn")
+            self.linear_attn = GatedDeltaNet(cfg, dtype, device, quant_config, f"{prefix}.linear_attn", kernels)
         else:
             self.self_attn = GatedAttention(cfg, layer_idx, dtype, device, attn_backend, quant_config)
         if cfg.is_moe_layer(layer_idx):
