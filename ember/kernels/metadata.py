@@ -8,7 +8,7 @@ cache after this step's K/V are written (ctx_len = seq_len - q_len already cache
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -55,6 +55,15 @@ class RecurrentMetadata:
     has_state: list[bool]
     num_drafts: list[int]
     snapshots: list[list[tuple[int, int]]]
+    # index tensors built from the lists above by the first layer that needs them, shared by the rest
+    _index_tensors: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def index_tensor(self, name: str, values, device) -> torch.Tensor:
+        """values (computed by the caller's callable) as an int64 tensor on device, built once per step."""
+        key = (name, str(device))
+        if key not in self._index_tensors:
+            self._index_tensors[key] = torch.tensor(values(), dtype=torch.int64, device=device)
+        return self._index_tensors[key]
 
 
 @dataclass

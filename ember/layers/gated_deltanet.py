@@ -113,7 +113,7 @@ class GatedDeltaNet(nn.Module):
                 out[rows] = self._sequence(mixed[rows], g, beta, state, slot, has, d > 0, snaps)
             s += n
         if decodes and fused:
-            self._decode_fused(mixed, a, b, state, decodes, out)
+            self._decode_fused(mixed, a, b, state, decodes, rec, out)
         elif decodes:
             self._decode(mixed, *gates, state, decodes, out)
         o = self.norm(out, z.view(T, self.nv, self.dv))
@@ -185,14 +185,15 @@ class GatedDeltaNet(nn.Module):
                 state.copy(slot, snap)
         out[rows] = o[0].to(out.dtype)
 
-    def _decode_fused(self, mixed, a, b, state: RecurrentState, decodes: list[tuple], out) -> None:
+    def _decode_fused(self, mixed, a, b, state: RecurrentState, decodes: list[tuple], rec, out) -> None:
         """_decode in the fused kernels: each slot's conv and SSM state updated in place (a sequence
-        without one starts from zeros), no gather or scatter of the states."""
+        without one starts from zeros), no gather or scatter of the states. The index tensors are the
+        step's (rec), built by the first layer and reused by the others."""
         dev = mixed.device
-        slots = torch.tensor([s for _, s, _, _ in decodes], dtype=torch.int64, device=dev)
-        src = torch.tensor([s if h else -1 for _, s, h, _ in decodes], dtype=torch.int64, device=dev)
+        slots = rec.index_tensor("decode_slots", lambda: [s for _, s, _, _ in decodes], dev)
+        src = rec.index_tensor("decode_sources", lambda: [s if h else -1 for _, s, h, _ in decodes], dev)
         if len(decodes) < mixed.shape[0]:  # prefills or verifies beside them: this step's decode rows
-            rows = torch.tensor([r for r, _, _, _ in decodes], device=dev)
+            rows = rec.index_tensor("decode_rows", lambda: [r for r, _, _, _ in decodes], dev)
             mixed, a, b = mixed[rows], a[rows], b[rows]
         conv_out = fused_gdn.causal_conv1d_silu(mixed, self.conv_weight, state.conv, src, slots)
         o = fused_gdn.gated_delta_net(conv_out, a, b, self.A_log, self.dt_bias, state.ssm, src, slots)
