@@ -29,7 +29,12 @@ Sections and rows (in run order; names are the same in both modes, toy sizes say
             (relative to max|ref|, tolerances as in tests/kernels): split-KV decode (bf16 and fp8
             e4m3 KV; q_len 1 and a 4-token verify), varlen prefill (a mixed step: fresh prompt,
             decode, chunks over a cached prefix; bf16 and fp8), KV store (bit-exact with the
-            torch write, bf16 and fp8), AWQ GEMM (M = 1 / 8 / 64) and AWQ dequantize (bit-exact).
+            torch write, bf16 and fp8), AWQ GEMM (M = 1 / 8 / 64) and AWQ dequantize (bit-exact);
+            the Gated DeltaNet kernels (ember/kernels/triton_gated_delta_net.py: rows that say "not
+            present" while it is not there) against GatedDeltaNet's torch path at Qwen3.5-0.8B's layer
+            (Hk = Hv = 16, dk = dv = 128, conv K 4, bf16, fp32 state): the rule and the conv + SiLU
+            at decode batch 1 and 16 and a varlen prefill of 2,048 tokens (5 sequences, 2 new), each
+            with its output and written-state errors and triton ms vs torch ms.
   attention ember.bench.lib.triton_kernels.bench_decode_attention: Triton split-KV decode vs torch
             SDPA over the gathered (padded) KV, batch 8, 32/8 heads, D 128, at 4K / 32K / 128K
             context (+ an fp8 KV row at 32K); ms each, speedup, KV GB/s, max_abs_diff.
@@ -50,13 +55,27 @@ Sections and rows (in run order; names are the same in both modes, toy sizes say
             step and check that it replays from a graph, they do not show a speedup.
   ttft      Qwen3-0.6B shape: time to first token of a fresh 32K-token prompt with chunked
             prefill at 2,048 tokens per step vs off (one 32K step); best of 2 after a warmup.
+  hybrid    Gated DeltaNet hybrids from random weights of real shapes, written by `ember bench hybrid`'s
+            builder (transformers, weights drawn on the GPU; a word-level tokenizer): Qwen3.5-0.8B
+            (whole, bf16), Qwen3.5-27B's layer and Qwen3-Next-80B-A3B's (MoE 512 experts top-10 + a
+            shared expert) with 4 layers each (3 linear attention + 1 full: per-layer cost), and the
+            0.8B folder as int4 AWQ (GEMM, group 128; in_proj_b / in_proj_a, the conv, A_log and
+            dt_bias stay dense). One engine per model (the engine's default executor: eager for
+            hybrids); rows: build (GB, s); decode tok/s at batch 1 and 16 (64 new tokens after a
+            32-token prompt, as the models rows count); verify k=1..3: the median step time of a
+            batch-1 step verifying 1 + k tokens (a proposer that drafts k copies of the last token
+            every step, on the n-gram path, adaptive k off) over a plain decode step of the same
+            engine (no drafts; the engine is built with that speculation config, so the decode and
+            prefill rows run with a proposer that drafts nothing); prefill tok/s = prompt / TTFT of a
+            fresh 2K prompt (and 32K for the 0.8B), the engine's chunked prefill (2,048 a step),
+            best of 2 after a 2K warmup. Expected ~150 s on an H200 (cap 200 s).
 
 Time budget: the whole run must finish within 8 minutes on an H200 (--budget-s 480). Each
 section has a cap (SECTION_CAPS); a step that would start past its section's cap or the total
 budget is skipped with a row that says so, and every section runs in its own try/except, so a
 failure loses only its own rows. A watchdog writes the files and exits if the run hangs past the
 budget + 90 s. GPU memory is freed between models (del + gc + torch.cuda.empty_cache()).
---only env,kernels,... reruns some sections.
+--only env,kernels,... reruns some sections (--only env,kernels,hybrid: the hybrid checks alone, ~4 min).
 """
 
 from __future__ import annotations
@@ -75,9 +94,11 @@ sys.path.insert(0, REPO)  # this checkout's ember, not an installed one
 import argparse  # noqa: E402
 import datetime  # noqa: E402
 import gc  # noqa: E402
+import itertools  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import math  # noqa: E402
+import re  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import threading  # noqa: E402
@@ -87,22 +108,25 @@ import weakref  # noqa: E402
 
 import torch  # noqa: E402
 
+from ember.bench.commands.hybrid import QWEN35_08B  # noqa: E402
 from ember.bench.lib.random_model import QWEN3, build_model  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 NEEDS_CUDA = "skipped: needs CUDA"
 SECTION_CAPS = {
     "env": 20,
-    "kernels": 60,
+    "kernels": 75,
     "attention": 60,
     "qwen3-0.6b": 95,
     "ttft": 45,
     "qwen3-8b": 90,
     "qwen3-8b-awq": 75,
     "qwen3-30b-a3b": 75,
-}  # seconds; sum 520 > 480, the total budget rules
+    "hybrid": 200,
+}  # seconds; sum 735 > 480, the total budget rules (--only env,kernels,hybrid: 295)
 SECTIONS = list(SECTION_CAPS)
 PROMPT_LEN = 32
+HYBRID_NEW_TOKENS = 8 if SMOKE else 64
 
 # Real shapes (the models' config.json), and toy ones for --cpu-smoke.
 MODELS = {
@@ -207,7 +231,9 @@ class Report:
             "its 48 layers at the real layer shape (decode time per layer is what transfers). Decode "
             "tok/s = batch / median step time; weights GB/s = weight bytes one decode step reads (not "
             "the embedding lookup; MoE: active experts, uniform routing assumed) per second, and its "
-            "share of the measured d2d copy rate (read + write bytes / s).",
+            "share of the measured d2d copy rate (read + write bytes / s). Hybrid rows: weights drawn by "
+            "transformers (N(0, 0.02), A_log ~ U(-2, 1.5)); the 27B and 80B-A3B shapes run 4 of their layers "
+            "(3 linear attention + 1 full); verify rows divide a step verifying 1 + k drafts by a plain decode step.",
         ]
         lines += ["", "| section | elapsed s | cap s | GPU GiB allocated after |", "|---|---|---|---|"]
         lines += [
@@ -607,6 +633,163 @@ def section_kernels(sec: Section, ctx: dict) -> None:
         except Exception as e:
             sec.add(case, "error", notes=_err(e))
             traceback.print_exc()
+    section_gdn_kernels(sec, ctx)
+
+
+# -- Gated DeltaNet kernels (Triton) against the torch path --------------------------------------
+
+GDN_STEPS = ("decode b1", "decode b16", "varlen prefill 2K")
+GDN_CASES = [f"GDN {op} {step}" for step in GDN_STEPS for op in ("rule", "conv")]
+GDN_MODULE = "ember/kernels/triton_gated_delta_net.py"
+
+
+def gdn_step(lens: list[int], news: list[int], dev: torch.device, seed: int) -> dict:
+    """One step of Qwen3.5-0.8B's linear-attention layer (Hk = Hv = 16, dk = dv = 128, conv K = 4; toy
+    heads under --cpu-smoke), bf16 like the layer: sequences of lens[i] tokens in shuffled slots of an
+    fp32 SSM pool and a bf16 conv pool, the ones in `news` new (src -1); a / b views of one projection."""
+    Hk, Hv, dk, dv, K = (2, 4, 16, 16, 4) if SMOKE else (16, 16, 128, 128, 4)
+    g = torch.Generator().manual_seed(seed)
+    N, T, C, bf = len(lens), sum(lens), 2 * Hk * dk + Hv * dv, torch.bfloat16
+    dst = torch.randperm(N + 3, generator=g)[:N]
+    src = dst.clone()
+    src[news] = -1
+    d = dict(
+        x=torch.randn(T, C, generator=g).to(bf),
+        qkv=torch.randn(T, C, generator=g).to(bf),
+        ba=(torch.randn(T, 2 * Hv, generator=g) * 2).to(bf),
+        A_log=(torch.rand(Hv, generator=g) * 2 - 1).to(bf),
+        dt_bias=(torch.randn(Hv, generator=g) * 0.5).to(bf),
+        weight=(torch.randn(C, K, generator=g) * 0.5).to(bf),
+        state=torch.randn(N + 3, Hv, dk, dv, generator=g) * 0.3,
+        conv=torch.randn(N + 3, C, K - 1, generator=g).to(bf),
+        src=src,
+        dst=dst,
+        cu=torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32),
+    )
+    d = {k: v.to(dev) for k, v in d.items()}
+    d.update(a=d["ba"][:, Hv:], b=d["ba"][:, :Hv], lens=lens, Hk=Hk, dk=dk)
+    return d
+
+
+def gdn_rule_ref(d: dict, state: torch.Tensor) -> torch.Tensor:
+    """GatedDeltaNet's torch path, state written at dst: decode (one token each) by the recurrence,
+    sequences batched; a prefill per sequence by the chunked form. Returns o [T, Hv * dv]."""
+    import torch.nn.functional as F
+
+    from ember.layers import gated_delta_rule as gdr
+
+    Hk, dk, Hv, dv = d["Hk"], d["dk"], state.shape[1], state.shape[3]
+    q, k, v = d["qkv"].split([Hk * dk, Hk * dk, Hv * dv], dim=-1)
+    q, k = gdr.prepare_qk(q.reshape(-1, Hk, dk), k.reshape(-1, Hk, dk), Hv)
+    v, beta = v.reshape(-1, Hv, dv), d["b"].sigmoid()
+    g = -d["A_log"].float().exp() * F.softplus(d["a"].float() + d["dt_bias"])
+    src = d["src"]
+    s0 = torch.where((src >= 0)[:, None, None, None], state[src.clamp(min=0)], 0.0)
+    if max(d["lens"]) == 1:
+        o, s1 = gdr.recurrent(q[None], k[None], v[None], g[None], beta[None], s0)
+        o = o[0]
+    else:
+        outs, finals = [], []
+        cu = d["cu"].tolist()
+        for i, (a, e) in enumerate(zip(cu, cu[1:])):
+            o_i, s_i = gdr.chunked(q[a:e], k[a:e], v[a:e], g[a:e], beta[a:e], s0[i])
+            outs.append(o_i)
+            finals.append(s_i)
+        o, s1 = torch.cat(outs), torch.stack(finals)
+    state[d["dst"]] = s1
+    return o.reshape(o.shape[0], -1).to(d["qkv"].dtype)
+
+
+def gdn_conv_ref(d: dict, conv: torch.Tensor) -> torch.Tensor:
+    """The layer's conv + SiLU: the step form for decode, the window form per sequence for a
+    prefill; the state written at dst."""
+    from ember.layers import gated_delta_rule as gdr
+
+    src, x, w = d["src"], d["x"], d["weight"]
+    c0 = torch.where((src >= 0)[:, None, None], conv[src.clamp(min=0)], 0).to(conv.dtype)
+    if max(d["lens"]) == 1:
+        out, c1 = gdr.causal_conv_step(x, c0, w)
+    else:
+        outs, c1 = [], []
+        cu = d["cu"].tolist()
+        for i, (a, e) in enumerate(zip(cu, cu[1:])):
+            o_i, window = gdr.causal_conv(x[a:e], c0[i], w)
+            outs.append(o_i)
+            c1.append(window[:, window.shape[1] - c0.shape[2] :])
+        out, c1 = torch.cat(outs), torch.stack(c1)
+    conv[d["dst"]] = c1
+    return out
+
+
+def gdn_kernel(tg, op: str, d: dict, pool: torch.Tensor) -> torch.Tensor:
+    """The Triton op for this step, writing pool (the SSM or conv pool) at dst."""
+    varlen = max(d["lens"]) > 1
+    if op == "rule":
+        args = (d["qkv"], d["a"], d["b"], d["A_log"], d["dt_bias"], pool)
+        if varlen:
+            return tg.gated_delta_net_varlen(*args, d["cu"], d["src"], d["dst"])
+        return tg.gated_delta_net(*args, d["src"], d["dst"])
+    if varlen:
+        return tg.causal_conv1d_silu_varlen(d["x"], d["weight"], pool, d["cu"], d["src"], d["dst"])
+    return tg.causal_conv1d_silu(d["x"], d["weight"], pool, d["src"], d["dst"])
+
+
+def gdn_row(sec: Section, tg, op: str, step: str, d: dict, dev: torch.device) -> None:
+    """Output and written state against the torch path (o: bf16 roundings; the fp32 SSM state: summation
+    order, a chunked prefill's more; the conv state is a copy: bit-exact), then both timed on CUDA."""
+    key = "state" if op == "rule" else "conv"
+    ref_fn, ref_pool, pool = (gdn_rule_ref if op == "rule" else gdn_conv_ref), d[key].clone(), d[key].clone()
+    ref = ref_fn(d, ref_pool)
+    out = gdn_kernel(tg, op, d, pool)
+    _, o_rel = rel_err(out, ref)
+    dst = d["dst"]
+    _, s_rel = rel_err(pool[dst], ref_pool[dst])
+    s_tol = 0.0 if op == "conv" else (1e-2 if "prefill" in step else 1e-4)
+    finite = bool(torch.isfinite(out.float()).all())
+    ok = finite and o_rel <= 1.5e-2 and s_rel <= s_tol
+    timing, data = f"timing: {NEEDS_CUDA}", {}
+    if dev.type == "cuda":
+        iters = 10 if "prefill" in step else 50
+        k_ms = time_ms(lambda: gdn_kernel(tg, op, d, pool), iters, 3, dev)
+        r_ms = time_ms(lambda: ref_fn(d, ref_pool), iters, 3, dev)
+        timing, data = f"triton {k_ms:.3f} ms vs torch {r_ms:.3f} ms = {r_ms / k_ms:.1f}x", dict(ms=k_ms, torch_ms=r_ms)
+    H = "Hk 2, Hv 4, dk = dv 16 (cpu-smoke toy)" if SMOKE else "Hk 16, Hv 16, dk = dv 128"
+    sec.add(
+        f"GDN {op} {step}",
+        "ok" if ok else "FAIL",
+        f"o rel err {o_rel:.2e} (tol 1.5e-02), state rel err {s_rel:.2e} (tol {s_tol:g}); {timing}",
+        f"{len(d['lens'])} sequences, {sum(d['lens'])} tokens ({sum(s < 0 for s in d['src'].tolist())} new), "
+        f"{H}, conv K 4, bf16" + ("" if finite else "; NON-FINITE output"),
+        rel_err=o_rel,
+        state_rel_err=s_rel,
+        **data,
+    )
+
+
+def section_gdn_kernels(sec: Section, ctx: dict) -> None:
+    """The GDN rows of the kernels section: skipped with a note while the Triton module is not there."""
+    try:
+        from ember.kernels import triton_gated_delta_net as tg
+    except ImportError as e:
+        for c in GDN_CASES:
+            sec.add(c, "skipped", notes=f"not present: {GDN_MODULE} ({_err(e)})")
+        return
+    dev = ctx["device"]
+    prefill = ([9, 4, 2, 1], [1, 3]) if SMOKE else ([1024, 512, 384, 127, 1], [1, 4])
+    steps = {"decode b1": ([1], []), "decode b16": ([1] * (4 if SMOKE else 16), [1]), "varlen prefill 2K": prefill}
+    for i, (step, (lens, news)) in enumerate(steps.items()):
+        d = None
+        for op in ("rule", "conv"):
+            case = f"GDN {op} {step}"
+            if sec.skip_if_over(case):
+                continue
+            try:
+                d = d or gdn_step(lens, news, dev, seed=40 + i)
+                gdn_row(sec, tg, op, step, d, dev)
+            except Exception as e:
+                sec.add(case, "error", notes=_err(e))
+                traceback.print_exc()
+        free_memory()
 
 
 # -- decode attention bench ----------------------------------------------------------------
@@ -957,6 +1140,363 @@ def section_ttft(sec: Section, ctx: dict) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+# -- hybrid models (Gated DeltaNet + gated attention) -----------------------------------------------
+
+LIN, FULL = "linear_attention", "full_attention"
+QWEN35_27B = dict(
+    QWEN35_08B,
+    hidden_size=5120,
+    num_hidden_layers=4,
+    layer_types=[LIN] * 3 + [FULL],
+    num_attention_heads=24,
+    num_key_value_heads=4,
+    linear_num_value_heads=48,
+    intermediate_size=17408,
+    tie_word_embeddings=False,
+)  # Qwen3.5-27B's layer (64 layers: 48 linear / 16 full), 4 of them
+QWEN3_NEXT_80B = dict(
+    vocab_size=151936,
+    hidden_size=2048,
+    num_hidden_layers=4,
+    layer_types=[LIN] * 3 + [FULL],
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    intermediate_size=5120,
+    moe_intermediate_size=512,
+    shared_expert_intermediate_size=512,
+    num_experts=512,
+    num_experts_per_tok=10,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    max_position_embeddings=262144,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+)  # Qwen3-Next-80B-A3B's layer (48 layers: 36 linear / 12 full; MoE 512 experts top-10 + shared), 4 of them
+HYBRIDS = {
+    "qwen3.5-0.8b": dict(label="Qwen3.5-0.8B", arch="Qwen3_5", shape=dict(QWEN35_08B, max_position_embeddings=262144)),
+    "qwen3.5-27b": dict(label="Qwen3.5-27B (4/64 layers)", arch="Qwen3_5", shape=QWEN35_27B),
+    "qwen3-next-80b-a3b": dict(label="Qwen3-Next-80B-A3B (4/48 layers)", arch="Qwen3Next", shape=QWEN3_NEXT_80B),
+    # int4 AWQ (GEMM, group 128) of the 0.8B folder: q/k/v/o, in_proj_qkv / in_proj_z, out_proj and the MLP
+    # packed; in_proj_b / in_proj_a (the gates), the conv, A_log and dt_bias dense (hybrid.md, pitfall 5)
+    "qwen3.5-0.8b-awq": dict(label="Qwen3.5-0.8B AWQ", arch="Qwen3_5", base="qwen3.5-0.8b", awq_group=128),
+}
+HYBRID_TOY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    num_hidden_layers=4,
+    layer_types=[LIN] * 3 + [FULL],
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+)
+AWQ_QUANTIZED = re.compile(r"\.((q|k|v|o|gate|up|down)_proj|in_proj_qkvz?|in_proj_z|out_proj)\.weight$")
+AWQ_DENSE = [
+    "linear_attn.in_proj_b",
+    "linear_attn.in_proj_a",
+    "linear_attn.in_proj_ba",
+    "mlp.gate",
+    "shared_expert_gate",
+]
+VERIFY_K = (1, 2, 3)
+
+
+def hybrid_prefills(key: str) -> tuple[int, ...]:
+    return (2048, 32768) if key == "qwen3.5-0.8b" else (2048,)
+
+
+def hybrid_cases(key: str) -> list[str]:
+    label = HYBRIDS[key]["label"]
+    prefills = [f"{label} prefill {n // 1024}K" for n in hybrid_prefills(key)]
+    return [f"{label} build", f"{label} decode b1", f"{label} decode b16", f"{label} verify k=1..3 b1", *prefills]
+
+
+def hybrid_shape(key: str) -> dict:
+    shape = dict(HYBRIDS[HYBRIDS[key].get("base", key)]["shape"])
+    if SMOKE:
+        shape.update(
+            HYBRID_TOY if "num_experts" in shape else {k: v for k, v in HYBRID_TOY.items() if "expert" not in k}
+        )
+    return shape
+
+
+def folder_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+
+
+def build_hybrid(key: str, dev: torch.device, folders: dict) -> tuple[str, str]:
+    """(HF folder, the scratch folder to delete): ember bench hybrid's builder (transformers draws the
+    weights, here on the GPU) with random_model's word-level tokenizer; AWQ: from its base, see awq_folder."""
+    from ember.bench.commands.hybrid import build_folder
+    from ember.bench.lib.random_model import scratch_dir, write_tokenizer
+
+    m = HYBRIDS[key]
+    if "base" in m:
+        path = awq_folder(os.path.join(folders[m["base"]], "hf"), 32 if SMOKE else m["awq_group"], dev)
+        return path, path
+    shape, root = hybrid_shape(key), scratch_dir(16 << 30)
+    try:
+        tok = lambda p: write_tokenizer(p, shape["vocab_size"])  # noqa: E731
+        return build_folder(os.path.join(root, "hf"), shape=shape, arch=m["arch"], tokenizer=tok, device=dev), root
+    except BaseException:
+        shutil.rmtree(root, ignore_errors=True)
+        raise
+
+
+def awq_folder(src: str, G: int, dev: torch.device) -> str:
+    """src with every AWQ_QUANTIZED linear (outside AWQ_DENSE) replaced by random packed int4 words (any
+    int32 is a valid word) with scales giving weights of ~0.02, and an AWQ quantization_config."""
+    from safetensors.torch import load_file, save_file
+
+    from ember.bench.lib.random_model import scratch_dir
+
+    path = scratch_dir(2 << 30)
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def words(*shape):
+        return torch.randint(-(2**31), 2**31, shape, generator=g, device=dev, dtype=torch.int64).to(torch.int32)
+
+    for f in os.listdir(src):
+        if f.endswith(".safetensors"):
+            out = {}
+            for name, w in load_file(os.path.join(src, f)).items():
+                module = name.removesuffix(".weight")
+                if not AWQ_QUANTIZED.search(name) or any(module.endswith(s) for s in AWQ_DENSE):
+                    out[name] = w
+                    continue
+                N, K = w.shape
+                out[f"{module}.qweight"] = words(K, N // 8).cpu()
+                out[f"{module}.qzeros"] = words(K // G, N // 8).cpu()
+                scales = torch.rand(K // G, N, generator=g, device=dev) * 0.004 + 0.002
+                out[f"{module}.scales"] = scales.half().cpu()
+            save_file(out, os.path.join(path, f), metadata={"format": "pt"})
+        elif not f.endswith(".index.json"):
+            shutil.copy(os.path.join(src, f), path)
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = dict(
+        quant_method="awq", bits=4, group_size=G, zero_point=True, version="gemm", modules_to_not_convert=AWQ_DENSE
+    )
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    return path
+
+
+def fixed_drafts():
+    """A proposer drafting k copies of each request's last token (a random model rejects most of them),
+    so every step verifies 1 + k tokens; k = 0 (set .k): no drafts, plain decode steps."""
+    from ember.request import Draft
+    from ember.spec.proposer import Proposer
+
+    class FixedDrafts(Proposer):
+        num_speculative_tokens, k = max(VERIFY_K), 0
+
+        def propose(self, requests, max_tokens):
+            return [Draft([r.token_ids[-1]] * min(self.k, m)) if self.k else None for r, m in zip(requests, max_tokens)]
+
+    return FixedDrafts()
+
+
+def hybrid_engine(path: str, ctx: dict, max_len: int):
+    """(llm, its fixed_drafts proposer, None): the engine with n-gram speculation (k <= 3, adaptive off)
+    whose proposer is replaced; where that does not build, (llm without speculation, None, the error)."""
+    kw = dict(max_model_len=max_len, max_num_seqs=16)
+    try:
+        spec = dict(method="ngram", num_speculative_tokens=max(VERIFY_K))
+        llm = make_llm(path, ctx, speculative_config=spec, adaptive_spec=False, **kw)
+    except Exception as e:  # noqa: BLE001 (the decode and prefill rows still run)
+        traceback.print_exc()
+        return make_llm(path, ctx, **kw), None, e
+    drafts = fixed_drafts()
+    llm.engine.parts.spec.proposer = drafts
+    return llm, drafts, None
+
+
+def hybrid_decode_rows(sec: Section, llm, key: str, notes: str) -> float | None:
+    """decode tok/s at batch 1 and 16 (no drafts); returns the batch-1 step in ms."""
+    label, vocab = HYBRIDS[key]["label"], hybrid_shape(key)["vocab_size"]
+    step_ms = None
+    for b in (1, 16):
+        case = f"{label} decode b{b}"
+        if sec.skip_if_over(case):
+            continue
+        try:
+            decode_rate(llm, b, 4, vocab, seed=100 + b)  # warmup
+            steady, mean, steps = decode_rate(llm, b, HYBRID_NEW_TOKENS, vocab, seed=b)
+            step_ms = 1000 / steady if b == 1 else step_ms
+            sec.add(
+                case,
+                "ok",
+                f"{steady:.1f} tok/s (mean {mean:.1f})",
+                f"{steps} steps after {PROMPT_LEN}-token prompts; {notes}",
+                tok_s=steady,
+                mean_tok_s=mean,
+                steps=steps,
+            )
+        except Exception as e:
+            sec.add(case, "error", notes=f"{_err(e)}; {notes}")
+            traceback.print_exc()
+    return step_ms
+
+
+def hybrid_verify_row(sec: Section, llm, drafts, key: str, base_ms: float | None, notes: str) -> None:
+    """The step time of a verify of 1 + k tokens (batch 1, k fixed drafts every step) over a plain
+    decode step's (the same engine with no drafts)."""
+    label, vocab = HYBRIDS[key]["label"], hybrid_shape(key)["vocab_size"]
+    case = f"{label} verify k=1..3 b1"
+    if sec.skip_if_over(case):
+        return
+    ms, verified = {}, []
+    try:
+        for k in VERIFY_K:
+            drafts.k = k
+            decode_rate(llm, 1, 4, vocab, seed=200 + k)  # warmup
+            n0 = llm.engine.stats().get("spec_num_drafts", 0)
+            steady, _, steps = decode_rate(llm, 1, HYBRID_NEW_TOKENS, vocab, seed=300 + k)
+            ms[k] = 1000 / steady
+            verified.append(f"{llm.engine.stats().get('spec_num_drafts', 0) - n0}/{steps}")
+        drafts.k = 0
+        if base_ms is None:
+            raise RuntimeError("no decode b1 step to compare with")
+        sec.add(
+            case,
+            "ok",
+            ", ".join(f"k={k} {ms[k] / base_ms:.2f}x" for k in VERIFY_K) + " a decode step",
+            f"verify step {' / '.join(f'{ms[k]:.2f}' for k in VERIFY_K)} ms vs decode {base_ms:.2f} ms (median, "
+            f"batch 1); steps with drafts {', '.join(verified)} (k fixed drafts per step: copies of the last "
+            f"token via the n-gram path, adaptive k off); {notes}",
+            verify_ms=ms,
+            decode_ms=base_ms,
+        )
+    except Exception as e:
+        drafts.k = 0
+        sec.add(case, "error", notes=f"{_err(e)}; {notes}")
+        traceback.print_exc()
+
+
+def prefill_once(llm, prompt: list[int]) -> float:
+    """Seconds from adding a fresh prompt to its first token (max_tokens 1)."""
+    from ember.sampling import SamplingParams
+
+    t = time.perf_counter()
+    llm.engine.add_request(None, {"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=1))
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    return time.perf_counter() - t
+
+
+def hybrid_prefill_rows(sec: Section, llm, key: str, notes: str) -> None:
+    """prefill tok/s of a fresh prompt (2K; 32K for the 0.8B shape), the engine's chunked prefill (2,048
+    tokens a step); best of 2 where the budget allows, after a warmup at 2K."""
+    label, vocab = HYBRIDS[key]["label"], hybrid_shape(key)["vocab_size"]
+    g = torch.Generator().manual_seed(9)
+    prompt = lambda n: torch.randint(3, vocab, (n,), generator=g).tolist()  # noqa: E731 (fresh: no prefix hits)
+    warm = False
+    for n in hybrid_prefills(key):
+        case, toy = f"{label} prefill {n // 1024}K", n // 64 if SMOKE else n
+        if sec.skip_if_over(case):
+            continue
+        try:
+            if not warm:
+                prefill_once(llm, prompt(min(toy, 2048)))
+                warm = True
+            times = []
+            while len(times) < 2 and not (times and sec.over()):
+                times.append(prefill_once(llm, prompt(toy)))
+            t = min(times)
+            sec.add(
+                case,
+                "ok",
+                f"{toy / t:.0f} tok/s (TTFT {1000 * t:.0f} ms)",
+                f"{toy}-token prompt, best of {len(times)}; {notes}",
+                tok_s=toy / t,
+                ttft_s=t,
+                runs_s=times,
+            )
+        except Exception as e:
+            sec.add(case, "error", notes=f"{_err(e)}; {notes}")
+            traceback.print_exc()
+
+
+def hybrid_model(sec: Section, ctx: dict, key: str, folders: dict) -> None:
+    """One hybrid shape: build, then one engine for its decode, verify and prefill rows."""
+    m, cases = HYBRIDS[key], hybrid_cases(key)
+    toy = "; cpu-smoke: toy shape" if SMOKE else ""
+    if sec.skip_if_over(*cases):
+        return
+    t = time.monotonic()
+    try:
+        path, folders[key] = build_hybrid(key, ctx["device"], folders)
+        free_memory()
+        s = hybrid_shape(key)
+        sec.add(
+            cases[0],
+            "ok",
+            f"{folder_bytes(path) / 1e9:.2f} GB in {time.monotonic() - t:.1f} s",
+            f"{s['num_hidden_layers']} layers, hidden {s['hidden_size']}, vocab {s['vocab_size']}, in {path}{toy}",
+            bytes=folder_bytes(path),
+            seconds=time.monotonic() - t,
+        )
+    except Exception as e:
+        for c in cases:
+            sec.add(c, "error", notes=f"build: {_err(e)}")
+        traceback.print_exc()
+        return
+    llm = engine_ref = None
+    try:
+        t = time.monotonic()
+        max_len = max(hybrid_prefills(key)) // (64 if SMOKE else 1) + 256
+        llm, drafts, spec_err = hybrid_engine(path, ctx, max_len)
+        engine_ref = weakref.ref(llm.engine)
+        notes = f"executor {executor_name(llm)}; engine built in {time.monotonic() - t:.1f} s{toy}"
+        base_ms = hybrid_decode_rows(sec, llm, key, notes)
+        if drafts is None:
+            sec.add(cases[3], "error", notes=f"engine with n-gram speculation: {_err(spec_err)}")
+        else:
+            hybrid_verify_row(sec, llm, drafts, key, base_ms, notes)
+        hybrid_prefill_rows(sec, llm, key, notes)
+    except Exception as e:
+        for c in cases:
+            if c not in sec.done:
+                sec.add(c, "error", notes=f"engine: {_err(e)}")
+        traceback.print_exc()
+    finally:
+        if llm is not None:
+            llm.engine.shutdown()
+        del llm
+        if engine_ref is not None:
+            check_freed(sec, engine_ref, m["label"])
+        if not any(h.get("base") == key for h in HYBRIDS.values()):
+            shutil.rmtree(folders.pop(key), ignore_errors=True)
+        free_memory()
+
+
+def section_hybrid(sec: Section, ctx: dict) -> None:
+    folders: dict[str, str] = {}
+    try:
+        for key in HYBRIDS:
+            hybrid_model(sec, ctx, key, folders)
+    finally:
+        for root in folders.values():
+            shutil.rmtree(root, ignore_errors=True)
+
+
 # -- main ------------------------------------------------------------------------------------
 
 
@@ -964,11 +1504,13 @@ def planned(name: str) -> list[str]:
     if name == "env":
         return ["machine", "d2d copy bandwidth"]
     if name == "kernels":
-        return list(KERNEL_CASES)
+        return KERNEL_CASES + GDN_CASES
     if name == "attention":
         return [f"split-KV vs SDPA {c}" for c, _, _ in ATTN_CASES]
     if name == "ttft":
         return list(TTFT_CASES)
+    if name == "hybrid":
+        return [c for key in HYBRIDS for c in hybrid_cases(key)]
     return model_cases(name)
 
 
@@ -1023,6 +1565,8 @@ def main(argv=None) -> int:
                 section_attention(sec, ctx)
             elif name == "ttft":
                 section_ttft(sec, ctx)
+            elif name == "hybrid":
+                section_hybrid(sec, ctx)
             else:
                 section_model(sec, ctx, name)
         except Exception as e:

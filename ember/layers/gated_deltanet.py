@@ -10,10 +10,13 @@ can keep them dense (hybrid.md, pitfall 5).
 
 A step's sequences take one of three paths: decodes (one token) together, one recurrent step
 for all of them; prefill chunks one at a time through the chunked form; verifies (a decode with
-drafts) token by token, keeping every token's state for the runner to commit. On CPU, decodes
-and verifies run in two fused C++ ops (ember/kernels/cpu_gated_delta_net.py: conv + SiLU, then
-the gated delta rule in place in the slot) unless CpuKernels turned them off; the torch path
-below is their reference and the fallback.
+drafts) token by token, keeping every token's state for the runner to commit. Decodes and
+verifies run in two fused ops (conv + SiLU, then the gated delta rule in place in the slot): C++ on
+CPU (ember/kernels/cpu_gated_delta_net.py, unless CpuKernels turned them off), Triton on a GPU
+(ember/kernels/triton_gated_delta_net.py, one interface). On a GPU a prefill chunk takes them too:
+the conv in one launch, the recurrence through fla-core's chunked kernels where fla is installed
+(ember/kernels/triton_chunked_delta_rule.py), else token by token in the Triton kernel. The torch
+path below is their reference and the fallback.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from torch import nn
 
 from ember.config.model_config import ModelConfig
 from ember.errors import ModelLoadError
-from ember.kernels import cpu_gated_delta_net as fused_gdn
+from ember.kernels import cpu_gated_delta_net, triton_chunked_delta_rule
 from ember.kernels.cpu_kernels import CpuKernels
 from ember.kernels.metadata import AttentionMetadata
 from ember.layers import gated_delta_rule as gdr
@@ -97,8 +100,10 @@ class GatedDeltaNet(nn.Module):
         qkvz = self.in_proj_qkvz(x)
         mixed, z = qkvz.split([self.conv_dim, qkvz.shape[-1] - self.conv_dim], dim=-1)  # [q | k | v]: the conv's
         b, a = self.in_proj_ba(x).chunk(2, dim=-1)
-        fused = self._fused_applies(mixed, state)
-        gates = None if fused and meta.is_pure_decode else self._gates(a, b)  # (g, beta) for the torch paths
+        ops = self._kernels(mixed, state)
+        # (g, beta) for the torch paths: every sequence's without kernels; prefills' beside the CPU's
+        torch_prefill = ops is cpu_gated_delta_net and not meta.is_pure_decode
+        gates = self._gates(a, b) if ops is None or torch_prefill else None
         out = torch.empty(T, self.nv, self.dv, dtype=x.dtype, device=x.device)
         rec = meta.recurrent
         decodes, s = [], 0
@@ -106,14 +111,16 @@ class GatedDeltaNet(nn.Module):
             rows = slice(s, s + n)
             if n == 1 and d == 0:
                 decodes.append((s, slot, has, snaps))
-            elif n and fused and d > 0:
-                out[rows] = self._verify_fused(mixed[rows], a[rows], b[rows], state, slot, has, snaps)
+            elif n and ops and d > 0:
+                out[rows] = self._verify_fused(ops, mixed[rows], a[rows], b[rows], state, slot, has, snaps)
+            elif n and ops and ops is not cpu_gated_delta_net:
+                out[rows] = self._prefill_fused(ops, mixed[rows], a[rows], b[rows], state, slot, has, snaps)
             elif n:
                 g, beta = gates[0][rows], gates[1][rows]
                 out[rows] = self._sequence(mixed[rows], g, beta, state, slot, has, d > 0, snaps)
             s += n
-        if decodes and fused:
-            self._decode_fused(mixed, a, b, state, decodes, rec, out)
+        if decodes and ops:
+            self._decode_fused(ops, mixed, a, b, state, decodes, rec, out)
         elif decodes:
             self._decode(mixed, *gates, state, decodes, out)
         o = self.norm(out, z.view(T, self.nv, self.dv))
@@ -123,9 +130,18 @@ class GatedDeltaNet(nn.Module):
         """(g, beta): the log decay -exp(A_log) softplus(a + dt_bias) in float32, beta = sigmoid(b)."""
         return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias), b.sigmoid()
 
-    def _fused_applies(self, mixed: torch.Tensor, state: RecurrentState) -> bool:
-        """This step's decodes and verifies can take the fused CPU kernels (asked for, CPU, built, one dtype)."""
-        return self.fused and mixed.dtype == self.conv_weight.dtype == state.conv.dtype and fused_gdn.applies(mixed)
+    def _kernels(self, mixed: torch.Tensor, state: RecurrentState):
+        """The module of fused kernels this step's tensors fit (one dtype; C++ on CPU where asked for
+        and built, Triton on a GPU), or None for the torch path."""
+        if not mixed.dtype == self.conv_weight.dtype == state.conv.dtype:
+            return None
+        if mixed.device.type == "cpu":
+            return cpu_gated_delta_net if self.fused and cpu_gated_delta_net.applies(mixed) else None
+        if not mixed.is_cuda:
+            return None
+        from ember.kernels import triton_gated_delta_net  # imports triton: a GPU's dependency only
+
+        return triton_gated_delta_net if triton_gated_delta_net.applies(mixed) else None
 
     def _split(self, mixed: torch.Tensor):
         """conv output [L, C] -> q, k [L, nv, dk] (prepared, float32), v [L, nv, dv]."""
@@ -185,7 +201,7 @@ class GatedDeltaNet(nn.Module):
                 state.copy(slot, snap)
         out[rows] = o[0].to(out.dtype)
 
-    def _decode_fused(self, mixed, a, b, state: RecurrentState, decodes: list[tuple], rec, out) -> None:
+    def _decode_fused(self, ops, mixed, a, b, state: RecurrentState, decodes: list[tuple], rec, out) -> None:
         """_decode in the fused kernels: each slot's conv and SSM state updated in place (a sequence
         without one starts from zeros), no gather or scatter of the states. The index tensors are the
         step's (rec), built by the first layer and reused by the others."""
@@ -195,8 +211,8 @@ class GatedDeltaNet(nn.Module):
         if len(decodes) < mixed.shape[0]:  # prefills or verifies beside them: this step's decode rows
             rows = rec.index_tensor("decode_rows", lambda: [r for r, _, _, _ in decodes], dev)
             mixed, a, b = mixed[rows], a[rows], b[rows]
-        conv_out = fused_gdn.causal_conv1d_silu(mixed, self.conv_weight, state.conv, src, slots)
-        o = fused_gdn.gated_delta_net(conv_out, a, b, self.A_log, self.dt_bias, state.ssm, src, slots)
+        conv_out = ops.causal_conv1d_silu(mixed, self.conv_weight, state.conv, src, slots)
+        o = ops.gated_delta_net(conv_out, a, b, self.A_log, self.dt_bias, state.ssm, src, slots)
         for _, slot, _, snaps in decodes:
             for _, snap in snaps:  # after its one token: the new state
                 state.copy(slot, snap)
@@ -205,18 +221,71 @@ class GatedDeltaNet(nn.Module):
         else:
             out.copy_(o.view(out.shape))
 
-    def _verify_fused(self, mixed, a, b, state: RecurrentState, slot: int, has: bool, snapshots) -> torch.Tensor:
+    def _verify_fused(self, ops, mixed, a, b, state: RecurrentState, slot: int, has: bool, snapshots) -> torch.Tensor:
         """A verify in the fused kernels: the slot is left as it is; the conv window and the state after
         every token go to keep_verify, for the commit to pick the last accepted one."""
         L, dev = mixed.shape[0], mixed.device
         src = torch.tensor([slot if has else -1], dtype=torch.int64, device=dev)
         none = torch.tensor([-1], dtype=torch.int64, device=dev)
         windows = mixed.new_empty(1, self.conv_dim, self.kernel - 1 + L)
-        conv_out = fused_gdn.causal_conv1d_silu(mixed, self.conv_weight, state.conv, src, none, windows)
+        conv_out = ops.causal_conv1d_silu(mixed, self.conv_weight, state.conv, src, none, windows)
         states = torch.empty(1, L, self.nv, self.dk, self.dv, dtype=torch.float32, device=dev)
-        o = fused_gdn.gated_delta_net(conv_out, a, b, self.A_log, self.dt_bias, state.ssm, src, none, states)
+        o = ops.gated_delta_net(conv_out, a, b, self.A_log, self.dt_bias, state.ssm, src, none, states)
         state.keep_verify(slot, states[0], windows[0], snapshots)
         return o.view(L, self.nv, self.dv)
+
+    def _prefill_fused(self, ops, mixed, a, b, state: RecurrentState, slot: int, has: bool, snapshots) -> torch.Tensor:
+        """A prefill chunk in the Triton kernels (a GPU): the conv in one launch, then the recurrence
+        piece by piece between the snapshots, each piece starting from the slot the last one wrote
+        (the snapshot's), so nothing is gathered or copied and the last piece ends in the slot."""
+        L, K, dev = mixed.shape[0], self.kernel, mixed.device
+        one = lambda i: torch.tensor([i], dtype=torch.int64, device=dev)  # noqa: E731
+        if snapshots:  # their conv windows, from the slot's before the conv below overwrites it
+            conv0 = state.conv[slot] if has else state.conv.new_zeros(state.conv.shape[1:])
+            window = torch.cat([conv0, mixed.t()], dim=1)
+            for t, snap in snapshots:
+                state.conv[snap] = window[:, t : t + K - 1]
+        cu = torch.tensor([0, L], dtype=torch.int32, device=dev)
+        prev = slot if has else -1
+        conv_out = ops.causal_conv1d_silu_varlen(mixed, self.conv_weight, state.conv, cu, one(prev), one(slot))
+        outs, t0 = [], 0
+        for t, snap in [*snapshots, (L, slot)]:
+            if t > t0:
+                piece = slice(t0, t)
+                outs.append(
+                    self._recurrence_piece(ops, conv_out[piece], a[piece], b[piece], state, one(prev), one(snap))
+                )
+            elif prev < 0:
+                state.ssm[snap] = 0.0
+            else:
+                state.ssm[snap] = state.ssm[prev]
+            prev, t0 = snap, t
+        return torch.cat(outs).view(L, self.nv, self.dv)
+
+    def _recurrence_piece(self, ops, conv_out, a, b, state: RecurrentState, src, dst) -> torch.Tensor:
+        """One sequence's rows from the state in slot src to slot dst -> o [L, nv * dv]: fla-core's
+        chunked kernels where installed, else the Triton kernel token by token."""
+        L, dev = conv_out.shape[0], conv_out.device
+        if triton_chunked_delta_rule.available():
+            key_dim = self.nk * self.dk
+            q, k, v = conv_out.split([key_dim, key_dim, self.nv * self.dv], dim=-1)
+            g, beta = self._gates(a, b)
+            cu = torch.tensor([0, L], dtype=torch.int64, device=dev)
+            o = triton_chunked_delta_rule.chunked_prefill(
+                q.reshape(L, self.nk, self.dk),
+                k.reshape(L, self.nk, self.dk),
+                v.reshape(L, self.nv, self.dv),
+                g,
+                beta,
+                state.ssm,
+                cu,
+                src,
+                dst,
+                cu_seqlens_cpu=torch.tensor([0, L]),
+            )
+            return o.reshape(L, -1)
+        cu = torch.tensor([0, L], dtype=torch.int32, device=dev)
+        return ops.gated_delta_net_varlen(conv_out, a, b, self.A_log, self.dt_bias, state.ssm, cu, src, dst)
 
     # ---- weights -------------------------------------------------------------------------
 

@@ -58,12 +58,13 @@ def test_cpu_smoke_writes_every_row(tmp_path):
     assert md.startswith("# ember GPU check") and "- device: cpu (cpu-smoke)" in md
     rows = table(md)
     expected = load_script().all_cases()
-    assert len(expected) == 42  # 2 env, 12 kernels, 4 attention, 2 ttft, 4 models x 5, 2 MTP rows
+    # 2 env, 12 + 6 GDN kernels, 4 attention, 2 ttft, 4 models x 5, 2 MTP rows, 4 hybrids x 5 + a 32K prefill
+    assert len(expected) == 69
     missing = [c for c in expected if c not in rows]
     assert not missing, missing
     for key, (status, result, notes) in rows.items():
-        if status == "skipped":  # on a CPU only the CUDA-only parts may be skipped
-            assert "needs CUDA" in notes, (key, notes)
+        if status == "skipped":  # on a CPU only the CUDA-only parts (and kernels not yet there) may be skipped
+            assert "needs CUDA" in notes or (key[1].startswith("GDN ") and "not present" in notes), (key, notes)
         else:
             assert status == "ok", (key, status, result, notes)
     # Kernel rows carry their errors; the toy decode runs measured something.
@@ -76,6 +77,14 @@ def test_cpu_smoke_writes_every_row(tmp_path):
     status, result, notes = rows[("qwen3-0.6b", "Qwen3-0.6B decode eager+mtp b1")]
     assert "tok/s" in result and "MTP k=1 pinned" in notes and " 0 verify steps" not in notes, notes
     assert rows[("qwen3-0.6b", "Qwen3-0.6B decode cuda-graph+mtp b1")][0] == "skipped"
+    # the hybrid shapes: decode, a verify of 1 + k tokens every step (fixed drafts), prefill; AWQ loaded
+    status, result, notes = rows[("hybrid", "Qwen3.5-0.8B verify k=1..3 b1")]
+    assert result.startswith("k=1 ") and "a decode step" in result and "steps with drafts 0/" not in notes, notes
+    assert "tok/s" in rows[("hybrid", "Qwen3-Next-80B-A3B (4/48 layers) decode b16")][1]
+    assert "tok/s" in rows[("hybrid", "Qwen3.5-0.8B AWQ decode b1")][1]
+    assert "tok/s" in rows[("hybrid", "Qwen3.5-0.8B prefill 32K")][1]
+    gdn_status, gdn_result, _ = rows[("kernels", "GDN rule varlen prefill 2K")]
+    assert gdn_status == "skipped" or gdn_result.startswith("o rel err"), gdn_result
     data = json.loads((tmp_path / "gpu.json").read_text())
     assert data["smoke"] and len(data["rows"]) == len(rows)
     assert [s["section"] for s in data["sections"]] == load_script().SECTIONS

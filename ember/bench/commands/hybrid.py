@@ -60,8 +60,13 @@ def cache_root() -> str:
     return os.environ.get("EMBER_BENCH_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "ember", "bench"))
 
 
-def build_folder(path: str, seed: int = 0, shape: dict = QWEN35_08B) -> str:
-    """The random HF folder (once): weights N(0, 0.02), norms at their identity, decays spread."""
+def build_folder(
+    path: str, seed: int = 0, shape: dict = QWEN35_08B, arch: str = "Qwen3_5", tokenizer=None, device=None
+) -> str:
+    """The random HF folder (once): weights N(0, 0.02), norms at their identity, decays spread.
+    arch: transformers' family, Qwen3_5 (Qwen3_5TextConfig / Qwen3_5ForCausalLM) or Qwen3Next;
+    tokenizer(folder) writes the tokenizer files (default: Qwen's, from llama.cpp's vocab file);
+    device: where the weights are drawn (scripts/gpu_check.py draws them on the GPU)."""
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     import torch
@@ -70,8 +75,15 @@ def build_folder(path: str, seed: int = 0, shape: dict = QWEN35_08B) -> str:
     from ember.bench.peers.llamacpp_convert import write_qwen_tokenizer
 
     torch.manual_seed(seed)
-    config = transformers.Qwen3_5TextConfig(**shape, dtype="bfloat16")
-    model = transformers.Qwen3_5ForCausalLM(config).to(torch.bfloat16).eval()
+    config_cls = transformers.Qwen3NextConfig if arch == "Qwen3Next" else transformers.Qwen3_5TextConfig
+    config = config_cls(**shape, dtype="bfloat16")
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16: no fp32 copy of a big model
+    try:
+        with torch.device(device or "cpu"):
+            model = getattr(transformers, f"{arch}ForCausalLM")(config).to(torch.bfloat16).eval()
+    finally:
+        torch.set_default_dtype(default)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("A_log"):
@@ -84,7 +96,7 @@ def build_folder(path: str, seed: int = 0, shape: dict = QWEN35_08B) -> str:
                 p.normal_(0.0, 0.02)
     partial = path + ".partial"
     model.save_pretrained(partial)
-    write_qwen_tokenizer(partial)
+    (tokenizer or write_qwen_tokenizer)(partial)
     os.replace(partial, path)
     return path
 
