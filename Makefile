@@ -26,7 +26,7 @@ run: $(VENV)/.installed-serve
 	$(BIN)/ember serve
 
 test: $(VENV)/.installed-test
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n 2 --dist loadfile
 
 bench: $(VENV)/.installed-bench
 	$(BIN)/ember bench latency
