@@ -57,6 +57,20 @@ class RecurrentMetadata:
     snapshots: list[list[tuple[int, int]]]
     # index tensors built from the lists above by the first layer that needs them, shared by the rest
     _index_tensors: dict = field(default_factory=dict, repr=False, compare=False)
+    # A fixed-shape decode step (compiled or captured, ember.engine.executor.decode_batch): the lists
+    # are empty and these [B] tensors say it all: the slot each row's state is updated in, and the
+    # slot it starts from (-1: zeros; padding rows have -1 in both). Its snapshots are taken by the
+    # executor after the step.
+    device_slots: torch.Tensor | None = None
+    device_sources: torch.Tensor | None = None
+
+    @classmethod
+    def fixed(cls, slots: torch.Tensor, sources: torch.Tensor) -> "RecurrentMetadata":
+        return cls([], [], [], [], device_slots=slots, device_sources=sources)
+
+    def decode_snapshots(self) -> list[tuple[int, int]]:
+        """(slot, snapshot slot) of a decode step: copy the state after its one token there."""
+        return [(slot, snap) for slot, snaps in zip(self.slots, self.snapshots) for _, snap in snaps]
 
     def index_tensor(self, name: str, values, device) -> torch.Tensor:
         """values (computed by the caller's callable) as an int64 tensor on device, built once per step."""

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.config.model_config import ModelConfig
-from ember.errors import ModelLoadError
+from ember.errors import EmberError, ModelLoadError
 from ember.kernels import cpu_gated_delta_net, triton_chunked_delta_rule
 from ember.kernels.cpu_kernels import CpuKernels
 from ember.kernels.metadata import AttentionMetadata
@@ -36,12 +36,21 @@ from ember.layers.linear import MergedColumnLinear, RowParallelLinear, copy_chec
 from ember.layers.norm import GatedRMSNorm
 from ember.layers.recurrent_state import RecurrentState
 
+# what both kernel modules take (cpu_gated_delta_net.applies, triton_gated_delta_net.DTYPES)
+FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 
 class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype, device, quant_config=None, prefix: str = "", kernels=None):
         super().__init__()
-        # decodes and verifies through the fused C++ kernels where the step's tensors fit them (CPU)
-        self.fused = (kernels or CpuKernels()).gated_delta_net
+        # device type -> the module of fused kernels for it: C++ on CPU where asked for (and built:
+        # CpuKernels says), Triton on a GPU. Chosen here, not per step: a compiled step traces none of it.
+        wanted = (kernels or CpuKernels()).gated_delta_net
+        self.fused_ops = {"cpu": cpu_gated_delta_net} if wanted and cpu_gated_delta_net.available() else {}
+        if torch.device(device).type == "cuda":
+            from ember.kernels import triton_gated_delta_net  # imports triton: a GPU's dependency only
+
+            self.fused_ops["cuda"] = triton_gated_delta_net
         # Tensor parallelism splits by key-head group: a rank holds nk / tp key heads, the value
         # heads that read them, and their state.
         self.tp_rank, self.tp_size = get_tp_rank_size()
@@ -101,6 +110,8 @@ class GatedDeltaNet(nn.Module):
         mixed, z = qkvz.split([self.conv_dim, qkvz.shape[-1] - self.conv_dim], dim=-1)  # [q | k | v]: the conv's
         b, a = self.in_proj_ba(x).chunk(2, dim=-1)
         ops = self._kernels(mixed, state)
+        if meta.fixed_shape:  # a compiled or captured decode step: its index tensors, no per-sequence work
+            return self.out_proj(self._decode_graph(ops, mixed, z, a, b, state, meta.recurrent).flatten(1))
         # (g, beta) for the torch paths: every sequence's without kernels; prefills' beside the CPU's
         torch_prefill = ops is cpu_gated_delta_net and not meta.is_pure_decode
         gates = self._gates(a, b) if ops is None or torch_prefill else None
@@ -131,17 +142,26 @@ class GatedDeltaNet(nn.Module):
         return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias), b.sigmoid()
 
     def _kernels(self, mixed: torch.Tensor, state: RecurrentState):
-        """The module of fused kernels this step's tensors fit (one dtype; C++ on CPU where asked for
-        and built, Triton on a GPU), or None for the torch path."""
-        if not mixed.dtype == self.conv_weight.dtype == state.conv.dtype:
+        """The module of fused kernels this step's tensors fit (one dtype, one the kernels take), or None
+        for the torch path."""
+        if not mixed.dtype == self.conv_weight.dtype == state.conv.dtype or mixed.dtype not in FUSED_DTYPES:
             return None
-        if mixed.device.type == "cpu":
-            return cpu_gated_delta_net if self.fused and cpu_gated_delta_net.applies(mixed) else None
-        if not mixed.is_cuda:
-            return None
-        from ember.kernels import triton_gated_delta_net  # imports triton: a GPU's dependency only
+        return self.fused_ops.get(mixed.device.type)
 
-        return triton_gated_delta_net if triton_gated_delta_net.applies(mixed) else None
+    def _decode_graph(self, ops, mixed, z, a, b, state: RecurrentState, rec) -> torch.Tensor:
+        """A fixed-shape decode step (ember.engine.executor.decode_batch): one token per row, each
+        updating its slot in place from its source (-1: zeros; padding rows touch no slot). Returns the
+        gated norm's output [T, nv, dv]. Its snapshots are the executor's to take, after the step."""
+        if ops is None:
+            raise EmberError(
+                "a compiled or captured hybrid decode step needs the fused Gated DeltaNet kernels; "
+                "the executor should have kept this model eager"
+            )
+        T = mixed.shape[0]
+        src, dst = rec.device_sources, rec.device_slots
+        conv_out = ops.causal_conv1d_silu(mixed, self.conv_weight, state.conv, src, dst)
+        o = ops.gated_delta_net(conv_out, a, b, self.A_log, self.dt_bias, state.ssm, src, dst)
+        return self.norm(o.view(T, self.nv, self.dv), z.view(T, self.nv, self.dv))
 
     def _split(self, mixed: torch.Tensor):
         """conv output [L, C] -> q, k [L, nv, dk] (prepared, float32), v [L, nv, dv]."""

@@ -237,6 +237,59 @@ def test_compiled_equals_eager_batches_1_to_5(tiny_model_dir, freezing):
 
 
 @pytest.mark.engine
+def test_compiled_hybrid_decode_equals_eager(tiny_hybrid_dir):
+    """A Qwen3.5 hybrid under the compiled executor: its decode steps run as graphs that call the fused
+    Gated DeltaNet kernels with the step's slot tensors (padding rows touch no slot), the prefix cache's
+    snapshots taken after each step. Same greedy tokens and logprobs as eager for batches 1 to 5 (5:
+    eager), and a second pass over the same prompts (prefix-cache hits restore those snapshots) agrees
+    too. Prompts are longer than a block, so decodes cross block boundaries and snapshot."""
+    path = tiny_hybrid_dir("qwen3_5")
+    kw = dict(max_num_seqs=5, block_size=16, dtype="float32")
+    eager = make_llm(path, **kw)
+    compiled = make_llm(path, executor="compiled", compilation_config=COMPILE, **kw)
+    ex = compiled.engine.parts.runner.executor
+    assert ex.name == "compiled" and ex.query_lens == [1] and ex.direct_shapes == [(1, 1), (4, 1)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+    prompts = [[t % 320 for t in random_prompt(n, 70 + s)] for s, n in enumerate([21, 9, 30, 14, 17])]  # its vocab
+
+    def same(prompts):
+        a, b = outputs(eager, prompts, params), outputs(compiled, prompts, params)
+        for x, y in zip(a, b):
+            assert x.token_ids == y.token_ids, len(prompts)
+            for lx, ly in zip(x.logprobs, y.logprobs):
+                assert lx.keys() == ly.keys()
+                assert all(abs(lx[t].logprob - ly[t].logprob) < 1e-4 for t in lx), len(prompts)
+        return a
+
+    for n in [1, 3, 4, 5]:
+        answers = same(prompts[:n])
+    # second turns: each continues its first turn's answer, whose decodes snapshotted at block ends
+    same([p + list(a.token_ids) + [5, 6, 7] for p, a in zip(prompts, answers)])
+    assert ex.compiled_steps >= 3 * 23
+
+
+def test_hybrid_executor_choice_says_what_to_change(tiny_hybrid_dir):
+    """A hybrid whose GDN layers run in torch ops, or a MoE hybrid, stays eager under auto and is refused
+    under --executor compiled with the reason."""
+    from ember.engine.startup.limits import hybrid_blocker
+    from ember.kernels.cpu_kernels import CpuKernels
+    from ember.loader.model_loader import load_model
+
+    cpu = torch.device("cpu")
+    with pytest.raises(ConfigError, match="cannot run this model: its sparse MoE"):
+        resolve_executor(EngineConfig(executor="compiled"), cpu, hybrid_blocker="its sparse MoE layers ...")
+    assert resolve_executor(EngineConfig(), cpu, hybrid_blocker="its sparse MoE layers ...") == "eager"
+    for arch, kernels, reason in [
+        ("qwen3_next", None, "sparse MoE"),
+        ("qwen3_5", CpuKernels.none(), "torch ops"),
+        ("qwen3_5", None, None),
+    ]:
+        loaded = load_model(tiny_hybrid_dir(arch), None, torch.float32, cpu, kernels=kernels)
+        blocker = hybrid_blocker(loaded, cpu)
+        assert (blocker is None) if reason is None else (reason in blocker), (arch, blocker)
+
+
+@pytest.mark.engine
 def test_compiled_with_cpp_wrapper_equals_eager(tiny_model_dir):
     """compilation_config cpp_wrapper: inductor's generated C++ calls the kernels; same greedy tokens."""
     path = tiny_model_dir("llama")

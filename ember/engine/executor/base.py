@@ -73,20 +73,20 @@ def resolve_executor(
     device: torch.device,
     kv_dtype: torch.dtype | None = None,
     backend: AttentionBackend | None = None,
-    hybrid: bool = False,
+    hybrid_blocker: str | None = None,
 ) -> str:
     """The executor name for this device (an EngineConfig's executor_config), or a ConfigError for a
     combination that cannot work. backend: the attention backend the model was built with, whose
-    declared graph_devices say where auto builds graphs for it (None: the device's default, which does); hybrid: a
-    model with recurrent-state layers (eager only, for now: its graphs come with its fast kernels)."""
+    declared graph_devices say where auto builds graphs for it (None: the device's default, which does);
+    hybrid_blocker: why a hybrid model's steps cannot run in graphs here (startup.limits.hybrid_blocker;
+    None: they can, as a dense model's do, or the model is not a hybrid)."""
     name = config.executor_config.executor
     if name == "eager":
         return "eager"
-    if hybrid:
+    if hybrid_blocker is not None:
         if name != "auto":
             raise ConfigError(
-                f"--executor {name} does not run hybrid models (Qwen3-Next, Qwen3.5) yet: their "
-                "linear-attention layers run eagerly; use --executor eager (or auto)"
+                f"--executor {name} cannot run this model: {hybrid_blocker}; use --executor eager (or auto)"
             )
         return "eager"
     tp = config.parallel_config.tensor_parallel_size

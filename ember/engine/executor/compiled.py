@@ -58,6 +58,7 @@ from ember.engine.executor.decode_batch import (
     graph_shape,
     pad_decode,
     table_width,
+    take_decode_snapshots,
     warmup_inputs,
 )
 from ember.errors import EmberError
@@ -98,11 +99,15 @@ def step_forward(
     query_start_loc,
     seq_lens,
     block_tables,
+    state_slots,
+    state_sources,
     kv_caches,
     *rows,
 ) -> torch.Tensor:
     """One uniform-decode step of `model` over fixed-shape metadata: what every compiled graph traces."""
-    x = DecodeInputs(input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables)
+    x = DecodeInputs(
+        input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables, state_slots, state_sources
+    )
     q_len = input_ids.shape[0] // block_tables.shape[0]  # static per graph
     return model(input_ids, positions, kv_caches, fixed_meta(x, q_len, block_size), None, *rows)
 
@@ -115,7 +120,19 @@ class DecodeStep(torch.nn.Module):
         super().__init__()
         self.model, self.block_size = model, block_size
 
-    def forward(self, input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables, kv_caches, rows):
+    def forward(
+        self,
+        input_ids,
+        positions,
+        slot_mapping,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        state_slots,
+        state_sources,
+        kv_caches,
+        rows,
+    ):
         return step_forward(
             self.model,
             self.block_size,
@@ -125,6 +142,8 @@ class DecodeStep(torch.nn.Module):
             query_start_loc,
             seq_lens,
             block_tables,
+            state_slots,
+            state_sources,
             kv_caches,
             *rows,
         )
@@ -132,6 +151,25 @@ class DecodeStep(torch.nn.Module):
 
 # How a ready shape's step runs: (inputs, per-row inputs, KV caches) -> the model's output
 StepCall = Callable[[DecodeInputs, tuple, list], torch.Tensor]
+
+
+def _inputs(x: DecodeInputs) -> tuple[torch.Tensor, ...]:
+    """A step's tensors in _forward's (and a package's) argument order."""
+    return (
+        x.input_ids,
+        x.positions,
+        x.slot_mapping,
+        x.query_start_loc,
+        x.seq_lens,
+        x.block_tables,
+        x.state_slots,
+        x.state_sources,
+    )
+
+
+def _kv_tensors(caches: list) -> list[torch.Tensor]:
+    """The paged KV caches of a cache list (a hybrid's also holds its layers' RecurrentStates)."""
+    return [c for c in caches if isinstance(c, torch.Tensor)]
 
 
 class CompiledExecutor:
@@ -159,6 +197,8 @@ class CompiledExecutor:
         on (ember.engine.executor.compile_cache.graph_identity; None: no markers of built sizes)."""
         self.graph_identity = graph_identity
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
+        self.device = next(iter(_kv_tensors(kv_caches)), next(model.parameters())).device
+        self.recurrent_states = [c for c in kv_caches if not isinstance(c, torch.Tensor)]
         self.row_inputs, self.what = tuple(row_inputs), what
         self.max_model_len, self.mode, self.freezing, self.cpp_wrapper = max_model_len, mode, freezing, cpp_wrapper
         self.threads = torch.get_num_threads()  # the engine's, at start (see BackgroundCompiler.fit_step_threads)
@@ -174,7 +214,8 @@ class CompiledExecutor:
         # Ahead of time (AOTInductor packages, ember.engine.executor.aot_package) unless freezing: a frozen graph
         # folds the weights in, and a package of it would carry a second copy of them. Frozen graphs, and
         # a shape whose export fails, go through dynamo (torch.compile) instead.
-        self.ahead_of_time = not freezing
+        # A hybrid's recurrent states are objects, not tensors: export takes tensors only, dynamo takes both.
+        self.ahead_of_time = not freezing and not self.recurrent_states
         self._direct: dict[tuple[int, int], types.FunctionType] = {}  # (size, q_len) -> compiled bytecode, no guards
         self._packages: dict[tuple[int, int], object] = {}  # (size, q_len) -> its loaded AOTInductor package
         # (size, q_len) -> how a step of that shape runs compiled (a package, dynamo's bytecode without its
@@ -247,7 +288,19 @@ class CompiledExecutor:
         never be (a background compile that ended without them)."""
         return self.sizes[0] in self.settled_sizes or (self.compiler is not None and self.compiler.done)
 
-    def _forward(self, input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables, kv_caches, *rows):
+    def _forward(
+        self,
+        input_ids,
+        positions,
+        slot_mapping,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        state_slots,
+        state_sources,
+        kv_caches,
+        *rows,
+    ):
         return step_forward(
             self.model,
             self.block_size,
@@ -257,6 +310,8 @@ class CompiledExecutor:
             query_start_loc,
             seq_lens,
             block_tables,
+            state_slots,
+            state_sources,
             kv_caches,
             *rows,
         )
@@ -277,42 +332,19 @@ class CompiledExecutor:
         # in the pool) reuse the same graphs from inductor's cache instead of compiling their own.
         caches = self.kv_caches if caches is None else caches
         torch._dynamo.maybe_mark_dynamic(x.block_tables, 1)
-        for cache in caches:
+        for cache in _kv_tensors(caches):
             torch._dynamo.maybe_mark_dynamic(cache, 1)
-        return self._compiled(
-            x.input_ids, x.positions, x.slot_mapping, x.query_start_loc, x.seq_lens, x.block_tables, caches, *rows
-        )
+        return self._compiled(*_inputs(x), caches, *rows)
 
     def _call_direct(
         self, fn: types.FunctionType, x: DecodeInputs, rows: tuple = (), caches: list[torch.Tensor] | None = None
     ) -> torch.Tensor:
-        return fn(
-            self,
-            x.input_ids,
-            x.positions,
-            x.slot_mapping,
-            x.query_start_loc,
-            x.seq_lens,
-            x.block_tables,
-            self.kv_caches if caches is None else caches,
-            *rows,
-        )
+        return fn(self, *_inputs(x), self.kv_caches if caches is None else caches, *rows)
 
     def _call_package(
         self, package, x: DecodeInputs, rows: tuple = (), caches: list[torch.Tensor] | None = None
     ) -> torch.Tensor:
-        return package(
-            [
-                x.input_ids,
-                x.positions,
-                x.slot_mapping,
-                x.query_start_loc,
-                x.seq_lens,
-                x.block_tables,
-                *(self.kv_caches if caches is None else caches),
-                *rows,
-            ]
-        )
+        return package([*_inputs(x), *(self.kv_caches if caches is None else caches), *rows])
 
     def _scratch_caches(self) -> list[torch.Tensor]:
         """Caches of the pool's very shape, for a background compile to write instead of the pool the
@@ -321,8 +353,9 @@ class CompiledExecutor:
         sizes its loops from the hint of every dynamic dimension, and graphs compiled on a 4-block
         hint ran batch-1 decode 0.87x [0.81-0.89] as fast (benchmarks/default-executor.md at 3147fd6)."""
         with torch.inference_mode(False):  # normal tensors, as the pool's are: dynamo guards on the difference
-            caches = [torch.empty_like(c) for c in self.kv_caches]
-            for cache in caches:
+            # a hybrid's recurrent states are the pool's own: a warmup step reads and writes no state slot
+            caches = [torch.empty_like(c) if isinstance(c, torch.Tensor) else c for c in self.kv_caches]
+            for cache in _kv_tensors(caches):
                 # block 0 is what a warmup step reads: a q_len > 1 step attends to slots only row 0 wrote,
                 # and leftover NaNs there would fail the check that the direct call equals the guarded one
                 cache[:, 0].zero_()
@@ -358,7 +391,7 @@ class CompiledExecutor:
 
         self.cache_dir = use_compile_cache()
         sizes = set(self.sizes if sizes is None else sizes)
-        dev = self.kv_caches[0].device
+        dev = self.device
         caches = self._scratch_caches() if background else self.kv_caches
         total = time.perf_counter()
         shapes = sorted(s for s in self.shapes if s[0] in sizes)
@@ -375,7 +408,7 @@ class CompiledExecutor:
             if marker is not None and all(s in self.ready for s in self.shapes if s[0] == size):
                 mark_built(marker)
         if not background:
-            for cache in self.kv_caches:
+            for cache in _kv_tensors(self.kv_caches):
                 cache[:, 0].zero_()
         logger.info(
             "%s: sizes %s x query lengths %s %s in %.1fs (compile cache: %s)",
@@ -395,7 +428,7 @@ class CompiledExecutor:
 
         b, n = shape
         t0 = time.perf_counter()
-        x = warmup_inputs(b, n, table_width(n, self.block_size), self.kv_caches[0].device)
+        x = warmup_inputs(b, n, table_width(n, self.block_size), self.device)
         rows = self._dummy_rows(b * n, x.input_ids.device)
         keep = self.graph_identity is not None  # without an identity there is no key: built for this process only
         path = self.package_path(shape) if keep else os.path.join(tempfile.mkdtemp(prefix="ember-aot-"), "step.pt2")
@@ -420,16 +453,7 @@ class CompiledExecutor:
                 aot_package.build(
                     DecodeStep(self.model, self.block_size),
                     self.model,
-                    (
-                        x.input_ids,
-                        x.positions,
-                        x.slot_mapping,
-                        x.query_start_loc,
-                        x.seq_lens,
-                        x.block_tables,
-                        list(caches),
-                        list(rows),
-                    ),
+                    (*_inputs(x), list(caches), list(rows)),
                     dynamic,
                     self._inductor_options(),
                     path,
@@ -470,7 +494,7 @@ class CompiledExecutor:
         """What export keeps symbolic: the block-table width (it grows with the longest sequence) and the
         pool's block count (so that any --kv-cache-memory runs the same package)."""
         width, blocks = torch.export.Dim("table_width", min=2), torch.export.Dim("pool_blocks", min=2)
-        return (None,) * 5 + ({1: width}, [{1: blocks}] * num_caches, [None] * num_rows)
+        return (None,) * 5 + ({1: width}, None, None, [{1: blocks}] * num_caches, [None] * num_rows)
 
     def _warmup_dynamo(self, shapes: list[tuple[int, int]], caches: list[torch.Tensor], background: bool) -> None:
         """Compile `shapes` with torch.compile, each run straight through dynamo's bytecode where that
@@ -483,7 +507,7 @@ class CompiledExecutor:
         torch._dynamo.config.recompile_limit = max(
             torch._dynamo.config.recompile_limit, len(_cache_entries()) + 2 * len(self.shapes) + 4
         )
-        dev = self.kv_caches[0].device
+        dev = self.device
         source = CompiledExecutor._forward
         codes: list[types.CodeType] = []  # dynamo's rewritten bytecode of _forward, one per graph
         hook = torch._dynamo.convert_frame.register_bytecode_hook(
@@ -539,17 +563,7 @@ class CompiledExecutor:
     ) -> types.CodeType | None:
         """The rewritten bytecode of the cache entry of `_forward` whose guards pass for these arguments
         (default caches: the pool's; None if there is none, or dynamo's private API moved)."""
-        values = (
-            self,
-            x.input_ids,
-            x.positions,
-            x.slot_mapping,
-            x.query_start_loc,
-            x.seq_lens,
-            x.block_tables,
-            self.kv_caches if caches is None else caches,
-            rows,
-        )
+        values = (self, *_inputs(x), self.kv_caches if caches is None else caches, rows)
         frame = dict(zip(CompiledExecutor._forward.__code__.co_varnames[: len(values)], values))
         try:
             return next((e.code for e in _cache_entries() if e.guard_manager.check(frame)), None)
@@ -630,4 +644,5 @@ class CompiledExecutor:
             rows = tuple(torch.nn.functional.pad(r, (0, 0) * (r.dim() - 1) + (0, T - r.shape[0])) for r in rows)
         self.compiled_steps += 1
         out = self.ready[shape](x, rows, self.kv_caches)
+        take_decode_snapshots(meta, self.recurrent_states)
         return out[: input_ids.shape[0]]

@@ -41,6 +41,7 @@ from ember.engine.executor.decode_batch import (
     leading,
     pad_decode,
     table_width,
+    take_decode_snapshots,
     warmup_inputs,
 )
 from ember.errors import ConfigError
@@ -115,8 +116,9 @@ class CUDAGraphExecutor:
                     lambda x=x, meta=meta, r=r: self.model(x.input_ids, x.positions, self.kv_caches, meta, None, *r)
                 )
             static.slot_mapping.fill_(-1)
-        for cache in self.kv_caches:  # the dummy steps wrote block 0
-            cache[:, 0].zero_()
+        for cache in self.kv_caches:  # the dummy steps wrote block 0 (and no recurrent-state slot)
+            if isinstance(cache, torch.Tensor):
+                cache[:, 0].zero_()
         self._synchronize()
         self.graph_bytes = free0 - self._free_bytes()
         logger.info(
@@ -192,6 +194,7 @@ class CUDAGraphExecutor:
             buf[T : batch * q].zero_()
         graph, out = self.graphs[(q, batch)]
         graph.replay()
+        take_decode_snapshots(meta, [c for c in self.kv_caches if not isinstance(c, torch.Tensor)])
         self.replays += 1
         return out[:T].clone()  # the next replay overwrites out
 
@@ -209,10 +212,15 @@ def graph_pool_estimate(
     """Bytes the graphs' shared pool will take: the largest graph's forward run once eagerly (its
     activations; smaller graphs reuse that memory), plus 10%."""
     width = table_width(max_model_len, block_size)
+    # one block: every table entry is block 0; a hybrid's linear-attention layers get one state slot,
+    # which the step does not touch (its rows' state slots are -1)
+    states = model.make_recurrent_states(1, device) if mc.is_hybrid else [None] * mc.num_layers
     caches = [
-        torch.zeros(2, 1, block_size, mc.num_kv_heads, mc.head_dim, dtype=dtype, device=device)
-        for _ in range(mc.num_layers)
-    ]  # one block: every table entry is block 0
+        st
+        if st is not None
+        else torch.zeros(2, 1, block_size, mc.num_kv_heads, mc.head_dim, dtype=dtype, device=device)
+        for st in states
+    ]
     x = warmup_inputs(max_batch, q_len, width, device)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)

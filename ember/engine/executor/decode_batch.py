@@ -7,6 +7,10 @@ padded to the next size in `sizes` (bucket_for), and the block tables to a fixed
 
   - padding rows: input id 0, position 0, slot -1 (write_kv_cache skips them), seq_len q_len and
     an all-zero block table, i.e. they "attend" to finite cached keys and touch nothing real;
+  - a hybrid model's recurrent-state slots ride along as two [B] tensors: state_slots (where each
+    sequence's state is updated in place) and state_sources (the slot it starts from: -1 for a
+    sequence with no state yet, which starts from zeros). Padding rows have -1 in both, so the
+    Gated DeltaNet kernels neither read nor write a slot for them (dense models carry -1s too);
   - AttentionMetadata.fixed_shape = True: the host lists hold bounds, not per-step values
     (seq_lens_cpu = [max_seq_len] * B, max_seq_len = table width x block_size), so a backend under
     capture reads only the device tensors slot_mapping, query_start_loc, seq_lens, block_tables
@@ -23,7 +27,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from ember.kernels.metadata import AttentionMetadata
+from ember.kernels.metadata import AttentionMetadata, RecurrentMetadata
 
 
 def default_sizes(max_batch: int) -> list[int]:
@@ -61,6 +65,8 @@ class DecodeInputs:
     query_start_loc: torch.Tensor  # [B + 1] int32
     seq_lens: torch.Tensor  # [B] int32
     block_tables: torch.Tensor  # [B, W] int32
+    state_slots: torch.Tensor  # [B] int64, -1 = padding (or a model without recurrent state)
+    state_sources: torch.Tensor  # [B] int64, -1 = starts from zeros (a new sequence, padding)
 
     @property
     def num_seqs(self) -> int:
@@ -109,7 +115,23 @@ def pad_decode(
     else:
         slot_mapping, seq_lens = meta.slot_mapping, meta.seq_lens
     qsl = torch.arange(batch + 1, dtype=torch.int32, device=dev) * q_len
-    return DecodeInputs(input_ids, positions, slot_mapping, qsl, seq_lens, tables.contiguous())
+    state_slots, state_sources = _state_indices(meta, batch, dev)
+    return DecodeInputs(
+        input_ids, positions, slot_mapping, qsl, seq_lens, tables.contiguous(), state_slots, state_sources
+    )
+
+
+def _state_indices(meta: AttentionMetadata, batch: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(state_slots, state_sources) [batch] from the step's recurrent metadata, padded with -1."""
+    rec, pad = meta.recurrent, batch - meta.num_seqs
+    if rec is None:
+        return (torch.full((batch,), -1, dtype=torch.int64, device=device),) * 2
+    slots = rec.slots + [-1] * pad
+    sources = [s if has else -1 for s, has in zip(rec.slots, rec.has_state)] + [-1] * pad
+    return (
+        torch.tensor(slots, dtype=torch.int64, device=device),
+        torch.tensor(sources, dtype=torch.int64, device=device),
+    )
 
 
 def fixed_meta(inputs: DecodeInputs, q_len: int, block_size: int) -> AttentionMetadata:
@@ -129,6 +151,7 @@ def fixed_meta(inputs: DecodeInputs, q_len: int, block_size: int) -> AttentionMe
         max_seq_len=bound,
         all_slots_valid=False,
         fixed_shape=True,
+        recurrent=RecurrentMetadata.fixed(inputs.state_slots, inputs.state_sources),
     )
 
 
@@ -142,6 +165,8 @@ def static_buffers(max_batch: int, q_len: int, width: int, device: torch.device)
         query_start_loc=torch.arange(max_batch + 1, dtype=torch.int32, device=device) * q_len,
         seq_lens=torch.full((max_batch,), q_len, dtype=torch.int32, device=device),
         block_tables=torch.zeros(max_batch, width, dtype=torch.int32, device=device),
+        state_slots=torch.full((max_batch,), -1, dtype=torch.int64, device=device),
+        state_sources=torch.full((max_batch,), -1, dtype=torch.int64, device=device),
     )
 
 
@@ -155,12 +180,26 @@ def leading(static: DecodeInputs, batch: int, q_len: int) -> DecodeInputs:
         static.query_start_loc[: batch + 1],
         static.seq_lens[:batch],
         static.block_tables[:batch],
+        static.state_slots[:batch],
+        static.state_sources[:batch],
     )
 
 
 def warmup_inputs(batch: int, q_len: int, width: int, device: torch.device) -> DecodeInputs:
     """A dummy step for compiling or capturing: row 0 writes slot 0 (block 0, which the caller
-    re-zeroes afterwards), every other row is padding."""
+    re-zeroes afterwards), every other row is padding. No recurrent-state slot is read or written."""
     x = static_buffers(batch, q_len, width, device)
     x.slot_mapping[0] = 0
     return x
+
+
+def take_decode_snapshots(meta: AttentionMetadata, states: list) -> None:
+    """After a fixed-shape step of a hybrid model: the prefix-cache snapshots its decodes asked for
+    (meta: the step's own metadata, with its lists), copied slot to slot in every linear-attention
+    layer's RecurrentState. An eager step's layers take them themselves; a graph cannot, since which
+    sequences snapshot changes from step to step."""
+    if meta.recurrent is None or not states:
+        return
+    for slot, snap in meta.recurrent.decode_snapshots():
+        for state in states:
+            state.copy(slot, snap)

@@ -14,6 +14,7 @@ from ember.engine.executor.base import resolve_executor
 from ember.engine.startup.device import DeviceSetup
 from ember.errors import ConfigError
 from ember.layers.attention import resolve_kv_cache_dtype
+from ember.layers.gated_deltanet import GatedDeltaNet
 from ember.loader.model_loader import LoadedModel
 
 logger = logging.getLogger("ember")
@@ -42,8 +43,24 @@ def resolve_limits(config: EngineConfig, setup: DeviceSetup, loaded: LoadedModel
             "chunked prefill is off: prompts longer than %d tokens will be refused", sched.max_num_batched_tokens
         )
     kv_dtype = resolve_kv_cache_dtype(config.cache_config.kv_cache_dtype, setup.dtype, setup.device)
-    executor = resolve_executor(
-        config, setup.device, kv_dtype, loaded.model.attn_backend, loaded.model_config.is_hybrid
-    )
+    blocker = hybrid_blocker(loaded, setup.device)
+    executor = resolve_executor(config, setup.device, kv_dtype, loaded.model.attn_backend, blocker)
     background = executor == "compiled" and config.executor_config.executor == "auto"
     return Limits(max_model_len, max_num_seqs, kv_dtype, executor, background)
+
+
+def hybrid_blocker(loaded: LoadedModel, device: torch.device) -> str | None:
+    """Why a hybrid model's decode steps cannot run in graphs (compiled or captured) on this device, or
+    None (they can, or the model is not a hybrid). A graph calls the fused Gated DeltaNet kernels with
+    the step's slot tensors (GatedDeltaNet._decode_graph), and holds no host sync."""
+    mc = loaded.model_config
+    if not mc.is_hybrid:
+        return None
+    if mc.num_experts > 0:
+        return "its sparse MoE layers group tokens by expert with a host sync per layer, which a graph cannot hold yet"
+    if any(device.type not in m.fused_ops for m in loaded.model.modules() if isinstance(m, GatedDeltaNet)):
+        return (
+            "its Gated DeltaNet layers run in torch ops here (--no-cpu-gated-delta-net, or the fused kernels "
+            "are not built for this device), and a graph calls the fused kernels"
+        )
+    return None

@@ -270,6 +270,8 @@ def _build_executors(
         query_lens = compiled_query_lens(k_max, backend, spec is not None and spec.config.adaptive)
     else:
         query_lens = graph_query_lens(k_max, backend)
+    if loaded.model_config.is_hybrid:  # a hybrid's verifies keep every token's state: eager (for now)
+        query_lens = [1]
     compiler = None
     if limits.background:
         from ember.engine.executor.background_compile import BackgroundCompiler
