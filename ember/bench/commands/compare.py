@@ -155,7 +155,7 @@ def bandwidth_summary(bandwidth: list[float], decode: dict, weight_bytes: int | 
 # -- the command ----------------------------------------------------------------------------------
 
 
-def _peer_list(s: str) -> list[str]:
+def peer_list(s: str) -> list[str]:
     if s == "none":
         return ["none"]  # kept as a word, so the command line in the report reads back as typed
     names = [x.strip() for x in s.split(",") if x.strip()]
@@ -390,7 +390,7 @@ def add_cli_args(p) -> None:
     add_common_args(
         p,
         {
-            "type": _peer_list,
+            "type": peer_list,
             "default": list(DEFAULT_PEERS),
             "metavar": "PEER,PEER|none",
             "help": "llamacpp = llama.cpp through llama-cpp-python (pip install -e '.[bench]'; compiles "

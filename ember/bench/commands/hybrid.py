@@ -1,30 +1,78 @@
-"""`ember bench hybrid`: the hybrid rows -- a random-weight model of Qwen3.5-0.8B's shape run by ember,
-by llama.cpp and by transformers on the same weights, same threads, in one `bench compare` run.
+"""`ember bench hybrid`: a random-weight model of Qwen3.5-0.8B's shape, as a user gets it from llama.cpp's tools
+(bf16 by its converter, Q8_0 and Q4_K_M by its quantizer), run by ember and by llama.cpp on the same file.
 
 The model is written once into a cache folder: an HF folder by transformers (Qwen3_5ForCausalLM,
-bf16, random weights), then a GGUF of it by llama.cpp's own converter (ember.bench.peers.llamacpp_convert)
-for the llama.cpp side; ember and transformers read the HF folder (the GGUF holds the same bf16
-values). The tokenizer is Qwen's (151,936 ids, from llama.cpp's own vocab file: the converter only
-takes tokenizers it knows); the config's vocab_size stays Qwen3.5's 248,320 (the converter pads the
-GGUF vocabulary), so the embedding and the tied head have Qwen3.5-0.8B's size. Prompts are token ids, so the text
-the random model writes does not matter. No speed bar is judged here (hybrid kernels come later).
+bf16, random weights), then its GGUF by llama.cpp's own converter (bf16; ember.bench.peers.llamacpp_convert)
+and from that file, by llama.cpp's own quantizer (llama_model_quantize, through llama-cpp-python), the
+Q8_0 and Q4_K_M files, each beside the folder and reused by later runs. llama.cpp picks each tensor's
+type itself (Q4_K_M writes some Q6_K, the conv, ssm_a, ssm_dt and norms stay F32). The tokenizer is
+Qwen's (151,936 ids, from llama.cpp's own vocab file: the converter only takes tokenizers it knows); the
+config's vocab_size stays Qwen3.5's 248,320 (the converter pads the GGUF vocabulary), so the embedding
+and the tied head have Qwen3.5-0.8B's size. Prompts are token ids, so the text the random model writes
+does not matter.
+
+For each file of --files, one after another: ember (LLM(model=file), the command's engine flags, no
+speculation) and llama.cpp (the same file, same threads, flash attention), each in a worker process of
+its own, take alternating rounds (ember.bench.lib.rounds): batch-1 decode, TTFT at 2,000 tokens, offline
+throughput of 16 sequences (llama.cpp in its best batched configuration: with --llamacpp-batch best the
+warmup round runs it parallel and sequential on the same prompts and the faster is measured), peak RSS,
+the achieved share of the read bandwidth measured in the same rounds, and a per-op split of one ember
+decode step (ember.bench.lib.op_split). transformers on the HF folder (the bf16 file's values) joins the
+bf16 file's rounds with --peer llamacpp,hf. Issue 40's bars are judged per file, in one table.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import logging
 import os
 
 from ember.bench.commands import compare
+from ember.bench.lib import op_split
+from ember.bench.lib.args import add_common_args, add_workload_args, command_line, int_list, switches
+from ember.bench.lib.bar import Bar
+from ember.bench.lib.machine import load_average
+from ember.bench.lib.markdown import cell, describe, fmt, ratio_cell, row
+from ember.bench.lib.prompts import prompt_maker_of
+from ember.bench.lib.result import Result
+from ember.bench.lib.rounds import (
+    decode_task,
+    measure,
+    paired_ratios,
+    ratio_bar,
+    spread,
+    summarize_figures,
+    throughput_task,
+    ttft_key,
+    ttft_task,
+)
+from ember.bench.lib.timing import DECODE_PROMPT_LEN
+from ember.bench.peers import PEERS
+from ember.bench.sides.ember import NO_SPECULATION, ember_factory, ember_knobs
+from ember.bench.sides.worker import start_side
 
 logger = logging.getLogger("ember.bench")
 
-NAME = "hybrid"
+NAME = KIND = "hybrid"
 HELP = (
-    "a random-weight Qwen3.5-0.8B-shaped hybrid (Gated DeltaNet) model: ember vs llama.cpp vs transformers on the "
-    "same weights (built once into a cache folder; the GGUF by llama.cpp's converter)"
+    "a random-weight Qwen3.5-0.8B-shaped hybrid (Gated DeltaNet) model in bf16, Q8_0 and Q4_K_M (llama.cpp's "
+    "converter and quantizer): ember vs llama.cpp on each file, a per-op split of ember's decode step"
 )
 PARSER = compare.PARSER
+TITLE = (
+    "hybrid: a random Qwen3.5-0.8B-shaped model, ember and llama.cpp on the same GGUF files (llama.cpp's "
+    "converter and quantizer), same threads"
+)
+EMBER, LLAMA, HF = "ember", "llama.cpp", "transformers"
+# --files name -> llama.cpp's name of the type (LLAMA_FTYPE_MOSTLY_<name>), as the results show it
+FILES = {"bf16": "BF16", "q8_0": "Q8_0", "q4_k_m": "Q4_K_M"}
+# issue 40's bars: batch-1 decode against llama.cpp per file; TTFT, throughput and peak RSS ratios; the
+# share of GDN core + conv in a decode step (%)
+DECODE_BAR = {"bf16": 0.9, "q8_0": 1.0, "q4_k_m": 1.2}
+TTFT_BAR, THROUGHPUT_BAR, RSS_BAR, GDN_CONV_BAR = 0.5, 2.0, 1.2, 10.0
+BATCH_MODES = ("parallel", "sequential")
+SPLIT_SEED = 10**6  # the per-op split's prompt: a seed no round's prompts use
 
 # Qwen3.5-0.8B's text model as published: 24 layers (every 4th full attention: 6 KV layers), hidden
 # 1024, 8 query / 2 KV heads of 256 with a quarter rotated, tied embeddings, vocab 248,320; the linear
@@ -111,30 +159,380 @@ def build_gguf(folder: str) -> str:
     return out
 
 
-def main(args) -> None:
-    folder = build_folder(args.model_dir or os.path.join(cache_root(), "qwen3.5-0.8b-shape-random"))
-    gguf = build_gguf(folder) if "llamacpp" in args.peer else None
-    logger.info("bench hybrid: %s (HF, ember and transformers), %s (llama.cpp)", folder, gguf)
-    args.model, args.llamacpp_model, args.hf_model = folder, gguf, folder
-    args.mtp, args.versus, args.baseline, args.judge, args.kind = False, None, None, False, "hybrid"
-    args.title = (
-        "hybrid: a random Qwen3.5-0.8B-shaped model, ember and transformers on its HF folder, llama.cpp on "
-        "its GGUF (llama.cpp's converter, bf16: the same values), same threads"
+def build_file(folder: str, kind: str, threads: int = 0) -> str:
+    """The GGUF file of type `kind` (a FILES key) of the folder's model (once): bf16 by llama.cpp's converter,
+    the others by its quantizer from that bf16 file."""
+    if kind == "bf16":
+        return build_gguf(folder)
+    from ember.bench.peers.llamacpp_convert import quantize
+
+    out = f"{folder.rstrip('/')}.{kind}.gguf"
+    if not os.path.exists(out):
+        quantize(build_gguf(folder), out + ".partial", FILES[kind], threads)
+        os.replace(out + ".partial", out)
+    return out
+
+
+def file_list(s: str) -> list[str]:
+    names = list(dict.fromkeys(x.strip().lower() for x in s.split(",") if x.strip()))
+    bad = [n for n in names if n not in FILES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"want a comma list of {', '.join(FILES)} (got {s!r})")
+    return names
+
+
+# -- one file's rounds ----------------------------------------------------------------------------
+
+
+def best_throughput_task(maker, args, llama, chosen: dict):
+    """The offline-throughput task; llama.cpp (the side `llama`) in its best batched configuration. With
+    --llamacpp-batch best, its first call (the warmup round) runs both modes on the same prompts and every
+    later call the faster; chosen gets {"mode", "warmup_out_tok_s"}. A pinned mode is just used."""
+    lo, hi = args.input_len_range
+    task = throughput_task(maker, args.num_prompts, lo, hi, args.output_len)
+    key, plain = task.figures[0].key, task.measure
+    if args.llamacpp_batch != "best":
+        chosen["mode"] = args.llamacpp_batch
+
+    def rate(side, prompts, mode: str) -> float:
+        seconds, generated = side.batch(prompts, args.output_len, mode)
+        assert generated == len(prompts) * args.output_len, f"{generated} tokens, wanted {len(prompts)} x n"
+        return generated / seconds
+
+    def measure_one(side, prompts):
+        if side is not llama:
+            return plain(side, prompts)
+        if "mode" not in chosen:
+            rates = {m: rate(side, prompts, m) for m in BATCH_MODES}
+            chosen.update(mode=max(rates, key=rates.get), warmup_out_tok_s=rates)
+            logger.info("bench hybrid: llama.cpp's throughput in the warmup round: %s", rates)
+            return {key: rates[chosen["mode"]]}
+        return {key: rate(side, prompts, chosen["mode"])}
+
+    return dataclasses.replace(task, measure=measure_one)
+
+
+def start_file_sides(sides: dict, args, kind: str, path: str, folder: str, knobs: dict, threads: int) -> None:
+    """ember and llama.cpp on the file, and transformers on the HF folder beside the bf16 file (--peer hf);
+    into `sides` (the caller closes what started)."""
+    from ember.platform import resolve_dtype_name
+
+    lo, hi = args.input_len_range
+    sides[EMBER] = start_side(ember_factory(), {**knobs, "model": path}, threads, args.in_process)
+    if "llamacpp" in args.peer:
+        llama = {
+            "gguf_path": path,
+            "threads": threads,
+            "n_ctx": max(4096, max(args.prompt_lens) + hi + args.output_len),
+            "batch_mode": "parallel" if args.llamacpp_batch == "best" else args.llamacpp_batch,
+        }
+        sides[LLAMA] = start_side(PEERS["llamacpp"], llama, threads, args.in_process)
+    if "hf" in args.peer and kind == "bf16":
+        hf = {"model_path": folder, "dtype": resolve_dtype_name("auto", "cpu")}
+        sides[HF] = start_side(PEERS["hf"], hf, threads, args.in_process)
+
+
+def achieved(bandwidth: list[float], figure: dict, side: str, weight_bytes: int | None) -> dict | None:
+    """A side's decode bytes/s (weight_bytes x tok/s) and its share of the bandwidth probe, round by round."""
+    runs = figure["values"].get(side, {}).get("runs", [])
+    if not bandwidth or not weight_bytes or not runs:
+        return None
+    gbps = [weight_bytes * t / 1e9 for t in runs]
+    percent = [100 * a / b for a, b in zip(gbps, bandwidth)]
+    return {
+        "weight_bytes": weight_bytes,
+        "gbps": {"runs": gbps, **spread(gbps)},
+        "percent": {"runs": percent, **spread(percent)},
+    }
+
+
+def run_file(args, kind: str, path: str, folder: str, knobs: dict, threads: int) -> dict:
+    """One file's rounds (every side, every figure), peak RSS and ember's per-op split."""
+    sides, chosen = {}, {}
+    try:
+        start_file_sides(sides, args, kind, path, folder, knobs, threads)
+        maker = prompt_maker_of(sides[EMBER], args.prompt_seed)
+        tasks = [
+            decode_task(maker, args.decode_tokens),
+            *(ttft_task(maker, n) for n in args.prompt_lens),
+            best_throughput_task(maker, args, sides.get(LLAMA), chosen),
+        ]
+        results, bandwidth = measure(
+            sides,
+            tasks,
+            runs=args.runs,
+            quiet_wait_s=args.quiet_wait,
+            bandwidth_mib=args.bandwidth_mib,
+            desc=f"bench hybrid {FILES[kind]}",
+        )
+        figures = summarize_figures([f for t in tasks for f in t.figures], results)
+        rss = {n: s.peak_rss_bytes() / (1 << 20) for n, s in sides.items()}  # before the profiler's memory
+        split = None
+        if args.split_steps:
+            prompt = maker.make(1, DECODE_PROMPT_LEN, SPLIT_SEED)[0]
+            split = sides[EMBER].call("op_split", prompt, args.split_steps)
+        weights = {EMBER: sides[EMBER].weight_bytes, LLAMA: os.path.getsize(path)}
+        return {
+            "type": FILES[kind],
+            "path": path,
+            "file_bytes": os.path.getsize(path),
+            "sides": {n: s.description for n, s in sides.items()},
+            "figures": figures,
+            "peak_rss_mib": rss,
+            "rss_shared_process": any(s.shared_process for s in sides.values()),
+            "bandwidth": {
+                "gbps": {"runs": bandwidth, **spread(bandwidth)},
+                **{n: achieved(bandwidth, figures[0], n, b) for n, b in weights.items() if n in sides},
+            },
+            "llamacpp_batch": chosen if LLAMA in sides else None,
+            "op_split": split,
+        }
+    finally:
+        for s in sides.values():
+            s.close()
+
+
+# -- the tables and bars --------------------------------------------------------------------------
+
+
+def _figure_name(f: dict, d: dict) -> str:
+    mode = (d.get("llamacpp_batch") or {}).get("mode")
+    return f"{f['name']}{f'; llama.cpp {mode}' if f['key'] == 'throughput' and mode else ''} ({f['unit']})"
+
+
+def file_rows(kind: str, d: dict, peers: list[str]) -> list[str]:
+    """One file's rows: every figure, peak RSS, the achieved share of the read bandwidth."""
+    name, lines = FILES[kind], []
+    for f in d["figures"]:
+        cells = [name, _figure_name(f, d), cell(f["values"].get(EMBER)), *[cell(f["values"].get(p)) for p in peers]]
+        lines.append(row(cells + [ratio_cell(paired_ratios(f, EMBER, p)) for p in peers]))
+    rss = d["peak_rss_mib"]
+    cells = [name, "peak RSS (MiB)", fmt(rss[EMBER]), *[fmt(rss.get(p)) for p in peers]]
+    lines.append(row(cells + [f"{rss[EMBER] / rss[p]:.2f}x" if rss.get(p) else "-" for p in peers]))
+    bw = d["bandwidth"]
+    pct = {n: (bw.get(n) or {}).get("percent") for n in [EMBER, *peers]}
+    cells = [name, "achieved read bandwidth (% of measured)", *[cell(pct[n], "%") for n in [EMBER, *peers]]]
+    ratios = [f"{pct[EMBER]['median'] / pct[p]['median']:.2f}x" if pct[EMBER] and pct.get(p) else "-" for p in peers]
+    return lines + [row(cells + ratios)]
+
+
+def bandwidth_lines(files: dict) -> list[str]:
+    """Per file: the bandwidth probe, what each side's decode step reads, and what it achieves."""
+    lines = []
+    for kind, d in files.items():
+        bw = d["bandwidth"]
+        if not bw["gbps"].get("runs"):
+            continue
+        sides = [
+            f"{n} reads {a['weight_bytes'] / 1e6:.1f} MB a token ({what}): {cell(a['gbps'])} GB/s = "
+            f"{cell(a['percent'], '%')}"
+            for n, what in ((EMBER, "weights as loaded"), (LLAMA, "the GGUF file's size"))
+            if (a := bw.get(n))
+        ]
+        lines.append(f"- {FILES[kind]}: read bandwidth {cell(bw['gbps'])} GB/s; " + "; ".join(sides))
+    return lines
+
+
+def split_table(files: dict) -> list[str]:
+    """ember's decode step by kind of work (ember.bench.lib.op_split), per file."""
+    columns = ["file", "executor", "step (ms)", "profiled step (ms)", *op_split.CATEGORIES]
+    lines, notes = [row(columns), "|---|---|" + "---:|" * (len(columns) - 2)], []
+    for kind, d in files.items():
+        s = d["op_split"]
+        if s is None:
+            continue
+        if not s["labelled"]:
+            notes.append(
+                f"{FILES[kind]}: the step ran as a compiled graph ({s['executor']}): only its kernel ops split out"
+            )
+        cells = [
+            f"{s['ms'][c]:.2f} ({s['percent'][c]:.0f}%)" if s["percent"][c] is not None else "-"
+            for c in op_split.CATEGORIES
+        ]
+        lines.append(row([FILES[kind], s["executor"], f"{s['step_ms']:.2f}", f"{s['profiled_step_ms']:.2f}", *cells]))
+    return lines + ([""] + [f"- {n}" for n in notes] if notes else [])
+
+
+def table(files: dict, peers: list[str]) -> list[str]:
+    columns = ["file", "metric", EMBER, *peers, *[f"{EMBER} / {p}" for p in peers]]
+    lines = [row(columns), "|---|---|" + "---:|" * (len(columns) - 2)]
+    for kind, d in files.items():
+        lines += file_rows(kind, d, peers)
+    lines += [
+        "",
+        "Memory (batch-1 decode bytes a token x tok/s, round by round, against the probe of the same rounds):",
+    ]
+    lines += bandwidth_lines(files)
+    if any(d["op_split"] for d in files.values()):
+        lines += ["", "ember's batch-1 decode step, by kind of work (ms per step, % of the profiled step):", ""]
+        lines += split_table(files)
+    return lines
+
+
+def gdn_conv_bar(name: str, kind: str, s: dict | None) -> Bar:
+    pct = None
+    missing = "no per-op split (--split-steps 0)"
+    if s is not None:
+        if not s["ms"][op_split.GDN]:
+            missing = "the split saw no ember_cpu::gated_delta_net (the torch path ran)"
+        else:
+            pct = s["percent"][op_split.GDN] + s["percent"][op_split.CONV]
+    return Bar(
+        f"{name}: GDN core + conv <= {GDN_CONV_BAR:.0f}% of a decode step",
+        "<=",
+        GDN_CONV_BAR,
+        pct,
+        shown=f"{pct:.1f}%" if pct is not None else None,
+        missing=missing,
+        on={"file": kind, "figure": "op_split"},
     )
-    compare.main(args)
+
+
+def file_bars(kind: str, d: dict, ttft_len: int, n: int) -> list[Bar]:
+    """Issue 40's bars on one file."""
+    name, figures = FILES[kind], d["figures"]
+    mode = (d.get("llamacpp_batch") or {}).get("mode", "-")
+    specs = [
+        (f"{name}: batch-1 decode >= {DECODE_BAR[kind]}x llama.cpp", "decode", ">=", DECODE_BAR[kind]),
+        (f"{name}: TTFT at {ttft_len} tokens <= {TTFT_BAR}x llama.cpp's", ttft_key(ttft_len), "<=", TTFT_BAR),
+        (
+            f"{name}: {n}-sequence throughput >= {THROUGHPUT_BAR:.0f}x llama.cpp's best batched ({mode})",
+            "throughput",
+            ">=",
+            THROUGHPUT_BAR,
+        ),
+    ]
+    bars = [ratio_bar(text, figures, key, EMBER, LLAMA, op, t) for text, key, op, t in specs]
+    rss = d["peak_rss_mib"]
+    ratio = rss[EMBER] / rss[LLAMA] if rss.get(LLAMA) and not d["rss_shared_process"] else None
+    bars.append(
+        Bar(
+            f"{name}: peak RSS <= {RSS_BAR}x llama.cpp's",
+            "<=",
+            RSS_BAR,
+            ratio,
+            missing="all sides in one process (--in-process)" if d["rss_shared_process"] else "no llama.cpp side",
+            on={"figure": "peak_rss", "side": EMBER, "peer": LLAMA},
+        )
+    )
+    bars.append(gdn_conv_bar(name, kind, d["op_split"]))
+    for b in bars:
+        b.on = {"file": kind, **b.on}
+    return bars
+
+
+# -- the command ----------------------------------------------------------------------------------
+
+
+def notes(args, knobs: dict, shared: bool) -> list[str]:
+    """How each figure was measured, for the report."""
+    from ember.bench.lib import membw
+    from ember.bench.peers.hf import BATCH_METHOD as HF_BATCH
+    from ember.bench.peers.llamacpp import BATCH_METHODS as LLAMA_BATCH
+
+    best = (
+        "llama.cpp's best batched configuration: in the warmup round it ran the prompts both parallel and "
+        "sequential and the faster mode (named in the row) is measured in every round; "
+        if args.llamacpp_batch == "best"
+        else f"llama.cpp pinned to --llamacpp-batch {args.llamacpp_batch}; "
+    )
+    out = [
+        "files: bf16 by llama.cpp's convert_hf_to_gguf.py (--outtype bf16) from the HF folder, Q8_0 and Q4_K_M by "
+        "llama.cpp's llama_model_quantize from that bf16 file (its own per-tensor choices); each built once and "
+        "reused; the files one after another, each with sides of its own (worker processes started for it)",
+        f"{args.runs} measured rounds after 1 warmup round per file; cells are median [min-max]; ember / peer "
+        "ratios are taken round by round, then summarized; every side sees the same prompts, new each round "
+        "(seeded random ordinary tokens)",
+        f"decode: greedy, {args.decode_tokens} tokens after a {DECODE_PROMPT_LEN}-token random prompt, EOS ignored; "
+        "mean = (N - 1) / (last token time - first token time), which the bars use; steady = 1 / median gap",
+        "TTFT: ember add_request() to its first token through the step loop; llama.cpp generate() to its first token",
+        f"throughput: ember one LLM.generate() over all prompts (max_num_seqs {knobs['max_num_seqs']}, KV cache "
+        f"{knobs['kv_cache_memory']:g} GiB); "
+        + best
+        + "; ".join(LLAMA_BATCH.values())
+        + ("; " + HF_BATCH if "hf" in args.peer else ""),
+        "peak RSS: all sides ran in this one process (--in-process): not attributable, its bar is not judged"
+        if shared
+        else "peak RSS: each side's worker process (python -m ember.bench.sides.worker), its resource.getrusage "
+        "high-water mark, read after the rounds (the interpreter, libraries and ember's preallocated pools "
+        "included)",
+        op_split.METHOD.format(steps=args.split_steps, prompt=DECODE_PROMPT_LEN),
+    ]
+    if "hf" in args.peer:
+        out.append("transformers: on the HF folder (the bf16 file's values), measured beside the bf16 file only")
+    if args.bandwidth_mib:
+        out.append(
+            membw.METHOD.format(mib=args.bandwidth_mib) + "; achieved = bytes a decode step reads x decode tok/s"
+        )
+    return out
+
+
+def command(args) -> str:
+    flags = ["runs", "peer", "files", "model_dir", "output", "prompt_seed", "quiet_wait", "decode_tokens"]
+    flags += ["prompt_lens", "num_prompts", "input_len_range", "output_len", "bandwidth_mib", "llamacpp_batch"]
+    return command_line(args, flags + ["split_steps"]) + switches(args)
+
+
+def main(args) -> None:
+    from ember.errors import ConfigError
+
+    if args.decode_tokens < 2:
+        raise ConfigError(f"--decode-tokens must be >= 2 (got {args.decode_tokens})")
+    if getattr(args, "model", None) is not None or getattr(args, "model_pos", None) is not None:
+        raise ConfigError("ember bench hybrid runs the files it builds (--model-dir, --files), not --model")
+    compare.check_peers_installed(args.peer)
+    line = command(args)
+    folder = build_folder(args.model_dir or os.path.join(cache_root(), "qwen3.5-0.8b-shape-random"))
+    paths = {kind: build_file(folder, kind) for kind in args.files}
+    logger.info("bench hybrid: %s", ", ".join(paths.values()))
+    args.model = paths[args.files[0]]  # the engine flags' model: each file's is set in its sides
+    knobs, threads = ember_knobs(args, args.num_prompts)
+    knobs.update(NO_SPECULATION)
+    load = load_average()
+    files = {kind: run_file(args, kind, path, folder, knobs, threads) for kind, path in paths.items()}
+    peers = list(dict.fromkeys(n for d in files.values() for n in d["sides"] if n != EMBER))
+    shared = any(d["rss_shared_process"] for d in files.values())
+    judged = [b for kind, d in files.items() for b in file_bars(kind, d, max(args.prompt_lens), args.num_prompts)]
+    about = [f"{FILES[k]} {n}: {describe(s)}" for k, d in files.items() for n, s in d["sides"].items()]
+    data = {"threads": threads, "runs": args.runs, "model_folder": folder, "files": files}
+    Result(KIND, TITLE, line, load, about, notes(args, knobs, shared), table(files, peers), data, judged).publish(
+        args.output
+    )
 
 
 def add_cli_args(p) -> None:
-    """compare's flags, with this command's model folder and defaults."""
-    compare.add_cli_args(p)
-    p.add_argument("--model-dir", default=None, help="where the random HF folder is (built there if missing)")
-    p.set_defaults(
-        output="benchmarks/hybrid.md",
-        decode_prompt="random",
-        prompt_lens=[2000],
-        num_prompts=16,
-        decode_tokens=64,
-        output_len=32,
-        mtp=False,
-        max_model_len=4096,
+    add_common_args(
+        p,
+        {
+            "type": compare.peer_list,
+            "default": ["llamacpp"],
+            "metavar": "PEER,PEER|none",
+            "help": "llamacpp = llama.cpp through llama-cpp-python on each file; hf = transformers on the HF "
+            "folder, beside the bf16 file (slow); none = ember only",
+        },
     )
+    p.add_argument(
+        "--files",
+        type=file_list,
+        default=list(FILES),
+        metavar="TYPE,TYPE",
+        help=f"which GGUF files (types) to run, of {', '.join(FILES)}: bf16 by llama.cpp's converter, the "
+        "others by its quantizer from it; each built once beside the model folder",
+    )
+    p.add_argument("--model-dir", default=None, help="where the random HF folder is (built there if missing)")
+    p.add_argument(
+        "--prompt-lens", type=int_list, default=[2000], metavar="N,N,...", help="TTFT prompt lengths (bar: longest)"
+    )
+    p.add_argument(
+        "--llamacpp-batch",
+        choices=("best", *BATCH_MODES),
+        default="best",
+        help="llama.cpp's offline throughput: best = run both in the warmup round and measure the faster; "
+        "parallel = all prompts as sequences of one llama_decode batch, sequential = one after another",
+    )
+    p.add_argument("--bandwidth-mib", type=int, default=512, help="size of the memory-bandwidth probe (0 = skip it)")
+    p.add_argument(
+        "--split-steps", type=int, default=8, help="decode steps the per-op split of ember profiles (0 = no split)"
+    )
+    add_workload_args(p, prompt_help="for quick checks")
+    p.set_defaults(output="benchmarks/hybrid.md", num_prompts=16, decode_tokens=64, output_len=128, max_model_len=4096)

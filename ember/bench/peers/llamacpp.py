@@ -108,9 +108,10 @@ class LlamaCppPeer:
         self.decode(prompt, 1)
         return time.perf_counter() - t0
 
-    def batch(self, prompts: list[list[int]], output_len: int) -> tuple[float, int]:
-        """All prompts, output_len greedy tokens each (see BATCH_METHODS); (seconds, generated tokens)."""
-        if self.batch_mode == "sequential":
+    def batch(self, prompts: list[list[int]], output_len: int, mode: str | None = None) -> tuple[float, int]:
+        """All prompts, output_len greedy tokens each (see BATCH_METHODS); (seconds, generated tokens).
+        mode: parallel or sequential for this call (default: the peer's batch_mode)."""
+        if (mode or self.batch_mode) == "sequential":
             t0 = time.perf_counter()
             generated = sum(len(self.decode(p, output_len)) for p in prompts)
             return time.perf_counter() - t0, generated

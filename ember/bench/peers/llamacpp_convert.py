@@ -1,5 +1,6 @@
 """llama.cpp's own HF -> GGUF converter, as vendored by the llama-cpp-python sdist (the version the
-llama.cpp peer runs), for benchmarks and tests that need GGUF files written the way users get them.
+llama.cpp peer runs), and its own quantizer (llama_model_quantize in the installed llama-cpp-python), for
+benchmarks and tests that need GGUF files written the way users get them.
 
 The sdist is fetched once with `pip download` (PyPI, like any package install; no model weights)
 into a cache folder, under a file lock so that concurrent processes fetch it once, and only the
@@ -121,5 +122,38 @@ def convert(
     if proc.returncode != 0:
         raise RuntimeError(
             f"llama.cpp's convert_hf_to_gguf.py failed on {hf_dir} (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
+        )
+    return out_path
+
+
+# llama_model_quantize in a child process: the library logs a line per tensor to the process's stderr
+# (captured here), and an abort in C takes down the child, not the benchmark
+_QUANTIZE = (
+    "import ctypes, sys, llama_cpp\n"
+    "p = llama_cpp.llama_model_quantize_default_params()\n"
+    "p.ftype = getattr(llama_cpp, 'LLAMA_FTYPE_MOSTLY_' + sys.argv[3])\n"
+    "p.nthread = int(sys.argv[4])\n"
+    "sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(p)))\n"
+)
+
+
+def quantize(gguf_in: str, out_path: str, ftype: str, threads: int = 0, timeout: float = 1800) -> str:
+    """llama.cpp's own quantizer (what `llama-quantize IN OUT FTYPE` runs) on a GGUF file; returns out_path.
+    ftype: a llama_ftype name after LLAMA_FTYPE_MOSTLY_ (Q8_0, Q4_K_M, ...), with llama.cpp's own
+    choices per tensor (Q4_K_M writes some tensors Q6_K and keeps 1-d ones -- norms, conv, ssm_a,
+    ssm_dt -- in F32); threads 0: all cores. Needs llama-cpp-python (the bench or test extra)."""
+    from ember.bench.peers.llamacpp import import_llama_cpp
+
+    import_llama_cpp()  # the install hint, before a child fails on the import
+    proc = subprocess.run(
+        [sys.executable, "-c", _QUANTIZE, gguf_in, out_path, ftype.upper(), str(threads)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"llama.cpp's llama_model_quantize failed on {gguf_in} -> {ftype} (exit {proc.returncode}):\n"
+            f"{proc.stderr[-4000:]}"
         )
     return out_path

@@ -80,6 +80,12 @@ class EmberSide:
 
         return ember_batch(self.llm, prompts, output_len)
 
+    def op_split(self, prompt: list[int], steps: int) -> dict:
+        """Where a batch-1 decode step's time goes (ember.bench.lib.op_split)."""
+        from ember.bench.lib.op_split import decode_split
+
+        return decode_split(self.llm, self._rid("split"), prompt, steps)
+
 
 def ember_knobs(args, num_prompts: int) -> tuple[dict, int]:
     """The command's engine knobs as a dict, with max_num_seqs sized to the throughput batch when

@@ -31,6 +31,10 @@ class LocalSide:
         self.prompt_vocab = getattr(self.side, "prompt_vocab", None)
         self.decode, self.ttft, self.batch = self.side.decode, self.side.ttft, self.side.batch
 
+    def call(self, method: str, *args):
+        """Any other method of the side (e.g. EmberSide.op_split)."""
+        return getattr(self.side, method)(*args)
+
     def peak_rss_bytes(self) -> int:
         return peak_rss_bytes()
 

@@ -70,8 +70,12 @@ class RemoteSide:
     def ttft(self, prompt):
         return self._call("ttft", prompt)
 
-    def batch(self, prompts, output_len):
-        return self._call("batch", prompts, output_len)
+    def batch(self, prompts, output_len, *more):
+        return self._call("batch", prompts, output_len, *more)
+
+    def call(self, method: str, *args):
+        """Any other method of the side (e.g. EmberSide.op_split), in its process."""
+        return self._call(method, *args)
 
     def peak_rss_bytes(self) -> int:
         return self._call("peak_rss_bytes")
