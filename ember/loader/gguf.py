@@ -2,7 +2,8 @@
 
 Layout and metadata keys: shared/research/formats.md section 3. The file is memory-mapped by
 the `gguf` package's reader; tensors are dequantized to float32 one at a time as they are
-iterated, so peak memory stays near one tensor above the mmap. With `packed=True` quantized
+iterated, so peak memory stays near one tensor above what is loaded (each tensor's pages of the map
+leave the resident set once copied: gguf_blocks.release_pages). With `packed=True` quantized
 weights come instead as GGUFTensor raw blocks (views of the map) for the gguf QuantMethods.
 """
 
@@ -30,7 +31,7 @@ from ember.config.architectures import GGUF_ARCHITECTURES
 from ember.errors import ModelLoadError, UnsupportedModelError
 from ember.loader import gguf_hybrid
 from ember.loader.tokenizer import Tokenizer
-from ember.quant.gguf_blocks import FLOAT_TYPES, GGUFTensor
+from ember.quant.gguf_blocks import FLOAT_TYPES, GGUFTensor, release_pages
 
 log = logging.getLogger(__name__)
 
@@ -452,6 +453,7 @@ def _to_torch(t) -> torch.Tensor:
     arr = np.asarray(arr, dtype=np.float32)
     if not arr.flags.writeable:  # F32 tensors come back as views of the read-only mmap
         arr = arr.copy()
+    release_pages(t.data)  # copied: the map's pages need not stay resident beside the copy
     return torch.from_numpy(arr)
 
 

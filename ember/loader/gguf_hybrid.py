@@ -13,8 +13,9 @@ What the converter does (llama.cpp conversion/qwen.py, 0.3.36) and how it is und
   to tiled order (key head j % nk) across attn_qkv's v rows, attn_gate, ssm_alpha / ssm_beta
   (in_proj_a / in_proj_b), ssm_a, ssm_dt, ssm_conv1d's v channels and ssm_out's columns, when the
   key and value head counts differ: each is permuted back. Rows of a packed quantized matrix move
-  as whole rows (each row is quantized on its own); ssm_out's columns cannot, so a quantized
-  ssm_out is dequantized (one [hidden, value_dim] matrix a layer);
+  as whole rows (each row is quantized on its own); ssm_out's columns cannot (they share blocks), so
+  a quantized ssm_out stays packed in the file's column order and its input is permuted instead
+  (GGUFTensor.with_input_order: out_proj reads the value heads in the file's tiled order);
 - experts are stacked (ffn_{gate,up,down}_exps), the shared expert is ffn_*_shexp with its gate
   ffn_gate_inp_shexp; MTP layers (nextn, past num_hidden_layers) are not loaded from GGUF.
 """
@@ -143,9 +144,10 @@ class Untangler:
             qk = 2 * self.nk * self.dk
             return _rows(weight, np.concatenate([np.arange(qk), qk + self.grouped_order(self.dv)]))
         if part == "ssm_out":
-            if not isinstance(weight, torch.Tensor):
-                weight = weight.dequantize()  # columns of packed blocks cannot move
-            return weight[:, torch.from_numpy(self.grouped_order(self.dv))].contiguous()
+            order = self.grouped_order(self.dv)
+            if not isinstance(weight, torch.Tensor):  # columns of packed blocks cannot move: x's do
+                return weight.with_input_order(order)
+            return weight[:, torch.from_numpy(order)].contiguous()
         return weight
 
 

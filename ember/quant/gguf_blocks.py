@@ -9,15 +9,22 @@ per-group (scale, offset) that kernels can use as they are:
     Q4_K  codes 0..15,  scale d*sc_j, offset -dmin*m_j   (8 sub-blocks of 32 per 256)
     Q5_0  codes 0..31,  scale d,      offset -16d
     Q5_1  codes 0..31,  scale d,      offset m
+    Q5_K  codes 0..31,  scale d*sc_j, offset -dmin*m_j   (Q4_K's scales, a fifth bit per code in qh)
     Q8_0  codes 0..255, scale d,      offset -128d       (the int8 shifted by +128)
 
 `dequantize` computes code * scale + offset in float32 in the same order as gguf-py, so it
 matches `gguf.quants.dequantize` bit for bit. Q6_K (sub-blocks of 16, int8 scales, not affine
 per 32) unpacks to 6-bit codes plus per-16 scales (`q6_k_codes`, w = scale * (q6 - 32)); any
 other type goes through gguf-py (numpy) as a slow but complete fallback.
+
+A GGUFTensor is a view of the file's read-only map until it is copied (`raw()`, a row permutation);
+the copy then drops the pages it read from this process's resident set (`release_pages`): they
+stay in the page cache, but are not counted a second time beside the packed copy in RSS.
 """
 
 from __future__ import annotations
+
+import mmap
 
 import numpy as np
 import torch
@@ -27,7 +34,7 @@ from gguf.quants import dequantize as np_dequantize
 
 GROUP = 32  # group size of every affine format above
 AFFINE_4BIT = (T.Q4_0, T.Q4_1, T.Q4_K)  # codes fit the int4 kernel as they are
-AFFINE_8BIT = (T.Q5_0, T.Q5_1, T.Q8_0)  # codes need more than 4 bits
+AFFINE_8BIT = (T.Q5_0, T.Q5_1, T.Q5_K, T.Q8_0)  # codes need more than 4 bits
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 
 
@@ -39,10 +46,20 @@ class GGUFTensor:
     operations (the llama q/k un-permutation, output-dim TP splits) are exact on raw bytes.
     """
 
-    def __init__(self, qtype: T, data: np.ndarray, shape: tuple[int, int]):
+    def __init__(self, qtype: T, data: np.ndarray, shape: tuple[int, int], input_order: np.ndarray | None = None):
         self.qtype, self.data, self.shape = T(qtype), data, tuple(shape)
+        # logical column c is the blocks' column input_order[c] (None: the identity); see with_input_order
+        self.input_order = input_order
         block, size = GGML_QUANT_SIZES[self.qtype]
         assert data.shape == (shape[0], shape[1] // block * size), (data.shape, shape, self.qtype)
+
+    def with_input_order(self, order: np.ndarray) -> "GGUFTensor":
+        """The matrix whose column c is this one's column order[c], with the blocks unmoved (columns
+        inside a block cannot move): the packed parts read x's columns in the blocks' order instead
+        (gguf_quant.InputOrderPart), and `dequantize` moves the columns."""
+        if self.input_order is not None:
+            order = self.input_order[order]
+        return GGUFTensor(self.qtype, self.data, self.shape, np.asarray(order, dtype=np.int64))
 
     @property
     def ndim(self) -> int:
@@ -59,7 +76,11 @@ class GGUFTensor:
         """torch.Tensor.narrow on the logical shape (the input dim must cut at block edges)."""
         rows, cols = self.shape
         if dim == 0:
-            return GGUFTensor(self.qtype, self.data[start : start + length], (length, cols))
+            return GGUFTensor(self.qtype, self.data[start : start + length], (length, cols), self.input_order)
+        if self.input_order is not None:
+            if (start, length) == (0, cols):
+                return self
+            raise ValueError("a GGUF matrix with reordered input columns cannot be split along its input dim")
         block, size = GGML_QUANT_SIZES[self.qtype]
         if start % block or length % block:
             raise ValueError(f"{self.qtype.name} cannot be split inside a block of {block} (at {start}+{length})")
@@ -68,21 +89,51 @@ class GGUFTensor:
         )
 
     def permute_rows(self, order: np.ndarray) -> "GGUFTensor":
-        return GGUFTensor(self.qtype, self.data[order], self.shape)
+        out = GGUFTensor(self.qtype, self.data[order], self.shape, self.input_order)
+        release_pages(self.data)
+        return out
 
     def take_rows(self, rows: np.ndarray) -> "GGUFTensor":
         """These rows, in this order (a subset: the parts of a fused projection)."""
-        return GGUFTensor(self.qtype, self.data[rows], (len(rows), self.shape[1]))
+        return GGUFTensor(self.qtype, self.data[rows], (len(rows), self.shape[1]), self.input_order)
 
     def raw(self) -> torch.Tensor:
-        """uint8 [rows, bytes_per_row], an owned copy (the map is read-only)."""
-        return torch.from_numpy(np.array(self.data, dtype=np.uint8, copy=True))
+        """uint8 [rows, bytes_per_row], an owned copy (the map is read-only); the map's pages it
+        read leave this process's resident set."""
+        out = torch.from_numpy(np.array(self.data, dtype=np.uint8, copy=True))
+        release_pages(self.data)
+        return out
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize(self.raw(), self.qtype, self.shape[1]).to(dtype)
+        w = dequantize(self.raw(), self.qtype, self.shape[1])
+        if self.input_order is not None:
+            w = w[:, torch.from_numpy(self.input_order)]
+        return w.to(dtype)
 
     def __repr__(self) -> str:
         return f"GGUFTensor({self.qtype.name}, shape={self.shape})"
+
+
+def release_pages(data: np.ndarray) -> None:
+    """Drop the pages of a read-only file map under `data` (a view of it) from this process's
+    resident set, once they have been copied: MADV_DONTNEED on a shared read-only file mapping
+    only unmaps them (the page cache keeps them; reading them again faults them back in).
+    Anything that is not a view of a map is left alone."""
+    root = data
+    while isinstance(root, np.ndarray) and not isinstance(root.base, mmap.mmap):
+        root = root.base
+    if not isinstance(root, np.ndarray) or getattr(root, "offset", 0) or not data.size:
+        return  # not a view of a map (or of one mapped from inside the file: offsets unknown)
+    start = data.ctypes.data - root.ctypes.data
+    if not 0 <= start < root.nbytes:
+        return
+    lo = start - start % mmap.PAGESIZE
+    span = int(np.prod(data.shape[1:], dtype=np.int64)) * data.itemsize  # a row's stride can exceed its bytes
+    hi = start + (data.shape[0] - 1) * data.strides[0] + span if data.ndim else start + data.itemsize
+    try:
+        root.base.madvise(mmap.MADV_DONTNEED, lo, min(hi, root.nbytes) - lo)
+    except (OSError, ValueError):  # a platform without madvise: the pages stay resident
+        pass
 
 
 def _blocks(raw: torch.Tensor, qtype: T) -> torch.Tensor:
@@ -121,14 +172,22 @@ def affine_codes(raw: torch.Tensor, qtype: T) -> tuple[torch.Tensor, torch.Tenso
         high = (qh >> torch.arange(32, dtype=torch.int32, device=qh.device)) & 1
         codes = _nibbles(b[:, at + 4 :], 16) | (high.to(torch.uint8) << 4)
         scale, offset = d, (-16 * d if qtype == T.Q5_0 else _f16(b[:, 2:4]))
-    elif qtype == T.Q4_K:
+    elif qtype in (T.Q4_K, T.Q5_K):
         d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
         sc, m = _k_scale_min(b[:, 4:16])
-        codes, scale, offset = _nibbles(b[:, 16:], 32), d * sc, dmin * m
+        if qtype == T.Q4_K:
+            codes = _nibbles(b[:, 16:], 32)
+        else:  # bit j of qh[l] is the fifth bit of sub-block j's code l
+            high = (b[:, 16:48].reshape(-1, 1, 32) >> _BITS.to(b.device).view(1, 8, 1)) & 1
+            codes = _nibbles(b[:, 48:], 32) | (high.reshape(b.shape[0], -1) << 4)
+        scale, offset = d * sc, dmin * m
         offset = -offset
     else:
         raise ValueError(f"{qtype.name} is not an affine group-of-32 format")
     return codes.reshape(rows, -1), scale.reshape(rows, -1), offset.reshape(rows, -1)
+
+
+_BITS = torch.arange(8, dtype=torch.uint8)
 
 
 def _k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

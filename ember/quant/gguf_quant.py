@@ -6,8 +6,9 @@ stored by its type, with no dense copy:
 - Q4_0, Q4_1, Q4_K: affine 4-bit codes with per-32 (scale, offset) -> torch's CPU int4 kernel
   (Int4Weight), codes copied exactly. Adjacent shards of this kind are packed into ONE
   Int4Weight, so a Q4 qkv_proj is one kernel call.
-- Q8_0 (and Q5_0 / Q5_1): the 8-bit codes split exactly into two nibbles, q8 + 128 = 16 hi + lo,
-  laid side by side along the input dim in one Int4Weight [N, 2K]:
+- Q8_0 (and Q5_0 / Q5_1 / Q5_K, whose 5-bit codes are affine per 32 too; Q4_K_M files hold Q5_K
+  in attn_qkv): the 8-bit codes split exactly into two nibbles, q8 + 128 = 16 hi + lo, laid side
+  by side along the input dim in one Int4Weight [N, 2K]:
   x @ W^T = [x, x] @ [16d*hi | d*lo + off]^T. One kernel call, 1 byte + scales per weight.
 - Q6_K (Q4_K_M files hold it in output.weight and half the attn_v / ffn_down): 16 sub-blocks
   of 16 with scale c = d * S (int8 S, either sign), w = c (q6 - 32), q6 in 0..63. Split
@@ -25,7 +26,7 @@ stored by its type, with no dense copy:
   dense GEMM (docs/tuning.md, row-count crossovers). Rows for lookups / the head's refinement come from the
   codes and s alone, bit-exact in float32. An embedding that is only looked up (untied) keeps
   Q6_K raw (smaller; a lookup dequantizes just its rows).
-- Q2_K, Q3_K, Q5_K, IQ* and the other types: dequantized once at load to the run dtype (dense),
+- Q2_K, Q3_K, IQ* and the other types: dequantized once at load to the run dtype (dense),
   or kept raw in a lookup-only embedding.
 - F32 / F16 / BF16: dense in the run dtype.
 
@@ -65,6 +66,9 @@ from ember.quant.quant_config import QuantConfig
 
 # Raw-block parts dequantize at most this many weights at a time (64 MiB of float32).
 RAW_CHUNK_ELEMS = 1 << 24
+# Packed parts are built this many rows at a time (a multiple of every kernel's row block), so that
+# a 248K-row embedding is never unpacked whole on its way to the kernel's layout.
+PACK_CHUNK_ROWS = 4096
 # Q6_K's high 2-bit codes are stored as hi + 6 (6..9), near the kernel's zero point 8: this keeps
 # the bf16-rounded zero small (module docstring). Q6KPart._weight relies on 16 (hi + 6) + lo = q6 + 96.
 Q6K_HI_SHIFT = 6
@@ -187,13 +191,39 @@ class TiledPart(PackedPart):
     def __init__(
         self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int, int8_activations: bool = True
     ):
-        self.N, self.K = codes.shape
+        """codes None: an empty part for from_chunks to fill."""
+        if codes is not None:
+            self.N, self.K = codes.shape
         self.bits = bits
         self.x_dtype = tiled_gemv.x_dtype()  # read here: a compiled step cannot trace the CPU-flags lookup
         # many-row paths: the int8-x one (has_q8) and the AVX2 build's widened tiles: every row count
         self.q8 = int8_activations and tiled_gemv.has_q8()
         self.max_rows = None if tiled_gemv.rounds_x() or self.q8 else gemm_dispatch.INT4_KERNEL_MAX_ROWS
-        self.tiles, self.scale, self.offset = tiled_gemv.pack(codes, scale, offset, bits)
+        if codes is not None:
+            self.tiles, self.scale, self.offset = tiled_gemv.pack(codes, scale, offset, bits)
+
+    @classmethod
+    def from_chunks(cls, N: int, K: int, chunks, bits: int, int8_activations: bool = True) -> "TiledPart":
+        """The part of (codes, scale, offset) row chunks (affine_codes of consecutive rows; each chunk
+        but the last a multiple of the kernel's tile rows), packed a chunk at a time into one tensor:
+        no full-size temporaries. Scales are float16 only where every chunk's are (as one pack's)."""
+        part = cls(None, None, None, bits, int8_activations)
+        part.N, part.K = N, K
+        tiles, scales, offsets, at = None, [], [], 0
+        for c, s, o in chunks:
+            t, s, o = tiled_gemv.pack(c, s, o, bits)
+            if tiles is None:
+                tiles = torch.empty(-(-N // tiled_gemv.ROWS), *t.shape[1:], dtype=t.dtype, device=t.device)
+            tiles[at : at + t.shape[0]] = t
+            scales.append(s)
+            offsets.append(o)
+            at += t.shape[0]
+        if at != tiles.shape[0]:
+            raise ValueError(f"tiled chunks cover {at} tiles, not {tiles.shape[0]} (only the last may be short)")
+        wide = torch.float32 if any(s.dtype == torch.float32 for s in scales + offsets) else torch.float16
+        part.tiles = tiles
+        part.scale, part.offset = (torch.cat([t.to(wide) for t in ts]) for ts in (scales, offsets))
+        return part
 
     @staticmethod
     def usable(dtype: torch.dtype, device, kernels: CpuKernels | None = None) -> bool:
@@ -267,16 +297,36 @@ class Q6KPart(PackedPart):
     x' = [x_0:16, x_0:16 / 16, x_16:32, x_16:32 / 16, ...]. Rows padded to a multiple of 64."""
 
     def __init__(self, q6: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
-        self.N, self.K = N, K = q6.shape
-        q = q6.view(N, K // 16, 1, 16)
-        codes = torch.cat(((q >> 4) + Q6K_HI_SHIFT, q & 15), dim=2).reshape(N, 2 * K)
-        s = 16 * scale.float()  # [N, K/16]: exact in float32 (fp16 d times int8 S, times 16)
-        z = s * ((104 - 16 * Q6K_HI_SHIFT) / 17)  # 8 s / 17
-        pad = -N % 64
-        if pad:
-            codes, s, z = (F.pad(t, (0, 0, 0, pad)) for t in (codes, s, z))
-        sz = torch.stack((s.t(), z.t()), dim=-1).to(dtype).contiguous()  # [2K/32, N, 2]
-        self.w = Int4Weight(pack_int4_codes(codes), sz, GROUP, N + pad, 2 * K)
+        self._build(*q6.shape, [(q6, scale)], dtype)
+
+    @classmethod
+    def from_chunks(cls, N: int, K: int, chunks, dtype: torch.dtype) -> "Q6KPart":
+        """The part of (q6, scale) row chunks (q6_k_codes of consecutive rows; each chunk but the
+        last a multiple of 64 rows), built a chunk at a time: no full-size temporaries."""
+        part = cls.__new__(cls)
+        part._build(N, K, chunks, dtype)
+        return part
+
+    def _build(self, N: int, K: int, chunks, dtype: torch.dtype) -> None:
+        self.N, self.K = N, K
+        packed, sz, at = None, [], 0
+        for q6, scale in chunks:
+            n = q6.shape[0]
+            q = q6.view(n, K // 16, 1, 16)
+            codes = torch.cat(((q >> 4) + Q6K_HI_SHIFT, q & 15), dim=2).reshape(n, 2 * K)
+            s = 16 * scale.float()  # [n, K/16]: exact in float32 (fp16 d times int8 S, times 16)
+            z = s * ((104 - 16 * Q6K_HI_SHIFT) / 17)  # 8 s / 17
+            pad = -n % 64
+            if pad:
+                codes, s, z = (F.pad(t, (0, 0, 0, pad)) for t in (codes, s, z))
+            if packed is None:  # the kernel's layout is row blocks one after another: chunks fill it in order
+                packed = torch.empty(N + (-N % 64), K, dtype=torch.uint8, device=q6.device)
+            packed[at : at + n + pad] = pack_int4_codes(codes)
+            sz.append(torch.stack((s.t(), z.t()), dim=-1).to(dtype))  # [2K/32, n, 2]
+            at += n + pad
+        if at != packed.shape[0]:
+            raise ValueError(f"Q6_K chunks cover {at} rows, not {N} (only the last chunk may be short)")
+        self.w = Int4Weight(packed, torch.cat(sz, dim=1).contiguous(), GROUP, at, 2 * K)
         self._spread: dict[torch.dtype, torch.Tensor] = {}  # [K/16, 2, 16] of 1 and 1/16, per dtype
 
     @staticmethod
@@ -346,6 +396,39 @@ class RawPart(PackedPart):
         return [self.raw]
 
 
+class InputOrderPart(PackedPart):
+    """A packed matrix whose logical column c is its blocks' column order[c] (GGUFTensor.with_input_order:
+    Qwen3.5's ssm_out, whose value heads the converter tiled): the blocks stay as they are and x's
+    columns move to the blocks' order instead, x' = x[..., argsort(order)], so x' @ B^T = x @ W^T."""
+
+    def __init__(self, inner: PackedPart, order: torch.Tensor):
+        self.inner, self.N, self.K = inner, inner.N, inner.K
+        self.order = order.to(torch.int64)
+        self.inverse = torch.argsort(self.order)
+
+    def linear(self, x):
+        return self.inner.linear(x.index_select(-1, self.inverse))
+
+    def linear_float(self, x):
+        return self.inner.linear_float(x.index_select(-1, self.inverse))
+
+    def precise_logits(self, x):
+        return self.inner.precise_logits(x)
+
+    @property
+    def kernel_at_any_rows(self) -> bool:
+        return getattr(self.inner, "kernel_at_any_rows", False)
+
+    def rows(self, ids):
+        return self.inner.rows(ids)[:, self.order]
+
+    def dequantize(self):
+        return self.inner.dequantize()[:, self.order]
+
+    def buffers(self):
+        return [*self.inner.buffers(), self.inverse]
+
+
 def _kind(t, raw_ok: bool) -> str:
     if not isinstance(t, GGUFTensor):
         return "dense"
@@ -369,30 +452,60 @@ def pack_shards(
     kernels = kernels or CpuKernels()
     runs: list[list] = []
     for t in shards:
-        if runs and _kind(runs[-1][0], raw_ok) == _kind(t, raw_ok):
+        if runs and _run_key(runs[-1][0], raw_ok) == _run_key(t, raw_ok):
             runs[-1].append(t)
         else:
             runs.append([t])
-    parts: list[PackedPart] = []
-    for run in runs:
-        kind = _kind(run[0], raw_ok)
-        if kind == "dense":
-            ws = [t.dequantize() if isinstance(t, GGUFTensor) else t for t in run]
-            parts.append(DensePart(torch.cat(ws).to(device=device, dtype=dtype)))
-        elif kind in ("int4", "int8"):
-            c, s, o = (torch.cat(x).to(device) for x in zip(*(affine_codes(t.raw(), t.qtype) for t in run)))
-            if TiledPart.usable(dtype, device, kernels):
-                parts.append(
-                    TiledPart(c, s, o, bits=4 if kind == "int4" else 8, int8_activations=kernels.int8_activations)
-                )
-            else:
-                parts.append(Int4Part(c, s, o, dtype, split8=kind == "int8"))
-        elif kind == "q6k":
-            q, s = (torch.cat(x).to(device) for x in zip(*(q6_k_codes(t.raw()) for t in run)))
-            parts.append(Q6KPart(q, s, dtype))
-        else:
-            parts.append(RawPart(torch.cat([t.raw() for t in run]).to(device), run[0].qtype, run[0].shape[1]))
-    return parts
+    return [_pack_run(run, dtype, device, raw_ok, kernels) for run in runs]
+
+
+def _run_key(t, raw_ok: bool) -> tuple:
+    """Shards pack into one part when they are of one kind (and read x's columns in one order)."""
+    order = getattr(t, "input_order", None)
+    return _kind(t, raw_ok), None if order is None else id(order)
+
+
+def _pack_run(run: list, dtype: torch.dtype, device, raw_ok: bool, kernels: CpuKernels) -> PackedPart:
+    """One part for a run of shards of the same kind (pack_shards)."""
+    kind = _kind(run[0], raw_ok)
+    order = getattr(run[0], "input_order", None)
+    if kind != "dense" and order is not None:  # a dense part moves its columns as it dequantizes
+        inner = _pack_run([_unordered(t) for t in run], dtype, device, raw_ok, kernels)
+        return InputOrderPart(inner, torch.from_numpy(order).to(device))
+    if kind == "dense":
+        ws = [t.dequantize() if isinstance(t, GGUFTensor) else t for t in run]
+        return DensePart(torch.cat(ws).to(device=device, dtype=dtype))
+    N, K = sum(t.shape[0] for t in run), run[0].shape[1]
+    if kind in ("int4", "int8"):
+        bits = 4 if kind == "int4" else 8
+        if TiledPart.usable(dtype, device, kernels):
+            chunks = _row_chunks(run, device, affine_codes)
+            return TiledPart.from_chunks(N, K, chunks, bits, int8_activations=kernels.int8_activations)
+        c, s, o = (torch.cat(x).to(device) for x in zip(*(affine_codes(t.raw(), t.qtype) for t in run)))
+        return Int4Part(c, s, o, dtype, split8=kind == "int8")
+    if kind == "q6k":
+        return Q6KPart.from_chunks(N, K, _row_chunks(run, device, lambda raw, qtype: q6_k_codes(raw)), dtype)
+    return RawPart(torch.cat([t.raw() for t in run]).to(device), run[0].qtype, run[0].shape[1])
+
+
+def _row_chunks(run: list, device, unpack):
+    """unpack(raw, qtype) of the run's rows (its shards one after another), PACK_CHUNK_ROWS at a time
+    (the last chunk may be short); a chunk that spans shards unpacks each piece and joins them."""
+    total, at, rows = sum(t.shape[0] for t in run), 0, PACK_CHUNK_ROWS
+    while at < total:
+        pieces, start, want = [], 0, min(rows, total - at)
+        for t in run:
+            lo, hi = max(at, start), min(at + want, start + t.shape[0])
+            if lo < hi:
+                pieces.append(unpack(t.narrow(0, lo - start, hi - lo).raw().to(device), t.qtype))
+            start += t.shape[0]
+        yield pieces[0] if len(pieces) == 1 else tuple(torch.cat(x) for x in zip(*pieces))
+        at += want
+
+
+def _unordered(t: GGUFTensor) -> GGUFTensor:
+    """The same blocks with their own column order (InputOrderPart applies the order)."""
+    return GGUFTensor(t.qtype, t.data, t.shape)
 
 
 def register_parts(module: nn.Module, parts: list[PackedPart], name: str = "") -> None:
@@ -500,9 +613,17 @@ class GGUFEmbeddingMethod:
             y.scatter_(1, idx, torch.bmm(w, hidden.float().unsqueeze(-1)).squeeze(-1))
         return y
 
-    def dense_weight(self) -> torch.Tensor | None:
-        """W [V, H] in float32 for a dense copy of the LM head; None if it is dense already."""
-        return None if isinstance(self.part, DensePart) else self.part.dequantize()
+    def dense_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+        """W [V, H] in dtype for a dense copy of the LM head, built PACK_CHUNK_ROWS rows at a time (no
+        float32 copy of the whole table on the way); None if it is dense already."""
+        if isinstance(self.part, DensePart):
+            return None
+        V, H = self.part.N, self.part.K
+        w = torch.empty(V, H, dtype=dtype, device=self.device)
+        for i in range(0, V, PACK_CHUNK_ROWS):
+            ids = torch.arange(i, min(i + PACK_CHUNK_ROWS, V), device=self.device)
+            w[i : i + len(ids)] = self.part.rows(ids)
+        return w
 
 
 # ---- MoE experts ------------------------------------------------------------------------------

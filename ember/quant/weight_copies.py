@@ -50,34 +50,37 @@ def _copy_helps(module: nn.Module) -> bool:
     return not (parts and all(getattr(p, "kernel_at_any_rows", False) for p in parts))
 
 
-def packed_layers(model: nn.Module, helped: bool = True) -> list[nn.Module]:
+def packed_layers(model: nn.Module, helped: bool = True, head: bool = True) -> list[nn.Module]:
     """The Linears and the LM head whose method can make a dense copy (packed GGUF, AWQ) that
-    would serve some steps (helped=False: those that run their kernel at any row count instead)."""
+    would serve some steps (helped=False: those that run their kernel at any row count instead).
+    head=False leaves the LM head out (the engine's default: see enable_dense_copy)."""
     found = [m for m in model.modules() if isinstance(m, LinearBase) and hasattr(m.quant_method, "dense_weight")]
-    head = getattr(model, "lm_head", None)
-    if isinstance(head, LMHead) and hasattr(head.quant_method, "dense_weight"):
-        found.append(head)
+    lm_head = getattr(model, "lm_head", None)
+    if head and isinstance(lm_head, LMHead) and hasattr(lm_head.quant_method, "dense_weight"):
+        found.append(lm_head)
     return [m for m in found if _copy_helps(m) == helped]
 
 
-def dense_copy_bytes(model: nn.Module, dtype: torch.dtype) -> int:
+def dense_copy_bytes(model: nn.Module, dtype: torch.dtype, head: bool = True) -> int:
     """An upper bound of what enable_dense_copy adds (layers already dense add nothing)."""
     return (
         sum(
             m.vocab_size * m.quant_method.shape[1] if isinstance(m, LMHead) else m.in_features * m.out_features
-            for m in packed_layers(model)
+            for m in packed_layers(model, head=head)
         )
         * dtype.itemsize
     )
 
 
-def enable_dense_copy(model: nn.Module, dtype: torch.dtype) -> int:
-    """Give every packed Linear (GGUF, AWQ) and a packed LM head a dense copy in `dtype`.
-    Returns the bytes added."""
+def enable_dense_copy(model: nn.Module, dtype: torch.dtype, head: bool = True) -> int:
+    """Give every packed Linear (GGUF, AWQ) and, with `head`, a packed LM head a dense copy in `dtype`.
+    Returns the bytes added. The head's rows are the sampled sequences only (a prefill's last token),
+    so its copy serves few steps, and it is the biggest copy (a 248K-vocab tied head: 485 MiB in bf16
+    beside 303 MiB packed): the engine leaves it out unless --int4-dense-copy asks for it."""
     extra = 0
-    for module in packed_layers(model):
+    for module in packed_layers(model, head=head):
         method = module.quant_method
-        w = method.dense_weight() if isinstance(module, LMHead) else method.dense_weight(module)
+        w = method.dense_weight(dtype) if isinstance(module, LMHead) else method.dense_weight(module)
         if w is None:
             continue
         w = w.to(dtype).contiguous()

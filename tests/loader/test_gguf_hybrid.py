@@ -91,6 +91,29 @@ def test_q8_0_matrices_stay_packed_and_agree_with_their_dequantized_values(tmp_p
         assert max(abs(la[t].logprob - lb[t].logprob) for t in lb) < 1.0
 
 
+def test_quantized_ssm_out_stays_packed_and_reads_its_input_in_the_files_order(tmp_path):
+    """Qwen3.5 with more value heads than key heads: the converter tiles ssm_out's columns (value heads),
+    which cannot move inside quantized blocks. out_proj keeps the file's q8_0 blocks and permutes its
+    input instead (once it was dequantized): packed and dequantized float32 runs give the same logits."""
+    from ember.quant.gguf_quant import InputOrderPart
+
+    _, path = hf_folder(str(tmp_path), "qwen3_5", hidden_size=64, linear_key_head_dim=16, linear_value_head_dim=16)
+    q8 = convert(path, path + ".q8.gguf", "q8_0", ("--no-mtp",))
+    packed, dense = llm(q8, quantization="gguf"), llm(q8)  # float32: packed only when forced
+    layers = [layer for layer in packed.engine.parts.runner.model.model.layers if layer.is_linear]
+    for layer in layers:
+        (part,) = layer.linear_attn.out_proj.gguf_parts
+        assert isinstance(part, InputOrderPart) and type(part.inner).__name__ != "DensePart"
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=20, ignore_eos=True)
+    for a, b in zip(
+        *(m.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False) for m in (packed, dense))
+    ):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert la.keys() == lb.keys()
+            assert max(abs(la[t].logprob - lb[t].logprob) for t in lb) < 1e-3
+
+
 def test_logits_match_llama_cpp_on_the_file(tmp_path):
     llama_cpp = pytest.importorskip("llama_cpp")  # the bench extra (compiles llama.cpp): pip install -e '.[bench]'
     # llama.cpp's qwen35 takes value heads as wide as key heads (dk == dv)

@@ -114,6 +114,40 @@ def test_tiny_gguf_model_with_copy_matches_without(tmp_path):
     assert outs[0] == outs[1]
 
 
+@pytest.mark.parametrize("flag", [None, True])
+def test_the_engines_default_copy_leaves_the_lm_head_packed(tmp_path, flag):
+    """--int4-dense-copy auto copies the layers a many-row step runs on a dense GEMM, but not the LM head
+    (its rows are the sampled sequences; a 248K-vocab tied head's copy was 485 MiB beside 303 MiB packed,
+    and 970 MiB more while it was dequantized to float32): only an explicit --int4-dense-copy copies it."""
+    from types import SimpleNamespace
+
+    from ember.engine.startup.weights import dense_copy
+    from ember.kernels.cpu_kernels import CpuKernels
+
+    model = build(tiny_mixed_gguf(tmp_path / "m.gguf", "qwen2", tied=False), True, torch.bfloat16)
+    head_part = model.lm_head.quant_method.part
+    config = SimpleNamespace(kernel_config=SimpleNamespace(int4_dense_copy=flag))
+    setup = SimpleNamespace(device=torch.device("cpu"), dtype=torch.bfloat16, kernels=CpuKernels())
+    extra = dense_copy(config, setup, SimpleNamespace(model=model), False)
+    head_bytes = model.lm_head.vocab_size * 256 * 2
+    assert isinstance(model.model.layers[0].mlp.down_proj.quant_method, DenseCopyMethod)  # a Q6_K layer
+    if flag is None:
+        assert not isinstance(model.lm_head.quant_method, DenseCopyHeadMethod) and 0 < extra
+        assert not any(name.endswith("weight_dense") for name, _ in model.lm_head.named_buffers())
+    else:
+        assert isinstance(model.lm_head.quant_method, DenseCopyHeadMethod) and extra > head_bytes
+        assert torch.equal(model.lm_head.weight_dense, head_part.dequantize().bfloat16())
+
+
+def test_head_copy_is_built_in_row_chunks(monkeypatch, tmp_path):
+    from ember.quant import gguf_quant
+
+    model = build(tiny_mixed_gguf(tmp_path / "m.gguf", "qwen2", tied=False), True, torch.bfloat16)
+    method = model.lm_head.quant_method
+    monkeypatch.setattr(gguf_quant, "PACK_CHUNK_ROWS", 64)  # 160 rows: chunks of 64, 64 and 32
+    assert torch.equal(method.dense_weight(torch.bfloat16), method.part.dequantize().bfloat16())
+
+
 def test_awq_model_with_copy_matches_dequantized(tiny_model_dir, tmp_path):
     awq_dir, dense_dir = write_awq_pair(tiny_model_dir("qwen3"), str(tmp_path), 32)
     got, ref = load(awq_dir), load(dense_dir)

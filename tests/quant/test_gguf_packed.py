@@ -4,6 +4,8 @@ their dequantized twins."""
 
 from __future__ import annotations
 
+import os
+
 import gguf
 import numpy as np
 import pytest
@@ -16,7 +18,7 @@ from gguf.quants import quantize as gguf_quantize
 from ember.kernels import cpu_tiled_gemv as tiled_gemv
 from ember.layers.embedding import LMHead, VocabEmbedding
 from ember.layers.linear import MergedColumnLinear, QKVLinear
-from ember.quant import process_weights_after_loading
+from ember.quant import gguf_quant, process_weights_after_loading
 from ember.quant.gemm_dispatch import INT4_KERNEL_MAX_ROWS as KERNEL_MAX_ROWS
 from ember.quant.gemm_dispatch import Q6K_KERNEL_MAX_ROWS
 from ember.quant.gguf_blocks import GGUFTensor, affine_codes, dequantize, q6_k_codes
@@ -28,6 +30,7 @@ from ember.quant.gguf_quant import (
     Q6KPart,
     RawPart,
     TiledPart,
+    pack_shards,
 )
 from ember.quant.int4_cpu import unpack_int4_codes
 from tests.models.tiny_models import PagedDriver, Seq, one_thread  # noqa: F401 (fixture)
@@ -35,7 +38,7 @@ from tests.models.tiny_models import PagedDriver, Seq, one_thread  # noqa: F401 
 # Under load, two OpenMP threads spin-wait each other into ~100x slower small ops.
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-QUANTIZED = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q6_K]
+QUANTIZED = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
 
 
 def fp32_affine_part() -> str:
@@ -62,12 +65,12 @@ def random_blocks(qtype: T, rows: int, cols: int, seed: int = 0, std: float = 0.
     rng = np.random.default_rng(seed)
     if qtype in (T.F16, T.F32):
         return (rng.standard_normal((rows, cols)) * std).astype(np.float16 if qtype == T.F16 else np.float32)
-    if qtype not in (T.Q4_K, T.Q6_K):
+    if qtype not in (T.Q4_K, T.Q5_K, T.Q6_K):
         return gguf_quantize((rng.standard_normal((rows, cols)) * std).astype(np.float32), qtype)
     n = rows * cols // 256
     b = rng.integers(0, 256, (n, gguf.GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
-    if qtype == T.Q4_K:  # d, dmin first; |w| <= 63 * d * 15
-        b[:, 0:2] = _f16_bytes(rng.uniform(0.2, 1, n) * std / 60)
+    if qtype in (T.Q4_K, T.Q5_K):  # d, dmin first; |w| <= 63 * d * 15 (31 for Q5_K)
+        b[:, 0:2] = _f16_bytes(rng.uniform(0.2, 1, n) * std / (60 if qtype == T.Q4_K else 120))
         b[:, 2:4] = _f16_bytes(rng.uniform(0.2, 1, n) * std / 8)
     else:  # Q6_K: d last; |w| <= 128 * 32 * d
         b[:, 208:210] = _f16_bytes(rng.uniform(0.2, 1, n) * std / 500)
@@ -111,7 +114,7 @@ def test_int4_repack_keeps_codes_and_values(qtype):
     torch.testing.assert_close(part.dequantize(), got, rtol=0, atol=float(tol.max()))
 
 
-@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q5_0, T.Q5_1])
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q5_0, T.Q5_1, T.Q5_K])
 def test_8bit_codes_split_exactly_into_two_nibbles(qtype):
     t, ref = gguf_tensor(qtype, 96, 256, seed=2)  # 96 rows: padded to 128 inside
     codes, scale, offset = affine_codes(t.raw(), qtype)
@@ -225,6 +228,66 @@ def test_gate_up_with_q8_0_and_f16_shards():
     assert [type(p).__name__ for p in layer.gguf_parts] == [fp32_affine_part(), "DensePart"]
     x = torch.randn(2, 256)
     assert_fp32_linear_close(layer(x), x, torch.cat([rg, ru]))
+
+
+def test_q5_k_stays_packed_as_8_bit_codes():
+    """Q4_K_M files hold attn_qkv in Q5_K: 5-bit codes, affine per 32, kept packed (once dense bf16)."""
+    t, ref = gguf_tensor(T.Q5_K, 192, 512, 11)
+    codes, _, _ = affine_codes(t.raw(), T.Q5_K)
+    assert codes.max() == 31 and codes.min() == 0
+    (part,) = pack_shards([t], torch.bfloat16, "cpu")
+    assert type(part).__name__ == ("TiledPart" if TiledPart.usable(torch.bfloat16, "cpu") else "Int4Part")
+    got = part.rows(torch.arange(192))
+    if isinstance(part, TiledPart):  # codes and float32 scales as they are: gguf-py's values
+        assert torch.equal(got, ref)
+    else:  # bf16-rounded scales
+        assert (got - ref).abs().max() < 0.01 * ref.abs().max()
+
+
+@pytest.mark.parametrize(
+    "qtypes", [(T.Q6_K, T.Q6_K), (T.Q4_K, T.Q4_0), (T.Q8_0, T.Q5_K)], ids=["q6_k", "int4", "int8-scales-widen"]
+)
+def test_parts_built_in_row_chunks_equal_one_whole_build(monkeypatch, qtypes):
+    """Big tensors (a 248K-row embedding) are unpacked PACK_CHUNK_ROWS rows at a time; chunks that span
+    shards, a short last chunk, and scales that are float16 in one chunk but float32 in another give
+    the very buffers of one build over the whole run."""
+    dtype = torch.bfloat16
+    if qtypes[0] != T.Q6_K and not TiledPart.usable(dtype, "cpu"):
+        pytest.skip("only the tiled GEMV's parts are built in chunks")
+    shards = [gguf_tensor(qt, rows, 256, 20 + i)[0] for i, (qt, rows) in enumerate(zip(qtypes, (160, 72)))]
+    monkeypatch.setattr(gguf_quant, "PACK_CHUNK_ROWS", 64)
+    (chunked,) = pack_shards(shards, dtype, "cpu")
+    if qtypes[0] == T.Q6_K:
+        q, s = (torch.cat(x) for x in zip(*(q6_k_codes(t.raw()) for t in shards)))
+        whole = Q6KPart(q, s, dtype)
+    else:
+        c, s, o = (torch.cat(x) for x in zip(*(affine_codes(t.raw(), t.qtype) for t in shards)))
+        whole = TiledPart(c, s, o, bits=4 if qtypes[0] == T.Q4_K else 8)
+    assert (chunked.N, chunked.K) == (whole.N, whole.K) == (232, 256)
+    for a, b in zip(chunked.buffers(), whole.buffers(), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    if qtypes == (T.Q8_0, T.Q5_K):
+        assert whole.scale.dtype == torch.float32  # Q5_K's d * sc is not a float16
+
+
+def test_copying_raw_blocks_drops_the_maps_pages_from_rss(tmp_path):
+    """A packed tensor's bytes are read from the file's map once; the map's pages then leave the
+    process's resident set (they were counted beside the packed copy: the whole file in peak RSS)."""
+    if not os.path.exists("/proc/self/status"):
+        pytest.skip("reads RssFile from /proc")
+
+    def rss_file() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("RssFile")) * 1024
+
+    rows, cols = 1024, 8192  # Q8_0: 34 bytes per 32 weights, 8.5 MiB a 1024 rows
+    path = tmp_path / "blocks.bin"
+    path.write_bytes(random_blocks(T.Q8_0, rows, cols, 12).tobytes() * 4)
+    mapped = np.memmap(path, mode="r").reshape(4 * rows, -1)
+    before = rss_file()
+    for i in range(4):
+        GGUFTensor(T.Q8_0, mapped[i * rows : (i + 1) * rows], (rows, cols)).raw()
+    assert rss_file() - before < mapped.nbytes / 4  # without the release: + the whole map (34 MiB)
 
 
 def test_raw_part_linear_and_rows():

@@ -69,11 +69,12 @@ def int8_decode(config, setup: DeviceSetup, loaded: LoadedModel) -> int:
 
 def dense_copy(config, setup: DeviceSetup, loaded: LoadedModel, tensor_parallel: bool) -> int:
     """--int4-dense-copy (auto: on CPU, where some packed layer's kernel loses at many rows and the
-    copy fits CPU_DENSE_COPY_FRACTION of free RAM); returns the bytes added."""
+    copy fits CPU_DENSE_COPY_FRACTION of free RAM, the LM head left packed); returns the bytes added."""
     on, cpu = config.kernel_config.int4_dense_copy, setup.device.type == "cpu"
     if on is False:
         return 0
-    need = dense_copy_bytes(loaded.model, setup.dtype)
+    head = on is True  # auto leaves the LM head packed (weight_copies.enable_dense_copy says why)
+    need = dense_copy_bytes(loaded.model, setup.dtype, head)
     if on is None:
         # float32 packed weights exist where the tiled GEMV's AVX2 build runs them (else the loader
         # dequantizes them), and only layers with another part (a Q6_K shard) count in `need`; AWQ in
@@ -103,4 +104,4 @@ def dense_copy(config, setup: DeviceSetup, loaded: LoadedModel, tensor_parallel:
         )
     if tensor_parallel:
         raise ConfigError("--int4-dense-copy is not supported with --tensor-parallel-size > 1; drop one of them")
-    return enable_dense_copy(loaded.model, setup.dtype)
+    return enable_dense_copy(loaded.model, setup.dtype, head)
