@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember.layers.linear import copy_checked, get_tp_rank_size
+from ember.layers.linear import copy_checked, dense_linear, get_tp_rank_size
 
 
 def _param(vocab_size, hidden_size, dtype, device) -> nn.Parameter:
@@ -115,7 +115,7 @@ class LMHead(nn.Module):
         if self.quant_method is not None:
             return self.quant_method.logits(hidden).float()
         # GEMM in the model dtype (as HF does), upcast after.
-        logits = F.linear(hidden, self.weight).float()
+        logits = dense_linear(hidden, self.weight).float()
         if self.tp_size > 1:
             from ember.distributed.comm import all_gather
 

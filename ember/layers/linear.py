@@ -67,7 +67,29 @@ class DenseMethod(QuantMethod):
         copy_checked(layer.shard_view(getattr(layer, param_name), shard_id), tensor, _what(param_name, shard_id))
 
     def apply(self, layer, x, bias=None):
-        return F.linear(x, layer.weight, bias)
+        return dense_linear(x, layer.weight, bias)
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, except for one bf16 row of x on CPU: torch.mv there, which streams the weight at the
+    memory's speed where the single-row GEMM does not (docs/tuning.md, "Dense GEMV"; in float32 the two
+    tie, in float16 mv loses). A traced step calls it as an opaque op (row_gemv): inductor would lower
+    torch.mv to a loop of its own."""
+    if x.dim() == 2 and x.shape[0] == 1 and x.dtype == weight.dtype == torch.bfloat16 and x.device.type == "cpu":
+        y = row_gemv(weight, x) if torch.compiler.is_compiling() else torch.mv(weight, x[0])[None]
+        return y if bias is None else y + bias
+    return F.linear(x, weight, bias)
+
+
+@torch.library.custom_op("ember::row_gemv", mutates_args=())
+def row_gemv(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] @ x[0] -> [1, N], through torch.mv."""
+    return torch.mv(weight, x[0])[None]
+
+
+@row_gemv.register_fake
+def _(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((1, weight.shape[0]))
 
 
 def _what(param_name: str, shard_id) -> str:

@@ -57,7 +57,7 @@ from ember.kernels import cpu_row_top
 from ember.kernels import cpu_tiled_gemv as tiled_gemv
 from ember.kernels.cpu_kernels import CpuKernels
 from ember.layers.activation import silu_and_mul
-from ember.layers.linear import QuantMethod, new_param
+from ember.layers.linear import QuantMethod, dense_linear, new_param
 from ember.layers.moe import grouped_experts
 from ember.quant import gemm_dispatch
 from ember.quant.gguf_blocks import AFFINE_4BIT, AFFINE_8BIT, GROUP, GGUFTensor, affine_codes, dequantize, q6_k_codes
@@ -115,7 +115,7 @@ class DensePart(PackedPart):
         self.w, (self.N, self.K) = w, w.shape
 
     def linear(self, x):
-        return F.linear(x, self.w)
+        return dense_linear(x, self.w)
 
     def rows(self, ids):
         return self.w[ids].float()

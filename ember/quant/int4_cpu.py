@@ -21,8 +21,6 @@ dense GEMM takes over, as vLLM does for AWQ at >= 256 tokens.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
@@ -37,9 +35,19 @@ def _direct_pack(q: torch.Tensor, block: int) -> torch.Tensor:
     return (b[:, :, 0] | (b[:, :, 1] << 4)).reshape(N, K // 2).contiguous()
 
 
-@functools.cache
+_BLOCK_N: int | None = None  # block_n's answer, once probed
+
+
 def block_n() -> int:
-    """Rows per block of torch's packed layout on this CPU (64 or 32), probed against its converter."""
+    """Rows per block of torch's packed layout on this CPU (64 or 32), probed against its converter once
+    (the first packing does it, at load: a traced step that reads rows finds a plain int here)."""
+    global _BLOCK_N
+    if _BLOCK_N is None:
+        _BLOCK_N = _probe_block_n()
+    return _BLOCK_N
+
+
+def _probe_block_n() -> int:
     q = torch.randint(0, 16, (128, 64), generator=torch.Generator().manual_seed(0))
     ref = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
     for block in (64, 32):

@@ -116,3 +116,27 @@ def test_moe_block_matches_hf(norm_topk_prob):
     assert fused.experts.load_weight("gate_up_proj", gate_up)[1] == fused.experts.expected_shards("w13")
     fused.experts.load_weight("down_proj", down)
     assert torch.equal(fused(x), ours(x))
+
+
+def test_one_bf16_row_takes_the_gemv_eagerly_and_traced():
+    """dense_linear: one bf16 row on CPU goes through torch.mv (row_gemv when traced, so inductor does
+    not lower it to a loop of its own), the same values as F.linear within bf16 rounding, with a bias
+    too; other shapes and dtypes are F.linear's, bit for bit."""
+    from ember.layers.linear import dense_linear
+
+    torch.manual_seed(0)
+    w, b = torch.randn(37, 64, dtype=torch.bfloat16), torch.randn(37, dtype=torch.bfloat16)
+    x = torch.randn(1, 64, dtype=torch.bfloat16)
+    ref = F.linear(x.float(), w.float(), b.float())
+    torch.testing.assert_close(dense_linear(x, w, b).float(), ref, rtol=0.02, atol=0.05)
+    x3 = torch.randn(3, 64, dtype=torch.bfloat16)
+    assert torch.equal(dense_linear(x3, w), F.linear(x3, w))
+    assert torch.equal(dense_linear(x.float(), w.float()), F.linear(x.float(), w.float()))
+    graphs = []
+
+    def backend(gm, inputs):  # record the traced graph, run it as traced
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    traced = torch.compile(dense_linear, backend=backend, fullgraph=True)(x, w, b)
+    assert "ember.row_gemv" in graphs[0] and torch.equal(traced, dense_linear(x, w, b))
