@@ -335,11 +335,14 @@ class Q6KPart(PackedPart):
 
     def linear(self, x):
         if gemm_dispatch.q6k_kernel(x):
-            m = self._spread.get(x.dtype)
+            # a traced step builds it inline (inductor folds it): a dict filled lazily inside the trace
+            # would leave a guard on its contents that the real pool's check then fails
+            tracing = torch.compiler.is_compiling()
+            m = None if tracing else self._spread.get(x.dtype)
             if m is None:
-                m = self._spread[x.dtype] = (
-                    torch.tensor([1.0, 1 / 16], dtype=x.dtype).view(1, 2, 1).expand(self.K // 16, 2, 16).contiguous()
-                )
+                m = torch.tensor([1.0, 1 / 16], dtype=x.dtype).view(1, 2, 1).expand(self.K // 16, 2, 16).contiguous()
+                if not tracing:
+                    self._spread[x.dtype] = m
             # x' = [x_0:16, x_0:16 / 16, ...] in one op (dividing by 16 is exact)
             y = self.w.linear((x.reshape(*x.shape[:-1], self.K // 16, 1, 16) * m).reshape(*x.shape[:-1], 2 * self.K))
         else:  # many rows: one dense GEMM over the weight rebuilt in x's dtype

@@ -146,6 +146,17 @@ def test_q6_k_packed_round_trip():
     assert torch.equal(part16.rows(ids), part16.dequantize()[ids])
 
 
+def test_q6_k_linear_traced_leaves_no_state_behind():
+    """A traced Q6_K GEMV builds its input spread inline: filling the part's lazy cache inside the trace
+    left a guard on the cache's contents, which the real pool's check then failed (a background-compiled
+    batch-1 graph of a Q4_K_M file stayed eager). Same values traced and eager."""
+    part, _ = _q6k_part(96, 512, 5, torch.bfloat16)
+    x = torch.randn(1, 512).bfloat16()
+    traced = torch.compile(part.linear, backend=lambda gm, inputs: gm.forward, fullgraph=True)(x)
+    assert part._spread == {}  # nothing filled while tracing
+    assert torch.equal(traced, part.linear(x)) and torch.bfloat16 in part._spread  # eager fills it
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_q6_k_packed_linear_equals_dequantized_linear(dtype):
     part, ref = _q6k_part(96, 512, 4, dtype)
