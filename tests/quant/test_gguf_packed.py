@@ -335,13 +335,15 @@ def test_embedding_and_tied_head_read_the_packed_data(qtype):
     assert type(emb.quant_method.part).__name__ == {T.Q6_K: "Q6KPart", T.F16: "DensePart"}.get(
         qtype, fp32_affine_part()
     )
-    h = torch.randn(4, hidden)
+    h = torch.randn(4, hidden, generator=torch.Generator().manual_seed(1))
     logits = head(h)
     assert logits.dtype == torch.float32 and logits.shape == (4, vocab)
     assert_fp32_linear_close(logits, h, ref)
-    if not tiled_gemv.rounds_x():  # float32 h: the leading candidates are exact float32 dot products
+    if not tiled_gemv.rounds_x():  # float32 h: the leading candidates are float32 dot products
         top = logits.topk(8, dim=1).indices
-        torch.testing.assert_close(logits.gather(1, top), (h @ ref.t()).gather(1, top), rtol=0, atol=5e-6)
+        # a few ulps of another summation order (bmm vs mm), not bf16's 3 digits; seeded: an atol of
+        # 5e-6 on unseeded h failed 3 runs in 10 where the top logits reached ~40
+        torch.testing.assert_close(logits.gather(1, top), (h @ ref.t()).gather(1, top), rtol=1e-6, atol=1e-5)
 
 
 def test_untied_embedding_keeps_other_types_raw_for_lookups():
