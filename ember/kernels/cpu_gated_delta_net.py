@@ -56,9 +56,7 @@ def available() -> bool:
     return build(SOURCE, fakes=FAKES) is not None
 
 
-def applies(x: torch.Tensor) -> bool:
-    """x (the step's activations) is a case for the kernels: float32, bf16 or fp16 on CPU, kernel built."""
-    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and available()
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # of the activations and conv state the ops take
 
 
 def gated_delta_net(

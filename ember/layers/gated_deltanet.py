@@ -36,9 +36,6 @@ from ember.layers.linear import MergedColumnLinear, RowParallelLinear, copy_chec
 from ember.layers.norm import GatedRMSNorm
 from ember.layers.recurrent_state import RecurrentState
 
-# what both kernel modules take (cpu_gated_delta_net.applies, triton_gated_delta_net.DTYPES)
-FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
 
 class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype, device, quant_config=None, prefix: str = "", kernels=None):
@@ -144,9 +141,14 @@ class GatedDeltaNet(nn.Module):
     def _kernels(self, mixed: torch.Tensor, state: RecurrentState):
         """The module of fused kernels this step's tensors fit (one dtype, one the kernels take), or None
         for the torch path."""
-        if not mixed.dtype == self.conv_weight.dtype == state.conv.dtype or mixed.dtype not in FUSED_DTYPES:
+        ops = self.fused_ops.get(mixed.device.type)
+        if (
+            ops is None
+            or not mixed.dtype == self.conv_weight.dtype == state.conv.dtype
+            or mixed.dtype not in ops.DTYPES
+        ):
             return None
-        return self.fused_ops.get(mixed.device.type)
+        return ops
 
     def _decode_graph(self, ops, mixed, z, a, b, state: RecurrentState, rec) -> torch.Tensor:
         """A fixed-shape decode step (ember.engine.executor.decode_batch): one token per row, each
@@ -158,10 +160,14 @@ class GatedDeltaNet(nn.Module):
                 "the executor should have kept this model eager"
             )
         T = mixed.shape[0]
-        src, dst = rec.device_sources, rec.device_slots
-        conv_out = ops.causal_conv1d_silu(mixed, self.conv_weight, state.conv, src, dst)
-        o = ops.gated_delta_net(conv_out, a, b, self.A_log, self.dt_bias, state.ssm, src, dst)
+        o = self._fused_step(ops, mixed, a, b, state, rec.device_sources, rec.device_slots)
         return self.norm(o.view(T, self.nv, self.dv), z.view(T, self.nv, self.dv))
+
+    def _fused_step(self, ops, mixed, a, b, state: RecurrentState, src, dst) -> torch.Tensor:
+        """One token per row through the fused kernels, each row's state from slot src to slot dst
+        (in place; -1: zeros / not written) -> o [rows, nv * dv]."""
+        conv_out = ops.causal_conv1d_silu(mixed, self.conv_weight, state.conv, src, dst)
+        return ops.gated_delta_net(conv_out, a, b, self.A_log, self.dt_bias, state.ssm, src, dst)
 
     def _split(self, mixed: torch.Tensor):
         """conv output [L, C] -> q, k [L, nv, dk] (prepared, float32), v [L, nv, dv]."""
@@ -231,8 +237,7 @@ class GatedDeltaNet(nn.Module):
         if len(decodes) < mixed.shape[0]:  # prefills or verifies beside them: this step's decode rows
             rows = rec.index_tensor("decode_rows", lambda: [r for r, _, _, _ in decodes], dev)
             mixed, a, b = mixed[rows], a[rows], b[rows]
-        conv_out = ops.causal_conv1d_silu(mixed, self.conv_weight, state.conv, src, slots)
-        o = ops.gated_delta_net(conv_out, a, b, self.A_log, self.dt_bias, state.ssm, src, slots)
+        o = self._fused_step(ops, mixed, a, b, state, src, slots)
         for _, slot, _, snaps in decodes:
             for _, snap in snaps:  # after its one token: the new state
                 state.copy(slot, snap)
