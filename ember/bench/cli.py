@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ember.bench.commands import (
     compare,
+    gdn_prefill,
     hybrid,
     latency,
     matrix,
@@ -33,6 +34,7 @@ COMMANDS = [
     tp,
     compare,
     hybrid,
+    gdn_prefill,
     matrix,
     readme_table,
     restart,

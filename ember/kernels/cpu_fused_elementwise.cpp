@@ -1,5 +1,6 @@
 // The decoder's elementwise ops on bf16 rows in one pass each (CPU, AVX-512): RMSNorm with the
-// residual add folded in, SiLU(gate) * up, and the rotary embedding of q / k. Eager torch runs each as 4-6 kernels over the whole
+// residual add folded in (plain or zero-centred), Gated DeltaNet's gated output norm, SiLU(gate) * up,
+// and the rotary embedding of q / k. Eager torch runs each as 4-6 kernels over the whole
 // step, every one a trip through memory (a 2048-token prefill chunk's rows are 2.4 MB per norm
 // and 12.6 MB per gate_up output: past L2). Here a row is read once, finished in registers and
 // written once. Rounding is torch's, op for op, so outputs match the eager ops bit for bit but
@@ -55,6 +56,9 @@ inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF
 
 // One row: s = bf16(x + r) (when r), h = bf16(s * rsqrt(mean(s^2) + eps)), out = bf16(w * h) -- the
 // roundings of RMSNorm.forward (the add, the cast after torch.rms_norm in float32, the weight multiply).
+// ZC (zero-centred, Qwen3-Next / Qwen3.5): the weight is stored as w - 1 and out = bf16(s * inv * (1 + w)),
+// all in float32 before the one rounding (ZeroCenteredRMSNorm's order).
+template <bool ZC>
 void norm_row(const c10::BFloat16* x, const c10::BFloat16* r, const c10::BFloat16* w, int64_t H, float eps,
               c10::BFloat16* out, c10::BFloat16* sum_out) {
   __m512 ss = _mm512_setzero_ps();
@@ -72,8 +76,38 @@ void norm_row(const c10::BFloat16* x, const c10::BFloat16* r, const c10::BFloat1
   const c10::BFloat16* src = r != nullptr ? sum_out : x;  // the rounded sum, re-read from L1
   for (int64_t j = 0; j < H; j += 16) {
     const __mmask16 k = tail_mask(H - j);
-    const __m512 h = round_bf16(_mm512_mul_ps(load_bf16_masked(src + j, k), vinv));
-    store_bf16_masked(out + j, _mm512_mul_ps(load_bf16_masked(w + j, k), h), k);
+    const __m512 wv = load_bf16_masked(w + j, k);
+    if (ZC) {
+      const __m512 h = _mm512_mul_ps(load_bf16_masked(src + j, k), vinv);
+      store_bf16_masked(out + j, _mm512_mul_ps(h, _mm512_add_ps(_mm512_set1_ps(1.f), wv)), k);
+    } else {
+      const __m512 h = round_bf16(_mm512_mul_ps(load_bf16_masked(src + j, k), vinv));
+      store_bf16_masked(out + j, _mm512_mul_ps(wv, h), k);
+    }
+  }
+}
+
+// silu(z) = z / (1 + exp(-z)) in float32
+inline __m512 silu_ps(__m512 z) {
+  return _mm512_div_ps(z, _mm512_add_ps(_mm512_set1_ps(1.f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), z))));
+}
+
+// One head of the Gated DeltaNet output norm: out = bf16(bf16(w * bf16(o * inv)) * silu(z)), silu in
+// float32 -- GatedRMSNorm.forward's roundings (the cast after torch.rms_norm, the bf16 weight multiply,
+// the float32 gate).
+void gated_norm_head(const c10::BFloat16* o, const c10::BFloat16* z, const c10::BFloat16* w, int64_t D, float eps,
+                     c10::BFloat16* out) {
+  __m512 ss = _mm512_setzero_ps();
+  for (int64_t j = 0; j < D; j += 16) {
+    const __m512 v = load_bf16_masked(o + j, tail_mask(D - j));
+    ss = _mm512_fmadd_ps(v, v, ss);
+  }
+  const __m512 vinv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / (float)D + eps));
+  for (int64_t j = 0; j < D; j += 16) {
+    const __mmask16 k = tail_mask(D - j);
+    const __m512 h = round_bf16(_mm512_mul_ps(load_bf16_masked(o + j, k), vinv));
+    const __m512 wh = round_bf16(_mm512_mul_ps(load_bf16_masked(w + j, k), h));
+    store_bf16_masked(out + j, _mm512_mul_ps(wh, silu_ps(load_bf16_masked(z + j, k))), k);
   }
 }
 
@@ -81,8 +115,9 @@ void norm_row(const c10::BFloat16* x, const c10::BFloat16* r, const c10::BFloat1
 
 // x [T, H] bf16 (rows contiguous), residual [T, H] bf16 or undefined, weight [H] bf16 ->
 // (norm [T, H], x + residual [T, H]; the second is empty without a residual).
+// zero_centered: the weight is w - 1 (see norm_row).
 std::tuple<at::Tensor, at::Tensor> rms_norm_bf16(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
-                                                 const at::Tensor& weight, double eps) {
+                                                 const at::Tensor& weight, double eps, bool zero_centered) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "bf16 tensors only");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.is_contiguous() && weight.size(0) == x.size(1), "x [T, H] rows contiguous, weight [H]");
   const bool has_res = residual.has_value() && residual->defined();
@@ -100,10 +135,40 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bf16(const at::Tensor& x, const c10:
   auto* op = out.data_ptr<c10::BFloat16>();
   auto* sp = has_res ? sum.data_ptr<c10::BFloat16>() : nullptr;
   at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t)
-      norm_row(xp + t * xs, rp ? rp + t * H : nullptr, wp, H, (float)eps, op + t * H, sp ? sp + t * H : nullptr);
+    for (int64_t t = b; t < e; ++t) {
+      const c10::BFloat16* rt = rp ? rp + t * H : nullptr;
+      c10::BFloat16* st = sp ? sp + t * H : nullptr;
+      if (zero_centered)
+        norm_row<true>(xp + t * xs, rt, wp, H, (float)eps, op + t * H, st);
+      else
+        norm_row<false>(xp + t * xs, rt, wp, H, (float)eps, op + t * H, st);
+    }
   });
   return {out, sum};
+}
+
+// o [T, H, D] bf16 (rows contiguous), z [T, H, D] bf16 (each row's heads contiguous, any row stride: a
+// view of the qkvz projection), weight [D] bf16 -> [T, H * D] bf16, each head normed on its own.
+at::Tensor gated_rms_norm_bf16(const at::Tensor& o, const at::Tensor& z, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(o.scalar_type() == at::kBFloat16 && z.scalar_type() == at::kBFloat16 &&
+                  weight.scalar_type() == at::kBFloat16,
+              "bf16 tensors only");
+  TORCH_CHECK(o.dim() == 3 && o.is_contiguous() && z.sizes() == o.sizes(), "o [T, H, D] contiguous, z the same shape");
+  const int64_t T = o.size(0), H = o.size(1), D = o.size(2);
+  TORCH_CHECK(z.stride(2) == 1 && z.stride(1) == D, "z's heads must be contiguous within a row");
+  TORCH_CHECK(weight.is_contiguous() && weight.size(0) == D, "weight [D]");
+  auto out = at::empty({T, H * D}, o.options());
+  const auto* opp = o.data_ptr<c10::BFloat16>();
+  const auto* zp = z.data_ptr<c10::BFloat16>();
+  const auto* wp = weight.data_ptr<c10::BFloat16>();
+  auto* outp = out.data_ptr<c10::BFloat16>();
+  const int64_t zs = z.stride(0);
+  at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t)
+      for (int64_t h = 0; h < H; ++h)
+        gated_norm_head(opp + (t * H + h) * D, zp + t * zs + h * D, wp, D, (float)eps, outp + (t * H + h) * D);
+  });
+  return out;
 }
 
 // x [T, 2I] bf16 (gate | up, rows contiguous) -> bf16(bf16(silu(gate)) * up) [T, I]: the roundings of
@@ -167,13 +232,15 @@ at::Tensor rotary_bf16(const at::Tensor& x, const at::Tensor& cos, const at::Ten
 }
 
 TORCH_LIBRARY_FRAGMENT(ember_cpu, m) {
-  m.def("rms_norm_bf16(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("rms_norm_bf16(Tensor x, Tensor? residual, Tensor weight, float eps, bool zero_centered) -> (Tensor, Tensor)");
+  m.def("gated_rms_norm_bf16(Tensor o, Tensor z, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul_bf16(Tensor x) -> Tensor");
   m.def("rotary_bf16(Tensor x, Tensor cos, Tensor sin) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ember_cpu, CPU, m) {
   m.impl("rms_norm_bf16", &rms_norm_bf16);
+  m.impl("gated_rms_norm_bf16", &gated_rms_norm_bf16);
   m.impl("silu_and_mul_bf16", &silu_and_mul_bf16);
   m.impl("rotary_bf16", &rotary_bf16);
 }

@@ -1,5 +1,5 @@
-"""RMSNorm (+ residual add), SiLU(gate) * up and the rotary embedding on bf16 CPU rows, one pass
-each (cpu_fused_elementwise.cpp).
+"""RMSNorm (+ residual add; plain or zero-centred), Gated DeltaNet's gated output norm, SiLU(gate) * up
+and the rotary embedding on bf16 CPU rows, one pass each (cpu_fused_elementwise.cpp).
 
 Why: eager torch runs RMSNorm with its residual add as six kernels (add, float, rms_norm's
 pow / mean / mul, cast, weight mul) and silu_and_mul as two over strided halves, each a trip
@@ -25,12 +25,13 @@ import torch
 from ember.kernels.cpp_build import build
 
 
-def _fake_norm(x, residual, weight, eps):
+def _fake_norm(x, residual, weight, eps, zero_centered):
     return torch.empty_like(x), (torch.empty_like(x) if residual is not None else x.new_empty((0,)))
 
 
 FAKES = {
     "ember_cpu::rms_norm_bf16": _fake_norm,
+    "ember_cpu::gated_rms_norm_bf16": lambda o, z, weight, eps: o.new_empty((o.shape[0], o.shape[1] * o.shape[2])),
     "ember_cpu::silu_and_mul_bf16": lambda x: x.new_empty((x.shape[0], x.shape[1] // 2)),
     "ember_cpu::rotary_bf16": lambda x, cos, sin: x.new_empty(x.shape),
 }
@@ -53,11 +54,36 @@ def applies(x: torch.Tensor) -> bool:
     )
 
 
-def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+def rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, zero_centered: bool = False
+):
     """norm(x) when residual is None; else (norm(x + residual), x + residual). Call where applies(x),
-    with a bf16 weight (the op checks it)."""
-    out, total = torch.ops.ember_cpu.rms_norm_bf16(x, residual, weight, eps)
+    with a bf16 weight (the op checks it). zero_centered: the weight is stored as w - 1, and multiplies
+    as (1 + w) in float32 before the one rounding (Qwen3-Next / Qwen3.5's norm)."""
+    out, total = torch.ops.ember_cpu.rms_norm_bf16(x, residual, weight, eps, zero_centered)
     return out if residual is None else (out, total)
+
+
+def applies_gated(o: torch.Tensor, z: torch.Tensor) -> bool:
+    """o [T, H, D] contiguous and z [T, H, D] with each row's heads contiguous (a view of the qkvz
+    projection), both bf16 on CPU, outside torch.compile, kernel built."""
+    return (
+        o.dtype == z.dtype == torch.bfloat16
+        and o.device.type == "cpu"
+        and o.dim() == 3
+        and o.is_contiguous()
+        and z.shape == o.shape
+        and z.stride(2) == 1
+        and z.stride(1) == o.shape[2]
+        and not torch.compiler.is_compiling()
+        and available()
+    )
+
+
+def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gated DeltaNet's output norm per head, bf16(bf16(w * bf16(rms(o))) * silu(z)) -> [T, H * D].
+    Call where applies_gated(o, z), with a bf16 weight [D]."""
+    return torch.ops.ember_cpu.gated_rms_norm_bf16(o, z, weight, eps)
 
 
 def applies_rotary(x: torch.Tensor, cos: torch.Tensor) -> bool:

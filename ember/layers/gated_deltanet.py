@@ -9,14 +9,13 @@ load_weight undoes the interleave. b and a stay separate from qkvz so that a qua
 can keep them dense (hybrid.md, pitfall 5).
 
 A step's sequences take one of three paths: decodes (one token) together, one recurrent step
-for all of them; prefill chunks one at a time through the chunked form; verifies (a decode with
-drafts) token by token, keeping every token's state for the runner to commit. Decodes and
-verifies run in two fused ops (conv + SiLU, then the gated delta rule in place in the slot): C++ on
-CPU (ember/kernels/cpu_gated_delta_net.py, unless CpuKernels turned them off), Triton on a GPU
-(ember/kernels/triton_gated_delta_net.py, one interface). On a GPU a prefill chunk takes them too:
-the conv in one launch, the recurrence through fla-core's chunked kernels where fla is installed
-(ember/kernels/triton_chunked_delta_rule.py), else token by token in the Triton kernel. The torch
-path below is their reference and the fallback.
+for all of them; prefill chunks one at a time; verifies (a decode with drafts) token by token,
+keeping every token's state for the runner to commit. All three run in two fused ops (conv + SiLU,
+then the gated delta rule in place in the slot): C++ on CPU (ember/kernels/cpu_gated_delta_net.py,
+unless CpuKernels turned them off), Triton on a GPU (ember/kernels/triton_gated_delta_net.py, one
+interface). A prefill's recurrence runs token by token in them, except on a GPU with fla-core
+installed, whose chunked kernels take it (ember/kernels/triton_chunked_delta_rule.py). The torch
+path below (the chunked form for prefills) is their reference and the fallback.
 """
 
 from __future__ import annotations
@@ -89,7 +88,7 @@ class GatedDeltaNet(nn.Module):
         )
         self.A_log = nn.Parameter(torch.empty(self.nv, dtype=dtype, device=device), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(self.nv, dtype=dtype, device=device), requires_grad=False)
-        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps, dtype, device)
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps, dtype, device, kernels=kernels)
         self.out_proj = RowParallelLinear(
             value_dim, cfg.hidden_size, dtype=dtype, device=device, quant_method=method("out_proj")
         )
@@ -109,9 +108,7 @@ class GatedDeltaNet(nn.Module):
         ops = self._kernels(mixed, state)
         if meta.fixed_shape:  # a compiled or captured decode step: its index tensors, no per-sequence work
             return self.out_proj(self._decode_graph(ops, mixed, z, a, b, state, meta.recurrent).flatten(1))
-        # (g, beta) for the torch paths: every sequence's without kernels; prefills' beside the CPU's
-        torch_prefill = ops is cpu_gated_delta_net and not meta.is_pure_decode
-        gates = self._gates(a, b) if ops is None or torch_prefill else None
+        gates = self._gates(a, b) if ops is None else None  # (g, beta) for the torch path
         out = torch.empty(T, self.nv, self.dv, dtype=x.dtype, device=x.device)
         rec = meta.recurrent
         decodes, s = [], 0
@@ -121,7 +118,7 @@ class GatedDeltaNet(nn.Module):
                 decodes.append((s, slot, has, snaps))
             elif n and ops and d > 0:
                 out[rows] = self._verify_fused(ops, mixed[rows], a[rows], b[rows], state, slot, has, snaps)
-            elif n and ops and ops is not cpu_gated_delta_net:
+            elif n and ops:
                 out[rows] = self._prefill_fused(ops, mixed[rows], a[rows], b[rows], state, slot, has, snaps)
             elif n:
                 g, beta = gates[0][rows], gates[1][rows]
@@ -260,19 +257,22 @@ class GatedDeltaNet(nn.Module):
         return o.view(L, self.nv, self.dv)
 
     def _prefill_fused(self, ops, mixed, a, b, state: RecurrentState, slot: int, has: bool, snapshots) -> torch.Tensor:
-        """A prefill chunk in the Triton kernels (a GPU): the conv in one launch, then the recurrence
-        piece by piece between the snapshots, each piece starting from the slot the last one wrote
-        (the snapshot's), so nothing is gathered or copied and the last piece ends in the slot."""
+        """A prefill chunk in the fused kernels (one sequence of L tokens): the conv in one call, then
+        the recurrence piece by piece between the snapshots, each piece starting from the slot the last
+        one wrote (the snapshot's), so nothing is gathered or copied and the last piece ends in the slot.
+        On CPU the recurrence runs token by token in the C++ op: at 512 and 2,000 tokens it beats the
+        torch chunked form by 2x (`ember bench gdn-prefill`, docs/tuning.md)."""
         L, K, dev = mixed.shape[0], self.kernel, mixed.device
         one = lambda i: torch.tensor([i], dtype=torch.int64, device=dev)  # noqa: E731
-        if snapshots:  # their conv windows, from the slot's before the conv below overwrites it
+        if snapshots:  # their conv windows (the K - 1 inputs before t), before the conv below overwrites the slot's
             conv0 = state.conv[slot] if has else state.conv.new_zeros(state.conv.shape[1:])
-            window = torch.cat([conv0, mixed.t()], dim=1)
             for t, snap in snapshots:
-                state.conv[snap] = window[:, t : t + K - 1]
-        cu = torch.tensor([0, L], dtype=torch.int32, device=dev)
+                if t >= K - 1:
+                    state.conv[snap] = mixed[t - K + 1 : t].t()
+                else:  # reaches back into the slot's window: its columns t.. are the inputs before 0
+                    state.conv[snap] = torch.cat([conv0[:, t:], mixed[:t].t()], dim=1)
         prev = slot if has else -1
-        conv_out = ops.causal_conv1d_silu_varlen(mixed, self.conv_weight, state.conv, cu, one(prev), one(slot))
+        conv_out = ops.causal_conv1d_silu(mixed, self.conv_weight, state.conv, one(prev), one(slot))
         outs, t0 = [], 0
         for t, snap in [*snapshots, (L, slot)]:
             if t > t0:
@@ -288,10 +288,10 @@ class GatedDeltaNet(nn.Module):
         return torch.cat(outs).view(L, self.nv, self.dv)
 
     def _recurrence_piece(self, ops, conv_out, a, b, state: RecurrentState, src, dst) -> torch.Tensor:
-        """One sequence's rows from the state in slot src to slot dst -> o [L, nv * dv]: fla-core's
-        chunked kernels where installed, else the Triton kernel token by token."""
+        """One sequence's rows from the state in slot src to slot dst -> o [L, nv * dv]: on a GPU
+        fla-core's chunked kernels where installed, else the fused kernel token by token."""
         L, dev = conv_out.shape[0], conv_out.device
-        if triton_chunked_delta_rule.available():
+        if dev.type == "cuda" and triton_chunked_delta_rule.available():
             key_dim = self.nk * self.dk
             q, k, v = conv_out.split([key_dim, key_dim, self.nv * self.dv], dim=-1)
             g, beta = self._gates(a, b)
@@ -309,8 +309,7 @@ class GatedDeltaNet(nn.Module):
                 cu_seqlens_cpu=torch.tensor([0, L]),
             )
             return o.reshape(L, -1)
-        cu = torch.tensor([0, L], dtype=torch.int32, device=dev)
-        return ops.gated_delta_net_varlen(conv_out, a, b, self.A_log, self.dt_bias, state.ssm, cu, src, dst)
+        return ops.gated_delta_net(conv_out, a, b, self.A_log, self.dt_bias, state.ssm, src, dst)
 
     # ---- weights -------------------------------------------------------------------------
 

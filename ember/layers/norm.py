@@ -55,10 +55,12 @@ class ZeroCenteredRMSNorm(nn.Module):
         eps: float = 1e-6,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        kernels: CpuKernels | None = None,
     ):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device), requires_grad=False)
+        self.fused = (kernels or CpuKernels()).fused_elementwise  # as RMSNorm's
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
@@ -66,6 +68,13 @@ class ZeroCenteredRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x) when residual is None; else (norm(x + residual), x + residual)."""
+        if (
+            self.fused
+            and fused.applies(x)
+            and self.weight.dtype == torch.bfloat16
+            and (residual is None or residual.dtype == x.dtype)
+        ):
+            return fused.rms_norm(x, residual, self.weight, self.eps, zero_centered=True)
         if residual is None:
             return self._norm(x)
         x = x + residual
@@ -82,11 +91,16 @@ class GatedRMSNorm(nn.Module):
         eps: float = 1e-6,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        kernels: CpuKernels | None = None,
     ):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
+        self.fused = (kernels or CpuKernels()).fused_elementwise  # as RMSNorm's
 
     def forward(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """o, z [T, H, D] -> [T, H, D]."""
+        if self.fused and self.weight.dtype == torch.bfloat16 and fused.applies_gated(o, z):
+            return fused.gated_rms_norm(o, z, self.weight, self.eps).view(o.shape)  # one pass, the same roundings
         h = torch.rms_norm(o.float(), (o.shape[-1],), eps=self.eps).to(o.dtype)
         return (self.weight * h * torch.nn.functional.silu(z.float())).to(o.dtype)

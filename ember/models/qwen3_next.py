@@ -148,8 +148,8 @@ class HybridDecoderLayer(nn.Module):
                 prefix=f"{prefix}.mlp",
                 kernels=kernels,
             )
-        self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        norm = lambda: ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, kernels)  # noqa: E731
+        self.input_layernorm, self.post_attention_layernorm = norm(), norm()
 
     def forward(self, h, residual, cos_sin, cache, meta, select: RowSelection | None = None):
         """select (an attention layer that is the last): keep only these rows after attention."""
@@ -181,7 +181,7 @@ class HybridModel(nn.Module):
             HybridDecoderLayer(cfg, i, dtype, device, attn_backend, quant_config, kernels)
             for i in range(cfg.num_layers)
         )
-        self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, kernels)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings, device)
 
     def forward(self, input_ids, positions, caches, meta: AttentionMetadata, select: RowSelection | None = None):

@@ -13,16 +13,17 @@ from ember.kernels import cpu_fused_elementwise as fused
 from ember.kernels.cpp_build import has_cpu_flags
 from ember.kernels.cpu_kernels import CpuKernels
 from ember.layers import activation
-from ember.layers.norm import RMSNorm
+from ember.layers.norm import GatedRMSNorm, RMSNorm, ZeroCenteredRMSNorm
 
 # This project's machines (and CI's) are Zen4 with AVX-512; elsewhere the torch ops run.
 pytestmark = pytest.mark.skipif(not has_cpu_flags("avx512f", "avx512bw"), reason="the fused kernels need AVX-512")
 
 
-def assert_bf16_equal_but_rare_ulps(got: torch.Tensor, want: torch.Tensor, max_share: float = 0.01):
+def assert_bf16_equal_but_rare_ulps(got: torch.Tensor, want: torch.Tensor, max_share: float = 0.01, atol: float = 0.0):
     assert got.shape == want.shape and got.dtype == want.dtype == torch.bfloat16
     g, w = got.float(), want.float()
     ulp = torch.exp2(torch.floor(torch.log2(w.abs().clamp_min(2.0**-126))) - 7)  # bf16 keeps 8 significant bits
+    ulp = ulp.clamp_min(atol)
     assert bool(((g - w).abs() <= ulp).all()), "a difference of more than one bf16 ulp"
     assert (got != want).float().mean().item() <= max_share
 
@@ -46,6 +47,47 @@ def test_rms_norm_with_and_without_residual_equals_torch_bitwise(T, H, stride_pa
     assert torch.equal(got_sum, want_sum)  # the residual add rounds once either way: exact
     assert_bf16_equal_but_rare_ulps(got_out, want_out)
     assert_bf16_equal_but_rare_ulps(norm(x), ref(x))
+
+
+@pytest.mark.parametrize("T,H", [(1, 1024), (300, 100), (33, 1)])
+@pytest.mark.parametrize("stride_pad", [0, 24])
+def test_zero_centered_rms_norm_equals_torch(T, H, stride_pad):
+    """Qwen3-Next / Qwen3.5's norm: the weight stored as w - 1, multiplied as (1 + w) in float32."""
+    norm = ZeroCenteredRMSNorm(H, 1e-6, torch.bfloat16)
+    ref = ZeroCenteredRMSNorm(H, 1e-6, torch.bfloat16, kernels=CpuKernels.none())
+    norm.weight.data = ref.weight.data = rows(1, H, 9, 0.5)[0].contiguous()
+    x, r = rows(T, H, 1, 3.0, stride_pad), rows(T, H, 2).contiguous()
+    calls = []
+    real = fused.rms_norm
+    try:
+        fused.rms_norm = lambda *a, **k: calls.append(k) or real(*a, **k)
+        got_out, got_sum = norm(x, r)
+        got_plain = norm(x)
+    finally:
+        fused.rms_norm = real
+    assert calls == [{"zero_centered": True}] * 2
+    want_out, want_sum = ref(x, r)
+    assert torch.equal(got_sum, want_sum)
+    assert_bf16_equal_but_rare_ulps(got_out, want_out)
+    assert_bf16_equal_but_rare_ulps(got_plain, ref(x))
+
+
+@pytest.mark.parametrize("T,H,D", [(1, 16, 128), (37, 4, 10), (300, 2, 24)])
+def test_gated_rms_norm_equals_torch(T, H, D):
+    """Gated DeltaNet's output norm per head, with z a strided view of the qkvz projection (as the
+    layer has it) and gates large enough that exp overflows on both sides."""
+    norm = GatedRMSNorm(D, 1e-6, torch.bfloat16)
+    ref = GatedRMSNorm(D, 1e-6, torch.bfloat16, kernels=CpuKernels.none())
+    norm.weight.data = ref.weight.data = rows(1, D, 9, 1.0)[0].contiguous()
+    o = rows(T, H * D, 1, 3.0).contiguous().view(T, H, D)
+    z = rows(T, H * D, 2, 30.0, stride_pad=40).view(T, H, D)  # rows of a wider projection
+    z[0, 0, :2] = torch.tensor([120.0, -120.0])
+    assert fused.applies_gated(o, z) and (T == 1 or z.stride(0) == H * D + 40)
+    got, want = norm(o, z), ref(o, z)
+    assert got.shape == (T, H, D)
+    # a gate below -87 gives silu(z) under 1e-36, where the kernel's exp clamps its argument (exp_ps)
+    assert_bf16_equal_but_rare_ulps(got, want, atol=1e-36)
+    assert not fused.applies_gated(o.float(), z.float()) and not fused.applies_gated(o.transpose(0, 1), z)
 
 
 @pytest.mark.parametrize("T,I", [(1, 1536), (5, 20), (64, 48)])

@@ -227,7 +227,8 @@ def step(query_lens, slots, has, drafts, snapshots):
 def test_the_layer_takes_the_kernels_and_matches_its_torch_path(dtype, tiny_hybrid_dir, monkeypatch):
     """GatedDeltaNet with the kernels (the default) against CpuKernels.none(), same weights and states:
     a step mixing decodes (one of them a new sequence, one with a snapshot), verifies (with a
-    snapshot) and a prefill, the commit after it, then a step of decodes only. Tiny Qwen3.5 heads
+    snapshot) and a prefill (a new sequence, with snapshots inside: one whose conv window reaches
+    into the slot's, one past it), the commit after it, then a step of decodes only. Tiny Qwen3.5 heads
     (2 key, 4 value, dk 12, dv 10)."""
     cfg = ModelConfig.from_folder(tiny_hybrid_dir("qwen3_5"))
     torch.manual_seed(0)
@@ -236,10 +237,10 @@ def test_the_layer_takes_the_kernels_and_matches_its_torch_path(dtype, tiny_hybr
         for p in fused.parameters():
             p.copy_(torch.randn_like(p) * 0.3)
     ref.load_state_dict(fused.state_dict())
-    states = fused.make_state(8, "cpu")
+    states = fused.make_state(9, "cpu")
     states.conv.normal_()
     states.ssm.normal_()
-    ref_states = ref.make_state(8, "cpu")
+    ref_states = ref.make_state(9, "cpu")
     ref_states.conv.copy_(states.conv)
     ref_states.ssm.copy_(states.ssm)
     calls, op = [], gdn.gated_delta_net
@@ -251,7 +252,7 @@ def test_the_layer_takes_the_kernels_and_matches_its_torch_path(dtype, tiny_hybr
     monkeypatch.setattr(gdn, "gated_delta_net", counted)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.03, atol=0.03)
     mixed = step([1, 4, 5, 1, 2], [3, 1, 5, 0, 2], [True, True, False, False, True], [0, 3, 0, 0, 1],
-                 [[], [], [], [(1, 6)], [(1, 7)]])  # fmt: skip
+                 [[], [], [(2, 4), (4, 8)], [(1, 6)], [(1, 7)]])  # fmt: skip
     decodes = step([1] * 5, [1, 2, 3, 0, 5], [True] * 5, [0] * 5, [[]] * 5)
     for meta, accepted in [(mixed, {1: 2, 2: 0}), (decodes, None)]:
         x = torch.randn(sum(meta.query_lens_cpu), cfg.hidden_size).to(dtype)
@@ -262,7 +263,8 @@ def test_the_layer_takes_the_kernels_and_matches_its_torch_path(dtype, tiny_hybr
             ref_states.commit(accepted)
         torch.testing.assert_close(states.ssm, ref_states.ssm, **tol)
         torch.testing.assert_close(states.conv.float(), ref_states.conv.float(), **tol)
-    assert calls == [True, True, False, False]  # the two verifies and the decodes, then the decodes
+    # a verify, the prefill's three pieces (cut at its snapshots), the other verify, the decodes; then the decodes
+    assert calls == [True, False, False, False, True, False, False]
 
 
 @pytest.mark.slow
