@@ -58,7 +58,8 @@ _GLOBAL_NAMES = {
 # Tensors that are not parameters of the HF model; the config carries what they encode.
 _SKIPPED = {"rope_freqs.weight"}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-_HYBRID_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+?)(?:\.(weight|bias))?")  # ssm_a has no suffix
+# ssm_a has no suffix; an MTP layer's own tensors are blk.N.nextn.*
+_HYBRID_BLOCK_RE = re.compile(r"blk\.(\d+)\.((?:nextn\.)?\w+?)(?:\.(weight|bias))?")
 _EXPERTS_RE = re.compile(r"ffn_(gate|up|down)_exps")
 
 # tokenizer.ggml.token_type values
@@ -280,14 +281,16 @@ class GGUFCheckpoint:
 
     # ---- weights --------------------------------------------------------------------------
 
-    def iter_weights(self, packed: bool = False) -> Iterator[tuple[str, torch.Tensor | GGUFTensor]]:
+    def iter_weights(self, packed: bool = False, mtp: bool = False) -> Iterator[tuple[str, torch.Tensor | GGUFTensor]]:
         """(HF name, tensor in [out, in] layout) for every parameter, in file order.
 
         Tensors are float32, except with `packed`: then quantized weights (2-D and per-expert
         slices) are GGUFTensor raw blocks, which the gguf QuantMethods keep or repack.
         1-D tensors (norms, biases) are always float32. Names are all resolved before the
-        first tensor is read, so an unknown tensor fails fast rather than halfway through a load."""
-        plan = [(t, self._hf_name(t.name)) for t in self._reader.tensors]
+        first tensor is read, so an unknown tensor fails fast rather than halfway through a load.
+        mtp: the hybrid's MTP layer(s) instead (the converter's blk.N.nextn.* and blocks past
+        num_hidden_layers), under the HF checkpoint's mtp.* names (gguf_hybrid.NEXTN_NAMES)."""
+        plan = [(t, self._mtp_name(t.name) if mtp else self._hf_name(t.name)) for t in self._reader.tensors]
         unknown = [t.name for t, name in plan if name is False]
         if unknown:
             raise UnsupportedModelError(
@@ -323,12 +326,16 @@ class GGUFCheckpoint:
             return None
         if gguf_name in _GLOBAL_NAMES:
             return _GLOBAL_NAMES[gguf_name]
-        if (
-            self._untangler is not None
-            and (h := _HYBRID_BLOCK_RE.fullmatch(gguf_name)) is not None
-            and _EXPERTS_RE.fullmatch(h[2]) is None
-        ):
-            return self._untangler.hf_name(int(h[1]), h[2], h[3])
+        if self._untangler is not None and (h := _HYBRID_BLOCK_RE.fullmatch(gguf_name)) is not None:
+            if self._untangler.is_mtp_layer(int(h[1])):
+                return None  # read by iter_weights(mtp=True) when MTP speculation asks for it
+            return self._block_hf_name(gguf_name, int(h[1]), h[2], h[3])
+        return self._block_hf_name(gguf_name)
+
+    def _block_hf_name(self, gguf_name: str, layer=None, part=None, kind=None) -> str | None | bool:
+        """A block tensor's name under model.layers.{layer} (hybrids: layer, part, kind from _HYBRID_BLOCK_RE)."""
+        if layer is not None and _EXPERTS_RE.fullmatch(part) is None:
+            return self._untangler.hf_name(layer, part, kind)
         m = _BLOCK_RE.fullmatch(gguf_name)
         if m is None:
             return False
@@ -338,6 +345,26 @@ class GGUFCheckpoint:
         if part not in _BLOCK_NAMES:
             return False
         return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+
+    def _mtp_name(self, gguf_name: str) -> str | None | bool:
+        """An MTP layer's tensor under the HF checkpoint's name (mtp.fc, mtp.layers.{j}.*), None for the rest."""
+        h = _HYBRID_BLOCK_RE.fullmatch(gguf_name) if self._untangler is not None else None
+        if h is None or not self._untangler.is_mtp_layer(int(h[1])):
+            return None
+        layer, part, kind = int(h[1]), h[2], h[3]
+        if part.startswith("nextn."):
+            return self._untangler.nextn_name(layer, part, kind)
+        name = self._block_hf_name(gguf_name, layer, part, kind)
+        return name and name.replace(f"model.layers.{layer}.", self._untangler.mtp_prefix(layer), 1)
+
+    def mtp_tensor_names(self) -> list[str]:
+        """The HF names iter_weights(mtp=True) gives (experts as one name with {e}), read from the header only."""
+        return [name for t in self._reader.tensors if (name := self._mtp_name(t.name))]
+
+    @property
+    def num_mtp_layers(self) -> int:
+        """MTP layers the file carries (a hybrid converted without --no-mtp): nextn_predict_layers."""
+        return int(self.config.get("mtp_num_hidden_layers", 0))
 
     @property
     def tensor_names(self) -> list[str]:

@@ -17,19 +17,20 @@ What the converter does (llama.cpp conversion/qwen.py, 0.3.36) and how it is und
   a quantized ssm_out stays packed in the file's column order and its input is permuted instead
   (GGUFTensor.with_input_order: out_proj reads the value heads in the file's tiled order);
 - experts are stacked (ffn_{gate,up,down}_exps), the shared expert is ffn_*_shexp with its gate
-  ffn_gate_inp_shexp; MTP layers (nextn, past num_hidden_layers) are not loaded from GGUF.
+  ffn_gate_inp_shexp;
+- the MTP layer (unless converted with --no-mtp): block_count grows by nextn_predict_layers, mtp.layers.{j}.*
+  becomes block num_hidden_layers + j (an ordinary full-attention block), and the shared mtp.fc,
+  mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden and mtp.norm become blk.{num_hidden_layers}.nextn.eh_proj,
+  .enorm, .hnorm and .shared_head_norm, their norms 1 + w like the others. The main model skips these blocks;
+  MTP speculation reads them back under their HF names (GGUFCheckpoint.iter_weights(mtp=True)).
 """
 
 from __future__ import annotations
-
-import logging
 
 import numpy as np
 import torch
 
 from ember.errors import ModelLoadError
-
-log = logging.getLogger(__name__)
 
 # Beyond the names every GGUF architecture shares (ember.loader.gguf's block table)
 BLOCK_NAMES = {
@@ -49,7 +50,22 @@ BLOCK_NAMES = {
 }
 # 1-D tensors that are not "<name>.weight" / ".bias" in the file
 BARE_NAMES = {"ssm_a": "linear_attn.A_log", "ssm_dt": "linear_attn.dt_bias"}
-ZERO_CENTRED = ("attn_norm", "post_attention_norm", "attn_q_norm", "attn_k_norm")
+# the MTP layer's own tensors -> its HF names (the converter's remapper in conversion/qwen.py, reversed)
+NEXTN_NAMES = {
+    "nextn.eh_proj": "mtp.fc",
+    "nextn.enorm": "mtp.pre_fc_norm_embedding",
+    "nextn.hnorm": "mtp.pre_fc_norm_hidden",
+    "nextn.shared_head_norm": "mtp.norm",
+}
+ZERO_CENTRED = (
+    "attn_norm",
+    "post_attention_norm",
+    "attn_q_norm",
+    "attn_k_norm",
+    "nextn.enorm",
+    "nextn.hnorm",
+    "nextn.shared_head_norm",
+)
 
 
 def hybrid_config(ckpt, cfg: dict) -> dict:
@@ -91,10 +107,8 @@ def hybrid_config(ckpt, cfg: dict) -> dict:
             decoder_sparse_step=1,
             mlp_only_layers=[],
         )
-    if nextn:
-        log.info(
-            "%s: %d MTP layer(s) in the file are not loaded (ember reads MTP weights from HF folders)", ckpt.path, nextn
-        )
+    if nextn:  # what the HF config calls it: the planner sizes the MTP's KV by it, MTP speculation reads it
+        cfg["mtp_num_hidden_layers"] = nextn
     return cfg
 
 
@@ -110,9 +124,20 @@ class Untangler:
         self.dk, self.dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
         self.tiled = ckpt.architecture in ("qwen35", "qwen35moe") and self.nk != self.nv
 
+    def is_mtp_layer(self, layer: int) -> bool:
+        return layer >= self.num_layers
+
+    def mtp_prefix(self, layer: int) -> str:
+        return f"mtp.layers.{layer - self.num_layers}."
+
+    def nextn_name(self, layer: int, part: str, kind: str | None) -> str | bool:
+        """HF name of an MTP layer's own tensor; False for one Qwen's MTP has not (a dedicated embedding or
+        head), or one past the first MTP block (the converter puts the shared ones there)."""
+        if part not in NEXTN_NAMES or kind is None or layer != self.num_layers:
+            return False
+        return f"{NEXTN_NAMES[part]}.{kind}"
+
     def hf_name(self, layer: int, part: str, kind: str | None) -> str | None | bool:
-        if layer >= self.num_layers:
-            return None  # an MTP layer
         if part in BARE_NAMES and kind is None or part == "ssm_dt" and kind == "bias":
             return f"model.layers.{layer}.{BARE_NAMES[part]}"
         if part in self.names and kind is not None:

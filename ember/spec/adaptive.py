@@ -17,8 +17,12 @@ E[N] / (1 + cost(k)) over 1..k_max.
   own cost per draft.
 
 When no k >= 1 beats a plain decode step (E[N] / (1 + cost(k)) < 1), the request stops drafting
-(k = 0) and probes with one draft every PROBE_EVERY steps, so it comes back when its text turns
-predictable again. `--no-adaptive-spec` pins k = k_max.
+(k = 0) and probes with one draft after PROBE_EVERY steps, so it comes back when its text turns
+predictable again. Each probe that is rejected doubles the wait before the next one, up to
+MAX_PROBE_EVERY; an accepted one brings it back to PROBE_EVERY. A probe costs a verify row plus a draft
+(with an MTP head, its LM head: a third of a small model's decode step), so a drafter that is never
+right (a random MTP head) must cost next to nothing: one probe every 8 steps did not.
+`--no-adaptive-spec` pins k = k_max.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ PRIOR_ALPHA, PRIOR_TRIALS = 0.8, 2.0  # a new request starts hopeful, and one st
 # i.i.d. (depth 1) with the weight of PRIOR_DEPTH_TRIALS trials, so deep drafts get tried and learned.
 DEPTH_DECAY, PRIOR_DEPTH_TRIALS = 0.995, 4.0
 MAX_DEPTH_FACTOR = 1.5  # deeper drafts can be likelier than the first (a predictable stretch), within reason
-PROBE_EVERY = 8  # steps without drafts between two one-draft probes of a request that stopped drafting
+PROBE_EVERY = 8  # steps without drafts before the first one-draft probe of a request that stopped drafting
+MAX_PROBE_EVERY = 64  # rejected probes double the wait up to this: then a probe is ~1% of the steps
 
 
 def expected_tokens(alpha: float, k: int, depth: list[float] | None = None) -> float:
@@ -69,6 +74,7 @@ class SpecState:
     accepted: float = PRIOR_ALPHA * PRIOR_TRIALS
     trials: float = PRIOR_TRIALS
     idle: int = 0  # steps since drafting went off or the last probe
+    probe_every: int = PROBE_EVERY  # steps without drafts before the next probe
 
     @property
     def alpha(self) -> float:
@@ -119,7 +125,7 @@ class AdaptiveK:
         if s.k > 0:
             return s.k
         s.idle += 1
-        if s.idle >= PROBE_EVERY:
+        if s.idle >= s.probe_every:
             s.idle = 0
             return 1
         return 0
@@ -133,6 +139,8 @@ class AdaptiveK:
             self.pos_accepted[i] = DEPTH_DECAY * self.pos_accepted[i] + (1.0 if i < num_accepted else 0.0)
             self.pos_trials[i] = DEPTH_DECAY * self.pos_trials[i] + 1.0
         s = self.state(req)
+        if s.k == 0:  # a probe: rejected, wait twice as long for the next; accepted, probe at the first rate again
+            s.probe_every = PROBE_EVERY if num_accepted > 0 else min(MAX_PROBE_EVERY, 2 * s.probe_every)
         s.accepted = self.decay * s.accepted + (1.0 if num_accepted > 0 else 0.0)
         s.trials = self.decay * s.trials + 1.0
         s.k = self._best(s.alpha, allow_off=True)

@@ -221,7 +221,7 @@ class DraftModelProposer(Proposer):
 
     # -- the fill -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def after_step(self, step: StepRows | None) -> None:
+    def after_step(self, step: StepRows | None, drafting: set[str] | None = None) -> None:
         """Run the draft over the step's verified rows (+ the last token of requests that decode
         next: their draft-1 logits); see the module docstring."""
         self.starts.clear()

@@ -17,6 +17,10 @@ After every step (after_step) the MTP runs over the rows the target just compute
     (a rejected draft's row is never filled; its slot is rewritten when the position is reached).
   Requests that finished in the step are filled too (their freed blocks are not reused before the
   next schedule), so a block the prefix cache names holds the MTP's K/V as well.
+  A running request that will not draft next (adaptive k has turned it off between probes, or drafting
+  is off at this batch size, or its prompt goes on) puts its rows off: their hidden states wait, up to
+  DEFER_ROWS rows, and are filled in one batch before its next fill's rows. At acceptance near zero a
+  fill of one row every step was what speculation still cost (a draft layer's weights read each step).
 The fill's last row of a request that decodes next gives g_c (c = num_tokens - 2, the position
 of its last computed token): draft 1 = argmax of compute_logits(g_c, step 0).
 
@@ -38,13 +42,15 @@ Known approximations (they change drafts, never output):
   current chain (vLLM has the same limitation; published checkpoints and `ember train-mtp` use n = 1).
 - Prefix cache: position i's MTP K/V depends on t_{i+1}; a request that reuses another's full
   blocks reuses its MTP K/V, and the last position of the last shared block was written with the
-  other request's next token.
+  other request's next token. A block cached while its request's rows are put off has no MTP K/V for
+  them until that request's next fill.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 import torch
@@ -58,6 +64,9 @@ if TYPE_CHECKING:
     from ember.config.speculative import SpeculativeConfig
 
 logger = logging.getLogger("ember")
+# rows a request that does not draft next may put off before its fill runs anyway: one fill of up to this
+# many rows reads the layer's weights once; the held hidden states are DEFER_ROWS x hidden_size a request
+DEFER_ROWS = 32
 
 
 class MTPProposer(Proposer):
@@ -83,6 +92,7 @@ class MTPProposer(Proposer):
         self.fill_executor = None  # a CompiledExecutor / CUDAGraphExecutor of the fill's decode shapes (prepare)
         # request id -> (c, g_c [1, H]): the fill's last row of a request that decodes next
         self.starts: dict[str, tuple[int, torch.Tensor]] = {}
+        self.deferred: dict[str, _Deferred] = {}  # request id -> its rows whose fill waits (after_step)
         logger.info(
             "MTP: %d layer(s) (%s layout) from %s in %.1fs, draft cost %.2f of a decode step",
             self.num_layers,
@@ -158,59 +168,83 @@ class MTPProposer(Proposer):
 
     # -- the fill -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def after_step(self, step: StepRows | None) -> None:
-        """Run the MTP over the rows the last step kept (see the module docstring); remember g_c of
-        every request that decodes next."""
+    def after_step(self, step: StepRows | None, drafting: set[str] | None = None) -> None:
+        """Run the MTP over the rows the last step kept (see the module docstring), after the rows put off
+        before; remember g_c of every request that decodes next. A running request that propose will not
+        be asked about (drafting: adaptive k off between probes, drafting disabled at this batch size, a
+        prompt's middle) puts its rows off instead, up to DEFER_ROWS, to be filled in one batch with its
+        next filled step: a fill of one row every step cost a draft layer's read of its weights each time."""
         self.starts.clear()
-        if step is None:
-            return
-        rows, ids, positions = [], [], []
-        qlens, seq_lens, tables = [], [], []
-        sel_rows, sel_seqs, sel_reqs = [], [], []
-        for b, (req, row0, start, n) in enumerate(step.entries):
-            m = min(n, req.num_tokens - 1 - start)  # rows whose next token is known (and kept)
-            if m <= 0:
-                continue
-            r0 = len(rows)
-            rows.extend(range(row0, row0 + m))
-            ids.extend(req.token_ids[start + 1 : start + 1 + m])
-            positions.extend(range(start, start + m))
-            qlens.append(m)
-            seq_lens.append(start + m)
-            tables.append(step.tables[b])
-            if req.status == RequestStatus.RUNNING and start + m == req.num_tokens - 1:
-                sel_rows.append(r0 + m - 1)
-                sel_seqs.append(len(qlens) - 1)
-                sel_reqs.append(req)
-        if not rows:
-            return
+        if step is not None:
+            fill = _FillRows()
+            for b, (req, row0, start, n) in enumerate(step.entries):
+                m = min(n, req.num_tokens - 1 - start)  # rows whose next token is known (and kept)
+                if m <= 0:
+                    continue
+                hidden, slots = step.hidden[row0 : row0 + m], step.slot_mapping[row0 : row0 + m]
+                if self._defer(req, start, m, hidden, drafting):
+                    continue
+                first, hidden, slots = self._with_deferred(req, start, hidden, slots, step.tables[b])
+                fill.add(req, first, start + m, hidden, slots, step.tables[b])
+            if fill.qlens:
+                self._run_fill(fill)
+        for rid in [rid for rid, d in self.deferred.items() if d.req.is_finished]:  # aborted: never in a step again
+            del self.deferred[rid]
+
+    def _defer(self, req: Request, start: int, m: int, hidden: torch.Tensor, drafting: set[str] | None) -> bool:
+        """Put these m rows (positions start ..) off when the request will not draft next; False: fill them now."""
+        held = self.deferred.get(req.request_id)
+        if held is not None and held.end != start:  # recomputed from an earlier position (preempted): stale
+            del self.deferred[req.request_id]
+            held = None
+        if drafting is None or req.request_id in drafting or req.status != RequestStatus.RUNNING:
+            return False  # a finished request is filled now: the prefix cache may name its blocks
+        if (held.rows if held is not None else 0) + m > DEFER_ROWS:
+            return False
+        if held is None:
+            held = self.deferred[req.request_id] = _Deferred(req, start)
+        held.hidden.append(hidden.clone())  # the runner's buffer is rewritten by the next step
+        held.end, held.rows = start + m, held.rows + m
+        return True
+
+    def _with_deferred(self, req: Request, start: int, hidden: torch.Tensor, slots: torch.Tensor, table: list[int]):
+        """(first position, hidden rows, slots) of the request's fill: its rows put off, then this step's."""
+        held = self.deferred.pop(req.request_id, None)
+        if held is None:
+            return start, hidden, slots
+        bs = self.block_size
+        early = [table[p // bs] * bs + p % bs for p in range(held.start, start)]
+        early_t = torch.tensor(early, dtype=slots.dtype, device=slots.device)
+        return held.start, torch.cat([*held.hidden, hidden]), torch.cat([early_t, slots])
+
+    def _run_fill(self, fill: "_FillRows") -> None:
         dev = self.device
-        row_t = torch.tensor(rows, dtype=torch.int64, device=dev)
         qsl = [0]
-        for q in qlens:
+        for q in fill.qlens:
             qsl.append(qsl[-1] + q)
         meta = AttentionMetadata(
-            slot_mapping=step.slot_mapping[row_t],
+            slot_mapping=torch.cat(fill.slots),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(fill.seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(fill.tables, dtype=torch.int32, device=dev),
             block_size=self.block_size,
-            query_lens_cpu=qlens,
-            seq_lens_cpu=seq_lens,
-            max_query_len=max(qlens),
-            max_seq_len=max(seq_lens),
+            query_lens_cpu=fill.qlens,
+            seq_lens_cpu=fill.seq_lens,
+            max_query_len=max(fill.qlens),
+            max_seq_len=max(fill.seq_lens),
             all_slots_valid=True,
         )
-        ids_t = torch.tensor(ids, dtype=torch.int64, device=dev)
-        pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
+        ids_t = torch.tensor(fill.ids, dtype=torch.int64, device=dev)
+        pos_t = torch.tensor(fill.positions, dtype=torch.int64, device=dev)
+        hidden = torch.cat(fill.hidden)
         if self.fill_executor is not None and self.fill_executor.covers(meta):
             # every row through the graph (1 + k at most per sequence), then the rows that draft next
-            g = self.fill_executor.run(ids_t, pos_t, meta, None, step.hidden[row_t].to(self.mtp.dtype))
-            g = g[torch.tensor(sel_rows, dtype=torch.int64, device=dev)]
+            g = self.fill_executor.run(ids_t, pos_t, meta, None, hidden.to(self.mtp.dtype))
+            g = g[torch.tensor(fill.sel_rows, dtype=torch.int64, device=dev)]
         else:
-            select = select_rows(meta, tables, positions, sel_rows, sel_seqs, dev)
-            g = self.mtp(ids_t, pos_t, step.hidden[row_t], self.caches, meta, step=0, select=select)
-        for i, req in enumerate(sel_reqs):
+            select = select_rows(meta, fill.tables, fill.positions, fill.sel_rows, fill.sel_seqs, dev)
+            g = self.mtp(ids_t, pos_t, hidden, self.caches, meta, step=0, select=select)
+        for i, req in enumerate(fill.sel_reqs):
             self.starts[req.request_id] = (req.num_tokens - 2, g[i : i + 1])
 
     # -- drafting -----------------------------------------------------------------------------
@@ -319,6 +353,39 @@ class MTPProposer(Proposer):
             for i, t, q in zip(idx, toks.tolist(), qs):
                 drafts[i].append(t)
                 probs[i].append(q)
+
+
+@dataclass
+class _Deferred:
+    """A request's rows whose fill waits (positions start .. end - 1): their hidden states, copied."""
+
+    req: Request
+    start: int
+    end: int = -1
+    rows: int = 0
+    hidden: list[torch.Tensor] = field(default_factory=list)
+
+
+class _FillRows:
+    """One fill's batch, built a request at a time: positions first .. end - 1 of each."""
+
+    def __init__(self):
+        self.ids, self.positions, self.hidden, self.slots = [], [], [], []
+        self.qlens, self.seq_lens, self.tables = [], [], []
+        self.sel_rows, self.sel_seqs, self.sel_reqs = [], [], []  # the last rows of requests that decode next
+
+    def add(self, req: Request, first: int, end: int, hidden: torch.Tensor, slots: torch.Tensor, table: list[int]):
+        self.ids.extend(req.token_ids[first + 1 : end + 1])
+        self.positions.extend(range(first, end))
+        self.hidden.append(hidden)
+        self.slots.append(slots)
+        self.qlens.append(end - first)
+        self.seq_lens.append(end)
+        self.tables.append(table)
+        if req.status == RequestStatus.RUNNING and end == req.num_tokens - 1:
+            self.sel_rows.append(len(self.positions) - 1)
+            self.sel_seqs.append(len(self.qlens) - 1)
+            self.sel_reqs.append(req)
 
 
 class _FillStep(torch.nn.Module):

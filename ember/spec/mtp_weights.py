@@ -20,6 +20,9 @@ tensor names (formats.md §4):
 - "qwen3_next" (Qwen3-Next, Qwen3.5): any `mtp.*`: mtp.fc, mtp.pre_fc_norm_embedding,
   mtp.pre_fc_norm_hidden, mtp.norm (shared by every block) and blocks `mtp.layers.{j}.*`; every
   norm zero-centred. Layer count: `mtp_num_hidden_layers` (else `num_nextn_predict_layers`).
+  A GGUF file of these models written by llama.cpp's converter carries them too (blk.N.nextn.* and
+  blocks past num_hidden_layers, unless converted with --no-mtp); the loader reads them back under
+  these names (ember.loader.gguf_hybrid), so they load the same way.
 
 Block names go through the main model's own routing (LlamaForCausalLM.route_weight: q/k/v into
 qkv_proj, gate/up into gate_up_proj, MoE experts into the stacked experts, FP8 KV scales into the
@@ -121,6 +124,7 @@ class MTPCheckpoint:
     separate: bool
     draft_vocab_sizes: list[int | None] = field(default_factory=list)  # per layer (DeepSeek layout only)
     ignored: list[str] = field(default_factory=list)
+    gguf: bool = False  # folder is a GGUF file (tensors name its HF names, experts as one {e} name)
 
     def module_name(self, name: str) -> str | None:
         """checkpoint name -> MTPModule parameter name (before fusing), or None if unused."""
@@ -249,7 +253,7 @@ def find_mtp_weights(main_cfg: ModelConfig, model_path: str, speculative_model: 
         block_cfg = ModelConfig.from_dict(merged)
     else:
         if os.path.isfile(model_path) and not model_path.endswith(".safetensors"):
-            raise _no_weights(f"{model_path} (a GGUF file; ember reads MTP layers from safetensors only)", hint)
+            return _find_gguf_mtp(main_cfg, model_path)
         raw, block_cfg = main_cfg.raw, main_cfg
     names = _tensor_files(folder)
     layout, numbers = _detect_layout(folder, names, main_cfg, separate, hint)
@@ -271,6 +275,28 @@ def find_mtp_weights(main_cfg: ModelConfig, model_path: str, speculative_model: 
     return MTPCheckpoint(
         folder, layout, n, prefixes, {k: names[k] for k in mine}, own_heads, block_cfg, separate, draft_vocab_sizes
     )
+
+
+def _find_gguf_mtp(main_cfg: ModelConfig, path: str) -> MTPCheckpoint:
+    """The MTP layers of a GGUF file: a Qwen3.5 / Qwen3-Next converted by llama.cpp's converter keeps them
+    (blk.N.nextn.* and the blocks past num_hidden_layers), unless it ran with --no-mtp."""
+    from ember.loader.gguf import GGUFCheckpoint
+
+    names = dict.fromkeys(GGUFCheckpoint(path).mtp_tensor_names(), path)
+    if not names:
+        raise ModelLoadError(
+            f"MTP speculative decoding was asked for, but {path} holds no MTP layer (no blk.N.nextn.* tensors "
+            "and no nextn_predict_layers). llama.cpp's converter keeps a Qwen3.5 / Qwen3-Next model's MTP layer "
+            "unless run with --no-mtp, and other architectures have none in GGUF: re-convert the model without "
+            "--no-mtp, serve its Hugging Face folder, or turn MTP off (n-gram speculation needs no weights)"
+        )
+    layout = "qwen3_next"
+    present, prefix_of = _present_layers(path, names, layout, [], main_cfg, main_cfg.raw)
+    n = _layers_to_use(path, layout, main_cfg.raw, present, prefix_of)
+    prefixes = [present[j] for j in range(n)]
+    mine = _layer_tensor_names(names, layout, prefixes, n)
+    log.info("MTP: %d layer(s) in %s layout from the GGUF file %s", n, LAYOUT_NAMES[layout], path)
+    return MTPCheckpoint(path, layout, n, prefixes, {k: path for k in mine}, [False] * n, main_cfg, False, gguf=True)
 
 
 def _detect_layout(
@@ -381,6 +407,9 @@ def _draft_vocab_size(folder: str, names: dict[str, str], prefix: str, vocab_siz
 
 def iter_mtp_tensors(ckpt: MTPCheckpoint, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """(checkpoint name, CPU tensor) for the MTP tensors only: each file opened once, nothing else read."""
+    if ckpt.gguf:
+        yield from _iter_gguf_mtp_tensors(ckpt, progress)
+        return
     by_file: dict[str, list[str]] = defaultdict(list)
     for name, path in ckpt.tensors.items():
         by_file[path].append(name)
@@ -392,6 +421,17 @@ def iter_mtp_tensors(ckpt: MTPCheckpoint, progress: bool = True) -> Iterator[tup
                 for name in names:
                     yield name, h.get_tensor(name)
                     bar.update(1)
+
+
+def _iter_gguf_mtp_tensors(ckpt: MTPCheckpoint, progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """The GGUF file's MTP tensors of the layers in use, dequantized to float32 (MTP layers run dense)."""
+    from ember.loader.gguf import GGUFCheckpoint
+
+    with tqdm(desc="Loading MTP weights", unit="tensor", disable=None if progress else True) as bar:
+        for name, tensor in GGUFCheckpoint(ckpt.folder).iter_weights(mtp=True):
+            if (m := _QWEN3_NEXT_BLOCK.match(name)) is None or int(m[1]) < ckpt.num_layers:
+                yield name, tensor
+            bar.update(1)
 
 
 @torch.no_grad()

@@ -7,9 +7,9 @@ read: the target model, the device, the engine's limits) and, if it keeps KV of 
 KVSlots (its layers in the pool, same block ids). A new drafter is one Proposer subclass
 registered in PROPOSERS (whose keys are ember.config.speculative.METHODS).
 
-A step, for a proposer: after_step(step) with what the runner kept of the step it just ran
-(StepRows: hidden states and/or the rows' layout, as the proposer's reads_step asks), then
-propose(requests, max_tokens) for the requests that will decode next.
+A step, for a proposer: after_step(step, drafting) with what the runner kept of the step it just ran
+(StepRows: hidden states and/or the rows' layout, as the proposer's reads_step asks) and the ids of
+the requests it will be asked to draft for, then propose(requests, max_tokens) for those.
 """
 
 from __future__ import annotations
@@ -98,8 +98,9 @@ class Proposer:
     def prepare(self, make_executor: ExecutorFactory) -> None:
         """Once the engine's executor exists: build its own compiled / captured steps alike."""
 
-    def after_step(self, step: StepRows | None) -> None:
-        """After every step, before propose: e.g. fill its KV from the step's rows."""
+    def after_step(self, step: StepRows | None, drafting: set[str] | None = None) -> None:
+        """After every step, before propose: e.g. fill its KV from the step's rows. drafting: the ids of
+        the requests propose will be asked about next (None: any); the others' work may wait."""
 
     def propose(self, requests: Sequence[Request], max_tokens: Sequence[int]) -> list[Draft | None]:
         """Per request, at most max_tokens[i] (>= 1) draft tokens following its token_ids

@@ -5,7 +5,7 @@ for every running request that will decode next (its last sampled token is its o
 one) and has none pending. Each gets at most min(adaptive k, tokens it may still emit - 1, room
 before max_model_len - 1): a draft that cannot be emitted is pure waste. With
 disable_by_batch_size, a step with that many running requests drafts for none of them (the
-proposer's after_step still runs: its cache stays filled). After a verify step, `verified` counts
+proposer's after_step still runs: its cache is filled, at once or, for MTP, later in one batch). After a verify step, `verified` counts
 what the rejection sampler accepted (the scheduler un-computes the rest) and feeds adaptive k.
 """
 
@@ -103,14 +103,29 @@ class Speculator:
         """step: what the runner kept of the step just run, for the proposer's after_step."""
         if self._unpriced is not None:
             self._price_verifies()
-        t0 = time.perf_counter()
-        self.proposer.after_step(step)
-        self.stats.draft_seconds += time.perf_counter() - t0
         requests = list(requests)
         off_at = self.config.disable_by_batch_size
-        if off_at is not None and len(requests) >= off_at:
+        batch_off = off_at is not None and len(requests) >= off_at
+        todo, ks = ([], []) if batch_off else self._who_drafts(requests)
+        t0 = time.perf_counter()
+        # who drafts is known first: the proposer may put off its work for the others (MTP: their fill)
+        self.proposer.after_step(step, {req.request_id for req in todo})
+        self.stats.draft_seconds += time.perf_counter() - t0
+        if batch_off:
             self.stats.batch_disabled_steps += 1
             return
+        if not todo:
+            return
+        t0 = time.perf_counter()
+        drafts = self.proposer.propose(todo, ks)
+        self.stats.draft_seconds += time.perf_counter() - t0
+        for req, draft, k in zip(todo, drafts, ks):
+            if draft is not None and len(draft):
+                req.draft = draft.truncated(k)
+
+    def _who_drafts(self, requests: list) -> tuple[list, list[int]]:
+        """The requests that draft next and how many tokens each: adaptive k (0: none), capped by what
+        the request may still emit."""
         todo, ks = [], []
         for req in requests:
             if req.draft is not None or req.num_computed_tokens != req.num_tokens - 1:
@@ -125,14 +140,7 @@ class Speculator:
             if k >= 1:
                 todo.append(req)
                 ks.append(k)
-        if not todo:
-            return
-        t0 = time.perf_counter()
-        drafts = self.proposer.propose(todo, ks)
-        self.stats.draft_seconds += time.perf_counter() - t0
-        for req, draft, k in zip(todo, drafts, ks):
-            if draft is not None and len(draft):
-                req.draft = draft.truncated(k)
+        return todo, ks
 
     def observe(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         self.stats.record(num_drafts, num_accepted)

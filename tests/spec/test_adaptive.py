@@ -86,9 +86,37 @@ def test_drafting_stops_when_it_does_not_pay_and_probes_its_way_back():
     req = Request("r", [1], None)
     for _ in range(6):
         ak.observe(req, 1, 0)
+        if ak.state(req).k == 0:  # off: a further rejection would be a rejected probe, which backs off
+            break
     assert ak.state(req).k == 0
     ks = [ak.k_for(req) for _ in range(3 * PROBE_EVERY)]
     assert ks.count(1) == 3 and set(ks) == {0, 1}  # one probe every PROBE_EVERY steps
     for _ in range(6):  # the probes start getting accepted: drafting comes back
         ak.observe(req, 1, 1)
     assert ak.k_for(req) >= 1
+
+
+def test_rejected_probes_back_off_to_the_slowest_probe_rate():
+    """A drafter that is never right (a random MTP head): drafting goes off, each rejected probe doubles
+    the wait for the next, so the drafted tokens fall to one per MAX_PROBE_EVERY steps; one accepted probe
+    brings the first rate back."""
+    from ember.spec.adaptive import MAX_PROBE_EVERY, PROBE_EVERY
+
+    ak = AdaptiveK(k_max=3)
+    req = Request("r", [1], None)
+    drafted = []
+    for _ in range(40 * MAX_PROBE_EVERY):
+        k = ak.k_for(req)
+        drafted.append(k)
+        if k:
+            ak.observe(req, k, 0)
+    waits = [i for i, k in enumerate(drafted) if k]
+    gaps = [b - a for a, b in zip(waits, waits[1:])]
+    first_off = next(i for i, g in enumerate(gaps) if g > 1)
+    assert gaps[first_off : first_off + 4] == [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY, 8 * PROBE_EVERY]
+    assert set(gaps[-20:]) == {MAX_PROBE_EVERY}
+    tail = drafted[-20 * MAX_PROBE_EVERY :]
+    assert sum(tail) == 20  # one one-token probe per MAX_PROBE_EVERY steps
+    assert sum(drafted) < first_off * 3 + 4 + len(drafted) / MAX_PROBE_EVERY
+    ak.observe(req, 1, 1)  # a probe accepted (the text turned predictable): back to probing often
+    assert ak.state(req).probe_every == PROBE_EVERY

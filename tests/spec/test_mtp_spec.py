@@ -240,6 +240,45 @@ def test_reduced_draft_vocabulary_drafts_its_token_ids(mtp_model, tmp_path):
 # ---- the MTP cache is filled on every prefill chunk -----------------------------------------------
 
 
+def test_fills_put_off_while_not_drafting_give_the_same_drafts(mtp_model, references):
+    """A request drafts one step in three (adaptive k scripted, as between probes): the steps between put
+    their rows off and the next fill runs them in one batch. The drafts are those of filling every step,
+    under batching, chunked prefill and preemption (a preempted request's held rows are dropped), and the
+    output is the plain run's."""
+    path = mtp_model("qwen3", "deepseek")
+
+    def go(put_off: bool):
+        llm = make_llm(path, enable_mtp=True, num_speculative_tokens=2, **hard_knobs(path))
+        spec, calls, drafts, held = llm.engine.parts.spec, {}, [], []
+        proposer = spec.proposer
+        after_step, propose = proposer.after_step, proposer.propose
+
+        def k_for(req):
+            calls[req.request_id] = calls.get(req.request_id, 0) + 1
+            return 2 if calls[req.request_id] % 3 == 0 else 0
+
+        def fill(step, drafting=None):
+            after_step(step, drafting if put_off else None)
+            held.append(sum(d.rows for d in proposer.deferred.values()))
+
+        def record(requests, max_tokens):
+            out = propose(requests, max_tokens)
+            drafts.extend((r.request_id, r.num_tokens, d.token_ids) for r, d in zip(requests, out) if d is not None)
+            return out
+
+        spec.adaptive.k_for, proposer.after_step, proposer.propose = k_for, fill, record
+        tokens = run(llm, PROMPTS, GREEDY)
+        stats = check_clean(llm)
+        assert stats["num_preemptions"] > 0 and not proposer.deferred
+        return tokens, drafts, max(held)
+
+    tokens, drafts, most_held = go(put_off=True)
+    every_step_tokens, every_step_drafts, none_held = go(put_off=False)
+    assert most_held > 0 and none_held == 0
+    assert len(drafts) > 10 and drafts == every_step_drafts
+    assert tokens == every_step_tokens == references("qwen3")
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_mtp_cache_written_on_prefill_chunks(mtp_model, layout):
     path = mtp_model("qwen3", layout)
