@@ -1,7 +1,7 @@
 """Micro-benchmark of one MoE layer's experts at decode batches, in the two forms a step can run them:
-the grouped path (moe.grouped_experts: what eager runs, and what the ember::moe_experts op runs inside a
+the grouped path (grouped_experts: what eager runs, and what the ember::moe_experts op runs inside a
 CPU graph) and gathered_experts compiled by inductor (fullgraph, the executor's default mode), which is
-what a dense model's CPU graph holds (ember/layers/moe_graph.py). Random dense experts, E=64 top-8,
+what a dense model's CPU graph holds (ember/layers/moe_compute.py). Random dense experts, E=64 top-8,
 hidden 1024, expert intermediate 256; medians of 15 calls, 3 alternating rounds.
 
     .venv/bin/python benchmarks/micro_moe_experts.py               # bf16, batches 1 16 64
@@ -14,7 +14,8 @@ import time
 
 import torch
 
-from ember.layers.moe import Experts, grouped_experts
+from ember.layers.moe import Experts
+from ember.layers.moe_compute import grouped_experts
 
 torch.set_num_threads(int(os.environ.get("THREADS", 2)))
 E, k, H, I = 64, 8, 1024, 256

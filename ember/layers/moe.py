@@ -1,8 +1,9 @@
 """Qwen3-MoE sparse MLP: a softmax top-k router over E SwiGLU experts, no shared expert.
 
 Experts are stored stacked (w13 [E, 2I, H] = gate;up, w2 [E, H, I]) so a later fused kernel
-can take them as is. Compute groups token slots by expert: one sort, then one GEMM pair per
-expert that has tokens, and one index_add back -- no loop over tokens.
+can take them as is. Compute (ember/layers/moe_compute.py) groups token slots by expert eagerly: one sort,
+then one GEMM pair per expert that has tokens, and one index_add back -- no loop over tokens; a graph runs
+a sync-free form of it.
 
 Tensor parallelism: every rank holds every expert, each with a 1/tp slice of its intermediate
 dim (gate/up rows, down columns), like a dense MLP's column/row split. Routing is replicated
@@ -22,7 +23,7 @@ from ember.errors import ModelLoadError
 from ember.kernels.cpu_kernels import CpuKernels
 from ember.layers.activation import silu_and_mul
 from ember.layers.linear import ReplicatedLinear, copy_checked, dense_linear, get_tp_rank_size
-from ember.layers.moe_graph import experts_forward, gathered_experts, register_experts
+from ember.layers.moe_compute import experts_forward, gathered_experts, register_experts
 
 
 def tp_slice(tensor: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
@@ -98,31 +99,6 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         return experts_forward(self, x, topk_ids, topk_weights)
-
-
-def grouped_experts(
-    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, expert_forward
-) -> torch.Tensor:
-    """sum_k topk_weights[t, k] * expert_forward(topk_ids[t, k], x[t]) over token slots grouped by expert.
-
-    Shared by every experts storage (dense, AWQ int4, GGUF): they differ only in expert_forward(e, x_e).
-    Eager only: it syncs with the host once (moe_graph.experts_forward picks what a graph runs)."""
-    T, k = topk_ids.shape
-    if T == 0:
-        return torch.zeros_like(x)
-    flat = topk_ids.flatten()
-    order = flat.argsort(stable=True)  # token slots grouped by expert
-    token_of = order // k
-    weight_of = topk_weights.flatten()[order]
-    counts = torch.bincount(flat, minlength=num_experts).tolist()  # one host sync per layer
-    outs, start = [], 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        outs.append(expert_forward(e, x[token_of[start : start + n]]))
-        start += n
-    y = torch.cat(outs) * weight_of[:, None]
-    return torch.zeros_like(x).index_add_(0, token_of, y)
 
 
 class SparseMoeBlock(nn.Module):

@@ -22,7 +22,7 @@ from ember.errors import ModelLoadError, UnsupportedModelError
 from ember.kernels.cpu_kernels import CpuKernels
 from ember.layers.activation import silu_and_mul
 from ember.layers.linear import QuantMethod, copy_checked, new_param
-from ember.layers.moe_graph import experts_forward, register_experts
+from ember.layers.moe_compute import experts_forward, register_experts
 from ember.quant import gemm_dispatch
 from ember.quant.awq_packing import dequantize_awq, unpack_awq
 from ember.quant.int4_cpu import Int4Weight

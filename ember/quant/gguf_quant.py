@@ -40,7 +40,7 @@ slow; bf16 is the packed path's speed mode (and with fp32 scales, fp32 runs hold
 The token embedding and the LM head use the same parts: a lookup gathers and unpacks only the
 rows it needs, the head is a `linear`. A tied LM head shares the embedding's method and data.
 MoE experts (GGUFExperts) keep each expert packed the same way: gate;up as one fused pair of
-shards, down as one, run through moe.grouped_experts.
+shards, down as one, run through moe_compute.grouped_experts.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ from ember.kernels import cpu_tiled_gemv as tiled_gemv
 from ember.kernels.cpu_kernels import CpuKernels
 from ember.layers.activation import silu_and_mul
 from ember.layers.linear import QuantMethod, dense_linear, new_param
-from ember.layers.moe_graph import experts_forward, register_experts
+from ember.layers.moe_compute import experts_forward, register_experts
 from ember.quant import gemm_dispatch
 from ember.quant.gguf_blocks import AFFINE_4BIT, AFFINE_8BIT, GROUP, GGUFTensor, affine_codes, dequantize, q6_k_codes
 from ember.quant.int4_cpu import Int4Weight, block_n, pack_int4_codes, row_codes

@@ -1,5 +1,5 @@
 """Sparse MoE models under the compiled executor: their decode steps trace whole (experts in a sync-free
-form, ember.layers.moe_graph) and give eager's greedy tokens and top logprobs, a dense Qwen3-MoE and the
+form, ember.layers.moe_compute) and give eager's greedy tokens and top logprobs, a dense Qwen3-MoE and the
 MoE hybrids (a shared expert beside the routed ones)."""
 
 from __future__ import annotations

@@ -147,8 +147,7 @@ def test_moe_block_traces_with_no_host_sync():
     and a storage with no gathered form runs the ember::moe_experts op; both give the grouped path's
     values, and two blocks keep their own experts. gathered_experts also runs eagerly (what a CUDA graph
     captures): the same values at batches 1 and 5, and not with the top-k weights swapped."""
-    from ember.layers.moe import grouped_experts
-    from ember.layers.moe_graph import gathered_experts
+    from ember.layers.moe_compute import gathered_experts, grouped_experts
 
     torch.manual_seed(0)
     E, H, I = 8, 32, 16

@@ -53,7 +53,7 @@ def hybrid_blocker(loaded: LoadedModel, device: torch.device) -> str | None:
     """Why a hybrid model's decode steps cannot run in graphs (compiled or captured) on this device, or
     None (they can, or the model is not a hybrid). A graph calls the fused Gated DeltaNet kernels with
     the step's slot tensors (GatedDeltaNet._decode_graph), and holds no host sync (a MoE hybrid's experts
-    run sync-free there: ember.layers.moe_graph)."""
+    run sync-free there: ember.layers.moe_compute)."""
     mc = loaded.model_config
     if not mc.is_hybrid:
         return None

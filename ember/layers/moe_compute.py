@@ -1,6 +1,6 @@
-"""Sparse MoE experts in a step that a graph holds (torch.compile, CUDA graphs): no host sync.
+"""How sparse MoE experts compute a step: grouped eagerly, sync-free in a graph (torch.compile, CUDA graphs).
 
-The eager path (moe.grouped_experts) groups token slots by expert and reads each expert's token count
+The eager path (grouped_experts) groups token slots by expert and reads each expert's token count
 on the host (bincount().tolist()), one sync per layer: dynamo cannot trace it, and a CUDA graph cannot
 capture it. In a graph, experts run in one of two sync-free forms instead:
 
@@ -61,8 +61,6 @@ def in_graph(x: torch.Tensor) -> bool:
 def experts_forward(experts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
     """What every experts storage's forward runs: the grouped path eagerly; in a graph, the storage's
     gathered form where it has one (experts.gathered), else the registered op."""
-    from ember.layers.moe import grouped_experts
-
     if not in_graph(x):
         return grouped_experts(x, topk_ids, topk_weights, experts.num_experts, experts.expert_forward)
     if _gathered(experts):
@@ -73,8 +71,6 @@ def experts_forward(experts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weigh
 @torch.library.custom_op("ember::moe_experts", mutates_args=())
 def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, key: str) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert(topk_ids[t, k], x[t]) by the grouped path of the experts under key."""
-    from ember.layers.moe import grouped_experts
-
     experts = _registered[key]
     return grouped_experts(x, topk_ids, topk_weights, experts.num_experts, experts.expert_forward)
 
@@ -96,3 +92,28 @@ def gathered_experts(
     h = act(torch.bmm(w13[flat], xs).squeeze(-1))
     y = torch.bmm(w2[flat], h[:, :, None]).view(T, k, H)
     return (y * topk_weights[:, :, None]).sum(dim=1)
+
+
+def grouped_experts(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, expert_forward
+) -> torch.Tensor:
+    """sum_k topk_weights[t, k] * expert_forward(topk_ids[t, k], x[t]) over token slots grouped by expert.
+
+    Shared by every experts storage (dense, AWQ int4, GGUF): they differ only in expert_forward(e, x_e).
+    Eager only: it syncs with the host once (experts_forward picks what a graph runs)."""
+    T, k = topk_ids.shape
+    if T == 0:
+        return torch.zeros_like(x)
+    flat = topk_ids.flatten()
+    order = flat.argsort(stable=True)  # token slots grouped by expert
+    token_of = order // k
+    weight_of = topk_weights.flatten()[order]
+    counts = torch.bincount(flat, minlength=num_experts).tolist()  # one host sync per layer
+    outs, start = [], 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        outs.append(expert_forward(e, x[token_of[start : start + n]]))
+        start += n
+    y = torch.cat(outs) * weight_of[:, None]
+    return torch.zeros_like(x).index_add_(0, token_of, y)
