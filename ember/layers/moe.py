@@ -1,8 +1,9 @@
 """Qwen3-MoE sparse MLP: a softmax top-k router over E SwiGLU experts, no shared expert.
 
 Experts are stored stacked (w13 [E, 2I, H] = gate;up, w2 [E, H, I]) so a later fused kernel
-can take them as is. Compute groups token slots by expert: one sort, then one GEMM pair per
-expert that has tokens, and one index_add back -- no loop over tokens.
+can take them as is. Compute (ember/layers/moe_compute.py) groups token slots by expert eagerly: one sort,
+then one GEMM pair per expert that has tokens, and one index_add back -- no loop over tokens; a graph runs
+a sync-free form of it.
 
 Tensor parallelism: every rank holds every expert, each with a 1/tp slice of its intermediate
 dim (gate/up rows, down columns), like a dense MLP's column/row split. Routing is replicated
@@ -16,13 +17,13 @@ from __future__ import annotations
 import re
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ember.errors import ModelLoadError
 from ember.kernels.cpu_kernels import CpuKernels
 from ember.layers.activation import silu_and_mul
-from ember.layers.linear import ReplicatedLinear, copy_checked, get_tp_rank_size
+from ember.layers.linear import ReplicatedLinear, copy_checked, dense_linear, get_tp_rank_size
+from ember.layers.moe_compute import experts_forward, gathered_experts, register_experts
 
 
 def tp_slice(tensor: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
@@ -57,6 +58,7 @@ class Experts(nn.Module):
         E, H, I = num_experts, hidden_size, intermediate_size
         self.w13 = nn.Parameter(torch.empty(E, 2 * I, H, dtype=dtype, device=device), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(E, H, I, dtype=dtype, device=device), requires_grad=False)
+        self.graph_key = register_experts(self)
 
     def expected_shards(self, param_name: str) -> set:
         E = range(self.num_experts)
@@ -89,35 +91,14 @@ class Experts(nn.Module):
         raise ModelLoadError(f"unexpected expert weight name {name!r}")
 
     def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert e's SwiGLU on its tokens x [n, H] -> [n, H]."""
-        return F.linear(silu_and_mul(F.linear(x, self.w13[e]), self.fused_act), self.w2[e])
+        """Expert e's SwiGLU on its tokens x [n, H] -> [n, H] (dense_linear: a bf16 row streams through mv)."""
+        return dense_linear(silu_and_mul(dense_linear(x, self.w13[e]), self.fused_act), self.w2[e])
+
+    def gathered(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        return gathered_experts(x, topk_ids, topk_weights, self.w13, self.w2, lambda h: silu_and_mul(h, self.fused_act))
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        return grouped_experts(x, topk_ids, topk_weights, self.num_experts, self.expert_forward)
-
-
-def grouped_experts(
-    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, expert_forward
-) -> torch.Tensor:
-    """sum_k topk_weights[t, k] * expert_forward(topk_ids[t, k], x[t]) over token slots grouped by expert.
-
-    Shared by every experts storage (dense, AWQ int4): they differ only in expert_forward(e, x_e)."""
-    T, k = topk_ids.shape
-    if T == 0:
-        return torch.zeros_like(x)
-    flat = topk_ids.flatten()
-    order = flat.argsort(stable=True)  # token slots grouped by expert
-    token_of = order // k
-    weight_of = topk_weights.flatten()[order]
-    counts = torch.bincount(flat, minlength=num_experts).tolist()  # one host sync per layer
-    outs, start = [], 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        outs.append(expert_forward(e, x[token_of[start : start + n]]))
-        start += n
-    y = torch.cat(outs) * weight_of[:, None]
-    return torch.zeros_like(x).index_add_(0, token_of, y)
+        return experts_forward(self, x, topk_ids, topk_weights)
 
 
 class SparseMoeBlock(nn.Module):

@@ -22,7 +22,7 @@ from ember.errors import ModelLoadError, UnsupportedModelError
 from ember.kernels.cpu_kernels import CpuKernels
 from ember.layers.activation import silu_and_mul
 from ember.layers.linear import QuantMethod, copy_checked, new_param
-from ember.layers.moe import grouped_experts
+from ember.layers.moe_compute import experts_forward, register_experts
 from ember.quant import gemm_dispatch
 from ember.quant.awq_packing import dequantize_awq, unpack_awq
 from ember.quant.int4_cpu import Int4Weight
@@ -245,6 +245,7 @@ class AWQExperts(nn.Module):
             for name, p in _awq_params(in_f, out_f, G, device, lead=(E,)).items():
                 setattr(self, f"{prefix}_{name}", p)
         self.int4 = False
+        self.graph_key = register_experts(self)
 
     def expected_shards(self, param_name: str) -> set:
         E = range(self.num_experts)
@@ -314,4 +315,4 @@ class AWQExperts(nn.Module):
         return self._linear("w2", e, h, I, H, self.g2)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        return grouped_experts(x, topk_ids, topk_weights, self.num_experts, self.expert_forward)
+        return experts_forward(self, x, topk_ids, topk_weights)

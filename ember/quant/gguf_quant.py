@@ -40,7 +40,7 @@ slow; bf16 is the packed path's speed mode (and with fp32 scales, fp32 runs hold
 The token embedding and the LM head use the same parts: a lookup gathers and unpacks only the
 rows it needs, the head is a `linear`. A tied LM head shares the embedding's method and data.
 MoE experts (GGUFExperts) keep each expert packed the same way: gate;up as one fused pair of
-shards, down as one, run through moe.grouped_experts.
+shards, down as one, run through moe_compute.grouped_experts.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ from ember.kernels import cpu_tiled_gemv as tiled_gemv
 from ember.kernels.cpu_kernels import CpuKernels
 from ember.layers.activation import silu_and_mul
 from ember.layers.linear import QuantMethod, dense_linear, new_param
-from ember.layers.moe import grouped_experts
+from ember.layers.moe_compute import experts_forward, register_experts
 from ember.quant import gemm_dispatch
 from ember.quant.gguf_blocks import AFFINE_4BIT, AFFINE_8BIT, GROUP, GGUFTensor, affine_codes, dequantize, q6_k_codes
 from ember.quant.int4_cpu import Int4Weight, block_n, pack_int4_codes, row_codes
@@ -656,6 +656,7 @@ class GGUFExperts(nn.Module):
         self.pending: dict = {}
         self.parts13: list[list[PackedPart]] = []
         self.parts2: list[list[PackedPart]] = []
+        self.graph_key = register_experts(self)
 
     def expected_shards(self, param_name: str) -> set:
         E = range(self.num_experts)
@@ -691,7 +692,7 @@ class GGUFExperts(nn.Module):
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         if self.pending:  # a model built without the loader's post-load hook
             self.pack()
-        return grouped_experts(x, topk_ids, topk_weights, self.num_experts, self.expert_forward)
+        return experts_forward(self, x, topk_ids, topk_weights)
 
 
 class GGUFExpertsMethod:

@@ -13,7 +13,14 @@ import torch
 
 from ember import LLM, SamplingParams
 from ember.bench.commands import hybrid
-from ember.bench.commands.hybrid import QWEN35_08B, add_cli_args, build_file, build_folder, build_gguf
+from ember.bench.commands.hybrid import (
+    QWEN35_08B,
+    QWEN35_MOE_SMALL,
+    add_cli_args,
+    build_file,
+    build_folder,
+    build_gguf,
+)
 from ember.bench.lib import op_split
 from ember.entrypoints.cli import main
 from ember.kernels import cpu_gated_delta_net
@@ -138,6 +145,26 @@ def test_two_files_write_every_row_split_and_bar(folder, tmp_path):
     assert "--files bf16,q8_0" in data["command"] and "--llamacpp-batch best" in data["command"]
 
 
+@pytest.mark.engine
+@pytest.mark.usefixtures("one_thread")
+def test_the_moe_file_writes_its_rows(tmp_path):
+    """--files moe_bf16: a toy Qwen3.5-MoE folder (TINY's layers, QWEN35_MOE_SMALL's kind of MLP: routed experts
+    and a shared one) converted by llama.cpp's converter, run by ember: the file's rows."""
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    assert set(moe) == set(QWEN35_MOE_SMALL) - set(QWEN35_08B)
+    shape = {k: v for k, v in TINY.items() if k != "intermediate_size"} | moe
+    folder = build_folder(str(tmp_path / "q35moe"), shape=shape, arch="Qwen3_5Moe")
+    md = tmp_path / "hybrid.md"
+    argv = ["bench", "hybrid", *TOY, "--moe-model-dir", folder, "--files", "moe_bf16", "--output", str(md)]
+    assert main(argv + ["--peer", "none"]) == 0
+    text = md.read_text()
+    for r in ROWS[:3] + ROWS[4:5]:
+        assert re.search(rf"\| MoE BF16 \| {r} \| [0-9][^|]* \|", text), r
+    data = json.loads((tmp_path / "hybrid-hybrid.json").read_text())
+    assert list(data["files"]) == ["moe_bf16"] and data["files"]["moe_bf16"]["path"].endswith(".bf16.gguf")
+    assert "--moe-model-dir" in data["command"]
+
+
 def test_the_split_adds_up_to_the_profiled_step():
     totals = {"step": 10_000, "forward": 7_000, "matmuls": 4_000, "LM head": 2_000, "GDN core": 500, "conv": 100}
     s = op_split.split({**totals, "full attention": 400}, steps=2, unprofiled_ms=4.0, executor="eager")
@@ -170,5 +197,6 @@ def test_defaults_write_their_own_section_over_the_three_files():
     assert args.files == ["bf16", "q8_0", "q4_k_m"] and args.peer == ["llamacpp"] and args.output_len == 128
     assert args.input_len_range == [128, 512] and args.llamacpp_batch == "best" and args.split_steps == 8
     assert parser.parse_args(["--files", "Q8_0"]).files == ["q8_0"]
+    assert parser.parse_args(["--files", "moe_bf16"]).files == ["moe_bf16"]
     with pytest.raises(SystemExit):
         parser.parse_args(["--files", "q5_k"])

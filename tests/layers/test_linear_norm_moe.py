@@ -140,3 +140,37 @@ def test_one_bf16_row_takes_the_gemv_eagerly_and_traced():
 
     traced = torch.compile(dense_linear, backend=backend, fullgraph=True)(x, w, b)
     assert "ember.row_gemv" in graphs[0] and torch.equal(traced, dense_linear(x, w, b))
+
+
+def test_moe_block_traces_with_no_host_sync():
+    """In a traced step (fullgraph: a host sync would break the graph) dense experts run gathered_experts
+    and a storage with no gathered form runs the ember::moe_experts op; both give the grouped path's
+    values, and two blocks keep their own experts. gathered_experts also runs eagerly (what a CUDA graph
+    captures): the same values at batches 1 and 5, and not with the top-k weights swapped."""
+    from ember.layers.moe_compute import gathered_experts, grouped_experts
+
+    torch.manual_seed(0)
+    E, H, I = 8, 32, 16
+    blocks = [SparseMoeBlock(H, I, E, 3, True, torch.float32) for _ in range(3)]
+    for block in blocks:
+        for p in block.parameters():
+            p.data.normal_(0, 0.3)
+    blocks[1].experts.gathered = blocks[2].experts.gathered = None  # as AWQ / GGUF experts: the op
+    graphs = []
+
+    def backend(gm, inputs):  # record the traced graph, run it as traced
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    x = torch.randn(5, H)
+    for block in blocks:
+        traced = torch.compile(block, backend=backend, fullgraph=True, dynamic=False)(x)
+        torch.testing.assert_close(traced, block(x), rtol=1e-5, atol=1e-6)
+    assert ["ember.moe_experts" in g for g in graphs] == [False, True, True]
+    assert not torch.allclose(blocks[1](x), blocks[2](x))
+    ex = blocks[0].experts
+    for T in (1, 5):
+        weights, ids = blocks[0].route(x[:T])
+        ref = grouped_experts(x[:T], ids, weights, E, ex.expert_forward)
+        torch.testing.assert_close(ex.gathered(x[:T], ids, weights), ref, rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(gathered_experts(x[:T], ids, weights.flip(-1), ex.w13, ex.w2, SiluAndMul()), ref)

@@ -19,6 +19,9 @@ warmup round runs it parallel and sequential on the same prompts and the faster 
 the achieved share of the read bandwidth measured in the same rounds, and a per-op split of one ember
 decode step (ember.bench.lib.op_split). transformers on the HF folder (the bf16 file's values) joins the
 bf16 file's rounds with --peer llamacpp,hf. Issue 40's bars are judged per file, in one table.
+
+--files moe_bf16 (named, not a default) adds a sparse MoE hybrid: a random small Qwen3.5-MoE model
+(QWEN35_MOE_SMALL, its own folder, --moe-model-dir) in bf16 by the same converter, run the same way.
 """
 
 from __future__ import annotations
@@ -65,11 +68,13 @@ TITLE = (
     "converter and quantizer), same threads"
 )
 EMBER, LLAMA, HF = "ember", "llama.cpp", "transformers"
-# --files name -> llama.cpp's name of the type (LLAMA_FTYPE_MOSTLY_<name>), as the results show it
-FILES = {"bf16": "BF16", "q8_0": "Q8_0", "q4_k_m": "Q4_K_M"}
-# issue 40's bars: batch-1 decode against llama.cpp per file; TTFT, throughput and peak RSS ratios; the
-# share of GDN core + conv in a decode step (%)
-DECODE_BAR = {"bf16": 0.9, "q8_0": 1.0, "q4_k_m": 1.2}
+# --files name -> llama.cpp's name of the type (LLAMA_FTYPE_MOSTLY_<name>), as the results show it; moe_bf16
+# is another model's file (QWEN35_MOE_SMALL, --moe-model-dir), bf16 by the converter, run only when named
+FILES = {"bf16": "BF16", "q8_0": "Q8_0", "q4_k_m": "Q4_K_M", "moe_bf16": "MoE BF16"}
+DEFAULT_FILES = ["bf16", "q8_0", "q4_k_m"]
+# issue 40's bars: batch-1 decode against llama.cpp per file (the MoE file judged as the dense bf16 one);
+# TTFT, throughput and peak RSS ratios; the share of GDN core + conv in a decode step (%)
+DECODE_BAR = {"bf16": 0.9, "q8_0": 1.0, "q4_k_m": 1.2, "moe_bf16": 0.9}
 TTFT_BAR, THROUGHPUT_BAR, RSS_BAR, GDN_CONV_BAR = 0.5, 2.0, 1.2, 10.0
 BATCH_MODES = ("parallel", "sequential")
 SPLIT_SEED = 10**6  # the per-op split's prompt: a seed no round's prompts use
@@ -104,6 +109,16 @@ QWEN35_08B = dict(
 )
 
 
+# A small Qwen3.5-MoE: QWEN35_08B's layers with a sparse MoE block in each (Qwen3.5-MoE's layout: routed
+# experts plus a shared expert under a sigmoid gate), 32 experts of 256 routed top-4 and a shared one of
+# 512; about 2.3 GB in bf16, 1.2 GB of it routed experts, of which a token reads an eighth.
+QWEN35_MOE_SMALL = {k: v for k, v in QWEN35_08B.items() if k != "intermediate_size"} | dict(
+    num_experts=32, num_experts_per_tok=4, moe_intermediate_size=256, shared_expert_intermediate_size=512
+)
+# transformers' family -> its config class (the text model's, for the Qwen3.5 families)
+CONFIGS = {"Qwen3_5": "Qwen3_5TextConfig", "Qwen3_5Moe": "Qwen3_5MoeTextConfig", "Qwen3Next": "Qwen3NextConfig"}
+
+
 def cache_root() -> str:
     return os.environ.get("EMBER_BENCH_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "ember", "bench"))
 
@@ -112,7 +127,7 @@ def build_folder(
     path: str, seed: int = 0, shape: dict = QWEN35_08B, arch: str = "Qwen3_5", tokenizer=None, device=None
 ) -> str:
     """The random HF folder (once): weights N(0, 0.02), norms at their identity, decays spread.
-    arch: transformers' family, Qwen3_5 (Qwen3_5TextConfig / Qwen3_5ForCausalLM) or Qwen3Next;
+    arch: transformers' family, a CONFIGS key (Qwen3_5: Qwen3_5TextConfig / Qwen3_5ForCausalLM);
     tokenizer(folder) writes the tokenizer files (default: Qwen's, from llama.cpp's vocab file);
     device: where the weights are drawn (scripts/gpu_check.py draws them on the GPU)."""
     if os.path.exists(os.path.join(path, "config.json")):
@@ -123,7 +138,7 @@ def build_folder(
     from ember.bench.peers.llamacpp_convert import write_qwen_tokenizer
 
     torch.manual_seed(seed)
-    config_cls = transformers.Qwen3NextConfig if arch == "Qwen3Next" else transformers.Qwen3_5TextConfig
+    config_cls = getattr(transformers, CONFIGS[arch])
     config = config_cls(**shape, dtype="bfloat16")
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # built in bf16: no fp32 copy of a big model
@@ -162,7 +177,7 @@ def build_gguf(folder: str) -> str:
 def build_file(folder: str, kind: str, threads: int = 0) -> str:
     """The GGUF file of type `kind` (a FILES key) of the folder's model (once): bf16 by llama.cpp's converter,
     the others by its quantizer from that bf16 file."""
-    if kind == "bf16":
+    if kind in ("bf16", "moe_bf16"):
         return build_gguf(folder)
     from ember.bench.peers.llamacpp_convert import quantize
 
@@ -458,6 +473,9 @@ def notes(args, knobs: dict, shared: bool) -> list[str]:
         "included)",
         op_split.METHOD.format(steps=args.split_steps, prompt=DECODE_PROMPT_LEN),
     ]
+    if "moe_bf16" in args.files:
+        shape = ", ".join(f"{k} {QWEN35_MOE_SMALL[k]}" for k in QWEN35_MOE_SMALL if k not in QWEN35_08B)
+        out.append(f"MoE BF16: a random Qwen3.5-MoE model, QWEN35_08B's layers with a sparse MoE block ({shape})")
     if "hf" in args.peer:
         out.append("transformers: on the HF folder (the bf16 file's values), measured beside the bf16 file only")
     if args.bandwidth_mib:
@@ -468,7 +486,17 @@ def notes(args, knobs: dict, shared: bool) -> list[str]:
 
 
 def command(args) -> str:
-    flags = ["runs", "peer", "files", "model_dir", "output", "prompt_seed", "quiet_wait", "decode_tokens"]
+    flags = [
+        "runs",
+        "peer",
+        "files",
+        "model_dir",
+        "moe_model_dir",
+        "output",
+        "prompt_seed",
+        "quiet_wait",
+        "decode_tokens",
+    ]
     flags += ["prompt_lens", "num_prompts", "input_len_range", "output_len", "bandwidth_mib", "llamacpp_batch"]
     return command_line(args, flags + ["split_steps"]) + switches(args)
 
@@ -482,22 +510,31 @@ def main(args) -> None:
         raise ConfigError("ember bench hybrid runs the files it builds (--model-dir, --files), not --model")
     compare.check_peers_installed(args.peer)
     line = command(args)
-    folder = build_folder(args.model_dir or os.path.join(cache_root(), "qwen3.5-0.8b-shape-random"))
-    paths = {kind: build_file(folder, kind) for kind in args.files}
+    folders = {kind: model_folder(args, kind) for kind in args.files}
+    paths = {kind: build_file(folders[kind], kind) for kind in args.files}
     logger.info("bench hybrid: %s", ", ".join(paths.values()))
     args.model = paths[args.files[0]]  # the engine flags' model: each file's is set in its sides
     knobs, threads = ember_knobs(args, args.num_prompts)
     knobs.update(NO_SPECULATION)
     load = load_average()
-    files = {kind: run_file(args, kind, path, folder, knobs, threads) for kind, path in paths.items()}
+    files = {kind: run_file(args, kind, path, folders[kind], knobs, threads) for kind, path in paths.items()}
     peers = list(dict.fromkeys(n for d in files.values() for n in d["sides"] if n != EMBER))
     shared = any(d["rss_shared_process"] for d in files.values())
     judged = [b for kind, d in files.items() for b in file_bars(kind, d, max(args.prompt_lens), args.num_prompts)]
     about = [f"{FILES[k]} {n}: {describe(s)}" for k, d in files.items() for n, s in d["sides"].items()]
-    data = {"threads": threads, "runs": args.runs, "model_folder": folder, "files": files}
+    data = {"threads": threads, "runs": args.runs, "model_folder": folders[args.files[0]], "files": files}
     Result(KIND, TITLE, line, load, about, notes(args, knobs, shared), table(files, peers), data, judged).publish(
         args.output
     )
+
+
+def model_folder(args, kind: str) -> str:
+    """The random HF folder a file kind is built from (built once): the dense Qwen3.5-0.8B shape, or for
+    moe_bf16 the small Qwen3.5-MoE one."""
+    if kind == "moe_bf16":
+        path = args.moe_model_dir or os.path.join(cache_root(), "qwen3.5-moe-small-shape-random")
+        return build_folder(path, shape=QWEN35_MOE_SMALL, arch="Qwen3_5Moe")
+    return build_folder(args.model_dir or os.path.join(cache_root(), "qwen3.5-0.8b-shape-random"))
 
 
 def add_cli_args(p) -> None:
@@ -514,12 +551,18 @@ def add_cli_args(p) -> None:
     p.add_argument(
         "--files",
         type=file_list,
-        default=list(FILES),
+        default=DEFAULT_FILES,
         metavar="TYPE,TYPE",
         help=f"which GGUF files (types) to run, of {', '.join(FILES)}: bf16 by llama.cpp's converter, the "
-        "others by its quantizer from it; each built once beside the model folder",
+        "others by its quantizer from it; each built once beside the model folder; moe_bf16 (not run unless "
+        "named): a small Qwen3.5-MoE model's bf16 file, from --moe-model-dir",
     )
     p.add_argument("--model-dir", default=None, help="where the random HF folder is (built there if missing)")
+    p.add_argument(
+        "--moe-model-dir",
+        default=None,
+        help="where the random small Qwen3.5-MoE HF folder of --files moe_bf16 is (built there if missing)",
+    )
     p.add_argument(
         "--prompt-lens", type=int_list, default=[2000], metavar="N,N,...", help="TTFT prompt lengths (bar: longest)"
     )

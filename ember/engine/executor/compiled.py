@@ -62,6 +62,7 @@ from ember.engine.executor.decode_batch import (
     warmup_inputs,
 )
 from ember.errors import EmberError
+from ember.layers.moe_compute import calls_experts_op
 from ember.layers.rotary import RotaryEmbedding
 
 logger = logging.getLogger("ember")
@@ -215,7 +216,9 @@ class CompiledExecutor:
         # folds the weights in, and a package of it would carry a second copy of them. Frozen graphs, and
         # a shape whose export fails, go through dynamo (torch.compile) instead.
         # A hybrid's recurrent states are objects, not tensors: export takes tensors only, dynamo takes both.
-        self.ahead_of_time = not freezing and not self.recurrent_states
+        # A graph that calls ember::moe_experts holds keys to this process's modules (ember.layers.moe_compute),
+        # which a package, loaded by later processes, must not.
+        self.ahead_of_time = not freezing and not self.recurrent_states and not calls_experts_op(model)
         self._direct: dict[tuple[int, int], types.FunctionType] = {}  # (size, q_len) -> compiled bytecode, no guards
         self._packages: dict[tuple[int, int], object] = {}  # (size, q_len) -> its loaded AOTInductor package
         # (size, q_len) -> how a step of that shape runs compiled (a package, dynamo's bytecode without its
