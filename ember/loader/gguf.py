@@ -17,12 +17,12 @@ import re
 import struct
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField
 from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
@@ -386,38 +386,90 @@ class _Truncated(Exception):
         self.tensor, self.needed, self.size = tensor, needed, size
 
 
+class _ArrayParts(Sequence):
+    """The parts of one array field (gguf's ReaderField.parts: the key's length, the key, the value
+    type, the item type, the count, then one part per scalar or two per string), made on demand
+    from the mapped bytes. The stock reader keeps two numpy views per string: for a 248K-token
+    vocabulary's tokens and merges that was ~370 MiB of Python objects for the whole load (measured
+    on the Qwen3.5 GGUF files of `ember bench hybrid`); this keeps one offset per item."""
+
+    def __init__(self, raw: memoryview, head: list, item_offsets: np.ndarray, dtype: np.dtype | None):
+        self.raw, self.head, self.item_offsets, self.dtype = raw, head, item_offsets, dtype
+        self.per_item = 1 if dtype is not None else 2
+
+    def __len__(self) -> int:
+        return len(self.head) + self.per_item * len(self.item_offsets)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = i + len(self) if i < 0 else i
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        if i < len(self.head):
+            return self.head[i]
+        item, part = divmod(i - len(self.head), self.per_item)
+        offs = int(self.item_offsets[item])
+        if self.dtype is not None:
+            return np.frombuffer(self.raw, self.dtype, 1, offs)
+        if part == 0:
+            return np.frombuffer(self.raw, "<u8", 1, offs)
+        return np.frombuffer(self.raw, np.uint8, struct.unpack_from("<Q", self.raw, offs)[0], offs + 8)
+
+
 class _CheckedReader(GGUFReader):
     """GGUFReader that checks every tensor's byte range against the file size before making
     views; the stock reader would fail inside numpy's reshape with no hint of truncation. It also
-    reads string arrays (a tokenizer's tokens and merges: ~100k strings) in one pass over the
-    mapped bytes: the stock reader's four numpy calls per string took 2.9 s of the default model's
-    start on Zen3, this ~0.3 s; the fields it builds are the same (tests/loader/test_gguf.py)."""
+    reads string and scalar arrays (a tokenizer's tokens, merges, types: ~100k-250k items) in one
+    pass over the mapped bytes, keeping their parts lazy (_ArrayParts): the stock reader's four numpy
+    calls per string took 2.9 s of the default model's start on Zen3, this ~0.3 s; the fields read the
+    same (tests/loader/test_gguf.py)."""
 
-    def _get_field_parts(self, orig_offs: int, raw_type: int):
+    def _lean_array(self, offs: int, raw_type: int):
+        """(size, lazy parts, data indices, types) of a flat array field at offs, or None for the stock path."""
         if raw_type != GGUFValueType.ARRAY or self.byte_order != "I" or sys.byteorder != "little":
-            return super()._get_field_parts(orig_offs, raw_type)
+            return None
         raw = memoryview(self.data)
-        item_type = GGUFValueType(struct.unpack_from("<I", raw, orig_offs)[0])
+        item_type = GGUFValueType(struct.unpack_from("<I", raw, offs)[0])
         scalar = self.gguf_scalar_to_np.get(item_type)
         if item_type != GGUFValueType.STRING and scalar is None:  # nested arrays: the stock path
-            return super()._get_field_parts(orig_offs, raw_type)
-        count = struct.unpack_from("<Q", raw, orig_offs + 4)[0]
-        parts: list = [np.frombuffer(raw, "<u4", 1, orig_offs), np.frombuffer(raw, "<u8", 1, orig_offs + 4)]
-        idxs: list[int] = []
-        offs = orig_offs + 12
-        if scalar is not None:  # one part per element, as the stock reader makes them
+            return None
+        count = struct.unpack_from("<Q", raw, offs + 4)[0]
+        head = [np.frombuffer(raw, "<u4", 1, offs), np.frombuffer(raw, "<u8", 1, offs + 4)]
+        start = offs + 12
+        if scalar is not None:
             dtype = np.dtype(scalar).newbyteorder("<")
-            for _ in range(count):
-                idxs.append(len(parts))
-                parts.append(np.frombuffer(raw, dtype, 1, offs))
-                offs += dtype.itemsize
+            item_offsets = start + dtype.itemsize * np.arange(count, dtype=np.int64)
+            end = start + dtype.itemsize * count
         else:
-            for _ in range(count):
-                n = struct.unpack_from("<Q", raw, offs)[0]
-                idxs.append(len(parts) + 1)
-                parts += (np.frombuffer(raw, "<u8", 1, offs), np.frombuffer(raw, np.uint8, n, offs + 8))
-                offs += 8 + n
-        return offs - orig_offs, parts, idxs, [GGUFValueType.ARRAY, item_type]
+            dtype, item_offsets, end = None, np.empty(count, dtype=np.int64), start
+            for i in range(count):
+                item_offsets[i] = end
+                end += 8 + struct.unpack_from("<Q", raw, end)[0]
+        return end - offs, (raw, head, item_offsets, dtype), [GGUFValueType.ARRAY, item_type]
+
+    def _build_fields(self, offs: int, count: int) -> int:
+        """gguf's own loop, with flat arrays' parts kept lazy."""
+        for _ in range(count):
+            orig_offs = offs
+            kv_klen, kv_kdata = self._get_str(offs)
+            offs += int(kv_klen.nbytes + kv_kdata.nbytes)
+            raw_kv_type = self._get(offs, np.uint32)
+            offs += int(raw_kv_type.nbytes)
+            head = [kv_klen, kv_kdata, raw_kv_type]
+            lean = self._lean_array(offs, int(raw_kv_type[0]))
+            if lean is None:
+                field_size, field_parts, field_idxs, field_types = self._get_field_parts(offs, raw_kv_type[0])
+                parts, idxs = head + field_parts, [i + len(head) for i in field_idxs]
+            else:
+                field_size, (raw, array_head, item_offsets, dtype), field_types = lean
+                parts = _ArrayParts(raw, head + array_head, item_offsets, dtype)
+                first = len(head) + len(array_head) + (0 if dtype is not None else 1)
+                idxs = range(first, first + parts.per_item * len(item_offsets), parts.per_item)
+            name = str(bytes(kv_kdata), encoding="utf-8")
+            self._push_field(ReaderField(orig_offs, name, parts, idxs, field_types), skip_sum=True)
+            offs += field_size
+        return offs
 
     def _build_tensors(self, start_offs: int, fields: list) -> None:
         size = len(self.data)

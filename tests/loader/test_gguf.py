@@ -146,7 +146,9 @@ def test_fast_string_and_scalar_arrays_read_what_the_stock_reader_reads(model_fi
         assert list(stock.fields) == list(ours.fields)
         for key, a in stock.fields.items():
             b = ours.fields[key]
-            assert (a.offset, a.data, a.types, len(a.parts)) == (b.offset, b.data, b.types, len(b.parts)), key
+            assert (a.offset, list(a.data), a.types, len(a.parts)) == (b.offset, list(b.data), b.types, len(b.parts)), (
+                key
+            )
             assert all(
                 x.tobytes() == y.tobytes() and x.dtype.newbyteorder("<") == y.dtype.newbyteorder("<")
                 for x, y in zip(a.parts, b.parts)

@@ -7,6 +7,11 @@ GEMM), so every step page-faults them in again: measured on 2 Zen4 cores, a 64-s
 step of the default model took 780-870 ms that way and 270-300 ms with both thresholds raised.
 Intel's PyTorch CPU guide gets the same effect by preloading jemalloc or tcmalloc; mallopt does
 it without a preload. The cost: RSS stays at the step's high-water mark instead of shrinking.
+
+The same thresholds keep what start-up frees (the GGUF reader's metadata, the loader's staging
+copies) in the heap for good, so start-up hands it back once with malloc_trim
+(`release_freed_memory`) after the weights are in place: freed pages leave the resident set, and
+the steps' own transients are unaffected (they come back into the heap on their first step).
 """
 
 from __future__ import annotations
@@ -44,3 +49,16 @@ def keep_freed_memory_in_heap() -> bool:
         logger.debug("mallopt refused the thresholds; freed CPU memory goes back to the OS each step")
     _done = ok
     return ok
+
+
+def release_freed_memory() -> bool:
+    """Give the heap's free pages back to the OS once (glibc's malloc_trim); False where there is no glibc."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # musl and others
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)
+    return True

@@ -7,11 +7,13 @@ rank holds the same kind of weights and runs the same kernels (their numerics ag
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 
 import torch
 
 from ember.config import CPU_DENSE_COPY_FRACTION
+from ember.engine.startup.cpu_malloc import release_freed_memory
 from ember.engine.startup.device import DeviceSetup
 from ember.errors import ConfigError
 from ember.loader.model_loader import LoadedModel, load_model
@@ -42,6 +44,9 @@ def load_weights(
         load.model, load.tokenizer, setup.dtype, setup.device, setup.attention_backend, quantization, setup.kernels
     )
     copies = WeightCopies(int8_decode(config, setup, loaded), dense_copy(config, setup, loaded, tensor_parallel))
+    if setup.device.type == "cpu":  # the reader's metadata and the loader's staging copies, freed, leave RSS
+        gc.collect()
+        release_freed_memory()
     return loaded, copies
 
 
