@@ -218,6 +218,7 @@ class Source:
     kind: str  # "gguf" | "folder" | "config"
     mc: ModelConfig
     gguf_bytes: int | None = None
+    gguf_tensors: list | None = None  # peak_rss.GGUFTensorInfo of every tensor the loader loads
 
 
 def load_source(model: str | None) -> Source:
@@ -237,10 +238,12 @@ def load_source(model: str | None) -> Source:
                 return Source(path, "config", ModelConfig.from_dict(json.load(f)))
         except json.JSONDecodeError as e:
             raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
+    from ember.engine.peak_rss import GGUFTensorInfo
     from ember.loader.gguf import GGUFCheckpoint
 
     ckpt = GGUFCheckpoint(path)
-    return Source(path, "gguf", ModelConfig.from_dict(ckpt.config), ckpt.tensor_bytes)
+    infos = [GGUFTensorInfo(*t) for t in ckpt.loaded_tensor_infos()]
+    return Source(path, "gguf", ModelConfig.from_dict(ckpt.config), ckpt.tensor_bytes, infos)
 
 
 def resolve_quantization(src: Source, requested: str) -> tuple[str, int]:
@@ -300,6 +303,9 @@ class Plan:
     # hybrid models: one sequence's recurrent state, and the slots the engine keeps (max_num_seqs + snapshots)
     state_bytes_per_seq: int = 0
     state_slots: int = 0
+    # a CPU engine process's predicted peak resident set and its parts (ember.engine.peak_rss); 0 on CUDA
+    peak_rss_bytes: int = 0
+    peak_rss_parts: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -361,6 +367,7 @@ def plan(config: EngineConfig, memory_gib: float | None = None) -> Plan:
     if sched.max_model_len is not None and sched.max_model_len > context:
         raise ConfigError(f"--max-model-len {sched.max_model_len} exceeds the model's context length {context}")
     want = sched.max_model_len or context
+    rss = predict_peak_rss(config, device, src, quant, b, weights, per_token * block_size, state_seq * slots, want)
     return Plan(
         src.path,
         mc.architecture,
@@ -391,7 +398,60 @@ def plan(config: EngineConfig, memory_gib: float | None = None) -> Plan:
         draft_kv,
         state_seq,
         slots,
+        *rss,
     )
+
+
+def cpu_kv_budget_bytes(config: EngineConfig) -> float:
+    """What a CPU engine's pool gets (engine/startup/kv_pool.py): --kv-cache-memory, else a share of free RAM."""
+    from ember.config import CPU_KV_CAP_GIB, CPU_KV_FRACTION
+
+    memory = config.cache_config.kv_cache_memory
+    return memory * GiB if memory is not None else min(CPU_KV_FRACTION * available_ram_bytes(), CPU_KV_CAP_GIB * GiB)
+
+
+def predict_peak_rss(
+    config: EngineConfig,
+    device: str,
+    src: Source,
+    quant: str,
+    b: int,
+    weights: int,
+    block_bytes: int,
+    state_bytes: int,
+    want: int,
+) -> tuple[int, dict | None]:
+    """(bytes, their parts by name): the peak RSS of a CPU engine started with these flags
+    (ember.engine.peak_rss has the model); (0, None) on CUDA, whose memory is the GPU's."""
+    from ember.config import CPU_DENSE_COPY_FRACTION
+    from ember.engine import peak_rss
+
+    if device != "cpu":
+        return 0, None
+
+    mc, sched, kc = src.mc, config.scheduler_config, config.kernel_config
+    copy = 0
+    if quant == "gguf" and src.gguf_tensors is not None:
+        weights = peak_rss.gguf_weight_bytes(src.gguf_tensors, b, mc.tie_word_embeddings)
+        if kc.int4_dense_copy is not False:
+            copy = peak_rss.gguf_dense_copy_bytes(src.gguf_tensors, b, kc.int8_activations)
+            if kc.int4_dense_copy is None and copy > CPU_DENSE_COPY_FRACTION * available_ram_bytes():
+                copy = 0
+    pool = kv_pool(max(0.0, cpu_kv_budget_bytes(config) - state_bytes), block_bytes, config.block_size)
+    tokens = min(sched.max_num_batched_tokens, want)
+    max_num_seqs = sched.default_max_num_seqs("cpu")
+    step = activation_bytes(mc, b, 1, tokens, max_num_seqs) + peak_rss.hybrid_step_bytes(mc, tokens)
+    compiled = config.executor_config.executor in ("auto", "compiled")
+    rss = peak_rss.PeakRss(
+        peak_rss.PROCESS_BYTES + peak_rss.TOKENIZER_BYTES_PER_TOKEN * mc.vocab_size,
+        weights,
+        copy,
+        pool.num_blocks * pool.block_bytes,
+        state_bytes,
+        step,
+        peak_rss.compile_bytes(max_num_seqs) if compiled else 0,
+    )
+    return rss.total, dict(rss.parts())
 
 
 def format_plan(p: Plan) -> str:
@@ -455,5 +515,8 @@ def format_plan(p: Plan) -> str:
             else []
         ),
     ]
+    if p.peak_rss_parts:
+        parts = ", ".join(f"{k} {v / 2**20:,.0f}" for k, v in p.peak_rss_parts.items() if v)
+        rows.append(("peak RSS (cpu)", f"{size(p.peak_rss_bytes)} = {parts} MiB"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

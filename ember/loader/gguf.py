@@ -366,6 +366,14 @@ class GGUFCheckpoint:
         """MTP layers the file carries (a hybrid converted without --no-mtp): nextn_predict_layers."""
         return int(self.config.get("mtp_num_hidden_layers", 0))
 
+    def loaded_tensor_infos(self) -> list[tuple[str, str, int, int]]:
+        """(GGUF name, type name, elements, dims) of every tensor the loader loads (for the planner)."""
+        return [
+            (t.name, t.tensor_type.name, int(t.n_elements), len(t.shape))
+            for t in self._reader.tensors
+            if isinstance(self._hf_name(t.name), str)
+        ]
+
     @property
     def tensor_names(self) -> list[str]:
         return list(self._tensors)

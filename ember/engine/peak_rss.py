@@ -1,0 +1,156 @@
+"""The peak resident set of a CPU engine process, predicted from its flags (`ember plan`'s "peak RSS").
+
+A CPU engine's memory is allocated up front and touched (zero-filled pools), and glibc keeps what a
+step frees in the heap (engine/startup/cpu_malloc.py), so the peak is the sum of what start-up holds
+and the largest step's transients:
+
+  process       the interpreter, torch and ember imported (PROCESS_BYTES), plus the tokenizer
+                (TOKENIZER_BYTES_PER_TOKEN a vocabulary entry)
+  weights       as held, not as stored: a GGUF tensor costs HELD_BYTES_PER_WEIGHT of its type in
+                the layout this machine's kernels take (Q6_K holds 1.25 B a weight against the
+                file's 0.82; Q4_K's scales are float32); float and unpacked types hold the run dtype
+  dense copy    --int4-dense-copy auto: a run-dtype copy of every GGUF linear whose kernel loses at
+                many rows (Q6_K; every packed type without the tiled GEMV's int8-x path), the
+                embedding and the head left out, when it fits CPU_DENSE_COPY_FRACTION of free RAM
+  pools         the KV blocks and the recurrent-state slots, exactly as engine/startup/kv_pool.py
+                sizes them (the planner's arithmetic)
+  step          one step of max_num_batched_tokens tokens: the planner's activation reserve, plus
+                for a hybrid its linear-attention layers' float32 prefill work
+                (GDN_PREFILL_FLOATS_PER_CONV_CHANNEL floats a token and conv channel)
+  compile       --executor auto / compiled: inductor's machinery (COMPILE_BYTES) and each decode
+                batch size's graph (COMPILE_BYTES_PER_SIZE; sizes 1, 2, 4, 8, 16, ... up to
+                max_num_seqs, every one built in a server that has run that many requests)
+
+The constants were measured on the bench machine (2 Xeon cores, torch 2.13 CPU) with
+/proc/self/status at each start-up stage; docs/tuning.md ("Peak RSS") has the figures. The test
+(tests/engine/test_peak_rss.py) holds the prediction to 10% of a measured process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MiB = 1 << 20
+PROCESS_BYTES = 270 * MiB
+TOKENIZER_BYTES_PER_TOKEN = 240
+COMPILE_BYTES = 230 * MiB  # inductor's machinery, imported and run once
+COMPILE_BYTES_PER_SIZE = 70 * MiB  # each decode batch size's graph, loaded
+GDN_PREFILL_FLOATS_PER_CONV_CHANNEL = 4
+# bytes a weight as the GGUF methods hold it, in a bfloat16 run with the tiled GEMV (AVX-512 BF16) /
+# without it (torch's int4 kernel: codes 4 bits, a (scale, zero) pair in the run dtype per 32; 8-bit
+# codes split into two nibbles; ember.quant.gguf_quant's docstring)
+HELD_BYTES_PER_WEIGHT = {
+    "tiled": {"Q4_0": 0.625, "Q4_1": 0.625, "Q4_K": 0.75, "Q5_0": 1.125, "Q5_1": 1.125, "Q5_K": 1.25, "Q8_0": 1.125},
+    "int4": {"Q4_0": 0.625, "Q4_1": 0.625, "Q4_K": 0.625, "Q5_0": 1.25, "Q5_1": 1.25, "Q5_K": 1.25, "Q8_0": 1.25},
+}
+Q6K_HELD_BYTES = {2: 1.25, 4: 1.5}  # by the run dtype's bytes: codes 1 B + (s, z) per 16 weights
+FLOAT_TYPES = ("F32", "F16", "BF16")
+# GGUF tensors one Linear of ember holds together (a dense copy is the whole Linear's)
+FUSED = {
+    "attn_q": "qkv",
+    "attn_k": "qkv",
+    "attn_v": "qkv",
+    "ffn_gate": "gate_up",
+    "ffn_up": "gate_up",
+    "attn_qkv": "qkvz",
+    "attn_gate": "qkvz",
+    "ssm_alpha": "ba",
+    "ssm_beta": "ba",
+}
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    name: str
+    type_name: str
+    elements: int
+    dims: int
+
+
+@dataclass
+class PeakRss:
+    process: int
+    weights: int
+    dense_copy: int
+    kv_pool: int
+    state_pool: int
+    step: int
+    compile: int
+
+    @property
+    def total(self) -> int:
+        return self.process + self.weights + self.dense_copy + self.kv_pool + self.state_pool + self.step + self.compile
+
+    def parts(self) -> list[tuple[str, int]]:
+        return [
+            ("process", self.process),
+            ("weights", self.weights),
+            ("dense copy", self.dense_copy),
+            ("KV pool", self.kv_pool),
+            ("state pool", self.state_pool),
+            ("step", self.step),
+            ("compile", self.compile),
+        ]
+
+
+def layout(dtype_bytes: int) -> str:
+    """Which packed layout a GGUF file's quantized matrices take on this machine."""
+    from ember.kernels import cpu_tiled_gemv
+
+    x = cpu_tiled_gemv.x_dtype()
+    return "tiled" if x is not None and x.itemsize == dtype_bytes else "int4"
+
+
+def held_bytes(t: GGUFTensorInfo, dtype_bytes: int, kind: str, lookup_only: bool) -> float:
+    """Bytes tensor t takes as loaded. lookup_only: an untied embedding, kept raw when packed."""
+    if t.dims < 2 or t.type_name in FLOAT_TYPES:
+        return t.elements * dtype_bytes
+    if t.type_name == "Q6_K":
+        return t.elements * (210 / 256 if lookup_only else Q6K_HELD_BYTES[dtype_bytes])
+    per = HELD_BYTES_PER_WEIGHT[kind].get(t.type_name)
+    return t.elements * (per if per is not None else dtype_bytes)  # others are dequantized at load
+
+
+def gguf_weight_bytes(tensors: list[GGUFTensorInfo], dtype_bytes: int, tied: bool) -> int:
+    kind = layout(dtype_bytes)
+    return int(sum(held_bytes(t, dtype_bytes, kind, t.name == "token_embd.weight" and not tied) for t in tensors))
+
+
+def needs_copy(type_name: str, kind: str, q8: bool) -> bool:
+    """Whether a packed GGUF matrix of this type loses to a dense GEMM at many rows (so gets a copy)."""
+    if type_name in FLOAT_TYPES:
+        return False
+    if type_name == "Q6_K":
+        return True
+    return not (kind == "tiled" and q8 and type_name in HELD_BYTES_PER_WEIGHT["tiled"])
+
+
+def gguf_dense_copy_bytes(tensors: list[GGUFTensorInfo], dtype_bytes: int, int8_activations: bool) -> int:
+    """The run-dtype copy --int4-dense-copy auto makes: whole Linears with a part that needs one."""
+    from ember.kernels import cpu_tiled_gemv
+
+    kind, q8 = layout(dtype_bytes), int8_activations and cpu_tiled_gemv.has_q8()
+    groups: dict[str, list[GGUFTensorInfo]] = {}
+    for t in tensors:
+        if not t.name.startswith("blk.") or t.dims < 2:
+            continue  # the embedding and the head keep their packed method alone
+        block, part = t.name.split(".")[1:3]
+        groups.setdefault(f"{block}.{FUSED.get(part, part)}", []).append(t)
+    return sum(
+        sum(t.elements for t in ts) * dtype_bytes
+        for ts in groups.values()
+        if any(needs_copy(t.type_name, kind, q8) for t in ts)
+    )
+
+
+def hybrid_step_bytes(mc, tokens: int) -> int:
+    """A hybrid's linear-attention prefill work in float32 beyond the planner's activations."""
+    if not mc.is_hybrid:
+        return 0
+    return tokens * mc.linear_conv_dim * GDN_PREFILL_FLOATS_PER_CONV_CHANNEL * 4
+
+
+def compile_bytes(max_num_seqs: int) -> int:
+    from ember.engine.executor.decode_batch import default_sizes
+
+    return COMPILE_BYTES + COMPILE_BYTES_PER_SIZE * len(default_sizes(max_num_seqs))

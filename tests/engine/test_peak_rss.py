@@ -1,0 +1,76 @@
+"""`ember plan`'s peak RSS (ember.engine.peak_rss) against a measured process: an engine in a fresh
+interpreter, started with the same flags, one prefill of a full step budget and a few decodes, its
+resource.getrusage high-water mark. Within 10% on the default model (SmolLM2-135M, Q4_1 GGUF) and on
+a tiny Qwen3.5 hybrid written to GGUF by llama.cpp's converter (state slots that matter: 16 value
+heads of 128 x 128)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ember.config import EngineConfig
+from ember.engine.planner import plan
+
+pytestmark = pytest.mark.engine
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# what the measured process runs: the engine, a prompt of the whole step budget, then 4 tokens
+MEASURE = """
+import json, resource, sys
+from ember import LLM, SamplingParams
+flags = json.loads(sys.argv[1])
+llm = LLM(**flags)
+prompt = [(t * 37) % 5000 + 100 for t in range(flags["max_num_batched_tokens"] - 1)]
+llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+print("PEAK", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+def measured_peak(flags: dict) -> int:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+    out = subprocess.run(
+        [sys.executable, "-c", MEASURE, json.dumps(flags)], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return int(next(line for line in out.stdout.splitlines() if line.startswith("PEAK")).split()[1])
+
+
+def check(flags: dict) -> None:
+    predicted = plan(EngineConfig(device="cpu", **flags))
+    peak = measured_peak(flags)
+    parts = {k: round(v / 2**20) for k, v in predicted.peak_rss_parts.items()}
+    print(f"planned {predicted.peak_rss_bytes / 2**20:.0f} MiB {parts}, measured {peak / 2**20:.0f} MiB")
+    assert abs(predicted.peak_rss_bytes / peak - 1) <= 0.10, (
+        f"planned {predicted.peak_rss_bytes / 2**20:.0f} MiB {parts}, measured {peak / 2**20:.0f} MiB"
+    )
+
+
+ENGINE = {"executor": "eager", "num_threads": 1, "max_num_batched_tokens": 1024, "dtype": "bfloat16"}
+
+
+def test_default_model_peak_rss_is_planned_within_10_percent():
+    from ember.default_model import default_model_path
+
+    check({"model": default_model_path(), "max_model_len": 2048, "max_num_seqs": 8, "kv_cache_memory": 0.25, **ENGINE})
+
+
+def test_hybrid_gguf_peak_rss_is_planned_within_10_percent(tmp_path):
+    from ember.bench.peers.llamacpp_convert import convert, write_qwen_tokenizer
+    from tests.models.tiny_hybrids import build_hybrid
+
+    heads = dict(linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128)
+    model = build_hybrid("qwen3_5", vocab_size=151936, **heads)
+    folder = str(tmp_path / "qwen3_5")
+    model.save_pretrained(folder)
+    write_qwen_tokenizer(folder)
+    path = convert(folder, folder + ".f32.gguf", "f32", ("--no-mtp",))
+    flags = {"model": path, "max_model_len": 512, "max_num_seqs": 16, "kv_cache_memory": 0.25}
+    flags = {**ENGINE, **flags, "max_num_batched_tokens": 512}  # the tiny model's context is 512
+    predicted = plan(EngineConfig(device="cpu", **flags))
+    assert predicted.state_slots == 48 and predicted.peak_rss_parts["state pool"] > 90 * 2**20
+    check(flags)
