@@ -303,7 +303,7 @@ def _log_start(parts: EngineParts, pool: planner.KVPool) -> None:
     loaded, limits, setup = parts.loaded, parts.limits, parts.setup
     mc, bs = loaded.model_config, pool.block_size
     logger.info(
-        "ember: %s, %.1fM parameters, %.1f MB weights%s, %s on %s, KV cache %s, %d blocks x %d = %d tokens (%.1f MB), "
+        "ember: %s, %.1fM parameters, %.1f MB weights%s, %s on %s, KV cache %s, %d blocks x %d = %d tokens (%.1f MB)%s, "
         "max_model_len %d, %s executor%s, loaded from %s in %.1fs",
         mc.architecture,
         loaded.num_parameters / 1e6,
@@ -316,11 +316,25 @@ def _log_start(parts: EngineParts, pool: planner.KVPool) -> None:
         bs,
         pool.num_blocks * bs,
         pool.num_blocks * pool.block_bytes / 1e6,
+        _state_note(parts),
         limits.max_model_len,
         limits.executor,
         _executor_note(parts),
         loaded.path,
         loaded.load_seconds,
+    )
+
+
+def _state_note(parts: EngineParts) -> str:
+    """A hybrid's recurrent-state pool, beside the KV pool's line: what it holds and costs."""
+    runner = parts.runner
+    if not runner.recurrent_states:
+        return ""
+    slots, snapshots = runner.state_slots, parts.kv.states.num_snapshots if parts.kv.states is not None else 0
+    nbytes = sum(st.nbytes for st in runner.recurrent_states)
+    return (
+        f", recurrent state {slots} slots ({slots - snapshots} sequences + {snapshots} prefix-cache snapshots) x "
+        f"{nbytes / slots / 1e6:.2f} MB = {nbytes / 1e6:.1f} MB"
     )
 
 
