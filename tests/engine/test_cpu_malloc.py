@@ -39,3 +39,35 @@ def test_large_blocks_come_from_the_heap_after_the_call():
     out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+RELEASE_CHILD = r"""
+import ctypes
+from ember.engine.startup.cpu_malloc import keep_freed_memory_in_heap, release_freed_memory
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+
+def rss_mib():
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS")) // 1024
+
+assert keep_freed_memory_in_heap()
+before = rss_mib()
+blocks = [libc.malloc(1 << 20) for _ in range(256)]  # 256 MiB of 1 MiB blocks, touched
+for p in blocks:
+    ctypes.memset(p, 1, 1 << 20)
+for p in blocks[:-1]:  # the last one stays: the freed ones sit below it, where no trim of the top reaches
+    libc.free(p)
+kept = rss_mib()
+assert kept - before >= 200, (before, kept)  # the raised thresholds keep freed memory resident
+assert release_freed_memory()
+released = rss_mib()
+assert kept - released >= 200, (kept, released)
+print("ok")
+"""
+
+
+def test_freed_heap_pages_leave_the_resident_set_on_release():
+    out = subprocess.run([sys.executable, "-c", RELEASE_CHILD], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
