@@ -13,8 +13,17 @@ def build(factory: str, kwargs: dict):
 
 
 def peak_rss_bytes() -> int:
-    """This process's resident-set high-water mark (Linux reports KiB, macOS bytes)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    """This process's resident-set high-water mark. On Linux it is VmHWM, its own memory's: getrusage's
+    ru_maxrss carries over exec from the process that started it (a worker spawned by a 1 GiB driver
+    reports at least 1 GiB), so it would floor every side at the benchmark driver's size."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # macOS: bytes; other Unixes: KiB
     return peak if sys.platform == "darwin" else peak * 1024
 
 
