@@ -130,7 +130,7 @@ class KVCacheManager:
         """The name of the request's first p computed tokens: its block hash at a block boundary, else
         the partial block's (registered here); None while they are not all computed and hashed."""
         bs = self.block_size
-        if p < 1 or p > request.num_computed_tokens or len(request.block_hashes) < p // bs:
+        if p < 1 or p > min(request.num_computed_tokens, request.num_tokens) or len(request.block_hashes) < p // bs:
             return None
         if p % bs == 0:
             return request.block_hashes[p // bs - 1]
@@ -233,8 +233,8 @@ class KVCacheManager:
             parent, _, n = self.partial[name]
             if n > keep_up_to:
                 del self.partial[name]
-                self.partial_by_block[block].discard(name)
-                self.partial_by_parent[parent].discard(name)
+                _discard(self.partial_by_block, block, name)
+                _discard(self.partial_by_parent, parent, name)
                 self.states.forget(name)
 
     def reset_prefix_cache(self) -> None:
@@ -243,3 +243,10 @@ class KVCacheManager:
                 self._forget_hash(b)
         if self.states is not None:
             self.states.reset()
+
+
+def _discard(index: dict, key, name: int) -> None:
+    names = index[key]
+    names.discard(name)
+    if not names:
+        del index[key]

@@ -1,7 +1,8 @@
 """Recurrent-state slots of a hybrid model, beside the KV blocks (plain Python, no torch).
 
 Every running request holds one live slot (taken at admission, given back on finish, abort and
-preemption), like the blocks it holds. The slots past the live ones hold prefix-cache snapshots:
+preemption), like the blocks it holds. The other slots hold prefix-cache snapshots (which slot
+is which changes as a request's live slot becomes its end snapshot, below):
 the state after p tokens, named by the prefix it ends (KVCacheManager.prefix_name: the chained hash
 of the block ending at p, or of the partial block's tokens when p is inside a block). A prefix-cache
 hit may skip only tokens whose state it can restore, so a hit ends where a snapshot is.
@@ -27,8 +28,8 @@ Which snapshots are kept (the pool is fixed; a burst of new prompts must not flu
 So a chain's deepest snapshot outlives its shallow ones, a deep snapshot outlives shallower ones of
 the same age (a 4K-token conversation's end outlives a burst of 1K-token prompts), and whatever
 stays unused goes once the clock has passed its credit (GreedyDual-Size, Cao & Irani 1997, with the
-tokens a hit saves as the cost and every snapshot of one size). A snapshot whose KV blocks leave the
-cache is dropped at once (`forget`): nothing could hit it.
+tokens a hit saves as the cost and every snapshot of one size). A snapshot whose own block (the
+one its name names) is handed out again is dropped at once (`forget`): nothing could hit it.
 """
 
 from __future__ import annotations
