@@ -81,11 +81,12 @@ class Request:
         self.block_hashes: list[int] = []  # chained hashes of this request's full blocks
         self.num_preemptions = 0
         # Hybrid models (ember.engine.state_slots): the live recurrent-state slot; this step's planned
-        # snapshots and computed-but-unnamed ones, as (position, snapshot slot); the rolling one's hash.
+        # snapshots and computed-but-unnamed ones, as (position, snapshot slot); the name of the deepest
+        # snapshot it named or restored (the one its next snapshot supersedes).
         self.state_slot: int | None = None
         self.state_plan: list[tuple[int, int]] = []
         self.unnamed_snapshots: list[tuple[int, int]] = []
-        self.rolling_snapshot: int | None = None
+        self.snapshot_head: int | None = None
         self.stop_reason: int | str | None = None
         # Speculative decoding: draft tokens proposed for the next step (a Draft,
         # consumed when scheduled) and the adaptive-k state (ember.spec.adaptive.SpecState).

@@ -105,15 +105,17 @@ class Scheduler:
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             # prompt logprobs come from the prompt's own positions: a request that asks for them computes all
-            cached = (
-                self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 and req.prompt_logprobs is None else []
+            hit = (
+                self.kv.find_cached_prefix(req)
+                if req.num_computed_tokens == 0 and req.prompt_logprobs is None
+                else None
             )
-            num_cached = len(cached) * self.kv.block_size
+            num_cached = hit.num_tokens if hit is not None else 0
             n = req.num_tokens - req.num_computed_tokens - num_cached
             if n > budget and not self.enable_chunked_prefill:
                 break  # waits for a step with the whole budget free
             n = min(n, budget)
-            if not self.kv.allocate_slots(req, n, cached):
+            if not self.kv.allocate_slots(req, n, hit):
                 break
             self.waiting.popleft()
             req.num_computed_tokens += num_cached

@@ -38,15 +38,15 @@ def test_prefix_hit_reuses_full_blocks_and_never_the_last_token():
     assert len(a.block_hashes) == 2  # 2 full blocks, the third holds 2 tokens
 
     b = req("b", list(range(8)) + [99, 98, 97])
-    hits = kv.find_cached_prefix(b)
-    assert hits == a.block_ids[:2]
-    assert kv.allocate_slots(b, b.num_tokens - 8, hits)
+    hit = kv.find_cached_prefix(b)
+    assert hit.blocks == a.block_ids[:2] and hit.num_tokens == 8
+    assert kv.allocate_slots(b, b.num_tokens - 8, hit)
     assert b.block_ids[:2] == a.block_ids[:2]
     assert kv.ref_counts[a.block_ids[0]] == 2
 
     # A prompt exactly equal to a cached prefix still recomputes its last block.
     c = req("c", list(range(8)))
-    assert len(kv.find_cached_prefix(c)) == 1
+    assert kv.find_cached_prefix(c).num_tokens == 4
 
 
 def test_freed_blocks_stay_cached_until_reused_lru():
@@ -60,16 +60,16 @@ def test_freed_blocks_stay_cached_until_reused_lru():
     assert kv.num_free_blocks == 4
     # Same prefix again: the freed blocks are revived from the free queue.
     b = req("b", [1, 2, 3, 4, 6])
-    hits = kv.find_cached_prefix(b)
-    assert hits == blocks[:2]
-    assert kv.allocate_slots(b, 1, hits)
+    hit = kv.find_cached_prefix(b)
+    assert hit.blocks == blocks[:2]
+    assert kv.allocate_slots(b, 1, hit)
     assert kv.num_free_blocks == 1
     assert kv.stats.hits == 4 + 4 - 4  # only b's lookup counted hits (a's lookup was not made)
     kv.free(b)
     # Fill the pool with other tokens: the cached blocks are evicted and their hashes dropped.
     c = req("c", [9] * 8)
     assert kv.allocate_slots(c, 8)
-    assert kv.find_cached_prefix(req("d", [1, 2, 3, 4, 5])) == []
+    assert kv.find_cached_prefix(req("d", [1, 2, 3, 4, 5])).blocks == []
 
 
 def test_revived_cached_blocks_count_against_free_space():
@@ -80,8 +80,8 @@ def test_revived_cached_blocks_count_against_free_space():
     kv.cache_full_blocks(a)
     kv.free(a)  # 3 free, 2 of them cached
     b = req("b", [1, 2, 3, 4, 5, 6, 7, 8, 9])
-    hits = kv.find_cached_prefix(b)
-    assert len(hits) == 2
+    hit = kv.find_cached_prefix(b)
+    assert len(hit.blocks) == 2
     # needs 5 blocks in all: 2 revived + 3 new > 3 free
-    assert not kv.allocate_slots(b, 5, hits)
+    assert not kv.allocate_slots(b, 5, hit)
     assert kv.num_free_blocks == 3 and b.block_ids == []
