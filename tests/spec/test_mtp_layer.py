@@ -448,12 +448,29 @@ def test_refuses_qwen3_next_gated_attention_block(tiny_model_dir, tmp_path):
         load_mtp(main, folder, progress=False)
 
 
-def test_refuses_gguf_main_without_separate_folder(tmp_path, tiny_model_dir):
+def test_refuses_gguf_main_without_mtp_tensors(tmp_path, tiny_model_dir):
+    """A GGUF file without MTP tensors (a dense architecture, or a hybrid converted with --no-mtp; the
+    hybrid case with llama.cpp's converter is tests/loader/test_gguf_mtp.py's) names what to change."""
+    import gguf
+
     main = load_ember_model(tiny_model_dir("qwen3"))
-    fake = tmp_path / "model.gguf"
-    fake.write_bytes(b"GGUF")
-    with pytest.raises(ModelLoadError, match="GGUF file; ember reads MTP layers from safetensors only"):
-        find_mtp_weights(main.cfg, str(fake))
+    path = tmp_path / "model.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen3")
+    cfg = main.cfg
+    writer.add_block_count(cfg.num_layers)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_heads)
+    writer.add_head_count_kv(cfg.num_kv_heads)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_tensor("token_embd.weight", torch.zeros(8, 4).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="holds no MTP layer.*re-convert the model without --no-mtp"):
+        find_mtp_weights(main.cfg, str(path))
 
 
 def test_separate_folder_config_keys_default_to_the_model(tiny_model_dir, tmp_path):
