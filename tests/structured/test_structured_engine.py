@@ -70,24 +70,6 @@ def test_free_text_of_the_same_prompts_is_not_valid_json(llm):
     assert valid <= len(names) // 2
 
 
-def test_mtp_speculation_gives_the_answer_of_no_speculation():
-    """float32 (dequantized), so that a verify step's rows round as a decode step's do: in bf16 a near
-    tie may go either way with or without speculation, constrained or not."""
-    with_mtp = LLM(kv_cache_memory=0.2, max_model_len=1024, dtype="float32", quantization="none")
-    names = ["person", "refs", "pattern_code"]
-    prompts = [chat(with_mtp, SCHEMAS[n][0]) for n in names]
-    params = [json_params(SCHEMAS[n][1], temperature=0, max_tokens=150) for n in names]
-    spec = with_mtp.generate(prompts, params, use_tqdm=False)
-    assert with_mtp.engine.parts.spec.stats.num_draft_tokens > 0  # drafts were verified against the grammar
-    del with_mtp
-    plain_llm = LLM(kv_cache_memory=0.2, max_model_len=1024, dtype="float32", quantization="none", enable_mtp=False)
-    assert plain_llm.engine.parts.spec is None
-    plain = plain_llm.generate(prompts, params, use_tqdm=False)
-    for name, a, b in zip(names, spec, plain):
-        assert a.outputs[0].text == b.outputs[0].text, name
-        assert_valid(a.outputs[0], SCHEMAS[name][1])
-
-
 def test_n_sequences_each_hold_to_the_schema(llm):
     schema = SCHEMAS["person"][1]
     out = llm.generate(
@@ -127,33 +109,6 @@ def test_regex_choice_and_grammars(llm):
     for (so, check), out in zip(cases, outs):
         c = out.outputs[0]
         assert c.finish_reason == "stop" and check(c.text), (so.kind, c.text)
-
-
-def test_preempted_requests_keep_their_grammar_state():
-    """A pool too small for the batch: requests are preempted (recomputed) mid-answer and still validate."""
-    small = LLM(kv_cache_memory=0.012, max_model_len=512, max_num_seqs=16, enable_mtp=False)
-    names = list(SCHEMAS)
-    outs = small.generate(
-        [chat(small, "Answer briefly and exactly. " + SCHEMAS[n][0]) for n in names],
-        [json_params(SCHEMAS[n][1], temperature=0.7, seed=1, max_tokens=300) for n in names],
-        use_tqdm=False,
-    )
-    assert small.engine.parts.scheduler.num_preemptions > 0
-    for name, out in zip(names, outs):
-        assert_valid(out.outputs[0], SCHEMAS[name][1])
-
-
-def test_chunked_prefill_and_prefix_cache_hit():
-    engine_llm = LLM(kv_cache_memory=0.5, max_model_len=2048, max_num_batched_tokens=64, enable_mtp=False)
-    long_question = "Here are my notes. " + " ".join(f"Item {i} is on shelf {i % 7}." for i in range(60))
-    prompt = chat(engine_llm, long_question + " Describe one item as JSON.")
-    schema = SCHEMAS["array_of_objects"][1]
-    first = engine_llm.generate([prompt], json_params(schema, temperature=0), use_tqdm=False)[0]
-    second = engine_llm.generate([prompt], json_params(schema, temperature=0), use_tqdm=False)[0]
-    assert len(first.prompt_token_ids) > 4 * 64  # several prefill chunks
-    assert second.num_cached_tokens > 0
-    assert_valid(first.outputs[0], schema)
-    assert second.outputs[0].text == first.outputs[0].text
 
 
 def test_sampling_knobs_act_within_the_grammar(llm):
@@ -241,18 +196,3 @@ def test_each_distinct_constraint_compiles_once(llm):
     for _ in range(3):
         llm.generate(["Answer."], json_params(schema, temperature=0, max_tokens=30), use_tqdm=False)
     assert llm.engine.structured.num_compiled == before + 1
-
-
-def test_reasoning_is_free_and_the_answer_is_constrained():
-    """--reasoning-parser deepseek_r1: a prompt that opens <think> leaves the reasoning unconstrained; the
-    schema holds from the token after </think> (the 135M model copies the few-shot pattern)."""
-    thinker = LLM(kv_cache_memory=0.3, max_model_len=1024, reasoning_parser="deepseek_r1", enable_mtp=False)
-    prompt = (
-        'Q: 2+2?\n<think>\nI add the numbers.\n</think>\n{"answer": 4}\n\n'
-        'Q: 3+3?\n<think>\nI add the numbers.\n</think>\n{"answer": 6}\n\nQ: 5+2?\n<think>\n'
-    )
-    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
-    out = thinker.generate([prompt], json_params(schema, temperature=0, max_tokens=60), use_tqdm=False)[0].outputs[0]
-    reasoning, _, answer = out.text.partition("</think>")
-    assert "I add" in reasoning and out.finish_reason == "stop"
-    jsonschema.validate(json.loads(answer), schema)
