@@ -172,8 +172,19 @@ def _descendants(pid: int) -> list:
         return []
 
 
+def _compiles_or_runs_under_a_compiler(p) -> bool:
+    """False for a process that exits while it is asked: inductor's compilers come and go by the
+    dozen, and one gone between listing and asking (p.parents() raises then) is not left behind."""
+    import psutil
+
+    try:
+        return is_compile_process(p) or any(is_compile_process(a) for a in p.parents())
+    except psutil.Error:
+        return False
+
+
 def _compile_processes(pid: int) -> list:
-    return [p for p in _descendants(pid) if is_compile_process(p) or any(is_compile_process(a) for a in p.parents())]
+    return [p for p in _descendants(pid) if _compiles_or_runs_under_a_compiler(p)]
 
 
 def _guards_of(pid: int) -> list:
@@ -194,6 +205,32 @@ def _fake_compiler(tmp_path) -> str:
     return str(path)
 
 
+def test_a_process_gone_while_asked_is_neither_alive_nor_a_compiler():
+    """The race both the guard and these tests meet: psutil listed a process that has exited by the time
+    it is asked about (its name, parents or status then raise NoSuchProcess)."""
+    import psutil
+
+    from ember.engine.executor.compile_guard import is_alive
+
+    class Gone:
+        pid = 2**22 + 1  # above Linux's pid_max: no process has it
+
+        def is_running(self):
+            return True  # as it was a moment ago
+
+        def __getattr__(self, what):  # name, cmdline, parents, status, ...
+            def ask(*args, **kwargs):
+                raise psutil.NoSuchProcess(self.pid)
+
+            return ask
+
+    assert not is_alive(Gone()) and not _compiles_or_runs_under_a_compiler(Gone())
+    reaped = subprocess.Popen(["true"])
+    proc = psutil.Process(reaped.pid)
+    reaped.wait()
+    assert not is_alive(proc) and not _compiles_or_runs_under_a_compiler(proc)
+
+
 @pytest.mark.parametrize("how", ["sigterm", "sigkill"])
 @pytest.mark.slow
 def test_the_compile_guard_ends_a_dead_engines_compilers(tmp_path, how):
@@ -211,7 +248,7 @@ def test_the_compile_guard_ends_a_dead_engines_compilers(tmp_path, how):
         assert child.stdout.readline().strip() == "compiling"
         deadline, compilers = time.time() + 60, []
         while time.time() < deadline and not compilers:
-            compilers = [p for p in _descendants(child.pid) if p.name() == "cc1plus"]
+            compilers = [p for p in _descendants(child.pid) if _name(p) == "cc1plus"]
             time.sleep(0.1)
         assert compilers and _guards_of(child.pid)
         time.sleep(0.6)  # the guard has noted it (it polls every 0.25 s)
@@ -250,7 +287,7 @@ def test_close_ends_a_running_compile_and_its_guard(tmp_path):
     compiler.submit(Job())
     deadline, compilers = time.time() + 30, []
     while time.time() < deadline and not compilers:
-        compilers = [p for p in _descendants(os.getpid()) if p.name() == "cc1plus"]
+        compilers = [p for p in _descendants(os.getpid()) if _name(p) == "cc1plus"]
         time.sleep(0.1)
     assert compilers and not compiler.done
     compiler.close()
@@ -281,7 +318,7 @@ def test_a_real_compile_killed_midway_leaves_nothing_behind(tiny_model_dir, tmp_
         child.kill()
         child.wait(timeout=60)
         _, alive = psutil.wait_procs(seen, timeout=20)
-        assert not alive, [p.cmdline()[:3] for p in alive]
+        assert not alive, [_name(p) for p in alive]
         deadline = time.time() + 15
         while _guards_of(child.pid) and time.time() < deadline:
             time.sleep(0.5)

@@ -65,6 +65,16 @@ def end(procs: list, timeout: float = 3.0) -> None:
             pass
 
 
+def is_alive(proc) -> bool:
+    """Running and not a zombie; a process reaped between the two questions is not alive (it raises)."""
+    import psutil
+
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def main(argv: list[str]) -> int:
     import psutil
 
@@ -73,7 +83,7 @@ def main(argv: list[str]) -> int:
     except (psutil.Error, IndexError, ValueError):
         return 0
     noted: dict[int, psutil.Process] = {}
-    while engine.is_running() and engine.status() != psutil.STATUS_ZOMBIE:
+    while is_alive(engine):
         for proc in compile_descendants(engine):
             noted.setdefault(proc.pid, proc)  # psutil.Process remembers its start time: no pid reuse
         time.sleep(POLL_S)
