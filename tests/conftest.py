@@ -91,7 +91,7 @@ ENGINE_FIXTURES = {
     "flagged",
     "scripted",
     "thinking",  # tests/server: servers with their own flags
-    "llm",  # tests/test_default_model.py, tests/structured/test_structured_engine.py
+    "llm",  # tests/default_model/conftest.py, tests/structured/test_structured_engine.py
     "plain",
     "reference",
     "references",

@@ -570,7 +570,7 @@ def test_default_model_greedy_output_identical_with_its_mtp_head():
         pytest.skip("the default model's MTP head (ember/assets/smollm2-mtp) is not installed")
     prompts = ["The capital of France is", "def fibonacci(n):"]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    # fp32 (dequantized, as tests/test_default_model.py): in bf16 a verify's rows and a plain decode
+    # fp32 (dequantized, as tests/default_model/conftest.py): in bf16 a verify's rows and a plain decode
     # are different matmul shapes, and a near-tie (margin ~1e-2, as in the second prompt) can flip.
     knobs = dict(max_model_len=256, kv_cache_memory=0.05, dtype="float32", quantization="none")
     with_mtp = LLM(enable_mtp=True, **knobs)
