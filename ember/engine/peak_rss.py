@@ -17,9 +17,12 @@ and the largest step's transients:
   step          one step of max_num_batched_tokens tokens: the planner's activation reserve, plus
                 for a hybrid its linear-attention layers' float32 prefill work
                 (GDN_PREFILL_FLOATS_PER_CONV_CHANNEL floats a token and conv channel)
-  compile       --executor auto / compiled: inductor's machinery (COMPILE_BYTES) and each decode
-                batch size's graph (COMPILE_BYTES_PER_SIZE; sizes 1, 2, 4, 8, 16, ... up to
-                max_num_seqs, every one built in a server that has run that many requests)
+  compile       --executor auto / compiled: torch.compile's graphs (frozen: some linear keeps dense
+                weights) cost inductor's machinery (COMPILE_BYTES) and each decode batch size's graph
+                (COMPILE_BYTES_PER_SIZE; sizes 1, 2, 4, 8, 16, ... up to max_num_seqs, every one built
+                in a server that has run that many requests); AOTInductor packages (every linear
+                packed) cost PACKAGE_BYTES_PER_SIZE a size loaded, once built (the process that builds
+                them holds inductor's compile for a while: a first start's peak, not a restart's)
 
 The constants were measured on the bench machine (2 Xeon cores, torch 2.13 CPU) with
 /proc/self/status at each start-up stage; docs/tuning.md ("Peak RSS") has the figures. The test
@@ -35,6 +38,8 @@ PROCESS_BYTES = 270 * MiB
 TOKENIZER_BYTES_PER_TOKEN = 240
 COMPILE_BYTES = 230 * MiB  # inductor's machinery, imported and run once
 COMPILE_BYTES_PER_SIZE = 70 * MiB  # each decode batch size's graph, loaded
+# a loaded package (the Qwen3.5-0.8B-shaped Q8_0 hybrid: 2,143 MiB eager, 2,170 with sizes 1, 2, 4 loaded)
+PACKAGE_BYTES_PER_SIZE = 9 * MiB
 GDN_PREFILL_FLOATS_PER_CONV_CHANNEL = 4
 # bytes a weight as the GGUF methods hold it, in a bfloat16 run with the tiled GEMV (AVX-512 BF16) /
 # without it (torch's int4 kernel: codes 4 bits, a (scale, zero) pair in the run dtype per 32; 8-bit
@@ -150,7 +155,17 @@ def hybrid_step_bytes(mc, tokens: int) -> int:
     return tokens * mc.linear_conv_dim * GDN_PREFILL_FLOATS_PER_CONV_CHANNEL * 4
 
 
-def compile_bytes(max_num_seqs: int) -> int:
+def packaged(tensors: list[GGUFTensorInfo] | None) -> bool:
+    """Whether a CPU engine's decode graphs are AOTInductor packages: every linear of a GGUF file packed
+    (none float, so freezing is off), and no MoE experts (their op keeps a graph torch.compile's)."""
+    if tensors is None:
+        return False
+    linears = [t for t in tensors if t.name.startswith("blk.") and t.dims >= 2 and "ssm_conv1d" not in t.name]
+    return not any(t.type_name in FLOAT_TYPES or "_exps" in t.name for t in linears)
+
+
+def compile_bytes(max_num_seqs: int, packages: bool = False) -> int:
     from ember.engine.executor.decode_batch import default_sizes
 
-    return COMPILE_BYTES + COMPILE_BYTES_PER_SIZE * len(default_sizes(max_num_seqs))
+    sizes = len(default_sizes(max_num_seqs))
+    return PACKAGE_BYTES_PER_SIZE * sizes if packages else COMPILE_BYTES + COMPILE_BYTES_PER_SIZE * sizes

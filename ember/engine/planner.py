@@ -449,7 +449,9 @@ def predict_peak_rss(
         pool.num_blocks * pool.block_bytes,
         state_bytes,
         step,
-        peak_rss.compile_bytes(max_num_seqs) if compiled else 0,
+        peak_rss.compile_bytes(max_num_seqs, quant == "gguf" and peak_rss.packaged(src.gguf_tensors))
+        if compiled
+        else 0,
     )
     return rss.total, dict(rss.parts())
 

@@ -33,6 +33,18 @@ class RecurrentState:
         self.conv_kernel = conv_kernel
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor, list[tuple[int, int]]]] = []
 
+    @classmethod
+    def over(cls, conv: torch.Tensor, ssm: torch.Tensor, conv_kernel: int) -> "RecurrentState":
+        """A state over existing pool tensors (no allocation): what an ahead-of-time decode step, which
+        takes tensors only, rebuilds from the (conv, ssm) pair it is handed (ember.engine.executor.compiled)."""
+        state = cls.__new__(cls)
+        state.conv, state.ssm, state.conv_kernel, state._pending = conv, ssm, conv_kernel, []
+        return state
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv, ssm): the pool tensors a step reads and writes in place."""
+        return self.conv, self.ssm
+
     @property
     def nbytes(self) -> int:
         return self.conv.nbytes + self.ssm.nbytes

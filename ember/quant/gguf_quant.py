@@ -327,7 +327,9 @@ class Q6KPart(PackedPart):
         if at != packed.shape[0]:
             raise ValueError(f"Q6_K chunks cover {at} rows, not {N} (only the last chunk may be short)")
         self.w = Int4Weight(packed, torch.cat(sz, dim=1).contiguous(), GROUP, at, 2 * K)
-        self._spread: dict[torch.dtype, torch.Tensor] = {}  # [K/16, 2, 16] of 1 and 1/16, per dtype
+        # x' = [x_0:16, x_0:16 / 16, ...] is x times this [K/16, 2, 16] of 1 and 1/16, in the run dtype: a
+        # buffer, so that a traced step (dynamo, or export for a package) reads it from the model
+        self.spread = torch.tensor([1.0, 1 / 16], dtype=dtype).view(1, 2, 1).expand(K // 16, 2, 16).contiguous()
 
     @staticmethod
     def supports(K: int) -> bool:
@@ -335,15 +337,7 @@ class Q6KPart(PackedPart):
 
     def linear(self, x):
         if gemm_dispatch.q6k_kernel(x):
-            # a traced step builds it inline (inductor folds it): a dict filled lazily inside the trace
-            # would leave a guard on its contents that the real pool's check then fails
-            tracing = torch.compiler.is_compiling()
-            m = None if tracing else self._spread.get(x.dtype)
-            if m is None:
-                m = torch.tensor([1.0, 1 / 16], dtype=x.dtype).view(1, 2, 1).expand(self.K // 16, 2, 16).contiguous()
-                if not tracing:
-                    self._spread[x.dtype] = m
-            # x' = [x_0:16, x_0:16 / 16, ...] in one op (dividing by 16 is exact)
+            m = self.spread.to(x.dtype)  # dividing by 16 is exact in any dtype
             y = self.w.linear((x.reshape(*x.shape[:-1], self.K // 16, 1, 16) * m).reshape(*x.shape[:-1], 2 * self.K))
         else:  # many rows: one dense GEMM over the weight rebuilt in x's dtype
             y = F.linear(x, self._weight(x.dtype))
@@ -374,7 +368,7 @@ class Q6KPart(PackedPart):
         return ((q6.float() - 32) * scale).view(n, self.K)
 
     def buffers(self):
-        return [self.w.packed, self.w.scales_zeros]
+        return [self.w.packed, self.w.scales_zeros, self.spread]
 
 
 class RawPart(PackedPart):

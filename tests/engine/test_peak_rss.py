@@ -75,3 +75,25 @@ def test_hybrid_gguf_peak_rss_is_planned_within_10_percent(tmp_path):
     predicted = plan(EngineConfig(device="cpu", **flags))
     assert predicted.state_slots == 48 and predicted.peak_rss_parts["state pool"] > 90 * 2**20
     check(flags)
+
+
+def test_packaged_graphs_cost_no_inductor_machinery():
+    """A GGUF file whose linears are all packed runs AOTInductor packages (no dynamo or inductor in the
+    process): compile costs a few MiB a size. A float linear (freezing on) or MoE experts (their op keeps
+    torch.compile) bring inductor's machinery back."""
+    from ember.engine.peak_rss import COMPILE_BYTES, GGUFTensorInfo, compile_bytes, packaged
+
+    def info(name, type_name, dims=2):
+        return GGUFTensorInfo(name, type_name, 1024, dims)
+
+    packed = [
+        info("token_embd.weight", "Q6_K"),
+        info("blk.0.attn_qkv.weight", "Q8_0"),
+        info("blk.0.ssm_conv1d.weight", "F32"),
+        info("blk.0.attn_norm.weight", "F32", 1),
+    ]
+    assert packaged(packed)
+    assert not packaged(packed + [info("blk.0.ffn_down.weight", "BF16")])
+    assert not packaged(packed + [info("blk.0.ffn_down_exps.weight", "Q8_0", 3)])
+    assert not packaged(None)
+    assert compile_bytes(16, packages=True) < 64 << 20 < COMPILE_BYTES < compile_bytes(16)

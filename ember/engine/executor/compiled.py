@@ -115,11 +115,12 @@ def step_forward(
 
 class DecodeStep(torch.nn.Module):
     """step_forward as a module, for torch.export (ember.engine.executor.aot_package); rows: a list (export
-    takes no varargs)."""
+    takes no varargs). kv_caches arrives as package_tensors made it: a hybrid layer's RecurrentState as its
+    (conv, ssm) pair, which `layout` (cache_layout of the served caches) turns back into a state over them."""
 
-    def __init__(self, model: torch.nn.Module, block_size: int):
+    def __init__(self, model: torch.nn.Module, block_size: int, layout: tuple):
         super().__init__()
-        self.model, self.block_size = model, block_size
+        self.model, self.block_size, self.layout = model, block_size, layout
 
     def forward(
         self,
@@ -145,9 +146,32 @@ class DecodeStep(torch.nn.Module):
             block_tables,
             state_slots,
             state_sources,
-            kv_caches,
+            _rebuilt_caches(kv_caches, self.layout),
             *rows,
         )
+
+
+def cache_layout(caches: list) -> tuple:
+    """Per cache of a step: None for a paged KV tensor, a RecurrentState's conv kernel width for a hybrid
+    layer's state (what DecodeStep needs to rebuild it from its tensors)."""
+    return tuple(None if isinstance(c, torch.Tensor) else c.conv_kernel for c in caches)
+
+
+def package_tensors(caches: list) -> list[torch.Tensor]:
+    """A step's caches as the tensors a package takes: a paged KV cache as it is, a hybrid layer's
+    RecurrentState as its (conv, ssm) pool tensors (export takes tensors only; the package writes the
+    states in place, as the eager and dynamo steps do)."""
+    return [t for c in caches for t in ((c,) if isinstance(c, torch.Tensor) else c.tensors())]
+
+
+def _rebuilt_caches(tensors: list, layout: tuple) -> list:
+    """package_tensors' inverse, inside the traced step: states over the handed tensors."""
+    from ember.layers.recurrent_state import RecurrentState
+
+    caches, it = [], iter(tensors)
+    for kernel in layout:
+        caches.append(next(it) if kernel is None else RecurrentState.over(next(it), next(it), kernel))
+    return caches
 
 
 # How a ready shape's step runs: (inputs, per-row inputs, KV caches) -> the model's output
@@ -215,10 +239,15 @@ class CompiledExecutor:
         # Ahead of time (AOTInductor packages, ember.engine.executor.aot_package) unless freezing: a frozen graph
         # folds the weights in, and a package of it would carry a second copy of them. Frozen graphs, and
         # a shape whose export fails, go through dynamo (torch.compile) instead.
-        # A hybrid's recurrent states are objects, not tensors: export takes tensors only, dynamo takes both.
+        # A hybrid's recurrent states are objects: a package takes their tensors (package_tensors).
         # A graph that calls ember::moe_experts holds keys to this process's modules (ember.layers.moe_compute),
         # which a package, loaded by later processes, must not.
-        self.ahead_of_time = not freezing and not self.recurrent_states and not calls_experts_op(model)
+        # A pool of one state slot would make export specialise the slot count: dynamo builds that one.
+        self.ahead_of_time = (
+            not freezing
+            and not calls_experts_op(model)
+            and all(state.ssm.shape[0] >= 2 for state in self.recurrent_states)
+        )
         self._direct: dict[tuple[int, int], types.FunctionType] = {}  # (size, q_len) -> compiled bytecode, no guards
         self._packages: dict[tuple[int, int], object] = {}  # (size, q_len) -> its loaded AOTInductor package
         # (size, q_len) -> how a step of that shape runs compiled (a package, dynamo's bytecode without its
@@ -347,7 +376,7 @@ class CompiledExecutor:
     def _call_package(
         self, package, x: DecodeInputs, rows: tuple = (), caches: list[torch.Tensor] | None = None
     ) -> torch.Tensor:
-        return package([*_inputs(x), *(self.kv_caches if caches is None else caches), *rows])
+        return package([*_inputs(x), *package_tensors(self.kv_caches if caches is None else caches), *rows])
 
     def _scratch_caches(self) -> list[torch.Tensor]:
         """Caches of the pool's very shape, for a background compile to write instead of the pool the
@@ -452,11 +481,11 @@ class CompiledExecutor:
         try:
             if package is None:
                 how = "compiled ahead of time"
-                dynamic = self._dynamic_shapes(len(caches), len(rows))
+                dynamic = self._dynamic_shapes(cache_layout(caches), len(rows))
                 aot_package.build(
-                    DecodeStep(self.model, self.block_size),
+                    DecodeStep(self.model, self.block_size, cache_layout(caches)),
                     self.model,
-                    (*_inputs(x), list(caches), list(rows)),
+                    (*_inputs(x), package_tensors(caches), list(rows)),
                     dynamic,
                     self._inductor_options(),
                     path,
@@ -493,11 +522,14 @@ class CompiledExecutor:
             raise EmberError(f"{self.what}: batch {shape[0]} x {shape[1]} did not build as a package (see the log)")
 
     @staticmethod
-    def _dynamic_shapes(num_caches: int, num_rows: int) -> tuple:
+    def _dynamic_shapes(layout: tuple, num_rows: int) -> tuple:
         """What export keeps symbolic: the block-table width (it grows with the longest sequence) and the
-        pool's block count (so that any --kv-cache-memory runs the same package)."""
+        pool's block count (so that any --kv-cache-memory runs the same package), and for a hybrid the state
+        pool's slot count (layout: cache_layout; any --max-num-seqs and --max-state-snapshots)."""
         width, blocks = torch.export.Dim("table_width", min=2), torch.export.Dim("pool_blocks", min=2)
-        return (None,) * 5 + ({1: width}, None, None, [{1: blocks}] * num_caches, [None] * num_rows)
+        slots = torch.export.Dim("state_slots", min=2)
+        caches = [d for kernel in layout for d in ([{1: blocks}] if kernel is None else [{0: slots}, {0: slots}])]
+        return (None,) * 5 + ({1: width}, None, None, caches, [None] * num_rows)
 
     def _warmup_dynamo(self, shapes: list[tuple[int, int]], caches: list[torch.Tensor], background: bool) -> None:
         """Compile `shapes` with torch.compile, each run straight through dynamo's bytecode where that
