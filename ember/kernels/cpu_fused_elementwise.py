@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from ember.kernels.cpp_build import build
+from ember.kernels.tracing import tracing
 
 
 def _fake_norm(x, residual, weight, eps, zero_centered):
@@ -49,7 +50,7 @@ def applies(x: torch.Tensor) -> bool:
         and x.device.type == "cpu"
         and x.dim() == 2
         and x.stride(-1) == 1
-        and not torch.compiler.is_compiling()
+        and not tracing(x)
         and available()
     )
 
@@ -75,7 +76,7 @@ def applies_gated(o: torch.Tensor, z: torch.Tensor) -> bool:
         and z.shape == o.shape
         and z.stride(2) == 1
         and z.stride(1) == o.shape[2]
-        and not torch.compiler.is_compiling()
+        and not tracing(o)
         and available()
     )
 
@@ -97,7 +98,7 @@ def applies_rotary(x: torch.Tensor, cos: torch.Tensor) -> bool:
         and x.stride(-1) == 1
         and x.stride(1) == x.shape[-1]
         and cos.dim() == 2
-        and not torch.compiler.is_compiling()
+        and not tracing(x)
         and available()
     )
 

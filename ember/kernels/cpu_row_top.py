@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from ember.kernels.cpp_build import build
+from ember.kernels.tracing import tracing
 
 
 def available() -> bool:
@@ -34,7 +35,7 @@ def _applies(x: torch.Tensor) -> bool:
         and x.dim() == 2
         and x.shape[1] > 0
         and x.is_contiguous()
-        and not torch.compiler.is_compiling()
+        and not tracing(x)
         and available()
     )
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.errors import ModelLoadError
+from ember.kernels.tracing import tracing
 
 
 def get_tp_rank_size() -> tuple[int, int]:
@@ -76,7 +77,7 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     tie, in float16 mv loses). A traced step calls it as an opaque op (row_gemv): inductor would lower
     torch.mv to a loop of its own."""
     if x.dim() == 2 and x.shape[0] == 1 and x.dtype == weight.dtype == torch.bfloat16 and x.device.type == "cpu":
-        y = row_gemv(weight, x) if torch.compiler.is_compiling() else torch.mv(weight, x[0])[None]
+        y = row_gemv(weight, x) if tracing(x) else torch.mv(weight, x[0])[None]
         return y if bias is None else y + bias
     return F.linear(x, weight, bias)
 

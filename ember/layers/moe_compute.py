@@ -31,6 +31,8 @@ import weakref
 
 import torch
 
+from ember.kernels.tracing import tracing
+
 _registered: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> experts module
 _next_key = itertools.count()
 
@@ -55,7 +57,7 @@ def _gathered(experts) -> bool:
 
 def in_graph(x: torch.Tensor) -> bool:
     """Whether this forward is being traced by dynamo or captured into a CUDA graph."""
-    return torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
+    return tracing(x) or (x.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def experts_forward(experts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:

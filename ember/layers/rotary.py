@@ -17,6 +17,7 @@ from torch import nn
 from ember.config.model_config import RopeConfig
 from ember.errors import UnsupportedModelError
 from ember.kernels import cpu_fused_elementwise as fused
+from ember.kernels.tracing import tracing
 
 
 def rotary_dim(head_dim: int, rope: RopeConfig) -> int:
@@ -129,7 +130,7 @@ class RotaryEmbedding(nn.Module):
         """positions [T] -> (cos, sin) each [T, rot/2] float32; computed once per step, shared by all layers."""
         if self.cos_cache is None:
             self.ensure_capacity(self.max_position_embeddings)
-        if not torch.compiler.is_compiling() and positions.numel() and positions.device.type == "cpu":
+        if not tracing(positions) and positions.numel() and positions.device.type == "cpu":
             # CPU: the check is free. GPU runners call ensure_capacity(max_model_len) up front.
             self.ensure_capacity(int(positions.max()) + 1)
         return self.cos_cache[positions], self.sin_cache[positions]
