@@ -486,7 +486,7 @@ def format_plan(p: Plan) -> str:
                 (
                     "recurrent state",
                     f"{size(p.state_bytes_per_seq)} a sequence (fp32 SSM + conv window); {p.state_slots} "
-                    f"slots = max_num_seqs + 2 x max_num_seqs prefix-cache snapshots = "
+                    f"slots (one live a sequence, the rest prefix-cache snapshots) = "
                     f"{size(p.state_bytes_per_seq * p.state_slots)} of the budget",
                 )
             ]

@@ -261,6 +261,26 @@ def achieved(bandwidth: list[float], figure: dict, side: str, weight_bytes: int 
     }
 
 
+def workload_cache_gib(args, path: str, knobs: dict) -> float:
+    """ember's cache budget (--kv-cache-memory) when the user sets none: what the bench's largest phase
+    holds at once -- the throughput batch's prompts and outputs (or the TTFT prompt, if longer) in KV
+    blocks, each sequence's last block partly filled, plus the state pool the engine keeps with its
+    defaults (a live slot per sequence and its prefix-cache snapshots). The pools are touched at start,
+    so they are in peak RSS; llama.cpp's batch context is sized the same way (its prompts and outputs
+    + 256 tokens), and the KV-per-element-byte rule of the dense benches would give a hybrid's few
+    attention layers a pool many times what any phase fills. The three files share one shape."""
+    from ember.config import EngineConfig
+    from ember.engine.planner import plan
+
+    config = EngineConfig(**{**knobs, "model": path, "kv_cache_memory": None, "device": "cpu"})
+    p = plan(config, memory_gib=1024.0)
+    lo, hi = args.input_len_range
+    seqs = max(1, args.num_prompts)
+    tokens = max(seqs * (hi + args.output_len), max(args.prompt_lens) + 1, DECODE_PROMPT_LEN + args.decode_tokens)
+    tokens += seqs * config.block_size
+    return (tokens * p.kv_bytes_per_token + p.state_slots * p.state_bytes_per_seq) / (1 << 30)
+
+
 def run_file(args, kind: str, path: str, folder: str, knobs: dict, threads: int) -> dict:
     """One file's rounds (every side, every figure), peak RSS and ember's per-op split."""
     sides, chosen = {}, {}
@@ -439,7 +459,7 @@ def file_bars(kind: str, d: dict, ttft_len: int, n: int) -> list[Bar]:
 # -- the command ----------------------------------------------------------------------------------
 
 
-def notes(args, knobs: dict, shared: bool) -> list[str]:
+def notes(args, knobs: dict, shared: bool, user_cache: bool = True) -> list[str]:
     """How each figure was measured, for the report."""
     from ember.bench.lib import membw
     from ember.bench.peers.hf import BATCH_METHOD as HF_BATCH
@@ -461,8 +481,10 @@ def notes(args, knobs: dict, shared: bool) -> list[str]:
         f"decode: greedy, {args.decode_tokens} tokens after a {DECODE_PROMPT_LEN}-token random prompt, EOS ignored; "
         "mean = (N - 1) / (last token time - first token time), which the bars use; steady = 1 / median gap",
         "TTFT: ember add_request() to its first token through the step loop; llama.cpp generate() to its first token",
-        f"throughput: ember one LLM.generate() over all prompts (max_num_seqs {knobs['max_num_seqs']}, KV cache "
-        f"{knobs['kv_cache_memory']:g} GiB); "
+        f"throughput: ember one LLM.generate() over all prompts (max_num_seqs {knobs['max_num_seqs']}, cache "
+        f"budget {knobs['kv_cache_memory']:.3f} GiB"
+        + (": the largest phase's KV blocks and the default state pool, workload_cache_gib" if not user_cache else "")
+        + "); "
         + best
         + "; ".join(LLAMA_BATCH.values())
         + ("; " + HF_BATCH if "hf" in args.peer else ""),
@@ -514,8 +536,11 @@ def main(args) -> None:
     paths = {kind: build_file(folders[kind], kind) for kind in args.files}
     logger.info("bench hybrid: %s", ", ".join(paths.values()))
     args.model = paths[args.files[0]]  # the engine flags' model: each file's is set in its sides
+    user_cache = getattr(args, "kv_cache_memory", None) is not None
     knobs, threads = ember_knobs(args, args.num_prompts)
     knobs.update(NO_SPECULATION)
+    if not user_cache:
+        knobs["kv_cache_memory"] = workload_cache_gib(args, paths[args.files[0]], knobs)
     load = load_average()
     files = {kind: run_file(args, kind, path, folders[kind], knobs, threads) for kind, path in paths.items()}
     peers = list(dict.fromkeys(n for d in files.values() for n in d["sides"] if n != EMBER))
@@ -523,7 +548,7 @@ def main(args) -> None:
     judged = [b for kind, d in files.items() for b in file_bars(kind, d, max(args.prompt_lens), args.num_prompts)]
     about = [f"{FILES[k]} {n}: {describe(s)}" for k, d in files.items() for n, s in d["sides"].items()]
     data = {"threads": threads, "runs": args.runs, "model_folder": folders[args.files[0]], "files": files}
-    Result(KIND, TITLE, line, load, about, notes(args, knobs, shared), table(files, peers), data, judged).publish(
+    Result(KIND, TITLE, line, load, about, notes(args, knobs, shared, user_cache), table(files, peers), data, judged).publish(
         args.output
     )
 
