@@ -51,6 +51,7 @@ from ember.kernels.cpp_build import build, has_cpu_flags
 
 ROWS, GROUP = 16, 32
 TILE_BYTES = {4: 256, 8: 512}
+Q6K_TILE_BYTES, Q6K_SUPER = 384, 256  # a Q6_K tile: 4-bit low nibbles + 2-bit high plane; inputs per d
 
 
 def x_dtype() -> torch.dtype | None:
@@ -85,12 +86,24 @@ def has_q8() -> bool:
     return x_dtype() == torch.bfloat16 and has_cpu_flags("avx512_vnni", "avx512vbmi")
 
 
+def has_q6k() -> bool:
+    """True where this machine's build has the Q6_K tiles (gemv_q6k): the bf16 build (AVX-512 BF16).
+    Their int8-x path (gemm_q8_q6k) wants has_q8() as well."""
+    return x_dtype() == torch.bfloat16
+
+
 def available() -> bool:
     """True when the op can run here (loaded; built once first where it was not built at install)."""
     return (
         x_dtype() is not None
         and build(
-            "cpu_tiled_gemv.cpp", fakes={"ember_cpu::tiled_gemv": _fake_gemv, "ember_cpu::tiled_gemm_q8": _fake_gemv}
+            "cpu_tiled_gemv.cpp",
+            fakes={
+                "ember_cpu::tiled_gemv": _fake_gemv,
+                "ember_cpu::tiled_gemm_q8": _fake_gemv,
+                "ember_cpu::tiled_q6k_gemv": _fake_q6k,
+                "ember_cpu::tiled_q6k_gemm_q8": _fake_q6k,
+            },
         )
         is not None
     )
@@ -99,6 +112,22 @@ def available() -> bool:
 def _fake_gemv(x, codes, scale, offset, bits, float_out):
     """Shapes for torch.compile's tracing: the op is an opaque call in a compiled graph."""
     return x.new_empty((x.shape[0], codes.shape[0] * ROWS), dtype=torch.float32 if float_out else x.dtype)
+
+
+def _fake_q6k(x, tiles, sub_scale, d, float_out):
+    return x.new_empty((x.shape[0], tiles.shape[0] * ROWS), dtype=torch.float32 if float_out else x.dtype)
+
+
+def _tile_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes [N, K] (N a multiple of 16) -> uint8 tiles [N/16, K/32, TILE_BYTES[bits]]."""
+    N, K = codes.shape
+    T, G = N // ROWS, K // GROUP
+    c = codes.to(torch.uint8).view(T, ROWS, G, GROUP).permute(0, 2, 1, 3)  # [T, G, i, k]
+    if bits == 4:  # k = 16 h + 2 p + e -> byte 32 p + 2 i + e, nibble h
+        c = c.reshape(T, G, ROWS, 2, 8, 2).permute(0, 1, 3, 4, 2, 5)  # [T, G, h, p, i, e]
+        return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(T, G, TILE_BYTES[4]).contiguous()
+    # k = 2 p + e -> byte 32 p + 2 i + e
+    return c.reshape(T, G, ROWS, 16, 2).permute(0, 1, 3, 2, 4).reshape(T, G, TILE_BYTES[8]).contiguous()
 
 
 def pack(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int):
@@ -111,16 +140,71 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: i
     if pad:
         codes, scale, offset = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (codes, scale, offset))
     T, G = (N + pad) // ROWS, K // GROUP
-    c = codes.to(torch.uint8).view(T, ROWS, G, GROUP).permute(0, 2, 1, 3)  # [T, G, i, k]
-    if bits == 4:  # k = 16 h + 2 p + e -> byte 32 p + 2 i + e, nibble h
-        c = c.reshape(T, G, ROWS, 2, 8, 2).permute(0, 1, 3, 4, 2, 5)  # [T, G, h, p, i, e]
-        tiles = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(T, G, TILE_BYTES[4])
-    else:  # k = 2 p + e -> byte 32 p + 2 i + e
-        tiles = c.reshape(T, G, ROWS, 16, 2).permute(0, 1, 3, 2, 4).reshape(T, G, TILE_BYTES[8])
+    tiles = _tile_codes(codes, bits)
     s, o = scale.float(), offset.float()
     dtype = torch.float16 if torch.equal(s.half().float(), s) and torch.equal(o.half().float(), o) else torch.float32
     s, o = (t.to(dtype).view(T, ROWS, G).transpose(1, 2).contiguous() for t in (s, o))
-    return tiles.contiguous(), s, o
+    return tiles, s, o
+
+
+def pack_q6k(q6: torch.Tensor, sub_scale: torch.Tensor, d: torch.Tensor):
+    """Q6_K's w = d * S * (q6 - 32) -> (tiles, sub_scale, d) in the kernel's Q6_K layout (the .cpp's
+    "Q6_K tiles"). q6: codes 0..63 [N, K], K % 256 == 0; sub_scale: int8 S [N, K/16]; d: float16
+    [N, K/256] (gguf_blocks.q6_k_blocks). Tiles uint8 [N/16, K/32, 384] (the 4-bit tile of the low
+    nibbles, then the 2-bit plane), sub_scale int8 [N/16, K/32, 2, 16], d float16 [N/16, K/256, 16];
+    N is padded to a multiple of 16 with zero rows. Nothing rounds: 0.82 B a weight, the file's."""
+    N, K = q6.shape
+    if K % Q6K_SUPER:
+        raise ValueError(f"Q6_K tiles need K % {Q6K_SUPER} == 0 (got K={K})")
+    pad = -N % ROWS
+    if pad:
+        q6, sub_scale, d = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q6, sub_scale, d))
+    T, G = (N + pad) // ROWS, K // GROUP
+    q6 = q6.to(torch.uint8)
+    low = _tile_codes(q6 & 15, 4)
+    # k = 16 h + 2 p + e with p = 2 r + u -> plane byte 32 r + 2 i + e, bits 4 u + 2 h
+    hi = (q6 >> 4).view(T, ROWS, G, 2, 4, 2, 2).permute(0, 2, 4, 1, 6, 5, 3)  # [T, G, r, i, e, u, h]
+    shifts = torch.tensor([[0, 2], [4, 6]], dtype=torch.uint8, device=q6.device)  # [u, h]
+    plane = (hi << shifts).sum(dim=(-2, -1), dtype=torch.uint8).reshape(T, G, 128)  # disjoint bits: sum = or
+    tiles = torch.cat((low, plane), dim=2).contiguous()
+    sub = sub_scale.to(torch.int8).view(T, ROWS, G, 2).permute(0, 2, 3, 1).contiguous()  # [T, G, h, i]
+    dd = d.to(torch.float16).view(T, ROWS, K // Q6K_SUPER).transpose(1, 2).contiguous()  # [T, B, i]
+    return tiles, sub, dd
+
+
+def _q6k_values(low: torch.Tensor, plane: torch.Tensor, sub: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """Rows of W from their tile bytes, float32 [n, K] exactly d * S * (q6 - 32): low uint8 [n, G, p, e]
+    (one row's bytes of each 4-bit run), plane uint8 [n, G, r, e], sub int8 [n, G, 2], d float16 [n, B].
+    The scale d * S is exact in float32 (11 x 8 bits) and so is its product with q6 - 32 (6 more)."""
+    n, G = low.shape[:2]
+    lo = torch.stack((low & 15, low >> 4), dim=2)  # [n, G, h, p, e]
+    shifts = torch.tensor([[0, 4], [2, 6]], dtype=torch.uint8, device=low.device).view(1, 1, 2, 1, 2, 1)  # [h, u]
+    hi = (plane.view(n, G, 1, 4, 1, 2) >> shifts) & 3  # [n, G, h, r, u, e]
+    q6 = lo.reshape(n, G, 2, 16) | (hi.reshape(n, G, 2, 16) << 4)
+    c = d.float().repeat_interleave(Q6K_SUPER // GROUP, dim=1).unsqueeze(-1) * sub.float()  # [n, G, 2]
+    return ((q6.float() - 32) * c.unsqueeze(-1)).view(n, G * GROUP)
+
+
+def unpack_rows_q6k(tiles: torch.Tensor, sub_scale: torch.Tensor, d: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a Q6_K matrix as float32 [len(ids), K], exactly d * S * (q6 - 32) (gguf-py's values)."""
+    t, i = ids // ROWS, ids % ROWS
+    T, G, _ = tiles.shape
+    low = tiles[:, :, : TILE_BYTES[4]].view(T, G, 8, ROWS, 2)[t, :, :, i]  # [n, G, p, e]: only that row's bytes
+    plane = tiles[:, :, TILE_BYTES[4] :].view(T, G, 4, ROWS, 2)[t, :, :, i]  # [n, G, r, e]
+    return _q6k_values(low, plane, sub_scale[t, :, :, i], d[t, :, i])
+
+
+def dequantize_q6k(
+    tiles: torch.Tensor, sub_scale: torch.Tensor, d: torch.Tensor, dtype: torch.dtype, N: int | None = None
+) -> torch.Tensor:
+    """W [N, K] of a Q6_K matrix in `dtype` (the first N rows; default all, padding included)."""
+    T, G, _ = tiles.shape
+    n = T * ROWS
+    low = tiles[:, :, : TILE_BYTES[4]].view(T, G, 8, ROWS, 2).permute(0, 3, 1, 2, 4).reshape(n, G, 8, 2)
+    plane = tiles[:, :, TILE_BYTES[4] :].view(T, G, 4, ROWS, 2).permute(0, 3, 1, 2, 4).reshape(n, G, 4, 2)
+    sub = sub_scale.permute(0, 3, 1, 2).reshape(n, G, 2)
+    dd = d.transpose(1, 2).reshape(n, -1)
+    return _q6k_values(low, plane, sub, dd)[:N].to(dtype)
 
 
 def unpack_rows(
@@ -172,6 +256,20 @@ def gemm_q8(
     """x [M, K] bf16 -> x' @ W^T [M, N padded to 16], x' = x quantized to int8 per group of 32 (see
     q8_reference). Where has_q8()."""
     return torch.ops.ember_cpu.tiled_gemm_q8(x, tiles, scale, offset, bits, float_out)
+
+
+def gemv_q6k(
+    x: torch.Tensor, tiles: torch.Tensor, sub_scale: torch.Tensor, d: torch.Tensor, float_out: bool = False
+) -> torch.Tensor:
+    """x [M, K] bf16 -> x @ W^T [M, N padded to 16] over Q6_K tiles (pack_q6k). Where has_q6k()."""
+    return torch.ops.ember_cpu.tiled_q6k_gemv(x, tiles, sub_scale, d, float_out)
+
+
+def gemm_q8_q6k(
+    x: torch.Tensor, tiles: torch.Tensor, sub_scale: torch.Tensor, d: torch.Tensor, float_out: bool = False
+) -> torch.Tensor:
+    """The same with x rounded to int8 per group of 32 (q8_reference), as gemm_q8. Where has_q8()."""
+    return torch.ops.ember_cpu.tiled_q6k_gemm_q8(x, tiles, sub_scale, d, float_out)
 
 
 def q8_reference(x: torch.Tensor) -> torch.Tensor:

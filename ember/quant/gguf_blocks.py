@@ -198,19 +198,28 @@ def _k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc.float(), mn.float()
 
 
-def q6_k_codes(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q6_K -> (q6 uint8 [rows, K] in 0..63, scale float32 [rows, K/16] = d * S, exact), so that
-    w = scale * (q6 - 32) per sub-block of 16."""
+def q6_k_blocks(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q6_K -> its fields as they are: (q6 uint8 [rows, K] in 0..63, S int8 [rows, K/16], d float16
+    [rows, K/256]), w = d * S * (q6 - 32) per sub-block of 16."""
     rows = raw.shape[0]
     b = _blocks(raw, T.Q6_K)
     n = b.shape[0]
     ql, qh = b[:, :128], b[:, 128:192]
-    scale = _f16(b[:, 208:210]) * b[:, 192:208].contiguous().view(torch.int8).float()  # [n, 16]
     low = _nibbles(ql, 64).reshape(n, 8, 32)
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)
     high = (qh.reshape(n, 2, 1, 32) >> shifts) & 3
     q = low | (high.reshape(n, 8, 32) << 4)
-    return q.reshape(rows, -1), scale.reshape(rows, -1)
+    sub = b[:, 192:208].contiguous().view(torch.int8)  # [n, 16]
+    d = b[:, 208:210].contiguous().view(torch.float16)  # [n, 1]
+    return q.reshape(rows, -1), sub.reshape(rows, -1), d.reshape(rows, -1)
+
+
+def q6_k_codes(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K -> (q6 uint8 [rows, K] in 0..63, scale float32 [rows, K/16] = d * S, exact), so that
+    w = scale * (q6 - 32) per sub-block of 16."""
+    q, sub, d = q6_k_blocks(raw)
+    scale = d.float().repeat_interleave(16, dim=1) * sub.float()  # 11 x 8 significant bits: exact
+    return q, scale
 
 
 def _q6_k(raw: torch.Tensor) -> torch.Tensor:

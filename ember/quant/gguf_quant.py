@@ -60,7 +60,16 @@ from ember.layers.activation import silu_and_mul
 from ember.layers.linear import QuantMethod, dense_linear, new_param
 from ember.layers.moe_compute import experts_forward, register_experts
 from ember.quant import gemm_dispatch
-from ember.quant.gguf_blocks import AFFINE_4BIT, AFFINE_8BIT, GROUP, GGUFTensor, affine_codes, dequantize, q6_k_codes
+from ember.quant.gguf_blocks import (
+    AFFINE_4BIT,
+    AFFINE_8BIT,
+    GROUP,
+    GGUFTensor,
+    affine_codes,
+    dequantize,
+    q6_k_blocks,
+    q6_k_codes,
+)
 from ember.quant.int4_cpu import Int4Weight, block_n, pack_int4_codes, row_codes
 from ember.quant.quant_config import QuantConfig
 
@@ -239,13 +248,17 @@ class TiledPart(PackedPart):
     def _path(self, x: torch.Tensor) -> str:
         return gemm_dispatch.tiled_path(x, self.x_dtype, self.q8, self.max_rows)
 
+    def _kernel(self, path: str, x: torch.Tensor, float_out: bool) -> torch.Tensor:
+        """The kernel's "q8" or "gemv" path over this part's tiles (x contiguous [M, K])."""
+        if path == "q8":
+            return tiled_gemv.gemm_q8(x, self.tiles, self.scale, self.offset, self.bits, float_out)
+        return tiled_gemv.gemv(x, self.tiles, self.scale, self.offset, self.bits, float_out)
+
     def _gemv(self, x: torch.Tensor, float_out: bool) -> torch.Tensor:
         x2 = x.reshape(-1, self.K)
         path = self._path(x2)
-        if path == "q8":
-            y = tiled_gemv.gemm_q8(x2.contiguous(), self.tiles, self.scale, self.offset, self.bits, float_out)
-        elif path == "gemv":
-            y = tiled_gemv.gemv(x2.contiguous(), self.tiles, self.scale, self.offset, self.bits, float_out)
+        if path != "dense":
+            y = self._kernel(path, x2.contiguous(), float_out)
         else:
             y = F.linear(x2, self._weight(x2.dtype))
             y = y.float() if float_out else y  # linear_float's contract: float32 logits either way
@@ -283,6 +296,57 @@ class TiledPart(PackedPart):
 
     def buffers(self):
         return [self.tiles, self.scale, self.offset]
+
+
+class TiledQ6KPart(TiledPart):
+    """Q6_K in the tiled GEMV's Q6_K tiles (cpu_tiled_gemv.pack_q6k), its own bits: 6-bit codes, int8
+    sub-block scales S per 16 and float16 d per 256, 0.82 B a weight as in the file (Q6KPart: 1.25).
+    The bf16 GEMV for few rows, the int8-x path (has_q8) from TILED_Q8_MIN_ROWS rows, so no dense copy
+    and no rebuilt weight at many rows; else the rules of TiledPart (gemm_dispatch.tiled_path). Rows
+    for lookups and the head's refinement are exactly gguf-py's values. bf16 build only (has_q6k)."""
+
+    def __init__(self, q6: torch.Tensor, sub_scale: torch.Tensor, d: torch.Tensor, int8_activations: bool = True):
+        """q6 None: an empty part for from_chunks to fill."""
+        super().__init__(None, None, None, 6, int8_activations)
+        if q6 is not None:
+            self.N, self.K = q6.shape
+            self.tiles, self.sub_scale, self.d = tiled_gemv.pack_q6k(q6, sub_scale, d)
+
+    @classmethod
+    def from_chunks(cls, N: int, K: int, chunks, int8_activations: bool = True) -> "TiledQ6KPart":
+        """The part of (q6, S, d) row chunks (gguf_blocks.q6_k_blocks of consecutive rows; each chunk
+        but the last a multiple of the kernel's tile rows), packed a chunk at a time into one tensor."""
+        part = cls(None, None, None, int8_activations)
+        part.N, part.K = N, K
+        T, at = -(-N // tiled_gemv.ROWS), 0
+        for q6, sub, d in chunks:
+            t, s, dd = tiled_gemv.pack_q6k(q6, sub, d)
+            if at == 0:
+                part.tiles, part.sub_scale, part.d = (x.new_empty(T, *x.shape[1:]) for x in (t, s, dd))
+            for buf, x in ((part.tiles, t), (part.sub_scale, s), (part.d, dd)):
+                buf[at : at + x.shape[0]] = x
+            at += t.shape[0]
+        if at != T:
+            raise ValueError(f"Q6_K chunks cover {at} tiles, not {T} (only the last may be short)")
+        return part
+
+    @staticmethod
+    def usable(dtype: torch.dtype, device, kernels: CpuKernels | None = None) -> bool:
+        return tiled_gemv.has_q6k() and TiledPart.usable(dtype, device, kernels)
+
+    def _kernel(self, path, x, float_out):
+        if path == "q8":
+            return tiled_gemv.gemm_q8_q6k(x, self.tiles, self.sub_scale, self.d, float_out)
+        return tiled_gemv.gemv_q6k(x, self.tiles, self.sub_scale, self.d, float_out)
+
+    def _weight(self, dtype):
+        return tiled_gemv.dequantize_q6k(self.tiles, self.sub_scale, self.d, dtype, self.N)
+
+    def rows(self, ids):
+        return tiled_gemv.unpack_rows_q6k(self.tiles, self.sub_scale, self.d, ids)
+
+    def buffers(self):
+        return [self.tiles, self.sub_scale, self.d]
 
 
 def _row_codes(w: Int4Weight, ids: torch.Tensor) -> torch.Tensor:
@@ -487,6 +551,9 @@ def _pack_run(run: list, dtype: torch.dtype, device, raw_ok: bool, kernels: CpuK
         c, s, o = (torch.cat(x).to(device) for x in zip(*(affine_codes(t.raw(), t.qtype) for t in run)))
         return Int4Part(c, s, o, dtype, split8=kind == "int8")
     if kind == "q6k":
+        if TiledQ6KPart.usable(dtype, device, kernels):
+            chunks = _row_chunks(run, device, lambda raw, qtype: q6_k_blocks(raw))
+            return TiledQ6KPart.from_chunks(N, K, chunks, int8_activations=kernels.int8_activations)
         return Q6KPart.from_chunks(N, K, _row_chunks(run, device, lambda raw, qtype: q6_k_codes(raw)), dtype)
     return RawPart(torch.cat([t.raw() for t in run]).to(device), run[0].qtype, run[0].shape[1])
 
