@@ -37,8 +37,18 @@ float32 epilogue per group (convert, scale, two FMAs against 8 vpdpbusd) shares 
 of the int8 peak. It beats oneDNN's bf16 GEMM over a dense copy at every row count measured.
 Numerics: the default model's perplexity on held-out text moves +0.3% (a per-row, not per-group,
 int8 x moved it +2.3%).
+Q6_K in the bf16 build (`pack_q6k`, `gemv_q6k`, `gemm_q8_q6k`; ember.quant.gguf_quant.TiledQ6KPart):
+the file's bits kept, 0.82 B a weight. A 384-byte tile is the 4-bit tile of the 6-bit codes' low
+nibbles plus a 2-bit plane of their high bits, laid out so that one widened 32-byte run of the plane
+lines up word for word with the two 4-bit runs it serves (a shift and a ternary-logic op put the two
+bits beside the nibble: the bf16 of 128 + q6, as the 4-bit codes' 128 + c); the scales stay int8 S
+per 16 inputs and float16 d per 256 (d * S is exact in float32: 11 x 8 bits; float16 per-16 scales
+would not hold it, ~18 significant bits). Each half of a tile (inputs 0..15, 16..31) is a sub-block
+and accumulates apart, from -160 sum(x) (GEMV) or -32 sum(q) (int8 x), so the offset costs no
+extra multiply. Numerics are the 4/8-bit tiles': exact products summed in float32 (bf16 x), or x
+rounded to int8 per group of 32 (many rows). Batch-1 and 16-row figures against Q6KPart: docs/tuning.md.
 `x_dtype()` says which x this machine's build takes (None: neither),
-`available()` whether it also built, `has_q8()` whether the int8-x path is there. Built like the attention kernel (ember.kernels.cpp_build).
+`available()` whether it also built, `has_q8()` whether the int8-x path is there, `has_q6k()` the Q6_K tiles. Built like the attention kernel (ember.kernels.cpp_build).
 Which path a step takes by its row count (TILED_Q8_MIN_ROWS and the GEMV's max rows) is
 ember.quant.gemm_dispatch's; whether a model uses the kernel at all is its CpuKernels'.
 """

@@ -11,7 +11,12 @@ stored by its type, with no dense copy:
   by side along the input dim in one Int4Weight [N, 2K]:
   x @ W^T = [x, x] @ [16d*hi | d*lo + off]^T. One kernel call, 1 byte + scales per weight.
 - Q6_K (Q4_K_M files hold it in output.weight and half the attn_v / ffn_down): 16 sub-blocks
-  of 16 with scale c = d * S (int8 S, either sign), w = c (q6 - 32), q6 in 0..63. Split
+  of 16 with scale c = d * S (int8 S, either sign), w = c (q6 - 32), q6 in 0..63.
+  In bf16 on CPUs with AVX-512 BF16 it is a TiledQ6KPart: the tiled GEMV's Q6_K tiles hold the
+  file's own bits (6-bit codes, int8 S, float16 d: 0.82 B a weight), its bf16 GEMV serves few rows
+  and its int8-x path many (no dense copy, no rebuilt weight), rows come back exactly
+  (ember.kernels.cpu_tiled_gemv). Elsewhere (float32 runs, the AVX2 build, --no-cpu-tiled-gemv)
+  it is a Q6KPart, as follows. Split
   q6 = 16 hi + lo (hi 0..3, lo 0..15) and give each sub-block one kernel group of 32 in an
   Int4Weight [N, 2K]: its 16 codes hi + 6, then its 16 codes lo, both with s = 16 c and
   z = 8 s / 17, fed x' = [x_0:16, x_0:16 / 16, x_16:32, x_16:32 / 16, ...] (exact: a power of 2).
@@ -25,7 +30,7 @@ stored by its type, with no dense copy:
   call costs per row, so above Q6K_KERNEL_MAX_ROWS rows the bf16 weight is rebuilt per call for a
   dense GEMM (docs/tuning.md, row-count crossovers). Rows for lookups / the head's refinement come from the
   codes and s alone, bit-exact in float32. An embedding that is only looked up (untied) keeps
-  Q6_K raw (smaller; a lookup dequantizes just its rows).
+  Q6_K raw (as small as the Q6_K tiles; a lookup dequantizes just its rows).
 - Q2_K, Q3_K, IQ* and the other types: dequantized once at load to the run dtype (dense),
   or kept raw in a lookup-only embedding.
 - F32 / F16 / BF16: dense in the run dtype.
@@ -504,7 +509,7 @@ def _kind(t, raw_ok: bool) -> str:
     if t.qtype in AFFINE_8BIT and Int4Part.supports(2 * t.shape[1]):
         return "int8"
     if t.qtype == T.Q6_K and Q6KPart.supports(t.shape[1]) and not raw_ok:
-        return "q6k"  # a lookup-only embedding keeps Q6_K raw: 0.82 B/weight against 1.25
+        return "q6k"  # TiledQ6KPart or Q6KPart; a lookup-only embedding keeps Q6_K raw (0.82 B/weight)
     return f"raw {t.qtype.name}" if raw_ok else "dense"
 
 
