@@ -466,16 +466,19 @@ def tiny_mixed_gguf(path, arch="llama", tied=True, layers=2, experts=0):
     return write_gguf(path, arch, meta, tensors)
 
 
-def build(path, packed: bool, dtype=torch.float32):
+def build(path, packed: bool, dtype=torch.float32, kernels=None):
+    """kernels: the CpuKernels the packed methods take (default: the defaults)."""
     from ember.config.model_config import ModelConfig
+    from ember.kernels.cpu_kernels import CpuKernels
     from ember.loader.gguf import GGUFCheckpoint
     from ember.models.registry import get_model_class
 
     ckpt = GGUFCheckpoint(path)
     cfg = ModelConfig.from_dict(ckpt.config)
-    model = get_model_class(cfg.architecture)(
-        cfg, dtype=dtype, device="cpu", quant_config=GGUFConfig() if packed else None
-    )
+    quant = GGUFConfig() if packed else None
+    if quant is not None:
+        quant.kernels = kernels or CpuKernels()  # as resolve_quant_config sets it
+    model = get_model_class(cfg.architecture)(cfg, dtype=dtype, device="cpu", quant_config=quant)
     model.load_weights(ckpt.iter_weights(packed=packed))
     process_weights_after_loading(model)
     return model.eval()
