@@ -7,8 +7,9 @@ and the largest step's transients:
   process       the interpreter, torch and ember imported (PROCESS_BYTES), plus the tokenizer
                 (TOKENIZER_BYTES_PER_TOKEN a vocabulary entry)
   weights       as held, not as stored: a GGUF tensor costs HELD_BYTES_PER_WEIGHT of its type in
-                the layout this machine's kernels take (Q4_K's scales are float32; Q6_K keeps the
-                file's 0.82 B a weight in the bf16 build's Q6_K tiles, 1.25 in torch's int4 kernel);
+                the layout this machine's kernels take (the bf16 build keeps Q4_K / Q5_K's two levels
+                of scales and Q6_K's own bits: ~the file's bytes; elsewhere Q4_K's scales are float32
+                and Q6_K holds 1.25 B a weight in torch's int4 kernel);
                 float and unpacked types hold the run dtype
   dense copy    --int4-dense-copy auto: a run-dtype copy of every GGUF linear whose kernel loses at
                 many rows (every packed type without the tiled GEMV's int8-x path, Q6_K included),
@@ -44,6 +45,10 @@ HELD_BYTES_PER_WEIGHT = {
     "tiled": {"Q4_0": 0.625, "Q4_1": 0.625, "Q4_K": 0.75, "Q5_0": 1.125, "Q5_1": 1.125, "Q5_K": 1.25, "Q8_0": 1.125},
     "int4": {"Q4_0": 0.625, "Q4_1": 0.625, "Q4_K": 0.625, "Q5_0": 1.25, "Q5_1": 1.25, "Q5_K": 1.25, "Q8_0": 1.25},
 }
+# the bf16 build (AVX-512 BF16) keeps Q4_K / Q5_K's scales as the file has them: 6-bit sc and m per 32
+# (a byte each), float16 d and dmin per 256 -- where a fused run is all K-quants (a part mixing Q4_K
+# with Q4_0 keeps flat float32 scales; rare in files: counted at this figure)
+K_SCALES_HELD_BYTES = {"Q4_K": 0.578125, "Q5_K": 1.078125}
 Q6K_HELD_BYTES = {2: 1.25, 4: 1.5}  # Q6KPart, by the run dtype's bytes: codes 1 B + (s, z) per 16 weights
 Q6K_FILE_BYTES = 210 / 256  # raw blocks (a lookup-only embedding) and the bf16 build's Q6_K tiles alike
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -111,6 +116,8 @@ def held_bytes(t: GGUFTensorInfo, dtype_bytes: int, kind: str, lookup_only: bool
         native = lookup_only or (kind == "tiled" and dtype_bytes == 2)  # the tiles' bf16 build has Q6_K's
         return t.elements * (Q6K_FILE_BYTES if native else Q6K_HELD_BYTES[dtype_bytes])
     per = HELD_BYTES_PER_WEIGHT[kind].get(t.type_name)
+    if kind == "tiled" and dtype_bytes == 2:
+        per = K_SCALES_HELD_BYTES.get(t.type_name, per)
     return t.elements * (per if per is not None else dtype_bytes)  # others are dequantized at load
 
 

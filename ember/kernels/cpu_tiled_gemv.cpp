@@ -22,6 +22,10 @@
 //
 // Q6_K (AVX-512 BF16 build only; the Q6_K section below): a 384-byte tile, the 4-bit tile of the 6-bit
 // codes' low nibbles followed by a 2-bit plane of their high bits, with a scale per 16 inputs.
+//
+// Scales and offsets come from one of two stores (the FlatScales / KScales structs below): flat,
+// float16 or float32 [N/16, K/32, 16] each; or, for Q4_K / Q5_K in the AVX-512 BF16 build, their two
+// levels as the file holds them.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -48,13 +52,25 @@ constexpr int kMaxM = 4;    // x rows per pass over a tile (accumulators: 2 per 
 // past the end of the weights is harmless: it never faults.
 constexpr int kPrefetchTiles = 8;
 
-template <int kTileBytes, typename S>
-inline void prefetch_tile(const uint8_t* codes, const S* scale, const S* offset, int64_t tg) {
+template <int kTileBytes>
+inline void prefetch_codes(const uint8_t* codes, int64_t tg) {
   const char* c = reinterpret_cast<const char*>(codes + tg * kTileBytes);
   for (int line = 0; line < kTileBytes; line += 64) _mm_prefetch(c + line, _MM_HINT_T0);
+}
+
+template <int kTileBytes, typename S>
+inline void prefetch_tile(const uint8_t* codes, const S* scale, const S* offset, int64_t tg) {
+  prefetch_codes<kTileBytes>(codes, tg);
   _mm_prefetch(reinterpret_cast<const char*>(scale + tg * kRows), _MM_HINT_T0);
   _mm_prefetch(reinterpret_cast<const char*>(offset + tg * kRows), _MM_HINT_T0);
 }
+
+// Flat scales and offsets: float16 or float32 [N/16, K/32, 16] each.
+template <typename S>
+struct FlatScales {
+  const S* scale;
+  const S* offset;
+};
 
 #if defined(__AVX512BF16__)
 using XT = at::BFloat16;  // this build's x
@@ -96,6 +112,42 @@ inline __m512bh pair(const at::BFloat16* x) {
   return (__m512bh)_mm512_set1_epi32(v);
 }
 
+// Q4_K / Q5_K's two levels as the file holds them: 6-bit sub-scale sc and sub-min m per 32 inputs
+// (uint8 [N/16, K/32, 2, 16]: sc then m) and float16 d, dmin per 256 ([N/16, K/256, 2, 16]), so that
+// scale = d sc and offset = -dmin m, each exact in float32 (11 x 6 significant bits): the very values a
+// flat float32 store holds (float16 cannot: up to 17 bits), in 2 B + 4 B / 8 per 32 weights, not 8 B.
+struct KScales {
+  const uint8_t* sm;
+  const at::Half* dd;
+};
+
+inline __m512 u8_to_ps(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
+
+// Row tile t's scale and offset of group g (G groups a row of tiles).
+template <typename S>
+inline void load_scales(const FlatScales<S>& sc, int64_t t, int64_t G, int64_t g, __m512& s, __m512& o) {
+  const int64_t at = (t * G + g) * kRows;
+  s = load16(sc.scale + at);
+  o = load16(sc.offset + at);
+}
+
+inline void load_scales(const KScales& sc, int64_t t, int64_t G, int64_t g, __m512& s, __m512& o) {
+  const uint8_t* sm = sc.sm + (t * G + g) * 2 * kRows;
+  const at::Half* d = sc.dd + (t * (G / 8) + g / 8) * 2 * kRows;  // 8 groups a superblock of 256
+  s = _mm512_mul_ps(load16(d), u8_to_ps(sm));
+  o = _mm512_mul_ps(load16(d + kRows), _mm512_sub_ps(_mm512_setzero_ps(), u8_to_ps(sm + kRows)));  // -m: exact
+}
+
+template <typename S>
+inline void prefetch_scales(const FlatScales<S>& sc, int64_t tg) {
+  _mm_prefetch(reinterpret_cast<const char*>(sc.scale + tg * kRows), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(sc.offset + tg * kRows), _MM_HINT_T0);
+}
+
+inline void prefetch_scales(const KScales& sc, int64_t tg) {  // d and dmin: one line per 8 tiles, cached
+  _mm_prefetch(reinterpret_cast<const char*>(sc.sm + tg * 2 * kRows), _MM_HINT_T0);
+}
+
 // One tile for M rows of x (pointers at the tile's first input); adds into out[M].
 template <int BITS, int M>
 inline void tile_dot(const uint8_t* __restrict c, const at::BFloat16* const* xs, __m512 (&acc)[kMaxM]) {
@@ -129,9 +181,9 @@ inline void tile_dot(const uint8_t* __restrict c, const at::BFloat16* const* xs,
 }
 
 // Row tile t (16 outputs) over all of K, for x rows [m0, m0 + M).
-template <int BITS, typename S, int M>
-void tile_row(const uint8_t* __restrict codes, const S* __restrict scale, const S* __restrict offset,
-              const XIn& xin, void* y, bool float_out, int64_t K, int64_t N, int64_t m0, int64_t t) {
+template <int BITS, typename Scales, int M>
+void tile_row(const uint8_t* __restrict codes, const Scales& sc, const XIn& xin, void* y, bool float_out, int64_t K,
+              int64_t N, int64_t m0, int64_t t) {
   constexpr int kTileBytes = BITS == 4 ? 256 : 512;
   const int64_t G = K / kGroup;
   const __m512 shift = _mm512_set1_ps(BITS == 4 ? 128.f : 0.f);
@@ -141,19 +193,39 @@ void tile_row(const uint8_t* __restrict codes, const S* __restrict scale, const 
     const int64_t tg = t * G + g;
     const at::BFloat16* xs[kMaxM];
     for (int m = 0; m < M; ++m) xs[m] = xin.x + (m0 + m) * K + g * kGroup;
-    prefetch_tile<kTileBytes>(codes, scale, offset, tg + kPrefetchTiles);
+    prefetch_codes<kTileBytes>(codes, tg + kPrefetchTiles);
+    prefetch_scales(sc, tg + kPrefetchTiles);
     __m512 acc[kMaxM];
     tile_dot<BITS, M>(codes + tg * kTileBytes, xs, acc);
-    const __m512 s = load16(scale + tg * kRows);
-    const __m512 o = _mm512_fnmadd_ps(shift, s, load16(offset + tg * kRows));  // offset - 128 s for 4-bit
+    __m512 s, o;
+    load_scales(sc, t, G, g, s, o);
+    o = _mm512_fnmadd_ps(shift, s, o);  // offset - 128 s for 4-bit
     for (int m = 0; m < M; ++m)
       out[m] = _mm512_fmadd_ps(o, _mm512_set1_ps(xin.sum[(m0 + m) * G + g]), _mm512_fmadd_ps(s, acc[m], out[m]));
   }
-  for (int m = 0; m < M; ++m) {
-    const int64_t at = (m0 + m) * N + t * kRows;
-    if (float_out) _mm512_storeu_ps(static_cast<float*>(y) + at, out[m]);
-    else _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<at::BFloat16*>(y) + at), (__m256i)_mm512_cvtneps_pbh(out[m]));
-  }
+  for (int m = 0; m < M; ++m) store_rows(y, (m0 + m) * N + t * kRows, out[m], float_out);
+}
+
+// Few rows of x: the tiles split across threads; every thread runs all x rows over its tiles, a few
+// rows at a time, so a tile's codes are widened once per chunk of kMaxM rows while still in L1.
+template <int BITS, typename Scales>
+void run(const at::Tensor& x, const at::Tensor& codes, const Scales& sc, const XIn& xin, const at::Tensor& y,
+         bool float_out) {
+  const int64_t Mtot = x.size(0), K = x.size(1), T = codes.size(0), N = T * kRows;
+  const auto* c = codes.data_ptr<uint8_t>();
+  void* yp = y.data_ptr();
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t m0 = 0; m0 < Mtot; m0 += kMaxM) {
+        switch (std::min<int64_t>(kMaxM, Mtot - m0)) {
+          case 1: tile_row<BITS, Scales, 1>(c, sc, xin, yp, float_out, K, N, m0, t); break;
+          case 2: tile_row<BITS, Scales, 2>(c, sc, xin, yp, float_out, K, N, m0, t); break;
+          case 3: tile_row<BITS, Scales, 3>(c, sc, xin, yp, float_out, K, N, m0, t); break;
+          default: tile_row<BITS, Scales, 4>(c, sc, xin, yp, float_out, K, N, m0, t); break;
+        }
+      }
+    }
+  });
 }
 
 // ---- Q6_K tiles --------------------------------------------------------------------------------
@@ -349,9 +421,9 @@ inline void quad_tile(const uint8_t* __restrict c, __m512i* __restrict w, int64_
 }
 
 // x rows [m0, m0 + M) against tile t (its quads in w).
-template <typename S, int M>
-void q8_rows(const __m512i* __restrict w, int64_t t, const S* __restrict scale, const S* __restrict offset,
-             const Q8In& xin, void* y, bool float_out, int64_t K, int64_t N, int64_t m0) {
+template <typename Scales, int M>
+void q8_rows(const __m512i* __restrict w, int64_t t, const Scales& scales, const Q8In& xin, void* y, bool float_out,
+             int64_t K, int64_t N, int64_t m0) {
   const int64_t G = K / kGroup;
   __m512 out[M];
   for (int m = 0; m < M; ++m) out[m] = _mm512_setzero_ps();
@@ -368,31 +440,24 @@ void q8_rows(const __m512i* __restrict w, int64_t t, const S* __restrict scale, 
         acc[m] = _mm512_dpbusd_epi32(acc[m], wu, _mm512_set1_epi32(quad));
       }
     }
-    const int64_t tg = t * G + g;
-    const __m512 sc = load16(scale + tg * kRows), of = load16(offset + tg * kRows);
+    __m512 sc, of;
+    load_scales(scales, t, G, g, sc, of);
     for (int m = 0; m < M; ++m) {
       const int64_t i = (m0 + m) * G + g;
       out[m] = _mm512_fmadd_ps(of, _mm512_set1_ps(xin.s[i]),
                                _mm512_fmadd_ps(_mm512_mul_ps(sc, _mm512_set1_ps(xin.d[i])), _mm512_cvtepi32_ps(acc[m]), out[m]));
     }
   }
-  for (int m = 0; m < M; ++m) {
-    const int64_t at = (m0 + m) * N + t * kRows;
-    if (float_out) _mm512_storeu_ps(static_cast<float*>(y) + at, out[m]);
-    else _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<at::BFloat16*>(y) + at), (__m256i)_mm512_cvtneps_pbh(out[m]));
-  }
+  for (int m = 0; m < M; ++m) store_rows(y, (m0 + m) * N + t * kRows, out[m], float_out);
 }
 
-template <int BITS, typename S>
-void run_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
-            const at::Tensor& y, bool float_out) {
+template <int BITS, typename Scales>
+void run_q8(const at::Tensor& x, const at::Tensor& codes, const Scales& sc, const at::Tensor& y, bool float_out) {
   constexpr int kTileBytes = BITS == 4 ? 256 : 512;
   const Q8In xin = prepare_q8(x);
   const int64_t Mtot = x.size(0), K = x.size(1), G = K / kGroup, T = codes.size(0), N = T * kRows;
   const int64_t chunks = (Mtot + kQ8Chunk - 1) / kQ8Chunk;
   const auto* c = codes.data_ptr<uint8_t>();
-  const S* s = scale.data_ptr<S>();
-  const S* o = offset.data_ptr<S>();
   void* yp = y.data_ptr();
   // items chunk-major: a thread takes whole row chunks where there are several (its x rows stay in
   // L2 while the tiles pass), else a share of the tiles of the one chunk
@@ -402,16 +467,16 @@ void run_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scal
       const int64_t t = i % T, r0 = (i / T) * kQ8Chunk, r1 = std::min(Mtot, r0 + kQ8Chunk);
       quad_tile<BITS>(c + t * G * kTileBytes, w.data(), G);
       int64_t m0 = r0;
-      for (; m0 + kQ8M <= r1; m0 += kQ8M) q8_rows<S, kQ8M>(w.data(), t, s, o, xin, yp, float_out, K, N, m0);
+      for (; m0 + kQ8M <= r1; m0 += kQ8M) q8_rows<Scales, kQ8M>(w.data(), t, sc, xin, yp, float_out, K, N, m0);
       switch (r1 - m0) {
         case 0: break;
-        case 1: q8_rows<S, 1>(w.data(), t, s, o, xin, yp, float_out, K, N, m0); break;
-        case 2: q8_rows<S, 2>(w.data(), t, s, o, xin, yp, float_out, K, N, m0); break;
-        case 3: q8_rows<S, 3>(w.data(), t, s, o, xin, yp, float_out, K, N, m0); break;
-        case 4: q8_rows<S, 4>(w.data(), t, s, o, xin, yp, float_out, K, N, m0); break;
-        case 5: q8_rows<S, 5>(w.data(), t, s, o, xin, yp, float_out, K, N, m0); break;
-        case 6: q8_rows<S, 6>(w.data(), t, s, o, xin, yp, float_out, K, N, m0); break;
-        default: q8_rows<S, 7>(w.data(), t, s, o, xin, yp, float_out, K, N, m0); break;
+        case 1: q8_rows<Scales, 1>(w.data(), t, sc, xin, yp, float_out, K, N, m0); break;
+        case 2: q8_rows<Scales, 2>(w.data(), t, sc, xin, yp, float_out, K, N, m0); break;
+        case 3: q8_rows<Scales, 3>(w.data(), t, sc, xin, yp, float_out, K, N, m0); break;
+        case 4: q8_rows<Scales, 4>(w.data(), t, sc, xin, yp, float_out, K, N, m0); break;
+        case 5: q8_rows<Scales, 5>(w.data(), t, sc, xin, yp, float_out, K, N, m0); break;
+        case 6: q8_rows<Scales, 6>(w.data(), t, sc, xin, yp, float_out, K, N, m0); break;
+        default: q8_rows<Scales, 7>(w.data(), t, sc, xin, yp, float_out, K, N, m0); break;
       }
     }
   });
@@ -720,14 +785,11 @@ void gemm_rows(const __m256i* wbuf, int64_t t, const S* __restrict scale, const 
 }
 
 template <int BITS, typename S>
-void run_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
-              const XIn& xin, const at::Tensor& y) {
+void run_gemm(const at::Tensor& x, const at::Tensor& codes, const S* s, const S* o, const XIn& xin, const at::Tensor& y) {
   constexpr int kTileBytes = BITS == 4 ? 256 : 512;
   const int64_t Mtot = x.size(0), K = x.size(1), G = K / kGroup, T = codes.size(0), N = T * kRows;
   const int64_t chunks = (Mtot + kGemmChunk - 1) / kGemmChunk;
   const auto* c = codes.data_ptr<uint8_t>();
-  const S* s = scale.data_ptr<S>();
-  const S* o = offset.data_ptr<S>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, T * chunks, 1, [&](int64_t i0, int64_t i1) {
     std::vector<__m256i> wbuf(G * 32);  // 1 KiB a group
@@ -749,23 +811,17 @@ void run_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc
     }
   });
 }
-#else
-#error "cpu_tiled_gemv.cpp needs AVX-512 BF16, or AVX2 with FMA and F16C (cpu_tiled_gemv.available() checks first)"
-#endif
 
+// Few rows: as the AVX-512 build's run(); many: the widened path above.
 template <int BITS, typename S>
-void run(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
-         const XIn& xin, const at::Tensor& y, bool float_out) {
-#if !defined(__AVX512BF16__)
-  if (x.size(0) >= kGemmMinRows) return run_gemm<BITS, S>(x, codes, scale, offset, xin, y);
-#endif
+void run(const at::Tensor& x, const at::Tensor& codes, const FlatScales<S>& sc, const XIn& xin, const at::Tensor& y,
+         bool float_out) {
+  const S* s = sc.scale;
+  const S* o = sc.offset;
+  if (x.size(0) >= kGemmMinRows) return run_gemm<BITS, S>(x, codes, s, o, xin, y);
   const int64_t Mtot = x.size(0), K = x.size(1), T = codes.size(0), N = T * kRows;
   const auto* c = codes.data_ptr<uint8_t>();
-  const S* s = scale.data_ptr<S>();
-  const S* o = offset.data_ptr<S>();
   void* yp = y.data_ptr();
-  // Split the tiles across threads; every thread runs all x rows over its tiles, a few rows at
-  // a time, so a tile's codes are widened once per chunk of kMaxM rows while still in L1.
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t m0 = 0; m0 < Mtot; m0 += kMaxM) {
@@ -779,6 +835,9 @@ void run(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, 
     }
   });
 }
+#else
+#error "cpu_tiled_gemv.cpp needs AVX-512 BF16, or AVX2 with FMA and F16C (cpu_tiled_gemv.available() checks first)"
+#endif
 
 // The argument checks both ops share.
 void check_args(const at::Tensor& x, at::ScalarType x_type, const char* x_name, const at::Tensor& codes,
@@ -789,11 +848,36 @@ void check_args(const at::Tensor& x, at::ScalarType x_type, const char* x_name, 
   const int64_t K = x.size(1), G = K / kGroup;
   TORCH_CHECK(K % kGroup == 0 && codes.dim() == 3 && codes.size(1) == G && codes.size(2) == (bits == 4 ? 256 : 512)
               && codes.scalar_type() == at::kByte && codes.is_contiguous(), "codes: uint8 [N/16, K/32, tile bytes]");
+  TORCH_CHECK(scale.is_contiguous() && offset.is_contiguous(), "scale/offset must be contiguous");
+  if (scale.scalar_type() == at::kByte) {  // K-quants' two levels (KScales)
+    TORCH_CHECK(K % 256 == 0 && scale.dim() == 4 && scale.size(0) == codes.size(0) && scale.size(1) == G
+                && scale.size(2) == 2 && scale.size(3) == kRows && offset.scalar_type() == at::kHalf
+                && offset.dim() == 4 && offset.size(0) == codes.size(0) && offset.size(1) == K / 256
+                && offset.size(2) == 2 && offset.size(3) == kRows,
+                "K-quant scales: uint8 (sc, m) [N/16, K/32, 2, 16] and float16 (d, dmin) [N/16, K/256, 2, 16]");
+    return;
+  }
   TORCH_CHECK(scale.sizes() == offset.sizes() && scale.scalar_type() == offset.scalar_type() && scale.dim() == 3
-              && scale.size(0) == codes.size(0) && scale.size(1) == G && scale.size(2) == kRows
-              && scale.is_contiguous() && offset.is_contiguous(), "scale/offset: [N/16, K/32, 16], same dtype");
+              && scale.size(0) == codes.size(0) && scale.size(1) == G && scale.size(2) == kRows,
+              "scale/offset: [N/16, K/32, 16], same dtype");
   TORCH_CHECK(scale.scalar_type() == at::kHalf || scale.scalar_type() == at::kFloat,
-              "scale/offset must be float16 or float32");
+              "scale/offset must be float16 or float32 (or uint8 + float16: K-quant scales)");
+}
+
+// f(scales) with the store scale and offset hold (check_args has checked them).
+template <typename F>
+void with_scales(const at::Tensor& scale, const at::Tensor& offset, F&& f) {
+  if (scale.scalar_type() == at::kByte) {
+#if defined(__AVX512BF16__)
+    f(KScales{scale.data_ptr<uint8_t>(), offset.data_ptr<at::Half>()});
+#else
+    TORCH_CHECK(false, "K-quant scales need the AVX-512 BF16 build (cpu_tiled_gemv.has_k_scales() says)");
+#endif
+  } else if (scale.scalar_type() == at::kHalf) {
+    f(FlatScales<at::Half>{scale.data_ptr<at::Half>(), offset.data_ptr<at::Half>()});
+  } else {
+    f(FlatScales<float>{scale.data_ptr<float>(), offset.data_ptr<float>()});
+  }
 }
 
 at::Tensor tiled_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
@@ -802,14 +886,10 @@ at::Tensor tiled_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Te
   check_args(x, kX, std::is_same<XT, float>::value ? "float32" : "bf16", codes, scale, offset, bits);
   const XIn xin = prepare_x(x);  // this build's x and its sums per group
   at::Tensor y = at::empty({x.size(0), codes.size(0) * kRows}, x.options().dtype(float_out ? at::kFloat : kX));
-  const bool half = scale.scalar_type() == at::kHalf;
-  if (bits == 4) {
-    if (half) run<4, at::Half>(x, codes, scale, offset, xin, y, float_out);
-    else run<4, float>(x, codes, scale, offset, xin, y, float_out);
-  } else {
-    if (half) run<8, at::Half>(x, codes, scale, offset, xin, y, float_out);
-    else run<8, float>(x, codes, scale, offset, xin, y, float_out);
-  }
+  with_scales(scale, offset, [&](const auto& sc) {
+    if (bits == 4) run<4>(x, codes, sc, xin, y, float_out);
+    else run<8>(x, codes, sc, xin, y, float_out);
+  });
   return y;
 }
 
@@ -819,14 +899,10 @@ at::Tensor tiled_gemm_q8(const at::Tensor& x, const at::Tensor& codes, const at:
 #if defined(EMBER_TILED_Q8)
   check_args(x, at::kBFloat16, "bf16", codes, scale, offset, bits);
   at::Tensor y = at::empty({x.size(0), codes.size(0) * kRows}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
-  const bool half = scale.scalar_type() == at::kHalf;
-  if (bits == 4) {
-    if (half) run_q8<4, at::Half>(x, codes, scale, offset, y, float_out);
-    else run_q8<4, float>(x, codes, scale, offset, y, float_out);
-  } else {
-    if (half) run_q8<8, at::Half>(x, codes, scale, offset, y, float_out);
-    else run_q8<8, float>(x, codes, scale, offset, y, float_out);
-  }
+  with_scales(scale, offset, [&](const auto& sc) {
+    if (bits == 4) run_q8<4>(x, codes, sc, y, float_out);
+    else run_q8<8>(x, codes, sc, y, float_out);
+  });
   return y;
 #else
   TORCH_CHECK(false, "tiled_gemm_q8 needs a CPU with AVX-512 BF16, VNNI and VBMI (cpu_tiled_gemv.has_q8() says)");

@@ -11,7 +11,11 @@ x (bf16) are exact in the products, sums are float32 -- the torch kernel instead
 
 Layout (`pack`): codes uint8 [N/16, K/32, 256] (4-bit: two codes a byte) or [N/16, K/32, 512]
 (8-bit), scale and offset [N/16, K/32, 16] in float16 where that holds them exactly (GGUF's
-Q4_0, Q4_1, Q8_0 block scales are float16), else float32. N is padded to a multiple of 16.
+Q4_0, Q4_1, Q8_0 block scales are float16), else float32. N is padded to a multiple of 16. In the
+bf16 build Q4_K / Q5_K may keep their two levels instead (`pack_k`: 6-bit sc and m per 32 as uint8
+[N/16, K/32, 2, 16], float16 d and dmin per 256 as [N/16, K/256, 2, 16]; the kernel forms d sc and
+-dmin m per group, exact in float32: the flat float32 values, bit for bit, in 0.078 B a weight of
+scales instead of 0.25).
 
 On CPUs with AVX2, FMA and F16C but no AVX-512 BF16 (Zen2/Zen3, Haswell on), where the engine
 runs in float32, the same tiles serve a float32-x build that multiplies in integers: each group of
@@ -48,7 +52,8 @@ and accumulates apart, from -160 sum(x) (GEMV) or -32 sum(q) (int8 x), so the of
 extra multiply. Numerics are the 4/8-bit tiles': exact products summed in float32 (bf16 x), or x
 rounded to int8 per group of 32 (many rows). Batch-1 and 16-row figures against Q6KPart: docs/tuning.md.
 `x_dtype()` says which x this machine's build takes (None: neither),
-`available()` whether it also built, `has_q8()` whether the int8-x path is there, `has_q6k()` the Q6_K tiles. Built like the attention kernel (ember.kernels.cpp_build).
+`available()` whether it also built, `has_q8()` whether the int8-x path is there, `has_q6k()` the Q6_K tiles,
+`has_k_scales()` the two-level K-quant scales. Built like the attention kernel (ember.kernels.cpp_build).
 Which path a step takes by its row count (TILED_Q8_MIN_ROWS and the GEMV's max rows) is
 ember.quant.gemm_dispatch's; whether a model uses the kernel at all is its CpuKernels'.
 """
@@ -61,7 +66,7 @@ from ember.kernels.cpp_build import build, has_cpu_flags
 
 ROWS, GROUP = 16, 32
 TILE_BYTES = {4: 256, 8: 512}
-Q6K_TILE_BYTES, Q6K_SUPER = 384, 256  # a Q6_K tile: 4-bit low nibbles + 2-bit high plane; inputs per d
+Q6K_TILE_BYTES, Q6K_SUPER = 384, 256  # a Q6_K tile: 4-bit low nibbles + 2-bit high plane; a K-quant superblock
 
 
 def x_dtype() -> torch.dtype | None:
@@ -94,6 +99,12 @@ def has_q8() -> bool:
     """True where this machine's build has the int8-x many-row path (gemm_q8): AVX-512 BF16 with
     VNNI and VBMI (Zen4, Sapphire Rapids)."""
     return x_dtype() == torch.bfloat16 and has_cpu_flags("avx512_vnni", "avx512vbmi")
+
+
+def has_k_scales() -> bool:
+    """True where this machine's build takes Q4_K / Q5_K's two-level scales as they are (pack_k): the
+    bf16 build (AVX-512 BF16)."""
+    return x_dtype() == torch.bfloat16
 
 
 def has_q6k() -> bool:
@@ -155,6 +166,40 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: i
     dtype = torch.float16 if torch.equal(s.half().float(), s) and torch.equal(o.half().float(), o) else torch.float32
     s, o = (t.to(dtype).view(T, ROWS, G).transpose(1, 2).contiguous() for t in (s, o))
     return tiles, s, o
+
+
+def pack_k(codes: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, bits: int):
+    """Q4_K / Q5_K's W = d sc code - dmin m per group of 32 -> (tiles, scale, offset) with the file's two
+    levels of scales kept (gguf_blocks.k_quant_fields: sc, m uint8 per 32; d, dmin float16 per 256):
+    scale uint8 [N/16, K/32, 2, 16] (sc, m), offset float16 [N/16, K/256, 2, 16] (d, dmin); the kernel
+    takes these in place of flat ones (has_k_scales), 2 B + 4 B / 8 per 32 weights against 8 B of float32
+    (d sc needs ~17 significant bits: float16 cannot hold it). N is padded to a multiple of 16."""
+    N, K = codes.shape
+    if K % Q6K_SUPER or bits not in TILE_BYTES:
+        raise ValueError(f"K-quant scales need K % {Q6K_SUPER} == 0 and 4 or 8 bits (got K={K}, bits={bits})")
+    pad = -N % ROWS
+    if pad:
+        codes, sc, m, d, dmin = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (codes, sc, m, d, dmin))
+    T, G = (N + pad) // ROWS, K // GROUP
+    tiles = _tile_codes(codes, bits)
+    sm = torch.stack((sc, m), dim=-1).to(torch.uint8).view(T, ROWS, G, 2).permute(0, 2, 3, 1).contiguous()
+    dd = torch.stack((d, dmin), dim=-1).to(torch.float16).view(T, ROWS, -1, 2).permute(0, 2, 3, 1).contiguous()
+    return tiles, sm, dd
+
+
+def _k_flat(sm: torch.Tensor, dd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K-quant scales [..., G, 2] (sc, m) and [..., B, 2] (d, dmin) -> flat float32 scale and offset
+    [..., G]: d sc and -dmin m, exact."""
+    ddf = dd.float().repeat_interleave(Q6K_SUPER // GROUP, dim=-2)  # a superblock of 256 is 8 groups
+    return ddf[..., 0] * sm[..., 0].float(), -(ddf[..., 1] * sm[..., 1].float())
+
+
+def flat_scales(scale: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Any store -> float32 scale and offset [N/16, K/32, 16] (flat ones as they are, K-quants' computed)."""
+    if scale.dtype != torch.uint8:
+        return scale.float(), offset.float()
+    s, o = _k_flat(scale.permute(0, 3, 1, 2), offset.permute(0, 3, 1, 2))  # [T, 16, G or B, 2] -> [T, 16, G]
+    return s.transpose(1, 2), o.transpose(1, 2)
 
 
 def pack_q6k(q6: torch.Tensor, sub_scale: torch.Tensor, d: torch.Tensor):
@@ -231,8 +276,11 @@ def unpack_rows(
     else:
         c = tiles.view(T, G, 16, ROWS, 2)[t, :, :, i]  # [n, G, p, e]
     c = c.reshape(n, G, GROUP).float()
-    s = scale[t, :, i].float().unsqueeze(-1)  # [n, G, 1]
-    o = offset[t, :, i].float().unsqueeze(-1)
+    if scale.dtype == torch.uint8:  # K-quant scales: [n, G, 2] (sc, m) and [n, B, 2] (d, dmin)
+        s, o = (v.unsqueeze(-1) for v in _k_flat(scale[t, :, :, i], offset[t, :, :, i]))
+    else:
+        s = scale[t, :, i].float().unsqueeze(-1)  # [n, G, 1]
+        o = offset[t, :, i].float().unsqueeze(-1)
     return (c * s + o).view(n, G * GROUP)
 
 
@@ -247,6 +295,8 @@ def dequantize(
     else:
         c = tiles.view(T, G, 16, ROWS, 2).permute(0, 3, 1, 2, 4)  # [T, i, G, p, e]
     w = c.reshape(T * ROWS, G, GROUP).to(dtype)
+    if scale.dtype == torch.uint8:  # K-quant scales, as float32 first (dtype may not hold d sc exactly)
+        scale, offset = flat_scales(scale, offset)
     w = w * scale.transpose(1, 2).reshape(T * ROWS, G, 1).to(dtype) + offset.transpose(1, 2).reshape(T * ROWS, G, 1).to(
         dtype
     )

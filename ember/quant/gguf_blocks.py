@@ -188,6 +188,21 @@ def affine_codes(raw: torch.Tensor, qtype: T) -> tuple[torch.Tensor, torch.Tenso
 
 
 _BITS = torch.arange(8, dtype=torch.uint8)
+K_QUANTS = (T.Q4_K, T.Q5_K)  # affine per 32 with two-level scales
+
+
+def k_quant_fields(
+    raw: torch.Tensor, qtype: T
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K -> their fields as they are: (codes uint8 [rows, K], sc uint8 [rows, K/32], m uint8
+    [rows, K/32], d float16 [rows, K/256], dmin float16 [rows, K/256]); affine_codes' scale = d * sc and
+    offset = -dmin * m (both exact in float32)."""
+    rows = raw.shape[0]
+    codes, _, _ = affine_codes(raw, qtype)
+    b = _blocks(raw, qtype)
+    sc, m = (v.to(torch.uint8) for v in _k_scale_min(b[:, 4:16]))  # 6-bit integers, held as float32 there
+    d, dmin = (b[:, at : at + 2].contiguous().view(torch.float16) for at in (0, 2))
+    return codes, sc.reshape(rows, -1), m.reshape(rows, -1), d.reshape(rows, -1), dmin.reshape(rows, -1)
 
 
 def _k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

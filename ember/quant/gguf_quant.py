@@ -10,6 +10,10 @@ stored by its type, with no dense copy:
   in attn_qkv): the 8-bit codes split exactly into two nibbles, q8 + 128 = 16 hi + lo, laid side
   by side along the input dim in one Int4Weight [N, 2K]:
   x @ W^T = [x, x] @ [16d*hi | d*lo + off]^T. One kernel call, 1 byte + scales per weight.
+- Where the tiled GEMV takes the run's dtype (bf16 on AVX-512 BF16, float32 on AVX2), all of the
+  above are a TiledPart instead (its row tiles, the 8-bit codes whole); in the bf16 build Q4_K and
+  Q5_K keep the file's two levels of scales there (6-bit sc, m per 32, float16 d, dmin per 256:
+  0.58 / 1.08 B a weight, against 0.75 / 1.25 with flat float32 scales), the same values exactly.
 - Q6_K (Q4_K_M files hold it in output.weight and half the attn_v / ffn_down): 16 sub-blocks
   of 16 with scale c = d * S (int8 S, either sign), w = c (q6 - 32), q6 in 0..63.
   In bf16 on CPUs with AVX-512 BF16 it is a TiledQ6KPart: the tiled GEMV's Q6_K tiles hold the
@@ -69,9 +73,11 @@ from ember.quant.gguf_blocks import (
     AFFINE_4BIT,
     AFFINE_8BIT,
     GROUP,
+    K_QUANTS,
     GGUFTensor,
     affine_codes,
     dequantize,
+    k_quant_fields,
     q6_k_blocks,
     q6_k_codes,
 )
@@ -192,7 +198,8 @@ class Int4Part(PackedPart):
 class TiledPart(PackedPart):
     """W = code * scale + offset per group of 32, in the row tiles of the CPU GEMV kernel
     (ember.kernels.cpu_tiled_gemv): 4-bit codes (Q4_0, Q4_1, Q4_K) or whole 8-bit ones (Q8_0,
-    Q5_0, Q5_1). Used in place of Int4Part for bf16 on CPUs with AVX-512 BF16 (faster at one row:
+    Q5_0, Q5_1, Q5_K); scales flat (float16 or float32 per 32) or, for a run of Q4_K / Q5_K shards in
+    the bf16 build, their two levels as the file holds them (tiled_gemv.pack_k). Used in place of Int4Part for bf16 on CPUs with AVX-512 BF16 (faster at one row:
     docs/tuning.md, CPU kernels) and for float32 on CPUs with AVX2 (the kernel's int16-x
     build). From TILED_Q8_MIN_ROWS rows on a CPU with AVX-512 VNNI (has_q8, --cpu-int8-activations), the
     kernel's int8-x path (x rounded to int8 steps per group of 32, as llama.cpp's Q8 activations),
@@ -217,15 +224,19 @@ class TiledPart(PackedPart):
             self.tiles, self.scale, self.offset = tiled_gemv.pack(codes, scale, offset, bits)
 
     @classmethod
-    def from_chunks(cls, N: int, K: int, chunks, bits: int, int8_activations: bool = True) -> "TiledPart":
-        """The part of (codes, scale, offset) row chunks (affine_codes of consecutive rows; each chunk
-        but the last a multiple of the kernel's tile rows), packed a chunk at a time into one tensor:
-        no full-size temporaries. Scales are float16 only where every chunk's are (as one pack's)."""
+    def from_chunks(
+        cls, N: int, K: int, chunks, bits: int, int8_activations: bool = True, pack=tiled_gemv.pack
+    ) -> "TiledPart":
+        """The part of row chunks (each chunk but the last a multiple of the kernel's tile rows), packed a
+        chunk at a time into one tensor: no full-size temporaries. A chunk is pack's arguments but bits:
+        (codes, scale, offset) of affine_codes for tiled_gemv.pack, or k_quant_fields' for
+        tiled_gemv.pack_k (Q4_K / Q5_K's two levels of scales as they are). Flat scales are float16
+        only where every chunk's are (as one pack's)."""
         part = cls(None, None, None, bits, int8_activations)
         part.N, part.K = N, K
         tiles, scales, offsets, at = None, [], [], 0
-        for c, s, o in chunks:
-            t, s, o = tiled_gemv.pack(c, s, o, bits)
+        for chunk in chunks:
+            t, s, o = pack(*chunk, bits)
             if tiles is None:
                 tiles = torch.empty(-(-N // tiled_gemv.ROWS), *t.shape[1:], dtype=t.dtype, device=t.device)
             tiles[at : at + t.shape[0]] = t
@@ -234,8 +245,11 @@ class TiledPart(PackedPart):
             at += t.shape[0]
         if at != tiles.shape[0]:
             raise ValueError(f"tiled chunks cover {at} tiles, not {tiles.shape[0]} (only the last may be short)")
-        wide = torch.float32 if any(s.dtype == torch.float32 for s in scales + offsets) else torch.float16
         part.tiles = tiles
+        if scales[0].dtype == torch.uint8:  # K-quant scales: one form for all chunks
+            part.scale, part.offset = torch.cat(scales), torch.cat(offsets)
+            return part
+        wide = torch.float32 if any(s.dtype == torch.float32 for s in scales + offsets) else torch.float16
         part.scale, part.offset = (torch.cat([t.to(wide) for t in ts]) for ts in (scales, offsets))
         return part
 
@@ -551,8 +565,11 @@ def _pack_run(run: list, dtype: torch.dtype, device, raw_ok: bool, kernels: CpuK
     if kind in ("int4", "int8"):
         bits = 4 if kind == "int4" else 8
         if TiledPart.usable(dtype, device, kernels):
-            chunks = _row_chunks(run, device, affine_codes)
-            return TiledPart.from_chunks(N, K, chunks, bits, int8_activations=kernels.int8_activations)
+            q8 = kernels.int8_activations
+            if tiled_gemv.has_k_scales() and all(t.qtype in K_QUANTS for t in run):  # two levels kept
+                chunks = _row_chunks(run, device, k_quant_fields)
+                return TiledPart.from_chunks(N, K, chunks, bits, q8, pack=tiled_gemv.pack_k)
+            return TiledPart.from_chunks(N, K, _row_chunks(run, device, affine_codes), bits, q8)
         c, s, o = (torch.cat(x).to(device) for x in zip(*(affine_codes(t.raw(), t.qtype) for t in run)))
         return Int4Part(c, s, o, dtype, split8=kind == "int8")
     if kind == "q6k":

@@ -238,6 +238,52 @@ def test_traced_by_torch_compile(cpp_wrapper, qtype):
     assert (layer(x).float() - exact).abs().max() <= 0.01 * exact.abs().max()
 
 
+# ---- K-quant scales (the bf16 build) -----------------------------------------------------------------
+
+needs_k_scales = pytest.mark.skipif(not tg.has_k_scales(), reason="K-quant scales need the bf16 build")
+
+
+@needs_k_scales
+@pytest.mark.parametrize("bits", [4, 8])
+def test_k_scales_give_the_flat_float32_results(bits):
+    """Q4_K / Q5_K's two levels kept (6-bit sc, m per 32; float16 d, dmin per 256: 0.078 B a weight of
+    scales against flat float32's 0.25): d sc and -dmin m are exact in float32, so rows, the GEMV and
+    the int8-x path give the very bits of the flat float32 store, for every row chunking."""
+    assert tg.available()
+    N, K = 40, 768
+    g = torch.Generator().manual_seed(30)
+    codes = torch.randint(0, 2**bits, (N, K), generator=g, dtype=torch.uint8)
+    sc, m = (torch.randint(0, 64, (N, K // 32), generator=g, dtype=torch.uint8) for _ in range(2))
+    d, dmin = ((torch.rand(N, K // 256, generator=g) * 1e-3).half() for _ in range(2))
+    scale = d.float().repeat_interleave(8, dim=1) * sc.float()
+    offset = -(dmin.float().repeat_interleave(8, dim=1) * m.float())
+    kq = tg.pack_k(codes, sc, m, d, dmin, bits)
+    flat = tg.pack(codes, scale, offset, bits)
+    assert flat[1].dtype == torch.float32  # d sc is no float16
+    assert kq[1].dtype == torch.uint8 and kq[1].shape == (3, 24, 2, 16) and kq[2].shape == (3, 3, 2, 16)
+    w = (codes.float().view(N, K // 32, 32) * scale[..., None] + offset[..., None]).view(N, K)
+    ids = torch.tensor([39, 0, 17, 16])
+    assert torch.equal(tg.unpack_rows(*kq, bits, ids), w[ids])
+    assert torch.equal(tg.dequantize(*kq, bits, torch.float32, N), w)
+    for M in (1, 3, 4, 5, 9, 17):
+        x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+        assert torch.equal(tg.gemv(x, *kq, bits, float_out=True), tg.gemv(x, *flat, bits, float_out=True)), M
+        if tg.has_q8():
+            assert torch.equal(tg.gemm_q8(x, *kq, bits, float_out=True), tg.gemm_q8(x, *flat, bits, float_out=True))
+
+
+@needs_k_scales
+@pytest.mark.parametrize("qtype,held", [(T.Q4_K, 0.578125), (T.Q5_K, 1.078125)])
+def test_k_quant_parts_keep_their_two_levels(qtype, held):
+    t, ref = gguf_tensor(qtype, 48, 512, seed=31)
+    (part,) = pack_shards([t], torch.bfloat16, "cpu")
+    assert isinstance(part, TiledPart) and part.scale.dtype == torch.uint8
+    assert sum(b.numel() * b.element_size() for b in part.buffers()) == held * 48 * 512
+    assert torch.equal(part.dequantize(), ref) and torch.equal(part.rows(torch.tensor([47, 5])), ref[[47, 5]])
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(32)).to(torch.bfloat16)
+    torch.testing.assert_close(part.linear_float(x).double(), x.double() @ ref.double().t(), rtol=1e-5, atol=1e-5)
+
+
 # ---- Q6_K tiles (the bf16 build) -------------------------------------------------------------------
 
 needs_q6k = pytest.mark.skipif(not tg.has_q6k(), reason="the Q6_K tiles need the bf16 build (AVX-512 BF16)")
@@ -277,6 +323,7 @@ def test_q6k_gemv_matches_float64_reference(N, K):
     """The bf16 GEMV over Q6_K tiles: exact codes times bf16 x, summed in float32 per sub-block of 16
     from -160 sum(x) (the codes enter as 128 + q6), scaled by d S: float32 noise away from x @ W^T,
     for every x-row chunking (1-4 rows a pass) and both output dtypes."""
+    assert tg.available()
     q6, sub, d, w = q6k(N, K, 21)
     packed = tg.pack_q6k(q6, sub, d)
     g = torch.Generator().manual_seed(22)
