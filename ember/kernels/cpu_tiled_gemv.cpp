@@ -247,8 +247,7 @@ constexpr int kQ6Low = 256;  // the low-nibble tile; the 2-bit plane follows
 constexpr int kSuper = 256;  // inputs per d: a Q6_K superblock, 8 tiles along K
 
 inline void prefetch_q6(const uint8_t* codes, const int8_t* sub, int64_t tg) {
-  const char* c = reinterpret_cast<const char*>(codes + tg * kQ6TileBytes);
-  for (int line = 0; line < kQ6TileBytes; line += 64) _mm_prefetch(c + line, _MM_HINT_T0);
+  prefetch_codes<kQ6TileBytes>(codes, tg);
   _mm_prefetch(reinterpret_cast<const char*>(sub + tg * 2 * kRows), _MM_HINT_T0);
 }
 
