@@ -162,7 +162,9 @@ class EngineConfig:
         "CPU, bf16: prefill attention in a flash-style C++ kernel (AVX512-BF16); off = blocked GEMMs, else SDPA",
     )
     cpu_tiled_gemv: bool = flag(
-        True, "kernels", "CPU: GGUF 4- and 8-bit weights in row tiles for a C++ GEMV kernel; off = torch's int4 kernel"
+        True,
+        "kernels",
+        "CPU: GGUF 4- and 8-bit weights (and Q6_K in bf16) in row tiles for a C++ GEMV kernel; off = torch's int4 kernel",
     )
     cpu_int8_activations: bool = flag(
         True,

@@ -7,11 +7,13 @@ and the largest step's transients:
   process       the interpreter, torch and ember imported (PROCESS_BYTES), plus the tokenizer
                 (TOKENIZER_BYTES_PER_TOKEN a vocabulary entry)
   weights       as held, not as stored: a GGUF tensor costs HELD_BYTES_PER_WEIGHT of its type in
-                the layout this machine's kernels take (Q6_K holds 1.25 B a weight against the
-                file's 0.82; Q4_K's scales are float32); float and unpacked types hold the run dtype
+                the layout this machine's kernels take (the bf16 build keeps Q4_K / Q5_K's two levels
+                of scales and Q6_K's own bits: ~the file's bytes; elsewhere Q4_K's scales are float32
+                and Q6_K holds 1.25 B a weight in torch's int4 kernel);
+                float and unpacked types hold the run dtype
   dense copy    --int4-dense-copy auto: a run-dtype copy of every GGUF linear whose kernel loses at
-                many rows (Q6_K; every packed type without the tiled GEMV's int8-x path), the
-                embedding and the head left out, when it fits CPU_DENSE_COPY_FRACTION of free RAM
+                many rows (every packed type without the tiled GEMV's int8-x path, Q6_K included),
+                the embedding and the head left out, when it fits CPU_DENSE_COPY_FRACTION of free RAM
   pools         the KV blocks and the recurrent-state slots, exactly as engine/startup/kv_pool.py
                 sizes them (the planner's arithmetic)
   step          one step of max_num_batched_tokens tokens: the planner's activation reserve, plus
@@ -48,7 +50,12 @@ HELD_BYTES_PER_WEIGHT = {
     "tiled": {"Q4_0": 0.625, "Q4_1": 0.625, "Q4_K": 0.75, "Q5_0": 1.125, "Q5_1": 1.125, "Q5_K": 1.25, "Q8_0": 1.125},
     "int4": {"Q4_0": 0.625, "Q4_1": 0.625, "Q4_K": 0.625, "Q5_0": 1.25, "Q5_1": 1.25, "Q5_K": 1.25, "Q8_0": 1.25},
 }
-Q6K_HELD_BYTES = {2: 1.25, 4: 1.5}  # by the run dtype's bytes: codes 1 B + (s, z) per 16 weights
+# the bf16 build (AVX-512 BF16) keeps Q4_K / Q5_K's scales as the file has them: 6-bit sc and m per 32
+# (a byte each), float16 d and dmin per 256 -- where a fused run is all K-quants (a part mixing Q4_K
+# with Q4_0 keeps flat float32 scales; rare in files: counted at this figure)
+K_SCALES_HELD_BYTES = {"Q4_K": 0.578125, "Q5_K": 1.078125}
+Q6K_HELD_BYTES = {2: 1.25, 4: 1.5}  # Q6KPart, by the run dtype's bytes: codes 1 B + (s, z) per 16 weights
+Q6K_FILE_BYTES = 210 / 256  # raw blocks (a lookup-only embedding) and the bf16 build's Q6_K tiles alike
 FLOAT_TYPES = ("F32", "F16", "BF16")
 # GGUF tensors one Linear of ember holds together (a dense copy is the whole Linear's)
 FUSED = {
@@ -111,8 +118,11 @@ def held_bytes(t: GGUFTensorInfo, dtype_bytes: int, kind: str, lookup_only: bool
     if t.dims < 2 or t.type_name in FLOAT_TYPES:
         return t.elements * dtype_bytes
     if t.type_name == "Q6_K":
-        return t.elements * (210 / 256 if lookup_only else Q6K_HELD_BYTES[dtype_bytes])
+        native = lookup_only or (kind == "tiled" and dtype_bytes == 2)  # the tiles' bf16 build has Q6_K's
+        return t.elements * (Q6K_FILE_BYTES if native else Q6K_HELD_BYTES[dtype_bytes])
     per = HELD_BYTES_PER_WEIGHT[kind].get(t.type_name)
+    if kind == "tiled" and dtype_bytes == 2:
+        per = K_SCALES_HELD_BYTES.get(t.type_name, per)
     return t.elements * (per if per is not None else dtype_bytes)  # others are dequantized at load
 
 
@@ -125,8 +135,8 @@ def needs_copy(type_name: str, kind: str, q8: bool) -> bool:
     """Whether a packed GGUF matrix of this type loses to a dense GEMM at many rows (so gets a copy)."""
     if type_name in FLOAT_TYPES:
         return False
-    if type_name == "Q6_K":
-        return True
+    if type_name == "Q6_K":  # the int8-x path (bf16 build) has Q6_K tiles; Q6KPart loses at many rows
+        return not (kind == "tiled" and q8)
     return not (kind == "tiled" and q8 and type_name in HELD_BYTES_PER_WEIGHT["tiled"])
 
 

@@ -19,6 +19,13 @@
 // bf16 of 128 + c by (w & 15) | 0x4300, so the tile sums (128 + c) x and the offset absorbs -128.
 // AVX2: each 128-bit half of a run (8 rows x 2 inputs) widened to words in-lane: dword i is row i's
 // code pair for inputs (2p, 2p + 1), the pair layout vpmaddwd multiplies against int16 (x[2p], x[2p + 1]).
+//
+// Q6_K (AVX-512 BF16 build only; the Q6_K section below): a 384-byte tile, the 4-bit tile of the 6-bit
+// codes' low nibbles followed by a 2-bit plane of their high bits, with a scale per 16 inputs.
+//
+// Scales and offsets come from one of two stores (the FlatScales / KScales structs below): flat,
+// float16 or float32 [N/16, K/32, 16] each; or, for Q4_K / Q5_K in the AVX-512 BF16 build, their two
+// levels as the file holds them.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -45,34 +52,54 @@ constexpr int kMaxM = 4;    // x rows per pass over a tile (accumulators: 2 per 
 // past the end of the weights is harmless: it never faults.
 constexpr int kPrefetchTiles = 8;
 
-template <int kTileBytes, typename S>
-inline void prefetch_tile(const uint8_t* codes, const S* scale, const S* offset, int64_t tg) {
+template <int kTileBytes>
+inline void prefetch_codes(const uint8_t* codes, int64_t tg) {
   const char* c = reinterpret_cast<const char*>(codes + tg * kTileBytes);
   for (int line = 0; line < kTileBytes; line += 64) _mm_prefetch(c + line, _MM_HINT_T0);
+}
+
+template <int kTileBytes, typename S>
+inline void prefetch_tile(const uint8_t* codes, const S* scale, const S* offset, int64_t tg) {
+  prefetch_codes<kTileBytes>(codes, tg);
   _mm_prefetch(reinterpret_cast<const char*>(scale + tg * kRows), _MM_HINT_T0);
   _mm_prefetch(reinterpret_cast<const char*>(offset + tg * kRows), _MM_HINT_T0);
 }
 
+// Flat scales and offsets: float16 or float32 [N/16, K/32, 16] each.
+template <typename S>
+struct FlatScales {
+  const S* scale;
+  const S* offset;
+};
+
 #if defined(__AVX512BF16__)
 using XT = at::BFloat16;  // this build's x
 
-// x as it is (bf16: exact in the products) and its sum per group of 32, in float32.
+// x as it is (bf16: exact in the products) and its sum per group of 32 (Q6_K: per 16, its
+// sub-blocks), in float32.
 struct XIn {
   const at::BFloat16* x;  // [M, K]
-  const float* sum;       // [M, G]
+  const float* sum;       // [M, K / kSumOf]
 };
 
+template <int kSumOf = kGroup>
 inline XIn prepare_x(const at::Tensor& x) {
-  const int64_t n = x.numel() / kGroup;  // groups, all rows
+  const int64_t n = x.numel() / kSumOf;  // groups, all rows
   thread_local std::vector<float> sums;  // the calling thread's: read by the parallel region after
   sums.resize(n);
   const auto* xp = x.data_ptr<at::BFloat16>();
   for (int64_t i = 0; i < n; ++i) {
     float acc = 0.f;
-    for (int j = 0; j < kGroup; ++j) acc += static_cast<float>(xp[i * kGroup + j]);
+    for (int j = 0; j < kSumOf; ++j) acc += static_cast<float>(xp[i * kSumOf + j]);
     sums[i] = acc;
   }
   return {xp, sums.data()};
+}
+
+// 16 rows' outputs of one row of x, at y[at ..] in float32 or bf16.
+inline void store_rows(void* y, int64_t at, __m512 v, bool float_out) {
+  if (float_out) _mm512_storeu_ps(static_cast<float*>(y) + at, v);
+  else _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<at::BFloat16*>(y) + at), (__m256i)_mm512_cvtneps_pbh(v));
 }
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -83,6 +110,42 @@ inline __m512bh pair(const at::BFloat16* x) {
   int32_t v;
   std::memcpy(&v, x, 4);
   return (__m512bh)_mm512_set1_epi32(v);
+}
+
+// Q4_K / Q5_K's two levels as the file holds them: 6-bit sub-scale sc and sub-min m per 32 inputs
+// (uint8 [N/16, K/32, 2, 16]: sc then m) and float16 d, dmin per 256 ([N/16, K/256, 2, 16]), so that
+// scale = d sc and offset = -dmin m, each exact in float32 (11 x 6 significant bits): the very values a
+// flat float32 store holds (float16 cannot: up to 17 bits), in 2 B + 4 B / 8 per 32 weights, not 8 B.
+struct KScales {
+  const uint8_t* sm;
+  const at::Half* dd;
+};
+
+inline __m512 u8_to_ps(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
+
+// Row tile t's scale and offset of group g (G groups a row of tiles).
+template <typename S>
+inline void load_scales(const FlatScales<S>& sc, int64_t t, int64_t G, int64_t g, __m512& s, __m512& o) {
+  const int64_t at = (t * G + g) * kRows;
+  s = load16(sc.scale + at);
+  o = load16(sc.offset + at);
+}
+
+inline void load_scales(const KScales& sc, int64_t t, int64_t G, int64_t g, __m512& s, __m512& o) {
+  const uint8_t* sm = sc.sm + (t * G + g) * 2 * kRows;
+  const at::Half* d = sc.dd + (t * (G / 8) + g / 8) * 2 * kRows;  // 8 groups a superblock of 256
+  s = _mm512_mul_ps(load16(d), u8_to_ps(sm));
+  o = _mm512_mul_ps(load16(d + kRows), _mm512_sub_ps(_mm512_setzero_ps(), u8_to_ps(sm + kRows)));  // -m: exact
+}
+
+template <typename S>
+inline void prefetch_scales(const FlatScales<S>& sc, int64_t tg) {
+  _mm_prefetch(reinterpret_cast<const char*>(sc.scale + tg * kRows), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(sc.offset + tg * kRows), _MM_HINT_T0);
+}
+
+inline void prefetch_scales(const KScales& sc, int64_t tg) {  // d and dmin: one line per 8 tiles, cached
+  _mm_prefetch(reinterpret_cast<const char*>(sc.sm + tg * 2 * kRows), _MM_HINT_T0);
 }
 
 // One tile for M rows of x (pointers at the tile's first input); adds into out[M].
@@ -118,9 +181,9 @@ inline void tile_dot(const uint8_t* __restrict c, const at::BFloat16* const* xs,
 }
 
 // Row tile t (16 outputs) over all of K, for x rows [m0, m0 + M).
-template <int BITS, typename S, int M>
-void tile_row(const uint8_t* __restrict codes, const S* __restrict scale, const S* __restrict offset,
-              const XIn& xin, void* y, bool float_out, int64_t K, int64_t N, int64_t m0, int64_t t) {
+template <int BITS, typename Scales, int M>
+void tile_row(const uint8_t* __restrict codes, const Scales& sc, const XIn& xin, void* y, bool float_out, int64_t K,
+              int64_t N, int64_t m0, int64_t t) {
   constexpr int kTileBytes = BITS == 4 ? 256 : 512;
   const int64_t G = K / kGroup;
   const __m512 shift = _mm512_set1_ps(BITS == 4 ? 128.f : 0.f);
@@ -130,19 +193,145 @@ void tile_row(const uint8_t* __restrict codes, const S* __restrict scale, const 
     const int64_t tg = t * G + g;
     const at::BFloat16* xs[kMaxM];
     for (int m = 0; m < M; ++m) xs[m] = xin.x + (m0 + m) * K + g * kGroup;
-    prefetch_tile<kTileBytes>(codes, scale, offset, tg + kPrefetchTiles);
+    prefetch_codes<kTileBytes>(codes, tg + kPrefetchTiles);
+    prefetch_scales(sc, tg + kPrefetchTiles);
     __m512 acc[kMaxM];
     tile_dot<BITS, M>(codes + tg * kTileBytes, xs, acc);
-    const __m512 s = load16(scale + tg * kRows);
-    const __m512 o = _mm512_fnmadd_ps(shift, s, load16(offset + tg * kRows));  // offset - 128 s for 4-bit
+    __m512 s, o;
+    load_scales(sc, t, G, g, s, o);
+    o = _mm512_fnmadd_ps(shift, s, o);  // offset - 128 s for 4-bit
     for (int m = 0; m < M; ++m)
       out[m] = _mm512_fmadd_ps(o, _mm512_set1_ps(xin.sum[(m0 + m) * G + g]), _mm512_fmadd_ps(s, acc[m], out[m]));
   }
-  for (int m = 0; m < M; ++m) {
-    const int64_t at = (m0 + m) * N + t * kRows;
-    if (float_out) _mm512_storeu_ps(static_cast<float*>(y) + at, out[m]);
-    else _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<at::BFloat16*>(y) + at), (__m256i)_mm512_cvtneps_pbh(out[m]));
+  for (int m = 0; m < M; ++m) store_rows(y, (m0 + m) * N + t * kRows, out[m], float_out);
+}
+
+// Few rows of x: the tiles split across threads; every thread runs all x rows over its tiles, a few
+// rows at a time, so a tile's codes are widened once per chunk of kMaxM rows while still in L1.
+template <int BITS, typename Scales>
+void run(const at::Tensor& x, const at::Tensor& codes, const Scales& sc, const XIn& xin, const at::Tensor& y,
+         bool float_out) {
+  const int64_t Mtot = x.size(0), K = x.size(1), T = codes.size(0), N = T * kRows;
+  const auto* c = codes.data_ptr<uint8_t>();
+  void* yp = y.data_ptr();
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t m0 = 0; m0 < Mtot; m0 += kMaxM) {
+        switch (std::min<int64_t>(kMaxM, Mtot - m0)) {
+          case 1: tile_row<BITS, Scales, 1>(c, sc, xin, yp, float_out, K, N, m0, t); break;
+          case 2: tile_row<BITS, Scales, 2>(c, sc, xin, yp, float_out, K, N, m0, t); break;
+          case 3: tile_row<BITS, Scales, 3>(c, sc, xin, yp, float_out, K, N, m0, t); break;
+          default: tile_row<BITS, Scales, 4>(c, sc, xin, yp, float_out, K, N, m0, t); break;
+        }
+      }
+    }
+  });
+}
+
+// ---- Q6_K tiles --------------------------------------------------------------------------------
+// Q6_K: w = d * S * (q6 - 32), q6 0..63, S int8 per 16 inputs (a sub-block), d float16 per 256 (a
+// superblock), kept in the file's bits: 6 bits a weight plus 8 per 16 plus 16 per 256, 0.82 B.
+// A tile (384 B) is the 4-bit tile of the codes' low nibbles (bytes 0..255, laid out as above: the
+// low nibble is input 2p + e, the high one 2p + 16 + e) and then a 2-bit plane of their high bits
+// (bytes 256..383): 4 runs of 32 bytes, run r serving the 4-bit runs p = 2r and 2r + 1, its byte
+// 2i + e holding row i's high bits of
+//   input 2p + e       in bits 0-1 (p = 2r) or 4-5 (p = 2r + 1),
+//   input 2p + 16 + e  in bits 2-3 (p = 2r) or 6-7 (p = 2r + 1),
+// so one widening of a 32-byte run lines up word for word with both 4-bit runs it serves, and a
+// shift puts each one's bits at 4-5, next to its low nibble: (lo & 15) | (hi2 & 0x30) | 0x4300 is
+// the bf16 of 128 + q6. A tile's halves (inputs 0..15: low nibbles, 16..31: high nibbles) are two
+// sub-blocks with scales of their own, so they accumulate apart. Scales: S int8 [N/16, K/32, 2, 16]
+// (half, row) and d float16 [N/16, K/256, 16]; d * S is exact in float32 (11 x 8 significant bits).
+constexpr int kQ6TileBytes = 384;
+constexpr int kQ6Low = 256;  // the low-nibble tile; the 2-bit plane follows
+constexpr int kSuper = 256;  // inputs per d: a Q6_K superblock, 8 tiles along K
+
+inline void prefetch_q6(const uint8_t* codes, const int8_t* sub, int64_t tg) {
+  prefetch_codes<kQ6TileBytes>(codes, tg);
+  _mm_prefetch(reinterpret_cast<const char*>(sub + tg * 2 * kRows), _MM_HINT_T0);
+}
+
+// The two halves' scales d * S of tile group tg (d16: the 16 rows' d of its superblock).
+inline void q6_scales(const int8_t* sub, int64_t tg, __m512 d16, __m512& s0, __m512& s1) {
+  const __m128i* p = reinterpret_cast<const __m128i*>(sub + tg * 2 * kRows);
+  s0 = _mm512_mul_ps(d16, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p))));
+  s1 = _mm512_mul_ps(d16, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1))));
+}
+
+// One Q6_K tile for M rows of x: adds sum((128 + q6) x) of inputs 0..15 into a0, of 16..31 into a1.
+template <int M>
+inline void q6_tile_dot(const uint8_t* __restrict c, const at::BFloat16* const* xs, __m512 (&a0)[kMaxM],
+                        __m512 (&a1)[kMaxM]) {
+  const __m512i low4 = _mm512_set1_epi16(0x000F), high2 = _mm512_set1_epi16(0x0030), bias = _mm512_set1_epi16(0x4300);
+  // w: a low nibble in bits 0-3 (higher bits ignored); h: its high bits at 4-5 (others ignored)
+  const auto code = [&](__m512i w, __m512i h) {
+    return (__m512bh)_mm512_ternarylogic_epi32(w, low4, _mm512_ternarylogic_epi32(h, high2, bias, 0xEA), 0xEA);
+  };
+#pragma GCC unroll 4
+  for (int r = 0; r < 4; ++r) {
+    const __m512i h = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + kQ6Low + 32 * r)));
+    for (int u = 0; u < 2; ++u) {
+      const int p = 2 * r + u;
+      const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * p)));
+      const __m512i hlo = u ? h : _mm512_slli_epi16(h, 4);                        // bits 4-5 or 0-1 -> 4-5
+      const __m512i hhi = u ? _mm512_srli_epi16(h, 2) : _mm512_slli_epi16(h, 2);  // bits 6-7 or 2-3 -> 4-5
+      const __m512bh lo = code(w, hlo), hi = code(_mm512_srli_epi16(w, 4), hhi);
+      for (int m = 0; m < M; ++m) {
+        a0[m] = _mm512_dpbf16_ps(a0[m], lo, pair(xs[m] + 2 * p));
+        a1[m] = _mm512_dpbf16_ps(a1[m], hi, pair(xs[m] + 2 * p + 16));
+      }
+    }
   }
+}
+
+// Row tile t of a Q6_K matrix over all of K, for x rows [m0, m0 + M): per sub-block of 16 inputs,
+// y += d S (sum((128 + q6) x) - 160 sum(x)), the accumulators starting at -160 sum(x).
+template <int M>
+void q6_tile_row(const uint8_t* __restrict codes, const int8_t* __restrict sub, const at::Half* __restrict d,
+                 const XIn& xin, void* y, bool float_out, int64_t K, int64_t N, int64_t m0, int64_t t) {
+  const int64_t G = K / kGroup, B = K / kSuper;
+  __m512 out[kMaxM], d16 = _mm512_setzero_ps();
+  for (int m = 0; m < M; ++m) out[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t tg = t * G + g;
+    if (g % (kSuper / kGroup) == 0) d16 = load16(d + (t * B + g / (kSuper / kGroup)) * kRows);
+    prefetch_q6(codes, sub, tg + kPrefetchTiles);
+    const at::BFloat16* xs[kMaxM];
+    __m512 a0[kMaxM], a1[kMaxM];
+    for (int m = 0; m < M; ++m) {
+      xs[m] = xin.x + (m0 + m) * K + g * kGroup;
+      const float* sum16 = xin.sum + (m0 + m) * 2 * G + 2 * g;
+      a0[m] = _mm512_set1_ps(-160.f * sum16[0]);
+      a1[m] = _mm512_set1_ps(-160.f * sum16[1]);
+    }
+    q6_tile_dot<M>(codes + tg * kQ6TileBytes, xs, a0, a1);
+    __m512 s0, s1;
+    q6_scales(sub, tg, d16, s0, s1);
+    for (int m = 0; m < M; ++m) out[m] = _mm512_fmadd_ps(s1, a1[m], _mm512_fmadd_ps(s0, a0[m], out[m]));
+  }
+  for (int m = 0; m < M; ++m) store_rows(y, (m0 + m) * N + t * kRows, out[m], float_out);
+}
+
+void run_q6(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sub, const at::Tensor& d,
+            const at::Tensor& y, bool float_out) {
+  const XIn xin = prepare_x<kGroup / 2>(x);  // sums per sub-block of 16
+  const int64_t Mtot = x.size(0), K = x.size(1), T = codes.size(0), N = T * kRows;
+  const auto* c = codes.data_ptr<uint8_t>();
+  const auto* s = sub.data_ptr<int8_t>();
+  const auto* dp = d.data_ptr<at::Half>();
+  void* yp = y.data_ptr();
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {  // as run(): tiles split, all rows each
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t m0 = 0; m0 < Mtot; m0 += kMaxM) {
+        switch (std::min<int64_t>(kMaxM, Mtot - m0)) {
+          case 1: q6_tile_row<1>(c, s, dp, xin, yp, float_out, K, N, m0, t); break;
+          case 2: q6_tile_row<2>(c, s, dp, xin, yp, float_out, K, N, m0, t); break;
+          case 3: q6_tile_row<3>(c, s, dp, xin, yp, float_out, K, N, m0, t); break;
+          default: q6_tile_row<4>(c, s, dp, xin, yp, float_out, K, N, m0, t); break;
+        }
+      }
+    }
+  });
 }
 
 
@@ -155,19 +344,23 @@ void tile_row(const uint8_t* __restrict codes, const S* __restrict scale, const 
 // + offset * d * sum(q), in float32. The codes are rearranged per tile by one byte permute (vpermb)
 // so that a 32-bit lane holds one row's 4 consecutive codes, the quad vpdpbusd multiplies.
 struct Q8In {
-  const int8_t* q;  // [M, K]
-  const float* d;   // [M, G] step
-  const float* s;   // [M, G] d * sum(q): the group's sum of the x the codes multiply
+  const int8_t* q;         // [M, K]
+  const float* d;          // [M, G] step
+  const float* s;          // [M, G] d * sum(q): the group's sum of the x the codes multiply
+  const int32_t* qsum16;   // [M, 2G] sum(q) per 16 inputs (Q6_K's sub-blocks), where asked for
 };
 
 inline __m512 bf16_to_ps(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 
-inline Q8In prepare_q8(const at::Tensor& x) {
+inline Q8In prepare_q8(const at::Tensor& x, bool halves = false) {
   const int64_t n = x.numel() / kGroup;  // groups, all rows
   thread_local std::vector<int8_t> qbuf;  // the calling thread's: read by the parallel region after
   thread_local std::vector<float> fbuf;
+  thread_local std::vector<int32_t> hbuf;
   qbuf.resize(n * kGroup);
   fbuf.resize(2 * n);
+  if (halves) hbuf.resize(2 * n);
+  int32_t* h = halves ? hbuf.data() : nullptr;
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   int8_t* q = qbuf.data();
   float* d = fbuf.data();
@@ -186,9 +379,13 @@ inline Q8In prepare_q8(const at::Tensor& x) {
       // a NaN or inf x: a NaN or inf step, so every output it reaches is NaN, as in a float GEMM
       d[i] = nan ? std::numeric_limits<float>::quiet_NaN() : amax / 127.f;
       s[i] = d[i] * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
+      if (h) {  // qlo holds inputs 0..15, qhi 16..31, as stored (|x| / amax * 127 rounds to at most 127)
+        h[2 * i] = _mm512_reduce_add_epi32(qlo);
+        h[2 * i + 1] = _mm512_reduce_add_epi32(qhi);
+      }
     }
   });
-  return {q, d, s};
+  return {q, d, s, h};
 }
 
 constexpr int kQ8M = 8;        // x rows per pass: 8 int32 sums + 8 float outputs live
@@ -223,9 +420,9 @@ inline void quad_tile(const uint8_t* __restrict c, __m512i* __restrict w, int64_
 }
 
 // x rows [m0, m0 + M) against tile t (its quads in w).
-template <typename S, int M>
-void q8_rows(const __m512i* __restrict w, int64_t t, const S* __restrict scale, const S* __restrict offset,
-             const Q8In& xin, void* y, bool float_out, int64_t K, int64_t N, int64_t m0) {
+template <typename Scales, int M>
+void q8_rows(const __m512i* __restrict w, int64_t t, const Scales& scales, const Q8In& xin, void* y, bool float_out,
+             int64_t K, int64_t N, int64_t m0) {
   const int64_t G = K / kGroup;
   __m512 out[M];
   for (int m = 0; m < M; ++m) out[m] = _mm512_setzero_ps();
@@ -242,31 +439,24 @@ void q8_rows(const __m512i* __restrict w, int64_t t, const S* __restrict scale, 
         acc[m] = _mm512_dpbusd_epi32(acc[m], wu, _mm512_set1_epi32(quad));
       }
     }
-    const int64_t tg = t * G + g;
-    const __m512 sc = load16(scale + tg * kRows), of = load16(offset + tg * kRows);
+    __m512 sc, of;
+    load_scales(scales, t, G, g, sc, of);
     for (int m = 0; m < M; ++m) {
       const int64_t i = (m0 + m) * G + g;
       out[m] = _mm512_fmadd_ps(of, _mm512_set1_ps(xin.s[i]),
                                _mm512_fmadd_ps(_mm512_mul_ps(sc, _mm512_set1_ps(xin.d[i])), _mm512_cvtepi32_ps(acc[m]), out[m]));
     }
   }
-  for (int m = 0; m < M; ++m) {
-    const int64_t at = (m0 + m) * N + t * kRows;
-    if (float_out) _mm512_storeu_ps(static_cast<float*>(y) + at, out[m]);
-    else _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<at::BFloat16*>(y) + at), (__m256i)_mm512_cvtneps_pbh(out[m]));
-  }
+  for (int m = 0; m < M; ++m) store_rows(y, (m0 + m) * N + t * kRows, out[m], float_out);
 }
 
-template <int BITS, typename S>
-void run_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
-            const at::Tensor& y, bool float_out) {
+template <int BITS, typename Scales>
+void run_q8(const at::Tensor& x, const at::Tensor& codes, const Scales& sc, const at::Tensor& y, bool float_out) {
   constexpr int kTileBytes = BITS == 4 ? 256 : 512;
   const Q8In xin = prepare_q8(x);
   const int64_t Mtot = x.size(0), K = x.size(1), G = K / kGroup, T = codes.size(0), N = T * kRows;
   const int64_t chunks = (Mtot + kQ8Chunk - 1) / kQ8Chunk;
   const auto* c = codes.data_ptr<uint8_t>();
-  const S* s = scale.data_ptr<S>();
-  const S* o = offset.data_ptr<S>();
   void* yp = y.data_ptr();
   // items chunk-major: a thread takes whole row chunks where there are several (its x rows stay in
   // L2 while the tiles pass), else a share of the tiles of the one chunk
@@ -276,16 +466,112 @@ void run_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scal
       const int64_t t = i % T, r0 = (i / T) * kQ8Chunk, r1 = std::min(Mtot, r0 + kQ8Chunk);
       quad_tile<BITS>(c + t * G * kTileBytes, w.data(), G);
       int64_t m0 = r0;
-      for (; m0 + kQ8M <= r1; m0 += kQ8M) q8_rows<S, kQ8M>(w.data(), t, s, o, xin, yp, float_out, K, N, m0);
+      for (; m0 + kQ8M <= r1; m0 += kQ8M) q8_rows<Scales, kQ8M>(w.data(), t, sc, xin, yp, float_out, K, N, m0);
       switch (r1 - m0) {
         case 0: break;
-        case 1: q8_rows<S, 1>(w.data(), t, s, o, xin, yp, float_out, K, N, m0); break;
-        case 2: q8_rows<S, 2>(w.data(), t, s, o, xin, yp, float_out, K, N, m0); break;
-        case 3: q8_rows<S, 3>(w.data(), t, s, o, xin, yp, float_out, K, N, m0); break;
-        case 4: q8_rows<S, 4>(w.data(), t, s, o, xin, yp, float_out, K, N, m0); break;
-        case 5: q8_rows<S, 5>(w.data(), t, s, o, xin, yp, float_out, K, N, m0); break;
-        case 6: q8_rows<S, 6>(w.data(), t, s, o, xin, yp, float_out, K, N, m0); break;
-        default: q8_rows<S, 7>(w.data(), t, s, o, xin, yp, float_out, K, N, m0); break;
+        case 1: q8_rows<Scales, 1>(w.data(), t, sc, xin, yp, float_out, K, N, m0); break;
+        case 2: q8_rows<Scales, 2>(w.data(), t, sc, xin, yp, float_out, K, N, m0); break;
+        case 3: q8_rows<Scales, 3>(w.data(), t, sc, xin, yp, float_out, K, N, m0); break;
+        case 4: q8_rows<Scales, 4>(w.data(), t, sc, xin, yp, float_out, K, N, m0); break;
+        case 5: q8_rows<Scales, 5>(w.data(), t, sc, xin, yp, float_out, K, N, m0); break;
+        case 6: q8_rows<Scales, 6>(w.data(), t, sc, xin, yp, float_out, K, N, m0); break;
+        default: q8_rows<Scales, 7>(w.data(), t, sc, xin, yp, float_out, K, N, m0); break;
+      }
+    }
+  });
+}
+
+// Q6_K tile t's G groups as quads (quad_tile's order: w[8 g + u], u = 0..3 inputs 4u .. 4u + 3,
+// u = 4..7 inputs 16 + 4(u - 4) ..), full 6-bit codes: the low nibbles as quad_tile gathers them,
+// plus the 2-bit plane's run j (it serves the 4-bit runs 2j, 2j + 1: the same 64 bytes quad j
+// reads) gathered to lane i = bytes (2i, 2i + 1, 2i, 2i + 1), each word shifted to its run's bits.
+inline void quad_tile_q6(const uint8_t* __restrict c, __m512i* __restrict w, int64_t G) {
+  alignas(64) static const uint8_t kIdx[64] = {
+      0, 1, 32, 33, 2, 3, 34, 35, 4, 5, 36, 37, 6, 7, 38, 39, 8, 9, 40, 41, 10, 11, 42, 43,
+      12, 13, 44, 45, 14, 15, 46, 47, 16, 17, 48, 49, 18, 19, 50, 51, 20, 21, 52, 53, 22, 23, 54, 55,
+      24, 25, 56, 57, 26, 27, 58, 59, 28, 29, 60, 61, 30, 31, 62, 63};
+  alignas(64) static const uint8_t kHighIdx[64] = {
+      0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7, 6, 7, 8, 9, 8, 9, 10, 11, 10, 11, 12, 13, 12, 13, 14, 15, 14, 15,
+      16, 17, 16, 17, 18, 19, 18, 19, 20, 21, 20, 21, 22, 23, 22, 23, 24, 25, 24, 25, 26, 27, 26, 27, 28, 29, 28, 29, 30, 31, 30, 31};
+  const __m512i idx = _mm512_load_si512(kIdx), hidx = _mm512_load_si512(kHighIdx);
+  const __m512i low4 = _mm512_set1_epi8(0x0F), low2 = _mm512_set1_epi8(0x03);
+  // word 0 of a lane: run 2j's bits (0-1 for inputs 0..15, 2-3 for 16..31); word 1: run 2j + 1's (4-5, 6-7)
+  const __m512i shift_lo = _mm512_set1_epi32(0x00040000), shift_hi = _mm512_set1_epi32(0x00060002);
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* cg = c + g * kQ6TileBytes;
+    __m512i* wg = w + 8 * g;
+    for (int j = 0; j < 4; ++j) {
+      const __m512i r = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(cg + 64 * j));
+      const __m512i h = _mm512_permutexvar_epi8(
+          hidx, _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(cg + kQ6Low + 32 * j))));
+      const __m512i hlo = _mm512_and_si512(_mm512_srlv_epi16(h, shift_lo), low2);
+      const __m512i hhi = _mm512_and_si512(_mm512_srlv_epi16(h, shift_hi), low2);
+      wg[j] = _mm512_or_si512(_mm512_and_si512(r, low4), _mm512_slli_epi16(hlo, 4));
+      wg[4 + j] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(r, 4), low4), _mm512_slli_epi16(hhi, 4));
+    }
+  }
+}
+
+// x rows [m0, m0 + M) against Q6_K tile t (its quads in w): per sub-block of 16, y += d S step
+// (sum(q6 q) - 32 sum(q)), the int32 sums starting at -32 sum(q); one half after the other, so M
+// accumulators are live, not 2M.
+template <int M>
+void q8_rows_q6(const __m512i* __restrict w, int64_t t, const int8_t* __restrict sub, const at::Half* __restrict d,
+                const Q8In& xin, void* y, bool float_out, int64_t K, int64_t N, int64_t m0) {
+  const int64_t G = K / kGroup, B = K / kSuper;
+  __m512 out[M], d16 = _mm512_setzero_ps();
+  for (int m = 0; m < M; ++m) out[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    if (g % (kSuper / kGroup) == 0) d16 = load16(d + (t * B + g / (kSuper / kGroup)) * kRows);
+    __m512 sc[2];
+    q6_scales(sub, t * G + g, d16, sc[0], sc[1]);
+    const int8_t* xq = xin.q + m0 * K + g * kGroup;
+    for (int half = 0; half < 2; ++half) {
+      __m512i acc[M];
+      for (int m = 0; m < M; ++m) acc[m] = _mm512_set1_epi32(-32 * xin.qsum16[(m0 + m) * 2 * G + 2 * g + half]);
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) {
+        const __m512i wu = _mm512_load_si512(w + 8 * g + 4 * half + u);
+        for (int m = 0; m < M; ++m) {
+          int32_t quad;
+          std::memcpy(&quad, xq + m * K + 16 * half + 4 * u, 4);
+          acc[m] = _mm512_dpbusd_epi32(acc[m], wu, _mm512_set1_epi32(quad));
+        }
+      }
+      for (int m = 0; m < M; ++m) {
+        const __m512 step = _mm512_set1_ps(xin.d[(m0 + m) * G + g]);
+        out[m] = _mm512_fmadd_ps(_mm512_mul_ps(sc[half], step), _mm512_cvtepi32_ps(acc[m]), out[m]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) store_rows(y, (m0 + m) * N + t * kRows, out[m], float_out);
+}
+
+void run_q8_q6(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sub, const at::Tensor& d,
+               const at::Tensor& y, bool float_out) {
+  const Q8In xin = prepare_q8(x, /*halves=*/true);
+  const int64_t Mtot = x.size(0), K = x.size(1), G = K / kGroup, T = codes.size(0), N = T * kRows;
+  const int64_t chunks = (Mtot + kQ8Chunk - 1) / kQ8Chunk;
+  const auto* c = codes.data_ptr<uint8_t>();
+  const auto* s = sub.data_ptr<int8_t>();
+  const auto* dp = d.data_ptr<at::Half>();
+  void* yp = y.data_ptr();
+  at::parallel_for(0, chunks * T, 1, [&](int64_t i0, int64_t i1) {  // as run_q8's
+    std::vector<__m512i> w(G * 8);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i % T, r0 = (i / T) * kQ8Chunk, r1 = std::min(Mtot, r0 + kQ8Chunk);
+      quad_tile_q6(c + t * G * kQ6TileBytes, w.data(), G);
+      int64_t m0 = r0;
+      for (; m0 + kQ8M <= r1; m0 += kQ8M) q8_rows_q6<kQ8M>(w.data(), t, s, dp, xin, yp, float_out, K, N, m0);
+      switch (r1 - m0) {
+        case 0: break;
+        case 1: q8_rows_q6<1>(w.data(), t, s, dp, xin, yp, float_out, K, N, m0); break;
+        case 2: q8_rows_q6<2>(w.data(), t, s, dp, xin, yp, float_out, K, N, m0); break;
+        case 3: q8_rows_q6<3>(w.data(), t, s, dp, xin, yp, float_out, K, N, m0); break;
+        case 4: q8_rows_q6<4>(w.data(), t, s, dp, xin, yp, float_out, K, N, m0); break;
+        case 5: q8_rows_q6<5>(w.data(), t, s, dp, xin, yp, float_out, K, N, m0); break;
+        case 6: q8_rows_q6<6>(w.data(), t, s, dp, xin, yp, float_out, K, N, m0); break;
+        default: q8_rows_q6<7>(w.data(), t, s, dp, xin, yp, float_out, K, N, m0); break;
       }
     }
   });
@@ -498,14 +784,11 @@ void gemm_rows(const __m256i* wbuf, int64_t t, const S* __restrict scale, const 
 }
 
 template <int BITS, typename S>
-void run_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
-              const XIn& xin, const at::Tensor& y) {
+void run_gemm(const at::Tensor& x, const at::Tensor& codes, const S* s, const S* o, const XIn& xin, const at::Tensor& y) {
   constexpr int kTileBytes = BITS == 4 ? 256 : 512;
   const int64_t Mtot = x.size(0), K = x.size(1), G = K / kGroup, T = codes.size(0), N = T * kRows;
   const int64_t chunks = (Mtot + kGemmChunk - 1) / kGemmChunk;
   const auto* c = codes.data_ptr<uint8_t>();
-  const S* s = scale.data_ptr<S>();
-  const S* o = offset.data_ptr<S>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, T * chunks, 1, [&](int64_t i0, int64_t i1) {
     std::vector<__m256i> wbuf(G * 32);  // 1 KiB a group
@@ -527,23 +810,17 @@ void run_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc
     }
   });
 }
-#else
-#error "cpu_tiled_gemv.cpp needs AVX-512 BF16, or AVX2 with FMA and F16C (cpu_tiled_gemv.available() checks first)"
-#endif
 
+// Few rows: as the AVX-512 build's run(); many: the widened path above.
 template <int BITS, typename S>
-void run(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
-         const XIn& xin, const at::Tensor& y, bool float_out) {
-#if !defined(__AVX512BF16__)
-  if (x.size(0) >= kGemmMinRows) return run_gemm<BITS, S>(x, codes, scale, offset, xin, y);
-#endif
+void run(const at::Tensor& x, const at::Tensor& codes, const FlatScales<S>& sc, const XIn& xin, const at::Tensor& y,
+         bool float_out) {
+  const S* s = sc.scale;
+  const S* o = sc.offset;
+  if (x.size(0) >= kGemmMinRows) return run_gemm<BITS, S>(x, codes, s, o, xin, y);
   const int64_t Mtot = x.size(0), K = x.size(1), T = codes.size(0), N = T * kRows;
   const auto* c = codes.data_ptr<uint8_t>();
-  const S* s = scale.data_ptr<S>();
-  const S* o = offset.data_ptr<S>();
   void* yp = y.data_ptr();
-  // Split the tiles across threads; every thread runs all x rows over its tiles, a few rows at
-  // a time, so a tile's codes are widened once per chunk of kMaxM rows while still in L1.
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t m0 = 0; m0 < Mtot; m0 += kMaxM) {
@@ -557,6 +834,9 @@ void run(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, 
     }
   });
 }
+#else
+#error "cpu_tiled_gemv.cpp needs AVX-512 BF16, or AVX2 with FMA and F16C (cpu_tiled_gemv.available() checks first)"
+#endif
 
 // The argument checks both ops share.
 void check_args(const at::Tensor& x, at::ScalarType x_type, const char* x_name, const at::Tensor& codes,
@@ -567,11 +847,36 @@ void check_args(const at::Tensor& x, at::ScalarType x_type, const char* x_name, 
   const int64_t K = x.size(1), G = K / kGroup;
   TORCH_CHECK(K % kGroup == 0 && codes.dim() == 3 && codes.size(1) == G && codes.size(2) == (bits == 4 ? 256 : 512)
               && codes.scalar_type() == at::kByte && codes.is_contiguous(), "codes: uint8 [N/16, K/32, tile bytes]");
+  TORCH_CHECK(scale.is_contiguous() && offset.is_contiguous(), "scale/offset must be contiguous");
+  if (scale.scalar_type() == at::kByte) {  // K-quants' two levels (KScales)
+    TORCH_CHECK(K % 256 == 0 && scale.dim() == 4 && scale.size(0) == codes.size(0) && scale.size(1) == G
+                && scale.size(2) == 2 && scale.size(3) == kRows && offset.scalar_type() == at::kHalf
+                && offset.dim() == 4 && offset.size(0) == codes.size(0) && offset.size(1) == K / 256
+                && offset.size(2) == 2 && offset.size(3) == kRows,
+                "K-quant scales: uint8 (sc, m) [N/16, K/32, 2, 16] and float16 (d, dmin) [N/16, K/256, 2, 16]");
+    return;
+  }
   TORCH_CHECK(scale.sizes() == offset.sizes() && scale.scalar_type() == offset.scalar_type() && scale.dim() == 3
-              && scale.size(0) == codes.size(0) && scale.size(1) == G && scale.size(2) == kRows
-              && scale.is_contiguous() && offset.is_contiguous(), "scale/offset: [N/16, K/32, 16], same dtype");
+              && scale.size(0) == codes.size(0) && scale.size(1) == G && scale.size(2) == kRows,
+              "scale/offset: [N/16, K/32, 16], same dtype");
   TORCH_CHECK(scale.scalar_type() == at::kHalf || scale.scalar_type() == at::kFloat,
-              "scale/offset must be float16 or float32");
+              "scale/offset must be float16 or float32 (or uint8 + float16: K-quant scales)");
+}
+
+// f(scales) with the store scale and offset hold (check_args has checked them).
+template <typename F>
+void with_scales(const at::Tensor& scale, const at::Tensor& offset, F&& f) {
+  if (scale.scalar_type() == at::kByte) {
+#if defined(__AVX512BF16__)
+    f(KScales{scale.data_ptr<uint8_t>(), offset.data_ptr<at::Half>()});
+#else
+    TORCH_CHECK(false, "K-quant scales need the AVX-512 BF16 build (cpu_tiled_gemv.has_k_scales() says)");
+#endif
+  } else if (scale.scalar_type() == at::kHalf) {
+    f(FlatScales<at::Half>{scale.data_ptr<at::Half>(), offset.data_ptr<at::Half>()});
+  } else {
+    f(FlatScales<float>{scale.data_ptr<float>(), offset.data_ptr<float>()});
+  }
 }
 
 at::Tensor tiled_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
@@ -580,14 +885,10 @@ at::Tensor tiled_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Te
   check_args(x, kX, std::is_same<XT, float>::value ? "float32" : "bf16", codes, scale, offset, bits);
   const XIn xin = prepare_x(x);  // this build's x and its sums per group
   at::Tensor y = at::empty({x.size(0), codes.size(0) * kRows}, x.options().dtype(float_out ? at::kFloat : kX));
-  const bool half = scale.scalar_type() == at::kHalf;
-  if (bits == 4) {
-    if (half) run<4, at::Half>(x, codes, scale, offset, xin, y, float_out);
-    else run<4, float>(x, codes, scale, offset, xin, y, float_out);
-  } else {
-    if (half) run<8, at::Half>(x, codes, scale, offset, xin, y, float_out);
-    else run<8, float>(x, codes, scale, offset, xin, y, float_out);
-  }
+  with_scales(scale, offset, [&](const auto& sc) {
+    if (bits == 4) run<4>(x, codes, sc, xin, y, float_out);
+    else run<8>(x, codes, sc, xin, y, float_out);
+  });
   return y;
 }
 
@@ -597,18 +898,59 @@ at::Tensor tiled_gemm_q8(const at::Tensor& x, const at::Tensor& codes, const at:
 #if defined(EMBER_TILED_Q8)
   check_args(x, at::kBFloat16, "bf16", codes, scale, offset, bits);
   at::Tensor y = at::empty({x.size(0), codes.size(0) * kRows}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
-  const bool half = scale.scalar_type() == at::kHalf;
-  if (bits == 4) {
-    if (half) run_q8<4, at::Half>(x, codes, scale, offset, y, float_out);
-    else run_q8<4, float>(x, codes, scale, offset, y, float_out);
-  } else {
-    if (half) run_q8<8, at::Half>(x, codes, scale, offset, y, float_out);
-    else run_q8<8, float>(x, codes, scale, offset, y, float_out);
-  }
+  with_scales(scale, offset, [&](const auto& sc) {
+    if (bits == 4) run_q8<4>(x, codes, sc, y, float_out);
+    else run_q8<8>(x, codes, sc, y, float_out);
+  });
   return y;
 #else
   TORCH_CHECK(false, "tiled_gemm_q8 needs a CPU with AVX-512 BF16, VNNI and VBMI (cpu_tiled_gemv.has_q8() says)");
 #endif
+}
+
+// Q6_K's arguments: x bf16 [M, K], tiles uint8 [N/16, K/32, 384], sub_scale int8 [N/16, K/32, 2, 16],
+// d float16 [N/16, K/256, 16].
+void check_q6k_args(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& sub, const at::Tensor& d) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
+  const int64_t K = x.size(1), G = K / kGroup;
+  TORCH_CHECK(K % 256 == 0 && tiles.dim() == 3 && tiles.size(1) == G && tiles.size(2) == 384
+              && tiles.scalar_type() == at::kByte && tiles.is_contiguous(), "tiles: uint8 [N/16, K/32, 384], K % 256 == 0");
+  TORCH_CHECK(sub.dim() == 4 && sub.size(0) == tiles.size(0) && sub.size(1) == G && sub.size(2) == 2
+              && sub.size(3) == kRows && sub.scalar_type() == at::kChar && sub.is_contiguous(),
+              "sub_scale: int8 [N/16, K/32, 2, 16]");
+  TORCH_CHECK(d.dim() == 3 && d.size(0) == tiles.size(0) && d.size(1) == K / 256 && d.size(2) == kRows
+              && d.scalar_type() == at::kHalf && d.is_contiguous(), "d: float16 [N/16, K/256, 16]");
+}
+
+// x @ W^T for Q6_K tiles: the bf16 GEMV (q8 false) or the int8-x path (q8 true, VNNI + VBMI builds).
+at::Tensor q6k(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& sub, const at::Tensor& d,
+               bool float_out, bool q8) {
+  check_q6k_args(x, tiles, sub, d);
+#if defined(__AVX512BF16__)
+  at::Tensor y = at::empty({x.size(0), tiles.size(0) * kRows}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
+  if (!q8) {
+    run_q6(x, tiles, sub, d, y, float_out);
+    return y;
+  }
+#if defined(EMBER_TILED_Q8)
+  run_q8_q6(x, tiles, sub, d, y, float_out);
+  return y;
+#else
+  TORCH_CHECK(false, "tiled_q6k_gemm_q8 needs a CPU with AVX-512 BF16, VNNI and VBMI (cpu_tiled_gemv.has_q8() says)");
+#endif
+#else
+  TORCH_CHECK(false, "the Q6_K tiles need a CPU with AVX-512 BF16 (cpu_tiled_gemv.has_q6k() says)");
+#endif
+}
+
+at::Tensor tiled_q6k_gemv(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& sub, const at::Tensor& d,
+                          bool float_out) {
+  return q6k(x, tiles, sub, d, float_out, false);
+}
+
+at::Tensor tiled_q6k_gemm_q8(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& sub, const at::Tensor& d,
+                             bool float_out) {
+  return q6k(x, tiles, sub, d, float_out, true);
 }
 
 }  // namespace
@@ -616,9 +958,13 @@ at::Tensor tiled_gemm_q8(const at::Tensor& x, const at::Tensor& codes, const at:
 TORCH_LIBRARY_FRAGMENT(ember_cpu, m) {
   m.def("tiled_gemv(Tensor x, Tensor codes, Tensor scale, Tensor offset, int bits, bool float_out) -> Tensor");
   m.def("tiled_gemm_q8(Tensor x, Tensor codes, Tensor scale, Tensor offset, int bits, bool float_out) -> Tensor");
+  m.def("tiled_q6k_gemv(Tensor x, Tensor tiles, Tensor sub_scale, Tensor d, bool float_out) -> Tensor");
+  m.def("tiled_q6k_gemm_q8(Tensor x, Tensor tiles, Tensor sub_scale, Tensor d, bool float_out) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ember_cpu, CPU, m) {
   m.impl("tiled_gemv", &tiled_gemv);
   m.impl("tiled_gemm_q8", &tiled_gemm_q8);
+  m.impl("tiled_q6k_gemv", &tiled_q6k_gemv);
+  m.impl("tiled_q6k_gemm_q8", &tiled_q6k_gemm_q8);
 }

@@ -7,10 +7,11 @@ own threshold. The measurements behind each crossover are in docs/tuning.md:
 
   int4_kernel      torch's CPU int4 kernel up to INT4_KERNEL_MAX_ROWS rows, then dequantize + a
                    dense GEMM
-  q6k_kernel       Q6_K's 2K-wide int4 call up to Q6K_KERNEL_MAX_ROWS rows, then the bf16 weight
-                   rebuilt for a dense GEMM
-  tiled_path       the tiled GEMV: its int8-x path (AVX-512 VNNI) from TILED_Q8_MIN_ROWS rows,
-                   else the GEMV up to the part's max_rows (None: every row count, the AVX2 build), else a dense GEMM
+  q6k_kernel       Q6_K's 2K-wide int4 call (Q6KPart) up to Q6K_KERNEL_MAX_ROWS rows, then the bf16
+                   weight rebuilt for a dense GEMM
+  tiled_path       the tiled GEMV (4/8-bit tiles and Q6_K's): its int8-x path (AVX-512 VNNI) from
+                   TILED_Q8_MIN_ROWS rows, else the GEMV up to the part's max_rows (None: every row
+                   count, the AVX2 build), else a dense GEMM
   dense_copy       a dense copy of packed weights from DENSE_COPY_MIN_ROWS rows
   int8_copy        an int8 copy of dense weights up to INT8_COPY_MAX_ROWS rows
   refine_logits    a low-precision LM head recomputes its top candidates in float32 up to

@@ -188,6 +188,21 @@ def affine_codes(raw: torch.Tensor, qtype: T) -> tuple[torch.Tensor, torch.Tenso
 
 
 _BITS = torch.arange(8, dtype=torch.uint8)
+K_QUANTS = (T.Q4_K, T.Q5_K)  # affine per 32 with two-level scales
+
+
+def k_quant_fields(
+    raw: torch.Tensor, qtype: T
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K -> their fields as they are: (codes uint8 [rows, K], sc uint8 [rows, K/32], m uint8
+    [rows, K/32], d float16 [rows, K/256], dmin float16 [rows, K/256]); affine_codes' scale = d * sc and
+    offset = -dmin * m (both exact in float32)."""
+    rows = raw.shape[0]
+    codes, _, _ = affine_codes(raw, qtype)
+    b = _blocks(raw, qtype)
+    sc, m = (v.to(torch.uint8) for v in _k_scale_min(b[:, 4:16]))  # 6-bit integers, held as float32 there
+    d, dmin = (b[:, at : at + 2].contiguous().view(torch.float16) for at in (0, 2))
+    return codes, sc.reshape(rows, -1), m.reshape(rows, -1), d.reshape(rows, -1), dmin.reshape(rows, -1)
 
 
 def _k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,19 +213,28 @@ def _k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc.float(), mn.float()
 
 
-def q6_k_codes(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q6_K -> (q6 uint8 [rows, K] in 0..63, scale float32 [rows, K/16] = d * S, exact), so that
-    w = scale * (q6 - 32) per sub-block of 16."""
+def q6_k_blocks(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q6_K -> its fields as they are: (q6 uint8 [rows, K] in 0..63, S int8 [rows, K/16], d float16
+    [rows, K/256]), w = d * S * (q6 - 32) per sub-block of 16."""
     rows = raw.shape[0]
     b = _blocks(raw, T.Q6_K)
     n = b.shape[0]
     ql, qh = b[:, :128], b[:, 128:192]
-    scale = _f16(b[:, 208:210]) * b[:, 192:208].contiguous().view(torch.int8).float()  # [n, 16]
     low = _nibbles(ql, 64).reshape(n, 8, 32)
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)
     high = (qh.reshape(n, 2, 1, 32) >> shifts) & 3
     q = low | (high.reshape(n, 8, 32) << 4)
-    return q.reshape(rows, -1), scale.reshape(rows, -1)
+    sub = b[:, 192:208].contiguous().view(torch.int8)  # [n, 16]
+    d = b[:, 208:210].contiguous().view(torch.float16)  # [n, 1]
+    return q.reshape(rows, -1), sub.reshape(rows, -1), d.reshape(rows, -1)
+
+
+def q6_k_codes(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K -> (q6 uint8 [rows, K] in 0..63, scale float32 [rows, K/16] = d * S, exact), so that
+    w = scale * (q6 - 32) per sub-block of 16."""
+    q, sub, d = q6_k_blocks(raw)
+    scale = d.float().repeat_interleave(16, dim=1) * sub.float()  # 11 x 8 significant bits: exact
+    return q, scale
 
 
 def _q6_k(raw: torch.Tensor) -> torch.Tensor:

@@ -10,8 +10,17 @@ stored by its type, with no dense copy:
   in attn_qkv): the 8-bit codes split exactly into two nibbles, q8 + 128 = 16 hi + lo, laid side
   by side along the input dim in one Int4Weight [N, 2K]:
   x @ W^T = [x, x] @ [16d*hi | d*lo + off]^T. One kernel call, 1 byte + scales per weight.
+- Where the tiled GEMV takes the run's dtype (bf16 on AVX-512 BF16, float32 on AVX2), all of the
+  above are a TiledPart instead (its row tiles, the 8-bit codes whole); in the bf16 build Q4_K and
+  Q5_K keep the file's two levels of scales there (6-bit sc, m per 32, float16 d, dmin per 256:
+  0.58 / 1.08 B a weight, against 0.75 / 1.25 with flat float32 scales), the same values exactly.
 - Q6_K (Q4_K_M files hold it in output.weight and half the attn_v / ffn_down): 16 sub-blocks
-  of 16 with scale c = d * S (int8 S, either sign), w = c (q6 - 32), q6 in 0..63. Split
+  of 16 with scale c = d * S (int8 S, either sign), w = c (q6 - 32), q6 in 0..63.
+  In bf16 on CPUs with AVX-512 BF16 it is a TiledQ6KPart: the tiled GEMV's Q6_K tiles hold the
+  file's own bits (6-bit codes, int8 S, float16 d: 0.82 B a weight), its bf16 GEMV serves few rows
+  and its int8-x path many (no dense copy, no rebuilt weight), rows come back exactly
+  (ember.kernels.cpu_tiled_gemv). Elsewhere (float32 runs, the AVX2 build, --no-cpu-tiled-gemv)
+  it is a Q6KPart, as follows. Split
   q6 = 16 hi + lo (hi 0..3, lo 0..15) and give each sub-block one kernel group of 32 in an
   Int4Weight [N, 2K]: its 16 codes hi + 6, then its 16 codes lo, both with s = 16 c and
   z = 8 s / 17, fed x' = [x_0:16, x_0:16 / 16, x_16:32, x_16:32 / 16, ...] (exact: a power of 2).
@@ -25,7 +34,7 @@ stored by its type, with no dense copy:
   call costs per row, so above Q6K_KERNEL_MAX_ROWS rows the bf16 weight is rebuilt per call for a
   dense GEMM (docs/tuning.md, row-count crossovers). Rows for lookups / the head's refinement come from the
   codes and s alone, bit-exact in float32. An embedding that is only looked up (untied) keeps
-  Q6_K raw (smaller; a lookup dequantizes just its rows).
+  Q6_K raw (as small as the Q6_K tiles; a lookup dequantizes just its rows).
 - Q2_K, Q3_K, IQ* and the other types: dequantized once at load to the run dtype (dense),
   or kept raw in a lookup-only embedding.
 - F32 / F16 / BF16: dense in the run dtype.
@@ -60,7 +69,18 @@ from ember.layers.activation import silu_and_mul
 from ember.layers.linear import QuantMethod, dense_linear, new_param
 from ember.layers.moe_compute import experts_forward, register_experts
 from ember.quant import gemm_dispatch
-from ember.quant.gguf_blocks import AFFINE_4BIT, AFFINE_8BIT, GROUP, GGUFTensor, affine_codes, dequantize, q6_k_codes
+from ember.quant.gguf_blocks import (
+    AFFINE_4BIT,
+    AFFINE_8BIT,
+    GROUP,
+    K_QUANTS,
+    GGUFTensor,
+    affine_codes,
+    dequantize,
+    k_quant_fields,
+    q6_k_blocks,
+    q6_k_codes,
+)
 from ember.quant.int4_cpu import Int4Weight, block_n, pack_int4_codes, row_codes
 from ember.quant.quant_config import QuantConfig
 
@@ -178,7 +198,8 @@ class Int4Part(PackedPart):
 class TiledPart(PackedPart):
     """W = code * scale + offset per group of 32, in the row tiles of the CPU GEMV kernel
     (ember.kernels.cpu_tiled_gemv): 4-bit codes (Q4_0, Q4_1, Q4_K) or whole 8-bit ones (Q8_0,
-    Q5_0, Q5_1). Used in place of Int4Part for bf16 on CPUs with AVX-512 BF16 (faster at one row:
+    Q5_0, Q5_1, Q5_K); scales flat (float16 or float32 per 32) or, for a run of Q4_K / Q5_K shards in
+    the bf16 build, their two levels as the file holds them (tiled_gemv.pack_k). Used in place of Int4Part for bf16 on CPUs with AVX-512 BF16 (faster at one row:
     docs/tuning.md, CPU kernels) and for float32 on CPUs with AVX2 (the kernel's int16-x
     build). From TILED_Q8_MIN_ROWS rows on a CPU with AVX-512 VNNI (has_q8, --cpu-int8-activations), the
     kernel's int8-x path (x rounded to int8 steps per group of 32, as llama.cpp's Q8 activations),
@@ -203,15 +224,19 @@ class TiledPart(PackedPart):
             self.tiles, self.scale, self.offset = tiled_gemv.pack(codes, scale, offset, bits)
 
     @classmethod
-    def from_chunks(cls, N: int, K: int, chunks, bits: int, int8_activations: bool = True) -> "TiledPart":
-        """The part of (codes, scale, offset) row chunks (affine_codes of consecutive rows; each chunk
-        but the last a multiple of the kernel's tile rows), packed a chunk at a time into one tensor:
-        no full-size temporaries. Scales are float16 only where every chunk's are (as one pack's)."""
+    def from_chunks(
+        cls, N: int, K: int, chunks, bits: int, int8_activations: bool = True, pack=tiled_gemv.pack
+    ) -> "TiledPart":
+        """The part of row chunks (each chunk but the last a multiple of the kernel's tile rows), packed a
+        chunk at a time into one tensor: no full-size temporaries. A chunk is pack's arguments but bits:
+        (codes, scale, offset) of affine_codes for tiled_gemv.pack, or k_quant_fields' for
+        tiled_gemv.pack_k (Q4_K / Q5_K's two levels of scales as they are). Flat scales are float16
+        only where every chunk's are (as one pack's)."""
         part = cls(None, None, None, bits, int8_activations)
         part.N, part.K = N, K
         tiles, scales, offsets, at = None, [], [], 0
-        for c, s, o in chunks:
-            t, s, o = tiled_gemv.pack(c, s, o, bits)
+        for chunk in chunks:
+            t, s, o = pack(*chunk, bits)
             if tiles is None:
                 tiles = torch.empty(-(-N // tiled_gemv.ROWS), *t.shape[1:], dtype=t.dtype, device=t.device)
             tiles[at : at + t.shape[0]] = t
@@ -220,8 +245,11 @@ class TiledPart(PackedPart):
             at += t.shape[0]
         if at != tiles.shape[0]:
             raise ValueError(f"tiled chunks cover {at} tiles, not {tiles.shape[0]} (only the last may be short)")
-        wide = torch.float32 if any(s.dtype == torch.float32 for s in scales + offsets) else torch.float16
         part.tiles = tiles
+        if scales[0].dtype == torch.uint8:  # K-quant scales: one form for all chunks
+            part.scale, part.offset = torch.cat(scales), torch.cat(offsets)
+            return part
+        wide = torch.float32 if any(s.dtype == torch.float32 for s in scales + offsets) else torch.float16
         part.scale, part.offset = (torch.cat([t.to(wide) for t in ts]) for ts in (scales, offsets))
         return part
 
@@ -239,13 +267,17 @@ class TiledPart(PackedPart):
     def _path(self, x: torch.Tensor) -> str:
         return gemm_dispatch.tiled_path(x, self.x_dtype, self.q8, self.max_rows)
 
+    def _kernel(self, path: str, x: torch.Tensor, float_out: bool) -> torch.Tensor:
+        """The kernel's "q8" or "gemv" path over this part's tiles (x contiguous [M, K])."""
+        if path == "q8":
+            return tiled_gemv.gemm_q8(x, self.tiles, self.scale, self.offset, self.bits, float_out)
+        return tiled_gemv.gemv(x, self.tiles, self.scale, self.offset, self.bits, float_out)
+
     def _gemv(self, x: torch.Tensor, float_out: bool) -> torch.Tensor:
         x2 = x.reshape(-1, self.K)
         path = self._path(x2)
-        if path == "q8":
-            y = tiled_gemv.gemm_q8(x2.contiguous(), self.tiles, self.scale, self.offset, self.bits, float_out)
-        elif path == "gemv":
-            y = tiled_gemv.gemv(x2.contiguous(), self.tiles, self.scale, self.offset, self.bits, float_out)
+        if path != "dense":
+            y = self._kernel(path, x2.contiguous(), float_out)
         else:
             y = F.linear(x2, self._weight(x2.dtype))
             y = y.float() if float_out else y  # linear_float's contract: float32 logits either way
@@ -283,6 +315,57 @@ class TiledPart(PackedPart):
 
     def buffers(self):
         return [self.tiles, self.scale, self.offset]
+
+
+class TiledQ6KPart(TiledPart):
+    """Q6_K in the tiled GEMV's Q6_K tiles (cpu_tiled_gemv.pack_q6k), its own bits: 6-bit codes, int8
+    sub-block scales S per 16 and float16 d per 256, 0.82 B a weight as in the file (Q6KPart: 1.25).
+    The bf16 GEMV for few rows, the int8-x path (has_q8) from TILED_Q8_MIN_ROWS rows, so no dense copy
+    and no rebuilt weight at many rows; else the rules of TiledPart (gemm_dispatch.tiled_path). Rows
+    for lookups and the head's refinement are exactly gguf-py's values. bf16 build only (has_q6k)."""
+
+    def __init__(self, q6: torch.Tensor, sub_scale: torch.Tensor, d: torch.Tensor, int8_activations: bool = True):
+        """q6 None: an empty part for from_chunks to fill."""
+        super().__init__(None, None, None, 6, int8_activations)
+        if q6 is not None:
+            self.N, self.K = q6.shape
+            self.tiles, self.sub_scale, self.d = tiled_gemv.pack_q6k(q6, sub_scale, d)
+
+    @classmethod
+    def from_chunks(cls, N: int, K: int, chunks, int8_activations: bool = True) -> "TiledQ6KPart":
+        """The part of (q6, S, d) row chunks (gguf_blocks.q6_k_blocks of consecutive rows; each chunk
+        but the last a multiple of the kernel's tile rows), packed a chunk at a time into one tensor."""
+        part = cls(None, None, None, int8_activations)
+        part.N, part.K = N, K
+        T, at = -(-N // tiled_gemv.ROWS), 0
+        for q6, sub, d in chunks:
+            t, s, dd = tiled_gemv.pack_q6k(q6, sub, d)
+            if at == 0:
+                part.tiles, part.sub_scale, part.d = (x.new_empty(T, *x.shape[1:]) for x in (t, s, dd))
+            for buf, x in ((part.tiles, t), (part.sub_scale, s), (part.d, dd)):
+                buf[at : at + x.shape[0]] = x
+            at += t.shape[0]
+        if at != T:
+            raise ValueError(f"Q6_K chunks cover {at} tiles, not {T} (only the last may be short)")
+        return part
+
+    @staticmethod
+    def usable(dtype: torch.dtype, device, kernels: CpuKernels | None = None) -> bool:
+        return tiled_gemv.has_q6k() and TiledPart.usable(dtype, device, kernels)
+
+    def _kernel(self, path, x, float_out):
+        if path == "q8":
+            return tiled_gemv.gemm_q8_q6k(x, self.tiles, self.sub_scale, self.d, float_out)
+        return tiled_gemv.gemv_q6k(x, self.tiles, self.sub_scale, self.d, float_out)
+
+    def _weight(self, dtype):
+        return tiled_gemv.dequantize_q6k(self.tiles, self.sub_scale, self.d, dtype, self.N)
+
+    def rows(self, ids):
+        return tiled_gemv.unpack_rows_q6k(self.tiles, self.sub_scale, self.d, ids)
+
+    def buffers(self):
+        return [self.tiles, self.sub_scale, self.d]
 
 
 def _row_codes(w: Int4Weight, ids: torch.Tensor) -> torch.Tensor:
@@ -434,7 +517,7 @@ def _kind(t, raw_ok: bool) -> str:
     if t.qtype in AFFINE_8BIT and Int4Part.supports(2 * t.shape[1]):
         return "int8"
     if t.qtype == T.Q6_K and Q6KPart.supports(t.shape[1]) and not raw_ok:
-        return "q6k"  # a lookup-only embedding keeps Q6_K raw: 0.82 B/weight against 1.25
+        return "q6k"  # TiledQ6KPart or Q6KPart; a lookup-only embedding keeps Q6_K raw (0.82 B/weight)
     return f"raw {t.qtype.name}" if raw_ok else "dense"
 
 
@@ -476,11 +559,17 @@ def _pack_run(run: list, dtype: torch.dtype, device, raw_ok: bool, kernels: CpuK
     if kind in ("int4", "int8"):
         bits = 4 if kind == "int4" else 8
         if TiledPart.usable(dtype, device, kernels):
-            chunks = _row_chunks(run, device, affine_codes)
-            return TiledPart.from_chunks(N, K, chunks, bits, int8_activations=kernels.int8_activations)
+            q8 = kernels.int8_activations
+            if tiled_gemv.has_k_scales() and all(t.qtype in K_QUANTS for t in run):  # two levels kept
+                chunks = _row_chunks(run, device, k_quant_fields)
+                return TiledPart.from_chunks(N, K, chunks, bits, q8, pack=tiled_gemv.pack_k)
+            return TiledPart.from_chunks(N, K, _row_chunks(run, device, affine_codes), bits, q8)
         c, s, o = (torch.cat(x).to(device) for x in zip(*(affine_codes(t.raw(), t.qtype) for t in run)))
         return Int4Part(c, s, o, dtype, split8=kind == "int8")
     if kind == "q6k":
+        if TiledQ6KPart.usable(dtype, device, kernels):
+            chunks = _row_chunks(run, device, lambda raw, qtype: q6_k_blocks(raw))
+            return TiledQ6KPart.from_chunks(N, K, chunks, int8_activations=kernels.int8_activations)
         return Q6KPart.from_chunks(N, K, _row_chunks(run, device, lambda raw, qtype: q6_k_codes(raw)), dtype)
     return RawPart(torch.cat([t.raw() for t in run]).to(device), run[0].qtype, run[0].shape[1])
 

@@ -1,6 +1,6 @@
 """The tiled CPU GEMV (ember/kernels/cpu_tiled_gemv.*): exact repacking, the kernel against a
-float64 reference over every row-chunk shape, the GGUF TiledPart around it, and tracing it under
-torch.compile."""
+float64 reference over every row-chunk shape, the GGUF TiledPart around it, its Q6_K tiles
+(TiledQ6KPart), and tracing it under torch.compile."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from ember.kernels import cpu_tiled_gemv as tg
 from ember.kernels.cpu_kernels import CpuKernels
 from ember.quant.gemm_dispatch import INT4_KERNEL_MAX_ROWS as KERNEL_MAX_ROWS
 from ember.quant.gemm_dispatch import TILED_Q8_MIN_ROWS
-from ember.quant.gguf_blocks import affine_codes
-from ember.quant.gguf_quant import GGUFLinearMethod, Int4Part, TiledPart, pack_shards
+from ember.quant.gguf_blocks import affine_codes, q6_k_blocks
+from ember.quant.gguf_quant import GGUFLinearMethod, Int4Part, TiledPart, TiledQ6KPart, pack_shards
 from tests.quant.test_gguf_packed import gguf_tensor
 
 # This project's machines (and CI's) have been Zen4 (AVX-512 BF16: the bf16 build) and Zen3 (AVX2:
@@ -218,18 +218,204 @@ def test_knob_off_and_the_other_dtype_keep_torchs_int4_kernel():
 
 
 @pytest.mark.parametrize("cpp_wrapper", [False, True])
-def test_traced_by_torch_compile(cpp_wrapper):
-    """The op has a fake kernel, so a compiled decode graph calls it with no graph break, from
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q6_K])
+def test_traced_by_torch_compile(cpp_wrapper, qtype):
+    """The ops have fake kernels, so a compiled decode graph calls them with no graph break, from
     inductor's Python wrapper or its C++ one (the compiled executor's default)."""
     from ember.layers.linear import RowParallelLinear
 
-    t, ref = gguf_tensor(T.Q4_1, 64, 256, seed=8)
+    if qtype == T.Q6_K and not tg.has_q6k():
+        pytest.skip("the Q6_K tiles need the bf16 build")
+    t, ref = gguf_tensor(qtype, 64, 256, seed=8)
     layer = RowParallelLinear(256, 64, dtype=X, quant_method=GGUFLinearMethod())
     layer.load_weight("weight", t, None)
     layer.quant_method.process_weights_after_loading(layer)
-    assert isinstance(layer.gguf_parts[0], TiledPart)
+    assert isinstance(layer.gguf_parts[0], TiledQ6KPart if qtype == T.Q6_K else TiledPart)
     x = torch.randn(2, 256).to(X)
     compiled = torch.compile(layer, fullgraph=True, options={"cpp_wrapper": cpp_wrapper})
     assert torch.equal(compiled(x), layer(x))
     exact = F.linear(x.float(), ref)
     assert (layer(x).float() - exact).abs().max() <= 0.01 * exact.abs().max()
+
+
+# ---- K-quant scales (the bf16 build) -----------------------------------------------------------------
+
+needs_k_scales = pytest.mark.skipif(not tg.has_k_scales(), reason="K-quant scales need the bf16 build")
+
+
+@needs_k_scales
+@pytest.mark.parametrize("bits", [4, 8])
+def test_k_scales_give_the_flat_float32_results(bits):
+    """Q4_K / Q5_K's two levels kept (6-bit sc, m per 32; float16 d, dmin per 256: 0.078 B a weight of
+    scales against flat float32's 0.25): d sc and -dmin m are exact in float32, so rows, the GEMV and
+    the int8-x path give the very bits of the flat float32 store, for every row chunking."""
+    assert tg.available()
+    N, K = 40, 768
+    g = torch.Generator().manual_seed(30)
+    codes = torch.randint(0, 2**bits, (N, K), generator=g, dtype=torch.uint8)
+    sc, m = (torch.randint(0, 64, (N, K // 32), generator=g, dtype=torch.uint8) for _ in range(2))
+    d, dmin = ((torch.rand(N, K // 256, generator=g) * 1e-3).half() for _ in range(2))
+    scale = d.float().repeat_interleave(8, dim=1) * sc.float()
+    offset = -(dmin.float().repeat_interleave(8, dim=1) * m.float())
+    kq = tg.pack_k(codes, sc, m, d, dmin, bits)
+    flat = tg.pack(codes, scale, offset, bits)
+    assert flat[1].dtype == torch.float32  # d sc is no float16
+    assert kq[1].dtype == torch.uint8 and kq[1].shape == (3, 24, 2, 16) and kq[2].shape == (3, 3, 2, 16)
+    w = (codes.float().view(N, K // 32, 32) * scale[..., None] + offset[..., None]).view(N, K)
+    ids = torch.tensor([39, 0, 17, 16])
+    assert torch.equal(tg.unpack_rows(*kq, bits, ids), w[ids])
+    assert torch.equal(tg.dequantize(*kq, bits, torch.float32, N), w)
+    for M in (1, 3, 4, 5, 9, 17):
+        x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+        assert torch.equal(tg.gemv(x, *kq, bits, float_out=True), tg.gemv(x, *flat, bits, float_out=True)), M
+        if tg.has_q8():
+            assert torch.equal(tg.gemm_q8(x, *kq, bits, float_out=True), tg.gemm_q8(x, *flat, bits, float_out=True))
+
+
+@needs_k_scales
+@pytest.mark.parametrize("qtype,held", [(T.Q4_K, 0.578125), (T.Q5_K, 1.078125)])
+def test_k_quant_parts_keep_their_two_levels(qtype, held):
+    t, ref = gguf_tensor(qtype, 48, 512, seed=31)
+    (part,) = pack_shards([t], torch.bfloat16, "cpu")
+    assert isinstance(part, TiledPart) and part.scale.dtype == torch.uint8
+    assert sum(b.numel() * b.element_size() for b in part.buffers()) == held * 48 * 512
+    assert torch.equal(part.dequantize(), ref) and torch.equal(part.rows(torch.tensor([47, 5])), ref[[47, 5]])
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(32)).to(torch.bfloat16)
+    torch.testing.assert_close(part.linear_float(x).double(), x.double() @ ref.double().t(), rtol=1e-5, atol=1e-5)
+
+
+# ---- Q6_K tiles (the bf16 build) -------------------------------------------------------------------
+
+needs_q6k = pytest.mark.skipif(not tg.has_q6k(), reason="the Q6_K tiles need the bf16 build (AVX-512 BF16)")
+
+
+def q6k(N, K, seed):
+    """Random Q6_K fields (q6 0..63, int8 S of both signs, extremes included, float16 d) and W."""
+    g = torch.Generator().manual_seed(seed)
+    q6 = torch.randint(0, 64, (N, K), generator=g, dtype=torch.uint8)
+    sub = torch.randint(-128, 128, (N, K // 16), generator=g, dtype=torch.int8)
+    sub[0, :2] = torch.tensor([-128, 127], dtype=torch.int8)
+    d = (torch.rand(N, K // 256, generator=g) * 1e-3 + 1e-5).half()
+    c = d.float().repeat_interleave(16, dim=1) * sub.float()  # exact: 11 x 8 significant bits
+    w = (c.view(N, K // 16, 1) * (q6.float().view(N, K // 16, 16) - 32)).view(N, K)
+    return q6, sub, d, w
+
+
+@needs_q6k
+@pytest.mark.parametrize("N,K", [(40, 256), (37, 1024), (16, 3584)])
+def test_q6k_pack_keeps_the_files_bits(N, K):
+    """The tiles hold the codes, S and d as they are (0.82 B a weight, the file's 210 / 256): rows and
+    the whole matrix come back bit for bit; padding rows are zero."""
+    q6, sub, d, w = q6k(N, K, 20)
+    tiles, s, dd = tg.pack_q6k(q6, sub, d)
+    T = -(-N // 16)
+    assert tiles.shape == (T, K // 32, 384) and s.shape == (T, K // 32, 2, 16) and dd.shape == (T, K // 256, 16)
+    assert sum(t.numel() * t.element_size() for t in (tiles, s, dd)) == T * 16 * K * 210 / 256
+    ids = torch.tensor([N - 1, 0, N // 2, 15, min(16, N - 1)])
+    assert torch.equal(tg.unpack_rows_q6k(tiles, s, dd, ids), w[ids])
+    assert torch.equal(tg.dequantize_q6k(tiles, s, dd, torch.float32, N), w)
+    assert not tg.dequantize_q6k(tiles, s, dd, torch.float32)[N:].any()
+
+
+@needs_q6k
+@pytest.mark.parametrize("N,K", [(40, 256), (37, 1024), (24, 3584)])
+def test_q6k_gemv_matches_float64_reference(N, K):
+    """The bf16 GEMV over Q6_K tiles: exact codes times bf16 x, summed in float32 per sub-block of 16
+    from -160 sum(x) (the codes enter as 128 + q6), scaled by d S: float32 noise away from x @ W^T,
+    for every x-row chunking (1-4 rows a pass) and both output dtypes."""
+    assert tg.available()
+    q6, sub, d, w = q6k(N, K, 21)
+    packed = tg.pack_q6k(q6, sub, d)
+    g = torch.Generator().manual_seed(22)
+    for M in (1, 2, 3, 4, 5, 7, 9, 17):
+        x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+        y = tg.gemv_q6k(x, *packed, float_out=True)
+        assert y.shape == (M, -(-N // 16) * 16) and y.dtype == torch.float32 and not y[:, N:].any()
+        tol = 1e-5 * (x.double().abs() @ w.double().abs().t())
+        assert ((y[:, :N].double() - x.double() @ w.double().t()).abs() <= tol).all(), M
+        yb = tg.gemv_q6k(x, *packed)
+        assert yb.dtype == torch.bfloat16 and torch.equal(yb, y.to(torch.bfloat16))
+
+
+@needs_q6k
+@needs_q8
+@pytest.mark.parametrize("N,K", [(40, 256), (37, 1024), (24, 3584)])
+def test_q6k_gemm_q8_matches_its_int8_reference(N, K):
+    """The int8-x path over Q6_K tiles: x rounded to int8 per group of 32 (q8_reference), exact int32
+    sums per sub-block of 16, float32 across: float32 noise away from q8_reference(x) @ W^T for every
+    row block (8 a pass), remainder and 256-row work chunk; and nearer it than x's own product."""
+    q6, sub, d, w = q6k(N, K, 23)
+    packed = tg.pack_q6k(q6, sub, d)
+    g = torch.Generator().manual_seed(24)
+    for M in (1, 5, 8, 9, 17, 300):
+        x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+        xq = tg.q8_reference(x)
+        y = tg.gemm_q8_q6k(x, *packed, float_out=True)
+        assert y.shape == (M, -(-N // 16) * 16) and not y[:, N:].any()
+        ref = xq @ w.double().t()
+        tol = 1e-5 * (xq.abs() @ w.double().abs().t())
+        assert ((y[:, :N].double() - ref).abs() <= tol).all(), M
+        exact = x.double() @ w.double().t()
+        assert (y[:, :N].double() - ref).abs().sum() < (y[:, :N].double() - exact).abs().sum()
+        assert torch.equal(tg.gemm_q8_q6k(x, *packed), y.to(torch.bfloat16))
+
+
+@needs_q6k
+def test_q6k_zero_and_non_finite_x():
+    """As the 4/8-bit tiles: an all-zero group adds nothing, a NaN / inf reaches its row's outputs."""
+    q6, sub, d, w = q6k(32, 256, 25)
+    packed = tg.pack_q6k(q6, sub, d)
+    x = torch.randn(6, 256).to(torch.bfloat16)
+    x[0, :32] = 0
+    x[1, 40] = float("nan")
+    x[2, 70] = float("inf")
+    ok = [0, 3, 4, 5]
+    kernels = [(tg.gemv_q6k, x.double())] + ([(tg.gemm_q8_q6k, tg.q8_reference(x))] if tg.has_q8() else [])
+    for kernel, xs in kernels:
+        y = kernel(x, *packed, float_out=True)
+        torch.testing.assert_close(y[ok].double(), xs[ok] @ w.double().t(), rtol=1e-5, atol=1e-5)
+        assert y[1].isnan().all() and not y[2].isfinite().any()
+
+
+@needs_q6k
+def test_q6k_refuses_bad_inputs_with_a_message():
+    packed = tg.pack_q6k(*q6k(16, 256, 26)[:3])
+    with pytest.raises(RuntimeError, match="bf16"):
+        tg.gemv_q6k(torch.randn(1, 256), *packed)
+    with pytest.raises(RuntimeError, match="tiles"):
+        tg.gemv_q6k(torch.randn(1, 512).to(torch.bfloat16), *packed)
+    with pytest.raises(RuntimeError, match="sub_scale"):
+        tg.gemv_q6k(torch.randn(1, 256).to(torch.bfloat16), packed[0], packed[1].float(), packed[2])
+    with pytest.raises(ValueError, match="K % 256"):
+        tg.pack_q6k(torch.zeros(16, 96, dtype=torch.uint8), torch.zeros(16, 6, dtype=torch.int8), torch.zeros(16, 1))
+
+
+@needs_q6k
+def test_gguf_q6k_part_is_tiled_and_matches_the_file():
+    """A Q6_K GGUF tensor in a bf16 run: TiledQ6KPart, gguf-py's values bit for bit in rows() (the
+    embedding lookup and the head's refinement), the GEMV at few rows, the int8-x path from
+    TILED_Q8_MIN_ROWS (so no dense copy: kernel_at_any_rows), a dense GEMM for float32 x."""
+    from tests.quant.test_gguf_packed import gguf_tensor as q6k_tensor
+
+    t, ref = q6k_tensor(T.Q6_K, 72, 512, seed=28)
+    (part,) = pack_shards([t], torch.bfloat16, "cpu")
+    assert isinstance(part, TiledQ6KPart) and (part.N, part.K) == (72, 512)
+    assert torch.equal(part.dequantize(), ref) and torch.equal(part.rows(torch.tensor([71, 3, 16])), ref[[71, 3, 16]])
+    assert part.kernel_at_any_rows == tg.has_q8()
+    g = torch.Generator().manual_seed(29)
+    for rows in (1, 4, TILED_Q8_MIN_ROWS, KERNEL_MAX_ROWS + 1):
+        x = torch.randn(rows, 512, generator=g).to(torch.bfloat16)
+        exact = x.double() @ ref.double().t()
+        got = part.linear(x)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, 72)
+        if tg.has_q8() and rows >= TILED_Q8_MIN_ROWS:
+            want = tg.q8_reference(x) @ ref.double().t()
+            assert not part.precise_logits(x)
+        else:
+            want = exact
+            assert part.precise_logits(x) == (rows <= KERNEL_MAX_ROWS)
+        torch.testing.assert_close(part.linear_float(x).double(), want, rtol=1e-5, atol=1e-5)
+    x = torch.randn(2, 512, generator=g)  # float32 x: a dense GEMM over W in float32
+    torch.testing.assert_close(part.linear(x), x @ ref.t(), rtol=1e-5, atol=1e-5)
+    q6, sub, d = q6_k_blocks(t.raw())
+    assert all(torch.equal(a, b) for a, b in zip(part.buffers(), TiledQ6KPart(q6, sub, d).buffers(), strict=True))

@@ -10,6 +10,7 @@ from gguf import GGMLQuantizationType as T
 from torch import nn
 
 from ember.errors import ConfigError
+from ember.kernels.cpu_kernels import CpuKernels
 from ember.layers.linear import QKVLinear
 from ember.quant.gemm_dispatch import DENSE_COPY_MIN_ROWS as DENSE_MIN_ROWS
 from ember.quant.gemm_dispatch import DenseCopyHeadMethod, DenseCopyMethod
@@ -20,10 +21,13 @@ from tests.quant.test_awq import assert_same_model, load, write_awq_pair
 from tests.quant.test_gguf_packed import _loaded, build, gguf_tensor, tiny_mixed_gguf
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+# The bf16 build's tiled parts (Q6_K's included) run their int8-x path at every row count and get no
+# copy; with it off they stop at INT4_KERNEL_MAX_ROWS, so a copy serves their many-row steps.
+NO_INT8_X = CpuKernels(int8_activations=False)
 
 
 def test_packed_linear_splits_by_rows():
-    layer = QKVLinear(256, 64, 4, 2, bias=True, dtype=torch.bfloat16, quant_method=GGUFLinearMethod())
+    layer = QKVLinear(256, 64, 4, 2, bias=True, dtype=torch.bfloat16, quant_method=GGUFLinearMethod(NO_INT8_X))
     tq, rq = gguf_tensor(T.Q4_K, 256, 256, 1)
     tk, rk = gguf_tensor(T.Q4_0, 128, 256, 2)
     tv, rv = gguf_tensor(T.Q6_K, 128, 256, 3)
@@ -97,7 +101,7 @@ def test_tiny_gguf_model_with_copy_matches_without(tmp_path):
     """A whole packed model (untied Q6_K head): logits of a 12-token prefill and greedy tokens of a
     batch agree with the packed-only model; the embedding keeps its packed lookups."""
     path = tiny_mixed_gguf(tmp_path / "m.gguf", "qwen2", tied=False)
-    plain, copied = build(path, True, torch.bfloat16), build(path, True, torch.bfloat16)
+    plain, copied = build(path, True, torch.bfloat16, NO_INT8_X), build(path, True, torch.bfloat16, NO_INT8_X)
     extra = enable_dense_copy(copied, torch.bfloat16)
     assert isinstance(copied.lm_head.quant_method, DenseCopyHeadMethod)
     assert extra > copied.lm_head.vocab_size * 256 * 2
@@ -122,12 +126,11 @@ def test_the_engines_default_copy_leaves_the_lm_head_packed(tmp_path, flag):
     from types import SimpleNamespace
 
     from ember.engine.startup.weights import dense_copy
-    from ember.kernels.cpu_kernels import CpuKernels
 
-    model = build(tiny_mixed_gguf(tmp_path / "m.gguf", "qwen2", tied=False), True, torch.bfloat16)
+    model = build(tiny_mixed_gguf(tmp_path / "m.gguf", "qwen2", tied=False), True, torch.bfloat16, NO_INT8_X)
     head_part = model.lm_head.quant_method.part
     config = SimpleNamespace(kernel_config=SimpleNamespace(int4_dense_copy=flag))
-    setup = SimpleNamespace(device=torch.device("cpu"), dtype=torch.bfloat16, kernels=CpuKernels())
+    setup = SimpleNamespace(device=torch.device("cpu"), dtype=torch.bfloat16, kernels=NO_INT8_X)
     extra = dense_copy(config, setup, SimpleNamespace(model=model), False)
     head_bytes = model.lm_head.vocab_size * 256 * 2
     assert isinstance(model.model.layers[0].mlp.down_proj.quant_method, DenseCopyMethod)  # a Q6_K layer
@@ -203,3 +206,26 @@ def test_default_model_copy_is_on_in_bf16_and_flags_are_checked():
             LLM(kv_cache_memory=0.05, max_model_len=512, dtype="float32", enable_mtp=False, int4_dense_copy=True)
     with pytest.raises(ConfigError, match="int4-dense-copy needs packed"):
         LLM(kv_cache_memory=0.05, max_model_len=512, quantization="none", int4_dense_copy=True)
+
+
+def test_q6_k_tiles_need_no_copy():
+    """bf16 on AVX-512 BF16 + VNNI: a Q4_K_M-like qkv (Q4_K, Q4_0 and a Q6_K v) is all tiled parts that
+    run the int8-x path at every row count, so --int4-dense-copy adds nothing for it."""
+    from ember.kernels import cpu_tiled_gemv
+    from ember.quant.gguf_quant import TiledQ6KPart
+
+    if not (cpu_tiled_gemv.has_q6k() and cpu_tiled_gemv.has_q8() and cpu_tiled_gemv.available()):
+        pytest.skip("the Q6_K tiles' int8-x path needs AVX-512 BF16, VNNI and VBMI")
+    layer = QKVLinear(256, 64, 4, 2, dtype=torch.bfloat16, quant_method=GGUFLinearMethod())
+    _loaded(
+        layer,
+        {
+            "q": gguf_tensor(T.Q4_K, 256, 256, 1)[0],
+            "k": gguf_tensor(T.Q4_0, 128, 256, 2)[0],
+            "v": gguf_tensor(T.Q6_K, 128, 256, 3)[0],
+        },
+    )
+    assert isinstance(layer.gguf_parts[-1], TiledQ6KPart)
+    holder = nn.Module()
+    holder.layer = layer
+    assert enable_dense_copy(holder, torch.bfloat16) == 0 and isinstance(layer.quant_method, GGUFLinearMethod)

@@ -21,7 +21,7 @@ from ember.layers.linear import MergedColumnLinear, QKVLinear
 from ember.quant import gguf_quant, process_weights_after_loading
 from ember.quant.gemm_dispatch import INT4_KERNEL_MAX_ROWS as KERNEL_MAX_ROWS
 from ember.quant.gemm_dispatch import Q6K_KERNEL_MAX_ROWS
-from ember.quant.gguf_blocks import GGUFTensor, affine_codes, dequantize, q6_k_codes
+from ember.quant.gguf_blocks import GGUFTensor, affine_codes, dequantize, q6_k_blocks, q6_k_codes
 from ember.quant.gguf_quant import (
     GGUFConfig,
     GGUFEmbeddingMethod,
@@ -30,6 +30,7 @@ from ember.quant.gguf_quant import (
     Q6KPart,
     RawPart,
     TiledPart,
+    TiledQ6KPart,
     pack_shards,
 )
 from ember.quant.int4_cpu import unpack_int4_codes
@@ -45,6 +46,12 @@ def fp32_affine_part() -> str:
     """The part float32 4/8-bit affine weights get here: the tiled GEMV where its AVX2 build takes
     float32, else torch's int4 kernel."""
     return "TiledPart" if TiledPart.usable(torch.float32, "cpu") else "Int4Part"
+
+
+def q6k_part(dtype: torch.dtype) -> str:
+    """The part Q6_K weights get in `dtype` here: the tiled GEMV's Q6_K tiles in its bf16 build (AVX-512
+    BF16), else torch's int4 kernel over a 2K-wide split."""
+    return "TiledQ6KPart" if TiledQ6KPart.usable(dtype, "cpu") else "Q6KPart"
 
 
 def assert_fp32_linear_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None):
@@ -205,7 +212,7 @@ def _loaded(layer, shards):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_qkv_with_mixed_shard_types_equals_dequantized_linear(dtype):
-    # Q4_K_M-like: q and k int4 (one kernel part), v Q6_K (its own 2K-wide int4 part), plus a bias
+    # Q4_K_M-like: q and k int4 (one kernel part), v Q6_K (a part of its own), plus a bias
     layer = QKVLinear(256, 64, 4, 2, bias=True, dtype=dtype, quant_method=GGUFLinearMethod())
     tq, rq = gguf_tensor(T.Q4_K, 256, 256, 1)
     tk, rk = gguf_tensor(T.Q4_0, 128, 256, 2)
@@ -213,7 +220,7 @@ def test_qkv_with_mixed_shard_types_equals_dequantized_linear(dtype):
     _loaded(layer, {"q": tq, "k": tk, "v": tv})
     layer.bias.data.normal_()
     int4 = "TiledPart" if TiledPart.usable(dtype, "cpu") else "Int4Part"  # bf16 on AVX-512 BF16: the tiled GEMV
-    assert [type(p).__name__ for p in layer.gguf_parts] == [int4, "Q6KPart"]
+    assert [type(p).__name__ for p in layer.gguf_parts] == [int4, q6k_part(dtype)]
     assert layer.weight.numel() == 0 and not layer.gguf_pending  # no dense copy, raw views dropped
     w = torch.cat([rq, rk, rv])
     for rows in (1, 5, KERNEL_MAX_ROWS + 8):  # kernel and dequantize-then-GEMM paths
@@ -273,7 +280,9 @@ def test_parts_built_in_row_chunks_equal_one_whole_build(monkeypatch, qtypes):
     shards = [gguf_tensor(qt, rows, 256, 20 + i)[0] for i, (qt, rows) in enumerate(zip(qtypes, (160, 72)))]
     monkeypatch.setattr(gguf_quant, "PACK_CHUNK_ROWS", 64)
     (chunked,) = pack_shards(shards, dtype, "cpu")
-    if qtypes[0] == T.Q6_K:
+    if qtypes[0] == T.Q6_K and TiledQ6KPart.usable(dtype, "cpu"):
+        whole = TiledQ6KPart(*(torch.cat(x) for x in zip(*(q6_k_blocks(t.raw()) for t in shards))))
+    elif qtypes[0] == T.Q6_K:
         q, s = (torch.cat(x) for x in zip(*(q6_k_codes(t.raw()) for t in shards)))
         whole = Q6KPart(q, s, dtype)
     else:
@@ -337,7 +346,7 @@ def test_embedding_and_tied_head_read_the_packed_data(qtype):
     rows = emb(ids)
     assert rows.shape == (2, 3, hidden)
     assert torch.equal(rows, ref[ids])  # exact in float32, whatever the storage
-    assert type(emb.quant_method.part).__name__ == {T.Q6_K: "Q6KPart", T.F16: "DensePart"}.get(
+    assert type(emb.quant_method.part).__name__ == {T.Q6_K: q6k_part(torch.float32), T.F16: "DensePart"}.get(
         qtype, fp32_affine_part()
     )
     h = torch.randn(4, hidden, generator=torch.Generator().manual_seed(1))
@@ -369,7 +378,7 @@ def test_untied_q6_k_head_is_packed_and_refines_its_top_rows(dtype):
     t, ref = gguf_tensor(T.Q6_K, 160, 256, 9)
     head.load_weight("weight", t)
     part = head.quant_method.part
-    assert type(part).__name__ == "Q6KPart" and head.weight.numel() == 0
+    assert type(part).__name__ == q6k_part(dtype) and head.weight.numel() == 0
     h = torch.randn(3, 256, generator=torch.Generator().manual_seed(0)).to(dtype)
     exact = F.linear(h.float(), ref)
     logits = head(h)
@@ -462,16 +471,19 @@ def tiny_mixed_gguf(path, arch="llama", tied=True, layers=2, experts=0):
     return write_gguf(path, arch, meta, tensors)
 
 
-def build(path, packed: bool, dtype=torch.float32):
+def build(path, packed: bool, dtype=torch.float32, kernels=None):
+    """kernels: the CpuKernels the packed methods take (default: the defaults)."""
     from ember.config.model_config import ModelConfig
+    from ember.kernels.cpu_kernels import CpuKernels
     from ember.loader.gguf import GGUFCheckpoint
     from ember.models.registry import get_model_class
 
     ckpt = GGUFCheckpoint(path)
     cfg = ModelConfig.from_dict(ckpt.config)
-    model = get_model_class(cfg.architecture)(
-        cfg, dtype=dtype, device="cpu", quant_config=GGUFConfig() if packed else None
-    )
+    quant = GGUFConfig() if packed else None
+    if quant is not None:
+        quant.kernels = kernels or CpuKernels()  # as resolve_quant_config sets it
+    model = get_model_class(cfg.architecture)(cfg, dtype=dtype, device="cpu", quant_config=quant)
     model.load_weights(ckpt.iter_weights(packed=packed))
     process_weights_after_loading(model)
     return model.eval()
@@ -485,7 +497,8 @@ def test_tiny_mixed_model_packed_equals_dequantized(tmp_path, arch, tied, expert
     assert type(packed.model.layers[0].self_attn.qkv_proj.gguf_parts[0]).__name__ == affine
     if experts:  # gate Q8_0 + up Q4_K: two affine parts; down Q6_K: a Q6_K part
         parts = packed.model.layers[0].mlp.experts
-        assert [type(p).__name__ for p in parts.parts13[3] + parts.parts2[3]] == [affine, affine, "Q6KPart"]
+        names = [type(p).__name__ for p in parts.parts13[3] + parts.parts2[3]]
+        assert names == [affine, affine, q6k_part(torch.float32)]
         assert parts.w13.numel() == 0 and not parts.pending
     outs = []
     for model in (packed, dense):
