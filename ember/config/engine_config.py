@@ -97,7 +97,7 @@ class EngineConfig:
         "cache",
         "hybrid models (Qwen3-Next, Qwen3.5): recurrent-state "
         "snapshots kept for prefix caching, from the KV budget "
-        "(default: max_num_seqs; 0 = prefix hits off)",
+        "(default: 2 x max_num_seqs; 0 = prefix hits off)",
     )
     # -- scheduler
     max_model_len: int | None = flag(

@@ -81,17 +81,20 @@ class CacheConfig:
     kv_cache_memory: float | None  # GiB on CPU; None: CPU_KV_FRACTION of free RAM, at most CPU_KV_CAP_GIB
     gpu_memory_utilization: float
     enable_prefix_caching: bool
-    max_state_snapshots: int | None = None  # hybrid models; None: max_num_seqs
+    max_state_snapshots: int | None = None  # hybrid models; None: 2 x max_num_seqs
 
     def state_snapshots(self, max_num_seqs: int) -> int:
-        """Snapshot slots beside the live ones. Default: one per sequence the engine runs at once. The
-        pool evicts superseded snapshots first (a request's shallower ones once it has named a deeper
-        one: ember.engine.state_slots), so each of that many conversations keeps its deepest state
-        through a burst of other prompts; each slot is a whole fp32 state (18.6 MiB for Qwen3.5-0.8B),
-        taken from the cache budget and resident from the start, like the KV pool."""
+        """Snapshot slots beside the live ones. Default: two per sequence the engine runs at once. Each
+        running request keeps its newest snapshot (its head) while it prefills and decodes, so max_num_seqs
+        slots go to the requests in flight, and the other max_num_seqs keep finished conversations'
+        deepest states. With one per sequence, a burst of 16 concurrent prompts evicts heads to take
+        heads, GreedyDual's clock climbs by an interval snapshot's ~256 tokens each time, and a 4K-token
+        conversation's end is gone within 32 requests (tests/engine/test_state_slots.py's simulation:
+        0 tokens hit with 8, 12 or 16 slots, 4,111 with 32). Each slot is a whole fp32 state (18.6 MiB
+        for Qwen3.5-0.8B), taken from the cache budget and resident from the start, like the KV pool."""
         if not self.enable_prefix_caching:
             return 0
-        return max_num_seqs if self.max_state_snapshots is None else self.max_state_snapshots
+        return 2 * max_num_seqs if self.max_state_snapshots is None else self.max_state_snapshots
 
     def __post_init__(self) -> None:
         one_of(self.kv_cache_dtype, KV_CACHE_DTYPES, "--kv-cache-dtype")

@@ -107,7 +107,7 @@ def test_without_snapshots_a_hit_never_skips_tokens(qwen3_next, plain):
 
 def test_preempted_requests_restart_and_give_the_same_tokens(qwen3_next, plain):
     mc = ModelConfig.from_folder(qwen3_next)
-    states = mc.state_bytes_per_seq(4) * (4 + 4)  # max_num_seqs live slots + as many snapshots (the default)
+    states = mc.state_bytes_per_seq(4) * (4 + 8)  # max_num_seqs live slots + 2 x as many snapshots (the default)
     kv = 30 * BS * mc.kv_bytes_per_token_per_dtype_byte * 4  # 30 blocks: not enough for four at once
     llm = make_llm(qwen3_next, kv_cache_memory=(states + kv) / 2**30, max_model_len=80)
     assert run(llm, PROMPTS) == [plain[tuple(p)] for p in PROMPTS]

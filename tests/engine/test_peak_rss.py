@@ -89,7 +89,7 @@ def test_hybrid_gguf_peak_rss_is_planned_within_10_percent(tmp_path):
     flags = {"model": path, "max_model_len": 512, "max_num_seqs": 16, "kv_cache_memory": 0.25}
     flags = {**ENGINE, **flags, "max_num_batched_tokens": 512}  # the tiny model's context is 512
     predicted = plan(EngineConfig(device="cpu", **flags))
-    assert predicted.state_slots == 32 and predicted.peak_rss_parts["state pool"] > 60 * 2**20
+    assert predicted.state_slots == 48 and predicted.peak_rss_parts["state pool"] > 90 * 2**20
     check(flags)
 
 

@@ -100,3 +100,17 @@ def test_snapshots_never_outnumber_their_slots_and_the_deepest_of_a_chain_stays(
     named = sorted(s.tokens for s in server.states.named.values())
     assert len(named) == 4 and named[-1] == 2000 + ANSWER - 1
     assert server.all_returned()
+
+
+@pytest.mark.parametrize("snapshots, kept", [(16, False), (32, True)])
+def test_the_default_two_snapshot_slots_a_sequence_keep_a_conversation_through_a_burst(snapshots, kept):
+    """Why --max-state-snapshots defaults to 2 x max_num_seqs: the requests in flight hold one head each,
+    so with max_num_seqs slots a burst evicts heads for heads and the clock passes a 4K conversation's
+    credit; with twice that the conversation's end survives 32 prompts."""
+    server = Server(num_snapshots=snapshots)
+    first = server.submit(server.tokens(4096))
+    server.drain()
+    for _ in range(32):
+        server.submit(server.tokens(server.rng.randint(500, 1500)))
+    server.drain()
+    assert (server.hit(first.token_ids + server.tokens(50)) == 4096 + ANSWER - 1) is kept
