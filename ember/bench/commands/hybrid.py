@@ -548,9 +548,9 @@ def main(args) -> None:
     judged = [b for kind, d in files.items() for b in file_bars(kind, d, max(args.prompt_lens), args.num_prompts)]
     about = [f"{FILES[k]} {n}: {describe(s)}" for k, d in files.items() for n, s in d["sides"].items()]
     data = {"threads": threads, "runs": args.runs, "model_folder": folders[args.files[0]], "files": files}
-    Result(KIND, TITLE, line, load, about, notes(args, knobs, shared, user_cache), table(files, peers), data, judged).publish(
-        args.output
-    )
+    Result(
+        KIND, TITLE, line, load, about, notes(args, knobs, shared, user_cache), table(files, peers), data, judged
+    ).publish(args.output)
 
 
 def model_folder(args, kind: str) -> str:
