@@ -233,8 +233,11 @@ def _q6k_values(low: torch.Tensor, plane: torch.Tensor, sub: torch.Tensor, d: to
     The scale d * S is exact in float32 (11 x 8 bits) and so is its product with q6 - 32 (6 more)."""
     n, G = low.shape[:2]
     lo = torch.stack((low & 15, low >> 4), dim=2)  # [n, G, h, p, e]
-    shifts = torch.tensor([[0, 4], [2, 6]], dtype=torch.uint8, device=low.device).view(1, 1, 2, 1, 2, 1)  # [h, u]
-    hi = (plane.view(n, G, 1, 4, 1, 2) >> shifts) & 3  # [n, G, h, r, u, e]
+    # bit pair (h, u) of a plane byte sits at shift 2 h + 4 u; built from shifts by constants, not from a
+    # tensor of them: a lookup in a traced step must hold no tensor of its own (an ahead-of-time package
+    # could not find it on the model)
+    a = plane.view(n, G, 4, 2)  # [n, G, r, e]
+    hi = torch.stack([torch.stack([(a >> (2 * h + 4 * u)) & 3 for u in (0, 1)], dim=3) for h in (0, 1)], dim=2)
     q6 = lo.reshape(n, G, 2, 16) | (hi.reshape(n, G, 2, 16) << 4)
     c = d.float().repeat_interleave(Q6K_SUPER // GROUP, dim=1).unsqueeze(-1) * sub.float()  # [n, G, 2]
     return ((q6.float() - 32) * c.unsqueeze(-1)).view(n, G * GROUP)
