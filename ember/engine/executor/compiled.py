@@ -224,6 +224,7 @@ class CompiledExecutor:
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.device = next(iter(_kv_tensors(kv_caches)), next(model.parameters())).device
         self.recurrent_states = [c for c in kv_caches if not isinstance(c, torch.Tensor)]
+        self._pool_tensors = package_tensors(kv_caches)  # what every packaged step is handed: built once
         self.row_inputs, self.what = tuple(row_inputs), what
         self.max_model_len, self.mode, self.freezing, self.cpp_wrapper = max_model_len, mode, freezing, cpp_wrapper
         self.threads = torch.get_num_threads()  # the engine's, at start (see BackgroundCompiler.fit_step_threads)
@@ -376,7 +377,8 @@ class CompiledExecutor:
     def _call_package(
         self, package, x: DecodeInputs, rows: tuple = (), caches: list[torch.Tensor] | None = None
     ) -> torch.Tensor:
-        return package([*_inputs(x), *package_tensors(self.kv_caches if caches is None else caches), *rows])
+        pool = caches is None or caches is self.kv_caches
+        return package([*_inputs(x), *(self._pool_tensors if pool else package_tensors(caches)), *rows])
 
     def _scratch_caches(self) -> list[torch.Tensor]:
         """Caches of the pool's very shape, for a background compile to write instead of the pool the
