@@ -49,7 +49,10 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server, monkeypatch, capl
     body = {"model": MODEL_NAME, "messages": MSGS, "max_tokens": 200, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=30) as r:
         got = 0
-        for line in r.iter_lines():
+        # held in a name: a generator dropped by `break` is closed at once, and closing httpx's line
+        # iterator closes the connection, which would abort the request before the checks below
+        lines = r.iter_lines()
+        for line in lines:
             if '"content"' in line and '"role"' not in line:
                 got += 1
             if got == 3:
