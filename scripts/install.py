@@ -184,6 +184,22 @@ def install_extra(venv: str, extra: str, quiet: list[str]) -> None:
     )
 
 
+def fetch_converter(venv: str) -> None:
+    """llama.cpp's HF -> GGUF converter, from the llama-cpp-python sdist of the version installed
+    (ember.bench.peers.llamacpp_convert): tests and benches write GGUF files with it. Fetched here, with
+    the rest of the install, not by the first test that needs it (~70 s on 2 cores: pip prepares the
+    sdist's metadata)."""
+    step(
+        "llama.cpp's converter (from the llama-cpp-python sdist, for tests and benches that write GGUF files)",
+        [
+            os.path.join(venv, "bin", "python"),
+            "-c",
+            "from ember.bench.peers.llamacpp_convert import converter_dir; converter_dir()",
+        ],
+        "pip could not download the llama-cpp-python sdist: pip's message above says why",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="scripts/install.py", description=__doc__.split("\n\n")[0])
     p.add_argument("target", choices=["serve", "test", "bench"])
@@ -199,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             open(os.path.join(venv, ".installed-serve"), "w").close()
         if args.target != "serve":
             install_extra(venv, args.target, quiet)
+            fetch_converter(venv)
             open(os.path.join(venv, f".installed-{args.target}"), "w").close()
     except StepFailed as e:
         log(f"FAILED: {e}")
