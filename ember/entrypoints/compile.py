@@ -2,7 +2,7 @@
 
 It starts the engine `ember serve` would start with the same flags and runs its background
 compile to the end, in the foreground, with nothing else on the cores; AOTInductor packages (the
-graphs of quantized models) are first built on every core, by this process and a worker process per
+graphs of quantized models) are first built on every core, by this process and a package worker per
 other core. What it builds lands in
 torch's compile caches (ember.engine.executor.compile_cache), where every later engine of the same model,
 flags, torch and CPU finds it: its graphs then load in seconds rather than minutes. `make run`'s
@@ -14,14 +14,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import sys
 import time
 
 from ember.errors import EmberError
-
-# set for a worker process: the packages it builds, "what|batch size|query length" joined by ";"
-WORKER_PACKAGES = "EMBER_COMPILE_PACKAGES"
 
 
 def add_compile_parser(sub) -> None:
@@ -52,11 +47,7 @@ def cmd_compile(args: argparse.Namespace) -> None:
                 flush=True,
             )
             return
-        share = os.environ.get(WORKER_PACKAGES)
-        if share is not None:  # a worker of a parent `ember compile`: its packages, then exit
-            _build(engine, share.split(";"))
-            return
-        _build_packages_in_parallel(engine)
+        _build_packages_in_parallel(config, engine)
         engine.parts.compiler.demand = None  # nothing is served: every size compiles at once
         engine.start_compile()
         engine.wait_for_compile()
@@ -80,66 +71,40 @@ def cmd_compile(args: argparse.Namespace) -> None:
 def _packages_to_build(engine) -> list[str]:
     """The AOTInductor packages this engine's executors lack ("what|batch size|query length"), the
     model's before the MTP fill's."""
+    from ember.engine.startup.package_worker import job_name
+
     jobs = []
     for executor in engine.parts.compiler.executors:  # the model's, then the MTP fill's
         if executor.ahead_of_time and executor.graph_identity is not None:
             jobs += [
-                f"{executor.what}|{b}|{n}"
-                for b, n in executor.shapes
-                if not os.path.exists(executor.package_path((b, n)))
+                job_name(executor.what, shape)
+                for shape in executor.shapes
+                if not os.path.exists(executor.package_path(shape))
             ]
     return jobs
 
 
-def _build_packages_in_parallel(engine) -> None:
+def _build_packages_in_parallel(config, engine) -> None:
     """Build the missing packages on every core: a package's build is mostly single-threaded (export
     and inductor's lowering in Python, then one g++ at a time). The packages are dealt round-robin
-    into one share per core; this process builds the first, a worker process (this command again,
-    with WORKER_PACKAGES) each other one. The compile that follows loads what they built, and builds
-    what a failed worker did not. Only when run as `ember compile ...` (its command line is the
-    workers'), with 2 cores and 2 packages or more to build (docs/tuning.md, "Compile caches")."""
+    into one share per core; this process builds the first, a package worker
+    (ember.engine.startup.package_worker) each other one. The compile that follows loads what they
+    built, and builds what a failed worker did not (docs/tuning.md, "Compile caches")."""
+    from ember.engine.startup.package_worker import PackageWorker
+    from ember.entrypoints.package_worker import build_packages
+
     jobs, cores = _packages_to_build(engine), os.cpu_count() or 1
     shares = [jobs[i::cores] for i in range(min(len(jobs), cores))]
-    if len(shares) < 2 or sys.argv[1:2] != ["compile"]:
+    if not shares:
         return
-    argv = [sys.executable, "-m", "ember.entrypoints.cli", *sys.argv[1:]]
-    workers = [
-        subprocess.Popen(
-            argv,
-            env=dict(os.environ, **{WORKER_PACKAGES: ";".join(share)}),
-            stdout=subprocess.DEVNULL,
-            preexec_fn=_end_with_parent,
-        )
-        for share in shares[1:]
-    ]
+    workers = [PackageWorker(config, share) for share in shares[1:]]
     try:
         try:
-            _build(engine, shares[0])
+            build_packages(engine, shares[0])
         except EmberError:
             pass  # built again by the compile that follows
         for worker in workers:
             worker.wait()
     finally:  # interrupted: the workers end with this command
         for worker in workers:
-            if worker.poll() is None:
-                worker.terminate()
-                worker.wait()
-
-
-def _end_with_parent() -> None:
-    """In a worker, before it runs: SIGTERM when this command's process dies, however it dies (Linux's
-    parent-death signal; elsewhere the worker finishes its share and exits)."""
-    import ctypes
-    import signal
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def _build(engine, jobs: list[str]) -> None:
-    executors = {e.what: e for e in engine.parts.compiler.executors}
-    for job in jobs:
-        what, b, n = job.split("|")
-        executors[what].build_package((int(b), int(n)))
+            worker.terminate()

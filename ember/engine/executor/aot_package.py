@@ -173,9 +173,16 @@ def build(
             program,
             package_path=partial,
             # always_keep_tensor_constants: inductor would otherwise inline a weight of up to 8 values (a
-            # small norm, a scale) into the code, where a later load could not replace it
+            # small norm, a scale) into the code, where a later load could not replace it. GEMMs on aten
+            # only: max-autotune's CPU GEMM template packs the weight it multiplies into a new constant
+            # of its own, which the model does not hold (a dense bf16 GGUF's batch-4 step then failed to
+            # load: "constants ... are not named in its constants file", and was rebuilt every start)
             inductor_configs=options
-            | {"aot_inductor.package_constants_in_so": False, "always_keep_tensor_constants": True},
+            | {
+                "aot_inductor.package_constants_in_so": False,
+                "always_keep_tensor_constants": True,
+                "max_autotune_gemm_backends": "ATEN",
+            },
         )
         with open(partial_constants, "w") as f:
             json.dump(constants, f)

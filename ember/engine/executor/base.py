@@ -139,10 +139,12 @@ def build_executor(
     query_lens: list[int],
     compiler=None,
     graph_identity: str | None = None,
+    package_workers=None,
 ) -> StepExecutor:
     """The runner's executor; compiled and cuda-graph compile or capture here, at startup, except
     compiled with a BackgroundCompiler (`compiler`), which compiles while the engine serves.
-    query_lens: the uniform query lengths to build graphs for (graph_query_lens / compiled_query_lens)."""
+    query_lens: the uniform query lengths to build graphs for (graph_query_lens / compiled_query_lens).
+    package_workers: where compiled's AOTInductor packages are built (None: in this process)."""
     if name == "eager":
         return EagerExecutor(runner.model, runner.kv_caches)
     if name == "compiled":
@@ -162,6 +164,7 @@ def build_executor(
             query_lens,
             compiler=compiler,
             graph_identity=graph_identity,
+            package_workers=package_workers,
         )
     from ember.engine.executor.cuda_graph import CUDAGraphExecutor
 

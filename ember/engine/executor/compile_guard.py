@@ -16,15 +16,17 @@ import sys
 import time
 
 POLL_S = 0.25
+WORKERS = ("compile_worker", "package_worker")
 COMPILERS = {"cc", "c++", "g++", "gcc", "cc1plus", "clang", "clang++", "as", "ld", "collect2"}
 
 
 def is_compile_process(proc) -> bool:
-    """A compiler, or one of inductor's compile workers (python -m torch._inductor.compile_worker ...)."""
+    """A compiler, one of inductor's compile workers (python -m torch._inductor.compile_worker ...) or one
+    of ember's package workers (python -m ember.engine.startup.package_worker ...)."""
     import psutil
 
     try:
-        return proc.name() in COMPILERS or any("compile_worker" in part for part in proc.cmdline())
+        return proc.name() in COMPILERS or any(w in part for part in proc.cmdline() for w in WORKERS)
     except psutil.Error:
         return False
 

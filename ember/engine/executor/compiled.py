@@ -215,12 +215,16 @@ class CompiledExecutor:
         what: str = "compiled executor",
         compiler=None,
         graph_identity: str | None = None,
+        package_workers=None,
     ):
         """row_inputs: (per-row shape, dtype) of tensors the model takes after (input_ids, positions,
         kv_caches, meta, select), one row per query (the MTP fill's hidden states). compiler: a
         BackgroundCompiler to compile on (None: compile now). graph_identity: what the graphs depend
-        on (ember.engine.executor.compile_cache.graph_identity; None: no markers of built sizes)."""
+        on (ember.engine.executor.compile_cache.graph_identity; None: no markers of built sizes).
+        package_workers: builds packages in another process (ember.engine.startup.package_worker;
+        None: built in this one)."""
         self.graph_identity = graph_identity
+        self.package_workers = package_workers
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.device = next(iter(_kv_tensors(kv_caches)), next(model.parameters())).device
         self.recurrent_states = [c for c in kv_caches if not isinstance(c, torch.Tensor)]
@@ -430,7 +434,8 @@ class CompiledExecutor:
         total = time.perf_counter()
         shapes = sorted(s for s in self.shapes if s[0] in sizes)
         if self.ahead_of_time:
-            shapes = [shape for shape in shapes if not self._warmup_package(shape, caches)]
+            elsewhere = self._build_in_worker(shapes)
+            shapes = [shape for shape in shapes if not self._warmup_package(shape, caches, shape not in elsewhere)]
         if shapes:
             self._warmup_dynamo(shapes, caches, background)
         self._time_calls(dev, caches, sizes)
@@ -454,10 +459,30 @@ class CompiledExecutor:
             self.cache_dir,
         )
 
-    def _warmup_package(self, shape: tuple[int, int], caches: list[torch.Tensor]) -> bool:
+    def _build_in_worker(self, shapes: list[tuple[int, int]]) -> set[tuple[int, int]]:
+        """The shapes of `shapes` whose packages a worker process was asked to build (built or not):
+        those this machine lacks, when this executor has package workers and a graph identity (the
+        key a worker's package is found by)."""
+        if self.package_workers is None or self.graph_identity is None:
+            return set()
+        missing = [s for s in shapes if not os.path.exists(self.package_path(s))]
+        if missing:
+            t0 = time.perf_counter()
+            ok = self.package_workers.build(self.what, missing)
+            logger.info(
+                "%s: a worker process %s the packages of %s in %.1fs",
+                self.what,
+                "built" if ok else "failed to build",
+                missing,
+                time.perf_counter() - t0,
+            )
+        return set(missing)
+
+    def _warmup_package(self, shape: tuple[int, int], caches: list[torch.Tensor], build: bool = True) -> bool:
         """Make `shape` ready from its AOTInductor package: loaded if this machine built it before, else
-        exported and compiled now (and kept for later processes). False when that fails (dynamo takes
-        the shape instead); a package that fails to load is deleted and built again."""
+        exported and compiled now (and kept for later processes) when `build`. False when that fails
+        (dynamo takes the shape instead); a package that fails to load is deleted and built again
+        (here, when `build`)."""
         from ember.engine.executor import aot_package
 
         b, n = shape
@@ -481,6 +506,8 @@ class CompiledExecutor:
             aot_package.discard(path)
         how = "loaded from its ahead-of-time package"
         try:
+            if package is None and not build:
+                raise EmberError("its worker process left no package (see the worker's log above)")
             if package is None:
                 how = "compiled ahead of time"
                 dynamic = self._dynamic_shapes(cache_layout(caches), len(rows))
@@ -663,6 +690,7 @@ class CompiledExecutor:
             what=what,
             compiler=self.compiler,
             graph_identity=self.graph_identity,
+            package_workers=self.package_workers,
         )
 
     def covers(self, meta) -> bool:

@@ -33,6 +33,7 @@ from ember.engine.scheduler import Scheduler
 from ember.engine.startup.device import DeviceSetup, init_device
 from ember.engine.startup.kv_pool import cuda_kv_budget, kv_pool
 from ember.engine.startup.limits import Limits, resolve_limits
+from ember.engine.startup.package_worker import PackageWorkers, in_worker
 from ember.engine.startup.weights import WeightCopies, load_weights
 from ember.engine.state_slots import StateSlots
 from ember.loader.model_loader import LoadedModel
@@ -286,6 +287,8 @@ def _build_executors(
         query_lens=query_lens,
         compiler=compiler,
         graph_identity=graph_identity(config, loaded.path),
+        # packages are built by a worker process, so this one never holds a build (package_worker.py)
+        package_workers=None if in_worker() else PackageWorkers(config),
     )
     if spec is not None:  # the workers replay a drafter's forwards eagerly: no graphs of its own under TP
         spec.prepare(runner.executor, runner.executor.sibling if tp is None else lambda *args: None)

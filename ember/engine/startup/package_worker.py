@@ -1,0 +1,100 @@
+"""Package workers: AOTInductor packages built in a process of their own, never in a serving engine's.
+
+Building a package (torch.export of the decode step, inductor's lowering, g++) holds several GiB
+above the model for a minute or more: ~6.4 GiB at the peak for the Q8_0 hybrid of
+benchmarks/hybrid.md. Built inside the engine, that peak stayed in the engine's resident set (glibc
+keeps the freed heap; VmHWM keeps the peak), the build held the GIL the engine's eager steps need,
+and a build that crashed or ran out of memory took the server with it. A worker is a fresh
+process that starts an engine of the same configuration (so the same graph identity, batch sizes,
+thread count and package paths), builds the packages it was given into the compile cache, and
+exits; the serving engine then loads them from disk, as a restart does.
+
+This module is the parent's side; the worker's process is ember.entrypoints.package_worker:
+
+    python -m ember.entrypoints.package_worker PARENT_PID CONFIG_FILE JOB [JOB ...]
+
+A JOB is "what|batch size|query length" (what: the executor's name, "compiled executor" or "MTP
+fill"). The worker ends with the process that started it (Linux's parent-death signal), and its
+parent's BackgroundCompiler ends it on close, like inductor's compile workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+
+logger = logging.getLogger("ember")
+
+WORKER_MODULE = "ember.entrypoints.package_worker"
+# set in a worker's environment: its engine builds in-process (a worker never starts workers)
+IN_WORKER = "EMBER_PACKAGE_WORKER"
+STDERR_TAIL = 2000  # characters of a failed worker's stderr that go to the log
+
+
+def in_worker() -> bool:
+    return os.environ.get(IN_WORKER) == "1"
+
+
+def _worker_env() -> dict:
+    """This process's environment, with this ember first on the path (the worker runs the same code
+    whatever directory it starts in)."""
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))  # above ember/
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    return dict(os.environ, PYTHONPATH=path, **{IN_WORKER: "1"})
+
+
+class PackageWorker:
+    """One worker process building `jobs` for an engine of `config`; wait() says whether it succeeded."""
+
+    def __init__(self, config, jobs: list[str]):
+        self.jobs = list(jobs)
+        fd, self._config_file = tempfile.mkstemp(prefix="ember-package-worker-", suffix=".pkl")
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump(config, f)
+        self._stderr = tempfile.TemporaryFile()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", WORKER_MODULE, str(os.getpid()), self._config_file, *self.jobs],
+            env=_worker_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=self._stderr,
+        )
+
+    def wait(self) -> bool:
+        """Wait for the worker; False (and its stderr's tail in the log) when it failed."""
+        try:
+            rc = self.process.wait()
+            if rc != 0:
+                self._stderr.seek(0)
+                tail = self._stderr.read().decode(errors="replace")[-STDERR_TAIL:]
+                logger.warning("package worker for %s exited with %d:\n%s", ", ".join(self.jobs), rc, tail)
+            return rc == 0
+        finally:
+            self._stderr.close()
+            try:
+                os.remove(self._config_file)
+            except FileNotFoundError:
+                pass
+
+    def terminate(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait()
+
+
+def job_name(what: str, shape: tuple[int, int]) -> str:
+    return f"{what}|{shape[0]}|{shape[1]}"
+
+
+class PackageWorkers:
+    """What an engine hands its compiled executors: build(what, shapes) runs one worker to the end."""
+
+    def __init__(self, config):
+        self.config = config
+
+    def build(self, what: str, shapes: list[tuple[int, int]]) -> bool:
+        return PackageWorker(self.config, [job_name(what, s) for s in shapes]).wait()
