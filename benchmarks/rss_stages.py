@@ -3,7 +3,7 @@
     python benchmarks/rss_stages.py FILE ['{"executor": "eager"}']
 
 The bench's ember knobs (max_model_len 4096, max_num_seqs 16, --kv-cache-memory 1 GiB, 2 threads) plus
-the JSON's engine flags: the engine built, its background compile waited for, then batches of 1, 2, 4,
+the JSON's engine flags (which override those): the engine built, its background compile waited for, then batches of 1, 2, 4,
 8 and 16 short prompts decoded (12 tokens each, the compile waited for after each). Prints VmRSS and
 VmHWM after each stage, and whether dynamo and inductor were imported (an AOTInductor-packaged engine
 never imports them).
@@ -41,7 +41,7 @@ def main() -> None:
 
     say("imported")
     flags = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
-    llm = LLM(model=sys.argv[1], max_model_len=4096, max_num_seqs=16, kv_cache_memory=1.0, num_threads=2, **flags)
+    llm = LLM(model=sys.argv[1], **({"max_model_len": 4096, "max_num_seqs": 16, "kv_cache_memory": 1.0, "num_threads": 2} | flags))
     say("engine built")
     llm.wait_for_compile()
     say("compile waited")

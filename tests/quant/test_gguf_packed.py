@@ -527,10 +527,12 @@ def test_packed_iteration_equals_the_dequantized_one(tmp_path, arch, experts):
     packed, dense = dict(ck.iter_weights(packed=True)), dict(ck.iter_weights())
     assert packed.keys() == dense.keys()
     kinds = set()
-    for name, w in packed.items():  # quantized matrices as blocks, float types as float32 tensors
+    for name, w in packed.items():  # quantized matrices as blocks, float types as tensors
         kinds.add(w.qtype.name if isinstance(w, GGUFTensor) else str(w.dtype))
         assert torch.equal(w.dequantize() if isinstance(w, GGUFTensor) else w, dense[name]), name
-    assert kinds == {"Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0", "torch.float32"}
+    # BF16 and F16 matrices in their own dtype (no float32 copy at load), the rest float32
+    halves = {"torch.bfloat16"} | ({"torch.float16"} if not experts else set())
+    assert kinds == {"Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0", "torch.float32"} | halves
     assert packed["model.norm.weight"].dtype == torch.float32  # 1-D and float tensors stay tensors
 
 
