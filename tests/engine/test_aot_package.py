@@ -128,3 +128,39 @@ def test_the_source_digest_covers_the_whole_package():
 
     assert aot_package.ROOT == Path(ember.__file__).resolve().parent
     assert (aot_package.ROOT / "layers" / "linear.py").is_file() and (aot_package.ROOT / "kernels").is_dir()
+
+
+def test_a_package_worker_that_cannot_start_leaves_the_build_to_this_process(tmp_path):
+    """A worker is asked for the shapes this machine lacks; when none can start (an engine config that does
+    not pickle, no process to spare), the shapes are built in this process, as before workers."""
+    from types import SimpleNamespace
+
+    from ember.engine.executor.compiled import CompiledExecutor
+
+    asked = []
+
+    class Workers:
+        def __init__(self, fail):
+            self.fail = fail
+
+        def build(self, what, shapes):
+            asked.append((what, shapes))
+            if self.fail:
+                raise OSError("no process")
+            return True
+
+    built = tmp_path / "built.pt2"
+    built.write_bytes(b"")
+    executor = SimpleNamespace(
+        what="compiled executor",
+        graph_identity="x",
+        package_path=lambda shape: str(built if shape == (1, 1) else tmp_path / f"{shape}.pt2"),
+    )
+    shapes = [(1, 1), (2, 1)]
+    executor.package_workers = Workers(fail=False)
+    assert CompiledExecutor._build_in_worker(executor, shapes) == {(2, 1)}  # the built one is not asked for
+    executor.package_workers = Workers(fail=True)
+    assert CompiledExecutor._build_in_worker(executor, shapes) == set()  # nothing left to a worker: built here
+    assert asked == [("compiled executor", [(2, 1)])] * 2
+    executor.package_workers = None
+    assert CompiledExecutor._build_in_worker(executor, shapes) == set()

@@ -468,7 +468,13 @@ class CompiledExecutor:
         missing = [s for s in shapes if not os.path.exists(self.package_path(s))]
         if missing:
             t0 = time.perf_counter()
-            ok = self.package_workers.build(self.what, missing)
+            try:
+                ok = self.package_workers.build(self.what, missing)
+            except Exception as e:  # noqa: BLE001 - no worker could start (its config, no process): built here
+                logger.warning(
+                    "%s: no package worker could start (%s: %s); building here", self.what, type(e).__name__, e
+                )
+                return set()
             logger.info(
                 "%s: a worker process %s the packages of %s in %.1fs",
                 self.what,
