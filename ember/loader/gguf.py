@@ -284,8 +284,9 @@ class GGUFCheckpoint:
     def iter_weights(self, packed: bool = False, mtp: bool = False) -> Iterator[tuple[str, torch.Tensor | GGUFTensor]]:
         """(HF name, tensor in [out, in] layout) for every parameter, in file order.
 
-        Tensors are float32 (BF16 and F16 matrices in their own dtype), except with `packed`: then quantized weights (2-D and per-expert
-        slices) are GGUFTensor raw blocks, which the gguf QuantMethods keep or repack.
+        Tensors are float32 (BF16 and F16 matrices in their own dtype), except with `packed`: then
+        quantized weights (2-D and per-expert slices) are GGUFTensor raw blocks, which the gguf
+        QuantMethods keep or repack.
         1-D tensors (norms, biases) are always float32. Names are all resolved before the
         first tensor is read, so an unknown tensor fails fast rather than halfway through a load.
         mtp: the hybrid's MTP layer(s) instead (the converter's blk.N.nextn.* and blocks past

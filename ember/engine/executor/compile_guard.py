@@ -22,7 +22,7 @@ COMPILERS = {"cc", "c++", "g++", "gcc", "cc1plus", "clang", "clang++", "as", "ld
 
 def is_compile_process(proc) -> bool:
     """A compiler, one of inductor's compile workers (python -m torch._inductor.compile_worker ...) or one
-    of ember's package workers (python -m ember.engine.startup.package_worker ...)."""
+    of ember's package workers (python -m ember.entrypoints.package_worker ...)."""
     import psutil
 
     try:

@@ -74,16 +74,21 @@ class PackageWorker:
                 logger.warning("package worker for %s exited with %d:\n%s", ", ".join(self.jobs), rc, tail)
             return rc == 0
         finally:
-            self._stderr.close()
-            try:
-                os.remove(self._config_file)
-            except FileNotFoundError:
-                pass
+            self._release()
 
     def terminate(self) -> None:
+        """End the worker if it still runs (an interrupted `ember compile`), and drop its files."""
         if self.process.poll() is None:
             self.process.terminate()
             self.process.wait()
+        self._release()
+
+    def _release(self) -> None:
+        self._stderr.close()  # closing twice is harmless
+        try:
+            os.remove(self._config_file)
+        except FileNotFoundError:
+            pass
 
 
 def job_name(what: str, shape: tuple[int, int]) -> str:
