@@ -1,4 +1,5 @@
-"""What this machine is: CPU flags, available RAM, and the dtype `--dtype auto` means here.
+"""What this machine is: CPU flags, the cores this process may use, available RAM, and the dtype
+`--dtype auto` means here.
 
 A leaf module (no torch, no other ember package): the config validates against it, the kernels
 ask it which builds can run, the planner and the engine resolve `--dtype auto` through the one
@@ -36,6 +37,16 @@ def has_cpu_flags(*flags: str) -> bool:
 
 def cpu_has_avx512_bf16() -> bool:
     return has_cpu_flags("avx512_bf16")
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its affinity mask (a container's cpuset, taskset, a test
+    worker pinned to its own core), not the machine's count, which oversubscribes the cores it
+    may use when the two differ."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity masks on this OS
+        return os.cpu_count() or 1
 
 
 def available_ram_bytes() -> int:

@@ -12,6 +12,50 @@ import pytest
 # compile (tests/engine/test_background_compile.py) turn it on. Set here, so servers the tests launch inherit it.
 os.environ.setdefault("EMBER_AUTO_COMPILE", "0")
 
+
+def _pin_xdist_worker() -> None:
+    """Under pytest-xdist (`make test`: -n 2), give each worker cores of its own. Unpinned, each
+    worker's torch (and every engine or server it starts) takes a thread per core, so two workers
+    run 2x the threads the cores hold, and OpenMP's spinning barriers turn that into waits of 2-4x
+    on tests that happen to overlap. Pinned, ember's thread count follows the affinity mask
+    (ember.platform.usable_cores), in this process and in the servers and workers it starts.
+    A machine with fewer cores than workers is left as it is."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not worker.startswith("gw") or not count.isdigit() or not hasattr(os, "sched_setaffinity"):
+        return
+    cores, workers = sorted(os.sched_getaffinity(0)), int(count)
+    if len(cores) < workers:
+        return
+    share, index = len(cores) // workers, int(worker[2:])
+    os.sched_setaffinity(0, cores[index * share : (index + 1) * share])
+    import torch
+
+    torch.set_num_threads(share)
+
+
+_ALL_CORES = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+_pin_xdist_worker()
+
+
+@pytest.fixture(autouse=True)
+def _all_cores_for_marked(request):
+    """A test marked `all_cores` (one that runs a rank per core: tensor parallelism over gloo) gets
+    back every core the suite started with, for its own duration."""
+    if _ALL_CORES is None or request.node.get_closest_marker("all_cores") is None:
+        yield
+        return
+    import torch
+
+    pinned, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    os.sched_setaffinity(0, _ALL_CORES)
+    torch.set_num_threads(len(_ALL_CORES))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, pinned)
+        torch.set_num_threads(threads)
+
+
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"

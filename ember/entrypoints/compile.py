@@ -17,6 +17,7 @@ import os
 import time
 
 from ember.errors import EmberError
+from ember.platform import usable_cores
 
 
 def add_compile_parser(sub) -> None:
@@ -93,7 +94,7 @@ def _build_packages_in_parallel(config, engine) -> None:
     from ember.engine.startup.package_worker import PackageWorker
     from ember.entrypoints.package_worker import build_packages
 
-    jobs, cores = _packages_to_build(engine), os.cpu_count() or 1
+    jobs, cores = _packages_to_build(engine), usable_cores()
     shares = [jobs[i::cores] for i in range(min(len(jobs), cores))]
     if not shares:
         return

@@ -8,6 +8,7 @@ from ember.entrypoints.cli import main
 
 
 @pytest.mark.engine
+@pytest.mark.all_cores
 def test_bench_tp_measures_tp1_and_tp2(tmp_path):
     md = tmp_path / "tp.md"
     assert (

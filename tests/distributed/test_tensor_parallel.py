@@ -23,7 +23,8 @@ from ember.errors import ConfigError, DistributedError
 from tests.models.tiny_models import random_prompt
 from tests.spec.spec_helpers import make_llm
 
-pytestmark = pytest.mark.engine  # every test here builds an engine
+# every test here builds an engine, most of them over two ranks: a core each
+pytestmark = [pytest.mark.engine, pytest.mark.all_cores]
 
 PROMPTS = [random_prompt(n, 70 + s) for s, n in enumerate([9, 23, 4, 17, 12, 30])]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
@@ -162,7 +163,7 @@ def test_random_mtp_layer_on_moe_keeps_greedy_output(tiny_model_dir, tmp_path):
 
 
 def test_head_counts_that_do_not_split_are_refused(tiny_model_dir, monkeypatch):
-    monkeypatch.setattr(tp_config, "cpu_limit", lambda: 8)
+    monkeypatch.setattr(tp_config, "usable_cores", lambda: 8)
     with pytest.raises(
         ConfigError, match=r"--tensor-parallel-size 3 .*4 attention heads.*Sizes that work here: 1, 2, 4"
     ):
@@ -171,7 +172,7 @@ def test_head_counts_that_do_not_split_are_refused(tiny_model_dir, monkeypatch):
 
 
 def test_more_ranks_than_cores_is_refused(tiny_model_dir, monkeypatch):
-    monkeypatch.setattr(tp_config, "cpu_limit", lambda: 2)
+    monkeypatch.setattr(tp_config, "usable_cores", lambda: 2)
     with pytest.raises(ConfigError, match=r"only 2 CPU core\(s\).*Sizes that work here: 1, 2"):
         make_llm(tiny_model_dir("qwen3"), tensor_parallel_size=4)
 

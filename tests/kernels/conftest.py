@@ -8,7 +8,21 @@ it sets the same value).
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True)
+def _threads_split_the_work():
+    """The C++ kernels split their work over torch's threads (sequences x heads, row tiles): every
+    test here runs on at least two, even in an xdist worker pinned to one core (tests/conftest.py),
+    so a split that loses or repeats a piece fails here, not only on a user's many-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(2, before))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

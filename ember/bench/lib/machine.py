@@ -12,6 +12,8 @@ import platform
 import subprocess
 from pathlib import Path
 
+from ember.platform import usable_cores
+
 
 def _cpuinfo_field(name: str) -> str | None:
     try:
@@ -60,7 +62,7 @@ def machine_info() -> dict:
     return {
         "cpu": _cpuinfo_field("model name") or platform.processor() or "unknown",
         "logical_cores": os.cpu_count(),
-        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "usable_cores": usable_cores(),
         "torch_threads": torch.get_num_threads(),
         "ram_gib": round(_ram_gib() or 0.0, 1),
         "avx512_bf16": "avx512_bf16" in flags,

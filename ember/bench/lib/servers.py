@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from ember.errors import ConfigError
+from ember.platform import usable_cores
 
 logger = logging.getLogger("ember.bench")
 
@@ -56,7 +57,7 @@ def launch_plan(args) -> tuple[str, list[str], int]:
 
     config = engine_config_from_args(args)
     model = str(config.model or default_model_path())
-    return model, engine_args_to_words(args), config.num_threads or len(os.sched_getaffinity(0))
+    return model, engine_args_to_words(args), config.num_threads or usable_cores()
 
 
 def serve_argv(flags: list[str], port: int) -> list[str]:

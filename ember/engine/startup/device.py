@@ -8,7 +8,6 @@ layers, the draft model, the KV pool), so no later step re-derives any of it.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +16,7 @@ from ember.config.attention import resolve_attention_backend
 from ember.engine.startup.cpu_malloc import keep_freed_memory_in_heap
 from ember.errors import ConfigError
 from ember.kernels.cpu_kernels import CpuKernels
-from ember.platform import has_cpu_flags, resolve_dtype_name
+from ember.platform import has_cpu_flags, resolve_dtype_name, usable_cores
 
 logger = logging.getLogger("ember")
 
@@ -67,7 +66,7 @@ def init_device(
         torch.cuda.set_device(device)
     dtype = resolve_dtype(load.dtype, device)
     if device.type == "cpu":
-        torch.set_num_threads(kc.num_threads or max(1, (os.cpu_count() or 1) // world_size))
+        torch.set_num_threads(kc.num_threads or max(1, usable_cores() // world_size))
         keep_freed_memory_in_heap()
     kernels = CpuKernels.select(kc, device.type, dtype)
     torch.manual_seed(load.seed)

@@ -11,13 +11,7 @@ from __future__ import annotations
 import os
 
 from ember.errors import ConfigError
-
-
-def cpu_limit() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
+from ember.platform import usable_cores
 
 
 def device_limit(device_type: str) -> int:
@@ -25,7 +19,7 @@ def device_limit(device_type: str) -> int:
         import torch
 
         return torch.cuda.device_count()
-    return cpu_limit()
+    return usable_cores()
 
 
 def shape_problems(mc, tp: int, awq_group_size: int | None = None) -> list[str]:
