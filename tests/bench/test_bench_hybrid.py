@@ -117,6 +117,7 @@ def test_two_files_write_every_row_split_and_bar(folder, tmp_path):
     text = md.read_text()
     assert text.count("<!-- ember-bench:hybrid:begin -->") == 1
     assert "| file | metric | ember | llama.cpp | ember / llama.cpp |" in text
+    assert "; 0 prefix-cache state snapshots (llama.cpp keeps none" in text  # like for like unless asked
     for name, kind in (("BF16", "bf16"), ("Q8_0", "q8_0")):
         for r in ROWS:  # the row, a value in every cell: ember's, llama.cpp's, their ratio
             assert re.search(rf"\| {name} \| {r} \| [0-9][^|]* \| [0-9][^|]* \| [0-9.]+x[^|]* \|", text), (name, r)

@@ -264,8 +264,8 @@ def achieved(bandwidth: list[float], figure: dict, side: str, weight_bytes: int 
 def workload_cache_gib(args, path: str, knobs: dict) -> float:
     """ember's cache budget (--kv-cache-memory) when the user sets none: what the bench's largest phase
     holds at once -- the throughput batch's prompts and outputs (or the TTFT prompt, if longer) in KV
-    blocks, each sequence's last block partly filled, plus the state pool the engine keeps with its
-    defaults (a live slot per sequence and its prefix-cache snapshots). The pools are touched at start,
+    blocks, each sequence's last block partly filled, plus the state pool the engine keeps with these
+    knobs (a live slot per sequence, and the prefix-cache snapshots asked for). The pools are touched at start,
     so they are in peak RSS; llama.cpp's batch context is sized the same way (its prompts and outputs
     + 256 tokens), and the KV-per-element-byte rule of the dense benches would give a hybrid's few
     attention layers a pool many times what any phase fills. The three files share one shape."""
@@ -459,7 +459,7 @@ def file_bars(kind: str, d: dict, ttft_len: int, n: int) -> list[Bar]:
 # -- the command ----------------------------------------------------------------------------------
 
 
-def notes(args, knobs: dict, shared: bool, user_cache: bool = True) -> list[str]:
+def notes(args, knobs: dict, shared: bool, user_cache: bool = True, user_snapshots: bool = True) -> list[str]:
     """How each figure was measured, for the report."""
     from ember.bench.lib import membw
     from ember.bench.peers.hf import BATCH_METHOD as HF_BATCH
@@ -483,7 +483,14 @@ def notes(args, knobs: dict, shared: bool, user_cache: bool = True) -> list[str]
         "TTFT: ember add_request() to its first token through the step loop; llama.cpp generate() to its first token",
         f"throughput: ember one LLM.generate() over all prompts (max_num_seqs {knobs['max_num_seqs']}, cache "
         f"budget {knobs['kv_cache_memory']:.3f} GiB"
-        + (": the largest phase's KV blocks and the default state pool, workload_cache_gib" if not user_cache else "")
+        + (": the largest phase's KV blocks and the state pool, workload_cache_gib" if not user_cache else "")
+        + f"; {knobs['max_state_snapshots']} prefix-cache state snapshots"
+        + (
+            " (llama.cpp keeps none and no prompt repeats; ember's default is 2 x max_num_seqs, "
+            "18.6 MiB each for this shape: --max-state-snapshots N measures them)"
+            if not user_snapshots
+            else ""
+        )
         + "); "
         + best
         + "; ".join(LLAMA_BATCH.values())
@@ -539,6 +546,11 @@ def main(args) -> None:
     user_cache = getattr(args, "kv_cache_memory", None) is not None
     knobs, threads = ember_knobs(args, args.num_prompts)
     knobs.update(NO_SPECULATION)
+    user_snapshots = knobs.get("max_state_snapshots") is not None
+    if not user_snapshots:
+        # like for like: llama-cpp-python keeps one state per sequence and no checkpoints, and every
+        # round's prompts are new, so no snapshot could be hit; each would only add its 18.6 MiB
+        knobs["max_state_snapshots"] = 0
     if not user_cache:
         knobs["kv_cache_memory"] = workload_cache_gib(args, paths[args.files[0]], knobs)
     load = load_average()
@@ -549,7 +561,15 @@ def main(args) -> None:
     about = [f"{FILES[k]} {n}: {describe(s)}" for k, d in files.items() for n, s in d["sides"].items()]
     data = {"threads": threads, "runs": args.runs, "model_folder": folders[args.files[0]], "files": files}
     Result(
-        KIND, TITLE, line, load, about, notes(args, knobs, shared, user_cache), table(files, peers), data, judged
+        KIND,
+        TITLE,
+        line,
+        load,
+        about,
+        notes(args, knobs, shared, user_cache, user_snapshots),
+        table(files, peers),
+        data,
+        judged,
     ).publish(args.output)
 
 
