@@ -4,6 +4,10 @@ float64 reference over every row-chunk shape, the GGUF TiledPart around it, its 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -419,3 +423,32 @@ def test_gguf_q6k_part_is_tiled_and_matches_the_file():
     torch.testing.assert_close(part.linear(x), x @ ref.t(), rtol=1e-5, atol=1e-5)
     q6, sub, d = q6_k_blocks(t.raw())
     assert all(torch.equal(a, b) for a, b in zip(part.buffers(), TiledQ6KPart(q6, sub, d).buffers(), strict=True))
+
+
+@pytest.mark.slow
+def test_avx2_build_passes_this_module(tmp_path):
+    """Where this machine's build is the bf16 one (AVX-512 BF16), the AVX2 + FMA + F16C build (Zen2/3,
+    Haswell on: float32 x in int16 steps, 4- and 8-bit tiles) is compiled here with -march=haswell
+    under the name this machine looks for, in a kernel dir of its own, and this module's other tests
+    run against it in a child process that reads the CPU flags as such a machine's
+    (tests/kernels/haswell_flags.py)."""
+    if X != torch.bfloat16:
+        pytest.skip("this machine's own build is the AVX2 one")
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, EMBER_KERNEL_DIR=str(tmp_path))
+    build = (
+        "import sys; from ember.kernels import cpp_build as b; "
+        "b.CFLAGS[:] = ['-O3', '-march=haswell', '-fopenmp']; "
+        "b.compile_kernel('cpu_tiled_gemv.cpp', out_dir=sys.argv[1])"
+    )
+    subprocess.run([sys.executable, "-c", build, str(tmp_path)], env=env, cwd=repo, check=True, timeout=600)
+    plugin = ["-p", "tests.kernels.haswell_flags"]
+    probe = "from ember.kernels import cpu_tiled_gemv as g; print(g.x_dtype(), g.available(), g.has_q6k())"
+    out = subprocess.run(
+        [sys.executable, "-c", "import tests.kernels.haswell_flags; " + probe],
+        env=env, cwd=repo, check=True, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.stdout.split() == ["torch.float32", "True", "False"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *plugin, __file__, "-k", "not avx2"]
+    run = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
