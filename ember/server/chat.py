@@ -98,10 +98,10 @@ class ChatHandler:
         return ids, use_tools, constraint
 
     async def create(self, req: ChatCompletionRequest, receive):
-        streams, ctx = await self._submit(req)
+        streams, ctx = await self.submit(req)
         if req.stream:
             return self._stream(streams, ctx)
-        return await unless_disconnected(self._whole(streams, ctx), receive)
+        return await unless_disconnected(self.whole(streams, ctx), receive)
 
     async def create_batch(self, req: BatchChatCompletionRequest, receive) -> dict:
         """vLLM's /v1/chat/completions/batch: one whole answer for several conversations, choice i (with n > 1:
@@ -114,7 +114,7 @@ class ChatHandler:
         subs = [ChatCompletionRequest.model_validate({**shared, "messages": conv}) for conv in req.messages]
 
         async def answer(sub: ChatCompletionRequest) -> dict:
-            return await self._whole(*await self._submit(sub))
+            return await self.whole(*await self.submit(sub))
 
         answers = await unless_disconnected(all_or_none([answer(sub) for sub in subs]), receive)
         merged_answer = dict(answers[0])
@@ -130,7 +130,9 @@ class ChatHandler:
             merged_answer[key] = [a[key] for a in answers] if answers[0][key] is not None else None
         return merged_answer
 
-    async def _submit(self, req: ChatCompletionRequest) -> tuple[list[RequestStream], _Ctx]:
+    async def submit(self, req: ChatCompletionRequest) -> tuple[list[RequestStream], _Ctx]:
+        """Start the engine work of req: (its streams, the context the answer is written from), for
+        whole() or a stream (SSE here, chunk_dicts for the API translations)."""
         model = self.s.check_model(req.model)
         self.s.check_unsupported(req)
         if req.top_logprobs is not None and not req.logprobs:
@@ -151,8 +153,9 @@ class ChatHandler:
         return streams, ctx
 
     # -- whole answer -------------------------------------------------------------------------
-    async def _whole(self, streams, ctx: _Ctx) -> dict:
+    async def whole(self, streams, ctx: _Ctx) -> dict:
         got = await _gather(streams, ctx.req.n)
+        ctx.cached = got.cached
         choices = [self._whole_choice(ctx, i, got) for i in range(ctx.req.n)]
         completion = sum(len(t) for t in got.tokens)
         self._log(ctx, completion, got.finish)
@@ -216,19 +219,47 @@ class ChatHandler:
 
     # -- streaming ----------------------------------------------------------------------------
     async def _stream(self, streams, ctx: _Ctx) -> AsyncIterator[str]:
+        include_usage, continuous = self.s.usage_options(ctx.req)
+        chunk, usage_chunk = sse_writers(self._chunk_head(ctx), include_usage)
+        try:
+            async for line in self._chunks(streams, ctx, chunk, usage_chunk, include_usage, continuous):
+                yield line
+        except Exception:  # noqa: BLE001 -- headers are sent: report in-band, never a traceback
+            logger.exception("chat stream %s failed", ctx.rid)
+            yield STREAM_ERROR
+        yield "data: [DONE]\n\n"
+
+    def chunk_dicts(self, streams, ctx: _Ctx) -> AsyncIterator[dict]:
+        """The streamed answer's chunks as dicts, the last one carrying the usage, for the API
+        translations over this path (ember.server.anthropic, ember.server.responses); a failure is
+        raised to the caller, which reports it in its own protocol. ctx.cached holds the prefix-cache
+        hit once the first chunk has been read."""
+        head = self._chunk_head(ctx)
+
+        def chunk(choices: list, usage_now: dict | None = None, extra: dict | None = None) -> dict:
+            return {**head, **(extra or {}), "choices": choices, "usage": usage_now}
+
+        def usage_chunk(u: dict) -> dict:
+            return {**head, "choices": [], "usage": u}
+
+        return self._chunks(streams, ctx, chunk, usage_chunk, True, False)
+
+    @staticmethod
+    def _chunk_head(ctx: _Ctx) -> dict:
+        return {"id": ctx.rid, "object": "chat.completion.chunk", "created": ctx.created, "model": ctx.model}
+
+    async def _chunks(self, streams, ctx: _Ctx, chunk, usage_chunk, include_usage: bool, continuous: bool):
+        """The answer's chunks, each written by chunk(choices, usage so far, extra top-level fields),
+        the final usage by usage_chunk; the engine work is aborted however this ends."""
         req = ctx.req
-        include_usage, continuous = self.s.usage_options(req)
-        head = {"id": ctx.rid, "object": "chat.completion.chunk", "created": ctx.created, "model": ctx.model}
-        chunk, usage_chunk = sse_writers(head, include_usage)
         choices = [
             _StreamedChoice(self._splitter(ctx), HermesToolParser() if ctx.use_tools else None, req.include_reasoning)
             for _ in range(req.n)
         ]
         completion = 0
-        cached = 0
 
         def so_far() -> dict | None:
-            return self.s.usage(ctx.prompt_len, completion, cached) if continuous else None
+            return self.s.usage(ctx.prompt_len, completion, ctx.cached) if continuous else None
 
         try:
             for i in range(req.n):  # one choice per chunk, as OpenAI streams n > 1 (clients read choices[0])
@@ -246,7 +277,7 @@ class ChatHandler:
                     first,
                 )
             async for _, delta in merged(streams):
-                cached = delta.num_cached_tokens
+                ctx.cached = delta.num_cached_tokens
                 completion += sum(len(sd.token_ids) for sd in delta.seqs)
                 # the whole delta is counted before its chunks go out: each carries the usage after it
                 out = [self._stream_choice(ctx, choices[sd.index], sd) for sd in delta.seqs]
@@ -254,15 +285,11 @@ class ChatHandler:
                     if choice is not None:
                         yield chunk([choice], so_far())
             if include_usage:
-                yield usage_chunk(self.s.usage(ctx.prompt_len, completion, cached))
+                yield usage_chunk(self.s.usage(ctx.prompt_len, completion, ctx.cached))
             self._log(ctx, completion, [c.finish for c in choices])
-        except Exception:  # noqa: BLE001 -- headers are sent: report in-band, never a traceback
-            logger.exception("chat stream %s failed", ctx.rid)
-            yield STREAM_ERROR
         finally:
             for s in streams:
                 s.abort()
-        yield "data: [DONE]\n\n"
 
     def _stream_choice(self, ctx: _Ctx, streamed: _StreamedChoice, sd) -> dict | None:
         """The chunk choice for one sequence's new output, or None when there is nothing to send yet."""
@@ -419,6 +446,7 @@ class _Ctx:
         "prompt_tail",
         "echo",
         "prompt_ids",
+        "cached",
     )
 
     def __init__(self, rid, model, created, req, prompt_len, use_tools, top_n, arrival, prompt_tail="", echo=""):
@@ -427,3 +455,4 @@ class _Ctx:
         self.prompt_tail = prompt_tail  # the prompt's last tokens as text: did the template open <think>?
         self.echo = echo  # text the answer starts with (echo of the last assistant message)
         self.prompt_ids: list[int] = []
+        self.cached = 0  # prompt tokens the prefix cache held (known once the answer has begun)
