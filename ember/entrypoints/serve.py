@@ -74,6 +74,7 @@ def build_server(args):
         chat_template=template,
         log_requests=not args.disable_log_requests,
         root_path=args.root_path,
+        tool_call_parser=args.tool_call_parser,
         **{name: getattr(args, name) for name in switches},
     )
     metrics = ServerMetrics.for_engine(names[0], engine)

@@ -1,9 +1,11 @@
 """POST /v1/chat/completions: messages through the chat template, then one engine request with n
-sequences; answered whole or as SSE chunks, with tool calls parsed from Qwen/Hermes output and,
-under --reasoning-parser, the model's <think> reasoning split into reasoning_content.
+sequences; answered whole or as SSE chunks, with tool calls parsed from the model's output by the
+server's tool-call parser (Hermes JSON or Qwen3-Coder XML: ember.server.tool_parsers) and, under
+--reasoning-parser, the model's <think> reasoning split off into reasoning_content (and vLLM's newer
+name for it, reasoning).
 
-tool_choice "required" or a named function holds the answer to tool calls with a grammar
-(ember.structured.tool_calls); "auto" lets the model choose and parses what it wrote."""
+tool_choice "required" or a named function holds the answer to tool calls in the parser's format
+with a grammar (ember.structured.tool_calls); "auto" lets the model choose and parses what it wrote."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from ember.server.logprobs import chat_logprobs
 from ember.server.protocol import BatchChatCompletionRequest, ChatCompletionRequest, now, request_id
 from ember.server.serving import STREAM_ERROR, Serving, all_or_none, merged, sse_writers, unless_disconnected
 from ember.server.structured import structured_params
-from ember.server.tool_parser import HermesToolParser
+from ember.server.tool_parsers import TaggedToolParser
 from ember.structured.reasoning import ReasoningSplitter
 
 # Prompt tokens read back to see whether the template opened a reasoning block (ember.structured.reasoning).
@@ -76,12 +78,19 @@ class ChatHandler:
         from ember.structured.tool_calls import tool_call_structural_tag
 
         try:
-            return {"structural_tag": tool_call_structural_tag(tools, choice, req.parallel_tool_calls is not False)}
+            tag = tool_call_structural_tag(
+                tools,
+                choice,
+                req.parallel_tool_calls is not False,
+                model_format=self.s.tool_parser.parser.XGRAMMAR_FORMAT,
+            )
+            return {"structural_tag": tag}
         except InvalidRequestError as e:
             raise ParamError(str(e), "tool_choice") from None
 
-    def _prompt(self, req: ChatCompletionRequest) -> tuple[list[int], bool, dict | None]:
-        """(prompt token ids, whether tool calls are parsed from the output, the tool-call constraint)."""
+    def _prompt(self, req: ChatCompletionRequest) -> tuple[list[int], list[dict] | None, dict | None]:
+        """(prompt token ids, the tools whose calls are parsed from the output (None: no parsing), the
+        tool-call constraint)."""
         use_tools = bool(req.tools) and req.tool_choice != "none"
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if use_tools else None
         constraint = self._tool_constraint(req, tools)
@@ -95,7 +104,7 @@ class ChatHandler:
             continue_final_message=req.continue_final_message,
             **(req.chat_template_kwargs or {}),
         )
-        return ids, use_tools, constraint
+        return ids, tools, constraint
 
     async def create(self, req: ChatCompletionRequest, receive):
         streams, ctx = await self.submit(req)
@@ -137,7 +146,7 @@ class ChatHandler:
         self.s.check_unsupported(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise ParamError("top_logprobs needs logprobs to be true", "top_logprobs")
-        ids, use_tools, tool_constraint = self._prompt(req)
+        ids, tools, tool_constraint = self._prompt(req)
         ids = self.s.truncate(ids, req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top_n = self.s.top_n(req.top_logprobs or 0) if req.logprobs else None
@@ -148,7 +157,7 @@ class ChatHandler:
         streams = await self.s.submit(rid, [(None, ids)], params)
         parser = self.s.reasoning_parser
         tail = self.s.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False) if parser else ""
-        ctx = _Ctx(rid, model, now(), req, len(ids), use_tools, top_n, arrival, tail, _echo_text(req))
+        ctx = _Ctx(rid, model, now(), req, len(ids), tools, top_n, arrival, tail, _echo_text(req))
         ctx.prompt_ids = ids
         return streams, ctx
 
@@ -210,9 +219,9 @@ class ChatHandler:
             text = splitter.content
             message["content"] = text or None
             if ctx.req.include_reasoning:
-                message["reasoning_content"] = splitter.reasoning or None
+                message.update(reasoning_fields(splitter.reasoning or None))
         if ctx.use_tools:
-            reason = _take_tool_calls(message, text, reason)
+            reason = _take_tool_calls(message, text, reason, self._tool_parser(ctx))
         if ctx.echo:
             message["content"] = ctx.echo + (message["content"] or "")
         return message, reason
@@ -253,7 +262,9 @@ class ChatHandler:
         the final usage by usage_chunk; the engine work is aborted however this ends."""
         req = ctx.req
         choices = [
-            _StreamedChoice(self._splitter(ctx), HermesToolParser() if ctx.use_tools else None, req.include_reasoning)
+            _StreamedChoice(
+                self._splitter(ctx), self._tool_parser(ctx) if ctx.use_tools else None, req.include_reasoning
+            )
             for _ in range(req.n)
         ]
         completion = 0
@@ -312,7 +323,15 @@ class ChatHandler:
 
     def _splitter(self, ctx: _Ctx) -> ReasoningSplitter | None:
         parser = self.s.reasoning_parser
-        return ReasoningSplitter(parser, ctx.prompt_tail) if parser else None
+        if not parser:
+            return None
+        # with tools, a call the model opens before </think> ends its reasoning (Qwen3.5 does that)
+        ends = self.s.tool_parser.parser.ENDS_REASONING if ctx.use_tools else ()
+        return ReasoningSplitter(parser, ctx.prompt_tail, ends)
+
+    def _tool_parser(self, ctx: _Ctx) -> TaggedToolParser:
+        """A fresh parser of the server's tool-call format for one sequence of this request."""
+        return self.s.tool_parser.parser(ctx.tools)
 
     def _log(self, ctx: _Ctx, completion: int, finish) -> None:
         if self.s.config.log_requests:
@@ -364,10 +383,16 @@ async def _gather(streams: list[RequestStream], n: int) -> _Gathered:
     return got
 
 
-def _take_tool_calls(message: dict[str, Any], text: str, reason: str | None) -> str | None:
+def reasoning_fields(text: str | None) -> dict[str, str | None]:
+    """The reasoning under both names clients read: reasoning_content (DeepSeek's, vLLM's first) and
+    reasoning (vLLM's newer one)."""
+    return {"reasoning_content": text, "reasoning": text}
+
+
+def _take_tool_calls(message: dict[str, Any], text: str, reason: str | None, parser: TaggedToolParser) -> str | None:
     """Move the tool calls written in a whole answer's text into message (content: the text around them,
-    None when blank); returns the finish reason, tool_calls for a stop that ended on calls."""
-    parser = HermesToolParser()
+    None when blank); returns the finish reason, tool_calls for a stop that ended on calls. parser: a
+    fresh one, fed the whole text as a stream's would be fed in pieces, so both answers agree."""
     parser.feed(text)
     parser.finish()
     if not parser.calls:
@@ -383,7 +408,7 @@ class _StreamedChoice:
     """One choice of a streamed answer. Its reasoning splitter and tool-call parser (either may be None)
     hold back text across deltas, since a tag can arrive in pieces; finish: the reason it ended with."""
 
-    def __init__(self, splitter: ReasoningSplitter | None, parser: HermesToolParser | None, include_reasoning: bool):
+    def __init__(self, splitter: ReasoningSplitter | None, parser: TaggedToolParser | None, include_reasoning: bool):
         self.splitter = splitter
         self.parser = parser
         self.include_reasoning = include_reasoning
@@ -399,7 +424,7 @@ class _StreamedChoice:
                 more_thought, more_text = self.splitter.finish()
                 thought, text = thought + more_thought, text + more_text
             if thought and self.include_reasoning:
-                d["reasoning_content"] = thought
+                d.update(reasoning_fields(thought))
         if self.parser is None:
             if text:
                 d["content"] = text
@@ -411,9 +436,7 @@ class _StreamedChoice:
         that ended on calls."""
         parsed = self.parser.feed(text)
         if reason is not None:
-            tail = self.parser.finish()
-            parsed.content += tail.content
-            parsed.tool_calls += tail.tool_calls
+            parsed.extend(self.parser.finish())
             if self.parser.calls and reason == "stop":
                 reason = "tool_calls"
         if parsed.content:
@@ -440,7 +463,7 @@ class _Ctx:
         "created",
         "req",
         "prompt_len",
-        "use_tools",
+        "tools",
         "top_n",
         "arrival",
         "prompt_tail",
@@ -449,10 +472,15 @@ class _Ctx:
         "cached",
     )
 
-    def __init__(self, rid, model, created, req, prompt_len, use_tools, top_n, arrival, prompt_tail="", echo=""):
+    def __init__(self, rid, model, created, req, prompt_len, tools, top_n, arrival, prompt_tail="", echo=""):
         self.rid, self.model, self.created, self.req = rid, model, created, req
-        self.prompt_len, self.use_tools, self.top_n, self.arrival = prompt_len, use_tools, top_n, arrival
+        self.prompt_len, self.tools, self.top_n, self.arrival = prompt_len, tools, top_n, arrival
         self.prompt_tail = prompt_tail  # the prompt's last tokens as text: did the template open <think>?
         self.echo = echo  # text the answer starts with (echo of the last assistant message)
         self.prompt_ids: list[int] = []
         self.cached = 0  # prompt tokens the prefix cache held (known once the answer has begun)
+
+    @property
+    def use_tools(self) -> bool:
+        """Whether tool calls are parsed from the output (the request has tools, tool_choice is not none)."""
+        return self.tools is not None

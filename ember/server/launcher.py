@@ -13,6 +13,7 @@ import argparse
 
 from ember.config.engine_args import add_engine_args
 from ember.engine.async_engine import DEFAULT_MAX_WAITING_REQUESTS
+from ember.server.tool_parsers import AUTO, TOOL_PARSERS
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -95,7 +96,10 @@ def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool =
         g.add_argument(flag, action="store_true", help=what + " (vLLM's flag)")
     g.add_argument(
         "--tool-call-parser",
-        default="hermes",
-        choices=["hermes"],
-        help="tool-call format: hermes = Qwen/Hermes <tool_call>{json}</tool_call> (the only one)",
+        default=AUTO,
+        choices=[AUTO, *TOOL_PARSERS],
+        help="how tool calls are read from the model's text (and written when tool_choice forces one): hermes = "
+        "<tool_call>{json}</tool_call> (Qwen2.5, Qwen3, Hermes); qwen3_coder or qwen3_xml = <tool_call><function=NAME>"
+        "<parameter=P>value</parameter></function></tool_call> (Qwen3.5, Qwen3-Coder); auto (default): the one the "
+        "chat template writes, else hermes",
     )
