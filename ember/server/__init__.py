@@ -10,6 +10,6 @@
   structured.py   response_format / structured_outputs / guided_* -> StructuredOutputsParams
   tokenize.py     /tokenize, /detokenize, /tokenizer_info
   openapi.py      the /openapi.json document, as the routes really answer
-  launcher.py     the `ember serve` flags (engine flags + the server's own, vLLM's names)
+  launcher.py     the `ember serve` flags (engine flags + the server's own, vLLM's names; CORS)
 The engine side is ember/engine/async_engine.py (one background step loop, a queue per request).
 """

@@ -8,7 +8,7 @@ import asyncio
 import json
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from ember.engine.admission import out_of_vocabulary
@@ -37,6 +37,11 @@ class ServerConfig:
     enable_tokenizer_info_endpoint: bool = False  # vLLM's flag: GET /tokenizer_info
     enable_prompt_tokens_details: bool = False  # vLLM's flag: usage.prompt_tokens_details (cached tokens)
     tool_call_parser: str = AUTO  # --tool-call-parser: a name in ember.server.tool_parsers, or auto (the template's)
+    # CORS (vLLM's flags): no cross-origin access unless origins are given
+    allowed_origins: list[str] = field(default_factory=list)
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
 
 
 # vLLM request fields that would change the answer and ember does not implement: a 400 naming each
