@@ -221,6 +221,10 @@ LENIENT = {
         "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar",
         [("get_weather", {"city": "Par"})],
     ),
+    "cut off in a closing tag": (
+        "<tool_call>\n<function=get_weather>\n<parameter=city>Paris</parameter>\n<parameter=days>3</parameter",
+        [("get_weather", {"city": "Paris", "days": 3})],
+    ),
     "cut off in a parameter's name": (
         "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=da",
         [("get_weather", {"city": "Paris"})],

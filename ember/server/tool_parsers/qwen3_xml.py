@@ -16,10 +16,11 @@ with exactly one leading and one trailing newline stripped, typed by the request
 (values.py). The head delta goes out as soon as `<function=NAME>` is complete.
 
 Lenient, because models drift: a missing `</parameter>` ends at the next `<parameter=` or at
-`</function>`, a missing `</function>` at `</tool_call>` or the end of the output; several
-`<function=` blocks in one `<tool_call>` are several calls; text around them is dropped; and a body
-that starts with `{` is a Hermes JSON call (small Qwen3.5 sizes write either form). Nothing here
-raises on odd text: the worst outcome is a call's value kept as a string, or a body shown as content.
+`</function>`, a missing `</function>` at `</tool_call>` or the end of the output (where a tag cut
+off by max_tokens is no part of the value); several `<function=` blocks in one `<tool_call>` are
+several calls; text around them is dropped; and a body that starts with `{` is a Hermes JSON call
+(small Qwen3.5 sizes write either form). Nothing here raises on odd text: the worst outcome is a
+call's value kept as a string, or a body shown as content.
 """
 
 from __future__ import annotations
@@ -132,12 +133,14 @@ class XmlCallBody:
 
     def _read_value(self, final: bool) -> bool:
         """Whether the value is complete: at `</parameter>` (consumed), or at a `<parameter=` or
-        `</function>` that begins without it (left for the next state), or at the end of the text."""
+        `</function>` that begins without it (left for the next state), or at the end of the text. A
+        text that ends in part of a tag (`</param`: the output was cut off there) ends the value
+        before it."""
         found = _first_of(self._buf, (PARAMETER_END, PARAMETER, FUNCTION_END))
         if found is None:
-            keep = 0 if final else max(partial_suffix(self._buf, t) for t in (PARAMETER_END, PARAMETER, FUNCTION_END))
+            keep = max(partial_suffix(self._buf, t) for t in (PARAMETER_END, PARAMETER, FUNCTION_END))
             self._value += self._buf[: len(self._buf) - keep]
-            self._buf = self._buf[len(self._buf) - keep :]
+            self._buf = "" if final else self._buf[len(self._buf) - keep :]
             return final
         at, tag = found
         self._value += self._buf[:at]
