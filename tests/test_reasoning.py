@@ -64,3 +64,36 @@ def test_where_the_output_starts():
 def test_an_unknown_parser_is_refused_naming_the_choices():
     with pytest.raises(ConfigError, match="qwen3, deepseek_r1"):
         ReasoningSplitter("granite", "")
+
+
+CALL = "<tool_call>\n<function=f>\n</function>\n</tool_call>"
+IMPLICIT = [
+    # prompt tail, output, (reasoning, content): with tools, <tool_call> ends the reasoning and starts the content
+    ("<think>\n", "I should call f.\n" + CALL, ("I should call f.\n", CALL)),
+    ("<think>\n", CALL, (None, CALL)),
+    ("<think>\n", "Hmm.\n</think>\n\n" + CALL, ("Hmm.\n", "\n\n" + CALL)),  # </think> first: as before
+    ("<think>\n", "Hmm, <tool_ is not a tag.\n</think>\nok", ("Hmm, <tool_ is not a tag.\n", "\nok")),
+    ("", "<think>\nPlan.\n" + CALL, ("\nPlan.\n", CALL)),  # qwen3 with the model opening <think>
+]
+
+
+@pytest.mark.parametrize("prompt, text, expected", IMPLICIT)
+def test_a_tool_call_before_the_end_tag_ends_the_reasoning(prompt, text, expected):
+    ends = ("<tool_call>",)
+    assert split_reasoning("qwen3", prompt, text, ends) == expected
+    for cut in range(1, len(text)):  # split in two at every boundary
+        s = ReasoningSplitter("qwen3", prompt, ends)
+        r1, c1 = s.feed(text[:cut])
+        r2, c2 = s.feed(text[cut:])
+        r3, c3 = s.finish()
+        assert ((r1 + r2 + r3) or None, (c1 + c2 + c3) or None) == expected, cut
+
+
+def test_without_tools_a_tool_call_tag_stays_in_the_reasoning():
+    assert split_reasoning("qwen3", "<think>\n", "I might " + CALL) == ("I might " + CALL, None)
+
+
+def test_a_partial_tool_call_tag_is_held_back_in_the_reasoning():
+    s = ReasoningSplitter("qwen3", "<think>\n", ("<tool_call>",))
+    assert s.feed("Plan.<tool_") == ("Plan.", "")
+    assert s.feed("call>") == ("", "<tool_call>")

@@ -18,7 +18,7 @@ import uvicorn
 
 from ember.config.engine_args import engine_config_from_args
 from ember.errors import ConfigError
-from ember.server.launcher import VLLM_SWITCHES
+from ember.server.launcher import VLLM_SWITCHES, cors_options
 
 logger = logging.getLogger("ember.server")
 
@@ -62,6 +62,7 @@ def build_server(args):
     if args.max_waiting_requests < 1:
         raise ConfigError(f"--max-waiting-requests must be >= 1 (got {args.max_waiting_requests})")
     template = _chat_template(args.chat_template)
+    cors = cors_options(args)
     # Build the engine on the thread that will step it (see AsyncLLMEngine's executor).
     engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ember-engine")
     engine = engine_thread.submit(LLMEngine, engine_config_from_args(args), defer_compile=True).result()
@@ -74,6 +75,8 @@ def build_server(args):
         chat_template=template,
         log_requests=not args.disable_log_requests,
         root_path=args.root_path,
+        tool_call_parser=args.tool_call_parser,
+        **cors,
         **{name: getattr(args, name) for name in switches},
     )
     metrics = ServerMetrics.for_engine(names[0], engine)

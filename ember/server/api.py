@@ -20,6 +20,7 @@ import uuid
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -194,7 +195,23 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, metrics: ServerMetri
     app.add_middleware(
         _CountRequests, metrics=metrics, request_id_headers=config.enable_request_id_headers, serving=serving
     )
+    _add_cors(app, config)
     return app
+
+
+def _add_cors(app: FastAPI, config: ServerConfig) -> None:
+    """vLLM's --allowed-origins & co.: browsers get cross-origin access only to the origins given (none by
+    default: no CORS headers, so a browser refuses another site's calls). Added last, so it is the outermost
+    layer: a preflight is answered before the API key is asked for, as browsers send none with it."""
+    if not config.allowed_origins:
+        return
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=config.allowed_origins,
+        allow_methods=config.allowed_methods,
+        allow_headers=config.allowed_headers,
+        allow_credentials=config.allow_credentials,
+    )
 
 
 def _add_error_handlers(app: FastAPI) -> None:

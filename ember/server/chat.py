@@ -1,9 +1,11 @@
 """POST /v1/chat/completions: messages through the chat template, then one engine request with n
-sequences; answered whole or as SSE chunks, with tool calls parsed from Qwen/Hermes output and,
-under --reasoning-parser, the model's <think> reasoning split into reasoning_content.
+sequences; answered whole or as SSE chunks, with tool calls parsed from the model's output by the
+server's tool-call parser (Hermes JSON or Qwen3-Coder XML: ember.server.tool_parsers) and, under
+--reasoning-parser, the model's <think> reasoning split off into reasoning_content (and vLLM's newer
+name for it, reasoning).
 
-tool_choice "required" or a named function holds the answer to tool calls with a grammar
-(ember.structured.tool_calls); "auto" lets the model choose and parses what it wrote."""
+tool_choice "required" or a named function holds the answer to tool calls in the parser's format
+with a grammar (ember.structured.tool_calls); "auto" lets the model choose and parses what it wrote."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from ember.server.logprobs import chat_logprobs
 from ember.server.protocol import BatchChatCompletionRequest, ChatCompletionRequest, now, request_id
 from ember.server.serving import STREAM_ERROR, Serving, all_or_none, merged, sse_writers, unless_disconnected
 from ember.server.structured import structured_params
-from ember.server.tool_parser import HermesToolParser
+from ember.server.tool_parsers import TaggedToolParser
 from ember.structured.reasoning import ReasoningSplitter
 
 # Prompt tokens read back to see whether the template opened a reasoning block (ember.structured.reasoning).
@@ -76,12 +78,19 @@ class ChatHandler:
         from ember.structured.tool_calls import tool_call_structural_tag
 
         try:
-            return {"structural_tag": tool_call_structural_tag(tools, choice, req.parallel_tool_calls is not False)}
+            tag = tool_call_structural_tag(
+                tools,
+                choice,
+                req.parallel_tool_calls is not False,
+                model_format=self.s.tool_parser.parser.XGRAMMAR_FORMAT,
+            )
+            return {"structural_tag": tag}
         except InvalidRequestError as e:
             raise ParamError(str(e), "tool_choice") from None
 
-    def _prompt(self, req: ChatCompletionRequest) -> tuple[list[int], bool, dict | None]:
-        """(prompt token ids, whether tool calls are parsed from the output, the tool-call constraint)."""
+    def _prompt(self, req: ChatCompletionRequest) -> tuple[list[int], list[dict] | None, dict | None]:
+        """(prompt token ids, the tools whose calls are parsed from the output (None: no parsing), the
+        tool-call constraint)."""
         use_tools = bool(req.tools) and req.tool_choice != "none"
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if use_tools else None
         constraint = self._tool_constraint(req, tools)
@@ -95,13 +104,13 @@ class ChatHandler:
             continue_final_message=req.continue_final_message,
             **(req.chat_template_kwargs or {}),
         )
-        return ids, use_tools, constraint
+        return ids, tools, constraint
 
     async def create(self, req: ChatCompletionRequest, receive):
-        streams, ctx = await self._submit(req)
+        streams, ctx = await self.submit(req)
         if req.stream:
             return self._stream(streams, ctx)
-        return await unless_disconnected(self._whole(streams, ctx), receive)
+        return await unless_disconnected(self.whole(streams, ctx), receive)
 
     async def create_batch(self, req: BatchChatCompletionRequest, receive) -> dict:
         """vLLM's /v1/chat/completions/batch: one whole answer for several conversations, choice i (with n > 1:
@@ -114,7 +123,7 @@ class ChatHandler:
         subs = [ChatCompletionRequest.model_validate({**shared, "messages": conv}) for conv in req.messages]
 
         async def answer(sub: ChatCompletionRequest) -> dict:
-            return await self._whole(*await self._submit(sub))
+            return await self.whole(*await self.submit(sub))
 
         answers = await unless_disconnected(all_or_none([answer(sub) for sub in subs]), receive)
         merged_answer = dict(answers[0])
@@ -130,12 +139,14 @@ class ChatHandler:
             merged_answer[key] = [a[key] for a in answers] if answers[0][key] is not None else None
         return merged_answer
 
-    async def _submit(self, req: ChatCompletionRequest) -> tuple[list[RequestStream], _Ctx]:
+    async def submit(self, req: ChatCompletionRequest) -> tuple[list[RequestStream], _Ctx]:
+        """Start the engine work of req: (its streams, the context the answer is written from), for
+        whole() or a stream (SSE here, chunk_dicts for the API translations)."""
         model = self.s.check_model(req.model)
         self.s.check_unsupported(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise ParamError("top_logprobs needs logprobs to be true", "top_logprobs")
-        ids, use_tools, tool_constraint = self._prompt(req)
+        ids, tools, tool_constraint = self._prompt(req)
         ids = self.s.truncate(ids, req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top_n = self.s.top_n(req.top_logprobs or 0) if req.logprobs else None
@@ -146,13 +157,14 @@ class ChatHandler:
         streams = await self.s.submit(rid, [(None, ids)], params)
         parser = self.s.reasoning_parser
         tail = self.s.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False) if parser else ""
-        ctx = _Ctx(rid, model, now(), req, len(ids), use_tools, top_n, arrival, tail, _echo_text(req))
+        ctx = _Ctx(rid, model, now(), req, len(ids), tools, top_n, arrival, tail, _echo_text(req))
         ctx.prompt_ids = ids
         return streams, ctx
 
     # -- whole answer -------------------------------------------------------------------------
-    async def _whole(self, streams, ctx: _Ctx) -> dict:
+    async def whole(self, streams, ctx: _Ctx) -> dict:
         got = await _gather(streams, ctx.req.n)
+        ctx.cached = got.cached
         choices = [self._whole_choice(ctx, i, got) for i in range(ctx.req.n)]
         completion = sum(len(t) for t in got.tokens)
         self._log(ctx, completion, got.finish)
@@ -207,28 +219,58 @@ class ChatHandler:
             text = splitter.content
             message["content"] = text or None
             if ctx.req.include_reasoning:
-                message["reasoning_content"] = splitter.reasoning or None
+                message.update(reasoning_fields(splitter.reasoning or None))
         if ctx.use_tools:
-            reason = _take_tool_calls(message, text, reason)
+            reason = _take_tool_calls(message, text, reason, self._tool_parser(ctx))
         if ctx.echo:
             message["content"] = ctx.echo + (message["content"] or "")
         return message, reason
 
     # -- streaming ----------------------------------------------------------------------------
     async def _stream(self, streams, ctx: _Ctx) -> AsyncIterator[str]:
+        include_usage, continuous = self.s.usage_options(ctx.req)
+        chunk, usage_chunk = sse_writers(self._chunk_head(ctx), include_usage)
+        try:
+            async for line in self._chunks(streams, ctx, chunk, usage_chunk, include_usage, continuous):
+                yield line
+        except Exception:  # noqa: BLE001 -- headers are sent: report in-band, never a traceback
+            logger.exception("chat stream %s failed", ctx.rid)
+            yield STREAM_ERROR
+        yield "data: [DONE]\n\n"
+
+    def chunk_dicts(self, streams, ctx: _Ctx) -> AsyncIterator[dict]:
+        """The streamed answer's chunks as dicts, the last one carrying the usage, for the API
+        translations over this path (ember.server.anthropic, ember.server.responses); a failure is
+        raised to the caller, which reports it in its own protocol. ctx.cached holds the prefix-cache
+        hit once the first chunk has been read."""
+        head = self._chunk_head(ctx)
+
+        def chunk(choices: list, usage_now: dict | None = None, extra: dict | None = None) -> dict:
+            return {**head, **(extra or {}), "choices": choices, "usage": usage_now}
+
+        def usage_chunk(u: dict) -> dict:
+            return {**head, "choices": [], "usage": u}
+
+        return self._chunks(streams, ctx, chunk, usage_chunk, True, False)
+
+    @staticmethod
+    def _chunk_head(ctx: _Ctx) -> dict:
+        return {"id": ctx.rid, "object": "chat.completion.chunk", "created": ctx.created, "model": ctx.model}
+
+    async def _chunks(self, streams, ctx: _Ctx, chunk, usage_chunk, include_usage: bool, continuous: bool):
+        """The answer's chunks, each written by chunk(choices, usage so far, extra top-level fields),
+        the final usage by usage_chunk; the engine work is aborted however this ends."""
         req = ctx.req
-        include_usage, continuous = self.s.usage_options(req)
-        head = {"id": ctx.rid, "object": "chat.completion.chunk", "created": ctx.created, "model": ctx.model}
-        chunk, usage_chunk = sse_writers(head, include_usage)
         choices = [
-            _StreamedChoice(self._splitter(ctx), HermesToolParser() if ctx.use_tools else None, req.include_reasoning)
+            _StreamedChoice(
+                self._splitter(ctx), self._tool_parser(ctx) if ctx.use_tools else None, req.include_reasoning
+            )
             for _ in range(req.n)
         ]
         completion = 0
-        cached = 0
 
         def so_far() -> dict | None:
-            return self.s.usage(ctx.prompt_len, completion, cached) if continuous else None
+            return self.s.usage(ctx.prompt_len, completion, ctx.cached) if continuous else None
 
         try:
             for i in range(req.n):  # one choice per chunk, as OpenAI streams n > 1 (clients read choices[0])
@@ -246,7 +288,7 @@ class ChatHandler:
                     first,
                 )
             async for _, delta in merged(streams):
-                cached = delta.num_cached_tokens
+                ctx.cached = delta.num_cached_tokens
                 completion += sum(len(sd.token_ids) for sd in delta.seqs)
                 # the whole delta is counted before its chunks go out: each carries the usage after it
                 out = [self._stream_choice(ctx, choices[sd.index], sd) for sd in delta.seqs]
@@ -254,15 +296,11 @@ class ChatHandler:
                     if choice is not None:
                         yield chunk([choice], so_far())
             if include_usage:
-                yield usage_chunk(self.s.usage(ctx.prompt_len, completion, cached))
+                yield usage_chunk(self.s.usage(ctx.prompt_len, completion, ctx.cached))
             self._log(ctx, completion, [c.finish for c in choices])
-        except Exception:  # noqa: BLE001 -- headers are sent: report in-band, never a traceback
-            logger.exception("chat stream %s failed", ctx.rid)
-            yield STREAM_ERROR
         finally:
             for s in streams:
                 s.abort()
-        yield "data: [DONE]\n\n"
 
     def _stream_choice(self, ctx: _Ctx, streamed: _StreamedChoice, sd) -> dict | None:
         """The chunk choice for one sequence's new output, or None when there is nothing to send yet."""
@@ -285,7 +323,15 @@ class ChatHandler:
 
     def _splitter(self, ctx: _Ctx) -> ReasoningSplitter | None:
         parser = self.s.reasoning_parser
-        return ReasoningSplitter(parser, ctx.prompt_tail) if parser else None
+        if not parser:
+            return None
+        # with tools, a call the model opens before </think> ends its reasoning (Qwen3.5 does that)
+        ends = self.s.tool_parser.parser.ENDS_REASONING if ctx.use_tools else ()
+        return ReasoningSplitter(parser, ctx.prompt_tail, ends)
+
+    def _tool_parser(self, ctx: _Ctx) -> TaggedToolParser:
+        """A fresh parser of the server's tool-call format for one sequence of this request."""
+        return self.s.tool_parser.parser(ctx.tools)
 
     def _log(self, ctx: _Ctx, completion: int, finish) -> None:
         if self.s.config.log_requests:
@@ -337,10 +383,16 @@ async def _gather(streams: list[RequestStream], n: int) -> _Gathered:
     return got
 
 
-def _take_tool_calls(message: dict[str, Any], text: str, reason: str | None) -> str | None:
+def reasoning_fields(text: str | None) -> dict[str, str | None]:
+    """The reasoning under both names clients read: reasoning_content (DeepSeek's, vLLM's first) and
+    reasoning (vLLM's newer one)."""
+    return {"reasoning_content": text, "reasoning": text}
+
+
+def _take_tool_calls(message: dict[str, Any], text: str, reason: str | None, parser: TaggedToolParser) -> str | None:
     """Move the tool calls written in a whole answer's text into message (content: the text around them,
-    None when blank); returns the finish reason, tool_calls for a stop that ended on calls."""
-    parser = HermesToolParser()
+    None when blank); returns the finish reason, tool_calls for a stop that ended on calls. parser: a
+    fresh one, fed the whole text as a stream's would be fed in pieces, so both answers agree."""
     parser.feed(text)
     parser.finish()
     if not parser.calls:
@@ -356,7 +408,7 @@ class _StreamedChoice:
     """One choice of a streamed answer. Its reasoning splitter and tool-call parser (either may be None)
     hold back text across deltas, since a tag can arrive in pieces; finish: the reason it ended with."""
 
-    def __init__(self, splitter: ReasoningSplitter | None, parser: HermesToolParser | None, include_reasoning: bool):
+    def __init__(self, splitter: ReasoningSplitter | None, parser: TaggedToolParser | None, include_reasoning: bool):
         self.splitter = splitter
         self.parser = parser
         self.include_reasoning = include_reasoning
@@ -372,7 +424,7 @@ class _StreamedChoice:
                 more_thought, more_text = self.splitter.finish()
                 thought, text = thought + more_thought, text + more_text
             if thought and self.include_reasoning:
-                d["reasoning_content"] = thought
+                d.update(reasoning_fields(thought))
         if self.parser is None:
             if text:
                 d["content"] = text
@@ -384,9 +436,7 @@ class _StreamedChoice:
         that ended on calls."""
         parsed = self.parser.feed(text)
         if reason is not None:
-            tail = self.parser.finish()
-            parsed.content += tail.content
-            parsed.tool_calls += tail.tool_calls
+            parsed.extend(self.parser.finish())
             if self.parser.calls and reason == "stop":
                 reason = "tool_calls"
         if parsed.content:
@@ -413,17 +463,24 @@ class _Ctx:
         "created",
         "req",
         "prompt_len",
-        "use_tools",
+        "tools",
         "top_n",
         "arrival",
         "prompt_tail",
         "echo",
         "prompt_ids",
+        "cached",
     )
 
-    def __init__(self, rid, model, created, req, prompt_len, use_tools, top_n, arrival, prompt_tail="", echo=""):
+    def __init__(self, rid, model, created, req, prompt_len, tools, top_n, arrival, prompt_tail="", echo=""):
         self.rid, self.model, self.created, self.req = rid, model, created, req
-        self.prompt_len, self.use_tools, self.top_n, self.arrival = prompt_len, use_tools, top_n, arrival
+        self.prompt_len, self.tools, self.top_n, self.arrival = prompt_len, tools, top_n, arrival
         self.prompt_tail = prompt_tail  # the prompt's last tokens as text: did the template open <think>?
         self.echo = echo  # text the answer starts with (echo of the last assistant message)
         self.prompt_ids: list[int] = []
+        self.cached = 0  # prompt tokens the prefix cache held (known once the answer has begun)
+
+    @property
+    def use_tools(self) -> bool:
+        """Whether tool calls are parsed from the output (the request has tools, tool_choice is not none)."""
+        return self.tools is not None

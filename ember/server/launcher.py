@@ -10,9 +10,12 @@ set read it here too (the harness that runs vLLM's server tests against ember fi
 from __future__ import annotations
 
 import argparse
+import json
 
 from ember.config.engine_args import add_engine_args
 from ember.engine.async_engine import DEFAULT_MAX_WAITING_REQUESTS
+from ember.errors import ConfigError
+from ember.server.tool_parsers import AUTO, TOOL_PARSERS
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -95,7 +98,57 @@ def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool =
         g.add_argument(flag, action="store_true", help=what + " (vLLM's flag)")
     g.add_argument(
         "--tool-call-parser",
-        default="hermes",
-        choices=["hermes"],
-        help="tool-call format: hermes = Qwen/Hermes <tool_call>{json}</tool_call> (the only one)",
+        default=AUTO,
+        choices=[AUTO, *TOOL_PARSERS],
+        help="how tool calls are read from the model's text (and written when tool_choice forces one): hermes = "
+        "<tool_call>{json}</tool_call> (Qwen2.5, Qwen3, Hermes); qwen3_coder or qwen3_xml = <tool_call><function=NAME>"
+        "<parameter=P>value</parameter></function></tool_call> (Qwen3.5, Qwen3-Coder); auto (default): the one the "
+        "chat template writes, else hermes",
     )
+    _add_cors_args(g)
+
+
+def _add_cors_args(g) -> None:
+    """vLLM's CORS flags; JSON lists, read by cors_options."""
+    g.add_argument(
+        "--allowed-origins",
+        default="[]",
+        metavar="JSON_LIST",
+        help="origins a browser may call the server from, as a JSON list (e.g. '[\"http://localhost:3000\"]', "
+        "'[\"*\"]' for any); default [] : no cross-origin access",
+    )
+    g.add_argument(
+        "--allowed-methods",
+        default='["*"]',
+        metavar="JSON_LIST",
+        help='HTTP methods allowed cross-origin, as a JSON list (default ["*"]); used with --allowed-origins',
+    )
+    g.add_argument(
+        "--allowed-headers",
+        default='["*"]',
+        metavar="JSON_LIST",
+        help='request headers allowed cross-origin, as a JSON list (default ["*"]); used with --allowed-origins',
+    )
+    g.add_argument(
+        "--allow-credentials",
+        action="store_true",
+        help="let cross-origin requests carry cookies and auth headers (default off); used with --allowed-origins",
+    )
+
+
+def cors_options(args: argparse.Namespace) -> dict:
+    """ServerConfig's CORS fields from the parsed flags; a flag whose value is not a JSON list of
+    strings is a ConfigError naming it."""
+    out = {}
+    for flag in ("--allowed-origins", "--allowed-methods", "--allowed-headers"):
+        name = flag[2:].replace("-", "_")
+        text = getattr(args, name)
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{flag} {text!r} is not JSON ({e.msg}); give a JSON list, e.g. '[\"*\"]'") from None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{flag} {text!r} is not a JSON list of strings; give one, e.g. '[\"*\"]'")
+        out[name] = value
+    out["allow_credentials"] = args.allow_credentials
+    return out

@@ -79,7 +79,7 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    # Extra keys (reasoning_content, ...) go to the template as they are.
+    # Extra keys go to the template as they are.
     model_config = ConfigDict(extra="allow")
     role: str = Field(
         min_length=1
@@ -88,6 +88,10 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    # an assistant turn's reasoning, under either name clients send it (vLLM's older and newer); the
+    # template gets it as reasoning_content either way (ember.loader.tokenizer aliases the names)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class FunctionDef(BaseModel):

@@ -8,7 +8,7 @@ import asyncio
 import json
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from ember.engine.admission import out_of_vocabulary
@@ -17,6 +17,7 @@ from ember.errors import InvalidRequestError, ModelNotFoundError, ParamError
 from ember.sampling import SamplingParams
 from ember.server.logprobs import TokenText
 from ember.server.protocol import ChatCompletionRequest, CompletionRequest, usage
+from ember.server.tool_parsers import AUTO, ToolParserChoice, resolve_tool_parser
 from ember.structured_params import StructuredOutputsParams
 
 logger = logging.getLogger("ember.server")
@@ -35,6 +36,12 @@ class ServerConfig:
     enable_force_include_usage: bool = False  # vLLM's flag: every stream reports usage, on every chunk
     enable_tokenizer_info_endpoint: bool = False  # vLLM's flag: GET /tokenizer_info
     enable_prompt_tokens_details: bool = False  # vLLM's flag: usage.prompt_tokens_details (cached tokens)
+    tool_call_parser: str = AUTO  # --tool-call-parser: a name in ember.server.tool_parsers, or auto (the template's)
+    # CORS (vLLM's flags): no cross-origin access unless origins are given
+    allowed_origins: list[str] = field(default_factory=list)
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
 
 
 # vLLM request fields that would change the answer and ember does not implement: a 400 naming each
@@ -72,6 +79,10 @@ class Serving:
         self.draining = False  # a shutdown began (ember.entrypoints.serve.DrainingServer): refuse new work
         self.token_text = TokenText(self.tokenizer)
         self.token_ids_text = TokenText(self.tokenizer, as_ids=True)
+        self.tool_parser: ToolParserChoice = resolve_tool_parser(
+            config.tool_call_parser, config.chat_template or self.tokenizer.chat_template
+        )
+        logger.info("tool calls: %s parser (%s)", self.tool_parser.name, self.tool_parser.reason)
 
     @property
     def reasoning_parser(self) -> str | None:

@@ -10,7 +10,12 @@ answer. With neither in the prompt, `qwen3` lets the model decide (its output ma
 `ReasoningSplitter.feed(text)` takes text deltas and returns what may be shown now, as
 (reasoning, content) deltas; text that could still be the start of a tag is held back until it
 is decided. `finish()` flushes. The whole answer is the same splitter fed the text at once, so
-the two paths agree. The engine uses `starts_in_reasoning` and `END` to start a structured-output
+the two paths agree.
+
+A splitter may be told tags that end the reasoning implicitly (`implicit_ends`): when a request
+has tools, `<tool_call>`, because Qwen3.5 sometimes opens a call inside its think block without
+writing `</think>` first (vLLM's qwen3 parser reads it the same way). Such a tag is not consumed:
+it starts the content, where the tool-call parser finds it. The engine uses `starts_in_reasoning` and `END` to start a structured-output
 constraint where the answer begins (vLLM's rule).
 
 A leaf module: plain strings, no engine, no server.
@@ -53,11 +58,12 @@ def partial_suffix(text: str, tag: str) -> int:
 
 
 class ReasoningSplitter:
-    def __init__(self, parser: str, prompt_text: str = ""):
+    def __init__(self, parser: str, prompt_text: str = "", implicit_ends: tuple[str, ...] = ()):
         check_reasoning_parser(parser)
         begins = starts_in_reasoning(parser, prompt_text)
         self._state = _UNDECIDED if begins is None else (_REASONING if begins else _CONTENT)
         self._opened = False  # a leading <think> in the output has been consumed
+        self._ends = (END, *implicit_ends)  # END is consumed, an implicit end starts the content
         self._buf = ""
         self.reasoning = ""
         self.content = ""
@@ -84,19 +90,25 @@ class ReasoningSplitter:
                     if lead.startswith(START):  # a template that opens <think> and a model that repeats it
                         self._buf = lead[len(START) :]
                         continue
-                at = self._buf.find(END)
-                if at == -1:
-                    keep = partial_suffix(self._buf, END)
+                found = self._first_end()
+                if found is None:
+                    keep = max(partial_suffix(self._buf, tag) for tag in self._ends)
                     self.reasoning += self._buf[: len(self._buf) - keep]
                     self._buf = self._buf[len(self._buf) - keep :]
                     break
+                at, tag = found
                 self.reasoning += self._buf[:at]
-                self._buf = self._buf[at + len(END) :]
+                self._buf = self._buf[at + len(END) :] if tag == END else self._buf[at:]
                 self._state = _CONTENT
             else:
                 self.content += self._buf
                 self._buf = ""
         return self.reasoning[r0:], self.content[c0:]
+
+    def _first_end(self) -> tuple[int, str] | None:
+        """(position, tag) of the first tag in the held text that ends the reasoning, or None."""
+        hits = [(at, tag) for tag in self._ends if (at := self._buf.find(tag)) != -1]
+        return min(hits) if hits else None
 
     def finish(self) -> tuple[str, str]:
         """The model stopped: held-back text goes where it was heading."""
@@ -110,9 +122,11 @@ class ReasoningSplitter:
         return "", rest
 
 
-def split_reasoning(parser: str, prompt_text: str, text: str) -> tuple[str | None, str | None]:
+def split_reasoning(
+    parser: str, prompt_text: str, text: str, implicit_ends: tuple[str, ...] = ()
+) -> tuple[str | None, str | None]:
     """The whole answer: (reasoning_content or None, content or None)."""
-    s = ReasoningSplitter(parser, prompt_text)
+    s = ReasoningSplitter(parser, prompt_text, implicit_ends)
     s.feed(text)
     s.finish()
     return (s.reasoning or None), (s.content or None)

@@ -43,6 +43,7 @@ def test_bad_server_flags_fail_before_loading():
         ["serve", "--port", "70000"],
         ["serve", "--max-waiting-requests", "0"],
         ["serve", "--chat-template", "no-such-file"],
+        ["serve", "--allowed-origins", "http://localhost:3000"],  # not a JSON list
     ):
         with pytest.raises(ConfigError):
             build_server(build_parser().parse_args(argv))

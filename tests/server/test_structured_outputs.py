@@ -270,6 +270,7 @@ def test_reasoning_content_is_split_from_the_answer(thinking):
     )
     message = r.choices[0].message
     assert "I add" in message.reasoning_content and "</think>" not in message.reasoning_content
+    assert message.reasoning == message.reasoning_content  # vLLM's newer name, the same text
     assert r.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(message.content), ANSWER_SCHEMA)  # the constraint started after </think>
 
@@ -281,13 +282,14 @@ def test_reasoning_content_is_split_from_the_answer(thinking):
         stream=True,
         response_format=json_format("answer", ANSWER_SCHEMA),
     )
-    reasoning, content = "", ""
+    reasoning, newer_name, content = "", "", ""
     for chunk in stream:
         if chunk.choices:
             delta = chunk.choices[0].delta
             reasoning += getattr(delta, "reasoning_content", None) or ""
+            newer_name += getattr(delta, "reasoning", None) or ""
             content += delta.content or ""
-    assert (reasoning, content) == (message.reasoning_content, message.content)
+    assert (reasoning, newer_name, content) == (message.reasoning_content, message.reasoning, message.content)
 
 
 def test_enable_thinking_false_leaves_everything_in_the_answer(thinking):
@@ -299,4 +301,4 @@ def test_enable_thinking_false_leaves_everything_in_the_answer(thinking):
         extra_body={"chat_template_kwargs": {"enable_thinking": False}},
     )
     message = r.choices[0].message
-    assert message.reasoning_content is None and message.content
+    assert message.reasoning_content is None and message.reasoning is None and message.content

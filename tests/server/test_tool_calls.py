@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from ember.server.tool_parser import HermesToolParser, parse_tool_calls
+from ember.server.tool_parsers import HermesToolParser, parse_tool_calls
 from tests.server.live import MODEL_NAME, start_server
 
 CALL1 = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius", "days": [1, 2]}}'

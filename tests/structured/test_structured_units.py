@@ -125,6 +125,39 @@ def test_tool_call_tags_hold_hermes_calls(compiler):
         tool_call_structural_tag(TOOLS, {"type": "function", "function": {"name": "nope"}})
 
 
+def test_tool_call_tags_hold_qwen_xml_calls_that_the_xml_parser_reads_back(compiler):
+    from ember.server.tool_parsers import Qwen3XmlToolParser, parse_tool_calls
+
+    call = (
+        "<tool_call>\n<function=search_flights>\n<parameter=origin>\nCDG\n</parameter>\n"
+        "<parameter=destination>\nJFK\n</parameter>\n<parameter=passengers>\n2\n</parameter>\n</function>\n</tool_call>"
+    )
+    other = (
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "<parameter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>"
+    )
+    hermes = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+
+    def tag(choice, **kw):
+        return xgr.Grammar.from_structural_tag(tool_call_structural_tag(TOOLS, choice, model_format="qwen_3_5", **kw))
+
+    required = tag("required")
+    assert accepts(compiler, required, call) and accepts(compiler, required, call + "\n" + other)
+    assert not accepts(compiler, required, hermes) and not accepts(compiler, required, "Sure! " + call)
+    assert not accepts(compiler, required, call.replace(">\n2\n<", ">\n12\n<"))  # passengers: at most 9
+    assert not accepts(compiler, tag("required", parallel_tool_calls=False), call + "\n" + other)
+    named = tag({"type": "function", "function": {"name": "get_weather"}})
+    assert accepts(compiler, named, other) and not accepts(compiler, named, call)
+    content, calls = parse_tool_calls(call + "\n" + other, Qwen3XmlToolParser, TOOLS)
+    assert content is None
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("search_flights", {"origin": "CDG", "destination": "JFK", "passengers": 2}),
+        ("get_weather", {"city": "Paris", "unit": "celsius"}),
+    ]
+    with pytest.raises(ValueError, match="no tool-call structural tag"):
+        tool_call_structural_tag(TOOLS, "required", model_format="mistral")
+
+
 # -- the manager's masks for a verify step ---------------------------------------------------------
 class _Out:
     def __init__(self, scheduled, drafts):
