@@ -1,10 +1,10 @@
 """Causal attention for bf16 queries on CPU (prefill and prefill chunks): a flash-style C++
-kernel, else blocked GEMMs.
+kernel, else blocked GEMMs (also where they are the faster: large shapes on CPUs with AMX).
 
 The C++ kernel (cpu_causal_attention.cpp, needs AVX512-BF16): scores, online softmax and P V
 per 32-key tile with bf16 dot-product instructions, nothing of size queries x keys in memory,
-one call per sequence and layer; ~2.4x the GEMM path below on a prefill chunk (docs/tuning.md,
-CPU kernels). Numerics: float32 scores from exact bf16 products, float32 softmax, the
+one call per sequence and layer; ~2.4x the GEMM path below on a prefill chunk on Zen4 (docs/tuning.md,
+CPU kernels), slower than it on large shapes where oneDNN's GEMMs run on AMX (below). Numerics: float32 scores from exact bf16 products, float32 softmax, the
 probabilities rounded to bf16 for P V (as the GEMM path's bf16 softmax output), float32
 accumulation; max error against float64 attention ~half a bf16 ulp of the output.
 
@@ -23,9 +23,20 @@ from __future__ import annotations
 import torch
 
 from ember.kernels.cpp_build import build
+from ember.platform import has_cpu_flags
 
-BLOCK_QUERIES = 128  # queries per block of the GEMM path (docs/tuning.md: 64..256 are close; 128 best)
 MIN_QUERIES = 128  # below this SDPA is as fast and the per-block calls dominate
+
+# On CPUs with AMX (Intel Sapphire Rapids on), oneDNN runs bf16 GEMMs on the tile unit, and the GEMM
+# path beats the C++ kernel (AVX512-BF16 dot products) at head_dim >= 128 from MIN_QUERIES queries
+# (2.4-4x at head_dim 256 from 512 queries) and at head_dim 64 from about 1M query-key pairs (1.4x at
+# 512 queries over 2,048 keys; the kernel stays ahead below: 0.58 vs 1.1 ms at 128 x 128). Blocks of
+# 256 queries beat 128 there at every shape measured (benchmarks/micro_causal_attention.py, docs/tuning.md).
+AMX = has_cpu_flags("amx_bf16", "amx_tile")  # read once: a compiled step cannot trace the flags lookup
+AMX_GEMM_MIN_HEAD_DIM = 128
+AMX_GEMM_MIN_PAIRS = 1 << 20
+# queries per block of the GEMM path (docs/tuning.md: without AMX 64..256 are close and 128 best)
+BLOCK_QUERIES = 256 if AMX else 128
 
 
 HEAD_SIZES = (16, 32, 64, 80, 96, 128, 256)  # the C++ kernel's compiled head sizes (its switch)
@@ -55,9 +66,9 @@ def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, flash: bool = True
 ) -> torch.Tensor | None:
     """q [n, Hq, D] at positions S-n..S-1 over k/v [S, Hkv, D]: the C++ kernel where it applies (and
-    `flash`, the backend's --cpu-flash-attention), else the GEMM path where it pays off, else None
-    (the caller's SDPA)."""
-    if flash and use_flash_attention(q):
+    `flash`, the backend's --cpu-flash-attention) unless the GEMM path beats it on this machine, else
+    the GEMM path where it pays off, else None (the caller's SDPA)."""
+    if flash and use_flash_attention(q) and not amx_gemm_beats_flash(q, k.shape[0]):
         return flash_attention(q, k, v, scale)
     if use_gemm_attention(q):
         return causal_attention_gemm(q, k, v, scale)
@@ -72,6 +83,13 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     if k.stride(2) != 1 or k.stride(1) != D or v.stride() != k.stride():
         k, v = k.contiguous(), v.contiguous()
     return torch.ops.ember_cpu.causal_attention_bf16(q, k, v, scale)
+
+
+def amx_gemm_beats_flash(q: torch.Tensor, num_keys: int) -> bool:
+    """Where the GEMM path is the faster of the two on this machine (AMX above): at head_dim >=
+    AMX_GEMM_MIN_HEAD_DIM, or from AMX_GEMM_MIN_PAIRS queries x keys."""
+    n, D = q.shape[0], q.shape[-1]
+    return AMX and n >= MIN_QUERIES and (D >= AMX_GEMM_MIN_HEAD_DIM or n * num_keys >= AMX_GEMM_MIN_PAIRS)
 
 
 def use_gemm_attention(q: torch.Tensor) -> bool:

@@ -164,6 +164,38 @@ def test_bf16_prefills_take_the_flash_or_gemm_path(monkeypatch, flash):
         assert (out.double() - reference(q, cache, meta, tables, D**-0.5)).abs().max() < 2e-2
 
 
+@pytest.mark.parametrize("amx", [True, False])
+def test_on_amx_large_prefills_take_the_gemm_path(monkeypatch, amx):
+    """Where oneDNN's GEMMs run on AMX the GEMM path serves head_dim >= 128 from MIN_QUERIES queries and
+    head_dim 64 from 1M query-key pairs (benchmarks/micro_causal_attention.py); elsewhere the C++
+    kernel serves all of them. Either way the answer matches the other path's."""
+    import ember.kernels.cpu_causal_attention as causal
+
+    if not causal.flash_available():
+        pytest.skip("the C++ kernel needs AVX512-BF16")
+    monkeypatch.setattr(causal, "AMX", amx)
+    ran = []
+    for name in ("flash_attention", "causal_attention_gemm"):
+        real = getattr(causal, name)
+        monkeypatch.setattr(causal, name, lambda *a, _n=name, _f=real: ran.append(_n) or _f(*a))
+    g = torch.Generator().manual_seed(3)
+    for n, S, hq, hkv, d, gemm_on_amx in (
+        (128, 128, 4, 2, 128, True),
+        (200, 200, 4, 1, 256, True),
+        (127, 127, 4, 1, 256, False),  # below MIN_QUERIES
+        (256, 256, 6, 2, 64, False),  # 64K pairs
+        (512, 2048, 3, 1, 64, True),  # 1M pairs
+    ):
+        q = torch.randn(n, hq, d, generator=g).bfloat16()
+        k, v = (torch.randn(S, hkv, d, generator=g).bfloat16() for _ in range(2))
+        ran.clear()
+        out = causal.causal_attention(q, k, v, d**-0.5)
+        assert ran == ["causal_attention_gemm" if amx and gemm_on_amx else "flash_attention"], (n, S, d)
+        other = causal.flash_attention(q, k, v, d**-0.5) if ran[0] != "flash_attention" else None
+        if other is not None:
+            torch.testing.assert_close(out.float(), other.float(), atol=3e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize(
     "hq,hkv,d", [(8, 1, 64), (4, 4, 128), (16, 2, 32), (12, 4, 80), (12, 2, 64), (9, 3, 64), (64, 8, 128)]
 )
