@@ -24,8 +24,9 @@ from ember.server.chat_blocks import TEXT, THINKING, Block, BlockEvent, ChatBloc
 from ember.server.responses.protocol import ResponsesRequest
 from ember.server.responses.translate import ChatTranslation
 
-# Finish reasons -> (Response status, incomplete_details, error)
+# A finish reason that leaves the Response incomplete -> its incomplete_details
 INCOMPLETE = {"length": {"reason": "max_output_tokens"}}
+# "abort": the engine ended the request (a shutdown's timeout ran out): the Response failed
 ABORTED = "the server ended this response early (it is shutting down); send the request again"
 
 
@@ -69,7 +70,7 @@ class ResponseBuilder:
         self.created_at = created_at
         self.model = model
         self.count_tokens = count_tokens  # text -> tokens: the reasoning tokens of the usage
-        self._ids: dict[int, tuple[str, str]] = {}  # block index -> (item id, call id)
+        self._ids: dict[int, str] = {}  # block index -> its item's id, made when the block opens
         self.done: list[dict] = []  # the items of the blocks closed so far, in output order
 
     # -- the Response object ------------------------------------------------------------------
@@ -146,7 +147,7 @@ class ResponseBuilder:
     def item(self, block: Block, status: str = "in_progress") -> dict:
         """The output item of a block: as it opens (status in_progress, no text yet), or done
         (status completed or incomplete, all its text)."""
-        item_id, call_id = self._item_ids(block)
+        item_id, call_id = self.item_id(block), block.call_id
         done = status != "in_progress"
         if block.kind == THINKING:
             content = [{"type": "reasoning_text", "text": block.text}] if done else []
@@ -186,12 +187,9 @@ class ResponseBuilder:
         return item
 
     def item_id(self, block: Block) -> str:
-        return self._item_ids(block)[0]
-
-    def _item_ids(self, block: Block) -> tuple[str, str]:
         if block.index not in self._ids:
             prefix = {THINKING: "rs", TEXT: "msg"}.get(block.kind) or ("ctc" if self.is_custom(block) else "fc")
-            self._ids[block.index] = (_new_id(prefix), block.call_id)
+            self._ids[block.index] = _new_id(prefix)
         return self._ids[block.index]
 
 

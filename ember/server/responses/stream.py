@@ -27,7 +27,7 @@ import logging
 from contextlib import aclosing
 from typing import AsyncIterator
 
-from ember.server.chat_blocks import TEXT, THINKING, BlockEvent, ChatBlocks
+from ember.server.chat_blocks import TEXT, THINKING, Block, BlockEvent, ChatBlocks
 from ember.server.responses.output import ResponseBuilder
 
 logger = logging.getLogger("ember.server")
@@ -41,7 +41,6 @@ class ResponseEvents:
     def __init__(self, builder: ResponseBuilder):
         self.builder = builder
         self.sequence_number = 0
-        self._output_index: dict[int, int] = {}  # block index -> its item's place in the output
 
     def event(self, type_: str, **fields) -> dict:
         e = {"type": type_, "sequence_number": self.sequence_number, **fields}
@@ -55,54 +54,46 @@ class ResponseEvents:
         ]
 
     def block_event(self, ev: BlockEvent, finish_reason: str | None = None) -> list[dict]:
-        """The events of one block event; finish_reason is the answer's, given for the closes at its end."""
-        block = ev.block
+        """The events of one block event; finish_reason is the answer's, given for the close at its end."""
+        where = {"output_index": ev.block.index}  # every block is one output item, in order
         if ev.what == "open":
-            self._output_index[block.index] = len(self._output_index)
-        where = {"output_index": self._output_index[block.index]}
-        if ev.what == "open":
-            item = self.builder.item(block)
-            out = [self.event("response.output_item.added", item=item, **where)]
-            part = self._empty_part(block.kind)
-            if part is not None:
-                out.append(
-                    self.event("response.content_part.added", item_id=item["id"], content_index=0, part=part, **where)
-                )
-            return out
-        item_id = self.builder.item_id(block)
+            return self._opened(ev.block, where)
         if ev.what == "delta":
-            return self._delta(block.kind, self.builder.is_custom(block), item_id, ev.delta, where)
-        done = self.builder.close(block, finish_reason)
-        return self._done_events(block.kind, done, where) + [
-            self.event("response.output_item.done", item=done, **where)
+            return self._delta(ev.block, ev.delta, where)
+        item = self.builder.close(ev.block, finish_reason)
+        return self._content_done(ev.block.kind, item, where) + [
+            self.event("response.output_item.done", item=item, **where)
         ]
 
-    def _delta(self, kind: str, custom: bool, item_id: str, delta: str, where: dict) -> list[dict]:
-        if kind == THINKING:
-            return [self.event("response.reasoning_text.delta", item_id=item_id, content_index=0, delta=delta, **where)]
-        if kind == TEXT:
-            return [
-                self.event(
-                    "response.output_text.delta", item_id=item_id, content_index=0, delta=delta, logprobs=[], **where
-                )
-            ]
-        if custom:  # the input is inside JSON text until the call closes (see the module docstring)
-            return []
-        return [self.event("response.function_call_arguments.delta", item_id=item_id, delta=delta, **where)]
+    def _opened(self, block: Block, where: dict) -> list[dict]:
+        item = self.builder.item(block)
+        out = [self.event("response.output_item.added", item=item, **where)]
+        part = self._empty_part(block.kind)
+        if part is not None:
+            out.append(
+                self.event("response.content_part.added", item_id=item["id"], content_index=0, part=part, **where)
+            )
+        return out
 
-    def _done_events(self, kind: str, item: dict, where: dict) -> list[dict]:
+    def _delta(self, block: Block, delta: str, where: dict) -> list[dict]:
+        ids = {"item_id": self.builder.item_id(block), **where}
+        if block.kind == THINKING:
+            return [self.event("response.reasoning_text.delta", content_index=0, delta=delta, **ids)]
+        if block.kind == TEXT:
+            return [self.event("response.output_text.delta", content_index=0, delta=delta, logprobs=[], **ids)]
+        if self.builder.is_custom(block):  # the input is inside JSON text until the call closes (module docstring)
+            return []
+        return [self.event("response.function_call_arguments.delta", delta=delta, **ids)]
+
+    def _content_done(self, kind: str, item: dict, where: dict) -> list[dict]:
         """What closes an item's content before its output_item.done."""
         ids = {"item_id": item["id"], **where}
-        if kind == THINKING:
-            text = item["content"][0]["text"]
-            return [
-                self.event("response.reasoning_text.done", content_index=0, text=text, **ids),
-                self.event("response.content_part.done", content_index=0, part=item["content"][0], **ids),
-            ]
-        if kind == TEXT:
+        if kind in (THINKING, TEXT):
             part = item["content"][0]
+            text_done = "response.reasoning_text.done" if kind == THINKING else "response.output_text.done"
+            extra = {} if kind == THINKING else {"logprobs": []}
             return [
-                self.event("response.output_text.done", content_index=0, text=part["text"], logprobs=[], **ids),
+                self.event(text_done, content_index=0, text=part["text"], **extra, **ids),
                 self.event("response.content_part.done", content_index=0, part=part, **ids),
             ]
         if item["type"] == "custom_tool_call":
