@@ -276,6 +276,7 @@ def test_a_client_that_goes_away_closes_the_chat_stream():
     "arguments, expected",
     [
         ('{"input": "raw text"}', "raw text"),
+        ('{"input": "line 1\nline 2"}', "line 1\nline 2"),  # a raw newline in the JSON string
         ('{"patch": "only string"}', "only string"),
         ('{"a": 1}', '{"a": 1}'),
         ("not json", "not json"),

@@ -38,8 +38,8 @@ def custom_tool_input(arguments: str) -> str:
     """The raw input of a custom tool call, offered as a function whose one string parameter is
     `input`: that string; failing that, the only string the arguments hold; failing that (the
     model wrote something else), the arguments text itself, so nothing it wrote is lost."""
-    try:
-        args = json.loads(arguments)
+    try:  # strict=False: a raw newline inside the string (a patch's lines, as small models write them) is kept
+        args = json.loads(arguments, strict=False)
     except json.JSONDecodeError:
         return arguments
     if isinstance(args, dict):
