@@ -15,6 +15,7 @@ import pytest
 
 from ember.default_model import default_model_path
 from tests.server.live import MODEL_NAME, start_server
+from tests.server.test_structured_outputs import FEW_SHOT, THINKING_TEMPLATE
 
 WEATHER_PARAMS = {
     "type": "object",
@@ -40,6 +41,22 @@ APPLY_PATCH = {
 @pytest.fixture(scope="module")
 def live():
     server = start_server(default_model_path(), dtype="auto", num_threads=2, kv_cache_memory=0.2, max_model_len=2048)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def thinking():
+    """A server that splits reasoning off (a template that opens <think>, --reasoning-parser deepseek_r1)."""
+    server = start_server(
+        default_model_path(),
+        dtype="auto",
+        num_threads=2,
+        kv_cache_memory=0.1,
+        max_model_len=512,
+        reasoning_parser="deepseek_r1",
+        chat_template=THINKING_TEMPLATE,
+    )
     yield server
     server.stop()
 
@@ -123,6 +140,7 @@ def test_a_streamed_forced_call_keeps_its_ids_from_added_to_completed(live):
         input="Weather in Oslo?",
         tools=[tool],
         tool_choice={"type": "function", "name": "get_weather"},
+        temperature=0,
         max_output_tokens=60,
     ) as stream:
         events = list(stream)
@@ -281,3 +299,71 @@ def test_openapi_documents_the_stream(live):
     ok = spec["paths"]["/v1/responses"]["post"]["responses"]["200"]["content"]
     assert {"application/json", "text/event-stream"} <= set(ok)
     assert "400" in spec["paths"]["/v1/responses/input_tokens"]["post"]["responses"]
+
+
+ODD_VALUES = [None, 0, -1, 1.5, "", "x", [], {}, [{}], [None], {"type": "x"}, [{"type": "message"}], True]
+
+
+def _mutations(body: dict, rng) -> dict:
+    """body with one field, or one field of one input item or tool, set to an odd value."""
+    body = json.loads(json.dumps(body))
+    target = rng.choice([body, *body["input"], *body["tools"]])
+    key = rng.choice([k for k in target if k != "max_output_tokens"] + ["type", "role", "content"])
+    target[key] = rng.choice(ODD_VALUES)
+    return body
+
+
+def test_odd_requests_are_400s_and_never_take_the_server_down(live):
+    import random
+
+    rng = random.Random(7)
+    base = {
+        "model": MODEL_NAME,
+        "instructions": "Be brief.",
+        "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+            {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "Sunny."},
+            {"type": "reasoning", "summary": [{"type": "summary_text", "text": "hm"}]},
+        ],
+        "tools": [WEATHER, APPLY_PATCH, {"type": "web_search"}],
+        "tool_choice": "auto",
+        "text": {"format": {"type": "text"}},
+        "max_output_tokens": 2,
+    }
+    statuses = []
+    for _ in range(40):
+        body = _mutations(base, rng)
+        for stream in (False, True):
+            r = httpx.post(live.url + "/v1/responses", json={**body, "stream": stream}, timeout=60)
+            statuses.append(r.status_code)
+            assert r.status_code in (200, 400, 404), (body, r.status_code, r.text[:300])
+            if r.status_code != 200:
+                error = r.json()["error"]
+                assert error["message"] and error["type"] in ("invalid_request_error", "not_found_error"), error
+            elif stream:
+                assert r.text.rstrip().split("\n")[-2] in ("event: response.completed", "event: response.incomplete")
+        counted = httpx.post(live.url + "/v1/responses/input_tokens", json=body, timeout=60)
+        assert counted.status_code in (200, 400, 404), (body, counted.text[:300])
+    assert statuses.count(200) > 10 and statuses.count(400) > 10  # both kinds were tried
+    live.wait_idle()
+
+
+def test_reasoning_comes_back_as_reasoning_items_whole_and_streamed(thinking):
+    client = thinking.client()
+    ask = dict(model=MODEL_NAME, input=FEW_SHOT, temperature=0, max_output_tokens=40)
+    whole = client.responses.create(**ask)
+    events = list(client.responses.create(**ask, stream=True))
+    reasoning, message = whole.output
+    assert (reasoning.type, message.type) == ("reasoning", "message")
+    assert reasoning.summary == [] and reasoning.content[0].type == "reasoning_text"
+    thought = reasoning.content[0].text
+    assert thought.strip() == "I add the numbers."  # as the few-shot examples reason
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought
+    assert [e.text for e in events if e.type == "response.reasoning_text.done"] == [thought]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    assert "<think>" not in whole.output_text.split("Q:")[0]  # the reasoning is not in the answer's text
+    assert 0 < whole.usage.output_tokens_details.reasoning_tokens < whole.usage.output_tokens
+    assert events[-1].response.usage == whole.usage.model_copy(
+        update={"input_tokens_details": events[-1].response.usage.input_tokens_details}
+    )  # the same usage, but for the prefix-cache hit of the second request

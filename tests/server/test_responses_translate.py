@@ -172,6 +172,7 @@ def test_text_format_becomes_response_format():
             "input",
             "input[0].content[0]: content part type 'input_image' is not supported",
         ),
+        ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input", "input_text part needs its text"),
         ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input", "input[0].call_id"),
         ({"input": [{"type": "local_shell_call"}]}, "input", "'local_shell_call' is not supported"),
         ({"input": [{"role": "robot", "content": "x"}]}, "input", "input[0].role"),

@@ -71,7 +71,8 @@ class ResponsesEndpoint:
 
 
 def _log_ignored(req: InputTokensRequest) -> None:
-    ignored = req.ignored_fields()
+    # a count may be sent the whole create body: the create fields it does not need are no news
+    ignored = [name for name in req.ignored_fields() if name not in ResponsesRequest.model_fields]
     if ignored:
         logger.warning("responses request fields ignored (not known to ember): %s", ", ".join(ignored))
 

@@ -138,10 +138,13 @@ def _validated(model: type[BaseModel], item: dict, where: str, param: str = "inp
 
 
 def _part_text(part: ContentPart, where: str) -> str:
-    if part.type in TEXT_PARTS and part.text is not None:
-        return part.text
-    if part.type == "refusal" and part.refusal is not None:
-        return part.refusal
+    text = part.refusal if part.type == "refusal" else part.text
+    if part.type in TEXT_PARTS or part.type == "refusal":
+        if text is None:
+            raise ParamError(
+                f"{where}: a {part.type} part needs its {'refusal' if part.type == 'refusal' else 'text'}", "input"
+            )
+        return text
     raise ParamError(
         f"{where}: content part type {part.type!r} is not supported: ember serves text models; send input_text parts",
         "input",
@@ -300,6 +303,8 @@ def chat_tools(tools: list[Any]) -> tuple[list[dict], set[str]]:
     for i, raw in enumerate(tools):
         where = f"tools[{i}]"
         kind = raw.get("type") if isinstance(raw, dict) else None
+        if not isinstance(kind, str):
+            raise ParamError(f"{where} has no type (function or custom)", "tools")
         if kind in HOSTED_TOOLS:
             logger.info("%s: the hosted tool %r is left out (ember runs no hosted tools)", where, kind)
             continue
