@@ -194,9 +194,10 @@ def test_stateful_requests_are_refused_with_a_400_that_says_why(live):
 
 
 def test_a_codex_like_request_is_answered(live):
-    """What Codex sends: instructions, a developer message, a reasoning item from an earlier turn, a
-    custom apply_patch tool with a Lark grammar, a function tool, hosted tools to leave out, and the
-    fields that change nothing; streamed, as Codex reads it."""
+    """What Codex sends (as codex-cli 0.171 sent it to ember, plus what other versions add): instructions,
+    a developer message, a reasoning item from an earlier turn, a custom apply_patch tool with a Lark
+    grammar, a function tool, hosted tools to leave out, and the fields that change nothing; streamed,
+    as Codex reads it."""
     history = [
         {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Sandbox: read-only."}]},
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Add a README."}]},
@@ -219,7 +220,12 @@ def test_a_codex_like_request_is_answered(live):
         "model": MODEL_NAME,
         "instructions": "You are Codex, a coding agent.",
         "input": history,
-        "tools": [shell, APPLY_PATCH, {"type": "web_search", "external_web_access": False}],
+        "tools": [
+            shell,
+            APPLY_PATCH,
+            {"type": "namespace", "name": "multi_agent_v1", "tools": []},
+            {"type": "web_search", "external_web_access": False},
+        ],
         "tool_choice": {"type": "custom", "name": "apply_patch"},
         "parallel_tool_calls": False,
         "reasoning": {"effort": "medium", "summary": "auto"},
@@ -227,6 +233,7 @@ def test_a_codex_like_request_is_answered(live):
         "stream": True,
         "include": ["reasoning.encrypted_content"],
         "prompt_cache_key": "019a-session",
+        "client_metadata": {"x-codex-installation-id": "21310a24"},
         "text": {"verbosity": "medium"},
         "max_output_tokens": 80,
     }

@@ -59,6 +59,7 @@ class ResponsesRequest(InputTokensRequest):
     include: list[str] | None = None  # e.g. reasoning.encrypted_content: ember's reasoning items carry none
     service_tier: str | None = None
     stream_options: dict[str, Any] | None = None
+    client_metadata: dict[str, Any] | None = None  # Codex's session and turn ids
     # state kept between requests: refused (ember is stateless)
     store: bool | None = None  # absent means false here (OpenAI's default is true; Codex sends false)
     background: bool | None = None
