@@ -11,5 +11,6 @@
   tokenize.py     /tokenize, /detokenize, /tokenizer_info
   openapi.py      the /openapi.json document, as the routes really answer
   launcher.py     the `ember serve` flags (engine flags + the server's own, vLLM's names; CORS)
+  responses/      OpenAI's Responses API (/v1/responses, /v1/responses/input_tokens) over the chat path
 The engine side is ember/engine/async_engine.py (one background step loop, a queue per request).
 """

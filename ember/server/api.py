@@ -40,6 +40,7 @@ from ember.server.protocol import (
     error_body,
     model_card,
 )
+from ember.server.responses.routes import add_routes as add_responses_routes
 from ember.server.serving import ClientDisconnected, ServerConfig, Serving
 
 logger = logging.getLogger("ember.server")
@@ -295,6 +296,7 @@ def _add_v1_routes(app: FastAPI, serving: Serving, config: ServerConfig, v1: lis
     chat = ChatHandler(serving)
     completions = CompletionHandler(serving)
     created = int(time.time())
+    add_responses_routes(app, chat, serving, v1)  # OpenAI's Responses API, over the chat handler
 
     @app.get("/v1/models", dependencies=v1)
     async def models():
