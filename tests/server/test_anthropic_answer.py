@@ -47,12 +47,14 @@ class _Ctx:
     cached = 0
 
 
-async def _recorded(chunks, ctx, hit_after_first=32, fail: Exception | None = None, closed: list | None = None):
-    """The chunks as chunk_dicts yields them: the cache hit is known once the first chunk has gone."""
+async def _recorded(chunks, ctx, fail: Exception | None = None, closed: list | None = None, prefill: float = 0.0):
+    """The chunks as chunk_dicts yields them: the role chunk, then (after the prefill's seconds) the engine's
+    output, from which on the prefix-cache hit is known."""
     try:
         for i, c in enumerate(chunks):
             if i == 1:
-                ctx.cached = hit_after_first
+                await asyncio.sleep(prefill)
+                ctx.cached = 32
             yield c
         if fail is not None:
             raise fail
@@ -61,10 +63,10 @@ async def _recorded(chunks, ctx, hit_after_first=32, fail: Exception | None = No
             closed.append(True)
 
 
-def _events(chunks=CHUNKS, **kw) -> list[str]:
+def _events(chunks=CHUNKS, ping_every: float = 10.0, **kw) -> list[str]:
     async def run():
         events, ctx = MessageEvents("msg_5eed", "claude-sonnet-4-5", ["END"]), _Ctx()
-        return [line async for line in message_stream(_recorded(chunks, ctx, **kw), ctx, events)]
+        return [line async for line in message_stream(_recorded(chunks, ctx, **kw), ctx, events, ping_every)]
 
     return asyncio.run(run())
 
@@ -139,6 +141,37 @@ def test_a_failure_mid_stream_is_an_error_event_and_the_chunks_are_closed():
         "type": "overloaded_error",
         "message": "the engine has shut down",
     }
+
+
+def test_a_long_prefill_is_kept_alive_with_pings_and_changes_nothing_else():
+    paced = _events(ping_every=0.02, prefill=0.3)
+    pings = paced.index(_events()[0])  # the pings that went out before message_start
+    assert pings >= 3 and set(paced[:pings]) == {_sse("ping", {"type": "ping"})}
+    assert paced[pings:] == _events()
+
+
+def test_a_client_gone_mid_prefill_closes_the_chunks():
+    """Starlette cancels the response's task when the client hangs up: the chunks (whose closing aborts the
+    engine work) are closed, also while the next chunk is awaited in its own task."""
+    closed: list = []
+
+    async def run():
+        ctx = _Ctx()
+        stream = message_stream(
+            _recorded(CHUNKS, ctx, closed=closed, prefill=30), ctx, MessageEvents("m", "c", []), 0.01
+        )
+
+        async def consume():
+            async for _ in stream:
+                pass
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.1)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert closed == [True]  # now, not when asyncio.run finalizes what was left open
+
+    asyncio.run(run())
 
 
 def test_the_whole_answer_is_the_same_blocks_as_a_message():

@@ -16,6 +16,7 @@ reads the engine; ctx.cached is set from the second on). A failure after the hea
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import Any, AsyncIterator
@@ -27,11 +28,17 @@ from ember.server.chat_blocks import TEXT, THINKING, BlockEvent, ChatBlocks
 
 logger = logging.getLogger("ember.server")
 
+# Seconds without an event after which a ping goes out (Anthropic pings a stream that is waiting too).
+PING_EVERY = 10.0
+
 _DELTA_FIELDS = {THINKING: ("thinking_delta", "thinking"), TEXT: ("text_delta", "text")}
 
 
 def sse(name: str, data: dict[str, Any]) -> str:
     return f"event: {name}\ndata: " + json.dumps(data, separators=(",", ":"), ensure_ascii=False) + "\n\n"
+
+
+PING = sse("ping", {"type": "ping"})
 
 
 class MessageEvents:
@@ -58,7 +65,7 @@ class MessageEvents:
             "stop_sequence": None,
             "usage": usage(prompt_tokens, 0, cached),
         }
-        return [sse("message_start", {"type": "message_start", "message": message}), sse("ping", {"type": "ping"})]
+        return [sse("message_start", {"type": "message_start", "message": message}), PING]
 
     def feed(self, chunk: dict) -> list[str]:
         for choice in chunk.get("choices") or []:
@@ -95,13 +102,20 @@ class MessageEvents:
         )
 
 
-async def message_stream(chunks: AsyncIterator[dict], ctx, events: MessageEvents) -> AsyncIterator[str]:
-    """The SSE text of one answer: chunks from ChatHandler.chunk_dicts(streams, ctx). However this ends (done,
-    failed, the client gone and the response cancelled), the chunks are closed, which aborts the engine work."""
+async def message_stream(
+    chunks: AsyncIterator[dict], ctx, events: MessageEvents, ping_every: float = PING_EVERY
+) -> AsyncIterator[str]:
+    """The SSE text of one answer: chunks from ChatHandler.chunk_dicts(streams, ctx), and a ping whenever
+    ping_every seconds pass without one. However this ends (done, failed, the client gone and the response
+    cancelled), the chunks are closed, which aborts the engine work."""
     read = 0
     held: list[str] = []
+    paced = _paced(chunks, ping_every)
     try:
-        async for chunk in chunks:
+        async for chunk in paced:
+            if chunk is None:
+                yield PING
+                continue
             read += 1
             lines = events.feed(chunk)
             if read == 1:  # the role chunk, sent before the engine was read: no cache hit known yet
@@ -123,4 +137,31 @@ async def message_stream(chunks: AsyncIterator[dict], ctx, events: MessageEvents
         else:
             yield error_event(500, "internal error while streaming; see the server log")
     finally:
+        await paced.aclose()
+
+
+async def _paced(chunks: AsyncIterator[dict], every: float) -> AsyncIterator[dict | None]:
+    """The chunks, with None in between whenever `every` seconds pass without one (a long prefill: a client
+    reading with a timeout, as the SDKs do, would give up on a silent connection). The next chunk is awaited
+    in a task of its own, so a pause does not cancel it; however this ends, that task is cancelled first and
+    the chunks are closed (closing them aborts the engine work)."""
+    pending: asyncio.Future | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(chunks))
+            done, _ = await asyncio.wait({pending}, timeout=every)
+            if not done:
+                yield None
+                continue
+            got, pending = pending, None
+            try:
+                chunk = got.result()
+            except StopAsyncIteration:
+                return
+            yield chunk
+    finally:
+        if pending is not None and not pending.done():
+            pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)
         await chunks.aclose()
