@@ -21,6 +21,7 @@ pytestmark = pytest.mark.engine  # every test here runs against a live server
 
 KEY = "sk-ember-anthropic"
 CLAUDE = "claude-sonnet-4-5"
+GREEDY = {"temperature": 0}  # the API takes it; this SDK's create() no longer names it
 QUESTION = [{"role": "user", "content": "Name three primary colors."}]
 SYSTEM = "You are a helpful assistant. " + "Answer briefly and precisely, in plain English. " * 6
 WEATHER = {
@@ -61,7 +62,7 @@ def _events(response: httpx.Response) -> list[tuple[str, dict]]:
 
 
 def test_create_and_stream_agree_at_temperature_zero(live, claude):
-    kw = dict(model=CLAUDE, max_tokens=24, temperature=0, system=SYSTEM, messages=QUESTION)
+    kw = dict(model=CLAUDE, max_tokens=24, system=SYSTEM, messages=QUESTION, extra_body=GREEDY)
     claude.messages.create(**{**kw, "max_tokens": 1})  # both answers below then find the same prefix cached
     made = claude.messages.create(**kw)
     assert made.id.startswith("msg_") and made.type == "message" and made.role == "assistant" and made.model == CLAUDE
@@ -102,7 +103,7 @@ def test_count_tokens_is_the_prompt_tokenize_counts(live, claude):
 
 def test_a_forced_tool_use_and_its_result_round_trip(claude):
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
-    kw = dict(model=CLAUDE, max_tokens=48, temperature=0, tools=[WEATHER])
+    kw = dict(model=CLAUDE, max_tokens=128, tools=[WEATHER], extra_body=GREEDY)
     forced = {"type": "tool", "name": "get_weather"}
     made = claude.messages.create(messages=ask, tool_choice=forced, **kw)
     assert made.stop_reason == "tool_use"
@@ -203,7 +204,7 @@ def test_an_image_and_other_bad_requests_are_400s_in_anthropics_shape(live, clau
 
 def test_a_max_tokens_beyond_the_context_is_capped(live, claude):
     """Claude Code asks for 32000 tokens; a 1024-token context serves what fits instead of refusing."""
-    made = claude.messages.create(model=CLAUDE, max_tokens=32000, temperature=0, messages=QUESTION)
+    made = claude.messages.create(model=CLAUDE, max_tokens=32000, messages=QUESTION, extra_body=GREEDY)
     assert made.stop_reason in ("end_turn", "max_tokens") and made.usage.output_tokens < 1024
 
 

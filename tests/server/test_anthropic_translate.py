@@ -131,11 +131,24 @@ def test_tool_choice_tool_needs_a_name():
         ({"type": "disabled"}, False),
         ({"type": "enabled", "budget_tokens": 1024}, True),
         ({"type": "adaptive"}, True),
+        ({"type": "between_tools"}, True),
     ],
 )
 def test_thinking_sets_the_template_switch_and_whether_reasoning_comes_back(thinking, enabled):
     got = _chat(_minimal(**({"thinking": thinking} if thinking else {})))
     assert got["chat_template_kwargs"] == {"enable_thinking": enabled} and got["include_reasoning"] is enabled
+
+
+def test_output_config_format_is_a_json_schema_response_format():
+    got = _chat(_minimal(output_config={"format": {"type": "json_schema", "schema": SCHEMA}, "effort": "low"}))
+    assert got["response_format"] == {"type": "json_schema", "json_schema": {"name": "output", "schema": SCHEMA}}
+    assert (
+        to_chat_request(MessagesRequest.model_validate(_minimal(output_config={"effort": "high"}))).response_format
+        is None
+    )
+    with pytest.raises(ParamError, match="output_config.format of type 'xml' is not supported") as e:
+        _chat(_minimal(output_config={"format": {"type": "xml"}}))
+    assert e.value.param == "output_config"
 
 
 def test_plain_strings_and_no_optional_fields():

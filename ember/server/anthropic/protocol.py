@@ -49,11 +49,24 @@ class ToolChoice(_Lenient):
 
 
 class ThinkingConfig(_Lenient):
-    """`enabled` (with a token budget ember does not enforce), `disabled`, or `adaptive` (the model decides:
-    served as enabled, the template lets it think)."""
+    """`disabled`, or a way to think: `enabled` (with a token budget ember does not enforce), `adaptive`,
+    `between_tools` and whatever Anthropic adds next, all served as thinking on (the template lets the model
+    think; how much is the model's)."""
 
-    type: Literal["enabled", "disabled", "adaptive"]
+    type: str = Field(min_length=1)
     budget_tokens: int | None = None
+
+
+class OutputFormat(_Lenient):
+    type: str
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+
+
+class OutputConfig(_Lenient):
+    """`format`: a JSON schema the answer must meet (structured outputs); `effort` has no meaning here."""
+
+    format: OutputFormat | None = None
+    effort: str | None = None
 
 
 class _Prompt(_Lenient):
@@ -72,6 +85,7 @@ class MessagesRequest(_Prompt):
 
     max_tokens: int = Field(ge=1)
     stop_sequences: list[str] | None = None
+    output_config: OutputConfig | None = None
     stream: bool = False
     temperature: float | None = Field(None, ge=0.0, le=1.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)

@@ -17,8 +17,10 @@ What maps to what:
   schema) are left out with a log line, since only Anthropic runs them;
 - `tool_choice` auto / any / tool / none -> auto / required / the named function / none, and
   `disable_parallel_tool_use` -> parallel_tool_calls false;
-- `thinking` enabled (or adaptive) -> the template's enable_thinking true and reasoning returned as
-  thinking blocks; disabled or absent (Anthropic's default) -> enable_thinking false, no thinking blocks;
+- `thinking` enabled (adaptive, or any other way to think) -> the template's enable_thinking true and
+  reasoning returned as thinking blocks; disabled or absent (Anthropic's default) -> enable_thinking
+  false, no thinking blocks;
+- `output_config.format` (a json_schema) -> response_format json_schema, held by a grammar;
 - `stop_sequences` -> stop, `max_tokens`, `temperature`, `top_p`, `top_k` as they are.
 
 Image, document and every other block type is refused with a 400 that names the block and where it is.
@@ -76,6 +78,8 @@ def chat_request_dict(req: MessagesRequest | CountTokensRequest) -> dict[str, An
         out.update(_tool_choice(req.tool_choice))
     if isinstance(req, MessagesRequest):
         out["max_tokens"] = req.max_tokens
+        if req.output_config is not None and req.output_config.format is not None:
+            out["response_format"] = _response_format(req.output_config.format)
         if req.stop_sequences:
             out["stop"] = list(req.stop_sequences)
         for name in ("temperature", "top_p", "top_k"):
@@ -240,3 +244,12 @@ def _tool_choice(choice) -> dict[str, Any]:
     if choice.disable_parallel_tool_use:
         out["parallel_tool_calls"] = False
     return out
+
+
+def _response_format(fmt) -> dict[str, Any]:
+    if fmt.type != "json_schema" or not isinstance(fmt.schema_, dict):
+        raise ParamError(
+            f'output_config.format of type {fmt.type!r} is not supported; send {{"type": "json_schema", "schema": {{...}}}}',
+            "output_config",
+        )
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}}
