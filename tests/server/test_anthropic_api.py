@@ -123,6 +123,22 @@ def test_a_forced_tool_use_and_its_result_round_trip(claude):
     assert answer.stop_reason in ("end_turn", "max_tokens") and answer.content and answer.content[0].type == "text"
 
 
+def test_output_config_json_schema_holds_the_answer(claude):
+    schema = {
+        "type": "object",
+        "properties": {"color": {"type": "string", "enum": ["red", "green", "blue"]}},
+        "required": ["color"],
+        "additionalProperties": False,
+    }
+    made = claude.messages.create(
+        model=CLAUDE,
+        max_tokens=64,
+        messages=QUESTION,
+        output_config={"format": {"type": "json_schema", "schema": schema}},
+    )
+    assert made.stop_reason == "end_turn" and json.loads(made.content[0].text)["color"] in ("red", "green", "blue")
+
+
 def test_claude_codes_changing_billing_line_does_not_defeat_the_prefix_cache(live, claude):
     def turn(cch: str):
         system = [
