@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from ember.bench.lib.machine import machine_info, machine_line
+from ember.bench.lib.machine import load_average, machine_info, machine_line
 from ember.bench.lib.servers import ember_start, free_port
 
 DROPPED = "x-anthropic-billing-header:"  # the line Claude Code sends, which ember drops
@@ -93,6 +93,7 @@ def main() -> None:
         server.health(timeout=1800, steady=True)
         system = system_text()
         send(server.url, {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]})  # warm
+        load_at_start = load_average()
         runs: dict[str, list[dict]] = {"dropped": [], "kept": []}
         for r in range(args.rounds):
             for mode, header in (("dropped", DROPPED), ("kept", KEPT)):
@@ -107,10 +108,10 @@ def main() -> None:
         command = server.command
     finally:
         server.stop()
-    write_table(Path(args.out), runs, command, args.rounds)
+    write_table(Path(args.out), runs, command, args.rounds, (load_at_start, load_average()))
 
 
-def write_table(out: Path, runs: dict[str, list[dict]], command: str, rounds: int) -> None:
+def write_table(out: Path, runs: dict[str, list[dict]], command: str, rounds: int, loads: tuple) -> None:
     rows = []
     for mode, label in (("dropped", "dropped (ember)"), ("kept", "kept (the same line, not dropped)")):
         got = runs[mode]
@@ -122,14 +123,18 @@ def write_table(out: Path, runs: dict[str, list[dict]], command: str, rounds: in
             f"{statistics.median(ttfts):.0f} | {', '.join(f'{t:.0f}' for t in ttfts)} |"
         )
     speedup = statistics.median(g["ttft"] for g in runs["kept"]) / statistics.median(g["ttft"] for g in runs["dropped"])
+    machine = machine_info()
+    busy = max(x or 0.0 for x in loads) > machine["usable_cores"]
+    shared = " (above the core count: other processes shared the cores, so the TTFTs are longer)" if busy else ""
     text = f"""# Claude Code's billing-header line and the prefix cache
 
 Turn 2 of a ~1,500-token conversation over `/v1/messages`, its `cch=` value changed from turn 1, as Claude Code
 sends it. Medians of {rounds} rounds (each round a fresh conversation per mode).
 
-- machine: {machine_line(machine_info())}
+- machine: {machine_line(machine)}
 - server: `{command}` (defaults: the default model, prefix caching on; measured after its background compile)
 - command: `python benchmarks/anthropic_billing_header.py --rounds {rounds}`
+- 1-minute load average when the rounds began and ended: {loads[0]} / {loads[1]}{shared}
 
 | billing line | turn-2 prompt tokens | cache_read_input_tokens | TTFT ms (median) | TTFT ms (each round) |
 |---|---|---|---|---|
