@@ -141,8 +141,8 @@ sends it. Medians of {rounds} rounds (each round a fresh conversation per mode).
 {chr(10).join(rows)}
 
 Dropping the line cuts turn 2's median TTFT from {kept:.0f} ms to {dropped:.0f} ms ({kept / dropped:.1f}x): its prompt
-begins as turn 1's did, so the prefix cache serves all of turn 1 and only the new tokens are computed. Kept, the changing line is the prompt's
-first tokens and nothing after it can be a cache hit.
+begins as turn 1's did, so the prefix cache serves all of turn 1 and only the new tokens are computed. Kept,
+the changing line is the prompt's first tokens and nothing after it can be a cache hit.
 """
     out.write_text(text)
     print(text)
