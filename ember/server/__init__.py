@@ -1,7 +1,9 @@
-"""The OpenAI-compatible HTTP server (`ember serve`).
+"""The OpenAI-compatible HTTP server (`ember serve`), which speaks Anthropic's Messages API too.
 
-  api.py          FastAPI app: routes, API key, OpenAI-shaped errors, request counting, SSE
+  api.py          FastAPI app: routes, API key, errors in OpenAI's shape (Anthropic's on its routes), request counting, SSE
   chat.py         /v1/chat/completions     completions.py   /v1/completions
+  chat_blocks.py  a chat answer as blocks (open / delta / close): what the agent protocols translate
+  anthropic/      Anthropic's Messages API (/v1/messages, /v1/messages/count_tokens) over the chat path
   serving.py      what both share: settings, request -> SamplingParams, submit, disconnects
   protocol.py     pydantic request schemas and the JSON shapes of answers
   tool_parsers/   <tool_call> parsing (Hermes JSON, Qwen3-Coder XML), whole and as streaming deltas

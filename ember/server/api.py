@@ -2,7 +2,8 @@
 
 `build_app(async_engine, config)` returns an app whose lifespan starts the engine thread
 (warmup first; /health answers 503 until it is done). Every error a client can see has
-OpenAI's shape `{"error": {"message", "type", "param", "code"}}`:
+OpenAI's shape `{"error": {"message", "type", "param", "code"}}` (under /v1/messages Anthropic's,
+ember.server.anthropic.errors):
 400 bad parameters (pydantic's 422 and malformed JSON included), 401 bad or missing API key
 on /v1/*, 404 unknown model or route, 503 overload, 500 for a bug -- with a generic message;
 the traceback goes to the log only.
@@ -21,13 +22,15 @@ import uuid
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ember.engine.async_engine import AsyncLLMEngine
 from ember.errors import AuthenticationError, EmberError, ParamError
 from ember.server import openapi, tokenize
+from ember.server.anthropic import errors as anthropic_errors
+from ember.server.anthropic import routes as anthropic_routes
 from ember.server.chat import ChatHandler
 from ember.server.completions import CompletionHandler
 from ember.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
@@ -40,12 +43,20 @@ from ember.server.protocol import (
     error_body,
     model_card,
 )
+from ember.server.responses.routes import INPUT_TOKENS, RESPONSES
 from ember.server.responses.routes import add_routes as add_responses_routes
-from ember.server.serving import ClientDisconnected, ServerConfig, Serving
+from ember.server.serving import ServerConfig, Serving, http_answer
 
 logger = logging.getLogger("ember.server")
 
-GENERATION = ("/v1/chat/completions", "/v1/completions", "/v1/chat/completions/batch", "/invocations")
+GENERATION = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/chat/completions/batch",
+    "/invocations",
+    anthropic_routes.MESSAGES,
+    RESPONSES,
+)
 ENDPOINTS = (
     *GENERATION,
     "/v1/models",
@@ -56,6 +67,8 @@ ENDPOINTS = (
     "/tokenize",
     "/detokenize",
     "/tokenizer_info",
+    anthropic_routes.COUNT_TOKENS,
+    INPUT_TOKENS,
 )
 _TYPES = {
     400: "invalid_request_error",
@@ -78,6 +91,13 @@ def _error(status: int, message: str, param: str | None = None, type_: str | Non
     return JSONResponse(
         error_body(message, type_ or _TYPES.get(status, "server_error"), status, param), status_code=status
     )
+
+
+def _error_at(path: str, status: int, message: str, param: str | None = None, type_: str | None = None):
+    """An error in the shape of the API that path belongs to: Anthropic's under /v1/messages, else OpenAI's."""
+    if anthropic_errors.speaks_anthropic(path):
+        return anthropic_errors.error_response(status, message)
+    return _error(status, message, param, type_)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -144,7 +164,9 @@ class _CountRequests:
             await send(message)
 
         if self.serving is not None and self.serving.draining:
-            response = _error(503, "the server is shutting down; send the request to another instance or retry later")
+            response = _error_at(
+                path, 503, "the server is shutting down; send the request to another instance or retry later"
+            )
             return await response(scope, receive, counting_send)
         load = self.serving is not None and endpoint in GENERATION
         if load:
@@ -155,7 +177,9 @@ class _CountRequests:
             logger.error("unhandled error in %s %s", scope.get("method"), path, exc_info=exc)
             if started:
                 raise  # mid-stream: the stream generators report errors in-band; nothing more to send
-            response = _error(500, "internal server error; the server log has the details", type_="server_error")
+            response = _error_at(
+                path, 500, "internal server error; the server log has the details", type_="server_error"
+            )
             await response(scope, receive, counting_send)
         finally:
             if load:
@@ -191,6 +215,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, metrics: ServerMetri
     _add_error_handlers(app)
     _add_service_routes(app, engine, metrics)
     _add_v1_routes(app, serving, config, [Depends(_api_key_check(config))])
+    anthropic_routes.add_routes(app, ChatHandler(serving), serving, [Depends(_api_key_check(config))])
     _add_tokenizer_routes(app, serving, config)
     openapi.install(app)
     app.add_middleware(
@@ -216,36 +241,44 @@ def _add_cors(app: FastAPI, config: ServerConfig) -> None:
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    """Every error in OpenAI's shape, with the right status (the server keeps serving)."""
+    """Every error in its API's shape (OpenAI's; Anthropic's under /v1/messages), with the right status (the
+    server keeps serving)."""
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
         message, param = _validation_message(exc)
-        return _error(400, message, param)
+        return _error_at(request.url.path, 400, message, param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         if exc.status_code == 404:
-            return _error(404, f"{request.method} {request.url.path} is not an endpoint of this server", None)
-        return _error(exc.status_code, str(exc.detail))
+            return _error_at(
+                request.url.path, 404, f"{request.method} {request.url.path} is not an endpoint of this server"
+            )
+        return _error_at(request.url.path, exc.status_code, str(exc.detail))
 
     @app.exception_handler(EmberError)
     async def _ember(request: Request, exc: EmberError):
         status = getattr(exc, "http_status", 400)
-        return _error(status, str(exc), getattr(exc, "param", None))
+        return _error_at(request.url.path, status, str(exc), getattr(exc, "param", None))
 
 
 def _api_key_check(config: ServerConfig):
-    """A dependency of the /v1 routes: `Authorization: Bearer <--api-key>` when a key is set."""
+    """A dependency of the /v1 routes: the --api-key, when one is set, as `Authorization: Bearer <key>` (OpenAI's
+    clients) or `x-api-key: <key>` (Anthropic's); either header with the key lets the request in."""
 
     def check_key(request: Request) -> None:
         key = config.api_key
         if not key:
             return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise AuthenticationError("a valid API key is required: send the header `Authorization: Bearer <key>`")
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        bearer = token.strip() if scheme.lower() == "bearer" else None
+        for given in (bearer, request.headers.get("x-api-key")):
+            if given is not None and hmac.compare_digest(given.strip().encode(), key.encode()):
+                return
+        raise AuthenticationError(
+            "a valid API key is required: send the header `Authorization: Bearer <key>` or `x-api-key: <key>`"
+        )
 
     return check_key
 
@@ -312,29 +345,17 @@ def _add_v1_routes(app: FastAPI, serving: Serving, config: ServerConfig, v1: lis
         serving.check_model(name)
         return model_card(name, config.model_root, serving.max_model_len, created)
 
-    async def answer(create):
-        """The route's answer: JSON, or SSE for a stream; 499 when the client left first (its work is aborted)."""
-        try:
-            result = await create
-        except ClientDisconnected:
-            return Response(status_code=499)
-        if isinstance(result, dict):
-            return JSONResponse(result)
-        return StreamingResponse(
-            result, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        )
-
     @app.post("/v1/chat/completions", dependencies=v1)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await answer(chat.create(body, request.receive))
+        return await http_answer(chat.create(body, request.receive))
 
     @app.post("/v1/completions", dependencies=v1)
     async def create_completion(body: CompletionRequest, request: Request):
-        return await answer(completions.create(body, request.receive))
+        return await http_answer(completions.create(body, request.receive))
 
     @app.post("/v1/chat/completions/batch", dependencies=v1)
     async def chat_completions_batch(body: BatchChatCompletionRequest, request: Request):
-        return await answer(chat.create_batch(body, request.receive))
+        return await http_answer(chat.create_batch(body, request.receive))
 
     @app.post("/invocations", dependencies=v1)
     async def invocations(request: Request):
@@ -358,7 +379,7 @@ def _add_v1_routes(app: FastAPI, serving: Serving, config: ServerConfig, v1: lis
         except ValidationError as e:
             raise RequestValidationError(e.errors()) from None
         handler = chat if kind is ChatCompletionRequest else completions
-        return await answer(handler.create(parsed, request.receive))
+        return await http_answer(handler.create(parsed, request.receive))
 
 
 __all__ = ["build_app", "ServerConfig", "ParamError"]

@@ -242,7 +242,7 @@ class ChatHandler:
         """The streamed answer's chunks as dicts, the last one carrying the usage, for the API
         translations over this path (ember.server.anthropic, ember.server.responses); a failure is
         raised to the caller, which reports it in its own protocol. ctx.cached holds the prefix-cache
-        hit once the first chunk has been read."""
+        hit once the second chunk has been read (the first, the role, goes out before the engine is read)."""
         head = self._chunk_head(ctx)
 
         def chunk(choices: list, usage_now: dict | None = None, extra: dict | None = None) -> dict:

@@ -364,6 +364,22 @@ class ClientDisconnected(Exception):
     pass
 
 
+async def http_answer(create):
+    """A generation route's answer (OpenAI's, Anthropic's, the Responses API's): JSON for a whole
+    answer, SSE for a stream; 499 when the client left first (its work is aborted)."""
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+    try:
+        result = await create
+    except ClientDisconnected:
+        return Response(status_code=499)
+    if isinstance(result, dict):
+        return JSONResponse(result)
+    return StreamingResponse(
+        result, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
+
+
 async def all_or_none(coros: list) -> list:
     """Await coroutines together; the first failure cancels the others (their finally blocks abort their
     engine work) and is raised. (asyncio.gather would leave them running.)"""

@@ -14,7 +14,6 @@ import logging
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ember.errors import ParamError
 from ember.server.chat import ChatHandler
@@ -23,10 +22,12 @@ from ember.server.responses.output import ResponseBuilder, whole_response
 from ember.server.responses.protocol import InputTokensRequest, ResponsesRequest
 from ember.server.responses.stream import response_events
 from ember.server.responses.translate import CHAT_TO_RESPONSES_PARAM, to_chat
-from ember.server.serving import ClientDisconnected, Serving, unless_disconnected
+from ember.server.serving import Serving, http_answer, unless_disconnected
 from ember.server.tokenize import tokenize
 
 logger = logging.getLogger("ember.server")
+
+RESPONSES, INPUT_TOKENS = "/v1/responses", "/v1/responses/input_tokens"
 
 # /openapi.json: /v1/responses answers JSON, or server-sent events when `stream` is true
 STREAMS = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}}
@@ -81,18 +82,10 @@ def add_routes(app: FastAPI, chat: ChatHandler, serving: Serving, dependencies: 
     """The Responses API's routes on app, behind the /v1 routes' dependencies (the API key)."""
     endpoint = ResponsesEndpoint(chat, serving)
 
-    @app.post("/v1/responses", dependencies=dependencies, responses=STREAMS)
+    @app.post(RESPONSES, dependencies=dependencies, responses=STREAMS)
     async def create_response(body: ResponsesRequest, request: Request):
-        try:
-            result = await endpoint.create(body, request.receive)
-        except ClientDisconnected:
-            return Response(status_code=499)
-        if isinstance(result, dict):
-            return JSONResponse(result)
-        return StreamingResponse(
-            result, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        )
+        return await http_answer(endpoint.create(body, request.receive))
 
-    @app.post("/v1/responses/input_tokens", dependencies=dependencies)
+    @app.post(INPUT_TOKENS, dependencies=dependencies)
     async def count_input_tokens(body: InputTokensRequest):
         return endpoint.input_tokens(body)
