@@ -157,6 +157,19 @@ def test_claude_codes_changing_billing_line_does_not_defeat_the_prefix_cache(liv
     assert second.cache_read_input_tokens >= prompt - live.engine.config.cache_config.block_size
 
 
+def test_a_mid_conversation_system_message_is_served_and_counted(live, claude):
+    """As Claude Code 2.1.197 sends its reminders: {"role": "system"} after the user's turn (the SDK's own
+    MessageParam type has it). It is served, and counted as the user text it becomes."""
+    reminder = "Answer in one word."
+    messages = [*QUESTION, {"role": "system", "content": [{"type": "text", "text": reminder}]}]
+    counted = claude.messages.count_tokens(model=CLAUDE, system=SYSTEM, messages=messages)
+    folded = [{"role": "user", "content": QUESTION[0]["content"] + "\n\n" + reminder}]
+    assert counted.input_tokens == _count(live, folded, SYSTEM)
+    with claude.messages.stream(model=CLAUDE, max_tokens=8, system=SYSTEM, messages=messages) as stream:
+        made = stream.get_final_message()
+    assert made.content and made.usage.input_tokens + made.usage.cache_read_input_tokens == counted.input_tokens
+
+
 def test_any_model_name_is_served_and_logged_once(claude, caplog):
     caplog.set_level(logging.INFO, logger="ember.server")
     for _ in range(2):

@@ -172,6 +172,49 @@ def test_a_last_assistant_turn_is_continued():
     assert got["add_generation_prompt"] is False and got["continue_final_message"] is True
 
 
+def test_a_mid_conversation_system_message_is_user_text_in_place():
+    """Claude Code (2.1.197) sends its reminders as {"role": "system"} after the user's turn: the text stays
+    where it is, in that user turn, so no template meets a late system message and the prompt's start
+    stays the same from turn to turn."""
+    reminder = {"role": "system", "content": "Available agent types: claude, Explore."}
+    got = _chat(_minimal(system="You are Claude Code.", messages=[{"role": "user", "content": "hi"}, reminder]))
+    assert got["messages"] == [
+        {"role": "system", "content": "You are Claude Code."},
+        {"role": "user", "content": "hi\n\nAvailable agent types: claude, Explore."},
+    ]
+    assert "continue_final_message" not in got
+    # after tool results (no user text to join) it is a user message of its own; text blocks are joined
+    blocks = {"role": "system", "content": [{"type": "text", "text": "Be"}, {"type": "text", "text": "brief."}]}
+    turn = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "w", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "18C"}]},
+        blocks,
+    ]
+    assert _chat(_minimal(messages=turn))["messages"][-2:] == [
+        {"role": "tool", "tool_call_id": "t1", "content": "18C"},
+        {"role": "user", "content": "Be\nbrief."},
+    ]
+
+
+def test_a_system_message_cleared_at_the_next_user_turn_goes_once_one_comes():
+    once = {"role": "system", "content": "Only for this turn.", "clear_at": "next_user_message"}
+    kept = {"role": "system", "content": "Always.", "clear_at": "never"}
+    first = [{"role": "user", "content": "a"}, once]
+    assert _chat(_minimal(messages=first))["messages"] == [{"role": "user", "content": "a\n\nOnly for this turn."}]
+    later = [{"role": "user", "content": "a"}, once, {"role": "assistant", "content": "b"}]
+    later += [{"role": "user", "content": "c"}, kept]
+    assert _chat(_minimal(messages=later))["messages"] == [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c\n\nAlways."},
+    ]
+    with pytest.raises(ParamError) as e:
+        tool = {"type": "tool_addition", "tool": {"type": "tool_reference", "name": "w"}}
+        _chat(_minimal(messages=[{"role": "user", "content": "a"}, {"role": "system", "content": [tool]}]))
+    assert "messages[1].content[0]" in str(e.value) and "'tool_addition' is not supported" in str(e.value)
+
+
 def test_billing_header_lines_are_dropped_and_nothing_else():
     assert drop_billing_header(BILLING) == ""
     assert drop_billing_header(f"{BILLING}\nYou are Claude Code.\n") == "You are Claude Code.\n"

@@ -21,8 +21,13 @@ class _Lenient(BaseModel):
 
 
 class InputMessage(_Lenient):
-    role: Literal["user", "assistant"]
+    """A turn of the conversation. `system` is a mid-conversation system message (Claude Code sends its
+    reminders as one after the user's turn); `clear_at` says whether it stays in front of the model after
+    the next user turn ("never", the default) or not ("next_user_message")."""
+
+    role: Literal["user", "assistant", "system"]
     content: str | list[dict[str, Any]]
+    clear_at: Literal["next_user_message", "never"] | None = None
 
 
 class TextBlockParam(_Lenient):

@@ -7,6 +7,9 @@ the same prefix-cache hits.
 What maps to what:
 - `system` (a string or text blocks) -> one system message; Claude Code's billing-header line is dropped
   (`drop_billing_header`);
+- a mid-conversation `system` message (Claude Code's reminders) -> its text, in place, in the user turn it
+  follows (`_late_system`); one whose `clear_at` is next_user_message is left out once a later user turn
+  has come;
 - a user turn's text blocks -> a user message; its `tool_result` blocks -> tool messages (in place, so a
   template sees them right after the assistant's calls), an error result's text prefixed `Error: `, since
   a chat message has no field for it and the model must see that the tool failed;
@@ -109,13 +112,45 @@ def _system(system) -> list[dict]:
 def _conversation(messages: list[InputMessage]) -> list[dict]:
     out: list[dict] = []
     for i, m in enumerate(messages):
-        if isinstance(m.content, str):
+        if m.role == "system":
+            if m.clear_at == "next_user_message" and any(later.role == "user" for later in messages[i + 1 :]):
+                continue  # it was for the user turn it followed, and a later one has come
+            _late_system(out, _system_text(m.content, f"messages[{i}]"))
+        elif isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
         elif m.role == "user":
             out += _user_turn(m.content, f"messages[{i}]")
         else:
             out.append(_assistant_turn(m.content, f"messages[{i}]"))
     return out
+
+
+def _late_system(out: list[dict], text: str) -> None:
+    """A mid-conversation system message, in place, as user text: appended to the user message it follows,
+    or a user message of its own after tool results or an assistant turn.
+
+    Not a chat `system` message: Qwen3.5's and Qwen3-Coder's templates raise "System message must be at
+    the beginning" for one anywhere else, and others drop it. Not merged into the leading system message
+    either: that would change the prompt's first tokens, and with them every prefix-cache hit of the
+    conversation, each time one is added."""
+    if not text:
+        return
+    previous = out[-1] if out else None
+    if previous is not None and previous["role"] == "user" and isinstance(previous["content"], str):
+        previous["content"] = f"{previous['content']}\n\n{text}" if previous["content"] else text
+    else:
+        out.append({"role": "user", "content": text})
+
+
+def _system_text(content: str | list[dict], where: str) -> str:
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, block in enumerate(content):
+        if block.get("type") != "text":
+            _refuse(block.get("type"), f"{where}.content[{j}]", "text blocks in a system message (declare tools in `tools`)")
+        texts.append(_text(block, f"{where}.content[{j}]"))
+    return "\n".join(texts)
 
 
 def _user_turn(blocks: list[dict], where: str) -> list[dict]:
