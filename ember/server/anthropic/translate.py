@@ -148,7 +148,9 @@ def _system_text(content: str | list[dict], where: str) -> str:
     texts = []
     for j, block in enumerate(content):
         if block.get("type") != "text":
-            _refuse(block.get("type"), f"{where}.content[{j}]", "text blocks in a system message (declare tools in `tools`)")
+            _refuse(
+                block.get("type"), f"{where}.content[{j}]", "text blocks in a system message (declare tools in `tools`)"
+            )
         texts.append(_text(block, f"{where}.content[{j}]"))
     return "\n".join(texts)
 
