@@ -19,6 +19,9 @@ import uvicorn
 from ember.config.engine_args import engine_config_from_args
 from ember.errors import ConfigError
 from ember.server.launcher import VLLM_SWITCHES, cors_options
+from ember.server.sampling_defaults import AUTO as AUTO_DEFAULTS
+from ember.server.sampling_defaults import NONE as NO_DEFAULTS
+from ember.server.sampling_defaults import load_sampling_defaults, parse_override
 
 logger = logging.getLogger("ember.server")
 
@@ -63,14 +66,21 @@ def build_server(args):
         raise ConfigError(f"--max-waiting-requests must be >= 1 (got {args.max_waiting_requests})")
     template = _chat_template(args.chat_template)
     cors = cors_options(args)
+    override = parse_override(args.override_generation_config)
+    if args.generation_config not in (AUTO_DEFAULTS, NO_DEFAULTS):  # a folder: checked before the model loads
+        load_sampling_defaults(args.generation_config, "", override)
     # Build the engine on the thread that will step it (see AsyncLLMEngine's executor).
     engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ember-engine")
     engine = engine_thread.submit(LLMEngine, engine_config_from_args(args), defer_compile=True).result()
     names = _model_name(args, engine)
     switches = [flag[2:].replace("-", "_") for flag in VLLM_SWITCHES]
+    sampling_defaults = load_sampling_defaults(args.generation_config, str(engine.parts.loaded.path), override)
+    if sampling_defaults:
+        logger.info("default sampling for what a request leaves unset: %s", sampling_defaults)
     config = ServerConfig(
         served_model_names=names,
         model_root=str(engine.parts.loaded.path),
+        sampling_defaults=sampling_defaults,
         api_key=args.api_key or os.environ.get("EMBER_API_KEY") or os.environ.get("VLLM_API_KEY") or None,
         chat_template=template,
         log_requests=not args.disable_log_requests,

@@ -15,6 +15,7 @@ import json
 from ember.config.engine_args import add_engine_args
 from ember.engine.async_engine import DEFAULT_MAX_WAITING_REQUESTS
 from ember.errors import ConfigError
+from ember.server.sampling_defaults import AUTO as AUTO_DEFAULTS
 from ember.server.tool_parsers import AUTO, TOOL_PARSERS
 
 DEFAULT_HOST = "127.0.0.1"
@@ -104,6 +105,20 @@ def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool =
         "<tool_call>{json}</tool_call> (Qwen2.5, Qwen3, Hermes); qwen3_coder or qwen3_xml = <tool_call><function=NAME>"
         "<parameter=P>value</parameter></function></tool_call> (Qwen3.5, Qwen3-Coder); auto (default): the one the "
         "chat template writes, else hermes",
+    )
+    g.add_argument(
+        "--generation-config",
+        default=AUTO_DEFAULTS,
+        metavar="auto|vllm|FOLDER",
+        help="default sampling (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) for what a "
+        "request leaves unset: auto (default) = the model folder's generation_config.json, as its makers "
+        "recommend; vllm = none (temperature 1, no cut-off); a folder = its generation_config.json",
+    )
+    g.add_argument(
+        "--override-generation-config",
+        default=None,
+        metavar="JSON",
+        help="sampling defaults over --generation-config's, as a JSON object, e.g. '{\"temperature\": 0}'",
     )
     _add_cors_args(g)
 

@@ -42,6 +42,8 @@ class ServerConfig:
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
+    # defaults for the sampling fields a request leaves unset (--generation-config: ember.server.sampling_defaults)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 # vLLM request fields that would change the answer and ember does not implement: a 400 naming each
@@ -151,13 +153,16 @@ class Serving:
                 f"prompt or max_tokens.",
                 "max_tokens",
             )
+        defaults = self.config.sampling_defaults
+        if max_tokens is None:
+            max_tokens = min(defaults.get("max_new_tokens", m), m - prompt_len)
         kw: dict[str, Any] = dict(
             n=req.n,
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
             seed=req.seed,
             stop=req.stop,
-            max_tokens=max_tokens if max_tokens is not None else m - prompt_len,
+            max_tokens=max_tokens,
             min_tokens=req.min_tokens,
             ignore_eos=req.ignore_eos,
             stop_token_ids=req.stop_token_ids,
@@ -170,6 +175,8 @@ class Serving:
         )
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             v = getattr(req, name)
+            if v is None:
+                v = defaults.get(name)
             if v is not None:
                 kw[name] = v
         if logprobs is not None:

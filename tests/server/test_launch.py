@@ -44,6 +44,8 @@ def test_bad_server_flags_fail_before_loading():
         ["serve", "--max-waiting-requests", "0"],
         ["serve", "--chat-template", "no-such-file"],
         ["serve", "--allowed-origins", "http://localhost:3000"],  # not a JSON list
+        ["serve", "--override-generation-config", '{"top_p": 2}'],
+        ["serve", "--generation-config", "/no/such/folder"],
     ):
         with pytest.raises(ConfigError):
             build_server(build_parser().parse_args(argv))
