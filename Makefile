@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 INSTALL := $(PY) scripts/install.py --venv $(VENV)
 
-.PHONY: setup run test bench format
+.PHONY: setup run test bench format clients
 
 setup: $(VENV)/.installed-serve
 
@@ -22,10 +22,18 @@ $(VENV)/.installed-test: $(VENV)/.installed-serve
 $(VENV)/.installed-bench: $(VENV)/.installed-serve
 	$(INSTALL) bench
 
+# the agent CLIs tests/scripts/test_agent_clients.py runs against ember (Claude Code, Codex), pinned, from
+# npm into .clients/ (~660 MB); without npm the test says it cannot run, and why
+.clients/.installed: scripts/agent_clients.py
+	@if command -v npm > /dev/null; then $(PY) scripts/agent_clients.py --install && touch $@; \
+	else echo "npm not found: the agent CLI check (scripts/agent_clients.py) cannot run here"; fi
+
+clients: .clients/.installed
+
 run: $(VENV)/.installed-serve
 	$(BIN)/ember serve
 
-test: $(VENV)/.installed-test
+test: $(VENV)/.installed-test .clients/.installed
 	$(BIN)/pytest -q -n 2 --dist loadfile
 
 bench: $(VENV)/.installed-bench

@@ -5,7 +5,9 @@ Input items become chat messages in order:
 - `instructions`, and the system / developer messages before the first other message, become one
   leading system message (their texts joined by a blank line): some templates (Qwen3.5's) accept a
   system message only at the start, and Codex sends instructions and a developer message both;
-  a system or developer message later in the conversation stays a system message in its place;
+  a system or developer message later in the conversation becomes a user message in its place (as
+  the Anthropic translation does): a late system message makes Qwen3.5's template raise, and joining
+  it to the leading one would change the prompt's start, and every prefix-cache hit, each time;
 - a user message is a user message; its text parts are the chat message's text parts;
 - consecutive assistant items (reasoning, assistant message, function_call, custom_tool_call) fold
   into one assistant message, as the model wrote them in one turn: reasoning -> reasoning_content,
@@ -170,7 +172,7 @@ class _ChatMessages:
         if not self.messages and self._assistant is None:
             self.leading_system.append("\n".join(texts))
         else:
-            self._add({"role": "system", "content": _parts(texts)})
+            self._add({"role": "user", "content": _parts(texts)})
 
     def user(self, texts: list[str]) -> None:
         self._add({"role": "user", "content": _parts(texts)})
