@@ -1,12 +1,15 @@
 """Qwen3.5's XML tool calls end to end: the default model served with a Qwen3.5-style chat template given
 as `--chat-template FILE`, which makes the server choose the XML parser; forced calls are written in
 that format by xgrammar's qwen_3_5 tag and come back as typed `tool_calls`, read through the official
-`openai` SDK whole and with its stream accumulator, the two agreeing."""
+`openai` SDK whole and with its stream accumulator, the two agreeing; the same call comes back as a
+`tool_use` block through /v1/messages (the `anthropic` SDK) and a `function_call` item through
+/v1/responses (the `openai` SDK), whole and streamed."""
 
 from __future__ import annotations
 
 import json
 
+import anthropic
 import httpx
 import jsonschema
 import pytest
@@ -162,3 +165,55 @@ def test_a_call_and_its_result_render_back_through_the_template(xml_live):
     assert "<tool_response>\nSunny, 21 C\n</tool_response>" in prompt
     answer = xml_live.client().chat.completions.create(model=MODEL_NAME, messages=turn, tools=TOOLS, max_tokens=4)
     assert answer.usage.prompt_tokens == r.json()["count"]
+
+
+def _forced_chat_arguments(xml_live) -> dict:
+    """The arguments of the chat route's forced call: the other routes render the same prompt (the same
+    messages, the same tools), so at temperature 0 their call is the same."""
+    r = xml_live.client().chat.completions.create(
+        model=MODEL_NAME, messages=ASK, tools=TOOLS, tool_choice=NAMED, temperature=0, max_tokens=MAX_TOKENS
+    )
+    return json.loads(r.choices[0].message.tool_calls[0].function.arguments)
+
+
+def test_the_same_forced_call_through_the_messages_api_is_a_typed_tool_use(xml_live):
+    claude = anthropic.Anthropic(base_url=xml_live.url, api_key="none", max_retries=0, timeout=120)
+    tools = [
+        {
+            k: v
+            for k, v in {
+                "name": f["name"],
+                "description": f.get("description"),
+                "input_schema": f["parameters"],
+            }.items()
+            if v
+        }
+        for f in (t["function"] for t in TOOLS)
+    ]
+    kw = dict(
+        model="claude-sonnet-4-5", max_tokens=MAX_TOKENS, messages=ASK, tools=tools, extra_body={"temperature": 0}
+    )
+    kw["tool_choice"] = {"type": "tool", "name": "get_weather"}
+    made = claude.messages.create(**kw)
+    assert made.stop_reason == "tool_use"
+    [call] = [b for b in made.content if b.type == "tool_use"]
+    assert call.name == "get_weather" and call.input == _forced_chat_arguments(xml_live)
+    jsonschema.validate(call.input, SCHEMAS["get_weather"])
+    with claude.messages.stream(**kw) as stream:
+        streamed = stream.get_final_message()
+    assert [(b.name, b.input) for b in streamed.content if b.type == "tool_use"] == [("get_weather", call.input)]
+
+
+def test_the_same_forced_call_through_the_responses_api_is_a_typed_function_call(xml_live):
+    client = xml_live.client()
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]  # as the chat tools: the template shows them
+    kw = dict(model=MODEL_NAME, input=ASK, tools=tools, temperature=0, max_output_tokens=MAX_TOKENS)
+    kw["tool_choice"] = {"type": "function", "name": "get_weather"}
+    made = client.responses.create(**kw)
+    [call] = [item for item in made.output if item.type == "function_call"]
+    assert call.name == "get_weather" and json.loads(call.arguments) == _forced_chat_arguments(xml_live)
+    _check("get_weather", call.arguments)
+    with client.responses.stream(**kw) as stream:
+        final = stream.get_final_response()
+    [streamed] = [item for item in final.output if item.type == "function_call"]
+    assert (streamed.name, streamed.arguments) == ("get_weather", call.arguments)
