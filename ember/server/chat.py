@@ -104,6 +104,8 @@ class ChatHandler:
             continue_final_message=req.continue_final_message,
             **(req.chat_template_kwargs or {}),
         )
+        if tools and not self.s.template_shows_tools:
+            self.s.tools_unseen()
         return ids, tools, constraint
 
     async def create(self, req: ChatCompletionRequest, receive):

@@ -85,6 +85,20 @@ class Serving:
             config.tool_call_parser, config.chat_template or self.tokenizer.chat_template
         )
         logger.info("tool calls: %s parser (%s)", self.tool_parser.name, self.tool_parser.reason)
+        # a template that never reads `tools` renders a request's tools nowhere: said once, at the first such request
+        self.template_shows_tools = "tools" in (config.chat_template or self.tokenizer.chat_template or "")
+        self._told_tools_unseen = False
+
+    def tools_unseen(self) -> None:
+        """A request came with tools the chat template does not show the model (the default model's has no
+        place for them): agent clients send tools and get answers that ignore them, so the log says why once."""
+        if not self._told_tools_unseen:
+            self._told_tools_unseen = True
+            logger.warning(
+                "a request's tools are not in its prompt: the chat template has no place for tools, so the model "
+                "does not see them (only a forced tool_choice makes it call one); serve a template that renders "
+                "tools (--chat-template) to let the model choose them"
+            )
 
     @property
     def reasoning_parser(self) -> str | None:

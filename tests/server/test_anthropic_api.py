@@ -170,6 +170,18 @@ def test_a_mid_conversation_system_message_is_served_and_counted(live, claude):
     assert made.content and made.usage.input_tokens + made.usage.cache_read_input_tokens == counted.input_tokens
 
 
+def test_tools_the_template_cannot_show_are_said_once(live, claude, caplog):
+    """The default model's template has no place for tools: the model never sees them, and the log says so
+    (once per server), since a client's answers would otherwise ignore its tools with no word why."""
+    serving = live.app.state.serving
+    assert serving.template_shows_tools is False
+    serving._told_tools_unseen = False
+    caplog.set_level(logging.WARNING, logger="ember.server")
+    for _ in range(2):
+        claude.messages.create(model=CLAUDE, max_tokens=1, messages=QUESTION, tools=[WEATHER])
+    assert caplog.text.count("the chat template has no place for tools") == 1
+
+
 def test_any_model_name_is_served_and_logged_once(claude, caplog):
     caplog.set_level(logging.INFO, logger="ember.server")
     for _ in range(2):
