@@ -106,6 +106,12 @@ def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool =
         "<parameter=P>value</parameter></function></tool_call> (Qwen3.5, Qwen3-Coder); auto (default): the one the "
         "chat template writes, else hermes",
     )
+    _add_sampling_default_args(g)
+    _add_cors_args(g)
+
+
+def _add_sampling_default_args(g) -> None:
+    """vLLM's --generation-config and --override-generation-config (ember.server.sampling_defaults)."""
     g.add_argument(
         "--generation-config",
         default=AUTO_DEFAULTS,
@@ -120,7 +126,6 @@ def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool =
         metavar="JSON",
         help="sampling defaults over --generation-config's, as a JSON object, e.g. '{\"temperature\": 0}'",
     )
-    _add_cors_args(g)
 
 
 def _add_cors_args(g) -> None:
