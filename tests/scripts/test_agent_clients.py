@@ -49,6 +49,23 @@ def test_a_turn_passes_only_with_exit_0_an_answer_and_every_request_to_its_route
     assert turn(requests=[("POST", "/v1/messages", 200), ("GET", "/v1/models", 404)]).passed  # side requests
 
 
+def test_a_turn_the_model_ran_to_max_tokens_passes_only_when_the_cli_says_so(script):
+    """The CLI read the stream to its stop reason and reported it: the protocol worked. A crash, a timeout
+    or another error does not count."""
+    codex = script.CLIENTS["codex"]
+    ok = [("POST", "/v1/responses", 200)]
+    said = "codex\nLe Grand...\nERROR: Incomplete response returned, reason: max_output_tokens\n"
+    at_limit = script.Turn(codex, 1, 1.0, "", ok, "", said)
+    assert at_limit.passed and at_limit.ended_at_max_tokens and "max tokens" in at_limit.result
+    assert not script.Turn(codex, 1, 1.0, "", ok, "", "ERROR: stream disconnected before completion").passed
+    assert not script.Turn(codex, -1, 300.0, "", ok, "", said + "(timed out after 300 s)").passed
+    assert not script.Turn(codex, 1, 1.0, "", [("POST", "/v1/responses", 500)], "", said).passed
+    claude = script.CLIENTS["claude"]
+    said = '{"is_error":true,"result":"API Error: Claude\'s response exceeded the 256 output token maximum."}'
+    assert script.Turn(claude, 1, 1.0, "", [("POST", "/v1/messages", 200)] * 4, "", said).passed
+    assert script.Turn(claude, 0, 1.0, "Paris.", [("POST", "/v1/messages", 200)], "").result == "pass"
+
+
 def test_a_client_that_is_not_installed_is_named_with_how_to_install_it(script, tmp_path, capsys):
     assert script.main(["--install-dir", str(tmp_path), "--clients", "codex"]) == 2
     err = capsys.readouterr().err
