@@ -20,7 +20,6 @@ from ember.config.engine_args import engine_config_from_args
 from ember.errors import ConfigError
 from ember.server.launcher import VLLM_SWITCHES, cors_options
 from ember.server.sampling_defaults import AUTO as AUTO_DEFAULTS
-from ember.server.sampling_defaults import NONE as NO_DEFAULTS
 from ember.server.sampling_defaults import load_sampling_defaults, parse_override
 
 logger = logging.getLogger("ember.server")
@@ -67,14 +66,17 @@ def build_server(args):
     template = _chat_template(args.chat_template)
     cors = cors_options(args)
     override = parse_override(args.override_generation_config)
-    if args.generation_config not in (AUTO_DEFAULTS, NO_DEFAULTS):  # a folder: checked before the model loads
-        load_sampling_defaults(args.generation_config, "", override)
+    # vllm or a folder: read (and checked) before the model loads; auto needs the loaded model's folder
+    sampling_defaults = None
+    if args.generation_config != AUTO_DEFAULTS:
+        sampling_defaults = load_sampling_defaults(args.generation_config, "", override)
     # Build the engine on the thread that will step it (see AsyncLLMEngine's executor).
     engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ember-engine")
     engine = engine_thread.submit(LLMEngine, engine_config_from_args(args), defer_compile=True).result()
     names = _model_name(args, engine)
     switches = [flag[2:].replace("-", "_") for flag in VLLM_SWITCHES]
-    sampling_defaults = load_sampling_defaults(args.generation_config, str(engine.parts.loaded.path), override)
+    if sampling_defaults is None:
+        sampling_defaults = load_sampling_defaults(AUTO_DEFAULTS, str(engine.parts.loaded.path), override)
     if sampling_defaults:
         logger.info("default sampling for what a request leaves unset: %s", sampling_defaults)
     config = ServerConfig(

@@ -141,9 +141,13 @@ class ChatHandler:
             merged_answer[key] = [a[key] for a in answers] if answers[0][key] is not None else None
         return merged_answer
 
-    async def submit(self, req: ChatCompletionRequest) -> tuple[list[RequestStream], _Ctx]:
+    async def submit(
+        self, req: ChatCompletionRequest, fit_max_tokens: bool = False
+    ) -> tuple[list[RequestStream], _Ctx]:
         """Start the engine work of req: (its streams, the context the answer is written from), for
-        whole() or a stream (SSE here, chunk_dicts for the API translations)."""
+        whole() or a stream (SSE here, chunk_dicts for the API translations). With fit_max_tokens a
+        max_tokens beyond what the context holds after the prompt means "to the context's end" instead of
+        a 400 (Anthropic clients send their Claude model's output limit: Claude Code 32000 and more)."""
         model = self.s.check_model(req.model)
         self.s.check_unsupported(req)
         if req.top_logprobs is not None and not req.logprobs:
@@ -151,6 +155,14 @@ class ChatHandler:
         ids, tools, tool_constraint = self._prompt(req)
         ids = self.s.truncate(ids, req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if fit_max_tokens and max_tokens is not None and len(ids) + max_tokens > self.s.max_model_len:
+            logger.info(
+                "max_tokens %d does not fit in the context after the %d-token prompt; generating up to the "
+                "context's end",
+                max_tokens,
+                len(ids),
+            )
+            max_tokens = None
         top_n = self.s.top_n(req.top_logprobs or 0) if req.logprobs else None
         structured = structured_params(req, tool_constraint, self.s.engine.structured.holds)
         params = self.s.sampling_params(req, len(ids), max_tokens, top_n, structured)

@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
 from ember.engine.admission import out_of_vocabulary
 from ember.engine.async_engine import AsyncLLMEngine, RequestDelta, RequestStream
 from ember.errors import InvalidRequestError, ModelNotFoundError, ParamError
@@ -388,8 +390,6 @@ class ClientDisconnected(Exception):
 async def http_answer(create):
     """A generation route's answer (OpenAI's, Anthropic's, the Responses API's): JSON for a whole
     answer, SSE for a stream; 499 when the client left first (its work is aborted)."""
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
-
     try:
         result = await create
     except ClientDisconnected:

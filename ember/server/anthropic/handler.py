@@ -12,14 +12,13 @@ from __future__ import annotations
 import logging
 from typing import AsyncIterator
 
-from ember.errors import ParamError
 from ember.server import tokenize
 from ember.server.anthropic.message import message_id, whole_message
 from ember.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from ember.server.anthropic.stream import MessageEvents, message_stream
 from ember.server.anthropic.translate import to_chat_request
 from ember.server.chat import ChatHandler
-from ember.server.protocol import ChatCompletionRequest, TokenizeRequest
+from ember.server.protocol import TokenizeRequest
 from ember.server.serving import Serving, unless_disconnected
 
 logger = logging.getLogger("ember.server")
@@ -35,7 +34,8 @@ class MessagesHandler:
         """The whole Message, or the SSE text of its stream; raises ClientDisconnected when the client left
         before a whole answer was done (its engine work is aborted)."""
         self._note_model(req.model)
-        streams, ctx = await self._submit(to_chat_request(req))
+        # max_tokens capped to the context's room, not refused: Claude Code asks for 32000 and more
+        streams, ctx = await self.chat.submit(to_chat_request(req), fit_max_tokens=True)
         stop_sequences = req.stop_sequences or []
         if req.stream:
             events = MessageEvents(message_id(ctx.rid), req.model, stop_sequences)
@@ -60,22 +60,6 @@ class MessagesHandler:
             ),
         )
         return {"input_tokens": counted["count"]}
-
-    async def _submit(self, chat_req: ChatCompletionRequest):
-        """chat.submit, with max_tokens capped at what the context has room for: Anthropic clients send their
-        Claude model's output limit (Claude Code: 32000 and more), which is more than a local model's context
-        holds after a long prompt, and refusing it would refuse every such request. A prompt that does not
-        fit at all is still refused."""
-        try:
-            return await self.chat.submit(chat_req)
-        except ParamError as e:
-            if e.param != "max_tokens":
-                raise
-        logger.info(
-            "anthropic: max_tokens %d does not fit in the context after the prompt; generating up to the context's end",
-            chat_req.max_tokens,
-        )
-        return await self.chat.submit(chat_req.model_copy(update={"max_tokens": None}))
 
     def _note_model(self, name: str) -> None:
         if name not in self._names_seen:
