@@ -1,5 +1,9 @@
 """ember: a compact, fast LLM inference engine for one GPU or a CPU."""
 
+from ember.platform import cap_torch_isa
+
+cap_torch_isa()  # EMBER_CPU_ISA=avx2 holds torch's CPU code to AVX2 too: before torch first runs an op
+
 from ember.config import EngineConfig
 from ember.outputs import CompletionOutput, RequestOutput
 from ember.sampling import SamplingParams

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Sequence
 
 from tqdm import tqdm
@@ -19,6 +20,21 @@ class LLM:
     def __init__(self, model: str | None = None, **knobs: Any):
         self.engine = LLMEngine(EngineConfig(model=model, **knobs))
         self.tokenizer = self.engine.parts.loaded.tokenizer
+        # close() runs when this object is collected or, at the latest, at interpreter exit (before
+        # threads are torn down): a background compile or a tensor-parallel worker never outlives it
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)
+
+    def close(self) -> None:
+        """Stop what the engine runs beside requests (a background compile, its package worker and
+        compilers, tensor-parallel workers) and wait for them; idempotent. Also `with LLM() as llm:`,
+        and at exit."""
+        self._finalizer()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def wait_for_compile(self, timeout: float | None = None) -> bool:
         """On CPU the default executor compiles decode graphs in the background while generate runs

@@ -14,20 +14,59 @@ import os
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+# EMBER_CPU_ISA=avx2 makes an AVX-512 machine run ember as an AVX2-only one (Zen2/3, Intel's
+# 12th-14th generation desktop chips) would: the flags below hide AVX-512, AMX and AVX-VNNI, the C++
+# kernels build with -march=haswell (ember.kernels.cpp_build), and torch's own CPU code is held to AVX2
+# (ATen's kernels and inductor's generated code: ATEN_CPU_CAPABILITY; oneDNN: ONEDNN_MAX_CPU_ISA; MKL:
+# MKL_ENABLE_INSTRUCTIONS; each read when torch first needs it, so set before the first op). It is how
+# the AVX2 build is tested and measured on a machine that has more: the instructions are the AVX2
+# machine's, the memory system and core are still this one's, so a figure says which it was.
+ISA_ENV = "EMBER_CPU_ISA"
+ISA_CAPS = ("native", "avx2")
+_HIDDEN_UNDER_AVX2 = ("avx512", "amx", "avx_vnni", "avxvnni")
+_TORCH_AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
+
+def isa_cap() -> str:
+    """ "avx2" under EMBER_CPU_ISA=avx2, else "native"; a value ember does not know is refused."""
+    cap = os.environ.get(ISA_ENV, "native").strip().lower() or "native"
+    if cap not in ISA_CAPS:
+        raise ValueError(f"{ISA_ENV}={cap!r}: use one of {', '.join(ISA_CAPS)}")
+    return cap
+
+
+def cap_torch_isa() -> None:
+    """Under EMBER_CPU_ISA=avx2, hold torch's CPU code to AVX2 too (values already set are kept)."""
+    if isa_cap() == "avx2":
+        for key, value in _TORCH_AVX2_ENV.items():
+            os.environ.setdefault(key, value)
+
+
 @functools.cache
 def cpu_flags_line() -> str:
-    """/proc/cpuinfo's flags line as it is (kernel builds are hashed to it), "" where unreadable."""
+    """/proc/cpuinfo's flags line (kernel builds are hashed to it), "" where unreadable; under
+    EMBER_CPU_ISA=avx2 without the flags it hides, and tagged so, so that its builds get names of their own."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
+            line = next((line for line in f if line.startswith("flags")), "")
     except OSError:
         return ""
+    if isa_cap() == "native":
+        return line
+    name, _, flags = line.partition(":")
+    kept = [f for f in flags.split() if not f.startswith(_HIDDEN_UNDER_AVX2)]
+    return f"{name}: {' '.join(kept)} [{ISA_ENV}=avx2]\n"
 
 
 @functools.cache
 def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags, empty where they cannot be read."""
-    return frozenset(cpu_flags_line().partition(":")[2].split())
+    """The CPU's feature flags (as EMBER_CPU_ISA leaves them), empty where they cannot be read."""
+    return frozenset(f for f in cpu_flags_line().partition(":")[2].split() if not f.startswith("["))
+
+
+def march() -> str:
+    """The -march of the C++ kernels: this CPU's, or Haswell's (AVX2, FMA, F16C) under EMBER_CPU_ISA=avx2."""
+    return "-march=haswell" if isa_cap() == "avx2" else "-march=native"
 
 
 def has_cpu_flags(*flags: str) -> bool:

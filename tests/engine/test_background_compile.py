@@ -280,6 +280,9 @@ def test_close_ends_a_running_compile_and_its_guard(tmp_path):
         def built_sizes(self):
             return []
 
+        def cancel(self):
+            pass
+
         def warmup(self, background, sizes):
             subprocess.run([fake, "600"])
 

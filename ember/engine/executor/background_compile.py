@@ -35,9 +35,14 @@ import time
 
 import torch
 
+from ember.engine.executor.compiled import CompileCancelled
+
 logger = logging.getLogger("ember")
 
 IDLE_BEFORE_LARGER_SIZES_S = 5.0  # how long the engine is idle before a larger batch size compiles unasked
+# how long close() waits for a running job to notice it was cancelled (its compilers and package worker are
+# ended at once; what is left is Python between two checks: a trace, a package load)
+CLOSE_JOIN_S = 60.0
 
 
 class BackgroundCompiler:
@@ -154,13 +159,18 @@ class BackgroundCompiler:
         self._go.wait()
         size, _, executor = self._jobs.get()
         self._wait_for_demand(size)
-        if self._guard is None and not self._closed:
-            self._guard = _start_guard()
+        with self._lock:
+            if self._guard is None and not self._closed:
+                self._guard = _start_guard()
         self._active.set()
         try:
             if not self._closed:
                 executor.warmup(background=True, sizes=[size])
+        except CompileCancelled:
+            pass  # close() asked for it: the process is ending, nothing to report
         except Exception as e:  # noqa: BLE001 - a failed compile leaves those steps eager, never the engine down
+            if self._closed:
+                return  # its compilers were ended by close(): not a failure of the compile
             self.failures.append(f"{executor.what} batch {size}: {type(e).__name__}: {e}")
             logger.warning(
                 "%s: background compile of batch %d failed (%s: %s); its steps keep running eagerly",
@@ -173,7 +183,7 @@ class BackgroundCompiler:
             self._active.clear()
             with self._lock:
                 self._pending -= 1
-                if self._pending == 0:
+                if self._pending == 0 or self._closed:
                     self._stop_guard()
                     self._idle.set()
                     self._thread = None
@@ -206,13 +216,25 @@ class BackgroundCompiler:
             self._guard = None
 
     def close(self) -> None:
-        """No new compile starts; if one is running, the compile workers and compilers this process
-        started are ended (their work is lost; inductor's cache keeps what finished)."""
+        """No new compile starts; a running one is cancelled (its package worker and compilers ended,
+        its work lost; inductor's cache and finished packages keep what was done) and its thread joined,
+        so that no compile runs on while the interpreter tears down (which aborts the process). Runs at
+        exit too; a second call does nothing."""
         with self._lock:
             self._closed = True
             busy = self._pending > 0
+            executors = list(self.executors)
+            thread = self._thread
         if busy:
-            _end_children()
+            self._go.set()  # a paused job wakes, sees the close and ends
+            for executor in executors:
+                executor.cancel()
+            deadline = time.monotonic() + CLOSE_JOIN_S
+            while thread is not None and thread.is_alive() and time.monotonic() < deadline:
+                _end_children()  # compilers a trace started since the last look
+                thread.join(0.25)
+            if thread is not None and thread.is_alive():
+                logger.warning("background compile: still running %.0f s after it was cancelled", CLOSE_JOIN_S)
         with self._lock:
             self._stop_guard()
 

@@ -68,6 +68,11 @@ from ember.layers.rotary import RotaryEmbedding
 logger = logging.getLogger("ember")
 
 
+class CompileCancelled(Exception):
+    """A background compile was cancelled (its engine is closing): the job ends here, quietly, without
+    falling back to another way of compiling the shape."""
+
+
 def _cache_entries() -> list:
     """dynamo's cache entries (one per graph, with .code and .guard_manager) for CompiledExecutor._forward
     so far in this process; [] if that private API moves (the guarded call still works)."""
@@ -261,11 +266,24 @@ class CompiledExecutor:
         self.ready: dict[tuple[int, int], StepCall] = {}
         self.call_seconds: dict[tuple[int, int], float] = {}  # (size, q_len) -> median seconds of a call, at warmup
         self.compiler = compiler
+        self.cancelled = False  # set by cancel(): a background job stops at its next shape
         self.settled_sizes: set[int] = set()  # sizes whose shapes are compiled (or left eager) and timed
         if compiler is None:
             self.warmup()
         else:
             compiler.submit(self)
+
+    def cancel(self) -> None:
+        """Stop a background compile of this executor: a package worker it waits on ends now, and the job
+        raises CompileCancelled at its next shape instead of compiling it some other way (at exit, a
+        thread still compiling while the interpreter tears down ends the process in SIGABRT)."""
+        self.cancelled = True
+        if self.package_workers is not None:
+            self.package_workers.cancel()
+
+    def _check_cancelled(self) -> None:
+        if self.cancelled:
+            raise CompileCancelled(self.what)
 
     def built_marker(self, size: int) -> str | None:
         """The marker saying this machine has built the torch.compile graphs of `size` (None without an
@@ -435,7 +453,13 @@ class CompiledExecutor:
         shapes = sorted(s for s in self.shapes if s[0] in sizes)
         if self.ahead_of_time:
             elsewhere = self._build_in_worker(shapes)
-            shapes = [shape for shape in shapes if not self._warmup_package(shape, caches, shape not in elsewhere)]
+            left = []
+            for shape in shapes:
+                self._check_cancelled()
+                if not self._warmup_package(shape, caches, shape not in elsewhere):
+                    left.append(shape)
+            shapes = left
+        self._check_cancelled()
         if shapes:
             self._warmup_dynamo(shapes, caches, background)
         self._time_calls(dev, caches, sizes)
@@ -475,6 +499,7 @@ class CompiledExecutor:
                     "%s: no package worker could start (%s: %s); building here", self.what, type(e).__name__, e
                 )
                 return set()
+            self._check_cancelled()  # the worker was ended for a closing engine: nothing to report
             logger.info(
                 "%s: a worker process %s the packages of %s in %.1fs",
                 self.what,
@@ -530,6 +555,8 @@ class CompiledExecutor:
             if out.shape[0] != b * n:
                 raise EmberError(f"the package returned {out.shape[0]} rows for {b * n} queries")
         except Exception as e:  # noqa: BLE001 - dynamo compiles the shape instead
+            aot_package.discard(path)
+            self._check_cancelled()  # its compilers were ended for a closing engine: no fallback, no warning
             logger.warning(
                 "%s: batch %d x %d could not run as an ahead-of-time package (%s: %s); torch.compile builds it instead",
                 self.what,
@@ -585,6 +612,7 @@ class CompiledExecutor:
         )
         try:
             for b, n in shapes:
+                self._check_cancelled()
                 t0 = time.perf_counter()
                 seen = len(codes)
                 x = warmup_inputs(b, n, table_width(n, self.block_size), dev)

@@ -52,6 +52,7 @@ class PackageWorker:
 
     def __init__(self, config, jobs: list[str]):
         self.jobs = list(jobs)
+        self.cancelled = False
         fd, self._config_file = tempfile.mkstemp(prefix="ember-package-worker-", suffix=".pkl")
         with os.fdopen(fd, "wb") as f:
             pickle.dump(config, f)
@@ -65,16 +66,22 @@ class PackageWorker:
         )
 
     def wait(self) -> bool:
-        """Wait for the worker; False (and its stderr's tail in the log) when it failed."""
+        """Wait for the worker; False (and, unless it was cancelled, its stderr's tail in the log) when it failed."""
         try:
             rc = self.process.wait()
-            if rc != 0:
+            if rc != 0 and not self.cancelled:
                 self._stderr.seek(0)
                 tail = self._stderr.read().decode(errors="replace")[-STDERR_TAIL:]
                 logger.warning("package worker for %s exited with %d:\n%s", ", ".join(self.jobs), rc, tail)
             return rc == 0
         finally:
             self._release()
+
+    def cancel(self) -> None:
+        """End the worker without a word in the log (its engine is closing)."""
+        self.cancelled = True
+        if self.process.poll() is None:
+            self.process.terminate()
 
     def terminate(self) -> None:
         """End the worker if it still runs (an interrupted `ember compile`), and drop its files."""
@@ -100,6 +107,24 @@ class PackageWorkers:
 
     def __init__(self, config):
         self.config = config
+        self.cancelled = False
+        self._running: PackageWorker | None = None
 
     def build(self, what: str, shapes: list[tuple[int, int]]) -> bool:
-        return PackageWorker(self.config, [job_name(what, s) for s in shapes]).wait()
+        """Run one worker for `shapes` to its end; False when it failed or was cancelled."""
+        if self.cancelled:
+            return False
+        worker = self._running = PackageWorker(self.config, [job_name(what, s) for s in shapes])
+        if self.cancelled:  # cancel() ran between the check and the start
+            worker.cancel()
+        try:
+            return worker.wait() and not self.cancelled
+        finally:
+            self._running = None
+
+    def cancel(self) -> None:
+        """End the running worker (its engine is closing) and start no other: no log line, nothing kept."""
+        self.cancelled = True
+        worker = self._running
+        if worker is not None:
+            worker.cancel()
