@@ -4,10 +4,10 @@ from ember.platform import cap_torch_isa
 
 cap_torch_isa()  # EMBER_CPU_ISA=avx2 holds torch's CPU code to AVX2 too: before torch first runs an op
 
-from ember.config import EngineConfig
-from ember.outputs import CompletionOutput, RequestOutput
-from ember.sampling import SamplingParams
-from ember.structured_params import StructuredOutputsParams
+from ember.config import EngineConfig  # noqa: E402
+from ember.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from ember.sampling import SamplingParams  # noqa: E402
+from ember.structured_params import StructuredOutputsParams  # noqa: E402
 
 
 def __getattr__(name):
