@@ -14,7 +14,9 @@ from ember.config.aliases import ATTENTION_BACKEND_ALIASES
 from ember.errors import ConfigError
 from ember.platform import DTYPES
 
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+# bfloat16: a 16-bit cache under float32 activations (half the bytes a token; the values round to bf16 as
+# they are stored, attention widens them exactly), vLLM's name for it
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 DEVICES = ("auto", "cpu", "cuda")
 EXECUTORS = ("auto", "eager", "compiled", "cuda-graph")
 # torch = the reference (SDPA over gathered blocks), cpu = the reference plus ember's C++ kernels,
@@ -216,7 +218,7 @@ class KernelConfig:
     attention_backend: str
     num_threads: int | None
     paged_attention: bool  # fused C++ paged attention for decodes and verifies
-    flash_attention: bool  # flash-style C++ causal attention for bf16 prefill
+    flash_attention: bool  # flash-style C++ causal attention for bf16 / float32 prefill
     tiled_gemv: bool  # GGUF 4/8-bit weights in the tiled GEMV's layout
     int8_activations: bool  # its int8-x path for many-row steps (AVX-512 VNNI)
     fused_elementwise: bool  # RMSNorm, SiLU*up and RoPE in one pass each (bf16)

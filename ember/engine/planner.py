@@ -47,7 +47,7 @@ AWQ_DEFAULT_GROUP = 128
 
 
 def kv_elem_bytes(kv_cache_dtype: str, dtype_bytes: int) -> int:
-    return dtype_bytes if kv_cache_dtype == "auto" else 1
+    return dtype_bytes if kv_cache_dtype == "auto" else 2 if kv_cache_dtype == "bfloat16" else 1
 
 
 def mtp_layers(mc: ModelConfig) -> int:
@@ -433,7 +433,7 @@ def predict_peak_rss(
     copy = 0
     if quant == "gguf" and src.gguf_tensors is not None:
         weights = peak_rss.gguf_weight_bytes(src.gguf_tensors, b, mc.tie_word_embeddings)
-        if kc.int4_dense_copy is not False:
+        if kc.int4_dense_copy is True or (kc.int4_dense_copy is None and b != 4):  # auto: never float32
             copy = peak_rss.gguf_dense_copy_bytes(src.gguf_tensors, b, kc.int8_activations)
             if kc.int4_dense_copy is None and copy > CPU_DENSE_COPY_FRACTION * available_ram_bytes():
                 copy = 0

@@ -41,8 +41,10 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.de
     """--kv-cache-dtype -> torch dtype; on a device given, checks that fp8 caches work there."""
     if name == "auto":
         return model_dtype
+    if name == "bfloat16":
+        return torch.bfloat16  # written with a cast, read widened: every backend takes a cache dtype apart from q's
     if name not in FP8_KV_DTYPES:
-        raise ConfigError(f"--kv-cache-dtype {name!r} is not one of auto, {', '.join(FP8_KV_DTYPES)}")
+        raise ConfigError(f"--kv-cache-dtype {name!r} is not one of auto, bfloat16, {', '.join(FP8_KV_DTYPES)}")
     dtype = FP8_KV_DTYPES[name]
     if device is not None:
         try:  # the three operations an fp8 cache needs: store bytes, gather blocks, widen
