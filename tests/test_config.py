@@ -10,6 +10,7 @@ import torch
 
 from ember.config import EngineConfig, KernelConfig
 from ember.errors import ConfigError
+from ember.kernels import cpu_fused_elementwise
 from ember.kernels.cpu_kernels import CpuKernels
 
 
@@ -69,7 +70,8 @@ def test_cpu_kernels_follow_the_flags():
     assert CpuKernels.select(off, "cpu", torch.float32) == CpuKernels.none()
     assert CpuKernels.select(EngineConfig().kernel_config, "cuda", torch.bfloat16) == CpuKernels.none()
     on = CpuKernels.select(EngineConfig().kernel_config, "cpu", torch.float32)
-    assert on.int8_activations and on.fused_elementwise  # float32: nothing to build for the bf16-only ones
+    assert on.int8_activations  # float32: nothing to build for the bf16-only ones
+    assert on.fused_elementwise == cpu_fused_elementwise.available()  # float32 rows are the fused kernels' too
 
 
 def test_every_command_help_renders():

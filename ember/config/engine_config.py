@@ -159,7 +159,8 @@ class EngineConfig:
     cpu_flash_attention: bool = flag(
         True,
         "kernels",
-        "CPU, bf16: prefill attention in a flash-style C++ kernel (AVX512-BF16); off = blocked GEMMs, else SDPA",
+        "CPU: prefill attention in a flash-style C++ kernel (bf16: AVX512-BF16; float32: AVX2 + FMA); off = blocked "
+        "GEMMs for bf16, else SDPA",
     )
     cpu_tiled_gemv: bool = flag(
         True,

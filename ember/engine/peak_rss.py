@@ -7,13 +7,14 @@ and the largest step's transients:
   process       the interpreter, torch and ember imported (PROCESS_BYTES), plus the tokenizer
                 (TOKENIZER_BYTES_PER_TOKEN a vocabulary entry)
   weights       as held, not as stored: a GGUF tensor costs HELD_BYTES_PER_WEIGHT of its type in
-                the layout this machine's kernels take (the bf16 build keeps Q4_K / Q5_K's two levels
-                of scales and Q6_K's own bits: ~the file's bytes; elsewhere Q4_K's scales are float32
-                and Q6_K holds 1.25 B a weight in torch's int4 kernel);
+                the layout this machine's kernels take (the tiled GEMV, in either build, keeps Q4_K /
+                Q5_K's two levels of scales and Q6_K's own bits: ~the file's bytes; torch's int4
+                kernel holds Q6_K at 1.25 B a weight, 1.5 in float32);
                 float and unpacked types hold the run dtype
-  dense copy    --int4-dense-copy auto: a run-dtype copy of every GGUF linear whose kernel loses at
-                many rows (every packed type without the tiled GEMV's int8-x path, Q6_K included),
-                the embedding and the head left out, when it fits CPU_DENSE_COPY_FRACTION of free RAM
+  dense copy    --int4-dense-copy auto (bf16 / fp16 runs only: engine/startup/weights.py): a
+                run-dtype copy of every GGUF linear whose kernel loses at many rows (every packed
+                type without the tiled GEMV's int8-x path, Q6_K included), the embedding and the
+                head left out, when it fits CPU_DENSE_COPY_FRACTION of free RAM
   pools         the KV blocks and the recurrent-state slots, exactly as engine/startup/kv_pool.py
                 sizes them (the planner's arithmetic)
   step          one step of max_num_batched_tokens tokens: the planner's activation reserve, plus
@@ -43,19 +44,26 @@ COMPILE_BYTES_PER_SIZE = 70 * MiB  # each decode batch size's graph, loaded
 # a loaded package (the Qwen3.5-0.8B-shaped Q8_0 hybrid: 2,143 MiB eager, 2,170 with sizes 1, 2, 4 loaded)
 PACKAGE_BYTES_PER_SIZE = 9 * MiB
 GDN_PREFILL_FLOATS_PER_CONV_CHANNEL = 4
-# bytes a weight as the GGUF methods hold it, in a bfloat16 run with the tiled GEMV (AVX-512 BF16) /
-# without it (torch's int4 kernel: codes 4 bits, a (scale, zero) pair in the run dtype per 32; 8-bit
-# codes split into two nibbles; ember.quant.gguf_quant's docstring)
+# bytes a weight as the GGUF methods hold it, in a run whose dtype the tiled GEMV takes (bf16 on
+# AVX-512 BF16, float32 on AVX2) / in a bfloat16 run without it (torch's int4 kernel: codes 4 bits, a
+# (scale, zero) pair in the run dtype per 32; 8-bit codes split into two nibbles; ember.quant.gguf_quant's
+# docstring). The tiled layout keeps Q4_K / Q5_K's scales as the file has them: 6-bit sc and m per 32 (a
+# byte each), float16 d and dmin per 256 -- where a fused run is all K-quants (a part mixing Q4_K with
+# Q4_0 keeps flat float32 scales, 0.75 / 1.25 B; rare in files: counted at the two-level figure)
 HELD_BYTES_PER_WEIGHT = {
-    "tiled": {"Q4_0": 0.625, "Q4_1": 0.625, "Q4_K": 0.75, "Q5_0": 1.125, "Q5_1": 1.125, "Q5_K": 1.25, "Q8_0": 1.125},
+    "tiled": {
+        "Q4_0": 0.625,
+        "Q4_1": 0.625,
+        "Q4_K": 0.578125,
+        "Q5_0": 1.125,
+        "Q5_1": 1.125,
+        "Q5_K": 1.078125,
+        "Q8_0": 1.125,
+    },
     "int4": {"Q4_0": 0.625, "Q4_1": 0.625, "Q4_K": 0.625, "Q5_0": 1.25, "Q5_1": 1.25, "Q5_K": 1.25, "Q8_0": 1.25},
 }
-# the bf16 build (AVX-512 BF16) keeps Q4_K / Q5_K's scales as the file has them: 6-bit sc and m per 32
-# (a byte each), float16 d and dmin per 256 -- where a fused run is all K-quants (a part mixing Q4_K
-# with Q4_0 keeps flat float32 scales; rare in files: counted at this figure)
-K_SCALES_HELD_BYTES = {"Q4_K": 0.578125, "Q5_K": 1.078125}
 Q6K_HELD_BYTES = {2: 1.25, 4: 1.5}  # Q6KPart, by the run dtype's bytes: codes 1 B + (s, z) per 16 weights
-Q6K_FILE_BYTES = 210 / 256  # raw blocks (a lookup-only embedding) and the bf16 build's Q6_K tiles alike
+Q6K_FILE_BYTES = 210 / 256  # raw blocks (a lookup-only embedding) and the tiled GEMV's Q6_K tiles alike
 FLOAT_TYPES = ("F32", "F16", "BF16")
 # GGUF tensors one Linear of ember holds together (a dense copy is the whole Linear's)
 FUSED = {
@@ -118,11 +126,9 @@ def held_bytes(t: GGUFTensorInfo, dtype_bytes: int, kind: str, lookup_only: bool
     if t.dims < 2 or t.type_name in FLOAT_TYPES:
         return t.elements * dtype_bytes
     if t.type_name == "Q6_K":
-        native = lookup_only or (kind == "tiled" and dtype_bytes == 2)  # the tiles' bf16 build has Q6_K's
+        native = lookup_only or kind == "tiled"  # the tiled GEMV's Q6_K tiles (both builds)
         return t.elements * (Q6K_FILE_BYTES if native else Q6K_HELD_BYTES[dtype_bytes])
     per = HELD_BYTES_PER_WEIGHT[kind].get(t.type_name)
-    if kind == "tiled" and dtype_bytes == 2:
-        per = K_SCALES_HELD_BYTES.get(t.type_name, per)
     return t.elements * (per if per is not None else dtype_bytes)  # others are dequantized at load
 
 
@@ -131,20 +137,21 @@ def gguf_weight_bytes(tensors: list[GGUFTensorInfo], dtype_bytes: int, tied: boo
     return int(sum(held_bytes(t, dtype_bytes, kind, t.name == "token_embd.weight" and not tied) for t in tensors))
 
 
-def needs_copy(type_name: str, kind: str, q8: bool) -> bool:
-    """Whether a packed GGUF matrix of this type loses to a dense GEMM at many rows (so gets a copy)."""
-    if type_name in FLOAT_TYPES:
-        return False
-    if type_name == "Q6_K":  # the int8-x path (bf16 build) has Q6_K tiles; Q6KPart loses at many rows
-        return not (kind == "tiled" and q8)
-    return not (kind == "tiled" and q8 and type_name in HELD_BYTES_PER_WEIGHT["tiled"])
+def needs_copy(type_name: str, kind: str, any_rows: bool) -> bool:
+    """Whether a packed GGUF matrix of this type loses to a dense GEMM at many rows (so gets a copy).
+    any_rows: the tiled layout's kernel serves every row count (its int8-x path, or the AVX2 build)."""
+    if type_name in FLOAT_TYPES or not (type_name == "Q6_K" or type_name in HELD_BYTES_PER_WEIGHT[kind]):
+        return False  # dense as loaded (floats, and the types dequantized at load)
+    return not (kind == "tiled" and any_rows)  # torch's int4 kernel (Int4Part, Q6KPart) loses at many rows
 
 
 def gguf_dense_copy_bytes(tensors: list[GGUFTensorInfo], dtype_bytes: int, int8_activations: bool) -> int:
-    """The run-dtype copy --int4-dense-copy auto makes: whole Linears with a part that needs one."""
+    """The run-dtype copy --int4-dense-copy makes: whole Linears with a part that needs one (none where the
+    tiled layout serves every row count: the AVX2 build in float32, the int8-x path in bf16)."""
     from ember.kernels import cpu_tiled_gemv
 
-    kind, q8 = layout(dtype_bytes), int8_activations and cpu_tiled_gemv.has_q8()
+    kind = layout(dtype_bytes)
+    any_rows = cpu_tiled_gemv.rounds_x() or (int8_activations and cpu_tiled_gemv.has_q8())
     groups: dict[str, list[GGUFTensorInfo]] = {}
     for t in tensors:
         if not t.name.startswith("blk.") or t.dims < 2:
@@ -154,7 +161,7 @@ def gguf_dense_copy_bytes(tensors: list[GGUFTensorInfo], dtype_bytes: int, int8_
     return sum(
         sum(t.elements for t in ts) * dtype_bytes
         for ts in groups.values()
-        if any(needs_copy(t.type_name, kind, q8) for t in ts)
+        if any(needs_copy(t.type_name, kind, any_rows) for t in ts)
     )
 
 

@@ -41,11 +41,11 @@ from typing import Callable
 
 import torch
 
-from ember.platform import cpu_flags_line, has_cpu_flags  # noqa: F401 -- has_cpu_flags: the kernels' and tests' import
+from ember.platform import cpu_flags_line, has_cpu_flags, march  # noqa: F401 -- has_cpu_flags: the kernels' and tests' import
 
 logger = logging.getLogger("ember")
 HERE = os.path.dirname(os.path.abspath(__file__))
-CFLAGS, LDFLAGS = ["-O3", "-march=native", "-fopenmp"], ["-fopenmp"]
+CFLAGS, LDFLAGS = ["-O3", march(), "-fopenmp"], ["-fopenmp"]  # march: this CPU, or Haswell under EMBER_CPU_ISA=avx2
 
 
 @dataclass(frozen=True)
@@ -64,9 +64,11 @@ KERNELS = {
     "cpu_tiled_gemv.cpp": Kernel(
         "CPU GEMV kernel", (), (("avx512f", "avx512bw", "avx512_bf16"), ("avx2", "fma", "f16c"))
     ),
-    "cpu_causal_attention.cpp": Kernel("CPU prefill attention kernel", (), (("avx512f", "avx512_bf16"),)),
-    "cpu_fused_elementwise.cpp": Kernel("CPU fused elementwise kernels", (), (("avx512f", "avx512bw"),)),
-    "cpu_row_top.cpp": Kernel("CPU row argmax/top-k kernels", (), (("avx512f",),)),
+    "cpu_causal_attention.cpp": Kernel("CPU prefill attention kernel", (), (("avx512f",), ("avx2", "fma"))),
+    "cpu_fused_elementwise.cpp": Kernel(
+        "CPU fused elementwise kernels", (), (("avx512f", "avx512bw"), ("avx2", "fma"))
+    ),
+    "cpu_row_top.cpp": Kernel("CPU row argmax/top-k kernels", (), (("avx512f",), ("avx2",))),
     "cpu_gated_delta_net.cpp": Kernel("CPU Gated DeltaNet kernels", (), (("avx512f",), ("avx2", "fma"))),
 }
 
@@ -233,36 +235,81 @@ def _die_with(parent: int) -> None:
         stop(signal.SIGTERM, None)
 
 
+def list_kernels(source_dir: str = HERE) -> int:
+    """One line a kernel: built for this CPU (and where), not built yet, or not for this CPU (the flags
+    it needs); 1 if one this CPU can run is not built (CI prints this after the install)."""
+    missing = 0
+    print(f"ember kernels for this CPU ({march()}):")
+    for source, kernel in KERNELS.items():
+        if not kernel.runs_here():
+            needs = " or ".join("+".join(flags) for flags in kernel.cpu_flags)
+            print(f"  {kernel.what} ({source}): not for this CPU (needs {needs})")
+            continue
+        path = library_path(build_name(source, kernel.more_sources, source_dir))
+        missing += path is None
+        print(f"  {kernel.what} ({source}): {'built, ' + path if path else 'NOT BUILT'}")
+    return 1 if missing else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ember.kernels.cpp_build", description=__doc__.split("\n\n")[0])
     p.add_argument("source", nargs="?", help="one kernel (a KERNELS key); prints its library's path")
     p.add_argument("--all", action="store_true", help="every kernel this CPU can run (the install step)")
+    p.add_argument("--list", action="store_true", help="each kernel: built for this CPU (where), or why not")
     p.add_argument("--out", default=None, help="folder for the libraries (default: the first writable kernel dir)")
     p.add_argument("--source-dir", default=HERE)
     p.add_argument("--parent", type=int, default=None, help="stop when this process dies (set by build())")
     args = p.parse_args(argv)
     if args.parent is not None:
         _die_with(args.parent)
+    if args.list:
+        return list_kernels(args.source_dir)
     if not args.all:
         print(compile_kernel(args.source, args.source_dir, args.out))
         return 0
-    failed = 0
+    return build_all(args.source_dir, args.out)
+
+
+def build_all(source_dir: str = HERE, out: str | None = None) -> int:
+    """Every kernel this CPU can run, as many at a time as this process may use cores, the largest
+    sources first (one after another, the six took 189 s on 2 Zen3 cores: benchmarks/startup.md; a
+    compiler waits on nothing, so two kernels at a time fill two cores, where one kernel's build is
+    mostly a single translation unit). 1 if one of them failed (each failure is said; the others go on)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ember.platform import usable_cores
+
+    todo = []
     for source, kernel in KERNELS.items():
-        if not kernel.runs_here():
+        if kernel.runs_here():
+            todo.append(source)
+        else:
             print(f"ember: {kernel.what}: not for this CPU, skipped", file=sys.stderr)
-            continue
+    todo.sort(key=lambda src: -sum(os.path.getsize(os.path.join(source_dir, s)) for s in _sources(src)))
+
+    def one(source: str) -> bool:
         t0 = time.perf_counter()
-        try:
-            path = compile_kernel(source, args.source_dir, args.out)
-            print(f"ember: {kernel.what}: {path} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
-        except Exception as e:  # noqa: BLE001 -- one kernel's failure must not stop the others
-            failed += 1
-            print(
-                f"ember: {kernel.what} did not build ({type(e).__name__}: {str(e)[-500:]}); it will be built "
-                "on first use or its torch path runs",
-                file=sys.stderr,
-            )
-    return 1 if failed else 0
+        cmd = [sys.executable, "-m", "ember.kernels.cpp_build", source, "--source-dir", source_dir]
+        run = subprocess.run(cmd + (["--out", out] if out else []), capture_output=True, text=True)
+        what = KERNELS[source].what
+        if run.returncode == 0:
+            path = run.stdout.strip().splitlines()[-1]
+            print(f"ember: {what}: {path} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+            return True
+        print(
+            f"ember: {what} did not build ({(run.stderr or run.stdout).strip()[-500:]}); it will be built on first "
+            "use or its torch path runs",
+            file=sys.stderr,
+        )
+        return False
+
+    with ThreadPoolExecutor(max_workers=max(1, min(usable_cores(), len(todo)))) as pool:
+        ok = list(pool.map(one, todo))
+    return 0 if all(ok) else 1
+
+
+def _sources(source: str) -> tuple[str, ...]:
+    return (source, *KERNELS[source].more_sources)
 
 
 if __name__ == "__main__":

@@ -7,9 +7,10 @@
   - with it, uniform verifies of up to VERIFY_MAX_QUERIES queries also run from fixed-shape
     metadata (the compiled CPU executor's speculative verify graphs): the per-query key counts
     come from the device seq_lens (query j of n sees seq_len - n + 1 + j keys);
-  - bf16 prefills and prefill chunks go to the flash-style causal kernel (cpu_causal_attention.py,
-    AVX512-BF16) when `flash` (--cpu-flash-attention), else, from 128 queries on, to blocked bf16
-    GEMMs (faster than SDPA there), else to the reference's SDPA.
+  - bf16 and float32 prefills and prefill chunks go to the flash-style causal kernel
+    (cpu_causal_attention.py: bf16 on AVX512-BF16, float32 on AVX2 + FMA or AVX-512) when `flash`
+    (--cpu-flash-attention), else, for bf16 from 128 queries on, to blocked bf16 GEMMs (faster than
+    SDPA there), else to the reference's SDPA.
 Everything else, and every case a kernel does not take, is the reference's path.
 """
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ember.kernels.cpu_causal_attention import causal_attention
+from ember.kernels.cpu_causal_attention import attention_path, causal_attention
 from ember.kernels.cpu_paged_attention import paged_attention
 from ember.kernels.cpu_paged_attention import supports as fused_supports
 from ember.kernels.torch_attention import VERIFY_MAX_QUERIES, TorchAttentionBackend, gather_keys
@@ -76,10 +77,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return out if out is not None else super().prefill(q, k, v, scale)
 
     def chunk(self, q, kv_cache, block_table, seq_len, block_size, scale):
-        if q.device.type == "cpu" and q.dtype == torch.bfloat16:
-            out = causal_attention(q, *gather_keys(kv_cache, block_table, seq_len, block_size), scale, flash=self.flash)
-            if out is not None:
-                return out
+        if attention_path(q, seq_len, self.flash) is not None:  # else the reference's path, with its own gather
+            return causal_attention(
+                q, *gather_keys(kv_cache, block_table, seq_len, block_size), scale, flash=self.flash
+            )
         return super().chunk(q, kv_cache, block_table, seq_len, block_size, scale)
 
     @staticmethod

@@ -1,12 +1,16 @@
-"""Causal attention for bf16 queries on CPU (prefill and prefill chunks): a flash-style C++
-kernel, else blocked GEMMs (also where they are the faster: large shapes on CPUs with AMX).
+"""Causal attention for bf16 and float32 queries on CPU (prefill and prefill chunks): a flash-style
+C++ kernel, else blocked GEMMs (also where they are the faster: large bf16 shapes on CPUs with AMX).
 
-The C++ kernel (cpu_causal_attention.cpp, needs AVX512-BF16): scores, online softmax and P V
-per 32-key tile with bf16 dot-product instructions, nothing of size queries x keys in memory,
-one call per sequence and layer; ~2.4x the GEMM path below on a prefill chunk on Zen4 (docs/tuning.md,
-CPU kernels), slower than it on large shapes where oneDNN's GEMMs run on AMX (below). Numerics: float32 scores from exact bf16 products, float32 softmax, the
-probabilities rounded to bf16 for P V (as the GEMM path's bf16 softmax output), float32
-accumulation; max error against float64 attention ~half a bf16 ulp of the output.
+The C++ kernel (cpu_causal_attention.cpp) has two forms of one structure: scores, online softmax and
+P V per key tile, nothing of size queries x keys in memory, one call per sequence and layer.
+- bf16 queries (needs AVX512-BF16): bf16 dot-product instructions; ~2.4x the GEMM path below on a
+  prefill chunk on Zen4 (docs/tuning.md, CPU kernels), slower than it on large shapes where oneDNN's
+  GEMMs run on AMX (below). Numerics: float32 scores from exact bf16 products, float32 softmax, the
+  probabilities rounded to bf16 for P V (as the GEMM path's bf16 softmax output), float32
+  accumulation; max error against float64 attention ~half a bf16 ulp of the output.
+- float32 queries over float32 or bf16 k/v (AVX2 + FMA: Zen2/3, Intel's desktop chips, where
+  --dtype auto is float32; 16 lanes where the build has AVX-512): FMA dot products, everything in
+  float32 (bf16 k/v widen exactly), float32 out; error against float64 attention ~1e-6.
 
 The GEMM path (the fallback, and for fp16): torch's CPU flash kernel (SDPA) reaches a fraction of
 what oneDNN's plain bf16 GEMM does at head_dim 64 in bf16 (docs/tuning.md). So for each block of BLOCK_QUERIES queries and each kv head: scores = Q_blk
@@ -40,61 +44,98 @@ BLOCK_QUERIES = 256 if AMX else 128
 
 
 HEAD_SIZES = (16, 32, 64, 80, 96, 128, 256)  # the C++ kernel's compiled head sizes (its switch)
-FAKES = {"ember_cpu::causal_attention_bf16": lambda q, k, v, scale: q.new_empty(q.shape)}
+BF16_KERNEL = has_cpu_flags("avx512f", "avx512_bf16")  # the build has the bf16 kernel (read once, as AMX)
+# both ops are defined in every build; the bf16 one runs only where the build has AVX512-BF16
+FAKES = {
+    "ember_cpu::causal_attention_bf16": lambda q, k, v, scale: q.new_empty(q.shape),
+    "ember_cpu::causal_attention_f32": lambda q, k, v, scale: q.new_empty(q.shape),
+}
 
 
-def flash_available() -> bool:
-    """The C++ kernel can run here (AVX512-BF16; loaded, built once first where it was not built at
-    install)."""
-    return build("cpu_causal_attention.cpp", fakes=FAKES) is not None
+def flash_available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """The C++ kernel for `dtype` queries can run here (loaded, built once first where it was not built
+    at install): bf16 needs AVX512-BF16, float32 AVX2 + FMA (or AVX-512); other dtypes have none."""
+    if dtype == torch.bfloat16 and not BF16_KERNEL:
+        return False
+    return dtype in (torch.bfloat16, torch.float32) and build("cpu_causal_attention.cpp", fakes=FAKES) is not None
 
 
 def use_flash_attention(q: torch.Tensor) -> bool:
-    """bf16 queries on CPU with a compiled head size, rows of [Hq, D] (strided rows are fine)."""
+    """bf16 or float32 queries on CPU with a compiled head size, rows of [Hq, D] (strided rows are fine)."""
     return (
         q.device.type == "cpu"
-        and q.dtype == torch.bfloat16
         and q.dim() == 3
         and q.shape[-1] in HEAD_SIZES
         and q.stride(-1) == 1
         and q.stride(1) == q.shape[-1]
-        and flash_available()
+        and flash_available(q.dtype)
     )
+
+
+def attention_path(q: torch.Tensor, num_keys: int, flash: bool = True) -> str | None:
+    """Which path causal_attention takes for q over num_keys keys: "flash" (the C++ kernel where it
+    applies and `flash`, the backend's --cpu-flash-attention, unless the GEMM path beats it on this
+    machine), "gemm" where that pays off, else None (the caller's SDPA).
+
+    float32 queries take the kernel at every length, keyed on q.dtype and the build alone (no AMX or
+    length rule): built -march=haswell on an AVX-512 Xeon held to AVX2 (oneDNN, MKL, ATen), 2 threads,
+    it beat SDPA 1.1-1.8x from 16 to 2,000 queries (at par at 3-4K) and float32 GEMMs 1.2-5x; the
+    AVX-512 build likewise, at par with SDPA at 2-3K queries x 256 (benchmarks/micro_causal_attention.py
+    float32, docs/tuning.md). With the kernel off, float32 keeps SDPA."""
+    if flash and use_flash_attention(q) and not amx_gemm_beats_flash(q, num_keys):
+        return "flash"
+    if use_gemm_attention(q):
+        return "gemm"
+    return None
 
 
 def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, flash: bool = True
 ) -> torch.Tensor | None:
-    """q [n, Hq, D] at positions S-n..S-1 over k/v [S, Hkv, D]: the C++ kernel where it applies (and
-    `flash`, the backend's --cpu-flash-attention) unless the GEMM path beats it on this machine, else
-    the GEMM path where it pays off, else None (the caller's SDPA)."""
-    if flash and use_flash_attention(q) and not amx_gemm_beats_flash(q, k.shape[0]):
+    """q [n, Hq, D] at positions S-n..S-1 over k/v [S, Hkv, D] by attention_path: [n, Hq, D] in q's
+    dtype, or None (the caller's SDPA)."""
+    path = attention_path(q, k.shape[0], flash)
+    if path == "flash":
         return flash_attention(q, k, v, scale)
-    if use_gemm_attention(q):
+    if path == "gemm":
         return causal_attention_gemm(q, k, v, scale)
     return None
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """The C++ kernel; call where use_flash_attention(q). Returns [n, Hq, D] bf16."""
-    # fp8 k/v (an fp8 cache) widen exactly; the kernel takes k and v as rows of [Hkv, D] with one stride
-    k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
+    """The C++ kernel; call where use_flash_attention(q). Returns [n, Hq, D] in q's dtype."""
+    if q.dtype == torch.float32:
+        # bf16 k/v (a bf16 cache under float32 queries) go in as they are, widened in the kernel; fp16
+        # and fp8 widen to float32 here, exactly
+        kv_dtype = k.dtype if k.dtype in (torch.float32, torch.bfloat16) else torch.float32
+        op = torch.ops.ember_cpu.causal_attention_f32
+    else:
+        kv_dtype = torch.bfloat16  # fp8 k/v (an fp8 cache) widen exactly
+        op = torch.ops.ember_cpu.causal_attention_bf16
+    # the kernel takes k and v as rows of [Hkv, D] with one stride
+    k, v = k.to(kv_dtype), v.to(kv_dtype)
     D = q.shape[-1]
     if k.stride(2) != 1 or k.stride(1) != D or v.stride() != k.stride():
         k, v = k.contiguous(), v.contiguous()
-    return torch.ops.ember_cpu.causal_attention_bf16(q, k, v, scale)
+    return op(q, k, v, scale)
 
 
 def amx_gemm_beats_flash(q: torch.Tensor, num_keys: int) -> bool:
-    """Where the GEMM path is the faster of the two on this machine (AMX above): at head_dim >=
-    AMX_GEMM_MIN_HEAD_DIM, or from AMX_GEMM_MIN_PAIRS queries x keys."""
+    """Where the GEMM path is the faster of the two on this machine (AMX above; bf16 only): at head_dim
+    >= AMX_GEMM_MIN_HEAD_DIM, or from AMX_GEMM_MIN_PAIRS queries x keys."""
     n, D = q.shape[0], q.shape[-1]
-    return AMX and n >= MIN_QUERIES and (D >= AMX_GEMM_MIN_HEAD_DIM or n * num_keys >= AMX_GEMM_MIN_PAIRS)
+    return (
+        AMX
+        and q.dtype == torch.bfloat16
+        and n >= MIN_QUERIES
+        and (D >= AMX_GEMM_MIN_HEAD_DIM or n * num_keys >= AMX_GEMM_MIN_PAIRS)
+    )
 
 
 def use_gemm_attention(q: torch.Tensor) -> bool:
-    """The GEMM path pays off for bf16 on CPU at >= MIN_QUERIES queries; fp32 keeps SDPA (the
-    reference numerics), fp16 GEMMs have no fast CPU kernel here."""
+    """The GEMM path pays off for bf16 on CPU at >= MIN_QUERIES queries; float32 GEMMs are slower than
+    SDPA (1.0-3.5x its time at 16-2,000 queries, AVX2; benchmarks/micro_causal_attention.py float32),
+    fp16 GEMMs have no fast CPU kernel here."""
     return q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.shape[0] >= MIN_QUERIES
 
 

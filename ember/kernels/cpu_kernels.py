@@ -3,7 +3,7 @@
 vLLM's CustomOp idea without the class hierarchy: a layer that has a fast CPU path (RMSNorm,
 SiLU*up, the rotary embedding, the attention backend, a packed GGUF linear, Gated DeltaNet) is handed this
 object when it is constructed and keeps the one boolean it needs; its forward then takes the
-C++ kernel where the tensors fit it (bf16 rows on CPU, outside torch.compile) and the torch ops
+C++ kernel where the tensors fit it (e.g. bf16 or float32 rows on CPU, outside torch.compile) and the torch ops
 otherwise. Nothing reads a module-level switch, so two engines with different --cpu-* flags can
 live in one process, and building a layer cannot depend on what ran before.
 
@@ -24,8 +24,8 @@ import torch
 @dataclass(frozen=True)
 class CpuKernels:
     paged_attention: bool = True  # fused paged attention for decodes and verifies (cpu_paged_attention)
-    flash_attention: bool = True  # flash-style causal attention for bf16 prefill (cpu_causal_attention)
-    fused_elementwise: bool = True  # RMSNorm, SiLU*up, RoPE in one pass each, bf16 (cpu_fused_elementwise)
+    flash_attention: bool = True  # flash-style causal attention for bf16 / float32 prefill (cpu_causal_attention)
+    fused_elementwise: bool = True  # RMSNorm, SiLU*up, RoPE in one pass each, bf16 / fp32 (cpu_fused_elementwise)
     tiled_gemv: bool = True  # GGUF 4/8-bit weights in the tiled GEMV's layout (cpu_tiled_gemv)
     int8_activations: bool = True  # the tiled GEMV's int8-x path for many-row steps (AVX-512 VNNI)
     gated_delta_net: bool = True  # Gated DeltaNet conv + recurrence for decodes and verifies (cpu_gated_delta_net)
@@ -51,13 +51,14 @@ class CpuKernels:
         )
         from ember.kernels.cpu_paged_attention import paged_attention_op
 
-        bf16 = dtype == torch.bfloat16
         cpu_row_top.available()  # the sampler's argmax, whatever the flags (~5 s once)
         return cls(
             paged_attention=config.paged_attention and paged_attention_op() is not None,
             # built only for the dtype that uses it; packed GGUF weights build the GEMV as they load
-            flash_attention=config.flash_attention and (not bf16 or cpu_causal_attention.flash_available()),
-            fused_elementwise=config.fused_elementwise and (not bf16 or cpu_fused_elementwise.available()),
+            flash_attention=config.flash_attention and cpu_causal_attention.flash_available(dtype),
+            fused_elementwise=config.fused_elementwise
+            and dtype in cpu_fused_elementwise.DTYPES
+            and cpu_fused_elementwise.available(),
             tiled_gemv=config.tiled_gemv and cpu_tiled_gemv.x_dtype() is not None,
             int8_activations=config.int8_activations,
             # hybrid models' (~10 s to build where it was not at install; a load of a few ms where it was)

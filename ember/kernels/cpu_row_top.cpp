@@ -1,6 +1,10 @@
-// Argmax and small top-k of float32 rows (CPU, AVX-512): the LM head's logits [n, V], each row read
-// from cache in one or two vector passes; and a grammar's token bitmask applied to chosen rows. torch's CPU argmax and topk walk a row one element at a
-// time (~1.2 GB/s: 2.6 ms each for a [64, 49152] batch on 2 Zen4 threads). See cpu_row_top.py.
+// Argmax and small top-k of float32 rows (CPU): the LM head's logits [n, V], each row read from cache
+// in one or two vector passes; and a grammar's token bitmask applied to chosen rows. torch's CPU argmax
+// and topk walk a row one element at a time (~1.2 GB/s: 2.6 ms each for a [64, 49152] batch on 2 Zen4
+// threads). See cpu_row_top.py.
+//
+// One build per machine (-march=native): the AVX-512 build works on 16 float lanes, the AVX2 build
+// (Zen2/3, Haswell on) on 8, with the same loops over the few lane operations defined first.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -13,45 +17,87 @@
 
 namespace {
 
-inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
+// ---- float32 lanes. Comparisons give one bit per lane (low bit: lane 0), as AVX-512's masks do.
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+using vec = __m512;
+inline unsigned first_lanes(int64_t n) { return n >= 16 ? 0xFFFFu : (1u << n) - 1; }
+inline vec vset(float x) { return _mm512_set1_ps(x); }
+inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+// the first n lanes from p (n <= kLanes), `fill` in the others; nothing past them is read
+inline vec vload_first(const float* p, int64_t n, float fill) {
+  return _mm512_mask_loadu_ps(vset(fill), (__mmask16)first_lanes(n), p);
+}
+inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
+inline float hmax(vec a) { return _mm512_reduce_max_ps(a); }
+inline unsigned lanes_unordered(vec a, vec b) { return _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q); }
+inline unsigned lanes_eq(vec a, vec b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
+inline unsigned lanes_gt(vec a, vec b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+// p[i] = x for each lane i whose bit is set (the others are not written)
+inline void store_where(float* p, unsigned bits, float x) { _mm512_mask_storeu_ps(p, (__mmask16)bits, vset(x)); }
+#elif defined(__AVX2__)
+constexpr int kLanes = 8;
+using vec = __m256;
+inline unsigned first_lanes(int64_t n) { return n >= 8 ? 0xFFu : (1u << n) - 1; }
+inline __m256i lane_mask(unsigned bits) {  // all ones in each lane whose bit is set
+  const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)bits), bit), bit);
+}
+inline vec vset(float x) { return _mm256_set1_ps(x); }
+inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vec vload_first(const float* p, int64_t n, float fill) {
+  const __m256i m = lane_mask(first_lanes(n));
+  return _mm256_blendv_ps(vset(fill), _mm256_maskload_ps(p, m), _mm256_castsi256_ps(m));
+}
+inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
+inline float hmax(vec a) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+inline unsigned lanes_unordered(vec a, vec b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q)); }
+inline unsigned lanes_eq(vec a, vec b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)); }
+inline unsigned lanes_gt(vec a, vec b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ)); }
+inline void store_where(float* p, unsigned bits, float x) { _mm256_maskstore_ps(p, lane_mask(bits), vset(x)); }
+#else
+#error "the row kernels need AVX-512F or AVX2 (cpp_build.KERNELS says where they are built)"
+#endif
 
 // torch.argmax of one row: the first index of its largest value, or of its first NaN (torch ranks
 // NaN above everything). Pass 1 finds the max (and whether a NaN exists), pass 2 its first index.
 int64_t argmax_row(const float* __restrict x, int64_t V) {
-  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __m512 m0 = neg_inf, m1 = neg_inf;  // two chains: max's latency does not bound the loop
-  __mmask16 nan_seen = 0;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  vec m0 = vset(neg_inf), m1 = m0;  // two chains: max's latency does not bound the loop
+  unsigned nan_seen = 0;
   int64_t j = 0;
-  for (; j + 32 <= V; j += 32) {
-    const __m512 a = _mm512_loadu_ps(x + j), b = _mm512_loadu_ps(x + j + 16);
-    nan_seen |= _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q);  // true where either is NaN
-    m0 = _mm512_max_ps(m0, a);
-    m1 = _mm512_max_ps(m1, b);
+  for (; j + 2 * kLanes <= V; j += 2 * kLanes) {
+    const vec a = vload(x + j), b = vload(x + j + kLanes);
+    nan_seen |= lanes_unordered(a, b);  // true where either is NaN
+    m0 = vmax(m0, a);
+    m1 = vmax(m1, b);
   }
-  for (; j < V; j += 16) {
-    const __mmask16 k = tail_mask(V - j);
-    const __m512 a = _mm512_mask_loadu_ps(neg_inf, k, x + j);
-    nan_seen |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
-    m0 = _mm512_max_ps(m0, a);
+  for (; j < V; j += kLanes) {
+    const vec a = vload_first(x + j, V - j, neg_inf);
+    nan_seen |= lanes_unordered(a, a);
+    m0 = vmax(m0, a);
   }
   if (nan_seen) {
     for (int64_t i = 0; i < V; ++i)
       if (std::isnan(x[i])) return i;
   }
-  const float mx = _mm512_reduce_max_ps(_mm512_max_ps(m0, m1));
-  const __m512 vmx = _mm512_set1_ps(mx);
-  for (j = 0; j < V; j += 16) {
-    const __mmask16 k = tail_mask(V - j);
-    const __mmask16 hit = _mm512_mask_cmp_ps_mask(k, _mm512_maskz_loadu_ps(k, x + j), vmx, _CMP_EQ_OQ);
+  const vec vmx = vset(hmax(vmax(m0, m1)));
+  for (j = 0; j < V; j += kLanes) {
+    const unsigned live = first_lanes(V - j);
+    const unsigned hit = lanes_eq(vload_first(x + j, V - j, 0.f), vmx) & live;
     if (hit) return j + __builtin_ctz(hit);
   }
-  return 0;  // unreachable: mx is one of the row's values
+  return 0;  // unreachable: the max is one of the row's values
 }
 
 // The k largest of one row, largest first, into vals / idx (k <= V). A sorted list of the best k so
-// far; a vector of 16 is only looked at lane by lane when one of them beats the list's last, which
-// after the first few hundred elements is rare. Equal values keep the earlier index. NaNs are never
-// picked (torch would rank them first; logits with NaN are garbage either way).
+// far; a vector is only looked at lane by lane when one of them beats the list's last, which after
+// the first few hundred elements is rare. Equal values keep the earlier index. NaNs are never picked
+// (torch would rank them first; logits with NaN are garbage either way).
 void topk_row(const float* __restrict x, int64_t V, int64_t k, float* __restrict vals, int64_t* __restrict idx) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   int64_t filled = 0;
@@ -75,18 +121,16 @@ void topk_row(const float* __restrict x, int64_t V, int64_t k, float* __restrict
     }
     return;
   }
-  __m512 thr = _mm512_set1_ps(vals[k - 1]);
-  for (; j < V; j += 16) {
-    const __mmask16 live = tail_mask(V - j);
-    const __m512 v = _mm512_maskz_loadu_ps(live, x + j);
-    __mmask16 hit = _mm512_mask_cmp_ps_mask(live, v, thr, _CMP_GT_OQ);
+  vec thr = vset(vals[k - 1]);
+  for (; j < V; j += kLanes) {
+    unsigned hit = lanes_gt(vload_first(x + j, V - j, neg_inf), thr);  // -inf past the row: never a hit
     if (!hit) continue;
     while (hit) {
       const int b = __builtin_ctz(hit);
       hit &= hit - 1;
       if (x[j + b] > vals[k - 1]) insert(x[j + b], j + b);
     }
-    thr = _mm512_set1_ps(vals[k - 1]);
+    thr = vset(vals[k - 1]);
   }
 }
 
@@ -124,9 +168,9 @@ std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& x, int64_t k) {
 }
 
 // Row rows[i] of x gets -inf wherever bit j of bitmask row i is 0 (token j not allowed; xgrammar's
-// layout: 32 tokens per int32 word, low bit first). One masked store per 16 logits, whatever the
-// word: a fully allowed word stores nothing, a forbidden one 32 -infs. xgrammar's own CPU loop writes
-// element by element (~200 us per 49k-token row here); this runs at memory speed.
+// layout: 32 tokens per int32 word, low bit first). One masked store per vector of logits, whatever
+// the word: a fully allowed word stores nothing, a forbidden one 32 -infs. xgrammar's own CPU loop
+// writes element by element (~200 us per 49k-token row here); this runs at memory speed.
 void mask_rows(at::Tensor& x, const at::Tensor& bitmask, const at::Tensor& rows) {
   check_rows(x);
   TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == at::kInt && bitmask.is_contiguous() &&
@@ -140,19 +184,21 @@ void mask_rows(at::Tensor& x, const at::Tensor& bitmask, const at::Tensor& rows)
   const int64_t* rp = rows.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i)
     TORCH_CHECK(rp[i] >= 0 && rp[i] < x.size(0), "mask_rows: row ", rp[i], " is outside the logits");
-  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const float neg_inf = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       float* row = xp + rp[i] * V;
       const uint32_t* bits = bp + i * W;
-      for (int64_t j = 0; j < V; j += 16) {
-        const uint32_t word = bits[j / 32] >> (j % 32);
-        const __mmask16 forbidden = (__mmask16)~word & tail_mask(V - j);
-        if (forbidden) _mm512_mask_storeu_ps(row + j, forbidden, neg_inf);
+      for (int64_t j = 0; j < V; j += kLanes) {  // kLanes divides 32: a vector's bits lie in one word
+        const unsigned forbidden = ~(bits[j / 32] >> (j % 32)) & first_lanes(V - j);
+        if (forbidden) store_where(row + j, forbidden, neg_inf);
       }
     }
   });
 }
+
+// float32 lanes of this build's vectors: 16 (AVX-512) or 8 (AVX2), for the tests to tell them apart.
+int64_t row_top_lanes() { return kLanes; }
 
 }  // namespace
 
@@ -160,6 +206,7 @@ TORCH_LIBRARY_FRAGMENT(ember_cpu, m) {
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("topk_rows(Tensor x, int k) -> (Tensor, Tensor)");
   m.def("mask_rows(Tensor(a!) x, Tensor bitmask, Tensor rows) -> ()");
+  m.def("row_top_lanes() -> int", &row_top_lanes);  // no tensor to dispatch on: for every key
 }
 
 TORCH_LIBRARY_IMPL(ember_cpu, CPU, m) {

@@ -11,8 +11,10 @@ the compiled graphs keep torch's ops.
 argmax() is torch.argmax(x, -1) exactly (first index of the max; a NaN counts as the max).
 topk_indices() returns the k largest's indices, largest first, equal values in index order;
 unlike torch.topk it never picks a NaN. mask_rows() sets the tokens a structured-output bitmask
-forbids to -inf (xgrammar's apply_token_bitmask_inplace, ~25x faster on 49k-token rows). All fall back to torch where the kernel does not apply
-(not AVX-512, not float32 2-D contiguous CPU rows, inside torch.compile, or not built).
+forbids to -inf (xgrammar's apply_token_bitmask_inplace, ~25x faster on 49k-token rows). All fall back
+to torch where the kernel does not apply (neither AVX-512 nor AVX2, not float32 2-D contiguous CPU rows,
+inside torch.compile, or not built). One build per machine: AVX-512 (16 lanes) or AVX2 (8 lanes: Zen2/3,
+Haswell on), the same loops; docs/tuning.md, "CPU kernels", has the AVX2 build's figures.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from ember.kernels.tracing import tracing
 
 
 def available() -> bool:
-    """The ops can run here (AVX-512; loaded, built once first where they were not built at install)."""
+    """The ops can run here (AVX-512 or AVX2; loaded, built once first where they were not built at install)."""
     return build("cpu_row_top.cpp") is not None
 
 

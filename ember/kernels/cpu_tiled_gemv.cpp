@@ -20,12 +20,11 @@
 // AVX2: each 128-bit half of a run (8 rows x 2 inputs) widened to words in-lane: dword i is row i's
 // code pair for inputs (2p, 2p + 1), the pair layout vpmaddwd multiplies against int16 (x[2p], x[2p + 1]).
 //
-// Q6_K (AVX-512 BF16 build only; the Q6_K section below): a 384-byte tile, the 4-bit tile of the 6-bit
+// Q6_K (both builds; the "Q6_K tiles" layout below): a 384-byte tile, the 4-bit tile of the 6-bit
 // codes' low nibbles followed by a 2-bit plane of their high bits, with a scale per 16 inputs.
 //
 // Scales and offsets come from one of two stores (the FlatScales / KScales structs below): flat,
-// float16 or float32 [N/16, K/32, 16] each; or, for Q4_K / Q5_K in the AVX-512 BF16 build, their two
-// levels as the file holds them.
+// float16 or float32 [N/16, K/32, 16] each; or, for Q4_K / Q5_K, their two levels as the file holds them.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -58,19 +57,57 @@ inline void prefetch_codes(const uint8_t* codes, int64_t tg) {
   for (int line = 0; line < kTileBytes; line += 64) _mm_prefetch(c + line, _MM_HINT_T0);
 }
 
-template <int kTileBytes, typename S>
-inline void prefetch_tile(const uint8_t* codes, const S* scale, const S* offset, int64_t tg) {
-  prefetch_codes<kTileBytes>(codes, tg);
-  _mm_prefetch(reinterpret_cast<const char*>(scale + tg * kRows), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(offset + tg * kRows), _MM_HINT_T0);
-}
-
 // Flat scales and offsets: float16 or float32 [N/16, K/32, 16] each.
 template <typename S>
 struct FlatScales {
   const S* scale;
   const S* offset;
 };
+
+// Q4_K / Q5_K's two levels as the file holds them: 6-bit sub-scale sc and sub-min m per 32 inputs
+// (uint8 [N/16, K/32, 2, 16]: sc then m) and float16 d, dmin per 256 ([N/16, K/256, 2, 16]), so that
+// scale = d sc and offset = -dmin m, each exact in float32 (11 x 6 significant bits): the very values a
+// flat float32 store holds (float16 cannot: up to 17 bits), in 2 B + 4 B / 8 per 32 weights, not 8 B.
+// Both builds form them per group (load_scales).
+struct KScales {
+  const uint8_t* sm;
+  const at::Half* dd;
+};
+
+template <typename S>
+inline void prefetch_scales(const FlatScales<S>& sc, int64_t tg) {
+  _mm_prefetch(reinterpret_cast<const char*>(sc.scale + tg * kRows), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(sc.offset + tg * kRows), _MM_HINT_T0);
+}
+
+inline void prefetch_scales(const KScales& sc, int64_t tg) {  // d and dmin: one line per 8 tiles, cached
+  _mm_prefetch(reinterpret_cast<const char*>(sc.sm + tg * 2 * kRows), _MM_HINT_T0);
+}
+
+// ---- Q6_K tiles --------------------------------------------------------------------------------
+// Q6_K: w = d * S * (q6 - 32), q6 0..63, S int8 per 16 inputs (a sub-block), d float16 per 256 (a
+// superblock), kept in the file's bits: 6 bits a weight plus 8 per 16 plus 16 per 256, 0.82 B.
+// A tile (384 B) is the 4-bit tile of the codes' low nibbles (bytes 0..255, laid out as above: the
+// low nibble is input 2p + e, the high one 2p + 16 + e) and then a 2-bit plane of their high bits
+// (bytes 256..383): 4 runs of 32 bytes, run r serving the 4-bit runs p = 2r and 2r + 1, its byte
+// 2i + e holding row i's high bits of
+//   input 2p + e       in bits 0-1 (p = 2r) or 4-5 (p = 2r + 1),
+//   input 2p + 16 + e  in bits 2-3 (p = 2r) or 6-7 (p = 2r + 1),
+// so one widening of a 32-byte run lines up word for word with both 4-bit runs it serves, and a
+// shift puts each one's bits at 4-5, next to its low nibble: (lo & 15) | (hi2 & 0x30) is q6 (the
+// AVX-512 build ORs in 0x4300 for the bf16 of 128 + q6; the AVX2 build keeps the bytes, whose 128-bit
+// halves are 8 rows x 2 inputs, as in its 4-bit tiles). A tile's halves (inputs 0..15: low nibbles,
+// 16..31: high nibbles) are two sub-blocks with scales of their own, so they accumulate apart.
+// Scales: S int8 [N/16, K/32, 2, 16] (half, row) and d float16 [N/16, K/256, 16]; d * S is exact in
+// float32 (11 x 8 significant bits).
+constexpr int kQ6TileBytes = 384;
+constexpr int kQ6Low = 256;  // the low-nibble tile; the 2-bit plane follows
+constexpr int kSuper = 256;  // inputs per d: a Q6_K superblock, 8 tiles along K
+
+inline void prefetch_q6(const uint8_t* codes, const int8_t* sub, int64_t tg) {
+  prefetch_codes<kQ6TileBytes>(codes, tg);
+  _mm_prefetch(reinterpret_cast<const char*>(sub + tg * 2 * kRows), _MM_HINT_T0);
+}
 
 #if defined(__AVX512BF16__)
 using XT = at::BFloat16;  // this build's x
@@ -112,15 +149,6 @@ inline __m512bh pair(const at::BFloat16* x) {
   return (__m512bh)_mm512_set1_epi32(v);
 }
 
-// Q4_K / Q5_K's two levels as the file holds them: 6-bit sub-scale sc and sub-min m per 32 inputs
-// (uint8 [N/16, K/32, 2, 16]: sc then m) and float16 d, dmin per 256 ([N/16, K/256, 2, 16]), so that
-// scale = d sc and offset = -dmin m, each exact in float32 (11 x 6 significant bits): the very values a
-// flat float32 store holds (float16 cannot: up to 17 bits), in 2 B + 4 B / 8 per 32 weights, not 8 B.
-struct KScales {
-  const uint8_t* sm;
-  const at::Half* dd;
-};
-
 inline __m512 u8_to_ps(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
 
 // Row tile t's scale and offset of group g (G groups a row of tiles).
@@ -136,16 +164,6 @@ inline void load_scales(const KScales& sc, int64_t t, int64_t G, int64_t g, __m5
   const at::Half* d = sc.dd + (t * (G / 8) + g / 8) * 2 * kRows;  // 8 groups a superblock of 256
   s = _mm512_mul_ps(load16(d), u8_to_ps(sm));
   o = _mm512_mul_ps(load16(d + kRows), _mm512_sub_ps(_mm512_setzero_ps(), u8_to_ps(sm + kRows)));  // -m: exact
-}
-
-template <typename S>
-inline void prefetch_scales(const FlatScales<S>& sc, int64_t tg) {
-  _mm_prefetch(reinterpret_cast<const char*>(sc.scale + tg * kRows), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(sc.offset + tg * kRows), _MM_HINT_T0);
-}
-
-inline void prefetch_scales(const KScales& sc, int64_t tg) {  // d and dmin: one line per 8 tiles, cached
-  _mm_prefetch(reinterpret_cast<const char*>(sc.sm + tg * 2 * kRows), _MM_HINT_T0);
 }
 
 // One tile for M rows of x (pointers at the tile's first input); adds into out[M].
@@ -228,29 +246,7 @@ void run(const at::Tensor& x, const at::Tensor& codes, const Scales& sc, const X
   });
 }
 
-// ---- Q6_K tiles --------------------------------------------------------------------------------
-// Q6_K: w = d * S * (q6 - 32), q6 0..63, S int8 per 16 inputs (a sub-block), d float16 per 256 (a
-// superblock), kept in the file's bits: 6 bits a weight plus 8 per 16 plus 16 per 256, 0.82 B.
-// A tile (384 B) is the 4-bit tile of the codes' low nibbles (bytes 0..255, laid out as above: the
-// low nibble is input 2p + e, the high one 2p + 16 + e) and then a 2-bit plane of their high bits
-// (bytes 256..383): 4 runs of 32 bytes, run r serving the 4-bit runs p = 2r and 2r + 1, its byte
-// 2i + e holding row i's high bits of
-//   input 2p + e       in bits 0-1 (p = 2r) or 4-5 (p = 2r + 1),
-//   input 2p + 16 + e  in bits 2-3 (p = 2r) or 6-7 (p = 2r + 1),
-// so one widening of a 32-byte run lines up word for word with both 4-bit runs it serves, and a
-// shift puts each one's bits at 4-5, next to its low nibble: (lo & 15) | (hi2 & 0x30) | 0x4300 is
-// the bf16 of 128 + q6. A tile's halves (inputs 0..15: low nibbles, 16..31: high nibbles) are two
-// sub-blocks with scales of their own, so they accumulate apart. Scales: S int8 [N/16, K/32, 2, 16]
-// (half, row) and d float16 [N/16, K/256, 16]; d * S is exact in float32 (11 x 8 significant bits).
-constexpr int kQ6TileBytes = 384;
-constexpr int kQ6Low = 256;  // the low-nibble tile; the 2-bit plane follows
-constexpr int kSuper = 256;  // inputs per d: a Q6_K superblock, 8 tiles along K
-
-inline void prefetch_q6(const uint8_t* codes, const int8_t* sub, int64_t tg) {
-  prefetch_codes<kQ6TileBytes>(codes, tg);
-  _mm_prefetch(reinterpret_cast<const char*>(sub + tg * 2 * kRows), _MM_HINT_T0);
-}
-
+// ---- Q6_K tiles (the layout: above, beside the flat and K-quant scales) -----------------------
 // The two halves' scales d * S of tile group tg (d16: the 16 rows' d of its superblock).
 inline void q6_scales(const int8_t* sub, int64_t tg, __m512 d16, __m512& s0, __m512& s1) {
   const __m128i* p = reinterpret_cast<const __m128i*>(sub + tg * 2 * kRows);
@@ -583,6 +579,9 @@ using XT = float;  // this build's x
 
 inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m128i load_8b(const void* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
+inline __m256 u8_to_ps(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(load_8b(p))); }
+inline __m256 s8_to_ps(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load_8b(p))); }
 
 // x as int16 steps of each group's largest |x| (32 inputs, the tile's group): q = round(x / step),
 // step = max|x| / 32767, so each x moves by at most step / 2 (2^-16 of the group's largest, ~128x
@@ -590,9 +589,10 @@ inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 // sum[i] is the group's sum of q * step (the x the codes multiply). A NaN or inf x makes its
 // group's step NaN / inf, so the outputs it reaches are NaN, as with float32 x.
 struct XIn {
-  const int16_t* q;   // [M, K]
-  const float* step;  // [M, G]
-  const float* sum;   // [M, G]
+  const int16_t* q;       // [M, K]
+  const float* step;      // [M, G]
+  const float* sum;       // [M, G]
+  const int32_t* qsum16;  // [M, 2G] sum(q) per 16 inputs: Q6_K's sub-blocks (its GEMV starts at -32 of it)
 };
 
 inline float hmax8(__m256 v) {
@@ -612,12 +612,15 @@ inline XIn prepare_x(const at::Tensor& x) {
   // the calling thread's buffers, read by the parallel region after: no allocation per call
   thread_local std::vector<int16_t> qbuf;
   thread_local std::vector<float> fbuf;
+  thread_local std::vector<int32_t> hbuf;
   qbuf.resize(n * kGroup);
   fbuf.resize(2 * n);
+  hbuf.resize(2 * n);
   const float* xp = x.data_ptr<float>();
   int16_t* q = qbuf.data();
   float* step = fbuf.data();
   float* sum = step + n;
+  int32_t* half = hbuf.data();
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   for (int64_t i = 0; i < n; ++i) {
     __m256 v[4], mx = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
@@ -629,60 +632,111 @@ inline XIn prepare_x(const at::Tensor& x) {
     const float amax = hmax8(mx);
     const bool finite = amax <= std::numeric_limits<float>::max();
     const __m256 inv = _mm256_set1_ps(amax > 0.f && finite ? 32767.f / amax : 0.f);
-    __m256i qi[4], isum = _mm256_setzero_si256();
-    for (int j = 0; j < 4; ++j) {
-      qi[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));  // |x| / amax * 32767 rounds to <= 32767
-      isum = _mm256_add_epi32(isum, qi[j]);
-    }
+    __m256i qi[4];
+    for (int j = 0; j < 4; ++j) qi[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));  // |x| / amax * 32767 <= 32767
     // packs interleaves 128-bit lanes (0-3, 8-11 | 4-7, 12-15); the qword permute restores the order
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i * kGroup),
                         _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[0], qi[1]), 0xD8));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i * kGroup + 16),
                         _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[2], qi[3]), 0xD8));
+    half[2 * i] = hsum8(_mm256_add_epi32(qi[0], qi[1]));  // inputs 0..15
+    half[2 * i + 1] = hsum8(_mm256_add_epi32(qi[2], qi[3]));
     step[i] = _mm256_movemask_ps(nan) ? std::numeric_limits<float>::quiet_NaN() : amax / 32767.f;
-    sum[i] = step[i] * static_cast<float>(hsum8(isum));
+    sum[i] = step[i] * static_cast<float>(half[2 * i] + half[2 * i + 1]);
   }
-  return {q, step, sum};
+  return {q, step, sum, half};
 }
 
-// One tile for M rows of x (int16 pointers at the tile's first input): sum(c q) per row in int32,
-// acc[m][0] = rows 0-3 | 8-11, acc[m][1] = rows 4-7 | 12-15. A 32-byte run holds 8 rows x 2
-// inputs per 128-bit half (byte 2i + e); widened to words in-lane, dword i is row i's pair for
-// inputs (k0, k0 + 1), which vpmaddwd multiplies by the broadcast int16 pair of x and sums:
+// Rows 8h .. 8h + 7 of row tile t's scale and offset of group g (the AVX-512 build's load_scales in
+// 8 lanes): a flat store's as held, or the K-quants' d sc and -dmin m, formed as that build does, so
+// both stores give the same bits.
+template <typename S>
+inline void load_scales(const FlatScales<S>& sc, int64_t t, int64_t G, int64_t g, int h, __m256& s, __m256& o) {
+  const int64_t at = (t * G + g) * kRows + 8 * h;
+  s = load8(sc.scale + at);
+  o = load8(sc.offset + at);
+}
+
+inline void load_scales(const KScales& sc, int64_t t, int64_t G, int64_t g, int h, __m256& s, __m256& o) {
+  const uint8_t* sm = sc.sm + (t * G + g) * 2 * kRows + 8 * h;
+  const at::Half* d = sc.dd + (t * (G / 8) + g / 8) * 2 * kRows + 8 * h;  // 8 groups a superblock of 256
+  s = _mm256_mul_ps(load8(d), u8_to_ps(sm));
+  o = _mm256_mul_ps(load8(d + kRows), _mm256_sub_ps(_mm256_setzero_ps(), u8_to_ps(sm + kRows)));  // -m: exact
+}
+
+// f(std::integral_constant<int, m>{}) with m = min(n, kMax) >= 1: a count of x rows as a template argument.
+template <int kMax, typename F>
+inline void with_rows(int64_t n, F&& f) {
+  if constexpr (kMax == 1) f(std::integral_constant<int, 1>{});
+  else if (n >= kMax) f(std::integral_constant<int, kMax>{});
+  else with_rows<kMax - 1>(n, f);
+}
+
+// Few rows of x, as the AVX-512 build's run(): the tiles split across threads; every thread runs all
+// x rows over its tiles, kMaxM at a time (row(t, m0, m): tile t for x rows [m0, m0 + m)).
+template <typename Row>
+void few_rows(int64_t Mtot, int64_t T, Row&& row) {
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t m0 = 0; m0 < Mtot; m0 += kMaxM) with_rows<kMaxM>(Mtot - m0, [&](auto m) { row(t, m0, m); });
+  });
+}
+
+// acc + the int16 products of w and x summed in pairs per dword: exact here (|q| <= 32767, codes < 256).
+// With AVX-VNNI (Intel 12th gen on) one instruction, vpdpwssd, does what vpmaddwd + vpaddd do: the same
+// integers, half the vector uops (measured: docs/tuning.md).
+inline __m256i madd_acc(__m256i acc, __m256i w, __m256i x) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(acc, w, x);
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(acc, w, x);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
+#endif
+}
+
+// One 32-byte run r of codes (byte 2i + e: row i's code for input k0 + e) for M rows of x (int16
+// pointers at the tile's first input), added into acc[m][0] = rows 0-3 | 8-11, acc[m][1] = rows 4-7 |
+// 12-15. A run holds 8 rows x 2 inputs per 128-bit half; widened to words in-lane, dword i is row i's
+// pair for inputs (k0, k0 + 1), which vpmaddwd multiplies by the broadcast int16 pair of x and sums:
 // per 32 codes and row of x, 2 unpacks (shared by the rows), 2 multiply-adds and 2 adds.
+template <int M>
+inline void madd_run(__m256i r, const int16_t* const* xs, int k0, __m256i (&acc)[kMaxM][2]) {
+  const __m256i zero = _mm256_setzero_si256();
+  const __m256i lo = _mm256_unpacklo_epi8(r, zero), hi = _mm256_unpackhi_epi8(r, zero);
+  for (int m = 0; m < M; ++m) {
+    int32_t pair;
+    std::memcpy(&pair, xs[m] + k0, 4);
+    const __m256i xp = _mm256_set1_epi32(pair);
+    acc[m][0] = madd_acc(acc[m][0], lo, xp);
+    acc[m][1] = madd_acc(acc[m][1], hi, xp);
+  }
+}
+
+// One tile for M rows of x: sum(c q) per row in int32, in madd_run's accumulators.
 template <int BITS, int M>
 inline void tile_dot(const uint8_t* __restrict c, const int16_t* const* xs, __m256i (&acc)[kMaxM][2]) {
-  const __m256i zero = _mm256_setzero_si256();
-  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = zero;
-  const auto run = [&](__m256i r, int k0) {
-    const __m256i lo = _mm256_unpacklo_epi8(r, zero), hi = _mm256_unpackhi_epi8(r, zero);
-    for (int m = 0; m < M; ++m) {
-      int32_t pair;
-      std::memcpy(&pair, xs[m] + k0, 4);
-      const __m256i xp = _mm256_set1_epi32(pair);
-      acc[m][0] = _mm256_add_epi32(acc[m][0], _mm256_madd_epi16(lo, xp));
-      acc[m][1] = _mm256_add_epi32(acc[m][1], _mm256_madd_epi16(hi, xp));
-    }
-  };
+  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
   if constexpr (BITS == 4) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
 #pragma GCC unroll 2
     for (int p = 0; p < 8; ++p) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * p));
-      run(_mm256_and_si256(w, low4), 2 * p);
-      run(_mm256_and_si256(_mm256_srli_epi16(w, 4), low4), 2 * p + 16);
+      madd_run<M>(_mm256_and_si256(w, low4), xs, 2 * p, acc);
+      madd_run<M>(_mm256_and_si256(_mm256_srli_epi16(w, 4), low4), xs, 2 * p + 16, acc);
     }
   } else {
 #pragma GCC unroll 4
-    for (int p = 0; p < 16; ++p) run(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * p)), 2 * p);
+    for (int p = 0; p < 16; ++p)
+      madd_run<M>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * p)), xs, 2 * p, acc);
   }
 }
 
 // Row tile t (16 outputs) over all of K, for x rows [m0, m0 + M): per group, scale * step * sum(c q)
 // + offset * sum(x).
-template <int BITS, typename S, int M>
-void tile_row(const uint8_t* __restrict codes, const S* __restrict scale, const S* __restrict offset,
-              const XIn& xin, void* y, bool float_out, int64_t K, int64_t N, int64_t m0, int64_t t) {
+template <int BITS, typename Scales, int M>
+void tile_row(const uint8_t* __restrict codes, const Scales& sc, const XIn& xin, float* y, int64_t K, int64_t N,
+              int64_t m0, int64_t t) {
   constexpr int kTileBytes = BITS == 4 ? 256 : 512;
   const int64_t G = K / kGroup;
   __m256 out[kMaxM][2];
@@ -691,11 +745,13 @@ void tile_row(const uint8_t* __restrict codes, const S* __restrict scale, const 
     const int64_t tg = t * G + g;
     const int16_t* xs[kMaxM];
     for (int m = 0; m < M; ++m) xs[m] = xin.q + (m0 + m) * K + g * kGroup;
-    prefetch_tile<kTileBytes>(codes, scale, offset, tg + kPrefetchTiles);
+    prefetch_codes<kTileBytes>(codes, tg + kPrefetchTiles);
+    prefetch_scales(sc, tg + kPrefetchTiles);
     __m256i acc[kMaxM][2];
     tile_dot<BITS, M>(codes + tg * kTileBytes, xs, acc);
     for (int h = 0; h < 2; ++h) {
-      const __m256 s = load8(scale + tg * kRows + 8 * h), o = load8(offset + tg * kRows + 8 * h);
+      __m256 s, o;
+      load_scales(sc, t, G, g, h, s, o);
       for (int m = 0; m < M; ++m) {
         const int64_t i = (m0 + m) * G + g;
         // rows 8h .. 8h + 7: the low (h = 0) or high (h = 1) 128-bit halves of the two accumulators
@@ -706,8 +762,8 @@ void tile_row(const uint8_t* __restrict codes, const S* __restrict scale, const 
       }
     }
   }
-  for (int m = 0; m < M; ++m)  // float32 out either way: x is float32
-    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(static_cast<float*>(y) + (m0 + m) * N + t * kRows + 8 * h, out[m][h]);
+  for (int m = 0; m < M; ++m)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + (m0 + m) * N + t * kRows + 8 * h, out[m][h]);
 }
 
 // Many rows of x (prefill, batched decode): the GEMV above widens each tile's codes again for every
@@ -722,6 +778,28 @@ void tile_row(const uint8_t* __restrict codes, const S* __restrict scale, const 
 constexpr int kGemmMinRows = 16;  // from here on the widened path (measured: see cpu_tiled_gemv.py)
 constexpr int kGemmM = 3;         // x rows per pass
 constexpr int kGemmChunk = 256;   // x rows per work item
+
+// widen(t, w) widens tile t into w (32 registers a group), rows(w, t, m0, m) runs x rows [m0, m0 + m)
+// against it: work items are (tile, 256-row chunk), a thread's items a tile's chunks in turn, so one
+// widening serves them.
+template <typename Widen, typename Rows>
+void many_rows(int64_t Mtot, int64_t T, int64_t G, Widen&& widen, Rows&& rows) {
+  const int64_t chunks = (Mtot + kGemmChunk - 1) / kGemmChunk;
+  at::parallel_for(0, T * chunks, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<__m256i> wbuf(G * 32);  // 1 KiB a group
+    int64_t widened = -1;               // the tile wbuf holds
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / chunks;
+      if (t != widened) {
+        widen(t, wbuf.data());
+        widened = t;
+      }
+      const int64_t r0 = (i % chunks) * kGemmChunk, r1 = std::min(Mtot, r0 + kGemmChunk);
+      for (int64_t m0 = r0; m0 < r1; m0 += kGemmM)
+        with_rows<kGemmM>(r1 - m0, [&](auto m) { rows(wbuf.data(), t, m0, m); });
+    }
+  });
+}
 
 template <int BITS>
 inline void widen_tile(const uint8_t* __restrict c, __m256i* __restrict w) {
@@ -740,26 +818,27 @@ inline void widen_tile(const uint8_t* __restrict c, __m256i* __restrict w) {
   }
 }
 
-template <int M>
+// Pairs 0 .. kPairs - 1 of a widened group (w at its first) for M rows of x: acc[m][h], rows 8h .. 8h + 7.
+template <int M, int kPairs = 16>
 inline void gemm_group(const __m256i* __restrict w, const int16_t* const* xs, __m256i (&acc)[kGemmM][2]) {
   for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
 #pragma GCC unroll 4
-  for (int q = 0; q < 16; ++q) {
+  for (int q = 0; q < kPairs; ++q) {
     const __m256i w0 = _mm256_load_si256(w + 2 * q), w1 = _mm256_load_si256(w + 2 * q + 1);
     for (int m = 0; m < M; ++m) {
       int32_t pair;
       std::memcpy(&pair, xs[m] + 2 * q, 4);
       const __m256i xp = _mm256_set1_epi32(pair);
-      acc[m][0] = _mm256_add_epi32(acc[m][0], _mm256_madd_epi16(w0, xp));
-      acc[m][1] = _mm256_add_epi32(acc[m][1], _mm256_madd_epi16(w1, xp));
+      acc[m][0] = madd_acc(acc[m][0], w0, xp);
+      acc[m][1] = madd_acc(acc[m][1], w1, xp);
     }
   }
 }
 
 // x rows [m0, m0 + M) against tile t, widened in wbuf.
-template <typename S, int M>
-void gemm_rows(const __m256i* wbuf, int64_t t, const S* __restrict scale, const S* __restrict offset,
-               const XIn& xin, float* y, int64_t K, int64_t N, int64_t m0) {
+template <typename Scales, int M>
+void gemm_rows(const __m256i* wbuf, int64_t t, const Scales& sc, const XIn& xin, float* y, int64_t K, int64_t N,
+               int64_t m0) {
   const int64_t G = K / kGroup;
   __m256 out[kGemmM][2];
   for (int m = 0; m < M; ++m) out[m][0] = out[m][1] = _mm256_setzero_ps();
@@ -768,9 +847,9 @@ void gemm_rows(const __m256i* wbuf, int64_t t, const S* __restrict scale, const 
     for (int m = 0; m < M; ++m) xs[m] = xin.q + (m0 + m) * K + g * kGroup;
     __m256i acc[kGemmM][2];
     gemm_group<M>(wbuf + g * 32, xs, acc);
-    const int64_t tg = t * G + g;
     for (int h = 0; h < 2; ++h) {
-      const __m256 s = load8(scale + tg * kRows + 8 * h), o = load8(offset + tg * kRows + 8 * h);
+      __m256 s, o;
+      load_scales(sc, t, G, g, h, s, o);
       for (int m = 0; m < M; ++m) {
         const int64_t i = (m0 + m) * G + g;
         out[m][h] = _mm256_fmadd_ps(o, _mm256_set1_ps(xin.sum[i]),
@@ -783,55 +862,172 @@ void gemm_rows(const __m256i* wbuf, int64_t t, const S* __restrict scale, const 
     for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + (m0 + m) * N + t * kRows + 8 * h, out[m][h]);
 }
 
-template <int BITS, typename S>
-void run_gemm(const at::Tensor& x, const at::Tensor& codes, const S* s, const S* o, const XIn& xin, const at::Tensor& y) {
+// Few rows: the GEMV (tile_row); many: the widened path. Float32 out either way (x is float32).
+template <int BITS, typename Scales>
+void run(const at::Tensor& x, const at::Tensor& codes, const Scales& sc, const XIn& xin, const at::Tensor& y, bool) {
   constexpr int kTileBytes = BITS == 4 ? 256 : 512;
   const int64_t Mtot = x.size(0), K = x.size(1), G = K / kGroup, T = codes.size(0), N = T * kRows;
-  const int64_t chunks = (Mtot + kGemmChunk - 1) / kGemmChunk;
   const auto* c = codes.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, T * chunks, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<__m256i> wbuf(G * 32);  // 1 KiB a group
-    int64_t widened = -1;               // the tile wbuf holds
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t t = i / chunks;  // a thread's items run a tile's row chunks in turn: one widening
-      if (t != widened) {
-        for (int64_t g = 0; g < G; ++g) widen_tile<BITS>(c + (t * G + g) * kTileBytes, wbuf.data() + g * 32);
-        widened = t;
-      }
-      const int64_t r0 = (i % chunks) * kGemmChunk, r1 = std::min(Mtot, r0 + kGemmChunk);
-      for (int64_t m0 = r0; m0 < r1; m0 += kGemmM) {
-        switch (std::min<int64_t>(kGemmM, r1 - m0)) {
-          case 1: gemm_rows<S, 1>(wbuf.data(), t, s, o, xin, yp, K, N, m0); break;
-          case 2: gemm_rows<S, 2>(wbuf.data(), t, s, o, xin, yp, K, N, m0); break;
-          default: gemm_rows<S, kGemmM>(wbuf.data(), t, s, o, xin, yp, K, N, m0); break;
-        }
-      }
-    }
+  if (Mtot >= kGemmMinRows) {
+    const auto widen = [&](int64_t t, __m256i* w) {
+      for (int64_t g = 0; g < G; ++g) widen_tile<BITS>(c + (t * G + g) * kTileBytes, w + g * 32);
+    };
+    const auto rows = [&](const __m256i* w, int64_t t, int64_t m0, auto m) {
+      gemm_rows<Scales, decltype(m)::value>(w, t, sc, xin, yp, K, N, m0);
+    };
+    return many_rows(Mtot, T, G, widen, rows);
+  }
+  few_rows(Mtot, T, [&](int64_t t, int64_t m0, auto m) {
+    tile_row<BITS, Scales, decltype(m)::value>(c, sc, xin, yp, K, N, m0, t);
   });
 }
 
-// Few rows: as the AVX-512 build's run(); many: the widened path above.
-template <int BITS, typename S>
-void run(const at::Tensor& x, const at::Tensor& codes, const FlatScales<S>& sc, const XIn& xin, const at::Tensor& y,
-         bool float_out) {
-  const S* s = sc.scale;
-  const S* o = sc.offset;
-  if (x.size(0) >= kGemmMinRows) return run_gemm<BITS, S>(x, codes, s, o, xin, y);
-  const int64_t Mtot = x.size(0), K = x.size(1), T = codes.size(0), N = T * kRows;
-  const auto* c = codes.data_ptr<uint8_t>();
-  void* yp = y.data_ptr();
-  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      for (int64_t m0 = 0; m0 < Mtot; m0 += kMaxM) {
-        switch (std::min<int64_t>(kMaxM, Mtot - m0)) {
-          case 1: tile_row<BITS, S, 1>(c, s, o, xin, yp, float_out, K, N, m0, t); break;
-          case 2: tile_row<BITS, S, 2>(c, s, o, xin, yp, float_out, K, N, m0, t); break;
-          case 3: tile_row<BITS, S, 3>(c, s, o, xin, yp, float_out, K, N, m0, t); break;
-          default: tile_row<BITS, S, 4>(c, s, o, xin, yp, float_out, K, N, m0, t); break;
-        }
+// ---- Q6_K tiles (AVX2) ---------------------------------------------------------------------------
+// The same 384-byte tiles as the AVX-512 build (one packing serves both): the codes q6 (0..63) widen to
+// int16 exactly, and vpmaddwd multiplies them by x's int16 steps as the 4-bit codes. Each half of a
+// tile (a sub-block of 16 inputs, scale d S) sums apart in int32: exactly sum((q6 - 32) q), in the
+// GEMV from -32 sum(q) (XIn::qsum16), in the widened many-row path from codes widened as q6 - 32; the
+// same integers, and the same float32 epilogue per half (d S, times the step, FMA'd into the output),
+// so both paths give the same bits. |sum| <= 63 x 32767 x 16 + 32 x 32767 x 16 < 2^31.
+
+// Run p of half H of a Q6_K tile as its 6-bit codes (bytes in the 4-bit runs' order: byte 2i + e is
+// row i's code for input 2p + 16H + e), from the low nibbles w (run p) and the plane run pl (p / 2),
+// which holds their high bits at 4U + 2H (U = p % 2), shifted to bits 4-5 beside the nibble.
+template <int U, int H>
+inline __m256i q6_codes(__m256i w, __m256i pl) {
+  constexpr int at = 4 * U + 2 * H;
+  __m256i hi = pl;
+  if constexpr (at < 4) hi = _mm256_slli_epi16(pl, 4 - at);  // bits crossing a byte land outside 4-5
+  if constexpr (at > 4) hi = _mm256_srli_epi16(pl, at - 4);
+  const __m256i lo = H ? _mm256_srli_epi16(w, 4) : w;
+  return _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi8(0x0F)), _mm256_and_si256(hi, _mm256_set1_epi8(0x30)));
+}
+
+// f(p, codes) for the 8 runs p of half H of the Q6_K tile at c.
+template <int H, typename F>
+inline void q6_runs(const uint8_t* __restrict c, F&& f) {
+#pragma GCC unroll 4
+  for (int r = 0; r < 4; ++r) {
+    const __m256i pl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + kQ6Low + 32 * r));
+    f(2 * r, q6_codes<0, H>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * r)), pl));
+    f(2 * r + 1, q6_codes<1, H>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * r + 32)), pl));
+  }
+}
+
+// Row tile t of a Q6_K matrix over all of K, for x rows [m0, m0 + M) (few rows). The accumulators' row
+// order is tile_dot's (rows 0-3 | 8-11, 4-7 | 12-15); the scales are put in it once per group (d per
+// superblock) and the outputs kept in it, put back in row order at the store.
+template <int M>
+void q6_tile_row(const uint8_t* __restrict codes, const int8_t* __restrict sub, const at::Half* __restrict d,
+                 const XIn& xin, float* y, int64_t K, int64_t N, int64_t m0, int64_t t) {
+  const int64_t G = K / kGroup, B = K / kSuper;
+  const __m128i order = _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);
+  __m256 out[kMaxM][2], d2[2];
+  for (int m = 0; m < M; ++m) out[m][0] = out[m][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t tg = t * G + g;
+    if (g % (kSuper / kGroup) == 0) {
+      const at::Half* dp = d + (t * B + g / (kSuper / kGroup)) * kRows;
+      const __m256 lo = load8(dp), hi = load8(dp + 8);
+      d2[0] = _mm256_permute2f128_ps(lo, hi, 0x20);
+      d2[1] = _mm256_permute2f128_ps(lo, hi, 0x31);
+    }
+    prefetch_q6(codes, sub, tg + kPrefetchTiles);
+    const int16_t* xs[kMaxM];
+    for (int m = 0; m < M; ++m) xs[m] = xin.q + (m0 + m) * K + g * kGroup;
+    const auto half = [&](auto h) {
+      constexpr int H = decltype(h)::value;
+      __m256i acc[kMaxM][2];
+      for (int m = 0; m < M; ++m)
+        acc[m][0] = acc[m][1] = _mm256_set1_epi32(-32 * xin.qsum16[(m0 + m) * 2 * G + 2 * g + H]);
+      q6_runs<H>(codes + tg * kQ6TileBytes, [&](int p, __m256i r) { madd_run<M>(r, xs, 2 * p + 16 * H, acc); });
+      const __m128i* sp = reinterpret_cast<const __m128i*>(sub + (2 * tg + H) * kRows);
+      const __m128i s = _mm_shuffle_epi8(_mm_loadu_si128(sp), order);  // S in the accumulators' row order
+      const __m256 sc0 = _mm256_mul_ps(d2[0], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s)));
+      const __m256 sc1 = _mm256_mul_ps(d2[1], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s, 8))));
+      for (int m = 0; m < M; ++m) {
+        const __m256 step = _mm256_set1_ps(xin.step[(m0 + m) * G + g]);
+        out[m][0] = _mm256_fmadd_ps(_mm256_mul_ps(sc0, step), _mm256_cvtepi32_ps(acc[m][0]), out[m][0]);
+        out[m][1] = _mm256_fmadd_ps(_mm256_mul_ps(sc1, step), _mm256_cvtepi32_ps(acc[m][1]), out[m][1]);
+      }
+    };
+    half(std::integral_constant<int, 0>{});
+    half(std::integral_constant<int, 1>{});
+  }
+  for (int m = 0; m < M; ++m) {
+    float* ym = y + (m0 + m) * N + t * kRows;
+    _mm256_storeu_ps(ym, _mm256_permute2f128_ps(out[m][0], out[m][1], 0x20));  // rows 0-3, 4-7
+    _mm256_storeu_ps(ym + 8, _mm256_permute2f128_ps(out[m][0], out[m][1], 0x31));
+  }
+}
+
+// A Q6_K tile widened for the many-row path, in widen_tile's order (pair q = inputs 2q, 2q + 1; pairs
+// 0..7 half 0, 8..15 half 1), codes q6 - 32: signed, so the products need no offset term.
+inline void widen_q6_tile(const uint8_t* __restrict c, __m256i* __restrict w) {
+  const auto put = [&](auto h) {
+    constexpr int H = decltype(h)::value;
+    q6_runs<H>(c, [&](int p, __m256i r) {
+      const __m256i s = _mm256_sub_epi8(r, _mm256_set1_epi8(32));
+      w[2 * (p + 8 * H)] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(s));  // rows 0-7
+      w[2 * (p + 8 * H) + 1] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(s, 1));
+    });
+  };
+  put(std::integral_constant<int, 0>{});
+  put(std::integral_constant<int, 1>{});
+}
+
+// x rows [m0, m0 + M) against Q6_K tile t, widened in wbuf: per half, 8 pairs, then its scales.
+template <int M>
+void gemm_rows_q6(const __m256i* wbuf, int64_t t, const int8_t* __restrict sub, const at::Half* __restrict d,
+                  const XIn& xin, float* y, int64_t K, int64_t N, int64_t m0) {
+  const int64_t G = K / kGroup, B = K / kSuper;
+  __m256 out[kGemmM][2], d2[2];
+  for (int m = 0; m < M; ++m) out[m][0] = out[m][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t tg = t * G + g;
+    if (g % (kSuper / kGroup) == 0) {
+      const at::Half* dp = d + (t * B + g / (kSuper / kGroup)) * kRows;
+      d2[0] = load8(dp);
+      d2[1] = load8(dp + 8);
+    }
+    for (int H = 0; H < 2; ++H) {
+      const int16_t* xs[kGemmM];
+      for (int m = 0; m < M; ++m) xs[m] = xin.q + (m0 + m) * K + g * kGroup + 16 * H;
+      __m256i acc[kGemmM][2];
+      gemm_group<M, 8>(wbuf + g * 32 + 16 * H, xs, acc);
+      const int8_t* s = sub + (2 * tg + H) * kRows;
+      const __m256 sc0 = _mm256_mul_ps(d2[0], s8_to_ps(s)), sc1 = _mm256_mul_ps(d2[1], s8_to_ps(s + 8));
+      for (int m = 0; m < M; ++m) {
+        const __m256 step = _mm256_set1_ps(xin.step[(m0 + m) * G + g]);
+        out[m][0] = _mm256_fmadd_ps(_mm256_mul_ps(sc0, step), _mm256_cvtepi32_ps(acc[m][0]), out[m][0]);
+        out[m][1] = _mm256_fmadd_ps(_mm256_mul_ps(sc1, step), _mm256_cvtepi32_ps(acc[m][1]), out[m][1]);
       }
     }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + (m0 + m) * N + t * kRows + 8 * h, out[m][h]);
+}
+
+void run_q6(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sub, const at::Tensor& d,
+            const at::Tensor& y) {
+  const XIn xin = prepare_x(x);
+  const int64_t Mtot = x.size(0), K = x.size(1), G = K / kGroup, T = codes.size(0), N = T * kRows;
+  const auto* c = codes.data_ptr<uint8_t>();
+  const auto* s = sub.data_ptr<int8_t>();
+  const auto* dp = d.data_ptr<at::Half>();
+  float* yp = y.data_ptr<float>();
+  if (Mtot >= kGemmMinRows) {
+    const auto widen = [&](int64_t t, __m256i* w) {
+      for (int64_t g = 0; g < G; ++g) widen_q6_tile(c + (t * G + g) * kQ6TileBytes, w + g * 32);
+    };
+    const auto rows = [&](const __m256i* w, int64_t t, int64_t m0, auto m) {
+      gemm_rows_q6<decltype(m)::value>(w, t, s, dp, xin, yp, K, N, m0);
+    };
+    return many_rows(Mtot, T, G, widen, rows);
+  }
+  few_rows(Mtot, T, [&](int64_t t, int64_t m0, auto m) {
+    q6_tile_row<decltype(m)::value>(c, s, dp, xin, yp, K, N, m0, t);
   });
 }
 #else
@@ -867,11 +1063,7 @@ void check_args(const at::Tensor& x, at::ScalarType x_type, const char* x_name, 
 template <typename F>
 void with_scales(const at::Tensor& scale, const at::Tensor& offset, F&& f) {
   if (scale.scalar_type() == at::kByte) {
-#if defined(__AVX512BF16__)
     f(KScales{scale.data_ptr<uint8_t>(), offset.data_ptr<at::Half>()});
-#else
-    TORCH_CHECK(false, "K-quant scales need the AVX-512 BF16 build (cpu_tiled_gemv.has_k_scales() says)");
-#endif
   } else if (scale.scalar_type() == at::kHalf) {
     f(FlatScales<at::Half>{scale.data_ptr<at::Half>(), offset.data_ptr<at::Half>()});
   } else {
@@ -908,10 +1100,12 @@ at::Tensor tiled_gemm_q8(const at::Tensor& x, const at::Tensor& codes, const at:
 #endif
 }
 
-// Q6_K's arguments: x bf16 [M, K], tiles uint8 [N/16, K/32, 384], sub_scale int8 [N/16, K/32, 2, 16],
-// d float16 [N/16, K/256, 16].
+// Q6_K's arguments: x [M, K] in this build's dtype, tiles uint8 [N/16, K/32, 384], sub_scale int8
+// [N/16, K/32, 2, 16], d float16 [N/16, K/256, 16].
 void check_q6k_args(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& sub, const at::Tensor& d) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
+  constexpr bool f32 = std::is_same<XT, float>::value;
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == (f32 ? at::kFloat : at::kBFloat16) && x.is_contiguous(), "x: contiguous ",
+              f32 ? "float32" : "bf16", " [M, K] (this build's dtype)");
   const int64_t K = x.size(1), G = K / kGroup;
   TORCH_CHECK(K % 256 == 0 && tiles.dim() == 3 && tiles.size(1) == G && tiles.size(2) == 384
               && tiles.scalar_type() == at::kByte && tiles.is_contiguous(), "tiles: uint8 [N/16, K/32, 384], K % 256 == 0");
@@ -922,7 +1116,8 @@ void check_q6k_args(const at::Tensor& x, const at::Tensor& tiles, const at::Tens
               && d.scalar_type() == at::kHalf && d.is_contiguous(), "d: float16 [N/16, K/256, 16]");
 }
 
-// x @ W^T for Q6_K tiles: the bf16 GEMV (q8 false) or the int8-x path (q8 true, VNNI + VBMI builds).
+// x @ W^T for Q6_K tiles: the GEMV (q8 false: bf16 x, or the AVX2 build's float32 x at any row count) or
+// the int8-x path (q8 true, VNNI + VBMI builds).
 at::Tensor q6k(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& sub, const at::Tensor& d,
                bool float_out, bool q8) {
   check_q6k_args(x, tiles, sub, d);
@@ -939,7 +1134,10 @@ at::Tensor q6k(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& s
   TORCH_CHECK(false, "tiled_q6k_gemm_q8 needs a CPU with AVX-512 BF16, VNNI and VBMI (cpu_tiled_gemv.has_q8() says)");
 #endif
 #else
-  TORCH_CHECK(false, "the Q6_K tiles need a CPU with AVX-512 BF16 (cpu_tiled_gemv.has_q6k() says)");
+  TORCH_CHECK(!q8, "tiled_q6k_gemm_q8 needs a CPU with AVX-512 BF16, VNNI and VBMI (cpu_tiled_gemv.has_q8() says)");
+  at::Tensor y = at::empty({x.size(0), tiles.size(0) * kRows}, x.options().dtype(at::kFloat));  // float32 either way
+  run_q6(x, tiles, sub, d, y);
+  return y;
 #endif
 }
 

@@ -11,8 +11,8 @@ x (bf16) are exact in the products, sums are float32 -- the torch kernel instead
 
 Layout (`pack`): codes uint8 [N/16, K/32, 256] (4-bit: two codes a byte) or [N/16, K/32, 512]
 (8-bit), scale and offset [N/16, K/32, 16] in float16 where that holds them exactly (GGUF's
-Q4_0, Q4_1, Q8_0 block scales are float16), else float32. N is padded to a multiple of 16. In the
-bf16 build Q4_K / Q5_K may keep their two levels instead (`pack_k`: 6-bit sc and m per 32 as uint8
+Q4_0, Q4_1, Q8_0 block scales are float16), else float32. N is padded to a multiple of 16. Q4_K /
+Q5_K may keep their two levels instead (`pack_k`, both builds: 6-bit sc and m per 32 as uint8
 [N/16, K/32, 2, 16], float16 d and dmin per 256 as [N/16, K/256, 2, 16]; the kernel forms d sc and
 -dmin m per group, exact in float32: the flat float32 values, bit for bit, in 0.078 B a weight of
 scales instead of 0.25).
@@ -29,7 +29,9 @@ From 16 rows of x (prefill, batched decode) that build widens each tile's codes 
 runs 3 rows of x a pass against them with 6 registers of int32 sums (the few-row loop re-widens
 per 4 rows and spills). Same products, same epilogue: the same bits as the few-row path. It beats
 MKL's float32 GEMM over the dequantized weight at every row count measured, so the AVX2 build serves
-every row count and needs no dense copy.
+every row count and needs no dense copy. Where the compiler targets AVX-VNNI (-march=native on Intel's
+12th gen on), vpdpwssd does vpmaddwd + vpaddd's work in one instruction: the same int32 sums, so the
+same bits (an -march=haswell -mavxvnni build passes this module's tests), ~10-17% faster (docs/tuning.md).
 Many rows in the bf16 build (gemm_q8; CPUs with AVX-512 VNNI and VBMI: Zen4, Sapphire Rapids): from
 TILED_Q8_MIN_ROWS (ember.quant.gemm_dispatch) rows of x (prefill, batched decode), each group of 32 inputs of a row is rounded to int8
 steps of the group's largest |x| (step = max|x| / 127: llama.cpp's Q8 activation blocks, which its
@@ -41,7 +43,7 @@ float32 epilogue per group (convert, scale, two FMAs against 8 vpdpbusd) shares 
 of the int8 peak. It beats oneDNN's bf16 GEMM over a dense copy at every row count measured.
 Numerics: the default model's perplexity on held-out text moves +0.3% (a per-row, not per-group,
 int8 x moved it +2.3%).
-Q6_K in the bf16 build (`pack_q6k`, `gemv_q6k`, `gemm_q8_q6k`; ember.quant.gguf_quant.TiledQ6KPart):
+Q6_K (`pack_q6k`, `gemv_q6k`, `gemm_q8_q6k`; ember.quant.gguf_quant.TiledQ6KPart), both builds:
 the file's bits kept, 0.82 B a weight. A 384-byte tile is the 4-bit tile of the 6-bit codes' low
 nibbles plus a 2-bit plane of their high bits, laid out so that one widened 32-byte run of the plane
 lines up word for word with the two 4-bit runs it serves (a shift and a ternary-logic op put the two
@@ -50,7 +52,14 @@ per 16 inputs and float16 d per 256 (d * S is exact in float32: 11 x 8 bits; flo
 would not hold it, ~18 significant bits). Each half of a tile (inputs 0..15, 16..31) is a sub-block
 and accumulates apart, from -160 sum(x) (GEMV) or -32 sum(q) (int8 x), so the offset costs no
 extra multiply. Numerics are the 4/8-bit tiles': exact products summed in float32 (bf16 x), or x
-rounded to int8 per group of 32 (many rows). Batch-1 and 16-row figures against Q6KPart: docs/tuning.md.
+rounded to int8 per group of 32 (many rows). The AVX2 build reads the same tiles (one packing for
+both): the 6-bit codes widen to int16 exactly and vpmaddwd multiplies them by x's int16 steps, each
+half of a tile summed apart in int32 (exactly sum((q6 - 32) q): from -32 sum(q) in the GEMV, from codes
+widened as q6 - 32 in the many-row path, which it takes from 16 rows as the 4/8-bit tiles do; the same
+bits either way), times d S and the step in float32. So an AVX2 machine runs a Q4_K_M file's Q6_K
+linears and LM head on the file's own bits at every row count, with no dense copy (before: Q6KPart,
+torch's int4 kernel in float32, ~50x slower than a float32 GEMV, and a float32 dense copy of the Q6_K
+layers for many rows). Figures against Q6KPart (both builds): docs/tuning.md.
 `x_dtype()` says which x this machine's build takes (None: neither),
 `available()` whether it also built, `has_q8()` whether the int8-x path is there, `has_q6k()` the Q6_K tiles,
 `has_k_scales()` the two-level K-quant scales. Built like the attention kernel (ember.kernels.cpp_build).
@@ -102,15 +111,15 @@ def has_q8() -> bool:
 
 
 def has_k_scales() -> bool:
-    """True where this machine's build takes Q4_K / Q5_K's two-level scales as they are (pack_k): the
-    bf16 build (AVX-512 BF16)."""
-    return x_dtype() == torch.bfloat16
+    """True where this machine's build takes Q4_K / Q5_K's two-level scales as they are (pack_k): both
+    builds (AVX-512 BF16, AVX2)."""
+    return x_dtype() is not None
 
 
 def has_q6k() -> bool:
-    """True where this machine's build has the Q6_K tiles (gemv_q6k): the bf16 build (AVX-512 BF16).
-    Their int8-x path (gemm_q8_q6k) wants has_q8() as well."""
-    return x_dtype() == torch.bfloat16
+    """True where this machine's build has the Q6_K tiles (gemv_q6k, in x_dtype() at any row count): both
+    builds. Their int8-x path (gemm_q8_q6k) wants has_q8() as well."""
+    return x_dtype() is not None
 
 
 def available() -> bool:
@@ -324,7 +333,8 @@ def gemm_q8(
 def gemv_q6k(
     x: torch.Tensor, tiles: torch.Tensor, sub_scale: torch.Tensor, d: torch.Tensor, float_out: bool = False
 ) -> torch.Tensor:
-    """x [M, K] bf16 -> x @ W^T [M, N padded to 16] over Q6_K tiles (pack_q6k). Where has_q6k()."""
+    """x [M, K] in x_dtype() -> x @ W^T [M, N padded to 16] over Q6_K tiles (pack_q6k), in x's dtype or
+    float32 with float_out (the AVX2 build: float32 either way). Where has_q6k()."""
     return torch.ops.ember_cpu.tiled_q6k_gemv(x, tiles, sub_scale, d, float_out)
 
 

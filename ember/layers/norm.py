@@ -21,7 +21,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
-        # the one-pass C++ kernel for bf16 rows on CPU (chosen at build; applies() checks the tensors)
+        # the one-pass C++ kernel for bf16 / float32 rows on CPU (chosen at build; applies() checks the tensors)
         self.fused = (kernels or CpuKernels()).fused_elementwise
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -35,7 +35,7 @@ class RMSNorm(nn.Module):
         if (
             self.fused
             and fused.applies(x)
-            and self.weight.dtype == torch.bfloat16
+            and self.weight.dtype == x.dtype
             and (residual is None or residual.dtype == x.dtype)
         ):
             return fused.rms_norm(x, residual, self.weight, self.eps)  # one pass, the same roundings
@@ -71,7 +71,7 @@ class ZeroCenteredRMSNorm(nn.Module):
         if (
             self.fused
             and fused.applies(x)
-            and self.weight.dtype == torch.bfloat16
+            and self.weight.dtype == x.dtype
             and (residual is None or residual.dtype == x.dtype)
         ):
             return fused.rms_norm(x, residual, self.weight, self.eps, zero_centered=True)
@@ -100,7 +100,7 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """o, z [T, H, D] -> [T, H, D]."""
-        if self.fused and self.weight.dtype == torch.bfloat16 and fused.applies_gated(o, z):
+        if self.fused and self.weight.dtype == o.dtype and fused.applies_gated(o, z):
             return fused.gated_rms_norm(o, z, self.weight, self.eps).view(o.shape)  # one pass, the same roundings
         h = torch.rms_norm(o.float(), (o.shape[-1],), eps=self.eps).to(o.dtype)
         return (self.weight * h * torch.nn.functional.silu(z.float())).to(o.dtype)

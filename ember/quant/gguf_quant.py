@@ -11,16 +11,17 @@ stored by its type, with no dense copy:
   by side along the input dim in one Int4Weight [N, 2K]:
   x @ W^T = [x, x] @ [16d*hi | d*lo + off]^T. One kernel call, 1 byte + scales per weight.
 - Where the tiled GEMV takes the run's dtype (bf16 on AVX-512 BF16, float32 on AVX2), all of the
-  above are a TiledPart instead (its row tiles, the 8-bit codes whole); in the bf16 build Q4_K and
-  Q5_K keep the file's two levels of scales there (6-bit sc, m per 32, float16 d, dmin per 256:
-  0.58 / 1.08 B a weight, against 0.75 / 1.25 with flat float32 scales), the same values exactly.
+  above are a TiledPart instead (its row tiles, the 8-bit codes whole); Q4_K and Q5_K keep the file's
+  two levels of scales there (6-bit sc, m per 32, float16 d, dmin per 256: 0.58 / 1.08 B a weight,
+  against 0.75 / 1.25 with flat float32 scales), the same values exactly.
 - Q6_K (Q4_K_M files hold it in output.weight and half the attn_v / ffn_down): 16 sub-blocks
   of 16 with scale c = d * S (int8 S, either sign), w = c (q6 - 32), q6 in 0..63.
-  In bf16 on CPUs with AVX-512 BF16 it is a TiledQ6KPart: the tiled GEMV's Q6_K tiles hold the
-  file's own bits (6-bit codes, int8 S, float16 d: 0.82 B a weight), its bf16 GEMV serves few rows
-  and its int8-x path many (no dense copy, no rebuilt weight), rows come back exactly
-  (ember.kernels.cpu_tiled_gemv). Elsewhere (float32 runs, the AVX2 build, --no-cpu-tiled-gemv)
-  it is a Q6KPart, as follows. Split
+  Where the tiled GEMV takes the run's dtype it is a TiledQ6KPart: the tiled GEMV's Q6_K tiles hold
+  the file's own bits (6-bit codes, int8 S, float16 d: 0.82 B a weight); bf16 on AVX-512 BF16: its
+  bf16 GEMV serves few rows and its int8-x path many; float32 on AVX2: its int16-x GEMV every row
+  count (no dense copy, no rebuilt weight either way); rows come back exactly
+  (ember.kernels.cpu_tiled_gemv). Elsewhere (bf16 on AVX2, --no-cpu-tiled-gemv) it is a Q6KPart, as
+  follows. Split
   q6 = 16 hi + lo (hi 0..3, lo 0..15) and give each sub-block one kernel group of 32 in an
   Int4Weight [N, 2K]: its 16 codes hi + 6, then its 16 codes lo, both with s = 16 c and
   z = 8 s / 17, fed x' = [x_0:16, x_0:16 / 16, x_16:32, x_16:32 / 16, ...] (exact: a power of 2).
@@ -131,6 +132,8 @@ class PackedPart:
 
 
 class DensePart(PackedPart):
+    kernel_at_any_rows = True  # a dense GEMM at every row count already: a dense copy would only duplicate it
+
     def __init__(self, w: torch.Tensor):
         self.w, (self.N, self.K) = w, w.shape
 
@@ -198,10 +201,10 @@ class Int4Part(PackedPart):
 class TiledPart(PackedPart):
     """W = code * scale + offset per group of 32, in the row tiles of the CPU GEMV kernel
     (ember.kernels.cpu_tiled_gemv): 4-bit codes (Q4_0, Q4_1, Q4_K) or whole 8-bit ones (Q8_0,
-    Q5_0, Q5_1, Q5_K); scales flat (float16 or float32 per 32) or, for a run of Q4_K / Q5_K shards in
-    the bf16 build, their two levels as the file holds them (tiled_gemv.pack_k). Used in place of Int4Part for bf16 on CPUs with AVX-512 BF16 (faster at one row:
-    docs/tuning.md, CPU kernels) and for float32 on CPUs with AVX2 (the kernel's int16-x
-    build). From TILED_Q8_MIN_ROWS rows on a CPU with AVX-512 VNNI (has_q8, --cpu-int8-activations), the
+    Q5_0, Q5_1, Q5_K); scales flat (float16 or float32 per 32) or, for a run of Q4_K / Q5_K shards,
+    their two levels as the file holds them (tiled_gemv.pack_k). Used in place of Int4Part for bf16 on
+    CPUs with AVX-512 BF16 (faster at one row: docs/tuning.md, CPU kernels) and for float32 on CPUs
+    with AVX2 (the kernel's int16-x build). From TILED_Q8_MIN_ROWS rows on a CPU with AVX-512 VNNI (has_q8, --cpu-int8-activations), the
     kernel's int8-x path (x rounded to int8 steps per group of 32, as llama.cpp's Q8 activations),
     which beats oneDNN's bf16 GEMM over a dense copy at every row count. Otherwise, above
     INT4_KERNEL_MAX_ROWS rows, a dense GEMM over W -- except in the AVX2 build, whose many-row path
@@ -320,9 +323,10 @@ class TiledPart(PackedPart):
 class TiledQ6KPart(TiledPart):
     """Q6_K in the tiled GEMV's Q6_K tiles (cpu_tiled_gemv.pack_q6k), its own bits: 6-bit codes, int8
     sub-block scales S per 16 and float16 d per 256, 0.82 B a weight as in the file (Q6KPart: 1.25).
-    The bf16 GEMV for few rows, the int8-x path (has_q8) from TILED_Q8_MIN_ROWS rows, so no dense copy
-    and no rebuilt weight at many rows; else the rules of TiledPart (gemm_dispatch.tiled_path). Rows
-    for lookups and the head's refinement are exactly gguf-py's values. bf16 build only (has_q6k)."""
+    The bf16 GEMV for few rows, the int8-x path (has_q8) from TILED_Q8_MIN_ROWS rows; in the AVX2 build
+    its float32-x GEMV at every row count (its many-row path from 16): so no dense copy and no rebuilt
+    weight at many rows; else the rules of TiledPart (gemm_dispatch.tiled_path). Rows for lookups and
+    the head's refinement are exactly gguf-py's values. Both builds (has_q6k)."""
 
     def __init__(self, q6: torch.Tensor, sub_scale: torch.Tensor, d: torch.Tensor, int8_activations: bool = True):
         """q6 None: an empty part for from_chunks to fill."""

@@ -52,19 +52,21 @@ def check(flags: dict) -> None:
 
 
 def test_k_quant_held_bytes_and_copy_follow_the_layout():
-    """Q6_K holds the file's bytes where the bf16 build's Q6_K tiles take it, and needs no dense copy
-    where their int8-x path serves many rows; torch's int4 kernel (Q6KPart) holds 1.25 B and needs one."""
+    """Q6_K holds the file's bytes where the tiled GEMV's Q6_K tiles take it (both builds), and needs no
+    dense copy where the tiled kernel serves every row count (the int8-x path, the AVX2 build); torch's
+    int4 kernel (Q6KPart) holds 1.25 B (1.5 in float32) and needs one. Types dequantized at load need none."""
     from ember.engine.peak_rss import GGUFTensorInfo, held_bytes, needs_copy
 
     t = GGUFTensorInfo("blk.0.ffn_down.weight", "Q6_K", 1 << 20, 2)
     assert held_bytes(t, 2, "tiled", False) == held_bytes(t, 2, "int4", True) == (1 << 20) * 210 / 256
+    assert held_bytes(t, 4, "tiled", False) == (1 << 20) * 210 / 256  # the AVX2 float32 build's tiles
     assert held_bytes(t, 2, "int4", False) == (1 << 20) * 1.25
-    assert held_bytes(t, 4, "tiled", False) == (1 << 20) * 1.5  # the AVX2 float32 build: Q6KPart
-    assert not needs_copy("Q6_K", "tiled", q8=True)
-    k = GGUFTensorInfo("blk.0.ffn_up.weight", "Q4_K", 1 << 20, 2)  # two-level scales kept in the bf16 build
-    assert held_bytes(k, 2, "tiled", False) == (1 << 20) * (0.5 + 2 / 32 + 4 / 256)
-    assert held_bytes(k, 4, "tiled", False) == (1 << 20) * 0.75  # the AVX2 build: flat float32 scales
-    assert needs_copy("Q6_K", "tiled", q8=False) and needs_copy("Q6_K", "int4", q8=False)
+    assert held_bytes(t, 4, "int4", False) == (1 << 20) * 1.5
+    assert not needs_copy("Q6_K", "tiled", any_rows=True)
+    k = GGUFTensorInfo("blk.0.ffn_up.weight", "Q4_K", 1 << 20, 2)  # two-level scales kept in either build
+    assert held_bytes(k, 2, "tiled", False) == held_bytes(k, 4, "tiled", False) == (1 << 20) * (0.5 + 2 / 32 + 4 / 256)
+    assert needs_copy("Q6_K", "tiled", any_rows=False) and needs_copy("Q6_K", "int4", any_rows=False)
+    assert not needs_copy("Q2_K", "int4", any_rows=False) and not needs_copy("F16", "int4", any_rows=False)
 
 
 ENGINE = {"executor": "eager", "num_threads": 1, "max_num_batched_tokens": 1024, "dtype": "bfloat16"}

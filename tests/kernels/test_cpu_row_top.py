@@ -1,9 +1,14 @@
 """The CPU row argmax / top-k kernels (ember/kernels/cpu_row_top.*) against torch.argmax and
-torch.topk: the same indices on random logits, on rows whose length leaves a vector tail, with
-ties (first index wins), -inf, NaN (argmax: the first NaN, as torch), and the fallback where the
-kernel does not apply."""
+torch.topk: the same indices on random logits, on rows whose length leaves a vector tail (of 16 and of
+8 lanes), with ties (first index wins), -inf, NaN (argmax: the first NaN, as torch), and the fallback
+where the kernel does not apply; and the AVX2 build (-march=haswell) run through this module on an
+AVX-512 machine."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -11,15 +16,18 @@ import torch
 from ember.kernels import cpu_row_top
 from ember.kernels.cpp_build import has_cpu_flags
 
-# This project's machines (and CI's) are Zen4 with AVX-512; elsewhere the torch ops run.
-pytestmark = pytest.mark.skipif(not has_cpu_flags("avx512f"), reason="the row kernels need AVX-512")
+pytestmark = pytest.mark.skipif(
+    not (has_cpu_flags("avx512f") or has_cpu_flags("avx2")), reason="the row kernels need AVX-512 or AVX2"
+)
 
 
 def kernel_ran(x: torch.Tensor) -> bool:
     return cpu_row_top._applies(x)
 
 
-@pytest.mark.parametrize("n,V", [(1, 1), (3, 15), (5, 16), (4, 17), (64, 49152), (7, 151_937), (2, 1000)])
+@pytest.mark.parametrize(
+    "n,V", [(1, 1), (2, 7), (3, 15), (5, 16), (4, 17), (3, 25), (64, 49152), (7, 151_937), (2, 1000)]
+)
 def test_argmax_matches_torch(n, V):
     x = torch.randn(n, V, generator=torch.Generator().manual_seed(V))
     assert kernel_ran(x)
@@ -40,7 +48,9 @@ def test_argmax_ties_nan_and_inf():
     assert got.tolist()[:4] == [7, 0, 13, 99]
 
 
-@pytest.mark.parametrize("n,V,k", [(1, 8, 8), (3, 17, 5), (64, 49152, 8), (4, 151_937, 16), (2, 33, 1)])
+@pytest.mark.parametrize(
+    "n,V,k", [(1, 8, 8), (3, 17, 5), (2, 13, 3), (64, 49152, 8), (4, 151_937, 16), (2, 33, 1), (3, 1001, 8)]
+)
 def test_topk_matches_torch(n, V, k):
     x = torch.randn(n, V, generator=torch.Generator().manual_seed(k + V))
     vals, idx = torch.ops.ember_cpu.topk_rows(x, k)
@@ -78,7 +88,7 @@ def test_bad_input_is_refused():
         torch.ops.ember_cpu.argmax_rows(torch.randn(2, 5, dtype=torch.float64))
 
 
-@pytest.mark.parametrize("n_rows,V", [(1, 49152), (5, 17), (3, 151_937), (32, 49157)])
+@pytest.mark.parametrize("n_rows,V", [(1, 49152), (5, 17), (2, 12), (3, 151_937), (32, 49157)])
 def test_mask_rows_matches_xgrammar(n_rows, V):
     """The bitmask kernel against xgrammar's own apply_token_bitmask_inplace: the chosen rows only,
     words all allowed (-1), all forbidden (0) and mixed, a vocabulary that leaves a tail."""
@@ -106,3 +116,39 @@ def test_mask_rows_falls_back_for_other_dtypes():
     bits[0, 0] = 0b101
     cpu_row_top.mask_rows(x, bits, [1])
     assert torch.isinf(x[1]).sum() == 30 and not torch.isinf(x[1, [0, 2]]).any() and not torch.isinf(x[0]).any()
+
+
+def test_the_build_is_this_cpus():
+    """16 lanes where the CPU has AVX-512, else the AVX2 build's 8 (in the AVX2 child run below too)."""
+    assert cpu_row_top.available()
+    assert torch.ops.ember_cpu.row_top_lanes() == (16 if has_cpu_flags("avx512f") else 8)
+
+
+@pytest.mark.slow
+def test_avx2_build_passes_this_module(tmp_path):
+    """Where this machine's build is the 16-lane AVX-512 one, the 8-lane AVX2 build (Zen2/3, Haswell
+    on) is compiled here with -march=haswell under the name this machine looks for, in a kernel dir of
+    its own, and this module's other tests run against it in a child process that reads the CPU flags
+    as such a machine's (tests/kernels/haswell_flags.py)."""
+    if not has_cpu_flags("avx512f"):
+        pytest.skip("this machine's own build is the AVX2 one")
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, EMBER_KERNEL_DIR=str(tmp_path))
+    build = (
+        "import sys; from ember.kernels import cpp_build as b; "
+        "b.CFLAGS[:] = ['-O3', '-march=haswell', '-fopenmp']; "
+        "b.compile_kernel('cpu_row_top.cpp', out_dir=sys.argv[1])"
+    )
+    subprocess.run([sys.executable, "-c", build, str(tmp_path)], env=env, cwd=repo, check=True, timeout=600)
+    probe = "import torch; from ember.kernels import cpu_row_top as r; r.available(); "
+    probe += "print(torch.ops.ember_cpu.row_top_lanes())"
+    out = subprocess.run(
+        [sys.executable, "-c", "import tests.kernels.haswell_flags; " + probe],
+        env=env, cwd=repo, check=True, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.stdout.strip() == "8"
+    plugin = ["-p", "tests.kernels.haswell_flags"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *plugin, __file__, "-k", "not avx2"]
+    run = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True, timeout=600)
+    ok = run.returncode == 0 and " passed" in run.stdout and "skipped" not in run.stdout  # every test ran
+    assert ok, run.stdout[-3000:] + run.stderr[-2000:]

@@ -1,6 +1,7 @@
 """The tiled CPU GEMV (ember/kernels/cpu_tiled_gemv.*): exact repacking, the kernel against a
-float64 reference over every row-chunk shape, the GGUF TiledPart around it, its Q6_K tiles
-(TiledQ6KPart), and tracing it under torch.compile."""
+float64 reference over every row-chunk shape, the GGUF TiledPart around it, the K-quants' two levels of
+scales, its Q6_K tiles (TiledQ6KPart), and tracing it under torch.compile; in this machine's build, and
+(test_avx2_build_passes_this_module) in the AVX2 one."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
 from ember.kernels import cpu_tiled_gemv as tg
+from ember.kernels.cpp_build import has_cpu_flags
 from ember.kernels.cpu_kernels import CpuKernels
 from ember.quant.gemm_dispatch import INT4_KERNEL_MAX_ROWS as KERNEL_MAX_ROWS
 from ember.quant.gemm_dispatch import TILED_Q8_MIN_ROWS
@@ -242,25 +244,33 @@ def test_traced_by_torch_compile(cpp_wrapper, qtype):
     assert (layer(x).float() - exact).abs().max() <= 0.01 * exact.abs().max()
 
 
-# ---- K-quant scales (the bf16 build) -----------------------------------------------------------------
+# ---- K-quant scales (both builds) ------------------------------------------------------------------
 
-needs_k_scales = pytest.mark.skipif(not tg.has_k_scales(), reason="K-quant scales need the bf16 build")
+needs_k_scales = pytest.mark.skipif(not tg.has_k_scales(), reason="K-quant scales need the tiled GEMV")
+
+
+def k_quant(N, K, bits, seed):
+    """Random Q4_K / Q5_K-like fields (codes, 6-bit sc and m, float16 d and dmin) and their flat float32
+    scale and offset (d sc, -dmin m: exact)."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 2**bits, (N, K), generator=g, dtype=torch.uint8)
+    sc, m = (torch.randint(0, 64, (N, K // 32), generator=g, dtype=torch.uint8) for _ in range(2))
+    d, dmin = ((torch.rand(N, K // 256, generator=g) * 1e-3).half() for _ in range(2))
+    scale = d.float().repeat_interleave(8, dim=1) * sc.float()
+    offset = -(dmin.float().repeat_interleave(8, dim=1) * m.float())
+    return codes, sc, m, d, dmin, scale, offset
 
 
 @needs_k_scales
 @pytest.mark.parametrize("bits", [4, 8])
 def test_k_scales_give_the_flat_float32_results(bits):
     """Q4_K / Q5_K's two levels kept (6-bit sc, m per 32; float16 d, dmin per 256: 0.078 B a weight of
-    scales against flat float32's 0.25): d sc and -dmin m are exact in float32, so rows, the GEMV and
-    the int8-x path give the very bits of the flat float32 store, for every row chunking."""
+    scales against flat float32's 0.25): d sc and -dmin m are exact in float32, so rows, the GEMV (and the
+    AVX2 build's many-row path, from 16 rows) and the int8-x path give the very bits of the flat float32
+    store, for every row chunking."""
     assert tg.available()
     N, K = 40, 768
-    g = torch.Generator().manual_seed(30)
-    codes = torch.randint(0, 2**bits, (N, K), generator=g, dtype=torch.uint8)
-    sc, m = (torch.randint(0, 64, (N, K // 32), generator=g, dtype=torch.uint8) for _ in range(2))
-    d, dmin = ((torch.rand(N, K // 256, generator=g) * 1e-3).half() for _ in range(2))
-    scale = d.float().repeat_interleave(8, dim=1) * sc.float()
-    offset = -(dmin.float().repeat_interleave(8, dim=1) * m.float())
+    codes, sc, m, d, dmin, scale, offset = k_quant(N, K, bits, 30)
     kq = tg.pack_k(codes, sc, m, d, dmin, bits)
     flat = tg.pack(codes, scale, offset, bits)
     assert flat[1].dtype == torch.float32  # d sc is no float16
@@ -269,8 +279,9 @@ def test_k_scales_give_the_flat_float32_results(bits):
     ids = torch.tensor([39, 0, 17, 16])
     assert torch.equal(tg.unpack_rows(*kq, bits, ids), w[ids])
     assert torch.equal(tg.dequantize(*kq, bits, torch.float32, N), w)
-    for M in (1, 3, 4, 5, 9, 17):
-        x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(31)
+    for M in (1, 3, 4, 5, 9, 16, 17):
+        x = torch.randn(M, K, generator=g).to(X)
         assert torch.equal(tg.gemv(x, *kq, bits, float_out=True), tg.gemv(x, *flat, bits, float_out=True)), M
         if tg.has_q8():
             assert torch.equal(tg.gemm_q8(x, *kq, bits, float_out=True), tg.gemm_q8(x, *flat, bits, float_out=True))
@@ -280,17 +291,18 @@ def test_k_scales_give_the_flat_float32_results(bits):
 @pytest.mark.parametrize("qtype,held", [(T.Q4_K, 0.578125), (T.Q5_K, 1.078125)])
 def test_k_quant_parts_keep_their_two_levels(qtype, held):
     t, ref = gguf_tensor(qtype, 48, 512, seed=31)
-    (part,) = pack_shards([t], torch.bfloat16, "cpu")
+    (part,) = pack_shards([t], X, "cpu")
     assert isinstance(part, TiledPart) and part.scale.dtype == torch.uint8
     assert sum(b.numel() * b.element_size() for b in part.buffers()) == held * 48 * 512
     assert torch.equal(part.dequantize(), ref) and torch.equal(part.rows(torch.tensor([47, 5])), ref[[47, 5]])
-    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(32)).to(torch.bfloat16)
-    torch.testing.assert_close(part.linear_float(x).double(), x.double() @ ref.double().t(), rtol=1e-5, atol=1e-5)
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(32)).to(X)
+    tol = 1e-5 * (x.double().abs() @ ref.double().abs().t()) + tg.rounding_bound(x, ref)
+    assert ((part.linear_float(x).double() - x.double() @ ref.double().t()).abs() <= tol).all()
 
 
-# ---- Q6_K tiles (the bf16 build) -------------------------------------------------------------------
+# ---- Q6_K tiles (both builds) ----------------------------------------------------------------------
 
-needs_q6k = pytest.mark.skipif(not tg.has_q6k(), reason="the Q6_K tiles need the bf16 build (AVX-512 BF16)")
+needs_q6k = pytest.mark.skipif(not tg.has_q6k(), reason="the Q6_K tiles need the tiled GEMV")
 
 
 def q6k(N, K, seed):
@@ -299,6 +311,7 @@ def q6k(N, K, seed):
     q6 = torch.randint(0, 64, (N, K), generator=g, dtype=torch.uint8)
     sub = torch.randint(-128, 128, (N, K // 16), generator=g, dtype=torch.int8)
     sub[0, :2] = torch.tensor([-128, 127], dtype=torch.int8)
+    q6[1, :16], q6[1, 16:32] = 0, 63  # the codes' extremes in both halves of a tile
     d = (torch.rand(N, K // 256, generator=g) * 1e-3 + 1e-5).half()
     c = d.float().repeat_interleave(16, dim=1) * sub.float()  # exact: 11 x 8 significant bits
     w = (c.view(N, K // 16, 1) * (q6.float().view(N, K // 16, 16) - 32)).view(N, K)
@@ -324,21 +337,37 @@ def test_q6k_pack_keeps_the_files_bits(N, K):
 @needs_q6k
 @pytest.mark.parametrize("N,K", [(40, 256), (37, 1024), (24, 3584)])
 def test_q6k_gemv_matches_float64_reference(N, K):
-    """The bf16 GEMV over Q6_K tiles: exact codes times bf16 x, summed in float32 per sub-block of 16
-    from -160 sum(x) (the codes enter as 128 + q6), scaled by d S: float32 noise away from x @ W^T,
-    for every x-row chunking (1-4 rows a pass) and both output dtypes."""
+    """The GEMV over Q6_K tiles, for every x-row chunking (1-4 rows a pass; from 16 rows the AVX2 build's
+    many-row path) and both output dtypes. bf16 build: exact codes times bf16 x, summed in float32 per
+    sub-block of 16 from -160 sum(x) (the codes enter as 128 + q6), scaled by d S: float32 noise away from
+    x @ W^T. AVX2 build: x rounded to int16 steps per group of 32, exact int32 sums per sub-block of
+    (q6 - 32) q: within rounding_bound of x @ W^T, plus that noise."""
     assert tg.available()
     q6, sub, d, w = q6k(N, K, 21)
     packed = tg.pack_q6k(q6, sub, d)
     g = torch.Generator().manual_seed(22)
-    for M in (1, 2, 3, 4, 5, 7, 9, 17):
-        x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    for M in (1, 2, 3, 4, 5, 7, 9, 16, 17, 35):
+        x = torch.randn(M, K, generator=g).to(X)
         y = tg.gemv_q6k(x, *packed, float_out=True)
         assert y.shape == (M, -(-N // 16) * 16) and y.dtype == torch.float32 and not y[:, N:].any()
-        tol = 1e-5 * (x.double().abs() @ w.double().abs().t())
+        tol = 1e-5 * (x.double().abs() @ w.double().abs().t()) + tg.rounding_bound(x, w)
         assert ((y[:, :N].double() - x.double() @ w.double().t()).abs() <= tol).all(), M
         yb = tg.gemv_q6k(x, *packed)
-        assert yb.dtype == torch.bfloat16 and torch.equal(yb, y.to(torch.bfloat16))
+        assert yb.dtype == X and torch.equal(yb, y.to(X))
+
+
+@needs_q6k
+def test_q6k_many_row_path_gives_the_gemv_bits():
+    """The AVX2 build's many-row path over Q6_K tiles (codes widened once per tile as q6 - 32, 3 rows of x
+    a pass) sums the same integers per sub-block as its GEMV (which starts each at -32 sum(q)) and runs
+    the same float32 epilogue: the same bits, row by row, for every remainder of its row blocks and work
+    chunks (256 rows). In the bf16 build every row count is the GEMV, so this holds trivially there."""
+    q6, sub, d, _ = q6k(72, 512, 27)
+    packed = tg.pack_q6k(q6, sub, d)
+    x = torch.randn(260, 512, generator=torch.Generator().manual_seed(28)).to(X)
+    one_by_one = torch.cat([tg.gemv_q6k(x[i : i + 1].contiguous(), *packed, float_out=True) for i in range(260)])
+    for M in (16, 17, 18, 260):
+        assert torch.equal(tg.gemv_q6k(x[:M].contiguous(), *packed, float_out=True), one_by_one[:M]), M
 
 
 @needs_q6k
@@ -366,89 +395,104 @@ def test_q6k_gemm_q8_matches_its_int8_reference(N, K):
 
 @needs_q6k
 def test_q6k_zero_and_non_finite_x():
-    """As the 4/8-bit tiles: an all-zero group adds nothing, a NaN / inf reaches its row's outputs."""
+    """As the 4/8-bit tiles: an all-zero group adds nothing, a NaN / inf reaches its row's outputs; at few
+    rows and (18 rows) the AVX2 build's many-row path."""
     q6, sub, d, w = q6k(32, 256, 25)
     packed = tg.pack_q6k(q6, sub, d)
-    x = torch.randn(6, 256).to(torch.bfloat16)
+    x = torch.randn(6, 256).to(X)
     x[0, :32] = 0
     x[1, 40] = float("nan")
     x[2, 70] = float("inf")
     ok = [0, 3, 4, 5]
-    kernels = [(tg.gemv_q6k, x.double())] + ([(tg.gemm_q8_q6k, tg.q8_reference(x))] if tg.has_q8() else [])
-    for kernel, xs in kernels:
-        y = kernel(x, *packed, float_out=True)
-        torch.testing.assert_close(y[ok].double(), xs[ok] @ w.double().t(), rtol=1e-5, atol=1e-5)
+    tol = 1e-5 * (x[ok].double().abs() @ w.double().abs().t()) + tg.rounding_bound(x[ok], w)
+    y = tg.gemv_q6k(x, *packed, float_out=True)
+    assert ((y[ok].double() - x[ok].double() @ w.double().t()).abs() <= tol).all()
+    assert y[1].isnan().all() and not y[2].isfinite().any()
+    many = tg.gemv_q6k(x.repeat(3, 1), *packed, float_out=True)
+    torch.testing.assert_close(many, y.repeat(3, 1), rtol=0, atol=0, equal_nan=True)
+    if tg.has_q8():
+        y = tg.gemm_q8_q6k(x, *packed, float_out=True)
+        torch.testing.assert_close(y[ok].double(), tg.q8_reference(x[ok]) @ w.double().t(), rtol=1e-5, atol=1e-5)
         assert y[1].isnan().all() and not y[2].isfinite().any()
 
 
 @needs_q6k
 def test_q6k_refuses_bad_inputs_with_a_message():
     packed = tg.pack_q6k(*q6k(16, 256, 26)[:3])
-    with pytest.raises(RuntimeError, match="bf16"):
-        tg.gemv_q6k(torch.randn(1, 256), *packed)
+    with pytest.raises(RuntimeError, match="this build's dtype"):
+        tg.gemv_q6k(torch.randn(1, 256).to(OTHER), *packed)
     with pytest.raises(RuntimeError, match="tiles"):
-        tg.gemv_q6k(torch.randn(1, 512).to(torch.bfloat16), *packed)
+        tg.gemv_q6k(torch.randn(1, 512).to(X), *packed)
     with pytest.raises(RuntimeError, match="sub_scale"):
-        tg.gemv_q6k(torch.randn(1, 256).to(torch.bfloat16), packed[0], packed[1].float(), packed[2])
+        tg.gemv_q6k(torch.randn(1, 256).to(X), packed[0], packed[1].float(), packed[2])
+    if not tg.has_q8():
+        with pytest.raises(RuntimeError, match="has_q8"):
+            tg.gemm_q8_q6k(torch.randn(1, 256).to(X), *packed)
     with pytest.raises(ValueError, match="K % 256"):
         tg.pack_q6k(torch.zeros(16, 96, dtype=torch.uint8), torch.zeros(16, 6, dtype=torch.int8), torch.zeros(16, 1))
 
 
 @needs_q6k
 def test_gguf_q6k_part_is_tiled_and_matches_the_file():
-    """A Q6_K GGUF tensor in a bf16 run: TiledQ6KPart, gguf-py's values bit for bit in rows() (the
-    embedding lookup and the head's refinement), the GEMV at few rows, the int8-x path from
-    TILED_Q8_MIN_ROWS (so no dense copy: kernel_at_any_rows), a dense GEMM for float32 x."""
+    """A Q6_K GGUF tensor in this build's dtype: TiledQ6KPart, gguf-py's values bit for bit in rows() (the
+    embedding lookup and the head's refinement), the GEMV at few rows, from TILED_Q8_MIN_ROWS the int8-x
+    path (bf16 build) or the GEMV still (AVX2 build: its many-row path), so no dense copy where either
+    serves every row count (kernel_at_any_rows); x in the other dtype: a dense GEMM over W in that dtype."""
     from tests.quant.test_gguf_packed import gguf_tensor as q6k_tensor
 
     t, ref = q6k_tensor(T.Q6_K, 72, 512, seed=28)
-    (part,) = pack_shards([t], torch.bfloat16, "cpu")
+    (part,) = pack_shards([t], X, "cpu")
     assert isinstance(part, TiledQ6KPart) and (part.N, part.K) == (72, 512)
     assert torch.equal(part.dequantize(), ref) and torch.equal(part.rows(torch.tensor([71, 3, 16])), ref[[71, 3, 16]])
-    assert part.kernel_at_any_rows == tg.has_q8()
+    assert part.kernel_at_any_rows == (tg.has_q8() or X == torch.float32)
     g = torch.Generator().manual_seed(29)
-    for rows in (1, 4, TILED_Q8_MIN_ROWS, KERNEL_MAX_ROWS + 1):
-        x = torch.randn(rows, 512, generator=g).to(torch.bfloat16)
+    for rows in (1, 4, TILED_Q8_MIN_ROWS, 16, KERNEL_MAX_ROWS + 1):
+        x = torch.randn(rows, 512, generator=g).to(X)
         exact = x.double() @ ref.double().t()
         got = part.linear(x)
-        assert got.dtype == torch.bfloat16 and got.shape == (rows, 72)
+        assert got.dtype == X and got.shape == (rows, 72)
         if tg.has_q8() and rows >= TILED_Q8_MIN_ROWS:
-            want = tg.q8_reference(x) @ ref.double().t()
+            want, tol = tg.q8_reference(x) @ ref.double().t(), 1e-5
             assert not part.precise_logits(x)
         else:
-            want = exact
-            assert part.precise_logits(x) == (rows <= KERNEL_MAX_ROWS)
-        torch.testing.assert_close(part.linear_float(x).double(), want, rtol=1e-5, atol=1e-5)
-    x = torch.randn(2, 512, generator=g)  # float32 x: a dense GEMM over W in float32
-    torch.testing.assert_close(part.linear(x), x @ ref.t(), rtol=1e-5, atol=1e-5)
+            want, tol = exact, 1e-5 if X == torch.bfloat16 else 1e-3  # + int16-rounded x (AVX2)
+            assert part.precise_logits(x) == (rows <= KERNEL_MAX_ROWS or X == torch.float32)
+        torch.testing.assert_close(part.linear_float(x).double(), want, rtol=tol, atol=tol)
+    x = torch.randn(2, 512, generator=g).to(OTHER)  # not the kernel's x: a dense GEMM over W in x's dtype
+    assert torch.equal(part.linear(x), F.linear(x, ref.to(OTHER)))
     q6, sub, d = q6_k_blocks(t.raw())
     assert all(torch.equal(a, b) for a, b in zip(part.buffers(), TiledQ6KPart(q6, sub, d).buffers(), strict=True))
 
 
 @pytest.mark.slow
-def test_avx2_build_passes_this_module(tmp_path):
+@pytest.mark.parametrize("march", [["-march=haswell"], ["-march=haswell", "-mavxvnni"]], ids=["haswell", "avxvnni"])
+def test_avx2_build_passes_this_module(tmp_path, march):
     """Where this machine's build is the bf16 one (AVX-512 BF16), the AVX2 + FMA + F16C build (Zen2/3,
-    Haswell on: float32 x in int16 steps, 4- and 8-bit tiles) is compiled here with -march=haswell
-    under the name this machine looks for, in a kernel dir of its own, and this module's other tests
-    run against it in a child process that reads the CPU flags as such a machine's
-    (tests/kernels/haswell_flags.py)."""
+    Haswell on: float32 x in int16 steps; 4- and 8-bit tiles, the K-quants' two levels, Q6_K's tiles) is
+    compiled here with -march=haswell (and again with AVX-VNNI, Intel's 12th gen on, whose vpdpwssd sums
+    the same products in one instruction) under the name this machine looks for, in a kernel dir of its
+    own, and this module's other tests run against it in a child process that reads the CPU flags as
+    such a machine's (tests/kernels/haswell_flags.py)."""
     if X != torch.bfloat16:
         pytest.skip("this machine's own build is the AVX2 one")
+    if "-mavxvnni" in march and not has_cpu_flags("avx_vnni"):
+        pytest.skip("this CPU has no AVX-VNNI")
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, EMBER_KERNEL_DIR=str(tmp_path))
     build = (
         "import sys; from ember.kernels import cpp_build as b; "
-        "b.CFLAGS[:] = ['-O3', '-march=haswell', '-fopenmp']; "
+        "b.CFLAGS[:] = ['-O3', *sys.argv[2:], '-fopenmp']; "
         "b.compile_kernel('cpu_tiled_gemv.cpp', out_dir=sys.argv[1])"
     )
-    subprocess.run([sys.executable, "-c", build, str(tmp_path)], env=env, cwd=repo, check=True, timeout=600)
+    subprocess.run([sys.executable, "-c", build, str(tmp_path), *march], env=env, cwd=repo, check=True, timeout=600)
     plugin = ["-p", "tests.kernels.haswell_flags"]
-    probe = "from ember.kernels import cpu_tiled_gemv as g; print(g.x_dtype(), g.available(), g.has_q6k())"
+    probe = "from ember.kernels import cpu_tiled_gemv as g; "
+    probe += "print(g.x_dtype(), g.available(), g.has_q6k(), g.has_k_scales(), g.has_q8())"
     out = subprocess.run(
         [sys.executable, "-c", "import tests.kernels.haswell_flags; " + probe],
         env=env, cwd=repo, check=True, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
-    assert out.stdout.split() == ["torch.float32", "True", "False"]
+    assert out.stdout.split() == ["torch.float32", "True", "True", "True", "False"]
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *plugin, __file__, "-k", "not avx2"]
     run = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]

@@ -85,8 +85,8 @@ CASES = {
 @pytest.fixture(params=["cpp-kernel", "cpu-kernels-off", "torch-reference"])
 def backend(request):
     """Each case through the cpu backend with the C++ kernels (decode and prefill; they must build
-    here: g++ and ninja are in CI; the prefill kernel needs AVX512-BF16, which this project's Zen4
-    machines have and its Zen3 ones do not), through it with them off (--no-cpu-paged-attention
+    here: g++ and ninja are in CI; the prefill kernel's bf16 form needs AVX512-BF16, which this
+    project's Zen4 machines have and its Zen3 ones do not, its float32 form AVX2 + FMA), through it with them off (--no-cpu-paged-attention
     --no-cpu-flash-attention: the GEMM path for long bf16 prefills, else the reference's), and
     through the torch reference itself."""
     import ember.kernels.cpu_causal_attention as causal
@@ -97,6 +97,8 @@ def backend(request):
         assert paged_attention_op() is not None, "the C++ CPU attention kernel did not build"
         if has_cpu_flags("avx512f", "avx512_bf16"):
             assert causal.flash_available(), "the C++ CPU prefill attention kernel did not build"
+        if has_cpu_flags("avx512f") or has_cpu_flags("avx2", "fma"):
+            assert causal.flash_available(torch.float32), "the C++ CPU prefill attention kernel did not build"
         return CpuAttentionBackend()
     if request.param == "cpu-kernels-off":
         return CpuAttentionBackend(fused_decode=False, flash=False)
@@ -142,58 +144,36 @@ def test_get_attention_backend():
 
 
 @pytest.mark.parametrize("flash", [True, False])
-def test_bf16_prefills_take_the_flash_or_gemm_path(monkeypatch, flash):
+def test_prefills_take_the_flash_or_gemm_path(monkeypatch, flash):
     """The C++ flash kernel (or, turned off or not built for this CPU, the GEMM path) really runs and
-    matches for a fresh prefill and a chunk over a prefix; fp32 never takes either."""
+    matches for a bf16 fresh prefill and a chunk over a prefix; float32 queries (over a float32 or a
+    bf16 cache) take the kernel's float32 form where it is built (AVX2 + FMA or AVX-512), SDPA with it
+    off (float32 GEMMs are the slowest of the three: benchmarks/micro_causal_attention.py float32)."""
     import ember.kernels.cpu_causal_attention as causal
     from ember.kernels.cpu_attention import CpuAttentionBackend
 
     calls = []
-    name = "flash_attention" if flash and causal.flash_available() else "causal_attention_gemm"
-    real = getattr(causal, name)
-    monkeypatch.setattr(causal, name, lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    for backend, dtype, expected in (
-        (CpuAttentionBackend(flash=flash), torch.bfloat16, [150, 140]),
-        (CpuAttentionBackend(flash=flash), torch.float32, []),
-        (TorchAttentionBackend(), torch.bfloat16, []),
-    ):  # the reference: SDPA only
-        calls.clear()
-        q, k, v, cache, meta, tables = make_step([1, 150, 140, 2], [40, 150, 401, 30], dtype)
-        out = Attention(HQ, D, HKV, D**-0.5, backend)(q, k, v, cache, meta)
-        assert calls == expected
-        assert (out.double() - reference(q, cache, meta, tables, D**-0.5)).abs().max() < 2e-2
-
-
-@pytest.mark.parametrize("amx", [True, False])
-def test_on_amx_large_prefills_take_the_gemm_path(monkeypatch, amx):
-    """Where oneDNN's GEMMs run on AMX the GEMM path serves head_dim >= 128 from MIN_QUERIES queries and
-    head_dim 64 from 1M query-key pairs (benchmarks/micro_causal_attention.py); elsewhere the C++
-    kernel serves all of them. Either way the answer matches the other path's."""
-    import ember.kernels.cpu_causal_attention as causal
-
-    if not causal.flash_available():
-        pytest.skip("the C++ kernel needs AVX512-BF16")
-    monkeypatch.setattr(causal, "AMX", amx)
-    ran = []
     for name in ("flash_attention", "causal_attention_gemm"):
         real = getattr(causal, name)
-        monkeypatch.setattr(causal, name, lambda *a, _n=name, _f=real: ran.append(_n) or _f(*a))
-    g = torch.Generator().manual_seed(3)
-    for n, S, hq, hkv, d, gemm_on_amx in (
-        (128, 128, 4, 2, 128, True),
-        (200, 200, 4, 1, 256, True),
-        (127, 127, 4, 1, 256, False),  # below MIN_QUERIES
-        (256, 256, 6, 2, 64, False),  # 64K pairs
-        (512, 2048, 3, 1, 64, True),  # 1M pairs
+        monkeypatch.setattr(causal, name, lambda *a, _n=name, _f=real: calls.append((_n, a[0].shape[0])) or _f(*a))
+    bf16 = "flash_attention" if flash and causal.flash_available() else "causal_attention_gemm"
+    f32 = (
+        [("flash_attention", 150), ("flash_attention", 140)] if flash and causal.flash_available(torch.float32) else []
+    )
+    for backend, dtype, cache_dtype, expected in (
+        (CpuAttentionBackend(flash=flash), torch.bfloat16, torch.bfloat16, [(bf16, 150), (bf16, 140)]),
+        (CpuAttentionBackend(flash=flash), torch.float32, torch.float32, f32),
+        (CpuAttentionBackend(flash=flash), torch.float32, torch.bfloat16, f32),
+        (TorchAttentionBackend(), torch.bfloat16, torch.bfloat16, []),  # the reference: SDPA only
     ):
-        q = torch.randn(n, hq, d, generator=g).bfloat16()
-        k, v = (torch.randn(S, hkv, d, generator=g).bfloat16() for _ in range(2))
-        ran.clear()
-        out = causal.causal_attention(q, k, v, d**-0.5)
-        assert ran == ["causal_attention_gemm" if amx and gemm_on_amx else "flash_attention"], (n, S, d)
-        other = causal.flash_attention(q, k, v, d**-0.5) if ran[0] != "flash_attention" else None
-        if other is not None:
-            torch.testing.assert_close(out.float(), other.float(), atol=3e-2, rtol=2e-2)
+        calls.clear()
+        q, k, v, cache, meta, tables = make_step([1, 150, 140, 2], [40, 150, 401, 30], dtype)
+        # a fresh prefill reads the step's k / v, the rest the cache: values both hold exactly
+        cache, k, v = cache.to(cache_dtype), k.to(cache_dtype).to(dtype), v.to(cache_dtype).to(dtype)
+        out = Attention(HQ, D, HKV, D**-0.5, backend)(q, k, v, cache, meta)
+        assert calls == expected
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert (out.double() - reference(q, cache, meta, tables, D**-0.5)).abs().max() < tol
 
 
 @pytest.mark.parametrize(
@@ -269,65 +249,3 @@ def test_cpp_kernel_splits_a_long_context_over_threads(kv_len, hkv, q_dtype):
     vals = cache[1][tables[0].long()].flatten(0, 1)[:kv_len].double().repeat_interleave(hq // hkv, 1)
     p = (torch.einsum("hd,khd->hk", q[0].double(), keys) * d**-0.5).softmax(-1)
     assert (out[0].double() - torch.einsum("hk,khd->hd", p, vals)).abs().max() < 1e-4
-
-
-# the prefill kernel is AVX512-BF16 code: this project's Zen4 machines run it, its Zen3 ones cannot
-needs_avx512_bf16 = pytest.mark.skipif(
-    not has_cpu_flags("avx512f", "avx512_bf16"), reason="the C++ prefill attention kernel needs AVX512-BF16"
-)
-
-
-@needs_avx512_bf16
-@pytest.mark.parametrize(
-    "n,S,hq,hkv,d",
-    [
-        (300, 300, 9, 3, 64),
-        (37, 100, 9, 3, 64),
-        (1, 1, 2, 1, 32),
-        (1, 45, 4, 4, 16),
-        (65, 65, 16, 2, 128),
-        (50, 83, 28, 4, 128),
-        (33, 33, 8, 8, 256),
-        (40, 70, 12, 2, 96),
-        (20, 20, 15, 3, 80),
-        (19, 19, 7, 1, 64),
-    ],
-)
-@pytest.mark.parametrize("peaky", [False, True])
-def test_flash_prefill_kernel_matches_reference(n, S, hq, hkv, d, peaky):
-    """The C++ prefill kernel alone against float64 attention: groups of 1-8 query heads (taken 1-4
-    at a time), head sizes 16-256, a prompt alone and a chunk over a prefix (n < S), lengths ending
-    mid-tile, q a strided view of a fused qkv row. peaky: scores in the hundreds (exp underflow)."""
-    from ember.kernels import cpu_causal_attention as causal
-
-    assert causal.flash_available()
-    g = torch.Generator().manual_seed(n * d + hq)
-    qkv = (torch.randn(n, hq + 2 * hkv, d, generator=g) * (30.0 if peaky else 2.0)).to(torch.bfloat16)
-    q = qkv[:, :hq]
-    assert causal.use_flash_attention(q) and q.stride(0) == (hq + 2 * hkv) * d
-    k = torch.randn(S, hkv, d, generator=g).to(torch.bfloat16)
-    v = torch.randn(S, hkv, d, generator=g).to(torch.bfloat16)
-    out = causal.flash_attention(q, k, v, d**-0.5)
-    G = hq // hkv
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k.double().repeat_interleave(G, 1)) * d**-0.5
-    seen = torch.arange(S)[None, :] <= torch.arange(S - n, S)[:, None]
-    ref = torch.einsum(
-        "hqk,khd->qhd", scores.masked_fill(~seen, float("-inf")).softmax(-1), v.double().repeat_interleave(G, 1)
-    )
-    # bf16 output (half an ulp: 2^-9 relative) plus bf16-rounded probabilities in P V
-    assert out.dtype == torch.bfloat16 and out.shape == (n, hq, d)
-    assert ((out.double() - ref).abs() <= 8e-3 * ref.abs() + 4e-3).all()
-
-
-@needs_avx512_bf16
-def test_flash_prefill_kernel_widens_fp8_keys_and_values():
-    from ember.kernels import cpu_causal_attention as causal
-
-    g = torch.Generator().manual_seed(1)
-    q = torch.randn(40, 6, 64, generator=g).to(torch.bfloat16)
-    k = torch.randn(50, 2, 64, generator=g).to(torch.float8_e4m3fn)
-    v = torch.randn(50, 2, 64, generator=g).to(torch.float8_e4m3fn)
-    out = causal.causal_attention(q, k, v, 0.125)
-    assert torch.equal(out, causal.flash_attention(q, k.to(torch.bfloat16), v.to(torch.bfloat16), 0.125))
-    ref = causal.causal_attention_gemm(q, k, v, 0.125)
-    assert (out.float() - ref.float()).abs().max() < 3e-2

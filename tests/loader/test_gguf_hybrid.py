@@ -72,12 +72,16 @@ def test_converted_file_gives_transformers_greedy_tokens(converted, arch):
 
 
 def test_q8_0_matrices_stay_packed_and_agree_with_their_dequantized_values(tmp_path):
-    """hidden 64: q8_0's 32-wide blocks fit, so the projections are stored quantized. Packed (bf16 run)
-    against the same file dequantized to float32: the same top-5 first tokens, logprobs within bf16
-    noise (a row in the wrong place -- a value-head reorder, a q/k/v split -- would scramble them)."""
+    """hidden 64: q8_0's 32-wide blocks fit, so the projections are stored quantized. Packed (in the dtype
+    the tiled GEMV takes: bf16 on AVX-512 BF16, float32 on AVX2; no dense copy beside them) against the
+    same file dequantized to float32: the same top-5 first tokens, logprobs within bf16 noise (a row in the
+    wrong place -- a value-head reorder, a q/k/v split -- would scramble them)."""
+    from ember.kernels import cpu_tiled_gemv
+
     _, path = hf_folder(str(tmp_path), "qwen3_5", hidden_size=64)
     q8 = convert(path, path + ".q8.gguf", "q8_0", ("--no-mtp",))
-    packed, dense = llm(q8, dtype="bfloat16"), llm(q8, dtype="float32")  # float32 GGUF runs dequantize
+    packed_dtype = "float32" if cpu_tiled_gemv.x_dtype() == torch.float32 else "bfloat16"
+    packed, dense = llm(q8, dtype=packed_dtype), llm(q8, dtype="float32", quantization="none")
     layer = next(layer for layer in packed.engine.parts.runner.model.model.layers if layer.is_linear)
     assert type(layer.linear_attn.in_proj_qkvz.quant_method).__name__ == "GGUFLinearMethod"
     dense_layer = dense.engine.parts.runner.model.model.layers[0]
@@ -142,9 +146,9 @@ def test_logits_match_llama_cpp_on_the_file(tmp_path):
 
 def test_q4_k_m_file_from_llama_cpps_quantizer_agrees_with_llama_cpp(tmp_path):
     """A Q4_K_M file written by llama.cpp's own quantizer (hidden 256, so its K-quants apply: Q6_K in the
-    tied embedding / head, attn_qkv, attn_v and ffn_down, Q4_K elsewhere). A bf16 run keeps Q6_K in the
-    tiled GEMV's Q6_K tiles where this CPU has them (no dense copy needed with the int8-x path) and
-    gives llama.cpp's greedy token. llama.cpp multiplies K-quants by activations rounded to int8 per
+    tied embedding / head, attn_qkv, attn_v and ffn_down, Q4_K elsewhere). A run in the tiled GEMV's dtype
+    (bf16 on AVX-512 BF16, float32 on AVX2) keeps Q6_K in its Q6_K tiles (no dense copy where its kernel
+    serves every row count: the int8-x path, the AVX2 build), and both runs give llama.cpp's greedy token. llama.cpp multiplies K-quants by activations rounded to int8 per
     256 (Q8_K), which on this random model moves its top-5 logprobs by up to ~1.6 from ember's exact
     float32 run (measured), so the logprobs are held to a band: the bf16 run no further from llama.cpp's
     than the float32 run, plus 0.5 (measured: 0.70 / 1.26 / 0.85 against 0.76 / 1.57 / 1.01)."""
@@ -184,12 +188,14 @@ def test_q4_k_m_file_from_llama_cpps_quantizer_agrees_with_llama_cpp(tmp_path):
     far = {}
     for dtype in ("float32", "bfloat16"):
         engine = llm(q4km, dtype=dtype)
-        if dtype == "bfloat16" and cpu_tiled_gemv.has_q6k():
+        if cpu_tiled_gemv.has_q6k() and getattr(torch, dtype) == cpu_tiled_gemv.x_dtype():
             runner_model = engine.engine.parts.runner.model
             parts = [p for m in runner_model.modules() for p in getattr(m, "gguf_parts", [])]
             q6k = [p for p in parts if isinstance(p, TiledQ6KPart)]
             assert len(q6k) >= 4 and isinstance(runner_model.lm_head.quant_method.part, TiledQ6KPart)
-            assert all(p.kernel_at_any_rows == cpu_tiled_gemv.has_q8() for p in q6k)
+            any_rows = cpu_tiled_gemv.has_q8() or dtype == "float32"  # the int8-x path, or the AVX2 build
+            assert all(p.kernel_at_any_rows == any_rows for p in q6k)
+            assert engine.engine.parts.copies.dense_copy_bytes == 0 or not any_rows
         outs = engine.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
         far[dtype] = []
         for out, th in zip(outs, theirs):

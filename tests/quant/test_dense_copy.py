@@ -50,8 +50,8 @@ def test_packed_linear_splits_by_rows():
 
 def test_float32_tiled_layers_get_no_copy():
     """Where the tiled GEMV's AVX2 build takes float32 (int16 x, ahead of the float32 GEMM at every
-    row count), a layer of tiled parts gets no copy and runs the kernel for every step; elsewhere,
-    and for a layer with another part, the copy takes over from DENSE_MIN_ROWS."""
+    row count), layers of tiled parts (a Q6_K shard's tiles among them) get no copy and run the kernel
+    for every step; elsewhere the copy takes over from DENSE_MIN_ROWS."""
     from ember.kernels import cpu_tiled_gemv
     from ember.layers.linear import MergedColumnLinear
     from ember.quant.gguf_quant import TiledPart
@@ -73,9 +73,8 @@ def test_float32_tiled_layers_get_no_copy():
     x = torch.randn(300, 256)
     kernel = [layer(x[:n]) for n in (DENSE_MIN_ROWS, 300)]
     added = enable_dense_copy(holder, torch.float32)
-    assert isinstance(mixed.quant_method, DenseCopyMethod)  # the Q6_K shard has no such kernel
-    copy_of_layer = 0 if tiled else 384 * 256 * 4
-    assert added == 512 * 256 * 4 + copy_of_layer  # q, k, v: 512 rows
+    assert added == (0 if tiled else (512 + 384) * 256 * 4)  # q, k, v: 512 rows; gate, up: 384
+    assert isinstance(mixed.quant_method, DenseCopyMethod) != tiled  # the Q6_K shard: its tiles where tiled
     assert isinstance(layer.quant_method, DenseCopyMethod) != tiled
     for n, before in zip((DENSE_MIN_ROWS, 300), kernel):
         assert torch.equal(layer(x[:n]), before if tiled else F.linear(x[:n], layer.weight_dense)), n

@@ -18,7 +18,6 @@ from ember.engine.startup.device import DeviceSetup
 from ember.errors import ConfigError
 from ember.loader.model_loader import LoadedModel, load_model
 from ember.platform import available_ram_bytes
-from ember.quant.gguf_quant import TiledPart
 from ember.quant.weight_copies import dense_copy_bytes, enable_dense_copy, enable_int8_decode, packed_layers
 
 
@@ -73,21 +72,31 @@ def int8_decode(config, setup: DeviceSetup, loaded: LoadedModel) -> int:
 
 
 def dense_copy(config, setup: DeviceSetup, loaded: LoadedModel, tensor_parallel: bool) -> int:
-    """--int4-dense-copy (auto: on CPU, where some packed layer's kernel loses at many rows and the
-    copy fits CPU_DENSE_COPY_FRACTION of free RAM, the LM head left packed); returns the bytes added."""
+    """--int4-dense-copy (auto: on CPU in a bf16 / fp16 run where some packed layer has no kernel for many
+    rows and the copy fits CPU_DENSE_COPY_FRACTION of free RAM, the LM head left packed); returns the
+    bytes added. `need` counts the layers with a part whose kernel loses to a dense GEMM at many rows
+    (weight_copies.packed_layers); on each build that is:
+      AVX-512 BF16 + VNNI + VBMI (Zen4, Sapphire Rapids), bf16: none of a GGUF file's (every packed type,
+        Q6_K included, runs the tiled GEMV's int8-x path from TILED_Q8_MIN_ROWS rows); an AWQ folder's
+        (torch's int4 kernel) and, with --no-cpu-int8-activations, every packed layer: a copy;
+      AVX-512 BF16 without VNNI / VBMI, bf16: the tiled GEMV serves INT4_KERNEL_MAX_ROWS rows: a copy;
+      AVX2 + FMA + F16C (Zen2/3, Intel 12th-14th gen desktop), float32 (its --dtype auto): none (every
+        GGUF type, Q6_K and the K-quants' two levels included, runs the int16-x tiled GEMV at every row
+        count), so need == 0;
+      bf16 / fp16 where the tiled GEMV does not take them (AVX2, --no-cpu-tiled-gemv): torch's int4
+        kernel (Int4Part, Q6KPart, AWQ) at many rows: a copy.
+    Never in float32: packed GGUF layers exist there only where the AVX2 build runs them at every row
+    count (elsewhere the loader dequantizes), and AWQ in float32 runs torch's fp32 int4 kernel, whose
+    decode is as slow with a copy as without (the copy, 8x the packed bytes, would serve prefill only)."""
     on, cpu = config.kernel_config.int4_dense_copy, setup.device.type == "cpu"
     if on is False:
         return 0
     head = on is True  # auto leaves the LM head packed (weight_copies.enable_dense_copy says why)
     need = dense_copy_bytes(loaded.model, setup.dtype, head)
     if on is None:
-        # float32 packed weights exist where the tiled GEMV's AVX2 build runs them (else the loader
-        # dequantizes them), and only layers with another part (a Q6_K shard) count in `need`; AWQ in
-        # float32 runs torch's slow fp32 int4 kernel, a copy or not
-        packed_fp32 = TiledPart.usable(torch.float32, setup.device, setup.kernels)
         on = (
             cpu
-            and (setup.dtype != torch.float32 or packed_fp32)
+            and setup.dtype != torch.float32
             and not tensor_parallel
             and 0 < need <= CPU_DENSE_COPY_FRACTION * available_ram_bytes()
         )
