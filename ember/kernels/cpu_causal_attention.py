@@ -82,7 +82,9 @@ def attention_path(q: torch.Tensor, num_keys: int, flash: bool = True) -> str | 
     it beat SDPA 1.1-1.8x from 16 to 2,000 queries (at par at 3-4K) and float32 GEMMs 1.2-5x; the
     AVX-512 build likewise, at par with SDPA at 2-3K queries x 256 (benchmarks/micro_causal_attention.py
     float32, docs/tuning.md). With the kernel off, float32 keeps SDPA."""
-    if flash and use_flash_attention(q) and not amx_gemm_beats_flash(q, num_keys):
+    # the kernel has no backward: a forward autograd records (MTP training) keeps the differentiable paths
+    differentiable = torch.is_grad_enabled() and q.requires_grad
+    if flash and use_flash_attention(q) and not amx_gemm_beats_flash(q, num_keys) and not differentiable:
         return "flash"
     if use_gemm_attention(q):
         return "gemm"

@@ -50,14 +50,21 @@ def available() -> bool:
     return build(SOURCE, fakes=FAKES) is not None
 
 
-def applies(x: torch.Tensor) -> bool:
-    """x [T, H] is a case for the fused ops: bf16 or float32 rows on CPU, outside torch.compile, kernel
+def needs_grad(*tensors: torch.Tensor) -> bool:
+    """A forward autograd records (MTP training: trained weights, or inputs that carry a gradient): the ops
+    have no backward, so such a forward keeps the torch ops. `params`: the layer's weights beside x."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def applies(x: torch.Tensor, *params: torch.Tensor) -> bool:
+    """x [T, H] is a case for the fused ops: bf16 or float32 rows on CPU, outside torch.compile and autograd (needs_grad), kernel
     built."""
     return (
         x.dtype in DTYPES
         and x.device.type == "cpu"
         and x.dim() == 2
         and x.stride(-1) == 1
+        and not needs_grad(x, *params)
         and not tracing(x)
         and available()
     )
@@ -73,9 +80,9 @@ def rms_norm(
     return out if residual is None else (out, total)
 
 
-def applies_gated(o: torch.Tensor, z: torch.Tensor) -> bool:
+def applies_gated(o: torch.Tensor, z: torch.Tensor, *params: torch.Tensor) -> bool:
     """o [T, H, D] contiguous and z [T, H, D] with each row's heads contiguous (a view of the qkvz
-    projection), both bf16 or both float32 on CPU, outside torch.compile, kernel built."""
+    projection), both bf16 or both float32 on CPU, outside torch.compile and autograd (needs_grad), kernel built."""
     return (
         o.dtype in DTYPES
         and z.dtype == o.dtype
@@ -85,6 +92,7 @@ def applies_gated(o: torch.Tensor, z: torch.Tensor) -> bool:
         and z.shape == o.shape
         and z.stride(2) == 1
         and z.stride(1) == o.shape[2]
+        and not needs_grad(o, z, *params)
         and not tracing(o)
         and available()
     )
@@ -96,9 +104,9 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     return torch.ops.ember_cpu.gated_rms_norm(o, z, weight, eps)
 
 
-def applies_rotary(x: torch.Tensor, cos: torch.Tensor) -> bool:
+def applies_rotary(x: torch.Tensor, cos: torch.Tensor, *params: torch.Tensor) -> bool:
     """x [T, H, D] bf16 or float32 with each row's heads contiguous (q or k, a view of the qkv output)
-    and cos in x's dtype, outside torch.compile, kernel built."""
+    and cos in x's dtype, outside torch.compile and autograd (needs_grad), kernel built."""
     return (
         x.dtype in DTYPES
         and cos.dtype == x.dtype
@@ -107,6 +115,7 @@ def applies_rotary(x: torch.Tensor, cos: torch.Tensor) -> bool:
         and x.stride(-1) == 1
         and x.stride(1) == x.shape[-1]
         and cos.dim() == 2
+        and not needs_grad(x, *params)
         and not tracing(x)
         and available()
     )

@@ -34,7 +34,7 @@ class RMSNorm(nn.Module):
         """norm(x) when residual is None; else (norm(x + residual), x + residual)."""
         if (
             self.fused
-            and fused.applies(x)
+            and fused.applies(x, self.weight)
             and self.weight.dtype == x.dtype
             and (residual is None or residual.dtype == x.dtype)
         ):
@@ -70,7 +70,7 @@ class ZeroCenteredRMSNorm(nn.Module):
         """norm(x) when residual is None; else (norm(x + residual), x + residual)."""
         if (
             self.fused
-            and fused.applies(x)
+            and fused.applies(x, self.weight)
             and self.weight.dtype == x.dtype
             and (residual is None or residual.dtype == x.dtype)
         ):
@@ -100,7 +100,7 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """o, z [T, H, D] -> [T, H, D]."""
-        if self.fused and self.weight.dtype == o.dtype and fused.applies_gated(o, z):
+        if self.fused and self.weight.dtype == o.dtype and fused.applies_gated(o, z, self.weight):
             return fused.gated_rms_norm(o, z, self.weight, self.eps).view(o.shape)  # one pass, the same roundings
         h = torch.rms_norm(o.float(), (o.shape[-1],), eps=self.eps).to(o.dtype)
         return (self.weight * h * torch.nn.functional.silu(z.float())).to(o.dtype)

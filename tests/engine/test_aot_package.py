@@ -155,6 +155,7 @@ def test_a_package_worker_that_cannot_start_leaves_the_build_to_this_process(tmp
         what="compiled executor",
         graph_identity="x",
         package_path=lambda shape: str(built if shape == (1, 1) else tmp_path / f"{shape}.pt2"),
+        _check_cancelled=lambda: None,  # not cancelled (CompiledExecutor.cancel)
     )
     shapes = [(1, 1), (2, 1)]
     executor.package_workers = Workers(fail=False)

@@ -43,7 +43,8 @@ LATER_START = textwrap.dedent("""
     print(json.dumps({"at_start": at_start, "inductor": dict(counters["inductor"]), "aot": dict(counters["aot_autograd"]),
                       "shapes": engine.compiled_shapes, "steps": executor.compiled_steps,
                       "packages": executor.package_shapes,
-                      "failures": engine.parts.compiler.failures, "cache": executor.cache_dir}))
+                      "failures": engine.parts.compiler.failures, "cache": executor.cache_dir,
+                      "worker_peak_rss": executor.package_workers.peak_rss_bytes}))
 """)
 
 
@@ -130,6 +131,7 @@ def test_ember_compile_fills_the_cache_that_a_later_process_loads(tiny_model_dir
         assert seen["shapes"] == 1 and seen["at_start"] == 1  # the size built before, loaded before serving
     else:
         assert seen["packages"] == [[1, 1], [2, 1]]  # batch 2 too, and this process's build() raises
+        assert 100 * 2**20 < seen["worker_peak_rss"] < 8 * 2**30  # the build's memory, measured and reported
         assert not seen["inductor"] and not seen["aot"]  # nothing traced or compiled in this process
         assert seen["shapes"] == 2 and seen["at_start"] == 1  # batch 1 loaded before serving
     assert seen["steps"] > 0  # batch-1 decode steps ran the loaded graph

@@ -39,27 +39,33 @@ def in_worker() -> bool:
     return os.environ.get(IN_WORKER) == "1"
 
 
-def _worker_env() -> dict:
+def _worker_env(guest: bool) -> dict:
     """This process's environment, with this ember first on the path (the worker runs the same code
-    whatever directory it starts in)."""
+    whatever directory it starts in). A guest (a worker beside an engine that serves) compiles with one
+    inductor compile process, not one a core: a core stays the engine's (issue 53)."""
     root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))  # above ember/
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-    return dict(os.environ, PYTHONPATH=path, **{IN_WORKER: "1"})
+    env = dict(os.environ, PYTHONPATH=path, **{IN_WORKER: "1"})
+    if guest:
+        env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+    return env
 
 
 class PackageWorker:
     """One worker process building `jobs` for an engine of `config`; wait() says whether it succeeded."""
 
-    def __init__(self, config, jobs: list[str]):
+    def __init__(self, config, jobs: list[str], guest: bool = False):
+        """guest: the worker runs beside an engine that serves (a background compile), not for `ember compile`."""
         self.jobs = list(jobs)
         self.cancelled = False
+        self.peak_rss_bytes = 0  # the worker's high-water mark, once it has ended
         fd, self._config_file = tempfile.mkstemp(prefix="ember-package-worker-", suffix=".pkl")
         with os.fdopen(fd, "wb") as f:
             pickle.dump(config, f)
         self._stderr = tempfile.TemporaryFile()
         self.process = subprocess.Popen(
             [sys.executable, "-m", WORKER_MODULE, str(os.getpid()), self._config_file, *self.jobs],
-            env=_worker_env(),
+            env=_worker_env(guest),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=self._stderr,
@@ -68,7 +74,7 @@ class PackageWorker:
     def wait(self) -> bool:
         """Wait for the worker; False (and, unless it was cancelled, its stderr's tail in the log) when it failed."""
         try:
-            rc = self.process.wait()
+            rc = self._wait_with_usage()
             if rc != 0 and not self.cancelled:
                 self._stderr.seek(0)
                 tail = self._stderr.read().decode(errors="replace")[-STDERR_TAIL:]
@@ -76,6 +82,16 @@ class PackageWorker:
             return rc == 0
         finally:
             self._release()
+
+    def _wait_with_usage(self) -> int:
+        """The worker's exit code, reaped with its resource usage: its peak RSS is the build's cost in memory."""
+        try:
+            _, status, usage = os.wait4(self.process.pid, 0)
+        except ChildProcessError:  # reaped already (a second wait)
+            return self.process.wait()
+        self.process.returncode = os.waitstatus_to_exitcode(status)
+        self.peak_rss_bytes = usage.ru_maxrss * 1024  # KiB on Linux
+        return self.process.returncode
 
     def cancel(self) -> None:
         """End the worker without a word in the log (its engine is closing)."""
@@ -108,17 +124,22 @@ class PackageWorkers:
     def __init__(self, config):
         self.config = config
         self.cancelled = False
+        self.peak_rss_bytes = 0  # the largest high-water mark of a worker so far (reported in the log too)
         self._running: PackageWorker | None = None
 
     def build(self, what: str, shapes: list[tuple[int, int]]) -> bool:
         """Run one worker for `shapes` to its end; False when it failed or was cancelled."""
         if self.cancelled:
             return False
-        worker = self._running = PackageWorker(self.config, [job_name(what, s) for s in shapes])
+        worker = self._running = PackageWorker(self.config, [job_name(what, s) for s in shapes], guest=True)
         if self.cancelled:  # cancel() ran between the check and the start
             worker.cancel()
         try:
-            return worker.wait() and not self.cancelled
+            ok = worker.wait() and not self.cancelled
+            self.peak_rss_bytes = max(self.peak_rss_bytes, worker.peak_rss_bytes)
+            if ok:
+                logger.info("%s: the package worker's peak RSS was %.0f MiB", what, worker.peak_rss_bytes / 2**20)
+            return ok
         finally:
             self._running = None
 
