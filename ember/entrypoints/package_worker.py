@@ -49,9 +49,14 @@ def main(argv: list[str]) -> None:
 
     engine = LLMEngine(config, defer_compile=True)
     try:
-        if engine.parts.compiler is None:
+        if engine.parts.compiler is not None:
+            build_packages(engine, jobs)
+        elif engine.parts.limits.executor == "compiled":
+            # --executor compiled: the engine's start compiled every shape in the foreground, in this process
+            # (a worker builds its packages itself), so the jobs' packages are built now; the parent loads them
+            pass
+        else:
             raise EmberError("the worker's engine compiles nothing (its configuration differs from its parent's)")
-        build_packages(engine, jobs)
     finally:
         engine.shutdown()
 

@@ -12,7 +12,7 @@ import platform
 import subprocess
 from pathlib import Path
 
-from ember.platform import usable_cores
+from ember.platform import isa_cap, usable_cores
 
 
 def _cpuinfo_field(name: str) -> str | None:
@@ -74,6 +74,10 @@ def machine_info() -> dict:
         "ember_commit": _git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "load_at_end": load_average(),
+        # EMBER_CPU_ISA=avx2: ember ran as on an AVX2-only CPU (its -march=haswell kernels, torch held to AVX2)
+        "isa_cap": isa_cap(),
+        # a llama.cpp of another build than llama-cpp-python's own (e.g. an AVX2-only one beside an isa_cap run)
+        "llama_cpp_lib_path": os.environ.get("LLAMA_CPP_LIB_PATH"),
     }
 
 
@@ -87,6 +91,12 @@ def load_average() -> float | None:
 
 def machine_line(m: dict) -> str:
     bf16 = ", AVX512-BF16" if m["avx512_bf16"] else ""
+    if m.get("isa_cap") == "avx2":
+        bf16 += (
+            "; run as an AVX2-only CPU: EMBER_CPU_ISA=avx2, the instructions of one, this machine's memory and cores"
+        )
+    if m.get("llama_cpp_lib_path"):
+        bf16 += f"; llama.cpp's libraries from LLAMA_CPP_LIB_PATH={m['llama_cpp_lib_path']}"
     commit = f" @ {m['ember_commit']}" if m.get("ember_commit") else ""
     return (
         f"{m['cpu']} ({m['usable_cores']} cores{bf16}), {m['ram_gib']} GiB RAM, {m['os']}; "
