@@ -147,7 +147,11 @@ class StructuredOutputManager:
         return compiled
 
     def shutdown(self) -> None:
+        """End the compile thread (its queued grammars cancelled) and leave a fresh pool, which starts no thread
+        until a grammar is submitted: an engine still used after its LLM wrapper was collected (whose finalizer
+        shuts it down) keeps working."""
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ember-grammar")
 
     # -- the step -------------------------------------------------------------------------------
     def step_masks(self, out):

@@ -60,3 +60,21 @@ def test_close_cancels_a_running_compile_and_returns_quickly(tmp_path):
     seconds = float(run.stdout.split("closed in ")[1].split()[0])
     assert seconds < 30, run.stdout
     assert "worker" not in run.stderr and "Traceback" not in run.stderr, run.stderr[-3000:]
+
+
+@pytest.mark.engine
+def test_an_engine_kept_after_its_llm_is_collected_still_serves_grammars():
+    """The LLM's finalizer shuts its engine down when the wrapper is collected; an engine kept by itself
+    (`LLM(...).engine`) still compiles grammars and answers."""
+    import gc
+
+    from ember import LLM, SamplingParams, StructuredOutputsParams
+
+    engine = LLM(kv_cache_memory=0.05, max_model_len=512, enable_mtp=False, executor="eager").engine
+    gc.collect()
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    rid = engine.add_request(None, "Is the sky blue?", SamplingParams(max_tokens=4, structured_outputs=choice))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.request_id == rid and o.finished]
+    assert outs and outs[-1].outputs[0].text in ("yes", "no")
