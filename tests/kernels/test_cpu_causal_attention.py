@@ -5,15 +5,12 @@ bf16 keys and values; AVX-512 or AVX2 + FMA), which of it and the GEMM path runs
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from ember.kernels import cpu_causal_attention as causal
 from ember.kernels.cpp_build import has_cpu_flags
+from tests.kernels import avx2_child
 
 # the bf16 kernel is AVX512-BF16 code: this project's Zen4 and Xeon machines run it, its Zen3 ones cannot
 needs_avx512_bf16 = pytest.mark.skipif(
@@ -197,24 +194,11 @@ def test_avx2_build_passes_this_module(tmp_path):
     (tests/kernels/haswell_flags.py)."""
     if not has_cpu_flags("avx512f"):
         pytest.skip("this machine's own build is the AVX2 one")
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, EMBER_KERNEL_DIR=str(tmp_path))
-    build = (
-        "import sys; from ember.kernels import cpp_build as b; "
-        "b.CFLAGS[:] = ['-O3', '-march=haswell', '-fopenmp']; "
-        "b.compile_kernel('cpu_causal_attention.cpp', out_dir=sys.argv[1])"
-    )
-    subprocess.run([sys.executable, "-c", build, str(tmp_path)], env=env, cwd=repo, check=True, timeout=600)
-    plugin = ["-p", "tests.kernels.haswell_flags"]
+    env = avx2_child.build("cpu_causal_attention.cpp", tmp_path)
     probe = "import torch; from ember.kernels import cpu_causal_attention as c; "
     probe += (
         "print(c.flash_available(torch.float32), c.flash_available(), torch.ops.ember_cpu.causal_attention_lanes())"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", "import tests.kernels.haswell_flags; " + probe],
-        env=env, cwd=repo, check=True, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert out.stdout.split() == ["True", "False", "8"]
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *plugin, __file__, "-k", "not avx2"]
-    run = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True, timeout=600)
+    assert avx2_child.probe(env, probe) == ["True", "False", "8"]
+    run = avx2_child.run_module(env, __file__)
     assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]

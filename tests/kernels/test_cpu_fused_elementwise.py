@@ -7,10 +7,6 @@ where they apply; and the AVX2 build (-march=haswell) run through this module on
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -19,6 +15,7 @@ from ember.kernels.cpp_build import has_cpu_flags
 from ember.kernels.cpu_kernels import CpuKernels
 from ember.layers import activation
 from ember.layers.norm import GatedRMSNorm, RMSNorm, ZeroCenteredRMSNorm
+from tests.kernels import avx2_child
 
 pytestmark = pytest.mark.skipif(
     not (has_cpu_flags("avx512f", "avx512bw") or has_cpu_flags("avx2", "fma")),
@@ -215,22 +212,9 @@ def test_avx2_build_passes_this_module(tmp_path):
     flags as such a machine's (tests/kernels/haswell_flags.py)."""
     if not has_cpu_flags("avx512f", "avx512bw"):
         pytest.skip("this machine's own build is the AVX2 one")
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, EMBER_KERNEL_DIR=str(tmp_path))
-    build = (
-        "import sys; from ember.kernels import cpp_build as b; "
-        "b.CFLAGS[:] = ['-O3', '-march=haswell', '-fopenmp']; "
-        f"b.compile_kernel({fused.SOURCE!r}, out_dir=sys.argv[1])"
-    )
-    subprocess.run([sys.executable, "-c", build, str(tmp_path)], env=env, cwd=repo, check=True, timeout=600)
+    env = avx2_child.build(fused.SOURCE, tmp_path)
     probe = "from ember.kernels import cpu_fused_elementwise as f; print(f.available(), f.lanes())"
-    out = subprocess.run(
-        [sys.executable, "-c", "import tests.kernels.haswell_flags; " + probe],
-        env=env, cwd=repo, check=True, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert out.stdout.split() == ["True", "8"]
-    plugin = ["-p", "tests.kernels.haswell_flags"]
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *plugin, __file__, "-k", "not avx2"]
-    run = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True, timeout=600)
+    assert avx2_child.probe(env, probe) == ["True", "8"]
+    run = avx2_child.run_module(env, __file__)
     ok = run.returncode == 0 and " passed" in run.stdout and "skipped" not in run.stdout  # every test ran
     assert ok, run.stdout[-3000:] + run.stderr[-2000:]

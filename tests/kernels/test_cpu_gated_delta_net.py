@@ -7,10 +7,6 @@ the AVX2 build (-march=haswell) run through this module on an AVX-512 machine.""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,6 +18,7 @@ from ember.kernels.cpu_kernels import CpuKernels
 from ember.kernels.metadata import AttentionMetadata, RecurrentMetadata
 from ember.layers import gated_delta_rule as gdr
 from ember.layers.gated_deltanet import GatedDeltaNet
+from tests.kernels import avx2_child
 
 pytestmark = pytest.mark.skipif(
     not (cpp_build.has_cpu_flags("avx512f") or cpp_build.has_cpu_flags("avx2", "fma")),
@@ -274,17 +271,9 @@ def test_avx2_build_passes_this_module(tmp_path):
     in a kernel dir of its own, and this module's other tests run against it in a child process."""
     if not cpp_build.has_cpu_flags("avx512f"):
         pytest.skip("this machine's own build is the AVX2 one")
-    env = dict(os.environ, EMBER_KERNEL_DIR=str(tmp_path))
-    build = (
-        "import sys; from ember.kernels import cpp_build as b; "
-        "b.CFLAGS[:] = ['-O3', '-march=haswell', '-fopenmp']; "
-        f"b.compile_kernel({gdn.SOURCE!r}, out_dir=sys.argv[1])"
-    )
-    subprocess.run([sys.executable, "-c", build, str(tmp_path)], env=env, check=True, timeout=600)
+    env = avx2_child.build(gdn.SOURCE, tmp_path)
     lanes = "import torch; from ember.kernels import cpu_gated_delta_net as g; g.available(); "
     lanes += "print(torch.ops.ember_cpu.gated_delta_net_lanes())"
-    out = subprocess.run([sys.executable, "-c", lanes], env=env, check=True, capture_output=True, text=True)
-    assert out.stdout.strip() == "8"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", "not avx2"]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert avx2_child.probe(env, lanes, masked=False) == ["8"]
+    run = avx2_child.run_module(env, __file__, masked=False)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]

@@ -6,15 +6,12 @@ AVX-512 machine."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from ember.kernels import cpu_row_top
 from ember.kernels.cpp_build import has_cpu_flags
+from tests.kernels import avx2_child
 
 pytestmark = pytest.mark.skipif(
     not (has_cpu_flags("avx512f") or has_cpu_flags("avx2")), reason="the row kernels need AVX-512 or AVX2"
@@ -132,23 +129,10 @@ def test_avx2_build_passes_this_module(tmp_path):
     as such a machine's (tests/kernels/haswell_flags.py)."""
     if not has_cpu_flags("avx512f"):
         pytest.skip("this machine's own build is the AVX2 one")
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, EMBER_KERNEL_DIR=str(tmp_path))
-    build = (
-        "import sys; from ember.kernels import cpp_build as b; "
-        "b.CFLAGS[:] = ['-O3', '-march=haswell', '-fopenmp']; "
-        "b.compile_kernel('cpu_row_top.cpp', out_dir=sys.argv[1])"
-    )
-    subprocess.run([sys.executable, "-c", build, str(tmp_path)], env=env, cwd=repo, check=True, timeout=600)
+    env = avx2_child.build("cpu_row_top.cpp", tmp_path)
     probe = "import torch; from ember.kernels import cpu_row_top as r; r.available(); "
     probe += "print(torch.ops.ember_cpu.row_top_lanes())"
-    out = subprocess.run(
-        [sys.executable, "-c", "import tests.kernels.haswell_flags; " + probe],
-        env=env, cwd=repo, check=True, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert out.stdout.strip() == "8"
-    plugin = ["-p", "tests.kernels.haswell_flags"]
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *plugin, __file__, "-k", "not avx2"]
-    run = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True, timeout=600)
+    assert avx2_child.probe(env, probe) == ["8"]
+    run = avx2_child.run_module(env, __file__)
     ok = run.returncode == 0 and " passed" in run.stdout and "skipped" not in run.stdout  # every test ran
     assert ok, run.stdout[-3000:] + run.stderr[-2000:]

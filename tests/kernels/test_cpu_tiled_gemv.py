@@ -5,10 +5,6 @@ scales, its Q6_K tiles (TiledQ6KPart), and tracing it under torch.compile; in th
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,6 +17,7 @@ from ember.quant.gemm_dispatch import INT4_KERNEL_MAX_ROWS as KERNEL_MAX_ROWS
 from ember.quant.gemm_dispatch import TILED_Q8_MIN_ROWS
 from ember.quant.gguf_blocks import affine_codes, q6_k_blocks
 from ember.quant.gguf_quant import GGUFLinearMethod, Int4Part, TiledPart, TiledQ6KPart, pack_shards
+from tests.kernels import avx2_child
 from tests.quant.test_gguf_packed import gguf_tensor
 
 # This project's machines (and CI's) have been Zen4 (AVX-512 BF16: the bf16 build) and Zen3 (AVX2:
@@ -477,22 +474,9 @@ def test_avx2_build_passes_this_module(tmp_path, march):
         pytest.skip("this machine's own build is the AVX2 one")
     if "-mavxvnni" in march and not has_cpu_flags("avx_vnni"):
         pytest.skip("this CPU has no AVX-VNNI")
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, EMBER_KERNEL_DIR=str(tmp_path))
-    build = (
-        "import sys; from ember.kernels import cpp_build as b; "
-        "b.CFLAGS[:] = ['-O3', *sys.argv[2:], '-fopenmp']; "
-        "b.compile_kernel('cpu_tiled_gemv.cpp', out_dir=sys.argv[1])"
-    )
-    subprocess.run([sys.executable, "-c", build, str(tmp_path), *march], env=env, cwd=repo, check=True, timeout=600)
-    plugin = ["-p", "tests.kernels.haswell_flags"]
+    env = avx2_child.build("cpu_tiled_gemv.cpp", tmp_path, tuple(march))
     probe = "from ember.kernels import cpu_tiled_gemv as g; "
     probe += "print(g.x_dtype(), g.available(), g.has_q6k(), g.has_k_scales(), g.has_q8())"
-    out = subprocess.run(
-        [sys.executable, "-c", "import tests.kernels.haswell_flags; " + probe],
-        env=env, cwd=repo, check=True, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert out.stdout.split() == ["torch.float32", "True", "True", "True", "False"]
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *plugin, __file__, "-k", "not avx2"]
-    run = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True, timeout=600)
+    assert avx2_child.probe(env, probe) == ["torch.float32", "True", "True", "True", "False"]
+    run = avx2_child.run_module(env, __file__)
     assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]

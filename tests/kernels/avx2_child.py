@@ -1,0 +1,50 @@
+"""A kernel test module run again against the kernel's AVX2 build on an AVX-512 machine (each kernel
+module's test_avx2_build_passes_this_module): the kernel is compiled with -march=haswell under the name
+this machine looks for, in a kernel dir of its own (EMBER_KERNEL_DIR), then probed and the module's other
+tests run in child processes that read the CPU flags as an AVX2-only machine's (the haswell_flags plugin).
+Not the plugin itself: importing that masks the flags of the process that imports it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PLUGIN = "tests.kernels.haswell_flags"
+HASWELL = ("-march=haswell",)
+
+
+def build(source: str, kernel_dir, march: tuple[str, ...] = HASWELL) -> dict:
+    """Compile `source` (a cpp_build.KERNELS key) with `march` into kernel_dir; the environment that finds it."""
+    env = dict(os.environ, EMBER_KERNEL_DIR=str(kernel_dir))
+    code = (
+        "import sys; from ember.kernels import cpp_build as b; "
+        "b.CFLAGS[:] = ['-O3', *sys.argv[3:], '-fopenmp']; "
+        "b.compile_kernel(sys.argv[1], out_dir=sys.argv[2])"
+    )
+    cmd = [sys.executable, "-c", code, source, str(kernel_dir), *march]
+    subprocess.run(cmd, env=env, cwd=REPO, check=True, timeout=600)
+    return env
+
+
+def probe(env: dict, code: str, masked: bool = True) -> list[str]:
+    """What `code` prints, run in a child (with the AVX-512 flags masked unless not `masked`), split in words."""
+    prefix = f"import {PLUGIN}; " if masked else ""
+    run = subprocess.run(
+        [sys.executable, "-c", prefix + code],
+        env=env,
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    return run.stdout.split()
+
+
+def run_module(env: dict, path: str, masked: bool = True) -> subprocess.CompletedProcess:
+    """The module's tests but the AVX2 one, in a child pytest (the flags masked unless not `masked`)."""
+    plugin = ["-p", PLUGIN] if masked else []
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *plugin, path, "-k", "not avx2"]
+    return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
