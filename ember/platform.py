@@ -31,7 +31,11 @@ def isa_cap() -> str:
     """ "avx2" under EMBER_CPU_ISA=avx2, else "native"; a value ember does not know is refused."""
     cap = os.environ.get(ISA_ENV, "native").strip().lower() or "native"
     if cap not in ISA_CAPS:
-        raise ValueError(f"{ISA_ENV}={cap!r}: use one of {', '.join(ISA_CAPS)}")
+        from ember.errors import ConfigError  # a leaf too: no import of anything else
+
+        raise ConfigError(
+            f"{ISA_ENV}={cap!r} is not an ISA ember knows: set it to one of {', '.join(ISA_CAPS)}, or unset it"
+        )
     return cap
 
 

@@ -565,7 +565,6 @@ class CompiledExecutor:
                 type(e).__name__,
                 e,
             )
-            aot_package.discard(path)
             return False
         finally:
             if not keep:
