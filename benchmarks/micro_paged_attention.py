@@ -7,6 +7,7 @@ from DRAM since the 30 of them are far past L3. Prints the median of REPS passes
     .venv/bin/python benchmarks/micro_paged_attention.py            # SEED=0 HI=641 REPS=5 L=30
     SEED=1000 HI=513 .venv/bin/python benchmarks/micro_paged_attention.py
 """
+
 import os
 import time
 
@@ -24,7 +25,7 @@ W = (int(lens.max()) + bs - 1) // bs
 nb = B * W + 8
 caches = [torch.randn(2, nb, bs, Hkv, D).to(torch.bfloat16) for _ in range(L)]
 q = torch.randn(B, Hq, D).to(torch.bfloat16)
-tables = torch.randperm(nb, generator=g)[:B * W].view(B, W).to(torch.int32)
+tables = torch.randperm(nb, generator=g)[: B * W].view(B, W).to(torch.int32)
 seq = torch.arange(B, dtype=torch.int32)
 for _ in range(2):
     for c in caches:

@@ -41,7 +41,10 @@ def main() -> None:
 
     say("imported")
     flags = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
-    llm = LLM(model=sys.argv[1], **({"max_model_len": 4096, "max_num_seqs": 16, "kv_cache_memory": 1.0, "num_threads": 2} | flags))
+    llm = LLM(
+        model=sys.argv[1],
+        **({"max_model_len": 4096, "max_num_seqs": 16, "kv_cache_memory": 1.0, "num_threads": 2} | flags),
+    )
     say("engine built")
     llm.wait_for_compile()
     say("compile waited")

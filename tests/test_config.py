@@ -61,6 +61,7 @@ def test_cpu_kernels_follow_the_flags():
         paged_attention=False,
         flash_attention=False,
         tiled_gemv=False,
+        half_weights=False,
         int8_activations=False,
         fused_elementwise=False,
         gated_delta_net=False,

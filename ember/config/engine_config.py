@@ -167,6 +167,12 @@ class EngineConfig:
         "kernels",
         "CPU: GGUF 4- and 8-bit weights (and Q6_K in bf16) in row tiles for a C++ GEMV kernel; off = torch's int4 kernel",
     )
+    cpu_half_weights: bool = flag(
+        True,
+        "kernels",
+        "CPU, float32 (AVX2 + FMA + F16C): a GGUF file's BF16 / F16 matrices stay 16-bit for a C++ GEMV that "
+        "widens them in registers (half the bytes in RAM and per decode step); off = widened to float32 at load",
+    )
     cpu_int8_activations: bool = flag(
         True,
         "kernels",
@@ -310,6 +316,7 @@ class EngineConfig:
             paged_attention=self.cpu_paged_attention,
             flash_attention=self.cpu_flash_attention,
             tiled_gemv=self.cpu_tiled_gemv,
+            half_weights=self.cpu_half_weights,
             int8_activations=self.cpu_int8_activations,
             fused_elementwise=self.cpu_fused_elementwise,
             gated_delta_net=self.cpu_gated_delta_net,

@@ -220,6 +220,7 @@ class KernelConfig:
     paged_attention: bool  # fused C++ paged attention for decodes and verifies
     flash_attention: bool  # flash-style C++ causal attention for bf16 / float32 prefill
     tiled_gemv: bool  # GGUF 4/8-bit weights in the tiled GEMV's layout
+    half_weights: bool  # GGUF BF16 / F16 matrices kept 16-bit under float32 activations
     int8_activations: bool  # its int8-x path for many-row steps (AVX-512 VNNI)
     fused_elementwise: bool  # RMSNorm, SiLU*up and RoPE in one pass each (bf16)
     gated_delta_net: bool  # Gated DeltaNet decode / verify steps in fused C++ kernels (hybrid models)

@@ -10,7 +10,8 @@ and the largest step's transients:
                 the layout this machine's kernels take (the tiled GEMV, in either build, keeps Q4_K /
                 Q5_K's two levels of scales and Q6_K's own bits: ~the file's bytes; torch's int4
                 kernel holds Q6_K at 1.25 B a weight, 1.5 in float32);
-                float and unpacked types hold the run dtype
+                float and unpacked types hold the run dtype, but for BF16 / F16 matrices in a float32
+                run with --cpu-half-weights on a CPU with AVX2 + FMA + F16C: 2 B (their own bits)
   dense copy    --int4-dense-copy auto (bf16 / fp16 runs only: engine/startup/weights.py): a
                 run-dtype copy of every GGUF linear whose kernel loses at many rows (every packed
                 type without the tiled GEMV's int8-x path, Q6_K included), the embedding and the
@@ -121,8 +122,18 @@ def layout(dtype_bytes: int) -> str:
     return "tiled" if x is not None and x.itemsize == dtype_bytes else "int4"
 
 
-def held_bytes(t: GGUFTensorInfo, dtype_bytes: int, kind: str, lookup_only: bool) -> float:
-    """Bytes tensor t takes as loaded. lookup_only: an untied embedding, kept raw when packed."""
+def half_weights_kept(dtype_bytes: int, half_weights: bool) -> bool:
+    """Whether BF16 / F16 matrices stay 16-bit (gguf_quant.HalfPart): float32 run, the flag, the CPU's flags."""
+    from ember.platform import has_cpu_flags
+
+    return dtype_bytes == 4 and half_weights and has_cpu_flags("avx2", "fma", "f16c")
+
+
+def held_bytes(t: GGUFTensorInfo, dtype_bytes: int, kind: str, lookup_only: bool, half_kept: bool = False) -> float:
+    """Bytes tensor t takes as loaded. lookup_only: an untied embedding, kept raw when packed;
+    half_kept: half_weights_kept()."""
+    if half_kept and t.dims >= 2 and t.type_name in ("BF16", "F16"):
+        return t.elements * 2
     if t.dims < 2 or t.type_name in FLOAT_TYPES:
         return t.elements * dtype_bytes
     if t.type_name == "Q6_K":
@@ -132,9 +143,9 @@ def held_bytes(t: GGUFTensorInfo, dtype_bytes: int, kind: str, lookup_only: bool
     return t.elements * (per if per is not None else dtype_bytes)  # others are dequantized at load
 
 
-def gguf_weight_bytes(tensors: list[GGUFTensorInfo], dtype_bytes: int, tied: bool) -> int:
-    kind = layout(dtype_bytes)
-    return int(sum(held_bytes(t, dtype_bytes, kind, t.name == "token_embd.weight" and not tied) for t in tensors))
+def gguf_weight_bytes(tensors: list[GGUFTensorInfo], dtype_bytes: int, tied: bool, half_weights: bool = True) -> int:
+    kind, half = layout(dtype_bytes), half_weights_kept(dtype_bytes, half_weights)
+    return int(sum(held_bytes(t, dtype_bytes, kind, t.name == "token_embd.weight" and not tied, half) for t in tensors))
 
 
 def needs_copy(type_name: str, kind: str, any_rows: bool) -> bool:

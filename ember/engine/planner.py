@@ -432,7 +432,7 @@ def predict_peak_rss(
     mc, sched, kc = src.mc, config.scheduler_config, config.kernel_config
     copy = 0
     if quant == "gguf" and src.gguf_tensors is not None:
-        weights = peak_rss.gguf_weight_bytes(src.gguf_tensors, b, mc.tie_word_embeddings)
+        weights = peak_rss.gguf_weight_bytes(src.gguf_tensors, b, mc.tie_word_embeddings, kc.half_weights)
         if kc.int4_dense_copy is True or (kc.int4_dense_copy is None and b != 4):  # auto: never float32
             copy = peak_rss.gguf_dense_copy_bytes(src.gguf_tensors, b, kc.int8_activations)
             if kc.int4_dense_copy is None and copy > CPU_DENSE_COPY_FRACTION * available_ram_bytes():

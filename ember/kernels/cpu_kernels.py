@@ -28,6 +28,7 @@ class CpuKernels:
     fused_elementwise: bool = True  # RMSNorm, SiLU*up, RoPE in one pass each, bf16 / fp32 (cpu_fused_elementwise)
     tiled_gemv: bool = True  # GGUF 4/8-bit weights in the tiled GEMV's layout (cpu_tiled_gemv)
     int8_activations: bool = True  # the tiled GEMV's int8-x path for many-row steps (AVX-512 VNNI)
+    half_weights: bool = True  # GGUF BF16 / F16 matrices kept 16-bit under float32 x (cpu_half_gemv)
     gated_delta_net: bool = True  # Gated DeltaNet conv + recurrence for decodes and verifies (cpu_gated_delta_net)
 
     @classmethod
@@ -61,6 +62,8 @@ class CpuKernels:
             and cpu_fused_elementwise.available(),
             tiled_gemv=config.tiled_gemv and cpu_tiled_gemv.x_dtype() is not None,
             int8_activations=config.int8_activations,
+            # built as a GGUF file's 16-bit matrices load (GGUF float32 runs only)
+            half_weights=config.half_weights,
             # hybrid models' (~10 s to build where it was not at install; a load of a few ms where it was)
             gated_delta_net=config.gated_delta_net and cpu_gated_delta_net.available(),
         )

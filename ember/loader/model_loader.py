@@ -122,7 +122,9 @@ def _open_gguf(
 
     ckpt = GGUFCheckpoint(path)
     model_config = ModelConfig.from_dict(ckpt.config)
-    quantization = _gguf_quantization(quantization, dtype, device, kernels)
+    matrix_types = {t for _, t, _, dims in ckpt.loaded_tensor_infos() if dims >= 2}
+    half_only = bool(matrix_types & {"BF16", "F16"}) and matrix_types <= {"BF16", "F16", "F32"}
+    quantization = _gguf_quantization(quantization, dtype, device, kernels, half_only)
     quant_config = resolve_quant_config(quantization, path, model_config.raw, kernels)
     # disable=None: a bar on a terminal, silence in logs and CI (as iter_safetensors does).
     # packed: quantized tensors arrive as GGUFTensor blocks for the gguf QuantMethods.
@@ -137,16 +139,23 @@ def _open_gguf(
 
 
 def _gguf_quantization(
-    quantization: str | None, dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None
+    quantization: str | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    kernels: CpuKernels | None,
+    half_only: bool = False,
 ) -> str | None:
-    """--quantization for a GGUF file: `auto` in float32 on a CPU without the tiled GEMV dequantizes."""
-    from ember.quant.gguf_quant import TiledPart
+    """--quantization for a GGUF file: `auto` in float32 on a CPU without the tiled GEMV dequantizes,
+    but for a file of BF16 / F16 matrices only, which HalfPart keeps 16-bit where it can
+    (half_only: the file's matrices are BF16 / F16, and F32 for the small ones)."""
+    from ember.quant.gguf_quant import HalfPart, TiledPart
 
     if (
         (quantization or "auto") == "auto"
         and device.type == "cpu"
         and dtype == torch.float32
         and not TiledPart.usable(dtype, device, kernels)
+        and not (half_only and HalfPart.usable(dtype, device, kernels))
     ):
         # torch vectorizes its CPU int4 kernel for bf16 only (fp32 is ~50x slower than a dense
         # fp32 GEMV), so a float32 run without the tiled GEMV's AVX2 build is faster dequantized;

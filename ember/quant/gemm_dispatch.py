@@ -12,6 +12,8 @@ own threshold. The measurements behind each crossover are in docs/tuning.md:
   tiled_path       the tiled GEMV (4/8-bit tiles and Q6_K's): its int8-x path (AVX-512 VNNI) from
                    TILED_Q8_MIN_ROWS rows, else the GEMV up to the part's max_rows (None: every row
                    count, the AVX2 build), else a dense GEMM
+  half_gemv        16-bit weights under float32 x (HalfPart): the kernel's GEMV up to
+                   HALF_GEMV_MAX_ROWS rows, widened panels for torch's GEMM above
   dense_copy       a dense copy of packed weights from DENSE_COPY_MIN_ROWS rows
   int8_copy        an int8 copy of dense weights up to INT8_COPY_MAX_ROWS rows
   refine_logits    a low-precision LM head recomputes its top candidates in float32 up to
@@ -35,6 +37,7 @@ from ember.layers.linear import DenseMethod, LinearBase, QuantMethod
 INT4_KERNEL_MAX_ROWS = 192
 Q6K_KERNEL_MAX_ROWS = 40
 TILED_Q8_MIN_ROWS = 5
+HALF_GEMV_MAX_ROWS = 32
 DENSE_COPY_MIN_ROWS = 9
 INT8_COPY_MAX_ROWS = 8
 REFINE_MAX_ROWS = INT4_KERNEL_MAX_ROWS

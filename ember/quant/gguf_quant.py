@@ -38,7 +38,10 @@ stored by its type, with no dense copy:
   Q6_K raw (as small as the Q6_K tiles; a lookup dequantizes just its rows).
 - Q2_K, Q3_K, IQ* and the other types: dequantized once at load to the run dtype (dense),
   or kept raw in a lookup-only embedding.
-- F32 / F16 / BF16: dense in the run dtype.
+- F32 / F16 / BF16: dense in the run dtype; except BF16 / F16 matrices in a float32 run on CPU
+  (AVX2 + FMA + F16C, --cpu-half-weights), which stay 16-bit as a HalfPart: a C++ GEMV widens them
+  in registers (ember.kernels.cpu_half_gemv), the file's bytes in RAM and per decode step, the same
+  float32 products.
 
 A fused layer with mixed types holds one part per run of same-kind shards and concatenates their
 outputs. The int4 kernel wants its scales in the activation dtype: in float32 runs the repack is
@@ -63,7 +66,7 @@ from gguf import GGMLQuantizationType as T
 from torch import nn
 
 from ember.errors import ModelLoadError
-from ember.kernels import cpu_row_top
+from ember.kernels import cpu_half_gemv, cpu_row_top
 from ember.kernels import cpu_tiled_gemv as tiled_gemv
 from ember.kernels.cpu_kernels import CpuKernels
 from ember.layers.activation import silu_and_mul
@@ -142,6 +145,44 @@ class DensePart(PackedPart):
 
     def rows(self, ids):
         return self.w[ids].float()
+
+    def buffers(self):
+        return [self.w]
+
+
+class HalfPart(PackedPart):
+    """A BF16 / F16 matrix kept in its 16-bit form under float32 activations (ember.kernels.cpu_half_gemv):
+    its GEMV for up to gemm_dispatch.HALF_GEMV_MAX_ROWS rows, cache-sized widened panels for torch's
+    float32 GEMM above. Lookups widen only their rows. Products are exact in float32 either way, as
+    over the weight widened at load."""
+
+    kernel_at_any_rows = True  # the panels are a dense GEMM already
+
+    def __init__(self, w: torch.Tensor):
+        self.w, (self.N, self.K) = w.contiguous(), w.shape
+
+    @staticmethod
+    def usable(dtype: torch.dtype, device, kernels: CpuKernels | None = None) -> bool:
+        """Whether 16-bit matrices stay 16-bit in a run of `dtype` on `device`: float32 on CPU, the
+        model's kernels allow it (--cpu-half-weights) and the kernel builds here."""
+        return (
+            dtype == torch.float32
+            and torch.device(device).type == "cpu"
+            and (kernels or CpuKernels()).half_weights
+            and cpu_half_gemv.available()
+        )
+
+    def linear(self, x):
+        if x.dtype != torch.float32:  # not a run this part is made for: the exact weight, widened
+            return F.linear(x, self.w.to(x.dtype))
+        y = cpu_half_gemv.linear(x.reshape(-1, self.K).contiguous(), self.w, gemm_dispatch.HALF_GEMV_MAX_ROWS)
+        return y.reshape(*x.shape[:-1], self.N)
+
+    def rows(self, ids):
+        return self.w[ids].float()
+
+    def dequantize(self):
+        return self.w.float()
 
     def buffers(self):
         return [self.w]
@@ -513,9 +554,10 @@ class InputOrderPart(PackedPart):
         return [*self.inner.buffers(), self.inverse]
 
 
-def _kind(t, raw_ok: bool) -> str:
+def _kind(t, raw_ok: bool, half_ok: bool = False) -> str:
     if not isinstance(t, GGUFTensor):
-        return "dense"
+        # the loader hands BF16 / F16 matrices over in their own dtype (loader.gguf._to_torch)
+        return f"half {t.dtype}" if half_ok and t.dim() == 2 and t.dtype in cpu_half_gemv.DTYPES else "dense"
     if t.qtype in AFFINE_4BIT and Int4Part.supports(t.shape[1]):
         return "int4"
     if t.qtype in AFFINE_8BIT and Int4Part.supports(2 * t.shape[1]):
@@ -534,24 +576,29 @@ def pack_shards(
     too, as its raw blocks are smaller than its Q6KPart). kernels: the model's CpuKernels
     (whether 4/8-bit codes take the tiled GEMV's layout, and its int8-x path)."""
     kernels = kernels or CpuKernels()
+    half_ok = HalfPart.usable(dtype, device, kernels)
     runs: list[list] = []
     for t in shards:
-        if runs and _run_key(runs[-1][0], raw_ok) == _run_key(t, raw_ok):
+        if runs and _run_key(runs[-1][0], raw_ok, half_ok) == _run_key(t, raw_ok, half_ok):
             runs[-1].append(t)
         else:
             runs.append([t])
-    return [_pack_run(run, dtype, device, raw_ok, kernels) for run in runs]
+    return [_pack_run(run, dtype, device, raw_ok, kernels, half_ok) for run in runs]
 
 
-def _run_key(t, raw_ok: bool) -> tuple:
+def _run_key(t, raw_ok: bool, half_ok: bool) -> tuple:
     """Shards pack into one part when they are of one kind (and read x's columns in one order)."""
     order = getattr(t, "input_order", None)
-    return _kind(t, raw_ok), None if order is None else id(order)
+    return _kind(t, raw_ok, half_ok), None if order is None else id(order)
 
 
-def _pack_run(run: list, dtype: torch.dtype, device, raw_ok: bool, kernels: CpuKernels) -> PackedPart:
+def _pack_run(
+    run: list, dtype: torch.dtype, device, raw_ok: bool, kernels: CpuKernels, half_ok: bool = False
+) -> PackedPart:
     """One part for a run of shards of the same kind (pack_shards)."""
-    kind = _kind(run[0], raw_ok)
+    kind = _kind(run[0], raw_ok, half_ok)
+    if kind.startswith("half"):
+        return HalfPart(torch.cat(run).to(device))
     order = getattr(run[0], "input_order", None)
     if kind != "dense" and order is not None:  # a dense part moves its columns as it dequantizes
         inner = _pack_run([_unordered(t) for t in run], dtype, device, raw_ok, kernels)
