@@ -1,16 +1,19 @@
 // y = x @ W^T on CPU for 16-bit weights (bf16 or fp16) under float32 activations, in float32
 // (cpu_half_gemv.py says where the engine uses it and why).
 //
-// Few rows of x (decode, a speculative verify): each thread takes blocks of 4 weight rows and widens
-// 8 weights at a time to float32 in registers (bf16: a zero-extend and a 16-bit shift, exact; fp16:
-// vcvtph2ps, exact), one FMA per weight and row of x against x's own float32 values. The weight is
-// read once from memory at half of float32's bytes; a block's 4 rows stay in L1 while the rows of x
-// pass over them, 2 at a time (8 accumulators, 4 widened weights and an x: 13 of 16 registers).
+// One or two rows of x (decode, a short verify): each thread takes blocks of 8 weight rows; a step
+// loads 32 bytes of a row (16 weights) and widens them to float32 in registers without a shuffle (bf16:
+// the even weights by a 16-bit shift of their 32-bit lanes, the odd ones by masking the low half, x
+// stored evens-then-odds once a call; fp16: vcvtph2ps), one FMA per weight and row of x, and asks for
+// each row's line 1 KiB ahead (8 rows in flight outrun the hardware prefetcher). The weight is read
+// once at half of float32's bytes. More rows (up to the caller's gemv_max_rows): 8 weight rows x 1024
+// inputs are widened once into a float32 block in L1 and every row of x runs against it, 4 weight rows
+// x 3 rows of x a pass.
 // Many rows (prefill): the GEMM is compute-bound, and a dot-product loop cannot reuse registers as
 // a GEMM's microkernel does, so the weight is widened a panel of rows at a time into a float32 buffer
-// the size of a cache, and torch's float32 GEMM (MKL / oneDNN) runs x against the panel, writing its
-// columns of y in place. Both paths give float32 products of the exact weights; they differ only in
-// the order of the float32 sums.
+// (16 MiB), and torch's float32 GEMM (MKL / oneDNN) runs x against the panel, writing its columns of y
+// in place. Every path gives float32 products of the exact weights; they differ only in the order of
+// the float32 sums. Figures: docs/tuning.md, "16-bit weights under float32 activations".
 //
 // Needs AVX2 + FMA + F16C (every x86 CPU since Haswell / Zen 1); the same code serves AVX-512 machines
 // running float32.
@@ -25,9 +28,6 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
-#ifndef PREFETCH_BYTES
-#define PREFETCH_BYTES 1024
-#endif
 
 namespace {
 
@@ -36,7 +36,8 @@ constexpr int64_t kPanelFloats = 1 << 22; // a panel: 16 MiB of widened weights
 constexpr int64_t kStreamMaxRows = 2;     // rows of x the streaming GEMV takes; more: widened blocks
 constexpr int64_t kChunk = 1024;          // inputs of a widened block: 8 rows x 1024 floats = 32 KiB
 constexpr int64_t kStep = 16;             // inputs a step: 32 bytes of weights
-constexpr int64_t kPrefetch = PREFETCH_BYTES;
+constexpr int64_t kPrefetch = 1024;         // bytes ahead each row's line is asked for (512: 26 ms, none: 32 ms
+                                           // for the 248K-row head that takes 24 here; docs/tuning.md)
 
 // x in the order a step's weights widen to. bf16: the 16 weights of a step widen without a shuffle,
 // the even-indexed ones by a 16-bit shift of their 32-bit lanes and the odd ones by masking off the
