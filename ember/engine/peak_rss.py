@@ -183,13 +183,15 @@ def hybrid_step_bytes(mc, tokens: int) -> int:
     return tokens * mc.linear_conv_dim * GDN_PREFILL_FLOATS_PER_CONV_CHANNEL * 4
 
 
-def packaged(tensors: list[GGUFTensorInfo] | None) -> bool:
+def packaged(tensors: list[GGUFTensorInfo] | None, half_kept: bool = False) -> bool:
     """Whether a CPU engine's decode graphs are AOTInductor packages: every linear of a GGUF file packed
-    (none float, so freezing is off), and no MoE experts (their op keeps a graph torch.compile's)."""
+    (none dense, so freezing is off: BF16 / F16 matrices count as packed where they stay 16-bit,
+    half_kept = half_weights_kept()), and no MoE experts (their op keeps a graph torch.compile's)."""
     if tensors is None:
         return False
     linears = [t for t in tensors if t.name.startswith("blk.") and t.dims >= 2 and "ssm_conv1d" not in t.name]
-    return not any(t.type_name in FLOAT_TYPES or "_exps" in t.name for t in linears)
+    dense = ("F32",) if half_kept else FLOAT_TYPES
+    return not any(t.type_name in dense or "_exps" in t.name for t in linears)
 
 
 def compile_bytes(max_num_seqs: int, packages: bool = False) -> int:

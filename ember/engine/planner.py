@@ -449,7 +449,10 @@ def predict_peak_rss(
         pool.num_blocks * pool.block_bytes,
         state_bytes,
         step,
-        peak_rss.compile_bytes(max_num_seqs, quant == "gguf" and peak_rss.packaged(src.gguf_tensors))
+        peak_rss.compile_bytes(
+            max_num_seqs,
+            quant == "gguf" and peak_rss.packaged(src.gguf_tensors, peak_rss.half_weights_kept(b, kc.half_weights)),
+        )
         if compiled
         else 0,
     )

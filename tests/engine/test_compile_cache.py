@@ -52,11 +52,22 @@ def test_the_cache_folder_is_embers_unless_one_is_named(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "recorded, so that monkeypatch restores the variable")
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("EMBER_CPU_ISA", raising=False)
     ours = str(tmp_path / "xdg" / "ember" / "torch-compile")
     assert default_compile_cache_dir() == ours
     assert use_compile_cache() == ours and os.environ["TORCHINDUCTOR_CACHE_DIR"] == ours and os.path.isdir(ours)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     assert use_compile_cache() == str(tmp_path / "mine")  # a user's (or a benchmark's) choice stands
+    # torch writes its own default (/tmp/torchinductor_$USER) into the variable once anything asked for
+    # its folder: not a choice, so ember's folder replaces it
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    assert cache_dir() == os.environ["TORCHINDUCTOR_CACHE_DIR"] != ours
+    assert use_compile_cache() == ours and os.environ["TORCHINDUCTOR_CACHE_DIR"] == ours
+    # an AVX2 run on this machine (EMBER_CPU_ISA=avx2) compiles against other kernel builds: its own folder
+    monkeypatch.setenv("EMBER_CPU_ISA", "avx2")
+    assert default_compile_cache_dir() == ours + "-avx2"
 
 
 @pytest.mark.engine

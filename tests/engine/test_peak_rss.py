@@ -112,6 +112,8 @@ def test_packaged_graphs_cost_no_inductor_machinery():
     ]
     assert packaged(packed)
     assert not packaged(packed + [info("blk.0.ffn_down.weight", "BF16")])
+    assert packaged(packed + [info("blk.0.ffn_down.weight", "BF16")], half_kept=True)  # a HalfPart: packed
+    assert not packaged(packed + [info("blk.0.ffn_down.weight", "F32")], half_kept=True)
     assert not packaged(packed + [info("blk.0.ffn_down_exps.weight", "Q8_0", 3)])
     assert not packaged(None)
     assert compile_bytes(16, packages=True) < 64 << 20 < COMPILE_BYTES < compile_bytes(16)

@@ -10,28 +10,46 @@ machine that differs misses and compiles anew. A restart of the same engine find
 inductor's work, not dynamo's: the batch-1 decode graph of the default model took 104 s cold and
 7.5 s from these caches (dynamo's trace 3.8 s of it), on 2 cores (docs/tuning.md, "Compile caches").
 
-torch's default folder is /tmp/torchinductor_$USER, which a reboot or a tmp cleaner empties; ember
-points torch at ~/.cache/ember/torch-compile ($XDG_CACHE_HOME honoured) instead, unless
-TORCHINDUCTOR_CACHE_DIR already names one (a user's choice, or a benchmark's fresh folder).
+torch's default folder is /tmp/torchinductor_$USER, which a reboot or a tmp cleaner empties and every
+process of the user shares; ember points torch at ~/.cache/ember/torch-compile ($XDG_CACHE_HOME
+honoured; torch-compile-avx2 under EMBER_CPU_ISA=avx2, whose graphs call other kernel builds) instead,
+unless TORCHINDUCTOR_CACHE_DIR already names one (a user's choice, or a benchmark's fresh folder). torch
+writes its own default into that variable the first time anything in the process asks for its cache
+folder (a torch.compile before the engine starts, or another engine's test): that value is not a
+choice, and ember replaces it.
 `ember compile` (run by `make run`'s install) fills it for a model before its first server starts.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 ENV = "TORCHINDUCTOR_CACHE_DIR"  # torch reads it at every cache access, so setting it before the first compile suffices
 
 
 def default_compile_cache_dir() -> str:
+    from ember.platform import isa_cap
+
     base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    return os.path.join(base, "ember", "torch-compile")
+    cap = isa_cap()
+    return os.path.join(base, "ember", "torch-compile" if cap == "native" else f"torch-compile-{cap}")
+
+
+def _torchs_default() -> str | None:
+    """The folder torch falls back to (and writes into TORCHINDUCTOR_CACHE_DIR once it has used it);
+    None where torch's inductor was never imported here, so could not have written it (importing it
+    only to ask would cost an eager engine ~100 MiB of RSS)."""
+    module = sys.modules.get("torch._inductor.runtime.cache_dir_utils")
+    default = getattr(module, "default_cache_dir", None)
+    return os.path.abspath(default()) if default is not None else None
 
 
 def use_compile_cache() -> str:
-    """Point torch's compile caches at ember's folder unless TORCHINDUCTOR_CACHE_DIR is set; the folder in use."""
+    """Point torch's compile caches at ember's folder unless TORCHINDUCTOR_CACHE_DIR names another than
+    torch's own default; the folder in use."""
     path = os.environ.get(ENV)
-    if not path:
+    if not path or os.path.abspath(path) == _torchs_default():
         path = os.environ[ENV] = default_compile_cache_dir()
     os.makedirs(path, exist_ok=True)
     return path
