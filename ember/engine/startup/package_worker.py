@@ -118,6 +118,26 @@ def job_name(what: str, shape: tuple[int, int]) -> str:
     return f"{what}|{shape[0]}|{shape[1]}"
 
 
+def worker_config(config, device_type: str, pool, max_model_len: int, max_num_seqs: int):
+    """The engine a worker starts: its parent's, but with a KV pool of what a build touches (one sequence
+    of max_model_len and a block per batch row), not the parent's serving pool (~2 GiB by default on
+    CPU, which the worker used to hold beside its own copy of the weights). kv_cache_memory changes no
+    traced graph (compile_cache.NOT_IN_GRAPHS), so the packages' identity and paths are the parent's.
+    pool: the parent's planner.KVPool (its budget_bytes: the budget less the recurrent states)."""
+    import dataclasses
+
+    from ember.engine.planner import GiB, cpu_kv_budget_bytes
+
+    if device_type != "cpu":
+        return config
+    budget = cpu_kv_budget_bytes(config)
+    blocks = -(-max_model_len // pool.block_size) + max_num_seqs + 1
+    need = (budget - pool.budget_bytes) + blocks * pool.block_bytes  # the states, then the blocks
+    if need >= budget:
+        return config
+    return dataclasses.replace(config, kv_cache_memory=need / GiB)
+
+
 class PackageWorkers:
     """What an engine hands its compiled executors: build(what, shapes) runs one worker to the end."""
 

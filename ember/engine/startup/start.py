@@ -33,7 +33,7 @@ from ember.engine.scheduler import Scheduler
 from ember.engine.startup.device import DeviceSetup, init_device
 from ember.engine.startup.kv_pool import cuda_kv_budget, kv_pool
 from ember.engine.startup.limits import Limits, resolve_limits
-from ember.engine.startup.package_worker import PackageWorkers, in_worker
+from ember.engine.startup.package_worker import PackageWorkers, in_worker, worker_config
 from ember.engine.startup.weights import WeightCopies, load_weights
 from ember.engine.state_slots import StateSlots
 from ember.loader.model_loader import LoadedModel
@@ -108,7 +108,7 @@ def start_engine(config, defer_compile: bool = False) -> EngineParts:
         spec,
         0 if states is None else states.num_live + states.num_snapshots,
     )
-    compiler = _build_executors(config, tp, loaded, limits, runner, spec, defer_compile)
+    compiler = _build_executors(config, tp, loaded, limits, runner, spec, pool, defer_compile)
     parts = EngineParts(
         config, setup, tp, loaded, copies, limits, spec, compiler, kv, scheduler, runner, _eos_token_ids(loaded)
     )
@@ -261,7 +261,14 @@ def _build_runner(
 
 
 def _build_executors(
-    config, tp, loaded: LoadedModel, limits: Limits, runner: ModelRunner, spec, defer_compile: bool = False
+    config,
+    tp,
+    loaded: LoadedModel,
+    limits: Limits,
+    runner: ModelRunner,
+    spec,
+    pool: planner.KVPool,
+    defer_compile: bool = False,
 ):
     """After every KV layer exists (compiled graphs and captured graphs address the caches). Returns
     the BackgroundCompiler the executors compile on (None when they compiled here, or need none)."""
@@ -288,7 +295,9 @@ def _build_executors(
         compiler=compiler,
         graph_identity=graph_identity(config, loaded.path),
         # packages are built by a worker process, so this one never holds a build (package_worker.py)
-        package_workers=None if in_worker() else PackageWorkers(config),
+        package_workers=None
+        if in_worker()
+        else PackageWorkers(worker_config(config, runner.device.type, pool, limits.max_model_len, limits.max_num_seqs)),
     )
     if spec is not None:  # the workers replay a drafter's forwards eagerly: no graphs of its own under TP
         spec.prepare(runner.executor, runner.executor.sibling if tp is None else lambda *args: None)
