@@ -576,7 +576,9 @@ def pack_shards(
     too, as its raw blocks are smaller than its Q6KPart). kernels: the model's CpuKernels
     (whether 4/8-bit codes take the tiled GEMV's layout, and its int8-x path)."""
     kernels = kernels or CpuKernels()
-    half_ok = HalfPart.usable(dtype, device, kernels)
+    # asked only where a shard is 16-bit: usable() builds the kernel where install did not
+    half = any(isinstance(t, torch.Tensor) and t.dim() == 2 and t.dtype in cpu_half_gemv.DTYPES for t in shards)
+    half_ok = half and HalfPart.usable(dtype, device, kernels)
     runs: list[list] = []
     for t in shards:
         if runs and _run_key(runs[-1][0], raw_ok, half_ok) == _run_key(t, raw_ok, half_ok):
