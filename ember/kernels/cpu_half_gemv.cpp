@@ -222,17 +222,7 @@ void gemv(const float* x, int64_t M, const uint16_t* w, int64_t N, int64_t K, fl
 template <bool BF16>
 void widen_rows(const uint16_t* w, int64_t rows, int64_t K, float* out) {
   at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const uint16_t* src = w + r * K;
-      float* dst = out + r * K;
-      int64_t k = 0;
-      for (; k + 8 <= K; k += 8) {
-        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k));
-        _mm256_storeu_ps(dst + k, BF16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
-                                       : _mm256_cvtph_ps(h));
-      }
-      for (; k < K; ++k) dst[k] = widen1<BF16>(src[k]);
-    }
+    for (int64_t r = r0; r < r1; ++r) widen_row<BF16>(w + r * K, K, out + r * K);
   });
 }
 

@@ -172,9 +172,7 @@ class HalfPart(PackedPart):
             and cpu_half_gemv.available()
         )
 
-    def linear(self, x):
-        if x.dtype != torch.float32:  # not a run this part is made for: the exact weight, widened
-            return F.linear(x, self.w.to(x.dtype))
+    def linear(self, x):  # x is float32: usable() made this part for float32 runs only
         y = cpu_half_gemv.linear(x.reshape(-1, self.K).contiguous(), self.w, gemm_dispatch.HALF_GEMV_MAX_ROWS)
         return y.reshape(*x.shape[:-1], self.N)
 
@@ -554,10 +552,14 @@ class InputOrderPart(PackedPart):
         return [*self.inner.buffers(), self.inverse]
 
 
+def _is_half(t) -> bool:
+    """A BF16 / F16 matrix: the loader hands these over in their own dtype (loader.gguf._to_torch)."""
+    return isinstance(t, torch.Tensor) and t.dim() == 2 and t.dtype in cpu_half_gemv.DTYPES
+
+
 def _kind(t, raw_ok: bool, half_ok: bool = False) -> str:
     if not isinstance(t, GGUFTensor):
-        # the loader hands BF16 / F16 matrices over in their own dtype (loader.gguf._to_torch)
-        return f"half {t.dtype}" if half_ok and t.dim() == 2 and t.dtype in cpu_half_gemv.DTYPES else "dense"
+        return f"half {t.dtype}" if half_ok and _is_half(t) else "dense"
     if t.qtype in AFFINE_4BIT and Int4Part.supports(t.shape[1]):
         return "int4"
     if t.qtype in AFFINE_8BIT and Int4Part.supports(2 * t.shape[1]):
@@ -577,8 +579,7 @@ def pack_shards(
     (whether 4/8-bit codes take the tiled GEMV's layout, and its int8-x path)."""
     kernels = kernels or CpuKernels()
     # asked only where a shard is 16-bit: usable() builds the kernel where install did not
-    half = any(isinstance(t, torch.Tensor) and t.dim() == 2 and t.dtype in cpu_half_gemv.DTYPES for t in shards)
-    half_ok = half and HalfPart.usable(dtype, device, kernels)
+    half_ok = any(_is_half(t) for t in shards) and HalfPart.usable(dtype, device, kernels)
     runs: list[list] = []
     for t in shards:
         if runs and _run_key(runs[-1][0], raw_ok, half_ok) == _run_key(t, raw_ok, half_ok):
