@@ -4,7 +4,8 @@
 
 The bench's ember knobs (max_model_len 4096, max_num_seqs 16, --kv-cache-memory 1 GiB, 2 threads) plus
 the JSON's engine flags (which override those): the engine built, its background compile waited for, then batches of 1, 2, 4,
-8 and 16 short prompts decoded (12 tokens each, the compile waited for after each). Prints VmRSS and
+8 and 16 short prompts decoded (12 tokens each, the compile waited for after each), then one prompt of 512,
+1000 and 2000 tokens (those below max_model_len) prefilled. Prints VmRSS and
 VmHWM after each stage, and whether dynamo and inductor were imported (an AOTInductor-packaged engine
 never imports them).
 """
@@ -55,6 +56,11 @@ def main() -> None:
         llm.generate(prompts, params, use_tqdm=False)
         llm.wait_for_compile()
         say(f"batch {b} decoded")
+    for n in (512, 1000, 2000):  # the benches' TTFT prompts: one prefill step of up to max_num_batched_tokens
+        if n < llm.engine.config.max_model_len:
+            prompt = {"prompt_token_ids": [rng.randrange(100, 5000) for _ in range(n)]}
+            llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+            say(f"{n}-token prompt")
     print(
         "dynamo imported:",
         "torch._dynamo" in sys.modules,

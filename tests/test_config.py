@@ -36,6 +36,27 @@ def test_flags_round_trip_and_feed_their_sub_configs():
     assert EngineConfig(model="m").scheduler_config.default_max_num_seqs("cpu") == 16
 
 
+def test_step_budget_defaults_by_device_and_cpu_flags(monkeypatch):
+    """--max-num-batched-tokens left unset: 512 on a CPU without AMX (its prefill transients stay in the
+    heap: a bounded chunk bounds the peak RSS), 2048 with AMX and on CUDA; never below --max-num-seqs,
+    and with chunked prefill off never below max_model_len. One given is kept."""
+    from ember.config import groups
+
+    for amx, cpu in ((False, 512), (True, 2048)):
+        monkeypatch.setattr(groups, "has_cpu_flags", lambda *flags, amx=amx: amx and flags == ("amx_bf16",))
+        sched = EngineConfig(model="m").scheduler_config
+        assert sched.token_budget("cpu") == cpu and sched.token_budget("cuda") == 2048
+    monkeypatch.setattr(groups, "has_cpu_flags", lambda *flags: False)
+    assert EngineConfig(model="m", max_num_seqs=1000).scheduler_config.token_budget("cpu") == 1000
+    assert EngineConfig(model="m", max_num_seqs=1000).scheduler_config.default_max_num_seqs("cpu") == 1000
+    off = EngineConfig(model="m", enable_chunked_prefill=False).scheduler_config
+    assert off.token_budget("cpu", max_model_len=4096) == 4096 and off.token_budget("cpu", max_model_len=100) == 512
+    given = EngineConfig(model="m", max_num_batched_tokens=3000).scheduler_config
+    assert given.token_budget("cpu") == given.token_budget("cuda") == 3000
+    with pytest.raises(ConfigError, match="--max-num-seqs 64 exceeds --max-num-batched-tokens 32"):
+        EngineConfig(model="m", max_num_seqs=64, max_num_batched_tokens=32)
+
+
 def test_sub_configs_check_their_own_flags():
     with pytest.raises(ConfigError, match="--block-size must be a power of two"):
         EngineConfig(block_size=24)

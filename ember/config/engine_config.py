@@ -30,6 +30,7 @@ from ember.config.groups import (
     ATTENTION_BACKENDS,
     CPU_KV_CAP_GIB,
     CPU_KV_FRACTION,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     DEVICES,
     EXECUTORS,
@@ -103,7 +104,12 @@ class EngineConfig:
     max_model_len: int | None = flag(
         None, "scheduler", "longest sequence (prompt + output); default: the model's context length"
     )
-    max_num_batched_tokens: int = flag(2048, "scheduler", "token budget of one step (decodes + prefill chunks)")
+    max_num_batched_tokens: int | None = flag(
+        None,
+        "scheduler",
+        "token budget of one step (decodes + prefill chunks); default "
+        + ", ".join(f"{n} on {d.upper().replace('-AMX', ' with AMX')}" for d, n in DEFAULT_MAX_NUM_BATCHED_TOKENS.items()),
+    )
     max_num_seqs: int | None = flag(
         None,
         "scheduler",

@@ -12,7 +12,7 @@ from typing import Any
 
 from ember.config.aliases import ATTENTION_BACKEND_ALIASES
 from ember.errors import ConfigError
-from ember.platform import DTYPES
+from ember.platform import DTYPES, has_cpu_flags
 
 # bfloat16: a 16-bit cache under float32 activations (half the bytes a token; the values round to bf16 as
 # they are stored, attention widens them exactly), vLLM's name for it
@@ -117,6 +117,20 @@ class CacheConfig:
 # --max-num-seqs when not given, per device type: CPU steps are bandwidth-bound from a few rows,
 # a GPU's take many sequences before they cost more than one
 DEFAULT_MAX_NUM_SEQS = {"cpu": 16, "cuda": 64}
+# --max-num-batched-tokens when not given. A CPU process keeps what a step frees in its heap
+# (engine/startup/cpu_malloc.py), so the largest prefill chunk's transients stay in its resident set: 512
+# tokens (llama.cpp's n_ubatch) bound them, and on AVX2 prefill runs as fast in 512-token chunks as in
+# one (its kernels are at full speed from a few hundred rows). CPUs with AMX keep 2048: their attention
+# runs long chunks as AMX GEMMs, and 512-token chunks took a 2,000-token prompt 25% longer. Measured on
+# 2 Xeon cores (docs/tuning.md, "The step budget on CPU").
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 512, "cpu-amx": 2048, "cuda": 2048}
+
+
+def default_token_budget(device_type: str) -> int:
+    """DEFAULT_MAX_NUM_BATCHED_TOKENS of this device type (and, on CPU, of its AMX flag)."""
+    if device_type == "cpu" and has_cpu_flags("amx_bf16"):
+        return DEFAULT_MAX_NUM_BATCHED_TOKENS["cpu-amx"]
+    return DEFAULT_MAX_NUM_BATCHED_TOKENS[device_type]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,21 +138,23 @@ class SchedulerConfig:
     """The step's token budget and who shares it."""
 
     max_model_len: int | None  # None: the model's context length
-    max_num_batched_tokens: int
+    max_num_batched_tokens: int | None  # None: default_token_budget of the device (see token_budget)
     max_num_seqs: int | None  # None: DEFAULT_MAX_NUM_SEQS of the device type
     enable_chunked_prefill: bool
 
     def __post_init__(self) -> None:
-        need(
-            self.max_num_batched_tokens >= 1,
-            f"--max-num-batched-tokens must be >= 1 (got {self.max_num_batched_tokens})",
-        )
+        if self.max_num_batched_tokens is not None:
+            need(
+                self.max_num_batched_tokens >= 1,
+                f"--max-num-batched-tokens must be >= 1 (got {self.max_num_batched_tokens})",
+            )
         if self.max_num_seqs is not None:
             need(self.max_num_seqs >= 1, f"--max-num-seqs must be >= 1 (got {self.max_num_seqs})")
-            self._check_budget(self.max_num_seqs)
+            if self.max_num_batched_tokens is not None:
+                self._check_budget(self.max_num_seqs, self.max_num_batched_tokens)
         if self.max_model_len is not None:
             need(self.max_model_len >= 2, f"--max-model-len must be >= 2 (got {self.max_model_len})")
-            if not self.enable_chunked_prefill:
+            if not self.enable_chunked_prefill and self.max_num_batched_tokens is not None:
                 need(
                     self.max_num_batched_tokens >= self.max_model_len,
                     f"with chunked prefill off, --max-num-batched-tokens ({self.max_num_batched_tokens}) must be >= "
@@ -146,17 +162,27 @@ class SchedulerConfig:
                     "--max-model-len, or drop --no-enable-chunked-prefill",
                 )
 
+    def token_budget(self, device_type: str, max_model_len: int | None = None) -> int:
+        """--max-num-batched-tokens, or its default on this device: at least --max-num-seqs (a token each)
+        and, with chunked prefill off, max_model_len (any prompt fits one step), as vLLM raises it."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        n = max(default_token_budget(device_type), self.max_num_seqs or 0)
+        if not self.enable_chunked_prefill:
+            n = max(n, max_model_len or self.max_model_len or 0)
+        return n
+
     def default_max_num_seqs(self, device_type: str) -> int:
         """--max-num-seqs, or its default on this device type; refused when the step budget cannot give
         each of them a token."""
         n = self.max_num_seqs or DEFAULT_MAX_NUM_SEQS[device_type]
-        self._check_budget(n)
+        self._check_budget(n, self.token_budget(device_type))
         return n
 
-    def _check_budget(self, max_num_seqs: int) -> None:
+    def _check_budget(self, max_num_seqs: int, budget: int) -> None:
         need(
-            max_num_seqs <= self.max_num_batched_tokens,
-            f"--max-num-seqs {max_num_seqs} exceeds --max-num-batched-tokens {self.max_num_batched_tokens}: "
+            max_num_seqs <= budget,
+            f"--max-num-seqs {max_num_seqs} exceeds --max-num-batched-tokens {budget}: "
             "every running sequence needs at least one token of the step budget; raise the budget or lower "
             "--max-num-seqs",
         )

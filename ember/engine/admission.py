@@ -18,7 +18,7 @@ def out_of_vocabulary(what: str, ids, vocab: int) -> str | None:
 
 
 def check_request(
-    ids: list[int], params: SamplingParams, config: EngineConfig, vocab: int, max_model_len: int
+    ids: list[int], params: SamplingParams, config: EngineConfig, vocab: int, max_model_len: int, token_budget: int
 ) -> SamplingParams:
     """The params to run the request with (logprobs -1 resolved); raises what is wrong, saying what to change."""
     for what, given in (("prompt token id", ids), ("logit_bias token id", params.logit_bias or {})):
@@ -30,9 +30,9 @@ def check_request(
             f"generated token must fit); shorten the prompt or raise --max-model-len"
         )
     sched = config.scheduler_config
-    if not sched.enable_chunked_prefill and len(ids) > sched.max_num_batched_tokens:
+    if not sched.enable_chunked_prefill and len(ids) > token_budget:
         raise PromptTooLongError(
-            f"the prompt has {len(ids)} tokens, more than --max-num-batched-tokens {sched.max_num_batched_tokens}, "
+            f"the prompt has {len(ids)} tokens, more than --max-num-batched-tokens {token_budget}, "
             "and chunked prefill is off; enable chunked prefill or raise --max-num-batched-tokens"
         )
     return _resolve_logprobs(params, vocab, config.max_logprobs)

@@ -530,14 +530,13 @@ class AsyncLLMEngine:
             ids[:16],
             SamplingParams(temperature=0.8, top_p=0.9, max_tokens=4, ignore_eos=True, logprobs=1),
         )
-        n = max(1, min(engine.config.scheduler_config.max_num_batched_tokens, engine.parts.limits.max_model_len - 1))
+        limits = engine.parts.limits
+        n = max(1, min(limits.max_num_batched_tokens, limits.max_model_len - 1))
         if engine.parts.setup.device.type == "cpu":
             # A CPU has no memory pool to reserve up front, and every kernel path a long prompt takes runs
             # from 16 rows on: 512 tokens warm them. The full 2048-token step cost ~6 s of a ~14 s start
             # on Zen3 (float32), before /health could answer.
             n = min(n, CPU_WARMUP_TOKENS)
-        if not engine.config.scheduler_config.enable_chunked_prefill:
-            n = min(n, engine.config.scheduler_config.max_num_batched_tokens)
         self._run_to_end(
             "ember-warmup-full",
             _warmup_token_ids(engine, n, offset=7),

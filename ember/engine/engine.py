@@ -161,7 +161,12 @@ class LLMEngine:
         if not ids:
             raise InvalidRequestError("the prompt is empty; give at least one token")
         params = check_request(
-            ids, params, self.config, loaded.model_config.vocab_size, self.parts.limits.max_model_len
+            ids,
+            params,
+            self.config,
+            loaded.model_config.vocab_size,
+            self.parts.limits.max_model_len,
+            self.parts.limits.max_num_batched_tokens,
         )
         group = ParentRequest(request_id, text, ids)
         for i in range(params.n):

@@ -353,7 +353,7 @@ def plan(config: EngineConfig, memory_gib: float | None = None) -> Plan:
         dquant, dgroup = resolve_quantization(draft, "auto")
         per_token += draft_kv
         weights += weight_bytes(draft.mc, dquant, b, 1, 0, dgroup, draft.gguf_bytes)
-    act = activation_bytes(mc, b, tp, sched.max_num_batched_tokens, max_num_seqs)
+    act = activation_bytes(mc, b, tp, sched.token_budget(device), max_num_seqs)
     cuda = cuda_reserve_bytes(mc, b, tp, max_num_seqs) if device == "cuda" else 0
     memory = int((memory_gib if memory_gib is not None else default_memory_gib(device)) * GiB)
     usable = int(memory * (config.gpu_memory_utilization if device == "cuda" else 1.0))
@@ -438,7 +438,7 @@ def predict_peak_rss(
             if kc.int4_dense_copy is None and copy > CPU_DENSE_COPY_FRACTION * available_ram_bytes():
                 copy = 0
     pool = kv_pool(max(0.0, cpu_kv_budget_bytes(config) - state_bytes), block_bytes, config.block_size)
-    tokens = min(sched.max_num_batched_tokens, want)
+    tokens = min(sched.token_budget("cpu"), want)
     max_num_seqs = sched.default_max_num_seqs("cpu")
     step = activation_bytes(mc, b, 1, tokens, max_num_seqs) + peak_rss.hybrid_step_bytes(mc, tokens)
     compiled = config.executor_config.executor in ("auto", "compiled")

@@ -590,7 +590,7 @@ def _launch_config(args, levels: list[int | None]):
     config = engine_config_from_args(args)
     top = max(c or 0 for c in levels)
     if config.max_num_seqs is None and top:
-        args.max_num_seqs = min(top, config.max_num_batched_tokens)
+        args.max_num_seqs = min(top, config.max_num_batched_tokens or top)
         config = engine_config_from_args(args)
     return config
 

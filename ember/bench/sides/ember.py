@@ -107,7 +107,8 @@ def ember_knobs(args, num_prompts: int) -> tuple[dict, int]:
         element = kv_elem_bytes(config.kv_cache_dtype, DTYPE_BYTES[resolve_dtype_name(config.dtype, "cpu")])
         knobs["kv_cache_memory"] = KV_GIB_PER_BYTE * element
     if knobs["max_num_seqs"] is None:
-        knobs["max_num_seqs"] = min(num_prompts, config.max_num_batched_tokens)
+        # a budget left unset grows to max_num_seqs (SchedulerConfig.token_budget); one given caps it
+        knobs["max_num_seqs"] = min(num_prompts, config.max_num_batched_tokens or num_prompts)
     return knobs, threads
 
 
@@ -119,7 +120,7 @@ def engine_and_peer(args, batch: int | None = None):
 
     config = engine_config_from_args(args)
     if batch is not None and config.max_num_seqs is None:
-        config = dataclasses.replace(config, max_num_seqs=min(batch, config.max_num_batched_tokens))
+        config = dataclasses.replace(config, max_num_seqs=min(batch, config.max_num_batched_tokens or batch))
     llm = LLM(**config.flags())
     llm.wait_for_compile()  # benchmarks measure the steady state: a background compile finishes first
     # the peer loads after ember so it runs on the thread count ember chose (torch's is per-process)
@@ -142,7 +143,7 @@ def describe_engine(llm) -> dict:
         "dtype": str(parts.setup.dtype).removeprefix("torch."),
         "device": str(parts.setup.device),
         "max_num_seqs": parts.limits.max_num_seqs,
-        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "max_num_batched_tokens": parts.limits.max_num_batched_tokens,
         "prefix_caching": config.enable_prefix_caching,
         "enforce_eager": config.enforce_eager,
         "executor": parts.limits.executor,

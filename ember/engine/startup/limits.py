@@ -1,5 +1,5 @@
-"""An engine's limits, resolved once its device and model are known: max_model_len, max_num_seqs
-(its default and budget check are SchedulerConfig's: config may not import the engine), the KV
+"""An engine's limits, resolved once its device and model are known: max_model_len, max_num_seqs and
+the step's token budget (their defaults and checks are SchedulerConfig's: config may not import the engine), the KV
 cache dtype, and which executor runs its steps."""
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ logger = logging.getLogger("ember")
 class Limits:
     max_model_len: int
     max_num_seqs: int
+    max_num_batched_tokens: int  # the step's token budget (SchedulerConfig.token_budget)
     kv_dtype: torch.dtype
     executor: str  # eager | compiled | cuda-graph
     background: bool = False  # compiled while serving (--executor auto on CPU), not before
@@ -38,15 +39,14 @@ def resolve_limits(config: EngineConfig, setup: DeviceSetup, loaded: LoadedModel
             f"{model_max}; pass --max-model-len {model_max} or less"
         )
     max_num_seqs = sched.default_max_num_seqs(setup.device.type)
-    if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < max_model_len:
-        logger.info(
-            "chunked prefill is off: prompts longer than %d tokens will be refused", sched.max_num_batched_tokens
-        )
+    budget = sched.token_budget(setup.device.type, max_model_len)
+    if not sched.enable_chunked_prefill and budget < max_model_len:
+        logger.info("chunked prefill is off: prompts longer than %d tokens will be refused", budget)
     kv_dtype = resolve_kv_cache_dtype(config.cache_config.kv_cache_dtype, setup.dtype, setup.device)
     blocker = hybrid_blocker(loaded, setup.device)
     executor = resolve_executor(config, setup.device, kv_dtype, loaded.model.attn_backend, blocker)
     background = executor == "compiled" and config.executor_config.executor == "auto"
-    return Limits(max_model_len, max_num_seqs, kv_dtype, executor, background)
+    return Limits(max_model_len, max_num_seqs, budget, kv_dtype, executor, background)
 
 
 def hybrid_blocker(loaded: LoadedModel, device: torch.device) -> str | None:

@@ -95,7 +95,7 @@ def start_engine(config, defer_compile: bool = False) -> EngineParts:
     kv = KVCacheManager(pool.num_blocks, cache.block_size, cache.enable_prefix_caching, states)
     sched = config.scheduler_config
     scheduler = Scheduler(
-        kv, sched.max_num_batched_tokens, limits.max_num_seqs, limits.max_model_len, sched.enable_chunked_prefill
+        kv, limits.max_num_batched_tokens, limits.max_num_seqs, limits.max_model_len, sched.enable_chunked_prefill
     )
     runner = _build_runner(
         config,
@@ -174,7 +174,7 @@ def _size_pool(
             from ember.distributed.comm import send_call as on_workers
         return cuda_kv_budget(
             loaded.model,
-            min(sched.max_num_batched_tokens, limits.max_model_len),
+            min(limits.max_num_batched_tokens, limits.max_model_len),
             limits.max_num_seqs,
             planner.kv_heads_per_device(mc, tp_size),
             setup.dtype,
