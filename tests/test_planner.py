@@ -104,7 +104,8 @@ def test_default_model_by_hand():
     """SmolLM2-135M (Q4_1 GGUF): 30 layers, 3 kv heads of 64, hidden 576, intermediate 1536, vocab 49152.
     The engine speculates with the default model's MTP head unless told not to: one more KV layer."""
     assert planned(None, dtype="bfloat16", device="cpu", memory_gib=4).kv_layers == 31
-    p = planned(None, dtype="bfloat16", device="cpu", memory_gib=4, enable_mtp=False)
+    # the step budget named: its default on CPU follows the CPU's flags (groups.default_token_budget)
+    p = planned(None, dtype="bfloat16", device="cpu", memory_gib=4, enable_mtp=False, max_num_batched_tokens=2048)
     assert p.kv_bytes_per_token == 2 * 30 * 3 * 64 * 2 == 23_040
     assert (p.quantization, p.num_parameters, p.weight_bytes) == ("gguf", 134_515_008, 96_576_768)  # the file's
     assert p.activation_bytes == 2048 * (2 * 576 + (18 + 6) * 64 + 3 * 1536) * 2 + 2 * 16 * 49152 * 4

@@ -108,7 +108,9 @@ class EngineConfig:
         None,
         "scheduler",
         "token budget of one step (decodes + prefill chunks); default "
-        + ", ".join(f"{n} on {d.upper().replace('-AMX', ' with AMX')}" for d, n in DEFAULT_MAX_NUM_BATCHED_TOKENS.items()),
+        + ", ".join(
+            f"{n} on {d.upper().replace('-AMX', ' with AMX')}" for d, n in DEFAULT_MAX_NUM_BATCHED_TOKENS.items()
+        ),
     )
     max_num_seqs: int | None = flag(
         None,

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from ember.config import EngineConfig
 from ember.config.model_config import ModelConfig
 from ember.errors import ConfigError, KVCacheTooSmallError, ModelLoadError, UnsupportedModelError
-from ember.platform import available_ram_bytes, resolve_dtype_name
+from ember.platform import available_ram_bytes, resolve_dtype_name, resolve_kv_cache_dtype_name
 
 GiB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -344,7 +344,7 @@ def plan(config: EngineConfig, memory_gib: float | None = None) -> Plan:
         draft = load_source(spec.model)
     sched = config.scheduler_config
     max_num_seqs = sched.default_max_num_seqs(device)
-    elem = kv_elem_bytes(config.kv_cache_dtype, b)
+    elem = kv_elem_bytes(resolve_kv_cache_dtype_name(config.kv_cache_dtype, config.dtype, device), b)
     per_token = kv_bytes_per_token(mc, elem, tp, num_mtp_layers=extra)
     weights = weight_bytes(mc, quant, b, tp, extra, group, src.gguf_bytes)
     draft_kv = 0

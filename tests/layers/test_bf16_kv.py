@@ -21,6 +21,20 @@ def test_planner_counts_two_bytes_an_element():
     assert kv_elem_bytes("auto", 4) == 4 and kv_elem_bytes("fp8", 4) == 1
 
 
+def test_auto_is_bf16_where_float32_is_the_cpus_limit(monkeypatch):
+    """--kv-cache-dtype auto: bfloat16 where --dtype auto ran float32 for want of AVX512-BF16 (and the
+    planner counts 2 B); the model's dtype where it is bf16, on CUDA, or where float32 was asked for."""
+    from ember import platform
+    from ember.platform import resolve_kv_cache_dtype_name as kv_name
+
+    monkeypatch.setattr(platform, "cpu_has_avx512_bf16", lambda: False)
+    assert kv_name("auto", "auto", "cpu") == "bfloat16"
+    assert kv_name("auto", "float32", "cpu") == "auto" and kv_name("auto", "auto", "cuda") == "auto"
+    assert kv_name("fp8", "auto", "cpu") == "fp8" and kv_name("bfloat16", "float32", "cpu") == "bfloat16"
+    monkeypatch.setattr(platform, "cpu_has_avx512_bf16", lambda: True)
+    assert kv_name("auto", "auto", "cpu") == "auto"
+
+
 def test_a_bf16_cache_under_float32_is_float32_attention_over_bf16_values(tiny_model_dir):
     """The reference backend and ember's C++ kernels over a bf16 cache are each within bf16's rounding of the
     reference over a float32 cache (the two differ by ~6e-3 where one attends to a chunk's own keys as computed

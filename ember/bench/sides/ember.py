@@ -12,7 +12,7 @@ import itertools
 import os
 
 from ember.engine.planner import DTYPE_BYTES, kv_elem_bytes
-from ember.platform import resolve_dtype_name
+from ember.platform import resolve_dtype_name, resolve_kv_cache_dtype_name
 
 EMBER = "ember.bench.sides.ember:EmberSide"
 # ember's KV pool when --kv-cache-memory is not given, per byte of a KV element: 64 sequences of 640
@@ -104,7 +104,8 @@ def ember_knobs(args, num_prompts: int) -> tuple[dict, int]:
         # the pool is allocated (and touched) up front, so it is in peak RSS: size it to the workload,
         # not to the machine's RAM, or the memory figure says more about the default than the engine
         # (a 1 GiB pool in float32 held 36 of the 64 sequences: half the batch the peers run)
-        element = kv_elem_bytes(config.kv_cache_dtype, DTYPE_BYTES[resolve_dtype_name(config.dtype, "cpu")])
+        kv_name = resolve_kv_cache_dtype_name(config.kv_cache_dtype, config.dtype, "cpu")
+        element = kv_elem_bytes(kv_name, DTYPE_BYTES[resolve_dtype_name(config.dtype, "cpu")])
         knobs["kv_cache_memory"] = KV_GIB_PER_BYTE * element
     if knobs["max_num_seqs"] is None:
         # a budget left unset grows to max_num_seqs (SchedulerConfig.token_budget); one given caps it

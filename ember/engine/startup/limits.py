@@ -16,6 +16,7 @@ from ember.errors import ConfigError
 from ember.layers.attention import resolve_kv_cache_dtype
 from ember.layers.gated_deltanet import GatedDeltaNet
 from ember.loader.model_loader import LoadedModel
+from ember.platform import resolve_kv_cache_dtype_name
 
 logger = logging.getLogger("ember")
 
@@ -42,7 +43,8 @@ def resolve_limits(config: EngineConfig, setup: DeviceSetup, loaded: LoadedModel
     budget = sched.token_budget(setup.device.type, max_model_len)
     if not sched.enable_chunked_prefill and budget < max_model_len:
         logger.info("chunked prefill is off: prompts longer than %d tokens will be refused", budget)
-    kv_dtype = resolve_kv_cache_dtype(config.cache_config.kv_cache_dtype, setup.dtype, setup.device)
+    kv_name = resolve_kv_cache_dtype_name(config.cache_config.kv_cache_dtype, config.dtype, setup.device.type)
+    kv_dtype = resolve_kv_cache_dtype(kv_name, setup.dtype, setup.device)
     blocker = hybrid_blocker(loaded, setup.device)
     executor = resolve_executor(config, setup.device, kv_dtype, loaded.model.attn_backend, blocker)
     background = executor == "compiled" and config.executor_config.executor == "auto"

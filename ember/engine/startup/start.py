@@ -168,7 +168,6 @@ def _size_pool(
     block_bytes = per_token * config.cache_config.block_size
 
     def cuda_budget() -> float:
-        sched = config.scheduler_config
         on_workers = None
         if tp is not None:  # the workers run the same profile step (its collectives need them)
             from ember.distributed.comm import send_call as on_workers
