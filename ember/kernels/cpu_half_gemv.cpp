@@ -11,7 +11,7 @@
 // x 3 rows of x a pass.
 // Many rows (prefill): the GEMM is compute-bound, and a dot-product loop cannot reuse registers as
 // a GEMM's microkernel does, so the weight is widened a panel of rows at a time into a float32 buffer
-// (16 MiB), and torch's float32 GEMM (MKL / oneDNN) runs x against the panel, writing its columns of y
+// (4 MiB: the panel is a prefill step's transient, kept in the heap's high-water mark), and torch's float32 GEMM (MKL / oneDNN) runs x against the panel, writing its columns of y
 // in place. Every path gives float32 products of the exact weights; they differ only in the order of
 // the float32 sums. Figures: docs/tuning.md, "16-bit weights under float32 activations".
 //
@@ -32,7 +32,7 @@
 namespace {
 
 constexpr int64_t kRows = 8;              // weight rows a GEMV block holds
-constexpr int64_t kPanelFloats = 1 << 22; // a panel: 16 MiB of widened weights
+constexpr int64_t kPanelFloats = 1 << 20; // a panel: 4 MiB of widened weights
 constexpr int64_t kStreamMaxRows = 2;     // rows of x the streaming GEMV takes; more: widened blocks
 constexpr int64_t kChunk = 1024;          // inputs of a widened block: 8 rows x 1024 floats = 32 KiB
 constexpr int64_t kStep = 16;             // inputs a step: 32 bytes of weights
