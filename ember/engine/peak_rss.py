@@ -44,6 +44,12 @@ COMPILE_BYTES = 230 * MiB  # inductor's machinery, imported and run once
 COMPILE_BYTES_PER_SIZE = 70 * MiB  # each decode batch size's graph, loaded
 # a loaded package (the Qwen3.5-0.8B-shaped Q8_0 hybrid: 2,143 MiB eager, 2,170 with sizes 1, 2, 4 loaded)
 PACKAGE_BYTES_PER_SIZE = 9 * MiB
+# a package worker beyond the parts an engine holds: export, lowering and its start-up (calibrated: the bf16 hybrid under
+# EMBER_CPU_ISA=avx2, benchmarks/first_start.py, a worker a batch size: 2,414 MiB at its peak)
+PACKAGE_BUILD_BYTES = 290 * MiB
+# its C++ compiler (g++ over inductor's generated step, a process of its own): the sum of its processes'
+# RSS sampled every 0.25 s peaked at 511 MiB for the same build
+PACKAGE_COMPILER_BYTES = 512 * MiB
 GDN_PREFILL_FLOATS_PER_CONV_CHANNEL = 4
 # bytes a weight as the GGUF methods hold it, in a run whose dtype the tiled GEMV takes (bf16 on
 # AVX-512 BF16, float32 on AVX2) / in a bfloat16 run without it (torch's int4 kernel: codes 4 bits, a
@@ -192,6 +198,14 @@ def packaged(tensors: list[GGUFTensorInfo] | None, half_kept: bool = False) -> b
     linears = [t for t in tensors if t.name.startswith("blk.") and t.dims >= 2 and "ssm_conv1d" not in t.name]
     dense = ("F32",) if half_kept else FLOAT_TYPES
     return not any(t.type_name in dense or "_exps" in t.name for t in linears)
+
+
+def package_worker_bytes(process: int, weights: int, live_states: int, kv_one_sequence: int) -> int:
+    """The peak of a first start's package build beside the engine (engine/startup/package_worker.py): a
+    worker process holding the weights, its live state slots and one max_model_len sequence of KV
+    (package_worker.worker_config), export + AOTInductor's lowering (PACKAGE_BUILD_BYTES), and the C++
+    compiler it runs (PACKAGE_COMPILER_BYTES)."""
+    return process + weights + live_states + kv_one_sequence + PACKAGE_BUILD_BYTES + PACKAGE_COMPILER_BYTES
 
 
 def compile_bytes(max_num_seqs: int, packages: bool = False) -> int:

@@ -306,6 +306,9 @@ class Plan:
     # a CPU engine process's predicted peak resident set and its parts (ember.engine.peak_rss); 0 on CUDA
     peak_rss_bytes: int = 0
     peak_rss_parts: dict | None = None
+    # a first start's package worker (engine/startup/package_worker.py): its own process, its peak; 0 where
+    # the decode graphs are not AOTInductor packages built in one (CUDA, eager, torch.compile's graphs)
+    package_worker_bytes: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -368,6 +371,14 @@ def plan(config: EngineConfig, memory_gib: float | None = None) -> Plan:
         raise ConfigError(f"--max-model-len {sched.max_model_len} exceeds the model's context length {context}")
     want = sched.max_model_len or context
     rss = predict_peak_rss(config, device, src, quant, b, weights, per_token * block_size, state_seq * slots, want)
+    from ember.engine import peak_rss
+
+    worker = 0
+    if rss[1] is not None and rss[1]["compile"] and rss[1]["compile"] < peak_rss.COMPILE_BYTES:  # packages
+        kv_one_sequence = -(-want // block_size) * per_token * block_size
+        worker = peak_rss.package_worker_bytes(
+            rss[1]["process"], rss[1]["weights"], state_seq * max_num_seqs, kv_one_sequence
+        )
     return Plan(
         src.path,
         mc.architecture,
@@ -399,6 +410,7 @@ def plan(config: EngineConfig, memory_gib: float | None = None) -> Plan:
         state_seq,
         slots,
         *rss,
+        worker,
     )
 
 
@@ -523,5 +535,13 @@ def format_plan(p: Plan) -> str:
     if p.peak_rss_parts:
         parts = ", ".join(f"{k} {v / 2**20:,.0f}" for k, v in p.peak_rss_parts.items() if v)
         rows.append(("peak RSS (cpu)", f"{size(p.peak_rss_bytes)} = {parts} MiB"))
+    if p.package_worker_bytes:
+        rows.append(
+            (
+                "package build (cpu)",
+                f"{size(p.package_worker_bytes)} at its peak (a worker and its compiler), a first start's, "
+                "beside the engine",
+            )
+        )
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

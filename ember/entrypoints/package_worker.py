@@ -48,6 +48,12 @@ def main(argv: list[str]) -> None:
     from ember.engine.engine import LLMEngine  # the engine's start-up imports torch: only in the worker
 
     engine = LLMEngine(config, defer_compile=True)
+    from ember.engine.startup.package_worker import GUEST_THREADS
+
+    if os.environ.get(GUEST_THREADS):  # beside a serving engine: export and lowering are single-threaded work
+        import torch
+
+        torch.set_num_threads(int(os.environ[GUEST_THREADS]))
     try:
         if engine.parts.compiler is not None:
             build_packages(engine, jobs)
@@ -59,6 +65,9 @@ def main(argv: list[str]) -> None:
             raise EmberError("the worker's engine compiles nothing (its configuration differs from its parent's)")
     finally:
         engine.shutdown()
+        from ember.engine.startup.package_worker import write_peak_report
+
+        write_peak_report()
 
 
 if __name__ == "__main__":

@@ -11,12 +11,14 @@ from ember.engine.startup.package_worker import worker_config
 
 
 def test_worker_pool_holds_one_long_sequence_and_keeps_the_graph_identity(tmp_path):
-    parent = EngineConfig(model=str(tmp_path), kv_cache_memory=2.0, max_model_len=4096)
-    states = 0.25 * GiB
+    parent = EngineConfig(model=str(tmp_path), kv_cache_memory=2.0, max_model_len=4096, max_num_seqs=4)
+    states = 0.25 * GiB  # 4 live slots and the default 8 snapshots
     pool = KVPool(budget_bytes=2.0 * GiB - states, block_size=16, block_bytes=98304, num_blocks=16384)
     worker = worker_config(parent, "cpu", pool, max_model_len=4096, max_num_seqs=4)
     blocks = 4096 // 16 + 4 + 1
-    assert cpu_kv_budget_bytes(worker) == states + blocks * pool.block_bytes  # the states, then its blocks
+    # the live slots' states, then its blocks; no snapshots
+    assert cpu_kv_budget_bytes(worker) == states * 4 / 12 + blocks * pool.block_bytes
+    assert worker.max_state_snapshots == 0
     assert graph_identity(worker, str(tmp_path)) == graph_identity(parent, str(tmp_path))
     assert worker.max_model_len == parent.max_model_len and worker.max_num_seqs == parent.max_num_seqs
 

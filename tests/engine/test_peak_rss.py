@@ -117,3 +117,24 @@ def test_packaged_graphs_cost_no_inductor_machinery():
     assert not packaged(packed + [info("blk.0.ffn_down_exps.weight", "Q8_0", 3)])
     assert not packaged(None)
     assert compile_bytes(16, packages=True) < 64 << 20 < COMPILE_BYTES < compile_bytes(16)
+
+
+def test_plan_counts_a_first_starts_package_build():
+    """`ember plan` states the package build beside a first start (a worker holding the weights, its live
+    state slots and one max_model_len sequence of KV, then export, lowering and the compiler), and none
+    where no package is built (eager)."""
+    from ember.default_model import default_model_path
+    from ember.engine import peak_rss
+
+    flags = {"model": default_model_path(), "device": "cpu", "max_model_len": 2048, "kv_cache_memory": 0.25}
+    p = plan(EngineConfig(**flags, enable_mtp=False))
+    kv_one_sequence = -(-2048 // p.block_size) * p.block_size * p.kv_bytes_per_token
+    parts = p.peak_rss_parts
+    assert p.package_worker_bytes == (
+        parts["process"]
+        + parts["weights"]
+        + kv_one_sequence
+        + peak_rss.PACKAGE_BUILD_BYTES
+        + peak_rss.PACKAGE_COMPILER_BYTES
+    )
+    assert plan(EngineConfig(**flags, enable_mtp=False, executor="eager")).package_worker_bytes == 0

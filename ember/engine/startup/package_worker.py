@@ -32,6 +32,13 @@ logger = logging.getLogger("ember")
 WORKER_MODULE = "ember.entrypoints.package_worker"
 # set in a worker's environment: its engine builds in-process (a worker never starts workers)
 IN_WORKER = "EMBER_PACKAGE_WORKER"
+# set in a guest's: the torch threads it runs with once its engine has started (its graphs are still
+# built for the engine's thread count, which the executors read at start)
+GUEST_THREADS = "EMBER_PACKAGE_WORKER_THREADS"
+# where a worker writes its own peak RSS (VmHWM, bytes) as it exits: the rusage that wait4 reports
+# counts the forked child's pages from before its exec, which are its parent's (a serving engine's
+# 3.8 GiB was reported as a worker's peak that way)
+PEAK_REPORT = "EMBER_PACKAGE_WORKER_PEAK_FILE"
 STDERR_TAIL = 2000  # characters of a failed worker's stderr that go to the log
 
 
@@ -39,15 +46,31 @@ def in_worker() -> bool:
     return os.environ.get(IN_WORKER) == "1"
 
 
+def write_peak_report() -> None:
+    """In a worker, as it exits: its own VmHWM into the file its parent named (PEAK_REPORT)."""
+    path = os.environ.get(PEAK_REPORT)
+    if not path:
+        return
+    try:
+        with open("/proc/self/status") as f:
+            peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+        with open(path, "w") as f:
+            f.write(str(peak))
+    except (OSError, StopIteration):  # no procfs: the parent falls back to the rusage
+        pass
+
+
 def _worker_env(guest: bool) -> dict:
     """This process's environment, with this ember first on the path (the worker runs the same code
     whatever directory it starts in). A guest (a worker beside an engine that serves) compiles with one
-    inductor compile process, not one a core: a core stays the engine's (issue 53)."""
+    inductor compile process, not one a core, and one torch thread once its engine has started: a core
+    stays the engine's (issue 53)."""
     root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))  # above ember/
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
     env = dict(os.environ, PYTHONPATH=path, **{IN_WORKER: "1"})
     if guest:
         env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+        env[GUEST_THREADS] = "1"
     return env
 
 
@@ -63,9 +86,11 @@ class PackageWorker:
         with os.fdopen(fd, "wb") as f:
             pickle.dump(config, f)
         self._stderr = tempfile.TemporaryFile()
+        fd, self._peak_file = tempfile.mkstemp(prefix="ember-package-worker-", suffix=".peak")
+        os.close(fd)
         self.process = subprocess.Popen(
             [sys.executable, "-m", WORKER_MODULE, str(os.getpid()), self._config_file, *self.jobs],
-            env=_worker_env(guest),
+            env=_worker_env(guest) | {PEAK_REPORT: self._peak_file},
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=self._stderr,
@@ -90,7 +115,11 @@ class PackageWorker:
         except ChildProcessError:  # reaped already (a second wait)
             return self.process.wait()
         self.process.returncode = os.waitstatus_to_exitcode(status)
-        self.peak_rss_bytes = usage.ru_maxrss * 1024  # KiB on Linux
+        try:
+            with open(self._peak_file) as f:
+                self.peak_rss_bytes = int(f.read())
+        except (OSError, ValueError):  # it died before writing: the rusage, an upper bound (PEAK_REPORT)
+            self.peak_rss_bytes = usage.ru_maxrss * 1024  # KiB on Linux
         return self.process.returncode
 
     def cancel(self) -> None:
@@ -108,10 +137,11 @@ class PackageWorker:
 
     def _release(self) -> None:
         self._stderr.close()  # closing twice is harmless
-        try:
-            os.remove(self._config_file)
-        except FileNotFoundError:
-            pass
+        for path in (self._config_file, self._peak_file):
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
 
 
 def job_name(what: str, shape: tuple[int, int]) -> str:
@@ -120,9 +150,11 @@ def job_name(what: str, shape: tuple[int, int]) -> str:
 
 def worker_config(config, device_type: str, pool, max_model_len: int, max_num_seqs: int):
     """The engine a worker starts: its parent's, but with a KV pool of what a build touches (one sequence
-    of max_model_len and a block per batch row), not the parent's serving pool (~2 GiB by default on
-    CPU, which the worker used to hold beside its own copy of the weights). kv_cache_memory changes no
-    traced graph (compile_cache.NOT_IN_GRAPHS), so the packages' identity and paths are the parent's.
+    of max_model_len and a block per batch row) and no prefix-cache state snapshots, not the parent's
+    serving pool (~2 GiB by default on CPU; a hybrid's snapshots, 2 x max_num_seqs slots zero-filled at
+    start, were ~600 MiB of the bf16 hybrid worker's peak). kv_cache_memory and max_state_snapshots
+    change no traced graph (compile_cache.NOT_IN_GRAPHS; the state pool's slot count is a dynamic
+    dimension of a package), so the packages' identity and paths are the parent's.
     pool: the parent's planner.KVPool (its budget_bytes: the budget less the recurrent states)."""
     import dataclasses
 
@@ -132,10 +164,12 @@ def worker_config(config, device_type: str, pool, max_model_len: int, max_num_se
         return config
     budget = cpu_kv_budget_bytes(config)
     blocks = -(-max_model_len // pool.block_size) + max_num_seqs + 1
-    need = (budget - pool.budget_bytes) + blocks * pool.block_bytes  # the states, then the blocks
+    slots = max_num_seqs + config.cache_config.state_snapshots(max_num_seqs)  # the parent's state slots
+    live = (budget - pool.budget_bytes) * max_num_seqs / slots  # their bytes but the snapshots'
+    need = live + blocks * pool.block_bytes  # the states, then the blocks
     if need >= budget:
         return config
-    return dataclasses.replace(config, kv_cache_memory=need / GiB)
+    return dataclasses.replace(config, kv_cache_memory=need / GiB, max_state_snapshots=0)
 
 
 class PackageWorkers:
