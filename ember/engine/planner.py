@@ -366,19 +366,9 @@ def plan(config: EngineConfig, memory_gib: float | None = None) -> Plan:
     slots = max_num_seqs + config.cache_config.state_snapshots(max_num_seqs) if mc.is_hybrid else 0
     block_size = config.block_size
     pool = kv_pool(max(0, budget - state_seq * slots), per_token * block_size, block_size)
-    context = mc.max_position_embeddings
-    if sched.max_model_len is not None and sched.max_model_len > context:
-        raise ConfigError(f"--max-model-len {sched.max_model_len} exceeds the model's context length {context}")
-    want = sched.max_model_len or context
+    context, want = mc.max_position_embeddings, wanted_model_len(sched.max_model_len, mc.max_position_embeddings)
     rss = predict_peak_rss(config, device, src, quant, b, weights, per_token * block_size, state_seq * slots, want)
-    from ember.engine import peak_rss
-
-    worker = 0
-    if rss[1] is not None and rss[1]["compile"] and rss[1]["compile"] < peak_rss.COMPILE_BYTES:  # packages
-        kv_one_sequence = -(-want // block_size) * per_token * block_size
-        worker = peak_rss.package_worker_bytes(
-            rss[1]["process"], rss[1]["weights"], state_seq * max_num_seqs, kv_one_sequence
-        )
+    worker = package_build_bytes(rss[1], state_seq * max_num_seqs, -(-want // block_size) * per_token * block_size)
     return Plan(
         src.path,
         mc.architecture,
@@ -412,6 +402,23 @@ def plan(config: EngineConfig, memory_gib: float | None = None) -> Plan:
         *rss,
         worker,
     )
+
+
+def wanted_model_len(max_model_len: int | None, context: int) -> int:
+    """--max-model-len, or the model's context; refused above the context."""
+    if max_model_len is not None and max_model_len > context:
+        raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's context length {context}")
+    return max_model_len or context
+
+
+def package_build_bytes(rss_parts: dict | None, live_states: int, kv_one_sequence: int) -> int:
+    """A first start's package build beside a CPU engine (peak_rss.package_worker_bytes), where its decode
+    graphs are AOTInductor packages (their compile part is packages', below inductor's machinery); else 0."""
+    from ember.engine import peak_rss
+
+    if rss_parts is None or not 0 < rss_parts["compile"] < peak_rss.COMPILE_BYTES:
+        return 0
+    return peak_rss.package_worker_bytes(rss_parts["process"], rss_parts["weights"], live_states, kv_one_sequence)
 
 
 def cpu_kv_budget_bytes(config: EngineConfig) -> float:
