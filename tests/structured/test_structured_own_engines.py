@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from ember import LLM
-from ember.platform import resolve_dtype_name
+from ember.engine.planner import kv_elem_bytes
+from ember.platform import resolve_dtype_name, resolve_kv_cache_dtype_name
 from tests.structured.schemas import SCHEMAS
 from tests.structured.test_structured_engine import assert_valid, chat, json_params
 
@@ -40,9 +41,10 @@ def test_mtp_speculation_gives_the_answer_of_no_speculation():
 
 def test_preempted_requests_keep_their_grammar_state():
     """A pool too small for the batch: requests are preempted (recomputed) mid-answer and still validate."""
-    # ~35 blocks of 16 tokens, in whichever dtype --dtype auto means on this CPU (bf16, or float32 where
-    # it has no AVX-512 BF16: twice the bytes a token)
-    kv_bytes = torch.finfo(getattr(torch, resolve_dtype_name("auto", "cpu"))).bits // 8
+    # ~35 blocks of 16 tokens, in whichever cache dtype --kv-cache-dtype auto means on this CPU
+    # (resolve_kv_cache_dtype_name: bf16, also where the model runs float32 for want of AVX-512 BF16)
+    dtype_bytes = torch.finfo(getattr(torch, resolve_dtype_name("auto", "cpu"))).bits // 8
+    kv_bytes = kv_elem_bytes(resolve_kv_cache_dtype_name("auto", "auto", "cpu"), dtype_bytes)
     small = LLM(kv_cache_memory=0.006 * kv_bytes, max_model_len=512, max_num_seqs=16, enable_mtp=False)
     assert small.engine.parts.kv.num_blocks >= 32  # one 512-token sequence fits; 16 of them do not
     names = list(SCHEMAS)
