@@ -368,7 +368,8 @@ def plan(config: EngineConfig, memory_gib: float | None = None) -> Plan:
     pool = kv_pool(max(0, budget - state_seq * slots), per_token * block_size, block_size)
     context, want = mc.max_position_embeddings, wanted_model_len(sched.max_model_len, mc.max_position_embeddings)
     rss = predict_peak_rss(config, device, src, quant, b, weights, per_token * block_size, state_seq * slots, want)
-    worker = package_build_bytes(rss[1], state_seq * max_num_seqs, -(-want // block_size) * per_token * block_size)
+    packaged = packaged_graphs(config, src, quant, b)
+    worker = package_build_bytes(rss[1] if packaged else None, state_seq * max_num_seqs, want, per_token, block_size)
     return Plan(
         src.path,
         mc.architecture,
@@ -411,13 +412,28 @@ def wanted_model_len(max_model_len: int | None, context: int) -> int:
     return max_model_len or context
 
 
-def package_build_bytes(rss_parts: dict | None, live_states: int, kv_one_sequence: int) -> int:
-    """A first start's package build beside a CPU engine (peak_rss.package_worker_bytes), where its decode
-    graphs are AOTInductor packages (their compile part is packages', below inductor's machinery); else 0."""
+def packaged_graphs(config: EngineConfig, src, quant: str, dtype_bytes: int) -> bool:
+    """Whether a CPU engine of these flags runs its decode graphs as AOTInductor packages (peak_rss.packaged)."""
     from ember.engine import peak_rss
 
-    if rss_parts is None or not 0 < rss_parts["compile"] < peak_rss.COMPILE_BYTES:
+    half_kept = peak_rss.half_weights_kept(dtype_bytes, config.kernel_config.half_weights)
+    return (
+        config.executor_config.executor in ("auto", "compiled")
+        and quant == "gguf"
+        and peak_rss.packaged(src.gguf_tensors, half_kept)
+    )
+
+
+def package_build_bytes(
+    rss_parts: dict | None, live_states: int, max_model_len: int, kv_per_token: int, block_size: int
+) -> int:
+    """A first start's package build beside a CPU engine (peak_rss.package_worker_bytes: its worker holds
+    one max_model_len sequence of KV blocks); 0 without rss_parts (CUDA, or graphs that are not packages)."""
+    from ember.engine import peak_rss
+
+    if rss_parts is None:
         return 0
+    kv_one_sequence = -(-max_model_len // block_size) * block_size * kv_per_token
     return peak_rss.package_worker_bytes(rss_parts["process"], rss_parts["weights"], live_states, kv_one_sequence)
 
 
@@ -468,12 +484,7 @@ def predict_peak_rss(
         pool.num_blocks * pool.block_bytes,
         state_bytes,
         step,
-        peak_rss.compile_bytes(
-            max_num_seqs,
-            quant == "gguf" and peak_rss.packaged(src.gguf_tensors, peak_rss.half_weights_kept(b, kc.half_weights)),
-        )
-        if compiled
-        else 0,
+        peak_rss.compile_bytes(max_num_seqs, packaged_graphs(config, src, quant, b)) if compiled else 0,
     )
     return rss.total, dict(rss.parts())
 
