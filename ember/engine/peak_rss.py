@@ -45,11 +45,13 @@ COMPILE_BYTES_PER_SIZE = 70 * MiB  # each decode batch size's graph, loaded
 # a loaded package (the Qwen3.5-0.8B-shaped Q8_0 hybrid: 2,143 MiB eager, 2,170 with sizes 1, 2, 4 loaded)
 PACKAGE_BYTES_PER_SIZE = 9 * MiB
 # a package worker beyond the parts an engine holds: export, lowering and its start-up (calibrated: the bf16 hybrid under
-# EMBER_CPU_ISA=avx2, benchmarks/first_start.py, a worker a batch size: 2,414 MiB at its peak)
+# EMBER_CPU_ISA=avx2, benchmarks/first_start.py, a worker a batch size: 2,414 MiB at its peak with its weights
+# resident, 992 MiB once it loaded them for their shapes only, ember.loader.shapes_only)
 PACKAGE_BUILD_BYTES = 290 * MiB
 # its C++ compiler (g++ over inductor's generated step, a process of its own): the sum of its processes'
 # RSS sampled every 0.25 s peaked at 511 MiB for the same build
 PACKAGE_COMPILER_BYTES = 512 * MiB
+COPY_CHUNK_BYTES = 64 * MiB  # ember.loader.gguf.COPY_CHUNK_BYTES: a 16-bit tensor's staging copy
 GDN_PREFILL_FLOATS_PER_CONV_CHANNEL = 4
 # bytes a weight as the GGUF methods hold it, in a run whose dtype the tiled GEMV takes (bf16 on
 # AVX-512 BF16, float32 on AVX2) / in a bfloat16 run without it (torch's int4 kernel: codes 4 bits, a
@@ -200,12 +202,25 @@ def packaged(tensors: list[GGUFTensorInfo] | None, half_kept: bool = False) -> b
     return not any(t.type_name in dense or "_exps" in t.name for t in linears)
 
 
-def package_worker_bytes(process: int, weights: int, live_states: int, kv_one_sequence: int) -> int:
+def package_worker_bytes(process: int, largest_weight: int, live_states: int, kv_one_sequence: int) -> int:
     """The peak of a first start's package build beside the engine (engine/startup/package_worker.py): a
-    worker process holding the weights, its live state slots and one max_model_len sequence of KV
-    (package_worker.worker_config), export + AOTInductor's lowering (PACKAGE_BUILD_BYTES), and the C++
-    compiler it runs (PACKAGE_COMPILER_BYTES)."""
-    return process + weights + live_states + kv_one_sequence + PACKAGE_BUILD_BYTES + PACKAGE_COMPILER_BYTES
+    worker process that loads the weights for their shapes only (ember.loader.shapes_only: one tensor
+    resident at a time, beside a chunk of the file's map), then holds its live state slots and one
+    max_model_len sequence of KV (package_worker.worker_config) through export + AOTInductor's lowering
+    (PACKAGE_BUILD_BYTES) and the C++ compiler it runs (PACKAGE_COMPILER_BYTES)."""
+    load = largest_weight + COPY_CHUNK_BYTES
+    return process + max(load, live_states + kv_one_sequence + PACKAGE_BUILD_BYTES + PACKAGE_COMPILER_BYTES)
+
+
+def gguf_largest_weight_bytes(tensors: list[GGUFTensorInfo], dtype_bytes: int, tied: bool, half_weights: bool) -> int:
+    """The bytes of the largest tensor as held (gguf_weight_bytes' terms)."""
+    kind, half = layout(dtype_bytes), half_weights_kept(dtype_bytes, half_weights)
+    return int(
+        max(
+            (held_bytes(t, dtype_bytes, kind, t.name == "token_embd.weight" and not tied, half) for t in tensors),
+            default=0,
+        )
+    )
 
 
 def compile_bytes(max_num_seqs: int, packages: bool = False) -> int:

@@ -368,8 +368,7 @@ def plan(config: EngineConfig, memory_gib: float | None = None) -> Plan:
     pool = kv_pool(max(0, budget - state_seq * slots), per_token * block_size, block_size)
     context, want = mc.max_position_embeddings, wanted_model_len(sched.max_model_len, mc.max_position_embeddings)
     rss = predict_peak_rss(config, device, src, quant, b, weights, per_token * block_size, state_seq * slots, want)
-    packaged = packaged_graphs(config, src, quant, b)
-    worker = package_build_bytes(rss[1] if packaged else None, state_seq * max_num_seqs, want, per_token, block_size)
+    worker = package_build_bytes(config, src, quant, b, rss[1], state_seq * max_num_seqs, want, per_token * block_size)
     return Plan(
         src.path,
         mc.architecture,
@@ -425,16 +424,27 @@ def packaged_graphs(config: EngineConfig, src, quant: str, dtype_bytes: int) -> 
 
 
 def package_build_bytes(
-    rss_parts: dict | None, live_states: int, max_model_len: int, kv_per_token: int, block_size: int
+    config: EngineConfig,
+    src: Source,
+    quant: str,
+    dtype_bytes: int,
+    rss_parts: dict | None,
+    live_states: int,
+    max_model_len: int,
+    block_bytes: int,
 ) -> int:
-    """A first start's package build beside a CPU engine (peak_rss.package_worker_bytes: its worker holds
-    one max_model_len sequence of KV blocks); 0 without rss_parts (CUDA, or graphs that are not packages)."""
+    """A first start's package build beside a CPU engine (peak_rss.package_worker_bytes: its worker loads
+    the file's largest tensor at a time and holds one max_model_len sequence of KV blocks); 0 without
+    rss_parts (CUDA, or graphs that are not packages, which only GGUF files' are)."""
     from ember.engine import peak_rss
 
-    if rss_parts is None:
+    if rss_parts is None or src.gguf_tensors is None or not packaged_graphs(config, src, quant, dtype_bytes):
         return 0
-    kv_one_sequence = -(-max_model_len // block_size) * block_size * kv_per_token
-    return peak_rss.package_worker_bytes(rss_parts["process"], rss_parts["weights"], live_states, kv_one_sequence)
+    largest = peak_rss.gguf_largest_weight_bytes(
+        src.gguf_tensors, dtype_bytes, src.mc.tie_word_embeddings, config.kernel_config.half_weights
+    )
+    kv_one_sequence = -(-max_model_len // config.block_size) * block_bytes
+    return peak_rss.package_worker_bytes(rss_parts["process"], largest, live_states, kv_one_sequence)
 
 
 def cpu_kv_budget_bytes(config: EngineConfig) -> float:

@@ -52,7 +52,12 @@ def cmd_compile(args: argparse.Namespace) -> None:
         engine.parts.compiler.demand = None  # nothing is served: every size compiles at once
         engine.start_compile()
         engine.wait_for_compile()
-        failures = list(engine.parts.compiler.failures)
+        failures = list(engine.parts.compiler.failures) + [
+            f"{executor.what}: batch {b} x {n} has no package (see the log above)"
+            for executor in engine.parts.compiler.executors
+            for b, n in executor.shapes
+            if (b, n) not in executor.ready
+        ]
         shapes = engine.compiled_shapes
     finally:
         engine.shutdown()

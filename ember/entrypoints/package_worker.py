@@ -39,6 +39,24 @@ def _end_with_parent(parent: int) -> None:
         sys.exit(1)
 
 
+def _release_drafter_pages(engine) -> None:
+    """A drafter's weights (an MTP head, a draft model) are loaded by the speculator after the model; as
+    the model's are (ember.loader.shapes_only), they are given back once loaded: nothing here serves."""
+    import torch
+
+    from ember.engine.startup.weights import builds_packages_only
+    from ember.loader.shapes_only import release_module_pages
+
+    spec = engine.parts.spec
+    if spec is None or not builds_packages_only(engine.parts.config):
+        return
+    for value in vars(spec.proposer).values():
+        if isinstance(value, torch.nn.Module):
+            release_module_pages(value)
+        elif isinstance(getattr(value, "model", None), torch.nn.Module):  # a LoadedModel
+            release_module_pages(value.model)
+
+
 def main(argv: list[str]) -> None:
     parent, config_file, *jobs = argv
     _end_with_parent(int(parent))
@@ -48,6 +66,7 @@ def main(argv: list[str]) -> None:
     from ember.engine.engine import LLMEngine  # the engine's start-up imports torch: only in the worker
 
     engine = LLMEngine(config, defer_compile=True)
+    _release_drafter_pages(engine)
     from ember.engine.startup.package_worker import GUEST_THREADS
 
     if os.environ.get(GUEST_THREADS):  # beside a serving engine: export and lowering are single-threaded work

@@ -64,9 +64,11 @@ def load_model(
     attention_backend: str = "auto",
     quantization: str | None = "auto",
     kernels: CpuKernels | None = None,
+    shapes_only: bool = False,
 ) -> LoadedModel:
     """kernels: the CPU kernels the model's layers may use (default: every one that applies here);
-    the attention backend named is built with them."""
+    the attention backend named is built with them. shapes_only: a package worker's model, built for its
+    graph and never served: each weight's pages are given back once loaded (ember.loader.shapes_only)."""
     from ember.kernels import get_attention_backend
     from ember.loader.tokenizer import Tokenizer
     from ember.models.registry import get_model_class
@@ -95,8 +97,16 @@ def load_model(
             kernels=kernels,
             attn_backend=get_attention_backend(attention_backend, device, kernels),
         )
-    net.load_weights(ckpt.weights)
-    process_weights_after_loading(net)
+    if shapes_only:
+        from ember.loader.shapes_only import ShapesOnlyLoad
+
+        released = ShapesOnlyLoad(net)
+        net.load_weights(released.stream(ckpt.weights))
+        process_weights_after_loading(net, after_each=released.after_hook)
+        released.finish()
+    else:
+        net.load_weights(ckpt.weights)
+        process_weights_after_loading(net)
     net.eval()
     num_params = _logical_parameter_count(net, model_cls, model_config, dtype, quant_config)
     return LoadedModel(

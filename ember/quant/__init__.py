@@ -91,10 +91,13 @@ def _resolve(requested: str | None, path: str, raw_config: dict | None) -> Quant
     return GGUFConfig()
 
 
-def process_weights_after_loading(model) -> None:
-    """Let every quantized layer repack its loaded weights (e.g. into the CPU int4 kernel's layout)."""
+def process_weights_after_loading(model, after_each=None) -> None:
+    """Let every quantized layer repack its loaded weights (e.g. into the CPU int4 kernel's layout);
+    after_each(module), if given, runs after each layer's hook (ember.loader.shapes_only)."""
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         hook = getattr(method, "process_weights_after_loading", None)
         if hook is not None:
             hook(module)
+            if after_each is not None:
+                after_each(module)

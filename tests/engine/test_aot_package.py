@@ -149,9 +149,10 @@ def test_the_source_digest_covers_the_whole_package():
     assert (aot_package.ROOT / "layers" / "linear.py").is_file() and (aot_package.ROOT / "kernels").is_dir()
 
 
-def test_a_package_worker_that_cannot_start_leaves_the_build_to_this_process(tmp_path):
+def test_a_package_worker_that_cannot_start_leaves_its_shapes_eager(tmp_path):
     """A worker is asked for the shapes this machine lacks; when none can start (an engine config that does
-    not pickle, no process to spare), the shapes are built in this process, as before workers."""
+    not pickle, no process to spare), they are still not built in this process (they run eagerly); an
+    engine without workers (a worker's own, `ember compile`'s) builds them itself."""
     from types import SimpleNamespace
 
     from ember.engine.executor.compiled import CompiledExecutor
@@ -180,7 +181,7 @@ def test_a_package_worker_that_cannot_start_leaves_the_build_to_this_process(tmp
     executor.package_workers = Workers(fail=False)
     assert CompiledExecutor._build_in_worker(executor, shapes) == {(2, 1)}  # the built one is not asked for
     executor.package_workers = Workers(fail=True)
-    assert CompiledExecutor._build_in_worker(executor, shapes) == set()  # nothing left to a worker: built here
+    assert CompiledExecutor._build_in_worker(executor, shapes) == {(2, 1)}  # not built here either
     assert asked == [("compiled executor", [(2, 1)])] * 2
     executor.package_workers = None
     assert CompiledExecutor._build_in_worker(executor, shapes) == set()

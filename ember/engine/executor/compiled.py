@@ -8,8 +8,12 @@ Two ways to build a graph, one contract (`ready`: a callable per (size, q_len)):
 - unfrozen (every quantized model, the default one included): an AOTInductor package per shape
   (ember.engine.executor.aot_package), exported once per machine and loaded by later processes in
   milliseconds, bound to the model's own tensors; it is called with no guards at all.
-- frozen (dense weights folded into the graph, which a package would copy) or a shape whose export
-  fails: torch.compile of `_forward`, persisted in torch's own caches (seconds a graph to load).
+- frozen (dense weights folded into the graph, which a package would copy): torch.compile of `_forward`,
+  persisted in torch's own caches (seconds a graph to load).
+A shape whose package could not be built (its export or build failed, or a first start's worker had no
+room: ember.engine.startup.package_worker) runs eagerly, with a log line that names `ember compile`:
+torch.compile in the serving process was once its fallback, and it held the very build (GiBs, minutes of
+the GIL) that package workers keep out of a serving engine.
 
 Shapes: each compile size is one static graph, so a decode batch of B sequences is padded to the
 next size (ember.engine.executor.decode_batch). The block-table width is the one dynamic dimension a step
@@ -247,8 +251,8 @@ class CompiledExecutor:
         self.compiles = 0  # graphs built at startup
         self.compiled_steps = 0  # steps that ran compiled (the rest ran eagerly)
         # Ahead of time (AOTInductor packages, ember.engine.executor.aot_package) unless freezing: a frozen graph
-        # folds the weights in, and a package of it would carry a second copy of them. Frozen graphs, and
-        # a shape whose export fails, go through dynamo (torch.compile) instead.
+        # folds the weights in, and a package of it would carry a second copy of them. Frozen graphs go
+        # through dynamo (torch.compile) instead; a shape whose package fails runs eagerly.
         # A hybrid's recurrent states are objects: a package takes their tensors (package_tensors).
         # A graph that calls ember::moe_experts holds keys to this process's modules (ember.layers.moe_compute),
         # which a package, loaded by later processes, must not.
@@ -391,6 +395,9 @@ class CompiledExecutor:
             torch._dynamo.maybe_mark_dynamic(cache, 1)
         return self._compiled(*_inputs(x), caches, *rows)
 
+    def _eager_call(self, x: DecodeInputs, rows: tuple = (), caches: list[torch.Tensor] | None = None) -> torch.Tensor:
+        return self._forward(*_inputs(x), self.kv_caches if caches is None else caches, *rows)
+
     def _call_direct(
         self, fn: types.FunctionType, x: DecodeInputs, rows: tuple = (), caches: list[torch.Tensor] | None = None
     ) -> torch.Tensor:
@@ -453,14 +460,11 @@ class CompiledExecutor:
         shapes = sorted(s for s in self.shapes if s[0] in sizes)
         if self.ahead_of_time:
             elsewhere = self._build_in_worker(shapes)
-            left = []
-            for shape in shapes:
+            for shape in shapes:  # a shape left without its package runs eagerly (the module docstring)
                 self._check_cancelled()
-                if not self._warmup_package(shape, caches, shape not in elsewhere):
-                    left.append(shape)
-            shapes = left
-        self._check_cancelled()
-        if shapes:
+                self._warmup_package(shape, caches, shape not in elsewhere)
+        else:
+            self._check_cancelled()
             self._warmup_dynamo(shapes, caches, background)
         self._time_calls(dev, caches, sizes)
         # settled only once timed: the engine's thread reads `timed` and then verify_costs (a race
@@ -484,9 +488,9 @@ class CompiledExecutor:
         )
 
     def _build_in_worker(self, shapes: list[tuple[int, int]]) -> set[tuple[int, int]]:
-        """The shapes of `shapes` whose packages a worker process was asked to build (built or not):
-        those this machine lacks, when this executor has package workers and a graph identity (the
-        key a worker's package is found by)."""
+        """The shapes of `shapes` whose packages are a worker process's to build (built or not, or no worker
+        could start): those this machine lacks, when this executor has package workers and a graph
+        identity (the key a worker's package is found by). A serving process never builds one itself."""
         if self.package_workers is None or self.graph_identity is None:
             return set()
         missing = [s for s in shapes if not os.path.exists(self.package_path(s))]
@@ -494,11 +498,14 @@ class CompiledExecutor:
             t0 = time.perf_counter()
             try:
                 ok = self.package_workers.build(self.what, missing)
-            except Exception as e:  # noqa: BLE001 - no worker could start (its config, no process): built here
+            except Exception as e:  # noqa: BLE001 - no worker could start (its config, no process): eager
                 logger.warning(
-                    "%s: no package worker could start (%s: %s); building here", self.what, type(e).__name__, e
+                    "%s: no package worker could start (%s: %s); those shapes run eagerly",
+                    self.what,
+                    type(e).__name__,
+                    e,
                 )
-                return set()
+                return set(missing)
             self._check_cancelled()  # the worker was ended for a closing engine: nothing to report
             logger.info(
                 "%s: a worker process %s the packages of %s in %.1fs",
@@ -512,8 +519,8 @@ class CompiledExecutor:
     def _warmup_package(self, shape: tuple[int, int], caches: list[torch.Tensor], build: bool = True) -> bool:
         """Make `shape` ready from its AOTInductor package: loaded if this machine built it before, else
         exported and compiled now (and kept for later processes) when `build`. False when that fails
-        (dynamo takes the shape instead); a package that fails to load is deleted and built again
-        (here, when `build`)."""
+        (the shape runs eagerly); a package that fails to load is deleted and built again (here, when
+        `build`)."""
         from ember.engine.executor import aot_package
 
         b, n = shape
@@ -554,11 +561,12 @@ class CompiledExecutor:
             out = self._call_package(package, x, rows, caches)  # fails here, not on a request
             if out.shape[0] != b * n:
                 raise EmberError(f"the package returned {out.shape[0]} rows for {b * n} queries")
-        except Exception as e:  # noqa: BLE001 - dynamo compiles the shape instead
+        except Exception as e:  # noqa: BLE001 - the shape runs eagerly
             aot_package.discard(path)
-            self._check_cancelled()  # its compilers were ended for a closing engine: no fallback, no warning
+            self._check_cancelled()  # its compilers were ended for a closing engine: no warning
             logger.warning(
-                "%s: batch %d x %d could not run as an ahead-of-time package (%s: %s); torch.compile builds it instead",
+                "%s: batch %d x %d could not run as an ahead-of-time package (%s: %s); its steps run eagerly "
+                "(`ember compile` with this engine's flags builds it in the foreground)",
                 self.what,
                 b,
                 n,
@@ -678,7 +686,8 @@ class CompiledExecutor:
         times: dict[tuple[int, int], list[float]] = {s: [] for s in inputs}
         for _ in range(rounds):
             for s, (x, rows) in inputs.items():
-                call = self.ready.get(s, self._call)  # a background shape left eager: dynamo's guarded call
+                # a shape without a direct call: dynamo's guarded one, or, with no package, the eager forward
+                call = self.ready.get(s, self._eager_call if self.ahead_of_time else self._call)
                 t0 = time.perf_counter()
                 call(x, rows, caches)
                 times[s].append(time.perf_counter() - t0)

@@ -172,18 +172,33 @@ def worker_config(config, device_type: str, pool, max_model_len: int, max_num_se
     return dataclasses.replace(config, kv_cache_memory=need / GiB, max_state_snapshots=0)
 
 
-class PackageWorkers:
-    """What an engine hands its compiled executors: build(what, shapes) runs one worker to the end."""
+def worker_peak_bytes(worker_cfg, model) -> int:
+    """What a worker of `worker_cfg` (worker_config's) is expected to take at its peak with its compiler
+    (peak_rss.package_worker_bytes, the figure `ember plan` states): its pool, and `model`'s largest
+    tensor, the one its shapes-only load holds at a time (ember.loader.shapes_only)."""
+    from ember.engine import peak_rss
+    from ember.engine.planner import cpu_kv_budget_bytes
+    from ember.loader.shapes_only import tensors_held
 
-    def __init__(self, config):
+    largest = max((t.numel() * t.element_size() for m in model.modules() for t in tensors_held(m)), default=0)
+    return peak_rss.package_worker_bytes(peak_rss.PROCESS_BYTES, largest, 0, int(cpu_kv_budget_bytes(worker_cfg)))
+
+
+class PackageWorkers:
+    """What an engine hands its compiled executors: build(what, shapes) runs one worker to the end, when
+    this machine has the memory it takes (peak_bytes: worker_peak_bytes; 0: not checked)."""
+
+    def __init__(self, config, peak_bytes: int = 0):
         self.config = config
+        self.peak_bytes = peak_bytes
         self.cancelled = False
         self.peak_rss_bytes = 0  # the largest high-water mark of a worker so far (reported in the log too)
         self._running: PackageWorker | None = None
 
     def build(self, what: str, shapes: list[tuple[int, int]]) -> bool:
-        """Run one worker for `shapes` to its end; False when it failed or was cancelled."""
-        if self.cancelled:
+        """Run one worker for `shapes` to its end; False when it failed, was cancelled, or did not start for
+        want of memory (its shapes then run eagerly, and the log says how to build them)."""
+        if self.cancelled or not self._fits(what, shapes):
             return False
         worker = self._running = PackageWorker(self.config, [job_name(what, s) for s in shapes], guest=True)
         if self.cancelled:  # cancel() ran between the check and the start
@@ -196,6 +211,24 @@ class PackageWorkers:
             return ok
         finally:
             self._running = None
+
+    def _fits(self, what: str, shapes: list[tuple[int, int]]) -> bool:
+        """Whether the build's expected peak fits in the memory available now; if not, a warning."""
+        from ember.platform import available_ram_bytes
+
+        available = available_ram_bytes()
+        if not self.peak_bytes or self.peak_bytes <= available:
+            return True
+        logger.warning(
+            "%s: the packages of %s are not built: a package build takes ~%.0f MiB at its peak (a worker and "
+            "its compiler; `ember plan` counts it) and %.0f MiB are available. Their steps run eagerly; "
+            "`ember compile` with this engine's flags builds them when the memory is free, and a restart loads them",
+            what,
+            shapes,
+            self.peak_bytes / 2**20,
+            available / 2**20,
+        )
+        return False
 
     def cancel(self) -> None:
         """End the running worker (its engine is closing) and start no other: no log line, nothing kept."""

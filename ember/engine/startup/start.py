@@ -33,7 +33,7 @@ from ember.engine.scheduler import Scheduler
 from ember.engine.startup.device import DeviceSetup, init_device
 from ember.engine.startup.kv_pool import cuda_kv_budget, kv_pool
 from ember.engine.startup.limits import Limits, resolve_limits
-from ember.engine.startup.package_worker import PackageWorkers, in_worker, worker_config
+from ember.engine.startup.package_worker import PackageWorkers, in_worker, worker_config, worker_peak_bytes
 from ember.engine.startup.weights import WeightCopies, load_weights
 from ember.engine.state_slots import StateSlots
 from ember.loader.model_loader import LoadedModel
@@ -217,6 +217,14 @@ def _graph_pool_bytes(config, setup: DeviceSetup, loaded: LoadedModel, limits: L
     )
 
 
+def _package_workers(config, runner, pool, limits) -> PackageWorkers:
+    """The workers that build this engine's packages, with what one takes at its peak (checked on CPU,
+    where the engine and its workers share the machine's memory)."""
+    worker_cfg = worker_config(config, runner.device.type, pool, limits.max_model_len, limits.max_num_seqs)
+    cpu = runner.device.type == "cpu"
+    return PackageWorkers(worker_cfg, worker_peak_bytes(worker_cfg, runner.model) if cpu else 0)
+
+
 def _graph_max_batch(config, limits: Limits) -> int:
     return min(config.executor_config.cuda_graph_max_batch_size, limits.max_num_seqs)
 
@@ -294,9 +302,7 @@ def _build_executors(
         compiler=compiler,
         graph_identity=graph_identity(config, loaded.path),
         # packages are built by a worker process, so this one never holds a build (package_worker.py)
-        package_workers=None
-        if in_worker()
-        else PackageWorkers(worker_config(config, runner.device.type, pool, limits.max_model_len, limits.max_num_seqs)),
+        package_workers=None if in_worker() else _package_workers(config, runner, pool, limits),
     )
     if spec is not None:  # the workers replay a drafter's forwards eagerly: no graphs of its own under TP
         spec.prepare(runner.executor, runner.executor.sibling if tp is None else lambda *args: None)

@@ -39,14 +39,35 @@ def load_weights(
 ) -> tuple[LoadedModel, WeightCopies]:
     """The model as this rank holds it (call inside parallel_state.sharding under TP), with its copies."""
     load = config.load_config
+    shapes_only = builds_packages_only(config)
     loaded = load_model(
-        load.model, load.tokenizer, setup.dtype, setup.device, setup.attention_backend, quantization, setup.kernels
+        load.model,
+        load.tokenizer,
+        setup.dtype,
+        setup.device,
+        setup.attention_backend,
+        quantization,
+        setup.kernels,
+        shapes_only=shapes_only,
     )
     copies = WeightCopies(int8_decode(config, setup, loaded), dense_copy(config, setup, loaded, tensor_parallel))
+    if shapes_only and (copies.int8_decode_bytes or copies.dense_copy_bytes):  # copies of zeros, given back too
+        from ember.loader.shapes_only import release_module_pages
+
+        release_module_pages(loaded.model)
     if setup.device.type == "cpu":  # the reader's metadata and the loader's staging copies, freed, leave RSS
         gc.collect()
         release_freed_memory()
     return loaded, copies
+
+
+def builds_packages_only(config) -> bool:
+    """Whether this process is a package worker that builds ahead-of-time packages and nothing else: its
+    model is loaded for its shapes only (ember.loader.shapes_only). Not under --executor compiled, whose
+    start compiles every graph in the foreground, frozen ones (weights folded into the code) among them."""
+    from ember.engine.startup.package_worker import in_worker
+
+    return in_worker() and config.executor_config.executor != "compiled"
 
 
 def int8_decode(config, setup: DeviceSetup, loaded: LoadedModel) -> int:
