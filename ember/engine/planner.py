@@ -186,7 +186,25 @@ def weight_bytes(
         return math.ceil(linear_elems * (0.5 + 2.5 / group_size)) + dense * dtype_bytes
     if quantization == "gguf":  # the file's bytes, shared out as the dense elements are
         return math.ceil(gguf_bytes * (linear_elems + dense) / num_parameters(mc, extra_layers))
+    if quantization == "half":  # a folder's 16-bit matrices and embedding kept so (the norms are few)
+        return (linear_elems + dense) * 2
     return (linear_elems + dense) * dtype_bytes
+
+
+def half_weights_held(config: EngineConfig, src, quant: str, device: str, dtype_bytes: int) -> bool:
+    """Whether a dense folder's bf16 / fp16 matrices stay 16-bit in this run (ember.quant.half_weights)."""
+    from ember.engine import peak_rss
+    from ember.quant.half_weights import HALF_DTYPES
+
+    return (
+        quant == "none"
+        and src.kind == "folder"
+        and (config.quantization or "auto") == "auto"
+        and device == "cpu"
+        and config.tensor_parallel_size == 1
+        and src.mc.torch_dtype in HALF_DTYPES
+        and peak_rss.half_weights_kept(dtype_bytes, config.kernel_config.half_weights)
+    )
 
 
 # ---- activations ---------------------------------------------------------------------------
@@ -339,6 +357,7 @@ def plan(config: EngineConfig, memory_gib: float | None = None) -> Plan:
     quant, group = resolve_quantization(src, config.quantization)
     dtype = resolve_dtype_name(config.dtype, device)
     b = DTYPE_BYTES[dtype]
+    quant = "half" if half_weights_held(config, src, quant, device, b) else quant
     spec = config.speculative
     extra, draft = 0, None
     if spec is not None and spec.method == "mtp":
@@ -416,10 +435,8 @@ def packaged_graphs(config: EngineConfig, src, quant: str, dtype_bytes: int) -> 
     from ember.engine import peak_rss
 
     half_kept = peak_rss.half_weights_kept(dtype_bytes, config.kernel_config.half_weights)
-    return (
-        config.executor_config.executor in ("auto", "compiled")
-        and quant == "gguf"
-        and peak_rss.packaged(src.gguf_tensors, half_kept)
+    return config.executor_config.executor in ("auto", "compiled") and (
+        quant == "half" or (quant == "gguf" and peak_rss.packaged(src.gguf_tensors, half_kept))
     )
 
 
@@ -438,11 +455,15 @@ def package_build_bytes(
     rss_parts (CUDA, or graphs that are not packages, which only GGUF files' are)."""
     from ember.engine import peak_rss
 
-    if rss_parts is None or src.gguf_tensors is None or not packaged_graphs(config, src, quant, dtype_bytes):
+    if rss_parts is None or not packaged_graphs(config, src, quant, dtype_bytes):
         return 0
-    largest = peak_rss.gguf_largest_weight_bytes(
-        src.gguf_tensors, dtype_bytes, src.mc.tie_word_embeddings, config.kernel_config.half_weights
-    )
+    if quant == "half":  # the largest 16-bit matrix, the embedding as a rule
+        linears, _ = weight_inventory(src.mc)
+        largest = 2 * max([o * i for o, i in linears] + [src.mc.vocab_size * src.mc.hidden_size])
+    else:
+        largest = peak_rss.gguf_largest_weight_bytes(
+            src.gguf_tensors, dtype_bytes, src.mc.tie_word_embeddings, config.kernel_config.half_weights
+        )
     kv_one_sequence = -(-max_model_len // config.block_size) * block_bytes
     return peak_rss.package_worker_bytes(rss_parts["process"], largest, live_states, kv_one_sequence)
 

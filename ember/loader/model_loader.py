@@ -79,7 +79,7 @@ def load_model(
     if os.path.isfile(path):
         ckpt = _open_gguf(path, quantization, dtype, device, kernels)
     else:
-        ckpt = _open_safetensors(path, quantization, kernels)
+        ckpt = _open_safetensors(path, quantization, dtype, device, kernels)
     tokenizer = ckpt.tokenizer
     if tokenizer_path is not None:
         tokenizer = Tokenizer.from_folder(tokenizer_path)
@@ -178,12 +178,19 @@ def _gguf_quantization(
     return quantization
 
 
-def _open_safetensors(path: str, quantization: str | None, kernels: CpuKernels | None) -> _OpenCheckpoint:
+def _open_safetensors(
+    path: str, quantization: str | None, dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None
+) -> _OpenCheckpoint:
+    from ember.distributed.parallel_state import get_tp_rank_size
     from ember.loader.weights import iter_safetensors
     from ember.quant import resolve_quant_config
+    from ember.quant.half_weights import half_weights_config
 
     model_config = ModelConfig.from_folder(path)
     quant_config = resolve_quant_config(quantization, path, model_config.raw, kernels)
+    if quant_config is None and (quantization or "auto") == "auto":  # bf16 matrices stay 16-bit in float32
+        tp_size = get_tp_rank_size()[1]
+        quant_config = half_weights_config(model_config.torch_dtype, dtype, device, kernels, tp_size)
     return _OpenCheckpoint(model_config, quant_config, None, iter_safetensors(path), "safetensors")
 
 

@@ -320,13 +320,14 @@ def _log_start(parts: EngineParts, pool: planner.KVPool) -> None:
     loaded, limits, setup = parts.loaded, parts.limits, parts.setup
     mc, bs = loaded.model_config, pool.block_size
     logger.info(
-        "ember: %s, %.1fM parameters, %.1f MB weights%s, %s on %s, KV cache %s, %d blocks x %d = %d tokens (%.1f MB)%s, "
+        "ember: %s, %.1fM parameters, %.1f MB weights%s, %s%s on %s, KV cache %s, %d blocks x %d = %d tokens (%.1f MB)%s, "
         "max_model_len %d, %s executor%s, loaded from %s in %.1fs",
         mc.architecture,
         loaded.num_parameters / 1e6,
         loaded.weight_bytes / 1e6,
         parts.copies.note(),
         str(setup.dtype).removeprefix("torch."),
+        _dtype_note(parts),
         setup.device,
         str(limits.kv_dtype).removeprefix("torch."),
         pool.num_blocks,
@@ -340,6 +341,16 @@ def _log_start(parts: EngineParts, pool: planner.KVPool) -> None:
         loaded.path,
         loaded.load_seconds,
     )
+
+
+def _dtype_note(parts: EngineParts) -> str:
+    """Why a CPU run computes in float32 when --dtype was left at auto, and what stays 16-bit anyway."""
+    if parts.config.load_config.dtype != "auto" or parts.setup.device.type != "cpu":
+        return ""
+    if parts.setup.dtype != torch.float32:
+        return ""
+    kept = "; the weights stay as the file holds them" if parts.loaded.quantization in ("half", "gguf") else ""
+    return f" (this CPU has no AVX512-BF16{kept})"
 
 
 def _state_note(parts: EngineParts) -> str:
