@@ -87,7 +87,7 @@ BUILD_AND_SERVE = textwrap.dedent("""
     assert llm.wait_for_compile(timeout=900)
     executor = llm.engine.parts.runner.executor
     before = executor.compiled_steps
-    served = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    served = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]  # batch 1: the package
     print(json.dumps({"eager": eager, "served": served, "packages": executor.package_shapes,
                       "steps": executor.compiled_steps - before, "failures": llm.engine.parts.compiler.failures}))
     llm.close()
@@ -106,7 +106,7 @@ def test_packages_built_from_a_shapes_only_model_serve_the_eager_tokens(tmp_path
     env = dict(
         os.environ, EMBER_AUTO_COMPILE="1", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=os.getcwd()
     )
-    compile_config = {"compile_sizes": [1, 2], "mode": "default", "cpp_wrapper": False, "freezing": False}
+    compile_config = {"compile_sizes": [1], "mode": "default", "cpp_wrapper": False, "freezing": False}
     run = subprocess.run(
         [sys.executable, "-c", BUILD_AND_SERVE, gguf, json.dumps(compile_config)],
         env=env,
@@ -116,6 +116,6 @@ def test_packages_built_from_a_shapes_only_model_serve_the_eager_tokens(tmp_path
     )
     assert run.returncode == 0, run.stderr[-3000:]
     seen = json.loads(run.stdout.strip().splitlines()[-1])
-    assert seen["packages"] == [[1, 1], [2, 1]] and not seen["failures"]
-    assert seen["steps"] > 0  # decode steps ran the worker's packages
+    assert seen["packages"] == [[1, 1]] and not seen["failures"]
+    assert seen["steps"] >= 2 * 11  # every decode step ran the worker's package (one request at a time)
     assert seen["served"] == seen["eager"]
