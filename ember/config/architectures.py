@@ -39,6 +39,8 @@ class Architecture:
     """The default of config.json's attention_bias."""
     qkv_bias_only: bool = False
     """attention_bias puts a bias on q, k and v but none on the output projection (Qwen2)."""
+    hyper_connections: bool = False
+    """Several residual streams mixed before every sublayer in place of its norm (qwen4_exp)."""
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -112,6 +114,27 @@ ARCHITECTURES: dict[str, Architecture] = {
             moe=True,
             all_layers_moe=True,
             norm_topk_prob=True,
+        ),
+        Architecture(
+            "Qwen4ExpForCausalLM",
+            "ember.models.qwen4_exp:Qwen4ExpForCausalLM",
+            hybrid=True,
+            qk_norm=True,
+            moe=True,
+            all_layers_moe=True,
+            norm_topk_prob=True,
+            hyper_connections=True,
+        ),
+        Architecture(
+            "Qwen4ExpForConditionalGeneration",
+            "ember.models.qwen4_exp:Qwen4ExpForConditionalGeneration",
+            hybrid=True,
+            vision_language=True,
+            qk_norm=True,
+            moe=True,
+            all_layers_moe=True,
+            norm_topk_prob=True,
+            hyper_connections=True,
         ),
     )
 }

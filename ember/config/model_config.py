@@ -15,6 +15,50 @@ from ember.config.architectures import ARCHITECTURES, Architecture
 from ember.errors import ModelLoadError
 
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
+# qwen4_exp's attention layers (QSA: full attention over the blocks an indexer selects), as spelled in the
+# release (full_attention), by transformers >= 5.23 (indexed_attention) and by some exports
+INDEXED_ATTENTION_SPELLINGS = ("indexed_attention", "qwen_sparse_attention")
+
+
+@dataclass(frozen=True)
+class PLEConfig:
+    """qwen4_exp's per-layer n-gram embedding (ember.layers.ple): hashed 2..ngram_size-gram rows of a large
+    table, gated per hyper-connection stream, then a dilated depthwise conv (its dilation is ngram_size)."""
+
+    layers: tuple[int, ...]  # 0-based (config.json's ple_layer_ids are 1-based)
+    embed_dim: int
+    conv_kernel: int
+    ngram_size: int
+    heads_per_ngram: int
+    vocab_size_base: int
+    vocab_divisible_by: int
+    seed: int
+    eos_token_id: int  # the n-gram context restarts after it (the first of a list, as transformers reads it)
+
+    @property
+    def num_heads(self) -> int:
+        return (self.ngram_size - 1) * self.heads_per_ngram
+
+    @property
+    def conv_window(self) -> int:
+        """Columns of the conv's input a sequence carries between steps: (K - 1) x dilation."""
+        return (self.conv_kernel - 1) * self.ngram_size
+
+
+@dataclass(frozen=True)
+class IndexerConfig:
+    """qwen4_exp's QSA indexer (ember.layers.qsa): scores mean-pooled blocks of compress_ratio keys and keeps
+    the top budget / compress_ratio blocks plus the incomplete tail; dense below budget + ratio tokens."""
+
+    num_heads: int
+    head_dim: int
+    budget: int
+    compress_ratio: int
+
+    @property
+    def dense_below(self) -> int:
+        """Visible tokens up to which the selection keeps every token (budget + ratio - 1)."""
+        return self.budget + self.compress_ratio - 1
 
 
 @dataclass
@@ -66,6 +110,13 @@ class ModelConfig:
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
     shared_expert_intermediate_size: int = 0
+    # qwen4_exp: hyper-connections (hc_count residual streams, ember.layers.hyper_connection), the GDN
+    # output gate's activation, the per-layer n-gram embedding and the QSA indexer
+    hc_count: int = 0
+    hc_lowrank: int = 0
+    output_gate_type: str = "silu"
+    ple: PLEConfig | None = None
+    indexer: IndexerConfig | None = None
     torch_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -106,7 +157,13 @@ class ModelConfig:
         n = self.num_layers - self.num_kv_layers
         conv = self.linear_conv_dim // tp * (self.linear_conv_kernel_dim - 1) * conv_elem_bytes
         ssm = self.linear_num_value_heads // tp * self.linear_key_head_dim * self.linear_value_head_dim * 4
-        return n * (conv + ssm)
+        ple = 0
+        if self.ple is not None:  # its conv window over the streams and the last ngram_size - 1 ids (int64)
+            width = self.hc_count * self.hidden_size
+            ple = len(self.ple.layers) * (
+                self.ple.conv_window * width * conv_elem_bytes + (self.ple.ngram_size - 1) * 8
+            )
+        return n * (conv + ssm) + ple
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         if self.traits.all_layers_moe:
@@ -206,6 +263,8 @@ def _hybrid_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         interval = int(cfg.get("full_attention_interval", 4))
         types = [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(n)]
     types = list(types)
+    if ARCHITECTURES[arch].hyper_connections:
+        types = [FULL_ATTENTION if t in INDEXED_ATTENTION_SPELLINGS else t for t in types]
     bad = sorted(set(types) - {FULL_ATTENTION, LINEAR_ATTENTION})
     if len(types) != n or bad:
         raise ModelLoadError(
@@ -238,7 +297,60 @@ def _hybrid_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         )
     if f["linear_conv_kernel_dim"] < 2:
         raise ModelLoadError(f"{arch}: linear_conv_kernel_dim must be at least 2")
+    if ARCHITECTURES[arch].hyper_connections:
+        f.update(_qwen4_fields(arch, cfg, types))
     return f
+
+
+def _qwen4_fields(arch: str, cfg: dict[str, Any], types: list[str]) -> dict[str, Any]:
+    """qwen4_exp's keys, checked against the invariants its layers rely on (transformers'
+    validate_architecture), each refusal naming the key."""
+    hidden, n = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"])
+    hc, lowrank = int(cfg.get("hc_count", 4)), int(cfg.get("hc_lowrank", 0) or 0)
+    if hc < 2 or lowrank < 1:
+        raise ModelLoadError(f"{arch}: hc_count must be at least 2 and hc_lowrank at least 1 (got {hc}, {lowrank})")
+    gate = cfg.get("output_gate_type") or cfg.get("hidden_act", "silu")
+    if gate not in ("sigmoid", "silu"):
+        raise ModelLoadError(f"{arch}: output_gate_type {gate!r} is not one of sigmoid, silu")
+    eos = cfg.get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    ple = None
+    ids = [int(i) for i in cfg.get("ple_layer_ids") or []]
+    if ids:
+        if eos is None:
+            raise ModelLoadError(f"{arch}: PLE restarts its n-grams after eos_token_id, which the config lacks")
+        bad = [i for i in ids if not 1 <= i <= n or types[i - 1] != LINEAR_ATTENTION]
+        if bad:
+            raise ModelLoadError(f"{arch}: ple_layer_ids {bad} (1-based) must name linear-attention layers of the {n}")
+        ple = PLEConfig(
+            layers=tuple(i - 1 for i in ids),
+            embed_dim=int(cfg.get("ple_embed_dim") or hidden),
+            conv_kernel=int(cfg.get("ple_conv_kernel_size", 4)),
+            ngram_size=int(cfg.get("ngram_size", 3)),
+            heads_per_ngram=int(cfg.get("heads_per_ngram", 8)),
+            vocab_size_base=int(cfg.get("ngram_vocab_size_base", 20_000_000)),
+            vocab_divisible_by=int(cfg.get("make_ngram_vocab_size_divisible_by", 128)),
+            seed=int(cfg.get("seed", 1234)),
+            eos_token_id=int(eos),
+        )
+        if ple.ngram_size < 2 or ple.embed_dim % ple.num_heads:
+            raise ModelLoadError(
+                f"{arch}: ple_embed_dim {ple.embed_dim} must divide into (ngram_size - 1) x heads_per_ngram "
+                f"= {ple.num_heads} heads, and ngram_size must be at least 2"
+            )
+    keys = ("indexer_n_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
+    indexer = None
+    if any(cfg.get(k) for k in keys):
+        missing = [k for k in keys if not cfg.get(k)]
+        if missing:
+            raise ModelLoadError(f"{arch}: the QSA indexer needs {', '.join(missing)} in the config")
+        indexer = IndexerConfig(*(int(cfg[k]) for k in keys))
+        if int(cfg.get("indexer_kv_heads", 1)) != 1 or indexer.budget % indexer.compress_ratio:
+            raise ModelLoadError(
+                f"{arch}: the QSA indexer needs indexer_kv_heads 1 and indexer_budget a multiple of "
+                f"indexer_compress_ratio (got {cfg.get('indexer_kv_heads')}, {indexer.budget}, {indexer.compress_ratio})"
+            )
+    return dict(hc_count=hc, hc_lowrank=lowrank, output_gate_type=gate, ple=ple, indexer=indexer)
 
 
 def _parse_rope(cfg: dict[str, Any]) -> RopeConfig:

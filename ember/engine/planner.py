@@ -69,9 +69,11 @@ def kv_heads_per_device(mc: ModelConfig, tp: int = 1) -> int:
 
 
 def kv_bytes_per_token(mc: ModelConfig, elem_bytes: int, tp: int = 1, num_mtp_layers: int = 0) -> int:
-    """num_mtp_layers: the MTP layers speculation adds (each one more KV layer)."""
+    """num_mtp_layers: the MTP layers speculation adds (each one more KV layer). A QSA model's attention
+    layers also keep each token's raw indexer key, paged with its K/V (ember.layers.qsa)."""
     layers = mc.num_kv_layers + num_mtp_layers
-    return 2 * layers * kv_heads_per_device(mc, tp) * mc.head_dim * elem_bytes
+    indexer = layers * mc.indexer.head_dim * elem_bytes if mc.indexer is not None else 0
+    return 2 * layers * kv_heads_per_device(mc, tp) * mc.head_dim * elem_bytes + indexer
 
 
 @dataclass

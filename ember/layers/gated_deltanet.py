@@ -88,15 +88,17 @@ class GatedDeltaNet(nn.Module):
         )
         self.A_log = nn.Parameter(torch.empty(self.nv, dtype=dtype, device=device), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(self.nv, dtype=dtype, device=device), requires_grad=False)
-        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps, dtype, device, kernels=kernels)
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps, dtype, device, kernels, cfg.output_gate_type)
         self.out_proj = RowParallelLinear(
             value_dim, cfg.hidden_size, dtype=dtype, device=device, quant_method=method("out_proj")
         )
 
     def make_state(self, num_slots: int, device) -> RecurrentState:
-        return RecurrentState(
-            num_slots, self.conv_dim, self.kernel, self.nv, self.dk, self.dv, self.conv_weight.dtype, device
-        )
+        return RecurrentState(num_slots, *self.state_args(device))
+
+    def state_args(self, device) -> tuple:
+        """RecurrentState's arguments after num_slots (a PLE layer's state extends it: ember.layers.ple)."""
+        return self.conv_dim, self.kernel, self.nv, self.dk, self.dv, self.conv_weight.dtype, device
 
     # ---- forward -------------------------------------------------------------------------
 

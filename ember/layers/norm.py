@@ -82,8 +82,9 @@ class ZeroCenteredRMSNorm(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """The Gated DeltaNet output norm, per value head: w * rms(o) (cast to o's dtype first) * silu(z),
-    the gate in float32. Its weight is stored as is (not zero-centred)."""
+    """The Gated DeltaNet output norm, per value head: w * rms(o) (cast to o's dtype first) * act(z),
+    the gate in float32; act is SiLU (Qwen3-Next, Qwen3.5) or sigmoid (qwen4_exp's output_gate_type). Its
+    weight is stored as is (not zero-centred)."""
 
     def __init__(
         self,
@@ -92,15 +93,18 @@ class GatedRMSNorm(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         kernels: CpuKernels | None = None,
+        activation: str = "silu",
     ):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
-        self.fused = (kernels or CpuKernels()).fused_elementwise  # as RMSNorm's
+        self.activation = {"silu": torch.nn.functional.silu, "sigmoid": torch.sigmoid}[activation]
+        # as RMSNorm's; the C++ kernel gates with SiLU only
+        self.fused = (kernels or CpuKernels()).fused_elementwise and activation == "silu"
 
     def forward(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """o, z [T, H, D] -> [T, H, D]."""
         if self.fused and self.weight.dtype == o.dtype and fused.applies_gated(o, z, self.weight):
             return fused.gated_rms_norm(o, z, self.weight, self.eps).view(o.shape)  # one pass, the same roundings
         h = torch.rms_norm(o.float(), (o.shape[-1],), eps=self.eps).to(o.dtype)
-        return (self.weight * h * torch.nn.functional.silu(z.float())).to(o.dtype)
+        return (self.weight * h * self.activation(z.float())).to(o.dtype)

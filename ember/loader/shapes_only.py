@@ -17,8 +17,9 @@ back (madvise MADV_DONTNEED) as soon as the load is done writing it:
 The tensors then read as zeros (anonymous pages) or as their file's bytes (a map's pages), and a read
 maps the kernel's shared zero page, not new memory: the worker's check-run of a package costs nothing
 either. So the load computes on zeros, which is only sound because no value decides a graph's structure:
-a quant method packs by type and shape, never by value (tests/engine/test_package_worker_weights.py
-checks that a package built from such a model serves the same tokens as the eager engine). Graphs that
+a quant method packs by type and shape, never by value (tests/engine/test_compile_cache.py checks that a
+package a guest worker built from such a model serves the eager engine's tokens;
+tests/engine/test_package_worker_weights.py that the model is built the same). Graphs that
 fold the weights into their code (freezing) are never built from such a model
 (ember.engine.startup.weights.builds_packages_only).
 """

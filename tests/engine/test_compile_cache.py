@@ -33,14 +33,18 @@ LATER_START = textwrap.dedent("""
     def built_here(*args, **kwargs):  # a missing package is built by a worker process, never by a serving one
         raise AssertionError("a package was built in the serving process")
     aot_package.build = built_here
-    llm = LLM(model=sys.argv[1], executor="auto", max_num_seqs=int(sys.argv[3]),
+    llm = LLM(model=sys.argv[1], executor="auto", max_num_seqs=int(sys.argv[3]), dtype="float32",
               compilation_config=json.loads(sys.argv[2]))
     at_start = llm.engine.compiled_shapes  # before any step: loaded while the engine was built
     assert llm.wait_for_compile(timeout=600)
-    llm.generate(["hello"], SamplingParams(max_tokens=4, ignore_eos=True))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = ["hello there", "the capital of France is"]
+    served = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]  # batch 2: the worker's package
+    eager = LLM(model=sys.argv[1], executor="eager", max_num_seqs=2, dtype="float32")  # bf16 greedy: near-ties differ
+    same = served == [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
     engine = llm.engine
     executor = engine.parts.runner.executor
-    print(json.dumps({"at_start": at_start, "inductor": dict(counters["inductor"]), "aot": dict(counters["aot_autograd"]),
+    print(json.dumps({"same_as_eager": same, "at_start": at_start, "inductor": dict(counters["inductor"]), "aot": dict(counters["aot_autograd"]),
                       "shapes": engine.compiled_shapes, "steps": executor.compiled_steps,
                       "packages": executor.package_shapes,
                       "failures": engine.parts.compiler.failures, "cache": executor.cache_dir,
@@ -110,6 +114,8 @@ def test_ember_compile_fills_the_cache_that_a_later_process_loads(tiny_model_dir
             model,
             "--max-num-seqs",
             "1",
+            "--dtype",
+            "float32",
             "--compilation-config",
             cc,
         ],
@@ -142,6 +148,9 @@ def test_ember_compile_fills_the_cache_that_a_later_process_loads(tiny_model_dir
         assert seen["shapes"] == 1 and seen["at_start"] == 1  # the size built before, loaded before serving
     else:
         assert seen["packages"] == [[1, 1], [2, 1]]  # batch 2 too, and this process's build() raises
+        # batch 2's package came from a guest worker whose model was loaded for its shapes only
+        # (ember.loader.shapes_only: its weights read zeros): on this model's weights it serves the eager tokens
+        assert seen["same_as_eager"]
         assert 100 * 2**20 < seen["worker_peak_rss"] < 8 * 2**30  # the build's memory, measured and reported
         assert not seen["inductor"] and not seen["aot"]  # nothing traced or compiled in this process
         assert seen["shapes"] == 2 and seen["at_start"] == 1  # batch 1 loaded before serving

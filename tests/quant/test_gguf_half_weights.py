@@ -57,13 +57,19 @@ def test_bf16_file_stays_16_bit_and_agrees_with_its_float32_widening(bf16_file):
     held = parts(half.engine.parts.runner.model)
     assert held and all(isinstance(p, HalfPart) and p.w.dtype == torch.bfloat16 for p in held)
     assert all(isinstance(p, DensePart) and p.w.dtype == torch.float32 for p in parts(wide.engine.parts.runner.model))
-    prompts = [{"prompt_token_ids": [(t * 37) % 150000 for t in range(1, n)]} for n in (5, 20, 33)]
+    assert_same_answers(half, wide, [[(t * 37) % 150000 for t in range(1, n)] for n in (5, 20, 33)])
+
+
+def assert_same_answers(a_llm, b_llm, prompts: list[list[int]], tol: float = 1e-4) -> None:
+    """Both engines give the same 12 greedy tokens and first-token top-5 logprobs within tol (float32 sums
+    in another order) for every prompt, batched."""
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
-    for a, b in zip(*(m.generate(prompts, params, use_tqdm=False) for m in (half, wide))):
+    prompts = [{"prompt_token_ids": p} for p in prompts]
+    for a, b in zip(*(m.generate(prompts, params, use_tqdm=False) for m in (a_llm, b_llm))):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         la, lb = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
         assert la.keys() == lb.keys()
-        assert max(abs(la[t].logprob - lb[t].logprob) for t in lb) < 1e-4  # float32 sums in another order
+        assert max(abs(la[t].logprob - lb[t].logprob) for t in lb) < tol
 
 
 def test_plan_counts_the_matrices_at_two_bytes(bf16_file):

@@ -59,6 +59,8 @@ def hybrid_blocker(loaded: LoadedModel, device: torch.device) -> str | None:
     mc = loaded.model_config
     if not mc.is_hybrid:
         return None
+    if mc.hc_count:
+        return "its PLE and QSA layers have no graph form yet (per-sequence work in the step)"
     if any(device.type not in m.fused_ops for m in loaded.model.modules() if isinstance(m, GatedDeltaNet)):
         return (
             "its Gated DeltaNet layers run in torch ops here (--no-cpu-gated-delta-net, or the fused kernels "

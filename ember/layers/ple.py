@@ -1,0 +1,306 @@
+"""PLE, qwen4_exp's per-layer n-gram embedding: hashed 2..N-gram rows of a large table added to every
+hyper-connection stream of one Gated DeltaNet layer (../shared/research/qwen4exp.md, section 4).
+
+Hashing (exactly transformers' Qwen4ExpTextNGramEmbedding): each token t has a context c_0 = its own id,
+c_s = the token s back, where walking back from t - 1 the first EOS and everything before it, and
+anything before the sequence, read as EOS (t's own EOS does not cut; `<|im_end|>` is not EOS). For each
+n in 2..N, mix_n = XOR_{i<n} c_i * m_i in int64 (the multipliers m_i are odd and below 2^63 / vocab, so
+no product overflows), and head g of that n reads row offset_g + mix_n mod size_g, size_g a prime. The
+(N - 1) x heads_per_ngram rows, concatenated, are the token's embedding e.
+
+The layer (X: the layer's [T, n*H] residual before its mixer):
+    k = norm_k(key_proj(e)) [n, H],  v = value_proj(e) [H],  q = norm_q(X) [n, H]
+    g_s = <k_s, q_s> / sqrt(H);  g_s = sign(g_s) sqrt(max(|g_s|, 1e-6));  u_s = sigmoid(g_s) v
+    c = SiLU(causal depthwise conv of norm_c(u), kernel K, dilation N)
+    X += u + c
+Its per-sequence state (PLEState): the conv's last (K - 1) N input columns and the last N - 1 token ids,
+carried across chunks, snapshotted with the Gated DeltaNet state, kept per token on a verify.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ember.config.model_config import PLEConfig
+from ember.kernels.metadata import AttentionMetadata
+from ember.layers.hyper_connection import GroupedZeroCenteredRMSNorm
+from ember.layers.linear import ReplicatedLinear
+from ember.layers.recurrent_state import RecurrentState
+
+_MASK64 = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15
+
+
+def _splitmix64(z: int) -> int:
+    z = (z + _GAMMA) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & _MASK64
+
+
+def layer_multipliers(vocab_size: int, ngram_size: int, ple_index: int, seed: int) -> list[int]:
+    """m_i = 2 (splitmix64(seed + 10007 ple_index + gamma (i + 1)) mod h) + 1, h = ((2^63 - 1) // vocab) // 2."""
+    half = max(1, ((1 << 63) - 1) // max(vocab_size, 1) // 2)
+    base = seed + 10007 * ple_index
+    return [2 * (_splitmix64((base + _GAMMA * (i + 1)) & _MASK64) % half) + 1 for i in range(ngram_size)]
+
+
+def _is_prime(n: int) -> bool:
+    if n < 2 or n % 2 == 0:
+        return n == 2
+    return all(n % d for d in range(3, math.isqrt(n) + 1, 2))
+
+
+def head_sizes(base: int, num_heads: int, ple_index: int) -> list[int]:
+    """Head g of PLE layer ple_index has the (ple_index * num_heads + g + 1)-th prime at or above base."""
+    sizes, p = [], base - 1
+    while len(sizes) < (ple_index + 1) * num_heads:
+        p += 1
+        while not _is_prime(p):
+            p += 1
+        sizes.append(p)
+    return sizes[ple_index * num_heads :]
+
+
+class NGramHash:
+    """Token ids -> table rows, with the EOS restart (the module docstring)."""
+
+    def __init__(self, cfg: PLEConfig, vocab_size: int, ple_index: int):
+        self.ngram_size, self.heads_per_ngram, self.eos = cfg.ngram_size, cfg.heads_per_ngram, cfg.eos_token_id
+        self.multipliers = layer_multipliers(vocab_size, cfg.ngram_size, ple_index, cfg.seed)
+        self.sizes = head_sizes(cfg.vocab_size_base, cfg.num_heads, ple_index)
+        self.offsets = [sum(self.sizes[:g]) for g in range(len(self.sizes))]
+        total = sum(self.sizes)
+        self.num_rows = -(-total // cfg.vocab_divisible_by) * cfg.vocab_divisible_by
+
+    def contexts(self, history: torch.Tensor) -> list[torch.Tensor]:
+        """history [N - 1 + L] int64 (the carried ids, then the chunk's) -> c_0..c_{N-1}, each [L]."""
+        L = history.shape[0] - (self.ngram_size - 1)
+        own = history[self.ngram_size - 1 :]
+        out, cut = [own], torch.zeros(L, dtype=torch.bool, device=history.device)
+        for s in range(1, self.ngram_size):
+            prev = history[self.ngram_size - 1 - s : self.ngram_size - 1 - s + L]
+            out.append(torch.where(cut, torch.full_like(prev, self.eos), prev))
+            cut = cut | (prev == self.eos)  # an EOS s back cuts everything further back
+        return out
+
+    def rows(self, history: torch.Tensor) -> torch.Tensor:
+        """history as in contexts() -> rows [L, (N - 1) * heads_per_ngram] of the table."""
+        ctx = self.contexts(history)
+        dev, heads = history.device, []
+        for n in range(2, self.ngram_size + 1):
+            mix = ctx[0] * self.multipliers[0]
+            for i in range(1, n):
+                mix = torch.bitwise_xor(mix, ctx[i] * self.multipliers[i])
+            g = slice((n - 2) * self.heads_per_ngram, (n - 1) * self.heads_per_ngram)
+            sizes = torch.tensor(self.sizes[g], dtype=torch.int64, device=dev)
+            offsets = torch.tensor(self.offsets[g], dtype=torch.int64, device=dev)
+            heads.append(torch.remainder(mix[:, None], sizes) + offsets)
+        return torch.cat(heads, dim=1)
+
+
+class NGramTable:
+    """The table's rows, read by row only: held as the checkpoint's row shards (equal runs of rows, in
+    order), never concatenated. gather(rows) -> [*rows.shape, dim] in `dtype`."""
+
+    def __init__(self, num_rows: int, dim: int):
+        self.num_rows, self.dim = num_rows, dim
+        self.shards: list[torch.Tensor] = []
+
+    def add_shard(self, index: int, tensor: torch.Tensor, parts: int) -> None:
+        if len(self.shards) < parts:
+            self.shards += [None] * (parts - len(self.shards))
+        self.shards[index] = tensor
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.shards) and all(s is not None for s in self.shards)
+
+    def gather(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        flat = rows.reshape(-1)
+        per = self.shards[0].shape[0]
+        out = torch.empty(flat.shape[0], self.dim, dtype=dtype, device=flat.device)
+        shard = torch.div(flat, per, rounding_mode="floor")
+        for i in torch.unique(shard).tolist():
+            at = (shard == i).nonzero().squeeze(1)
+            out[at] = self.shards[i][flat[at] - i * per].to(dtype)
+        return out.view(*rows.shape, self.dim)
+
+
+class PLEState(RecurrentState):
+    """A Gated DeltaNet layer's state (RecurrentState) plus its PLE's: per slot the conv's last
+    (K - 1) N input columns [window, n*H] (model dtype) and the last N - 1 token ids (int64)."""
+
+    def __init__(self, num_slots: int, window: int, width: int, context: int, *args, **kwargs):
+        super().__init__(num_slots, *args, **kwargs)
+        self.ple_window = torch.zeros(num_slots, window, width, dtype=self.conv.dtype, device=self.conv.device)
+        self.ple_ids = torch.zeros(num_slots, context, dtype=torch.int64, device=self.conv.device)
+        self._ple_pending: list[tuple[int, torch.Tensor, torch.Tensor, list[tuple[int, int]]]] = []
+
+    @property
+    def nbytes(self) -> int:
+        return super().nbytes + self.ple_window.nbytes + self.ple_ids.nbytes
+
+    def keep_ple_verify(self, slot: int, columns: torch.Tensor, history: torch.Tensor, snapshots) -> None:
+        """A verify's PLE inputs: columns [window + L, n*H] (the carried window, then its L tokens') and
+        history [N - 1 + L] ids; commit keeps the state after the accepted tokens."""
+        self._ple_pending.append((slot, columns, history, list(snapshots)))
+
+    def write_ple(self, slot: int, columns: torch.Tensor, history: torch.Tensor, t: int) -> None:
+        """The PLE state after t of the tokens whose inputs columns / history carry (see keep_ple_verify)."""
+        self.ple_window[slot] = columns[t : t + self.ple_window.shape[1]]
+        self.ple_ids[slot] = history[t : t + self.ple_ids.shape[1]]
+
+    def commit(self, accepted: dict[int, int]) -> None:
+        for slot, columns, history, snapshots in self._ple_pending:
+            kept = accepted[slot] + 1
+            for t, snap in snapshots:
+                if t <= kept:
+                    self.write_ple(snap, columns, history, t)
+            self.write_ple(slot, columns, history, kept)
+        self._ple_pending.clear()
+        super().commit(accepted)
+
+    def copy(self, src: int, dst: int) -> None:
+        super().copy(src, dst)
+        self.ple_window[dst] = self.ple_window[src]
+        self.ple_ids[dst] = self.ple_ids[src]
+
+
+class PLELayer(nn.Module):
+    def __init__(
+        self, cfg: PLEConfig, vocab_size: int, hidden: int, count: int, eps: float, ple_index: int, dtype, device
+    ):
+        super().__init__()
+        self.cfg, self.hidden, self.count = cfg, hidden, count
+        width = hidden * count
+        self.hash = NGramHash(cfg, vocab_size, ple_index)
+        self.table = NGramTable(self.hash.num_rows, cfg.embed_dim // cfg.num_heads)
+        self.key_proj = ReplicatedLinear(cfg.embed_dim, width, dtype=dtype, device=device)
+        self.value_proj = ReplicatedLinear(cfg.embed_dim, hidden, dtype=dtype, device=device)
+        norm = lambda: GroupedZeroCenteredRMSNorm(width, hidden, eps, dtype, device)  # noqa: E731
+        self.norm_key, self.norm_query, self.norm_conv = norm(), norm(), norm()
+        self.conv_weight = nn.Parameter(
+            torch.zeros(width, cfg.conv_kernel, dtype=dtype, device=device), requires_grad=False
+        )
+        self._pending_shards: dict[int, torch.Tensor] = {}  # the table's row shards as they load
+
+    def make_state(self, gdn_args: tuple, num_slots: int) -> PLEState:
+        """The state of the Gated DeltaNet layer this PLE sits on (gdn_args: its RecurrentState's arguments
+        after num_slots), with the PLE's."""
+        return PLEState(num_slots, self.cfg.conv_window, self.hidden * self.count, self.cfg.ngram_size - 1, *gdn_args)
+
+    def forward(self, X: torch.Tensor, input_ids: torch.Tensor, state: PLEState, meta: AttentionMetadata):
+        """X [T, n*H] -> what the layer adds to it, [T, n*H]."""
+        C = self.cfg.ngram_size - 1
+        rec, out, s = meta.recurrent, torch.empty_like(X), 0
+        for n, slot, has, d, snaps in zip(meta.query_lens_cpu, rec.slots, rec.has_state, rec.num_drafts, rec.snapshots):
+            if n == 0:
+                continue
+            rows = slice(s, s + n)
+            ids0 = state.ple_ids[slot] if has else input_ids.new_full((C,), self.cfg.eos_token_id)
+            window0 = state.ple_window[slot] if has else X.new_zeros(state.ple_window.shape[1:])
+            history = torch.cat([ids0.to(torch.int64), input_ids[rows].to(torch.int64)])
+            u = self._gated_value(X[rows], history)
+            columns = torch.cat([window0, self.norm_conv(u)])
+            out[rows] = u + self._conv(columns, n)
+            if d > 0:  # a verify: the state after each token, for the commit to pick
+                state.keep_ple_verify(slot, columns, history, snaps)
+            else:
+                for t, snap in [*snaps, (n, slot)]:
+                    state.write_ple(snap, columns, history, t)
+            s += n
+        return out
+
+    def _gated_value(self, X: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
+        """u [L, n*H] for one sequence's rows X [L, n*H] and its ids history [N - 1 + L]."""
+        e = self.table.gather(self.hash.rows(history), X.dtype).flatten(1)  # [L, embed_dim]
+        k = self.norm_key(self.key_proj(e)).unflatten(-1, (self.count, self.hidden))
+        q = self.norm_query(X).unflatten(-1, (self.count, self.hidden))
+        g = (k * q).sum(-1, keepdim=True) / math.sqrt(self.hidden)
+        g = g.abs().clamp_min(1e-6).sqrt() * g.sign()
+        return (torch.sigmoid(g) * self.value_proj(e).unsqueeze(-2)).flatten(-2)
+
+    def _conv(self, columns: torch.Tensor, L: int) -> torch.Tensor:
+        """SiLU of the causal depthwise conv (dilation N) at the last L of columns [window + L, n*H]."""
+        x = columns.t().unsqueeze(0)  # [1, n*H, window + L]
+        w = self.conv_weight.unsqueeze(1)  # [n*H, 1, K]
+        y = F.conv1d(x, w, groups=w.shape[0], dilation=self.cfg.ngram_size)  # [1, n*H, L]
+        return F.silu(y[0].t())
+
+    # ---- weights -------------------------------------------------------------------------
+
+    def load_weight(self, name: str, tensor: torch.Tensor, shard=None):
+        """A checkpoint tensor named relative to the PLE ("key_proj.weight", "conv1d.weight",
+        "ple_embedding.ngram_embedding.shard_3.weight", ...) -> (our name, shard) as the model's loader wants."""
+        from ember.errors import ModelLoadError
+        from ember.layers.linear import copy_checked
+
+        if name.startswith("ple_embedding.ngram_embedding."):
+            rest = name.removeprefix("ple_embedding.ngram_embedding.")
+            index = 0 if rest == "weight" else int(rest.split(".")[0].removeprefix("shard_"))
+            self._add_table_shard(index, tensor)
+            return "table", None
+        if name.startswith("ple_embedding."):  # its int64 buffers (multipliers, sizes, offsets): checked, not kept
+            self._check_constant(name.removeprefix("ple_embedding."), tensor)
+            return name, None
+        if name == "conv1d.weight":
+            copy_checked(self.conv_weight, tensor.reshape(tensor.shape[0], -1), "ple.conv1d.weight")
+            return "conv_weight", None
+        module, _, suffix = name.partition(".")
+        target = getattr(self, module, None)
+        if isinstance(target, ReplicatedLinear):
+            target.load_weight(suffix, tensor)
+            return name, None
+        if isinstance(target, GroupedZeroCenteredRMSNorm) and suffix == "weight":
+            copy_checked(target.weight, tensor, f"ple.{name}")
+            return name, None
+        raise ModelLoadError(f"unexpected PLE weight ple.{name}")
+
+    def _add_table_shard(self, index: int, tensor: torch.Tensor) -> None:
+        from ember.errors import ModelLoadError
+
+        if tensor.shape[-1] != self.table.dim:
+            raise ModelLoadError(
+                f"ple n-gram table shard {index}: rows of {tensor.shape[-1]}, the config needs {self.table.dim}"
+            )
+        self._pending_shards[index] = tensor
+
+    def finish_table(self, parts: int) -> None:
+        """Once every tensor is in: the shards in order, checked against the hash's row count."""
+        from ember.errors import ModelLoadError
+
+        got = self._pending_shards
+        missing = sorted(set(range(parts)) - set(got))
+        if missing:
+            raise ModelLoadError(
+                f"the checkpoint lacks PLE n-gram table shards {missing[:8]} of {parts} "
+                "(ple_embedding.ngram_embedding.shard_N.weight); download every shard"
+            )
+        rows = sum(t.shape[0] for t in got.values())
+        if rows != self.hash.num_rows or len({t.shape[0] for t in got.values()}) != 1:
+            raise ModelLoadError(
+                f"the PLE n-gram table has {rows} rows in {parts} shards; the config's hash needs "
+                f"{self.hash.num_rows} in equal shards"
+            )
+        for i in range(parts):
+            self.table.add_shard(i, got[i], parts)
+        self._pending_shards = {}
+
+    def _check_constant(self, name: str, tensor: torch.Tensor) -> None:
+        from ember.errors import ModelLoadError
+
+        ours = {
+            "layer_multipliers": self.hash.multipliers,
+            "ngram_heads_vocab_sizes": self.hash.sizes,
+            "ngram_heads_offsets": self.hash.offsets,
+        }.get(name)
+        if ours is not None and tensor.to(torch.int64).tolist() != ours:
+            raise ModelLoadError(
+                f"the checkpoint's ple_embedding.{name} {tensor.tolist()[:4]}... differs from what its config "
+                f"derives {ours[:4]}...; the config (seed, ngram sizes, vocab) does not belong to these weights"
+            )

@@ -1,0 +1,154 @@
+"""qwen4_exp (ember.models.qwen4_exp) against transformers' reference on a tiny random model: greedy tokens
+identical and first-token logprobs within 1e-4, short prompts (QSA exactly dense) and 200-token ones (QSA
+drops blocks: asserted), with EOS inside the prompt (PLE's n-gram restart), chunked prefill that cuts the
+PLE conv window and QSA blocks, batching, and prefix-cache hits; plus the PLE hash against the release's
+published constants."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ember import LLM, SamplingParams
+from tests.models.tiny_models import hf_greedy, one_thread  # noqa: F401
+from tests.models.tiny_qwen4 import build_qwen4, prompt, save_qwen4
+
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.engine]
+GEN = 10
+PROMPTS = [
+    prompt(40, 1),
+    prompt(200, 2, eos_at=(20, 21, 77, 130)),
+    prompt(131, 3, eos_at=(0, 1, 4)),
+    prompt(9, 4),
+    prompt(50, 5, eos_at=(48,)),  # the last token's trigram reads EOS, not the token before it
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    hf = build_qwen4()
+    path = save_qwen4(hf, str(tmp_path_factory.mktemp("qwen4")))
+    return hf, path, [hf_greedy(hf, p, GEN) for p in PROMPTS]
+
+
+def llm(path, **kw):
+    args = dict(dtype="float32", executor="eager", max_model_len=512, kv_cache_memory=0.05, max_num_seqs=4)
+    return LLM(path, **(args | kw))
+
+
+def first_logprobs(hf, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.log_softmax(hf(torch.tensor([ids])).logits[0, -1].float(), -1)
+
+
+@pytest.mark.parametrize("chunk", [512, 37, 7])
+def test_greedy_tokens_and_logprobs_equal_transformers(tiny, chunk):
+    hf, path, refs = tiny
+    engine = llm(path, max_num_batched_tokens=chunk)
+    params = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True, logprobs=5)
+    for p, ref in zip(PROMPTS, refs):  # one at a time: the later ones find the earlier ones' prefixes
+        out = engine.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == ref, (len(p), chunk)
+        theirs = first_logprobs(hf, p)
+        assert max(abs(lp.logprob - theirs[t].item()) for t, lp in out.logprobs[0].items()) < 1e-4
+    batched = engine.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in batched] == refs
+
+
+def test_long_prompts_are_sparse(tiny):
+    """The 200-token prompt's last queries keep 16 of their 50 blocks (and the tail): QSA selected, and the
+    tokens above matched the reference through it."""
+    hf, path, _ = tiny
+    engine = llm(path)
+    attn = next(layer.self_attn for layer in engine.engine.parts.runner.model.model.layers if not layer.is_linear)
+    seen = []
+    select = attn.indexer.select
+
+    def spy(q, raw, first, cos_sin):
+        mask = select(q, raw, first, cos_sin)
+        seen.append((raw.shape[0], mask[-1].sum().item()))
+        return mask
+
+    attn.indexer.select = spy
+    engine.generate([{"prompt_token_ids": PROMPTS[1]}], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+    N, kept = seen[0]
+    assert N == 200 and kept == 16 * 4  # 200 = 50 whole blocks: the last query keeps its top 16 blocks
+    assert attn.indexer.cfg.dense_below == 67
+
+
+def test_ngram_hash_has_the_release_constants():
+    """The release (vocab 248320, seed 1234, N 3, 8 heads a gram, base 20M): the multipliers and head sizes
+    ../shared/research/qwen4exp.md derived and the checkpoint's int64 buffers hold."""
+    from ember.config.model_config import PLEConfig
+    from ember.layers.ple import NGramHash
+
+    cfg = PLEConfig((1,), 2560, 4, 3, 8, 20_000_000, 128, 1234, 248044)
+    h = NGramHash(cfg, 248320, 0)
+    assert h.multipliers == [23703573157769, 20109073645365, 8052911324071]
+    assert h.sizes[:4] == [20000003, 20000023, 20000033, 20000047] and h.sizes[-1] == 20000171
+    assert h.num_rows == 320_001_536
+
+
+def test_ngram_rows_are_transformers_rows():
+    """Each row id as transformers' n-gram embedding computes it (its table's row i holds i), EOS restarts
+    inside the ids, and from a carried context of ids."""
+    import transformers
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextNGramEmbedding
+
+    from ember.config.model_config import ModelConfig
+    from tests.models.tiny_qwen4 import CONFIG
+
+    ref = Qwen4ExpTextNGramEmbedding(transformers.Qwen4ExpTextConfig(**CONFIG), 64, layer_idx=2)
+    with torch.no_grad():
+        ref.ngram_embedding.weight.copy_(torch.arange(ref.ngram_embedding.weight.shape[0])[:, None].float())
+    from ember.layers.ple import NGramHash
+
+    ours = NGramHash(ModelConfig.from_dict(CONFIG | {"architectures": ["Qwen4ExpForCausalLM"]}).ple, 512, 0)
+    ids = torch.tensor(prompt(60, 9, eos_at=(0, 5, 6, 30, 59)))
+    with torch.no_grad():
+        theirs = ref(ids[None], None).view(60, -1, ref.ngram_embedding.weight.shape[1])[..., 0].long()
+    assert torch.equal(ours.rows(torch.cat([torch.full((2,), 1), ids])), theirs)
+
+
+def test_ngram_rows_chunked_equal_whole():
+    """The carried ids (the last N - 1) make any cut give the rows of the whole, EOS resets included."""
+    from ember.config.model_config import PLEConfig
+    from ember.layers.ple import NGramHash
+
+    h = NGramHash(PLEConfig((2,), 64, 4, 3, 2, 1000, 128, 1234, 1), 512, 0)
+    ids = torch.tensor(prompt(50, 7, eos_at=(3, 10, 11, 30)))
+    start = torch.full((2,), 1)
+    whole = h.rows(torch.cat([start, ids]))
+    for cut in (1, 2, 3, 11, 12, 31):
+        a = h.rows(torch.cat([start, ids[:cut]]))
+        b = h.rows(torch.cat([torch.cat([start, ids])[cut : cut + 2], ids[cut:]]))
+        assert torch.equal(torch.cat([a, b]), whole), cut
+
+
+def test_config_reads_the_spellings_in_the_wild_and_names_what_breaks_it():
+    import copy
+
+    from ember.config.model_config import FULL_ATTENTION, ModelConfig
+    from ember.errors import ModelLoadError
+    from tests.models.tiny_qwen4 import CONFIG
+
+    def cfg(**changes):
+        raw = copy.deepcopy(CONFIG) | {"architectures": ["Qwen4ExpForCausalLM"]} | changes
+        return ModelConfig.from_dict(raw)
+
+    for spelling in ("full_attention", "indexed_attention", "qwen_sparse_attention"):
+        mc = cfg(layer_types=["linear_attention", spelling, "linear_attention", spelling])
+        assert mc.layer_types[1] == FULL_ATTENTION and mc.num_kv_layers == 2
+    mc = cfg(eos_token_id=[7, 1])
+    assert mc.ple.layers == (2,) and mc.ple.eos_token_id == 7 and mc.output_gate_type == "sigmoid"
+    assert mc.indexer.dense_below == 67 and mc.hc_count == 4
+    with pytest.raises(ModelLoadError, match="ple_layer_ids"):
+        cfg(ple_layer_ids=[2])  # 1-based: layer 1 is an attention layer
+    with pytest.raises(ModelLoadError, match="indexer_head_dim"):
+        cfg(indexer_head_dim=None)
+    with pytest.raises(ModelLoadError, match="eos_token_id"):
+        cfg(eos_token_id=None)
+    vl = ModelConfig.from_dict(
+        {"architectures": ["Qwen4ExpForConditionalGeneration"], "text_config": copy.deepcopy(CONFIG)}
+    )
+    assert vl.hc_count == 4 and vl.traits.vision_language
