@@ -76,6 +76,20 @@ def test_long_prompts_are_sparse(tiny):
     assert attn.indexer.cfg.dense_below == 67
 
 
+def test_the_vision_language_layout_serves_its_text_model(tmp_path):
+    """Qwen4ExpForConditionalGeneration as released: text weights under model.language_model.*, a vision
+    tower beside them, config under text_config; ember serves the text model, the tower left unloaded."""
+    from tests.models.tiny_qwen4 import build_qwen4_vl
+
+    hf = build_qwen4_vl()
+    path = save_qwen4(hf, str(tmp_path / "vl"))
+    engine = llm(path)
+    assert engine.engine.parts.loaded.model_config.architecture == "Qwen4ExpForConditionalGeneration"
+    p = prompt(80, 3, eos_at=(40,))
+    out = engine.generate([{"prompt_token_ids": p}], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == hf_greedy(hf, p, 8)
+
+
 def test_ngram_hash_has_the_release_constants():
     """The release (vocab 248320, seed 1234, N 3, 8 heads a gram, base 20M): the multipliers and head sizes
     ../shared/research/qwen4exp.md derived and the checkpoint's int64 buffers hold."""

@@ -77,6 +77,25 @@ def build_qwen4(seed: int = 0, **overrides):
     return model
 
 
+def build_qwen4_vl(seed: int = 0):
+    """The released layout: Qwen4ExpForConditionalGeneration, the text model under model.language_model.*,
+    a one-block vision tower beside it (served as text: the tower is skipped at load)."""
+    import transformers
+
+    vision = dict(
+        depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64, num_position_embeddings=64
+    )
+    cfg = transformers.Qwen4ExpConfig(text_config=copy.deepcopy(CONFIG), vision_config=vision)
+    torch.manual_seed(seed)
+    model = transformers.Qwen4ExpForConditionalGeneration(cfg).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 or "conv" in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    return model
+
+
 def save_qwen4(model, path: str) -> str:
     from tests.conftest import write_tiny_tokenizer
 
