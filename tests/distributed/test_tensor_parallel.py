@@ -292,3 +292,19 @@ def test_hybrid_gated_deltanet_shards_by_key_head_group(tmp_path):
     # 23 tokens: the hit ends at the end of the prompt less one
     assert again.num_cached_tokens == 22 and again.outputs[0].token_ids == ref[1].token_ids
     tp.engine.shutdown()
+
+
+def test_qwen4_exp_over_two_ranks_equals_tp1(tmp_path):
+    """qwen4_exp (hyper-connections and PLE replicated on each rank, attention, indexer and Gated DeltaNet
+    split as Qwen3.5's): a 120-token prompt (QSA sparse past 67 tokens, an EOS inside) beside a short one,
+    7-token chunks."""
+    from tests.models.tiny_qwen4 import build_qwen4, prompt, save_qwen4
+
+    path = save_qwen4(build_qwen4(), str(tmp_path / "qwen4"))
+    prompts = [{"prompt_token_ids": p} for p in (prompt(110, 1, eos_at=(30,)), prompt(20, 2))]
+    ref = [o.outputs[0] for o in make_llm(path, **HARD).generate(prompts, GREEDY, use_tqdm=False)]
+    llm = tp_llm(path, **HARD)
+    try:
+        assert_same([o.outputs[0] for o in llm.generate(prompts, GREEDY, use_tqdm=False)], ref)
+    finally:
+        llm.engine.shutdown()
