@@ -166,3 +166,37 @@ def test_config_reads_the_spellings_in_the_wild_and_names_what_breaks_it():
         {"architectures": ["Qwen4ExpForConditionalGeneration"], "text_config": copy.deepcopy(CONFIG)}
     )
     assert vl.hc_count == 4 and vl.traits.vision_language
+
+
+def test_a_verify_keeps_the_ple_state_of_its_accepted_tokens():
+    """A verify's PLE state (conv window and ids) after a accepted drafts equals a prefill's after the same
+    tokens, and its rows equal the rows of one prefill of them all (PLEState.keep_ple_verify, commit)."""
+    from types import SimpleNamespace
+
+    from ember.config.model_config import ModelConfig
+    from ember.layers.ple import PLELayer
+    from tests.models.tiny_qwen4 import CONFIG
+
+    cfg = ModelConfig.from_dict(CONFIG | {"architectures": ["Qwen4ExpForCausalLM"]}).ple
+    torch.manual_seed(0)
+    layer = PLELayer(cfg, 512, 64, 4, 1e-6, 0, torch.float32, "cpu")
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape) * 0.5)
+    layer.table.add_shard(0, torch.randn(layer.hash.num_rows, layer.table.dim), 1)
+    state = layer.make_state((8, 4, 1, 2, 2, torch.float32, "cpu"), 3)
+    X, ids = torch.randn(9, 256), torch.tensor(prompt(9, 5, eos_at=(3,)))
+
+    def step(rows: slice, slot: int, has: bool, drafts: int = 0):
+        n = rows.stop - rows.start
+        rec = SimpleNamespace(slots=[slot], has_state=[has], num_drafts=[drafts], snapshots=[[]])
+        return layer(X[rows], ids[rows], state, SimpleNamespace(query_lens_cpu=[n], recurrent=rec))
+
+    whole = step(slice(0, 9), 2, False)
+    step(slice(0, 5), 0, False)
+    verify = step(slice(5, 9), 0, True, drafts=3)  # the last sampled token and 3 drafts
+    assert torch.allclose(verify, whole[5:], atol=1e-5)
+    state.commit({0: 1})  # one draft accepted: the state after tokens 0..6
+    step(slice(0, 7), 1, False)
+    assert torch.equal(state.ple_ids[0], state.ple_ids[1]) and state.ple_ids[0].tolist() == ids[5:7].tolist()
+    assert torch.allclose(state.ple_window[0], state.ple_window[1], atol=1e-6)
