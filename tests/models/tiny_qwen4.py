@@ -66,15 +66,7 @@ def build_qwen4(seed: int = 0, **overrides):
 
     cfg = transformers.Qwen4ExpTextConfig(**(copy.deepcopy(CONFIG) | overrides))
     torch.manual_seed(seed)
-    model = transformers.Qwen4ExpForCausalLM(cfg).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1 or "conv" in name:
-                p.add_(torch.randn(p.shape, generator=g) * 0.3)
-            if "ngram_embedding" in name:  # rows of unit scale: PLE moves the logits as much as a layer does
-                p.copy_(torch.randn(p.shape, generator=g))
-    return model
+    return _perturbed(transformers.Qwen4ExpForCausalLM(cfg).eval(), seed)
 
 
 def build_qwen4_vl(seed: int = 0):
@@ -87,12 +79,18 @@ def build_qwen4_vl(seed: int = 0):
     )
     cfg = transformers.Qwen4ExpConfig(text_config=copy.deepcopy(CONFIG), vision_config=vision)
     torch.manual_seed(seed)
-    model = transformers.Qwen4ExpForConditionalGeneration(cfg).eval()
+    return _perturbed(transformers.Qwen4ExpForConditionalGeneration(cfg).eval(), seed)
+
+
+def _perturbed(model, seed: int):
+    """Every norm weight, bias and conv moved off its init; the n-gram rows at unit scale (the docstring)."""
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1 or "conv" in name:
                 p.add_(torch.randn(p.shape, generator=g) * 0.3)
+            if "ngram_embedding" in name:  # rows of unit scale: PLE moves the logits as much as a layer does
+                p.copy_(torch.randn(p.shape, generator=g))
     return model
 
 
