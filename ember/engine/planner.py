@@ -165,6 +165,33 @@ def weight_inventory(mc: ModelConfig, tp: int = 1, extra_layers: int = 0) -> tup
             linears.append((H, 2 * H))
             dense += 2 * H
     dense += vocab * H * (1 if mc.tie_word_embeddings else 2) + H
+    if mc.hc_count:
+        more, more_dense = hyper_inventory(mc)
+        linears, dense = linears + more, dense + more_dense
+    return linears, dense
+
+
+def hyper_inventory(mc: ModelConfig) -> tuple[list[tuple[int, int]], int]:
+    """qwen4_exp's weights beyond Qwen3.5-MoE's (replicated on every rank today): two hyper-connection mixers a
+    layer and the final one (in place of the norms, 2H a layer + H, counted above), each attention layer's
+    indexer, and each PLE layer's projections, norms, conv and n-gram table (resident while it is loaded
+    whole; ember.layers.ple)."""
+    from ember.layers.ple import NGramHash
+
+    H, n, L = mc.hidden_size, mc.hc_count, mc.hc_lowrank
+    mixers = 2 * mc.num_layers + 1
+    linears = [(L, n * H), (n * H, L)] * mixers + [(n, n * H)] * (2 * mc.num_layers)
+    dense = mixers * n * H - (2 * mc.num_layers + 1) * H
+    if mc.indexer is not None:
+        d = mc.indexer.head_dim
+        linears += [((mc.indexer.num_heads + 1) * d, H)] * mc.num_kv_layers
+        dense += 2 * d * mc.num_kv_layers
+    if mc.ple is not None:
+        for index, _ in enumerate(mc.ple.layers):
+            E = mc.ple.embed_dim
+            linears += [(n * H, E), (H, E)]
+            dense += 3 * n * H + n * H * mc.ple.conv_kernel
+            dense += NGramHash(mc.ple, mc.vocab_size, index).num_rows * (E // mc.ple.num_heads)
     return linears, dense
 
 

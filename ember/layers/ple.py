@@ -189,6 +189,10 @@ class PLELayer(nn.Module):
         )
         self._pending_shards: dict[int, torch.Tensor] = {}  # the table's row shards as they load
 
+    def held_weights(self) -> list[torch.Tensor]:
+        """The n-gram table's shards: weights held outside the parameters (model_loader.resident_weight_bytes)."""
+        return [t for t in self.table.shards if t is not None]
+
     def make_state(self, gdn_args: tuple, num_slots: int) -> PLEState:
         """The state of the Gated DeltaNet layer this PLE sits on (gdn_args: its RecurrentState's arguments
         after num_slots), with the PLE's."""

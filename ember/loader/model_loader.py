@@ -216,7 +216,9 @@ def resident_weight_bytes(net: torch.nn.Module) -> int:
     """Bytes the weights occupy in memory: parameters and persistent-or-not buffers (packed int4,
     scales), each storage counted once. The rotary cos/sin table is not a weight."""
     seen, total = set(), 0
-    for name, t in list(net.named_parameters()) + list(net.named_buffers()):
+    # and tensors a module holds outside its parameters (a PLE's n-gram table shards: ember.layers.ple)
+    held = [("", t) for m in net.modules() for t in getattr(m, "held_weights", lambda: [])()]
+    for name, t in list(net.named_parameters()) + list(net.named_buffers()) + held:
         if name.endswith(("cos_sin_cache", "inv_freq")) or t.numel() == 0:
             continue
         key = (t.untyped_storage().data_ptr(), t.storage_offset())

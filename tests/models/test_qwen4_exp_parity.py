@@ -200,3 +200,14 @@ def test_a_verify_keeps_the_ple_state_of_its_accepted_tokens():
     step(slice(0, 7), 1, False)
     assert torch.equal(state.ple_ids[0], state.ple_ids[1]) and state.ple_ids[0].tolist() == ids[5:7].tolist()
     assert torch.allclose(state.ple_window[0], state.ple_window[1], atol=1e-6)
+
+
+def test_plan_counts_the_weights_the_loader_holds(tiny):
+    """ember plan's weights for qwen4_exp (mixers, indexers, PLE and its table) against the loaded model's."""
+    from ember.config import EngineConfig
+    from ember.engine.planner import plan
+
+    _, path, _ = tiny
+    planned = plan(EngineConfig(model=path, device="cpu", dtype="float32", max_model_len=512, kv_cache_memory=0.05))
+    loaded = llm(path).engine.parts.loaded.weight_bytes
+    assert abs(planned.weight_bytes - loaded) <= 0.01 * loaded, (planned.weight_bytes, loaded)
