@@ -26,9 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.config.model_config import PLEConfig
+from ember.errors import ModelLoadError
 from ember.kernels.metadata import AttentionMetadata
 from ember.layers.hyper_connection import GroupedZeroCenteredRMSNorm
-from ember.layers.linear import ReplicatedLinear
+from ember.layers.linear import ReplicatedLinear, copy_checked
 from ember.layers.recurrent_state import RecurrentState
 
 _MASK64 = (1 << 64) - 1
@@ -76,6 +77,12 @@ class NGramHash:
         self.offsets = [sum(self.sizes[:g]) for g in range(len(self.sizes))]
         total = sum(self.sizes)
         self.num_rows = -(-total // cfg.vocab_divisible_by) * cfg.vocab_divisible_by
+        # each n's heads as [1, heads] int64, built once (rows() runs every step)
+        per = [
+            slice((n - 2) * self.heads_per_ngram, (n - 1) * self.heads_per_ngram) for n in range(2, self.ngram_size + 1)
+        ]
+        self._head_sizes = [torch.tensor(self.sizes[g], dtype=torch.int64)[None] for g in per]
+        self._head_offsets = [torch.tensor(self.offsets[g], dtype=torch.int64)[None] for g in per]
 
     def contexts(self, history: torch.Tensor) -> list[torch.Tensor]:
         """history [N - 1 + L] int64 (the carried ids, then the chunk's) -> c_0..c_{N-1}, each [L]."""
@@ -90,16 +97,12 @@ class NGramHash:
 
     def rows(self, history: torch.Tensor) -> torch.Tensor:
         """history as in contexts() -> rows [L, (N - 1) * heads_per_ngram] of the table."""
-        ctx = self.contexts(history)
-        dev, heads = history.device, []
-        for n in range(2, self.ngram_size + 1):
+        ctx, heads, dev = self.contexts(history), [], history.device
+        for n, sizes, offsets in zip(range(2, self.ngram_size + 1), self._head_sizes, self._head_offsets):
             mix = ctx[0] * self.multipliers[0]
             for i in range(1, n):
                 mix = torch.bitwise_xor(mix, ctx[i] * self.multipliers[i])
-            g = slice((n - 2) * self.heads_per_ngram, (n - 1) * self.heads_per_ngram)
-            sizes = torch.tensor(self.sizes[g], dtype=torch.int64, device=dev)
-            offsets = torch.tensor(self.offsets[g], dtype=torch.int64, device=dev)
-            heads.append(torch.remainder(mix[:, None], sizes) + offsets)
+            heads.append(torch.remainder(mix[:, None], sizes.to(dev)) + offsets.to(dev))
         return torch.cat(heads, dim=1)
 
 
@@ -241,9 +244,6 @@ class PLELayer(nn.Module):
     def load_weight(self, name: str, tensor: torch.Tensor, shard=None):
         """A checkpoint tensor named relative to the PLE ("key_proj.weight", "conv1d.weight",
         "ple_embedding.ngram_embedding.shard_3.weight", ...) -> (our name, shard) as the model's loader wants."""
-        from ember.errors import ModelLoadError
-        from ember.layers.linear import copy_checked
-
         if name.startswith("ple_embedding.ngram_embedding."):
             rest = name.removeprefix("ple_embedding.ngram_embedding.")
             index = 0 if rest == "weight" else int(rest.split(".")[0].removeprefix("shard_"))
@@ -266,8 +266,6 @@ class PLELayer(nn.Module):
         raise ModelLoadError(f"unexpected PLE weight ple.{name}")
 
     def _add_table_shard(self, index: int, tensor: torch.Tensor) -> None:
-        from ember.errors import ModelLoadError
-
         if tensor.shape[-1] != self.table.dim:
             raise ModelLoadError(
                 f"ple n-gram table shard {index}: rows of {tensor.shape[-1]}, the config needs {self.table.dim}"
@@ -276,8 +274,6 @@ class PLELayer(nn.Module):
 
     def finish_table(self, parts: int) -> None:
         """Once every tensor is in: the shards in order, checked against the hash's row count."""
-        from ember.errors import ModelLoadError
-
         got = self._pending_shards
         missing = sorted(set(range(parts)) - set(got))
         if missing:
@@ -296,8 +292,6 @@ class PLELayer(nn.Module):
         self._pending_shards = {}
 
     def _check_constant(self, name: str, tensor: torch.Tensor) -> None:
-        from ember.errors import ModelLoadError
-
         ours = {
             "layer_multipliers": self.hash.multipliers,
             "ngram_heads_vocab_sizes": self.hash.sizes,

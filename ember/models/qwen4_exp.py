@@ -15,14 +15,15 @@ The vision-language checkpoint serves its text model; its MTP layer is not loade
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 from ember.config.model_config import LINEAR_ATTENTION, ModelConfig
-from ember.errors import ModelLoadError
 from ember.kernels.cpu_kernels import CpuKernels
 from ember.kernels.metadata import AttentionMetadata, RowSelection
-from ember.layers.attention import is_fp8, write_kv_cache
+from ember.layers.attention import write_kv_cache
 from ember.layers.embedding import VocabEmbedding
 from ember.layers.gated_deltanet import GatedDeltaNet
 from ember.layers.hyper_connection import HyperConnection
@@ -72,12 +73,7 @@ class QSAGatedAttention(GatedAttention):
 
     def _sparse(self, q, k, v, index_q, kv_cache, meta: AttentionMetadata, sequence_cos_sin) -> torch.Tensor:
         """Each sequence's queries over the tokens their selection keeps (ember.layers.qsa)."""
-        attn = self.attn
-        scales = (attn.k_scale, attn.v_scale) if is_fp8(kv_cache.dtype) else None
-        if scales is not None:
-            raise ModelLoadError(
-                "qwen4_exp's sparse attention does not read an fp8 KV cache yet; use --kv-cache-dtype auto"
-            )
+        attn = self.attn  # never an fp8 cache: refused at start (engine.startup.limits)
         write_kv_cache(k, v, kv_cache, meta.slot_mapping, meta.all_slots_valid)
         keys = kv_cache[0].reshape(-1, *kv_cache.shape[-2:])
         values = kv_cache[1].reshape(-1, *kv_cache.shape[-2:])
@@ -150,6 +146,7 @@ class Qwen4ExpModel(nn.Module):
         cos, sin = self.rotary.get_cos_sin(positions)
         cos_sin = (cos.to(h.dtype), sin.to(h.dtype))
 
+        @functools.cache  # once a step, whichever attention layer asks first
         def sequence_cos_sin(n: int):  # text: a token's position is its index in the sequence
             c, s = self.rotary.get_cos_sin(torch.arange(n, device=h.device))
             return c.to(h.dtype), s.to(h.dtype)

@@ -211,3 +211,10 @@ def test_plan_counts_the_weights_the_loader_holds(tiny):
     planned = plan(EngineConfig(model=path, device="cpu", dtype="float32", max_model_len=512, kv_cache_memory=0.05))
     loaded = llm(path).engine.parts.loaded.weight_bytes
     assert abs(planned.weight_bytes - loaded) <= 0.01 * loaded, (planned.weight_bytes, loaded)
+
+
+def test_an_fp8_kv_cache_is_refused_at_start(tiny):
+    from ember.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--kv-cache-dtype fp8"):
+        llm(tiny[1], kv_cache_dtype="fp8")

@@ -45,6 +45,11 @@ def resolve_limits(config: EngineConfig, setup: DeviceSetup, loaded: LoadedModel
         logger.info("chunked prefill is off: prompts longer than %d tokens will be refused", budget)
     kv_name = resolve_kv_cache_dtype_name(config.cache_config.kv_cache_dtype, config.dtype, setup.device.type)
     kv_dtype = resolve_kv_cache_dtype(kv_name, setup.dtype, setup.device)
+    if loaded.model_config.indexer is not None and kv_dtype.itemsize == 1:
+        raise ConfigError(
+            f"--kv-cache-dtype {kv_name}: qwen4_exp's sparse attention does not read an fp8 KV cache yet; "
+            "use --kv-cache-dtype auto or bfloat16"
+        )
     blocker = hybrid_blocker(loaded, setup.device)
     executor = resolve_executor(config, setup.device, kv_dtype, loaded.model.attn_backend, blocker)
     background = executor == "compiled" and config.executor_config.executor == "auto"
