@@ -174,10 +174,8 @@ def weight_inventory(mc: ModelConfig, tp: int = 1, extra_layers: int = 0) -> tup
 def hyper_inventory(mc: ModelConfig) -> tuple[list[tuple[int, int]], int]:
     """qwen4_exp's weights beyond Qwen3.5-MoE's (replicated on every rank today): two hyper-connection mixers a
     layer and the final one (in place of the norms, 2H a layer + H, counted above), each attention layer's
-    indexer, and each PLE layer's projections, norms, conv and n-gram table (resident while it is loaded
-    whole; ember.layers.ple)."""
-    from ember.layers.ple import NGramHash
-
+    indexer, and each PLE layer's projections, norms and conv. Not its n-gram table: that stays in the
+    file's mapping (ngram_table_elements)."""
     H, n, L = mc.hidden_size, mc.hc_count, mc.hc_lowrank
     mixers = 2 * mc.num_layers + 1
     linears = [(L, n * H), (n * H, L)] * mixers + [(n, n * H)] * (2 * mc.num_layers)
@@ -187,17 +185,36 @@ def hyper_inventory(mc: ModelConfig) -> tuple[list[tuple[int, int]], int]:
         linears += [((mc.indexer.num_heads + 1) * d, H)] * mc.num_kv_layers
         dense += 2 * d * mc.num_kv_layers
     if mc.ple is not None:
-        for index, _ in enumerate(mc.ple.layers):
+        for _ in mc.ple.layers:
             E = mc.ple.embed_dim
             linears += [(n * H, E), (H, E)]
             dense += 3 * n * H + n * H * mc.ple.conv_kernel
-            dense += NGramHash(mc.ple, mc.vocab_size, index).num_rows * (E // mc.ple.num_heads)
     return linears, dense
+
+
+def ngram_table_elements(mc: ModelConfig) -> int:
+    """The PLE n-gram tables' elements: read by row from the checkpoint's mapping, never resident whole."""
+    from ember.layers.ple import NGramHash
+
+    if mc.ple is None:
+        return 0
+    width = mc.ple.embed_dim // mc.ple.num_heads
+    return sum(NGramHash(mc.ple, mc.vocab_size, i).num_rows * width for i, _ in enumerate(mc.ple.layers))
+
+
+def mapped_weight_bytes(mc: ModelConfig, src) -> int:
+    """The bytes of the checkpoint left in its mapping (the n-gram tables), at the file's element size."""
+    elems = ngram_table_elements(mc)
+    if not elems:
+        return 0
+    if src.gguf_bytes:
+        return math.ceil(src.gguf_bytes * elems / num_parameters(mc))
+    return elems * DTYPE_BYTES.get(str(mc.torch_dtype).removeprefix("torch."), 2)
 
 
 def num_parameters(mc: ModelConfig, extra_layers: int = 0) -> int:
     linears, dense = weight_inventory(mc, 1, extra_layers)
-    return sum(o * i for o, i in linears) + dense
+    return sum(o * i for o, i in linears) + dense + ngram_table_elements(mc)
 
 
 def weight_bytes(
@@ -214,6 +231,7 @@ def weight_bytes(
     if quantization == "awq":
         return math.ceil(linear_elems * (0.5 + 2.5 / group_size)) + dense * dtype_bytes
     if quantization == "gguf":  # the file's bytes, shared out as the dense elements are
+        # (less the bytes left in the file's mapping: mapped_weight_bytes)
         return math.ceil(gguf_bytes * (linear_elems + dense) / num_parameters(mc, extra_layers))
     if quantization == "half":  # a folder's 16-bit matrices and embedding kept so (the norms are few)
         return (linear_elems + dense) * 2
@@ -356,6 +374,8 @@ class Plan:
     # a first start's package worker (engine/startup/package_worker.py): its own process, its peak; 0 where
     # the decode graphs are not AOTInductor packages built in one (CUDA, eager, torch.compile's graphs)
     package_worker_bytes: int = 0
+    # weights left in the checkpoint's mapping, read by row (qwen4_exp's n-gram table), not in weight_bytes
+    mapped_weight_bytes: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -449,6 +469,7 @@ def plan(config: EngineConfig, memory_gib: float | None = None) -> Plan:
         slots,
         *rss,
         worker,
+        mapped_weight_bytes(mc, src),
     )
 
 
@@ -561,6 +582,11 @@ def format_plan(p: Plan) -> str:
         ("model", f"{p.architecture}  {p.model}"),
         ("parameters", f"{p.num_parameters:,} ({p.num_parameters / 1e9:.2f} B)"),
         ("weights", f"{size(p.weight_bytes)}  [{p.quantization}, {p.dtype}{tp}]"),
+        *(
+            [("mapped weights", f"{size(p.mapped_weight_bytes)}  read by row from the file, not resident")]
+            if p.mapped_weight_bytes
+            else []
+        ),
         (
             "KV bytes per token",
             f"{p.kv_bytes_per_token:,} B = 2 x {p.kv_layers} layers x {p.kv_heads_per_device} kv heads"

@@ -31,6 +31,7 @@ from ember.kernels.metadata import AttentionMetadata
 from ember.layers.hyper_connection import GroupedZeroCenteredRMSNorm
 from ember.layers.linear import ReplicatedLinear, copy_checked
 from ember.layers.recurrent_state import RecurrentState
+from ember.layers.table_rows import table_rows
 
 _MASK64 = (1 << 64) - 1
 _GAMMA = 0x9E3779B97F4A7C15
@@ -107,31 +108,37 @@ class NGramHash:
 
 
 class NGramTable:
-    """The table's rows, read by row only: held as the checkpoint's row shards (equal runs of rows, in
-    order), never concatenated. gather(rows) -> [*rows.shape, dim] in `dtype`."""
+    """The table, read by row only: held as the checkpoint's row shards (equal runs of rows, in order, each
+    a row source: ember.layers.table_rows), never concatenated, dequantized or copied whole.
+    gather(rows) -> [*rows.shape, dim] in `dtype`."""
 
     def __init__(self, num_rows: int, dim: int):
         self.num_rows, self.dim = num_rows, dim
-        self.shards: list[torch.Tensor] = []
+        self.shards: list = []
 
-    def add_shard(self, index: int, tensor: torch.Tensor, parts: int) -> None:
+    def add_shard(self, index: int, source, parts: int) -> None:
         if len(self.shards) < parts:
             self.shards += [None] * (parts - len(self.shards))
-        self.shards[index] = tensor
+        self.shards[index] = source
 
     @property
     def complete(self) -> bool:
         return bool(self.shards) and all(s is not None for s in self.shards)
 
+    @property
+    def mapped_bytes(self) -> int:
+        """Bytes left in the file's mapping (read by row, not resident)."""
+        return sum(s.nbytes for s in self.shards if s is not None and s.mapped)
+
     def gather(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        flat = rows.reshape(-1)
-        per = self.shards[0].shape[0]
-        out = torch.empty(flat.shape[0], self.dim, dtype=dtype, device=flat.device)
+        flat = rows.reshape(-1).cpu()  # the table lives in host memory (its file's mapping)
+        per = self.shards[0].num_rows
+        out = torch.empty(flat.shape[0], self.dim, dtype=dtype)
         shard = torch.div(flat, per, rounding_mode="floor")
         for i in torch.unique(shard).tolist():
             at = (shard == i).nonzero().squeeze(1)
-            out[at] = self.shards[i][flat[at] - i * per].to(dtype)
-        return out.view(*rows.shape, self.dim)
+            out[at] = self.shards[i].read(flat[at] - i * per, dtype)
+        return out.view(*rows.shape, self.dim).to(rows.device)
 
 
 class PLEState(RecurrentState):
@@ -190,11 +197,15 @@ class PLELayer(nn.Module):
         self.conv_weight = nn.Parameter(
             torch.zeros(width, cfg.conv_kernel, dtype=dtype, device=device), requires_grad=False
         )
-        self._pending_shards: dict[int, torch.Tensor] = {}  # the table's row shards as they load
+        self._pending_shards: dict[int, object] = {}  # the table's row shards as they load
 
     def held_weights(self) -> list[torch.Tensor]:
-        """The n-gram table's shards: weights held outside the parameters (model_loader.resident_weight_bytes)."""
-        return [t for t in self.table.shards if t is not None]
+        """The n-gram table's resident shards: weights held outside the parameters
+        (model_loader.resident_weight_bytes); shards left in the file's mapping are not resident."""
+        return [s.tensor for s in self.table.shards if s is not None and not s.mapped]
+
+    def mapped_weight_bytes(self) -> int:
+        return self.table.mapped_bytes
 
     def make_state(self, gdn_args: tuple, num_slots: int) -> PLEState:
         """The state of the Gated DeltaNet layer this PLE sits on (gdn_args: its RecurrentState's arguments
@@ -270,7 +281,7 @@ class PLELayer(nn.Module):
             raise ModelLoadError(
                 f"ple n-gram table shard {index}: rows of {tensor.shape[-1]}, the config needs {self.table.dim}"
             )
-        self._pending_shards[index] = tensor
+        self._pending_shards[index] = table_rows(tensor)
 
     def finish_table(self, parts: int) -> None:
         """Once every tensor is in: the shards in order, checked against the hash's row count."""
@@ -281,8 +292,8 @@ class PLELayer(nn.Module):
                 f"the checkpoint lacks PLE n-gram table shards {missing[:8]} of {parts} "
                 "(ple_embedding.ngram_embedding.shard_N.weight); download every shard"
             )
-        rows = sum(t.shape[0] for t in got.values())
-        if rows != self.hash.num_rows or len({t.shape[0] for t in got.values()}) != 1:
+        rows = sum(t.num_rows for t in got.values())
+        if rows != self.hash.num_rows or len({t.num_rows for t in got.values()}) != 1:
             raise ModelLoadError(
                 f"the PLE n-gram table has {rows} rows in {parts} shards; the config's hash needs "
                 f"{self.hash.num_rows} in equal shards"

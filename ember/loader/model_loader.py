@@ -29,6 +29,8 @@ class LoadedModel:
     num_parameters: int
     weight_bytes: int  # bytes of the weights as held in memory
     load_seconds: float
+    # bytes left in the checkpoint's mapping, read by row (qwen4_exp's n-gram table): not in weight_bytes
+    mapped_weight_bytes: int = 0
 
 
 def resolve_model_path(model: str | None) -> str:
@@ -119,6 +121,7 @@ def load_model(
         num_params,
         resident_weight_bytes(net),
         time.perf_counter() - t0,
+        sum(m.mapped_weight_bytes() for m in net.modules() if hasattr(m, "mapped_weight_bytes")),
     )
 
 
@@ -191,7 +194,12 @@ def _open_safetensors(
     if quant_config is None and (quantization or "auto") == "auto":  # bf16 matrices stay 16-bit in float32
         tp_size = get_tp_rank_size()[1]
         quant_config = half_weights_config(model_config.torch_dtype, dtype, device, kernels, tp_size)
-    return _OpenCheckpoint(model_config, quant_config, None, iter_safetensors(path), "safetensors")
+    # weights the model reads only by rows (MAPPED_WEIGHTS: name fragments) stay in the file's mapping
+    from ember.models.registry import get_model_class
+
+    fragments = getattr(get_model_class(model_config.architecture), "MAPPED_WEIGHTS", ())
+    mapped = (lambda name: any(f in name for f in fragments)) if fragments else None
+    return _OpenCheckpoint(model_config, quant_config, None, iter_safetensors(path, mapped=mapped), "safetensors")
 
 
 def _logical_parameter_count(

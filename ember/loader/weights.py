@@ -11,13 +11,14 @@ import contextlib
 import glob
 import json
 import os
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from ember.errors import ModelLoadError
+from ember.loader.mapped_safetensors import MappedSafetensors
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -62,8 +63,12 @@ def _open(path: str):
         ) from None
 
 
-def iter_safetensors(folder: str, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (checkpoint name, CPU tensor) for every tensor of the model in `folder`."""
+def iter_safetensors(
+    folder: str, progress: bool = True, mapped: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (checkpoint name, CPU tensor) for every tensor of the model in `folder`. A name `mapped`
+    picks comes as a view of the file's mapping, read by the rows touched (ember.loader.mapped_safetensors);
+    every other tensor is read whole."""
     files = safetensors_files(folder)
     with contextlib.ExitStack() as stack:
         handles = [(path, stack.enter_context(_open(path))) for path in files]
@@ -72,9 +77,14 @@ def iter_safetensors(folder: str, progress: bool = True) -> Iterator[tuple[str, 
         bar = tqdm(total=total, desc="Loading weights", unit="tensor", disable=None if progress else True)
         with bar:
             for path, h in handles:
+                mapping = None
                 for name in h.keys():
                     try:
-                        tensor = h.get_tensor(name)
+                        if mapped is not None and mapped(name):
+                            mapping = mapping or MappedSafetensors(path)
+                            tensor = mapping.get(name)
+                        else:
+                            tensor = h.get_tensor(name)
                     except (SafetensorError, OSError, ValueError) as e:
                         raise ModelLoadError(
                             f"{path}: cannot read tensor {name!r} ({e}); download the file again"

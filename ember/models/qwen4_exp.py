@@ -165,6 +165,9 @@ class Qwen4ExpForCausalLM(Qwen3NextForCausalLM):
     """Loads through Qwen3.5's routing; a PLE's tensors go to its own loader (its n-gram table's row
     shards are kept as they come, never concatenated)."""
 
+    # the n-gram table's shards stay in the checkpoint's mapping, read by the rows a batch hashes to
+    MAPPED_WEIGHTS = (".ple_embedding.ngram_embedding.",)
+
     def make_body(self, cfg: ModelConfig, dtype, device, attn_backend, quant_config, kernels: CpuKernels) -> nn.Module:
         return Qwen4ExpModel(cfg, dtype, device, attn_backend, quant_config, kernels)
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ember import LLM, SamplingParams
+from ember.layers.table_rows import TensorRows
 from tests.models.tiny_models import hf_greedy, one_thread  # noqa: F401
 from tests.models.tiny_qwen4 import build_qwen4, prompt, save_qwen4
 
@@ -183,7 +184,7 @@ def test_a_verify_keeps_the_ple_state_of_its_accepted_tokens():
     with torch.no_grad():
         for p in layer.parameters():
             p.copy_(torch.randn(p.shape) * 0.5)
-    layer.table.add_shard(0, torch.randn(layer.hash.num_rows, layer.table.dim), 1)
+    layer.table.add_shard(0, TensorRows(torch.randn(layer.hash.num_rows, layer.table.dim)), 1)
     state = layer.make_state((8, 4, 1, 2, 2, torch.float32, "cpu"), 3)
     X, ids = torch.randn(9, 256), torch.tensor(prompt(9, 5, eos_at=(3,)))
 

@@ -325,7 +325,12 @@ def _log_start(parts: EngineParts, pool: planner.KVPool) -> None:
         mc.architecture,
         loaded.num_parameters / 1e6,
         loaded.weight_bytes / 1e6,
-        parts.copies.note(),
+        (
+            f" (+ {loaded.mapped_weight_bytes / 1e6:.1f} MB read by row from the file's mapping)"
+            if loaded.mapped_weight_bytes
+            else ""
+        )
+        + parts.copies.note(),
         str(setup.dtype).removeprefix("torch."),
         _dtype_note(parts),
         setup.device,
