@@ -84,8 +84,22 @@ class QSAIndexer(nn.Module):
         top = scores.topk(k, dim=1).indices  # visible blocks first: their scores are finite
         chosen = torch.zeros(n, nb, dtype=torch.bool, device=q.device)
         chosen.scatter_(1, top, torch.arange(k, device=q.device)[None, :] < nc[:, None])
+        for i in boundary_ties(scores, nc, k).tolist():
+            # equal scores across the cut (ReLU makes every all-negative block exactly 0): which of them the
+            # reference keeps is torch.topk's choice over that query's visible blocks alone, so ask it that
+            chosen[i] = False
+            chosen[i, scores[i, : nc[i]].topk(k).indices] = True
         mask[:, : nb * r] |= chosen.repeat_interleave(r, dim=1)
         return mask
+
+
+def boundary_ties(scores: torch.Tensor, nc: torch.Tensor, k: int) -> torch.Tensor:
+    """The queries (rows of scores [n, nb], -inf past each one's nc visible blocks) whose k-th best visible
+    block ties with the best one left out: the only ones whose kept set depends on how ties are broken."""
+    if scores.shape[1] <= k:
+        return torch.empty(0, dtype=torch.int64)
+    best = scores.topk(k + 1, dim=1).values
+    return ((nc > k) & (best[:, k - 1] == best[:, k])).nonzero().squeeze(1).cpu()
 
 
 def sequence_slots(meta: AttentionMetadata, b: int, length: int) -> torch.Tensor:

@@ -219,3 +219,39 @@ def test_an_fp8_kv_cache_is_refused_at_start(tiny):
 
     with pytest.raises(ConfigError, match="--kv-cache-dtype fp8"):
         llm(tiny[1], kv_cache_dtype="fp8")
+
+
+def test_tied_block_scores_at_the_cut_are_broken_as_the_reference_breaks_them(tmp_path):
+    """A one-head-a-gram model whose indexer often scores blocks exactly 0 (ReLU of all-negative heads): at
+    97 tokens some queries' k-th and (k+1)-th visible blocks tie at the budget's cut, and the kept set is the
+    reference's (torch.topk over that query's visible blocks); a batched top-k over padded rows kept other
+    blocks and moved the logprobs by 1.4e-4."""
+    from ember.layers import qsa
+
+    hf = build_qwen4(ngram_size=4, heads_per_ngram=1, ple_conv_kernel_size=2, ple_embed_dim=48)
+    path = save_qwen4(hf, str(tmp_path))
+    p = prompt(97, 30)
+    found = []
+    real = qsa.boundary_ties
+
+    def spy(scores, nc, k):
+        found.append(len(real(scores, nc, k)))
+        return real(scores, nc, k)
+
+    qsa.boundary_ties = spy
+    try:
+        out = (
+            llm(path)
+            .generate(
+                [{"prompt_token_ids": p}],
+                SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=5),
+                use_tqdm=False,
+            )[0]
+            .outputs[0]
+        )
+    finally:
+        qsa.boundary_ties = real
+    assert sum(found) > 0
+    assert out.token_ids == hf_greedy(hf, p, 4)
+    theirs = first_logprobs(hf, p)
+    assert max(abs(lp.logprob - theirs[t].item()) for t, lp in out.logprobs[0].items()) < 1e-5
