@@ -255,3 +255,49 @@ def test_tied_block_scores_at_the_cut_are_broken_as_the_reference_breaks_them(tm
     assert out.token_ids == hf_greedy(hf, p, 4)
     theirs = first_logprobs(hf, p)
     assert max(abs(lp.logprob - theirs[t].item()) for t, lp in out.logprobs[0].items()) < 1e-5
+
+
+@pytest.fixture(scope="module")
+def tiny8(tmp_path_factory):
+    """Blocks of 8 tokens over pages of 4: a prefix hit ends in the middle of a QSA block."""
+    hf = build_qwen4(seed=3, indexer_budget=32, indexer_compress_ratio=8)
+    return hf, save_qwen4(hf, str(tmp_path_factory.mktemp("qwen4-r8")))
+
+
+def test_prefix_hits_mid_block_and_after_an_eos_give_the_reference_tokens(tiny8):
+    """Hits where hybrid prefix caching resumes, each inside an 8-token QSA block and after EOS tokens in
+    the prompt: the same prompt again (the snapshot at P - 1 = 162), and the next chat turn (the state after
+    A's 173 computed tokens, EOS among its last prompt tokens). Tokens equal transformers'."""
+    hf, path = tiny8
+    a = prompt(163, 40, eos_at=(60, 127, 161))
+    engine = llm(path, block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
+    first = engine.generate([{"prompt_token_ids": a}], params, use_tqdm=False)[0].outputs[0].token_ids
+    again = engine.generate([{"prompt_token_ids": a}], params, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 162 and again.outputs[0].token_ids == first == hf_greedy(hf, a, GEN)
+    b = a + first + prompt(21, 41, eos_at=(0,))
+    turn = engine.generate([{"prompt_token_ids": b}], params, use_tqdm=False)[0]
+    assert turn.num_cached_tokens == 172 and 172 % 8
+    assert turn.outputs[0].token_ids == hf_greedy(hf, b, GEN)
+
+
+def test_preempted_requests_give_the_reference_tokens(tiny8):
+    """Four 24-token prompts admitted together, each growing to 64 tokens in a pool of 160:
+    requests are preempted, recomputed (past the dense threshold), and give transformers' tokens; every
+    block and state slot comes back."""
+    from ember.config.model_config import ModelConfig
+    from ember.engine.planner import kv_bytes_per_token
+
+    hf, path = tiny8
+    mc = ModelConfig.from_folder(path)
+    states = mc.state_bytes_per_seq(4) * (4 + 8)
+    kv = 40 * 4 * kv_bytes_per_token(mc, 4)  # 40 pages of 4 tokens
+    engine = llm(path, block_size=4, kv_cache_memory=(states + kv) / 2**30, max_model_len=80)
+    prompts = [prompt(24, 50 + i, eos_at=(5 * i,)) for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    outs = engine.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 40) for p in prompts]
+    parts = engine.engine.parts
+    assert parts.scheduler.num_preemptions > 0
+    assert parts.kv.states.num_free == parts.kv.states.num_live
+    assert parts.kv.num_free_blocks == parts.kv.num_blocks
