@@ -10,7 +10,8 @@ embedding and indexed sparse attention (../shared/research/qwen4exp.md).
   threshold, the masked torch form past it.
 - The Gated DeltaNet output gate is output_gate_type's (sigmoid in the release); every MLP is the sparse MoE
   with its gated shared expert.
-The vision-language checkpoint serves its text model; its MTP layer is not loaded yet.
+The vision-language checkpoint serves its text model. The forward returns the 4-stream residual
+before the final mixer (compute_logits mixes), which is what the MTP layer (Qwen4ExpMTP) reads.
 """
 
 from __future__ import annotations
@@ -21,16 +22,21 @@ import torch
 from torch import nn
 
 from ember.config.model_config import LINEAR_ATTENTION, ModelConfig
+from ember.errors import ModelLoadError
+from ember.kernels import cpu_row_top
 from ember.kernels.cpu_kernels import CpuKernels
 from ember.kernels.metadata import AttentionMetadata, RowSelection
 from ember.layers.attention import write_kv_cache
 from ember.layers.embedding import VocabEmbedding
 from ember.layers.gated_deltanet import GatedDeltaNet
 from ember.layers.hyper_connection import HyperConnection
+from ember.layers.linear import ReplicatedLinear
+from ember.layers.norm import ZeroCenteredRMSNorm
 from ember.layers.ple import PLELayer
 from ember.layers.qsa import QSAIndexer, masked_attention, sequence_slots
 from ember.layers.rotary import RotaryEmbedding, apply_rotary
-from ember.models.llama import embedding_method, linear_method
+from ember.models.llama import LlamaForCausalLM, embedding_method, linear_method
+from ember.models.mtp import MTPModule
 from ember.models.qwen3_next import GatedAttention, Qwen3NextForCausalLM, SharedExpertMoeBlock
 
 
@@ -91,9 +97,12 @@ class QSAGatedAttention(GatedAttention):
 
 
 class Qwen4ExpDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype, device, attn_backend, quant_config, kernels):
+    def __init__(
+        self, cfg: ModelConfig, layer_idx: int, dtype, device, attn_backend, quant_config, kernels, attention=False
+    ):
+        """attention: an attention layer whatever layer_types says (the MTP layer, past the model's layers)."""
         super().__init__()
-        self.is_linear = cfg.layer_type(layer_idx) == LINEAR_ATTENTION
+        self.is_linear = not attention and cfg.layer_type(layer_idx) == LINEAR_ATTENTION
         prefix = f"model.layers.{layer_idx}"
         if self.is_linear:
             self.linear_attn = GatedDeltaNet(cfg, dtype, device, quant_config, f"{prefix}.linear_attn", kernels)
@@ -145,20 +154,30 @@ class Qwen4ExpModel(nn.Module):
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary.get_cos_sin(positions)
         cos_sin = (cos.to(h.dtype), sin.to(h.dtype))
-
-        @functools.cache  # once a step, whichever attention layer asks first
-        def sequence_cos_sin(n: int):  # text: a token's position is its index in the sequence
-            c, s = self.rotary.get_cos_sin(torch.arange(n, device=h.device))
-            return c.to(h.dtype), s.to(h.dtype)
-
+        sequence_cos_sin = sequence_rotary(self.rotary, h.dtype, h.device)
         X = h.repeat(1, self.hc_count)  # every stream starts as the embedding
         for layer, cache in zip(self.layers, caches):
             X = layer(X, input_ids, cos_sin, cache, meta, sequence_cos_sin)
-        if select is not None:
-            if select.meta is None:
-                return h[:0]
-            X = X[select.rows]
-        return self.hyper_connection_mixer(X)
+        return selected_rows(X, select)
+
+
+def selected_rows(X: torch.Tensor, select: RowSelection | None) -> torch.Tensor:
+    """The rows a step keeps (select: the logit rows; None: every row)."""
+    if select is None:
+        return X
+    return X[:0] if select.meta is None else X[select.rows]
+
+
+def sequence_rotary(rotary: RotaryEmbedding, dtype, device):
+    """n -> (cos, sin) of sequence indices 0..n-1 (text: a token's position is its index), computed once a
+    step, whichever attention layer asks first (the QSA block keys' positions)."""
+
+    @functools.cache
+    def cos_sin(n: int):
+        c, s = rotary.get_cos_sin(torch.arange(n, device=device))
+        return c.to(dtype), s.to(dtype)
+
+    return cos_sin
 
 
 class Qwen4ExpForCausalLM(Qwen3NextForCausalLM):
@@ -170,6 +189,15 @@ class Qwen4ExpForCausalLM(Qwen3NextForCausalLM):
 
     def make_body(self, cfg: ModelConfig, dtype, device, attn_backend, quant_config, kernels: CpuKernels) -> nn.Module:
         return Qwen4ExpModel(cfg, dtype, device, attn_backend, quant_config, kernels)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: the 4-stream residual [N, n*H] the forward returns (what the MTP layer reads) -> the final
+        mixer (the model's final norm) -> [N, V] float32."""
+        return self.lm_head(self.model.hyper_connection_mixer(hidden))
+
+    def build_mtp(self, num_layers: int, attn_backend=None) -> "Qwen4ExpMTP":
+        """The model's MTP layer(s) as ember's MTP proposer drives them (ember.spec.mtp_weights.load_mtp)."""
+        return Qwen4ExpMTP(self, num_layers, attn_backend)
 
     def make_recurrent_states(self, num_slots: int, device) -> list:
         states = []
@@ -195,3 +223,116 @@ class Qwen4ExpForCausalLM(Qwen3NextForCausalLM):
 class Qwen4ExpForConditionalGeneration(Qwen4ExpForCausalLM):
     """The released (vision-language) checkpoint served as its text model: text weights under
     model.language_model.*, the vision tower skipped, config under text_config."""
+
+
+class Qwen4ExpMTPLayer(Qwen4ExpDecoderLayer):
+    """One MTP depth: a full attention decoder layer (hyper-connections, QSA attention with its own indexer,
+    the MoE), scored through the model's LM head (no head or draft vocabulary of its own)."""
+
+    head = None
+    draft_vocab = None
+
+
+class Qwen4ExpMTP(nn.Module):
+    """qwen4_exp's MTP layer (../shared/research/qwen4exp.md section 6; SGLang's qwen4_exp_mtp input fusion).
+    A row carries token t_{i+1} at position i and the trunk's 4-stream residual H_i before its final mixer
+    (what Qwen4ExpForCausalLM.forward returns), never a pooled one:
+        e = fc_embedding(norm_e(Embed(t_{i+1})))               norm_e: zero-centred RMS over H
+        X_s = e + fc_hidden(norm_h(H_i)_s)   s = 1..n           norm_h: ONE RMS over all n*H values
+        G = MTP decoder layer(X)                                its own paged KV and indexer keys
+        logits = LMHead(mixer(G))                               its own final mixer, the model's head
+    G (pre-mixer, [T, n*H]) is what the next draft step takes as H. The MTPModule interface ember's MTP
+    proposer drives (ember.spec.mtp_proposer); checkpoint names mtp.{fc_embedding, fc_hidden,
+    pre_fc_norm_embedding, pre_fc_norm_hidden, hyper_connection_mixer.*, layers.{j}.*}. Unquantized."""
+
+    layout = "qwen4_exp"
+    stacked_params = LlamaForCausalLM.stacked_params
+    route_weight = LlamaForCausalLM.route_weight
+
+    def __init__(self, main: Qwen4ExpForCausalLM, num_layers: int, attn_backend=None):
+        super().__init__()
+        cfg, dtype, device = main.cfg, main.dtype, main.device
+        H, n, eps = cfg.hidden_size, cfg.hc_count, cfg.rms_norm_eps
+        self.cfg, self.dtype, self.device, self.hc_count = cfg, dtype, device, n
+        self.pre_fc_norm_embedding = ZeroCenteredRMSNorm(H, eps, dtype, device)
+        self.pre_fc_norm_hidden = ZeroCenteredRMSNorm(n * H, eps, dtype, device)
+        self.fc_embedding = ReplicatedLinear(H, H, dtype=dtype, device=device)
+        self.fc_hidden = ReplicatedLinear(H, H, dtype=dtype, device=device)
+        backend = attn_backend or main.attn_backend
+        self.layers = nn.ModuleList(
+            Qwen4ExpMTPLayer(cfg, cfg.num_layers + j, dtype, device, backend, None, main.kernels, attention=True)
+            for j in range(num_layers)
+        )
+        self.hyper_connection_mixer = mixer(cfg, dtype, device, None, "mtp.hyper_connection_mixer", False)
+        # the model's embedding, head and rotary table: plain attributes, loaded with (and owned by) the model
+        object.__setattr__(self, "_embed", main.model.embed_tokens)
+        object.__setattr__(self, "_lm_head", main.lm_head)
+        object.__setattr__(self, "_rotary", main.model.rotary)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def layer_for_step(self, step: int) -> int:
+        return step % len(self.layers)
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        attn = self.layers[0].self_attn.attn
+        return (2, num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
+
+    def kv_bytes_per_token(self, elem_bytes: int) -> int:
+        """Each layer's K/V and its indexer's raw key per token (the planner's kv_bytes_per_token terms)."""
+        _, _, _, heads, dim = self.kv_cache_shape(1, 1)
+        return self.num_layers * (2 * heads * dim + self.cfg.indexer.head_dim) * elem_bytes
+
+    def fuse(self, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The layer's 4-stream input (the class docstring): [T] ids, [T, n*H] residuals -> [T, n*H]."""
+        T, H = input_ids.shape[0], self.cfg.hidden_size
+        e = self.fc_embedding(self.pre_fc_norm_embedding(self._embed(input_ids)))
+        h = self.pre_fc_norm_hidden(hidden.to(e.dtype)).reshape(T * self.hc_count, H)
+        return (e.unsqueeze(1) + self.fc_hidden(h).view(T, self.hc_count, H)).flatten(1)
+
+    def forward(self, input_ids, positions, hidden, kv_caches, meta: AttentionMetadata, step=0, select=None):
+        """One draft step over a flat batch (MTPModule.forward's contract): row r carries t_{i+1} at
+        position i and H_i. Returns G [T, n*H] (or select's rows): feed it to compute_logits and on."""
+        j = self.layer_for_step(step)
+        X = self.fuse(input_ids, hidden)
+        cos, sin = self._rotary.get_cos_sin(positions)
+        cos_sin = (cos.to(X.dtype), sin.to(X.dtype))
+        sequence_cos_sin = sequence_rotary(self._rotary, X.dtype, X.device)
+        X = self.layers[j](X, input_ids, cos_sin, kv_caches[j], meta, sequence_cos_sin)
+        return selected_rows(X, select)
+
+    def compute_draft_logits(self, g: torch.Tensor, step: int = 0) -> tuple[torch.Tensor, None]:
+        return self._lm_head(self.hyper_connection_mixer(g)), None
+
+    def compute_logits(self, g: torch.Tensor, step: int = 0) -> torch.Tensor:
+        return self.compute_draft_logits(g, step)[0]
+
+    def propose_greedy(self, g: torch.Tensor, step: int = 0) -> torch.Tensor:
+        return cpu_row_top.argmax(self.compute_logits(g, step))
+
+    def draft_vocab(self, step: int = 0) -> None:
+        return None
+
+    def copy_cache_blocks(self, caches: list[torch.Tensor], layers, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """A chain's scratch copy of a partly filled block: its K/V and its indexer's raw keys."""
+        MTPModule.copy_cache_blocks(caches, layers, src, dst)
+        for j in layers:
+            keys = self.layers[j].self_attn.indexer.keys
+            if keys is not None:
+                paged = keys.view(caches[j].shape[1], caches[j].shape[2], -1)
+                paged.index_copy_(0, dst, paged.index_select(0, src))
+
+    def skip_weight(self, name: str) -> bool:
+        return False
+
+    @torch.no_grad()
+    def load_mtp_weights(self, weights, where: str) -> None:
+        """(checkpoint name, tensor) of the mtp.* tensors -> the layer(s), through the model's routing; a
+        ModelLoadError names what is missing."""
+        local = ((name.removeprefix("mtp."), t) for name, t in weights)
+        try:
+            LlamaForCausalLM.load_weights(self, local)
+        except ModelLoadError as e:
+            raise ModelLoadError(f"the MTP layer in {where}: {e}") from None

@@ -140,7 +140,10 @@ class MTPProposer(Proposer):
         return heads, dim
 
     def kv_bytes_per_token(self, elem_bytes: int) -> int:
-        """KV bytes per token of the MTP layers: 2 x n x Hkv x D x elem (ember.engine.planner's formula)."""
+        """KV bytes per token of the MTP layers: 2 x n x Hkv x D x elem (ember.engine.planner's formula), or
+        the module's own count (qwen4_exp's layer keeps an indexer key per token too)."""
+        if hasattr(self.mtp, "kv_bytes_per_token"):
+            return self.mtp.kv_bytes_per_token(elem_bytes)
         heads, dim = self.kv_shape()
         return 2 * self.num_layers * heads * dim * elem_bytes
 

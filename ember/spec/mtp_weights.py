@@ -563,6 +563,10 @@ def load_mtp(
     """The MTP module for a loaded ember model (main: LlamaForCausalLM or a subclass), from
     model_path's checkpoint or from speculative_model when that is another folder."""
     ckpt = find_mtp_weights(main.cfg, model_path, speculative_model)
+    if hasattr(main, "build_mtp"):  # a model whose MTP layer is its own kind of layer (qwen4_exp)
+        mtp = main.build_mtp(ckpt.num_layers, attn_backend)
+        mtp.load_mtp_weights(iter_mtp_tensors(ckpt, progress), ckpt.folder)
+        return mtp.eval()
     mtp = MTPModule(
         main,
         ckpt.num_layers,
