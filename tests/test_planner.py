@@ -206,3 +206,45 @@ def test_hybrid_plan_counts_attention_kv_and_the_recurrent_state(tmp_path, capsy
     assert "recurrent state" in out and "sequences that fit" in out
     tiny = planned(str(tmp_path), memory_gib=150.5, max_model_len=32768, dtype="bfloat16", device="cpu")
     assert not tiny.fits  # the weights leave less than the states need
+
+
+def release_qwen4_config(path) -> str:
+    """Qwen3.8-Flash-Next's released config.json (../shared/research/qwen4exp.md section 1), written out."""
+    types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(48)]
+    text = dict(
+        model_type="qwen4_exp_text", hidden_size=2560, num_hidden_layers=48, vocab_size=248320, layer_types=types,
+        num_attention_heads=24, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+        linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+        num_experts=512, num_experts_per_tok=10, moe_intermediate_size=640, shared_expert_intermediate_size=640,
+        norm_topk_prob=True, hc_count=4, hc_lowrank=320, ple_layer_ids=[2], ple_embed_dim=2560,
+        ple_conv_kernel_size=4, ngram_size=3, heads_per_ngram=8, ngram_vocab_size_base=20_000_000,
+        make_ngram_vocab_size_divisible_by=128, split_ngram_parts=128, seed=1234, indexer_n_heads=4,
+        indexer_kv_heads=1, indexer_head_dim=128, indexer_budget=2048, indexer_compress_ratio=4,
+        rope_parameters=dict(
+            rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25, mrope_section=[11, 11, 10],
+            mrope_interleaved=True,
+        ),
+        max_position_embeddings=262144, output_gate_type="sigmoid", hidden_act="silu", rms_norm_eps=1e-6,
+        tie_word_embeddings=False, eos_token_id=248044, mtp_num_hidden_layers=1, torch_dtype="bfloat16",
+    )  # fmt: skip
+    cfg = dict(architectures=["Qwen4ExpForConditionalGeneration"], model_type="qwen4_exp", text_config=text)
+    (path / "config.json").write_text(json.dumps(cfg | {"torch_dtype": "bfloat16"}))
+    return str(path / "config.json")
+
+
+def test_the_released_qwen4_exp_on_a_24_gb_card(tmp_path):
+    """The research's figures for the release (qwen4exp.md sections 1 and 8): 125.7B weights (251 GB bf16), of
+    which the routed experts all but 9.9 GB; the n-gram table 95.4 GiB left in the file; 24 KiB of KV and
+    3 KiB of indexer keys a token; 115.6 MB of state a sequence (GDN, conv windows, PLE window and ids).
+    A 24 GB card holds the rest beside the experts, and the plan says so."""
+    p = planner.plan(
+        EngineConfig(model=release_qwen4_config(tmp_path), device="cuda", max_model_len=32768, max_num_seqs=4),
+        memory_gib=24,
+    )
+    assert p.weight_bytes == pytest.approx(251.5e9, rel=0.002)
+    assert p.weight_bytes - p.expert_weight_bytes == pytest.approx(9.9e9, rel=0.01)
+    assert p.mapped_weight_bytes == 320_001_536 * 160 * 2
+    assert p.kv_bytes_per_token == 24 * 1024 + 3 * 1024
+    assert p.state_bytes_per_seq == pytest.approx(115.6e6, rel=0.001)
+    text = planner.format_plan(p)
+    assert "read by row from the file" in text and "the experts would stay in host memory" in text

@@ -212,6 +212,23 @@ def mapped_weight_bytes(mc: ModelConfig, src) -> int:
     return elems * DTYPE_BYTES.get(str(mc.torch_dtype).removeprefix("torch."), 2)
 
 
+def routed_expert_elements(mc: ModelConfig, tp: int = 1) -> int:
+    """The routed experts' elements (gate, up and down of every expert of every MoE layer), per device."""
+    if not mc.num_experts:
+        return 0
+    moe_layers = sum(mc.is_moe_layer(i) for i in range(mc.num_layers))
+    return moe_layers * mc.num_experts * 3 * mc.hidden_size * (mc.moe_intermediate_size // tp)
+
+
+def routed_expert_bytes(mc: ModelConfig, weights: int, tp: int = 1) -> int:
+    """Their share of the weights' bytes as held (the same quantization as the other matrices)."""
+    elems = routed_expert_elements(mc, tp)
+    if not elems:
+        return 0
+    linears, dense = weight_inventory(mc, tp)
+    return math.ceil(weights * elems / (sum(o * i for o, i in linears) + dense))
+
+
 def num_parameters(mc: ModelConfig, extra_layers: int = 0) -> int:
     linears, dense = weight_inventory(mc, 1, extra_layers)
     return sum(o * i for o, i in linears) + dense + ngram_table_elements(mc)
@@ -376,6 +393,8 @@ class Plan:
     package_worker_bytes: int = 0
     # weights left in the checkpoint's mapping, read by row (qwen4_exp's n-gram table), not in weight_bytes
     mapped_weight_bytes: int = 0
+    # the routed experts' part of weight_bytes (what host memory would hold beside a card)
+    expert_weight_bytes: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -418,12 +437,9 @@ def plan(config: EngineConfig, memory_gib: float | None = None) -> Plan:
     elem = kv_elem_bytes(resolve_kv_cache_dtype_name(config.kv_cache_dtype, config.dtype, device), b)
     per_token = kv_bytes_per_token(mc, elem, tp, num_mtp_layers=extra)
     weights = weight_bytes(mc, quant, b, tp, extra, group, src.gguf_bytes)
-    draft_kv = 0
-    if draft is not None:  # unsharded, as ember.spec.draft loads it
-        draft_kv = kv_bytes_per_token(draft.mc, elem)
-        dquant, dgroup = resolve_quantization(draft, "auto")
-        per_token += draft_kv
-        weights += weight_bytes(draft.mc, dquant, b, 1, 0, dgroup, draft.gguf_bytes)
+    experts = routed_expert_bytes(mc, weights, tp)
+    draft_kv, draft_weights = draft_model_bytes(draft, elem, b)
+    per_token, weights = per_token + draft_kv, weights + draft_weights
     act = activation_bytes(mc, b, tp, sched.token_budget(device), max_num_seqs)
     cuda = cuda_reserve_bytes(mc, b, tp, max_num_seqs) if device == "cuda" else 0
     memory = int((memory_gib if memory_gib is not None else default_memory_gib(device)) * GiB)
@@ -470,7 +486,16 @@ def plan(config: EngineConfig, memory_gib: float | None = None) -> Plan:
         *rss,
         worker,
         mapped_weight_bytes(mc, src),
+        experts,
     )
+
+
+def draft_model_bytes(draft: Source | None, elem: int, dtype_bytes: int) -> tuple[int, int]:
+    """A draft model's KV bytes a token and its weights, unsharded (as ember.spec.draft loads it)."""
+    if draft is None:
+        return 0, 0
+    quant, group = resolve_quantization(draft, "auto")
+    return kv_bytes_per_token(draft.mc, elem), weight_bytes(draft.mc, quant, dtype_bytes, 1, 0, group, draft.gguf_bytes)
 
 
 def wanted_model_len(max_model_len: int | None, context: int) -> int:
@@ -573,6 +598,35 @@ def predict_peak_rss(
     return rss.total, dict(rss.parts())
 
 
+def weight_rows(p: Plan, size, tp: str) -> list[tuple[str, str]]:
+    rows = [("weights", f"{size(p.weight_bytes)}  [{p.quantization}, {p.dtype}{tp}]")]
+    if p.mapped_weight_bytes:
+        rows.append(("mapped weights", f"{size(p.mapped_weight_bytes)}  read by row from the file, not resident"))
+    if p.expert_weight_bytes:
+        rows.append(("routed experts", experts_line(p, size)))
+    return rows
+
+
+def kv_line(p: Plan) -> str:
+    kv = 2 * p.kv_layers * p.kv_heads_per_device * p.head_dim * p.kv_elem_bytes
+    return (
+        f"{p.kv_bytes_per_token:,} B = 2 x {p.kv_layers} layers x {p.kv_heads_per_device} kv heads"
+        f" x {p.head_dim} head_dim x {p.kv_elem_bytes} B"
+        + (" + the indexer's key" if p.kv_bytes_per_token > kv + p.draft_kv_bytes_per_token else "")
+        + (f" + {p.draft_kv_bytes_per_token:,} B draft model" if p.draft_kv_bytes_per_token else "")
+        + f"  [{p.kv_cache_dtype}]"
+    )
+
+
+def experts_line(p: Plan, size) -> str:
+    """The routed experts' share of the weights and, where the model does not fit, whether the rest would."""
+    rest = p.weight_bytes - p.expert_weight_bytes
+    line = f"{size(p.expert_weight_bytes)} of the weights; the rest {size(rest)}"
+    if p.device == "cuda" and not p.fits and rest + p.activation_bytes + p.cuda_reserve_bytes < p.usable_bytes:
+        line += " (fits this device; the experts would stay in host memory, which ember cannot do yet)"
+    return line
+
+
 def format_plan(p: Plan) -> str:
     def size(n: float) -> str:
         return f"{n / 1e9:,.2f} GB ({n / GiB:,.2f} GiB)"
@@ -581,19 +635,8 @@ def format_plan(p: Plan) -> str:
     rows = [
         ("model", f"{p.architecture}  {p.model}"),
         ("parameters", f"{p.num_parameters:,} ({p.num_parameters / 1e9:.2f} B)"),
-        ("weights", f"{size(p.weight_bytes)}  [{p.quantization}, {p.dtype}{tp}]"),
-        *(
-            [("mapped weights", f"{size(p.mapped_weight_bytes)}  read by row from the file, not resident")]
-            if p.mapped_weight_bytes
-            else []
-        ),
-        (
-            "KV bytes per token",
-            f"{p.kv_bytes_per_token:,} B = 2 x {p.kv_layers} layers x {p.kv_heads_per_device} kv heads"
-            f" x {p.head_dim} head_dim x {p.kv_elem_bytes} B"
-            + (f" + {p.draft_kv_bytes_per_token:,} B draft model" if p.draft_kv_bytes_per_token else "")
-            + f"  [{p.kv_cache_dtype}]",
-        ),
+        *weight_rows(p, size, tp),
+        ("KV bytes per token", kv_line(p)),
         ("KV per sequence", f"{size(p.kv_bytes_per_token * p.max_model_len)} for {p.max_model_len:,} tokens"),
         ("activation reserve", size(p.activation_bytes)),
         ("CUDA reserve", size(p.cuda_reserve_bytes) if p.device == "cuda" else "- (cpu)"),
@@ -607,7 +650,7 @@ def format_plan(p: Plan) -> str:
             [
                 (
                     "recurrent state",
-                    f"{size(p.state_bytes_per_seq)} a sequence (fp32 SSM + conv window); {p.state_slots} "
+                    f"{size(p.state_bytes_per_seq)} a sequence (fp32 SSM + conv windows); {p.state_slots} "
                     f"slots (one live a sequence, the rest prefix-cache snapshots) = "
                     f"{size(p.state_bytes_per_seq * p.state_slots)} of the budget",
                 )
