@@ -133,6 +133,20 @@ def test_reasoning_effort_reaches_the_template_three_ways(live):
     )
 
 
+def test_the_offline_chat_api_takes_the_effort_too(live):
+    from ember import LLM, SamplingParams
+
+    llm = LLM(live.app.state.serving.config.model_root, dtype="float32", executor="eager", kv_cache_memory=0.01)
+    try:
+        params = SamplingParams(max_tokens=1, temperature=0)
+        [out] = llm.chat(ASK, params, use_tqdm=False, reasoning_effort="max")
+        assert "Reasoning effort: xhigh." in _text(live, out.prompt_token_ids)
+        [out] = llm.chat(ASK, params, use_tqdm=False, chat_template_kwargs={"reasoning_effort": "low"})
+        assert "Reasoning effort: low." in _text(live, out.prompt_token_ids)
+    finally:
+        llm.close()
+
+
 @pytest.mark.parametrize(
     "kw, says",
     [
