@@ -69,12 +69,18 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict | None = None,
+        reasoning_effort: str | None = None,
     ) -> list[RequestOutput]:
+        """reasoning_effort: OpenAI's value, fitted to the chat template's as the server fits it
+        (ember.server.reasoning_effort; a reasoning_effort in chat_template_kwargs wins, verbatim)."""
+        from ember.server.reasoning_effort import template_kwargs
+
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        kwargs = template_kwargs(self.tokenizer.chat_template, chat_template_kwargs, reasoning_effort)
         prompts = [
             {
                 "prompt_token_ids": self.tokenizer.apply_chat_template(
-                    conv, add_generation_prompt=add_generation_prompt, tokenize=True, **(chat_template_kwargs or {})
+                    conv, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs
                 )
             }
             for conv in conversations

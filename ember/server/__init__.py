@@ -10,6 +10,8 @@
   logprobs.py     logprobs in the chat (current) and completions (legacy) shapes
   metrics.py      Prometheus metrics (one registry per app)
   structured.py   response_format / structured_outputs / guided_* -> StructuredOutputsParams
+  reasoning_effort.py  OpenAI's reasoning_effort fitted to the chat template's values
+  reasoning_choice.py  the reasoning parser: --reasoning-parser's, or qwen3 where the template always thinks
   tokenize.py     /tokenize, /detokenize, /tokenizer_info
   openapi.py      the /openapi.json document, as the routes really answer
   launcher.py     the `ember serve` flags (engine flags + the server's own, vLLM's names; CORS)

@@ -102,7 +102,7 @@ class ChatHandler:
             tools=tools,
             chat_template=self.s.config.chat_template,
             continue_final_message=req.continue_final_message,
-            **(req.chat_template_kwargs or {}),
+            **self.s.template_kwargs(req.chat_template_kwargs, req.reasoning_effort),
         )
         if tools and not self.s.template_shows_tools:
             self.s.tools_unseen()

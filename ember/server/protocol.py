@@ -115,6 +115,8 @@ class ChatCompletionRequest(_Request):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI's: none ... xhigh, fitted to the chat template's values (ember.server.reasoning_effort)
+    reasoning_effort: str | None = None
     # vLLM extras for chat
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True

@@ -19,6 +19,8 @@ from ember.errors import InvalidRequestError, ModelNotFoundError, ParamError
 from ember.sampling import SamplingParams
 from ember.server.logprobs import TokenText
 from ember.server.protocol import ChatCompletionRequest, CompletionRequest, usage
+from ember.server.reasoning_choice import ReasoningParserChoice, resolve_reasoning_parser
+from ember.server.reasoning_effort import template_kwargs
 from ember.server.tool_parsers import AUTO, ToolParserChoice, resolve_tool_parser
 from ember.structured_params import StructuredOutputsParams
 
@@ -87,6 +89,12 @@ class Serving:
             config.tool_call_parser, config.chat_template or self.tokenizer.chat_template
         )
         logger.info("tool calls: %s parser (%s)", self.tool_parser.name, self.tool_parser.reason)
+        self.reasoning: ReasoningParserChoice = resolve_reasoning_parser(
+            engine.reasoning_parser, self.tokenizer, config.chat_template
+        )
+        if self.reasoning.name != engine.reasoning_parser:  # chosen here: the engine's grammars start where it says
+            engine.structured.reasoning_parser = self.reasoning.name
+        logger.info("reasoning: %s parser (%s)", self.reasoning.name or "no", self.reasoning.reason)
         # a template that never reads `tools` renders a request's tools nowhere: said once, at the first such request
         self.template_shows_tools = "tools" in (config.chat_template or self.tokenizer.chat_template or "")
         self._told_tools_unseen = False
@@ -104,7 +112,22 @@ class Serving:
 
     @property
     def reasoning_parser(self) -> str | None:
-        return self.engine.reasoning_parser
+        return self.reasoning.name
+
+    def chat_template_source(self, chat_template: str | None = None) -> str:
+        """The source of the template a request renders with: chat_template (a template, or the name of one
+        of the model's), else --chat-template, else the model's."""
+        chosen = chat_template or self.config.chat_template
+        if chosen is None:
+            return self.tokenizer.chat_template or ""
+        return self.tokenizer.chat_templates.get(chosen, chosen)
+
+    def template_kwargs(
+        self, chat_template_kwargs: dict | None, reasoning_effort: str | None, chat_template: str | None = None
+    ) -> dict:
+        """A request's template variables: its chat_template_kwargs and its top-level reasoning_effort fitted to
+        the template (ember.server.reasoning_effort: explicit chat_template_kwargs win)."""
+        return template_kwargs(self.chat_template_source(chat_template), chat_template_kwargs, reasoning_effort)
 
     @property
     def model_name(self) -> str:

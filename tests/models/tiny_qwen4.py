@@ -7,6 +7,9 @@ PLE too faint for a wrong n-gram to move a greedy token)."""
 from __future__ import annotations
 
 import copy
+import json
+import os
+from pathlib import Path
 
 import torch
 
@@ -99,6 +102,33 @@ def save_qwen4(model, path: str) -> str:
 
     model.save_pretrained(path)
     write_tiny_tokenizer(path, VOCAB)
+    return path
+
+
+# thinking always on, reasoning_effort low / medium / xhigh, Qwen3-Coder XML tool calls (the file's comment)
+CHAT_TEMPLATE = Path(__file__).with_name("qwen4_chat_template.jinja")
+# single tokens in Qwen's vocabulary (added, not special: decoding keeps them), so here too
+CHAT_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
+
+
+def save_qwen4_chat(model, path: str) -> str:
+    """save_qwen4, with the tokenizer a served Qwen3.8-Flash-Next has: CHAT_TOKENS as single tokens and
+    CHAT_TEMPLATE as its chat template (the vocabulary stays VOCAB)."""
+    import tokenizers
+
+    from tests.conftest import write_tiny_tokenizer
+
+    model.save_pretrained(path)
+    write_tiny_tokenizer(path, VOCAB - len(CHAT_TOKENS))
+    tok_file, config_file = os.path.join(path, "tokenizer.json"), os.path.join(path, "tokenizer_config.json")
+    tok = tokenizers.Tokenizer.from_file(tok_file)
+    tok.add_tokens([tokenizers.AddedToken(t, special=False, normalized=False) for t in CHAT_TOKENS])
+    assert tok.get_vocab_size() <= VOCAB
+    tok.save(tok_file)
+    with open(config_file) as f:
+        config = json.load(f)
+    with open(config_file, "w") as f:
+        json.dump(config | {"chat_template": CHAT_TEMPLATE.read_text()}, f)
     return path
 
 

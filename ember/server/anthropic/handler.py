@@ -56,7 +56,7 @@ class MessagesHandler:
                 tools=chat_req.tools if use_tools else None,
                 add_generation_prompt=chat_req.add_generation_prompt,
                 continue_final_message=chat_req.continue_final_message,
-                chat_template_kwargs=chat_req.chat_template_kwargs,
+                chat_template_kwargs=self.s.template_kwargs(chat_req.chat_template_kwargs, chat_req.reasoning_effort),
             ),
         )
         return {"input_tokens": counted["count"]}

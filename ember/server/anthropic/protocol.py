@@ -68,7 +68,8 @@ class OutputFormat(_Lenient):
 
 
 class OutputConfig(_Lenient):
-    """`format`: a JSON schema the answer must meet (structured outputs); `effort` has no meaning here."""
+    """`format`: a JSON schema the answer must meet (structured outputs); `effort`: the chat template's
+    reasoning_effort where it has one (low / medium / high / max, fitted to the template's values)."""
 
     format: OutputFormat | None = None
     effort: str | None = None

@@ -83,6 +83,10 @@ def chat_request_dict(req: MessagesRequest | CountTokensRequest) -> dict[str, An
         out["max_tokens"] = req.max_tokens
         if req.output_config is not None and req.output_config.format is not None:
             out["response_format"] = _response_format(req.output_config.format)
+        if req.output_config is not None and req.output_config.effort is not None:
+            # the chat template's effort where it has one (ember.server.reasoning_effort); `thinking` above
+            # still decides enable_thinking, as an explicit template variable wins
+            out["reasoning_effort"] = req.output_config.effort
         if req.stop_sequences:
             out["stop"] = list(req.stop_sequences)
         for name in ("temperature", "top_p", "top_k"):

@@ -32,7 +32,9 @@ class InputTokensRequest(_Lenient):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     text: dict[str, Any] | None = None
-    reasoning: dict[str, Any] | None = None  # effort / summary: no effect on ember's answer
+    reasoning: dict[str, Any] | None = (
+        None  # effort: the template's reasoning_effort (translate.py); summary: no effect
+    )
     truncation: str | None = None  # "disabled" is what ember does: a prompt too long is a 400
     # state kept between requests: refused (ember is stateless)
     previous_response_id: str | None = None

@@ -57,7 +57,17 @@ class ResponsesEndpoint:
         _log_ignored(req)
         chat = to_chat(req).chat
         use_tools = bool(chat.tools) and chat.tool_choice != "none"  # the chat path's rule for the prompt
-        body = TokenizeRequest(model=req.model, messages=chat.messages, tools=chat.tools if use_tools else None)
+        try:
+            kwargs = self.serving.template_kwargs(chat.chat_template_kwargs, chat.reasoning_effort)
+        except ParamError as e:
+            e.param = CHAT_TO_RESPONSES_PARAM.get(e.param, e.param)
+            raise
+        body = TokenizeRequest(
+            model=req.model,
+            messages=chat.messages,
+            tools=chat.tools if use_tools else None,
+            chat_template_kwargs=kwargs,
+        )
         return {"object": "response.input_tokens", "input_tokens": tokenize(self.serving, body)["count"]}
 
     async def _submit(self, chat: ChatCompletionRequest):

@@ -76,6 +76,7 @@ CHAT_TO_RESPONSES_PARAM = {
     "messages": "input",
     "max_tokens": "max_output_tokens",
     "response_format": "text",
+    "reasoning_effort": "reasoning.effort",
 }
 
 
@@ -116,6 +117,7 @@ def to_chat(req: InputTokensRequest) -> ChatTranslation:
         "tool_choice": chat_tool_choice(req.tool_choice, tools),
         "parallel_tool_calls": req.parallel_tool_calls,
         "response_format": response_format,
+        "reasoning_effort": reasoning_effort(req.reasoning),
     }
     if isinstance(req, ResponsesRequest):
         body.update(stream=req.stream, max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p)
@@ -124,6 +126,14 @@ def to_chat(req: InputTokensRequest) -> ChatTranslation:
     except ValidationError as e:  # the items were checked one by one: this names what is still wrong
         raise ParamError(f"the request does not translate to a chat request: {e.errors()[0]['msg']}", "input") from None
     return ChatTranslation(chat, frozenset(custom), list(req.tools or []))
+
+
+def reasoning_effort(reasoning: dict | None) -> str | None:
+    """`reasoning.effort`: the chat request's reasoning_effort (fitted to the template there)."""
+    effort = (reasoning or {}).get("effort")
+    if effort is not None and not isinstance(effort, str):
+        raise ParamError(f"reasoning.effort must be a string such as 'medium', not {effort!r}", "reasoning.effort")
+    return effort
 
 
 # -- input items --------------------------------------------------------------------------------
