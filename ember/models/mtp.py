@@ -204,7 +204,7 @@ class MTPLayer(nn.Module):
                 q, k.to(q.dtype), v.to(q.dtype), is_causal=True, scale=scale, enable_gqa=True
             )
         else:
-            o = _chain_attention(q, k, v, prior_kv, scale)
+            o = chain_attention(q, k, v, prior_kv, scale)
         o = attn.o_proj(o.transpose(1, 2).reshape(B * T, -1))
         hmid, residual = blk.post_attention_layernorm(o, residual)
         out = blk.mlp(hmid)
@@ -212,7 +212,7 @@ class MTPLayer(nn.Module):
         return g.view(B, T, H), (k, v)
 
 
-def _chain_attention(q, k, v, prior_kv, scale: float) -> torch.Tensor:
+def chain_attention(q, k, v, prior_kv, scale: float) -> torch.Tensor:
     """q [B, Hq, T, D]; k, v [B, Hkv, T, D]; prior_kv (K0, V0, [(Kj, Vj), ...]) as in forward_dense.
     Scores: causal over K0 (key j <= row t), then one per chain key at the same row; one softmax."""
     K0, V0, chain = prior_kv

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ember.config.model_config import LINEAR_ATTENTION, ModelConfig
@@ -36,7 +37,7 @@ from ember.layers.ple import PLELayer
 from ember.layers.qsa import QSAIndexer, masked_attention, sequence_slots
 from ember.layers.rotary import RotaryEmbedding, apply_rotary
 from ember.models.llama import LlamaForCausalLM, embedding_method, linear_method
-from ember.models.mtp import MTPModule
+from ember.models.mtp import MTPModule, chain_attention
 from ember.models.qwen3_next import GatedAttention, Qwen3NextForCausalLM, SharedExpertMoeBlock
 
 
@@ -225,6 +226,10 @@ class Qwen4ExpForConditionalGeneration(Qwen4ExpForCausalLM):
     model.language_model.*, the vision tower skipped, config under text_config."""
 
 
+# a fused projection's parts under their checkpoint names (MTP export)
+FUSED_PARTS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "gate": "gate_proj", "up": "up_proj"}
+
+
 class Qwen4ExpMTPLayer(Qwen4ExpDecoderLayer):
     """One MTP depth: a full attention decoder layer (hyper-connections, QSA attention with its own indexer,
     the MoE), scored through the model's LM head (no head or draft vocabulary of its own)."""
@@ -286,10 +291,11 @@ class Qwen4ExpMTP(nn.Module):
         return self.num_layers * (2 * heads * dim + self.cfg.indexer.head_dim) * elem_bytes
 
     def fuse(self, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """The layer's 4-stream input (the class docstring): [T] ids, [T, n*H] residuals -> [T, n*H]."""
-        T, H = input_ids.shape[0], self.cfg.hidden_size
-        e = self.fc_embedding(self.pre_fc_norm_embedding(self._embed(input_ids)))
-        h = self.pre_fc_norm_hidden(hidden.to(e.dtype)).reshape(T * self.hc_count, H)
+        """The layer's 4-stream input (the class docstring): [T] ids, [T, n*H] residuals -> [T, n*H], in the
+        layer's dtype (float32 master weights while training)."""
+        T, H, dtype = input_ids.shape[0], self.cfg.hidden_size, self.fc_hidden.weight.dtype
+        e = self.fc_embedding(self.pre_fc_norm_embedding(self._embed(input_ids).to(dtype)))
+        h = self.pre_fc_norm_hidden(hidden.to(dtype)).reshape(T * self.hc_count, H)
         return (e.unsqueeze(1) + self.fc_hidden(h).view(T, self.hc_count, H)).flatten(1)
 
     def forward(self, input_ids, positions, hidden, kv_caches, meta: AttentionMetadata, step=0, select=None):
@@ -304,7 +310,8 @@ class Qwen4ExpMTP(nn.Module):
         return selected_rows(X, select)
 
     def compute_draft_logits(self, g: torch.Tensor, step: int = 0) -> tuple[torch.Tensor, None]:
-        return self._lm_head(self.hyper_connection_mixer(g)), None
+        mixed = self.hyper_connection_mixer(g.to(self.fc_hidden.weight.dtype))
+        return self._lm_head(mixed.to(self._embed.weight.dtype)), None
 
     def compute_logits(self, g: torch.Tensor, step: int = 0) -> torch.Tensor:
         return self.compute_draft_logits(g, step)[0]
@@ -326,6 +333,64 @@ class Qwen4ExpMTP(nn.Module):
 
     def skip_weight(self, name: str) -> bool:
         return False
+
+    # ---- training (ember.train.mtp) ------------------------------------------------------------
+
+    def forward_dense(self, input_ids, positions, hidden, step: int = 0, prior_kv=None):
+        """MTPModule.forward_dense's contract over whole padded sequences ([B, T] ids and positions, [B, T,
+        n*H] residuals): (G [B, T, n*H], (k, v) [B, Hkv, T, D]), differentiable. The attention is causal and
+        dense: QSA's selection changes nothing below the budget, and past it only what a draft sees."""
+        B, T = input_ids.shape
+        layer = self.layers[self.layer_for_step(step)]
+        X = self.fuse(input_ids.reshape(-1), hidden.reshape(B * T, -1))
+        cos, sin = self._rotary.get_cos_sin(positions.reshape(-1))
+        x, w = layer.attn_hyper_connection(X)
+        attn = layer.self_attn
+        q_gate, k, v = attn.qkv_proj.split(attn.qkv_proj(x))
+        D = attn.qkv_proj.head_dim
+        q, gate = q_gate.reshape(B * T, attn.num_heads, 2 * D).chunk(2, dim=-1)
+        q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = (apply_rotary(t, cos.to(X.dtype), sin.to(X.dtype), False) for t in (q, k))
+        q, k, v = (t.reshape(B, T, t.shape[1], D).transpose(1, 2) for t in (q, k, v))
+        if prior_kv is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.attn.scale, enable_gqa=True)
+        else:
+            o = chain_attention(q, k, v, prior_kv, attn.attn.scale)
+        y = attn.o_proj((o.transpose(1, 2).reshape(B * T, attn.num_heads, D) * torch.sigmoid(gate)).flatten(1))
+        X = HyperConnection.inject(X, y, w)
+        x, w = layer.mlp_hyper_connection(X)
+        X = HyperConnection.inject(X, layer.mlp(x), w)
+        return X.view(B, T, -1), (k, v)
+
+    @torch.no_grad()
+    def init_from_main(self, main: Qwen4ExpForCausalLM) -> None:
+        """A start for training: the layer a copy of the model's last attention layer, the final mixer the
+        model's, the fusion an identity (e + H_s, each normed to unit RMS)."""
+        last = [layer for layer in main.model.layers if not layer.is_linear][-1]
+        for layer in self.layers:
+            layer.load_state_dict(last.state_dict())
+        self.hyper_connection_mixer.load_state_dict(main.model.hyper_connection_mixer.state_dict())
+        for fc in (self.fc_embedding, self.fc_hidden):
+            fc.weight.copy_(torch.eye(self.cfg.hidden_size, dtype=fc.weight.dtype))
+        self.pre_fc_norm_embedding.weight.zero_()
+        self.pre_fc_norm_hidden.weight.zero_()
+
+    def export_tensors(self) -> dict[str, torch.Tensor]:
+        """The weights under the checkpoint's mtp.* names (fused projections and experts split back as
+        transformers names them), what load_mtp_weights reads."""
+        out, modules = {}, dict(self.named_modules())
+        for pname, p in self.named_parameters():
+            mod_path, _, local = pname.rpartition(".")
+            module = modules[mod_path]
+            if getattr(module, "shard_ids", [None]) != [None]:  # q/k/v, gate/up: one tensor a part
+                parent = mod_path.rpartition(".")[0]
+                for sid in module.shard_ids:
+                    out[f"mtp.{parent}.{FUSED_PARTS[sid]}.{local}"] = module.shard_view(p, sid)
+            elif local in ("w13", "w2"):  # stacked experts, in transformers' fused layout
+                out[f"mtp.{mod_path}.{'gate_up_proj' if local == 'w13' else 'down_proj'}"] = p
+            else:
+                out[f"mtp.{pname}"] = p
+        return {k: v.detach().cpu().contiguous().clone() for k, v in out.items()}
 
     @torch.no_grad()
     def load_mtp_weights(self, weights, where: str) -> None:

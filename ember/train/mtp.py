@@ -207,7 +207,14 @@ class MTPTrainer:
         self.main, self.data, self.cfg = main, data, cfg
         vocab = main.cfg.vocab_size
         self.vocab_stats = {}
-        if 0 < cfg.draft_vocab_size < vocab:
+        # a model whose MTP layer is its own kind (qwen4_exp: build_mtp) trains that layer, scored by the model's
+        # own head over the whole vocabulary (its checkpoint format has no head or draft vocabulary of its own)
+        self.own_kind = hasattr(main, "build_mtp")
+        if self.own_kind and draft_vocab is not None:
+            raise ConfigError("--resume: this model's MTP layer has no reduced draft vocabulary; start anew")
+        if self.own_kind and 0 < cfg.draft_vocab_size < vocab:
+            log.info("%s's MTP layer scores with the model's LM head: the full vocabulary", main.cfg.architecture)
+        elif 0 < cfg.draft_vocab_size < vocab:
             ranked, self.vocab_stats = draft_vocabulary(data.train, vocab, cfg.draft_vocab_size)
             if draft_vocab is None:
                 draft_vocab = ranked
@@ -222,14 +229,19 @@ class MTPTrainer:
             )
         self.draft_vocab = draft_vocab
         torch.manual_seed(cfg.seed)
-        self.mtp = build_mtp(main, draft_vocab)
-        init_from_main(self.mtp, main)
+        if self.own_kind:
+            self.mtp = main.build_mtp(1)
+            self.mtp.init_from_main(main)
+        else:
+            self.mtp = build_mtp(main, draft_vocab)
+            init_from_main(self.mtp, main)
         self.mtp.float()
         self.params = [p for p in self.mtp.parameters()]
         for p in self.params:
             p.requires_grad_(True)
         ids = draft_vocab if draft_vocab is not None else torch.arange(vocab)
-        self.teacher_rows = main_head_rows(self.mtp, ids).float()  # frozen: the model's head on the draft vocab
+        # frozen: the model's head on the draft vocabulary (an own-kind MTP: the model's compute_logits instead)
+        self.teacher_rows = None if self.own_kind else main_head_rows(self.mtp, ids).float()
         self.col_of = torch.full((vocab,), -1, dtype=torch.int64)
         self.col_of[ids] = torch.arange(len(ids))
         self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
@@ -269,9 +281,9 @@ class MTPTrainer:
             th = hid[:, s + 1 : s + 1 + R][valid]
             target = ids[:, s + 2 : s + 2 + R][valid]
             with torch.no_grad(), torch.autocast("cpu", enabled=False):  # the teacher in float32
-                tlog = torch.log_softmax(th @ self.teacher_rows.T, dim=-1)
+                tlog = torch.log_softmax(self.teacher_logits(th), dim=-1)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-                slogits = self.mtp.layers[0].head(gv)
+                slogits = self.mtp.compute_draft_logits(gv)[0] if self.own_kind else self.mtp.layers[0].head(gv)
             slog = torch.log_softmax(slogits.float(), dim=-1)
             kl = (tlog.exp() * (tlog - slog)).sum(-1).mean()
             col = self.col_of[target]
@@ -284,6 +296,12 @@ class MTPTrainer:
             stats[f"kl{s}"], stats[f"agree{s}"] = kl.item(), agree
         stats["loss"] = total.item()
         return total, stats
+
+    def teacher_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The frozen model's logits (float32) over the draft vocabulary at these hidden states."""
+        if self.own_kind:
+            return self.main.compute_logits(hidden.to(self.main.dtype)).float()
+        return hidden @ self.teacher_rows.T
 
     def train(self, progress: bool | None = None, on_step=None) -> list[dict]:
         from tqdm import tqdm
@@ -409,9 +427,7 @@ def evaluate_mtp(
         rows = (i >= start[:, None]) & (i + depth + 1 < lens[:, None])  # decode positions with `depth` targets
         match_all = rows.clone()
         for s, g in chain_forward(mtp, ids, hid, depth):
-            drafts = mtp.propose_greedy(g.reshape(-1, g.shape[-1]).to(mtp.layers[0].head.weight.dtype), s).view(
-                g.shape[:2]
-            )
+            drafts = mtp.propose_greedy(g.reshape(-1, g.shape[-1]).to(student_dtype(mtp)), s).view(g.shape[:2])
             ok = drafts == greedy[:, s + 1 : s + 1 + R]
             cond_den[s] += match_all.sum()
             match_all = match_all & ok
@@ -429,9 +445,7 @@ def evaluate_mtp(
         ids, hid, lens = pad_batch(seqs, 2)
         R = ids.shape[1] - 2
         for s, g in chain_forward(mtp, ids, hid, 1):
-            drafts = mtp.propose_greedy(g.reshape(-1, g.shape[-1]).to(mtp.layers[0].head.weight.dtype), 0).view(
-                g.shape[:2]
-            )
+            drafts = mtp.propose_greedy(g.reshape(-1, g.shape[-1]).to(student_dtype(mtp)), 0).view(g.shape[:2])
         for b, seq in enumerate(seqs):
             i0, i1 = seq.prompt_len - 1, len(seq) - 2  # rows with a generated next token
             if i1 <= i0:
@@ -459,6 +473,11 @@ def evaluate_mtp(
 # ---- output folder --------------------------------------------------------------------------------------
 
 
+def student_dtype(mtp) -> torch.dtype:
+    """The MTP layer's weights' dtype (float32 master weights while training, the model's once served)."""
+    return next(mtp.parameters()).dtype
+
+
 def mtp_config(main_cfg, draft_vocab_size: int | None) -> dict:
     raw = main_cfg.raw
     cfg = {"architectures": [main_cfg.architecture.removesuffix("ForCausalLM") + "MTP"]}
@@ -477,14 +496,17 @@ def write_mtp_folder(mtp: MTPModule, main_cfg, out: str, readme: str | None = No
     from safetensors.torch import save_file
 
     os.makedirs(out, exist_ok=True)
-    tensors = {
-        k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
-        for k, v in export_deepseek_tensors(mtp, main_cfg.num_layers).items()
-    }
+    own_kind = hasattr(mtp, "export_tensors")  # its model's own checkpoint names and config (qwen4_exp's mtp.*)
+    exported = mtp.export_tensors() if own_kind else export_deepseek_tensors(mtp, main_cfg.num_layers)
+    tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous() for k, v in exported.items()}
     save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     dv = mtp.layers[0].draft_vocab
+    if own_kind:  # the model's config, naming its own architecture and the layer count
+        config = dict(main_cfg.raw, architectures=[main_cfg.architecture], mtp_num_hidden_layers=mtp.num_layers)
+    else:
+        config = mtp_config(main_cfg, None if dv is None else int(dv.numel()))
     with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(mtp_config(main_cfg, None if dv is None else int(dv.numel())), f, indent=2)
+        json.dump(config | {"torch_dtype": "bfloat16"}, f, indent=2)
         f.write("\n")
     if readme is not None:
         with open(os.path.join(out, "README.md"), "w") as f:

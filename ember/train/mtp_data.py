@@ -272,6 +272,30 @@ def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
     return batches
 
 
+@torch.inference_mode()
+def teacher_hidden_engine(engine, seqs: list[Sequence], progress: bool = True, desc: str = "teacher forward") -> None:
+    """teacher_hidden for a model with recurrent state (a hybrid): each sequence prefilled whole through the
+    engine's runner, its KV blocks and state slot borrowed and given back, its hidden rows kept (for
+    qwen4_exp the 4-stream residual its MTP layer reads)."""
+    from tqdm import tqdm
+
+    from ember.engine.scheduler import SchedulerOutput
+    from ember.errors import ConfigError
+    from ember.request import Request
+
+    runner, kv = engine.parts.runner, engine.parts.kv
+    for k, seq in enumerate(tqdm(seqs, desc=desc, unit="seq", disable=not progress, dynamic_ncols=True)):
+        req = Request(f"teacher-{k}", seq.ids.tolist(), sampling_params=None)
+        if not kv.allocate_slots(req, len(seq)):
+            raise ConfigError(f"the KV cache cannot hold a {len(seq)}-token sequence; raise --kv-cache-memory")
+        try:
+            batch = runner.prepare(SchedulerOutput(scheduled=[(req, len(seq))]))
+            hidden = runner.model(batch.input_ids, batch.positions, runner.kv_caches, batch.meta)
+            seq.hidden = hidden.detach().cpu().clone()
+        finally:
+            kv.free(req)
+
+
 def teacher_hidden(
     main, seqs: list[Sequence], batch_tokens: int = 4096, progress: bool = True, desc: str = "teacher forward"
 ) -> None:
@@ -362,7 +386,10 @@ def make_data(
         everything[num_prompts : num_prompts + eval_prompts],
         everything[num_prompts + eval_prompts :],
     )
-    teacher_hidden(main, everything, teacher_batch_tokens, progress)
+    if main.cfg.is_hybrid:  # recurrent states: through the engine's own step, a sequence at a time
+        teacher_hidden_engine(llm.engine, everything, progress)
+    else:
+        teacher_hidden(main, everything, teacher_batch_tokens, progress)
     t2 = time.perf_counter()
     info = {
         "generation_seconds": t1 - t0,
