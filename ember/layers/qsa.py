@@ -118,13 +118,10 @@ class QSAIndexer(nn.Module):
             return mask
         keys = self.block_keys(raw, cos_sin)
         scores = torch.relu(torch.einsum("nhd,bd->nhb", q.float(), keys.float())).sum(1) / math.sqrt(q.shape[-1])
-        visible = torch.arange(nb, device=q.device)[None, :] < nc[:, None]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        k = min(self.cfg.budget // r, nb)
-        top = scores.topk(k, dim=1).indices  # visible blocks first: their scores are finite
-        chosen = torch.zeros(n, nb, dtype=torch.bool, device=q.device)
-        chosen.scatter_(1, top, torch.arange(k, device=q.device)[None, :] < nc[:, None])
-        mask[:, : nb * r] |= chosen.repeat_interleave(r, dim=1)
+        top = top_blocks(scores, nc, min(self.cfg.budget // r, nb)).to(torch.int64)
+        chosen = torch.zeros(n, nb + 1, dtype=torch.bool, device=q.device)
+        chosen.scatter_(1, top.masked_fill(top < 0, nb), True)  # pads mark the spare column
+        mask[:, : nb * r] |= chosen[:, :nb].repeat_interleave(r, dim=1)
         return mask
 
     def select_blocks(self, q: torch.Tensor, meta: AttentionMetadata, cos_sin) -> BlockSelection:
@@ -164,16 +161,31 @@ class QSAIndexer(nn.Module):
     def _top_blocks(self, q, keys, seq, one: int | None, nc, k: int) -> torch.Tensor:
         """Rows q [R, heads, d] of sequences seq (all of sequence `one` when not None) -> their top-k visible
         blocks [R, k] int32, ascending, -1 past the row's nc visible ones (select's scores and ranking)."""
-        nb = keys.shape[1]
         if one is not None:
             scores = torch.einsum("nhd,bd->nhb", q.float(), keys[one])
         else:
             scores = torch.einsum("nhd,nbd->nhb", q.float(), keys[seq])
-        scores = torch.relu(scores).sum(1) / math.sqrt(q.shape[-1])
-        visible = torch.arange(nb, device=q.device)[None, :] < nc[:, None]
-        top = scores.masked_fill(~visible, float("-inf")).topk(k, dim=1).indices
-        top = top.masked_fill(torch.arange(k, device=q.device)[None, :] >= nc[:, None], nb).sort(dim=1).values
-        return top.masked_fill(top == nb, -1).to(torch.int32)
+        return top_blocks(torch.relu(scores).sum(1) / math.sqrt(q.shape[-1]), nc, k)
+
+
+def top_blocks(scores: torch.Tensor, nc: torch.Tensor, k: int) -> torch.Tensor:
+    """scores [R, nb] (float32) and each row's visible blocks nc [R] (blocks 0..nc-1) -> [R, k] int32: the row's
+    k highest-scoring visible blocks (every one where nc <= k), ascending ids, then -1 pads. Equal scores go
+    to the earlier block. (torch.topk's choice among ties is unspecified and depends on the row's length, and
+    the ReLU makes ties at 0 common: this rule makes the batched rows, padded to the longest sequence's
+    blocks, choose as one sequence's rows do. The reference, one topk per query over its visible blocks, may
+    choose other tied blocks there.)"""
+    nb = scores.shape[1]
+    ids = torch.arange(nb, device=scores.device)
+    visible = ids[None, :] < nc[:, None]
+    s = scores.masked_fill(~visible, float("-inf"))
+    kth = s.topk(k, dim=1).values[:, -1:]  # -inf where fewer than k are visible: then every visible one
+    above = s > kth
+    tied = (s == kth) & visible
+    room = k - above.sum(1, keepdim=True)
+    chosen = above | (tied & (tied.cumsum(1) <= room))
+    key = torch.where(chosen, nb - ids, 0).topk(k, dim=1).values  # the earliest chosen first
+    return torch.where(key > 0, nb - key, -1).to(torch.int32)
 
 
 def query_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
