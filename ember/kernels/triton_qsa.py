@@ -34,9 +34,28 @@ BLOCK_N = 64  # token-list positions per tile on a GPU
 
 
 @triton.jit
-def selected_tile(q, acc, m_i, l_i, start, n_pos, blocks_row, tail, kv_len, kv_base, bt_row, d_ok, qk_scale,
-                  stride_kv, stride_slot, K, RATIO: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                  BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+def selected_tile(
+    q,
+    acc,
+    m_i,
+    l_i,
+    start,
+    n_pos,
+    blocks_row,
+    tail,
+    kv_len,
+    kv_base,
+    bt_row,
+    d_ok,
+    qk_scale,
+    stride_kv,
+    stride_slot,
+    K,
+    RATIO: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """Positions start .. start + BLOCK_N - 1 of a row's token list folded into (acc, m_i, l_i)."""
     pos = start + tl.arange(0, BLOCK_N)
     in_blocks = pos < K * RATIO
@@ -61,12 +80,44 @@ def selected_tile(q, acc, m_i, l_i, start, n_pos, blocks_row, tail, kv_len, kv_b
 
 
 @triton.jit
-def qsa_kernel(q_ptr, kv_ptr, bt_ptr, seq_ptr, blocks_ptr, tail_ptr, lens_ptr, part_out_ptr, part_lse_ptr, out_ptr,
-               qk_scale, K, tiles_per_split, stride_qt, stride_qh, stride_kv, stride_slot, stride_kvh, stride_bt,
-               stride_pt, stride_ph, stride_ps, stride_ot, stride_oh, G: tl.constexpr, RATIO: tl.constexpr,
-               BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-               D_PAD: tl.constexpr, DIRECT: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
-               ROUND_MBITS: tl.constexpr, ROUND_MIN_NORMAL: tl.constexpr):
+def qsa_kernel(
+    q_ptr,
+    kv_ptr,
+    bt_ptr,
+    seq_ptr,
+    blocks_ptr,
+    tail_ptr,
+    lens_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    qk_scale,
+    K,
+    tiles_per_split,
+    stride_qt,
+    stride_qh,
+    stride_kv,
+    stride_slot,
+    stride_kvh,
+    stride_bt,
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    stride_ot,
+    stride_oh,
+    G: tl.constexpr,
+    RATIO: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    DIRECT: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
+    ROUND_MBITS: tl.constexpr,
+    ROUND_MIN_NORMAL: tl.constexpr,
+):
     row, kvh, split = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     g = tl.arange(0, BLOCK_M)
     head = kvh * G + g
@@ -85,9 +136,11 @@ def qsa_kernel(q_ptr, kv_ptr, bt_ptr, seq_ptr, blocks_ptr, tail_ptr, lens_ptr, p
     l_i = tl.full((BLOCK_M,), 0.0, tl.float32)
     acc = tl.full((BLOCK_M, D_PAD), 0.0, tl.float32)
     for start in range(lo, hi, BLOCK_N):
+        # fmt: off
         acc, m_i, l_i = selected_tile(q, acc, m_i, l_i, start, hi, blocks_ptr + row * K, tail, kv_len, kv_base,
                                       bt_ptr + seq * stride_bt, d_ok, qk_scale, stride_kv, stride_slot, K, RATIO,
                                       BLOCK_SIZE, BLOCK_N, PRECISION)
+        # fmt: on
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     if DIRECT:
         offsets = row * stride_ot + head[:, None] * stride_oh + d[None, :]

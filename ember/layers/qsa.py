@@ -35,7 +35,6 @@ from ember.layers.linear import ReplicatedLinear
 from ember.layers.norm import ZeroCenteredRMSNorm
 from ember.layers.rotary import apply_rotary
 
-
 # a scoring tile's largest tensor (gathered block keys or scores), in elements: 32 MiB of float32
 TILE_ELEMENTS = 1 << 23
 

@@ -50,9 +50,7 @@ def mixer(cfg: ModelConfig, dtype, device, quant_config, prefix: str, inject: bo
 
 
 class QSAGatedAttention(GatedAttention):
-    def __init__(
-        self, cfg: ModelConfig, layer_idx: int, dtype, device, attn_backend, quant_config=None, kernels=None
-    ):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype, device, attn_backend, quant_config=None, kernels=None):
         super().__init__(cfg, layer_idx, dtype, device, attn_backend, quant_config)
         self.cpu_kernel = (kernels or CpuKernels()).qsa_attention  # the C++ sparse attention where it applies
         prefix = f"model.layers.{layer_idx}.self_attn.indexer.index_qk_proj"
