@@ -30,6 +30,7 @@ class CpuKernels:
     int8_activations: bool = True  # the tiled GEMV's int8-x path for many-row steps (AVX-512 VNNI)
     half_weights: bool = True  # GGUF BF16 / F16 matrices kept 16-bit under float32 x (cpu_half_gemv)
     gated_delta_net: bool = True  # Gated DeltaNet conv + recurrence for decodes and verifies (cpu_gated_delta_net)
+    qsa_attention: bool = True  # qwen4_exp's selected-block (QSA) attention, bf16 / fp32 KV (cpu_qsa_attention)
 
     @classmethod
     def none(cls) -> "CpuKernels":
@@ -47,6 +48,7 @@ class CpuKernels:
             cpu_causal_attention,
             cpu_fused_elementwise,
             cpu_gated_delta_net,
+            cpu_qsa_attention,
             cpu_row_top,
             cpu_tiled_gemv,
         )
@@ -66,4 +68,6 @@ class CpuKernels:
             half_weights=config.half_weights,
             # hybrid models' (~10 s to build where it was not at install; a load of a few ms where it was)
             gated_delta_net=config.gated_delta_net and cpu_gated_delta_net.available(),
+            # the sparse attention's kernel goes with the paged one (--cpu-paged-attention): ~15 s to build
+            qsa_attention=config.paged_attention and cpu_qsa_attention.available(),
         )

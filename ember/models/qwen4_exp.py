@@ -7,7 +7,8 @@ embedding and indexed sparse attention (../shared/research/qwen4exp.md).
   their state (conv window, last ids) rides in the layer's RecurrentState (PLEState).
 - Every attention layer is Qwen3.5's gated attention whose keys are chosen per query by a QSA indexer
   (ember.layers.qsa): the engine's attention backend while every sequence of the step is within the dense
-  threshold, the masked torch form past it.
+  threshold, past it the selection in index form and the selected-block kernel (C++ on CPU, Triton on CUDA,
+  gathered torch ops otherwise).
 - The Gated DeltaNet output gate is output_gate_type's (sigmoid in the release); every MLP is the sparse MoE
   with its gated shared expert.
 The vision-language checkpoint serves its text model. The forward returns the 4-stream residual
@@ -34,7 +35,7 @@ from ember.layers.hyper_connection import HyperConnection
 from ember.layers.linear import ReplicatedLinear
 from ember.layers.norm import ZeroCenteredRMSNorm
 from ember.layers.ple import PLELayer
-from ember.layers.qsa import QSAIndexer, masked_attention, sequence_slots
+from ember.layers.qsa import QSAIndexer, selected_attention
 from ember.layers.rotary import RotaryEmbedding, apply_rotary
 from ember.models.llama import LlamaForCausalLM, embedding_method, linear_method
 from ember.models.mtp import MTPModule, chain_attention
@@ -56,8 +57,9 @@ def mixer(cfg: ModelConfig, dtype, device, quant_config, prefix: str, inject: bo
 
 
 class QSAGatedAttention(GatedAttention):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype, device, attn_backend, quant_config=None):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype, device, attn_backend, quant_config=None, kernels=None):
         super().__init__(cfg, layer_idx, dtype, device, attn_backend, quant_config)
+        self.cpu_kernel = (kernels or CpuKernels()).qsa_attention  # the C++ sparse attention where it applies
         prefix = f"model.layers.{layer_idx}.self_attn.indexer.index_qk_proj"
         self.indexer = QSAIndexer(
             cfg.indexer, cfg.hidden_size, cfg.rms_norm_eps, dtype, device, linear_method(quant_config, prefix)
@@ -79,21 +81,17 @@ class QSAGatedAttention(GatedAttention):
         return self.o_proj((o * torch.sigmoid(gate)).flatten(1))
 
     def _sparse(self, q, k, v, index_q, kv_cache, meta: AttentionMetadata, sequence_cos_sin) -> torch.Tensor:
-        """Each sequence's queries over the tokens their selection keeps (ember.layers.qsa)."""
-        attn = self.attn  # never an fp8 cache: refused at start (engine.startup.limits)
+        """The step's queries over the tokens their selection keeps, all sequences in one call (ember.layers.qsa:
+        the selection in index form, then the C++ / Triton kernel or the gathered torch form)."""
+        # never an fp8 cache: refused at start (engine.startup.limits)
         write_kv_cache(k, v, kv_cache, meta.slot_mapping, meta.all_slots_valid)
-        keys = kv_cache[0].reshape(-1, *kv_cache.shape[-2:])
-        values = kv_cache[1].reshape(-1, *kv_cache.shape[-2:])
-        out, s = torch.empty_like(q), 0
-        longest = sequence_cos_sin(meta.max_seq_len)
-        for b, (n, N) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-            if n == 0:
-                continue
-            rows, slots = slice(s, s + n), sequence_slots(meta, b, N)
-            cos_sin = (longest[0][:N], longest[1][:N])
-            mask = self.indexer.select(index_q[rows], self.indexer.keys[slots], N - n, cos_sin)
-            out[rows] = masked_attention(q[rows], keys[slots].to(q.dtype), values[slots].to(q.dtype), mask, attn.scale)
-            s += n
+        n = sum(meta.query_lens_cpu)
+        sel = self.indexer.select_blocks(index_q[:n], meta, sequence_cos_sin(meta.max_seq_len))
+        out = torch.zeros_like(q) if n < q.shape[0] else None  # rows past the sequences' (padding): zeros
+        o = selected_attention(q[:n], kv_cache, meta.block_tables, sel, self.attn.scale, self.cpu_kernel)
+        if out is None:
+            return o
+        out[:n] = o
         return out
 
 
@@ -108,7 +106,7 @@ class Qwen4ExpDecoderLayer(nn.Module):
         if self.is_linear:
             self.linear_attn = GatedDeltaNet(cfg, dtype, device, quant_config, f"{prefix}.linear_attn", kernels)
         else:
-            self.self_attn = QSAGatedAttention(cfg, layer_idx, dtype, device, attn_backend, quant_config)
+            self.self_attn = QSAGatedAttention(cfg, layer_idx, dtype, device, attn_backend, quant_config, kernels)
         self.mlp = SharedExpertMoeBlock(cfg, dtype, device, quant_config, f"{prefix}.mlp", kernels)
         self.ple = None
         if cfg.ple is not None and layer_idx in cfg.ple.layers:

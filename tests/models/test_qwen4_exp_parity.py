@@ -56,25 +56,34 @@ def test_greedy_tokens_and_logprobs_equal_transformers(tiny, chunk):
     assert [o.outputs[0].token_ids for o in batched] == refs
 
 
-def test_long_prompts_are_sparse(tiny):
-    """The 200-token prompt's last queries keep 16 of their 50 blocks (and the tail): QSA selected, and the
-    tokens above matched the reference through it."""
+def test_long_prompts_are_sparse(tiny, monkeypatch):
+    """The 200-token prompt's last queries keep 16 of their 50 blocks (and the tail): QSA selected, through the
+    C++ selected-block kernel (the path the parity test above took), and the tokens above matched the
+    reference through it."""
+    from ember.kernels import cpu_qsa_attention
+
     hf, path, _ = tiny
     engine = llm(path)
     attn = next(layer.self_attn for layer in engine.engine.parts.runner.model.model.layers if not layer.is_linear)
-    seen = []
-    select = attn.indexer.select
+    seen, kernel_rows = [], []
+    select, kernel = attn.indexer.select_blocks, cpu_qsa_attention.qsa_attention
 
-    def spy(q, raw, first, cos_sin):
-        mask = select(q, raw, first, cos_sin)
-        seen.append((raw.shape[0], mask[-1].sum().item()))
-        return mask
+    def spy(q, meta, cos_sin):
+        sel = select(q, meta, cos_sin)
+        seen.append((meta.seq_lens_cpu[0], sel.mask(meta.seq_lens_cpu[0])[-1].sum().item()))
+        return sel
 
-    attn.indexer.select = spy
+    def kernel_spy(q, *args):
+        kernel_rows.append(q.shape[0])
+        return kernel(q, *args)
+
+    attn.indexer.select_blocks = spy
+    monkeypatch.setattr(cpu_qsa_attention, "qsa_attention", kernel_spy)
     engine.generate([{"prompt_token_ids": PROMPTS[1]}], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
     N, kept = seen[0]
     assert N == 200 and kept == 16 * 4  # 200 = 50 whole blocks: the last query keeps its top 16 blocks
     assert attn.indexer.cfg.dense_below == 67
+    assert attn.cpu_kernel and kernel_rows[0] == 200 and kernel_rows[-1] == 1  # the prefill, then a decode
 
 
 def test_the_vision_language_layout_serves_its_text_model(tmp_path):
