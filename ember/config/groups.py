@@ -22,7 +22,7 @@ EXECUTORS = ("auto", "eager", "compiled", "cuda-graph")
 # torch = the reference (SDPA over gathered blocks), cpu = the reference plus ember's C++ kernels,
 # triton = the GPU kernels (on CPU only under TRITON_INTERPRET=1, which is how the tests run them)
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
-QUANTIZATION_CHOICES = ("auto", "none", "awq", "gguf")
+QUANTIZATION_CHOICES = ("auto", "none", "awq", "gguf", "fp8")
 # Default CPU KV budget: this fraction of available RAM, capped (the pool is allocated up front).
 CPU_KV_FRACTION = 0.2
 CPU_KV_CAP_GIB = 2.0

@@ -71,6 +71,7 @@ KERNELS = {
     "cpu_row_top.cpp": Kernel("CPU row argmax/top-k kernels", (), (("avx512f",), ("avx2",))),
     "cpu_gated_delta_net.cpp": Kernel("CPU Gated DeltaNet kernels", (), (("avx512f",), ("avx2", "fma"))),
     "cpu_half_gemv.cpp": Kernel("CPU 16-bit weight GEMV", (), (("avx2", "fma", "f16c"),)),
+    "cpu_fp8_gemv.cpp": Kernel("CPU fp8 block-scaled weight GEMV", (), (("avx2", "fma", "f16c"),)),
 }
 
 _loaded: dict[str, bool | None] = {}  # source -> loaded (None: could not be built)

@@ -30,6 +30,7 @@ class CpuKernels:
     int8_activations: bool = True  # the tiled GEMV's int8-x path for many-row steps (AVX-512 VNNI)
     half_weights: bool = True  # GGUF BF16 / F16 matrices kept 16-bit under float32 x (cpu_half_gemv)
     gated_delta_net: bool = True  # Gated DeltaNet conv + recurrence for decodes and verifies (cpu_gated_delta_net)
+    fp8_gemv: bool = True  # an FP8 checkpoint's block-scaled e4m3 weights kept fp8 (cpu_fp8_gemv; built as they load)
 
     @classmethod
     def none(cls) -> "CpuKernels":
