@@ -39,6 +39,8 @@ constexpr int64_t kRows = 4;               // weight rows a GEMV group holds
 constexpr int kXRows = 3;                  // rows of x a pass runs against them
 constexpr int64_t kPanelFloats = 1 << 20;  // a prefill panel: 4 MiB of decoded weights
 constexpr float kFp16Shift = 256.f;        // e4m3 bits read as fp16 are the value / 2^8
+constexpr int64_t kTaskBytes = 1 << 15;    // weight bytes a thread's task holds at least: a small layer runs
+                                           // on the calling thread (an OpenMP region costs more than it)
 
 // The float32 value of every e4m3fn byte (0x7F / 0xFF are NaN), for the scalar tails and the panels.
 const std::array<float, 256>& e4m3_table() {
@@ -157,7 +159,8 @@ void rows_against_x(const Problem& p, int64_t n0) {
 
 void gemv(const Problem& p) {
   const int64_t groups = (p.N + kRows - 1) / kRows;
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+  const int64_t grain = std::max<int64_t>(1, kTaskBytes / (kRows * p.K * std::max<int64_t>(p.M, 1)));
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t n = g * kRows;
       if (n + kRows <= p.N) {
@@ -172,7 +175,7 @@ void gemv(const Problem& p) {
 // Weight rows [n0, n0 + rows) decoded and scaled into out [rows, K] (float32 products weight * scale).
 void decode_rows(const Problem& p, int64_t n0, int64_t rows, float* out) {
   const auto& table = e4m3_table();
-  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, kTaskBytes / p.K), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const uint8_t* w = p.w + (n0 + r) * p.K;
       const float* s = p.scale + int64_t(p.srow[n0 + r]) * p.KB;

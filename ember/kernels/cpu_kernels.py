@@ -67,4 +67,5 @@ class CpuKernels:
             half_weights=config.half_weights,
             # hybrid models' (~10 s to build where it was not at install; a load of a few ms where it was)
             gated_delta_net=config.gated_delta_net and cpu_gated_delta_net.available(),
+            fp8_gemv=config.fp8_gemv,  # built as an FP8 checkpoint's weights load (ember.quant.fp8_linear)
         )

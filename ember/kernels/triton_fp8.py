@@ -94,13 +94,11 @@ def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_row: torch.Tensor, block_k: int
 ) -> torch.Tensor:
     """x [M, K] @ W^T -> [M, N] in x's dtype; weight float8_e4m3fn [N, K], scale float32 [rows, ceil(K / block_k)],
-    scale_row int32 [N]. A block_k no K tile divides is dequantized for the call instead."""
+    scale_row int32 [N]. block_k must be a multiple of 16 (block_k_for; the caller dequantizes otherwise)."""
     tile_k = block_k_for(block_k)
     N, K = weight.shape
     if tile_k is None:
-        from ember.quant.fp8_blocks import dequantize
-
-        return x @ dequantize(weight, scale, scale_row, block_k, x.dtype).t()
+        raise ValueError(f"scale blocks {block_k} wide are not a multiple of 16; dequantize and matmul instead")
     triton, gemm = _kernels(_interpret())
     x = x.contiguous()
     M = x.shape[0]

@@ -47,7 +47,7 @@ def fp8_matmul(
     if x.is_cuda:
         from ember.kernels import triton_fp8
 
-        if triton_fp8.available():
+        if triton_fp8.available() and triton_fp8.block_k_for(block_k) is not None:
             return triton_fp8.fp8_linear(x, weight, scale, scale_row, block_k)
     return x @ fp8_blocks.dequantize(weight, scale, scale_row, block_k, x.dtype).t()
 

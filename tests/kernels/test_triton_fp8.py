@@ -74,8 +74,9 @@ def test_every_e4m3_byte_decodes_exactly():
     assert torch.equal(y[:, 0].cpu(), w[0].float())
 
 
-def test_a_block_no_k_tile_divides_falls_back_to_the_reference():
+def test_a_block_no_k_tile_divides_is_refused():
+    """ember.quant.fp8_linear.fp8_matmul asks block_k_for first and dequantizes for such blocks."""
     w, scale, scale_row = fused_weight([9], 50, (8, 24), seed=5)
-    x = torch.randn(2, 50)
-    y = triton_fp8.fp8_linear(x, w, scale, scale_row, 24)
-    torch.testing.assert_close(y, x @ fp8_blocks.dequantize(w, scale, scale_row, 24).t())
+    assert triton_fp8.block_k_for(24) is None and triton_fp8.block_k_for(128) == 64
+    with pytest.raises(ValueError, match="multiple of 16"):
+        triton_fp8.fp8_linear(torch.randn(2, 50), w, scale, scale_row, 24)
