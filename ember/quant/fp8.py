@@ -132,8 +132,10 @@ class FP8Config(QuantConfig):
             if key in per_tensor and key not in scaled:
                 continue  # a row table read with its per-tensor scale (ember.layers.ple)
             if key not in scaled:
+                wanted = SCALE if name.endswith(".weight") else FUSED_SCALE
+                table = f" (or a per-tensor {key}{TENSOR_SCALE})" if "ngram_embedding" in key else ""
                 raise ModelLoadError(
-                    f"{name} is float8_e4m3fn but the checkpoint has no {key}{SCALE if name.endswith('.weight') else FUSED_SCALE}; "
+                    f"{name} is float8_e4m3fn but the checkpoint has no {key}{wanted}{table}; "
                     "the checkpoint is incomplete (download it again)"
                 )
             scale_name, scale_shape = scaled.pop(key)

@@ -67,7 +67,7 @@ def _check_row_split(what: str, in_local: int, block_k: int, tp_size: int) -> No
         raise UnsupportedModelError(
             f"{what}: --tensor-parallel-size {tp_size} splits its {in_local * tp_size} inputs into parts of "
             f"{in_local}, which cuts the checkpoint's {block_k}-wide fp8 scale blocks. Use a tensor-parallel size "
-            f"that divides {in_local * tp_size // block_k} blocks, or the bf16 checkpoint"
+            f"that splits its {-(-in_local * tp_size // block_k)} blocks evenly, or the bf16 checkpoint"
         )
 
 

@@ -140,3 +140,66 @@ def test_plan_counts_fp8_weights_at_a_byte_and_their_scales(folders):
     assert abs(plan.weight_bytes - held) / held < 0.03, (plan.weight_bytes, held)
     with open(os.path.join(fp8, "config.json")) as f:
         assert json.load(f)["quantization_config"]["weight_block_size"] == [32, 32]
+
+
+def test_the_headers_check_names_a_table_shard_without_its_scale():
+    """qwen4_exp's fp8 n-gram shards carry a per-tensor weight_scale (read by ember.layers.ple); one without it is
+    named before anything loads."""
+    from ember.quant.fp8 import FP8Config
+
+    shard = "model.layers.3.ple.ple_embedding.ngram_embedding.shard_1"
+    headers = {f"{shard}.weight": ("F8_E4M3", [128, 16]), f"{shard.replace('_1', '_0')}.weight": ("F8_E4M3", [128, 16])}
+    headers[f"{shard.replace('_1', '_0')}.weight_scale"] = ("F32", [])
+    with pytest.raises(
+        ModelLoadError, match=re.escape(f"{shard}.weight_scale_inv (or a per-tensor {shard}.weight_scale)")
+    ):
+        FP8Config((128, 128), headers)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fp8_experts_load_per_expert_and_fused_names_alike(tp):
+    """The MoE experts from per-expert tensors (Qwen's releases) and from transformers-5's fused [E, 2I, H] ones
+    (one block grid over gate;up) compute the same dense SwiGLU experts, on each tensor-parallel rank."""
+    from ember.quant.fp8_experts import FP8ExpertsMethod
+
+    E, Hd, I, block = 3, 48, 64, (32, 32)  # H 48: a partial input block for gate;up
+    g = torch.Generator().manual_seed(0)
+    gate_up, down = torch.randn(E, 2 * I, Hd, generator=g) * 0.2, torch.randn(E, Hd, I, generator=g) * 0.2
+    x = torch.randn(5, Hd, generator=g)
+    q13, s13 = fp8_blocks.quantize(gate_up, block)  # the fused layout's grid
+    q2, s2 = fp8_blocks.quantize(down, block)
+    parts = {
+        (e, k): fp8_blocks.quantize(w, block)
+        for e in range(E)
+        for k, w in (("gate", gate_up[e, :I]), ("up", gate_up[e, I:]))
+    }
+    method = FP8ExpertsMethod(block)
+    for rank in range(tp):
+        fused = method.create_experts(E, Hd, I // tp, torch.float32, "cpu", tp=(rank, tp))
+        fused.load_weight("gate_up_proj", q13)
+        fused.load_weight("gate_up_proj_scale_inv", fp8_blocks.expand_rows(s13, 2 * I, block[0]))
+        fused.load_weight("down_proj", q2)
+        fused.load_weight("down_proj_scale_inv", fp8_blocks.expand_rows(s2, Hd, block[0]))
+        split = method.create_experts(E, Hd, I // tp, torch.float32, "cpu", tp=(rank, tp))
+        for (e, kind), (q, s) in parts.items():
+            split.load_weight(f"{e}.{kind}_proj.weight", q)
+            split.load_weight(f"{e}.{kind}_proj.weight_scale_inv", fp8_blocks.expand_rows(s, I, block[0]))
+        for e in range(E):
+            split.load_weight(f"{e}.down_proj.weight", q2[e])
+            split.load_weight(f"{e}.down_proj.weight_scale_inv", fp8_blocks.expand_rows(s2[e], Hd, block[0]))
+        for experts in (fused, split):
+            method.process_weights_after_loading(experts)
+            assert experts.w13.dtype == torch.float8_e4m3fn and not hasattr(experts, "w13_scale_inv")
+        for e in range(E):
+            gu = fp8_blocks.dequantize_checkpoint(q13[e], s13[e], block).view(2, I, Hd)[:, rank * I // tp :][
+                :, : I // tp
+            ]
+            d = fp8_blocks.dequantize_checkpoint(q2[e], s2[e], block)[:, rank * I // tp :][:, : I // tp]
+            ref = (torch.nn.functional.silu(x @ gu[0].t()) * (x @ gu[1].t())) @ d.t()
+            torch.testing.assert_close(fused.expert_forward(e, x), ref, rtol=1e-5, atol=1e-5)
+            gate, up = (
+                fp8_blocks.dequantize_checkpoint(*parts[e, k], block)[rank * I // tp :][: I // tp]
+                for k in ("gate", "up")
+            )
+            ref = (torch.nn.functional.silu(x @ gate.t()) * (x @ up.t())) @ d.t()
+            torch.testing.assert_close(split.expert_forward(e, x), ref, rtol=1e-5, atol=1e-5)
