@@ -216,3 +216,17 @@ class FP8Config(QuantConfig):
                 len(dense),
                 dense[0],
             )
+
+
+def dequantized_stream(folder: str, weights):
+    """A folder's (name, tensor) stream for layers ember builds dense (the MTP layers: ember.spec.mtp_weights):
+    where the folder is an FP8 checkpoint, every fp8 weight arrives dequantized to float32 with its scale
+    consumed; otherwise the stream as it is."""
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            settings = json.load(f).get("quantization_config") or {}
+    except (OSError, ValueError):
+        settings = {}
+    if str(settings.get("quant_method", "")).lower() != "fp8":
+        return weights
+    return FP8Config.from_checkpoint(folder, settings).checkpoint_weights(weights)

@@ -99,3 +99,26 @@ def test_qwen4_exp_fp8_with_experts_and_an_fp8_ngram_table(tmp_path_factory):
     shards = ple.table.shards
     assert len(shards) == 2 and all(s.tensor.dtype == torch.float8_e4m3fn and s.scale > 0 for s in shards)
     assert_same(fp8_outs, run(twin, prompts(VOCAB))[1])
+
+
+def test_qwen3_5_fp8_mtp_layer_loads_dequantized(tmp_path_factory):
+    """The MTP layer (mtp.*, run dense as ember runs every MTP layer) of an FP8 checkpoint arrives dequantized:
+    the same weights as its twin's, and speculation on the fp8 folder keeps the twin's greedy tokens."""
+    from ember.loader.model_loader import load_model
+    from ember.spec.mtp_weights import load_mtp
+    from tests.models.tiny_hybrids import VOCAB, add_mtp, build_hybrid, save_hybrid
+
+    hf = build_hybrid("qwen3_5")
+    src = add_mtp(hf, save_hybrid(hf, str(tmp_path_factory.mktemp("q35mtp"))))
+    fp8, twin = pair(tmp_path_factory, src, (32, 32))
+    layers = []
+    for path in (fp8, twin):
+        loaded = load_model(path, None, torch.float32, torch.device("cpu"), "torch")
+        layers.append(dict(load_mtp(loaded.model, loaded.path, None).named_parameters()))
+    assert layers[0].keys() == layers[1].keys() and all(torch.equal(layers[0][k], layers[1][k]) for k in layers[0])
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    engine = LLM(
+        fp8, dtype="float32", executor="eager", max_model_len=256, kv_cache_memory=0.05, speculative_config=spec
+    )
+    drafted = engine.generate([{"prompt_token_ids": p} for p in prompts(VOCAB)], PARAMS, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in drafted] == [o.token_ids for o in run(twin, prompts(VOCAB))[1]]
