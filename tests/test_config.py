@@ -86,6 +86,7 @@ def test_cpu_kernels_follow_the_flags():
         int8_activations=False,
         fused_elementwise=False,
         gated_delta_net=False,
+        fp8_gemv=False,
         int8_decode=None,
         int4_dense_copy=None,
     )

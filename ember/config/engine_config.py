@@ -197,6 +197,12 @@ class EngineConfig:
         "CPU, hybrid models (Qwen3.5, Qwen3-Next): Gated DeltaNet decode and verify steps in two fused C++ "
         "kernels (conv + SiLU, then the gated delta rule in place in the state's slot); off = the torch ops",
     )
+    cpu_fp8_gemv: bool = flag(
+        True,
+        "kernels",
+        "CPU (AVX2 + FMA + F16C): an FP8 checkpoint's block-scaled e4m3 weights decoded a tile at a time in a C++ "
+        "GEMV (1 byte a weight per decode step); off = the torch reference, which dequantizes a layer per call",
+    )
     int8_decode: bool | None = flag(
         None,
         "kernels",
@@ -328,6 +334,7 @@ class EngineConfig:
             int8_activations=self.cpu_int8_activations,
             fused_elementwise=self.cpu_fused_elementwise,
             gated_delta_net=self.cpu_gated_delta_net,
+            fp8_gemv=self.cpu_fp8_gemv,
             int8_decode=self.int8_decode,
             int4_dense_copy=self.int4_dense_copy,
         )

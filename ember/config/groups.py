@@ -22,7 +22,7 @@ EXECUTORS = ("auto", "eager", "compiled", "cuda-graph")
 # torch = the reference (SDPA over gathered blocks), cpu = the reference plus ember's C++ kernels,
 # triton = the GPU kernels (on CPU only under TRITON_INTERPRET=1, which is how the tests run them)
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
-QUANTIZATION_CHOICES = ("auto", "none", "awq", "gguf")
+QUANTIZATION_CHOICES = ("auto", "none", "awq", "gguf", "fp8")
 # Default CPU KV budget: this fraction of available RAM, capped (the pool is allocated up front).
 CPU_KV_FRACTION = 0.2
 CPU_KV_CAP_GIB = 2.0
@@ -250,6 +250,7 @@ class KernelConfig:
     int8_activations: bool  # its int8-x path for many-row steps (AVX-512 VNNI)
     fused_elementwise: bool  # RMSNorm, SiLU*up and RoPE in one pass each (bf16)
     gated_delta_net: bool  # Gated DeltaNet decode / verify steps in fused C++ kernels (hybrid models)
+    fp8_gemv: bool  # an FP8 checkpoint's block-scaled e4m3 weights in a C++ GEMV (cpu_fp8_gemv)
     int8_decode: bool | None  # an int8 copy of dense weights for decode (None: auto)
     int4_dense_copy: bool | None  # a dense copy of packed weights for many-row steps (None: auto)
 

@@ -245,7 +245,7 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     if not text:
         raise ModelLoadError(f"{cfg['architectures'][0]} config has no text_config")
     text["architectures"] = cfg["architectures"]
-    for key in ("tie_word_embeddings", "torch_dtype", "dtype"):
+    for key in ("tie_word_embeddings", "torch_dtype", "dtype", "quantization_config"):
         if key in cfg and key not in text:
             text[key] = cfg[key]
     if "tie_word_embeddings" in cfg:

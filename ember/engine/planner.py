@@ -209,6 +209,8 @@ def mapped_weight_bytes(mc: ModelConfig, src) -> int:
         return 0
     if src.gguf_bytes:
         return math.ceil(src.gguf_bytes * elems / num_parameters(mc))
+    if (mc.raw.get("quantization_config") or {}).get("quant_method") == "fp8":
+        return elems  # an FP8 checkpoint's table shards are fp8 (a per-tensor scale each)
     return elems * DTYPE_BYTES.get(str(mc.torch_dtype).removeprefix("torch."), 2)
 
 
@@ -252,7 +254,17 @@ def weight_bytes(
         return math.ceil(gguf_bytes * (linear_elems + dense) / num_parameters(mc, extra_layers))
     if quantization == "half":  # a folder's 16-bit matrices and embedding kept so (the norms are few)
         return (linear_elems + dense) * 2
+    if quantization == "fp8":  # 1 byte a weight, a float32 scale a block, an int32 scale row a row (ember.quant.fp8)
+        bo, bi = fp8_block_size(mc)
+        scales = sum(-(-o // bo) * -(-i // bi) * 4 + 4 * o for o, i in linears)
+        return linear_elems + scales + dense * dtype_bytes
     return (linear_elems + dense) * dtype_bytes
+
+
+def fp8_block_size(mc: ModelConfig) -> tuple[int, int]:
+    """An FP8 checkpoint's weight_block_size (Qwen's: [128, 128])."""
+    block = (mc.raw.get("quantization_config") or {}).get("weight_block_size") or (128, 128)
+    return int(block[0]), int(block[1])
 
 
 def half_weights_held(config: EngineConfig, src, quant: str, device: str, dtype_bytes: int) -> bool:
@@ -341,9 +353,9 @@ def resolve_quantization(src: Source, requested: str) -> tuple[str, int]:
         held = "gguf" if src.kind == "gguf" else str(qc.get("quant_method", "none")).lower()
     group = int(qc.get("group_size") or qc.get("q_group_size") or AWQ_DEFAULT_GROUP)
     q = held if requested in ("auto", None) else requested
-    if q not in ("none", "awq", "gguf"):
+    if q not in ("none", "awq", "gguf", "fp8"):
         raise UnsupportedModelError(
-            f"{src.path} holds {q!r}-quantized weights; ember plans none, awq and gguf. "
+            f"{src.path} holds {q!r}-quantized weights; ember plans none, awq, fp8 and gguf. "
             "Pass --quantization none or awq to plan those instead"
         )
     if q == "gguf" and src.kind != "gguf":

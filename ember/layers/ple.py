@@ -198,6 +198,7 @@ class PLELayer(nn.Module):
             torch.zeros(width, cfg.conv_kernel, dtype=dtype, device=device), requires_grad=False
         )
         self._pending_shards: dict[int, object] = {}  # the table's row shards as they load
+        self._pending_scales: dict[int, float] = {}  # fp8 shards' per-tensor weight_scale, by shard
 
     def held_weights(self) -> list[torch.Tensor]:
         """The n-gram table's resident shards: weights held outside the parameters
@@ -257,8 +258,11 @@ class PLELayer(nn.Module):
         "ple_embedding.ngram_embedding.shard_3.weight", ...) -> (our name, shard) as the model's loader wants."""
         if name.startswith("ple_embedding.ngram_embedding."):
             rest = name.removeprefix("ple_embedding.ngram_embedding.")
-            index = 0 if rest == "weight" else int(rest.split(".")[0].removeprefix("shard_"))
-            self._add_table_shard(index, tensor)
+            index = 0 if rest in ("weight", "weight_scale") else int(rest.split(".")[0].removeprefix("shard_"))
+            if rest.endswith("weight_scale"):  # an fp8 shard's per-tensor scale: its rows read times it
+                self._pending_scales[index] = float(tensor.float().reshape(-1)[0])
+            else:
+                self._add_table_shard(index, tensor)
             return "table", None
         if name.startswith("ple_embedding."):  # its int64 buffers (multipliers, sizes, offsets): checked, not kept
             self._check_constant(name.removeprefix("ple_embedding."), tensor)
@@ -299,8 +303,14 @@ class PLELayer(nn.Module):
                 f"{self.hash.num_rows} in equal shards"
             )
         for i in range(parts):
+            got[i].scale = self._pending_scales.get(i)
+            if got[i].tensor.dtype.itemsize == 1 and got[i].scale is None:
+                raise ModelLoadError(
+                    f"PLE n-gram table shard {i} is {got[i].tensor.dtype} but the checkpoint has no "
+                    f"ple_embedding.ngram_embedding.shard_{i}.weight_scale; the checkpoint is incomplete"
+                )
             self.table.add_shard(i, got[i], parts)
-        self._pending_shards = {}
+        self._pending_shards, self._pending_scales = {}, {}
 
     def _check_constant(self, name: str, tensor: torch.Tensor) -> None:
         ours = {

@@ -199,7 +199,10 @@ def _open_safetensors(
 
     fragments = getattr(get_model_class(model_config.architecture), "MAPPED_WEIGHTS", ())
     mapped = (lambda name: any(f in name for f in fragments)) if fragments else None
-    return _OpenCheckpoint(model_config, quant_config, None, iter_safetensors(path, mapped=mapped), "safetensors")
+    weights = iter_safetensors(path, mapped=mapped)
+    if quant_config is not None:  # e.g. an FP8 checkpoint's scales, expanded as they stream in (ember.quant.fp8)
+        weights = quant_config.checkpoint_weights(weights)
+    return _OpenCheckpoint(model_config, quant_config, None, weights, "safetensors")
 
 
 def _logical_parameter_count(

@@ -1,7 +1,7 @@
 """Weight quantization: which QuantMethod each Linear gets, decided once from the checkpoint.
 
-`resolve_quant_config(requested, path, raw_config)` reads what the checkpoint holds (an AWQ
-`quantization_config`, a GGUF file, plain weights) and checks it against `--quantization`.
+`resolve_quant_config(requested, path, raw_config)` reads what the checkpoint holds (an AWQ or
+block-wise FP8 `quantization_config`, a GGUF file, plain weights) and checks it against `--quantization`.
 A mismatch is refused with what the checkpoint actually holds: "forgot --quantization awq,
 then out of memory" cannot happen, because `auto` (the default) always follows the checkpoint
 and an explicit value that contradicts it is an error.
@@ -52,11 +52,11 @@ def _resolve(requested: str | None, path: str, raw_config: dict | None) -> Quant
     if requested not in QUANTIZATION_CHOICES:
         raise ConfigError(f"--quantization {requested!r} is not one of {', '.join(QUANTIZATION_CHOICES)}")
     held, settings = checkpoint_quantization(path, raw_config)
-    if held not in ("none", "awq", "gguf"):
+    if held not in ("none", "awq", "gguf", "fp8"):
         raise UnsupportedModelError(
-            f"{path} holds {held!r}-quantized weights (quantization_config.quant_method); ember loads awq "
-            "checkpoints and .gguf files. Use an AWQ export of the model, or quantize the full-precision "
-            "weights with `ember quantize MODEL --method awq`"
+            f"{path} holds {held!r}-quantized weights (quantization_config.quant_method); ember loads awq and "
+            "block-wise fp8 checkpoints and .gguf files. Use an AWQ export of the model, or quantize the "
+            "full-precision weights with `ember quantize MODEL --method awq`"
         )
     if requested == "auto":
         requested = held
@@ -64,7 +64,10 @@ def _resolve(requested: str | None, path: str, raw_config: dict | None) -> Quant
         "none": "unquantized weights",
         "awq": "AWQ int4 weights (quantization_config.quant_method 'awq')",
         "gguf": "a GGUF file",
+        "fp8": "block-wise FP8 weights (quantization_config.quant_method 'fp8')",
     }[held]
+    if requested == "fp8" or held == "fp8":
+        return _fp8(requested, held, path, what, settings)
     if requested == "none":
         if held == "awq":
             raise ConfigError(
@@ -89,6 +92,19 @@ def _resolve(requested: str | None, path: str, raw_config: dict | None) -> Quant
     from ember.quant.gguf_quant import GGUFConfig
 
     return GGUFConfig()
+
+
+def _fp8(requested: str, held: str, path: str, what: str, settings: dict | None) -> QuantConfig:
+    if held != "fp8":
+        raise ConfigError(f"--quantization fp8 reads FP8 checkpoints, but {path} holds {what}. Leave it at auto")
+    if requested != "fp8":
+        raise ConfigError(
+            f"{path} holds {what}; ember keeps them fp8 (dequantized per tile in its GEMVs). Pass "
+            "--quantization fp8 (or leave it at auto), or use the bf16 checkpoint to run dense"
+        )
+    from ember.quant.fp8 import FP8Config
+
+    return FP8Config.from_checkpoint(path, settings or {})
 
 
 def process_weights_after_loading(model, after_each=None) -> None:

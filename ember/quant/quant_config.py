@@ -24,6 +24,11 @@ class QuantConfig:
         """Method for the stacked MoE experts at `prefix` ("model.layers.N.mlp.experts"), or None for dense."""
         return None
 
+    def checkpoint_weights(self, weights):
+        """The checkpoint's (name, tensor) stream as this method's layers take it (ember.quant.fp8 expands
+        its block scales to rows there); the identity by default."""
+        return weights
+
     def embedding_method(self, prefix: str):
         """Method for the token embedding / untied LM head at `prefix`, or None for dense."""
         return None

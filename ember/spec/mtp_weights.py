@@ -410,6 +410,12 @@ def iter_mtp_tensors(ckpt: MTPCheckpoint, progress: bool = True) -> Iterator[tup
     if ckpt.gguf:
         yield from _iter_gguf_mtp_tensors(ckpt, progress)
         return
+    from ember.quant.fp8 import dequantized_stream  # an FP8 checkpoint's MTP layers run dense, as a GGUF's do
+
+    yield from dequantized_stream(ckpt.folder, _iter_safetensors_mtp_tensors(ckpt, progress))
+
+
+def _iter_safetensors_mtp_tensors(ckpt: MTPCheckpoint, progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
     by_file: dict[str, list[str]] = defaultdict(list)
     for name, path in ckpt.tensors.items():
         by_file[path].append(name)

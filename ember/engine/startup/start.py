@@ -325,7 +325,9 @@ def _log_start(parts: EngineParts, pool: planner.KVPool) -> None:
         mc.architecture,
         loaded.num_parameters / 1e6,
         loaded.weight_bytes / 1e6,
-        (
+        # the quantization the weights are held in ([fp8], [awq], ...), then the mapped table
+        (f" [{loaded.quantization}]" if loaded.quantization != "none" else "")
+        + (
             f" (+ {loaded.mapped_weight_bytes / 1e6:.1f} MB read by row from the file's mapping)"
             if loaded.mapped_weight_bytes
             else ""
