@@ -1,0 +1,177 @@
+"""qwen4_exp from GGUF files written by llama.cpp's own converter (conversion/qwen4exp.py) and quantizer
+(llama_model_quantize), from a tiny random qwen4_exp (tests/models/tiny_qwen4.py at hidden 128, so that the
+n-gram table's rows of 32 take 32-element block types and the hyper-connection down-projections (input 512)
+take 256-element ones; Qwen's 151,936-id vocabulary, the only kind of tokenizer the converter takes).
+
+- The converter under transformers >= 5.23 writes every attention.compress_ratios entry 0, which llama.cpp
+  runs dense: ember reads such a file as ratio 4 and says so. The logprob checks use a copy whose key is set
+  to [0, 4, 0, 4] with gguf-py (what a correct conversion writes), and first show that llama.cpp runs it
+  sparse (its prompt logprobs past the budget move away from the dense run's).
+- The attention is sharpened (o_proj x 8, q/k norm gammas + 2) so that dropping blocks moves the logits
+  well above llama.cpp's rounding noise, and the weights are rounded to bf16 so the bf16 file holds the
+  folder's values exactly (ember on the file against ember on the folder: float32 noise only)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from ember import LLM, SamplingParams
+from ember.bench.peers.llamacpp_convert import convert, quantize, write_qwen_tokenizer
+from ember.errors import ModelLoadError
+from ember.loader.gguf import GGUFCheckpoint
+from tests.models.tiny_models import one_thread  # noqa: F401
+from tests.models.tiny_qwen4 import build_qwen4
+
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.engine]
+llama_cpp = pytest.importorskip("llama_cpp")  # the bench extra: pip install -e '.[bench]'
+
+VOCAB = 151936
+RATIOS = [0, 4, 0, 4]  # the tiny config's layer types: QSA on layers 1 and 3
+SHORT, LONG = 20, 230  # dense (<= 67 visible tokens: budget 64 + ratio 4 - 1) and sparse
+FILES = ("bf16", "q8_0", "q4_k_m", "q2_k")
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, 150000, (n,), generator=g).tolist()
+
+
+def set_ratios(path: str, ratios: list[int]) -> str:
+    """The file's attention.compress_ratios rewritten in place (same length: the bytes are patched)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path, "r+")
+    field = reader.fields["qwen4exp.attention.compress_ratios"]
+    for i, r in enumerate(ratios):
+        field.parts[field.data[i]][0] = r
+    reader.data.flush()
+    return path
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("gguf-qwen4"))
+    model = build_qwen4(vocab_size=VOCAB, hidden_size=128)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "self_attn.o_proj" in name:
+                p.mul_(8)
+            if "self_attn.q_norm" in name or "self_attn.k_norm" in name:
+                p.add_(2)
+            p.copy_(p.bfloat16().float())
+    folder = os.path.join(root, "qwen4")
+    model.save_pretrained(folder)
+    write_qwen_tokenizer(folder)
+    out = {"folder": folder, "trap": convert(folder, folder + ".trap.bf16.gguf", "bf16")}
+    out["bf16"] = set_ratios(shutil.copyfile(out["trap"], folder + ".bf16.gguf"), RATIOS)
+    for ftype in FILES[1:]:
+        out[ftype] = quantize(out["bf16"], f"{folder}.{ftype}.gguf", ftype.upper(), threads=1)
+    return out
+
+
+def llm(path):
+    return LLM(path, dtype="float32", kv_cache_memory=0.02, max_model_len=512, num_threads=1, max_num_seqs=2)
+
+
+def llama_logprobs(path: str, ids: list[int]) -> torch.Tensor:
+    """llama.cpp's log-probabilities after every prompt token, [len(ids), vocab] float64."""
+    peer = llama_cpp.Llama(path, logits_all=True, n_threads=1, n_ctx=512, verbose=False)
+    peer.eval(ids)
+    out = torch.log_softmax(torch.tensor(peer.scores[: len(ids)]).double(), -1)
+    peer.close()
+    return out
+
+
+def ember_prompt_logprobs(engine, ids: list[int]):
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=20, prompt_logprobs=20)
+    out = engine.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+    return out.prompt_logprobs, out.outputs[0]
+
+
+def top20_gap(ours, theirs: torch.Tensor, positions) -> float:
+    """Largest |ember - peer| over ember's top 20 at each position; ours[i] predicts token i (from the
+    logits after token i - 1), theirs[i - 1] the same."""
+    gap = 0.0
+    for i in positions:
+        top = sorted(ours[i], key=lambda t: -ours[i][t].logprob)[:20]
+        gap = max(gap, max(abs(ours[i][t].logprob - float(theirs[i - 1, t])) for t in top))
+    return gap
+
+
+def test_the_files_hold_what_the_converter_and_quantizer_write(files):
+    """A check of the fixture: the trap file's ratios are all 0, the others the patched ones; the quantized
+    files hold block types in the table and 256-block types (Q2_K and the like) in some matrices."""
+    assert GGUFCheckpoint(files["trap"]).metadata("qwen4exp.attention.compress_ratios") == [0, 0, 0, 0]
+    types = {}
+    for f in FILES:
+        ckpt = GGUFCheckpoint(files[f])
+        assert ckpt.metadata("qwen4exp.attention.compress_ratios") == RATIOS
+        types[f] = {t.name: t.tensor_type.name for t in ckpt._reader.tensors}
+    assert types["q8_0"]["per_layer_token_embd.weight"] == "Q8_0"
+    assert types["q4_k_m"]["per_layer_token_embd.weight"] not in ("BF16", "F16", "F32")
+    assert {"Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS"} & set(types["q2_k"].values()), types["q2_k"]
+
+
+def test_an_all_zero_compress_ratio_reads_as_4_with_a_warning(files, caplog):
+    with caplog.at_level(logging.WARNING, logger="ember.loader.gguf_qwen4"):
+        cfg = GGUFCheckpoint(files["trap"]).config
+    assert cfg["indexer_compress_ratio"] == 4
+    assert "all 0" in caplog.text and "transformers >= 5.23" in caplog.text
+    assert GGUFCheckpoint(files["bf16"]).config["indexer_compress_ratio"] == 4  # the patched file's own
+
+
+def test_config_and_table_come_from_the_file(files):
+    """The PLE hash parameters the file does not store (seed, prime base, padding) are recovered so that
+    ember's hash derives its constants; the table is one row source over the file, counted as mapped."""
+    from ember.layers.table_rows import GGUFRows
+
+    folder_cfg = GGUFCheckpoint(files["bf16"]).config
+    assert (folder_cfg["seed"], folder_cfg["ngram_vocab_size_base"]) == (1234, 1009)
+    assert folder_cfg["ple_layer_ids"] == [3] and folder_cfg["eos_token_id"][0] == 1
+    ckpt = GGUFCheckpoint(files["q8_0"])
+    table = [w for name, w in ckpt.iter_weights(packed=True) if "ngram_embedding" in name]
+    assert len(table) == 1 and isinstance(table[0], GGUFRows) and table[0].qtype.name == "Q8_0"
+    assert ckpt.mapped_tensor_bytes == table[0].nbytes
+    assert "per_layer_token_embd.weight" not in [t[0] for t in ckpt.loaded_tensor_infos()]
+
+
+def test_the_bf16_file_gives_the_folders_logits(files):
+    """ember on the bf16 file against ember on the HF folder whose weights it holds: the 1 + w norms
+    unfolded, the joined indexer projection, the untiled value heads and the table's rows are the folder's
+    (measured: max |d logprob| 1e-6 on the top 20, dense and sparse)."""
+    ids = [prompt(SHORT, 1), prompt(LONG, 2)]
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=20, ignore_eos=True)
+    ours, theirs = (llm(p).generate([{"prompt_token_ids": q} for q in ids], params, use_tqdm=False) for p in (files["bf16"], files["folder"]))
+    for a, b in zip(ours, theirs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert la.keys() == lb.keys()
+            assert max(abs(la[t].logprob - lb[t].logprob) for t in la) < 1e-4
+
+
+@pytest.mark.parametrize("ftype", FILES)
+def test_top20_logprobs_agree_with_llama_cpp_on_the_same_file(files, ftype):
+    """ember's top-20 prompt logprobs against llama.cpp's on the same file, at every position of a 230-token
+    prompt: the dense regime (<= 67 visible tokens) and the sparse one (QSA drops blocks)."""
+    ids = prompt(LONG, 2)
+    ours, last = ember_prompt_logprobs(llm(files[ftype]), ids)
+    theirs = llama_logprobs(files[ftype], ids)
+    dense, sparse = range(1, 68), range(68, LONG)
+    assert last.token_ids[0] == int(theirs[-1].argmax()) or ftype != "bf16"
+    gaps = top20_gap(ours, theirs, dense), top20_gap(ours, theirs, sparse)
+    print(ftype, "dense %.2e sparse %.2e" % gaps)
+    assert gaps[0] < TOLERANCE[ftype][0], gaps
+    assert gaps[1] < TOLERANCE[ftype][1], gaps
+    if ftype == "bf16":  # llama.cpp really is sparse: the dense-ratio file's logprobs are further off
+        dense_run = llama_logprobs(files["trap"], ids)
+        assert top20_gap(ours, dense_run, dense) < TOLERANCE[ftype][0]
+        assert top20_gap(ours, dense_run, sparse) > 2 * gaps[1]
+
+
+TOLERANCE = {"bf16": (9, 9), "q8_0": (9, 9), "q4_k_m": (9, 9), "q2_k": (9, 9)}
