@@ -160,6 +160,8 @@ class Untangler:
         """The file's tensor -> HF's (weight: float32 torch tensor, or GGUFTensor rows for matrices)."""
         if part in self.zero_centred:
             return weight - 1.0
+        if part == "ffn_gate_inp_shexp" and isinstance(weight, torch.Tensor) and weight.dim() == 1:
+            return weight[None]  # llama.cpp's quantizer writes the [hidden, 1] gate with ne [hidden]
         if part == "ssm_a":
             if (weight >= 0).any():
                 raise ModelLoadError("ssm_a must be negative (-exp(A_log)); the file is not a converted Qwen hybrid")

@@ -55,7 +55,9 @@ BLOCK_NAMES = {
     "indexer.q_proj": "self_attn.indexer.index_qk_proj",
     "indexer.k_proj": "self_attn.indexer.index_qk_proj",
 }
-GLOBAL_NAMES = {f"output_hc_{k}.weight": f"model.hyper_connection_mixer.{_HC[k]}.weight" for k in ("norm", "down", "up")}
+GLOBAL_NAMES = {
+    f"output_hc_{k}.weight": f"model.hyper_connection_mixer.{_HC[k]}.weight" for k in ("norm", "down", "up")
+}
 # stored as 1 + w
 ZERO_CENTRED = (
     "hc_attn_norm",
@@ -218,7 +220,9 @@ def _seed(multipliers: list[int], vocab: int, path: str) -> int:
     half = max(1, ((1 << 63) - 1) // max(vocab, 1) // 2)
     r = (multipliers[0] - 1) // 2
     if multipliers[0] % 2 == 0 or r >= half:
-        raise ModelLoadError(f"{path}: {ARCH}.ple.layer_multipliers {multipliers} are not the PLE hash's for vocab {vocab}")
+        raise ModelLoadError(
+            f"{path}: {ARCH}.ple.layer_multipliers {multipliers} are not the PLE hash's for vocab {vocab}"
+        )
     outputs = np.arange((_MASK - r) // half + 1, dtype=np.uint64) * np.uint64(half) + np.uint64(r)
     with np.errstate(over="ignore"):
         seeds = _unmix(outputs) - np.uint64(2 * _GAMMA & _MASK)  # splitmix adds gamma, the stream gamma (i + 1)

@@ -147,7 +147,10 @@ def test_the_bf16_file_gives_the_folders_logits(files):
     (measured: max |d logprob| 1e-6 on the top 20, dense and sparse)."""
     ids = [prompt(SHORT, 1), prompt(LONG, 2)]
     params = SamplingParams(temperature=0, max_tokens=4, logprobs=20, ignore_eos=True)
-    ours, theirs = (llm(p).generate([{"prompt_token_ids": q} for q in ids], params, use_tqdm=False) for p in (files["bf16"], files["folder"]))
+    ours, theirs = (
+        llm(p).generate([{"prompt_token_ids": q} for q in ids], params, use_tqdm=False)
+        for p in (files["bf16"], files["folder"])
+    )
     for a, b in zip(ours, theirs):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
@@ -165,7 +168,6 @@ def test_top20_logprobs_agree_with_llama_cpp_on_the_same_file(files, ftype):
     dense, sparse = range(1, 68), range(68, LONG)
     assert last.token_ids[0] == int(theirs[-1].argmax()) or ftype != "bf16"
     gaps = top20_gap(ours, theirs, dense), top20_gap(ours, theirs, sparse)
-    print(ftype, "dense %.2e sparse %.2e" % gaps)
     assert gaps[0] < TOLERANCE[ftype][0], gaps
     assert gaps[1] < TOLERANCE[ftype][1], gaps
     if ftype == "bf16":  # llama.cpp really is sparse: the dense-ratio file's logprobs are further off
@@ -174,4 +176,9 @@ def test_top20_logprobs_agree_with_llama_cpp_on_the_same_file(files, ftype):
         assert top20_gap(ours, dense_run, sparse) > 2 * gaps[1]
 
 
-TOLERANCE = {"bf16": (9, 9), "q8_0": (9, 9), "q4_k_m": (9, 9), "q2_k": (9, 9)}
+# (dense regime, sparse regime) max |d logprob| on ember's top 20. Measured (2 cores, AVX2): bf16 8.3e-3 /
+# 7.4e-2, Q8_0 1.6e-2 / 7.2e-2, Q4_K_M 1.2e-2 / 7.3e-2, Q2_K mix 1.0e-2 / 8.1e-2; llama.cpp's dense run of the
+# same weights is > 0.15 off in the sparse regime. The sparse band is llama.cpp's own QSA against
+# transformers' (its qwen4exp.cpp: "do not use it as a reference"): on a one-attention-layer variant
+# transformers itself is 1.2e-2 to 2.4e-2 from llama.cpp there while ember is transformers' to 1e-6.
+TOLERANCE = {"bf16": (2e-2, 0.12), "q8_0": (3e-2, 0.12), "q4_k_m": (3e-2, 0.12), "q2_k": (3e-2, 0.12)}
