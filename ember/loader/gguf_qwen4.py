@@ -95,9 +95,26 @@ def qwen4_config(ckpt, cfg: dict[str, Any]) -> dict[str, Any]:
         indexer_kv_heads=1,
         indexer_compress_ratio=_compress_ratio(ckpt, cfg["layer_types"]),
     )
+    _check_hyper_connections(ckpt, cfg)
     if a("ple.layers") is not None or TABLE in ckpt._tensors:
         cfg.update(_ple_config(ckpt, cfg))
     return cfg
+
+
+def _check_hyper_connections(ckpt, cfg: dict[str, Any]) -> None:
+    """hyper_connection.count / low_rank against the final mixer's down-projection, ne [count x hidden, low_rank]."""
+    count, lowrank, hidden = cfg["hc_count"], cfg["hc_lowrank"], cfg["hidden_size"]
+    down = ckpt._tensors.get("output_hc_down.weight")
+    if down is None:
+        raise ModelLoadError(
+            f"{ckpt.path} lacks output_hc_down.weight, the final hyper-connection mixer; re-convert it"
+        )
+    if count < 2 or lowrank < 1 or [int(n) for n in down.shape] != [count * hidden, lowrank]:
+        raise ModelLoadError(
+            f"{ckpt.path}: {ARCH}.hyper_connection.count {count} and .low_rank {lowrank} (hidden {hidden}) do not "
+            f"fit output_hc_down.weight {[int(n) for n in down.shape]} (needs [count x hidden, low_rank], count >= 2); "
+            "the metadata does not belong to these tensors: re-convert the file"
+        )
 
 
 def _compress_ratio(ckpt, types: list[str]) -> int:

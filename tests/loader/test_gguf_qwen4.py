@@ -182,3 +182,101 @@ def test_top20_logprobs_agree_with_llama_cpp_on_the_same_file(files, ftype):
 # transformers' (its qwen4exp.cpp: "do not use it as a reference"): on a one-attention-layer variant
 # transformers itself is 1.2e-2 to 2.4e-2 from llama.cpp there while ember is transformers' to 1e-6.
 TOLERANCE = {"bf16": (2e-2, 0.12), "q8_0": (3e-2, 0.12), "q4_k_m": (3e-2, 0.12), "q2_k": (3e-2, 0.12)}
+
+
+def renamed(src: str, dst: str, old: bytes, new: bytes) -> str:
+    """A copy of src with one metadata key or tensor name renamed (same length: offsets stay)."""
+    data = open(src, "rb").read()
+    assert len(old) == len(new) and data.count(old) == 1
+    with open(dst, "wb") as f:
+        f.write(data.replace(old, new))
+    return dst
+
+
+@pytest.mark.parametrize(
+    "old, new, message",
+    [
+        (
+            b"qwen4exp.ple.head_offsets",
+            b"qwen4exp.ple.head_offsetz",
+            r"lacks qwen4exp\.ple\.head_offsets, one of the PLE",
+        ),
+        (b"per_layer_token_embd.weight", b"per_layer_token_embX.weight", r"no per_layer_token_embd\.weight tensor"),
+        (b"qwen4exp.ple.eos_token_id", b"qwen4exp.ple.eos_token_iX", r"lacks metadata qwen4exp\.ple\.eos_token_id"),
+        (b"qwen4exp.hyper_connection.low_rank", b"qwen4exp.hyper_connection.low_ranX", r"hyper_connection\.low_rank"),
+    ],
+)
+def test_a_file_missing_a_ple_constant_the_table_or_a_key_is_refused_by_name(files, tmp_path, old, new, message):
+    broken = renamed(files["bf16"], str(tmp_path / "broken.gguf"), old, new)
+    with pytest.raises(ModelLoadError, match=message):
+        GGUFCheckpoint(broken)
+
+
+def test_inconsistent_hyper_connection_keys_are_refused_by_name(files, tmp_path):
+    from gguf import GGUFReader
+
+    broken = shutil.copyfile(files["bf16"], str(tmp_path / "hc.gguf"))
+    reader = GGUFReader(broken, "r+")
+    reader.fields["qwen4exp.hyper_connection.count"].parts[-1][0] = 3
+    reader.data.flush()
+    del reader
+    with pytest.raises(ModelLoadError, match=r"hyper_connection\.count 3 .* do not fit output_hc_down\.weight"):
+        GGUFCheckpoint(broken)
+
+
+# every ggml type a table's rows can take (32-element blocks; 256 for rows that are that wide), and floats
+_ROW_TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "MXFP4"]
+_ROW_TYPES += ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S"]
+_ROW_TYPES += ["IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0"]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # random scales: some are NaN or inf, on both sides
+@pytest.mark.parametrize("qtype", _ROW_TYPES)
+def test_gguf_rows_read_exactly_gguf_pys_values_of_the_asked_rows(tmp_path, qtype):
+    """GGUFRows over a table of random blocks at an offset inside a file: the rows asked for (repeated, out
+    of order) are gguf-py's dequantization of the whole table at those rows, bit for bit (NaNs included)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from ember.layers.table_rows import GGUFRows, table_rows
+
+    t = GGMLQuantizationType[qtype]
+    block, size = GGML_QUANT_SIZES[t]
+    dim, num_rows, offset = max(block, 64), 37, 4096 + 7
+    blocks = np.random.default_rng(0).integers(0, 256, (num_rows, dim // block * size), dtype=np.uint8)
+    path = tmp_path / "table.bin"
+    path.write_bytes(b"x" * offset + blocks.tobytes())
+    rows = GGUFRows(str(path), offset, int(t), num_rows, dim)
+    assert table_rows(rows) is rows and rows.mapped and rows.nbytes == blocks.nbytes
+    if qtype in ("F32", "F16", "BF16"):
+        whole = (
+            torch.frombuffer(
+                bytearray(blocks.tobytes()),
+                dtype=getattr(torch, {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}[qtype]),
+            )
+            .view(num_rows, dim)
+            .float()
+            .numpy()
+        )
+    else:
+        whole = np.asarray(dequantize(blocks, t), dtype=np.float32).reshape(num_rows, dim)
+    asked = torch.tensor([5, 0, 36, 5, 17])
+    np.testing.assert_array_equal(rows.read(asked, torch.float32).numpy(), whole[asked.numpy()])
+    assert rows.read(asked[:0], torch.float32).shape == (0, dim)
+
+
+def test_plan_and_the_start_line_count_the_table_as_read_by_row(files, caplog):
+    """ember plan on the Q4_K_M file (its table Q5_0, unlike its matrices): the mapped bytes are the table's
+    own, as the loaded engine reports them (the start-up line's "read by row from the file's mapping")."""
+    from ember.config import EngineConfig
+    from ember.engine import planner
+
+    table = GGUFCheckpoint(files["q4_k_m"]).mapped_tensor_bytes
+    assert table == 4096 * 32 // 32 * 22  # 4,096 rows of 32 in Q5_0 blocks of 22 bytes
+    p = planner.plan(EngineConfig(model=files["q4_k_m"], device="cpu", dtype="float32"), memory_gib=4)
+    assert p.mapped_weight_bytes == table
+    assert "read by row from the file" in planner.format_plan(p)
+    with caplog.at_level(logging.INFO):
+        engine = llm(files["q4_k_m"])
+    assert engine.engine.parts.loaded.mapped_weight_bytes == table
+    assert f"+ {table / 1e6:.1f} MB read by row from the file's mapping" in caplog.text
