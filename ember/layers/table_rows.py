@@ -9,6 +9,8 @@ cold: a page fault maps the neighbouring pages that are in the page cache too (t
 64 KiB, which MADV_RANDOM does not turn off), so 6,000 hashed rows of a 300 MB table just written brought
 the whole table into the resident set (tests/models/test_qwen4_cold_table.py). pread costs ~2 us a row
 here: 16 rows a token are ~30 us of decode, 2,000 prompt tokens ~65 ms of prefill.
+GGUFRows does the same for a GGUF tensor of any ggml type (llama.cpp's per_layer_token_embd), dequantizing
+only the rows read, with gguf-py's dequantizer.
 """
 
 from __future__ import annotations
