@@ -118,6 +118,8 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture(
             "Qwen4ExpForCausalLM",
             "ember.models.qwen4_exp:Qwen4ExpForCausalLM",
+            gguf="qwen4exp",
+            gguf_model_type="qwen4_exp_text",
             hybrid=True,
             qk_norm=True,
             moe=True,

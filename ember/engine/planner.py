@@ -207,8 +207,8 @@ def mapped_weight_bytes(mc: ModelConfig, src) -> int:
     elems = ngram_table_elements(mc)
     if not elems:
         return 0
-    if src.gguf_bytes:
-        return math.ceil(src.gguf_bytes * elems / num_parameters(mc))
+    if src.kind == "gguf":  # the table's own bytes, whatever type it has beside the other tensors
+        return src.gguf_mapped_bytes
     if (mc.raw.get("quantization_config") or {}).get("quant_method") == "fp8":
         return elems  # an FP8 checkpoint's table shards are fp8 (a per-tensor scale each)
     return elems * DTYPE_BYTES.get(str(mc.torch_dtype).removeprefix("torch."), 2)
@@ -313,6 +313,7 @@ class Source:
     mc: ModelConfig
     gguf_bytes: int | None = None
     gguf_tensors: list | None = None  # peak_rss.GGUFTensorInfo of every tensor the loader loads
+    gguf_mapped_bytes: int = 0  # the file's tensors read by row, never loaded (qwen4exp's n-gram table)
 
 
 def load_source(model: str | None) -> Source:
@@ -337,7 +338,7 @@ def load_source(model: str | None) -> Source:
 
     ckpt = GGUFCheckpoint(path)
     infos = [GGUFTensorInfo(*t) for t in ckpt.loaded_tensor_infos()]
-    return Source(path, "gguf", ModelConfig.from_dict(ckpt.config), ckpt.tensor_bytes, infos)
+    return Source(path, "gguf", ModelConfig.from_dict(ckpt.config), ckpt.tensor_bytes, infos, ckpt.mapped_tensor_bytes)
 
 
 def resolve_quantization(src: Source, requested: str) -> tuple[str, int]:

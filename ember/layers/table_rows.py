@@ -9,6 +9,8 @@ cold: a page fault maps the neighbouring pages that are in the page cache too (t
 64 KiB, which MADV_RANDOM does not turn off), so 6,000 hashed rows of a 300 MB table just written brought
 the whole table into the resident set (tests/models/test_qwen4_cold_table.py). pread costs ~2 us a row
 here: 16 rows a token are ~30 us of decode, 2,000 prompt tokens ~65 ms of prefill.
+GGUFRows does the same for a GGUF tensor of any ggml type (llama.cpp's per_layer_token_embd), dequantizing
+only the rows read, with gguf-py's dequantizer.
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ from __future__ import annotations
 import os
 import weakref
 
+import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
 
 
 class TensorRows:
@@ -65,9 +70,64 @@ class FileRows:
         return out if self.scale is None else out * self.scale
 
 
-def table_rows(tensor: torch.Tensor, scale: float | None = None):
-    """A source for a loaded tensor: FileRows where the loader left it in the file (a view that carries
-    file_region = (path, byte offset): ember.loader.mapped_safetensors), else TensorRows."""
+_GGUF_FLOATS = {
+    GGMLQuantizationType.F32: torch.float32,
+    GGMLQuantizationType.F16: torch.float16,
+    GGMLQuantizationType.BF16: torch.bfloat16,
+}
+
+
+class GGUFRows:
+    """Rows [num_rows, dim] of one GGUF tensor of any ggml type (F32/F16/BF16 or a block type: Q8_0,
+    Q4_0, IQ4_NL, ...), stored contiguously at byte `offset` of the file at `path` (ne = [dim, num_rows]:
+    each row is dim / block_size whole blocks). read() preads only the asked rows' bytes and dequantizes
+    only them, with gguf-py's own dequantizer for the block types (its values exactly); nothing of the
+    table is ever mapped, dequantized or held whole. The loader makes one for llama.cpp's
+    per_layer_token_embd (ember.loader.gguf_qwen4). tensor: an empty tensor of the rows' dequantized
+    dtype (the source holds nothing resident)."""
+
+    mapped = True
+
+    def __init__(self, path: str, offset: int, qtype: int, num_rows: int, dim: int):
+        self.path, self.offset, self.qtype = path, offset, GGMLQuantizationType(qtype)
+        self.num_rows, self.dim = num_rows, dim
+        block, size = GGML_QUANT_SIZES[self.qtype]
+        if dim % block:
+            raise ValueError(f"rows of {dim} cannot hold whole {self.qtype.name} blocks of {block}")
+        self.row_bytes = dim // block * size
+        self.tensor = torch.empty(0, dim, dtype=_GGUF_FLOATS.get(self.qtype, torch.float32))
+        self._fd = os.open(path, os.O_RDONLY)
+        weakref.finalize(self, os.close, self._fd)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.num_rows, self.dim)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_rows * self.row_bytes
+
+    def read(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        fd, size, base = self._fd, self.row_bytes, self.offset
+        raw = bytearray(b"".join([os.pread(fd, size, base + r * size) for r in rows.tolist()]))
+        if len(raw) != size * rows.numel():
+            raise OSError(f"{self.path}: short read of the n-gram table's rows; the file is truncated")
+        if not raw:
+            return torch.empty(0, self.dim, dtype=dtype)
+        floats = _GGUF_FLOATS.get(self.qtype)
+        if floats is not None:
+            return torch.frombuffer(raw, dtype=floats).view(-1, self.dim).to(dtype)
+        blocks = np.frombuffer(raw, dtype=np.uint8).reshape(-1, size)
+        values = np.asarray(gguf_dequantize(blocks, self.qtype), dtype=np.float32)
+        return torch.from_numpy(values.reshape(-1, self.dim)).to(dtype)
+
+
+def table_rows(tensor, scale: float | None = None):
+    """A source for a loaded tensor: the tensor itself when the loader hands over a row source (GGUFRows),
+    FileRows where the loader left it in the file (a view that carries file_region = (path, byte offset):
+    ember.loader.mapped_safetensors), else TensorRows."""
+    if isinstance(tensor, GGUFRows):
+        return tensor
     region = getattr(tensor, "file_region", None)
     if region is None:
         return TensorRows(tensor, scale)

@@ -29,7 +29,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from ember.config.architectures import GGUF_ARCHITECTURES
 from ember.errors import ModelLoadError, UnsupportedModelError
-from ember.loader import gguf_hybrid
+from ember.loader import gguf_hybrid, gguf_qwen4
 from ember.loader.tokenizer import Tokenizer
 from ember.quant.gguf_blocks import FLOAT_TYPES, GGUFTensor, release_pages
 
@@ -58,8 +58,8 @@ _GLOBAL_NAMES = {
 # Tensors that are not parameters of the HF model; the config carries what they encode.
 _SKIPPED = {"rope_freqs.weight"}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-# ssm_a has no suffix; an MTP layer's own tensors are blk.N.nextn.*
-_HYBRID_BLOCK_RE = re.compile(r"blk\.(\d+)\.((?:nextn\.)?\w+?)(?:\.(weight|bias))?")
+# ssm_a has no suffix; an MTP layer's own tensors are blk.N.nextn.*, qwen4exp's indexer blk.N.indexer.*
+_HYBRID_BLOCK_RE = re.compile(r"blk\.(\d+)\.((?:nextn\.|indexer\.)?\w+?)(?:\.(weight|bias))?")
 _EXPERTS_RE = re.compile(r"ffn_(gate|up|down)_exps")
 
 # tokenizer.ggml.token_type values
@@ -159,6 +159,8 @@ class GGUFCheckpoint:
             cfg["rope_scaling"] = rope_scaling
         if self.traits.hybrid:
             cfg = gguf_hybrid.hybrid_config(self, cfg)
+        if self.architecture == gguf_qwen4.ARCH:
+            cfg = gguf_qwen4.qwen4_config(self, cfg)
         return cfg
 
     def _rope_scaling(self, cfg: dict[str, Any]) -> dict[str, Any] | None:
@@ -298,13 +300,22 @@ class GGUFCheckpoint:
                 f"{self.path} has tensors ember does not know for {self.architecture}: {unknown[:5]}"
                 f"{' ...' if len(unknown) > 5 else ''}. The file may be a newer variant of the architecture."
             )
+        qwen4 = gguf_qwen4.Qwen4Weights(self) if self.architecture == gguf_qwen4.ARCH and not mtp else None
+        if qwen4 is not None and qwen4.ple_prefix is not None:
+            yield from qwen4.constants()
         for t, name in plan:
             if name is None:
+                continue
+            if qwen4 is not None and t.name == gguf_qwen4.TABLE:  # read by row from the file, never loaded
+                yield qwen4.table(t)
                 continue
             weight = _as_blocks(t) if packed and _is_quantized_matrix(t) else _to_torch(t)
             if self._untangler is not None:
                 part = _HYBRID_BLOCK_RE.fullmatch(t.name)
                 weight = self._untangler.fix(part[2] if part else t.name.split(".")[0], weight)
+                if qwen4 is not None and part and part[2] in gguf_qwen4.INDEXER_PARTS:
+                    yield from qwen4.indexer_part(int(part[1]), part[2], weight)
+                    continue
             m = _BLOCK_RE.fullmatch(t.name)
             if m and _EXPERTS_RE.fullmatch(m[2]):
                 # Stacked [E, out, in]: one HF tensor per expert
@@ -320,6 +331,8 @@ class GGUFCheckpoint:
                 else:
                     weight = _unpermute_rows(weight, heads)
             yield name, weight
+        if qwen4 is not None:
+            qwen4.finish()
 
     def _hf_name(self, gguf_name: str) -> str | None | bool:
         """HF name (with {e} for experts), None for tensors to skip, False for unknown ones."""
@@ -327,6 +340,10 @@ class GGUFCheckpoint:
             return None
         if gguf_name in _GLOBAL_NAMES:
             return _GLOBAL_NAMES[gguf_name]
+        if self.architecture == gguf_qwen4.ARCH and gguf_name in gguf_qwen4.GLOBAL_NAMES:
+            return gguf_qwen4.GLOBAL_NAMES[gguf_name]
+        if self.architecture == gguf_qwen4.ARCH and gguf_name == gguf_qwen4.TABLE:
+            return "ple n-gram table"  # iter_weights hands it over as a row source (gguf_qwen4.Qwen4Weights)
         if self._untangler is not None and (h := _HYBRID_BLOCK_RE.fullmatch(gguf_name)) is not None:
             if self._untangler.is_mtp_layer(int(h[1])):
                 return None  # read by iter_weights(mtp=True) when MTP speculation asks for it
@@ -368,12 +385,22 @@ class GGUFCheckpoint:
         return int(self.config.get("mtp_num_hidden_layers", 0))
 
     def loaded_tensor_infos(self) -> list[tuple[str, str, int, int]]:
-        """(GGUF name, type name, elements, dims) of every tensor the loader loads (for the planner)."""
+        """(GGUF name, type name, elements, dims) of every tensor the loader loads (for the planner); not
+        the tensors left in the file (mapped_tensor_bytes)."""
         return [
             (t.name, t.tensor_type.name, int(t.n_elements), len(t.shape))
             for t in self._reader.tensors
-            if isinstance(self._hf_name(t.name), str)
+            if isinstance(self._hf_name(t.name), str) and t.name not in self._mapped_names
         ]
+
+    @property
+    def _mapped_names(self) -> tuple[str, ...]:
+        return (gguf_qwen4.TABLE,) if self.architecture == gguf_qwen4.ARCH else ()
+
+    @property
+    def mapped_tensor_bytes(self) -> int:
+        """Bytes of the tensors the model reads by row from the file, never loaded (qwen4exp's n-gram table)."""
+        return sum(int(self._tensors[n].n_bytes) for n in self._mapped_names if n in self._tensors)
 
     @property
     def tensor_names(self) -> list[str]:

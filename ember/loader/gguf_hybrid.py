@@ -9,7 +9,7 @@ What the converter does (llama.cpp conversion/qwen.py, 0.3.36) and how it is und
 - Qwen3-Next's in_proj_qkvz (interleaved per key-head group) is split into attn_qkv = [q | k | v]
   and attn_gate = z, both in HF's grouped value-head order; in_proj_ba stays interleaved (ssm_ba):
   they load as Qwen3.5's in_proj_qkv / in_proj_z and Qwen3-Next's in_proj_ba;
-- Qwen3.5 (qwen35, qwen35moe) moves value heads from grouped order (head j reads key head j // r)
+- Qwen3.5 (qwen35, qwen35moe; and qwen4exp, ember.loader.gguf_qwen4) moves value heads from grouped order (head j reads key head j // r)
   to tiled order (key head j % nk) across attn_qkv's v rows, attn_gate, ssm_alpha / ssm_beta
   (in_proj_a / in_proj_b), ssm_a, ssm_dt, ssm_conv1d's v channels and ssm_out's columns, when the
   key and value head counts differ: each is permuted back. Rows of a packed quantized matrix move
@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from ember.errors import ModelLoadError
+from ember.loader import gguf_qwen4
 
 # Beyond the names every GGUF architecture shares (ember.loader.gguf's block table)
 BLOCK_NAMES = {
@@ -97,7 +98,7 @@ def hybrid_config(ckpt, cfg: dict) -> dict:
         },
         attention_bias=False,
     )
-    if ckpt.architecture in ("qwen3next", "qwen35moe"):
+    if ckpt.architecture in ("qwen3next", "qwen35moe", "qwen4exp"):
         cfg.update(
             num_experts=int(ckpt._arch_required("expert_count")),
             num_experts_per_tok=int(ckpt._arch_required("expert_used_count")),
@@ -118,11 +119,15 @@ class Untangler:
     def __init__(self, ckpt, common_names: dict[str, str]):
         """common_names: the block names every architecture shares (attn_q, ffn_gate, ...)."""
         self.names = {**common_names, **BLOCK_NAMES}
+        self.zero_centred = ZERO_CENTRED + ("output_norm",)
+        if ckpt.architecture == gguf_qwen4.ARCH:
+            self.names |= gguf_qwen4.BLOCK_NAMES
+            self.zero_centred += gguf_qwen4.ZERO_CENTRED
         cfg = ckpt.config
         self.num_layers = cfg["num_hidden_layers"]
         self.nk, self.nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
         self.dk, self.dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
-        self.tiled = ckpt.architecture in ("qwen35", "qwen35moe") and self.nk != self.nv
+        self.tiled = ckpt.architecture in ("qwen35", "qwen35moe", gguf_qwen4.ARCH) and self.nk != self.nv
 
     def is_mtp_layer(self, layer: int) -> bool:
         return layer >= self.num_layers
@@ -153,8 +158,10 @@ class Untangler:
 
     def fix(self, part: str, weight):
         """The file's tensor -> HF's (weight: float32 torch tensor, or GGUFTensor rows for matrices)."""
-        if part in ZERO_CENTRED or part == "output_norm":
+        if part in self.zero_centred:
             return weight - 1.0
+        if part == "ffn_gate_inp_shexp" and isinstance(weight, torch.Tensor) and weight.dim() == 1:
+            return weight[None]  # llama.cpp's quantizer writes the [hidden, 1] gate with ne [hidden]
         if part == "ssm_a":
             if (weight >= 0).any():
                 raise ModelLoadError("ssm_a must be negative (-exp(A_log)); the file is not a converted Qwen hybrid")
