@@ -13,17 +13,47 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PLUGIN = "tests.kernels.haswell_flags"
 HASWELL = ("-march=haswell",)
+AVXVNNI = ("-march=haswell", "-mavxvnni")
+# the builds the kernel modules' AVX2 tests take (test_avx2_build_passes_this_module), prebuilt by `make test`'s
+# install (scripts/install.py) so that pytest runs them instead of compiling them
+TEST_BUILDS = [
+    *(
+        (source, HASWELL)
+        for source in (
+            "cpu_causal_attention.cpp",
+            "cpu_fp8_gemv.cpp",
+            "cpu_fused_elementwise.cpp",
+            "cpu_gated_delta_net.cpp",
+            "cpu_half_gemv.cpp",
+            "cpu_qsa_attention.cpp",
+            "cpu_row_top.cpp",
+            "cpu_tiled_gemv.cpp",
+        )
+    ),
+    ("cpu_tiled_gemv.cpp", AVXVNNI),
+]
 
 
-def build(source: str, kernel_dir, march: tuple[str, ...] = HASWELL) -> dict:
-    """Compile `source` (a cpp_build.KERNELS key) with `march` into kernel_dir; the environment that finds it."""
-    env = dict(os.environ, EMBER_KERNEL_DIR=str(kernel_dir))
+def build_dir(source: str, march: tuple[str, ...]) -> str:
+    """A kernel dir of this source's own for this -march, kept across runs: the library's name hashes its
+    sources, so an edited kernel is built again and an unchanged one is not."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    tag = "".join(m.lstrip("-").replace("=", "-") for m in march)
+    return os.path.join(cache, "ember", "kernels-test", tag, source.removesuffix(".cpp"))
+
+
+def build(source: str, march: tuple[str, ...] = HASWELL) -> dict:
+    """Compile `source` (a cpp_build.KERNELS key) with `march` into its own kernel dir (unless built
+    there already); the environment that finds it."""
+    kernel_dir = build_dir(source, march)
+    os.makedirs(kernel_dir, exist_ok=True)
+    env = dict(os.environ, EMBER_KERNEL_DIR=kernel_dir)
     code = (
         "import sys; from ember.kernels import cpp_build as b; "
         "b.CFLAGS[:] = ['-O3', *sys.argv[3:], '-fopenmp']; "
         "b.compile_kernel(sys.argv[1], out_dir=sys.argv[2])"
     )
-    cmd = [sys.executable, "-c", code, source, str(kernel_dir), *march]
+    cmd = [sys.executable, "-c", code, source, kernel_dir, *march]
     subprocess.run(cmd, env=env, cwd=REPO, check=True, timeout=600)
     return env
 
@@ -48,3 +78,15 @@ def run_module(env: dict, path: str, masked: bool = True) -> subprocess.Complete
     plugin = ["-p", PLUGIN] if masked else []
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *plugin, path, "-k", "not avx2"]
     return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+def prebuild() -> None:
+    """Every TEST_BUILDS build, two at a time (what `make test`'s install runs on an AVX-512 machine)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda b: build(*b), TEST_BUILDS))
+
+
+if __name__ == "__main__":
+    prebuild()

@@ -186,7 +186,7 @@ def test_f32_fake_kernel_gives_the_shape():
 
 
 @pytest.mark.slow
-def test_avx2_build_passes_this_module(tmp_path):
+def test_avx2_build_passes_this_module():
     """Where this machine has AVX-512 the kernel is its AVX-512 build; the AVX2 + FMA build (Zen2/3,
     Haswell on: the float32 kernel on 8 lanes, no bf16 kernel) is compiled here with -march=haswell
     under the name this machine looks for, in a kernel dir of its own, and this module's other tests
@@ -194,7 +194,7 @@ def test_avx2_build_passes_this_module(tmp_path):
     (tests/kernels/haswell_flags.py)."""
     if not has_cpu_flags("avx512f"):
         pytest.skip("this machine's own build is the AVX2 one")
-    env = avx2_child.build("cpu_causal_attention.cpp", tmp_path)
+    env = avx2_child.build("cpu_causal_attention.cpp")
     probe = "import torch; from ember.kernels import cpu_causal_attention as c; "
     probe += (
         "print(c.flash_available(torch.float32), c.flash_available(), torch.ops.ember_cpu.causal_attention_lanes())"

@@ -205,14 +205,14 @@ def test_the_build_is_this_cpus():
 
 
 @pytest.mark.slow
-def test_avx2_build_passes_this_module(tmp_path):
+def test_avx2_build_passes_this_module():
     """Where this machine's build is the 16-lane AVX-512 one, the 8-lane AVX2 + FMA build (Zen2/3,
     Haswell on) is compiled here with -march=haswell under the name this machine looks for, in a kernel
     dir of its own, and this module's other tests run against it in a child process that reads the CPU
     flags as such a machine's (tests/kernels/haswell_flags.py)."""
     if not has_cpu_flags("avx512f", "avx512bw"):
         pytest.skip("this machine's own build is the AVX2 one")
-    env = avx2_child.build(fused.SOURCE, tmp_path)
+    env = avx2_child.build(fused.SOURCE)
     probe = "from ember.kernels import cpu_fused_elementwise as f; print(f.available(), f.lanes())"
     assert avx2_child.probe(env, probe) == ["True", "8"]
     run = avx2_child.run_module(env, __file__)

@@ -265,13 +265,13 @@ def test_the_layer_takes_the_kernels_and_matches_its_torch_path(dtype, tiny_hybr
 
 
 @pytest.mark.slow
-def test_avx2_build_passes_this_module(tmp_path):
+def test_avx2_build_passes_this_module():
     """Where this machine has AVX-512 the kernel is its 16-lane build; the 8-lane AVX2 + FMA build
     (Zen2/3, Haswell on) is compiled here with -march=haswell under the name this machine looks for,
     in a kernel dir of its own, and this module's other tests run against it in a child process."""
     if not cpp_build.has_cpu_flags("avx512f"):
         pytest.skip("this machine's own build is the AVX2 one")
-    env = avx2_child.build(gdn.SOURCE, tmp_path)
+    env = avx2_child.build(gdn.SOURCE)
     lanes = "import torch; from ember.kernels import cpu_gated_delta_net as g; g.available(); "
     lanes += "print(torch.ops.ember_cpu.gated_delta_net_lanes())"
     assert avx2_child.probe(env, lanes, masked=False) == ["8"]

@@ -63,13 +63,13 @@ def test_compiled_graph_calls_the_op():
     torch.testing.assert_close(fn(x), cpu_half_gemv.linear(x, w, BIG) * 2)
 
 
-def test_avx2_build_passes_this_module(tmp_path):
+def test_avx2_build_passes_this_module():
     """Where this machine targets AVX-512, the kernel is compiled -march=haswell (what an AVX2-only CPU
     builds) under the name this machine looks for, and this module's other tests run against it in a
     child that reads the CPU flags as such a machine's (tests/kernels/haswell_flags.py)."""
     if not has_cpu_flags("avx512f"):
         pytest.skip("this machine's own build is the AVX2 one")
-    env = avx2_child.build("cpu_half_gemv.cpp", tmp_path)
+    env = avx2_child.build("cpu_half_gemv.cpp")
     run = avx2_child.run_module(env, __file__)
     ok = run.returncode == 0 and " passed" in run.stdout and "skipped" not in run.stdout  # every test ran
     assert ok, run.stdout[-3000:] + run.stderr[-3000:]

@@ -122,14 +122,14 @@ def test_the_build_is_this_cpus():
 
 
 @pytest.mark.slow
-def test_avx2_build_passes_this_module(tmp_path):
+def test_avx2_build_passes_this_module():
     """Where this machine's build is the 16-lane AVX-512 one, the 8-lane AVX2 build (Zen2/3, Haswell
     on) is compiled here with -march=haswell under the name this machine looks for, in a kernel dir of
     its own, and this module's other tests run against it in a child process that reads the CPU flags
     as such a machine's (tests/kernels/haswell_flags.py)."""
     if not has_cpu_flags("avx512f"):
         pytest.skip("this machine's own build is the AVX2 one")
-    env = avx2_child.build("cpu_row_top.cpp", tmp_path)
+    env = avx2_child.build("cpu_row_top.cpp")
     probe = "import torch; from ember.kernels import cpu_row_top as r; r.available(); "
     probe += "print(torch.ops.ember_cpu.row_top_lanes())"
     assert avx2_child.probe(env, probe) == ["8"]

@@ -463,7 +463,7 @@ def test_gguf_q6k_part_is_tiled_and_matches_the_file():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("march", [["-march=haswell"], ["-march=haswell", "-mavxvnni"]], ids=["haswell", "avxvnni"])
-def test_avx2_build_passes_this_module(tmp_path, march):
+def test_avx2_build_passes_this_module(march):
     """Where this machine's build is the bf16 one (AVX-512 BF16), the AVX2 + FMA + F16C build (Zen2/3,
     Haswell on: float32 x in int16 steps; 4- and 8-bit tiles, the K-quants' two levels, Q6_K's tiles) is
     compiled here with -march=haswell (and again with AVX-VNNI, Intel's 12th gen on, whose vpdpwssd sums
@@ -474,7 +474,7 @@ def test_avx2_build_passes_this_module(tmp_path, march):
         pytest.skip("this machine's own build is the AVX2 one")
     if "-mavxvnni" in march and not has_cpu_flags("avx_vnni"):
         pytest.skip("this CPU has no AVX-VNNI")
-    env = avx2_child.build("cpu_tiled_gemv.cpp", tmp_path, tuple(march))
+    env = avx2_child.build("cpu_tiled_gemv.cpp", tuple(march))
     probe = "from ember.kernels import cpu_tiled_gemv as g; "
     probe += "print(g.x_dtype(), g.available(), g.has_q6k(), g.has_k_scales(), g.has_q8())"
     assert avx2_child.probe(env, probe) == ["torch.float32", "True", "True", "True", "False"]
