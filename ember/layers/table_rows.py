@@ -61,13 +61,18 @@ class FileRows:
         return self.num_rows * self.row_bytes
 
     def read(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        fd, size, base = self._fd, self.row_bytes, self.offset
-        raw = bytearray(b"".join([os.pread(fd, size, base + r * size) for r in rows.tolist()]))
-        if len(raw) != size * rows.numel():
-            raise OSError(f"{self.path}: short read of the n-gram table's rows; the file is truncated")
+        raw = pread_rows(self._fd, self.path, self.offset, self.row_bytes, rows)
         out = torch.frombuffer(raw, dtype=self.tensor.dtype).view(-1, self.dim) if raw else self.tensor[:0]
         out = out.to(dtype)
         return out if self.scale is None else out * self.scale
+
+
+def pread_rows(fd: int, path: str, offset: int, row_bytes: int, rows: torch.Tensor) -> bytearray:
+    """The bytes of rows (row r at offset + r * row_bytes of the file), read one pread a row, in order."""
+    raw = bytearray(b"".join([os.pread(fd, row_bytes, offset + r * row_bytes) for r in rows.tolist()]))
+    if len(raw) != row_bytes * rows.numel():
+        raise OSError(f"{path}: short read of the n-gram table's rows; the file is truncated")
+    return raw
 
 
 _GGUF_FLOATS = {
@@ -108,10 +113,8 @@ class GGUFRows:
         return self.num_rows * self.row_bytes
 
     def read(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        fd, size, base = self._fd, self.row_bytes, self.offset
-        raw = bytearray(b"".join([os.pread(fd, size, base + r * size) for r in rows.tolist()]))
-        if len(raw) != size * rows.numel():
-            raise OSError(f"{self.path}: short read of the n-gram table's rows; the file is truncated")
+        size = self.row_bytes
+        raw = pread_rows(self._fd, self.path, self.offset, size, rows)
         if not raw:
             return torch.empty(0, self.dim, dtype=dtype)
         floats = _GGUF_FLOATS.get(self.qtype)
