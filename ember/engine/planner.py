@@ -166,19 +166,20 @@ def weight_inventory(mc: ModelConfig, tp: int = 1, extra_layers: int = 0) -> tup
             dense += 2 * H
     dense += vocab * H * (1 if mc.tie_word_embeddings else 2) + H
     if mc.hc_count:
-        more, more_dense = hyper_inventory(mc)
+        more, more_dense = hyper_inventory(mc, tp)
         linears, dense = linears + more, dense + more_dense
     return linears, dense
 
 
-def hyper_inventory(mc: ModelConfig) -> tuple[list[tuple[int, int]], int]:
+def hyper_inventory(mc: ModelConfig, tp: int = 1) -> tuple[list[tuple[int, int]], int]:
     """qwen4_exp's weights beyond Qwen3.5-MoE's (replicated on every rank today): two hyper-connection mixers a
     layer and the final one (in place of the norms, 2H a layer + H, counted above), each attention layer's
     indexer, and each PLE layer's projections, norms and conv. Not its n-gram table: that stays in the
     file's mapping (ngram_table_elements)."""
     H, n, L = mc.hidden_size, mc.hc_count, mc.hc_lowrank
     mixers = 2 * mc.num_layers + 1
-    linears = [(L, n * H), (n * H, L)] * mixers + [(n, n * H)] * (2 * mc.num_layers)
+    # each mixer's down-projection split by input across ranks (ember.layers.hyper_connection)
+    linears = [(L, n * H // tp), (n * H, L)] * mixers + [(n, n * H)] * (2 * mc.num_layers)
     dense = mixers * n * H - (2 * mc.num_layers + 1) * H
     if mc.indexer is not None:
         d = mc.indexer.head_dim

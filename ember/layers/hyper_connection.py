@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember.layers.linear import ReplicatedLinear
+from ember.layers.linear import ReplicatedLinear, RowParallelLinear
 
 
 class GroupedZeroCenteredRMSNorm(nn.Module):
@@ -57,13 +57,20 @@ class HyperConnection(nn.Module):
         linear = lambda n_in, n_out, name: ReplicatedLinear(  # noqa: E731
             n_in, n_out, dtype=dtype, device=device, quant_method=quant_method(name)
         )
-        self.input_mix_weight_down = linear(width, lowrank, "input_mix_weight_down")
+        # split by input under tensor parallelism: each rank multiplies its slice of the normed streams and one
+        # all-reduce of [T, lowrank] sums them; on the release that keeps 1/tp of the 97 mixers' 318M down
+        # weights a rank (the up-projection and inject weights stay whole: the gate needs every channel)
+        self.input_mix_weight_down = RowParallelLinear(
+            width, lowrank, dtype=dtype, device=device, quant_method=quant_method("input_mix_weight_down")
+        )
         self.input_mix_weight_up = linear(lowrank, width, "input_mix_weight_up")
         self.block_inject_weight = linear(width, count, "block_inject_weight") if inject else None
 
     def forward(self, X: torch.Tensor):
         Xn = self.hc_norm(X)
-        a = F.silu(self.input_mix_weight_down(Xn) / self.count)
+        down = self.input_mix_weight_down
+        part = Xn if down.tp_size == 1 else Xn.narrow(-1, down.tp_rank * down.in_features, down.in_features)
+        a = F.silu(down(part) / self.count)
         gate = torch.sigmoid(self.input_mix_weight_up(a)).unflatten(-1, (self.count, self.hidden))
         x = (gate * Xn.unflatten(-1, (self.count, self.hidden))).mean(dim=-2)
         if self.block_inject_weight is None:
