@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.config.model_config import PLEConfig
+from ember.distributed.parallel_state import get_tp_rank_size
 from ember.errors import ModelLoadError
 from ember.kernels.metadata import AttentionMetadata
 from ember.layers.hyper_connection import GroupedZeroCenteredRMSNorm
@@ -112,8 +113,10 @@ class NGramTable:
     a row source: ember.layers.table_rows), never concatenated, dequantized or copied whole.
     gather(rows) -> [*rows.shape, dim] in `dtype`."""
 
-    def __init__(self, num_rows: int, dim: int):
-        self.num_rows, self.dim = num_rows, dim
+    def __init__(self, num_rows: int, dim: int, columns: slice | None = None):
+        """columns: the window of each row this tensor-parallel rank reads (None: every column)."""
+        self.num_rows, self.dim, self.columns = num_rows, dim, columns
+        self.width = dim if columns is None else columns.stop - columns.start
         self.shards: list = []
 
     def add_shard(self, index: int, source, parts: int) -> None:
@@ -133,12 +136,33 @@ class NGramTable:
     def gather(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         flat = rows.reshape(-1).cpu()  # the table lives in host memory (its file's mapping)
         per = self.shards[0].num_rows
-        out = torch.empty(flat.shape[0], self.dim, dtype=dtype)
+        out = torch.empty(flat.shape[0], self.width, dtype=dtype)
         shard = torch.div(flat, per, rounding_mode="floor")
         for i in torch.unique(shard).tolist():
             at = (shard == i).nonzero().squeeze(1)
-            out[at] = self.shards[i].read(flat[at] - i * per, dtype)
-        return out.view(*rows.shape, self.dim).to(rows.device)
+            source, local = self.shards[i], flat[at] - i * per
+            out[at] = source.read(local, dtype) if self.columns is None else source.read(local, dtype, self.columns)
+        return out.view(*rows.shape, self.width).to(rows.device)
+
+
+class WindowInputLinear(ReplicatedLinear):
+    """A PLE projection whose inputs are the gathered rows: [out, heads x row width] in the checkpoint, and
+    under tensor parallelism only this rank's table columns of each head's row (NGramTable.columns), the
+    partial products summed by the caller's all-reduce."""
+
+    def __init__(self, table: NGramTable, heads: int, out_features: int, dtype, device):
+        super().__init__(heads * table.width, out_features, dtype=dtype, device=device)
+        object.__setattr__(self, "table", table)  # not a submodule: the PLE layer holds it
+
+    def load_weight(self, param_name: str, tensor: torch.Tensor, shard_id=None):
+        columns, dim = self.table.columns, self.table.dim
+        if (
+            param_name == "weight"
+            and columns is not None
+            and tensor.shape[-1] == dim * (self.in_features // self.table.width)
+        ):
+            tensor = tensor.view(tensor.shape[0], -1, dim)[:, :, columns].reshape(tensor.shape[0], -1)
+        return super().load_weight(param_name, tensor, shard_id)
 
 
 class PLEState(RecurrentState):
@@ -189,9 +213,13 @@ class PLELayer(nn.Module):
         self.cfg, self.hidden, self.count = cfg, hidden, count
         width = hidden * count
         self.hash = NGramHash(cfg, vocab_size, ple_index)
-        self.table = NGramTable(self.hash.num_rows, cfg.embed_dim // cfg.num_heads)
-        self.key_proj = ReplicatedLinear(cfg.embed_dim, width, dtype=dtype, device=device)
-        self.value_proj = ReplicatedLinear(cfg.embed_dim, hidden, dtype=dtype, device=device)
+        # under tensor parallelism each rank reads a window of every row's columns (only those bytes: the
+        # table stays cold), and the projections take the matching inputs; one all-reduce sums k and v
+        dim, (rank, size) = cfg.embed_dim // cfg.num_heads, get_tp_rank_size()
+        columns = slice(rank * dim // size, (rank + 1) * dim // size) if size > 1 and dim % size == 0 else None
+        self.table = NGramTable(self.hash.num_rows, dim, columns)
+        self.key_proj = WindowInputLinear(self.table, cfg.num_heads, width, dtype=dtype, device=device)
+        self.value_proj = WindowInputLinear(self.table, cfg.num_heads, hidden, dtype=dtype, device=device)
         norm = lambda: GroupedZeroCenteredRMSNorm(width, hidden, eps, dtype, device)  # noqa: E731
         self.norm_key, self.norm_query, self.norm_conv = norm(), norm(), norm()
         self.conv_weight = nn.Parameter(
@@ -237,12 +265,17 @@ class PLELayer(nn.Module):
 
     def _gated_value(self, X: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
         """u [L, n*H] for one sequence's rows X [L, n*H] and its ids history [N - 1 + L]."""
-        e = self.table.gather(self.hash.rows(history), X.dtype).flatten(1)  # [L, embed_dim]
-        k = self.norm_key(self.key_proj(e)).unflatten(-1, (self.count, self.hidden))
+        e = self.table.gather(self.hash.rows(history), X.dtype).flatten(1)  # [L, embed_dim] (this rank's columns)
+        k, v = self.key_proj(e), self.value_proj(e)
+        if self.table.columns is not None:  # each rank's columns' share, summed
+            from ember.distributed.comm import all_reduce
+
+            k, v = all_reduce(torch.cat([k, v], dim=-1)).split([k.shape[-1], v.shape[-1]], dim=-1)
+        k = self.norm_key(k).unflatten(-1, (self.count, self.hidden))
         q = self.norm_query(X).unflatten(-1, (self.count, self.hidden))
         g = (k * q).sum(-1, keepdim=True) / math.sqrt(self.hidden)
         g = g.abs().clamp_min(1e-6).sqrt() * g.sign()
-        return (torch.sigmoid(g) * self.value_proj(e).unsqueeze(-2)).flatten(-2)
+        return (torch.sigmoid(g) * v.unsqueeze(-2)).flatten(-2)
 
     def _conv(self, columns: torch.Tensor, L: int) -> torch.Tensor:
         """SiLU of the causal depthwise conv (dilation N) at the last L of columns [window + L, n*H]."""

@@ -37,9 +37,11 @@ class TensorRows:
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
 
-    def read(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """rows [k] int64, local to this source -> [k, dim] in dtype."""
-        out = self.tensor.index_select(0, rows.cpu()).to(dtype)
+    def read(self, rows: torch.Tensor, dtype: torch.dtype, columns: slice | None = None) -> torch.Tensor:
+        """rows [k] int64, local to this source -> [k, dim] in dtype (or those columns of each row: a
+        tensor-parallel rank's share of the table)."""
+        out = self.tensor.index_select(0, rows.cpu())
+        out = (out if columns is None else out[:, columns]).to(dtype)
         return out if self.scale is None else out * self.scale
 
 
@@ -60,16 +62,22 @@ class FileRows:
     def nbytes(self) -> int:
         return self.num_rows * self.row_bytes
 
-    def read(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        raw = pread_rows(self._fd, self.path, self.offset, self.row_bytes, rows)
-        out = torch.frombuffer(raw, dtype=self.tensor.dtype).view(-1, self.dim) if raw else self.tensor[:0]
+    def read(self, rows: torch.Tensor, dtype: torch.dtype, columns: slice | None = None) -> torch.Tensor:
+        """Only the window's bytes of each row are read when columns is given (a tensor-parallel rank's)."""
+        first, width = (0, self.dim) if columns is None else (columns.start, columns.stop - columns.start)
+        elem = self.tensor.element_size()
+        raw = pread_rows(self._fd, self.path, self.offset + first * elem, width * elem, rows, self.row_bytes)
+        out = torch.frombuffer(raw, dtype=self.tensor.dtype).view(-1, width) if raw else self.tensor[:0, :width]
         out = out.to(dtype)
         return out if self.scale is None else out * self.scale
 
 
-def pread_rows(fd: int, path: str, offset: int, row_bytes: int, rows: torch.Tensor) -> bytearray:
-    """The bytes of rows (row r at offset + r * row_bytes of the file), read one pread a row, in order."""
-    raw = bytearray(b"".join([os.pread(fd, row_bytes, offset + r * row_bytes) for r in rows.tolist()]))
+def pread_rows(
+    fd: int, path: str, offset: int, row_bytes: int, rows: torch.Tensor, stride: int | None = None
+) -> bytearray:
+    """row_bytes of each row r at offset + r * stride of the file (stride: row_bytes), one pread a row, in order."""
+    stride = stride or row_bytes
+    raw = bytearray(b"".join([os.pread(fd, row_bytes, offset + r * stride) for r in rows.tolist()]))
     if len(raw) != row_bytes * rows.numel():
         raise OSError(f"{path}: short read of the n-gram table's rows; the file is truncated")
     return raw
@@ -112,7 +120,13 @@ class GGUFRows:
     def nbytes(self) -> int:
         return self.num_rows * self.row_bytes
 
-    def read(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def read(self, rows: torch.Tensor, dtype: torch.dtype, columns: slice | None = None) -> torch.Tensor:
+        """A column window (a tensor-parallel rank's) is cut from the dequantized rows: a window need not
+        fall on the type's block boundaries (the release's 160-wide rows in halves of 80, blocks of 32)."""
+        out = self._read_rows(rows, dtype)
+        return out if columns is None else out[:, columns]
+
+    def _read_rows(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         size = self.row_bytes
         raw = pread_rows(self._fd, self.path, self.offset, size, rows)
         if not raw:

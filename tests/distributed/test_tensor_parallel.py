@@ -295,9 +295,10 @@ def test_hybrid_gated_deltanet_shards_by_key_head_group(tmp_path):
 
 
 def test_qwen4_exp_over_two_ranks_equals_tp1(tmp_path):
-    """qwen4_exp (each hyper-connection mixer's down-projection split by input, the rest of the mixers, PLE
-    and the indexer replicated on each rank; attention and Gated DeltaNet split as Qwen3.5's): a 120-token
-    prompt (QSA sparse past 67 tokens, an EOS inside) beside a short one, 7-token chunks."""
+    """qwen4_exp (each hyper-connection mixer's down-projection split by input, the PLE table by columns with
+    its projections' inputs; the rest of the mixers and the indexer replicated on each rank; attention and
+    Gated DeltaNet split as Qwen3.5's): a 120-token prompt (QSA sparse past 67 tokens, an EOS inside) beside
+    a short one, 7-token chunks."""
     from tests.models.tiny_qwen4 import build_qwen4, prompt, save_qwen4
 
     path = save_qwen4(build_qwen4(), str(tmp_path / "qwen4"))
@@ -306,7 +307,11 @@ def test_qwen4_exp_over_two_ranks_equals_tp1(tmp_path):
     llm = tp_llm(path, **HARD)
     try:
         assert_same([o.outputs[0] for o in llm.generate(prompts, GREEDY, use_tqdm=False)], ref)
-        mixer = llm.engine.parts.loaded.model.model.layers[0].attn_hyper_connection
+        layers = llm.engine.parts.loaded.model.model.layers
+        mixer = layers[0].attn_hyper_connection
         assert mixer.input_mix_weight_down.weight.shape[1] == mixer.hidden * mixer.count // 2  # this rank's half
+        ple = next(layer.ple for layer in layers if layer.ple is not None)
+        assert ple.table.columns == slice(0, ple.table.dim // 2)  # rank 0 reads the first half of every row
+        assert ple.key_proj.weight.shape[1] == ple.cfg.embed_dim // 2
     finally:
         llm.engine.shutdown()
