@@ -89,7 +89,7 @@ def test_gradient_reaches_every_trained_parameter(main):
 # ---- training on the tiny qwen4_exp ------------------------------------------------------------------------
 
 CHANCE = 1 / 512  # the vocabulary
-TRAIN = dict(num_prompts=24, max_new_tokens=40, eval_prompts=6, epochs=30, lr=3e-3, depth=2)
+TRAIN = dict(num_prompts=24, max_new_tokens=40, eval_prompts=6, epochs=10, lr=1e-2, depth=2)
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +123,7 @@ def trained(tmp_path_factory):
 @pytest.mark.engine
 def test_trained_mtp_accepts_far_above_chance(trained):
     """Held-out greedy acceptance of the folder as served (bf16 weights): measured 0.17 before training
-    (init_from_main), ~0.6 after; chance is 1/512."""
+    (init_from_main), 0.56 after (0.04 -> 0.38 for drafts 1 and 2 both accepted); chance is 1/512."""
     _, _, _, report, before = trained
     acc, start = report["acceptance"], before["acceptance"]
     assert report["positions"] > 100 and report["steps"] > 0
