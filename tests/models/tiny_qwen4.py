@@ -72,6 +72,21 @@ def build_qwen4(seed: int = 0, **overrides):
     return _perturbed(transformers.Qwen4ExpForCausalLM(cfg).eval(), seed)
 
 
+def build_qwen4_predictable(seed: int = 0, embed_scale: float = 50.0, head_scale: float = 30.0):
+    """build_qwen4 whose greedy continuations an MTP layer can learn from a few hundred tokens (the MTP
+    trainer's test). build_qwen4's own are not: its logits are nearly flat (std ~0.05, top-2 gap ~0.015: the
+    teacher's distribution carries no signal) and its argmax is a hash of the context (unit-scale PLE
+    n-gram rows, random layers; a bigram table from its greedy text predicts 0.18 of held-out tokens). Here
+    the token embedding is scaled to unit std, so the residual follows the last token and the context moves
+    it (a bigram table predicts about half), and the LM head so that its logits are peaked (std ~2.3) as a
+    trained model's are. The same architecture and code paths; only two tensors rescaled."""
+    model = build_qwen4(seed)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(embed_scale)
+        model.lm_head.weight.mul_(head_scale)
+    return model
+
+
 def build_qwen4_vl(seed: int = 0):
     """The released layout: Qwen4ExpForConditionalGeneration, the text model under model.language_model.*,
     a one-block vision tower beside it (served as text: the tower is skipped at load)."""
