@@ -18,6 +18,7 @@ import httpx
 import openai
 
 from tests.models.tiny_qwen4 import build_qwen4, save_qwen4_chat
+from tests.server.test_qwen4_serve import WEATHER
 
 d = tempfile.mkdtemp(prefix="qwen4-serve-")
 save_qwen4_chat(build_qwen4(), d)
@@ -94,18 +95,7 @@ try:
         "same reasoning:",
         reason == (m.reasoning_content or ""),
     )
-    weather = {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "The weather forecast for Paris",
-            "parameters": {
-                "type": "object",
-                "properties": {"days": {"type": "integer", "minimum": 1, "maximum": 7}},
-                "required": ["days"],
-            },
-        },
-    }
+    weather = WEATHER  # the serve test's tool: an integer argument (a random model fills free strings with spaces)
     r = c.chat.completions.create(
         model=model,
         messages=ask,
