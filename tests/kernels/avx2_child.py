@@ -58,26 +58,25 @@ def build(source: str, march: tuple[str, ...] = HASWELL) -> dict:
     return env
 
 
-def probe(env: dict, code: str, masked: bool = True) -> list[str]:
-    """What `code` prints, run in a child (with the AVX-512 flags masked unless not `masked`), split in words."""
-    prefix = f"import {PLUGIN}; " if masked else ""
-    run = subprocess.run(
-        [sys.executable, "-c", prefix + code],
-        env=env,
-        cwd=REPO,
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    return run.stdout.split()
-
-
 def run_module(env: dict, path: str, masked: bool = True) -> subprocess.CompletedProcess:
     """The module's tests but the AVX2 one, in a child pytest (the flags masked unless not `masked`)."""
     plugin = ["-p", PLUGIN] if masked else []
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *plugin, path, "-k", "not avx2"]
     return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+def probe_and_run(
+    env: dict, code: str, path: str, masked: bool = True
+) -> tuple[list[str], subprocess.CompletedProcess]:
+    """probe's words and run_module's result from one child: `code` runs first, then the module's tests in the
+    same interpreter (one start of Python and torch a module, not two)."""
+    end = "--- end of the probe ---"
+    prefix = f"import {PLUGIN}; " if masked else ""
+    args = ["-q", "-x", "-p", "no:cacheprovider", *(["-p", PLUGIN] if masked else []), path, "-k", "not avx2"]
+    script = f"{prefix}{code}; print({end!r}, flush=True); import sys, pytest; sys.exit(pytest.main({args!r}))"
+    run = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    said, _, rest = run.stdout.partition(end)
+    return said.split(), subprocess.CompletedProcess(run.args, run.returncode, rest, run.stderr)
 
 
 def prebuild() -> None:

@@ -199,6 +199,6 @@ def test_avx2_build_passes_this_module():
     probe += (
         "print(c.flash_available(torch.float32), c.flash_available(), torch.ops.ember_cpu.causal_attention_lanes())"
     )
-    assert avx2_child.probe(env, probe) == ["True", "False", "8"]
-    run = avx2_child.run_module(env, __file__)
+    said, run = avx2_child.probe_and_run(env, probe, __file__)
+    assert said == ["True", "False", "8"]
     assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]

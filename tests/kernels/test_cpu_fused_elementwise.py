@@ -214,7 +214,7 @@ def test_avx2_build_passes_this_module():
         pytest.skip("this machine's own build is the AVX2 one")
     env = avx2_child.build(fused.SOURCE)
     probe = "from ember.kernels import cpu_fused_elementwise as f; print(f.available(), f.lanes())"
-    assert avx2_child.probe(env, probe) == ["True", "8"]
-    run = avx2_child.run_module(env, __file__)
+    said, run = avx2_child.probe_and_run(env, probe, __file__)
+    assert said == ["True", "8"]
     ok = run.returncode == 0 and " passed" in run.stdout and "skipped" not in run.stdout  # every test ran
     assert ok, run.stdout[-3000:] + run.stderr[-2000:]

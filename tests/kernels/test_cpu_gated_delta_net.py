@@ -274,6 +274,6 @@ def test_avx2_build_passes_this_module():
     env = avx2_child.build(gdn.SOURCE)
     lanes = "import torch; from ember.kernels import cpu_gated_delta_net as g; g.available(); "
     lanes += "print(torch.ops.ember_cpu.gated_delta_net_lanes())"
-    assert avx2_child.probe(env, lanes, masked=False) == ["8"]
-    run = avx2_child.run_module(env, __file__, masked=False)
+    said, run = avx2_child.probe_and_run(env, lanes, __file__, masked=False)
+    assert said == ["8"]
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]

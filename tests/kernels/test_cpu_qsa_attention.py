@@ -155,7 +155,7 @@ def test_avx2_build_passes_this_module():
     env = avx2_child.build("cpu_qsa_attention.cpp")
     probe = "import torch; from ember.kernels import cpu_qsa_attention as k; k.available(); "
     probe += "print(torch.ops.ember_cpu.qsa_attention_lanes())"
-    assert avx2_child.probe(env, probe) == ["8"]
-    run = avx2_child.run_module(env, __file__)
+    said, run = avx2_child.probe_and_run(env, probe, __file__)
+    assert said == ["8"]
     ok = run.returncode == 0 and " passed" in run.stdout and "skipped" not in run.stdout  # every test ran
     assert ok, run.stdout[-3000:] + run.stderr[-2000:]

@@ -477,6 +477,6 @@ def test_avx2_build_passes_this_module(march):
     env = avx2_child.build("cpu_tiled_gemv.cpp", tuple(march))
     probe = "from ember.kernels import cpu_tiled_gemv as g; "
     probe += "print(g.x_dtype(), g.available(), g.has_q6k(), g.has_k_scales(), g.has_q8())"
-    assert avx2_child.probe(env, probe) == ["torch.float32", "True", "True", "True", "False"]
-    run = avx2_child.run_module(env, __file__)
+    said, run = avx2_child.probe_and_run(env, probe, __file__)
+    assert said == ["torch.float32", "True", "True", "True", "False"]
     assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
