@@ -73,6 +73,7 @@ KERNELS = {
     "cpu_half_gemv.cpp": Kernel("CPU 16-bit weight GEMV", (), (("avx2", "fma", "f16c"),)),
     "cpu_qsa_attention.cpp": Kernel("CPU QSA selected-block attention", (), (("avx512f",), ("avx2", "fma"))),
     "cpu_fp8_gemv.cpp": Kernel("CPU fp8 block-scaled weight GEMV", (), (("avx2", "fma", "f16c"),)),
+    "cpu_ple.cpp": Kernel("CPU PLE gate and conv", (), (("avx512f",), ("avx2", "fma"))),
 }
 
 _loaded: dict[str, bool | None] = {}  # source -> loaded (None: could not be built)

@@ -32,6 +32,7 @@ class CpuKernels:
     gated_delta_net: bool = True  # Gated DeltaNet conv + recurrence for decodes and verifies (cpu_gated_delta_net)
     qsa_attention: bool = True  # qwen4_exp's selected-block (QSA) attention, bf16 / fp32 KV (cpu_qsa_attention)
     fp8_gemv: bool = True  # an FP8 checkpoint's block-scaled e4m3 weights kept fp8 (cpu_fp8_gemv; built as they load)
+    ple: bool = True  # qwen4_exp's PLE gate, value and dilated conv in one op, bf16 / fp32 (cpu_ple)
 
     @classmethod
     def none(cls) -> "CpuKernels":
@@ -49,6 +50,7 @@ class CpuKernels:
             cpu_causal_attention,
             cpu_fused_elementwise,
             cpu_gated_delta_net,
+            cpu_ple,
             cpu_qsa_attention,
             cpu_row_top,
             cpu_tiled_gemv,
@@ -72,4 +74,6 @@ class CpuKernels:
             # the sparse attention's kernel goes with the paged one (--cpu-paged-attention): ~15 s to build
             qsa_attention=config.paged_attention and cpu_qsa_attention.available(),
             fp8_gemv=config.fp8_gemv,  # built as an FP8 checkpoint's weights load (ember.quant.fp8_linear)
+            # qwen4_exp's PLE goes with the other fused elementwise kernels (--cpu-fused-elementwise)
+            ple=config.fused_elementwise and dtype in cpu_ple.DTYPES and cpu_ple.available(),
         )

@@ -12,8 +12,8 @@ reads each selected row once per kv head, in the cache's dtype, and keeps a runn
 head (online softmax in float32). Tasks are (row, kv head), shared out longest first; a batch-1 decode's
 few tasks are split over the threads and merged. AVX-512 and AVX2 + FMA builds (the same loops on 16 or
 8 lanes); bf16 and float32 caches; float32 out (the caller casts). Built by cpp_build like the other
-kernels, on by default where --cpu-paged-attention is (CpuKernels.qsa_attention). Not called from
-compiled graphs (the sparse path runs eager steps only), so it has no fake kernel.
+kernels, on by default where --cpu-paged-attention is (CpuKernels.qsa_attention). A dispatcher op with a
+fake kernel: compiled decode steps call it (ember.layers.qsa_graph).
 """
 
 from __future__ import annotations
@@ -28,9 +28,16 @@ MAX_GROUP = 16  # query heads per kv head (kMaxG)
 CACHE_DTYPES = (torch.bfloat16, torch.float32)
 
 
+def _fake_attention(q, kv_cache, block_tables, seq_idx, blocks, tail_start, kv_lens, ratio, scale):
+    return q.new_empty(q.shape, dtype=torch.float32)
+
+
+FAKES = {"ember_cpu::qsa_attention": _fake_attention}  # the shapes torch.compile traces the op with
+
+
 def available() -> bool:
     """The op can run here (AVX-512 or AVX2 + FMA; loaded, built once first where it was not built at install)."""
-    return build(SOURCE) is not None
+    return build(SOURCE, fakes=FAKES) is not None
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:

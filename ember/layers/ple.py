@@ -20,6 +20,7 @@ carried across chunks, snapshotted with the Gated DeltaNet state, kept per token
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -28,10 +29,13 @@ from torch import nn
 from ember.config.model_config import PLEConfig
 from ember.distributed.parallel_state import get_tp_rank_size
 from ember.errors import ModelLoadError
+from ember.kernels import cpu_ple
+from ember.kernels.cpu_kernels import CpuKernels
 from ember.kernels.metadata import AttentionMetadata
 from ember.layers.hyper_connection import GroupedZeroCenteredRMSNorm
 from ember.layers.linear import ReplicatedLinear, copy_checked
 from ember.layers.recurrent_state import RecurrentState
+from ember.layers import ple_gather
 from ember.layers.table_rows import table_rows
 
 _MASK64 = (1 << 64) - 1
@@ -87,25 +91,26 @@ class NGramHash:
         self._head_offsets = [torch.tensor(self.offsets[g], dtype=torch.int64)[None] for g in per]
 
     def contexts(self, history: torch.Tensor) -> list[torch.Tensor]:
-        """history [N - 1 + L] int64 (the carried ids, then the chunk's) -> c_0..c_{N-1}, each [L]."""
-        L = history.shape[0] - (self.ngram_size - 1)
-        own = history[self.ngram_size - 1 :]
-        out, cut = [own], torch.zeros(L, dtype=torch.bool, device=history.device)
+        """history [..., N - 1 + L] int64 (the carried ids, then the chunk's) -> c_0..c_{N-1}, each [..., L]."""
+        C = self.ngram_size - 1
+        L = history.shape[-1] - C
+        own = history[..., C:]
+        out, cut = [own], torch.zeros_like(own, dtype=torch.bool)
         for s in range(1, self.ngram_size):
-            prev = history[self.ngram_size - 1 - s : self.ngram_size - 1 - s + L]
+            prev = history[..., C - s : C - s + L]
             out.append(torch.where(cut, torch.full_like(prev, self.eos), prev))
             cut = cut | (prev == self.eos)  # an EOS s back cuts everything further back
         return out
 
     def rows(self, history: torch.Tensor) -> torch.Tensor:
-        """history as in contexts() -> rows [L, (N - 1) * heads_per_ngram] of the table."""
+        """history as in contexts() -> rows [..., L, (N - 1) * heads_per_ngram] of the table."""
         ctx, heads, dev = self.contexts(history), [], history.device
         for n, sizes, offsets in zip(range(2, self.ngram_size + 1), self._head_sizes, self._head_offsets):
             mix = ctx[0] * self.multipliers[0]
             for i in range(1, n):
                 mix = torch.bitwise_xor(mix, ctx[i] * self.multipliers[i])
-            heads.append(torch.remainder(mix[:, None], sizes.to(dev)) + offsets.to(dev))
-        return torch.cat(heads, dim=1)
+            heads.append(torch.remainder(mix[..., None], sizes.to(dev)) + offsets.to(dev))
+        return torch.cat(heads, dim=-1)
 
 
 class NGramTable:
@@ -145,6 +150,16 @@ class NGramTable:
         return out.view(*rows.shape, self.width).to(rows.device)
 
 
+class PLEInputs(NamedTuple):
+    """What PLELayer.start hands its forward: the step's table rows [T, R], the ids they were hashed from
+    (per sequence [N - 1 + n] eagerly, [B, N - 1 + n] in a fixed-shape step), and the prefetch's ticket
+    (a traced step's: it orders the gather op after the prefetch op; None eagerly)."""
+
+    rows: torch.Tensor
+    history: list[torch.Tensor] | torch.Tensor
+    ticket: torch.Tensor | None
+
+
 class WindowInputLinear(ReplicatedLinear):
     """A PLE projection whose inputs are the gathered rows: [out, heads x row width] in the checkpoint, and
     under tensor parallelism only this rank's table columns of each head's row (NGramTable.columns), the
@@ -167,17 +182,34 @@ class WindowInputLinear(ReplicatedLinear):
 
 class PLEState(RecurrentState):
     """A Gated DeltaNet layer's state (RecurrentState) plus its PLE's: per slot the conv's last
-    (K - 1) N input columns [window, n*H] (model dtype) and the last N - 1 token ids (int64)."""
+    (K - 1) N input columns [window, n*H] (model dtype) and the last N - 1 token ids (int64). Both pools have
+    one row past the slots, which a fixed-shape step's padding rows (slot -1) write and read instead of a
+    slot (scratch_index): a graph scatters with no data-dependent shapes."""
+
+    POOL_DIMS = ("slots", "slots", "slots+1", "slots+1")
 
     def __init__(self, num_slots: int, window: int, width: int, context: int, *args, **kwargs):
         super().__init__(num_slots, *args, **kwargs)
-        self.ple_window = torch.zeros(num_slots, window, width, dtype=self.conv.dtype, device=self.conv.device)
-        self.ple_ids = torch.zeros(num_slots, context, dtype=torch.int64, device=self.conv.device)
+        dev = self.conv.device
+        self.ple_window = torch.zeros(num_slots + 1, window, width, dtype=self.conv.dtype, device=dev)
+        self.ple_ids = torch.zeros(num_slots + 1, context, dtype=torch.int64, device=dev)
         self._ple_pending: list[tuple[int, torch.Tensor, torch.Tensor, list[tuple[int, int]]]] = []
+
+    def _bind(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        super()._bind(tensors[:2])
+        self.ple_window, self.ple_ids = tensors[2:]
+        self._ple_pending = []
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (*super().tensors(), self.ple_window, self.ple_ids)
 
     @property
     def nbytes(self) -> int:
         return super().nbytes + self.ple_window.nbytes + self.ple_ids.nbytes
+
+    def scratch_index(self, slots: torch.Tensor) -> torch.Tensor:
+        """Slots [B] (-1: none) -> rows of the PLE pools: the slot, or the scratch row past them for -1."""
+        return torch.where(slots >= 0, slots, self.ple_ids.shape[0] - 1)
 
     def keep_ple_verify(self, slot: int, columns: torch.Tensor, history: torch.Tensor, snapshots) -> None:
         """A verify's PLE inputs: columns [window + L, n*H] (the carried window, then its L tokens') and
@@ -207,7 +239,16 @@ class PLEState(RecurrentState):
 
 class PLELayer(nn.Module):
     def __init__(
-        self, cfg: PLEConfig, vocab_size: int, hidden: int, count: int, eps: float, ple_index: int, dtype, device
+        self,
+        cfg: PLEConfig,
+        vocab_size: int,
+        hidden: int,
+        count: int,
+        eps: float,
+        ple_index: int,
+        dtype,
+        device,
+        kernels: CpuKernels | None = None,
     ):
         super().__init__()
         self.cfg, self.hidden, self.count = cfg, hidden, count
@@ -227,6 +268,8 @@ class PLELayer(nn.Module):
         )
         self._pending_shards: dict[int, object] = {}  # the table's row shards as they load
         self._pending_scales: dict[int, float] = {}  # fp8 shards' per-tensor weight_scale, by shard
+        self._gather_key: str | None = None
+        self.cpu_kernel = (kernels or CpuKernels()).ple  # the C++ gate and conv where it applies
 
     def held_weights(self) -> list[torch.Tensor]:
         """The n-gram table's resident shards: weights held outside the parameters
@@ -241,20 +284,53 @@ class PLELayer(nn.Module):
         after num_slots), with the PLE's."""
         return PLEState(num_slots, self.cfg.conv_window, self.hidden * self.count, self.cfg.ngram_size - 1, *gdn_args)
 
-    def forward(self, X: torch.Tensor, input_ids: torch.Tensor, state: PLEState, meta: AttentionMetadata):
-        """X [T, n*H] -> what the layer adds to it, [T, n*H]."""
-        C = self.cfg.ngram_size - 1
+    @property
+    def gather_key(self) -> str:
+        """The key ember::ple_rows finds this layer's table by (ember.layers.ple_gather), once it is complete."""
+        if self._gather_key is None:
+            self._gather_key = ple_gather.register_table(self.table)
+        return self._gather_key
+
+    def start(self, input_ids: torch.Tensor, state: PLEState, meta: AttentionMetadata) -> PLEInputs:
+        """Hash the step's tokens to their table rows and start gathering them (a thread preads them while the
+        layers before this one run): what the model calls before its first layer. Reads the carried ids,
+        which only forward() writes."""
+        C, eos = self.cfg.ngram_size - 1, self.cfg.eos_token_id
+        if meta.fixed_shape:  # B sequences of n tokens, each from its source slot (-1: a new one)
+            src = meta.recurrent.device_sources
+            B = src.shape[0]
+            ids0 = torch.where(src[:, None] >= 0, state.ple_ids[state.scratch_index(src)], eos)
+            history = torch.cat([ids0, input_ids.view(B, -1).to(torch.int64)], dim=1)
+            rows = self.hash.rows(history).flatten(0, 1)
+        else:
+            history, s = [], 0
+            for n, slot, has in zip(meta.query_lens_cpu, meta.recurrent.slots, meta.recurrent.has_state):
+                ids0 = state.ple_ids[slot] if has else input_ids.new_full((C,), eos)
+                history.append(torch.cat([ids0.to(torch.int64), input_ids[s : s + n].to(torch.int64)]))
+                s += n
+            rows = torch.cat([self.hash.rows(h) for h in history])
+        dtype = self.conv_weight.dtype
+        return PLEInputs(rows, history, ple_gather.prefetch(self.gather_key, rows, dtype))
+
+    def forward(
+        self, X: torch.Tensor, input_ids: torch.Tensor, state: PLEState, meta: AttentionMetadata, inputs=None
+    ) -> torch.Tensor:
+        """X [T, n*H] -> what the layer adds to it, [T, n*H]. inputs: start()'s (None: started here)."""
+        inputs = inputs if inputs is not None else self.start(input_ids, state, meta)
+        e = ple_gather.gather(self.gather_key, inputs.rows, X.dtype, inputs.ticket).flatten(1)  # [T, embed_dim]
+        kp, v = self._project(e)
+        if meta.fixed_shape:
+            return self._forward_fixed(X, kp, v, inputs.history, state, meta.recurrent)
         rec, out, s = meta.recurrent, torch.empty_like(X), 0
-        for n, slot, has, d, snaps in zip(meta.query_lens_cpu, rec.slots, rec.has_state, rec.num_drafts, rec.snapshots):
+        for n, slot, has, d, snaps, history in zip(
+            meta.query_lens_cpu, rec.slots, rec.has_state, rec.num_drafts, rec.snapshots, inputs.history
+        ):
             if n == 0:
                 continue
             rows = slice(s, s + n)
-            ids0 = state.ple_ids[slot] if has else input_ids.new_full((C,), self.cfg.eos_token_id)
             window0 = state.ple_window[slot] if has else X.new_zeros(state.ple_window.shape[1:])
-            history = torch.cat([ids0.to(torch.int64), input_ids[rows].to(torch.int64)])
-            u = self._gated_value(X[rows], history)
-            columns = torch.cat([window0, self.norm_conv(u)])
-            out[rows] = u + self._conv(columns, n)
+            o, columns = self.mix(X[rows], kp[rows], v[rows], window0[None], n)
+            out[rows], columns = o, columns[0]
             if d > 0:  # a verify: the state after each token, for the commit to pick
                 state.keep_ple_verify(slot, columns, history, snaps)
             else:
@@ -263,26 +339,61 @@ class PLELayer(nn.Module):
             s += n
         return out
 
-    def _gated_value(self, X: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
-        """u [L, n*H] for one sequence's rows X [L, n*H] and its ids history [N - 1 + L]."""
-        e = self.table.gather(self.hash.rows(history), X.dtype).flatten(1)  # [L, embed_dim] (this rank's columns)
+    def _forward_fixed(self, X, kp, v, history: torch.Tensor, state: PLEState, rec) -> torch.Tensor:
+        """A fixed-shape step (a compiled graph: ember.engine.executor.decode_batch): B sequences of n tokens,
+        each read from its source slot and written to its slot in place, padding rows (-1) to the pools'
+        scratch row; no per-sequence work, no host sync."""
+        B = history.shape[0]
+        n = X.shape[0] // B
+        src, dst = state.scratch_index(rec.device_sources), state.scratch_index(rec.device_slots)
+        window0 = torch.where((rec.device_sources >= 0)[:, None, None], state.ple_window[src], 0)
+        out, columns = self.mix(X, kp, v, window0, n)
+        state.ple_window[dst] = columns[:, n:]
+        state.ple_ids[dst] = history[:, n:]
+        return out
+
+    def _project(self, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gathered rows e [T, embed_dim] (this rank's columns) -> key_proj(e) [T, n*H], value_proj(e) [T, H]."""
         k, v = self.key_proj(e), self.value_proj(e)
         if self.table.columns is not None:  # each rank's columns' share, summed
             from ember.distributed.comm import all_reduce
 
             k, v = all_reduce(torch.cat([k, v], dim=-1)).split([k.shape[-1], v.shape[-1]], dim=-1)
-        k = self.norm_key(k).unflatten(-1, (self.count, self.hidden))
+        return k, v
+
+    def mix(self, X, kp, v, window0, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gate and the conv of B sequences of n tokens: X, kp [B n, n*H] (the streams, key_proj(e)),
+        v [B n, H], window0 [B, window, n*H] (each sequence's carried conv input) -> (what the layer adds
+        [B n, n*H], the conv's input columns [B, window + n, n*H]). The C++ kernel where it takes the
+        tensors (ember.kernels.cpu_ple), else mix_reference."""
+        if self.cpu_kernel and cpu_ple.supports(X, kp, v, window0):
+            return cpu_ple.ple_mix(
+                X,
+                kp,
+                v,
+                self.norm_key.weight,
+                self.norm_query.weight,
+                self.norm_conv.weight,
+                self.conv_weight,
+                window0,
+                self.norm_key.eps,
+                self.cfg.ngram_size,
+            )
+        return self.mix_reference(X, kp, v, window0, n)
+
+    def mix_reference(self, X, kp, v, window0, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """mix() in torch ops (the reference)."""
+        B = window0.shape[0]
+        k = self.norm_key(kp).unflatten(-1, (self.count, self.hidden))
         q = self.norm_query(X).unflatten(-1, (self.count, self.hidden))
         g = (k * q).sum(-1, keepdim=True) / math.sqrt(self.hidden)
         g = g.abs().clamp_min(1e-6).sqrt() * g.sign()
-        return (torch.sigmoid(g) * v.unsqueeze(-2)).flatten(-2)
-
-    def _conv(self, columns: torch.Tensor, L: int) -> torch.Tensor:
-        """SiLU of the causal depthwise conv (dilation N) at the last L of columns [window + L, n*H]."""
-        x = columns.t().unsqueeze(0)  # [1, n*H, window + L]
+        u = (torch.sigmoid(g) * v.unsqueeze(-2)).flatten(-2)  # [B n, n*H]
+        columns = torch.cat([window0, self.norm_conv(u).view(B, n, -1)], dim=1)
+        # SiLU of the causal depthwise conv (dilation N) at the last n columns
         w = self.conv_weight.unsqueeze(1)  # [n*H, 1, K]
-        y = F.conv1d(x, w, groups=w.shape[0], dilation=self.cfg.ngram_size)  # [1, n*H, L]
-        return F.silu(y[0].t())
+        y = F.conv1d(columns.transpose(1, 2), w, groups=w.shape[0], dilation=self.cfg.ngram_size)  # [B, n*H, n]
+        return u + F.silu(y.transpose(1, 2).reshape(B * n, -1)), columns
 
     # ---- weights -------------------------------------------------------------------------
 
@@ -344,6 +455,7 @@ class PLELayer(nn.Module):
                 )
             self.table.add_shard(i, got[i], parts)
         self._pending_shards, self._pending_scales = {}, {}
+        self._gather_key = ple_gather.register_table(self.table)
 
     def _check_constant(self, name: str, tensor: torch.Tensor) -> None:
         ours = {

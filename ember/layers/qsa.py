@@ -146,13 +146,15 @@ class QSAIndexer(nn.Module):
                 blocks[a:b] = self._top_blocks(q[a:b], keys, seq_idx[a:b], one, nc[a:b], k)
         return BlockSelection(blocks, (r * nc).int(), (p + 1).int(), seq_idx.int(), r)
 
-    def batch_block_keys(self, meta: AttentionMetadata, nb: int, cos_sin) -> torch.Tensor:
+    def batch_block_keys(self, meta: AttentionMetadata, nb: int, cos_sin, keys: torch.Tensor | None = None) -> torch.Tensor:
         """The first nb block keys of every sequence of the step, [B, nb, d], as block_keys makes them (blocks
-        past a sequence's end hold whatever the table's padding points at: no query sees them)."""
+        past a sequence's end hold whatever the table's padding points at: no query sees them). keys: the raw
+        key pool to read (default: this indexer's; a compiled step's is handed to it, ember.layers.qsa_graph)."""
         r, bs, B = self.cfg.compress_ratio, meta.block_size, meta.num_seqs
+        keys = self.keys if keys is None else keys
         tokens = torch.arange(nb * r, device=meta.block_tables.device)
         slots = meta.block_tables[:B, tokens // bs].to(torch.int64) * bs + tokens % bs
-        raw = self.keys[slots.to(self.keys.device)]
+        raw = keys[slots.to(keys.device)]
         pooled = raw.view(B * nb, r, -1).float().mean(1).to(raw.dtype)
         cos, sin = (c[: nb * r : r].repeat(B, 1) for c in cos_sin)
         return apply_rotary(self.k_layernorm(pooled).unsqueeze(1), cos, sin, False)[:, 0].view(B, nb, -1)

@@ -33,16 +33,25 @@ class RecurrentState:
         self.conv_kernel = conv_kernel
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor, list[tuple[int, int]]]] = []
 
+    # per tensor of tensors(): what its first dimension counts ("slots": the pool's slots; "slots+1": the
+    # slots and a scratch row that a fixed-shape step's padding rows write, ember.layers.ple.PLEState)
+    POOL_DIMS: tuple[str, ...] = ("slots", "slots")
+
     @classmethod
-    def over(cls, conv: torch.Tensor, ssm: torch.Tensor, conv_kernel: int) -> "RecurrentState":
-        """A state over existing pool tensors (no allocation): what an ahead-of-time decode step, which
-        takes tensors only, rebuilds from the (conv, ssm) pair it is handed (ember.engine.executor.compiled)."""
+    def over(cls, tensors: tuple[torch.Tensor, ...], conv_kernel: int) -> "RecurrentState":
+        """A state over existing pool tensors (no allocation; tensors() of one): what an ahead-of-time decode
+        step, which takes tensors only, rebuilds from the tensors it is handed (ember.engine.executor.compiled)."""
         state = cls.__new__(cls)
-        state.conv, state.ssm, state.conv_kernel, state._pending = conv, ssm, conv_kernel, []
+        state._bind(tensors)
+        state.conv_kernel = conv_kernel
         return state
 
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(conv, ssm): the pool tensors a step reads and writes in place."""
+    def _bind(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        self.conv, self.ssm = tensors
+        self._pending = []
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The pool tensors a step reads and writes in place ((conv, ssm) here; a subclass adds its own)."""
         return self.conv, self.ssm
 
     @property

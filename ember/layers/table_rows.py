@@ -62,6 +62,10 @@ class FileRows:
     def nbytes(self) -> int:
         return self.num_rows * self.row_bytes
 
+    def identity(self) -> tuple:
+        """Where the rows live (ember.layers.ple_gather keys a table by it: the same in every process)."""
+        return ("file", self.path, self.offset, str(self.tensor.dtype), self.num_rows, self.dim, self.scale)
+
     def read(self, rows: torch.Tensor, dtype: torch.dtype, columns: slice | None = None) -> torch.Tensor:
         """Only the window's bytes of each row are read when columns is given (a tensor-parallel rank's)."""
         first, width = (0, self.dim) if columns is None else (columns.start, columns.stop - columns.start)
@@ -119,6 +123,10 @@ class GGUFRows:
     @property
     def nbytes(self) -> int:
         return self.num_rows * self.row_bytes
+
+    def identity(self) -> tuple:
+        """Where the rows live (as FileRows.identity)."""
+        return ("gguf", self.path, self.offset, int(self.qtype), self.num_rows, self.dim)
 
     def read(self, rows: torch.Tensor, dtype: torch.dtype, columns: slice | None = None) -> torch.Tensor:
         """A column window (a tensor-parallel rank's) is cut from the dequantized rows: a window need not

@@ -17,7 +17,6 @@ before the final mixer (compute_logits mixes), which is what the MTP layer (Qwen
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +34,7 @@ from ember.layers.hyper_connection import HyperConnection
 from ember.layers.linear import ReplicatedLinear
 from ember.layers.norm import ZeroCenteredRMSNorm
 from ember.layers.ple import PLELayer
+from ember.layers import qsa_graph
 from ember.layers.qsa import QSAIndexer, selected_attention
 from ember.layers.rotary import RotaryEmbedding, apply_rotary
 from ember.models.llama import LlamaForCausalLM, embedding_method, linear_method
@@ -65,16 +65,24 @@ class QSAGatedAttention(GatedAttention):
             cfg.indexer, cfg.hidden_size, cfg.rms_norm_eps, dtype, device, linear_method(quant_config, prefix)
         )
 
-    def forward(self, x, cos_sin, kv_cache, meta: AttentionMetadata, sequence_cos_sin=None):
-        """sequence_cos_sin(N) -> (cos, sin) of sequence indices 0..N-1 (the block keys' positions)."""
+    def forward(self, x, cos_sin, kv_cache, meta: AttentionMetadata, sequence_cos_sin=None, keys=None):
+        """sequence_cos_sin(N) -> (cos, sin) of sequence indices 0..N-1 (the block keys' positions); keys: the
+        indexer's raw key pool a compiled step is handed (None: the indexer's own)."""
         q_gate, k, v = self.qkv_proj.split(self.qkv_proj(x))
         T, D = x.shape[0], self.qkv_proj.head_dim
         q, gate = q_gate.reshape(T, self.num_heads, 2 * D).chunk(2, dim=-1)
         q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos_sin
         q, k = apply_rotary(q, cos, sin, False), apply_rotary(k, cos, sin, False)
+        if meta.fixed_shape:  # a compiled step: the selection in index form, whatever the lengths
+            keys = self.indexer.keys if keys is None else keys
+            index_q = qsa_graph.index_queries(self.indexer, x, cos, sin, keys, meta.slot_mapping)
+            write_kv_cache(k, v, kv_cache, meta.slot_mapping, fixed_shape=True)
+            sel = qsa_graph.select_blocks(self.indexer, index_q, keys, meta, sequence_cos_sin(meta.max_seq_len))
+            o = selected_attention(q, kv_cache, meta.block_tables, sel, self.attn.scale, self.cpu_kernel)
+            return self.o_proj((o * torch.sigmoid(gate)).flatten(1))
         index_q = self.indexer(x, cos, sin, kv_cache, meta)
-        if meta.fixed_shape or meta.max_seq_len <= self.indexer.cfg.dense_below:
+        if meta.max_seq_len <= self.indexer.cfg.dense_below:
             o = self.attn(q, k, v, kv_cache, meta)  # every visible token is selected: the backend, dense
         else:
             o = self._sparse(q, k, v, index_q, kv_cache, meta, sequence_cos_sin)
@@ -112,20 +120,21 @@ class Qwen4ExpDecoderLayer(nn.Module):
         if cfg.ple is not None and layer_idx in cfg.ple.layers:
             index = cfg.ple.layers.index(layer_idx)
             self.ple = PLELayer(
-                cfg.ple, cfg.vocab_size, cfg.hidden_size, cfg.hc_count, cfg.rms_norm_eps, index, dtype, device
+                cfg.ple, cfg.vocab_size, cfg.hidden_size, cfg.hc_count, cfg.rms_norm_eps, index, dtype, device, kernels
             )
 
         self.attn_hyper_connection = mixer(cfg, dtype, device, quant_config, f"{prefix}.attn_hyper_connection")
         self.mlp_hyper_connection = mixer(cfg, dtype, device, quant_config, f"{prefix}.mlp_hyper_connection")
 
-    def forward(self, X, input_ids, cos_sin, cache, meta: AttentionMetadata, sequence_cos_sin):
+    def forward(self, X, input_ids, cos_sin, cache, meta: AttentionMetadata, sequence_cos_sin, keys=None, ple=None):
+        """keys: an attention layer's indexer key pool in a compiled step; ple: PLELayer.start's (None: started here)."""
         if self.ple is not None:
-            X = X + self.ple(X, input_ids, cache, meta)
+            X = X + self.ple(X, input_ids, cache, meta, ple)
         x, w = self.attn_hyper_connection(X)
         if self.is_linear:
             y = self.linear_attn(x, cache, meta)
         else:
-            y = self.self_attn(x, cos_sin, cache, meta, sequence_cos_sin)
+            y = self.self_attn(x, cos_sin, cache, meta, sequence_cos_sin, keys)
         X = HyperConnection.inject(X, y, w)
         x, w = self.mlp_hyper_connection(X)
         return HyperConnection.inject(X, self.mlp(x), w)
@@ -150,13 +159,19 @@ class Qwen4ExpModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings, device)
 
     def forward(self, input_ids, positions, caches, meta: AttentionMetadata, select: RowSelection | None = None):
+        """caches: one per layer, then in a compiled step the attention layers' indexer key pools in layer
+        order (Qwen4ExpForCausalLM.graph_pools)."""
+        # the PLE rows first: their gather runs on a thread of its own while the layers before them run
+        ple = {i: layer.ple.start(input_ids, caches[i], meta) for i, layer in enumerate(self.layers) if layer.ple is not None}
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary.get_cos_sin(positions)
         cos_sin = (cos.to(h.dtype), sin.to(h.dtype))
         sequence_cos_sin = sequence_rotary(self.rotary, h.dtype, h.device)
         X = h.repeat(1, self.hc_count)  # every stream starts as the embedding
-        for layer, cache in zip(self.layers, caches):
-            X = layer(X, input_ids, cos_sin, cache, meta, sequence_cos_sin)
+        pools = iter(caches[len(self.layers) :])
+        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
+            keys = None if layer.is_linear else next(pools, None)
+            X = layer(X, input_ids, cos_sin, cache, meta, sequence_cos_sin, keys, ple.get(i))
         return selected_rows(X, select)
 
 
@@ -169,12 +184,20 @@ def selected_rows(X: torch.Tensor, select: RowSelection | None) -> torch.Tensor:
 
 def sequence_rotary(rotary: RotaryEmbedding, dtype, device):
     """n -> (cos, sin) of sequence indices 0..n-1 (text: a token's position is its index), computed once a
-    step, whichever attention layer asks first (the QSA block keys' positions)."""
+    step, whichever attention layer asks first (the QSA block keys' positions). In a compiled step n is the
+    block table's bound (symbolic), which may pass the table's end by less than a block: those indices,
+    past every sequence, are clamped."""
+    memo: dict = {}
 
-    @functools.cache
-    def cos_sin(n: int):
-        c, s = rotary.get_cos_sin(torch.arange(n, device=device))
-        return c.to(dtype), s.to(dtype)
+    def cos_sin(n):
+        key = n if isinstance(n, int) else id(n)  # a traced bound is one SymInt object a step
+        if key not in memo:
+            index = torch.arange(n, device=device)
+            if not isinstance(n, int):
+                index = index.clamp(max=rotary.cos_cache.shape[0] - 1)
+            c, s = rotary.get_cos_sin(index)
+            memo[key] = c.to(dtype), s.to(dtype)
+        return memo[key]
 
     return cos_sin
 
@@ -197,6 +220,12 @@ class Qwen4ExpForCausalLM(Qwen3NextForCausalLM):
     def build_mtp(self, num_layers: int, attn_backend=None) -> "Qwen4ExpMTP":
         """The model's MTP layer(s) as ember's MTP proposer drives them (ember.spec.mtp_weights.load_mtp)."""
         return Qwen4ExpMTP(self, num_layers, attn_backend)
+
+    def graph_pools(self, kv_caches: list) -> list[torch.Tensor]:
+        """What a compiled step writes beside its caches, handed to it after them (ember.engine.executor.compiled):
+        each attention layer's indexer key pool, in layer order (made now where no step has made it)."""
+        layers = zip(self.model.layers, kv_caches)
+        return [qsa_graph.key_pool(layer.self_attn.indexer, c, self.dtype) for layer, c in layers if not layer.is_linear]
 
     def make_recurrent_states(self, num_slots: int, device) -> list:
         states = []
@@ -304,8 +333,13 @@ class Qwen4ExpMTP(nn.Module):
         cos, sin = self._rotary.get_cos_sin(positions)
         cos_sin = (cos.to(X.dtype), sin.to(X.dtype))
         sequence_cos_sin = sequence_rotary(self._rotary, X.dtype, X.device)
-        X = self.layers[j](X, input_ids, cos_sin, kv_caches[j], meta, sequence_cos_sin)
+        keys = kv_caches[len(self.layers) + j] if len(kv_caches) > len(self.layers) else None  # graph_pools'
+        X = self.layers[j](X, input_ids, cos_sin, kv_caches[j], meta, sequence_cos_sin, keys)
         return selected_rows(X, select)
+
+    def graph_pools(self, kv_caches: list) -> list[torch.Tensor]:
+        """Its layers' indexer key pools (Qwen4ExpForCausalLM.graph_pools)."""
+        return [qsa_graph.key_pool(layer.self_attn.indexer, c, self.dtype) for layer, c in zip(self.layers, kv_caches)]
 
     def compute_draft_logits(self, g: torch.Tensor, step: int = 0) -> tuple[torch.Tensor, None]:
         mixed = self.hyper_connection_mixer(g.to(self.fc_hidden.weight.dtype))

@@ -67,6 +67,7 @@ from ember.engine.executor.decode_batch import (
 )
 from ember.errors import EmberError
 from ember.layers.moe_compute import calls_experts_op
+from ember.layers.ple_gather import holds_process_keys
 from ember.layers.rotary import RotaryEmbedding
 
 logger = logging.getLogger("ember")
@@ -125,7 +126,8 @@ def step_forward(
 class DecodeStep(torch.nn.Module):
     """step_forward as a module, for torch.export (ember.engine.executor.aot_package); rows: a list (export
     takes no varargs). kv_caches arrives as package_tensors made it: a hybrid layer's RecurrentState as its
-    (conv, ssm) pair, which `layout` (cache_layout of the served caches) turns back into a state over them."""
+    pool tensors, which `layout` (cache_layout of the served layers' caches) turns back into a state over
+    them; the model's graph pools (CompiledExecutor.pools) follow the layers' caches as they are."""
 
     def __init__(self, model: torch.nn.Module, block_size: int, layout: tuple):
         super().__init__()
@@ -161,26 +163,29 @@ class DecodeStep(torch.nn.Module):
 
 
 def cache_layout(caches: list) -> tuple:
-    """Per cache of a step: None for a paged KV tensor, a RecurrentState's conv kernel width for a hybrid
-    layer's state (what DecodeStep needs to rebuild it from its tensors)."""
-    return tuple(None if isinstance(c, torch.Tensor) else c.conv_kernel for c in caches)
+    """Per layer cache of a step: None for a paged KV tensor, (its class, its conv kernel width) for a hybrid
+    layer's RecurrentState (what DecodeStep needs to rebuild it from its tensors)."""
+    return tuple(None if isinstance(c, torch.Tensor) else (type(c), c.conv_kernel) for c in caches)
 
 
 def package_tensors(caches: list) -> list[torch.Tensor]:
-    """A step's caches as the tensors a package takes: a paged KV cache as it is, a hybrid layer's
-    RecurrentState as its (conv, ssm) pool tensors (export takes tensors only; the package writes the
-    states in place, as the eager and dynamo steps do)."""
+    """A step's caches as the tensors a package takes: a paged KV cache (or a graph pool) as it is, a hybrid
+    layer's RecurrentState as its pool tensors (RecurrentState.tensors(); export takes tensors only; the
+    package writes the states in place, as the eager and dynamo steps do)."""
     return [t for c in caches for t in ((c,) if isinstance(c, torch.Tensor) else c.tensors())]
 
 
 def _rebuilt_caches(tensors: list, layout: tuple) -> list:
-    """package_tensors' inverse, inside the traced step: states over the handed tensors."""
-    from ember.layers.recurrent_state import RecurrentState
-
+    """package_tensors' inverse, inside the traced step: states over the handed tensors, then the graph
+    pools as they are."""
     caches, it = [], iter(tensors)
-    for kernel in layout:
-        caches.append(next(it) if kernel is None else RecurrentState.over(next(it), next(it), kernel))
-    return caches
+    for entry in layout:
+        if entry is None:
+            caches.append(next(it))
+        else:
+            cls, kernel = entry
+            caches.append(cls.over(tuple(next(it) for _ in cls.POOL_DIMS), kernel))
+    return caches + list(it)
 
 
 # How a ready shape's step runs: (inputs, per-row inputs, KV caches) -> the model's output
@@ -202,8 +207,15 @@ def _inputs(x: DecodeInputs) -> tuple[torch.Tensor, ...]:
 
 
 def _kv_tensors(caches: list) -> list[torch.Tensor]:
-    """The paged KV caches of a cache list (a hybrid's also holds its layers' RecurrentStates)."""
+    """The paged KV caches of a list of layer caches (a hybrid's also holds its layers' RecurrentStates)."""
     return [c for c in caches if isinstance(c, torch.Tensor)]
+
+
+def graph_pools(model: torch.nn.Module, kv_caches: list) -> list[torch.Tensor]:
+    """What a step of `model` writes beside its layers' caches, which a graph must be handed (model.graph_pools:
+    qwen4_exp's indexer key pools), in the order the model takes them after the caches; [] for most models."""
+    make = getattr(model, "graph_pools", None)
+    return [] if make is None else list(make(kv_caches))
 
 
 class CompiledExecutor:
@@ -237,7 +249,10 @@ class CompiledExecutor:
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.device = next(iter(_kv_tensors(kv_caches)), next(model.parameters())).device
         self.recurrent_states = [c for c in kv_caches if not isinstance(c, torch.Tensor)]
-        self._pool_tensors = package_tensors(kv_caches)  # what every packaged step is handed: built once
+        # a graph is handed the layers' caches, then the pools the model writes beside them (graph_pools)
+        self.pools = graph_pools(model, kv_caches)
+        self.graph_caches = [*kv_caches, *self.pools]
+        self._pool_tensors = package_tensors(self.graph_caches)  # what every packaged step is handed: built once
         self.row_inputs, self.what = tuple(row_inputs), what
         self.max_model_len, self.mode, self.freezing, self.cpp_wrapper = max_model_len, mode, freezing, cpp_wrapper
         self.threads = torch.get_num_threads()  # the engine's, at start (see BackgroundCompiler.fit_step_threads)
@@ -257,9 +272,11 @@ class CompiledExecutor:
         # A graph that calls ember::moe_experts holds keys to this process's modules (ember.layers.moe_compute),
         # which a package, loaded by later processes, must not.
         # A pool of one state slot would make export specialise the slot count: dynamo builds that one.
+        # Likewise a PLE table held in memory (a key of this process: ember.layers.ple_gather).
         self.ahead_of_time = (
             not freezing
             and not calls_experts_op(model)
+            and not holds_process_keys(model)
             and all(state.ssm.shape[0] >= 2 for state in self.recurrent_states)
         )
         self._direct: dict[tuple[int, int], types.FunctionType] = {}  # (size, q_len) -> compiled bytecode, no guards
@@ -389,24 +406,27 @@ class CompiledExecutor:
         # The table width grows with the longest sequence; everything else is static per size. The
         # pool's block count is symbolic too: engines with another --kv-cache-memory (or an MTP layer
         # in the pool) reuse the same graphs from inductor's cache instead of compiling their own.
-        caches = self.kv_caches if caches is None else caches
+        caches = self.graph_caches if caches is None else caches
         torch._dynamo.maybe_mark_dynamic(x.block_tables, 1)
-        for cache in _kv_tensors(caches):
+        layers = len(self.kv_caches)
+        for cache in _kv_tensors(caches[:layers]):
             torch._dynamo.maybe_mark_dynamic(cache, 1)
+        for pool in caches[layers:]:  # per pool block's slot, like the caches' blocks
+            torch._dynamo.maybe_mark_dynamic(pool, 0)
         return self._compiled(*_inputs(x), caches, *rows)
 
     def _eager_call(self, x: DecodeInputs, rows: tuple = (), caches: list[torch.Tensor] | None = None) -> torch.Tensor:
-        return self._forward(*_inputs(x), self.kv_caches if caches is None else caches, *rows)
+        return self._forward(*_inputs(x), self.graph_caches if caches is None else caches, *rows)
 
     def _call_direct(
         self, fn: types.FunctionType, x: DecodeInputs, rows: tuple = (), caches: list[torch.Tensor] | None = None
     ) -> torch.Tensor:
-        return fn(self, *_inputs(x), self.kv_caches if caches is None else caches, *rows)
+        return fn(self, *_inputs(x), self.graph_caches if caches is None else caches, *rows)
 
     def _call_package(
         self, package, x: DecodeInputs, rows: tuple = (), caches: list[torch.Tensor] | None = None
     ) -> torch.Tensor:
-        pool = caches is None or caches is self.kv_caches
+        pool = caches is None or caches is self.graph_caches
         return package([*_inputs(x), *(self._pool_tensors if pool else package_tensors(caches)), *rows])
 
     def _scratch_caches(self) -> list[torch.Tensor]:
@@ -422,7 +442,10 @@ class CompiledExecutor:
                 # block 0 is what a warmup step reads: a q_len > 1 step attends to slots only row 0 wrote,
                 # and leftover NaNs there would fail the check that the direct call equals the guarded one
                 cache[:, 0].zero_()
-            return caches
+            pools = [torch.empty_like(p) for p in self.pools]  # written at block 0's slots, as the caches
+            for pool in pools:
+                pool[: self.block_size].zero_()
+            return caches + pools
 
     def _dummy_rows(self, n: int, dev) -> tuple:
         return tuple(torch.zeros(n, *shape, dtype=dtype, device=dev) for shape, dtype in self.row_inputs)
@@ -455,7 +478,7 @@ class CompiledExecutor:
         self.cache_dir = use_compile_cache()
         sizes = set(self.sizes if sizes is None else sizes)
         dev = self.device
-        caches = self._scratch_caches() if background else self.kv_caches
+        caches = self._scratch_caches() if background else self.graph_caches
         total = time.perf_counter()
         shapes = sorted(s for s in self.shapes if s[0] in sizes)
         if self.ahead_of_time:
@@ -477,6 +500,8 @@ class CompiledExecutor:
         if not background:
             for cache in _kv_tensors(self.kv_caches):
                 cache[:, 0].zero_()
+            for pool in self.pools:
+                pool[: self.block_size].zero_()
         logger.info(
             "%s: sizes %s x query lengths %s %s in %.1fs (compile cache: %s)",
             self.what,
@@ -548,9 +573,10 @@ class CompiledExecutor:
                 raise EmberError("its worker process left no package (see the worker's log above)")
             if package is None:
                 how = "compiled ahead of time"
-                dynamic = self._dynamic_shapes(cache_layout(caches), len(rows))
+                layout = cache_layout(caches[: len(self.kv_caches)])
+                dynamic = self._dynamic_shapes(layout, len(self.pools), len(rows))
                 aot_package.build(
-                    DecodeStep(self.model, self.block_size, cache_layout(caches)),
+                    DecodeStep(self.model, self.block_size, layout),
                     self.model,
                     (*_inputs(x), package_tensors(caches), list(rows)),
                     dynamic,
@@ -591,13 +617,17 @@ class CompiledExecutor:
             raise EmberError(f"{self.what}: batch {shape[0]} x {shape[1]} did not build as a package (see the log)")
 
     @staticmethod
-    def _dynamic_shapes(layout: tuple, num_rows: int) -> tuple:
+    def _dynamic_shapes(layout: tuple, num_pools: int, num_rows: int) -> tuple:
         """What export keeps symbolic: the block-table width (it grows with the longest sequence) and the
-        pool's block count (so that any --kv-cache-memory runs the same package), and for a hybrid the state
-        pool's slot count (layout: cache_layout; any --max-num-seqs and --max-state-snapshots)."""
+        pool's block count (so that any --kv-cache-memory runs the same package; a graph pool's rows, one a
+        block's slot, likewise), and for a hybrid the state pool's slot count (layout: cache_layout; any
+        --max-num-seqs and --max-state-snapshots; RecurrentState.POOL_DIMS says which dimension counts them)."""
         width, blocks = torch.export.Dim("table_width", min=2), torch.export.Dim("pool_blocks", min=2)
-        slots = torch.export.Dim("state_slots", min=2)
-        caches = [d for kernel in layout for d in ([{1: blocks}] if kernel is None else [{0: slots}, {0: slots}])]
+        dims = {"slots": torch.export.Dim("state_slots", min=2), "slots+1": torch.export.Dim("state_rows", min=3)}
+        caches = []
+        for entry in layout:
+            caches += [{1: blocks}] if entry is None else [{0: dims[name]} for name in entry[0].POOL_DIMS]
+        caches += [{0: torch.export.Dim("pool_slots", min=2)}] * num_pools
         return (None,) * 5 + ({1: width}, None, None, caches, [None] * num_rows)
 
     def _warmup_dynamo(self, shapes: list[tuple[int, int]], caches: list[torch.Tensor], background: bool) -> None:
@@ -668,7 +698,7 @@ class CompiledExecutor:
     ) -> types.CodeType | None:
         """The rewritten bytecode of the cache entry of `_forward` whose guards pass for these arguments
         (default caches: the pool's; None if there is none, or dynamo's private API moved)."""
-        values = (self, *_inputs(x), self.kv_caches if caches is None else caches, rows)
+        values = (self, *_inputs(x), self.graph_caches if caches is None else caches, rows)
         frame = dict(zip(CompiledExecutor._forward.__code__.co_varnames[: len(values)], values))
         try:
             return next((e.code for e in _cache_entries() if e.guard_manager.check(frame)), None)
@@ -750,6 +780,6 @@ class CompiledExecutor:
         if rows and T > input_ids.shape[0]:  # padded sequences: zero rows (their slots are -1, their outputs dropped)
             rows = tuple(torch.nn.functional.pad(r, (0, 0) * (r.dim() - 1) + (0, T - r.shape[0])) for r in rows)
         self.compiled_steps += 1
-        out = self.ready[shape](x, rows, self.kv_caches)
+        out = self.ready[shape](x, rows, self.graph_caches)
         take_decode_snapshots(meta, self.recurrent_states)
         return out[: input_ids.shape[0]]

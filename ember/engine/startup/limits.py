@@ -64,8 +64,10 @@ def hybrid_blocker(loaded: LoadedModel, device: torch.device) -> str | None:
     mc = loaded.model_config
     if not mc.is_hybrid:
         return None
-    if mc.hc_count:
-        return "its PLE and QSA layers have no graph form yet (per-sequence work in the step)"
+    if mc.hc_count and device.type != "cpu":
+        # CPU graphs call the PLE gather and the QSA top-k as ops that read the host (ember.layers.ple_gather,
+        # ember.layers.qsa_graph); a captured CUDA graph cannot
+        return "its PLE gather and QSA block selection have no capturable form yet (they read the host)"
     if any(device.type not in m.fused_ops for m in loaded.model.modules() if isinstance(m, GatedDeltaNet)):
         return (
             "its Gated DeltaNet layers run in torch ops here (--no-cpu-gated-delta-net, or the fused kernels "
