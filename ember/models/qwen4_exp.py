@@ -78,7 +78,7 @@ class QSAGatedAttention(GatedAttention):
             keys = self.indexer.keys if keys is None else keys
             index_q = qsa_graph.index_queries(self.indexer, x, cos, sin, keys, meta.slot_mapping)
             write_kv_cache(k, v, kv_cache, meta.slot_mapping, fixed_shape=True)
-            sel = qsa_graph.select_blocks(self.indexer, index_q, keys, meta, sequence_cos_sin(meta.max_seq_len))
+            sel = qsa_graph.select_blocks(self.indexer, index_q, keys, meta, sequence_cos_sin(meta.max_seq_len, True))
             o = selected_attention(q, kv_cache, meta.block_tables, sel, self.attn.scale, self.cpu_kernel)
             return self.o_proj((o * torch.sigmoid(gate)).flatten(1))
         index_q = self.indexer(x, cos, sin, kv_cache, meta)
@@ -183,21 +183,23 @@ def selected_rows(X: torch.Tensor, select: RowSelection | None) -> torch.Tensor:
 
 
 def sequence_rotary(rotary: RotaryEmbedding, dtype, device):
-    """n -> (cos, sin) of sequence indices 0..n-1 (text: a token's position is its index), computed once a
-    step, whichever attention layer asks first (the QSA block keys' positions). In a compiled step n is the
-    block table's bound (symbolic), which may pass the table's end by less than a block: those indices,
-    past every sequence, are clamped."""
-    memo: dict = {}
+    """(n, bound=False) -> (cos, sin) of sequence indices 0..n-1 (text: a token's position is its index),
+    computed once a step, whichever attention layer asks first (the QSA block keys' positions). bound: n is a
+    compiled step's table bound (symbolic: never a key to remember it by, which would specialise the graph
+    to one width; the graph shares the layers' copies itself), which may pass the rotary table's end by
+    less than a block: those indices, past every sequence, are clamped."""
+    memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def cos_sin(n):
-        key = n if isinstance(n, int) else id(n)  # a traced bound is one SymInt object a step
-        if key not in memo:
-            index = torch.arange(n, device=device)
-            if not isinstance(n, int):
-                index = index.clamp(max=rotary.cos_cache.shape[0] - 1)
-            c, s = rotary.get_cos_sin(index)
-            memo[key] = c.to(dtype), s.to(dtype)
-        return memo[key]
+    def compute(index: torch.Tensor):
+        c, s = rotary.get_cos_sin(index)
+        return c.to(dtype), s.to(dtype)
+
+    def cos_sin(n, bound: bool = False):
+        if bound:
+            return compute(torch.arange(n, device=device).clamp(max=rotary.cos_cache.shape[0] - 1))
+        if n not in memo:
+            memo[n] = compute(torch.arange(n, device=device))
+        return memo[n]
 
     return cos_sin
 
