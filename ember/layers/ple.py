@@ -32,10 +32,10 @@ from ember.errors import ModelLoadError
 from ember.kernels import cpu_ple
 from ember.kernels.cpu_kernels import CpuKernels
 from ember.kernels.metadata import AttentionMetadata
+from ember.layers import ple_gather
 from ember.layers.hyper_connection import GroupedZeroCenteredRMSNorm
 from ember.layers.linear import ReplicatedLinear, copy_checked
 from ember.layers.recurrent_state import RecurrentState
-from ember.layers import ple_gather
 from ember.layers.table_rows import table_rows
 
 _MASK64 = (1 << 64) - 1

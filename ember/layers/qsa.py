@@ -146,7 +146,9 @@ class QSAIndexer(nn.Module):
                 blocks[a:b] = self._top_blocks(q[a:b], keys, seq_idx[a:b], one, nc[a:b], k)
         return BlockSelection(blocks, (r * nc).int(), (p + 1).int(), seq_idx.int(), r)
 
-    def batch_block_keys(self, meta: AttentionMetadata, nb: int, cos_sin, keys: torch.Tensor | None = None) -> torch.Tensor:
+    def batch_block_keys(
+        self, meta: AttentionMetadata, nb: int, cos_sin, keys: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The first nb block keys of every sequence of the step, [B, nb, d], as block_keys makes them (blocks
         past a sequence's end hold whatever the table's padding points at: no query sees them). keys: the raw
         key pool to read (default: this indexer's; a compiled step's is handed to it, ember.layers.qsa_graph)."""

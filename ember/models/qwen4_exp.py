@@ -17,7 +17,6 @@ before the final mixer (compute_logits mixes), which is what the MTP layer (Qwen
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,6 +26,7 @@ from ember.errors import ModelLoadError
 from ember.kernels import cpu_row_top
 from ember.kernels.cpu_kernels import CpuKernels
 from ember.kernels.metadata import AttentionMetadata, RowSelection
+from ember.layers import qsa_graph
 from ember.layers.attention import write_kv_cache
 from ember.layers.embedding import VocabEmbedding
 from ember.layers.gated_deltanet import GatedDeltaNet
@@ -34,7 +34,6 @@ from ember.layers.hyper_connection import HyperConnection
 from ember.layers.linear import ReplicatedLinear
 from ember.layers.norm import ZeroCenteredRMSNorm
 from ember.layers.ple import PLELayer
-from ember.layers import qsa_graph
 from ember.layers.qsa import QSAIndexer, selected_attention
 from ember.layers.rotary import RotaryEmbedding, apply_rotary
 from ember.models.llama import LlamaForCausalLM, embedding_method, linear_method
@@ -162,7 +161,11 @@ class Qwen4ExpModel(nn.Module):
         """caches: one per layer, then in a compiled step the attention layers' indexer key pools in layer
         order (Qwen4ExpForCausalLM.graph_pools)."""
         # the PLE rows first: their gather runs on a thread of its own while the layers before them run
-        ple = {i: layer.ple.start(input_ids, caches[i], meta) for i, layer in enumerate(self.layers) if layer.ple is not None}
+        ple = {
+            i: layer.ple.start(input_ids, caches[i], meta)
+            for i, layer in enumerate(self.layers)
+            if layer.ple is not None
+        }
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary.get_cos_sin(positions)
         cos_sin = (cos.to(h.dtype), sin.to(h.dtype))
@@ -227,7 +230,9 @@ class Qwen4ExpForCausalLM(Qwen3NextForCausalLM):
         """What a compiled step writes beside its caches, handed to it after them (ember.engine.executor.compiled):
         each attention layer's indexer key pool, in layer order (made now where no step has made it)."""
         layers = zip(self.model.layers, kv_caches)
-        return [qsa_graph.key_pool(layer.self_attn.indexer, c, self.dtype) for layer, c in layers if not layer.is_linear]
+        return [
+            qsa_graph.key_pool(layer.self_attn.indexer, c, self.dtype) for layer, c in layers if not layer.is_linear
+        ]
 
     def make_recurrent_states(self, num_slots: int, device) -> list:
         states = []

@@ -673,7 +673,9 @@ class CompiledExecutor:
                     # same step again: same slot, same values; and the graph must not have specialised the
                     # table width (a direct call skips the guard that would catch it: a wider table would run
                     # the graph of this one)
-                    if torch.equal(self._call_direct(fn, x, rows, caches), guarded) and self._any_width(code, x, caches):
+                    if torch.equal(self._call_direct(fn, x, rows, caches), guarded) and self._any_width(
+                        code, x, caches
+                    ):
                         self._direct[(b, n)] = fn
                 direct = functools.partial(self._call_direct, self._direct[(b, n)]) if (b, n) in self._direct else None
                 if not background:
@@ -701,7 +703,9 @@ class CompiledExecutor:
         wider = warmup_inputs(b, x.input_ids.shape[0] // b, w + 1, x.block_tables.device)
         if self._reused_code(wider, self._dummy_rows(x.input_ids.shape[0], x.input_ids.device), caches) is code:
             return True
-        logger.warning("%s: a graph of batch %d specialised the block-table width; it keeps dynamo's guards", self.what, b)
+        logger.warning(
+            "%s: a graph of batch %d specialised the block-table width; it keeps dynamo's guards", self.what, b
+        )
         return False
 
     def _reused_code(
