@@ -25,6 +25,7 @@ TEST_BUILDS = [
             "cpu_fused_elementwise.cpp",
             "cpu_gated_delta_net.cpp",
             "cpu_half_gemv.cpp",
+            "cpu_ple.cpp",
             "cpu_qsa_attention.cpp",
             "cpu_row_top.cpp",
             "cpu_tiled_gemv.cpp",

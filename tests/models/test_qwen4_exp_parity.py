@@ -200,7 +200,7 @@ def test_a_verify_keeps_the_ple_state_of_its_accepted_tokens():
     def step(rows: slice, slot: int, has: bool, drafts: int = 0):
         n = rows.stop - rows.start
         rec = SimpleNamespace(slots=[slot], has_state=[has], num_drafts=[drafts], snapshots=[[]])
-        return layer(X[rows], ids[rows], state, SimpleNamespace(query_lens_cpu=[n], recurrent=rec))
+        return layer(X[rows], ids[rows], state, SimpleNamespace(query_lens_cpu=[n], recurrent=rec, fixed_shape=False))
 
     whole = step(slice(0, 9), 2, False)
     step(slice(0, 5), 0, False)
