@@ -92,5 +92,5 @@ def test_compiled_decode_equals_eager(path):
 
     for n in [1, 2, 3]:
         answers = same(PROMPTS[:n])
-    assert ex.compiled_steps >= 3 * 9
+    assert ex.compiled_steps >= 2 * 9  # batches 1 and 2: every decode after the first token (3: eager)
     same([PROMPTS[0] + list(answers[0].token_ids) + [5, 6, 7]])
