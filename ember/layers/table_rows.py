@@ -10,7 +10,7 @@ cold: a page fault maps the neighbouring pages that are in the page cache too (t
 the whole table into the resident set (tests/models/test_qwen4_cold_table.py). pread costs ~2 us a row
 here: 16 rows a token are ~30 us of decode, 2,000 prompt tokens ~65 ms of prefill.
 GGUFRows does the same for a GGUF tensor of any ggml type (llama.cpp's per_layer_token_embd), dequantizing
-only the rows read, with gguf-py's dequantizer.
+only the rows read (dequantize_rows: the C++ row dequantizer where it is built, else gguf-py's).
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ class GGUFRows:
     """Rows [num_rows, dim] of one GGUF tensor of any ggml type (F32/F16/BF16 or a block type: Q8_0,
     Q4_0, IQ4_NL, ...), stored contiguously at byte `offset` of the file at `path` (ne = [dim, num_rows]:
     each row is dim / block_size whole blocks). read() preads only the asked rows' bytes and dequantizes
-    only them, with gguf-py's own dequantizer for the block types (its values exactly); nothing of the
+    only them (dequantize_rows: gguf-py's values exactly, for every block type); nothing of the
     table is ever mapped, dequantized or held whole. The loader makes one for llama.cpp's
     per_layer_token_embd (ember.loader.gguf_qwen4). tensor: an empty tensor of the rows' dequantized
     dtype (the source holds nothing resident)."""
@@ -142,9 +142,29 @@ class GGUFRows:
         floats = _GGUF_FLOATS.get(self.qtype)
         if floats is not None:
             return torch.frombuffer(raw, dtype=floats).view(-1, self.dim).to(dtype)
-        blocks = np.frombuffer(raw, dtype=np.uint8).reshape(-1, size)
-        values = np.asarray(gguf_dequantize(blocks, self.qtype), dtype=np.float32)
-        return torch.from_numpy(values.reshape(-1, self.dim)).to(dtype)
+        return dequantize_rows(raw, self.qtype, size, self.dim).to(dtype)
+
+
+def dequantize_rows(raw: bytearray, qtype: GGMLQuantizationType, row_bytes: int, dim: int) -> torch.Tensor:
+    """The gathered rows' blocks (row_bytes each) -> float32 [rows, dim], gguf-py's values. The C++ row
+    dequantizer (ember.kernels.cpu_block_gemv's block_dequant_rows, bit for bit gguf-py's, every ggml type)
+    where that kernel is in this tree and built here; gguf-py's numpy dequantizer otherwise."""
+    blocks = torch.frombuffer(raw, dtype=torch.uint8).view(-1, row_bytes)
+    kernel = _block_dequantizer(qtype)
+    if kernel is not None:
+        return kernel(blocks, qtype).view(-1, dim)
+    values = np.asarray(gguf_dequantize(blocks.numpy(), qtype), dtype=np.float32)
+    return torch.from_numpy(values.reshape(-1, dim))
+
+
+def _block_dequantizer(qtype: GGMLQuantizationType):
+    """cpu_block_gemv.dequant_rows where it takes qtype here, else None (the kernel comes with the packed
+    quant types' branch; before it, and where it cannot be built, gguf-py dequantizes)."""
+    try:
+        from ember.kernels import cpu_block_gemv
+    except ImportError:
+        return None
+    return cpu_block_gemv.dequant_rows if cpu_block_gemv.supports(qtype) else None
 
 
 def table_rows(tensor, scale: float | None = None):

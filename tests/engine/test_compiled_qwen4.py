@@ -82,7 +82,9 @@ def test_compiled_decode_equals_eager(path):
 
     def same(prompts):
         a = [o.outputs[0] for o in eager.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)]
-        b = [o.outputs[0] for o in compiled.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)]
+        b = [
+            o.outputs[0] for o in compiled.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+        ]
         for x, y in zip(a, b):
             assert x.token_ids == y.token_ids, len(prompts)
             for lx, ly in zip(x.logprobs, y.logprobs):

@@ -124,7 +124,9 @@ def test_avx2_build_passes_this_module():
     if not cpp_build.has_cpu_flags("avx512f"):
         pytest.skip("this machine's own build is the AVX2 one")
     env = avx2_child.build(cpu_ple.SOURCE)
-    lanes = "import torch; from ember.kernels import cpu_ple as p; p.available(); print(torch.ops.ember_cpu.ple_lanes())"
+    lanes = (
+        "import torch; from ember.kernels import cpu_ple as p; p.available(); print(torch.ops.ember_cpu.ple_lanes())"
+    )
     said, run = avx2_child.probe_and_run(env, lanes, __file__, masked=False)
     assert said == ["8"]
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
