@@ -401,3 +401,8 @@ class _FillStep(torch.nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, meta, select=None, hidden=None):
         return self.mtp(input_ids, positions, hidden, kv_caches, meta, step=0, select=select)
+
+    def graph_pools(self, kv_caches: list) -> list[torch.Tensor]:
+        """The MTP module's step pools (qwen4_exp's indexer keys; ember.engine.executor.compiled.graph_pools)."""
+        make = getattr(self.mtp, "graph_pools", None)
+        return [] if make is None else make(kv_caches)
