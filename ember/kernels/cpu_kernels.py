@@ -31,6 +31,7 @@ class CpuKernels:
     half_weights: bool = True  # GGUF BF16 / F16 matrices kept 16-bit under float32 x (cpu_half_gemv)
     gated_delta_net: bool = True  # Gated DeltaNet conv + recurrence for decodes and verifies (cpu_gated_delta_net)
     qsa_attention: bool = True  # qwen4_exp's selected-block (QSA) attention, bf16 / fp32 KV (cpu_qsa_attention)
+    qsa_scoring: bool = True  # qwen4_exp's QSA block scoring and top-k selection (cpu_qsa_scoring)
     fp8_gemv: bool = True  # an FP8 checkpoint's block-scaled e4m3 weights kept fp8 (cpu_fp8_gemv; built as they load)
 
     @classmethod
@@ -50,6 +51,7 @@ class CpuKernels:
             cpu_fused_elementwise,
             cpu_gated_delta_net,
             cpu_qsa_attention,
+            cpu_qsa_scoring,
             cpu_row_top,
             cpu_tiled_gemv,
         )
@@ -71,5 +73,6 @@ class CpuKernels:
             gated_delta_net=config.gated_delta_net and cpu_gated_delta_net.available(),
             # the sparse attention's kernel goes with the paged one (--cpu-paged-attention): ~15 s to build
             qsa_attention=config.paged_attention and cpu_qsa_attention.available(),
+            qsa_scoring=config.paged_attention and cpu_qsa_scoring.available(),  # with it: ~10 s to build
             fp8_gemv=config.fp8_gemv,  # built as an FP8 checkpoint's weights load (ember.quant.fp8_linear)
         )

@@ -59,10 +59,17 @@ def mixer(cfg: ModelConfig, dtype, device, quant_config, prefix: str, inject: bo
 class QSAGatedAttention(GatedAttention):
     def __init__(self, cfg: ModelConfig, layer_idx: int, dtype, device, attn_backend, quant_config=None, kernels=None):
         super().__init__(cfg, layer_idx, dtype, device, attn_backend, quant_config)
-        self.cpu_kernel = (kernels or CpuKernels()).qsa_attention  # the C++ sparse attention where it applies
+        kernels = kernels or CpuKernels()
+        self.cpu_kernel = kernels.qsa_attention  # the C++ sparse attention where it applies
         prefix = f"model.layers.{layer_idx}.self_attn.indexer.index_qk_proj"
         self.indexer = QSAIndexer(
-            cfg.indexer, cfg.hidden_size, cfg.rms_norm_eps, dtype, device, linear_method(quant_config, prefix)
+            cfg.indexer,
+            cfg.hidden_size,
+            cfg.rms_norm_eps,
+            dtype,
+            device,
+            linear_method(quant_config, prefix),
+            cpu_scoring=kernels.qsa_scoring,
         )
 
     def forward(self, x, cos_sin, kv_cache, meta: AttentionMetadata, sequence_cos_sin=None):

@@ -26,6 +26,7 @@ TEST_BUILDS = [
             "cpu_gated_delta_net.cpp",
             "cpu_half_gemv.cpp",
             "cpu_qsa_attention.cpp",
+            "cpu_qsa_scoring.cpp",
             "cpu_row_top.cpp",
             "cpu_tiled_gemv.cpp",
         )
