@@ -73,6 +73,7 @@ KERNELS = {
     "cpu_half_gemv.cpp": Kernel("CPU 16-bit weight GEMV", (), (("avx2", "fma", "f16c"),)),
     "cpu_qsa_attention.cpp": Kernel("CPU QSA selected-block attention", (), (("avx512f",), ("avx2", "fma"))),
     "cpu_qsa_scoring.cpp": Kernel("CPU QSA block scoring and top-k", (), (("avx512f",), ("avx2", "fma"))),
+    "cpu_hc_mixer.cpp": Kernel("CPU hyper-connection mixer", (), (("avx512f",), ("avx2", "fma"))),
     "cpu_fp8_gemv.cpp": Kernel("CPU fp8 block-scaled weight GEMV", (), (("avx2", "fma", "f16c"),)),
 }
 

@@ -32,6 +32,7 @@ class CpuKernels:
     gated_delta_net: bool = True  # Gated DeltaNet conv + recurrence for decodes and verifies (cpu_gated_delta_net)
     qsa_attention: bool = True  # qwen4_exp's selected-block (QSA) attention, bf16 / fp32 KV (cpu_qsa_attention)
     qsa_scoring: bool = True  # qwen4_exp's QSA block scoring and top-k selection (cpu_qsa_scoring)
+    hc_mixer: bool = True  # qwen4_exp's hyper-connection mixer, bf16 / fp32 (cpu_hc_mixer)
     fp8_gemv: bool = True  # an FP8 checkpoint's block-scaled e4m3 weights kept fp8 (cpu_fp8_gemv; built as they load)
 
     @classmethod
@@ -50,6 +51,7 @@ class CpuKernels:
             cpu_causal_attention,
             cpu_fused_elementwise,
             cpu_gated_delta_net,
+            cpu_hc_mixer,
             cpu_qsa_attention,
             cpu_qsa_scoring,
             cpu_row_top,
@@ -74,5 +76,6 @@ class CpuKernels:
             # the sparse attention's kernel goes with the paged one (--cpu-paged-attention): ~15 s to build
             qsa_attention=config.paged_attention and cpu_qsa_attention.available(),
             qsa_scoring=config.paged_attention and cpu_qsa_scoring.available(),  # with it: ~10 s to build
+            hc_mixer=config.fused_elementwise and dtype in cpu_hc_mixer.DTYPES and cpu_hc_mixer.available(),
             fp8_gemv=config.fp8_gemv,  # built as an FP8 checkpoint's weights load (ember.quant.fp8_linear)
         )

@@ -136,6 +136,7 @@ class PackedPart:
 
 class DensePart(PackedPart):
     kernel_at_any_rows = True  # a dense GEMM at every row count already: a dense copy would only duplicate it
+    plain_matrix = True  # w is the [N, K] matrix itself (fused kernels may read it: hyper_connection.plain_weight)
 
     def __init__(self, w: torch.Tensor):
         self.w, (self.N, self.K) = w, w.shape
@@ -157,6 +158,7 @@ class HalfPart(PackedPart):
     over the weight widened at load."""
 
     kernel_at_any_rows = True  # the panels are a dense GEMM already
+    plain_matrix = True  # w is the [N, K] 16-bit matrix itself (hyper_connection.plain_weight)
 
     def __init__(self, w: torch.Tensor):
         self.w, (self.N, self.K) = w.contiguous(), w.shape
