@@ -76,6 +76,7 @@ inline float hsum(vec a) {
 #endif
 
 constexpr int64_t kTileRows = 24;  // rows of X normed and mixed together (hc_mix): the weights are read once a tile
+constexpr int64_t kChunk = 1024;  // inputs of the down projection a pass takes (hc_mix's tiles of rows)
 constexpr int64_t kChannelBlock = 64;  // channels of the up projection a task takes (their gates stay in L1)
 
 inline float to_float(float x) { return x; }
@@ -91,10 +92,10 @@ inline vec vsigmoid(vec z) {
 }
 inline float sigmoid(float z) { return 1.f / (1.f + std::exp(std::min(-z, 88.f))); }
 
-// out[j][t] = w[j] . x[t] over K floats (w rows in W's dtype, x rows float32): a JR x TR tile in registers,
-// the tail past the lanes in scalar code.
+// out[j][t] (+)= w[j] . x[t] over K floats (w rows in W's dtype, x rows float32; added to out where `add`): a
+// JR x TR tile in registers, the tail past the lanes in scalar code.
 template <int JR, int TR, typename W>
-inline void dot_tile(const W* const* w, const float* const* x, int64_t K, float* out, int64_t out_stride) {
+inline void dot_tile(const W* const* w, const float* const* x, int64_t K, float* out, int64_t out_stride, bool add) {
   vec acc[JR][TR];
   for (int j = 0; j < JR; ++j)
     for (int t = 0; t < TR; ++t) acc[j][t] = vzero();
@@ -111,13 +112,14 @@ inline void dot_tile(const W* const* w, const float* const* x, int64_t K, float*
     for (int t = 0; t < TR; ++t) {
       float s = hsum(acc[j][t]);
       for (int64_t k = kv; k < K; ++k) s += to_float(w[j][k]) * x[t][k];
-      out[j * out_stride + t] = s;
+      out[j * out_stride + t] = add ? out[j * out_stride + t] + s : s;
     }
 }
 
-// out[j * out_stride + t] = w[j] . x[t] for j < nj, t < nt (any counts), tiles of up to 4 x 3.
+// out[j * out_stride + t] (+)= w[j] . x[t] for j < nj, t < nt (any counts), tiles of up to 4 x 3.
 template <typename W>
-void dots(const W* const* w, int64_t nj, const float* const* x, int64_t nt, int64_t K, float* out, int64_t out_stride) {
+void dots(const W* const* w, int64_t nj, const float* const* x, int64_t nt, int64_t K, float* out, int64_t out_stride,
+          bool add = false) {
   for (int64_t j = 0; j < nj; j += 4) {
     const int64_t jr = std::min<int64_t>(4, nj - j);
     for (int64_t t = 0; t < nt; t += 3) {
@@ -126,7 +128,7 @@ void dots(const W* const* w, int64_t nj, const float* const* x, int64_t nt, int6
       const W* const* wj = w + j;
       const float* const* xt = x + t;
 #define EMBER_HC_TILE(JR, TR) \
-  if (jr == JR && tr == TR) dot_tile<JR, TR, W>(wj, xt, K, o, out_stride);
+  if (jr == JR && tr == TR) dot_tile<JR, TR, W>(wj, xt, K, o, out_stride, add);
       EMBER_HC_TILE(4, 3) else EMBER_HC_TILE(4, 2) else EMBER_HC_TILE(4, 1) else EMBER_HC_TILE(3, 3)
       else EMBER_HC_TILE(3, 2) else EMBER_HC_TILE(3, 1) else EMBER_HC_TILE(2, 3) else EMBER_HC_TILE(2, 2)
       else EMBER_HC_TILE(2, 1) else EMBER_HC_TILE(1, 3) else EMBER_HC_TILE(1, 2) else EMBER_HC_TILE(1, 1)
@@ -135,10 +137,10 @@ void dots(const W* const* w, int64_t nj, const float* const* x, int64_t nt, int6
   }
 }
 
-// One row of X [n*H] -> Xn [n*H] float32: each stream's RMS over its H values (float32), times scale = 1 + gamma,
-// rounded to T.
+// One row of X [n*H] -> Xn [n*H] float32: each stream's RMS over its H values (float32), times 1 + gamma (float32,
+// as the torch path adds it), rounded to T.
 template <typename T>
-void norm_row(const T* x, const float* scale, int64_t n, int64_t H, double eps, float* out) {
+void norm_row(const T* x, const float* gamma, int64_t n, int64_t H, double eps, float* out) {
   for (int64_t s = 0; s < n; ++s) {
     const T* xs = x + s * H;
     float* os = out + s * H;
@@ -151,7 +153,7 @@ void norm_row(const T* x, const float* scale, int64_t n, int64_t H, double eps, 
     float ss = hsum(acc);
     for (; c < H; ++c) ss += to_float(xs[c]) * to_float(xs[c]);
     const float rstd = 1.f / std::sqrt(ss / (float)H + (float)eps);
-    for (c = 0; c < H; ++c) os[c] = round_to<T>(to_float(xs[c]) * rstd * scale[s * H + c]);
+    for (c = 0; c < H; ++c) os[c] = round_to<T>(to_float(xs[c]) * rstd * (1.f + gamma[s * H + c]));
   }
 }
 
@@ -181,11 +183,11 @@ struct Shape {
 
 // The fused mixer over rows [t0, t0 + R) of X: Xn, a, x and w (w only with an inject matrix).
 template <typename T, typename W>
-void mix_tile(const T* X, const float* scale, double eps, const Shape& sh, const W* w_down, const W* w_up,
+void mix_tile(const T* X, const float* gamma, double eps, const Shape& sh, const W* w_down, const W* w_up,
               const W* w_inject, int64_t t0, int64_t R, std::vector<float>& xn, std::vector<float>& a, T* x, T* w) {
   const int64_t n = sh.n, H = sh.H, L = sh.L, nH = n * H, J = L + (w_inject ? n : 0);
   at::parallel_for(0, R, 1, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) norm_row<T>(X + (t0 + t) * nH, scale, n, H, eps, xn.data() + t * nH);
+    for (int64_t t = b; t < e; ++t) norm_row<T>(X + (t0 + t) * nH, gamma, n, H, eps, xn.data() + t * nH);
   });
   std::vector<const float*> xrows(R), arows(R);
   for (int64_t t = 0; t < R; ++t) xrows[t] = xn.data() + t * nH, arows[t] = a.data() + t * J;
@@ -193,8 +195,17 @@ void mix_tile(const T* X, const float* scale, double eps, const Shape& sh, const
   std::vector<const W*> wrows(J);
   for (int64_t j = 0; j < J; ++j) wrows[j] = j < L ? w_down + j * nH : w_inject + (j - L) * nH;
   std::vector<float> dj(J * R);  // [J, R]: the dots' layout (by weight row)
+  // by chunks of kChunk inputs: a chunk of the tile's Xn rows stays in L2 while the thread's weight rows pass, and a
+  // chunk of 4 weight rows stays in L1 while the tile's rows pass
   at::parallel_for(0, (J + 3) / 4, 1, [&](int64_t b, int64_t e) {
-    dots<W>(wrows.data() + 4 * b, std::min(J, 4 * e) - 4 * b, xrows.data(), R, nH, dj.data() + 4 * b * R, R);
+    const int64_t j0 = 4 * b, nj = std::min(J, 4 * e) - j0;
+    std::vector<const W*> wk(nj);
+    std::vector<const float*> xk(R);
+    for (int64_t k0 = 0; k0 < nH; k0 += kChunk) {
+      for (int64_t j = 0; j < nj; ++j) wk[j] = wrows[j0 + j] + k0;
+      for (int64_t t = 0; t < R; ++t) xk[t] = xrows[t] + k0;
+      dots<W>(wk.data(), nj, xk.data(), R, std::min(kChunk, nH - k0), dj.data() + j0 * R, R, k0 > 0);
+    }
   });
   for (int64_t t = 0; t < R; ++t) {
     for (int64_t j = 0; j < L; ++j) {
@@ -224,30 +235,30 @@ void mix_tile(const T* X, const float* scale, double eps, const Shape& sh, const
 }
 
 template <typename T, typename W>
-void mix(const at::Tensor& X, const at::Tensor& scale, double eps, const Shape& sh, const at::Tensor& w_down,
+void mix(const at::Tensor& X, const at::Tensor& gamma, double eps, const Shape& sh, const at::Tensor& w_down,
          const at::Tensor& w_up, const at::Tensor& w_inject, at::Tensor& x, at::Tensor& w) {
   const int64_t R = std::min(kTileRows, sh.T), J = sh.L + (w_inject.defined() ? sh.n : 0);
   std::vector<float> xn(R * sh.n * sh.H), a(R * J);
   const W* inj = w_inject.defined() ? w_inject.data_ptr<W>() : nullptr;
   T* wp = w_inject.defined() ? w.data_ptr<T>() : nullptr;
   for (int64_t t0 = 0; t0 < sh.T; t0 += R)
-    mix_tile<T, W>(X.data_ptr<T>(), scale.data_ptr<float>(), eps, sh, w_down.data_ptr<W>(), w_up.data_ptr<W>(), inj,
+    mix_tile<T, W>(X.data_ptr<T>(), gamma.data_ptr<float>(), eps, sh, w_down.data_ptr<W>(), w_up.data_ptr<W>(), inj,
                    t0, std::min(R, sh.T - t0), xn, a, x.data_ptr<T>(), wp);
 }
 
-void check_x(const at::Tensor& X, const at::Tensor& scale, int64_t n) {
+void check_x(const at::Tensor& X, const at::Tensor& gamma, int64_t n) {
   TORCH_CHECK(X.dim() == 2 && X.is_contiguous() && X.device().is_cpu() &&
                   (X.scalar_type() == at::kFloat || X.scalar_type() == at::kBFloat16),
               "hc_mixer: X must be contiguous float32 or bf16 [T, n * H] on CPU");
   TORCH_CHECK(n >= 1 && X.size(1) % n == 0, "hc_mixer: X's width ", X.size(1), " is not ", n, " streams");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == X.size(1),
-              "hc_mixer: scale must be contiguous float32 [n * H] (1 + gamma)");
+  TORCH_CHECK(gamma.scalar_type() == at::kFloat && gamma.is_contiguous() && gamma.numel() == X.size(1),
+              "hc_mixer: gamma must be contiguous float32 [n * H]");
 }
 
-std::tuple<at::Tensor, at::Tensor> hc_mix(const at::Tensor& X, const at::Tensor& scale, double eps, int64_t n,
+std::tuple<at::Tensor, at::Tensor> hc_mix(const at::Tensor& X, const at::Tensor& gamma, double eps, int64_t n,
                                           const at::Tensor& w_down, const at::Tensor& w_up,
                                           const c10::optional<at::Tensor>& w_inject_opt) {
-  check_x(X, scale, n);
+  check_x(X, gamma, n);
   const at::Tensor w_inject = w_inject_opt.has_value() ? *w_inject_opt : at::Tensor();
   const Shape sh{X.size(0), n, X.size(1) / n, w_down.size(0)};
   const auto wt = w_down.scalar_type();
@@ -265,16 +276,16 @@ std::tuple<at::Tensor, at::Tensor> hc_mix(const at::Tensor& X, const at::Tensor&
   at::Tensor w = at::empty({sh.T, w_inject.defined() ? n : 0}, X.options());
   if (sh.T == 0) return {x, w};
   const bool xb = X.scalar_type() == at::kBFloat16, wb = wt == at::kBFloat16;
-  if (xb && wb) mix<bf16, bf16>(X, scale, eps, sh, w_down, w_up, w_inject, x, w);
-  else if (xb) mix<bf16, float>(X, scale, eps, sh, w_down, w_up, w_inject, x, w);
-  else if (wb) mix<float, bf16>(X, scale, eps, sh, w_down, w_up, w_inject, x, w);
-  else mix<float, float>(X, scale, eps, sh, w_down, w_up, w_inject, x, w);
+  if (xb && wb) mix<bf16, bf16>(X, gamma, eps, sh, w_down, w_up, w_inject, x, w);
+  else if (xb) mix<bf16, float>(X, gamma, eps, sh, w_down, w_up, w_inject, x, w);
+  else if (wb) mix<float, bf16>(X, gamma, eps, sh, w_down, w_up, w_inject, x, w);
+  else mix<float, float>(X, gamma, eps, sh, w_down, w_up, w_inject, x, w);
   return {x, w};
 }
 
 // The grouped norm alone: Xn [T, n*H] in X's dtype.
-at::Tensor hc_norm(const at::Tensor& X, const at::Tensor& scale, double eps, int64_t n) {
-  check_x(X, scale, n);
+at::Tensor hc_norm(const at::Tensor& X, const at::Tensor& gamma, double eps, int64_t n) {
+  check_x(X, gamma, n);
   const int64_t T = X.size(0), nH = X.size(1), H = nH / n;
   at::Tensor out = at::empty({T, nH}, X.options());
   auto run = [&](auto* xp, auto* op) {
@@ -282,7 +293,7 @@ at::Tensor hc_norm(const at::Tensor& X, const at::Tensor& scale, double eps, int
     at::parallel_for(0, T, 1, [&](int64_t b, int64_t e) {
       std::vector<float> row(nH);
       for (int64_t t = b; t < e; ++t) {
-        norm_row<T_>(xp + t * nH, scale.data_ptr<float>(), n, H, eps, row.data());
+        norm_row<T_>(xp + t * nH, gamma.data_ptr<float>(), n, H, eps, row.data());
         for (int64_t c = 0; c < nH; ++c) op[t * nH + c] = static_cast<T_>(row[c]);
       }
     });
@@ -335,9 +346,9 @@ int64_t hc_mixer_lanes() { return kLanes; }
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ember_cpu, m) {
-  m.def("hc_mix(Tensor X, Tensor scale, float eps, int n, Tensor w_down, Tensor w_up, Tensor? w_inject) -> "
+  m.def("hc_mix(Tensor X, Tensor gamma, float eps, int n, Tensor w_down, Tensor w_up, Tensor? w_inject) -> "
         "(Tensor, Tensor)");
-  m.def("hc_norm(Tensor X, Tensor scale, float eps, int n) -> Tensor");
+  m.def("hc_norm(Tensor X, Tensor gamma, float eps, int n) -> Tensor");
   m.def("hc_gate(Tensor z, Tensor xn, Tensor? inject, int n) -> (Tensor, Tensor)");
   m.def("hc_mixer_lanes() -> int", &hc_mixer_lanes);  // no tensor to dispatch on: for every key
 }

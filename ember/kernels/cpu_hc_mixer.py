@@ -1,12 +1,12 @@
 """qwen4_exp's hyper-connection mixer on CPU (cpu_hc_mixer.cpp; the layer: ember/layers/hyper_connection.py).
 
-Contract, for X [T, n*H] (float32 or bf16) and scale = 1 + gamma [n*H] (float32):
-- mix(X, scale, eps, n, w_down [L, n*H], w_up [n*H, L], w_inject [n, n*H] or None) -> (x [T, H], w [T, n] or
-  [T, 0]) in X's dtype, the whole mixer in one pass a tile of rows: Xn = RMS-per-stream(X) * scale (float32,
+Contract, for X [T, n*H] (float32 or bf16) and the norm's gamma [n*H] (float32; the scale is 1 + gamma):
+- mix(X, gamma, eps, n, w_down [L, n*H], w_up [n*H, L], w_inject [n, n*H] or None) -> (x [T, H], w [T, n] or
+  [T, 0]) in X's dtype, the whole mixer in one pass a tile of rows: Xn = RMS-per-stream(X) * (1 + gamma) (float32,
   rounded to X's dtype as the torch path casts), a = SiLU(W_down Xn / n), x = mean_s(sigmoid(W_up a)_s * Xn_s),
   w = 2 sigmoid(W_inject Xn / n). The matrices dense, all float32 or all bf16 (a bf16 matrix under float32
   X is a GGUF BF16 file's or --cpu-half-weights'); intermediates float32.
-- norm(X, scale, eps, n) -> Xn in X's dtype, and gate(z, Xn, inject_logits or None, n) -> (x, w): the same
+- norm(X, gamma, eps, n) -> Xn in X's dtype, and gate(z, Xn, inject_logits or None, n) -> (x, w): the same
   two ends around projections computed outside (packed GGUF parts, tensor-parallel shards, or many rows,
   where torch's GEMM beats the fused tile: FUSED_MAX_ROWS).
 
@@ -28,7 +28,7 @@ SOURCE = "cpu_hc_mixer.cpp"
 DTYPES = (torch.float32, torch.bfloat16)
 # Rows up to which mix() runs (dense matrices); above, norm / torch's GEMMs / gate (docs/tuning.md, the
 # hyper-connection mixer: the fused tile's FMA loop against MKL's GEMM).
-FUSED_MAX_ROWS = 64
+FUSED_MAX_ROWS = 24
 
 
 def available() -> bool:
@@ -41,14 +41,18 @@ def applies(X: torch.Tensor) -> bool:
     return X.device.type == "cpu" and X.dtype in DTYPES and X.dim() == 2 and not tracing(X) and available()
 
 
-def mix(X, scale, eps: float, n: int, w_down, w_up, w_inject=None) -> tuple[torch.Tensor, torch.Tensor]:
+def mix(X, gamma, eps: float, n: int, w_down, w_up, w_inject=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole mixer (the module docstring). Call where applies(X)."""
-    return torch.ops.ember_cpu.hc_mix(X.contiguous(), scale, eps, n, w_down, w_up, w_inject)
+    return torch.ops.ember_cpu.hc_mix(X.contiguous(), _f32(gamma), eps, n, w_down, w_up, w_inject)
 
 
-def norm(X: torch.Tensor, scale: torch.Tensor, eps: float, n: int) -> torch.Tensor:
-    """Xn [T, n*H] in X's dtype: each stream's RMS norm times scale. Call where applies(X)."""
-    return torch.ops.ember_cpu.hc_norm(X.contiguous(), scale, eps, n)
+def norm(X: torch.Tensor, gamma: torch.Tensor, eps: float, n: int) -> torch.Tensor:
+    """Xn [T, n*H] in X's dtype: each stream's RMS norm times 1 + gamma. Call where applies(X)."""
+    return torch.ops.ember_cpu.hc_norm(X.contiguous(), _f32(gamma), eps, n)
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t.float().contiguous()
 
 
 def gate(z: torch.Tensor, xn: torch.Tensor, inject: torch.Tensor | None, n: int) -> tuple[torch.Tensor, torch.Tensor]:

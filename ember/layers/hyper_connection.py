@@ -60,7 +60,6 @@ class HyperConnection(nn.Module):
         cpu_kernel: the C++ mixer where it applies (CpuKernels.hc_mixer)."""
         super().__init__()
         self.hidden, self.count, self.eps, self.cpu_kernel = hidden, count, eps, cpu_kernel
-        self._scale, self._scale_key = None, None
         width = hidden * count
         self.hc_norm = GroupedZeroCenteredRMSNorm(width, hidden, eps, dtype, device)
         linear = lambda n_in, n_out, name: ReplicatedLinear(  # noqa: E731
@@ -90,12 +89,12 @@ class HyperConnection(nn.Module):
 
     def _forward_cpu(self, X: torch.Tensor):
         """forward through the C++ mixer: fused where the matrices are plain and the rows few, else its two ends."""
-        scale, n = self.norm_scale(), self.count
+        gamma, n = self.hc_norm.weight, self.count
         weights = self.plain_weights()
         if weights is not None and X.shape[0] <= cpu_hc_mixer.FUSED_MAX_ROWS:
-            x, w = cpu_hc_mixer.mix(X, scale, self.eps, n, *weights)
+            x, w = cpu_hc_mixer.mix(X, gamma, self.eps, n, *weights)
         else:
-            Xn = cpu_hc_mixer.norm(X, scale, self.eps, n)
+            Xn = cpu_hc_mixer.norm(X, gamma, self.eps, n)
             down = self.input_mix_weight_down
             part = Xn if down.tp_size == 1 else Xn.narrow(-1, down.tp_rank * down.in_features, down.in_features)
             z = self.input_mix_weight_up(F.silu(down(part) / n))
@@ -106,14 +105,6 @@ class HyperConnection(nn.Module):
     def _training(self, X: torch.Tensor) -> bool:
         """A forward autograd follows (ember.train.mtp): the kernel has no backward."""
         return torch.is_grad_enabled() and (X.requires_grad or any(p.requires_grad for p in self.parameters()))
-
-    def norm_scale(self) -> torch.Tensor:
-        """1 + gamma in float32 (the norm's scale), made again only when the weight changes."""
-        g = self.hc_norm.weight
-        key = (g.data_ptr(), g._version)
-        if key != self._scale_key:
-            self._scale, self._scale_key = (1.0 + g.float()).contiguous(), key
-        return self._scale
 
     def plain_weights(self) -> tuple[torch.Tensor, ...] | None:
         """(down, up, inject or None): the three matrices where each is one plain [out, in] matrix of one dtype the

@@ -24,6 +24,7 @@ TEST_BUILDS = [
             "cpu_fp8_gemv.cpp",
             "cpu_fused_elementwise.cpp",
             "cpu_gated_delta_net.cpp",
+            "cpu_hc_mixer.cpp",
             "cpu_half_gemv.cpp",
             "cpu_qsa_attention.cpp",
             "cpu_qsa_scoring.cpp",
