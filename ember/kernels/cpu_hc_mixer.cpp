@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cmath>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -84,6 +85,21 @@ inline float to_float(bf16 x) { return static_cast<float>(x); }
 // x rounded to T and back (the torch path's casts to the activation dtype)
 template <typename T>
 inline float round_to(float x) { return static_cast<float>(static_cast<T>(x)); }
+
+// v rounded to bf16 and back, to nearest even (c10::BFloat16's rounding of finite values)
+inline vec vround_bf16(vec v) {
+#if defined(__AVX512F__)
+  __m512i i = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(i, 16), _mm512_set1_epi32(1));
+  i = _mm512_add_epi32(i, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_castsi512_ps(_mm512_and_si512(i, _mm512_set1_epi32((int)0xFFFF0000u)));
+#else
+  __m256i i = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(i, 16), _mm256_set1_epi32(1));
+  i = _mm256_add_epi32(i, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  return _mm256_castsi256_ps(_mm256_and_si256(i, _mm256_set1_epi32((int)0xFFFF0000u)));
+#endif
+}
 
 // sigmoid(z) = 1 / (1 + exp(-z)), float32; exp's argument clamped at 88 (the result ~0 there, as in torch)
 inline vec vsigmoid(vec z) {
@@ -153,7 +169,12 @@ void norm_row(const T* x, const float* gamma, int64_t n, int64_t H, double eps, 
     float ss = hsum(acc);
     for (; c < H; ++c) ss += to_float(xs[c]) * to_float(xs[c]);
     const float rstd = 1.f / std::sqrt(ss / (float)H + (float)eps);
-    for (c = 0; c < H; ++c) os[c] = round_to<T>(to_float(xs[c]) * rstd * (1.f + gamma[s * H + c]));
+    const float* gs = gamma + s * H;
+    for (c = 0; c + kLanes <= H; c += kLanes) {
+      const vec v = vmul(vmul(vload(xs + c), vset(rstd)), vadd(vset(1.f), vload(gs + c)));
+      vstore(os + c, std::is_same<T, bf16>::value ? vround_bf16(v) : v);
+    }
+    for (; c < H; ++c) os[c] = round_to<T>(to_float(xs[c]) * rstd * (1.f + gs[c]));
   }
 }
 
