@@ -155,6 +155,8 @@ class WindowInputLinear(ReplicatedLinear):
         object.__setattr__(self, "table", table)  # not a submodule: the PLE layer holds it
 
     def load_weight(self, param_name: str, tensor: torch.Tensor, shard_id=None):
+        if not isinstance(tensor, torch.Tensor):  # a quantized GGUF matrix (llama.cpp quantizes these too)
+            tensor = tensor.dequantize(torch.float32)
         columns, dim = self.table.columns, self.table.dim
         if (
             param_name == "weight"

@@ -157,3 +157,23 @@ def quantize(gguf_in: str, out_path: str, ftype: str, threads: int = 0, timeout:
             f"{proc.stderr[-4000:]}"
         )
     return out_path
+
+
+def set_metadata_ints(path: str, key: str, values: list[int], head_bytes: int = 64 << 20) -> str:
+    """Overwrite an int32 / uint32 array's items of a GGUF file's metadata in place (the array must already
+    hold len(values) items): after the key's name come its value type (4 bytes), item type (4) and count
+    (8), then the items. Only the file's head is read (the metadata, vocabulary included, sits in the first
+    few MiB), so a file of many GiB is patched in milliseconds. llama.cpp's converter under transformers
+    >= 5.23 writes qwen4exp.attention.compress_ratios all 0 (tests/loader/test_gguf_qwen4.py)."""
+    import struct
+
+    with open(path, "r+b") as f:
+        head = f.read(head_bytes)
+        name = key.encode()
+        at = head.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+        _, _, count = struct.unpack_from("<IIQ", head, at)
+        if count != len(values):
+            raise ValueError(f"{key} holds {count} items in {path}, not {len(values)}")
+        f.seek(at + 16)
+        f.write(struct.pack(f"<{len(values)}i", *values))
+    return path
