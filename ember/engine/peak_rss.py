@@ -27,6 +27,10 @@ and the largest step's transients:
                 in a server that has run that many requests); AOTInductor packages (every linear
                 packed) cost PACKAGE_BYTES_PER_SIZE a size loaded, once built (the process that builds
                 them holds inductor's compile for a while: a first start's peak, not a restart's)
+  mapped experts  --cpu-moe / --n-cpu-moe: the host layers' experts stay in the file's mapping and their
+                pages come in as steps choose them; a decode over a long prompt touches nearly all, so they
+                count whole at the file's bytes (and leave the weights above)
+  hot cache     --moe-hot-cache-memory on CPU: the cache's slots, allocated beside the pool
 
 The constants were measured on the bench machine (2 Xeon cores, torch 2.13 CPU) with
 /proc/self/status at each start-up stage; docs/tuning.md ("Peak RSS") has the figures. The test
@@ -105,10 +109,12 @@ class PeakRss:
     state_pool: int
     step: int
     compile: int
+    mapped_experts: int = 0  # experts kept in host memory: the file's pages, counted whole (ember.engine.expert_plan)
+    hot_cache: int = 0  # a hot-expert cache allocated beside the pool (--moe-hot-cache-memory on CPU)
 
     @property
     def total(self) -> int:
-        return self.process + self.weights + self.dense_copy + self.kv_pool + self.state_pool + self.step + self.compile
+        return sum(v for _, v in self.parts())
 
     def parts(self) -> list[tuple[str, int]]:
         return [
@@ -119,6 +125,8 @@ class PeakRss:
             ("state pool", self.state_pool),
             ("step", self.step),
             ("compile", self.compile),
+            ("mapped experts", self.mapped_experts),
+            ("hot cache", self.hot_cache),
         ]
 
 

@@ -7,7 +7,9 @@
 4. limits.resolve_limits         max_model_len, max_num_seqs, the KV dtype, the executor kind
 5. the Speculator                 first: a drafter with KV layers of its own needs its share of
                                   the pool, and it reads only a ProposerContext, not the engine
-6. kv_pool.kv_pool               the blocks that fit the budget (refused when not one sequence does)
+6. kv_pool.kv_pool               the blocks that fit the budget (refused when not one sequence does);
+   hot_cache.size_hot_cache       then the device's hot-expert cache (--cpu-moe / --n-cpu-moe), from what the
+                                  pool leaves
 7. the block manager, the scheduler, the runner (mirrored to the workers under TP), the
    drafter's KV layers, the workers' caches
 8. the executor                   compiled or captured graphs, after every KV layer exists; then
@@ -31,6 +33,7 @@ from ember.engine.kv_cache import KVCacheManager
 from ember.engine.runner import ModelRunner
 from ember.engine.scheduler import Scheduler
 from ember.engine.startup.device import DeviceSetup, init_device
+from ember.engine.startup.hot_cache import size_hot_cache
 from ember.engine.startup.kv_pool import cuda_kv_budget, kv_pool
 from ember.engine.startup.limits import Limits, resolve_limits
 from ember.engine.startup.package_worker import PackageWorkers, in_worker, worker_config, worker_peak_bytes
@@ -91,7 +94,7 @@ def start_engine(config, defer_compile: bool = False) -> EngineParts:
             spec = Speculator(config.speculative, _proposer_context(config, setup, tp, loaded, limits, generators))
     cache = config.cache_config
     states = _state_slots(config, setup, loaded, limits)
-    pool = _size_pool(config, setup, tp, loaded, limits, spec, states)
+    pool = size_hot_cache(config, setup.device, loaded, _size_pool(config, setup, tp, loaded, limits, spec, states), limits)
     kv = KVCacheManager(pool.num_blocks, cache.block_size, cache.enable_prefix_caching, states)
     sched = config.scheduler_config
     scheduler = Scheduler(
