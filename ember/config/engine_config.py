@@ -389,17 +389,7 @@ class EngineConfig:
             enable_chunked_prefill=self.enable_chunked_prefill,
         )
         self.parallel_config = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size)
-        self.placement_config = PlacementConfig(
-            cpu_moe=self.cpu_moe,
-            n_cpu_moe=self.n_cpu_moe,
-            moe_hot_cache_memory=self.moe_hot_cache_memory,
-            ple_offload=self.ple_offload,
-        )
-        need(
-            not (self.placement_config.keeps_experts_on_host and self.tensor_parallel_size > 1),
-            "--cpu-moe / --n-cpu-moe keep experts in one host's memory; they do not combine with "
-            "--tensor-parallel-size > 1: drop one of them",
-        )
+        self._build_placement()
         self.speculative = resolve_speculative_config(self)  # None = no speculation
         self._check_structured()
         need(
@@ -423,6 +413,19 @@ class EngineConfig:
                 "--compilation-config configures --executor compiled (and auto, which compiles on CPU in the "
                 f"background); it contradicts --executor {self.executor_config.executor}: drop one of them",
             )
+
+    def _build_placement(self) -> None:
+        self.placement_config = PlacementConfig(
+            cpu_moe=self.cpu_moe,
+            n_cpu_moe=self.n_cpu_moe,
+            moe_hot_cache_memory=self.moe_hot_cache_memory,
+            ple_offload=self.ple_offload,
+        )
+        need(
+            not (self.placement_config.keeps_experts_on_host and self.tensor_parallel_size > 1),
+            "--cpu-moe / --n-cpu-moe keep experts in one host's memory; they do not combine with "
+            "--tensor-parallel-size > 1: drop one of them",
+        )
 
     def _check_structured(self) -> None:
         check_reasoning_parser(self.reasoning_parser)

@@ -97,7 +97,9 @@ def layers_to_fit(split: ExpertSplit, shortfall: float) -> int | None:
     return n if n <= split.moe_layers else None
 
 
-def hot_cache_bytes(placement, device: str, split: ExpertSplit, mc, spare_tokens: int, per_token: int, dtype_bytes: int) -> int:
+def hot_cache_bytes(
+    placement, device: str, split: ExpertSplit, mc, spare_tokens: int, per_token: int, dtype_bytes: int
+) -> int:
     """The hot-expert cache as start-up sizes it (ember.engine.startup.hot_cache); spare_tokens: the KV pool's
     tokens beyond max_num_seqs sequences of max_model_len."""
     if not split.host_layers or placement.moe_hot_cache_memory == 0:
@@ -108,3 +110,17 @@ def hot_cache_bytes(placement, device: str, split: ExpertSplit, mc, spare_tokens
     if device == "cpu":
         return 0
     return int(min(max(0, spare_tokens) * per_token, every))
+
+
+def plan_fields(split: ExpertSplit, hot: int, host: tuple[int, bool], shortfall: float, slot_bytes: int) -> dict:
+    """The planner's Plan fields of the split (shortfall: what the device lacks with the split as given)."""
+    return dict(
+        moe_layers=split.moe_layers,
+        host_moe_layers=split.host_layers,
+        host_expert_bytes=split.host_bytes,
+        hot_cache_bytes=hot,
+        host_memory_bytes=host[0],
+        host_fits=host[1],
+        n_cpu_moe_to_fit=layers_to_fit(split, shortfall + split.device_saved_bytes),
+        hot_cache_slot_bytes=slot_bytes,
+    )

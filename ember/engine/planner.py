@@ -445,7 +445,7 @@ def plan(config: EngineConfig, memory_gib: float | None = None, host_memory_gib:
     available RAM). Speculation counts as the engine would run it: an MTP proposer's layers (the
     model's own, or a separate MTP folder's; the default model's trained head by default) join the
     KV pool, a draft model's layers join it too (same blocks) and its weights the total. host_memory_gib: the
-    host's memory beside a card (None: this machine's available RAM), which holds experts kept in host memory."""
+    host's memory beside a card (None: the available RAM), which holds experts kept there (--cpu-moe)."""
     device = "cuda" if config.device == "auto" else config.device
     tp = config.tensor_parallel_size
     src = load_source(config.model)
@@ -454,12 +454,7 @@ def plan(config: EngineConfig, memory_gib: float | None = None, host_memory_gib:
     dtype = resolve_dtype_name(config.dtype, device)
     b = DTYPE_BYTES[dtype]
     quant = "half" if half_weights_held(config, src, quant, device, b) else quant
-    spec = config.speculative
-    extra, draft = 0, None
-    if spec is not None and spec.method == "mtp":
-        extra = folder_mtp_layers(spec.model) if spec.model else mtp_layers(mc)
-    elif spec is not None and spec.method == "draft":
-        draft = load_source(spec.model)
+    extra, draft = speculation(config, mc)
     sched = config.scheduler_config
     max_num_seqs = sched.default_max_num_seqs(device)
     elem = kv_elem_bytes(resolve_kv_cache_dtype_name(config.kv_cache_dtype, config.dtype, device), b)
@@ -467,26 +462,20 @@ def plan(config: EngineConfig, memory_gib: float | None = None, host_memory_gib:
     weights = weight_bytes(mc, quant, b, tp, extra, group, src.gguf_bytes)
     experts = routed_expert_bytes(mc, weights, tp)
     split = expert_plan.expert_split(config.placement_config, src, quant, weights, experts, b)
-    device_weights = weights - split.device_saved_bytes
     draft_kv, draft_weights = draft_model_bytes(draft, elem, b)
     per_token, weights = per_token + draft_kv, weights + draft_weights
+    device_weights = weights - split.device_saved_bytes  # less the experts kept in host memory
     act = activation_bytes(mc, b, tp, sched.token_budget(device), max_num_seqs)
     cuda = cuda_reserve_bytes(mc, b, tp, max_num_seqs) if device == "cuda" else 0
-    memory = int((memory_gib if memory_gib is not None else default_memory_gib(device)) * GiB)
-    usable = int(memory * (config.gpu_memory_utilization if device == "cuda" else 1.0))
+    memory, usable = device_memory(config, device, memory_gib)
     budget = max(0, usable - device_weights - act - cuda)
-    state_seq = mc.state_bytes_per_seq(b, tp) if mc.is_hybrid else 0
-    # the engine's slots: one live state per sequence, plus the prefix cache's snapshots
-    slots = max_num_seqs + config.cache_config.state_snapshots(max_num_seqs) if mc.is_hybrid else 0
+    state_seq, slots = state_slots(config, mc, b, tp, max_num_seqs)
     block_size = config.block_size
     pool = kv_pool(max(0, budget - state_seq * slots), per_token * block_size, block_size)
     context, want = mc.max_position_embeddings, wanted_model_len(sched.max_model_len, mc.max_position_embeddings)
-    spare = pool.tokens - max_num_seqs * -(-want // block_size) * block_size
-    hot = expert_plan.hot_cache_bytes(config.placement_config, device, split, mc, spare, per_token, b)
-    if device != "cpu" and hot:  # out of the pool's blocks
-        pool = KVPool(pool.budget_bytes, block_size, pool.block_bytes, pool.num_blocks - -(-hot // pool.block_bytes))
+    pool, hot = hot_cache_pool(config, device, split, mc, pool, (want, max_num_seqs), per_token, b)
     rss = predict_peak_rss(
-        config, device, src, quant, b, device_weights, per_token * block_size, state_seq * slots, want, split, hot
+        config, device, src, quant, b, device_weights, pool.block_bytes, state_seq * slots, want, split, hot
     )
     worker = package_build_bytes(config, src, quant, b, rss[1], state_seq * max_num_seqs, want, per_token * block_size)
     host = host_side(device, split, rss[0], host_memory_gib)
@@ -525,14 +514,44 @@ def plan(config: EngineConfig, memory_gib: float | None = None, host_memory_gib:
         worker,
         mapped_weight_bytes(mc, src),
         experts,
-        split.moe_layers,
-        split.host_layers,
-        split.host_bytes,
-        hot,
-        *host,
-        expert_plan.layers_to_fit(split, shortfall + split.device_saved_bytes),
-        3 * mc.hidden_size * mc.moe_intermediate_size * b,
+        **expert_plan.plan_fields(split, hot, host, shortfall, 3 * mc.hidden_size * mc.moe_intermediate_size * b),
     )
+
+
+def device_memory(config: EngineConfig, device: str, memory_gib: float | None) -> tuple[int, int]:
+    """(the device's memory, what the engine may use of it)."""
+    memory = int((memory_gib if memory_gib is not None else default_memory_gib(device)) * GiB)
+    return memory, int(memory * (config.gpu_memory_utilization if device == "cuda" else 1.0))
+
+
+def state_slots(config: EngineConfig, mc: ModelConfig, b: int, tp: int, max_num_seqs: int) -> tuple[int, int]:
+    """A hybrid's (recurrent state bytes a sequence, slots): one live state per sequence, plus the prefix
+    cache's snapshots; (0, 0) for other models."""
+    if not mc.is_hybrid:
+        return 0, 0
+    return mc.state_bytes_per_seq(b, tp), max_num_seqs + config.cache_config.state_snapshots(max_num_seqs)
+
+
+def speculation(config: EngineConfig, mc: ModelConfig) -> tuple[int, Source | None]:
+    """(the MTP layers speculation adds to the KV pool, a draft model's source)."""
+    spec = config.speculative
+    if spec is not None and spec.method == "mtp":
+        return (folder_mtp_layers(spec.model) if spec.model else mtp_layers(mc)), None
+    if spec is not None and spec.method == "draft":
+        return 0, load_source(spec.model)
+    return 0, None
+
+
+def hot_cache_pool(config, device: str, split, mc, pool: KVPool, want: tuple[int, int], per_token: int, b: int):
+    """(the KV pool, the hot-expert cache's bytes): on CUDA the cache takes its blocks out of the pool
+    (ember.engine.startup.hot_cache); want: (max_model_len, max_num_seqs), the sequences the pool keeps."""
+    spare = pool.tokens - want[1] * -(-want[0] // pool.block_size) * pool.block_size
+    hot = expert_plan.hot_cache_bytes(config.placement_config, device, split, mc, spare, per_token, b)
+    if device != "cpu" and hot and pool.block_bytes:
+        pool = KVPool(
+            pool.budget_bytes, pool.block_size, pool.block_bytes, pool.num_blocks - -(-hot // pool.block_bytes)
+        )
+    return pool, hot
 
 
 def host_side(device: str, split, cpu_peak: int, host_memory_gib: float | None) -> tuple[int, bool]:

@@ -43,6 +43,8 @@ from ember.quant import gemm_dispatch
 from ember.quant.gguf_blocks import GGUFTensor, dequantize
 
 KINDS = ("gate", "up", "down")
+# the reference's working set: rows of one expert matrix dequantized at a time
+DEQUANT_ROWS = 256
 
 
 def map_view(data: np.ndarray) -> torch.Tensor:
@@ -101,6 +103,18 @@ class ExpertMatrices:
             return self.views[e].to(dtype)
         return dequantize(self.views[e], self.qtype, self.cols).to(dtype)
 
+    def linear(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """x [n, cols] @ expert e's matrix^T in x's dtype, dequantized DEQUANT_ROWS rows at a time (the working
+        set stays a few MB whatever the expert's size)."""
+        if self.qtype is None:
+            return F.linear(x, self.views[e].to(x.dtype))
+        out = x.new_empty(x.shape[0], self.rows)
+        view = self.views[e]
+        for r in range(0, self.rows, DEQUANT_ROWS):
+            rows = view[r : r + DEQUANT_ROWS]
+            out[:, r : r + rows.shape[0]] = F.linear(x, dequantize(rows, self.qtype, self.cols).to(x.dtype))
+        return out
+
 
 def _stacked_array(arrays: list[np.ndarray]) -> np.ndarray | None:
     """The arrays as one [E, rows, row_bytes] view where they lie back to back in memory, else None."""
@@ -117,7 +131,9 @@ def _stacked_array(arrays: list[np.ndarray]) -> np.ndarray | None:
 def _stacked_tensor(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     """The same for torch views that share a storage (a fused checkpoint tensor's per-expert slices)."""
     first = tensors[0]
-    if not all(t.is_contiguous() and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for t in tensors):
+    if not all(
+        t.is_contiguous() and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for t in tensors
+    ):
         return None
     step = first.numel()
     if any(t.storage_offset() != first.storage_offset() + e * step for e, t in enumerate(tensors)):
@@ -187,7 +203,9 @@ class MappedExperts(nn.Module):
             self.matrices[kind] = ExpertMatrices.from_loaded(
                 [self.pending.pop((e, kind)) for e in range(self.num_experts)]
             )
-        self.half_gemv = all(m.qtype is None and m.views[0].dtype in cpu_half_gemv.DTYPES for m in self.matrices.values())
+        self.half_gemv = all(
+            m.qtype is None and m.views[0].dtype in cpu_half_gemv.DTYPES for m in self.matrices.values()
+        )
 
     # ---- what is mapped ------------------------------------------------------------------------
 
@@ -217,7 +235,7 @@ class MappedExperts(nn.Module):
         if m.qtype is None and self.half_gemv and x.dtype == torch.float32 and self.kernels.half_weights:
             if cpu_half_gemv.available():
                 return cpu_half_gemv.linear(x.contiguous(), m.views[e], gemm_dispatch.HALF_GEMV_MAX_ROWS)
-        return F.linear(x, m.dense(e, x.dtype))
+        return m.linear(e, x)
 
     def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e's SwiGLU on its tokens x [n, H] (host) -> [n, H]."""
@@ -236,4 +254,3 @@ def _check(got: tuple, want: tuple, what: str) -> None:
         raise ModelLoadError(
             f"{what} has shape {got} but the model expects {want}; the checkpoint does not match its config"
         )
-

@@ -32,20 +32,26 @@ def tiny_moe_gguf(
     vocab: int = 256,
     expert_types: tuple = (T.Q8_0, T.Q4_K, T.Q6_K),
     seed: int = 0,
+    fast: bool = False,
+    router_std: float = 1.0,
 ) -> str:
-    """Write the file at `path` (hidden and moe_ffn multiples of 256: the K-quants' super-blocks)."""
+    """Write the file at `path` (hidden and moe_ffn multiples of 256: the K-quants' super-blocks). fast: Q8_0
+    experts drawn as random blocks directly (hundreds of MB in a second; gguf-py's quantizer takes minutes);
+    router_std: the router's weights (small: near-uniform routing, every expert chosen by some token)."""
     heads, kv, hd = 4, 2, hidden // 4
     rng = np.random.default_rng(seed)
     seeds = iter(range(seed * 1000, seed * 1000 + 1000))
 
     def q(qtype, rows, cols, std=0.05):
-        return qtype, random_blocks(qtype, rows, cols, next(seeds), std)
+        make = q8_0_blocks if qtype == T.Q8_0 and fast else random_blocks
+        return qtype, make(qtype, rows, cols, next(seeds), std)
 
     def norm(n):
         return T.F32, (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
 
     def stacked(qtype, rows, cols):
-        return qtype, random_blocks(qtype, experts * rows, cols, next(seeds), 0.3).reshape(experts, rows, -1)
+        make = q8_0_blocks if qtype == T.Q8_0 and fast else random_blocks
+        return qtype, make(qtype, experts * rows, cols, next(seeds), 0.3).reshape(experts, rows, -1)
 
     tensors = {"token_embd.weight": q(T.Q8_0, vocab, hidden, 1.0), "output_norm.weight": norm(hidden)}
     for b in range(layers):
@@ -59,7 +65,10 @@ def tiny_moe_gguf(
             p + "attn_q_norm.weight": norm(hd),
             p + "attn_k_norm.weight": norm(hd),
             p + "ffn_norm.weight": norm(hidden),
-            p + "ffn_gate_inp.weight": (T.F32, rng.standard_normal((experts, hidden)).astype(np.float32)),
+            p + "ffn_gate_inp.weight": (
+                T.F32,
+                (router_std * rng.standard_normal((experts, hidden))).astype(np.float32),
+            ),
             p + "ffn_gate_exps.weight": stacked(expert_types[0], moe_ffn, hidden),
             p + "ffn_up_exps.weight": stacked(expert_types[1], moe_ffn, hidden),
             p + "ffn_down_exps.weight": stacked(expert_types[2], hidden, moe_ffn),
@@ -93,6 +102,14 @@ def tiny_moe_gguf(
     w.write_tensors_to_file()
     w.close()
     return str(path)
+
+
+def q8_0_blocks(qtype, rows: int, cols: int, seed: int, std: float) -> np.ndarray:
+    """uint8 [rows, cols / 32 * 34] of Q8_0 blocks: a float16 scale std / 64, then 32 random int8 codes."""
+    rng = np.random.default_rng(seed)
+    blocks = np.frombuffer(bytearray(rng.bytes(rows * cols // 32 * 34)), dtype=np.uint8).reshape(-1, 34)
+    blocks[:, 0:2] = np.full((len(blocks), 1), std / 64, dtype=np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
 
 
 def prompt(length: int, seed: int, vocab: int = 256) -> list[int]:

@@ -94,7 +94,9 @@ def start_engine(config, defer_compile: bool = False) -> EngineParts:
             spec = Speculator(config.speculative, _proposer_context(config, setup, tp, loaded, limits, generators))
     cache = config.cache_config
     states = _state_slots(config, setup, loaded, limits)
-    pool = size_hot_cache(config, setup.device, loaded, _size_pool(config, setup, tp, loaded, limits, spec, states), limits)
+    pool = size_hot_cache(
+        config, setup.device, loaded, _size_pool(config, setup, tp, loaded, limits, spec, states), limits
+    )
     kv = KVCacheManager(pool.num_blocks, cache.block_size, cache.enable_prefix_caching, states)
     sched = config.scheduler_config
     scheduler = Scheduler(
@@ -328,13 +330,9 @@ def _log_start(parts: EngineParts, pool: planner.KVPool) -> None:
         mc.architecture,
         loaded.num_parameters / 1e6,
         loaded.weight_bytes / 1e6,
-        # the quantization the weights are held in ([fp8], [awq], ...), then the mapped table
+        # the quantization the weights are held in ([fp8], [awq], ...), then what stays mapped cold
         (f" [{loaded.quantization}]" if loaded.quantization != "none" else "")
-        + (
-            f" (+ {loaded.mapped_weight_bytes / 1e6:.1f} MB read by row from the file's mapping)"
-            if loaded.mapped_weight_bytes
-            else ""
-        )
+        + _mapped_note(loaded)
         + parts.copies.note(),
         str(setup.dtype).removeprefix("torch."),
         _dtype_note(parts),
@@ -351,6 +349,22 @@ def _log_start(parts: EngineParts, pool: planner.KVPool) -> None:
         loaded.path,
         loaded.load_seconds,
     )
+
+
+def _mapped_note(loaded: LoadedModel) -> str:
+    """What of the model stays in the file's mapping, cold (resident only as steps touch it), beside the
+    resident weights: experts kept in host memory (--cpu-moe / --n-cpu-moe), the n-gram table."""
+    note = ""
+    if loaded.mapped_expert_bytes:
+        placement = loaded.placement
+        layers = len(placement.host_layers)
+        note += (
+            f" (+ {loaded.mapped_expert_bytes / 1e6:.1f} MB of routed experts of {layers} MoE layer"
+            f"{'s' if layers > 1 else ''} mapped cold from the file in host memory, read as steps choose them)"
+        )
+    if loaded.mapped_weight_bytes:
+        note += f" (+ {loaded.mapped_weight_bytes / 1e6:.1f} MB read by row from the file's mapping)"
+    return note
 
 
 def _dtype_note(parts: EngineParts) -> str:
