@@ -34,6 +34,11 @@ alignas(64) uint8_t g_iq3s_grid[512 * 4];     // values 1 .. 15
 alignas(64) int8_t g_iq1s_grid[2048 * 8];     // values -1, 0, 1
 alignas(64) uint8_t g_ksigns[128];            // 7 sign bits + their parity as the 8th
 
+// Derived at set_iq_table time for the SIMD dots: each ksigns entry as 8 bytes of +1 / -1 (a
+// _mm256_sign_epi8 operand), and the IQ1 grid times 8 (so 8 * (grid +- 1/8) is the integer 8*g +- 1).
+alignas(64) uint64_t g_ksigns_pm1[128];
+alignas(64) int8_t g_iq1s_grid_x8[2048 * 8];
+
 constexpr float kIq1Delta = 0.125f;  // IQ1_S / IQ1_M: every weight is shifted by +-1/8 of its scale
 
 struct TableSlot {
@@ -100,6 +105,18 @@ inline float iq1m_scale(const uint8_t* scales) {
 constexpr int kIq2xxsBytes = 66, kIq2xsBytes = 74, kIq2sBytes = 82, kIq3xxsBytes = 98, kIq3sBytes = 110,
               kIq1sBytes = 50, kIq1mBytes = 56;
 
+void derive_tables(const char* name) {
+  if (std::strcmp(name, "ksigns") == 0) {
+    for (int i = 0; i < 128; ++i) {
+      uint64_t v = 0;
+      for (int j = 0; j < 8; ++j) v |= uint64_t((g_ksigns[i] >> j) & 1 ? 0xff : 0x01) << (8 * j);
+      g_ksigns_pm1[i] = v;
+    }
+  } else if (std::strcmp(name, "iq1s_grid") == 0) {
+    for (int i = 0; i < 2048 * 8; ++i) g_iq1s_grid_x8[i] = int8_t(8 * g_iq1s_grid[i]);
+  }
+}
+
 }  // namespace
 
 bool set_iq_table(const char* name, const uint8_t* data, int64_t bytes) {
@@ -107,6 +124,7 @@ bool set_iq_table(const char* name, const uint8_t* data, int64_t bytes) {
     if (std::strcmp(slot.name, name) == 0) {
       if (bytes != slot.bytes) return false;
       std::memcpy(slot.data, data, size_t(bytes));
+      derive_tables(name);
       return true;
     }
   }
@@ -396,28 +414,241 @@ float dot_iq1_m_scalar(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
 
 }  // namespace
 
+// ---- AVX2 dots ------------------------------------------------------------------------------------
+// Per 32 weights: the grid magnitudes as 32 unsigned bytes (four 8-byte or eight 4-byte table rows),
+// the weights' signs moved onto the activations (_mm256_sign_epi8: Q8K's values lie in [-127, 127], so
+// negating never overflows), one maddubs (16 int16 pair sums; at most 62 * 127 * 2, no saturation)
+// and one madd with the sub-block's odd scale (per 16 weights: the low / high 128-bit halves). A
+// block's int32 lanes are scaled by d_w * d_x into a float accumulator.
+#if defined(__AVX2__)
+namespace {
+
+inline float hsum_ps(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline uint64_t row8(const uint8_t* grid, uint32_t i) {
+  uint64_t v;
+  std::memcpy(&v, grid + 8 * size_t(i), 8);
+  return v;
+}
+
+inline uint32_t row4(const uint8_t* grid, uint32_t i) {
+  uint32_t v;
+  std::memcpy(&v, grid + 4 * size_t(i), 4);
+  return v;
+}
+
+inline __m256i rows8(const uint8_t* grid, uint32_t i0, uint32_t i1, uint32_t i2, uint32_t i3) {
+  return _mm256_set_epi64x(int64_t(row8(grid, i3)), int64_t(row8(grid, i2)), int64_t(row8(grid, i1)),
+                           int64_t(row8(grid, i0)));
+}
+
+// 32 sign bits -> 32 bytes of +1 (bit clear) / -1 (bit set).
+inline __m256i signs_from_bits(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(int32_t(bits)),
+      _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000));
+  const __m256i select = _mm256_set1_epi64x(int64_t(0x8040201008040201));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+  return _mm256_or_si256(set, _mm256_set1_epi8(1));
+}
+
+// The four ksigns entries an IQ2_XXS / IQ3_XXS sub-block's 28 sign bits name, as +1/-1 bytes.
+inline __m256i ksigns4(uint32_t aux) {
+  return _mm256_set_epi64x(int64_t(g_ksigns_pm1[(aux >> 21) & 127]), int64_t(g_ksigns_pm1[(aux >> 14) & 127]),
+                           int64_t(g_ksigns_pm1[(aux >> 7) & 127]), int64_t(g_ksigns_pm1[aux & 127]));
+}
+
+inline __m256i q8_at(const int8_t* q8) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8)); }
+
+// sum of mag[k] * sign[k] * q8[k] in 16 int16 pairs, times the scale(s), as 8 int32 lanes.
+inline __m256i scaled_dot32(__m256i mag, __m256i sign, __m256i q8, __m256i scale16) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(mag, _mm256_sign_epi8(q8, sign)), scale16);
+}
+
+inline __m256i two_scales(int lo, int hi) { return _mm256_set_m128i(_mm_set1_epi16(short(hi)), _mm_set1_epi16(short(lo))); }
+
+float dot_iq2_xxs_avx2(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * kIq2xxsBytes;
+    __m256i sumi = _mm256_setzero_si256();
+    for (int ib = 0; ib < 8; ++ib) {
+      const uint32_t idx = rd32(blk + 2 + 8 * ib), aux = rd32(blk + 6 + 8 * ib);
+      const __m256i mag = rows8(g_iq2xxs_grid, idx & 255, (idx >> 8) & 255, (idx >> 16) & 255, idx >> 24);
+      const __m256i scale = _mm256_set1_epi16(short(2 * (aux >> 28) + 1));
+      sumi = _mm256_add_epi32(sumi, scaled_dot32(mag, ksigns4(aux), q8_at(y[b].qs + 32 * ib), scale));
+    }
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(rd16(blk)) * y[b].d), _mm256_cvtepi32_ps(sumi), acc);
+  }
+  return 0.125f * hsum_ps(acc);
+}
+
+float dot_iq2_xs_avx2(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * kIq2xsBytes;
+    __m256i sumi = _mm256_setzero_si256();
+    for (int ib = 0; ib < 8; ++ib) {
+      uint16_t q[4];
+      std::memcpy(q, blk + 2 + 8 * ib, 8);
+      const __m256i mag = rows8(g_iq2xs_grid, q[0] & 511, q[1] & 511, q[2] & 511, q[3] & 511);
+      const __m256i sign = _mm256_set_epi64x(int64_t(g_ksigns_pm1[q[3] >> 9]), int64_t(g_ksigns_pm1[q[2] >> 9]),
+                                             int64_t(g_ksigns_pm1[q[1] >> 9]), int64_t(g_ksigns_pm1[q[0] >> 9]));
+      const uint8_t sc = blk[66 + ib];
+      const __m256i scale = two_scales(2 * (sc & 15) + 1, 2 * (sc >> 4) + 1);
+      sumi = _mm256_add_epi32(sumi, scaled_dot32(mag, sign, q8_at(y[b].qs + 32 * ib), scale));
+    }
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(rd16(blk)) * y[b].d), _mm256_cvtepi32_ps(sumi), acc);
+  }
+  return 0.125f * hsum_ps(acc);
+}
+
+float dot_iq2_s_avx2(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * kIq2sBytes;
+    const uint8_t *qs = blk + 2, *signs = blk + 34, *qh = blk + 66, *scales = blk + 74;
+    __m256i sumi = _mm256_setzero_si256();
+    for (int ib = 0; ib < 8; ++ib) {
+      const uint32_t h = qh[ib];
+      const __m256i mag = rows8(g_iq2s_grid, qs[4 * ib] | ((h << 8) & 0x300), qs[4 * ib + 1] | ((h << 6) & 0x300),
+                                qs[4 * ib + 2] | ((h << 4) & 0x300), qs[4 * ib + 3] | ((h << 2) & 0x300));
+      const __m256i scale = two_scales(2 * (scales[ib] & 15) + 1, 2 * (scales[ib] >> 4) + 1);
+      sumi = _mm256_add_epi32(
+          sumi, scaled_dot32(mag, signs_from_bits(rd32(signs + 4 * ib)), q8_at(y[b].qs + 32 * ib), scale));
+    }
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(rd16(blk)) * y[b].d), _mm256_cvtepi32_ps(sumi), acc);
+  }
+  return 0.125f * hsum_ps(acc);
+}
+
+float dot_iq3_xxs_avx2(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * kIq3xxsBytes;
+    const uint8_t* qs = blk + 2;
+    __m256i sumi = _mm256_setzero_si256();
+    for (int ib = 0; ib < 8; ++ib, qs += 8) {
+      const uint32_t aux = rd32(blk + 66 + 4 * ib);
+      const __m256i mag = _mm256_set_epi32(
+          int32_t(row4(g_iq3xxs_grid, qs[7])), int32_t(row4(g_iq3xxs_grid, qs[6])),
+          int32_t(row4(g_iq3xxs_grid, qs[5])), int32_t(row4(g_iq3xxs_grid, qs[4])),
+          int32_t(row4(g_iq3xxs_grid, qs[3])), int32_t(row4(g_iq3xxs_grid, qs[2])),
+          int32_t(row4(g_iq3xxs_grid, qs[1])), int32_t(row4(g_iq3xxs_grid, qs[0])));
+      const __m256i scale = _mm256_set1_epi16(short(2 * (aux >> 28) + 1));
+      sumi = _mm256_add_epi32(sumi, scaled_dot32(mag, ksigns4(aux), q8_at(y[b].qs + 32 * ib), scale));
+    }
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(rd16(blk)) * y[b].d), _mm256_cvtepi32_ps(sumi), acc);
+  }
+  return 0.25f * hsum_ps(acc);
+}
+
+float dot_iq3_s_avx2(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * kIq3sBytes;
+    const uint8_t *qs = blk + 2, *qh = blk + 66, *signs = blk + 74, *scales = blk + 106;
+    __m256i sumi = _mm256_setzero_si256();
+    for (int ib = 0; ib < 8; ++ib, qs += 8) {
+      const uint32_t h = qh[ib];
+      const __m256i mag = _mm256_set_epi32(
+          int32_t(row4(g_iq3s_grid, qs[7] | ((h << 1) & 256))), int32_t(row4(g_iq3s_grid, qs[6] | ((h << 2) & 256))),
+          int32_t(row4(g_iq3s_grid, qs[5] | ((h << 3) & 256))), int32_t(row4(g_iq3s_grid, qs[4] | ((h << 4) & 256))),
+          int32_t(row4(g_iq3s_grid, qs[3] | ((h << 5) & 256))), int32_t(row4(g_iq3s_grid, qs[2] | ((h << 6) & 256))),
+          int32_t(row4(g_iq3s_grid, qs[1] | ((h << 7) & 256))), int32_t(row4(g_iq3s_grid, qs[0] | ((h << 8) & 256))));
+      const __m256i scale = _mm256_set1_epi16(short(2 * ((scales[ib / 2] >> (4 * (ib & 1))) & 15) + 1));
+      sumi = _mm256_add_epi32(
+          sumi, scaled_dot32(mag, signs_from_bits(rd32(signs + 4 * ib)), q8_at(y[b].qs + 32 * ib), scale));
+    }
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(rd16(blk)) * y[b].d), _mm256_cvtepi32_ps(sumi), acc);
+  }
+  return hsum_ps(acc);
+}
+
+// IQ1: w = 8 * (grid + delta) = 8g +- 1 (odd, never 0), a signed byte; w . q8 by moving w's sign onto q8.
+inline __m256i scaled_signed_dot32(__m256i w, __m256i q8, __m256i scale16) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(q8, w)), scale16);
+}
+
+float dot_iq1_s_avx2(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
+  const uint8_t* grid = reinterpret_cast<const uint8_t*>(g_iq1s_grid_x8);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * kIq1sBytes;
+    const uint8_t *qs = blk + 2, *qh = blk + 34;
+    __m256i sumi = _mm256_setzero_si256();
+    for (int ib = 0; ib < 8; ++ib, qs += 4) {
+      const uint32_t h = rd16(qh + 2 * ib);
+      const __m256i g = rows8(grid, qs[0] | ((h << 8) & 0x700), qs[1] | ((h << 5) & 0x700),
+                              qs[2] | ((h << 2) & 0x700), qs[3] | ((h >> 1) & 0x700));
+      const __m256i w = _mm256_add_epi8(g, _mm256_set1_epi8((h & 0x8000) ? -1 : 1));
+      const __m256i scale = _mm256_set1_epi16(short(2 * ((h >> 12) & 7) + 1));
+      sumi = _mm256_add_epi32(sumi, scaled_signed_dot32(w, q8_at(y[b].qs + 32 * ib), scale));
+    }
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(rd16(blk)) * y[b].d), _mm256_cvtepi32_ps(sumi), acc);
+  }
+  return 0.125f * hsum_ps(acc);
+}
+
+float dot_iq1_m_avx2(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
+  const uint8_t* grid = reinterpret_cast<const uint8_t*>(g_iq1s_grid_x8);
+  const int64_t kDelta[2] = {0x0101010101010101, -1};  // +1 / -1 in each byte of a group of 8
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * kIq1mBytes;
+    const uint8_t *qs = blk, *qh = blk + 32, *scales = blk + 48;
+    __m256i sumi = _mm256_setzero_si256();
+    for (int ib = 0; ib < 8; ++ib, qs += 4) {
+      const uint32_t h = qh[2 * ib] | (uint32_t(qh[2 * ib + 1]) << 8);  // four nibbles: 3 index bits + delta sign
+      const __m256i g = rows8(grid, qs[0] | ((h << 8) & 0x700), qs[1] | ((h << 4) & 0x700), qs[2] | (h & 0x700),
+                              qs[3] | ((h >> 4) & 0x700));
+      const __m256i delta =
+          _mm256_set_epi64x(kDelta[(h >> 15) & 1], kDelta[(h >> 11) & 1], kDelta[(h >> 7) & 1], kDelta[(h >> 3) & 1]);
+      const uint32_t sw = rd16(scales + 2 * (ib / 2)) >> (6 * (ib & 1));
+      const __m256i scale = two_scales(2 * (sw & 7) + 1, 2 * ((sw >> 3) & 7) + 1);
+      sumi = _mm256_add_epi32(sumi, scaled_signed_dot32(_mm256_add_epi8(g, delta), q8_at(y[b].qs + 32 * ib), scale));
+    }
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(iq1m_scale(scales) * y[b].d), _mm256_cvtepi32_ps(sumi), acc);
+  }
+  return 0.125f * hsum_ps(acc);
+}
+
+}  // namespace
+#endif  // __AVX2__
+
 // ---- the entry points ---------------------------------------------------------------------------
 
+#if defined(__AVX2__)
+#define EMBER_IQ_DOT(name) name##_avx2
+#else
+#define EMBER_IQ_DOT(name) name##_scalar
+#endif
+
 float dot_iq2_xxs(const uint8_t* row, const void* x, int64_t nb) {
-  return dot_iq2_xxs_scalar(row, static_cast<const BlockQ8K*>(x), nb);
+  return EMBER_IQ_DOT(dot_iq2_xxs)(row, static_cast<const BlockQ8K*>(x), nb);
 }
 float dot_iq2_xs(const uint8_t* row, const void* x, int64_t nb) {
-  return dot_iq2_xs_scalar(row, static_cast<const BlockQ8K*>(x), nb);
+  return EMBER_IQ_DOT(dot_iq2_xs)(row, static_cast<const BlockQ8K*>(x), nb);
 }
 float dot_iq2_s(const uint8_t* row, const void* x, int64_t nb) {
-  return dot_iq2_s_scalar(row, static_cast<const BlockQ8K*>(x), nb);
+  return EMBER_IQ_DOT(dot_iq2_s)(row, static_cast<const BlockQ8K*>(x), nb);
 }
 float dot_iq3_xxs(const uint8_t* row, const void* x, int64_t nb) {
-  return dot_iq3_xxs_scalar(row, static_cast<const BlockQ8K*>(x), nb);
+  return EMBER_IQ_DOT(dot_iq3_xxs)(row, static_cast<const BlockQ8K*>(x), nb);
 }
 float dot_iq3_s(const uint8_t* row, const void* x, int64_t nb) {
-  return dot_iq3_s_scalar(row, static_cast<const BlockQ8K*>(x), nb);
+  return EMBER_IQ_DOT(dot_iq3_s)(row, static_cast<const BlockQ8K*>(x), nb);
 }
 float dot_iq1_s(const uint8_t* row, const void* x, int64_t nb) {
-  return dot_iq1_s_scalar(row, static_cast<const BlockQ8K*>(x), nb);
+  return EMBER_IQ_DOT(dot_iq1_s)(row, static_cast<const BlockQ8K*>(x), nb);
 }
 float dot_iq1_m(const uint8_t* row, const void* x, int64_t nb) {
-  return dot_iq1_m_scalar(row, static_cast<const BlockQ8K*>(x), nb);
+  return EMBER_IQ_DOT(dot_iq1_m)(row, static_cast<const BlockQ8K*>(x), nb);
 }
 
 }  // namespace ember_blocks
