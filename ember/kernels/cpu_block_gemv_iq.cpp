@@ -261,7 +261,7 @@ inline int32_t signed_dot8(const G* g, uint32_t signs, const int8_t* q8) {
   return s;
 }
 
-float dot_iq2_xxs_scalar(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
+[[maybe_unused]] float dot_iq2_xxs_scalar(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
   float sum = 0.0f;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * kIq2xxsBytes;
@@ -279,7 +279,7 @@ float dot_iq2_xxs_scalar(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
   return 0.125f * sum;
 }
 
-float dot_iq2_xs_scalar(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
+[[maybe_unused]] float dot_iq2_xs_scalar(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
   float sum = 0.0f;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * kIq2xsBytes;
@@ -295,7 +295,7 @@ float dot_iq2_xs_scalar(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
   return 0.125f * sum;
 }
 
-float dot_iq2_s_scalar(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
+[[maybe_unused]] float dot_iq2_s_scalar(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
   float sum = 0.0f;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * kIq2sBytes;
@@ -312,7 +312,7 @@ float dot_iq2_s_scalar(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
   return 0.125f * sum;
 }
 
-float dot_iq3_xxs_scalar(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
+[[maybe_unused]] float dot_iq3_xxs_scalar(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
   float sum = 0.0f;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * kIq3xxsBytes;
@@ -335,7 +335,7 @@ float dot_iq3_xxs_scalar(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
   return 0.25f * sum;
 }
 
-float dot_iq3_s_scalar(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
+[[maybe_unused]] float dot_iq3_s_scalar(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
   float sum = 0.0f;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * kIq3sBytes;
@@ -370,7 +370,7 @@ inline int32_t sum8(const int8_t* q8) {
   return s;
 }
 
-float dot_iq1_s_scalar(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
+[[maybe_unused]] float dot_iq1_s_scalar(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
   float sum = 0.0f;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * kIq1sBytes;
@@ -392,7 +392,7 @@ float dot_iq1_s_scalar(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
   return sum;
 }
 
-float dot_iq1_m_scalar(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
+[[maybe_unused]] float dot_iq1_m_scalar(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
   float sum = 0.0f;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * kIq1mBytes;
