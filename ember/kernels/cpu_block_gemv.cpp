@@ -740,6 +740,56 @@ void dot_q3_k_n(const uint8_t* row, const void* const* xs, int64_t nb, float* ou
   finish<NX>(acc, out);
 }
 
+// Q4_0, Q4_1, Q5_0, Q5_1: unsigned codes q (4 or 5 bits) a block, w = d q + m (Q4_1, Q5_1) or d (q - 8 | 16):
+// d sum(q x) + m x.s, x.s = x.d sum(xq) (the offset through x's sum, as llama.cpp's Q8_1).
+template <int kQs, int kQh>
+inline __m256i legacy_codes(const uint8_t* b) {
+  const __m128i qs = load128(b + kQs);
+  __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), _mm_set1_epi8(15)), _mm_and_si128(qs, _mm_set1_epi8(15)));
+  if (kQh >= 0) {  // bit j of the u32 at kQh is element j's fifth bit: byte j of the vector takes byte j / 8's bit j % 8
+    const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(int(u32(b + kQh))),
+                                              _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+    const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201));
+    q = _mm256_or_si256(q, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit), _mm256_set1_epi8(16)));
+  }
+  return q;
+}
+
+template <int NX, int kBytes, int kQs, int kQh, bool kMin, int kZero>
+void dot_legacy_n(const uint8_t* row, const void* const* xs, int64_t nb, float* out) {
+  __m256 acc[NX];
+  float off[NX] = {};
+  for (int n = 0; n < NX; ++n) acc[n] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < nb; ++i, row += kBytes) {
+    const __m256i q = legacy_codes<kQs, kQh>(row);
+    const float d = f16(row), o = kMin ? f16(row + 2) : -float(kZero) * d;
+    for (int n = 0; n < NX; ++n) {
+      const BlockQ8x& x = q8x(xs[n])[i];
+      const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, load256(x.qs)), _mm256_set1_epi16(1));
+      acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.d), _mm256_cvtepi32_ps(p), acc[n]);
+      off[n] += o * x.s;
+    }
+  }
+  for (int n = 0; n < NX; ++n) out[n] = hsum(acc[n]) + off[n];
+}
+
+template <int NX>
+void dot_q4_0_n(const uint8_t* row, const void* const* xs, int64_t nb, float* out) {
+  dot_legacy_n<NX, 18, 2, -1, false, 8>(row, xs, nb, out);
+}
+template <int NX>
+void dot_q4_1_n(const uint8_t* row, const void* const* xs, int64_t nb, float* out) {
+  dot_legacy_n<NX, 20, 4, -1, true, 0>(row, xs, nb, out);
+}
+template <int NX>
+void dot_q5_0_n(const uint8_t* row, const void* const* xs, int64_t nb, float* out) {
+  dot_legacy_n<NX, 22, 6, 2, false, 16>(row, xs, nb, out);
+}
+template <int NX>
+void dot_q5_1_n(const uint8_t* row, const void* const* xs, int64_t nb, float* out) {
+  dot_legacy_n<NX, 24, 8, 4, true, 0>(row, xs, nb, out);
+}
+
 template <int NX>
 void dot_q4_k_n(const uint8_t* row, const void* const* xs, int64_t nb, float* out) {
   dot_q45_k_n<NX, false>(row, xs, nb, out);
@@ -784,10 +834,10 @@ struct Entry {
 #endif
 
 const Entry kEntries[] = {
-    {{2, 32, 18, ActFormat::Q8x, dot_q4_0, dequant_q4_0}, dot_q4_0, nullptr},
-    {{3, 32, 20, ActFormat::Q8x, dot_q4_1, dequant_q4_1}, dot_q4_1, nullptr},
-    {{6, 32, 22, ActFormat::Q8x, dot_q5_0, dequant_q5_0}, dot_q5_0, nullptr},
-    {{7, 32, 24, ActFormat::Q8x, dot_q5_1, dequant_q5_1}, dot_q5_1, nullptr},
+    {{2, 32, 18, ActFormat::Q8x, EMBER_DOT(dot_q4_0_n, dot_q4_0), dequant_q4_0}, dot_q4_0, EMBER_DOT4(dot_q4_0_n)},
+    {{3, 32, 20, ActFormat::Q8x, EMBER_DOT(dot_q4_1_n, dot_q4_1), dequant_q4_1}, dot_q4_1, EMBER_DOT4(dot_q4_1_n)},
+    {{6, 32, 22, ActFormat::Q8x, EMBER_DOT(dot_q5_0_n, dot_q5_0), dequant_q5_0}, dot_q5_0, EMBER_DOT4(dot_q5_0_n)},
+    {{7, 32, 24, ActFormat::Q8x, EMBER_DOT(dot_q5_1_n, dot_q5_1), dequant_q5_1}, dot_q5_1, EMBER_DOT4(dot_q5_1_n)},
     {{8, 32, 34, ActFormat::Q8x, EMBER_DOT(dot_q8_0_n, dot_q8_0_scalar), dequant_q8_0}, dot_q8_0_scalar,
      EMBER_DOT4(dot_q8_0_n)},
     {{10, 256, 84, ActFormat::Q8K, EMBER_DOT(dot_q2_k_n, dot_q2_k_scalar), dequant_q2_k}, dot_q2_k_scalar,
