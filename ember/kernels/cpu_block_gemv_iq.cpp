@@ -250,6 +250,9 @@ void dequant_iq1_m(const uint8_t* row, float* out, int64_t nb) {
 }
 
 // ---- scalar dots (integer sums inside a block) --------------------------------------------------
+// The reference dots, and the dots of a CPU without AVX2. External (RowDot's signature, not in the
+// shared header): cpu_block_gemv.cpp's block_gemm_scalar declares and runs them, so a test checks the
+// AVX2 dots against them on any machine.
 
 namespace {
 
@@ -261,7 +264,22 @@ inline int32_t signed_dot8(const G* g, uint32_t signs, const int8_t* q8) {
   return s;
 }
 
-[[maybe_unused]] float dot_iq2_xxs_scalar(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
+inline int32_t plain_dot8(const int8_t* g, const int8_t* q8) {
+  int32_t s = 0;
+  for (int j = 0; j < 8; ++j) s += int32_t(g[j]) * q8[j];
+  return s;
+}
+
+inline int32_t sum8(const int8_t* q8) {
+  int32_t s = 0;
+  for (int j = 0; j < 8; ++j) s += q8[j];
+  return s;
+}
+
+}  // namespace
+
+float dot_iq2_xxs_scalar(const uint8_t* row, const void* x, int64_t nb) {
+  const BlockQ8K* y = static_cast<const BlockQ8K*>(x);
   float sum = 0.0f;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * kIq2xxsBytes;
@@ -279,7 +297,8 @@ inline int32_t signed_dot8(const G* g, uint32_t signs, const int8_t* q8) {
   return 0.125f * sum;
 }
 
-[[maybe_unused]] float dot_iq2_xs_scalar(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
+float dot_iq2_xs_scalar(const uint8_t* row, const void* x, int64_t nb) {
+  const BlockQ8K* y = static_cast<const BlockQ8K*>(x);
   float sum = 0.0f;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * kIq2xsBytes;
@@ -295,7 +314,8 @@ inline int32_t signed_dot8(const G* g, uint32_t signs, const int8_t* q8) {
   return 0.125f * sum;
 }
 
-[[maybe_unused]] float dot_iq2_s_scalar(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
+float dot_iq2_s_scalar(const uint8_t* row, const void* x, int64_t nb) {
+  const BlockQ8K* y = static_cast<const BlockQ8K*>(x);
   float sum = 0.0f;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * kIq2sBytes;
@@ -312,7 +332,8 @@ inline int32_t signed_dot8(const G* g, uint32_t signs, const int8_t* q8) {
   return 0.125f * sum;
 }
 
-[[maybe_unused]] float dot_iq3_xxs_scalar(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
+float dot_iq3_xxs_scalar(const uint8_t* row, const void* x, int64_t nb) {
+  const BlockQ8K* y = static_cast<const BlockQ8K*>(x);
   float sum = 0.0f;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * kIq3xxsBytes;
@@ -335,7 +356,8 @@ inline int32_t signed_dot8(const G* g, uint32_t signs, const int8_t* q8) {
   return 0.25f * sum;
 }
 
-[[maybe_unused]] float dot_iq3_s_scalar(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
+float dot_iq3_s_scalar(const uint8_t* row, const void* x, int64_t nb) {
+  const BlockQ8K* y = static_cast<const BlockQ8K*>(x);
   float sum = 0.0f;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * kIq3sBytes;
@@ -358,19 +380,8 @@ inline int32_t signed_dot8(const G* g, uint32_t signs, const int8_t* q8) {
   return sum;
 }
 
-inline int32_t plain_dot8(const int8_t* g, const int8_t* q8) {
-  int32_t s = 0;
-  for (int j = 0; j < 8; ++j) s += int32_t(g[j]) * q8[j];
-  return s;
-}
-
-inline int32_t sum8(const int8_t* q8) {
-  int32_t s = 0;
-  for (int j = 0; j < 8; ++j) s += q8[j];
-  return s;
-}
-
-[[maybe_unused]] float dot_iq1_s_scalar(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
+float dot_iq1_s_scalar(const uint8_t* row, const void* x, int64_t nb) {
+  const BlockQ8K* y = static_cast<const BlockQ8K*>(x);
   float sum = 0.0f;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * kIq1sBytes;
@@ -392,7 +403,8 @@ inline int32_t sum8(const int8_t* q8) {
   return sum;
 }
 
-[[maybe_unused]] float dot_iq1_m_scalar(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
+float dot_iq1_m_scalar(const uint8_t* row, const void* x, int64_t nb) {
+  const BlockQ8K* y = static_cast<const BlockQ8K*>(x);
   float sum = 0.0f;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * kIq1mBytes;
@@ -411,8 +423,6 @@ inline int32_t sum8(const int8_t* q8) {
   }
   return sum;
 }
-
-}  // namespace
 
 // ---- AVX2 dots ------------------------------------------------------------------------------------
 // Per 32 weights: the grid magnitudes as 32 unsigned bytes (four 8-byte or eight 4-byte table rows),
@@ -472,7 +482,8 @@ inline __m256i scaled_dot32(__m256i mag, __m256i sign, __m256i q8, __m256i scale
 
 inline __m256i two_scales(int lo, int hi) { return _mm256_set_m128i(_mm_set1_epi16(short(hi)), _mm_set1_epi16(short(lo))); }
 
-float dot_iq2_xxs_avx2(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
+float dot_iq2_xxs_avx2(const uint8_t* row, const void* x, int64_t nb) {
+  const BlockQ8K* y = static_cast<const BlockQ8K*>(x);
   __m256 acc = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * kIq2xxsBytes;
@@ -488,7 +499,8 @@ float dot_iq2_xxs_avx2(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
   return 0.125f * hsum_ps(acc);
 }
 
-float dot_iq2_xs_avx2(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
+float dot_iq2_xs_avx2(const uint8_t* row, const void* x, int64_t nb) {
+  const BlockQ8K* y = static_cast<const BlockQ8K*>(x);
   __m256 acc = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * kIq2xsBytes;
@@ -508,7 +520,8 @@ float dot_iq2_xs_avx2(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
   return 0.125f * hsum_ps(acc);
 }
 
-float dot_iq2_s_avx2(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
+float dot_iq2_s_avx2(const uint8_t* row, const void* x, int64_t nb) {
+  const BlockQ8K* y = static_cast<const BlockQ8K*>(x);
   __m256 acc = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * kIq2sBytes;
@@ -527,7 +540,8 @@ float dot_iq2_s_avx2(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
   return 0.125f * hsum_ps(acc);
 }
 
-float dot_iq3_xxs_avx2(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
+float dot_iq3_xxs_avx2(const uint8_t* row, const void* x, int64_t nb) {
+  const BlockQ8K* y = static_cast<const BlockQ8K*>(x);
   __m256 acc = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * kIq3xxsBytes;
@@ -548,7 +562,8 @@ float dot_iq3_xxs_avx2(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
   return 0.25f * hsum_ps(acc);
 }
 
-float dot_iq3_s_avx2(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
+float dot_iq3_s_avx2(const uint8_t* row, const void* x, int64_t nb) {
+  const BlockQ8K* y = static_cast<const BlockQ8K*>(x);
   __m256 acc = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * kIq3sBytes;
@@ -575,7 +590,8 @@ inline __m256i scaled_signed_dot32(__m256i w, __m256i q8, __m256i scale16) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(q8, w)), scale16);
 }
 
-float dot_iq1_s_avx2(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
+float dot_iq1_s_avx2(const uint8_t* row, const void* x, int64_t nb) {
+  const BlockQ8K* y = static_cast<const BlockQ8K*>(x);
   const uint8_t* grid = reinterpret_cast<const uint8_t*>(g_iq1s_grid_x8);
   __m256 acc = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -595,7 +611,8 @@ float dot_iq1_s_avx2(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
   return 0.125f * hsum_ps(acc);
 }
 
-float dot_iq1_m_avx2(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
+float dot_iq1_m_avx2(const uint8_t* row, const void* x, int64_t nb) {
+  const BlockQ8K* y = static_cast<const BlockQ8K*>(x);
   const uint8_t* grid = reinterpret_cast<const uint8_t*>(g_iq1s_grid_x8);
   const int64_t kDelta[2] = {0x0101010101010101, -1};  // +1 / -1 in each byte of a group of 8
   __m256 acc = _mm256_setzero_ps();
@@ -630,25 +647,25 @@ float dot_iq1_m_avx2(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
 #endif
 
 float dot_iq2_xxs(const uint8_t* row, const void* x, int64_t nb) {
-  return EMBER_IQ_DOT(dot_iq2_xxs)(row, static_cast<const BlockQ8K*>(x), nb);
+  return EMBER_IQ_DOT(dot_iq2_xxs)(row, x, nb);
 }
 float dot_iq2_xs(const uint8_t* row, const void* x, int64_t nb) {
-  return EMBER_IQ_DOT(dot_iq2_xs)(row, static_cast<const BlockQ8K*>(x), nb);
+  return EMBER_IQ_DOT(dot_iq2_xs)(row, x, nb);
 }
 float dot_iq2_s(const uint8_t* row, const void* x, int64_t nb) {
-  return EMBER_IQ_DOT(dot_iq2_s)(row, static_cast<const BlockQ8K*>(x), nb);
+  return EMBER_IQ_DOT(dot_iq2_s)(row, x, nb);
 }
 float dot_iq3_xxs(const uint8_t* row, const void* x, int64_t nb) {
-  return EMBER_IQ_DOT(dot_iq3_xxs)(row, static_cast<const BlockQ8K*>(x), nb);
+  return EMBER_IQ_DOT(dot_iq3_xxs)(row, x, nb);
 }
 float dot_iq3_s(const uint8_t* row, const void* x, int64_t nb) {
-  return EMBER_IQ_DOT(dot_iq3_s)(row, static_cast<const BlockQ8K*>(x), nb);
+  return EMBER_IQ_DOT(dot_iq3_s)(row, x, nb);
 }
 float dot_iq1_s(const uint8_t* row, const void* x, int64_t nb) {
-  return EMBER_IQ_DOT(dot_iq1_s)(row, static_cast<const BlockQ8K*>(x), nb);
+  return EMBER_IQ_DOT(dot_iq1_s)(row, x, nb);
 }
 float dot_iq1_m(const uint8_t* row, const void* x, int64_t nb) {
-  return EMBER_IQ_DOT(dot_iq1_m)(row, static_cast<const BlockQ8K*>(x), nb);
+  return EMBER_IQ_DOT(dot_iq1_m)(row, x, nb);
 }
 
 }  // namespace ember_blocks
