@@ -667,6 +667,15 @@ float dot_q3_k_avx2(const uint8_t* row, const void* vx, int64_t nb) {
 #endif  // __AVX2__
 
 namespace ember_blocks {
+// cpu_block_gemv_iq.cpp's scalar reference dots (not in the shared header: only block_gemm_scalar runs them)
+float dot_iq2_xxs_scalar(const uint8_t* row, const void* x, int64_t nb);
+float dot_iq2_xs_scalar(const uint8_t* row, const void* x, int64_t nb);
+float dot_iq2_s_scalar(const uint8_t* row, const void* x, int64_t nb);
+float dot_iq3_xxs_scalar(const uint8_t* row, const void* x, int64_t nb);
+float dot_iq3_s_scalar(const uint8_t* row, const void* x, int64_t nb);
+float dot_iq1_s_scalar(const uint8_t* row, const void* x, int64_t nb);
+float dot_iq1_m_scalar(const uint8_t* row, const void* x, int64_t nb);
+
 namespace {
 
 // ---- the registry ----------------------------------------------------------------------------------------
@@ -698,14 +707,14 @@ const Entry kEntries[] = {
     {{20, 32, 18, ActFormat::Q8x, EMBER_DOT(dot_iq4_nl_avx2, dot_iq4_nl_scalar), dequant_iq4_nl}, dot_iq4_nl_scalar},
     {{23, 256, 136, ActFormat::Q8K, EMBER_DOT(dot_iq4_xs_avx2, dot_iq4_xs_scalar), dequant_iq4_xs},
      dot_iq4_xs_scalar},
-    // the grid-coded IQ types (cpu_block_gemv_iq.cpp): one dot each, SIMD or not as that file builds it
-    {{16, 256, 66, ActFormat::Q8K, dot_iq2_xxs, dequant_iq2_xxs}, dot_iq2_xxs},
-    {{17, 256, 74, ActFormat::Q8K, dot_iq2_xs, dequant_iq2_xs}, dot_iq2_xs},
-    {{18, 256, 98, ActFormat::Q8K, dot_iq3_xxs, dequant_iq3_xxs}, dot_iq3_xxs},
-    {{19, 256, 50, ActFormat::Q8K, dot_iq1_s, dequant_iq1_s}, dot_iq1_s},
-    {{21, 256, 110, ActFormat::Q8K, dot_iq3_s, dequant_iq3_s}, dot_iq3_s},
-    {{22, 256, 82, ActFormat::Q8K, dot_iq2_s, dequant_iq2_s}, dot_iq2_s},
-    {{29, 256, 56, ActFormat::Q8K, dot_iq1_m, dequant_iq1_m}, dot_iq1_m},
+    // the grid-coded IQ types (cpu_block_gemv_iq.cpp: its entry points pick AVX2 or scalar as it is built)
+    {{16, 256, 66, ActFormat::Q8K, dot_iq2_xxs, dequant_iq2_xxs}, dot_iq2_xxs_scalar},
+    {{17, 256, 74, ActFormat::Q8K, dot_iq2_xs, dequant_iq2_xs}, dot_iq2_xs_scalar},
+    {{18, 256, 98, ActFormat::Q8K, dot_iq3_xxs, dequant_iq3_xxs}, dot_iq3_xxs_scalar},
+    {{19, 256, 50, ActFormat::Q8K, dot_iq1_s, dequant_iq1_s}, dot_iq1_s_scalar},
+    {{21, 256, 110, ActFormat::Q8K, dot_iq3_s, dequant_iq3_s}, dot_iq3_s_scalar},
+    {{22, 256, 82, ActFormat::Q8K, dot_iq2_s, dequant_iq2_s}, dot_iq2_s_scalar},
+    {{29, 256, 56, ActFormat::Q8K, dot_iq1_m, dequant_iq1_m}, dot_iq1_m_scalar},
 };
 
 const Entry* entry(int ggml_type) {
