@@ -614,7 +614,10 @@ float dot_iq1_s_avx2(const uint8_t* row, const void* x, int64_t nb) {
 float dot_iq1_m_avx2(const uint8_t* row, const void* x, int64_t nb) {
   const BlockQ8K* y = static_cast<const BlockQ8K*>(x);
   const uint8_t* grid = reinterpret_cast<const uint8_t*>(g_iq1s_grid_x8);
-  const int64_t kDelta[2] = {0x0101010101010101, -1};  // +1 / -1 in each byte of a group of 8
+  const __m256i kSpread =  // byte 0 of h to groups 0 and 1, byte 1 to groups 2 and 3
+      _mm256_set_epi64x(0x0101010101010101, 0x0101010101010101, 0, 0);
+  const __m256i kSelect = _mm256_set_epi64x(int64_t(0x8080808080808080), 0x0808080808080808,
+                                            int64_t(0x8080808080808080), 0x0808080808080808);
   __m256 acc = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * kIq1mBytes;
@@ -624,8 +627,9 @@ float dot_iq1_m_avx2(const uint8_t* row, const void* x, int64_t nb) {
       const uint32_t h = qh[2 * ib] | (uint32_t(qh[2 * ib + 1]) << 8);  // four nibbles: 3 index bits + delta sign
       const __m256i g = rows8(grid, qs[0] | ((h << 8) & 0x700), qs[1] | ((h << 4) & 0x700), qs[2] | (h & 0x700),
                               qs[3] | ((h >> 4) & 0x700));
-      const __m256i delta =
-          _mm256_set_epi64x(kDelta[(h >> 15) & 1], kDelta[(h >> 11) & 1], kDelta[(h >> 7) & 1], kDelta[(h >> 3) & 1]);
+      // the four delta-sign bits (3, 7, 11, 15 of h) spread over their groups of 8 bytes: +1 clear, -1 set
+      const __m256i bits = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(int32_t(h)), kSpread), kSelect);
+      const __m256i delta = _mm256_or_si256(_mm256_cmpeq_epi8(bits, kSelect), _mm256_set1_epi8(1));
       const uint32_t sw = rd16(scales + 2 * (ib / 2)) >> (6 * (ib & 1));
       const __m256i scale = two_scales(2 * (sw & 7) + 1, 2 * ((sw >> 3) & 7) + 1);
       sumi = _mm256_add_epi32(sumi, scaled_signed_dot32(_mm256_add_epi8(g, delta), q8_at(y[b].qs + 32 * ib), scale));
