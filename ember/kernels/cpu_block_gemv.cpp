@@ -444,24 +444,6 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// Signed bytes w . signed bytes x, 4 products summed per int32 lane, added to acc (|w| <= 128, |x| <= 127:
-// vpmaddubsw's int16 pairs cannot saturate).
-inline __m256i dot_s8_acc(__m256i acc, __m256i w, __m256i x) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(acc, _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-#elif defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(acc, _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-#else
-  const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
-#endif
-}
-
-// Signed bytes w . signed bytes x as 16 int16 sums of pairs (so a per-16 scale can multiply them).
-inline __m256i dot_s8_pairs(__m256i w, __m256i x) {
-  return _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-}
-
 // Each byte's bit `from` moved to bit `to`, the other bits cleared (16-bit shifts: a bit that crosses into
 // the neighbouring byte lands outside the mask).
 inline __m256i bit_to(__m256i v, int from, int to) {
@@ -481,21 +463,43 @@ inline __m256i pair_scales_s8(__m128i s8, int a) {
   return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(s8, idx));
 }
 
-float dot_q8_0_avx2(const uint8_t* row, const void* vx, int64_t nb) {
-  const BlockQ8x* x = q8x(vx);
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 2 <= nb; i += 2, row += 68) {
-    const __m256i p0 = dot_s8_acc(_mm256_setzero_si256(), load256(row + 2), load256(x[i].qs));
-    const __m256i p1 = dot_s8_acc(_mm256_setzero_si256(), load256(row + 36), load256(x[i + 1].qs));
-    acc0 = _mm256_fmadd_ps(_mm256_set1_ps(f16(row) * x[i].d), _mm256_cvtepi32_ps(p0), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_set1_ps(f16(row + 34) * x[i + 1].d), _mm256_cvtepi32_ps(p1), acc1);
+// Signed bytes w . signed bytes x as 8 int32 sums of 4 products, given aw = |w| (vpsignb(w, w); |-128| reads
+// as the unsigned 128): x's signs flipped where w < 0, then unsigned x signed products (|x| <= 127: the int16
+// pairs of vpmaddubsw cannot saturate).
+inline __m256i dot_s8(__m256i aw, __m256i w, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, _mm256_sign_epi8(x, w));
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), aw, _mm256_sign_epi8(x, w));
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w)), _mm256_set1_epi16(1));
+#endif
+}
+
+// Each dot below takes NX rows of x at once (xs[n]: row n's blocks) and writes out[n]: a weight block is
+// unpacked once for all of them (NX = 1 is the registry's RowDot; tile_dots takes NX = 4 for many rows).
+using MultiDot = void (*)(const uint8_t* row, const void* const* xs, int64_t nb, float* out);
+
+template <int NX>
+inline void finish(const __m256 (&acc)[NX], float* out) {
+  for (int n = 0; n < NX; ++n) out[n] = hsum(acc[n]);
+}
+
+// Q8_0 and IQ4_NL: 32 signed weights and one float16 scale a block; Values(row) gives the 32 weights.
+template <int NX, int kBytes, typename Values>
+void dot_q8x_signed(const uint8_t* row, const void* const* xs, int64_t nb, float* out, Values values) {
+  __m256 acc[NX];
+  for (int n = 0; n < NX; ++n) acc[n] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < nb; ++i, row += kBytes) {
+    const __m256i w = values(row), aw = _mm256_sign_epi8(w, w);
+    const float dw = f16(row);
+    for (int n = 0; n < NX; ++n) {
+      const BlockQ8x& x = q8x(xs[n])[i];
+      const __m256 p = _mm256_cvtepi32_ps(dot_s8(aw, w, load256(x.qs)));
+      acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(dw * x.d), p, acc[n]);
+    }
   }
-  if (i < nb) {
-    const __m256i p0 = dot_s8_acc(_mm256_setzero_si256(), load256(row + 2), load256(x[i].qs));
-    acc0 = _mm256_fmadd_ps(_mm256_set1_ps(f16(row) * x[i].d), _mm256_cvtepi32_ps(p0), acc0);
-  }
-  return hsum(_mm256_add_ps(acc0, acc1));
+  finish<NX>(acc, out);
 }
 
 // 16 bytes of nibbles -> their 32 IQ4 values (low nibbles first) by a table lookup in each 128-bit lane.
@@ -506,56 +510,55 @@ inline __m256i iq4_values(__m128i q, __m256i table) {
 
 inline __m256i iq4_table() { return _mm256_broadcastsi128_si256(load128(kIQ4Values)); }
 
-float dot_iq4_nl_avx2(const uint8_t* row, const void* vx, int64_t nb) {
-  const BlockQ8x* x = q8x(vx);
-  const __m256i table = iq4_table();
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 2 <= nb; i += 2, row += 36) {
-    const __m256i p0 = dot_s8_acc(_mm256_setzero_si256(), iq4_values(load128(row + 2), table), load256(x[i].qs));
-    const __m256i p1 = dot_s8_acc(_mm256_setzero_si256(), iq4_values(load128(row + 20), table), load256(x[i + 1].qs));
-    acc0 = _mm256_fmadd_ps(_mm256_set1_ps(f16(row) * x[i].d), _mm256_cvtepi32_ps(p0), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_set1_ps(f16(row + 18) * x[i + 1].d), _mm256_cvtepi32_ps(p1), acc1);
-  }
-  if (i < nb) {
-    const __m256i p0 = dot_s8_acc(_mm256_setzero_si256(), iq4_values(load128(row + 2), table), load256(x[i].qs));
-    acc0 = _mm256_fmadd_ps(_mm256_set1_ps(f16(row) * x[i].d), _mm256_cvtepi32_ps(p0), acc0);
-  }
-  return hsum(_mm256_add_ps(acc0, acc1));
+template <int NX>
+void dot_q8_0_n(const uint8_t* row, const void* const* xs, int64_t nb, float* out) {
+  dot_q8x_signed<NX, 34>(row, xs, nb, out, [](const uint8_t* b) { return load256(b + 2); });
 }
 
-float dot_iq4_xs_avx2(const uint8_t* row, const void* vx, int64_t nb) {
-  const BlockQ8K* x = q8k(vx);
+template <int NX>
+void dot_iq4_nl_n(const uint8_t* row, const void* const* xs, int64_t nb, float* out) {
   const __m256i table = iq4_table();
-  __m256 acc = _mm256_setzero_ps();
+  dot_q8x_signed<NX, 18>(row, xs, nb, out, [table](const uint8_t* b) { return iq4_values(load128(b + 2), table); });
+}
+
+template <int NX>
+void dot_iq4_xs_n(const uint8_t* row, const void* const* xs, int64_t nb, float* out) {
+  const __m256i table = iq4_table();
+  __m256 acc[NX];
+  for (int n = 0; n < NX; ++n) acc[n] = _mm256_setzero_ps();
   for (int64_t i = 0; i < nb; ++i, row += 136) {
-    __m256i isum = _mm256_setzero_si256();
+    __m256i isum[NX];
+    for (int n = 0; n < NX; ++n) isum[n] = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int ib = 0; ib < 8; ++ib) {
-      const __m256i p = dot_s8_pairs(iq4_values(load128(row + 8 + 16 * ib), table), load256(x[i].qs + 32 * ib));
-      isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, _mm256_set1_epi16(int16_t(iq4xs_scale(row, ib)))));
+      const __m256i w = iq4_values(load128(row + 8 + 16 * ib), table), aw = _mm256_sign_epi8(w, w);
+      const __m256i ls = _mm256_set1_epi16(int16_t(iq4xs_scale(row, ib)));
+      for (int n = 0; n < NX; ++n) {
+        const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(load256(q8k(xs[n])[i].qs + 32 * ib), w));
+        isum[n] = _mm256_add_epi32(isum[n], _mm256_madd_epi16(p, ls));
+      }
     }
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(row) * x[i].d), _mm256_cvtepi32_ps(isum), acc);
+    const float dw = f16(row);
+    for (int n = 0; n < NX; ++n)
+      acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(dw * q8k(xs[n])[i].d), _mm256_cvtepi32_ps(isum[n]), acc[n]);
   }
-  return hsum(acc);
+  finish<NX>(acc, out);
 }
 
 // Q4_K / Q5_K: per 64 elements one 32-byte load of nibbles (low: sub-block 2j, high: 2j + 1), times the
 // 6-bit scale of each sub-block; the mins through the bsums: m_s (bsums[2s] + bsums[2s + 1]).
-template <bool kFive>
-float dot_q45_k_avx2(const uint8_t* row, const void* vx, int64_t nb) {
-  const BlockQ8K* x = q8k(vx);
+template <int NX, bool kFive>
+void dot_q45_k_n(const uint8_t* row, const void* const* xs, int64_t nb, float* out) {
   constexpr int kBytes = kFive ? 176 : 144, kQs = kFive ? 48 : 16;
   const __m256i nib = _mm256_set1_epi8(15);
-  __m256 acc = _mm256_setzero_ps(), macc = _mm256_setzero_ps();
+  __m256 acc[NX];
+  for (int n = 0; n < NX; ++n) acc[n] = _mm256_setzero_ps();
   for (int64_t i = 0; i < nb; ++i, row += kBytes) {
     alignas(16) uint8_t sm[16];  // sc[8] then m[8]
     k4_scales(row + 4, sm, sm + 8);
-    const __m128i mins = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sm + 8));  // m in bytes 0..7
-    const __m256i m16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins, mins));       // m0 m0 m1 m1 ...
-    const __m256i msum = _mm256_madd_epi16(load256(x[i].bsums), m16);
+    __m256i isum[NX];
+    for (int n = 0; n < NX; ++n) isum[n] = _mm256_setzero_si256();
     const __m256i qh = kFive ? load256(row + 16) : _mm256_setzero_si256();
-    __m256i isum = _mm256_setzero_si256();
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
       const __m256i q = load256(row + kQs + 32 * j);
@@ -564,87 +567,118 @@ float dot_q45_k_avx2(const uint8_t* row, const void* vx, int64_t nb) {
         lo = _mm256_or_si256(lo, bit_to(qh, 2 * j, 4));
         hi = _mm256_or_si256(hi, bit_to(qh, 2 * j + 1, 4));
       }
-      const __m256i plo = _mm256_maddubs_epi16(lo, load256(x[i].qs + 64 * j));
-      const __m256i phi = _mm256_maddubs_epi16(hi, load256(x[i].qs + 64 * j + 32));
-      isum = _mm256_add_epi32(isum, _mm256_madd_epi16(plo, _mm256_set1_epi16(sm[2 * j])));
-      isum = _mm256_add_epi32(isum, _mm256_madd_epi16(phi, _mm256_set1_epi16(sm[2 * j + 1])));
+      const __m256i slo = _mm256_set1_epi16(sm[2 * j]), shi = _mm256_set1_epi16(sm[2 * j + 1]);
+      for (int n = 0; n < NX; ++n) {
+        const int8_t* xq = q8k(xs[n])[i].qs + 64 * j;
+        const __m256i plo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load256(xq)), slo);
+        const __m256i phi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load256(xq + 32)), shi);
+        isum[n] = _mm256_add_epi32(isum[n], _mm256_add_epi32(plo, phi));
+      }
     }
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(row) * x[i].d), _mm256_cvtepi32_ps(isum), acc);
-    macc = _mm256_fmadd_ps(_mm256_set1_ps(f16(row + 2) * x[i].d), _mm256_cvtepi32_ps(msum), macc);
+    const __m128i mins = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sm + 8));  // m in bytes 0..7
+    const __m256i m16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins, mins));       // m0 m0 m1 m1 ...
+    const float d = f16(row), dmin = f16(row + 2);
+    for (int n = 0; n < NX; ++n) {
+      const BlockQ8K& x = q8k(xs[n])[i];
+      const __m256 msum = _mm256_cvtepi32_ps(_mm256_madd_epi16(load256(x.bsums), m16));
+      acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.d), _mm256_cvtepi32_ps(isum[n]), acc[n]);
+      acc[n] = _mm256_fnmadd_ps(_mm256_set1_ps(dmin * x.d), msum, acc[n]);
+    }
   }
-  return hsum(acc) - hsum(macc);
+  finish<NX>(acc, out);
 }
 
 // Q6_K: per half (128 elements) 64 bytes of low nibbles and 32 of 2-bit high parts; each 32-element run
 // spans two sub-blocks of 16 with int8 scales S; sum S (q6 - 32) x = sum S q6 x - 32 sum S bsum.
-float dot_q6_k_avx2(const uint8_t* row, const void* vx, int64_t nb) {
-  const BlockQ8K* x = q8k(vx);
+template <int NX>
+void dot_q6_k_n(const uint8_t* row, const void* const* xs, int64_t nb, float* out) {
   const __m256i nib = _mm256_set1_epi8(15);
-  __m256 acc = _mm256_setzero_ps();
+  __m256 acc[NX];
+  for (int n = 0; n < NX; ++n) acc[n] = _mm256_setzero_ps();
   for (int64_t i = 0; i < nb; ++i, row += 210) {
     const __m128i s8 = load128(row + 192);
-    const __m256i corr = _mm256_madd_epi16(load256(x[i].bsums), _mm256_cvtepi8_epi16(s8));
-    __m256i isum = _mm256_setzero_si256();
+    __m256i isum[NX];
+    for (int n = 0; n < NX; ++n) isum[n] = _mm256_setzero_si256();
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
       const __m256i l0 = load256(row + 64 * h), l1 = load256(row + 64 * h + 32), qh = load256(row + 128 + 32 * h);
       const __m256i q[4] = {
-          _mm256_or_si256(_mm256_and_si256(l0, nib), bit_to(qh, 0, 4)),
-          _mm256_or_si256(_mm256_and_si256(l1, nib), bit_to(qh, 2, 4)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), nib), bit_to(qh, 4, 4)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), nib), bit_to(qh, 6, 4)),
+          _mm256_or_si256(_mm256_and_si256(l0, nib), _mm256_or_si256(bit_to(qh, 0, 4), bit_to(qh, 1, 5))),
+          _mm256_or_si256(_mm256_and_si256(l1, nib), _mm256_or_si256(bit_to(qh, 2, 4), bit_to(qh, 3, 5))),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), nib),
+                          _mm256_or_si256(bit_to(qh, 4, 4), bit_to(qh, 5, 5))),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), nib),
+                          _mm256_or_si256(bit_to(qh, 6, 4), bit_to(qh, 7, 5))),
       };
-      const __m256i q5[4] = {bit_to(qh, 1, 5), bit_to(qh, 3, 5), bit_to(qh, 5, 5), bit_to(qh, 7, 5)};
 #pragma GCC unroll 4
       for (int c = 0; c < 4; ++c) {
-        const __m256i p = _mm256_maddubs_epi16(_mm256_or_si256(q[c], q5[c]), load256(x[i].qs + 128 * h + 32 * c));
-        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, pair_scales_s8(s8, 8 * h + 2 * c)));
+        const __m256i sc = pair_scales_s8(s8, 8 * h + 2 * c);
+        for (int n = 0; n < NX; ++n) {
+          const __m256i p = _mm256_maddubs_epi16(q[c], load256(q8k(xs[n])[i].qs + 128 * h + 32 * c));
+          isum[n] = _mm256_add_epi32(isum[n], _mm256_madd_epi16(p, sc));
+        }
       }
     }
-    isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(corr, 5));
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(row + 208) * x[i].d), _mm256_cvtepi32_ps(isum), acc);
+    const __m256i s16 = _mm256_cvtepi8_epi16(s8);
+    const float d = f16(row + 208);
+    for (int n = 0; n < NX; ++n) {
+      const BlockQ8K& x = q8k(xs[n])[i];
+      const __m256i corr = _mm256_slli_epi32(_mm256_madd_epi16(load256(x.bsums), s16), 5);
+      acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.d), _mm256_cvtepi32_ps(_mm256_sub_epi32(isum[n], corr)), acc[n]);
+    }
   }
-  return hsum(acc);
+  finish<NX>(acc, out);
 }
 
 // Q2_K: 2-bit codes (bits 2s of a 32-byte run), a 4-bit scale and min per 16; mins through the bsums.
-float dot_q2_k_avx2(const uint8_t* row, const void* vx, int64_t nb) {
-  const BlockQ8K* x = q8k(vx);
+template <int NX>
+void dot_q2_k_n(const uint8_t* row, const void* const* xs, int64_t nb, float* out) {
   const __m256i three = _mm256_set1_epi8(3);
-  __m256 acc = _mm256_setzero_ps(), macc = _mm256_setzero_ps();
+  __m256 acc[NX];
+  for (int n = 0; n < NX; ++n) acc[n] = _mm256_setzero_ps();
   for (int64_t i = 0; i < nb; ++i, row += 84) {
     const __m128i sc = load128(row);
     const __m128i s8 = _mm_and_si128(sc, _mm_set1_epi8(15)), m8 = _mm_and_si128(_mm_srli_epi16(sc, 4), _mm_set1_epi8(15));
-    const __m256i msum = _mm256_madd_epi16(load256(x[i].bsums), _mm256_cvtepu8_epi16(m8));
-    __m256i isum = _mm256_setzero_si256();
+    __m256i isum[NX];
+    for (int n = 0; n < NX; ++n) isum[n] = _mm256_setzero_si256();
 #pragma GCC unroll 2
     for (int c = 0; c < 2; ++c) {
       const __m256i qs = load256(row + 16 + 32 * c);
 #pragma GCC unroll 4
       for (int s = 0; s < 4; ++s) {
         const __m256i q = _mm256_and_si256(_mm256_srl_epi16(qs, _mm_cvtsi32_si128(2 * s)), three);
-        const __m256i p = _mm256_maddubs_epi16(q, load256(x[i].qs + 128 * c + 32 * s));
-        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, pair_scales_u8(s8, 8 * c + 2 * s)));
+        const __m256i scale = pair_scales_u8(s8, 8 * c + 2 * s);
+        for (int n = 0; n < NX; ++n) {
+          const __m256i p = _mm256_maddubs_epi16(q, load256(q8k(xs[n])[i].qs + 128 * c + 32 * s));
+          isum[n] = _mm256_add_epi32(isum[n], _mm256_madd_epi16(p, scale));
+        }
       }
     }
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(row + 80) * x[i].d), _mm256_cvtepi32_ps(isum), acc);
-    macc = _mm256_fmadd_ps(_mm256_set1_ps(f16(row + 82) * x[i].d), _mm256_cvtepi32_ps(msum), macc);
+    const __m256i m16 = _mm256_cvtepu8_epi16(m8);
+    const float d = f16(row + 80), dmin = f16(row + 82);
+    for (int n = 0; n < NX; ++n) {
+      const BlockQ8K& x = q8k(xs[n])[i];
+      const __m256 msum = _mm256_cvtepi32_ps(_mm256_madd_epi16(load256(x.bsums), m16));
+      acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.d), _mm256_cvtepi32_ps(isum[n]), acc[n]);
+      acc[n] = _mm256_fnmadd_ps(_mm256_set1_ps(dmin * x.d), msum, acc[n]);
+    }
   }
-  return hsum(acc) - hsum(macc);
+  finish<NX>(acc, out);
 }
 
 // Q3_K: codes lo + 4 hbit (0..7) times x, minus 4 sum(x) per sub-block: sum S (q3 - 4) x.
-float dot_q3_k_avx2(const uint8_t* row, const void* vx, int64_t nb) {
-  const BlockQ8K* x = q8k(vx);
+template <int NX>
+void dot_q3_k_n(const uint8_t* row, const void* const* xs, int64_t nb, float* out) {
   const __m256i three = _mm256_set1_epi8(3);
-  __m256 acc = _mm256_setzero_ps();
+  __m256 acc[NX];
+  for (int n = 0; n < NX; ++n) acc[n] = _mm256_setzero_ps();
   for (int64_t i = 0; i < nb; ++i, row += 110) {
     alignas(16) int8_t sc[16];
     k3_scales(row + 96, sc);
     const __m128i s8 = _mm_load_si128(reinterpret_cast<const __m128i*>(sc));
-    const __m256i corr = _mm256_madd_epi16(load256(x[i].bsums), _mm256_cvtepi8_epi16(s8));
     const __m256i hm = load256(row);
-    __m256i isum = _mm256_setzero_si256();
+    __m256i isum[NX];
+    for (int n = 0; n < NX; ++n) isum[n] = _mm256_setzero_si256();
 #pragma GCC unroll 2
     for (int c = 0; c < 2; ++c) {
       const __m256i qs = load256(row + 32 + 32 * c);
@@ -652,14 +686,40 @@ float dot_q3_k_avx2(const uint8_t* row, const void* vx, int64_t nb) {
       for (int s = 0; s < 4; ++s) {
         const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(qs, _mm_cvtsi32_si128(2 * s)), three);
         const __m256i q = _mm256_or_si256(lo, bit_to(hm, 4 * c + s, 2));
-        const __m256i p = _mm256_maddubs_epi16(q, load256(x[i].qs + 128 * c + 32 * s));
-        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, pair_scales_s8(s8, 8 * c + 2 * s)));
+        const __m256i scale = pair_scales_s8(s8, 8 * c + 2 * s);
+        for (int n = 0; n < NX; ++n) {
+          const __m256i p = _mm256_maddubs_epi16(q, load256(q8k(xs[n])[i].qs + 128 * c + 32 * s));
+          isum[n] = _mm256_add_epi32(isum[n], _mm256_madd_epi16(p, scale));
+        }
       }
     }
-    isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(corr, 2));
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(row + 108) * x[i].d), _mm256_cvtepi32_ps(isum), acc);
+    const __m256i s16 = _mm256_cvtepi8_epi16(s8);
+    const float d = f16(row + 108);
+    for (int n = 0; n < NX; ++n) {
+      const BlockQ8K& x = q8k(xs[n])[i];
+      const __m256i corr = _mm256_slli_epi32(_mm256_madd_epi16(load256(x.bsums), s16), 2);
+      acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.d), _mm256_cvtepi32_ps(_mm256_sub_epi32(isum[n], corr)), acc[n]);
+    }
   }
-  return hsum(acc);
+  finish<NX>(acc, out);
+}
+
+template <int NX>
+void dot_q4_k_n(const uint8_t* row, const void* const* xs, int64_t nb, float* out) {
+  dot_q45_k_n<NX, false>(row, xs, nb, out);
+}
+
+template <int NX>
+void dot_q5_k_n(const uint8_t* row, const void* const* xs, int64_t nb, float* out) {
+  dot_q45_k_n<NX, true>(row, xs, nb, out);
+}
+
+// The NX = 1 form as a RowDot (the registry's).
+template <void (*Dot)(const uint8_t*, const void* const*, int64_t, float*)>
+float one_row(const uint8_t* row, const void* x, int64_t nb) {
+  float out;
+  Dot(row, &x, nb, &out);
+  return out;
 }
 
 }  // namespace
@@ -675,46 +735,69 @@ float dot_iq3_xxs_scalar(const uint8_t* row, const void* x, int64_t nb);
 float dot_iq3_s_scalar(const uint8_t* row, const void* x, int64_t nb);
 float dot_iq1_s_scalar(const uint8_t* row, const void* x, int64_t nb);
 float dot_iq1_m_scalar(const uint8_t* row, const void* x, int64_t nb);
+#if defined(__AVX2__)
+// and its 4-row dots (one weight row against 4 rows of x: the grid decoded once), built with AVX2 only
+void dot_iq2_xxs_x4(const uint8_t* row, const void* const* xs, int64_t nb, float* out);
+void dot_iq2_xs_x4(const uint8_t* row, const void* const* xs, int64_t nb, float* out);
+void dot_iq2_s_x4(const uint8_t* row, const void* const* xs, int64_t nb, float* out);
+void dot_iq3_xxs_x4(const uint8_t* row, const void* const* xs, int64_t nb, float* out);
+void dot_iq3_s_x4(const uint8_t* row, const void* const* xs, int64_t nb, float* out);
+void dot_iq1_s_x4(const uint8_t* row, const void* const* xs, int64_t nb, float* out);
+void dot_iq1_m_x4(const uint8_t* row, const void* const* xs, int64_t nb, float* out);
+#define EMBER_IQ_DOT4(name) name##_x4
+#else
+#define EMBER_IQ_DOT4(name) nullptr
+#endif
 
 namespace {
 
 // ---- the registry ----------------------------------------------------------------------------------------
 
+using MultiDot4 = void (*)(const uint8_t* row, const void* const* xs, int64_t nb, float* out);
+
 struct Entry {
   BlockType type;
   RowDot scalar_dot;  // the reference dot (block_gemm_scalar)
+  MultiDot4 dot4;     // one row against 4 rows of x at once (nullptr: 4 calls of type.dot)
 };
 
 #if defined(__AVX2__)
-#define EMBER_DOT(simd, scalar) simd
+#define EMBER_DOT(name, scalar) one_row<name<1>>
+#define EMBER_DOT4(name) name<4>
 #else
-#define EMBER_DOT(simd, scalar) scalar
+#define EMBER_DOT(name, scalar) scalar
+#define EMBER_DOT4(name) nullptr
 #endif
 
 const Entry kEntries[] = {
-    {{2, 32, 18, ActFormat::Q8x, dot_q4_0, dequant_q4_0}, dot_q4_0},
-    {{3, 32, 20, ActFormat::Q8x, dot_q4_1, dequant_q4_1}, dot_q4_1},
-    {{6, 32, 22, ActFormat::Q8x, dot_q5_0, dequant_q5_0}, dot_q5_0},
-    {{7, 32, 24, ActFormat::Q8x, dot_q5_1, dequant_q5_1}, dot_q5_1},
-    {{8, 32, 34, ActFormat::Q8x, EMBER_DOT(dot_q8_0_avx2, dot_q8_0_scalar), dequant_q8_0}, dot_q8_0_scalar},
-    {{10, 256, 84, ActFormat::Q8K, EMBER_DOT(dot_q2_k_avx2, dot_q2_k_scalar), dequant_q2_k}, dot_q2_k_scalar},
-    {{11, 256, 110, ActFormat::Q8K, EMBER_DOT(dot_q3_k_avx2, dot_q3_k_scalar), dequant_q3_k}, dot_q3_k_scalar},
-    {{12, 256, 144, ActFormat::Q8K, EMBER_DOT(dot_q45_k_avx2<false>, dot_q45_k_scalar<false>), dequant_q4_k},
-     dot_q45_k_scalar<false>},
-    {{13, 256, 176, ActFormat::Q8K, EMBER_DOT(dot_q45_k_avx2<true>, dot_q45_k_scalar<true>), dequant_q5_k},
-     dot_q45_k_scalar<true>},
-    {{14, 256, 210, ActFormat::Q8K, EMBER_DOT(dot_q6_k_avx2, dot_q6_k_scalar), dequant_q6_k}, dot_q6_k_scalar},
-    {{20, 32, 18, ActFormat::Q8x, EMBER_DOT(dot_iq4_nl_avx2, dot_iq4_nl_scalar), dequant_iq4_nl}, dot_iq4_nl_scalar},
-    {{23, 256, 136, ActFormat::Q8K, EMBER_DOT(dot_iq4_xs_avx2, dot_iq4_xs_scalar), dequant_iq4_xs},
-     dot_iq4_xs_scalar},
+    {{2, 32, 18, ActFormat::Q8x, dot_q4_0, dequant_q4_0}, dot_q4_0, nullptr},
+    {{3, 32, 20, ActFormat::Q8x, dot_q4_1, dequant_q4_1}, dot_q4_1, nullptr},
+    {{6, 32, 22, ActFormat::Q8x, dot_q5_0, dequant_q5_0}, dot_q5_0, nullptr},
+    {{7, 32, 24, ActFormat::Q8x, dot_q5_1, dequant_q5_1}, dot_q5_1, nullptr},
+    {{8, 32, 34, ActFormat::Q8x, EMBER_DOT(dot_q8_0_n, dot_q8_0_scalar), dequant_q8_0}, dot_q8_0_scalar,
+     EMBER_DOT4(dot_q8_0_n)},
+    {{10, 256, 84, ActFormat::Q8K, EMBER_DOT(dot_q2_k_n, dot_q2_k_scalar), dequant_q2_k}, dot_q2_k_scalar,
+     EMBER_DOT4(dot_q2_k_n)},
+    {{11, 256, 110, ActFormat::Q8K, EMBER_DOT(dot_q3_k_n, dot_q3_k_scalar), dequant_q3_k}, dot_q3_k_scalar,
+     EMBER_DOT4(dot_q3_k_n)},
+    {{12, 256, 144, ActFormat::Q8K, EMBER_DOT(dot_q4_k_n, dot_q45_k_scalar<false>), dequant_q4_k},
+     dot_q45_k_scalar<false>, EMBER_DOT4(dot_q4_k_n)},
+    {{13, 256, 176, ActFormat::Q8K, EMBER_DOT(dot_q5_k_n, dot_q45_k_scalar<true>), dequant_q5_k},
+     dot_q45_k_scalar<true>, EMBER_DOT4(dot_q5_k_n)},
+    {{14, 256, 210, ActFormat::Q8K, EMBER_DOT(dot_q6_k_n, dot_q6_k_scalar), dequant_q6_k}, dot_q6_k_scalar,
+     EMBER_DOT4(dot_q6_k_n)},
+    {{20, 32, 18, ActFormat::Q8x, EMBER_DOT(dot_iq4_nl_n, dot_iq4_nl_scalar), dequant_iq4_nl}, dot_iq4_nl_scalar,
+     EMBER_DOT4(dot_iq4_nl_n)},
+    {{23, 256, 136, ActFormat::Q8K, EMBER_DOT(dot_iq4_xs_n, dot_iq4_xs_scalar), dequant_iq4_xs}, dot_iq4_xs_scalar,
+     EMBER_DOT4(dot_iq4_xs_n)},
     // the grid-coded IQ types (cpu_block_gemv_iq.cpp: its entry points pick AVX2 or scalar as it is built)
-    {{16, 256, 66, ActFormat::Q8K, dot_iq2_xxs, dequant_iq2_xxs}, dot_iq2_xxs_scalar},
-    {{17, 256, 74, ActFormat::Q8K, dot_iq2_xs, dequant_iq2_xs}, dot_iq2_xs_scalar},
-    {{18, 256, 98, ActFormat::Q8K, dot_iq3_xxs, dequant_iq3_xxs}, dot_iq3_xxs_scalar},
-    {{19, 256, 50, ActFormat::Q8K, dot_iq1_s, dequant_iq1_s}, dot_iq1_s_scalar},
-    {{21, 256, 110, ActFormat::Q8K, dot_iq3_s, dequant_iq3_s}, dot_iq3_s_scalar},
-    {{22, 256, 82, ActFormat::Q8K, dot_iq2_s, dequant_iq2_s}, dot_iq2_s_scalar},
-    {{29, 256, 56, ActFormat::Q8K, dot_iq1_m, dequant_iq1_m}, dot_iq1_m_scalar},
+    {{16, 256, 66, ActFormat::Q8K, dot_iq2_xxs, dequant_iq2_xxs}, dot_iq2_xxs_scalar, EMBER_IQ_DOT4(dot_iq2_xxs)},
+    {{17, 256, 74, ActFormat::Q8K, dot_iq2_xs, dequant_iq2_xs}, dot_iq2_xs_scalar, EMBER_IQ_DOT4(dot_iq2_xs)},
+    {{18, 256, 98, ActFormat::Q8K, dot_iq3_xxs, dequant_iq3_xxs}, dot_iq3_xxs_scalar, EMBER_IQ_DOT4(dot_iq3_xxs)},
+    {{19, 256, 50, ActFormat::Q8K, dot_iq1_s, dequant_iq1_s}, dot_iq1_s_scalar, EMBER_IQ_DOT4(dot_iq1_s)},
+    {{21, 256, 110, ActFormat::Q8K, dot_iq3_s, dequant_iq3_s}, dot_iq3_s_scalar, EMBER_IQ_DOT4(dot_iq3_s)},
+    {{22, 256, 82, ActFormat::Q8K, dot_iq2_s, dequant_iq2_s}, dot_iq2_s_scalar, EMBER_IQ_DOT4(dot_iq2_s)},
+    {{29, 256, 56, ActFormat::Q8K, dot_iq1_m, dequant_iq1_m}, dot_iq1_m_scalar, EMBER_IQ_DOT4(dot_iq1_m)},
 };
 
 const Entry* entry(int ggml_type) {
@@ -803,22 +886,45 @@ void quantize_rows(const BlockType& bt, int64_t M, int64_t K, ActRows& out, Get 
   });
 }
 
-// acc[m * rows + r] = row r of the tile (w + r * w_stride, nb blocks) . x row m (xs[m]), for m < M. M = 1
-// reads each row whole; more rows of x go a K chunk at a time so the tile's chunk stays in L1.
-void tile_dots(RowDot dot, const BlockType& bt, const uint8_t* w, int64_t w_stride, int64_t rows, int64_t nb,
-               const uint8_t* const* xs, int64_t M, float* acc) {
-  if (M == 1) {
-    for (int64_t r = 0; r < rows; ++r) acc[r] = dot(w + r * w_stride, xs[0], nb);
-    return;
-  }
-  std::fill(acc, acc + M * rows, 0.f);
-  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / bt.block_bytes), ab = act_bytes(bt);
-  for (int64_t kb = 0; kb < nb; kb += chunk) {
-    const int64_t n = std::min(chunk, nb - kb);
-    for (int64_t m = 0; m < M; ++m) {
-      const uint8_t* x = xs[m] + kb * ab;
-      for (int64_t r = 0; r < rows; ++r) acc[m * rows + r] += dot(w + r * w_stride + kb * bt.block_bytes, x, n);
+// The dots a GEMM runs for one weight type.
+struct Dots {
+  const BlockType& bt;
+  RowDot dot;
+  MultiDot4 dot4;  // nullptr: dot per row of x
+  explicit Dots(const Entry& e, bool scalar = false)
+      : bt(e.type), dot(scalar ? e.scalar_dot : e.type.dot), dot4(scalar ? nullptr : e.dot4) {}
+};
+
+// acc[m * rows + r] += row r of the tile (w + r * w_stride, nb blocks) . x row m (xs[m]), m < M, 4 rows of x
+// a call where the type has a 4-row dot.
+void add_dots(const Dots& k, const uint8_t* w, int64_t w_stride, int64_t rows, int64_t nb, const uint8_t* const* xs,
+              int64_t M, float* acc) {
+  int64_t m = 0;
+  if (k.dot4 != nullptr) {
+    for (; m + 4 <= M; m += 4) {
+      const void* x4[4] = {xs[m], xs[m + 1], xs[m + 2], xs[m + 3]};
+      for (int64_t r = 0; r < rows; ++r) {
+        float out[4];
+        k.dot4(w + r * w_stride, x4, nb, out);
+        for (int j = 0; j < 4; ++j) acc[(m + j) * rows + r] += out[j];
+      }
     }
+  }
+  for (; m < M; ++m)
+    for (int64_t r = 0; r < rows; ++r) acc[m * rows + r] += k.dot(w + r * w_stride, xs[m], nb);
+}
+
+// acc[m * rows + r] = row r of the tile . x row m. M = 1 reads each row whole; more rows of x go a K chunk at a
+// time, so that the tile's chunk stays in L1 while they pass.
+void tile_dots(const Dots& k, const uint8_t* w, int64_t w_stride, int64_t rows, int64_t nb, const uint8_t* const* xs,
+               int64_t M, float* acc) {
+  std::fill(acc, acc + M * rows, 0.f);
+  if (M == 1) return add_dots(k, w, w_stride, rows, nb, xs, M, acc);
+  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / k.bt.block_bytes), ab = act_bytes(k.bt);
+  std::vector<const uint8_t*> xk(static_cast<size_t>(M));
+  for (int64_t kb = 0; kb < nb; kb += chunk) {
+    for (int64_t m = 0; m < M; ++m) xk[m] = xs[m] + kb * ab;
+    add_dots(k, w + kb * k.bt.block_bytes, w_stride, rows, std::min(chunk, nb - kb), xk.data(), M, acc);
   }
 }
 
@@ -829,16 +935,16 @@ inline T from_float(float v) {
 
 // y [M, N] (row stride ldy) = x . w^T over the quantized rows xs, threads over (M block, tile) pairs.
 template <typename T>
-void gemm(RowDot dot, const BlockType& bt, const uint8_t* w, int64_t w_stride, int64_t N, int64_t nb,
+void gemm(const Dots& k, const uint8_t* w, int64_t w_stride, int64_t N, int64_t nb,
           const uint8_t* const* xs, int64_t M, T* y, int64_t ldy) {
   const int64_t tiles = (N + kTileRows - 1) / kTileRows, mblocks = (M + kMBlock - 1) / kMBlock;
-  const int64_t tile_bytes = kTileRows * nb * bt.block_bytes * std::min(M, kMBlock);
+  const int64_t tile_bytes = kTileRows * nb * k.bt.block_bytes * std::min(M, kMBlock);
   at::parallel_for(0, tiles * mblocks, std::max<int64_t>(1, kTaskBytes / tile_bytes), [&](int64_t t0, int64_t t1) {
     std::vector<float> acc(static_cast<size_t>(kMBlock * kTileRows));
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t m0 = (t / tiles) * kMBlock, n0 = (t % tiles) * kTileRows;
       const int64_t mb = std::min(kMBlock, M - m0), rows = std::min(kTileRows, N - n0);
-      tile_dots(dot, bt, w + n0 * w_stride, w_stride, rows, nb, xs + m0, mb, acc.data());
+      tile_dots(k, w + n0 * w_stride, w_stride, rows, nb, xs + m0, mb, acc.data());
       for (int64_t m = 0; m < mb; ++m)
         for (int64_t r = 0; r < rows; ++r) y[(m0 + m) * ldy + n0 + r] = from_float<T>(acc[m * rows + r]);
     }
@@ -894,12 +1000,12 @@ at::Tensor gemm_op(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type, 
   quantize_rows(bt, M, K, act, FloatRows{x, K});
   std::vector<const uint8_t*> xs(static_cast<size_t>(M));
   for (int64_t m = 0; m < M; ++m) xs[m] = act.row(m);
-  const RowDot dot = scalar ? e.scalar_dot : bt.dot;
+  const Dots k(e, scalar);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   if (y.scalar_type() == at::kFloat) {
-    gemm<float>(dot, bt, wp, w.stride(0), N, nb, xs.data(), M, y.data_ptr<float>(), N);
+    gemm<float>(k, wp, w.stride(0), N, nb, xs.data(), M, y.data_ptr<float>(), N);
   } else {
-    gemm<c10::BFloat16>(dot, bt, wp, w.stride(0), N, nb, xs.data(), M, y.data_ptr<c10::BFloat16>(), N);
+    gemm<c10::BFloat16>(k, wp, w.stride(0), N, nb, xs.data(), M, y.data_ptr<c10::BFloat16>(), N);
   }
   return y;
 }
@@ -1031,8 +1137,8 @@ void gate_up(const Routing& rt, const ExpertWeight& g, const ExpertWeight& u, co
           pg[m] = xg.row(token);
           pu[m] = xu.row(token);
         }
-        tile_dots(g.e->type.dot, g.e->type, g.row(e, n0), g.row_stride, rows, g.nb, pg.data(), mb, ag.data());
-        tile_dots(u.e->type.dot, u.e->type, u.row(e, n0), u.row_stride, rows, u.nb, pu.data(), mb, au.data());
+        tile_dots(Dots(*g.e), g.row(e, n0), g.row_stride, rows, g.nb, pg.data(), mb, ag.data());
+        tile_dots(Dots(*u.e), u.row(e, n0), u.row_stride, rows, u.nb, pu.data(), mb, au.data());
         for (int64_t m = 0; m < mb; ++m) {
           for (int64_t r = 0; r < rows; ++r) {
             const float a = ag[m * rows + r];
@@ -1057,7 +1163,7 @@ void down_sum(const Routing& rt, const ExpertWeight& d, const ActRows& hq, const
         for (int64_t p0 = rt.start[e]; p0 < rt.start[e + 1]; p0 += kMBlock) {
           const int64_t mb = std::min(kMBlock, rt.start[e + 1] - p0);
           for (int64_t m = 0; m < mb; ++m) ph[m] = hq.row(p0 + m);
-          tile_dots(d.e->type.dot, d.e->type, d.row(e, n0), d.row_stride, rows, d.nb, ph.data(), mb, acc.data());
+          tile_dots(Dots(*d.e), d.row(e, n0), d.row_stride, rows, d.nb, ph.data(), mb, acc.data());
           for (int64_t m = 0; m < mb; ++m) {
             const int64_t slot = rt.order[p0 + m];
             float* o = out + (slot / k) * H + n0;
