@@ -1125,7 +1125,8 @@ void gate_up(const Routing& rt, const ExpertWeight& g, const ExpertWeight& u, co
              int64_t k, float* h) {
   const int64_t I = g.rows, tiles = (I + kTileRows - 1) / kTileRows;
   const int64_t items = int64_t(rt.active.size()) * tiles;
-  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+  const int64_t item_bytes = kTileRows * (g.nb * g.e->type.block_bytes + u.nb * u.e->type.block_bytes);
+  at::parallel_for(0, items, std::max<int64_t>(1, kTaskBytes / item_bytes), [&](int64_t i0, int64_t i1) {
     std::vector<float> ag(static_cast<size_t>(kMBlock * kTileRows)), au(ag.size());
     std::vector<const uint8_t*> pg(static_cast<size_t>(kMBlock)), pu(static_cast<size_t>(kMBlock));
     for (int64_t it = i0; it < i1; ++it) {
@@ -1154,7 +1155,8 @@ void gate_up(const Routing& rt, const ExpertWeight& g, const ExpertWeight& u, co
 // depend on the threads): tasks are tiles of H, each over every active expert. wts: the slots' weights.
 void down_sum(const Routing& rt, const ExpertWeight& d, const ActRows& hq, const float* wts, int64_t k, float* out) {
   const int64_t H = d.rows, tiles = (H + kTileRows - 1) / kTileRows;
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+  const int64_t tile_bytes = kTileRows * d.nb * d.e->type.block_bytes * int64_t(rt.active.size());
+  at::parallel_for(0, tiles, std::max<int64_t>(1, kTaskBytes / tile_bytes), [&](int64_t t0, int64_t t1) {
     std::vector<float> acc(static_cast<size_t>(kMBlock * kTileRows));
     std::vector<const uint8_t*> ph(static_cast<size_t>(kMBlock));
     for (int64_t t = t0; t < t1; ++t) {
