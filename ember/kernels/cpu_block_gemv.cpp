@@ -813,6 +813,28 @@ float one_row(const uint8_t* row, const void* x, int64_t nb) {
 #endif  // __AVX2__
 
 namespace ember_blocks {
+// cpu_block_gemv_iq.cpp's scalar reference dots (not in the shared header: only block_gemm_scalar runs them)
+float dot_iq2_xxs_scalar(const uint8_t* row, const void* x, int64_t nb);
+float dot_iq2_xs_scalar(const uint8_t* row, const void* x, int64_t nb);
+float dot_iq2_s_scalar(const uint8_t* row, const void* x, int64_t nb);
+float dot_iq3_xxs_scalar(const uint8_t* row, const void* x, int64_t nb);
+float dot_iq3_s_scalar(const uint8_t* row, const void* x, int64_t nb);
+float dot_iq1_s_scalar(const uint8_t* row, const void* x, int64_t nb);
+float dot_iq1_m_scalar(const uint8_t* row, const void* x, int64_t nb);
+#if defined(__AVX2__)
+// and its 4-row dots (one weight row against 4 rows of x: the grid decoded once), built with AVX2 only
+void dot_iq2_xxs_x4(const uint8_t* row, const void* const* xs, int64_t nb, float* out);
+void dot_iq2_xs_x4(const uint8_t* row, const void* const* xs, int64_t nb, float* out);
+void dot_iq2_s_x4(const uint8_t* row, const void* const* xs, int64_t nb, float* out);
+void dot_iq3_xxs_x4(const uint8_t* row, const void* const* xs, int64_t nb, float* out);
+void dot_iq3_s_x4(const uint8_t* row, const void* const* xs, int64_t nb, float* out);
+void dot_iq1_s_x4(const uint8_t* row, const void* const* xs, int64_t nb, float* out);
+void dot_iq1_m_x4(const uint8_t* row, const void* const* xs, int64_t nb, float* out);
+#define EMBER_IQ_DOT4(name) name##_x4
+#else
+#define EMBER_IQ_DOT4(name) nullptr
+#endif
+
 namespace {
 
 // ---- the registry ----------------------------------------------------------------------------------------
@@ -854,14 +876,14 @@ const Entry kEntries[] = {
      EMBER_DOT4(dot_iq4_nl_n)},
     {{23, 256, 136, ActFormat::Q8K, EMBER_DOT(dot_iq4_xs_n, dot_iq4_xs_scalar), dequant_iq4_xs}, dot_iq4_xs_scalar,
      EMBER_DOT4(dot_iq4_xs_n)},
-    // the grid-coded IQ types (cpu_block_gemv_iq.cpp): one dot each, SIMD or not as that file builds it
-    {{16, 256, 66, ActFormat::Q8K, dot_iq2_xxs, dequant_iq2_xxs}, dot_iq2_xxs, nullptr},
-    {{17, 256, 74, ActFormat::Q8K, dot_iq2_xs, dequant_iq2_xs}, dot_iq2_xs, nullptr},
-    {{18, 256, 98, ActFormat::Q8K, dot_iq3_xxs, dequant_iq3_xxs}, dot_iq3_xxs, nullptr},
-    {{19, 256, 50, ActFormat::Q8K, dot_iq1_s, dequant_iq1_s}, dot_iq1_s, nullptr},
-    {{21, 256, 110, ActFormat::Q8K, dot_iq3_s, dequant_iq3_s}, dot_iq3_s, nullptr},
-    {{22, 256, 82, ActFormat::Q8K, dot_iq2_s, dequant_iq2_s}, dot_iq2_s, nullptr},
-    {{29, 256, 56, ActFormat::Q8K, dot_iq1_m, dequant_iq1_m}, dot_iq1_m, nullptr},
+    // the grid-coded IQ types (cpu_block_gemv_iq.cpp: its entry points pick AVX2 or scalar as it is built)
+    {{16, 256, 66, ActFormat::Q8K, dot_iq2_xxs, dequant_iq2_xxs}, dot_iq2_xxs_scalar, EMBER_IQ_DOT4(dot_iq2_xxs)},
+    {{17, 256, 74, ActFormat::Q8K, dot_iq2_xs, dequant_iq2_xs}, dot_iq2_xs_scalar, EMBER_IQ_DOT4(dot_iq2_xs)},
+    {{18, 256, 98, ActFormat::Q8K, dot_iq3_xxs, dequant_iq3_xxs}, dot_iq3_xxs_scalar, EMBER_IQ_DOT4(dot_iq3_xxs)},
+    {{19, 256, 50, ActFormat::Q8K, dot_iq1_s, dequant_iq1_s}, dot_iq1_s_scalar, EMBER_IQ_DOT4(dot_iq1_s)},
+    {{21, 256, 110, ActFormat::Q8K, dot_iq3_s, dequant_iq3_s}, dot_iq3_s_scalar, EMBER_IQ_DOT4(dot_iq3_s)},
+    {{22, 256, 82, ActFormat::Q8K, dot_iq2_s, dequant_iq2_s}, dot_iq2_s_scalar, EMBER_IQ_DOT4(dot_iq2_s)},
+    {{29, 256, 56, ActFormat::Q8K, dot_iq1_m, dequant_iq1_m}, dot_iq1_m_scalar, EMBER_IQ_DOT4(dot_iq1_m)},
 };
 
 const Entry* entry(int ggml_type) {

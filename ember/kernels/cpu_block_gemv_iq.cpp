@@ -250,6 +250,9 @@ void dequant_iq1_m(const uint8_t* row, float* out, int64_t nb) {
 }
 
 // ---- scalar dots (integer sums inside a block) --------------------------------------------------
+// The reference dots, and the dots of a CPU without AVX2. External (RowDot's signature, not in the
+// shared header): cpu_block_gemv.cpp's block_gemm_scalar declares and runs them, so a test checks the
+// AVX2 dots against them on any machine.
 
 namespace {
 
@@ -261,7 +264,22 @@ inline int32_t signed_dot8(const G* g, uint32_t signs, const int8_t* q8) {
   return s;
 }
 
-[[maybe_unused]] float dot_iq2_xxs_scalar(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
+inline int32_t plain_dot8(const int8_t* g, const int8_t* q8) {
+  int32_t s = 0;
+  for (int j = 0; j < 8; ++j) s += int32_t(g[j]) * q8[j];
+  return s;
+}
+
+inline int32_t sum8(const int8_t* q8) {
+  int32_t s = 0;
+  for (int j = 0; j < 8; ++j) s += q8[j];
+  return s;
+}
+
+}  // namespace
+
+float dot_iq2_xxs_scalar(const uint8_t* row, const void* x, int64_t nb) {
+  const BlockQ8K* y = static_cast<const BlockQ8K*>(x);
   float sum = 0.0f;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * kIq2xxsBytes;
@@ -279,7 +297,8 @@ inline int32_t signed_dot8(const G* g, uint32_t signs, const int8_t* q8) {
   return 0.125f * sum;
 }
 
-[[maybe_unused]] float dot_iq2_xs_scalar(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
+float dot_iq2_xs_scalar(const uint8_t* row, const void* x, int64_t nb) {
+  const BlockQ8K* y = static_cast<const BlockQ8K*>(x);
   float sum = 0.0f;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * kIq2xsBytes;
@@ -295,7 +314,8 @@ inline int32_t signed_dot8(const G* g, uint32_t signs, const int8_t* q8) {
   return 0.125f * sum;
 }
 
-[[maybe_unused]] float dot_iq2_s_scalar(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
+float dot_iq2_s_scalar(const uint8_t* row, const void* x, int64_t nb) {
+  const BlockQ8K* y = static_cast<const BlockQ8K*>(x);
   float sum = 0.0f;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * kIq2sBytes;
@@ -312,7 +332,8 @@ inline int32_t signed_dot8(const G* g, uint32_t signs, const int8_t* q8) {
   return 0.125f * sum;
 }
 
-[[maybe_unused]] float dot_iq3_xxs_scalar(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
+float dot_iq3_xxs_scalar(const uint8_t* row, const void* x, int64_t nb) {
+  const BlockQ8K* y = static_cast<const BlockQ8K*>(x);
   float sum = 0.0f;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * kIq3xxsBytes;
@@ -335,7 +356,8 @@ inline int32_t signed_dot8(const G* g, uint32_t signs, const int8_t* q8) {
   return 0.25f * sum;
 }
 
-[[maybe_unused]] float dot_iq3_s_scalar(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
+float dot_iq3_s_scalar(const uint8_t* row, const void* x, int64_t nb) {
+  const BlockQ8K* y = static_cast<const BlockQ8K*>(x);
   float sum = 0.0f;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * kIq3sBytes;
@@ -358,19 +380,8 @@ inline int32_t signed_dot8(const G* g, uint32_t signs, const int8_t* q8) {
   return sum;
 }
 
-inline int32_t plain_dot8(const int8_t* g, const int8_t* q8) {
-  int32_t s = 0;
-  for (int j = 0; j < 8; ++j) s += int32_t(g[j]) * q8[j];
-  return s;
-}
-
-inline int32_t sum8(const int8_t* q8) {
-  int32_t s = 0;
-  for (int j = 0; j < 8; ++j) s += q8[j];
-  return s;
-}
-
-[[maybe_unused]] float dot_iq1_s_scalar(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
+float dot_iq1_s_scalar(const uint8_t* row, const void* x, int64_t nb) {
+  const BlockQ8K* y = static_cast<const BlockQ8K*>(x);
   float sum = 0.0f;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * kIq1sBytes;
@@ -392,7 +403,8 @@ inline int32_t sum8(const int8_t* q8) {
   return sum;
 }
 
-[[maybe_unused]] float dot_iq1_m_scalar(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
+float dot_iq1_m_scalar(const uint8_t* row, const void* x, int64_t nb) {
+  const BlockQ8K* y = static_cast<const BlockQ8K*>(x);
   float sum = 0.0f;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * kIq1mBytes;
@@ -412,14 +424,16 @@ inline int32_t sum8(const int8_t* q8) {
   return sum;
 }
 
-}  // namespace
-
 // ---- AVX2 dots ------------------------------------------------------------------------------------
-// Per 32 weights: the grid magnitudes as 32 unsigned bytes (four 8-byte or eight 4-byte table rows),
-// the weights' signs moved onto the activations (_mm256_sign_epi8: Q8K's values lie in [-127, 127], so
-// negating never overflows), one maddubs (16 int16 pair sums; at most 62 * 127 * 2, no saturation)
-// and one madd with the sub-block's odd scale (per 16 weights: the low / high 128-bit halves). A
-// block's int32 lanes are scaled by d_w * d_x into a float accumulator.
+// Per 32 weights (a sub-block): the grid magnitudes as 32 unsigned bytes (four 8-byte or eight 4-byte
+// table rows), their signs as a byte vector whose sign moves onto the activations (_mm256_sign_epi8: Q8K's
+// codes lie in [-127, 127], so negating never overflows), one maddubs (16 int16 pair sums; at most
+// 62 * 127 * 2, no saturation) and one madd with the sub-block's odd scale (per 16 weights: the low / high
+// 128-bit halves). A block's int32 lanes are scaled by d_w * d_x into a float accumulator.
+//
+// Each dot takes NX rows of x at once (xs[n]: row n's Q8K blocks; out[n]: its dot): the grid lookups, the
+// most of a sub-block's work, are done once for all of them. NX = 1 is the registry's RowDot; NX = 4 the
+// GEMM core's 4-row dot (dot_iq*_x4) for many rows of x (a prefill, a batch).
 #if defined(__AVX2__)
 namespace {
 
@@ -436,15 +450,22 @@ inline uint64_t row8(const uint8_t* grid, uint32_t i) {
   return v;
 }
 
-inline uint32_t row4(const uint8_t* grid, uint32_t i) {
-  uint32_t v;
+inline int32_t row4(const uint8_t* grid, uint32_t i) {
+  int32_t v;
   std::memcpy(&v, grid + 4 * size_t(i), 4);
   return v;
 }
 
+// Four 8-byte grid rows (measured: faster than vpgatherdq on Zen 4).
 inline __m256i rows8(const uint8_t* grid, uint32_t i0, uint32_t i1, uint32_t i2, uint32_t i3) {
   return _mm256_set_epi64x(int64_t(row8(grid, i3)), int64_t(row8(grid, i2)), int64_t(row8(grid, i1)),
                            int64_t(row8(grid, i0)));
+}
+
+// Eight 4-byte grid rows, the indices in q[0..7] (plus a ninth bit for IQ3_S: hi[k] = 256 or 0).
+inline __m256i rows4(const uint8_t* grid, const uint32_t (&i)[8]) {
+  return _mm256_set_epi32(row4(grid, i[7]), row4(grid, i[6]), row4(grid, i[5]), row4(grid, i[4]), row4(grid, i[3]),
+                          row4(grid, i[2]), row4(grid, i[1]), row4(grid, i[0]));
 }
 
 // 32 sign bits -> 32 bytes of +1 (bit clear) / -1 (bit set).
@@ -457,165 +478,152 @@ inline __m256i signs_from_bits(uint32_t bits) {
   return _mm256_or_si256(set, _mm256_set1_epi8(1));
 }
 
-// The four ksigns entries an IQ2_XXS / IQ3_XXS sub-block's 28 sign bits name, as +1/-1 bytes.
-inline __m256i ksigns4(uint32_t aux) {
-  return _mm256_set_epi64x(int64_t(g_ksigns_pm1[(aux >> 21) & 127]), int64_t(g_ksigns_pm1[(aux >> 14) & 127]),
-                           int64_t(g_ksigns_pm1[(aux >> 7) & 127]), int64_t(g_ksigns_pm1[aux & 127]));
+// The ksigns entries (7-bit indices) of four groups of 8, as +1/-1 bytes.
+inline __m256i ksigns4(uint32_t k0, uint32_t k1, uint32_t k2, uint32_t k3) {
+  return _mm256_set_epi64x(int64_t(g_ksigns_pm1[k3]), int64_t(g_ksigns_pm1[k2]), int64_t(g_ksigns_pm1[k1]),
+                           int64_t(g_ksigns_pm1[k0]));
 }
 
-inline __m256i q8_at(const int8_t* q8) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8)); }
+// An IQ2_XXS / IQ3_XXS sub-block's 28 sign bits: four 7-bit ksigns indices.
+inline __m256i ksigns_of(uint32_t aux) { return ksigns4(aux & 127, (aux >> 7) & 127, (aux >> 14) & 127, (aux >> 21) & 127); }
 
-// sum of mag[k] * sign[k] * q8[k] in 16 int16 pairs, times the scale(s), as 8 int32 lanes.
-inline __m256i scaled_dot32(__m256i mag, __m256i sign, __m256i q8, __m256i scale16) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(mag, _mm256_sign_epi8(q8, sign)), scale16);
+inline __m256i two_scales(int lo, int hi) {
+  return _mm256_set_m128i(_mm_set1_epi16(short(hi)), _mm_set1_epi16(short(lo)));
 }
 
-inline __m256i two_scales(int lo, int hi) { return _mm256_set_m128i(_mm_set1_epi16(short(hi)), _mm_set1_epi16(short(lo))); }
+// A sub-block of 32 weights: w = mag * sign(sign) (sign's bytes +-1, or w itself for IQ1), scale16 the
+// int16 scale of each half.
+struct Sub {
+  __m256i mag, sign, scale16;
+};
 
-float dot_iq2_xxs_avx2(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
-  __m256 acc = _mm256_setzero_ps();
+// The shared loop: sub(blk, ib) decodes sub-block ib of a block, block_scale(blk) its float scale, k the
+// type's constant factor (1/8 for the IQ2 types' (2s+1)/8, ...).
+template <int NX, int kBytes, typename SubFn, typename ScaleFn>
+inline void iq_dots(const uint8_t* row, const void* const* xs, int64_t nb, float* out, float k, SubFn sub,
+                    ScaleFn block_scale) {
+  __m256 acc[NX];
+  for (int n = 0; n < NX; ++n) acc[n] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = row + b * kIq2xxsBytes;
-    __m256i sumi = _mm256_setzero_si256();
+    const uint8_t* blk = row + b * kBytes;
+    __m256i isum[NX];
+    for (int n = 0; n < NX; ++n) isum[n] = _mm256_setzero_si256();
+#pragma GCC unroll 8
     for (int ib = 0; ib < 8; ++ib) {
-      const uint32_t idx = rd32(blk + 2 + 8 * ib), aux = rd32(blk + 6 + 8 * ib);
-      const __m256i mag = rows8(g_iq2xxs_grid, idx & 255, (idx >> 8) & 255, (idx >> 16) & 255, idx >> 24);
-      const __m256i scale = _mm256_set1_epi16(short(2 * (aux >> 28) + 1));
-      sumi = _mm256_add_epi32(sumi, scaled_dot32(mag, ksigns4(aux), q8_at(y[b].qs + 32 * ib), scale));
+      const Sub s = sub(blk, ib);
+      for (int n = 0; n < NX; ++n) {
+        const __m256i q8 =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const BlockQ8K*>(xs[n])[b].qs + 32 * ib));
+        const __m256i p = _mm256_maddubs_epi16(s.mag, _mm256_sign_epi8(q8, s.sign));
+        isum[n] = _mm256_add_epi32(isum[n], _mm256_madd_epi16(p, s.scale16));
+      }
     }
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(rd16(blk)) * y[b].d), _mm256_cvtepi32_ps(sumi), acc);
+    const float dw = block_scale(blk);
+    for (int n = 0; n < NX; ++n) {
+      const float d = dw * static_cast<const BlockQ8K*>(xs[n])[b].d;
+      acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(isum[n]), acc[n]);
+    }
   }
-  return 0.125f * hsum_ps(acc);
+  for (int n = 0; n < NX; ++n) out[n] = k * hsum_ps(acc[n]);
 }
 
-float dot_iq2_xs_avx2(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = row + b * kIq2xsBytes;
-    __m256i sumi = _mm256_setzero_si256();
-    for (int ib = 0; ib < 8; ++ib) {
-      uint16_t q[4];
-      std::memcpy(q, blk + 2 + 8 * ib, 8);
-      const __m256i mag = rows8(g_iq2xs_grid, q[0] & 511, q[1] & 511, q[2] & 511, q[3] & 511);
-      const __m256i sign = _mm256_set_epi64x(int64_t(g_ksigns_pm1[q[3] >> 9]), int64_t(g_ksigns_pm1[q[2] >> 9]),
-                                             int64_t(g_ksigns_pm1[q[1] >> 9]), int64_t(g_ksigns_pm1[q[0] >> 9]));
-      const uint8_t sc = blk[66 + ib];
-      const __m256i scale = two_scales(2 * (sc & 15) + 1, 2 * (sc >> 4) + 1);
-      sumi = _mm256_add_epi32(sumi, scaled_dot32(mag, sign, q8_at(y[b].qs + 32 * ib), scale));
-    }
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(rd16(blk)) * y[b].d), _mm256_cvtepi32_ps(sumi), acc);
-  }
-  return 0.125f * hsum_ps(acc);
+inline float f16_scale(const uint8_t* blk) { return half_to_float(rd16(blk)); }
+
+template <int NX>
+void dot_iq2_xxs_n(const uint8_t* row, const void* const* xs, int64_t nb, float* out) {
+  iq_dots<NX, kIq2xxsBytes>(row, xs, nb, out, 0.125f, [](const uint8_t* blk, int ib) {
+    const uint32_t idx = rd32(blk + 2 + 8 * ib), aux = rd32(blk + 6 + 8 * ib);
+    return Sub{rows8(g_iq2xxs_grid, idx & 255, (idx >> 8) & 255, (idx >> 16) & 255, idx >> 24), ksigns_of(aux),
+               _mm256_set1_epi16(short(2 * (aux >> 28) + 1))};
+  }, f16_scale);
 }
 
-float dot_iq2_s_avx2(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = row + b * kIq2sBytes;
-    const uint8_t *qs = blk + 2, *signs = blk + 34, *qh = blk + 66, *scales = blk + 74;
-    __m256i sumi = _mm256_setzero_si256();
-    for (int ib = 0; ib < 8; ++ib) {
-      const uint32_t h = qh[ib];
-      const __m256i mag = rows8(g_iq2s_grid, qs[4 * ib] | ((h << 8) & 0x300), qs[4 * ib + 1] | ((h << 6) & 0x300),
-                                qs[4 * ib + 2] | ((h << 4) & 0x300), qs[4 * ib + 3] | ((h << 2) & 0x300));
-      const __m256i scale = two_scales(2 * (scales[ib] & 15) + 1, 2 * (scales[ib] >> 4) + 1);
-      sumi = _mm256_add_epi32(
-          sumi, scaled_dot32(mag, signs_from_bits(rd32(signs + 4 * ib)), q8_at(y[b].qs + 32 * ib), scale));
-    }
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(rd16(blk)) * y[b].d), _mm256_cvtepi32_ps(sumi), acc);
-  }
-  return 0.125f * hsum_ps(acc);
+template <int NX>
+void dot_iq2_xs_n(const uint8_t* row, const void* const* xs, int64_t nb, float* out) {
+  iq_dots<NX, kIq2xsBytes>(row, xs, nb, out, 0.125f, [](const uint8_t* blk, int ib) {
+    uint16_t q[4];
+    std::memcpy(q, blk + 2 + 8 * ib, 8);
+    const uint8_t sc = blk[66 + ib];
+    return Sub{rows8(g_iq2xs_grid, q[0] & 511, q[1] & 511, q[2] & 511, q[3] & 511),
+               ksigns4(q[0] >> 9, q[1] >> 9, q[2] >> 9, q[3] >> 9), two_scales(2 * (sc & 15) + 1, 2 * (sc >> 4) + 1)};
+  }, f16_scale);
 }
 
-float dot_iq3_xxs_avx2(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = row + b * kIq3xxsBytes;
-    const uint8_t* qs = blk + 2;
-    __m256i sumi = _mm256_setzero_si256();
-    for (int ib = 0; ib < 8; ++ib, qs += 8) {
-      const uint32_t aux = rd32(blk + 66 + 4 * ib);
-      const __m256i mag = _mm256_set_epi32(
-          int32_t(row4(g_iq3xxs_grid, qs[7])), int32_t(row4(g_iq3xxs_grid, qs[6])),
-          int32_t(row4(g_iq3xxs_grid, qs[5])), int32_t(row4(g_iq3xxs_grid, qs[4])),
-          int32_t(row4(g_iq3xxs_grid, qs[3])), int32_t(row4(g_iq3xxs_grid, qs[2])),
-          int32_t(row4(g_iq3xxs_grid, qs[1])), int32_t(row4(g_iq3xxs_grid, qs[0])));
-      const __m256i scale = _mm256_set1_epi16(short(2 * (aux >> 28) + 1));
-      sumi = _mm256_add_epi32(sumi, scaled_dot32(mag, ksigns4(aux), q8_at(y[b].qs + 32 * ib), scale));
-    }
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(rd16(blk)) * y[b].d), _mm256_cvtepi32_ps(sumi), acc);
-  }
-  return 0.25f * hsum_ps(acc);
+template <int NX>
+void dot_iq2_s_n(const uint8_t* row, const void* const* xs, int64_t nb, float* out) {
+  iq_dots<NX, kIq2sBytes>(row, xs, nb, out, 0.125f, [](const uint8_t* blk, int ib) {
+    const uint8_t* qs = blk + 2 + 4 * ib;
+    const uint32_t h = blk[66 + ib];
+    const uint8_t sc = blk[74 + ib];
+    return Sub{rows8(g_iq2s_grid, qs[0] | ((h << 8) & 0x300), qs[1] | ((h << 6) & 0x300), qs[2] | ((h << 4) & 0x300),
+                     qs[3] | ((h << 2) & 0x300)),
+               signs_from_bits(rd32(blk + 34 + 4 * ib)), two_scales(2 * (sc & 15) + 1, 2 * (sc >> 4) + 1)};
+  }, f16_scale);
 }
 
-float dot_iq3_s_avx2(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = row + b * kIq3sBytes;
-    const uint8_t *qs = blk + 2, *qh = blk + 66, *signs = blk + 74, *scales = blk + 106;
-    __m256i sumi = _mm256_setzero_si256();
-    for (int ib = 0; ib < 8; ++ib, qs += 8) {
-      const uint32_t h = qh[ib];
-      const __m256i mag = _mm256_set_epi32(
-          int32_t(row4(g_iq3s_grid, qs[7] | ((h << 1) & 256))), int32_t(row4(g_iq3s_grid, qs[6] | ((h << 2) & 256))),
-          int32_t(row4(g_iq3s_grid, qs[5] | ((h << 3) & 256))), int32_t(row4(g_iq3s_grid, qs[4] | ((h << 4) & 256))),
-          int32_t(row4(g_iq3s_grid, qs[3] | ((h << 5) & 256))), int32_t(row4(g_iq3s_grid, qs[2] | ((h << 6) & 256))),
-          int32_t(row4(g_iq3s_grid, qs[1] | ((h << 7) & 256))), int32_t(row4(g_iq3s_grid, qs[0] | ((h << 8) & 256))));
-      const __m256i scale = _mm256_set1_epi16(short(2 * ((scales[ib / 2] >> (4 * (ib & 1))) & 15) + 1));
-      sumi = _mm256_add_epi32(
-          sumi, scaled_dot32(mag, signs_from_bits(rd32(signs + 4 * ib)), q8_at(y[b].qs + 32 * ib), scale));
-    }
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(rd16(blk)) * y[b].d), _mm256_cvtepi32_ps(sumi), acc);
-  }
-  return hsum_ps(acc);
+template <int NX>
+void dot_iq3_xxs_n(const uint8_t* row, const void* const* xs, int64_t nb, float* out) {
+  iq_dots<NX, kIq3xxsBytes>(row, xs, nb, out, 0.25f, [](const uint8_t* blk, int ib) {
+    const uint8_t* qs = blk + 2 + 8 * ib;
+    const uint32_t aux = rd32(blk + 66 + 4 * ib);
+    const uint32_t i[8] = {qs[0], qs[1], qs[2], qs[3], qs[4], qs[5], qs[6], qs[7]};
+    return Sub{rows4(g_iq3xxs_grid, i), ksigns_of(aux), _mm256_set1_epi16(short(2 * (aux >> 28) + 1))};
+  }, f16_scale);
 }
 
-// IQ1: w = 8 * (grid + delta) = 8g +- 1 (odd, never 0), a signed byte; w . q8 by moving w's sign onto q8.
-inline __m256i scaled_signed_dot32(__m256i w, __m256i q8, __m256i scale16) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(q8, w)), scale16);
+template <int NX>
+void dot_iq3_s_n(const uint8_t* row, const void* const* xs, int64_t nb, float* out) {
+  iq_dots<NX, kIq3sBytes>(row, xs, nb, out, 1.0f, [](const uint8_t* blk, int ib) {
+    const uint8_t* qs = blk + 2 + 8 * ib;
+    const uint32_t h = blk[66 + ib];
+    const uint32_t i[8] = {qs[0] | ((h << 8) & 256), qs[1] | ((h << 7) & 256), qs[2] | ((h << 6) & 256),
+                           qs[3] | ((h << 5) & 256), qs[4] | ((h << 4) & 256), qs[5] | ((h << 3) & 256),
+                           qs[6] | ((h << 2) & 256), qs[7] | ((h << 1) & 256)};
+    const int ls = 2 * ((blk[106 + ib / 2] >> (4 * (ib & 1))) & 15) + 1;
+    return Sub{rows4(g_iq3s_grid, i), signs_from_bits(rd32(blk + 74 + 4 * ib)), _mm256_set1_epi16(short(ls))};
+  }, f16_scale);
 }
 
-float dot_iq1_s_avx2(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
-  const uint8_t* grid = reinterpret_cast<const uint8_t*>(g_iq1s_grid_x8);
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = row + b * kIq1sBytes;
-    const uint8_t *qs = blk + 2, *qh = blk + 34;
-    __m256i sumi = _mm256_setzero_si256();
-    for (int ib = 0; ib < 8; ++ib, qs += 4) {
-      const uint32_t h = rd16(qh + 2 * ib);
-      const __m256i g = rows8(grid, qs[0] | ((h << 8) & 0x700), qs[1] | ((h << 5) & 0x700),
-                              qs[2] | ((h << 2) & 0x700), qs[3] | ((h >> 1) & 0x700));
-      const __m256i w = _mm256_add_epi8(g, _mm256_set1_epi8((h & 0x8000) ? -1 : 1));
-      const __m256i scale = _mm256_set1_epi16(short(2 * ((h >> 12) & 7) + 1));
-      sumi = _mm256_add_epi32(sumi, scaled_signed_dot32(w, q8_at(y[b].qs + 32 * ib), scale));
-    }
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(rd16(blk)) * y[b].d), _mm256_cvtepi32_ps(sumi), acc);
-  }
-  return 0.125f * hsum_ps(acc);
+// IQ1: w = 8 * (grid + delta) = 8g +- 1 (odd, never 0) as a signed byte: |w| the magnitude, w the sign.
+inline Sub iq1_sub(__m256i w, __m256i scale16) { return Sub{_mm256_sign_epi8(w, w), w, scale16}; }
+
+template <int NX>
+void dot_iq1_s_n(const uint8_t* row, const void* const* xs, int64_t nb, float* out) {
+  iq_dots<NX, kIq1sBytes>(row, xs, nb, out, 0.125f, [](const uint8_t* blk, int ib) {
+    const uint8_t* grid = reinterpret_cast<const uint8_t*>(g_iq1s_grid_x8);
+    const uint8_t* qs = blk + 2 + 4 * ib;
+    const uint32_t h = rd16(blk + 34 + 2 * ib);
+    const __m256i g = rows8(grid, qs[0] | ((h << 8) & 0x700), qs[1] | ((h << 5) & 0x700), qs[2] | ((h << 2) & 0x700),
+                            qs[3] | ((h >> 1) & 0x700));
+    const __m256i w = _mm256_add_epi8(g, _mm256_set1_epi8((h & 0x8000) ? -1 : 1));
+    return iq1_sub(w, _mm256_set1_epi16(short(2 * ((h >> 12) & 7) + 1)));
+  }, f16_scale);
 }
 
-float dot_iq1_m_avx2(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
-  const uint8_t* grid = reinterpret_cast<const uint8_t*>(g_iq1s_grid_x8);
-  const int64_t kDelta[2] = {0x0101010101010101, -1};  // +1 / -1 in each byte of a group of 8
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = row + b * kIq1mBytes;
-    const uint8_t *qs = blk, *qh = blk + 32, *scales = blk + 48;
-    __m256i sumi = _mm256_setzero_si256();
-    for (int ib = 0; ib < 8; ++ib, qs += 4) {
-      const uint32_t h = qh[2 * ib] | (uint32_t(qh[2 * ib + 1]) << 8);  // four nibbles: 3 index bits + delta sign
-      const __m256i g = rows8(grid, qs[0] | ((h << 8) & 0x700), qs[1] | ((h << 4) & 0x700), qs[2] | (h & 0x700),
-                              qs[3] | ((h >> 4) & 0x700));
-      const __m256i delta =
-          _mm256_set_epi64x(kDelta[(h >> 15) & 1], kDelta[(h >> 11) & 1], kDelta[(h >> 7) & 1], kDelta[(h >> 3) & 1]);
-      const uint32_t sw = rd16(scales + 2 * (ib / 2)) >> (6 * (ib & 1));
-      const __m256i scale = two_scales(2 * (sw & 7) + 1, 2 * ((sw >> 3) & 7) + 1);
-      sumi = _mm256_add_epi32(sumi, scaled_signed_dot32(_mm256_add_epi8(g, delta), q8_at(y[b].qs + 32 * ib), scale));
-    }
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(iq1m_scale(scales) * y[b].d), _mm256_cvtepi32_ps(sumi), acc);
-  }
-  return 0.125f * hsum_ps(acc);
+template <int NX>
+void dot_iq1_m_n(const uint8_t* row, const void* const* xs, int64_t nb, float* out) {
+  iq_dots<NX, kIq1mBytes>(row, xs, nb, out, 0.125f, [](const uint8_t* blk, int ib) {
+    const uint8_t* grid = reinterpret_cast<const uint8_t*>(g_iq1s_grid_x8);
+    const uint8_t* qs = blk + 4 * ib;
+    const uint32_t h = rd16(blk + 32 + 2 * ib);  // four nibbles: 3 index bits + a delta sign each
+    const __m256i g = rows8(grid, qs[0] | ((h << 8) & 0x700), qs[1] | ((h << 4) & 0x700), qs[2] | (h & 0x700),
+                            qs[3] | ((h >> 4) & 0x700));
+    // the delta signs (bits 3, 7, 11, 15 of h) spread over their groups of 8 bytes: +1 clear, -1 set
+    const __m256i spread = _mm256_set_epi64x(0x0101010101010101, 0x0101010101010101, 0, 0);
+    const __m256i select = _mm256_set_epi64x(int64_t(0x8080808080808080), 0x0808080808080808,
+                                             int64_t(0x8080808080808080), 0x0808080808080808);
+    const __m256i bits = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(int32_t(h)), spread), select);
+    const __m256i delta = _mm256_or_si256(_mm256_cmpeq_epi8(bits, select), _mm256_set1_epi8(1));
+    const uint32_t sw = rd16(blk + 48 + 2 * (ib / 2)) >> (6 * (ib & 1));
+    return iq1_sub(_mm256_add_epi8(g, delta), two_scales(2 * (sw & 7) + 1, 2 * ((sw >> 3) & 7) + 1));
+  }, [](const uint8_t* blk) { return iq1m_scale(blk + 48); });
+}
+
+template <void (*Dots)(const uint8_t*, const void* const*, int64_t, float*)>
+float one_row(const uint8_t* row, const void* x, int64_t nb) {
+  float out;
+  Dots(row, &x, nb, &out);
+  return out;
 }
 
 }  // namespace
@@ -624,31 +632,29 @@ float dot_iq1_m_avx2(const uint8_t* row, const BlockQ8K* y, int64_t nb) {
 // ---- the entry points ---------------------------------------------------------------------------
 
 #if defined(__AVX2__)
-#define EMBER_IQ_DOT(name) name##_avx2
+#define EMBER_IQ_DOT(name) one_row<name##_n<1>>
 #else
 #define EMBER_IQ_DOT(name) name##_scalar
 #endif
 
-float dot_iq2_xxs(const uint8_t* row, const void* x, int64_t nb) {
-  return EMBER_IQ_DOT(dot_iq2_xxs)(row, static_cast<const BlockQ8K*>(x), nb);
-}
-float dot_iq2_xs(const uint8_t* row, const void* x, int64_t nb) {
-  return EMBER_IQ_DOT(dot_iq2_xs)(row, static_cast<const BlockQ8K*>(x), nb);
-}
-float dot_iq2_s(const uint8_t* row, const void* x, int64_t nb) {
-  return EMBER_IQ_DOT(dot_iq2_s)(row, static_cast<const BlockQ8K*>(x), nb);
-}
-float dot_iq3_xxs(const uint8_t* row, const void* x, int64_t nb) {
-  return EMBER_IQ_DOT(dot_iq3_xxs)(row, static_cast<const BlockQ8K*>(x), nb);
-}
-float dot_iq3_s(const uint8_t* row, const void* x, int64_t nb) {
-  return EMBER_IQ_DOT(dot_iq3_s)(row, static_cast<const BlockQ8K*>(x), nb);
-}
-float dot_iq1_s(const uint8_t* row, const void* x, int64_t nb) {
-  return EMBER_IQ_DOT(dot_iq1_s)(row, static_cast<const BlockQ8K*>(x), nb);
-}
-float dot_iq1_m(const uint8_t* row, const void* x, int64_t nb) {
-  return EMBER_IQ_DOT(dot_iq1_m)(row, static_cast<const BlockQ8K*>(x), nb);
-}
+float dot_iq2_xxs(const uint8_t* row, const void* x, int64_t nb) { return EMBER_IQ_DOT(dot_iq2_xxs)(row, x, nb); }
+float dot_iq2_xs(const uint8_t* row, const void* x, int64_t nb) { return EMBER_IQ_DOT(dot_iq2_xs)(row, x, nb); }
+float dot_iq2_s(const uint8_t* row, const void* x, int64_t nb) { return EMBER_IQ_DOT(dot_iq2_s)(row, x, nb); }
+float dot_iq3_xxs(const uint8_t* row, const void* x, int64_t nb) { return EMBER_IQ_DOT(dot_iq3_xxs)(row, x, nb); }
+float dot_iq3_s(const uint8_t* row, const void* x, int64_t nb) { return EMBER_IQ_DOT(dot_iq3_s)(row, x, nb); }
+float dot_iq1_s(const uint8_t* row, const void* x, int64_t nb) { return EMBER_IQ_DOT(dot_iq1_s)(row, x, nb); }
+float dot_iq1_m(const uint8_t* row, const void* x, int64_t nb) { return EMBER_IQ_DOT(dot_iq1_m)(row, x, nb); }
+
+// One weight row against 4 rows of x (xs[n]: row n's Q8K blocks) -> out[0..3]: the grid decoded once. Only in
+// an AVX2 build (cpu_block_gemv.cpp's registry takes them there; without AVX2 it calls the RowDot 4 times).
+#if defined(__AVX2__)
+void dot_iq2_xxs_x4(const uint8_t* row, const void* const* xs, int64_t nb, float* out) { dot_iq2_xxs_n<4>(row, xs, nb, out); }
+void dot_iq2_xs_x4(const uint8_t* row, const void* const* xs, int64_t nb, float* out) { dot_iq2_xs_n<4>(row, xs, nb, out); }
+void dot_iq2_s_x4(const uint8_t* row, const void* const* xs, int64_t nb, float* out) { dot_iq2_s_n<4>(row, xs, nb, out); }
+void dot_iq3_xxs_x4(const uint8_t* row, const void* const* xs, int64_t nb, float* out) { dot_iq3_xxs_n<4>(row, xs, nb, out); }
+void dot_iq3_s_x4(const uint8_t* row, const void* const* xs, int64_t nb, float* out) { dot_iq3_s_n<4>(row, xs, nb, out); }
+void dot_iq1_s_x4(const uint8_t* row, const void* const* xs, int64_t nb, float* out) { dot_iq1_s_n<4>(row, xs, nb, out); }
+void dot_iq1_m_x4(const uint8_t* row, const void* const* xs, int64_t nb, float* out) { dot_iq1_m_n<4>(row, xs, nb, out); }
+#endif
 
 }  // namespace ember_blocks
