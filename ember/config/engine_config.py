@@ -205,6 +205,12 @@ class EngineConfig:
         "CPU (AVX2 + FMA + F16C): an FP8 checkpoint's block-scaled e4m3 weights decoded a tile at a time in a C++ "
         "GEMV (1 byte a weight per decode step); off = the torch reference, which dequantizes a layer per call",
     )
+    cpu_block_gemv: bool = flag(
+        True,
+        "kernels",
+        "CPU: a GGUF file's Q2_K, Q3_K and IQ matrices (and its MoE experts of those types) stay the file's own "
+        "blocks for a C++ GEMV that rounds x to int8 per block as llama.cpp does; off = dequantized to dense at load",
+    )
     int8_decode: bool | None = flag(
         None,
         "kernels",
@@ -363,6 +369,7 @@ class EngineConfig:
             fused_elementwise=self.cpu_fused_elementwise,
             gated_delta_net=self.cpu_gated_delta_net,
             fp8_gemv=self.cpu_fp8_gemv,
+            block_gemv=self.cpu_block_gemv,
             int8_decode=self.int8_decode,
             int4_dense_copy=self.int4_dense_copy,
         )

@@ -251,6 +251,7 @@ class KernelConfig:
     fused_elementwise: bool  # RMSNorm, SiLU*up and RoPE in one pass each (bf16)
     gated_delta_net: bool  # Gated DeltaNet decode / verify steps in fused C++ kernels (hybrid models)
     fp8_gemv: bool  # an FP8 checkpoint's block-scaled e4m3 weights in a C++ GEMV (cpu_fp8_gemv)
+    block_gemv: bool  # GGUF types with no tiled form (Q2_K, Q3_K, IQ*) and MoE experts on the file's blocks
     int8_decode: bool | None  # an int8 copy of dense weights for decode (None: auto)
     int4_dense_copy: bool | None  # a dense copy of packed weights for many-row steps (None: auto)
 

@@ -32,6 +32,7 @@ class CpuKernels:
     gated_delta_net: bool = True  # Gated DeltaNet conv + recurrence for decodes and verifies (cpu_gated_delta_net)
     qsa_attention: bool = True  # qwen4_exp's selected-block (QSA) attention, bf16 / fp32 KV (cpu_qsa_attention)
     fp8_gemv: bool = True  # an FP8 checkpoint's block-scaled e4m3 weights kept fp8 (cpu_fp8_gemv; built as they load)
+    block_gemv: bool = True  # GGUF blocks as the file holds them: Q2_K, Q3_K, IQ* and MoE experts (cpu_block_gemv)
 
     @classmethod
     def none(cls) -> "CpuKernels":
@@ -72,4 +73,5 @@ class CpuKernels:
             # the sparse attention's kernel goes with the paged one (--cpu-paged-attention): ~15 s to build
             qsa_attention=config.paged_attention and cpu_qsa_attention.available(),
             fp8_gemv=config.fp8_gemv,  # built as an FP8 checkpoint's weights load (ember.quant.fp8_linear)
+            block_gemv=config.block_gemv,  # built as a GGUF file's block-kernel types load (ember.quant.gguf_block_part)
         )
