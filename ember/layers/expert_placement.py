@@ -54,13 +54,14 @@ class ExpertPlacement:
     hot_cache: HotExpertCache | None = None
     ple_offload: bool | None = None
     hot_cache_gib: float | None = None  # --moe-hot-cache-memory (None: what the KV cache leaves, on CUDA)
+    host_kernels: object | None = None  # the CPU kernels host experts run (None: the model's own, on a CPU)
 
     def on_host(self, layer: int | None) -> bool:
         return layer is not None and layer in self.host_layers
 
     def host_experts(self, layer: int, num_experts: int, hidden: int, intermediate: int, dtype, device, kernels):
         """The experts module of a host layer: its storage in host memory behind HostExperts."""
-        storage = self.make_host(num_experts, hidden, intermediate, dtype, kernels)
+        storage = self.make_host(num_experts, hidden, intermediate, dtype, self.host_kernels or kernels)
         return HostExperts(storage, layer, self.hot_cache, device)
 
     def mapped_names(self) -> Callable[[str], bool]:
@@ -141,9 +142,12 @@ def moe_layers(mc) -> list[int]:
     return [i for i in range(mc.num_layers) if mc.num_experts > 0 and mc.is_moe_layer(i)]
 
 
-def resolve_placement(config, mc, device, dtype, make_host, fused_act: bool = True) -> ExpertPlacement | None:
+def resolve_placement(
+    config, mc, device, dtype, make_host, fused_act: bool = True, host_kernels=None
+) -> ExpertPlacement | None:
     """The placement a model config gets from a PlacementConfig (--cpu-moe, --n-cpu-moe, --moe-hot-cache-memory,
-    --ple-offload), or None where nothing is placed apart. A flag the model has nothing for is refused."""
+    --ple-offload), or None where nothing is placed apart. A flag the model has nothing for is refused.
+    host_kernels: the CpuKernels host experts run beside a GPU (whose model's own are none)."""
     from ember.errors import ConfigError
 
     layers = moe_layers(mc)
@@ -159,4 +163,4 @@ def resolve_placement(config, mc, device, dtype, make_host, fused_act: bool = Tr
     cache = None
     if host and config.moe_hot_cache_memory != 0:
         cache = HotExpertCache(mc.hidden_size, mc.moe_intermediate_size, dtype, device, fused_act)
-    return ExpertPlacement(host, make_host, cache, config.ple_offload, config.moe_hot_cache_memory)
+    return ExpertPlacement(host, make_host, cache, config.ple_offload, config.moe_hot_cache_memory, host_kernels)

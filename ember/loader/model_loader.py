@@ -141,7 +141,9 @@ def _placement(config, model_config: ModelConfig, dtype: torch.dtype, device: to
     from ember.quant.mapped_experts import MappedExperts
 
     fused = (kernels or CpuKernels()).fused_elementwise
-    return resolve_placement(config, model_config, device, dtype, MappedExperts, fused)
+    # beside a GPU (whose model runs no CPU kernels) the host experts take every CPU kernel that runs here
+    host = None if torch.device(device).type == "cpu" else CpuKernels()
+    return resolve_placement(config, model_config, device, dtype, MappedExperts, fused, host)
 
 
 def _open_gguf(

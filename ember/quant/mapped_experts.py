@@ -14,11 +14,12 @@ pressure, never anonymous copies). So the resident set grows with the experts a 
 over a long prompt touches nearly all of them (ember plan counts them whole, and says so).
 
 Compute (on the host, x on the CPU), chosen once per storage: the C++ block kernels over the raw blocks
-where this build has them (ember.kernels.cpu_block_gemv: every ggml type, read straight from the map), else
-the reference this file carries: each chosen expert dequantized alone (gguf_blocks.dequantize: gguf-py's
-values exactly) and multiplied in x's dtype, slow but exact; float views are multiplied as they lie (a
-BF16 / F16 view under float32 x by the C++ half GEMV, ember.kernels.cpu_half_gemv, which widens in
-registers). The storage offers what a device-side cache needs too: one expert as dense matrices
+(ember.kernels.cpu_block_gemv: block_moe over the layer's three stacked views, reading only the chosen
+experts, grouped by expert across the batch; x rounded to int8 per block as llama.cpp does) where the storage's
+CpuKernels allow them (--cpu-block-gemv) and they take its types; else the reference this file carries: each
+chosen expert dequantized alone, DEQUANT_ROWS rows at a time (gguf_blocks.dequantize: gguf-py's values
+exactly), and multiplied in x's dtype, slow but exact. Float views are multiplied as they lie (a BF16 / F16
+view under float32 x by the C++ half GEMV, ember.kernels.cpu_half_gemv, which widens in registers). The storage offers what a device-side cache needs too: one expert as dense matrices
 (dense_expert), and its bytes in the file.
 """
 
@@ -34,7 +35,7 @@ from gguf import GGMLQuantizationType as T
 from torch import nn
 
 from ember.errors import ModelLoadError
-from ember.kernels import cpu_half_gemv
+from ember.kernels import cpu_block_gemv, cpu_half_gemv
 from ember.kernels.cpu_kernels import CpuKernels
 from ember.layers.activation import silu_and_mul
 from ember.layers.linear import new_param
@@ -203,8 +204,10 @@ class MappedExperts(nn.Module):
             self.matrices[kind] = ExpertMatrices.from_loaded(
                 [self.pending.pop((e, kind)) for e in range(self.num_experts)]
             )
-        self.half_gemv = all(
-            m.qtype is None and m.views[0].dtype in cpu_half_gemv.DTYPES for m in self.matrices.values()
+        kinds = self.matrices.values()
+        self.half_gemv = all(m.qtype is None and m.views[0].dtype in cpu_half_gemv.DTYPES for m in kinds)
+        self.block = self.kernels.block_gemv and all(
+            m.qtype is not None and m.stacked() is not None and cpu_block_gemv.supports(m.qtype) for m in kinds
         )
 
     # ---- what is mapped ------------------------------------------------------------------------
@@ -226,12 +229,19 @@ class MappedExperts(nn.Module):
 
     def dense_expert(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e as (gate;up [2I, H], down [H, I]) in dtype, on the host: what a device cache holds."""
-        m = self.matrices
-        return torch.cat([m["gate"].dense(e, dtype), m["up"].dense(e, dtype)]), m["down"].dense(e, dtype)
+        return torch.cat([self._dense("gate", e, dtype), self._dense("up", e, dtype)]), self._dense("down", e, dtype)
+
+    def _dense(self, kind: str, e: int, dtype: torch.dtype) -> torch.Tensor:
+        m = self.matrices[kind]
+        if self.block:  # the kernel's exact row dequantizer (every type it runs; gguf-py's values)
+            return cpu_block_gemv.dequant_rows(m.views[e], m.qtype).to(dtype)
+        return m.dense(e, dtype)
 
     def _matmul(self, kind: str, e: int, x: torch.Tensor) -> torch.Tensor:
         """x [n, cols] @ expert e's `kind`^T, the weight read where it lies."""
         m = self.matrices[kind]
+        if self.block:  # the C++ block GEMV over the file's blocks
+            return cpu_block_gemv.gemm(block_x(x), m.views[e], m.qtype).to(x.dtype)
         if m.qtype is None and self.half_gemv and x.dtype == torch.float32 and self.kernels.half_weights:
             if cpu_half_gemv.available():
                 return cpu_half_gemv.linear(x.contiguous(), m.views[e], gemm_dispatch.HALF_GEMV_MAX_ROWS)
@@ -246,7 +256,16 @@ class MappedExperts(nn.Module):
         """sum_k topk_weights[t, k] * expert(topk_ids[t, k], x[t]) on the host, reading only the chosen experts."""
         if self.pending:  # a model built without the loader's post-load hook
             self.finish()
+        if self.block:  # one call: the chosen experts read from the map, grouped by expert across the batch
+            stacked = (self.matrices[k].stacked() for k in KINDS)
+            types = tuple(self.matrices[k].qtype for k in KINDS)
+            return cpu_block_gemv.moe(block_x(x), topk_ids, topk_weights, *stacked, types).to(x.dtype)
         return grouped_experts(x, topk_ids, topk_weights, self.num_experts, self.expert_forward)
+
+
+def block_x(x: torch.Tensor) -> torch.Tensor:
+    """x as the block kernels take it: float32 or bf16 rows, contiguous."""
+    return (x if x.dtype in (torch.float32, torch.bfloat16) else x.float()).contiguous()
 
 
 def _check(got: tuple, want: tuple, what: str) -> None:

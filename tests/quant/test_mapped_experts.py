@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 
+from ember.kernels.cpu_kernels import CpuKernels
 from ember.loader.gguf import GGUFCheckpoint
 from ember.loader.mapped_safetensors import MappedSafetensors
 from ember.loader.model_loader import resident_weight_bytes
@@ -26,6 +27,7 @@ from tests.models.tiny_moe_gguf import tiny_moe_gguf
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 E, H, I = 4, 256, 256
+REFERENCE = CpuKernels(block_gemv=False)  # the storage's own reference: each chosen expert dequantized alone
 PREFIX = "model.layers.0.mlp.experts."
 
 
@@ -42,7 +44,7 @@ def load_layer(path: str, experts) -> GGUFCheckpoint:
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory):
     path = tiny_moe_gguf(str(tmp_path_factory.mktemp("mapped") / "moe.gguf"), layers=1, experts=E)
-    experts = MappedExperts(E, H, I, torch.float32)
+    experts = MappedExperts(E, H, I, torch.float32, REFERENCE)
     return path, experts, load_layer(path, experts)
 
 
@@ -98,6 +100,27 @@ def test_routed_forward_equals_the_resident_experts(quantized):
     w = torch.rand(5, 2, generator=g)
     want = resident(x, ids, w)
     torch.testing.assert_close(experts(x, ids, w), want, rtol=0, atol=2e-3 * float(want.abs().max()))
+
+
+def test_the_block_kernel_runs_the_mapped_blocks(quantized):
+    """With the block kernels (the default where they build): one block_moe call over the layer's three stacked
+    views, and one expert alone through the block GEMV, as the kernel's own reference computes them (x and h
+    rounded to int8 per block as llama.cpp rounds them: tests/kernels/test_cpu_block_gemv.py)."""
+    from tests.kernels.test_cpu_block_gemv import moe_reference
+
+    path, _, _ = quantized
+    experts = MappedExperts(E, H, I, torch.float32)
+    load_layer(path, experts)
+    assert experts.block
+    weights = tuple(reference(path, k).double() for k in ("gate", "up", "down"))
+    types = tuple(experts.matrices[k].qtype for k in ("gate", "up", "down"))
+    g = torch.Generator().manual_seed(4)
+    x, ids, w = torch.randn(6, H, generator=g), torch.randint(0, E, (6, 2), generator=g), torch.rand(6, 2, generator=g)
+    ref = moe_reference(x, ids, w, weights, types)
+    tol = 2e-3 * float(ref.abs().max())  # h's rounding may land a code on the other side of a tie
+    assert (experts(x, ids, w).double() - ref).abs().max() <= tol
+    one = moe_reference(x, torch.full((6, 1), 2), torch.ones(6, 1), weights, types)
+    assert (experts.expert_forward(2, x).double() - one).abs().max() <= 2e-3 * float(one.abs().max())
 
 
 def test_bf16_gguf_experts_are_float_views(tmp_path):
