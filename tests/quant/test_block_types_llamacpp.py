@@ -93,7 +93,9 @@ def test_top20_logprobs_agree_with_llama_cpp_and_nothing_is_dense(files, ftype, 
     assert in_file, f"llama.cpp wrote no block-kernel type for {ftype}"
     dequantized = []  # every GGUF matrix ember dequantizes while loading (the dense path)
     real = gguf_blocks.dequantize
-    monkeypatch.setattr(gguf_blocks, "dequantize", lambda raw, qtype, cols: dequantized.append(qtype) or real(raw, qtype, cols))
+    monkeypatch.setattr(
+        gguf_blocks, "dequantize", lambda raw, qtype, cols: dequantized.append(qtype) or real(raw, qtype, cols)
+    )
     engine = LLM(path, dtype="float32", kv_cache_memory=0.02, max_model_len=64, num_threads=1, max_num_seqs=1)
     assert not set(dequantized) & set(BLOCK_TYPES), dequantized
     model = engine.engine.parts.runner.model
