@@ -285,6 +285,15 @@ def test_the_release_on_24_and_32_gb_cards_with_its_experts_in_host_memory(tmp_p
     assert not bf16.host_fits and bf16.host_expert_bytes == pytest.approx(241.6e9, rel=0.01)
 
 
+def test_cli_plans_the_host_side_with_llama_cpps_flag(tmp_path, capsys):
+    path = release_qwen4_config(tmp_path)
+    args = ["plan", path, "--device", "cuda", "--memory", "32", "--host-memory", "128", "--quantization", "awq"]
+    args += ["--max-model-len", "32768", "--max-num-seqs", "4"]
+    assert main([*args, "-ncmoe", "40", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert (p["host_moe_layers"], p["moe_layers"], p["host_fits"], p["fits"]) == (40, 48, True, True)
+
+
 def test_a_gguf_files_host_experts_are_its_own_expert_tensors(tmp_path):
     """--n-cpu-moe 1 on a GGUF: the host holds blk.0's three _exps tensors at their file bytes, the CPU peak RSS
     counts them as mapped (whole) and leaves them out of the resident weights; a hot cache asked for on CPU is
