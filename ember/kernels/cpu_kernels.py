@@ -34,6 +34,7 @@ class CpuKernels:
     qsa_scoring: bool = True  # qwen4_exp's QSA block scoring and top-k selection (cpu_qsa_scoring)
     hc_mixer: bool = True  # qwen4_exp's hyper-connection mixer, bf16 / fp32 (cpu_hc_mixer)
     fp8_gemv: bool = True  # an FP8 checkpoint's block-scaled e4m3 weights kept fp8 (cpu_fp8_gemv; built as they load)
+    block_gemv: bool = True  # GGUF blocks as the file holds them: Q2_K, Q3_K, IQ* and MoE experts (cpu_block_gemv)
 
     @classmethod
     def none(cls) -> "CpuKernels":
@@ -78,4 +79,5 @@ class CpuKernels:
             qsa_scoring=config.paged_attention and cpu_qsa_scoring.available(),  # with it: ~10 s to build
             hc_mixer=config.fused_elementwise and dtype in cpu_hc_mixer.DTYPES and cpu_hc_mixer.available(),
             fp8_gemv=config.fp8_gemv,  # built as an FP8 checkpoint's weights load (ember.quant.fp8_linear)
+            block_gemv=config.block_gemv,  # built as a GGUF file's block-kernel types load (ember.quant.gguf_block_part)
         )

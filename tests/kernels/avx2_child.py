@@ -20,6 +20,7 @@ TEST_BUILDS = [
     *(
         (source, HASWELL)
         for source in (
+            "cpu_block_gemv.cpp",
             "cpu_causal_attention.cpp",
             "cpu_fp8_gemv.cpp",
             "cpu_fused_elementwise.cpp",

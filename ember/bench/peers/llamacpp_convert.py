@@ -127,26 +127,79 @@ def convert(
 
 
 # llama_model_quantize in a child process: the library logs a line per tensor to the process's stderr
-# (captured here), and an abort in C takes down the child, not the benchmark
+# (captured here), and an abort in C takes down the child, not the benchmark. argv[5] is a JSON object:
+# per-tensor type overrides (regex -> ggml type name), the token embedding's / output's types, and the
+# importance-matrix sizes (tensor name -> columns x experts) for a uniform matrix.
 _QUANTIZE = (
-    "import ctypes, sys, llama_cpp\n"
+    "import ctypes, json, sys, llama_cpp\n"
+    "opts = json.loads(sys.argv[5])\n"
     "p = llama_cpp.llama_model_quantize_default_params()\n"
     "p.ftype = getattr(llama_cpp, 'LLAMA_FTYPE_MOSTLY_' + sys.argv[3])\n"
     "p.nthread = int(sys.argv[4])\n"
+    "ggml_type = lambda name: getattr(llama_cpp, 'GGML_TYPE_' + name.upper())\n"
+    "if opts.get('token_embedding_type'): p.token_embedding_type = ggml_type(opts['token_embedding_type'])\n"
+    "if opts.get('output_tensor_type'): p.output_tensor_type = ggml_type(opts['output_tensor_type'])\n"
+    "over = list(opts.get('overrides', {}).items())\n"
+    "if over:\n"
+    "    tt = (llama_cpp.llama_model_tensor_override * (len(over) + 1))()\n"
+    "    for i, (pattern, name) in enumerate(over): tt[i].pattern, tt[i].type = pattern.encode(), ggml_type(name)\n"
+    "    p.tt_overrides = tt\n"
+    "sizes = list(opts.get('imatrix', {}).items())\n"
+    "if sizes:\n"
+    "    ones = [(ctypes.c_float * n)(*([1.0] * n)) for _, n in sizes]\n"
+    "    im = (llama_cpp.llama_model_imatrix_data * (len(sizes) + 1))()\n"
+    "    for i, ((name, n), data) in enumerate(zip(sizes, ones)):\n"
+    "        im[i].name, im[i].data, im[i].size = name.encode(), data, n\n"
+    "    p.imatrix = im\n"
     "sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(p)))\n"
 )
 
 
-def quantize(gguf_in: str, out_path: str, ftype: str, threads: int = 0, timeout: float = 1800) -> str:
+def uniform_imatrix_sizes(gguf_in: str) -> dict[str, int]:
+    """Every matrix's importance-matrix length (its columns, times its experts): what a uniform importance
+    matrix (all ones) needs. llama.cpp refuses IQ1_S / IQ1_M / IQ2_XXS / IQ2_XS / IQ2_S / IQ3_XXS without
+    one; all ones weighs every column alike, i.e. plain squared error, as its other types quantize without
+    one. A real matrix (llama-imatrix over text) chooses better codes, but the file's format is the same."""
+    from gguf import GGUFReader
+
+    sizes = {}
+    for t in GGUFReader(gguf_in).tensors:
+        shape = [int(n) for n in t.shape]  # ggml order: columns first
+        if len(shape) >= 2:
+            sizes[t.name] = shape[0] * (shape[2] if len(shape) > 2 else 1)
+    return sizes
+
+
+def quantize(
+    gguf_in: str,
+    out_path: str,
+    ftype: str,
+    threads: int = 0,
+    timeout: float = 1800,
+    overrides: dict[str, str] | None = None,
+    uniform_imatrix: bool = False,
+    token_embedding_type: str | None = None,
+    output_tensor_type: str | None = None,
+) -> str:
     """llama.cpp's own quantizer (what `llama-quantize IN OUT FTYPE` runs) on a GGUF file; returns out_path.
-    ftype: a llama_ftype name after LLAMA_FTYPE_MOSTLY_ (Q8_0, Q4_K_M, ...), with llama.cpp's own
+    ftype: a llama_ftype name after LLAMA_FTYPE_MOSTLY_ (Q8_0, Q4_K_M, IQ2_XXS, ...), with llama.cpp's own
     choices per tensor (Q4_K_M writes some tensors Q6_K and keeps 1-d ones -- norms, conv, ssm_a,
-    ssm_dt -- in F32); threads 0: all cores. Needs llama-cpp-python (the bench or test extra)."""
+    ssm_dt -- in F32); threads 0: all cores. overrides: tensor-name regex -> ggml type name (llama-quantize's
+    --tensor-type), the first match wins; token_embedding_type / output_tensor_type: those two tensors' types
+    (--token-embedding-type / --output-tensor-type); uniform_imatrix: hand in an all-ones importance matrix
+    (uniform_imatrix_sizes), which the IQ1 / IQ2 / IQ3_XXS types require. Needs llama-cpp-python (the bench
+    or test extra)."""
     from ember.bench.peers.llamacpp import import_llama_cpp
 
     import_llama_cpp()  # the install hint, before a child fails on the import
+    opts = {
+        "overrides": overrides or {},
+        "imatrix": uniform_imatrix_sizes(gguf_in) if uniform_imatrix else {},
+        "token_embedding_type": token_embedding_type,
+        "output_tensor_type": output_tensor_type,
+    }
     proc = subprocess.run(
-        [sys.executable, "-c", _QUANTIZE, gguf_in, out_path, ftype.upper(), str(threads)],
+        [sys.executable, "-c", _QUANTIZE, gguf_in, out_path, ftype.upper(), str(threads), json.dumps(opts)],
         capture_output=True,
         text=True,
         timeout=timeout,
