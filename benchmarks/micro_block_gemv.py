@@ -90,5 +90,53 @@ def main() -> None:
     print(f"{'F32 dense':10s} {4.0:8.3f} {cells[0]:>16s} {cells[1]:>16s}")
 
 
+def experts(qtypes: tuple, E: int, H: int, I: int, rng, kernels=None):
+    """A GGUFExperts layer of random blocks (gate, up, down types), loaded as the loader hands 3-D tensors out."""
+    from ember.kernels.cpu_kernels import CpuKernels
+    from ember.quant.gguf_blocks import GGUFTensor
+    from ember.quant.gguf_quant import GGUFExperts
+
+    layer = GGUFExperts(E, H, I, torch.float32, kernels=kernels or CpuKernels())
+    for kind, qtype, (rows, cols) in zip(("gate", "up", "down"), qtypes, ((I, H), (I, H), (H, I))):
+        stacked = GGUFTensor(qtype, random_blocks(qtype, E * rows, cols, rng), (E * rows, cols))
+        for e in range(E):
+            layer.load_weight(f"{e}.{kind}_proj.weight", stacked.narrow(0, e * rows, rows))
+    layer.pack()
+    return layer
+
+
+def moe_rows() -> None:
+    """One MoE layer (64 experts of H 2048, I 768, top-8): block_moe over the stacked blocks against the
+    grouped path over per-expert parts (what Q4_K experts take: TiledPart / TiledQ6KPart, one Python call per
+    chosen expert), for 1 and 16 tokens; GB/s of the chosen experts' bytes."""
+    E, H, I, k = 64, 2048, 768, 8
+    rng = np.random.default_rng(1)
+    print(f"MoE layer: {E} experts, H {H}, I {I}, top-{k}; ms (GB/s of the chosen experts' blocks)")
+    for qtypes in ((T.Q4_K, T.Q4_K, T.Q6_K), (T.Q2_K, T.Q2_K, T.Q3_K)):
+        layer = experts(qtypes, E, H, I, rng)
+        grouped = None
+        if layer.block is None:  # Q4_K / Q6_K: the tiled parts; the same blocks through block_moe beside them
+            grouped = layer
+            blocks = [torch.from_numpy(random_blocks(q, E * r, c, rng)).view(E, r, -1)
+                      for q, (r, c) in zip(qtypes, ((I, H), (I, H), (H, I)))]  # fmt: skip
+        else:
+            blocks = list(layer.block)
+        per_expert = sum(b[0].numel() for b in blocks)
+        cells = []
+        for T_ in (1, 16):
+            x = torch.randn(T_, H)
+            ids = torch.stack([torch.randperm(E)[:k] for _ in range(T_)])
+            wts = torch.rand(T_, k)
+            chosen = len(set(ids.flatten().tolist())) * per_expert
+            ms = median_ms(lambda: bg.moe(x, ids, wts, *blocks, qtypes))
+            cells.append(f"{ms:7.3f} ({chosen / ms / 1e6:5.1f})")
+            if grouped is not None:
+                ms = median_ms(lambda: grouped(x, ids, wts))
+                cells.append(f"grouped {ms:7.3f} ({chosen / ms / 1e6:5.1f})")
+        print("  " + "/".join(q.name for q in qtypes) + ": T=1 " + "  ".join(cells[: len(cells) // 2]))
+        print("  " + " " * len("/".join(q.name for q in qtypes)) + "  T=16 " + "  ".join(cells[len(cells) // 2 :]))
+
+
 if __name__ == "__main__":
     main()
+    moe_rows()

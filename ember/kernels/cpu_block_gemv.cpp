@@ -42,6 +42,7 @@
 
 #include "cpu_block_gemv.h"
 
+
 namespace ember_blocks {
 namespace {
 
@@ -444,6 +445,43 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+// Scales unpacked in registers: a store of scalars read back as a vector stalls (store forwarding fails).
+
+// Q4_K / Q5_K: the 12 scale bytes at p -> 16 bytes sc[0..7], m[0..7] (reads 16 bytes: 4 of the block's codes).
+inline __m128i k4_scales_v(const uint8_t* p) {
+  const __m128i v = load128(p);  // 32-bit lanes a, b, c, (codes)
+  const __m128i t1 = _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0)), t2 = _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0));
+  const __m128i lo = _mm_and_si128(_mm_srlv_epi32(t1, _mm_set_epi32(4, 0, 0, 0)),
+                                   _mm_set_epi32(0x0F0F0F0F, 0x3F3F3F3F, 0x0F0F0F0F, 0x3F3F3F3F));
+  return _mm_or_si128(lo, _mm_and_si128(_mm_srli_epi32(t2, 2), _mm_set_epi32(0x30303030, 0, 0x30303030, 0)));
+}
+
+// Q3_K: the 12 scale bytes at b + 96 (a 110-byte block) -> 16 signed scales (reads bytes 94..109).
+inline __m128i k3_scales_v(const uint8_t* b) {
+  const __m128i v = _mm_srli_si128(load128(b + 94), 2);  // 32-bit lanes a, b, c, -
+  const __m128i lo = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 1, 0)), _mm_set_epi32(4, 4, 0, 0)),
+                                   _mm_set1_epi8(15));
+  const __m128i c = _mm_srlv_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(2, 2, 2, 2)), _mm_set_epi32(6, 4, 2, 0));
+  const __m128i hi = _mm_slli_epi32(_mm_and_si128(c, _mm_set1_epi8(3)), 4);
+  return _mm_sub_epi8(_mm_or_si128(lo, hi), _mm_set1_epi8(32));
+}
+
+// IQ4_XS: its 8 sub-block scales (scales_l nibbles, scales_h 2-bit pairs, - 32) as int16 in both 128-bit lanes.
+inline __m256i iq4xs_scales_v(const uint8_t* b) {
+  uint16_t h;
+  std::memcpy(&h, b + 2, 2);
+  const __m256i lo = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(int(u32(b + 4))), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                                      _mm256_set1_epi32(15));
+  const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(h), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+                                      _mm256_set1_epi32(3));
+  const __m256i s32 = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32));
+  const __m128i s16 = _mm_packs_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
+  return _mm256_broadcastsi128_si256(s16);
+}
+
+// int16 lane s of v (each 128-bit lane holding 8 int16) broadcast to all 16 lanes.
+inline __m256i bcast16(__m256i v, int s) { return _mm256_shuffle_epi8(v, _mm256_set1_epi16(short(0x0100 + 0x0202 * s))); }
+
 // Each byte's bit `from` moved to bit `to`, the other bits cleared (16-bit shifts: a bit that crosses into
 // the neighbouring byte lands outside the mask).
 inline __m256i bit_to(__m256i v, int from, int to) {
@@ -529,10 +567,11 @@ void dot_iq4_xs_n(const uint8_t* row, const void* const* xs, int64_t nb, float* 
   for (int64_t i = 0; i < nb; ++i, row += 136) {
     __m256i isum[NX];
     for (int n = 0; n < NX; ++n) isum[n] = _mm256_setzero_si256();
+    const __m256i scales = iq4xs_scales_v(row);
 #pragma GCC unroll 8
     for (int ib = 0; ib < 8; ++ib) {
       const __m256i w = iq4_values(load128(row + 8 + 16 * ib), table), aw = _mm256_sign_epi8(w, w);
-      const __m256i ls = _mm256_set1_epi16(int16_t(iq4xs_scale(row, ib)));
+      const __m256i ls = bcast16(scales, ib);
       for (int n = 0; n < NX; ++n) {
         const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(load256(q8k(xs[n])[i].qs + 32 * ib), w));
         isum[n] = _mm256_add_epi32(isum[n], _mm256_madd_epi16(p, ls));
@@ -554,8 +593,8 @@ void dot_q45_k_n(const uint8_t* row, const void* const* xs, int64_t nb, float* o
   __m256 acc[NX];
   for (int n = 0; n < NX; ++n) acc[n] = _mm256_setzero_ps();
   for (int64_t i = 0; i < nb; ++i, row += kBytes) {
-    alignas(16) uint8_t sm[16];  // sc[8] then m[8]
-    k4_scales(row + 4, sm, sm + 8);
+    const __m128i scm = k4_scales_v(row + 4);  // sc[8] then m[8]
+    const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(scm));
     __m256i isum[NX];
     for (int n = 0; n < NX; ++n) isum[n] = _mm256_setzero_si256();
     const __m256i qh = kFive ? load256(row + 16) : _mm256_setzero_si256();
@@ -567,7 +606,7 @@ void dot_q45_k_n(const uint8_t* row, const void* const* xs, int64_t nb, float* o
         lo = _mm256_or_si256(lo, bit_to(qh, 2 * j, 4));
         hi = _mm256_or_si256(hi, bit_to(qh, 2 * j + 1, 4));
       }
-      const __m256i slo = _mm256_set1_epi16(sm[2 * j]), shi = _mm256_set1_epi16(sm[2 * j + 1]);
+      const __m256i slo = bcast16(sc16, 2 * j), shi = bcast16(sc16, 2 * j + 1);
       for (int n = 0; n < NX; ++n) {
         const int8_t* xq = q8k(xs[n])[i].qs + 64 * j;
         const __m256i plo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load256(xq)), slo);
@@ -575,8 +614,7 @@ void dot_q45_k_n(const uint8_t* row, const void* const* xs, int64_t nb, float* o
         isum[n] = _mm256_add_epi32(isum[n], _mm256_add_epi32(plo, phi));
       }
     }
-    const __m128i mins = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sm + 8));  // m in bytes 0..7
-    const __m256i m16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins, mins));       // m0 m0 m1 m1 ...
+    const __m256i m16 = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(scm, scm));  // m0 m0 m1 m1 ... (per bsum)
     const float d = f16(row), dmin = f16(row + 2);
     for (int n = 0; n < NX; ++n) {
       const BlockQ8K& x = q8k(xs[n])[i];
@@ -673,9 +711,7 @@ void dot_q3_k_n(const uint8_t* row, const void* const* xs, int64_t nb, float* ou
   __m256 acc[NX];
   for (int n = 0; n < NX; ++n) acc[n] = _mm256_setzero_ps();
   for (int64_t i = 0; i < nb; ++i, row += 110) {
-    alignas(16) int8_t sc[16];
-    k3_scales(row + 96, sc);
-    const __m128i s8 = _mm_load_si128(reinterpret_cast<const __m128i*>(sc));
+    const __m128i s8 = k3_scales_v(row);
     const __m256i hm = load256(row);
     __m256i isum[NX];
     for (int n = 0; n < NX; ++n) isum[n] = _mm256_setzero_si256();
@@ -702,6 +738,56 @@ void dot_q3_k_n(const uint8_t* row, const void* const* xs, int64_t nb, float* ou
     }
   }
   finish<NX>(acc, out);
+}
+
+// Q4_0, Q4_1, Q5_0, Q5_1: unsigned codes q (4 or 5 bits) a block, w = d q + m (Q4_1, Q5_1) or d (q - 8 | 16):
+// d sum(q x) + m x.s, x.s = x.d sum(xq) (the offset through x's sum, as llama.cpp's Q8_1).
+template <int kQs, int kQh>
+inline __m256i legacy_codes(const uint8_t* b) {
+  const __m128i qs = load128(b + kQs);
+  __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), _mm_set1_epi8(15)), _mm_and_si128(qs, _mm_set1_epi8(15)));
+  if (kQh >= 0) {  // bit j of the u32 at kQh is element j's fifth bit: byte j of the vector takes byte j / 8's bit j % 8
+    const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(int(u32(b + kQh))),
+                                              _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+    const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201));
+    q = _mm256_or_si256(q, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit), _mm256_set1_epi8(16)));
+  }
+  return q;
+}
+
+template <int NX, int kBytes, int kQs, int kQh, bool kMin, int kZero>
+void dot_legacy_n(const uint8_t* row, const void* const* xs, int64_t nb, float* out) {
+  __m256 acc[NX];
+  float off[NX] = {};
+  for (int n = 0; n < NX; ++n) acc[n] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < nb; ++i, row += kBytes) {
+    const __m256i q = legacy_codes<kQs, kQh>(row);
+    const float d = f16(row), o = kMin ? f16(row + 2) : -float(kZero) * d;
+    for (int n = 0; n < NX; ++n) {
+      const BlockQ8x& x = q8x(xs[n])[i];
+      const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, load256(x.qs)), _mm256_set1_epi16(1));
+      acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.d), _mm256_cvtepi32_ps(p), acc[n]);
+      off[n] += o * x.s;
+    }
+  }
+  for (int n = 0; n < NX; ++n) out[n] = hsum(acc[n]) + off[n];
+}
+
+template <int NX>
+void dot_q4_0_n(const uint8_t* row, const void* const* xs, int64_t nb, float* out) {
+  dot_legacy_n<NX, 18, 2, -1, false, 8>(row, xs, nb, out);
+}
+template <int NX>
+void dot_q4_1_n(const uint8_t* row, const void* const* xs, int64_t nb, float* out) {
+  dot_legacy_n<NX, 20, 4, -1, true, 0>(row, xs, nb, out);
+}
+template <int NX>
+void dot_q5_0_n(const uint8_t* row, const void* const* xs, int64_t nb, float* out) {
+  dot_legacy_n<NX, 22, 6, 2, false, 16>(row, xs, nb, out);
+}
+template <int NX>
+void dot_q5_1_n(const uint8_t* row, const void* const* xs, int64_t nb, float* out) {
+  dot_legacy_n<NX, 24, 8, 4, true, 0>(row, xs, nb, out);
 }
 
 template <int NX>
@@ -770,10 +856,10 @@ struct Entry {
 #endif
 
 const Entry kEntries[] = {
-    {{2, 32, 18, ActFormat::Q8x, dot_q4_0, dequant_q4_0}, dot_q4_0, nullptr},
-    {{3, 32, 20, ActFormat::Q8x, dot_q4_1, dequant_q4_1}, dot_q4_1, nullptr},
-    {{6, 32, 22, ActFormat::Q8x, dot_q5_0, dequant_q5_0}, dot_q5_0, nullptr},
-    {{7, 32, 24, ActFormat::Q8x, dot_q5_1, dequant_q5_1}, dot_q5_1, nullptr},
+    {{2, 32, 18, ActFormat::Q8x, EMBER_DOT(dot_q4_0_n, dot_q4_0), dequant_q4_0}, dot_q4_0, EMBER_DOT4(dot_q4_0_n)},
+    {{3, 32, 20, ActFormat::Q8x, EMBER_DOT(dot_q4_1_n, dot_q4_1), dequant_q4_1}, dot_q4_1, EMBER_DOT4(dot_q4_1_n)},
+    {{6, 32, 22, ActFormat::Q8x, EMBER_DOT(dot_q5_0_n, dot_q5_0), dequant_q5_0}, dot_q5_0, EMBER_DOT4(dot_q5_0_n)},
+    {{7, 32, 24, ActFormat::Q8x, EMBER_DOT(dot_q5_1_n, dot_q5_1), dequant_q5_1}, dot_q5_1, EMBER_DOT4(dot_q5_1_n)},
     {{8, 32, 34, ActFormat::Q8x, EMBER_DOT(dot_q8_0_n, dot_q8_0_scalar), dequant_q8_0}, dot_q8_0_scalar,
      EMBER_DOT4(dot_q8_0_n)},
     {{10, 256, 84, ActFormat::Q8K, EMBER_DOT(dot_q2_k_n, dot_q2_k_scalar), dequant_q2_k}, dot_q2_k_scalar,

@@ -20,7 +20,6 @@ from gguf import GGMLQuantizationType as T
 
 from ember.kernels import cpu_block_gemv
 from ember.kernels.cpu_kernels import CpuKernels
-from ember.quant.gguf_quant import PackedPart
 
 # The types a packed GGUF matrix takes a BlockPart for (the others have a faster layout of their own).
 BLOCK_TYPES = (T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS, T.IQ3_XXS, T.IQ3_S, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ1_S, T.IQ1_M)
@@ -31,15 +30,14 @@ def usable(qtype, device, kernels: CpuKernels | None = None) -> bool:
     """Whether a matrix of qtype on device runs as a BlockPart: CPU, --cpu-block-gemv, and the kernel (built
     here on first use where the install did not) has the type."""
     return (
-        torch.device(device).type == "cpu"
-        and (kernels or CpuKernels()).block_gemv
-        and cpu_block_gemv.supports(qtype)
+        torch.device(device).type == "cpu" and (kernels or CpuKernels()).block_gemv and cpu_block_gemv.supports(qtype)
     )
 
 
-class BlockPart(PackedPart):
+class BlockPart:
     """The raw blocks uint8 [N, row_bytes] of one ggml type (`raw`: a copy of the file's rows, or a view of
-    its map), K weights a row."""
+    its map), K weights a row. A gguf_quant.PackedPart by its methods (not by class: gguf_quant imports this
+    module)."""
 
     kernel_at_any_rows = True  # a dense copy would only cost the memory this part saves
 
@@ -59,6 +57,11 @@ class BlockPart(PackedPart):
 
     def linear_float(self, x):
         return self._gemm(x, float_out=True)
+
+    def precise_logits(self, x):
+        # float32 x is rounded to int8 per block here as in every layer before the head (llama.cpp's rounding
+        # too): refining the head's top candidates in float32 would not make them an exact model's
+        return x.dtype == torch.float32
 
     def rows(self, ids):
         return cpu_block_gemv.dequant_rows(self.raw.index_select(0, ids.reshape(-1)), self.qtype)

@@ -132,9 +132,7 @@ def moe_reference(x, ids, wts, weights, qtypes):
     return out
 
 
-@pytest.mark.parametrize(
-    "qtypes", [(T.Q2_K, T.Q3_K, T.IQ4_XS), (T.IQ4_NL, T.Q8_0, T.Q6_K), (T.Q4_K, T.IQ4_NL, T.Q5_K)]
-)
+@pytest.mark.parametrize("qtypes", [(T.Q2_K, T.Q3_K, T.IQ4_XS), (T.IQ4_NL, T.Q8_0, T.Q6_K), (T.Q4_K, T.IQ4_NL, T.Q5_K)])
 def test_moe_is_the_weighted_sum_of_the_chosen_experts(qtypes):
     """6 experts (one never chosen), top-3, H = 256, I = 512; 1 token (decode) and 9 (slots grouped by expert,
     some experts with several); the experts as strided views of a wider buffer; bf16 x and int32 ids too."""
