@@ -31,6 +31,7 @@ from ember.quant import gguf_blocks
 from ember.quant.gguf_block_part import BLOCK_TYPES, BlockPart
 from tests.loader.test_gguf import tiny_model, write_gguf
 from tests.models.tiny_models import one_thread  # noqa: F401 (fixture)
+from tests.quant.test_block_types_llamacpp import llama_logprobs, spm_vocab
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -52,19 +53,6 @@ OVERRIDES = {rf"^blk\.{i}\.{slot}\.weight$": t for i, types in enumerate(LAYOUT)
 # same way, so the gap is the two engines' float32 summation orders
 TOLERANCE = 2e-2
 EXPERTS, TOP_K, LENGTH = 4, 2, 24
-
-
-def spm_vocab(n_pieces: int) -> dict:
-    """A SentencePiece vocabulary of <unk>, <s>, </s>, the 256 byte pieces and n_pieces made-up words."""
-    pieces = [f"▁w{i}" for i in range(n_pieces)]
-    return {
-        "tokenizer.ggml.model": "llama",
-        "tokenizer.ggml.pre": "default",
-        "tokenizer.ggml.tokens": ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces,
-        "tokenizer.ggml.token_type": [2, 3, 3] + [6] * 256 + [1] * n_pieces,
-        "tokenizer.ggml.scores": [0.0] * 259 + [-float(i) for i in range(n_pieces)],
-        "tokenizer.ggml.unknown_token_id": 0,
-    }
 
 
 def cached_quantize(f32: str, **options) -> str:
@@ -100,15 +88,6 @@ def path(tmp_path_factory):
             tensors[name] = 1 + 0.1 * w
     f32 = str(write_gguf(tmp_path_factory.mktemp("iq-types") / "moe.f32.gguf", "qwen3moe", meta, tensors))
     return cached_quantize(f32, ftype="Q8_0", threads=1, overrides=OVERRIDES, uniform_imatrix=True)
-
-
-def llama_logprobs(path: str, ids: list[int]) -> torch.Tensor:
-    """llama.cpp's log-probabilities after every prompt token, [len(ids), vocab] float64."""
-    peer = llama_cpp.Llama(path, logits_all=True, n_threads=1, n_ctx=64, verbose=False)
-    peer.eval(ids)
-    out = torch.log_softmax(torch.tensor(peer.scores[: len(ids)]).double(), -1)
-    peer.close()
-    return out
 
 
 def kept_block_types(engine) -> tuple[set, set]:
