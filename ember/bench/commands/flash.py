@@ -1,7 +1,7 @@
 """`ember bench flash`: a random Qwen3.8-Flash-Next (qwen4_exp) of the release's proportions at 2 cores' scale
 (ember.bench.lib.flash_model), as a user gets it from llama.cpp's tools, run by ember and by llama.cpp on the
-same files: Q8_0 and Q4_K_M by llama.cpp's quantizer, and a low-bit mix of IQ and Q2_K types like the files
-unsloth publishes for this model (FLASH_MIX: which tensor gets which type).
+same files: Q8_0 and Q4_K_M by llama.cpp's quantizer, and a low-bit mix of IQ and K types like the UD-Q2_K_XL files
+unsloth publishes for this model (flash_model.FTYPES, llamacpp_convert.MIXES: which tensor gets which type).
 
 It runs `ember bench hybrid`'s rounds (ember.bench.commands.hybrid.run_file: batch-1 decode, TTFT at 2,000
 tokens, 16-sequence throughput against llama.cpp's best batched configuration, peak RSS, the achieved share of
@@ -32,7 +32,7 @@ logger = logging.getLogger("ember.bench")
 
 NAME = KIND = "flash"
 HELP = (
-    "a random Qwen3.8-Flash-Next-shaped (qwen4_exp) model in Q8_0, Q4_K_M and an IQ/Q2_K mix (llama.cpp's converter "
+    "a random Qwen3.8-Flash-Next-shaped (qwen4_exp) model in Q8_0, Q4_K_M and a UD-Q2_K_XL-like IQ mix (llama.cpp's converter "
     "and quantizer): ember vs llama.cpp on each file, the n-gram table's resident bytes, a per-op split"
 )
 PARSER = compare.PARSER
@@ -41,10 +41,10 @@ TITLE = (
     "(llama.cpp's converter and quantizer), same threads"
 )
 EMBER, LLAMA = hybrid.EMBER, hybrid.LLAMA
-FILES = {"q8_0": "Q8_0", "q4_k_m": "Q4_K_M", "iq2_mix": "IQ2/Q2_K mix"}
+FILES = {"q8_0": "Q8_0", "q4_k_m": "Q4_K_M", "ud_q2_k_xl": "UD-Q2_K_XL mix"}
 # issue 55's bars: batch-1 decode against llama.cpp per file; TTFT, throughput and peak RSS ratios; the
 # n-gram table's resident share after the long prompt and 256 decoded tokens (%)
-DECODE_BAR = {"q8_0": 1.0, "q4_k_m": 1.2, "iq2_mix": 1.0}
+DECODE_BAR = {"q8_0": 1.0, "q4_k_m": 1.2, "ud_q2_k_xl": 1.0}
 TTFT_BAR, THROUGHPUT_BAR, RSS_BAR, TABLE_BAR = 0.5, 2.0, 1.0, 10.0
 TABLE_TENSOR = "per_layer_token_embd.weight"
 TABLE_DECODE = 256
@@ -74,12 +74,15 @@ def build_bf16(folder: str) -> str:
 
 def build_file(folder: str, kind: str, threads: int = 0) -> str:
     """The GGUF file of type `kind` (a FILES key), by llama.cpp's quantizer from the bf16 file (once)."""
-    from ember.bench.peers.llamacpp_convert import quantize
+    from ember.bench.peers.llamacpp_convert import MIXES, quantize, quantize_mix
 
     out = f"{folder.rstrip('/')}.{kind}.gguf"
     if not os.path.exists(out):
-        ftype, _ = flash_model.FTYPES[kind]
-        quantize(build_bf16(folder), out + ".partial", ftype, threads)
+        ftype = flash_model.FTYPES[kind]
+        if ftype in MIXES:
+            quantize_mix(build_bf16(folder), out + ".partial", ftype, threads)
+        else:
+            quantize(build_bf16(folder), out + ".partial", ftype, threads)
         os.replace(out + ".partial", out)
     return out
 

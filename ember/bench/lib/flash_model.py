@@ -123,6 +123,11 @@ def _draw(name: str, p) -> None:
         p.normal_(0.0, 0.02)
 
 
-# --files kind -> (llama_ftype name after LLAMA_FTYPE_MOSTLY_, per-tensor type overrides or None)
-FTYPES = {"q8_0": ("Q8_0", None), "q4_k_m": ("Q4_K_M", None), "iq2_mix": ("Q2_K", None)}
-MIX_NOTE = "the mix: llama.cpp's Q2_K recipe (Q2_K experts, Q3_K / Q4_K / Q6_K where its rules raise a tensor)"
+# --files kind -> a llama_ftype name after LLAMA_FTYPE_MOSTLY_, or a llamacpp_convert.MIXES recipe
+FTYPES = {"q8_0": "Q8_0", "q4_k_m": "Q4_K_M", "ud_q2_k_xl": "UD-Q2_K_XL"}
+MIX_NOTE = (
+    "the mix: llamacpp_convert.MIXES['UD-Q2_K_XL'], unsloth's UD-Q2_K_XL imitated one type per role (experts' gate "
+    "and up IQ2_XXS, down IQ3_XXS, attention IQ3_XXS, its output and ssm_out IQ4_XS, shared experts Q4_K, head "
+    "Q6_K; rows of a width llama.cpp cannot give those types fall back to its 32-element ones), with a uniform "
+    "importance matrix"
+)

@@ -243,12 +243,17 @@ def set_metadata_ints(path: str, key: str, values: list[int], head_bytes: int = 
 # llama.cpp's fallback, a 32-element type (IQ4_NL for the IQ types, Q4_0 for Q2_K / Q3_K).
 _ATTN = r"\.(attn_q|attn_k|attn_v|attn_qkv|attn_gate)\.weight$"
 _ATTN_OUT = r"\.(attn_output|ssm_out)\.weight$"
+# qwen4exp's n-gram table: llama.cpp gives token_embedding_type to every name holding "token_embd", and its
+# rows (64 wide in the bench model, 160 in the release) cannot take a 256-element type (Q4_K there fails
+# llama.cpp's own validation with NaNs): a 32-element IQ type, as the IQ files' fallback would be
+_PLE_TABLE = r"^per_layer_token_embd\.weight$"
 MIXES = {
     "UD-Q2_K_XL": dict(
         ftype="Q2_K",
         token_embedding_type="Q4_K",
         output_tensor_type="Q6_K",
         overrides={
+            _PLE_TABLE: "IQ4_NL",
             r"\.ffn_down_exps\.weight$": "IQ3_XXS",
             r"\.ffn_(gate|up)_exps\.weight$": "IQ2_XXS",
             r"\.ffn_(gate|up|down)_shexp\.weight$": "Q4_K",
@@ -262,6 +267,7 @@ MIXES = {
         token_embedding_type="Q4_K",
         output_tensor_type="Q6_K",
         overrides={
+            _PLE_TABLE: "IQ4_NL",
             r"^blk\.[0-2]\.ffn_(gate|up)_exps\.weight$": "IQ2_XXS",  # the first layers a step up
             r"\.ffn_down_exps\.weight$": "IQ2_S",
             r"\.ffn_(gate|up)_exps\.weight$": "IQ1_S",
