@@ -487,30 +487,53 @@ inline __m256i ksigns4(uint32_t k0, uint32_t k1, uint32_t k2, uint32_t k3) {
 // An IQ2_XXS / IQ3_XXS sub-block's 28 sign bits: four 7-bit ksigns indices.
 inline __m256i ksigns_of(uint32_t aux) { return ksigns4(aux & 127, (aux >> 7) & 127, (aux >> 14) & 127, (aux >> 21) & 127); }
 
-inline __m256i two_scales(int lo, int hi) {
-  return _mm256_set_m128i(_mm_set1_epi16(short(hi)), _mm_set1_epi16(short(lo)));
-}
-
 // A sub-block of 32 weights: w = mag * sign(sign) (sign's bytes +-1, or w itself for IQ1), scale16 the
-// int16 scale of each half.
+// int16 scale of each 128-bit half (16 weights).
 struct Sub {
   __m256i mag, sign, scale16;
 };
 
-// The shared loop: sub(blk, ib) decodes sub-block ib of a block, block_scale(blk) its float scale, k the
-// type's constant factor (1/8 for the IQ2 types' (2s+1)/8, ...).
-template <int NX, int kBytes, typename SubFn, typename ScaleFn>
-inline void iq_dots(const uint8_t* row, const void* const* xs, int64_t nb, float* out, float k, SubFn sub,
-                    ScaleFn block_scale) {
+// What a block's sub-blocks share, decoded once a block (its sub-block scales as int16 lanes, IQ1_S's delta
+// signs), so that a sub-block takes its own with one byte shuffle: see the types' `prep`.
+struct BlockCtx {
+  __m256i scales, deltas;
+};
+
+// The int16 lane `lo` of v's low 128 bits into all of that half, lane `hi` of the high half likewise.
+inline __m256i pick16(__m256i v, int lo, int hi) {
+  const __m128i l = _mm_set1_epi16(short(0x0100 + 0x0202 * lo)), h = _mm_set1_epi16(short(0x0100 + 0x0202 * hi));
+  return _mm256_shuffle_epi8(v, _mm256_set_m128i(h, l));
+}
+
+// 2 * s + 1 on int16 lanes: the odd scales all these types use.
+inline __m256i odd16(__m256i s) { return _mm256_add_epi16(_mm256_slli_epi16(s, 1), _mm256_set1_epi16(1)); }
+
+// Eight bytes of two 4-bit scales each (IQ2_XS / IQ2_S: low nibble the first 16 weights of a sub-block):
+// 2s + 1 as int16, the low nibbles in the low half (lane ib), the high ones in the high half.
+inline __m256i nibble_scales(const uint8_t* p) {
+  uint64_t v;
+  std::memcpy(&v, p, 8);
+  const __m128i b = _mm_cvtsi64_si128(int64_t(v)), m4 = _mm_set1_epi8(15);
+  return odd16(_mm256_cvtepu8_epi16(_mm_unpacklo_epi64(_mm_and_si128(b, m4), _mm_and_si128(_mm_srli_epi16(b, 4), m4))));
+}
+
+inline BlockCtx no_ctx(const uint8_t*) { return BlockCtx{_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+
+// The shared loop: prep(blk) decodes what a block's sub-blocks share, sub(blk, ib, ctx) sub-block ib,
+// block_scale(blk) the block's float scale, k the type's constant factor (1/8 for the IQ2 types' (2s+1)/8...).
+template <int NX, int kBytes, typename PrepFn, typename SubFn, typename ScaleFn>
+inline void iq_dots(const uint8_t* row, const void* const* xs, int64_t nb, float* out, float k, PrepFn prep,
+                    SubFn sub, ScaleFn block_scale) {
   __m256 acc[NX];
   for (int n = 0; n < NX; ++n) acc[n] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * kBytes;
+    const BlockCtx ctx = prep(blk);
     __m256i isum[NX];
     for (int n = 0; n < NX; ++n) isum[n] = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int ib = 0; ib < 8; ++ib) {
-      const Sub s = sub(blk, ib);
+      const Sub s = sub(blk, ib, ctx);
       for (int n = 0; n < NX; ++n) {
         const __m256i q8 =
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const BlockQ8K*>(xs[n])[b].qs + 32 * ib));
@@ -531,7 +554,7 @@ inline float f16_scale(const uint8_t* blk) { return half_to_float(rd16(blk)); }
 
 template <int NX>
 void dot_iq2_xxs_n(const uint8_t* row, const void* const* xs, int64_t nb, float* out) {
-  iq_dots<NX, kIq2xxsBytes>(row, xs, nb, out, 0.125f, [](const uint8_t* blk, int ib) {
+  iq_dots<NX, kIq2xxsBytes>(row, xs, nb, out, 0.125f, no_ctx, [](const uint8_t* blk, int ib, const BlockCtx&) {
     const uint32_t idx = rd32(blk + 2 + 8 * ib), aux = rd32(blk + 6 + 8 * ib);
     return Sub{rows8(g_iq2xxs_grid, idx & 255, (idx >> 8) & 255, (idx >> 16) & 255, idx >> 24), ksigns_of(aux),
                _mm256_set1_epi16(short(2 * (aux >> 28) + 1))};
@@ -540,30 +563,30 @@ void dot_iq2_xxs_n(const uint8_t* row, const void* const* xs, int64_t nb, float*
 
 template <int NX>
 void dot_iq2_xs_n(const uint8_t* row, const void* const* xs, int64_t nb, float* out) {
-  iq_dots<NX, kIq2xsBytes>(row, xs, nb, out, 0.125f, [](const uint8_t* blk, int ib) {
+  const auto prep = [](const uint8_t* blk) { return BlockCtx{nibble_scales(blk + 66), _mm256_setzero_si256()}; };
+  iq_dots<NX, kIq2xsBytes>(row, xs, nb, out, 0.125f, prep, [](const uint8_t* blk, int ib, const BlockCtx& ctx) {
     uint16_t q[4];
     std::memcpy(q, blk + 2 + 8 * ib, 8);
-    const uint8_t sc = blk[66 + ib];
     return Sub{rows8(g_iq2xs_grid, q[0] & 511, q[1] & 511, q[2] & 511, q[3] & 511),
-               ksigns4(q[0] >> 9, q[1] >> 9, q[2] >> 9, q[3] >> 9), two_scales(2 * (sc & 15) + 1, 2 * (sc >> 4) + 1)};
+               ksigns4(q[0] >> 9, q[1] >> 9, q[2] >> 9, q[3] >> 9), pick16(ctx.scales, ib, ib)};
   }, f16_scale);
 }
 
 template <int NX>
 void dot_iq2_s_n(const uint8_t* row, const void* const* xs, int64_t nb, float* out) {
-  iq_dots<NX, kIq2sBytes>(row, xs, nb, out, 0.125f, [](const uint8_t* blk, int ib) {
+  const auto prep = [](const uint8_t* blk) { return BlockCtx{nibble_scales(blk + 74), _mm256_setzero_si256()}; };
+  iq_dots<NX, kIq2sBytes>(row, xs, nb, out, 0.125f, prep, [](const uint8_t* blk, int ib, const BlockCtx& ctx) {
     const uint8_t* qs = blk + 2 + 4 * ib;
     const uint32_t h = blk[66 + ib];
-    const uint8_t sc = blk[74 + ib];
     return Sub{rows8(g_iq2s_grid, qs[0] | ((h << 8) & 0x300), qs[1] | ((h << 6) & 0x300), qs[2] | ((h << 4) & 0x300),
                      qs[3] | ((h << 2) & 0x300)),
-               signs_from_bits(rd32(blk + 34 + 4 * ib)), two_scales(2 * (sc & 15) + 1, 2 * (sc >> 4) + 1)};
+               signs_from_bits(rd32(blk + 34 + 4 * ib)), pick16(ctx.scales, ib, ib)};
   }, f16_scale);
 }
 
 template <int NX>
 void dot_iq3_xxs_n(const uint8_t* row, const void* const* xs, int64_t nb, float* out) {
-  iq_dots<NX, kIq3xxsBytes>(row, xs, nb, out, 0.25f, [](const uint8_t* blk, int ib) {
+  iq_dots<NX, kIq3xxsBytes>(row, xs, nb, out, 0.25f, no_ctx, [](const uint8_t* blk, int ib, const BlockCtx&) {
     const uint8_t* qs = blk + 2 + 8 * ib;
     const uint32_t aux = rd32(blk + 66 + 4 * ib);
     const uint32_t i[8] = {qs[0], qs[1], qs[2], qs[3], qs[4], qs[5], qs[6], qs[7]};
@@ -573,14 +596,18 @@ void dot_iq3_xxs_n(const uint8_t* row, const void* const* xs, int64_t nb, float*
 
 template <int NX>
 void dot_iq3_s_n(const uint8_t* row, const void* const* xs, int64_t nb, float* out) {
-  iq_dots<NX, kIq3sBytes>(row, xs, nb, out, 1.0f, [](const uint8_t* blk, int ib) {
+  const auto prep = [](const uint8_t* blk) {  // eight 4-bit scales, one a sub-block, in both halves
+    const __m128i b = _mm_cvtsi32_si128(int32_t(rd32(blk + 106))), m4 = _mm_set1_epi8(15);
+    const __m128i s = _mm_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_and_si128(b, m4), _mm_and_si128(_mm_srli_epi16(b, 4), m4)));
+    return BlockCtx{odd16(_mm256_broadcastsi128_si256(s)), _mm256_setzero_si256()};
+  };
+  iq_dots<NX, kIq3sBytes>(row, xs, nb, out, 1.0f, prep, [](const uint8_t* blk, int ib, const BlockCtx& ctx) {
     const uint8_t* qs = blk + 2 + 8 * ib;
     const uint32_t h = blk[66 + ib];
     const uint32_t i[8] = {qs[0] | ((h << 8) & 256), qs[1] | ((h << 7) & 256), qs[2] | ((h << 6) & 256),
                            qs[3] | ((h << 5) & 256), qs[4] | ((h << 4) & 256), qs[5] | ((h << 3) & 256),
                            qs[6] | ((h << 2) & 256), qs[7] | ((h << 1) & 256)};
-    const int ls = 2 * ((blk[106 + ib / 2] >> (4 * (ib & 1))) & 15) + 1;
-    return Sub{rows4(g_iq3s_grid, i), signs_from_bits(rd32(blk + 74 + 4 * ib)), _mm256_set1_epi16(short(ls))};
+    return Sub{rows4(g_iq3s_grid, i), signs_from_bits(rd32(blk + 74 + 4 * ib)), pick16(ctx.scales, ib, ib)};
   }, f16_scale);
 }
 
@@ -589,20 +616,34 @@ inline Sub iq1_sub(__m256i w, __m256i scale16) { return Sub{_mm256_sign_epi8(w, 
 
 template <int NX>
 void dot_iq1_s_n(const uint8_t* row, const void* const* xs, int64_t nb, float* out) {
-  iq_dots<NX, kIq1sBytes>(row, xs, nb, out, 0.125f, [](const uint8_t* blk, int ib) {
+  const auto prep = [](const uint8_t* blk) {  // the eight qh words: scale 2 * bits 12-14 + 1, delta sign bit 15
+    const __m256i h = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 34)));
+    const __m256i scales = odd16(_mm256_and_si256(_mm256_srli_epi16(h, 12), _mm256_set1_epi16(7)));
+    return BlockCtx{scales, _mm256_or_si256(_mm256_srai_epi16(h, 15), _mm256_set1_epi16(1))};  // +-1 a word
+  };
+  iq_dots<NX, kIq1sBytes>(row, xs, nb, out, 0.125f, prep, [](const uint8_t* blk, int ib, const BlockCtx& ctx) {
     const uint8_t* grid = reinterpret_cast<const uint8_t*>(g_iq1s_grid_x8);
     const uint8_t* qs = blk + 2 + 4 * ib;
     const uint32_t h = rd16(blk + 34 + 2 * ib);
     const __m256i g = rows8(grid, qs[0] | ((h << 8) & 0x700), qs[1] | ((h << 5) & 0x700), qs[2] | ((h << 2) & 0x700),
                             qs[3] | ((h >> 1) & 0x700));
-    const __m256i w = _mm256_add_epi8(g, _mm256_set1_epi8((h & 0x8000) ? -1 : 1));
-    return iq1_sub(w, _mm256_set1_epi16(short(2 * ((h >> 12) & 7) + 1)));
+    const __m256i delta = _mm256_shuffle_epi8(ctx.deltas, _mm256_set1_epi8(char(2 * ib)));  // word ib's low byte
+    return iq1_sub(_mm256_add_epi8(g, delta), pick16(ctx.scales, ib, ib));
   }, f16_scale);
 }
 
 template <int NX>
 void dot_iq1_m_n(const uint8_t* row, const void* const* xs, int64_t nb, float* out) {
-  iq_dots<NX, kIq1mBytes>(row, xs, nb, out, 0.125f, [](const uint8_t* blk, int ib) {
+  // The 16 3-bit scales (4 a 16-bit word, bits 0-11) as int16 lanes: each 64-bit lane holds all four words,
+  // shifted by 0 / 6 (low half: the scales of the first 16 weights of sub-blocks) and 3 / 9 (high half: of the
+  // last 16), so that sub-block ib's two scales sit at the same lane, 4 * (ib & 1) + ib / 2, of each half.
+  const auto prep = [](const uint8_t* blk) {
+    uint64_t v;
+    std::memcpy(&v, blk + 48, 8);
+    const __m256i s = _mm256_srlv_epi64(_mm256_set1_epi64x(int64_t(v)), _mm256_set_epi64x(9, 3, 6, 0));
+    return BlockCtx{odd16(_mm256_and_si256(s, _mm256_set1_epi16(7))), _mm256_setzero_si256()};
+  };
+  iq_dots<NX, kIq1mBytes>(row, xs, nb, out, 0.125f, prep, [](const uint8_t* blk, int ib, const BlockCtx& ctx) {
     const uint8_t* grid = reinterpret_cast<const uint8_t*>(g_iq1s_grid_x8);
     const uint8_t* qs = blk + 4 * ib;
     const uint32_t h = rd16(blk + 32 + 2 * ib);  // four nibbles: 3 index bits + a delta sign each
@@ -614,8 +655,8 @@ void dot_iq1_m_n(const uint8_t* row, const void* const* xs, int64_t nb, float* o
                                              int64_t(0x8080808080808080), 0x0808080808080808);
     const __m256i bits = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(int32_t(h)), spread), select);
     const __m256i delta = _mm256_or_si256(_mm256_cmpeq_epi8(bits, select), _mm256_set1_epi8(1));
-    const uint32_t sw = rd16(blk + 48 + 2 * (ib / 2)) >> (6 * (ib & 1));
-    return iq1_sub(_mm256_add_epi8(g, delta), two_scales(2 * (sw & 7) + 1, 2 * ((sw >> 3) & 7) + 1));
+    const int at = 4 * (ib & 1) + ib / 2;
+    return iq1_sub(_mm256_add_epi8(g, delta), pick16(ctx.scales, at, at));
   }, [](const uint8_t* blk) { return iq1m_scale(blk + 48); });
 }
 

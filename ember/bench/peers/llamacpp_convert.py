@@ -241,3 +241,51 @@ def quantize_many(gguf_in: str, jobs: dict[str, tuple[str, bool]], threads: int 
     )
     if proc.returncode != 0:
         raise RuntimeError(f"llama.cpp's llama_model_quantize failed on {gguf_in}:\n{proc.stderr[-4000:]}")
+
+
+# IQ / K-quant mixes in the manner of unsloth's dynamic ("UD") GGUFs of MoE models, for benchmark files:
+# llama.cpp's own ftype mix as the base, the experts and attention moved to IQ types by per-tensor overrides
+# (first match wins). What their files hold (llama.cpp's load logs): Qwen3-30B-A3B UD-IQ1_S: ffn_gate/up_exps
+# IQ1_S / IQ1_M / IQ2_XXS, ffn_down_exps IQ2_S / IQ3_XXS, attention IQ3_S / IQ3_XXS / IQ4_XS / Q5_K, token_embd
+# Q4_K, output Q6_K (ggml-org/llama.cpp#14199); Qwen3.8-27B UD-Q2_K_XL: mostly IQ3_XXS, IQ2_S, IQ3_S, IQ2_XXS,
+# IQ2_XS, with Q8_0 on the small SSM matrices and Q2_K..Q6_K here and there (anthony-chaudhary/fak#9820).
+# Their per-layer choices come from an importance matrix over calibration text; these fix one type per role.
+# Rows whose width is not a multiple of 256 (Flash-Next's ffn_down_exps, 640; per_layer_token_embd, 160) take
+# llama.cpp's fallback, a 32-element type (IQ4_NL for the IQ types, Q4_0 for Q2_K / Q3_K).
+_ATTN = r"\.(attn_q|attn_k|attn_v|attn_qkv|attn_gate)\.weight$"
+_ATTN_OUT = r"\.(attn_output|ssm_out)\.weight$"
+MIXES = {
+    "UD-Q2_K_XL": dict(
+        ftype="Q2_K",
+        token_embedding_type="Q4_K",
+        output_tensor_type="Q6_K",
+        overrides={
+            r"\.ffn_down_exps\.weight$": "IQ3_XXS",
+            r"\.ffn_(gate|up)_exps\.weight$": "IQ2_XXS",
+            r"\.ffn_(gate|up|down)_shexp\.weight$": "Q4_K",
+            r"\.ssm_(alpha|beta)\.weight$": "Q8_0",
+            _ATTN: "IQ3_XXS",
+            _ATTN_OUT: "IQ4_XS",
+        },
+    ),
+    "UD-IQ1_S": dict(
+        ftype="IQ1_S",
+        token_embedding_type="Q4_K",
+        output_tensor_type="Q6_K",
+        overrides={
+            r"^blk\.[0-2]\.ffn_(gate|up)_exps\.weight$": "IQ2_XXS",  # the first layers a step up
+            r"\.ffn_down_exps\.weight$": "IQ2_S",
+            r"\.ffn_(gate|up)_exps\.weight$": "IQ1_S",
+            r"\.ffn_(gate|up|down)_shexp\.weight$": "Q4_K",
+            r"\.ssm_(alpha|beta)\.weight$": "Q8_0",
+            _ATTN: "IQ3_S",
+            _ATTN_OUT: "IQ4_XS",
+        },
+    ),
+}
+
+
+def quantize_mix(gguf_in: str, out_path: str, mix: str, threads: int = 0, timeout: float = 7200) -> str:
+    """A MIXES recipe ("UD-Q2_K_XL", "UD-IQ1_S") by llama.cpp's quantizer, with a uniform importance matrix
+    (uniform_imatrix_sizes: the IQ types require one); returns out_path."""
+    return quantize(gguf_in, out_path, threads=threads, timeout=timeout, uniform_imatrix=True, **MIXES[mix])
