@@ -11,19 +11,22 @@
 // order, so they give its values bit for bit (every product there but Q6_K's and IQ4_XS's last is exact, and
 // those two keep gguf-py's order: (d * scale) * code).
 //
-// SIMD. AVX2 (every CPU these builds run on has it; an AVX-512 build runs the same code): weight codes
-// widened to bytes in registers and multiplied by the int8 activations with vpmaddubsw (unsigned codes x
-// signed x, pairs summed to int16; signed codes go through their absolute value and x's sign flipped), then
-// vpmaddwd by the sub-block scales to int32. Where the build has VNNI (AVX512-VNNI + VL, or AVX-VNNI), the
-// one-scale-per-block types (Q8_0, IQ4_NL) use vpdpbusd. Q4_0, Q4_1, Q5_0 and Q5_1 are scalar (rare in the
-// files users run; Q4_0 / Q4_1 / Q5_x have faster tiled paths for dense layers anyway). The scalar dots of every
-// type stay compiled (the op block_gemm_scalar runs them), so tests check the SIMD paths against them here.
+// SIMD. AVX2 (an AVX-512 build runs the same code; a CPU without AVX2 runs the scalar dots): weight codes widened
+// to bytes in registers and multiplied by the int8 activations with vpmaddubsw (unsigned codes x signed x, pairs
+// summed to int16; signed codes go through their absolute value and x's sign flipped), then vpmaddwd by the
+// sub-block scales to int32. Where the build has VNNI (AVX512-VNNI + VL, or AVX-VNNI), the one-scale-per-block
+// types (Q8_0, IQ4_NL) use vpdpbusd. Each SIMD dot also comes in a 4-row form (a weight block unpacked once for
+// 4 rows of x: the GEMM core's), and unpacks packed scales in registers (scalars stored and read back as a
+// vector stall store forwarding). The scalar dots of every type stay compiled (the op block_gemm_scalar runs
+// them), so tests check the SIMD paths against them on any machine.
 //
 // Work split (block_gemm): x is quantized once; the weight's rows go in tiles of kTileRows, and a tile's rows
 // are dotted against up to kMBlock rows of x at a time, a K chunk at a time (kChunkBytes of each weight row),
 // so that the tile's chunk stays in L1 while the rows of x pass over it: each weight byte is read from memory
 // once per kMBlock rows of x. Tasks are (M block, tile) pairs in M-block-major order, so a thread's x block
-// stays in its L2 while it streams tiles.
+// stays in its L2 while it streams tiles. block_moe: slots grouped by expert (a counting sort), gate / up tasks
+// per (expert, tile), h quantized once per slot, then down tasks per tile of H over every chosen expert in
+// ascending order (each output element summed in one order whatever the threads).
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>

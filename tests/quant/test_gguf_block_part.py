@@ -98,3 +98,12 @@ def test_experts_of_other_types_keep_their_parts():
     assert experts.block is None and len(experts.parts13) == 4
     x = torch.randn(2, 256)
     assert experts(x, torch.tensor([[0, 1], [2, 3]]), torch.ones(2, 2)).shape == (2, 256)
+
+
+def test_the_planner_counts_block_types_at_the_files_bytes():
+    from ember.engine.peak_rss import GGUFTensorInfo, held_bytes, needs_copy
+
+    for name, per in (("Q2_K", 84 / 256), ("IQ4_NL", 18 / 32), ("IQ1_S", 50 / 256)):
+        t = GGUFTensorInfo("blk.0.ffn_up.weight", name, 1 << 20, 2)
+        assert held_bytes(t, 4, "tiled", False) == held_bytes(t, 2, "int4", False) == (1 << 20) * per
+        assert not needs_copy(name, "tiled", any_rows=False)  # the kernel serves every row count

@@ -232,6 +232,37 @@ def set_metadata_ints(path: str, key: str, values: list[int], head_bytes: int = 
     return path
 
 
+def quantize_many(gguf_in: str, jobs: dict[str, tuple[str, bool]], threads: int = 0, timeout: float = 1800) -> None:
+    """Several quantize() runs over one file in one child process (one start of Python and llama.cpp instead of
+    one a file: tests that write a file per type). jobs: out_path -> (ftype, uniform_imatrix), as quantize's."""
+    from ember.bench.peers.llamacpp import import_llama_cpp
+
+    import_llama_cpp()
+    sizes = None
+    argvs = []
+    for out_path, (ftype, uniform) in jobs.items():
+        if uniform and sizes is None:
+            sizes = uniform_imatrix_sizes(gguf_in)
+        opts = {"imatrix": sizes if uniform else {}}
+        argvs.append([gguf_in, out_path, ftype.upper(), str(threads), json.dumps(opts)])
+    loop = (
+        "import json, sys\n"
+        f"script = {_QUANTIZE!r}\n"
+        "for argv in json.loads(sys.argv[1]):\n"
+        "    sys.argv = ['-c', *argv]\n"
+        "    try:\n"
+        "        exec(script, {})\n"
+        "    except SystemExit as stop:\n"
+        "        if stop.code:\n"
+        "            sys.exit(f'{argv[2]}: exit {stop.code}')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", loop, json.dumps(argvs)], capture_output=True, text=True, timeout=timeout
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama.cpp's llama_model_quantize failed on {gguf_in}:\n{proc.stderr[-4000:]}")
+
+
 # IQ / K-quant mixes in the manner of unsloth's dynamic ("UD") GGUFs of MoE models, for benchmark files:
 # llama.cpp's own ftype mix as the base, the experts and attention moved to IQ types by per-tensor overrides
 # (first match wins). What their files hold (llama.cpp's load logs): Qwen3-30B-A3B UD-IQ1_S: ffn_gate/up_exps
