@@ -1,7 +1,9 @@
 """Micro-benchmark of one qwen4_exp sparse (QSA) attention layer's decode step on CPU: the selection in
 index form plus the C++ selected-block kernel (what QSAGatedAttention._sparse runs) against the torch masked
 path it replaced (QSAIndexer.select's [1, N] mask, then masked_attention over the sequence's gathered K/V),
-and each half alone.
+and each half alone; then the selection alone (select_blocks) with the torch scoring and top-k against the C++
+one (ember.kernels.cpu_qsa_scoring, CpuKernels.qsa_scoring), for the decode row and for a prefill chunk of the
+sequence's last PREFILL rows (default 2,000, at most N).
 
 The release's attention shapes by default: 24 query heads over 2 kv heads of 256, an indexer of 4 heads x
 128, ratio 4, bf16 KV in pages of 16 placed in random order, one sequence of N tokens (random values: the
@@ -9,6 +11,7 @@ selection's cost does not depend on them). Medians of REPS alternating passes, m
 
     .venv/bin/python benchmarks/micro_qsa_attention.py                  # N=2000 BUDGET=512 THREADS=2
     N=8000 BUDGET=2048 .venv/bin/python benchmarks/micro_qsa_attention.py
+    N=4000 PREFILL=2000 .venv/bin/python benchmarks/micro_qsa_attention.py
 """
 
 import os
@@ -17,7 +20,7 @@ import time
 import torch
 
 from ember.config.model_config import IndexerConfig, RopeConfig
-from ember.kernels import cpu_qsa_attention
+from ember.kernels import cpu_qsa_attention, cpu_qsa_scoring
 from ember.kernels.metadata import AttentionMetadata
 from ember.layers.qsa import QSAIndexer, masked_attention, selected_attention, sequence_slots
 from ember.layers.rotary import RotaryEmbedding
@@ -25,7 +28,8 @@ from ember.layers.rotary import RotaryEmbedding
 torch.set_num_threads(int(os.environ.get("THREADS", 2)))
 N, BUDGET, REPS = int(os.environ.get("N", 2000)), int(os.environ.get("BUDGET", 512)), int(os.environ.get("REPS", 21))
 HQ, HKV, D, IH, ID, BS, DT = 24, 2, 256, 4, 128, 16, torch.bfloat16
-assert cpu_qsa_attention.available(), "the kernel did not build here"
+PREFILL = min(N, int(os.environ.get("PREFILL", 2000)))
+assert cpu_qsa_attention.available() and cpu_qsa_scoring.available(), "the kernels did not build here"
 g = torch.Generator().manual_seed(0)
 pages = -(-N // BS)
 cache = torch.randn(2, pages + 4, BS, HKV, D, generator=g).to(DT)
@@ -50,7 +54,18 @@ def old_attend(mask):
 
 
 def new_select():
+    ix.cpu_scoring = True
     return ix.select_blocks(iq, meta, cos_sin)
+
+
+def torch_select_blocks(q_rows, m):
+    ix.cpu_scoring = False
+    return ix.select_blocks(q_rows, m, cos_sin)
+
+
+def kernel_select_blocks(q_rows, m):
+    ix.cpu_scoring = True
+    return ix.select_blocks(q_rows, m, cos_sin)
 
 
 def new_attend(sel):
@@ -65,12 +80,23 @@ cases = {
     "index form + C++ kernel (select_blocks + selected_attention)": lambda: new_attend(new_select()),
     "  torch: select (mask)": old_select,
     "  torch: masked_attention": lambda: old_attend(mask),
-    "  select_blocks (index form)": new_select,
+    "  select_blocks (index form, C++ scoring)": new_select,
     "  C++ kernel": lambda: new_attend(sel),
+    "  select_blocks, torch scoring + top-k (decode row)": lambda: torch_select_blocks(iq, meta),
+    "  select_blocks, C++ scoring + top-k (decode row)": lambda: kernel_select_blocks(iq, meta),
 }
+# a prefill chunk: the sequence's last PREFILL rows in one step (the selection only; its attention is the same kernel)
+meta_p = AttentionMetadata(torch.zeros(PREFILL, dtype=torch.int64), torch.tensor([0, PREFILL], dtype=torch.int32),
+                           torch.tensor([N], dtype=torch.int32), table, BS, [PREFILL], [N], PREFILL, N)  # fmt: skip
+iq_p = torch.randn(PREFILL, IH, ID, generator=g).to(DT)
+assert torch.equal(torch_select_blocks(iq_p, meta_p).blocks, kernel_select_blocks(iq_p, meta_p).blocks)
+cases[f"  select_blocks, torch scoring + top-k ({PREFILL} prefill rows)"] = lambda: torch_select_blocks(iq_p, meta_p)
+cases[f"  select_blocks, C++ scoring + top-k ({PREFILL} prefill rows)"] = lambda: kernel_select_blocks(iq_p, meta_p)
 times = {name: [] for name in cases}
 for rep in range(REPS + 2):
     for name, fn in cases.items():
+        if "prefill" in name and rep % 4:  # a quarter of the passes: each is ~100x a decode's
+            continue
         t = time.perf_counter()
         fn()
         if rep >= 2:

@@ -69,6 +69,14 @@ Sections and rows (in run order; names are the same in both modes, toy sizes say
             prefill rows run with a proposer that drafts nothing); prefill tok/s = prompt / TTFT of a
             fresh 2K prompt (and 32K for the 0.8B), the engine's chunked prefill (2,048 a step),
             best of 2 after a 2K warmup. Expected ~150 s on an H200 (cap 200 s).
+  flash-next  Qwen3.8-Flash-Next's layer shape (qwen4_exp: hyper-connections, PLE on one layer, QSA, 10 of 128
+            experts + a shared one; 4 of its 48 layers, the real vocabulary; FLASH_NEXT), random bf16 from
+            transformers: build, then decode tok/s at batch 1 (eager; 64 new tokens after a 32-token prompt) with
+            every expert on the card, with --n-cpu-moe 2 (the first 2 MoE layers' experts in host memory, mapped
+            from the folder and run on the CPU, no hot cache) and with --n-cpu-moe 2 and the hot-expert cache
+            (sized from what the KV pool leaves); notes: the placement, the cache's hit rate, and how many of
+            16 greedy tokens equal the all-on-card run's (host experts run in another precision path: a
+            random model may part ways). Expected ~90 s on an H200 (cap 150 s): --only env,flash-next.
 
 Time budget: the whole run must finish within 8 minutes on an H200 (--budget-s 480). Each
 section has a cap (SECTION_CAPS); a step that would start past its section's cap or the total
@@ -123,7 +131,8 @@ SECTION_CAPS = {
     "qwen3-8b-awq": 75,
     "qwen3-30b-a3b": 75,
     "hybrid": 200,
-}  # seconds; sum 735 > 480, the total budget rules (--only env,kernels,hybrid: 295)
+    "flash-next": 150,
+}  # seconds; sum 885 > 480, the total budget rules (--only env,kernels,hybrid: 295; --only env,flash-next: 170)
 SECTIONS = list(SECTION_CAPS)
 PROMPT_LEN = 32
 HYBRID_NEW_TOKENS = 8 if SMOKE else 64
@@ -1497,6 +1506,216 @@ def section_hybrid(sec: Section, ctx: dict) -> None:
             shutil.rmtree(root, ignore_errors=True)
 
 
+# -- Flash-Next: experts beside the card ---------------------------------------------------------
+
+# Qwen3.8-Flash-Next's layer shape (qwen4_exp: hyper-connections, PLE, QSA, MoE with a shared expert), 4 of its
+# 48 layers (3 Gated DeltaNet + 1 QSA attention, PLE on layer 2) and 128 of its 512 experts (top-10), the full
+# vocabulary; its n-gram table ~0.5 GB (the release's is 102 GB, read by row either way). 7.7 GB of bf16.
+FLASH_NEXT = dict(
+    vocab_size=248320,
+    hidden_size=2560,
+    num_hidden_layers=4,
+    layer_types=[LIN] * 3 + [FULL],
+    num_attention_heads=24,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=48,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    num_experts=128,
+    num_experts_per_tok=10,
+    moe_intermediate_size=640,
+    shared_expert_intermediate_size=640,
+    norm_topk_prob=True,
+    hc_count=4,
+    hc_lowrank=320,
+    ple_layer_ids=[2],
+    ple_embed_dim=2560,
+    ple_conv_kernel_size=4,
+    ngram_size=3,
+    heads_per_ngram=8,
+    ngram_vocab_size_base=100_000,
+    make_ngram_vocab_size_divisible_by=128,
+    split_ngram_parts=4,
+    seed=1234,
+    indexer_n_heads=4,
+    indexer_kv_heads=1,
+    indexer_head_dim=128,
+    indexer_budget=2048,
+    indexer_compress_ratio=4,
+    rope_parameters=dict(
+        rope_type="default",
+        rope_theta=1e7,
+        partial_rotary_factor=0.25,
+        mrope_section=[11, 11, 10],
+        mrope_interleaved=True,
+    ),
+    max_position_embeddings=262144,
+    output_gate_type="sigmoid",
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    eos_token_id=1,
+)
+FLASH_NEXT_TOY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    num_attention_heads=4,
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=6,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+    hc_lowrank=16,
+    ple_embed_dim=64,
+    heads_per_ngram=2,
+    ngram_vocab_size_base=1000,
+    indexer_n_heads=2,
+    indexer_head_dim=16,
+    indexer_budget=64,
+    rope_parameters=dict(
+        rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25, mrope_section=[2, 1, 1], mrope_interleaved=True
+    ),
+    max_position_embeddings=4096,
+)
+FLASH_NEXT_LABEL = "Flash-Next (4/48 layers, 128/512 experts)"
+FLASH_NEXT_NEW_TOKENS = 8 if SMOKE else 64
+# (row, engine knobs): every expert on the card; the first 2 MoE layers' experts in host memory (mapped, run on
+# the CPU kernels) with no hot cache; and with the hot-expert cache (on CUDA: what the KV pool leaves; the
+# smoke's CPU "device" has none by default, so it is given 4 experts' worth)
+FLASH_NEXT_RUNS = (
+    ("all on the card", {}),
+    ("--n-cpu-moe 2", dict(n_cpu_moe=2, moe_hot_cache_memory=0)),
+    (
+        "--n-cpu-moe 2 + hot cache",
+        dict(n_cpu_moe=2, moe_hot_cache_memory=4.5 * 3 * 64 * 32 * 2 / 2**30 if SMOKE else None),
+    ),
+)
+
+
+def flash_next_cases() -> list[str]:
+    return [f"{FLASH_NEXT_LABEL} build"] + [f"{FLASH_NEXT_LABEL} decode {name} b1" for name, _ in FLASH_NEXT_RUNS]
+
+
+def build_flash_next(dev: torch.device) -> tuple[str, str]:
+    """(HF folder, scratch folder): a random qwen4_exp of FLASH_NEXT's shape drawn by transformers on the device
+    (weights N(0, 0.02), norms zero: identity), with random_model's word-level tokenizer."""
+    import transformers
+
+    from ember.bench.lib.random_model import scratch_dir, write_tokenizer
+
+    shape = dict(FLASH_NEXT, **(FLASH_NEXT_TOY if SMOKE else {}))
+    root = scratch_dir(12 << 30)
+    try:
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with torch.device(dev):
+                model = transformers.Qwen4ExpForCausalLM(transformers.Qwen4ExpTextConfig(**shape)).eval()
+        finally:
+            torch.set_default_dtype(default)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.zero_() if "norm" in name else p.normal_(0.0, 0.02)
+        path = os.path.join(root, "hf")
+        model.save_pretrained(path)
+        write_tokenizer(path, shape["vocab_size"])
+        return path, root
+    except BaseException:
+        shutil.rmtree(root, ignore_errors=True)
+        raise
+
+
+def placement_note(llm) -> str:
+    """Where the run's experts were: host layers, their mapped bytes, the hot cache's slots and hit rate."""
+    loaded = llm.engine.parts.loaded
+    placement = loaded.placement
+    if placement is None or not placement.host_layers:
+        return "every expert on the device; "
+    note = f"experts of MoE layers {sorted(placement.host_layers)} in host memory ({loaded.mapped_expert_bytes / 1e6:.1f} MB mapped)"
+    cache = placement.hot_cache
+    if cache is not None and cache.capacity:
+        st = cache.stats()
+        note += f"; hot cache {st['slots']} experts, hit rate {st['hit_rate']:.2f} ({st['hits']} / {st['hits'] + st['misses']})"
+    return note + "; "
+
+
+def flash_next_run(sec: Section, ctx: dict, path: str, name: str, knobs: dict, prompt: list[int], want: list | None):
+    """One engine of the section: its decode row; returns its greedy tokens of `prompt`."""
+    from ember.sampling import SamplingParams
+
+    case, vocab = f"{FLASH_NEXT_LABEL} decode {name} b1", (FLASH_NEXT_TOY if SMOKE else FLASH_NEXT)["vocab_size"]
+    llm = engine_ref = None
+    try:
+        t = time.monotonic()
+        llm = make_llm(path, ctx, enforce_eager=True, max_model_len=2048, max_num_seqs=4, **knobs)
+        engine_ref, load_s = weakref.ref(llm.engine), time.monotonic() - t
+        greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        tokens = llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)[0].outputs[0].token_ids
+        decode_rate(llm, 1, 4, vocab, seed=101)  # warmup
+        steady, mean, steps = decode_rate(llm, 1, FLASH_NEXT_NEW_TOKENS, vocab, seed=1)
+        agree = (
+            ""
+            if want is None
+            else f"greedy tokens = all on the card's: {sum(a == b for a, b in zip(tokens, want))}/16; "
+        )
+        sec.add(
+            case,
+            "ok",
+            f"{steady:.1f} tok/s (mean {mean:.1f})",
+            f"{placement_note(llm)}{agree}{steps} steps; eager; engine built in {load_s:.1f} s"
+            + ("; cpu-smoke: toy shape" if SMOKE else ""),
+            tok_s=steady,
+            mean_tok_s=mean,
+            engine_s=load_s,
+        )
+        return tokens
+    except Exception as e:
+        sec.add(case, "error", notes=f"engine: {_err(e)}")
+        traceback.print_exc()
+        return None
+    finally:
+        if llm is not None:
+            llm.engine.shutdown()
+        del llm
+        if engine_ref is not None:
+            check_freed(sec, engine_ref, f"Flash-Next {name}")
+        free_memory()
+
+
+def section_flash_next(sec: Section, ctx: dict) -> None:
+    """The Flash-Next shape built once, then one engine a placement: all on the card, --n-cpu-moe, the hot cache."""
+    cases = flash_next_cases()
+    if sec.skip_if_over(*cases):
+        return
+    t = time.monotonic()
+    try:
+        path, root = build_flash_next(ctx["device"])
+        free_memory()
+        sec.add(cases[0], "ok", f"{folder_bytes(path) / 1e9:.2f} GB in {time.monotonic() - t:.1f} s", f"in {path}")
+    except Exception as e:
+        for c in cases:
+            sec.add(c, "error", notes=f"build: {_err(e)}")
+        traceback.print_exc()
+        return
+    try:
+        vocab = (FLASH_NEXT_TOY if SMOKE else FLASH_NEXT)["vocab_size"]
+        prompt = torch.randint(3, vocab, (PROMPT_LEN,), generator=torch.Generator().manual_seed(7)).tolist()
+        want = None
+        for (name, knobs), case in zip(FLASH_NEXT_RUNS, cases[1:]):
+            if sec.skip_if_over(case):
+                continue
+            tokens = flash_next_run(sec, ctx, path, name, knobs, prompt, want)
+            want = want if want is not None else tokens
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 # -- main ------------------------------------------------------------------------------------
 
 
@@ -1511,6 +1730,8 @@ def planned(name: str) -> list[str]:
         return list(TTFT_CASES)
     if name == "hybrid":
         return [c for key in HYBRIDS for c in hybrid_cases(key)]
+    if name == "flash-next":
+        return flash_next_cases()
     return model_cases(name)
 
 
@@ -1567,6 +1788,8 @@ def main(argv=None) -> int:
                 section_ttft(sec, ctx)
             elif name == "hybrid":
                 section_hybrid(sec, ctx)
+            elif name == "flash-next":
+                section_flash_next(sec, ctx)
             else:
                 section_model(sec, ctx, name)
         except Exception as e:

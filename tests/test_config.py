@@ -87,6 +87,7 @@ def test_cpu_kernels_follow_the_flags():
         fused_elementwise=False,
         gated_delta_net=False,
         fp8_gemv=False,
+        block_gemv=False,
         int8_decode=None,
         int4_dense_copy=None,
     )

@@ -247,4 +247,68 @@ def test_the_released_qwen4_exp_on_a_24_gb_card(tmp_path):
     assert p.kv_bytes_per_token == 24 * 1024 + 3 * 1024
     assert p.state_bytes_per_seq == pytest.approx(115.6e6, rel=0.001)
     text = planner.format_plan(p)
-    assert "read by row from the file" in text and "the experts would stay in host memory" in text
+    assert "read by row from the file" in text
+    assert 0 < p.n_cpu_moe_to_fit < 48 and f"fits the model with --n-cpu-moe {p.n_cpu_moe_to_fit}" in text
+
+
+def release_plan(tmp_path, card_gib: float, host_gib: float, **flags) -> planner.Plan:
+    config = EngineConfig(
+        model=release_qwen4_config(tmp_path), device="cuda", max_model_len=32768, max_num_seqs=4, **flags
+    )
+    return planner.plan(config, memory_gib=card_gib, host_memory_gib=host_gib)
+
+
+def test_the_release_on_24_and_32_gb_cards_with_its_experts_in_host_memory(tmp_path):
+    """The release at ~4 bits (the AWQ what-if: 0.52 B a weight, as the Q4 files users run) on the common target,
+    a 24-32 GB card and 64-128 GB of RAM (qwen4exp.md section 8): with --cpu-moe the card holds 2.7 GB of weights
+    and the rest of its budget goes to KV and the hot-expert cache; 128 GB of RAM holds the 64.7 GB of experts,
+    64 GB does not (it needs ~2-bit experts); a 32 GB card takes 14 of the 48 MoE layers' experts itself."""
+    p = release_plan(tmp_path, 24, 128, quantization="awq", cpu_moe=True)
+    assert p.fits and p.host_fits and (p.moe_layers, p.host_moe_layers) == (48, 48)
+    assert p.host_expert_bytes == pytest.approx(64.7e9, rel=0.01)
+    assert p.weight_bytes - p.expert_weight_bytes == pytest.approx(2.65e9, rel=0.01)
+    assert p.hot_cache_bytes > 10e9 and p.pool_tokens >= 4 * 32768
+    text = planner.format_plan(p)
+    assert "experts in host memory" in text and "holds them" in text and "hot-expert cache" in text
+
+    small_host = release_plan(tmp_path, 24, 64, quantization="awq", cpu_moe=True)
+    assert not small_host.host_fits and not small_host.fits
+    assert "CANNOT hold them" in planner.format_plan(small_host)
+
+    card32 = release_plan(tmp_path, 32, 128, quantization="awq")
+    n = card32.n_cpu_moe_to_fit
+    assert not card32.fits and 30 <= n < 48
+    assert release_plan(tmp_path, 32, 128, quantization="awq", n_cpu_moe=n).fits
+    assert not release_plan(tmp_path, 32, 128, quantization="awq", n_cpu_moe=n - 1).fits
+
+    bf16 = release_plan(tmp_path, 24, 128, cpu_moe=True)  # 241.6 GB of bf16 experts: no host holds them
+    assert not bf16.host_fits and bf16.host_expert_bytes == pytest.approx(241.6e9, rel=0.01)
+
+
+def test_cli_plans_the_host_side_with_llama_cpps_flag(tmp_path, capsys):
+    path = release_qwen4_config(tmp_path)
+    args = ["plan", path, "--device", "cuda", "--memory", "32", "--host-memory", "128", "--quantization", "awq"]
+    args += ["--max-model-len", "32768", "--max-num-seqs", "4"]
+    assert main([*args, "-ncmoe", "40", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert (p["host_moe_layers"], p["moe_layers"], p["host_fits"], p["fits"]) == (40, 48, True, True)
+
+
+def test_a_gguf_files_host_experts_are_its_own_expert_tensors(tmp_path):
+    """--n-cpu-moe 1 on a GGUF: the host holds blk.0's three _exps tensors at their file bytes, the CPU peak RSS
+    counts them as mapped (whole) and leaves them out of the resident weights; a hot cache asked for on CPU is
+    a part of its own."""
+    from gguf import GGUFReader
+
+    from tests.models.tiny_moe_gguf import tiny_moe_gguf
+
+    path = tiny_moe_gguf(str(tmp_path / "moe.gguf"))
+    exps = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors if "_exps" in t.name}
+    layer0 = sum(v for k, v in exps.items() if k.startswith("blk.0."))
+    flags = dict(model=path, device="cpu", kv_cache_memory=0.02, max_model_len=256, executor="eager")
+    whole = planner.plan(EngineConfig(**flags))
+    split = planner.plan(EngineConfig(n_cpu_moe=1, moe_hot_cache_memory=0.001, **flags))
+    assert (split.moe_layers, split.host_moe_layers, split.host_expert_bytes) == (2, 1, layer0)
+    assert split.peak_rss_parts["mapped experts"] == layer0 and split.peak_rss_parts["hot cache"] == 2**30 // 1000
+    assert split.peak_rss_parts["weights"] < whole.peak_rss_parts["weights"]
+    assert not whole.host_moe_layers and "mapped experts" not in planner.format_plan(whole)

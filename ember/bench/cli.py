@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ember.bench.commands import (
     compare,
+    flash,
     gdn_prefill,
     hybrid,
     latency,
@@ -34,6 +35,7 @@ COMMANDS = [
     tp,
     compare,
     hybrid,
+    flash,
     gdn_prefill,
     matrix,
     readme_table,

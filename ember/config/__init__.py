@@ -21,6 +21,7 @@ from ember.config.groups import (
     KernelConfig,
     LoadConfig,
     ParallelConfig,
+    PlacementConfig,
     SchedulerConfig,
 )
 from ember.config.speculative import SpeculativeConfig
@@ -34,6 +35,7 @@ __all__ = [
     "ExecutorConfig",
     "KernelConfig",
     "ParallelConfig",
+    "PlacementConfig",
     "SpeculativeConfig",
     "ATTENTION_BACKENDS",
     "COMPILE_DEFAULTS",

@@ -63,12 +63,14 @@ RENAMED = {
     "--speculative-draft-model-path": ("speculative_model", "SGLang"),
     "--speculative-num-steps": ("num_speculative_tokens", "SGLang"),
     "--decode-kernel": ("attention_backend", "an older guide"),
+    "-ncmoe": ("n_cpu_moe", "llama.cpp"),
 }
 # alias without a value -> (field, the value it sets, whose name it is)
 SWITCHES = {
     "--multi-token-prediction": ("enable_mtp", True, "an older guide"),
     "--disable-radix-cache": ("enable_prefix_caching", False, "SGLang"),
     "--disable-cuda-graph": ("enforce_eager", True, "SGLang"),
+    "-cmoe": ("cpu_moe", True, "llama.cpp"),
 }
 
 

@@ -24,6 +24,7 @@ GROUP_TITLES = {
     "executor": "executor",
     "kernels": "kernels",
     "parallel": "parallelism",
+    "placement": "placement (experts and tables in host memory beside a device)",
     "speculative": "speculative decoding",
     "structured": "structured outputs and reasoning",
 }

@@ -12,6 +12,7 @@ validates every flag and groups them (vLLM's EngineArgs -> VllmConfig in one ste
     executor_config   executor (enforce_eager folded in), cuda_graph_max_batch_size, compilation_config
     kernel_config     attention_backend, num_threads, the --cpu-* switches, int8_decode, int4_dense_copy
     parallel_config   tensor_parallel_size
+    placement_config  cpu_moe, n_cpu_moe, moe_hot_cache_memory, ple_offload
     speculative       SpeculativeConfig, or None: six spellings of "speculate" folded into one
     structured        reasoning_parser, structured_outputs_config (read as they are)
 
@@ -41,6 +42,7 @@ from ember.config.groups import (
     KernelConfig,
     LoadConfig,
     ParallelConfig,
+    PlacementConfig,
     SchedulerConfig,
     check_reasoning_parser,
     need,
@@ -203,6 +205,12 @@ class EngineConfig:
         "CPU (AVX2 + FMA + F16C): an FP8 checkpoint's block-scaled e4m3 weights decoded a tile at a time in a C++ "
         "GEMV (1 byte a weight per decode step); off = the torch reference, which dequantizes a layer per call",
     )
+    cpu_block_gemv: bool = flag(
+        True,
+        "kernels",
+        "CPU: a GGUF file's Q2_K, Q3_K and IQ matrices (and its MoE experts of those types) stay the file's own "
+        "blocks for a C++ GEMV that rounds x to int8 per block as llama.cpp does; off = dequantized to dense at load",
+    )
     int8_decode: bool | None = flag(
         None,
         "kernels",
@@ -218,6 +226,31 @@ class EngineConfig:
     )
     # -- parallel
     tensor_parallel_size: int = flag(1, "parallel", "number of devices to shard the model over")
+    # -- placement
+    cpu_moe: bool = flag(
+        False,
+        "placement",
+        "keep every MoE layer's routed experts in host memory, mapped from the file (read only where a step "
+        "chooses them) and run on the CPU kernels (llama.cpp's --cpu-moe)",
+    )
+    n_cpu_moe: int | None = flag(
+        None,
+        "placement",
+        "keep the routed experts of the first N MoE layers in host memory (as --cpu-moe), the rest on the device "
+        "(llama.cpp's --n-cpu-moe)",
+    )
+    moe_hot_cache_memory: float | None = flag(
+        None,
+        "placement",
+        "GiB of the device for copies of the most used experts of the layers kept in host memory (an LRU per "
+        "layer and expert); default: what the KV cache leaves on CUDA, none on CPU; 0 = none",
+    )
+    ple_offload: bool | None = flag(
+        None,
+        "placement",
+        "qwen4_exp: keep the n-gram table in host memory (the file) and copy each step's rows into its input; "
+        "default: on where the table does not fit the device (on CPU: always)",
+    )
     # -- speculative
     speculative_config: dict[str, Any] | None = flag(
         None,
@@ -277,6 +310,7 @@ class EngineConfig:
     executor_config: ExecutorConfig = _derived()
     kernel_config: KernelConfig = _derived()
     parallel_config: ParallelConfig = _derived()
+    placement_config: PlacementConfig = _derived()
     speculative: SpeculativeConfig | None = _derived()
 
     def __post_init__(self) -> None:
@@ -335,6 +369,7 @@ class EngineConfig:
             fused_elementwise=self.cpu_fused_elementwise,
             gated_delta_net=self.cpu_gated_delta_net,
             fp8_gemv=self.cpu_fp8_gemv,
+            block_gemv=self.cpu_block_gemv,
             int8_decode=self.int8_decode,
             int4_dense_copy=self.int4_dense_copy,
         )
@@ -361,6 +396,7 @@ class EngineConfig:
             enable_chunked_prefill=self.enable_chunked_prefill,
         )
         self.parallel_config = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size)
+        self._build_placement()
         self.speculative = resolve_speculative_config(self)  # None = no speculation
         self._check_structured()
         need(
@@ -384,6 +420,19 @@ class EngineConfig:
                 "--compilation-config configures --executor compiled (and auto, which compiles on CPU in the "
                 f"background); it contradicts --executor {self.executor_config.executor}: drop one of them",
             )
+
+    def _build_placement(self) -> None:
+        self.placement_config = PlacementConfig(
+            cpu_moe=self.cpu_moe,
+            n_cpu_moe=self.n_cpu_moe,
+            moe_hot_cache_memory=self.moe_hot_cache_memory,
+            ple_offload=self.ple_offload,
+        )
+        need(
+            not (self.placement_config.keeps_experts_on_host and self.tensor_parallel_size > 1),
+            "--cpu-moe / --n-cpu-moe keep experts in one host's memory; they do not combine with "
+            "--tensor-parallel-size > 1: drop one of them",
+        )
 
     def _check_structured(self) -> None:
         check_reasoning_parser(self.reasoning_parser)

@@ -251,6 +251,7 @@ class KernelConfig:
     fused_elementwise: bool  # RMSNorm, SiLU*up and RoPE in one pass each (bf16)
     gated_delta_net: bool  # Gated DeltaNet decode / verify steps in fused C++ kernels (hybrid models)
     fp8_gemv: bool  # an FP8 checkpoint's block-scaled e4m3 weights in a C++ GEMV (cpu_fp8_gemv)
+    block_gemv: bool  # GGUF types with no tiled form (Q2_K, Q3_K, IQ*) and MoE experts on the file's blocks
     int8_decode: bool | None  # an int8 copy of dense weights for decode (None: auto)
     int4_dense_copy: bool | None  # a dense copy of packed weights for many-row steps (None: auto)
 
@@ -270,3 +271,48 @@ class ParallelConfig:
             isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
             f"--tensor-parallel-size must be an integer >= 1 (got {self.tensor_parallel_size!r})",
         )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlacementConfig:
+    """Where a MoE model's routed experts and qwen4_exp's n-gram table live (ember.layers.expert_placement):
+    llama.cpp's --cpu-moe (every MoE layer's experts in host memory) and --n-cpu-moe N (the first N MoE
+    layers'), the device's hot-expert cache, and --ple-offload. What depends on the model (does it have MoE
+    layers, a table) is checked at start, once its config is read."""
+
+    cpu_moe: bool
+    n_cpu_moe: int | None
+    moe_hot_cache_memory: float | None  # GiB; None: what the KV cache leaves on CUDA, none on CPU
+    ple_offload: bool | None  # None: offload where the table does not fit the device
+
+    def __post_init__(self) -> None:
+        if self.n_cpu_moe is not None:
+            need(
+                isinstance(self.n_cpu_moe, int) and self.n_cpu_moe >= 0,
+                f"--n-cpu-moe takes a number of MoE layers >= 0 (got {self.n_cpu_moe!r})",
+            )
+        need(
+            not (self.cpu_moe and self.n_cpu_moe is not None),
+            f"--cpu-moe keeps every MoE layer's experts in host memory and --n-cpu-moe {self.n_cpu_moe} the first "
+            f"{self.n_cpu_moe}: give one of them",
+        )
+        if self.moe_hot_cache_memory is not None:
+            need(
+                self.moe_hot_cache_memory >= 0,
+                f"--moe-hot-cache-memory must be >= 0 GiB (got {self.moe_hot_cache_memory})",
+            )
+            need(
+                self.moe_hot_cache_memory == 0 or self.keeps_experts_on_host,
+                "--moe-hot-cache-memory sizes the device's cache of experts kept in host memory; "
+                "pass --cpu-moe or --n-cpu-moe N with it",
+            )
+
+    @property
+    def keeps_experts_on_host(self) -> bool:
+        return self.cpu_moe or bool(self.n_cpu_moe)
+
+    def host_moe_layers(self, num_moe_layers: int) -> int:
+        """How many of the model's MoE layers (the first ones) keep their experts in host memory."""
+        if self.cpu_moe:
+            return num_moe_layers
+        return min(self.n_cpu_moe or 0, num_moe_layers)

@@ -27,6 +27,10 @@ and the largest step's transients:
                 in a server that has run that many requests); AOTInductor packages (every linear
                 packed) cost PACKAGE_BYTES_PER_SIZE a size loaded, once built (the process that builds
                 them holds inductor's compile for a while: a first start's peak, not a restart's)
+  mapped experts  --cpu-moe / --n-cpu-moe: the host layers' experts stay in the file's mapping and their
+                pages come in as steps choose them; a decode over a long prompt touches nearly all, so they
+                count whole at the file's bytes (and leave the weights above)
+  hot cache     --moe-hot-cache-memory on CPU: the cache's slots, allocated beside the pool
 
 The constants were measured on the bench machine (2 Xeon cores, torch 2.13 CPU) with
 /proc/self/status at each start-up stage; docs/tuning.md ("Peak RSS") has the figures. The test
@@ -35,6 +39,7 @@ The constants were measured on the bench machine (2 Xeon cores, torch 2.13 CPU) 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 MiB = 1 << 20
@@ -105,10 +110,12 @@ class PeakRss:
     state_pool: int
     step: int
     compile: int
+    mapped_experts: int = 0  # experts kept in host memory: the file's pages, counted whole (ember.engine.expert_plan)
+    hot_cache: int = 0  # a hot-expert cache allocated beside the pool (--moe-hot-cache-memory on CPU)
 
     @property
     def total(self) -> int:
-        return self.process + self.weights + self.dense_copy + self.kv_pool + self.state_pool + self.step + self.compile
+        return sum(v for _, v in self.parts())
 
     def parts(self) -> list[tuple[str, int]]:
         return [
@@ -119,6 +126,8 @@ class PeakRss:
             ("state pool", self.state_pool),
             ("step", self.step),
             ("compile", self.compile),
+            ("mapped experts", self.mapped_experts),
+            ("hot cache", self.hot_cache),
         ]
 
 
@@ -147,8 +156,21 @@ def held_bytes(t: GGUFTensorInfo, dtype_bytes: int, kind: str, lookup_only: bool
     if t.type_name == "Q6_K":
         native = lookup_only or kind == "tiled"  # the tiled GEMV's Q6_K tiles (both builds)
         return t.elements * (Q6K_FILE_BYTES if native else Q6K_HELD_BYTES[dtype_bytes])
+    if t.type_name in block_file_bytes():  # a BlockPart: the file's own blocks (block kernel: any x86 CPU)
+        return t.elements * block_file_bytes()[t.type_name]
     per = HELD_BYTES_PER_WEIGHT[kind].get(t.type_name)
     return t.elements * (per if per is not None else dtype_bytes)  # others are dequantized at load
+
+
+@functools.cache
+def block_file_bytes() -> dict[str, float]:
+    """Bytes a weight of the types the GGUF methods keep as the file's blocks (gguf_block_part.BLOCK_TYPES)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from ember.quant.gguf_block_part import BLOCK_TYPE_NAMES
+
+    return {n: GGML_QUANT_SIZES[GGMLQuantizationType[n]][1] / GGML_QUANT_SIZES[GGMLQuantizationType[n]][0]
+            for n in BLOCK_TYPE_NAMES}  # fmt: skip
 
 
 def gguf_weight_bytes(tensors: list[GGUFTensorInfo], dtype_bytes: int, tied: bool, half_weights: bool = True) -> int:
@@ -160,7 +182,7 @@ def needs_copy(type_name: str, kind: str, any_rows: bool) -> bool:
     """Whether a packed GGUF matrix of this type loses to a dense GEMM at many rows (so gets a copy).
     any_rows: the tiled layout's kernel serves every row count (its int8-x path, or the AVX2 build)."""
     if type_name in FLOAT_TYPES or not (type_name == "Q6_K" or type_name in HELD_BYTES_PER_WEIGHT[kind]):
-        return False  # dense as loaded (floats, and the types dequantized at load)
+        return False  # dense as loaded (floats, types dequantized at load), or a BlockPart (any row count)
     return not (kind == "tiled" and any_rows)  # torch's int4 kernel (Int4Part, Q6KPart) loses at many rows
 
 

@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 
 from ember.config import EngineConfig
 from ember.config.model_config import ModelConfig
+from ember.engine import expert_plan
 from ember.errors import ConfigError, KVCacheTooSmallError, ModelLoadError, UnsupportedModelError
 from ember.platform import available_ram_bytes, resolve_dtype_name, resolve_kv_cache_dtype_name
 
@@ -409,6 +410,18 @@ class Plan:
     mapped_weight_bytes: int = 0
     # the routed experts' part of weight_bytes (what host memory would hold beside a card)
     expert_weight_bytes: int = 0
+    # --cpu-moe / --n-cpu-moe (ember.engine.expert_plan): the MoE layers, how many keep their experts in host
+    # memory (mapped from the file: host_expert_bytes, counted whole, as a long decode touches nearly all), the
+    # device's hot-expert cache, the host's memory and whether the host side fits it
+    moe_layers: int = 0
+    host_moe_layers: int = 0
+    host_expert_bytes: int = 0
+    hot_cache_bytes: int = 0
+    host_memory_bytes: int = 0
+    host_fits: bool = True
+    # the fewest first MoE layers to keep in host memory for the device to fit (None: not even all of them)
+    n_cpu_moe_to_fit: int | None = 0
+    hot_cache_slot_bytes: int = 0  # one expert's dense copy in the cache
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -424,14 +437,15 @@ def default_memory_gib(device: str) -> float:
     return available_ram_bytes() / GiB
 
 
-def plan(config: EngineConfig, memory_gib: float | None = None) -> Plan:
+def plan(config: EngineConfig, memory_gib: float | None = None, host_memory_gib: float | None = None) -> Plan:
     """The memory plan of an engine started with these flags, without loading the model.
 
     --device auto plans for CUDA (a plan is for the card the model will run on; --device cpu plans
     against this machine's RAM). memory_gib: the device's memory (None: the CUDA device's, or the
     available RAM). Speculation counts as the engine would run it: an MTP proposer's layers (the
     model's own, or a separate MTP folder's; the default model's trained head by default) join the
-    KV pool, a draft model's layers join it too (same blocks) and its weights the total."""
+    KV pool, a draft model's layers join it too (same blocks) and its weights the total. host_memory_gib: the
+    host's memory beside a card (None: the available RAM), which holds experts kept there (--cpu-moe)."""
     device = "cuda" if config.device == "auto" else config.device
     tp = config.tensor_parallel_size
     src = load_source(config.model)
@@ -440,33 +454,32 @@ def plan(config: EngineConfig, memory_gib: float | None = None) -> Plan:
     dtype = resolve_dtype_name(config.dtype, device)
     b = DTYPE_BYTES[dtype]
     quant = "half" if half_weights_held(config, src, quant, device, b) else quant
-    spec = config.speculative
-    extra, draft = 0, None
-    if spec is not None and spec.method == "mtp":
-        extra = folder_mtp_layers(spec.model) if spec.model else mtp_layers(mc)
-    elif spec is not None and spec.method == "draft":
-        draft = load_source(spec.model)
+    extra, draft = speculation(config, mc)
     sched = config.scheduler_config
     max_num_seqs = sched.default_max_num_seqs(device)
     elem = kv_elem_bytes(resolve_kv_cache_dtype_name(config.kv_cache_dtype, config.dtype, device), b)
     per_token = kv_bytes_per_token(mc, elem, tp, num_mtp_layers=extra)
     weights = weight_bytes(mc, quant, b, tp, extra, group, src.gguf_bytes)
     experts = routed_expert_bytes(mc, weights, tp)
+    split = expert_plan.expert_split(config.placement_config, src, quant, weights, experts, b)
     draft_kv, draft_weights = draft_model_bytes(draft, elem, b)
     per_token, weights = per_token + draft_kv, weights + draft_weights
+    device_weights = weights - split.device_saved_bytes  # less the experts kept in host memory
     act = activation_bytes(mc, b, tp, sched.token_budget(device), max_num_seqs)
     cuda = cuda_reserve_bytes(mc, b, tp, max_num_seqs) if device == "cuda" else 0
-    memory = int((memory_gib if memory_gib is not None else default_memory_gib(device)) * GiB)
-    usable = int(memory * (config.gpu_memory_utilization if device == "cuda" else 1.0))
-    budget = max(0, usable - weights - act - cuda)
-    state_seq = mc.state_bytes_per_seq(b, tp) if mc.is_hybrid else 0
-    # the engine's slots: one live state per sequence, plus the prefix cache's snapshots
-    slots = max_num_seqs + config.cache_config.state_snapshots(max_num_seqs) if mc.is_hybrid else 0
+    memory, usable = device_memory(config, device, memory_gib)
+    budget = max(0, usable - device_weights - act - cuda)
+    state_seq, slots = state_slots(config, mc, b, tp, max_num_seqs)
     block_size = config.block_size
     pool = kv_pool(max(0, budget - state_seq * slots), per_token * block_size, block_size)
     context, want = mc.max_position_embeddings, wanted_model_len(sched.max_model_len, mc.max_position_embeddings)
-    rss = predict_peak_rss(config, device, src, quant, b, weights, per_token * block_size, state_seq * slots, want)
+    pool, hot = hot_cache_pool(config, device, split, mc, pool, (want, max_num_seqs), per_token, b)
+    rss = predict_peak_rss(
+        config, device, src, quant, b, device_weights, pool.block_bytes, state_seq * slots, want, split, hot
+    )
     worker = package_build_bytes(config, src, quant, b, rss[1], state_seq * max_num_seqs, want, per_token * block_size)
+    host = host_side(device, split, rss[0], host_memory_gib)
+    shortfall = device_weights + act + cuda + state_seq * slots + per_token * want - usable
     return Plan(
         src.path,
         mc.architecture,
@@ -493,7 +506,7 @@ def plan(config: EngineConfig, memory_gib: float | None = None) -> Plan:
         want,
         min(context, pool.tokens),
         pool.tokens / want,
-        pool.tokens >= want and state_seq * slots < budget,
+        pool.tokens >= want and state_seq * slots < budget and host[1],
         draft_kv,
         state_seq,
         slots,
@@ -501,7 +514,56 @@ def plan(config: EngineConfig, memory_gib: float | None = None) -> Plan:
         worker,
         mapped_weight_bytes(mc, src),
         experts,
+        **expert_plan.plan_fields(split, hot, host, shortfall, 3 * mc.hidden_size * mc.moe_intermediate_size * b),
     )
+
+
+def device_memory(config: EngineConfig, device: str, memory_gib: float | None) -> tuple[int, int]:
+    """(the device's memory, what the engine may use of it)."""
+    memory = int((memory_gib if memory_gib is not None else default_memory_gib(device)) * GiB)
+    return memory, int(memory * (config.gpu_memory_utilization if device == "cuda" else 1.0))
+
+
+def state_slots(config: EngineConfig, mc: ModelConfig, b: int, tp: int, max_num_seqs: int) -> tuple[int, int]:
+    """A hybrid's (recurrent state bytes a sequence, slots): one live state per sequence, plus the prefix
+    cache's snapshots; (0, 0) for other models."""
+    if not mc.is_hybrid:
+        return 0, 0
+    return mc.state_bytes_per_seq(b, tp), max_num_seqs + config.cache_config.state_snapshots(max_num_seqs)
+
+
+def speculation(config: EngineConfig, mc: ModelConfig) -> tuple[int, Source | None]:
+    """(the MTP layers speculation adds to the KV pool, a draft model's source)."""
+    spec = config.speculative
+    if spec is not None and spec.method == "mtp":
+        return (folder_mtp_layers(spec.model) if spec.model else mtp_layers(mc)), None
+    if spec is not None and spec.method == "draft":
+        return 0, load_source(spec.model)
+    return 0, None
+
+
+def hot_cache_pool(config, device: str, split, mc, pool: KVPool, want: tuple[int, int], per_token: int, b: int):
+    """(the KV pool, the hot-expert cache's bytes): on CUDA the cache takes its blocks out of the pool
+    (ember.engine.startup.hot_cache); want: (max_model_len, max_num_seqs), the sequences the pool keeps."""
+    spare = pool.tokens - want[1] * -(-want[0] // pool.block_size) * pool.block_size
+    hot = expert_plan.hot_cache_bytes(config.placement_config, device, split, mc, spare, per_token, b)
+    if device != "cpu" and hot and pool.block_bytes:
+        pool = KVPool(
+            pool.budget_bytes, pool.block_size, pool.block_bytes, pool.num_blocks - -(-hot // pool.block_bytes)
+        )
+    return pool, hot
+
+
+def host_side(device: str, split, cpu_peak: int, host_memory_gib: float | None) -> tuple[int, bool]:
+    """(the host's memory, whether it holds what the host side needs): beside a card, the experts kept in host
+    memory (counted whole), the process and what the rest of the machine keeps (expert_plan.HOST_RESERVE_BYTES);
+    a CPU engine's whole peak RSS is its own business (not a fit)."""
+    from ember.engine import peak_rss
+
+    memory = int(host_memory_gib * GiB) if host_memory_gib is not None else available_ram_bytes()
+    if device == "cpu" or not split.host_layers:
+        return memory, True
+    return memory, split.host_bytes + peak_rss.PROCESS_BYTES + expert_plan.HOST_RESERVE_BYTES <= memory
 
 
 def draft_model_bytes(draft: Source | None, elem: int, dtype_bytes: int) -> tuple[int, int]:
@@ -577,9 +639,13 @@ def predict_peak_rss(
     block_bytes: int,
     state_bytes: int,
     want: int,
+    split=None,
+    hot_cache: int = 0,
 ) -> tuple[int, dict | None]:
     """(bytes, their parts by name): the peak RSS of a CPU engine started with these flags
-    (ember.engine.peak_rss has the model); (0, None) on CUDA, whose memory is the GPU's."""
+    (ember.engine.peak_rss has the model); (0, None) on CUDA, whose memory is the GPU's. split: the experts
+    kept in host memory (expert_plan.ExpertSplit): mapped, counted whole at the file's bytes, and left out of
+    the resident weights; hot_cache: a hot-expert cache's bytes (--moe-hot-cache-memory on CPU)."""
     from ember.config import CPU_DENSE_COPY_FRACTION
     from ember.engine import peak_rss
 
@@ -588,10 +654,12 @@ def predict_peak_rss(
 
     mc, sched, kc = src.mc, config.scheduler_config, config.kernel_config
     copy = 0
+    mapped = split.host_bytes if split is not None else 0
     if quant == "gguf" and src.gguf_tensors is not None:
-        weights = peak_rss.gguf_weight_bytes(src.gguf_tensors, b, mc.tie_word_embeddings, kc.half_weights)
+        tensors = expert_plan.resident_tensors(src.gguf_tensors, split)
+        weights = peak_rss.gguf_weight_bytes(tensors, b, mc.tie_word_embeddings, kc.half_weights)
         if kc.int4_dense_copy is True or (kc.int4_dense_copy is None and b != 4):  # auto: never float32
-            copy = peak_rss.gguf_dense_copy_bytes(src.gguf_tensors, b, kc.int8_activations)
+            copy = peak_rss.gguf_dense_copy_bytes(tensors, b, kc.int8_activations)
             if kc.int4_dense_copy is None and copy > CPU_DENSE_COPY_FRACTION * available_ram_bytes():
                 copy = 0
     pool = kv_pool(max(0.0, cpu_kv_budget_bytes(config) - state_bytes), block_bytes, config.block_size)
@@ -608,6 +676,8 @@ def predict_peak_rss(
         state_bytes,
         step,
         peak_rss.compile_bytes(max_num_seqs, packaged_graphs(config, src, quant, b)) if compiled else 0,
+        mapped,
+        hot_cache,
     )
     return rss.total, dict(rss.parts())
 
@@ -618,6 +688,27 @@ def weight_rows(p: Plan, size, tp: str) -> list[tuple[str, str]]:
         rows.append(("mapped weights", f"{size(p.mapped_weight_bytes)}  read by row from the file, not resident"))
     if p.expert_weight_bytes:
         rows.append(("routed experts", experts_line(p, size)))
+    if p.host_moe_layers:
+        rows += host_expert_rows(p, size)
+    return rows
+
+
+def host_expert_rows(p: Plan, size) -> list[tuple[str, str]]:
+    """--cpu-moe / --n-cpu-moe: what the host holds, what stays on the device, the hot cache."""
+    saved = p.expert_weight_bytes * p.host_moe_layers // max(1, p.moe_layers)
+    holds = "holds them" if p.host_fits else "CANNOT hold them (the experts would be read from the disk every step)"
+    rows = [
+        (
+            "experts in host memory",
+            f"{size(p.host_expert_bytes)}: the first {p.host_moe_layers} of {p.moe_layers} MoE layers' experts, "
+            "mapped from the file and counted whole (a decode over a long prompt touches nearly all of them)"
+            + (f"; host memory {size(p.host_memory_bytes)} {holds}" if p.device != "cpu" else ""),
+        ),
+        ("weights on the device", size(p.weight_bytes - saved)),
+    ]
+    if p.hot_cache_bytes:
+        slots = p.hot_cache_bytes // max(1, p.hot_cache_slot_bytes)
+        rows.append(("hot-expert cache", f"{size(p.hot_cache_bytes)}: {slots:,} experts' copies on the {p.device}"))
     return rows
 
 
@@ -636,8 +727,13 @@ def experts_line(p: Plan, size) -> str:
     """The routed experts' share of the weights and, where the model does not fit, whether the rest would."""
     rest = p.weight_bytes - p.expert_weight_bytes
     line = f"{size(p.expert_weight_bytes)} of the weights; the rest {size(rest)}"
-    if p.device == "cuda" and not p.fits and rest + p.activation_bytes + p.cuda_reserve_bytes < p.usable_bytes:
-        line += " (fits this device; the experts would stay in host memory, which ember cannot do yet)"
+    n = p.n_cpu_moe_to_fit
+    if p.device == "cuda" and n and n > p.host_moe_layers:
+        flag = "--cpu-moe" if n == p.moe_layers else f"--n-cpu-moe {n}"
+        line += (
+            f" (this device fits the model with {flag}: the experts of the first {n} of {p.moe_layers} MoE "
+            "layers in host memory)"
+        )
     return line
 
 

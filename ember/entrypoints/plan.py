@@ -24,6 +24,13 @@ def add_plan_parser(sub) -> None:
         default=None,
         help="GiB of device memory (default: the CUDA device's, or available RAM with --device cpu)",
     )
+    p.add_argument(
+        "--host-memory",
+        type=float,
+        default=None,
+        help="GiB of host memory beside a card, which holds the experts --cpu-moe / --n-cpu-moe keep there "
+        "(default: this machine's available RAM)",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     add_engine_args(p)
     p.set_defaults(func=cmd_plan)
@@ -33,5 +40,5 @@ def cmd_plan(args: argparse.Namespace) -> None:
     from ember.config.engine_args import engine_config_from_args
     from ember.engine.planner import format_plan, plan
 
-    result = plan(engine_config_from_args(args), memory_gib=args.memory)
+    result = plan(engine_config_from_args(args), memory_gib=args.memory, host_memory_gib=args.host_memory)
     print(json.dumps(result.to_dict(), indent=2) if args.json else format_plan(result))

@@ -93,6 +93,7 @@ def build_server(args):
     )
     metrics = ServerMetrics.for_engine(names[0], engine)
     metrics.watch_compile(engine)
+    metrics.watch_experts(engine)
     async_engine = AsyncLLMEngine(
         engine,
         max_waiting_requests=args.max_waiting_requests,

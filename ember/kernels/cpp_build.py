@@ -72,8 +72,12 @@ KERNELS = {
     "cpu_gated_delta_net.cpp": Kernel("CPU Gated DeltaNet kernels", (), (("avx512f",), ("avx2", "fma"))),
     "cpu_half_gemv.cpp": Kernel("CPU 16-bit weight GEMV", (), (("avx2", "fma", "f16c"),)),
     "cpu_qsa_attention.cpp": Kernel("CPU QSA selected-block attention", (), (("avx512f",), ("avx2", "fma"))),
+    "cpu_qsa_scoring.cpp": Kernel("CPU QSA block scoring and top-k", (), (("avx512f",), ("avx2", "fma"))),
+    "cpu_hc_mixer.cpp": Kernel("CPU hyper-connection mixer", (), (("avx512f",), ("avx2", "fma"))),
     "cpu_fp8_gemv.cpp": Kernel("CPU fp8 block-scaled weight GEMV", (), (("avx2", "fma", "f16c"),)),
     "cpu_ple.cpp": Kernel("CPU PLE gate and conv", (), (("avx512f",), ("avx2", "fma"))),
+    # any x86 (scalar dots without AVX2); the grid-coded IQ types live in their own source
+    "cpu_block_gemv.cpp": Kernel("CPU GEMV / MoE over GGUF blocks", ("cpu_block_gemv_iq.cpp",)),
 }
 
 _loaded: dict[str, bool | None] = {}  # source -> loaded (None: could not be built)

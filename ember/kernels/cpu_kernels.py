@@ -31,8 +31,11 @@ class CpuKernels:
     half_weights: bool = True  # GGUF BF16 / F16 matrices kept 16-bit under float32 x (cpu_half_gemv)
     gated_delta_net: bool = True  # Gated DeltaNet conv + recurrence for decodes and verifies (cpu_gated_delta_net)
     qsa_attention: bool = True  # qwen4_exp's selected-block (QSA) attention, bf16 / fp32 KV (cpu_qsa_attention)
+    qsa_scoring: bool = True  # qwen4_exp's QSA block scoring and top-k selection (cpu_qsa_scoring)
+    hc_mixer: bool = True  # qwen4_exp's hyper-connection mixer, bf16 / fp32 (cpu_hc_mixer)
     fp8_gemv: bool = True  # an FP8 checkpoint's block-scaled e4m3 weights kept fp8 (cpu_fp8_gemv; built as they load)
     ple: bool = True  # qwen4_exp's PLE gate, value and dilated conv in one op, bf16 / fp32 (cpu_ple)
+    block_gemv: bool = True  # GGUF blocks as the file holds them: Q2_K, Q3_K, IQ* and MoE experts (cpu_block_gemv)
 
     @classmethod
     def none(cls) -> "CpuKernels":
@@ -50,8 +53,10 @@ class CpuKernels:
             cpu_causal_attention,
             cpu_fused_elementwise,
             cpu_gated_delta_net,
+            cpu_hc_mixer,
             cpu_ple,
             cpu_qsa_attention,
+            cpu_qsa_scoring,
             cpu_row_top,
             cpu_tiled_gemv,
         )
@@ -73,7 +78,10 @@ class CpuKernels:
             gated_delta_net=config.gated_delta_net and cpu_gated_delta_net.available(),
             # the sparse attention's kernel goes with the paged one (--cpu-paged-attention): ~15 s to build
             qsa_attention=config.paged_attention and cpu_qsa_attention.available(),
+            qsa_scoring=config.paged_attention and cpu_qsa_scoring.available(),  # with it: ~10 s to build
+            hc_mixer=config.fused_elementwise and dtype in cpu_hc_mixer.DTYPES and cpu_hc_mixer.available(),
             fp8_gemv=config.fp8_gemv,  # built as an FP8 checkpoint's weights load (ember.quant.fp8_linear)
             # qwen4_exp's PLE goes with the other fused elementwise kernels (--cpu-fused-elementwise)
             ple=config.fused_elementwise and dtype in cpu_ple.DTYPES and cpu_ple.available(),
+            block_gemv=config.block_gemv,  # built as a GGUF file's block-kernel types load (ember.quant.gguf_block_part)
         )

@@ -22,6 +22,7 @@ from torch import nn
 from ember.errors import ModelLoadError
 from ember.kernels.cpu_kernels import CpuKernels
 from ember.layers.activation import silu_and_mul
+from ember.layers.expert_placement import current_placement, layer_index
 from ember.layers.linear import ReplicatedLinear, copy_checked, dense_linear, get_tp_rank_size
 from ember.layers.moe_compute import experts_forward, gathered_experts, register_experts
 
@@ -127,7 +128,11 @@ class SparseMoeBlock(nn.Module):
         tp = get_tp_rank_size()
         self.tp_size = tp[1]
         local = intermediate_size // tp[1]
-        if experts_method is not None:
+        placement = current_placement()
+        layer = layer_index(prefix)
+        if placement is not None and placement.on_host(layer):  # --cpu-moe / --n-cpu-moe: kept in host memory
+            self.experts = placement.host_experts(layer, num_experts, hidden_size, local, dtype, device, kernels)
+        elif experts_method is not None:
             kw = {"tp": tp} if tp[1] > 1 else {}  # GGUF experts (refused under TP) take no tp
             self.experts = experts_method.create_experts(
                 num_experts, hidden_size, local, dtype, device, kernels=kernels, **kw

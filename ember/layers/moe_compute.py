@@ -72,8 +72,12 @@ def experts_forward(experts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weigh
 
 @torch.library.custom_op("ember::moe_experts", mutates_args=())
 def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, key: str) -> torch.Tensor:
-    """sum_k topk_weights[t, k] * expert(topk_ids[t, k], x[t]) by the grouped path of the experts under key."""
+    """sum_k topk_weights[t, k] * expert(topk_ids[t, k], x[t]) by the grouped path of the experts under key (or
+    their own eager path, `run`, where they have one: experts kept in host memory, ember.layers.expert_placement)."""
     experts = _registered[key]
+    run = getattr(experts, "run", None)
+    if run is not None:
+        return run(x, topk_ids, topk_weights)
     return grouped_experts(x, topk_ids, topk_weights, experts.num_experts, experts.expert_forward)
 
 

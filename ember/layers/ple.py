@@ -33,10 +33,11 @@ from ember.kernels import cpu_ple
 from ember.kernels.cpu_kernels import CpuKernels
 from ember.kernels.metadata import AttentionMetadata
 from ember.layers import ple_gather
+from ember.layers.expert_placement import current_placement
 from ember.layers.hyper_connection import GroupedZeroCenteredRMSNorm
 from ember.layers.linear import ReplicatedLinear, copy_checked
 from ember.layers.recurrent_state import RecurrentState
-from ember.layers.table_rows import table_rows
+from ember.layers.table_rows import resident_rows, table_rows
 
 _MASK64 = (1 << 64) - 1
 _GAMMA = 0x9E3779B97F4A7C15
@@ -138,10 +139,17 @@ class NGramTable:
         """Bytes left in the file's mapping (read by row, not resident)."""
         return sum(s.nbytes for s in self.shards if s is not None and s.mapped)
 
+    def to_device(self, device, dtype: torch.dtype) -> None:
+        """Read every shard onto the device (--no-ple-offload), where gather then runs."""
+        self.shards = [resident_rows(s, device, dtype) for s in self.shards]
+
     def gather(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        flat = rows.reshape(-1).cpu()  # the table lives in host memory (its file's mapping)
+        """Gathered where the table lives: in host memory (its file's mapping, --ple-offload), the rows then
+        copied into the step's input on the device; or on the device, where it was read whole."""
+        home = self.shards[0].tensor.device
+        flat = rows.reshape(-1).to(home)
         per = self.shards[0].num_rows
-        out = torch.empty(flat.shape[0], self.width, dtype=dtype)
+        out = torch.empty(flat.shape[0], self.width, dtype=dtype, device=home)
         shard = torch.div(flat, per, rounding_mode="floor")
         for i in torch.unique(shard).tolist():
             at = (shard == i).nonzero().squeeze(1)
@@ -170,6 +178,8 @@ class WindowInputLinear(ReplicatedLinear):
         object.__setattr__(self, "table", table)  # not a submodule: the PLE layer holds it
 
     def load_weight(self, param_name: str, tensor: torch.Tensor, shard_id=None):
+        if not isinstance(tensor, torch.Tensor):  # a quantized GGUF matrix (llama.cpp quantizes these too)
+            tensor = tensor.dequantize(torch.float32)
         columns, dim = self.table.columns, self.table.dim
         if (
             param_name == "weight"
@@ -178,6 +188,23 @@ class WindowInputLinear(ReplicatedLinear):
         ):
             tensor = tensor.view(tensor.shape[0], -1, dim)[:, :, columns].reshape(tensor.shape[0], -1)
         return super().load_weight(param_name, tensor, shard_id)
+
+
+# --ple-offload's default keeps the table in host memory unless it takes at most this share of the device's
+# free memory at load (the KV cache and the steps need the rest)
+TABLE_DEVICE_SHARE = 0.5
+
+
+def offload_table(offload: bool | None, nbytes: int, device) -> bool:
+    """Whether the n-gram table stays in host memory: as --ple-offload says, else (None) on CPU always (the
+    file's mapping is host memory; read whole it would be resident), on a GPU where it does not fit."""
+    if offload is not None:
+        return offload
+    device = torch.device(device)
+    if device.type == "cpu":
+        return True
+    free, _ = torch.cuda.mem_get_info(device)
+    return nbytes > TABLE_DEVICE_SHARE * free
 
 
 class PLEState(RecurrentState):
@@ -266,6 +293,8 @@ class PLELayer(nn.Module):
         self.conv_weight = nn.Parameter(
             torch.zeros(width, cfg.conv_kernel, dtype=dtype, device=device), requires_grad=False
         )
+        placement = current_placement()  # --ple-offload (None: where the table does not fit the device)
+        self.offload, self.device, self.dtype = placement.ple_offload if placement else None, device, dtype
         self._pending_shards: dict[int, object] = {}  # the table's row shards as they load
         self._pending_scales: dict[int, float] = {}  # fp8 shards' per-tensor weight_scale, by shard
         self._gather_key: str | None = None
@@ -278,6 +307,9 @@ class PLELayer(nn.Module):
 
     def mapped_weight_bytes(self) -> int:
         return self.table.mapped_bytes
+
+    def table_bytes(self) -> int:
+        return sum(s.nbytes for s in self.table.shards if s is not None)
 
     def make_state(self, gdn_args: tuple, num_slots: int) -> PLEState:
         """The state of the Gated DeltaNet layer this PLE sits on (gdn_args: its RecurrentState's arguments
@@ -455,6 +487,8 @@ class PLELayer(nn.Module):
                 )
             self.table.add_shard(i, got[i], parts)
         self._pending_shards, self._pending_scales = {}, {}
+        if not offload_table(self.offload, self.table_bytes(), self.device):
+            self.table.to_device(self.device, self.dtype)
         self._gather_key = ple_gather.register_table(self.table)
 
     def _check_constant(self, name: str, tensor: torch.Tensor) -> None:

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ember.config.model_config import IndexerConfig
-from ember.kernels import cpu_qsa_attention
+from ember.kernels import cpu_qsa_attention, cpu_qsa_scoring
 from ember.kernels.metadata import AttentionMetadata
 from ember.layers.linear import ReplicatedLinear
 from ember.layers.norm import ZeroCenteredRMSNorm
@@ -70,9 +70,12 @@ class BlockSelection:
 
 
 class QSAIndexer(nn.Module):
-    def __init__(self, cfg: IndexerConfig, hidden: int, eps: float, dtype, device, quant_method=None):
+    def __init__(
+        self, cfg: IndexerConfig, hidden: int, eps: float, dtype, device, quant_method=None, cpu_scoring: bool = False
+    ):
+        """cpu_scoring: select_blocks scores and ranks with the C++ kernel where it applies (CpuKernels.qsa_scoring)."""
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.cpu_scoring = cfg, cpu_scoring
         d = cfg.head_dim
         self.index_qk_proj = ReplicatedLinear(
             hidden, (cfg.num_heads + 1) * d, dtype=dtype, device=device, quant_method=quant_method
@@ -138,7 +141,16 @@ class QSAIndexer(nn.Module):
         k = min(self.cfg.budget // r, nb)
         blocks = torch.full((T, k), -1, dtype=torch.int32, device=dev)
         if k > 0:
-            keys = self.batch_block_keys(meta, nb, cos_sin).float()
+            keys = self.batch_block_keys(meta, nb, cos_sin)
+            if self.cpu_scoring and cpu_qsa_scoring.supports(q, keys):  # the same selection, ties included
+                return BlockSelection(
+                    cpu_qsa_scoring.select_blocks(q, keys, seq_idx, nc, k),
+                    (r * nc).int(),
+                    (p + 1).int(),
+                    seq_idx.int(),
+                    r,
+                )
+            keys = keys.float()
             rows = max(1, TILE_ELEMENTS // (nb * max(q.shape[1], q.shape[2])))
             for a in range(0, T, rows):
                 b = min(T, a + rows)

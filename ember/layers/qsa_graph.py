@@ -8,10 +8,11 @@ visible token, which is the dense answer:
 - each query row's sequence index p = seq_lens[b] - n + j (row j of sequence b's n);
 - block keys pooled for every sequence's first nb blocks, nb = the table's bound / ratio (blocks past a
   sequence's end are invisible to its rows, so they change nothing);
-- the top budget / ratio visible blocks by `ember::qsa_top_blocks` [T, budget / ratio], -1 pads: the
-  reference's tie-breaking (qsa.top_blocks: the rows whose cut falls inside a tie ask torch.topk again over
-  their own visible blocks) is per row, which a graph holds as one op with a fixed output shape; its CPU
-  form runs qsa.top_blocks itself (the ties' few rows are picked on the host: on CPU that is no sync);
+- the top budget / ratio visible blocks, [T, budget / ratio] with -1 pads, ties at the cut broken as the
+  reference breaks them (torch.topk over the row's own visible blocks), which is each row's own work, so a
+  graph holds it as one op of a fixed output shape: the C++ scoring kernel (kernels/cpu_qsa_scoring, where
+  QSAIndexer.cpu_scoring), else `ember::qsa_top_blocks` over the scores (qsa.top_blocks: the ties' few rows
+  are picked on the host; on CPU that is no sync);
 - the raw keys written with no data-dependent shape (a padding row rewrites row 0's key at row 0's slot,
   as write_kv_cache_fixed does), into the key pool the step is handed (CompiledExecutor's graph pools).
 """
@@ -22,6 +23,7 @@ import math
 
 import torch
 
+from ember.kernels import cpu_qsa_scoring
 from ember.kernels.metadata import AttentionMetadata
 from ember.layers.qsa import BlockSelection, QSAIndexer, top_blocks
 from ember.layers.rotary import apply_rotary
@@ -51,14 +53,17 @@ def query_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
 def select_blocks(indexer: QSAIndexer, q: torch.Tensor, keys: torch.Tensor, meta: AttentionMetadata, cos_sin):
     """QSAIndexer.select_blocks in a fixed-shape step: q [T, heads, d] -> BlockSelection with [T, budget / ratio]
     blocks (the module docstring)."""
-    r = indexer.cfg.compress_ratio
+    r, k = indexer.cfg.compress_ratio, indexer.cfg.budget // indexer.cfg.compress_ratio
     seq, p = query_rows(meta)
     nc = (p + 1) // r
     nb = meta.max_seq_len // r
-    block_keys = indexer.batch_block_keys(meta, nb, cos_sin, keys).float()  # [B, nb, d]
-    scores = torch.einsum("nhd,nbd->nhb", q.float(), block_keys[seq])
-    scores = torch.relu(scores).sum(1) / math.sqrt(q.shape[-1])
-    blocks = torch.ops.ember.qsa_top_blocks(scores, nc, indexer.cfg.budget // r)
+    block_keys = indexer.batch_block_keys(meta, nb, cos_sin, keys)  # [B, nb, d]
+    if indexer.cpu_scoring and cpu_qsa_scoring.supports(q, block_keys):
+        blocks = cpu_qsa_scoring.select_blocks(q, block_keys, seq, nc, k)
+    else:
+        scores = torch.einsum("nhd,nbd->nhb", q.float(), block_keys.float()[seq])
+        scores = torch.relu(scores).sum(1) / math.sqrt(q.shape[-1])
+        blocks = torch.ops.ember.qsa_top_blocks(scores, nc, k)
     return BlockSelection(blocks, (r * nc).int(), (p + 1).int(), seq.int(), r)
 
 

@@ -40,7 +40,7 @@ class TensorRows:
     def read(self, rows: torch.Tensor, dtype: torch.dtype, columns: slice | None = None) -> torch.Tensor:
         """rows [k] int64, local to this source -> [k, dim] in dtype (or those columns of each row: a
         tensor-parallel rank's share of the table)."""
-        out = self.tensor.index_select(0, rows.cpu())
+        out = self.tensor.index_select(0, rows.to(self.tensor.device))
         out = (out if columns is None else out[:, columns]).to(dtype)
         return out if self.scale is None else out * self.scale
 
@@ -177,3 +177,18 @@ def table_rows(tensor, scale: float | None = None):
     if region is None:
         return TensorRows(tensor, scale)
     return FileRows(tensor, region[0], region[1], scale)
+
+
+RESIDENT_CHUNK_ROWS = 1 << 16
+
+
+def resident_rows(source, device, dtype: torch.dtype) -> TensorRows:
+    """The whole source read onto `device` (--no-ple-offload: a table that fits the device), a chunk of rows at
+    a time: float rows as they are (an fp8 shard keeps its bytes and its scale), block types dequantized."""
+    if isinstance(source, (TensorRows, FileRows)):
+        return TensorRows(source.tensor.to(device), source.scale)
+    out = torch.empty(source.num_rows, source.dim, dtype=dtype, device=device)
+    for at in range(0, source.num_rows, RESIDENT_CHUNK_ROWS):
+        rows = torch.arange(at, min(at + RESIDENT_CHUNK_ROWS, source.num_rows))
+        out[at : at + len(rows)] = source.read(rows, dtype).to(device)
+    return TensorRows(out)

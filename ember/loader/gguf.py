@@ -17,7 +17,7 @@ import re
 import struct
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -32,6 +32,7 @@ from ember.errors import ModelLoadError, UnsupportedModelError
 from ember.loader import gguf_hybrid, gguf_qwen4
 from ember.loader.tokenizer import Tokenizer
 from ember.quant.gguf_blocks import FLOAT_TYPES, GGUFTensor, release_pages
+from ember.quant.mapped_experts import map_view
 
 log = logging.getLogger(__name__)
 
@@ -283,7 +284,9 @@ class GGUFCheckpoint:
 
     # ---- weights --------------------------------------------------------------------------
 
-    def iter_weights(self, packed: bool = False, mtp: bool = False) -> Iterator[tuple[str, torch.Tensor | GGUFTensor]]:
+    def iter_weights(
+        self, packed: bool = False, mtp: bool = False, mapped: Callable[[str], bool] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor | GGUFTensor]]:
         """(HF name, tensor in [out, in] layout) for every parameter, in file order.
 
         Tensors are float32 (BF16 and F16 matrices in their own dtype), except with `packed`: then
@@ -292,7 +295,9 @@ class GGUFCheckpoint:
         1-D tensors (norms, biases) are always float32. Names are all resolved before the
         first tensor is read, so an unknown tensor fails fast rather than halfway through a load.
         mtp: the hybrid's MTP layer(s) instead (the converter's blk.N.nextn.* and blocks past
-        num_hidden_layers), under the HF checkpoint's mtp.* names (gguf_hybrid.NEXTN_NAMES)."""
+        num_hidden_layers), under the HF checkpoint's mtp.* names (gguf_hybrid.NEXTN_NAMES).
+        mapped(name): the matrices it picks (routed experts kept in host memory: ember.quant.mapped_experts)
+        come as views of the file's map whatever `packed` says, raw blocks or float views, never read."""
         plan = [(t, self._mtp_name(t.name) if mtp else self._hf_name(t.name)) for t in self._reader.tensors]
         unknown = [t.name for t, name in plan if name is False]
         if unknown:
@@ -309,7 +314,11 @@ class GGUFCheckpoint:
             if qwen4 is not None and t.name == gguf_qwen4.TABLE:  # read by row from the file, never loaded
                 yield qwen4.table(t)
                 continue
-            weight = _as_blocks(t) if packed and _is_quantized_matrix(t) else _to_torch(t)
+            keep = mapped is not None and len(t.shape) >= 2 and mapped(name)
+            if (packed or keep) and _is_quantized_matrix(t):
+                weight = _as_blocks(t)
+            else:
+                weight = _float_view(t) if keep else _to_torch(t)
             if self._untangler is not None:
                 part = _HYBRID_BLOCK_RE.fullmatch(t.name)
                 weight = self._untangler.fix(part[2] if part else t.name.split(".")[0], weight)
@@ -594,6 +603,12 @@ def _copy_releasing(data: np.ndarray) -> torch.Tensor:
         dst[i : i + step] = data[i : i + step]
         release_pages(data[i : i + step])
     return out
+
+
+def _float_view(t) -> torch.Tensor:
+    """A BF16 / F16 / F32 matrix as a view of the file's map in its own dtype (nothing read)."""
+    view = map_view(t.data)
+    return view.view(torch.bfloat16) if t.tensor_type == GGMLQuantizationType.BF16 else view
 
 
 def _is_quantized_matrix(t) -> bool:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ember.config.model_config import ModelConfig
-from ember.errors import ModelLoadError
+from ember.errors import ConfigError, ModelLoadError
 from ember.kernels.cpu_kernels import CpuKernels
 
 logger = logging.getLogger(__name__)
@@ -31,6 +31,10 @@ class LoadedModel:
     load_seconds: float
     # bytes left in the checkpoint's mapping, read by row (qwen4_exp's n-gram table): not in weight_bytes
     mapped_weight_bytes: int = 0
+    # routed experts kept in host memory as views of the file's mapping (--cpu-moe / --n-cpu-moe): not in
+    # weight_bytes either; resident only as far as steps touch them
+    mapped_expert_bytes: int = 0
+    placement: object | None = None  # the ExpertPlacement the model was built with (ember.layers.expert_placement)
 
 
 def resolve_model_path(model: str | None) -> str:
@@ -56,6 +60,7 @@ class _OpenCheckpoint:
     tokenizer: object | None  # a GGUF file carries one; a folder's is read by load_model
     weights: Iterable  # (name, tensor) pairs, read lazily as the model loads them
     format: str  # "gguf" | "safetensors"
+    placement: object | None = None  # ExpertPlacement (None: everything on the device)
 
 
 def load_model(
@@ -67,21 +72,22 @@ def load_model(
     quantization: str | None = "auto",
     kernels: CpuKernels | None = None,
     shapes_only: bool = False,
+    placement=None,
 ) -> LoadedModel:
     """kernels: the CPU kernels the model's layers may use (default: every one that applies here);
     the attention backend named is built with them. shapes_only: a package worker's model, built for its
-    graph and never served: each weight's pages are given back once loaded (ember.loader.shapes_only)."""
+    graph and never served: each weight's pages are given back once loaded (ember.loader.shapes_only).
+    placement: a PlacementConfig (--cpu-moe, --n-cpu-moe, --ple-offload: ember.layers.expert_placement)."""
     from ember.kernels import get_attention_backend
+    from ember.layers.expert_placement import building
     from ember.loader.tokenizer import Tokenizer
     from ember.models.registry import get_model_class
     from ember.quant import process_weights_after_loading
 
     t0 = time.perf_counter()
     path = resolve_model_path(model)
-    if os.path.isfile(path):
-        ckpt = _open_gguf(path, quantization, dtype, device, kernels)
-    else:
-        ckpt = _open_safetensors(path, quantization, dtype, device, kernels)
+    opener = _open_gguf if os.path.isfile(path) else _open_safetensors
+    ckpt = opener(path, quantization, dtype, device, kernels, placement)
     tokenizer = ckpt.tokenizer
     if tokenizer_path is not None:
         tokenizer = Tokenizer.from_folder(tokenizer_path)
@@ -90,7 +96,7 @@ def load_model(
 
     model_config, quant_config = ckpt.model_config, ckpt.quant_config
     model_cls = get_model_class(model_config.architecture)
-    with torch.device(device):
+    with torch.device(device), building(ckpt.placement):
         net = model_cls(
             model_config,
             dtype=dtype,
@@ -122,11 +128,31 @@ def load_model(
         resident_weight_bytes(net),
         time.perf_counter() - t0,
         sum(m.mapped_weight_bytes() for m in net.modules() if hasattr(m, "mapped_weight_bytes")),
+        sum(m.mapped_expert_bytes() for m in net.modules() if hasattr(m, "mapped_expert_bytes")),
+        ckpt.placement,
     )
 
 
+def _placement(config, model_config: ModelConfig, dtype: torch.dtype, device: torch.device, kernels):
+    """The ExpertPlacement of a PlacementConfig for this model (None: nothing placed apart)."""
+    if config is None:
+        return None
+    from ember.layers.expert_placement import resolve_placement
+    from ember.quant.mapped_experts import MappedExperts
+
+    fused = (kernels or CpuKernels()).fused_elementwise
+    # beside a GPU (whose model runs no CPU kernels) the host experts take every CPU kernel that runs here
+    host = None if torch.device(device).type == "cpu" else CpuKernels()
+    return resolve_placement(config, model_config, device, dtype, MappedExperts, fused, host)
+
+
 def _open_gguf(
-    path: str, quantization: str | None, dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None
+    path: str,
+    quantization: str | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    kernels: CpuKernels | None,
+    placement=None,
 ) -> _OpenCheckpoint:
     from tqdm import tqdm
 
@@ -135,6 +161,7 @@ def _open_gguf(
 
     ckpt = GGUFCheckpoint(path)
     model_config = ModelConfig.from_dict(ckpt.config)
+    placed = _placement(placement, model_config, dtype, device, kernels)
     matrix_types = {t for _, t, _, dims in ckpt.loaded_tensor_infos() if dims >= 2}
     half_only = bool(matrix_types & {"BF16", "F16"}) and matrix_types <= {"BF16", "F16", "F32"}
     quantization = _gguf_quantization(quantization, dtype, device, kernels, half_only)
@@ -142,13 +169,13 @@ def _open_gguf(
     # disable=None: a bar on a terminal, silence in logs and CI (as iter_safetensors does).
     # packed: quantized tensors arrive as GGUFTensor blocks for the gguf QuantMethods.
     weights = tqdm(
-        ckpt.iter_weights(packed=quant_config is not None),
+        ckpt.iter_weights(packed=quant_config is not None, mapped=placed and placed.mapped_names()),
         total=None if model_config.num_experts else len(ckpt.tensor_names),
         desc="Loading weights",
         unit="tensor",
         disable=None,
     )
-    return _OpenCheckpoint(model_config, quant_config, ckpt.tokenizer(), weights, "gguf")
+    return _OpenCheckpoint(model_config, quant_config, ckpt.tokenizer(), weights, "gguf", placed)
 
 
 def _gguf_quantization(
@@ -182,7 +209,12 @@ def _gguf_quantization(
 
 
 def _open_safetensors(
-    path: str, quantization: str | None, dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None
+    path: str,
+    quantization: str | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    kernels: CpuKernels | None,
+    placement=None,
 ) -> _OpenCheckpoint:
     from ember.distributed.parallel_state import get_tp_rank_size
     from ember.loader.weights import iter_safetensors
@@ -198,11 +230,21 @@ def _open_safetensors(
     from ember.models.registry import get_model_class
 
     fragments = getattr(get_model_class(model_config.architecture), "MAPPED_WEIGHTS", ())
-    mapped = (lambda name: any(f in name for f in fragments)) if fragments else None
-    weights = iter_safetensors(path, mapped=mapped)
+    placed = _placement(placement, model_config, dtype, device, kernels)
+    experts = placed.mapped_names() if placed is not None and placed.host_layers else None
+    if experts is not None and quant_config is not None and quant_config.name != "half":
+        raise ConfigError(
+            f"--cpu-moe / --n-cpu-moe keep a checkpoint's experts mapped as the file holds them; {path} holds "
+            f"{quant_config.name} experts, which they do not run: use a bf16 folder or a .gguf file"
+        )
+
+    def mapped(name: str) -> bool:
+        return any(f in name for f in fragments) or (experts is not None and experts(name))
+
+    weights = iter_safetensors(path, mapped=mapped if fragments or experts else None)
     if quant_config is not None:  # e.g. an FP8 checkpoint's scales, expanded as they stream in (ember.quant.fp8)
         weights = quant_config.checkpoint_weights(weights)
-    return _OpenCheckpoint(model_config, quant_config, None, weights, "safetensors")
+    return _OpenCheckpoint(model_config, quant_config, None, weights, "safetensors", placed)
 
 
 def _logical_parameter_count(

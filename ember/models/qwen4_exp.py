@@ -41,8 +41,11 @@ from ember.models.mtp import MTPModule, chain_attention
 from ember.models.qwen3_next import GatedAttention, Qwen3NextForCausalLM, SharedExpertMoeBlock
 
 
-def mixer(cfg: ModelConfig, dtype, device, quant_config, prefix: str, inject: bool = True) -> HyperConnection:
-    """The hyper-connection mixer at `prefix` (its projections quantized as the checkpoint says)."""
+def mixer(
+    cfg: ModelConfig, dtype, device, quant_config, prefix: str, inject: bool = True, kernels: CpuKernels | None = None
+) -> HyperConnection:
+    """The hyper-connection mixer at `prefix` (its projections quantized as the checkpoint says; the C++ mixer
+    where `kernels` allow it)."""
     return HyperConnection(
         cfg.hidden_size,
         cfg.hc_count,
@@ -52,16 +55,24 @@ def mixer(cfg: ModelConfig, dtype, device, quant_config, prefix: str, inject: bo
         device,
         inject,
         lambda proj: linear_method(quant_config, f"{prefix}.{proj}"),
+        cpu_kernel=(kernels or CpuKernels()).hc_mixer,
     )
 
 
 class QSAGatedAttention(GatedAttention):
     def __init__(self, cfg: ModelConfig, layer_idx: int, dtype, device, attn_backend, quant_config=None, kernels=None):
         super().__init__(cfg, layer_idx, dtype, device, attn_backend, quant_config)
-        self.cpu_kernel = (kernels or CpuKernels()).qsa_attention  # the C++ sparse attention where it applies
+        kernels = kernels or CpuKernels()
+        self.cpu_kernel = kernels.qsa_attention  # the C++ sparse attention where it applies
         prefix = f"model.layers.{layer_idx}.self_attn.indexer.index_qk_proj"
         self.indexer = QSAIndexer(
-            cfg.indexer, cfg.hidden_size, cfg.rms_norm_eps, dtype, device, linear_method(quant_config, prefix)
+            cfg.indexer,
+            cfg.hidden_size,
+            cfg.rms_norm_eps,
+            dtype,
+            device,
+            linear_method(quant_config, prefix),
+            cpu_scoring=kernels.qsa_scoring,
         )
 
     def forward(self, x, cos_sin, kv_cache, meta: AttentionMetadata, sequence_cos_sin=None, keys=None):
@@ -122,8 +133,12 @@ class Qwen4ExpDecoderLayer(nn.Module):
                 cfg.ple, cfg.vocab_size, cfg.hidden_size, cfg.hc_count, cfg.rms_norm_eps, index, dtype, device, kernels
             )
 
-        self.attn_hyper_connection = mixer(cfg, dtype, device, quant_config, f"{prefix}.attn_hyper_connection")
-        self.mlp_hyper_connection = mixer(cfg, dtype, device, quant_config, f"{prefix}.mlp_hyper_connection")
+        self.attn_hyper_connection = mixer(
+            cfg, dtype, device, quant_config, f"{prefix}.attn_hyper_connection", kernels=kernels
+        )
+        self.mlp_hyper_connection = mixer(
+            cfg, dtype, device, quant_config, f"{prefix}.mlp_hyper_connection", kernels=kernels
+        )
 
     def forward(self, X, input_ids, cos_sin, cache, meta: AttentionMetadata, sequence_cos_sin, keys=None, ple=None):
         """keys: an attention layer's indexer key pool in a compiled step; ple: PLELayer.start's (None: started here)."""
@@ -154,7 +169,9 @@ class Qwen4ExpModel(nn.Module):
             Qwen4ExpDecoderLayer(cfg, i, dtype, device, attn_backend, quant_config, kernels)
             for i in range(cfg.num_layers)
         )
-        self.hyper_connection_mixer = mixer(cfg, dtype, device, quant_config, "model.hyper_connection_mixer", False)
+        self.hyper_connection_mixer = mixer(
+            cfg, dtype, device, quant_config, "model.hyper_connection_mixer", False, kernels
+        )
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings, device)
 
     def forward(self, input_ids, positions, caches, meta: AttentionMetadata, select: RowSelection | None = None):
@@ -302,7 +319,7 @@ class Qwen4ExpMTP(nn.Module):
             Qwen4ExpMTPLayer(cfg, cfg.num_layers + j, dtype, device, backend, None, main.kernels, attention=True)
             for j in range(num_layers)
         )
-        self.hyper_connection_mixer = mixer(cfg, dtype, device, None, "mtp.hyper_connection_mixer", False)
+        self.hyper_connection_mixer = mixer(cfg, dtype, device, None, "mtp.hyper_connection_mixer", False, main.kernels)
         # the model's embedding, head and rotary table: plain attributes, loaded with (and owned by) the model
         object.__setattr__(self, "_embed", main.model.embed_tokens)
         object.__setattr__(self, "_lm_head", main.lm_head)

@@ -36,8 +36,9 @@ stored by its type, with no dense copy:
   dense GEMM (docs/tuning.md, row-count crossovers). Rows for lookups / the head's refinement come from the
   codes and s alone, bit-exact in float32. An embedding that is only looked up (untied) keeps
   Q6_K raw (as small as the Q6_K tiles; a lookup dequantizes just its rows).
-- Q2_K, Q3_K, IQ* and the other types: dequantized once at load to the run dtype (dense),
-  or kept raw in a lookup-only embedding.
+- Q2_K, Q3_K, IQ4_NL, IQ4_XS and the grid-coded IQ types: the file's own blocks as a BlockPart, run by the
+  block GEMV (ember.quant.gguf_block_part; CPU, --cpu-block-gemv). Elsewhere, and the other types:
+  dequantized once at load to the run dtype (dense), or kept raw in a lookup-only embedding.
 - F32 / F16 / BF16: dense in the run dtype; except BF16 / F16 matrices in a float32 run on CPU
   (AVX2 + FMA + F16C, --cpu-half-weights), which stay 16-bit as a HalfPart: a C++ GEMV widens them
   in registers (ember.kernels.cpu_half_gemv), the file's bytes in RAM and per decode step, the same
@@ -53,7 +54,9 @@ slow; bf16 is the packed path's speed mode (and with fp32 scales, fp32 runs hold
 The token embedding and the LM head use the same parts: a lookup gathers and unpacks only the
 rows it needs, the head is a `linear`. A tied LM head shares the embedding's method and data.
 MoE experts (GGUFExperts) keep each expert packed the same way: gate;up as one fused pair of
-shards, down as one, run through moe_compute.grouped_experts.
+shards, down as one, run through moe_compute.grouped_experts. Experts of a type that would be dense
+otherwise (BLOCK_TYPES) keep the layer's raw blocks stacked [E, rows, row_bytes] instead and run in one
+block_moe call (ember.kernels.cpu_block_gemv: only the chosen experts read, no host sync, so a graph too).
 """
 
 from __future__ import annotations
@@ -136,6 +139,7 @@ class PackedPart:
 
 class DensePart(PackedPart):
     kernel_at_any_rows = True  # a dense GEMM at every row count already: a dense copy would only duplicate it
+    plain_matrix = True  # w is the [N, K] matrix itself (fused kernels may read it: hyper_connection.plain_weight)
 
     def __init__(self, w: torch.Tensor):
         self.w, (self.N, self.K) = w, w.shape
@@ -157,6 +161,7 @@ class HalfPart(PackedPart):
     over the weight widened at load."""
 
     kernel_at_any_rows = True  # the panels are a dense GEMM already
+    plain_matrix = True  # w is the [N, K] 16-bit matrix itself (hyper_connection.plain_weight)
 
     def __init__(self, w: torch.Tensor):
         self.w, (self.N, self.K) = w.contiguous(), w.shape
@@ -557,9 +562,11 @@ def _is_half(t) -> bool:
     return isinstance(t, torch.Tensor) and t.dim() == 2 and t.dtype in cpu_half_gemv.DTYPES
 
 
-def _kind(t, raw_ok: bool, half_ok: bool = False) -> str:
+def _kind(t, raw_ok: bool, half_ok: bool = False, block_ok: bool = False) -> str:
     if not isinstance(t, GGUFTensor):
         return f"half {t.dtype}" if half_ok and _is_half(t) else "dense"
+    if block_ok and t.qtype in _block_types():
+        return f"block {t.qtype.name}"
     if t.qtype in AFFINE_4BIT and Int4Part.supports(t.shape[1]):
         return "int4"
     if t.qtype in AFFINE_8BIT and Int4Part.supports(2 * t.shape[1]):
@@ -580,32 +587,58 @@ def pack_shards(
     kernels = kernels or CpuKernels()
     # asked only where a shard is 16-bit: usable() builds the kernel where install did not
     half_ok = any(_is_half(t) for t in shards) and HalfPart.usable(dtype, device, kernels)
+    block_ok = _block_ok(shards, device, kernels)
     runs: list[list] = []
     for t in shards:
-        if runs and _run_key(runs[-1][0], raw_ok, half_ok) == _run_key(t, raw_ok, half_ok):
+        if runs and _run_key(runs[-1][0], raw_ok, half_ok, block_ok) == _run_key(t, raw_ok, half_ok, block_ok):
             runs[-1].append(t)
         else:
             runs.append([t])
-    return [_pack_run(run, dtype, device, raw_ok, kernels, half_ok) for run in runs]
+    return [_pack_run(run, dtype, device, raw_ok, kernels, half_ok, block_ok) for run in runs]
 
 
-def _run_key(t, raw_ok: bool, half_ok: bool) -> tuple:
+def _block_types() -> tuple:
+    from ember.quant.gguf_block_part import BLOCK_TYPES  # it imports PackedPart from here
+
+    return BLOCK_TYPES
+
+
+def _block_ok(shards: list, device, kernels: CpuKernels) -> bool:
+    """Whether the shards' BLOCK_TYPES take a BlockPart (asked only where one has such a type: usable() builds
+    the block kernel where install did not)."""
+    from ember.quant import gguf_block_part
+
+    block = [t.qtype for t in shards if isinstance(t, GGUFTensor) and t.qtype in _block_types()]
+    return bool(block) and all(gguf_block_part.usable(q, device, kernels) for q in block)
+
+
+def _run_key(t, raw_ok: bool, half_ok: bool, block_ok: bool = False) -> tuple:
     """Shards pack into one part when they are of one kind (and read x's columns in one order)."""
     order = getattr(t, "input_order", None)
-    return _kind(t, raw_ok, half_ok), None if order is None else id(order)
+    return _kind(t, raw_ok, half_ok, block_ok), None if order is None else id(order)
 
 
 def _pack_run(
-    run: list, dtype: torch.dtype, device, raw_ok: bool, kernels: CpuKernels, half_ok: bool = False
+    run: list,
+    dtype: torch.dtype,
+    device,
+    raw_ok: bool,
+    kernels: CpuKernels,
+    half_ok: bool = False,
+    block_ok: bool = False,
 ) -> PackedPart:
     """One part for a run of shards of the same kind (pack_shards)."""
-    kind = _kind(run[0], raw_ok, half_ok)
+    kind = _kind(run[0], raw_ok, half_ok, block_ok)
     if kind.startswith("half"):
         return HalfPart(torch.cat(run).to(device))
     order = getattr(run[0], "input_order", None)
     if kind != "dense" and order is not None:  # a dense part moves its columns as it dequantizes
-        inner = _pack_run([_unordered(t) for t in run], dtype, device, raw_ok, kernels)
+        inner = _pack_run([_unordered(t) for t in run], dtype, device, raw_ok, kernels, block_ok=block_ok)
         return InputOrderPart(inner, torch.from_numpy(order).to(device))
+    if kind.startswith("block"):
+        from ember.quant.gguf_block_part import BlockPart
+
+        return BlockPart(torch.cat([t.raw() for t in run]).to(device), run[0].qtype, run[0].shape[1])
     if kind == "dense":
         ws = [t.dequantize() if isinstance(t, GGUFTensor) else t for t in run]
         return DensePart(torch.cat(ws).to(device=device, dtype=dtype))
@@ -771,7 +804,10 @@ class GGUFEmbeddingMethod:
 
 class GGUFExperts(nn.Module):
     """E SwiGLU experts, each expert's gate;up and down packed like a GGUF Linear's shards (the
-    loader hands out per-expert slices of the stacked 3-D tensors). Computes like moe.Experts."""
+    loader hands out per-expert slices of the stacked 3-D tensors). Computes like moe.Experts.
+    Where a type of theirs has no packed form but the file's blocks (BLOCK_TYPES) and the block kernel
+    runs all three, `block` holds the layer's raw blocks instead: gate, up [E, I, row_bytes], down
+    [E, H, row_bytes], run by one block_moe call per step (types in `block_types`)."""
 
     _NAME = re.compile(r"^(\d+)\.(gate|up|down)_proj\.weight$")
 
@@ -793,6 +829,8 @@ class GGUFExperts(nn.Module):
         self.pending: dict = {}
         self.parts13: list[list[PackedPart]] = []
         self.parts2: list[list[PackedPart]] = []
+        self.block: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.block_types: tuple = ()
         self.graph_key = register_experts(self)
 
     def expected_shards(self, param_name: str) -> set:
@@ -812,6 +850,8 @@ class GGUFExperts(nn.Module):
         return ("w2", e) if kind == "down" else ("w13", (e, kind))
 
     def pack(self) -> None:
+        if self._pack_blocks():
+            return
         for e in range(self.num_experts):
             gate_up = [self.pending.pop((e, "gate")), self.pending.pop((e, "up"))]
             self.parts13.append(pack_shards(gate_up, self.dtype, self.device, kernels=self.kernels))
@@ -821,7 +861,42 @@ class GGUFExperts(nn.Module):
             register_parts(self, self.parts13[-1], f"w13_{e}")
             register_parts(self, self.parts2[-1], f"w2_{e}")
 
+    _KINDS = ("gate", "up", "down")
+
+    def _pack_blocks(self) -> bool:
+        """Stack the layer's raw blocks for block_moe where every expert's gate, up and down are GGUF blocks
+        of one type each, one of them has no other packed form (BLOCK_TYPES) and the kernel runs all three."""
+        from ember.quant import gguf_block_part
+
+        E = self.num_experts
+        shards = [[self.pending[(e, kind)] for e in range(E)] for kind in self._KINDS]
+        if not all(isinstance(t, GGUFTensor) and t.input_order is None for ts in shards for t in ts):
+            return False
+        types = tuple(ts[0].qtype for ts in shards)
+        if any(t.qtype != q for ts, q in zip(shards, types) for t in ts) or not set(types) & set(_block_types()):
+            return False
+        if not all(gguf_block_part.usable(q, self.device, self.kernels) for q in types):
+            return False
+        stacked = []
+        for kind, ts in zip(self._KINDS, shards):
+            out = torch.empty((E, *ts[0].data.shape), dtype=torch.uint8, device=self.device)
+            for e, t in enumerate(ts):
+                out[e] = t.raw()  # one expert's copy at a time (its map pages released)
+                del self.pending[(e, kind)]
+            self.register_buffer(f"gguf_block_{kind}", out, persistent=False)
+            stacked.append(out)
+        self.block, self.block_types = tuple(stacked), types
+        return True
+
     def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        if self.block is not None:
+            from ember.kernels import cpu_block_gemv
+
+            (g, u, d), (tg, tu, td) = self.block, self.block_types
+            xb = _block_x(x)
+            gu = torch.cat((cpu_block_gemv.gemm(xb, g[e], tg), cpu_block_gemv.gemm(xb, u[e], tu)), dim=-1)
+            h = silu_and_mul(gu, self.kernels.fused_elementwise)
+            return cpu_block_gemv.gemm(h.contiguous(), d[e], td).to(x.dtype)
         return apply_parts(
             self.parts2[e], silu_and_mul(apply_parts(self.parts13[e], x), self.kernels.fused_elementwise)
         )
@@ -829,7 +904,17 @@ class GGUFExperts(nn.Module):
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         if self.pending:  # a model built without the loader's post-load hook
             self.pack()
+        if self.block is not None:  # one op, no host sync: eager and in a graph alike
+            from ember.kernels import cpu_block_gemv
+
+            y = cpu_block_gemv.moe(_block_x(x), topk_ids, topk_weights, *self.block, self.block_types)
+            return y.to(x.dtype)
         return experts_forward(self, x, topk_ids, topk_weights)
+
+
+def _block_x(x: torch.Tensor) -> torch.Tensor:
+    """x as the block kernels take it: float32 or bf16 rows, contiguous."""
+    return (x if x.dtype in (torch.float32, torch.bfloat16) else x.float()).contiguous()
 
 
 class GGUFExpertsMethod:

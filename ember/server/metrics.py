@@ -283,6 +283,23 @@ class ServerMetrics:
             "step eager",
         )
         self.compiled_shapes.set_function(lambda: 0.0)
+        self._define_expert_cache_gauges()
+
+    def _define_expert_cache_gauges(self) -> None:
+        """The hot-expert cache of experts kept in host memory (--cpu-moe / --n-cpu-moe, ember.layers.hot_experts),
+        read at scrape time; 0 until watch_experts points them at an engine that has one."""
+        gauge = self._gauge
+        self.expert_cache = {
+            "hit_rate": gauge(
+                "ember:moe_hot_cache_hit_rate",
+                "hot-expert cache hits / lookups since start (a lookup: one expert of a host MoE layer a step chose)",
+            ),
+            "hits": gauge("ember:moe_hot_cache_hits", "hot-expert cache lookups that found the expert on the device"),
+            "misses": gauge("ember:moe_hot_cache_misses", "hot-expert cache lookups that ran the expert on the host"),
+            "slots": gauge("ember:moe_hot_cache_slots", "experts the hot-expert cache holds on the device"),
+        }
+        for g in self.expert_cache.values():
+            g.set_function(lambda: 0.0)
 
     @classmethod
     def for_engine(cls, model_name: str, engine) -> "ServerMetrics":
@@ -352,6 +369,14 @@ class ServerMetrics:
         if compiler is not None:
             self.compiling.set_function(lambda: 0.0 if compiler.done else 1.0)
         self.compiled_shapes.set_function(lambda: float(engine.compiled_shapes))
+
+    def watch_experts(self, engine) -> None:
+        """Report the engine's hot-expert cache, if it has one (read at scrape time)."""
+        cache = getattr(engine.parts.loaded.placement, "hot_cache", None)
+        if cache is None:
+            return
+        for key, g in self.expert_cache.items():
+            g.set_function(lambda key=key: float(cache.stats()[key]))
 
     # -- the structured-output manager's listener (engine and grammar threads) ---------------------
     def observe_compile(self, seconds: float) -> None:

@@ -20,13 +20,16 @@ TEST_BUILDS = [
     *(
         (source, HASWELL)
         for source in (
+            "cpu_block_gemv.cpp",
             "cpu_causal_attention.cpp",
             "cpu_fp8_gemv.cpp",
             "cpu_fused_elementwise.cpp",
             "cpu_gated_delta_net.cpp",
+            "cpu_hc_mixer.cpp",
             "cpu_half_gemv.cpp",
             "cpu_ple.cpp",
             "cpu_qsa_attention.cpp",
+            "cpu_qsa_scoring.cpp",
             "cpu_row_top.cpp",
             "cpu_tiled_gemv.cpp",
         )

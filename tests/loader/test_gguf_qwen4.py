@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from ember import LLM, SamplingParams
-from ember.bench.peers.llamacpp_convert import convert, quantize, write_qwen_tokenizer
+from ember.bench.peers.llamacpp_convert import convert, quantize, set_metadata_ints, write_qwen_tokenizer
 from ember.errors import ModelLoadError
 from ember.loader.gguf import GGUFCheckpoint
 from tests.models.tiny_models import one_thread  # noqa: F401
@@ -55,8 +55,8 @@ def patch_value(path: str, key: str, values: list[int], skip: int) -> str:
 
 
 def set_ratios(path: str, ratios: list[int]) -> str:
-    """The file's attention.compress_ratios (an int32 array: type, item type, count, then the items)."""
-    return patch_value(path, "qwen4exp.attention.compress_ratios", ratios, 4 + 4 + 8)
+    """The file's attention.compress_ratios, as a correct conversion writes them."""
+    return set_metadata_ints(path, "qwen4exp.attention.compress_ratios", ratios)
 
 
 @pytest.fixture(scope="module")

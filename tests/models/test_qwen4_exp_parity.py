@@ -235,19 +235,24 @@ def test_tied_block_scores_at_the_cut_are_broken_as_the_reference_breaks_them(tm
     97 tokens some queries' k-th and (k+1)-th visible blocks tie at the budget's cut, and the kept set is the
     reference's (torch.topk over that query's visible blocks); a batched top-k over padded rows kept other
     blocks and moved the logprobs by 1.4e-4."""
+    from ember.kernels import cpu_qsa_scoring
     from ember.layers import qsa
 
     hf = build_qwen4(ngram_size=4, heads_per_ngram=1, ple_conv_kernel_size=2, ple_embed_dim=48)
     path = save_qwen4(hf, str(tmp_path))
     p = prompt(97, 30)
     found = []
-    real = qsa.boundary_ties
+    real, real_select = qsa.boundary_ties, cpu_qsa_scoring.select_blocks
 
     def spy(scores, nc, k):
         found.append(len(real(scores, nc, k)))
         return real(scores, nc, k)
 
-    qsa.boundary_ties = spy
+    def spy_select(q, keys, seq_idx, nc, k):  # the C++ scoring's rows (CpuKernels.qsa_scoring): the same count
+        spy(cpu_qsa_scoring.block_scores(q, keys, seq_idx, nc), nc, k)
+        return real_select(q, keys, seq_idx, nc, k)
+
+    qsa.boundary_ties, cpu_qsa_scoring.select_blocks = spy, spy_select
     try:
         out = (
             llm(path)
@@ -259,7 +264,7 @@ def test_tied_block_scores_at_the_cut_are_broken_as_the_reference_breaks_them(tm
             .outputs[0]
         )
     finally:
-        qsa.boundary_ties = real
+        qsa.boundary_ties, cpu_qsa_scoring.select_blocks = real, real_select
     assert sum(found) > 0
     assert out.token_ids == hf_greedy(hf, p, 4)
     theirs = first_logprobs(hf, p)

@@ -58,8 +58,9 @@ def test_cpu_smoke_writes_every_row(tmp_path):
     assert md.startswith("# ember GPU check") and "- device: cpu (cpu-smoke)" in md
     rows = table(md)
     expected = load_script().all_cases()
-    # 2 env, 12 + 6 GDN kernels, 4 attention, 2 ttft, 4 models x 5, 2 MTP rows, 4 hybrids x 5 + a 32K prefill
-    assert len(expected) == 69
+    # 2 env, 12 + 6 GDN kernels, 4 attention, 2 ttft, 4 models x 5, 2 MTP rows, 4 hybrids x 5 + a 32K prefill,
+    # Flash-Next's build and 3 placements
+    assert len(expected) == 73
     missing = [c for c in expected if c not in rows]
     assert not missing, missing
     for key, (status, result, notes) in rows.items():
@@ -83,6 +84,11 @@ def test_cpu_smoke_writes_every_row(tmp_path):
     assert "tok/s" in rows[("hybrid", "Qwen3-Next-80B-A3B (4/48 layers) decode b16")][1]
     assert "tok/s" in rows[("hybrid", "Qwen3.5-0.8B AWQ decode b1")][1]
     assert "tok/s" in rows[("hybrid", "Qwen3.5-0.8B prefill 32K")][1]
+    # Flash-Next: every expert on the "card", then the first 2 MoE layers' in host memory, then with the hot cache
+    label = "Flash-Next (4/48 layers, 128/512 experts)"
+    split = rows[("flash-next", f"{label} decode --n-cpu-moe 2 b1")]
+    assert "tok/s" in split[1] and "MoE layers [0, 1] in host memory" in split[2] and "greedy tokens" in split[2]
+    assert "hit rate" in rows[("flash-next", f"{label} decode --n-cpu-moe 2 + hot cache b1")][2]
     gdn_status, gdn_result, _ = rows[("kernels", "GDN rule varlen prefill 2K")]
     assert gdn_status == "skipped" or gdn_result.startswith("o rel err"), gdn_result
     data = json.loads((tmp_path / "gpu.json").read_text())

@@ -281,9 +281,14 @@ def workload_cache_gib(args, path: str, knobs: dict) -> float:
     return (tokens * p.kv_bytes_per_token + p.state_slots * p.state_bytes_per_seq) / (1 << 30)
 
 
-def run_file(args, kind: str, path: str, folder: str, knobs: dict, threads: int) -> dict:
-    """One file's rounds (every side, every figure), peak RSS and ember's per-op split."""
+def run_file(
+    args, kind: str, path: str, folder: str, knobs: dict, threads: int, type_name=None, after=None, bench="hybrid"
+) -> dict:
+    """One file's rounds (every side, every figure), peak RSS and ember's per-op split. type_name: the file's
+    name in the results (default FILES[kind]); after(sides, maker): more figures of the file, taken after the
+    rounds while its sides are up (`ember bench flash`); bench: the command's name in the progress bar."""
     sides, chosen = {}, {}
+    type_name = type_name or FILES[kind]
     try:
         start_file_sides(sides, args, kind, path, folder, knobs, threads)
         maker = prompt_maker_of(sides[EMBER], args.prompt_seed)
@@ -298,7 +303,7 @@ def run_file(args, kind: str, path: str, folder: str, knobs: dict, threads: int)
             runs=args.runs,
             quiet_wait_s=args.quiet_wait,
             bandwidth_mib=args.bandwidth_mib,
-            desc=f"bench hybrid {FILES[kind]}",
+            desc=f"bench {bench} {type_name}",
         )
         figures = summarize_figures([f for t in tasks for f in t.figures], results)
         rss = {n: s.peak_rss_bytes() / (1 << 20) for n, s in sides.items()}  # before the profiler's memory
@@ -307,8 +312,10 @@ def run_file(args, kind: str, path: str, folder: str, knobs: dict, threads: int)
             prompt = maker.make(1, DECODE_PROMPT_LEN, SPLIT_SEED)[0]
             split = sides[EMBER].call("op_split", prompt, args.split_steps)
         weights = {EMBER: sides[EMBER].weight_bytes, LLAMA: os.path.getsize(path)}
+        more = after(sides, maker) if after is not None else {}
         return {
-            "type": FILES[kind],
+            **more,
+            "type": type_name,
             "path": path,
             "file_bytes": os.path.getsize(path),
             "sides": {n: s.description for n, s in sides.items()},
@@ -337,7 +344,7 @@ def _figure_name(f: dict, d: dict) -> str:
 
 def file_rows(kind: str, d: dict, peers: list[str]) -> list[str]:
     """One file's rows: every figure, peak RSS, the achieved share of the read bandwidth."""
-    name, lines = FILES[kind], []
+    name, lines = d["type"], []
     for f in d["figures"]:
         cells = [name, _figure_name(f, d), cell(f["values"].get(EMBER)), *[cell(f["values"].get(p)) for p in peers]]
         lines.append(row(cells + [ratio_cell(paired_ratios(f, EMBER, p)) for p in peers]))
@@ -364,13 +371,15 @@ def bandwidth_lines(files: dict) -> list[str]:
             for n, what in ((EMBER, "weights as loaded"), (LLAMA, "the GGUF file's size"))
             if (a := bw.get(n))
         ]
-        lines.append(f"- {FILES[kind]}: read bandwidth {cell(bw['gbps'])} GB/s; " + "; ".join(sides))
+        lines.append(f"- {d['type']}: read bandwidth {cell(bw['gbps'])} GB/s; " + "; ".join(sides))
     return lines
 
 
 def split_table(files: dict) -> list[str]:
-    """ember's decode step by kind of work (ember.bench.lib.op_split), per file."""
-    columns = ["file", "executor", "step (ms)", "profiled step (ms)", *op_split.CATEGORIES]
+    """ember's decode step by kind of work (ember.bench.lib.op_split: the model's own categories), per file."""
+    first = next((d["op_split"] for d in files.values() if d["op_split"]), None)
+    categories = list(first["ms"]) if first else list(op_split.CATEGORIES)
+    columns = ["file", "executor", "step (ms)", "profiled step (ms)", *categories]
     lines, notes = [row(columns), "|---|---|" + "---:|" * (len(columns) - 2)], []
     for kind, d in files.items():
         s = d["op_split"]
@@ -378,13 +387,12 @@ def split_table(files: dict) -> list[str]:
             continue
         if not s["labelled"]:
             notes.append(
-                f"{FILES[kind]}: the step ran as a compiled graph ({s['executor']}): only its kernel ops split out"
+                f"{d['type']}: the step ran as a compiled graph ({s['executor']}): only its kernel ops split out"
             )
         cells = [
-            f"{s['ms'][c]:.2f} ({s['percent'][c]:.0f}%)" if s["percent"][c] is not None else "-"
-            for c in op_split.CATEGORIES
+            f"{s['ms'][c]:.2f} ({s['percent'][c]:.0f}%)" if s["percent"][c] is not None else "-" for c in categories
         ]
-        lines.append(row([FILES[kind], s["executor"], f"{s['step_ms']:.2f}", f"{s['profiled_step_ms']:.2f}", *cells]))
+        lines.append(row([d["type"], s["executor"], f"{s['step_ms']:.2f}", f"{s['profiled_step_ms']:.2f}", *cells]))
     return lines + ([""] + [f"- {n}" for n in notes] if notes else [])
 
 

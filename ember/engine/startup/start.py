@@ -7,7 +7,9 @@
 4. limits.resolve_limits         max_model_len, max_num_seqs, the KV dtype, the executor kind
 5. the Speculator                 first: a drafter with KV layers of its own needs its share of
                                   the pool, and it reads only a ProposerContext, not the engine
-6. kv_pool.kv_pool               the blocks that fit the budget (refused when not one sequence does)
+6. kv_pool.kv_pool               the blocks that fit the budget (refused when not one sequence does);
+   hot_cache.size_hot_cache       then the device's hot-expert cache (--cpu-moe / --n-cpu-moe), from what the
+                                  pool leaves
 7. the block manager, the scheduler, the runner (mirrored to the workers under TP), the
    drafter's KV layers, the workers' caches
 8. the executor                   compiled or captured graphs, after every KV layer exists; then
@@ -31,6 +33,7 @@ from ember.engine.kv_cache import KVCacheManager
 from ember.engine.runner import ModelRunner
 from ember.engine.scheduler import Scheduler
 from ember.engine.startup.device import DeviceSetup, init_device
+from ember.engine.startup.hot_cache import size_hot_cache
 from ember.engine.startup.kv_pool import cuda_kv_budget, kv_pool
 from ember.engine.startup.limits import Limits, resolve_limits
 from ember.engine.startup.package_worker import PackageWorkers, in_worker, worker_config, worker_peak_bytes
@@ -91,7 +94,9 @@ def start_engine(config, defer_compile: bool = False) -> EngineParts:
             spec = Speculator(config.speculative, _proposer_context(config, setup, tp, loaded, limits, generators))
     cache = config.cache_config
     states = _state_slots(config, setup, loaded, limits)
-    pool = _size_pool(config, setup, tp, loaded, limits, spec, states)
+    pool = size_hot_cache(
+        config, setup.device, loaded, _size_pool(config, setup, tp, loaded, limits, spec, states), limits
+    )
     kv = KVCacheManager(pool.num_blocks, cache.block_size, cache.enable_prefix_caching, states)
     sched = config.scheduler_config
     scheduler = Scheduler(
@@ -325,13 +330,9 @@ def _log_start(parts: EngineParts, pool: planner.KVPool) -> None:
         mc.architecture,
         loaded.num_parameters / 1e6,
         loaded.weight_bytes / 1e6,
-        # the quantization the weights are held in ([fp8], [awq], ...), then the mapped table
+        # the quantization the weights are held in ([fp8], [awq], ...), then what stays mapped cold
         (f" [{loaded.quantization}]" if loaded.quantization != "none" else "")
-        + (
-            f" (+ {loaded.mapped_weight_bytes / 1e6:.1f} MB read by row from the file's mapping)"
-            if loaded.mapped_weight_bytes
-            else ""
-        )
+        + _mapped_note(loaded)
         + parts.copies.note(),
         str(setup.dtype).removeprefix("torch."),
         _dtype_note(parts),
@@ -348,6 +349,22 @@ def _log_start(parts: EngineParts, pool: planner.KVPool) -> None:
         loaded.path,
         loaded.load_seconds,
     )
+
+
+def _mapped_note(loaded: LoadedModel) -> str:
+    """What of the model stays in the file's mapping, cold (resident only as steps touch it), beside the
+    resident weights: experts kept in host memory (--cpu-moe / --n-cpu-moe), the n-gram table."""
+    note = ""
+    if loaded.mapped_expert_bytes:
+        placement = loaded.placement
+        layers = len(placement.host_layers)
+        note += (
+            f" (+ {loaded.mapped_expert_bytes / 1e6:.1f} MB of routed experts of {layers} MoE layer"
+            f"{'s' if layers > 1 else ''} mapped cold from the file in host memory, read as steps choose them)"
+        )
+    if loaded.mapped_weight_bytes:
+        note += f" (+ {loaded.mapped_weight_bytes / 1e6:.1f} MB read by row from the file's mapping)"
+    return note
 
 
 def _dtype_note(parts: EngineParts) -> str:

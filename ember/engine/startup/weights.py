@@ -49,6 +49,7 @@ def load_weights(
         quantization,
         setup.kernels,
         shapes_only=shapes_only,
+        placement=config.placement_config,
     )
     copies = WeightCopies(int8_decode(config, setup, loaded), dense_copy(config, setup, loaded, tensor_parallel))
     if shapes_only and (copies.int8_decode_bytes or copies.dense_copy_bytes):  # copies of zeros, given back too

@@ -1,0 +1,101 @@
+"""`ember bench flash`: a toy of its Flash-Next-shaped model (flash_model.FLASH_SMALL's kinds of layers at tiny
+sizes) written by transformers, converted by llama.cpp's converter (compress ratios set as a correct
+conversion writes them), quantized by llama.cpp's quantizer; one file's whole run against the real llama.cpp
+writes every row, qwen4_exp's per-op split, the table's residency row and every bar. And the residency probe
+itself, on a mapping of this process."""
+
+import json
+import mmap
+import os
+import re
+
+import pytest
+
+from ember.bench.commands import flash
+from ember.bench.lib import flash_model, op_split
+from ember.bench.lib.residency import PAGE, resident_bytes
+from ember.entrypoints.cli import main
+from ember.loader.gguf import GGUFCheckpoint
+from tests.bench.test_bench_hybrid import TOY
+from tests.models.tiny_models import one_thread  # noqa: F401
+
+TINY = dict(
+    flash_model.FLASH_SMALL,
+    hidden_size=128,
+    num_hidden_layers=4,
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=6,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    num_experts=8,
+    num_experts_per_tok=3,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+    hc_lowrank=16,
+    ple_embed_dim=128,
+    heads_per_ngram=2,
+    ngram_vocab_size_base=1000,
+    split_ngram_parts=2,
+    indexer_n_heads=2,
+    indexer_head_dim=16,
+    indexer_budget=8,
+    rope_parameters=dict(flash_model.FLASH_SMALL["rope_parameters"], mrope_section=[2, 1, 1]),
+    max_position_embeddings=4096,
+)
+
+
+def test_resident_bytes_counts_the_touched_pages_of_a_files_range(tmp_path):
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(64 * PAGE))
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        assert resident_bytes(os.getpid(), str(path), 0, 64 * PAGE) <= 64 * PAGE
+        m.madvise(mmap.MADV_DONTNEED)
+        assert resident_bytes(os.getpid(), str(path), 0, 64 * PAGE) == 0
+        for page in (3, 10, 11):
+            m[page * PAGE]  # touch: the kernel maps up to 16 pages around a fault too (fault-around)
+        assert 3 * PAGE <= resident_bytes(os.getpid(), str(path), 0, 64 * PAGE) <= 32 * PAGE
+        assert resident_bytes(os.getpid(), str(path), 3 * PAGE, PAGE) == PAGE
+        assert resident_bytes(os.getpid(), str(path), 10 * PAGE + 5, PAGE) == 2 * PAGE  # straddles 10 and 11
+        assert resident_bytes(os.getpid(), str(path), 32 * PAGE, 32 * PAGE) == 0  # no fault near these
+    assert resident_bytes(os.getpid(), str(path), 0, 64 * PAGE) == 0  # unmapped
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return flash_model.build_folder(str(tmp_path_factory.mktemp("flash") / "q38"), shape=TINY)
+
+
+@pytest.mark.engine
+@pytest.mark.usefixtures("one_thread")
+def test_one_file_writes_every_row_split_table_row_and_bar(folder, tmp_path):
+    q8 = flash.build_file(folder, "q8_0")
+    ckpt = GGUFCheckpoint(q8)
+    assert ckpt.metadata("qwen4exp.attention.compress_ratios") == [0, 0, 0, 4]
+    assert flash.table_range(q8)[1] > 0
+    md = tmp_path / "flash.md"
+    argv = ["bench", "flash", *TOY, "--model-dir", folder, "--files", "q8_0", "--output", str(md)]
+    argv += ["--table-decode", "8"]
+    assert main(argv) == 0
+    text = md.read_text()
+    for r in (r"batch-1 decode, 4 tokens \(tok/s\)", r"TTFT, 16-token prompt \(ms\)", r"peak RSS \(MiB\)"):
+        assert re.search(rf"\| Q8_0 \| {r} \| [0-9][^|]* \| [0-9][^|]* \| [0-9.]+x[^|]* \|", text), r
+    assert re.search(r"\| Q8_0 \| [0-9.]+ \| [0-9.]+ \([0-9.]+%\) \| [0-9.]+ \([0-9.]+%\) \|", text)  # the table
+    for bar in (
+        r"batch-1 decode >= 1\.0x llama\.cpp",
+        r"peak RSS <= 1\.0x",
+        r"the n-gram table.s resident bytes < 10%",
+    ):
+        assert re.search(rf"\| Q8_0: {bar}[^|]* \| [^|]+ \| \*\*(PASS|FAIL|n/a[^*]*)\*\* \|", text), bar
+    data = json.loads((tmp_path / "flash-flash.json").read_text())
+    d = data["files"]["q8_0"]
+    assert set(d["table"]["resident"]) == {"ember", "llama.cpp"} and d["table"]["bytes"] == flash.table_range(q8)[1]
+    split = d["op_split"]
+    assert split["labelled"] and list(split["ms"]) == list(op_split.QWEN4_CATEGORIES)
+    for c in (op_split.HC, op_split.PLE, op_split.GDN_LAYER, op_split.QSA_SCORING, op_split.SELECTED):
+        assert split["ms"][c] > 0, c
+    for c in (op_split.ROUTER, op_split.EXPERTS, op_split.HEAD):
+        assert split["ms"][c] > 0, c
