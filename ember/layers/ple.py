@@ -15,6 +15,11 @@ The layer (X: the layer's [T, n*H] residual before its mixer):
     X += u + c
 Its per-sequence state (PLEState): the conv's last (K - 1) N input columns and the last N - 1 token ids,
 carried across chunks, snapshotted with the Gated DeltaNet state, kept per token on a verify.
+
+A step: the model calls start() before its first layer (the rows hashed, their gather begun on a thread:
+ember.layers.ple_gather), forward() takes them; everything after the two projections is mix() (the C++
+kernel, ember.kernels.cpu_ple, or mix_reference). A fixed-shape step (a compiled graph) does the same for
+all its sequences at once, by the step's slot tensors (_forward_fixed).
 """
 
 from __future__ import annotations
