@@ -76,8 +76,11 @@ class QSAGatedAttention(GatedAttention):
             cpu_scoring=kernels.qsa_scoring,
         )
 
-    def forward(self, x, cos_sin, kv_cache, meta: AttentionMetadata, sequence_cos_sin=None):
-        """sequence_cos_sin(N) -> (cos, sin) of sequence indices 0..N-1 (the block keys' positions)."""
+    def forward(
+        self, x, cos_sin, kv_cache, meta: AttentionMetadata, sequence_cos_sin=None, select: RowSelection | None = None
+    ):
+        """sequence_cos_sin(N) -> (cos, sin) of sequence indices 0..N-1 (the block keys' positions). select: every
+        row's K/V and indexer key are written, the attention and o_proj run for select's rows only (an MTP fill)."""
         q_gate, k, v = self.qkv_proj.split(self.qkv_proj(x))
         T, D = x.shape[0], self.qkv_proj.head_dim
         q, gate = q_gate.reshape(T, self.num_heads, 2 * D).chunk(2, dim=-1)
@@ -86,16 +89,27 @@ class QSAGatedAttention(GatedAttention):
         q, k = apply_rotary(q, cos, sin, False), apply_rotary(k, cos, sin, False)
         index_q = self.indexer(x, cos, sin, kv_cache, meta)
         if meta.fixed_shape or meta.max_seq_len <= self.indexer.cfg.dense_below:
-            o = self.attn(q, k, v, kv_cache, meta)  # every visible token is selected: the backend, dense
-        else:
+            o = self.attn(q, k, v, kv_cache, meta, select)  # every visible token is selected: the backend, dense
+        elif select is None:
             o = self._sparse(q, k, v, index_q, kv_cache, meta, sequence_cos_sin)
+        else:
+            write_kv_cache(k, v, kv_cache, meta.slot_mapping, meta.all_slots_valid)
+            rows = select.rows
+            o = (
+                q[:0]
+                if select.meta is None
+                else self._sparse(q[rows], None, None, index_q[rows], kv_cache, select.meta, sequence_cos_sin)
+            )
+        if select is not None:
+            gate = gate[select.rows]
         return self.o_proj((o * torch.sigmoid(gate)).flatten(1))
 
     def _sparse(self, q, k, v, index_q, kv_cache, meta: AttentionMetadata, sequence_cos_sin) -> torch.Tensor:
         """The step's queries over the tokens their selection keeps, all sequences in one call (ember.layers.qsa:
         the selection in index form, then the C++ / Triton kernel or the gathered torch form)."""
-        # never an fp8 cache: refused at start (engine.startup.limits)
-        write_kv_cache(k, v, kv_cache, meta.slot_mapping, meta.all_slots_valid)
+        # never an fp8 cache: refused at start (engine.startup.limits); k None: written already (a selection's rows)
+        if k is not None:
+            write_kv_cache(k, v, kv_cache, meta.slot_mapping, meta.all_slots_valid)
         n = sum(meta.query_lens_cpu)
         sel = self.indexer.select_blocks(index_q[:n], meta, sequence_cos_sin(meta.max_seq_len))
         out = torch.zeros_like(q) if n < q.shape[0] else None  # rows past the sequences' (padding): zeros
@@ -133,14 +147,20 @@ class Qwen4ExpDecoderLayer(nn.Module):
             cfg, dtype, device, quant_config, f"{prefix}.mlp_hyper_connection", kernels=kernels
         )
 
-    def forward(self, X, input_ids, cos_sin, cache, meta: AttentionMetadata, sequence_cos_sin):
+    def forward(self, X, input_ids, cos_sin, cache, meta: AttentionMetadata, sequence_cos_sin, select=None):
+        """select (an attention layer only): the rows kept past the attention; every row's K/V and indexer key
+        are written, the rest of the layer runs for select's rows (an MTP fill needs one row's output)."""
         if self.ple is not None:
             X = X + self.ple(X, input_ids, cache, meta)
         x, w = self.attn_hyper_connection(X)
         if self.is_linear:
             y = self.linear_attn(x, cache, meta)
         else:
-            y = self.self_attn(x, cos_sin, cache, meta, sequence_cos_sin)
+            y = self.self_attn(x, cos_sin, cache, meta, sequence_cos_sin, select)
+        if select is not None:
+            X, w = X[select.rows], w[select.rows]
+            if select.meta is None:
+                return X  # no row kept: the K/V and indexer keys were the work
         X = HyperConnection.inject(X, y, w)
         x, w = self.mlp_hyper_connection(X)
         return HyperConnection.inject(X, self.mlp(x), w)
@@ -321,8 +341,8 @@ class Qwen4ExpMTP(nn.Module):
         cos, sin = self._rotary.get_cos_sin(positions)
         cos_sin = (cos.to(X.dtype), sin.to(X.dtype))
         sequence_cos_sin = sequence_rotary(self._rotary, X.dtype, X.device)
-        X = self.layers[j](X, input_ids, cos_sin, kv_caches[j], meta, sequence_cos_sin)
-        return selected_rows(X, select)
+        # select: only the rows that draft next run past the attention (the others' K/V and indexer keys are written)
+        return self.layers[j](X, input_ids, cos_sin, kv_caches[j], meta, sequence_cos_sin, select)
 
     def compute_draft_logits(self, g: torch.Tensor, step: int = 0) -> tuple[torch.Tensor, None]:
         mixed = self.hyper_connection_mixer(g.to(self.fc_hidden.weight.dtype))
