@@ -104,19 +104,21 @@ class MTPProposer(Proposer):
 
     # -- sizing and setup ---------------------------------------------------------------------
     def _pack_draft_weights(self, ctx: ProposerContext) -> int:
-        """CPU: the MTP layers' Linears and own head to group-32 8-bit codes (ember.quant.rtn_tiled)
+        """CPU: the MTP layers' Linears, experts and own head to group-32 8-bit codes (ember.quant.rtn_tiled)
         where the tiled kernel runs in the layers' dtype (bf16, or float32 on AVX2), else in bf16
         to int4 (ember.quant.rtn_int4).
         A draft step reads its weights for one row, so bytes are its cost; drafts may change a little,
         the output cannot (the target verifies). Not under tensor parallelism (the workers replay
         the MTP on their own dense shards)."""
         from ember.quant.rtn_int4 import pack_module_int4
-        from ember.quant.rtn_tiled import pack_module_tiled
+        from ember.quant.rtn_tiled import pack_experts_tiled, pack_module_tiled
 
         if self.device.type != "cpu" or ctx.tensor_parallel:
             return 0
-        # 8-bit tiles where the tiled kernel runs: drafts closer to the dense layer's (rtn_tiled.py)
+        # 8-bit tiles where the tiled kernel runs: drafts closer to the dense layer's (rtn_tiled.py); a MoE
+        # draft layer's experts too (qwen4_exp's MTP: a row reads its top-k experts' tiles)
         saved, kind = pack_module_tiled(self.mtp.layers, ctx.kernels), "8-bit tiles"
+        saved += pack_experts_tiled(self.mtp.layers, ctx.kernels)
         if not saved and self.mtp.dtype == torch.bfloat16:
             saved, kind = pack_module_int4(self.mtp.layers), "int4"
         if saved:
