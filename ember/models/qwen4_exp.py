@@ -309,9 +309,32 @@ class Qwen4ExpMTP(nn.Module):
         object.__setattr__(self, "_lm_head", main.lm_head)
         object.__setattr__(self, "_rotary", main.model.rotary)
 
+    @staticmethod
+    def shape_of(cfg: ModelConfig) -> dict[str, int]:
+        """The config values that size the layer's tensors (all the model's: the layer is built from the model's
+        config), by their config.json names: an MTP folder made for another model differs in one of them."""
+        ix = cfg.indexer
+        return {
+            "hc_count": cfg.hc_count,
+            "hc_lowrank": cfg.hc_lowrank,
+            "num_attention_heads": cfg.num_heads,
+            "num_key_value_heads": cfg.num_kv_heads,
+            "head_dim": cfg.head_dim,
+            "num_experts": cfg.num_experts,
+            "moe_intermediate_size": cfg.moe_intermediate_size,
+            "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size,
+            "indexer_n_heads": ix.num_heads if ix is not None else 0,
+            "indexer_head_dim": ix.head_dim if ix is not None else 0,
+        }
+
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    @property
+    def hidden_width(self) -> int:
+        """A row's hidden state, what the fill takes (H_i) and a draft step gives (G): the n streams' residual."""
+        return self.hc_count * self.cfg.hidden_size
 
     def layer_for_step(self, step: int) -> int:
         return step % len(self.layers)

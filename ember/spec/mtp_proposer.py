@@ -168,7 +168,9 @@ class MTPProposer(Proposer):
         lengths: at batch 1 the fill runs 1 or 1 + k rows after every step, and eagerly it cost
         ~0.8 ms of a ~6 ms MTP step on the default model, half of it module and op dispatch. With
         CUDA graphs, capture it the same way (a layer's worth of kernel launches per draft step)."""
-        hidden = ((self.mtp.cfg.hidden_size,), self.mtp.dtype)
+        # a row's hidden state: hidden_size, or the module's own width (qwen4_exp's: the n streams' residual)
+        width = getattr(self.mtp, "hidden_width", self.mtp.cfg.hidden_size)
+        hidden = ((width,), self.mtp.dtype)
         self.fill_executor = make_executor(_FillStep(self.mtp), self.caches, (hidden,), "MTP fill")
 
     # -- the fill -----------------------------------------------------------------------------
