@@ -332,6 +332,12 @@ class Qwen4ExpMTP(nn.Module):
         return len(self.layers)
 
     @property
+    def weight_dtype(self) -> torch.dtype:
+        """The layer's float dtype now (float32 master weights while training), read off a norm: the
+        projections may be packed to codes on CPU (MTPProposer._pack_draft_weights)."""
+        return self.pre_fc_norm_embedding.weight.dtype
+
+    @property
     def hidden_width(self) -> int:
         """A row's hidden state, what the fill takes (H_i) and a draft step gives (G): the n streams' residual."""
         return self.hc_count * self.cfg.hidden_size
@@ -351,7 +357,7 @@ class Qwen4ExpMTP(nn.Module):
     def fuse(self, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """The layer's 4-stream input (the class docstring): [T] ids, [T, n*H] residuals -> [T, n*H], in the
         layer's dtype (float32 master weights while training)."""
-        T, H, dtype = input_ids.shape[0], self.cfg.hidden_size, self.fc_hidden.weight.dtype
+        T, H, dtype = input_ids.shape[0], self.cfg.hidden_size, self.weight_dtype
         e = self.fc_embedding(self.pre_fc_norm_embedding(self._embed(input_ids).to(dtype)))
         h = self.pre_fc_norm_hidden(hidden.to(dtype)).reshape(T * self.hc_count, H)
         return (e.unsqueeze(1) + self.fc_hidden(h).view(T, self.hc_count, H)).flatten(1)
@@ -368,7 +374,7 @@ class Qwen4ExpMTP(nn.Module):
         return self.layers[j](X, input_ids, cos_sin, kv_caches[j], meta, sequence_cos_sin, select)
 
     def compute_draft_logits(self, g: torch.Tensor, step: int = 0) -> tuple[torch.Tensor, None]:
-        mixed = self.hyper_connection_mixer(g.to(self.fc_hidden.weight.dtype))
+        mixed = self.hyper_connection_mixer(g.to(self.weight_dtype))
         return self._lm_head(mixed.to(self._embed.weight.dtype)), None
 
     def compute_logits(self, g: torch.Tensor, step: int = 0) -> torch.Tensor:

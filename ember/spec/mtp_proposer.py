@@ -117,10 +117,12 @@ class MTPProposer(Proposer):
             return 0
         # 8-bit tiles where the tiled kernel runs: drafts closer to the dense layer's (rtn_tiled.py); a MoE
         # draft layer's experts too (qwen4_exp's MTP: a row reads its top-k experts' tiles)
-        saved, kind = pack_module_tiled(self.mtp.layers, ctx.kernels), "8-bit tiles"
-        saved += pack_experts_tiled(self.mtp.layers, ctx.kernels)
+        # (the whole module: qwen4_exp's input fusion and final mixer sit beside its layer; the model's embedding
+        # and head are plain attributes, never packed here)
+        saved, kind = pack_module_tiled(self.mtp, ctx.kernels), "8-bit tiles"
+        saved += pack_experts_tiled(self.mtp, ctx.kernels)
         if not saved and self.mtp.dtype == torch.bfloat16:
-            saved, kind = pack_module_int4(self.mtp.layers), "int4"
+            saved, kind = pack_module_int4(self.mtp), "int4"
         if saved:
             logger.info("MTP: draft weights packed to %s on CPU (%.1f MB saved)", kind, saved / 1e6)
         return saved

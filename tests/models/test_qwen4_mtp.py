@@ -82,11 +82,12 @@ def test_mtp_speculation_gives_the_plain_tokens(tiny, k, chunk):
 
 def test_the_input_fusion_is_sglangs(tiny):
     """e = fc_embedding(RMS(E)(1 + g_e)); H normed by ONE RMS over its n*H values (1 + g_h); stream s =
-    e + fc_hidden(H_s): written out here from the checkpoint's tensors and compared with the module's."""
+    e + fc_hidden(H_s): written out here from the checkpoint's tensors and compared with the module's (dense:
+    on CPU the draft's projections are otherwise packed to 8-bit tiles, rtn_tiled)."""
     from safetensors.torch import load_file
 
     _, path, _, _ = tiny
-    engine = llm(path, enable_mtp=True, num_speculative_tokens=1)
+    engine = llm(path, enable_mtp=True, num_speculative_tokens=1, cpu_tiled_gemv=False)
     mtp = engine.engine.parts.spec.proposer.mtp
     w = {
         k.removeprefix("mtp."): v.float()
