@@ -115,10 +115,9 @@ class MTPProposer(Proposer):
 
         if self.device.type != "cpu" or ctx.tensor_parallel:
             return 0
-        # 8-bit tiles where the tiled kernel runs: drafts closer to the dense layer's (rtn_tiled.py); a MoE
-        # draft layer's experts too (qwen4_exp's MTP: a row reads its top-k experts' tiles)
-        # (the whole module: qwen4_exp's input fusion and final mixer sit beside its layer; the model's embedding
-        # and head are plain attributes, never packed here)
+        # 8-bit tiles where the tiled kernel runs: drafts closer to the dense layer's (rtn_tiled.py). The whole
+        # module (qwen4_exp's input fusion and final mixer sit beside its layer; the model's embedding and head
+        # are plain attributes, never packed here), a MoE draft layer's experts too (a row reads its top-k's tiles)
         saved, kind = pack_module_tiled(self.mtp, ctx.kernels), "8-bit tiles"
         saved += pack_experts_tiled(self.mtp, ctx.kernels)
         if not saved and self.mtp.dtype == torch.bfloat16:
