@@ -27,7 +27,9 @@ A new request starts from the drafter's own record, not from scratch: once the d
 prior a_1 is the drafter's position-1 acceptance over all requests, so its first k is chosen as any later
 one is and may be 0 (before any verify: k0, from PRIOR_ALPHA); one that starts off waits the drafter's
 last probe interval before its first probe. With a random head, every short request started hopeful and
-probed at 8, 24 and 56 steps: ~7% of decode speed on ember bench flash's model (64-token decodes).
+probed at 8, 24 and 56 steps: ~7% of decode speed on ember bench flash's model (64-token decodes). A
+seeded request keeps the hopeful start: its tokens must not depend on the requests before it (how many
+drafts a step verifies changes which draws its generator makes).
 `--no-adaptive-spec` pins k = k_max.
 """
 
@@ -129,7 +131,8 @@ class AdaptiveK:
     def state(self, req) -> SpecState:
         """A request's state, made on first use from the drafter's record (the module docstring)."""
         if req.spec_state is None:
-            if not self.enabled or not self.observed:
+            params = getattr(req, "sampling_params", None)
+            if not self.enabled or not self.observed or getattr(params, "seed", None) is not None:
                 req.spec_state = SpecState(self.k0)
             else:
                 alpha = self.drafter_alpha()

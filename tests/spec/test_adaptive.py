@@ -2,6 +2,7 @@
 position-1 acceptance, the drafter's depth profile and the measured cost of each verify length."""
 
 from ember.request import Request
+from ember.sampling import SamplingParams
 from ember.spec.adaptive import AdaptiveK, best_k, expected_tokens
 
 
@@ -142,6 +143,8 @@ def test_a_new_request_starts_from_the_drafters_record():
     assert ks == [0] * (MAX_PROBE_EVERY - 1) + [1]  # off from its first step: one probe after the drafter's wait
     s = ak.state(new)
     assert abs(s.accepted / s.trials - ak.drafter_alpha()) < 1e-9 and s.trials == PRIOR_TRIALS
+    seeded = Request("seeded", [1], SamplingParams(temperature=0.8, seed=7))
+    assert ak.k_for(seeded) == ak.k0  # its tokens may not depend on the requests before it: the hopeful start
     good = AdaptiveK(k_max=2)
     for i in range(6):
         req = Request(f"g{i}", [1], None)
