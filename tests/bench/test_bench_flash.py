@@ -123,7 +123,7 @@ def test_the_q4_k_m_file_gets_an_ember_side_with_a_random_mtp_layer(folder, tmp_
     text = md.read_text()
     assert "| file | metric | ember |\n" in text  # the main table: no ember+MTP column
     num = r"[0-9][0-9.]*"
-    cells = [rf"{num}[^|]*", rf"{num}x[^|]*", "-", rf"\d+ \(\d+ drafts, 0 accepted\)", num, num, num, num]
+    cells = [rf"{num}[^|]*", rf"{num}x[^|]*", "-", r"\d+ \(\d+ drafts, 0 accepted\)", num, num, num, num]
     assert re.search(r"\| Q4_K_M \| batch-1 decode, 4 tokens \(tok/s\) \| " + r" \| ".join(cells) + r" \|", text)
     d = json.loads((tmp_path / "flash-flash.json").read_text())["files"]["q4_k_m"]
     assert d["sides"][flash.MTP]["speculation"] == "mtp" and d["sides"]["ember"]["speculation"] == "none"
