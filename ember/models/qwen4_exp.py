@@ -75,9 +75,19 @@ class QSAGatedAttention(GatedAttention):
             cpu_scoring=kernels.qsa_scoring,
         )
 
-    def forward(self, x, cos_sin, kv_cache, meta: AttentionMetadata, sequence_cos_sin=None, keys=None):
+    def forward(
+        self,
+        x,
+        cos_sin,
+        kv_cache,
+        meta: AttentionMetadata,
+        sequence_cos_sin=None,
+        keys=None,
+        select: RowSelection | None = None,
+    ):
         """sequence_cos_sin(N) -> (cos, sin) of sequence indices 0..N-1 (the block keys' positions); keys: the
-        indexer's raw key pool a compiled step is handed (None: the indexer's own)."""
+        indexer's raw key pool a compiled step is handed (None: the indexer's own). select (eager only): every
+        row's K/V and indexer key are written, the attention and o_proj run for select's rows only (an MTP fill)."""
         q_gate, k, v = self.qkv_proj.split(self.qkv_proj(x))
         T, D = x.shape[0], self.qkv_proj.head_dim
         q, gate = q_gate.reshape(T, self.num_heads, 2 * D).chunk(2, dim=-1)
@@ -93,16 +103,27 @@ class QSAGatedAttention(GatedAttention):
             return self.o_proj((o * torch.sigmoid(gate)).flatten(1))
         index_q = self.indexer(x, cos, sin, kv_cache, meta)
         if meta.max_seq_len <= self.indexer.cfg.dense_below:
-            o = self.attn(q, k, v, kv_cache, meta)  # every visible token is selected: the backend, dense
-        else:
+            o = self.attn(q, k, v, kv_cache, meta, select)  # every visible token is selected: the backend, dense
+        elif select is None:
             o = self._sparse(q, k, v, index_q, kv_cache, meta, sequence_cos_sin)
+        else:
+            write_kv_cache(k, v, kv_cache, meta.slot_mapping, meta.all_slots_valid)
+            rows = select.rows
+            o = (
+                q[:0]
+                if select.meta is None
+                else self._sparse(q[rows], None, None, index_q[rows], kv_cache, select.meta, sequence_cos_sin)
+            )
+        if select is not None:
+            gate = gate[select.rows]
         return self.o_proj((o * torch.sigmoid(gate)).flatten(1))
 
     def _sparse(self, q, k, v, index_q, kv_cache, meta: AttentionMetadata, sequence_cos_sin) -> torch.Tensor:
         """The step's queries over the tokens their selection keeps, all sequences in one call (ember.layers.qsa:
         the selection in index form, then the C++ / Triton kernel or the gathered torch form)."""
-        # never an fp8 cache: refused at start (engine.startup.limits)
-        write_kv_cache(k, v, kv_cache, meta.slot_mapping, meta.all_slots_valid)
+        # never an fp8 cache: refused at start (engine.startup.limits); k None: written already (a selection's rows)
+        if k is not None:
+            write_kv_cache(k, v, kv_cache, meta.slot_mapping, meta.all_slots_valid)
         n = sum(meta.query_lens_cpu)
         sel = self.indexer.select_blocks(index_q[:n], meta, sequence_cos_sin(meta.max_seq_len))
         out = torch.zeros_like(q) if n < q.shape[0] else None  # rows past the sequences' (padding): zeros
@@ -140,15 +161,23 @@ class Qwen4ExpDecoderLayer(nn.Module):
             cfg, dtype, device, quant_config, f"{prefix}.mlp_hyper_connection", kernels=kernels
         )
 
-    def forward(self, X, input_ids, cos_sin, cache, meta: AttentionMetadata, sequence_cos_sin, keys=None, ple=None):
-        """keys: an attention layer's indexer key pool in a compiled step; ple: PLELayer.start's (None: started here)."""
+    def forward(
+        self, X, input_ids, cos_sin, cache, meta: AttentionMetadata, sequence_cos_sin, keys=None, ple=None, select=None
+    ):
+        """keys: an attention layer's indexer key pool in a compiled step; ple: PLELayer.start's (None: started
+        here); select (an attention layer only, eager): the rows kept past the attention; every row's K/V and
+        indexer key are written, the rest of the layer runs for select's rows (an MTP fill needs one row's output)."""
         if self.ple is not None:
             X = X + self.ple(X, input_ids, cache, meta, ple)
         x, w = self.attn_hyper_connection(X)
         if self.is_linear:
             y = self.linear_attn(x, cache, meta)
         else:
-            y = self.self_attn(x, cos_sin, cache, meta, sequence_cos_sin, keys)
+            y = self.self_attn(x, cos_sin, cache, meta, sequence_cos_sin, keys, select)
+        if select is not None:
+            X, w = X[select.rows], w[select.rows]
+            if select.meta is None:
+                return X  # no row kept: the K/V and indexer keys were the work
         X = HyperConnection.inject(X, y, w)
         x, w = self.mlp_hyper_connection(X)
         return HyperConnection.inject(X, self.mlp(x), w)
@@ -325,9 +354,38 @@ class Qwen4ExpMTP(nn.Module):
         object.__setattr__(self, "_lm_head", main.lm_head)
         object.__setattr__(self, "_rotary", main.model.rotary)
 
+    @staticmethod
+    def shape_of(cfg: ModelConfig) -> dict[str, int]:
+        """The config values that size the layer's tensors (all the model's: the layer is built from the model's
+        config), by their config.json names: an MTP folder made for another model differs in one of them."""
+        ix = cfg.indexer
+        return {
+            "hc_count": cfg.hc_count,
+            "hc_lowrank": cfg.hc_lowrank,
+            "num_attention_heads": cfg.num_heads,
+            "num_key_value_heads": cfg.num_kv_heads,
+            "head_dim": cfg.head_dim,
+            "num_experts": cfg.num_experts,
+            "moe_intermediate_size": cfg.moe_intermediate_size,
+            "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size,
+            "indexer_n_heads": ix.num_heads if ix is not None else 0,
+            "indexer_head_dim": ix.head_dim if ix is not None else 0,
+        }
+
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The layer's float dtype now (float32 master weights while training), read off a norm: the
+        projections may be packed to codes on CPU (MTPProposer._pack_draft_weights)."""
+        return self.pre_fc_norm_embedding.weight.dtype
+
+    @property
+    def hidden_width(self) -> int:
+        """A row's hidden state, what the fill takes (H_i) and a draft step gives (G): the n streams' residual."""
+        return self.hc_count * self.cfg.hidden_size
 
     def layer_for_step(self, step: int) -> int:
         return step % len(self.layers)
@@ -344,7 +402,7 @@ class Qwen4ExpMTP(nn.Module):
     def fuse(self, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """The layer's 4-stream input (the class docstring): [T] ids, [T, n*H] residuals -> [T, n*H], in the
         layer's dtype (float32 master weights while training)."""
-        T, H, dtype = input_ids.shape[0], self.cfg.hidden_size, self.fc_hidden.weight.dtype
+        T, H, dtype = input_ids.shape[0], self.cfg.hidden_size, self.weight_dtype
         e = self.fc_embedding(self.pre_fc_norm_embedding(self._embed(input_ids).to(dtype)))
         h = self.pre_fc_norm_hidden(hidden.to(dtype)).reshape(T * self.hc_count, H)
         return (e.unsqueeze(1) + self.fc_hidden(h).view(T, self.hc_count, H)).flatten(1)
@@ -358,15 +416,18 @@ class Qwen4ExpMTP(nn.Module):
         cos_sin = (cos.to(X.dtype), sin.to(X.dtype))
         sequence_cos_sin = sequence_rotary(self._rotary, X.dtype, X.device)
         keys = kv_caches[len(self.layers) + j] if len(kv_caches) > len(self.layers) else None  # graph_pools'
-        X = self.layers[j](X, input_ids, cos_sin, kv_caches[j], meta, sequence_cos_sin, keys)
-        return selected_rows(X, select)
+        if keys is not None or meta.fixed_shape:  # a compiled step: the whole layer, then select's rows
+            X = self.layers[j](X, input_ids, cos_sin, kv_caches[j], meta, sequence_cos_sin, keys)
+            return selected_rows(X, select)
+        # select: only the rows that draft next run past the attention (the others' K/V and indexer keys are written)
+        return self.layers[j](X, input_ids, cos_sin, kv_caches[j], meta, sequence_cos_sin, select=select)
 
     def graph_pools(self, kv_caches: list) -> list[torch.Tensor]:
         """Its layers' indexer key pools (Qwen4ExpForCausalLM.graph_pools)."""
         return [qsa_graph.key_pool(layer.self_attn.indexer, c, self.dtype) for layer, c in zip(self.layers, kv_caches)]
 
     def compute_draft_logits(self, g: torch.Tensor, step: int = 0) -> tuple[torch.Tensor, None]:
-        mixed = self.hyper_connection_mixer(g.to(self.fc_hidden.weight.dtype))
+        mixed = self.hyper_connection_mixer(g.to(self.weight_dtype))
         return self._lm_head(mixed.to(self._embed.weight.dtype)), None
 
     def compute_logits(self, g: torch.Tensor, step: int = 0) -> torch.Tensor:

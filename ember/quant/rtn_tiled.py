@@ -87,6 +87,36 @@ def pack_module_tiled(module: nn.Module, kernels: CpuKernels | None = None) -> i
     return saved
 
 
+def pack_experts_tiled(module: nn.Module, kernels: CpuKernels | None = None) -> int:
+    """Repack every dense stacked-experts storage under `module` (ember.layers.moe.Experts: a MoE draft layer,
+    qwen4_exp's MTP) as GGUFExperts whose experts are 8-bit tiles, each expert's gate;up and down one TiledPart,
+    run by the tiled GEMV for the experts a row routes to. A draft row reads its top-k experts: in float32 on
+    AVX2 the bench model's 10 of 128 took 9.1 ms a step, in tiles 4.4 ms, and the layer's 128 experts held
+    604 MB (the release's 512 of 2048 x 640: 8 GB) instead of 160 MB. Returns the bytes saved (0 where the
+    kernel is not usable(kernels))."""
+    from ember.layers.moe import Experts
+    from ember.quant.gguf_quant import GGUFExperts, register_parts
+
+    if not usable(kernels):
+        return 0
+    kernels = kernels or CpuKernels()
+    saved = 0
+    for parent in list(module.modules()):
+        experts = getattr(parent, "experts", None)
+        if not isinstance(experts, Experts) or not all(_packable(w[0]) for w in (experts.w13, experts.w2)):
+            continue
+        E, H, I = experts.num_experts, experts.w2.shape[1], experts.intermediate_size
+        packed = GGUFExperts(E, H, I, experts.w13.dtype, experts.w13.device, kernels)
+        for e in range(E):
+            for parts, name, w in ((packed.parts13, "w13", experts.w13[e]), (packed.parts2, "w2", experts.w2[e])):
+                part = TiledPart(*rtn_affine(w.data, tiled_gemv.GROUP, BITS), BITS, kernels.int8_activations)
+                parts.append([part])
+                register_parts(packed, parts[-1], f"{name}_{e}")
+        saved += sum(w.nbytes for w in (experts.w13, experts.w2)) - sum(b.nbytes for b in packed.buffers())
+        parent.experts = packed
+    return saved
+
+
 def _packable(w: torch.Tensor) -> bool:
     return (
         w.device.type == "cpu"

@@ -104,21 +104,24 @@ class MTPProposer(Proposer):
 
     # -- sizing and setup ---------------------------------------------------------------------
     def _pack_draft_weights(self, ctx: ProposerContext) -> int:
-        """CPU: the MTP layers' Linears and own head to group-32 8-bit codes (ember.quant.rtn_tiled)
+        """CPU: the MTP layers' Linears, experts and own head to group-32 8-bit codes (ember.quant.rtn_tiled)
         where the tiled kernel runs in the layers' dtype (bf16, or float32 on AVX2), else in bf16
         to int4 (ember.quant.rtn_int4).
         A draft step reads its weights for one row, so bytes are its cost; drafts may change a little,
         the output cannot (the target verifies). Not under tensor parallelism (the workers replay
         the MTP on their own dense shards)."""
         from ember.quant.rtn_int4 import pack_module_int4
-        from ember.quant.rtn_tiled import pack_module_tiled
+        from ember.quant.rtn_tiled import pack_experts_tiled, pack_module_tiled
 
         if self.device.type != "cpu" or ctx.tensor_parallel:
             return 0
-        # 8-bit tiles where the tiled kernel runs: drafts closer to the dense layer's (rtn_tiled.py)
-        saved, kind = pack_module_tiled(self.mtp.layers, ctx.kernels), "8-bit tiles"
+        # 8-bit tiles where the tiled kernel runs: drafts closer to the dense layer's (rtn_tiled.py). The whole
+        # module (qwen4_exp's input fusion and final mixer sit beside its layer; the model's embedding and head
+        # are plain attributes, never packed here), a MoE draft layer's experts too (a row reads its top-k's tiles)
+        saved, kind = pack_module_tiled(self.mtp, ctx.kernels), "8-bit tiles"
+        saved += pack_experts_tiled(self.mtp, ctx.kernels)
         if not saved and self.mtp.dtype == torch.bfloat16:
-            saved, kind = pack_module_int4(self.mtp.layers), "int4"
+            saved, kind = pack_module_int4(self.mtp), "int4"
         if saved:
             logger.info("MTP: draft weights packed to %s on CPU (%.1f MB saved)", kind, saved / 1e6)
         return saved
@@ -166,7 +169,9 @@ class MTPProposer(Proposer):
         lengths: at batch 1 the fill runs 1 or 1 + k rows after every step, and eagerly it cost
         ~0.8 ms of a ~6 ms MTP step on the default model, half of it module and op dispatch. With
         CUDA graphs, capture it the same way (a layer's worth of kernel launches per draft step)."""
-        hidden = ((self.mtp.cfg.hidden_size,), self.mtp.dtype)
+        # a row's hidden state: hidden_size, or the module's own width (qwen4_exp's: the n streams' residual)
+        width = getattr(self.mtp, "hidden_width", self.mtp.cfg.hidden_size)
+        hidden = ((width,), self.mtp.dtype)
         self.fill_executor = make_executor(_FillStep(self.mtp), self.caches, (hidden,), "MTP fill")
 
     # -- the fill -----------------------------------------------------------------------------

@@ -36,6 +36,12 @@ MiMoMTPModel, Glm4MoeMTPModel, Qwen3NextMTP, ...) belong to model families whose
 does not run, so they are refused. Missing config keys (heads, intermediate size, rope ...) are
 taken from the main model's config, so a small MTP config need only state what differs; its
 vocab_size and hidden_size, when given, must equal the model's.
+
+A model whose MTP layer is its own kind (qwen4_exp: build_mtp) reads a separate folder's mtp.* tensors
+(what `ember train-mtp` writes for it, config.json naming the model's architecture) whether the model is
+a Hugging Face folder or a GGUF file, which carries none (llama.cpp's converter writes no qwen4exp MTP
+layer). That layer is built from the model's config, so a folder whose config.json sizes it otherwise
+(the model's shape_of) is refused, naming the values.
 """
 
 from __future__ import annotations
@@ -563,6 +569,18 @@ def export_deepseek_tensors(mtp: MTPModule, num_hidden_layers: int) -> dict[str,
     return out
 
 
+def _check_made_for(theirs: dict[str, int], ours: dict[str, int], folder: str) -> None:
+    """A separate folder's MTP layer of a model's own kind is built from the model's config: refuse one whose
+    config.json sizes it otherwise (made for another model), naming the values, before any tensor is read."""
+    differ = [f"{k} {theirs[k]} (the model: {ours[k]})" for k in ours if theirs.get(k) != ours[k]]
+    if differ:
+        raise ModelLoadError(
+            f"the MTP layer in {folder} was made for another model: its config.json says {', '.join(differ)}. "
+            "An MTP layer must match the model it drafts for; give one made for this model, e.g. written by "
+            "`ember train-mtp MODEL --out DIR`"
+        )
+
+
 def load_mtp(
     main, model_path: str, speculative_model: str | None = None, *, attn_backend=None, progress: bool = True
 ) -> MTPModule:
@@ -571,6 +589,8 @@ def load_mtp(
     ckpt = find_mtp_weights(main.cfg, model_path, speculative_model)
     if hasattr(main, "build_mtp"):  # a model whose MTP layer is its own kind of layer (qwen4_exp)
         mtp = main.build_mtp(ckpt.num_layers, attn_backend)
+        if ckpt.separate:
+            _check_made_for(mtp.shape_of(ckpt.block_cfg), mtp.shape_of(main.cfg), ckpt.folder)
         mtp.load_mtp_weights(iter_mtp_tensors(ckpt, progress), ckpt.folder)
         return mtp.eval()
     mtp = MTPModule(

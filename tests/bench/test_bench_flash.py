@@ -99,3 +99,37 @@ def test_one_file_writes_every_row_split_table_row_and_bar(folder, tmp_path):
         assert split["ms"][c] > 0, c
     for c in (op_split.ROUTER, op_split.EXPERTS, op_split.HEAD):
         assert split["ms"][c] > 0, c
+
+
+@pytest.mark.engine
+@pytest.mark.usefixtures("one_thread")
+def test_the_q4_k_m_file_gets_an_ember_side_with_a_random_mtp_layer(folder, tmp_path):
+    """--mtp (the default): a random MTP layer written beside the model folder as train-mtp writes one
+    (mtp.* tensors, config.json naming the model), attached to the Q4_K_M GGUF, which has none; the ember+MTP
+    side takes the decode rounds only and gets its own rows (its decode against ember's, the drafting of
+    its rounds, a draft step's measured cost against a decode step and the engine's estimate), the main
+    table's columns unchanged."""
+    from safetensors import safe_open
+
+    md = tmp_path / "flash.md"
+    argv = ["bench", "flash", *TOY, "--model-dir", folder, "--files", "q4_k_m", "--output", str(md)]
+    argv += ["--peer", "none", "--split-steps", "0", "--bandwidth-mib", "0", "--table-decode", "2"]
+    assert main(argv) == 0
+    mtp_dir = flash_model.mtp_folder_of(folder)
+    with safe_open(os.path.join(mtp_dir, "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    assert names and all(n.startswith("mtp.") for n in names) and "mtp.layers.0.mlp.gate.weight" in names
+    assert json.load(open(os.path.join(mtp_dir, "config.json")))["architectures"] == ["Qwen4ExpForCausalLM"]
+    text = md.read_text()
+    assert "| file | metric | ember |\n" in text  # the main table: no ember+MTP column
+    num = r"[0-9][0-9.]*"
+    cells = [rf"{num}[^|]*", rf"{num}x[^|]*", "-", r"\d+ \(\d+ drafts, 0 accepted\)", num, num, num, num]
+    assert re.search(r"\| Q4_K_M \| batch-1 decode, 4 tokens \(tok/s\) \| " + r" \| ".join(cells) + r" \|", text)
+    d = json.loads((tmp_path / "flash-flash.json").read_text())["files"]["q4_k_m"]
+    assert d["sides"][flash.MTP]["speculation"] == "mtp" and d["sides"]["ember"]["speculation"] == "none"
+    values = {f["key"]: f["values"] for f in d["figures"]}
+    assert flash.MTP in values["decode"] and flash.MTP not in values["throughput"]
+    assert set(d["table"]["resident"]) == {"ember"}
+    cost = d["mtp"]
+    assert cost["drafts"] > 0 and cost["draft_ms"] > 0 and 0 < cost["fraction"] and 0 < cost["estimate"] <= 1
+    assert cost["rounds"]["num_accepted_tokens"] == 0

@@ -82,11 +82,12 @@ def test_mtp_speculation_gives_the_plain_tokens(tiny, k, chunk):
 
 def test_the_input_fusion_is_sglangs(tiny):
     """e = fc_embedding(RMS(E)(1 + g_e)); H normed by ONE RMS over its n*H values (1 + g_h); stream s =
-    e + fc_hidden(H_s): written out here from the checkpoint's tensors and compared with the module's."""
+    e + fc_hidden(H_s): written out here from the checkpoint's tensors and compared with the module's (dense:
+    on CPU the draft's projections are otherwise packed to 8-bit tiles, rtn_tiled)."""
     from safetensors.torch import load_file
 
     _, path, _, _ = tiny
-    engine = llm(path, enable_mtp=True, num_speculative_tokens=1)
+    engine = llm(path, enable_mtp=True, num_speculative_tokens=1, cpu_tiled_gemv=False)
     mtp = engine.engine.parts.spec.proposer.mtp
     w = {
         k.removeprefix("mtp."): v.float()
@@ -112,3 +113,19 @@ def test_a_missing_mtp_tensor_is_named(tmp_path):
     add_mtp_layer(path, drop="mtp.fc_hidden.weight")
     with pytest.raises(ModelLoadError, match="fc_hidden"):
         llm(path, enable_mtp=True, num_speculative_tokens=1)
+
+
+def test_a_separate_mtp_folder_made_for_another_model_is_refused_by_its_values(tiny, tmp_path):
+    """A folder of mtp.* tensors (what train-mtp writes) attaches to any qwen4_exp model of its shape (HF folder or
+    GGUF: ember bench flash's MTP row); one whose config.json sizes the layer otherwise is refused before
+    any tensor is read, naming the values."""
+    from ember.bench.lib.flash_model import build_mtp_folder
+
+    _, path, _, _ = tiny
+    other = tmp_path / "other"
+    other.mkdir()
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    json.dump(cfg | {"moe_intermediate_size": 64, "indexer_head_dim": 32}, open(other / "config.json", "w"))
+    folder = build_mtp_folder(str(other))
+    with pytest.raises(ModelLoadError, match=r"moe_intermediate_size 64 \(the model: 32\), indexer_head_dim 32"):
+        llm(path, speculative_config={"method": "mtp", "model": folder, "num_speculative_tokens": 1})

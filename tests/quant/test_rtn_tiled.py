@@ -65,3 +65,39 @@ def test_other_dtype_modules_and_a_disabled_kernel_are_left_alone():
     m = Tiny(X)
     assert pack_module_tiled(m, CpuKernels(tiled_gemv=False)) == 0  # --no-cpu-tiled-gemv
     assert isinstance(m.proj.quant_method, DenseMethod)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_pack_experts_runs_each_routed_experts_dequantized_math(rows):
+    """A MoE draft layer's stacked experts (qwen4_exp's MTP) as 8-bit tiles: the routed experts' SwiGLU over
+    the dequantized codes, weighted; another dtype's are left dense."""
+    import torch.nn.functional as F
+
+    from ember.layers.moe import Experts
+    from ember.quant.gguf_quant import GGUFExperts
+    from ember.quant.rtn_tiled import pack_experts_tiled
+
+    torch.manual_seed(2)
+    E, H, I, k = 6, 64, 96, 2
+    m = torch.nn.Module()
+    m.mlp = torch.nn.Module()
+    m.mlp.experts = Experts(E, H, I, X)
+    m.other = torch.nn.Module()
+    m.other.experts = Experts(E, H, I, OTHER)
+    for ex in (m.mlp.experts, m.other.experts):
+        ex.w13.data.normal_(0, 0.05)
+        ex.w2.data.normal_(0, 0.05)
+    w13, w2 = m.mlp.experts.w13.data.float().clone(), m.mlp.experts.w2.data.float().clone()
+    saved = pack_experts_tiled(m)
+    assert saved > 0 and isinstance(m.mlp.experts, GGUFExperts) and isinstance(m.other.experts, Experts)
+    x = torch.randn(rows, H, dtype=X)
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(rows)])
+    weights = torch.softmax(torch.randn(rows, k), -1).to(X)
+    y = m.mlp.experts(x, ids, weights)
+    ref = torch.zeros(rows, H)
+    for t in range(rows):
+        for j in range(k):
+            e = int(ids[t, j])
+            gate, up = (x[t].float() @ _dequantized(w13[e]).t()).chunk(2)
+            ref[t] += weights[t, j].float() * (F.silu(gate) * up) @ _dequantized(w2[e]).t()
+    assert y.dtype == X and torch.allclose(y.float(), ref, atol=2e-3, rtol=2e-2), (y.float() - ref).abs().max()

@@ -2,6 +2,7 @@
 position-1 acceptance, the drafter's depth profile and the measured cost of each verify length."""
 
 from ember.request import Request
+from ember.sampling import SamplingParams
 from ember.spec.adaptive import AdaptiveK, best_k, expected_tokens
 
 
@@ -120,3 +121,33 @@ def test_rejected_probes_back_off_to_the_slowest_probe_rate():
     assert sum(drafted) < first_off * 3 + 4 + len(drafted) / MAX_PROBE_EVERY
     ak.observe(req, 1, 1)  # a probe accepted (the text turned predictable): back to probing often
     assert ak.state(req).probe_every == PROBE_EVERY
+
+
+def test_a_new_request_starts_from_the_drafters_record():
+    """Before any verify a request starts hopeful (k0); once the drafter is never right (a random MTP head),
+    a new request starts off and waits the drafter's probe interval before its first probe, so short requests
+    do not each pay a hopeful start and probes at 8, 24, 56 steps; a drafter that is right keeps them on."""
+    from ember.spec.adaptive import MAX_PROBE_EVERY, PRIOR_TRIALS
+
+    ak = AdaptiveK(k_max=2)
+    assert ak.k_for(Request("first", [1], None)) == ak.k0 >= 1
+    for i in range(6):  # short requests, every draft rejected
+        req = Request(f"r{i}", [1], None)
+        for _ in range(4 * MAX_PROBE_EVERY):
+            k = ak.k_for(req)
+            if k:
+                ak.observe(req, k, 0)
+    assert ak.drafter_alpha() < 0.2 and ak.probe_every == MAX_PROBE_EVERY
+    new = Request("new", [1], None)
+    ks = [ak.k_for(new) for _ in range(MAX_PROBE_EVERY)]
+    assert ks == [0] * (MAX_PROBE_EVERY - 1) + [1]  # off from its first step: one probe after the drafter's wait
+    s = ak.state(new)
+    assert abs(s.accepted / s.trials - ak.drafter_alpha()) < 1e-9 and s.trials == PRIOR_TRIALS
+    seeded = Request("seeded", [1], SamplingParams(temperature=0.8, seed=7))
+    assert ak.k_for(seeded) == ak.k0  # its tokens may not depend on the requests before it: the hopeful start
+    good = AdaptiveK(k_max=2)
+    for i in range(6):
+        req = Request(f"g{i}", [1], None)
+        for _ in range(5):
+            good.observe(req, good.k_for(req), good.k_for(req))
+    assert good.k_for(Request("next", [1], None)) == 2

@@ -67,6 +67,36 @@ def test_dense_forward_equals_paged_forward_with_recursion(main, mtp):
             torch.testing.assert_close(mtp.compute_logits(y2[:1]), mtp.compute_logits(g2[b, t : t + 1]))
 
 
+@pytest.mark.parametrize("lens", [(90, 40), (20, 7)])
+def test_a_fill_runs_past_the_attention_for_its_selected_rows_only(main, mtp, lens):
+    """The fill (a selection: the rows that draft next) writes every row's K/V and indexer key as the whole
+    layer does, and its kept rows equal the whole layer's; past the QSA dense threshold (90) and below it.
+    With nothing kept, the K/V and keys are written all the same."""
+    from ember.kernels.metadata import RowSelection
+
+    cfg, width = main.cfg, main.cfg.hc_count * main.cfg.hidden_size
+    pager = MiniPager(num_blocks=64)
+    meta = pager.meta([(s, 0, n) for s, n in enumerate(lens)])
+    g = torch.Generator().manual_seed(4)
+    T = sum(lens)
+    ids = torch.randint(0, cfg.vocab_size, (T,), generator=g)
+    pos = torch.cat([torch.arange(n) for n in lens])
+    hid = torch.randn(T, width, generator=g)
+    indexer = mtp.layers[0].self_attn.indexer
+    outs = []
+    for select in (None, pager.last_rows(meta, pos), RowSelection(torch.empty(0, dtype=torch.int64), None)):
+        cache = pager.cache(cfg, 64)
+        indexer.keys = None
+        with torch.no_grad():
+            y = mtp(ids, pos, hid, [cache], meta, select=select)
+        outs.append((select, y, cache, indexer.keys.clone()))
+    (_, whole, cache, keys), (select, kept, cache1, keys1), (_, none, cache2, keys2) = outs
+    torch.testing.assert_close(kept, whole[select.rows], rtol=1e-5, atol=1e-5)
+    assert none.shape == (0, width)
+    for c, k in ((cache1, keys1), (cache2, keys2)):
+        assert torch.equal(c, cache) and torch.equal(k, keys)
+
+
 def test_gradient_reaches_every_trained_parameter(main):
     """Through two chained steps and the model's head: every parameter but the QSA indexer's (it only
     selects keys past the dense threshold, which the dense training forward never reaches: kept as copied)."""

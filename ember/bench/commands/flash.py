@@ -9,6 +9,13 @@ the measured read bandwidth, the per-op split of one decode step by qwen4_exp's 
 figure of its own: the n-gram table's resident bytes in each side's process after a 2,000-token prompt and
 256 decoded tokens (ember.bench.lib.residency: the present pages of the side's mappings of the file's table
 range; rows read by pread are in the page cache, not the process). Issue 55's bars are judged per file.
+
+With --mtp (the default) the Q4_K_M file also gets an "ember+MTP" side: ember with a random MTP layer for the
+model (flash_model.build_mtp_folder: llama.cpp's converter writes none, so it is attached from its own folder
+as `--speculative-config '{"method": "mtp", "model": DIR}'` would), taking the batch-1 decode rounds with
+adaptive k; its head is random, so its drafts are rejected and the row says what speculation costs when it
+cannot pay. After the rounds, the cost of a draft step is measured on its own (EmberSide.draft_cost: k
+pinned at 1) against a decode step of the plain side on the same prompt.
 """
 
 from __future__ import annotations
@@ -23,9 +30,10 @@ from ember.bench.lib import flash_model, op_split
 from ember.bench.lib.args import add_common_args, add_workload_args, int_list
 from ember.bench.lib.bar import Bar
 from ember.bench.lib.machine import load_average
-from ember.bench.lib.markdown import describe, fmt, row
+from ember.bench.lib.markdown import cell, describe, fmt, ratio_cell, row
 from ember.bench.lib.result import Result
-from ember.bench.lib.rounds import ratio_bar, ttft_key
+from ember.bench.lib.rounds import paired_ratios, ratio_bar, ttft_key
+from ember.bench.lib.timing import DECODE_PROMPT_LEN
 from ember.bench.sides.ember import NO_SPECULATION, ember_knobs
 
 logger = logging.getLogger("ember.bench")
@@ -48,6 +56,8 @@ DECODE_BAR = {"q8_0": 1.0, "q4_k_m": 1.2, "ud_q2_k_xl": 1.0}
 TTFT_BAR, THROUGHPUT_BAR, RSS_BAR, TABLE_BAR = 0.5, 2.0, 1.0, 10.0
 TABLE_TENSOR = "per_layer_token_embd.weight"
 TABLE_DECODE = 256
+# the ember side with the model's MTP layer (--mtp), on this file only; its drafts at most (adaptive k: 0..2)
+MTP, MTP_FILE, MTP_TOKENS = "ember+MTP", "q4_k_m", 2
 
 
 def cache_root() -> str:
@@ -106,6 +116,8 @@ def table_probe(path: str, prompt_len: int, decode: int):
         prompt = maker.make(1, prompt_len, hybrid.SPLIT_SEED + 1)[0]
         out = {}
         for name, side in sides.items():
+            if name == MTP:  # ember again, with its MTP layer: the figure is ember's and llama.cpp's
+                continue
             side.decode(prompt, decode)
             pid = getattr(side, "pid", None) or os.getpid()  # an --in-process side is this process
             out[name] = resident_bytes(pid, path, offset, length)
@@ -113,6 +125,69 @@ def table_probe(path: str, prompt_len: int, decode: int):
         return {"table": {"bytes": length, "resident": out, "decoded": decode, "shared_process": shared}}
 
     return after
+
+
+def mtp_sides(mtp_dir: str | None, kind: str) -> dict | None:
+    """run_file's decode_sides: the ember+MTP side on MTP_FILE when there is an MTP folder."""
+    if mtp_dir is None or kind != MTP_FILE:
+        return None
+    spec = {"method": "mtp", "model": mtp_dir, "num_speculative_tokens": MTP_TOKENS}
+    return {MTP: {"speculative_config": spec}}
+
+
+def mtp_probe(decode: int):
+    """run_file's `after` for the MTP side: a draft step's cost, measured on its own (EmberSide.draft_cost),
+    over a decode step of the plain ember side on the same prompt, just before."""
+
+    def after(sides: dict, maker) -> dict:
+        if MTP not in sides:
+            return {}
+        prompt = maker.make(1, DECODE_PROMPT_LEN, hybrid.SPLIT_SEED + 2)[0]
+        times = sides[EMBER].decode(prompt, decode)
+        cost = sides[MTP].call("draft_cost", prompt, decode)
+        cost["decode_step_ms"] = 1000 * (times[-1] - times[0]) / max(1, len(times) - 1)
+        cost["fraction"] = cost["draft_ms"] / cost["decode_step_ms"] if cost["draft_ms"] else None
+        return {"mtp": cost}
+
+    return after
+
+
+def both(*hooks):
+    """run_file's `after` running each hook in turn, their figures in one dict."""
+    return lambda sides, maker: {k: v for hook in hooks for k, v in hook(sides, maker).items()}
+
+
+def mtp_lines(files: dict) -> list[str]:
+    """The ember+MTP side's rows: its decode against ember's and llama.cpp's (round by round), the drafting
+    of its rounds, and a draft step's measured cost against a decode step's and the engine's estimate."""
+    lines = []
+    for d in files.values():
+        cost, fig = d.get("mtp"), d["figures"][0]
+        if not cost:
+            continue
+        r = cost["rounds"]
+        ratios = [ratio_cell(paired_ratios(fig, MTP, peer)) for peer in (EMBER, LLAMA)]
+        draft = "-" if cost["draft_ms"] is None else f"{cost['draft_ms']:.2f}"
+        share = "-" if cost["fraction"] is None else f"{cost['fraction']:.2f}"
+        drafted = f"{r['num_drafts']} ({r['num_draft_tokens']} drafts, {r['num_accepted_tokens']} accepted)"
+        cells = [d["type"], f"{fig['name']} (tok/s)", cell(fig["values"].get(MTP)), *ratios, drafted]
+        lines.append(row(cells + [draft, f"{cost['decode_step_ms']:.2f}", share, f"{cost['estimate']:.2f}"]))
+    if not lines:
+        return []
+    head = [
+        "file",
+        "metric",
+        MTP,
+        f"{MTP} / {EMBER}",
+        f"{MTP} / {LLAMA}",
+        "steps that drafted in the rounds",
+        "draft step (ms)",
+        "decode step (ms)",
+        "draft step / decode step",
+        "engine's estimate",
+    ]
+    title = "The MTP layer (random: its drafts are rejected; adaptive k, at most 2 drafts a step):"
+    return ["", title, "", row(head), "|---|---|" + "---:|" * (len(head) - 2)] + lines
 
 
 def file_bars(kind: str, d: dict, ttft_len: int, n: int) -> list[Bar]:
@@ -172,13 +247,26 @@ def notes(args, knobs: dict, shared: bool) -> list[str]:
         f"({flash_model.MIX_NOTE}); each built once and reused"
     )
     at = next(i for i, line in enumerate(out) if line.startswith("per-op split"))
-    out[at] = op_split.QWEN4_METHOD.format(steps=args.split_steps, prompt=hybrid.DECODE_PROMPT_LEN)
+    out[at] = op_split.QWEN4_METHOD.format(steps=args.split_steps, prompt=DECODE_PROMPT_LEN)
     out.append(
         f"n-gram table: after the rounds each side decodes {args.table_decode} tokens after a {max(args.prompt_lens)}-token "
         "prompt; then the present pages of its process's mappings of the table's byte range are counted "
         "(/proc/PID/pagemap; ember.bench.lib.residency)"
     )
+    if args.mtp:
+        out.append(MTP_NOTE.format(tokens=MTP_TOKENS, n=args.decode_tokens, prompt=DECODE_PROMPT_LEN))
     return out
+
+
+MTP_NOTE = (
+    "ember+MTP (Q4_K_M only): ember with a random MTP layer attached from its own folder (flash_model."
+    "build_mtp_folder, by qwen4_exp's Qwen4ExpMTP, in the format train-mtp writes; the converter writes none), "
+    "adaptive k up to {tokens} drafts, in the batch-1 decode rounds only; ratios round by round. Draft step: after "
+    "the rounds, {n} tokens after a {prompt}-token prompt with k pinned at 1, the drafter's time (the fill of the "
+    "step's rows through the MTP layer, and the draft through its mixer and the model's head) over its drafts, from "
+    "the first token on; decode step: the plain ember side's mean gap on the same prompt just before; the engine's "
+    "estimate is its draft_token_cost (the draft's weight bytes over the model's), which adaptive k prices with"
+)
 
 
 def main(args) -> None:
@@ -196,16 +284,20 @@ def main(args) -> None:
     knobs.setdefault("max_state_snapshots", 0)  # like for like: llama.cpp keeps none and no prompt repeats
     if knobs.get("kv_cache_memory") is None:
         knobs["kv_cache_memory"] = hybrid.workload_cache_gib(args, paths[args.files[0]], knobs)
+    mtp_dir = flash_model.build_mtp_folder(folder) if args.mtp and MTP_FILE in paths else None
     load = load_average()
     files = {}
     for kind, path in paths.items():
-        after = table_probe(path, max(args.prompt_lens), args.table_decode)
-        files[kind] = hybrid.run_file(args, kind, path, folder, knobs, threads, FILES[kind], after, bench=NAME)
-    peers = list(dict.fromkeys(n for d in files.values() for n in d["sides"] if n != EMBER))
+        after = both(table_probe(path, max(args.prompt_lens), args.table_decode), mtp_probe(args.decode_tokens))
+        files[kind] = hybrid.run_file(
+            args, kind, path, folder, knobs, threads, FILES[kind], after, NAME, mtp_sides(mtp_dir, kind)
+        )
+    peers = list(dict.fromkeys(n for d in files.values() for n in d["sides"] if n not in (EMBER, MTP)))
     shared = any(d["rss_shared_process"] for d in files.values())
     judged = [b for kind, d in files.items() for b in file_bars(kind, d, max(args.prompt_lens), args.num_prompts)]
     about = [f"{FILES[k]} {n}: {describe(s)}" for k, d in files.items() for n, s in d["sides"].items()]
-    lines = hybrid.table(files, peers) + ["", "The n-gram table's resident bytes in each process:", ""]
+    lines = hybrid.table(files, peers) + mtp_lines(files)
+    lines += ["", "The n-gram table's resident bytes in each process:", ""]
     data = {"threads": threads, "runs": args.runs, "model_folder": folder, "shape": flash_model.FLASH_SMALL}
     data["files"] = files
     Result(
@@ -218,7 +310,7 @@ def command(args) -> str:
 
     flags = ["runs", "peer", "files", "model_dir", "output", "prompt_seed", "quiet_wait", "decode_tokens"]
     flags += ["prompt_lens", "num_prompts", "input_len_range", "output_len", "bandwidth_mib", "llamacpp_batch"]
-    return command_line(args, flags + ["split_steps", "table_decode"]) + switches(args)
+    return command_line(args, flags + ["split_steps", "table_decode"]) + switches(args, mtp="--no-mtp")
 
 
 def file_list(s: str) -> list[str]:
@@ -249,6 +341,13 @@ def add_cli_args(p) -> None:
         type=int,
         default=TABLE_DECODE,
         help="tokens each side decodes after the longest TTFT prompt before the n-gram table's residency is read",
+    )
+    p.add_argument(
+        "--mtp",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="an ember+MTP side on the Q4_K_M file (a random MTP layer, built once beside the model folder): "
+        "batch-1 decode with adaptive k, and a draft step's cost",
     )
     add_workload_args(p, prompt_help="for quick checks")
     p.set_defaults(output="benchmarks/flash.md", num_prompts=16, decode_tokens=64, output_len=128, max_model_len=4096)

@@ -199,12 +199,13 @@ def file_list(s: str) -> list[str]:
 # -- one file's rounds ----------------------------------------------------------------------------
 
 
-def best_throughput_task(maker, args, llama, chosen: dict):
+def best_throughput_task(maker, args, llama, chosen: dict, skip=frozenset()):
     """The offline-throughput task; llama.cpp (the side `llama`) in its best batched configuration. With
     --llamacpp-batch best, its first call (the warmup round) runs both modes on the same prompts and every
-    later call the faster; chosen gets {"mode", "warmup_out_tok_s"}. A pinned mode is just used."""
+    later call the faster; chosen gets {"mode", "warmup_out_tok_s"}. A pinned mode is just used. skip: sides
+    that do not take it."""
     lo, hi = args.input_len_range
-    task = throughput_task(maker, args.num_prompts, lo, hi, args.output_len)
+    task = throughput_task(maker, args.num_prompts, lo, hi, args.output_len, skip)
     key, plain = task.figures[0].key, task.measure
     if args.llamacpp_batch != "best":
         chosen["mode"] = args.llamacpp_batch
@@ -282,20 +283,34 @@ def workload_cache_gib(args, path: str, knobs: dict) -> float:
 
 
 def run_file(
-    args, kind: str, path: str, folder: str, knobs: dict, threads: int, type_name=None, after=None, bench="hybrid"
+    args,
+    kind: str,
+    path: str,
+    folder: str,
+    knobs: dict,
+    threads: int,
+    type_name=None,
+    after=None,
+    bench="hybrid",
+    decode_sides: dict | None = None,
 ) -> dict:
     """One file's rounds (every side, every figure), peak RSS and ember's per-op split. type_name: the file's
     name in the results (default FILES[kind]); after(sides, maker): more figures of the file, taken after the
-    rounds while its sides are up (`ember bench flash`); bench: the command's name in the progress bar."""
+    rounds while its sides are up (`ember bench flash`); bench: the command's name in the progress bar;
+    decode_sides: {name: engine knobs over `knobs`}, more ember sides on the file that take the batch-1 decode
+    rounds only (`ember bench flash`'s ember+MTP)."""
     sides, chosen = {}, {}
     type_name = type_name or FILES[kind]
+    extra = frozenset(decode_sides or ())
     try:
         start_file_sides(sides, args, kind, path, folder, knobs, threads)
+        for name, more in (decode_sides or {}).items():
+            sides[name] = start_side(ember_factory(), {**knobs, "model": path, **more}, threads, args.in_process)
         maker = prompt_maker_of(sides[EMBER], args.prompt_seed)
         tasks = [
             decode_task(maker, args.decode_tokens),
-            *(ttft_task(maker, n) for n in args.prompt_lens),
-            best_throughput_task(maker, args, sides.get(LLAMA), chosen),
+            *(ttft_task(maker, n, extra) for n in args.prompt_lens),
+            best_throughput_task(maker, args, sides.get(LLAMA), chosen, extra),
         ]
         results, bandwidth = measure(
             sides,

@@ -131,3 +131,49 @@ MIX_NOTE = (
     "Q6_K; rows of a width llama.cpp cannot give those types fall back to its 32-element ones), with a uniform "
     "importance matrix"
 )
+
+
+def mtp_folder_of(model_folder: str) -> str:
+    """Where build_mtp_folder writes the model's MTP layer: beside the folder."""
+    return model_folder.rstrip("/") + ".mtp"
+
+
+def build_mtp_folder(model_folder: str, seed: int = 1) -> str:
+    """A random MTP layer for the folder's model (once), in the format `ember train-mtp` writes for qwen4_exp and
+    `--speculative-config '{"method": "mtp", "model": FOLDER}'` reads (config.json naming the model's
+    architecture, mtp.* safetensors): built by the model's own class (Qwen4ExpMTP) and drawn as build_folder
+    draws the model (N(0, 0.02), the (1 + w) norms at their identity). llama.cpp's converter writes no MTP
+    layer into the GGUF files, and the HF model has none: this is the layer a user would attach."""
+    out = mtp_folder_of(model_folder)
+    if os.path.exists(os.path.join(out, "config.json")):
+        return out
+    import torch
+
+    from ember.config.model_config import ModelConfig
+    from ember.models.qwen4_exp import Qwen4ExpMTP
+    from ember.train.mtp import write_mtp_folder
+
+    cfg = ModelConfig.from_folder(model_folder)
+    torch.manual_seed(seed)
+    mtp = Qwen4ExpMTP(_ShapeOnlyModel(cfg, torch.bfloat16), 1)
+    with torch.no_grad():
+        for name, p in mtp.named_parameters():
+            _draw(name, p)
+    partial = out + ".partial"
+    write_mtp_folder(mtp, cfg, partial)
+    os.replace(partial, out)
+    return out
+
+
+class _ShapeOnlyModel:
+    """What Qwen4ExpMTP reads of its model to build its layer (config, dtype, device, kernels, backend); the
+    embedding, head and rotary table it borrows are the served model's, never touched by a writer."""
+
+    def __init__(self, cfg, dtype):
+        import torch
+
+        from ember.kernels.cpu_kernels import CpuKernels
+
+        self.cfg, self.dtype, self.device = cfg, dtype, torch.device("cpu")
+        self.kernels, self.attn_backend, self.lm_head = CpuKernels(), None, None
+        self.model = type("Body", (), {"embed_tokens": None, "rotary": None})()

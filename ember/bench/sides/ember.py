@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import time
 
 from ember.engine.planner import DTYPE_BYTES, kv_elem_bytes
 from ember.platform import resolve_dtype_name, resolve_kv_cache_dtype_name
@@ -79,6 +80,43 @@ class EmberSide:
         from ember.bench.lib.timing import ember_batch
 
         return ember_batch(self.llm, prompts, output_len)
+
+    def draft_cost(self, prompt: list[int], n: int) -> dict:
+        """What a draft step costs (`ember bench flash`'s MTP row), measured: n tokens decoded greedily with k
+        pinned at 1, so every step drafts once whatever the acceptance; the drafter's seconds (the fill of
+        the step's rows and the draft: SpecStats.draft_seconds) over its drafts, from the first token on
+        (the prompt's fill is not a draft step). With the engine's own estimate (draft_token_cost: weight
+        bytes) and the speculation counters of the rounds before (adaptive k)."""
+        from ember.sampling import SamplingParams
+        from ember.spec.adaptive import AdaptiveK
+
+        engine = self.llm.engine
+        spec = engine.parts.spec
+        rounds = spec.stats.as_dict()
+        saved, spec.adaptive = spec.adaptive, AdaptiveK(1, enabled=False)
+        rid, marks, steps = self._rid("draft"), [], 0
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        try:
+            engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+            while engine.has_unfinished_requests():
+                outs = engine.step()
+                steps += bool(marks)
+                if not marks and any(out.request_id == rid for out in outs):
+                    marks.append(dict(spec.stats.as_dict(), t=time.perf_counter()))  # after the first token
+            marks.append(dict(spec.stats.as_dict(), t=time.perf_counter()))
+        finally:
+            spec.adaptive = saved
+        first, last = marks
+        drafts = last["spec_num_draft_tokens"] - first["spec_num_draft_tokens"]
+        seconds = last["spec_draft_seconds"] - first["spec_draft_seconds"]
+        keys = ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_draft_seconds")
+        return {
+            "draft_ms": 1000 * seconds / drafts if drafts else None,
+            "drafts": drafts,
+            "pinned_step_ms": 1000 * (last["t"] - first["t"]) / max(1, steps),  # a step with its draft
+            "estimate": spec.draft_token_cost,
+            "rounds": {k.removeprefix("spec_"): rounds[k] for k in keys},
+        }
 
     def op_split(self, prompt: list[int], steps: int) -> dict:
         """Where a batch-1 decode step's time goes (ember.bench.lib.op_split)."""
