@@ -588,7 +588,6 @@ def packaged_graphs(config: EngineConfig, src, quant: str, dtype_bytes: int) -> 
     half_kept = peak_rss.half_weights_kept(dtype_bytes, config.kernel_config.half_weights)
     return (
         config.executor_config.executor in ("auto", "compiled")
-        and not src.mc.hc_count  # qwen4_exp runs eager (engine.startup.limits.hybrid_blocker)
         and (quant == "half" or (quant == "gguf" and peak_rss.packaged(src.gguf_tensors, half_kept)))
     )
 
@@ -666,8 +665,7 @@ def predict_peak_rss(
     tokens = min(sched.token_budget("cpu"), want)
     max_num_seqs = sched.default_max_num_seqs("cpu")
     step = activation_bytes(mc, b, 1, tokens, max_num_seqs) + peak_rss.hybrid_step_bytes(mc, tokens)
-    # qwen4_exp has no graph form yet (engine.startup.limits.hybrid_blocker): it runs eager
-    compiled = config.executor_config.executor in ("auto", "compiled") and not mc.hc_count
+    compiled = config.executor_config.executor in ("auto", "compiled")
     rss = peak_rss.PeakRss(
         peak_rss.PROCESS_BYTES + peak_rss.TOKENIZER_BYTES_PER_TOKEN * mc.vocab_size,
         weights,

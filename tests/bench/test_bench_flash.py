@@ -8,6 +8,7 @@ import json
 import mmap
 import os
 import re
+import types
 
 import pytest
 
@@ -133,3 +134,20 @@ def test_the_q4_k_m_file_gets_an_ember_side_with_a_random_mtp_layer(folder, tmp_
     cost = d["mtp"]
     assert cost["drafts"] > 0 and cost["draft_ms"] > 0 and 0 < cost["fraction"] and 0 < cost["estimate"] <= 1
     assert cost["rounds"]["num_accepted_tokens"] == 0
+
+
+def test_a_compiled_qwen4_step_is_split_on_its_eager_run_and_its_graphs_come_back():
+    """qwen4_exp's kinds of work are modules, which a compiled graph hides: decode_split profiles them with the
+    executor's graphs set aside, and hands them back after (also when the profile fails)."""
+    graphs = {(1, 1): object()}
+    executor = types.SimpleNamespace(ready=graphs)
+    with op_split._eager_steps(executor, True) as eager:
+        assert eager and executor.ready == {}
+    assert executor.ready is graphs
+    with pytest.raises(RuntimeError), op_split._eager_steps(executor, True):
+        raise RuntimeError
+    assert executor.ready is graphs
+    for wanted, ex in ((False, executor), (True, types.SimpleNamespace(ready={})), (True, object())):
+        with op_split._eager_steps(ex, wanted) as eager:
+            assert not eager
+    assert executor.ready is graphs
