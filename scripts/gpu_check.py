@@ -928,6 +928,66 @@ def check_freed(sec: Section, engine_ref, what: str) -> None:
         )
 
 
+def engine_rows(sec: Section, cases: list[str], what: str, start, rows):
+    """One engine's rows: start() builds it (an LLM), rows(llm, load_s) writes its rows and gives what this
+    returns. Where either raises, every one of `cases` not written yet is an error row (None returned); the
+    engine is shut down after and checked freed (its only reference is this frame's, dropped first)."""
+    llm = engine_ref = None
+    try:
+        t = time.monotonic()
+        llm = start()
+        engine_ref = weakref.ref(llm.engine)
+        return rows(llm, time.monotonic() - t)
+    except Exception as e:  # the engine did not build (e.g. graph capture raised), or a row broke: say why
+        for c in cases:
+            if c not in sec.done:
+                sec.add(c, "error", notes=f"engine: {_err(e)}")
+        traceback.print_exc()
+        return None
+    finally:
+        if llm is not None:
+            llm.engine.shutdown()
+        del llm
+        if engine_ref is not None:
+            check_freed(sec, engine_ref, what)
+        free_memory()
+
+
+def build_row(sec: Section, cases: list[str], build, notes) -> tuple[str, str] | None:
+    """A random model's build row (cases[0]): build() gives (HF folder, scratch folder), the row its size and
+    time, notes(path) its notes. Where the build raises, every one of `cases` is an error row and None returned."""
+    t = time.monotonic()
+    try:
+        path, scratch = build()
+        free_memory()
+    except Exception as e:
+        for c in cases:
+            sec.add(c, "error", notes=f"build: {_err(e)}")
+        traceback.print_exc()
+        return None
+    nbytes, seconds = folder_bytes(path), time.monotonic() - t
+    sec.add(cases[0], "ok", f"{nbytes / 1e9:.2f} GB in {seconds:.1f} s", notes(path), bytes=nbytes, seconds=seconds)
+    return path, scratch
+
+
+def decode_row(sec: Section, llm, case: str, batch: int, new_tokens: int, vocab: int, notes, **data) -> float:
+    """A decode row after a 4-token warmup: steady tok/s (mean), notes(steps) its notes (called after the run);
+    returns the steady tok/s."""
+    decode_rate(llm, batch, 4, vocab, seed=100 + batch)  # warmup: compile / capture this batch
+    steady, mean, steps = decode_rate(llm, batch, new_tokens, vocab, seed=batch)
+    sec.add(
+        case,
+        "ok",
+        f"{steady:.1f} tok/s (mean {mean:.1f})",
+        notes(steps),
+        tok_s=steady,
+        mean_tok_s=mean,
+        steps=steps,
+        **data,
+    )
+    return steady
+
+
 def step_bytes(model: torch.nn.Module, s: dict, batch: int) -> float:
     """Weight bytes one decode step reads: every parameter (and CPU int4/int8 copy) except the
     embedding, which is a row lookup (a tied embedding is read whole as the head). MoE experts:
@@ -1346,18 +1406,9 @@ def hybrid_decode_rows(sec: Section, llm, key: str, notes: str) -> float | None:
         if sec.skip_if_over(case):
             continue
         try:
-            decode_rate(llm, b, 4, vocab, seed=100 + b)  # warmup
-            steady, mean, steps = decode_rate(llm, b, HYBRID_NEW_TOKENS, vocab, seed=b)
+            after = f" steps after {PROMPT_LEN}-token prompts; {notes}"
+            steady = decode_row(sec, llm, case, b, HYBRID_NEW_TOKENS, vocab, lambda steps: f"{steps}{after}")
             step_ms = 1000 / steady if b == 1 else step_ms
-            sec.add(
-                case,
-                "ok",
-                f"{steady:.1f} tok/s (mean {mean:.1f})",
-                f"{steps} steps after {PROMPT_LEN}-token prompts; {notes}",
-                tok_s=steady,
-                mean_tok_s=mean,
-                steps=steps,
-            )
         except Exception as e:
             sec.add(case, "error", notes=f"{_err(e)}; {notes}")
             traceback.print_exc()
@@ -1449,51 +1500,41 @@ def hybrid_model(sec: Section, ctx: dict, key: str, folders: dict) -> None:
     toy = "; cpu-smoke: toy shape" if SMOKE else ""
     if sec.skip_if_over(*cases):
         return
-    t = time.monotonic()
-    try:
-        path, folders[key] = build_hybrid(key, ctx["device"], folders)
-        free_memory()
-        s = hybrid_shape(key)
-        sec.add(
-            cases[0],
-            "ok",
-            f"{folder_bytes(path) / 1e9:.2f} GB in {time.monotonic() - t:.1f} s",
-            f"{s['num_hidden_layers']} layers, hidden {s['hidden_size']}, vocab {s['vocab_size']}, in {path}{toy}",
-            bytes=folder_bytes(path),
-            seconds=time.monotonic() - t,
-        )
-    except Exception as e:
-        for c in cases:
-            sec.add(c, "error", notes=f"build: {_err(e)}")
-        traceback.print_exc()
+    s = hybrid_shape(key)
+    built = build_row(
+        sec,
+        cases,
+        lambda: build_hybrid(key, ctx["device"], folders),
+        lambda path: (
+            f"{s['num_hidden_layers']} layers, hidden {s['hidden_size']}, vocab {s['vocab_size']}, in {path}{toy}"
+        ),
+    )
+    if built is None:
         return
-    llm = engine_ref = None
-    try:
-        t = time.monotonic()
-        max_len = max(hybrid_prefills(key)) // (64 if SMOKE else 1) + 256
-        llm, drafts, spec_err = hybrid_engine(path, ctx, max_len)
-        engine_ref = weakref.ref(llm.engine)
-        notes = f"executor {executor_name(llm)}; engine built in {time.monotonic() - t:.1f} s{toy}"
+    path, folders[key] = built
+    spec: dict = {}
+
+    def start():
+        llm, spec["drafts"], spec["err"] = hybrid_engine(
+            path, ctx, max(hybrid_prefills(key)) // (64 if SMOKE else 1) + 256
+        )
+        return llm
+
+    def rows(llm, load_s: float) -> None:
+        notes = f"executor {executor_name(llm)}; engine built in {load_s:.1f} s{toy}"
         base_ms = hybrid_decode_rows(sec, llm, key, notes)
-        if drafts is None:
-            sec.add(cases[3], "error", notes=f"engine with n-gram speculation: {_err(spec_err)}")
+        if spec["drafts"] is None:
+            sec.add(cases[3], "error", notes=f"engine with n-gram speculation: {_err(spec['err'])}")
         else:
-            hybrid_verify_row(sec, llm, drafts, key, base_ms, notes)
+            hybrid_verify_row(sec, llm, spec["drafts"], key, base_ms, notes)
         hybrid_prefill_rows(sec, llm, key, notes)
-    except Exception as e:
-        for c in cases:
-            if c not in sec.done:
-                sec.add(c, "error", notes=f"engine: {_err(e)}")
-        traceback.print_exc()
+
+    try:
+        engine_rows(sec, cases, m["label"], start, rows)
     finally:
-        if llm is not None:
-            llm.engine.shutdown()
-        del llm
-        if engine_ref is not None:
-            check_freed(sec, engine_ref, m["label"])
+        spec.clear()  # the proposer: no reference to the engine outlives it
         if not any(h.get("base") == key for h in HYBRIDS.values()):
             shutil.rmtree(folders.pop(key), ignore_errors=True)
-        free_memory()
 
 
 def section_hybrid(sec: Section, ctx: dict) -> None:
@@ -1650,42 +1691,23 @@ def flash_next_run(sec: Section, ctx: dict, path: str, name: str, knobs: dict, p
     from ember.sampling import SamplingParams
 
     case, vocab = f"{FLASH_NEXT_LABEL} decode {name} b1", (FLASH_NEXT_TOY if SMOKE else FLASH_NEXT)["vocab_size"]
-    llm = engine_ref = None
-    try:
-        t = time.monotonic()
-        llm = make_llm(path, ctx, enforce_eager=True, max_model_len=2048, max_num_seqs=4, **knobs)
-        engine_ref, load_s = weakref.ref(llm.engine), time.monotonic() - t
+
+    def rows(llm, load_s: float) -> list[int]:
         greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
         tokens = llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)[0].outputs[0].token_ids
-        decode_rate(llm, 1, 4, vocab, seed=101)  # warmup
-        steady, mean, steps = decode_rate(llm, 1, FLASH_NEXT_NEW_TOKENS, vocab, seed=1)
         agree = (
             ""
             if want is None
             else f"greedy tokens = all on the card's: {sum(a == b for a, b in zip(tokens, want))}/16; "
         )
-        sec.add(
-            case,
-            "ok",
-            f"{steady:.1f} tok/s (mean {mean:.1f})",
-            f"{placement_note(llm)}{agree}{steps} steps; eager; engine built in {load_s:.1f} s"
-            + ("; cpu-smoke: toy shape" if SMOKE else ""),
-            tok_s=steady,
-            mean_tok_s=mean,
-            engine_s=load_s,
-        )
+        toy = "; cpu-smoke: toy shape" if SMOKE else ""
+        after = f" steps; eager; engine built in {load_s:.1f} s{toy}"
+        notes = lambda steps: f"{placement_note(llm)}{agree}{steps}{after}"  # noqa: E731 (after the run: the hit rate)
+        decode_row(sec, llm, case, 1, FLASH_NEXT_NEW_TOKENS, vocab, notes, engine_s=load_s)
         return tokens
-    except Exception as e:
-        sec.add(case, "error", notes=f"engine: {_err(e)}")
-        traceback.print_exc()
-        return None
-    finally:
-        if llm is not None:
-            llm.engine.shutdown()
-        del llm
-        if engine_ref is not None:
-            check_freed(sec, engine_ref, f"Flash-Next {name}")
-        free_memory()
+
+    start = lambda: make_llm(path, ctx, enforce_eager=True, max_model_len=2048, max_num_seqs=4, **knobs)  # noqa: E731
+    return engine_rows(sec, [case], f"Flash-Next {name}", start, rows)
 
 
 def section_flash_next(sec: Section, ctx: dict) -> None:
@@ -1693,16 +1715,10 @@ def section_flash_next(sec: Section, ctx: dict) -> None:
     cases = flash_next_cases()
     if sec.skip_if_over(*cases):
         return
-    t = time.monotonic()
-    try:
-        path, root = build_flash_next(ctx["device"])
-        free_memory()
-        sec.add(cases[0], "ok", f"{folder_bytes(path) / 1e9:.2f} GB in {time.monotonic() - t:.1f} s", f"in {path}")
-    except Exception as e:
-        for c in cases:
-            sec.add(c, "error", notes=f"build: {_err(e)}")
-        traceback.print_exc()
+    built = build_row(sec, cases, lambda: build_flash_next(ctx["device"]), lambda path: f"in {path}")
+    if built is None:
         return
+    path, root = built
     try:
         vocab = (FLASH_NEXT_TOY if SMOKE else FLASH_NEXT)["vocab_size"]
         prompt = torch.randint(3, vocab, (PROMPT_LEN,), generator=torch.Generator().manual_seed(7)).tolist()

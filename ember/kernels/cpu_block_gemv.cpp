@@ -280,74 +280,69 @@ void dequant_iq4_xs(const uint8_t* row, float* out, int64_t nb) {
 const BlockQ8x* q8x(const void* x) { return static_cast<const BlockQ8x*>(x); }
 const BlockQ8K* q8k(const void* x) { return static_cast<const BlockQ8K*>(x); }
 
-float dot_q4_0(const uint8_t* row, const void* vx, int64_t nb) {
+// The 32-element types' scalar dots: per block d x.d isum (isum(row, qs): the block's codes . x's, in
+// integers), plus m x.s for the types with a min (Q4_1, Q5_1: m the f16 after d).
+template <int kBytes, bool kMin, typename ISum>
+inline float dot_q8x_scalar(const uint8_t* row, const void* vx, int64_t nb, ISum isum) {
   const BlockQ8x* x = q8x(vx);
   float sum = 0.f;
-  for (int64_t i = 0; i < nb; ++i, row += 18) {
-    int isum = 0;
-    for (int j = 0; j < 16; ++j)
-      isum += (int(row[2 + j] & 15) - 8) * x[i].qs[j] + (int(row[2 + j] >> 4) - 8) * x[i].qs[j + 16];
-    sum += f16(row) * x[i].d * float(isum);
+  for (int64_t i = 0; i < nb; ++i, row += kBytes) {
+    if (kMin)
+      sum += f16(row) * x[i].d * float(isum(row, x[i].qs)) + f16(row + 2) * x[i].s;
+    else
+      sum += f16(row) * x[i].d * float(isum(row, x[i].qs));
   }
   return sum;
+}
+
+float dot_q4_0(const uint8_t* row, const void* vx, int64_t nb) {
+  return dot_q8x_scalar<18, false>(row, vx, nb, [](const uint8_t* b, const int8_t* qs) {
+    int isum = 0;
+    for (int j = 0; j < 16; ++j) isum += (int(b[2 + j] & 15) - 8) * qs[j] + (int(b[2 + j] >> 4) - 8) * qs[j + 16];
+    return isum;
+  });
 }
 
 float dot_q4_1(const uint8_t* row, const void* vx, int64_t nb) {
-  const BlockQ8x* x = q8x(vx);
-  float sum = 0.f;
-  for (int64_t i = 0; i < nb; ++i, row += 20) {
+  return dot_q8x_scalar<20, true>(row, vx, nb, [](const uint8_t* b, const int8_t* qs) {
     int isum = 0;
-    for (int j = 0; j < 16; ++j) isum += int(row[4 + j] & 15) * x[i].qs[j] + int(row[4 + j] >> 4) * x[i].qs[j + 16];
-    sum += f16(row) * x[i].d * float(isum) + f16(row + 2) * x[i].s;
-  }
-  return sum;
+    for (int j = 0; j < 16; ++j) isum += int(b[4 + j] & 15) * qs[j] + int(b[4 + j] >> 4) * qs[j + 16];
+    return isum;
+  });
 }
 
 float dot_q5_0(const uint8_t* row, const void* vx, int64_t nb) {
-  const BlockQ8x* x = q8x(vx);
-  float sum = 0.f;
-  for (int64_t i = 0; i < nb; ++i, row += 22) {
-    const uint32_t qh = u32(row + 2);
+  return dot_q8x_scalar<22, false>(row, vx, nb, [](const uint8_t* b, const int8_t* qs) {
+    const uint32_t qh = u32(b + 2);
     int isum = 0;
-    for (int j = 0; j < 32; ++j) isum += (q5_code(row + 6, qh, j) - 16) * x[i].qs[j];
-    sum += f16(row) * x[i].d * float(isum);
-  }
-  return sum;
+    for (int j = 0; j < 32; ++j) isum += (q5_code(b + 6, qh, j) - 16) * qs[j];
+    return isum;
+  });
 }
 
 float dot_q5_1(const uint8_t* row, const void* vx, int64_t nb) {
-  const BlockQ8x* x = q8x(vx);
-  float sum = 0.f;
-  for (int64_t i = 0; i < nb; ++i, row += 24) {
-    const uint32_t qh = u32(row + 4);
+  return dot_q8x_scalar<24, true>(row, vx, nb, [](const uint8_t* b, const int8_t* qs) {
+    const uint32_t qh = u32(b + 4);
     int isum = 0;
-    for (int j = 0; j < 32; ++j) isum += q5_code(row + 8, qh, j) * x[i].qs[j];
-    sum += f16(row) * x[i].d * float(isum) + f16(row + 2) * x[i].s;
-  }
-  return sum;
+    for (int j = 0; j < 32; ++j) isum += q5_code(b + 8, qh, j) * qs[j];
+    return isum;
+  });
 }
 
 float dot_q8_0_scalar(const uint8_t* row, const void* vx, int64_t nb) {
-  const BlockQ8x* x = q8x(vx);
-  float sum = 0.f;
-  for (int64_t i = 0; i < nb; ++i, row += 34) {
+  return dot_q8x_scalar<34, false>(row, vx, nb, [](const uint8_t* b, const int8_t* qs) {
     int isum = 0;
-    for (int j = 0; j < 32; ++j) isum += int(int8_t(row[2 + j])) * x[i].qs[j];
-    sum += f16(row) * x[i].d * float(isum);
-  }
-  return sum;
+    for (int j = 0; j < 32; ++j) isum += int(int8_t(b[2 + j])) * qs[j];
+    return isum;
+  });
 }
 
 float dot_iq4_nl_scalar(const uint8_t* row, const void* vx, int64_t nb) {
-  const BlockQ8x* x = q8x(vx);
-  float sum = 0.f;
-  for (int64_t i = 0; i < nb; ++i, row += 18) {
+  return dot_q8x_scalar<18, false>(row, vx, nb, [](const uint8_t* b, const int8_t* qs) {
     int isum = 0;
-    for (int j = 0; j < 16; ++j)
-      isum += kIQ4Values[row[2 + j] & 15] * x[i].qs[j] + kIQ4Values[row[2 + j] >> 4] * x[i].qs[j + 16];
-    sum += f16(row) * x[i].d * float(isum);
-  }
-  return sum;
+    for (int j = 0; j < 16; ++j) isum += kIQ4Values[b[2 + j] & 15] * qs[j] + kIQ4Values[b[2 + j] >> 4] * qs[j + 16];
+    return isum;
+  });
 }
 
 float dot_q2_k_scalar(const uint8_t* row, const void* vx, int64_t nb) {
@@ -526,6 +521,53 @@ inline void finish(const __m256 (&acc)[NX], float* out) {
   for (int n = 0; n < NX; ++n) out[n] = hsum(acc[n]);
 }
 
+// The frame of the dots that keep int32 sums a block (the K-quants, IQ4_XS): acc zeroed, then for each block
+// i (at row) block(row, i, isum, acc) fills isum (zeroed) and folds it into acc; the rows' dots to out.
+template <int NX, int kBytes, typename Block>
+inline void k_dots(const uint8_t* row, const void* const* xs, int64_t nb, float* out, Block block) {
+  __m256 acc[NX];
+  for (int n = 0; n < NX; ++n) acc[n] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < nb; ++i, row += kBytes) {
+    __m256i isum[NX];
+    for (int n = 0; n < NX; ++n) isum[n] = _mm256_setzero_si256();
+    block(row, i, isum, acc);
+  }
+  finish<NX>(acc, out);
+}
+
+// The K-quant dots' shared steps. add_runs: isum[n] += the 32 unsigned codes q times x row n's 32 codes at
+// `at` of block i, summed in int16 pairs, times `scale` (int16 lanes). add_with_mins: the block into acc,
+// d x.d isum - dmin x.d (bsums . m16) (Q2_K, Q4_K, Q5_K); add_with_offset: d x.d (isum - 2^kShift (bsums .
+// s16)), the codes' offset (Q3_K: 4, Q6_K: 32) taken out through the bsums.
+template <int NX>
+inline void add_runs(__m256i (&isum)[NX], __m256i q, __m256i scale, const void* const* xs, int64_t i, int at) {
+  for (int n = 0; n < NX; ++n) {
+    const __m256i p = _mm256_maddubs_epi16(q, load256(q8k(xs[n])[i].qs + at));
+    isum[n] = _mm256_add_epi32(isum[n], _mm256_madd_epi16(p, scale));
+  }
+}
+
+template <int NX>
+inline void add_with_mins(__m256 (&acc)[NX], const __m256i (&isum)[NX], const void* const* xs, int64_t i, float d,
+                          float dmin, __m256i m16) {
+  for (int n = 0; n < NX; ++n) {
+    const BlockQ8K& x = q8k(xs[n])[i];
+    const __m256 msum = _mm256_cvtepi32_ps(_mm256_madd_epi16(load256(x.bsums), m16));
+    acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.d), _mm256_cvtepi32_ps(isum[n]), acc[n]);
+    acc[n] = _mm256_fnmadd_ps(_mm256_set1_ps(dmin * x.d), msum, acc[n]);
+  }
+}
+
+template <int kShift, int NX>
+inline void add_with_offset(__m256 (&acc)[NX], const __m256i (&isum)[NX], const void* const* xs, int64_t i, float d,
+                            __m256i s16) {
+  for (int n = 0; n < NX; ++n) {
+    const BlockQ8K& x = q8k(xs[n])[i];
+    const __m256i corr = _mm256_slli_epi32(_mm256_madd_epi16(load256(x.bsums), s16), kShift);
+    acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.d), _mm256_cvtepi32_ps(_mm256_sub_epi32(isum[n], corr)), acc[n]);
+  }
+}
+
 // Q8_0 and IQ4_NL: 32 signed weights and one float16 scale a block; Values(row) gives the 32 weights.
 template <int NX, int kBytes, typename Values>
 void dot_q8x_signed(const uint8_t* row, const void* const* xs, int64_t nb, float* out, Values values) {
@@ -565,11 +607,7 @@ void dot_iq4_nl_n(const uint8_t* row, const void* const* xs, int64_t nb, float* 
 template <int NX>
 void dot_iq4_xs_n(const uint8_t* row, const void* const* xs, int64_t nb, float* out) {
   const __m256i table = iq4_table();
-  __m256 acc[NX];
-  for (int n = 0; n < NX; ++n) acc[n] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < nb; ++i, row += 136) {
-    __m256i isum[NX];
-    for (int n = 0; n < NX; ++n) isum[n] = _mm256_setzero_si256();
+  k_dots<NX, 136>(row, xs, nb, out, [&](const uint8_t* row, int64_t i, __m256i(&isum)[NX], __m256(&acc)[NX]) {
     const __m256i scales = iq4xs_scales_v(row);
 #pragma GCC unroll 8
     for (int ib = 0; ib < 8; ++ib) {
@@ -583,8 +621,7 @@ void dot_iq4_xs_n(const uint8_t* row, const void* const* xs, int64_t nb, float* 
     const float dw = f16(row);
     for (int n = 0; n < NX; ++n)
       acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(dw * q8k(xs[n])[i].d), _mm256_cvtepi32_ps(isum[n]), acc[n]);
-  }
-  finish<NX>(acc, out);
+  });
 }
 
 // Q4_K / Q5_K: per 64 elements one 32-byte load of nibbles (low: sub-block 2j, high: 2j + 1), times the
@@ -593,13 +630,9 @@ template <int NX, bool kFive>
 void dot_q45_k_n(const uint8_t* row, const void* const* xs, int64_t nb, float* out) {
   constexpr int kBytes = kFive ? 176 : 144, kQs = kFive ? 48 : 16;
   const __m256i nib = _mm256_set1_epi8(15);
-  __m256 acc[NX];
-  for (int n = 0; n < NX; ++n) acc[n] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < nb; ++i, row += kBytes) {
+  k_dots<NX, kBytes>(row, xs, nb, out, [&](const uint8_t* row, int64_t i, __m256i(&isum)[NX], __m256(&acc)[NX]) {
     const __m128i scm = k4_scales_v(row + 4);  // sc[8] then m[8]
     const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(scm));
-    __m256i isum[NX];
-    for (int n = 0; n < NX; ++n) isum[n] = _mm256_setzero_si256();
     const __m256i qh = kFive ? load256(row + 16) : _mm256_setzero_si256();
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
@@ -619,14 +652,8 @@ void dot_q45_k_n(const uint8_t* row, const void* const* xs, int64_t nb, float* o
     }
     const __m256i m16 = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(scm, scm));  // m0 m0 m1 m1 ... (per bsum)
     const float d = f16(row), dmin = f16(row + 2);
-    for (int n = 0; n < NX; ++n) {
-      const BlockQ8K& x = q8k(xs[n])[i];
-      const __m256 msum = _mm256_cvtepi32_ps(_mm256_madd_epi16(load256(x.bsums), m16));
-      acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.d), _mm256_cvtepi32_ps(isum[n]), acc[n]);
-      acc[n] = _mm256_fnmadd_ps(_mm256_set1_ps(dmin * x.d), msum, acc[n]);
-    }
-  }
-  finish<NX>(acc, out);
+    add_with_mins<NX>(acc, isum, xs, i, d, dmin, m16);
+  });
 }
 
 // Q6_K: per half (128 elements) 64 bytes of low nibbles and 32 of 2-bit high parts; each 32-element run
@@ -634,12 +661,8 @@ void dot_q45_k_n(const uint8_t* row, const void* const* xs, int64_t nb, float* o
 template <int NX>
 void dot_q6_k_n(const uint8_t* row, const void* const* xs, int64_t nb, float* out) {
   const __m256i nib = _mm256_set1_epi8(15);
-  __m256 acc[NX];
-  for (int n = 0; n < NX; ++n) acc[n] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < nb; ++i, row += 210) {
+  k_dots<NX, 210>(row, xs, nb, out, [&](const uint8_t* row, int64_t i, __m256i(&isum)[NX], __m256(&acc)[NX]) {
     const __m128i s8 = load128(row + 192);
-    __m256i isum[NX];
-    for (int n = 0; n < NX; ++n) isum[n] = _mm256_setzero_si256();
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
       const __m256i l0 = load256(row + 64 * h), l1 = load256(row + 64 * h + 32), qh = load256(row + 128 + 32 * h);
@@ -654,34 +677,22 @@ void dot_q6_k_n(const uint8_t* row, const void* const* xs, int64_t nb, float* ou
 #pragma GCC unroll 4
       for (int c = 0; c < 4; ++c) {
         const __m256i sc = pair_scales_s8(s8, 8 * h + 2 * c);
-        for (int n = 0; n < NX; ++n) {
-          const __m256i p = _mm256_maddubs_epi16(q[c], load256(q8k(xs[n])[i].qs + 128 * h + 32 * c));
-          isum[n] = _mm256_add_epi32(isum[n], _mm256_madd_epi16(p, sc));
-        }
+        add_runs<NX>(isum, q[c], sc, xs, i, 128 * h + 32 * c);
       }
     }
     const __m256i s16 = _mm256_cvtepi8_epi16(s8);
     const float d = f16(row + 208);
-    for (int n = 0; n < NX; ++n) {
-      const BlockQ8K& x = q8k(xs[n])[i];
-      const __m256i corr = _mm256_slli_epi32(_mm256_madd_epi16(load256(x.bsums), s16), 5);
-      acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.d), _mm256_cvtepi32_ps(_mm256_sub_epi32(isum[n], corr)), acc[n]);
-    }
-  }
-  finish<NX>(acc, out);
+    add_with_offset<5, NX>(acc, isum, xs, i, d, s16);
+  });
 }
 
 // Q2_K: 2-bit codes (bits 2s of a 32-byte run), a 4-bit scale and min per 16; mins through the bsums.
 template <int NX>
 void dot_q2_k_n(const uint8_t* row, const void* const* xs, int64_t nb, float* out) {
   const __m256i three = _mm256_set1_epi8(3);
-  __m256 acc[NX];
-  for (int n = 0; n < NX; ++n) acc[n] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < nb; ++i, row += 84) {
+  k_dots<NX, 84>(row, xs, nb, out, [&](const uint8_t* row, int64_t i, __m256i(&isum)[NX], __m256(&acc)[NX]) {
     const __m128i sc = load128(row);
     const __m128i s8 = _mm_and_si128(sc, _mm_set1_epi8(15)), m8 = _mm_and_si128(_mm_srli_epi16(sc, 4), _mm_set1_epi8(15));
-    __m256i isum[NX];
-    for (int n = 0; n < NX; ++n) isum[n] = _mm256_setzero_si256();
 #pragma GCC unroll 2
     for (int c = 0; c < 2; ++c) {
       const __m256i qs = load256(row + 16 + 32 * c);
@@ -689,35 +700,22 @@ void dot_q2_k_n(const uint8_t* row, const void* const* xs, int64_t nb, float* ou
       for (int s = 0; s < 4; ++s) {
         const __m256i q = _mm256_and_si256(_mm256_srl_epi16(qs, _mm_cvtsi32_si128(2 * s)), three);
         const __m256i scale = pair_scales_u8(s8, 8 * c + 2 * s);
-        for (int n = 0; n < NX; ++n) {
-          const __m256i p = _mm256_maddubs_epi16(q, load256(q8k(xs[n])[i].qs + 128 * c + 32 * s));
-          isum[n] = _mm256_add_epi32(isum[n], _mm256_madd_epi16(p, scale));
-        }
+        add_runs<NX>(isum, q, scale, xs, i, 128 * c + 32 * s);
       }
     }
     const __m256i m16 = _mm256_cvtepu8_epi16(m8);
     const float d = f16(row + 80), dmin = f16(row + 82);
-    for (int n = 0; n < NX; ++n) {
-      const BlockQ8K& x = q8k(xs[n])[i];
-      const __m256 msum = _mm256_cvtepi32_ps(_mm256_madd_epi16(load256(x.bsums), m16));
-      acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.d), _mm256_cvtepi32_ps(isum[n]), acc[n]);
-      acc[n] = _mm256_fnmadd_ps(_mm256_set1_ps(dmin * x.d), msum, acc[n]);
-    }
-  }
-  finish<NX>(acc, out);
+    add_with_mins<NX>(acc, isum, xs, i, d, dmin, m16);
+  });
 }
 
 // Q3_K: codes lo + 4 hbit (0..7) times x, minus 4 sum(x) per sub-block: sum S (q3 - 4) x.
 template <int NX>
 void dot_q3_k_n(const uint8_t* row, const void* const* xs, int64_t nb, float* out) {
   const __m256i three = _mm256_set1_epi8(3);
-  __m256 acc[NX];
-  for (int n = 0; n < NX; ++n) acc[n] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < nb; ++i, row += 110) {
+  k_dots<NX, 110>(row, xs, nb, out, [&](const uint8_t* row, int64_t i, __m256i(&isum)[NX], __m256(&acc)[NX]) {
     const __m128i s8 = k3_scales_v(row);
     const __m256i hm = load256(row);
-    __m256i isum[NX];
-    for (int n = 0; n < NX; ++n) isum[n] = _mm256_setzero_si256();
 #pragma GCC unroll 2
     for (int c = 0; c < 2; ++c) {
       const __m256i qs = load256(row + 32 + 32 * c);
@@ -726,21 +724,13 @@ void dot_q3_k_n(const uint8_t* row, const void* const* xs, int64_t nb, float* ou
         const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(qs, _mm_cvtsi32_si128(2 * s)), three);
         const __m256i q = _mm256_or_si256(lo, bit_to(hm, 4 * c + s, 2));
         const __m256i scale = pair_scales_s8(s8, 8 * c + 2 * s);
-        for (int n = 0; n < NX; ++n) {
-          const __m256i p = _mm256_maddubs_epi16(q, load256(q8k(xs[n])[i].qs + 128 * c + 32 * s));
-          isum[n] = _mm256_add_epi32(isum[n], _mm256_madd_epi16(p, scale));
-        }
+        add_runs<NX>(isum, q, scale, xs, i, 128 * c + 32 * s);
       }
     }
     const __m256i s16 = _mm256_cvtepi8_epi16(s8);
     const float d = f16(row + 108);
-    for (int n = 0; n < NX; ++n) {
-      const BlockQ8K& x = q8k(xs[n])[i];
-      const __m256i corr = _mm256_slli_epi32(_mm256_madd_epi16(load256(x.bsums), s16), 2);
-      acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.d), _mm256_cvtepi32_ps(_mm256_sub_epi32(isum[n], corr)), acc[n]);
-    }
-  }
-  finish<NX>(acc, out);
+    add_with_offset<2, NX>(acc, isum, xs, i, d, s16);
+  });
 }
 
 // Q4_0, Q4_1, Q5_0, Q5_1: unsigned codes q (4 or 5 bits) a block, w = d q + m (Q4_1, Q5_1) or d (q - 8 | 16):
@@ -816,23 +806,15 @@ float one_row(const uint8_t* row, const void* x, int64_t nb) {
 #endif  // __AVX2__
 
 namespace ember_blocks {
-// cpu_block_gemv_iq.cpp's scalar reference dots (not in the shared header: only block_gemm_scalar runs them)
-float dot_iq2_xxs_scalar(const uint8_t* row, const void* x, int64_t nb);
-float dot_iq2_xs_scalar(const uint8_t* row, const void* x, int64_t nb);
-float dot_iq2_s_scalar(const uint8_t* row, const void* x, int64_t nb);
-float dot_iq3_xxs_scalar(const uint8_t* row, const void* x, int64_t nb);
-float dot_iq3_s_scalar(const uint8_t* row, const void* x, int64_t nb);
-float dot_iq1_s_scalar(const uint8_t* row, const void* x, int64_t nb);
-float dot_iq1_m_scalar(const uint8_t* row, const void* x, int64_t nb);
+// cpu_block_gemv_iq.cpp's scalar reference dots (not in the shared header: only block_gemm_scalar runs them),
+// and in an AVX2 build its 4-row dots (one weight row against 4 rows of x: the grid decoded once)
+#define EMBER_IQ_DECLARE_SCALAR(t) float dot_##t##_scalar(const uint8_t* row, const void* x, int64_t nb);
+EMBER_IQ_TYPES(EMBER_IQ_DECLARE_SCALAR)
+#undef EMBER_IQ_DECLARE_SCALAR
 #if defined(__AVX2__)
-// and its 4-row dots (one weight row against 4 rows of x: the grid decoded once), built with AVX2 only
-void dot_iq2_xxs_x4(const uint8_t* row, const void* const* xs, int64_t nb, float* out);
-void dot_iq2_xs_x4(const uint8_t* row, const void* const* xs, int64_t nb, float* out);
-void dot_iq2_s_x4(const uint8_t* row, const void* const* xs, int64_t nb, float* out);
-void dot_iq3_xxs_x4(const uint8_t* row, const void* const* xs, int64_t nb, float* out);
-void dot_iq3_s_x4(const uint8_t* row, const void* const* xs, int64_t nb, float* out);
-void dot_iq1_s_x4(const uint8_t* row, const void* const* xs, int64_t nb, float* out);
-void dot_iq1_m_x4(const uint8_t* row, const void* const* xs, int64_t nb, float* out);
+#define EMBER_IQ_DECLARE_X4(t) void dot_##t##_x4(const uint8_t* row, const void* const* xs, int64_t nb, float* out);
+EMBER_IQ_TYPES(EMBER_IQ_DECLARE_X4)
+#undef EMBER_IQ_DECLARE_X4
 #define EMBER_IQ_DOT4(name) name##_x4
 #else
 #define EMBER_IQ_DOT4(name) nullptr
@@ -857,36 +839,34 @@ struct Entry {
 #define EMBER_DOT(name, scalar) scalar
 #define EMBER_DOT4(name) nullptr
 #endif
+// A type of this file: its SIMD dot template `simd` in an AVX2 build (the 1-row form the type's dot, the 4-row
+// form dot4), else the scalar dot, the reference either way.
+#define EMBER_ENTRY(ggml, elems, bytes, act, simd, scalar, dequant) \
+  {{ggml, elems, bytes, ActFormat::act, EMBER_DOT(simd, scalar), dequant}, scalar, EMBER_DOT4(simd)}
+// A grid-coded IQ type (cpu_block_gemv_iq.cpp: its entry points pick AVX2 or scalar as it is built).
+#define EMBER_IQ_ENTRY(ggml, bytes, t) \
+  {{ggml, 256, bytes, ActFormat::Q8K, dot_##t, dequant_##t}, dot_##t##_scalar, EMBER_IQ_DOT4(dot_##t)}
 
 const Entry kEntries[] = {
-    {{2, 32, 18, ActFormat::Q8x, EMBER_DOT(dot_q4_0_n, dot_q4_0), dequant_q4_0}, dot_q4_0, EMBER_DOT4(dot_q4_0_n)},
-    {{3, 32, 20, ActFormat::Q8x, EMBER_DOT(dot_q4_1_n, dot_q4_1), dequant_q4_1}, dot_q4_1, EMBER_DOT4(dot_q4_1_n)},
-    {{6, 32, 22, ActFormat::Q8x, EMBER_DOT(dot_q5_0_n, dot_q5_0), dequant_q5_0}, dot_q5_0, EMBER_DOT4(dot_q5_0_n)},
-    {{7, 32, 24, ActFormat::Q8x, EMBER_DOT(dot_q5_1_n, dot_q5_1), dequant_q5_1}, dot_q5_1, EMBER_DOT4(dot_q5_1_n)},
-    {{8, 32, 34, ActFormat::Q8x, EMBER_DOT(dot_q8_0_n, dot_q8_0_scalar), dequant_q8_0}, dot_q8_0_scalar,
-     EMBER_DOT4(dot_q8_0_n)},
-    {{10, 256, 84, ActFormat::Q8K, EMBER_DOT(dot_q2_k_n, dot_q2_k_scalar), dequant_q2_k}, dot_q2_k_scalar,
-     EMBER_DOT4(dot_q2_k_n)},
-    {{11, 256, 110, ActFormat::Q8K, EMBER_DOT(dot_q3_k_n, dot_q3_k_scalar), dequant_q3_k}, dot_q3_k_scalar,
-     EMBER_DOT4(dot_q3_k_n)},
-    {{12, 256, 144, ActFormat::Q8K, EMBER_DOT(dot_q4_k_n, dot_q45_k_scalar<false>), dequant_q4_k},
-     dot_q45_k_scalar<false>, EMBER_DOT4(dot_q4_k_n)},
-    {{13, 256, 176, ActFormat::Q8K, EMBER_DOT(dot_q5_k_n, dot_q45_k_scalar<true>), dequant_q5_k},
-     dot_q45_k_scalar<true>, EMBER_DOT4(dot_q5_k_n)},
-    {{14, 256, 210, ActFormat::Q8K, EMBER_DOT(dot_q6_k_n, dot_q6_k_scalar), dequant_q6_k}, dot_q6_k_scalar,
-     EMBER_DOT4(dot_q6_k_n)},
-    {{20, 32, 18, ActFormat::Q8x, EMBER_DOT(dot_iq4_nl_n, dot_iq4_nl_scalar), dequant_iq4_nl}, dot_iq4_nl_scalar,
-     EMBER_DOT4(dot_iq4_nl_n)},
-    {{23, 256, 136, ActFormat::Q8K, EMBER_DOT(dot_iq4_xs_n, dot_iq4_xs_scalar), dequant_iq4_xs}, dot_iq4_xs_scalar,
-     EMBER_DOT4(dot_iq4_xs_n)},
-    // the grid-coded IQ types (cpu_block_gemv_iq.cpp: its entry points pick AVX2 or scalar as it is built)
-    {{16, 256, 66, ActFormat::Q8K, dot_iq2_xxs, dequant_iq2_xxs}, dot_iq2_xxs_scalar, EMBER_IQ_DOT4(dot_iq2_xxs)},
-    {{17, 256, 74, ActFormat::Q8K, dot_iq2_xs, dequant_iq2_xs}, dot_iq2_xs_scalar, EMBER_IQ_DOT4(dot_iq2_xs)},
-    {{18, 256, 98, ActFormat::Q8K, dot_iq3_xxs, dequant_iq3_xxs}, dot_iq3_xxs_scalar, EMBER_IQ_DOT4(dot_iq3_xxs)},
-    {{19, 256, 50, ActFormat::Q8K, dot_iq1_s, dequant_iq1_s}, dot_iq1_s_scalar, EMBER_IQ_DOT4(dot_iq1_s)},
-    {{21, 256, 110, ActFormat::Q8K, dot_iq3_s, dequant_iq3_s}, dot_iq3_s_scalar, EMBER_IQ_DOT4(dot_iq3_s)},
-    {{22, 256, 82, ActFormat::Q8K, dot_iq2_s, dequant_iq2_s}, dot_iq2_s_scalar, EMBER_IQ_DOT4(dot_iq2_s)},
-    {{29, 256, 56, ActFormat::Q8K, dot_iq1_m, dequant_iq1_m}, dot_iq1_m_scalar, EMBER_IQ_DOT4(dot_iq1_m)},
+    EMBER_ENTRY(2, 32, 18, Q8x, dot_q4_0_n, dot_q4_0, dequant_q4_0),
+    EMBER_ENTRY(3, 32, 20, Q8x, dot_q4_1_n, dot_q4_1, dequant_q4_1),
+    EMBER_ENTRY(6, 32, 22, Q8x, dot_q5_0_n, dot_q5_0, dequant_q5_0),
+    EMBER_ENTRY(7, 32, 24, Q8x, dot_q5_1_n, dot_q5_1, dequant_q5_1),
+    EMBER_ENTRY(8, 32, 34, Q8x, dot_q8_0_n, dot_q8_0_scalar, dequant_q8_0),
+    EMBER_ENTRY(10, 256, 84, Q8K, dot_q2_k_n, dot_q2_k_scalar, dequant_q2_k),
+    EMBER_ENTRY(11, 256, 110, Q8K, dot_q3_k_n, dot_q3_k_scalar, dequant_q3_k),
+    EMBER_ENTRY(12, 256, 144, Q8K, dot_q4_k_n, dot_q45_k_scalar<false>, dequant_q4_k),
+    EMBER_ENTRY(13, 256, 176, Q8K, dot_q5_k_n, dot_q45_k_scalar<true>, dequant_q5_k),
+    EMBER_ENTRY(14, 256, 210, Q8K, dot_q6_k_n, dot_q6_k_scalar, dequant_q6_k),
+    EMBER_ENTRY(20, 32, 18, Q8x, dot_iq4_nl_n, dot_iq4_nl_scalar, dequant_iq4_nl),
+    EMBER_ENTRY(23, 256, 136, Q8K, dot_iq4_xs_n, dot_iq4_xs_scalar, dequant_iq4_xs),
+    EMBER_IQ_ENTRY(16, 66, iq2_xxs),
+    EMBER_IQ_ENTRY(17, 74, iq2_xs),
+    EMBER_IQ_ENTRY(18, 98, iq3_xxs),
+    EMBER_IQ_ENTRY(19, 50, iq1_s),
+    EMBER_IQ_ENTRY(21, 110, iq3_s),
+    EMBER_IQ_ENTRY(22, 82, iq2_s),
+    EMBER_IQ_ENTRY(29, 56, iq1_m),
 };
 
 const Entry* entry(int ggml_type) {

@@ -56,21 +56,14 @@ struct BlockType {
 // The type's entry, or nullptr where this build has none.
 const BlockType* block_type(int ggml_type);
 
-// The grid-coded IQ types (cpu_block_gemv_iq.cpp); each dots against BlockQ8K.
-float dot_iq3_xxs(const uint8_t* row, const void* x, int64_t nb);
-float dot_iq3_s(const uint8_t* row, const void* x, int64_t nb);
-float dot_iq2_xxs(const uint8_t* row, const void* x, int64_t nb);
-float dot_iq2_xs(const uint8_t* row, const void* x, int64_t nb);
-float dot_iq2_s(const uint8_t* row, const void* x, int64_t nb);
-float dot_iq1_s(const uint8_t* row, const void* x, int64_t nb);
-float dot_iq1_m(const uint8_t* row, const void* x, int64_t nb);
-void dequant_iq3_xxs(const uint8_t* row, float* out, int64_t nb);
-void dequant_iq3_s(const uint8_t* row, float* out, int64_t nb);
-void dequant_iq2_xxs(const uint8_t* row, float* out, int64_t nb);
-void dequant_iq2_xs(const uint8_t* row, float* out, int64_t nb);
-void dequant_iq2_s(const uint8_t* row, float* out, int64_t nb);
-void dequant_iq1_s(const uint8_t* row, float* out, int64_t nb);
-void dequant_iq1_m(const uint8_t* row, float* out, int64_t nb);
+// The grid-coded IQ types (cpu_block_gemv_iq.cpp), each dotting against BlockQ8K: X(t) for each, so that a
+// declaration or definition per type is written once (dot_##t, dequant_##t, ...).
+#define EMBER_IQ_TYPES(X) X(iq3_xxs) X(iq3_s) X(iq2_xxs) X(iq2_xs) X(iq2_s) X(iq1_s) X(iq1_m)
+#define EMBER_IQ_DECLARE(t)                                   \
+  float dot_##t(const uint8_t* row, const void* x, int64_t nb); \
+  void dequant_##t(const uint8_t* row, float* out, int64_t nb);
+EMBER_IQ_TYPES(EMBER_IQ_DECLARE)
+#undef EMBER_IQ_DECLARE
 
 // The IQ grids (lookup tables of the IQ formats) are data, handed in once from gguf-py's own tables
 // (ember/kernels/cpu_block_gemv.py reads them from gguf.quants) before any IQ type runs: name -> bytes.

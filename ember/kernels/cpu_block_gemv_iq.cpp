@@ -133,6 +133,13 @@ bool set_iq_table(const char* name, const uint8_t* data, int64_t bytes) {
 
 // ---- exact dequantizers (gguf-py's operation order) ---------------------------------------------
 
+namespace {
+// 8 weights of a grid row g, times db, negated where their bit of `signs` is set.
+inline void put_signed8(float* out, float db, const uint8_t* g, uint32_t signs) {
+  for (int j = 0; j < 8; ++j) out[j] = db * float(g[j]) * sign_of_bit(signs, j);
+}
+}  // namespace
+
 void dequant_iq2_xxs(const uint8_t* row, float* out, int64_t nb) {
   for (int64_t b = 0; b < nb; ++b, out += QK_K) {
     const uint8_t* blk = row + b * kIq2xxsBytes;
@@ -143,7 +150,7 @@ void dequant_iq2_xxs(const uint8_t* row, float* out, int64_t nb) {
       for (int l = 0; l < 4; ++l) {
         const uint8_t* g = g_iq2xxs_grid + 8 * ((idx >> (8 * l)) & 255);
         const uint32_t signs = g_ksigns[(aux >> (7 * l)) & 127];
-        for (int j = 0; j < 8; ++j) out[32 * ib + 8 * l + j] = db * float(g[j]) * sign_of_bit(signs, j);
+        put_signed8(out + 32 * ib + 8 * l, db, g, signs);
       }
     }
   }
@@ -159,7 +166,7 @@ void dequant_iq2_xs(const uint8_t* row, float* out, int64_t nb) {
       const uint16_t q = rd16(blk + 2 + 2 * i);
       const uint8_t* g = g_iq2xs_grid + 8 * (q & 511);
       const uint32_t signs = g_ksigns[q >> 9];
-      for (int j = 0; j < 8; ++j) out[8 * i + j] = db * float(g[j]) * sign_of_bit(signs, j);
+      put_signed8(out + 8 * i, db, g, signs);
     }
   }
 }
@@ -172,7 +179,7 @@ void dequant_iq2_s(const uint8_t* row, float* out, int64_t nb) {
     for (int i = 0; i < 32; ++i) {
       const float db = d * (0.5f + float((scales[i / 4] >> (4 * ((i / 2) & 1))) & 15)) * 0.25f;
       const uint8_t* g = g_iq2s_grid + 8 * (qs[i] | (((qh[i / 4] >> (2 * (i % 4))) & 3) << 8));
-      for (int j = 0; j < 8; ++j) out[8 * i + j] = db * float(g[j]) * sign_of_bit(signs[i], j);
+      put_signed8(out + 8 * i, db, g, signs[i]);
     }
   }
 }
@@ -276,14 +283,26 @@ inline int32_t sum8(const int8_t* q8) {
   return s;
 }
 
-}  // namespace
-
-float dot_iq2_xxs_scalar(const uint8_t* row, const void* x, int64_t nb) {
+// The scalar dots' shared loop: per block, scale(blk) * x.d * block(blk, x) (block: the block's sum, in
+// integers inside it, as a float), summed over the row's blocks.
+template <int kBytes, typename Scale, typename Block>
+inline float scalar_dot(const uint8_t* row, const void* x, int64_t nb, Scale scale, Block block) {
   const BlockQ8K* y = static_cast<const BlockQ8K*>(x);
   float sum = 0.0f;
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = row + b * kIq2xxsBytes;
-    const int8_t* q8 = y[b].qs;
+    const uint8_t* blk = row + b * kBytes;
+    sum += scale(blk) * y[b].d * block(blk, y[b]);
+  }
+  return sum;
+}
+
+inline float f16_at0(const uint8_t* blk) { return half_to_float(rd16(blk)); }
+
+}  // namespace
+
+float dot_iq2_xxs_scalar(const uint8_t* row, const void* x, int64_t nb) {
+  return 0.125f * scalar_dot<kIq2xxsBytes>(row, x, nb, f16_at0, [](const uint8_t* blk, const BlockQ8K& y) {
+    const int8_t* q8 = y.qs;
     int32_t bsum = 0;
     for (int ib = 0; ib < 8; ++ib, q8 += 32) {
       const uint32_t idx = rd32(blk + 2 + 8 * ib), aux = rd32(blk + 6 + 8 * ib);
@@ -292,53 +311,38 @@ float dot_iq2_xxs_scalar(const uint8_t* row, const void* x, int64_t nb) {
         sumi += signed_dot8(g_iq2xxs_grid + 8 * ((idx >> (8 * l)) & 255), g_ksigns[(aux >> (7 * l)) & 127], q8 + 8 * l);
       bsum += int32_t(2 * (aux >> 28) + 1) * sumi;
     }
-    sum += half_to_float(rd16(blk)) * y[b].d * float(bsum);
-  }
-  return 0.125f * sum;
+    return float(bsum);
+  });
 }
 
 float dot_iq2_xs_scalar(const uint8_t* row, const void* x, int64_t nb) {
-  const BlockQ8K* y = static_cast<const BlockQ8K*>(x);
-  float sum = 0.0f;
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = row + b * kIq2xsBytes;
-    const int8_t* q8 = y[b].qs;
+  return 0.125f * scalar_dot<kIq2xsBytes>(row, x, nb, f16_at0, [](const uint8_t* blk, const BlockQ8K& y) {
     int32_t bsum = 0;
     for (int i = 0; i < 32; ++i) {
       const uint16_t q = rd16(blk + 2 + 2 * i);
       const int32_t ls = 2 * ((blk[66 + i / 4] >> (4 * ((i / 2) & 1))) & 15) + 1;
-      bsum += ls * signed_dot8(g_iq2xs_grid + 8 * (q & 511), g_ksigns[q >> 9], q8 + 8 * i);
+      bsum += ls * signed_dot8(g_iq2xs_grid + 8 * (q & 511), g_ksigns[q >> 9], y.qs + 8 * i);
     }
-    sum += half_to_float(rd16(blk)) * y[b].d * float(bsum);
-  }
-  return 0.125f * sum;
+    return float(bsum);
+  });
 }
 
 float dot_iq2_s_scalar(const uint8_t* row, const void* x, int64_t nb) {
-  const BlockQ8K* y = static_cast<const BlockQ8K*>(x);
-  float sum = 0.0f;
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = row + b * kIq2sBytes;
+  return 0.125f * scalar_dot<kIq2sBytes>(row, x, nb, f16_at0, [](const uint8_t* blk, const BlockQ8K& y) {
     const uint8_t *qs = blk + 2, *signs = blk + 34, *qh = blk + 66, *scales = blk + 74;
-    const int8_t* q8 = y[b].qs;
     int32_t bsum = 0;
     for (int i = 0; i < 32; ++i) {
       const int32_t ls = 2 * ((scales[i / 4] >> (4 * ((i / 2) & 1))) & 15) + 1;
       const uint8_t* g = g_iq2s_grid + 8 * (qs[i] | (((qh[i / 4] >> (2 * (i % 4))) & 3) << 8));
-      bsum += ls * signed_dot8(g, signs[i], q8 + 8 * i);
+      bsum += ls * signed_dot8(g, signs[i], y.qs + 8 * i);
     }
-    sum += half_to_float(rd16(blk)) * y[b].d * float(bsum);
-  }
-  return 0.125f * sum;
+    return float(bsum);
+  });
 }
 
 float dot_iq3_xxs_scalar(const uint8_t* row, const void* x, int64_t nb) {
-  const BlockQ8K* y = static_cast<const BlockQ8K*>(x);
-  float sum = 0.0f;
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = row + b * kIq3xxsBytes;
+  return 0.25f * scalar_dot<kIq3xxsBytes>(row, x, nb, f16_at0, [](const uint8_t* blk, const BlockQ8K& y) {
     const uint8_t* qs = blk + 2;
-    const int8_t* q8 = y[b].qs;
     int32_t bsum = 0;
     for (int ib = 0; ib < 8; ++ib) {
       const uint32_t aux = rd32(blk + 66 + 4 * ib);
@@ -347,22 +351,17 @@ float dot_iq3_xxs_scalar(const uint8_t* row, const void* x, int64_t nb) {
         uint8_t g[8];
         std::memcpy(g, g_iq3xxs_grid + 4 * qs[8 * ib + 2 * l], 4);
         std::memcpy(g + 4, g_iq3xxs_grid + 4 * qs[8 * ib + 2 * l + 1], 4);
-        sumi += signed_dot8(g, g_ksigns[(aux >> (7 * l)) & 127], q8 + 32 * ib + 8 * l);
+        sumi += signed_dot8(g, g_ksigns[(aux >> (7 * l)) & 127], y.qs + 32 * ib + 8 * l);
       }
       bsum += int32_t(2 * (aux >> 28) + 1) * sumi;
     }
-    sum += half_to_float(rd16(blk)) * y[b].d * float(bsum);
-  }
-  return 0.25f * sum;
+    return float(bsum);
+  });
 }
 
 float dot_iq3_s_scalar(const uint8_t* row, const void* x, int64_t nb) {
-  const BlockQ8K* y = static_cast<const BlockQ8K*>(x);
-  float sum = 0.0f;
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = row + b * kIq3sBytes;
+  return scalar_dot<kIq3sBytes>(row, x, nb, f16_at0, [](const uint8_t* blk, const BlockQ8K& y) {
     const uint8_t *qs = blk + 2, *qh = blk + 66, *signs = blk + 74, *scales = blk + 106;
-    const int8_t* q8 = y[b].qs;
     int32_t bsum = 0;
     for (int ib = 0; ib < 8; ++ib) {
       int32_t sumi = 0;
@@ -371,45 +370,37 @@ float dot_iq3_s_scalar(const uint8_t* row, const void* x, int64_t nb) {
         uint8_t g[8];
         std::memcpy(g, g_iq3s_grid + 4 * (qs[i] | (((qh[i / 8] >> (i % 8)) & 1) << 8)), 4);
         std::memcpy(g + 4, g_iq3s_grid + 4 * (qs[i + 1] | (((qh[i / 8] >> (i % 8 + 1)) & 1) << 8)), 4);
-        sumi += signed_dot8(g, signs[4 * ib + l], q8 + 32 * ib + 8 * l);
+        sumi += signed_dot8(g, signs[4 * ib + l], y.qs + 32 * ib + 8 * l);
       }
       bsum += (2 * ((scales[ib / 2] >> (4 * (ib & 1))) & 15) + 1) * sumi;
     }
-    sum += half_to_float(rd16(blk)) * y[b].d * float(bsum);
-  }
-  return sum;
+    return float(bsum);
+  });
 }
 
 float dot_iq1_s_scalar(const uint8_t* row, const void* x, int64_t nb) {
-  const BlockQ8K* y = static_cast<const BlockQ8K*>(x);
-  float sum = 0.0f;
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = row + b * kIq1sBytes;
+  return scalar_dot<kIq1sBytes>(row, x, nb, f16_at0, [](const uint8_t* blk, const BlockQ8K& y) {
     const uint8_t *qs = blk + 2, *qh = blk + 34;
-    const int8_t* q8 = y[b].qs;
     int32_t sumi = 0, sumd = 0;  // grid part, delta part (in units of the delta)
     for (int ib = 0; ib < 8; ++ib) {
       const uint16_t h = rd16(qh + 2 * ib);
       const int32_t ls = 2 * ((h >> 12) & 7) + 1;
       int32_t s = 0;
       for (int l = 0; l < 4; ++l)
-        s += plain_dot8(g_iq1s_grid + 8 * (qs[4 * ib + l] | (((h >> (3 * l)) & 7) << 8)), q8 + 32 * ib + 8 * l);
-      const int32_t ysum = y[b].bsums[2 * ib] + y[b].bsums[2 * ib + 1];
+        s += plain_dot8(g_iq1s_grid + 8 * (qs[4 * ib + l] | (((h >> (3 * l)) & 7) << 8)), y.qs + 32 * ib + 8 * l);
+      const int32_t ysum = y.bsums[2 * ib] + y.bsums[2 * ib + 1];
       sumi += ls * s;
       sumd += ls * ((h & 0x8000) ? -ysum : ysum);
     }
-    sum += half_to_float(rd16(blk)) * y[b].d * (float(sumi) + kIq1Delta * float(sumd));
-  }
-  return sum;
+    return float(sumi) + kIq1Delta * float(sumd);
+  });
 }
 
 float dot_iq1_m_scalar(const uint8_t* row, const void* x, int64_t nb) {
-  const BlockQ8K* y = static_cast<const BlockQ8K*>(x);
-  float sum = 0.0f;
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = row + b * kIq1mBytes;
+  const auto scale = [](const uint8_t* blk) { return iq1m_scale(blk + 48); };
+  return scalar_dot<kIq1mBytes>(row, x, nb, scale, [](const uint8_t* blk, const BlockQ8K& y) {
     const uint8_t *qs = blk, *qh = blk + 32, *scales = blk + 48;
-    const int8_t* q8 = y[b].qs;
+    const int8_t* q8 = y.qs;
     int32_t sumi = 0, sumd = 0;
     for (int i = 0; i < 32; ++i) {
       const int s = i / 2;
@@ -419,9 +410,8 @@ float dot_iq1_m_scalar(const uint8_t* row, const void* x, int64_t nb) {
       sumi += ls * plain_dot8(g_iq1s_grid + 8 * (qs[i] | ((nib & 7) << 8)), q8 + 8 * i);
       sumd += ls * ((nib & 8) ? -ysum : ysum);
     }
-    sum += iq1m_scale(scales) * y[b].d * (float(sumi) + kIq1Delta * float(sumd));
-  }
-  return sum;
+    return float(sumi) + kIq1Delta * float(sumd);
+  });
 }
 
 // ---- AVX2 dots ------------------------------------------------------------------------------------
@@ -550,15 +540,13 @@ inline void iq_dots(const uint8_t* row, const void* const* xs, int64_t nb, float
   for (int n = 0; n < NX; ++n) out[n] = k * hsum_ps(acc[n]);
 }
 
-inline float f16_scale(const uint8_t* blk) { return half_to_float(rd16(blk)); }
-
 template <int NX>
 void dot_iq2_xxs_n(const uint8_t* row, const void* const* xs, int64_t nb, float* out) {
   iq_dots<NX, kIq2xxsBytes>(row, xs, nb, out, 0.125f, no_ctx, [](const uint8_t* blk, int ib, const BlockCtx&) {
     const uint32_t idx = rd32(blk + 2 + 8 * ib), aux = rd32(blk + 6 + 8 * ib);
     return Sub{rows8(g_iq2xxs_grid, idx & 255, (idx >> 8) & 255, (idx >> 16) & 255, idx >> 24), ksigns_of(aux),
                _mm256_set1_epi16(short(2 * (aux >> 28) + 1))};
-  }, f16_scale);
+  }, f16_at0);
 }
 
 template <int NX>
@@ -569,7 +557,7 @@ void dot_iq2_xs_n(const uint8_t* row, const void* const* xs, int64_t nb, float* 
     std::memcpy(q, blk + 2 + 8 * ib, 8);
     return Sub{rows8(g_iq2xs_grid, q[0] & 511, q[1] & 511, q[2] & 511, q[3] & 511),
                ksigns4(q[0] >> 9, q[1] >> 9, q[2] >> 9, q[3] >> 9), pick16(ctx.scales, ib, ib)};
-  }, f16_scale);
+  }, f16_at0);
 }
 
 template <int NX>
@@ -581,7 +569,7 @@ void dot_iq2_s_n(const uint8_t* row, const void* const* xs, int64_t nb, float* o
     return Sub{rows8(g_iq2s_grid, qs[0] | ((h << 8) & 0x300), qs[1] | ((h << 6) & 0x300), qs[2] | ((h << 4) & 0x300),
                      qs[3] | ((h << 2) & 0x300)),
                signs_from_bits(rd32(blk + 34 + 4 * ib)), pick16(ctx.scales, ib, ib)};
-  }, f16_scale);
+  }, f16_at0);
 }
 
 template <int NX>
@@ -591,7 +579,7 @@ void dot_iq3_xxs_n(const uint8_t* row, const void* const* xs, int64_t nb, float*
     const uint32_t aux = rd32(blk + 66 + 4 * ib);
     const uint32_t i[8] = {qs[0], qs[1], qs[2], qs[3], qs[4], qs[5], qs[6], qs[7]};
     return Sub{rows4(g_iq3xxs_grid, i), ksigns_of(aux), _mm256_set1_epi16(short(2 * (aux >> 28) + 1))};
-  }, f16_scale);
+  }, f16_at0);
 }
 
 template <int NX>
@@ -608,7 +596,7 @@ void dot_iq3_s_n(const uint8_t* row, const void* const* xs, int64_t nb, float* o
                            qs[3] | ((h << 5) & 256), qs[4] | ((h << 4) & 256), qs[5] | ((h << 3) & 256),
                            qs[6] | ((h << 2) & 256), qs[7] | ((h << 1) & 256)};
     return Sub{rows4(g_iq3s_grid, i), signs_from_bits(rd32(blk + 74 + 4 * ib)), pick16(ctx.scales, ib, ib)};
-  }, f16_scale);
+  }, f16_at0);
 }
 
 // IQ1: w = 8 * (grid + delta) = 8g +- 1 (odd, never 0) as a signed byte: |w| the magnitude, w the sign.
@@ -629,7 +617,7 @@ void dot_iq1_s_n(const uint8_t* row, const void* const* xs, int64_t nb, float* o
                             qs[3] | ((h >> 1) & 0x700));
     const __m256i delta = _mm256_shuffle_epi8(ctx.deltas, _mm256_set1_epi8(char(2 * ib)));  // word ib's low byte
     return iq1_sub(_mm256_add_epi8(g, delta), pick16(ctx.scales, ib, ib));
-  }, f16_scale);
+  }, f16_at0);
 }
 
 template <int NX>
@@ -672,30 +660,20 @@ float one_row(const uint8_t* row, const void* x, int64_t nb) {
 
 // ---- the entry points ---------------------------------------------------------------------------
 
+// Each type's RowDot (the registry's), and in an AVX2 build its 4-row dot: one weight row against 4 rows of x
+// (xs[n]: row n's Q8K blocks) -> out[0..3], the grid decoded once (cpu_block_gemv.cpp's registry takes them
+// there; without AVX2 it calls the RowDot 4 times).
 #if defined(__AVX2__)
-#define EMBER_IQ_DOT(name) one_row<name##_n<1>>
+#define EMBER_IQ_ENTRY_POINTS(t)                                                                               \
+  float dot_##t(const uint8_t* row, const void* x, int64_t nb) { return one_row<dot_##t##_n<1>>(row, x, nb); } \
+  void dot_##t##_x4(const uint8_t* row, const void* const* xs, int64_t nb, float* out) {                        \
+    dot_##t##_n<4>(row, xs, nb, out);                                                                          \
+  }
 #else
-#define EMBER_IQ_DOT(name) name##_scalar
+#define EMBER_IQ_ENTRY_POINTS(t) \
+  float dot_##t(const uint8_t* row, const void* x, int64_t nb) { return dot_##t##_scalar(row, x, nb); }
 #endif
-
-float dot_iq2_xxs(const uint8_t* row, const void* x, int64_t nb) { return EMBER_IQ_DOT(dot_iq2_xxs)(row, x, nb); }
-float dot_iq2_xs(const uint8_t* row, const void* x, int64_t nb) { return EMBER_IQ_DOT(dot_iq2_xs)(row, x, nb); }
-float dot_iq2_s(const uint8_t* row, const void* x, int64_t nb) { return EMBER_IQ_DOT(dot_iq2_s)(row, x, nb); }
-float dot_iq3_xxs(const uint8_t* row, const void* x, int64_t nb) { return EMBER_IQ_DOT(dot_iq3_xxs)(row, x, nb); }
-float dot_iq3_s(const uint8_t* row, const void* x, int64_t nb) { return EMBER_IQ_DOT(dot_iq3_s)(row, x, nb); }
-float dot_iq1_s(const uint8_t* row, const void* x, int64_t nb) { return EMBER_IQ_DOT(dot_iq1_s)(row, x, nb); }
-float dot_iq1_m(const uint8_t* row, const void* x, int64_t nb) { return EMBER_IQ_DOT(dot_iq1_m)(row, x, nb); }
-
-// One weight row against 4 rows of x (xs[n]: row n's Q8K blocks) -> out[0..3]: the grid decoded once. Only in
-// an AVX2 build (cpu_block_gemv.cpp's registry takes them there; without AVX2 it calls the RowDot 4 times).
-#if defined(__AVX2__)
-void dot_iq2_xxs_x4(const uint8_t* row, const void* const* xs, int64_t nb, float* out) { dot_iq2_xxs_n<4>(row, xs, nb, out); }
-void dot_iq2_xs_x4(const uint8_t* row, const void* const* xs, int64_t nb, float* out) { dot_iq2_xs_n<4>(row, xs, nb, out); }
-void dot_iq2_s_x4(const uint8_t* row, const void* const* xs, int64_t nb, float* out) { dot_iq2_s_n<4>(row, xs, nb, out); }
-void dot_iq3_xxs_x4(const uint8_t* row, const void* const* xs, int64_t nb, float* out) { dot_iq3_xxs_n<4>(row, xs, nb, out); }
-void dot_iq3_s_x4(const uint8_t* row, const void* const* xs, int64_t nb, float* out) { dot_iq3_s_n<4>(row, xs, nb, out); }
-void dot_iq1_s_x4(const uint8_t* row, const void* const* xs, int64_t nb, float* out) { dot_iq1_s_n<4>(row, xs, nb, out); }
-void dot_iq1_m_x4(const uint8_t* row, const void* const* xs, int64_t nb, float* out) { dot_iq1_m_n<4>(row, xs, nb, out); }
-#endif
+EMBER_IQ_TYPES(EMBER_IQ_ENTRY_POINTS)
+#undef EMBER_IQ_ENTRY_POINTS
 
 }  // namespace ember_blocks

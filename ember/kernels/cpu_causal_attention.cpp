@@ -227,53 +227,21 @@ namespace fp32 {
 
 // ---- 8 or 16 float32 lanes: the vector ops the kernel uses, one definition per build
 #if defined(__AVX512F__)
-constexpr int kLanes = 16;
 // rows (query, head) a pass takes through a tile, and V vectors of a row it keeps in registers through
 // P V: 8 score and 16 P V accumulators of 32 zmm (4 x 4, 8 x 2 and 12 x 2 measured alike on a Xeon)
 constexpr int kRows = 4, kMaxChunk = 4;
-using vec = __m512;
-inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstore(float* p, vec x) { _mm512_storeu_ps(p, x); }
-inline vec vset(float x) { return _mm512_set1_ps(x); }
-inline vec vzero() { return _mm512_setzero_ps(); }
-inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
-inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
-inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
-inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
-inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline float hmax(vec x) { return _mm512_reduce_max_ps(x); }
-inline float hsum(vec x) { return _mm512_reduce_add_ps(x); }
+using namespace ember_simd::avx512;  // the lane ops: cpu_simd.h
 // x in its first n lanes (n may be <= 0 or >= kLanes), -inf in the others: the causal edge
 inline vec first_live(vec x, int64_t n) {
   const __mmask16 live = n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
   return _mm512_mask_mov_ps(vset(-std::numeric_limits<float>::infinity()), live, x);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-constexpr int kLanes = 8;
 // 6 rows: 12 accumulators + 2 K (or V) vectors + a broadcast of 16 ymm. Twelve independent FMA chains
 // cover Haswell's and Zen2's 5-cycle FMA latency at 2 a cycle (8 do not); 3-20% faster than 4 rows x 2
 // on a Xeon with -march=haswell (CPU time of 1 thread, 512-1,000 tokens, heads 64 and 256 wide)
 constexpr int kRows = 6, kMaxChunk = 2;
-using vec = __m256;
-inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, vec x) { _mm256_storeu_ps(p, x); }
-inline vec vset(float x) { return _mm256_set1_ps(x); }
-inline vec vzero() { return _mm256_setzero_ps(); }
-inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
-inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
-inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
-inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
-inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline float hmax(vec x) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-inline float hsum(vec x) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
+using namespace ember_simd::avx2;
 inline vec first_live(vec x, int64_t n) {
   const float live = (float)std::clamp<int64_t>(n, 0, kLanes);
   const vec keep = _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), vset(live), _CMP_LT_OQ);

@@ -33,32 +33,14 @@ using bf16 = c10::BFloat16;
 // memory (a row's tail), widened to / narrowed from float lanes. bf16 -> float is exact (a shift);
 // float -> bf16 rounds to nearest even, as torch's casts (NaN is not produced here from finite input).
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-constexpr int kLanes = 16;
-using vec = __m512;
-inline __mmask16 first_lanes(int n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
-inline vec vzero() { return _mm512_setzero_ps(); }
-inline vec vset(float x) { return _mm512_set1_ps(x); }
-inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
-inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
-inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
-inline vec vdiv(vec a, vec b) { return _mm512_div_ps(a, b); }
-inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline float hsum(vec a) { return _mm512_reduce_add_ps(a); }
+using namespace ember_simd::avx512;  // the rest of the lane ops: cpu_simd.h
 inline vec vload(const float* p, int n) { return _mm512_maskz_loadu_ps(first_lanes(n), p); }
 inline vec vload(const bf16* p, int n) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(first_lanes(n), p)), 16));
 }
 inline void vstore(float* p, vec x, int n) { _mm512_mask_storeu_ps(p, first_lanes(n), x); }
-inline __m512i bf16_rounded_bits(vec x) {  // the float bits with the bf16 rounding carried into the top half
-  const __m512i bits = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  return _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-}
 inline void vstore(bf16* p, vec x, int n) {
   _mm256_mask_storeu_epi16(p, first_lanes(n), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_rounded_bits(x), 16)));
-}
-inline vec round_bf16(vec x) {
-  return _mm512_castsi512_ps(_mm512_and_si512(bf16_rounded_bits(x), _mm512_set1_epi32((int)0xFFFF0000u)));
 }
 // exp(x) for any float x, within 2 ulp of std::exp: +inf past float32's range, as std::exp (so
 // silu(-120) is -0.0, as in torch); below -87 exp(-87) (it only ever meets 1 + exp).
@@ -68,21 +50,7 @@ inline vec vexp(vec x) {
   return _mm512_mask_mov_ps(y, overflow, vset(INFINITY));
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-constexpr int kLanes = 8;
-using vec = __m256;
-inline __m256i first_lanes(int n) { return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)); }
-inline vec vzero() { return _mm256_setzero_ps(); }
-inline vec vset(float x) { return _mm256_set1_ps(x); }
-inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
-inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
-inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
-inline vec vdiv(vec a, vec b) { return _mm256_div_ps(a, b); }
-inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline float hsum(vec a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
+using namespace ember_simd::avx2;
 inline vec vload(const float* p, int n) { return n == kLanes ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, first_lanes(n)); }
 inline vec vload(const bf16* p, int n) {  // no 16-bit masked load in AVX2: a tail goes through a buffer
   __m128i h;
@@ -101,11 +69,6 @@ inline void vstore(float* p, vec x, int n) {
   else
     _mm256_maskstore_ps(p, first_lanes(n), x);
 }
-inline __m256i bf16_rounded_bits(vec x) {
-  const __m256i bits = _mm256_castps_si256(x);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  return _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
-}
 inline void vstore(bf16* p, vec x, int n) {
   const __m256i top = _mm256_srli_epi32(bf16_rounded_bits(x), 16);  // each <= 0xFFFF: packus keeps it
   // packus packs within each 128-bit half: lanes 0-3 land in qword 0, lanes 4-7 in qword 2
@@ -117,9 +80,6 @@ inline void vstore(bf16* p, vec x, int n) {
     _mm_store_si128((__m128i*)buf, h);
     std::memcpy(p, buf, n * sizeof(bf16));
   }
-}
-inline vec round_bf16(vec x) {
-  return _mm256_castsi256_ps(_mm256_and_si256(bf16_rounded_bits(x), _mm256_set1_epi32((int)0xFFFF0000u)));
 }
 inline vec vexp(vec x) {  // as the AVX-512 one
   const vec overflow = _mm256_cmp_ps(x, vset(88.72283935546875f), _CMP_GT_OQ);

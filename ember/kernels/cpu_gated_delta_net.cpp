@@ -26,17 +26,7 @@ namespace {
 // ---- float32 vectors: loads and stores of the first n lanes (n <= kLanes), for head dims that are
 // not a multiple of the vector width
 #if defined(__AVX512F__)
-constexpr int kLanes = 16;
-using vec = __m512;
-inline vec vzero() { return _mm512_setzero_ps(); }
-inline vec vset(float x) { return _mm512_set1_ps(x); }
-inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
-inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
-inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
-inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline vec vdiv(vec a, vec b) { return _mm512_div_ps(a, b); }
-inline vec vclamp(vec x, float lo, float hi) { return _mm512_min_ps(_mm512_max_ps(x, vset(lo)), vset(hi)); }
-inline __mmask16 first_lanes(int n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
+using namespace ember_simd::avx512;  // the rest of the lane ops: cpu_simd.h
 inline vec vload(const float* p, int n) {
   return n == kLanes ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(first_lanes(n), p);
 }
@@ -47,19 +37,7 @@ inline void vstore(float* p, vec x, int n) {
     _mm512_mask_storeu_ps(p, first_lanes(n), x);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-constexpr int kLanes = 8;
-using vec = __m256;
-inline vec vzero() { return _mm256_setzero_ps(); }
-inline vec vset(float x) { return _mm256_set1_ps(x); }
-inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
-inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
-inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
-inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline vec vdiv(vec a, vec b) { return _mm256_div_ps(a, b); }
-inline vec vclamp(vec x, float lo, float hi) { return _mm256_min_ps(_mm256_max_ps(x, vset(lo)), vset(hi)); }
-inline __m256i first_lanes(int n) {
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
+using namespace ember_simd::avx2;
 inline vec vload(const float* p, int n) {
   return n == kLanes ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, first_lanes(n));
 }

@@ -33,45 +33,11 @@ namespace {
 
 using bf16 = c10::BFloat16;
 
-// ---- float32 lanes
+// ---- float32 lanes (cpu_simd.h)
 #if defined(__AVX512F__)
-constexpr int kLanes = 16;
-using vec = __m512;
-inline vec vzero() { return _mm512_setzero_ps(); }
-inline vec vset(float x) { return _mm512_set1_ps(x); }
-inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline vec vload(const bf16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-inline void vstore(float* p, vec a) { _mm512_storeu_ps(p, a); }
-inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
-inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
-inline vec vdiv(vec a, vec b) { return _mm512_div_ps(a, b); }
-inline vec vmin(vec a, vec b) { return _mm512_min_ps(a, b); }
-inline float hsum(vec a) { return _mm512_reduce_add_ps(a); }
+using namespace ember_simd::avx512;
 #elif defined(__AVX2__) && defined(__FMA__)
-constexpr int kLanes = 8;
-using vec = __m256;
-inline vec vzero() { return _mm256_setzero_ps(); }
-inline vec vset(float x) { return _mm256_set1_ps(x); }
-inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline vec vload(const bf16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-inline void vstore(float* p, vec a) { _mm256_storeu_ps(p, a); }
-inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
-inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
-inline vec vdiv(vec a, vec b) { return _mm256_div_ps(a, b); }
-inline vec vmin(vec a, vec b) { return _mm256_min_ps(a, b); }
-inline float hsum(vec a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
+using namespace ember_simd::avx2;
 #else
 #error "the hyper-connection mixer kernel needs AVX-512F or AVX2 + FMA (cpp_build.KERNELS says where it is built)"
 #endif
@@ -85,21 +51,6 @@ inline float to_float(bf16 x) { return static_cast<float>(x); }
 // x rounded to T and back (the torch path's casts to the activation dtype)
 template <typename T>
 inline float round_to(float x) { return static_cast<float>(static_cast<T>(x)); }
-
-// v rounded to bf16 and back, to nearest even (c10::BFloat16's rounding of finite values)
-inline vec vround_bf16(vec v) {
-#if defined(__AVX512F__)
-  __m512i i = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(i, 16), _mm512_set1_epi32(1));
-  i = _mm512_add_epi32(i, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  return _mm512_castsi512_ps(_mm512_and_si512(i, _mm512_set1_epi32((int)0xFFFF0000u)));
-#else
-  __m256i i = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(i, 16), _mm256_set1_epi32(1));
-  i = _mm256_add_epi32(i, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
-  return _mm256_castsi256_ps(_mm256_and_si256(i, _mm256_set1_epi32((int)0xFFFF0000u)));
-#endif
-}
 
 // sigmoid(z) = 1 / (1 + exp(-z)), float32; exp's argument clamped at 88 (the result ~0 there, as in torch)
 inline vec vsigmoid(vec z) {
@@ -172,7 +123,7 @@ void norm_row(const T* x, const float* gamma, int64_t n, int64_t H, double eps, 
     const float* gs = gamma + s * H;
     for (c = 0; c + kLanes <= H; c += kLanes) {
       const vec v = vmul(vmul(vload(xs + c), vset(rstd)), vadd(vset(1.f), vload(gs + c)));
-      vstore(os + c, std::is_same<T, bf16>::value ? vround_bf16(v) : v);
+      vstore(os + c, std::is_same<T, bf16>::value ? round_bf16(v) : v);
     }
     for (; c < H; ++c) os[c] = round_to<T>(to_float(xs[c]) * rstd * (1.f + gs[c]));
   }

@@ -22,26 +22,11 @@
 
 namespace {
 
+// ---- float32 lanes (cpu_simd.h)
 #if defined(__AVX512F__)
-constexpr int kLanes = 16;
-using vec = __m512;
-inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstore(float* p, vec x) { _mm512_storeu_ps(p, x); }
-inline vec vset(float x) { return _mm512_set1_ps(x); }
-inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
-inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
-inline vec vdiv(vec a, vec b) { return _mm512_div_ps(a, b); }
-inline vec vclamp(vec x, float lo, float hi) { return _mm512_min_ps(_mm512_max_ps(x, vset(lo)), vset(hi)); }
+using namespace ember_simd::avx512;
 #elif defined(__AVX2__) && defined(__FMA__)
-constexpr int kLanes = 8;
-using vec = __m256;
-inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, vec x) { _mm256_storeu_ps(p, x); }
-inline vec vset(float x) { return _mm256_set1_ps(x); }
-inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
-inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
-inline vec vdiv(vec a, vec b) { return _mm256_div_ps(a, b); }
-inline vec vclamp(vec x, float lo, float hi) { return _mm256_min_ps(_mm256_max_ps(x, vset(lo)), vset(hi)); }
+using namespace ember_simd::avx2;
 #else
 #error "the PLE kernel needs AVX-512F or AVX2 + FMA (cpp_build.KERNELS says where it is built)"
 #endif

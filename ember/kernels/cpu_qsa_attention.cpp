@@ -34,62 +34,19 @@ constexpr int kTile = 16;  // keys per online-softmax update
 constexpr int kMaxG = 16;  // query heads per kv head
 constexpr int64_t kMinPart = 256;  // keys per part, at least, when a task's keys are split over threads
 
-// ---- float32 lanes
+// ---- float32 lanes (cpu_simd.h)
 #if defined(__AVX512F__)
-constexpr int kLanes = 16;
-using vec = __m512;
-inline vec vzero() { return _mm512_setzero_ps(); }
-inline vec vset(float x) { return _mm512_set1_ps(x); }
-inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstore(float* p, vec a) { _mm512_storeu_ps(p, a); }
-inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
-inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
-inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
-inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
-inline float hsum(vec a) { return _mm512_reduce_add_ps(a); }
-inline float hmax(vec a) { return _mm512_reduce_max_ps(a); }
-inline vec vload_bf16(const c10::BFloat16* p) {  // bf16 is float32's top half: widen, shift
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+using namespace ember_simd::avx512;
 #elif defined(__AVX2__) && defined(__FMA__)
-constexpr int kLanes = 8;
-using vec = __m256;
-inline vec vzero() { return _mm256_setzero_ps(); }
-inline vec vset(float x) { return _mm256_set1_ps(x); }
-inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, vec a) { _mm256_storeu_ps(p, a); }
-inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
-inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
-inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
-inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
-inline float hsum(vec a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-inline float hmax(vec a) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-inline vec vload_bf16(const c10::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
+using namespace ember_simd::avx2;
 #else
 #error "the QSA attention kernel needs AVX-512F or AVX2 + FMA (cpp_build.KERNELS says where it is built)"
 #endif
 
-inline vec vload_row(const float* p) { return vload(p); }
-inline vec vload_row(const c10::BFloat16* p) { return vload_bf16(p); }
-
 // A cache row of D elements -> float32 (D is a multiple of kLanes: the .py's HEAD_SIZES)
 template <typename T, int D>
 inline void widen_row(const T* __restrict src, float* __restrict dst) {
-  for (int d = 0; d < D; d += kLanes) vstore(dst + d, vload_row(src + d));
+  for (int d = 0; d < D; d += kLanes) vstore(dst + d, vload(src + d));
 }
 
 template <typename T, int D>

@@ -21,6 +21,8 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include "cpu_simd.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -31,25 +33,11 @@
 
 namespace {
 
-// ---- float32 lanes
+// ---- float32 lanes (cpu_simd.h)
 #if defined(__AVX512F__)
-constexpr int kLanes = 16;
-using vec = __m512;
-inline vec vzero() { return _mm512_setzero_ps(); }
-inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline float hsum(vec a) { return _mm512_reduce_add_ps(a); }
+using namespace ember_simd::avx512;
 #elif defined(__AVX2__) && defined(__FMA__)
-constexpr int kLanes = 8;
-using vec = __m256;
-inline vec vzero() { return _mm256_setzero_ps(); }
-inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline float hsum(vec a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
+using namespace ember_simd::avx2;
 #else
 #error "the QSA scoring kernel needs AVX-512F or AVX2 + FMA (cpp_build.KERNELS says where it is built)"
 #endif

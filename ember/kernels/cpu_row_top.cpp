@@ -11,6 +11,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "cpu_simd.h"
+
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -19,41 +21,27 @@ namespace {
 
 // ---- float32 lanes. Comparisons give one bit per lane (low bit: lane 0), as AVX-512's masks do.
 #if defined(__AVX512F__)
-constexpr int kLanes = 16;
-using vec = __m512;
+using namespace ember_simd::avx512;  // the lane ops but the masks: cpu_simd.h
 inline unsigned first_lanes(int64_t n) { return n >= 16 ? 0xFFFFu : (1u << n) - 1; }
-inline vec vset(float x) { return _mm512_set1_ps(x); }
-inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
 // the first n lanes from p (n <= kLanes), `fill` in the others; nothing past them is read
 inline vec vload_first(const float* p, int64_t n, float fill) {
   return _mm512_mask_loadu_ps(vset(fill), (__mmask16)first_lanes(n), p);
 }
-inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
-inline float hmax(vec a) { return _mm512_reduce_max_ps(a); }
 inline unsigned lanes_unordered(vec a, vec b) { return _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q); }
 inline unsigned lanes_eq(vec a, vec b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
 inline unsigned lanes_gt(vec a, vec b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
 // p[i] = x for each lane i whose bit is set (the others are not written)
 inline void store_where(float* p, unsigned bits, float x) { _mm512_mask_storeu_ps(p, (__mmask16)bits, vset(x)); }
 #elif defined(__AVX2__)
-constexpr int kLanes = 8;
-using vec = __m256;
+using namespace ember_simd::avx2;
 inline unsigned first_lanes(int64_t n) { return n >= 8 ? 0xFFu : (1u << n) - 1; }
 inline __m256i lane_mask(unsigned bits) {  // all ones in each lane whose bit is set
   const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)bits), bit), bit);
 }
-inline vec vset(float x) { return _mm256_set1_ps(x); }
-inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline vec vload_first(const float* p, int64_t n, float fill) {
   const __m256i m = lane_mask(first_lanes(n));
   return _mm256_blendv_ps(vset(fill), _mm256_maskload_ps(p, m), _mm256_castsi256_ps(m));
-}
-inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
-inline float hmax(vec a) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 inline unsigned lanes_unordered(vec a, vec b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q)); }
 inline unsigned lanes_eq(vec a, vec b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)); }

@@ -1,9 +1,92 @@
 // SIMD helpers shared by ember's C++ CPU kernels (included by the .cpp files beside it;
 // cpp_build hashes this file into every kernel's build name, so a change here rebuilds them).
+//
+// The lane layer: ember_simd::avx512 (16 float lanes) and ember_simd::avx2 (8) hold the same few
+// operations on float32 vectors (vec, kLanes, loads of float32 and bf16 rows, stores, arithmetic,
+// horizontal sums and maxima), so a kernel's loops are written once over them. A kernel picks one per
+// build after its own test of the macros (a kernel may need more than AVX-512F for its 16-lane build):
+//   #if defined(__AVX512F__)
+//   using namespace ember_simd::avx512;
+//   #elif defined(__AVX2__) && defined(__FMA__)
+//   using namespace ember_simd::avx2;
+//   #endif
+// A kernel's own overload of one of these names (a masked tail load, say) hides the shared ones.
 #pragma once
 #include <immintrin.h>
 
+#include <c10/util/BFloat16.h>
+
 namespace ember_simd {
+
+// The ops whose 16- and 8-lane forms differ only in the width in the intrinsics' names (W: 512 or 256).
+#define EMBER_SIMD_LANE_OPS(W)                                                                                 \
+  using vec = __m##W;                                                                                          \
+  inline vec vzero() { return _mm##W##_setzero_ps(); }                                                        \
+  inline vec vset(float x) { return _mm##W##_set1_ps(x); }                                                    \
+  inline vec vload(const float* p) { return _mm##W##_loadu_ps(p); }                                          \
+  inline void vstore(float* p, vec a) { _mm##W##_storeu_ps(p, a); }                                           \
+  inline vec vadd(vec a, vec b) { return _mm##W##_add_ps(a, b); }                                             \
+  inline vec vsub(vec a, vec b) { return _mm##W##_sub_ps(a, b); }                                             \
+  inline vec vmul(vec a, vec b) { return _mm##W##_mul_ps(a, b); }                                             \
+  inline vec vdiv(vec a, vec b) { return _mm##W##_div_ps(a, b); }                                             \
+  inline vec vmin(vec a, vec b) { return _mm##W##_min_ps(a, b); }                                             \
+  inline vec vmax(vec a, vec b) { return _mm##W##_max_ps(a, b); }                                             \
+  inline vec vclamp(vec x, float lo, float hi) { return _mm##W##_min_ps(_mm##W##_max_ps(x, vset(lo)), vset(hi)); } \
+  /* the float bits with bf16's rounding (to nearest even, c10::BFloat16's for finite values) carried into  */ \
+  /* the top half; round_bf16: x rounded to bf16 and back                                                   */ \
+  inline __m##W##i bf16_rounded_bits(vec x) {                                                                  \
+    const __m##W##i bits = _mm##W##_castps_si##W(x);                                                           \
+    const __m##W##i lsb = _mm##W##_and_si##W(_mm##W##_srli_epi32(bits, 16), _mm##W##_set1_epi32(1));          \
+    return _mm##W##_add_epi32(bits, _mm##W##_add_epi32(lsb, _mm##W##_set1_epi32(0x7FFF)));                     \
+  }                                                                                                            \
+  inline vec round_bf16(vec x) {                                                                               \
+    return _mm##W##_castsi##W##_ps(_mm##W##_and_si##W(bf16_rounded_bits(x), _mm##W##_set1_epi32((int)0xFFFF0000u))); \
+  }
+
+#if defined(__AVX512F__)
+namespace avx512 {
+constexpr int kLanes = 16;
+EMBER_SIMD_LANE_OPS(512)
+inline vec vload(const c10::BFloat16* p) {  // bf16 is float32's top half: widen, shift
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float hsum(vec a) { return _mm512_reduce_add_ps(a); }
+inline float hmax(vec a) { return _mm512_reduce_max_ps(a); }
+// the first n lanes (n <= kLanes) of a masked load or store
+inline __mmask16 first_lanes(int n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
+}  // namespace avx512
+#endif  // __AVX512F__
+
+#if defined(__AVX2__)
+namespace avx2 {  // the FMA-less ops only need AVX2 (the row kernels); vfma needs FMA too
+constexpr int kLanes = 8;
+EMBER_SIMD_LANE_OPS(256)
+inline vec vload(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#if defined(__FMA__)
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+#endif
+inline float hsum(vec a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline float hmax(vec a) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+// all ones in the first n lanes (n <= kLanes): the mask of _mm256_maskload_ps / _mm256_maskstore_ps
+inline __m256i first_lanes(int n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+}  // namespace avx2
+#endif  // __AVX2__
+#undef EMBER_SIMD_LANE_OPS
 
 #if defined(__AVX512F__)
 

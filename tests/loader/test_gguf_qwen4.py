@@ -42,18 +42,6 @@ def prompt(n: int, seed: int) -> list[int]:
     return torch.randint(2, 150000, (n,), generator=g).tolist()
 
 
-def patch_value(path: str, key: str, values: list[int], skip: int) -> str:
-    """Overwrite int32/uint32 metadata values in place: `skip` bytes after the key's name (its value type,
-    and for an array its item type and count) hold them. gguf-py's writable reader does the same but
-    parses the 151,936-token vocabulary first (seconds)."""
-    data = bytearray(open(path, "rb").read())
-    at = data.index(key.encode()) + len(key) + skip
-    data[at : at + 4 * len(values)] = np.asarray(values, dtype="<i4").tobytes()
-    with open(path, "wb") as f:
-        f.write(data)
-    return path
-
-
 def set_ratios(path: str, ratios: list[int]) -> str:
     """The file's attention.compress_ratios, as a correct conversion writes them."""
     return set_metadata_ints(path, "qwen4exp.attention.compress_ratios", ratios)
@@ -218,8 +206,8 @@ def test_a_file_missing_a_ple_constant_the_table_or_a_key_is_refused_by_name(fil
 
 
 def test_inconsistent_hyper_connection_keys_are_refused_by_name(files, tmp_path):
-    broken = patch_value(
-        shutil.copyfile(files["bf16"], str(tmp_path / "hc.gguf")), "qwen4exp.hyper_connection.count", [3], 4
+    broken = set_metadata_ints(
+        shutil.copyfile(files["bf16"], str(tmp_path / "hc.gguf")), "qwen4exp.hyper_connection.count", [3]
     )
     with pytest.raises(ModelLoadError, match=r"hyper_connection\.count 3 .* do not fit output_hc_down\.weight"):
         GGUFCheckpoint(broken)

@@ -213,21 +213,29 @@ def quantize(
 
 
 def set_metadata_ints(path: str, key: str, values: list[int], head_bytes: int = 64 << 20) -> str:
-    """Overwrite an int32 / uint32 array's items of a GGUF file's metadata in place (the array must already
-    hold len(values) items): after the key's name come its value type (4 bytes), item type (4) and count
-    (8), then the items. Only the file's head is read (the metadata, vocabulary included, sits in the first
-    few MiB), so a file of many GiB is patched in milliseconds. llama.cpp's converter under transformers
-    >= 5.23 writes qwen4exp.attention.compress_ratios all 0 (tests/loader/test_gguf_qwen4.py)."""
+    """Overwrite an int32 / uint32 value, or an int32 / uint32 array's items, of a GGUF file's metadata in place
+    (an array must already hold len(values) items; a single value takes one): after the key's name comes its
+    value type (4 bytes), then the value, or for an array its item type (4) and count (8), then the items. Only
+    the file's head is read (the metadata, vocabulary included, sits in the first few MiB), so a file of many
+    GiB is patched in milliseconds. llama.cpp's converter under transformers >= 5.23 writes
+    qwen4exp.attention.compress_ratios all 0 (tests/loader/test_gguf_qwen4.py)."""
     import struct
 
     with open(path, "r+b") as f:
         head = f.read(head_bytes)
         name = key.encode()
         at = head.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
-        _, _, count = struct.unpack_from("<IIQ", head, at)
+        (value_type,) = struct.unpack_from("<I", head, at)
+        if value_type == 9:  # GGUFValueType.ARRAY
+            _, _, count = struct.unpack_from("<IIQ", head, at)
+            skip = 16
+        elif value_type in (4, 5):  # one UINT32 / INT32 value
+            count, skip = 1, 4
+        else:
+            raise ValueError(f"{key} in {path} is of GGUF value type {value_type}, not an int32 / uint32 or an array")
         if count != len(values):
             raise ValueError(f"{key} holds {count} items in {path}, not {len(values)}")
-        f.seek(at + 16)
+        f.seek(at + skip)
         f.write(struct.pack(f"<{len(values)}i", *values))
     return path
 
