@@ -85,9 +85,10 @@ _loaded: dict[str, bool | None] = {}  # source -> loaded (None: could not be bui
 
 def kernel_dirs() -> list[str]:
     """Where libraries are looked for, in order (and built into: the first writable one):
-    $EMBER_KERNEL_DIR alone when set; else the package's _prebuilt/ (install), then ~/.cache/ember."""
+    $EMBER_KERNEL_DIR alone when set (folders joined by os.pathsep); else the package's _prebuilt/ (install),
+    then ~/.cache/ember."""
     if os.environ.get("EMBER_KERNEL_DIR"):
-        return [os.environ["EMBER_KERNEL_DIR"]]
+        return os.environ["EMBER_KERNEL_DIR"].split(os.pathsep)
     cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ember", "kernels")
     return [os.path.join(HERE, "_prebuilt"), cache]
 

@@ -330,10 +330,17 @@ float dot_q5_1(const uint8_t* row, const void* vx, int64_t nb) {
 }
 
 float dot_q8_0_scalar(const uint8_t* row, const void* vx, int64_t nb) {
+  // As unsigned codes (w + 128) . x - 128 sum(x): GCC 12.2 (Debian 12's) at an -march with AVX512-VNNI vectorizes
+  // the plain signed int8 x int8 loop with vpdpbusd, which reads one side as unsigned, and got it wrong (sums
+  // thousands off: test_gemm_and_scalar_dots_give_the_products_of_the_rounded_x on a Xeon); unsigned x signed
+  // is what vpdpbusd computes, and -march=haswell and -O0 agree with this form.
   return dot_q8x_scalar<34, false>(row, vx, nb, [](const uint8_t* b, const int8_t* qs) {
-    int isum = 0;
-    for (int j = 0; j < 32; ++j) isum += int(int8_t(b[2 + j])) * qs[j];
-    return isum;
+    int isum = 0, xsum = 0;
+    for (int j = 0; j < 32; ++j) {
+      isum += int(uint8_t(b[2 + j] ^ 0x80)) * qs[j];
+      xsum += qs[j];
+    }
+    return isum - 128 * xsum;
   });
 }
 

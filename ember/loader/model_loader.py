@@ -164,7 +164,7 @@ def _open_gguf(
     placed = _placement(placement, model_config, dtype, device, kernels)
     matrix_types = {t for _, t, _, dims in ckpt.loaded_tensor_infos() if dims >= 2}
     half_only = bool(matrix_types & {"BF16", "F16"}) and matrix_types <= {"BF16", "F16", "F32"}
-    quantization = _gguf_quantization(quantization, dtype, device, kernels, half_only)
+    quantization = _gguf_quantization(quantization, dtype, device, kernels, half_only, _block_only(matrix_types))
     quant_config = resolve_quant_config(quantization, path, model_config.raw, kernels)
     # disable=None: a bar on a terminal, silence in logs and CI (as iter_safetensors does).
     # packed: quantized tensors arrive as GGUFTensor blocks for the gguf QuantMethods.
@@ -178,16 +178,26 @@ def _open_gguf(
     return _OpenCheckpoint(model_config, quant_config, ckpt.tokenizer(), weights, "gguf", placed)
 
 
+def _block_only(matrix_types: set[str]) -> bool:
+    """Whether the file has matrices of a type only the block kernels keep packed (BlockPart: Q2_K, Q3_K, the
+    IQ types), which dequantized would take 4-16x their bytes."""
+    from ember.quant.gguf_block_part import BLOCK_TYPE_NAMES
+
+    return bool(matrix_types & set(BLOCK_TYPE_NAMES))
+
+
 def _gguf_quantization(
     quantization: str | None,
     dtype: torch.dtype,
     device: torch.device,
     kernels: CpuKernels | None,
     half_only: bool = False,
+    block_only: bool = False,
 ) -> str | None:
     """--quantization for a GGUF file: `auto` in float32 on a CPU without the tiled GEMV dequantizes,
     but for a file of BF16 / F16 matrices only, which HalfPart keeps 16-bit where it can
-    (half_only: the file's matrices are BF16 / F16, and F32 for the small ones)."""
+    (half_only: the file's matrices are BF16 / F16, and F32 for the small ones), and a file with block-only
+    types (block_only), which the block kernels run in float32 as they lie."""
     from ember.quant.gguf_quant import HalfPart, TiledPart
 
     if (
@@ -196,6 +206,7 @@ def _gguf_quantization(
         and dtype == torch.float32
         and not TiledPart.usable(dtype, device, kernels)
         and not (half_only and HalfPart.usable(dtype, device, kernels))
+        and not block_only
     ):
         # torch vectorizes its CPU int4 kernel for bf16 only (fp32 is ~50x slower than a dense
         # fp32 GEMV), so a float32 run without the tiled GEMV's AVX2 build is faster dequantized;

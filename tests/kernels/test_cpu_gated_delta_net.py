@@ -271,7 +271,7 @@ def test_avx2_build_passes_this_module():
     in a kernel dir of its own, and this module's other tests run against it in a child process."""
     if not cpp_build.has_cpu_flags("avx512f"):
         pytest.skip("this machine's own build is the AVX2 one")
-    env = avx2_child.build(gdn.SOURCE)
+    env = avx2_child.build(gdn.SOURCE, also=("cpu_fused_elementwise.cpp",))  # the gated norm its layer tests run
     lanes = "import torch; from ember.kernels import cpu_gated_delta_net as g; g.available(); "
     lanes += "print(torch.ops.ember_cpu.gated_delta_net_lanes())"
     said, run = avx2_child.probe_and_run(env, lanes, __file__, masked=False)

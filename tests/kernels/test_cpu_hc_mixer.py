@@ -140,7 +140,8 @@ def test_avx2_build_passes_this_module():
     tests in a child process that reads the CPU flags as such a machine's (tests/kernels/avx2_child.py)."""
     if not has_cpu_flags("avx512f"):
         pytest.skip("this machine's own build is the AVX2 one")
-    env = avx2_child.build("cpu_hc_mixer.cpp")
+    # test_gguf_projections' parts: Q8_0 through the tiled GEMV, BF16 through the half GEMV
+    env = avx2_child.build("cpu_hc_mixer.cpp", also=("cpu_tiled_gemv.cpp", "cpu_half_gemv.cpp"))
     probe = "import torch; from ember.kernels import cpu_hc_mixer as k; k.available(); "
     probe += "print(torch.ops.ember_cpu.hc_mixer_lanes())"
     said, run = avx2_child.probe_and_run(env, probe, __file__)

@@ -123,7 +123,7 @@ def test_avx2_build_passes_this_module():
     tests in a child process that reads the CPU flags as such a machine's (tests/kernels/avx2_child.py)."""
     if not has_cpu_flags("avx512f"):
         pytest.skip("this machine's own build is the AVX2 one")
-    env = avx2_child.build("cpu_qsa_scoring.cpp")
+    env = avx2_child.build("cpu_qsa_scoring.cpp", also=("cpu_fused_elementwise.cpp",))  # its indexer tests' norms
     probe = "import torch; from ember.kernels import cpu_qsa_scoring as k; k.available(); "
     probe += "print(torch.ops.ember_cpu.qsa_scoring_lanes())"
     said, run = avx2_child.probe_and_run(env, probe, __file__)
