@@ -20,19 +20,24 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.mark.engine
 @pytest.mark.parametrize("freezing", [True, False], ids=["torch.compile", "package"])
 def test_compiled_equals_eager_batches_1_to_5(tiny_model_dir, freezing):
-    """Sizes [1, 4]: batch 1 exact, 2-3 padded to 4, 4 exact, 5 eager. Same greedy tokens, logprobs
-    within fp32 noise, and no graph compiled after startup (the table width is dynamic). Frozen graphs
-    go through torch.compile, unfrozen ones are AOTInductor packages (ember.engine.executor.aot_package)."""
+    """Size 4 alone: batches 1-3 padded to 4, 4 exact, 5 eager. Same greedy tokens, logprobs within fp32
+    noise, and no graph compiled after startup (the table width is dynamic). Frozen graphs go through
+    torch.compile, unfrozen ones are AOTInductor packages (ember.engine.executor.aot_package).
+    One size: each graph is a compile (most of this test's time). The dense model's exact batch-1 graph
+    is covered by test_compiled_with_cpp_wrapper_equals_eager below, test_compiled_two_engines.py and
+    test_compile_cache.py (both forms); several sizes side by side, each run straight, by
+    test_step_executor_hybrid.py (both forms) and test_compiled_moe.py."""
     import torch._dynamo.utils
 
     path = tiny_model_dir("llama")
     kw = dict(max_num_seqs=5, enable_prefix_caching=False)
     eager = make_llm(path, **kw)
-    compiled = make_llm(path, executor="compiled", compilation_config=COMPILE | {"freezing": freezing}, **kw)
+    cc = COMPILE | {"compile_sizes": [4], "freezing": freezing}
+    compiled = make_llm(path, executor="compiled", compilation_config=cc, **kw)
     ex = compiled.engine.parts.runner.executor
-    assert ex.name == "compiled" and ex.sizes == [1, 4] and ex.compiles == 2
-    assert ex.direct_shapes == [(1, 1), (4, 1)]  # both run straight, without dynamo's guards
-    assert ex.package_shapes == ([] if freezing else [(1, 1), (4, 1)])
+    assert ex.name == "compiled" and ex.sizes == [4] and ex.compiles == 1
+    assert ex.direct_shapes == [(4, 1)]  # runs straight, without dynamo's guards
+    assert ex.package_shapes == ([] if freezing else [(4, 1)])
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=3)
     prompts = [random_prompt(n, 40 + s) for s, n in enumerate([5, 17, 3, 9, 12])]
