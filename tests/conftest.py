@@ -136,6 +136,19 @@ def default_hf_model():
     ).eval()
 
 
+@pytest.fixture(scope="session")
+def default_hf_tokenizer():
+    """The default model's tokenizer as transformers reads it from the GGUF file (~8 s: it converts the
+    vocabulary), once per session: the reference of tests/loader/test_tokenizer.py and
+    tests/server/test_tokenize.py. Shared: read it, never change it."""
+    transformers = pytest.importorskip("transformers")
+
+    from ember.default_model import default_model_path
+
+    path = default_model_path()
+    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+
+
 # -- the fast lane: `pytest -m "not engine"` -------------------------------------------------------
 # A test that builds an engine (LLM, LLMEngine, AsyncLLMEngine, make_llm, a live server, a subprocess
 # that starts one) is marked `engine` (pyproject.toml registers the marker): with a module-level
