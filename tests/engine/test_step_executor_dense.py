@@ -26,7 +26,7 @@ def test_compiled_equals_eager_batches_1_to_5(tiny_model_dir, freezing):
     One size: each graph is a compile (most of this test's time). The dense model's exact batch-1 graph
     is covered by test_compiled_with_cpp_wrapper_equals_eager below, test_compiled_two_engines.py and
     test_compile_cache.py (both forms); several sizes side by side, each run straight, by
-    test_step_executor_hybrid.py (both forms) and test_compiled_moe.py."""
+    test_step_executor_hybrid.py (packages) and test_compiled_moe.py (torch.compile)."""
     import torch._dynamo.utils
 
     path = tiny_model_dir("llama")

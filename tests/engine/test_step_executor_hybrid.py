@@ -22,14 +22,19 @@ def test_compiled_hybrid_decode_equals_eager(tiny_hybrid_dir, freezing):
     eager), and a second pass over the same prompts (prefix-cache hits restore those snapshots) agrees
     too. Prompts are longer than a block, so decodes cross block boundaries and snapshot. Unfrozen, the
     graphs are AOTInductor packages handed each layer's state tensors (package_tensors), which they
-    write in place."""
+    write in place. Packages at sizes 1 and 4 (two graphs side by side, each called straight); frozen
+    graphs at batch 4 alone (each size is a compile, most of this test's time): the frozen Gated DeltaNet
+    batch-1 graph is test_compiled_moe.py's (Qwen3.5-MoE, sizes 1 and 4)."""
     path = tiny_hybrid_dir("qwen3_5")
     kw = dict(max_num_seqs=5, block_size=16, dtype="float32")
     eager = make_llm(path, **kw)
-    compiled = make_llm(path, executor="compiled", compilation_config=COMPILE | {"freezing": freezing}, **kw)
+    sizes = [4] if freezing else [1, 4]
+    cc = COMPILE | {"freezing": freezing, "compile_sizes": sizes}
+    compiled = make_llm(path, executor="compiled", compilation_config=cc, **kw)
     ex = compiled.engine.parts.runner.executor
-    assert ex.name == "compiled" and ex.query_lens == [1] and ex.direct_shapes == [(1, 1), (4, 1)]
-    assert ex.package_shapes == ([] if freezing else [(1, 1), (4, 1)])
+    shapes = [(s, 1) for s in sizes]
+    assert ex.name == "compiled" and ex.query_lens == [1] and ex.direct_shapes == shapes
+    assert ex.package_shapes == ([] if freezing else shapes)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
     prompts = [[t % 320 for t in random_prompt(n, 70 + s)] for s, n in enumerate([21, 9, 30, 14, 17])]  # its vocab
 
