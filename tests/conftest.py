@@ -118,6 +118,37 @@ def tiny_model_dir(tmp_path_factory):
     return make
 
 
+@pytest.fixture(scope="session")
+def default_hf_model():
+    """The default model (ember.default_model: SmolLM2-135M, Q4_1 GGUF) as transformers loads it, float32,
+    in eval mode: the reference of tests/loader/test_gguf.py, tests/default_model/test_default_model_generate.py
+    and tests/server/test_prompt_logprobs.py. Loading it took ~20 s a file (transformers' GGUF reader);
+    once per session (per xdist worker) now. Shared: read it, never change it (callers run it under
+    no_grad or inference_mode)."""
+    import torch
+    import transformers
+
+    from ember.default_model import default_model_path
+
+    path = default_model_path()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    ).eval()
+
+
+@pytest.fixture(scope="session")
+def default_hf_tokenizer():
+    """The default model's tokenizer as transformers reads it from the GGUF file (~8 s: it converts the
+    vocabulary), once per session: the reference of tests/loader/test_tokenizer.py and
+    tests/server/test_tokenize.py. Shared: read it, never change it."""
+    transformers = pytest.importorskip("transformers")
+
+    from ember.default_model import default_model_path
+
+    path = default_model_path()
+    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+
+
 # -- the fast lane: `pytest -m "not engine"` -------------------------------------------------------
 # A test that builds an engine (LLM, LLMEngine, AsyncLLMEngine, make_llm, a live server, a subprocess
 # that starts one) is marked `engine` (pyproject.toml registers the marker): with a module-level

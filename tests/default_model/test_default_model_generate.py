@@ -3,13 +3,10 @@ own load of the same file, in fp32 (the engine: the `llm` fixture of tests/defau
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from ember import SamplingParams
-from ember.default_model import default_model_path
 
 pytestmark = pytest.mark.engine  # every test here builds an engine
 
@@ -21,13 +18,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    import transformers
-
-    path = default_model_path()
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    ).eval()
+def hf_model(default_hf_model):  # tests/conftest.py: loaded once a session
+    return default_hf_model
 
 
 def test_greedy_32_tokens_equal_transformers(llm, hf_model):

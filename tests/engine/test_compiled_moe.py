@@ -14,14 +14,15 @@ from tests.models.tiny_models import one_thread, random_prompt  # noqa: F401  (f
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def assert_compiled_equals_eager(path: str, vocab: int, freezing: bool = True, **kw):
-    """Batches 1, 3 (padded to 4), 4 and 5 (eager): same greedy tokens, logprobs within fp32 noise.
-    Returns the compiled executor."""
+def assert_compiled_equals_eager(path: str, vocab: int, freezing: bool = True, sizes=(1, 4), **kw):
+    """Batches 1 (its own graph, or padded to 4 where `sizes` is (4,)), 3 (padded to 4), 4 and 5 (eager):
+    same greedy tokens, logprobs within fp32 noise. Returns the compiled executor."""
     kw = dict(max_num_seqs=5, dtype="float32", **kw)
     eager = make_llm(path, **kw)
-    compiled = make_llm(path, executor="compiled", compilation_config=COMPILE | {"freezing": freezing}, **kw)
+    cc = COMPILE | {"freezing": freezing, "compile_sizes": list(sizes)}
+    compiled = make_llm(path, executor="compiled", compilation_config=cc, **kw)
     ex = compiled.engine.parts.runner.executor
-    assert ex.name == "compiled" and ex.direct_shapes == [(1, 1), (4, 1)]  # one graph a size: no graph break
+    assert ex.name == "compiled" and ex.direct_shapes == [(s, 1) for s in sizes]  # one graph a size: no graph break
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
     prompts = [[t % vocab for t in random_prompt(n, 90 + s)] for s, n in enumerate([11, 6, 19, 9, 14])]
     for n in [1, 3, 4, 5]:
@@ -39,7 +40,8 @@ def assert_compiled_equals_eager(path: str, vocab: int, freezing: bool = True, *
 @pytest.mark.parametrize("form", ["gathered", "op"])
 def test_compiled_qwen3_moe_equals_eager(tiny_model_dir, form, monkeypatch):
     """Dense experts run gathered_experts in the graph; "op": as experts with no gathered form (AWQ, GGUF)
-    do, the ember::moe_experts op, in an unfrozen graph that is torch.compile's, not a package."""
+    do, the ember::moe_experts op, in an unfrozen graph that is torch.compile's, not a package (the one
+    test of that form with two sizes side by side)."""
     from ember.layers.moe import Experts
     from tests.models.tiny_models import VOCAB
 
@@ -52,6 +54,11 @@ def test_compiled_qwen3_moe_equals_eager(tiny_model_dir, form, monkeypatch):
 @pytest.mark.engine
 @pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next"])
 def test_compiled_moe_hybrid_equals_eager(tiny_hybrid_dir, arch):
+    """Qwen3.5-MoE at sizes 1 and 4: the MoE hybrid's batch-1 graph, and the Gated DeltaNet layers' frozen
+    batch-1 graph (tests/engine/test_step_executor_hybrid.py compiles Qwen3.5's frozen graphs at batch 4
+    alone). Qwen3-Next at batch 4 alone (batch 1 padded to it): each size is a compile, and a MoE
+    hybrid's batch-1 graph is Qwen3.5-MoE's here."""
     from tests.models.tiny_hybrids import VOCAB
 
-    assert_compiled_equals_eager(tiny_hybrid_dir(arch), VOCAB, block_size=16)
+    sizes = (1, 4) if arch == "qwen3_5_moe" else (4,)
+    assert_compiled_equals_eager(tiny_hybrid_dir(arch), VOCAB, sizes=sizes, block_size=16)

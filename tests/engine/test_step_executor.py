@@ -1,13 +1,14 @@
 """StepExecutor: the padding/bucketing functions, padded fixed-shape steps leaving real rows
-alone, eager vs compiled (torch.compile) giving the same greedy tokens and logprobs, and the
-refusals (cuda-graph on CPU, contradicting flags)."""
+alone, and the refusals (cuda-graph on CPU, contradicting flags). Eager vs compiled (torch.compile and
+AOTInductor packages) giving the same greedy tokens and logprobs: tests/engine/test_step_executor_dense.py,
+_hybrid.py and _mtp.py, one file a theme, so that pytest-xdist's --dist loadfile (`make test`) can run
+them on different workers; COMPILE and outputs() here are theirs too."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ember import SamplingParams
 from ember.config import EngineConfig
 from ember.engine.executor.base import graph_query_lens, resolve_executor
 from ember.engine.executor.decode_batch import (
@@ -26,8 +27,7 @@ from ember.kernels.metadata import AttentionMetadata
 from ember.kernels.torch_attention import TorchAttentionBackend
 from ember.layers.attention import write_kv_cache
 from tests.engine.test_engine import make_llm
-from tests.models.tiny_models import load_ember_model, one_thread, random_prompt  # noqa: F401  (fixture)
-from tests.spec.test_mtp_spec import mtp_model  # noqa: F401  (fixture)
+from tests.models.tiny_models import load_ember_model, one_thread  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 # default mode, no C++ wrapper: fastest to compile (test_compiled_with_cpp_wrapper_equals_eager covers the wrapper)
@@ -204,74 +204,6 @@ def outputs(llm, prompts, params):
     return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
 
 
-@pytest.mark.engine
-@pytest.mark.parametrize("freezing", [True, False], ids=["torch.compile", "package"])
-def test_compiled_equals_eager_batches_1_to_5(tiny_model_dir, freezing):
-    """Sizes [1, 4]: batch 1 exact, 2-3 padded to 4, 4 exact, 5 eager. Same greedy tokens, logprobs
-    within fp32 noise, and no graph compiled after startup (the table width is dynamic). Frozen graphs
-    go through torch.compile, unfrozen ones are AOTInductor packages (ember.engine.executor.aot_package)."""
-    import torch._dynamo.utils
-
-    path = tiny_model_dir("llama")
-    kw = dict(max_num_seqs=5, enable_prefix_caching=False)
-    eager = make_llm(path, **kw)
-    compiled = make_llm(path, executor="compiled", compilation_config=COMPILE | {"freezing": freezing}, **kw)
-    ex = compiled.engine.parts.runner.executor
-    assert ex.name == "compiled" and ex.sizes == [1, 4] and ex.compiles == 2
-    assert ex.direct_shapes == [(1, 1), (4, 1)]  # both run straight, without dynamo's guards
-    assert ex.package_shapes == ([] if freezing else [(1, 1), (4, 1)])
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=3)
-    prompts = [random_prompt(n, 40 + s) for s, n in enumerate([5, 17, 3, 9, 12])]
-    for n in range(1, 6):
-        a, b = outputs(eager, prompts[:n], params), outputs(compiled, prompts[:n], params)
-        for x, y in zip(a, b):
-            assert x.token_ids == y.token_ids, n
-            for lx, ly in zip(x.logprobs, y.logprobs):
-                assert lx.keys() == ly.keys()
-                for t in lx:
-                    assert abs(lx[t].logprob - ly[t].logprob) < 1e-4, (n, t)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # no recompiles
-    assert ex.compiled_steps >= 4 * 19  # batches 1-4: every decode step after the first token
-    assert compiled.engine.parts.kv.num_free_blocks == compiled.engine.parts.kv.num_blocks
-
-
-@pytest.mark.engine
-@pytest.mark.parametrize("freezing", [True, False], ids=["torch.compile", "package"])
-def test_compiled_hybrid_decode_equals_eager(tiny_hybrid_dir, freezing):
-    """A Qwen3.5 hybrid under the compiled executor: its decode steps run as graphs that call the fused
-    Gated DeltaNet kernels with the step's slot tensors (padding rows touch no slot), the prefix cache's
-    snapshots taken after each step. Same greedy tokens and logprobs as eager for batches 1 to 5 (5:
-    eager), and a second pass over the same prompts (prefix-cache hits restore those snapshots) agrees
-    too. Prompts are longer than a block, so decodes cross block boundaries and snapshot. Unfrozen, the
-    graphs are AOTInductor packages handed each layer's state tensors (package_tensors), which they
-    write in place."""
-    path = tiny_hybrid_dir("qwen3_5")
-    kw = dict(max_num_seqs=5, block_size=16, dtype="float32")
-    eager = make_llm(path, **kw)
-    compiled = make_llm(path, executor="compiled", compilation_config=COMPILE | {"freezing": freezing}, **kw)
-    ex = compiled.engine.parts.runner.executor
-    assert ex.name == "compiled" and ex.query_lens == [1] and ex.direct_shapes == [(1, 1), (4, 1)]
-    assert ex.package_shapes == ([] if freezing else [(1, 1), (4, 1)])
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
-    prompts = [[t % 320 for t in random_prompt(n, 70 + s)] for s, n in enumerate([21, 9, 30, 14, 17])]  # its vocab
-
-    def same(prompts):
-        a, b = outputs(eager, prompts, params), outputs(compiled, prompts, params)
-        for x, y in zip(a, b):
-            assert x.token_ids == y.token_ids, len(prompts)
-            for lx, ly in zip(x.logprobs, y.logprobs):
-                assert lx.keys() == ly.keys()
-                assert all(abs(lx[t].logprob - ly[t].logprob) < 1e-4 for t in lx), len(prompts)
-        return a
-
-    for n in [1, 3, 4, 5]:
-        answers = same(prompts[:n])
-    # second turns: each continues its first turn's answer, whose decodes snapshotted at block ends
-    same([p + list(a.token_ids) + [5, 6, 7] for p, a in zip(prompts, answers)])
-    assert ex.compiled_steps >= 3 * 23
-
-
 def test_hybrid_executor_choice_says_what_to_change(tiny_hybrid_dir):
     """A hybrid whose GDN layers run in torch ops stays eager under auto and is refused under --executor
     compiled with the reason; a MoE hybrid (Qwen3-Next: its experts run sync-free in a graph) is not held back."""
@@ -291,80 +223,6 @@ def test_hybrid_executor_choice_says_what_to_change(tiny_hybrid_dir):
         loaded = load_model(tiny_hybrid_dir(arch), None, torch.float32, cpu, kernels=kernels)
         blocker = hybrid_blocker(loaded, cpu)
         assert (blocker is None) if reason is None else (reason in blocker), (arch, blocker)
-
-
-@pytest.mark.engine
-def test_compiled_with_cpp_wrapper_equals_eager(tiny_model_dir):
-    """compilation_config cpp_wrapper: inductor's generated C++ calls the kernels; same greedy tokens."""
-    path = tiny_model_dir("llama")
-    cc = {"compile_sizes": [1], "mode": "default"}  # cpp_wrapper: on by default
-    compiled = make_llm(path, executor="compiled", compilation_config=cc, max_num_seqs=2)
-    ex = compiled.engine.parts.runner.executor
-    assert ex.compiles == 1 and ex.direct_shapes == [(1, 1)]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    prompt = [random_prompt(7, 3)]
-    assert outputs(compiled, prompt, params)[0].token_ids == outputs(make_llm(path), prompt, params)[0].token_ids
-    assert ex.compiled_steps >= 11
-    with pytest.raises(ConfigError, match="cpp_wrapper must be true or false"):
-        EngineConfig(executor="compiled", compilation_config={"cpp_wrapper": "yes"})
-
-
-@pytest.mark.engine
-@pytest.mark.parametrize("freezing", [True, False], ids=["torch.compile", "package"])
-def test_compiled_with_mtp_speculation_keeps_greedy_output(mtp_model, freezing):  # noqa: F811
-    """Verify steps (3 queries each) and plain decodes both compiled: with the bigram model every
-    draft is accepted, so 8 tokens = prefill 1, two verifies of 3, one decode (no room for a draft).
-    As packages too: the fill's hidden-state rows are a package input, and the MTP's shared embedding
-    is found on the main model."""
-    path = mtp_model("qwen3", "deepseek", bigram=True)
-    prompts = [random_prompt(n, 60 + s) for s, n in enumerate([7, 4, 11])]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    kw = dict(max_num_seqs=4, enable_mtp=True, num_speculative_tokens=2, adaptive_spec=False)
-    eager = make_llm(path, **kw)
-    ref = [o.token_ids for o in outputs(eager, prompts, params)]
-    cc = {**COMPILE, "compile_sizes": [4], "freezing": freezing}
-    llm = make_llm(path, executor="compiled", compilation_config=cc, **kw)
-    assert [o.token_ids for o in outputs(llm, prompts, params)] == ref
-    accepted = llm.engine.stats()["spec_num_accepted_tokens"]
-    assert accepted > 0 and accepted == eager.engine.stats()["spec_num_accepted_tokens"]
-    ex = llm.engine.parts.runner.executor
-    assert ex.query_lens == [1, 3] and ex.direct_shapes == [(4, 1), (4, 3)]
-    assert ex.compiled_steps == 3  # both verifies and the last decode
-    # the MTP fill compiled at the same shapes: 3 sequences padded to 4, rows of 1 or 3 queries each
-    fill = llm.engine.parts.spec.proposer.fill_executor
-    assert fill.what == "MTP fill" and fill.direct_shapes == [(4, 1), (4, 3)]
-    assert fill.package_shapes == ex.package_shapes == ([] if freezing else [(4, 1), (4, 3)])
-    # the fill after the first verify, and the chain's second draft (layer 0 again, one row per sequence)
-    # after the prefill and after the first verify; the prefill's fill is eager, and the rows of the second
-    # verify and the last decode, after which nothing drafts, are put off and filled in one eager batch
-    assert fill.compiled_steps == 3
-    spec = llm.engine.parts.spec  # a verified token is priced from the graphs' timings
-    assert ex.extra_query_cost() is not None
-    assert spec.adaptive.cost == pytest.approx(ex.extra_query_cost() + spec.draft_token_cost)
-
-
-@pytest.mark.engine
-def test_compiled_adaptive_mtp_has_a_graph_for_every_draft_length(mtp_model):  # noqa: F811
-    """Adaptive k moves between 1 and k_max: every verify length is compiled (main model and fill), and
-    the greedy output is the eager engine's."""
-    path = mtp_model("qwen3", "deepseek")
-    prompt = [random_prompt(9, 71)]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    kw = dict(max_num_seqs=1, enable_mtp=True, num_speculative_tokens=2, adaptive_spec=True)
-    ref = outputs(make_llm(path, **kw), prompt, params)[0].token_ids
-    llm = make_llm(path, executor="compiled", compilation_config={**COMPILE, "compile_sizes": [1]}, **kw)
-    assert outputs(llm, prompt, params)[0].token_ids == ref
-    ex, fill = llm.engine.parts.runner.executor, llm.engine.parts.spec.proposer.fill_executor
-    assert ex.query_lens == [1, 2, 3] and ex.direct_shapes == [(1, 1), (1, 2), (1, 3)]
-    # the fill's graphs are built for every length; which of them run depends on when it drafts (a random
-    # MTP head's drafts are rejected, the back-off stops drafting, and rows it does not draft after are
-    # put off and filled in one eager batch)
-    assert fill.direct_shapes == [(1, 1), (1, 2), (1, 3)]
-    assert sorted(ex.call_seconds) == [(1, 1), (1, 2), (1, 3)]
-    # adaptive k prices each draft length from these timings
-    adaptive = llm.engine.parts.spec.adaptive
-    assert sorted(adaptive.verify_costs) == [1, 2] and adaptive.verify_costs == ex.verify_costs()
-    assert adaptive.step_cost(2) == ex.verify_costs()[2] + 2 * adaptive.draft_cost
 
 
 def test_compiled_query_lens_follow_the_fused_kernel():

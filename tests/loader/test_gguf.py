@@ -28,9 +28,9 @@ def ckpt(model_file):
 
 
 @pytest.fixture(scope="module")
-def hf_state(model_file):
-    model = _hf_model(model_file)
-    return {k: v.detach() for k, v in model.state_dict().items()}
+def hf_state(model_file, default_hf_model):  # tests/conftest.py: transformers' copy, loaded once a session
+    assert model_file == default_model_path()
+    return {k: v.detach() for k, v in default_hf_model.state_dict().items()}
 
 
 def _hf_model(path):

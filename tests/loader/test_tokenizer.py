@@ -2,7 +2,6 @@
 default model (SmolLM2-135M-Instruct GGUF)."""
 
 import json
-import os
 
 import pytest
 import tokenizers
@@ -37,11 +36,9 @@ def tok(model_file):
 
 
 @pytest.fixture(scope="module")
-def hf_tok(model_file):
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(
-        os.path.dirname(model_file), gguf_file=os.path.basename(model_file)
-    )
+def hf_tok(model_file, default_hf_tokenizer):  # tests/conftest.py: loaded once a session
+    assert model_file == default_model_path()
+    return default_hf_tokenizer
 
 
 @pytest.mark.slow

@@ -5,7 +5,6 @@ prompt the prefix cache already holds."""
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -33,13 +32,8 @@ def live():
 
 
 @pytest.fixture(scope="module")
-def reference(live):
-    import transformers
-
-    path = default_model_path()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    ).eval()
+def reference(live, default_hf_model):  # tests/conftest.py: transformers' copy, loaded once a session
+    hf = default_hf_model
     ids = live.engine.parts.loaded.tokenizer.encode(PROMPT)
     with torch.no_grad():
         lp = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)

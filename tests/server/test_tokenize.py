@@ -3,8 +3,6 @@ live server on the default model; token ids are compared with transformers' own 
 
 from __future__ import annotations
 
-import os
-
 import httpx
 import pytest
 
@@ -37,11 +35,8 @@ def live():
 
 
 @pytest.fixture(scope="module")
-def hf_tok():
-    import transformers
-
-    path = default_model_path()
-    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+def hf_tok(default_hf_tokenizer):  # tests/conftest.py: loaded once a session
+    return default_hf_tokenizer
 
 
 def test_tokenize_a_prompt_as_transformers_does(live, hf_tok):
