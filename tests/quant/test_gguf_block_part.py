@@ -93,11 +93,16 @@ def test_experts_of_block_types_run_in_one_block_moe_call(types):
     assert (one - dense.expert_forward(2, x[:2])).abs().max() <= 0.03 * one.abs().max()
 
 
-def test_experts_of_other_types_keep_their_parts():
-    experts = experts_of((T.Q4_K, T.Q4_K, T.Q6_K), CpuKernels())
-    assert experts.block is None and len(experts.parts13) == 4
-    x = torch.randn(2, 256)
-    assert experts(x, torch.tensor([[0, 1], [2, 3]]), torch.ones(2, 2)).shape == (2, 256)
+def test_experts_of_every_type_run_as_blocks_and_keep_their_parts_without_the_kernel():
+    """The block kernel runs any quantized experts in one call a layer (the CPU default); --no-cpu-block-gemv
+    keeps the tiled parts, and both give the same products but for x's int8 rounding."""
+    blocks = experts_of((T.Q4_K, T.Q4_K, T.Q6_K), CpuKernels())
+    parts = experts_of((T.Q4_K, T.Q4_K, T.Q6_K), CpuKernels(block_gemv=False))
+    assert blocks.block is not None and not blocks.parts13
+    assert parts.block is None and len(parts.parts13) == 4
+    x, ids, w = torch.randn(2, 256), torch.tensor([[0, 1], [2, 3]]), torch.ones(2, 2)
+    want = parts(x, ids, w)
+    torch.testing.assert_close(blocks(x, ids, w), want, rtol=0, atol=2e-2 * float(want.abs().max()))
 
 
 def test_the_planner_counts_block_types_at_the_files_bytes():

@@ -16,6 +16,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from ember.kernels import cpu_tiled_gemv as tiled_gemv
+from ember.kernels.cpu_kernels import CpuKernels
 from ember.layers.embedding import LMHead, VocabEmbedding
 from ember.layers.linear import MergedColumnLinear, QKVLinear
 from ember.quant import gguf_quant, process_weights_after_loading
@@ -483,7 +484,8 @@ def build(path, packed: bool, dtype=torch.float32, kernels=None):
     quant = GGUFConfig() if packed else None
     if quant is not None:
         quant.kernels = kernels or CpuKernels()  # as resolve_quant_config sets it
-    model = get_model_class(cfg.architecture)(cfg, dtype=dtype, device="cpu", quant_config=quant)
+    more = {} if kernels is None else {"kernels": kernels}  # the model's own (its experts take them)
+    model = get_model_class(cfg.architecture)(cfg, dtype=dtype, device="cpu", quant_config=quant, **more)
     model.load_weights(ckpt.iter_weights(packed=packed))
     process_weights_after_loading(model)
     return model.eval()
@@ -492,7 +494,10 @@ def build(path, packed: bool, dtype=torch.float32, kernels=None):
 @pytest.mark.parametrize("arch,tied,experts", [("llama", True, 0), ("qwen2", False, 0), ("qwen3moe", True, 4)])
 def test_tiny_mixed_model_packed_equals_dequantized(tmp_path, arch, tied, experts):
     path = tiny_mixed_gguf(tmp_path / f"{arch}.gguf", arch, tied, experts=experts)
-    packed, dense = build(path, True), build(path, False)
+    # experts: the tiled parts' form (--no-cpu-block-gemv), exact up to summation order; with the block kernel
+    # (the CPU default) they are the file's blocks over int8-rounded x, as llama.cpp runs them: against
+    # llama.cpp in tests/quant/test_block_types_llamacpp.py and tests/loader/test_gguf_qwen4.py
+    packed, dense = build(path, True, kernels=CpuKernels(block_gemv=False)), build(path, False)
     affine = fp32_affine_part()
     assert type(packed.model.layers[0].self_attn.qkv_proj.gguf_parts[0]).__name__ == affine
     if experts:  # gate Q8_0 + up Q4_K: two affine parts; down Q6_K: a Q6_K part
@@ -500,6 +505,8 @@ def test_tiny_mixed_model_packed_equals_dequantized(tmp_path, arch, tied, expert
         names = [type(p).__name__ for p in parts.parts13[3] + parts.parts2[3]]
         assert names == [affine, affine, q6k_part(torch.float32)]
         assert parts.w13.numel() == 0 and not parts.pending
+        blocks = build(path, True).model.layers[0].mlp.experts  # the default: one block_moe call a layer
+        assert [t.name for t in blocks.block_types] == ["Q8_0", "Q4_K", "Q6_K"] and not blocks.parts13
     outs = []
     for model in (packed, dense):
         seqs = [Seq(prompt=[3, 17, 99, 150, 42, 8, 0, 77], max_new=6), Seq(prompt=[5, 6], max_new=6)]

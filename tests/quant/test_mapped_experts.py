@@ -86,9 +86,11 @@ def test_an_expert_computes_from_its_blocks_as_gguf_pys_values_do(quantized):
 
 
 def test_routed_forward_equals_the_resident_experts(quantized):
-    """The grouped forward over mapped experts against GGUFExperts (packed at load, resident) on one routing."""
+    """The grouped forward over mapped experts against GGUFExperts (packed at load, resident) on one routing:
+    both without the block kernel (its path: test_the_block_kernel_runs_the_mapped_blocks), so the resident
+    experts are tiled parts over float x and the mapped ones gguf-py's values."""
     path, experts, _ = quantized
-    resident = GGUFExperts(E, H, I, torch.float32)
+    resident = GGUFExperts(E, H, I, torch.float32, kernels=REFERENCE)
     ck = GGUFCheckpoint(path)
     for name, t in ck.iter_weights(packed=True):
         if name.startswith(PREFIX):
