@@ -586,9 +586,8 @@ def packaged_graphs(config: EngineConfig, src, quant: str, dtype_bytes: int) -> 
     from ember.engine import peak_rss
 
     half_kept = peak_rss.half_weights_kept(dtype_bytes, config.kernel_config.half_weights)
-    return (
-        config.executor_config.executor in ("auto", "compiled")
-        and (quant == "half" or (quant == "gguf" and peak_rss.packaged(src.gguf_tensors, half_kept)))
+    return config.executor_config.executor in ("auto", "compiled") and (
+        quant == "half" or (quant == "gguf" and peak_rss.packaged(src.gguf_tensors, half_kept))
     )
 
 

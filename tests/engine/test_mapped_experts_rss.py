@@ -69,8 +69,11 @@ def test_mapped_experts_are_resident_only_as_touched_and_planned(tmp_path):
     got = run_child(flags, prompt(500, 5))
     experts = got["mapped"]
     assert experts > 200e6
+    # the pools, the rest of the weights and what a load maps (its libraries: 53 MB on an AVX2 EPYC, 65 MB on an
+    # AVX-512 Xeon), no expert: a copy of the experts or a read of their pages would add their 214 MB
     at_load = got["loaded"]["VmRSS"] - got["before"]["VmRSS"]
-    assert at_load < 0.25 * experts, (at_load, experts)  # the pools and the rest of the weights, no expert
+    assert at_load < 0.4 * experts, (at_load, experts)
+    assert got["loaded"]["RssFile"] - got["before"]["RssFile"] < 0.1 * experts  # no expert page read at load
     touched = got["after"]["RssFile"] - got["loaded"]["RssFile"]
     assert 0.9 * experts < touched < 1.1 * experts, (touched, experts)  # each chosen expert's file pages came in
     predicted = plan(EngineConfig(device="cpu", **flags))
