@@ -12,6 +12,7 @@ import torch
 from ember import LLM, SamplingParams
 from ember.engine.executor.compiled import graph_pools, step_forward
 from ember.engine.executor.decode_batch import graph_shape, pad_decode, table_width
+from tests.engine.test_step_executor import assert_same_outputs
 from tests.models.tiny_models import one_thread  # noqa: F401  (fixture)
 from tests.models.tiny_qwen4 import build_qwen4, prompt, save_qwen4
 
@@ -85,11 +86,7 @@ def test_compiled_decode_equals_eager(path):
         b = [
             o.outputs[0] for o in compiled.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
         ]
-        for x, y in zip(a, b):
-            assert x.token_ids == y.token_ids, len(prompts)
-            for lx, ly in zip(x.logprobs, y.logprobs):
-                assert lx.keys() == ly.keys()
-                assert all(abs(lx[t].logprob - ly[t].logprob) < 1e-4 for t in lx), len(prompts)
+        assert_same_outputs(a, b, len(prompts))
         return a
 
     for n in [1, 2, 3]:

@@ -204,6 +204,15 @@ def outputs(llm, prompts, params):
     return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
 
 
+def assert_same_outputs(a, b, tag, tolerance: float = 1e-4) -> None:
+    """Two runs' outputs: the same tokens, the same top logprob ids, each logprob within tolerance."""
+    for x, y in zip(a, b):
+        assert x.token_ids == y.token_ids, tag
+        for lx, ly in zip(x.logprobs, y.logprobs):
+            assert lx.keys() == ly.keys()
+            assert all(abs(lx[t].logprob - ly[t].logprob) < tolerance for t in lx), tag
+
+
 def test_hybrid_executor_choice_says_what_to_change(tiny_hybrid_dir):
     """A hybrid whose GDN layers run in torch ops stays eager under auto and is refused under --executor
     compiled with the reason; a MoE hybrid (Qwen3-Next: its experts run sync-free in a graph) is not held back."""

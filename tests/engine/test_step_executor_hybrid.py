@@ -7,7 +7,7 @@ import pytest
 
 from ember import SamplingParams
 from tests.engine.test_engine import make_llm
-from tests.engine.test_step_executor import COMPILE, outputs
+from tests.engine.test_step_executor import COMPILE, assert_same_outputs, outputs
 from tests.models.tiny_models import one_thread, random_prompt  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -40,11 +40,7 @@ def test_compiled_hybrid_decode_equals_eager(tiny_hybrid_dir, freezing):
 
     def same(prompts):
         a, b = outputs(eager, prompts, params), outputs(compiled, prompts, params)
-        for x, y in zip(a, b):
-            assert x.token_ids == y.token_ids, len(prompts)
-            for lx, ly in zip(x.logprobs, y.logprobs):
-                assert lx.keys() == ly.keys()
-                assert all(abs(lx[t].logprob - ly[t].logprob) < 1e-4 for t in lx), len(prompts)
+        assert_same_outputs(a, b, len(prompts))
         return a
 
     for n in [1, 3, 4, 5]:
