@@ -94,6 +94,19 @@ def test_one_file_writes_every_row_split_table_row_and_bar(folder, tmp_path):
     data = json.loads((tmp_path / "flash-flash.json").read_text())
     d = data["files"]["q8_0"]
     assert set(d["table"]["resident"]) == {"ember", "llama.cpp"} and d["table"]["bytes"] == flash.table_range(q8)[1]
+    # achieved bandwidth: a token's bytes (k of E experts, one embedding row, a row a head of the table), both sides
+    per_token = flash.token_bytes(q8)
+    assert d["bandwidth"]["ember"]["weight_bytes"] == d["bandwidth"]["llama.cpp"]["weight_bytes"] == per_token
+    tensors = {t.name: t for t in ckpt._reader.tensors}
+    experts = sum(int(t.n_bytes) for n, t in tensors.items() if "_exps." in n)
+    table, embd = tensors["per_layer_token_embd.weight"], tensors["token_embd.weight"]
+    rest = sum(int(t.n_bytes) for t in tensors.values()) - experts - int(table.n_bytes) - int(embd.n_bytes)
+    cfg = ckpt.config
+    row = int(table.n_bytes) * int(table.shape[0]) // int(table.n_elements)
+    want = rest + experts * cfg["num_experts_per_tok"] // cfg["num_experts"]
+    want += (cfg["ngram_size"] - 1) * cfg["heads_per_ngram"] * row
+    want += int(embd.n_bytes) * int(embd.shape[0]) // int(embd.n_elements)
+    assert abs(per_token - want) <= 64, (per_token, want)  # per-tensor integer division
     split = d["op_split"]
     assert split["labelled"] and list(split["ms"]) == list(op_split.QWEN4_CATEGORIES)
     for c in (op_split.HC, op_split.PLE, op_split.GDN_LAYER, op_split.QSA_SCORING, op_split.SELECTED):

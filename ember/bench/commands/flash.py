@@ -105,6 +105,29 @@ def table_range(path: str) -> tuple[int, int]:
     return int(t.data_offset), int(t.n_bytes)
 
 
+def token_bytes(path: str) -> int:
+    """The file's bytes a batch-1 decode token reads: every tensor whole, but the routed experts (k of E of each
+    `_exps` tensor), the token embedding (one row) and the n-gram table (one row a head: (ngram_size - 1) x
+    heads_per_ngram rows). The
+    achieved-bandwidth row divides this by the step (the whole weights would count 118 experts and a 2-4 GiB
+    table no token reads)."""
+    from ember.loader.gguf import GGUFCheckpoint
+
+    ck = GGUFCheckpoint(path)
+    cfg = ck.config
+    k, E = cfg["num_experts_per_tok"], cfg["num_experts"]
+    rows = (cfg["ngram_size"] - 1) * cfg["heads_per_ngram"]
+    total = 0
+    for t in ck._reader.tensors:
+        n = int(t.n_bytes)
+        if t.name in (TABLE_TENSOR, "token_embd.weight"):  # rows of shape[0] elements
+            n = (rows if t.name == TABLE_TENSOR else 1) * n // (int(t.n_elements) // int(t.shape[0]))
+        elif "_exps." in t.name:
+            n = n * k // E
+        total += n
+    return total
+
+
 def table_probe(path: str, prompt_len: int, decode: int):
     """run_file's `after`: each side decodes `decode` tokens after a prompt_len-token prompt, then the
     table's resident bytes in its process are read from outside it."""
@@ -290,8 +313,9 @@ def main(args) -> None:
     for kind, path in paths.items():
         after = both(table_probe(path, max(args.prompt_lens), args.table_decode), mtp_probe(args.decode_tokens))
         files[kind] = hybrid.run_file(
-            args, kind, path, folder, knobs, threads, FILES[kind], after, NAME, mtp_sides(mtp_dir, kind)
-        )
+            args, kind, path, folder, knobs, threads, FILES[kind], after, NAME, mtp_sides(mtp_dir, kind),
+            token_bytes=token_bytes(path),
+        )  # fmt: skip
     peers = list(dict.fromkeys(n for d in files.values() for n in d["sides"] if n not in (EMBER, MTP)))
     shared = any(d["rss_shared_process"] for d in files.values())
     judged = [b for kind, d in files.items() for b in file_bars(kind, d, max(args.prompt_lens), args.num_prompts)]

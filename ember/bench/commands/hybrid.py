@@ -293,12 +293,14 @@ def run_file(
     after=None,
     bench="hybrid",
     decode_sides: dict | None = None,
+    token_bytes: int | None = None,
 ) -> dict:
     """One file's rounds (every side, every figure), peak RSS and ember's per-op split. type_name: the file's
     name in the results (default FILES[kind]); after(sides, maker): more figures of the file, taken after the
     rounds while its sides are up (`ember bench flash`); bench: the command's name in the progress bar;
     decode_sides: {name: engine knobs over `knobs`}, more ember sides on the file that take the batch-1 decode
-    rounds only (`ember bench flash`'s ember+MTP)."""
+    rounds only (`ember bench flash`'s ember+MTP); token_bytes: what a decode token reads, for the achieved-bandwidth
+    row where that is not each side's whole weights (a MoE file: flash.token_bytes)."""
     sides, chosen = {}, {}
     type_name = type_name or FILES[kind]
     extra = frozenset(decode_sides or ())
@@ -327,6 +329,8 @@ def run_file(
             prompt = maker.make(1, DECODE_PROMPT_LEN, SPLIT_SEED)[0]
             split = sides[EMBER].call("op_split", prompt, args.split_steps)
         weights = {EMBER: sides[EMBER].weight_bytes, LLAMA: os.path.getsize(path)}
+        if token_bytes is not None:
+            weights = dict.fromkeys(weights, token_bytes)
         more = after(sides, maker) if after is not None else {}
         return {
             **more,
