@@ -866,9 +866,8 @@ class GGUFExperts(nn.Module):
     def _pack_blocks(self) -> bool:
         """Stack the layer's raw blocks for block_moe where every expert's gate, up and down are GGUF blocks
         of one type each and the kernel runs all three: on CPU, every quantized type. One block_moe call a
-        layer reads only the chosen experts; the grouped path's per-expert tiled GEMVs (three small calls an
-        expert, each an OpenMP region, plus the grouping's sort, sync and scatter) took 3.7 ms a layer at
-        batch 1 where block_moe takes 0.7 (Q4_K_M, 10 of 128 experts of 384 x 1024, 2 threads: docs/tuning.md)."""
+        layer reads only the chosen experts, where the grouped path makes three small GEMV calls an expert (each
+        an OpenMP region) plus the grouping's sort, host sync and scatter: docs/tuning.md has the timings."""
         from ember.quant import gguf_block_part
 
         E = self.num_experts

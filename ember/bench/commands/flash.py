@@ -106,24 +106,21 @@ def table_range(path: str) -> tuple[int, int]:
 
 
 def token_bytes(path: str) -> int:
-    """The file's bytes a batch-1 decode token reads: every tensor whole, but the routed experts (k of E of each
-    `_exps` tensor), the token embedding (one row) and the n-gram table (one row a head: (ngram_size - 1) x
-    heads_per_ngram rows). The
-    achieved-bandwidth row divides this by the step (the whole weights would count 118 experts and a 2-4 GiB
-    table no token reads)."""
+    """The file's bytes a batch-1 decode token reads, which the achieved-bandwidth row divides by the step:
+    every tensor whole but the routed experts (k of E of each `_exps` tensor) and the row-read tables (the
+    token embedding's one row, the n-gram table's row a head: (ngram_size - 1) x heads_per_ngram)."""
     from ember.loader.gguf import GGUFCheckpoint
 
     ck = GGUFCheckpoint(path)
     cfg = ck.config
-    k, E = cfg["num_experts_per_tok"], cfg["num_experts"]
-    rows = (cfg["ngram_size"] - 1) * cfg["heads_per_ngram"]
+    rows_read = {TABLE_TENSOR: (cfg["ngram_size"] - 1) * cfg["heads_per_ngram"], "token_embd.weight": 1}
     total = 0
     for t in ck._reader.tensors:
         n = int(t.n_bytes)
-        if t.name in (TABLE_TENSOR, "token_embd.weight"):  # rows of shape[0] elements
-            n = (rows if t.name == TABLE_TENSOR else 1) * n // (int(t.n_elements) // int(t.shape[0]))
+        if t.name in rows_read:  # rows of shape[0] elements
+            n = rows_read[t.name] * n * int(t.shape[0]) // int(t.n_elements)
         elif "_exps." in t.name:
-            n = n * k // E
+            n = n * cfg["num_experts_per_tok"] // cfg["num_experts"]
         total += n
     return total
 
