@@ -30,6 +30,9 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/index_select.h>
+#include <ATen/ops/silu.h>
+#include <ATen/ops/mm.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
@@ -173,11 +176,12 @@ void dequant_q8_0(const uint8_t* row, float* out, int64_t nb) {
 void dequant_q2_k(const uint8_t* row, float* out, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i, row += 84, out += 256) {
     const float d = f16(row + 80), dmin = f16(row + 82);
-    for (int e = 0; e < 256; ++e) {
-      const uint8_t sc = row[e / 16];
+    for (int g = 0; g < 16; ++g) {  // 16 elements a scale: e = 16 g + l, g = 8 c + 2 s + half (a loop that vectorizes)
+      const int c = g / 8, s = (g % 8) / 2, half = g % 2;
+      const uint8_t sc = row[g];
       const float dl = d * float(sc & 15), ml = dmin * float(sc >> 4);
-      const int q = (row[16 + 32 * (e / 128) + e % 32] >> (2 * ((e % 128) / 32))) & 3;
-      out[e] = dl * float(q) - ml;
+      const uint8_t* qs = row + 16 + 32 * c + 16 * half;
+      for (int l = 0; l < 16; ++l) out[16 * g + l] = dl * float((qs[l] >> (2 * s)) & 3) - ml;
     }
   }
 }
@@ -195,7 +199,13 @@ void dequant_q3_k(const uint8_t* row, float* out, int64_t nb) {
     const float d = f16(row + 108);
     int8_t sc[16];
     k3_scales(row + 96, sc);
-    for (int e = 0; e < 256; ++e) out[e] = (d * float(sc[e / 16])) * float(q3_code(row, e));
+    for (int g = 0; g < 16; ++g) {  // 16 elements a scale, as Q2_K's (a loop that vectorizes)
+      const int c = g / 8, s = (g % 8) / 2, half = g % 2;
+      const float ds = d * float(sc[g]);
+      const uint8_t *qs = row + 32 + 32 * c + 16 * half, *hm = row + 16 * half;
+      for (int l = 0; l < 16; ++l)
+        out[16 * g + l] = ds * float(((qs[l] >> (2 * s)) & 3) - (((hm[l] >> (4 * c + s)) & 1) ? 0 : 4));
+    }
   }
 }
 
@@ -1063,7 +1073,41 @@ void check_x(const at::Tensor& x, const char* op) {
   TORCH_CHECK(x.stride(1) == 1 || x.size(1) <= 1, op, ": x's rows must be contiguous");
 }
 
-at::Tensor gemm_op(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type, bool float_out, bool scalar) {
+// float32 -> bf16, round to nearest even (c10's conversion, 16 at a time where the CPU has AVX512-BF16).
+void to_bf16(const float* in, c10::BFloat16* out, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512BF16__)
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(in + i)));
+#endif
+  for (; i < n; ++i) out[i] = c10::BFloat16(in[i]);
+}
+
+// rows rows of raw blocks (row r at w + r * stride, nb blocks of bt) -> bf16 out [rows, nb * block_elems], the
+// dequantizers' exact values rounded to bf16; threads over rows.
+void dequant_rows_bf16(const BlockType& bt, const uint8_t* w, int64_t stride, int64_t rows, int64_t nb,
+                       c10::BFloat16* out) {
+  const int64_t elems = nb * bt.block_elems;
+  at::parallel_for(0, rows, std::max<int64_t>(1, kTaskBytes / (nb * bt.block_bytes)), [&](int64_t r0, int64_t r1) {
+    std::vector<float> row(static_cast<size_t>(elems));
+    for (int64_t r = r0; r < r1; ++r) {
+      bt.dequant(w + r * stride, row.data(), nb);
+      to_bf16(row.data(), out + r * elems, elems);
+    }
+  });
+}
+
+// Many rows of bf16 x (a prefill chunk) on a CPU with AMX: the weight dequantized to bf16 once (a transient
+// copy) and one oneDNN GEMM, 5-20x the integer dots from ~64 rows (docs/tuning.md, "block_gemm / block_moe:
+// bf16 GEMMs from many rows"); bf16 out, as a bf16 model's linear. float32 x or logits keep the dots.
+at::Tensor dense_gemm(const at::Tensor& x, const at::Tensor& w, const BlockType& bt, int64_t nb) {
+  at::Tensor wd = at::empty({w.size(0), nb * bt.block_elems}, x.options());
+  dequant_rows_bf16(bt, w.data_ptr<uint8_t>(), w.stride(0), w.size(0), nb, wd.data_ptr<c10::BFloat16>());
+  return at::mm(x, wd.t());
+}
+
+at::Tensor gemm_op(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type, bool float_out, bool scalar,
+                   int64_t dense_rows = 0) {
   const char* op = scalar ? "block_gemm_scalar" : "block_gemm";
   const Entry& e = checked_entry(ggml_type, op);
   const BlockType& bt = e.type;
@@ -1072,6 +1116,8 @@ at::Tensor gemm_op(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type, 
   TORCH_CHECK(x.size(1) == K, op, ": x has ", x.size(1), " columns, the weight's rows ", K);
   at::Tensor y = at::empty({M, N}, x.options().dtype(float_out ? at::kFloat : x.scalar_type()));
   if (M == 0 || N == 0) return y;
+  if (dense_rows > 0 && M >= dense_rows && x.scalar_type() == at::kBFloat16 && !float_out)
+    return dense_gemm(x, w, bt, nb);
   ActRows act;
   quantize_rows(bt, M, K, act, FloatRows{x, K});
   std::vector<const uint8_t*> xs(static_cast<size_t>(M));
@@ -1087,9 +1133,9 @@ at::Tensor gemm_op(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type, 
 }
 
 // x [M, K] float32 | bf16 @ W^T, W the raw blocks [N, row_bytes] of ggml_type -> [M, N] in x's dtype, or
-// float32 with float_out (the LM head's logits).
-at::Tensor block_gemm(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type, bool float_out) {
-  return gemm_op(x, w, ggml_type, float_out, false);
+// float32 with float_out (the LM head's logits); from dense_rows rows of x (0: never), bf16 GEMMs (dense_gemm).
+at::Tensor block_gemm(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type, bool float_out, int64_t dense_rows) {
+  return gemm_op(x, w, ggml_type, float_out, false, dense_rows);
 }
 
 // The same through the scalar reference dots (the tests' check of the SIMD ones).
@@ -1196,6 +1242,19 @@ Routing route(const at::Tensor& ids, int64_t E) {
   return r;
 }
 
+// The routing of `experts` (ascending, each active in rt) alone: their slots, renumbered from 0.
+Routing only(const Routing& rt, const std::vector<int64_t>& experts) {
+  Routing r;
+  r.start.assign(rt.start.size(), 0);
+  r.active = experts;
+  for (const int64_t e : experts) {
+    r.start[e] = int64_t(r.order.size());
+    r.order.insert(r.order.end(), rt.order.begin() + rt.start[e], rt.order.begin() + rt.start[e + 1]);
+    r.start[e + 1] = int64_t(r.order.size());
+  }
+  return r;
+}
+
 // h[p] = silu(gate . x) * (up . x) for every slot p of the active experts: tasks are (expert, tile of I).
 void gate_up(const Routing& rt, const ExpertWeight& g, const ExpertWeight& u, const ActRows& xg, const ActRows& xu,
              int64_t k, float* h) {
@@ -1253,23 +1312,105 @@ void down_sum(const Routing& rt, const ExpertWeight& d, const ActRows& hq, const
   });
 }
 
+// ---- experts with many slots: bf16 GEMMs over their dequantized weights --------------------------------------
+//
+// Why: in a prefill chunk each expert gets ~T k / E slots (156 of a 2,000-token prompt's on 128 experts, top-10).
+// The integer dots above unpack a weight block once per 4 rows of x (~60 GMAC/s on 2 cores); on a CPU with AMX,
+// oneDNN's bf16 GEMM runs ~1,000 GMAC/s at those shapes, so dequantizing the expert's weights once (exact: the
+// dequantizers give gguf-py's values; bf16 keeps them exactly for codes x scales of <= 8 significant bits, else
+// rounds them as a bf16 model's weights are) and running at::mm costs a few times less from ~32 slots up. The
+// caller picks the threshold (dense_rows, 0: never) from the CPU: without AMX the integer dots stay ahead.
+// It runs for bf16 x only (a bf16 model: x is not rounded further; the integer path rounds it to int8 per block).
+
+// m rounded up to the row counts the dense GEMMs run (multiples of 32 to 512, then of 128): a few dozen shapes
+// for oneDNN to build, ~10% more rows on average.
+int64_t gemm_rows(int64_t m) {
+  const int64_t b = m <= 512 ? 32 : 128;
+  return (m + b - 1) / b * b;
+}
+
+// Expert e's rows of w, dequantized, as bf16 into out [rows, elems].
+void dequant_bf16(const ExpertWeight& w, int64_t e, c10::BFloat16* out) {
+  dequant_rows_bf16(w.e->type, w.row(e, 0), w.row_stride, w.rows, w.nb, out);
+}
+
+// out[t] += w(t, j) * down_e(silu(gate_e x_t) * up_e x_t) for each slot of each expert in `experts` (ascending):
+// the experts' x rows gathered once, then per expert [gate; up] dequantized to bf16 and one at::mm into its rows
+// of GU, SiLU and the product over all of GU at once (in bf16, as a bf16 model computes them), per expert down
+// dequantized and one at::mm into its rows of Y, and Y's rows added into out in the experts' order (threads over
+// columns), so that the sums' order does not depend on the threads.
+void dense_experts(const Routing& rt, const std::vector<int64_t>& experts, const at::Tensor& x, const ExpertWeight& g,
+                   const ExpertWeight& u, const ExpertWeight& d, const float* wts, int64_t k, float* out) {
+  const int64_t H = x.size(1), I = g.rows;
+  const auto bf16 = x.options().dtype(at::kBFloat16);
+  std::vector<int64_t> offset, slots;  // expert i's rows of the gathered buffers: [offset[i], offset[i + 1])
+  for (const int64_t e : experts) {
+    offset.push_back(int64_t(slots.size()));
+    slots.insert(slots.end(), rt.order.begin() + rt.start[e], rt.order.begin() + rt.start[e + 1]);
+  }
+  offset.push_back(int64_t(slots.size()));
+  const int64_t S = int64_t(slots.size());
+  at::Tensor tokens = at::empty({S}, x.options().dtype(at::kLong));
+  for (int64_t p = 0; p < S; ++p) tokens.data_ptr<int64_t>()[p] = slots[p] / k;
+  // Each GEMM runs over its expert's rows rounded up to a bucket (gemm_rows): oneDNN builds a kernel per shape
+  // (~0.65 ms the first time), and a prefill's row counts per expert are all different. The rows past an
+  // expert's own belong to the next expert, computed after it, or to the zero tail.
+  const int64_t covered = offset[experts.size() - 1] + gemm_rows(offset[experts.size()] - offset[experts.size() - 1]);
+  at::Tensor xs = at::empty({covered, H}, bf16);
+  at::Tensor gathered = xs.narrow(0, 0, S);
+  at::index_select_out(gathered, x, 0, tokens);
+  xs.narrow(0, S, covered - S).zero_();
+  at::Tensor w_gu = at::empty({2 * I, H}, bf16), w_d = at::empty({H, I}, bf16);
+  at::Tensor gu = at::empty({covered, 2 * I}, bf16), y = at::empty({covered, H}, bf16);
+  for (size_t i = 0; i < experts.size(); ++i) {
+    dequant_bf16(g, experts[i], w_gu.data_ptr<c10::BFloat16>());
+    dequant_bf16(u, experts[i], w_gu.data_ptr<c10::BFloat16>() + I * H);
+    const int64_t m = gemm_rows(offset[i + 1] - offset[i]);
+    at::Tensor rows = gu.narrow(0, offset[i], m);
+    at::mm_out(rows, xs.narrow(0, offset[i], m), w_gu.t());
+  }
+  const at::Tensor h = at::silu(gu.narrow(1, 0, I)).mul_(gu.narrow(1, I, I));
+  for (size_t i = 0; i < experts.size(); ++i) {
+    dequant_bf16(d, experts[i], w_d.data_ptr<c10::BFloat16>());
+    const int64_t m = gemm_rows(offset[i + 1] - offset[i]);
+    at::Tensor rows = y.narrow(0, offset[i], m);
+    at::mm_out(rows, h.narrow(0, offset[i], m), w_d.t());
+  }
+  const c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, H, 64, [&](int64_t c0, int64_t c1) {
+    for (int64_t p = 0; p < S; ++p) {
+      float* o = out + (slots[p] / k) * H;
+      const float w = wts[slots[p]];
+      for (int64_t c = c0; c < c1; ++c) o[c] += w * float(yp[p * H + c]);
+    }
+  });
+}
+
 // Slot buffers (h [S, I] float32 and its quantized rows) are bounded by taking this many tokens at a time.
 constexpr int64_t kMoeChunkBytes = int64_t(64) << 20;
 
 // The tokens of x (float32 / bf16 [T, H]) with their routing (ids [T, k], wts float32 [T, k]): gate / up and
 // SiLU, h quantized once per slot, down and the weighted sum, added into out float32 [T, H].
 void moe_tokens(const at::Tensor& x, const at::Tensor& ids, const float* wts, const ExpertWeight& g,
-                const ExpertWeight& u, const ExpertWeight& d, int64_t E, float* out) {
+                const ExpertWeight& u, const ExpertWeight& d, int64_t E, int64_t dense_rows, float* out) {
   const int64_t T = x.size(0), k = ids.size(1), H = x.size(1), I = g.rows;
-  const Routing rt = route(ids, E);
+  Routing rt = route(ids, E);
+  if (dense_rows > 0 && x.scalar_type() == at::kBFloat16) {
+    std::vector<int64_t> dense, rest;
+    for (const int64_t e : rt.active) (rt.start[e + 1] - rt.start[e] >= dense_rows ? dense : rest).push_back(e);
+    if (!dense.empty()) dense_experts(rt, dense, x, g, u, d, wts, k, out);
+    if (rest.empty()) return;
+    rt = only(rt, rest);
+  }
   ActRows xg, xu;
   quantize_rows(g.e->type, T, H, xg, FloatRows{x, H});
   const bool same_format = g.e->type.act == u.e->type.act;
   if (!same_format) quantize_rows(u.e->type, T, H, xu, FloatRows{x, H});
-  std::vector<float> h(static_cast<size_t>(T * k * I));
+  const int64_t S = int64_t(rt.order.size());
+  std::vector<float> h(static_cast<size_t>(S * I));
   gate_up(rt, g, u, xg, same_format ? xg : xu, k, h.data());
   ActRows hq;
-  quantize_rows(d.e->type, T * k, I, hq, [&](int64_t p, float*) { return h.data() + p * I; });
+  quantize_rows(d.e->type, S, I, hq, [&](int64_t p, float*) { return h.data() + p * I; });
   down_sum(rt, d, hq, wts, k, out);
 }
 
@@ -1279,7 +1420,7 @@ void moe_tokens(const at::Tensor& x, const at::Tensor& ids, const float* wts, co
 // grouped by expert across the batch, x is quantized once per token. -> [T, H] in x's dtype.
 at::Tensor block_moe(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                      const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down, int64_t type_gate,
-                     int64_t type_up, int64_t type_down) {
+                     int64_t type_up, int64_t type_down, int64_t dense_rows) {
   check_x(x, "block_moe");
   const int64_t T = x.size(0), H = x.size(1), E = gate.dim() == 3 ? gate.size(0) : 0;
   TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == T && topk_weights.sizes() == topk_ids.sizes(),
@@ -1298,7 +1439,7 @@ at::Tensor block_moe(const at::Tensor& x, const at::Tensor& topk_ids, const at::
   for (int64_t t0 = 0; t0 < T; t0 += chunk) {
     const int64_t n = std::min(chunk, T - t0);
     moe_tokens(x.narrow(0, t0, n), topk_ids.narrow(0, t0, n), wts.data_ptr<float>() + t0 * k, g, u, d, E,
-               acc.data_ptr<float>() + t0 * H);
+               dense_rows, acc.data_ptr<float>() + t0 * H);
   }
   return x.scalar_type() == at::kFloat ? acc : acc.to(x.scalar_type());
 }
@@ -1307,7 +1448,7 @@ at::Tensor block_moe(const at::Tensor& x, const at::Tensor& topk_ids, const at::
 }  // namespace ember_blocks
 
 TORCH_LIBRARY_FRAGMENT(ember_cpu, m) {
-  m.def("block_gemm(Tensor x, Tensor w, int ggml_type, bool float_out) -> Tensor");
+  m.def("block_gemm(Tensor x, Tensor w, int ggml_type, bool float_out, int dense_rows=0) -> Tensor");
   m.def("block_gemm_scalar(Tensor x, Tensor w, int ggml_type, bool float_out) -> Tensor");
   m.def("block_dequant_rows(Tensor w, int ggml_type) -> Tensor");
   m.def("block_quantize_act(Tensor x, int ggml_type) -> Tensor");
@@ -1315,7 +1456,7 @@ TORCH_LIBRARY_FRAGMENT(ember_cpu, m) {
   m.def("block_types() -> int[]");
   m.def(
       "block_moe(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor gate, Tensor up, Tensor down, int type_gate, "
-      "int type_up, int type_down) -> Tensor");
+      "int type_up, int type_down, int dense_rows=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ember_cpu, CPU, m) {

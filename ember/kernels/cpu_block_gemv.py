@@ -35,6 +35,15 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ember.kernels.cpp_build import build
+from ember.platform import has_cpu_flags
+
+# block_moe runs an expert with at least this many slots (a prefill chunk's) as bf16 GEMMs over its weights
+# dequantized once (oneDNN on the AMX tile unit), the rest through the integer dots; 0: always the dots, as on
+# CPUs without AMX, where oneDNN's bf16 GEMM does not beat them (docs/tuning.md, "block_moe: dense experts").
+AMX = has_cpu_flags("amx_bf16", "amx_tile")
+MOE_DENSE_ROWS = 32 if AMX else 0
+# block_gemm from this many rows of x: the weight dequantized to bf16 once and one oneDNN GEMM (same reasons)
+GEMM_DENSE_ROWS = 64 if AMX else 0
 
 
 def available() -> bool:
@@ -72,9 +81,13 @@ def row_elems(qtype, row_bytes: int) -> int:
     return row_bytes // size * block
 
 
-def gemm(x: torch.Tensor, w: torch.Tensor, qtype, float_out: bool = False) -> torch.Tensor:
-    """x [M, K] (float32 | bf16, rows contiguous) @ W^T for the raw blocks w uint8 [N, row_bytes] -> [M, N]."""
-    return torch.ops.ember_cpu.block_gemm(x, w, int(qtype), float_out)
+def gemm(
+    x: torch.Tensor, w: torch.Tensor, qtype, float_out: bool = False, dense_rows: int | None = None
+) -> torch.Tensor:
+    """x [M, K] (float32 | bf16, rows contiguous) @ W^T for the raw blocks w uint8 [N, row_bytes] -> [M, N];
+    from dense_rows rows of x (default GEMM_DENSE_ROWS; 0: never) a bf16 GEMM over the dequantized weight."""
+    rows = GEMM_DENSE_ROWS if dense_rows is None else dense_rows
+    return torch.ops.ember_cpu.block_gemm(x, w, int(qtype), float_out, rows)
 
 
 def gemm_scalar(x: torch.Tensor, w: torch.Tensor, qtype, float_out: bool = False) -> torch.Tensor:
@@ -100,14 +113,17 @@ def moe(
     up: torch.Tensor,
     down: torch.Tensor,
     qtypes: tuple,
+    dense_rows: int | None = None,
 ) -> torch.Tensor:
     """sum_j topk_weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t), e = topk_ids[t, j], over raw blocks:
-    x [T, H], gate / up uint8 [E, I, row_bytes], down uint8 [E, H, row_bytes]; qtypes = (gate, up, down)."""
+    x [T, H], gate / up uint8 [E, I, row_bytes], down uint8 [E, H, row_bytes]; qtypes = (gate, up, down).
+    An expert with at least dense_rows slots (default MOE_DENSE_ROWS; 0: none) runs as bf16 GEMMs."""
     tg, tu, td = (int(t) for t in qtypes)
-    return torch.ops.ember_cpu.block_moe(x, topk_ids, topk_weights, gate, up, down, tg, tu, td)
+    rows = MOE_DENSE_ROWS if dense_rows is None else dense_rows
+    return torch.ops.ember_cpu.block_moe(x, topk_ids, topk_weights, gate, up, down, tg, tu, td, rows)
 
 
-def _fake_gemm(x, w, ggml_type, float_out):
+def _fake_gemm(x, w, ggml_type, float_out, dense_rows=0):
     """Shapes for torch.compile's tracing: the ops are opaque calls in a compiled graph."""
     return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32 if float_out else x.dtype)
 
@@ -120,7 +136,7 @@ def _fake_quantize(x, ggml_type):
     return x.new_empty(x.shape, dtype=torch.float32)
 
 
-def _fake_moe(x, topk_ids, topk_weights, gate, up, down, type_gate, type_up, type_down):
+def _fake_moe(x, topk_ids, topk_weights, gate, up, down, type_gate, type_up, type_down, dense_rows=0):
     return torch.empty_like(x)
 
 

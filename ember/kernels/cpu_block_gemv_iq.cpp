@@ -136,7 +136,25 @@ bool set_iq_table(const char* name, const uint8_t* data, int64_t bytes) {
 namespace {
 // 8 weights of a grid row g, times db, negated where their bit of `signs` is set.
 inline void put_signed8(float* out, float db, const uint8_t* g, uint32_t signs) {
+#if defined(__AVX2__)
+  // the same products; a sign applied as its bit (x -1 is exact): ~4x the scalar loop's rate (block_moe's dense
+  // experts dequantize a whole expert per prefill chunk)
+  const __m256 v = _mm256_mul_ps(_mm256_set1_ps(db), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                                                           reinterpret_cast<const __m128i*>(g)))));
+  const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(int(signs)), bit), bit);
+  _mm256_storeu_ps(out, _mm256_xor_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(set, 31))));
+#else
   for (int j = 0; j < 8; ++j) out[j] = db * float(g[j]) * sign_of_bit(signs, j);
+#endif
+}
+
+// The same for the 4-weight grids (IQ3): rows g0 and g1 as one 8-weight run.
+inline void put_signed4x2(float* out, float db, const uint8_t* g0, const uint8_t* g1, uint32_t signs) {
+  uint8_t g[8];
+  std::memcpy(g, g0, 4);
+  std::memcpy(g + 4, g1, 4);
+  put_signed8(out, db, g, signs);
 }
 }  // namespace
 
@@ -196,11 +214,7 @@ void dequant_iq3_xxs(const uint8_t* row, float* out, int64_t nb) {
         const uint32_t signs = g_ksigns[(aux >> (7 * l)) & 127];
         const uint8_t* g0 = g_iq3xxs_grid + 4 * qs[8 * ib + 2 * l];
         const uint8_t* g1 = g_iq3xxs_grid + 4 * qs[8 * ib + 2 * l + 1];
-        float* o = out + 32 * ib + 8 * l;
-        for (int j = 0; j < 4; ++j) {
-          o[j] = db * float(g0[j]) * sign_of_bit(signs, j);
-          o[j + 4] = db * float(g1[j]) * sign_of_bit(signs, j + 4);
-        }
+        put_signed4x2(out + 32 * ib + 8 * l, db, g0, g1, signs);
       }
     }
   }
@@ -213,11 +227,11 @@ void dequant_iq3_s(const uint8_t* row, float* out, int64_t nb) {
     const uint8_t *qs = blk + 2, *qh = blk + 66, *signs = blk + 74, *scales = blk + 106;
     for (int ib = 0; ib < 8; ++ib) {
       const float db = d * float(1 + 2 * ((scales[ib / 2] >> (4 * (ib & 1))) & 15));
-      for (int k = 0; k < 8; ++k) {  // 8 grid entries of 4 in the sub-block
+      for (int k = 0; k < 8; k += 2) {  // 8 grid entries of 4 in the sub-block, a byte of signs per two
         const int i = 8 * ib + k;
-        const uint8_t* g = g_iq3s_grid + 4 * (qs[i] | (((qh[i / 8] >> (i % 8)) & 1) << 8));
-        const uint32_t s = signs[i / 2];
-        for (int j = 0; j < 4; ++j) out[4 * i + j] = db * float(g[j]) * sign_of_bit(s, 4 * (i & 1) + j);
+        const uint8_t* g0 = g_iq3s_grid + 4 * (qs[i] | (((qh[i / 8] >> (i % 8)) & 1) << 8));
+        const uint8_t* g1 = g_iq3s_grid + 4 * (qs[i + 1] | (((qh[i / 8] >> (i % 8 + 1)) & 1) << 8));
+        put_signed4x2(out + 4 * i, db, g0, g1, signs[i / 2]);
       }
     }
   }

@@ -72,7 +72,7 @@ def test_gemm_and_scalar_dots_give_the_products_of_the_rounded_x(qtype):
     for M in (1, 6, 70):
         x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
         ref, scale = reference(x, raw, qtype)
-        for y in (bg.gemm(x, w, qtype), bg.gemm_scalar(x, w, qtype)):
+        for y in (bg.gemm(x, w, qtype, dense_rows=0), bg.gemm_scalar(x, w, qtype)):
             assert y.dtype == torch.float32 and y.shape == (M, 13)
             assert ((y.double() - ref).abs() <= 1e-5 * scale + 1e-30).all(), (M, (y.double() - ref).abs().max())
 
@@ -110,6 +110,31 @@ def test_x_is_rounded_as_llama_cpp_rounds_it():
         assert (codes.abs() <= 127 + 1e-3).all() and (codes - codes.round()).abs().max() < 1e-3
         assert ((xq - x).view(3, -1, n).abs() <= step / 2 * (1 + 1e-5)).all()
         assert torch.equal(xq[2, :256], torch.zeros(256))
+
+
+@pytest.mark.parametrize("qtype", [T.Q2_K, T.Q4_K, T.Q8_0, T.IQ3_XXS])
+def test_many_rows_run_as_a_bf16_gemm_over_the_dequantized_weight(qtype):
+    """dense_rows = 3: 5 rows of bf16 x against a strided view go through the bf16 GEMM (the exact dequantized
+    weight rounded to bf16, float32 sums, bf16 out); 2 rows, float32 x and float32 logits stay on the integer
+    dots."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    K = 3 * 256
+    wide = random_blocks(qtype, 14, K + block, seed=11)
+    view = torch.from_numpy(wide)[::2, : K // block * size]
+    w = torch.from_numpy(
+        gguf_dequantize(np.ascontiguousarray(wide[::2, : K // block * size]), qtype).astype(np.float32)
+    )
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(4))
+    xb, wb = x.bfloat16().double(), w.bfloat16().double()
+    ref, scale = xb @ wb.t(), xb.abs() @ wb.abs().t()
+    yb = bg.gemm(x.bfloat16(), view, qtype, dense_rows=3)
+    assert yb.dtype == torch.bfloat16 and ((yb.double() - ref).abs() <= 1e-5 * scale + 2**-8 * ref.abs()).all()
+    ref_q, scale_q = reference(x.bfloat16(), np.ascontiguousarray(wide[::2, : K // block * size]), qtype)
+    assert not ((yb.double() - ref_q).abs() <= 1e-5 * scale_q + 2**-8 * ref_q.abs()).all()  # not the dots' sums
+    dots = lambda y, r: ((y.double() - ref_q[:r]).abs() <= 1e-5 * scale_q[:r]).all()  # noqa: E731
+    assert dots(bg.gemm(x[:2].bfloat16(), view, qtype, float_out=True, dense_rows=3), 2)  # below the threshold
+    assert dots(bg.gemm(x.bfloat16(), view, qtype, float_out=True, dense_rows=3), 5)  # logits
+    assert dots(bg.gemm(x.bfloat16().float(), view, qtype, float_out=True, dense_rows=3), 5)  # float32 x
 
 
 def dequant_experts(w: torch.Tensor, qtype: T) -> torch.Tensor:
@@ -155,6 +180,44 @@ def test_moe_is_the_weighted_sum_of_the_chosen_experts(qtypes):
         yb = bg.moe(x.bfloat16(), ids.int(), wts.bfloat16(), gate, up, down, qtypes)
         ref_b = moe_reference(x.bfloat16(), ids, wts.bfloat16().float(), weights, qtypes)
         assert yb.dtype == torch.bfloat16 and (yb.double() - ref_b).abs().max() <= tol + 2**-8 * ref_b.abs().max()
+
+
+def dense_moe_reference(x, ids, wts, weights):
+    """The dense experts' sums in float64: x and the weights in bf16, each GEMM's output, SiLU and the product
+    rounded to bf16 as the op's bf16 GEMMs round them."""
+    gate, up, down = (w.to(torch.bfloat16).double() for w in weights)
+    xb, out = x.to(torch.bfloat16).double(), torch.zeros(x.shape, dtype=torch.float64)
+    bf = lambda t: t.to(torch.bfloat16).double()  # noqa: E731
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            h = bf(bf(F.silu(bf(xb[t] @ gate[e].t()))) * bf(xb[t] @ up[e].t()))
+            out[t] += float(wts[t, j]) * bf(h @ down[e].t())
+    return out
+
+
+@pytest.mark.parametrize("qtypes", [(T.Q4_K, T.Q4_K, T.Q5_0), (T.IQ2_XXS, T.IQ3_S, T.IQ4_NL)])
+def test_moe_runs_experts_with_many_slots_as_bf16_gemms(qtypes):
+    """dense_rows = 3: experts chosen by >= 3 of the 8 tokens go through dequantized bf16 GEMMs, the others
+    through the integer dots, in one call; each part against its own reference, and the same call with
+    dense_rows = 0 within the two paths' roundings."""
+    E, H, I, k = 5, 256, 256, 2
+    tg, tu, td = qtypes
+    gate = torch.from_numpy(random_blocks(tg, E * I, H, 4)).view(E, I, -1)
+    up = torch.from_numpy(random_blocks(tu, E * I, H, 5)).view(E, I, -1)
+    down = torch.from_numpy(random_blocks(td, E * H, I, 6)).view(E, H, -1)
+    weights = dequant_experts(gate, tg), dequant_experts(up, tu), dequant_experts(down, td)
+    g = torch.Generator().manual_seed(7)
+    x, wts = torch.randn(8, H, generator=g).bfloat16().float(), torch.rand(8, k, generator=g)
+    ids = torch.tensor([[0, 1], [0, 2], [0, 1], [3, 1], [0, 4], [2, 0], [1, 3], [0, 4]])  # 0: 6 slots, 1: 4, rest 2
+    dense = ids.clone().apply_(lambda e: e in (0, 1)).bool()
+    ref = dense_moe_reference(x, ids, wts * dense, weights) + moe_reference(x, ids, wts * ~dense, weights, qtypes)
+    y = bg.moe(x.bfloat16(), ids, wts, gate, up, down, qtypes, dense_rows=3).double()
+    scale = ref.abs().max()
+    assert (y - ref).abs().max() <= 2**-7 * scale  # bf16 out and a rounding tie apart; the dots path is ~1e-2 off
+    dots = bg.moe(x, ids, wts, gate, up, down, qtypes, dense_rows=3).double()  # float32 x: the dots throughout
+    assert (dots - moe_reference(x, ids, wts, weights, qtypes)).abs().max() <= 2e-3 * scale
+    assert (y - dots).abs().max() <= 0.03 * scale
 
 
 def test_refusals_and_iq_tables():
