@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -151,16 +152,39 @@ class NGramTable:
     def gather(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Gathered where the table lives: in host memory (its file's mapping, --ple-offload), the rows then
         copied into the step's input on the device; or on the device, where it was read whole."""
-        home = self.shards[0].tensor.device
-        flat = rows.reshape(-1).to(home)
-        per = self.shards[0].num_rows
-        out = torch.empty(flat.shape[0], self.width, dtype=dtype, device=home)
-        shard = torch.div(flat, per, rounding_mode="floor")
-        for i in torch.unique(shard).tolist():
-            at = (shard == i).nonzero().squeeze(1)
-            source, local = self.shards[i], flat[at] - i * per
-            out[at] = source.read(local, dtype) if self.columns is None else source.read(local, dtype, self.columns)
-        return out.view(*rows.shape, self.width).to(rows.device)
+        return self.finish(self.fetch(rows), dtype).to(rows.device)
+
+    def fetch(self, rows: torch.Tensor) -> tuple:
+        """The part of gather() that waits on the file: each shard's rows read (fetch), with no torch op that
+        would run on OpenMP threads. ember.layers.ple_gather runs it on a thread of its own, and a parallel
+        region entered from a second thread gives OpenMP more threads than cores, after which its workers
+        stop spinning between a step's ops (the Q4_K_M bench file's decode step: 33 -> 21 ms without it)."""
+        flat = rows.reshape(-1).to(self.shards[0].tensor.device)
+        if flat.device.type != "cpu":  # read whole onto the device (--no-ple-offload): nothing waits on a file
+            return rows.shape, flat, None
+        ids = flat.numpy()
+        shard = ids // self.shards[0].num_rows
+        parts = []
+        for i in np.unique(shard).tolist():
+            at = np.flatnonzero(shard == i)
+            local = torch.from_numpy(ids[at] - i * self.shards[0].num_rows)
+            parts.append((torch.from_numpy(at), i, self.shards[i].fetch(local, self.columns)))
+        return rows.shape, flat, parts
+
+    def finish(self, fetched: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """fetch()'s result -> [*rows.shape, width] in dtype (the rows dequantized where they are not)."""
+        shape, flat, parts = fetched
+        out = torch.empty(flat.shape[0], self.width, dtype=dtype, device=flat.device)
+        if parts is None:
+            per = self.shards[0].num_rows
+            shard = torch.div(flat, per, rounding_mode="floor")
+            for i in torch.unique(shard).tolist():
+                at = (shard == i).nonzero().squeeze(1)
+                out[at] = self.shards[i].read(flat[at] - i * per, dtype, self.columns)
+        else:
+            for at, i, part in parts:
+                out[at] = self.shards[i].finish(part, dtype, self.columns)
+        return out.view(*shape, self.width)
 
 
 class PLEInputs(NamedTuple):

@@ -3,7 +3,9 @@
 qwen4_exp's n-gram table is read by row from its file (ember.layers.table_rows: pread, a GGUF type
 dequantized per gathered row), never resident. Which rows a token reads depends only on its ids, so the
 model hashes them before its first layer runs (PLELayer.start) and hands the rows to `prefetch`: a
-thread of its own preads them while layers 0.. run, and the PLE layer takes them with `take`. A cold
+thread of its own preads them while layers 0.. run, and the PLE layer takes them with `take`, which
+dequantizes them on the step's own threads (the prefetch thread runs no torch op that would start an
+OpenMP team of its own: see `start`). A cold
 table's rows come from the disk (~0.1 ms a row on NVMe, 16 rows a token), which the layers before the PLE
 hide; a warm one's from the page cache (~2 us a row).
 
@@ -34,7 +36,7 @@ _tables: dict[str, weakref.WeakSet] = {}  # key -> the live tables under it (one
 _local = itertools.count()
 _LOCAL_PREFIX = "ple-local-"
 _lock = threading.Lock()
-_pending: dict[str, tuple[torch.Tensor, torch.dtype, Future]] = {}  # key -> the gather started last
+_pending: dict[str, tuple[torch.Tensor, Future]] = {}  # key -> the read started last (its rows, its future)
 _executor: ThreadPoolExecutor | None = None
 
 
@@ -79,24 +81,27 @@ def _thread() -> ThreadPoolExecutor:
 
 
 def start(key: str, rows: torch.Tensor, dtype: torch.dtype) -> None:
-    """Begin gathering rows [T, R] of the table under key on the prefetch thread (eager form)."""
+    """Begin reading rows [T, R] of the table under key on the prefetch thread (eager form). The thread only
+    reads (NGramTable.fetch: no torch op that runs on OpenMP threads, whose workers stop spinning between a
+    step's ops once a second thread has entered a parallel region); take() dequantizes on the step's threads."""
     rows = rows.detach().to("cpu", copy=True)  # the caller's buffer may be reused before the thread reads it
-    future = _thread().submit(_table(key).gather, rows, dtype)
+    future = _thread().submit(_table(key).fetch, rows)
     with _lock:
-        _pending[key] = (rows, dtype, future)
+        _pending[key] = (rows, future)
 
 
 def take(key: str, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The rows [T, R] gathered -> [T, R, width]: the prefetched gather when it was of these rows (joined),
+    """The rows [T, R] gathered -> [T, R, width]: the prefetched read when it was of these rows (joined),
     else read now."""
+    table = _table(key)
     with _lock:
         pending = _pending.pop(key, None)
     if pending is not None:
-        started, started_dtype, future = pending
-        result = future.result()  # joined whatever it was: a stale gather must not outlive its step
-        if started_dtype == dtype and started.shape == rows.shape and torch.equal(started, rows.cpu()):
-            return result.to(rows.device)
-    return _table(key).gather(rows, dtype)
+        started, future = pending
+        fetched = future.result()  # joined whatever it was: a stale read must not outlive its step
+        if started.shape == rows.shape and torch.equal(started, rows.cpu()):
+            return table.finish(fetched, dtype).to(rows.device)
+    return table.gather(rows, dtype)
 
 
 def prefetch(key: str, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:

@@ -40,6 +40,14 @@ class TensorRows:
     def read(self, rows: torch.Tensor, dtype: torch.dtype, columns: slice | None = None) -> torch.Tensor:
         """rows [k] int64, local to this source -> [k, dim] in dtype (or those columns of each row: a
         tensor-parallel rank's share of the table)."""
+        return self.finish(self.fetch(rows, columns), dtype, columns)
+
+    def fetch(self, rows: torch.Tensor, columns: slice | None = None) -> torch.Tensor:
+        """What read() waits on, without a torch op (every source's fetch runs on the prefetch thread:
+        ember.layers.ple_gather): here nothing, the rows are in memory."""
+        return rows
+
+    def finish(self, rows: torch.Tensor, dtype: torch.dtype, columns: slice | None = None) -> torch.Tensor:
         out = self.tensor.index_select(0, rows.to(self.tensor.device))
         out = (out if columns is None else out[:, columns]).to(dtype)
         return out if self.scale is None else out * self.scale
@@ -68,9 +76,16 @@ class FileRows:
 
     def read(self, rows: torch.Tensor, dtype: torch.dtype, columns: slice | None = None) -> torch.Tensor:
         """Only the window's bytes of each row are read when columns is given (a tensor-parallel rank's)."""
+        return self.finish(self.fetch(rows, columns), dtype, columns)
+
+    def fetch(self, rows: torch.Tensor, columns: slice | None = None) -> bytearray:
+        """The rows' bytes (pread: the part of read() that may wait on the disk)."""
         first, width = (0, self.dim) if columns is None else (columns.start, columns.stop - columns.start)
         elem = self.tensor.element_size()
-        raw = pread_rows(self._fd, self.path, self.offset + first * elem, width * elem, rows, self.row_bytes)
+        return pread_rows(self._fd, self.path, self.offset + first * elem, width * elem, rows, self.row_bytes)
+
+    def finish(self, raw: bytearray, dtype: torch.dtype, columns: slice | None = None) -> torch.Tensor:
+        width = self.dim if columns is None else columns.stop - columns.start
         out = torch.frombuffer(raw, dtype=self.tensor.dtype).view(-1, width) if raw else self.tensor[:0, :width]
         out = out.to(dtype)
         return out if self.scale is None else out * self.scale
@@ -131,12 +146,18 @@ class GGUFRows:
     def read(self, rows: torch.Tensor, dtype: torch.dtype, columns: slice | None = None) -> torch.Tensor:
         """A column window (a tensor-parallel rank's) is cut from the dequantized rows: a window need not
         fall on the type's block boundaries (the release's 160-wide rows in halves of 80, blocks of 32)."""
-        out = self._read_rows(rows, dtype)
+        return self.finish(self.fetch(rows, columns), dtype, columns)
+
+    def fetch(self, rows: torch.Tensor, columns: slice | None = None) -> bytearray:
+        """The rows' blocks (pread: the part of read() that may wait on the disk)."""
+        return pread_rows(self._fd, self.path, self.offset, self.row_bytes, rows)
+
+    def finish(self, raw: bytearray, dtype: torch.dtype, columns: slice | None = None) -> torch.Tensor:
+        out = self._dequantize(raw, dtype)
         return out if columns is None else out[:, columns]
 
-    def _read_rows(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _dequantize(self, raw: bytearray, dtype: torch.dtype) -> torch.Tensor:
         size = self.row_bytes
-        raw = pread_rows(self._fd, self.path, self.offset, size, rows)
         if not raw:
             return torch.empty(0, self.dim, dtype=dtype)
         floats = _GGUF_FLOATS.get(self.qtype)

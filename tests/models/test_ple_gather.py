@@ -6,6 +6,7 @@ what lets an AOTInductor package find a later process's table) while one in memo
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ember.layers import ple_gather
 from ember.layers.ple import NGramTable
@@ -37,6 +38,31 @@ def test_a_prefetched_gather_is_joined_and_a_stale_one_dropped(tmp_path):
     ple_gather.start(key, rows + 1, torch.float32)  # a gather of other rows: not these
     assert torch.equal(ple_gather.take(key, rows, torch.bfloat16), values[rows].bfloat16())
     assert torch.equal(ple_gather.take(key, rows, torch.float32), values[rows])  # nothing pending
+
+
+class _Ops(TorchDispatchMode):
+    """The aten ops run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.add(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_prefetch_thread_only_reads(tmp_path):
+    """What the prefetch thread runs (NGramTable.fetch) is preads and views, no op that computes: such an op on
+    a prefill's rows would enter an OpenMP parallel region from a second thread, after which OpenMP's workers
+    stop spinning between a step's ops (decode steps 1.5x slower). finish() then gives the rows."""
+    values = torch.randn(ROWS, DIM)
+    table = file_table(tmp_path, values)
+    rows = torch.randint(0, ROWS, (4096, 16), generator=torch.Generator().manual_seed(0))
+    with _Ops() as ops:
+        fetched = table.fetch(rows)
+    assert ops.seen <= {"view.default", "detach.default", "lift_fresh.default", "_to_copy.default"}, ops.seen
+    assert torch.equal(table.finish(fetched, torch.bfloat16), values[rows].bfloat16())
 
 
 def test_the_ops_trace_with_the_real_shapes(tmp_path):
