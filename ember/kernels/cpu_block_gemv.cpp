@@ -27,6 +27,9 @@
 // stays in its L2 while it streams tiles. block_moe: slots grouped by expert (a counting sort), gate / up tasks
 // per (expert, tile), h quantized once per slot, then down tasks per tile of H over every chosen expert in
 // ascending order (each output element summed in one order whatever the threads).
+// Many rows of bf16 x on CPUs with AMX (the caller's dense_rows): block_gemm dequantizes the weight to bf16 once
+// and runs one oneDNN GEMM; block_moe does the same per expert with at least dense_rows slots (the section
+// "experts with many slots" below).
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -1098,8 +1101,8 @@ void dequant_rows_bf16(const BlockType& bt, const uint8_t* w, int64_t stride, in
 }
 
 // Many rows of bf16 x (a prefill chunk) on a CPU with AMX: the weight dequantized to bf16 once (a transient
-// copy) and one oneDNN GEMM, 5-20x the integer dots from ~64 rows (docs/tuning.md, "block_gemm / block_moe:
-// bf16 GEMMs from many rows"); bf16 out, as a bf16 model's linear. float32 x or logits keep the dots.
+// copy) and one oneDNN GEMM, 5-20x the integer dots from ~64 rows (docs/tuning.md, "Prefill on AMX: bf16 GEMMs
+// from many rows"); bf16 out, as a bf16 model's linear. float32 x or logits keep the dots.
 at::Tensor dense_gemm(const at::Tensor& x, const at::Tensor& w, const BlockType& bt, int64_t nb) {
   at::Tensor wd = at::empty({w.size(0), nb * bt.block_elems}, x.options());
   dequant_rows_bf16(bt, w.data_ptr<uint8_t>(), w.stride(0), w.size(0), nb, wd.data_ptr<c10::BFloat16>());
@@ -1316,7 +1319,7 @@ void down_sum(const Routing& rt, const ExpertWeight& d, const ActRows& hq, const
 //
 // Why: in a prefill chunk each expert gets ~T k / E slots (156 of a 2,000-token prompt's on 128 experts, top-10).
 // The integer dots above unpack a weight block once per 4 rows of x (~60 GMAC/s on 2 cores); on a CPU with AMX,
-// oneDNN's bf16 GEMM runs ~1,000 GMAC/s at those shapes, so dequantizing the expert's weights once (exact: the
+// oneDNN's bf16 GEMM runs ~600 GMAC/s at those shapes (2 Xeon cores), so dequantizing the expert's weights once (exact: the
 // dequantizers give gguf-py's values; bf16 keeps them exactly for codes x scales of <= 8 significant bits, else
 // rounds them as a bf16 model's weights are) and running at::mm costs a few times less from ~32 slots up. The
 // caller picks the threshold (dense_rows, 0: never) from the CPU: without AMX the integer dots stay ahead.
