@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.errors import ModelLoadError
+from ember.kernels import cpu_half_gemv
 from ember.kernels.tracing import tracing
 
 
@@ -72,20 +73,29 @@ class DenseMethod(QuantMethod):
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, except for one bf16 row of x on CPU: torch.mv there, which streams the weight at the
-    memory's speed where the single-row GEMM does not (docs/tuning.md, "Dense GEMV"; in float32 the two
+    """F.linear, except for one bf16 row of x on CPU: a GEMV there (_one_row), which streams the weight at
+    the memory's speed where the single-row GEMM does not (docs/tuning.md, "Dense GEMV"; in float32 the two
     tie, in float16 mv loses). A traced step calls it as an opaque op (row_gemv): inductor would lower
     torch.mv to a loop of its own."""
     if x.dim() == 2 and x.shape[0] == 1 and x.dtype == weight.dtype == torch.bfloat16 and x.device.type == "cpu":
-        y = row_gemv(weight, x) if tracing(x) else torch.mv(weight, x[0])[None]
+        y = row_gemv(weight, x) if tracing(x) else _one_row(weight, x)
         return y if bias is None else y + bias
     return F.linear(x, weight, bias)
 
 
+def _one_row(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] bf16 @ x[0] -> [1, N] bf16: the C++ 16-bit GEMV where it is built (float32 products and
+    sums, as torch.mv's; ~1/4 of torch.mv's time on the small matrices of a qwen4_exp step, a router's 128 x
+    1024: docs/tuning.md, "Dense GEMV"), else torch.mv."""
+    if weight.is_contiguous() and cpu_half_gemv.available():
+        return cpu_half_gemv.linear(x.float().contiguous(), weight, 1).to(x.dtype)
+    return torch.mv(weight, x[0])[None]
+
+
 @torch.library.custom_op("ember::row_gemv", mutates_args=())
 def row_gemv(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] @ x[0] -> [1, N], through torch.mv."""
-    return torch.mv(weight, x[0])[None]
+    """weight [N, K] @ x[0] -> [1, N] (_one_row)."""
+    return _one_row(weight, x)
 
 
 @row_gemv.register_fake

@@ -128,9 +128,9 @@ def test_moe_block_matches_hf(norm_topk_prob):
 
 
 def test_one_bf16_row_takes_the_gemv_eagerly_and_traced():
-    """dense_linear: one bf16 row on CPU goes through torch.mv (row_gemv when traced, so inductor does
-    not lower it to a loop of its own), the same values as F.linear within bf16 rounding, with a bias
-    too; other shapes and dtypes are F.linear's, bit for bit."""
+    """dense_linear: one bf16 row on CPU goes through a GEMV (the C++ 16-bit GEMV, or torch.mv; row_gemv
+    when traced, so inductor does not lower it to a loop of its own), the same values as F.linear within
+    bf16 rounding, with a bias too; other shapes and dtypes are F.linear's, bit for bit."""
     from ember.layers.linear import dense_linear
 
     torch.manual_seed(0)
