@@ -990,14 +990,18 @@ void add_dots(const Dots& k, const uint8_t* w, int64_t w_stride, int64_t rows, i
               int64_t M, float* acc) {
   int64_t m = 0;
   if (k.dot4 != nullptr) {
-    for (; m + 4 <= M; m += 4) {
-      const void* x4[4] = {xs[m], xs[m + 1], xs[m + 2], xs[m + 3]};
+    // 4 rows a pass; 2 or 3 left take one more pass with the last row repeated (a 4-row dot costs ~1-1.8x one
+    // row's, two rows alone 2x: a batched decode step's experts mostly hold 1-3 rows)
+    for (; m + 2 <= M; m += 4) {
+      const int64_t n = std::min<int64_t>(4, M - m);
+      const void* x4[4] = {xs[m], xs[m + 1], xs[m + std::min<int64_t>(2, n - 1)], xs[m + n - 1]};
       for (int64_t r = 0; r < rows; ++r) {
         float out[4];
         k.dot4(w + r * w_stride, x4, nb, out);
-        for (int j = 0; j < 4; ++j) acc[(m + j) * rows + r] += out[j];
+        for (int64_t j = 0; j < n; ++j) acc[(m + j) * rows + r] += out[j];
       }
     }
+    m = std::min(m, M);
   }
   for (; m < M; ++m)
     for (int64_t r = 0; r < rows; ++r) acc[m * rows + r] += k.dot(w + r * w_stride, xs[m], nb);

@@ -64,12 +64,13 @@ def test_dequant_rows_is_gguf_py_bit_for_bit(qtype):
 
 @pytest.mark.parametrize("qtype", TYPES)
 def test_gemm_and_scalar_dots_give_the_products_of_the_rounded_x(qtype):
-    """M = 1 (row dots), 6 (4-row dots + remainder), 70 (two M blocks); 13 rows (a short last tile)."""
+    """M = 1 (row dots), 3 (a 4-row dot with a row repeated), 6 (4-row dots, then 2), 70 (two M blocks); 13 rows
+    (a short last tile)."""
     block = GGML_QUANT_SIZES[qtype][0]
     K = 2 * block if block == 256 else 9 * block
     raw = random_blocks(qtype, 13, K, seed=100 + int(qtype))
     w = torch.from_numpy(raw)
-    for M in (1, 6, 70):
+    for M in (1, 3, 6, 70):
         x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
         ref, scale = reference(x, raw, qtype)
         for y in (bg.gemm(x, w, qtype, dense_rows=0), bg.gemm_scalar(x, w, qtype)):
