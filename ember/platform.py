@@ -82,6 +82,12 @@ def cpu_has_avx512_bf16() -> bool:
     return has_cpu_flags("avx512_bf16")
 
 
+def cpu_has_amx() -> bool:
+    """AMX's bf16 tiles (Intel Sapphire Rapids on), where oneDNN's bf16 GEMMs beat ember's own kernels on
+    many rows (prefill attention, block GEMMs and experts: docs/tuning.md)."""
+    return has_cpu_flags("amx_bf16", "amx_tile")
+
+
 def usable_cores() -> int:
     """The cores this process may run on: its affinity mask (a container's cpuset, taskset, a test
     worker pinned to its own core), not the machine's count, which oversubscribes the cores it

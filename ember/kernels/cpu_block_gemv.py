@@ -35,15 +35,14 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ember.kernels.cpp_build import build
-from ember.platform import has_cpu_flags
+from ember.platform import cpu_has_amx
 
 # block_moe runs an expert with at least this many slots (a prefill chunk's) as bf16 GEMMs over its weights
 # dequantized once (oneDNN on the AMX tile unit), the rest through the integer dots; 0: always the dots, as on
 # CPUs without AMX, where oneDNN's bf16 GEMM does not beat them (docs/tuning.md, "block_moe: dense experts").
-AMX = has_cpu_flags("amx_bf16", "amx_tile")
-MOE_DENSE_ROWS = 32 if AMX else 0
+MOE_DENSE_ROWS = 32 if cpu_has_amx() else 0
 # block_gemm from this many rows of x: the weight dequantized to bf16 once and one oneDNN GEMM (same reasons)
-GEMM_DENSE_ROWS = 64 if AMX else 0
+GEMM_DENSE_ROWS = 64 if cpu_has_amx() else 0
 
 
 def available() -> bool:

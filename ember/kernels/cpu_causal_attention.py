@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from ember.kernels.cpp_build import build
-from ember.platform import has_cpu_flags
+from ember.platform import cpu_has_amx, has_cpu_flags
 
 MIN_QUERIES = 128  # below this SDPA is as fast and the per-block calls dominate
 
@@ -36,7 +36,7 @@ MIN_QUERIES = 128  # below this SDPA is as fast and the per-block calls dominate
 # (2.4-4x at head_dim 256 from 512 queries) and at head_dim 64 from about 1M query-key pairs (1.4x at
 # 512 queries over 2,048 keys; the kernel stays ahead below: 0.58 vs 1.1 ms at 128 x 128). Blocks of
 # 256 queries beat 128 there at every shape measured (benchmarks/micro_causal_attention.py, docs/tuning.md).
-AMX = has_cpu_flags("amx_bf16", "amx_tile")  # read once: a compiled step cannot trace the flags lookup
+AMX = cpu_has_amx()  # read once: a compiled step cannot trace the flags lookup
 AMX_GEMM_MIN_HEAD_DIM = 128
 AMX_GEMM_MIN_PAIRS = 1 << 20
 # queries per block of the GEMM path (docs/tuning.md: without AMX 64..256 are close and 128 best)

@@ -159,31 +159,23 @@ class NGramTable:
         would run on OpenMP threads. ember.layers.ple_gather runs it on a thread of its own, and a parallel
         region entered from a second thread gives OpenMP more threads than cores, after which its workers
         stop spinning between a step's ops (the Q4_K_M bench file's decode step: 33 -> 21 ms without it)."""
-        flat = rows.reshape(-1).to(self.shards[0].tensor.device)
-        if flat.device.type != "cpu":  # read whole onto the device (--no-ple-offload): nothing waits on a file
-            return rows.shape, flat, None
-        ids = flat.numpy()
+        ids = rows.reshape(-1).cpu().numpy()
         shard = ids // self.shards[0].num_rows
         parts = []
         for i in np.unique(shard).tolist():
             at = np.flatnonzero(shard == i)
             local = torch.from_numpy(ids[at] - i * self.shards[0].num_rows)
             parts.append((torch.from_numpy(at), i, self.shards[i].fetch(local, self.columns)))
-        return rows.shape, flat, parts
+        return rows.shape, parts
 
     def finish(self, fetched: tuple, dtype: torch.dtype) -> torch.Tensor:
-        """fetch()'s result -> [*rows.shape, width] in dtype (the rows dequantized where they are not)."""
-        shape, flat, parts = fetched
-        out = torch.empty(flat.shape[0], self.width, dtype=dtype, device=flat.device)
-        if parts is None:
-            per = self.shards[0].num_rows
-            shard = torch.div(flat, per, rounding_mode="floor")
-            for i in torch.unique(shard).tolist():
-                at = (shard == i).nonzero().squeeze(1)
-                out[at] = self.shards[i].read(flat[at] - i * per, dtype, self.columns)
-        else:
-            for at, i, part in parts:
-                out[at] = self.shards[i].finish(part, dtype, self.columns)
+        """fetch()'s result -> [*rows.shape, width] in dtype where the table lives (the rows dequantized where
+        they are not; a table read whole onto the device, --no-ple-offload, is indexed there)."""
+        shape, parts = fetched
+        home = self.shards[0].tensor.device
+        out = torch.empty(math.prod(shape), self.width, dtype=dtype, device=home)
+        for at, i, part in parts:
+            out[at.to(home)] = self.shards[i].finish(part, dtype, self.columns)
         return out.view(*shape, self.width)
 
 

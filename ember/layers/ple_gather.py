@@ -93,15 +93,14 @@ def start(key: str, rows: torch.Tensor, dtype: torch.dtype) -> None:
 def take(key: str, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The rows [T, R] gathered -> [T, R, width]: the prefetched read when it was of these rows (joined),
     else read now."""
-    table = _table(key)
     with _lock:
         pending = _pending.pop(key, None)
     if pending is not None:
         started, future = pending
         fetched = future.result()  # joined whatever it was: a stale read must not outlive its step
         if started.shape == rows.shape and torch.equal(started, rows.cpu()):
-            return table.finish(fetched, dtype).to(rows.device)
-    return table.gather(rows, dtype)
+            return _table(key).finish(fetched, dtype).to(rows.device)
+    return _table(key).gather(rows, dtype)
 
 
 def prefetch(key: str, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:

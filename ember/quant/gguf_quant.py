@@ -54,9 +54,9 @@ slow; bf16 is the packed path's speed mode (and with fp32 scales, fp32 runs hold
 The token embedding and the LM head use the same parts: a lookup gathers and unpacks only the
 rows it needs, the head is a `linear`. A tied LM head shares the embedding's method and data.
 MoE experts (GGUFExperts) keep each expert packed the same way: gate;up as one fused pair of
-shards, down as one, run through moe_compute.grouped_experts. Experts of a type that would be dense
-otherwise (BLOCK_TYPES) keep the layer's raw blocks stacked [E, rows, row_bytes] instead and run in one
-block_moe call (ember.kernels.cpu_block_gemv: only the chosen experts read, no host sync, so a graph too).
+shards, down as one, run through moe_compute.grouped_experts. On CPU, experts of every quantized type
+keep the layer's raw blocks stacked [E, rows, row_bytes] instead and run in one block_moe call
+(ember.kernels.cpu_block_gemv: only the chosen experts read, no host sync, so a graph too).
 """
 
 from __future__ import annotations
@@ -805,9 +805,9 @@ class GGUFEmbeddingMethod:
 class GGUFExperts(nn.Module):
     """E SwiGLU experts, each expert's gate;up and down packed like a GGUF Linear's shards (the
     loader hands out per-expert slices of the stacked 3-D tensors). Computes like moe.Experts.
-    Where a type of theirs has no packed form but the file's blocks (BLOCK_TYPES) and the block kernel
-    runs all three, `block` holds the layer's raw blocks instead: gate, up [E, I, row_bytes], down
-    [E, H, row_bytes], run by one block_moe call per step (types in `block_types`)."""
+    Where each of gate, up and down is GGUF blocks of one quantized type and the block kernel runs all three
+    (on CPU: every quantized type), `block` holds the layer's raw blocks instead: gate, up [E, I, row_bytes],
+    down [E, H, row_bytes], run by one block_moe call per step (types in `block_types`)."""
 
     _NAME = re.compile(r"^(\d+)\.(gate|up|down)_proj\.weight$")
 
